@@ -1,0 +1,277 @@
+"""Model configuration: the one frozen dataclass every model function takes, and presets.
+
+`ModelConfig` describes a Llama-family decoder (Llama 3.x, SmolLM2, Qwen2/2.5, Qwen3): RoPE
+(optionally with Llama-3 frequency scaling), grouped-query attention, RMSNorm, SwiGLU MLP,
+optional QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3), tied or separate output embedding.
+It is hashable so it can be a static argument of jitted functions.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Mapping
+
+import jax.numpy as jnp
+
+DType = Literal["float32", "bfloat16", "float16"]
+_DTYPES = ("float32", "bfloat16", "float16")
+Remat = Literal["none", "full", "dots"]
+AttentionImpl = Literal["xla", "cudnn", "auto"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Architecture and numerics of a decoder-only transformer.
+
+  `param_dtype` is how weights are stored; `dtype` is the compute dtype of activations and
+  matmuls. Softmax, norms and logits are always computed in float32.
+  """
+
+  vocab_size: int
+  d_model: int
+  n_layers: int
+  n_heads: int
+  n_kv_heads: int
+  head_dim: int
+  ffn_dim: int
+  rope_theta: float = 10_000.0
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
+  qkv_bias: bool = False
+  qk_norm: bool = False
+  max_seq_len: int = 4096
+  # Llama-3 style RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
+  # original_max_position_embeddings), or None.
+  rope_scaling: tuple[float, float, float, int] | None = None
+  architecture: Literal["llama", "qwen2", "qwen3"] = "llama"
+  bos_token_id: int | None = None
+  eos_token_id: int | None = None
+  param_dtype: DType = "float32"
+  dtype: DType = "float32"
+  remat: Remat = "none"
+  attention_impl: AttentionImpl = "xla"
+  name: str = "custom"
+
+  def __post_init__(self):
+    for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
+              "ffn_dim", "max_seq_len"):
+      v = getattr(self, f)
+      if not isinstance(v, int) or v <= 0:
+        raise ValueError(f"ModelConfig.{f} must be a positive int, got {v!r}")
+    if self.n_heads % self.n_kv_heads:
+      raise ValueError(
+          f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
+          f"({self.n_kv_heads}) for grouped-query attention")
+    if self.head_dim % 2:
+      raise ValueError(f"ModelConfig.head_dim must be even for RoPE, got {self.head_dim}")
+    for f in ("param_dtype", "dtype"):
+      if getattr(self, f) not in _DTYPES:
+        raise ValueError(f"ModelConfig.{f} must be one of {_DTYPES}, got {getattr(self, f)!r}")
+    if self.remat not in ("none", "full", "dots"):
+      raise ValueError(f"ModelConfig.remat must be 'none', 'full' or 'dots', got {self.remat!r}")
+    if self.attention_impl not in ("xla", "cudnn", "auto"):
+      raise ValueError("ModelConfig.attention_impl must be 'xla', 'cudnn' or 'auto', got "
+                       f"{self.attention_impl!r}")
+    if self.architecture not in ("llama", "qwen2", "qwen3"):
+      raise ValueError("ModelConfig.architecture must be 'llama', 'qwen2' or 'qwen3', got "
+                       f"{self.architecture!r}")
+    if self.rope_scaling is not None and len(self.rope_scaling) != 4:
+      raise ValueError("ModelConfig.rope_scaling must be (factor, low_freq_factor, "
+                       f"high_freq_factor, original_max_position_embeddings), got "
+                       f"{self.rope_scaling!r}")
+
+  @property
+  def jnp_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @property
+  def jnp_param_dtype(self):
+    return jnp.dtype(self.param_dtype)
+
+  @property
+  def q_per_kv(self) -> int:
+    return self.n_heads // self.n_kv_heads
+
+  def replace(self, **kw) -> "ModelConfig":
+    return dataclasses.replace(self, **kw)
+
+  def num_params(self) -> int:
+    """Parameter count (embedding counted once when tied)."""
+    d, h, kv, hd, f, v = (self.d_model, self.n_heads, self.n_kv_heads, self.head_dim,
+                          self.ffn_dim, self.vocab_size)
+    per_layer = d * hd * (h + 2 * kv) + h * hd * d + 3 * d * f + 2 * d
+    if self.qkv_bias:
+      per_layer += hd * (h + 2 * kv)
+    if self.qk_norm:
+      per_layer += 2 * hd
+    total = self.n_layers * per_layer + v * d + d
+    if not self.tie_embeddings:
+      total += v * d
+    return total
+
+  def flops_per_token(self, seq_len: int, training: bool = True) -> float:
+    """Matmul FLOPs per token (6N + attention for training, 2N + attention for inference).
+
+    The embedding lookup is excluded, the output projection included; attention counts the
+    causal half of the score and value matmuls.
+    """
+    n = self.num_params() - self.vocab_size * self.d_model * (0 if self.tie_embeddings else 1)
+    attn = 2 * self.n_layers * self.n_heads * self.head_dim * seq_len  # causal: QK + PV halves
+    mult = 3 if training else 1
+    return mult * (2 * n + attn)
+
+  # ---- HF config.json interop -------------------------------------------------------
+  @classmethod
+  def from_hf(cls, hf: Mapping[str, Any], **overrides) -> "ModelConfig":
+    """Build from an HF `config.json` dict (Llama, Qwen2, Qwen3 naming)."""
+    archs = hf.get("architectures") or []
+    model_type = hf.get("model_type", "")
+    known = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "llama"}
+    arch = None
+    for a in archs:
+      if a in known:
+        arch = known[a]
+    if arch is None:
+      arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+              "mistral": "llama"}.get(model_type)
+    if arch is None:
+      raise ValueError(
+          f"unknown architecture {archs or model_type!r}: jaxagent supports "
+          f"{sorted(known)} (model_type llama, qwen2, qwen3)")
+    # transformers 5.x writes rope settings under `rope_parameters`; released checkpoints
+    # keep a top-level `rope_theta` / `rope_scaling`.
+    rope_params = hf.get("rope_parameters") or {}
+    theta = hf.get("rope_theta", rope_params.get("rope_theta", 10_000.0))
+    scaling = hf.get("rope_scaling") or (
+        rope_params if rope_params.get("rope_type") == "llama3" else None)
+    rope_scaling = None
+    if scaling:
+      rtype = scaling.get("rope_type", scaling.get("type"))
+      if rtype == "llama3":
+        rope_scaling = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                        float(scaling["high_freq_factor"]),
+                        int(scaling["original_max_position_embeddings"]))
+      elif rtype not in (None, "default"):
+        raise ValueError(f"unsupported rope_scaling type {rtype!r} (supported: llama3)")
+    n_heads = hf["num_attention_heads"]
+    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    eos = hf.get("eos_token_id")
+    if isinstance(eos, (list, tuple)):
+      eos = eos[0] if eos else None
+    kw = dict(
+        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
+        n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        n_kv_heads=hf.get("num_key_value_heads", n_heads), head_dim=head_dim,
+        ffn_dim=hf["intermediate_size"], rope_theta=float(theta),
+        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        qkv_bias=bool(hf.get("attention_bias", arch == "qwen2")),
+        qk_norm=(arch == "qwen3"),
+        max_seq_len=int(min(hf.get("max_position_embeddings", 4096), 32768)),
+        rope_scaling=rope_scaling, architecture=arch,
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
+        name=hf.get("_name_or_path", "hf") or "hf")
+    kw.update(overrides)
+    return cls(**kw)
+
+  def to_hf(self) -> dict[str, Any]:
+    """An HF `config.json` dict that `transformers` loads."""
+    arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
+            "qwen3": ("Qwen3ForCausalLM", "qwen3")}[self.architecture]
+    hf: dict[str, Any] = {
+        "architectures": [arch[0]], "model_type": arch[1],
+        "vocab_size": self.vocab_size, "hidden_size": self.d_model,
+        "intermediate_size": self.ffn_dim, "num_hidden_layers": self.n_layers,
+        "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
+        "head_dim": self.head_dim, "rms_norm_eps": self.norm_eps,
+        "rope_theta": self.rope_theta, "max_position_embeddings": self.max_seq_len,
+        "tie_word_embeddings": self.tie_embeddings, "hidden_act": "silu",
+        "torch_dtype": self.param_dtype, "attention_dropout": 0.0,
+    }
+    if self.architecture == "llama":
+      hf["attention_bias"] = self.qkv_bias
+      hf["mlp_bias"] = False
+    if self.architecture == "qwen3":
+      hf["attention_bias"] = False
+    if self.rope_scaling is not None:
+      f, lo, hi, orig = self.rope_scaling
+      hf["rope_scaling"] = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
+                            "high_freq_factor": hi, "original_max_position_embeddings": orig}
+    if self.bos_token_id is not None:
+      hf["bos_token_id"] = self.bos_token_id
+    if self.eos_token_id is not None:
+      hf["eos_token_id"] = self.eos_token_id
+    return hf
+
+
+_LLAMA3_SCALING = (32.0, 1.0, 4.0, 8192)
+
+PRESETS: dict[str, ModelConfig] = {
+    "smollm2-135m": ModelConfig(
+        name="smollm2-135m", vocab_size=49152, d_model=576, n_layers=30, n_heads=9,
+        n_kv_heads=3, head_dim=64, ffn_dim=1536, rope_theta=100_000.0, norm_eps=1e-5,
+        tie_embeddings=True, max_seq_len=8192, bos_token_id=1, eos_token_id=2),
+    "qwen2.5-0.5b": ModelConfig(
+        name="qwen2.5-0.5b", architecture="qwen2", vocab_size=151936, d_model=896,
+        n_layers=24, n_heads=14, n_kv_heads=2, head_dim=64, ffn_dim=4864,
+        rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True,
+        max_seq_len=32768, eos_token_id=151643),
+    "qwen2.5-1.5b": ModelConfig(
+        name="qwen2.5-1.5b", architecture="qwen2", vocab_size=151936, d_model=1536,
+        n_layers=28, n_heads=12, n_kv_heads=2, head_dim=128, ffn_dim=8960,
+        rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True,
+        max_seq_len=32768, eos_token_id=151643),
+    "qwen2.5-3b": ModelConfig(
+        name="qwen2.5-3b", architecture="qwen2", vocab_size=151936, d_model=2048,
+        n_layers=36, n_heads=16, n_kv_heads=2, head_dim=128, ffn_dim=11008,
+        rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=True, qkv_bias=True,
+        max_seq_len=32768, eos_token_id=151643),
+    "qwen2.5-7b": ModelConfig(
+        name="qwen2.5-7b", architecture="qwen2", vocab_size=152064, d_model=3584,
+        n_layers=28, n_heads=28, n_kv_heads=4, head_dim=128, ffn_dim=18944,
+        rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=False, qkv_bias=True,
+        max_seq_len=32768, eos_token_id=151643),
+    "qwen3-0.6b": ModelConfig(
+        name="qwen3-0.6b", architecture="qwen3", vocab_size=151936, d_model=1024,
+        n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072,
+        rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
+        max_seq_len=32768, eos_token_id=151645),
+    "qwen3-1.7b": ModelConfig(
+        name="qwen3-1.7b", architecture="qwen3", vocab_size=151936, d_model=2048,
+        n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=6144,
+        rope_theta=1_000_000.0, norm_eps=1e-6, tie_embeddings=True, qk_norm=True,
+        max_seq_len=32768, eos_token_id=151645),
+    "llama3.2-1b": ModelConfig(
+        name="llama3.2-1b", vocab_size=128256, d_model=2048, n_layers=16, n_heads=32,
+        n_kv_heads=8, head_dim=64, ffn_dim=8192, rope_theta=500_000.0, norm_eps=1e-5,
+        tie_embeddings=True, rope_scaling=_LLAMA3_SCALING, max_seq_len=131072 // 4,
+        bos_token_id=128000, eos_token_id=128001),
+    "llama3.2-3b": ModelConfig(
+        name="llama3.2-3b", vocab_size=128256, d_model=3072, n_layers=28, n_heads=24,
+        n_kv_heads=8, head_dim=128, ffn_dim=8192, rope_theta=500_000.0, norm_eps=1e-5,
+        tie_embeddings=True, rope_scaling=_LLAMA3_SCALING, max_seq_len=131072 // 4,
+        bos_token_id=128000, eos_token_id=128001),
+    # Tiny configs of each architecture for tests and CPU smoke runs.
+    "tiny-llama": ModelConfig(
+        name="tiny-llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
+        head_dim=16, ffn_dim=128, rope_theta=10_000.0, max_seq_len=512),
+    "tiny-qwen2": ModelConfig(
+        name="tiny-qwen2", architecture="qwen2", vocab_size=512, d_model=64, n_layers=2,
+        n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, rope_theta=1_000_000.0,
+        norm_eps=1e-6, qkv_bias=True, max_seq_len=512),
+    "tiny-qwen3": ModelConfig(
+        name="tiny-qwen3", architecture="qwen3", vocab_size=512, d_model=64, n_layers=2,
+        n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, rope_theta=1_000_000.0,
+        norm_eps=1e-6, qk_norm=True, max_seq_len=512),
+}
+# Presets that name a checkpoint shipped inside a pip package (resolved by `models.load`).
+EMBEDDED = {"smollm2-135m-instruct": "smollm2-135m"}
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+  """A preset by name (see `PRESETS`), with field overrides."""
+  key = EMBEDDED.get(name, name)
+  if key not in PRESETS:
+    raise ValueError(f"unknown model preset {name!r}; known presets: "
+                     f"{sorted(PRESETS) + sorted(EMBEDDED)}")
+  return PRESETS[key].replace(**overrides) if overrides else PRESETS[key]

@@ -1,0 +1,393 @@
+"""The decoder: one definition, used for training (packed rows) and for sampling (KV cache).
+
+Everything here is a pure function of a params pytree. Params are a nested dict whose leaves
+are `flax.linen.LogicallyPartitioned` boxes: each array carries its logical axis names
+(`("layers", "embed", "heads", "head_dim")`, ...), which `jaxagent.sharding` maps to the mesh.
+Layers are stacked on a leading `layers` axis and run with `lax.scan`, which keeps compile
+time flat in depth.
+
+Three entry points share `_block`, so the training forward, prefill and cached decode compute
+the same function of the same weights:
+  * `forward` / `hidden_states`: packed `[B, L]` rows, attention causal within a segment.
+  * `prefill`: a fresh prompt, returning the K/V to insert into a cache slot.
+  * `extend`: new tokens for live cache slots (one token per slot when decoding, a chunk of
+    tool-observation tokens when appending), attending to the slot's cached prefix.
+"""
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxagent.models.config import ModelConfig
+
+Params = dict[str, Any]
+_MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
+
+
+# ----------------------------------------------------------------------------- params
+def param_specs(cfg: ModelConfig) -> dict[str, Any]:
+  """The params tree as `(shape, logical_axes, init)` leaves (init in {"normal","ones","zeros"})."""
+  d, h, kv, hd, f, v, n = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                           cfg.ffn_dim, cfg.vocab_size, cfg.n_layers)
+  layers = {
+      "attn_norm": ((n, d), ("layers", "norm"), "ones"),
+      "wq": ((n, d, h, hd), ("layers", "embed", "heads", "head_dim"), "normal"),
+      "wk": ((n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "wv": ((n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "wo": ((n, h, hd, d), ("layers", "heads", "head_dim", "embed"), "normal"),
+      "mlp_norm": ((n, d), ("layers", "norm"), "ones"),
+      "w_gate": ((n, d, f), ("layers", "embed", "mlp"), "normal"),
+      "w_up": ((n, d, f), ("layers", "embed", "mlp"), "normal"),
+      "w_down": ((n, f, d), ("layers", "mlp", "embed"), "normal"),
+  }
+  if cfg.qkv_bias:
+    layers["bq"] = ((n, h, hd), ("layers", "heads", "head_dim"), "zeros")
+    layers["bk"] = ((n, kv, hd), ("layers", "kv_heads", "head_dim"), "zeros")
+    layers["bv"] = ((n, kv, hd), ("layers", "kv_heads", "head_dim"), "zeros")
+  if cfg.qk_norm:
+    layers["q_norm"] = ((n, hd), ("layers", "head_dim"), "ones")
+    layers["k_norm"] = ((n, hd), ("layers", "head_dim"), "ones")
+  specs = {
+      "embed": ((v, d), ("vocab", "embed"), "normal"),
+      "layers": layers,
+      "final_norm": ((d,), ("norm",), "ones"),
+  }
+  if not cfg.tie_embeddings:
+    specs["lm_head"] = ((d, v), ("embed", "vocab"), "normal")
+  return specs
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], tuple)
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array, std: float = 0.02) -> Params:
+  """Random params (normal(std) weights, unit norms, zero biases), boxed with logical axes.
+
+  Call it under `jax.jit(..., out_shardings=...)` (see `jaxagent.sharding.init_sharded`) so
+  large models are created already sharded.
+  """
+  specs = param_specs(cfg)
+  leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+  keys = jax.random.split(rng, len(leaves))
+  out = []
+  for key, (shape, names, init) in zip(keys, leaves):
+    if init == "normal":
+      val = std * jax.random.normal(key, shape, jnp.float32)
+    elif init == "ones":
+      val = jnp.ones(shape, jnp.float32)
+    else:
+      val = jnp.zeros(shape, jnp.float32)
+    out.append(nn.LogicallyPartitioned(val.astype(cfg.jnp_param_dtype), names))
+  return jax.tree.unflatten(treedef, out)
+
+
+def box(cfg: ModelConfig, arrays: dict[str, Any]) -> Params:
+  """Attach logical axis names to a plain nested dict of arrays laid out as `param_specs`."""
+  specs = param_specs(cfg)
+
+  def attach(spec, arr):
+    shape, names, _ = spec
+    if tuple(arr.shape) != tuple(shape):
+      raise ValueError(f"parameter shape {tuple(arr.shape)} does not match the config's "
+                       f"{tuple(shape)} (axes {names})")
+    return nn.LogicallyPartitioned(arr, names)
+
+  if set(specs) != set(arrays) or set(specs["layers"]) != set(arrays["layers"]):
+    raise ValueError(f"params keys {sorted(arrays)} / layers {sorted(arrays.get('layers', {}))} "
+                     f"do not match the config's {sorted(specs)} / {sorted(specs['layers'])}")
+  return jax.tree.map(attach, specs, arrays, is_leaf=_is_spec)
+
+
+def unbox(params: Params) -> dict[str, Any]:
+  """The plain arrays of a boxed params tree (no-op on an unboxed tree)."""
+  return nn.meta.unbox(params)
+
+
+def logical_axes(params: Params):
+  """The logical-axis `PartitionSpec` tree of boxed params (or optimizer state)."""
+  return nn.get_partition_spec(params)
+
+
+# ----------------------------------------------------------------------------- pieces
+def rms_norm(x, w, eps):
+  xf = x.astype(jnp.float32)
+  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  return (y * w.astype(jnp.float32)).astype(x.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
+  """Per-pair inverse frequencies, with Llama-3 scaling when configured (float64 on host)."""
+  hd = cfg.head_dim
+  inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+  if cfg.rope_scaling is not None:
+    factor, lo_f, hi_f, orig = cfg.rope_scaling
+    lo_wl, hi_wl = orig / lo_f, orig / hi_f
+    wl = 2 * math.pi / inv
+    smooth = (orig / wl - lo_f) / (hi_f - lo_f)
+    scaled = np.where(wl > lo_wl, inv / factor, inv)
+    mid = (wl <= lo_wl) & (wl >= hi_wl)
+    inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+  return inv.astype(np.float32)
+
+
+def apply_rope(x, positions, inv_freq):
+  """HF (rotate-half) RoPE. x: [B, T, N, hd]; positions: [B, T]."""
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+  cos = jnp.cos(freqs)[:, :, None, :]
+  sin = jnp.sin(freqs)[:, :, None, :]
+  xf = x.astype(jnp.float32)
+  x1, x2 = jnp.split(xf, 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq):
+  dt = cfg.jnp_dtype
+  q = jnp.einsum("btd,dhk->bthk", h, lp["wq"].astype(dt))
+  k = jnp.einsum("btd,dhk->bthk", h, lp["wk"].astype(dt))
+  v = jnp.einsum("btd,dhk->bthk", h, lp["wv"].astype(dt))
+  if cfg.qkv_bias:
+    q = q + lp["bq"].astype(dt)
+    k = k + lp["bk"].astype(dt)
+    v = v + lp["bv"].astype(dt)
+  if cfg.qk_norm:
+    q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
+    k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
+  q = apply_rope(q, positions, inv_freq)
+  k = apply_rope(k, positions, inv_freq)
+  return q, k, v
+
+
+def _mlp(h, lp, cfg: ModelConfig):
+  dt = cfg.jnp_dtype
+  g = jnp.einsum("btd,df->btf", h, lp["w_gate"].astype(dt))
+  u = jnp.einsum("btd,df->btf", h, lp["w_up"].astype(dt))
+  return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"].astype(dt))
+
+
+def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq):
+  """One decoder layer. `attend(q, k, v) -> [B, T, H, hd]` supplies the attention pattern."""
+  h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+  q, k, v = _qkv(h, lp, positions, cfg, inv_freq)
+  a = attend(q, k, v)
+  x = x + jnp.einsum("bthk,hkd->btd", a, lp["wo"].astype(cfg.jnp_dtype))
+  h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
+  x = x + _mlp(h, lp, cfg)
+  return x, k, v
+
+
+def _group(q, cfg: ModelConfig):
+  b, t, _, hd = q.shape
+  return q.reshape(b, t, cfg.n_kv_heads, cfg.q_per_kv, hd)
+
+
+def _softmax_attend(logits, mask):
+  logits = jnp.where(mask, logits, _MASK_VALUE)
+  return jax.nn.softmax(logits, axis=-1)
+
+
+def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
+  """Causal attention blocked across segments. q: [B,T,H,hd]; k, v: [B,T,KV,hd]."""
+  b, t, _, hd = q.shape
+  impl = cfg.attention_impl
+  if impl == "auto":
+    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+  if impl == "cudnn":
+    mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    return jax.nn.dot_product_attention(
+        q, k, v, mask=mask, is_causal=True, scale=1.0 / math.sqrt(hd),
+        implementation="cudnn")
+  qg = _group(q, cfg) * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
+  logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
+  causal = jnp.tril(jnp.ones((t, t), bool))
+  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  mask = (causal[None] & same)[:, None, None]
+  probs = _softmax_attend(logits, mask).astype(v.dtype)
+  out = jnp.einsum("bkgts,bskd->btkgd", probs, v)
+  return out.reshape(b, t, cfg.n_heads, hd)
+
+
+def _remat(fn, cfg: ModelConfig):
+  if cfg.remat == "full":
+    return jax.checkpoint(fn)
+  if cfg.remat == "dots":
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  return fn
+
+
+def segment_positions(segment_ids):
+  """Positions restarting at 0 at each segment start (segments are contiguous runs)."""
+  b, t = segment_ids.shape
+  idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  prev = jnp.concatenate([jnp.full((b, 1), -1, segment_ids.dtype), segment_ids[:, :-1]], 1)
+  start = jnp.where(segment_ids != prev, idx, 0)
+  return idx - jax.lax.cummax(start, axis=1)
+
+
+def embed(p, tokens, cfg: ModelConfig):
+  return jnp.take(p["embed"], tokens, axis=0).astype(cfg.jnp_dtype)
+
+
+def logits_from_hidden(params: Params, h, cfg: ModelConfig):
+  """Output projection in float32 accumulation. h: [..., D] (already final-normed)."""
+  p = unbox(params)
+  w = p["embed"] if cfg.tie_embeddings else p["lm_head"]
+  eq = "...d,vd->...v" if cfg.tie_embeddings else "...d,dv->...v"
+  return jnp.einsum(eq, h, w.astype(cfg.jnp_dtype), preferred_element_type=jnp.float32)
+
+
+# ----------------------------------------------------------------------------- training
+def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
+                  segment_ids=None, collect_kv: bool = False):
+  """Final-normed hidden states `[B, L, D]` (and stacked per-layer K/V when `collect_kv`).
+
+  With `segment_ids` (0 = padding) attention is causal within a segment and blocked across
+  segments; positions default to restarting per segment.
+  """
+  p = unbox(params)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  if segment_ids is None:
+    segment_ids = jnp.ones_like(tokens)
+    if positions is None:
+      positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
+  elif positions is None:
+    positions = segment_positions(segment_ids)
+  inv_freq = jnp.asarray(rope_inv_freq(cfg))
+  attend = functools.partial(segment_attention, segment_ids=segment_ids, cfg=cfg)
+
+  def body(x, lp):
+    x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
+    return x, ((k, v) if collect_kv else None)
+
+  x = embed(p, tokens, cfg)
+  x, kv = jax.lax.scan(_remat(body, cfg), x, p["layers"])
+  h = rms_norm(x, p["final_norm"], cfg.norm_eps)
+  return (h, kv) if collect_kv else h
+
+
+def forward(params: Params, tokens, *, cfg: ModelConfig, positions=None, segment_ids=None):
+  """Logits `[B, L, V]` (float32) of packed or plain rows."""
+  h = hidden_states(params, tokens, cfg=cfg, positions=positions, segment_ids=segment_ids)
+  return logits_from_hidden(params, h, cfg)
+
+
+def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature: float = 1.0,
+                   chunk: int = 512, with_entropy: bool = False):
+  """log p(targets) under softmax(logits / temperature), computed in chunks of the sequence.
+
+  Avoids materialising `[B, L, V]` logits for large vocabularies: each chunk's logits are
+  recomputed in the backward pass. h: [B, L, D]; targets: [B, L] int. Returns `[B, L]`
+  (and entropies `[B, L]` when `with_entropy`).
+  """
+  b, l, d = h.shape
+  c = min(chunk, l)
+  pad = (-l) % c
+  if pad:
+    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+  n = (l + pad) // c
+  hs = h.reshape(b, n, c, d).swapaxes(0, 1)
+  ts = targets.reshape(b, n, c).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(hc, tc):
+    logits = logits_from_hidden(params, hc, cfg) / temperature
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    tgt = jnp.take_along_axis(logits, tc[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    lp = tgt - lse
+    if with_entropy:
+      probs = jnp.exp(logits - lse[..., None])
+      ent = lse - jnp.sum(probs * logits, axis=-1)
+      return lp, ent
+    return lp, jnp.zeros_like(lp)
+
+  lps, ents = jax.lax.map(lambda a: one(*a), (hs, ts))
+  lps = lps.swapaxes(0, 1).reshape(b, -1)[:, :l]
+  ents = ents.swapaxes(0, 1).reshape(b, -1)[:, :l]
+  return (lps, ents) if with_entropy else lps
+
+
+# ----------------------------------------------------------------------------- sampling
+def prefill(params: Params, tokens, lengths, *, cfg: ModelConfig):
+  """Run fresh prompts. tokens: [B, T] right-padded; lengths: [B].
+
+  Returns (logits of each prompt's last token `[B, V]`, K `[layers, B, T, KV, hd]`, V).
+  Padding positions produce K/V that the cache masks out (it tracks each slot's length).
+  """
+  tokens = jnp.asarray(tokens, jnp.int32)
+  seg = (jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]).astype(jnp.int32)
+  h, (k, v) = hidden_states(params, tokens, cfg=cfg, segment_ids=seg, collect_kv=True)
+  last = jnp.take_along_axis(h, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]
+  return logits_from_hidden(params, last, cfg), k, v
+
+
+def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelConfig):
+  """Attention of new tokens over a slot's cached prefix plus themselves (causally).
+
+  q: [S, n, H, hd]; k_new, v_new: [S, n, KV, hd]; cache_k, cache_v: [S, C, KV, hd] (only the
+  first `cache_lens[s]` entries of slot s are valid). The cached part and the new part are
+  scored separately and share one softmax, so the cache is read once and never copied.
+  """
+  s, n, _, hd = q.shape
+  c = cache_k.shape[1]
+  qg = _group(q, cfg) * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
+  lc = jnp.einsum("snkgd,sckd->skgnc", qg, cache_k.astype(q.dtype),
+                  preferred_element_type=jnp.float32)
+  ln = jnp.einsum("snkgd,smkd->skgnm", qg, k_new, preferred_element_type=jnp.float32)
+  mask_c = (jnp.arange(c)[None, :] < cache_lens[:, None])[:, None, None, None, :]
+  mask_n = jnp.tril(jnp.ones((n, n), bool))[None, None, None]
+  logits = jnp.concatenate([jnp.where(mask_c, lc, _MASK_VALUE),
+                            jnp.where(mask_n, ln, _MASK_VALUE)], axis=-1)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v_new.dtype)
+  pc, pn = probs[..., :c], probs[..., c:]
+  out = (jnp.einsum("skgnc,sckd->snkgd", pc, cache_v.astype(v_new.dtype))
+         + jnp.einsum("skgnm,smkd->snkgd", pn, v_new))
+  return out.reshape(s, n, cfg.n_heads, hd)
+
+
+def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelConfig,
+           kv_len: int | None = None):
+  """Process new tokens for cache slots without touching the cache.
+
+  tokens: [S, n] (n = 1 for a decode step); cache_lens: [S] tokens already cached per slot
+  (the new tokens get positions cache_lens .. cache_lens + n - 1). cache_k, cache_v:
+  [layers, S, Lmax, KV, hd]; only the first `kv_len` (static, >= max cache_lens) entries are
+  read. Returns (logits [S, n, V], new K [layers, S, n, KV, hd], new V); write the new K/V
+  with `write_kv`.
+  """
+  p = unbox(params)
+  tokens = jnp.asarray(tokens, jnp.int32)
+  n = tokens.shape[1]
+  positions = cache_lens[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+  inv_freq = jnp.asarray(rope_inv_freq(cfg))
+  kv_len = cache_k.shape[2] if kv_len is None else kv_len
+
+  def body(x, xs):
+    lp, ck, cv = xs
+    attend = lambda q, k, v: cached_attention(q, k, v, ck[:, :kv_len], cv[:, :kv_len],
+                                              cache_lens, cfg)
+    x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
+    return x, (k, v)
+
+  x = embed(p, tokens, cfg)
+  x, (k, v) = jax.lax.scan(body, x, (p["layers"], cache_k, cache_v))
+  h = rms_norm(x, p["final_norm"], cfg.norm_eps)
+  return logits_from_hidden(params, h, cfg), k, v
+
+
+def write_kv(cache, new, slots, starts):
+  """Scatter new K or V `[layers, S', n, KV, hd]` into `cache` at (slot, start + i).
+
+  Writes past the cache end are dropped. Donate `cache` to update it in place.
+  """
+  n = new.shape[2]
+  pos = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
+  sl = jnp.broadcast_to(slots[:, None], pos.shape)
+  return cache.at[:, sl, pos].set(new.astype(cache.dtype), mode="drop")

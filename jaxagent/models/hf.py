@@ -1,0 +1,205 @@
+"""Weight import and export in Hugging Face layout (safetensors + config.json).
+
+`load` is the single entry for weights: an HF directory, a `.gguf` file (through
+`jaxagent.models.gguf`, which yields the same HF-named state dict), or the name of a checkpoint
+shipped in a pip package (`"smollm2-135m-instruct"`). `save_hf` writes a directory that
+`transformers` loads with the same logits.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from jaxagent.models import decoder
+from jaxagent.models.config import EMBEDDED, PRESETS, ModelConfig
+
+_LAYER_KEYS = {
+    # ours: (hf suffix, kind)
+    "attn_norm": ("input_layernorm.weight", "vec"),
+    "mlp_norm": ("post_attention_layernorm.weight", "vec"),
+    "wq": ("self_attn.q_proj.weight", "q"),
+    "wk": ("self_attn.k_proj.weight", "kv"),
+    "wv": ("self_attn.v_proj.weight", "kv"),
+    "wo": ("self_attn.o_proj.weight", "o"),
+    "bq": ("self_attn.q_proj.bias", "qb"),
+    "bk": ("self_attn.k_proj.bias", "kvb"),
+    "bv": ("self_attn.v_proj.bias", "kvb"),
+    "q_norm": ("self_attn.q_norm.weight", "vec"),
+    "k_norm": ("self_attn.k_norm.weight", "vec"),
+    "w_gate": ("mlp.gate_proj.weight", "t"),
+    "w_up": ("mlp.up_proj.weight", "t"),
+    "w_down": ("mlp.down_proj.weight", "t"),
+}
+
+
+def _to_ours(kind: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+  d, h, kv, hd = cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+  if kind == "vec":
+    return w
+  if kind == "t":
+    return w.T
+  if kind == "q":
+    return w.T.reshape(d, h, hd)
+  if kind == "kv":
+    return w.T.reshape(d, kv, hd)
+  if kind == "o":
+    return w.T.reshape(h, hd, d)
+  if kind == "qb":
+    return w.reshape(h, hd)
+  if kind == "kvb":
+    return w.reshape(kv, hd)
+  raise AssertionError(kind)
+
+
+def _to_hf(kind: str, w: np.ndarray) -> np.ndarray:
+  if kind == "vec":
+    return w
+  if kind == "t":
+    return w.T
+  if kind in ("q", "kv"):
+    return w.reshape(w.shape[0], -1).T
+  if kind == "o":
+    return w.reshape(-1, w.shape[-1]).T
+  return w.reshape(-1)
+
+
+def _expected_hf_shape(kind: str, cfg: ModelConfig, ours_shape: tuple[int, ...]):
+  return tuple(_to_hf(kind, np.empty(ours_shape, np.int8)).shape)
+
+
+def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
+                           dtype: str | None = None, source: str = "checkpoint"):
+  """Map an HF-named state dict to boxed params (host NumPy arrays), validating shapes."""
+  specs = decoder.param_specs(cfg)
+  np_dtype = np.dtype(jax.numpy.dtype(dtype or cfg.param_dtype))
+
+  def take(name: str, expected: tuple[int, ...]):
+    if name not in sd:
+      raise ValueError(f"{source}: tensor {name!r} is missing (expected shape {expected})")
+    w = np.asarray(sd[name])
+    if tuple(w.shape) != tuple(expected):
+      raise ValueError(f"{source}: tensor {name!r} has shape {tuple(w.shape)}, the config "
+                       f"expects {tuple(expected)}")
+    return w
+
+  layers = {}
+  for key, (shape, _, _) in specs["layers"].items():
+    suffix, kind = _LAYER_KEYS[key]
+    per = []
+    for i in range(cfg.n_layers):
+      w = take(f"model.layers.{i}.{suffix}", _expected_hf_shape(kind, cfg, shape[1:]))
+      per.append(_to_ours(kind, w.astype(np.float32), cfg).astype(np_dtype))
+    layers[key] = np.stack(per)
+  arrays: dict[str, Any] = {
+      "embed": take("model.embed_tokens.weight",
+                    (cfg.vocab_size, cfg.d_model)).astype(np_dtype),
+      "layers": layers,
+      "final_norm": take("model.norm.weight", (cfg.d_model,)).astype(np_dtype),
+  }
+  if not cfg.tie_embeddings:
+    arrays["lm_head"] = take("lm_head.weight",
+                             (cfg.vocab_size, cfg.d_model)).T.astype(np_dtype)
+  return decoder.box(cfg, arrays)
+
+
+def state_dict_from_params(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
+  """The inverse of `params_from_state_dict`: HF-named host arrays."""
+  p = jax.tree.map(np.asarray, decoder.unbox(params))
+  sd = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
+  for key, stacked in p["layers"].items():
+    suffix, kind = _LAYER_KEYS[key]
+    for i in range(cfg.n_layers):
+      sd[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(_to_hf(kind, stacked[i]))
+  if not cfg.tie_embeddings:
+    sd["lm_head.weight"] = np.ascontiguousarray(p["lm_head"].T)
+  return sd
+
+
+def _read_safetensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
+  from safetensors import safe_open
+
+  index = directory / "model.safetensors.index.json"
+  if index.exists():
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+  else:
+    files = sorted(p.name for p in directory.glob("*.safetensors"))
+  if not files:
+    raise FileNotFoundError(f"no *.safetensors weights in {directory}")
+  sd = {}
+  for name in files:
+    path = directory / name
+    if not path.exists():
+      raise FileNotFoundError(f"{path} is listed in the safetensors index but missing")
+    try:
+      with safe_open(str(path), framework="numpy") as f:
+        for k in f.keys():
+          sd[k] = f.get_tensor(k)
+    except Exception as e:  # safetensors raises its own error types for corrupt headers
+      raise ValueError(f"cannot read safetensors file {path}: {e}") from e
+  return sd
+
+
+def resolve(path_or_preset: str | os.PathLike) -> pathlib.Path:
+  """A local path for a checkpoint: an existing path, or an embedded preset's file."""
+  s = os.fspath(path_or_preset)
+  if s in EMBEDDED:
+    from jaxagent.models.gguf import find_embedded_gguf
+    return find_embedded_gguf()
+  p = pathlib.Path(s).expanduser()
+  if p.exists():
+    return p
+  if s in PRESETS:
+    raise ValueError(
+        f"{s!r} is an architecture preset without shipped weights; build random params with "
+        f"jaxagent.models.init_params(jaxagent.models.get_config({s!r}), rng), or pass a local "
+        f"HF directory / .gguf file. Presets with weights: {sorted(EMBEDDED)}")
+  raise FileNotFoundError(
+      f"no checkpoint at {s!r}: pass an HF directory (config.json + *.safetensors), a .gguf "
+      f"file, or one of the embedded presets {sorted(EMBEDDED)}")
+
+
+def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_overrides):
+  """Load `(cfg, params)` from an HF directory, a `.gguf` file or an embedded preset.
+
+  `dtype` sets both the stored param dtype and the compute dtype unless `cfg_overrides`
+  say otherwise (e.g. `dtype="bfloat16"`, or `param_dtype="float32", dtype="bfloat16"`).
+  Params come back as host arrays; place them with `jaxagent.sharding.shard_params`.
+  """
+  path = resolve(path_or_preset)
+  if dtype is not None:
+    cfg_overrides.setdefault("param_dtype", dtype)
+    cfg_overrides.setdefault("dtype", dtype)
+  if path.is_file() and path.suffix == ".gguf":
+    from jaxagent.models.gguf import read_gguf
+    hf_cfg, sd = read_gguf(path)
+  elif path.is_dir():
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+      raise FileNotFoundError(f"{path} has no config.json (expected an HF model directory)")
+    hf_cfg = json.loads(cfg_file.read_text())
+    sd = _read_safetensors(path)
+  else:
+    raise ValueError(f"{path}: expected an HF model directory or a .gguf file")
+  cfg = ModelConfig.from_hf(hf_cfg, **cfg_overrides)
+  if cfg.name in ("hf", "custom"):
+    cfg = cfg.replace(name=path.stem if path.is_file() else path.name)
+  return cfg, params_from_state_dict(cfg, sd, source=str(path))
+
+
+def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -> pathlib.Path:
+  """Write `config.json` + `model.safetensors` (+ tokenizer files when given) to `path`."""
+  from safetensors.numpy import save_file
+
+  out = pathlib.Path(path)
+  out.mkdir(parents=True, exist_ok=True)
+  (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
+  sd = state_dict_from_params(cfg, params)
+  save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+  if tokenizer is not None and hasattr(tokenizer, "save"):
+    tokenizer.save(out)
+  return out

@@ -1,0 +1,193 @@
+"""Mesh, logical-axis rules and shardings for params, optimizer state, batches and KV caches.
+
+Every array that crosses a jit boundary gets its sharding from here. Params carry logical
+axis names (see `jaxagent.models.decoder.param_specs`); `RULES` maps them onto the mesh axes
+`("data", "fsdp", "tensor")`. A logical axis whose size does not divide the mapped mesh size
+is replicated instead (e.g. SmolLM2's 3 KV heads on `tensor=2`), so every preset shards on
+every mesh without hand edits.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH = ("data", "fsdp")
+
+# Logical axis -> mesh axes. One table for the whole library.
+RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", BATCH),          # rows of a training batch / prompts
+    ("slots", BATCH),          # decode slots of the KV cache
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+    ("length", None),
+    ("norm", None),
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Mesh axis sizes; one of them may be -1 (all remaining devices)."""
+
+  data: int = 1
+  fsdp: int = -1
+  tensor: int = 1
+
+  def __post_init__(self):
+    sizes = (self.data, self.fsdp, self.tensor)
+    if sum(s == -1 for s in sizes) > 1:
+      raise ValueError(f"MeshConfig: at most one axis may be -1, got data={self.data}, "
+                       f"fsdp={self.fsdp}, tensor={self.tensor}")
+    if any(s == 0 or s < -1 for s in sizes):
+      raise ValueError(f"MeshConfig: axis sizes must be positive or -1, got {sizes}")
+
+  def resolve(self, n_devices: int) -> tuple[int, int, int]:
+    sizes = [self.data, self.fsdp, self.tensor]
+    known = math.prod(s for s in sizes if s != -1)
+    if -1 in sizes:
+      if n_devices % known:
+        raise ValueError(f"MeshConfig {sizes}: {n_devices} devices are not divisible by the "
+                         f"fixed axes' product {known}")
+      sizes[sizes.index(-1)] = n_devices // known
+    if math.prod(sizes) != n_devices:
+      raise ValueError(f"MeshConfig data*fsdp*tensor = {math.prod(sizes)} but {n_devices} "
+                       f"devices are available; set one axis to -1 to absorb the rest")
+    return tuple(sizes)
+
+
+def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
+              devices: Sequence[jax.Device] | None = None) -> Mesh:
+  """A `("data", "fsdp", "tensor")` mesh over `devices` (default: all devices)."""
+  devices = list(jax.devices() if devices is None else devices)
+  shape = MeshConfig(data, fsdp, tensor).resolve(len(devices))
+  try:
+    from jax.experimental import mesh_utils
+    arr = mesh_utils.create_device_mesh(shape, devices=devices)
+  except Exception:  # non-TPU topologies or odd counts: plain row-major order
+    arr = np.asarray(devices, dtype=object).reshape(shape)
+  return Mesh(arr, MESH_AXES)
+
+
+def _axis_size(mesh: Mesh, axes) -> int:
+  if axes is None:
+    return 1
+  if isinstance(axes, str):
+    axes = (axes,)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None, mesh: Mesh,
+                    rules=RULES) -> P:
+  """PartitionSpec for an array with logical axis `names` (dims that don't divide replicate)."""
+  table = dict(rules)
+  out, used = [], set()
+  for i, name in enumerate(names):
+    axes = table.get(name) if name is not None else None
+    if axes is not None:
+      tup = (axes,) if isinstance(axes, str) else tuple(axes)
+      tup = tuple(a for a in tup if a not in used and mesh.shape.get(a, 1) > 1)
+      size = _axis_size(mesh, tup) if tup else 1
+      if not tup or (shape is not None and shape[i] % size):
+        axes = None
+      else:
+        axes = tup[0] if len(tup) == 1 else tup
+        used.update(tup)
+    out.append(axes)
+  return P(*out)
+
+
+def _is_box(x) -> bool:
+  return isinstance(x, nn.LogicallyPartitioned)
+
+
+def shardings(tree, mesh: Mesh, rules=RULES):
+  """A sharding tree matching `tree` (boxed params, optimizer state, or abstract versions).
+
+  Boxed leaves are sharded by their logical names; other leaves are replicated.
+  """
+  def one(x):
+    if _is_box(x):
+      spec = logical_to_spec(x.names, np.shape(x.value), mesh, rules)
+      return x.replace_boxed(NamedSharding(mesh, spec))
+    return NamedSharding(mesh, P())
+  return jax.tree.map(one, tree, is_leaf=_is_box)
+
+
+def shard(tree, mesh: Mesh, rules=RULES):
+  """Place a (host or device) tree onto the mesh with `shardings(tree, mesh)`."""
+  return jax.device_put(tree, shardings(tree, mesh, rules))
+
+
+def init_sharded(init_fn, mesh: Mesh, *args, rules=RULES):
+  """Run `init_fn(*args)` under jit with sharded outputs: nothing is materialised unsharded."""
+  abstract = jax.eval_shape(init_fn, *args)
+  return jax.jit(init_fn, out_shardings=shardings(abstract, mesh, rules))(*args)
+
+
+def batch_spec(ndim: int) -> P:
+  """Rows over data and fsdp, the rest replicated."""
+  return P(BATCH, *([None] * (ndim - 1)))
+
+
+def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+  return NamedSharding(mesh, batch_spec(ndim))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def kv_cache_spec(n_kv_heads: int, n_slots: int, mesh: Mesh) -> P:
+  """KV cache `[layers, slots, length, kv_heads, head_dim]`: slots over data/fsdp, heads over
+  tensor when divisible."""
+  return logical_to_spec(("layers", "slots", "length", "kv_heads", "head_dim"),
+                         (1, n_slots, 1, n_kv_heads, 1), mesh)
+
+
+def initialize_distributed(coordinator_address: str | None = None,
+                           num_processes: int | None = None,
+                           process_id: int | None = None) -> bool:
+  """Start JAX's multi-host runtime when this is a multi-process job; no-op on one host.
+
+  Arguments fall back to the environment (`JAX_COORDINATOR_ADDRESS`, `JAX_NUM_PROCESSES`,
+  `JAX_PROCESS_ID`). On a multi-host Cloud TPU slice JAX discovers everything itself.
+  Returns True when the distributed runtime was initialised.
+  """
+  env = os.environ
+  coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
+  if num_processes is None and env.get("JAX_NUM_PROCESSES"):
+    num_processes = int(env["JAX_NUM_PROCESSES"])
+  if process_id is None and env.get("JAX_PROCESS_ID"):
+    process_id = int(env["JAX_PROCESS_ID"])
+  tpu_hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
+  if coordinator_address:
+    if num_processes is None or process_id is None:
+      raise ValueError("multi-process launch: with a coordinator address, num_processes and "
+                       "process_id (or JAX_NUM_PROCESSES / JAX_PROCESS_ID) are required")
+    if num_processes == 1:
+      return False
+    jax.distributed.initialize(coordinator_address=coordinator_address,
+                               num_processes=num_processes, process_id=process_id)
+  elif len(tpu_hosts) > 1:
+    jax.distributed.initialize()
+  else:
+    return False
+  log.info("JAX distributed: process %d of %d, %d local / %d global devices",
+           jax.process_index(), jax.process_count(), jax.local_device_count(),
+           jax.device_count())
+  return True

@@ -1,0 +1,122 @@
+"""Logits parity with the PyTorch `transformers` models, import and export, packed inputs."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from jaxagent import models  # noqa: E402
+
+ARCHS = {
+    "llama": dict(cls="LlamaForCausalLM", cfg="LlamaConfig",
+                  extra=dict(rope_theta=10000.0, tie_word_embeddings=True)),
+    "llama_untied_scaled": dict(cls="LlamaForCausalLM", cfg="LlamaConfig",
+                                extra=dict(rope_theta=500000.0, tie_word_embeddings=False,
+                                           rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                         "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 64})),
+    "qwen2": dict(cls="Qwen2ForCausalLM", cfg="Qwen2Config",
+                  extra=dict(rope_theta=1e6, tie_word_embeddings=True)),
+    "qwen3": dict(cls="Qwen3ForCausalLM", cfg="Qwen3Config",
+                  extra=dict(rope_theta=1e6, tie_word_embeddings=False, head_dim=16)),
+}
+
+
+def make_hf_model(arch: str, path, seed=0):
+  spec = ARCHS[arch]
+  torch.manual_seed(seed)
+  hf_cfg = getattr(transformers, spec["cfg"])(
+      vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+      rms_norm_eps=1e-6, **spec["extra"])
+  model = getattr(transformers, spec["cls"])(hf_cfg).eval()
+  # Random (not default zero/one) norms and biases so every parameter is exercised.
+  with torch.no_grad():
+    for name, p in model.named_parameters():
+      if name.endswith("norm.weight") or name.endswith(".bias"):
+        p.copy_(torch.randn_like(p) * 0.5 + (1.0 if "norm" in name else 0.0))
+  model.save_pretrained(path, safe_serialization=True)
+  return model
+
+
+def torch_logits(model, tokens, position_ids=None):
+  with torch.no_grad():
+    kw = {} if position_ids is None else {"position_ids": torch.tensor(position_ids)}
+    return model(torch.tensor(tokens), **kw).logits.float().numpy()
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_logits_match_transformers(arch, tmp_path):
+  model = make_hf_model(arch, tmp_path)
+  cfg, params = models.load(tmp_path)
+  assert cfg.architecture == arch.split("_")[0]
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 40))
+  ref = torch_logits(model, tokens)
+  ours = np.asarray(models.forward(params, jnp.asarray(tokens), cfg=cfg))
+  assert np.abs(ours - ref).max() <= 1e-4
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_packed_logits_match_transformers_per_segment(arch, tmp_path):
+  model = make_hf_model(arch, tmp_path, seed=1)
+  cfg, params = models.load(tmp_path)
+  rng = np.random.default_rng(1)
+  lens = [13, 20, 7]
+  segs = [rng.integers(0, 256, n) for n in lens]
+  L = 48
+  tokens = np.zeros((1, L), np.int64)
+  seg_ids = np.zeros((1, L), np.int32)
+  off = 0
+  for i, s in enumerate(segs):
+    tokens[0, off:off + len(s)] = s
+    seg_ids[0, off:off + len(s)] = i + 1
+    off += len(s)
+  ours = np.asarray(models.forward(params, jnp.asarray(tokens), cfg=cfg,
+                                   segment_ids=jnp.asarray(seg_ids)))
+  assert np.isfinite(ours).all()
+  off = 0
+  for s in segs:
+    ref = torch_logits(model, s[None])[0]
+    assert np.abs(ours[0, off:off + len(s)] - ref).max() <= 1e-4
+    off += len(s)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
+def test_save_hf_reloads_in_transformers(arch, tmp_path):
+  make_hf_model(arch, tmp_path / "src", seed=2)
+  cfg, params = models.load(tmp_path / "src")
+  # Perturb so the export cannot pass by copying the source files.
+  params = jax.tree.map(lambda x: x * 1.01, params)
+  out = models.save_hf(tmp_path / "out", cfg, params)
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  tokens = np.random.default_rng(2).integers(0, 256, (2, 24))
+  ref = torch_logits(reloaded, tokens)
+  ours = np.asarray(models.forward(params, jnp.asarray(tokens), cfg=cfg))
+  assert np.abs(ours - ref).max() <= 1e-4
+  cfg2, params2 = models.load(out)
+  assert cfg2.replace(name=cfg.name) == cfg
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_bf16_compute_is_close(tmp_path):
+  model = make_hf_model("qwen2", tmp_path, seed=3)
+  cfg, params = models.load(tmp_path, param_dtype="float32", dtype="bfloat16")
+  tokens = np.random.default_rng(3).integers(0, 256, (1, 32))
+  ref = torch_logits(model, tokens)
+  ours = np.asarray(models.forward(params, jnp.asarray(tokens), cfg=cfg))
+  rel = np.linalg.norm(ours - ref) / np.linalg.norm(ref)
+  assert rel < 2e-2
+
+
+def test_transformers5_rope_parameters_are_read(tmp_path):
+  make_hf_model("qwen2", tmp_path, seed=4)
+  hf = json.loads((tmp_path / "config.json").read_text())
+  theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta"))
+  cfg, _ = models.load(tmp_path)
+  assert cfg.rope_theta == pytest.approx(float(theta)) == pytest.approx(1e6)
