@@ -1,0 +1,395 @@
+"""The generator engine: JetStream's contract over a fixed number of KV-cache slots, in pure JAX.
+
+    state = engine.init_decode_state()
+    prefix = engine.prefill(params, prompts, request_ids)      # batched, bucketed
+    state = engine.insert(prefix, state, slots)
+    state, out = engine.generate(params, state, steps=8)       # every active slot, k steps
+    state, out = engine.append(params, state, slots, obs)      # tool output into live slots
+
+Each slot holds the K/V of `lengths[s]` tokens plus one *pending* token `tokens[s]`: the last
+sampled token, not yet in the cache. A decode step feeds the pending token, writes its K/V,
+and samples the next one. `append` feeds the pending token followed by observation tokens at
+the slot's current position (no re-prefill of the history) and samples the first token of the
+next turn.
+
+Termination is tracked on device so that multi-step decoding stays exact: a slot stops (is
+frozen, its length no longer advances) when it samples an EOS id, exhausts its per-turn
+budget `remaining`, or would exceed its total `limit`. Stop *strings* need text and are
+checked by the host scheduler, which rewinds the slot with `update_slots`.
+
+Params are an argument of every call (never captured), so after an optimizer step the caller
+passes the new params pytree and nothing is copied (colocated mode).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxagent import sharding as shd
+from jaxagent.generate.sampling import SamplingConfig, sample, token_keys
+from jaxagent.models import decoder
+from jaxagent.models.config import ModelConfig
+
+# Why a slot stopped (device-side codes; host-side stop strings are reported by the scheduler).
+RUNNING, STOP_EOS, STOP_BUDGET, STOP_LENGTH = 0, 1, 2, 3
+
+
+@flax.struct.dataclass
+class DecodeState:
+  k: jax.Array          # [layers, S, Lmax, KV, hd]
+  v: jax.Array
+  lengths: jax.Array    # [S] tokens whose K/V are cached
+  tokens: jax.Array     # [S] pending (last sampled) token
+  active: jax.Array     # [S] bool
+  done: jax.Array       # [S] int32 stop code (RUNNING while active)
+  remaining: jax.Array  # [S] new tokens still allowed in the current turn
+  limit: jax.Array      # [S] max total sequence length (cache + pending)
+  request_ids: jax.Array  # [S] int32
+  seeds: jax.Array      # [S] uint32
+
+
+@flax.struct.dataclass
+class Prefix:
+  """Prefill result for B prompts: their K/V and first sampled token."""
+  k: jax.Array          # [layers, B, T, KV, hd]
+  v: jax.Array
+  lengths: jax.Array    # [B]
+  tokens: jax.Array     # [B] first sampled token
+  logprobs: jax.Array   # [B]
+  done: jax.Array       # [B] stop code after the first token
+  remaining: jax.Array  # [B]
+  limit: jax.Array      # [B]
+  request_ids: jax.Array
+  seeds: jax.Array
+
+
+@flax.struct.dataclass
+class StepOutput:
+  tokens: jax.Array     # [steps, S] sampled tokens
+  logprobs: jax.Array   # [steps, S]
+  valid: jax.Array      # [steps, S] whether the slot was active and this token is real
+  done: jax.Array       # [S] stop code after the last step
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+  for b in buckets:
+    if n <= b:
+      return b
+  raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+  out, b = [], lo
+  while b < hi:
+    out.append(b)
+    b *= 2
+  out.append(hi)
+  return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """Static shape and stopping settings of an `Engine`."""
+
+  slots: int = 8
+  max_len: int = 1024            # cache length per slot (prompt + all turns)
+  eos_ids: tuple[int, ...] = ()
+  sampling: SamplingConfig = SamplingConfig()
+  kv_page: int = 0               # granularity of the live-KV buckets (0 = max_len // 16, >= 64)
+  min_prefill_len: int = 16
+
+  def __post_init__(self):
+    if not isinstance(self.slots, int) or self.slots <= 0:
+      raise ValueError(f"EngineConfig.slots must be a positive int, got {self.slots!r}")
+    if self.max_len <= 1:
+      raise ValueError(f"EngineConfig.max_len must be > 1, got {self.max_len}")
+
+  @property
+  def page(self) -> int:
+    return self.kv_page or max(64, self.max_len // 16)
+
+  @property
+  def kv_buckets(self) -> tuple[int, ...]:
+    p = self.page
+    return tuple(sorted({min(self.max_len, p * i) for i in range(1, -(-self.max_len // p) + 1)}))
+
+  @property
+  def prefill_buckets(self) -> tuple[int, ...]:
+    return _pow2_buckets(min(self.min_prefill_len, self.max_len), self.max_len)
+
+
+class Engine:
+  """Prefill / insert / generate / append over `slots` KV-cache slots of one model."""
+
+  def __init__(self, cfg: ModelConfig, ecfg: EngineConfig | None = None, *,
+               mesh: Mesh | None = None, **kw):
+    self.cfg = cfg
+    self.ecfg = ecfg if ecfg is not None else EngineConfig(**kw)
+    if ecfg is not None and kw:
+      raise ValueError("pass either an EngineConfig or keyword settings, not both")
+    if self.ecfg.max_len > cfg.max_seq_len:
+      raise ValueError(f"EngineConfig.max_len {self.ecfg.max_len} exceeds the model's "
+                       f"max_seq_len {cfg.max_seq_len}")
+    self.mesh = mesh
+    self._eos = jnp.asarray(sorted(set(self.ecfg.eos_ids)) or [-1], jnp.int32)
+    self._jit_generate = jax.jit(self._generate, static_argnames=("steps", "kv_len"),
+                                 donate_argnames=("state",))
+    self._jit_prefill = jax.jit(self._prefill)
+    self._jit_insert = jax.jit(self._insert, donate_argnames=("state",))
+    self._jit_append = jax.jit(self._append, static_argnames=("kv_len",),
+                               donate_argnames=("state",))
+    self._jit_update = jax.jit(self._update, donate_argnames=("state",))
+
+  # ------------------------------------------------------------------ sharding helpers
+  def _cache_sharding(self):
+    if self.mesh is None:
+      return None
+    return NamedSharding(self.mesh, shd.kv_cache_spec(self.cfg.n_kv_heads, self.ecfg.slots,
+                                                      self.mesh))
+
+  def _constrain(self, state: DecodeState) -> DecodeState:
+    s = self._cache_sharding()
+    if s is None:
+      return state
+    return state.replace(k=jax.lax.with_sharding_constraint(state.k, s),
+                         v=jax.lax.with_sharding_constraint(state.v, s))
+
+  # ------------------------------------------------------------------ state
+  def init_decode_state(self) -> DecodeState:
+    """Empty slots (all inactive)."""
+    c, e = self.cfg, self.ecfg
+    shape = (c.n_layers, e.slots, e.max_len, c.n_kv_heads, c.head_dim)
+    s = e.slots
+
+    def make():
+      z = jnp.zeros(shape, c.jnp_dtype)
+      zi = jnp.zeros((s,), jnp.int32)
+      return DecodeState(k=z, v=z, lengths=zi, tokens=zi, active=jnp.zeros((s,), bool),
+                         done=zi, remaining=zi, limit=jnp.full((s,), e.max_len, jnp.int32),
+                         request_ids=zi, seeds=jnp.zeros((s,), jnp.uint32))
+
+    if self.mesh is None:
+      return jax.jit(make)()
+    cs = self._cache_sharding()
+    rep = NamedSharding(self.mesh, P())
+    out = DecodeState(k=cs, v=cs, lengths=rep, tokens=rep, active=rep, done=rep,
+                      remaining=rep, limit=rep, request_ids=rep, seeds=rep)
+    return jax.jit(make, out_shardings=out)()
+
+  # ------------------------------------------------------------------ stopping
+  def _stop_code(self, tok, lengths, remaining, limit):
+    is_eos = jnp.any(tok[:, None] == self._eos[None, :], axis=-1)
+    code = jnp.where(is_eos, STOP_EOS, RUNNING)
+    code = jnp.where((code == RUNNING) & (remaining <= 0), STOP_BUDGET, code)
+    # The pending token sits at position `lengths`; the sequence is full at `limit`.
+    code = jnp.where((code == RUNNING) & (lengths + 1 >= limit), STOP_LENGTH, code)
+    return code
+
+  # ------------------------------------------------------------------ prefill / insert
+  def _prefill(self, params, tokens, lengths, request_ids, seeds, budgets, limits):
+    logits, k, v = decoder.prefill(params, tokens, lengths, cfg=self.cfg)
+    keys = token_keys(seeds, request_ids, lengths)
+    tok, lp = sample(logits, keys, self.ecfg.sampling)
+    remaining = budgets - 1
+    done = self._stop_code(tok, lengths, remaining, limits)
+    return Prefix(k=k, v=v, lengths=lengths, tokens=tok, logprobs=lp, done=done,
+                  remaining=remaining, limit=limits, request_ids=request_ids, seeds=seeds)
+
+  def prefill(self, params, prompts: Sequence[Sequence[int]], request_ids: Sequence[int],
+              seeds: Sequence[int] | int = 0, max_new_tokens: Sequence[int] | int | None = None,
+              max_total_len: Sequence[int] | int | None = None) -> Prefix:
+    """Prefill a batch of prompts (padded to length and count buckets); samples each first token.
+
+    `max_new_tokens` is the budget of the first turn (default: until the cache is full);
+    `max_total_len` caps the whole sequence (default: the cache length).
+    """
+    n = len(prompts)
+    if n == 0:
+      raise ValueError("prefill needs at least one prompt")
+    lens = [len(p) for p in prompts]
+    if min(lens) == 0:
+      raise ValueError("prefill: empty prompt")
+    if max(lens) >= self.ecfg.max_len:
+      raise ValueError(f"prompt of {max(lens)} tokens does not fit the engine's max_len "
+                       f"{self.ecfg.max_len} (at least one new token must fit)")
+    t = _bucket(max(lens), self.ecfg.prefill_buckets)
+    b = _bucket(n, _pow2_buckets(1, max(n, 1 << max(0, (n - 1).bit_length()))))
+    toks = np.zeros((b, t), np.int32)
+    for i, p in enumerate(prompts):
+      toks[i, :len(p)] = p
+    lengths = np.ones((b,), np.int32)
+    lengths[:n] = lens
+
+    def per(x, default, dtype):
+      arr = np.full((b,), default, dtype)
+      arr[:n] = x if x is not None else default
+      return arr
+
+    full = self.ecfg.max_len
+    budgets = per(max_new_tokens, full, np.int32)
+    limits = np.minimum(per(max_total_len, full, np.int32), full)
+    rids = per(list(request_ids), 0, np.int32)
+    sds = per(seeds if not isinstance(seeds, int) else [seeds] * n, 0, np.uint32)
+    if np.any(budgets[:n] <= 0):
+      raise ValueError("max_new_tokens must be >= 1")
+    pre = self._jit_prefill(params, toks, lengths, rids, sds, budgets, limits)
+    return jax.tree.map(lambda x: x[:, :n] if x.ndim == 5 else x[:n], pre)
+
+  def _insert(self, prefix: Prefix, state: DecodeState, slots):
+    t = prefix.k.shape[2]
+    if t > state.k.shape[2]:
+      raise ValueError("prefix longer than the cache")
+    k = state.k.at[:, slots, :t].set(prefix.k.astype(state.k.dtype))
+    v = state.v.at[:, slots, :t].set(prefix.v.astype(state.v.dtype))
+    upd = lambda a, b: a.at[slots].set(b.astype(a.dtype))
+    return self._constrain(state.replace(
+        k=k, v=v, lengths=upd(state.lengths, prefix.lengths),
+        tokens=upd(state.tokens, prefix.tokens),
+        active=upd(state.active, prefix.done == RUNNING), done=upd(state.done, prefix.done),
+        remaining=upd(state.remaining, prefix.remaining), limit=upd(state.limit, prefix.limit),
+        request_ids=upd(state.request_ids, prefix.request_ids),
+        seeds=upd(state.seeds, prefix.seeds)))
+
+  def insert(self, prefix: Prefix, state: DecodeState, slots) -> DecodeState:
+    """Place prefilled prompts into `slots` (an int for one prompt, or a sequence)."""
+    slots = np.atleast_1d(np.asarray(slots, np.int32))
+    if len(slots) != prefix.lengths.shape[0]:
+      raise ValueError(f"insert: {prefix.lengths.shape[0]} prefixes but {len(slots)} slots")
+    if slots.min() < 0 or slots.max() >= self.ecfg.slots:
+      raise ValueError(f"insert: slot out of range [0, {self.ecfg.slots}): {slots.tolist()}")
+    return self._jit_insert(prefix, state, slots)
+
+  # ------------------------------------------------------------------ decode
+  def _step(self, params, state: DecodeState, kv_len: int):
+    s = self.ecfg.slots
+    logits, k_new, v_new = decoder.extend(params, state.k, state.v, state.tokens[:, None],
+                                          state.lengths, cfg=self.cfg, kv_len=kv_len)
+    slot_ids = jnp.arange(s, dtype=jnp.int32)
+    k = decoder.write_kv(state.k, k_new, slot_ids, state.lengths)
+    v = decoder.write_kv(state.v, v_new, slot_ids, state.lengths)
+    lengths = state.lengths + state.active.astype(jnp.int32)
+    keys = token_keys(state.seeds, state.request_ids, lengths)
+    tok, lp = sample(logits[:, 0], keys, self.ecfg.sampling)
+    remaining = state.remaining - state.active.astype(jnp.int32)
+    code = self._stop_code(tok, lengths, remaining, state.limit)
+    valid = state.active
+    new = state.replace(
+        k=k, v=v, lengths=lengths, tokens=jnp.where(valid, tok, state.tokens),
+        remaining=remaining, active=valid & (code == RUNNING),
+        done=jnp.where(valid, code, state.done))
+    return new, (tok, lp, valid)
+
+  def _generate(self, params, state: DecodeState, steps: int, kv_len: int):
+    def body(st, _):
+      return self._step(params, st, kv_len)
+    state, (tok, lp, valid) = jax.lax.scan(body, state, None, length=steps)
+    return self._constrain(state), StepOutput(tokens=tok, logprobs=lp, valid=valid,
+                                              done=state.done)
+
+  def kv_len_for(self, max_cached: int) -> int:
+    """The live-KV bucket covering `max_cached` cached tokens."""
+    return _bucket(max(1, min(max_cached, self.ecfg.max_len)), self.ecfg.kv_buckets)
+
+  def generate(self, params, state: DecodeState, steps: int = 1,
+               kv_len: int | None = None) -> tuple[DecodeState, StepOutput]:
+    """`steps` decode steps for every active slot.
+
+    `kv_len` bounds the cache prefix read by attention; it must cover the longest active slot
+    plus `steps - 1` (the scheduler passes it; default: the whole cache).
+    """
+    kv_len = self.ecfg.max_len if kv_len is None else self.kv_len_for(kv_len)
+    return self._jit_generate(params, state, steps=steps, kv_len=kv_len)
+
+  # ------------------------------------------------------------------ append
+  def _append(self, params, state: DecodeState, slots, chunk, chunk_lens, budgets, kv_len):
+    # chunk[:, 0] is the slot's pending token; observation tokens follow.
+    cache_lens = state.lengths[slots]
+    ck = state.k[:, slots, :kv_len]
+    cv = state.v[:, slots, :kv_len]
+    chunk = chunk.at[:, 0].set(state.tokens[slots])
+    logits, k_new, v_new = decoder.extend(params, ck, cv, chunk, cache_lens, cfg=self.cfg,
+                                          kv_len=kv_len)
+    k = decoder.write_kv(state.k, k_new, slots, cache_lens)
+    v = decoder.write_kv(state.v, v_new, slots, cache_lens)
+    last = jnp.take_along_axis(logits, (chunk_lens - 1)[:, None, None], axis=1)[:, 0]
+    lengths = cache_lens + chunk_lens
+    keys = token_keys(state.seeds[slots], state.request_ids[slots], lengths)
+    tok, lp = sample(last, keys, self.ecfg.sampling)
+    remaining = budgets - 1
+    limit = state.limit[slots]
+    code = self._stop_code(tok, lengths, remaining, limit)
+    # A chunk that does not fit leaves the slot at its limit: report a length stop.
+    code = jnp.where(lengths >= limit, STOP_LENGTH, code)
+    upd = lambda a, b: a.at[slots].set(b.astype(a.dtype))
+    new = state.replace(k=k, v=v, lengths=upd(state.lengths, lengths),
+                        tokens=upd(state.tokens, tok), remaining=upd(state.remaining, remaining),
+                        active=upd(state.active, code == RUNNING), done=upd(state.done, code))
+    return self._constrain(new), (tok, lp, code)
+
+  def append(self, params, state: DecodeState, slots, observations: Sequence[Sequence[int]],
+             max_new_tokens: Sequence[int] | int | None = None, cached_lens=None):
+    """Feed each slot's pending token plus observation tokens, then sample the next token.
+
+    `cached_lens` (host-known cache lengths of `slots`) only picks the live-KV bucket; pass it
+    to avoid reading the whole cache. Returns (state, (first tokens, logprobs, stop codes)).
+    """
+    slots = np.atleast_1d(np.asarray(slots, np.int32))
+    if len(slots) != len(observations):
+      raise ValueError("append: one observation per slot")
+    n = max(len(o) for o in observations) + 1
+    nb = _bucket(n, _pow2_buckets(8, max(8, 1 << (n - 1).bit_length())))
+    b = len(slots)
+    bb = _bucket(b, _pow2_buckets(1, max(1, 1 << (b - 1).bit_length())))
+    chunk = np.zeros((bb, nb), np.int32)
+    lens = np.ones((bb,), np.int32)
+    for i, o in enumerate(observations):
+      chunk[i, 1:1 + len(o)] = o
+      lens[i] = 1 + len(o)
+    # Padding rows repeat the first slot with an identical chunk: duplicate writes are equal.
+    pad_slots = np.full((bb,), slots[0], np.int32)
+    pad_slots[:b] = slots
+    chunk[b:] = chunk[0]
+    lens[b:] = lens[0]
+    budgets = np.full((bb,), self.ecfg.max_len, np.int32)
+    if max_new_tokens is not None:
+      budgets[:b] = max_new_tokens
+    budgets[b:] = budgets[0]
+    kv_len = (self.ecfg.max_len if cached_lens is None
+              else self.kv_len_for(int(np.max(cached_lens))))
+    state, (tok, lp, code) = self._jit_append(params, state, pad_slots, chunk, lens, budgets,
+                                              kv_len=kv_len)
+    return state, (tok[:b], lp[:b], code[:b])
+
+  # ------------------------------------------------------------------ host control
+  def _update(self, state: DecodeState, slots, lengths, tokens, active, remaining):
+    upd = lambda a, b: a.at[slots].set(b.astype(a.dtype))
+    return state.replace(lengths=upd(state.lengths, lengths), tokens=upd(state.tokens, tokens),
+                         active=upd(state.active, active),
+                         remaining=upd(state.remaining, remaining),
+                         done=upd(state.done, jnp.where(active, RUNNING, state.done[slots])))
+
+  def update_slots(self, state: DecodeState, slots, *, lengths, tokens, active,
+                   remaining=None) -> DecodeState:
+    """Set slots' cached length, pending token and activity (rewind after a host-side stop)."""
+    slots = np.atleast_1d(np.asarray(slots, np.int32))
+    k = len(slots)
+    arr = lambda x, dt: np.broadcast_to(np.asarray(x, dt), (k,)).copy()
+    rem = arr(self.ecfg.max_len if remaining is None else remaining, np.int32)
+    return self._jit_update(state, slots, arr(lengths, np.int32), arr(tokens, np.int32),
+                            arr(active, bool), rem)
+
+  def free_slots(self, state: DecodeState, slots) -> DecodeState:
+    """Deactivate slots (their cache is reused by the next insert)."""
+    slots = np.atleast_1d(np.asarray(slots, np.int32))
+    lengths = np.asarray(state.lengths)[slots]
+    tokens = np.asarray(state.tokens)[slots]
+    return self.update_slots(state, slots, lengths=lengths, tokens=tokens, active=False,
+                             remaining=0)

@@ -1,0 +1,233 @@
+"""Continuous batching over the engine's slots, and the `generate` convenience function.
+
+Requests wait in a queue; whenever slots are free, the waiting prompts are prefilled together
+and inserted; every active slot decodes `decode_steps` tokens per device call; finished slots
+are refilled at once. The host checks stop strings / token sequences after each call and
+rewinds a slot that stopped in the middle of a multi-step call.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import numpy as np
+
+from jaxagent.generate.engine import (RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH, Engine,
+                                      EngineConfig)
+from jaxagent.generate.sampling import SamplingConfig
+
+STOP_REASONS = {STOP_EOS: "eos", STOP_BUDGET: "max_new_tokens", STOP_LENGTH: "max_length"}
+
+
+@dataclasses.dataclass
+class Completion:
+  """One request's output: new token ids, their sampler log-probs, and why it stopped.
+
+  `stop_reason` is one of "eos", "stop" (a stop string / token sequence; it is included in
+  `tokens`), "max_new_tokens", "max_length".
+  """
+  request_id: int
+  tokens: list[int]
+  logprobs: list[float]
+  stop_reason: str
+  stop_match: str | tuple[int, ...] | None = None
+  text: str | None = None
+
+
+class StopChecker:
+  """Host-side stop detection on a turn's generated tokens (strings need a tokenizer)."""
+
+  def __init__(self, stop=None, tokenizer=None):
+    self.strings: list[str] = []
+    self.sequences: list[tuple[int, ...]] = []
+    if stop is None:
+      stop = []
+    elif isinstance(stop, str):
+      stop = [stop]
+    elif not isinstance(stop, (list, tuple)):
+      raise ValueError(f"unknown stop spec {stop!r}: expected a string, a list of strings, or a "
+                       "list of token-id sequences")
+    for s in stop:
+      if isinstance(s, str):
+        if not s:
+          raise ValueError("stop strings must be non-empty")
+        self.strings.append(s)
+      elif (isinstance(s, (list, tuple)) and s
+            and all(isinstance(t, (int, np.integer)) for t in s)):
+        self.sequences.append(tuple(int(t) for t in s))
+      else:
+        raise ValueError(f"unknown stop spec entry {s!r}: expected a non-empty string or a "
+                         "non-empty sequence of token ids")
+    if self.strings and tokenizer is None:
+      raise ValueError("stop strings need a tokenizer (pass tokenizer=...), or give stop token "
+                       "id sequences instead")
+    self.tokenizer = tokenizer
+    self._window = max((len(s) for s in self.strings), default=0) + 2
+
+  def __bool__(self):
+    return bool(self.strings or self.sequences)
+
+  def check(self, tokens: Sequence[int]):
+    """The stop matched by the turn ending at `tokens[-1]`, or None."""
+    for seq in self.sequences:
+      if len(tokens) >= len(seq) and tuple(tokens[-len(seq):]) == seq:
+        return seq
+    if self.strings:
+      text = self.tokenizer.decode(list(tokens[-self._window:]))
+      for s in self.strings:
+        if s in text:
+          return s
+    return None
+
+
+@dataclasses.dataclass
+class _Live:
+  req_index: int
+  request_id: int
+  cached: int                       # host mirror of the slot's cache length
+  tokens: list[int] = dataclasses.field(default_factory=list)
+  logprobs: list[float] = dataclasses.field(default_factory=list)
+
+
+@functools.lru_cache(maxsize=16)
+def _engine(cfg, ecfg: EngineConfig, mesh) -> Engine:
+  return Engine(cfg, ecfg, mesh=mesh)
+
+
+def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
+                 max_new_tokens: int | Sequence[int], request_ids: Sequence[int],
+                 seed: int = 0, stop: StopChecker | None = None,
+                 decode_steps: int = 8) -> list[Completion]:
+  """Run all prompts through `engine` with continuous batching; results in prompt order."""
+  n = len(prompts)
+  budgets = ([int(max_new_tokens)] * n if isinstance(max_new_tokens, (int, np.integer))
+             else [int(b) for b in max_new_tokens])
+  if any(b <= 0 for b in budgets):
+    raise ValueError("max_new_tokens must be >= 1")
+  stop = stop or StopChecker()
+  ecfg = engine.ecfg
+  for i, p in enumerate(prompts):
+    if len(p) + 1 > ecfg.max_len:
+      raise ValueError(f"prompt {i} has {len(p)} tokens; the engine's max_len is {ecfg.max_len}"
+                       " (prompt plus at least one new token must fit)")
+  results: list[Completion | None] = [None] * n
+  queue = collections.deque(range(n))
+  free = list(range(ecfg.slots))[::-1]
+  live: dict[int, _Live] = {}
+  state = engine.init_decode_state()
+
+  def finish(slot, reason, match=None):
+    lv = live.pop(slot)
+    results[lv.req_index] = Completion(lv.request_id, lv.tokens, lv.logprobs, reason, match)
+    free.append(slot)
+
+  def take(slot, tok, lp) -> bool:
+    """Record a sampled token; True when a host-side stop matched."""
+    lv = live[slot]
+    lv.tokens.append(int(tok))
+    lv.logprobs.append(float(lp))
+    if stop:
+      m = stop.check(lv.tokens)
+      if m is not None:
+        finish(slot, "stop", m)
+        return True
+    return False
+
+  while queue or live:
+    if queue and free:
+      batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
+      slots = [free.pop() for _ in batch]
+      prefix = engine.prefill(params, [prompts[i] for i in batch],
+                              [request_ids[i] for i in batch], seed,
+                              [budgets[i] for i in batch])
+      state = engine.insert(prefix, state, slots)
+      toks, lps, done = jax.device_get((prefix.tokens, prefix.logprobs, prefix.done))
+      host_stopped = []
+      for j, (slot, i) in enumerate(zip(slots, batch)):
+        live[slot] = _Live(i, request_ids[i], cached=len(prompts[i]))
+        if take(slot, toks[j], lps[j]):
+          if done[j] == RUNNING:
+            host_stopped.append(slot)
+        elif done[j] != RUNNING:
+          finish(slot, STOP_REASONS[int(done[j])])
+      if host_stopped:
+        state = engine.free_slots(state, host_stopped)
+      continue
+    if not live:
+      continue
+    kv = max(lv.cached for lv in live.values()) + decode_steps
+    state, out = engine.generate(params, state, steps=decode_steps, kv_len=kv)
+    toks, lps, valid, done = jax.device_get((out.tokens, out.logprobs, out.valid, out.done))
+    host_stopped = []
+    for slot in list(live):
+      stopped = False
+      for j in range(decode_steps):
+        if not valid[j, slot]:
+          break
+        live[slot].cached += 1
+        if take(slot, toks[j, slot], lps[j, slot]):
+          stopped = True
+          break
+      if stopped:
+        if done[slot] == RUNNING:  # the device kept going past the host-side stop
+          host_stopped.append(slot)
+      elif done[slot] != RUNNING:
+        finish(slot, STOP_REASONS[int(done[slot])])
+    if host_stopped:
+      state = engine.free_slots(state, host_stopped)
+  return results  # type: ignore[return-value]
+
+
+def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
+             temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
+             stop=None, slots: int = 8, max_len: int | None = None,
+             eos_ids: Sequence[int] | None = None, tokenizer=None,
+             request_ids: Sequence[int] | None = None, decode_steps: int = 8,
+             mesh=None) -> list[Completion]:
+  """Generate continuations for many prompts with continuous batching over `slots` slots.
+
+  Args:
+    prompts: token-id lists, or strings (then `tokenizer` is required).
+    stop: a string, a list of strings, or a list of token-id sequences; a match ends the
+      request and is included in its tokens.
+    eos_ids: token ids that end a request (default: the tokenizer's `eos_ids`, else the
+      config's `eos_token_id`).
+    request_ids: per-prompt ids for the rng (default 0..n-1); with the same seed and request
+      id a prompt gives the same output whatever the slot count or arrival order.
+  Returns one `Completion` per prompt, in order (with `.text` when a tokenizer is given).
+  """
+  if slots <= 0:
+    raise ValueError(f"slots must be a positive int, got {slots}")
+  if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], (int, np.integer))):
+    prompts = [prompts]
+  ids = []
+  for p in prompts:
+    if isinstance(p, str):
+      if tokenizer is None:
+        raise ValueError("string prompts need a tokenizer (pass tokenizer=...)")
+      ids.append(tokenizer.encode(p))
+    else:
+      ids.append([int(t) for t in p])
+  checker = StopChecker(stop, tokenizer)
+  if eos_ids is None:
+    if tokenizer is not None and getattr(tokenizer, "eos_ids", None):
+      eos_ids = sorted(tokenizer.eos_ids)
+    else:
+      eos_ids = [cfg.eos_token_id] if cfg.eos_token_id is not None else []
+  longest = max(len(p) for p in ids)
+  budget = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
+  if max_len is None:
+    max_len = min(cfg.max_seq_len, 1 << (longest + budget).bit_length())
+  ecfg = EngineConfig(slots=slots, max_len=max_len, eos_ids=tuple(int(e) for e in eos_ids),
+                      sampling=SamplingConfig(temperature, top_p, top_k))
+  engine = _engine(cfg, ecfg, mesh)
+  rids = list(range(len(ids))) if request_ids is None else list(request_ids)
+  out = run_requests(engine, params, ids, max_new_tokens=max_new_tokens, request_ids=rids,
+                     seed=seed, stop=checker, decode_steps=decode_steps)
+  if tokenizer is not None:
+    for c in out:
+      c.text = tokenizer.decode(c.tokens)
+  return out
