@@ -1,0 +1,384 @@
+"""Policy-gradient losses over packed `[B, L]` rows: GRPO, GSPO, GSPO-token.
+
+Place in the data flow: `rl/packing.py` turns trajectories into rows, the model scores them
+(`rl/step.py`), and this file turns the learner log-probs into a scalar loss and metrics.
+
+Conventions (shared with `rl/packing.py`):
+  * Every array is `[B, L]`. Position t holds the log-prob of token t given tokens < t, so the
+    first token of every segment has no log-prob and its `loss_mask` is 0.
+  * A row packs several trajectories ("segments"), told apart by `segment_ids` (1, 2, ... per
+    row; 0 is padding). A segment is identified by its (row, segment_id) pair; it never spans
+    rows. "seq" in the aggregation names always means a segment, never a row.
+  * Policy tokens are positions with `loss_mask > 0`; everything else (prompt, tool
+    observations, padding) contributes exactly zero value and exactly zero gradient, even when
+    its log-prob is -inf or NaN: every input is sanitised with `jnp.where` before any `exp`.
+
+Every aggregation mode is a per-token weight `w_t` times the per-token loss, summed, over a
+denominator that does not depend on the parameters:
+
+  ===========================  ======================  =================================
+  agg                          w_t for t in segment i   denominator
+  ===========================  ======================  =================================
+  token_mean                   1                        number of policy tokens
+  seq_mean_token_mean          1 / n_i                  number of live segments
+  seq_mean_token_sum           1                        number of live segments
+  seq_mean_token_sum_norm      1 / max_len_norm         number of live segments
+  ===========================  ======================  =================================
+
+where n_i is the number of policy tokens of segment i and a segment is *live* when n_i > 0
+(segments without policy tokens contribute nothing, neither to the sum nor to the count).
+`policy_loss_parts` returns the (numerator, denominator) pair so that micro-batches and packed
+rows normalise exactly like one big batch; `combine_parts` + `finalize_parts` do the rest.
+
+The total per-token loss is pg + kl_coef * kl - entropy_coef * entropy, all three reduced with the
+same `agg`. Metrics (`finalize_parts`):
+  * loss, pg_loss, kl_loss: the aggregated total, policy-gradient and KL terms (kl_loss before
+    `kl_coef`; 0 without `ref_logps`).
+  * kl_ref: mean over policy tokens of the configured KL estimator against `ref_logps`.
+  * entropy: mean over policy tokens of `entropies` (only when given).
+  * approx_kl_old: mean over policy tokens of k3 = r - 1 - log r, r = pi_theta / pi_old: an
+    unbiased estimate of KL(pi_old || pi_theta), since the tokens were sampled from pi_old.
+  * clip_frac_low / clip_frac_high / clip_frac_dual: fraction of units where the lower clip
+    (A < 0, r < 1 - clip_low), upper clip (A > 0, r > 1 + clip_high) or dual clip (A < 0,
+    loss capped at c |A|) binds, i.e. where the ratio gets no gradient.
+  * ratio_mean, ratio_min, ratio_max: of the importance ratio over units.
+  * num_policy_tokens, num_segments (live segments).
+A "unit" is a policy token for grpo and gspo_token, and a live segment for gspo.
+
+Gradient accumulation over micro-batches (what `rl/step.py` does)::
+
+    def numerator(params, mb):
+        parts = policy_loss_parts(logps_fn(params, mb), ..., cfg)
+        return parts.numerator, parts
+    grads, parts = zero_grads, None
+    for mb in micro_batches:
+        (_, p), g = jax.value_and_grad(numerator, has_aux=True)(params, mb)
+        grads = jax.tree.map(jnp.add, grads, g)
+        parts = p if parts is None else combine_parts(parts, p)
+    grads = jax.tree.map(lambda g: g / jnp.maximum(parts.denominator, 1.0), grads)
+    loss, metrics = finalize_parts(parts)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, NamedTuple, get_args
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+Algo = Literal["grpo", "gspo", "gspo_token"]
+Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+_SEQ_AGGS = ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+
+
+def _check_choice(field: str, value, literal) -> None:
+    allowed = get_args(literal)
+    if value not in allowed:
+        raise ValueError(f"LossConfig.{field}={value!r} is not supported; allowed values: {allowed}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Static loss settings; hashable, so it can be a static argument of `jax.jit`.
+
+    Attributes:
+      algo: "grpo" (token ratio, PPO clip), "gspo" (sequence ratio, sequence clip) or
+        "gspo_token" (GSPO-token: sequence-ratio value, per-token advantages and gradients).
+      agg: how per-token losses reduce to a scalar; see the module docstring.
+      clip_low, clip_high: the clip range is [1 - clip_low, 1 + clip_high]. Unequal values give
+        DAPO's clip-higher (e.g. 0.2 / 0.28). GSPO uses much smaller ranges (e.g. 3e-4 / 4e-4)
+        because its ratio is a per-token geometric mean.
+      dual_clip: c > 1 enables dual-clip PPO: for A < 0 the loss is capped at c * |A|.
+      kl_coef, kl_estimator: weight and estimator of the KL penalty against `ref_logps`.
+      entropy_coef: weight of the entropy bonus (needs per-token `entropies`).
+      max_len_norm: the constant divisor of "seq_mean_token_sum_norm" (Dr. GRPO); required by
+        that mode and rejected by the others.
+    """
+
+    algo: Algo = "grpo"
+    agg: Agg = "token_mean"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    entropy_coef: float = 0.0
+    max_len_norm: float | None = None
+
+    def __post_init__(self):
+        _check_choice("algo", self.algo, Algo)
+        _check_choice("agg", self.agg, Agg)
+        _check_choice("kl_estimator", self.kl_estimator, KLEstimator)
+        if not 0.0 <= self.clip_low < 1.0:
+            raise ValueError(f"LossConfig.clip_low={self.clip_low} must be in [0, 1) so 1 - clip_low > 0")
+        if not self.clip_high >= 0.0:
+            raise ValueError(f"LossConfig.clip_high={self.clip_high} must be >= 0")
+        if self.dual_clip is not None and not self.dual_clip > 1.0:
+            raise ValueError(f"LossConfig.dual_clip={self.dual_clip} must be None or a constant c > 1 (e.g. 3.0)")
+        if not self.kl_coef >= 0.0:
+            raise ValueError(f"LossConfig.kl_coef={self.kl_coef} must be >= 0")
+        if not self.entropy_coef >= 0.0:
+            raise ValueError(f"LossConfig.entropy_coef={self.entropy_coef} must be >= 0")
+        if self.agg == "seq_mean_token_sum_norm":
+            if self.max_len_norm is None or not self.max_len_norm > 0:
+                raise ValueError(
+                    "LossConfig.max_len_norm must be a positive constant (e.g. the maximum response "
+                    f"length) when agg='seq_mean_token_sum_norm'; got {self.max_len_norm!r}"
+                )
+        elif self.max_len_norm is not None:
+            raise ValueError(
+                f"LossConfig.max_len_norm={self.max_len_norm} is only used by agg='seq_mean_token_sum_norm'; "
+                f"set it to None for agg={self.agg!r}"
+            )
+
+
+class LossParts(NamedTuple):
+    """Additive pieces of the loss and its metrics for one (micro-)batch; a pytree of scalars.
+
+    `numerator / denominator` is the loss. Mean metrics are `sums[k] / counts[k]`; keys of `sums`
+    without a count (token and segment counts) are reported as totals.
+    """
+
+    numerator: Array
+    denominator: Array
+    sums: dict[str, Array]
+    counts: dict[str, Array]
+    ratio_min: Array
+    ratio_max: Array
+
+
+def _segment_sum_BxS(values_BxL: Array, segment_ids_BxL: Array, num_segments: int) -> Array:
+    """Per-(row, segment) sums; column s of the result is segment id s of that row.
+
+    Equivalent to one `segment_sum` over the global index row * num_segments + segment_id, but
+    kept per row so the batch axis stays sharded.
+    """
+    return jax.vmap(lambda v, s: jax.ops.segment_sum(v, s, num_segments=num_segments))(values_BxL, segment_ids_BxL)
+
+
+def _gather_BxL(per_segment_BxS: Array, segment_ids_BxL: Array) -> Array:
+    """Broadcasts per-segment values back to the tokens of each segment."""
+    return jnp.take_along_axis(per_segment_BxS, segment_ids_BxL, axis=1)
+
+
+def _clipped_surrogate(ratio: Array, adv: Array, cfg: LossConfig):
+    """Per-element PPO loss -min(r A, clip(r) A), with the optional dual clip.
+
+    Clipped PPO objective (Schulman et al. 2017, eq. 7) with DAPO's decoupled bounds
+    clip(r, 1 - eps_low, 1 + eps_high) (DAPO Sec. 3.1, Clip-Higher). Dual-clip PPO (Ye et al.
+    2020) additionally takes max(., c A) of the objective when A < 0, i.e. the loss is capped at
+    -c A = c |A| so a huge ratio on a bad token cannot blow up the update.
+
+    Returns the loss and boolean masks of where the low clip, the high clip and the dual clip bind
+    (where the gradient through the ratio is zero).
+    """
+    lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
+    unclipped = -adv * ratio
+    clipped = -adv * jnp.clip(ratio, lo, hi)
+    loss = jnp.maximum(unclipped, clipped)
+    clip_low = (adv < 0) & (ratio < lo)
+    clip_high = (adv > 0) & (ratio > hi)
+    if cfg.dual_clip is not None:
+        cap = -cfg.dual_clip * adv
+        dual = (adv < 0) & (loss > cap)
+        loss = jnp.where(adv < 0, jnp.minimum(loss, cap), loss)
+    else:
+        dual = jnp.zeros_like(clip_low)
+    return loss, clip_low, clip_high, dual
+
+
+def _kl_per_token(logps: Array, ref_logps: Array, estimator: KLEstimator) -> Array:
+    """Per-token estimators of KL(pi_theta || pi_ref) on tokens sampled from pi_theta.
+
+    Schulman's k1/k2/k3 (http://joschu.net/blog/kl-approx.html); k3 is the GRPO form
+    (DeepSeekMath eq. 4): pi_ref/pi - log(pi_ref/pi) - 1, unbiased and non-negative.
+    """
+    log_r = ref_logps - logps
+    if estimator == "k1":
+        return -log_r
+    if estimator == "k2":
+        return 0.5 * jnp.square(log_r)
+    return jnp.exp(log_r) - log_r - 1.0
+
+
+def policy_loss_parts(
+    logps: Array,
+    old_logps: Array,
+    advantages: Array,
+    loss_mask: Array,
+    segment_ids: Array,
+    cfg: LossConfig,
+    ref_logps: Array | None = None,
+    entropies: Array | None = None,
+    *,
+    max_segments_per_row: int | None = None,
+) -> LossParts:
+    """Loss numerator, denominator and metric parts for one `[B, L]` (micro-)batch.
+
+    Args:
+      logps: learner log-probs `[B, L]` (differentiated).
+      old_logps: sampler log-probs `[B, L]` (treated as constants).
+      advantages: per-token advantages `[B, L]`.
+      loss_mask: `[B, L]`, > 0 on policy tokens.
+      segment_ids: `[B, L]` int, 1.. per packed trajectory, 0 on padding.
+      ref_logps: reference-policy log-probs `[B, L]`; required when `cfg.kl_coef > 0`.
+      entropies: per-token policy entropies `[B, L]`; required when `cfg.entropy_coef > 0`.
+      max_segments_per_row: static bound on segment ids (default L, always safe). Segment ids
+        above it would be silently dropped by the segment sums, so pass a smaller value only when
+        the packer guarantees it.
+    """
+    if cfg.kl_coef > 0 and ref_logps is None:
+        raise ValueError(f"LossConfig.kl_coef={cfg.kl_coef} > 0 needs ref_logps; pass the reference policy's log-probs")
+    if cfg.entropy_coef > 0 and entropies is None:
+        raise ValueError(f"LossConfig.entropy_coef={cfg.entropy_coef} > 0 needs per-token entropies")
+    B, L = logps.shape
+    for name, x in (("old_logps", old_logps), ("advantages", advantages), ("loss_mask", loss_mask),
+                    ("segment_ids", segment_ids), ("ref_logps", ref_logps), ("entropies", entropies)):
+        if x is not None and x.shape != (B, L):
+            raise ValueError(f"{name} has shape {x.shape}; expected {(B, L)} like logps")
+    num_segments = (L if max_segments_per_row is None else max_segments_per_row) + 1  # + padding id 0
+
+    dtype = jnp.promote_types(logps.dtype, jnp.float32)
+    segment_ids_BxL = segment_ids.astype(jnp.int32)
+    mask_BxL = (loss_mask > 0) & (segment_ids_BxL > 0)
+    maskf_BxL = mask_BxL.astype(dtype)
+
+    def clean(x):  # zero (value and gradient) outside policy tokens, before any exp
+        return jnp.where(mask_BxL, x.astype(dtype), 0.0)
+
+    logps_BxL = clean(logps)
+    old_BxL = clean(jax.lax.stop_gradient(old_logps))
+    adv_BxL = clean(jax.lax.stop_gradient(advantages))
+    log_ratio_BxL = logps_BxL - old_BxL
+
+    ntok_BxS = _segment_sum_BxS(maskf_BxL, segment_ids_BxL, num_segments)
+    live_BxS = ntok_BxS > 0
+    inv_ntok_BxS = jnp.where(live_BxS, 1.0 / jnp.maximum(ntok_BxS, 1.0), 0.0)
+    num_tokens = jnp.sum(maskf_BxL)
+    num_live = jnp.sum(live_BxS.astype(dtype))
+
+    # Per-token aggregation weights (module docstring table).
+    if cfg.agg == "token_mean":
+        w_BxL, denominator = maskf_BxL, num_tokens
+    elif cfg.agg == "seq_mean_token_mean":
+        w_BxL, denominator = maskf_BxL * _gather_BxL(inv_ntok_BxS, segment_ids_BxL), num_live
+    elif cfg.agg == "seq_mean_token_sum":
+        w_BxL, denominator = maskf_BxL, num_live
+    else:
+        w_BxL, denominator = maskf_BxL / cfg.max_len_norm, num_live
+
+    def seq_mean(x_BxL):  # mean over each segment's policy tokens, broadcast back to its tokens
+        return _gather_BxL(_segment_sum_BxS(x_BxL * maskf_BxL, segment_ids_BxL, num_segments) * inv_ntok_BxS,
+                           segment_ids_BxL)
+
+    if cfg.algo == "grpo":
+        # Token-level ratio r_t = pi(y_t) / pi_old(y_t) (GRPO, DeepSeekMath eq. 3).
+        ratio_BxL = jnp.exp(log_ratio_BxL)
+        pg_BxL, low_BxL, high_BxL, dual_BxL = _clipped_surrogate(ratio_BxL, adv_BxL, cfg)
+        unit_BxL = maskf_BxL  # clip and ratio metrics count policy tokens
+    elif cfg.algo == "gspo":
+        # GSPO eq. (7): s_i = exp(1/|y_i| sum_t log(pi / pi_old)); eq. (5): the clipped objective
+        # with s_i and the sequence advantage A_i, which we take as the mean of the per-token
+        # advantages over the segment's policy tokens (exactly A_i for outcome rewards, which are
+        # constant within a segment). Each policy token carries its sequence's loss, so
+        # agg="seq_mean_token_mean" is eq. (5) exactly and the other modes reweight sequences.
+        ratio_BxL = jnp.exp(seq_mean(log_ratio_BxL))
+        pg_BxL, low_BxL, high_BxL, dual_BxL = _clipped_surrogate(ratio_BxL, seq_mean(adv_BxL), cfg)
+        # Metrics count sequences: put each segment's weight 1 on its tokens as 1/n_i.
+        unit_BxL = maskf_BxL * _gather_BxL(inv_ntok_BxS, segment_ids_BxL)
+    else:
+        # GSPO-token (GSPO Sec. 4.3): s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]; its value is s_i,
+        # its gradient flows only through token t, and advantages stay per token.
+        seq_log_ratio_BxL = jax.lax.stop_gradient(seq_mean(log_ratio_BxL))
+        ratio_BxL = jnp.exp(seq_log_ratio_BxL + logps_BxL - jax.lax.stop_gradient(logps_BxL))
+        pg_BxL, low_BxL, high_BxL, dual_BxL = _clipped_surrogate(ratio_BxL, adv_BxL, cfg)
+        unit_BxL = maskf_BxL
+
+    pg_num = jnp.sum(w_BxL * pg_BxL)
+    numerator = pg_num
+    sums, counts = {}, {}
+    num_units = jnp.sum(unit_BxL)
+
+    kl_num = jnp.zeros((), dtype)
+    if ref_logps is not None:
+        kl_BxL = clean(_kl_per_token(logps_BxL, clean(jax.lax.stop_gradient(ref_logps)), cfg.kl_estimator))
+        kl_num = jnp.sum(w_BxL * kl_BxL)
+        numerator = numerator + cfg.kl_coef * kl_num
+        sums["kl_ref"], counts["kl_ref"] = jnp.sum(kl_BxL), num_tokens
+    if entropies is not None:
+        ent_BxL = clean(entropies)
+        numerator = numerator - cfg.entropy_coef * jnp.sum(w_BxL * ent_BxL)
+        sums["entropy"], counts["entropy"] = jnp.sum(ent_BxL), num_tokens
+
+    # approx_kl_old: k3 estimate of KL(pi_old || pi_theta) on the sampled tokens (which come from
+    # pi_old): r - 1 - log r with r = pi_theta / pi_old. Token-level even for GSPO.
+    token_ratio_BxL = jnp.exp(jax.lax.stop_gradient(log_ratio_BxL))
+    k3_old_BxL = clean(token_ratio_BxL - 1.0 - jax.lax.stop_gradient(log_ratio_BxL))
+    sums["approx_kl_old"], counts["approx_kl_old"] = jnp.sum(k3_old_BxL), num_tokens
+    sums["pg_loss"], counts["pg_loss"] = pg_num, denominator
+    sums["kl_loss"], counts["kl_loss"] = kl_num, denominator
+    ratio_sg = jax.lax.stop_gradient(ratio_BxL)
+    for name, x in (("clip_frac_low", low_BxL), ("clip_frac_high", high_BxL), ("clip_frac_dual", dual_BxL),
+                    ("ratio_mean", ratio_sg)):
+        sums[name], counts[name] = jnp.sum(unit_BxL * x), num_units
+    sums["num_policy_tokens"] = num_tokens
+    sums["num_segments"] = num_live
+    ratio_min = jnp.min(jnp.where(mask_BxL, ratio_sg, jnp.inf))
+    ratio_max = jnp.max(jnp.where(mask_BxL, ratio_sg, -jnp.inf))
+    return LossParts(numerator, denominator, sums, counts, ratio_min, ratio_max)
+
+
+def combine_parts(*parts: LossParts) -> LossParts:
+    """Merges the parts of several micro-batches: sums add, extremes take min / max."""
+    out = parts[0]
+    for p in parts[1:]:
+        out = LossParts(
+            numerator=out.numerator + p.numerator,
+            denominator=out.denominator + p.denominator,
+            sums=jax.tree.map(jnp.add, out.sums, p.sums),
+            counts=jax.tree.map(jnp.add, out.counts, p.counts),
+            ratio_min=jnp.minimum(out.ratio_min, p.ratio_min),
+            ratio_max=jnp.maximum(out.ratio_max, p.ratio_max),
+        )
+    return out
+
+
+def finalize_parts(parts: LossParts) -> tuple[Array, dict[str, Array]]:
+    """Loss = numerator / max(denominator, 1) and the metrics dict (0 / 1 when nothing to average)."""
+    loss = parts.numerator / jnp.maximum(parts.denominator, 1.0)
+    metrics = {}
+    for k, v in parts.sums.items():
+        metrics[k] = v / jnp.maximum(parts.counts[k], 1.0) if k in parts.counts else v
+    has_tokens = parts.sums["num_policy_tokens"] > 0
+    metrics["ratio_min"] = jnp.where(has_tokens, parts.ratio_min, 1.0)
+    metrics["ratio_max"] = jnp.where(has_tokens, parts.ratio_max, 1.0)
+    metrics["ratio_mean"] = jnp.where(has_tokens, metrics["ratio_mean"], 1.0)
+    metrics["loss"] = loss
+    return loss, metrics
+
+
+def policy_loss(
+    logps: Array,
+    old_logps: Array,
+    advantages: Array,
+    loss_mask: Array,
+    segment_ids: Array,
+    cfg: LossConfig,
+    ref_logps: Array | None = None,
+    entropies: Array | None = None,
+    *,
+    max_segments_per_row: int | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """Scalar loss and metrics for one batch; see `policy_loss_parts` for the arguments.
+
+    For micro-batched steps use `policy_loss_parts` + `combine_parts` + `finalize_parts`, which
+    normalise by the denominator of the whole batch.
+    """
+    parts = policy_loss_parts(logps, old_logps, advantages, loss_mask, segment_ids, cfg, ref_logps, entropies,
+                              max_segments_per_row=max_segments_per_row)
+    return finalize_parts(parts)

@@ -1,0 +1,437 @@
+"""Tests for jaxagent/rl/losses.py against an independent, loop-based NumPy reference.
+
+The reference below is written from the papers' formulas (PPO/DAPO clip, dual-clip PPO, GSPO
+eq. (5)-(7), GSPO-token, Schulman's k1/k2/k3, the four aggregation modes), one trajectory at a
+time, with no packing and no masking tricks; gradients come from central finite differences in
+float64. GSPO-token's stop-gradients are modelled by a second, frozen copy of the log-probs.
+"""
+
+import dataclasses
+import functools
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent.rl.losses import LossConfig, combine_parts, finalize_parts, policy_loss, policy_loss_parts
+
+ALGOS = ("grpo", "gspo", "gspo_token")
+AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+ESTIMATORS = ("k1", "k2", "k3")
+MAX_LEN_NORM = 16.0
+
+
+def make_cfg(algo="grpo", agg="token_mean", **kw):
+    if agg == "seq_mean_token_sum_norm":
+        kw.setdefault("max_len_norm", MAX_LEN_NORM)
+    return LossConfig(algo=algo, agg=agg, **kw)
+
+
+# ----------------------------------------------------------------------------- NumPy reference
+
+
+@dataclasses.dataclass
+class Traj:
+    mask: np.ndarray  # [n] 1 on policy tokens
+    old: np.ndarray
+    adv: np.ndarray
+    ref: np.ndarray
+    ent: np.ndarray
+    lp: np.ndarray  # learner log-probs (the differentiated input)
+
+
+def ppo_objective(r, a, cfg):
+    """Per-unit objective (to maximise): min(r A, clip(r) A), dual-clipped below by c A for A < 0."""
+    obj = min(r * a, float(np.clip(r, 1 - cfg.clip_low, 1 + cfg.clip_high)) * a)
+    if cfg.dual_clip is not None and a < 0:
+        obj = max(obj, cfg.dual_clip * a)
+    return obj
+
+
+def kl_estimate(lp, ref, estimator):
+    if estimator == "k1":
+        return lp - ref
+    if estimator == "k2":
+        return 0.5 * (lp - ref) ** 2
+    return np.exp(ref - lp) - (ref - lp) - 1.0
+
+
+def reference_loss(trajs, lps, cfg, lps_frozen=None, use_ref=True, use_ent=True):
+    """Loss of `cfg` on unpacked trajectories; `lps_frozen` plays the stop-gradient copy."""
+    lps_frozen = lps if lps_frozen is None else lps_frozen
+    per_seq = []  # per live trajectory: its per-token total losses
+    for tr, lp, lp_sg in zip(trajs, lps, lps_frozen):
+        idx = [t for t in range(len(tr.mask)) if tr.mask[t] > 0]
+        if not idx:
+            continue
+        if cfg.algo == "grpo":
+            pg = [-ppo_objective(np.exp(lp[t] - tr.old[t]), tr.adv[t], cfg) for t in idx]
+        elif cfg.algo == "gspo":
+            s = np.exp(np.mean([lp[t] - tr.old[t] for t in idx]))
+            a = np.mean([tr.adv[t] for t in idx])
+            pg = [-ppo_objective(s, a, cfg)] * len(idx)
+        else:
+            s_sg = np.exp(np.mean([lp_sg[t] - tr.old[t] for t in idx]))
+            pg = [-ppo_objective(s_sg * np.exp(lp[t] - lp_sg[t]), tr.adv[t], cfg) for t in idx]
+        tot = []
+        for k, t in enumerate(idx):
+            x = pg[k]
+            if use_ref:
+                x += cfg.kl_coef * kl_estimate(lp[t], tr.ref[t], cfg.kl_estimator)
+            if use_ent:
+                x -= cfg.entropy_coef * tr.ent[t]
+            tot.append(x)
+        per_seq.append(tot)
+    if cfg.agg == "token_mean":
+        return sum(sum(s) for s in per_seq) / sum(len(s) for s in per_seq)
+    if cfg.agg == "seq_mean_token_mean":
+        return np.mean([np.mean(s) for s in per_seq])
+    if cfg.agg == "seq_mean_token_sum":
+        return np.mean([np.sum(s) for s in per_seq])
+    return np.mean([np.sum(s) / cfg.max_len_norm for s in per_seq])
+
+
+def reference_grad(trajs, cfg, h=1e-6, **kw):
+    """d loss / d lp by central differences (float64), with the frozen copy held at lp."""
+    lps = [tr.lp.astype(np.float64) for tr in trajs]
+    grads = [np.zeros_like(lp) for lp in lps]
+    for i, tr in enumerate(trajs):
+        for t in np.flatnonzero(tr.mask > 0):
+            plus = [x.copy() for x in lps]
+            minus = [x.copy() for x in lps]
+            plus[i][t] += h
+            minus[i][t] -= h
+            f_plus = reference_loss(trajs, plus, cfg, lps_frozen=lps, **kw)
+            f_minus = reference_loss(trajs, minus, cfg, lps_frozen=lps, **kw)
+            grads[i][t] = (f_plus - f_minus) / (2 * h)
+    return grads
+
+
+# ----------------------------------------------------------------------------- test data
+
+# (log-ratio offset, advantage) per trajectory, chosen so every branch is exercised with
+# clip_low=0.2, clip_high=0.28, dual_clip=3: unclipped, low clip, high clip, dual clip, a ratio
+# between 1.2 and 1.28 (clipped only without clip-higher), A > 0 with r < 0.8 (never clipped).
+SEQ_PLAN = [(0.0, 1.0), (0.05, -0.7), (-0.5, -1.2), (0.45, 0.9), (1.3, -0.5), (0.24, 0.8), (-0.4, 0.6)]
+
+
+def make_trajs(seed=0, plan=SEQ_PLAN, token_adv_noise=0.1, with_empty=True):
+    """Multi-turn-like trajectories: prompt, policy turn, observation, policy turn."""
+    rng = np.random.default_rng(seed)
+    trajs = []
+    for offset, adv in plan:
+        n_prompt, n_act1, n_obs, n_act2 = rng.integers(1, 4), rng.integers(2, 7), rng.integers(1, 4), rng.integers(1, 6)
+        mask = np.concatenate([np.zeros(n_prompt), np.ones(n_act1), np.zeros(n_obs), np.ones(n_act2)])
+        n = mask.size
+        old = -rng.uniform(0.1, 3.0, n)
+        noise = rng.normal(0, 0.3, n)
+        noise -= np.sum(noise * mask) / np.sum(mask)  # the sequence log-ratio mean is exactly `offset`
+        lp = np.where(mask > 0, old + offset + noise, -rng.uniform(0.1, 3.0, n))
+        trajs.append(Traj(mask=mask, old=np.where(mask > 0, old, 0.0), adv=adv + token_adv_noise * rng.normal(size=n),
+                          ref=lp + rng.normal(0, 0.2, n), ent=rng.uniform(0.1, 2.0, n), lp=lp))
+    if with_empty:  # a trajectory without policy tokens (e.g. it failed before acting)
+        n = 5
+        trajs.append(Traj(mask=np.zeros(n), old=np.zeros(n), adv=np.full(n, 2.0), ref=-np.ones(n),
+                          ent=np.ones(n), lp=-np.ones(n)))
+    for tr in trajs:  # round to float32 so JAX (fp32) and the reference (fp64) see the same numbers
+        for f in ("mask", "old", "adv", "ref", "ent", "lp"):
+            setattr(tr, f, getattr(tr, f).astype(np.float32).astype(np.float64))
+    return trajs
+
+
+def to_batch(trajs, rows, L, pad_logp=0.0):
+    """Lays trajectories into `[len(rows), L]` rows; rows[r] lists trajectory indices in order."""
+    B = len(rows)
+    arr = {k: np.zeros((B, L)) for k in ("lp", "old", "adv", "mask", "ref", "ent")}
+    arr["lp"][:] = pad_logp
+    seg = np.zeros((B, L), np.int32)
+    where = {}
+    for r, ids in enumerate(rows):
+        o = 0
+        for s, i in enumerate(ids, start=1):
+            tr = trajs[i]
+            n = tr.mask.size
+            assert o + n <= L
+            for k in arr:
+                arr[k][r, o:o + n] = getattr(tr, k)
+            seg[r, o:o + n] = s
+            where[i] = (r, o, n)
+            o += n
+    return arr, seg, where
+
+
+def jax_loss_and_grad(arr, seg, cfg, dtype=jnp.float32, use_ref=True, use_ent=True, parts=False):
+    args = {k: jnp.asarray(v, dtype) for k, v in arr.items()}
+
+    def f(lp):
+        fn = policy_loss_parts if parts else policy_loss
+        out = fn(lp, args["old"], args["adv"], args["mask"], jnp.asarray(seg), cfg,
+                 ref_logps=args["ref"] if use_ref else None, entropies=args["ent"] if use_ent else None)
+        return (out.numerator, out) if parts else out
+
+    (val, aux), g = jax.value_and_grad(f, has_aux=True)(args["lp"])
+    return val, aux, np.asarray(g)
+
+
+def unpack_grad(g_BxL, where, trajs):
+    return [g_BxL[where[i][0], where[i][1]:where[i][1] + where[i][2]] for i in range(len(trajs))]
+
+
+ONE_PER_ROW = [[i] for i in range(8)]
+PACKED_ROWS = [[0, 7, 3], [5, 1], [6, 2, 4]]  # 3 rows, padding at the end of each
+L_UNPACKED, L_PACKED = 24, 64
+
+# ----------------------------------------------------------------------------- reference sweep
+
+
+@pytest.mark.parametrize("algo,agg,estimator", list(itertools.product(ALGOS, AGGS, ESTIMATORS)))
+def test_matches_numpy_reference(algo, agg, estimator):
+    cfg = make_cfg(algo, agg, clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.05, kl_estimator=estimator,
+                   entropy_coef=0.01)
+    trajs = make_trajs()
+    arr, seg, where = to_batch(trajs, ONE_PER_ROW, L_UNPACKED)
+    loss, metrics, g = jax_loss_and_grad(arr, seg, cfg)
+    want = reference_loss(trajs, [t.lp for t in trajs], cfg)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5, atol=1e-6)
+    for got, ref in zip(unpack_grad(g, where, trajs), reference_grad(trajs, cfg)):
+        np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-6)
+    # Every branch of the surrogate was exercised (else this test would prove little).
+    assert metrics["clip_frac_low"] > 0 and metrics["clip_frac_high"] > 0 and metrics["clip_frac_dual"] > 0
+    assert np.count_nonzero(g) == sum(int(t.mask.sum()) for t in trajs)
+
+
+def test_matches_numpy_reference_float64():
+    """The same check in float64 with a tight tolerance: the formulas, not just fp32 noise."""
+    with jax.enable_x64(True):
+        for algo, agg in itertools.product(ALGOS, AGGS):
+            cfg = make_cfg(algo, agg, clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.1, kl_estimator="k3",
+                           entropy_coef=0.02)
+            trajs = make_trajs(seed=1)
+            arr, seg, where = to_batch(trajs, ONE_PER_ROW, L_UNPACKED)
+            loss, _, g = jax_loss_and_grad(arr, seg, cfg, dtype=jnp.float64)
+            np.testing.assert_allclose(float(loss), reference_loss(trajs, [t.lp for t in trajs], cfg), rtol=1e-12)
+            for got, ref in zip(unpack_grad(g, where, trajs), reference_grad(trajs, cfg)):
+                np.testing.assert_allclose(got, ref, rtol=1e-7, atol=1e-9)
+
+
+def test_metrics_match_reference_definitions():
+    cfg = make_cfg("grpo", "token_mean", clip_low=0.2, clip_high=0.28, dual_clip=3.0, kl_coef=0.05)
+    trajs = make_trajs()
+    arr, seg, _ = to_batch(trajs, ONE_PER_ROW, L_UNPACKED)
+    _, m, _ = jax_loss_and_grad(arr, seg, cfg)
+    pol = [(tr, t) for tr in trajs for t in np.flatnonzero(tr.mask > 0)]
+    r = np.array([np.exp(tr.lp[t] - tr.old[t]) for tr, t in pol])
+    a = np.array([tr.adv[t] for tr, t in pol])
+    np.testing.assert_allclose(m["num_policy_tokens"], len(pol))
+    np.testing.assert_allclose(m["num_segments"], len(trajs) - 1)  # the empty trajectory is not live
+    np.testing.assert_allclose(m["ratio_mean"], r.mean(), rtol=1e-5)
+    np.testing.assert_allclose(m["ratio_min"], r.min(), rtol=1e-5)
+    np.testing.assert_allclose(m["ratio_max"], r.max(), rtol=1e-5)
+    np.testing.assert_allclose(m["clip_frac_low"], np.mean((a < 0) & (r < 0.8)), rtol=1e-6)
+    np.testing.assert_allclose(m["clip_frac_high"], np.mean((a > 0) & (r > 1.28)), rtol=1e-6)
+    np.testing.assert_allclose(m["approx_kl_old"], np.mean(r - 1 - np.log(r)), rtol=1e-5)
+    kl = np.array([kl_estimate(tr.lp[t], tr.ref[t], "k3") for tr, t in pol])
+    np.testing.assert_allclose(m["kl_ref"], kl.mean(), rtol=1e-5)
+    np.testing.assert_allclose(m["kl_loss"], kl.mean(), rtol=1e-5)  # token_mean: same reduction
+    np.testing.assert_allclose(m["loss"], m["pg_loss"] + 0.05 * m["kl_loss"], rtol=1e-5)
+
+
+def test_gspo_metrics_count_sequences():
+    cfg = make_cfg("gspo", "token_mean", clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    trajs = make_trajs()
+    arr, seg, _ = to_batch(trajs, ONE_PER_ROW, L_UNPACKED)
+    _, m, _ = jax_loss_and_grad(arr, seg, cfg)
+    # SEQ_PLAN: one low clip, one high clip (0.45), one dual clip, out of 7 live sequences.
+    np.testing.assert_allclose([m["clip_frac_low"], m["clip_frac_high"], m["clip_frac_dual"]], [1 / 7] * 3, rtol=1e-6)
+    s = np.exp([o for o, _ in SEQ_PLAN])
+    np.testing.assert_allclose([m["ratio_mean"], m["ratio_min"], m["ratio_max"]], [s.mean(), s.min(), s.max()],
+                               rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- hand-worked cases
+
+
+def single_token(log_ratio, adv, cfg, entropy=None):
+    """Loss and d loss / d logp for one policy token (position 1 of a 2-token segment)."""
+    arr = {"lp": np.array([[0.0, log_ratio - 1.0]]), "old": np.array([[0.0, -1.0]]), "adv": np.full((1, 2), adv),
+           "mask": np.array([[0.0, 1.0]]), "ref": np.zeros((1, 2)), "ent": np.full((1, 2), entropy or 0.0)}
+    loss, m, g = jax_loss_and_grad(arr, np.ones((1, 2), np.int32), cfg, use_ref=False, use_ent=entropy is not None)
+    return float(loss), m, float(g[0, 1])
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_clip_higher_is_asymmetric(algo):
+    sym = make_cfg(algo, clip_low=0.2, clip_high=0.2)
+    dapo = make_cfg(algo, clip_low=0.2, clip_high=0.28)
+    # r = 1.25, A = 1: clipped at 1.2 by the symmetric range, free under clip-higher.
+    loss, m, g = single_token(np.log(1.25), 1.0, sym)
+    assert (loss, g, float(m["clip_frac_high"])) == pytest.approx((-1.2, 0.0, 1.0), abs=1e-6)
+    loss, m, g = single_token(np.log(1.25), 1.0, dapo)
+    assert (loss, g, float(m["clip_frac_high"])) == pytest.approx((-1.25, -1.25, 0.0), abs=1e-6)
+    # The low side is unchanged: r = 0.75, A = -1 is clipped at 0.8 by both.
+    for cfg in (sym, dapo):
+        loss, m, g = single_token(np.log(0.75), -1.0, cfg)
+        assert (loss, g, float(m["clip_frac_low"])) == pytest.approx((0.8, 0.0, 1.0), abs=1e-6)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_dual_clip_caps_negative_advantage_loss(algo):
+    loss, m, g = single_token(np.log(5.0), -1.0, make_cfg(algo))
+    assert (loss, g) == pytest.approx((5.0, 5.0), abs=1e-5)  # unbounded: -r A, gradient -r A
+    loss, m, g = single_token(np.log(5.0), -1.0, make_cfg(algo, dual_clip=3.0))
+    assert (loss, g, float(m["clip_frac_dual"])) == pytest.approx((3.0, 0.0, 1.0), abs=1e-6)
+    # Below c the dual clip is inactive, and it never touches A > 0.
+    assert single_token(np.log(2.0), -1.0, make_cfg(algo, dual_clip=3.0))[0] == pytest.approx(2.0, abs=1e-6)
+    assert single_token(np.log(5.0), 1.0, make_cfg(algo, dual_clip=3.0))[0] == pytest.approx(-1.2, abs=1e-6)
+
+
+def test_entropy_bonus_lowers_loss():
+    base = single_token(0.1, 0.5, make_cfg(), entropy=1.5)[0]
+    bonus = single_token(0.1, 0.5, make_cfg(entropy_coef=0.1), entropy=1.5)
+    assert bonus[0] == pytest.approx(base - 0.1 * 1.5, abs=1e-6)
+    assert float(bonus[1]["entropy"]) == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("estimator,want", [("k1", 0.5), ("k2", 0.125), ("k3", np.exp(-0.5) + 0.5 - 1)])
+def test_kl_estimators_by_hand(estimator, want):
+    cfg = make_cfg(kl_coef=1.0, kl_estimator=estimator)
+    arr = {"lp": np.array([[0.0, -1.0]]), "old": np.array([[0.0, -1.0]]), "adv": np.zeros((1, 2)),
+           "mask": np.array([[0.0, 1.0]]), "ref": np.array([[0.0, -1.5]]), "ent": np.zeros((1, 2))}
+    loss, m, _ = jax_loss_and_grad(arr, np.ones((1, 2), np.int32), cfg, use_ent=False)
+    assert float(loss) == pytest.approx(want, abs=1e-6)
+    assert float(m["kl_ref"]) == pytest.approx(want, abs=1e-6)
+
+
+# ----------------------------------------------------------------------------- structural properties
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_gspo_token_equals_gspo_for_sequence_advantages(agg):
+    trajs = make_trajs(token_adv_noise=0.0)
+    arr, seg, _ = to_batch(trajs, PACKED_ROWS, L_PACKED)
+    out = {algo: jax_loss_and_grad(arr, seg, make_cfg(algo, agg, clip_high=0.28, dual_clip=3.0)) for algo in
+           ("gspo", "gspo_token")}
+    np.testing.assert_allclose(out["gspo"][0], out["gspo_token"][0], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(out["gspo"][2], out["gspo_token"][2], rtol=1e-5, atol=1e-7)
+    # ...while GRPO, with token-level ratios, differs.
+    assert not np.allclose(out["gspo"][2], jax_loss_and_grad(arr, seg, make_cfg("grpo", agg))[2])
+
+
+@pytest.mark.parametrize("algo,agg", list(itertools.product(ALGOS, AGGS)))
+def test_packed_equals_unpacked(algo, agg):
+    cfg = make_cfg(algo, agg, clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
+    trajs = make_trajs(seed=2)
+    arr_u, seg_u, where_u = to_batch(trajs, ONE_PER_ROW, L_UNPACKED)
+    arr_p, seg_p, where_p = to_batch(trajs, PACKED_ROWS, L_PACKED, pad_logp=-np.inf)
+    loss_u, m_u, g_u = jax_loss_and_grad(arr_u, seg_u, cfg)
+    loss_p, m_p, g_p = jax_loss_and_grad(arr_p, seg_p, cfg)
+    np.testing.assert_allclose(loss_p, loss_u, rtol=1e-5, atol=1e-6)
+    for a, b in zip(unpack_grad(g_p, where_p, trajs), unpack_grad(g_u, where_u, trajs)):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-8)
+    for k in m_u:
+        np.testing.assert_allclose(m_p[k], m_u[k], rtol=1e-5, err_msg=k)
+
+
+@pytest.mark.parametrize("algo,agg", list(itertools.product(ALGOS, AGGS)))
+def test_masked_positions_nan_safe(algo, agg):
+    cfg = make_cfg(algo, agg, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
+    trajs = make_trajs(seed=3)
+    clean, seg, _ = to_batch(trajs, PACKED_ROWS, L_PACKED)
+    dirty = {k: v.copy() for k, v in clean.items()}
+    off = clean["mask"] == 0
+    dirty["lp"][off] = -np.inf
+    for k in ("old", "adv", "ref", "ent"):
+        dirty[k][off] = np.nan
+    loss_c, _, g_c = jax_loss_and_grad(clean, seg, cfg)
+    loss_d, m_d, g_d = jax_loss_and_grad(dirty, seg, cfg)
+    assert np.isfinite(float(loss_d)) and all(np.isfinite(float(v)) for v in m_d.values())
+    assert np.all(np.isfinite(g_d)) and np.all(g_d[off] == 0.0)
+    np.testing.assert_allclose(loss_d, loss_c, rtol=1e-6)
+    np.testing.assert_allclose(g_d, g_c, rtol=1e-6, atol=1e-9)
+
+
+def test_all_masked_batch_is_zero_not_nan():
+    arr = {k: np.zeros((2, L_PACKED)) for k in ("lp", "old", "adv", "mask", "ref", "ent")}
+    arr["lp"][:] = -np.inf
+    for agg in AGGS:
+        loss, m, g = jax_loss_and_grad(arr, np.ones((2, L_PACKED), np.int32), make_cfg("gspo", agg, kl_coef=0.1))
+        assert float(loss) == 0.0 and np.all(g == 0.0)
+        assert float(m["ratio_mean"]) == 1.0 and float(m["num_policy_tokens"]) == 0.0
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_micro_batch_accumulation_equals_full_batch(agg):
+    rng = np.random.default_rng(4)
+    plans = [[(rng.normal(0, 0.3), rng.normal()) for _ in range(4)] for _ in range(4)]
+    trajs = [t for s, plan in enumerate(plans) for t in make_trajs(seed=10 + s, plan=plan, with_empty=s == 0)]
+    rows = [list(range(i, min(i + 2, len(trajs)))) for i in range(0, len(trajs), 2)]  # 2 per row
+    assert len(rows) == 9
+    rows = rows[:8]  # 8 rows -> 4 micro-batches of 2 rows
+    for algo in ALGOS:
+        cfg = make_cfg(algo, agg, clip_high=0.28, kl_coef=0.05, entropy_coef=0.01)
+        arr, seg, _ = to_batch(trajs, rows, L_PACKED)
+        loss_full, m_full, g_full = jax_loss_and_grad(arr, seg, cfg)
+        parts, grads = [], []
+        for mb in range(4):
+            sl = slice(2 * mb, 2 * mb + 2)
+            _, p, g = jax_loss_and_grad({k: v[sl] for k, v in arr.items()}, seg[sl], cfg, parts=True)
+            parts.append(p)
+            grads.append(g)
+        total = combine_parts(*parts)
+        loss_acc, m_acc = finalize_parts(total)
+        g_acc = np.concatenate(grads) / float(jnp.maximum(total.denominator, 1.0))
+        np.testing.assert_allclose(loss_acc, loss_full, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(g_acc, g_full, rtol=1e-5, atol=1e-9)
+        for k in m_full:
+            np.testing.assert_allclose(m_acc[k], m_full[k], rtol=1e-5, err_msg=k)
+
+
+def test_jit_and_sharded_batch_match_eager():
+    cfg = make_cfg("gspo_token", "seq_mean_token_mean", clip_high=0.28, kl_coef=0.05)
+    trajs = make_trajs(seed=5) * 2  # 16 trajectories, 2 per row -> 8 rows
+    rows = [[2 * r, 2 * r + 1] for r in range(8)]
+    arr, seg, _ = to_batch(trajs, rows, L_PACKED)
+    x = {k: jnp.asarray(v, jnp.float32) for k, v in arr.items()}
+    eager, _ = policy_loss(x["lp"], x["old"], x["adv"], x["mask"], jnp.asarray(seg), cfg, ref_logps=x["ref"])
+    mesh = jax.make_mesh((8,), ("data",))
+    shard = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data", None))
+    xs = {k: jax.device_put(v, shard) for k, v in x.items()}
+    fn = jax.jit(functools.partial(policy_loss, cfg=cfg))
+    loss, metrics = fn(xs["lp"], xs["old"], xs["adv"], xs["mask"], jax.device_put(jnp.asarray(seg), shard),
+                       ref_logps=xs["ref"])
+    np.testing.assert_allclose(loss, eager, rtol=1e-5, atol=1e-6)
+    assert np.isfinite(float(metrics["kl_ref"]))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"algo": "ppo"}, "algo"),
+    ({"agg": "seq_mean"}, "agg"),
+    ({"kl_estimator": "k4"}, "kl_estimator"),
+    ({"clip_low": 1.0}, "clip_low"),
+    ({"clip_high": -0.1}, "clip_high"),
+    ({"dual_clip": 1.0}, "dual_clip"),
+    ({"kl_coef": -1.0}, "kl_coef"),
+    ({"entropy_coef": -1.0}, "entropy_coef"),
+    ({"agg": "seq_mean_token_sum_norm"}, "max_len_norm"),
+    ({"agg": "token_mean", "max_len_norm": 100.0}, "max_len_norm"),
+])
+def test_config_validation(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        LossConfig(**kwargs)
+
+
+def test_missing_ref_or_entropies_is_a_clear_error():
+    z = jnp.zeros((1, 4))
+    seg = jnp.ones((1, 4), jnp.int32)
+    with pytest.raises(ValueError, match="ref_logps"):
+        policy_loss(z, z, z, z, seg, LossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="entropies"):
+        policy_loss(z, z, z, z, seg, LossConfig(entropy_coef=0.1))
+    with pytest.raises(ValueError, match="shape"):
+        policy_loss(z, z, z, jnp.zeros((1, 3)), seg, LossConfig())
+    assert hash(LossConfig()) == hash(LossConfig())  # usable as a static jit argument
