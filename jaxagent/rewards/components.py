@@ -1,0 +1,155 @@
+"""Reward components: the verifiers and shaping terms as callables `RewardInput -> float`.
+
+Each is a small frozen dataclass holding its settings, ready to be wrapped in a
+`composite.Component` with a name, weight and role. For example, a math task with a code tool:
+
+    CompositeReward([
+        Component("correct", MathAnswerReward(), 1.0, role="outcome"),
+        Component("format", FormatReward(), 0.2, role="shaping"),
+        Component("tool_calls", ToolUseReward(), 0.2, role="shaping"),
+        Component("overlong", OverlongReward(OverlongConfig(4096, 512)), 1.0, role="fixed"),
+    ], schedule=ProgressiveSchedule(num_steps=200, start=0.5))
+
+Inputs a component cannot score (a task without gold answers, missing unit-test counts) raise,
+which the composite counts as that component's error and scores 0.0.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+import re
+from typing import Literal
+
+from jaxagent.rewards import shaping
+from jaxagent.rewards import verifiers
+from jaxagent.rewards.composite import RewardInput
+from jaxagent.rewards.math_verifier import MathVerifier, math_equal
+
+TextMetric = Literal["exact_match", "f1", "substring_exact_match"]
+_TEXT_METRICS = {
+    "exact_match": verifiers.exact_match,
+    "f1": verifiers.f1_score,
+    "substring_exact_match": verifiers.substring_exact_match,
+}
+
+# Keys in `RewardInput.metadata` that the code environments fill from the sandbox's test run.
+TESTS_PASSED_KEY = "tests_passed"
+TESTS_TOTAL_KEY = "tests_total"
+
+
+def _golds(inp: RewardInput) -> list[str]:
+  if inp.gold is None:
+    raise ValueError("this reward component needs RewardInput.gold, which is None")
+  golds = [inp.gold] if isinstance(inp.gold, str) else list(inp.gold)
+  if not golds:
+    raise ValueError("RewardInput.gold is an empty sequence")
+  return golds
+
+
+def _check_tag(owner: str, tag: str | None) -> None:
+  if tag is not None and not (isinstance(tag, str) and re.fullmatch(r"[A-Za-z_][\w\-]*", tag)):
+    raise ValueError(f"{owner}.tag must be a bare tag name like 'answer' or None, got {tag!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class MathAnswerReward:
+  """1.0 if the extracted answer equals any gold answer as math (math-verify), else 0.0.
+
+  Attributes:
+    tag: answer tag for `extract_answer` (None: only `\\boxed{}` and `####`).
+    timeout_s: limit per comparison; a timeout scores 0.0.
+    verifier: a `MathVerifier` to use instead of the shared default one.
+  """
+
+  tag: str | None = "answer"
+  timeout_s: float = 5.0
+  verifier: MathVerifier | None = dataclasses.field(default=None, compare=False, repr=False)
+
+  def __post_init__(self):
+    _check_tag("MathAnswerReward", self.tag)
+    t = self.timeout_s
+    if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t <= 0:
+      raise ValueError(f"MathAnswerReward.timeout_s must be a finite number of seconds > 0, got {t!r}")
+
+  def __call__(self, inp: RewardInput) -> float:
+    golds = _golds(inp)
+    answer = verifiers.extract_answer(inp.response_text, tag=self.tag)
+    if answer is None:
+      return 0.0
+    equal = math_equal if self.verifier is None else self.verifier.equal
+    return float(any(equal(answer, g, timeout_s=self.timeout_s) for g in golds))
+
+
+@dataclasses.dataclass(frozen=True)
+class TextMatchReward:
+  """Exact match, token F1 or substring match of the extracted answer against the golds."""
+
+  metric: TextMetric = "exact_match"
+  tag: str | None = "answer"
+
+  def __post_init__(self):
+    if self.metric not in _TEXT_METRICS:
+      raise ValueError(f"TextMatchReward.metric must be one of {tuple(_TEXT_METRICS)}, got {self.metric!r}")
+    _check_tag("TextMatchReward", self.tag)
+
+  def __call__(self, inp: RewardInput) -> float:
+    golds = _golds(inp)
+    return _TEXT_METRICS[self.metric](verifiers.extract_answer(inp.response_text, tag=self.tag), golds)
+
+
+@dataclasses.dataclass(frozen=True)
+class UnitTestReward:
+  """Pass fraction (or all-or-nothing) from the test counts in `RewardInput.metadata`."""
+
+  all_or_nothing: bool = False
+  passed_key: str = TESTS_PASSED_KEY
+  total_key: str = TESTS_TOTAL_KEY
+
+  def __call__(self, inp: RewardInput) -> float:
+    for key in (self.passed_key, self.total_key):
+      if key not in inp.metadata:
+        raise KeyError(f"UnitTestReward needs RewardInput.metadata[{key!r}] from the test runner")
+    return verifiers.unit_test_reward(inp.metadata[self.passed_key], inp.metadata[self.total_key],
+                                      all_or_nothing=self.all_or_nothing)
+
+
+@dataclasses.dataclass(frozen=True)
+class FormatReward:
+  """`shaping.format_reward` of the response text."""
+
+  config: shaping.FormatConfig = shaping.FormatConfig()
+
+  def __call__(self, inp: RewardInput) -> float:
+    return shaping.format_reward(inp.response_text, self.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolUseReward:
+  """`shaping.tool_use_reward` of the trajectory's tool-call counts."""
+
+  config: shaping.ToolShapingConfig = shaping.ToolShapingConfig()
+
+  def __call__(self, inp: RewardInput) -> float:
+    return shaping.tool_use_reward(inp.num_tool_calls, inp.num_valid_tool_calls, inp.num_tool_errors,
+                                   self.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearLengthReward:
+  """`shaping.linear_length_penalty` of the response length in tokens."""
+
+  config: shaping.LinearLengthConfig
+
+  def __call__(self, inp: RewardInput) -> float:
+    return shaping.linear_length_penalty(inp.num_response_tokens, self.config)
+
+
+@dataclasses.dataclass(frozen=True)
+class OverlongReward:
+  """DAPO overlong shaping (`shaping.overlong_penalty`) of the response length in tokens."""
+
+  config: shaping.OverlongConfig
+
+  def __call__(self, inp: RewardInput) -> float:
+    return shaping.overlong_penalty(inp.num_response_tokens, self.config)

@@ -1,0 +1,225 @@
+"""Weighted sum of named reward components, with an optional progressive-shaping schedule.
+
+The trainer builds one `RewardInput` per finished trajectory, calls a `CompositeReward` with the
+current step, feeds `RewardOutput.total` to `rl/advantages.py`, and logs every component as
+`reward/<name>` (`RewardOutput.metrics`, `mean_metrics`).
+
+A component is any callable `RewardInput -> float` (see `components.py` for the verifiers and
+shaping terms wrapped this way). Each has a role:
+
+* "outcome": whether the answer is right (math equivalence, EM, unit tests);
+* "shaping": step-level signals (format, valid tool calls) that help early and should fade;
+* "fixed": terms the schedule leaves alone (length / overlong penalties).
+
+With a `ProgressiveSchedule`, outcome weights are multiplied by alpha(step) and shaping weights
+by 1 - alpha(step), so weight moves from shaping to outcome as alpha goes from `start` to `end`.
+
+A component that raises or returns a non-finite value scores 0.0 for that trajectory; the failure
+is counted per component (`error_counts`) and logged once, and training goes on.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+import re
+import threading
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+logger = logging.getLogger(__name__)
+
+Role = Literal["outcome", "shaping", "fixed"]
+_ROLES = ("outcome", "shaping", "fixed")
+ScheduleKind = Literal["linear", "cosine"]
+_SCHEDULE_KINDS = ("linear", "cosine")
+_NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardInput:
+  """What the reward sees of one finished trajectory.
+
+  Attributes:
+    response_text: the decoded policy (and observation) text after the prompt.
+    gold: the reference answer(s), if the task has any.
+    num_response_tokens: policy tokens generated (the unit of length shaping).
+    num_tool_calls, num_valid_tool_calls, num_tool_errors: the agent's tool-call counts.
+    truncated: whether generation stopped at a length or turn budget.
+    metadata: task-specific extras (e.g. unit-test counts, see `components.UnitTestReward`).
+  """
+
+  response_text: str
+  gold: str | Sequence[str] | None = None
+  num_response_tokens: int = 0
+  num_tool_calls: int = 0
+  num_valid_tool_calls: int = 0
+  num_tool_errors: int = 0
+  truncated: bool = False
+  metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass(frozen=True)
+class Component:
+  """A named, weighted reward term."""
+
+  name: str
+  fn: Callable[[RewardInput], float]
+  weight: float = 1.0
+  role: Role = "fixed"
+
+  def __post_init__(self):
+    if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
+      raise ValueError(f"Component.name must be letters, digits, '_', '.', '-' (it becomes the metric "
+                       f"'reward/<name>'), got {self.name!r}")
+    if self.name in ("total", "alpha", "errors"):
+      raise ValueError(f"Component.name {self.name!r} is reserved for the composite's own metrics")
+    if not callable(self.fn):
+      raise ValueError(f"Component {self.name!r}: fn must be callable RewardInput -> float, got {self.fn!r}")
+    if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or not math.isfinite(self.weight):
+      raise ValueError(f"Component {self.name!r}: weight must be a finite number, got {self.weight!r}")
+    if self.role not in _ROLES:
+      raise ValueError(f"Component {self.name!r}: role must be one of {_ROLES}, got {self.role!r}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgressiveSchedule:
+  """alpha(step), the share of weight given to outcome terms; shaping terms get 1 - alpha.
+
+  alpha goes from `start` at step 0 to `end` at `num_steps` (and stays there), linearly or
+  along a half cosine.
+  """
+
+  num_steps: int
+  start: float = 0.0
+  end: float = 1.0
+  kind: ScheduleKind = "linear"
+
+  def __post_init__(self):
+    if isinstance(self.num_steps, bool) or not isinstance(self.num_steps, numbers.Integral) or self.num_steps < 1:
+      raise ValueError(f"ProgressiveSchedule.num_steps must be an int >= 1, got {self.num_steps!r}")
+    for name in ("start", "end"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, numbers.Real) or not 0.0 <= v <= 1.0:
+        raise ValueError(f"ProgressiveSchedule.{name} must be a number in [0, 1], got {v!r}")
+    if self.kind not in _SCHEDULE_KINDS:
+      raise ValueError(f"ProgressiveSchedule.kind must be one of {_SCHEDULE_KINDS}, got {self.kind!r}")
+
+  def alpha(self, step: int) -> float:
+    if step < 0:
+      raise ValueError(f"step must be >= 0, got {step}")
+    t = min(step / self.num_steps, 1.0)
+    if self.kind == "cosine":
+      t = 0.5 * (1.0 - math.cos(math.pi * t))
+    return float(self.start + (self.end - self.start) * t)
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardOutput:
+  """One trajectory's reward.
+
+  Attributes:
+    total: sum over components of effective weight * value.
+    components: each component's unweighted value (0.0 where it failed).
+    weights: each component's effective weight at this step.
+    errors: names of the components that failed on this input.
+    alpha: the schedule's alpha at this step (1.0 without a schedule).
+  """
+
+  total: float
+  components: Mapping[str, float]
+  weights: Mapping[str, float]
+  errors: tuple[str, ...] = ()
+  alpha: float = 1.0
+
+  def metrics(self) -> dict[str, float]:
+    """`reward/total`, `reward/alpha` and `reward/<name>` for each component."""
+    out = {"reward/total": self.total, "reward/alpha": self.alpha}
+    out.update({f"reward/{k}": v for k, v in self.components.items()})
+    return out
+
+
+class CompositeReward:
+  """sum_i w_i(step) * component_i(input), never raising for a component's failure."""
+
+  def __init__(self, components: Sequence[Component], schedule: ProgressiveSchedule | None = None):
+    components = tuple(components)
+    if not components:
+      raise ValueError("CompositeReward needs at least one Component")
+    for c in components:
+      if not isinstance(c, Component):
+        raise TypeError(f"CompositeReward takes Component objects, got {type(c).__name__}: {c!r}")
+    names = [c.name for c in components]
+    duplicates = sorted({n for n in names if names.count(n) > 1})
+    if duplicates:
+      raise ValueError(f"CompositeReward component names must be unique; repeated: {duplicates}")
+    if schedule is not None and not any(c.role == "outcome" for c in components):
+      raise ValueError("a ProgressiveSchedule moves weight to outcome components, but none has role='outcome'")
+    self.components = components
+    self.schedule = schedule
+    self._lock = threading.Lock()
+    self._errors = {c.name: 0 for c in components}
+
+  def alpha(self, step: int) -> float:
+    return 1.0 if self.schedule is None else self.schedule.alpha(step)
+
+  def weights(self, step: int = 0) -> dict[str, float]:
+    """Effective weight of each component at `step`."""
+    alpha = self.alpha(step)
+    scale = {"outcome": alpha, "shaping": 1.0 - alpha, "fixed": 1.0} if self.schedule is not None else {}
+    return {c.name: float(c.weight) * scale.get(c.role, 1.0) for c in self.components}
+
+  def __call__(self, inp: RewardInput, *, step: int = 0) -> RewardOutput:
+    weights = self.weights(step)
+    values: dict[str, float] = {}
+    failed: list[str] = []
+    for c in self.components:
+      try:
+        value = c.fn(inp)
+        if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+          raise ValueError(f"returned {value!r}; a reward component must return a finite float")
+        values[c.name] = float(value)
+      except Exception as e:  # noqa: BLE001  (failures are data: see module docstring)
+        values[c.name] = 0.0
+        failed.append(c.name)
+        self._record_error(c.name, e)
+    total = math.fsum(weights[n] * v for n, v in values.items())
+    return RewardOutput(total=total, components=values, weights=weights, errors=tuple(failed),
+                        alpha=self.alpha(step))
+
+  def score_batch(self, inputs: Sequence[RewardInput], *, step: int = 0) -> list[RewardOutput]:
+    return [self(inp, step=step) for inp in inputs]
+
+  def _record_error(self, name: str, error: Exception) -> None:
+    with self._lock:
+      self._errors[name] += 1
+      first = self._errors[name] == 1
+    if first:
+      logger.warning("reward component %r failed (scored 0.0; later failures are only counted): %r",
+                     name, error, exc_info=error)
+    else:
+      logger.debug("reward component %r failed: %r", name, error)
+
+  def error_counts(self) -> dict[str, int]:
+    """Failures per component since construction."""
+    with self._lock:
+      return dict(self._errors)
+
+  @property
+  def num_errors(self) -> int:
+    with self._lock:
+      return sum(self._errors.values())
+
+
+def mean_metrics(outputs: Sequence[RewardOutput]) -> dict[str, float]:
+  """Batch means of `RewardOutput.metrics`, plus `reward/errors/<name>` (fraction that failed)."""
+  if not outputs:
+    return {}
+  sums: dict[str, float] = {}
+  for out in outputs:
+    for k, v in out.metrics().items():
+      sums[k] = sums.get(k, 0.0) + v
+    for name in out.components:
+      key = f"reward/errors/{name}"
+      sums[key] = sums.get(key, 0.0) + (name in out.errors)
+  return {k: v / len(outputs) for k, v in sums.items()}

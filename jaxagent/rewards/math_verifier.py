@@ -1,0 +1,454 @@
+"""Math answer equivalence through math-verify, with a time limit the caller can rely on.
+
+Sits in `rewards/` between a rollout's extracted answer and the outcome reward: the math
+environments call `math_equal(extract_answer(response), gold)`.
+
+math-verify bounds its own work with `signal.alarm`, which only works on the main thread, so
+here its timeouts are off (`parsing_timeout=None`, `timeout_seconds=None`) and the limit is
+enforced from outside by one of two backends (`MathVerifyConfig.backend`):
+
+* ``"process"`` (default on POSIX): a small pool of long-lived worker processes. A request that
+  runs past its limit gets its worker killed (SIGKILL) and replaced, so a pathological input
+  such as ``10^{10^{10}}`` costs the caller the timeout and leaves nothing running. Each worker
+  also caps its address space and arms a kernel alarm per request that ends it if the parent is
+  gone. Costs, measured on a 2-core CPU host: under a second to start a worker (not counted
+  against a call's limit; bounded by `startup_timeout_s`), about 60 MB resident per started
+  worker, and a 0.1 ms pipe round trip per call.
+* ``"thread"``: each call runs on a daemon thread and the caller waits at most the timeout. No
+  subprocesses, but an abandoned call keeps running (and holding a core) until it finishes, and
+  a computation that never releases the GIL, such as sympy evaluating a huge integer power in C,
+  blocks the caller too. Use it for trusted inputs, tests and notebooks.
+
+Any failure (timeout, parse error, worker crash, busy pool) returns False and is counted in
+`MathVerifier.stats()` so the trainer can log it. A worker that cannot start at all is a setup
+error and raises.
+
+This file imports only the standard library at module level: worker processes load it by path,
+without importing the `jaxagent` package (and so without JAX).
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import json
+import logging
+import math
+import os
+import queue
+import re
+import select
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+Backend = Literal["process", "thread"]
+_BACKENDS = ("process", "thread")
+
+
+@dataclasses.dataclass(frozen=True)
+class MathVerifyConfig:
+  """How answers are compared and how the time limit is enforced.
+
+  Attributes:
+    timeout_s: default limit per comparison (parse both sides + verify), in seconds.
+    backend: "process" (hard limit, killed on timeout) or "thread" (soft limit); see module doc.
+    max_workers: concurrent comparisons (processes or threads); started lazily.
+    startup_timeout_s: how long a fresh worker process may take to import math-verify.
+    worker_memory_mb: address-space cap per worker process (0 disables it).
+    float_rounding, numeric_precision, strict: passed to `math_verify.verify`.
+  """
+
+  timeout_s: float = 5.0
+  backend: Backend = "process" if os.name == "posix" else "thread"
+  max_workers: int = 4
+  startup_timeout_s: float = 60.0
+  worker_memory_mb: int = 4096
+  float_rounding: int = 6
+  numeric_precision: int = 15
+  strict: bool = True
+
+  def __post_init__(self):
+    if self.backend not in _BACKENDS:
+      raise ValueError(f"MathVerifyConfig.backend must be one of {_BACKENDS}, got {self.backend!r}")
+    if self.backend == "process" and os.name != "posix":
+      raise ValueError("MathVerifyConfig.backend='process' needs a POSIX system; use backend='thread'")
+    _check_timeout("MathVerifyConfig.timeout_s", self.timeout_s)
+    _check_timeout("MathVerifyConfig.startup_timeout_s", self.startup_timeout_s)
+    if not isinstance(self.max_workers, int) or self.max_workers < 1:
+      raise ValueError(f"MathVerifyConfig.max_workers must be an int >= 1, got {self.max_workers!r}")
+    if not isinstance(self.worker_memory_mb, int) or self.worker_memory_mb < 0:
+      raise ValueError(
+          f"MathVerifyConfig.worker_memory_mb must be an int >= 0 (0 = no cap), got {self.worker_memory_mb!r}")
+    if not isinstance(self.float_rounding, int) or self.float_rounding < 0:
+      raise ValueError(f"MathVerifyConfig.float_rounding must be an int >= 0, got {self.float_rounding!r}")
+    if not isinstance(self.numeric_precision, int) or self.numeric_precision < 1:
+      raise ValueError(f"MathVerifyConfig.numeric_precision must be an int >= 1, got {self.numeric_precision!r}")
+
+  def verify_options(self) -> dict[str, Any]:
+    return {"float_rounding": self.float_rounding, "numeric_precision": self.numeric_precision,
+            "strict": self.strict}
+
+
+def _check_timeout(name: str, value: float) -> None:
+  if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+    raise ValueError(f"{name} must be a finite number of seconds > 0, got {value!r}")
+
+
+# ----------------------------------------------------------------------------------------------
+# The comparison itself (runs inside a worker thread or process).
+
+# Explicit math delimiters: let math-verify's own extraction find the answer.
+_DELIMITED = re.compile(r"\\boxed|\\fbox|\\\(|\\\[|\$[^$]*\$")
+# LaTeX commands (with one braced argument, so \text{ dollars} goes too) are not prose.
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?")
+_WORD = re.compile(r"[A-Za-z]{2,}")
+_MATH_WORDS = frozenset({
+    "sin", "cos", "tan", "cot", "sec", "csc", "sinh", "cosh", "tanh", "arcsin", "arccos", "arctan",
+    "log", "ln", "exp", "sqrt", "pi", "oo", "inf", "infty", "max", "min", "gcd", "lcm", "mod", "det",
+})
+# "1\,000": a LaTeX thin space used as a thousands separator would otherwise parse as 1*000.
+_LATEX_THOUSANDS = re.compile(r"(?<=\d)\\[,;:! ](?=\d{3}(?!\d))")
+
+
+def _is_bare_answer(text: str) -> bool:
+  """True for an answer on its own ("1,000", "[1,2)", "\\frac{1}{2}"), False for prose or delimited math."""
+  if _DELIMITED.search(text):
+    return False
+  words = _WORD.findall(_LATEX_COMMAND.sub(" ", text))
+  return all(w.lower() in _MATH_WORDS for w in words)
+
+
+def _parse_answer(text: str) -> list:
+  """math-verify parse results for one side, choosing how to read the string.
+
+  A bare answer is parsed as if boxed, so the whole string is read as one LaTeX expression
+  ("[1,2)" is an interval, "1,2" a set, "0.5" the rational 1/2); unboxed, math-verify would pick a
+  single number out of it. Prose and delimited math go through math-verify's extraction, which
+  finds "5" in "5 dollars" and the boxed part of a full solution. A bare string that yields no
+  expression when boxed ("3.") falls back to extraction.
+  """
+  from math_verify import parse
+
+  text = _LATEX_THOUSANDS.sub("", text.strip())
+  if not text:
+    return []
+  if _is_bare_answer(text):
+    boxed = parse("\\boxed{" + text + "}", parsing_timeout=None)
+    if any(not isinstance(x, str) for x in boxed):
+      return boxed
+    raw = parse(text, parsing_timeout=None)
+    return raw or boxed
+  return parse(text, parsing_timeout=None)
+
+
+def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_precision: int = 15,
+                  strict: bool = True) -> bool:
+  """Compares on the calling thread with no time limit; raises on unexpected errors."""
+  from math_verify import verify
+
+  if " ".join(prediction.split()) == " ".join(gold.split()) and prediction.strip():
+    return True
+  gold_parsed = _parse_answer(gold)
+  pred_parsed = _parse_answer(prediction)
+  if not gold_parsed or not pred_parsed:
+    return False
+  return bool(verify(gold_parsed, pred_parsed, float_rounding=float_rounding,
+                     numeric_precision=numeric_precision, strict=strict, timeout_seconds=None))
+
+
+class _DropDisabledTimeoutWarning(logging.Filter):
+  """math-verify warns once that its timeouts are off; here that is by design."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "Timeout is disabled" not in record.getMessage()
+
+
+def _silence_math_verify() -> None:
+  for name in ("math_verify.parser", "math_verify.grader"):
+    lg = logging.getLogger(name)
+    if not any(isinstance(f, _DropDisabledTimeoutWarning) for f in lg.filters):
+      lg.addFilter(_DropDisabledTimeoutWarning())
+
+
+# ----------------------------------------------------------------------------------------------
+# Process backend.
+
+_WORKER_BOOT = (
+    "import importlib.util, sys\n"
+    "spec = importlib.util.spec_from_file_location('_jaxagent_math_worker', sys.argv[1])\n"
+    "mod = importlib.util.module_from_spec(spec)\n"
+    "sys.modules[spec.name] = mod\n"
+    "spec.loader.exec_module(mod)\n"
+    "mod._serve(sys.argv[2])\n"
+)
+# A worker ends itself (SIGALRM, default action) this long past a request's limit, in case the
+# parent died and nobody is left to kill it.
+_WATCHDOG_GRACE_S = 5
+
+
+def _serve(options_json: str) -> None:
+  """Worker process main loop: one JSON request per stdin line, one JSON reply per line."""
+  import signal
+
+  options = json.loads(options_json)
+  # Protocol replies go to the original stdout; anything else printed lands on stderr.
+  reply_fd = os.dup(1)
+  os.dup2(2, 1)
+  send = lambda obj: os.write(reply_fd, (json.dumps(obj) + "\n").encode())  # noqa: E731
+  memory_mb = options.pop("memory_mb")
+  if memory_mb:
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = memory_mb * 2**20
+    if hard != resource.RLIM_INFINITY:
+      cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+  try:
+    import math_verify  # noqa: F401  (pay the import before reporting ready)
+    _silence_math_verify()
+  except BaseException as e:  # noqa: BLE001
+    send({"ready": False, "error": f"{type(e).__name__}: {e}"})
+    return
+  send({"ready": True})
+  for line in sys.stdin.buffer:
+    request = json.loads(line)
+    signal.alarm(int(request["watchdog_s"]))
+    try:
+      reply = {"equal": _equal_inline(request["prediction"], request["gold"], **options)}
+    except BaseException as e:  # noqa: BLE001  (MemoryError, RecursionError: a wrong answer)
+      reply = {"equal": False, "error": f"{type(e).__name__}: {e}"}
+    finally:
+      signal.alarm(0)
+    send(reply)
+
+
+class _WorkerGone(Exception):
+  pass
+
+
+class _ProcessWorker:
+  """One worker process and its pipes; used by one caller at a time."""
+
+  def __init__(self, options: dict[str, Any], startup_timeout_s: float):
+    self._options = options
+    self._startup_timeout_s = startup_timeout_s
+    self._proc: subprocess.Popen | None = None
+    self._buf = bytearray()
+    self._ready = False
+
+  def start(self) -> None:
+    """Starts the process without waiting for it to import math-verify."""
+    self._buf = bytearray()
+    self._ready = False
+    self._proc = subprocess.Popen(
+        [sys.executable, "-c", _WORKER_BOOT, os.path.abspath(__file__), json.dumps(self._options)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
+
+  def _ensure_ready(self) -> None:
+    if self._proc is None or self._proc.poll() is not None:
+      self.start()
+    if self._ready:
+      return
+    try:
+      msg = self._read(time.monotonic() + self._startup_timeout_s)
+    except _WorkerGone as e:
+      self.kill()
+      raise RuntimeError(f"math-verify worker exited during startup: {e}") from None
+    if msg is None or not msg.get("ready"):
+      self.kill()
+      why = "timed out" if msg is None else msg.get("error")
+      raise RuntimeError(
+          f"math-verify worker failed to start ({why}); check that math-verify is installed for "
+          f"{sys.executable}, or raise MathVerifyConfig.startup_timeout_s")
+    self._ready = True
+
+  def compare(self, prediction: str, gold: str, timeout_s: float) -> dict | None:
+    """The worker's reply, or None if it ran past `timeout_s` (the worker is then restarted)."""
+    self._ensure_ready()
+    deadline = time.monotonic() + timeout_s
+    request = {"prediction": prediction, "gold": gold,
+               "watchdog_s": math.ceil(timeout_s) + _WATCHDOG_GRACE_S}
+    try:
+      data = (json.dumps(request) + "\n").encode()
+      view = memoryview(data)
+      while view:
+        view = view[os.write(self._proc.stdin.fileno(), view):]
+      reply = self._read(deadline)
+    except (_WorkerGone, BrokenPipeError) as e:
+      self.kill()
+      self.start()
+      return {"equal": False, "error": f"worker died: {e}", "restarted": True}
+    if reply is None:
+      self.kill()
+      self.start()  # the replacement imports while callers do other work
+    return reply
+
+  def _read(self, deadline: float) -> dict | None:
+    fd = self._proc.stdout.fileno()
+    poller = select.poll()  # not select.select: a busy trainer may hold more than 1024 fds
+    poller.register(fd, select.POLLIN)
+    while b"\n" not in self._buf:
+      remaining = deadline - time.monotonic()
+      if remaining <= 0 or not poller.poll(math.ceil(remaining * 1000)):
+        return None
+      chunk = os.read(fd, 65536)
+      if not chunk:
+        raise _WorkerGone(f"exit code {self._proc.wait()}")
+      self._buf += chunk
+    line, _, rest = bytes(self._buf).partition(b"\n")
+    self._buf = bytearray(rest)
+    return json.loads(line)
+
+  def kill(self) -> None:
+    if self._proc is not None:
+      if self._proc.poll() is None:
+        self._proc.kill()
+      self._proc.wait()
+      for pipe in (self._proc.stdin, self._proc.stdout):
+        if pipe is not None:
+          pipe.close()
+      self._proc = None
+    self._ready = False
+
+
+# ----------------------------------------------------------------------------------------------
+# The verifier.
+
+
+class MathVerifier:
+  """Thread-safe math equivalence with a per-call time limit; see the module docstring."""
+
+  def __init__(self, config: MathVerifyConfig | None = None):
+    config = MathVerifyConfig() if config is None else config
+    self.config = config
+    self._lock = threading.Lock()
+    self._stats = {"calls": 0, "equal": 0, "unequal": 0, "timeouts": 0, "errors": 0, "busy": 0,
+                   "restarts": 0}
+    self._closed = False
+    if config.backend == "process":
+      options = dict(config.verify_options(), memory_mb=config.worker_memory_mb)
+      self._idle: queue.LifoQueue[_ProcessWorker] = queue.LifoQueue()
+      self._workers = [_ProcessWorker(options, config.startup_timeout_s) for _ in range(config.max_workers)]
+      for w in self._workers:
+        self._idle.put(w)
+    else:
+      import math_verify  # noqa: F401  (import now, not inside the first call's time limit)
+      _silence_math_verify()
+      self._slots = threading.BoundedSemaphore(config.max_workers)
+
+  def __call__(self, prediction: str, gold: str, *, timeout_s: float | None = None) -> bool:
+    return self.equal(prediction, gold, timeout_s=timeout_s)
+
+  def equal(self, prediction: str, gold: str, *, timeout_s: float | None = None) -> bool:
+    """Whether `prediction` is mathematically equivalent to `gold`; False on any failure."""
+    timeout_s = self.config.timeout_s if timeout_s is None else timeout_s
+    _check_timeout("timeout_s", timeout_s)
+    if not isinstance(prediction, str) or not isinstance(gold, str):
+      raise TypeError(f"math_equal compares strings, got {type(prediction).__name__} and {type(gold).__name__}")
+    if self._closed:
+      raise RuntimeError("MathVerifier is closed")
+    if self.config.backend == "process":
+      outcome = self._equal_process(prediction, gold, timeout_s)
+    else:
+      outcome = self._equal_thread(prediction, gold, timeout_s)
+    with self._lock:
+      self._stats["calls"] += 1
+      self._stats[outcome] += 1
+    return outcome == "equal"
+
+  def stats(self) -> dict[str, int]:
+    """Counts since construction.
+
+    calls = equal + unequal + timeouts + errors + busy (no free worker within the limit);
+    restarts counts worker processes replaced after a timeout or crash.
+    """
+    with self._lock:
+      return dict(self._stats)
+
+  def _equal_process(self, prediction: str, gold: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    try:
+      worker = self._idle.get(timeout=timeout_s)
+    except queue.Empty:
+      return "busy"
+    try:
+      reply = worker.compare(prediction, gold, max(deadline - time.monotonic(), 1e-3))
+    finally:
+      self._idle.put(worker)
+    if reply is None:
+      with self._lock:
+        self._stats["restarts"] += 1
+      return "timeouts"
+    if reply.get("restarted"):
+      with self._lock:
+        self._stats["restarts"] += 1
+    if "error" in reply:
+      logger.debug("math-verify error on %r vs %r: %s", prediction[:200], gold[:200], reply["error"])
+      return "errors"
+    return "equal" if reply["equal"] else "unequal"
+
+  def _equal_thread(self, prediction: str, gold: str, timeout_s: float) -> str:
+    deadline = time.monotonic() + timeout_s
+    if not self._slots.acquire(timeout=timeout_s):
+      return "busy"
+    box: dict[str, Any] = {}
+    done = threading.Event()
+    options = self.config.verify_options()
+
+    def run():
+      try:
+        box["equal"] = _equal_inline(prediction, gold, **options)
+      except BaseException as e:  # noqa: BLE001
+        box["error"] = e
+      finally:
+        self._slots.release()
+        done.set()
+
+    threading.Thread(target=run, name="math-verify", daemon=True).start()
+    if not done.wait(max(deadline - time.monotonic(), 0.0)):
+      return "timeouts"
+    if "error" in box:
+      logger.debug("math-verify error on %r vs %r: %r", prediction[:200], gold[:200], box["error"])
+      return "errors"
+    return "equal" if box["equal"] else "unequal"
+
+  def close(self) -> None:
+    """Stops worker processes (threads of abandoned calls end on their own)."""
+    self._closed = True
+    if self.config.backend == "process":
+      for w in self._workers:
+        w.kill()
+
+  def __enter__(self) -> MathVerifier:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+_default_lock = threading.Lock()
+_default: MathVerifier | None = None
+
+
+def default_verifier() -> MathVerifier:
+  """The verifier that `math_equal` uses: default `MathVerifyConfig`, created on first use."""
+  global _default
+  with _default_lock:
+    if _default is None:
+      _default = MathVerifier(MathVerifyConfig())
+      atexit.register(_default.close)
+    return _default
+
+
+def math_equal(prediction: str, gold: str, *, timeout_s: float = 5.0) -> bool:
+  """Whether `prediction` equals `gold` as math (math-verify); False on timeout or any error.
+
+  Handles numbers ("42" = "42.0", "1,000" = "1000", "$5" = "5 dollars" = "5"), fractions and
+  LaTeX ("0.5" = "\\frac{1}{2}", "\\boxed{3}" = "3"), sets and intervals ("\\{1,2\\}" =
+  "\\{2,1\\}", "[1,2)"). Returns within about `timeout_s` (plus a one-time worker start).
+  """
+  return default_verifier().equal(prediction, gold, timeout_s=timeout_s)

@@ -1,0 +1,176 @@
+"""Outcome verifiers: answer extraction, exact match / token F1, unit-test pass rate.
+
+These turn a finished response into a correctness score; `rewards/components.py` adapts them to
+`RewardInput` and `rewards/composite.py` weighs them with the shaping terms. Math equivalence
+lives in `math_verifier.py` (it needs a time limit and worker processes) and is re-exported here
+so every verifier can be imported from one place.
+
+Exact match and F1 follow the SQuAD evaluation script, as Search-R1 does: lowercase, drop
+punctuation, drop the articles a/an/the, collapse whitespace.
+"""
+from __future__ import annotations
+
+import collections
+import numbers
+import re
+import string
+from typing import Sequence
+
+from jaxagent.rewards.math_verifier import math_equal
+
+__all__ = [
+    "exact_match", "extract_answer", "extract_boxed", "extract_gsm8k", "extract_tagged", "f1_score",
+    "math_equal", "normalize_answer", "substring_exact_match", "unit_test_reward",
+]
+
+# ----------------------------------------------------------------------------------------------
+# Answer extraction.
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_GSM8K = re.compile(r"####[ \t]*([^\n]*)")
+_TAG_NAME = re.compile(r"[A-Za-z_][\w\-]*")
+
+
+def extract_tagged(text: str, tag: str = "answer") -> str | None:
+  """Stripped content of the last complete `<tag>...</tag>` block, or None."""
+  if not _TAG_NAME.fullmatch(tag):
+    raise ValueError(f"tag must be a bare tag name like 'answer', got {tag!r}")
+  matches = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
+  return matches[-1].strip() if matches else None
+
+
+def extract_boxed(text: str) -> str | None:
+  """Stripped content of the last `\\boxed{...}` (or `\\fbox{...}`) whose braces balance, or None.
+
+  Escaped braces (`\\{`, `\\}`, as in sets) do not count towards the balance. A box left open
+  (a truncated response) is skipped, so an earlier complete box can still be returned.
+  """
+  found = None
+  for m in _BOXED.finditer(text):
+    depth, i = 1, m.end()
+    while i < len(text):
+      c = text[i]
+      if c == "\\":
+        i += 2
+        continue
+      if c == "{":
+        depth += 1
+      elif c == "}":
+        depth -= 1
+        if depth == 0:
+          found = text[m.end():i].strip()
+          break
+      i += 1
+  return found
+
+
+def extract_gsm8k(text: str) -> str | None:
+  """The rest of the line after the last GSM8K-style `#### ` marker, or None."""
+  matches = [m.strip() for m in _GSM8K.findall(text)]
+  matches = [m for m in matches if m]
+  return matches[-1] if matches else None
+
+
+def extract_answer(text: str, *, tag: str | None = "answer") -> str | None:
+  """The final answer in a response, or None when it gives none.
+
+  Looks, in order, for the last `<tag>...</tag>` block (skipped when `tag` is None), the last
+  balanced `\\boxed{...}`, and the last `#### ...` marker.
+  """
+  if tag is not None:
+    answer = extract_tagged(text, tag)
+    if answer is not None:
+      return answer
+  answer = extract_boxed(text)
+  if answer is not None:
+    return answer
+  return extract_gsm8k(text)
+
+
+# ----------------------------------------------------------------------------------------------
+# Exact match and token F1 (SQuAD / Search-R1).
+
+_PUNCTUATION = frozenset(string.punctuation)
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+
+
+def normalize_answer(text: str) -> str:
+  """SQuAD normalisation: lowercase, no punctuation, no articles, single spaces."""
+  text = "".join(c for c in text.lower() if c not in _PUNCTUATION)
+  return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def _golds(golds: str | Sequence[str]) -> list[str]:
+  golds = [golds] if isinstance(golds, str) else list(golds)
+  if not golds:
+    raise ValueError("golds must hold at least one reference answer, got an empty sequence")
+  for g in golds:
+    if not isinstance(g, str):
+      raise TypeError(f"each gold answer must be a str, got {type(g).__name__}: {g!r}")
+  return golds
+
+
+def exact_match(prediction: str | None, golds: str | Sequence[str]) -> float:
+  """1.0 if the normalised prediction equals any normalised gold, else 0.0 (None scores 0)."""
+  golds = _golds(golds)
+  if prediction is None:
+    return 0.0
+  pred = normalize_answer(prediction)
+  return float(any(pred == normalize_answer(g) for g in golds))
+
+
+def substring_exact_match(prediction: str | None, golds: str | Sequence[str]) -> float:
+  """1.0 if any normalised gold appears as whole words inside the normalised prediction.
+
+  Search-R1's `subem` checks plain string containment; here the match must fall on word
+  boundaries so "1" does not match inside "10".
+  """
+  golds = _golds(golds)
+  if prediction is None:
+    return 0.0
+  pred = f" {normalize_answer(prediction)} "
+  return float(any(f" {g} " in pred for g in map(normalize_answer, golds) if g))
+
+
+def _f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
+  if not pred_tokens or not gold_tokens:
+    # SQuAD v2: an empty answer is right only against an empty reference.
+    return float(pred_tokens == gold_tokens)
+  common = collections.Counter(pred_tokens) & collections.Counter(gold_tokens)
+  num_same = sum(common.values())
+  if num_same == 0:
+    return 0.0
+  precision = num_same / len(pred_tokens)
+  recall = num_same / len(gold_tokens)
+  return 2 * precision * recall / (precision + recall)
+
+
+def f1_score(prediction: str | None, golds: str | Sequence[str]) -> float:
+  """Token-level F1 between normalised prediction and gold, maximised over golds."""
+  golds = _golds(golds)
+  if prediction is None:
+    return 0.0
+  pred_tokens = normalize_answer(prediction).split()
+  return max(_f1(pred_tokens, normalize_answer(g).split()) for g in golds)
+
+
+# ----------------------------------------------------------------------------------------------
+# Unit tests.
+
+
+def unit_test_reward(pass_count: int, total: int, *, all_or_nothing: bool = False) -> float:
+  """Fraction of unit tests passed (or 1.0 only when all pass); 0.0 when there are no tests.
+
+  The sandboxed runner lives in `jaxagent/tools/`; this only defines the reward of its counts.
+  """
+  for name, value in (("pass_count", pass_count), ("total", total)):
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+      raise ValueError(f"unit_test_reward: {name} must be an int >= 0, got {value!r}")
+  pass_count, total = int(pass_count), int(total)
+  if pass_count > total:
+    raise ValueError(f"unit_test_reward: pass_count ({pass_count}) exceeds total ({total})")
+  if total == 0:
+    return 0.0
+  if all_or_nothing:
+    return float(pass_count == total)
+  return pass_count / total

@@ -1,0 +1,90 @@
+"""Tests for jaxagent/rewards/components.py: each component read off a RewardInput, and a full composite."""
+import pytest
+
+from jaxagent.rewards.components import (
+    TESTS_PASSED_KEY,
+    TESTS_TOTAL_KEY,
+    FormatReward,
+    LinearLengthReward,
+    MathAnswerReward,
+    OverlongReward,
+    TextMatchReward,
+    ToolUseReward,
+    UnitTestReward,
+)
+from jaxagent.rewards.composite import Component, CompositeReward, ProgressiveSchedule, RewardInput
+from jaxagent.rewards.math_verifier import MathVerifier, MathVerifyConfig
+from jaxagent.rewards.shaping import FormatConfig, LinearLengthConfig, OverlongConfig, ToolShapingConfig
+
+
+@pytest.fixture(scope="module")
+def verifier():
+  with MathVerifier(MathVerifyConfig(backend="thread")) as v:
+    yield v
+
+
+def test_math_answer_reward(verifier):
+  math = MathAnswerReward(verifier=verifier)
+  assert math(RewardInput("<think>1/2</think><answer>\\frac{1}{2}</answer>", gold="0.5")) == 1.0
+  assert math(RewardInput("<answer>0.4</answer>", gold="0.5")) == 0.0
+  assert math(RewardInput("so the answer is \\boxed{1,000}", gold="1000")) == 1.0
+  assert math(RewardInput("I think it is 0.5", gold="0.5")) == 0.0  # no extractable answer
+  assert math(RewardInput("<answer>3</answer>", gold=["2", "3"])) == 1.0
+  with pytest.raises(ValueError, match="gold"):
+    math(RewardInput("<answer>3</answer>"))
+
+
+def test_math_answer_reward_validation():
+  with pytest.raises(ValueError, match="timeout_s"):
+    MathAnswerReward(timeout_s=0)
+  with pytest.raises(ValueError, match="tag"):
+    MathAnswerReward(tag="<answer>")
+
+
+def test_text_match_reward():
+  inp = RewardInput("<search>q</search><answer>The Eiffel Tower, Paris</answer>", gold=["eiffel tower", "x"])
+  assert TextMatchReward("exact_match")(inp) == 0.0
+  assert TextMatchReward("f1")(inp) == pytest.approx(0.8)  # [eiffel, tower, paris] vs [eiffel, tower]
+  assert TextMatchReward("substring_exact_match")(inp) == 1.0
+  assert TextMatchReward("exact_match")(RewardInput("no answer", gold="x")) == 0.0
+  with pytest.raises(ValueError, match="metric"):
+    TextMatchReward("bleu")
+
+
+def test_unit_test_reward_reads_metadata():
+  inp = RewardInput("def f(): ...", metadata={TESTS_PASSED_KEY: 3, TESTS_TOTAL_KEY: 4})
+  assert UnitTestReward()(inp) == 0.75
+  assert UnitTestReward(all_or_nothing=True)(inp) == 0.0
+  with pytest.raises(KeyError, match=TESTS_TOTAL_KEY):
+    UnitTestReward()(RewardInput("x", metadata={TESTS_PASSED_KEY: 1}))
+
+
+def test_shaping_components_read_their_fields():
+  inp = RewardInput("<answer>4</answer>", num_response_tokens=90, num_tool_calls=4, num_valid_tool_calls=3,
+                    num_tool_errors=1)
+  assert FormatReward()(inp) == 1.0
+  assert FormatReward(FormatConfig(required_tags=("think",)))(inp) == 0.0
+  assert ToolUseReward(ToolShapingConfig(0.1, 0.25, penalty_per_error=0.1))(inp) == pytest.approx(0.25 - 0.1)
+  assert LinearLengthReward(LinearLengthConfig(max_tokens=100, free_tokens=50))(inp) == pytest.approx(-0.8)
+  assert OverlongReward(OverlongConfig(max_tokens=100, cache_tokens=20))(inp) == pytest.approx(-0.5)
+
+
+def test_math_task_composite_end_to_end(verifier):
+  reward = CompositeReward([
+      Component("correct", MathAnswerReward(verifier=verifier), 1.0, role="outcome"),
+      Component("format", FormatReward(FormatConfig(required_tags=("think",))), 0.5, role="shaping"),
+      Component("tool_calls", ToolUseReward(ToolShapingConfig(0.1, 0.2)), 1.0, role="shaping"),
+      Component("overlong", OverlongReward(OverlongConfig(max_tokens=100, cache_tokens=20)), 1.0, role="fixed"),
+  ], schedule=ProgressiveSchedule(num_steps=100, start=0.5, end=1.0))
+  right = RewardInput("<think>use calc</think><answer>\\frac{3}{4}</answer>", gold="0.75",
+                      num_response_tokens=85, num_tool_calls=3, num_valid_tool_calls=3)
+  wrong_no_gold = RewardInput("<think>x</think><answer>1</answer>", gold=None, num_response_tokens=10)
+
+  out = reward(right, step=50)  # alpha = 0.75
+  assert out.components == pytest.approx({"correct": 1.0, "format": 1.0, "tool_calls": 0.2, "overlong": -0.25})
+  assert out.total == pytest.approx(0.75 * 1.0 + 0.25 * 0.5 * 1.0 + 0.25 * 0.2 - 0.25)
+
+  out = reward(wrong_no_gold, step=0)  # outcome cannot be scored: counted, not raised
+  assert out.errors == ("correct",)
+  assert out.total == pytest.approx(0.5 * 0.5 * 1.0)
+  assert reward.error_counts()["correct"] == 1

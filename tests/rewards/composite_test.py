@@ -1,0 +1,157 @@
+"""Tests for jaxagent/rewards/composite.py: weights, progressive schedule, failure handling, metrics."""
+import dataclasses
+import logging
+import math
+
+import pytest
+
+from jaxagent.rewards.composite import (
+    Component,
+    CompositeReward,
+    ProgressiveSchedule,
+    RewardInput,
+    mean_metrics,
+)
+
+INP = RewardInput(response_text="<answer>4</answer>", gold="4", num_response_tokens=12)
+
+
+def const(value):
+  return lambda inp: value
+
+
+def boom(inp):
+  raise RuntimeError("verifier crashed")
+
+
+def test_weighted_total_and_components():
+  reward = CompositeReward([
+      Component("correct", const(1.0), weight=1.0, role="outcome"),
+      Component("format", const(0.5), weight=0.2, role="shaping"),
+      Component("length", lambda inp: -inp.num_response_tokens / 100, weight=2.0),
+  ])
+  out = reward(INP)
+  assert out.total == pytest.approx(1.0 + 0.2 * 0.5 + 2.0 * -0.12)
+  assert out.components == {"correct": 1.0, "format": 0.5, "length": -0.12}
+  assert out.weights == {"correct": 1.0, "format": 0.2, "length": 2.0}
+  assert out.errors == () and out.alpha == 1.0
+  assert out.metrics() == {"reward/total": out.total, "reward/alpha": 1.0, "reward/correct": 1.0,
+                           "reward/format": 0.5, "reward/length": -0.12}
+
+
+def test_failing_component_scores_zero_and_is_counted(caplog):
+  reward = CompositeReward([
+      Component("correct", boom, weight=1.0),
+      Component("nan", const(math.nan), weight=1.0),
+      Component("text", const("1.0"), weight=1.0),  # not a number
+      Component("format", const(1.0), weight=0.5),
+  ])
+  with caplog.at_level(logging.WARNING, logger="jaxagent.rewards.composite"):
+    outs = [reward(INP) for _ in range(3)]
+  for out in outs:
+    assert out.total == pytest.approx(0.5)
+    assert out.components == {"correct": 0.0, "nan": 0.0, "text": 0.0, "format": 1.0}
+    assert out.errors == ("correct", "nan", "text")
+  assert reward.error_counts() == {"correct": 3, "nan": 3, "text": 3, "format": 0}
+  assert reward.num_errors == 9
+  # Logged once per component, not once per failure.
+  warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warnings) == 3
+  assert "verifier crashed" in caplog.text
+
+
+def test_keyboard_interrupt_is_not_swallowed():
+  def interrupt(inp):
+    raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    CompositeReward([Component("x", interrupt)])(INP)
+
+
+def test_linear_schedule():
+  s = ProgressiveSchedule(num_steps=100, start=0.2, end=1.0)
+  assert [s.alpha(t) for t in (0, 25, 50, 100, 1000)] == pytest.approx([0.2, 0.4, 0.6, 1.0, 1.0])
+
+
+def test_cosine_schedule():
+  s = ProgressiveSchedule(num_steps=100, start=0.0, end=0.8, kind="cosine")
+  assert s.alpha(0) == 0.0
+  assert s.alpha(50) == pytest.approx(0.4)
+  assert s.alpha(25) == pytest.approx(0.8 * (1 - math.cos(math.pi / 4)) / 2)
+  assert s.alpha(100) == pytest.approx(0.8) and s.alpha(500) == pytest.approx(0.8)
+  decreasing = ProgressiveSchedule(num_steps=10, start=1.0, end=0.5, kind="cosine")
+  values = [decreasing.alpha(t) for t in range(12)]
+  assert values[0] == 1.0 and values[-1] == pytest.approx(0.5)
+  assert all(a >= b for a, b in zip(values, values[1:]))
+
+
+def test_schedule_moves_weight_from_shaping_to_outcome():
+  reward = CompositeReward([
+      Component("correct", const(1.0), weight=2.0, role="outcome"),
+      Component("format", const(1.0), weight=0.5, role="shaping"),
+      Component("tools", const(0.4), weight=1.0, role="shaping"),
+      Component("overlong", const(-0.5), weight=1.0, role="fixed"),
+  ], schedule=ProgressiveSchedule(num_steps=10, start=0.2, end=1.0))
+  # step 0: alpha = 0.2
+  out = reward(INP, step=0)
+  assert out.alpha == pytest.approx(0.2)
+  assert out.weights == pytest.approx({"correct": 0.4, "format": 0.4, "tools": 0.8, "overlong": 1.0})
+  assert out.total == pytest.approx(0.4 * 1.0 + 0.4 * 1.0 + 0.8 * 0.4 - 0.5)
+  # step 5: alpha = 0.6
+  assert reward(INP, step=5).total == pytest.approx(1.2 + 0.2 + 0.4 * 0.4 - 0.5)
+  # end: shaping gone, components still reported for logging
+  end = reward(INP, step=10)
+  assert end.weights["format"] == 0.0 and end.weights["tools"] == 0.0
+  assert end.total == pytest.approx(2.0 - 0.5)
+  assert end.components["format"] == 1.0
+
+
+def test_score_batch_and_mean_metrics():
+  flaky_calls = iter([1.0, RuntimeError("x"), 0.0, 1.0])
+
+  def flaky(inp):
+    v = next(flaky_calls)
+    if isinstance(v, Exception):
+      raise v
+    return v
+
+  reward = CompositeReward([Component("correct", flaky, role="outcome"), Component("format", const(0.5), 2.0)])
+  outs = reward.score_batch([INP] * 4, step=3)
+  metrics = mean_metrics(outs)
+  assert metrics["reward/correct"] == pytest.approx(0.5)  # (1 + 0 + 0 + 1) / 4
+  assert metrics["reward/format"] == pytest.approx(0.5)
+  assert metrics["reward/total"] == pytest.approx(0.5 + 1.0)
+  assert metrics["reward/errors/correct"] == pytest.approx(0.25)
+  assert metrics["reward/errors/format"] == 0.0
+  assert metrics["reward/alpha"] == 1.0
+  assert mean_metrics([]) == {}
+
+
+def test_reward_input_is_frozen():
+  with pytest.raises(dataclasses.FrozenInstanceError):
+    INP.gold = "5"
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: Component("reward/x", const(1.0)), "name"),
+    (lambda: Component("total", const(1.0)), "reserved"),
+    (lambda: Component("x", "not callable"), "callable"),
+    (lambda: Component("x", const(1.0), weight=math.inf), "weight"),
+    (lambda: Component("x", const(1.0), role="bonus"), "role"),
+    (lambda: CompositeReward([]), "at least one"),
+    (lambda: CompositeReward([Component("x", const(1.0)), Component("x", const(2.0))]), "unique"),
+    (lambda: CompositeReward([Component("x", const(1.0), role="shaping")], schedule=ProgressiveSchedule(10)),
+     "outcome"),
+    (lambda: ProgressiveSchedule(num_steps=0), "num_steps"),
+    (lambda: ProgressiveSchedule(num_steps=10, start=-0.1), "start"),
+    (lambda: ProgressiveSchedule(num_steps=10, end=1.5), "end"),
+    (lambda: ProgressiveSchedule(num_steps=10, kind="exp"), "kind"),
+])
+def test_validation(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_rejects_non_component():
+  with pytest.raises(TypeError, match="Component"):
+    CompositeReward([const(1.0)])

@@ -1,0 +1,186 @@
+"""Tests for jaxagent/rewards/math_verifier.py: equivalence cases, time limits, failure counting."""
+import concurrent.futures
+import threading
+import time
+
+import math_verify
+import pytest
+
+from jaxagent.rewards import math_verifier
+from jaxagent.rewards.math_verifier import MathVerifier, MathVerifyConfig, math_equal
+
+EQUAL = [
+    ("42", "42.0"),
+    ("1,000", "1000"),
+    ("1,000,000", "1000000"),
+    ("1\\,000", "1000"),
+    ("$5", "5"),
+    ("5 dollars", "5"),
+    ("0.5", "\\frac{1}{2}"),
+    ("\\frac{1}{2}", "0.5"),
+    ("\\dfrac{3}{4}", "0.75"),
+    ("1/2", "\\frac{1}{2}"),
+    ("\\boxed{3}", "3"),
+    ("The final answer is \\boxed{\\frac{1}{2}}.", "0.5"),
+    ("-\\frac{1}{2}", "-0.5"),
+    ("\\{2, 1\\}", "\\{1,2\\}"),
+    ("2, 1", "\\{1,2\\}"),
+    ("[1,2)", "[1, 2)"),
+    ("\\left[1,2\\right)", "[1,2)"),
+    ("(-\\infty, 3]", "(-\\infty,3]"),
+    ("x+1", "1+x"),
+    ("\\sqrt{2}", "2^{1/2}"),
+    ("3.", "3"),
+]
+
+NOT_EQUAL = [
+    ("7", "8"),
+    ("", "5"),
+    ("   ", "5"),
+    ("asdf qwer", "5"),
+    ("}{", "5"),
+    ("0.5", "\\frac{1}{3}"),
+    ("(1,2]", "[1,2)"),  # open/closed ends differ
+    ("(1, 2)", "2"),  # an interval is not its right end
+    ("[1, 2]", "1"),
+    ("1,2", "1.2"),  # a comma here separates elements, not decimals
+    ("\\{1,2\\}", "\\{1,2,3\\}"),
+    ("0.3333", "\\frac{1}{3}"),  # within 6-digit rounding it differs
+]
+
+
+@pytest.fixture(scope="module")
+def thread_verifier():
+  with MathVerifier(MathVerifyConfig(backend="thread", max_workers=2)) as v:
+    yield v
+
+
+@pytest.fixture(scope="module")
+def process_verifier():
+  with MathVerifier(MathVerifyConfig(backend="process", max_workers=2)) as v:
+    yield v
+
+
+@pytest.mark.parametrize("prediction,gold", EQUAL)
+def test_equal_cases(thread_verifier, prediction, gold):
+  assert thread_verifier.equal(prediction, gold)
+
+
+@pytest.mark.parametrize("prediction,gold", NOT_EQUAL)
+def test_not_equal_cases(thread_verifier, prediction, gold):
+  assert not thread_verifier.equal(prediction, gold)
+
+
+def test_process_backend_agrees_with_thread_backend(thread_verifier, process_verifier):
+  for prediction, gold in EQUAL[:8] + NOT_EQUAL[:8]:
+    assert process_verifier.equal(prediction, gold) == thread_verifier.equal(prediction, gold), (prediction, gold)
+
+
+def test_math_equal_default_verifier():
+  assert math_equal("0.5", "\\frac{1}{2}")
+  assert math_equal("\\boxed{1,000}", "1000")
+  assert not math_equal("41", "42")
+  assert math_verifier.default_verifier().config.backend == "process"
+  with pytest.raises(TypeError, match="compares strings"):
+    math_equal(0.5, "0.5")
+
+
+def test_process_backend_kills_a_real_hang_within_the_limit(process_verifier):
+  # sympy evaluates 9^(9^9) (370 million digits) in C without releasing the GIL, for minutes:
+  # a thread could not be abandoned here, only a process can be stopped.
+  process_verifier.equal("1", "1")  # make sure a worker is started; startup is not timed
+  before = process_verifier.stats()
+  start = time.monotonic()
+  assert not process_verifier.equal("9^{9^{9}}", "5", timeout_s=1.0)
+  elapsed = time.monotonic() - start
+  assert elapsed < 2.5, elapsed
+  after = process_verifier.stats()
+  assert after["timeouts"] == before["timeouts"] + 1
+  assert after["restarts"] == before["restarts"] + 1
+  # The replacement worker answers normally.
+  assert process_verifier.equal("2", "2.0", timeout_s=30.0)
+
+
+def test_process_backend_concurrent_callers(process_verifier):
+  pairs = [("0.5", "\\frac{1}{2}", True), ("3", "4", False), ("1,000", "1000", True), ("[1,2)", "(1,2]", False)] * 2
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    results = list(pool.map(lambda p: process_verifier.equal(p[0], p[1], timeout_s=30.0), pairs))
+  assert results == [expected for _, _, expected in pairs]
+
+
+@pytest.fixture
+def blocking_verify(monkeypatch):
+  """Replaces math_verify.verify with one that waits until the test ends."""
+  release = threading.Event()
+
+  def slow_verify(*args, **kwargs):
+    release.wait(30)
+    return True
+
+  monkeypatch.setattr(math_verify, "verify", slow_verify)
+  yield
+  release.set()
+
+
+def test_thread_backend_timeout_returns_false_in_bounded_time(blocking_verify):
+  v = MathVerifier(MathVerifyConfig(backend="thread", max_workers=2))
+  start = time.monotonic()
+  assert not v.equal("1", "2", timeout_s=0.3)
+  assert time.monotonic() - start < 1.5
+  assert v.stats()["timeouts"] == 1 and v.stats()["calls"] == 1
+
+
+def test_thread_backend_busy_when_all_workers_are_stuck(blocking_verify):
+  v = MathVerifier(MathVerifyConfig(backend="thread", max_workers=1))
+  assert not v.equal("1", "2", timeout_s=0.2)  # leaves the only worker stuck
+  start = time.monotonic()
+  assert not v.equal("3", "3.0", timeout_s=0.2)
+  assert time.monotonic() - start < 1.0
+  stats = v.stats()
+  assert stats["timeouts"] == 1 and stats["busy"] == 1
+
+
+def test_errors_are_counted_and_score_false(monkeypatch):
+  def broken_verify(*args, **kwargs):
+    raise RecursionError("deep expression")
+
+  monkeypatch.setattr(math_verify, "verify", broken_verify)
+  v = MathVerifier(MathVerifyConfig(backend="thread"))
+  assert not v.equal("1", "2")
+  assert v.stats() == {"calls": 1, "equal": 0, "unequal": 0, "timeouts": 0, "errors": 1, "busy": 0,
+                       "restarts": 0}
+
+
+def test_stats_add_up(thread_verifier):
+  before = thread_verifier.stats()
+  thread_verifier.equal("1", "1.0")
+  thread_verifier.equal("1", "2")
+  after = thread_verifier.stats()
+  assert after["calls"] - before["calls"] == 2
+  assert after["equal"] - before["equal"] == 1
+  assert after["unequal"] - before["unequal"] == 1
+
+
+def test_closed_verifier_raises():
+  v = MathVerifier(MathVerifyConfig(backend="thread"))
+  v.close()
+  with pytest.raises(RuntimeError, match="closed"):
+    v.equal("1", "1")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"backend": "gpu"}, "backend"),
+    ({"timeout_s": 0}, "timeout_s"),
+    ({"timeout_s": float("inf")}, "timeout_s"),
+    ({"max_workers": 0}, "max_workers"),
+    ({"worker_memory_mb": -1}, "worker_memory_mb"),
+    ({"numeric_precision": 0}, "numeric_precision"),
+])
+def test_config_validation(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    MathVerifyConfig(**kwargs)
+
+
+def test_call_timeout_is_validated(thread_verifier):
+  with pytest.raises(ValueError, match="timeout_s"):
+    thread_verifier.equal("1", "1", timeout_s=-1)

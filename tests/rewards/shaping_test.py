@@ -1,0 +1,207 @@
+"""Tests for jaxagent/rewards/shaping.py: format protocol, capped tool shaping, length / DAPO overlong."""
+import math
+
+import numpy as np
+import pytest
+
+from jaxagent.rewards.shaping import (
+    FormatCheck,
+    FormatConfig,
+    LinearLengthConfig,
+    OverlongConfig,
+    ToolShapingConfig,
+    check_format,
+    format_reward,
+    linear_length_penalty,
+    overlong_penalty,
+    tool_use_reward,
+)
+
+# --- format ---------------------------------------------------------------------------------------
+
+GOOD = "<think>2 + 2 = 4</think>\n<answer>4</answer>"
+
+
+@pytest.mark.parametrize("text", [
+    GOOD,
+    GOOD + "\n\n",
+    GOOD + "<|im_end|>",
+    GOOD + " <|endoftext|>\n</s>",
+    "<answer>4</answer>",  # think is allowed, not required
+    "<think>compare x < y and y > z</think><answer>4</answer>",  # bare angle brackets are text
+])
+def test_format_accepts(text):
+  assert format_reward(text) == 1.0
+
+
+@pytest.mark.parametrize("text,failed", [
+    ("<think>2 + 2 = 4</think>", "one_answer"),  # no answer
+    ("The answer is 4.", "one_answer"),
+    (GOOD + "<answer>5</answer>", "one_answer"),  # two answers
+    ("<think>x</think><answer>  </answer>", "one_answer"),  # empty answer
+    (GOOD + " Hope this helps!", "answer_last"),  # text after the answer
+    ("<answer>4</answer><think>more</think>", "answer_last"),
+    ("<think>unclosed <answer>4</answer>", "tags_ok"),
+    ("<think>x<answer>4</think></answer>", "tags_ok"),  # crossing blocks
+    ("<think>x</think></think><answer>4</answer>", "tags_ok"),  # stray close
+    ("<reasoning>x</reasoning><answer>4</answer>", "tags_ok"),  # unknown tag
+])
+def test_format_rejects(text, failed):
+  check = check_format(text)
+  assert not getattr(check, failed), check
+  assert format_reward(text) == 0.0
+
+
+def test_format_nesting():
+  nested = "<think>plan <search>q</search></think><answer>4</answer>"
+  strict = FormatConfig(allowed_tags=("think", "search", "answer"))
+  assert format_reward(nested, strict) == 0.0
+  assert not check_format(nested, strict).tags_ok
+  loose = FormatConfig(allowed_tags=("think", "search", "answer"), allow_nesting=True)
+  assert format_reward(nested, loose) == 1.0
+  # Even with nesting allowed, an answer inside think is not final.
+  assert format_reward("<think><answer>4</answer></think>", loose) == 0.0
+
+
+def test_format_unknown_tags_can_be_tolerated():
+  text = "<reasoning>x</reasoning><answer>4</answer>"
+  assert format_reward(text, FormatConfig(allow_unknown_tags=True)) == 1.0
+
+
+def test_format_required_tags():
+  config = FormatConfig(required_tags=("think",))
+  assert format_reward(GOOD, config) == 1.0
+  assert format_reward("<answer>4</answer>", config) == 0.0
+  assert check_format("<answer>4</answer>", config) == FormatCheck(True, True, True, False)
+
+
+def test_format_opaque_tags_hide_observation_markup():
+  text = ("<search>capital of France</search><information><b>Paris</b> is <answer>not this</answer>"
+          "</information><answer>Paris</answer>")
+  config = FormatConfig(allowed_tags=("think", "search", "information", "answer"), opaque_tags=("information",))
+  assert format_reward(text, config) == 1.0
+  not_opaque = FormatConfig(allowed_tags=("think", "search", "information", "answer"))
+  assert format_reward(text, not_opaque) == 0.0
+  assert format_reward("<information>never closed <answer>x</answer>", config) == 0.0
+
+
+def test_format_partial_credit():
+  partial = FormatConfig(partial_credit=True)
+  assert format_reward(GOOD, partial) == 1.0
+  # Only answer_last fails: 2 of 3 checks.
+  assert format_reward(GOOD + " trailing", partial) == pytest.approx(2 / 3)
+  # No answer: one_answer and answer_last fail; tags fine: 1 of 3.
+  assert format_reward("<think>x</think>", partial) == pytest.approx(1 / 3)
+  # With a required tag there are 4 checks; missing think only: 3 of 4.
+  required = FormatConfig(partial_credit=True, required_tags=("think",))
+  assert format_reward("<answer>4</answer>", required) == pytest.approx(3 / 4)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"answer_tag": "final"}, "answer_tag"),
+    ({"required_tags": ("plan",)}, "required_tags"),
+    ({"opaque_tags": ("obs",)}, "opaque_tags"),
+    ({"allowed_tags": "answer"}, "allowed_tags"),
+    ({"allowed_tags": ("answer", "<think>")}, "allowed_tags"),
+    ({"opaque_tags": ("answer",)}, "opaque"),
+    ({"eos_markers": ("",)}, "eos_markers"),
+])
+def test_format_config_validation(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    FormatConfig(**kwargs)
+
+
+def test_format_config_is_hashable_with_list_inputs():
+  config = FormatConfig(allowed_tags=["think", "answer"])
+  assert config.allowed_tags == ("think", "answer")
+  hash(config)
+
+
+# --- tool use -------------------------------------------------------------------------------------
+
+
+def test_tool_use_reward_is_capped():
+  config = ToolShapingConfig(reward_per_valid_call=0.1, max_reward=0.3)
+  assert tool_use_reward(0, 0, 0, config) == 0.0
+  assert tool_use_reward(3, 2, 1, config) == pytest.approx(0.2)  # no error penalty configured
+  assert tool_use_reward(3, 3, 0, config) == pytest.approx(0.3)
+  assert tool_use_reward(10, 10, 0, config) == pytest.approx(0.3)
+
+
+def test_tool_use_error_penalty_and_its_cap():
+  config = ToolShapingConfig(reward_per_valid_call=0.1, max_reward=0.3, penalty_per_error=0.05, max_penalty=0.1)
+  assert tool_use_reward(2, 2, 0, config) == pytest.approx(0.2)
+  assert tool_use_reward(2, 1, 1, config) == pytest.approx(0.1 - 0.05)
+  assert tool_use_reward(6, 1, 5, config) == pytest.approx(0.1 - 0.1)
+  uncapped = ToolShapingConfig(reward_per_valid_call=0.0, max_reward=0.0, penalty_per_error=0.25)
+  assert tool_use_reward(8, 0, 8, uncapped) == pytest.approx(-2.0)
+
+
+@pytest.mark.parametrize("counts,match", [((1, 2, 0), "disagree"), ((1, 0, 2), "disagree"), ((-1, 0, 0), "num_calls"),
+                                          ((1, 1.0, 0), "num_valid")])
+def test_tool_use_rejects_bad_counts(counts, match):
+  with pytest.raises(ValueError, match=match):
+    tool_use_reward(*counts)
+
+
+@pytest.mark.parametrize("kwargs,match", [({"reward_per_valid_call": -0.1}, "reward_per_valid_call"),
+                                          ({"max_reward": float("nan")}, "max_reward"),
+                                          ({"max_penalty": -1.0}, "max_penalty")])
+def test_tool_config_validation(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    ToolShapingConfig(**kwargs)
+
+
+# --- length -------------------------------------------------------------------------------------
+
+
+def test_linear_length_penalty():
+  config = LinearLengthConfig(max_tokens=100, free_tokens=20, coef=0.5)
+  assert linear_length_penalty(0, config) == 0.0
+  assert linear_length_penalty(20, config) == 0.0
+  assert linear_length_penalty(60, config) == pytest.approx(-0.25)
+  assert linear_length_penalty(100, config) == pytest.approx(-0.5)
+  assert linear_length_penalty(150, config) == pytest.approx(-0.5)
+
+
+def dapo_eq13_reference(lengths, l_max, l_cache):
+  """DAPO eq. (13), vectorised with NumPy."""
+  y = np.asarray(lengths, dtype=np.float64)
+  return np.where(y <= l_max - l_cache, 0.0, np.where(y <= l_max, ((l_max - l_cache) - y) / l_cache, -1.0))
+
+
+def test_overlong_boundaries():
+  config = OverlongConfig(max_tokens=100, cache_tokens=20)
+  assert overlong_penalty(0, config) == 0.0
+  assert overlong_penalty(80, config) == 0.0  # exactly L_max - L_cache
+  assert overlong_penalty(81, config) == pytest.approx(-1 / 20)
+  assert overlong_penalty(90, config) == pytest.approx(-0.5)
+  assert overlong_penalty(100, config) == -1.0  # exactly L_max
+  assert overlong_penalty(101, config) == -1.0  # L_max + 1
+  assert overlong_penalty(10**6, config) == -1.0
+
+
+@pytest.mark.parametrize("l_max,l_cache", [(100, 20), (4096, 512), (7, 7), (5, 1)])
+def test_overlong_matches_numpy_reference(l_max, l_cache):
+  config = OverlongConfig(max_tokens=l_max, cache_tokens=l_cache)
+  lengths = np.arange(0, l_max + 50)
+  ours = np.array([overlong_penalty(int(n), config) for n in lengths])
+  np.testing.assert_allclose(ours, dapo_eq13_reference(lengths, l_max, l_cache), rtol=0, atol=1e-12)
+  assert np.all(np.diff(ours) <= 0)  # never rewards growing longer
+
+
+@pytest.mark.parametrize("make,match", [
+    (lambda: OverlongConfig(max_tokens=100, cache_tokens=0), "cache_tokens"),
+    (lambda: OverlongConfig(max_tokens=100, cache_tokens=101), "cache_tokens"),
+    (lambda: OverlongConfig(max_tokens=100.0, cache_tokens=10), "max_tokens"),
+    (lambda: LinearLengthConfig(max_tokens=10, free_tokens=10), "free_tokens"),
+    (lambda: LinearLengthConfig(max_tokens=10, coef=math.inf), "coef"),
+])
+def test_length_config_validation(make, match):
+  with pytest.raises(ValueError, match=match):
+    make()
+
+
+def test_length_rejects_negative_token_counts():
+  with pytest.raises(ValueError, match="num_tokens"):
+    overlong_penalty(-1, OverlongConfig(max_tokens=10, cache_tokens=2))

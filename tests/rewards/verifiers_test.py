@@ -1,0 +1,173 @@
+"""Tests for jaxagent/rewards/verifiers.py: extraction, EM/F1 (vs the SQuAD script), unit tests."""
+import collections
+import re
+import string
+
+import numpy as np
+import pytest
+
+from jaxagent.rewards import verifiers
+from jaxagent.rewards.verifiers import (
+    exact_match,
+    extract_answer,
+    extract_boxed,
+    extract_gsm8k,
+    extract_tagged,
+    f1_score,
+    normalize_answer,
+    substring_exact_match,
+    unit_test_reward,
+)
+
+# --- extraction ---------------------------------------------------------------------------------
+
+
+def test_extract_tagged_takes_the_last_complete_block():
+  text = "<answer>1</answer> thinking more...\n<answer>\n 2\n</answer><answer>3"
+  assert extract_tagged(text) == "2"
+  assert extract_tagged("<answer></answer>") == ""
+  assert extract_tagged("no tags here") is None
+  assert extract_tagged("<result>7</result>", tag="result") == "7"
+  with pytest.raises(ValueError, match="tag name"):
+    extract_tagged("x", tag="<answer>")
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("so \\boxed{3}.", "3"),
+    ("\\boxed{\\frac{1}{2}}", "\\frac{1}{2}"),
+    ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces do not close the box
+    ("\\boxed{1} then \\boxed{ 2 }", "2"),
+    ("\\boxed{4} and finally \\boxed{5", "4"),  # an unclosed (truncated) box is skipped
+    ("\\fbox{x^{2}}", "x^{2}"),
+    ("\\boxed {7}", "7"),
+    ("no box", None),
+    ("\\boxed{", None),
+])
+def test_extract_boxed(text, expected):
+  assert extract_boxed(text) == expected
+
+
+def test_extract_gsm8k():
+  assert extract_gsm8k("Natalia sold 48 clips.\n#### 72") == "72"
+  assert extract_gsm8k("#### 1\nwait\n####  1,000 \n") == "1,000"
+  assert extract_gsm8k("#### \n") is None
+  assert extract_gsm8k("42") is None
+
+
+def test_extract_answer_priority():
+  both = "\\boxed{1} #### 2 <answer>3</answer>"
+  assert extract_answer(both) == "3"
+  assert extract_answer(both, tag=None) == "1"
+  assert extract_answer("\\boxed{1}\n#### 2") == "1"
+  assert extract_answer("steps\n#### 2") == "2"
+  assert extract_answer("<answer>\\boxed{3}</answer>") == "\\boxed{3}"
+  assert extract_answer("I am not sure.") is None
+  assert extract_answer("") is None
+
+
+# --- EM / F1 --------------------------------------------------------------------------------------
+# The official SQuAD v1.1 evaluation functions, typed out as an independent reference.
+
+
+def squad_normalize(s):
+  def remove_articles(text):
+    return re.sub(r"\b(a|an|the)\b", " ", text)
+
+  def white_space_fix(text):
+    return " ".join(text.split())
+
+  def remove_punc(text):
+    exclude = set(string.punctuation)
+    return "".join(ch for ch in text if ch not in exclude)
+
+  return white_space_fix(remove_articles(remove_punc(s.lower())))
+
+
+def squad_f1(prediction, ground_truth):
+  prediction_tokens = squad_normalize(prediction).split()
+  ground_truth_tokens = squad_normalize(ground_truth).split()
+  common = collections.Counter(prediction_tokens) & collections.Counter(ground_truth_tokens)
+  num_same = sum(common.values())
+  if num_same == 0:
+    return 0
+  precision = 1.0 * num_same / len(prediction_tokens)
+  recall = 1.0 * num_same / len(ground_truth_tokens)
+  return (2 * precision * recall) / (precision + recall)
+
+
+PAIRS = [
+    ("The Eiffel Tower", "eiffel tower"),
+    ("Eiffel Tower, Paris", "the Eiffel Tower"),
+    ("a big red dog", "The red dog."),
+    ("dog dog dog", "the dog"),
+    ("Barack Obama", "Obama, Barack Hussein"),
+    ("1,000 km", "1000 km"),
+    ("anthem", "an them"),
+    ("Théâtre du Châtelet", "theatre du chatelet"),
+    ("New York City!!", "new-york city"),
+    ("completely wrong", "Paris"),
+]
+
+
+@pytest.mark.parametrize("pred,gold", PAIRS)
+def test_em_and_f1_match_squad_reference(pred, gold):
+  assert normalize_answer(pred) == squad_normalize(pred)
+  assert exact_match(pred, gold) == float(squad_normalize(pred) == squad_normalize(gold))
+  assert f1_score(pred, gold) == pytest.approx(squad_f1(pred, gold))
+
+
+def test_em_and_f1_hand_worked():
+  assert normalize_answer("  The Cat's   HAT! ") == "cats hat"
+  assert exact_match("The Eiffel Tower.", "eiffel tower") == 1.0
+  assert exact_match("an apple", ["a pear", "Apple"]) == 1.0
+  assert exact_match("apples", ["apple"]) == 0.0
+  # tokens [big, red, dog] vs [red, dog]: P = 2/3, R = 1, F1 = 0.8
+  assert f1_score("the big red dog", "red dog") == pytest.approx(0.8)
+  # [dog, dog] vs [dog]: one shared token, P = 1/2, R = 1, F1 = 2/3
+  assert f1_score("dog dog", "a dog") == pytest.approx(2 / 3)
+  # max over golds: "cat" 0, "red dog" 0.8, "small red dog" (P = R = 2/3) 2/3
+  assert f1_score("the big red dog", ["cat", "red dog", "small red dog"]) == pytest.approx(0.8)
+
+
+def test_em_f1_missing_and_empty():
+  assert exact_match(None, "x") == 0.0 and f1_score(None, ["x"]) == 0.0
+  # Only articles and punctuation normalise to empty: right only against an empty reference.
+  assert f1_score("The.", "a") == 1.0
+  assert f1_score("The.", "dog") == 0.0
+  assert f1_score("dog", "the") == 0.0
+  with pytest.raises(ValueError, match="at least one"):
+    exact_match("x", [])
+  with pytest.raises(TypeError, match="str"):
+    f1_score("x", [None])
+
+
+def test_substring_exact_match():
+  assert substring_exact_match("It is Paris, France.", "paris") == 1.0
+  assert substring_exact_match("The answer is New York City", ["Boston", "new york"]) == 1.0
+  assert substring_exact_match("10 apples", "1") == 0.0  # whole words only
+  assert substring_exact_match("anything", "the") == 0.0  # an empty normalised gold never matches
+  assert substring_exact_match(None, "x") == 0.0
+
+
+# --- unit tests ---------------------------------------------------------------------------------
+
+
+def test_unit_test_reward():
+  assert unit_test_reward(3, 4) == 0.75
+  assert unit_test_reward(4, 4) == 1.0
+  assert unit_test_reward(0, 0) == 0.0
+  assert unit_test_reward(3, 4, all_or_nothing=True) == 0.0
+  assert unit_test_reward(4, 4, all_or_nothing=True) == 1.0
+  value = unit_test_reward(np.int64(1), np.int32(2))
+  assert value == 0.5 and type(value) is float
+
+
+@pytest.mark.parametrize("args,match", [((5, 4), "exceeds"), ((-1, 4), "pass_count"), ((1, 2.0), "total"),
+                                        ((True, 2), "pass_count")])
+def test_unit_test_reward_rejects_bad_counts(args, match):
+  with pytest.raises(ValueError, match=match):
+    unit_test_reward(*args)
+
+
+def test_math_equal_is_reexported():
+  assert verifiers.math_equal.__module__ == "jaxagent.rewards.math_verifier"
