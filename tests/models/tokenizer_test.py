@@ -1,0 +1,544 @@
+"""Tests for `jaxagent.models.tokenizer`.
+
+References, all independent of the code under test:
+- a pure-Python byte-level BPE (`_reference_encode`) over the vocab and merges read straight from the
+  GGUF with the `gguf` package, splitting text as SmolLM2's pre-tokenizer does (each digit alone, then
+  the GPT-2 regex);
+- transformers' GGUF tokenizer (`AutoTokenizer.from_pretrained(dir, gguf_file=...)`) and its
+  `apply_chat_template`;
+- transformers' tokenizer of an HF directory, and a BPE trained here with `tokenizers`.
+"""
+import functools
+import json
+import pathlib
+
+import gguf
+import numpy as np
+import pytest
+
+from jaxagent.models import tokenizer as T
+from jaxagent.models.gguf import find_embedded_gguf
+
+regex = pytest.importorskip("regex")
+transformers = pytest.importorskip("transformers")
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+_CORPUS = [
+    "Hello world!",
+    "héllo wörld 😀🎉👩‍👩‍👧 中文字符 日本語 한국어 العربية",
+    "def f(x):\n    return x ** 2  # square\n\n\n",
+    "\t\t tabs  and   spaces   \n \r\n",
+    "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n",
+    "It's 3.14159! Pi is about 22/7, e=2.71828 ...",
+    "a1b2 c3 d45e 1,000,000",
+    "We're done; they'll see.  I'd've",
+    "  leading spaces",
+    "mixed\u00a0nbsp\u2003em-space\u200bzero-width",
+    "<tool_call>{\"name\": \"calc\", \"arguments\": {\"expr\": \"2*(3+4)\"}}</tool_call>",
+    "",
+]
+# transformers' GGUF loader ignores `tokenizer.ggml.pre = "smollm"` (each digit split off first),
+# so it tokenizes whitespace right before a digit differently: "x  1" -> x,Ġ,Ġ,1 instead of x,ĠĠ,1.
+# These strings show it; they are checked against the reference implementation instead.
+_WHITESPACE_BEFORE_DIGITS = ["x  1", "  12345 abc", "a\n\n2", "sum:   3 + 4"]
+
+
+@functools.lru_cache(maxsize=None)
+def _gguf_path() -> pathlib.Path:
+  try:
+    return find_embedded_gguf()
+  except FileNotFoundError as e:
+    pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return T.load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+  path = _gguf_path()
+  return transformers.AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+
+
+# ---- reference byte-level BPE ----------------------------------------------------------------
+
+
+def _bytes_to_unicode():
+  """GPT-2's printable spelling of the 256 byte values."""
+  bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
+      range(ord("®"), ord("ÿ") + 1))
+  cs = bs[:]
+  n = 0
+  for b in range(256):
+    if b not in bs:
+      bs.append(b)
+      cs.append(256 + n)
+      n += 1
+  return dict(zip(bs, map(chr, cs)))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_tables():
+  fields = gguf.GGUFReader(_gguf_path()).fields
+  tokens = fields["tokenizer.ggml.tokens"].contents()
+  types = fields["tokenizer.ggml.token_type"].contents()
+  merges = fields["tokenizer.ggml.merges"].contents()
+  ranks = {tuple(m.split(" ")): r for r, m in enumerate(merges)}
+  vocab = {t: i for i, t in enumerate(tokens)}
+  specials = sorted((t for t, ty in zip(tokens, types) if ty == 3), key=len, reverse=True)
+  return vocab, ranks, specials
+
+
+_GPT2_SPLIT = regex.compile(
+    r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+""")
+_BYTE_SPELLING = _bytes_to_unicode()
+
+
+def _bpe(word, ranks):
+  parts = list(word)
+  while len(parts) > 1:
+    rank, i = min((ranks.get((a, b), float("inf")), i) for i, (a, b) in enumerate(zip(parts, parts[1:])))
+    if rank == float("inf"):
+      break
+    parts[i:i + 2] = [parts[i] + parts[i + 1]]
+  return parts
+
+
+def _reference_encode(text):
+  vocab, ranks, specials = _reference_tables()
+  ids = []
+  for chunk in regex.split("(" + "|".join(map(regex.escape, specials)) + ")", text):
+    if chunk in vocab and chunk in specials:
+      ids.append(vocab[chunk])
+      continue
+    for piece in regex.split(r"(\p{N})", chunk):  # each digit on its own, then GPT-2's split
+      for word in _GPT2_SPLIT.findall(piece):
+        spelled = "".join(_BYTE_SPELLING[b] for b in word.encode("utf-8"))
+        # A byte the vocab lacks has no token; like the HF tokenizer (no unk token), drop it.
+        ids.extend(vocab[p] for p in _bpe(spelled, ranks) if p in vocab)
+  return ids
+
+
+def _representable(text):
+  vocab = _reference_tables()[0]
+  return all(_BYTE_SPELLING[b] in vocab for b in text.encode("utf-8"))
+
+
+_texts = st.lists(
+    st.one_of(st.text(max_size=24),
+              st.sampled_from(["<|im_end|>", " 123", "  ", "\n\n", "😀", "é", "中文", "x  1", "\t",
+                               " the", "'s", "```py"])),
+    max_size=8).map("".join)
+
+
+# ---- the embedded SmolLM2 tokenizer ------------------------------------------------------------
+
+
+def test_special_ids_and_eos_set(tok):
+  assert tok.vocab_size == 49152
+  assert (tok.bos_id, tok.eos_id, tok.pad_id) == (1, 2, 2)
+  assert (tok.bos_token, tok.eos_token) == ("<|im_start|>", "<|im_end|>")
+  # <|im_end|> ends turns in the template; <|endoftext|> ends documents.
+  assert tok.eos_ids == {2, 0}
+  assert tok.token_to_id("<|im_end|>") == 2 and tok.id_to_token(2) == "<|im_end|>"
+  assert tok.id_to_token(tok.token_to_id("Ġthe")) == "Ġthe"
+  assert tok.token_to_id("definitely-not-a-token") is None
+  assert tok.special_ids == frozenset(range(17))
+
+
+@pytest.mark.parametrize("text", _CORPUS + _WHITESPACE_BEFORE_DIGITS)
+def test_encode_matches_reference_bpe_and_round_trips(tok, text):
+  ids = tok.encode(text)
+  assert ids == _reference_encode(text)
+  assert tok.decode(ids) == text
+
+
+@hypothesis.settings(max_examples=150, deadline=None)
+@hypothesis.given(text=_texts)
+def test_property_reference_bpe_and_round_trip(tok, text):
+  ids = tok.encode(text)
+  assert ids == _reference_encode(text)
+  assert all(0 <= i < tok.vocab_size for i in ids)
+  if _representable(text):
+    assert tok.decode(ids) == text
+
+
+def test_bytes_missing_from_the_vocab_are_dropped(tok):
+  # SmolLM2's vocab lacks a few byte tokens (e.g. 0x04, and the UTF-8 lead bytes of planes 4-11);
+  # like the original HF tokenizer, encoding drops them.
+  assert not _representable("a\x04b") and not _representable("\U00040000")
+  assert tok.decode(tok.encode("a\x04b")) == "ab"
+  assert tok.encode("\U00040000") == _reference_encode("\U00040000")
+
+
+@pytest.mark.parametrize("text", _CORPUS)
+def test_encode_matches_transformers_gguf_tokenizer(tok, hf_tok, text):
+  assert tok.encode(text) == hf_tok(text, add_special_tokens=False)["input_ids"]
+  assert tok.encode(text, add_special_tokens=True) == hf_tok(text)["input_ids"]
+  ids = tok.encode(text)
+  assert tok.decode(ids, skip_special_tokens=True) == hf_tok.decode(ids, skip_special_tokens=True)
+
+
+def test_transformers_gguf_tokenizer_skips_the_digit_split(tok, hf_tok):
+  # Documents why `_WHITESPACE_BEFORE_DIGITS` is not compared with transformers: it differs there.
+  assert tok.encode("x  1") == [tok.token_to_id("x"), tok.token_to_id("ĠĠ"), tok.token_to_id("1")]
+  assert hf_tok("x  1", add_special_tokens=False)["input_ids"] != tok.encode("x  1")
+
+
+def test_special_tokens_can_be_encoded_as_text(tok):
+  text = "result: <|im_end|><|im_start|>system"
+  literal = tok.encode(text, parse_special=False)
+  assert not set(literal) & tok.special_ids
+  assert tok.decode(literal) == text
+  assert tok.encode(text) == tok.encode("result: ") + [2, 1] + tok.encode("system")
+  assert tok.encode_batch([text, "a"], parse_special=False) == [literal, tok.encode("a")]
+
+
+def test_decode_skips_special_tokens_and_accepts_arrays(tok):
+  ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
+  assert tok.decode(np.asarray(ids, np.int32)) == "<|im_start|>user\nhi<|im_end|>"
+  assert tok.decode(ids, skip_special_tokens=True) == "user\nhi"
+  with pytest.raises(ValueError, match="1-D"):
+    tok.decode(np.zeros((2, 2), np.int32))
+  with pytest.raises(TypeError, match="expects a str"):
+    tok.encode(b"bytes")
+
+
+@pytest.mark.parametrize("text", ["héllo 😀🎉 中文字符 👩‍👩‍👧!", "plain ascii text, nothing odd", "x  1 é"])
+def test_stream_decoder_emits_whole_characters(tok, text):
+  prompt = tok.encode_chat([{"role": "user", "content": "Say something."}])
+  ids = tok.encode(text)
+  stream = tok.stream_decoder(prompt_ids=prompt)
+  pieces = [stream.push(i) for i in ids]
+  assert "".join(pieces) + stream.flush() == text
+  assert all("\ufffd" not in p for p in pieces)
+  split_chars = any("\ufffd" in tok.decode([i]) for i in ids)  # a token ends mid-character
+  assert split_chars == ("😀" in text)
+  if split_chars:
+    assert "" in pieces  # ...and its text waited for the rest of the character
+  assert stream.ids == prompt + ids
+
+
+def test_stream_decoder_flush_returns_an_incomplete_tail(tok):
+  ids = tok.encode("ok 😀")
+  stream = tok.stream_decoder()
+  assert "\ufffd" in tok.decode(ids[:-1])  # the last token completes the emoji
+  head = stream.push(ids[:-1])
+  assert head == "ok " and stream.flush() == "\ufffd"
+  # A prompt that ends inside a character: the continuation emits the whole character.
+  stream = tok.stream_decoder(prompt_ids=ids[:-1])
+  assert stream.push(ids[-1]) == "😀"
+
+
+# ---- chat templates ----------------------------------------------------------------------------
+
+_TOOL = {"type": "function", "function": {
+    "name": "calculator", "description": "Evaluates an arithmetic expression.",
+    "parameters": {"type": "object", "properties": {"expr": {"type": "string"}}, "required": ["expr"]}}}
+
+_CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"}],
+    [{"role": "system", "content": "Use tools."},
+     {"role": "user", "content": "Compute 17*23 — précisément 🙂"},
+     {"role": "assistant", "content": None, "tool_calls": [
+         {"type": "function", "function": {"name": "calculator", "arguments": {"expr": "17*23 ≠ x"}}}]},
+     {"role": "tool", "name": "calculator", "content": "391"},
+     {"role": "assistant", "content": "17*23 = 391."},
+     {"role": "user", "content": "Thanks!"}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Look up Ada."},
+     {"role": "assistant", "content": "<search>Ada Lovelace</search>"},
+     {"role": "tool", "content": "Ada Lovelace (1815-1852) wrote the first program.\n\n"},
+     {"role": "assistant", "content": "She wrote the first program."}],
+]
+# The SmolLM2 template reads message['content'], which a tool-call message without content lacks.
+_PLAIN_CONVERSATIONS = [0, 1, 3]
+
+# A tool-calling template in the style of current chat models; exercises tojson, namespace,
+# loop controls, raise_exception, strftime_now and the special-token variables.
+_TOOL_TEMPLATE = """{{- bos_token if bos_token is defined else '' -}}
+{%- if tools %}
+{{- '<|im_start|>system\\n' }}
+{%- if messages[0].role == 'system' %}{{ messages[0].content + '\\n\\n' }}{% endif %}
+{{- 'Year: ' + strftime_now('%Y') + '\\n# Tools\\n<tools>' }}
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+{{- '\\n</tools><|im_end|>\\n' }}
+{%- elif messages[0].role == 'system' %}
+{{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+{%- endif %}
+{%- set ns = namespace(turns=0) %}
+{%- for message in messages %}
+  {%- if message.role == 'system' %}{% continue %}{% endif %}
+  {%- if message.role not in ['user', 'assistant', 'tool'] %}
+    {{- raise_exception('unsupported role: ' + message.role) }}
+  {%- endif %}
+  {%- set ns.turns = ns.turns + 1 %}
+  {%- if message.role == 'assistant' %}
+    {{- '<|im_start|>assistant' }}
+    {%- if message.content %}{{ '\\n' + message.content }}{% endif %}
+    {%- for call in message.tool_calls | default([]) %}
+      {{- '\\n<tool_call>\\n{"name": "' + call.function.name + '", "arguments": ' + call.function.arguments | tojson + '}\\n</tool_call>' }}
+    {%- endfor %}
+    {{- eos_token + '\\n' }}
+  {%- elif message.role == 'tool' %}
+    {{- '<|im_start|>user\\n<tool_response>\\n' + message.content + '\\n</tool_response><|im_end|>\\n' }}
+  {%- else %}
+    {{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}
+  {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}
+"""
+
+
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("conversation", _PLAIN_CONVERSATIONS)
+def test_gguf_chat_template_matches_transformers(tok, hf_tok, conversation, add_generation_prompt):
+  messages = _CONVERSATIONS[conversation]
+  ours = tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+  ref = hf_tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
+  assert ours == ref
+  ref_ids = hf_tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                       tokenize=True, return_dict=False)
+  assert tok.encode_chat(messages, add_generation_prompt=add_generation_prompt) == ref_ids
+
+
+def test_smollm2_template_default_system_prompt(tok):
+  text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+  assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging "
+                  "Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
+
+
+@pytest.fixture(scope="module")
+def tool_dir(tok, tmp_path_factory):
+  """An HF directory written by `Tokenizer.save`, then given the tool template inline."""
+  out = tok.save(tmp_path_factory.mktemp("tool_tok"))
+  config = json.loads((out / "tokenizer_config.json").read_text())
+  config["chat_template"] = _TOOL_TEMPLATE
+  (out / "tokenizer_config.json").write_text(json.dumps(config))
+  return out
+
+
+@pytest.mark.parametrize("with_tools", [True, False])
+@pytest.mark.parametrize("add_generation_prompt", [True, False])
+@pytest.mark.parametrize("conversation", range(len(_CONVERSATIONS)))
+def test_tool_template_matches_transformers(tool_dir, conversation, add_generation_prompt, with_tools):
+  ours = T.load_tokenizer(tool_dir)
+  ref = transformers.AutoTokenizer.from_pretrained(tool_dir)
+  messages, tools = _CONVERSATIONS[conversation], [_TOOL] if with_tools else None
+  got = ours.apply_chat_template(messages, add_generation_prompt, tools)
+  assert got == ref.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                        tokenize=False)
+  assert ours.encode_chat(messages, add_generation_prompt, tools) == ref.apply_chat_template(
+      messages, tools=tools, add_generation_prompt=add_generation_prompt, return_dict=False)
+  if with_tools:
+    assert '"précisément' not in got and '"name": "calculator"' in got  # tojson, unescaped
+
+
+def test_template_errors_are_clear(tool_dir, tok):
+  ours = T.load_tokenizer(tool_dir)
+  with pytest.raises(ValueError, match="rejected this conversation: unsupported role: robot"):
+    ours.apply_chat_template([{"role": "robot", "content": "beep"}])
+  with pytest.raises(ValueError, match="empty conversation"):
+    ours.apply_chat_template([])
+  with pytest.raises(TypeError, match="list of"):
+    ours.apply_chat_template("Hello")
+  with pytest.raises(ValueError, match="no string 'role'"):
+    ours.apply_chat_template([{"content": "no role"}])
+  with pytest.raises(TypeError, match="JSON-like"):
+    ours.apply_chat_template([{"role": "user", "content": object()}])
+  with pytest.raises(TypeError, match="JSON-schema dict"):
+    ours.apply_chat_template([{"role": "user", "content": "x"}], tools=["calculator"])
+  with pytest.raises(ValueError, match="invalid chat template"):
+    tok.apply_chat_template([{"role": "user", "content": "x"}], chat_template="{% for %}")
+  with pytest.raises(ValueError, match="unsafe"):  # the sandbox holds
+    tok.apply_chat_template([{"role": "user", "content": "x"}],
+                            chat_template="{{ messages.__class__.__mro__ }}")
+  with pytest.raises(ValueError, match="namespace attribute '_x'"):
+    tok.apply_chat_template([{"role": "user", "content": "x"}],
+                            chat_template="{% set ns = namespace(_x=1) %}")
+  with pytest.raises(ValueError, match="rejected"):  # SmolLM2's template needs 'content'
+    tok.apply_chat_template(_CONVERSATIONS[2])
+
+
+def test_template_variables_and_named_templates(tok):
+  messages = [{"role": "user", "content": "hi"}]
+  template = "{{ greeting }} {{ bos_token }}{{ eos_token }}{{ messages[0].content }}"
+  assert tok.apply_chat_template(messages, chat_template=template, greeting="yo") == "yo <|im_start|><|im_end|>hi"
+  assert tok.apply_chat_template(messages, chat_template=template, greeting=1, eos_token="!") == "1 <|im_start|>!hi"
+  named = T.Tokenizer(tok.backend, eos_token="<|im_end|>",
+                      chat_template={"default": "D", "tool_use": "T{{ tools | length }}"})
+  assert named.apply_chat_template(messages) == "D"
+  assert named.apply_chat_template(messages, tools=[_TOOL]) == "T1"
+  assert named.apply_chat_template(messages, chat_template="tool_use", tools=[]) == "T0"
+  with pytest.raises(ValueError, match="no chat template"):
+    T.Tokenizer(tok.backend, eos_token="<|im_end|>").apply_chat_template(messages)
+
+
+# ---- HF directories ----------------------------------------------------------------------------
+
+
+def test_hf_dir_matches_transformers_and_tokenizers(tok, tmp_path):
+  tokenizers = pytest.importorskip("tokenizers")
+  out = tok.save(tmp_path / "saved")
+  ours = T.load_tokenizer(out)
+  ref = transformers.AutoTokenizer.from_pretrained(out)
+  raw = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+  for text in _CORPUS + _WHITESPACE_BEFORE_DIGITS:
+    ids = ours.encode(text)
+    assert ids == tok.encode(text) == raw.encode(text, add_special_tokens=False).ids
+    assert ids == ref(text, add_special_tokens=False)["input_ids"]
+    assert ours.encode(text, add_special_tokens=True) == ref(text)["input_ids"]
+  assert (ours.bos_id, ours.eos_id, ours.pad_id, ours.eos_ids) == (tok.bos_id, tok.eos_id, tok.pad_id, tok.eos_ids)
+  assert ours.chat_templates == tok.chat_templates
+  assert T.load_tokenizer(out / "tokenizer.json").encode("x  1") == tok.encode("x  1")
+
+
+def test_hf_dir_bos_post_processor_and_separate_template_file(tok, tmp_path):
+  out = tok.save(tmp_path / "bos")
+  config = json.loads((out / "tokenizer_config.json").read_text())
+  template = config.pop("chat_template")
+  config |= {"bos_token": "<|endoftext|>"}
+  (out / "tokenizer_config.json").write_text(json.dumps(config))
+  (out / "chat_template.jinja").write_text(template)
+  (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5]}))
+  data = json.loads((out / "tokenizer.json").read_text())
+  data["post_processor"] = {  # BOS insertion the way Llama 3's tokenizer.json does it
+      "type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+      "pair": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
+               {"Sequence": {"id": "B", "type_id": 1}}],
+      "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0], "tokens": ["<|endoftext|>"]}}}
+  (out / "tokenizer.json").write_text(json.dumps(data))
+  ours = T.load_tokenizer(out)
+  ref = transformers.AutoTokenizer.from_pretrained(out)
+  assert ours.bos_id == 0
+  for text in ["Hello there", "", "<|im_start|>x"]:
+    assert ours.encode(text, add_special_tokens=True) == ref(text)["input_ids"]
+    assert ours.encode(text, add_special_tokens=True)[0] == 0
+    assert ours.encode(text) == tok.encode(text)
+  messages = _CONVERSATIONS[1]
+  assert ours.apply_chat_template(messages) == ref.apply_chat_template(
+      messages, add_generation_prompt=True, tokenize=False)
+  assert ours.eos_ids == {0, 2, 5}
+
+
+# ---- GGUF files built here ----------------------------------------------------------------------
+
+
+def _trained_byte_level_bpe():
+  """A small GPT-2-style tokenizer trained here: the reference for a 'gpt-2' GGUF."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  backend = tokenizers.Tokenizer(models.BPE())
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+  backend.decoder = decoders.ByteLevel()
+  trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+                                initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+  backend.train_from_iterator(_CORPUS * 20 + ["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+  backend.add_tokens([tokenizers.AddedToken("<think>", normalized=False)])
+  return backend
+
+
+def _write_tokenizer_gguf(path, backend, pre="gpt-2", model="gpt2", template=None, add_bos=None):
+  data = json.loads(backend.to_str())
+  vocab = data["model"]["vocab"] | {t["content"]: t["id"] for t in data["added_tokens"]}
+  tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
+  added = {t["content"]: t["special"] for t in data["added_tokens"]}
+  types = [(3 if added[t] else 4) if t in added else 1 for t in tokens]
+  merges = [" ".join(m) if isinstance(m, list) else m for m in data["model"]["merges"]]
+  w = gguf.GGUFWriter(str(path), "llama")
+  w.add_tokenizer_model(model)
+  w.add_tokenizer_pre(pre)
+  w.add_token_list(tokens)
+  w.add_token_types(types)
+  w.add_token_merges(merges)
+  w.add_bos_token_id(vocab["<|im_start|>"])
+  w.add_eos_token_id(vocab["<|endoftext|>"])
+  w.add_eot_token_id(vocab["<|im_end|>"])
+  if template is not None:
+    w.add_chat_template(template)
+  if add_bos is not None:
+    w.add_add_bos_token(add_bos)
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  return pathlib.Path(path)
+
+
+@hypothesis.settings(max_examples=60, deadline=None)
+@hypothesis.given(text=_texts)
+def test_gguf_rebuild_matches_the_tokenizer_it_came_from(tmp_path_factory, text):
+  ref, ours = _small_pair(tmp_path_factory)
+  assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids
+  assert ours.decode(ours.encode(text)) == text
+
+
+_SMALL = {}
+
+
+def _small_pair(tmp_path_factory):
+  if not _SMALL:
+    ref = _trained_byte_level_bpe()
+    path = _write_tokenizer_gguf(tmp_path_factory.mktemp("small") / "tok.gguf", ref,
+                                 template=[{"name": "default", "template": "D"},
+                                           {"name": "tool_use", "template": "T"}])
+    _SMALL["pair"] = (ref, T.load_tokenizer(path))
+  return _SMALL["pair"]
+
+
+def test_gguf_token_types_and_named_templates(tmp_path_factory):
+  ref, ours = _small_pair(tmp_path_factory)
+  think, im_end = ours.token_to_id("<think>"), ours.token_to_id("<|im_end|>")
+  assert ours.encode("a<think>b")[1] == think and think not in ours.special_ids
+  assert im_end in ours.special_ids
+  assert ours.decode([think, im_end], skip_special_tokens=True) == "<think>"
+  assert ours.eos_ids == {ours.token_to_id("<|endoftext|>"), im_end}  # eos + eot
+  assert ours.chat_templates == {"default": "D", "tool_use": "T"}
+
+
+def test_gguf_add_bos_token_flag(tmp_path):
+  backend = _trained_byte_level_bpe()
+  with_bos = T.load_tokenizer(_write_tokenizer_gguf(tmp_path / "a.gguf", backend, add_bos=True))
+  without = T.load_tokenizer(_write_tokenizer_gguf(tmp_path / "b.gguf", backend, add_bos=False))
+  plain = backend.encode("the fox", add_special_tokens=False).ids
+  assert with_bos.encode("the fox", add_special_tokens=True) == [with_bos.bos_id] + plain
+  assert with_bos.encode("the fox") == without.encode("the fox", add_special_tokens=True) == plain
+
+
+def test_gguf_tokenizer_errors(tmp_path):
+  backend = _trained_byte_level_bpe()
+  with pytest.raises(ValueError, match=r"pre-tokenizer 'mystery' is not supported.*'smollm'"):
+    T.load_tokenizer(_write_tokenizer_gguf(tmp_path / "a.gguf", backend, pre="mystery"))
+  with pytest.raises(ValueError, match=r"tokenizer model 'llama' is not supported"):
+    T.load_tokenizer(_write_tokenizer_gguf(tmp_path / "b.gguf", backend, model="llama"))
+  w = gguf.GGUFWriter(str(tmp_path / "c.gguf"), "llama")
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(ValueError, match="carries no tokenizer"):
+    T.load_tokenizer(tmp_path / "c.gguf")
+  (tmp_path / "d.gguf").write_bytes(b"GGUF" + b"\xff" * 64)
+  with pytest.raises(ValueError, match="d.gguf"):
+    T.load_tokenizer(tmp_path / "d.gguf")
+
+
+def test_load_tokenizer_bad_inputs(tmp_path):
+  with pytest.raises(FileNotFoundError, match=r"'no-such-preset' does not exist.*smollm2-135m-instruct"):
+    T.load_tokenizer("no-such-preset")
+  with pytest.raises(FileNotFoundError, match="has no tokenizer.json"):
+    T.load_tokenizer(tmp_path)
+  (tmp_path / "notes.txt").write_text("hello")
+  with pytest.raises(FileNotFoundError, match="neither a directory nor a .gguf file.*HF tokenizer directory"):
+    T.load_tokenizer(tmp_path / "notes.txt")
+  with pytest.raises(TypeError, match="load_tokenizer expects"):
+    T.load_tokenizer(42)
+  (tmp_path / "tokenizer.json").write_text("{not json")
+  with pytest.raises(ValueError, match="cannot read"):
+    T.load_tokenizer(tmp_path)

@@ -1,0 +1,171 @@
+"""Learner steps: packing invariance, masking, micro-batching, sharding, and that it learns."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from jaxagent import models, sharding
+from jaxagent.rl import losses, packing, step
+
+CFG = models.get_config("tiny-qwen3")
+
+
+@pytest.fixture(scope="module")
+def params():
+  return models.init_params(CFG, jax.random.key(0), std=0.1)
+
+
+def _items(n=6, seed=0):
+  """Multi-turn-like items: prompt, policy turn, observation, policy turn."""
+  rng = np.random.default_rng(seed)
+  items = []
+  for i in range(n):
+    parts = [(0, rng.integers(3, 8)), (1, rng.integers(2, 9)), (2, rng.integers(2, 6)),
+             (1, rng.integers(1, 7))]
+    roles = np.concatenate([np.full(k, r) for r, k in parts])
+    toks = rng.integers(0, CFG.vocab_size, len(roles)).astype(np.int32)
+    mask = (roles == 1).astype(np.float32)
+    old = np.where(mask > 0, rng.normal(-3.0, 0.5, len(roles)), 0.0).astype(np.float32)
+    items.append(packing.PackItem(tokens=toks, loss_mask=mask, old_logps=old,
+                                  advantages=float(rng.normal()),
+                                  ref_logps=old + rng.normal(0, 0.1, len(roles)).astype(
+                                      np.float32)))
+  return items
+
+
+def _batch(items, max_len, rows_multiple=1):
+  pb = packing.pack(items, packing.PackingConfig(max_len=max_len, row_multiple=rows_multiple))
+  return pb, {k: jnp.asarray(v) for k, v in pb.arrays().items()}
+
+
+def _grads(params, batch, scfg):
+  (num, parts), g = jax.value_and_grad(step._micro_parts, has_aux=True)(params, batch, CFG, scfg)
+  d = jnp.maximum(parts.denominator, 1.0)
+  return num / d, jax.tree.map(lambda x: x / d, g)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+def test_packed_equals_unpacked_loss_and_param_grads(params, agg):
+  scfg = step.StepConfig(loss=losses.LossConfig(agg=agg, kl_coef=0.05, kl_estimator="k3"))
+  items = _items()
+  _, packed = _batch(items, max_len=64)
+  assert packed["tokens"].shape[0] < len(items)  # several trajectories share rows
+  # Unpacked: one trajectory per row.
+  L = max(len(it.tokens) for it in items)
+  rows = []
+  for it in items:
+    _, b = _batch([it], max_len=L)
+    rows.append({k: jnp.pad(v, ((0, 0), (0, L - v.shape[1]))) for k, v in b.items()})
+  unpacked = {k: jnp.concatenate([r[k] for r in rows]) for k in rows[0]}
+  l1, g1 = _grads(params, packed, scfg)
+  l2, g2 = _grads(params, unpacked, scfg)
+  np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+
+
+def test_logit_gradient_is_zero_off_policy_tokens(params):
+  items = _items(3, seed=1)
+  _, b = _batch(items, max_len=64)
+  cfg = losses.LossConfig(kl_coef=0.1)
+
+  def loss_of_logits(logits):
+    logp_all = jax.nn.log_softmax(logits, axis=-1)
+    nxt = jnp.concatenate([b["tokens"][:, 1:], jnp.zeros_like(b["tokens"][:, :1])], 1)
+    lp = jnp.take_along_axis(logp_all, nxt[..., None], -1)[..., 0]
+    lp = jnp.concatenate([jnp.zeros_like(lp[:, :1]), lp[:, :-1]], 1)
+    return losses.policy_loss(lp, b["old_logps"], b["advantages"], b["loss_mask"],
+                              b["segment_ids"], cfg, ref_logps=b["ref_logps"])[0]
+
+  logits = models.forward(params, b["tokens"], cfg=CFG, segment_ids=b["segment_ids"])
+  g = np.asarray(jax.grad(loss_of_logits)(logits))
+  # logits at position t-1 score token t: nonzero exactly where token t is a policy token.
+  mask = np.asarray(b["loss_mask"])
+  target_is_policy = np.concatenate([mask[:, 1:], np.zeros_like(mask[:, :1])], 1) > 0
+  per_pos = np.abs(g).sum(-1)
+  assert np.all(per_pos[~target_is_policy] == 0.0)
+  assert np.all(per_pos[target_is_policy] > 0.0)
+
+
+@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+def test_four_micro_batches_equal_one_batch(params, agg):
+  items = _items(16, seed=2)
+  _, b = _batch(items, max_len=32, rows_multiple=4)
+  assert b["tokens"].shape[0] % 4 == 0
+  opt = optax.sgd(0.5)
+  outs = []
+  for m in (1, 4):
+    scfg = step.StepConfig(loss=losses.LossConfig(agg=agg), micro_batches=m)
+    st = step.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                         opt_state=opt.init(params))
+    outs.append(jax.jit(lambda s, x: step.train_step(s, x, cfg=CFG, scfg=scfg,
+                                                     optimizer=opt))(st, b))
+  (s1, m1), (s4, m4) = outs
+  np.testing.assert_allclose(m1["loss"], m4["loss"], rtol=1e-5)
+  np.testing.assert_allclose(m1["grad_norm"], m4["grad_norm"], rtol=1e-4)
+  for a, c in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s4.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-6)
+
+
+def test_sharded_train_step_equals_unsharded(params):
+  items = _items(16, seed=3)
+  _, b = _batch(items, max_len=32, rows_multiple=8)
+  scfg = step.StepConfig(loss=losses.LossConfig(kl_coef=0.02), micro_batches=2)
+  # SGD: Adam's normalisation would amplify rounding noise in near-zero gradients.
+  opt = optax.sgd(0.1)
+  host = {k: np.asarray(v) for k, v in b.items()}
+  one = step.Learner(CFG, scfg, opt, sharding.make_mesh(devices=jax.devices()[:1]))
+  eight = step.Learner(CFG, scfg, opt, sharding.make_mesh(2, 2, 2))
+  s1, m1 = one.train_step(one.init(params), host)
+  s8, m8 = eight.train_step(eight.init(params), host)
+  wq = models.unbox(s8.params)["layers"]["wq"]
+  assert len(wq.sharding.device_set) == 8
+  for k in ("loss", "grad_norm", "kl_ref", "clip_frac_high"):
+    np.testing.assert_allclose(m1[k], m8[k], rtol=1e-4, atol=1e-7)
+  for a, c in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s8.params)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-4, atol=1e-6)
+  lp1, _ = one.score(s1.params, host)
+  lp8, _ = eight.score(s8.params, host)
+  np.testing.assert_allclose(np.asarray(lp1), np.asarray(lp8), atol=1e-5)
+
+
+def test_updates_lower_the_loss_on_a_fixed_batch(params):
+  items = _items(8, seed=4)
+  _, b = _batch(items, max_len=64)
+  host = {k: np.asarray(v) for k, v in b.items()}
+  learner = step.Learner(CFG, step.StepConfig(), step.make_optimizer(3e-3))
+  st = learner.init(params)
+  first = None
+  for _ in range(5):
+    st, m = learner.train_step(st, host)
+    first = m["loss"] if first is None else first
+  assert m["loss"] < first - 1e-3
+  assert int(st.step) == 5
+
+
+def test_sft_objective_is_masked_cross_entropy(params):
+  items = _items(4, seed=5)
+  _, b = _batch(items, max_len=64)
+  loss, _ = _grads(params, b, step.StepConfig(objective="sft"))
+  lp, _ = step.sequence_logprobs(params, b, cfg=CFG)
+  mask = np.asarray(b["loss_mask"])
+  ref = -(np.asarray(lp) * mask).sum() / mask.sum()
+  np.testing.assert_allclose(float(loss), ref, rtol=1e-5)
+
+
+def test_nonfinite_step_raises_with_step_and_metric(params):
+  items = _items(2, seed=6)
+  _, b = _batch(items, max_len=64)
+  host = {k: np.asarray(v) for k, v in b.items()}
+  host["advantages"] = np.where(host["loss_mask"] > 0, np.nan, 0.0).astype(np.float32)
+  learner = step.Learner(CFG, step.StepConfig(), step.make_optimizer(1e-3))
+  st = learner.init(params)
+  with pytest.raises(FloatingPointError, match="train step 0.*loss"):
+    learner.train_step(st, host)
+  skip = step.Learner(CFG, step.StepConfig(nonfinite="skip"), step.make_optimizer(1e-3))
+  st = skip.init(params)
+  before = np.asarray(models.unbox(st.params)["embed"]).copy()
+  st, m = skip.train_step(st, host)
+  assert m["nonfinite"] == 1.0
+  np.testing.assert_array_equal(np.asarray(models.unbox(st.params)["embed"]), before)
