@@ -186,7 +186,9 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
   else:
     raise ValueError(f"{path}: expected an HF model directory or a .gguf file")
   cfg = ModelConfig.from_hf(hf_cfg, **cfg_overrides)
-  if cfg.name in ("hf", "custom"):
+  if os.fspath(path_or_preset) in EMBEDDED:
+    cfg = cfg.replace(name=os.fspath(path_or_preset))
+  elif cfg.name in ("hf", "custom"):
     cfg = cfg.replace(name=path.stem if path.is_file() else path.name)
   return cfg, params_from_state_dict(cfg, sd, source=str(path))
 

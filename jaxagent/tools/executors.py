@@ -1,0 +1,491 @@
+"""Runs tool calls off the caller's thread, with per-call timeouts, and returns futures.
+
+Where this sits: the rollout driver (`jaxagent.agent`) submits each parsed tool call here and
+keeps decoding other trajectories while it runs (DESIGN decision 5: tools never stall the
+device). Each call's future resolves to a `ToolResult`; a tool that raises, hangs past its
+timeout, returns the wrong type or is called with bad arguments resolves to
+`ToolResult(ok=False, error=...)`. Nothing a tool does raises in the caller.
+
+Two execution paths, chosen per tool by its optional `execution` attribute:
+
+* `"thread"` (default): the tool runs on a host thread. Python cannot kill a thread, so a call
+  that overruns its timeout is *abandoned*: a watchdog resolves its future at the deadline with a
+  timeout result, the stuck thread is left to finish (its late result is discarded), and a
+  replacement thread keeps the pool at `max_workers` live threads. At most `max_stuck_threads`
+  abandoned threads exist at once; past that, calls that cannot get a thread fail fast with an
+  "executor saturated" error instead of waiting forever. Threads are daemons, so stuck ones do
+  not block interpreter exit. Use this path for I/O-bound tools (search, sandboxed interpreters
+  whose work happens in a child process).
+* `"process"`: the tool and its arguments are pickled to a long-lived worker process (spawn
+  start method: a fresh interpreter, not a fork of this one). On timeout the worker and its
+  children are killed and replaced, so CPU-bound pure-Python tools can neither hold this
+  process's GIL nor outlive their timeout. The tool must be picklable (module-level function or
+  class). Untrusted code belongs in `jaxagent.tools.sandbox`, which adds real isolation.
+
+Done-callbacks on the returned futures run on executor threads (the watchdog for timeouts): keep
+them short.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import heapq
+import itertools
+import logging
+import multiprocessing
+import multiprocessing.connection
+import pickle
+import threading
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import psutil
+
+from jaxagent.tools.base import (
+    Tool,
+    ToolArgumentError,
+    ToolRegistry,
+    ToolResult,
+    UnknownToolError,
+    normalize_result,
+    validate_arguments,
+)
+
+log = logging.getLogger(__name__)
+
+
+def invoke_tool(tool: Tool, args: Any, *, max_output_chars: int | None = None) -> ToolResult:
+    """Calls `tool(args)` on this thread, turning any exception or bad return value into data."""
+    name = getattr(tool, "name", type(tool).__name__)
+    start = time.monotonic()
+    try:
+        result = normalize_result(tool(args), tool_name=name, max_output_chars=max_output_chars)
+    except BaseException as e:  # noqa: BLE001 - a failing tool is an observation, not a crash.
+        if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
+            raise
+        log.debug("tool %r raised", name, exc_info=True)
+        result = ToolResult.failure(f"tool {name!r} raised {type(e).__name__}: {e}")
+    return dataclasses.replace(result, duration_s=time.monotonic() - start)
+
+
+# --------------------------------------------------------------------------- process path
+
+def _process_worker_main(conn: multiprocessing.connection.Connection) -> None:
+    """Entry point of a tool worker process: run pickled (tool, args) pairs until the pipe closes."""
+    conn.send_bytes(b"ready")
+    while True:
+        try:
+            payload = conn.recv_bytes()
+        except (EOFError, OSError):
+            return
+        try:
+            tool, args, max_chars = pickle.loads(payload)
+            result = invoke_tool(tool, args, max_output_chars=max_chars)
+        except BaseException as e:  # noqa: BLE001
+            result = ToolResult.failure(f"could not load the tool in its worker process: {type(e).__name__}: {e}")
+        try:
+            data = pickle.dumps(result)
+        except Exception as e:  # noqa: BLE001 - e.g. an unpicklable ToolResult subclass.
+            data = pickle.dumps(ToolResult.failure(f"tool result could not be sent back: {e}"))
+        conn.send_bytes(data)
+
+
+class _ProcessWorker:
+    def __init__(self, ctx: Any, startup_timeout_s: float):
+        self.conn, child_conn = ctx.Pipe()
+        self.proc = ctx.Process(target=_process_worker_main, args=(child_conn,), daemon=True,
+                                name="jaxagent-tool-worker")
+        self.proc.start()
+        child_conn.close()
+        if not self.conn.poll(startup_timeout_s) or self.conn.recv_bytes() != b"ready":
+            self.kill()
+            raise RuntimeError(f"tool worker process did not start within {startup_timeout_s:g} s")
+
+    def run(self, payload: bytes, timeout_s: float, name: str) -> tuple[ToolResult, bool]:
+        """Returns (result, worker still usable)."""
+        start = time.monotonic()
+        try:
+            self.conn.send_bytes(payload)
+            if not self.conn.poll(timeout_s):
+                self.kill()
+                return ToolResult.failure(f"tool {name!r} timed out after {timeout_s:g} s (worker process killed)",
+                                          timed_out=True, duration_s=time.monotonic() - start), False
+            result = pickle.loads(self.conn.recv_bytes())
+            return result, True
+        except (EOFError, OSError, pickle.UnpicklingError) as e:
+            self.proc.join(timeout=1.0)  # reap it here, so its exit code is known
+            code = self.proc.exitcode
+            self.kill()
+            return ToolResult.failure(f"tool {name!r} crashed its worker process (exit code {code}): {e!r}",
+                                      duration_s=time.monotonic() - start), False
+
+    def kill(self) -> None:
+        """SIGKILLs the worker and anything it started, then reaps the worker."""
+        if self.proc.pid is not None and self.proc.exitcode is None:
+            try:
+                children = psutil.Process(self.proc.pid).children(recursive=True)
+            except psutil.Error:
+                children = []
+            for child in children:
+                try:
+                    child.kill()
+                except psutil.Error:
+                    pass
+            self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
+class _ProcessPool:
+    """Up to `size` reusable worker processes; a worker that times out or crashes is replaced."""
+
+    def __init__(self, size: int, startup_timeout_s: float):
+        self._ctx = multiprocessing.get_context("spawn")
+        self._size = size
+        self.startup_timeout_s = startup_timeout_s
+        self._idle: list[_ProcessWorker] = []
+        self._count = 0
+        self._closed = False
+        self._cv = threading.Condition()
+
+    def call(self, tool: Tool, args: Any, timeout_s: float, max_output_chars: int | None) -> ToolResult:
+        name = getattr(tool, "name", type(tool).__name__)
+        try:
+            payload = pickle.dumps((tool, args, max_output_chars))
+        except Exception as e:  # noqa: BLE001
+            return ToolResult.failure(f"tool {name!r} cannot run in a worker process because it cannot be "
+                                      f"pickled (use a module-level function or class): {e}")
+        try:
+            worker = self._acquire()
+        except Exception as e:  # noqa: BLE001
+            return ToolResult.failure(f"tool {name!r}: no worker process available: {e}")
+        usable = False
+        try:
+            result, usable = worker.run(payload, timeout_s, name)
+        finally:
+            self._release(worker, usable)
+        return result
+
+    def _acquire(self) -> _ProcessWorker:
+        with self._cv:
+            while True:
+                if self._closed:
+                    raise RuntimeError("the executor is shut down")
+                if self._idle:
+                    return self._idle.pop()
+                if self._count < self._size:
+                    self._count += 1
+                    break
+                self._cv.wait()
+        try:
+            return _ProcessWorker(self._ctx, self.startup_timeout_s)
+        except BaseException:
+            with self._cv:
+                self._count -= 1
+                self._cv.notify()
+            raise
+
+    def _release(self, worker: _ProcessWorker, usable: bool) -> None:
+        with self._cv:
+            keep = usable and not self._closed
+            if keep:
+                self._idle.append(worker)
+            else:
+                self._count -= 1
+            self._cv.notify()
+        if not keep:
+            worker.kill()
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            idle, self._idle = self._idle, []
+            self._count -= len(idle)
+            self._cv.notify_all()
+        for worker in idle:
+            worker.kill()
+
+    def worker_pids(self) -> list[int]:
+        with self._cv:
+            return [w.proc.pid for w in self._idle if w.proc.pid is not None]
+
+
+# --------------------------------------------------------------------------- the executor
+
+@dataclasses.dataclass(eq=False)
+class _Job:
+    tool: Tool
+    name: str
+    args: dict[str, Any]
+    timeout_s: float
+    execution: str
+    future: concurrent.futures.Future
+    state: str = "queued"  # queued -> running -> done | timed_out
+
+
+class ToolExecutor:
+    """Thread pool with a timeout watchdog, plus a killable process pool, for tool calls.
+
+    Args:
+      registry: tools callable by name (a `ToolRegistry` or an iterable of tools); tools can also
+        be passed to `submit` directly.
+      max_workers: live threads running calls at once (abandoned threads do not count).
+      max_stuck_threads: abandoned (timed-out, still running) threads tolerated before calls that
+        cannot get a thread fail fast.
+      default_timeout_s: per-call timeout when neither `submit` nor the tool's `timeout_s` sets one.
+        The clock starts when the call starts running, not when it is queued.
+      max_output_chars: tool output longer than this is truncated (`ToolResult.truncated`).
+      process_workers: size of the process pool for `execution="process"` tools.
+      idle_thread_exit_s: an idle thread exits after this long, so an idle executor holds no threads.
+    """
+
+    def __init__(
+        self,
+        registry: ToolRegistry | Iterable[Tool] | None = None,
+        *,
+        max_workers: int = 32,
+        max_stuck_threads: int = 64,
+        default_timeout_s: float = 30.0,
+        max_output_chars: int | None = 32_768,
+        process_workers: int = 2,
+        process_startup_timeout_s: float = 60.0,
+        idle_thread_exit_s: float = 30.0,
+    ):
+        if max_workers < 1 or max_stuck_threads < 0 or process_workers < 1:
+            raise ValueError("max_workers and process_workers must be >= 1 and max_stuck_threads >= 0, got "
+                             f"{max_workers}, {process_workers}, {max_stuck_threads}")
+        if default_timeout_s <= 0:
+            raise ValueError(f"default_timeout_s must be positive, got {default_timeout_s}")
+        if registry is None or isinstance(registry, ToolRegistry):
+            self.registry = registry
+        else:
+            self.registry = ToolRegistry(registry)
+        self.max_workers = max_workers
+        self.max_stuck_threads = max_stuck_threads
+        self.default_timeout_s = float(default_timeout_s)
+        self.max_output_chars = max_output_chars
+        self._idle_exit_s = idle_thread_exit_s
+        self._processes = _ProcessPool(process_workers, process_startup_timeout_s)
+
+        self._lock = threading.Lock()
+        self._work_cv = threading.Condition(self._lock)   # idle workers wait here
+        self._watch_cv = threading.Condition(self._lock)  # the watchdog waits here
+        self._done_cv = threading.Condition(self._lock)   # shutdown waits for live threads here
+        self._pending: collections.deque[_Job] = collections.deque()
+        self._deadlines: list[tuple[float, int, _Job]] = []
+        self._seq = itertools.count()
+        self._live = 0      # threads that count toward max_workers (idle or running a live call)
+        self._idle = 0
+        self._stuck = 0     # abandoned threads still inside a timed-out call
+        self._shutdown = False
+        self._watchdog: threading.Thread | None = None
+        self._counts = collections.Counter(submitted=0, ok=0, failed=0, timed_out=0)
+
+    # ----------------------------------------------------------------- public API
+
+    def submit(self, tool: Tool | str, args: Any = None, *, timeout_s: float | None = None
+               ) -> concurrent.futures.Future[ToolResult]:
+        """Schedules `tool(args)`; the future always resolves to a `ToolResult`."""
+        if timeout_s is not None and not timeout_s > 0:
+            raise ValueError(f"timeout_s must be positive, got {timeout_s}")
+        future: concurrent.futures.Future[ToolResult] = concurrent.futures.Future()
+        with self._lock:
+            if self._shutdown:
+                raise RuntimeError("ToolExecutor.submit called after shutdown()")
+            self._counts["submitted"] += 1
+        resolved = self._resolve(tool, args)
+        if isinstance(resolved, ToolResult):
+            self._count_result(resolved)
+            future.set_result(resolved)
+            return future
+        tool_obj, checked = resolved
+        timeout = float(timeout_s or getattr(tool_obj, "timeout_s", None) or self.default_timeout_s)
+        job = _Job(tool_obj, tool_obj.name, checked, timeout, getattr(tool_obj, "execution", "thread"), future)
+        with self._lock:
+            self._pending.append(job)
+            self._spawn_threads_locked()
+            self._work_cv.notify()
+            failed = self._fail_if_saturated_locked()
+        self._resolve_saturated(failed)
+        return future
+
+    def run(self, tool: Tool | str, args: Any = None, *, timeout_s: float | None = None) -> ToolResult:
+        """Submits one call and waits for its result."""
+        return self.submit(tool, args, timeout_s=timeout_s).result()
+
+    def map(self, calls: Iterable[tuple[Tool | str, Any]], *, timeout_s: float | None = None) -> list[ToolResult]:
+        """Runs `(tool, args)` calls concurrently; results in input order."""
+        futures = [self.submit(tool, args, timeout_s=timeout_s) for tool, args in calls]
+        return [f.result() for f in futures]
+
+    def stats(self) -> dict[str, int]:
+        """Counters (submitted, ok, failed, timed_out) and current thread/process numbers."""
+        with self._lock:
+            return {**self._counts, "live_threads": self._live, "idle_threads": self._idle,
+                    "stuck_threads": self._stuck, "queued": len(self._pending)}
+
+    def worker_process_pids(self) -> list[int]:
+        """PIDs of idle process-pool workers (for monitoring and tests)."""
+        return self._processes.worker_pids()
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stops accepting calls. With `wait`, queued calls still run and live threads are joined
+        (each bounded by its timeout); abandoned threads are never waited for."""
+        with self._lock:
+            self._shutdown = True
+            self._work_cv.notify_all()
+            self._watch_cv.notify_all()
+            if not wait:
+                dropped = list(self._pending)
+                self._pending.clear()
+            else:
+                dropped = []
+        for job in dropped:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_result(ToolResult.failure("the tool executor was shut down before the call ran"))
+        if wait:
+            with self._lock:
+                while self._live > 0:
+                    self._done_cv.wait()
+        self._processes.close()
+
+    def __enter__(self) -> ToolExecutor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown(wait=True)
+
+    # ----------------------------------------------------------------- internals
+
+    def _resolve(self, tool: Tool | str, args: Any) -> tuple[Tool, dict[str, Any]] | ToolResult:
+        if isinstance(tool, str):
+            if self.registry is None:
+                return ToolResult.failure(f"unknown tool {tool!r}: this executor has no registry")
+            try:
+                tool = self.registry.get(tool)
+            except UnknownToolError as e:
+                return ToolResult.failure(str(e))
+        name = getattr(tool, "name", None)
+        if not isinstance(name, str) or not callable(tool):
+            return ToolResult.failure(f"{tool!r} is not a tool (needs a name and to be callable)")
+        if getattr(tool, "execution", "thread") not in ("thread", "process"):
+            return ToolResult.failure(f"tool {name!r} has unknown execution mode {tool.execution!r}")
+        try:
+            checked = validate_arguments(getattr(tool, "parameters", {}) or {}, {} if args is None else args)
+        except ToolArgumentError as e:
+            return ToolResult.failure(f"bad arguments for tool {name!r}: {e}")
+        return tool, checked
+
+    def _spawn_threads_locked(self) -> None:
+        limit = self.max_workers + self.max_stuck_threads
+        while (len(self._pending) > self._idle and self._live < self.max_workers
+               and self._live + self._stuck < limit):
+            self._live += 1
+            threading.Thread(target=self._worker_loop, name="jaxagent-tool", daemon=True).start()
+        if self._watchdog is None:
+            self._watchdog = threading.Thread(target=self._watchdog_loop, name="jaxagent-tool-watchdog",
+                                              daemon=True)
+            self._watchdog.start()
+
+    def _fail_if_saturated_locked(self) -> list[_Job]:
+        """With no live thread and no room for one, queued calls would wait forever: fail them."""
+        if self._live > 0 or not self._pending:
+            return []
+        failed = list(self._pending)
+        self._pending.clear()
+        return failed
+
+    def _resolve_saturated(self, jobs: list[_Job]) -> None:
+        for job in jobs:
+            if job.future.set_running_or_notify_cancel():
+                result = ToolResult.failure(
+                    f"tool {job.name!r} was not run: the executor is saturated ({self._stuck} calls are stuck "
+                    f"past their timeouts and their threads cannot be killed)")
+                self._count_result(result)
+                job.future.set_result(result)
+
+    def _next_job_locked(self) -> _Job | None:
+        while True:
+            while self._pending:
+                job = self._pending.popleft()
+                if not job.future.set_running_or_notify_cancel():
+                    continue  # cancelled by the caller while queued
+                job.state = "running"
+                # Process calls enforce their own timeout by killing the worker; the watchdog
+                # only backstops them (worker startup is not part of the call's budget).
+                grace = 0.0 if job.execution == "thread" else self._processes.startup_timeout_s + 5.0
+                heapq.heappush(self._deadlines, (time.monotonic() + job.timeout_s + grace, next(self._seq), job))
+                self._watch_cv.notify()
+                return job
+            if self._shutdown:
+                return None
+            self._idle += 1
+            woke = self._work_cv.wait(timeout=self._idle_exit_s)
+            self._idle -= 1
+            if not woke and not self._pending:
+                return None
+
+    def _worker_loop(self) -> None:
+        while True:
+            with self._lock:
+                job = self._next_job_locked()
+                if job is None:
+                    self._live -= 1
+                    self._done_cv.notify_all()
+                    return
+            if job.execution == "process":
+                result = self._processes.call(job.tool, job.args, job.timeout_s, self.max_output_chars)
+            else:
+                result = invoke_tool(job.tool, job.args, max_output_chars=self.max_output_chars)
+            with self._lock:
+                abandoned = job.state == "timed_out"
+                if not abandoned:
+                    job.state = "done"
+            if not abandoned:
+                self._count_result(result)
+                job.future.set_result(result)
+                continue
+            with self._lock:  # back from a call the watchdog gave up on
+                self._stuck -= 1
+                if self._shutdown or self._live >= self.max_workers:
+                    return
+                self._live += 1
+
+    def _watchdog_loop(self) -> None:
+        while True:
+            expired: list[_Job] = []
+            with self._lock:
+                now = time.monotonic()
+                while self._deadlines and (self._deadlines[0][2].state != "running" or self._deadlines[0][0] <= now):
+                    _, _, job = heapq.heappop(self._deadlines)
+                    if job.state == "running":
+                        job.state = "timed_out"
+                        self._live -= 1
+                        self._stuck += 1
+                        expired.append(job)
+                if expired:
+                    self._done_cv.notify_all()
+                    self._spawn_threads_locked()
+                failed = self._fail_if_saturated_locked()
+                if not expired and not failed:
+                    if self._shutdown and self._live == 0 and not self._deadlines:
+                        return
+                    wait = self._deadlines[0][0] - now if self._deadlines else None
+                    self._watch_cv.wait(timeout=wait if wait is None else max(wait, 0.0))
+                    continue
+            for job in expired:
+                log.warning("tool %r timed out after %.3g s; abandoning its thread", job.name, job.timeout_s)
+                result = ToolResult.failure(f"tool {job.name!r} timed out after {job.timeout_s:g} s",
+                                            timed_out=True, duration_s=job.timeout_s)
+                self._count_result(result)
+                job.future.set_result(result)
+            self._resolve_saturated(failed)
+
+    def _count_result(self, result: ToolResult) -> None:
+        with self._lock:
+            self._counts["ok" if result.ok else "failed"] += 1
+            if result.timed_out:
+                self._counts["timed_out"] += 1

@@ -1,0 +1,865 @@
+"""A Python interpreter sandbox for model-written code: `run_python`, `PythonSession`, `PythonTool`.
+
+Where this sits: math and code tasks (`jaxagent.envs`, ReTool-style) register a `PythonTool`; the
+rollout driver runs it through `jaxagent.tools.executors.ToolExecutor` (thread path: the work
+happens in the child process, the host thread only waits on pipes) and appends the printed
+output, or the traceback, as an observation. Verifiers that execute model code (unit tests) use
+`run_python` directly.
+
+Each interpreter is a fresh `python -I` child started with `subprocess` (fork+exec, never a fork
+of this process's Python state), in a new session, with a minimal environment (PATH, a temporary
+HOME/TMPDIR, LANG, single-threaded BLAS; nothing else from the parent, so no secrets) and a fresh
+temporary working directory that is deleted afterwards. Code and results travel over pipes; the
+printed output is read incrementally and capped. Like a REPL, a final expression statement has
+its value printed. Before any user code runs, the child applies, in order:
+
+1. Namespaces (`namespaces="auto"`, detected at run time; each layer is best effort and reported
+   by `sandbox_isolation()`): as root, or inside a new user namespace otherwise, it unshares
+   * a network namespace: no interfaces but a down loopback, so no connection leaves it,
+     including to 127.0.0.1 on the host;
+   * a mount namespace in which every mount is remounted read-only, nosuid, nodev, except the
+     temporary directory and bind-mounted /dev/{null,zero,full,random,urandom}: writes anywhere
+     else fail with EROFS at the kernel level;
+   * a PID namespace whose init is the user code's process, with the parent-death signal set:
+     host PIDs cannot be named (so the parent cannot be signalled) and killing the sandbox kills
+     every process it started, even ones that called setsid();
+   then drops every capability (bounding set included) and sets no_new_privs, so none of this can
+   be undone from inside.
+2. Resource limits: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE,
+   RLIMIT_CORE=0. Linux exempts uid 0 from RLIMIT_NPROC, so when the host runs as root the
+   process-count limit only binds inside a user namespace mapped to a non-root uid; the audit hook
+   (3) is then what stops fork bombs.
+3. An audit hook (`sys.addaudithook`) that refuses: process creation (os.fork/exec/system/spawn,
+   posix_spawn, subprocess), signals to other processes, sockets other than AF_UNIX and all
+   connect/bind/DNS calls, rlimit changes, loading or calling C functions through ctypes, GC
+   introspection, opening files for writing outside the temporary directory (and /dev/null), and
+   opening files for reading outside the temporary directory, the interpreter's prefixes and
+   site-packages, /usr/share, /proc/self and the device files above. So model code cannot read
+   task data or answer keys kept elsewhere on the host.
+
+The parent enforces the wall-clock timeout, a per-call CPU-time limit (polling the process tree)
+and the output cap; on any of them, or on a crash, it SIGKILLs the process group (and every
+descendant it can see) and reaps it, so no process outlives the call.
+
+What this does not protect against: an audit hook is not a security boundary. Code that reaches
+interpreter internals (ctypes addresses obtained without dlsym, frame and closure introspection,
+`_posixsubprocess`, dir_fd-relative opens) can get around it. Where the namespaces are available
+the kernel still blocks the network, host file writes and signals to host processes; where they
+are not (unprivileged host without user namespaces, or `namespaces="off"`), only the hook, the
+rlimits and the process-group kill remain. Nothing here limits CPU or memory bandwidth, disk use
+by many small files inside the temporary directory (RLIMIT_FSIZE bounds each file), reads of
+world-readable files through C extensions, or kernel exploits; and code can forge the result
+of its own call (it can reach the control pipe), which is why rewards come from verifiers, not
+from `ToolResult.ok`. Run untrusted code from the open internet in a VM or gVisor-style sandbox.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import inspect
+import json
+import math
+import os
+import secrets
+import selectors
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any, Literal
+
+import psutil
+
+from jaxagent.tools.base import ToolResult, validate_arguments
+
+PROCESS_TAG = "jaxagent-sandbox"
+_SOURCE_NAME = "<jaxagent-sandbox>"
+_LOADER = ('import sys;r=sys.stdin.buffer;n=int.from_bytes(r.read(8),"big");'
+           f'exec(compile(r.read(n),"{_SOURCE_NAME}","exec"),{{"__name__":"__jaxagent_sandbox__"}})')
+_FRAME_LIMIT = 4 << 20
+_RESTART_NOTE = " The Python session was restarted: variables and imports from earlier calls are lost."
+
+
+@dataclasses.dataclass(frozen=True)
+class SandboxConfig:
+    """Limits and isolation for one sandboxed interpreter (per call, also in a `PythonSession`).
+
+    Attributes:
+      timeout_s: wall-clock limit per call.
+      cpu_time_s: CPU-time limit per call (all threads and processes); None means `timeout_s`.
+      memory_mb: address-space limit (RLIMIT_AS) of the interpreter; numpy+scipy+sympy need ~400.
+      max_output_bytes: cap on each of stdout and stderr per call; past it the program is stopped.
+      max_processes: RLIMIT_NPROC (see the module docstring for when the kernel applies it).
+      max_file_mb: largest file the code may write (RLIMIT_FSIZE).
+      max_open_files: RLIMIT_NOFILE.
+      max_code_bytes: largest accepted program.
+      session_cpu_s: kernel CPU-time budget (RLIMIT_CPU) for a `PythonSession` interpreter's lifetime.
+      startup_timeout_s: time allowed for the interpreter to start (not part of `timeout_s`).
+      namespaces: "auto" (plain namespaces as root, else a user namespace), "user" (always a user
+        namespace first), or "off" (audit hook, rlimits and process-group kill only).
+      audit_hook: install the Python-level guard; turn off only to test the kernel layers alone.
+      display_last_expression: print the repr of a final expression statement, like a REPL.
+      python: interpreter to run (its site-packages are importable by the code).
+      extra_read_paths: further host paths the code may read.
+      extra_env: further environment variables for the interpreter.
+    """
+
+    timeout_s: float = 10.0
+    cpu_time_s: float | None = None
+    memory_mb: int = 1024
+    max_output_bytes: int = 65_536
+    max_processes: int = 64
+    max_file_mb: int = 64
+    max_open_files: int = 256
+    max_code_bytes: int = 1_000_000
+    session_cpu_s: float = 600.0
+    startup_timeout_s: float = 30.0
+    namespaces: Literal["auto", "user", "off"] = "auto"
+    audit_hook: bool = True
+    display_last_expression: bool = True
+    python: str = sys.executable
+    extra_read_paths: tuple[str, ...] = ()
+    extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        for name in ("timeout_s", "session_cpu_s", "startup_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"SandboxConfig.{name} must be positive, got {getattr(self, name)}")
+        if self.cpu_time_s is not None and not self.cpu_time_s > 0:
+            raise ValueError(f"SandboxConfig.cpu_time_s must be positive or None, got {self.cpu_time_s}")
+        if self.memory_mb < 128:
+            raise ValueError(f"SandboxConfig.memory_mb must be >= 128 (the interpreter itself needs it), "
+                             f"got {self.memory_mb}")
+        for name in ("max_output_bytes", "max_processes", "max_file_mb", "max_open_files", "max_code_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SandboxConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_open_files < 16:
+            raise ValueError(f"SandboxConfig.max_open_files must be >= 16, got {self.max_open_files}")
+        if self.namespaces not in ("auto", "user", "off"):
+            raise ValueError(f"SandboxConfig.namespaces must be 'auto', 'user' or 'off', got {self.namespaces!r}")
+        if isinstance(self.extra_read_paths, str):
+            raise TypeError("SandboxConfig.extra_read_paths must be a tuple of paths, not a str")
+
+    @property
+    def call_cpu_s(self) -> float:
+        return self.cpu_time_s if self.cpu_time_s is not None else self.timeout_s
+
+
+class SandboxError(RuntimeError):
+    """The sandbox interpreter could not be started."""
+
+
+# --------------------------------------------------------------------------- child side
+# `_child_main` runs inside the sandbox process: its source is sent over stdin and executed there
+# (see `_LOADER`), so it must be self-contained and use only the standard library.
+
+def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
+    import ast, builtins, ctypes, errno, json, linecache, os, resource, signal, socket, sys, sysconfig, traceback, types  # noqa: E401,I001,E501
+
+    def read_exact(stream, n):
+        data = stream.read(n)
+        if data is None or len(data) < n:
+            raise EOFError
+        return data
+
+    def recv(stream):
+        try:
+            return json.loads(read_exact(stream, int.from_bytes(read_exact(stream, 8), "big")))
+        except EOFError:
+            return None
+
+    cfg = recv(sys.stdin.buffer)
+    ctrl, tmp = cfg["ctrl_fd"], os.path.realpath(cfg["tmpdir"])
+
+    def send(msg):
+        data = json.dumps(msg).encode()
+        data = len(data).to_bytes(8, "big") + data
+        while data:
+            data = data[os.write(ctrl, data):]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def check(ret):
+        if ret != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, os.strerror(err))
+
+    facts = {"user_namespace": False, "net_namespace": False, "mount_namespace": False,
+             "pid_namespace": False, "readonly_host_fs": False, "capabilities_dropped": False,
+             "no_new_privs": False, "audit_hook": bool(cfg["audit_hook"])}
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    in_ns = cfg["namespaces"] != "off" and (os.geteuid() == 0 or cfg["namespaces"] == "user")
+    if cfg["namespaces"] == "user" or (cfg["namespaces"] == "auto" and os.geteuid() != 0):
+        try:
+            uid, gid = os.getuid(), os.getgid()
+            check(libc.unshare(0x10000000))  # CLONE_NEWUSER
+            for path, text in (("setgroups", "deny"), ("uid_map", f"{uid} {uid} 1"), ("gid_map", f"{gid} {gid} 1")):
+                with open(f"/proc/self/{path}", "w") as f:
+                    f.write(text)
+            facts["user_namespace"] = in_ns = True
+        except OSError:
+            in_ns = False
+    if in_ns:
+        for name, flag in (("net", 0x40000000), ("mount", 0x20000), ("pid", 0x20000000)):
+            try:
+                check(libc.unshare(flag))
+                facts[name + "_namespace"] = True
+            except OSError:
+                pass
+    devices = [d for d in ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom") if os.path.exists(d)]
+    if facts["mount_namespace"]:
+        rdonly, nosuid, nodev, remount, bind, private = 1, 2, 4, 32, 4096, 1 << 18
+
+        def mount(source, target, flags):
+            check(libc.mount(source and source.encode(), target.encode(), None, flags, None))
+
+        def kept_flags(path):  # flags a remount must keep (locked ones inside a user namespace)
+            try:
+                f = os.statvfs(path).f_flag
+            except OSError:
+                return 0
+            pairs = ((2, 2), (4, 4), (8, 8), (1024, 1024), (2048, 2048), (4096, 1 << 21), (1, 1))
+            return sum(ms for st, ms in pairs if f & st)
+
+        try:
+            mount(None, "/", private | 16384)  # MS_REC: nothing we do propagates to the host
+            mount(tmp, tmp, bind)
+            for dev in devices:
+                mount(dev, dev, bind)
+            with open("/proc/self/mountinfo") as f:
+                points = [line.split()[4].encode().decode("unicode_escape") for line in f]
+            failures = 0
+            for point in dict.fromkeys(points):
+                flags = kept_flags(point) | bind | remount | nosuid
+                if point == tmp:
+                    flags = (flags & ~rdonly) | nodev
+                elif point in devices:
+                    flags |= rdonly
+                else:
+                    flags |= rdonly | nodev
+                try:
+                    mount(None, point, flags)
+                except OSError:
+                    failures += 1
+            facts["readonly_host_fs"] = failures == 0
+        except OSError:
+            pass
+    if facts["pid_namespace"]:
+        pid = os.fork()
+        if pid:  # outside the namespace: wait for its init, mirror how it ended, never run user code
+            status = os.waitpid(pid, 0)[1]
+            if os.WIFSIGNALED(status):
+                sig = os.WTERMSIG(status)
+                signal.signal(sig, signal.SIG_DFL)
+                os.kill(os.getpid(), sig)
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    if in_ns:
+        for cap in range(64):
+            libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP; EINVAL past the last capability
+        libc.prctl(47, 4, 0, 0, 0)  # PR_CAP_AMBIENT_CLEAR_ALL
+        header, data = (ctypes.c_uint32 * 2)(0x20080522, 0), (ctypes.c_uint32 * 6)()
+        facts["capabilities_dropped"] = libc.capset(header, data) == 0
+    facts["no_new_privs"] = libc.prctl(38, 1, 0, 0, 0) == 0
+    facts["nproc_limit_effective"] = os.getuid() != 0
+
+    def limit(res, soft, hard=None):
+        try:
+            resource.setrlimit(res, (int(soft), int(soft if hard is None else hard)))
+        except (ValueError, OSError):
+            pass
+
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    limit(resource.RLIMIT_CPU, used.ru_utime + used.ru_stime + cfg["kernel_cpu_s"] + 1)
+    limit(resource.RLIMIT_NPROC, cfg["max_processes"])
+    limit(resource.RLIMIT_FSIZE, cfg["max_file_mb"] << 20)
+    limit(resource.RLIMIT_NOFILE, cfg["max_open_files"])
+
+    # The protocol keeps its own copy of stdin; fd 0 becomes /dev/null so input() sees EOF.
+    requests = os.fdopen(os.dup(0), "rb")
+    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+    os.chdir(tmp)
+    sys.dont_write_bytecode = True
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, errors="backslashreplace")
+
+    read_roots = {tmp, os.path.realpath("/proc/self"), "/usr/share", *devices}
+    read_roots |= {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    read_roots |= {p for p in sysconfig.get_paths().values() if p}
+    read_roots = tuple(os.path.realpath(p) for p in read_roots | set(cfg["extra_read_paths"]))
+    write_roots = (tmp, *devices)
+
+    def inside(path, roots):
+        path = os.path.realpath(path)
+        return any(path == root or path.startswith(root.rstrip("/") + "/") for root in roots)
+
+    def as_path(value, dir_fd=None):
+        if isinstance(value, int):
+            return None  # an already-open descriptor
+        try:
+            path = os.fsdecode(os.fspath(value))
+        except TypeError:
+            return None
+        if dir_fd is not None and not os.path.isabs(path):
+            path = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), path)
+        return path
+
+    denied = frozenset({
+        "os.system", "os.exec", "os.posix_spawn", "os.spawn", "os.fork", "os.forkpty", "subprocess.Popen",
+        "os.killpg", "resource.setrlimit", "resource.prlimit", "ctypes.dlopen", "ctypes.dlsym",
+        "ctypes.dlsym/handle", "ctypes.call_function", "ctypes.cdata", "gc.get_objects", "gc.get_referrers",
+        "gc.get_referents", "socket.connect", "socket.bind", "socket.sendto", "socket.sendmsg",
+        "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyname_ex", "socket.gethostbyaddr",
+        "socket.getnameinfo", "socket.sethostname"})
+    # event -> (indexes of path arguments, index of a dir_fd argument or None)
+    path_events = {"os.remove": ((0,), 1), "os.rmdir": ((0,), 1), "os.mkdir": ((0,), 2), "os.chmod": ((0,), 2),
+                   "os.chown": ((0,), 3), "os.rename": ((0, 1), 2), "os.link": ((0, 1), 2),
+                   "os.symlink": ((1,), 2), "os.truncate": ((0,), None), "os.utime": ((0,), 3),
+                   "os.setxattr": ((0,), None), "os.removexattr": ((0,), None), "os.mkfifo": ((0,), 2),
+                   "os.mknod": ((0,), 3), "shutil.rmtree": ((0,), 1), "os.chflags": ((0,), None)}
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_APPEND | os.O_CREAT | os.O_TRUNC
+    my_pid = os.getpid()
+
+    def refuse(what):
+        raise PermissionError(errno.EACCES, f"{what} is not allowed in the sandbox")
+
+    def audit(event, args):
+        if event in denied:
+            refuse(event)
+        if event == "open":
+            path = as_path(args[0])
+            if path is not None:
+                writing = any(c in (args[1] or "") for c in "wax+") or (args[2] or 0) & write_flags
+                if not inside(path, write_roots if writing else read_roots):
+                    refuse(f"{'writing' if writing else 'reading'} {path!r}")
+        elif event in path_events:
+            indexes, fd_index = path_events[event]
+            dir_fd = args[fd_index] if fd_index is not None and len(args) > fd_index else None
+            for i in indexes:
+                path = as_path(args[i], dir_fd if isinstance(dir_fd, int) and dir_fd >= 0 else None)
+                if path is not None and not inside(path, write_roots):
+                    refuse(f"{event} on {path!r}")
+        elif event == "os.kill" and args[0] != my_pid:
+            refuse("signalling another process")
+        elif event == "socket.__new__" and args[1] != socket.AF_UNIX:
+            refuse("network access")
+
+    limit(resource.RLIMIT_AS, cfg["memory_mb"] << 20)
+    if cfg["audit_hook"]:
+        sys.addaudithook(audit)
+
+    main = types.ModuleType("__main__")
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+
+    def run_cell(code, filename):
+        reserve = bytearray(1 << 20)  # released on MemoryError so the traceback can be formatted
+        try:
+            tree = ast.parse(code, filename, "exec")
+            last = None
+            if cfg["display"] and tree.body and isinstance(tree.body[-1], ast.Expr):
+                last = compile(ast.Expression(tree.body.pop().value), filename, "eval")
+            body = compile(tree, filename, "exec")
+        except (SyntaxError, ValueError, MemoryError, RecursionError) as e:
+            return False, "".join(traceback.format_exception_only(type(e), e))
+        try:
+            linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+            exec(body, main.__dict__)
+            if last is not None:
+                value = eval(last, main.__dict__)
+                if value is not None:
+                    print(repr(value))
+            return True, None
+        except SystemExit as e:
+            if e.code is None or e.code == 0:
+                return True, None
+            return False, f"SystemExit: {e.code}"
+        except BaseException as e:  # noqa: BLE001
+            del reserve
+            try:  # the traceback without this REPL's own frames (the cell runner, the audit hook)
+                report = traceback.TracebackException(type(e), e, e.__traceback__)
+                chain = [report]
+                while chain:
+                    item = chain.pop()
+                    item.stack = traceback.StackSummary.from_list(
+                        [f for f in item.stack if f.filename != "<jaxagent-sandbox>"])
+                    chain += [c for c in (item.__cause__, item.__context__) if c is not None]
+                text = "".join(report.format())
+                if isinstance(e, MemoryError):
+                    text += f"(the sandbox memory limit is {cfg['memory_mb']} MB)\n"
+            except BaseException:  # noqa: BLE001
+                text = f"{type(e).__name__} (traceback unavailable)"
+            return False, text[-16000:]
+
+    send({"type": "ready", "isolation": facts})
+    cell = 0
+    while True:
+        request = recv(requests)
+        if request is None:  # the host closed the pipe: leave without running user finalizers
+            os._exit(0)
+        cell += 1
+        ok, error = run_cell(request["code"], f"<cell-{cell}>")
+        marker = request["marker"].encode()
+        written = []
+        for fd, stream in ((1, sys.__stdout__), (2, sys.__stderr__)):
+            try:
+                sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+            except BaseException:  # noqa: BLE001 - user code may have replaced the stream
+                pass
+            try:
+                stream.flush()
+                os.write(fd, marker)
+                written.append(fd)
+            except BaseException:  # noqa: BLE001
+                pass
+        send({"type": "result", "ok": ok, "error": error, "markers": written})
+
+
+_CHILD_SOURCE = (inspect.getsource(_child_main) + "\n_child_main()\n").encode()
+
+
+# --------------------------------------------------------------------------- parent side
+
+def _minimal_env(tmpdir: str, extra: Mapping[str, str]) -> dict[str, str]:
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": tmpdir, "TMPDIR": tmpdir, "LANG": "C.UTF-8",
+           "LC_ALL": "C.UTF-8", "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+           "MALLOC_ARENA_MAX": "2", "MPLBACKEND": "Agg"}
+    env.update(extra)
+    return env
+
+
+def _frame(payload: Mapping[str, Any] | bytes) -> bytes:
+    data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+    return len(data).to_bytes(8, "big") + data
+
+
+def _parse_reply(data: bytes) -> dict[str, Any] | None:
+    """A control message from the child, or None when it is malformed (user code can write to
+    the control pipe, so nothing in it is trusted)."""
+    try:
+        reply = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(reply, dict):
+        return None
+    if reply.get("type") == "ready" and isinstance(reply.get("isolation"), dict):
+        return reply
+    if (reply.get("type") == "result" and isinstance(reply.get("ok"), bool)
+            and isinstance(reply.get("error"), (str, type(None))) and isinstance(reply.get("markers"), list)):
+        return reply
+    return None
+
+
+def _describe_exit(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            name = signal.Signals(-returncode).name
+        except ValueError:
+            name = f"signal {-returncode}"
+        hint = {"SIGXCPU": " (CPU time limit)", "SIGKILL": " (killed: memory, CPU or a limit)",
+                "SIGSEGV": " (crashed)"}.get(name, "")
+        return f"killed by {name}{hint}"
+    return f"exit status {returncode}"
+
+
+class _Stream:
+    """One output pipe of the child during a call: bytes up to a cap, and the end-of-call marker."""
+
+    def __init__(self, cap: int, marker: bytes):
+        self.data = bytearray()
+        self.cap = cap
+        self.marker = marker
+        self.marker_seen = False
+        self.eof = False
+        self.overflow = False
+
+    def feed(self, chunk: bytes) -> None:
+        if self.marker_seen:
+            return
+        start = max(0, len(self.data) - len(self.marker) + 1)
+        self.data += chunk
+        at = self.data.find(self.marker, start)
+        if at >= 0:
+            del self.data[at:]
+            self.marker_seen = True
+        elif len(self.data) > self.cap:
+            del self.data[self.cap:]
+            self.overflow = True
+
+    def text(self) -> str:
+        return self.data.decode("utf-8", errors="replace")
+
+
+_LIVE: weakref.WeakSet[_SandboxProcess] = weakref.WeakSet()
+
+
+@atexit.register
+def _kill_live_sandboxes() -> None:
+    for proc in list(_LIVE):
+        proc.close()
+
+
+class _SandboxProcess:
+    """One sandboxed interpreter: start, run cells, kill. Callers serialise calls."""
+
+    def __init__(self, config: SandboxConfig, *, kernel_cpu_s: float):
+        self.config = config
+        self.isolation: dict[str, bool] = {}
+        self.tmpdir = tempfile.mkdtemp(prefix="jaxagent-sandbox-")
+        self._closed = False
+        self._ctrl_buf = bytearray()
+        self._tree: list[psutil.Process] = []
+        self._tree_refresh = 0.0
+        ctrl_r, ctrl_w = os.pipe()
+        try:
+            self.proc = subprocess.Popen(
+                [config.python, "-I", "-c", _LOADER, f"{PROCESS_TAG}:{os.getpid()}"],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(ctrl_w,),
+                cwd=self.tmpdir, env=_minimal_env(self.tmpdir, config.extra_env), start_new_session=True)
+        except OSError as e:
+            os.close(ctrl_r)
+            os.close(ctrl_w)
+            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            raise SandboxError(f"could not start the sandbox interpreter {config.python!r}: {e}") from e
+        os.close(ctrl_w)
+        self.ctrl = ctrl_r
+        _LIVE.add(self)
+        setup = {"ctrl_fd": ctrl_w, "tmpdir": self.tmpdir, "namespaces": config.namespaces,
+                 "audit_hook": config.audit_hook, "memory_mb": config.memory_mb, "kernel_cpu_s": kernel_cpu_s,
+                 "max_processes": config.max_processes, "max_file_mb": config.max_file_mb,
+                 "max_open_files": config.max_open_files, "display": config.display_last_expression,
+                 "extra_read_paths": [os.path.realpath(p) for p in config.extra_read_paths]}
+        try:
+            self.proc.stdin.write(_frame(_CHILD_SOURCE) + _frame(setup))
+            self.proc.stdin.flush()
+            ready, streams, _ = self._collect(time.monotonic() + config.startup_timeout_s,
+                                              secrets.token_bytes(16), None)
+        except OSError:
+            ready, streams = None, None
+        if ready is None or ready["type"] != "ready":
+            detail = streams[1].text()[-2000:] if streams else ""
+            self.close()
+            raise SandboxError(f"the sandbox interpreter failed to start: {detail or 'no message'}")
+        self.isolation = ready["isolation"]
+
+    @property
+    def alive(self) -> bool:
+        return not self._closed
+
+    def run(self, code: str, timeout_s: float, cpu_s: float) -> ToolResult:
+        """Runs one cell. If the result says the process was stopped, `alive` is now False."""
+        start = time.monotonic()
+        marker = f"\0\x1e{secrets.token_hex(16)}\x1e\0"
+        try:
+            self.proc.stdin.write(_frame({"code": code, "marker": marker}))
+            self.proc.stdin.flush()
+        except OSError:
+            self.close()
+            return ToolResult.failure("the sandbox interpreter is not running")
+        reply, (out, err), stop = self._collect(start + timeout_s, marker.encode(), cpu_s)
+        duration = time.monotonic() - start
+        output, stderr = out.text(), err.text()
+        truncated = out.overflow or err.overflow
+        if stop is None and reply is not None and reply["type"] == "result":
+            if reply["ok"]:
+                if stderr:
+                    output = f"{output}{'' if not output or output.endswith(chr(10)) else chr(10)}{stderr}"
+                return ToolResult(ok=True, output=output, duration_s=duration)
+            error = reply["error"] or "the code failed"
+            if stderr.strip():
+                error = f"{stderr[-4000:].rstrip()}\n{error}"
+            return ToolResult(ok=False, output=output, error=error.rstrip(), duration_s=duration)
+        returncode = self.close()
+        if stop == "timeout":
+            error = f"Timed out after {timeout_s:g} s (wall clock); the program was stopped."
+        elif stop == "cpu":
+            error = f"CPU time limit of {cpu_s:g} s exceeded; the program was stopped."
+        elif stop == "overflow":
+            error = (f"Output limit of {self.config.max_output_bytes} bytes exceeded; the program was stopped "
+                     f"and its output truncated.")
+        elif stop == "protocol":
+            error = "The sandbox interpreter sent a malformed reply and was stopped."
+        else:
+            error = f"The Python process ended unexpectedly ({_describe_exit(returncode)})."
+            if stderr.strip():
+                error += f"\n{stderr[-4000:].rstrip()}"
+        return ToolResult(ok=False, output=output, error=error, timed_out=stop in ("timeout", "cpu"),
+                          truncated=truncated, duration_s=duration)
+
+    def _collect(self, deadline: float, marker: bytes, cpu_s: float | None
+                 ) -> tuple[dict[str, Any] | None, tuple[_Stream, _Stream], str | None]:
+        """Reads the pipes until a control reply and both end markers arrive, the child dies, or a
+        limit trips. Returns (reply, (stdout, stderr), stop reason or None)."""
+        cap = self.config.max_output_bytes
+        streams = {self.proc.stdout.fileno(): _Stream(cap, marker), self.proc.stderr.fileno(): _Stream(cap, marker)}
+        out, err = streams.values()
+        reply: dict[str, Any] | None = None
+        ctrl_eof = False
+        cpu_start = self._tree_cpu() if cpu_s is not None else 0.0
+        next_cpu_check = time.monotonic() + 0.2
+        with selectors.DefaultSelector() as sel:
+            for fd in (*streams, self.ctrl):
+                sel.register(fd, selectors.EVENT_READ)
+            while True:
+                if reply is not None:
+                    if reply["type"] != "result":
+                        return reply, (out, err), None
+                    pending = [s for fd, s in ((1, out), (2, err)) if fd in reply["markers"]]
+                    if all(s.marker_seen or s.eof for s in pending):
+                        return reply, (out, err), None
+                if ctrl_eof and out.eof and err.eof:
+                    return reply, (out, err), "exit"
+                now = time.monotonic()
+                if now >= deadline:
+                    return reply, (out, err), "timeout"
+                if cpu_s is not None and now >= next_cpu_check:
+                    next_cpu_check = now + 0.2
+                    if self._tree_cpu() - cpu_start > cpu_s:
+                        return reply, (out, err), "cpu"
+                for key, _ in sel.select(timeout=min(deadline - now, 0.1)):
+                    chunk = os.read(key.fd, 65536)
+                    if key.fd == self.ctrl:
+                        if not chunk:
+                            ctrl_eof = True
+                            sel.unregister(key.fd)
+                            continue
+                        self._ctrl_buf += chunk
+                        if len(self._ctrl_buf) >= 8:
+                            size = int.from_bytes(self._ctrl_buf[:8], "big")
+                            if size > _FRAME_LIMIT:
+                                return None, (out, err), "protocol"
+                            if len(self._ctrl_buf) >= 8 + size:
+                                reply = _parse_reply(bytes(self._ctrl_buf[8:8 + size]))
+                                del self._ctrl_buf[:8 + size]
+                                if reply is None:
+                                    return None, (out, err), "protocol"
+                        continue
+                    stream = streams[key.fd]
+                    if not chunk:
+                        stream.eof = True
+                        sel.unregister(key.fd)
+                        continue
+                    stream.feed(chunk)
+                    if stream.overflow:
+                        return reply, (out, err), "overflow"
+
+    def _tree_cpu(self) -> float:
+        """CPU seconds used by the interpreter's live processes. Listing descendants scans all of
+        /proc, so the list is refreshed at most once a second; reading a process's times is cheap."""
+        now = time.monotonic()
+        if now >= self._tree_refresh:
+            self._tree_refresh = now + 1.0
+            try:
+                root = psutil.Process(self.proc.pid)
+                self._tree = [root, *root.children(recursive=True)]
+            except psutil.Error:
+                self._tree = []
+        total = 0.0
+        for p in self._tree:
+            try:
+                t = p.cpu_times()
+                total += t.user + t.system
+            except psutil.Error:
+                pass
+        return total
+
+    def close(self, *, graceful: bool = False) -> int | None:
+        """Ends the interpreter, reaps every process of it and removes the temporary directory.
+
+        With `graceful`, the interpreter is first asked to exit (EOF on its request pipe). The
+        processes are then killed from the inside out, so that each is reaped by its own parent
+        rather than left as a zombie for init. Idempotent; returns the exit status.
+        """
+        if self._closed:
+            return self.proc.returncode
+        self._closed = True
+        _LIVE.discard(self)
+        pid = self.proc.pid
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        if not (graceful and self._exited_within(0.5)):
+            try:
+                descendants = psutil.Process(pid).children(recursive=True)
+            except psutil.Error:
+                descendants = []
+            for p in descendants:  # the PID namespace's init first: the kernel then ends the rest
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            if descendants and self.isolation.get("pid_namespace"):
+                self._exited_within(1.0)  # the bootstrap reaps the namespace's init and exits
+            try:  # the leader is not reaped yet, so its group id cannot have been reused
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        returncode = self.proc.wait()
+        for stream in (self.proc.stdout, self.proc.stderr):
+            try:
+                stream.close()
+            except OSError:
+                pass
+        os.close(self.ctrl)
+        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        return returncode
+
+    def _exited_within(self, seconds: float) -> bool:
+        """Waits up to `seconds` for the leader to exit, without reaping it."""
+        deadline = time.monotonic() + seconds
+        while True:
+            try:
+                if os.waitid(os.P_PID, self.proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                    return True
+            except ChildProcessError:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.005)
+
+
+def _config(config: SandboxConfig | None, timeout_s: float | None, memory_mb: int | None) -> SandboxConfig:
+    config = config or SandboxConfig()
+    changes = {k: v for k, v in (("timeout_s", timeout_s), ("memory_mb", memory_mb)) if v is not None}
+    return dataclasses.replace(config, **changes) if changes else config
+
+
+def _check_code(code: Any, config: SandboxConfig) -> str | None:
+    if not isinstance(code, str):
+        raise TypeError(f"code must be a str, got {type(code).__name__}")
+    size = len(code.encode("utf-8", errors="replace"))
+    if size > config.max_code_bytes:
+        return f"the program is {size} bytes; the limit is {config.max_code_bytes}"
+    return None
+
+
+def run_python(code: str, *, timeout_s: float | None = None, memory_mb: int | None = None,
+               config: SandboxConfig | None = None) -> ToolResult:
+    """Runs `code` in a fresh sandboxed interpreter and returns what it printed (never raises for
+    anything the code does). `timeout_s`/`memory_mb` override the fields of `config`."""
+    config = _config(config, timeout_s, memory_mb)
+    problem = _check_code(code, config)
+    if problem:
+        return ToolResult.failure(problem)
+    try:
+        proc = _SandboxProcess(config, kernel_cpu_s=math.ceil(config.call_cpu_s))
+    except SandboxError as e:
+        return ToolResult.failure(str(e))
+    try:
+        return proc.run(code, config.timeout_s, config.call_cpu_s)
+    finally:
+        proc.close(graceful=True)
+
+
+class PythonSession:
+    """A persistent sandboxed interpreter: names defined by one `run` are visible to the next.
+
+    Each call has the limits of `config`. A call that times out, overruns a limit or crashes the
+    interpreter kills it; its error says that the state was lost, and the next call starts a fresh
+    interpreter. Thread-safe (calls are serialised). Use `close()` or a `with` block.
+    """
+
+    def __init__(self, config: SandboxConfig | None = None, *, timeout_s: float | None = None,
+                 memory_mb: int | None = None):
+        self.config = _config(config, timeout_s, memory_mb)
+        self._proc: _SandboxProcess | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+        self.restarts = 0
+
+    def run(self, code: str, *, timeout_s: float | None = None) -> ToolResult:
+        problem = _check_code(code, self.config)
+        if problem:
+            return ToolResult.failure(problem)
+        with self._lock:
+            if self._closed:
+                return ToolResult.failure("the Python session is closed")
+            if self._proc is None:
+                try:
+                    self._proc = _SandboxProcess(self.config, kernel_cpu_s=self.config.session_cpu_s)
+                except SandboxError as e:
+                    return ToolResult.failure(str(e))
+            result = self._proc.run(code, timeout_s or self.config.timeout_s, self.config.call_cpu_s)
+            if not self._proc.alive:
+                self._proc = None
+                self.restarts += 1
+                result = dataclasses.replace(result, error=(result.error or "") + _RESTART_NOTE)
+            return result
+
+    @property
+    def pids(self) -> list[int]:
+        """PID of the live interpreter's process group leader, if any (for monitoring)."""
+        proc = self._proc
+        return [proc.proc.pid] if proc is not None and proc.alive else []
+
+    @property
+    def isolation(self) -> dict[str, bool]:
+        """What the current interpreter achieved (see `sandbox_isolation`); empty before the first run."""
+        proc = self._proc
+        return dict(proc.isolation) if proc is not None else {}
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            if self._proc is not None:
+                self._proc.close(graceful=True)
+                self._proc = None
+
+    def __enter__(self) -> PythonSession:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self):
+        proc = getattr(self, "_proc", None)
+        if proc is not None:
+            proc.close()
+
+
+def sandbox_isolation(config: SandboxConfig | None = None) -> dict[str, bool]:
+    """Starts an interpreter and reports which isolation layers it got on this host."""
+    proc = _SandboxProcess(config or SandboxConfig(), kernel_cpu_s=10)
+    try:
+        return dict(proc.isolation)
+    finally:
+        proc.close()
+
+
+class PythonTool:
+    """The sandbox as a `Tool` taking `{"code": ...}`; `stateful=True` keeps one `PythonSession`
+    (create one tool per trajectory and `close()` it when the trajectory ends)."""
+
+    parameters = {"type": "object", "additionalProperties": False, "required": ["code"],
+                  "properties": {"code": {"type": "string", "description": "Python source to execute."}}}
+    execution = "thread"
+
+    def __init__(self, config: SandboxConfig | None = None, *, stateful: bool = False, name: str = "python",
+                 description: str | None = None):
+        self.config = config or SandboxConfig()
+        self.name = name
+        self.description = description or (
+            "Execute Python code in a sandbox and return what it prints; the value of a final expression "
+            "is printed too. No network access." + (" Variables persist between calls." if stateful else ""))
+        self._session = PythonSession(self.config) if stateful else None
+        # The executor's watchdog only backstops the sandbox's own, more informative timeout.
+        self.timeout_s = self.config.timeout_s + self.config.startup_timeout_s + 10.0
+
+    def __call__(self, args: dict[str, Any]) -> ToolResult:
+        code = validate_arguments(self.parameters, args)["code"]
+        if self._session is not None:
+            return self._session.run(code)
+        return run_python(code, config=self.config)
+
+    def close(self) -> None:
+        if self._session is not None:
+            self._session.close()

@@ -1,0 +1,191 @@
+"""Local BM25 search over a document corpus: `BM25Index` and the `SearchTool` wrapper.
+
+Where this sits: the multi-hop search QA task (`jaxagent.envs`, Search-R1-style) builds one
+`BM25Index` over its knowledge base when the task is constructed and registers a `SearchTool`.
+The rollout driver calls the tool through `jaxagent.tools.executors.ToolExecutor` (thread path)
+and appends the formatted passages (`Doc 1 (Title: ...): text`) as an observation.
+
+Indexing uses `bm25s` (Lucene BM25 variant: idf = ln(1 + (N - df + 0.5) / (df + 0.5)),
+tf part = tf / (tf + k1 * (1 - b + b * |d| / avgdl))) over each document's title and text, with
+English stopwords removed. The index is built once; a query costs one sparse lookup over the
+query's terms plus a top-k selection in NumPy, and is safe to run from many threads. Documents
+sharing no term with the query are never returned, so a query with no known terms, an empty
+query and an empty corpus all give an empty result rather than arbitrary documents.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from jaxagent.tools.base import ToolArgumentError, ToolResult, validate_arguments
+
+TOKEN_PATTERN = r"(?u)\b\w+\b"  # keeps one-character tokens, so "7" or "X" can be searched
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+    """One corpus entry; `id` defaults to the document's position in the corpus."""
+
+    title: str
+    text: str
+    id: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Passage:
+    """One search hit: 1-based `rank`, BM25 `score` and the document's fields."""
+
+    rank: int
+    score: float
+    title: str
+    text: str
+    id: str
+
+
+def _as_document(item: Document | Mapping[str, Any], position: int) -> Document:
+    if isinstance(item, Document):
+        doc = item
+    elif isinstance(item, Mapping):
+        unknown = set(item) - {"title", "text", "id"}
+        if "text" not in item:
+            raise ValueError(f"document {position} has no 'text' field (fields: {sorted(item)})")
+        if unknown:
+            raise ValueError(f"document {position} has unknown field(s) {sorted(unknown)}; "
+                             "expected title, text and optional id")
+        doc = Document(title=item.get("title", ""), text=item["text"], id=item.get("id"))
+    else:
+        raise TypeError(f"document {position} must be a Document or a mapping, got {type(item).__name__}")
+    if not isinstance(doc.title, str) or not isinstance(doc.text, str):
+        raise TypeError(f"document {position}: title and text must be strings")
+    return dataclasses.replace(doc, id=str(position) if doc.id is None else str(doc.id))
+
+
+def load_documents(path: str | os.PathLike) -> list[Document]:
+    """Reads a JSON Lines corpus, one `{"title", "text", "id"?}` object per line."""
+    documents = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{line_no}: not valid JSON: {e}") from None
+            documents.append(_as_document(record, len(documents)))
+    return documents
+
+
+class BM25Index:
+    """A BM25 index over `documents`, built once at construction.
+
+    Args:
+      documents: `Document`s or mappings with `title`, `text` and optional `id`.
+      k1, b: BM25 parameters.
+      stopwords: "en" or a list of words to drop, or None to keep every token.
+      stemmer: optional callable mapping a list of words to their stems (e.g. PyStemmer's
+        `Stemmer("english").stemWords`), applied to documents and queries alike.
+    """
+
+    def __init__(self, documents: Iterable[Document | Mapping[str, Any]], *, k1: float = 1.5, b: float = 0.75,
+                 stopwords: str | Sequence[str] | None = "en", stemmer: Callable[[list[str]], list[str]] | None = None):
+        if k1 < 0 or not 0 <= b <= 1:
+            raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1}, b={b}")
+        self.documents: list[Document] = [_as_document(d, i) for i, d in enumerate(documents)]
+        ids = [d.id for d in self.documents]
+        if len(set(ids)) != len(ids):
+            duplicate = next(i for i in ids if ids.count(i) > 1)
+            raise ValueError(f"document ids must be unique; {duplicate!r} appears more than once")
+        self._stopwords = stopwords if stopwords is not None else []
+        self._stemmer = stemmer
+        self._retriever = None
+        if self.documents:
+            import bm25s  # deferred: importing it takes about a second
+
+            self._retriever = bm25s.BM25(k1=k1, b=b, method="lucene")
+            corpus = self._tokenize([f"{d.title}\n{d.text}" for d in self.documents])
+            self._retriever.index(corpus, show_progress=False)
+
+    def __len__(self) -> int:
+        return len(self.documents)
+
+    def _tokenize(self, texts: list[str]) -> list[list[str]]:
+        import bm25s
+
+        return bm25s.tokenize(texts, stopwords=self._stopwords, stemmer=self._stemmer, return_ids=False,
+                              show_progress=False, token_pattern=TOKEN_PATTERN)
+
+    def scores(self, query: str) -> np.ndarray:
+        """BM25 score of every document for `query` (zeros where no query term occurs)."""
+        if self._retriever is None or not query.strip():
+            return np.zeros(len(self.documents), dtype=np.float32)
+        ids = self._retriever.get_tokens_ids(self._tokenize([query])[0])
+        if not ids:
+            return np.zeros(len(self.documents), dtype=np.float32)
+        return np.asarray(self._retriever.get_scores_from_ids(ids))
+
+    def search(self, query: str, k: int = 3) -> list[Passage]:
+        """The top-`k` documents sharing a term with `query`, best first (ties: corpus order)."""
+        if not isinstance(query, str):
+            raise TypeError(f"query must be a str, got {type(query).__name__}")
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        scores = self.scores(query)
+        order = np.argsort(-scores, kind="stable")[:k]
+        return [Passage(rank=r + 1, score=float(scores[i]), title=self.documents[i].title,
+                        text=self.documents[i].text, id=self.documents[i].id)
+                for r, i in enumerate(order) if scores[i] > 0]
+
+
+def format_passages(passages: Sequence[Passage], max_chars_per_passage: int | None = None) -> str:
+    """`Doc 1 (Title: ...): text` lines, the form Search-R1-style prompts expect."""
+    lines = []
+    for p in passages:
+        text = " ".join(p.text.split())
+        if max_chars_per_passage is not None and len(text) > max_chars_per_passage:
+            text = text[:max_chars_per_passage].rstrip() + " ..."
+        lines.append(f"Doc {p.rank} (Title: {p.title}): {text}")
+    return "\n".join(lines)
+
+
+class SearchTool:
+    """`BM25Index.search` as a `Tool` taking `{"query": ..., "k"?: ...}` and returning formatted passages."""
+
+    execution = "thread"
+    timeout_s = 10.0
+
+    def __init__(self, index: BM25Index, *, k: int = 3, max_k: int = 10, max_chars_per_passage: int | None = 600,
+                 name: str = "search", description: str | None = None):
+        if not 1 <= k <= max_k:
+            raise ValueError(f"SearchTool needs 1 <= k <= max_k, got k={k}, max_k={max_k}")
+        self.index = index
+        self.k = k
+        self.max_k = max_k
+        self.max_chars_per_passage = max_chars_per_passage
+        self.name = name
+        self.description = description or (
+            f"Search the knowledge base and return the {k} most relevant passages with their titles.")
+        self.parameters = {
+            "type": "object", "additionalProperties": False, "required": ["query"],
+            "properties": {"query": {"type": "string", "description": "What to search for."},
+                           "k": {"type": "integer", "description": f"Number of passages (1 to {max_k}); default {k}."}}}
+
+    def __call__(self, args: dict[str, Any]) -> ToolResult:
+        try:
+            checked = validate_arguments(self.parameters, args)
+        except ToolArgumentError as e:
+            return ToolResult.failure(str(e))
+        query, k = checked["query"].strip(), checked.get("k", self.k)
+        if not query:
+            return ToolResult.failure("empty query: give some words to search for")
+        if not 1 <= k <= self.max_k:
+            return ToolResult.failure(f"k must be between 1 and {self.max_k}, got {k}")
+        passages = self.index.search(query, k)
+        if not passages:
+            return ToolResult.success(f"No results found for {query!r}.")
+        return ToolResult.success(format_passages(passages, self.max_chars_per_passage))

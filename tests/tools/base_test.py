@@ -1,0 +1,148 @@
+"""Tests for jaxagent/tools/base.py: ToolResult, argument checking, function tools, the registry."""
+
+import json
+from typing import Literal
+
+import pytest
+
+from jaxagent.tools.base import (
+    ToolArgumentError,
+    ToolRegistry,
+    ToolResult,
+    UnknownToolError,
+    function_tool,
+    normalize_result,
+    truncate_text,
+    validate_arguments,
+)
+
+
+@function_tool
+def lookup(city: str, days: int = 1, units: Literal["C", "F"] = "C", detailed: bool | None = None) -> str:
+    """Look up the weather forecast.
+
+    Args:
+      city: Name of the city.
+      days: How many days to forecast,
+        counted from today.
+    """
+    return f"{city}:{days}:{units}:{detailed}"
+
+
+def test_tool_result_validates_fields():
+    assert ToolResult.success("x") == ToolResult(ok=True, output="x")
+    with pytest.raises(ValueError, match="needs an error message"):
+        ToolResult(ok=False)
+    with pytest.raises(TypeError, match="output must be a str"):
+        ToolResult(ok=True, output=3)
+    with pytest.raises(TypeError, match="ok must be a bool"):
+        ToolResult(ok=1, output="")
+
+
+def test_to_observation_shows_output_then_error():
+    assert ToolResult.success("42").to_observation() == "42"
+    assert ToolResult.failure("boom").to_observation() == "Error: boom"
+    assert ToolResult.failure("boom", output="partial\n").to_observation() == "partial\nError: boom"
+
+
+def test_normalize_result_rejects_garbage_and_truncates():
+    assert normalize_result("hi", tool_name="t") == ToolResult(ok=True, output="hi")
+    bad = normalize_result({"a": 1}, tool_name="t")
+    assert not bad.ok and "returned dict" in bad.error
+    assert not normalize_result(None, tool_name="t").ok
+    long = normalize_result("x" * 1000, tool_name="t", max_output_chars=100)
+    assert long.truncated and len(long.output) <= 100 and "truncated 9" in long.output
+    text, cut = truncate_text("abc", 3)
+    assert (text, cut) == ("abc", False)
+
+
+def test_function_tool_schema_from_signature_and_docstring():
+    assert lookup.name == "lookup"
+    assert lookup.description == "Look up the weather forecast."
+    params = lookup.parameters
+    assert params["required"] == ["city"]
+    assert params["additionalProperties"] is False
+    assert params["properties"]["city"] == {"type": "string", "description": "Name of the city."}
+    assert params["properties"]["days"] == {"type": "integer",
+                                            "description": "How many days to forecast, counted from today."}
+    assert params["properties"]["units"] == {"enum": ["C", "F"]}
+    assert params["properties"]["detailed"] == {"type": "boolean"}
+    json.dumps(params)  # must be serialisable for a chat template
+
+
+def test_function_tool_checks_arguments_before_calling():
+    assert lookup({"city": "Oslo", "days": 3.0}) == "Oslo:3:C:None"  # integral float coerced
+    for args, fragment in [({}, "missing required argument(s): city"),
+                           ({"city": "Oslo", "days": "3"}, "'days' must be of type integer"),
+                           ({"city": "Oslo", "days": True}, "'days' must be of type integer"),
+                           ({"city": "Oslo", "units": "K"}, "must be one of ['C', 'F']"),
+                           ({"city": "Oslo", "color": 1}, "unknown argument(s): color"),
+                           ("Oslo", "must be a JSON object")]:
+        result = lookup(args)
+        assert isinstance(result, ToolResult) and not result.ok, args
+        assert fragment in result.error, (args, result.error)
+
+
+def test_function_tool_refuses_signatures_it_cannot_describe():
+    with pytest.raises(TypeError, match="plain named parameters"):
+        @function_tool
+        def bad(*args: int) -> str:
+            """Bad."""
+            return ""
+    with pytest.raises(ValueError, match="description"):
+        @function_tool
+        def undocumented(x: int) -> str:
+            return ""
+    with pytest.raises(TypeError, match="cannot describe"):
+        @function_tool(description="x")
+        def odd(x: complex) -> str:
+            return ""
+
+
+def test_validate_arguments_number_and_null_types():
+    schema = {"type": "object", "properties": {"x": {"type": "number"}, "y": {"type": ["string", "null"]}}}
+    assert validate_arguments(schema, {"x": 2, "y": None}) == {"x": 2, "y": None}
+    with pytest.raises(ToolArgumentError, match="'x' must be of type number"):
+        validate_arguments(schema, {"x": "2"})
+    assert validate_arguments(schema, {"extra": 1}) == {"extra": 1}  # additionalProperties defaults to true
+
+
+def test_registry_lookup_schemas_and_listing():
+    @function_tool(name="echo", description="Repeat the text.")
+    def echo(text: str) -> str:
+        return text
+
+    registry = ToolRegistry([lookup, echo])
+    assert registry.names() == ["lookup", "echo"]
+    assert "echo" in registry and len(registry) == 2
+    assert registry.get("echo") is echo
+    with pytest.raises(UnknownToolError) as info:
+        registry.get("serch")
+    assert str(info.value) == "unknown tool 'serch'; available tools: lookup, echo"
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register(echo)
+    schemas = registry.schemas()
+    assert schemas[1] == {"type": "function", "function": {
+        "name": "echo", "description": "Repeat the text.",
+        "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
+                       "additionalProperties": False}}}
+    assert registry.describe().splitlines() == [
+        "- lookup(city: string, days?: integer, units?: any, detailed?: boolean): Look up the weather forecast.",
+        "- echo(text: string): Repeat the text."]
+
+
+def test_registry_rejects_malformed_tools():
+    class NoSchema:
+        name, description, parameters = "x", "d", {"type": "array"}
+
+        def __call__(self, args):
+            return ""
+
+    with pytest.raises(TypeError, match="parameters must be a JSON schema"):
+        ToolRegistry([NoSchema()])
+
+    class BadName(NoSchema):
+        name, parameters = "has space", {"type": "object"}
+
+    with pytest.raises(ValueError, match="tool name 'has space'"):
+        ToolRegistry([BadName()])

@@ -1,0 +1,135 @@
+"""Tests for jaxagent/tools/calculator.py: hand-worked results, formatting, refusals and limits."""
+
+import time
+
+import pytest
+
+from jaxagent.tools.calculator import Calculator, CalculatorError, calculate, evaluate, format_number
+
+
+@pytest.mark.parametrize("expression, expected", [
+    ("1 + 2 * 3", "7"),
+    ("(1 + 2) * 3", "9"),
+    ("2 ** 10", "1024"),
+    ("2^10", "1024"),                 # caret read as power
+    ("2 ** 3 ** 2", "512"),           # right-associative: 2 ** 9
+    ("-3 ** 2", "-9"),                # unary minus binds looser than **
+    ("7 / 2", "3.5"),
+    ("6 / 3", "2"),                   # exact division stays an integer
+    ("10**20 / 10**10", "10000000000"),
+    ("7 // 2", "3"),
+    ("-7 // 2", "-4"),
+    ("-7 % 3", "2"),
+    ("0.1 + 0.2", "0.3"),             # 12 significant digits hide the binary rounding
+    ("1 / 3", "0.333333333333"),
+    ("2 / 3", "0.666666666667"),
+    ("1e20", "1e20"),
+    ("1.5e-7", "1.5e-7"),
+    ("sqrt(16)", "4"),
+    ("sqrt(2)", "1.41421356237"),
+    ("abs(-2.5)", "2.5"),
+    ("round(3.14159, 2)", "3.14"),
+    ("round(2.5)", "2"),              # Python rounds halves to even
+    ("min(4, 2, 8)", "2"),
+    ("max(4, 2.5)", "4"),
+    ("floor(-1.5) + ceil(1.2)", "0"),
+    ("log(e)", "1"),
+    ("log(8, 2)", "3"),
+    ("log10(1000)", "3"),
+    ("factorial(20)", "2432902008176640000"),
+    ("gcd(12, 18) * lcm(4, 6)", "72"),
+    ("2 * pi", "6.28318530718"),
+    ("sin(0)", "0"),
+    ("-0.0", "0"),
+    ("12345678901234567890 * 10", "123456789012345678900"),
+    ("2 ** 0.5", "1.41421356237"),
+    ("(-8) ** 2", "64"),
+    ("1 + 2 * (3 - 4) ** 2 / 4", "1.5"),
+])
+def test_hand_worked_results(expression, expected):
+    assert calculate(expression) == expected
+
+
+@pytest.mark.parametrize("expression, message", [
+    ("1 / 0", "division by zero"),
+    ("1 // 0", "division by zero"),
+    ("5 % 0", "modulo by zero"),
+    ("0 ** -1", "division by zero"),
+    ("x + 1", "unsupported syntax: Name 'x'"),
+    ("__import__('os')", "unsupported syntax: function '__import__'"),
+    ("__import__('os').system('ls')", "unsupported syntax: Attribute"),
+    ("(1).real", "unsupported syntax: Attribute"),
+    ("[1, 2]", "unsupported syntax: List"),
+    ("1 if 2 else 3", "unsupported syntax: IfExp"),
+    ("1 < 2", "unsupported syntax: Compare"),
+    ("3 & 1", "unsupported syntax: operator BitAnd"),
+    ("'a' * 3", "unsupported syntax: Constant 'a'"),
+    ("True + 1", "unsupported syntax: Constant True"),
+    ("lambda: 1", "unsupported syntax: Lambda"),
+    ("sqrt(x=4)", "positional arguments only"),
+    ("sqrt(1, 2)", "sqrt() takes 1 argument(s), got 2"),
+    ("min(1)", "min() takes at least 2 argument(s)"),
+    ("sqrt(-1)", "math domain error: sqrt(-1) is undefined"),
+    ("(-8) ** 0.5", "not a real number"),
+    ("1e308 * 10", "not a finite number"),
+    ("gcd(1.5, 2)", "gcd() needs integers"),
+    ("factorial(-1)", "non-negative integer"),
+    ("1 +", "invalid syntax"),
+    ("", "empty expression"),
+    ("   ", "empty expression"),
+])
+def test_bad_input_gives_clear_errors(expression, message):
+    with pytest.raises(CalculatorError) as info:
+        evaluate(expression)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("expression", [
+    "9 ** 9 ** 9",           # would have ~10^8 digits
+    "2 ** 100000",
+    "10 ** 5000",
+    "factorial(100000)",
+    "(10 ** 1000) ** 5",
+    "99999999999 ** 99999",
+])
+def test_huge_results_are_refused_fast(expression):
+    start = time.monotonic()
+    with pytest.raises(CalculatorError, match="too large"):
+        evaluate(expression)
+    assert time.monotonic() - start < 0.5
+
+
+def test_limits_on_length_and_nesting():
+    with pytest.raises(CalculatorError, match="too long"):
+        evaluate("1+" * 300 + "1")
+    assert calculate("+".join(["1"] * 200)) == "200"  # long flat sums still work
+    with pytest.raises(CalculatorError, match="nested too deeply"):
+        evaluate("-" * 450 + "1")
+    assert calculate("(" * 100 + "1" + ")" * 100) == "1"  # parentheses add no nesting
+    assert calculate("1+" * 300 + "1", max_chars=1000) == "301"
+    with pytest.raises(CalculatorError, match="more than 64 bits"):
+        evaluate("2 ** 100", max_int_bits=64)
+
+
+def test_caret_can_mean_xor_syntax_error_instead():
+    with pytest.raises(CalculatorError, match="operator BitXor"):
+        evaluate("2 ^ 3", caret_is_power=False)
+
+
+def test_format_number():
+    assert format_number(3) == "3"
+    assert format_number(3.0) == "3"
+    assert format_number(1e15) == "1e15"
+    assert format_number(123456.789) == "123456.789"
+    assert format_number(-2.5e-10) == "-2.5e-10"
+    assert format_number(2 ** 70) == "1180591620717411303424"
+
+
+def test_calculator_tool():
+    tool = Calculator()
+    assert tool.name == "calculator" and tool.parameters["required"] == ["expression"]
+    assert tool({"expression": "2 + 2"}) .output == "4"
+    failure = tool({"expression": "1/0"})
+    assert not failure.ok and failure.error == "division by zero"
+    assert "missing required argument" in tool({}).error
+    assert "must be of type string" in tool({"expression": 5}).error

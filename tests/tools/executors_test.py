@@ -1,0 +1,222 @@
+"""Tests for jaxagent/tools/executors.py: futures always resolve to ToolResults, timeouts do not
+wait on stuck threads, 256 chaotic concurrent calls finish without deadlock, the process path kills."""
+
+import concurrent.futures
+import os
+import random
+import threading
+import time
+
+import psutil
+import pytest
+
+from jaxagent.tools.base import ToolRegistry, ToolResult, function_tool
+from jaxagent.tools.executors import ToolExecutor, invoke_tool
+
+RELEASE = threading.Event()  # set at the end of a test to let hung thread-path tools return
+
+
+@pytest.fixture(autouse=True)
+def release_hung_tools():
+    RELEASE.clear()
+    yield
+    RELEASE.set()
+
+
+@function_tool
+def nap(seconds: float) -> str:
+    """Sleep, then say so."""
+    time.sleep(seconds)
+    return f"slept {seconds}"
+
+
+@function_tool
+def hang(seconds: float = 60.0) -> str:
+    """Block until released (or `seconds`)."""
+    RELEASE.wait(seconds)
+    return "released"
+
+
+@function_tool
+def explode(message: str) -> str:
+    """Raise."""
+    raise RuntimeError(message)
+
+
+@function_tool
+def garbage() -> str:
+    """Return something that is not a str."""
+    return 42  # type: ignore[return-value]
+
+
+@function_tool(execution="process")
+def pid_in_process() -> str:
+    """Report the worker's PID."""
+    return str(os.getpid())
+
+
+@function_tool(execution="process")
+def spin_in_process() -> str:
+    """Burn CPU forever while holding the worker's GIL."""
+    while True:
+        pass
+
+
+@function_tool(execution="process")
+def crash_in_process() -> str:
+    """Kill the worker process."""
+    os._exit(3)
+
+
+REGISTRY = ToolRegistry([nap, hang, explode, garbage, pid_in_process, spin_in_process, crash_in_process])
+
+
+def test_invoke_tool_turns_everything_into_results():
+    assert invoke_tool(nap, {"seconds": 0}).output == "slept 0"
+    raised = invoke_tool(explode, {"message": "boom"})
+    assert not raised.ok and raised.error == "tool 'explode' raised RuntimeError: boom"
+    wrong = invoke_tool(garbage, {})
+    assert not wrong.ok and "returned int" in wrong.error
+
+    class Exits:
+        name, description, parameters = "exits", "d", {"type": "object"}
+
+        def __call__(self, args):
+            raise SystemExit(1)
+
+    assert "raised SystemExit" in invoke_tool(Exits(), {}).error
+
+
+def test_256_chaotic_calls_all_resolve_without_deadlock():
+    rng = random.Random(0)
+    kinds = [rng.choice(["nap", "hang", "explode", "garbage", "bad_args", "unknown"]) for _ in range(256)]
+    calls = {"nap": lambda: ("nap", {"seconds": rng.uniform(0, 0.2)}), "hang": lambda: ("hang", {}),
+             "explode": lambda: ("explode", {"message": "x"}), "garbage": lambda: ("garbage", {}),
+             "bad_args": lambda: ("nap", {"seconds": "soon"}), "unknown": lambda: ("nope", {})}
+    start = time.monotonic()
+    with ToolExecutor(REGISTRY, max_workers=32, max_stuck_threads=256, default_timeout_s=0.5) as executor:
+        futures = [executor.submit(*calls[kind]()) for kind in kinds]
+        done, not_done = concurrent.futures.wait(futures, timeout=30)
+        elapsed = time.monotonic() - start
+        assert not not_done, f"{len(not_done)} futures never resolved"
+        results = [f.result() for f in futures]
+        stats = executor.stats()
+        RELEASE.set()
+    assert all(isinstance(r, ToolResult) for r in results)
+    for kind, result in zip(kinds, results):
+        if kind == "nap":
+            assert result.ok and result.output.startswith("slept"), result
+        elif kind == "hang":
+            assert result.timed_out and not result.ok and "timed out after 0.5 s" in result.error
+        elif kind == "explode":
+            assert not result.ok and "raised RuntimeError" in result.error
+        elif kind == "garbage":
+            assert not result.ok and "returned int" in result.error
+        elif kind == "bad_args":
+            assert not result.ok and "'seconds' must be of type number" in result.error
+        else:
+            assert not result.ok and "unknown tool 'nope'" in result.error
+    n_hang = kinds.count("hang")
+    assert stats["timed_out"] == n_hang
+    assert stats["ok"] == kinds.count("nap") and stats["submitted"] == 256
+    # 32 live threads: about n_hang * 0.5 s + naps of thread time, spread over them.
+    assert elapsed < 1.0 + 2 * (n_hang * 0.5 + kinds.count("nap") * 0.2) / 32, elapsed
+
+
+def test_timeout_resolves_at_deadline_while_thread_stays_stuck():
+    with ToolExecutor(REGISTRY, max_workers=2) as executor:
+        start = time.monotonic()
+        result = executor.run("hang", {}, timeout_s=0.3)
+        waited = time.monotonic() - start
+        assert result.timed_out and 0.25 < waited < 1.0
+        assert executor.stats()["stuck_threads"] == 1
+        assert executor.run("nap", {"seconds": 0}).ok  # a replacement thread serves new calls
+        RELEASE.set()
+        deadline = time.monotonic() + 5
+        while executor.stats()["stuck_threads"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert executor.stats()["stuck_threads"] == 0
+
+
+def test_tool_timeout_attribute_and_default():
+    slow = function_tool(hang.fn, name="slow", timeout_s=0.2)
+    with ToolExecutor(default_timeout_s=5) as executor:
+        start = time.monotonic()
+        assert executor.run(slow, {}).timed_out
+        assert time.monotonic() - start < 1.0
+        RELEASE.set()
+    with pytest.raises(ValueError, match="timeout_s must be positive"):
+        ToolExecutor().submit(nap, {"seconds": 0}, timeout_s=0)
+
+
+def test_saturated_executor_fails_fast_instead_of_waiting_forever():
+    executor = ToolExecutor(REGISTRY, max_workers=1, max_stuck_threads=0)
+    try:
+        assert executor.run("hang", {}, timeout_s=0.2).timed_out
+        start = time.monotonic()
+        result = executor.run("nap", {"seconds": 0})
+        assert not result.ok and "saturated" in result.error
+        assert time.monotonic() - start < 0.5
+        RELEASE.set()
+        deadline = time.monotonic() + 5
+        while executor.stats()["stuck_threads"] and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert executor.run("nap", {"seconds": 0}).ok  # capacity is back once the stuck call returns
+    finally:
+        RELEASE.set()
+        executor.shutdown()
+
+
+def test_output_truncation_and_cancel_and_shutdown():
+    @function_tool
+    def shout(n: int) -> str:
+        """Print n characters."""
+        return "a" * n
+
+    executor = ToolExecutor([shout, nap], max_workers=1, max_output_chars=50)
+    long = executor.run("shout", {"n": 1000})
+    assert long.ok and long.truncated and len(long.output) <= 50
+    blocker = executor.submit("nap", {"seconds": 0.3})
+    queued = executor.submit("nap", {"seconds": 0})
+    assert queued.cancel()  # still waiting for the single worker
+    assert blocker.result().ok
+    executor.shutdown(wait=True)
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        executor.submit("nap", {"seconds": 0})
+    assert executor.stats()["live_threads"] == 0
+
+
+def test_map_and_registry_free_executor():
+    with ToolExecutor() as executor:
+        results = executor.map([(nap, {"seconds": 0.01}), (explode, {"message": "m"}), ("nap", {})])
+        assert [r.ok for r in results] == [True, False, False]
+        assert "no registry" in results[2].error
+
+
+def test_process_path_kills_cpu_bound_tool_on_timeout():
+    with ToolExecutor(REGISTRY, process_workers=1) as executor:
+        first = executor.run("pid_in_process", {}, timeout_s=30)
+        assert first.ok and int(first.output) != os.getpid()
+        worker = psutil.Process(int(first.output))
+        start = time.monotonic()
+        spinning = executor.submit("spin_in_process", {}, timeout_s=1.0)
+        # The spinning worker holds its own GIL, not ours: thread-path calls keep flowing.
+        assert executor.run("nap", {"seconds": 0.05}).ok
+        result = spinning.result(timeout=20)
+        assert result.timed_out and "worker process killed" in result.error
+        assert time.monotonic() - start < 5
+        assert not worker.is_running() or worker.status() == psutil.STATUS_ZOMBIE
+        crashed = executor.run("crash_in_process", {}, timeout_s=30)
+        assert not crashed.ok and "crashed its worker process (exit code 3)" in crashed.error
+        again = executor.run("pid_in_process", {}, timeout_s=30)
+        assert again.ok and int(again.output) != worker.pid
+        idle = executor.worker_process_pids()
+    for pid in idle:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_process_path_reports_unpicklable_tools():
+    local = function_tool(lambda: "x", name="local", description="A lambda.", execution="process")
+    with ToolExecutor(process_workers=1) as executor:
+        result = executor.run(local, {})
+    assert not result.ok and "cannot be pickled" in result.error

@@ -1,0 +1,369 @@
+"""Tests for jaxagent/tools/sandbox.py: normal runs, an adversarial suite (each attack must end in
+ok=False within its timeout and leave the host untouched, no surviving processes), each kernel
+layer on its own, and persistent sessions."""
+
+import os
+import socket
+import time
+
+import psutil
+import pytest
+
+from jaxagent.tools.base import ToolRegistry
+from jaxagent.tools.executors import ToolExecutor
+from jaxagent.tools.sandbox import (
+    PROCESS_TAG,
+    PythonSession,
+    PythonTool,
+    SandboxConfig,
+    run_python,
+    sandbox_isolation,
+)
+
+TIMEOUT = 2.0
+FULL = SandboxConfig(timeout_s=TIMEOUT, memory_mb=512)
+HOOK_ONLY = SandboxConfig(timeout_s=TIMEOUT, memory_mb=512, namespaces="off")
+MODES = pytest.mark.parametrize("config", [FULL, HOOK_ONLY], ids=["namespaces", "hook-only"])
+
+
+def sandbox_processes():
+    """Live (non-zombie) processes started by this test process's sandboxes."""
+    tag = f"{PROCESS_TAG}:{os.getpid()}"
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        if tag in (proc.info["cmdline"] or []) and proc.info["status"] != psutil.STATUS_ZOMBIE:
+            found.append(proc)
+    return found
+
+
+def live_children():
+    return {p.pid for p in psutil.Process().children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE}
+
+
+@pytest.fixture(autouse=True)
+def no_surviving_processes():
+    before = live_children()  # e.g. multiprocessing's resource tracker, started by other tests
+    yield
+    assert sandbox_processes() == []
+    assert live_children() - before == set()
+
+
+@pytest.fixture(scope="module")
+def isolation():
+    return sandbox_isolation(FULL)
+
+
+def run(code, config, **overrides):
+    start = time.monotonic()
+    result = run_python(code, config=config, **overrides)
+    return result, time.monotonic() - start
+
+
+# --------------------------------------------------------------------------- normal behaviour
+
+def test_prints_and_last_expression_value():
+    result, _ = run("print('hi')\nx = 6 * 7\nx", FULL)
+    assert result.ok and result.output == "hi\n42\n" and result.error is None
+    assert run("'abc'", FULL)[0].output == "'abc'\n"                  # repr, as a REPL shows it
+    assert run("print('only')", FULL)[0].output == "only\n"            # None is not printed
+    assert run("x = 1", FULL)[0].output == ""
+    quiet = SandboxConfig(timeout_s=TIMEOUT, display_last_expression=False)
+    assert run("1 + 1", quiet)[0].output == ""
+
+
+def test_exception_gives_traceback_in_error_and_keeps_printed_output():
+    result, _ = run("print('before')\ndef f(x):\n    return 1 / x\nf(0)", FULL)
+    assert not result.ok and result.output == "before\n"
+    assert result.error.startswith("Traceback (most recent call last):")
+    assert 'File "<cell-1>", line 4, in <module>' in result.error
+    assert "return 1 / x" in result.error and result.error.endswith("ZeroDivisionError: division by zero")
+    assert "jaxagent-sandbox" not in result.error  # the sandbox's own frames are hidden
+    syntax, _ = run("def (:", FULL)
+    assert not syntax.ok and "SyntaxError: invalid syntax" in syntax.error and "ast.py" not in syntax.error
+
+
+def test_stderr_exit_codes_and_stdin():
+    mixed, _ = run("import sys\nprint('out')\nprint('warn', file=sys.stderr)", FULL)
+    assert mixed.ok and mixed.output == "out\nwarn\n"
+    assert run("import sys\nsys.exit(0)", FULL)[0].ok
+    exit3, _ = run("import sys\nsys.exit(3)", FULL)
+    assert not exit3.ok and exit3.error == "SystemExit: 3"
+    hard, _ = run("import os\nprint('bye', flush=True)\nos._exit(7)", FULL)
+    assert not hard.ok and hard.output == "bye\n" and "exit status 7" in hard.error
+    assert "EOFError" in run("input()", FULL)[0].error
+
+
+def test_environment_is_minimal_and_secrets_are_not_inherited(monkeypatch):
+    monkeypatch.setenv("JAXAGENT_TEST_SECRET", "hunter2")
+    result, _ = run("import os\nprint(sorted(os.environ))\nprint(os.environ['HOME'] == os.getcwd())", FULL)
+    assert result.ok and "JAXAGENT_TEST_SECRET" not in result.output and "hunter2" not in result.output
+    assert result.output.splitlines()[1] == "True"
+    assert "'PATH'" in result.output and "'LANG'" in result.output
+
+
+def test_fresh_temp_dir_is_writable_and_removed():
+    result, _ = run("import os, tempfile\nopen('a.txt', 'w').write('x')\n"
+                    "print(os.getcwd())\nprint(tempfile.mkstemp()[1].startswith(os.getcwd()))", FULL)
+    assert result.ok, result.error
+    workdir, mkstemp_inside = result.output.splitlines()
+    assert mkstemp_inside == "True" and os.path.basename(workdir).startswith("jaxagent-sandbox-")
+    assert not os.path.exists(workdir)
+    assert run("import os\nprint(os.listdir('.'))", FULL)[0].output == "[]\n"
+
+
+def test_scientific_libraries_import():
+    result, _ = run("import numpy as np, sympy\nprint(np.arange(4).sum(), sympy.factor('x**2 - 1'))", FULL,
+                    timeout_s=20)
+    assert result.ok and result.output == "6 (x - 1)*(x + 1)\n", result.error
+
+
+def test_reading_host_files_outside_allowed_paths_is_refused(tmp_path):
+    secret = tmp_path / "answers.txt"
+    secret.write_text("42")
+    result, _ = run(f"print(open({str(secret)!r}).read())", FULL)
+    assert not result.ok and "not allowed in the sandbox" in result.error and "42" not in result.output
+    allowed = SandboxConfig(timeout_s=TIMEOUT, extra_read_paths=(str(tmp_path),))
+    assert run(f"print(open({str(secret)!r}).read())", allowed)[0].output == "42\n"
+
+
+def test_code_size_limit_and_type():
+    tiny = SandboxConfig(max_code_bytes=10)
+    result = run_python("print('this is too long')", config=tiny)
+    assert not result.ok and "limit is 10" in result.error
+    with pytest.raises(TypeError, match="code must be a str"):
+        run_python(b"print(1)")
+
+
+# --------------------------------------------------------------------------- adversarial suite
+
+@MODES
+def test_infinite_loop_is_stopped_at_the_timeout(config):
+    result, elapsed = run("while True:\n    pass", config, timeout_s=1.0)
+    assert not result.ok and result.timed_out and "Timed out after 1 s" in result.error
+    assert elapsed < 3.0
+
+
+def test_cpu_time_limit_counts_all_threads():
+    config = SandboxConfig(timeout_s=10, cpu_time_s=0.5)
+    code = "import threading\ndef spin():\n    while True: pass\n" \
+           "for _ in range(3): threading.Thread(target=spin, daemon=True).start()\nspin()"
+    result, elapsed = run(code, config)
+    assert not result.ok and result.timed_out and "CPU time limit of 0.5 s" in result.error
+    assert elapsed < 4.0
+
+
+@MODES
+def test_fork_bomb(config):
+    result, elapsed = run("import os\nwhile True:\n    os.fork()", config)
+    assert not result.ok and "os.fork is not allowed" in result.error
+    assert elapsed < TIMEOUT + 2
+    multiprocessing_bomb, _ = run("import multiprocessing as mp\nwhile True:\n    mp.Process(target=print).start()",
+                                  config)
+    assert not multiprocessing_bomb.ok
+
+
+@MODES
+@pytest.mark.parametrize("code", ["x = bytearray(4 * 1024 ** 3)",
+                                  "chunks = []\nwhile True:\n    chunks.append(bytearray(50 * 1024 ** 2))"])
+def test_memory_bomb(config, code):
+    host_rss = psutil.Process().memory_info().rss
+    result, elapsed = run(code, config)
+    assert not result.ok and "MemoryError" in result.error and "memory limit is 512 MB" in result.error
+    assert elapsed < TIMEOUT + 2
+    assert psutil.Process().memory_info().rss - host_rss < 64 * 1024 ** 2
+
+
+@MODES
+@pytest.mark.parametrize("code", ["print('x' * 100_000_000)",
+                                  "import sys\nfor _ in range(100):\n    sys.stdout.write('y' * 1_000_000)",
+                                  "import os\nos.write(2, b'z' * 100_000_000)"])
+def test_100mb_of_output_is_truncated(config, code):
+    host_rss = psutil.Process().memory_info().rss
+    result, elapsed = run(code, config, timeout_s=10)
+    assert not result.ok and result.truncated and "Output limit of 65536 bytes exceeded" in result.error
+    assert len(result.output) <= 65536
+    assert elapsed < 5
+    assert psutil.Process().memory_info().rss - host_rss < 64 * 1024 ** 2
+
+
+@MODES
+def test_writing_outside_the_temp_dir(config, tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    attempts = [f"open({str(victim)!r}, 'w').write('pwned')",
+                f"open({str(victim)!r}, 'a').write('pwned')",
+                f"import os\nos.remove({str(victim)!r})",
+                f"import os\nos.rename({str(victim)!r}, 'stolen')",
+                f"import pathlib\npathlib.Path({str(tmp_path / 'new.txt')!r}).write_text('x')",
+                f"import os\nos.symlink({str(victim)!r}, 'link')\nopen('link', 'w').write('pwned')",
+                f"import shutil\nshutil.rmtree({str(tmp_path)!r})"]
+    for code in attempts:
+        result, _ = run(code, config)
+        assert not result.ok, code
+        assert "not allowed in the sandbox" in result.error, (code, result.error)
+    assert victim.read_text() == "original"
+    assert sorted(os.listdir(tmp_path)) == ["victim.txt"]
+
+
+@pytest.fixture
+def listener():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(8)
+    server.settimeout(0.3)
+    yield server
+    server.close()
+
+
+def assert_no_connection(server):
+    with pytest.raises(socket.timeout):
+        conn, _ = server.accept()
+        conn.close()
+
+
+@MODES
+def test_network_connection_never_arrives(config, listener):
+    port = listener.getsockname()[1]
+    for code in [f"import socket\nsocket.socket().connect(('127.0.0.1', {port}))",
+                 f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)",
+                 f"import urllib.request\nurllib.request.urlopen('http://127.0.0.1:{port}/', timeout=1)",
+                 "import socket\nsocket.getaddrinfo('example.com', 80)"]:
+        result, _ = run(code, config)
+        assert not result.ok
+        assert "network access is not allowed" in result.error or "getaddrinfo is not allowed" in result.error
+    assert_no_connection(listener)
+
+
+@MODES
+def test_killing_the_parent_process(config):
+    me = os.getpid()
+    for code in ["import os\nos.kill(os.getppid(), 9)", f"import os\nos.kill({me}, 9)",
+                 "import os, signal\nos.killpg(os.getpgid(os.getppid()), signal.SIGKILL)"]:
+        result, _ = run(code, config)
+        assert not result.ok and "not allowed in the sandbox" in result.error, result.error
+    assert psutil.Process(me).is_running()
+
+
+@MODES
+@pytest.mark.parametrize("code", ["import os\nos.system('echo hacked')",
+                                  "import subprocess\nprint(subprocess.run(['echo', 'hacked']))",
+                                  "import os\nos.execv('/bin/echo', ['echo', 'hacked'])",
+                                  "import os\nos.posix_spawn('/bin/echo', ['echo', 'hacked'], {})",
+                                  "import os\nos.forkpty()",
+                                  "import ctypes\nctypes.CDLL(None).fork()"])
+def test_no_new_programs_or_c_calls(config, code):
+    result, _ = run(code, config)
+    assert not result.ok and "not allowed in the sandbox" in result.error, result.error
+    assert "hacked" not in result.output
+
+
+# --------------------------------------------------------------------------- kernel layers alone
+
+def kernel_only(isolation, *needed):
+    missing = [layer for layer in needed if not isolation.get(layer)]
+    if missing:
+        pytest.skip(f"this host does not allow: {', '.join(missing)}")
+    return SandboxConfig(timeout_s=TIMEOUT, audit_hook=False)
+
+
+def test_isolation_report(isolation):
+    assert isolation["audit_hook"] is True
+    assert set(isolation) >= {"net_namespace", "mount_namespace", "pid_namespace", "readonly_host_fs",
+                              "capabilities_dropped", "nproc_limit_effective"}
+    off = sandbox_isolation(HOOK_ONLY)
+    assert not off["net_namespace"] and not off["mount_namespace"] and not off["pid_namespace"]
+
+
+def test_network_namespace_alone_blocks_connections(isolation, listener):
+    config = kernel_only(isolation, "net_namespace")
+    port = listener.getsockname()[1]
+    result, _ = run(f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=1)", config)
+    assert not result.ok and "Network is unreachable" in result.error
+    assert_no_connection(listener)
+
+
+def test_readonly_mounts_alone_block_host_writes(isolation, tmp_path):
+    config = kernel_only(isolation, "mount_namespace", "readonly_host_fs")
+    victim = tmp_path / "victim.txt"
+    victim.write_text("original")
+    result, _ = run(f"open({str(victim)!r}, 'w').write('pwned')", config)
+    assert not result.ok and "Read-only file system" in result.error
+    assert victim.read_text() == "original"
+    assert run("open('inside.txt', 'w').write('fine')\nprint(open('/dev/null', 'w').write('x'))", config)[0].ok
+
+
+def test_pid_namespace_alone_hides_host_processes(isolation):
+    config = kernel_only(isolation, "pid_namespace", "capabilities_dropped")
+    me = os.getpid()
+    result, _ = run(f"import os\nprint(os.getpid(), os.getppid())\nos.kill({me}, 9)", config)
+    assert not result.ok and "ProcessLookupError" in result.error
+    assert result.output == "1 0\n"
+    assert psutil.Process(me).is_running()
+    # A process that leaves the session is still ended with the namespace.
+    escaped, _ = run("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\ntime.sleep(60)",
+                     config, timeout_s=1)
+    assert escaped.timed_out
+
+
+def test_processes_that_leave_the_session_are_killed_without_namespaces():
+    bare = SandboxConfig(timeout_s=1.0, namespaces="off", audit_hook=False)
+    code = "import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\nprint('parent')\ntime.sleep(60)"
+    result, _ = run(code, bare)
+    assert result.timed_out and result.output == "parent\n"
+    # no_surviving_processes then checks that the setsid() child was found and killed too
+
+
+# --------------------------------------------------------------------------- sessions and the tool
+
+def test_session_keeps_state_across_calls():
+    with PythonSession(FULL) as session:
+        assert session.run("x = 40\nimport math").ok
+        result = session.run("x + 2")
+        assert result.output == "42\n"
+        assert session.run("def f(y):\n    return y * x\nf(2)").output == "80\n"
+        assert session.run("raise ValueError('nope')").error.endswith("ValueError: nope")
+        assert session.run("math.sqrt(x + 9)").output == "7.0\n"  # an exception does not reset state
+        assert len(session.pids) == 1 and session.restarts == 0
+
+
+def test_session_restarts_after_crash_and_timeout():
+    with PythonSession(FULL, timeout_s=1.0) as session:
+        session.run("x = 1")
+        first_pid = session.pids[0]
+        crashed = session.run("import os\nos._exit(1)")
+        assert not crashed.ok and "session was restarted" in crashed.error and "exit status 1" in crashed.error
+        assert session.pids == [] and not psutil.pid_exists(first_pid)
+        assert "NameError" in session.run("x").error
+        assert session.run("x = 2").ok
+        hung = session.run("while True:\n    pass")
+        assert hung.timed_out and "session was restarted" in hung.error
+        assert "NameError" in session.run("x").error
+        memory = session.run("b = bytearray(4 * 1024 ** 3)")
+        assert not memory.ok and "MemoryError" in memory.error  # a caught MemoryError keeps the session
+        assert session.restarts == 2
+    assert session.run("1").error == "the Python session is closed"
+
+
+def test_session_close_leaves_no_process():
+    session = PythonSession(FULL)
+    session.run("import time")
+    pid = session.pids[0]
+    session.close()
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_python_tool_through_the_executor():
+    stateless = PythonTool(FULL)
+    stateful = PythonTool(FULL, stateful=True, name="repl")
+    try:
+        with ToolExecutor(ToolRegistry([stateless, stateful])) as executor:
+            assert executor.run("python", {"code": "print(2 + 2)"}).output == "4\n"
+            assert executor.run("repl", {"code": "y = 5"}).ok
+            assert executor.run("repl", {"code": "y * 2"}).output == "10\n"
+            assert "NameError" in executor.run("python", {"code": "y"}).error
+            assert "missing required argument(s): code" in executor.run("python", {}).error
+            loop = executor.run("python", {"code": "while True:\n    pass"})
+            # The sandbox's own timeout answers, well before the executor's backstop.
+            assert loop.timed_out and "Timed out after 2 s (wall clock)" in loop.error
+    finally:
+        stateful.close()

@@ -1,0 +1,138 @@
+"""Tests for jaxagent/tools/search.py: BM25 scores against a NumPy re-derivation, ranking, the tool."""
+
+import json
+import math
+import re
+import time
+
+import numpy as np
+import pytest
+
+from jaxagent.tools.search import BM25Index, Document, Passage, SearchTool, format_passages, load_documents
+
+CORPUS = [
+    {"title": "Zorvath Kel", "text": "Zorvath Kel was a cartographer born in Lumeria in 1834.", "id": "zk"},
+    {"title": "Lumeria", "text": "Lumeria is a river city. The river Ost flows through Lumeria.", "id": "lu"},
+    {"title": "Ost", "text": "The Ost is a river that rises in the Grey Hills.", "id": "os"},
+    {"title": "Grey Hills", "text": "The Grey Hills are low mountains north of Lumeria.", "id": "gh"},
+    {"title": "Mira Tash", "text": "Mira Tash mapped the Grey Hills with Zorvath Kel.", "id": "mt"},
+]
+STOPWORDS = {"a", "is", "the", "was", "in", "of", "with", "that", "are", "through", "where", "who"}
+
+
+def _tokens(text):
+    return [t for t in re.findall(r"\w+", text.lower()) if t not in STOPWORDS]
+
+
+def reference_bm25(corpus, query, k1=1.5, b=0.75):
+    """Lucene BM25, written out: sum over query terms of idf * tf / (tf + k1 * (1 - b + b * dl / avgdl))."""
+    docs = [_tokens(d["title"] + "\n" + d["text"]) for d in corpus]
+    n = len(docs)
+    avgdl = np.mean([len(d) for d in docs])
+    scores = np.zeros(n)
+    for term in set(_tokens(query)):
+        df = sum(term in d for d in docs)
+        if df == 0:
+            continue
+        idf = math.log(1 + (n - df + 0.5) / (df + 0.5))
+        for i, d in enumerate(docs):
+            tf = d.count(term)
+            scores[i] += idf * tf / (tf + k1 * (1 - b + b * len(d) / avgdl))
+    return scores
+
+
+@pytest.fixture(scope="module")
+def index():
+    return BM25Index(CORPUS, stopwords=sorted(STOPWORDS))
+
+
+@pytest.mark.parametrize("query", ["Lumeria river", "Zorvath Kel born", "Grey Hills mountains", "Ost"])
+def test_scores_match_reference_formula(index, query):
+    np.testing.assert_allclose(index.scores(query), reference_bm25(CORPUS, query), rtol=1e-5, atol=1e-6)
+
+
+def test_ranking_and_passage_fields(index):
+    hits = index.search("who mapped the Grey Hills", k=3)
+    assert [h.id for h in hits] == ["mt", "gh", "os"]
+    assert [h.rank for h in hits] == [1, 2, 3]
+    assert hits[0] == Passage(rank=1, score=hits[0].score, title="Mira Tash",
+                              text="Mira Tash mapped the Grey Hills with Zorvath Kel.", id="mt")
+    assert hits[0].score > hits[1].score > hits[2].score > 0
+
+
+def test_only_matching_documents_are_returned(index):
+    assert [h.id for h in index.search("cartographer", k=5)] == ["zk"]
+    assert index.search("quantum chromodynamics", k=3) == []
+    assert index.search("the was in", k=3) == []  # stopwords only
+    assert index.search("   ", k=3) == []
+    assert len(index.search("Lumeria", k=100)) == 3
+
+
+def test_empty_corpus_and_bad_arguments():
+    empty = BM25Index([])
+    assert len(empty) == 0 and empty.search("anything") == []
+    with pytest.raises(ValueError, match="k must be >= 1"):
+        empty.search("x", k=0)
+    with pytest.raises(TypeError, match="query must be a str"):
+        empty.search(None)
+    with pytest.raises(ValueError, match="no 'text' field"):
+        BM25Index([{"title": "t"}])
+    with pytest.raises(ValueError, match="unknown field"):
+        BM25Index([{"title": "t", "text": "x", "body": "y"}])
+    with pytest.raises(ValueError, match="must be unique"):
+        BM25Index([{"text": "a", "id": 1}, {"text": "b", "id": "1"}])
+    with pytest.raises(TypeError, match="must be a Document or a mapping"):
+        BM25Index(["just text"])
+
+
+def test_default_ids_titles_and_single_character_tokens():
+    idx = BM25Index([Document("Agent 7", "The seventh agent."), {"text": "No title here about X."}])
+    assert [d.id for d in idx.documents] == ["0", "1"]
+    assert idx.search("7")[0].title == "Agent 7"
+    assert idx.search("x")[0].id == "1"
+
+
+def test_search_is_fast_on_a_larger_corpus():
+    rng = np.random.default_rng(0)
+    words = [f"w{i}" for i in range(2000)]
+    docs = [{"title": f"doc {i}", "text": " ".join(rng.choice(words, 50))} for i in range(5000)]
+    idx = BM25Index(docs)
+    idx.search("w1 w2 w3", k=5)
+    start = time.perf_counter()
+    for i in range(50):
+        idx.search(f"w{i} w{i + 7} w{i + 99}", k=5)
+    assert (time.perf_counter() - start) / 50 < 0.02
+
+
+def test_format_passages():
+    passages = [Passage(1, 2.0, "A", "first   text\nwith lines", "a"), Passage(2, 1.0, "B", "x" * 50, "b")]
+    assert format_passages(passages, max_chars_per_passage=10) == (
+        "Doc 1 (Title: A): first text ...\nDoc 2 (Title: B): xxxxxxxxxx ...")
+
+
+def test_search_tool(index):
+    tool = SearchTool(index, k=2)
+    result = tool({"query": "river Ost"})
+    assert result.ok
+    lines = result.output.splitlines()
+    assert len(lines) == 2
+    assert lines[0].startswith("Doc 1 (Title: ") and lines[1].startswith("Doc 2 (Title: ")
+    assert tool({"query": "Lumeria Grey", "k": 4}).output.count("Doc ") == 4
+    assert tool({"query": "zzzz"}).output == "No results found for 'zzzz'."
+    for args, fragment in [({"query": ""}, "empty query"), ({"query": "x", "k": 0}, "between 1 and 10"),
+                           ({}, "missing required argument(s): query"), ({"query": 3}, "must be of type string")]:
+        bad = tool(args)
+        assert not bad.ok and fragment in bad.error, (args, bad.error)
+    assert tool.parameters["properties"]["k"]["type"] == "integer"
+    with pytest.raises(ValueError, match="1 <= k <= max_k"):
+        SearchTool(index, k=20)
+
+
+def test_load_documents(tmp_path):
+    path = tmp_path / "corpus.jsonl"
+    path.write_text("\n".join(json.dumps(d) for d in CORPUS[:2]) + "\n\n")
+    docs = load_documents(path)
+    assert [d.id for d in docs] == ["zk", "lu"] and docs[1].title == "Lumeria"
+    path.write_text('{"text": "ok"}\nnot json\n')
+    with pytest.raises(ValueError, match="corpus.jsonl:2: not valid JSON"):
+        load_documents(path)
