@@ -130,7 +130,8 @@ def _sft_parts(logps, batch):
   n = jnp.sum(mask.astype(jnp.float32))
   return losses.LossParts(
       numerator=jnp.sum(nll), denominator=n,
-      sums={"nll": jnp.sum(nll), "num_policy_tokens": n}, counts={"nll": n},
+      sums={"nll": jnp.sum(nll), "num_policy_tokens": n, "ratio_mean": n},
+      counts={"nll": n, "ratio_mean": n},
       ratio_min=jnp.asarray(1.0), ratio_max=jnp.asarray(1.0))
 
 

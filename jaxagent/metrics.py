@@ -1,0 +1,116 @@
+"""Run metrics: `metrics.jsonl`, TensorBoard events, a console progress bar and a curves PNG.
+
+The trainer logs one flat dict per step (`{"reward/mean": ..., "eval/pass@1": ...}`); this
+module fans it out. Only process 0 writes anything, so multi-host runs log once.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import pathlib
+import time
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+
+def _scalar(v) -> float | None:
+  try:
+    f = float(np.asarray(v))
+  except (TypeError, ValueError):
+    return None
+  return f
+
+
+class MetricsWriter:
+  """Writes step metrics to JSONL and TensorBoard; keeps them for the final curves plot."""
+
+  def __init__(self, workdir: str | pathlib.Path, *, tensorboard: bool = True,
+               progress_total: int | None = None, progress: bool = True):
+    self.workdir = pathlib.Path(workdir)
+    self.is_lead = jax.process_index() == 0
+    self.history: list[dict[str, Any]] = []
+    self._tb = None
+    self._bar = None
+    self._jsonl = None
+    if not self.is_lead:
+      return
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    self._jsonl = open(self.workdir / "metrics.jsonl", "a", buffering=1)
+    if tensorboard:
+      try:
+        from tensorboardX import SummaryWriter
+        self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+      except ImportError:  # optional: JSONL is always written
+        log.warning("tensorboardX is not installed; writing metrics.jsonl only")
+    if progress and progress_total:
+      from tqdm.auto import tqdm
+      self._bar = tqdm(total=progress_total, desc="train", dynamic_ncols=True)
+
+  def write(self, step: int, metrics: Mapping[str, Any]) -> None:
+    clean = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
+    rec = {"step": int(step), "time": time.time(), **clean}
+    self.history.append(rec)
+    if not self.is_lead:
+      return
+    self._jsonl.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v)
+                                      else v) for k, v in rec.items()}) + "\n")
+    if self._tb is not None:
+      for k, v in clean.items():
+        # TensorBoard tags allow [A-Za-z0-9_./-]: "eval/pass@1" is logged as "eval/pass_at_1".
+        self._tb.add_scalar(k.replace("@", "_at_"), v, step)
+      self._tb.flush()
+
+  def progress(self, n: int = 1, **postfix) -> None:
+    if self._bar is not None:
+      self._bar.update(n)
+      if postfix:
+        self._bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v)
+                               for k, v in postfix.items()}, refresh=False)
+
+  def message(self, text: str) -> None:
+    """A line on the console that does not break the progress bar."""
+    if not self.is_lead:
+      return
+    if self._bar is not None:
+      self._bar.write(text)
+    else:
+      print(text, flush=True)
+
+  def plot(self, path: str | pathlib.Path | None = None,
+           keys=("reward/mean", "eval/pass@1")) -> pathlib.Path | None:
+    """A PNG of the given curves over steps (one panel each); None when nothing to plot."""
+    if not self.is_lead:
+      return None
+    series = {k: [(r["step"], r[k]) for r in self.history if k in r] for k in keys}
+    series = {k: v for k, v in series.items() if v}
+    if not series:
+      return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.6), squeeze=False)
+    for ax, (k, pts) in zip(axes[0], series.items()):
+      xs, ys = zip(*pts)
+      ax.plot(xs, ys, marker="o" if len(xs) < 40 else None)
+      ax.set_title(k)
+      ax.set_xlabel("step")
+      ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = pathlib.Path(path) if path else self.workdir / "curves.png"
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.close()
+    if self._tb is not None:
+      self._tb.close()
+    if self._jsonl is not None:
+      self._jsonl.close()
+      self._jsonl = None

@@ -1,0 +1,392 @@
+"""The RL loop (and its SFT warm start) behind `python -m jaxagent.launch`.
+
+One iteration: prompts from a grain pipeline -> G rollouts per prompt (multi-turn, tools on
+host threads) -> rewards -> group-relative advantages -> dynamic-sampling filter -> packing ->
+reference log-probs (frozen params on the same mesh) -> optimizer steps over micro-batches ->
+the new params go to the generator (same buffers, no copy) -> metrics, samples, eval,
+checkpoint. Single-turn tasks are multi-turn tasks that never call a tool.
+
+The run is built from an ml_collections config (see `configs/quickstart.py`); the config is
+turned into the frozen dataclasses of each module here, at the boundary.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import time
+from typing import Any, Sequence
+
+import grain
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxagent import models, sharding
+from jaxagent.agent.env import Env, Example
+from jaxagent.agent.rollout import RolloutConfig, RolloutDriver, rollout_metrics
+from jaxagent.agent.trajectory import Trajectory, demonstration_trajectory
+from jaxagent.envs import make_env
+from jaxagent.generate import Engine, EngineConfig, SamplingConfig
+from jaxagent.metrics import MetricsWriter
+from jaxagent.rewards import mean_metrics
+from jaxagent.rl import advantages as adv_lib
+from jaxagent.rl import losses, packing, step as step_lib
+
+log = logging.getLogger(__name__)
+
+
+# ----------------------------------------------------------------------------- model
+def load_model(mcfg) -> tuple[models.ModelConfig, Any, Any]:
+  """(cfg, params, tokenizer) from `config.model`.
+
+  `path` is an HF directory, a `.gguf` file, an embedded preset, or an architecture preset
+  (random init, e.g. "tiny-llama" for tests) whose vocabulary is resized to `tokenizer`'s.
+  """
+  dtype_kw = dict(param_dtype=mcfg.param_dtype, dtype=mcfg.dtype, remat=mcfg.remat)
+  tok = models.load_tokenizer(mcfg.get("tokenizer") or mcfg.path)
+  if mcfg.path in models.PRESETS:
+    cfg = models.get_config(mcfg.path, vocab_size=tok.vocab_size,
+                            eos_token_id=tok.eos_id, **dtype_kw)
+    params = models.init_params(cfg, jax.random.key(mcfg.get("init_seed", 0)),
+                                std=mcfg.get("init_std", 0.02))
+  else:
+    cfg, params = models.load(mcfg.path, **dtype_kw)
+  return cfg, params, tok
+
+
+# ----------------------------------------------------------------------------- data
+class PromptStream:
+  """Training examples in a reproducible shuffled order (grain), a batch at a time.
+
+  The iterator state (`get_state` / `set_state`) is what a checkpoint stores to resume the
+  same data order.
+  """
+
+  def __init__(self, examples: Sequence[Example], seed: int):
+    if not examples:
+      raise ValueError("the task has no training examples")
+    self.examples = list(examples)
+    ds = grain.MapDataset.range(len(self.examples)).seed(seed).shuffle().repeat()
+    self._it = iter(ds.to_iter_dataset())
+
+  def next(self, n: int) -> list[Example]:
+    return [self.examples[int(next(self._it))] for _ in range(n)]
+
+  def get_state(self):
+    return self._it.get_state()
+
+  def set_state(self, state) -> None:
+    self._it.set_state(state)
+
+
+def sft_items(env: Env, examples: Sequence[Example], tokenizer) -> list[packing.PackItem]:
+  """SFT items from the task's demonstrations: loss only on the policy's own tokens."""
+  items = []
+  for ex in examples:
+    segs = env.demonstration(ex)
+    if segs is None:
+      continue
+    traj = demonstration_trajectory(env.render_prompt(ex, tokenizer), segs, tokenizer)
+    items.append(traj.to_pack_item(0.0))
+  if not items:
+    raise ValueError(f"task {env.name!r} gave no demonstrations for the SFT warm start; set "
+                     "sft.steps=0 or use a task with `demonstration`")
+  return items
+
+
+def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
+  """SFT items from chat JSONL (`{"messages": [...]}` per line): assistant turns get loss.
+
+  Each message is rendered with the chat template and tokenized on its own, in order, so the
+  token sequence is exactly what the model will see (as in rollouts).
+  """
+  from jaxagent.agent.trajectory import OBSERVATION, POLICY
+  items = []
+  for n, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      msgs = json.loads(line)["messages"]
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+      raise ValueError(f"{path}:{n}: expected a JSON object with a 'messages' list ({e})") from e
+    first = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), None)
+    if first is None:
+      raise ValueError(f"{path}:{n}: no assistant message to learn from")
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(msgs[:first],
+                                                            add_generation_prompt=True))
+    prev = tokenizer.apply_chat_template(msgs[:first], add_generation_prompt=True)
+    segs = []
+    for i in range(first, len(msgs)):
+      gen = msgs[i].get("role") == "assistant"
+      # Text of this message: the rendering up to and including it, minus what came before.
+      nxt_prompt = i + 1 < len(msgs) and msgs[i + 1].get("role") == "assistant"
+      cur = tokenizer.apply_chat_template(msgs[:i + 1], add_generation_prompt=nxt_prompt)
+      if not cur.startswith(prev):
+        raise ValueError(f"{path}:{n}: the chat template does not render incrementally")
+      segs.append((POLICY if gen else OBSERVATION, cur[len(prev):]))
+      prev = cur
+    traj = demonstration_trajectory(prompt, segs, tokenizer)
+    items.append(traj.to_pack_item(0.0))
+  return items
+
+
+# ----------------------------------------------------------------------------- trainer
+def _pass_at_k(n: int, c: int, k: int) -> float:
+  """Unbiased pass@k from n samples with c successes (Chen et al., 2021)."""
+  if n - c < k:
+    return 1.0
+  return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
+
+
+class Trainer:
+  """Builds every piece from the config and runs SFT warm start, RL and evaluation."""
+
+  def __init__(self, config):
+    self.config = config
+    c = config
+    self.workdir = pathlib.Path(c.workdir)
+    self.cfg, params, self.tok = load_model(c.model)
+    self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))
+    self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+    self.train_examples = list(self.env.examples("train"))
+    self.eval_examples = list(self.env.examples("eval"))[:c.eval.size]
+    self.prompts = PromptStream(self.train_examples, c.seed)
+
+    t = c.train
+    self.loss_cfg = losses.LossConfig(
+        algo=c.loss.algo, agg=c.loss.agg, clip_low=c.loss.clip_low, clip_high=c.loss.clip_high,
+        dual_clip=c.loss.get("dual_clip"), kl_coef=c.loss.kl_coef,
+        kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
+        max_len_norm=c.loss.get("max_len_norm"))
+    self.step_cfg = step_lib.StepConfig(
+        loss=self.loss_cfg, micro_batches=t.micro_batches, temperature=c.rollout.temperature or 1.0,
+        nonfinite=t.get("nonfinite", "raise"))
+    opt = c.optimizer
+    self.optimizer = step_lib.make_optimizer(
+        opt.lr, weight_decay=opt.weight_decay, b1=opt.b1, b2=opt.b2,
+        max_grad_norm=opt.max_grad_norm, warmup_steps=opt.warmup_steps,
+        total_steps=c.total_steps * max(1, t.epochs), schedule=opt.schedule)
+    self.learner = step_lib.Learner(self.cfg, self.step_cfg, self.optimizer, self.mesh)
+    self.state = self.learner.init(params)
+    self.ref_params = None  # set when RL starts (after the warm start), if kl_coef > 0
+
+    r = c.rollout
+    eos = tuple(sorted(self.tok.eos_ids))
+    self.rollout_cfg = RolloutConfig(
+        max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
+        max_total_tokens=r.get("max_total_tokens"), tool_timeout_s=r.tool_timeout_s,
+        traj_tool_timeout_s=r.traj_tool_timeout_s, decode_steps=r.decode_steps)
+    mk = lambda samp: Engine(self.cfg, EngineConfig(slots=r.slots, max_len=r.max_len,
+                                                    eos_ids=eos, sampling=samp), mesh=self.mesh)
+    self.sample_engine = mk(SamplingConfig(r.temperature, r.top_p, r.top_k))
+    self.greedy_engine = mk(SamplingConfig(0.0))
+    self.sampler = RolloutDriver(self.sample_engine, self.env, tokenizer=self.tok,
+                                 cfg=self.rollout_cfg)
+    self.greedy = RolloutDriver(self.greedy_engine, self.env, tokenizer=self.tok,
+                                cfg=self.rollout_cfg)
+    dp = c.mesh.data * (jax.device_count() // (c.mesh.data * c.mesh.tensor)
+                        if c.mesh.fsdp == -1 else c.mesh.fsdp)
+    self.pack_cfg = packing.PackingConfig(
+        max_len=t.pack_len, len_buckets=tuple(t.get("len_buckets", ())) or (t.pack_len,),
+        row_multiple=t.micro_batches * dp)
+    self.writer = MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
+                                progress_total=c.total_steps, progress=c.log.progress)
+    self.step = 0
+    self.summary: dict[str, Any] = {}
+
+  # --------------------------------------------------------------------------- eval
+  def evaluate(self, tag: str = "eval") -> dict[str, float]:
+    """pass@1 (greedy) and pass@k (sampled) on the held-out split."""
+    e = self.config.eval
+    exs = self.eval_examples
+    if not exs:
+      return {}
+    params = self.state.params
+    t0 = time.time()
+    trajs = self.greedy.run(params, exs, num_samples=1, seed=self.config.seed,
+                            request_id_offset=0)
+    ok = np.array([self._success(tr, ex) for tr, ex in zip(trajs, exs)], float)
+    p = float(ok.mean())
+    out = {f"{tag}/pass@1": p, f"{tag}/pass@1_se": math.sqrt(p * (1 - p) / len(exs)),
+           f"{tag}/num_examples": len(exs)}
+    if e.pass_k > 1:
+      trajs_k = self.sampler.run(params, exs, num_samples=e.pass_k, seed=self.config.seed + 1,
+                                 request_id_offset=0)
+      c = np.zeros(len(exs))
+      for tr in trajs_k:
+        c[tr.group_id] += self._success(tr, exs[tr.group_id])
+      out[f"{tag}/pass@{e.pass_k}"] = float(np.mean([_pass_at_k(e.pass_k, int(ci), e.pass_k)
+                                                     for ci in c]))
+    out[f"{tag}/time_s"] = time.time() - t0
+    return out
+
+  def _success(self, traj: Trajectory, ex: Example) -> bool:
+    return bool(self.env.is_success(self.env.reward(traj, ex, self.tok, self.step)))
+
+  # --------------------------------------------------------------------------- SFT
+  def warm_start(self) -> dict[str, float]:
+    """SFT on demonstrations (or chat JSONL): cross-entropy on policy tokens only."""
+    s = self.config.sft
+    if not s.steps:
+      return {}
+    if s.get("data"):
+      items = sft_items_from_chat_jsonl(s.data, self.tok)
+    else:
+      pool = self.env.examples("sft") if hasattr(self.env, "examples") else self.train_examples
+      items = sft_items(self.env, list(pool)[:s.num_examples], self.tok)
+    scfg = dataclasses.replace(self.step_cfg, objective="sft", entropy=False)
+    opt = step_lib.make_optimizer(s.lr, max_grad_norm=self.config.optimizer.max_grad_norm,
+                                  warmup_steps=s.get("warmup_steps", 0))
+    learner = step_lib.Learner(self.cfg, scfg, opt, self.mesh)
+    st = learner.init(self.state.params)
+    rng = np.random.default_rng(self.config.seed)
+    t0 = time.time()
+    losses_seen = []
+    for i in range(s.steps):
+      idx = rng.choice(len(items), size=min(s.batch_size, len(items)), replace=False)
+      pb = packing.pack([items[j] for j in idx], self.pack_cfg)
+      st, m = learner.train_step(st, pb.arrays())
+      losses_seen.append(m["loss"])
+      self.writer.message(f"sft step {i + 1}/{s.steps}: loss {m['loss']:.4f}")
+      self.writer.write(-s.steps + i, {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"]})
+    # Continue RL from the warm-started weights with a fresh optimizer state.
+    self.state = self.learner.init(st.params)
+    return {"sft/first_loss": losses_seen[0], "sft/last_loss": losses_seen[-1],
+            "sft/time_s": time.time() - t0, "sft/num_examples": len(items)}
+
+  # --------------------------------------------------------------------------- RL
+  def _rollout_groups(self, step: int):
+    """Rollouts + rewards + advantages for one step, with DAPO dynamic sampling if enabled."""
+    t, G = self.config.train, self.config.train.samples_per_prompt
+    dyn = t.dynamic_sampling
+    sampler = adv_lib.DynamicSampler(t.prompts_per_step, max_rounds=t.max_sampling_rounds,
+                                     max_prompts_per_round=t.prompts_per_step * 4) if dyn else None
+    kept_trajs, kept_rewards, kept_exs, all_trajs, reward_outs = [], [], [], [], []
+    rounds = 0
+    while True:
+      n = sampler.num_prompts_to_sample() if dyn else t.prompts_per_step
+      exs = self.prompts.next(n)
+      offset = (step * t.max_sampling_rounds + rounds) * t.prompts_per_step * 4 * G
+      trajs = self.sampler.run(self.state.params, exs, num_samples=G,
+                               seed=self.config.seed * 1_000_003 + step,
+                               request_id_offset=offset)
+      outs = [self.env.reward(tr, exs[tr.group_id], self.tok, step) for tr in trajs]
+      rewards = np.array([o.total for o in outs], np.float32)
+      gids = np.array([tr.group_id for tr in trajs])
+      keep = sampler.update(rewards, gids) if dyn else np.ones(len(trajs), bool)
+      base = len(kept_exs)
+      for tr, o, k in zip(trajs, outs, keep):
+        all_trajs.append(tr)
+        reward_outs.append(o)
+        if k:
+          tr.group_id += base  # groups numbered across rounds
+          kept_trajs.append(tr)
+          kept_rewards.append(o.total)
+      kept_exs.extend(exs)
+      rounds += 1
+      if not dyn or sampler.done or rounds >= t.max_sampling_rounds:
+        break
+    gids = np.array([tr.group_id for tr in kept_trajs])
+    advs, info = adv_lib.compute_advantages(
+        np.array(kept_rewards, np.float32), gids, method=t.advantage,
+        zero_variance=t.zero_variance)
+    return all_trajs, reward_outs, kept_trajs, advs, info, rounds
+
+  def rl_step(self, step: int) -> dict[str, float]:
+    t0 = time.time()
+    all_trajs, outs, trajs, advs, info, rounds = self._rollout_groups(step)
+    t_roll = time.time() - t0
+    metrics: dict[str, float] = {}
+    totals = np.array([o.total for o in outs])
+    metrics["reward/mean"] = float(totals.mean())
+    metrics["reward/std"] = float(totals.std())
+    metrics.update(mean_metrics(outs))
+    metrics.update(rollout_metrics(all_trajs))
+    metrics.update({f"adv/{k}": v for k, v in info.metrics().items()})
+    metrics["rollout/sampling_rounds"] = rounds
+    keep = np.asarray(info.keep, bool)
+    items = [tr.to_pack_item(float(a)) for tr, a, k in zip(trajs, advs, keep) if k]
+    t1 = time.time()
+    if items:
+      pb = packing.pack(items, self.pack_cfg)
+      batch = pb.arrays()
+      metrics["pack/efficiency"] = pb.stats["efficiency"]
+      metrics["pack/rows"], metrics["pack/len"] = pb.shape
+      metrics["tokens/loss_fraction"] = float(batch["loss_mask"].sum() /
+                                              max(1, (batch["segment_ids"] > 0).sum()))
+      if self.loss_cfg.kl_coef > 0:
+        ref, _ = self.learner.score(self.ref_params, batch)
+        batch["ref_logps"] = np.asarray(ref)
+      for _ in range(max(1, self.config.train.epochs)):
+        self.state, m = self.learner.train_step(self.state, batch)
+        metrics.update({f"train/{k}": v for k, v in m.items()})
+    else:
+      metrics["train/skipped_no_signal"] = 1.0
+    metrics["time/rollout_s"] = t_roll
+    metrics["time/update_s"] = time.time() - t1
+    metrics["time/step_s"] = time.time() - t0
+    if self.config.log.dump_every and step % self.config.log.dump_every == 0:
+      self.dump_samples(step, all_trajs[:self.config.log.get("dump_count", 4)])
+    return metrics
+
+  def dump_samples(self, step: int, trajs: Sequence[Trajectory]) -> None:
+    if jax.process_index() != 0:
+      return
+    d = self.workdir / "samples"
+    d.mkdir(parents=True, exist_ok=True)
+    with open(d / f"step_{step:06d}.txt", "w") as f:
+      for tr in trajs:
+        f.write(tr.render(self.tok) + "\n\n")
+    with open(d / f"step_{step:06d}.jsonl", "w") as f:
+      for tr in trajs:
+        f.write(json.dumps(tr.to_dict()) + "\n")
+
+  # --------------------------------------------------------------------------- run
+  def run(self) -> dict[str, Any]:
+    """Eval -> SFT warm start -> eval -> RL (eval every `eval.every`) -> eval; returns summary."""
+    c = self.config
+    t_start = time.time()
+    say = self.writer.message
+    if c.eval.before:
+      m = self.evaluate()
+      self.writer.write(0, {f"before/{k.split('/', 1)[1]}": v for k, v in m.items()})
+      self.summary["pass@1/before"] = m.get("eval/pass@1")
+      say(f"held-out pass@1 before training: {m.get('eval/pass@1', float('nan')):.3f} "
+          f"(n={len(self.eval_examples)})")
+    if c.sft.steps:
+      self.summary.update(self.warm_start())
+      m = self.evaluate()
+      self.writer.write(0, {**m, **{f"after_sft/{k.split('/', 1)[1]}": v for k, v in m.items()}})
+      self.summary["pass@1/after_sft"] = m.get("eval/pass@1")
+      say(f"held-out pass@1 after SFT: {m.get('eval/pass@1', float('nan')):.3f}")
+    if self.loss_cfg.kl_coef > 0:
+      self.ref_params = jax.tree.map(jnp.copy, self.state.params)
+    for step in range(1, c.total_steps + 1):
+      self.step = step
+      m = self.rl_step(step)
+      if c.eval.every and (step % c.eval.every == 0 or step == c.total_steps):
+        m.update(self.evaluate())
+      self.writer.write(step, m)
+      self.writer.progress(1, reward=m["reward/mean"], **(
+          {"pass@1": m["eval/pass@1"]} if "eval/pass@1" in m else {}))
+    if c.total_steps:
+      last = [r for r in self.writer.history if "eval/pass@1" in r]
+      if last:
+        self.summary["pass@1/after_rl"] = last[-1]["eval/pass@1"]
+        self.summary["pass@1/after_rl_se"] = last[-1]["eval/pass@1_se"]
+    self.summary["time_s"] = time.time() - t_start
+    png = self.writer.plot()
+    if png:
+      self.summary["curves_png"] = str(png)
+    say("summary: " + json.dumps(self.summary))
+    if jax.process_index() == 0:
+      (self.workdir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+    return self.summary
+
+  def close(self) -> None:
+    self.sampler.close()
+    self.greedy.close()
+    self.writer.close()
