@@ -1,0 +1,56 @@
+"""Shared helpers of the benchmark scripts: device facts, timing, result lines.
+
+Each script prints one machine-readable line per measurement (`RESULT {json}`) and, with
+`--record`, appends a row to `benchmarks/RESULTS.md` with the device, versions and date.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+
+# Dense bf16 peak and HBM bandwidth of the chips we report against (vendor datasheets).
+PEAKS = {
+    "H100": dict(bf16_flops=989e12, hbm_bytes_s=3.35e12),
+    "H200": dict(bf16_flops=989e12, hbm_bytes_s=4.8e12),
+    "cpu": dict(bf16_flops=float("nan"), hbm_bytes_s=float("nan")),
+}
+RESULTS = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
+
+
+def device_info() -> dict:
+  d = jax.devices()[0]
+  kind = getattr(d, "device_kind", d.platform)
+  chip = "H200" if "H200" in kind else "H100" if "H100" in kind else "cpu"
+  return {"device": kind, "n_devices": jax.device_count(), "chip": chip,
+          "jax": jax.__version__, "python": sys.version.split()[0]}
+
+
+def peaks() -> dict:
+  return PEAKS[device_info()["chip"]]
+
+
+def timeit(fn, *, warmup: int = 2, iters: int = 5) -> dict:
+  """Median / min wall time of `fn()` (which must block until its device work is done)."""
+  for _ in range(warmup):
+    fn()
+  ts = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    fn()
+    ts.append(time.perf_counter() - t0)
+  return {"median_s": statistics.median(ts), "min_s": min(ts), "iters": iters}
+
+
+def emit(name: str, record: bool = False, **fields) -> dict:
+  row = {"bench": name, **device_info(), "date": datetime.date.today().isoformat(), **fields}
+  print("RESULT " + json.dumps(row), flush=True)
+  if record:
+    with open(RESULTS, "a") as f:
+      f.write(f"\n<!-- {name} -->\n`{json.dumps(row)}`\n")
+  return row

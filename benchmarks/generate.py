@@ -1,0 +1,79 @@
+"""Decode throughput of the engine and its fraction of the HBM-bandwidth roofline.
+
+    python benchmarks/generate.py --models smollm2-135m,qwen2.5-1.5b --batches 64,256
+
+Random-init bf16 weights; `--prompt-len` random prompt tokens per slot, then `--new-tokens`
+decode steps for every slot (no EOS). The roofline is the bytes one decode step must read,
+weights plus the live K/V of every slot, over the HBM bandwidth, averaged over the run.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from benchmarks.common import emit, peaks
+from jaxagent import models
+from jaxagent.generate import Engine, EngineConfig, SamplingConfig
+
+
+def run(name, batch, prompt_len, new_tokens, steps, record, temperature=1.0):
+  cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
+  params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
+  max_len = prompt_len + new_tokens + steps
+  eng = Engine(cfg, EngineConfig(slots=batch, max_len=max_len, eos_ids=(),
+                                 sampling=SamplingConfig(temperature), kv_page=128))
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+
+  def one_pass():
+    state = eng.init_decode_state()
+    t0 = time.perf_counter()
+    for i in range(0, batch, 64):
+      pre = eng.prefill(params, prompts[i:i + 64], list(range(i, min(i + 64, batch))))
+      state = eng.insert(pre, state, list(range(i, min(i + 64, batch))))
+    jax.block_until_ready(state.k)
+    t1 = time.perf_counter()
+    done = 0
+    while done < new_tokens - 1:
+      state, out = eng.generate(params, state, steps=steps,
+                                kv_len=prompt_len + done + steps)
+      done += steps
+    jax.block_until_ready(out.tokens)
+    return t1 - t0, time.perf_counter() - t1, done
+
+  one_pass()  # compile every bucket
+  prefill_s, decode_s, n_steps = one_pass()
+  kv_tok = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2  # bytes per cached token
+  w_bytes = cfg.num_params() * 2
+  avg_len = prompt_len + n_steps / 2
+  step_bytes = w_bytes + batch * avg_len * kv_tok
+  roof_step_s = step_bytes / peaks()["hbm_bytes_s"]
+  step_s = decode_s / n_steps
+  emit("decode", record, model=name, batch=batch, prompt_len=prompt_len, new_tokens=n_steps,
+       decode_steps_per_call=steps, tokens_per_s=batch * n_steps / decode_s,
+       step_ms=step_s * 1e3, roofline_step_ms=roof_step_s * 1e3,
+       roofline_fraction=roof_step_s / step_s, prefill_s=prefill_s,
+       weight_gb=w_bytes / 1e9, avg_kv_gb=batch * avg_len * kv_tok / 1e9)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--models", default="smollm2-135m,qwen2.5-1.5b")
+  ap.add_argument("--batches", default="64,256")
+  ap.add_argument("--prompt-len", type=int, default=256)
+  ap.add_argument("--new-tokens", type=int, default=512)
+  ap.add_argument("--steps", type=int, default=16, help="decode steps per device call")
+  ap.add_argument("--record", action="store_true")
+  args = ap.parse_args()
+  for name in args.models.split(","):
+    for b in map(int, args.batches.split(",")):
+      run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record)
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,90 @@
+"""`train_step` throughput and MFU on packed rows (GRPO loss + AdamW), random init.
+
+    python benchmarks/train_step.py --models qwen2.5-0.5b,qwen2.5-1.5b --rows 64 --len 2048
+
+Rows are packed from a realistic multi-turn length mix by `jaxagent.rl.packing` (its
+efficiency is reported); params are float32 masters with bfloat16 compute.
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from benchmarks.common import emit, peaks, timeit
+from benchmarks.forward import useful_flops
+from jaxagent import models
+from jaxagent.rl import losses, packing, step
+
+
+def length_mix(n, rng):
+  """Multi-turn trajectory lengths: prompt + 1-4 turns with observations."""
+  return [int(rng.integers(100, 400) + sum(rng.integers(60, 300) for _ in range(rng.integers(1, 5))))
+          for _ in range(n)]
+
+
+def make_batch(rows, length, vocab, rng):
+  items, total = [], 0
+  while total < rows * length * 0.985:
+    n = min(length, length_mix(1, rng)[0])
+    toks = rng.integers(0, vocab, n).astype(np.int32)
+    mask = np.zeros(n, np.float32)
+    mask[n // 4:] = 1.0
+    items.append(packing.PackItem(tokens=toks, loss_mask=mask,
+                                  old_logps=np.where(mask > 0, -2.0, 0.0).astype(np.float32),
+                                  advantages=float(rng.normal())))
+    total += n
+  pb = packing.pack(items, packing.PackingConfig(max_len=length, row_multiple=8))
+  arrays = pb.arrays()
+  arrays = {k: v[:rows] for k, v in arrays.items()}
+  seg_lens = []
+  for r in range(arrays["segment_ids"].shape[0]):
+    ids, counts = np.unique(arrays["segment_ids"][r], return_counts=True)
+    seg_lens += [int(c) for i, c in zip(ids, counts) if i > 0]
+  return arrays, pb.stats["efficiency"], seg_lens
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--models", default="qwen2.5-0.5b,qwen2.5-1.5b")
+  ap.add_argument("--rows", type=int, default=64)
+  ap.add_argument("--len", type=int, default=2048)
+  ap.add_argument("--micro-batches", type=int, default=8)
+  ap.add_argument("--attention", default="auto")
+  ap.add_argument("--remat", default="dots")
+  ap.add_argument("--param-dtype", default="float32")
+  ap.add_argument("--record", action="store_true")
+  args = ap.parse_args()
+  rng = np.random.default_rng(0)
+  for name in args.models.split(","):
+    cfg = models.get_config(name, param_dtype=args.param_dtype, dtype="bfloat16",
+                            attention_impl=args.attention, remat=args.remat)
+    batch, eff, seg_lens = make_batch(args.rows, args.len, cfg.vocab_size, rng)
+    scfg = step.StepConfig(loss=losses.LossConfig(clip_high=0.28),
+                           micro_batches=args.micro_batches, entropy=False)
+    learner = step.Learner(cfg, scfg, step.make_optimizer(1e-6))
+    params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
+    state = learner.init(params)
+    dev_batch = learner.put_batch(batch)
+    holder = [state]
+
+    def one():
+      s, m = learner._train(holder[0], dev_batch) if learner._train else learner.train_step(
+          holder[0], batch)
+      holder[0] = s
+      jax.block_until_ready(s.params)
+
+    t = timeit(one, warmup=2, iters=4)
+    n_tok = int((batch["segment_ids"] > 0).sum())
+    flops = useful_flops(cfg, seg_lens)
+    emit("train_step", args.record, model=name, rows=args.rows, len=args.len,
+         micro_batches=args.micro_batches, attention=args.attention, remat=args.remat,
+         param_dtype=args.param_dtype, step_s=t["median_s"], tokens_per_s=n_tok / t["median_s"],
+         mfu=flops / t["median_s"] / peaks()["bf16_flops"], packing_efficiency=eff)
+
+
+if __name__ == "__main__":
+  main()
