@@ -89,13 +89,15 @@ class ArithmeticToolEnv(Env):
   def _generate(self, split: str) -> list[Example]:
     import reasoning_gym
 
-    offsets = {"train": 1, "eval": 2, "sft": 3}
+    # reasoning-gym seeds item i with (seed + i): keep the splits' seed ranges disjoint.
+    offsets = {"train": 0, "sft": 10_000_000, "eval": 20_000_000}
     seen = set()
     if split == "eval":
       seen = {ex.metadata["expression"] for s in ("train", "sft") for ex in self.examples(s)}
     size = self._sizes[split]
     ds = reasoning_gym.create_dataset("basic_arithmetic", size=size + len(seen) // 4 + 64,
-                                      seed=self.seed * 10 + offsets[split], **self._difficulty)
+                                      seed=self.seed * 100_000_000 + offsets[split],
+                                      **self._difficulty)
     out = []
     for i, item in enumerate(ds):
       expr = item["metadata"]["expression"]

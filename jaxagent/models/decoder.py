@@ -353,14 +353,15 @@ def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelCo
 
 
 def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelConfig,
-           kv_len: int | None = None):
+           kv_len: int | None = None, unroll: int | bool = 1):
   """Process new tokens for cache slots without touching the cache.
 
   tokens: [S, n] (n = 1 for a decode step); cache_lens: [S] tokens already cached per slot
   (the new tokens get positions cache_lens .. cache_lens + n - 1). cache_k, cache_v:
   [layers, S, Lmax, KV, hd]; only the first `kv_len` (static, >= max cache_lens) entries are
   read. Returns (logits [S, n, V], new K [layers, S, n, KV, hd], new V); write the new K/V
-  with `write_kv`.
+  with `write_kv`. `unroll` is `lax.scan`'s: unrolling the layer loop lets the compiler read
+  each layer's cache in place (accelerators); a rolled loop compiles faster (CPU).
   """
   p = unbox(params)
   tokens = jnp.asarray(tokens, jnp.int32)
@@ -377,7 +378,7 @@ def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelCo
     return x, (k, v)
 
   x = embed(p, tokens, cfg)
-  x, (k, v) = jax.lax.scan(body, x, (p["layers"], cache_k, cache_v))
+  x, (k, v) = jax.lax.scan(body, x, (p["layers"], cache_k, cache_v), unroll=unroll)
   h = rms_norm(x, p["final_norm"], cfg.norm_eps)
   return logits_from_hidden(params, h, cfg), k, v
 

@@ -1,0 +1,510 @@
+"""Serve a jaxagent policy with JetStream: our `Engine` behind JetStream's `engine_api.Engine`.
+
+JetStream's orchestrator (`jetstream.core.orchestrator.Driver`) runs prefill, transfer, generate
+and detokenize threads over an engine; its gRPC server (`jetstream.core.server_lib`) streams the
+result to clients. This module adapts `jaxagent.generate.Engine` (slots, batched prefill,
+device-side stop codes) to google-jetstream 0.2.2's engine contract so that both can drive it:
+
+    engine = JetStreamEngine.from_pretrained("/ckpt/policy-hf", slots=16, max_len=2048)
+    # or JetStreamEngine(existing_engine, params, tokenizer) to share an Engine's programs
+    server = serve(engine, port=9000)          # gRPC `Orchestrator.Decode`
+    ...
+    server.stop()
+
+Serving only. JetStream's `ReturnSample` carries token ids and text but no log-probabilities, and
+its orchestrator has no notion of tool turns, so RL rollouts use our own loop
+(`jaxagent.generate.run_requests`, `jaxagent.agent`), which records sampler log-probs per token.
+
+How our engine maps onto the contract (0.2.2):
+  * Its orchestrator never returns the token sampled by prefill; it only forwards the tokens of
+    `generate` calls. So each result carries, per slot, the slot's *pending* token (sampled by
+    the previous call or by prefill) followed by the first `decode_steps - 1` tokens of this call;
+    the last token sampled becomes the next pending token. Every token reaches the client once.
+  * `ResultTokens.valid` is our engine's per-step activity: a token is valid while the slot's
+    request has not stopped on device (EOS, cache length). The EOS token itself is valid and is
+    in the tokenizer's `stop_tokens`, so the orchestrator ends the request without returning it;
+    a length stop returns the last token, then the next result is invalid, which ends it.
+  * `ResultTokens` lengths are "tokens returned to this request, counting this result's first",
+    which the orchestrator compares with the request's `max_tokens`: with `decode_steps=1`
+    (default) a request receives exactly `max_tokens` tokens; with k > 1 steps per call it may
+    receive up to k - 1 more (JetStream checks the budget once per call).
+
+Sharp edges of google-jetstream 0.2.2 handled here:
+  * It calls `jax.tree_map`, which newer JAX removed: `jax.tree_map = jax.tree.map` is set on
+    import.
+  * Importing its orchestrator sets the root logger to DEBUG and adds a stdout handler: both are
+    undone right after the import.
+  * An exception in any Driver thread SIGKILLs the process, so input is checked before it reaches
+    a thread: `CheckedDriver` (used by `make_driver` and `serve`) rejects bad requests with a
+    ValueError in the submitting thread (for gRPC, an error status for that call), and
+    `JetStreamEngine.prefill` turns content that still slips through (out-of-vocabulary ids, empty
+    prompts) into a request that finishes with no tokens instead of raising.
+  * It prepends `bos_id` to every request without a session cache. For tokenizers that add no BOS
+    (SmolLM2, Qwen) the adapter's `bos_id` is the marker -1 and prefill drops it.
+
+Not supported: session caches (`session_cache` / `existing_prefix`) and several samples per
+request. Text replies are decoded one token at a time (JetStream's streaming), so a character
+split across byte-level tokens arrives as U+FFFD; token-id requests return exact ids.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import pathlib
+from typing import Any, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxagent import sharding as shd
+from jaxagent.generate.engine import STOP_LENGTH, DecodeState, Engine, EngineConfig, Prefix
+from jaxagent.generate.sampling import SamplingConfig
+from jaxagent.models.config import ModelConfig
+
+def _import_jetstream():
+  """Import JetStream, undoing the root-logger changes its orchestrator makes at import."""
+  root = logging.getLogger()
+  level, handlers = root.level, list(root.handlers)
+  try:
+    from jetstream.core import orchestrator, server_lib
+    from jetstream.core.utils import async_multifuture
+    from jetstream.engine import engine_api, token_utils, tokenizer_api, tokenizer_pb2
+  except ImportError as e:
+    raise ImportError(
+        "jaxagent.generate.jetstream needs google-jetstream 0.2.2 (and TensorFlow, which it pulls "
+        f"in): pip install \"jaxagent[jetstream]\" ({e})") from e
+  finally:
+    # The orchestrator sets the root logger to DEBUG and adds a stdout handler at import.
+    root.setLevel(level)
+    for h in list(root.handlers):
+      if h not in handlers:
+        root.removeHandler(h)
+  # Its orchestrator calls `jax.tree_map` (in `delete_pytree`, after every insert), which JAX
+  # removed; alias it before any Driver runs.
+  if not hasattr(jax, "tree_map"):
+    jax.tree_map = jax.tree.map
+  return (orchestrator, server_lib, async_multifuture, engine_api, token_utils, tokenizer_api,
+          tokenizer_pb2)
+
+
+(orchestrator, server_lib, async_multifuture, engine_api, token_utils, tokenizer_api,
+ tokenizer_pb2) = _import_jetstream()
+
+log = logging.getLogger(__name__)
+
+# JetStream pads prompts to one of these lengths; `max_prefill_length` must be one of them
+# (`token_utils.pad_tokens` calls `.index(max_prefill_length)` on this list).
+PREFILL_LENGTHS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+NO_BOS = -1  # `bos_id` marker for tokenizers that add no BOS; prefill drops it
+
+
+class JetStreamTokenizer(tokenizer_api.Tokenizer):
+  """A jaxagent `Tokenizer` behind JetStream's tokenizer API.
+
+  `stop_tokens` are the engine's EOS ids (JetStream's default would also stop on the pad id).
+  `bos_id` is the marker -1 when `add_bos` is False (see the module docstring).
+  """
+
+  def __init__(self, tokenizer, stop_ids: Sequence[int], add_bos: bool):
+    if add_bos and tokenizer.bos_id is None:
+      raise ValueError(f"add_bos=True but tokenizer {tokenizer.name!r} has no BOS token")
+    self.tokenizer = tokenizer
+    self.add_bos = bool(add_bos)
+    self._stop = frozenset(int(i) for i in stop_ids)
+    self._vocab = tokenizer.vocab_size
+
+  def encode(self, s: str, **kwargs) -> tuple[jax.Array | np.ndarray, int]:
+    """Token ids of `s`, BOS-prefixed when `is_bos`, padded as JetStream's `pad_tokens` does."""
+    is_bos = kwargs.pop("is_bos", True)
+    prefill_lengths = kwargs.pop("prefill_lengths", None)
+    max_prefill_length = kwargs.pop("max_prefill_length", None)
+    jax_padding = kwargs.pop("jax_padding", True)
+    if kwargs:
+      raise TypeError(f"JetStreamTokenizer.encode got unexpected arguments {sorted(kwargs)}")
+    ids = np.asarray(self.tokenizer.encode(s), np.int32)
+    return token_utils.pad_tokens(ids, self.bos_id, self.pad_id, is_bos=is_bos,
+                                  prefill_lengths=prefill_lengths,
+                                  max_prefill_length=max_prefill_length, jax_padding=jax_padding)
+
+  def decode(self, token_ids: Sequence[int], **kwargs) -> str:
+    """Text of `token_ids` (ids the tokenizer does not know are skipped)."""
+    del kwargs  # JetStream passes `is_streaming` only to its SentencePiece tokenizer
+    ids = [int(t) for t in token_ids if 0 <= int(t) < self._vocab]
+    return self.tokenizer.decode(ids)
+
+  @property
+  def pad_id(self) -> int:
+    pad = self.tokenizer.pad_id
+    return 0 if pad is None else int(pad)
+
+  @property
+  def eos_id(self) -> int:
+    eos = self.tokenizer.eos_id
+    if eos is None:
+      eos = min(self._stop) if self._stop else -1
+    return int(eos)
+
+  @property
+  def bos_id(self) -> int:
+    return int(self.tokenizer.bos_id) if self.add_bos else NO_BOS
+
+  @property
+  def stop_tokens(self) -> set[int]:
+    return set(self._stop)
+
+
+def _adds_bos(tokenizer) -> bool:
+  """Whether the tokenizer's own encoding of a text starts with its BOS token."""
+  bos = tokenizer.bos_id
+  if bos is None:
+    return False
+  ids = tokenizer.encode("a", add_special_tokens=True)
+  return bool(ids) and ids[0] == bos and tokenizer.encode("a")[:1] != [bos]
+
+
+@flax.struct.dataclass
+class ServingPrefix:
+  """One prefilled request: our engine's `Prefix` (batch of one) plus host-known facts."""
+  prefix: Prefix
+  prompt_len: np.ndarray  # [] int32
+  ok: np.ndarray          # [] bool; False: rejected at prefill, finishes with no tokens
+
+
+@flax.struct.dataclass
+class ServingState:
+  """The generate engine's decode state: our `DecodeState` plus what JetStream's results need."""
+  decode: DecodeState
+  pending: jax.Array   # [S] int32: each slot's last sampled token, first column of the next result
+  unsent: jax.Array    # [S] bool: `pending` is a real token not yet returned
+  emitted: jax.Array   # [S] int32: tokens returned so far to the slot's request
+  # Host upper bound on each slot's cached length; -1 for a slot that cannot be active.
+  bounds: tuple[int, ...] = flax.struct.field(pytree_node=False)
+
+
+def _insert_meta(pending, unsent, emitted, slot, first, ok):
+  return (pending.at[slot].set(first), unsent.at[slot].set(ok), emitted.at[slot].set(0))
+
+
+def _pack(tokens_KxS, valid_KxS, pending, unsent, emitted):
+  """This call's `ResultTokens.data` [S, 2k + 1] and the next pending / unsent / emitted."""
+  k = tokens_KxS.shape[0]
+  toks = jnp.concatenate([pending[:, None], tokens_KxS[:k - 1].T], axis=1)
+  valid = jnp.concatenate([unsent[:, None], valid_KxS[:k - 1].T], axis=1)
+  # Valid columns form a prefix (a slot stays stopped), so this counts this call's tokens.
+  n_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
+  lengths = emitted + 1
+  data = jnp.concatenate([toks, valid.astype(jnp.int32), lengths[:, None]], axis=1)
+  last_valid = valid_KxS[k - 1]
+  new_pending = jnp.where(last_valid, tokens_KxS[k - 1], pending)
+  return data.astype(jnp.int32), new_pending, last_valid, emitted + n_valid
+
+
+class JetStreamEngine(engine_api.Engine):
+  """Our `Engine` behind google-jetstream 0.2.2's `Engine` API (prefill, insert, generate, ...).
+
+  Wraps an existing `Engine` (sharing its compiled programs); `create` and `from_pretrained`
+  build one. The engine's `eos_ids` end requests on device and are the tokenizer's `stop_tokens`.
+
+  Args:
+    params: the model's params pytree (returned by `load_params`, which JetStream's server calls).
+    tokenizer: a jaxagent `Tokenizer`, or a path / preset for `jaxagent.models.load_tokenizer`.
+    max_prefill_length: longest prompt (after BOS) JetStream may send; one of `PREFILL_LENGTHS`
+      and below the engine's `max_len` (default: the largest such).
+    decode_steps: decode steps per `generate` call (see the module docstring on `max_tokens`).
+    add_bos: whether JetStream should prepend BOS (default: whether the tokenizer adds one).
+    seed: sampling seed; each request gets its own rng stream (ignored when greedy).
+  """
+
+  def __init__(self, engine: Engine, params, tokenizer, *, max_prefill_length: int | None = None,
+               decode_steps: int = 1, add_bos: bool | None = None, seed: int = 0):
+    if not isinstance(engine, Engine):
+      raise TypeError(f"engine must be a jaxagent.generate.Engine, got {type(engine).__name__} "
+                      "(JetStreamEngine.create builds one from params and a config)")
+    if isinstance(tokenizer, (str, pathlib.Path)):
+      from jaxagent.models import load_tokenizer
+      tokenizer = load_tokenizer(tokenizer)
+    if not isinstance(decode_steps, int) or decode_steps < 1:
+      raise ValueError(f"decode_steps must be a positive int, got {decode_steps!r}")
+    max_len = engine.ecfg.max_len
+    if max_prefill_length is None:
+      fits = [n for n in PREFILL_LENGTHS if n < max_len]
+      if not fits:
+        raise ValueError(f"max_len {max_len} is too small for JetStream: its shortest prefill "
+                         f"length is {PREFILL_LENGTHS[0]} and one new token must fit after it")
+      max_prefill_length = fits[-1]
+    if max_prefill_length not in PREFILL_LENGTHS or max_prefill_length >= max_len:
+      raise ValueError(f"max_prefill_length must be one of JetStream's prefill lengths "
+                       f"{PREFILL_LENGTHS} and below max_len={max_len}, got {max_prefill_length}")
+    self.engine = engine
+    self.cfg = engine.cfg
+    self.tokenizer = tokenizer
+    self.jetstream_tokenizer = JetStreamTokenizer(
+        tokenizer, engine.ecfg.eos_ids, _adds_bos(tokenizer) if add_bos is None else add_bos)
+    self._params = params
+    self._steps = decode_steps
+    self._max_prefill = max_prefill_length
+    self._seed = int(seed)
+    self._request_ids = itertools.count()  # next() is atomic: prefill threads may share it
+    self._jit_insert_meta = jax.jit(_insert_meta, donate_argnums=(0, 1, 2))
+    self._jit_pack = jax.jit(_pack, donate_argnums=(2, 3, 4))
+
+  @classmethod
+  def create(cls, params, cfg: ModelConfig, tokenizer, *, slots: int = 8, max_len: int = 1024,
+             sampling: SamplingConfig = SamplingConfig(), eos_ids: Sequence[int] | None = None,
+             mesh: Mesh | None = None, **kw) -> "JetStreamEngine":
+    """Build the `Engine` too. `eos_ids` default to the tokenizer's; `kw` go to `__init__`."""
+    if isinstance(tokenizer, (str, pathlib.Path)):
+      from jaxagent.models import load_tokenizer
+      tokenizer = load_tokenizer(tokenizer)
+    eos = sorted({int(e) for e in (tokenizer.eos_ids if eos_ids is None else eos_ids)})
+    if any(not 0 <= e < cfg.vocab_size for e in eos):
+      raise ValueError(f"eos_ids {eos} must lie in [0, vocab_size={cfg.vocab_size})")
+    engine = Engine(cfg, EngineConfig(slots=slots, max_len=max_len, eos_ids=tuple(eos),
+                                      sampling=sampling), mesh=mesh)
+    return cls(engine, params, tokenizer, **kw)
+
+  @classmethod
+  def from_pretrained(cls, path: str | pathlib.Path, *, dtype: str | None = None,
+                      **kw) -> "JetStreamEngine":
+    """An engine over an HF directory (e.g. written by `jaxagent.models.save_hf`) or a preset.
+
+    `kw` go to `create` (slots, max_len, sampling, eos_ids, mesh, decode_steps, ...).
+    """
+    from jaxagent.models import load, load_tokenizer
+    cfg, params = load(path, dtype=dtype)
+    return cls.create(params, cfg, load_tokenizer(path), **kw)
+
+  # ------------------------------------------------------------------ request checks
+  def check_request(self, content: str | Sequence[int], max_tokens: int,
+                    history_path: str | None = None) -> None:
+    """Raise ValueError if JetStream could not serve this request (call before queueing it)."""
+    if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+      raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
+    if history_path:
+      raise ValueError("session caches (history_path / session_cache) are not supported by the "
+                       "jaxagent engine; send the whole conversation as the prompt")
+    if isinstance(content, str):
+      ids = self.tokenizer.encode(content)
+    elif isinstance(content, (list, tuple, np.ndarray)):
+      ids = list(content)
+      bad = [t for t in ids if not isinstance(t, (int, np.integer))
+             or not 0 <= int(t) < self.cfg.vocab_size]
+      if bad:
+        raise ValueError(f"prompt token ids must be ints in [0, {self.cfg.vocab_size}); got "
+                         f"{bad[:5]}")
+    else:
+      raise ValueError(f"prompt must be a str or a sequence of token ids, got "
+                       f"{type(content).__name__}")
+    if not ids:
+      raise ValueError("empty prompt")
+    n = len(ids) + self.jetstream_tokenizer.add_bos
+    if n > self._max_prefill:
+      raise ValueError(f"prompt of {n} tokens exceeds max_prefill_length {self._max_prefill} "
+                       "(JetStream would silently keep only its last tokens)")
+
+  # ------------------------------------------------------------------ prefill / insert
+  def _prompt(self, padded_tokens, true_length) -> tuple[list[int], str | None]:
+    """The prompt ids in JetStream's padded tokens, and None or why they cannot be served."""
+    arr = np.asarray(padded_tokens)
+    if arr.ndim != 1 or arr.dtype.kind not in "iuf":
+      return [], f"padded_tokens must be a 1-D numeric array, got {arr.dtype}{list(arr.shape)}"
+    n = int(true_length)
+    if n > arr.shape[0]:  # JetStream truncated a too-long prompt to its last tokens
+      log.warning("prompt of %d tokens was truncated to its last %d", n, arr.shape[0])
+      n = arr.shape[0]
+    arr = arr[:max(n, 0)]
+    if arr.size and not np.all(np.isfinite(arr) & (arr == np.round(arr))):
+      return [], "non-integer token ids"
+    ids = arr.astype(np.int64)
+    if ids.size and ids[0] == NO_BOS:
+      ids = ids[1:]
+    if ids.size == 0:
+      return [], "empty prompt"
+    if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+      return [], f"token ids outside [0, {self.cfg.vocab_size})"
+    if ids.size >= self.engine.ecfg.max_len:
+      return [], f"prompt of {ids.size} tokens does not fit max_len {self.engine.ecfg.max_len}"
+    return ids.tolist(), None
+
+  def prefill(self, *, params, existing_prefix=None, padded_tokens, true_length) -> ServingPrefix:
+    """Prefill one prompt and sample its first token; unservable input gives a rejected prefix."""
+    if existing_prefix is not None:
+      raise ValueError("existing_prefix (session caches) is not supported by the jaxagent engine")
+    ids, why = self._prompt(padded_tokens, true_length)
+    rid = next(self._request_ids) & 0x7FFFFFFF
+    if why is not None:
+      # Raising here would kill the process (JetStream's thread policy): reject the request.
+      log.error("rejecting a JetStream request at prefill: %s", why)
+      pre = self.engine.prefill(params, [[0]], [rid], self._seed)
+      pre = pre.replace(done=jnp.full_like(pre.done, STOP_LENGTH))
+      return ServingPrefix(pre, np.asarray(1, np.int32), np.asarray(False))
+    pre = self.engine.prefill(params, [ids], [rid], self._seed)
+    return ServingPrefix(pre, np.asarray(len(ids), np.int32), np.asarray(True))
+
+  def insert(self, prefix: ServingPrefix, decode_state: ServingState, slot: int) -> ServingState:
+    """Place a prefilled request into `slot`."""
+    st = decode_state
+    decode = self.engine.insert(prefix.prefix, st.decode, slot)
+    pending, unsent, emitted = self._jit_insert_meta(
+        st.pending, st.unsent, st.emitted, jnp.int32(slot), prefix.prefix.tokens[0],
+        jnp.asarray(prefix.ok))
+    ok, plen = bool(np.asarray(prefix.ok)), int(np.asarray(prefix.prompt_len))
+    bounds = list(st.bounds)
+    bounds[slot] = plen if ok and plen < self.engine.ecfg.max_len - 1 else -1
+    return ServingState(decode, pending, unsent, emitted, tuple(bounds))
+
+  # ------------------------------------------------------------------ decode
+  def init_decode_state(self, *args, **kwargs) -> ServingState:
+    """All slots empty."""
+    if args or kwargs:
+      raise TypeError("init_decode_state takes no arguments")
+    s = self.engine.ecfg.slots
+    zi = jnp.zeros((s,), jnp.int32)
+    return ServingState(self.engine.init_decode_state(), zi, jnp.zeros((s,), bool), zi + 0,
+                        (-1,) * s)
+
+  def generate(self, params, decode_state: ServingState):
+    """`decode_steps` steps for every active slot; returns (state, `ResultTokens`)."""
+    st, k = decode_state, self._steps
+    live = [b for b in st.bounds if b >= 0]
+    # Attention reads only the cache prefix that the longest possibly-active slot can use.
+    decode, out = self.engine.generate(params, st.decode, steps=k,
+                                       kv_len=(max(live) if live else 0) + k)
+    data, pending, unsent, emitted = self._jit_pack(out.tokens, out.valid, st.pending,
+                                                    st.unsent, st.emitted)
+    # A slot stepped m times after a P-token prompt holds at most P + m tokens; at max_len - 1
+    # it has certainly stopped (length limit), whatever else happened.
+    top = self.engine.ecfg.max_len - 1
+    bounds = tuple(-1 if b < 0 or b + k >= top else b + k for b in st.bounds)
+    result = engine_api.ResultTokens(data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k),
+                                     length_idx=(2 * k, 2 * k + 1), samples_per_slot=1)
+    return ServingState(decode, pending, unsent, emitted, bounds), result
+
+  # ------------------------------------------------------------------ the rest of the contract
+  def load_params(self, *args, **kwargs):
+    """The params this engine was built with (JetStream's server calls this with no arguments)."""
+    if args or kwargs:
+      raise TypeError("load_params takes no arguments: pass params to JetStreamEngine(...)")
+    return self._params
+
+  def _device(self):
+    leaves = [x for x in jax.tree.leaves(self._params) if isinstance(x, jax.Array)]
+    devs = leaves[0].devices() if leaves else set()
+    return next(iter(devs)) if len(devs) == 1 else jax.devices()[0]
+
+  def get_prefix_destination_sharding(self) -> Any:
+    """Where JetStream's transfer thread puts a `ServingPrefix` for this engine to insert."""
+    mesh = self.engine.mesh
+    if mesh is None:
+      return jax.sharding.SingleDeviceSharding(self._device())
+    rep = NamedSharding(mesh, P())
+    kv = NamedSharding(mesh, shd.kv_cache_spec(self.cfg.n_kv_heads, 1, mesh))
+    fields = {f.name: rep for f in dataclasses.fields(Prefix)}
+    return ServingPrefix(Prefix(**{**fields, "k": kv, "v": kv}), rep, rep)
+
+  def get_tokenizer(self) -> tokenizer_pb2.TokenizerParameters:
+    return tokenizer_pb2.TokenizerParameters(path=self.tokenizer.name)
+
+  def build_tokenizer(self, metadata: tokenizer_pb2.TokenizerParameters) -> JetStreamTokenizer:
+    if metadata.path in ("", self.tokenizer.name):
+      return self.jetstream_tokenizer
+    from jaxagent.models import load_tokenizer
+    js = self.jetstream_tokenizer
+    return JetStreamTokenizer(load_tokenizer(metadata.path), sorted(js.stop_tokens), js.add_bos)
+
+  @property
+  def max_concurrent_decodes(self) -> int:
+    return self.engine.ecfg.slots
+
+  @property
+  def samples_per_slot(self) -> int:
+    return 1
+
+  @property
+  def max_prefill_length(self) -> int:
+    return self._max_prefill
+
+  @property
+  def mesh(self) -> Mesh:
+    if self.engine.mesh is not None:
+      return self.engine.mesh
+    return Mesh(np.asarray([self._device()]).reshape(1, 1, 1), shd.MESH_AXES)
+
+  @property
+  def colocated_cpus(self) -> None:
+    return None
+
+
+class CheckedDriver(orchestrator.Driver):
+  """JetStream's `Driver` that rejects unservable requests before they reach its threads.
+
+  `place_request_on_prefill_queue` (what in-process callers and the gRPC `Decode` handler call)
+  raises ValueError in the caller's thread instead of letting a Driver thread die on the request.
+  """
+
+  def place_request_on_prefill_queue(self, request) -> None:
+    for engine in self._prefill_engines:
+      if isinstance(engine, JetStreamEngine):
+        engine.check_request(request.prefill_content, request.max_tokens, request.history_path)
+    super().place_request_on_prefill_queue(request)
+
+
+def make_driver(engine: JetStreamEngine, *, interleaved: bool = False) -> CheckedDriver:
+  """A `CheckedDriver` whose prefill and generate engine is `engine` (one set of params)."""
+  params = engine.load_params()
+  return CheckedDriver(prefill_engines=[engine], generate_engines=[engine],
+                       prefill_params=[params], generate_params=[params],
+                       interleaved_mode=interleaved)
+
+
+def submit(driver, prompt: str | Sequence[int], max_tokens: int):
+  """Queue one request on `driver`; returns its `ActiveRequest`. Call inside a running event loop.
+
+  A str prompt is tokenized by the engine (and the reply carries text); a token-id prompt gets
+  token ids only.
+  """
+  try:
+    asyncio.get_running_loop()
+  except RuntimeError:
+    raise RuntimeError("submit must be called inside a running asyncio event loop: JetStream's "
+                       "return channels deliver tokens to it (see `collect`)") from None
+  token_ids = not isinstance(prompt, str)
+  request = orchestrator.ActiveRequest(
+      max_tokens=max_tokens, return_channel=async_multifuture.AsyncMultifuture(),
+      prefill_content=list(prompt) if token_ids else prompt,
+      is_client_side_tokenization=token_ids)
+  driver.place_request_on_prefill_queue(request)
+  return request
+
+
+async def collect(request) -> tuple[list[int], str]:
+  """All token ids of a submitted request (stop token excluded) and their streamed text."""
+  ids, text = [], []
+  async for samples in request.return_channel:
+    ids.extend(samples[0].token_ids)
+    text.extend(samples[0].text)
+  return ids, token_utils.text_tokens_to_str(text)
+
+
+def serve(engine: JetStreamEngine, port: int, *, threads: int | None = None,
+          credentials=None, interleaved: bool = False):
+  """Start JetStream's gRPC server over `engine`; returns the running `JetStreamServer`.
+
+  Like `jetstream.core.server_lib.run`, but with a `CheckedDriver`. Stop it with `.stop()`.
+  """
+  import grpc
+  driver = make_driver(engine, interleaved=interleaved)
+  server = server_lib.JetStreamServer(
+      driver, threads or max(driver.get_total_concurrent_requests(), 64), port,
+      credentials or grpc.insecure_server_credentials())
+  server.start()
+  return server
+
+
+__all__ = ["CheckedDriver", "JetStreamEngine", "JetStreamTokenizer", "PREFILL_LENGTHS",
+           "ServingPrefix", "ServingState", "collect", "make_driver", "serve", "submit"]

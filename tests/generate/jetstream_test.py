@@ -1,0 +1,206 @@
+"""The JetStream adapter: JetStream's orchestrator drives our engine and must reproduce `generate`.
+
+A tiny random Llama with SmolLM2's real tokenizer (vocab 49152) keeps this on CPU in seconds.
+"""
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import jax
+import numpy as np
+import pytest
+
+from jaxagent import models
+from jaxagent.generate import generate
+
+# Cache per slot: prompt + generated tokens. Two live-KV buckets (64, 128), so attention's read
+# bound must grow with the slots; JetStream's max_prefill_length is then 64.
+MAX_LEN = 128
+EXTRA = 'pip install "jaxagent[jetstream]"'
+
+
+@pytest.fixture(scope="module")
+def js():
+  pytest.importorskip("jetstream", reason=f"needs the jetstream extra: {EXTRA}")
+  root = logging.getLogger()
+  before = (root.level, list(root.handlers))
+  from jaxagent.generate import jetstream
+  # JetStream's orchestrator sets the root logger to DEBUG and adds a handler at import.
+  assert (root.level, root.handlers) == before, "importing the adapter changed the root logger"
+  assert callable(getattr(jax, "tree_map", None)), "JetStream 0.2.2 needs jax.tree_map"
+  return jetstream
+
+
+@pytest.fixture(scope="module")
+def tok():
+  return models.load_tokenizer("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="module")
+def cfg(tok):
+  return models.get_config("tiny-llama", vocab_size=tok.vocab_size)
+
+
+@pytest.fixture(scope="module")
+def params(cfg):
+  return models.init_params(cfg, jax.random.key(0), std=0.2)
+
+
+TEXT = "The capital of France is"
+MAX_TOKENS = [12, 7, 200, 30, MAX_LEN]  # request 2 runs into the cache length; 4 is used alone
+
+
+def _token_prompts(cfg):
+  rng = np.random.default_rng(0)
+  # All prompts fit JetStream's and our engine's 16-token prefill bucket: one prefill compile.
+  return [rng.integers(3, cfg.vocab_size, n).tolist() for n in (12, 5, 9, 5)]
+
+
+@pytest.fixture(scope="module")
+def reference(tok, cfg, params):
+  """Our greedy `generate` output, and an extra EOS id that request 3 samples after 4+ tokens.
+
+  Returns (extra EOS, expected token lists): each output cut before its first EOS, extra one
+  included (JetStream never returns the stop token). Greedy tokens before a stop do not depend
+  on which ids stop, so cutting the output is what decoding with the extra EOS gives.
+  """
+  prompts = [tok.encode(TEXT)] + _token_prompts(cfg)
+  out = generate(params, cfg, prompts, MAX_TOKENS, max_len=MAX_LEN, eos_ids=sorted(tok.eos_ids),
+                 slots=8)
+  assert [o.stop_reason for o in out[1:4]] == ["max_new_tokens", "max_length", "max_new_tokens"]
+  assert len(out[2].tokens) == MAX_LEN - len(prompts[2])
+  toks = out[3].tokens
+  stop = next(t for i, t in enumerate(toks) if i >= 4 and t not in toks[:i])
+  eos = set(tok.eos_ids) | {stop}
+  want = [next((o.tokens[:i] for i, t in enumerate(o.tokens) if t in eos), o.tokens) for o in out]
+  assert len(want[3]) >= 4 and len(want[3]) < len(toks) and len(want[4]) > 6
+  return stop, want
+
+
+@pytest.fixture(scope="module")
+def engine(js, tok, cfg, params, reference):
+  """One engine (2 slots, the extra EOS on device) shared by the tests: compiled once."""
+  stop, _ = reference
+  return js.JetStreamEngine.create(params, cfg, tok, slots=2, max_len=MAX_LEN,
+                                   eos_ids=sorted(set(tok.eos_ids) | {stop}))
+
+
+def test_import_is_lazy_and_missing_extra_is_explained():
+  code = textwrap.dedent("""
+      import sys
+      import jaxagent, jaxagent.generate, jaxagent.models
+      heavy = [m for m in sys.modules if m.split(".")[0] in ("jetstream", "tensorflow", "seqio")]
+      assert not heavy, heavy
+      sys.modules["jetstream"] = None  # as if the extra were not installed
+      try:
+        import jaxagent.generate.jetstream
+      except ImportError as e:
+        assert 'pip install "jaxagent[jetstream]"' in str(e), str(e)
+      else:
+        raise AssertionError("no ImportError without jetstream")
+      print("OK")
+  """)
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                     env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0 and r.stdout.strip() == "OK", r.stderr[-2000:]
+
+
+@pytest.mark.jetstream
+def test_driver_serves_concurrent_requests_like_generate(js, cfg, tok, engine, reference):
+  _, want = reference
+  prompts = [TEXT] + _token_prompts(cfg)[:3]
+  assert engine.max_prefill_length == 64 and not engine.jetstream_tokenizer.add_bos
+  # JetStream's Driver, with the same engine for prefill and generate; two slots for four
+  # requests, so slots are refilled while others decode.
+  driver = js.make_driver(engine)
+
+  async def run():
+    try:
+      bad = [([cfg.vocab_size + 5, 1], 5, "token ids"), ([], 5, "empty"),
+             (list(range(1, 70)), 5, "max_prefill_length"), (TEXT, 0, "max_tokens")]
+      for prompt, max_tokens, why in bad:  # rejected in this thread; the Driver keeps running
+        with pytest.raises(ValueError, match=why):
+          js.submit(driver, prompt, max_tokens)
+      reqs = [js.submit(driver, p, b) for p, b in zip(prompts, MAX_TOKENS)]
+      return await asyncio.wait_for(asyncio.gather(*(js.collect(r) for r in reqs)), 120)
+    finally:
+      driver.stop()
+
+  got = asyncio.run(run())
+  assert not any(t.is_alive() for t in driver._all_threads)
+  for i, ((tokens, _), expected) in enumerate(zip(got, want)):
+    assert tokens == expected, f"request {i}: {tokens} != {expected}"
+  assert got[0][1] == "".join(tok.decode([t]) for t in want[0])  # streamed text, token by token
+
+
+@pytest.mark.jetstream
+def test_multi_step_results_and_rejected_prefill(js, tok, cfg, params, engine, reference):
+  """Engine calls without threads; JetStream's own `process_result_tokens` reads the results."""
+  from jetstream.engine import token_utils
+  prompt, want = _token_prompts(cfg)[3], reference[1][4]
+  engine = js.JetStreamEngine(engine.engine, params, tok, decode_steps=3)  # same compiled engine
+  jtok = engine.jetstream_tokenizer
+  padded, n = jtok.encode("hi", is_bos=True, max_prefill_length=32, jax_padding=False)
+  assert padded.shape == (16,) and padded[0] == -1 and n == 1 + len(tok.encode("hi"))
+  with_bos = js.JetStreamTokenizer(tok, tok.eos_ids, add_bos=True)
+  assert with_bos.encode("hi", jax_padding=False)[0][0] == tok.bos_id == with_bos.bos_id
+
+  state = engine.init_decode_state()
+  # As JetStream sends it: the no-BOS marker, the prompt, padding; `true_length` counts the marker.
+  ok = engine.prefill(params=params, padded_tokens=np.array([-1] + prompt + [0] * 10),
+                      true_length=1 + len(prompt))
+  # Out-of-vocabulary ids must not raise (that would kill JetStream's thread and the process).
+  bad = engine.prefill(params=params, padded_tokens=np.array([-1, cfg.vocab_size, 0]),
+                       true_length=2)
+  state = engine.insert(ok, state, slot=1)
+  state = engine.insert(bad, state, slot=0)
+  assert state.bounds == (-1, len(prompt))  # host bound on cached lengths; -1: cannot be active
+  for max_tokens, expected in ((1000, want), (4, want[:6])):  # k=3: up to k-1 past max_tokens
+    done = np.zeros((1,), bool)
+    st = state if max_tokens == 1000 else engine.insert(ok, state, slot=1)
+    tokens, rejected = [], None
+    while not done.all():
+      st, res = engine.generate(params, st)
+      res = res.convert_to_numpy()
+      if rejected is None:
+        rejected, _ = token_utils.process_result_tokens(jtok, 0, 50, res, np.zeros((1,), bool),
+                                                        is_client_side_tokenization=True)
+      samples, done = token_utils.process_result_tokens(jtok, 1, max_tokens, res, done,
+                                                        is_client_side_tokenization=True)
+      tokens += samples[0].token_ids
+    assert tokens == expected and rejected[0].token_ids == []
+    if max_tokens == 1000:  # ran to the cache length: the slot can no longer be active
+      assert st.bounds == (-1, -1)
+    state = st
+
+
+@pytest.mark.jetstream
+def test_grpc_server_streams_tokens_and_rejects_bad_requests(js, cfg, engine, reference):
+  import grpc
+  from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+  with socket.socket() as sock:  # a free local port
+    sock.bind(("localhost", 0))
+    port = sock.getsockname()[1]
+  server = js.serve(engine, port, threads=4)
+  try:
+    with grpc.insecure_channel(f"localhost:{port}") as channel:
+      stub = jetstream_pb2_grpc.OrchestratorStub(channel)
+
+      def decode(token_ids, max_tokens):
+        request = jetstream_pb2.DecodeRequest(
+            token_content=jetstream_pb2.DecodeRequest.TokenContent(token_ids=token_ids),
+            max_tokens=max_tokens)
+        return [t for r in stub.Decode(request, timeout=60)
+                for t in r.stream_content.samples[0].token_ids]
+
+      want = reference[1]
+      assert decode(_token_prompts(cfg)[0], MAX_TOKENS[1]) == want[1]
+      with pytest.raises(grpc.RpcError, match="token ids"):  # fails this call, not the server
+        decode([cfg.vocab_size + 1], 5)
+      assert decode(_token_prompts(cfg)[1], 3) == want[2][:3]
+  finally:
+    server.stop()
