@@ -87,17 +87,19 @@ def main():
   if jax.default_backend() == "gpu":
     from jax.experimental.pallas.ops.gpu import decode_attention as da
     q = jax.random.normal(jax.random.key(2), (S, cfg.n_heads, cfg.head_dim), cfg.jnp_dtype)
-    k = st.k[0]  # [S, Lmax, KV, hd]
+    k = st.k[0]  # [S, KV, Lmax, hd]
     lens = st.lengths
+    knew = k[:, :, :1].swapaxes(1, 2)
 
     def attn_xla():
-      return decoder.cached_attention(q[:, None], k[:, :1], k[:, :1], k[:, :kv_len],
-                                      k[:, :kv_len], lens, cfg)
+      return decoder.cached_attention(q[:, None], knew, knew, k[:, :, :kv_len],
+                                      k[:, :, :kv_len], lens, cfg)
     out["attn_xla_1layer_ms"] = timeit(lambda: jax.block_until_ready(jax.jit(attn_xla)()),
                                        iters=10)["median_s"] * 1e3
     pal = jax.jit(lambda q, k, v, n: da.gqa(q, k, v, kv_seq_len=n))
     try:
-      out["attn_pallas_1layer_ms"] = timeit(lambda: jax.block_until_ready(pal(q, k, k, lens)),
+      kt = k.swapaxes(1, 2)
+      out["attn_pallas_1layer_ms"] = timeit(lambda: jax.block_until_ready(pal(q, kt, kt, lens)),
                                             iters=10)["median_s"] * 1e3
     except Exception as e:  # report and continue
       out["attn_pallas_error"] = str(e)[:300]

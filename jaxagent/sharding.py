@@ -153,10 +153,10 @@ def replicated(mesh: Mesh) -> NamedSharding:
 
 
 def kv_cache_spec(n_kv_heads: int, n_slots: int, mesh: Mesh) -> P:
-  """KV cache `[layers, slots, length, kv_heads, head_dim]`: slots over data/fsdp, heads over
+  """KV cache `[layers, slots, kv_heads, length, head_dim]`: slots over data/fsdp, heads over
   tensor when divisible."""
-  return logical_to_spec(("layers", "slots", "length", "kv_heads", "head_dim"),
-                         (1, n_slots, 1, n_kv_heads, 1), mesh)
+  return logical_to_spec(("layers", "slots", "kv_heads", "length", "head_dim"),
+                         (1, n_slots, n_kv_heads, 1, 1), mesh)
 
 
 def initialize_distributed(coordinator_address: str | None = None,

@@ -8,14 +8,33 @@ checkpoint. Single-turn tasks are multi-turn tasks that never call a tool.
 
 The run is built from an ml_collections config (see `configs/quickstart.py`); the config is
 turned into the frozen dataclasses of each module here, at the boundary.
+
+Checkpoints and resume (`jaxagent.checkpoint`): with `checkpoint_every > 0` the trainer saves
+after the warm start (step 0), every `checkpoint_every` RL steps, at the last step and when it
+receives SIGTERM (it finishes the current step, saves and returns); rerunning the same command
+with the same workdir resumes from the newest complete checkpoint, without redoing the warm
+start. Every random choice derives from (seed, step): rollout seeds and request ids from the
+step, the prompt order from the grain iterator state stored in the checkpoint, so a resumed run
+repeats the uninterrupted one exactly (same hardware, same mesh).
+
+Multi-host: the learner (warm start, reference scoring, updates) runs SPMD over the global mesh
+on every process. Rollouts and evaluation run on process 0 alone, on a mesh of its local devices
+with a host copy of the current params, and process 0 broadcasts the packed batch and the
+metrics. Tool calls finish in nondeterministic order and time out under load, so identical
+rollouts on every host could not be guaranteed; one host rolling out can. (This gathers the
+params to every host each step: simple, and costly for large models.)
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import pathlib
+import pickle
+import signal
+import threading
 import time
 from typing import Any, Sequence
 
@@ -24,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxagent import models, sharding
+from jaxagent import checkpoint, models, sharding
 from jaxagent.agent.env import Env, Example
 from jaxagent.agent.rollout import RolloutConfig, RolloutDriver, rollout_metrics
 from jaxagent.agent.trajectory import Trajectory, demonstration_trajectory
@@ -133,6 +152,32 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
   return items
 
 
+# ----------------------------------------------------------------------------- multi-host
+def _rollout_seed(seed: int, step: int) -> int:
+  """The sampler seed of RL step `step`: a function of (seed, step) only, within uint32."""
+  return (seed * 1_000_003 + step) % 2**32
+
+
+def _broadcast_from_lead(obj):
+  """Process 0's `obj` (any picklable value) on every process; the identity on one process."""
+  if jax.process_count() == 1:
+    return obj
+  from jax.experimental import multihost_utils
+  lead = jax.process_index() == 0
+  data = np.frombuffer(pickle.dumps(obj), np.uint8) if lead else np.zeros(0, np.uint8)
+  n = int(multihost_utils.broadcast_one_to_all(np.array([data.size], np.int32))[0])
+  buf = data if lead else np.zeros(n, np.uint8)
+  return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes())
+
+
+def _to_host(tree):
+  """Host NumPy copies of (possibly multi-host sharded) arrays: a collective on multi-host."""
+  if jax.process_count() == 1:
+    return jax.device_get(tree)
+  from jax.experimental import multihost_utils
+  return multihost_utils.process_allgather(tree, tiled=True)
+
+
 # ----------------------------------------------------------------------------- trainer
 def _pass_at_k(n: int, c: int, k: int) -> float:
   """Unbiased pass@k from n samples with c successes (Chen et al., 2021)."""
@@ -151,6 +196,9 @@ class Trainer:
     self.cfg, params, self.tok = load_model(c.model)
     self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))
     self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+    # Rollouts run on process 0's local devices in multi-host jobs (see the module docstring).
+    self.gen_mesh = (self.mesh if jax.process_count() == 1 else
+                     sharding.make_mesh(devices=jax.local_devices()))
     self.train_examples = list(self.env.examples("train"))
     self.eval_examples = list(self.env.examples("eval"))[:c.eval.size]
     self.prompts = PromptStream(self.train_examples, c.seed)
@@ -180,7 +228,7 @@ class Trainer:
         max_total_tokens=r.get("max_total_tokens"), tool_timeout_s=r.tool_timeout_s,
         traj_tool_timeout_s=r.traj_tool_timeout_s, decode_steps=r.decode_steps)
     mk = lambda samp: Engine(self.cfg, EngineConfig(slots=r.slots, max_len=r.max_len,
-                                                    eos_ids=eos, sampling=samp), mesh=self.mesh)
+                                                    eos_ids=eos, sampling=samp), mesh=self.gen_mesh)
     self.sample_engine = mk(SamplingConfig(r.temperature, r.top_p, r.top_k))
     self.greedy_engine = mk(SamplingConfig(0.0))
     self.sampler = RolloutDriver(self.sample_engine, self.env, tokenizer=self.tok,
@@ -196,15 +244,25 @@ class Trainer:
                                 progress_total=c.total_steps, progress=c.log.progress)
     self.step = 0
     self.summary: dict[str, Any] = {}
+    self.ckpt_cfg = checkpoint.CheckpointConfig.from_config(c)
+    self.ckpt = (checkpoint.CheckpointManager(self.ckpt_cfg.path(self.workdir), self.ckpt_cfg,
+                                              say=self.writer.message)
+                 if self.ckpt_cfg.enabled else None)
+    self.warm_started = False
+    self._resumed: int | None = None
+    self._restore_done = False
+    self._stop_reason: str | None = None
 
   # --------------------------------------------------------------------------- eval
   def evaluate(self, tag: str = "eval") -> dict[str, float]:
     """pass@1 (greedy) and pass@k (sampled) on the held-out split."""
+    return self._on_lead(self._evaluate, self._generator_params(), tag)
+
+  def _evaluate(self, params, tag: str) -> dict[str, float]:
     e = self.config.eval
     exs = self.eval_examples
     if not exs:
       return {}
-    params = self.state.params
     t0 = time.time()
     trajs = self.greedy.run(params, exs, num_samples=1, seed=self.config.seed,
                             request_id_offset=0)
@@ -258,7 +316,21 @@ class Trainer:
             "sft/time_s": time.time() - t0, "sft/num_examples": len(items)}
 
   # --------------------------------------------------------------------------- RL
-  def _rollout_groups(self, step: int):
+  def _generator_params(self):
+    """The current params as the rollout engines take them (None off process 0 on multi-host)."""
+    if self.gen_mesh is self.mesh:
+      return self.state.params  # colocated: the same buffers, no copy
+    host = _to_host(self.state.params)
+    return sharding.shard(host, self.gen_mesh) if jax.process_index() == 0 else None
+
+  @staticmethod
+  def _on_lead(fn, *args):
+    """`fn(*args)` run on process 0 and its result broadcast (plain call on one process)."""
+    if jax.process_count() == 1:
+      return fn(*args)
+    return _broadcast_from_lead(fn(*args) if jax.process_index() == 0 else None)
+
+  def _rollout_groups(self, step: int, params):
     """Rollouts + rewards + advantages for one step, with DAPO dynamic sampling if enabled."""
     t, G = self.config.train, self.config.train.samples_per_prompt
     dyn = t.dynamic_sampling
@@ -270,8 +342,8 @@ class Trainer:
       n = sampler.num_prompts_to_sample() if dyn else t.prompts_per_step
       exs = self.prompts.next(n)
       offset = (step * t.max_sampling_rounds + rounds) * t.prompts_per_step * 4 * G
-      trajs = self.sampler.run(self.state.params, exs, num_samples=G,
-                               seed=self.config.seed * 1_000_003 + step,
+      trajs = self.sampler.run(params, exs, num_samples=G,
+                               seed=_rollout_seed(self.config.seed, step),
                                request_id_offset=offset)
       outs = [self.env.reward(tr, exs[tr.group_id], self.tok, step) for tr in trajs]
       rewards = np.array([o.total for o in outs], np.float32)
@@ -296,8 +368,27 @@ class Trainer:
     return all_trajs, reward_outs, kept_trajs, advs, info, rounds
 
   def rl_step(self, step: int) -> dict[str, float]:
+    """One RL step: rollouts and packing (`_collect`), reference log-probs, updates."""
     t0 = time.time()
-    all_trajs, outs, trajs, advs, info, rounds = self._rollout_groups(step)
+    metrics, batch = self._on_lead(self._collect, step, self._generator_params())
+    t1 = time.time()
+    if batch is not None:
+      if self.loss_cfg.kl_coef > 0:
+        ref, _ = self.learner.score(self.ref_params, batch)
+        batch["ref_logps"] = np.asarray(_to_host(ref))
+      for _ in range(max(1, self.config.train.epochs)):
+        self.state, m = self.learner.train_step(self.state, batch)
+        metrics.update({f"train/{k}": v for k, v in m.items()})
+    else:
+      metrics["train/skipped_no_signal"] = 1.0
+    metrics["time/update_s"] = time.time() - t1
+    metrics["time/step_s"] = time.time() - t0
+    return metrics
+
+  def _collect(self, step: int, params) -> tuple[dict[str, float], dict[str, np.ndarray] | None]:
+    """Rollouts, rewards, advantages and packing of one step: (metrics, packed batch or None)."""
+    t0 = time.time()
+    all_trajs, outs, trajs, advs, info, rounds = self._rollout_groups(step, params)
     t_roll = time.time() - t0
     metrics: dict[str, float] = {}
     totals = np.array([o.total for o in outs])
@@ -309,7 +400,7 @@ class Trainer:
     metrics["rollout/sampling_rounds"] = rounds
     keep = np.asarray(info.keep, bool)
     items = [tr.to_pack_item(float(a)) for tr, a, k in zip(trajs, advs, keep) if k]
-    t1 = time.time()
+    batch = None
     if items:
       pb = packing.pack(items, self.pack_cfg)
       batch = pb.arrays()
@@ -317,20 +408,10 @@ class Trainer:
       metrics["pack/rows"], metrics["pack/len"] = pb.shape
       metrics["tokens/loss_fraction"] = float(batch["loss_mask"].sum() /
                                               max(1, (batch["segment_ids"] > 0).sum()))
-      if self.loss_cfg.kl_coef > 0:
-        ref, _ = self.learner.score(self.ref_params, batch)
-        batch["ref_logps"] = np.asarray(ref)
-      for _ in range(max(1, self.config.train.epochs)):
-        self.state, m = self.learner.train_step(self.state, batch)
-        metrics.update({f"train/{k}": v for k, v in m.items()})
-    else:
-      metrics["train/skipped_no_signal"] = 1.0
     metrics["time/rollout_s"] = t_roll
-    metrics["time/update_s"] = time.time() - t1
-    metrics["time/step_s"] = time.time() - t0
     if self.config.log.dump_every and step % self.config.log.dump_every == 0:
       self.dump_samples(step, all_trajs[:self.config.log.get("dump_count", 4)])
-    return metrics
+    return metrics, batch
 
   def dump_samples(self, step: int, trajs: Sequence[Trajectory]) -> None:
     if jax.process_index() != 0:
@@ -346,10 +427,61 @@ class Trainer:
 
   # --------------------------------------------------------------------------- run
   def run(self) -> dict[str, Any]:
-    """Eval -> SFT warm start -> eval -> RL (eval every `eval.every`) -> eval; returns summary."""
+    """Eval -> SFT warm start -> eval -> RL (eval every `eval.every` and at the end).
+
+    Resumes from the newest checkpoint in the workdir when there is one (the warm start and
+    the evals before RL are not repeated). On SIGTERM (or `request_stop`) it finishes the
+    current step, saves a checkpoint and returns the summary with `stopped_at_step`.
+    """
     c = self.config
     t_start = time.time()
     say = self.writer.message
+    with self._sigterm_stops():
+      start = self.restore()
+      if start is None:
+        self._pre_rl()
+        start = 0
+        self._save(0)
+      elif start >= c.total_steps:
+        say(f"the run is already complete (checkpoint at step {start}, total_steps="
+            f"{c.total_steps}); raise total_steps to train further")
+      stopped = self._stop_requested()
+      for step in range(start + 1, c.total_steps + 1):
+        if stopped:
+          break
+        self.step = step
+        m = self.rl_step(step)
+        if step == c.total_steps or (c.eval.every and step % c.eval.every == 0):
+          m.update(self.evaluate())
+        self.writer.write(step, m)
+        self.writer.progress(1, reward=m["reward/mean"], **(
+            {"pass@1": m["eval/pass@1"]} if "eval/pass@1" in m else {}))
+        if step == c.total_steps or (self.ckpt is not None and self.ckpt.should_save(step)):
+          self._save(step)
+        stopped = self._stop_requested()
+      if stopped:
+        return self._stop()
+    if c.total_steps:
+      last = [r for r in self.writer.history if "eval/pass@1" in r]
+      if last:
+        self.summary["pass@1/after_rl"] = last[-1]["eval/pass@1"]
+        self.summary["pass@1/after_rl_se"] = last[-1]["eval/pass@1_se"]
+    self.summary["time_s"] = time.time() - t_start
+    png = self.writer.plot()
+    if png:
+      self.summary["curves_png"] = str(png)
+    if c.get("export", False):
+      self.summary["export"] = str(self.export())
+    say("summary: " + json.dumps(self.summary))
+    if jax.process_index() == 0:
+      (self.workdir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+    if self.ckpt is not None:
+      self.ckpt.wait()
+    return self.summary
+
+  def _pre_rl(self) -> None:
+    """What happens once per run before RL: eval, SFT warm start, eval, the KL reference."""
+    c, say = self.config, self.writer.message
     if c.eval.before:
       m = self.evaluate()
       self.writer.write(0, {f"before/{k.split('/', 1)[1]}": v for k, v in m.items()})
@@ -362,31 +494,155 @@ class Trainer:
       self.writer.write(0, {**m, **{f"after_sft/{k.split('/', 1)[1]}": v for k, v in m.items()}})
       self.summary["pass@1/after_sft"] = m.get("eval/pass@1")
       say(f"held-out pass@1 after SFT: {m.get('eval/pass@1', float('nan')):.3f}")
+    self.warm_started = True
     if self.loss_cfg.kl_coef > 0:
       self.ref_params = jax.tree.map(jnp.copy, self.state.params)
-    for step in range(1, c.total_steps + 1):
-      self.step = step
-      m = self.rl_step(step)
-      if c.eval.every and (step % c.eval.every == 0 or step == c.total_steps):
-        m.update(self.evaluate())
-      self.writer.write(step, m)
-      self.writer.progress(1, reward=m["reward/mean"], **(
-          {"pass@1": m["eval/pass@1"]} if "eval/pass@1" in m else {}))
-    if c.total_steps:
-      last = [r for r in self.writer.history if "eval/pass@1" in r]
-      if last:
-        self.summary["pass@1/after_rl"] = last[-1]["eval/pass@1"]
-        self.summary["pass@1/after_rl_se"] = last[-1]["eval/pass@1_se"]
-    self.summary["time_s"] = time.time() - t_start
-    png = self.writer.plot()
-    if png:
-      self.summary["curves_png"] = str(png)
-    say("summary: " + json.dumps(self.summary))
-    if jax.process_index() == 0:
-      (self.workdir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+
+  # --------------------------------------------------------------------------- checkpoints
+  def checkpoint_meta(self) -> dict[str, Any]:
+    """What a checkpoint records besides arrays (see `jaxagent.checkpoint`)."""
+    return {
+        "config": checkpoint.config_to_json(self.config),
+        "model_config": dataclasses.asdict(self.cfg),
+        "rng": {"seed": self.config.seed,
+                "rollouts": "seed (seed * 1000003 + step) mod 2**32, request ids from the step",
+                "eval": "seed and seed + 1, request ids from 0"},
+        "data": self.prompts.get_state(),
+        "warm_started": self.warm_started,
+        "ref": {"kind": "params when RL began (after the warm start)", "step": 0,
+                "stored": self.ref_params is not None},
+        "summary": self.summary,
+        "topology": {"processes": jax.process_count(), "devices": jax.device_count(),
+                     "mesh": dict(self.mesh.shape)},
+    }
+
+  def save_checkpoint(self, step: int | None = None, *, wait: bool = False) -> pathlib.Path:
+    """Save a checkpoint of the current state now (on demand; all processes must call it)."""
+    if self.ckpt is None:
+      raise ValueError("checkpointing is off: set checkpoint_every > 0 to save checkpoints")
+    step = self.step if step is None else step
+    self.ckpt.save(step, self.state, meta=self.checkpoint_meta(), ref_params=self.ref_params)
+    if wait:
+      self.ckpt.wait()
+    return self.ckpt.step_path(step)
+
+  def _save(self, step: int) -> None:
+    if self.ckpt is not None:
+      self.save_checkpoint(step)
+
+  def restore(self) -> int | None:
+    """Resume from the newest usable checkpoint: the RL step it holds, or None (fresh start).
+
+    Called by `run`; a second call does nothing. Metric records of later steps (written before
+    an interruption, redone now) are dropped from `metrics.jsonl`.
+    """
+    if self._restore_done:
+      return self._resumed
+    self._restore_done = True
+    if self.ckpt is None:
+      if self.ckpt_cfg.path(self.workdir).is_dir():
+        self.writer.message(f"checkpoint_every=0: not resuming from the checkpoints in "
+                            f"{self.ckpt_cfg.path(self.workdir)}")
+      return None
+    ref_target = (checkpoint.params_target(self.state.params, self.mesh)
+                  if self.loss_cfg.kl_coef > 0 else None)
+    r = self.ckpt.restore_latest(checkpoint.state_target(self.state, self.mesh),
+                                 ref_target=ref_target, config=self.config)
+    if r is None:
+      return None
+    if not r.meta.get("warm_started"):
+      raise checkpoint.CheckpointError(f"checkpoint {r.path} predates the warm start; "
+                                       "this jaxagent only writes checkpoints after it")
+    if r.changed:
+      self.writer.message("resuming with changed settings: " + ", ".join(
+          f"{k}: {old!r} -> {new!r}" for k, old, new in r.changed))
+    self.state, self.ref_params = r.state, r.ref_params
+    self.prompts.set_state(r.meta["data"])
+    self.step, self.warm_started = r.step, True
+    self.summary = dict(r.meta.get("summary") or {})
+    self._rewind_metrics(r.step)
+    self.writer.progress(min(r.step, self.config.total_steps))
+    self.writer.message(f"resumed from checkpoint {r.path} (RL step {r.step} of "
+                        f"{self.config.total_steps})")
+    self._resumed = r.step
+    return r.step
+
+  def _rewind_metrics(self, step: int) -> None:
+    """Keep the metric records up to `step` (and drop a line cut short by a crash)."""
+    kept = [r for r in self.writer.history if r["step"] <= step]
+    path = self.workdir / "metrics.jsonl"
+    if self.writer.is_lead and path.exists():
+      kept = []
+      for line in path.read_text().splitlines():
+        try:
+          rec = json.loads(line)
+        except json.JSONDecodeError:
+          continue
+        if isinstance(rec, dict) and rec.get("step", 0) <= step:
+          kept.append(rec)
+      # Truncate in place: the writer's handle appends at the new end.
+      with open(path, "r+") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in kept))
+        f.truncate()
+    self.writer.history = kept
+
+  def request_stop(self, reason: str = "stop requested") -> None:
+    """Finish the current step, save a checkpoint and return from `run` (as on SIGTERM)."""
+    self._stop_reason = reason
+
+  def _stop_requested(self) -> bool:
+    stop = self._stop_reason is not None
+    if jax.process_count() > 1:  # a notice on any host stops all of them at the same step
+      from jax.experimental import multihost_utils
+      flags = multihost_utils.process_allgather(np.array([int(stop)], np.int32))
+      stop = bool(np.any(flags))
+      if stop and self._stop_reason is None:
+        self._stop_reason = "stop requested on another process"
+    return stop
+
+  def _stop(self) -> dict[str, Any]:
+    if self.ckpt is None:
+      self.writer.message(f"{self._stop_reason}: stopping after step {self.step} without a "
+                          "checkpoint (checkpoint_every=0)")
+    else:
+      path = self.save_checkpoint(wait=True) if self.step not in self.ckpt.steps() else (
+          self.ckpt.step_path(self.step))
+      self.ckpt.wait()
+      self.writer.message(f"{self._stop_reason}: saved checkpoint {path} at step {self.step}; "
+                          "rerun the same command to resume")
+    self.summary["stopped_at_step"] = self.step
     return self.summary
 
+  @contextlib.contextmanager
+  def _sigterm_stops(self):
+    """SIGTERM (a preemption notice) -> `request_stop`, while checkpointing is on."""
+    if self.ckpt is None or threading.current_thread() is not threading.main_thread():
+      yield
+      return
+
+    def on_sigterm(signum, frame):
+      del frame
+      # Only set a flag: printing here could re-enter a write the main thread is in.
+      self.request_stop(f"received {signal.Signals(signum).name}")
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+      yield
+    finally:
+      signal.signal(signal.SIGTERM, previous)
+
+  def export(self, out: str | pathlib.Path | None = None) -> pathlib.Path:
+    """Write the current policy as an HF directory (default `<workdir>/export`)."""
+    out = pathlib.Path(out) if out is not None else self.workdir / "export"
+    params = _to_host(self.state.params)
+    if jax.process_index() == 0:
+      models.save_hf(out, self.cfg, params, self.tok)
+      self.writer.message(f"exported the policy to {out}")
+    return out
+
   def close(self) -> None:
+    if self.ckpt is not None:
+      self.ckpt.close()
     self.sampler.close()
     self.greedy.close()
     self.writer.close()

@@ -4,20 +4,18 @@ Problems are reasoning-gym `basic_arithmetic` expressions ("Calculate 478 / 1 + 
 policy may call `<calc>EXPR</calc>` and reads `<result>VALUE</result>`; it ends with
 `<answer>VALUE</answer>`. Reward: 1 for the right number, else 0.
 
-The SFT demonstrations are a realistic cold-start set: only a fraction `demo_tool_rate` of
-them use the calculator; the others state the answer directly. A 135M model cannot do
-multi-digit arithmetic in its head, so after the warm start it answers correctly about as often
-as it chooses the tool. That choice is one early decision per trajectory with a large reward
-gap, which is what group-relative RL learns quickly: the quickstart shows SFT teaching the
-format and RL teaching when to use the tool.
+The SFT demonstrations come from a demonstrator that reaches for the calculator only on long
+expressions (at least `demo_tool_min_terms` terms) and states the answer of shorter ones
+directly, as a realistic cold-start set would. A 135M model cannot do multi-digit arithmetic in
+its head, so after the warm start it solves the long problems and fails the short ones. When to
+use the tool is one early decision per trajectory with a large reward gap, which group-relative
+RL learns quickly: the quickstart shows SFT teaching the format and RL teaching when to use the
+tool.
 """
 from __future__ import annotations
 
 import re
-import zlib
 from typing import Sequence
-
-import numpy as np
 
 from jaxagent.agent.env import Env, Example
 from jaxagent.agent.parsers import XMLTagParser
@@ -60,16 +58,14 @@ class ArithmeticToolEnv(Env):
 
   def __init__(self, *, min_terms: int = 3, max_terms: int = 4, min_digits: int = 2,
                max_digits: int = 3, train_size: int = 2000, eval_size: int = 200,
-               sft_size: int = 256, demo_tool_rate: float = 0.5, seed: int = 0):
-    if not 0.0 <= demo_tool_rate <= 1.0:
-      raise ValueError(f"demo_tool_rate must be in [0, 1], got {demo_tool_rate}")
+               sft_size: int = 256, demo_tool_min_terms: int = 4, seed: int = 0):
     if not 2 <= min_terms <= max_terms:
       raise ValueError(f"need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
     if not 1 <= min_digits <= max_digits:
       raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
     self.parser = XMLTagParser({"calc": ("calculator", "expression")}, answer_tag="answer")
     self.tools = ToolRegistry([Calculator()])
-    self.demo_tool_rate = demo_tool_rate
+    self.demo_tool_min_terms = demo_tool_min_terms
     self.seed = seed
     self._sizes = {"train": train_size, "eval": eval_size, "sft": sft_size}
     self._difficulty = dict(min_terms=min_terms, max_terms=max_terms, min_digits=min_digits,
@@ -107,7 +103,8 @@ class ArithmeticToolEnv(Env):
       messages = ({"role": "system", "content": SYSTEM_PROMPT},
                   {"role": "user", "content": item["question"]})
       out.append(Example(id=f"{split}-{i}", prompt=messages, gold=str(item["answer"]),
-                         metadata={"expression": expr}))
+                         metadata={"expression": expr,
+                                   "num_terms": item["metadata"]["num_terms"]}))
       if len(out) == size:
         break
     return out
@@ -122,12 +119,11 @@ class ArithmeticToolEnv(Env):
     return out.components.get("correct", 0.0) >= 1.0
 
   def demonstration(self, example: Example):
-    """Tool use with probability `demo_tool_rate` (deterministic per example), else a direct
+    """The calculator for expressions of at least `demo_tool_min_terms` terms, else a direct
     answer."""
     gold = example.gold
     expr = example.metadata["expression"]
-    rng = np.random.default_rng(zlib.crc32(f"{self.seed}:{example.id}".encode()))
-    if rng.random() < self.demo_tool_rate:
+    if example.metadata["num_terms"] >= self.demo_tool_min_terms:
       return [(POLICY, f"<calc>{expr}</calc>"),
               (OBSERVATION, self.observation_template.format(output=gold)),
               (POLICY, f"<answer>{gold}</answer>")]

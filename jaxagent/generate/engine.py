@@ -44,7 +44,7 @@ RUNNING, STOP_EOS, STOP_BUDGET, STOP_LENGTH = 0, 1, 2, 3
 
 @flax.struct.dataclass
 class DecodeState:
-  k: jax.Array          # [layers, S, Lmax, KV, hd]
+  k: jax.Array          # [layers, S, KV, Lmax, hd] (head-major: each head's run is contiguous)
   v: jax.Array
   lengths: jax.Array    # [S] tokens whose K/V are cached
   tokens: jax.Array     # [S] pending (last sampled) token
@@ -163,26 +163,47 @@ class Engine:
                          v=jax.lax.with_sharding_constraint(state.v, s))
 
   # ------------------------------------------------------------------ state
-  def init_decode_state(self) -> DecodeState:
-    """Empty slots (all inactive)."""
+  def _empty_state(self) -> DecodeState:
     c, e = self.cfg, self.ecfg
-    shape = (c.n_layers, e.slots, e.max_len, c.n_kv_heads, c.head_dim)
+    shape = (c.n_layers, e.slots, c.n_kv_heads, e.max_len, c.head_dim)
     s = e.slots
+    z = jnp.zeros(shape, c.jnp_dtype)
+    zi = jnp.zeros((s,), jnp.int32)
+    return DecodeState(k=z, v=z, lengths=zi, tokens=zi, active=jnp.zeros((s,), bool),
+                       done=zi, remaining=zi, limit=jnp.full((s,), e.max_len, jnp.int32),
+                       request_ids=zi, seeds=jnp.zeros((s,), jnp.uint32))
 
-    def make():
-      z = jnp.zeros(shape, c.jnp_dtype)
-      zi = jnp.zeros((s,), jnp.int32)
-      return DecodeState(k=z, v=z, lengths=zi, tokens=zi, active=jnp.zeros((s,), bool),
-                         done=zi, remaining=zi, limit=jnp.full((s,), e.max_len, jnp.int32),
-                         request_ids=zi, seeds=jnp.zeros((s,), jnp.uint32))
-
+  def decode_state_shardings(self) -> DecodeState | None:
+    """Shardings of the decode state's arrays on the engine's mesh (None without a mesh)."""
     if self.mesh is None:
-      return jax.jit(make)()
+      return None
     cs = self._cache_sharding()
     rep = NamedSharding(self.mesh, P())
-    out = DecodeState(k=cs, v=cs, lengths=rep, tokens=rep, active=rep, done=rep,
-                      remaining=rep, limit=rep, request_ids=rep, seeds=rep)
-    return jax.jit(make, out_shardings=out)()
+    return DecodeState(k=cs, v=cs, lengths=rep, tokens=rep, active=rep, done=rep,
+                       remaining=rep, limit=rep, request_ids=rep, seeds=rep)
+
+  def abstract_decode_state(self) -> DecodeState:
+    """`jax.ShapeDtypeStruct`s (with shardings) of `init_decode_state()`, allocating nothing."""
+    shapes = jax.eval_shape(self._empty_state)
+    ss = self.decode_state_shardings()
+    if ss is None:
+      return shapes
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        shapes, ss)
+
+  def init_decode_state(self) -> DecodeState:
+    """Empty slots (all inactive)."""
+    if self.mesh is None:
+      return jax.jit(self._empty_state)()
+    return jax.jit(self._empty_state, out_shardings=self.decode_state_shardings())()
+
+  def program(self, name: str):
+    """The jitted function behind `prefill`, `insert`, `generate`, `append` or `update_slots`
+    ("update"), for ahead-of-time lowering (`jaxagent.plan`)."""
+    names = ("prefill", "insert", "generate", "append", "update")
+    if name not in names:
+      raise ValueError(f"Engine.program: unknown program {name!r}; expected one of {names}")
+    return getattr(self, f"_jit_{name}")
 
   # ------------------------------------------------------------------ stopping
   def _stop_code(self, tok, lengths, remaining, limit):
@@ -245,10 +266,11 @@ class Engine:
 
   def _insert(self, prefix: Prefix, state: DecodeState, slots):
     t = prefix.k.shape[2]
-    if t > state.k.shape[2]:
+    if t > state.k.shape[3]:
       raise ValueError("prefix longer than the cache")
-    k = state.k.at[:, slots, :t].set(prefix.k.astype(state.k.dtype))
-    v = state.v.at[:, slots, :t].set(prefix.v.astype(state.v.dtype))
+    head_major = lambda x: x.transpose(0, 1, 3, 2, 4).astype(state.k.dtype)
+    k = state.k.at[:, slots, :, :t].set(head_major(prefix.k))
+    v = state.v.at[:, slots, :, :t].set(head_major(prefix.v))
     upd = lambda a, b: a.at[slots].set(b.astype(a.dtype))
     return self._constrain(state.replace(
         k=k, v=v, lengths=upd(state.lengths, prefix.lengths),
@@ -312,8 +334,8 @@ class Engine:
   def _append(self, params, state: DecodeState, slots, chunk, chunk_lens, budgets, kv_len):
     # chunk[:, 0] is the slot's pending token; observation tokens follow.
     cache_lens = state.lengths[slots]
-    ck = state.k[:, slots, :kv_len]
-    cv = state.v[:, slots, :kv_len]
+    ck = state.k[:, slots, :, :kv_len]
+    cv = state.v[:, slots, :, :kv_len]
     chunk = chunk.at[:, 0].set(state.tokens[slots])
     logits, k_new, v_new = decoder.extend(params, ck, cv, chunk, cache_lens, cfg=self.cfg,
                                           kv_len=kv_len)

@@ -331,14 +331,15 @@ def prefill(params: Params, tokens, lengths, *, cfg: ModelConfig):
 def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelConfig):
   """Attention of new tokens over a slot's cached prefix plus themselves (causally).
 
-  q: [S, n, H, hd]; k_new, v_new: [S, n, KV, hd]; cache_k, cache_v: [S, C, KV, hd] (only the
-  first `cache_lens[s]` entries of slot s are valid). The cached part and the new part are
-  scored separately and share one softmax, so the cache is read once and never copied.
+  q: [S, n, H, hd]; k_new, v_new: [S, n, KV, hd]; cache_k, cache_v: [S, KV, C, hd] (head-major,
+  so each (slot, head) reads one contiguous run; only the first `cache_lens[s]` entries of slot
+  s are valid). The cached part and the new part are scored separately and share one softmax,
+  so the cache is read once and never copied.
   """
   s, n, _, hd = q.shape
-  c = cache_k.shape[1]
+  c = cache_k.shape[2]
   qg = _group(q, cfg) * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
-  lc = jnp.einsum("snkgd,sckd->skgnc", qg, cache_k.astype(q.dtype),
+  lc = jnp.einsum("snkgd,skcd->skgnc", qg, cache_k.astype(q.dtype),
                   preferred_element_type=jnp.float32)
   ln = jnp.einsum("snkgd,smkd->skgnm", qg, k_new, preferred_element_type=jnp.float32)
   mask_c = (jnp.arange(c)[None, :] < cache_lens[:, None])[:, None, None, None, :]
@@ -347,7 +348,7 @@ def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelCo
                             jnp.where(mask_n, ln, _MASK_VALUE)], axis=-1)
   probs = jax.nn.softmax(logits, axis=-1).astype(v_new.dtype)
   pc, pn = probs[..., :c], probs[..., c:]
-  out = (jnp.einsum("skgnc,sckd->snkgd", pc, cache_v.astype(v_new.dtype))
+  out = (jnp.einsum("skgnc,skcd->snkgd", pc, cache_v.astype(v_new.dtype))
          + jnp.einsum("skgnm,smkd->snkgd", pn, v_new))
   return out.reshape(s, n, cfg.n_heads, hd)
 
@@ -358,21 +359,21 @@ def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelCo
 
   tokens: [S, n] (n = 1 for a decode step); cache_lens: [S] tokens already cached per slot
   (the new tokens get positions cache_lens .. cache_lens + n - 1). cache_k, cache_v:
-  [layers, S, Lmax, KV, hd]; only the first `kv_len` (static, >= max cache_lens) entries are
+  [layers, S, KV, Lmax, hd]; only the first `kv_len` (static, >= max cache_lens) entries are
   read. Returns (logits [S, n, V], new K [layers, S, n, KV, hd], new V); write the new K/V
-  with `write_kv`. `unroll` is `lax.scan`'s: unrolling the layer loop lets the compiler read
-  each layer's cache in place (accelerators); a rolled loop compiles faster (CPU).
+  with `write_kv`. `unroll` is `lax.scan`'s over layers (measured on an H200: unrolling makes
+  a single step faster but a multi-step decode loop much slower, so the engine keeps it rolled).
   """
   p = unbox(params)
   tokens = jnp.asarray(tokens, jnp.int32)
   n = tokens.shape[1]
   positions = cache_lens[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
-  kv_len = cache_k.shape[2] if kv_len is None else kv_len
+  kv_len = cache_k.shape[3] if kv_len is None else kv_len
 
   def body(x, xs):
     lp, ck, cv = xs
-    attend = lambda q, k, v: cached_attention(q, k, v, ck[:, :kv_len], cv[:, :kv_len],
+    attend = lambda q, k, v: cached_attention(q, k, v, ck[:, :, :kv_len], cv[:, :, :kv_len],
                                               cache_lens, cfg)
     x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
     return x, (k, v)
@@ -384,11 +385,12 @@ def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelCo
 
 
 def write_kv(cache, new, slots, starts):
-  """Scatter new K or V `[layers, S', n, KV, hd]` into `cache` at (slot, start + i).
-
-  Writes past the cache end are dropped. Donate `cache` to update it in place.
+  """Scatter new K or V `[layers, S', n, KV, hd]` into `cache` `[layers, S, KV, Lmax, hd]` at
+  (slot, start + i). Writes past the cache end are dropped. Donate `cache` to update in place.
   """
   n = new.shape[2]
   pos = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
   sl = jnp.broadcast_to(slots[:, None], pos.shape)
-  return cache.at[:, sl, pos].set(new.astype(cache.dtype), mode="drop")
+  # Advanced indices split by a slice put their broadcast dims first: [S', n, layers, KV, hd].
+  return cache.at[:, sl, :, pos].set(new.transpose(1, 2, 0, 3, 4).astype(cache.dtype),
+                                     mode="drop")

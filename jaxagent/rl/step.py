@@ -145,6 +145,12 @@ def _micro_parts(params, mb: Batch, cfg: ModelConfig, scfg: StepConfig):
     parts = losses.policy_loss_parts(
         logps, mb["old_logps"], mb["advantages"], mb["loss_mask"], mb["segment_ids"],
         scfg.loss, ref_logps=mb.get("ref_logps"), entropies=ents if want_ent else None)
+    # Sampler-vs-learner gap: |learner logp - sampler logp| on policy tokens. On the first
+    # update after a rollout the params are the sampler's, so this measures their disagreement.
+    mask = mb["loss_mask"] > 0
+    gap = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logps) - mb["old_logps"]), 0.0)
+    parts.sums["logprob_gap"] = jnp.sum(gap)
+    parts.counts["logprob_gap"] = jnp.sum(mask.astype(jnp.float32))
   if want_ent:
     mask = (mb["loss_mask"] > 0).astype(jnp.float32)
     parts.sums["entropy"] = jnp.sum(ents * mask)
@@ -236,7 +242,9 @@ class Learner:
     return {k: jax.device_put(np.asarray(v), self.batch_sharding(np.ndim(v)))
             for k, v in batch.items() if v is not None}
 
-  def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float]]:
+  def train_step_fn(self, state):
+    """The jitted `train_step` for states shaped like `state` (arrays or abstract
+    `jax.ShapeDtypeStruct`s), built once; `jaxagent.plan` lowers it ahead of time."""
     if self._train is None:
       ss = self.state_shardings(state)
       fn = lambda s, b: train_step(s, b, cfg=self.cfg, scfg=self.scfg,
@@ -244,8 +252,12 @@ class Learner:
       self._train = jax.jit(fn, in_shardings=(ss, self.batch_sharding()),
                             out_shardings=(ss, NamedSharding(self.mesh, P())),
                             donate_argnums=(0,))
+    return self._train
+
+  def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float]]:
+    train = self.train_step_fn(state)
     step = int(state.step)
-    state, metrics = self._train(state, self.put_batch(batch))
+    state, metrics = train(state, self.put_batch(batch))
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if metrics["nonfinite"] and self.scfg.nonfinite == "raise":
       bad = [k for k, v in metrics.items() if not np.isfinite(v)]
@@ -254,13 +266,17 @@ class Learner:
           f"updated. Lower the learning rate, check the batch, or set nonfinite='skip'.")
     return state, metrics
 
-  def score(self, params, batch, with_entropy: bool = False):
-    """Per-token log-probs (and entropies) `[B, L]` of packed rows, e.g. reference log-probs."""
+  def score_fn(self, with_entropy: bool = False):
+    """The jitted `sequence_logprobs` behind `score` (built once per `with_entropy`)."""
     if with_entropy not in self._score:
       fn = lambda p, b: sequence_logprobs(p, b, cfg=self.cfg, temperature=self.scfg.temperature,
                                           chunk=self.scfg.logprob_chunk,
                                           with_entropy=with_entropy)
       self._score[with_entropy] = jax.jit(fn, out_shardings=(self.batch_sharding(),) * 2)
+    return self._score[with_entropy]
+
+  def score(self, params, batch, with_entropy: bool = False):
+    """Per-token log-probs (and entropies) `[B, L]` of packed rows, e.g. reference log-probs."""
     b = self.put_batch({k: batch[k] for k in ("tokens", "segment_ids", "positions")
                         if k in batch})
-    return self._score[with_entropy](params, b)
+    return self.score_fn(with_entropy)(params, b)

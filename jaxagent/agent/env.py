@@ -1,0 +1,173 @@
+"""The contract a task implements for the rollout driver: `Example`, `Episode`, `Env`.
+
+Where this sits: tasks in `jaxagent/envs/` subclass `Env`; the trainer hands examples and the env
+to `agent.rollout.rollout`, which for each (example, sample)
+
+1. tokenizes the prompt once with `env.render_prompt(example, tokenizer)` (chat template applied);
+2. opens `episode = env.new_episode(example)` for per-trajectory tools and state (a persistent
+   Python session, a scratch directory) and closes it when the trajectory ends;
+3. stops each turn at `env.parser.stop_strings()`, parses the turn with `env.parser.parse`, runs the
+   call on `episode.tools`, wraps the `ToolResult` with `env.format_observation` and tokenizes it
+   once with `env.encode_observation`;
+
+and afterwards the trainer scores each trajectory with `env.reward(trajectory, example, tokenizer,
+step)`. `env.demonstration(example)` optionally gives a worked example for an SFT warm start.
+
+`CalculatorEnv` at the end is a complete small task (arithmetic with a `<calc>` tool), the
+reference for this contract and what the tests run.
+"""
+from __future__ import annotations
+
+import abc
+import dataclasses
+import logging
+from typing import Any, Iterable, Mapping, Sequence
+
+from jaxagent.agent.parsers import Parser, XMLTagParser
+from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory
+from jaxagent.rewards import (Component, CompositeReward, RewardOutput, TextMatchReward,
+                              ToolUseReward)
+from jaxagent.tools import Calculator, Tool, ToolRegistry, ToolResult
+
+log = logging.getLogger(__name__)
+
+# Observation wrappers of common conventions; `{output}` receives `ToolResult.to_observation()`.
+OBSERVATION_TEMPLATES = {
+    # Search-R1: retrieved passages between <information> tags.
+    "information": "\n<information>{output}</information>\n",
+    # ReTool: interpreter output between <interpreter> tags.
+    "interpreter": "<interpreter>{output}</interpreter>",
+    # The calculator quickstart (`<calc>EXPR</calc>` -> `<result>...</result>`).
+    "result": "<result>{output}</result>",
+    # ChatML tool turn (Qwen2.5 / SmolLM2 templates): close the assistant turn, answer as the tool
+    # in a user turn, and reopen the assistant turn.
+    "chatml_tool": ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n"
+                    "<|im_start|>assistant\n"),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+  """One task instance.
+
+  Attributes:
+    id: a stable identifier (for dumps and evaluation joins).
+    prompt: the prompt text, or chat messages (dicts with "role" and "content").
+    gold: the reference answer(s), if the task has any.
+    metadata: task extras (unit tests, difficulty, source).
+  """
+
+  id: str
+  prompt: str | Sequence[Mapping[str, Any]]
+  gold: str | Sequence[str] | None = None
+  metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+  def __post_init__(self):
+    if not isinstance(self.prompt, str):
+      msgs = tuple(self.prompt)
+      if not msgs or not all(isinstance(m, Mapping) and "role" in m for m in msgs):
+        raise ValueError(f"Example {self.id!r}: prompt must be text or a non-empty list of chat "
+                         "messages with a 'role' key")
+      object.__setattr__(self, "prompt", msgs)
+
+
+class Episode:
+  """Per-trajectory tools and state; the driver calls `close()` when the trajectory ends.
+
+  Args:
+    tools: the tools this trajectory may call (shared stateless tools and/or its own).
+    owned: tools created for this trajectory alone; `close()` calls their `close()` method.
+    state: anything else the task keeps per trajectory (read back in `Env.reward`).
+  """
+
+  def __init__(self, tools: ToolRegistry | Iterable[Tool] = (), *, owned: Iterable[Any] = (),
+               state: Any = None):
+    self.tools = tools if isinstance(tools, ToolRegistry) else ToolRegistry(tools)
+    self.owned = list(owned)
+    self.state = state
+    self.closed = False
+
+  def close(self) -> None:
+    """Releases per-trajectory resources (idempotent)."""
+    if self.closed:
+      return
+    self.closed = True
+    for obj in self.owned:
+      close = getattr(obj, "close", None)
+      if callable(close):
+        try:
+          close()
+        except Exception:  # noqa: BLE001 - a failing cleanup must not end the rollout
+          log.warning("closing %r failed", obj, exc_info=True)
+
+
+class Env(abc.ABC):
+  """A task: prompts, tools, a parser for the policy's actions, observation format and reward.
+
+  Subclasses set `name`, `parser` and usually `tools` and `observation_template`, and implement
+  `reward`; the other methods have working defaults.
+  """
+
+  name: str = "env"
+  parser: Parser
+  tools: ToolRegistry | None = None
+  observation_template: str = "{output}"
+
+  def render_prompt(self, example: Example, tokenizer) -> list[int]:
+    """Prompt token ids: chat messages through the tokenizer's chat template, text as is."""
+    if isinstance(example.prompt, str):
+      return list(tokenizer.encode(example.prompt))
+    return list(tokenizer.encode_chat(list(example.prompt), add_generation_prompt=True))
+
+  def new_episode(self, example: Example) -> Episode:
+    """Tools and state of one trajectory (default: the env's shared tools, no state)."""
+    return Episode(self.tools if self.tools is not None else ())
+
+  def format_observation(self, result: ToolResult) -> str:
+    """The text appended after a tool call: `observation_template` around the result."""
+    return self.observation_template.format(output=result.to_observation())
+
+  def encode_observation(self, text: str, tokenizer) -> list[int]:
+    """Observation token ids (override to keep tool output from spelling control tokens)."""
+    return list(tokenizer.encode(text))
+
+  @abc.abstractmethod
+  def reward(self, trajectory: Trajectory, example: Example, tokenizer, step: int) -> RewardOutput:
+    """The reward of a finished trajectory at training step `step`."""
+
+  def demonstration(self, example: Example) -> list[tuple[int, str]] | None:
+    """A worked example as (role, text) segments after the prompt (POLICY / OBSERVATION), or None.
+
+    Turn it into a ledger with `trajectory.demonstration_trajectory`.
+    """
+    return None
+
+
+class CalculatorEnv(Env):
+  """Arithmetic with a calculator: `<calc>EXPR</calc>` -> `<result>VALUE</result>`, then
+  `<answer>VALUE</answer>`. Reward: exact match of the answer, plus a fading bonus for valid calls.
+  """
+
+  name = "calculator"
+  observation_template = OBSERVATION_TEMPLATES["result"]
+
+  def __init__(self, *, tool_bonus: float = 0.1):
+    self.parser = XMLTagParser({"calc": ("calculator", "expression")}, answer_tag="answer")
+    self.tools = ToolRegistry([Calculator()])
+    self._reward = CompositeReward([
+        Component("correct", TextMatchReward("exact_match"), 1.0, role="outcome"),
+        Component("tool_calls", ToolUseReward(), tool_bonus, role="shaping"),
+    ])
+
+  def reward(self, trajectory: Trajectory, example: Example, tokenizer, step: int) -> RewardOutput:
+    inp = trajectory.to_reward_input(tokenizer, example.gold, metadata=example.metadata,
+                                     policy_only=True)
+    return self._reward(inp, step=step)
+
+  def demonstration(self, example: Example) -> list[tuple[int, str]] | None:
+    expr = example.metadata.get("expression")
+    if expr is None or example.gold is None:
+      return None
+    gold = example.gold if isinstance(example.gold, str) else example.gold[0]
+    return [(POLICY, f"<calc>{expr}</calc>"), (OBSERVATION, self.observation_template.format(output=gold)),
+            (POLICY, f"<answer>{gold}</answer>")]

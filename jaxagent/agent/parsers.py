@@ -1,0 +1,295 @@
+"""Tool-call parsers: what the policy asked for at the end of a turn.
+
+Where this sits: the rollout driver (`agent/rollout.py`) stops a turn when the policy writes one
+of the parser's `stop_strings()` (closing tags such as `</search>` or `</tool_call>`), decodes the
+turn's tokens and calls `parse(text)`. The result says what to do next:
+
+* `ParseResult.kind == "tool_call"`: run `call` (a `ToolCall`) and append its observation;
+* `"answer"`: the trajectory is finished with a final answer;
+* `"text"`: no call and no answer (the trajectory ends; the driver records why);
+* `"malformed"`: the policy tried to call a tool but the call cannot be read. `error` is written
+  for the model: the driver shows it as an error observation and counts it, so a malformed call is
+  data, never an exception (DESIGN decision 7).
+
+Two conventions are provided:
+
+* `XMLTagParser`: Search-R1 / ReTool style tags, `<search>query</search>`, `<code>...</code>`,
+  `<answer>...</answer>`, each tag mapped to a tool and the argument its body fills;
+* `JSONToolCallParser`: the Qwen / Hermes convention,
+  `<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>`.
+
+Both act only on the LAST complete block that ends the turn text (only whitespace may follow it),
+because the driver stops the turn right after a closing tag; earlier blocks are history. `parse`
+never raises on any input string (see the hypothesis fuzz tests).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any, Literal, Mapping, Protocol, Sequence, runtime_checkable
+
+ActionKind = Literal["tool_call", "answer", "text", "malformed"]
+_KINDS = ("tool_call", "answer", "text", "malformed")
+_TAG_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_\-]*")
+_ECHO_CHARS = 120  # how much of a bad call an error message quotes back to the model
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolCall:
+  """A parsed call: tool name, JSON-like arguments, and the raw block it came from."""
+
+  name: str
+  arguments: dict[str, Any]
+  raw: str = ""
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"name": self.name, "arguments": self.arguments, "raw": self.raw}
+
+
+@dataclasses.dataclass(frozen=True)
+class ParseResult:
+  """What a turn's text asks for (see the module docstring for the four kinds).
+
+  Attributes:
+    kind: "tool_call", "answer", "text" or "malformed".
+    call: the call, when kind is "tool_call".
+    answer: the final answer's text, when kind is "answer".
+    error: for "malformed", a message addressed to the model saying what was wrong.
+    raw: the block the result was read from ("" for "text").
+  """
+
+  kind: ActionKind
+  call: ToolCall | None = None
+  answer: str | None = None
+  error: str | None = None
+  raw: str = ""
+
+  def __post_init__(self):
+    if self.kind not in _KINDS:
+      raise ValueError(f"ParseResult.kind must be one of {_KINDS}, got {self.kind!r}")
+    if (self.kind == "tool_call") != (self.call is not None):
+      raise ValueError("ParseResult: `call` is set exactly when kind == 'tool_call'")
+    if self.kind == "malformed" and not self.error:
+      raise ValueError("ParseResult(kind='malformed') needs an error message for the model")
+
+  @classmethod
+  def text(cls) -> ParseResult:
+    return cls("text")
+
+  @classmethod
+  def malformed(cls, error: str, raw: str = "") -> ParseResult:
+    return cls("malformed", error=error, raw=raw)
+
+  def to_dict(self) -> dict[str, Any]:
+    return {"kind": self.kind, "call": None if self.call is None else self.call.to_dict(),
+            "answer": self.answer, "error": self.error}
+
+
+@runtime_checkable
+class Parser(Protocol):
+  """What the rollout driver needs from a parser."""
+
+  def parse(self, text: str) -> ParseResult:
+    """The action at the end of `text` (one turn of policy output). Never raises."""
+    ...
+
+  def stop_strings(self) -> list[str]:
+    """Strings that end a turn (the engine's host-side stop strings)."""
+    ...
+
+
+def _quote(text: str) -> str:
+  """A short, single-line rendering of model text for an error message."""
+  text = text.strip()
+  if len(text) > _ECHO_CHARS:
+    text = text[:_ECHO_CHARS] + "..."
+  return json.dumps(text, ensure_ascii=False)
+
+
+def _check_tag(owner: str, tag: str) -> None:
+  if not isinstance(tag, str) or not _TAG_RE.fullmatch(tag):
+    raise ValueError(f"{owner}: tag {tag!r} must be a bare tag name like 'search' (letters, digits, "
+                     "'_' and '-', not starting with a digit)")
+
+
+def _last_closing(text: str, tags: Sequence[str]) -> tuple[str, int] | None:
+  """(tag, start index of `</tag>`) for a closing tag followed only by whitespace, or None."""
+  end = len(text.rstrip())
+  for tag in tags:
+    close = f"</{tag}>"
+    if text.endswith(close, 0, end):
+      return tag, end - len(close)
+  return None
+
+
+def _dangling_open(text: str, tags: Sequence[str]) -> str | None:
+  """A tag whose last opening is after its last closing (an unclosed block), or None."""
+  best, best_pos = None, -1
+  for tag in tags:
+    opened = text.rfind(f"<{tag}>")
+    if opened > text.rfind(f"</{tag}>") and opened > best_pos:
+      best, best_pos = tag, opened
+  return best
+
+
+class XMLTagParser:
+  """Tags mapped to tools, e.g. `<search>query</search>` -> `search(query=...)`.
+
+  Args:
+    tools: tag -> (tool name, argument name), e.g. `{"search": ("search", "query"),
+      "code": ("python", "code"), "calc": ("calculator", "expression")}`.
+    answer_tag: the tag of a final answer (None: the task has no answer tag).
+    strip: strip surrounding whitespace from a block's body (code keeps its inner layout).
+  """
+
+  def __init__(self, tools: Mapping[str, tuple[str, str]], answer_tag: str | None = "answer", *,
+               strip: bool = True):
+    if not isinstance(tools, Mapping):
+      raise TypeError(f"XMLTagParser.tools must map tag -> (tool name, argument name), got {tools!r}")
+    self.tools: dict[str, tuple[str, str]] = {}
+    for tag, target in tools.items():
+      _check_tag("XMLTagParser.tools", tag)
+      if (not isinstance(target, (tuple, list)) or len(target) != 2
+          or not all(isinstance(x, str) and x for x in target)):
+        raise ValueError(f"XMLTagParser.tools[{tag!r}] must be (tool name, argument name), got {target!r}")
+      self.tools[tag] = (target[0], target[1])
+    if answer_tag is not None:
+      _check_tag("XMLTagParser.answer_tag", answer_tag)
+      if answer_tag in self.tools:
+        raise ValueError(f"XMLTagParser: {answer_tag!r} is both a tool tag and the answer tag")
+    if not self.tools and answer_tag is None:
+      raise ValueError("XMLTagParser needs at least one tool tag or an answer tag")
+    self.answer_tag = answer_tag
+    self.strip = strip
+    # Longest first so that a tag that is a suffix of another (`q` vs `subq`) never shadows it.
+    self._tags = sorted([*self.tools, *([answer_tag] if answer_tag else [])], key=len, reverse=True)
+
+  def __repr__(self) -> str:
+    return f"XMLTagParser(tools={self.tools}, answer_tag={self.answer_tag!r})"
+
+  def stop_strings(self) -> list[str]:
+    return [f"</{t}>" for t in [*self.tools, *([self.answer_tag] if self.answer_tag else [])]]
+
+  def parse(self, text: str) -> ParseResult:
+    if not isinstance(text, str):
+      return ParseResult.malformed(f"expected text, got {type(text).__name__}")
+    found = _last_closing(text, self._tags)
+    if found is None:
+      tag = _dangling_open(text, self._tags)
+      if tag is not None:
+        return ParseResult.malformed(f"<{tag}> was opened but never closed; write <{tag}>...</{tag}>.",
+                                     raw=text[text.rfind(f"<{tag}>"):])
+      return ParseResult.text()
+    tag, close_at = found
+    opened = text.rfind(f"<{tag}>", 0, close_at)
+    if opened < 0:
+      return ParseResult.malformed(f"</{tag}> has no matching <{tag}>; write <{tag}>...</{tag}>.",
+                                   raw=text[max(0, close_at - _ECHO_CHARS):close_at + len(tag) + 3])
+    raw = text[opened:close_at + len(tag) + 3]
+    body = text[opened + len(tag) + 2:close_at]
+    if f"</{tag}>" in body:
+      return ParseResult.malformed(f"unbalanced <{tag}> tags: {_quote(raw)}", raw=raw)
+    if self.strip:
+      body = body.strip()
+    if tag == self.answer_tag:
+      return ParseResult("answer", answer=body, raw=raw)
+    tool, arg = self.tools[tag]
+    if not body.strip():
+      return ParseResult.malformed(f"empty <{tag}></{tag}> block: put the {arg} for {tool} inside the tags.",
+                                   raw=raw)
+    return ParseResult("tool_call", call=ToolCall(tool, {arg: body}, raw), raw=raw)
+
+
+class JSONToolCallParser:
+  """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen / Hermes).
+
+  `arguments` may be omitted (no arguments) or be a JSON-encoded object string (OpenAI style).
+  Unknown tool names are not checked here: the driver reports them from the task's registry.
+
+  Args:
+    tag: the wrapping tag.
+    answer_tag: an optional final-answer tag (None: a turn without a call is plain text).
+  """
+
+  def __init__(self, tag: str = "tool_call", answer_tag: str | None = None):
+    _check_tag("JSONToolCallParser.tag", tag)
+    if answer_tag is not None:
+      _check_tag("JSONToolCallParser.answer_tag", answer_tag)
+      if answer_tag == tag:
+        raise ValueError(f"JSONToolCallParser: {tag!r} is both the call tag and the answer tag")
+    self.tag = tag
+    self.answer_tag = answer_tag
+    self._tags = [t for t in (tag, answer_tag) if t]
+
+  def __repr__(self) -> str:
+    return f"JSONToolCallParser(tag={self.tag!r}, answer_tag={self.answer_tag!r})"
+
+  def stop_strings(self) -> list[str]:
+    return [f"</{t}>" for t in self._tags]
+
+  def parse(self, text: str) -> ParseResult:
+    if not isinstance(text, str):
+      return ParseResult.malformed(f"expected text, got {type(text).__name__}")
+    found = _last_closing(text, sorted(self._tags, key=len, reverse=True))
+    if found is None:
+      tag = _dangling_open(text, self._tags)
+      if tag is not None:
+        return ParseResult.malformed(f"<{tag}> was opened but never closed; write <{tag}>...</{tag}>.",
+                                     raw=text[text.rfind(f"<{tag}>"):])
+      return ParseResult.text()
+    tag, close_at = found
+    opened = text.rfind(f"<{tag}>", 0, close_at)
+    if opened < 0:
+      return ParseResult.malformed(f"</{tag}> has no matching <{tag}>; write <{tag}>...</{tag}>.",
+                                   raw=text[max(0, close_at - _ECHO_CHARS):close_at + len(tag) + 3])
+    raw = text[opened:close_at + len(tag) + 3]
+    body = text[opened + len(tag) + 2:close_at]
+    if tag == self.answer_tag:
+      return ParseResult("answer", answer=body.strip(), raw=raw)
+    return self._parse_call(body, raw)
+
+  def _parse_call(self, body: str, raw: str) -> ParseResult:
+    form = f'<{self.tag}>{{"name": "<tool>", "arguments": {{...}}}}</{self.tag}>'
+    if not body.strip():
+      return ParseResult.malformed(f"empty <{self.tag}> block; write {form}", raw=raw)
+    try:
+      obj = json.loads(body)
+    except json.JSONDecodeError as e:
+      return ParseResult.malformed(
+          f"invalid JSON in <{self.tag}>: {e.msg} at line {e.lineno} column {e.colno}; write {form}", raw=raw)
+    except (ValueError, RecursionError, TypeError) as e:  # e.g. over-long integers, deep nesting
+      return ParseResult.malformed(f"invalid JSON in <{self.tag}>: {type(e).__name__}: {str(e)[:200]}",
+                                   raw=raw)
+    if not isinstance(obj, dict):
+      return ParseResult.malformed(
+          f"the <{self.tag}> body must be a JSON object with \"name\" and \"arguments\", "
+          f"got a JSON {_json_type(obj)}", raw=raw)
+    name = obj.get("name")
+    if "name" not in obj:
+      return ParseResult.malformed(f"the call has no \"name\"; write {form}", raw=raw)
+    if not isinstance(name, str) or not name.strip():
+      return ParseResult.malformed(f"\"name\" must be a non-empty string, got {_quote(json.dumps(name))}",
+                                   raw=raw)
+    args = obj.get("arguments", {})
+    if isinstance(args, str):  # OpenAI style: the arguments object encoded as a string
+      try:
+        args = json.loads(args) if args.strip() else {}
+      except (ValueError, RecursionError, TypeError) as e:
+        msg = e.msg if isinstance(e, json.JSONDecodeError) else type(e).__name__
+        return ParseResult.malformed(f"\"arguments\" is a string but not a JSON object: {msg}", raw=raw)
+    if args is None:
+      args = {}
+    if not isinstance(args, dict):
+      return ParseResult.malformed(f"\"arguments\" must be a JSON object, got a JSON {_json_type(args)}",
+                                   raw=raw)
+    return ParseResult("tool_call", call=ToolCall(name.strip(), args, raw), raw=raw)
+
+
+def _json_type(value: Any) -> str:
+  if isinstance(value, bool):
+    return "boolean"
+  if isinstance(value, (int, float)):
+    return "number"
+  names = {str: "string", list: "array", dict: "object", type(None): "null"}
+  return names.get(type(value), type(value).__name__)

@@ -1,0 +1,531 @@
+"""The multi-turn rollout driver: G samples of many prompts through the engine, with tools.
+
+Where this sits: the trainer calls `rollout(engine, params, env, examples, ...)` (or keeps a
+`RolloutDriver`) each step and gets one `Trajectory` ledger per (prompt, sample), in order.
+This is `generate.scheduler.run_requests` generalised to many turns:
+
+* Continuous batching: trajectories wait in a queue; free KV slots are refilled by one batched
+  `prefill` + `insert`; every decoding slot advances `decode_steps` tokens per `generate` call.
+* A turn ends at a stop string (the parser's closing tags, checked on the host after every
+  token), at EOS, at the per-turn token budget (the engine's `remaining`) or at the slot's total
+  length (the engine's `limit`). A slot stopped by the host mid-call is rewound with
+  `update_slots` to the stop token, which stays pending (not yet in the cache).
+* At a tool call the trajectory leaves the decode batch (its slot is frozen, other slots keep
+  decoding) and its call goes to a `ToolExecutor`, which returns a future. Futures are polled
+  between device calls without blocking; when no slot is decoding, the driver waits on them (with
+  a timeout) instead of spinning. Finished calls are wrapped by the task and tokenized once; all
+  observations ready at that moment go into their slots in one `append` call (pending token +
+  observation, no re-prefill), which also samples each next turn's first token (DESIGN 5).
+* Budgets end or truncate a trajectory and are recorded as its `stop_reason`, never silently:
+  max turns, tokens per turn, total tokens (an observation that would not fit truncates the
+  trajectory), per-call tool timeout and per-trajectory tool time. Malformed calls, unknown tools,
+  bad arguments, tool errors and timeouts become error observations and counts (DESIGN 7).
+
+Reproducibility: each trajectory's sampler rng is `(seed, request_id, position)` with
+`request_id = request_id_offset + prompt_index * G + sample_index`, so tokens do not depend on
+slot assignment, batch composition or tool timing. Give each training step its own
+`request_id_offset` (e.g. `step * len(examples) * G`) or seed.
+
+The ledger records exactly the token ids and log-probs the engine returned; only observation
+tokens come from the tokenizer.
+"""
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import dataclasses
+import logging
+import math
+import time
+from typing import Sequence
+
+import jax
+import numpy as np
+
+from jaxagent.agent.env import Env, Episode, Example
+from jaxagent.agent.parsers import ParseResult
+from jaxagent.agent.trajectory import STOP_REASONS, ToolOutcome, Trajectory, Turn
+from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH
+from jaxagent.generate.scheduler import StopChecker
+from jaxagent.tools import (ToolArgumentError, ToolExecutor, ToolResult, UnknownToolError,
+                            validate_arguments)
+
+log = logging.getLogger(__name__)
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutConfig:
+  """Budgets and scheduling of multi-turn rollouts.
+
+  Attributes:
+    max_turns: policy turns per trajectory; a tool call in the last turn ends it ("max_turns").
+    max_tokens_per_turn: sampled tokens per turn (the engine's per-turn budget).
+    max_total_tokens: cap on a trajectory's whole length, prompt included (None: the engine's
+      cache length `max_len`; it may not exceed it).
+    tool_timeout_s: time limit of one tool call.
+    traj_tool_timeout_s: total tool time of one trajectory; reaching it ends the trajectory
+      ("tool_budget"). Each call's limit is the smaller of the two.
+    decode_steps: tokens per slot per `generate` call (more: fewer host round trips; fewer:
+      quicker reaction to stop strings and finished tools).
+    stop_strings: extra strings that end a turn, besides the parser's.
+    tool_poll_s: longest single wait on tool futures when no slot is decoding.
+    tool_workers: threads of the executor the driver creates when none is given (0: one per
+      engine slot, so every frozen slot can have its call running).
+  """
+
+  max_turns: int = 4
+  max_tokens_per_turn: int = 256
+  max_total_tokens: int | None = None
+  tool_timeout_s: float = 30.0
+  traj_tool_timeout_s: float = 120.0
+  decode_steps: int = 8
+  stop_strings: tuple[str, ...] = ()
+  tool_poll_s: float = 0.5
+  tool_workers: int = 0
+
+  def __post_init__(self):
+    for name in ("max_turns", "max_tokens_per_turn", "decode_steps"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+        raise ValueError(f"RolloutConfig.{name} must be an int >= 1, got {v!r}")
+    m = self.max_total_tokens
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 2):
+      raise ValueError(f"RolloutConfig.max_total_tokens must be None or an int >= 2, got {m!r}")
+    for name in ("tool_timeout_s", "traj_tool_timeout_s", "tool_poll_s"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isnan(v):
+        raise ValueError(f"RolloutConfig.{name} must be a number of seconds > 0 (inf allowed for "
+                         f"traj_tool_timeout_s), got {v!r}")
+    if math.isinf(self.tool_timeout_s) or math.isinf(self.tool_poll_s):
+      raise ValueError("RolloutConfig.tool_timeout_s and tool_poll_s must be finite")
+    if isinstance(self.stop_strings, str) or not all(isinstance(s, str) and s for s in self.stop_strings):
+      raise ValueError("RolloutConfig.stop_strings must be a tuple of non-empty strings, got "
+                       f"{self.stop_strings!r}")
+    object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+    if isinstance(self.tool_workers, bool) or not isinstance(self.tool_workers, int) or self.tool_workers < 0:
+      raise ValueError(f"RolloutConfig.tool_workers must be an int >= 0, got {self.tool_workers!r}")
+
+
+@dataclasses.dataclass
+class RolloutStats:
+  """Where the time of the last `RolloutDriver.run` went (host wall-clock seconds)."""
+
+  wall_s: float = 0.0
+  prefill_s: float = 0.0
+  generate_s: float = 0.0
+  append_s: float = 0.0
+  tool_wait_s: float = 0.0       # blocked on tool futures with no slot decoding
+  prefill_calls: int = 0
+  generate_calls: int = 0
+  append_calls: int = 0
+  update_calls: int = 0
+  decoded_tokens: int = 0        # valid sampled tokens (including those discarded after a stop)
+  max_concurrent_tools: int = 0
+
+  def to_dict(self) -> dict[str, float]:
+    return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(eq=False)
+class _Live:
+  """A trajectory bound to a KV slot."""
+
+  traj: Trajectory
+  episode: Episode
+  slot: int
+  limit: int
+  cached: int                     # host mirror of the slot's cache length (pending token excluded)
+  turn: int = 0
+  phase: str = "decode"           # "decode" | "tool" | "ready"
+  toks: list[int] = dataclasses.field(default_factory=list)
+  lps: list[float] = dataclasses.field(default_factory=list)
+  future: concurrent.futures.Future | None = None
+  obs_ids: list[int] | None = None
+
+
+@dataclasses.dataclass
+class _Job:
+  traj: Trajectory
+  example: Example
+  prompt: list[int]
+
+
+def _pow2(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+def _clean_text(text: str) -> str:
+  """Text the tokenizer can encode: lone surrogates (e.g. from JSON escapes) become '?'."""
+  return text.encode("utf-8", "replace").decode("utf-8")
+
+
+class RolloutDriver:
+  """Runs multi-turn trajectories of one env through one engine; reusable across steps.
+
+  Args:
+    engine: a `jaxagent.generate.Engine` (or an object with the same contract).
+    env: the task.
+    tokenizer: encodes observations and decodes turns (stop strings, parsing).
+    cfg: budgets and scheduling.
+    executor: a `ToolExecutor`; by default the driver creates one (`close()` shuts it down).
+  """
+
+  def __init__(self, engine, env: Env, *, tokenizer, cfg: RolloutConfig = RolloutConfig(),
+               executor: ToolExecutor | None = None):
+    ecfg = engine.ecfg
+    if cfg.max_total_tokens is not None and cfg.max_total_tokens > ecfg.max_len:
+      raise ValueError(f"RolloutConfig.max_total_tokens={cfg.max_total_tokens} exceeds the engine's "
+                       f"cache length max_len={ecfg.max_len}; lower it or build the engine with a "
+                       "larger max_len")
+    parser = getattr(env, "parser", None)
+    if not (callable(getattr(parser, "parse", None)) and callable(getattr(parser, "stop_strings", None))):
+      raise ValueError(f"env {getattr(env, 'name', env)!r} needs a `parser` with parse(text) and "
+                       "stop_strings() methods (see jaxagent.agent.parsers.Parser)")
+    self.engine, self.env, self.tokenizer, self.cfg = engine, env, tokenizer, cfg
+    self.limit = min(cfg.max_total_tokens or ecfg.max_len, ecfg.max_len)
+    self.limit_reason = "max_total_tokens" if self.limit < ecfg.max_len else "max_length"
+    self.eos_ids = frozenset(int(e) for e in ecfg.eos_ids)
+    stops = list(dict.fromkeys([*parser.stop_strings(), *cfg.stop_strings]))
+    self.stop = StopChecker(stops, tokenizer)
+    self._own_executor = executor is None
+    self.executor = executor if executor is not None else ToolExecutor(
+        max_workers=cfg.tool_workers or ecfg.slots, default_timeout_s=cfg.tool_timeout_s)
+    self.stats = RolloutStats()
+
+  def close(self) -> None:
+    """Shuts down the executor if the driver created it."""
+    if self._own_executor:
+      self.executor.shutdown(wait=False)
+
+  def __enter__(self) -> RolloutDriver:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+  def run(self, params, examples: Sequence[Example], *, num_samples: int = 1, seed: int = 0,
+          request_id_offset: int = 0) -> list[Trajectory]:
+    """`num_samples` trajectories per example; returned grouped by example, then sample."""
+    examples = list(examples)
+    for i, ex in enumerate(examples):
+      if not isinstance(ex, Example):
+        raise TypeError(f"examples[{i}] is a {type(ex).__name__}, not a jaxagent.agent.Example")
+    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+      raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    if not 0 <= int(seed) < 2**32:
+      raise ValueError(f"seed must be in [0, 2**32), got {seed}")
+    last = request_id_offset + len(examples) * num_samples - 1
+    if request_id_offset < 0 or last > _INT32_MAX:
+      raise ValueError(f"request ids {request_id_offset}..{last} must lie in [0, 2**31); lower "
+                       "request_id_offset (or vary the seed per step instead)")
+    run = _Run(self, params, int(seed))
+    return run.run(examples, num_samples, request_id_offset)
+
+
+def rollout(engine, params, env: Env, examples: Sequence[Example], *, tokenizer, num_samples: int = 1,
+            cfg: RolloutConfig = RolloutConfig(), seed: int = 0, executor: ToolExecutor | None = None,
+            request_id_offset: int = 0) -> list[Trajectory]:
+  """Runs `num_samples` (G) multi-turn trajectories for each example; see the module docstring.
+
+  Returns `len(examples) * num_samples` trajectories, example-major (group_id = example index).
+  """
+  driver = RolloutDriver(engine, env, tokenizer=tokenizer, cfg=cfg, executor=executor)
+  try:
+    return driver.run(params, examples, num_samples=num_samples, seed=seed,
+                      request_id_offset=request_id_offset)
+  finally:
+    driver.close()
+
+
+class _Run:
+  """The state of one `RolloutDriver.run` call."""
+
+  def __init__(self, driver: RolloutDriver, params, seed: int):
+    self.d = driver
+    self.engine, self.env, self.tok, self.cfg = driver.engine, driver.env, driver.tokenizer, driver.cfg
+    self.params, self.seed = params, seed
+    self.stats = driver.stats = RolloutStats()
+    self.queue: collections.deque[_Job] = collections.deque()
+    self.free = list(range(self.engine.ecfg.slots))[::-1]
+    self.live: dict[int, _Live] = {}
+    self.ready: list[_Live] = []
+    self.rewinds: list[tuple[int, int, int]] = []   # (slot, cache length, pending token)
+    self.state = None
+
+  # ------------------------------------------------------------------ main loop
+  def run(self, examples, num_samples, offset) -> list[Trajectory]:
+    t0 = time.perf_counter()
+    out: list[Trajectory] = []
+    for i, ex in enumerate(examples):
+      prompt = [int(t) for t in self.env.render_prompt(ex, self.tok)]
+      if not prompt:
+        raise ValueError(f"example {ex.id!r}: the rendered prompt is empty")
+      for g in range(num_samples):
+        traj = Trajectory(request_id=offset + i * num_samples + g, group_id=i, sample_index=g,
+                          example_id=ex.id)
+        traj.add_prompt(prompt)
+        out.append(traj)
+        if len(prompt) + 1 > self.d.limit:
+          log.warning("example %r: prompt of %d tokens leaves no room in %d total tokens",
+                      ex.id, len(prompt), self.d.limit)
+          traj.finish("prompt_too_long")
+        else:
+          self.queue.append(_Job(traj, ex, prompt))
+    if self.queue:
+      self.state = self.engine.init_decode_state()
+    try:
+      self._loop()
+    finally:
+      for lv in list(self.live.values()):  # only on an exception: release what is left
+        if lv.future is not None:
+          lv.future.cancel()
+        lv.episode.close()
+      self.stats.wall_s = time.perf_counter() - t0
+    return out
+
+  def _loop(self) -> None:
+    while self.queue or self.live:
+      self._poll_tools(block=False)
+      if self.ready:
+        self._append()
+      if self.queue and self.free:
+        self._admit()
+      decoding = [lv for lv in self.live.values() if lv.phase == "decode"]
+      if decoding:
+        self._generate(decoding)
+      elif not self.ready and not (self.queue and self.free):
+        if any(lv.phase == "tool" for lv in self.live.values()):
+          self._poll_tools(block=True)
+        elif self.live:
+          raise RuntimeError("rollout driver stalled: live trajectories are neither decoding, "
+                             "waiting on a tool nor ready to append (a driver bug)")
+
+  # ------------------------------------------------------------------ device calls
+  def _flush_rewinds(self) -> None:
+    """Freeze host-stopped slots at their stop token (padded to a power of two: bounded compiles)."""
+    if not self.rewinds:
+      return
+    rw, self.rewinds = self.rewinds, []
+    rw += [rw[0]] * (_pow2(len(rw)) - len(rw))  # duplicates write identical values
+    slots, lengths, tokens = (np.asarray(x, np.int32) for x in zip(*rw))
+    self.state = self.engine.update_slots(self.state, slots, lengths=lengths, tokens=tokens,
+                                          active=False, remaining=0)
+    self.stats.update_calls += 1
+
+  def _admit(self) -> None:
+    self._flush_rewinds()
+    n = min(len(self.free), len(self.queue))
+    jobs = [self.queue.popleft() for _ in range(n)]
+    slots = [self.free.pop() for _ in jobs]
+    t = time.perf_counter()
+    prefix = self.engine.prefill(self.params, [j.prompt for j in jobs],
+                                 [j.traj.request_id for j in jobs], self.seed,
+                                 [self.cfg.max_tokens_per_turn] * n, [self.d.limit] * n)
+    self.state = self.engine.insert(prefix, self.state, slots)
+    toks, lps, done = jax.device_get((prefix.tokens, prefix.logprobs, prefix.done))
+    self.stats.prefill_s += time.perf_counter() - t
+    self.stats.prefill_calls += 1
+    self.stats.decoded_tokens += n
+    for j, (job, slot) in enumerate(zip(jobs, slots)):
+      lv = _Live(job.traj, self.env.new_episode(job.example), slot, self.d.limit, cached=len(job.prompt))
+      self.live[slot] = lv
+      self._take(lv, toks[j], lps[j], int(done[j]))
+    self._flush_rewinds()
+
+  def _generate(self, decoding: list[_Live]) -> None:
+    self._flush_rewinds()
+    steps = self.cfg.decode_steps
+    kv = max(lv.cached for lv in decoding) + steps
+    t = time.perf_counter()
+    self.state, out = self.engine.generate(self.params, self.state, steps=steps, kv_len=kv)
+    toks, lps, valid, done = jax.device_get((out.tokens, out.logprobs, out.valid, out.done))
+    self.stats.generate_s += time.perf_counter() - t
+    self.stats.generate_calls += 1
+    for lv in decoding:
+      s = lv.slot
+      n = int(np.asarray(valid[:, s]).sum())
+      if n == 0:
+        raise RuntimeError(f"the engine sampled nothing for slot {s}, which the driver believes is "
+                           "decoding: engine and driver disagree about the slot's state")
+      self.stats.decoded_tokens += n
+      for j in range(n):
+        lv.cached += 1
+        if self._take(lv, toks[j, s], lps[j, s], int(done[s]) if j == n - 1 else RUNNING):
+          break
+    self._flush_rewinds()
+
+  def _append(self) -> None:
+    self._flush_rewinds()
+    batch, self.ready = self.ready, []
+    t = time.perf_counter()
+    self.state, (tok, lp, code) = self.engine.append(
+        self.params, self.state, [lv.slot for lv in batch], [lv.obs_ids for lv in batch],
+        max_new_tokens=[self.cfg.max_tokens_per_turn] * len(batch),
+        cached_lens=[lv.cached for lv in batch])
+    tok, lp, code = jax.device_get((tok, lp, code))
+    self.stats.append_s += time.perf_counter() - t
+    self.stats.append_calls += 1
+    self.stats.decoded_tokens += len(batch)
+    for j, lv in enumerate(batch):
+      span = lv.traj.add_observation(lv.obs_ids, lv.turn)
+      lv.traj.turns[-1].observation_span = span
+      lv.cached += 1 + len(lv.obs_ids)   # the pending stop token, then the observation
+      lv.obs_ids, lv.phase = None, "decode"
+      lv.turn += 1
+      self._take(lv, tok[j], lp[j], int(code[j]))
+    self._flush_rewinds()
+
+  # ------------------------------------------------------------------ per-token logic
+  def _take(self, lv: _Live, tok, lp, code: int) -> bool:
+    """Records one sampled token (pending at `lv.cached`); True when the turn ended."""
+    lv.toks.append(int(tok))
+    lv.lps.append(float(lp))
+    match = self.d.stop.check(lv.toks) if self.d.stop else None
+    if match is not None:
+      if code == RUNNING:  # the device would go on (or already did): freeze it at this token
+        self.rewinds.append((lv.slot, lv.cached, int(tok)))
+      self._end_turn(lv, "stop", match)
+      return True
+    if code != RUNNING:
+      ended = {STOP_EOS: "eos", STOP_BUDGET: "max_tokens_per_turn", STOP_LENGTH: "length"}.get(code)
+      if ended is None:
+        raise RuntimeError(f"unknown engine stop code {code}")
+      self._end_turn(lv, ended)
+      return True
+    return False
+
+  def _parse(self, text: str) -> ParseResult:
+    try:
+      parsed = self.env.parser.parse(text)
+    except Exception as e:  # noqa: BLE001 - a parser failure on model text is a malformed call
+      log.warning("parser %r raised on model output", self.env.parser, exc_info=True)
+      return ParseResult.malformed(f"the tool call could not be parsed ({type(e).__name__})")
+    if not isinstance(parsed, ParseResult):
+      return ParseResult.malformed(f"the parser returned {type(parsed).__name__}, not a ParseResult")
+    return parsed
+
+  def _end_turn(self, lv: _Live, ended_by: str, match: str | None = None) -> None:
+    traj = lv.traj
+    toks, lps, lv.toks, lv.lps = lv.toks, lv.lps, [], []
+    span = traj.add_policy(toks, lps, lv.turn)
+    text = self.tok.decode(toks)
+    turn = Turn(index=lv.turn, policy_span=span, text=text, ended_by=ended_by)
+    traj.turns.append(turn)
+    if ended_by == "stop":
+      cut = text.rfind(match)
+      parse_text = text[:cut + len(match)] if cut >= 0 else text
+    elif ended_by == "eos" and toks[-1] in self.d.eos_ids:
+      parse_text = self.tok.decode(toks[:-1])
+    else:
+      parse_text = text
+    parsed = self._parse(parse_text)
+    turn.set_parse(parsed)
+    if ended_by == "max_tokens_per_turn":
+      return self._finish(lv, "max_tokens_per_turn")
+    if ended_by == "length":
+      return self._finish(lv, self.d.limit_reason)
+    if parsed.kind == "answer":
+      return self._finish(lv, "answer")
+    if ended_by == "eos":
+      return self._finish(lv, "eos")
+    if parsed.kind == "text":
+      return self._finish(lv, "no_tool_call")
+    if lv.turn + 1 >= self.cfg.max_turns:
+      return self._finish(lv, "max_turns")
+    traj.num_tool_calls += 1
+    if parsed.kind == "malformed":
+      traj.malformed_calls += 1
+      traj.tool_errors += 1
+      return self._observe(lv, ToolResult.failure(parsed.error))
+    call = parsed.call
+    try:
+      tool = lv.episode.tools.get(call.name)
+    except UnknownToolError as e:
+      traj.unknown_tool_calls += 1
+      traj.tool_errors += 1
+      return self._observe(lv, ToolResult.failure(str(e)))
+    try:
+      args = validate_arguments(tool.parameters, call.arguments)
+    except ToolArgumentError as e:
+      traj.bad_argument_calls += 1
+      traj.tool_errors += 1
+      return self._observe(lv, ToolResult.failure(f"bad arguments for tool {call.name!r}: {e}"))
+    traj.valid_tool_calls += 1
+    traj.tool_calls[call.name] = traj.tool_calls.get(call.name, 0) + 1
+    timeout = min(self.cfg.tool_timeout_s, self.cfg.traj_tool_timeout_s - traj.tool_seconds)
+    lv.future = self.d.executor.submit(tool, args, timeout_s=max(timeout, 1e-3))
+    lv.phase = "tool"
+    waiting = sum(1 for x in self.live.values() if x.phase == "tool")
+    self.stats.max_concurrent_tools = max(self.stats.max_concurrent_tools, waiting)
+
+  # ------------------------------------------------------------------ tools
+  def _poll_tools(self, block: bool) -> None:
+    waiting = [lv for lv in self.live.values() if lv.phase == "tool"]
+    if not waiting:
+      return
+    if block:
+      t = time.perf_counter()
+      concurrent.futures.wait([lv.future for lv in waiting], timeout=self.cfg.tool_poll_s,
+                              return_when=concurrent.futures.FIRST_COMPLETED)
+      self.stats.tool_wait_s += time.perf_counter() - t
+    for lv in waiting:
+      if not lv.future.done():
+        continue
+      try:
+        result = lv.future.result()
+      except BaseException as e:  # noqa: BLE001 - a cancelled or broken future is a failed call
+        result = ToolResult.failure(f"the tool call failed: {type(e).__name__}: {e}")
+      if not isinstance(result, ToolResult):
+        result = ToolResult.failure(f"the tool executor returned {type(result).__name__}, not a ToolResult")
+      lv.future = None
+      if not result.ok:
+        lv.traj.tool_errors += 1
+        lv.traj.tool_timeouts += int(result.timed_out)
+      self._observe(lv, result)
+
+  def _observe(self, lv: _Live, result: ToolResult) -> None:
+    """Turns a call's result into observation tokens, or ends the trajectory if they cannot follow."""
+    traj, turn = lv.traj, lv.traj.turns[-1]
+    turn.outcome = ToolOutcome.from_result(result)
+    traj.tool_seconds += float(result.duration_s)
+    if traj.tool_seconds >= self.cfg.traj_tool_timeout_s - 1e-9:
+      return self._finish(lv, "tool_budget")
+    text = self.env.format_observation(result)
+    ids = [int(t) for t in self.env.encode_observation(_clean_text(text), self.tok)]
+    turn.observation_text = text
+    # The pending token, the observation and at least one new token must fit.
+    if lv.cached + 1 + len(ids) + 1 > lv.limit:
+      return self._finish(lv, self.d.limit_reason)
+    lv.obs_ids, lv.phase = ids, "ready"
+    self.ready.append(lv)
+
+  def _finish(self, lv: _Live, reason: str) -> None:
+    assert reason in STOP_REASONS, reason
+    lv.traj.finish(reason)
+    del self.live[lv.slot]
+    self.free.append(lv.slot)
+    lv.episode.close()
+
+
+def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
+  """Batch means for logging: `rollout/<budget>`, `rollout/stop/<reason>`, tool counts and rates."""
+  n = len(trajectories)
+  if n == 0:
+    return {}
+  out: dict[str, float] = {"rollout/num_trajectories": float(n)}
+  for key in ("turns", "policy_tokens", "total_tokens", "tool_seconds"):
+    out[f"rollout/{key}"] = float(np.mean([t.budgets()[key] for t in trajectories]))
+  out["rollout/truncated"] = float(np.mean([t.truncated for t in trajectories]))
+  for reason in STOP_REASONS:
+    out[f"rollout/stop/{reason}"] = sum(t.stop_reason == reason for t in trajectories) / n
+  for key in ("num_tool_calls", "valid_tool_calls", "tool_errors", "tool_timeouts", "malformed_calls",
+              "unknown_tool_calls", "bad_argument_calls"):
+    out[f"rollout/{key}"] = float(np.mean([getattr(t, key) for t in trajectories]))
+  calls = sum(t.num_tool_calls for t in trajectories)
+  out["rollout/tool_error_rate"] = sum(t.tool_errors for t in trajectories) / calls if calls else 0.0
+  names = sorted({k for t in trajectories for k in t.tool_calls})
+  for name in names:
+    out[f"rollout/tool/{name}"] = sum(t.tool_calls.get(name, 0) for t in trajectories) / n
+  return out

@@ -1,0 +1,199 @@
+"""Tool-call parsers: the conventions, precise malformed-call messages, and fuzzing (never raise)."""
+import json
+import time
+
+import pytest
+
+from jaxagent.agent import JSONToolCallParser, ParseResult, Parser, ToolCall, XMLTagParser
+
+hypothesis = pytest.importorskip("hypothesis")
+st = hypothesis.strategies
+
+XML = XMLTagParser({"search": ("search", "query"), "code": ("python", "code"),
+                    "calc": ("calculator", "expression")}, answer_tag="answer")
+JSON = JSONToolCallParser()
+JSON_ANS = JSONToolCallParser(answer_tag="answer")
+
+
+def test_parsers_satisfy_the_protocol_and_list_stop_strings():
+  assert isinstance(XML, Parser) and isinstance(JSON, Parser)
+  assert XML.stop_strings() == ["</search>", "</code>", "</calc>", "</answer>"]
+  assert JSON.stop_strings() == ["</tool_call>"]
+  assert JSON_ANS.stop_strings() == ["</tool_call>", "</answer>"]
+
+
+# ----------------------------------------------------------------------------------- XML
+
+
+@pytest.mark.parametrize("text,kind,expect", [
+    ("I should look it up. <search> capital of France </search>", "tool_call",
+     ToolCall("search", {"query": "capital of France"}, "<search> capital of France </search>")),
+    ("<code>\nx = 1\nprint(x)\n</code>\n  ", "tool_call",
+     ToolCall("python", {"code": "x = 1\nprint(x)"}, "<code>\nx = 1\nprint(x)\n</code>")),
+    ("<search>old</search> then <calc>2+2</calc>", "tool_call",
+     ToolCall("calculator", {"expression": "2+2"}, "<calc>2+2</calc>")),
+    ("<search>a <search>b</search>", "tool_call", ToolCall("search", {"query": "b"}, "<search>b</search>")),
+    ("So <answer> Paris </answer>", "answer", "Paris"),
+    ("<answer></answer>", "answer", ""),
+    ("just thinking out loud", "text", None),
+    ("<search>q</search> and then more words", "text", None),  # the block is not at the end
+    ("", "text", None),
+])
+def test_xml_parses_the_last_block_at_the_end(text, kind, expect):
+  r = XML.parse(text)
+  assert r.kind == kind
+  if kind == "tool_call":
+    assert r.call == expect
+  elif kind == "answer":
+    assert r.answer == expect
+
+
+@pytest.mark.parametrize("text,message", [
+    ("<search>unfinished", "<search> was opened but never closed"),
+    ("no opening</calc>", "</calc> has no matching <calc>"),
+    ("<calc>   </calc>", "empty <calc></calc> block: put the expression for calculator inside"),
+    ("<search>a</search>b</search>", "unbalanced <search> tags"),
+])
+def test_xml_malformed_calls_have_messages_for_the_model(text, message):
+  r = XML.parse(text)
+  assert r.kind == "malformed" and message in r.error and r.call is None
+
+
+def test_xml_config_errors():
+  with pytest.raises(ValueError, match="bare tag name"):
+    XMLTagParser({"se arch": ("search", "query")})
+  with pytest.raises(ValueError, match=r"\(tool name, argument name\)"):
+    XMLTagParser({"search": "search"})
+  with pytest.raises(ValueError, match="both a tool tag and the answer tag"):
+    XMLTagParser({"answer": ("a", "b")})
+  with pytest.raises(ValueError, match="at least one"):
+    XMLTagParser({}, answer_tag=None)
+
+
+# ----------------------------------------------------------------------------------- JSON
+
+
+def test_json_tool_calls():
+  text = 'ok\n<tool_call>\n  {"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>\n'
+  r = JSON.parse(text)
+  assert r.kind == "tool_call"
+  assert r.call.name == "calculator" and r.call.arguments == {"expression": "6*7"}
+  assert r.call.raw.startswith("<tool_call>") and r.call.raw.endswith("</tool_call>")
+  # OpenAI style string arguments, missing and null arguments.
+  r = JSON.parse('<tool_call>{"name": "f", "arguments": "{\\"a\\": [1, 2]}"}</tool_call>')
+  assert r.call.arguments == {"a": [1, 2]}
+  assert JSON.parse('<tool_call>{"name": " f "}</tool_call>').call == ToolCall("f", {}, '<tool_call>{"name": " f "}</tool_call>')
+  assert JSON.parse('<tool_call>{"name": "f", "arguments": null}</tool_call>').call.arguments == {}
+  # Only the last call counts; an answer tag when configured.
+  r = JSON.parse('<tool_call>{"name": "a"}</tool_call><tool_call>{"name": "b"}</tool_call>')
+  assert r.call.name == "b"
+  assert JSON_ANS.parse("<answer> 42 </answer>").answer == "42"
+  assert JSON.parse("The answer is 42.").kind == "text"
+  assert JSON.parse("<answer>42</answer>").kind == "text"  # no answer tag configured
+
+
+@pytest.mark.parametrize("body,message", [
+    ('{"name": "f", "arguments": {"a": 1}', "invalid JSON in <tool_call>: Expecting ',' delimiter at line 1 column 36"),
+    ("{'name': 'f'}", "invalid JSON in <tool_call>: Expecting property name enclosed in double quotes at line 1"),
+    ('["f", {}]', "must be a JSON object with \"name\" and \"arguments\", got a JSON array"),
+    ('"f"', "got a JSON string"),
+    ('{"arguments": {}}', 'the call has no "name"'),
+    ('{"name": 3}', '"name" must be a non-empty string'),
+    ('{"name": "  "}', '"name" must be a non-empty string'),
+    ('{"name": "f", "arguments": [1]}', '"arguments" must be a JSON object, got a JSON array'),
+    ('{"name": "f", "arguments": "x"}', '"arguments" is a string but not a JSON object'),
+    ('{"name": "f", "arguments": "[1]"}', '"arguments" must be a JSON object, got a JSON array'),
+    ("", "empty <tool_call> block"),
+    ("1" * 5000, "invalid JSON in <tool_call>: ValueError"),       # over Python's int-digit limit
+    ("[" * 100_000 + "]" * 100_000, "invalid JSON in <tool_call>"),  # deeper than the recursion limit
+])
+def test_json_malformed_calls_are_precise(body, message):
+  r = JSON.parse(f"<tool_call>{body}</tool_call>")
+  assert r.kind == "malformed" and message in r.error, r.error
+
+
+def test_json_unclosed_and_stray_tags():
+  assert "opened but never closed" in JSON.parse('<tool_call>{"name": "f"').error
+  assert "has no matching <tool_call>" in JSON.parse('{"name": "f"}</tool_call>').error
+
+
+def test_parse_result_invariants():
+  with pytest.raises(ValueError):
+    ParseResult("tool_call")
+  with pytest.raises(ValueError):
+    ParseResult("malformed")
+  with pytest.raises(ValueError):
+    ParseResult("bogus")
+
+
+def test_huge_inputs_parse_quickly():
+  blob = ("<search>" + "x" * 1000 + "</calc>\n") * 2000 + "<code>print(1)</code>"
+  t = time.perf_counter()
+  for p in (XML, JSON, JSON_ANS):
+    p.parse(blob)
+    p.parse("<" * 1_000_000)
+    p.parse("</tool_call>" * 100_000)
+  assert XML.parse(blob).call == ToolCall("python", {"code": "print(1)"}, "<code>print(1)</code>")
+  assert time.perf_counter() - t < 5.0
+
+
+# ----------------------------------------------------------------------------------- fuzzing
+
+# Any code point, lone surrogates included (they are also spliced in explicitly, being rare here).
+_chars = st.characters(blacklist_categories=())
+_tags = ["<search>", "</search>", "<code>", "</code>", "<calc>", "</calc>", "<answer>", "</answer>",
+         "<tool_call>", "</tool_call>", "<", ">", "</", "{", "}", '"name"', '"arguments"', ":", ",", "[",
+         "]", '"', "\\", "\\u", "\\ud800", "null", "true", "1e999", "NaN", "-", "\n", " ",
+         "\ud800", "\udfff", "\ud83d\ude00", "\x00", "\ufffd"]
+_pieces = st.one_of(st.text(_chars, max_size=20), st.sampled_from(_tags))
+_model_text = st.lists(_pieces, max_size=40).map("".join)
+
+_json = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(_chars, max_size=10),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(_chars, max_size=8), children,
+                                                                       max_size=4),
+    max_leaves=12)
+
+
+def _valid_result(r):
+  assert isinstance(r, ParseResult) and r.kind in ("tool_call", "answer", "text", "malformed")
+  if r.kind == "tool_call":
+    assert isinstance(r.call.name, str) and r.call.name and isinstance(r.call.arguments, dict)
+  if r.kind == "malformed":
+    assert isinstance(r.error, str) and r.error
+
+
+@hypothesis.settings(max_examples=400, deadline=None)
+@hypothesis.given(text=_model_text)
+def test_fuzz_model_text_never_raises(text):
+  for p in (XML, JSON, JSON_ANS):
+    r = p.parse(text)
+    _valid_result(r)
+    assert p.parse(text) == r  # deterministic
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(name=st.text(_chars, min_size=1, max_size=12), args=st.dictionaries(
+    st.text(_chars, max_size=8), _json, max_size=4), cut=st.integers(0, 10_000),
+    junk=st.text(_chars, max_size=5), data=st.data())
+def test_fuzz_mutated_json_calls(name, args, cut, junk, data):
+  body = json.dumps({"name": name, "arguments": args}, ensure_ascii=data.draw(st.booleans()))
+  text = f"<tool_call>{body}</tool_call>"
+  r = JSON.parse(text)
+  if name.strip() and "</tool_call>" not in body:
+    assert r.kind == "tool_call" and r.call.name == name.strip() and r.call.arguments == args
+  # Truncated, spliced and nested variants never raise.
+  cut %= len(text) + 1
+  for variant in (text[:cut], text[:cut] + junk + text[cut:], "<tool_call>" + text,
+                  text.replace("}", "", 1), text + "</tool_call>", text[cut:]):
+    _valid_result(JSON.parse(variant))
+    _valid_result(JSON_ANS.parse(variant))
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(body=st.text(_chars, max_size=50), tag=st.sampled_from(["search", "code", "calc"]))
+def test_fuzz_xml_round_trip(body, tag):
+  r = XML.parse(f"thinking <{tag}>{body}</{tag}>")
+  _valid_result(r)
+  if "<" not in body and ">" not in body and body.strip():
+    assert r.kind == "tool_call" and list(r.call.arguments.values()) == [body.strip()]

@@ -1,0 +1,681 @@
+"""Rollout driver: scripted multi-turn episodes on a fake engine, budgets, 256 chaotic concurrent
+trajectories, and the real tiny model (ledger == engine samples == training forward logprobs)."""
+import dataclasses
+import random
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent import models
+from jaxagent.agent import (OBSERVATION, OBSERVATION_TEMPLATES, POLICY, PROMPT, CalculatorEnv, Env,
+                            Episode, Example, JSONToolCallParser, ParseResult, RolloutConfig,
+                            RolloutDriver, ToolCall, XMLTagParser, rollout, rollout_metrics)
+from jaxagent.generate import Engine, EngineConfig, SamplingConfig
+from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH
+from jaxagent.rewards import RewardOutput
+from jaxagent.tools import ToolExecutor, ToolRegistry, ToolResult, function_tool
+
+EOS = 3
+
+
+class CharTokenizer:
+  """id i <-> chr(i) for i < 512 (fits the tiny models' vocab); EOS is id 3."""
+
+  eos_ids = frozenset({EOS})
+
+  def encode(self, text):
+    return [ord(c) if ord(c) < 512 else ord("?") for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(int(i)) for i in ids)
+
+
+TOK = CharTokenizer()
+
+# --------------------------------------------------------------------------------------- fake engine
+
+
+@dataclasses.dataclass
+class _FakePrefix:
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  done: np.ndarray
+  prompts: list
+  request_ids: list
+  budgets: list
+  limits: list
+
+
+@dataclasses.dataclass
+class _FakeOut:
+  tokens: np.ndarray
+  logprobs: np.ndarray
+  valid: np.ndarray
+  done: np.ndarray
+
+
+class _FakeState:
+  def __init__(self, slots):
+    self.seq = [[] for _ in range(slots)]        # cache tokens + the pending token
+    self.active = np.zeros(slots, bool)
+    self.remaining = np.zeros(slots, np.int64)
+    self.limit = np.zeros(slots, np.int64)
+    self.rid = np.full(slots, -1, np.int64)
+    self.turn = np.zeros(slots, np.int64)
+    self.turn_start = np.zeros(slots, np.int64)  # position of the current turn's first token
+
+
+class FakeEngine:
+  """The `jaxagent.generate.Engine` contract over host lists, with a scripted policy.
+
+  `script(request_id, turn)` gives a turn's token ids; past them the policy repeats `filler`. The
+  logprob of a token is a deterministic function of (request id, position). The fake checks the
+  driver's side of the contract (appends only into frozen slots at the host-known length, rewinds
+  only to tokens it sampled, kv_len covers the active slots) and keeps every trajectory's final
+  sequence for comparison with the ledger.
+  """
+
+  def __init__(self, script, *, slots=4, max_len=256, eos_ids=(EOS,), filler=ord("~")):
+    self.ecfg = EngineConfig(slots=slots, max_len=max_len, eos_ids=tuple(eos_ids))
+    self.script, self.filler = script, filler
+    self.final: dict[int, list[int]] = {}
+    self.sampled: dict[int, dict[int, tuple[int, float]]] = {}  # rid -> position -> (token, lp)
+    self.calls = {"prefill": 0, "generate": 0, "append": 0, "update": 0, "append_rows": 0}
+    self._state = None
+
+  @staticmethod
+  def logprob(rid, pos):
+    return -0.001 * pos - 0.0001 * (rid % 17) - 0.5
+
+  def _sample(self, st, s):
+    rid, pos = int(st.rid[s]), len(st.seq[s])
+    turn = self.script(rid, int(st.turn[s]))
+    k = pos - int(st.turn_start[s])
+    tok = turn[k] if k < len(turn) else self.filler
+    lp = self.logprob(rid, pos)
+    st.seq[s].append(int(tok))
+    self.sampled.setdefault(rid, {})[pos] = (int(tok), lp)
+    return int(tok), lp
+
+  def _code(self, tok, length, remaining, limit):
+    if tok in self.ecfg.eos_ids:
+      return STOP_EOS
+    if remaining <= 0:
+      return STOP_BUDGET
+    if length + 1 >= limit:
+      return STOP_LENGTH
+    return RUNNING
+
+  def init_decode_state(self):
+    self._state = _FakeState(self.ecfg.slots)
+    return self._state
+
+  def prefill(self, params, prompts, request_ids, seeds=0, max_new_tokens=None, max_total_len=None):
+    self.calls["prefill"] += 1
+    for p in prompts:
+      assert 0 < len(p) < self.ecfg.max_len
+    n = len(prompts)
+    budgets = [self.ecfg.max_len] * n if max_new_tokens is None else list(max_new_tokens)
+    limits = [self.ecfg.max_len] * n if max_total_len is None else list(max_total_len)
+    return _FakePrefix(None, None, None, [list(p) for p in prompts], list(request_ids), budgets, limits)
+
+  def insert(self, prefix, state, slots):
+    assert state is self._state
+    toks, lps, done = [], [], []
+    for p, rid, b, lim, s in zip(prefix.prompts, prefix.request_ids, prefix.budgets, prefix.limits, slots):
+      assert not state.active[s], f"insert into live slot {s}"
+      old = int(state.rid[s])
+      if old >= 0:
+        self.final[old] = list(state.seq[s])
+      state.seq[s] = list(p)
+      state.rid[s], state.turn[s], state.turn_start[s] = rid, 0, len(p)
+      state.limit[s] = lim
+      tok, lp = self._sample(state, s)
+      state.remaining[s] = b - 1
+      code = self._code(tok, len(p), b - 1, lim)
+      state.active[s] = code == RUNNING
+      toks.append(tok), lps.append(lp), done.append(code)
+    prefix.tokens, prefix.logprobs, prefix.done = np.array(toks), np.array(lps), np.array(done)
+    return state
+
+  def generate(self, params, state, steps=1, kv_len=None):
+    self.calls["generate"] += 1
+    s_n = self.ecfg.slots
+    out = _FakeOut(np.zeros((steps, s_n), np.int64), np.zeros((steps, s_n)), np.zeros((steps, s_n), bool),
+                   np.zeros(s_n, np.int64))
+    for s in range(s_n):
+      if state.active[s]:
+        assert kv_len >= len(state.seq[s]) - 1 + steps - 1, "kv_len does not cover an active slot"
+    done = np.zeros(s_n, np.int64)
+    for j in range(steps):
+      for s in range(s_n):
+        if not state.active[s]:
+          continue
+        tok, lp = self._sample(state, s)
+        state.remaining[s] -= 1
+        code = self._code(tok, len(state.seq[s]) - 1, state.remaining[s], state.limit[s])
+        out.tokens[j, s], out.logprobs[j, s], out.valid[j, s] = tok, lp, True
+        done[s] = code
+        state.active[s] = code == RUNNING
+    out.done = done
+    return state, out
+
+  def append(self, params, state, slots, observations, max_new_tokens=None, cached_lens=None):
+    self.calls["append"] += 1
+    self.calls["append_rows"] += len(slots)
+    toks, lps, codes = [], [], []
+    budgets = [self.ecfg.max_len] * len(slots) if max_new_tokens is None else list(max_new_tokens)
+    for i, (s, obs) in enumerate(zip(slots, observations)):
+      assert not state.active[s], f"append into a slot that is still decoding ({s})"
+      assert cached_lens[i] == len(state.seq[s]) - 1, "host and device disagree on the cache length"
+      state.seq[s].extend(int(t) for t in obs)
+      assert len(state.seq[s]) + 1 <= state.limit[s], "the driver appended an observation that does not fit"
+      state.turn[s] += 1
+      state.turn_start[s] = len(state.seq[s])
+      tok, lp = self._sample(state, s)
+      state.remaining[s] = budgets[i] - 1
+      code = self._code(tok, len(state.seq[s]) - 1, state.remaining[s], state.limit[s])
+      state.active[s] = code == RUNNING
+      toks.append(tok), lps.append(lp), codes.append(code)
+    return state, (np.array(toks), np.array(lps), np.array(codes))
+
+  def update_slots(self, state, slots, *, lengths, tokens, active, remaining=None):
+    self.calls["update"] += 1
+    n = len(np.atleast_1d(slots))
+    lengths = np.broadcast_to(lengths, (n,))
+    tokens = np.broadcast_to(tokens, (n,))
+    active = np.broadcast_to(active, (n,))
+    for s, length, tok, act in zip(np.atleast_1d(slots), lengths, tokens, active):
+      assert state.seq[s][length] == tok, "rewind to a token the engine did not sample there"
+      assert length >= state.turn_start[s]
+      state.seq[s] = state.seq[s][:length + 1]
+      state.active[s] = act
+      state.remaining[s] = 0 if remaining is None else np.broadcast_to(remaining, (n,))[0]
+    return state
+
+  def finalize(self):
+    st = self._state
+    for s in range(self.ecfg.slots):
+      if st.rid[s] >= 0:
+        self.final[int(st.rid[s])] = list(st.seq[s])
+    return self.final
+
+
+def check_ledger(traj, fake, tok=TOK):
+  """The ledger is the engine's final sequence; policy tokens/logprobs are what it sampled."""
+  final = fake.final[traj.request_id]
+  assert traj.token_ids == final
+  for t in np.flatnonzero(traj.roles == POLICY):
+    assert fake.sampled[traj.request_id][int(t)] == (traj.token_ids[t], traj.logprob_list[t])
+  assert np.all(traj.logprobs[traj.roles != POLICY] == 0.0)
+  np.testing.assert_array_equal(traj.loss_mask(), (traj.roles == POLICY).astype(np.float32))
+
+
+# --------------------------------------------------------------------------------------- envs
+
+
+class ScriptedCalcEnv(CalculatorEnv):
+  """The calculator env with a second tool that misbehaves on demand."""
+
+  def __init__(self, extra_tools=()):
+    super().__init__()
+    self.tools = ToolRegistry([*self.tools, *extra_tools])
+    self.parser = XMLTagParser({"calc": ("calculator", "expression"),
+                                **{t.name: (t.name, next(iter(t.parameters["properties"])))
+                                   for t in extra_tools}}, answer_tag="answer")
+
+
+def _examples(n):
+  return [Example(id=f"q{i}", prompt=f"Q{i}: what is {i}+1?", gold=str(i + 1)) for i in range(n)]
+
+
+def _script_from_texts(texts_by_rid):
+  cache = {rid: [TOK.encode(t) for t in turns] for rid, turns in texts_by_rid.items()}
+
+  def script(rid, turn):
+    turns = cache[rid]
+    return turns[turn] if turn < len(turns) else []
+  return script
+
+
+def test_scripted_multi_turn_ledger_is_exact():
+  env = CalculatorEnv()
+  # The policy would go on after its closing tag; the turn (and the ledger) must stop there.
+  turns = ["Let me compute. <calc>2+3</calc>", "\nnow <calc>5*7</calc>", "<answer>35</answer>"]
+  texts = {rid: [t + " and more" for t in turns] for rid in range(12)}
+  fake = FakeEngine(_script_from_texts(texts), slots=5, max_len=256)
+  cfg = RolloutConfig(max_turns=4, max_tokens_per_turn=64, decode_steps=3)
+  trajs = rollout(fake, None, env, _examples(4), tokenizer=TOK, num_samples=3, cfg=cfg, seed=0)
+  fake.finalize()
+  assert [(t.group_id, t.sample_index, t.request_id) for t in trajs] == [
+      (i, g, i * 3 + g) for i in range(4) for g in range(3)]
+  want_obs = [TOK.encode(env.format_observation(ToolResult(ok=True, output=v))) for v in ("5", "35")]
+  assert want_obs[0] == TOK.encode("<result>5</result>")
+  for traj in trajs:
+    check_ledger(traj, fake)
+    assert traj.stop_reason == "answer" and not traj.truncated
+    assert traj.final_answer == "35"
+    assert [t.action for t in traj.turns] == ["tool_call", "tool_call", "answer"]
+    assert traj.turn_texts() == turns  # each turn stopped exactly at its closing tag
+    # Roles: prompt, policy, observation, policy, observation, policy; observation tokens exact.
+    runs = [(traj.role_ids[a], b - a) for a, b in traj._role_runs()]
+    assert [r for r, _ in runs] == [PROMPT, POLICY, OBSERVATION, POLICY, OBSERVATION, POLICY]
+    for k, ids in enumerate(want_obs):
+      a, b = traj.turns[k].observation_span
+      assert traj.token_ids[a:b] == ids
+      assert np.all(traj.loss_mask()[a:b] == 0)
+      assert np.all(traj.turn_index[a:b] == k)
+    assert traj.num_tool_calls == traj.valid_tool_calls == 2 and traj.tool_errors == 0
+    assert traj.tool_calls == {"calculator": 2}
+    assert traj.num_policy_tokens == sum(len(TOK.encode(t)) for t in turns)
+    rew = env.reward(traj, Example("x", "p", gold="35"), TOK, step=0)
+    assert rew.components["correct"] == 1.0
+  # Observations were batched: fewer append calls than appended observations.
+  assert fake.calls["append_rows"] == 2 * len(trajs)
+  assert fake.calls["append"] < fake.calls["append_rows"]
+  metrics = rollout_metrics(trajs)
+  assert metrics["rollout/stop/answer"] == 1.0 and metrics["rollout/tool/calculator"] == 2.0
+
+
+def test_chatml_tool_turns_with_the_smollm2_tokenizer():
+  try:
+    tok = models.load_tokenizer("smollm2-135m-instruct")
+  except Exception as e:  # noqa: BLE001 - the GGUF ships in an optional pip package
+    pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
+
+  class ChatCalc(CalculatorEnv):
+    observation_template = OBSERVATION_TEMPLATES["chatml_tool"]
+
+    def __init__(self):
+      super().__init__()
+      self.parser = JSONToolCallParser()
+
+  env = ChatCalc()
+  turns = ['<tool_call>\n{"name": "calculator", "arguments": {"expression": "6*7"}}\n</tool_call>',
+           "The answer is 42.<|im_end|>"]
+  ids = [tok.encode(t) for t in turns]
+  fake = FakeEngine(lambda rid, k: ids[k] if k < 2 else [], slots=2, max_len=512,
+                    eos_ids=tuple(sorted(tok.eos_ids)), filler=tok.encode("x")[0])
+  ex = Example("c", [{"role": "user", "content": "What is 6*7?"}], gold="42")
+  trajs = rollout(fake, None, env, [ex], tokenizer=tok, num_samples=2,
+                  cfg=RolloutConfig(max_turns=3, max_tokens_per_turn=64, decode_steps=4))
+  fake.finalize()
+  obs_text = OBSERVATION_TEMPLATES["chatml_tool"].format(output="42")
+  for traj in trajs:
+    check_ledger(traj, fake, tok)
+    assert traj.stop_reason == "eos"
+    assert traj.prompt_ids == tok.encode_chat(list(ex.prompt))
+    a, b = traj.turns[0].observation_span
+    assert traj.token_ids[a:b] == tok.encode(obs_text)
+    assert tok.decode(traj.token_ids[a:b]).startswith("<|im_end|>\n<|im_start|>user\n<tool_response>")
+    assert traj.turns[0].call == ToolCall("calculator", {"expression": "6*7"}, turns[0])
+    assert np.all(traj.loss_mask()[a:b] == 0)
+    # The response reads as a well-formed chat continuation.
+    assert traj.response_text(tok) == turns[0] + obs_text + turns[1]
+
+
+# --------------------------------------------------------------------------------------- budgets
+
+
+@function_tool
+def nap(seconds: str) -> str:
+  """Sleep, then report."""
+  time.sleep(float(seconds))
+  return f"slept {seconds}"
+
+
+@function_tool
+def pair(a: str, b: str) -> str:
+  """Join two strings (the XML convention can only fill `a`: a missing argument)."""
+  return a + b
+
+
+def _run(texts, *, env=None, cfg=None, max_len=256, slots=2, prompts=1, samples=1, **kw):
+  env = env or ScriptedCalcEnv([nap])
+  fake = FakeEngine(_script_from_texts(texts), slots=slots, max_len=max_len)
+  cfg = cfg or RolloutConfig(max_turns=4, max_tokens_per_turn=48, decode_steps=4)
+  trajs = rollout(fake, None, env, _examples(prompts), tokenizer=TOK, num_samples=samples, cfg=cfg, **kw)
+  fake.finalize()
+  for t in trajs:
+    if t.stop_reason != "prompt_too_long":
+      check_ledger(t, fake)
+  return trajs
+
+
+def test_max_turns_ends_without_running_the_last_call():
+  trajs = _run({0: ["<calc>1+1</calc>"] * 5}, cfg=RolloutConfig(max_turns=2, decode_steps=2))
+  (t,) = trajs
+  assert (t.stop_reason, t.truncated, t.num_turns) == ("max_turns", True, 2)
+  assert t.num_tool_calls == 1 and t.turns[1].outcome is None and t.turns[1].observation_span is None
+  assert t.turns[1].action == "tool_call"
+
+
+def test_tokens_per_turn_budget():
+  (t,) = _run({0: ["<calc>1+1</calc>", "a" * 100]},
+              cfg=RolloutConfig(max_tokens_per_turn=20, decode_steps=8))
+  assert (t.stop_reason, t.truncated) == ("max_tokens_per_turn", True)
+  a, b = t.turns[1].policy_span
+  assert b - a == 20 and t.turns[1].ended_by == "max_tokens_per_turn"
+
+
+def test_observation_that_does_not_fit_truncates():
+  prompt_len = len(TOK.encode(_examples(1)[0].prompt))
+  call = "<calc>123456789*987654321</calc>"
+  # Room for the call and two more tokens, not for "<result>121932631112635269</result>".
+  limit = prompt_len + len(call) + 6
+  (t,) = _run({0: [call, "<answer>1</answer>"]},
+              cfg=RolloutConfig(max_total_tokens=limit, decode_steps=4))
+  assert (t.stop_reason, t.truncated) == ("max_total_tokens", True)
+  assert t.turns[0].outcome.ok and t.turns[0].observation_span is None
+  assert "121932631112635269" in t.turns[0].observation_text
+  assert len(t) <= limit and t.num_observation_tokens == 0
+
+
+def test_total_length_stops_decoding_at_the_limit():
+  (t,) = _run({0: ["x" * 500]}, cfg=RolloutConfig(max_tokens_per_turn=400, max_total_tokens=64,
+                                                    decode_steps=8))
+  assert (t.stop_reason, len(t)) == ("max_total_tokens", 64)
+  (t,) = _run({0: ["x" * 500]}, max_len=64, cfg=RolloutConfig(max_tokens_per_turn=400, decode_steps=8))
+  assert (t.stop_reason, len(t)) == ("max_length", 64)
+
+
+def test_errors_become_observations_and_counts():
+  texts = {0: ["<calc>1/0</calc>", "<calc></calc>", "</calc>", '<pair>abc</pair>',
+               "<calc>2**3</calc>", "<answer>8</answer>"]}
+  (t,) = _run(texts, env=ScriptedCalcEnv([pair]), max_len=1024, cfg=RolloutConfig(max_turns=8, decode_steps=4))
+  assert t.stop_reason == "answer", t.render(TOK)
+  assert [x.action for x in t.turns] == ["tool_call", "malformed", "malformed", "tool_call", "tool_call",
+                                         "answer"]
+  assert (t.num_tool_calls, t.valid_tool_calls, t.tool_errors) == (5, 2, 4)
+  assert (t.malformed_calls, t.bad_argument_calls) == (2, 1)
+  assert "division by zero" in t.turns[0].observation_text.lower()
+  assert "empty <calc></calc>" in t.turns[1].observation_text
+  assert "no matching <calc>" in t.turns[2].observation_text
+  assert "bad arguments" in t.turns[3].observation_text and t.turns[3].outcome.ok is False
+  assert t.turns[4].observation_text == "<result>8</result>"
+  inp = t.to_reward_input(TOK, "8")
+  assert (inp.num_tool_calls, inp.num_valid_tool_calls, inp.num_tool_errors) == (5, 2, 4)
+
+
+def test_unknown_tool_and_json_edge_cases():
+  class JsonEnv(ScriptedCalcEnv):
+    def __init__(self):
+      super().__init__([nap])
+      self.parser = JSONToolCallParser(answer_tag="answer")
+
+  texts = {0: ['<tool_call>{"name": "search", "arguments": {"q": "x"}}</tool_call>',
+               '<tool_call>{"name": "calculator", "arguments": [1]}</tool_call>',
+               '<tool_call>{"name": "calculator", "arguments": "{\\"expression\\": \\"\\\\ud800\\"}"}</tool_call>',
+               '<tool_call>{"name": "calculator", "arguments": {"expression": "1+2"}}</tool_call>',
+               "<answer>3</answer>"]}
+  (t,) = _run(texts, env=JsonEnv(), max_len=1024, cfg=RolloutConfig(max_turns=8, decode_steps=4))
+  assert t.stop_reason == "answer"
+  assert t.unknown_tool_calls == 1 and "unknown tool 'search'" in t.turns[0].observation_text
+  assert t.malformed_calls == 1 and "must be a JSON object" in t.turns[1].observation_text
+  assert t.turns[2].outcome.ok is False  # a lone surrogate reached the tool: an error, not a crash
+  assert t.turns[3].observation_text == "<result>3</result>"
+
+
+def test_eos_no_tool_call_and_prompt_too_long():
+  env = ScriptedCalcEnv([nap])
+  texts = {0: ["I give up." + chr(EOS)], 1: ["thinking... STOP"], 2: ["<calc>1+1</calc>", "<answer>2"
+                                                                                           "</answer>"]}
+  trajs = _run(texts, env=env, prompts=3, cfg=RolloutConfig(stop_strings=("STOP",), decode_steps=4))
+  assert [t.stop_reason for t in trajs] == ["eos", "no_tool_call", "answer"]
+  assert trajs[0].token_ids[-1] == EOS and trajs[0].turns[0].ended_by == "eos"
+  assert not any(t.truncated for t in trajs)
+  long_ex = [Example("long", "p" * 300)]
+  fake = FakeEngine(_script_from_texts({}), max_len=256)
+  (t,) = rollout(fake, None, env, long_ex, tokenizer=TOK, cfg=RolloutConfig())
+  assert (t.stop_reason, t.truncated, t.num_policy_tokens) == ("prompt_too_long", True, 0)
+  assert fake.calls["prefill"] == 0
+
+
+def test_tool_timeouts_and_trajectory_tool_budget():
+  texts = {0: ["<nap>0.3</nap>", "<nap>0.01</nap>", "<answer>1</answer>"],
+           1: ["<nap>0.3</nap>", "<nap>1</nap>", "<answer>1</answer>"]}
+  cfg = RolloutConfig(max_turns=5, tool_timeout_s=0.2, traj_tool_timeout_s=0.35, decode_steps=4)
+  t0, t1 = _run(texts, prompts=1, samples=2, cfg=cfg)
+  # Per-call timeout: an error observation, and the trajectory goes on.
+  assert t0.turns[0].outcome.timed_out and t0.tool_timeouts == 1 and t0.tool_errors == 1
+  assert "timed out" in t0.turns[0].observation_text
+  assert t0.stop_reason == "answer"
+  # The second call gets only the 0.15 s left of the trajectory's 0.35 s: it ends the trajectory.
+  assert (t1.stop_reason, t1.truncated) == ("tool_budget", True)
+  assert t1.turns[1].outcome.timed_out and t1.turns[1].observation_span is None
+  assert t1.tool_seconds == pytest.approx(0.35, abs=1e-6)
+
+
+class _ClosingEnv(ScriptedCalcEnv):
+  """Counts per-trajectory episode opens and closes."""
+
+  def __init__(self):
+    super().__init__([nap])
+    self.opened, self.closed = 0, 0
+    self.lock = threading.Lock()
+
+  def new_episode(self, example):
+    env = self
+
+    class Owned:
+      def close(self):
+        with env.lock:
+          env.closed += 1
+
+    with self.lock:
+      self.opened += 1
+    return Episode(self.tools, owned=[Owned()])
+
+
+def test_episodes_are_closed_and_reruns_are_reproducible():
+  texts = {rid: ["<calc>1+%d</calc>" % rid, "<answer>%d</answer>" % (rid + 1)] for rid in range(10)}
+  env = _ClosingEnv()
+  fake = FakeEngine(_script_from_texts(texts), slots=3)
+  driver = RolloutDriver(fake, env, tokenizer=TOK, cfg=RolloutConfig(decode_steps=5))
+  with driver:
+    a = driver.run(None, _examples(5), num_samples=2, seed=1)
+    b = driver.run(None, _examples(5), num_samples=2, seed=1)
+  assert env.opened == env.closed == 20
+  assert [t.to_dict() | {"budgets": None, "turns": None} for t in a] == [
+      t.to_dict() | {"budgets": None, "turns": None} for t in b]
+  assert driver.stats.generate_calls > 0 and driver.stats.wall_s > 0
+
+
+def test_config_validation():
+  with pytest.raises(ValueError, match="max_turns"):
+    RolloutConfig(max_turns=0)
+  with pytest.raises(ValueError, match="tool_timeout_s"):
+    RolloutConfig(tool_timeout_s=-1)
+  with pytest.raises(ValueError, match="stop_strings"):
+    RolloutConfig(stop_strings="</a>")
+  fake = FakeEngine(_script_from_texts({}), max_len=128)
+  with pytest.raises(ValueError, match="max_total_tokens=200 exceeds"):
+    RolloutDriver(fake, CalculatorEnv(), tokenizer=TOK, cfg=RolloutConfig(max_total_tokens=200))
+  with pytest.raises(TypeError, match="not a jaxagent.agent.Example"):
+    rollout(fake, None, CalculatorEnv(), ["what is 1+1?"], tokenizer=TOK)
+
+
+# --------------------------------------------------------------------------------------- chaos
+
+
+@function_tool
+def chaos(mode: str) -> str:
+  """Sleep, fail or hang according to `mode` ("ok:SECONDS", "raise", "hang", "garbage")."""
+  if mode.startswith("ok:"):
+    time.sleep(float(mode[3:]))
+    return "fine"
+  if mode == "raise":
+    raise RuntimeError("tool exploded")
+  if mode == "hang":
+    time.sleep(0.8)
+    return "too late"
+  return 42  # type: ignore[return-value]  # not a str: the executor reports it as an error
+
+
+def test_256_concurrent_trajectories_with_chaotic_tools():
+  rng = random.Random(0)
+  n_prompts, g = 64, 4
+  plans, texts = {}, {}
+  for rid in range(n_prompts * g):
+    modes = [rng.choice(["ok:0", "ok:0.01", "ok:0.03", "raise", "hang", "garbage"]) for _ in range(3)]
+    plans[rid] = modes
+    texts[rid] = [f"step {k} <chaos>{m}</chaos>" for k, m in enumerate(modes)] + ["<answer>done</answer>"]
+  env = ScriptedCalcEnv([chaos])
+  fake = FakeEngine(_script_from_texts(texts), slots=128, max_len=512)
+  # Timeouts far above the "ok" sleeps, so a loaded machine cannot turn an ok call into a timeout.
+  cfg = RolloutConfig(max_turns=6, max_tokens_per_turn=64, tool_timeout_s=0.4, decode_steps=8)
+  with ToolExecutor(max_workers=128, max_stuck_threads=256) as ex:
+    t = time.perf_counter()
+    trajs = rollout(fake, None, env, _examples(n_prompts), tokenizer=TOK, num_samples=g, cfg=cfg,
+                    executor=ex)
+    wall = time.perf_counter() - t
+  fake.finalize()
+  assert len(trajs) == 256
+  for traj in trajs:
+    check_ledger(traj, fake)
+    modes = plans[traj.request_id]
+    assert traj.stop_reason == "answer", traj.render(TOK)
+    assert traj.num_tool_calls == traj.valid_tool_calls == 3
+    assert traj.tool_errors == sum(m in ("raise", "hang", "garbage") for m in modes)
+    assert traj.tool_timeouts == sum(m == "hang" for m in modes)
+    for turn, m in zip(traj.turns, modes):
+      assert turn.outcome.ok == m.startswith("ok:")
+      assert turn.outcome.timed_out == (m == "hang")
+  # Tools overlapped: far below the ~0.4 s x 128 a serial loop would need for the hangs alone.
+  assert wall < 20, wall
+  stats = rollout_metrics(trajs)
+  assert stats["rollout/tool_timeouts"] > 0 and stats["rollout/stop/answer"] == 1.0
+
+
+# --------------------------------------------------------------------------------------- real model
+
+
+class EchoEnv(Env):
+  """Every turn is a call to `echo`; stop strings are 48 single characters, so a random tiny model
+  ends turns every few tokens and trajectories have several observations."""
+
+  name = "echo"
+  observation_template = "<obs>{output}</obs>"
+
+  def __init__(self):
+    stops = [chr(c) for c in range(100, 148)]
+
+    class EveryTurnCalls:
+      def stop_strings(self):
+        return stops
+
+      def parse(self, text):
+        return ParseResult("tool_call", call=ToolCall("echo", {"text": text}, text))
+
+    self.parser = EveryTurnCalls()
+
+    @function_tool
+    def echo(text: str) -> str:
+      """Echo the length of the text."""
+      return f"len={len(text)}"
+
+    self.tools = ToolRegistry([echo])
+
+  def reward(self, trajectory, example, tokenizer, step):
+    return RewardOutput(total=0.0, components={}, weights={})
+
+
+class RecordingEngine:
+  """Delegates to a real `Engine` and records, per request id, what it sampled, segment by segment
+  (a new segment at prefill and at every append)."""
+
+  def __init__(self, engine):
+    self.engine, self.ecfg = engine, engine.ecfg
+    self.slot_rid = {}
+    self.segments: dict[int, list[list[tuple[int, float]]]] = {}
+
+  def init_decode_state(self):
+    return self.engine.init_decode_state()
+
+  def prefill(self, params, prompts, request_ids, *a, **k):
+    self._pending_rids = list(request_ids)
+    return self.engine.prefill(params, prompts, request_ids, *a, **k)
+
+  def insert(self, prefix, state, slots):
+    toks, lps = jax.device_get((prefix.tokens, prefix.logprobs))
+    for s, rid, t, lp in zip(np.atleast_1d(slots), self._pending_rids, toks, lps):
+      self.slot_rid[int(s)] = rid
+      self.segments.setdefault(rid, []).append([(int(t), float(lp))])
+    return self.engine.insert(prefix, state, slots)
+
+  def generate(self, params, state, steps=1, kv_len=None):
+    state, out = self.engine.generate(params, state, steps=steps, kv_len=kv_len)
+    toks, lps, valid = jax.device_get((out.tokens, out.logprobs, out.valid))
+    for s, rid in self.slot_rid.items():
+      for j in range(steps):
+        if valid[j, s]:
+          self.segments[rid][-1].append((int(toks[j, s]), float(lps[j, s])))
+    return state, out
+
+  def append(self, params, state, slots, observations, **k):
+    state, (tok, lp, code) = self.engine.append(params, state, slots, observations, **k)
+    t, l = jax.device_get((tok, lp))
+    for i, s in enumerate(slots):
+      self.segments[self.slot_rid[int(s)]].append([(int(t[i]), float(l[i]))])
+    return state, (tok, lp, code)
+
+  def update_slots(self, state, slots, **k):
+    return self.engine.update_slots(state, slots, **k)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  cfg = models.get_config("tiny-llama")
+  params = models.init_params(cfg, jax.random.key(0), std=0.2)
+  engine = Engine(cfg, EngineConfig(slots=4, max_len=128, eos_ids=(EOS,),
+                                    sampling=SamplingConfig(temperature=1.0)))
+  return cfg, params, engine
+
+
+def test_real_model_ledger_matches_engine_samples_and_training_forward(tiny):
+  cfg, params, engine = tiny
+  rec = RecordingEngine(engine)
+  env = EchoEnv()
+  examples = [Example(f"e{i}", f"Prompt number {i}: go!" + "." * (3 * i)) for i in range(3)]
+  rcfg = RolloutConfig(max_turns=4, max_tokens_per_turn=24, decode_steps=4)
+  trajs = rollout(rec, params, env, examples, tokenizer=TOK, num_samples=2, cfg=rcfg, seed=7)
+  assert len(trajs) == 6
+  gaps, n_obs = [], 0
+  for traj in trajs:
+    # 1) Each turn's tokens and logprobs are exactly a prefix of what the engine sampled in that
+    #    segment; tokens past the prefix exist only when the host stopped the turn mid-call.
+    segs = rec.segments[traj.request_id]
+    assert len(segs) == traj.num_turns
+    for turn, seg in zip(traj.turns, segs):
+      a, b = turn.policy_span
+      got = list(zip(traj.token_ids[a:b], traj.logprob_list[a:b]))
+      assert got == seg[:b - a]
+      if len(seg) > b - a:
+        assert turn.ended_by == "stop"
+    # 2) Observations are the tokenized wrapped echo output, masked out.
+    for turn in traj.turns:
+      if turn.observation_span is not None:
+        n_obs += 1
+        a, b = turn.observation_span
+        assert traj.token_ids[a:b] == TOK.encode(f"<obs>len={len(turn.text)}</obs>")
+    # 3) The ledger's logprobs equal the training forward's log_softmax over the whole ledger.
+    logits = models.forward(params, jnp.asarray([traj.token_ids]), cfg=cfg)[0]
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    pos = np.flatnonzero(traj.roles == POLICY)
+    ref = logp[pos - 1, traj.tokens[pos]]
+    gaps.append(np.abs(ref - traj.logprobs[pos]))
+  gap = float(np.mean(np.concatenate(gaps)))
+  print(f"ledger vs training forward: mean |logprob gap| = {gap:.2e} over {sum(map(len, gaps))} tokens, "
+        f"{n_obs} observations, stops {[t.stop_reason for t in trajs]}")
+  assert n_obs >= 6  # several multi-turn appends into live slots were exercised
+  assert gap <= 1e-4
+  # Same seed, different decode_steps (different mid-call stops and batching): same trajectories.
+  again = rollout(engine, params, env, examples, tokenizer=TOK, num_samples=2,
+                  cfg=dataclasses.replace(rcfg, decode_steps=3), seed=7)
+  for x, y in zip(trajs, again):
+    assert x.token_ids == y.token_ids and x.stop_reason == y.stop_reason
+    np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)

@@ -1,0 +1,143 @@
+"""Trajectory ledger: arrays and masks, packing, reward input, render, JSON round trip, SFT demos."""
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent.agent import (OBSERVATION, POLICY, PROMPT, CalculatorEnv, Example, ToolCall, ToolOutcome,
+                            Trajectory, Turn, demonstration_trajectory)
+from jaxagent.rl.packing import PackingConfig, pack
+
+
+class CharTokenizer:
+  def encode(self, text):
+    return [ord(c) for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(int(i)) for i in ids)
+
+
+TOK = CharTokenizer()
+
+
+def _ledger():
+  """prompt "Q: 2+3?" | policy "<calc>2+3</calc>" | obs "<result>5</result>" | policy "<answer>5</answer>"."""
+  t = Trajectory(request_id=7, group_id=2, sample_index=1, example_id="ex")
+  t.add_prompt(TOK.encode("Q: 2+3?"))
+  call = "<calc>2+3</calc>"
+  span = t.add_policy(TOK.encode(call), [-0.5] * len(call), 0)
+  turn = Turn(0, span, call, "stop")
+  turn.action, turn.call = "tool_call", ToolCall("calculator", {"expression": "2+3"}, call)
+  turn.outcome = ToolOutcome(ok=True, output="5", duration_s=0.01)
+  turn.observation_text = "<result>5</result>"
+  turn.observation_span = t.add_observation(TOK.encode(turn.observation_text), 0)
+  t.turns.append(turn)
+  ans = "<answer>5</answer>"
+  span = t.add_policy(TOK.encode(ans), np.linspace(-1, -0.1, len(ans)), 1)
+  t.turns.append(Turn(1, span, ans, "stop", action="answer", answer="5"))
+  t.num_tool_calls = t.valid_tool_calls = 1
+  t.tool_calls = {"calculator": 1}
+  t.tool_seconds = 0.01
+  t.finish("answer")
+  return t
+
+
+def test_arrays_roles_and_mask():
+  t = _ledger()
+  n_p, n_c, n_o, n_a = 7, 16, 18, 18
+  assert len(t) == n_p + n_c + n_o + n_a
+  assert t.tokens.dtype == np.int32 and t.logprobs.dtype == np.float32
+  np.testing.assert_array_equal(t.roles, [PROMPT] * n_p + [POLICY] * n_c + [OBSERVATION] * n_o + [POLICY] * n_a)
+  np.testing.assert_array_equal(t.loss_mask(), np.r_[np.zeros(n_p), np.ones(n_c), np.zeros(n_o), np.ones(n_a)])
+  np.testing.assert_array_equal(t.turn_index, [-1] * n_p + [0] * (n_c + n_o) + [1] * n_a)
+  assert np.all(t.logprobs[t.roles != POLICY] == 0)
+  assert t.prompt_len == n_p and t.num_policy_tokens == n_c + n_a and t.num_observation_tokens == n_o
+  assert t.budgets() == {"turns": 2, "policy_tokens": n_c + n_a, "total_tokens": len(t), "tool_seconds": 0.01}
+  assert (t.stop_reason, t.truncated, t.final_answer) == ("answer", False, "5")
+  assert t.turn_texts() == ["<calc>2+3</calc>", "<answer>5</answer>"]
+  assert t.observation_texts() == ["<result>5</result>"]
+
+
+def test_ledger_guards():
+  t = Trajectory(request_id=0)
+  with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
+    t.add_policy([1, 2], [0.0], 0)
+  t.add_prompt([1])
+  with pytest.raises(ValueError, match="prompt must come first"):
+    t.add_prompt([2])
+  with pytest.raises(ValueError, match="unknown stop reason"):
+    t.finish("done")
+  t.finish("max_turns")
+  assert t.truncated
+
+
+def test_pack_item_follows_the_packing_convention():
+  t = _ledger()
+  item = t.to_pack_item(advantage=0.5, ref_logps=np.full(len(t), -1.0))
+  assert item.group_id == 2 and item.traj_id == 7
+  np.testing.assert_array_equal(item.tokens, t.tokens)
+  np.testing.assert_array_equal(item.loss_mask, t.loss_mask())
+  np.testing.assert_array_equal(item.old_logps, t.logprobs)
+  assert np.all(item.advantages == 0.5)
+  other = _ledger()
+  other.request_id = 8
+  batch = pack([item, other.to_pack_item(-0.5, np.zeros(len(other)))], PackingConfig(max_len=128))
+  assert batch.stats["policy_tokens"] == 2 * t.num_policy_tokens
+  r, o = batch.item_row[0], batch.item_offset[0]
+  np.testing.assert_array_equal(batch.loss_mask[r, o:o + len(t)], t.loss_mask())
+  np.testing.assert_array_equal(batch.old_logps[r, o:o + len(t)], t.logprobs)
+  # A masked policy-gradient surrogate has zero gradient on prompt and observation positions.
+  logps = jnp.asarray(batch.old_logps)
+  grad = jax.grad(lambda lp: -jnp.sum(lp * jnp.asarray(batch.advantages) * jnp.asarray(batch.loss_mask)))(logps)
+  g = np.asarray(grad[r, o:o + len(t)])
+  assert np.all(g[t.roles != POLICY] == 0) and np.all(g[t.roles == POLICY] != 0)
+
+
+def test_reward_input():
+  t = _ledger()
+  inp = t.to_reward_input(TOK, "5", metadata={"k": 1})
+  assert inp.response_text == "<calc>2+3</calc><result>5</result><answer>5</answer>"
+  assert (inp.gold, inp.num_response_tokens, inp.num_tool_calls, inp.num_valid_tool_calls,
+          inp.num_tool_errors, inp.truncated) == ("5", 34, 1, 1, 0, False)
+  assert inp.metadata == {"stop_reason": "answer", "num_turns": 2, "final_answer": "5", "k": 1}
+  assert t.to_reward_input(TOK, "5", policy_only=True).response_text == "<calc>2+3</calc><answer>5</answer>"
+  env = CalculatorEnv()
+  out = env.reward(t, Example("ex", "Q: 2+3?", gold="5"), TOK, step=0)
+  assert out.components == {"correct": 1.0, "tool_calls": pytest.approx(0.1)}
+  assert env.reward(t, Example("ex", "Q: 2+3?", gold="6"), TOK, step=0).components["correct"] == 0.0
+
+
+def test_render_marks_roles_and_masks():
+  t = _ledger()
+  text = t.render(TOK)
+  assert "stop=answer" in text.splitlines()[0]
+  assert "[PROMPT 0:7 | mask=0]\n>>>Q: 2+3?<<<" in text
+  assert "[POLICY 7:23 turn 0 | mask=1 | mean logprob -0.500 | ended by stop -> tool_call calculator(" in text
+  assert "[OBSERVATION 23:41 turn 0 | mask=0 | ok=True timed_out=False 0.010s]\n>>><result>5</result><<<" in text
+  assert "turn 1 | mask=1" in text and ">>><answer>5</answer><<<" in text
+  t.add_observation(TOK.encode("y" * 5000), 1)
+  assert "chars cut" in t.render(TOK, max_chars=100)
+
+
+def test_dict_round_trip_through_json():
+  t = _ledger()
+  d = json.loads(json.dumps(t.to_dict()))
+  assert d["budgets"]["total_tokens"] == len(t) and d["counts"]["tool_calls"] == {"calculator": 1}
+  back = Trajectory.from_dict(d)
+  assert back == t
+
+
+def test_demonstration_trajectory_for_sft():
+  env = CalculatorEnv()
+  ex = Example("d", "What is 6*7?", gold="42", metadata={"expression": "6*7"})
+  segs = env.demonstration(ex)
+  t = demonstration_trajectory(env.render_prompt(ex, TOK), segs, TOK)
+  assert t.response_text(TOK) == "<calc>6*7</calc><result>42</result><answer>42</answer>"
+  obs = t.turns[0].observation_span
+  assert np.all(t.loss_mask()[obs[0]:obs[1]] == 0) and t.loss_mask().sum() == t.num_policy_tokens
+  assert t.to_pack_item(1.0).loss_mask[0] == 0
+  assert env.demonstration(Example("x", "no expression", gold="1")) is None
+  with pytest.raises(ValueError, match="must start with a POLICY"):
+    demonstration_trajectory([1], [(OBSERVATION, "x")], TOK)
