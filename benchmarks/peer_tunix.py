@@ -1,0 +1,136 @@
+"""jaxagent vs Tunix on the same GPU, in one job: decode throughput and the GRPO update step.
+
+    python benchmarks/peer_tunix.py --tunix-bench PATH/tunix_bench.py
+
+Runs the peer harness (`tunix_bench.py`: Tunix's vanilla sampler and its GRPO loss with a
+micro-batched `optax.MultiSteps` step, Qwen3-0.6B shape, random init, bf16) in a subprocess,
+then the same work through jaxagent, and prints the ratios:
+  1. decode: batch 64 and 256, 128-token prompts, 512 new tokens, temperature 1, no EOS; time
+     of prefill + all decode steps, as the harness measures its sampler call;
+  2. update: GRPO loss (beta 0.04 k3 KL, eps 0.2) + AdamW over 64 x (128 + 512) tokens, loss on
+     the 512 completion tokens; the reference log-prob pass is timed apart, as in the harness.
+"""
+import argparse
+import ast
+import os
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from benchmarks.common import emit, peaks, timeit
+from jaxagent import models
+from jaxagent.generate import Engine, EngineConfig, SamplingConfig
+from jaxagent.rl import losses, step
+
+PROMPT, GEN, TRAIN_B, MODEL = 128, 512, 64, "qwen3-0.6b"
+
+
+def run_tunix(path, budget):
+  t0 = time.time()
+  proc = subprocess.run([sys.executable, path, "--budget", str(budget)], capture_output=True,
+                        text=True)
+  out = proc.stdout + proc.stderr
+  results = {}
+  for line in out.splitlines():
+    if "RESULTS " in line:
+      results = ast.literal_eval(line.split("RESULTS ", 1)[1])
+  print(f"tunix harness: rc={proc.returncode} in {time.time() - t0:.0f}s; {results}", flush=True)
+  if not results:
+    print(out[-3000:])
+  return results
+
+
+def our_decode(cfg, params, batch, steps):
+  eng = Engine(cfg, EngineConfig(slots=batch, max_len=PROMPT + GEN + steps, eos_ids=(),
+                                 sampling=SamplingConfig(1.0), kv_page=128))
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(2, cfg.vocab_size, (batch, PROMPT)).tolist()
+
+  def one():
+    state = eng.init_decode_state()
+    pre = eng.prefill(params, prompts, list(range(batch)))
+    state = eng.insert(pre, state, list(range(batch)))
+    done = 1
+    while done < GEN:
+      state, out = eng.generate(params, state, steps=steps, kv_len=PROMPT + done + steps)
+      done += steps
+    jax.block_until_ready(out.tokens)
+
+  return timeit(one, warmup=1, iters=3)["min_s"]
+
+
+def our_update(cfg, micro_batches):
+  rng = np.random.default_rng(1)
+  L = PROMPT + GEN
+  batch = {
+      "tokens": rng.integers(2, cfg.vocab_size, (TRAIN_B, L)).astype(np.int32),
+      "segment_ids": np.ones((TRAIN_B, L), np.int32),
+      "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (TRAIN_B, L)).copy(),
+      "loss_mask": np.concatenate([np.zeros((TRAIN_B, PROMPT)), np.ones((TRAIN_B, GEN))],
+                                  1).astype(np.float32),
+      "advantages": np.repeat(rng.standard_normal((TRAIN_B, 1)), L, 1).astype(np.float32),
+  }
+  batch["old_logps"] = np.where(batch["loss_mask"] > 0, -11.9, 0.0).astype(np.float32)
+  scfg = step.StepConfig(loss=losses.LossConfig(kl_coef=0.04, kl_estimator="k3"),
+                         micro_batches=micro_batches, entropy=False)
+  opt = step.make_optimizer(1e-6, weight_decay=0.1, b2=0.99, max_grad_norm=1.0)
+  learner = step.Learner(cfg, scfg, opt)
+  new_params = lambda: jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(1))
+  st = [learner.init(new_params())]
+  ref, _ = learner.score(st[0].params, batch)
+  batch["ref_logps"] = np.asarray(ref)
+  t_ref = timeit(lambda: jax.block_until_ready(learner.score(st[0].params, batch)),
+                 warmup=1, iters=3)["min_s"]
+  dev = learner.put_batch(batch)
+  learner.train_step(st[0], batch)  # compile
+
+  def one():
+    st[0], m = learner._train(st[0], dev)
+    jax.block_until_ready(m)
+
+  st[0] = learner.init(new_params())
+  t_step = timeit(one, warmup=1, iters=3)["min_s"]
+  return t_step, t_ref
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--tunix-bench", default="")
+  ap.add_argument("--tunix-budget", type=float, default=330)
+  ap.add_argument("--steps", type=int, default=16)
+  ap.add_argument("--micro-batches", type=int, default=4)
+  ap.add_argument("--attention", default="auto")
+  ap.add_argument("--record", action="store_true")
+  ap.add_argument("--tiny", action="store_true", help="CPU smoke test sizes")
+  args = ap.parse_args()
+  global PROMPT, GEN, TRAIN_B, MODEL
+  if args.tiny:
+    PROMPT, GEN, TRAIN_B, MODEL = 16, 32, 8, "tiny-qwen3"
+  tunix = run_tunix(args.tunix_bench, args.tunix_budget) if args.tunix_bench else {}
+  cfg = models.get_config(MODEL, param_dtype="bfloat16", dtype="bfloat16",
+                          attention_impl=args.attention)
+  params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
+  for b in (64, 256):
+    s = our_decode(cfg, params, b, args.steps)
+    ours = b * GEN / s
+    theirs = tunix.get(f"sampler_B{b}", {}).get("tok_s")
+    emit("peer_decode", args.record, model=MODEL, batch=b, ours_tok_s=ours,
+         tunix_tok_s=theirs, ratio=(ours / theirs) if theirs else None)
+  del params
+  ucfg = cfg.replace(param_dtype="float32", remat="dots")
+  t_step, t_ref = our_update(ucfg, args.micro_batches)
+  flops = ucfg.flops_per_token(PROMPT + GEN) * TRAIN_B * (PROMPT + GEN)
+  tun = [v for k, v in tunix.items() if k.startswith("grpo_step")]
+  theirs = tun[0]["s"] if tun else None
+  emit("peer_update", args.record, model=MODEL, tokens=TRAIN_B * (PROMPT + GEN),
+       ours_step_s=t_step, ours_ref_s=t_ref, ours_mfu=flops / t_step / peaks()["bf16_flops"],
+       tunix_step_s=theirs, ratio=(theirs / t_step) if theirs else None)
+
+
+if __name__ == "__main__":
+  main()
