@@ -4,10 +4,11 @@ Run (the README's main job; no flags runs this file):
   python -m jaxagent.launch
   python -m jaxagent.launch --config=configs/quickstart.py:tiny   # seconds; a random tiny model
 
-Expected (2-core CPU, about 15 minutes): held-out pass@1 ~0 before training; after the SFT warm
-start, roughly the share of long (4-term) problems, where the demonstrations used the tool;
-after GRPO, which learns to call the calculator on short problems too, close to 1. Numbers of
-real runs are in benchmarks/RESULTS.md.
+Expected (2-core CPU, about 15 minutes): held-out pass@1 ~0 before training (the model never
+writes an <answer> tag); after the SFT warm start, the easy problems it answers from memory
+(the demonstrations answer easy problems directly and use the calculator only on hard ones);
+after GRPO, which learns to call the calculator on every problem, close to 1. Numbers of real
+runs are in benchmarks/RESULTS.md.
 """
 import ml_collections
 
@@ -23,7 +24,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       remat="none", init_std=0.02, init_seed=0))
   c.env = ml_collections.ConfigDict(dict(name="quickstart", kwargs=dict(
       min_terms=3, max_terms=4, min_digits=2, max_digits=3, train_size=2000, eval_size=200,
-      sft_size=256, demo_tool_min_terms=4, seed=0)))
+      sft_size=256, easy_fraction=0.5, easy_max_digits=2, seed=0)))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 
   c.rollout = ml_collections.ConfigDict(dict(

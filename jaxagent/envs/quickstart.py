@@ -4,18 +4,21 @@ Problems are reasoning-gym `basic_arithmetic` expressions ("Calculate 478 / 1 + 
 policy may call `<calc>EXPR</calc>` and reads `<result>VALUE</result>`; it ends with
 `<answer>VALUE</answer>`. Reward: 1 for the right number, else 0.
 
-The SFT demonstrations come from a demonstrator that reaches for the calculator only on long
-expressions (at least `demo_tool_min_terms` terms) and states the answer of shorter ones
-directly, as a realistic cold-start set would. A 135M model cannot do multi-digit arithmetic in
-its head, so after the warm start it solves the long problems and fails the short ones. When to
-use the tool is one early decision per trajectory with a large reward gap, which group-relative
-RL learns quickly: the quickstart shows SFT teaching the format and RL teaching when to use the
+Problems come in two tiers: "easy" (two small numbers, + or -) and "hard" (several
+multi-digit numbers, all four operators). The SFT demonstrations come from a demonstrator that
+answers easy problems in its head and reaches for the calculator on hard ones, as a realistic
+cold-start set would. After the warm start the model has the format and answers from memory;
+a 135M model gets some easy problems right that way and almost no hard ones. When to use the
+tool is one early decision per trajectory with a large reward gap, which group-relative RL
+learns quickly: the quickstart shows SFT teaching the format and RL teaching when to use the
 tool.
 """
 from __future__ import annotations
 
 import re
 from typing import Sequence
+
+import numpy as np
 
 from jaxagent.agent.env import Env, Example
 from jaxagent.agent.parsers import XMLTagParser
@@ -57,19 +60,26 @@ class ArithmeticToolEnv(Env):
   observation_template = "<result>{output}</result>"
 
   def __init__(self, *, min_terms: int = 3, max_terms: int = 4, min_digits: int = 2,
-               max_digits: int = 3, train_size: int = 2000, eval_size: int = 200,
-               sft_size: int = 256, demo_tool_min_terms: int = 4, seed: int = 0):
+               max_digits: int = 3, easy_fraction: float = 0.5, easy_max_digits: int = 2,
+               train_size: int = 2000, eval_size: int = 200, sft_size: int = 256,
+               seed: int = 0):
     if not 2 <= min_terms <= max_terms:
       raise ValueError(f"need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
     if not 1 <= min_digits <= max_digits:
       raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+    if not 0.0 <= easy_fraction <= 1.0:
+      raise ValueError(f"easy_fraction must be in [0, 1], got {easy_fraction}")
     self.parser = XMLTagParser({"calc": ("calculator", "expression")}, answer_tag="answer")
     self.tools = ToolRegistry([Calculator()])
-    self.demo_tool_min_terms = demo_tool_min_terms
+    self.easy_fraction = easy_fraction
     self.seed = seed
     self._sizes = {"train": train_size, "eval": eval_size, "sft": sft_size}
-    self._difficulty = dict(min_terms=min_terms, max_terms=max_terms, min_digits=min_digits,
-                            max_digits=max_digits)
+    self._tiers = {
+        "hard": dict(min_terms=min_terms, max_terms=max_terms, min_digits=min_digits,
+                     max_digits=max_digits),
+        "easy": dict(min_terms=2, max_terms=2, min_digits=1, max_digits=easy_max_digits,
+                     operators=("+", "-"), allow_parentheses=False, allow_negation=False),
+    }
     self._cache: dict[str, list[Example]] = {}
     self._reward = CompositeReward([Component("correct", _Correct(), 1.0, role="outcome")])
 
@@ -85,29 +95,38 @@ class ArithmeticToolEnv(Env):
   def _generate(self, split: str) -> list[Example]:
     import reasoning_gym
 
-    # reasoning-gym seeds item i with (seed + i): keep the splits' seed ranges disjoint.
+    # reasoning-gym seeds item i with (seed + i): keep the splits' and tiers' seed ranges
+    # disjoint.
     offsets = {"train": 0, "sft": 10_000_000, "eval": 20_000_000}
     seen = set()
     if split == "eval":
       seen = {ex.metadata["expression"] for s in ("train", "sft") for ex in self.examples(s)}
     size = self._sizes[split]
-    ds = reasoning_gym.create_dataset("basic_arithmetic", size=size + len(seen) // 4 + 64,
-                                      seed=self.seed * 100_000_000 + offsets[split],
-                                      **self._difficulty)
+    n_easy = round(size * self.easy_fraction)
     out = []
-    for i, item in enumerate(ds):
-      expr = item["metadata"]["expression"]
-      if expr in seen:
+    for t, (tier, n) in enumerate((("easy", n_easy), ("hard", size - n_easy))):
+      if n == 0:
         continue
-      seen.add(expr)
-      messages = ({"role": "system", "content": SYSTEM_PROMPT},
-                  {"role": "user", "content": item["question"]})
-      out.append(Example(id=f"{split}-{i}", prompt=messages, gold=str(item["answer"]),
-                         metadata={"expression": expr,
-                                   "num_terms": item["metadata"]["num_terms"]}))
-      if len(out) == size:
-        break
-    return out
+      ds = reasoning_gym.create_dataset(
+          "basic_arithmetic", size=2 * n + len(seen) + 64,
+          seed=self.seed * 100_000_000 + offsets[split] + t * 5_000_000, **self._tiers[tier])
+      got = 0
+      for i, item in enumerate(ds):
+        expr = item["metadata"]["expression"]
+        if expr in seen:
+          continue
+        seen.add(expr)
+        messages = ({"role": "system", "content": SYSTEM_PROMPT},
+                    {"role": "user", "content": item["question"]})
+        out.append(Example(id=f"{split}-{tier}-{i}", prompt=messages, gold=str(item["answer"]),
+                           metadata={"expression": expr, "tier": tier,
+                                     "num_terms": item["metadata"]["num_terms"]}))
+        got += 1
+        if got == n:
+          break
+    # Interleave the tiers in a fixed pseudo-random order.
+    order = np.random.default_rng(self.seed + offsets[split]).permutation(len(out))
+    return [out[i] for i in order]
 
   # ------------------------------------------------------------------ reward
   def reward(self, trajectory: Trajectory, example: Example, tokenizer, step: int) -> RewardOutput:
@@ -119,12 +138,11 @@ class ArithmeticToolEnv(Env):
     return out.components.get("correct", 0.0) >= 1.0
 
   def demonstration(self, example: Example):
-    """The calculator for expressions of at least `demo_tool_min_terms` terms, else a direct
-    answer."""
+    """The demonstrator's solution: a direct answer for easy problems, the calculator for
+    hard ones."""
     gold = example.gold
-    expr = example.metadata["expression"]
-    if example.metadata["num_terms"] >= self.demo_tool_min_terms:
-      return [(POLICY, f"<calc>{expr}</calc>"),
-              (OBSERVATION, self.observation_template.format(output=gold)),
-              (POLICY, f"<answer>{gold}</answer>")]
-    return [(POLICY, f"<answer>{gold}</answer>")]
+    if example.metadata["tier"] == "easy":
+      return [(POLICY, f"<answer>{gold}</answer>")]
+    return [(POLICY, f"<calc>{example.metadata['expression']}</calc>"),
+            (OBSERVATION, self.observation_template.format(output=gold)),
+            (POLICY, f"<answer>{gold}</answer>")]

@@ -1,0 +1,80 @@
+"""The quickstart task: data splits, demonstrations, parsing and reward on hand-worked cases."""
+import pytest
+
+from jaxagent.agent.trajectory import OBSERVATION, POLICY
+from jaxagent.envs import make_env
+from jaxagent.envs.quickstart import numeric_match
+
+
+@pytest.fixture(scope="module")
+def env():
+  return make_env("quickstart", train_size=200, eval_size=60, sft_size=40)
+
+
+def test_splits_sizes_tiers_and_held_out(env):
+  train, sft, ev = env.examples("train"), env.examples("sft"), env.examples("eval")
+  assert (len(train), len(sft), len(ev)) == (200, 40, 60)
+  assert sum(e.metadata["tier"] == "easy" for e in ev) == 30
+  seen = {e.metadata["expression"] for e in train + sft}
+  assert not any(e.metadata["expression"] in seen for e in ev)
+  assert env.examples("eval") is ev  # cached, deterministic
+  again = make_env("quickstart", train_size=200, eval_size=60, sft_size=40)
+  assert [e.gold for e in again.examples("eval")] == [e.gold for e in ev]
+  with pytest.raises(ValueError, match="unknown split 'test'"):
+    env.examples("test")
+
+
+def test_demonstrations_answer_easy_directly_and_use_the_tool_on_hard(env):
+  ev = env.examples("sft")
+  easy = next(e for e in ev if e.metadata["tier"] == "easy")
+  hard = next(e for e in ev if e.metadata["tier"] == "hard")
+  assert env.demonstration(easy) == [(POLICY, f"<answer>{easy.gold}</answer>")]
+  demo = env.demonstration(hard)
+  assert demo[0] == (POLICY, f"<calc>{hard.metadata['expression']}</calc>")
+  assert demo[1] == (OBSERVATION, f"<result>{hard.gold}</result>")
+  # The calculator tool computes the gold answer from the expression.
+  out = env.tools.get("calculator")({"expression": hard.metadata["expression"]})
+  assert numeric_match(out.output, hard.gold) == 1.0
+
+
+@pytest.mark.parametrize("text,gold,want", [
+    ("42", "42", 1.0), (" -7 ", "-7", 1.0), ("1,000", "1000", 1.0), ("3.0", "3", 1.0),
+    ("41", "42", 0.0), ("-42", "42", 0.0), ("forty-two", "42", 0.0), ("", "1", 0.0),
+    (None, "1", 0.0), ("4 2", "42", 0.0),
+])
+def test_numeric_match(text, gold, want):
+  assert numeric_match(text, gold) == want
+
+
+def test_reward_and_success_on_hand_worked_trajectories(env, make_traj, char_tok):
+  ex = next(e for e in env.examples("eval") if e.metadata["tier"] == "hard")
+  good = make_traj([(POLICY, f"<calc>{ex.metadata['expression']}</calc>"),
+                    (OBSERVATION, f"<result>{ex.gold}</result>"),
+                    (POLICY, f"<answer>{ex.gold}</answer>")])
+  out = env.reward(good, ex, char_tok, step=0)
+  assert out.total == 1.0 and env.is_success(out)
+  # The observation's number does not count: only the policy's final answer does.
+  cheat = make_traj([(POLICY, "<calc>1+1</calc>"), (OBSERVATION, f"<result>{ex.gold}</result>"),
+                     (POLICY, "<answer>2</answer>")])
+  assert env.reward(cheat, ex, char_tok, step=0).total == 0.0
+  none = make_traj([(POLICY, f"The answer is {ex.gold}.")], stop="eos")
+  assert not env.is_success(env.reward(none, ex, char_tok, step=0))
+
+
+def test_parser_stops_and_reads_calls(env):
+  assert set(env.parser.stop_strings()) == {"</calc>", "</answer>"}
+  r = env.parser.parse("<calc>3 * (4 + 5)</calc>")
+  assert r.kind == "tool_call" and r.call.name == "calculator"
+  assert r.call.arguments == {"expression": "3 * (4 + 5)"}
+  assert env.parser.parse("<answer>27</answer>").kind == "answer"
+
+
+def test_bad_settings_are_named():
+  with pytest.raises(ValueError, match="easy_fraction"):
+    make_env("quickstart", easy_fraction=1.5)
+  with pytest.raises(ValueError, match="min_terms"):
+    make_env("quickstart", min_terms=5, max_terms=3)
+  with pytest.raises(ValueError, match="unknown env 'nope'"):
+    make_env("nope")
+  with pytest.raises(ValueError, match="bad settings for env 'quickstart'"):
+    make_env("quickstart", colour="red")
