@@ -112,6 +112,18 @@ class Env(abc.ABC):
   parser: Parser
   tools: ToolRegistry | None = None
   observation_template: str = "{output}"
+  # True trains on observation tokens too (the Search-R1 ablation without retrieved-token
+  # masking); the default gives loss only to the policy's own tokens.
+  train_on_observations: bool = False
+
+  def examples(self, split: str) -> Sequence[Example]:
+    """The task's examples of `split`: "train", "eval" (held out) and optionally "sft"."""
+    raise NotImplementedError(f"env {self.name!r} does not provide examples; implement "
+                              "`examples(split)` for 'train' and 'eval'")
+
+  def is_success(self, out: RewardOutput) -> bool:
+    """Whether a reward counts as solved for pass@k (default: total reward >= 1)."""
+    return out.total >= 1.0
 
   def render_prompt(self, example: Example, tokenizer) -> list[int]:
     """Prompt token ids: chat messages through the tokenizer's chat template, text as is."""

@@ -272,9 +272,18 @@ class Trajectory:
 
   # ------------------------------------------------------------------ consumers
   def to_pack_item(self, advantage: float | np.ndarray,
-                   ref_logps: np.ndarray | None = None) -> PackItem:
-    """The learner's view (`rl/packing.PackItem`): position t's mask and logprob refer to token t."""
-    return PackItem(tokens=self.tokens, loss_mask=self.loss_mask(), old_logps=self.logprobs,
+                   ref_logps: np.ndarray | None = None, *,
+                   observation_loss: bool = False) -> PackItem:
+    """The learner's view (`rl/packing.PackItem`): position t's mask and logprob refer to token t.
+
+    `observation_loss=True` also trains on observation tokens (the Search-R1 ablation without
+    retrieved-token masking). Those tokens have no sampler log-prob (0.0 here); the trainer
+    fills in the current policy's before the update.
+    """
+    mask = self.loss_mask()
+    if observation_loss:
+      mask = np.maximum(mask, (self.roles == OBSERVATION).astype(np.float32))
+    return PackItem(tokens=self.tokens, loss_mask=mask, old_logps=self.logprobs,
                     advantages=advantage, ref_logps=ref_logps, group_id=self.group_id,
                     traj_id=self.request_id)
 

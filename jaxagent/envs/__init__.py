@@ -1,6 +1,6 @@
 """Tasks: prompts, tools, parsers and verifiers behind the `Env` contract (`jaxagent.agent.env`).
 
-    env = jaxagent.envs.make_env("quickstart", max_terms=5)
+    env = jaxagent.envs.make_env("quickstart", max_terms=5)   # or "math_tool", "search_qa", "code"
     env.examples("train"), env.examples("eval")
 """
 from __future__ import annotations
@@ -11,6 +11,9 @@ import importlib
 REGISTRY = {
     "quickstart": "jaxagent.envs.quickstart:ArithmeticToolEnv",
     "calculator": "jaxagent.agent.env:CalculatorEnv",
+    "math_tool": "jaxagent.envs.math_tool:MathToolEnv",    # ReTool: GSM-style math + Python
+    "search_qa": "jaxagent.envs.search_qa:SearchQAEnv",    # Search-R1: multi-hop QA + BM25
+    "code": "jaxagent.envs.code:CodeEnv",                  # HumanEval + unit tests
 }
 
 

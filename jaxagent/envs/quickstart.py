@@ -61,17 +61,20 @@ class ArithmeticToolEnv(Env):
 
   def __init__(self, *, min_terms: int = 3, max_terms: int = 4, min_digits: int = 2,
                max_digits: int = 3, easy_fraction: float = 0.5, easy_max_digits: int = 2,
-               train_size: int = 2000, eval_size: int = 200, sft_size: int = 256,
-               seed: int = 0):
+               sft_easy_fraction: float | None = None, train_size: int = 2000,
+               eval_size: int = 200, sft_size: int = 256, seed: int = 0):
     if not 2 <= min_terms <= max_terms:
       raise ValueError(f"need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
     if not 1 <= min_digits <= max_digits:
       raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
-    if not 0.0 <= easy_fraction <= 1.0:
-      raise ValueError(f"easy_fraction must be in [0, 1], got {easy_fraction}")
+    sft_easy_fraction = easy_fraction if sft_easy_fraction is None else sft_easy_fraction
+    for name, f in (("easy_fraction", easy_fraction), ("sft_easy_fraction", sft_easy_fraction)):
+      if not 0.0 <= f <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1], got {f}")
     self.parser = XMLTagParser({"calc": ("calculator", "expression")}, answer_tag="answer")
     self.tools = ToolRegistry([Calculator()])
-    self.easy_fraction = easy_fraction
+    self.easy_fraction = {"train": easy_fraction, "eval": easy_fraction,
+                          "sft": sft_easy_fraction}
     self.seed = seed
     self._sizes = {"train": train_size, "eval": eval_size, "sft": sft_size}
     self._tiers = {
@@ -102,7 +105,7 @@ class ArithmeticToolEnv(Env):
     if split == "eval":
       seen = {ex.metadata["expression"] for s in ("train", "sft") for ex in self.examples(s)}
     size = self._sizes[split]
-    n_easy = round(size * self.easy_fraction)
+    n_easy = round(size * self.easy_fraction[split])
     out = []
     for t, (tier, n) in enumerate((("easy", n_easy), ("hard", size - n_easy))):
       if n == 0:

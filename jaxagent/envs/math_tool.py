@@ -1,0 +1,435 @@
+"""Math word problems with a persistent Python interpreter (ReTool style).
+
+Problems are reasoning-gym `gsm_symbolic` (GSM8K-style templates with fresh numbers) and,
+optionally, the numeric-answer problems of CHAMP (`champ-dataset`, competition math). The
+policy writes code between `<code>` and `</code>`; the rollout runs it in the trajectory's own
+sandboxed interpreter (a `PythonSession`: variables persist across turns, and `Episode.close`
+ends it) and appends what it printed as `<interpreter>...</interpreter>`, an observation that
+gets no loss. The policy ends with `<answer>...</answer>`.
+
+Reward: +1 when math-verify finds the answer equal to the gold answer, -1 otherwise (component
+"correct"), plus optional shaping terms (tag format, valid tool calls) whose weight a
+`ProgressiveSchedule` hands to the outcome over `shaping_steps` steps.
+
+Demonstrations for the SFT cold start (`demonstration`) are built from the reference solution
+that reasoning-gym ships with each problem (`answer_cot`, lines such as "He drank 8*3=24 ccs"):
+every arithmetic step `expression = value` becomes a Python assignment, later steps refer to
+earlier ones by name, and the program prints the last value. Problems with four or more steps
+are split over two code cells, showing that variables persist between calls. Every step kept
+reproduces the value the solution states, and a program is kept only if its result is the gold
+answer (2903 of 3000 sampled problems); other problems, and all CHAMP problems, have no
+demonstration and are left out of the "sft" split.
+"""
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import keyword
+import operator
+import random
+import re
+import textwrap
+from typing import Any, Mapping, Sequence
+
+from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Episode, Example
+from jaxagent.agent.parsers import XMLTagParser
+from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory
+from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
+                              MathAnswerReward, ProgressiveSchedule, RewardInput, RewardOutput,
+                              ToolShapingConfig, ToolUseReward)
+from jaxagent.tools import PythonTool, SandboxConfig, ToolResult
+from jaxagent.tools.base import truncate_text
+
+SYSTEM_PROMPT = (
+    "You solve math problems with the help of a Python interpreter. To run code, write it "
+    "between <code> and </code>; what it prints comes back between <interpreter> and "
+    "</interpreter>. Variables persist from one code block to the next. Use print() to see "
+    "results. When you know the final answer, write only the number inside <answer> and "
+    "</answer>.")
+
+SOURCES = ("gsm_symbolic", "champ")
+_FORMAT = FormatConfig(allowed_tags=("code", "answer"), answer_tag="answer", opaque_tags=("code",))
+_NO_OUTPUT = "(no output: print() the values you need)"
+
+
+# ----------------------------------------------------------------------------- the tool
+def clean_code(code: str) -> str:
+  """Code as a model writes it inside `<code>`: drops Markdown fences, common indentation and
+  blank edge lines."""
+  lines = code.strip("\n").splitlines()
+  if lines and lines[0].strip().startswith("```"):
+    lines = lines[1:]
+  if lines and lines[-1].strip() == "```":
+    lines = lines[:-1]
+  return textwrap.dedent("\n".join(lines)).strip("\n") + "\n"
+
+
+class InterpreterTool(PythonTool):
+  """One trajectory's persistent sandboxed interpreter (`<code>` blocks, cleaned first)."""
+
+  def __init__(self, config: SandboxConfig | None = None):
+    super().__init__(config, stateful=True, name="python")
+
+  def __call__(self, args: dict[str, Any]) -> ToolResult:
+    code = args.get("code")
+    if isinstance(code, str):
+      args = {**args, "code": clean_code(code)}
+    return super().__call__(args)
+
+
+# ----------------------------------------------------------------------------- demonstrations
+_BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+           ast.Div: operator.truediv}
+_NUM = r"\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?"
+_TOKEN = re.compile(rf"(?P<num>{_NUM})|(?P<op>[-+*/×÷])|(?P<paren>[()])|(?P<eq>=)|"
+                    r"(?P<skip>[$€£%])|(?P<word>[A-Za-z][A-Za-z']*)|(?P<other>\S)")
+_STOP_NAMES = frozenset("""a an the and or of in on at to for from by with per each every so
+  that this these those it is are was were be been he she they we you his her their its which
+  what then than more less total now left over after before all some about just only
+  both""".split())
+
+
+def safe_eval(expr: str, names: Mapping[str, Any] | None = None) -> Any:
+  """Value of an arithmetic expression (numbers, `names`, + - * /, parentheses, unary minus),
+  with Python's int / float rules."""
+
+  def ev(node):
+    if isinstance(node, ast.Expression):
+      return ev(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+      return node.value
+    if isinstance(node, ast.Name) and names is not None and node.id in names:
+      return names[node.id]
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINOPS:
+      return _BINOPS[type(node.op)](ev(node.left), ev(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+      return -ev(node.operand)
+    raise ValueError(f"not plain arithmetic: {ast.dump(node)[:60]}")
+
+  return ev(ast.parse(expr, mode="eval"))
+
+
+def _close(a: float, b: float) -> bool:
+  return abs(a - b) <= 1e-6 * max(1.0, abs(b))
+
+
+def _expression(tokens: list[tuple[str, str]]) -> list[str] | None:
+  """Arithmetic tokens of an equation's left side, unit words and currency dropped, or None."""
+  out: list[str] = []
+  for k, (kind, text) in enumerate(tokens):
+    nxt = tokens[k + 1] if k + 1 < len(tokens) else ("end", "")
+    if kind == "num":
+      if out and (out[-1] == ")" or _is_number(out[-1])):
+        return None  # two quantities with no operator between them
+      out.append(text.replace(",", ""))
+    elif kind == "op" or (kind == "word" and text == "x"):
+      if nxt[0] == "word" and nxt[1] != "x":
+        continue  # a unit such as "/day" or "boys/girl"
+      op = {"×": "*", "x": "*", "÷": "/"}.get(text, text)
+      if not out or out[-1] in "+-*/(":
+        if op != "-":
+          return None
+      out.append(op)
+    elif kind == "paren":
+      if text == "(" and out and (out[-1] == ")" or _is_number(out[-1])):
+        out.append("*")  # 2(86+66)
+      out.append(text)
+  return out if any(t in "+-*/" for t in out) else None
+
+
+def _is_number(tok: str) -> bool:
+  return bool(re.fullmatch(r"\d+(?:\.\d+)?", tok))
+
+
+def cot_steps(cot: str) -> list[tuple[str, float, str]]:
+  """(expression, value, unit word) of each arithmetic equation in a reference solution.
+
+  For each `=`, the longest run of tokens before it whose arithmetic (unit words and currency
+  signs dropped) evaluates to the number after it is the step's expression.
+  """
+  steps: list[tuple[str, float, str]] = []
+  for line in cot.splitlines():
+    if line.startswith("####"):
+      break
+    toks = [(m.lastgroup, m.group()) for m in _TOKEN.finditer(line)]
+    for i, (kind, _) in enumerate(toks):
+      if kind != "eq":
+        continue
+      rhs = [t for t in toks[i + 1:] if t[0] != "skip"]
+      if not rhs or rhs[0][0] != "num":
+        continue
+      value = float(rhs[0][1].replace(",", ""))
+      # The step is named after the first content word following its value ("= 64 boys").
+      unit = next((t.lower() for kind_, t in rhs[1:5] if kind_ == "word"
+                   and t.lower() not in _STOP_NAMES), "")
+      start = i
+      while start > 0 and toks[start - 1][0] not in ("eq", "other"):
+        start -= 1
+      for s in range(start, i):
+        if toks[s][0] not in ("num", "paren", "skip"):
+          continue
+        expr = _expression(toks[s:i])
+        if expr is None:
+          continue
+        text = _join(expr)
+        try:
+          v = safe_eval(text)
+        except (ValueError, SyntaxError, ZeroDivisionError):
+          continue
+        if _close(v, value):
+          if not any(e == text for e, _, _ in steps):
+            steps.append((text, v, unit))
+          break
+  return steps
+
+
+def _join(tokens: Sequence[str]) -> str:
+  text = " ".join(tokens)
+  return text.replace("( ", "(").replace(" )", ")")
+
+
+def steps_program(steps: Sequence[tuple[str, float, str]]) -> tuple[list[str], list[Any]]:
+  """Python assignments for `steps` (earlier results referred to by name) and their values."""
+  names: list[str] = []
+  values: list[Any] = []
+  lines = []
+  for expr, _, unit in steps:
+    toks = expr.replace("(", "( ").replace(")", " )").split()
+    for k, t in enumerate(toks):
+      if _is_number(t):
+        for name, val in reversed(list(zip(names, values))):
+          if _close(float(t), float(val)):
+            toks[k] = name
+            break
+    base = unit if unit.isidentifier() and unit not in _STOP_NAMES and not keyword.iskeyword(
+        unit) else "step"
+    name, n = base, 2
+    while name in names:
+      name, n = f"{base}_{n}", n + 1
+    code = _join(toks)
+    # The value as the sandbox will compute it (same operators, same int/float rules).
+    value = safe_eval(code, dict(zip(names, values)))
+    names.append(name)
+    values.append(value)
+    lines.append(f"{name} = {code}")
+  return lines, values
+
+
+def gsm_demonstration(cot: str, gold: str, *, split_at: int = 4) -> list[tuple[int, str]] | None:
+  """Code-interpreter demonstration segments for a reasoning-gym solution, or None."""
+  steps = cot_steps(cot)
+  try:
+    g = float(gold)
+  except ValueError:
+    return None
+  last = max((k for k, (_, v, _) in enumerate(steps) if _close(v, g)), default=None)
+  if last is None:
+    return None
+  lines, values = steps_program(steps[:last + 1])
+  if not _close(float(values[-1]), g):
+    return None
+  names = [ln.split(" = ", 1)[0] for ln in lines]
+  cells = [(lines, len(lines) - 1)]
+  if len(lines) >= split_at:
+    half = len(lines) // 2
+    cells = [(lines[:half], half - 1), (lines[half:], len(lines) - 1)]
+  segs: list[tuple[int, str]] = []
+  for body, k in cells:
+    code = "\n".join([*body, f"print({names[k]})"])
+    segs.append((POLICY, f"<code>\n{code}\n</code>"))
+    segs.append((OBSERVATION, OBSERVATION_TEMPLATES["interpreter"].format(output=f"{values[k]}\n")))
+  segs.append((POLICY, f"<answer>{gold}</answer>"))
+  return segs
+
+
+# ----------------------------------------------------------------------------- CHAMP
+_CHAMP_NUMERIC = re.compile(r"[-+]?[0-9.()*/^+\- ]*(?:sqrt\([0-9]+\)[0-9.()*/^+\- ]*)*")
+
+
+def champ_problems() -> list[tuple[str, str, list[str]]]:
+  """(id, problem, gold answers) of the CHAMP problems with a closed-form numeric answer."""
+  try:
+    import champ_dataset
+  except ImportError as e:
+    raise ImportError("the 'champ' source needs the champ-dataset package: "
+                      "pip install champ-dataset") from e
+  out = []
+  for p in champ_dataset.load("v0").problems.values():
+    a = re.sub(r"\s*\((?:i\.e\.|no |none ).*\)$", "", p.answer.strip())
+    a = re.sub(r"\s+is the only possible value$", "", a)
+    golds = [g.strip() for g in re.split(r",\s*or equivalently\s+", a)]
+    golds = [g for g in golds if g and "%" not in g]
+    if golds and all(_CHAMP_NUMERIC.fullmatch(g) and re.search(r"\d", g) for g in golds):
+      out.append((p.identifier, p.text, golds))
+  return out
+
+
+# ----------------------------------------------------------------------------- the task
+_CODE_BLOCK = re.compile(r"<code>.*?(?:</code>|$)", re.DOTALL)
+
+
+class SignedMathAnswer:
+  """+1 when the answer equals a gold answer (math-verify), -1 otherwise.
+
+  The answer is looked for outside `<code>` blocks: a program that prints an answer tag has
+  not answered.
+  """
+
+  def __init__(self, timeout_s: float = 5.0):
+    self._inner = MathAnswerReward(tag="answer", timeout_s=timeout_s)
+
+  def __call__(self, inp: RewardInput) -> float:
+    prose = dataclasses.replace(inp, response_text=_CODE_BLOCK.sub("", inp.response_text))
+    return 2.0 * self._inner(prose) - 1.0
+
+
+class MathToolEnv(Env):
+  """Math word problems with a persistent Python interpreter (see the module docstring).
+
+  Args:
+    sources: problem sources of the train and sft splits ("gsm_symbolic", "champ").
+    eval_sources: sources of the held-out eval split. CHAMP problems are divided once, by a
+      seeded shuffle, into a train half and an eval half, so no problem is in both.
+    train_size, eval_size, sft_size: gsm_symbolic problems per split (no question repeats
+      across splits); CHAMP adds its half on top where listed.
+    max_output_chars: the interpreter's output is cut to this many characters.
+    code_timeout_s, code_memory_mb: limits of each code cell.
+    format_weight, tool_weight: weights of the shaping terms (0 = off); `tool_weight` is the
+      bonus per valid call, capped at 5 calls.
+    shaping_steps, shaping_start: progressive schedule (0 steps = fixed weights).
+    seed: seed of problem generation and of the CHAMP split.
+  """
+
+  name = "math_tool"
+  observation_template = OBSERVATION_TEMPLATES["interpreter"]
+
+  def __init__(self, *, sources: Sequence[str] = ("gsm_symbolic",),
+               eval_sources: Sequence[str] = ("gsm_symbolic",), train_size: int = 2000,
+               eval_size: int = 200, sft_size: int = 256, max_output_chars: int = 512,
+               code_timeout_s: float = 5.0, code_memory_mb: int = 1024,
+               format_weight: float = 0.0, tool_weight: float = 0.0, shaping_steps: int = 0,
+               shaping_start: float = 0.0, seed: int = 0):
+    for field, value in (("sources", sources), ("eval_sources", eval_sources)):
+      if isinstance(value, str) or not value or any(s not in SOURCES for s in value):
+        raise ValueError(f"MathToolEnv.{field} must be a non-empty tuple drawn from {SOURCES}, "
+                         f"got {value!r}")
+    for field, value in (("train_size", train_size), ("eval_size", eval_size),
+                         ("sft_size", sft_size)):
+      if value < 0:
+        raise ValueError(f"MathToolEnv.{field} must be >= 0, got {value}")
+    if max_output_chars < 32:
+      raise ValueError(f"MathToolEnv.max_output_chars must be >= 32, got {max_output_chars}")
+    self.sources, self.eval_sources = tuple(sources), tuple(eval_sources)
+    self.seed = seed
+    self.max_output_chars = max_output_chars
+    self.sandbox = SandboxConfig(timeout_s=code_timeout_s, memory_mb=code_memory_mb)
+    self.parser = XMLTagParser({"code": ("python", "code")}, answer_tag="answer", strip=False)
+    self._sizes = {"train": train_size, "eval": eval_size, "sft": sft_size}
+    self._cache: dict[str, list[Example]] = {}
+    schedule = ProgressiveSchedule(shaping_steps, start=shaping_start) if shaping_steps else None
+    self._reward = CompositeReward([
+        Component("correct", SignedMathAnswer(), 1.0, role="outcome"),
+        Component("format", FormatReward(_FORMAT), format_weight, role="shaping"),
+        Component("tool_calls", ToolUseReward(ToolShapingConfig(
+            reward_per_valid_call=1.0, max_reward=5.0)), tool_weight, role="shaping"),
+    ], schedule=schedule)
+
+  # ------------------------------------------------------------------ data
+  def examples(self, split: str) -> Sequence[Example]:
+    """"train", "eval" (held out: no question shared with train/sft) or "sft" (problems with a
+    demonstration only)."""
+    if split not in self._sizes:
+      raise ValueError(f"unknown split {split!r}; expected one of {sorted(self._sizes)}")
+    if split not in self._cache:
+      exs = self._gsm(split) if "gsm_symbolic" in self._split_sources(split) else []
+      if "champ" in self._split_sources(split) and split != "sft":
+        exs += self._champ(split)
+        random.Random(f"{self.seed}-{split}").shuffle(exs)
+      self._cache[split] = exs
+    return self._cache[split]
+
+  def _split_sources(self, split: str) -> tuple[str, ...]:
+    return self.eval_sources if split == "eval" else self.sources
+
+  def _gsm(self, split: str) -> list[Example]:
+    import reasoning_gym
+
+    # reasoning-gym seeds item i with (seed + i): the splits' seed ranges are kept disjoint.
+    offsets = {"train": 0, "sft": 10_000_000, "eval": 20_000_000}
+    seen: set[str] = set()
+    if split == "eval":
+      seen = {ex.metadata["question"] for s in ("train", "sft") if "gsm_symbolic" in self.sources
+              for ex in self.examples(s)}
+    size = self._sizes[split]
+    if size == 0:
+      return []
+    # Templates repeat a question now and then, and the sft split keeps only problems with a
+    # demonstration (about 97%): draw extra.
+    draw = int(size * (1.5 if split == "sft" else 1.1)) + 64
+    ds = reasoning_gym.create_dataset("gsm_symbolic", size=draw,
+                                      seed=self.seed * 100_000_000 + offsets[split])
+    out = []
+    for i, item in enumerate(ds):
+      q = item["question"]
+      if q in seen:
+        continue
+      seen.add(q)
+      ex = Example(id=f"{split}-gsm-{i}", prompt=self._messages(q), gold=str(item["answer"]),
+                   metadata={"source": "gsm_symbolic", "question": q,
+                             "answer_cot": item["metadata"]["answer_cot"]})
+      if split == "sft" and self.demonstration(ex) is None:
+        continue
+      out.append(ex)
+      if len(out) == size:
+        return out
+    raise ValueError(f"could only draw {len(out)} distinct gsm_symbolic problems for split "
+                     f"{split!r} (wanted {size}); lower the split size")
+
+  def _champ(self, split: str) -> list[Example]:
+    probs = champ_problems()
+    random.Random(f"champ-{self.seed}").shuffle(probs)
+    half = len(probs) // 2
+    part = probs[:half] if split == "eval" else probs[half:]
+    return [Example(id=f"{split}-champ-{pid}", prompt=self._messages(text), gold=golds,
+                    metadata={"source": "champ", "question": text}) for pid, text, golds in part]
+
+  @staticmethod
+  def _messages(question: str):
+    return ({"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question})
+
+  # ------------------------------------------------------------------ tools
+  def new_episode(self, example: Example) -> Episode:
+    """A fresh interpreter per trajectory (started on the first `<code>`, closed at the end)."""
+    tool = InterpreterTool(self.sandbox)
+    return Episode([tool], owned=[tool])
+
+  def format_observation(self, result: ToolResult) -> str:
+    text = result.to_observation()
+    if result.ok and not text.strip():
+      text = _NO_OUTPUT
+    text, _ = truncate_text(text, self.max_output_chars)
+    return self.observation_template.format(output=text)
+
+  def encode_observation(self, text: str, tokenizer) -> list[int]:
+    # Program output is data: it must never spell the chat template's control tokens.
+    if "parse_special" in inspect.signature(tokenizer.encode).parameters:
+      return list(tokenizer.encode(text, parse_special=False))
+    return list(tokenizer.encode(text))
+
+  # ------------------------------------------------------------------ reward
+  def reward(self, trajectory: Trajectory, example: Example, tokenizer, step: int) -> RewardOutput:
+    inp = trajectory.to_reward_input(tokenizer, example.gold, metadata=example.metadata,
+                                     policy_only=True)
+    return self._reward(inp, step=step)
+
+  def is_success(self, out: RewardOutput) -> bool:
+    return out.components.get("correct", -1.0) >= 1.0
+
+  def demonstration(self, example: Example):
+    """The reference solution as interpreter code (gsm_symbolic), or None."""
+    cot = example.metadata.get("answer_cot")
+    if not cot or not isinstance(example.gold, str):
+      return None
+    return gsm_demonstration(cot, example.gold)
+

@@ -1,0 +1,165 @@
+"""Multi-hop question answering with a search engine (Search-R1 style), over a generated world.
+
+The questions and documents come from `envs/knowledge_base.py`: fictional people, cities,
+countries, universities and companies, stored as a tfds ArrayRecord dataset and read with grain.
+No model can know these facts, so it has to search for them.
+
+Protocol (one trajectory):
+
+    <think>I need to find who founded Bidond Holdings.</think>
+    <search>Bidond Holdings</search>
+    <information>Doc 1 (Title: Bidond Holdings): ... founded by Kroskbu Stairnci ...</information>
+    <think>Bidond Holdings was founded by Kroskbu Stairnci. Now I need ...</think>
+    ...
+    <answer>Riampo</answer>
+
+The `<information>` block is the search tool's observation: it is not the policy's text, so by
+default it gets no loss. `mask_observations=False` marks it trainable instead (the retrieved-
+token masking ablation of Search-R1): the env then sets `train_on_observations = True`, which
+the trainer reads when it turns trajectories into packed rows.
+
+Reward: exact match of the `<answer>` against the gold entity name (or token F1 with
+`outcome="f1"`; the other metric is logged with weight 0), plus optional shaping terms: the tag
+format and the share of the question's supporting documents that the searches retrieved. With
+`shaping_steps > 0` a `ProgressiveSchedule` moves the weight from shaping to the outcome over
+that many steps.
+"""
+from __future__ import annotations
+
+import inspect
+from typing import Literal, Sequence
+
+from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example
+from jaxagent.agent.parsers import XMLTagParser
+from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory
+from jaxagent.envs import knowledge_base as kb_lib
+from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
+                              ProgressiveSchedule, RewardInput, RewardOutput, TextMatchReward)
+from jaxagent.tools import BM25Index, SearchTool, ToolRegistry
+
+SYSTEM_PROMPT = (
+    "You answer questions about a fictional world with the help of a search engine over its "
+    "encyclopedia; you cannot know these facts without searching. Reason inside <think> and "
+    "</think>. To search, write <search>query</search>; the best matching articles come back "
+    "between <information> and </information>. Search for one fact at a time, using the name "
+    "of the person, place or organisation. When you know the answer, give just the name inside "
+    "<answer> and </answer>, for example <answer>Lusk Works</answer>.")
+
+OBSERVATIONS_KEY = "observations"
+_FORMAT = FormatConfig(allowed_tags=("think", "search", "answer"), answer_tag="answer")
+
+
+class RetrievalHits:
+  """Share of the question's supporting documents that appeared in the search results."""
+
+  def __call__(self, inp: RewardInput) -> float:
+    titles = inp.metadata.get("supporting_titles")
+    if not titles:
+      raise KeyError("RetrievalHits needs RewardInput.metadata['supporting_titles']")
+    seen = inp.metadata.get(OBSERVATIONS_KEY, "")
+    return sum(f"(Title: {t})" in seen for t in titles) / len(titles)
+
+
+class SearchQAEnv(Env):
+  """Search-R1-style multi-hop QA over a generated knowledge base (see the module docstring).
+
+  Args:
+    kb_seed, num_countries, num_cities, num_universities, num_people, num_companies, min_hops,
+      max_hops, distractors, train_size, eval_size, sft_size: the knowledge base and its
+      questions (`knowledge_base.KBConfig`); hops and distractors set the difficulty.
+    data_dir: where the tfds dataset is prepared ("" = `knowledge_base.default_data_dir()`).
+    top_k: passages per search.
+    max_passage_chars: each passage is cut to this many characters in the observation.
+    mask_observations: False trains on the retrieved `<information>` tokens too (ablation).
+    outcome: "exact_match" or "f1", the outcome reward.
+    format_weight, retrieval_weight: weights of the shaping terms (0 = off).
+    shaping_steps: steps over which a `ProgressiveSchedule` hands the shaping weight to the
+      outcome (0 = fixed weights); `shaping_start` is its alpha at step 0.
+  """
+
+  name = "search_qa"
+  observation_template = OBSERVATION_TEMPLATES["information"]
+
+  def __init__(self, *, kb_seed: int = 0, num_countries: int = 8, num_cities: int = 40,
+               num_universities: int = 20, num_people: int = 240, num_companies: int = 160,
+               min_hops: int = 1, max_hops: int = 3, distractors: int = 1,
+               train_size: int = 2000, eval_size: int = 200, sft_size: int = 256,
+               data_dir: str = "", top_k: int = 3, max_passage_chars: int = 300,
+               mask_observations: bool = True,
+               outcome: Literal["exact_match", "f1"] = "exact_match",
+               format_weight: float = 0.0, retrieval_weight: float = 0.0,
+               shaping_steps: int = 0, shaping_start: float = 0.0):
+    if outcome not in ("exact_match", "f1"):
+      raise ValueError(f"SearchQAEnv.outcome must be 'exact_match' or 'f1', got {outcome!r}")
+    self.kb_config = kb_lib.KBConfig(
+        seed=kb_seed, num_countries=num_countries, num_cities=num_cities,
+        num_universities=num_universities, num_people=num_people, num_companies=num_companies,
+        min_hops=min_hops, max_hops=max_hops, distractors=distractors, train_size=train_size,
+        eval_size=eval_size, sft_size=sft_size)
+    self.kb = kb_lib.load_kb(self.kb_config, data_dir or None)
+    self.index = BM25Index(self.kb.documents)
+    self.search_tool = SearchTool(self.index, k=top_k, max_k=max(10, top_k),
+                                  max_chars_per_passage=max_passage_chars)
+    self.tools = ToolRegistry([self.search_tool])
+    self.parser = XMLTagParser({"search": ("search", "query")}, answer_tag="answer")
+    self.train_on_observations = not mask_observations
+    other = "f1" if outcome == "exact_match" else "exact_match"
+    schedule = ProgressiveSchedule(shaping_steps, start=shaping_start) if shaping_steps else None
+    self._reward = CompositeReward([
+        Component(outcome, TextMatchReward(outcome), 1.0, role="outcome"),
+        Component(other, TextMatchReward(other), 0.0, role="fixed"),  # logged only
+        Component("format", FormatReward(_FORMAT), format_weight, role="shaping"),
+        Component("retrieval", RetrievalHits(), retrieval_weight, role="shaping"),
+    ], schedule=schedule)
+    self._cache: dict[str, list[Example]] = {}
+
+  # ------------------------------------------------------------------ data
+  def examples(self, split: str) -> Sequence[Example]:
+    """"train", "eval" (held-out questions over the same world) or "sft"."""
+    if split not in kb_lib.SPLITS:
+      raise ValueError(f"unknown split {split!r}; expected one of {list(kb_lib.SPLITS)}")
+    if split not in self._cache:
+      self._cache[split] = [self.to_example(q) for q in self.kb.questions[split]]
+    return self._cache[split]
+
+  @staticmethod
+  def to_example(q: kb_lib.Question) -> Example:
+    messages = ({"role": "system", "content": SYSTEM_PROMPT},
+                {"role": "user", "content": f"Question: {q.question}"})
+    return Example(id=q.id, prompt=messages, gold=list(q.answers), metadata={
+        "hops": q.hops, "relations": list(q.relations), "queries": list(q.queries),
+        "hop_answers": list(q.hop_answers), "supporting_ids": list(q.supporting_ids),
+        "supporting_titles": list(q.supporting_titles)})
+
+  # ------------------------------------------------------------------ observations
+  def encode_observation(self, text: str, tokenizer) -> list[int]:
+    # Retrieved text is data: it must never spell the chat template's control tokens.
+    if "parse_special" in inspect.signature(tokenizer.encode).parameters:
+      return list(tokenizer.encode(text, parse_special=False))
+    return list(tokenizer.encode(text))
+
+  # ------------------------------------------------------------------ reward
+  def reward(self, trajectory: Trajectory, example: Example, tokenizer, step: int) -> RewardOutput:
+    meta = {**example.metadata, OBSERVATIONS_KEY: "\n".join(trajectory.observation_texts())}
+    inp = trajectory.to_reward_input(tokenizer, example.gold, metadata=meta, policy_only=True)
+    return self._reward(inp, step=step)
+
+  def is_success(self, out: RewardOutput) -> bool:
+    return out.components.get("exact_match", 0.0) >= 1.0
+
+  # ------------------------------------------------------------------ SFT
+  def demonstration(self, example: Example):
+    """Search each hop's entity by name, state the fact read, answer with the last one."""
+    meta = example.metadata
+    relations, queries, answers = meta["relations"], meta["queries"], meta["hop_answers"]
+    segs: list[tuple[int, str]] = []
+    known = ""
+    for rel, query, found in zip(relations, queries, answers):
+      need = kb_lib.hop_thought(rel, query)
+      thought = f"{known} Now I need to find {need}." if known else f"I need to find {need}."
+      segs.append((POLICY, f"<think>{thought}</think>\n<search>{query}</search>"))
+      segs.append((OBSERVATION, self.format_observation(self.search_tool({"query": query}))))
+      fact = kb_lib.hop_fact(rel, query, found)
+      known = fact[0].upper() + fact[1:] + "."
+    segs.append((POLICY, f"<think>{known}</think>\n<answer>{answers[-1]}</answer>"))
+    return segs

@@ -1,0 +1,154 @@
+"""code: code extraction, program assembly, test planning, sandboxed pass-fraction scoring on
+hand-worked solutions, splits, prompt, demonstrations and the composite reward."""
+import time
+
+import pytest
+
+from jaxagent.agent.trajectory import POLICY, demonstration_trajectory
+from jaxagent.envs import make_env
+from jaxagent.envs.code import (SYSTEM_PROMPT, CodeEnv, assemble_program, canonical_solution,
+                                extract_code, plan_tests, run_tests)
+
+CHECK = '''
+METADATA = {"author": "x"}
+
+
+def check(candidate):
+    import math
+    assert candidate(2) == 4
+    assert True, "a marker, not a test"
+    base = 3
+    for n in range(3):
+        assert candidate(n + base) == (n + base) ** 2
+    assert math.isclose(candidate(0.5), 0.25)
+'''
+STUB = 'def square(x):\n    """Return x squared."""\n'
+
+
+@pytest.fixture(scope="module")
+def env():
+  return CodeEnv(eval_size=10, sft_size=20, seed=1)
+
+
+# ----------------------------------------------------------------------------- pieces
+def test_extract_code():
+  assert extract_code("Here:\n<code>\ndef f():\n  return 1\n</code>") == "\ndef f():\n  return 1\n"
+  assert extract_code("```python\nx = 1\n```\ntext\n```python\ny = 2\n```") == "y = 2\n"
+  assert extract_code("<code>\n```python\nz = 3\n```\n</code>") == "z = 3\n"
+  assert extract_code("```\nw = 4\n```") == "w = 4\n"
+  assert extract_code("no code here") is None
+  assert extract_code("```python\nunclosed = 1\n") is None
+
+
+def test_assemble_program_full_function_and_body():
+  full = assemble_program(STUB, "square", "def square(x):\n    return x * x\n")
+  ns = {}
+  exec(full, ns)  # noqa: S102 - our own test program
+  assert ns["square"](3) == 9 and full.startswith(STUB.rstrip())
+  body = assemble_program(STUB, "square", "    return x * x\n")
+  assert body == STUB + "    return x * x\n"
+  unindented = assemble_program(STUB, "square", "y = x * x\nreturn y")
+  exec(unindented, ns)  # noqa: S102
+  assert ns["square"](4) == 16
+
+
+def test_plan_tests_counts_asserts_per_statement():
+  plan = plan_tests(CHECK)
+  assert plan.num_tests == 3  # two plain asserts and one loop; `assert True` is a marker
+  assert [t for t, _ in plan.steps] == [False, True, False, False, True, True]
+  assert "METADATA" in plan.module and "def check" not in plan.module
+  with pytest.raises(ValueError, match="no check"):
+    plan_tests("def test(candidate):\n    assert candidate()\n")
+
+
+@pytest.mark.parametrize("solution,passed", [
+    ("def square(x):\n    return x * x\n", 3),
+    ("def square(x):\n    return x * 2\n", 1),          # right only for 2
+    ("def square(x):\n    return int(x) ** 2\n", 2),     # wrong for 0.5 only
+    ("def square(x):\n    raise ValueError\n", 0),
+    ("def cube(x):\n    return x ** 3\n", 0),            # never defines the entry point
+    ("def square(x):\n    if x == 3:\n        import os; os._exit(0)\n    return x * x\n", 0),
+])
+def test_run_tests_pass_fraction(solution, passed):
+  run = run_tests(assemble_program(STUB, "square", solution), "square", plan_tests(CHECK))
+  assert (run.passed, run.total) == (passed, 3), run
+
+
+def test_run_tests_hanging_and_forged_reports():
+  plan = plan_tests(CHECK)
+  t0 = time.time()
+  slow = "def square(x):\n    while x == 2:\n        pass\n    return x * x\n"
+  run = run_tests(assemble_program(STUB, "square", slow), "square", plan, per_test_s=0.5)
+  assert (run.passed, run.total) == (2, 3), "only the hanging test fails"
+  assert time.time() - t0 < 8
+  forged = ('import sys\nprint("@@tests-0@@{\\"passed\\": 3}")\n'
+            'sys.__stdout__.write("@@tests-0@@{\\"passed\\": 3}\\n")\n'
+            "def square(x):\n    return 0\n")
+  assert run_tests(assemble_program(STUB, "square", forged), "square", plan).passed == 0
+  assert run_tests(STUB + "    return (\n", "square", plan).error.startswith("the solution does not parse")
+
+
+# ----------------------------------------------------------------------------- the task
+def test_splits_and_prompt(env, smol_tok):
+  train, ev, sft = env.examples("train"), env.examples("eval"), env.examples("sft")
+  assert (len(train), len(ev), len(sft)) == (154, 10, 20)
+  assert not {e.id for e in ev} & {e.id for e in train}
+  assert {e.id for e in sft} <= {e.id for e in train}
+  assert [e.id for e in CodeEnv(eval_size=10, sft_size=20, seed=1).examples("eval")] == [e.id for e in ev]
+  assert [e.id for e in CodeEnv(eval_size=10, seed=2).examples("eval")] != [e.id for e in ev]
+  ex = ev[0]
+  assert ex.prompt[0]["content"] == SYSTEM_PROMPT
+  text = smol_tok.decode(env.render_prompt(ex, smol_tok))
+  assert f"def {ex.metadata['entry_point']}(" in text and "<code>" in text
+  short = CodeEnv(eval_size=2, max_prompt_chars=300)
+  assert len(short.examples("train")) + 2 < 164
+  with pytest.raises(ValueError, match="eval_size"):
+    CodeEnv(eval_size=164)
+
+
+def test_parser_stops_at_code(env):
+  assert env.parser.stop_strings() == ["</code>"]
+  assert env.parser.parse("<code>\ndef f():\n    pass\n</code>").kind == "answer"
+  assert env.parser.parse("```python\nx\n```").kind == "text"
+
+
+def test_reward_from_trajectories(env, make_traj, char_tok):
+  ex = env.to_example(env.problem("HumanEval/0"))
+  right = canonical_solution(env.problem("HumanEval/0"))
+  always_true = "def has_close_elements(numbers, threshold):\n    return True\n"
+  cases = [(f"<code>\n{right}</code>", 1.0, True), (f"```python\n{always_true}```", 4 / 7, True),
+           ("<code>def has_close_elements(:</code>", 0.0, False), ("I cannot.", 0.0, False)]
+  for text, tests, syntax in cases:
+    out = env.reward(make_traj([(POLICY, text)]), ex, char_tok, 0)
+    assert out.components["tests"] == pytest.approx(tests), text
+    assert out.components["syntax"] == float(syntax) and out.total == pytest.approx(tests)
+    assert env.is_success(out) == (tests == 1.0)
+
+
+def test_progressive_shaping(make_traj, char_tok):
+  env = CodeEnv(eval_size=10, syntax_weight=0.5, shaping_steps=10)
+  ex = env.to_example(env.problem("HumanEval/0"))
+  traj = make_traj([(POLICY, "<code>def has_close_elements(n, t):\n    return True\n</code>")])
+  for step, alpha in ((0, 0.0), (5, 0.5), (20, 1.0)):
+    out = env.reward(traj, ex, char_tok, step)
+    assert out.total == pytest.approx(alpha * 4 / 7 + (1 - alpha) * 0.5)
+
+
+def test_demonstrations_pass_their_tests(env, smol_tok):
+  for ex in env.examples("sft")[:6]:
+    segs = env.demonstration(ex)
+    assert segs[0][1].startswith("<code>\ndef ") and segs[0][1].endswith("</code>")
+    traj = demonstration_trajectory(env.render_prompt(ex, smol_tok), segs, smol_tok)
+    traj.finish("answer")
+    assert env.reward(traj, ex, smol_tok, 0).components["tests"] == 1.0, ex.id
+  assert isinstance(make_env("code", eval_size=5), CodeEnv)
+
+
+@pytest.mark.slow
+def test_every_canonical_solution_passes_all_its_tests():
+  env = CodeEnv(eval_size=0, sft_size=0)
+  assert len(env.examples("train")) == 164
+  for ex in env.examples("train"):
+    task_id, problem = ex.id, env.problem(ex.id)
+    run, parses = env.score(task_id, f"<code>\n{canonical_solution(problem)}</code>")
+    assert parses and run.passed == run.total > 0, (task_id, run)

@@ -1,0 +1,121 @@
+"""configs/math_tool.py, search_qa.py, code.py: every variant has the quickstart's keys and
+settings its task accepts; the tiny variant of each runs end to end on a CPU."""
+import importlib.util
+import inspect
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+
+from jaxagent.envs import REGISTRY, make_env
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CONFIGS = ("math_tool", "search_qa", "code")
+VARIANTS = ("", "tiny", "gpu", "qwen")
+# The outcome reward each task logs (as `reward/<name>`).
+OUTCOME = {"math_tool": "correct", "search_qa": "exact_match", "code": "tests"}
+
+
+def _load(name: str):
+  spec = importlib.util.spec_from_file_location(f"config_{name}", ROOT / "configs" / f"{name}.py")
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+def _keys(cfg: ml_collections.ConfigDict, prefix="") -> set[str]:
+  out = set()
+  for k, v in cfg.items():
+    out.add(prefix + k)
+    if isinstance(v, ml_collections.ConfigDict) and k != "kwargs":
+      out |= _keys(v, f"{prefix}{k}.")
+  return out
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_variants_have_the_quickstart_layout(name):
+  reference = _keys(_load("quickstart").get_config())
+  module = _load(name)
+  assert module.__doc__ and "python -m jaxagent.launch --config=configs/" in module.__doc__
+  assert "Expected" in module.__doc__
+  for variant in VARIANTS:
+    cfg = module.get_config(variant)
+    assert _keys(cfg) == reference, variant
+    assert cfg.env.name == name and name in REGISTRY
+    # Every env setting is a keyword of the task's constructor.
+    module_name, cls = REGISTRY[name].split(":")
+    params = inspect.signature(getattr(importlib.import_module(module_name), cls)).parameters
+    assert set(cfg.env.kwargs) <= set(params), set(cfg.env.kwargs) - set(params)
+    assert cfg.train.len_buckets[-1] == cfg.train.pack_len
+    assert cfg.rollout.max_len <= cfg.train.pack_len or variant in ("gpu", "qwen")
+  assert module.get_config("tiny").model.path == "tiny-llama"
+  assert module.get_config("tiny").model.tokenizer == "smollm2-135m-instruct"
+  with pytest.raises(ValueError, match="unknown"):
+    module.get_config("huge")
+
+
+# The tiny runs go in one fresh interpreter with a single CPU device: under this suite's 8 fake
+# devices every step would be sharded 8 ways over two cores, several times slower.
+_RUN_TINY = """
+import importlib.util, json, sys, traceback
+from jaxagent.trainer import Trainer
+root, out, names = sys.argv[1], sys.argv[2], sys.argv[3:]
+for name in names:
+    spec = importlib.util.spec_from_file_location(name, f"{root}/configs/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    cfg = module.get_config("tiny")
+    cfg.workdir = f"{out}/{name}"
+    if name == "search_qa":
+        cfg.env.kwargs.data_dir = f"{out}/tfds"
+    try:
+        trainer = Trainer(cfg)
+        try:
+            summary = trainer.run()
+        finally:
+            trainer.close()
+        print("RESULT", json.dumps({"name": name, "summary": summary}), flush=True)
+    except Exception:
+        print("RESULT", json.dumps({"name": name, "error": traceback.format_exc()}), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def tiny_runs(tmp_path_factory):
+  out = tmp_path_factory.mktemp("tiny")
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["JAX_PLATFORMS"] = "cpu"
+  proc = subprocess.run([sys.executable, "-c", _RUN_TINY, str(ROOT), str(out), *CONFIGS],
+                        capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
+  results = {}
+  for line in proc.stdout.splitlines():
+    if line.startswith("RESULT "):
+      r = json.loads(line[len("RESULT "):])
+      results[r["name"]] = r
+  assert results, f"the tiny runs printed no result (exit {proc.returncode}):\n{proc.stderr[-4000:]}"
+  return out, results
+
+
+@pytest.mark.parametrize("name", CONFIGS)
+def test_tiny_config_runs(name, tiny_runs):
+  out, results = tiny_runs
+  assert name in results, f"no result for {name}"
+  assert "error" not in results[name], results[name].get("error")
+  assert "pass@1/after_rl" in results[name]["summary"]
+  run = out / name
+  rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+  steps = [r for r in rows if r["step"] >= 1 and "reward/mean" in r]
+  assert [r["step"] for r in steps] == [1, 2]
+  for r in steps:
+    assert f"reward/{OUTCOME[name]}" in r and "reward/total" in r and "rollout/num_trajectories" in r
+  assert any("sft/loss" in r for r in rows)
+  assert (run / "summary.json").exists()
+
+
+def test_make_env_rejects_unknown_settings():
+  with pytest.raises(ValueError, match="bad settings for env 'code'"):
+    make_env("code", no_such_knob=1)

@@ -1,0 +1,217 @@
+"""math_tool: reference-solution parsing, demonstrations checked in the sandbox, splits, prompt,
+parsing, +1/-1 reward, progressive shaping and the per-trajectory interpreter."""
+import pytest
+
+from jaxagent.agent.trajectory import OBSERVATION, POLICY
+from jaxagent.envs import make_env
+from jaxagent.envs.math_tool import (SYSTEM_PROMPT, MathToolEnv, champ_problems, clean_code,
+                                     cot_steps, gsm_demonstration, safe_eval, steps_program)
+from jaxagent.tools import PythonSession, ToolResult
+
+GIRLS = ("There are 32 girls x 2 boys/girl = 64 boys in the garden.\n"
+         "In total there are 32 girls + 64 boys = 96 kids in the garden\n#### 96")
+WAGES = ("The carpenter works for 5 days every week and 2 weeks every month so he works for "
+         "5 days/week * 2 weeks/month = 10 days/month\n"
+         "If he earns €130 every day he then earns €130/day * 10 days/month = €1300/month\n"
+         "A year is equal to 12 months so every year he earns €1300/month * 12 months/year = €15600\n"
+         "The room's perimeter is 2(86+66) = 304\n"
+         "#### 15600")
+
+
+@pytest.fixture(scope="module")
+def env():
+  return MathToolEnv(train_size=24, eval_size=12, sft_size=6, seed=3)
+
+
+# ----------------------------------------------------------------------------- demonstrations
+def test_cot_steps_hand_worked():
+  assert cot_steps(GIRLS) == [("32 * 2", 64, "boys"), ("32 + 64", 96, "kids")]
+  steps = cot_steps(WAGES)
+  assert [(e, v) for e, v, _ in steps] == [("5 * 2", 10), ("130 * 10", 1300), ("1300 * 12", 15600),
+                                           ("2 * (86 + 66)", 304)]
+  # "because 20 x 3 = 60": only the arithmetic right before '=' counts.
+  assert cot_steps("£60 per person because 20 x 3 = 60") == [("20 * 3", 60, "")]
+  # Algebra and restatements are not arithmetic steps.
+  assert cot_steps("we get 2x+50=260\nleaving x=105\nSo 48=48") == []
+
+
+def test_steps_program_names_and_reuses_results():
+  lines, values = steps_program(cot_steps(GIRLS))
+  assert lines == ["boys = 32 * 2", "kids = 32 + boys"]
+  assert values == [64, 96]
+  lines, values = steps_program([("3 * 4", 12, "for"), ("12 / 5", 2.4, "for")])
+  assert lines == ["step = 3 * 4", "step_2 = step / 5"] and values == [12, 2.4]
+
+
+def test_safe_eval_is_arithmetic_only():
+  assert safe_eval("2 * (86 + 66) - -1") == 305
+  assert safe_eval("7 / 2") == 3.5 and safe_eval("a + 1", {"a": 2}) == 3
+  for bad in ("__import__('os')", "a + 1", "2 ** 3", "[1][0]"):
+    with pytest.raises(ValueError):
+      safe_eval(bad)
+
+
+def test_demonstration_single_cell():
+  segs = gsm_demonstration(GIRLS, "96")
+  assert segs == [(POLICY, "<code>\nboys = 32 * 2\nkids = 32 + boys\nprint(kids)\n</code>"),
+                  (OBSERVATION, "<interpreter>96\n</interpreter>"),
+                  (POLICY, "<answer>96</answer>")]
+  assert gsm_demonstration(GIRLS, "97") is None  # no step reaches the gold answer
+  assert gsm_demonstration("we get 2x=210\nx=105\n#### 105", "105") is None
+
+
+def test_demonstration_cells_match_the_sandbox():
+  """The interpreter output written into a demonstration is what the sandbox prints."""
+  cot = "He drank 8*3=24 ccs.\nSo he drank 24*2=48 calories.\nThen 48/5=9.6 more.\nIn all 9.6*5+2=50 cups.\n#### 50"
+  segs = gsm_demonstration(cot, "50")
+  codes = [t for r, t in segs if r == POLICY and t.startswith("<code>")]
+  shown = [t for r, t in segs if r == OBSERVATION]
+  assert len(codes) == 2, "four steps are split over two cells"
+  with PythonSession(timeout_s=10) as session:
+    for code, obs in zip(codes, shown):
+      out = session.run(clean_code(code[len("<code>"):-len("</code>")]))
+      assert out.ok, out.error
+      assert obs == f"<interpreter>{out.output}</interpreter>"
+  assert codes[1].startswith("<code>\nstep = calories / 5\n")  # the second cell reuses the first's names
+  assert segs[-1] == (POLICY, "<answer>50</answer>")
+
+
+# ----------------------------------------------------------------------------- data and prompt
+def test_splits_disjoint_deterministic_and_demonstrated(env):
+  train, ev, sft = env.examples("train"), env.examples("eval"), env.examples("sft")
+  assert (len(train), len(ev), len(sft)) == (24, 12, 6)
+  q = lambda exs: {e.metadata["question"] for e in exs}  # noqa: E731
+  assert not q(ev) & (q(train) | q(sft))
+  assert all(env.demonstration(e) is not None for e in sft)
+  again = MathToolEnv(train_size=24, eval_size=12, sft_size=6, seed=3)
+  assert [e.metadata["question"] for e in again.examples("eval")] == [e.metadata["question"] for e in ev]
+  other = MathToolEnv(train_size=24, eval_size=12, sft_size=6, seed=4)
+  assert q(other.examples("eval")) != q(ev)
+
+
+def test_prompt_and_registry(env, smol_tok):
+  ex = env.examples("train")[0]
+  assert ex.prompt[0] == {"role": "system", "content": SYSTEM_PROMPT}
+  assert ex.prompt[1]["content"] == ex.metadata["question"]
+  text = smol_tok.decode(env.render_prompt(ex, smol_tok))
+  assert "<code>" in text and ex.metadata["question"] in text
+  assert text.rstrip().endswith("assistant")
+  assert isinstance(make_env("math_tool", train_size=4), MathToolEnv)
+  with pytest.raises(ValueError, match="sources"):
+    MathToolEnv(sources=("gsm8k",))
+
+
+def test_champ_source_split_in_halves():
+  probs = champ_problems()
+  assert len(probs) > 100
+  env = MathToolEnv(sources=("gsm_symbolic", "champ"), eval_sources=("champ",), train_size=4,
+                    eval_size=0, sft_size=2)
+  ev = {e.id for e in env.examples("eval")}
+  tr = {e.id for e in env.examples("train") if e.metadata["source"] == "champ"}
+  assert len(ev) + len(tr) == len(probs) and not {i.split("-", 2)[2] for i in ev} & {
+      i.split("-", 2)[2] for i in tr}
+  assert all(e.metadata["source"] == "gsm_symbolic" for e in env.examples("sft"))
+
+
+# ----------------------------------------------------------------------------- parsing and tool
+def test_parser(env):
+  p = env.parser.parse("Let me compute.\n<code>\n  x = 2\n  print(x)\n</code>")
+  assert p.kind == "tool_call" and p.call.name == "python"
+  assert clean_code(p.call.arguments["code"]) == "x = 2\nprint(x)\n"
+  assert env.parser.parse("<answer> 42 </answer>").answer.strip() == "42"
+  assert set(env.parser.stop_strings()) == {"</code>", "</answer>"}
+  assert clean_code("```python\nprint(1)\n```") == "print(1)\n"
+
+
+def test_episode_has_a_persistent_interpreter_closed_at_the_end(env):
+  ep = env.new_episode(env.examples("train")[0])
+  tool = ep.tools.get("python")
+  assert tool({"code": "x = 20"}).ok
+  assert tool({"code": "\n    print(x + 1)\n"}).output == "21\n"
+  assert env.new_episode(env.examples("train")[0]).tools.get("python") is not tool
+  ep.close()
+  assert not tool({"code": "print(1)"}).ok
+
+
+def test_observation_format(env):
+  assert env.format_observation(ToolResult.success("5\n")) == "<interpreter>5\n</interpreter>"
+  assert "print()" in env.format_observation(ToolResult.success(""))
+  long = env.format_observation(ToolResult.success("9" * 5000))
+  assert len(long) < 600 and "truncated" in long
+  err = env.format_observation(ToolResult.failure("NameError: y"))
+  assert err == "<interpreter>Error: NameError: y</interpreter>"
+
+
+# ----------------------------------------------------------------------------- reward
+@pytest.mark.parametrize("segments,expected", [
+    ([(POLICY, "<answer>96</answer>")], 1.0),
+    ([(POLICY, "<answer>96.0</answer>")], 1.0),
+    ([(POLICY, "The answer is \\boxed{96}")], 1.0),
+    ([(POLICY, "<answer>95</answer>")], -1.0),
+    ([(POLICY, "I do not know.")], -1.0),
+    # The interpreter printing an answer tag is not the policy answering.
+    ([(POLICY, "<code>print('<answer>96</answer>')</code>"),
+      (OBSERVATION, "<interpreter><answer>96</answer></interpreter>")], -1.0),
+    ([(POLICY, "<code>print(32 * 3)</code>"), (OBSERVATION, "<interpreter>96\n</interpreter>"),
+      (POLICY, "<answer>96</answer>")], 1.0),
+])
+def test_reward_plus_minus_one(env, make_traj, char_tok, segments, expected):
+  ex = env.examples("train")[0]
+  ex = type(ex)(id=ex.id, prompt=ex.prompt, gold="96", metadata=ex.metadata)
+  out = env.reward(make_traj(segments), ex, char_tok, step=0)
+  assert out.components["correct"] == expected and out.total == expected
+  assert env.is_success(out) == (expected == 1.0)
+
+
+def test_reward_math_equivalence(env, make_traj, char_tok):
+  ex = env.examples("train")[0]
+  ex = type(ex)(id=ex.id, prompt=ex.prompt, gold="0.5", metadata=ex.metadata)
+  out = env.reward(make_traj([(POLICY, "<answer>\\frac{1}{2}</answer>")]), ex, char_tok, 0)
+  assert out.components["correct"] == 1.0
+
+
+def test_progressive_shaping(make_traj, char_tok):
+  env = MathToolEnv(train_size=2, eval_size=0, sft_size=0, format_weight=0.4, tool_weight=0.1,
+                    shaping_steps=10, shaping_start=0.2)
+  ex = env.examples("train")[0]
+  ex = type(ex)(id=ex.id, prompt=ex.prompt, gold="7", metadata=ex.metadata)
+  traj = make_traj([(POLICY, "<code>print(3 + 4)</code>"), (OBSERVATION, "<interpreter>7\n</interpreter>"),
+                    (POLICY, "<answer>8</answer>")])
+  traj.num_tool_calls = traj.valid_tool_calls = 1
+  # Wrong answer (-1), format ok (1), one valid call (1): alpha(0)=0.2, alpha(5)=0.6, alpha(10)=1.
+  for step, alpha in ((0, 0.2), (5, 0.6), (10, 1.0), (50, 1.0)):
+    out = env.reward(traj, ex, char_tok, step)
+    assert out.alpha == pytest.approx(alpha)
+    assert out.components == {"correct": -1.0, "format": 1.0, "tool_calls": 1.0}
+    assert out.total == pytest.approx(-alpha + (1 - alpha) * (0.4 + 0.1))
+
+
+def test_demonstration_scores_plus_one(env, smol_tok):
+  from jaxagent.agent.trajectory import demonstration_trajectory
+  for ex in env.examples("sft"):
+    traj = demonstration_trajectory(env.render_prompt(ex, smol_tok), env.demonstration(ex), smol_tok)
+    traj.finish("answer")
+    assert env.reward(traj, ex, smol_tok, 0).components["correct"] == 1.0, ex.id
+
+
+def test_rollout_keeps_one_interpreter_per_trajectory(env):
+  """Through the real rollout driver: a variable set in turn 1 is printed in turn 2 of the same
+  trajectory, another trajectory's interpreter does not have it, and the reward is +/-1."""
+  from jaxagent.agent.rollout import RolloutConfig, rollout
+  from tests.agent.rollout_test import TOK, FakeEngine
+
+  texts = {0: ["<code>\nx = 6 * 7\n</code>", "<code>\nprint(x)\n</code>", "<answer>42</answer>"],
+           1: ["<code>\nprint(x)\n</code>", "<answer>42</answer>"]}
+  cache = {rid: [TOK.encode(t) for t in turns] for rid, turns in texts.items()}
+  engine = FakeEngine(lambda rid, turn: cache[rid][turn] if turn < len(cache[rid]) else [],
+                      slots=2, max_len=512)
+  ex = env.examples("train")[0]
+  ex = type(ex)(id=ex.id, prompt="Q: 6 times 7?", gold="42", metadata=ex.metadata)
+  cfg = RolloutConfig(max_turns=4, max_tokens_per_turn=64, tool_timeout_s=20, traj_tool_timeout_s=60)
+  first, second = rollout(engine, None, env, [ex], tokenizer=TOK, num_samples=2, cfg=cfg)
+  assert first.observation_texts() == [env.format_observation(ToolResult.success("")),
+                                      "<interpreter>42\n</interpreter>"]
+  assert "NameError" in second.observation_texts()[0]
+  assert (first.stop_reason, second.stop_reason) == ("answer", "answer")
+  assert env.reward(first, ex, TOK, 0).total == 1.0
+  assert first.valid_tool_calls == 2 and second.tool_errors == 1

@@ -1,0 +1,233 @@
+"""search_qa: the generated knowledge base (determinism, tfds ArrayRecord build read back with
+grain, also without TensorFlow), answerability by BM25, prompt, parsing, EM/F1 and shaping
+rewards, demonstrations and the observation-masking switch."""
+import inspect
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from jaxagent.agent.trajectory import OBSERVATION, POLICY, demonstration_trajectory
+from jaxagent.envs import knowledge_base as kb
+from jaxagent.envs import make_env
+from jaxagent.envs.search_qa import SYSTEM_PROMPT, SearchQAEnv
+from jaxagent.tools import BM25Index
+
+SMALL = dict(num_countries=3, num_cities=9, num_universities=4, num_people=24, num_companies=14,
+             train_size=30, eval_size=10, sft_size=6)
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+  return tmp_path_factory.mktemp("tfds")
+
+
+@pytest.fixture(scope="module")
+def env(data_dir):
+  return SearchQAEnv(data_dir=str(data_dir), kb_seed=5, max_hops=3, **SMALL)
+
+
+# ----------------------------------------------------------------------------- knowledge base
+def test_world_is_deterministic_in_the_seed():
+  cfg = kb.KBConfig(seed=1, **SMALL)
+  w1, w2 = kb.generate_world(cfg), kb.generate_world(cfg)
+  assert w1.documents == w2.documents
+  assert kb.generate_questions(w1, cfg) == kb.generate_questions(w2, cfg)
+  w3 = kb.generate_world(kb.KBConfig(seed=2, **SMALL))
+  assert [d.title for d in w3.documents] != [d.title for d in w1.documents]
+  assert cfg.dataset_name == kb.KBConfig(seed=1, **SMALL).dataset_name != kb.KBConfig(**SMALL).dataset_name
+
+
+def test_facts_are_stated_in_the_source_documents():
+  cfg = kb.KBConfig(seed=3, **SMALL)
+  world = kb.generate_world(cfg)
+  names = {d.title for d in world.documents}
+  assert len(names) == len(world.documents), "entity names are unique"
+  for e, doc in zip(world.entities, world.documents):
+    assert doc.title == e.name and doc.id == e.doc_id
+    for rel, target in e.relations.items():
+      assert kb.hop_fact(rel, e.name, world.entities[target].name).lower() in doc.text.lower(), (rel, doc)
+
+
+def test_questions_split_disjoint_and_balanced():
+  cfg = kb.KBConfig(seed=4, min_hops=1, max_hops=4, **SMALL)
+  qs = kb.generate_questions(kb.generate_world(cfg), cfg)
+  assert {s: len(v) for s, v in qs.items()} == {"eval": 10, "sft": 6, "train": 30}
+  all_q = [q for v in qs.values() for q in v]
+  assert len({q.question for q in all_q}) == len(all_q)
+  hops = [q.hops for q in all_q]
+  assert set(hops) == {1, 2, 3, 4} and max(hops.count(h) for h in (1, 2, 3, 4)) - min(
+      hops.count(h) for h in (1, 2, 3, 4)) <= 1
+  for q in all_q:
+    assert q.answers == (q.hop_answers[-1],) and len(q.queries) == len(q.supporting_ids) == q.hops
+    assert q.queries[1:] == q.hop_answers[:-1], "each hop searches the entity the last one found"
+  with pytest.raises(ValueError, match="distinct questions"):
+    big = kb.KBConfig(seed=4, max_hops=1, **{**SMALL, "train_size": 10_000})
+    kb.generate_questions(kb.generate_world(big), big)
+
+
+@pytest.mark.parametrize("distractors", [0, 1, 3])
+def test_gold_answer_is_retrieved_by_the_right_queries(distractors):
+  """Every hop's supporting document is in the BM25 top 3 for the hop's query, and the last
+  search's results contain the gold answer."""
+  cfg = kb.KBConfig(seed=7, max_hops=4, distractors=distractors, **SMALL)
+  world = kb.generate_world(cfg)
+  index = BM25Index(world.documents)
+  for split in kb.generate_questions(world, cfg).values():
+    for q in split:
+      for query, doc_id in zip(q.queries, q.supporting_ids):
+        hits = index.search(query, 3)
+        assert doc_id in [h.id for h in hits], (q, query)
+      assert any(q.answers[0] in h.text for h in index.search(q.queries[-1], 3)), q
+  mentions = sum(d.text.count("confused with") + d.text.count("guidebook") + d.text.count("Visitors")
+                 + d.text.count("newspaper") for d in world.documents)
+  assert mentions == distractors * len(world.documents)
+
+
+def test_tfds_build_and_grain_read(data_dir):
+  cfg = kb.KBConfig(seed=9, **SMALL)
+  builder = kb.build_kb(cfg, data_dir)
+  assert builder.info.file_format.value == "array_record"
+  files = list(pathlib.Path(builder.data_dir).glob("*.array_record*"))
+  assert {f.name.split("-")[1].split(".")[0] for f in files} == {"documents", "train", "eval", "sft"}
+  sources = builder.as_data_source()
+  assert len(sources["documents"]) == len(kb.generate_world(cfg).documents)
+  assert len(sources["eval"]) == 10
+  loaded = kb.load_kb(cfg, data_dir)
+  world = kb.generate_world(cfg)
+  assert loaded.documents == world.documents
+  assert loaded.questions == kb.generate_questions(world, cfg)
+  # A second load reuses the prepared files.
+  mtimes = {f: f.stat().st_mtime for f in files}
+  kb.load_kb(cfg, data_dir)
+  assert {f: f.stat().st_mtime for f in files} == mtimes
+
+
+def test_build_and_read_without_tensorflow(tmp_path):
+  """tfds writes and reads the ArrayRecord dataset, and grain reads it, with TensorFlow hidden."""
+  script = textwrap.dedent(f"""
+      import json, sys
+      class NoTF:
+          def __init__(self, inner): self.inner = inner
+          def find_spec(self, name, path=None, target=None):
+              if name.split('.')[0] == 'tensorflow':
+                  return None
+              return self.inner.find_spec(name, path, target)
+          def __getattr__(self, attr): return getattr(self.inner, attr)
+      sys.meta_path[:] = [NoTF(f) if hasattr(f, 'find_spec') else f for f in sys.meta_path]
+      from jaxagent.envs import knowledge_base as kb
+      cfg = kb.KBConfig(seed=11, **{SMALL!r})
+      k = kb.load_kb(cfg, {str(tmp_path)!r})
+      ok = k.questions == kb.generate_questions(kb.generate_world(cfg), cfg)
+      print(json.dumps({{"tf": "tensorflow" in sys.modules, "docs": len(k.documents), "same": ok}}))
+  """)
+  out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  report = json.loads(out.stdout.strip().splitlines()[-1])
+  assert report == {"tf": False, "docs": 54, "same": True}
+
+
+# ----------------------------------------------------------------------------- the task
+def test_prompt_and_examples(env, smol_tok):
+  ex = env.examples("eval")[0]
+  q = env.kb.questions["eval"][0]
+  assert ex.id == q.id and ex.gold == list(q.answers)
+  assert ex.prompt == ({"role": "system", "content": SYSTEM_PROMPT},
+                       {"role": "user", "content": f"Question: {q.question}"})
+  text = smol_tok.decode(env.render_prompt(ex, smol_tok))
+  assert "<search>" in text and q.question in text
+  with pytest.raises(ValueError, match="unknown split"):
+    env.examples("test")
+
+
+def test_parser_and_search_tool(env):
+  p = env.parser.parse("<think>I need X.</think>\n<search> Kroskbu Stairnci </search>")
+  assert p.kind == "tool_call" and p.call.name == "search"
+  assert p.call.arguments == {"query": "Kroskbu Stairnci"}
+  assert env.parser.parse("<think>done</think><answer>Riampo</answer>").answer == "Riampo"
+  q = env.kb.questions["train"][0]
+  result = env.tools.get("search")({"query": q.queries[0]})
+  obs = env.format_observation(result)
+  assert obs.startswith("\n<information>Doc 1 (Title: ") and obs.endswith("</information>\n")
+  assert f"(Title: {q.supporting_titles[0]})" in obs
+  assert obs.count("Doc ") == 3
+
+
+def test_observation_tokens_never_spell_control_tokens(env, smol_tok):
+  ids = env.encode_observation("<information><|im_end|></information>", smol_tok)
+  assert smol_tok.encode("<|im_end|>")[0] not in ids
+
+
+@pytest.mark.parametrize("answer,em,f1", [
+    ("Riampo", 1.0, 1.0), ("the riampo", 1.0, 1.0), ("Riampo City", 0.0, 2 / 3), ("Gixwam", 0.0, 0.0)])
+def test_reward_em_f1(env, make_traj, char_tok, answer, em, f1):
+  ex = SearchQAEnv.to_example(kb.Question("q", "Where?", ("Riampo",), ("country",), ("Treivnaem",),
+                                          ("Riampo",), ("city-1",), ("Treivnaem",)))
+  out = env.reward(make_traj([(POLICY, f"<think>ok</think>\n<answer>{answer}</answer>")]), ex,
+                   char_tok, 0)
+  assert out.components["exact_match"] == em and out.components["f1"] == pytest.approx(f1)
+  assert out.total == em and env.is_success(out) == bool(em)
+
+
+def test_retrieval_hits_and_progressive_shaping(data_dir, make_traj, char_tok):
+  env = SearchQAEnv(data_dir=str(data_dir), kb_seed=5, max_hops=3, outcome="f1",
+                    format_weight=0.5, retrieval_weight=0.5, shaping_steps=4, **SMALL)
+  ex = SearchQAEnv.to_example(kb.Question("q", "?", ("Riampo",), ("founder", "birth_city"),
+                                          ("Bidond Holdings", "Kroskbu Stairnci"),
+                                          ("Kroskbu Stairnci", "Riampo"), ("company-1", "person-2"),
+                                          ("Bidond Holdings", "Kroskbu Stairnci")))
+  segs = [(POLICY, "<think>a</think>\n<search>Bidond Holdings</search>"),
+          (OBSERVATION, "\n<information>Doc 1 (Title: Bidond Holdings): founded by ...</information>\n"),
+          (POLICY, "<think>b</think>\n<answer>Riampo City</answer>")]
+  traj = make_traj(segs)
+  for step, alpha in ((0, 0.0), (2, 0.5), (4, 1.0)):
+    out = env.reward(traj, ex, char_tok, step)
+    assert out.components["retrieval"] == 0.5 and out.components["format"] == 1.0
+    assert out.weights["f1"] == pytest.approx(alpha) and out.weights["exact_match"] == 0.0
+    assert out.total == pytest.approx(alpha * 2 / 3 + (1 - alpha) * (0.5 + 0.5 * 0.5))
+  # An <information> block written by the policy itself breaks the format.
+  bad = make_traj([(POLICY, "<information>Riampo</information><answer>Riampo</answer>")])
+  assert env.reward(bad, ex, char_tok, 0).components["format"] == 0.0
+
+
+def test_demonstrations_search_each_hop_and_score_one(env, smol_tok):
+  for ex in env.examples("sft"):
+    segs = env.demonstration(ex)
+    searches = [t for r, t in segs if r == POLICY and "<search>" in t]
+    assert len(searches) == ex.metadata["hops"]
+    for query, text in zip(ex.metadata["queries"], searches):
+      assert text.endswith(f"<search>{query}</search>")
+    assert segs[-1][1].endswith(f"<answer>{ex.gold[0]}</answer>")
+    traj = demonstration_trajectory(env.render_prompt(ex, smol_tok), segs, smol_tok)
+    traj.finish("answer")
+    out = env.reward(traj, ex, smol_tok, 0)
+    assert (out.components["exact_match"], out.components["retrieval"], out.components["format"]) == (
+        1.0, 1.0, 1.0)
+
+
+def test_mask_observations_switch(data_dir, env):
+  assert env.train_on_observations is False
+  ablation = make_env("search_qa", data_dir=str(data_dir), kb_seed=5, max_hops=3,
+                      mask_observations=False, **SMALL)
+  assert ablation.train_on_observations is True
+  with pytest.raises(ValueError, match="outcome"):
+    SearchQAEnv(data_dir=str(data_dir), outcome="bleu", **SMALL)
+
+
+def test_unmasked_observations_enter_the_loss_mask(env, smol_tok):
+  """With the trainer hook (`Trajectory.to_pack_item(..., observation_loss=True)`), the
+  `<information>` tokens of the ablation get loss; by default only the policy's tokens do."""
+  from jaxagent.agent.trajectory import Trajectory
+  if "observation_loss" not in inspect.signature(Trajectory.to_pack_item).parameters:
+    pytest.skip("Trajectory.to_pack_item has no observation_loss hook yet")
+  ex = env.examples("sft")[0]
+  traj = demonstration_trajectory(env.render_prompt(ex, smol_tok), env.demonstration(ex), smol_tok)
+  roles = traj.roles
+  masked = traj.to_pack_item(1.0).loss_mask
+  unmasked = traj.to_pack_item(1.0, observation_loss=True).loss_mask
+  assert (masked == (roles == POLICY)).all()
+  assert (unmasked == ((roles == POLICY) | (roles == OBSERVATION))).all()
+  assert (roles == OBSERVATION).sum() > 0
