@@ -516,7 +516,15 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     return {}
   out: dict[str, float] = {"rollout/num_trajectories": float(n)}
   for key in ("turns", "policy_tokens", "total_tokens", "tool_seconds"):
-    out[f"rollout/{key}"] = float(np.mean([t.budgets()[key] for t in trajectories]))
+    vals = np.array([t.budgets()[key] for t in trajectories], np.float64)
+    out[f"rollout/{key}"] = float(vals.mean())
+    if key != "tool_seconds":  # length and turn distributions
+      out[f"rollout/{key}_p50"] = float(np.percentile(vals, 50))
+      out[f"rollout/{key}_p90"] = float(np.percentile(vals, 90))
+      out[f"rollout/{key}_max"] = float(vals.max())
+  turns = np.array([t.budgets()["turns"] for t in trajectories])
+  for k in np.unique(turns):
+    out[f"rollout/turns_frac/{int(k)}"] = float(np.mean(turns == k))
   out["rollout/truncated"] = float(np.mean([t.truncated for t in trajectories]))
   for reason in STOP_REASONS:
     out[f"rollout/stop/{reason}"] = sum(t.stop_reason == reason for t in trajectories) / n
@@ -525,6 +533,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
     out[f"rollout/{key}"] = float(np.mean([getattr(t, key) for t in trajectories]))
   calls = sum(t.num_tool_calls for t in trajectories)
   out["rollout/tool_error_rate"] = sum(t.tool_errors for t in trajectories) / calls if calls else 0.0
+  out["rollout/tool_timeout_rate"] = (sum(t.tool_timeouts for t in trajectories) / calls
+                                      if calls else 0.0)
   names = sorted({k for t in trajectories for k in t.tool_calls})
   for name in names:
     out[f"rollout/tool/{name}"] = sum(t.tool_calls.get(name, 0) for t in trajectories) / n
