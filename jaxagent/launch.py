@@ -2,11 +2,16 @@
 
 Initialises multi-host JAX when launched on several hosts, builds the trainer from the config
 and runs it. With no flags it runs the quickstart (`configs/quickstart.py`).
+
+Multi-process: pass `--coordinator_address=HOST:PORT --num_processes=N --process_id=I` (or set
+JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) and run the same command on
+every process; on a Cloud TPU slice JAX finds all three itself. Only process 0 logs and writes
+metrics; every process takes part in checkpoints. `launch/` has recipes for TPU VMs, GKE (xpk)
+and GPU clusters (Slurm). A run stopped by SIGTERM saves a checkpoint and exits 0; rerunning the
+same command resumes it.
 """
 import logging
-import os
 import pathlib
-import sys
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -24,14 +29,48 @@ def _default_config() -> str:
 
 _CONFIG = config_flags.DEFINE_config_file("config", _default_config(),
                                           "Run config file (`path.py[:variant]`).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None,
+    "HOST:PORT of process 0 in a multi-process run (default: $JAX_COORDINATOR_ADDRESS).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "Processes in the run (default: $JAX_NUM_PROCESSES).")
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "This process's index, 0-based (default: $JAX_PROCESS_ID).")
+_FIT_CHECK = flags.DEFINE_enum(
+    "fit_check", "auto", ["auto", "on", "off"],
+    "Compile every program for the devices before the first step and stop if one does not fit "
+    "(jaxagent.plan.check_fit). auto: on TPU/GPU, skipped on CPU; on: also on CPU (report only).")
+
+
+def init_runtime(coordinator_address=None, num_processes=None, process_id=None) -> bool:
+  """Multi-host init (flags, else the JAX_* environment) and process-0-only logging.
+
+  Returns True when JAX's distributed runtime was started.
+  """
+  import jax
+  # CPU processes exchange collectives through gloo (the default in recent JAX; older
+  # versions had none). The setting only affects the CPU backend.
+  try:
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  except (AttributeError, ValueError):
+    pass
+  started = sharding.initialize_distributed(coordinator_address, num_processes, process_id)
+  jax.config.update("jax_threefry_partitionable", True)
+  if jax.process_index() != 0:
+    logging.getLogger().setLevel(logging.WARNING)
+  return started
 
 
 def main(argv):
   del argv
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-  sharding.initialize_distributed()
-  import jax
-  jax.config.update("jax_threefry_partitionable", True)
+  logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes
+  init_runtime(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  from jaxagent import plan
+  try:
+    plan.check_fit(_CONFIG.value, _FIT_CHECK.value)
+  except plan.DoesNotFit as e:
+    raise SystemExit(f"the run does not fit the devices; nothing was started.\n{e}") from None
   from jaxagent.trainer import Trainer
   trainer = Trainer(_CONFIG.value)
   try:

@@ -1,0 +1,477 @@
+"""Checkpoints of a training run (orbax): save every N steps and on demand, resume the newest
+complete one on whatever mesh the run has now, and export the policy to HF safetensors.
+
+Where it sits: `trainer.Trainer` owns a `CheckpointManager` over `<workdir>/checkpoints`; it
+saves after the SFT warm start (step 0), every `checkpoint_every` RL steps, at the end and on
+SIGTERM, and restores the newest usable checkpoint when the same command is rerun.
+`python -m jaxagent.export` reads a checkpoint back through `export_hf`.
+
+One checkpoint is an orbax composite in `<workdir>/checkpoints/<step>/`:
+
+  params      the policy's boxed params (`flax.linen.LogicallyPartitioned` leaves; orbax stores
+              the arrays, the logical axis names come back from the restore target)
+  train       {"step": optimizer steps taken, "opt_state": the optax state}
+  ref_params  the frozen KL reference (only when `loss.kl_coef > 0`): the params as RL began
+  meta        JSON: format, RL step, the run config, the model config, the rng derivation,
+              the grain iterator state of the prompt stream, whether the warm start ran, the
+              run summary so far, and a signature (path -> shape, dtype) of every saved array
+
+Restores always go through an abstract target whose leaves carry the shardings of the current
+mesh (`jaxagent.sharding.shardings`), so a checkpoint written on 8 devices loads onto 4 (or 16)
+with every array resharded. A save that did not finish (killed mid-write) leaves orbax's
+temporary directory behind: it is reported by name and skipped. A checkpoint that cannot be read
+is reported and the previous one is used; one written by an incompatible run (other model,
+task or seed; other array shapes) raises `IncompatibleCheckpointError` naming the differences.
+
+All processes of a multi-host job call `save` and `restore` (orbax coordinates the writes;
+process 0 writes the JSON). The directory must be shared by all hosts (e.g. a GCS bucket).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import pathlib
+import re
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jaxagent import sharding
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+# Settings that define what a checkpoint *is*: resuming with any of them changed is refused.
+# Everything else (learning rate, total_steps, eval, logging, mesh) may change on resume.
+IDENTITY_KEYS = ("model", "env", "seed")
+_TMP_SUFFIX = ".orbax-checkpoint-tmp"
+_STEP_DIR = re.compile(r"^(\d+)$")
+_TMP_DIR = re.compile(r"^(\d+)" + re.escape(_TMP_SUFFIX))
+
+
+class CheckpointError(RuntimeError):
+  """No usable checkpoint could be read."""
+
+
+class IncompatibleCheckpointError(CheckpointError):
+  """The checkpoint was written by a run with another model, task, seed or state layout."""
+
+
+# ----------------------------------------------------------------------------- config
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  """When to save and what to keep (from the run config; see `from_config`).
+
+  Attributes:
+    every: save every this many RL steps (0: checkpointing off: no saves, no resume).
+    keep: keep the newest this many checkpoints.
+    keep_every: also keep every checkpoint whose step is a multiple of this (0: none).
+    async_save: write in a background thread; the step loop only waits for the copy to host.
+    directory: where checkpoints live ("" : `<workdir>/checkpoints`).
+  """
+
+  every: int = 0
+  keep: int = 3
+  keep_every: int = 0
+  async_save: bool = True
+  directory: str = ""
+
+  def __post_init__(self):
+    for name in ("every", "keep_every"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise ValueError(f"checkpoint setting {name} must be an int >= 0, got {v!r}")
+    if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
+      raise ValueError(f"checkpoint_keep must be an int >= 1, got {self.keep!r}")
+
+  @property
+  def enabled(self) -> bool:
+    return self.every > 0
+
+  @classmethod
+  def from_config(cls, config) -> "CheckpointConfig":
+    """Read `checkpoint_every`, `checkpoint_keep`, `checkpoint_keep_every`,
+    `checkpoint_async` and `checkpoint_dir` (all optional) from a run config."""
+    get = config.get
+    return cls(every=int(get("checkpoint_every", 0) or 0), keep=int(get("checkpoint_keep", 3)),
+               keep_every=int(get("checkpoint_keep_every", 0) or 0),
+               async_save=bool(get("checkpoint_async", True)),
+               directory=str(get("checkpoint_dir", "") or ""))
+
+  def path(self, workdir: str | os.PathLike) -> epath.Path:
+    return as_path(self.directory) if self.directory else as_path(workdir) / "checkpoints"
+
+
+# ----------------------------------------------------------------------------- helpers
+def as_path(path: str | os.PathLike) -> epath.Path:
+  """A local path (made absolute) or a bucket URL (`gs://...`) as an `epath.Path`."""
+  text = os.fspath(path)
+  return epath.Path(text if "://" in text else os.path.abspath(text))
+
+
+def config_to_json(config) -> dict[str, Any]:
+  """The run config as plain JSON types (tuples become lists), for storing and comparing."""
+  if hasattr(config, "to_json_best_effort"):
+    return json.loads(config.to_json_best_effort(sort_keys=True))
+  return json.loads(json.dumps(config, sort_keys=True, default=str))
+
+
+def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in d.items():
+    key = f"{prefix}{k}"
+    if isinstance(v, Mapping):
+      out.update(_flatten(v, key + "."))
+    else:
+      out[key] = v
+  return out
+
+
+def config_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[tuple[str, Any, Any]]:
+  """(dotted key, saved value, current value) for every setting that differs."""
+  a, b = _flatten(saved), _flatten(current)
+  missing = object()
+  out = []
+  for k in sorted(set(a) | set(b)):
+    va, vb = a.get(k, missing), b.get(k, missing)
+    if va != vb:
+      out.append((k, "<unset>" if va is missing else va, "<unset>" if vb is missing else vb))
+  return out
+
+
+def signature(tree) -> dict[str, str]:
+  """`{path: "shape dtype"}` of every array leaf (concrete or abstract) of `tree`."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
+  return {jax.tree_util.keystr(p): f"{tuple(int(d) for d in x.shape)} {np.dtype(x.dtype).name}"
+          for p, x in leaves}
+
+
+def _json_safe(x):
+  """Plain JSON (non-finite floats become None; NumPy scalars become Python numbers)."""
+  if isinstance(x, Mapping):
+    return {str(k): _json_safe(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple)):
+    return [_json_safe(v) for v in x]
+  if isinstance(x, np.generic):
+    x = x.item()
+  if isinstance(x, float) and not math.isfinite(x):
+    return None
+  return x
+
+
+def abstract_target(tree, shardings_tree):
+  """`ShapeDtypeStruct`s of `tree` carrying the shardings of `shardings_tree` (same structure;
+  boxed leaves match boxed leaves), the form orbax restores into."""
+  return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                      tree, shardings_tree)
+
+
+def state_target(state, mesh):
+  """Restore target for a `TrainState`-like object (`step`, `params`, `opt_state`) on `mesh`:
+  params and optimizer state by their logical axes, the step replicated."""
+  abstract = jax.eval_shape(lambda s: s, state)
+  return dataclasses.replace(
+      abstract, step=jax.ShapeDtypeStruct(abstract.step.shape, abstract.step.dtype,
+                                          sharding=NamedSharding(mesh, P())),
+      params=abstract_target(abstract.params, sharding.shardings(abstract.params, mesh)),
+      opt_state=abstract_target(abstract.opt_state, sharding.shardings(abstract.opt_state, mesh)))
+
+
+def params_target(params, mesh):
+  """Restore target for a (boxed) params tree on `mesh`."""
+  abstract = jax.eval_shape(lambda p: p, params)
+  return abstract_target(abstract, sharding.shardings(abstract, mesh))
+
+
+def _all_processes_ok(ok: bool) -> bool:
+  """True when `ok` holds on every process (a collective on multi-host jobs)."""
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+  flags = multihost_utils.process_allgather(np.array([int(ok)], np.int32))
+  return bool(np.all(flags))
+
+
+# ----------------------------------------------------------------------------- manager
+@dataclasses.dataclass
+class Restored:
+  """What `CheckpointManager.restore` gives back (arrays placed on the target's shardings)."""
+
+  step: int
+  path: epath.Path
+  state: Any                 # the target's TrainState type with restored leaves
+  ref_params: Any | None
+  meta: dict[str, Any]
+  changed: list[tuple[str, Any, Any]]  # settings that differ from the checkpoint's (allowed)
+
+
+class CheckpointManager:
+  """Saves and restores training state under one directory (see the module docstring).
+
+      mgr = CheckpointManager(workdir / "checkpoints", CheckpointConfig(every=10))
+      if mgr.should_save(step):
+        mgr.save(step, state, meta=..., ref_params=...)
+      restored = mgr.restore_latest(state_target(state, mesh), config=config)
+
+  Args:
+    directory: the checkpoint root, local or a bucket URL (created if missing).
+    cfg: cadence and retention.
+    say: where user-facing messages go (skipped checkpoints, resume notes).
+    read_only: never write or delete (export, inspection).
+  """
+
+  def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig = CheckpointConfig(),
+               *, say: Callable[[str], None] | None = None, read_only: bool = False):
+    self.directory = as_path(directory)
+    self.cfg = cfg
+    self.say = say or log.warning
+    # Interrupted saves, listed before orbax removes them, so the resume can name them.
+    self._interrupted = self.incomplete()
+    policies = [ocp.checkpoint_managers.LatestN(cfg.keep)]
+    if cfg.keep_every:
+      policies.append(ocp.checkpoint_managers.EveryNSteps(cfg.keep_every))
+    options = ocp.CheckpointManagerOptions(
+        enable_async_checkpointing=cfg.async_save and not read_only,
+        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+        cleanup_tmp_directories=not read_only, read_only=read_only, create=not read_only)
+    self._mgr = ocp.CheckpointManager(self.directory, options=options)
+
+  # ------------------------------------------------------------------ listing
+  def steps(self) -> list[int]:
+    """Steps of the complete checkpoints, oldest first."""
+    return sorted(self._mgr.all_steps())
+
+  def incomplete(self) -> list[epath.Path]:
+    """Temporary directories of saves that never finished (oldest step first)."""
+    if not self.directory.is_dir():
+      return []
+    found = [p for p in self.directory.iterdir() if p.is_dir() and _TMP_DIR.match(p.name)]
+    return sorted(found, key=lambda p: int(_TMP_DIR.match(p.name).group(1)))
+
+  def step_path(self, step: int) -> epath.Path:
+    return self.directory / str(step)
+
+  def should_save(self, step: int) -> bool:
+    return self.cfg.every > 0 and step % self.cfg.every == 0
+
+  # ------------------------------------------------------------------ save
+  def save(self, step: int, state, *, meta: Mapping[str, Any], ref_params=None) -> bool:
+    """Start saving `state` (and `ref_params`) as `step`; False if that step already exists.
+
+    With async saves this returns once the arrays are copied to host memory; the state may be
+    updated (and donated) right after. Call `wait` before relying on the files.
+    """
+    if step in self._mgr.all_steps():
+      return False
+    items = {"params": state.params, "train": {"step": state.step, "opt_state": state.opt_state}}
+    if ref_params is not None:
+      items["ref_params"] = ref_params
+    full_meta = dict(meta)
+    full_meta.update(format=FORMAT, step=int(step),
+                     signature={k: signature(v) for k, v in items.items()})
+    args = {k: ocp.args.StandardSave(v) for k, v in items.items()}
+    args["meta"] = ocp.args.JsonSave(_json_safe(full_meta))
+    return bool(self._mgr.save(step, args=ocp.args.Composite(**args), force=True))
+
+  def wait(self) -> None:
+    """Block until pending async saves are written and committed."""
+    self._mgr.wait_until_finished()
+
+  def close(self) -> None:
+    self._mgr.wait_until_finished()
+    self._mgr.close()
+
+  # ------------------------------------------------------------------ restore
+  def read_meta(self, step: int) -> dict[str, Any]:
+    """The JSON metadata of checkpoint `step`."""
+    out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    meta = out["meta"]
+    if not isinstance(meta, dict) or "signature" not in meta:
+      raise CheckpointError(f"checkpoint {self.step_path(step)} has no jaxagent metadata")
+    return meta
+
+  def check(self, meta: Mapping[str, Any], *, step: int, config=None,
+            items: Mapping[str, Any] | None = None) -> list[tuple[str, Any, Any]]:
+    """Raise `IncompatibleCheckpointError` unless checkpoint `step` fits this run.
+
+    Args:
+      meta: the checkpoint's metadata (`read_meta`).
+      config: the current run config: `IDENTITY_KEYS` must match.
+      items: current (abstract) arrays by item name (`params`, `train`, `ref_params`): every
+        saved array must have the same path, shape and dtype. A current item the checkpoint
+        lacks is an error; a saved item not asked for is ignored.
+
+    Returns the allowed setting changes (config keys outside `IDENTITY_KEYS`).
+    """
+    path = self.step_path(step)
+    if meta.get("format") != FORMAT:
+      raise IncompatibleCheckpointError(
+          f"checkpoint {path} has format {meta.get('format')!r}; this jaxagent reads format "
+          f"{FORMAT}. Use a new workdir or the jaxagent version that wrote it.")
+    problems, changed = [], []
+    if config is not None:
+      for key, old, new in config_diff(meta.get("config", {}), config_to_json(config)):
+        if key.split(".")[0] in IDENTITY_KEYS:
+          problems.append(f"config {key}: {old!r} in the checkpoint, {new!r} now")
+        else:
+          changed.append((key, old, new))
+    saved_sig = meta.get("signature", {})
+    for name, tree in (items or {}).items():
+      if name not in saved_sig:
+        why = (" (it was written with loss.kl_coef = 0)" if name == "ref_params" else "")
+        problems.append(f"item {name!r} is not in the checkpoint{why}")
+        continue
+      want, have = signature(tree), saved_sig[name]
+      for k in sorted(set(want) | set(have)):
+        if want.get(k) != have.get(k):
+          problems.append(f"{name}{k}: {have.get(k, 'absent')} in the checkpoint, "
+                          f"{want.get(k, 'absent')} now")
+    if problems:
+      shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
+      raise IncompatibleCheckpointError(
+          f"checkpoint {path} does not match this run:\n  " + "\n  ".join(shown) +
+          f"\nResume with the settings it was written with, or start fresh with another "
+          f"workdir (or move {self.directory} away).")
+    return changed
+
+  def restore(self, step: int, state_target, *, ref_target=None, config=None) -> Restored:
+    """Restore checkpoint `step` onto the shardings of `state_target` (see `state_target`).
+
+    Raises `IncompatibleCheckpointError` when it does not fit (see `check`) and
+    `CheckpointError` when it cannot be read.
+    """
+    path = self.step_path(step)
+    try:
+      meta = self.read_meta(step)
+    except CheckpointError:
+      raise
+    except Exception as e:  # orbax/tensorstore raise many types for unreadable files
+      raise CheckpointError(f"checkpoint {path} is unreadable: {type(e).__name__}: {e}") from e
+    items = {"params": state_target.params,
+             "train": {"step": state_target.step, "opt_state": state_target.opt_state}}
+    if ref_target is not None:
+      items["ref_params"] = ref_target
+    changed = self.check(meta, step=step, config=config, items=items)
+    try:
+      out = self._mgr.restore(step, args=ocp.args.Composite(
+          **{k: ocp.args.StandardRestore(v) for k, v in items.items()}))
+    except Exception as e:
+      raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: "
+                            f"{type(e).__name__}: {e}") from e
+    state = dataclasses.replace(state_target, step=out["train"]["step"], params=out["params"],
+                                opt_state=out["train"]["opt_state"])
+    return Restored(step=step, path=path, state=state,
+                    ref_params=out["ref_params"] if ref_target is not None else None,
+                    meta=meta, changed=changed)
+
+  def restore_params(self, step: int, target):
+    """Only the policy params of checkpoint `step` (e.g. for export or evaluation)."""
+    try:
+      return self._mgr.restore(step, args=ocp.args.Composite(
+          params=ocp.args.StandardRestore(target)))["params"]
+    except Exception as e:
+      raise CheckpointError(f"checkpoint {self.step_path(step)} is corrupt or unreadable: "
+                            f"{type(e).__name__}: {e}") from e
+
+  def restore_latest(self, state_target, *, ref_target=None, config=None) -> Restored | None:
+    """The newest checkpoint that reads, or None when there is none.
+
+    Interrupted saves and unreadable checkpoints are named (through `say`) and skipped in
+    favour of the previous one. An incompatible checkpoint raises at once: older ones of the
+    same run would not fit either. When checkpoints exist but none reads, raises
+    `CheckpointError` listing each one's problem.
+    """
+    for p in self._interrupted:
+      self.say(f"skipping incomplete checkpoint {p} (its save was interrupted)")
+    failures = []
+    for step in reversed(self.steps()):
+      try:
+        restored = self.restore(step, state_target, ref_target=ref_target, config=config)
+        ok = True
+      except IncompatibleCheckpointError:
+        raise
+      except CheckpointError as e:
+        restored, ok = None, False
+        failures.append(str(e))
+      # Every process must take the same checkpoint: one failing read fails it for all.
+      if _all_processes_ok(ok):
+        return restored
+      if ok:
+        failures.append(f"checkpoint {self.step_path(step)} did not read on another process")
+      self.say(f"skipping {failures[-1]}; trying the previous checkpoint")
+    if failures:
+      raise CheckpointError(
+          f"no usable checkpoint in {self.directory}:\n  " + "\n  ".join(failures) +
+          "\nMove the directory away to start from scratch.")
+    return None
+
+
+# ----------------------------------------------------------------------------- export
+def model_config_from_meta(meta: Mapping[str, Any]):
+  """The `ModelConfig` a checkpoint was written with."""
+  from jaxagent.models import ModelConfig
+  d = dict(meta["model_config"])
+  if d.get("rope_scaling") is not None:
+    d["rope_scaling"] = tuple(d["rope_scaling"])
+  return ModelConfig(**d)
+
+
+def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
+              tokenizer: Any = "auto") -> pathlib.Path:
+  """Write the policy of a checkpoint as an HF directory (config.json, model.safetensors and
+  the tokenizer) that `transformers` and `JetStreamEngine.from_pretrained` load.
+
+  Args:
+    checkpoints: a checkpoint root (`<workdir>/checkpoints`) or a workdir containing one.
+    out: the output directory.
+    step: which checkpoint (default: the newest complete one).
+    tokenizer: "auto" (the run's tokenizer, from the saved config), None (weights only), or a
+      `Tokenizer`.
+  """
+  from jaxagent import models
+
+  root = as_path(checkpoints)
+  if (root / "checkpoints").is_dir():
+    root = root / "checkpoints"
+  elif not (root.is_dir() and any(_STEP_DIR.match(p.name) for p in root.iterdir())):
+    raise FileNotFoundError(f"no checkpoints at {root}: expected a run's workdir (with "
+                            f"checkpoints/<step>/ inside) or a checkpoint directory")
+  mgr = CheckpointManager(root, read_only=True)
+  try:
+    steps = mgr.steps()
+    if not steps:
+      raise CheckpointError(f"no complete checkpoint in {root}")
+    if step is None:
+      step = steps[-1]
+    elif step not in steps:
+      raise CheckpointError(f"no checkpoint for step {step} in {root}; available: {steps}")
+    meta = mgr.read_meta(step)
+    cfg = model_config_from_meta(meta)
+    mesh = sharding.make_mesh()
+    abstract = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+    target = abstract_target(abstract, sharding.shardings(abstract, mesh))
+    mgr.check(meta, step=step, items={"params": target})
+    params = mgr.restore_params(step, target)
+  finally:
+    mgr.close()
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils
+    host = multihost_utils.process_allgather(params, tiled=True)
+  else:
+    host = jax.device_get(params)
+  if tokenizer == "auto":
+    m = meta.get("config", {}).get("model", {})
+    tokenizer = models.load_tokenizer(m.get("tokenizer") or m["path"])
+  out = pathlib.Path(out)
+  if jax.process_index() == 0:
+    models.save_hf(out, cfg, host, tokenizer)
+    (out / "jaxagent_export.json").write_text(json.dumps(
+        {"checkpoint": str(mgr.step_path(step)), "step": step}, indent=2))
+  return out
