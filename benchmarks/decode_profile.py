@@ -96,6 +96,17 @@ def main():
                                       k[:, :, :kv_len], lens, cfg)
     out["attn_xla_1layer_ms"] = timeit(lambda: jax.block_until_ready(jax.jit(attn_xla)()),
                                        iters=10)["median_s"] * 1e3
+    from jaxagent.models.decode_attention import flash_decode
+    qk = q.reshape(S, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim)
+    ours = jax.jit(lambda q, k, v, n: flash_decode(q, k, v, n))
+    out["attn_flash_decode_1layer_ms"] = timeit(
+        lambda: jax.block_until_ready(ours(qk, k[:, :, :kv_len], k[:, :, :kv_len], lens)),
+        iters=10)["median_s"] * 1e3
+    pext = jax.jit(lambda p, s, n: decoder.extend(p, s.k, s.v, s.tokens[:, None], s.lengths,
+                                                  cfg=cfg, kv_len=n, attn_impl="pallas"),
+                   static_argnums=(2,))
+    out["extend_pallas_ms"] = timeit(lambda: jax.block_until_ready(pext(params, st, kv_len)),
+                                     iters=10)["median_s"] * 1e3
     pal = jax.jit(lambda q, k, v, n: da.gqa(q, k, v, kv_seq_len=n))
     try:
       kt = k.swapaxes(1, 2)

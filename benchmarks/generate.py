@@ -21,12 +21,13 @@ from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 
-def run(name, batch, prompt_len, new_tokens, steps, record, temperature=1.0):
+def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0):
   cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
   max_len = prompt_len + new_tokens + steps
   eng = Engine(cfg, EngineConfig(slots=batch, max_len=max_len, eos_ids=(),
-                                 sampling=SamplingConfig(temperature), kv_page=128))
+                                 sampling=SamplingConfig(temperature), kv_page=128,
+                                 decode_attention=attention))
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
 
@@ -54,7 +55,7 @@ def run(name, batch, prompt_len, new_tokens, steps, record, temperature=1.0):
   step_bytes = w_bytes + batch * avg_len * kv_tok
   roof_step_s = step_bytes / peaks()["hbm_bytes_s"]
   step_s = decode_s / n_steps
-  emit("decode", record, model=name, batch=batch, prompt_len=prompt_len, new_tokens=n_steps,
+  emit("decode", record, model=name, batch=batch, attention=attention, prompt_len=prompt_len, new_tokens=n_steps,
        decode_steps_per_call=steps, tokens_per_s=batch * n_steps / decode_s,
        step_ms=step_s * 1e3, roofline_step_ms=roof_step_s * 1e3,
        roofline_fraction=roof_step_s / step_s, prefill_s=prefill_s,
@@ -68,11 +69,12 @@ def main():
   ap.add_argument("--prompt-len", type=int, default=256)
   ap.add_argument("--new-tokens", type=int, default=512)
   ap.add_argument("--steps", type=int, default=16, help="decode steps per device call")
+  ap.add_argument("--attention", default="auto", help="decode attention: auto, xla, pallas")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
-      run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record)
+      run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record, args.attention)
 
 
 if __name__ == "__main__":

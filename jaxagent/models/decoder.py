@@ -328,24 +328,43 @@ def prefill(params: Params, tokens, lengths, *, cfg: ModelConfig):
   return logits_from_hidden(params, last, cfg), k, v
 
 
-def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelConfig):
+def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelConfig,
+                     impl: str = "xla"):
   """Attention of new tokens over a slot's cached prefix plus themselves (causally).
 
   q: [S, n, H, hd]; k_new, v_new: [S, n, KV, hd]; cache_k, cache_v: [S, KV, C, hd] (head-major,
   so each (slot, head) reads one contiguous run; only the first `cache_lens[s]` entries of slot
   s are valid). The cached part and the new part are scored separately and share one softmax,
-  so the cache is read once and never copied.
+  so the cache is read once and never copied. `impl="pallas"` computes the cached part with the
+  flash-decoding kernel of `decode_attention.py` and merges the two parts by log-sum-exp.
   """
   s, n, _, hd = q.shape
   c = cache_k.shape[2]
   qg = _group(q, cfg) * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
+  ln = jnp.einsum("snkgd,smkd->skgnm", qg, k_new, preferred_element_type=jnp.float32)
+  mask_n = jnp.tril(jnp.ones((n, n), bool))[None, None, None]
+  ln = jnp.where(mask_n, ln, _MASK_VALUE)
+  if impl == "pallas":
+    from jaxagent.models.decode_attention import flash_decode
+    g = cfg.q_per_kv
+    # Every new token sees the same cached prefix: fold the n queries into the head group.
+    qf = q.reshape(s, n, cfg.n_kv_heads, g, hd).transpose(0, 2, 1, 3, 4)
+    o_c, lse_c = flash_decode(qf.reshape(s, cfg.n_kv_heads, n * g, hd), cache_k, cache_v,
+                              cache_lens, interpret=jax.default_backend() == "cpu")
+    o_c = o_c.reshape(s, cfg.n_kv_heads, n, g, hd).astype(jnp.float32)
+    lse_c = lse_c.reshape(s, cfg.n_kv_heads, n, g).transpose(0, 1, 3, 2)  # [S, KV, G, n]
+    lse_n = jax.nn.logsumexp(ln, axis=-1)
+    o_n = jnp.einsum("skgnm,smkd->skngd",
+                     jax.nn.softmax(ln, axis=-1), v_new.astype(jnp.float32))
+    lse = jnp.logaddexp(lse_c, lse_n)
+    w_c = jnp.exp(lse_c - lse).transpose(0, 1, 3, 2)[..., None]  # [S, KV, n, G, 1]
+    w_n = jnp.exp(lse_n - lse).transpose(0, 1, 3, 2)[..., None]
+    out = (w_c * o_c + w_n * o_n).transpose(0, 2, 1, 3, 4).astype(v_new.dtype)
+    return out.reshape(s, n, cfg.n_heads, hd)
   lc = jnp.einsum("snkgd,skcd->skgnc", qg, cache_k.astype(q.dtype),
                   preferred_element_type=jnp.float32)
-  ln = jnp.einsum("snkgd,smkd->skgnm", qg, k_new, preferred_element_type=jnp.float32)
   mask_c = (jnp.arange(c)[None, :] < cache_lens[:, None])[:, None, None, None, :]
-  mask_n = jnp.tril(jnp.ones((n, n), bool))[None, None, None]
-  logits = jnp.concatenate([jnp.where(mask_c, lc, _MASK_VALUE),
-                            jnp.where(mask_n, ln, _MASK_VALUE)], axis=-1)
+  logits = jnp.concatenate([jnp.where(mask_c, lc, _MASK_VALUE), ln], axis=-1)
   probs = jax.nn.softmax(logits, axis=-1).astype(v_new.dtype)
   pc, pn = probs[..., :c], probs[..., c:]
   out = (jnp.einsum("skgnc,skcd->snkgd", pc, cache_v.astype(v_new.dtype))
@@ -354,7 +373,7 @@ def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelCo
 
 
 def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelConfig,
-           kv_len: int | None = None, unroll: int | bool = 1):
+           kv_len: int | None = None, unroll: int | bool = 1, attn_impl: str = "xla"):
   """Process new tokens for cache slots without touching the cache.
 
   tokens: [S, n] (n = 1 for a decode step); cache_lens: [S] tokens already cached per slot
@@ -374,7 +393,7 @@ def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelCo
   def body(x, xs):
     lp, ck, cv = xs
     attend = lambda q, k, v: cached_attention(q, k, v, ck[:, :, :kv_len], cv[:, :, :kv_len],
-                                              cache_lens, cfg)
+                                              cache_lens, cfg, impl=attn_impl)
     x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
     return x, (k, v)
 
