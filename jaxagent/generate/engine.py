@@ -23,8 +23,6 @@ passes the new params pytree and nothing is copied (colocated mode).
 from __future__ import annotations
 
 import dataclasses
-import functools
-import math
 from typing import Sequence
 
 import flax.struct

