@@ -19,6 +19,7 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest
 def main(argv):
   del argv
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+  logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it reads
   from jaxagent.launch import init_runtime
   init_runtime()
   from jaxagent.checkpoint import export_hf

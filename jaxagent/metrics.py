@@ -90,10 +90,12 @@ class MetricsWriter:
     series = {k: v for k, v in series.items() if v}
     if not series:
       return None
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, len(series), figsize=(5 * len(series), 3.6), squeeze=False)
+    # A Figure with its own Agg canvas: no pyplot state, so notebooks keep their backend.
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    fig = Figure(figsize=(5 * len(series), 3.6))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(series), squeeze=False)
     for ax, (k, pts) in zip(axes[0], series.items()):
       xs, ys = zip(*pts)
       ax.plot(xs, ys, marker="o" if len(xs) < 40 else None)
@@ -103,7 +105,6 @@ class MetricsWriter:
     fig.tight_layout()
     path = pathlib.Path(path) if path else self.workdir / "curves.png"
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
 
   def close(self) -> None:

@@ -228,7 +228,8 @@ class Trainer:
         max_total_tokens=r.get("max_total_tokens"), tool_timeout_s=r.tool_timeout_s,
         traj_tool_timeout_s=r.traj_tool_timeout_s, decode_steps=r.decode_steps)
     mk = lambda samp: Engine(self.cfg, EngineConfig(slots=r.slots, max_len=r.max_len,
-                                                    eos_ids=eos, sampling=samp), mesh=self.gen_mesh)
+                                                    eos_ids=eos, sampling=samp),
+                             mesh=self.gen_mesh)
     self.sample_engine = mk(SamplingConfig(r.temperature, r.top_p, r.top_k))
     self.greedy_engine = mk(SamplingConfig(0.0))
     self.sampler = RolloutDriver(self.sample_engine, self.env, tokenizer=self.tok,

@@ -1,0 +1,412 @@
+"""Checkpoints: round trip and resharding, retention, skipped/corrupt/incompatible checkpoints,
+exact resume of the tiny quickstart run, SIGTERM and kill -9 in subprocesses, HF export."""
+import dataclasses
+import functools
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from jaxagent import checkpoint, models, sharding
+from jaxagent.rl import step as step_lib
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+CFG = models.get_config("tiny-llama", vocab_size=256)
+
+
+@functools.lru_cache(maxsize=None)
+def _learner(n_devices: int, cfg=CFG):
+  """One learner per mesh size for the whole module (each compiles its step once)."""
+  mesh = sharding.make_mesh(1, -1, 1, devices=jax.devices()[:n_devices])
+  return step_lib.Learner(cfg, step_lib.StepConfig(), step_lib.make_optimizer(1e-2), mesh)
+
+
+def _batch(seed=0, rows=8, length=16):
+  rng = np.random.default_rng(seed)
+  return dict(tokens=rng.integers(0, CFG.vocab_size, (rows, length)).astype(np.int32),
+              segment_ids=np.ones((rows, length), np.int32),
+              positions=np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
+              loss_mask=np.ones((rows, length), np.float32),
+              old_logps=np.full((rows, length), -5.0, np.float32),
+              advantages=rng.normal(size=(rows, length)).astype(np.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def _initial_params(cfg=CFG):
+  return jax.device_get(models.init_params(cfg, jax.random.key(0), std=0.1))
+
+
+def _trained_state(learner, steps=2):
+  state = learner.init(_initial_params(learner.cfg))
+  for i in range(steps):
+    state, _ = learner.train_step(state, _batch(i))
+  return state
+
+
+def _target(learner):
+  """A restore target on the learner's mesh (values are irrelevant, only shapes/shardings)."""
+  return checkpoint.state_target(learner.init(_initial_params(learner.cfg)), learner.mesh)
+
+
+def _config(**model):
+  c = ml_collections.ConfigDict(dict(seed=0, total_steps=4, model=dict(path="tiny-llama", **model),
+                                     env=dict(name="quickstart"), optimizer=dict(lr=1e-2)))
+  return c
+
+
+def _meta(config):
+  return {"config": checkpoint.config_to_json(config), "warm_started": True,
+          "model_config": {"name": "unused"}}
+
+
+def _host(tree):
+  return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(tree))]
+
+
+def _assert_trees_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(_host(a), _host(b)):
+    np.testing.assert_array_equal(x, y)
+
+
+# ----------------------------------------------------------------------------- manager
+def test_restore_onto_a_smaller_mesh_reshards_boxed_state(tmp_path):
+  big = _learner(8)
+  state = _trained_state(big)
+  before = jax.device_get(state)
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1))
+  mgr.save(2, state, meta=_meta(_config()))
+  # Async save: the state may be donated right after `save` returns.
+  state, _ = big.train_step(state, _batch(7))
+  mgr.wait()
+
+  small = _learner(4)
+  target = _target(small)
+  r = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1)).restore_latest(
+      target, config=_config())
+  assert r.step == 2 and r.changed == []
+  _assert_trees_equal(r.state, before)
+  emb = r.state.params["embed"]
+  assert emb.names == ("vocab", "embed")  # logical axes survive the round trip
+  assert emb.value.sharding.mesh.devices.size == 4
+  assert emb.value.sharding.spec == sharding.logical_to_spec(emb.names, emb.value.shape,
+                                                             small.mesh)
+  assert len(emb.value.addressable_shards) == 4
+
+
+def test_keep_last_n_plus_every_k(tmp_path):
+  learner = _learner(1)
+  state = learner.init(_initial_params())
+  mgr = checkpoint.CheckpointManager(
+      tmp_path, checkpoint.CheckpointConfig(every=1, keep=2, keep_every=3, async_save=False))
+  for s in range(1, 8):
+    assert mgr.should_save(s)
+    assert mgr.save(s, state, meta=_meta(_config()))
+  assert not mgr.save(7, state, meta=_meta(_config()))  # a step is written once
+  mgr.close()
+  assert mgr.steps() == [3, 6, 7]
+  assert sorted(p.name for p in tmp_path.iterdir() if p.name.isdigit()) == ["3", "6", "7"]
+  every4 = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=4))
+  assert every4.should_save(8) and not every4.should_save(6)
+
+
+def _two_checkpoints(tmp_path):
+  learner = _learner(2)
+  s1 = _trained_state(learner, steps=1)
+  h1 = jax.device_get(s1)
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1))
+  mgr.save(1, s1, meta=_meta(_config()))
+  s2, _ = learner.train_step(s1, _batch(5))
+  mgr.save(2, s2, meta=_meta(_config()))
+  mgr.close()
+  return learner, h1
+
+
+def _corrupt(step_dir: pathlib.Path):
+  """Cut every array file of the checkpoint's params in half (a torn write)."""
+  files = [p for p in (step_dir / "params").rglob("*") if p.is_file()]
+  assert files
+  for p in files:
+    data = p.read_bytes()
+    p.write_bytes(data[:len(data) // 2])
+
+
+def test_interrupted_save_is_named_and_skipped(tmp_path):
+  learner, _ = _two_checkpoints(tmp_path)
+  # What a process killed mid-save leaves: orbax's temporary directory for step 3.
+  tmp = tmp_path / "3.orbax-checkpoint-tmp"
+  (tmp / "params").mkdir(parents=True)
+  (tmp / "params" / "partial").write_bytes(b"\0" * 100)
+  said = []
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1),
+                                     say=said.append)
+  r = mgr.restore_latest(_target(learner), config=_config())
+  assert r.step == 2
+  assert any(str(tmp) in m and "incomplete" in m for m in said), said
+  assert not tmp.exists()  # cleaned up so it cannot be mistaken for a checkpoint later
+
+
+def test_corrupt_newest_falls_back_to_previous(tmp_path):
+  learner, h1 = _two_checkpoints(tmp_path)
+  _corrupt(tmp_path / "2")
+  said = []
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1),
+                                     say=said.append)
+  target = _target(learner)
+  r = mgr.restore_latest(target, config=_config())
+  assert r.step == 1
+  _assert_trees_equal(r.state, h1)
+  assert any(str(tmp_path / "2") in m and "corrupt" in m for m in said), said
+
+
+def test_corrupt_only_checkpoint_is_a_clear_error(tmp_path):
+  learner, _ = _two_checkpoints(tmp_path)
+  _corrupt(tmp_path / "1")
+  _corrupt(tmp_path / "2")
+  target = _target(learner)
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1),
+                                     say=lambda m: None)
+  with pytest.raises(checkpoint.CheckpointError) as e:
+    mgr.restore_latest(target, config=_config())
+  msg = str(e.value)
+  assert f"{tmp_path / '1'} is corrupt" in msg and f"{tmp_path / '2'} is corrupt" in msg
+  assert "start from scratch" in msg
+
+
+def test_incompatible_config_and_shapes_are_named(tmp_path):
+  learner, _ = _two_checkpoints(tmp_path)
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1))
+  target = _target(learner)
+  # Another model preset: the identity setting is named with both values.
+  other = _config()
+  other.model.path = "tiny-qwen3"
+  with pytest.raises(checkpoint.IncompatibleCheckpointError,
+                     match=r"config model.path: 'tiny-llama' in the checkpoint, 'tiny-qwen3' now"):
+    mgr.restore_latest(target, config=other)
+  # Other shapes under the same name: each differing array is named with both shapes.
+  wide = models.get_config("tiny-llama", vocab_size=256, ffn_dim=CFG.ffn_dim * 2)
+  wide_target = _target(_learner(2, wide))
+  with pytest.raises(checkpoint.IncompatibleCheckpointError) as e:
+    mgr.restore_latest(wide_target, config=_config())
+  assert "params['layers']['w_up']" in str(e.value) and str(CFG.ffn_dim * 2) in str(e.value)
+  # A KL reference is needed now but was not saved.
+  with pytest.raises(checkpoint.IncompatibleCheckpointError, match="ref_params.*kl_coef"):
+    mgr.restore_latest(target, ref_target=target.params, config=_config())
+  # Allowed changes are reported, not refused.
+  changed = _config()
+  changed.optimizer.lr = 5e-3
+  r = mgr.restore_latest(target, config=changed)
+  assert r.changed == [("optimizer.lr", 1e-2, 5e-3)]
+
+
+# ----------------------------------------------------------------------------- trainer runs
+# The tiny quickstart in subprocesses of `python -m jaxagent.launch`, made to update every step
+# (entropy and KL terms give gradients even when a random model earns no reward) and cheap to
+# evaluate. One CPU device each (resharding is tested above; one device halves the compile time)
+# and a shared compilation cache, which changes how long the programs take to get, not the
+# programs (see `run_files`).
+FLAGS = ("--config=configs/quickstart.py:tiny", "--config.log.tensorboard=False",
+         "--config.loss.entropy_coef=0.01", "--config.loss.kl_coef=0.01",
+         "--config.train.zero_variance=keep", "--config.eval.size=2", "--config.eval.every=2",
+         "--config.log.dump_every=1")
+
+
+@pytest.fixture(scope="module")
+def run_files(tmp_path_factory):
+  """A compilation cache shared by the runs, and the quickstart tokenizer saved as
+  tokenizer.json (the same tokenizer; it loads in 0.2 s instead of 5 s from the GGUF)."""
+  cache = tmp_path_factory.mktemp("jax_cache")
+  tok_dir = tmp_path_factory.mktemp("tokenizer")
+  models.load_tokenizer("smollm2-135m-instruct").save(tok_dir)
+  return cache, tok_dir
+
+
+def _launch(workdir, run_files, *flags, **popen):
+  cache, tok_dir = run_files
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
+             XLA_FLAGS="--xla_force_host_platform_device_count=1",
+             JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+             JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  cmd = [sys.executable, "-m", "jaxagent.launch", *FLAGS, f"--config.workdir={workdir}",
+         f"--config.model.tokenizer={tok_dir}", *flags]
+  return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def _finish(proc, timeout=300) -> str:
+  try:
+    out, _ = proc.communicate(timeout=timeout)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 0, out[-4000:]
+  return out
+
+
+def _records(workdir):
+  recs = [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+  timing = lambda k: k == "time" or k.startswith("time/") or k.endswith(("_s", "seconds"))
+  return [{k: v for k, v in r.items() if not timing(k)} for r in recs]
+
+
+def _samples(workdir, step):
+  keys = ("request_id", "example_id", "tokens", "roles", "logprobs", "stop_reason")
+  lines = (pathlib.Path(workdir) / "samples" / f"step_{step:06d}.jsonl").read_text().splitlines()
+  return [{k: json.loads(l)[k] for k in keys} for l in lines]
+
+
+def _saved_arrays(workdir, step):
+  """Every array of checkpoint `step` as host NumPy, by item name."""
+  import orbax.checkpoint as ocp
+  mgr = ocp.CheckpointManager(pathlib.Path(workdir) / "checkpoints",
+                              options=ocp.CheckpointManagerOptions(read_only=True))
+  out = {}
+  for name in ("params", "train", "ref_params"):
+    tree = mgr.restore(step, args=ocp.args.Composite(**{name: ocp.args.PyTreeRestore()}))[name]
+    out[name] = jax.tree.map(np.asarray, tree)
+  mgr.close()
+  return out
+
+
+def _metric_steps(workdir):
+  path = pathlib.Path(workdir) / "metrics.jsonl"
+  if not path.exists():
+    return []
+  steps = []
+  for line in path.read_text().splitlines():
+    try:
+      steps.append(json.loads(line)["step"])
+    except (json.JSONDecodeError, KeyError):
+      pass
+  return steps
+
+
+def test_resume_is_exact(tmp_path, run_files):
+  """4 steps straight == 2 steps, a restart from the step-2 checkpoint, 2 more steps."""
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  every = "--config.checkpoint_every=2"
+  # One after another: the first run fills the compilation cache for the others.
+  _finish(_launch(straight, run_files, "--config.total_steps=4", every))
+  _finish(_launch(resumed, run_files, "--config.total_steps=2", every))
+  assert sorted(int(p.name) for p in (resumed / "checkpoints").iterdir()) == [0, 2]
+  out = _finish(_launch(resumed, run_files, "--config.total_steps=4", every))
+  assert f"resumed from checkpoint {resumed / 'checkpoints' / '2'} (RL step 2 of 4)" in out
+  assert "resuming with changed settings: total_steps: 2 -> 4" in out
+  assert "sft step" not in out and "before training" not in out  # no second warm start
+
+  # Bitwise: params, optimizer state and step count, KL reference.
+  a, b = _saved_arrays(straight, 4), _saved_arrays(resumed, 4)
+  _assert_trees_equal(b, a)
+  assert int(b["train"]["step"]) == 4
+  moved = [np.any(x != y) for x, y in zip(jax.tree.leaves(a["params"]),
+                                          jax.tree.leaves(a["ref_params"]))]
+  assert any(moved)  # it trained
+  # Same data order and rollouts at every step, before and after the restart.
+  for step in range(1, 5):
+    assert _samples(resumed, step) == _samples(straight, step), f"step {step}"
+  # Same metrics; each step logged once; the pre-RL phase logged once.
+  rec_a, rec_b = _records(straight), _records(resumed)
+  assert rec_b == rec_a
+  assert [r["step"] for r in rec_b if r["step"] > 0] == [1, 2, 3, 4]
+  assert all(r["train/loss"] is not None for r in rec_b if r["step"] > 0)
+  summary = json.loads((resumed / "summary.json").read_text())
+  assert summary["sft/num_examples"] == 16 and "pass@1/before" in summary
+
+
+def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, run_files):
+  proc = _launch(tmp_path, run_files, "--config.total_steps=200",
+                 "--config.checkpoint_every=1000")
+  try:
+    deadline = time.time() + 240
+    while not any(s >= 1 for s in _metric_steps(tmp_path)):
+      assert proc.poll() is None, proc.communicate()[0][-3000:]
+      assert time.time() < deadline, "RL did not start"
+      time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+  except BaseException:
+    proc.kill()
+    raise
+  out = _finish(proc)
+  last = max(_metric_steps(tmp_path))
+  assert 1 <= last < 200
+  ckpt = tmp_path / "checkpoints" / str(last)
+  assert f"received SIGTERM: saved checkpoint {ckpt} at step {last}" in out, out[-3000:]
+  assert sorted(int(p.name) for p in ckpt.parent.iterdir()) == [0, last]
+  meta = json.loads((ckpt / "meta" / "metadata").read_text())
+  assert meta["step"] == last and meta["warm_started"]
+
+
+def test_kill9_during_save_resumes_from_previous_checkpoint(tmp_path, run_files):
+  ckdir = tmp_path / "checkpoints"
+  proc = _launch(tmp_path, run_files, "--config.total_steps=20",
+                 "--config.checkpoint_every=1")
+  killed_at = None
+  try:
+    deadline = time.time() + 300
+    while killed_at is None:
+      if proc.poll() is not None:
+        pytest.fail("the run ended before a save could be interrupted:\n" +
+                    proc.communicate()[0][-3000:])
+      assert time.time() < deadline
+      if ckdir.is_dir():
+        tmps = [p for p in ckdir.iterdir() if p.name.endswith(".orbax-checkpoint-tmp")
+                and int(p.name.split(".")[0]) >= 1]
+        if tmps:
+          os.kill(proc.pid, signal.SIGKILL)
+          killed_at = tmps[0]
+      time.sleep(0.002)
+    proc.wait(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  complete = sorted(int(p.name) for p in ckdir.iterdir() if p.name.isdigit())
+  partial = [p for p in ckdir.iterdir() if p.name.endswith(".orbax-checkpoint-tmp")]
+  assert complete, "no complete checkpoint before the kill"
+  assert partial, f"the kill landed after {killed_at} was finalised"
+  resume_step = complete[-1]
+  assert resume_step < int(killed_at.name.split(".")[0])
+
+  out = _finish(_launch(tmp_path, run_files, f"--config.total_steps={resume_step + 1}",
+                        "--config.checkpoint_every=1"))
+  for p in partial:
+    assert f"skipping incomplete checkpoint {p}" in out, out[-3000:]
+  assert f"resumed from checkpoint {ckdir / str(resume_step)}" in out, out[-3000:]
+  assert (ckdir / str(resume_step + 1)).is_dir() and not any(p.exists() for p in partial)
+  steps = [s for s in _metric_steps(tmp_path) if s > 0]
+  assert steps == list(range(1, resume_step + 2))  # each step logged once
+
+
+# ----------------------------------------------------------------------------- export
+def test_export_loads_in_transformers_with_matching_logits(tmp_path):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  learner = _learner(2)
+  state = _trained_state(learner)
+  config = _config()
+  config.model.tokenizer = ""
+  mgr = checkpoint.CheckpointManager(tmp_path / "run" / "checkpoints",
+                                     checkpoint.CheckpointConfig(every=1))
+  meta = dict(_meta(config), model_config=dataclasses.asdict(CFG))
+  mgr.save(2, state, meta=meta)
+  mgr.close()
+  out = checkpoint.export_hf(tmp_path / "run", tmp_path / "hf", tokenizer=None)
+  assert json.loads((out / "jaxagent_export.json").read_text())["step"] == 2
+
+  hf = transformers.AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+  tokens = np.random.default_rng(0).integers(0, CFG.vocab_size, (2, 12)).astype(np.int32)
+  with torch.no_grad():
+    want = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+  got = models.forward(jax.device_get(state.params), jnp.asarray(tokens), cfg=CFG)
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-4, rtol=2e-4)
+  # And our loader reads the export back to the same arrays.
+  _, params = models.load(out)
+  _assert_trees_equal(models.unbox(params), models.unbox(jax.device_get(state.params)))

