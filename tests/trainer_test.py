@@ -1,0 +1,91 @@
+"""The main job end to end on a tiny config: golden first-step metrics and clear config errors.
+
+If a change is meant to alter the tiny run's numbers (a new seed derivation, a different loss
+default), rerun `python -m pytest tests/trainer_test.py -k golden -s`, check that the printed
+metrics make sense, and paste them into GOLDEN.
+"""
+import json
+
+import numpy as np
+import pytest
+
+from configs.quickstart import get_config
+from jaxagent.trainer import Trainer, sft_items_from_chat_jsonl
+
+# First RL step of `configs/quickstart.py:tiny` with the overrides in `_tiny`.
+GOLDEN = {
+    "reward/mean": 0.0,
+    "rollout/num_trajectories": 8.0,
+    "rollout/policy_tokens": 12.0,
+    "pack/efficiency": 0.654296875,
+    "train/loss": -0.09516488760709763,
+    "train/grad_norm": 0.004434409085661173,
+    "train/num_policy_tokens": 96.0,
+}
+
+
+def _tiny(tmp_path, **overrides):
+  c = get_config("tiny")
+  c.workdir = str(tmp_path / "run")
+  c.total_steps = 1
+  c.eval.before = False
+  c.sft.steps = 0
+  c.log.tensorboard = False
+  # A random tiny model earns no reward, so advantages are zero: keep those groups, and give
+  # the update a gradient through the entropy bonus so the golden covers the whole step.
+  c.train.zero_variance = "keep"
+  c.loss.entropy_coef = 0.01
+  for k, v in overrides.items():
+    obj = c
+    *path, last = k.split(".")
+    for p in path:
+      obj = obj[p]
+    obj[last] = v
+  return c
+
+
+def test_golden_first_step_metrics(tmp_path):
+  trainer = Trainer(_tiny(tmp_path))
+  try:
+    summary = trainer.run()
+  finally:
+    trainer.close()
+  rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  first = next(r for r in rows if r["step"] == 1 and "reward/mean" in r)
+  print({k: first.get(k) for k in GOLDEN})
+  for key, want in GOLDEN.items():
+    assert key in first, f"metric {key} missing from metrics.jsonl"
+    if want is not None:
+      np.testing.assert_allclose(first[key], want, rtol=2e-3, atol=1e-6, err_msg=(
+          f"{key} changed: if intended, update GOLDEN in tests/trainer_test.py (see docstring)"))
+  assert np.isfinite(first["train/loss"]) and first["train/num_policy_tokens"] > 0
+  assert "pass@1/after_rl" in summary
+  assert (tmp_path / "run" / "curves.png").exists()
+  assert list((tmp_path / "run" / "samples").glob("step_*.txt"))
+
+
+def test_unknown_env_and_bad_loss_settings_are_named(tmp_path):
+  with pytest.raises(ValueError, match="unknown env 'nope'"):
+    Trainer(_tiny(tmp_path, **{"env.name": "nope"}))
+  with pytest.raises(ValueError, match="algo"):
+    Trainer(_tiny(tmp_path, **{"loss.algo": "ppo2"}))
+  with pytest.raises(ValueError, match="learning_rate"):
+    Trainer(_tiny(tmp_path, **{"optimizer.lr": -1.0}))
+
+
+def test_bad_chat_jsonl_names_the_line(tmp_path):
+  from jaxagent import models
+  tok = models.load_tokenizer("smollm2-135m-instruct")
+  path = tmp_path / "sft.jsonl"
+  good = {"messages": [{"role": "user", "content": "2+2?"},
+                       {"role": "assistant", "content": "<answer>4</answer>"}]}
+  path.write_text(json.dumps(good) + "\n{not json\n")
+  with pytest.raises(ValueError, match=r"sft.jsonl:2"):
+    sft_items_from_chat_jsonl(path, tok)
+  path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+  with pytest.raises(ValueError, match="no assistant message"):
+    sft_items_from_chat_jsonl(path, tok)
+  path.write_text(json.dumps(good) + "\n")
+  (item,) = sft_items_from_chat_jsonl(path, tok)
+  text = tok.decode(item.tokens[item.loss_mask > 0])
+  assert "<answer>4</answer>" in text and "2+2?" not in text
