@@ -1,0 +1,128 @@
+"""Per-chip memory and peak numbers, and TPU topologies described without a TPU.
+
+Place in the data flow: `jaxagent.plan.planner` asks `devices_for` for the devices to build a
+mesh over (a TPU topology through libtpu's compile-only client, or this machine's devices) and
+`chip_for` for the capacity and roofline numbers of one device.
+
+Peak numbers are the vendors' published per-chip figures (dense, no sparsity):
+
+| chip | HBM | bf16 matmul peak | HBM bandwidth | interconnect per chip |
+|---|---|---|---|---|
+| TPU v4  | 32 GiB | 275 TFLOP/s | 1200 GB/s | ICI 2400 Gb/s = 300 GB/s |
+| TPU v5e | 16 GiB | 197 TFLOP/s | 819 GB/s | ICI 1600 Gb/s = 200 GB/s |
+| TPU v5p | 95 GiB | 459 TFLOP/s | 2765 GB/s | ICI 4800 Gb/s = 600 GB/s |
+| TPU v6e | 32 GiB | 918 TFLOP/s | 1640 GB/s | ICI 3584 Gb/s = 448 GB/s |
+| H100 SXM | 80 GB | 989 TFLOP/s (TF32 494) | 3350 GB/s | NVLink 900 GB/s (450 each way) |
+| H200 | 141 GB | 989 TFLOP/s (TF32 494) | 4800 GB/s | NVLink 900 GB/s (450 each way) |
+| A100 80GB | 80 GB | 312 TFLOP/s (TF32 156) | 2039 GB/s | NVLink 600 GB/s (300 each way) |
+
+The interconnect figure is the whole chip's; the planner divides collective payloads by it, a
+coarse lower bound that ignores topology, latency and overlap with compute.
+
+float32 matmuls run at the bf16 rate on TPU (JAX's default precision there is one bf16 pass)
+and at the TF32 rate on GPU. Where the runtime reports the allocator's limit
+(`device.memory_stats()["bytes_limit"]`, real GPUs and TPUs) that number is the capacity: it is
+what this process can actually use. A compile-only TPU device reports nothing, so the table is
+used. CPU devices have no capacity and no peak: host memory is checked leniently, if at all.
+A TPU v4 topology described without a TPU lists each chip's two TensorCores as two devices;
+each then gets half the chip.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+from typing import Sequence
+
+import jax
+
+GiB = 1024 ** 3
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+  """What one device (one chip, or one core of a split chip) offers a program."""
+
+  name: str
+  hbm_bytes: float | None          # None: unknown (no fit verdict)
+  bf16_flops: float | None         # peak matmul flop/s in bfloat16
+  f32_flops: float | None          # peak matmul flop/s for float32 inputs at default precision
+  hbm_bandwidth: float | None      # bytes/s
+  ici_bandwidth: float | None = None  # bytes/s into one chip over its interconnect
+  source: str = "table"            # "table", "runtime" (allocator limit) or "unknown"
+
+  def peak_flops(self, dtype: str) -> float | None:
+    return self.f32_flops if dtype == "float32" else self.bf16_flops
+
+  def scaled(self, fraction: float) -> "ChipSpec":
+    """The share of a chip that one of its cores gets."""
+    f = lambda x: None if x is None else x * fraction
+    return dataclasses.replace(self, hbm_bytes=f(self.hbm_bytes), bf16_flops=f(self.bf16_flops),
+                               f32_flops=f(self.f32_flops), hbm_bandwidth=f(self.hbm_bandwidth),
+                               ici_bandwidth=f(self.ici_bandwidth))
+
+
+# device_kind (as JAX reports it) -> spec. Matched by the longest key contained in the kind.
+CHIPS: dict[str, ChipSpec] = {
+    "TPU v4": ChipSpec("v4", 32 * GiB, 275e12, 275e12, 1200e9, 300e9),
+    "TPU v5 lite": ChipSpec("v5e", 16 * GiB, 197e12, 197e12, 819e9, 200e9),
+    "TPU v5e": ChipSpec("v5e", 16 * GiB, 197e12, 197e12, 819e9, 200e9),
+    "TPU v5": ChipSpec("v5p", 95 * GiB, 459e12, 459e12, 2765e9, 600e9),
+    "TPU v5p": ChipSpec("v5p", 95 * GiB, 459e12, 459e12, 2765e9, 600e9),
+    "TPU v6 lite": ChipSpec("v6e", 32 * GiB, 918e12, 918e12, 1640e9, 448e9),
+    "TPU v6e": ChipSpec("v6e", 32 * GiB, 918e12, 918e12, 1640e9, 448e9),
+    "H100": ChipSpec("H100", 80e9, 989e12, 494e12, 3350e9, 450e9),
+    "H200": ChipSpec("H200", 141e9, 989e12, 494e12, 4800e9, 450e9),
+    "A100": ChipSpec("A100", 80e9, 312e12, 156e12, 2039e9, 300e9),
+}
+
+
+def chip_for(devices: Sequence[jax.Device]) -> ChipSpec:
+  """The spec of one device of `devices` (all of one kind)."""
+  d = devices[0]
+  kind = getattr(d, "device_kind", "") or ""
+  keys = [k for k in CHIPS if k.lower() in kind.lower()]
+  spec = CHIPS[max(keys, key=len)] if keys else ChipSpec(kind or d.platform, None, None, None,
+                                                         None, None, source="unknown")
+  cores = {getattr(x, "core_on_chip", 0) for x in devices}
+  if d.platform == "tpu" and len(cores) > 1:
+    spec = spec.scaled(1.0 / len(cores))
+  try:
+    limit = (d.memory_stats() or {}).get("bytes_limit")
+  except Exception:  # compile-only and CPU devices have no allocator to ask
+    limit = None
+  if limit and d.platform != "cpu":
+    spec = dataclasses.replace(spec, hbm_bytes=float(limit), source="runtime")
+  if d.platform == "cpu":
+    spec = dataclasses.replace(spec, name="cpu", hbm_bytes=None, source="unknown")
+  return spec
+
+
+def has_libtpu() -> bool:
+  return importlib.util.find_spec("libtpu") is not None
+
+
+def devices_for(topology: str | None) -> list[jax.Device]:
+  """Devices of a TPU topology such as "v5p:4x4x4" (compile-only, via libtpu), or this
+  machine's devices for None / "local"."""
+  if topology in (None, "", "local"):
+    return list(jax.devices())
+  if ":" not in topology:
+    raise ValueError(f"topology {topology!r}: expected '<chip>:<shape>' such as 'v5e:4x4', "
+                     "'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1', or 'local' for this machine's devices")
+  if not has_libtpu():
+    raise RuntimeError(
+        f"compiling for the TPU topology {topology!r} needs libtpu, which is not installed. "
+        "Install the version that matches your jax: pip install 'jaxagent[tpu]' (or "
+        "pip install \"jax[tpu]==$(python -c 'import jax; print(jax.__version__)')\").")
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")  # no metadata server off Cloud TPU VMs
+  # Describing a topology opens no TPU, so another process that loaded libtpu (and holds its
+  # lockfile) must not stop it.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies
+  try:
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+  except Exception as e:
+    raise ValueError(f"libtpu does not know the topology {topology!r} ({e}); examples: "
+                     "'v5e:2x2', 'v5e:4x4', 'v5p:2x2x1', 'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1'") from e
+  return list(desc.devices)

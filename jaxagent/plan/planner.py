@@ -1,0 +1,447 @@
+"""Compile every program of a run for a device set and report whether the run fits.
+
+Place in the data flow: a run config (`configs/*.py`) -> `plan_run(config, topology)` ->
+`PlanReport`. The same function serves `python -m jaxagent.plan` (any TPU topology, compiled on a
+CPU through libtpu) and the fit check that `python -m jaxagent.launch` runs on the real devices
+before the first step.
+
+Programs, each lowered from abstract inputs only (`jax.ShapeDtypeStruct`s carrying the run's
+shardings; params come from `jax.eval_shape(init_params)`, so no weight is ever materialised):
+
+  * `update[L=...]`: `rl.step.train_step` on `[rows, L]` per length bucket, with the configured
+    micro-batches (through `Learner.train_step_fn`, the trainer's own jit).
+  * `sft[L=...]`: the warm start's update at the longest bucket (when `sft.steps > 0`).
+  * `score[L=...]`: `sequence_logprobs` (reference log-probs; used when `loss.kl_coef > 0`,
+    else reported but not part of the verdict).
+  * `prefill`, `insert`, `generate`, `append`: the generator's programs (`Engine.program`), at
+    the configured slots and cache length.
+
+Shapes are worst cases: every trajectory in its own row (`rows = prompts x samples`, rounded as
+the trainer's packing rounds them), prompts as long as the cache allows, all slots prefilled or
+appended at once, attention over the whole cache. `PlanOptions` narrows them.
+
+Memory per chip = XLA's arguments + outputs - donated aliases + temporaries + code, plus the
+buffers the run keeps alive meanwhile (`resident`): the optimizer state while the generator
+decodes (colocated mode shares the params, not the moments), the frozen reference params when
+KL is on, the RL state during the SFT warm start. Time per program is a roofline estimate,
+max(flops / peak, HBM bytes / bandwidth, collective bytes / interconnect bandwidth), from
+loop-aware HLO counts (`jaxagent.plan.hlo`; XLA's own `cost_analysis()` counts each `lax.scan`
+body once and is reported alongside). Peaks and bandwidths are in `jaxagent.plan.chips`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import pathlib
+import re
+import time
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxagent import sharding as shd
+from jaxagent.generate.engine import Engine, EngineConfig
+from jaxagent.generate.sampling import SamplingConfig
+from jaxagent.models import config as model_config_lib
+from jaxagent.models import decoder
+from jaxagent.models.config import ModelConfig
+from jaxagent.plan import hlo
+from jaxagent.plan.chips import ChipSpec, chip_for, devices_for
+from jaxagent.plan.report import PlanReport, ProgramReport, RunShapes, knobs
+from jaxagent.rl import losses, packing
+from jaxagent.rl import step as step_lib
+
+log = logging.getLogger(__name__)
+
+UPDATE_KINDS = ("update", "sft", "score")
+DECODE_KINDS = ("prefill", "insert", "generate", "append")
+
+
+class DoesNotFit(RuntimeError):
+  """Raised by `check_fit` when a program of the run does not fit; the message is the report."""
+
+  def __init__(self, report: "PlanReport"):
+    super().__init__(report.render())
+    self.report = report
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanOptions:
+  """Narrow the worst-case shapes the planner assumes.
+
+  Attributes:
+    rows: update-batch rows (default: one trajectory per row, prompts x samples, rounded up to
+      micro_batches x data-parallel size as packing does).
+    prompt_len: the longest prompt prefilled (default: the cache length minus one).
+    append_len: tokens appended into a slot at once (pending token + observation; the engine
+      rounds it up to a power of two, at least 8).
+    programs: compile only these kinds (default: all that the run uses, plus `score`).
+  """
+
+  rows: int | None = None
+  prompt_len: int | None = None
+  append_len: int = 256
+  programs: tuple[str, ...] = ()
+
+  def __post_init__(self):
+    for f in ("rows", "prompt_len"):
+      v = getattr(self, f)
+      if v is not None and (not isinstance(v, int) or v < 1):
+        raise ValueError(f"PlanOptions.{f} must be None or a positive int, got {v!r}")
+    if not isinstance(self.append_len, int) or self.append_len < 1:
+      raise ValueError(f"PlanOptions.append_len must be a positive int, got {self.append_len!r}")
+    bad = [p for p in self.programs if p not in UPDATE_KINDS + DECODE_KINDS]
+    if bad:
+      raise ValueError(f"PlanOptions.programs: unknown {bad}; choose from "
+                       f"{UPDATE_KINDS + DECODE_KINDS}")
+
+
+# ----------------------------------------------------------------------------- config
+def model_config(config) -> ModelConfig:
+  """The `ModelConfig` a run would build from `config.model`, without loading any weights.
+
+  Presets give their architecture (vocabulary resized to `model.tokenizer` when one is named,
+  as the trainer does); HF directories their `config.json`; `.gguf` files their metadata.
+  """
+  m = config.model
+  kw = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
+  path = str(m.path)
+  if path in model_config_lib.EMBEDDED or path in model_config_lib.PRESETS:
+    cfg = model_config_lib.get_config(path, **kw)
+    tok_name = m.get("tokenizer") or ""
+    if path in model_config_lib.PRESETS and tok_name:
+      from jaxagent.models import load_tokenizer
+      tok = load_tokenizer(tok_name)
+      cfg = cfg.replace(vocab_size=tok.vocab_size, eos_token_id=tok.eos_id)
+    return cfg
+  p = pathlib.Path(path).expanduser()
+  if p.is_dir():
+    cfg_file = p / "config.json"
+    if not cfg_file.exists():
+      raise FileNotFoundError(f"{p} has no config.json (expected an HF model directory)")
+    return ModelConfig.from_hf(json.loads(cfg_file.read_text()), **kw)
+  if p.is_file() and p.suffix == ".gguf":
+    from jaxagent.models import gguf as gguf_lib
+    reader = gguf_lib.open_gguf(p)
+    meta = gguf_lib.read_gguf_metadata(reader)
+    hf_cfg = gguf_lib._hf_config(p, meta, {t.name: t for t in reader.tensors})
+    return ModelConfig.from_hf(hf_cfg, **kw)
+  raise FileNotFoundError(f"model.path {path!r} is neither a preset "
+                          f"({sorted(model_config_lib.PRESETS)}), an HF directory nor a .gguf file")
+
+
+def learner_parts(config):
+  """(StepConfig, optimizer) of the RL update and of the SFT warm start, as the trainer builds
+  them from `config.loss`, `config.train`, `config.optimizer` and `config.sft`."""
+  c, t, opt = config, config.train, config.optimizer
+  loss_cfg = losses.LossConfig(
+      algo=c.loss.algo, agg=c.loss.agg, clip_low=c.loss.clip_low, clip_high=c.loss.clip_high,
+      dual_clip=c.loss.get("dual_clip"), kl_coef=c.loss.kl_coef,
+      kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
+      max_len_norm=c.loss.get("max_len_norm"))
+  scfg = step_lib.StepConfig(loss=loss_cfg, micro_batches=t.micro_batches,
+                             temperature=c.rollout.temperature or 1.0,
+                             nonfinite=t.get("nonfinite", "raise"))
+  rl_opt = step_lib.make_optimizer(
+      opt.lr, weight_decay=opt.weight_decay, b1=opt.b1, b2=opt.b2,
+      max_grad_norm=opt.max_grad_norm, warmup_steps=opt.warmup_steps,
+      total_steps=c.total_steps * max(1, t.epochs), schedule=opt.schedule)
+  s = c.sft
+  sft_scfg = dataclasses.replace(scfg, objective="sft", entropy=False)
+  sft_opt = step_lib.make_optimizer(s.lr, max_grad_norm=opt.max_grad_norm,
+                                    warmup_steps=s.get("warmup_steps", 0))
+  return (scfg, rl_opt), (sft_scfg, sft_opt)
+
+
+def _pow2_at_least(n: int) -> int:
+  return 1 << max(0, n - 1).bit_length()
+
+
+def _bucket(n: int, buckets: Sequence[int]) -> int:
+  for b in buckets:
+    if n <= b:
+      return b
+  return buckets[-1]
+
+
+def run_shapes(config, mesh_sizes: dict[str, int], options: PlanOptions = PlanOptions()
+               ) -> RunShapes:
+  """The worst-case shapes of a run's programs on a mesh of `mesh_sizes`."""
+  t, r = config.train, config.rollout
+  dp = mesh_sizes["data"] * mesh_sizes["fsdp"]
+  pack_cfg = packing.PackingConfig(
+      max_len=t.pack_len, len_buckets=tuple(t.get("len_buckets", ())) or (t.pack_len,),
+      row_multiple=t.micro_batches * dp)
+  rows = pack_cfg.round_rows(options.rows or t.prompts_per_step * t.samples_per_prompt)
+  sft_rows = pack_cfg.round_rows(config.sft.batch_size) if config.sft.steps else 0
+  ecfg = EngineConfig(slots=r.slots, max_len=r.max_len)
+  prompt_len = min(options.prompt_len or r.max_len - 1, r.max_len - 1)
+  return RunShapes(
+      rows=rows, len_buckets=pack_cfg.len_buckets, micro_batches=t.micro_batches,
+      sft_rows=sft_rows, kl=config.loss.kl_coef > 0, slots=r.slots, max_len=r.max_len,
+      prefill_batch=_pow2_at_least(r.slots),
+      prefill_len=_bucket(prompt_len, ecfg.prefill_buckets),
+      append_batch=_pow2_at_least(r.slots),
+      append_len=max(8, _pow2_at_least(min(options.append_len, r.max_len))),
+      decode_steps=r.decode_steps, kv_len=ecfg.kv_buckets[-1])
+
+
+# ----------------------------------------------------------------------------- compile
+def _sds(tree, shardings):
+  return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree,
+                      shardings)
+
+
+def _per_chip_bytes(tree) -> float:
+  total = 0.0
+  for leaf in jax.tree.leaves(tree):
+    shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += math.prod(shape) * jnp.dtype(leaf.dtype).itemsize
+  return total
+
+
+def _fit_sharding(s, shape, mesh: Mesh) -> NamedSharding:
+  """`s` with dims that no longer divide `shape` replicated (a sliced array's sharding)."""
+  if not isinstance(s, NamedSharding):
+    return s if s.is_fully_replicated else NamedSharding(mesh, P())
+  spec = list(s.spec) + [None] * (len(shape) - len(s.spec))
+  out = []
+  for dim, axes in zip(shape, spec):
+    if axes is None:
+      out.append(None)
+      continue
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    size = math.prod(s.mesh.shape[a] for a in names)
+    out.append(axes if dim % size == 0 else None)
+  return NamedSharding(s.mesh, P(*out))
+
+
+_OOM_RE = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|exceeds the memory|Ran out of memory")
+_TEMP_RE = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
+
+
+def _compile(report: ProgramReport, fn, args, kwargs, mesh: Mesh, chip: ChipSpec, dtype: str):
+  """Lower + compile `fn(*args, **kwargs)`, filling `report`; the compiled program or None."""
+  t0 = time.perf_counter()
+  try:
+    compiled = fn.lower(*args, **kwargs).compile()
+  except Exception as e:  # a compiler refusal is a finding of the plan, not a crash
+    msg = " ".join(str(e).split())
+    report.oom = bool(_OOM_RE.search(msg))
+    report.error = msg[:600]
+    report.compile_s = time.perf_counter() - t0
+    # What is known without the compiled program: the arguments, and the temporaries the
+    # TPU compiler names when it refuses.
+    report.argument_bytes = _per_chip_bytes(args)
+    m = _TEMP_RE.search(msg)
+    if m:
+      report.temp_bytes = float(m.group(1)) * 1024 ** " KMGT".index(m.group(2))
+    return None
+  report.compile_s = time.perf_counter() - t0
+  ma = compiled.memory_analysis()
+  if ma is not None:
+    report.argument_bytes = float(ma.argument_size_in_bytes)
+    report.output_bytes = float(ma.output_size_in_bytes)
+    report.alias_bytes = float(ma.alias_size_in_bytes)
+    report.temp_bytes = float(ma.temp_size_in_bytes)
+    report.code_bytes = float(ma.generated_code_size_in_bytes)
+  ca = compiled.cost_analysis()
+  if isinstance(ca, (list, tuple)):
+    ca = ca[0] if ca else {}
+  ca = ca or {}
+  report.xla_flops = ca.get("flops")
+  report.xla_bytes = ca.get("bytes accessed")
+  report.xla_optimal_s = ca.get("optimal_seconds")
+  stats = hlo.analyze(compiled.as_text(), tuple(mesh.devices.shape), tuple(mesh.axis_names))
+  report.flops, report.bytes_accessed = stats.flops, stats.bytes_accessed
+  report.collectives = {k: v for k, v in stats.collectives.items() if v.static}
+  report.collective_summary = stats.summary()
+  report.unknown_loops = stats.unknown_loops
+  peak, bw = chip.peak_flops(dtype), chip.hbm_bandwidth
+  if peak and bw:
+    # All-reduce moves its payload twice (reduce-scatter + all-gather); the rest about once.
+    wire = sum(c.bytes * (2 if k == "all-reduce" else 1) for k, c in stats.collectives.items())
+    terms = {"compute": stats.flops / peak, "hbm": stats.bytes_accessed / bw,
+             "ici": wire / chip.ici_bandwidth if chip.ici_bandwidth else 0.0}
+    report.bound = max(terms, key=terms.get)
+    report.est_s = terms[report.bound]
+  return compiled
+
+
+def _mesh_for(config, devices) -> Mesh:
+  m = config.mesh
+  return shd.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
+
+
+def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = None, *,
+             options: PlanOptions = PlanOptions(), cfg: ModelConfig | None = None) -> PlanReport:
+  """Compile every program of the run `config` for a device set and report per chip.
+
+  Args:
+    config: a run config (`configs/*.py` `get_config()`).
+    devices_or_topology: a TPU topology name ("v5p:4x4x4"; compiled here through libtpu),
+      "local"/None for this machine's devices, or a list of devices.
+    options: narrower shapes than the worst case.
+    cfg: the model config, when the caller already has it (else from `config.model`).
+  """
+  if isinstance(devices_or_topology, str) or devices_or_topology is None:
+    target = devices_or_topology or "local"
+    devices = devices_for(devices_or_topology)
+  else:
+    devices = list(devices_or_topology)
+    target = "local"
+  cfg = cfg if cfg is not None else model_config(config)
+  chip = chip_for(devices)
+  mesh = _mesh_for(config, devices)
+  sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+  shapes = run_shapes(config, sizes, options)
+  want = set(options.programs or UPDATE_KINDS + DECODE_KINDS)
+  (scfg, rl_opt), (sft_scfg, sft_opt) = learner_parts(config)
+
+  # Abstract params and train state with the trainer's shardings.
+  abstract_params = jax.eval_shape(lambda k: decoder.init_params(cfg, k), jax.random.key(0))
+  learner = step_lib.Learner(cfg, scfg, rl_opt, mesh)
+
+  def abstract_state(opt):
+    make = lambda p: step_lib.TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                                         opt_state=opt.init(p))
+    st = jax.eval_shape(make, abstract_params)
+    return _sds(st, learner.state_shardings(st))
+
+  state = abstract_state(rl_opt)
+  params = state.params
+  params_b = _per_chip_bytes(params)
+  opt_b = _per_chip_bytes(state.opt_state) + _per_chip_bytes(state.step)
+  ref_b = params_b if shapes.kl else 0.0
+  bsh = learner.batch_sharding()
+
+  def batch(rows, length, keys):
+    dt = {"tokens": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32}
+    return {k: jax.ShapeDtypeStruct((rows, length), dt.get(k, jnp.float32), sharding=bsh)
+            for k in keys}
+
+  rl_keys = ("tokens", "segment_ids", "positions", "loss_mask", "old_logps", "advantages") + \
+      (("ref_logps",) if shapes.kl else ())
+  programs: list[ProgramReport] = []
+
+  def add(rep: ProgramReport, fn, *args, **kwargs):
+    rep.capacity = chip.hbm_bytes
+    programs.append(rep)
+    return _compile(rep, fn, args, kwargs, mesh, chip, cfg.dtype)
+
+  m = shapes.micro_batches
+  if "update" in want:
+    train = learner.train_step_fn(state)
+    for length in shapes.len_buckets:
+      b = batch(shapes.rows, length, rl_keys)
+      rep = ProgramReport(f"update[L={length}]", "update",
+                          f"[{shapes.rows}x{length}] m={m}", resident_bytes=ref_b,
+                          components={"params": params_b, "optimizer": opt_b,
+                                      "batch": _per_chip_bytes(b), "ref_params": ref_b})
+      add(rep, train, state, b)
+  if "sft" in want and shapes.sft_rows:
+    sft_learner = step_lib.Learner(cfg, sft_scfg, sft_opt, mesh)
+    sft_state = abstract_state(sft_opt)
+    length = shapes.len_buckets[-1]
+    b = batch(shapes.sft_rows, length, rl_keys[:6])
+    rep = ProgramReport(f"sft[L={length}]", "sft", f"[{shapes.sft_rows}x{length}] m={m}",
+                        resident_bytes=params_b + opt_b,
+                        components={"params": params_b, "optimizer": opt_b,
+                                    "batch": _per_chip_bytes(b), "rl_state": params_b + opt_b})
+    fn = sft_learner.train_step_fn(sft_state)
+    add(rep, fn, sft_state, b)
+  if "score" in want:
+    length = shapes.len_buckets[-1]
+    b = batch(shapes.rows, length, ("tokens", "segment_ids", "positions"))
+    rep = ProgramReport(f"score[L={length}]", "score", f"[{shapes.rows}x{length}]",
+                        used=shapes.kl, resident_bytes=params_b + opt_b,
+                        components={"params": params_b, "optimizer": opt_b,
+                                    "batch": _per_chip_bytes(b)})
+    fn = learner.score_fn(False)
+    add(rep, fn, params, b)
+
+  if want & set(DECODE_KINDS):
+    r = config.rollout
+    ecfg = EngineConfig(slots=r.slots, max_len=r.max_len,
+                        eos_ids=(cfg.eos_token_id,) if cfg.eos_token_id is not None else (),
+                        sampling=SamplingConfig(r.temperature, r.top_p, r.top_k))
+    engine = Engine(cfg, ecfg, mesh=mesh)
+    dstate = engine.abstract_decode_state()
+    kv_b = _per_chip_bytes((dstate.k, dstate.v))
+    rep_sh = NamedSharding(mesh, P())
+    vec = lambda n, dt=jnp.int32: jax.ShapeDtypeStruct((n,), dt, sharding=rep_sh)
+    dec_components = {"params": params_b, "optimizer": opt_b, "kv_cache": kv_b,
+                      "ref_params": ref_b}
+    s = shapes
+    b, t = s.prefill_batch, s.prefill_len
+    prefill_args = (params, jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rep_sh), vec(b),
+                    vec(b), vec(b, jnp.uint32), vec(b), vec(b))
+    prefill = None
+    if want & {"prefill", "insert"}:
+      rep = ProgramReport("prefill", "prefill", f"[{b}x{t}]",
+                          resident_bytes=opt_b + ref_b + kv_b, components=dec_components)
+      prefill = add(rep, engine.program("prefill"), *prefill_args)
+      if "prefill" not in want:  # compiled only for the shardings of its output
+        programs.remove(rep)
+    if "insert" in want:
+      n = s.slots
+      out = jax.eval_shape(engine.program("prefill"), *prefill_args)
+      out_sh = (prefill.output_shardings if prefill is not None
+                else jax.tree.map(lambda _: rep_sh, out))
+
+      def sliced(a, sh):  # `Engine.prefill` hands insert the first n of b prefixes
+        shape = (a.shape[0], n) + a.shape[2:] if a.ndim == 5 else (n,) + a.shape[1:]
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=_fit_sharding(sh, shape, mesh))
+
+      prefix = jax.tree.map(sliced, out, out_sh)
+      rep = ProgramReport("insert", "insert", f"{n} prefixes of {t}",
+                          resident_bytes=params_b + opt_b + ref_b, components=dec_components)
+      add(rep, engine.program("insert"), prefix, dstate, vec(n))
+    if "generate" in want:
+      rep = ProgramReport("generate", "generate",
+                          f"{s.slots} slots x {s.decode_steps} steps, kv {s.kv_len}",
+                          resident_bytes=opt_b + ref_b, components=dec_components)
+      add(rep, engine.program("generate"), params, dstate, steps=s.decode_steps,
+          kv_len=s.kv_len)
+    if "append" in want:
+      b, n = s.append_batch, s.append_len
+      chunk = jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=rep_sh)
+      rep = ProgramReport("append", "append", f"[{b}x{n}], kv {s.kv_len}",
+                          resident_bytes=opt_b + ref_b, components=dec_components)
+      add(rep, engine.program("append"), params, dstate, vec(b), chunk, vec(b), vec(b),
+          kv_len=s.kv_len)
+
+  report = PlanReport(model=cfg.name, num_params=cfg.num_params(), target=target,
+                      platform=devices[0].platform, chip=chip, n_devices=len(devices),
+                      mesh=sizes, shapes=shapes, programs=programs, knobs=[])
+  report.knobs = knobs(report, config, cfg)
+  return report
+
+
+# ----------------------------------------------------------------------------- launcher
+def check_fit(config, mode: str = "auto", devices: Sequence[jax.Device] | None = None,
+              cfg: ModelConfig | None = None, options: PlanOptions = PlanOptions()
+              ) -> PlanReport | None:
+  """The launcher's pre-flight check: compile the run's programs for the real devices.
+
+  mode "off" skips it; "auto" skips it on CPU, where "HBM" is host memory that the OS pages
+  (the report would say nothing useful) and runs it on TPU/GPU; "on" always runs it, and on CPU
+  only logs the report. Raises `DoesNotFit` (its message is the report) when a used program does
+  not fit the accelerator's memory.
+  """
+  if mode not in ("auto", "on", "off"):
+    raise ValueError(f"fit check mode must be 'auto', 'on' or 'off', got {mode!r}")
+  devices = list(devices if devices is not None else jax.devices())
+  if mode == "off" or (mode == "auto" and devices[0].platform == "cpu"):
+    return None
+  t0 = time.perf_counter()
+  report = plan_run(config, devices, cfg=cfg, options=options)
+  if jax.process_index() == 0:
+    log.info("fit check (%.0f s):\n%s", time.perf_counter() - t0, report.render())
+  if report.fits is False:
+    raise DoesNotFit(report)
+  return report
