@@ -69,7 +69,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval = ml_collections.ConfigDict(dict(size=100, every=0, pass_k=0, before=True))
   c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True, dump_every=2,
                                          dump_count=4))
-  c.checkpoint_every = 0
+  c.checkpoint_every = 0       # save every N RL steps (0: off); rerunning resumes
+  c.checkpoint_keep = 3        # keep the newest N checkpoints
+  c.checkpoint_keep_every = 0  # and every K-th step (0: none)
+  c.checkpoint_async = True
+  c.checkpoint_dir = ""        # "" -> <workdir>/checkpoints; shared storage for multi-host
+  c.export = False             # write <workdir>/export (HF safetensors) at the end
 
   if arg == "tiny":
     c.workdir = "runs/search_qa-tiny"
