@@ -35,7 +35,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict(dict(
       path="smollm2-135m-instruct", tokenizer="", param_dtype="float32", dtype="float32",
-      remat="none", init_std=0.02, init_seed=0))
+      remat="full", init_std=0.02, init_seed=0))  # 4x less update memory
   c.env = ml_collections.ConfigDict(dict(name="code", kwargs=dict(
       eval_size=40, sft_size=124, max_prompt_chars=0, timeout_s=8.0, per_test_s=2.0,
       memory_mb=1024, all_or_nothing=False, syntax_weight=0.0, shaping_steps=0,

@@ -41,7 +41,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict(dict(
       path="smollm2-135m-instruct", tokenizer="", param_dtype="float32", dtype="float32",
-      remat="none", init_std=0.02, init_seed=0))
+      remat="full", init_std=0.02, init_seed=0))  # 4x less update memory
   c.env = ml_collections.ConfigDict(dict(name="search_qa", kwargs=dict(
       kb_seed=0, num_countries=8, num_cities=40, num_universities=20, num_people=240,
       num_companies=160, min_hops=1, max_hops=3, distractors=1, train_size=2000,

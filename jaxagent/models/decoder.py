@@ -279,15 +279,18 @@ def forward(params: Params, tokens, *, cfg: ModelConfig, positions=None, segment
 
 
 def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature: float = 1.0,
-                   chunk: int = 512, with_entropy: bool = False):
+                   chunk: int = 512, with_entropy: bool = False, max_chunk_tokens: int = 4096):
   """log p(targets) under softmax(logits / temperature), computed in chunks of the sequence.
 
   Avoids materialising `[B, L, V]` logits for large vocabularies: each chunk's logits are
-  recomputed in the backward pass. h: [B, L, D]; targets: [B, L] int. Returns `[B, L]`
-  (and entropies `[B, L]` when `with_entropy`).
+  recomputed in the backward pass. A chunk spans `min(chunk, L)` positions of every row, cut
+  further so that it holds at most `max_chunk_tokens` tokens (rows x positions): the float32
+  logits of one chunk are `[B, c, V]`, so many packed rows would otherwise need gigabytes.
+  h: [B, L, D]; targets: [B, L] int. Returns `[B, L]` (and entropies `[B, L]` when
+  `with_entropy`).
   """
   b, l, d = h.shape
-  c = min(chunk, l)
+  c = max(1, min(chunk, l, max_chunk_tokens // max(b, 1)))
   pad = (-l) % c
   if pad:
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))

@@ -49,6 +49,8 @@ class StepConfig:
       accumulated (rows must divide evenly; packing rounds rows accordingly).
     temperature: logits are divided by it before the softmax (match the sampler's).
     logprob_chunk: sequence chunk for the vocabulary projection (bounds `[B, chunk, V]`).
+    logprob_chunk_tokens: most tokens (rows x positions) per chunk; bounds the float32 logits
+      of one chunk to `logprob_chunk_tokens * V * 4` bytes however many rows a batch packs.
     entropy: compute per-token entropies (needed for `loss.entropy_coef`; else a metric only).
     nonfinite: "raise" stops with an error naming the step and metric; "skip" leaves params
       unchanged for that step and reports `nonfinite=1`.
@@ -59,6 +61,7 @@ class StepConfig:
   micro_batches: int = 1
   temperature: float = 1.0
   logprob_chunk: int = 512
+  logprob_chunk_tokens: int = 4096
   entropy: bool = True
   nonfinite: Literal["raise", "skip"] = "raise"
 
@@ -106,7 +109,8 @@ def make_optimizer(learning_rate: float = 1e-6, *, weight_decay: float = 0.0, b1
 
 
 def sequence_logprobs(params, batch: Batch, *, cfg: ModelConfig, temperature: float = 1.0,
-                      chunk: int = 512, with_entropy: bool = False):
+                      chunk: int = 512, with_entropy: bool = False,
+                      chunk_tokens: int = 4096):
   """Per-token log-probs `[B, L]` (position t: log p(token t | tokens < t); 0 at t = 0).
 
   Also returns the entropies of the predictive distributions at the same positions (zeros
@@ -117,7 +121,8 @@ def sequence_logprobs(params, batch: Batch, *, cfg: ModelConfig, temperature: fl
                             segment_ids=batch["segment_ids"])
   nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
   lp, ent = decoder.token_logprobs(params, h, nxt, cfg=cfg, temperature=temperature,
-                                   chunk=chunk, with_entropy=True)
+                                   chunk=chunk, with_entropy=True,
+                                   max_chunk_tokens=chunk_tokens)
   if not with_entropy:
     ent = jnp.zeros_like(lp)
   shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
@@ -138,7 +143,8 @@ def _sft_parts(logps, batch):
 def _micro_parts(params, mb: Batch, cfg: ModelConfig, scfg: StepConfig):
   want_ent = scfg.entropy or scfg.loss.entropy_coef > 0
   logps, ents = sequence_logprobs(params, mb, cfg=cfg, temperature=scfg.temperature,
-                                  chunk=scfg.logprob_chunk, with_entropy=want_ent)
+                                  chunk=scfg.logprob_chunk, with_entropy=want_ent,
+                                  chunk_tokens=scfg.logprob_chunk_tokens)
   if scfg.objective == "sft":
     parts = _sft_parts(logps, mb)
   else:
@@ -271,6 +277,7 @@ class Learner:
     if with_entropy not in self._score:
       fn = lambda p, b: sequence_logprobs(p, b, cfg=self.cfg, temperature=self.scfg.temperature,
                                           chunk=self.scfg.logprob_chunk,
+                                          chunk_tokens=self.scfg.logprob_chunk_tokens,
                                           with_entropy=with_entropy)
       self._score[with_entropy] = jax.jit(fn, out_shardings=(self.batch_sharding(),) * 2)
     return self._score[with_entropy]
