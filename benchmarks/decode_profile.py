@@ -28,6 +28,9 @@ def main():
   ap.add_argument("--batch", type=int, default=256)
   ap.add_argument("--cached", type=int, default=512)
   ap.add_argument("--max-len", type=int, default=784)
+  ap.add_argument("--trace", default="", help="also write a profiler trace of 5 engine steps "
+                  "(with a Perfetto JSON) to this directory")
+  ap.add_argument("--trace-only", action="store_true", help="skip the piecewise timings")
   args = ap.parse_args()
   cfg = models.get_config(args.model, param_dtype="bfloat16", dtype="bfloat16")
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
@@ -46,6 +49,14 @@ def main():
     holder[0], o = step(params, holder[0])
     jax.block_until_ready(o)
   out["full_step_ms"] = timeit(run_step, iters=10)["median_s"] * 1e3
+  if args.trace:
+    with jax.profiler.trace(args.trace, create_perfetto_trace=True):
+      for _ in range(5):
+        run_step()
+    print(f"trace written to {args.trace}", flush=True)
+    if args.trace_only:
+      emit("decode_profile", model=args.model, batch=S, cached=C, **out)
+      return
 
   st = holder[0]
   ext = jax.jit(lambda p, s, n: decoder.extend(p, s.k, s.v, s.tokens[:, None], s.lengths,

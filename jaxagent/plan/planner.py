@@ -278,7 +278,8 @@ def _mesh_for(config, devices) -> Mesh:
 
 
 def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = None, *,
-             options: PlanOptions = PlanOptions(), cfg: ModelConfig | None = None) -> PlanReport:
+             options: PlanOptions = PlanOptions(), cfg: ModelConfig | None = None,
+             executables: dict | None = None) -> PlanReport:
   """Compile every program of the run `config` for a device set and report per chip.
 
   Args:
@@ -287,6 +288,9 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
       "local"/None for this machine's devices, or a list of devices.
     options: narrower shapes than the worst case.
     cfg: the model config, when the caller already has it (else from `config.model`).
+    executables: when given (local devices), filled with `name -> (compiled, args)` for every
+      program that compiled, `args` being the abstract dynamic arguments (static ones are
+      part of the compiled program); `benchmarks/plan_vs_measured.py` times them.
   """
   if isinstance(devices_or_topology, str) or devices_or_topology is None:
     target = devices_or_topology or "local"
@@ -331,7 +335,10 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
   def add(rep: ProgramReport, fn, *args, **kwargs):
     rep.capacity = chip.hbm_bytes
     programs.append(rep)
-    return _compile(rep, fn, args, kwargs, mesh, chip, cfg.dtype)
+    compiled = _compile(rep, fn, args, kwargs, mesh, chip, cfg.dtype)
+    if executables is not None and compiled is not None:
+      executables[rep.name] = (compiled, args)
+    return compiled
 
   m = shapes.micro_batches
   if "update" in want:
