@@ -83,7 +83,10 @@ def main(argv=None):
   ap.add_argument("--tool-ms", type=float, default=200.0)
   ap.add_argument("--slots", type=int, default=256)
   ap.add_argument("--decode-steps", type=int, default=8)
-  ap.add_argument("--tokens-per-turn", type=int, default=64)
+  ap.add_argument("--tokens-per-turn", type=int, default=64, help="most tokens per turn")
+  ap.add_argument("--turn-tokens", type=int, default=16,
+                  help="mean turn length: each sampled token ends the turn with probability "
+                       "1 / turn-tokens")
   ap.add_argument("--prompt-len", type=int, default=32)
   ap.add_argument("--max-len", type=int, default=512)
   ap.add_argument("--repeats", type=int, default=3, help="timed runs per configuration (min is kept)")
@@ -95,7 +98,7 @@ def main(argv=None):
   params = models.init_params(cfg, jax.random.key(args.seed), std=0.02)
   engine = Engine(cfg, EngineConfig(slots=args.slots, max_len=args.max_len,
                                     sampling=SamplingConfig(temperature=1.0)))
-  tok = StripeTokenizer(cfg.vocab_size)
+  tok = StripeTokenizer(cfg.vocab_size, period=args.turn_tokens)
   n_prompts = max(1, args.trajectories // args.samples)
   examples = [Example(f"p{i}", "a" * (args.prompt_len - 1) + chr(ord("b") + i % 20))
               for i in range(n_prompts)]
