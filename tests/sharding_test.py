@@ -1,4 +1,6 @@
 """Sharded execution on 8 fake CPU devices equals unsharded execution."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -53,3 +55,25 @@ def test_sharded_forward_equals_unsharded(preset):
   out = fwd(sp, jax.device_put(jnp.asarray(tokens), bs), jax.device_put(jnp.asarray(seg), bs))
   assert len(out.sharding.device_set) == 8
   np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=1e-5, rtol=1e-5)
+
+
+def test_residual_stream_is_constrained_to_batch_sharding_only_under_a_mesh():
+  from jaxagent.models.decoder import constrain_batch
+  from jaxagent.rl import step as step_lib
+  x = jnp.ones((8, 4, 16))
+  assert "sharding_constraint" not in str(jax.make_jaxpr(constrain_batch)(x))  # no mesh: no-op
+  mesh = sharding.make_mesh(1, 8, 1)
+  cfg = models.get_config("tiny-llama")
+  learner = step_lib.Learner(cfg, step_lib.StepConfig(), step_lib.make_optimizer(1e-3), mesh)
+  params = jax.eval_shape(lambda k: models.init_params(cfg, k), jax.random.key(0))
+  state = jax.eval_shape(learner.init, params)
+  batch = {k: jax.ShapeDtypeStruct((8, 32), jnp.int32 if k in ("tokens", "segment_ids",
+                                                                "positions") else jnp.float32)
+           for k in ("tokens", "segment_ids", "positions", "loss_mask", "old_logps",
+                     "advantages")}
+  text = learner.train_step_fn(state).lower(state, batch).as_text()
+  # A constraint in the scanned layer body (forward and backward), rows over the 8 fsdp
+  # devices (Shardy's text form; GSPMD's where Shardy is off).
+  shardy = re.findall(r'sharding_constraint[^\n]*\[\{"fsdp"\}, \{\}, \{\}\]', text)
+  gspmd = re.findall(r"@Sharding[^\n]*\n[^\n]*devices=\[8,1,1\]", text)
+  assert len(shardy) + len(gspmd) >= 2

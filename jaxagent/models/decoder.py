@@ -172,8 +172,32 @@ def _mlp(h, lp, cfg: ModelConfig):
   return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"].astype(dt))
 
 
+_BATCH_AXES = ("data", "fsdp")
+
+
+def constrain_batch(x):
+  """Keep `x` split by rows over the batch axes ("data", "fsdp") of the ambient mesh.
+
+  A no-op unless a mesh is set (`jax.sharding.use_abstract_mesh`, as `rl.step.Learner` does)
+  and the rows divide evenly. Without it, XLA's sharding propagation may follow the
+  fsdp-sharded weights into the residual stream and keep activations of the whole batch on
+  every chip (the planner measured 21.1 GiB -> 4.7 GiB per chip for a 0.5B update on
+  v5e-16 with fsdp=16).
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return x
+  axes = tuple(a for a in _BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+  n = math.prod(mesh.shape[a] for a in axes)
+  if not axes or x.shape[0] % n:
+    return x
+  spec = jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1)))
+  return jax.lax.with_sharding_constraint(x, spec)
+
+
 def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq):
   """One decoder layer. `attend(q, k, v) -> [B, T, H, hd]` supplies the attention pattern."""
+  x = constrain_batch(x)
   h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
   q, k, v = _qkv(h, lp, positions, cfg, inv_freq)
   a = attend(q, k, v)

@@ -253,8 +253,9 @@ class Learner:
     `jax.ShapeDtypeStruct`s), built once; `jaxagent.plan` lowers it ahead of time."""
     if self._train is None:
       ss = self.state_shardings(state)
-      fn = lambda s, b: train_step(s, b, cfg=self.cfg, scfg=self.scfg,
-                                   optimizer=self.optimizer)
+      def fn(s, b):
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+          return train_step(s, b, cfg=self.cfg, scfg=self.scfg, optimizer=self.optimizer)
       self._train = jax.jit(fn, in_shardings=(ss, self.batch_sharding()),
                             out_shardings=(ss, NamedSharding(self.mesh, P())),
                             donate_argnums=(0,))
@@ -275,10 +276,12 @@ class Learner:
   def score_fn(self, with_entropy: bool = False):
     """The jitted `sequence_logprobs` behind `score` (built once per `with_entropy`)."""
     if with_entropy not in self._score:
-      fn = lambda p, b: sequence_logprobs(p, b, cfg=self.cfg, temperature=self.scfg.temperature,
-                                          chunk=self.scfg.logprob_chunk,
-                                          chunk_tokens=self.scfg.logprob_chunk_tokens,
-                                          with_entropy=with_entropy)
+      def fn(p, b):
+        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+          return sequence_logprobs(p, b, cfg=self.cfg, temperature=self.scfg.temperature,
+                                   chunk=self.scfg.logprob_chunk,
+                                   chunk_tokens=self.scfg.logprob_chunk_tokens,
+                                   with_entropy=with_entropy)
       self._score[with_entropy] = jax.jit(fn, out_shardings=(self.batch_sharding(),) * 2)
     return self._score[with_entropy]
 
