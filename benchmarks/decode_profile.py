@@ -14,7 +14,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from benchmarks.common import emit, peaks, timeit
 from jaxagent import models
@@ -31,11 +30,13 @@ def main():
   ap.add_argument("--trace", default="", help="also write a profiler trace of 5 engine steps "
                   "(with a Perfetto JSON) to this directory")
   ap.add_argument("--trace-only", action="store_true", help="skip the piecewise timings")
+  ap.add_argument("--layout", default="stacked", help="KV cache layout: stacked or per_layer")
   args = ap.parse_args()
   cfg = models.get_config(args.model, param_dtype="bfloat16", dtype="bfloat16")
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
   S, C = args.batch, args.cached
-  eng = Engine(cfg, EngineConfig(slots=S, max_len=args.max_len, sampling=SamplingConfig(1.0)))
+  eng = Engine(cfg, EngineConfig(slots=S, max_len=args.max_len, sampling=SamplingConfig(1.0),
+                                 cache_layout=args.layout))
   state = eng.init_decode_state()
   state = state.replace(lengths=jnp.full((S,), C, jnp.int32), active=jnp.ones((S,), bool),
                         remaining=jnp.full((S,), 10**6, jnp.int32))
@@ -79,13 +80,13 @@ def main():
                                           iters=10)["median_s"] * 1e3
   newk = jnp.zeros((cfg.n_layers, S, 1, cfg.n_kv_heads, cfg.head_dim), cfg.jnp_dtype)
   wr = jax.jit(lambda c, n, l: decoder.write_kv(c, n, jnp.arange(S), l), donate_argnums=(0,))
-  cache = [jnp.zeros_like(st.k)]
+  cache = [jax.tree.map(jnp.zeros_like, st.k)]
 
   def run_write():
     cache[0] = wr(cache[0], newk, st.lengths)
     jax.block_until_ready(cache[0])
   out["write_kv_ms"] = timeit(run_write, iters=10)["median_s"] * 1e3
-  del cache
+  cache.clear()
   print("partial", out, flush=True)
   logits = jax.random.normal(jax.random.key(1), (S, cfg.vocab_size), jnp.float32)
   smp = jax.jit(lambda l, s: sample(l, token_keys(s.seeds, s.request_ids, s.lengths),

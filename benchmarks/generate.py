@@ -21,13 +21,14 @@ from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 
-def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0):
+def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0,
+        layout="stacked"):
   cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
   max_len = prompt_len + new_tokens + steps
   eng = Engine(cfg, EngineConfig(slots=batch, max_len=max_len, eos_ids=(),
                                  sampling=SamplingConfig(temperature), kv_page=128,
-                                 decode_attention=attention))
+                                 decode_attention=attention, cache_layout=layout))
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
 
@@ -55,7 +56,8 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   step_bytes = w_bytes + batch * avg_len * kv_tok
   roof_step_s = step_bytes / peaks()["hbm_bytes_s"]
   step_s = decode_s / n_steps
-  emit("decode", record, model=name, batch=batch, attention=attention, prompt_len=prompt_len, new_tokens=n_steps,
+  emit("decode", record, model=name, batch=batch, attention=attention, layout=layout,
+       prompt_len=prompt_len, new_tokens=n_steps,
        decode_steps_per_call=steps, tokens_per_s=batch * n_steps / decode_s,
        step_ms=step_s * 1e3, roofline_step_ms=roof_step_s * 1e3,
        roofline_fraction=roof_step_s / step_s, prefill_s=prefill_s,
@@ -70,11 +72,15 @@ def main():
   ap.add_argument("--new-tokens", type=int, default=512)
   ap.add_argument("--steps", type=int, default=16, help="decode steps per device call")
   ap.add_argument("--attention", default="auto", help="decode attention: auto, xla, pallas")
+  ap.add_argument("--layouts", default="stacked",
+                  help="KV cache layouts to compare, e.g. stacked,per_layer")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
-      run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record, args.attention)
+      for layout in args.layouts.split(","):
+        run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record, args.attention,
+            layout=layout)
 
 
 if __name__ == "__main__":

@@ -45,9 +45,10 @@ def run_tunix(path, budget):
   return results
 
 
-def our_decode(cfg, params, batch, steps):
+def our_decode(cfg, params, batch, steps, layout="stacked"):
   eng = Engine(cfg, EngineConfig(slots=batch, max_len=PROMPT + GEN + steps, eos_ids=(),
-                                 sampling=SamplingConfig(1.0), kv_page=128))
+                                 sampling=SamplingConfig(1.0), kv_page=128,
+                                 cache_layout=layout))
   rng = np.random.default_rng(0)
   prompts = rng.integers(2, cfg.vocab_size, (batch, PROMPT)).tolist()
 
@@ -105,6 +106,7 @@ def main():
   ap.add_argument("--steps", type=int, default=16)
   ap.add_argument("--micro-batches", type=int, default=4)
   ap.add_argument("--attention", default="auto")
+  ap.add_argument("--layouts", default="stacked", help="KV cache layouts, e.g. stacked,per_layer")
   ap.add_argument("--record", action="store_true")
   ap.add_argument("--tiny", action="store_true", help="CPU smoke test sizes")
   args = ap.parse_args()
@@ -116,11 +118,12 @@ def main():
                           attention_impl=args.attention)
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
   for b in (64, 256):
-    s = our_decode(cfg, params, b, args.steps)
-    ours = b * GEN / s
-    theirs = tunix.get(f"sampler_B{b}", {}).get("tok_s")
-    emit("peer_decode", args.record, model=MODEL, batch=b, ours_tok_s=ours,
-         tunix_tok_s=theirs, ratio=(ours / theirs) if theirs else None)
+    for layout in args.layouts.split(","):
+      s = our_decode(cfg, params, b, args.steps, layout)
+      ours = b * GEN / s
+      theirs = tunix.get(f"sampler_B{b}", {}).get("tok_s")
+      emit("peer_decode", args.record, model=MODEL, batch=b, layout=layout, ours_tok_s=ours,
+           tunix_tok_s=theirs, ratio=(ours / theirs) if theirs else None)
   del params
   ucfg = cfg.replace(param_dtype="float32", remat="dots")
   t_step, t_ref = our_update(ucfg, args.micro_batches)

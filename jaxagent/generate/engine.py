@@ -23,7 +23,7 @@ passes the new params pytree and nothing is copied (colocated mode).
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import flax.struct
 import jax
@@ -42,8 +42,8 @@ RUNNING, STOP_EOS, STOP_BUDGET, STOP_LENGTH = 0, 1, 2, 3
 
 @flax.struct.dataclass
 class DecodeState:
-  k: jax.Array          # [layers, S, KV, Lmax, hd] (head-major: each head's run is contiguous)
-  v: jax.Array
+  k: Any               # [layers, S, KV, Lmax, hd] (head-major: each head's run is contiguous),
+  v: Any               # or a tuple of per-layer [S, KV, Lmax, hd] (`cache_layout="per_layer"`)
   lengths: jax.Array    # [S] tokens whose K/V are cached
   tokens: jax.Array     # [S] pending (last sampled) token
   active: jax.Array     # [S] bool
@@ -107,6 +107,12 @@ class EngineConfig:
   # of `models/decode_attention.py`); "auto" picks "pallas" on GPUs (4-10% faster end to end
   # on an H200, benchmarks/RESULTS.md) and "xla" elsewhere.
   decode_attention: str = "auto"
+  # KV cache buffers: "stacked" (one `[layers, ...]` array per K and V; the layer loop is a
+  # `lax.scan`) or "per_layer" (one buffer per layer; the layer loop is unrolled, and the
+  # Pallas kernel reads each layer's cache in place instead of a sliced copy: a trace of the
+  # stacked layout on an H200 spent half of each decode step copying live K/V,
+  # benchmarks/RESULTS.md).
+  cache_layout: str = "stacked"
 
   def __post_init__(self):
     if not isinstance(self.slots, int) or self.slots <= 0:
@@ -116,6 +122,9 @@ class EngineConfig:
     if self.decode_attention not in ("auto", "xla", "pallas"):
       raise ValueError("EngineConfig.decode_attention must be 'auto', 'xla' or 'pallas', got "
                        f"{self.decode_attention!r}")
+    if self.cache_layout not in ("stacked", "per_layer"):
+      raise ValueError("EngineConfig.cache_layout must be 'stacked' or 'per_layer', got "
+                       f"{self.cache_layout!r}")
 
   @property
   def page(self) -> int:
@@ -164,11 +173,20 @@ class Engine:
     self._jit_update = jax.jit(self._update, donate_argnames=("state",))
 
   # ------------------------------------------------------------------ sharding helpers
+  @property
+  def per_layer(self) -> bool:
+    return self.ecfg.cache_layout == "per_layer"
+
   def _cache_sharding(self):
+    """Sharding of the cache (a tuple of per-layer shardings in the per-layer layout)."""
     if self.mesh is None:
       return None
-    return NamedSharding(self.mesh, shd.kv_cache_spec(self.cfg.n_kv_heads, self.ecfg.slots,
-                                                      self.mesh))
+    spec = shd.kv_cache_spec(self.cfg.n_kv_heads, self.ecfg.slots, self.mesh)
+    if self.per_layer:
+      entries = tuple(spec) + (None,) * (5 - len(spec))
+      one = NamedSharding(self.mesh, P(*entries[1:]))
+      return (one,) * self.cfg.n_layers
+    return NamedSharding(self.mesh, spec)
 
   def _constrain(self, state: DecodeState) -> DecodeState:
     s = self._cache_sharding()
@@ -182,9 +200,13 @@ class Engine:
     c, e = self.cfg, self.ecfg
     shape = (c.n_layers, e.slots, c.n_kv_heads, self.cache_len, c.head_dim)
     s = e.slots
-    z = jnp.zeros(shape, c.jnp_dtype)
+    if self.per_layer:
+      zk = tuple(jnp.zeros(shape[1:], c.jnp_dtype) for _ in range(c.n_layers))
+      zv = tuple(jnp.zeros(shape[1:], c.jnp_dtype) for _ in range(c.n_layers))
+    else:
+      zk = zv = jnp.zeros(shape, c.jnp_dtype)
     zi = jnp.zeros((s,), jnp.int32)
-    return DecodeState(k=z, v=z, lengths=zi, tokens=zi, active=jnp.zeros((s,), bool),
+    return DecodeState(k=zk, v=zv, lengths=zi, tokens=zi, active=jnp.zeros((s,), bool),
                        done=zi, remaining=zi, limit=jnp.full((s,), e.max_len, jnp.int32),
                        request_ids=zi, seeds=jnp.zeros((s,), jnp.uint32))
 
@@ -281,11 +303,18 @@ class Engine:
 
   def _insert(self, prefix: Prefix, state: DecodeState, slots):
     t = prefix.k.shape[2]
-    if t > state.k.shape[3]:
+    if t > self.cache_len:
       raise ValueError("prefix longer than the cache")
-    head_major = lambda x: x.transpose(0, 1, 3, 2, 4).astype(state.k.dtype)
-    k = state.k.at[:, slots, :, :t].set(head_major(prefix.k))
-    v = state.v.at[:, slots, :, :t].set(head_major(prefix.v))
+    dt = self.cfg.jnp_dtype
+    if self.per_layer:
+      put = lambda cache, new: tuple(
+          c.at[slots, :, :t].set(new[l].transpose(0, 2, 1, 3).astype(c.dtype))
+          for l, c in enumerate(cache))
+      k, v = put(state.k, prefix.k), put(state.v, prefix.v)
+    else:
+      head_major = lambda x: x.transpose(0, 1, 3, 2, 4).astype(dt)
+      k = state.k.at[:, slots, :, :t].set(head_major(prefix.k))
+      v = state.v.at[:, slots, :, :t].set(head_major(prefix.v))
     upd = lambda a, b: a.at[slots].set(b.astype(a.dtype))
     return self._constrain(state.replace(
         k=k, v=v, lengths=upd(state.lengths, prefix.lengths),
@@ -350,8 +379,12 @@ class Engine:
   def _append(self, params, state: DecodeState, slots, chunk, chunk_lens, budgets, kv_len):
     # chunk[:, 0] is the slot's pending token; observation tokens follow.
     cache_lens = state.lengths[slots]
-    ck = state.k[:, slots, :, :kv_len]
-    cv = state.v[:, slots, :, :kv_len]
+    if self.per_layer:
+      ck = tuple(c[slots, :, :kv_len] for c in state.k)
+      cv = tuple(c[slots, :, :kv_len] for c in state.v)
+    else:
+      ck = state.k[:, slots, :, :kv_len]
+      cv = state.v[:, slots, :, :kv_len]
     chunk = chunk.at[:, 0].set(state.tokens[slots])
     logits, k_new, v_new = decoder.extend(params, ck, cv, chunk, cache_lens, cfg=self.cfg,
                                           kv_len=kv_len, attn_impl=self._attn)

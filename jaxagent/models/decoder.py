@@ -415,6 +415,9 @@ def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelCo
   n = tokens.shape[1]
   positions = cache_lens[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
+  if isinstance(cache_k, (tuple, list)):
+    return _extend_per_layer(p, params, cache_k, cache_v, tokens, positions, cache_lens, cfg,
+                             kv_len, attn_impl, inv_freq)
   kv_len = cache_k.shape[3] if kv_len is None else kv_len
 
   def body(x, xs):
@@ -430,13 +433,44 @@ def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelCo
   return logits_from_hidden(params, h, cfg), k, v
 
 
+def _extend_per_layer(p, params, cache_k, cache_v, tokens, positions, cache_lens, cfg,
+                      kv_len, attn_impl, inv_freq):
+  """`extend` over a cache held as one `[S, KV, Lmax, hd]` buffer per layer: an unrolled
+  layer loop, so that each layer's attention reads its own buffer where it lies (the Pallas
+  kernel stops at each slot's length; the XLA path reads the first `kv_len` entries)."""
+  kv_len = cache_k[0].shape[2] if kv_len is None else kv_len
+  x = embed(p, tokens, cfg)
+  ks, vs = [], []
+  for layer in range(cfg.n_layers):
+    lp = jax.tree.map(lambda w: w[layer], p["layers"])
+    ck, cv = cache_k[layer], cache_v[layer]
+    if attn_impl != "pallas":
+      ck, cv = ck[:, :, :kv_len], cv[:, :, :kv_len]
+    attend = functools.partial(_cached_attend, ck=ck, cv=cv, cache_lens=cache_lens, cfg=cfg,
+                               impl=attn_impl)
+    x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
+    ks.append(k)
+    vs.append(v)
+  h = rms_norm(x, p["final_norm"], cfg.norm_eps)
+  return logits_from_hidden(params, h, cfg), jnp.stack(ks), jnp.stack(vs)
+
+
+def _cached_attend(q, k, v, *, ck, cv, cache_lens, cfg, impl):
+  return cached_attention(q, k, v, ck, cv, cache_lens, cfg, impl=impl)
+
+
 def write_kv(cache, new, slots, starts):
-  """Scatter new K or V `[layers, S', n, KV, hd]` into `cache` `[layers, S, KV, Lmax, hd]` at
-  (slot, start + i). Writes past the cache end are dropped. Donate `cache` to update in place.
+  """Scatter new K or V `[layers, S', n, KV, hd]` into `cache` `[layers, S, KV, Lmax, hd]` (or
+  a tuple of per-layer `[S, KV, Lmax, hd]` buffers) at (slot, start + i). Writes past the cache
+  end are dropped. Donate `cache` to update in place.
   """
   n = new.shape[2]
   pos = starts[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
   sl = jnp.broadcast_to(slots[:, None], pos.shape)
+  if isinstance(cache, (tuple, list)):
+    # Advanced indices split by a slice put their broadcast dims first: [S', n, KV, hd].
+    return tuple(c.at[sl, :, pos].set(new[layer].astype(c.dtype), mode="drop")
+                 for layer, c in enumerate(cache))
   # Advanced indices split by a slice put their broadcast dims first: [S', n, layers, KV, hd].
   return cache.at[:, sl, :, pos].set(new.transpose(1, 2, 0, 3, 4).astype(cache.dtype),
                                      mode="drop")

@@ -56,8 +56,10 @@ def test_sampler_logprobs_match_training_forward(params, dtype, tol):
     assert gap < 0.1  # bf16 is reported, and must stay sane
 
 
-def test_append_then_decode_equals_prefill_of_history(params):
-  eng = Engine(CFG, EngineConfig(slots=3, max_len=128, sampling=SamplingConfig()))
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+def test_append_then_decode_equals_prefill_of_history(params, layout):
+  eng = Engine(CFG, EngineConfig(slots=3, max_len=128, sampling=SamplingConfig(),
+                                 cache_layout=layout))
   prompt = _prompts(1, seed=2)[0]
   obs = [5, 17, 99, 3, 250, 7, 7]
   state = eng.init_decode_state()
@@ -141,3 +143,40 @@ def test_bad_input_errors(params):
     EngineConfig(slots=0)
   with pytest.raises(ValueError, match="tokenizer"):
     generate(params, CFG, [[1, 2, 3]], 4, stop=["</code>"])
+
+
+def test_cache_layouts_give_the_same_sampled_tokens(params):
+  from jaxagent.generate import run_requests
+  prompts = _prompts(6, seed=8)
+  outs = []
+  for layout in ("stacked", "per_layer"):
+    eng = Engine(CFG, EngineConfig(slots=4, max_len=96, sampling=SamplingConfig(1.0, 0.9),
+                                   cache_layout=layout))
+    state = eng.init_decode_state()
+    assert isinstance(state.k, tuple) == (layout == "per_layer")
+    outs.append(run_requests(eng, params, prompts, max_new_tokens=14,
+                             request_ids=list(range(6)), seed=5))
+  for a, b in zip(*outs):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  with pytest.raises(ValueError, match="cache_layout"):
+    EngineConfig(cache_layout="paged")
+
+
+def test_per_layer_cache_on_a_mesh_matches_single_device(params):
+  from jaxagent import sharding
+  from jaxagent.generate import run_requests
+  prompts = _prompts(5, seed=3)
+  mesh = sharding.make_mesh(2, 2, 2)
+  outs = []
+  for layout, m in (("stacked", None), ("per_layer", mesh)):
+    eng = Engine(CFG, EngineConfig(slots=4, max_len=64, sampling=SamplingConfig(1.0),
+                                   cache_layout=layout), mesh=m)
+    p = params if m is None else sharding.shard(params, m)
+    outs.append(run_requests(eng, p, prompts, max_new_tokens=10, request_ids=list(range(5)),
+                             seed=2))
+  state = eng.init_decode_state()
+  assert len(state.k) == CFG.n_layers and state.k[0].sharding.mesh.shape == mesh.shape
+  for a, b in zip(*outs):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)

@@ -61,11 +61,12 @@ def test_engine_tokens_equal_with_either_decode_attention():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, cfg.vocab_size, rng.integers(3, 30)).tolist() for _ in range(5)]
   outs = []
-  for attention in ("xla", "pallas"):
+  for attention, layout in (("xla", "stacked"), ("pallas", "stacked"), ("pallas", "per_layer")):
     eng = Engine(cfg, EngineConfig(slots=4, max_len=100, sampling=SamplingConfig(1.0),
-                                   decode_attention=attention))
+                                   decode_attention=attention, cache_layout=layout))
     outs.append(run_requests(eng, params, prompts, max_new_tokens=12,
                              request_ids=list(range(5)), seed=3))
-  for a, b in zip(*outs):
-    assert a.tokens == b.tokens
-    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+  for other in outs[1:]:
+    for a, b in zip(outs[0], other):
+      assert a.tokens == b.tokens
+      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
