@@ -195,6 +195,15 @@ def constrain_batch(x):
   return jax.lax.with_sharding_constraint(x, spec)
 
 
+def _batch_shards(rows: int) -> int:
+  """How many ways the ambient mesh splits `rows` rows (1 without a mesh or when uneven)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return 1
+  n = math.prod(mesh.shape[a] for a in _BATCH_AXES if a in mesh.axis_names)
+  return n if rows % n == 0 else 1
+
+
 def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq):
   """One decoder layer. `attend(q, k, v) -> [B, T, H, hd]` supplies the attention pattern."""
   x = constrain_batch(x)
@@ -308,13 +317,15 @@ def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature:
 
   Avoids materialising `[B, L, V]` logits for large vocabularies: each chunk's logits are
   recomputed in the backward pass. A chunk spans `min(chunk, L)` positions of every row, cut
-  further so that it holds at most `max_chunk_tokens` tokens (rows x positions): the float32
-  logits of one chunk are `[B, c, V]`, so many packed rows would otherwise need gigabytes.
+  further so that it holds at most `max_chunk_tokens` tokens (rows per device, under the
+  ambient mesh, x positions): the float32 logits of one chunk are `[B, c, V]`, so many packed
+  rows would otherwise need gigabytes.
   h: [B, L, D]; targets: [B, L] int. Returns `[B, L]` (and entropies `[B, L]` when
   `with_entropy`).
   """
   b, l, d = h.shape
-  c = max(1, min(chunk, l, max_chunk_tokens // max(b, 1)))
+  local_rows = max(1, b // _batch_shards(b))  # rows per device under the ambient mesh
+  c = max(1, min(chunk, l, max_chunk_tokens // local_rows))
   pad = (-l) % c
   if pad:
     h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))

@@ -276,12 +276,22 @@ class Learner:
   def score_fn(self, with_entropy: bool = False):
     """The jitted `sequence_logprobs` behind `score` (built once per `with_entropy`)."""
     if with_entropy not in self._score:
+      def one(p, b):
+        return sequence_logprobs(p, b, cfg=self.cfg, temperature=self.scfg.temperature,
+                                 chunk=self.scfg.logprob_chunk,
+                                 chunk_tokens=self.scfg.logprob_chunk_tokens,
+                                 with_entropy=with_entropy)
+
       def fn(p, b):
+        # Rows in the update's micro-batches: the same activation memory as an update step.
+        m = self.scfg.micro_batches
+        rows = b["tokens"].shape[0]
         with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-          return sequence_logprobs(p, b, cfg=self.cfg, temperature=self.scfg.temperature,
-                                   chunk=self.scfg.logprob_chunk,
-                                   chunk_tokens=self.scfg.logprob_chunk_tokens,
-                                   with_entropy=with_entropy)
+          if m == 1 or rows % m:
+            return one(p, b)
+          lp, ent = jax.lax.map(lambda mb: one(p, mb), split_micro_batches(b, m))
+          merge = lambda x: x.swapaxes(0, 1).reshape(rows, *x.shape[2:])
+          return merge(lp), merge(ent)
       self._score[with_entropy] = jax.jit(fn, out_shardings=(self.batch_sharding(),) * 2)
     return self._score[with_entropy]
 

@@ -169,3 +169,18 @@ def test_nonfinite_step_raises_with_step_and_metric(params):
   st, m = skip.train_step(st, host)
   assert m["nonfinite"] == 1.0
   np.testing.assert_array_equal(np.asarray(models.unbox(st.params)["embed"]), before)
+
+
+def test_score_in_micro_batches_equals_one_pass():
+  cfg = models.get_config("tiny-llama")
+  params = models.init_params(cfg, jax.random.key(0), std=0.2)
+  rng = np.random.default_rng(0)
+  batch = {"tokens": rng.integers(0, cfg.vocab_size, (8, 24)).astype(np.int32),
+           "segment_ids": np.ones((8, 24), np.int32),
+           "positions": np.tile(np.arange(24, dtype=np.int32), (8, 1))}
+  outs = []
+  for m in (1, 4):
+    learner = step.Learner(cfg, step.StepConfig(micro_batches=m), step.make_optimizer(1e-3))
+    outs.append(learner.score(params, batch, with_entropy=True))
+  for a, b in zip(*outs):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
