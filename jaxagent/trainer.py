@@ -50,6 +50,7 @@ from jaxagent.agent.trajectory import Trajectory, demonstration_trajectory
 from jaxagent.envs import make_env
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.metrics import MetricsWriter
+from jaxagent.models import decoder
 from jaxagent.rewards import mean_metrics
 from jaxagent.rl import advantages as adv_lib
 from jaxagent.rl import losses, packing, step as step_lib
@@ -250,6 +251,7 @@ class Trainer:
                                               say=self.writer.message)
                  if self.ckpt_cfg.enabled else None)
     self.warm_started = False
+    self._cast = None  # jitted `compute_copy` for the generator (built on first use)
     self._resumed: int | None = None
     self._restore_done = False
     self._stop_reason: str | None = None
@@ -318,10 +320,17 @@ class Trainer:
 
   # --------------------------------------------------------------------------- RL
   def _generator_params(self):
-    """The current params as the rollout engines take them (None off process 0 on multi-host)."""
+    """The current params as the rollout engines take them (None off process 0 on multi-host):
+    with float32 masters and a lower compute dtype, a copy in the compute dtype made once per
+    call (`models.decoder.compute_copy`: bitwise the same logits, half the bytes per decode
+    step); otherwise the same buffers."""
     if self.gen_mesh is self.mesh:
-      return self.state.params  # colocated: the same buffers, no copy
-    host = _to_host(self.state.params)
+      if self.cfg.jnp_param_dtype == self.cfg.jnp_dtype:
+        return self.state.params  # colocated: the same buffers, no copy
+      if self._cast is None:
+        self._cast = jax.jit(lambda p: decoder.compute_copy(p, self.cfg))
+      return self._cast(self.state.params)
+    host = decoder.compute_copy(_to_host(self.state.params), self.cfg)
     return sharding.shard(host, self.gen_mesh) if jax.process_index() == 0 else None
 
   @staticmethod

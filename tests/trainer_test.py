@@ -6,6 +6,7 @@ metrics make sense, and paste them into GOLDEN.
 """
 import json
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -89,3 +90,16 @@ def test_bad_chat_jsonl_names_the_line(tmp_path):
   (item,) = sft_items_from_chat_jsonl(path, tok)
   text = tok.decode(item.tokens[item.loss_mask > 0])
   assert "<answer>4</answer>" in text and "2+2?" not in text
+
+
+def test_generator_gets_compute_dtype_weights_with_the_same_logits(tmp_path):
+  from jaxagent import models
+  tr = Trainer(_tiny(tmp_path, **{"model.dtype": "bfloat16"}))
+  gen = tr._generator_params()
+  layers = models.unbox(gen)["layers"]
+  assert layers["wq"].dtype == jnp.bfloat16 and layers["attn_norm"].dtype == jnp.float32
+  assert models.unbox(tr.state.params)["layers"]["wq"].dtype == jnp.float32  # masters intact
+  tokens = jnp.arange(24, dtype=jnp.int32).reshape(2, 12)
+  np.testing.assert_array_equal(np.asarray(models.forward(gen, tokens, cfg=tr.cfg)),
+                                np.asarray(models.forward(tr.state.params, tokens, cfg=tr.cfg)))
+  tr.close()
