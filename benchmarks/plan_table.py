@@ -5,7 +5,7 @@
 Each row runs `python -m jaxagent.plan` (in its own process, so one row's compile memory is
 freed before the next) on `configs/math_tool.py:qwen` (256 slots x 2048 tokens, 256 update
 rows in 16 micro-batches at 2048 / 4096 tokens) with the model and mesh of the row, and prints
-a markdown table: model, topology, mesh (data x fsdp x tensor), the verdict, peak HBM per chip,
+a markdown table (appends of `--append_len` tokens into all slots at once): model, topology, mesh (data x fsdp x tensor), the verdict, peak HBM per chip,
 the estimated update step (longest bucket) and decode step, and the first knob when it does not
 fit. A row is `model:topology:data,fsdp,tensor`. Results also go to `--out` (JSON lines), so a
 partial run keeps what finished.
@@ -32,7 +32,7 @@ DEFAULT_ROWS = (
 )
 
 
-def run_row(row: str, timeout: float) -> dict:
+def run_row(row: str, timeout: float, extra: list[str]) -> dict:
   model, gen, topo, mesh = row.split(":")
   data, fsdp, tensor = mesh.split(",")
   with tempfile.TemporaryDirectory() as tmp:
@@ -40,7 +40,7 @@ def run_row(row: str, timeout: float) -> dict:
     cmd = [sys.executable, "-m", "jaxagent.plan", "--config=configs/math_tool.py:qwen",
            f"--config.model.path={model}", f"--topology={gen}:{topo}",
            f"--config.mesh.data={data}", f"--config.mesh.fsdp={fsdp}",
-           f"--config.mesh.tensor={tensor}", f"--json={out}"]
+           f"--config.mesh.tensor={tensor}", f"--json={out}", *extra]
     t0 = time.time()
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     try:
@@ -75,10 +75,12 @@ def main():
   ap.add_argument("--rows", nargs="*", default=list(DEFAULT_ROWS))
   ap.add_argument("--timeout", type=float, default=1200)
   ap.add_argument("--out", default="")
+  ap.add_argument("--append_len", type=int, default=64,
+                  help="tokens appended into every slot at once (the planner's worst case)")
   args = ap.parse_args()
   results = []
   for row in args.rows:
-    r = run_row(row, args.timeout)
+    r = run_row(row, args.timeout, [f"--append_len={args.append_len}"])
     results.append(r)
     print(f"{row}: fits={r.get('fits')} in {r.get('plan_s', 0):.0f} s", flush=True)
     if args.out:

@@ -23,6 +23,7 @@ passes the new params pytree and nothing is copied (colocated mode).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Sequence
 
 import flax.struct
@@ -164,15 +165,28 @@ class Engine:
     page = -(-self.ecfg.page // m) * m
     self.kv_buckets = tuple(sorted({min(self.cache_len, page * i)
                                     for i in range(1, -(-self.cache_len // page) + 1)}))
-    self._jit_generate = jax.jit(self._generate, static_argnames=("steps", "kv_len"),
-                                 donate_argnames=("state",))
-    self._jit_prefill = jax.jit(self._prefill)
+    self._jit_generate = jax.jit(self._on_mesh(self._generate),
+                                 static_argnames=("steps", "kv_len"), donate_argnames=("state",))
+    self._jit_prefill = jax.jit(self._on_mesh(self._prefill))
     self._jit_insert = jax.jit(self._insert, donate_argnames=("state",))
-    self._jit_append = jax.jit(self._append, static_argnames=("kv_len",),
+    self._jit_append = jax.jit(self._on_mesh(self._append), static_argnames=("kv_len",),
                                donate_argnames=("state",))
     self._jit_update = jax.jit(self._update, donate_argnames=("state",))
 
   # ------------------------------------------------------------------ sharding helpers
+  def _on_mesh(self, fn):
+    """`fn` traced under the engine's mesh, so that the decoder keeps its activations split by
+    rows (prompts, slots) over the batch axes (`models.decoder.constrain_batch`) instead of
+    computing every row on every device."""
+    if self.mesh is None:
+      return fn
+
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+      with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
+        return fn(*args, **kwargs)
+    return wrapped
+
   @property
   def per_layer(self) -> bool:
     return self.ecfg.cache_layout == "per_layer"
@@ -187,6 +201,19 @@ class Engine:
       one = NamedSharding(self.mesh, P(*entries[1:]))
       return (one,) * self.cfg.n_layers
     return NamedSharding(self.mesh, spec)
+
+  def _rows_split(self, cache):
+    """Gathered cache rows split over the batch axes like the cache itself (a gather by slot
+    ids would otherwise come out whole on every device)."""
+    if self.mesh is None:
+      return cache
+    rows = (cache[0] if self.per_layer else cache).shape[1 if not self.per_layer else 0]
+    spec = tuple(shd.kv_cache_spec(self.cfg.n_kv_heads, rows, self.mesh))
+    spec = spec + (None,) * (5 - len(spec))
+    if self.per_layer:
+      one = NamedSharding(self.mesh, P(*spec[1:]))
+      return tuple(jax.lax.with_sharding_constraint(c, one) for c in cache)
+    return jax.lax.with_sharding_constraint(cache, NamedSharding(self.mesh, P(*spec)))
 
   def _constrain(self, state: DecodeState) -> DecodeState:
     s = self._cache_sharding()
@@ -385,6 +412,7 @@ class Engine:
     else:
       ck = state.k[:, slots, :, :kv_len]
       cv = state.v[:, slots, :, :kv_len]
+    ck, cv = self._rows_split(ck), self._rows_split(cv)
     chunk = chunk.at[:, 0].set(state.tokens[slots])
     logits, k_new, v_new = decoder.extend(params, ck, cv, chunk, cache_lens, cfg=self.cfg,
                                           kv_len=kv_len, attn_impl=self._attn)
