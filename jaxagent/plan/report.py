@@ -233,6 +233,10 @@ def knobs(report: PlanReport, config, cfg: ModelConfig) -> list[str]:
         if mesh["tensor"] < cfg.n_kv_heads and cfg.n_kv_heads % (mesh["tensor"] * 2) == 0:
           say(f"mesh.tensor={mesh['tensor'] * 2} shards the KV cache's {cfg.n_kv_heads} heads "
               f"further")
+      if p.kind == "append":
+        say(f"append: rollout.slots (now {s.slots}) or rollout.max_len (now {s.max_len}); "
+            f"planned with all {s.append_batch} slots appending {s.append_len} tokens at once, "
+            f"its temporaries grow with the cache it gathers for the appended slots")
       if p.kind == "prefill":
         say(f"prefill fewer or shorter prompts: rollout.slots (now {s.slots}); prompts are "
             f"planned at {s.prefill_len} tokens (PlanOptions.prompt_len)")
