@@ -191,29 +191,28 @@ class Engine:
   def per_layer(self) -> bool:
     return self.ecfg.cache_layout == "per_layer"
 
+  def _kv_sharding(self, rows: int):
+    """Sharding of a `[layers, rows, KV, len, hd]` cache (per-layer: of each `[rows, ...]`
+    buffer): rows over the batch axes, heads over tensor, where they divide."""
+    spec = tuple(shd.kv_cache_spec(self.cfg.n_kv_heads, rows, self.mesh))
+    spec = spec + (None,) * (5 - len(spec))
+    return NamedSharding(self.mesh, P(*(spec[1:] if self.per_layer else spec)))
+
   def _cache_sharding(self):
     """Sharding of the cache (a tuple of per-layer shardings in the per-layer layout)."""
     if self.mesh is None:
       return None
-    spec = shd.kv_cache_spec(self.cfg.n_kv_heads, self.ecfg.slots, self.mesh)
-    if self.per_layer:
-      entries = tuple(spec) + (None,) * (5 - len(spec))
-      one = NamedSharding(self.mesh, P(*entries[1:]))
-      return (one,) * self.cfg.n_layers
-    return NamedSharding(self.mesh, spec)
+    one = self._kv_sharding(self.ecfg.slots)
+    return (one,) * self.cfg.n_layers if self.per_layer else one
 
   def _rows_split(self, cache):
-    """Gathered cache rows split over the batch axes like the cache itself (a gather by slot
-    ids would otherwise come out whole on every device)."""
+    """Cache rows gathered for some slots, split over the devices like the cache itself."""
     if self.mesh is None:
       return cache
-    rows = (cache[0] if self.per_layer else cache).shape[1 if not self.per_layer else 0]
-    spec = tuple(shd.kv_cache_spec(self.cfg.n_kv_heads, rows, self.mesh))
-    spec = spec + (None,) * (5 - len(spec))
     if self.per_layer:
-      one = NamedSharding(self.mesh, P(*spec[1:]))
+      one = self._kv_sharding(cache[0].shape[0])
       return tuple(jax.lax.with_sharding_constraint(c, one) for c in cache)
-    return jax.lax.with_sharding_constraint(cache, NamedSharding(self.mesh, P(*spec)))
+    return jax.lax.with_sharding_constraint(cache, self._kv_sharding(cache.shape[1]))
 
   def _constrain(self, state: DecodeState) -> DecodeState:
     s = self._cache_sharding()
