@@ -205,15 +205,6 @@ class Engine:
     one = self._kv_sharding(self.ecfg.slots)
     return (one,) * self.cfg.n_layers if self.per_layer else one
 
-  def _rows_split(self, cache):
-    """Cache rows gathered for some slots, split over the devices like the cache itself."""
-    if self.mesh is None:
-      return cache
-    if self.per_layer:
-      one = self._kv_sharding(cache[0].shape[0])
-      return tuple(jax.lax.with_sharding_constraint(c, one) for c in cache)
-    return jax.lax.with_sharding_constraint(cache, self._kv_sharding(cache.shape[1]))
-
   def _constrain(self, state: DecodeState) -> DecodeState:
     s = self._cache_sharding()
     if s is None:
@@ -405,16 +396,11 @@ class Engine:
   def _append(self, params, state: DecodeState, slots, chunk, chunk_lens, budgets, kv_len):
     # chunk[:, 0] is the slot's pending token; observation tokens follow.
     cache_lens = state.lengths[slots]
-    if self.per_layer:
-      ck = tuple(c[slots, :, :kv_len] for c in state.k)
-      cv = tuple(c[slots, :, :kv_len] for c in state.v)
-    else:
-      ck = state.k[:, slots, :, :kv_len]
-      cv = state.v[:, slots, :, :kv_len]
-    ck, cv = self._rows_split(ck), self._rows_split(cv)
     chunk = chunk.at[:, 0].set(state.tokens[slots])
-    logits, k_new, v_new = decoder.extend(params, ck, cv, chunk, cache_lens, cfg=self.cfg,
-                                          kv_len=kv_len, attn_impl=self._attn)
+    # The appended slots' cache rows are gathered one layer at a time inside `extend`.
+    logits, k_new, v_new = decoder.extend(params, state.k, state.v, chunk, cache_lens,
+                                          cfg=self.cfg, kv_len=kv_len, attn_impl=self._attn,
+                                          rows=slots)
     k = decoder.write_kv(state.k, k_new, slots, cache_lens)
     v = decoder.write_kv(state.v, v_new, slots, cache_lens)
     last = jnp.take_along_axis(logits, (chunk_lens - 1)[:, None, None], axis=1)[:, 0]

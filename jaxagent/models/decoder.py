@@ -435,14 +435,17 @@ def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelCo
 
 
 def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelConfig,
-           kv_len: int | None = None, unroll: int | bool = 1, attn_impl: str = "xla"):
+           kv_len: int | None = None, unroll: int | bool = 1, attn_impl: str = "xla",
+           rows=None):
   """Process new tokens for cache slots without touching the cache.
 
   tokens: [S, n] (n = 1 for a decode step); cache_lens: [S] tokens already cached per slot
   (the new tokens get positions cache_lens .. cache_lens + n - 1). cache_k, cache_v:
   [layers, S, KV, Lmax, hd]; only the first `kv_len` (static, >= max cache_lens) entries are
-  read. Returns (logits [S, n, V], new K [layers, S, n, KV, hd], new V); write the new K/V
-  with `write_kv`. `unroll` is `lax.scan`'s over layers (measured on an H200: unrolling makes
+  read. `rows` ([S'] ints, optional): the new tokens belong to these cache rows (tokens and
+  cache_lens are then [S', ...]); each layer gathers its rows inside the layer loop. Returns
+  (logits [S', n, V], new K [layers, S', n, KV, hd], new V); write the new K/V with
+  `write_kv`. `unroll` is `lax.scan`'s over layers (measured on an H200: unrolling makes
   a single step faster but a multi-step decode loop much slower, so the engine keeps it rolled).
   """
   p = unbox(params)
@@ -452,11 +455,12 @@ def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelCo
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   if isinstance(cache_k, (tuple, list)):
     return _extend_per_layer(p, params, cache_k, cache_v, tokens, positions, cache_lens, cfg,
-                             kv_len, attn_impl, inv_freq)
+                             kv_len, attn_impl, inv_freq, rows)
   kv_len = cache_k.shape[3] if kv_len is None else kv_len
 
   def body(x, xs):
     lp, ck, cv = xs
+    ck, cv = _cache_rows(ck, rows), _cache_rows(cv, rows)
     attend = lambda q, k, v: cached_attention(q, k, v, ck[:, :, :kv_len], cv[:, :, :kv_len],
                                               cache_lens, cfg, impl=attn_impl)
     x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
@@ -468,8 +472,14 @@ def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelCo
   return logits_from_hidden(params, h, cfg), k, v
 
 
+def _cache_rows(cache, rows):
+  """One layer's cache `[S, KV, L, hd]` restricted to `rows` (all when None), gathered inside
+  the layer loop so that only one layer's rows are ever copied, split over the batch axes."""
+  return cache if rows is None else constrain_batch(cache[rows])
+
+
 def _extend_per_layer(p, params, cache_k, cache_v, tokens, positions, cache_lens, cfg,
-                      kv_len, attn_impl, inv_freq):
+                      kv_len, attn_impl, inv_freq, rows=None):
   """`extend` over a cache held as one `[S, KV, Lmax, hd]` buffer per layer: an unrolled
   layer loop, so that each layer's attention reads its own buffer where it lies (the Pallas
   kernel stops at each slot's length; the XLA path reads the first `kv_len` entries)."""
@@ -479,8 +489,9 @@ def _extend_per_layer(p, params, cache_k, cache_v, tokens, positions, cache_lens
   for layer in range(cfg.n_layers):
     lp = jax.tree.map(lambda w: w[layer], p["layers"])
     ck, cv = cache_k[layer], cache_v[layer]
-    if attn_impl != "pallas":
-      ck, cv = ck[:, :, :kv_len], cv[:, :, :kv_len]
+    if rows is not None or attn_impl != "pallas":  # a copy anyway: of the live prefix only
+      ck = _cache_rows(ck, rows)[:, :, :kv_len]
+      cv = _cache_rows(cv, rows)[:, :, :kv_len]
     attend = functools.partial(_cached_attend, ck=ck, cv=cv, cache_lens=cache_lens, cfg=cfg,
                                impl=attn_impl)
     x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
