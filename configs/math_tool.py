@@ -25,35 +25,37 @@ Expected:
   gpu / qwen (not measured): the same curve with more steps and samples; a Qwen2.5-1.5B-Instruct
     start should use the interpreter after SFT and reach a clearly higher pass@1.
 """
+import importlib.util
+import pathlib
+
 import ml_collections
 
 
+def _quickstart_config() -> ml_collections.ConfigDict:
+  """`configs/quickstart.py`'s default config, loaded from beside this file."""
+  path = pathlib.Path(__file__).with_name("quickstart.py")
+  spec = importlib.util.spec_from_file_location("jaxagent_quickstart_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
+  # Model, mesh, loss, optimizer, logging and checkpoints as in the quickstart.
+  c = _quickstart_config()
   c.workdir = "runs/math_tool"
-  c.seed = 0
   c.total_steps = 8
 
-  c.model = ml_collections.ConfigDict(dict(
-      path="smollm2-135m-instruct", tokenizer="", param_dtype="float32", dtype="float32",
-      remat="full", init_std=0.02, init_seed=0))  # 4x less update memory
   c.env = ml_collections.ConfigDict(dict(name="math_tool", kwargs=dict(
       sources=("gsm_symbolic",), eval_sources=("gsm_symbolic",), train_size=2000,
       eval_size=100, sft_size=256, max_output_chars=256, code_timeout_s=5.0,
       code_memory_mb=1024, format_weight=0.0, tool_weight=0.0, shaping_steps=0,
       shaping_start=0.0, seed=0)))
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 
   c.rollout = ml_collections.ConfigDict(dict(
       slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0, max_turns=4,
       max_tokens_per_turn=96, max_total_tokens=None, tool_timeout_s=10.0,
       traj_tool_timeout_s=30.0, decode_steps=8))
-  c.loss = ml_collections.ConfigDict(dict(
-      algo="grpo", agg="token_mean", clip_low=0.2, clip_high=0.28, dual_clip=None,
-      kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, max_len_norm=None))
-  c.optimizer = ml_collections.ConfigDict(dict(
-      lr=1e-5, weight_decay=0.0, b1=0.9, b2=0.99, max_grad_norm=1.0, warmup_steps=0,
-      schedule="constant"))
   c.train = ml_collections.ConfigDict(dict(
       prompts_per_step=8, samples_per_prompt=4, micro_batches=4, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
@@ -61,14 +63,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sft = ml_collections.ConfigDict(dict(
       steps=16, batch_size=16, lr=3e-5, num_examples=256, data="", warmup_steps=0))
   c.eval = ml_collections.ConfigDict(dict(size=100, every=0, pass_k=0, before=True))
-  c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True, dump_every=2,
-                                         dump_count=4))
-  c.checkpoint_every = 0       # save every N RL steps (0: off); rerunning resumes
-  c.checkpoint_keep = 3        # keep the newest N checkpoints
-  c.checkpoint_keep_every = 0  # and every K-th step (0: none)
-  c.checkpoint_async = True
-  c.checkpoint_dir = ""        # "" -> <workdir>/checkpoints; shared storage for multi-host
-  c.export = False             # write <workdir>/export (HF safetensors) at the end
+  c.log.dump_every = 2
 
   if arg == "tiny":
     c.workdir = "runs/math_tool-tiny"

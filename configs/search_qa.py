@@ -30,36 +30,38 @@ Expected:
   gpu / qwen (not measured): Search-R1's picture on a world no model knows: EM rises with RL,
     fastest on 1-2 hops; with mask_observations=False training should be less stable.
 """
+import importlib.util
+import pathlib
+
 import ml_collections
 
 
+def _quickstart_config() -> ml_collections.ConfigDict:
+  """`configs/quickstart.py`'s default config, loaded from beside this file."""
+  path = pathlib.Path(__file__).with_name("quickstart.py")
+  spec = importlib.util.spec_from_file_location("jaxagent_quickstart_config", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config()
+
+
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
-  c = ml_collections.ConfigDict()
+  # Model, mesh, loss, optimizer, logging and checkpoints as in the quickstart.
+  c = _quickstart_config()
   c.workdir = "runs/search_qa"
-  c.seed = 0
   c.total_steps = 8
 
-  c.model = ml_collections.ConfigDict(dict(
-      path="smollm2-135m-instruct", tokenizer="", param_dtype="float32", dtype="float32",
-      remat="full", init_std=0.02, init_seed=0))  # 4x less update memory
   c.env = ml_collections.ConfigDict(dict(name="search_qa", kwargs=dict(
       kb_seed=0, num_countries=8, num_cities=40, num_universities=20, num_people=240,
       num_companies=160, min_hops=1, max_hops=3, distractors=1, train_size=2000,
       eval_size=100, sft_size=256, data_dir="", top_k=3, max_passage_chars=200,
       mask_observations=True, outcome="exact_match", format_weight=0.0,
       retrieval_weight=0.0, shaping_steps=0, shaping_start=0.0)))
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 
   c.rollout = ml_collections.ConfigDict(dict(
       slots=64, max_len=1024, temperature=1.0, top_p=1.0, top_k=0, max_turns=4,
       max_tokens_per_turn=64, max_total_tokens=None, tool_timeout_s=10.0,
       traj_tool_timeout_s=30.0, decode_steps=8))
-  c.loss = ml_collections.ConfigDict(dict(
-      algo="grpo", agg="token_mean", clip_low=0.2, clip_high=0.28, dual_clip=None,
-      kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, max_len_norm=None))
-  c.optimizer = ml_collections.ConfigDict(dict(
-      lr=1e-5, weight_decay=0.0, b1=0.9, b2=0.99, max_grad_norm=1.0, warmup_steps=0,
-      schedule="constant"))
   c.train = ml_collections.ConfigDict(dict(
       prompts_per_step=8, samples_per_prompt=4, micro_batches=8, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
@@ -67,14 +69,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.sft = ml_collections.ConfigDict(dict(
       steps=16, batch_size=8, lr=3e-5, num_examples=256, data="", warmup_steps=0))
   c.eval = ml_collections.ConfigDict(dict(size=100, every=0, pass_k=0, before=True))
-  c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True, dump_every=2,
-                                         dump_count=4))
-  c.checkpoint_every = 0       # save every N RL steps (0: off); rerunning resumes
-  c.checkpoint_keep = 3        # keep the newest N checkpoints
-  c.checkpoint_keep_every = 0  # and every K-th step (0: none)
-  c.checkpoint_async = True
-  c.checkpoint_dir = ""        # "" -> <workdir>/checkpoints; shared storage for multi-host
-  c.export = False             # write <workdir>/export (HF safetensors) at the end
+  c.log.dump_every = 2
 
   if arg == "tiny":
     c.workdir = "runs/search_qa-tiny"
