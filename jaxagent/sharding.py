@@ -9,6 +9,7 @@ every mesh without hand edits.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -81,6 +82,20 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
   except Exception:  # non-TPU topologies or odd counts: plain row-major order
     arr = np.asarray(devices, dtype=object).reshape(shape)
   return Mesh(arr, MESH_AXES)
+
+
+def on_mesh(fn, mesh: Mesh | None):
+  """`fn` traced under `mesh` (`jax.sharding.use_abstract_mesh`), so that the decoder keeps
+  activations split by rows over the batch axes (`models.decoder.constrain_batch`) instead of
+  computing every row on every device. `fn` itself when `mesh` is None."""
+  if mesh is None:
+    return fn
+
+  @functools.wraps(fn)
+  def wrapped(*args, **kwargs):
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return fn(*args, **kwargs)
+  return wrapped
 
 
 def _axis_size(mesh: Mesh, axes) -> int:

@@ -23,7 +23,6 @@ passes the new params pytree and nothing is copied (colocated mode).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Sequence
 
 import flax.struct
@@ -165,28 +164,16 @@ class Engine:
     page = -(-self.ecfg.page // m) * m
     self.kv_buckets = tuple(sorted({min(self.cache_len, page * i)
                                     for i in range(1, -(-self.cache_len // page) + 1)}))
-    self._jit_generate = jax.jit(self._on_mesh(self._generate),
-                                 static_argnames=("steps", "kv_len"), donate_argnames=("state",))
-    self._jit_prefill = jax.jit(self._on_mesh(self._prefill))
+    on_mesh = lambda fn: shd.on_mesh(fn, mesh)
+    self._jit_generate = jax.jit(on_mesh(self._generate), static_argnames=("steps", "kv_len"),
+                                 donate_argnames=("state",))
+    self._jit_prefill = jax.jit(on_mesh(self._prefill))
     self._jit_insert = jax.jit(self._insert, donate_argnames=("state",))
-    self._jit_append = jax.jit(self._on_mesh(self._append), static_argnames=("kv_len",),
+    self._jit_append = jax.jit(on_mesh(self._append), static_argnames=("kv_len",),
                                donate_argnames=("state",))
     self._jit_update = jax.jit(self._update, donate_argnames=("state",))
 
   # ------------------------------------------------------------------ sharding helpers
-  def _on_mesh(self, fn):
-    """`fn` traced under the engine's mesh, so that the decoder keeps its activations split by
-    rows (prompts, slots) over the batch axes (`models.decoder.constrain_batch`) instead of
-    computing every row on every device."""
-    if self.mesh is None:
-      return fn
-
-    @functools.wraps(fn)
-    def wrapped(*args, **kwargs):
-      with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-        return fn(*args, **kwargs)
-    return wrapped
-
   @property
   def per_layer(self) -> bool:
     return self.ecfg.cache_layout == "per_layer"
@@ -322,14 +309,13 @@ class Engine:
     t = prefix.k.shape[2]
     if t > self.cache_len:
       raise ValueError("prefix longer than the cache")
-    dt = self.cfg.jnp_dtype
     if self.per_layer:
       put = lambda cache, new: tuple(
           c.at[slots, :, :t].set(new[l].transpose(0, 2, 1, 3).astype(c.dtype))
           for l, c in enumerate(cache))
       k, v = put(state.k, prefix.k), put(state.v, prefix.v)
     else:
-      head_major = lambda x: x.transpose(0, 1, 3, 2, 4).astype(dt)
+      head_major = lambda x: x.transpose(0, 1, 3, 2, 4).astype(state.k.dtype)
       k = state.k.at[:, slots, :, :t].set(head_major(prefix.k))
       v = state.v.at[:, slots, :, :t].set(head_major(prefix.v))
     upd = lambda a, b: a.at[slots].set(b.astype(a.dtype))

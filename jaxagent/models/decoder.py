@@ -199,33 +199,30 @@ def _mlp(h, lp, cfg: ModelConfig):
 _BATCH_AXES = ("data", "fsdp")
 
 
+def _batch_split() -> tuple[tuple[str, ...], int]:
+  """The ambient mesh's batch axes with more than one device, and how many ways they split
+  rows (`((), 1)` without a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return (), 1
+  axes = tuple(a for a in _BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+  return axes, math.prod(mesh.shape[a] for a in axes)
+
+
 def constrain_batch(x):
   """Keep `x` split by rows over the batch axes ("data", "fsdp") of the ambient mesh.
 
-  A no-op unless a mesh is set (`jax.sharding.use_abstract_mesh`, as `rl.step.Learner` does)
-  and the rows divide evenly. Without it, XLA's sharding propagation may follow the
-  fsdp-sharded weights into the residual stream and keep activations of the whole batch on
-  every chip (the planner measured 21.1 GiB -> 4.7 GiB per chip for a 0.5B update on
-  v5e-16 with fsdp=16).
+  A no-op unless a mesh is set (`jax.sharding.use_abstract_mesh`; `sharding.on_mesh` sets it
+  for the learner's and the engine's programs) and the rows divide evenly. Without it, XLA's
+  sharding propagation may follow the fsdp-sharded weights into the residual stream and keep
+  activations of the whole batch on every chip (the planner: qwen2.5-0.5b update of
+  `configs/math_tool.py:qwen` on v5e:4x4 with fsdp=16, 6.68 -> 3.04 GiB per chip).
   """
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return x
-  axes = tuple(a for a in _BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
-  n = math.prod(mesh.shape[a] for a in axes)
+  axes, n = _batch_split()
   if not axes or x.shape[0] % n:
     return x
   spec = jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1)))
   return jax.lax.with_sharding_constraint(x, spec)
-
-
-def _batch_shards(rows: int) -> int:
-  """How many ways the ambient mesh splits `rows` rows (1 without a mesh or when uneven)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return 1
-  n = math.prod(mesh.shape[a] for a in _BATCH_AXES if a in mesh.axis_names)
-  return n if rows % n == 0 else 1
 
 
 def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq):
@@ -348,7 +345,8 @@ def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature:
   `with_entropy`).
   """
   b, l, d = h.shape
-  local_rows = max(1, b // _batch_shards(b))  # rows per device under the ambient mesh
+  n = _batch_split()[1]
+  local_rows = max(1, b // n if b % n == 0 else b)  # rows per device under the ambient mesh
   c = max(1, min(chunk, l, max_chunk_tokens // local_rows))
   pad = (-l) % c
   if pad:
@@ -492,17 +490,13 @@ def _extend_per_layer(p, params, cache_k, cache_v, tokens, positions, cache_lens
     if rows is not None or attn_impl != "pallas":  # a copy anyway: of the live prefix only
       ck = _cache_rows(ck, rows)[:, :, :kv_len]
       cv = _cache_rows(cv, rows)[:, :, :kv_len]
-    attend = functools.partial(_cached_attend, ck=ck, cv=cv, cache_lens=cache_lens, cfg=cfg,
-                               impl=attn_impl)
+    attend = lambda q, k, v, ck=ck, cv=cv: cached_attention(q, k, v, ck, cv, cache_lens, cfg,
+                                                             impl=attn_impl)
     x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
     ks.append(k)
     vs.append(v)
   h = rms_norm(x, p["final_norm"], cfg.norm_eps)
   return logits_from_hidden(params, h, cfg), jnp.stack(ks), jnp.stack(vs)
-
-
-def _cached_attend(q, k, v, *, ck, cv, cache_lens, cfg, impl):
-  return cached_attention(q, k, v, ck, cv, cache_lens, cfg, impl=impl)
 
 
 def write_kv(cache, new, slots, starts):

@@ -253,10 +253,9 @@ class Learner:
     `jax.ShapeDtypeStruct`s), built once; `jaxagent.plan` lowers it ahead of time."""
     if self._train is None:
       ss = self.state_shardings(state)
-      def fn(s, b):
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-          return train_step(s, b, cfg=self.cfg, scfg=self.scfg, optimizer=self.optimizer)
-      self._train = jax.jit(fn, in_shardings=(ss, self.batch_sharding()),
+      fn = lambda s, b: train_step(s, b, cfg=self.cfg, scfg=self.scfg,
+                                   optimizer=self.optimizer)
+      self._train = jax.jit(shd.on_mesh(fn, self.mesh), in_shardings=(ss, self.batch_sharding()),
                             out_shardings=(ss, NamedSharding(self.mesh, P())),
                             donate_argnums=(0,))
     return self._train
@@ -286,13 +285,12 @@ class Learner:
         # Rows in the update's micro-batches: the same activation memory as an update step.
         m = self.scfg.micro_batches
         rows = b["tokens"].shape[0]
-        with jax.sharding.use_abstract_mesh(self.mesh.abstract_mesh):
-          if m == 1 or rows % m:
-            return one(p, b)
-          lp, ent = jax.lax.map(lambda mb: one(p, mb), split_micro_batches(b, m))
-          merge = lambda x: x.swapaxes(0, 1).reshape(rows, *x.shape[2:])
-          return merge(lp), merge(ent)
-      self._score[with_entropy] = jax.jit(fn, out_shardings=(self.batch_sharding(),) * 2)
+        if m == 1 or rows % m:
+          return one(p, b)
+        lp, ent = jax.lax.map(lambda mb: one(p, mb), split_micro_batches(b, m))
+        merge = lambda x: x.swapaxes(0, 1).reshape(rows, *x.shape[2:])
+        return merge(lp), merge(ent)
+      self._score[with_entropy] = jax.jit(shd.on_mesh(fn, self.mesh), out_shardings=(self.batch_sharding(),) * 2)
     return self._score[with_entropy]
 
   def score(self, params, batch, with_entropy: bool = False):
