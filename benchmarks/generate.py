@@ -5,6 +5,14 @@
 Random-init bf16 weights; `--prompt-len` random prompt tokens per slot, then `--new-tokens`
 decode steps for every slot (no EOS). The roofline is the bytes one decode step must read,
 weights plus the live K/V of every slot, over the HBM bandwidth, averaged over the run.
+
+A sweep over cache layouts, attention paths and the Pallas kernel's launch settings:
+
+    python benchmarks/generate.py --models qwen3-0.6b --batches 256 \
+        --variants "stacked/auto/;per_layer/auto/;per_layer/pallas/block_k=128,num_warps=8"
+
+each variant `layout/attention/kernel` (kernel: `JAXAGENT_DECODE_KERNEL` settings, see
+`jaxagent/models/decode_attention.py`).
 """
 import argparse
 import os
@@ -22,7 +30,8 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 
 def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0,
-        layout="stacked"):
+        layout="stacked", kernel=""):
+  os.environ["JAXAGENT_DECODE_KERNEL"] = kernel
   cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
   max_len = prompt_len + new_tokens + steps
@@ -57,6 +66,7 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   roof_step_s = step_bytes / peaks()["hbm_bytes_s"]
   step_s = decode_s / n_steps
   emit("decode", record, model=name, batch=batch, attention=attention, layout=layout,
+       kernel=kernel,
        prompt_len=prompt_len, new_tokens=n_steps,
        decode_steps_per_call=steps, tokens_per_s=batch * n_steps / decode_s,
        step_ms=step_s * 1e3, roofline_step_ms=roof_step_s * 1e3,
@@ -74,13 +84,22 @@ def main():
   ap.add_argument("--attention", default="auto", help="decode attention: auto, xla, pallas")
   ap.add_argument("--layouts", default="stacked",
                   help="KV cache layouts to compare, e.g. stacked,per_layer")
+  ap.add_argument("--variants", default="",
+                  help="';'-separated layout/attention/kernel triples (overrides --layouts and "
+                       "--attention)")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
+  variants = ([tuple(v.split("/")) for v in args.variants.split(";")] if args.variants else
+              [(layout, args.attention, "") for layout in args.layouts.split(",")])
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
-      for layout in args.layouts.split(","):
-        run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record, args.attention,
-            layout=layout)
+      for layout, attention, kernel in variants:
+        try:
+          run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record, attention,
+              layout=layout, kernel=kernel)
+        except Exception as e:  # one failing variant must not lose the others' numbers
+          print(f"FAILED {name} b={b} {layout}/{attention}/{kernel}: {type(e).__name__}: "
+                f"{str(e)[:2000]}", flush=True)
 
 
 if __name__ == "__main__":

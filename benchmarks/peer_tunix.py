@@ -8,7 +8,13 @@ then the same work through jaxagent, and prints the ratios:
   1. decode: batch 64 and 256, 128-token prompts, 512 new tokens, temperature 1, no EOS; time
      of prefill + all decode steps, as the harness measures its sampler call;
   2. update: GRPO loss (beta 0.04 k3 KL, eps 0.2) + AdamW over 64 x (128 + 512) tokens, loss on
-     the 512 completion tokens; the reference log-prob pass is timed apart, as in the harness.
+     the 512 completion tokens; the reference log-prob pass is timed apart, as in the harness;
+  3. end to end (`--e2e`): one GRPO iteration: rollout of 64 prompts x 8 samples (512 new
+     tokens each, temperature 1, no EOS), reference log-probs of the 512 sequences, and the
+     update over them (group-normalised advantages of random rewards). Ours decodes from the
+     compute-dtype copy of float32 master weights (the cast is timed) and trains the master
+     weights; the harness samples and trains one bf16 model, as its GRPO step does.
+`--only e2e` (or `decode,update`) picks sections.
 """
 import argparse
 import ast
@@ -25,15 +31,17 @@ import numpy as np
 from benchmarks.common import emit, peaks, timeit
 from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
-from jaxagent.rl import losses, step
+from jaxagent.generate.scheduler import run_requests
+from jaxagent.models import decoder
+from jaxagent.rl import advantages, losses, step
 
 PROMPT, GEN, TRAIN_B, MODEL = 128, 512, 64, "qwen3-0.6b"
 
 
-def run_tunix(path, budget):
+def run_tunix(path, budget, extra=()):
   t0 = time.time()
-  proc = subprocess.run([sys.executable, path, "--budget", str(budget)], capture_output=True,
-                        text=True)
+  proc = subprocess.run([sys.executable, path, "--budget", str(budget), *extra],
+                        capture_output=True, text=True)
   out = proc.stdout + proc.stderr
   results = {}
   for line in out.splitlines():
@@ -99,6 +107,56 @@ def our_update(cfg, micro_batches):
   return t_step, t_ref
 
 
+def our_e2e(cfg, prompts_n, group, micro_batches, slots, steps, layout):
+  """One GRPO iteration (rollout, reference pass, update); returns its parts' seconds."""
+  n = prompts_n * group
+  L = PROMPT + GEN
+  rng = np.random.default_rng(2)
+  uniq = rng.integers(2, cfg.vocab_size, (prompts_n, PROMPT))
+  prompts = np.repeat(uniq, group, 0).tolist()
+  scfg = step.StepConfig(loss=losses.LossConfig(kl_coef=0.04, kl_estimator="k3"),
+                         micro_batches=micro_batches, entropy=False)
+  learner = step.Learner(cfg, scfg, step.make_optimizer(1e-6, weight_decay=0.1, b2=0.99,
+                                                        max_grad_norm=1.0))
+  new_params = jax.jit(lambda k: models.init_params(cfg, k))
+  st = [learner.init(new_params(jax.random.key(2)))]
+  ref_params = new_params(jax.random.key(2))
+  cast = jax.jit(lambda p: decoder.compute_copy(p, cfg))
+  eng = Engine(cfg, EngineConfig(slots=slots, max_len=L + steps, eos_ids=(),
+                                 sampling=SamplingConfig(1.0), kv_page=128,
+                                 cache_layout=layout))
+  loss_mask = np.concatenate([np.zeros((n, PROMPT)), np.ones((n, GEN))], 1).astype(np.float32)
+
+  def iteration(seed):
+    t0 = time.perf_counter()
+    gparams = cast(st[0].params)
+    outs = run_requests(eng, gparams, prompts, max_new_tokens=GEN,
+                        request_ids=list(range(n)), seed=seed, decode_steps=steps)
+    t1 = time.perf_counter()
+    comp = np.array([o.tokens for o in outs], np.int32)
+    rewards = rng.standard_normal(n).astype(np.float32)
+    adv, _ = advantages.compute_advantages(rewards, np.repeat(np.arange(prompts_n), group))
+    batch = {
+        "tokens": np.concatenate([np.asarray(prompts, np.int32), comp], 1),
+        "segment_ids": np.ones((n, L), np.int32),
+        "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (n, L)).copy(),
+        "loss_mask": loss_mask,
+        "advantages": np.repeat(adv[:, None], L, 1),
+        "old_logps": np.concatenate([np.zeros((n, PROMPT), np.float32),
+                                     np.array([o.logprobs for o in outs], np.float32)], 1),
+    }
+    ref, _ = learner.score(ref_params, batch)
+    batch["ref_logps"] = np.asarray(ref)
+    t2 = time.perf_counter()
+    st[0], m = learner.train_step(st[0], batch)
+    jax.block_until_ready(st[0].params)
+    t3 = time.perf_counter()
+    return dict(s=t3 - t0, rollout_s=t1 - t0, ref_s=t2 - t1, update_s=t3 - t2)
+
+  iteration(0)  # compile
+  return min((iteration(i) for i in (1, 2)), key=lambda r: r["s"])
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--tunix-bench", default="")
@@ -107,17 +165,38 @@ def main():
   ap.add_argument("--micro-batches", type=int, default=4)
   ap.add_argument("--attention", default="auto")
   ap.add_argument("--layouts", default="stacked", help="KV cache layouts, e.g. stacked,per_layer")
+  ap.add_argument("--only", default="decode,update", help="sections: decode, update, e2e")
+  ap.add_argument("--e2e-prompts", type=int, default=64)
+  ap.add_argument("--e2e-group", type=int, default=8)
+  ap.add_argument("--e2e-slots", type=int, default=512)
+  ap.add_argument("--e2e-micro-batches", type=int, default=32)
   ap.add_argument("--record", action="store_true")
   ap.add_argument("--tiny", action="store_true", help="CPU smoke test sizes")
   args = ap.parse_args()
   global PROMPT, GEN, TRAIN_B, MODEL
+  only = set(args.only.split(","))
   if args.tiny:
     PROMPT, GEN, TRAIN_B, MODEL = 16, 32, 8, "tiny-qwen3"
-  tunix = run_tunix(args.tunix_bench, args.tunix_budget) if args.tunix_bench else {}
+    args.e2e_prompts, args.e2e_group, args.e2e_slots, args.e2e_micro_batches = 4, 2, 8, 2
+  extra = (["--tiny"] if args.tiny else []) + (["--e2e"] if "e2e" in only else []) + (
+      [] if only & {"decode", "update"} else ["--only_e2e"])
+  tunix = run_tunix(args.tunix_bench, args.tunix_budget, extra) if args.tunix_bench else {}
   cfg = models.get_config(MODEL, param_dtype="bfloat16", dtype="bfloat16",
                           attention_impl=args.attention)
+  if "e2e" in only:
+    ecfg = cfg.replace(param_dtype="float32", remat="dots")
+    for layout in args.layouts.split(","):
+      r = our_e2e(ecfg, args.e2e_prompts, args.e2e_group, args.e2e_micro_batches,
+                  args.e2e_slots, args.steps, layout)
+      theirs = tunix.get("e2e", {})
+      emit("peer_e2e", args.record, model=MODEL, prompts=args.e2e_prompts,
+           group=args.e2e_group, new_tokens=GEN, layout=layout, slots=args.e2e_slots,
+           ours=r, tunix=theirs or None,
+           ratio=(theirs["s"] / r["s"]) if theirs else None)
+  if "decode" not in only and "update" not in only:
+    return
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
-  for b in (64, 256):
+  for b in (64, 256) if "decode" in only else ():
     for layout in args.layouts.split(","):
       s = our_decode(cfg, params, b, args.steps, layout)
       ours = b * GEN / s
@@ -125,6 +204,8 @@ def main():
       emit("peer_decode", args.record, model=MODEL, batch=b, layout=layout, ours_tok_s=ours,
            tunix_tok_s=theirs, ratio=(ours / theirs) if theirs else None)
   del params
+  if "update" not in only:
+    return
   ucfg = cfg.replace(param_dtype="float32", remat="dots")
   t_step, t_ref = our_update(ucfg, args.micro_batches)
   flops = ucfg.flops_per_token(PROMPT + GEN) * TRAIN_B * (PROMPT + GEN)

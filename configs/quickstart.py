@@ -42,7 +42,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict(dict(
       prompts_per_step=16, samples_per_prompt=4, micro_batches=1, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
-      pack_len=256, len_buckets=(128, 256), nonfinite="raise"))
+      pack_len=256, len_buckets=(128, 256), nonfinite="raise",
+      time_limit_s=0.0))  # RL wall-clock budget in s (0: none): final eval + checkpoint, then stop
   c.sft = ml_collections.ConfigDict(dict(
       steps=8, batch_size=16, lr=3e-5, num_examples=256, data="", warmup_steps=0))
   c.eval = ml_collections.ConfigDict(dict(size=150, every=0, pass_k=0, before=True))

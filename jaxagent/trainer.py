@@ -10,12 +10,13 @@ The run is built from an ml_collections config (see `configs/quickstart.py`); th
 turned into the frozen dataclasses of each module here, at the boundary.
 
 Checkpoints and resume (`jaxagent.checkpoint`): with `checkpoint_every > 0` the trainer saves
-after the warm start (step 0), every `checkpoint_every` RL steps, at the last step and when it
-receives SIGTERM (it finishes the current step, saves and returns); rerunning the same command
-with the same workdir resumes from the newest complete checkpoint, without redoing the warm
-start. Every random choice derives from (seed, step): rollout seeds and request ids from the
-step, the prompt order from the grain iterator state stored in the checkpoint, so a resumed run
-repeats the uninterrupted one exactly (same hardware, same mesh).
+after the warm start (step 0), every `checkpoint_every` RL steps, at the last step (also the
+one where `train.time_limit_s` runs out) and when it receives SIGTERM (it finishes the current
+step, saves and returns); rerunning the same command with the same workdir resumes from the
+newest complete checkpoint, without redoing the warm start. Every random choice derives from
+(seed, step): rollout seeds and request ids from the step, the prompt order from the grain
+iterator state stored in the checkpoint, so a resumed run repeats the uninterrupted one exactly
+(same hardware, same mesh).
 
 Multi-host: the learner (warm start, reference scoring, updates) runs SPMD over the global mesh
 on every process. Rollouts and evaluation run on process 0 alone, on a mesh of its local devices
@@ -180,6 +181,20 @@ def _to_host(tree):
 
 
 # ----------------------------------------------------------------------------- trainer
+def _time_limit_s(train) -> float:
+  """`train.time_limit_s`: the wall-clock budget of the RL loop in seconds (0 or missing: none)."""
+  v = train.get("time_limit_s", 0.0)
+  try:
+    v = 0.0 if v is None else float(v)
+  except (TypeError, ValueError):
+    raise ValueError(f"train.time_limit_s must be a number of seconds >= 0 (0: no limit), "
+                     f"got {v!r}") from None
+  if math.isnan(v) or v < 0:
+    raise ValueError(f"train.time_limit_s must be a number of seconds >= 0 (0: no limit), "
+                     f"got {v!r}")
+  return v
+
+
 def _pass_at_k(n: int, c: int, k: int) -> float:
   """Unbiased pass@k from n samples with c successes (Chen et al., 2021)."""
   if n - c < k:
@@ -193,6 +208,7 @@ class Trainer:
   def __init__(self, config):
     self.config = config
     c = config
+    self.time_limit_s = _time_limit_s(c.train)  # checked first: a bad value fails fast
     self.workdir = pathlib.Path(c.workdir)
     self.cfg, params, self.tok = load_model(c.model)
     self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))
@@ -441,7 +457,12 @@ class Trainer:
 
     Resumes from the newest checkpoint in the workdir when there is one (the warm start and
     the evals before RL are not repeated). On SIGTERM (or `request_stop`) it finishes the
-    current step, saves a checkpoint and returns the summary with `stopped_at_step`.
+    current step, saves a checkpoint and returns the summary with `stopped_at_step`. With
+    `train.time_limit_s > 0`, once the RL steps of this invocation (timed from the first RL step,
+    so not the evals before RL, the warm start or the restore) have taken that long, the step
+    that finishes the budget gets the final eval and a checkpoint and the run ends as a finished
+    one would, with `stopped_by: "time_limit"` and `rl_steps_done` in the summary; with
+    checkpointing on, rerunning the command resumes from there (with a fresh budget).
     """
     c = self.config
     t_start = time.time()
@@ -456,19 +477,30 @@ class Trainer:
         say(f"the run is already complete (checkpoint at step {start}, total_steps="
             f"{c.total_steps}); raise total_steps to train further")
       stopped = self._stop_requested()
+      t_rl = time.time()
       for step in range(start + 1, c.total_steps + 1):
         if stopped:
           break
         self.step = step
         m = self.rl_step(step)
-        if step == c.total_steps or (c.eval.every and step % c.eval.every == 0):
+        out_of_time = step < c.total_steps and self._out_of_time(t_rl)
+        last = step == c.total_steps or out_of_time
+        if last or (c.eval.every and step % c.eval.every == 0):
           m.update(self.evaluate())
         self.writer.write(step, m)
         self.writer.progress(1, reward=m["reward/mean"], **(
             {"pass@1": m["eval/pass@1"]} if "eval/pass@1" in m else {}))
-        if step == c.total_steps or (self.ckpt is not None and self.ckpt.should_save(step)):
+        if last or (self.ckpt is not None and self.ckpt.should_save(step)):
           self._save(step)
         stopped = self._stop_requested()
+        if out_of_time and not stopped:  # (a SIGTERM in the same step takes the `_stop` path)
+          # Set after the save: a resumed run does not inherit them from the checkpoint.
+          self.summary["stopped_by"] = "time_limit"
+          self.summary["rl_steps_done"] = step
+          say(f"time limit train.time_limit_s={self.time_limit_s:g} reached at step {step} of "
+              f"{c.total_steps}" + ("; rerun the same command to continue from its checkpoint"
+                                    if self.ckpt is not None else ""))
+          break
       if stopped:
         return self._stop()
     if c.total_steps:
@@ -488,6 +520,13 @@ class Trainer:
     if self.ckpt is not None:
       self.ckpt.wait()
     return self.summary
+
+  def _out_of_time(self, t_rl: float) -> bool:
+    """Whether the RL loop that began at `t_rl` has used up `train.time_limit_s` (process 0's
+    clock decides for every process, so all of them stop at the same step)."""
+    if not self.time_limit_s:
+      return False
+    return bool(self._on_lead(lambda: time.time() - t_rl >= self.time_limit_s))
 
   def _pre_rl(self) -> None:
     """What happens once per run before RL: eval, SFT warm start, eval, the KL reference."""

@@ -103,3 +103,35 @@ def test_generator_gets_compute_dtype_weights_with_the_same_logits(tmp_path):
   np.testing.assert_array_equal(np.asarray(models.forward(gen, tokens, cfg=tr.cfg)),
                                 np.asarray(models.forward(tr.state.params, tokens, cfg=tr.cfg)))
   tr.close()
+
+
+def test_time_limit_stops_after_the_step_with_final_eval_and_checkpoint(tmp_path):
+  # The budget runs out during step 1 of 5: step 1 gets the final eval (eval.every=2 would not
+  # eval it) and a checkpoint, and the run ends through the normal summary path.
+  trainer = Trainer(_tiny(tmp_path, **{"total_steps": 5, "train.time_limit_s": 1e-9}))
+  saved = []
+  trainer._save = saved.append  # the save calls, without the cost of real checkpoints
+  try:
+    summary = trainer.run()
+  finally:
+    trainer.close()
+  assert saved == [0, 1]
+  assert summary["stopped_by"] == "time_limit" and summary["rl_steps_done"] == 1
+  assert "stopped_at_step" not in summary  # not the SIGTERM path
+  assert "pass@1/after_rl" in summary and "time_s" in summary
+  run = tmp_path / "run"
+  assert json.loads((run / "summary.json").read_text())["stopped_by"] == "time_limit"
+  rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+  assert max(r["step"] for r in rows) == 1
+  (step1,) = [r for r in rows if r["step"] == 1]
+  assert "eval/pass@1" in step1 and "reward/mean" in step1
+  assert summary["pass@1/after_rl"] == step1["eval/pass@1"]
+
+
+def test_time_limit_must_not_be_negative(tmp_path):
+  with pytest.raises(ValueError, match="time_limit_s"):
+    Trainer(_tiny(tmp_path, **{"train.time_limit_s": -1.0}))
+  c = _tiny(tmp_path)
+  del c.train["time_limit_s"]  # configs without the key: no limit
+  from jaxagent.trainer import _time_limit_s
+  assert _time_limit_s(c.train) == 0.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -18,24 +19,47 @@ from jax.experimental import pallas as pl
 _NEG = -1e30
 
 
-def _kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int, scale: float):
+# Tuning of the kernel's launch: keys block_k, num_warps, num_stages, low_precision_dot (1:
+# the two products take the cache's dtype with float32 accumulation instead of float32
+# inputs). Set by `JAXAGENT_DECODE_KERNEL="block_k=128,num_warps=8"` for sweeps
+# (benchmarks/generate.py --kernels); read when a program is traced.
+DEFAULT_TUNING = dict(block_k=64, num_warps=None, num_stages=None, low_precision_dot=0)
+
+
+def tuning() -> dict:
+  """The kernel's launch settings: DEFAULT_TUNING updated from $JAXAGENT_DECODE_KERNEL."""
+  out = dict(DEFAULT_TUNING)
+  spec = os.environ.get("JAXAGENT_DECODE_KERNEL", "").strip()
+  for item in filter(None, (x.strip() for x in spec.split(","))):
+    key, sep, value = item.partition("=")
+    if not sep or key not in out:
+      raise ValueError(f"JAXAGENT_DECODE_KERNEL: expected comma-separated key=value with keys "
+                       f"{sorted(out)}, got {item!r}")
+    out[key] = int(value)
+  return out
+
+
+def _kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int, scale: float,
+            dot_dtype):
   length = lens_ref[0]
-  q = q_ref[...].astype(jnp.float32) * scale  # [Gp, hd]
+  q = (q_ref[...].astype(jnp.float32) * scale).astype(dot_dtype)  # [Gp, hd]
   gp, hd = q.shape
 
   def body(b, carry):
     o, m, l = carry
     start = pl.multiple_of(b * block_k, block_k)
-    k = k_ref[pl.ds(start, block_k), :].astype(jnp.float32)  # [BK, hd]
-    v = v_ref[pl.ds(start, block_k), :].astype(jnp.float32)
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())))  # [Gp, BK]
+    k = k_ref[pl.ds(start, block_k), :].astype(dot_dtype)  # [BK, hd]
+    v = v_ref[pl.ds(start, block_k), :].astype(dot_dtype)
+    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)  # [Gp, BK]
     idx = start + jax.lax.broadcasted_iota(jnp.int32, (gp, block_k), 1)
     s = jnp.where(idx < length, s, _NEG)
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.exp(s - m_new[:, None])
     corr = jnp.exp(m - m_new)
     l = corr * l + p.sum(axis=-1)
-    o = corr[:, None] * o + jax.lax.dot_general(p, v, (((1,), (0,)), ((), ())))
+    o = corr[:, None] * o + jax.lax.dot_general(p.astype(dot_dtype), v, (((1,), (0,)), ((), ())),
+                                                preferred_element_type=jnp.float32)
     return o, m_new, l
 
   init = (jnp.zeros((gp, hd), jnp.float32), jnp.full((gp,), _NEG, jnp.float32),
@@ -46,15 +70,29 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int, scal
   lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe), _NEG)
 
 
-@functools.partial(jax.jit, static_argnames=("block_k", "interpret"))
-def flash_decode(q, cache_k, cache_v, lengths, *, block_k: int = 64, interpret: bool = False):
+def flash_decode(q, cache_k, cache_v, lengths, *, interpret: bool = False, **launch):
   """Attention of one query per (slot, head group) over each slot's first `lengths[s]` keys.
 
   q: [S, KV, G, hd]; cache_k, cache_v: [S, KV, C, hd] with C a multiple of 16 (blocks are
   the largest power of two up to `block_k` dividing C);
   lengths: [S]. Returns (out [S, KV, G, hd] in q's dtype, lse [S, KV, G] float32); slots of
-  length 0 give out 0 and lse -1e30.
+  length 0 give out 0 and lse -1e30. Launch settings are `tuning()` updated by `launch`
+  (e.g. `block_k=32`).
   """
+  t = tuning()
+  unknown = set(launch) - set(t)
+  if unknown:
+    raise TypeError(f"flash_decode: unknown launch settings {sorted(unknown)}")
+  t.update(launch)
+  return _flash_decode(q, cache_k, cache_v, lengths, block_k=t["block_k"],
+                       num_warps=t["num_warps"], num_stages=t["num_stages"],
+                       low_precision_dot=bool(t["low_precision_dot"]), interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "num_warps", "num_stages",
+                                             "low_precision_dot", "interpret"))
+def _flash_decode(q, cache_k, cache_v, lengths, *, block_k, num_warps, num_stages,
+                  low_precision_dot, interpret):
   s, kv, g, hd = q.shape
   c = cache_k.shape[2]
   block_k = min(block_k, c & -c)  # the largest power of two dividing C, at most block_k
@@ -63,7 +101,13 @@ def flash_decode(q, cache_k, cache_v, lengths, *, block_k: int = 64, interpret: 
   gp = max(16, 1 << (g - 1).bit_length())  # matmul tiles need >= 16 rows, a power of two
   qp = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
   lens = jnp.broadcast_to(lengths.astype(jnp.int32)[:, None, None], (s, kv, 1))
-  kern = functools.partial(_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd))
+  dot_dtype = cache_k.dtype if low_precision_dot else jnp.float32
+  kern = functools.partial(_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd),
+                           dot_dtype=dot_dtype)
+  params = {}
+  if not interpret and (num_warps or num_stages):
+    from jax.experimental.pallas import triton as plt
+    params["compiler_params"] = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   out, lse = pl.pallas_call(
       kern,
       grid=(s, kv),
@@ -80,5 +124,6 @@ def flash_decode(q, cache_k, cache_v, lengths, *, block_k: int = 64, interpret: 
       out_shape=[jax.ShapeDtypeStruct((s, kv, gp, hd), q.dtype),
                  jax.ShapeDtypeStruct((s, kv, gp), jnp.float32)],
       interpret=interpret,
+      **params,
   )(lens, qp, cache_k, cache_v)
   return out[:, :, :g], lse[:, :, :g]

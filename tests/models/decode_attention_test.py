@@ -33,6 +33,27 @@ def test_flash_decode_matches_masked_softmax(g, hd, c):
   assert np.all(np.asarray(out[0]) == 0) and np.all(np.asarray(lse[0]) <= -1e29)
 
 
+def test_flash_decode_launch_settings(monkeypatch):
+  s, kv, g, hd, c = 3, 2, 2, 16, 128
+  q, k, v = _rand(0, s, kv, g, hd), _rand(1, s, kv, c, hd), _rand(2, s, kv, c, hd)
+  lens = jnp.array([7, 100, 128])
+  ref, ref_lse = flash_decode(q, k, v, lens, interpret=True)
+  monkeypatch.setenv("JAXAGENT_DECODE_KERNEL", "block_k=16,num_warps=8,num_stages=3")
+  out, lse = flash_decode(q, k, v, lens, interpret=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), atol=2e-6)
+  # Products in the cache's dtype (bf16) with float32 accumulation: close, not equal.
+  kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
+  out_bf, _ = flash_decode(q.astype(jnp.bfloat16), kb, vb, lens, interpret=True,
+                           low_precision_dot=1)
+  np.testing.assert_allclose(np.asarray(out_bf, np.float32), np.asarray(ref), atol=3e-2)
+  with pytest.raises(TypeError, match="unknown launch"):
+    flash_decode(q, k, v, lens, interpret=True, warps=4)
+  monkeypatch.setenv("JAXAGENT_DECODE_KERNEL", "block=16")
+  with pytest.raises(ValueError, match="JAXAGENT_DECODE_KERNEL"):
+    flash_decode(q, k, v, lens, interpret=True)
+
+
 def test_flash_decode_rejects_unaligned_cache():
   with pytest.raises(ValueError, match="multiple of 16"):
     flash_decode(_rand(0, 1, 1, 1, 16), _rand(1, 1, 1, 40, 16), _rand(2, 1, 1, 40, 16),
