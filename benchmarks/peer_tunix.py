@@ -164,7 +164,7 @@ def main():
   ap.add_argument("--steps", type=int, default=16)
   ap.add_argument("--micro-batches", type=int, default=4)
   ap.add_argument("--attention", default="auto")
-  ap.add_argument("--layouts", default="stacked", help="KV cache layouts, e.g. stacked,per_layer")
+  ap.add_argument("--layouts", default="auto", help="KV cache layouts, e.g. stacked,per_layer")
   ap.add_argument("--only", default="decode,update", help="sections: decode, update, e2e")
   ap.add_argument("--e2e-prompts", type=int, default=64)
   ap.add_argument("--e2e-group", type=int, default=8)
@@ -178,8 +178,11 @@ def main():
   if args.tiny:
     PROMPT, GEN, TRAIN_B, MODEL = 16, 32, 8, "tiny-qwen3"
     args.e2e_prompts, args.e2e_group, args.e2e_slots, args.e2e_micro_batches = 4, 2, 8, 2
-  extra = (["--tiny"] if args.tiny else []) + (["--e2e"] if "e2e" in only else []) + (
-      [] if only & {"decode", "update"} else ["--only_e2e"])
+  extra = (["--tiny"] if args.tiny else []) + (["--e2e"] if "e2e" in only else [])
+  if not only & {"decode", "update"}:
+    extra.append("--only_e2e")
+  elif "update" not in only:
+    extra.append("--only_sampler")
   tunix = run_tunix(args.tunix_bench, args.tunix_budget, extra) if args.tunix_bench else {}
   cfg = models.get_config(MODEL, param_dtype="bfloat16", dtype="bfloat16",
                           attention_impl=args.attention)

@@ -110,9 +110,11 @@ class EngineConfig:
   # KV cache buffers: "stacked" (one `[layers, ...]` array per K and V; the layer loop is a
   # `lax.scan`) or "per_layer" (one buffer per layer; the layer loop is unrolled, and the
   # Pallas kernel reads each layer's cache in place instead of a sliced copy: a trace of the
-  # stacked layout on an H200 spent half of each decode step copying live K/V,
-  # benchmarks/RESULTS.md).
-  cache_layout: str = "stacked"
+  # stacked layout on an H200 spent half of each decode step copying live K/V). "auto" picks
+  # "per_layer" with the Pallas kernel (2.4x the stacked layout's decode tokens/s on an H200,
+  # Qwen3-0.6B shape, 256 slots; benchmarks/RESULTS.md) and "stacked" with XLA attention
+  # (there the two measured the same, and the scan compiles faster).
+  cache_layout: str = "auto"
 
   def __post_init__(self):
     if not isinstance(self.slots, int) or self.slots <= 0:
@@ -122,8 +124,8 @@ class EngineConfig:
     if self.decode_attention not in ("auto", "xla", "pallas"):
       raise ValueError("EngineConfig.decode_attention must be 'auto', 'xla' or 'pallas', got "
                        f"{self.decode_attention!r}")
-    if self.cache_layout not in ("stacked", "per_layer"):
-      raise ValueError("EngineConfig.cache_layout must be 'stacked' or 'per_layer', got "
+    if self.cache_layout not in ("auto", "stacked", "per_layer"):
+      raise ValueError("EngineConfig.cache_layout must be 'auto', 'stacked' or 'per_layer', got "
                        f"{self.cache_layout!r}")
 
   @property
@@ -158,6 +160,9 @@ class Engine:
     if choice == "auto":
       choice = "pallas" if jax.default_backend() == "gpu" else "xla"
     self._attn = choice
+    layout = self.ecfg.cache_layout
+    self.cache_layout = (("per_layer" if choice == "pallas" else "stacked") if layout == "auto"
+                         else layout)
     # The cache's length axis: the kernel reads blocks of 64, so round up for it.
     m = 64 if self._attn == "pallas" else 1
     self.cache_len = -(-self.ecfg.max_len // m) * m
@@ -176,7 +181,7 @@ class Engine:
   # ------------------------------------------------------------------ sharding helpers
   @property
   def per_layer(self) -> bool:
-    return self.ecfg.cache_layout == "per_layer"
+    return self.cache_layout == "per_layer"
 
   def _kv_sharding(self, rows: int):
     """Sharding of a `[layers, rows, KV, len, hd]` cache (per-layer: of each `[rows, ...]`

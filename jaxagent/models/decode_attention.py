@@ -17,13 +17,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 _NEG = -1e30
+_ROWS = 64  # query rows per program, at most
 
 
 # Tuning of the kernel's launch: keys block_k, num_warps, num_stages, low_precision_dot (1:
 # the two products take the cache's dtype with float32 accumulation instead of float32
 # inputs). Set by `JAXAGENT_DECODE_KERNEL="block_k=128,num_warps=8"` for sweeps
 # (benchmarks/generate.py --kernels); read when a program is traced.
-DEFAULT_TUNING = dict(block_k=64, num_warps=None, num_stages=None, low_precision_dot=0)
+# Defaults: the fastest of a sweep on an H200 (Qwen3-0.6B shape, 256 slots; RESULTS.md).
+DEFAULT_TUNING = dict(block_k=64, num_warps=4, num_stages=3, low_precision_dot=1)
 
 
 def tuning() -> dict:
@@ -98,7 +100,13 @@ def _flash_decode(q, cache_k, cache_v, lengths, *, block_k, num_warps, num_stage
   block_k = min(block_k, c & -c)  # the largest power of two dividing C, at most block_k
   if block_k < 16:
     raise ValueError(f"cache length {c} must be a multiple of 16 for the decode kernel")
-  gp = max(16, 1 << (g - 1).bit_length())  # matmul tiles need >= 16 rows, a power of two
+  # Query rows per program: a power of two >= 16 (matmul tiles), at most _ROWS; more rows (the
+  # n new tokens of an append fold into the head group) are split over a third grid axis, so
+  # a program's tiles stay within the GPU's shared memory whatever n is.
+  if g <= _ROWS:
+    bq = gp = max(16, 1 << (g - 1).bit_length())
+  else:
+    bq, gp = _ROWS, -(-g // _ROWS) * _ROWS
   qp = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
   lens = jnp.broadcast_to(lengths.astype(jnp.int32)[:, None, None], (s, kv, 1))
   dot_dtype = cache_k.dtype if low_precision_dot else jnp.float32
@@ -110,16 +118,16 @@ def _flash_decode(q, cache_k, cache_v, lengths, *, block_k, num_warps, num_stage
     params["compiler_params"] = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   out, lse = pl.pallas_call(
       kern,
-      grid=(s, kv),
+      grid=(s, kv, gp // bq),
       in_specs=[
-          pl.BlockSpec((None, None, 1), lambda i, j: (i, j, 0)),
-          pl.BlockSpec((None, None, gp, hd), lambda i, j: (i, j, 0, 0)),
-          pl.BlockSpec((None, None, c, hd), lambda i, j: (i, j, 0, 0)),
-          pl.BlockSpec((None, None, c, hd), lambda i, j: (i, j, 0, 0)),
+          pl.BlockSpec((None, None, 1), lambda i, j, r: (i, j, 0)),
+          pl.BlockSpec((None, None, bq, hd), lambda i, j, r: (i, j, r, 0)),
+          pl.BlockSpec((None, None, c, hd), lambda i, j, r: (i, j, 0, 0)),
+          pl.BlockSpec((None, None, c, hd), lambda i, j, r: (i, j, 0, 0)),
       ],
       out_specs=[
-          pl.BlockSpec((None, None, gp, hd), lambda i, j: (i, j, 0, 0)),
-          pl.BlockSpec((None, None, gp), lambda i, j: (i, j, 0)),
+          pl.BlockSpec((None, None, bq, hd), lambda i, j, r: (i, j, r, 0)),
+          pl.BlockSpec((None, None, bq), lambda i, j, r: (i, j, r)),
       ],
       out_shape=[jax.ShapeDtypeStruct((s, kv, gp, hd), q.dtype),
                  jax.ShapeDtypeStruct((s, kv, gp), jnp.float32)],

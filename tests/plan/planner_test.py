@@ -186,3 +186,27 @@ def test_7b_without_fsdp_on_v5e_2x2_is_reported_not_raised():
   up = report.programs[0]
   assert up.oom and up.total_bytes > 16 * GiB          # the compiler's refusal, with its sizes
   assert "DOES NOT FIT" in str(info.value)
+
+
+def test_kernel_resource_limit_is_a_compile_failure_not_device_memory():
+  from jaxagent.plan import planner
+  from jaxagent.plan.report import ProgramReport
+
+  class Refusing:
+    def __init__(self, msg):
+      self.msg = msg
+
+    def lower(self, *a, **k):
+      raise RuntimeError(self.msg)
+
+  chip = ChipSpec(name="test", hbm_bytes=16 * GiB, bf16_flops=1e14, f32_flops=1e13,
+                  hbm_bandwidth=1e12)
+  kernel = ProgramReport(name="append", kind="append", shapes="[1x1]")
+  planner._compile(kernel, Refusing("RESOURCE_EXHAUSTED: Shared memory size limit exceeded: "
+                                    "requested 311296, available: 232448"), (), {}, None, chip,
+                   "bfloat16")
+  assert not kernel.oom and kernel.fits is None and "Shared memory" in kernel.error
+  hbm = ProgramReport(name="append", kind="append", shapes="[1x1]")
+  planner._compile(hbm, Refusing("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"),
+                   (), {}, None, chip, "bfloat16")
+  assert hbm.oom and hbm.fits is False
