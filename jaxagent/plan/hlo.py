@@ -11,7 +11,8 @@ graph, derives each loop's trip count, and weighs every instruction by how often
     matmuls of a transformer).
   * bytes: HBM traffic of the instructions the device schedules (fusions and unfused ops):
     operands read plus results written. A fused parameter that is only sliced (one layer out of a
-    stacked weight) counts the slice; an in-place `dynamic-update-slice` counts the update.
+    stacked weight) counts the slice; an in-place `dynamic-update-slice` or `scatter` (a KV
+    cache write) counts the update.
   * collectives: every all-reduce / all-gather / reduce-scatter / all-to-all /
     collective-permute (sync or async `-start`), counted once per appearance in the text
     (`static`) and per execution of the program (`executed`), with payload bytes and the mesh
@@ -297,6 +298,13 @@ def _conv_flops(ins: _Instr, shapes: dict[str, _Instr]) -> float:
       * pairs
 
 
+def _scatter_updates(ins: _Instr, table: dict[str, _Instr]) -> float | None:
+  """Bytes of a single-operand scatter's updates (it writes those in place into operand 0)."""
+  if len(ins.operands) != 3 or ins.operands[2] not in table:
+    return None
+  return table[ins.operands[2]].nbytes
+
+
 class _Traffic:
   """HBM bytes of fusions: what each fused parameter really reads, what the root writes."""
 
@@ -327,7 +335,7 @@ class _Traffic:
         continue
       if ins.opcode in _SLICING and ins.operands[0] == name:
         total += ins.nbytes
-      elif ins.opcode == "dynamic-update-slice" and ins.operands[0] == name:
+      elif ins.opcode in ("dynamic-update-slice", "scatter") and ins.operands[0] == name:
         continue  # updated in place: not read
       elif ins.opcode == "fusion":
         callee = _attr_comp(ins.attrs, "calls")
@@ -358,6 +366,8 @@ class _Traffic:
       if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1 \
           and ins.operands[1] in table:
         total += table[ins.operands[1]].nbytes
+      elif ins.opcode == "scatter" and _scatter_updates(ins, table) is not None:
+        total += _scatter_updates(ins, table)
       else:
         total += ins.nbytes
     return total
@@ -450,6 +460,8 @@ def analyze(text: str, mesh_shape: Sequence[int] | None = None,
       elif ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
         upd = shapes.get(ins.operands[1])
         nbytes += m * 2 * (upd.nbytes if upd else 0.0)
+      elif ins.opcode == "scatter" and _scatter_updates(ins, shapes) is not None:
+        nbytes += m * 2 * _scatter_updates(ins, shapes)
       elif ins.opcode.endswith("-start") and base not in colls:
         nbytes += m * 2 * sum(shapes[o].nbytes for o in ins.operands if o in shapes)
       else:

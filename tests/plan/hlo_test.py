@@ -143,3 +143,17 @@ def test_axes_of_groups():
 def test_rejects_text_that_is_not_hlo():
   with pytest.raises(ValueError, match="ENTRY"):
     hlo.analyze("not an HLO module")
+
+
+def test_in_place_scatter_counts_its_updates_not_the_buffer():
+  # A KV-cache write: one row per slot scattered into a donated [slots, len, d] cache.
+  def write(cache, rows, pos):
+    return cache.at[jnp.arange(cache.shape[0]), pos].set(rows)
+  cache = jax.ShapeDtypeStruct((64, 4096, 128), jnp.float32)
+  rows = jax.ShapeDtypeStruct((64, 128), jnp.float32)
+  pos = jax.ShapeDtypeStruct((64,), jnp.int32)
+  compiled = jax.jit(write, donate_argnums=0).lower(cache, rows, pos).compile()
+  assert "scatter" in compiled.as_text()
+  st = hlo.analyze(compiled.as_text())
+  cache_bytes = 64 * 4096 * 128 * 4
+  assert st.bytes_accessed < 0.01 * cache_bytes  # reads and writes the rows, not the cache
