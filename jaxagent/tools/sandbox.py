@@ -242,6 +242,47 @@ def _kill_live_sandboxes() -> None:
         proc.close()
 
 
+def _descendants(pid: int) -> list[psutil.Process]:
+    """The live descendants of `pid`, parents before children.
+
+    Walks `/proc/<pid>/task/<tid>/children`, touching only the tree itself. psutil's
+    `children(recursive=True)` reads every process on the machine instead: ~70 ms with ~700
+    processes, and a rollout polls hundreds of sandboxes once a second each, under the GIL.
+    Falls back to psutil where the kernel lacks those files.
+    """
+    if not os.path.exists(f"/proc/{pid}/task"):
+        try:
+            return psutil.Process(pid).children(recursive=True)
+        except psutil.Error:
+            return []
+    out: list[psutil.Process] = []
+    queue = [pid]
+    while queue:
+        parent = queue.pop(0)
+        try:
+            tids = os.listdir(f"/proc/{parent}/task")
+        except OSError:
+            continue
+        kids: list[int] = []
+        for tid in tids:
+            try:
+                with open(f"/proc/{parent}/task/{tid}/children") as f:
+                    kids.extend(int(k) for k in f.read().split())
+            except (OSError, ValueError):
+                if tid == str(parent) and not kids:  # no `children` files: use psutil
+                    try:
+                        return psutil.Process(pid).children(recursive=True)
+                    except psutil.Error:
+                        return []
+        for k in kids:
+            try:
+                out.append(psutil.Process(k))
+            except psutil.Error:
+                continue
+            queue.append(k)
+    return out
+
+
 class _SandboxProcess:
     """One sandboxed interpreter: start, run cells, kill. Callers serialise calls."""
 
@@ -387,14 +428,13 @@ class _SandboxProcess:
                         return reply, (out, err), "overflow"
 
     def _tree_cpu(self) -> float:
-        """CPU seconds used by the interpreter's live processes. Listing descendants scans all of
-        /proc, so the list is refreshed at most once a second; reading a process's times is cheap."""
+        """CPU seconds used by the interpreter's live processes (the list is refreshed at most
+        once a second; reading a process's times is cheap)."""
         now = time.monotonic()
         if now >= self._tree_refresh:
             self._tree_refresh = now + 1.0
             try:
-                root = psutil.Process(self.proc.pid)
-                self._tree = [root, *root.children(recursive=True)]
+                self._tree = [psutil.Process(self.proc.pid), *_descendants(self.proc.pid)]
             except psutil.Error:
                 self._tree = []
         total = 0.0
@@ -423,10 +463,7 @@ class _SandboxProcess:
         except OSError:
             pass
         if not (graceful and self._exited_within(0.5)):
-            try:
-                descendants = psutil.Process(pid).children(recursive=True)
-            except psutil.Error:
-                descendants = []
+            descendants = _descendants(pid)
             for p in descendants:  # the PID namespace's init first: the kernel then ends the rest
                 try:
                     p.kill()

@@ -367,3 +367,23 @@ def test_python_tool_through_the_executor():
             assert loop.timed_out and "Timed out after 2 s (wall clock)" in loop.error
     finally:
         stateful.close()
+
+
+def test_descendants_walks_only_the_tree_and_matches_psutil():
+    import subprocess
+
+    from jaxagent.tools.sandbox import _descendants
+    proc = subprocess.Popen(["sh", "-c", "sleep 30 & sh -c 'sleep 30 & sleep 30' & wait"])
+    try:
+        deadline = time.monotonic() + 5
+        while len(psutil.Process(proc.pid).children(recursive=True)) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        want = {p.pid for p in psutil.Process(proc.pid).children(recursive=True)}
+        got = [p.pid for p in _descendants(proc.pid)]
+        assert len(want) >= 4 and set(got) == want and len(got) == len(want)
+    finally:
+        for p in psutil.Process(proc.pid).children(recursive=True):
+            p.kill()
+        proc.kill()
+        proc.wait()
+    assert _descendants(proc.pid) == []  # gone: no error, nothing listed
