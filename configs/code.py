@@ -52,7 +52,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.rollout = ml_collections.ConfigDict(dict(
       slots=64, max_len=1024, temperature=1.0, top_p=1.0, top_k=0, max_turns=1,
-      max_tokens_per_turn=256, max_total_tokens=None, tool_timeout_s=10.0,
+      max_tokens_per_turn=256, max_total_tokens=None, max_prompt_tokens=512,
+      tool_timeout_s=10.0,
       traj_tool_timeout_s=30.0, decode_steps=8))
   c.train = ml_collections.ConfigDict(dict(
       prompts_per_step=8, samples_per_prompt=4, micro_batches=8, epochs=1,

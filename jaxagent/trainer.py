@@ -242,7 +242,8 @@ class Trainer:
     eos = tuple(sorted(self.tok.eos_ids))
     self.rollout_cfg = RolloutConfig(
         max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
-        max_total_tokens=r.get("max_total_tokens"), tool_timeout_s=r.tool_timeout_s,
+        max_total_tokens=r.get("max_total_tokens"),
+        max_prompt_tokens=r.get("max_prompt_tokens"), tool_timeout_s=r.tool_timeout_s,
         traj_tool_timeout_s=r.traj_tool_timeout_s, decode_steps=r.decode_steps)
     mk = lambda samp: Engine(self.cfg, EngineConfig(slots=r.slots, max_len=r.max_len,
                                                     eos_ids=eos, sampling=samp),

@@ -64,6 +64,10 @@ class RolloutConfig:
     max_tokens_per_turn: sampled tokens per turn (the engine's per-turn budget).
     max_total_tokens: cap on a trajectory's whole length, prompt included (None: the engine's
       cache length `max_len`; it may not exceed it).
+    max_prompt_tokens: the longest rendered prompt that is decoded; a longer one ends its
+      trajectories before any decoding with stop reason "prompt_too_long" (logged; counted in
+      the stop-reason metrics). None: whatever fits the cache. The launcher's fit check plans
+      prefill at this length, so a bound well under `max_len` frees prefill memory.
     tool_timeout_s: time limit of one tool call.
     traj_tool_timeout_s: total tool time of one trajectory; reaching it ends the trajectory
       ("tool_budget"). Each call's limit is the smaller of the two.
@@ -78,6 +82,7 @@ class RolloutConfig:
   max_turns: int = 4
   max_tokens_per_turn: int = 256
   max_total_tokens: int | None = None
+  max_prompt_tokens: int | None = None
   tool_timeout_s: float = 30.0
   traj_tool_timeout_s: float = 120.0
   decode_steps: int = 8
@@ -93,6 +98,9 @@ class RolloutConfig:
     m = self.max_total_tokens
     if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 2):
       raise ValueError(f"RolloutConfig.max_total_tokens must be None or an int >= 2, got {m!r}")
+    m = self.max_prompt_tokens
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+      raise ValueError(f"RolloutConfig.max_prompt_tokens must be None or an int >= 1, got {m!r}")
     for name in ("tool_timeout_s", "traj_tool_timeout_s", "tool_poll_s"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0 or math.isnan(v):
@@ -270,6 +278,10 @@ class _Run:
         if len(prompt) + 1 > self.d.limit:
           log.warning("example %r: prompt of %d tokens leaves no room in %d total tokens",
                       ex.id, len(prompt), self.d.limit)
+          traj.finish("prompt_too_long")
+        elif self.cfg.max_prompt_tokens is not None and len(prompt) > self.cfg.max_prompt_tokens:
+          log.warning("example %r: prompt of %d tokens exceeds rollout.max_prompt_tokens=%d",
+                      ex.id, len(prompt), self.cfg.max_prompt_tokens)
           traj.finish("prompt_too_long")
         else:
           self.queue.append(_Job(traj, ex, prompt))

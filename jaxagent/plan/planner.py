@@ -76,7 +76,8 @@ class PlanOptions:
   Attributes:
     rows: update-batch rows (default: one trajectory per row, prompts x samples, rounded up to
       micro_batches x data-parallel size as packing does).
-    prompt_len: the longest prompt prefilled (default: the cache length minus one).
+    prompt_len: the longest prompt prefilled (default: the config's
+      `rollout.max_prompt_tokens`, else the cache length minus one).
     append_len: tokens appended into a slot at once (pending token + observation; the engine
       rounds it up to a power of two, at least 8).
     programs: compile only these kinds (default: all that the run uses, plus `score`).
@@ -179,7 +180,8 @@ def run_shapes(config, mesh_sizes: dict[str, int], options: PlanOptions = PlanOp
   rows = pack_cfg.round_rows(options.rows or t.prompts_per_step * t.samples_per_prompt)
   sft_rows = pack_cfg.round_rows(config.sft.batch_size) if config.sft.steps else 0
   ecfg = EngineConfig(slots=r.slots, max_len=r.max_len)
-  prompt_len = min(options.prompt_len or r.max_len - 1, r.max_len - 1)
+  prompt_len = min(options.prompt_len or r.get("max_prompt_tokens") or r.max_len - 1,
+                   r.max_len - 1)
   return RunShapes(
       rows=rows, len_buckets=pack_cfg.len_buckets, micro_batches=t.micro_batches,
       sft_rows=sft_rows, kl=config.loss.kl_coef > 0, slots=r.slots, max_len=r.max_len,

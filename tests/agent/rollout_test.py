@@ -433,6 +433,13 @@ def test_eos_no_tool_call_and_prompt_too_long():
   (t,) = rollout(fake, None, env, long_ex, tokenizer=TOK, cfg=RolloutConfig())
   assert (t.stop_reason, t.truncated, t.num_policy_tokens) == ("prompt_too_long", True, 0)
   assert fake.calls["prefill"] == 0
+  # A prompt that fits the cache but exceeds rollout.max_prompt_tokens ends the same way.
+  fake = FakeEngine(_script_from_texts({}), max_len=1024)
+  (t,) = rollout(fake, None, env, long_ex, tokenizer=TOK, cfg=RolloutConfig(max_prompt_tokens=64))
+  assert (t.stop_reason, t.num_policy_tokens) == ("prompt_too_long", 0)
+  assert fake.calls["prefill"] == 0
+  with pytest.raises(ValueError, match="max_prompt_tokens"):
+    RolloutConfig(max_prompt_tokens=0)
 
 
 def test_tool_timeouts_and_trajectory_tool_budget():

@@ -33,6 +33,8 @@ def test_run_shapes_are_the_trainers_worst_case():
   assert (s.prefill_batch, s.prefill_len) == (8, 64)     # engine buckets: pow2 count, length
   assert (s.append_batch, s.append_len) == (8, 32)
   assert s.kv_len == 128 and not s.kl
+  c.rollout.max_prompt_tokens = 30  # the config's bound on prompts, when no option says
+  assert plan.run_shapes(c, {"data": 1, "fsdp": 1, "tensor": 1}).prefill_len == 32
   with pytest.raises(ValueError, match="programs"):
     plan.PlanOptions(programs=("decode",))
 
