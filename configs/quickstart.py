@@ -32,7 +32,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.rollout = ml_collections.ConfigDict(dict(
       slots=64, max_len=192, temperature=1.0, top_p=1.0, top_k=0, max_turns=3,
       max_tokens_per_turn=32, max_total_tokens=None, tool_timeout_s=5.0,
-      traj_tool_timeout_s=15.0, decode_steps=8))
+      traj_tool_timeout_s=15.0, decode_steps=8,
+      max_prompt_tokens=None))  # longest prompt decoded (None: what fits); the fit check plans it
   c.loss = ml_collections.ConfigDict(dict(
       algo="grpo", agg="token_mean", clip_low=0.2, clip_high=0.28, dual_clip=None,
       kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, max_len_norm=None))
