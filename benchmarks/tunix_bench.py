@@ -218,6 +218,29 @@ algo_config = grpo_learner.GRPOConfig(num_generations=8, num_iterations=1,
 algo_config.temperature = 1.0
 PAD, EOS = 0, 1
 
+
+
+def grpo_optimizer(model, k):
+  """AdamW (lr 1e-6, b2 0.99, weight decay 0.1) after global-norm clipping, applied once every
+  k micro-steps (optax.MultiSteps), as Tunix's trainer sets up gradient accumulation."""
+  tx = optax.MultiSteps(
+      optax.chain(optax.clip_by_global_norm(1.0),
+                  optax.adamw(1e-6, b1=0.9, b2=0.99, weight_decay=0.1)),
+      every_k_schedule=k)
+  return nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def grpo_micro_step(model, optimizer, ex):
+  def loss_fn(m):
+    return algo_core.grpo_loss_fn(m, ex, algo_config, pad_id=PAD, eos_id=EOS)
+  (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+  gnorm = optax.global_norm(grads)
+  optimizer.update(model, grads)
+  return loss, gnorm, aux["kl"]
+
+
+jit_micro_step = nnx.jit(grpo_micro_step, donate_argnames=("optimizer",))
+
 rng = np.random.default_rng(1)
 prompt_ids = rng.integers(2, cfg.vocab_size, (TRAIN_B, TRAIN_P)).astype(np.int32)
 completion_ids = rng.integers(2, cfg.vocab_size, (TRAIN_B, TRAIN_C)).astype(np.int32)
@@ -267,25 +290,10 @@ for mb, remat in ([] if args.only_e2e or args.only_sampler else MB_ATTEMPTS):
           old_per_token_logps=None,
       ))
 
-    tx = optax.MultiSteps(
-        optax.chain(optax.clip_by_global_norm(1.0),
-                    optax.adamw(1e-6, b1=0.9, b2=0.99, weight_decay=0.1)),
-        every_k_schedule=k)
-    opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-    def train_step(model, optimizer, ex):
-      def loss_fn(m):
-        return algo_core.grpo_loss_fn(m, ex, algo_config, pad_id=PAD,
-                                      eos_id=EOS)
-      (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-      gnorm = optax.global_norm(grads)
-      optimizer.update(model, grads)
-      return loss, gnorm, aux["kl"]
-
-    jstep = nnx.jit(train_step, donate_argnames=("optimizer",))
+    opt = grpo_optimizer(model, k)
 
     def full_step():
-      outs = [jstep(model, opt, ex) for ex in examples]
+      outs = [jit_micro_step(model, opt, ex) for ex in examples]
       return jax.block_until_ready(outs)
 
     t = time.time()
@@ -343,20 +351,7 @@ def e2e():
   kw = dict(max_generation_steps=GEN_LEN, max_prompt_length=PROMPT_LEN, echo=False,
             temperature=1.0, top_p=1.0, top_k=None, eos_tokens=[cfg.vocab_size + 7],
             pad_output=False, return_logprobs=False)
-  tx = optax.MultiSteps(
-      optax.chain(optax.clip_by_global_norm(1.0),
-                  optax.adamw(1e-6, b1=0.9, b2=0.99, weight_decay=0.1)),
-      every_k_schedule=k)
-  opt = nnx.Optimizer(model, tx, wrt=nnx.Param)
-
-  def train_step(model, optimizer, ex):
-    def loss_fn(m):
-      return algo_core.grpo_loss_fn(m, ex, algo_config, pad_id=PAD, eos_id=EOS)
-    (loss, aux), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    optimizer.update(model, grads)
-    return loss
-
-  jstep = nnx.jit(train_step, donate_argnames=("optimizer",))
+  opt = grpo_optimizer(model, k)
 
   def iteration(seed):
     t0 = time.time()
@@ -385,7 +380,7 @@ def e2e():
           completion_mask=jnp.ones((mb, GEN_LEN), jnp.int32),
           advantages=jnp.asarray(adv[sl]), ref_per_token_logps=ref[i],
           old_per_token_logps=None)
-      outs.append(jstep(model, opt, ex))
+      outs.append(jit_micro_step(model, opt, ex))
     jax.block_until_ready(outs)
     t3 = time.time()
     log(f"e2e iteration seed={seed}: {t3 - t0:.2f}s (rollout {t1 - t0:.2f}s, ref "
