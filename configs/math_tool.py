@@ -29,24 +29,16 @@ Expected:
   qwen (not measured): a Qwen2.5-1.5B-Instruct start should use the interpreter after SFT and
     reach a clearly higher pass@1.
 """
-import importlib.util
 import pathlib
 
 import ml_collections
 
-
-def _quickstart_config() -> ml_collections.ConfigDict:
-  """`configs/quickstart.py`'s default config, loaded from beside this file."""
-  path = pathlib.Path(__file__).with_name("quickstart.py")
-  spec = importlib.util.spec_from_file_location("jaxagent_quickstart_config", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
+from jaxagent.config_files import load_config
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # Model, mesh, loss, optimizer, logging and checkpoints as in the quickstart.
-  c = _quickstart_config()
+  c = load_config(pathlib.Path(__file__).with_name("quickstart.py"))
   c.workdir = "runs/math_tool"
   c.total_steps = 8
 

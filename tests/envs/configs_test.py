@@ -1,6 +1,6 @@
 """configs/math_tool.py, search_qa.py, code.py: every variant has the quickstart's keys and
 settings its task accepts; the tiny variant of each runs end to end on a CPU."""
-import importlib.util
+import importlib
 import inspect
 import json
 import os
@@ -11,6 +11,7 @@ import sys
 import ml_collections
 import pytest
 
+from jaxagent.config_files import load_config_module
 from jaxagent.envs import REGISTRY, make_env
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -21,10 +22,7 @@ OUTCOME = {"math_tool": "correct", "search_qa": "exact_match", "code": "tests"}
 
 
 def _load(name: str):
-  spec = importlib.util.spec_from_file_location(f"config_{name}", ROOT / "configs" / f"{name}.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
+  return load_config_module(ROOT / "configs" / f"{name}.py")
 
 
 def _keys(cfg: ml_collections.ConfigDict, prefix="") -> set[str]:
@@ -61,14 +59,12 @@ def test_variants_have_the_quickstart_layout(name):
 # The tiny runs go in one fresh interpreter with a single CPU device: under this suite's 8 fake
 # devices every step would be sharded 8 ways over two cores, several times slower.
 _RUN_TINY = """
-import importlib.util, json, sys, traceback
+import json, sys, traceback
+from jaxagent.config_files import load_config
 from jaxagent.trainer import Trainer
 root, out, names = sys.argv[1], sys.argv[2], sys.argv[3:]
 for name in names:
-    spec = importlib.util.spec_from_file_location(name, f"{root}/configs/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    cfg = module.get_config("tiny")
+    cfg = load_config(f"{root}/configs/{name}.py", "tiny")
     cfg.workdir = f"{out}/{name}"
     if name == "search_qa":
         cfg.env.kwargs.data_dir = f"{out}/tfds"
