@@ -23,7 +23,7 @@ _ROWS = 64  # query rows per program, at most
 # Tuning of the kernel's launch: keys block_k, num_warps, num_stages, low_precision_dot (1:
 # the two products take the cache's dtype with float32 accumulation instead of float32
 # inputs). Set by `JAXAGENT_DECODE_KERNEL="block_k=128,num_warps=8"` for sweeps
-# (benchmarks/generate.py --kernels); read when a program is traced.
+# (benchmarks/generate.py --variants); read when a program is traced.
 # Defaults: the fastest of a sweep on an H200 (Qwen3-0.6B shape, 256 slots; RESULTS.md).
 DEFAULT_TUNING = dict(block_k=64, num_warps=4, num_stages=3, low_precision_dot=1)
 

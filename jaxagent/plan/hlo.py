@@ -366,8 +366,8 @@ class _Traffic:
       if ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1 \
           and ins.operands[1] in table:
         total += table[ins.operands[1]].nbytes
-      elif ins.opcode == "scatter" and _scatter_updates(ins, table) is not None:
-        total += _scatter_updates(ins, table)
+      elif ins.opcode == "scatter" and (upd := _scatter_updates(ins, table)) is not None:
+        total += upd
       else:
         total += ins.nbytes
     return total
@@ -460,8 +460,8 @@ def analyze(text: str, mesh_shape: Sequence[int] | None = None,
       elif ins.opcode == "dynamic-update-slice" and len(ins.operands) > 1:
         upd = shapes.get(ins.operands[1])
         nbytes += m * 2 * (upd.nbytes if upd else 0.0)
-      elif ins.opcode == "scatter" and _scatter_updates(ins, shapes) is not None:
-        nbytes += m * 2 * _scatter_updates(ins, shapes)
+      elif ins.opcode == "scatter" and (upd_bytes := _scatter_updates(ins, shapes)) is not None:
+        nbytes += m * 2 * upd_bytes
       elif ins.opcode.endswith("-start") and base not in colls:
         nbytes += m * 2 * sum(shapes[o].nbytes for o in ins.operands if o in shapes)
       else:

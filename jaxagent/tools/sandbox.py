@@ -242,6 +242,10 @@ def _kill_live_sandboxes() -> None:
         proc.close()
 
 
+# Whether this kernel lists each thread's children in /proc (CONFIG_PROC_CHILDREN).
+_PROC_CHILDREN = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
 def _descendants(pid: int) -> list[psutil.Process]:
     """The live descendants of `pid`, parents before children.
 
@@ -250,7 +254,7 @@ def _descendants(pid: int) -> list[psutil.Process]:
     processes, and a rollout polls hundreds of sandboxes once a second each, under the GIL.
     Falls back to psutil where the kernel lacks those files.
     """
-    if not os.path.exists(f"/proc/{pid}/task"):
+    if not _PROC_CHILDREN:
         try:
             return psutil.Process(pid).children(recursive=True)
         except psutil.Error:
@@ -261,25 +265,20 @@ def _descendants(pid: int) -> list[psutil.Process]:
         parent = queue.pop(0)
         try:
             tids = os.listdir(f"/proc/{parent}/task")
-        except OSError:
+        except OSError:  # exited
             continue
-        kids: list[int] = []
         for tid in tids:
             try:
                 with open(f"/proc/{parent}/task/{tid}/children") as f:
-                    kids.extend(int(k) for k in f.read().split())
-            except (OSError, ValueError):
-                if tid == str(parent) and not kids:  # no `children` files: use psutil
-                    try:
-                        return psutil.Process(pid).children(recursive=True)
-                    except psutil.Error:
-                        return []
-        for k in kids:
-            try:
-                out.append(psutil.Process(k))
-            except psutil.Error:
+                    kids = [int(k) for k in f.read().split()]
+            except (OSError, ValueError):  # the thread exited
                 continue
-            queue.append(k)
+            for k in kids:
+                try:
+                    out.append(psutil.Process(k))
+                except psutil.Error:
+                    continue
+                queue.append(k)
     return out
 
 
