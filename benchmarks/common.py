@@ -54,3 +54,30 @@ def emit(name: str, record: bool = False, **fields) -> dict:
     with open(RESULTS, "a") as f:
       f.write(f"\n<!-- {name} -->\n`{json.dumps(row)}`\n")
   return row
+
+
+def grpo_batch(cfg, rows: int, prompt: int, gen: int) -> dict:
+  """Random `[rows, prompt + gen]` GRPO rows: loss on the `gen` completion tokens, one advantage
+  per row, the sampler's log-probs a constant (-11.9); no `ref_logps`."""
+  import numpy as np
+  rng = np.random.default_rng(1)
+  length = prompt + gen
+  mask = np.concatenate([np.zeros((rows, prompt)), np.ones((rows, gen))], 1).astype(np.float32)
+  return {
+      "tokens": rng.integers(2, cfg.vocab_size, (rows, length)).astype(np.int32),
+      "segment_ids": np.ones((rows, length), np.int32),
+      "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (rows, length)).copy(),
+      "loss_mask": mask,
+      "advantages": np.repeat(rng.standard_normal((rows, 1)), length, 1).astype(np.float32),
+      "old_logps": np.where(mask > 0, -11.9, 0.0).astype(np.float32),
+  }
+
+
+def grpo_learner(cfg, micro_batches: int, mesh=None):
+  """The learner of the peer comparison's GRPO step, as the Tunix harness sets its own: k3 KL
+  at 0.04, AdamW (lr 1e-6, b2 0.99, weight decay 0.1) after clipping the global norm at 1."""
+  from jaxagent.rl import losses, step
+  scfg = step.StepConfig(loss=losses.LossConfig(kl_coef=0.04, kl_estimator="k3"),
+                         micro_batches=micro_batches, entropy=False)
+  opt = step.make_optimizer(1e-6, weight_decay=0.1, b2=0.99, max_grad_norm=1.0)
+  return step.Learner(cfg, scfg, opt, mesh)

@@ -28,12 +28,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from benchmarks.common import emit, peaks, timeit
+from benchmarks.common import emit, grpo_batch, grpo_learner, peaks, timeit
 from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.generate.scheduler import run_requests
 from jaxagent.models import decoder
-from jaxagent.rl import advantages, losses, step
+from jaxagent.rl import advantages
 
 PROMPT, GEN, TRAIN_B, MODEL = 128, 512, 64, "qwen3-0.6b"
 
@@ -74,21 +74,8 @@ def our_decode(cfg, params, batch, steps, layout="stacked"):
 
 
 def our_update(cfg, micro_batches):
-  rng = np.random.default_rng(1)
-  L = PROMPT + GEN
-  batch = {
-      "tokens": rng.integers(2, cfg.vocab_size, (TRAIN_B, L)).astype(np.int32),
-      "segment_ids": np.ones((TRAIN_B, L), np.int32),
-      "positions": np.broadcast_to(np.arange(L, dtype=np.int32), (TRAIN_B, L)).copy(),
-      "loss_mask": np.concatenate([np.zeros((TRAIN_B, PROMPT)), np.ones((TRAIN_B, GEN))],
-                                  1).astype(np.float32),
-      "advantages": np.repeat(rng.standard_normal((TRAIN_B, 1)), L, 1).astype(np.float32),
-  }
-  batch["old_logps"] = np.where(batch["loss_mask"] > 0, -11.9, 0.0).astype(np.float32)
-  scfg = step.StepConfig(loss=losses.LossConfig(kl_coef=0.04, kl_estimator="k3"),
-                         micro_batches=micro_batches, entropy=False)
-  opt = step.make_optimizer(1e-6, weight_decay=0.1, b2=0.99, max_grad_norm=1.0)
-  learner = step.Learner(cfg, scfg, opt)
+  batch = grpo_batch(cfg, TRAIN_B, PROMPT, GEN)
+  learner = grpo_learner(cfg, micro_batches)
   new_params = lambda: jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(1))
   st = [learner.init(new_params())]
   ref, _ = learner.score(st[0].params, batch)
@@ -114,10 +101,7 @@ def our_e2e(cfg, prompts_n, group, micro_batches, slots, steps, layout):
   rng = np.random.default_rng(2)
   uniq = rng.integers(2, cfg.vocab_size, (prompts_n, PROMPT))
   prompts = np.repeat(uniq, group, 0).tolist()
-  scfg = step.StepConfig(loss=losses.LossConfig(kl_coef=0.04, kl_estimator="k3"),
-                         micro_batches=micro_batches, entropy=False)
-  learner = step.Learner(cfg, scfg, step.make_optimizer(1e-6, weight_decay=0.1, b2=0.99,
-                                                        max_grad_norm=1.0))
+  learner = grpo_learner(cfg, micro_batches)
   new_params = jax.jit(lambda k: models.init_params(cfg, k))
   st = [learner.init(new_params(jax.random.key(2)))]
   ref_params = new_params(jax.random.key(2))

@@ -27,36 +27,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from benchmarks.common import emit, peaks, timeit
+from benchmarks.common import emit, grpo_batch, grpo_learner, peaks, timeit
 from jaxagent import models
 from jaxagent import sharding as shd
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
-from jaxagent.rl import losses, step
-
-
-def update_batch(cfg, b, prompt, gen):
-  rng = np.random.default_rng(1)
-  length = prompt + gen
-  mask = np.concatenate([np.zeros((b, prompt)), np.ones((b, gen))], 1).astype(np.float32)
-  return {
-      "tokens": rng.integers(2, cfg.vocab_size, (b, length)).astype(np.int32),
-      "segment_ids": np.ones((b, length), np.int32),
-      "positions": np.broadcast_to(np.arange(length, dtype=np.int32), (b, length)).copy(),
-      "loss_mask": mask,
-      "advantages": np.repeat(rng.standard_normal((b, 1)), length, 1).astype(np.float32),
-      "old_logps": np.where(mask > 0, -11.9, 0.0).astype(np.float32),
-      "ref_logps": np.where(mask > 0, -12.0, 0.0).astype(np.float32),
-  }
 
 
 def time_update(cfg, mesh, args):
-  scfg = step.StepConfig(loss=losses.LossConfig(kl_coef=0.04, kl_estimator="k3"),
-                         micro_batches=args.micro_batches, entropy=False)
-  opt = step.make_optimizer(1e-6, weight_decay=0.1, b2=0.99, max_grad_norm=1.0)
-  learner = step.Learner(cfg, scfg, opt, mesh)
+  learner = grpo_learner(cfg, args.micro_batches, mesh)
   st = [learner.init(shd.init_sharded(lambda k: models.init_params(cfg, k), mesh,
                                       jax.random.key(1)))]
-  dev = learner.put_batch(update_batch(cfg, args.batch, args.prompt, args.gen))
+  batch = grpo_batch(cfg, args.batch, args.prompt, args.gen)
+  batch["ref_logps"] = np.where(batch["loss_mask"] > 0, -12.0, 0.0).astype(np.float32)
+  dev = learner.put_batch(batch)
   train = learner.train_step_fn(st[0])
 
   def one():
