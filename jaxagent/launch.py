@@ -40,6 +40,11 @@ _FIT_CHECK = flags.DEFINE_enum(
     "fit_check", "auto", ["auto", "on", "off"],
     "Compile every program for the devices before the first step and stop if one does not fit "
     "(jaxagent.plan.check_fit). auto: on TPU/GPU, skipped on CPU; on: also on CPU (report only).")
+_COMPILE_CACHE = flags.DEFINE_string(
+    "compile_cache", "auto",
+    "JAX's persistent compilation cache: auto (on GPU/TPU, in $JAXAGENT_COMPILE_CACHE or "
+    "~/.cache/jaxagent/xla), on (also on CPU), off, or a directory. A rerun or a resumed run "
+    "then loads the programs it compiled before instead of compiling them again.")
 
 
 def init_runtime(coordinator_address=None, num_processes=None, process_id=None) -> bool:
@@ -66,6 +71,10 @@ def main(argv):
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes
   init_runtime(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  from jaxagent import compile_stats
+  cache = compile_stats.enable_persistent_cache(_COMPILE_CACHE.value)
+  if cache is not None:
+    logging.info("persistent compilation cache: %s", cache)
   from jaxagent import plan
   try:
     plan.check_fit(_CONFIG.value, _FIT_CHECK.value)

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxagent import checkpoint, models, sharding
+from jaxagent import checkpoint, compile_stats, models, sharding
 from jaxagent.agent.env import Env, Example
 from jaxagent.agent.rollout import RolloutConfig, RolloutDriver, rollout_metrics
 from jaxagent.agent.trajectory import Trajectory, demonstration_trajectory
@@ -172,6 +172,12 @@ def _broadcast_from_lead(obj):
   return pickle.loads(np.asarray(multihost_utils.broadcast_one_to_all(buf)).tobytes())
 
 
+def _compile_metrics(d: compile_stats.CompileCounts, count: str, seconds: str,
+                     hits: str) -> dict[str, float]:
+  """XLA compilations of one step or eval (`jaxagent.compile_stats`) under the given keys."""
+  return {count: d.count, seconds: d.seconds, hits: d.cache_hits}
+
+
 def _to_host(tree):
   """Host NumPy copies of (possibly multi-host sharded) arrays: a collective on multi-host."""
   if jax.process_count() == 1:
@@ -208,6 +214,7 @@ class Trainer:
   def __init__(self, config):
     self.config = config
     c = config
+    compile_stats.install()
     self.time_limit_s = _time_limit_s(c.train)  # checked first: a bad value fails fast
     self.workdir = pathlib.Path(c.workdir)
     self.cfg, params, self.tok = load_model(c.model)
@@ -283,7 +290,7 @@ class Trainer:
     exs = self.eval_examples
     if not exs:
       return {}
-    t0 = time.time()
+    t0, c0 = time.time(), compile_stats.snapshot()
     trajs = self.greedy.run(params, exs, num_samples=1, seed=self.config.seed,
                             request_id_offset=0)
     ok = np.array([self._success(tr, ex) for tr, ex in zip(trajs, exs)], float)
@@ -299,6 +306,8 @@ class Trainer:
       out[f"{tag}/pass@{e.pass_k}"] = float(np.mean([_pass_at_k(e.pass_k, int(ci), e.pass_k)
                                                      for ci in c]))
     out[f"{tag}/time_s"] = time.time() - t0
+    out.update(_compile_metrics(compile_stats.snapshot() - c0, f"{tag}/compiles",
+                                f"{tag}/compile_s", f"{tag}/compile_cache_hits"))
     return out
 
   def _success(self, traj: Trajectory, ex: Example) -> bool:
@@ -396,7 +405,7 @@ class Trainer:
 
   def rl_step(self, step: int) -> dict[str, float]:
     """One RL step: rollouts and packing (`_collect`), reference log-probs, updates."""
-    t0 = time.time()
+    t0, c0 = time.time(), compile_stats.snapshot()
     metrics, batch = self._on_lead(self._collect, step, self._generator_params())
     t1 = time.time()
     if batch is not None:
@@ -410,6 +419,8 @@ class Trainer:
       metrics["train/skipped_no_signal"] = 1.0
     metrics["time/update_s"] = time.time() - t1
     metrics["time/step_s"] = time.time() - t0
+    metrics.update(_compile_metrics(compile_stats.snapshot() - c0, "compile/count",
+                                    "time/compile_s", "compile/cache_hits"))
     return metrics
 
   def _collect(self, step: int, params) -> tuple[dict[str, float], dict[str, np.ndarray] | None]:

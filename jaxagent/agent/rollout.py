@@ -160,10 +160,6 @@ class _Job:
   prompt: list[int]
 
 
-def _pow2(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
-
-
 def _clean_text(text: str) -> str:
   """Text the tokenizer can encode: lone surrogates (e.g. from JSON escapes) become '?'."""
   return text.encode("utf-8", "replace").decode("utf-8")
@@ -316,11 +312,10 @@ class _Run:
 
   # ------------------------------------------------------------------ device calls
   def _flush_rewinds(self) -> None:
-    """Freeze host-stopped slots at their stop token (padded to a power of two: bounded compiles)."""
+    """Freeze host-stopped slots at their stop token (the engine pads the batch to a bucket)."""
     if not self.rewinds:
       return
     rw, self.rewinds = self.rewinds, []
-    rw += [rw[0]] * (_pow2(len(rw)) - len(rw))  # duplicates write identical values
     slots, lengths, tokens = (np.asarray(x, np.int32) for x in zip(*rw))
     self.state = self.engine.update_slots(self.state, slots, lengths=lengths, tokens=tokens,
                                           active=False, remaining=0)
@@ -332,11 +327,10 @@ class _Run:
     jobs = [self.queue.popleft() for _ in range(n)]
     slots = [self.free.pop() for _ in jobs]
     t = time.perf_counter()
-    prefix = self.engine.prefill(self.params, [j.prompt for j in jobs],
-                                 [j.traj.request_id for j in jobs], self.seed,
-                                 [self.cfg.max_tokens_per_turn] * n, [self.d.limit] * n)
-    self.state = self.engine.insert(prefix, self.state, slots)
-    toks, lps, done = jax.device_get((prefix.tokens, prefix.logprobs, prefix.done))
+    self.state, (toks, lps, done) = self.engine.prefill_insert(
+        self.params, self.state, [j.prompt for j in jobs], slots,
+        [j.traj.request_id for j in jobs], self.seed, [self.cfg.max_tokens_per_turn] * n,
+        [self.d.limit] * n)
     self.stats.prefill_s += time.perf_counter() - t
     self.stats.prefill_calls += 1
     self.stats.decoded_tokens += n

@@ -84,13 +84,22 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
   raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+def _pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
   out, b = [], lo
   while b < hi:
     out.append(b)
-    b *= 2
+    b *= factor
   out.append(hi)
   return tuple(out)
+
+
+def _count_bucket(n: int, limit: int) -> int:
+  """Rows a batch of `n` requests is padded to: powers of 4 up to the power of two >= `limit`
+  (1, 4, 16, 64, 256, ...). Every distinct row count is a separate compiled program of the
+  whole model, and a rollout sees nearly every count from 1 to the slot count as requests
+  finish, so coarse row buckets bound compilation (padded rows cost little compute)."""
+  cap = 1 << max(0, (max(n, limit) - 1).bit_length())
+  return _bucket(n, _pow2_buckets(1, cap, factor=4))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -169,6 +178,9 @@ class Engine:
     page = -(-self.ecfg.page // m) * m
     self.kv_buckets = tuple(sorted({min(self.cache_len, page * i)
                                     for i in range(1, -(-self.cache_len // page) + 1)}))
+    # Append (a tool observation into some slots) is rarer than a decode step and its program
+    # is bucketed on rows and chunk length too: doubling live-KV buckets keep its compiles few.
+    self.append_kv_buckets = _pow2_buckets(min(page, self.cache_len), self.cache_len)
     on_mesh = lambda fn: shd.on_mesh(fn, mesh)
     self._jit_generate = jax.jit(on_mesh(self._generate), static_argnames=("steps", "kv_len"),
                                  donate_argnames=("state",))
@@ -278,6 +290,31 @@ class Engine:
     `max_new_tokens` is the budget of the first turn (default: until the cache is full);
     `max_total_len` caps the whole sequence (default: the cache length).
     """
+    pre, n = self._prefill_padded(params, prompts, request_ids, seeds, max_new_tokens,
+                                  max_total_len)
+    return jax.tree.map(lambda x: x[:, :n] if x.ndim == 5 else x[:n], pre)
+
+  def prefill_insert(self, params, state: DecodeState, prompts: Sequence[Sequence[int]],
+                     slots, request_ids: Sequence[int], seeds: Sequence[int] | int = 0,
+                     max_new_tokens: Sequence[int] | int | None = None,
+                     max_total_len: Sequence[int] | int | None = None):
+    """`prefill` then `insert` into `slots`, without cutting the padded batch to `len(prompts)`
+    rows in between (padding rows are dropped by the insert): one prefill and one insert
+    program per bucket instead of an insert per distinct prompt count. Returns
+    (state, (first tokens, logprobs, stop codes)) as host arrays of `len(prompts)` rows."""
+    slots = np.atleast_1d(np.asarray(slots, np.int32))
+    if len(slots) != len(prompts):
+      raise ValueError(f"prefill_insert: {len(prompts)} prompts but {len(slots)} slots")
+    self._check_slots(slots, "prefill_insert")
+    pre, n = self._prefill_padded(params, prompts, request_ids, seeds, max_new_tokens,
+                                  max_total_len)
+    rows = np.full((pre.lengths.shape[0],), self.ecfg.slots, np.int32)  # out of range: dropped
+    rows[:n] = slots
+    state = self._jit_insert(pre, state, rows)
+    tok, lp, done = jax.device_get((pre.tokens, pre.logprobs, pre.done))
+    return state, (tok[:n], lp[:n], done[:n])
+
+  def _prefill_padded(self, params, prompts, request_ids, seeds, max_new_tokens, max_total_len):
     n = len(prompts)
     if n == 0:
       raise ValueError("prefill needs at least one prompt")
@@ -288,7 +325,7 @@ class Engine:
       raise ValueError(f"prompt of {max(lens)} tokens does not fit the engine's max_len "
                        f"{self.ecfg.max_len} (at least one new token must fit)")
     t = _bucket(max(lens), self.ecfg.prefill_buckets)
-    b = _bucket(n, _pow2_buckets(1, max(n, 1 << max(0, (n - 1).bit_length()))))
+    b = _count_bucket(n, self.ecfg.slots)
     toks = np.zeros((b, t), np.int32)
     for i, p in enumerate(prompts):
       toks[i, :len(p)] = p
@@ -307,8 +344,7 @@ class Engine:
     sds = per(seeds if not isinstance(seeds, int) else [seeds] * n, 0, np.uint32)
     if np.any(budgets[:n] <= 0):
       raise ValueError("max_new_tokens must be >= 1")
-    pre = self._jit_prefill(params, toks, lengths, rids, sds, budgets, limits)
-    return jax.tree.map(lambda x: x[:, :n] if x.ndim == 5 else x[:n], pre)
+    return self._jit_prefill(params, toks, lengths, rids, sds, budgets, limits), n
 
   def _insert(self, prefix: Prefix, state: DecodeState, slots):
     t = prefix.k.shape[2]
@@ -316,14 +352,15 @@ class Engine:
       raise ValueError("prefix longer than the cache")
     if self.per_layer:
       put = lambda cache, new: tuple(
-          c.at[slots, :, :t].set(new[l].transpose(0, 2, 1, 3).astype(c.dtype))
+          c.at[slots, :, :t].set(new[l].transpose(0, 2, 1, 3).astype(c.dtype), mode="drop")
           for l, c in enumerate(cache))
       k, v = put(state.k, prefix.k), put(state.v, prefix.v)
     else:
       head_major = lambda x: x.transpose(0, 1, 3, 2, 4).astype(state.k.dtype)
-      k = state.k.at[:, slots, :, :t].set(head_major(prefix.k))
-      v = state.v.at[:, slots, :, :t].set(head_major(prefix.v))
-    upd = lambda a, b: a.at[slots].set(b.astype(a.dtype))
+      k = state.k.at[:, slots, :, :t].set(head_major(prefix.k), mode="drop")
+      v = state.v.at[:, slots, :, :t].set(head_major(prefix.v), mode="drop")
+    # Slot index `slots` (one past the last) marks a padding row: "drop" discards its writes.
+    upd = lambda a, b: a.at[slots].set(b.astype(a.dtype), mode="drop")
     return self._constrain(state.replace(
         k=k, v=v, lengths=upd(state.lengths, prefix.lengths),
         tokens=upd(state.tokens, prefix.tokens),
@@ -337,9 +374,12 @@ class Engine:
     slots = np.atleast_1d(np.asarray(slots, np.int32))
     if len(slots) != prefix.lengths.shape[0]:
       raise ValueError(f"insert: {prefix.lengths.shape[0]} prefixes but {len(slots)} slots")
-    if slots.min() < 0 or slots.max() >= self.ecfg.slots:
-      raise ValueError(f"insert: slot out of range [0, {self.ecfg.slots}): {slots.tolist()}")
+    self._check_slots(slots, "insert")
     return self._jit_insert(prefix, state, slots)
+
+  def _check_slots(self, slots: np.ndarray, what: str) -> None:
+    if slots.min() < 0 or slots.max() >= self.ecfg.slots:
+      raise ValueError(f"{what}: slot out of range [0, {self.ecfg.slots}): {slots.tolist()}")
 
   # ------------------------------------------------------------------ decode
   def _step(self, params, state: DecodeState, kv_len: int):
@@ -422,7 +462,7 @@ class Engine:
     n = max(len(o) for o in observations) + 1
     nb = _bucket(n, _pow2_buckets(8, max(8, 1 << (n - 1).bit_length())))
     b = len(slots)
-    bb = _bucket(b, _pow2_buckets(1, max(1, 1 << (b - 1).bit_length())))
+    bb = _count_bucket(b, self.ecfg.slots)
     chunk = np.zeros((bb, nb), np.int32)
     lens = np.ones((bb,), np.int32)
     for i, o in enumerate(observations):
@@ -438,7 +478,8 @@ class Engine:
       budgets[:b] = max_new_tokens
     budgets[b:] = budgets[0]
     kv_len = (self.cache_len if cached_lens is None
-              else self.kv_len_for(int(np.max(cached_lens))))
+              else _bucket(max(1, min(int(np.max(cached_lens)), self.cache_len)),
+                           self.append_kv_buckets))
     state, (tok, lp, code) = self._jit_append(params, state, pad_slots, chunk, lens, budgets,
                                               kv_len=kv_len)
     return state, (tok[:b], lp[:b], code[:b])
@@ -456,10 +497,15 @@ class Engine:
     """Set slots' cached length, pending token and activity (rewind after a host-side stop)."""
     slots = np.atleast_1d(np.asarray(slots, np.int32))
     k = len(slots)
-    arr = lambda x, dt: np.broadcast_to(np.asarray(x, dt), (k,)).copy()
+    kb = 1 << max(0, (k - 1).bit_length())  # a power of two: one program per bucket
+
+    def arr(x, dt):
+      a = np.broadcast_to(np.asarray(x, dt), (k,))
+      return np.concatenate([a, np.repeat(a[:1], kb - k)])  # duplicates write equal values
+
     rem = arr(self.ecfg.max_len if remaining is None else remaining, np.int32)
-    return self._jit_update(state, slots, arr(lengths, np.int32), arr(tokens, np.int32),
-                            arr(active, bool), rem)
+    return self._jit_update(state, arr(slots, np.int32), arr(lengths, np.int32),
+                            arr(tokens, np.int32), arr(active, bool), rem)
 
   def free_slots(self, state: DecodeState, slots) -> DecodeState:
     """Deactivate slots (their cache is reused by the next insert)."""

@@ -140,11 +140,9 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
     if queue and free:
       batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
       slots = [free.pop() for _ in batch]
-      prefix = engine.prefill(params, [prompts[i] for i in batch],
-                              [request_ids[i] for i in batch], seed,
-                              [budgets[i] for i in batch])
-      state = engine.insert(prefix, state, slots)
-      toks, lps, done = jax.device_get((prefix.tokens, prefix.logprobs, prefix.done))
+      state, (toks, lps, done) = engine.prefill_insert(
+          params, state, [prompts[i] for i in batch], slots, [request_ids[i] for i in batch],
+          seed, [budgets[i] for i in batch])
       host_stopped = []
       for j, (slot, i) in enumerate(zip(slots, batch)):
         live[slot] = _Live(i, request_ids[i], cached=len(prompts[i]))

@@ -142,6 +142,12 @@ class FakeEngine:
     prefix.tokens, prefix.logprobs, prefix.done = np.array(toks), np.array(lps), np.array(done)
     return state
 
+  def prefill_insert(self, params, state, prompts, slots, request_ids, seeds=0,
+                     max_new_tokens=None, max_total_len=None):
+    prefix = self.prefill(params, prompts, request_ids, seeds, max_new_tokens, max_total_len)
+    state = self.insert(prefix, state, slots)
+    return state, (prefix.tokens, prefix.logprobs, prefix.done)
+
   def generate(self, params, state, steps=1, kv_len=None):
     self.calls["generate"] += 1
     s_n = self.ecfg.slots
@@ -603,16 +609,13 @@ class RecordingEngine:
   def init_decode_state(self):
     return self.engine.init_decode_state()
 
-  def prefill(self, params, prompts, request_ids, *a, **k):
-    self._pending_rids = list(request_ids)
-    return self.engine.prefill(params, prompts, request_ids, *a, **k)
-
-  def insert(self, prefix, state, slots):
-    toks, lps = jax.device_get((prefix.tokens, prefix.logprobs))
-    for s, rid, t, lp in zip(np.atleast_1d(slots), self._pending_rids, toks, lps):
+  def prefill_insert(self, params, state, prompts, slots, request_ids, *a, **k):
+    state, (toks, lps, done) = self.engine.prefill_insert(params, state, prompts, slots,
+                                                          request_ids, *a, **k)
+    for s, rid, t, lp in zip(np.atleast_1d(slots), request_ids, toks, lps):
       self.slot_rid[int(s)] = rid
       self.segments.setdefault(rid, []).append([(int(t), float(lp))])
-    return self.engine.insert(prefix, state, slots)
+    return state, (toks, lps, done)
 
   def generate(self, params, state, steps=1, kv_len=None):
     state, out = self.engine.generate(params, state, steps=steps, kv_len=kv_len)

@@ -180,3 +180,48 @@ def test_per_layer_cache_on_a_mesh_matches_single_device(params):
   for a, b in zip(*outs):
     assert a.tokens == b.tokens
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+def test_prefill_insert_drops_padding_rows_and_bounds_compiles(params, layout):
+  """`prefill_insert` pads the batch to a row bucket and the insert drops the padding rows:
+  the slots it fills hold what `prefill` + `insert` put there, the other slots are untouched,
+  and prompt counts 1..8 compile at most one insert per row bucket (1, 4, 8), not eight."""
+  eng = Engine(CFG, EngineConfig(slots=8, max_len=64, cache_layout=layout))
+  prompts = _prompts(3, seed=5)
+  base = eng.prefill_insert(params, eng.init_decode_state(), _prompts(8, seed=6), list(range(8)),
+                            list(range(100, 108)))[0]
+  copy = lambda st: jax.tree.map(jnp.copy, st)  # insert donates the state it is given
+  want = eng.insert(eng.prefill(params, prompts, [1, 2, 3]), copy(base), [6, 1, 3])
+  got, (tok, lp, done) = eng.prefill_insert(params, copy(base), prompts, [6, 1, 3], [1, 2, 3])
+  assert len(tok) == len(lp) == len(done) == 3
+  assert np.asarray(got.tokens)[[6, 1, 3]].tolist() == tok.tolist()
+  for a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  # Slots 0, 2, 4, 5, 7 kept the first batch's contents, cache included.
+  keep = [0, 2, 4, 5, 7]
+  np.testing.assert_array_equal(np.asarray(got.lengths)[keep], np.asarray(base.lengths)[keep])
+  before = eng._jit_insert._cache_size()
+  for n in range(1, 9):  # one prompt-length bucket, eight prompt counts
+    eng.prefill_insert(params, eng.init_decode_state(), _prompts(n, seed=n, lo=10, hi=12),
+                       list(range(n)), list(range(n)))
+  assert eng._jit_insert._cache_size() - before <= 3
+  with pytest.raises(ValueError, match="slot out of range"):
+    eng.prefill_insert(params, base, prompts[:1], [8], [0])
+
+
+def test_append_and_update_compile_per_bucket_not_per_count(params):
+  """Appends into 1..8 slots compile per row bucket (1, 4, 8); host-side slot updates per
+  power of two."""
+  eng = Engine(CFG, EngineConfig(slots=8, max_len=128))
+  state = eng.prefill_insert(params, eng.init_decode_state(), _prompts(8, seed=2, hi=20),
+                             list(range(8)), list(range(8)))[0]
+  lengths = np.asarray(state.lengths)
+  for n in range(1, 9):
+    slots = list(range(n))
+    state = eng.update_slots(state, slots, lengths=lengths[:n], tokens=np.asarray(state.tokens)[:n],
+                             active=False)
+    state, _ = eng.append(params, state, slots, [[5, 6, 7]] * n, cached_lens=lengths[:n])
+    lengths = np.asarray(state.lengths)
+  assert eng._jit_append._cache_size() <= 3
+  assert eng._jit_update._cache_size() <= 4

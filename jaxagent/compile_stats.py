@@ -1,0 +1,107 @@
+"""How much of a run went into XLA compilation: a process-wide count from `jax.monitoring`.
+
+Every distinct shape a jitted program sees is a separate compilation, and on a GPU a program
+of the whole model (the generator's prefill / append at a new bucket, say) takes seconds to
+compile. The trainer logs the compilations of each step (`compile/count`, `time/compile_s`,
+and `eval/compile_s` for evals) so a slow step can be told apart from a slow program.
+Compilations served from JAX's persistent cache (see `enable_persistent_cache`) are not
+counted as compiles; they appear as `compile/cache_hits`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import threading
+
+import jax
+
+log = logging.getLogger(__name__)
+
+_BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
+_CACHE_HIT = "/jax/compilation_cache/cache_hits"
+
+_lock = threading.Lock()
+_installed = False
+_count = 0
+_seconds = 0.0
+_hits = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileCounts:
+  count: int = 0        # backend compilations
+  seconds: float = 0.0  # their total wall time
+  cache_hits: int = 0   # executables loaded from the persistent cache instead
+
+  def __sub__(self, other: "CompileCounts") -> "CompileCounts":
+    return CompileCounts(self.count - other.count, self.seconds - other.seconds,
+                         self.cache_hits - other.cache_hits)
+
+
+def _on_duration(event: str, duration: float, **_) -> None:
+  global _count, _seconds
+  if event == _BACKEND_COMPILE:
+    with _lock:
+      _count += 1
+      _seconds += float(duration)
+
+
+def _on_event(event: str, **_) -> None:
+  global _hits
+  if event == _CACHE_HIT:
+    with _lock:
+      _hits += 1
+
+
+def install() -> None:
+  """Start counting (idempotent; counts only compilations after the first call)."""
+  global _installed
+  with _lock:
+    if _installed:
+      return
+    _installed = True
+  jax.monitoring.register_event_duration_secs_listener(_on_duration)
+  jax.monitoring.register_event_listener(_on_event)
+
+
+def snapshot() -> CompileCounts:
+  """Compilations so far (since `install`)."""
+  with _lock:
+    return CompileCounts(_count, _seconds, _hits)
+
+
+def default_cache_dir() -> pathlib.Path:
+  """`$JAXAGENT_COMPILE_CACHE`, else `~/.cache/jaxagent/xla`."""
+  env = os.environ.get("JAXAGENT_COMPILE_CACHE")
+  return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "jaxagent" / "xla"
+
+
+def enable_persistent_cache(spec: str = "auto") -> pathlib.Path | None:
+  """Point JAX's persistent compilation cache at a directory, so a rerun, a resumed run or a
+  second run of the same shapes loads its executables instead of compiling them again.
+
+  `spec`: "auto" (the default directory on GPU / TPU backends; off on CPU, where compiles are
+  quick and test processes are many), "on" (the default directory on any backend), "off", or a
+  directory. Returns the directory in use, or None.
+  """
+  if spec in ("off", "", None):
+    return None
+  if spec == "auto":
+    if jax.default_backend() == "cpu":
+      return None
+    path = default_cache_dir()
+  elif spec == "on":
+    path = default_cache_dir()
+  else:
+    path = pathlib.Path(spec).expanduser()
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+  except OSError as e:  # a read-only home, say: run without the cache rather than fail
+    log.warning("persistent compilation cache disabled: cannot create %s (%s)", path, e)
+    return None
+  jax.config.update("jax_compilation_cache_dir", str(path))
+  # Cache every program that took a second or more to compile (JAX's default threshold).
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+  return path

@@ -1,0 +1,38 @@
+"""Compile accounting and the persistent compilation cache switch."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxagent import compile_stats
+
+
+def test_counts_backend_compiles():
+  compile_stats.install()
+  compile_stats.install()  # idempotent: one listener, counted once
+  a, b = np.ones((7, 3), np.float32), np.ones((5, 3), np.float32)  # host arrays: no compile
+  before = compile_stats.snapshot()
+  f = jax.jit(lambda x: jnp.sin(x) * 3.0 + 1.0)
+  f(a)
+  f(a)                     # cached in-process: no new compile
+  mid = compile_stats.snapshot() - before
+  f(b)                     # a new shape compiles again
+  after = compile_stats.snapshot() - before
+  assert mid.count == 1 and mid.seconds > 0
+  assert after.count == 2 and after.seconds >= mid.seconds
+
+
+def test_persistent_cache_switch(tmp_path, monkeypatch):
+  old = jax.config.jax_compilation_cache_dir
+  try:
+    assert compile_stats.enable_persistent_cache("off") is None
+    assert compile_stats.enable_persistent_cache("auto") is None  # CPU: off
+    monkeypatch.setenv("JAXAGENT_COMPILE_CACHE", str(tmp_path / "env"))
+    assert compile_stats.enable_persistent_cache("on") == tmp_path / "env"
+    got = compile_stats.enable_persistent_cache(str(tmp_path / "c"))
+    assert got == tmp_path / "c" and got.is_dir()
+    assert jax.config.jax_compilation_cache_dir == str(got)
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    assert compile_stats.enable_persistent_cache(str(blocker / "sub")) is None  # warns, no raise
+  finally:
+    jax.config.update("jax_compilation_cache_dir", old)
