@@ -420,7 +420,13 @@ class Engine:
     `kv_len` bounds the cache prefix read by attention; it must cover the longest active slot
     plus `steps - 1` (the scheduler passes it; default: the whole cache).
     """
-    kv_len = self.cache_len if kv_len is None else self.kv_len_for(kv_len)
+    if kv_len is None or (self.per_layer and self._attn == "pallas"):
+      # The kernel reads each per-layer buffer in place and stops at each slot's length, so
+      # the bound changes nothing there: one program instead of one per live-KV bucket (each
+      # a compile of the unrolled layer loop, seconds on a GPU).
+      kv_len = self.cache_len
+    else:
+      kv_len = self.kv_len_for(kv_len)
     return self._jit_generate(params, state, steps=steps, kv_len=kv_len)
 
   # ------------------------------------------------------------------ append

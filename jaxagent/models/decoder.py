@@ -483,13 +483,15 @@ def _extend_per_layer(p, params, cache_k, cache_v, tokens, positions, cache_lens
   kernel stops at each slot's length; the XLA path reads the first `kv_len` entries)."""
   kv_len = cache_k[0].shape[2] if kv_len is None else kv_len
   x = embed(p, tokens, cfg)
+  if rows is not None:
+    return _extend_rows_per_layer(p, params, x, cache_k, cache_v, positions, cache_lens, cfg,
+                                  kv_len, attn_impl, inv_freq, rows)
   ks, vs = [], []
   for layer in range(cfg.n_layers):
     lp = jax.tree.map(lambda w: w[layer], p["layers"])
     ck, cv = cache_k[layer], cache_v[layer]
-    if rows is not None or attn_impl != "pallas":  # a copy anyway: of the live prefix only
-      ck = _cache_rows(ck, rows)[:, :, :kv_len]
-      cv = _cache_rows(cv, rows)[:, :, :kv_len]
+    if attn_impl != "pallas":  # a copy anyway: of the live prefix only
+      ck, cv = ck[:, :, :kv_len], cv[:, :, :kv_len]
     attend = lambda q, k, v, ck=ck, cv=cv: cached_attention(q, k, v, ck, cv, cache_lens, cfg,
                                                              impl=attn_impl)
     x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
@@ -497,6 +499,31 @@ def _extend_per_layer(p, params, cache_k, cache_v, tokens, positions, cache_lens
     vs.append(v)
   h = rms_norm(x, p["final_norm"], cfg.norm_eps)
   return logits_from_hidden(params, h, cfg), jnp.stack(ks), jnp.stack(vs)
+
+
+def _extend_rows_per_layer(p, params, x, cache_k, cache_v, positions, cache_lens, cfg, kv_len,
+                           attn_impl, inv_freq, rows):
+  """`extend` for some cache rows of a per-layer cache (an append): the rows have to be
+  gathered (copied) from each layer's buffer anyway, so the layer loop can be a `lax.scan`
+  whose body picks its layer's buffer with `lax.switch`. One layer is gathered at a time, as
+  in the unrolled loop, but the program holds one layer body instead of `n_layers`: appends
+  are bucketed on rows, chunk length and live KV, and each bucket is a compile, which for the
+  unrolled loop took seconds on a GPU."""
+  def gather(cache, layer):
+    take = [lambda c=c: _cache_rows(c, rows)[:, :, :kv_len] for c in cache]
+    return jax.lax.switch(layer, take)
+
+  def body(x, xs):
+    lp, layer = xs
+    ck, cv = gather(cache_k, layer), gather(cache_v, layer)
+    attend = lambda q, k, v: cached_attention(q, k, v, ck, cv, cache_lens, cfg, impl=attn_impl)
+    x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
+    return x, (k, v)
+
+  layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)
+  x, (k, v) = jax.lax.scan(body, x, (p["layers"], layers))
+  h = rms_norm(x, p["final_norm"], cfg.norm_eps)
+  return logits_from_hidden(params, h, cfg), k, v
 
 
 def write_kv(cache, new, slots, starts):

@@ -91,3 +91,30 @@ def test_engine_tokens_equal_with_either_decode_attention():
     for a, b in zip(outs[0], other):
       assert a.tokens == b.tokens
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def test_append_equal_with_either_decode_attention():
+  """An append into some rows of the per-layer cache (a layer scan that picks each layer's
+  buffer with lax.switch) gives the stacked XLA path's tokens and log-probs."""
+  cfg = models.get_config("tiny-qwen2")
+  params = models.init_params(cfg, jax.random.key(1), std=0.2)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (9, 17, 5)]
+  obs = [[3, 5, 7, 11], [13, 17]]
+  outs = []
+  for attention, layout in (("xla", "stacked"), ("pallas", "per_layer")):
+    eng = Engine(cfg, EngineConfig(slots=4, max_len=64, sampling=SamplingConfig(1.0),
+                                   decode_attention=attention, cache_layout=layout))
+    state, _ = eng.prefill_insert(params, eng.init_decode_state(), prompts, [0, 1, 3], [0, 1, 2], 4)
+    state, out = eng.generate(params, state, steps=2, kv_len=20)
+    lens = np.asarray(state.lengths)[[3, 0]]
+    state = eng.update_slots(state, [3, 0], lengths=lens, tokens=np.asarray(state.tokens)[[3, 0]],
+                             active=False)
+    state, (tok, lp, _) = eng.append(params, state, [3, 0], obs, cached_lens=lens)
+    state, out2 = eng.generate(params, state, steps=3, kv_len=40)
+    outs.append((np.asarray(tok), np.asarray(lp), np.asarray(out2.tokens), np.asarray(out2.logprobs)))
+  (t0, l0, g0, gl0), (t1, l1, g1, gl1) = outs
+  np.testing.assert_array_equal(t0, t1)
+  np.testing.assert_allclose(l0, l1, atol=1e-4)
+  np.testing.assert_array_equal(g0, g1)
+  np.testing.assert_allclose(gl0, gl1, atol=1e-4)

@@ -1,0 +1,90 @@
+"""Compile seconds of the generator's programs, per cache layout and attention path.
+
+    python benchmarks/compile_time.py --model smollm2-135m --variants stacked/xla,per_layer/pallas
+
+Every bucket a rollout meets (prompt rows and length, appended rows, chunk length and live
+KV) is a separate compilation of a whole-model program, so on a GPU compile time, not decode
+speed, can decide how long the first evals and RL steps of a run take. This prints, for one
+program of each kind (prefill + insert, a decode call of `--steps` steps, an append), the XLA
+backend compile time (`jaxagent.compile_stats`) and the first call's run time after it.
+Random-init weights; nothing is read from disk.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import numpy as np
+
+from benchmarks.common import emit
+from jaxagent import compile_stats, models
+from jaxagent.generate import Engine, EngineConfig, SamplingConfig
+
+
+def measure(fn):
+  """(compile seconds, programs compiled, wall seconds) of one call of `fn`."""
+  c0, t0 = compile_stats.snapshot(), time.perf_counter()
+  out = fn()
+  jax.block_until_ready(out)
+  d = compile_stats.snapshot() - c0
+  return d.seconds, d.count, time.perf_counter() - t0, out
+
+
+def run(model, layout, attention, slots, max_len, rows, prompt_len, chunk, steps, dtype, record):
+  cfg = models.get_config(model, param_dtype=dtype, dtype=dtype)
+  params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
+  eng = Engine(cfg, EngineConfig(slots=slots, max_len=max_len, eos_ids=(),
+                                 sampling=SamplingConfig(1.0), decode_attention=attention,
+                                 cache_layout=layout))
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(0, cfg.vocab_size, (rows, prompt_len)).tolist()
+  state = eng.init_decode_state()
+  jax.block_until_ready(state)
+  fields = {}
+  c, n, w, (state, _) = measure(lambda: eng.prefill_insert(params, state, prompts,
+                                                           list(range(rows)), list(range(rows))))
+  fields.update(prefill_insert_compile_s=c, prefill_insert_programs=n, prefill_insert_wall_s=w)
+  c, n, w, (state, _) = measure(lambda: eng.generate(params, state, steps=steps,
+                                                     kv_len=prompt_len + steps))
+  fields.update(generate_compile_s=c, generate_programs=n, generate_wall_s=w)
+  lens = np.asarray(state.lengths)[:rows]
+  state = eng.update_slots(state, list(range(rows)), lengths=lens,
+                           tokens=np.asarray(state.tokens)[:rows], active=False)
+  obs = rng.integers(0, cfg.vocab_size, (rows, chunk - 1)).tolist()
+  c, n, w, (state, _) = measure(lambda: eng.append(params, state, list(range(rows)), obs,
+                                                   cached_lens=lens))
+  fields.update(append_compile_s=c, append_programs=n, append_wall_s=w)
+  emit("compile_time", record, model=model, layout=eng.cache_layout, attention=eng._attn,
+       layers=cfg.n_layers, slots=slots, max_len=max_len, rows=rows, prompt_len=prompt_len,
+       chunk=chunk, steps=steps, dtype=dtype, **fields)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--model", default="smollm2-135m")
+  ap.add_argument("--variants", default="stacked/xla,per_layer/pallas",
+                  help="comma-separated layout/attention pairs")
+  ap.add_argument("--slots", type=int, default=256)
+  ap.add_argument("--max-len", type=int, default=2048)
+  ap.add_argument("--rows", type=int, default=16, help="prompts prefilled and rows appended")
+  ap.add_argument("--prompt-len", type=int, default=200)
+  ap.add_argument("--chunk", type=int, default=256, help="appended tokens per row")
+  ap.add_argument("--steps", type=int, default=8, help="decode steps per generate call")
+  ap.add_argument("--dtype", default="bfloat16")
+  ap.add_argument("--record", action="store_true")
+  args = ap.parse_args()
+  compile_stats.install()
+  for v in args.variants.split(","):
+    layout, attention = v.split("/")
+    try:
+      run(args.model, layout, attention, args.slots, args.max_len, args.rows, args.prompt_len,
+          args.chunk, args.steps, args.dtype, args.record)
+    except Exception as e:  # one failing variant must not lose the others' numbers
+      print(f"FAILED {v}: {type(e).__name__}: {str(e)[:2000]}", flush=True)
+
+
+if __name__ == "__main__":
+  main()
