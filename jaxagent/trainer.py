@@ -409,6 +409,7 @@ class Trainer:
     metrics, batch = self._on_lead(self._collect, step, self._generator_params())
     t1 = time.time()
     if batch is not None:
+      batch = self.fill_unsampled_old_logps(batch)
       if self.loss_cfg.kl_coef > 0:
         ref, _ = self.learner.score(self.ref_params, batch)
         batch["ref_logps"] = np.asarray(_to_host(ref))
@@ -422,6 +423,17 @@ class Trainer:
     metrics.update(_compile_metrics(compile_stats.snapshot() - c0, "compile/count",
                                     "time/compile_s", "compile/cache_hits"))
     return metrics
+
+  def fill_unsampled_old_logps(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Old log-probs for trained tokens the sampler never sampled (NaN in the packed batch:
+    observation tokens when the env trains on them, `Trajectory.to_pack_item`): the current
+    policy's, scored before the update, as the rollout's policy would have given them."""
+    old = batch["old_logps"]
+    todo = np.isnan(old)
+    if not todo.any():
+      return batch
+    cur, _ = self.learner.score(self.state.params, batch)
+    return {**batch, "old_logps": np.where(todo, np.asarray(_to_host(cur), np.float32), old)}
 
   def _collect(self, step: int, params) -> tuple[dict[str, float], dict[str, np.ndarray] | None]:
     """Rollouts, rewards, advantages and packing of one step: (metrics, packed batch or None)."""
@@ -437,7 +449,9 @@ class Trainer:
     metrics.update({f"adv/{k}": v for k, v in info.metrics().items()})
     metrics["rollout/sampling_rounds"] = rounds
     keep = np.asarray(info.keep, bool)
-    items = [tr.to_pack_item(float(a)) for tr, a, k in zip(trajs, advs, keep) if k]
+    obs_loss = bool(getattr(self.env, "train_on_observations", False))
+    items = [tr.to_pack_item(float(a), observation_loss=obs_loss)
+             for tr, a, k in zip(trajs, advs, keep) if k]
     batch = None
     if items:
       pb = packing.pack(items, self.pack_cfg)

@@ -135,3 +135,42 @@ def test_time_limit_must_not_be_negative(tmp_path):
   del c.train["time_limit_s"]  # configs without the key: no limit
   from jaxagent.trainer import _time_limit_s
   assert _time_limit_s(c.train) == 0.0
+
+
+def test_observation_loss_is_wired_and_unsampled_old_logps_are_scored(tmp_path, monkeypatch):
+  """An env with `train_on_observations` (the search_qa masking ablation) gets observation
+  tokens into the loss: the trainer asks the ledger for them, and their old log-probs (NaN:
+  never sampled) are the current policy's, scored before the update."""
+  from jaxagent.agent.trajectory import Trajectory
+  from jaxagent.rl import packing
+  trainer = Trainer(_tiny(tmp_path))
+  try:
+    seen = []
+    real = Trajectory.to_pack_item
+
+    def spy(self, *a, **k):
+      seen.append(k.get("observation_loss"))
+      return real(self, *a, **k)
+
+    monkeypatch.setattr(Trajectory, "to_pack_item", spy)
+    trainer.env.train_on_observations = True
+    m = trainer.rl_step(1)
+    assert seen and all(seen), "the trainer did not pass observation_loss=True"
+    assert np.isfinite(m["train/loss"])
+
+    rng = np.random.default_rng(0)
+    toks = rng.integers(1, trainer.cfg.vocab_size, 24)
+    mask = np.r_[np.zeros(8), np.ones(16)].astype(np.float32)
+    old = np.r_[np.zeros(8), np.full(16, -2.5)].astype(np.float32)
+    old[12:16] = np.nan  # four "observation" tokens inside the trained span
+    item = packing.PackItem(tokens=toks, loss_mask=mask, old_logps=old, advantages=1.0)
+    batch = packing.pack([item], trainer.pack_cfg).arrays()
+    filled = trainer.fill_unsampled_old_logps(batch)
+    cur, _ = trainer.learner.score(trainer.state.params, batch)
+    cur = np.asarray(cur)
+    nan = np.isnan(batch["old_logps"])
+    assert nan.sum() == 4 and not np.isnan(filled["old_logps"]).any()
+    np.testing.assert_allclose(filled["old_logps"][nan], cur[nan], rtol=1e-6)
+    np.testing.assert_array_equal(filled["old_logps"][~nan], batch["old_logps"][~nan])
+  finally:
+    trainer.close()

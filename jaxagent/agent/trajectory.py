@@ -277,13 +277,18 @@ class Trajectory:
     """The learner's view (`rl/packing.PackItem`): position t's mask and logprob refer to token t.
 
     `observation_loss=True` also trains on observation tokens (the Search-R1 ablation without
-    retrieved-token masking). Those tokens have no sampler log-prob (0.0 here); the trainer
-    fills in the current policy's before the update.
+    retrieved-token masking). Those tokens were never sampled, so they have no sampler
+    log-prob: their `old_logps` are NaN, and the trainer replaces them with the current
+    policy's (`Trainer.fill_unsampled_old_logps`) before the update. A NaN that reaches the
+    loss is caught by the non-finite check, never silently trained on.
     """
     mask = self.loss_mask()
+    old = self.logprobs
     if observation_loss:
-      mask = np.maximum(mask, (self.roles == OBSERVATION).astype(np.float32))
-    return PackItem(tokens=self.tokens, loss_mask=mask, old_logps=self.logprobs,
+      obs = self.roles == OBSERVATION
+      mask = np.maximum(mask, obs.astype(np.float32))
+      old = np.where(obs, np.nan, old).astype(np.float32)
+    return PackItem(tokens=self.tokens, loss_mask=mask, old_logps=old,
                     advantages=advantage, ref_logps=ref_logps, group_id=self.group_id,
                     traj_id=self.request_id)
 

@@ -16,7 +16,9 @@ Protocol (one trajectory):
 The `<information>` block is the search tool's observation: it is not the policy's text, so by
 default it gets no loss. `mask_observations=False` marks it trainable instead (the retrieved-
 token masking ablation of Search-R1): the env then sets `train_on_observations = True`, which
-the trainer reads when it turns trajectories into packed rows.
+the trainer reads when it turns RL trajectories into packed rows (their old log-probs, which the
+sampler never produced, are scored with the current policy before the update). The SFT warm
+start trains on the demonstrations' policy tokens in both arms, so the arms differ only in RL.
 
 Reward: exact match of the `<answer>` against the gold entity name (or token F1 with
 `outcome="f1"`; the other metric is logged with weight 0), plus optional shaping terms: the tag

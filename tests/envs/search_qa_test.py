@@ -1,13 +1,13 @@
 """search_qa: the generated knowledge base (determinism, tfds ArrayRecord build read back with
 grain, also without TensorFlow), answerability by BM25, prompt, parsing, EM/F1 and shaping
 rewards, demonstrations and the observation-masking switch."""
-import inspect
 import json
 import pathlib
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, demonstration_trajectory
@@ -220,9 +220,6 @@ def test_mask_observations_switch(data_dir, env):
 def test_unmasked_observations_enter_the_loss_mask(env, smol_tok):
   """With the trainer hook (`Trajectory.to_pack_item(..., observation_loss=True)`), the
   `<information>` tokens of the ablation get loss; by default only the policy's tokens do."""
-  from jaxagent.agent.trajectory import Trajectory
-  if "observation_loss" not in inspect.signature(Trajectory.to_pack_item).parameters:
-    pytest.skip("Trajectory.to_pack_item has no observation_loss hook yet")
   ex = env.examples("sft")[0]
   traj = demonstration_trajectory(env.render_prompt(ex, smol_tok), env.demonstration(ex), smol_tok)
   roles = traj.roles
@@ -231,3 +228,6 @@ def test_unmasked_observations_enter_the_loss_mask(env, smol_tok):
   assert (masked == (roles == POLICY)).all()
   assert (unmasked == ((roles == POLICY) | (roles == OBSERVATION))).all()
   assert (roles == OBSERVATION).sum() > 0
+  # Observation tokens were never sampled: their old log-probs are left for the trainer.
+  old = traj.to_pack_item(1.0, observation_loss=True).old_logps
+  assert np.isnan(old[roles == OBSERVATION]).all() and not np.isnan(old[roles != OBSERVATION]).any()
