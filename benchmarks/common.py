@@ -73,11 +73,12 @@ def grpo_batch(cfg, rows: int, prompt: int, gen: int) -> dict:
   }
 
 
-def grpo_learner(cfg, micro_batches: int, mesh=None):
+def grpo_learner(cfg, micro_batches: int, mesh=None, gather_weights: bool = False):
   """The learner of the peer comparison's GRPO step, as the Tunix harness sets its own: k3 KL
   at 0.04, AdamW (lr 1e-6, b2 0.99, weight decay 0.1) after clipping the global norm at 1."""
   from jaxagent.rl import losses, step
   scfg = step.StepConfig(loss=losses.LossConfig(kl_coef=0.04, kl_estimator="k3"),
-                         micro_batches=micro_batches, entropy=False)
+                         micro_batches=micro_batches, entropy=False,
+                         gather_weights=gather_weights)
   opt = step.make_optimizer(1e-6, weight_decay=0.1, b2=0.99, max_grad_norm=1.0)
   return step.Learner(cfg, scfg, opt, mesh)

@@ -34,7 +34,7 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 
 def time_update(cfg, mesh, args):
-  learner = grpo_learner(cfg, args.micro_batches, mesh)
+  learner = grpo_learner(cfg, args.micro_batches, mesh, args.gather_weights)
   st = [learner.init(shd.init_sharded(lambda k: models.init_params(cfg, k), mesh,
                                       jax.random.key(1)))]
   batch = grpo_batch(cfg, args.batch, args.prompt, args.gen)
@@ -83,6 +83,7 @@ def child(args):
     t = time_update(ucfg, mesh, args)
     flops = ucfg.flops_per_token(length) * args.batch * length
     emit("scaling_run", part="update", **common, micro_batches=args.micro_batches,
+         gather_weights=args.gather_weights,
          step_s=t, tokens_per_s=args.batch * length / t,
          mfu=flops / t / (n * peaks()["bf16_flops"]))
   if "decode" in args.parts:
@@ -164,6 +165,8 @@ def main():
   ap.add_argument("--micro-batches", type=int, default=4)
   ap.add_argument("--steps", type=int, default=16, help="decode steps per generate call")
   ap.add_argument("--mesh", choices=("fsdp", "data"), default="fsdp")
+  ap.add_argument("--gather-weights", action="store_true",
+                  help="all-gather the fsdp weights once per step (StepConfig.gather_weights)")
   ap.add_argument("--parts", default="update,decode")
   ap.add_argument("--attention", default="auto")
   ap.add_argument("--timeout", type=float, default=1800, help="seconds per child")

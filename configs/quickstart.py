@@ -44,6 +44,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       prompts_per_step=16, samples_per_prompt=4, micro_batches=1, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
       pack_len=256, len_buckets=(128, 256), nonfinite="raise",
+      # With fsdp and micro_batches > 1: all-gather the weights once per step, not in every
+      # micro-batch (one unsharded copy of the params per device; StepConfig.gather_weights).
+      gather_weights=False,
       time_limit_s=0.0))  # RL wall-clock budget in s (0: none): final eval + checkpoint, then stop
   c.sft = ml_collections.ConfigDict(dict(
       steps=8, batch_size=16, lr=3e-5, num_examples=256, data="", warmup_steps=0))

@@ -54,7 +54,7 @@ from jaxagent.metrics import MetricsWriter
 from jaxagent.models import decoder
 from jaxagent.rewards import mean_metrics
 from jaxagent.rl import advantages as adv_lib
-from jaxagent.rl import losses, packing, step as step_lib
+from jaxagent.rl import packing, step as step_lib
 
 log = logging.getLogger(__name__)
 
@@ -228,19 +228,8 @@ class Trainer:
     self.prompts = PromptStream(self.train_examples, c.seed)
 
     t = c.train
-    self.loss_cfg = losses.LossConfig(
-        algo=c.loss.algo, agg=c.loss.agg, clip_low=c.loss.clip_low, clip_high=c.loss.clip_high,
-        dual_clip=c.loss.get("dual_clip"), kl_coef=c.loss.kl_coef,
-        kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
-        max_len_norm=c.loss.get("max_len_norm"))
-    self.step_cfg = step_lib.StepConfig(
-        loss=self.loss_cfg, micro_batches=t.micro_batches, temperature=c.rollout.temperature or 1.0,
-        nonfinite=t.get("nonfinite", "raise"))
-    opt = c.optimizer
-    self.optimizer = step_lib.make_optimizer(
-        opt.lr, weight_decay=opt.weight_decay, b1=opt.b1, b2=opt.b2,
-        max_grad_norm=opt.max_grad_norm, warmup_steps=opt.warmup_steps,
-        total_steps=c.total_steps * max(1, t.epochs), schedule=opt.schedule)
+    (self.step_cfg, self.optimizer), _ = step_lib.learner_parts(c)
+    self.loss_cfg = self.step_cfg.loss
     self.learner = step_lib.Learner(self.cfg, self.step_cfg, self.optimizer, self.mesh)
     self.state = self.learner.init(params)
     self.ref_params = None  # set when RL starts (after the warm start), if kl_coef > 0

@@ -52,7 +52,7 @@ from jaxagent.models.config import ModelConfig
 from jaxagent.plan import hlo
 from jaxagent.plan.chips import ChipSpec, chip_for, devices_for
 from jaxagent.plan.report import PlanReport, ProgramReport, RunShapes, knobs
-from jaxagent.rl import losses, packing
+from jaxagent.rl import packing
 from jaxagent.rl import step as step_lib
 
 log = logging.getLogger(__name__)
@@ -135,27 +135,8 @@ def model_config(config) -> ModelConfig:
                           f"({sorted(model_config_lib.PRESETS)}), an HF directory nor a .gguf file")
 
 
-def learner_parts(config):
-  """(StepConfig, optimizer) of the RL update and of the SFT warm start, as the trainer builds
-  them from `config.loss`, `config.train`, `config.optimizer` and `config.sft`."""
-  c, t, opt = config, config.train, config.optimizer
-  loss_cfg = losses.LossConfig(
-      algo=c.loss.algo, agg=c.loss.agg, clip_low=c.loss.clip_low, clip_high=c.loss.clip_high,
-      dual_clip=c.loss.get("dual_clip"), kl_coef=c.loss.kl_coef,
-      kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
-      max_len_norm=c.loss.get("max_len_norm"))
-  scfg = step_lib.StepConfig(loss=loss_cfg, micro_batches=t.micro_batches,
-                             temperature=c.rollout.temperature or 1.0,
-                             nonfinite=t.get("nonfinite", "raise"))
-  rl_opt = step_lib.make_optimizer(
-      opt.lr, weight_decay=opt.weight_decay, b1=opt.b1, b2=opt.b2,
-      max_grad_norm=opt.max_grad_norm, warmup_steps=opt.warmup_steps,
-      total_steps=c.total_steps * max(1, t.epochs), schedule=opt.schedule)
-  s = c.sft
-  sft_scfg = dataclasses.replace(scfg, objective="sft", entropy=False)
-  sft_opt = step_lib.make_optimizer(s.lr, max_grad_norm=opt.max_grad_norm,
-                                    warmup_steps=s.get("warmup_steps", 0))
-  return (scfg, rl_opt), (sft_scfg, sft_opt)
+# The learner settings of a run, as the trainer builds them (one definition for both).
+learner_parts = step_lib.learner_parts
 
 
 def _pow2_at_least(n: int) -> int:

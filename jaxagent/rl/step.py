@@ -17,6 +17,7 @@ import dataclasses
 from typing import Any, Literal
 
 import flax.struct
+from flax import linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -54,6 +55,11 @@ class StepConfig:
     entropy: compute per-token entropies (needed for `loss.entropy_coef`; else a metric only).
     nonfinite: "raise" stops with an error naming the step and metric; "skip" leaves params
       unchanged for that step and reports `nonfinite=1`.
+    gather_weights: with fsdp and several micro-batches, all-gather the weights once per step
+      (kept split over tensor) instead of letting every micro-batch gather them again in its
+      forward and backward pass. Costs one unsharded copy of the params per device (their
+      own dtype, so gradients are bitwise those of the default path up to summation order);
+      each micro-batch's gradients are still reduce-scattered back to the fsdp shards.
   """
 
   loss: losses.LossConfig = losses.LossConfig()
@@ -64,6 +70,7 @@ class StepConfig:
   logprob_chunk_tokens: int = 4096
   entropy: bool = True
   nonfinite: Literal["raise", "skip"] = "raise"
+  gather_weights: bool = False
 
   def __post_init__(self):
     if self.objective not in ("rl", "sft"):
@@ -175,23 +182,47 @@ def split_micro_batches(batch: Batch, m: int) -> Batch:
   return jax.tree.map(one, batch)
 
 
+def _constrain_params(tree, rules):
+  """Constrain each boxed leaf of `tree` to its logical sharding under the current (abstract)
+  mesh with `rules`; identity outside a mesh."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty:
+    return tree
+
+  def one(x):
+    if isinstance(x, nn.LogicallyPartitioned):
+      spec = shd.logical_to_spec(x.names, x.value.shape, mesh, rules)
+      return x.replace_boxed(jax.lax.with_sharding_constraint(x.value, spec))
+    return x
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+
+
+# The library's sharding rules with the fsdp axis dropped: the weights as one step computes with.
+_GATHERED_RULES = tuple((k, None if v == "fsdp" else v) for k, v in shd.RULES)
+
+
 def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepConfig,
                optimizer: optax.GradientTransformation):
   """One optimizer step over `batch` (pure; jit it with `Learner` or your own shardings)."""
   m = scfg.micro_batches
   grad_fn = jax.value_and_grad(_micro_parts, has_aux=True)
+  gather = scfg.gather_weights and m > 1
+  weights = _constrain_params(state.params, _GATHERED_RULES) if gather else state.params
+  # Gradients w.r.t. gathered weights go back to the fsdp shards after each micro-batch.
+  home = (lambda g: _constrain_params(g, shd.RULES)) if gather else (lambda g: g)
   if m == 1:
     (_, parts), grads = grad_fn(state.params, batch, cfg, scfg)
   else:
     mbs = split_micro_batches(batch, m)
     first = jax.tree.map(lambda x: x[0], mbs)
     rest = jax.tree.map(lambda x: x[1:], mbs)
-    (_, parts), grads = grad_fn(state.params, first, cfg, scfg)
+    (_, parts), grads = grad_fn(weights, first, cfg, scfg)
+    grads = home(grads)
 
     def body(carry, mb):
       g_acc, p_acc = carry
-      (_, p), g = grad_fn(state.params, mb, cfg, scfg)
-      return (jax.tree.map(jnp.add, g_acc, g), losses.combine_parts(p_acc, p)), None
+      (_, p), g = grad_fn(weights, mb, cfg, scfg)
+      return (jax.tree.map(jnp.add, g_acc, home(g)), losses.combine_parts(p_acc, p)), None
 
     (grads, parts), _ = jax.lax.scan(body, (grads, parts), rest)
   denom = jnp.maximum(parts.denominator, 1.0)
@@ -208,6 +239,30 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
   metrics["grad_norm"] = grad_norm
   metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
   return new_state, metrics
+
+
+def learner_parts(config):
+  """(StepConfig, optimizer) of the RL update and of the SFT warm start, as the trainer builds
+  them from `config.loss`, `config.train`, `config.optimizer` and `config.sft`."""
+  c, t, opt = config, config.train, config.optimizer
+  loss_cfg = losses.LossConfig(
+      algo=c.loss.algo, agg=c.loss.agg, clip_low=c.loss.clip_low, clip_high=c.loss.clip_high,
+      dual_clip=c.loss.get("dual_clip"), kl_coef=c.loss.kl_coef,
+      kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
+      max_len_norm=c.loss.get("max_len_norm"))
+  scfg = StepConfig(loss=loss_cfg, micro_batches=t.micro_batches,
+                    temperature=c.rollout.temperature or 1.0,
+                    nonfinite=t.get("nonfinite", "raise"),
+                    gather_weights=bool(t.get("gather_weights", False)))
+  rl_opt = make_optimizer(
+      opt.lr, weight_decay=opt.weight_decay, b1=opt.b1, b2=opt.b2,
+      max_grad_norm=opt.max_grad_norm, warmup_steps=opt.warmup_steps,
+      total_steps=c.total_steps * max(1, t.epochs), schedule=opt.schedule)
+  s = c.sft
+  sft_scfg = dataclasses.replace(scfg, objective="sft", entropy=False)
+  sft_opt = make_optimizer(s.lr, max_grad_norm=opt.max_grad_norm,
+                           warmup_steps=s.get("warmup_steps", 0))
+  return (scfg, rl_opt), (sft_scfg, sft_opt)
 
 
 class Learner:
