@@ -254,7 +254,10 @@ def _finish(proc, timeout=300) -> str:
 
 def _records(workdir):
   recs = [json.loads(l) for l in (pathlib.Path(workdir) / "metrics.jsonl").read_text().splitlines()]
-  timing = lambda k: k == "time" or k.startswith("time/") or k.endswith(("_s", "seconds"))
+  # Timings, and compile counts (they depend on what the process and the shared compilation
+  # cache already hold, not on the run).
+  timing = lambda k: (k == "time" or k.startswith("time/") or k.endswith(("_s", "seconds"))
+                      or "compile" in k)
   return [{k: v for k, v in r.items() if not timing(k)} for r in recs]
 
 

@@ -36,3 +36,6 @@ def test_persistent_cache_switch(tmp_path, monkeypatch):
     assert compile_stats.enable_persistent_cache(str(blocker / "sub")) is None  # warns, no raise
   finally:
     jax.config.update("jax_compilation_cache_dir", old)
+    # The cache initialises once per process: forget this test's directory for later tests.
+    from jax.experimental.compilation_cache import compilation_cache
+    compilation_cache.reset_cache()
