@@ -62,6 +62,58 @@ def run(model, layout, attention, slots, max_len, rows, prompt_len, chunk, steps
        chunk=chunk, steps=steps, dtype=dtype, **fields)
 
 
+def schedule(model, layout, attention, slots, max_len, steps, calls, seed=0):
+  """Replays a rollout-like sequence of engine calls (a full first admission, then decode
+  calls, host-side stops, appends of tool output into varying numbers of slots and small
+  re-admissions, all sizes drawn from `seed`) and counts the programs each engine entry point
+  compiled: the number a real rollout pays for, whatever the model size."""
+  cfg = models.get_config(model)
+  params = models.init_params(cfg, jax.random.key(0))
+  eng = Engine(cfg, EngineConfig(slots=slots, max_len=max_len, eos_ids=(),
+                                 sampling=SamplingConfig(1.0), decode_attention=attention,
+                                 cache_layout=layout))
+  rng = np.random.default_rng(seed)
+  lens = np.zeros(slots, int)
+  state = eng.init_decode_state()
+
+  def admit(state, rows):
+    prompts = [rng.integers(1, cfg.vocab_size, rng.integers(max_len // 16, max_len // 8)).tolist()
+               for _ in rows]
+    ids = list(map(int, rows))
+    if hasattr(eng, "prefill_insert"):
+      state, _ = eng.prefill_insert(params, state, prompts, ids, ids)
+    else:  # an engine from before prefill_insert
+      state = eng.insert(eng.prefill(params, prompts, ids), state, ids)
+    lens[rows] = [len(p) for p in prompts]
+    return state
+
+  c0 = compile_stats.snapshot()
+  state = admit(state, np.arange(slots))
+  for _ in range(calls):
+    state, _ = eng.generate(params, state, steps=steps, kv_len=int(lens.max()) + steps)
+    lens += steps
+    k = int(rng.integers(1, max(2, slots // 4)))
+    stop = np.sort(rng.choice(slots, k, replace=False))
+    room = max_len // 2 - lens[stop]
+    tools = stop[room > 64]  # these append a tool observation, the rest restart
+    state = eng.update_slots(state, stop, lengths=lens[stop],
+                             tokens=np.asarray(state.tokens)[stop], active=False)
+    if len(tools):
+      obs = [rng.integers(1, cfg.vocab_size, rng.integers(8, 64)).tolist() for _ in tools]
+      state, _ = eng.append(params, state, tools, obs, cached_lens=lens[tools])
+      lens[tools] += 1 + np.array([len(o) for o in obs])
+    again = np.setdiff1d(stop, tools)
+    if len(again):
+      state = admit(state, again)
+  jax.block_until_ready(state)
+  d = compile_stats.snapshot() - c0
+  programs = {name: eng.program(name)._cache_size()
+              for name in ("prefill", "insert", "generate", "append", "update")}
+  emit("compile_schedule", False, model=model, layout=eng.cache_layout, attention=eng._attn,
+       slots=slots, max_len=max_len, calls=calls, programs=programs,
+       total_programs=sum(programs.values()), compiles=d.count, compile_s=d.seconds)
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--model", default="smollm2-135m")
@@ -75,8 +127,17 @@ def main():
   ap.add_argument("--steps", type=int, default=8, help="decode steps per generate call")
   ap.add_argument("--dtype", default="bfloat16")
   ap.add_argument("--record", action="store_true")
+  ap.add_argument("--schedule", type=int, default=0,
+                  help="instead: replay this many rollout-like decode calls and count the "
+                       "programs compiled per entry point")
   args = ap.parse_args()
   compile_stats.install()
+  if args.schedule:
+    for v in args.variants.split(","):
+      layout, attention = v.split("/")
+      schedule(args.model, layout, attention, args.slots, args.max_len, args.steps,
+               args.schedule)
+    return
   for v in args.variants.split(","):
     layout, attention = v.split("/")
     try:
