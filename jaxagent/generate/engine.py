@@ -84,7 +84,12 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
   raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
 
 
-def _pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
+def pow2_at_least(n: int) -> int:
+  """The smallest power of two >= n (1 for n <= 1)."""
+  return 1 << max(0, n - 1).bit_length()
+
+
+def _geometric_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
   out, b = [], lo
   while b < hi:
     out.append(b)
@@ -98,8 +103,8 @@ def _count_bucket(n: int, limit: int) -> int:
   (1, 4, 16, 64, 256, ...). Every distinct row count is a separate compiled program of the
   whole model, and a rollout sees nearly every count from 1 to the slot count as requests
   finish, so coarse row buckets bound compilation (padded rows cost little compute)."""
-  cap = 1 << max(0, (max(n, limit) - 1).bit_length())
-  return _bucket(n, _pow2_buckets(1, cap, factor=4))
+  cap = pow2_at_least(max(n, limit))
+  return _bucket(n, _geometric_buckets(1, cap, factor=4))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +153,7 @@ class EngineConfig:
 
   @property
   def prefill_buckets(self) -> tuple[int, ...]:
-    return _pow2_buckets(min(self.min_prefill_len, self.max_len), self.max_len)
+    return _geometric_buckets(min(self.min_prefill_len, self.max_len), self.max_len)
 
 
 class Engine:
@@ -180,7 +185,7 @@ class Engine:
                                     for i in range(1, -(-self.cache_len // page) + 1)}))
     # Append (a tool observation into some slots) is rarer than a decode step and its program
     # is bucketed on rows and chunk length too: doubling live-KV buckets keep its compiles few.
-    self.append_kv_buckets = _pow2_buckets(min(page, self.cache_len), self.cache_len)
+    self.append_kv_buckets = _geometric_buckets(min(page, self.cache_len), self.cache_len)
     on_mesh = lambda fn: shd.on_mesh(fn, mesh)
     self._jit_generate = jax.jit(on_mesh(self._generate), static_argnames=("steps", "kv_len"),
                                  donate_argnames=("state",))
@@ -466,7 +471,7 @@ class Engine:
     if len(slots) != len(observations):
       raise ValueError("append: one observation per slot")
     n = max(len(o) for o in observations) + 1
-    nb = _bucket(n, _pow2_buckets(8, max(8, 1 << (n - 1).bit_length())))
+    nb = _bucket(n, _geometric_buckets(8, max(8, pow2_at_least(n))))
     b = len(slots)
     bb = _count_bucket(b, self.ecfg.slots)
     chunk = np.zeros((bb, nb), np.int32)
@@ -503,7 +508,7 @@ class Engine:
     """Set slots' cached length, pending token and activity (rewind after a host-side stop)."""
     slots = np.atleast_1d(np.asarray(slots, np.int32))
     k = len(slots)
-    kb = 1 << max(0, (k - 1).bit_length())  # a power of two: one program per bucket
+    kb = pow2_at_least(k)  # one program per power of two
 
     def arr(x, dt):
       a = np.broadcast_to(np.asarray(x, dt), (k,))

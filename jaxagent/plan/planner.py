@@ -44,7 +44,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent import sharding as shd
-from jaxagent.generate.engine import Engine, EngineConfig
+from jaxagent.generate.engine import Engine, EngineConfig, pow2_at_least
 from jaxagent.generate.sampling import SamplingConfig
 from jaxagent.models import config as model_config_lib
 from jaxagent.models import decoder
@@ -139,10 +139,6 @@ def model_config(config) -> ModelConfig:
 learner_parts = step_lib.learner_parts
 
 
-def _pow2_at_least(n: int) -> int:
-  return 1 << max(0, n - 1).bit_length()
-
-
 def _bucket(n: int, buckets: Sequence[int]) -> int:
   for b in buckets:
     if n <= b:
@@ -166,10 +162,10 @@ def run_shapes(config, mesh_sizes: dict[str, int], options: PlanOptions = PlanOp
   return RunShapes(
       rows=rows, len_buckets=pack_cfg.len_buckets, micro_batches=t.micro_batches,
       sft_rows=sft_rows, kl=config.loss.kl_coef > 0, slots=r.slots, max_len=r.max_len,
-      prefill_batch=_pow2_at_least(r.slots),
+      prefill_batch=pow2_at_least(r.slots),
       prefill_len=_bucket(prompt_len, ecfg.prefill_buckets),
-      append_batch=_pow2_at_least(r.slots),
-      append_len=max(8, _pow2_at_least(min(options.append_len, r.max_len))),
+      append_batch=pow2_at_least(r.slots),
+      append_len=max(8, pow2_at_least(min(options.append_len, r.max_len))),
       decode_steps=r.decode_steps, kv_len=ecfg.kv_buckets[-1])
 
 

@@ -17,7 +17,6 @@ import dataclasses
 from typing import Any, Literal
 
 import flax.struct
-from flax import linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -183,18 +182,12 @@ def split_micro_batches(batch: Batch, m: int) -> Batch:
 
 
 def _constrain_params(tree, rules):
-  """Constrain each boxed leaf of `tree` to its logical sharding under the current (abstract)
-  mesh with `rules`; identity outside a mesh."""
+  """Constrain a (boxed) params-shaped tree to `sharding.shardings(tree, mesh, rules)` under
+  the current (abstract) mesh; identity outside a mesh."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty:
     return tree
-
-  def one(x):
-    if isinstance(x, nn.LogicallyPartitioned):
-      spec = shd.logical_to_spec(x.names, x.value.shape, mesh, rules)
-      return x.replace_boxed(jax.lax.with_sharding_constraint(x.value, spec))
-    return x
-  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))
+  return jax.lax.with_sharding_constraint(tree, shd.shardings(tree, mesh, rules))
 
 
 # The library's sharding rules with the fsdp axis dropped: the weights as one step computes with.
