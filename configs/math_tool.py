@@ -58,7 +58,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       prompts_per_step=8, samples_per_prompt=4, micro_batches=4, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
       pack_len=512, len_buckets=(256, 512), nonfinite="raise",
-      gather_weights=False, time_limit_s=0.0))
+      gather_weights=False, row_rounding="multiple", time_limit_s=0.0))
   c.sft = ml_collections.ConfigDict(dict(
       steps=16, batch_size=16, lr=3e-5, num_examples=256, data="", warmup_steps=0))
   c.eval = ml_collections.ConfigDict(dict(size=100, every=0, pass_k=0, before=True))
@@ -84,7 +84,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.env.kwargs.update(train_size=8000, eval_size=500, sft_size=1024)
     c.rollout.update(slots=256, max_len=1024, max_tokens_per_turn=256, max_turns=6)
     c.train.update(micro_batches=4, prompts_per_step=32, samples_per_prompt=8,
-                   pack_len=2048, len_buckets=(1024, 2048), dynamic_sampling=True)
+                   pack_len=2048, len_buckets=(1024, 2048), dynamic_sampling=True,
+                   row_rounding="pow2")
     c.sft.update(steps=64, batch_size=32, num_examples=1024)
     c.eval.update(size=300, every=0, pass_k=0)
     c.log.update(dump_every=10)

@@ -47,6 +47,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # With fsdp and micro_batches > 1: all-gather the weights once per step, not in every
       # micro-batch (one unsharded copy of the params per device; StepConfig.gather_weights).
       gather_weights=False,
+      # Packed row count B: "multiple" (of micro_batches x data-parallel devices: least padding,
+      # one update program per distinct B) or "pow2" (that multiple x a power of two: at most
+      # ~log2 programs, up to 2x padded rows; for runs where recompiles cost more than padding).
+      row_rounding="multiple",
       time_limit_s=0.0))  # RL wall-clock budget in s (0: none): final eval + checkpoint, then stop
   c.sft = ml_collections.ConfigDict(dict(
       steps=8, batch_size=16, lr=3e-5, num_examples=256, data="", warmup_steps=0))

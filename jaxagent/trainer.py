@@ -254,7 +254,7 @@ class Trainer:
                         if c.mesh.fsdp == -1 else c.mesh.fsdp)
     self.pack_cfg = packing.PackingConfig(
         max_len=t.pack_len, len_buckets=tuple(t.get("len_buckets", ())) or (t.pack_len,),
-        row_multiple=t.micro_batches * dp)
+        row_multiple=t.micro_batches * dp, row_rounding=t.get("row_rounding", "multiple"))
     self.writer = MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
                                 progress_total=c.total_steps, progress=c.log.progress)
     self.step = 0

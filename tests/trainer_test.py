@@ -137,6 +137,17 @@ def test_time_limit_must_not_be_negative(tmp_path):
   assert _time_limit_s(c.train) == 0.0
 
 
+def test_row_rounding_reaches_the_packer(tmp_path):
+  # "pow2" bounds the update programs to ~log2 row counts; the default keeps least padding.
+  pack = Trainer(_tiny(tmp_path)).pack_cfg
+  m = pack.row_multiple  # micro-batches x data-parallel devices
+  assert pack.round_rows(5 * m) == 5 * m
+  pack = Trainer(_tiny(tmp_path, **{"train.row_rounding": "pow2"})).pack_cfg
+  assert pack.row_multiple == m and pack.round_rows(5 * m) == 8 * m
+  with pytest.raises(ValueError, match="row_rounding"):
+    Trainer(_tiny(tmp_path, **{"train.row_rounding": "pow3"}))
+
+
 def test_observation_loss_is_wired_and_unsampled_old_logps_are_scored(tmp_path, monkeypatch):
   """An env with `train_on_observations` (the search_qa masking ablation) gets observation
   tokens into the loss: the trainer asks the ledger for them, and their old log-probs (NaN:
