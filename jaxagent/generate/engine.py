@@ -440,12 +440,12 @@ class Engine:
     cache_lens = state.lengths[slots]
     chunk = chunk.at[:, 0].set(state.tokens[slots])
     # The appended slots' cache rows are gathered one layer at a time inside `extend`.
-    logits, k_new, v_new = decoder.extend(params, state.k, state.v, chunk, cache_lens,
-                                          cfg=self.cfg, kv_len=kv_len, attn_impl=self._attn,
-                                          rows=slots)
+    # Only each row's last position is projected to the vocabulary (the next-token logits).
+    last, k_new, v_new = decoder.extend(params, state.k, state.v, chunk, cache_lens,
+                                        cfg=self.cfg, kv_len=kv_len, attn_impl=self._attn,
+                                        rows=slots, logit_index=chunk_lens - 1)
     k = decoder.write_kv(state.k, k_new, slots, cache_lens)
     v = decoder.write_kv(state.v, v_new, slots, cache_lens)
-    last = jnp.take_along_axis(logits, (chunk_lens - 1)[:, None, None], axis=1)[:, 0]
     lengths = cache_lens + chunk_lens
     keys = token_keys(state.seeds[slots], state.request_ids[slots], lengths)
     tok, lp = sample(last, keys, self.ecfg.sampling)

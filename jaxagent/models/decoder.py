@@ -434,15 +434,18 @@ def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelCo
 
 def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelConfig,
            kv_len: int | None = None, unroll: int | bool = 1, attn_impl: str = "xla",
-           rows=None):
+           rows=None, logit_index=None):
   """Process new tokens for cache slots without touching the cache.
 
   tokens: [S, n] (n = 1 for a decode step); cache_lens: [S] tokens already cached per slot
   (the new tokens get positions cache_lens .. cache_lens + n - 1). cache_k, cache_v:
   [layers, S, KV, Lmax, hd]; only the first `kv_len` (static, >= max cache_lens) entries are
   read. `rows` ([S'] ints, optional): the new tokens belong to these cache rows (tokens and
-  cache_lens are then [S', ...]); each layer gathers its rows inside the layer loop. Returns
-  (logits [S', n, V], new K [layers, S', n, KV, hd], new V); write the new K/V with
+  cache_lens are then [S', ...]); each layer gathers its rows inside the layer loop.
+  `logit_index` ([S'] ints, optional): project only this position of each row to the
+  vocabulary (an append needs the next-token logits after its last token, and the full
+  `[S', n, V]` float32 logits of a long chunk are gigabytes). Returns (logits `[S', n, V]`, or
+  `[S', V]` with `logit_index`, new K [layers, S', n, KV, hd], new V); write the new K/V with
   `write_kv`. `unroll` is `lax.scan`'s over layers (measured on an H200: unrolling makes
   a single step faster but a multi-step decode loop much slower, so the engine keeps it rolled).
   """
@@ -452,8 +455,9 @@ def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelCo
   positions = cache_lens[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   if isinstance(cache_k, (tuple, list)):
-    return _extend_per_layer(p, params, cache_k, cache_v, tokens, positions, cache_lens, cfg,
-                             kv_len, attn_impl, inv_freq, rows)
+    x, k, v = _extend_per_layer(p, cache_k, cache_v, tokens, positions, cache_lens, cfg,
+                                kv_len, attn_impl, inv_freq, rows)
+    return _extend_logits(params, p, x, logit_index, cfg), k, v
   kv_len = cache_k.shape[3] if kv_len is None else kv_len
 
   def body(x, xs):
@@ -466,8 +470,15 @@ def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelCo
 
   x = embed(p, tokens, cfg)
   x, (k, v) = jax.lax.scan(body, x, (p["layers"], cache_k, cache_v), unroll=unroll)
-  h = rms_norm(x, p["final_norm"], cfg.norm_eps)
-  return logits_from_hidden(params, h, cfg), k, v
+  return _extend_logits(params, p, x, logit_index, cfg), k, v
+
+
+def _extend_logits(params, p, x, logit_index, cfg: ModelConfig):
+  """Final norm and vocabulary projection of `extend`'s output `x` `[S, n, D]`: every position,
+  or only `logit_index` `[S]` of each row (gathered before the norm and the projection)."""
+  if logit_index is not None:
+    x = jnp.take_along_axis(x, jnp.asarray(logit_index, jnp.int32)[:, None, None], axis=1)[:, 0]
+  return logits_from_hidden(params, rms_norm(x, p["final_norm"], cfg.norm_eps), cfg)
 
 
 def _cache_rows(cache, rows):
@@ -476,16 +487,17 @@ def _cache_rows(cache, rows):
   return cache if rows is None else constrain_batch(cache[rows])
 
 
-def _extend_per_layer(p, params, cache_k, cache_v, tokens, positions, cache_lens, cfg,
-                      kv_len, attn_impl, inv_freq, rows=None):
+def _extend_per_layer(p, cache_k, cache_v, tokens, positions, cache_lens, cfg, kv_len,
+                      attn_impl, inv_freq, rows=None):
   """`extend` over a cache held as one `[S, KV, Lmax, hd]` buffer per layer: an unrolled
   layer loop, so that each layer's attention reads its own buffer where it lies (the Pallas
-  kernel stops at each slot's length; the XLA path reads the first `kv_len` entries)."""
+  kernel stops at each slot's length; the XLA path reads the first `kv_len` entries). Returns
+  the last layer's output (before the final norm) and the new K, V."""
   kv_len = cache_k[0].shape[2] if kv_len is None else kv_len
   x = embed(p, tokens, cfg)
   if rows is not None:
-    return _extend_rows_per_layer(p, params, x, cache_k, cache_v, positions, cache_lens, cfg,
-                                  kv_len, attn_impl, inv_freq, rows)
+    return _extend_rows_per_layer(p, x, cache_k, cache_v, positions, cache_lens, cfg, kv_len,
+                                  attn_impl, inv_freq, rows)
   ks, vs = [], []
   for layer in range(cfg.n_layers):
     lp = jax.tree.map(lambda w: w[layer], p["layers"])
@@ -497,11 +509,10 @@ def _extend_per_layer(p, params, cache_k, cache_v, tokens, positions, cache_lens
     x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
     ks.append(k)
     vs.append(v)
-  h = rms_norm(x, p["final_norm"], cfg.norm_eps)
-  return logits_from_hidden(params, h, cfg), jnp.stack(ks), jnp.stack(vs)
+  return x, jnp.stack(ks), jnp.stack(vs)
 
 
-def _extend_rows_per_layer(p, params, x, cache_k, cache_v, positions, cache_lens, cfg, kv_len,
+def _extend_rows_per_layer(p, x, cache_k, cache_v, positions, cache_lens, cfg, kv_len,
                            attn_impl, inv_freq, rows):
   """`extend` for some cache rows of a per-layer cache (an append): the rows have to be
   gathered (copied) from each layer's buffer anyway, so the layer loop can be a `lax.scan`
@@ -522,8 +533,7 @@ def _extend_rows_per_layer(p, params, x, cache_k, cache_v, positions, cache_lens
 
   layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)
   x, (k, v) = jax.lax.scan(body, x, (p["layers"], layers))
-  h = rms_norm(x, p["final_norm"], cfg.norm_eps)
-  return logits_from_hidden(params, h, cfg), k, v
+  return x, k, v
 
 
 def write_kv(cache, new, slots, starts):

@@ -225,3 +225,18 @@ def test_append_and_update_compile_per_bucket_not_per_count(params):
     lengths = np.asarray(state.lengths)
   assert eng._jit_append._cache_size() <= 3
   assert eng._jit_update._cache_size() <= 4
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+def test_append_projects_only_the_last_token_to_the_vocabulary(params, layout):
+  """An append needs the next-token logits after each row's last token only: the program must
+  not build the `[rows, chunk, V]` float32 logits (a long chunk's were 24 GiB on a GPU)."""
+  eng = Engine(CFG, EngineConfig(slots=8, max_len=128, cache_layout=layout))
+  state = eng.prefill_insert(params, eng.init_decode_state(), _prompts(4, seed=3, hi=20),
+                             list(range(4)), list(range(4)))[0]
+  rows, n = 4, 64
+  args = (params, state, np.arange(rows, dtype=np.int32), np.ones((rows, n), np.int32),
+          np.full((rows,), n, np.int32), np.full((rows,), 8, np.int32))
+  text = eng.program("append").lower(*args, kv_len=eng.cache_len).as_text()
+  assert f"{rows}x{CFG.vocab_size}xf32" in text
+  assert f"{rows}x{n}x{CFG.vocab_size}xf32" not in text
