@@ -25,6 +25,9 @@ def main():
   ap.add_argument("--runs", required=True, help="comma-separated name=metrics.jsonl pairs")
   ap.add_argument("--keys", default="reward/mean")
   ap.add_argument("--title", default="")
+  ap.add_argument("--color-by-first-word", action="store_true",
+                  help="runs whose names share the first word (e.g. 'masked seed 0', 'masked "
+                       "seed 1') share a colour and differ in line style")
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
   runs = [r.split("=", 1) for r in args.runs.split(",")]
@@ -35,9 +38,16 @@ def main():
   FigureCanvasAgg(fig)
   axes = fig.subplots(1, len(keys), squeeze=False)[0]
   for ax, key in zip(axes, keys):
-    for name, path in runs:
+    groups: dict[str, int] = {}
+    for i, (name, path) in enumerate(runs):
       xs, ys = load(path, key)
-      ax.plot(xs, ys, marker="o", label=name)
+      style = {}
+      if args.color_by_first_word:
+        group = name.split()[0]
+        style = dict(color=f"C{list(dict.fromkeys(n.split()[0] for n, _ in runs)).index(group)}",
+                     linestyle=("-", "--", ":", "-.")[groups.get(group, 0) % 4])
+        groups[group] = groups.get(group, 0) + 1
+      ax.plot(xs, ys, marker="o", markersize=4, label=name, **style)
     ax.set_title(key)
     ax.set_xlabel("RL step")
     ax.grid(alpha=0.3)

@@ -20,6 +20,7 @@ compiles no new program; `compiles_during_timing` counts programs compiled in th
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import time
@@ -95,6 +96,8 @@ def main(argv=None):
   args = ap.parse_args(argv)
 
   cfg = models.get_config(args.model, dtype=args.dtype, param_dtype=args.dtype)
+  if args.max_len > cfg.max_seq_len:  # random weights: a tiny preset can take longer contexts
+    cfg = dataclasses.replace(cfg, max_seq_len=args.max_len)
   params = models.init_params(cfg, jax.random.key(args.seed), std=0.02)
   engine = Engine(cfg, EngineConfig(slots=args.slots, max_len=args.max_len,
                                     sampling=SamplingConfig(temperature=1.0)))

@@ -23,10 +23,11 @@ Expected:
     copies the problem's numbers into code; GRPO adds little in 8 steps. Needs several GB of
     host memory (train.micro_batches bounds it).
   gpu (measured on one H200, benchmarks/RESULTS.md): held-out pass@1 (n=300, greedy) 0.000
-    before, 0.410 +/- 0.028 after the SFT warm start, 0.513 +/- 0.029 after 18 GRPO steps
-    (`--config.train.time_limit_s=540 --config.eval.before=False`, 14 min for the whole run
-    while sharing the GPU with two other runs); the sampled reward rises from about -0.42 to
-    -0.32 over those steps (figures/math_tool_reward_h200.png). No interpreter timeouts.
+    before, 0.410 / 0.417 after the SFT warm start, 0.513 / 0.527 (+/- 0.029) after 18 / 22
+    GRPO steps (seeds 0 / 1; `--config.train.time_limit_s=540 --config.eval.before=False`,
+    about 13 min for the whole run while sharing the GPU with two other runs); the sampled
+    reward rises from about -0.43 to -0.30 (figures/math_tool_reward_h200.png). No
+    interpreter timeouts.
   qwen (not measured): a Qwen2.5-1.5B-Instruct start should use the interpreter after SFT and
     reach a clearly higher pass@1.
 """

@@ -28,11 +28,11 @@ Expected:
     entity names and start to answer 1-hop questions; multi-hop questions need it to copy the
     bridge entity from the retrieved text, which GRPO improves slowly.
   gpu (measured on one H200, benchmarks/RESULTS.md): held-out EM (n=300, greedy) 0.000 before,
-    0.717 +/- 0.026 after the SFT warm start, 0.810 +/- 0.023 after 15 GRPO steps
-    (`--config.train.time_limit_s=540`). Masking ablation, same seed and steps: with
-    mask_observations=False held-out EM is 0.807 +/- 0.023 after RL, and the sampled EM stays
-    flat (0.63 -> 0.62, mean of the first vs last five steps) where the masked run climbs
-    (0.63 -> 0.71); one seed each (figures/search_qa_ablation_h200.png).
+    0.717 / 0.823 after the SFT warm start, 0.810 / 0.850 after 15 / 14 GRPO steps (seeds
+    0 / 1, `--config.train.time_limit_s=540`). Masking ablation, same seeds and budget: with
+    mask_observations=False held-out EM is 0.807 / 0.803 after RL, and the sampled EM stays
+    flat in both seeds (first vs last five steps: 0.63 -> 0.62, 0.64 -> 0.64) where the
+    masked runs climb (0.63 -> 0.71, 0.63 -> 0.69) (figures/search_qa_ablation_h200.png).
   qwen (not measured): Search-R1's picture on a world no model knows: EM rises with RL,
     fastest on 1-2 hops; with mask_observations=False training should be less stable.
 """
