@@ -5,7 +5,9 @@ of the whole model (the generator's prefill / append at a new bucket, say) takes
 compile. The trainer logs the compilations of each step (`compile/count`, `time/compile_s`,
 and `eval/compile_s` for evals) so a slow step can be told apart from a slow program.
 Compilations served from JAX's persistent cache (see `enable_persistent_cache`) are not
-counted as compiles; they appear as `compile/cache_hits`.
+counted as compiles; they appear as `compile/cache_hits`. Each compilation is also counted
+under its program's name (`jit(_append)`, say), so a run can say which programs keep compiling
+(the trainer writes them to `compiles.jsonl`).
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ _installed = False
 _count = 0
 _seconds = 0.0
 _hits = 0
+_by_name: dict[str, tuple[int, float]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,18 +37,34 @@ class CompileCounts:
   count: int = 0        # backend compilations
   seconds: float = 0.0  # their total wall time
   cache_hits: int = 0   # executables loaded from the persistent cache instead
+  # program name -> (compilations, seconds); a difference keeps only names that compiled
+  by_name: dict[str, tuple[int, float]] = dataclasses.field(default_factory=dict)
 
   def __sub__(self, other: "CompileCounts") -> "CompileCounts":
+    names = {}
+    for name, (n, sec) in self.by_name.items():
+      n0, sec0 = other.by_name.get(name, (0, 0.0))
+      if n > n0:
+        names[name] = (n - n0, sec - sec0)
     return CompileCounts(self.count - other.count, self.seconds - other.seconds,
-                         self.cache_hits - other.cache_hits)
+                         self.cache_hits - other.cache_hits, names)
+
+  def programs(self, top: int = 0) -> dict[str, dict[str, float]]:
+    """{name: {"count", "seconds"}}, the slowest total first (the `top` slowest when > 0)."""
+    items = sorted(self.by_name.items(), key=lambda kv: -kv[1][1])
+    items = items[:top] if top > 0 else items
+    return {name: {"count": n, "seconds": round(sec, 3)} for name, (n, sec) in items}
 
 
-def _on_duration(event: str, duration: float, **_) -> None:
+def _on_duration(event: str, duration: float, fun_name: str | None = None, **_) -> None:
   global _count, _seconds
   if event == _BACKEND_COMPILE:
     with _lock:
       _count += 1
       _seconds += float(duration)
+      name = str(fun_name) if fun_name else "?"
+      n, sec = _by_name.get(name, (0, 0.0))
+      _by_name[name] = (n + 1, sec + float(duration))
 
 
 def _on_event(event: str, **_) -> None:
@@ -69,7 +88,7 @@ def install() -> None:
 def snapshot() -> CompileCounts:
   """Compilations so far (since `install`)."""
   with _lock:
-    return CompileCounts(_count, _seconds, _hits)
+    return CompileCounts(_count, _seconds, _hits, dict(_by_name))
 
 
 def default_cache_dir() -> pathlib.Path:

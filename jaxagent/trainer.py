@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -295,9 +296,22 @@ class Trainer:
       out[f"{tag}/pass@{e.pass_k}"] = float(np.mean([_pass_at_k(e.pass_k, int(ci), e.pass_k)
                                                      for ci in c]))
     out[f"{tag}/time_s"] = time.time() - t0
-    out.update(_compile_metrics(compile_stats.snapshot() - c0, f"{tag}/compiles",
-                                f"{tag}/compile_s", f"{tag}/compile_cache_hits"))
+    d = compile_stats.snapshot() - c0
+    out.update(_compile_metrics(d, f"{tag}/compiles", f"{tag}/compile_s",
+                                f"{tag}/compile_cache_hits"))
+    self._log_compiles(tag, d)
     return out
+
+  def _log_compiles(self, phase: str, d: compile_stats.CompileCounts) -> None:
+    """Which programs compiled in a step or eval, slowest first: a line of `compiles.jsonl`
+    (process 0; nothing when none did)."""
+    if not d.count or jax.process_index() != 0:
+      return
+    rec = {"step": self.step, "phase": phase, "count": d.count, "seconds": round(d.seconds, 3),
+           "programs": d.programs(top=30)}
+    self.workdir.mkdir(parents=True, exist_ok=True)
+    with open(self.workdir / "compiles.jsonl", "a") as f:
+      f.write(json.dumps(rec) + "\n")
 
   def _success(self, traj: Trajectory, ex: Example) -> bool:
     return bool(self.env.is_success(self.env.reward(traj, ex, self.tok, self.step)))
@@ -343,7 +357,7 @@ class Trainer:
       if self.cfg.jnp_param_dtype == self.cfg.jnp_dtype:
         return self.state.params  # colocated: the same buffers, no copy
       if self._cast is None:
-        self._cast = jax.jit(lambda p: decoder.compute_copy(p, self.cfg))
+        self._cast = jax.jit(functools.partial(decoder.compute_copy, cfg=self.cfg))
       return self._cast(self.state.params)
     host = decoder.compute_copy(_to_host(self.state.params), self.cfg)
     return sharding.shard(host, self.gen_mesh) if jax.process_index() == 0 else None
@@ -409,8 +423,9 @@ class Trainer:
       metrics["train/skipped_no_signal"] = 1.0
     metrics["time/update_s"] = time.time() - t1
     metrics["time/step_s"] = time.time() - t0
-    metrics.update(_compile_metrics(compile_stats.snapshot() - c0, "compile/count",
-                                    "time/compile_s", "compile/cache_hits"))
+    d = compile_stats.snapshot() - c0
+    metrics.update(_compile_metrics(d, "compile/count", "time/compile_s", "compile/cache_hits"))
+    self._log_compiles("rl", d)
     return metrics
 
   def fill_unsampled_old_logps(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -19,6 +19,10 @@ def test_counts_backend_compiles():
   after = compile_stats.snapshot() - before
   assert mid.count == 1 and mid.seconds > 0
   assert after.count == 2 and after.seconds >= mid.seconds
+  # Per program: this lambda's two compilations, nothing from before the first snapshot.
+  assert after.by_name == {"jit(<lambda>)": (2, after.by_name["jit(<lambda>)"][1])}
+  assert after.programs() == {"jit(<lambda>)": {"count": 2, "seconds": round(
+      after.by_name["jit(<lambda>)"][1], 3)}}
 
 
 def test_persistent_cache_switch(tmp_path, monkeypatch):

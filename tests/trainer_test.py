@@ -63,6 +63,11 @@ def test_golden_first_step_metrics(tmp_path):
   assert "pass@1/after_rl" in summary
   assert (tmp_path / "run" / "curves.png").exists()
   assert list((tmp_path / "run" / "samples").glob("step_*.txt"))
+  # The first RL step compiles the update among others, and says so by program name.
+  comp = [json.loads(l) for l in (tmp_path / "run" / "compiles.jsonl").read_text().splitlines()]
+  rl = next(r for r in comp if r["phase"] == "rl" and r["step"] == 1)
+  assert rl["count"] == first["compile/count"] == sum(p["count"] for p in rl["programs"].values())
+  assert any("train_step" in name for name in rl["programs"]), rl["programs"]
 
 
 def test_unknown_env_and_bad_loss_settings_are_named(tmp_path):

@@ -194,6 +194,7 @@ class Engine:
     self._jit_append = jax.jit(on_mesh(self._append), static_argnames=("kv_len",),
                                donate_argnames=("state",))
     self._jit_update = jax.jit(self._update, donate_argnames=("state",))
+    self._jit_empty = None
 
   # ------------------------------------------------------------------ sharding helpers
   @property
@@ -256,9 +257,10 @@ class Engine:
 
   def init_decode_state(self) -> DecodeState:
     """Empty slots (all inactive)."""
-    if self.mesh is None:
-      return jax.jit(self._empty_state)()
-    return jax.jit(self._empty_state, out_shardings=self.decode_state_shardings())()
+    if self._jit_empty is None:  # built once: a fresh `jax.jit` per call compiled every rollout
+      self._jit_empty = (jax.jit(self._empty_state) if self.mesh is None else
+                         jax.jit(self._empty_state, out_shardings=self.decode_state_shardings()))
+    return self._jit_empty()
 
   def program(self, name: str):
     """The jitted function behind `prefill`, `insert`, `generate`, `append` or `update_slots`

@@ -301,8 +301,9 @@ class Learner:
     `jax.ShapeDtypeStruct`s), built once; `jaxagent.plan` lowers it ahead of time."""
     if self._train is None:
       ss = self.state_shardings(state)
-      fn = lambda s, b: train_step(s, b, cfg=self.cfg, scfg=self.scfg,
-                                   optimizer=self.optimizer)
+      def fn(s, b):
+        return train_step(s, b, cfg=self.cfg, scfg=self.scfg, optimizer=self.optimizer)
+      fn.__name__ = fn.__qualname__ = "train_step"  # the program's name in compile logs
       self._train = jax.jit(shd.on_mesh(fn, self.mesh), in_shardings=(ss, self.batch_sharding()),
                             out_shardings=(ss, NamedSharding(self.mesh, P())),
                             donate_argnums=(0,))
@@ -338,6 +339,7 @@ class Learner:
         lp, ent = jax.lax.map(lambda mb: one(p, mb), split_micro_batches(b, m))
         merge = lambda x: x.swapaxes(0, 1).reshape(rows, *x.shape[2:])
         return merge(lp), merge(ent)
+      fn.__name__ = fn.__qualname__ = "score_entropy" if with_entropy else "score"
       self._score[with_entropy] = jax.jit(shd.on_mesh(fn, self.mesh), out_shardings=(self.batch_sharding(),) * 2)
     return self._score[with_entropy]
 

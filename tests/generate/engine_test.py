@@ -225,6 +225,14 @@ def test_append_and_update_compile_per_bucket_not_per_count(params):
     lengths = np.asarray(state.lengths)
   assert eng._jit_append._cache_size() <= 3
   assert eng._jit_update._cache_size() <= 4
+  # Empty decode states (one per rollout) come from one compiled program.
+  from jaxagent import compile_stats
+  compile_stats.install()
+  eng.init_decode_state()
+  c0 = compile_stats.snapshot()
+  eng.init_decode_state()
+  eng.init_decode_state()
+  assert (compile_stats.snapshot() - c0).count == 0
 
 
 @pytest.mark.parametrize("layout", ["stacked", "per_layer"])
