@@ -467,7 +467,8 @@ class Engine:
     """Feed each slot's pending token plus observation tokens, then sample the next token.
 
     `cached_lens` (host-known cache lengths of `slots`) only picks the live-KV bucket; pass it
-    to avoid reading the whole cache. Returns (state, (first tokens, logprobs, stop codes)).
+    to avoid reading the whole cache. Returns (state, (first tokens, logprobs, stop codes)),
+    the three as host NumPy arrays, one entry per slot.
     """
     slots = np.atleast_1d(np.asarray(slots, np.int32))
     if len(slots) != len(observations):
@@ -495,6 +496,8 @@ class Engine:
                            self.append_kv_buckets))
     state, (tok, lp, code) = self._jit_append(params, state, pad_slots, chunk, lens, budgets,
                                               kv_len=kv_len)
+    # Host copies, then the real rows: slicing the device arrays compiled a program per count.
+    tok, lp, code = jax.device_get((tok, lp, code))
     return state, (tok[:b], lp[:b], code[:b])
 
   # ------------------------------------------------------------------ host control

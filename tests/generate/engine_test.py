@@ -217,6 +217,9 @@ def test_append_and_update_compile_per_bucket_not_per_count(params):
   state = eng.prefill_insert(params, eng.init_decode_state(), _prompts(8, seed=2, hi=20),
                              list(range(8)), list(range(8)))[0]
   lengths = np.asarray(state.lengths)
+  from jaxagent import compile_stats
+  compile_stats.install()
+  c_loop = compile_stats.snapshot()
   for n in range(1, 9):
     slots = list(range(n))
     state = eng.update_slots(state, slots, lengths=lengths[:n], tokens=np.asarray(state.tokens)[:n],
@@ -225,9 +228,9 @@ def test_append_and_update_compile_per_bucket_not_per_count(params):
     lengths = np.asarray(state.lengths)
   assert eng._jit_append._cache_size() <= 3
   assert eng._jit_update._cache_size() <= 4
+  # Nothing else compiled per count (slicing the device results did, once per count).
+  assert set((compile_stats.snapshot() - c_loop).by_name) <= {"jit(_append)", "jit(_update)"}
   # Empty decode states (one per rollout) come from one compiled program.
-  from jaxagent import compile_stats
-  compile_stats.install()
   eng.init_decode_state()
   c0 = compile_stats.snapshot()
   eng.init_decode_state()
