@@ -188,6 +188,15 @@ def _to_host(tree):
 
 
 # ----------------------------------------------------------------------------- trainer
+def packing_config(train, dp: int) -> packing.PackingConfig:
+  """How the RL batch is packed, from the `train` config: rows of `train.pack_len` tokens,
+  `len_buckets`, and a row count rounded per `row_rounding` to a multiple of the micro-batches
+  times the `dp` data-parallel devices (each micro-batch splits evenly over them)."""
+  return packing.PackingConfig(
+      max_len=train.pack_len, len_buckets=tuple(train.get("len_buckets", ())) or (train.pack_len,),
+      row_multiple=train.micro_batches * dp, row_rounding=train.get("row_rounding", "multiple"))
+
+
 def _time_limit_s(train) -> float:
   """`train.time_limit_s`: the wall-clock budget of the RL loop in seconds (0 or missing: none)."""
   v = train.get("time_limit_s", 0.0)
@@ -216,10 +225,12 @@ class Trainer:
     self.config = config
     c = config
     compile_stats.install()
-    self.time_limit_s = _time_limit_s(c.train)  # checked first: a bad value fails fast
+    # Settings that need no model are checked first, so a bad value fails in a second.
+    self.time_limit_s = _time_limit_s(c.train)
+    (self.step_cfg, self.optimizer), _ = step_lib.learner_parts(c)
     self.workdir = pathlib.Path(c.workdir)
-    self.cfg, params, self.tok = load_model(c.model)
     self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))
+    self.cfg, params, self.tok = load_model(c.model)
     self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     # Rollouts run on process 0's local devices in multi-host jobs (see the module docstring).
     self.gen_mesh = (self.mesh if jax.process_count() == 1 else
@@ -229,7 +240,6 @@ class Trainer:
     self.prompts = PromptStream(self.train_examples, c.seed)
 
     t = c.train
-    (self.step_cfg, self.optimizer), _ = step_lib.learner_parts(c)
     self.loss_cfg = self.step_cfg.loss
     self.learner = step_lib.Learner(self.cfg, self.step_cfg, self.optimizer, self.mesh)
     self.state = self.learner.init(params)
@@ -253,9 +263,7 @@ class Trainer:
                                 cfg=self.rollout_cfg)
     dp = c.mesh.data * (jax.device_count() // (c.mesh.data * c.mesh.tensor)
                         if c.mesh.fsdp == -1 else c.mesh.fsdp)
-    self.pack_cfg = packing.PackingConfig(
-        max_len=t.pack_len, len_buckets=tuple(t.get("len_buckets", ())) or (t.pack_len,),
-        row_multiple=t.micro_batches * dp, row_rounding=t.get("row_rounding", "multiple"))
+    self.pack_cfg = packing_config(t, dp)
     self.writer = MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
                                 progress_total=c.total_steps, progress=c.log.progress)
     self.step = 0

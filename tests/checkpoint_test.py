@@ -293,6 +293,7 @@ def _metric_steps(workdir):
   return steps
 
 
+@pytest.mark.slow  # three launches in subprocesses (about a minute on 2 cores)
 def test_resume_is_exact(tmp_path, run_files):
   """4 steps straight == 2 steps, a restart from the step-2 checkpoint, 2 more steps."""
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"

@@ -110,6 +110,7 @@ def test_generator_gets_compute_dtype_weights_with_the_same_logits(tmp_path):
   tr.close()
 
 
+@pytest.mark.slow  # a whole run with a checkpoint (about 25 s on 2 cores)
 def test_time_limit_stops_after_the_step_with_final_eval_and_checkpoint(tmp_path):
   # The budget runs out during step 1 of 5: step 1 gets the final eval (eval.every=2 would not
   # eval it) and a checkpoint, and the run ends through the normal summary path.
@@ -144,13 +145,19 @@ def test_time_limit_must_not_be_negative(tmp_path):
 
 def test_row_rounding_reaches_the_packer(tmp_path):
   # "pow2" bounds the update programs to ~log2 row counts; the default keeps least padding.
-  pack = Trainer(_tiny(tmp_path)).pack_cfg
-  m = pack.row_multiple  # micro-batches x data-parallel devices
-  assert pack.round_rows(5 * m) == 5 * m
-  pack = Trainer(_tiny(tmp_path, **{"train.row_rounding": "pow2"})).pack_cfg
-  assert pack.row_multiple == m and pack.round_rows(5 * m) == 8 * m
+  from jaxagent.trainer import packing_config
+  t = _tiny(tmp_path).train
+  t.micro_batches = 2
+  pack = packing_config(t, dp=4)
+  assert pack.row_multiple == 8 and pack.round_rows(5 * 8) == 5 * 8
+  assert pack.max_len == t.pack_len and pack.len_buckets == tuple(t.len_buckets)
+  t.row_rounding = "pow2"
+  assert packing_config(t, dp=4).round_rows(5 * 8) == 8 * 8
+  t.row_rounding = "pow3"
   with pytest.raises(ValueError, match="row_rounding"):
-    Trainer(_tiny(tmp_path, **{"train.row_rounding": "pow3"}))
+    packing_config(t, dp=4)
+  del t["row_rounding"]  # configs written before the key: the least-padding default
+  assert packing_config(t, dp=4).row_rounding == "multiple"
 
 
 def test_observation_loss_is_wired_and_unsampled_old_logps_are_scored(tmp_path, monkeypatch):
