@@ -129,8 +129,13 @@ def _representable(text):
   return all(_BYTE_SPELLING[b] in vocab for b in text.encode("utf-8"))
 
 
+# Code points unassigned in this Python's Unicode tables are left out of the random text: the
+# `regex` module used by the reference may know a newer Unicode than the tokenizer's own
+# pre-tokenizer, and a code point assigned in between (U+3D000 is a letter to regex 2026.11 and
+# unassigned to tokenizers 0.23) is split differently by the two regexes. The @example below
+# keeps code points that no Unicode version assigns.
 _texts = st.lists(
-    st.one_of(st.text(max_size=24),
+    st.one_of(st.text(st.characters(exclude_categories=("Cs", "Cn")), max_size=24),
               st.sampled_from(["<|im_end|>", " 123", "  ", "\n\n", "😀", "é", "中文", "x  1", "\t",
                                " the", "'s", "```py"])),
     max_size=8).map("".join)
