@@ -37,16 +37,18 @@ def main():
   fig = Figure(figsize=(5 * len(keys), 3.6))
   FigureCanvasAgg(fig)
   axes = fig.subplots(1, len(keys), squeeze=False)[0]
+  styles = [{} for _ in runs]
+  if args.color_by_first_word:  # colour per first word, line style per run within it
+    groups = list(dict.fromkeys(name.split()[0] for name, _ in runs))
+    seen: dict[str, int] = {}
+    for style, (name, _) in zip(styles, runs):
+      g = name.split()[0]
+      style.update(color=f"C{groups.index(g)}",
+                   linestyle=("-", "--", ":", "-.")[seen.get(g, 0) % 4])
+      seen[g] = seen.get(g, 0) + 1
   for ax, key in zip(axes, keys):
-    groups: dict[str, int] = {}
-    for i, (name, path) in enumerate(runs):
+    for style, (name, path) in zip(styles, runs):
       xs, ys = load(path, key)
-      style = {}
-      if args.color_by_first_word:
-        group = name.split()[0]
-        style = dict(color=f"C{list(dict.fromkeys(n.split()[0] for n, _ in runs)).index(group)}",
-                     linestyle=("-", "--", ":", "-.")[groups.get(group, 0) % 4])
-        groups[group] = groups.get(group, 0) + 1
       ax.plot(xs, ys, marker="o", markersize=4, label=name, **style)
     ax.set_title(key)
     ax.set_xlabel("RL step")

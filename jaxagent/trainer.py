@@ -188,15 +188,6 @@ def _to_host(tree):
 
 
 # ----------------------------------------------------------------------------- trainer
-def packing_config(train, dp: int) -> packing.PackingConfig:
-  """How the RL batch is packed, from the `train` config: rows of `train.pack_len` tokens,
-  `len_buckets`, and a row count rounded per `row_rounding` to a multiple of the micro-batches
-  times the `dp` data-parallel devices (each micro-batch splits evenly over them)."""
-  return packing.PackingConfig(
-      max_len=train.pack_len, len_buckets=tuple(train.get("len_buckets", ())) or (train.pack_len,),
-      row_multiple=train.micro_batches * dp, row_rounding=train.get("row_rounding", "multiple"))
-
-
 def _time_limit_s(train) -> float:
   """`train.time_limit_s`: the wall-clock budget of the RL loop in seconds (0 or missing: none)."""
   v = train.get("time_limit_s", 0.0)
@@ -263,7 +254,7 @@ class Trainer:
                                 cfg=self.rollout_cfg)
     dp = c.mesh.data * (jax.device_count() // (c.mesh.data * c.mesh.tensor)
                         if c.mesh.fsdp == -1 else c.mesh.fsdp)
-    self.pack_cfg = packing_config(t, dp)
+    self.pack_cfg = packing.config_from_train(t, dp)
     self.writer = MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
                                 progress_total=c.total_steps, progress=c.log.progress)
     self.step = 0

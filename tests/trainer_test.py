@@ -145,19 +145,24 @@ def test_time_limit_must_not_be_negative(tmp_path):
 
 def test_row_rounding_reaches_the_packer(tmp_path):
   # "pow2" bounds the update programs to ~log2 row counts; the default keeps least padding.
-  from jaxagent.trainer import packing_config
-  t = _tiny(tmp_path).train
+  from jaxagent.plan import planner
+  from jaxagent.rl.packing import config_from_train
+  c = _tiny(tmp_path)
+  t = c.train
   t.micro_batches = 2
-  pack = packing_config(t, dp=4)
+  pack = config_from_train(t, dp=4)
   assert pack.row_multiple == 8 and pack.round_rows(5 * 8) == 5 * 8
   assert pack.max_len == t.pack_len and pack.len_buckets == tuple(t.len_buckets)
   t.row_rounding = "pow2"
-  assert packing_config(t, dp=4).round_rows(5 * 8) == 8 * 8
+  assert config_from_train(t, dp=4).round_rows(5 * 8) == 8 * 8
+  # The planner sizes the update as the trainer packs it: 5 x 8 rows round up to 8 x 8.
+  sizes = {"data": 1, "fsdp": 4, "tensor": 1}
+  assert planner.run_shapes(c, sizes, planner.PlanOptions(rows=5 * 8)).rows == 8 * 8
   t.row_rounding = "pow3"
   with pytest.raises(ValueError, match="row_rounding"):
-    packing_config(t, dp=4)
+    config_from_train(t, dp=4)
   del t["row_rounding"]  # configs written before the key: the least-padding default
-  assert packing_config(t, dp=4).row_rounding == "multiple"
+  assert config_from_train(t, dp=4).row_rounding == "multiple"
 
 
 def test_observation_loss_is_wired_and_unsampled_old_logps_are_scored(tmp_path, monkeypatch):

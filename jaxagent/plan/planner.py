@@ -151,9 +151,7 @@ def run_shapes(config, mesh_sizes: dict[str, int], options: PlanOptions = PlanOp
   """The worst-case shapes of a run's programs on a mesh of `mesh_sizes`."""
   t, r = config.train, config.rollout
   dp = mesh_sizes["data"] * mesh_sizes["fsdp"]
-  pack_cfg = packing.PackingConfig(
-      max_len=t.pack_len, len_buckets=tuple(t.get("len_buckets", ())) or (t.pack_len,),
-      row_multiple=t.micro_batches * dp)
+  pack_cfg = packing.config_from_train(t, dp)  # as the trainer packs
   rows = pack_cfg.round_rows(options.rows or t.prompts_per_step * t.samples_per_prompt)
   sft_rows = pack_cfg.round_rows(config.sft.batch_size) if config.sft.steps else 0
   ecfg = EngineConfig(slots=r.slots, max_len=r.max_len)

@@ -155,6 +155,16 @@ class PackingConfig:
         return self.len_buckets[bisect.bisect_left(self.len_buckets, length)]
 
 
+def config_from_train(train, dp: int) -> PackingConfig:
+    """The packing of a run's RL batch from its `train` config (the trainer and the planner
+    both use this): rows of `train.pack_len` tokens, `len_buckets`, and a row count rounded per
+    `row_rounding` to a multiple of the micro-batches times the `dp` data-parallel devices
+    (each micro-batch splits evenly over them)."""
+    return PackingConfig(
+        max_len=train.pack_len, len_buckets=tuple(train.get("len_buckets", ())) or (train.pack_len,),
+        row_multiple=train.micro_batches * dp, row_rounding=train.get("row_rounding", "multiple"))
+
+
 @dataclasses.dataclass
 class PackedBatch:
     """Packed rows `[B, L]` plus where each input item went.
