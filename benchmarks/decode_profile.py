@@ -30,13 +30,15 @@ def main():
   ap.add_argument("--trace", default="", help="also write a profiler trace of 5 engine steps "
                   "(with a Perfetto JSON) to this directory")
   ap.add_argument("--trace-only", action="store_true", help="skip the piecewise timings")
-  ap.add_argument("--layout", default="stacked", help="KV cache layout: stacked or per_layer")
+  ap.add_argument("--layout", default="auto", help="KV cache layout: auto, stacked or per_layer")
+  ap.add_argument("--merge", action="store_true", help="the extend + write_kv decode step "
+                  "instead of the write-first one (EngineConfig.decode_write_first=False)")
   args = ap.parse_args()
   cfg = models.get_config(args.model, param_dtype="bfloat16", dtype="bfloat16")
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
   S, C = args.batch, args.cached
   eng = Engine(cfg, EngineConfig(slots=S, max_len=args.max_len, sampling=SamplingConfig(1.0),
-                                 cache_layout=args.layout))
+                                 cache_layout=args.layout, decode_write_first=not args.merge))
   state = eng.init_decode_state()
   state = state.replace(lengths=jnp.full((S,), C, jnp.int32), active=jnp.ones((S,), bool),
                         remaining=jnp.full((S,), 10**6, jnp.int32))
@@ -55,6 +57,8 @@ def main():
       for _ in range(5):
         run_step()
     print(f"trace written to {args.trace}", flush=True)
+    from benchmarks import trace_summary
+    trace_summary.print_summary(trace_summary.summarize(args.trace, steps=5, top=25))
     if args.trace_only:
       emit("decode_profile", model=args.model, batch=S, cached=C, **out)
       return

@@ -11,8 +11,9 @@ A sweep over cache layouts, attention paths and the Pallas kernel's launch setti
     python benchmarks/generate.py --models qwen3-0.6b --batches 256 \
         --variants "stacked/auto/;per_layer/auto/;per_layer/pallas/block_k=128,num_warps=8"
 
-each variant `layout/attention/kernel` (kernel: `JAXAGENT_DECODE_KERNEL` settings, see
-`jaxagent/models/decode_attention.py`).
+each variant `layout/attention/kernel[/merge]` (kernel: `JAXAGENT_DECODE_KERNEL` settings, see
+`jaxagent/models/decode_attention.py`; `/merge`: the new token's K/V written after the layer
+stack and its attention merged by log-sum-exp, instead of `EngineConfig.decode_write_first`).
 """
 import argparse
 import os
@@ -30,14 +31,15 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 
 def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0,
-        layout="stacked", kernel=""):
+        layout="auto", kernel="", write_first=True):
   os.environ["JAXAGENT_DECODE_KERNEL"] = kernel
   cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
   max_len = prompt_len + new_tokens + steps
   eng = Engine(cfg, EngineConfig(slots=batch, max_len=max_len, eos_ids=(),
                                  sampling=SamplingConfig(temperature), kv_page=128,
-                                 decode_attention=attention, cache_layout=layout))
+                                 decode_attention=attention, cache_layout=layout,
+                                 decode_write_first=write_first))
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
 
@@ -65,8 +67,8 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   step_bytes = w_bytes + batch * avg_len * kv_tok
   roof_step_s = step_bytes / peaks()["hbm_bytes_s"]
   step_s = decode_s / n_steps
-  emit("decode", record, model=name, batch=batch, attention=attention, layout=layout,
-       kernel=kernel,
+  emit("decode", record, model=name, batch=batch, attention=attention,
+       layout=eng.cache_layout, kernel=kernel, write_first=write_first,
        prompt_len=prompt_len, new_tokens=n_steps,
        decode_steps_per_call=steps, tokens_per_s=batch * n_steps / decode_s,
        step_ms=step_s * 1e3, roofline_step_ms=roof_step_s * 1e3,
@@ -82,23 +84,27 @@ def main():
   ap.add_argument("--new-tokens", type=int, default=512)
   ap.add_argument("--steps", type=int, default=16, help="decode steps per device call")
   ap.add_argument("--attention", default="auto", help="decode attention: auto, xla, pallas")
-  ap.add_argument("--layouts", default="stacked",
+  ap.add_argument("--layouts", default="auto",
                   help="KV cache layouts to compare, e.g. stacked,per_layer")
   ap.add_argument("--variants", default="",
-                  help="';'-separated layout/attention/kernel triples (overrides --layouts and "
-                       "--attention)")
+                  help="';'-separated layout/attention/kernel[/merge] variants (overrides "
+                       "--layouts and --attention)")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
-  variants = ([tuple(v.split("/")) for v in args.variants.split(";")] if args.variants else
-              [(layout, args.attention, "") for layout in args.layouts.split(",")])
+  variants = ([(v.split("/") + ["", "", ""])[:4] for v in args.variants.split(";")]
+              if args.variants else
+              [(layout, args.attention, "", "") for layout in args.layouts.split(",")])
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
-      for layout, attention, kernel in variants:
+      for layout, attention, kernel, mode in variants:
+        if mode not in ("", "merge"):
+          raise SystemExit(f"--variants: unknown mode {mode!r} (expected '' or 'merge')")
         try:
-          run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record, attention,
-              layout=layout, kernel=kernel)
+          run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record,
+              attention or "auto", layout=layout or "auto", kernel=kernel,
+              write_first=mode != "merge")
         except Exception as e:  # one failing variant must not lose the others' numbers
-          print(f"FAILED {name} b={b} {layout}/{attention}/{kernel}: {type(e).__name__}: "
+          print(f"FAILED {name} b={b} {layout}/{attention}/{kernel}/{mode}: {type(e).__name__}: "
                 f"{str(e)[:2000]}", flush=True)
 
 

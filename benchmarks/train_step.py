@@ -58,6 +58,8 @@ def main():
   ap.add_argument("--remat", default="dots")
   ap.add_argument("--param-dtype", default="float32")
   ap.add_argument("--record", action="store_true")
+  ap.add_argument("--trace", default="", help="also profile 2 steps into this directory and "
+                  "print the kernel time per step by kind (benchmarks/trace_summary.py)")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
   for name in args.models.split(","):
@@ -85,6 +87,13 @@ def main():
          micro_batches=args.micro_batches, attention=args.attention, remat=args.remat,
          param_dtype=args.param_dtype, step_s=t["median_s"], tokens_per_s=n_tok / t["median_s"],
          mfu=flops / t["median_s"] / peaks()["bf16_flops"], packing_efficiency=eff)
+    if args.trace:
+      from benchmarks import trace_summary
+      out = os.path.join(args.trace, name)
+      with jax.profiler.trace(out, create_perfetto_trace=True):
+        for _ in range(2):
+          one()
+      trace_summary.print_summary(trace_summary.summarize(out, steps=2, top=25))
 
 
 if __name__ == "__main__":

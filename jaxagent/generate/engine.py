@@ -129,6 +129,10 @@ class EngineConfig:
   # Qwen3-0.6B shape, 256 slots; benchmarks/RESULTS.md) and "stacked" with XLA attention
   # (there the two measured the same, and the scan compiles faster).
   cache_layout: str = "auto"
+  # Per-layer cache with the Pallas kernel: each layer writes the decoded token's K/V into its
+  # buffer before the kernel reads it (`decoder.decode_in_place`), instead of attending to the
+  # new token separately and merging the two softmaxes. False: the `extend` + `write_kv` path.
+  decode_write_first: bool = True
 
   def __post_init__(self):
     if not isinstance(self.slots, int) or self.slots <= 0:
@@ -391,15 +395,20 @@ class Engine:
   # ------------------------------------------------------------------ decode
   def _step(self, params, state: DecodeState, kv_len: int):
     s = self.ecfg.slots
-    logits, k_new, v_new = decoder.extend(params, state.k, state.v, state.tokens[:, None],
-                                          state.lengths, cfg=self.cfg, kv_len=kv_len,
-                                          attn_impl=self._attn)
-    slot_ids = jnp.arange(s, dtype=jnp.int32)
-    k = decoder.write_kv(state.k, k_new, slot_ids, state.lengths)
-    v = decoder.write_kv(state.v, v_new, slot_ids, state.lengths)
+    if self.per_layer and self._attn == "pallas" and self.ecfg.decode_write_first:
+      logits, k, v = decoder.decode_in_place(params, state.k, state.v, state.tokens,
+                                             state.lengths, cfg=self.cfg)
+    else:
+      logits, k_new, v_new = decoder.extend(params, state.k, state.v, state.tokens[:, None],
+                                            state.lengths, cfg=self.cfg, kv_len=kv_len,
+                                            attn_impl=self._attn)
+      logits = logits[:, 0]
+      slot_ids = jnp.arange(s, dtype=jnp.int32)
+      k = decoder.write_kv(state.k, k_new, slot_ids, state.lengths)
+      v = decoder.write_kv(state.v, v_new, slot_ids, state.lengths)
     lengths = state.lengths + state.active.astype(jnp.int32)
     keys = token_keys(state.seeds, state.request_ids, lengths)
-    tok, lp = sample(logits[:, 0], keys, self.ecfg.sampling)
+    tok, lp = sample(logits, keys, self.ecfg.sampling)
     remaining = state.remaining - state.active.astype(jnp.int32)
     code = self._stop_code(tok, lengths, remaining, state.limit)
     valid = state.active

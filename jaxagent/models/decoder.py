@@ -512,6 +512,50 @@ def _extend_per_layer(p, cache_k, cache_v, tokens, positions, cache_lens, cfg, k
   return x, jnp.stack(ks), jnp.stack(vs)
 
 
+def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelConfig,
+                    interpret: bool | None = None):
+  """One decode token per slot over a per-layer cache, with the Pallas kernel: each layer writes
+  its new K/V into its cache buffer first and the kernel then attends over `cache_lens + 1`
+  entries, the new token included.
+
+  Same function as `extend` followed by `write_kv`, but without the separate attention of the
+  new token to itself and the log-sum-exp merge of the two parts (about ten small kernels per
+  layer, which at decode sizes cost more than the bytes they move), and without stacking the
+  new K/V of all layers. tokens: [S] ints; cache_lens: [S]; cache_k, cache_v: tuples of
+  per-layer `[S, KV, C, hd]` buffers (donate them to update in place). A slot whose cache is
+  full (`cache_lens == C`) gets its write dropped and attends over the C cached entries only.
+  Returns (logits `[S, V]` float32, cache_k, cache_v).
+  """
+  from jaxagent.models.decode_attention import flash_decode
+  p = unbox(params)
+  tokens = jnp.asarray(tokens, jnp.int32)[:, None]
+  s = tokens.shape[0]
+  positions = cache_lens[:, None]
+  inv_freq = jnp.asarray(rope_inv_freq(cfg))
+  interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  slots = jnp.arange(s, dtype=jnp.int32)
+  c = cache_k[0].shape[2]
+  read_lens = jnp.minimum(cache_lens + 1, c)
+  x = embed(p, tokens, cfg)
+  new_k, new_v = list(cache_k), list(cache_v)
+  for layer in range(cfg.n_layers):
+    lp = jax.tree.map(lambda w: w[layer], p["layers"])
+
+    def attend(q, k, v, layer=layer):
+      ck = new_k[layer].at[slots, :, cache_lens].set(k[:, 0].astype(new_k[layer].dtype),
+                                                     mode="drop")
+      cv = new_v[layer].at[slots, :, cache_lens].set(v[:, 0].astype(new_v[layer].dtype),
+                                                     mode="drop")
+      new_k[layer], new_v[layer] = ck, cv
+      qg = q.reshape(s, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim)
+      out, _ = flash_decode(qg, ck, cv, read_lens, interpret=interpret)
+      return out.reshape(s, 1, cfg.n_heads, cfg.head_dim).astype(v.dtype)
+
+    x, _, _ = _block(x, lp, positions, attend, cfg, inv_freq)
+  logits = logits_from_hidden(params, rms_norm(x[:, 0], p["final_norm"], cfg.norm_eps), cfg)
+  return logits, tuple(new_k), tuple(new_v)
+
+
 def _extend_rows_per_layer(p, x, cache_k, cache_v, positions, cache_lens, cfg, kv_len,
                            attn_impl, inv_freq, rows):
   """`extend` for some cache rows of a per-layer cache (an append): the rows have to be

@@ -1,0 +1,116 @@
+"""GPU kernel time per step from a `jax.profiler` trace, by kernel and by kind.
+
+    python benchmarks/trace_summary.py TRACE_DIR --steps 5
+
+Reads the Perfetto JSON that `jax.profiler.trace(dir, create_perfetto_trace=True)` writes
+(`dir/plugins/profile/*/perfetto_trace.json.gz`, the newest), sums the duration of every kernel
+on the device's stream tracks and divides by `--steps`. Kinds are guessed from kernel names
+(cuBLAS / Triton GEMMs, cuDNN or Pallas attention, XLA fusions, copies): a guide to where the
+time goes, not an exact attribution.
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+
+# First match wins; patterns are matched against the lower-cased kernel name.
+KINDS = (
+    ("attention", r"sdpa|fmha|flash|attention|cudnn|^_kernel|decode_kernel"),
+    ("gemm", r"gemm|nvjet|xmma|cutlass|matmul|cublas|triton_dot|__dot|_dot_"),
+    ("copy", r"memcpy|memset|^copy|_copy|transpose"),
+    ("scatter", r"scatter|dynamic_update|dynamic-update"),
+    ("reduce", r"reduce|reduction|argmax|sort|topk|top_k"),
+    ("fusion", r"fusion|convert|broadcast|select|add|multiply"),
+)
+
+
+def kind_of(name: str) -> str:
+  low = name.lower()
+  for kind, pat in KINDS:
+    if re.search(pat, low):
+      return kind
+  return "other"
+
+
+def find_trace(path: str) -> str:
+  """The Perfetto JSON under `path` (a file, or the newest under a trace directory)."""
+  if os.path.isfile(path):
+    return path
+  hits = glob.glob(os.path.join(path, "**", "perfetto_trace.json*"), recursive=True)
+  if not hits:
+    raise FileNotFoundError(f"no perfetto_trace.json(.gz) under {path}")
+  return max(hits, key=os.path.getmtime)
+
+
+def load_events(path: str) -> list[dict]:
+  opener = gzip.open if path.endswith(".gz") else open
+  with opener(path, "rt") as f:
+    data = json.load(f)
+  return data["traceEvents"] if isinstance(data, dict) else data
+
+
+def kernel_times(events: list[dict]) -> dict[str, tuple[float, int]]:
+  """Total microseconds and count per kernel name on the device stream tracks."""
+  pname, tname = {}, {}
+  for e in events:
+    if e.get("ph") == "M" and e.get("name") == "process_name":
+      pname[e["pid"]] = e.get("args", {}).get("name", "")
+    elif e.get("ph") == "M" and e.get("name") == "thread_name":
+      tname[(e["pid"], e["tid"])] = e.get("args", {}).get("name", "")
+  dev_pids = {p for p, n in pname.items() if "gpu" in n.lower() or "/device:" in n.lower()}
+  streams = {k for k, n in tname.items() if k[0] in dev_pids and n.lower().startswith("stream")}
+  out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+  for e in events:
+    if e.get("ph") != "X" or e.get("pid") not in dev_pids:
+      continue
+    if streams and (e["pid"], e.get("tid")) not in streams:
+      continue
+    acc = out[e.get("name", "?")]
+    acc[0] += float(e.get("dur", 0.0))
+    acc[1] += 1
+  return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+def summarize(path: str, steps: int = 1, top: int = 15) -> dict:
+  """Per-step kernel time (ms) by kind and the `top` kernels; also returned as a dict."""
+  times = kernel_times(load_events(find_trace(path)))
+  by_kind: dict[str, float] = collections.defaultdict(float)
+  for name, (us, _) in times.items():
+    by_kind[kind_of(name)] += us
+  total = sum(by_kind.values())
+  kinds = {k: round(v / steps / 1e3, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
+  tops = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
+  return {
+      "total_ms_per_step": round(total / steps / 1e3, 4),
+      "by_kind_ms_per_step": kinds,
+      "top_kernels": [{"name": n[:120], "kind": kind_of(n), "ms_per_step": round(us / steps / 1e3, 4),
+                       "calls_per_step": round(c / steps, 2)} for n, (us, c) in tops],
+  }
+
+
+def print_summary(summary: dict) -> None:
+  print(f"kernel time per step: {summary['total_ms_per_step']:.3f} ms")
+  for kind, ms in summary["by_kind_ms_per_step"].items():
+    print(f"  {kind:<10} {ms:8.3f} ms")
+  print("top kernels (ms per step, calls per step):")
+  for k in summary["top_kernels"]:
+    print(f"  {k['ms_per_step']:8.3f} {k['calls_per_step']:7.1f}  [{k['kind']}] {k['name']}")
+  print("TRACE_SUMMARY " + json.dumps(summary), flush=True)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("trace")
+  ap.add_argument("--steps", type=int, default=1, help="steps the trace covers")
+  ap.add_argument("--top", type=int, default=15)
+  args = ap.parse_args()
+  print_summary(summarize(args.trace, args.steps, args.top))
+
+
+if __name__ == "__main__":
+  main()
