@@ -1,10 +1,13 @@
 """Flash-decoding attention over a KV cache as a Pallas kernel (GPU; interpret mode elsewhere).
 
-One program per (slot, KV head) walks the slot's cached keys in blocks of `block_k`, only up to
-the slot's length, with an online softmax, and returns the normalised output and the
-log-sum-exp so the caller can merge in the attention to the new token itself. The XLA einsum
-path reads each (slot, head) through small batched matmuls far below HBM bandwidth; this kernel
-reads every live key and value once.
+One program per (slot, KV head, split) walks its share of the slot's cached keys in blocks of
+`block_k`, only up to the slot's length, with an online softmax, and returns the normalised
+output and the log-sum-exp so the caller can merge in the attention to the new token itself.
+With `splits > 1` the sequence is cut into that many ranges of blocks, one program each, and
+the partial results are merged by log-sum-exp (flash-decoding): models with few KV heads have
+too few (slot, head) programs to keep every SM busy reading. The XLA einsum path reads each
+(slot, head) through small batched matmuls far below HBM bandwidth; this kernel reads every
+live key and value once.
 """
 from __future__ import annotations
 
@@ -22,10 +25,22 @@ _ROWS = 64  # query rows per program, at most
 
 # Tuning of the kernel's launch: keys block_k, num_warps, num_stages, low_precision_dot (1:
 # the two products take the cache's dtype with float32 accumulation instead of float32
-# inputs). Set by `JAXAGENT_DECODE_KERNEL="block_k=128,num_warps=8"` for sweeps
-# (benchmarks/generate.py --variants); read when a program is traced.
+# inputs), splits (sequence ranges per (slot, head); 0 = `auto_splits`). Set by
+# `JAXAGENT_DECODE_KERNEL="block_k=128,num_warps=8"` for sweeps (benchmarks/generate.py
+# --variants); read when a program is traced.
 # Defaults: the fastest of a sweep on an H200 (Qwen3-0.6B shape, 256 slots; RESULTS.md).
-DEFAULT_TUNING = dict(block_k=64, num_warps=4, num_stages=3, low_precision_dot=1)
+DEFAULT_TUNING = dict(block_k=64, num_warps=4, num_stages=3, low_precision_dot=1, splits=0)
+# `auto_splits` aims at this many programs per launch (an H100 has 132 SMs).
+_TARGET_PROGRAMS = 2048
+
+
+def auto_splits(slots: int, kv_heads: int, cache_len: int, block_k: int) -> int:
+  """Sequence splits per (slot, KV head): a power of two that brings the launch to about
+  `_TARGET_PROGRAMS` programs, keeping at least two blocks per split."""
+  want = _TARGET_PROGRAMS // max(1, slots * kv_heads)
+  cap = max(1, cache_len // (2 * block_k))
+  n = max(1, min(want, cap))
+  return 1 << (n.bit_length() - 1)
 
 
 def tuning() -> dict:
@@ -42,8 +57,10 @@ def tuning() -> dict:
 
 
 def _kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int, scale: float,
-            dot_dtype):
+            dot_dtype, split_blocks: int, row_blocks: int):
   length = lens_ref[0]
+  first = (pl.program_id(2) // row_blocks) * split_blocks  # this program's range of blocks
+  last = jnp.minimum((length + block_k - 1) // block_k, first + split_blocks)
   q = (q_ref[...].astype(jnp.float32) * scale).astype(dot_dtype)  # [Gp, hd]
   gp, hd = q.shape
 
@@ -66,7 +83,7 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int, scal
 
   init = (jnp.zeros((gp, hd), jnp.float32), jnp.full((gp,), _NEG, jnp.float32),
           jnp.zeros((gp,), jnp.float32))
-  o, m, l = jax.lax.fori_loop(0, (length + block_k - 1) // block_k, body, init)
+  o, m, l = jax.lax.fori_loop(first, jnp.maximum(first, last), body, init)
   safe = jnp.maximum(l, 1e-30)
   o_ref[...] = (o / safe[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe), _NEG)
@@ -88,18 +105,22 @@ def flash_decode(q, cache_k, cache_v, lengths, *, interpret: bool = False, **lau
   t.update(launch)
   return _flash_decode(q, cache_k, cache_v, lengths, block_k=t["block_k"],
                        num_warps=t["num_warps"], num_stages=t["num_stages"],
-                       low_precision_dot=bool(t["low_precision_dot"]), interpret=interpret)
+                       low_precision_dot=bool(t["low_precision_dot"]), splits=t["splits"],
+                       interpret=interpret)
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "num_warps", "num_stages",
-                                             "low_precision_dot", "interpret"))
+                                             "low_precision_dot", "splits", "interpret"))
 def _flash_decode(q, cache_k, cache_v, lengths, *, block_k, num_warps, num_stages,
-                  low_precision_dot, interpret):
+                  low_precision_dot, splits, interpret):
   s, kv, g, hd = q.shape
   c = cache_k.shape[2]
   block_k = min(block_k, c & -c)  # the largest power of two dividing C, at most block_k
   if block_k < 16:
     raise ValueError(f"cache length {c} must be a multiple of 16 for the decode kernel")
+  n_blocks = c // block_k
+  splits = auto_splits(s, kv, c, block_k) if splits <= 0 else min(splits, n_blocks)
+  split_blocks = -(-n_blocks // splits)
   # Query rows per program: a power of two >= 16 (matmul tiles), at most _ROWS; more rows (the
   # n new tokens of an append fold into the head group) are split over a third grid axis, so
   # a program's tiles stay within the GPU's shared memory whatever n is.
@@ -110,28 +131,39 @@ def _flash_decode(q, cache_k, cache_v, lengths, *, block_k, num_warps, num_stage
   qp = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
   lens = jnp.broadcast_to(lengths.astype(jnp.int32)[:, None, None], (s, kv, 1))
   dot_dtype = cache_k.dtype if low_precision_dot else jnp.float32
+  nr = gp // bq
   kern = functools.partial(_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd),
-                           dot_dtype=dot_dtype)
+                           dot_dtype=dot_dtype, split_blocks=split_blocks, row_blocks=nr)
+  # Partial outputs of several splits stay float32 until they are merged.
+  o_dtype = q.dtype if splits == 1 else jnp.float32
   params = {}
   if not interpret and (num_warps or num_stages):
     from jax.experimental.pallas import triton as plt
     params["compiler_params"] = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  # Grid axis 2 enumerates (split, query-row block) pairs: a = split * nr + row block.
   out, lse = pl.pallas_call(
       kern,
-      grid=(s, kv, gp // bq),
+      grid=(s, kv, splits * nr),
       in_specs=[
-          pl.BlockSpec((None, None, 1), lambda i, j, r: (i, j, 0)),
-          pl.BlockSpec((None, None, bq, hd), lambda i, j, r: (i, j, r, 0)),
-          pl.BlockSpec((None, None, c, hd), lambda i, j, r: (i, j, 0, 0)),
-          pl.BlockSpec((None, None, c, hd), lambda i, j, r: (i, j, 0, 0)),
+          pl.BlockSpec((None, None, 1), lambda i, j, a: (i, j, 0)),
+          pl.BlockSpec((None, None, bq, hd), lambda i, j, a: (i, j, a % nr, 0)),
+          pl.BlockSpec((None, None, c, hd), lambda i, j, a: (i, j, 0, 0)),
+          pl.BlockSpec((None, None, c, hd), lambda i, j, a: (i, j, 0, 0)),
       ],
       out_specs=[
-          pl.BlockSpec((None, None, bq, hd), lambda i, j, r: (i, j, r, 0)),
-          pl.BlockSpec((None, None, bq), lambda i, j, r: (i, j, r)),
+          pl.BlockSpec((None, None, None, bq, hd), lambda i, j, a: (i, j, a // nr, a % nr, 0)),
+          pl.BlockSpec((None, None, None, bq), lambda i, j, a: (i, j, a // nr, a % nr)),
       ],
-      out_shape=[jax.ShapeDtypeStruct((s, kv, gp, hd), q.dtype),
-                 jax.ShapeDtypeStruct((s, kv, gp), jnp.float32)],
+      out_shape=[jax.ShapeDtypeStruct((s, kv, splits, gp, hd), o_dtype),
+                 jax.ShapeDtypeStruct((s, kv, splits, gp), jnp.float32)],
       interpret=interpret,
       **params,
   )(lens, qp, cache_k, cache_v)
-  return out[:, :, :g], lse[:, :, :g]
+  out, lse = out[:, :, :, :g], lse[:, :, :, :g]
+  if splits == 1:
+    return out[:, :, 0], lse[:, :, 0]
+  # Merge the splits: weights exp(lse_p - lse); an empty split has lse -1e30 and weight 0.
+  tot = jax.nn.logsumexp(lse, axis=2)
+  w = jnp.exp(lse - tot[:, :, None])
+  merged = (w[..., None] * out).sum(axis=2)
+  return merged.astype(q.dtype), jnp.maximum(tot, _NEG)

@@ -142,3 +142,25 @@ def test_decode_in_place_equals_extend_then_write():
   np.testing.assert_array_equal(np.asarray(k1[0]), np.asarray(k2[0]))
   for a, b in zip(k1 + v1, k2 + v2):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 8])
+def test_flash_decode_splits_equal_one_pass(splits):
+  """Cutting each slot's sequence into ranges (one program each, merged by log-sum-exp) gives
+  the one-pass result, including slots shorter than a split and an empty slot."""
+  s, kv, g, hd, c = 6, 2, 3, 16, 256
+  q, k, v = _rand(0, s, kv, g, hd), _rand(1, s, kv, c, hd), _rand(2, s, kv, c, hd)
+  lens = jnp.array([0, 1, 31, 100, 255, 256])
+  ref, ref_lse = flash_decode(q, k, v, lens, block_k=32, splits=1, interpret=True)
+  out, lse = flash_decode(q, k, v, lens, block_k=32, splits=splits, interpret=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6)
+  np.testing.assert_allclose(np.asarray(lse[1:]), np.asarray(ref_lse[1:]), atol=2e-6)
+  assert np.all(np.asarray(out[0]) == 0) and np.all(np.asarray(lse[0]) <= -1e29)
+
+
+def test_auto_splits():
+  from jaxagent.models.decode_attention import auto_splits
+  assert auto_splits(256, 8, 1024, 64) == 1     # 2048 programs already
+  assert auto_splits(256, 2, 1024, 64) == 4     # Qwen2.5-1.5B: 512 -> 2048
+  assert auto_splits(256, 3, 1024, 64) == 2     # SmolLM2-135M: 768 -> 1536
+  assert auto_splits(8, 2, 256, 64) == 2        # short cache: at least two blocks per split
