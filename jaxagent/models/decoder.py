@@ -293,8 +293,38 @@ def logits_from_hidden(params: Params, h, cfg: ModelConfig):
   """Output projection in float32 accumulation. h: [..., D] (already final-normed)."""
   p = unbox(params)
   w = p["embed"] if cfg.tie_embeddings else p["lm_head"]
-  eq = "...d,vd->...v" if cfg.tie_embeddings else "...d,dv->...v"
-  return jnp.einsum(eq, h, w.astype(cfg.jnp_dtype), preferred_element_type=jnp.float32)
+  return _project(h, w.astype(cfg.jnp_dtype), cfg.tie_embeddings)
+
+
+def _project_eqs(tied: bool):
+  # (forward, d hidden, d weight) for weights laid out [V, D] (tied) or [D, V].
+  if tied:
+    return "...d,vd->...v", "...v,vd->...d", "...d,...v->vd"
+  return "...d,dv->...v", "...v,dv->...d", "...d,...v->dv"
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _project(h, w, tied: bool):
+  """`h @ w` to float32 logits. Its backward takes the logits' cotangent in the compute dtype:
+  float32 cotangents would turn both backward matmuls over the vocabulary into float32 (TF32)
+  GEMMs, measured at 12% of a bf16 update step of Qwen2.5-1.5B on an H100."""
+  return jnp.einsum(_project_eqs(tied)[0], h, w, preferred_element_type=jnp.float32)
+
+
+def _project_fwd(h, w, tied):
+  return _project(h, w, tied), (h, w)
+
+
+def _project_bwd(tied, res, g):
+  h, w = res
+  _, eq_h, eq_w = _project_eqs(tied)
+  g = g.astype(h.dtype)
+  dh = jnp.einsum(eq_h, g, w, preferred_element_type=jnp.float32).astype(h.dtype)
+  dw = jnp.einsum(eq_w, h, g, preferred_element_type=jnp.float32).astype(w.dtype)
+  return dh, dw
+
+
+_project.defvjp(_project_fwd, _project_bwd)
 
 
 # ----------------------------------------------------------------------------- training

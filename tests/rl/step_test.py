@@ -209,3 +209,34 @@ def test_gather_weights_once_per_step_same_update_fewer_all_gathers():
   for a, b in zip(jax.tree.leaves(out[False]), jax.tree.leaves(out[True])):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   assert gathered[True] < 0.6 * gathered[False], gathered
+
+
+def test_mixed_precision_step_equals_per_use_casts():
+  """float32 masters with bfloat16 compute: the step differentiates a bfloat16 copy made once
+  and accumulates in float32; its update equals differentiating the float32 masters directly
+  (each use casting its weight) up to the tied embedding's two bfloat16 uses."""
+  cfg = models.get_config("tiny-qwen3", param_dtype="float32", dtype="bfloat16")
+  p = models.init_params(cfg, jax.random.key(3), std=0.1)
+  _, batch = _batch(_items(8, seed=4), max_len=64, rows_multiple=2)
+  scfg = step.StepConfig(loss=losses.LossConfig(), micro_batches=2)
+  state = step.TrainState(step=jnp.asarray(0), params=p, opt_state=optax.sgd(1.0).init(p))
+  new, _ = jax.jit(lambda s, b: step.train_step(s, b, cfg=cfg, scfg=scfg,
+                                                optimizer=optax.sgd(1.0)))(state, batch)
+  got = jax.tree.map(lambda a, b: b - a, models.unbox(new.params), models.unbox(p))
+  mbs = step.split_micro_batches(batch, 2)
+  total = None
+  for i in range(2):
+    mb = jax.tree.map(lambda x: x[i], mbs)
+    (_, parts), g = jax.value_and_grad(step._micro_parts, has_aux=True)(p, mb, cfg, scfg)
+    total = g if total is None else jax.tree.map(jnp.add, total, g)
+    den = parts.denominator if i == 0 else den + parts.denominator
+  want = jax.tree.map(lambda x: x / jnp.maximum(den, 1.0), models.unbox(total))
+  for path, a in jax.tree_util.tree_leaves_with_path(got):
+    b, w = want, models.unbox(p)
+    for k in path:
+      b, w = b[k.key], w[k.key]
+    assert a.dtype == jnp.float32
+    # `new - old` carries the float32 rounding of `old - g` (an ulp of the weight).
+    ulp = 2.0 ** -23 * float(jnp.abs(w).max())
+    rel = 2e-2 if "embed" in str(path) else 1e-4
+    assert float(jnp.abs(a - b).max()) <= 2 * ulp + rel * float(jnp.abs(b).max()), path
