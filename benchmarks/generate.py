@@ -16,6 +16,8 @@ each variant `layout/attention/kernel[/merge]` (kernel: `JAXAGENT_DECODE_KERNEL`
 stack and its attention merged by log-sum-exp, instead of `EngineConfig.decode_write_first`).
 """
 import argparse
+import itertools
+import json
 import os
 import sys
 import time
@@ -31,7 +33,7 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 
 def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0,
-        layout="auto", kernel="", write_first=True):
+        layout="auto", kernel="", write_first=True, xla_options=None):
   os.environ["JAXAGENT_DECODE_KERNEL"] = kernel
   cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
@@ -39,7 +41,8 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   eng = Engine(cfg, EngineConfig(slots=batch, max_len=max_len, eos_ids=(),
                                  sampling=SamplingConfig(temperature), kv_page=128,
                                  decode_attention=attention, cache_layout=layout,
-                                 decode_write_first=write_first))
+                                 decode_write_first=write_first,
+                                 decode_gpu_options=xla_options))
   rng = np.random.default_rng(0)
   prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
 
@@ -69,6 +72,7 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   step_s = decode_s / n_steps
   emit("decode", record, model=name, batch=batch, attention=attention,
        layout=eng.cache_layout, kernel=kernel, write_first=write_first,
+       xla_options="default" if xla_options is None else dict(xla_options),
        prompt_len=prompt_len, new_tokens=n_steps,
        decode_steps_per_call=steps, tokens_per_s=batch * n_steps / decode_s,
        step_ms=step_s * 1e3, roofline_step_ms=roof_step_s * 1e3,
@@ -89,20 +93,25 @@ def main():
   ap.add_argument("--variants", default="",
                   help="';'-separated layout/attention/kernel[/merge] variants (overrides "
                        "--layouts and --attention)")
+  ap.add_argument("--xla-options", default="",
+                  help="';'-separated JSON dicts of XLA options for the decode program, one "
+                       "run each (default: the engine's DECODE_GPU_OPTIONS; '{}': XLA's)")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   variants = ([(v.split("/") + ["", "", ""])[:4] for v in args.variants.split(";")]
               if args.variants else
               [(layout, args.attention, "", "") for layout in args.layouts.split(",")])
+  xla_sets = ([tuple(sorted(json.loads(x).items())) for x in args.xla_options.split(";")]
+              if args.xla_options else [None])
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
-      for layout, attention, kernel, mode in variants:
+      for (layout, attention, kernel, mode), xla in itertools.product(variants, xla_sets):
         if mode not in ("", "merge"):
           raise SystemExit(f"--variants: unknown mode {mode!r} (expected '' or 'merge')")
         try:
           run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record,
               attention or "auto", layout=layout or "auto", kernel=kernel,
-              write_first=mode != "merge")
+              write_first=mode != "merge", xla_options=xla)
         except Exception as e:  # one failing variant must not lose the others' numbers
           print(f"FAILED {name} b={b} {layout}/{attention}/{kernel}/{mode}: {type(e).__name__}: "
                 f"{str(e)[:2000]}", flush=True)

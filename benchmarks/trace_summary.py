@@ -64,7 +64,7 @@ def kernel_times(events: list[dict]) -> dict[str, tuple[float, int]]:
       tname[(e["pid"], e["tid"])] = e.get("args", {}).get("name", "")
   dev_pids = {p for p, n in pname.items() if "gpu" in n.lower() or "/device:" in n.lower()}
   streams = {k for k, n in tname.items() if k[0] in dev_pids and n.lower().startswith("stream")}
-  out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0])
+  out: dict[str, list] = collections.defaultdict(lambda: [0.0, 0, None])
   for e in events:
     if e.get("ph") != "X" or e.get("pid") not in dev_pids:
       continue
@@ -73,7 +73,14 @@ def kernel_times(events: list[dict]) -> dict[str, tuple[float, int]]:
     acc = out[e.get("name", "?")]
     acc[0] += float(e.get("dur", 0.0))
     acc[1] += 1
+    if acc[2] is None and e.get("args"):
+      acc[2] = e["args"]
+  _ARGS.clear()
+  _ARGS.update({k: v[2] for k, v in out.items() if v[2]})
   return {k: (v[0], v[1]) for k, v in out.items()}
+
+
+_ARGS: dict[str, dict] = {}  # the args of each kernel's first event (XLA op names, ...)
 
 
 def summarize(path: str, steps: int = 1, top: int = 15) -> dict:
@@ -85,7 +92,13 @@ def summarize(path: str, steps: int = 1, top: int = 15) -> dict:
   total = sum(by_kind.values())
   kinds = {k: round(v / steps / 1e3, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
   tops = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
+  ops = {}
+  for n, _ in tops[:8]:
+    args = _ARGS.get(n) or {}
+    ops[n[:60]] = {k: str(v)[:160] for k, v in args.items()
+                   if any(w in k.lower() for w in ("hlo", "op", "name", "module"))}
   return {
+      "first_event_args": ops,
       "total_ms_per_step": round(total / steps / 1e3, 4),
       "by_kind_ms_per_step": kinds,
       "top_kernels": [{"name": n[:120], "kind": kind_of(n), "ms_per_step": round(us / steps / 1e3, 4),
@@ -100,6 +113,9 @@ def print_summary(summary: dict) -> None:
   print("top kernels (ms per step, calls per step):")
   for k in summary["top_kernels"]:
     print(f"  {k['ms_per_step']:8.3f} {k['calls_per_step']:7.1f}  [{k['kind']}] {k['name']}")
+  for name, args in summary.get("first_event_args", {}).items():
+    if args:
+      print(f"  op of {name}: {args}")
   print("TRACE_SUMMARY " + json.dumps(summary), flush=True)
 
 

@@ -107,6 +107,16 @@ def _count_bucket(n: int, limit: int) -> int:
   return _bucket(n, _geometric_buckets(1, cap, factor=4))
 
 
+# XLA options of the decode program on GPUs. A decode step multiplies a few hundred rows by
+# each weight matrix: XLA's Triton GEMM emitter, which it picks for dots with a fused
+# elementwise operand, read the weights at a sixth of HBM bandwidth there, where cuBLAS streams
+# them (H100, 256 slots: SmolLM2-135M 2.94 -> 2.55 ms per step, Qwen2.5-1.5B 7.36 -> 5.62 ms;
+# benchmarks/RESULTS.md).
+DECODE_GPU_OPTIONS: tuple[tuple[str, Any], ...] = (
+    ("xla_gpu_enable_triton_gemm", False),
+)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
   """Static shape and stopping settings of an `Engine`."""
@@ -133,6 +143,9 @@ class EngineConfig:
   # buffer before the kernel reads it (`decoder.decode_in_place`), instead of attending to the
   # new token separately and merging the two softmaxes. False: the `extend` + `write_kv` path.
   decode_write_first: bool = True
+  # XLA compiler options of the decode program on GPUs, as (name, value) pairs; None: the
+  # library's `DECODE_GPU_OPTIONS`; (): XLA's defaults.
+  decode_gpu_options: tuple[tuple[str, Any], ...] | None = None
 
   def __post_init__(self):
     if not isinstance(self.slots, int) or self.slots <= 0:
@@ -191,7 +204,11 @@ class Engine:
     # is bucketed on rows and chunk length too: doubling live-KV buckets keep its compiles few.
     self.append_kv_buckets = _geometric_buckets(min(page, self.cache_len), self.cache_len)
     on_mesh = lambda fn: shd.on_mesh(fn, mesh)
+    opts = (DECODE_GPU_OPTIONS if self.ecfg.decode_gpu_options is None
+            else self.ecfg.decode_gpu_options)
+    opts = dict(opts) if jax.default_backend() == "gpu" else {}
     self._jit_generate = jax.jit(on_mesh(self._generate), static_argnames=("steps", "kv_len"),
+                                 compiler_options=opts or None,
                                  donate_argnames=("state",))
     self._jit_prefill = jax.jit(on_mesh(self._prefill))
     self._jit_insert = jax.jit(self._insert, donate_argnames=("state",))
