@@ -108,12 +108,19 @@ def _count_bucket(n: int, limit: int) -> int:
 
 
 # XLA options of the decode program on GPUs. A decode step multiplies a few hundred rows by
-# each weight matrix: XLA's Triton GEMM emitter, which it picks for dots with a fused
-# elementwise operand, read the weights at a sixth of HBM bandwidth there, where cuBLAS streams
-# them (H100, 256 slots: SmolLM2-135M 2.94 -> 2.55 ms per step, Qwen2.5-1.5B 7.36 -> 5.62 ms;
-# benchmarks/RESULTS.md).
+# each weight matrix, so it is bound by reading the weights (benchmarks/RESULTS.md, H100, 256
+# slots):
+#  * XLA's Triton GEMM emitter, which it picks for dots with a fused elementwise operand, read
+#    the weights at a sixth of HBM bandwidth there, where cuBLAS streams them: off
+#    (SmolLM2-135M 2.94 -> 2.54 ms per step, Qwen2.5-1.5B 7.41 -> 5.63 ms);
+#  * XLA's dot merger turns the gate and up projections (and q, k, v), which share their
+#    input, into one GEMM by concatenating their weights, a copy of both at every step: kept
+#    for small weights, where one GEMM launch instead of two wins, and off above 4 MB
+#    (threshold 32 MB -> 0: Qwen2.5-1.5B 5.63 -> 4.78 ms, Qwen3-0.6B 6.99 -> 6.82 ms, but
+#    SmolLM2-135M, 1.8 MB weights, 2.54 -> 2.67 ms).
 DECODE_GPU_OPTIONS: tuple[tuple[str, Any], ...] = (
     ("xla_gpu_enable_triton_gemm", False),
+    ("xla_gpu_dot_merger_threshold_mb", 4),
 )
 
 
