@@ -154,6 +154,8 @@ def main():
   ap.add_argument("--e2e-group", type=int, default=8)
   ap.add_argument("--e2e-slots", type=int, default=512)
   ap.add_argument("--e2e-micro-batches", type=int, default=32)
+  ap.add_argument("--tunix-rollout-batch", type=int, default=0,
+                  help="the harness's rollout in sampler calls of this many sequences (0: one)")
   ap.add_argument("--record", action="store_true")
   ap.add_argument("--tiny", action="store_true", help="CPU smoke test sizes")
   args = ap.parse_args()
@@ -163,6 +165,8 @@ def main():
     PROMPT, GEN, TRAIN_B, MODEL = 16, 32, 8, "tiny-qwen3"
     args.e2e_prompts, args.e2e_group, args.e2e_slots, args.e2e_micro_batches = 4, 2, 8, 2
   extra = (["--tiny"] if args.tiny else []) + (["--e2e"] if "e2e" in only else [])
+  if args.tunix_rollout_batch:
+    extra += ["--e2e_rollout_batch", str(args.tunix_rollout_batch)]
   if not only & {"decode", "update"}:
     extra.append("--only_e2e")
   elif "update" not in only:

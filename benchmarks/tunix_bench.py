@@ -40,6 +40,9 @@ p.add_argument("--n_timed", type=int, default=0)
 p.add_argument("--e2e", action="store_true", help="also time one GRPO iteration end to end")
 p.add_argument("--only_e2e", action="store_true", help="only the end-to-end iteration")
 p.add_argument("--only_sampler", action="store_true", help="skip the GRPO step")
+p.add_argument("--e2e_rollout_batch", type=int, default=0,
+               help="sampler calls of this many sequences in the end-to-end rollout (0: one call "
+                    "of all; the 512-sequence call needs more than an H100's 80 GB)")
 args = p.parse_args()
 
 import numpy as np
@@ -355,8 +358,11 @@ def e2e():
 
   def iteration(seed):
     t0 = time.time()
-    out = sampler(prompts, seed=seed, **kw)
-    comp = np.array([list(x)[:GEN_LEN] for x in out.tokens], np.int32)
+    rb = args.e2e_rollout_batch or n
+    toks = []
+    for j in range(0, n, rb):
+      toks += list(sampler(prompts[j:j + rb], seed=seed * 1000 + j, **kw).tokens)
+    comp = np.array([list(x)[:GEN_LEN] for x in toks], np.int32)
     t1 = time.time()
     ref = []
     for i in range(k):
