@@ -15,7 +15,7 @@ import jax.numpy as jnp
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES = ("float32", "bfloat16", "float16")
 Remat = Literal["none", "full", "dots"]
-AttentionImpl = Literal["xla", "cudnn", "cudnn_packed", "auto"]
+AttentionImpl = Literal["xla", "cudnn", "auto"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,9 +68,9 @@ class ModelConfig:
         raise ValueError(f"ModelConfig.{f} must be one of {_DTYPES}, got {getattr(self, f)!r}")
     if self.remat not in ("none", "full", "dots"):
       raise ValueError(f"ModelConfig.remat must be 'none', 'full' or 'dots', got {self.remat!r}")
-    if self.attention_impl not in ("xla", "cudnn", "cudnn_packed", "auto"):
-      raise ValueError("ModelConfig.attention_impl must be 'xla', 'cudnn', 'cudnn_packed' or "
-                       f"'auto', got {self.attention_impl!r}")
+    if self.attention_impl not in ("xla", "cudnn", "auto"):
+      raise ValueError("ModelConfig.attention_impl must be 'xla', 'cudnn' or 'auto', got "
+                       f"{self.attention_impl!r}")
     if self.architecture not in ("llama", "qwen2", "qwen3"):
       raise ValueError("ModelConfig.architecture must be 'llama', 'qwen2' or 'qwen3', got "
                        f"{self.architecture!r}")

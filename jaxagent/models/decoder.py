@@ -247,56 +247,12 @@ def _softmax_attend(logits, mask):
   return jax.nn.softmax(logits, axis=-1)
 
 
-# Segments per row the packed cuDNN path takes (a static shape); rows with more fall back to
-# the dense-mask path (`lax.cond`), never to a wrong answer.
-PACKED_MAX_SEGMENTS = 32
-
-
-def segment_runs(segment_ids, max_segments: int):
-  """Offsets and lengths of each row's runs of equal segment id (padding runs included), as
-  the packed cuDNN attention takes them: offsets `[B, M + 1]` and lengths `[B, M]`, -1 after a
-  row's last run; and the largest number of runs in a row (more than M: not representable)."""
-  b, t = segment_ids.shape
-  prev = jnp.concatenate([jnp.full((b, 1), -1, segment_ids.dtype), segment_ids[:, :-1]], 1)
-  start = segment_ids != prev
-  offs = jax.vmap(lambda r: jnp.nonzero(r, size=max_segments + 1, fill_value=-1)[0])(start)
-  offs = offs.astype(jnp.int32)
-  nxt = jnp.where(offs[:, 1:] >= 0, offs[:, 1:], t)
-  lens = jnp.where(offs[:, :-1] >= 0, nxt - offs[:, :-1], -1)
-  offs = offs.at[:, -1].set(-1)
-  return offs, lens, jnp.max(jnp.sum(start, axis=1))
-
-
-def _cudnn_dense(q, k, v, segment_ids, scale):
-  mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, scale=scale,
-                                      implementation="cudnn")
-
-
-def _cudnn_packed(q, k, v, segment_ids, scale):
-  """cuDNN's packed-sequence attention: each run of equal segment id is its own causal
-  sequence, so blocks across segments are neither computed nor masked (the dense path builds
-  a `[B, 1, T, T]` mask and computes every causal block). Uses cuDNN's segment offsets through
-  JAX's cuDNN module (`jax._src`, not public API; needs a Hopper GPU and cuDNN >= 9.6)."""
-  from jax._src.cudnn import fused_attention_stablehlo as fa
-  offs, lens, runs = segment_runs(segment_ids, PACKED_MAX_SEGMENTS)
-
-  def packed(q, k, v):
-    return fa.dot_product_attention(q, k, v, None, None, lens, lens, offs, offs, scale=scale,
-                                    mask_type=fa.MaskType.PADDING_CAUSAL)
-
-  dense = lambda q, k, v: _cudnn_dense(q, k, v, segment_ids, scale)
-  return jax.lax.cond(runs <= PACKED_MAX_SEGMENTS, packed, dense, q, k, v)
-
-
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
   """Causal attention blocked across segments. q: [B,T,H,hd]; k, v: [B,T,KV,hd]."""
   b, t, _, hd = q.shape
   impl = cfg.attention_impl
   if impl == "auto":
     impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
-  if impl == "cudnn_packed":
-    return _cudnn_packed(q, k, v, segment_ids, 1.0 / math.sqrt(hd))
   if impl == "cudnn":
     mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     return jax.nn.dot_product_attention(
