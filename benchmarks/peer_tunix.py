@@ -207,12 +207,12 @@ def main():
   ucfg = cfg.replace(param_dtype="float32", remat="dots")
   t_step, t_ref = our_update(ucfg, args.micro_batches)
   flops = ucfg.flops_per_token(PROMPT + GEN) * TRAIN_B * (PROMPT + GEN)
-  tun = [v for k, v in tunix.items() if k.startswith("grpo_step")]
-  theirs = min(v["s"] for v in tun) if tun else None
+  tun = {k: v["s"] for k, v in tunix.items() if k.startswith("grpo_step")}
+  theirs = min(tun.values()) if tun else None
   emit("peer_update", args.record, model=MODEL, tokens=TRAIN_B * (PROMPT + GEN),
        ours_step_s=t_step, ours_ref_s=t_ref, ours_mfu=flops / t_step / peaks()["bf16_flops"],
        micro_batches=args.micro_batches, tunix_step_s=theirs,
-       tunix_configs={k: round(v["s"], 4) for k, v in tunix.items() if k.startswith("grpo_step")},
+       tunix_configs={k: round(v, 4) for k, v in tun.items()},
        ratio=(theirs / t_step) if theirs else None)
 
 

@@ -54,8 +54,9 @@ def load_events(path: str) -> list[dict]:
   return data["traceEvents"] if isinstance(data, dict) else data
 
 
-def kernel_times(events: list[dict]) -> dict[str, tuple[float, int]]:
-  """Total microseconds and count per kernel name on the device stream tracks."""
+def kernel_times(events: list[dict]) -> dict[str, tuple[float, int, dict | None]]:
+  """Total microseconds, count and the first event's args (XLA op names, ...) per kernel
+  name on the device stream tracks."""
   pname, tname = {}, {}
   for e in events:
     if e.get("ph") == "M" and e.get("name") == "process_name":
@@ -75,26 +76,21 @@ def kernel_times(events: list[dict]) -> dict[str, tuple[float, int]]:
     acc[1] += 1
     if acc[2] is None and e.get("args"):
       acc[2] = e["args"]
-  _ARGS.clear()
-  _ARGS.update({k: v[2] for k, v in out.items() if v[2]})
-  return {k: (v[0], v[1]) for k, v in out.items()}
-
-
-_ARGS: dict[str, dict] = {}  # the args of each kernel's first event (XLA op names, ...)
+  return {k: tuple(v) for k, v in out.items()}
 
 
 def summarize(path: str, steps: int = 1, top: int = 15) -> dict:
   """Per-step kernel time (ms) by kind and the `top` kernels; also returned as a dict."""
   times = kernel_times(load_events(find_trace(path)))
   by_kind: dict[str, float] = collections.defaultdict(float)
-  for name, (us, _) in times.items():
+  for name, (us, _, _) in times.items():
     by_kind[kind_of(name)] += us
   total = sum(by_kind.values())
   kinds = {k: round(v / steps / 1e3, 4) for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])}
   tops = sorted(times.items(), key=lambda kv: -kv[1][0])[:top]
   ops = {}
-  for n, _ in tops[:8]:
-    args = _ARGS.get(n) or {}
+  for n, (_, _, args) in tops[:8]:
+    args = args or {}
     ops[n[:60]] = {k: str(v)[:160] for k, v in args.items()
                    if any(w in k.lower() for w in ("hlo", "op", "name", "module"))}
   return {
@@ -102,7 +98,7 @@ def summarize(path: str, steps: int = 1, top: int = 15) -> dict:
       "total_ms_per_step": round(total / steps / 1e3, 4),
       "by_kind_ms_per_step": kinds,
       "top_kernels": [{"name": n[:120], "kind": kind_of(n), "ms_per_step": round(us / steps / 1e3, 4),
-                       "calls_per_step": round(c / steps, 2)} for n, (us, c) in tops],
+                       "calls_per_step": round(c / steps, 2)} for n, (us, c, _) in tops],
   }
 
 

@@ -201,7 +201,8 @@ class Engine:
     layout = self.ecfg.cache_layout
     self.cache_layout = (("per_layer" if choice == "pallas" else "stacked") if layout == "auto"
                          else layout)
-    # The cache's length axis: the kernel reads blocks of 64, so round up for it.
+    # The cache's length axis: the kernel reads blocks of up to 64 keys (a power of two
+    # dividing the length), so round up to 64.
     m = 64 if self._attn == "pallas" else 1
     self.cache_len = -(-self.ecfg.max_len // m) * m
     page = -(-self.ecfg.page // m) * m
@@ -418,7 +419,6 @@ class Engine:
 
   # ------------------------------------------------------------------ decode
   def _step(self, params, state: DecodeState, kv_len: int):
-    s = self.ecfg.slots
     if self.per_layer and self._attn == "pallas" and self.ecfg.decode_write_first:
       logits, k, v = decoder.decode_in_place(params, state.k, state.v, state.tokens,
                                              state.lengths, cfg=self.cfg)
@@ -427,7 +427,7 @@ class Engine:
                                             state.lengths, cfg=self.cfg, kv_len=kv_len,
                                             attn_impl=self._attn)
       logits = logits[:, 0]
-      slot_ids = jnp.arange(s, dtype=jnp.int32)
+      slot_ids = jnp.arange(self.ecfg.slots, dtype=jnp.int32)
       k = decoder.write_kv(state.k, k_new, slot_ids, state.lengths)
       v = decoder.write_kv(state.v, v_new, slot_ids, state.lengths)
     lengths = state.lengths + state.active.astype(jnp.int32)
