@@ -67,7 +67,8 @@ def load_model(mcfg) -> tuple[models.ModelConfig, Any, Any]:
   `path` is an HF directory, a `.gguf` file, an embedded preset, or an architecture preset
   (random init, e.g. "tiny-llama" for tests) whose vocabulary is resized to `tokenizer`'s.
   """
-  dtype_kw = dict(param_dtype=mcfg.param_dtype, dtype=mcfg.dtype, remat=mcfg.remat)
+  dtype_kw = dict(param_dtype=mcfg.param_dtype, dtype=mcfg.dtype, remat=mcfg.remat,
+                  scan_layers=mcfg.get("scan_layers", True))
   tok = models.load_tokenizer(mcfg.get("tokenizer") or mcfg.path)
   if mcfg.path in models.PRESETS:
     cfg = models.get_config(mcfg.path, vocab_size=tok.vocab_size,

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES = ("float32", "bfloat16", "float16")
-Remat = Literal["none", "full", "dots"]
+Remat = Literal["none", "full", "dots", "dots_attention"]
 AttentionImpl = Literal["xla", "cudnn", "auto"]
 
 
@@ -48,6 +48,12 @@ class ModelConfig:
   param_dtype: DType = "float32"
   dtype: DType = "float32"
   remat: Remat = "none"
+  # The training forward's loop over layers: a `lax.scan` over the stacked layer weights (one
+  # layer body in the program, the fastest compile) or, with False, an unrolled Python loop
+  # (`decoder.hidden_states`); the train step then differentiates per-layer weight copies
+  # made once per step, and saved activations stay separate buffers, so the backward pass
+  # reads them in place instead of slicing them out of the scan's stacked carries.
+  scan_layers: bool = True
   attention_impl: AttentionImpl = "xla"
   name: str = "custom"
 
@@ -66,8 +72,11 @@ class ModelConfig:
     for f in ("param_dtype", "dtype"):
       if getattr(self, f) not in _DTYPES:
         raise ValueError(f"ModelConfig.{f} must be one of {_DTYPES}, got {getattr(self, f)!r}")
-    if self.remat not in ("none", "full", "dots"):
-      raise ValueError(f"ModelConfig.remat must be 'none', 'full' or 'dots', got {self.remat!r}")
+    if self.remat not in ("none", "full", "dots", "dots_attention"):
+      raise ValueError("ModelConfig.remat must be 'none', 'full', 'dots' or 'dots_attention', "
+                       f"got {self.remat!r}")
+    if not isinstance(self.scan_layers, bool):
+      raise ValueError(f"ModelConfig.scan_layers must be a bool, got {self.scan_layers!r}")
     if self.attention_impl not in ("xla", "cudnn", "auto"):
       raise ValueError("ModelConfig.attention_impl must be 'xla', 'cudnn' or 'auto', got "
                        f"{self.attention_impl!r}")

@@ -268,12 +268,50 @@ def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
   return out.reshape(b, t, cfg.n_heads, hd)
 
 
+# The cuDNN fused-attention forward as it appears in a traced step (jax's primitive names).
+_CUDNN_ATTENTION_FWD = ("dot_product_attention_fwd_wrapper", "dot_product_attention_fwd")
+
+
+def _save_dots_and_attention(prim, *args, **params) -> bool:
+  """Remat policy "dots_attention": what "dots" saves, plus the outputs of the cuDNN attention
+  forward (its output and softmax statistics, which its backward reads), so the backward pass
+  does not run the attention forward again. On the XLA attention path it equals "dots"."""
+  if prim.name in _CUDNN_ATTENTION_FWD:
+    return True
+  return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
+
+
 def _remat(fn, cfg: ModelConfig):
   if cfg.remat == "full":
     return jax.checkpoint(fn)
   if cfg.remat == "dots":
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
+  if cfg.remat == "dots_attention":
+    return jax.checkpoint(fn, policy=_save_dots_and_attention)
   return fn
+
+
+def unstack_layers(params: Params) -> dict[str, Any]:
+  """`params` with "layers" as a tuple of per-layer dicts of plain arrays (the stacked
+  `[n_layers, ...]` weights cut once); `hidden_states` runs such params with an unrolled loop.
+  The other entries are kept as they are (boxed or not)."""
+  out = dict(params)
+  layers = unbox(params["layers"])
+  n = jax.tree.leaves(layers)[0].shape[0]
+  out["layers"] = tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))
+  return out
+
+
+def stack_layers(tree: dict[str, Any], like: Params) -> Params:
+  """Inverse of `unstack_layers` for a tree shaped like its output (e.g. gradients): the
+  per-layer dicts stacked back into `like`'s "layers" (boxed as `like`'s are)."""
+  out = dict(tree)
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *tree["layers"])
+  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+  out["layers"] = jax.tree.map(
+      lambda ref, a: ref.replace_boxed(a) if is_box(ref) else a, like["layers"], stacked,
+      is_leaf=is_box)
+  return out
 
 
 def segment_positions(segment_ids):
@@ -327,6 +365,55 @@ def _project_bwd(tied, res, g):
 _project.defvjp(_project_fwd, _project_bwd)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _chunk_logprobs(h, w, targets, temperature, tied: bool, with_entropy: bool):
+  """(log p(targets), entropy or zeros) under softmax((h @ w) / temperature), float32.
+
+  The custom VJP saves the inputs and the per-token log-sum-exp (and entropy), recomputes the
+  logits in the backward pass and forms their cotangent, in the compute dtype, in one
+  elementwise pass: d lp / dz = onehot(target) - p, d entropy / dz = -p (log p + entropy). Plain
+  autodiff of the same code makes several more passes over the float32 `[tokens, vocab]`
+  logits (the log-sum-exp again, the softmax, the gather's scatter, the casts), which is most
+  of an update's non-matmul time for a 152k vocabulary."""
+  return _chunk_logprobs_fwd(h, w, targets, temperature, tied, with_entropy)[0]
+
+
+def _chunk_logits(h, w, temperature, tied):
+  return jnp.einsum(_project_eqs(tied)[0], h, w, preferred_element_type=jnp.float32) / temperature
+
+
+def _chunk_logprobs_fwd(h, w, targets, temperature, tied, with_entropy):
+  z = _chunk_logits(h, w, temperature, tied)
+  lse = jax.nn.logsumexp(z, axis=-1)
+  lp = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0] - lse
+  if with_entropy:
+    logp = z - lse[..., None]
+    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+  else:
+    ent = jnp.zeros_like(lp)
+  return (lp, ent), (h, w, targets, temperature, lse, ent)
+
+
+def _chunk_logprobs_bwd(tied, with_entropy, res, g):
+  h, w, targets, temperature, lse, ent = res
+  g_lp, g_ent = g
+  z = _chunk_logits(h, w, temperature, tied)
+  logp = z - lse[..., None]
+  p = jnp.exp(logp)
+  onehot = targets[..., None] == jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
+  gz = g_lp[..., None] * (onehot.astype(jnp.float32) - p)
+  if with_entropy:
+    gz = gz - g_ent[..., None] * p * (logp + ent[..., None])
+  gz = (gz / temperature).astype(h.dtype)
+  _, eq_h, eq_w = _project_eqs(tied)
+  dh = jnp.einsum(eq_h, gz, w, preferred_element_type=jnp.float32).astype(h.dtype)
+  dw = jnp.einsum(eq_w, h, gz, preferred_element_type=jnp.float32).astype(w.dtype)
+  return dh, dw, np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(temperature)
+
+
+_chunk_logprobs.defvjp(_chunk_logprobs_fwd, _chunk_logprobs_bwd)
+
+
 # ----------------------------------------------------------------------------- training
 def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
                   segment_ids=None, collect_kv: bool = False):
@@ -351,7 +438,19 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
     return x, ((k, v) if collect_kv else None)
 
   x = embed(p, tokens, cfg)
-  x, kv = jax.lax.scan(_remat(body, cfg), x, p["layers"])
+  layers = p["layers"]
+  if isinstance(layers, (tuple, list)) or not cfg.scan_layers:
+    if not isinstance(layers, (tuple, list)):
+      layers = unstack_layers({"layers": layers})["layers"]
+    layer = _remat(body, cfg)
+    outs = []
+    for lp in layers:
+      x, o = layer(x, lp)
+      outs.append(o)
+    kv = (jnp.stack([o[0] for o in outs]), jnp.stack([o[1] for o in outs])) if collect_kv \
+        else None
+  else:
+    x, kv = jax.lax.scan(_remat(body, cfg), x, layers)
   h = rms_norm(x, p["final_norm"], cfg.norm_eps)
   return (h, kv) if collect_kv else h
 
@@ -367,7 +466,8 @@ def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature:
   """log p(targets) under softmax(logits / temperature), computed in chunks of the sequence.
 
   Avoids materialising `[B, L, V]` logits for large vocabularies: each chunk's logits are
-  recomputed in the backward pass. A chunk spans `min(chunk, L)` positions of every row, cut
+  recomputed in the backward pass (`_chunk_logprobs`, a custom VJP that keeps only the
+  log-sum-exp per token and makes one pass over the recomputed logits for their gradient). A chunk spans `min(chunk, L)` positions of every row, cut
   further so that it holds at most `max_chunk_tokens` tokens (rows per device, under the
   ambient mesh, x positions): the float32 logits of one chunk are `[B, c, V]`, so many packed
   rows would otherwise need gigabytes.
@@ -386,17 +486,13 @@ def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature:
   hs = h.reshape(b, n, c, d).swapaxes(0, 1)
   ts = targets.reshape(b, n, c).swapaxes(0, 1)
 
-  @jax.checkpoint
+  p_out = unbox(params)
+  w = (p_out["embed"] if cfg.tie_embeddings else p_out["lm_head"]).astype(cfg.jnp_dtype)
+  temp = jnp.asarray(temperature, jnp.float32)
+
   def one(hc, tc):
-    logits = logits_from_hidden(params, hc, cfg) / temperature
-    lse = jax.nn.logsumexp(logits, axis=-1)
-    tgt = jnp.take_along_axis(logits, tc[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    lp = tgt - lse
-    if with_entropy:
-      probs = jnp.exp(logits - lse[..., None])
-      ent = lse - jnp.sum(probs * logits, axis=-1)
-      return lp, ent
-    return lp, jnp.zeros_like(lp)
+    return _chunk_logprobs(hc, w, tc.astype(jnp.int32), temp, cfg.tie_embeddings,
+                           with_entropy)
 
   lps, ents = jax.lax.map(lambda a: one(*a), (hs, ts))
   lps = lps.swapaxes(0, 1).reshape(b, -1)[:, :l]

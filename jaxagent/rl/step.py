@@ -126,11 +126,9 @@ def sequence_logprobs(params, batch: Batch, *, cfg: ModelConfig, temperature: fl
   h = decoder.hidden_states(params, tokens, cfg=cfg, positions=batch.get("positions"),
                             segment_ids=batch["segment_ids"])
   nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-  lp, ent = decoder.token_logprobs(params, h, nxt, cfg=cfg, temperature=temperature,
-                                   chunk=chunk, with_entropy=True,
-                                   max_chunk_tokens=chunk_tokens)
-  if not with_entropy:
-    ent = jnp.zeros_like(lp)
+  out = decoder.token_logprobs(params, h, nxt, cfg=cfg, temperature=temperature, chunk=chunk,
+                               with_entropy=with_entropy, max_chunk_tokens=chunk_tokens)
+  lp, ent = out if with_entropy else (out, jnp.zeros_like(out))
   shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
   return shift(lp), shift(ent)
 
@@ -207,7 +205,13 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
   weights = decoder.compute_copy(state.params, cfg)
   if gather:
     weights = _constrain_params(weights, _GATHERED_RULES)
-  to_master = lambda g: jax.tree.map(lambda a, p: a.astype(p.dtype), g, state.params)
+  restack = lambda g: g
+  if not cfg.scan_layers:
+    # Per-layer weights cut out of the stacked ones once per step (the unrolled layer loop
+    # then reads them in place in every micro-batch); their gradients are stacked back.
+    weights = decoder.unstack_layers(weights)
+    restack = lambda g: decoder.stack_layers(g, state.params)
+  to_master = lambda g: jax.tree.map(lambda a, p: a.astype(p.dtype), restack(g), state.params)
   # Gradients w.r.t. gathered weights go back to the fsdp shards after each micro-batch.
   home = ((lambda g: _constrain_params(to_master(g), shd.RULES)) if gather else to_master)
   if m == 1:

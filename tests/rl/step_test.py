@@ -240,3 +240,53 @@ def test_mixed_precision_step_equals_per_use_casts():
     ulp = 2.0 ** -23 * float(jnp.abs(w).max())
     rel = 2e-2 if "embed" in str(path) else 1e-4
     assert float(jnp.abs(a - b).max()) <= 2 * ulp + rel * float(jnp.abs(b).max()), path
+
+
+@pytest.mark.parametrize("micro_batches,dtype", [(1, "float32"), (2, "float32"),
+                                                 (2, "bfloat16")])
+def test_unrolled_layer_loop_equals_scan(micro_batches, dtype):
+  """`ModelConfig.scan_layers=False` (per-layer weights cut once per step, an unrolled layer
+  loop) gives the scan's loss, metrics and update (float32 masters; float32 compute to float32
+  rounding, bfloat16 compute to bfloat16 rounding), with the "dots_attention" remat policy and
+  boxed params."""
+  kw = dict(param_dtype="float32", dtype=dtype)
+  base = models.get_config("tiny-qwen3", remat="dots", **kw)
+  unrolled = models.get_config("tiny-qwen3", remat="dots_attention", scan_layers=False, **kw)
+  p = models.init_params(base, jax.random.key(5), std=0.1)
+  _, batch = _batch(_items(8, seed=6), max_len=64, rows_multiple=2)
+  scfg = step.StepConfig(loss=losses.LossConfig(kl_coef=0.05, kl_estimator="k3"),
+                         micro_batches=micro_batches)
+  opt = optax.sgd(0.5)
+  tol = 1e-5 if dtype == "float32" else 2e-2
+  state = step.TrainState(step=jnp.asarray(0), params=p, opt_state=opt.init(p))
+  run = lambda cfg: jax.jit(lambda s, b: step.train_step(s, b, cfg=cfg, scfg=scfg,
+                                                         optimizer=opt))(state, batch)
+  (want, want_m), (got, got_m) = run(base), run(unrolled)
+  assert jax.tree.structure(got.params) == jax.tree.structure(p)
+  for k in want_m:
+    np.testing.assert_allclose(got_m[k], want_m[k], rtol=tol, atol=1e-6, err_msg=k)
+  for path, a in jax.tree_util.tree_leaves_with_path(models.unbox(got.params)):
+    b, w = want.params, p
+    for k in path:
+      b, w = b[k.key], w[k.key]
+    b, w = models.unbox(b), models.unbox(w)
+    moved = float(jnp.abs(b - w).max())
+    assert moved > 0, path  # the step did move every weight
+    assert float(jnp.abs((a - w) - (b - w)).max()) <= tol * moved + 1e-7, path
+
+
+def test_unrolled_hidden_states_and_kv_equal_scan(params):
+  """The unrolled loop over stacked or per-layer weights equals the scan, K/V included."""
+  from jaxagent.models import decoder
+  toks = jax.random.randint(jax.random.key(1), (2, 12), 0, CFG.vocab_size)
+  seg = jnp.asarray([[1] * 7 + [2] * 5, [1] * 9 + [0] * 3])
+  want = decoder.hidden_states(params, toks, cfg=CFG, segment_ids=seg, collect_kv=True)
+  cfg = models.get_config("tiny-qwen3", scan_layers=False)
+  for p in (params, decoder.unstack_layers(params)):
+    got = decoder.hidden_states(p, toks, cfg=cfg, segment_ids=seg, collect_kv=True)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+  restacked = decoder.stack_layers(decoder.unstack_layers(params), params)
+  assert jax.tree.structure(restacked) == jax.tree.structure(params)
+  for a, b in zip(jax.tree.leaves(restacked), jax.tree.leaves(params)):
+    np.testing.assert_array_equal(a, b)

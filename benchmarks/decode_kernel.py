@@ -1,0 +1,95 @@
+"""The decode attention kernel alone: time and achieved HBM bandwidth per launch setting.
+
+    python benchmarks/decode_kernel.py --models qwen3-0.6b,qwen2.5-1.5b --batches 256 \
+        --sweep "block_k=16,32,64;num_warps=2,4;num_stages=2,3,4;splits=1,2"
+
+Each measurement runs the kernel over `n_layers` distinct per-layer caches in one program (as a
+decode step does, so no layer's cache is still in L2 when it is read) with every slot at
+`--cached` keys, and reports microseconds per call and the bandwidth of the bytes it must read
+(live K and V, queries) and write, against the HBM peak (`benchmarks.common.PEAKS`). A
+reduction over the same caches (`jnp.sum` in float32) gives the bandwidth XLA reaches on this
+card, as a practical ceiling.
+"""
+import argparse
+import itertools
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import emit, peaks, timeit
+from jaxagent import models
+from jaxagent.models.decode_attention import flash_decode
+
+# (prompt tokens, max length) of each model's benchmark in generate.py / peer_tunix.py; the
+# cached length defaults to the run's average (prompt + half the new tokens).
+SHAPES = {"qwen3-0.6b": (128, 640), "smollm2-135m": (256, 768), "qwen2.5-1.5b": (256, 768)}
+
+
+def parse_sweep(spec: str) -> list[dict]:
+  axes = []
+  for part in filter(None, (p.strip() for p in spec.split(";"))):
+    key, _, vals = part.partition("=")
+    axes.append([(key.strip(), int(v)) for v in vals.split(",")])
+  return [dict(c) for c in itertools.product(*axes)] if axes else [{}]
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--models", default="qwen3-0.6b,qwen2.5-1.5b,smollm2-135m")
+  ap.add_argument("--batches", default="256")
+  ap.add_argument("--cached", type=int, default=0, help="keys per slot (0: the run's average)")
+  ap.add_argument("--layers", type=int, default=0, help="distinct caches per program "
+                  "(0: the model's layer count)")
+  ap.add_argument("--sweep", default="", help="'key=v1,v2;key=...' over the kernel's launch "
+                  "settings (decode_attention.DEFAULT_TUNING keys); empty: the defaults")
+  ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU check "
+                  "of the script, not a timing)")
+  args = ap.parse_args()
+  hbm = peaks()["hbm_bytes_s"]
+  for name in args.models.split(","):
+    cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
+    prompt, cache_len = SHAPES.get(name, (256, 768))
+    cached = args.cached or prompt + 256
+    n_layers = args.layers or cfg.n_layers
+    kv, g, hd = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
+    for s in map(int, args.batches.split(",")):
+      keys = jax.random.split(jax.random.key(0), 2 * n_layers + 1)
+      caches = [jax.random.normal(k, (s, kv, cache_len, hd), jnp.bfloat16)
+                for k in keys[:2 * n_layers]]
+      q = jax.random.normal(keys[-1], (s, kv, g, hd), jnp.bfloat16)
+      lens = jnp.full((s,), cached, jnp.int32)
+      moved = (2 * s * kv * cached * hd * 2 + 2 * q.size * 2) * n_layers
+      red = jax.jit(lambda cs: sum(jnp.sum(c[:, :, :cached], dtype=jnp.float32) for c in cs))
+      t = timeit(lambda: jax.block_until_ready(red(caches)), iters=args.iters)["median_s"]
+      emit("decode_kernel_ceiling", model=name, batch=s, cached=cached,
+           us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
+           hbm_fraction=moved / t / hbm)
+      for launch in parse_sweep(args.sweep):
+        def run(q, cs, lens, launch=launch):
+          acc = jnp.zeros((), jnp.float32)
+          for i in range(n_layers):
+            # Each call's query depends on the last output so that no two calls overlap.
+            o, _ = flash_decode(q + acc.astype(q.dtype), cs[2 * i], cs[2 * i + 1], lens,
+                                interpret=args.interpret, **launch)
+            acc = o[0, 0, 0, 0].astype(jnp.float32) * 0
+          return acc
+        try:
+          f = jax.jit(run)
+          t = timeit(lambda: jax.block_until_ready(f(q, caches, lens)),
+                     iters=args.iters)["median_s"]
+        except Exception as e:  # report the setting that failed and go on
+          emit("decode_kernel", model=name, batch=s, launch=launch, error=str(e)[:200])
+          continue
+        emit("decode_kernel", model=name, batch=s, cached=cached, launch=launch,
+             us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
+             hbm_fraction=moved / t / hbm)
+      caches = None  # free this batch size's caches before the next
+
+
+if __name__ == "__main__":
+  main()
