@@ -56,6 +56,8 @@ def main():
   ap.add_argument("--micro-batches", type=int, default=8)
   ap.add_argument("--attention", default="auto")
   ap.add_argument("--remat", default="dots")
+  ap.add_argument("--unrolled", action="store_true", help="ModelConfig.scan_layers=False: an "
+                  "unrolled layer loop over per-layer weights cut once per step")
   ap.add_argument("--param-dtype", default="float32")
   ap.add_argument("--record", action="store_true")
   ap.add_argument("--trace", default="", help="also profile 2 steps into this directory and "
@@ -64,7 +66,8 @@ def main():
   rng = np.random.default_rng(0)
   for name in args.models.split(","):
     cfg = models.get_config(name, param_dtype=args.param_dtype, dtype="bfloat16",
-                            attention_impl=args.attention, remat=args.remat)
+                            attention_impl=args.attention, remat=args.remat,
+                            scan_layers=not args.unrolled)
     batch, eff, seg_lens = make_batch(args.rows, args.len, cfg.vocab_size, rng)
     scfg = step.StepConfig(loss=losses.LossConfig(clip_high=0.28),
                            micro_batches=args.micro_batches, entropy=False)
@@ -85,6 +88,7 @@ def main():
     flops = useful_flops(cfg, seg_lens)
     emit("train_step", args.record, model=name, rows=args.rows, len=args.len,
          micro_batches=args.micro_batches, attention=args.attention, remat=args.remat,
+         scan_layers=not args.unrolled,
          param_dtype=args.param_dtype, step_s=t["median_s"], tokens_per_s=n_tok / t["median_s"],
          mfu=flops / t["median_s"] / peaks()["bf16_flops"], packing_efficiency=eff)
     if args.trace:
