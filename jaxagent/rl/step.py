@@ -206,14 +206,21 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
   if gather:
     weights = _constrain_params(weights, _GATHERED_RULES)
   restack = lambda g: g
+  like = state.params  # the tree (and dtypes) gradients are accumulated in
   if not cfg.scan_layers:
     # Per-layer weights cut out of the stacked ones once per step (the unrolled layer loop
-    # then reads them in place in every micro-batch); their gradients are stacked back.
+    # then reads them in place in every micro-batch). Their gradients are accumulated per
+    # layer and stacked back once (stacking every micro-batch's cost 80 ms per step for
+    # Qwen2.5-1.5B on an H100), except with gathered weights, whose gradients go back to the
+    # fsdp shards of the stacked layout after each micro-batch.
     weights = decoder.unstack_layers(weights)
     restack = lambda g: decoder.stack_layers(g, state.params)
-  to_master = lambda g: jax.tree.map(lambda a, p: a.astype(p.dtype), restack(g), state.params)
+    if not gather:
+      like = jax.eval_shape(decoder.unstack_layers, state.params)
+  to_master = lambda g: jax.tree.map(lambda a, p: a.astype(p.dtype), g, like)
   # Gradients w.r.t. gathered weights go back to the fsdp shards after each micro-batch.
-  home = ((lambda g: _constrain_params(to_master(g), shd.RULES)) if gather else to_master)
+  home = ((lambda g: _constrain_params(to_master(restack(g)), shd.RULES)) if gather
+          else to_master)
   if m == 1:
     (_, parts), grads = grad_fn(weights, batch, cfg, scfg)
     grads = home(grads)
@@ -230,6 +237,8 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
       return (jax.tree.map(jnp.add, g_acc, home(g)), losses.combine_parts(p_acc, p)), None
 
     (grads, parts), _ = jax.lax.scan(body, (grads, parts), rest)
+  if not gather:
+    grads = restack(grads)
   denom = jnp.maximum(parts.denominator, 1.0)
   grads = jax.tree.map(lambda g: g / denom, grads)
   loss, metrics = losses.finalize_parts(parts)

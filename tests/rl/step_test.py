@@ -290,3 +290,22 @@ def test_unrolled_hidden_states_and_kv_equal_scan(params):
   assert jax.tree.structure(restacked) == jax.tree.structure(params)
   for a, b in zip(jax.tree.leaves(restacked), jax.tree.leaves(params)):
     np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("gather", [False, True])
+def test_unrolled_layer_loop_sharded_equals_scan(gather):
+  """The unrolled loop on 8 fsdp devices, with and without gathered weights, gives the scan's
+  update (float32)."""
+  from benchmarks.common import grpo_batch
+  mesh = sharding.make_mesh(fsdp=8)
+  out = {}
+  for scan in (True, False):
+    cfg = models.get_config("tiny-qwen3", scan_layers=scan)
+    params = models.init_params(cfg, jax.random.key(0), std=0.1)
+    scfg = step.StepConfig(micro_batches=2, entropy=False, gather_weights=gather)
+    learner = step.Learner(cfg, scfg, optax.sgd(0.5), mesh)
+    new, _ = learner.train_step(learner.init(params), grpo_batch(cfg, 16, 8, 24))
+    out[scan] = jax.device_get(models.unbox(new.params))
+  assert jax.tree.structure(out[True]) == jax.tree.structure(out[False])
+  for a, b in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # sharded sums' order
