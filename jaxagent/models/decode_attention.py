@@ -36,6 +36,12 @@ _ROWS = 64  # query rows per program, at most
 # slower than one pass even for the models with 2-3 KV heads (512-768 programs), so the kernel
 # is not short of programs there.
 DEFAULT_TUNING = dict(block_k=32, num_warps=4, num_stages=2, low_precision_dot=1, splits=1)
+# Launches of at most `FEW_PROGRAMS` (slot, KV head) programs (an H100 has 132 SMs) read each
+# sequence in longer blocks with more loads in flight per program: at 64 slots (128-192
+# programs) blocks of 64 keys, 2 warps, 3 stages measured 8-14% faster per decode step on an
+# H100 (Qwen2.5-1.5B 2.93 -> 2.69 ms, SmolLM2-135M 1.67 -> 1.44 ms), and no faster at 256 slots.
+FEW_PROGRAMS = 256
+FEW_PROGRAMS_TUNING = dict(DEFAULT_TUNING, block_k=64, num_warps=2, num_stages=3)
 # `auto_splits` aims at this many programs per launch (an H100 has 132 SMs).
 _TARGET_PROGRAMS = 2048
 
@@ -49,9 +55,11 @@ def auto_splits(slots: int, kv_heads: int, cache_len: int, block_k: int) -> int:
   return 1 << (n.bit_length() - 1)
 
 
-def tuning() -> dict:
-  """The kernel's launch settings: DEFAULT_TUNING updated from $JAXAGENT_DECODE_KERNEL."""
-  out = dict(DEFAULT_TUNING)
+def tuning(programs: int | None = None) -> dict:
+  """The kernel's launch settings: DEFAULT_TUNING (FEW_PROGRAMS_TUNING for a launch of at most
+  FEW_PROGRAMS (slot, KV head) programs) updated from $JAXAGENT_DECODE_KERNEL."""
+  few = programs is not None and programs <= FEW_PROGRAMS
+  out = dict(FEW_PROGRAMS_TUNING if few else DEFAULT_TUNING)
   spec = os.environ.get("JAXAGENT_DECODE_KERNEL", "").strip()
   for item in filter(None, (x.strip() for x in spec.split(","))):
     key, sep, value = item.partition("=")
@@ -101,10 +109,10 @@ def flash_decode(q, cache_k, cache_v, lengths, *, interpret: bool = False, **lau
   q: [S, KV, G, hd]; cache_k, cache_v: [S, KV, C, hd] with C a multiple of 16 (blocks are
   the largest power of two up to `block_k` dividing C);
   lengths: [S]. Returns (out [S, KV, G, hd] in q's dtype, lse [S, KV, G] float32); slots of
-  length 0 give out 0 and lse -1e30. Launch settings are `tuning()` updated by `launch`
+  length 0 give out 0 and lse -1e30. Launch settings are `tuning(S * KV)` updated by `launch`
   (e.g. `block_k=32`).
   """
-  t = tuning()
+  t = tuning(programs=q.shape[0] * q.shape[1])
   unknown = set(launch) - set(t)
   if unknown:
     raise TypeError(f"flash_decode: unknown launch settings {sorted(unknown)}")

@@ -164,3 +164,14 @@ def test_auto_splits():
   assert auto_splits(256, 2, 1024, 64) == 4     # Qwen2.5-1.5B: 512 -> 2048
   assert auto_splits(256, 3, 1024, 64) == 2     # SmolLM2-135M: 768 -> 1536
   assert auto_splits(8, 2, 256, 64) == 2        # short cache: at least two blocks per split
+
+
+def test_tuning_by_launch_size(monkeypatch):
+  from jaxagent.models import decode_attention as da
+  monkeypatch.delenv("JAXAGENT_DECODE_KERNEL", raising=False)
+  assert da.tuning() == da.DEFAULT_TUNING
+  assert da.tuning(programs=256 * 8) == da.DEFAULT_TUNING
+  assert da.tuning(programs=64 * 2) == da.FEW_PROGRAMS_TUNING
+  assert da.FEW_PROGRAMS_TUNING["block_k"] == 64
+  monkeypatch.setenv("JAXAGENT_DECODE_KERNEL", "block_k=16")
+  assert da.tuning(programs=64 * 2)["block_k"] == 16  # the environment still overrides
