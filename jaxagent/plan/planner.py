@@ -109,7 +109,8 @@ def model_config(config) -> ModelConfig:
   as the trainer does); HF directories their `config.json`; `.gguf` files their metadata.
   """
   m = config.model
-  kw = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat)
+  kw = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
+            scan_layers=m.get("scan_layers", True))
   path = str(m.path)
   if path in model_config_lib.EMBEDDED or path in model_config_lib.PRESETS:
     cfg = model_config_lib.get_config(path, **kw)
