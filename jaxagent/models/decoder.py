@@ -420,7 +420,9 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
   """Final-normed hidden states `[B, L, D]` (and stacked per-layer K/V when `collect_kv`).
 
   With `segment_ids` (0 = padding) attention is causal within a segment and blocked across
-  segments; positions default to restarting per segment.
+  segments; positions default to restarting per segment. The layers run as a `lax.scan` over
+  the stacked weights, or unrolled when `cfg.scan_layers` is False or `params["layers"]` is a
+  tuple of per-layer dicts (`unstack_layers`).
   """
   p = unbox(params)
   tokens = jnp.asarray(tokens, jnp.int32)
@@ -467,10 +469,11 @@ def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature:
 
   Avoids materialising `[B, L, V]` logits for large vocabularies: each chunk's logits are
   recomputed in the backward pass (`_chunk_logprobs`, a custom VJP that keeps only the
-  log-sum-exp per token and makes one pass over the recomputed logits for their gradient). A chunk spans `min(chunk, L)` positions of every row, cut
-  further so that it holds at most `max_chunk_tokens` tokens (rows per device, under the
-  ambient mesh, x positions): the float32 logits of one chunk are `[B, c, V]`, so many packed
-  rows would otherwise need gigabytes.
+  log-sum-exp per token and makes one pass over the recomputed logits for their gradient). A
+  chunk spans `min(chunk, L)` positions of every row, cut further so that it holds at most
+  `max_chunk_tokens` tokens (rows per device, under the ambient mesh, x positions): the
+  float32 logits of one chunk are `[B, c, V]`, so many packed rows would otherwise need
+  gigabytes.
   h: [B, L, D]; targets: [B, L] int. Returns `[B, L]` (and entropies `[B, L]` when
   `with_entropy`).
   """

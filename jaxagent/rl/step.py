@@ -361,7 +361,8 @@ class Learner:
         merge = lambda x: x.swapaxes(0, 1).reshape(rows, *x.shape[2:])
         return merge(lp), merge(ent)
       fn.__name__ = fn.__qualname__ = "score_entropy" if with_entropy else "score"
-      self._score[with_entropy] = jax.jit(shd.on_mesh(fn, self.mesh), out_shardings=(self.batch_sharding(),) * 2)
+      self._score[with_entropy] = jax.jit(shd.on_mesh(fn, self.mesh),
+                                          out_shardings=(self.batch_sharding(),) * 2)
     return self._score[with_entropy]
 
   def score(self, params, batch, with_entropy: bool = False):
