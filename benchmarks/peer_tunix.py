@@ -15,6 +15,10 @@ then the same work through jaxagent, and prints the ratios:
      compute-dtype copy of float32 master weights (the cast is timed) and trains the master
      weights; the harness samples and trains one bf16 model, as its GRPO step does.
 `--only e2e` (or `decode,update`) picks sections.
+
+JAX's GPU client (ours and the harness's subprocess) may take 95% of the card here
+($XLA_PYTHON_CLIENT_MEM_FRACTION, if unset): our unrolled learner beside the 512-slot engine in
+one process ran out of memory at the default 75% of an 80 GB card.
 """
 import argparse
 import ast
@@ -24,6 +28,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 import jax
 import numpy as np
