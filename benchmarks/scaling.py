@@ -8,7 +8,8 @@ builds a mesh over its n devices (`--mesh fsdp`: fsdp=n, params and optimizer st
 batch/n rows per device):
   1. update: one jitted `Learner` step (GRPO loss, beta 0.04 k3 KL, AdamW, `--micro-batches`)
      over batch x (prompt + gen) tokens, loss on the gen tokens, float32 params, bf16 compute,
-     remat "dots" (as `peer_tunix.py`); MFU per device = FLOPs / step_s / (n x peak);
+     remat `--remat` ("dots"), the layer loop a scan unless `--unrolled`; MFU per device =
+     FLOPs / step_s / (n x peak);
   2. decode: prefill + `gen` decode steps of `batch` slots on the same mesh (bf16 params).
 Each child prints `RESULT` lines (bench `scaling_run`); the parent then prints one `scaling`
 line per part and n with efficiency = t_1 / (n x t_n): strong scaling, 1.0 = perfect (with no
@@ -79,11 +80,11 @@ def child(args):
   length = args.prompt + args.gen
   common = dict(n=n, model=args.model, mesh=args.mesh, batch=args.batch)
   if "update" in args.parts:
-    ucfg = cfg.replace(param_dtype="float32", remat="dots")
+    ucfg = cfg.replace(param_dtype="float32", remat=args.remat, scan_layers=not args.unrolled)
     t = time_update(ucfg, mesh, args)
     flops = ucfg.flops_per_token(length) * args.batch * length
     emit("scaling_run", part="update", **common, micro_batches=args.micro_batches,
-         gather_weights=args.gather_weights,
+         gather_weights=args.gather_weights, remat=args.remat, scan_layers=not args.unrolled,
          step_s=t, tokens_per_s=args.batch * length / t,
          mfu=flops / t / (n * peaks()["bf16_flops"]))
   if "decode" in args.parts:
@@ -169,6 +170,9 @@ def main():
                   help="all-gather the fsdp weights once per step (StepConfig.gather_weights)")
   ap.add_argument("--parts", default="update,decode")
   ap.add_argument("--attention", default="auto")
+  ap.add_argument("--remat", default="dots", help="the learner's ModelConfig.remat")
+  ap.add_argument("--unrolled", action="store_true", help="the learner's layer loop unrolled "
+                  "(ModelConfig.scan_layers=False; train_step.py's default)")
   ap.add_argument("--timeout", type=float, default=1800, help="seconds per child")
   ap.add_argument("--record", action="store_true")
   ap.add_argument("--tiny", action="store_true", help="CPU smoke test sizes")
