@@ -329,9 +329,13 @@ def embed(p, tokens, cfg: ModelConfig):
 
 def logits_from_hidden(params: Params, h, cfg: ModelConfig):
   """Output projection in float32 accumulation. h: [..., D] (already final-normed)."""
+  return _project(h, _output_weight(params, cfg), cfg.tie_embeddings)
+
+
+def _output_weight(params: Params, cfg: ModelConfig):
+  """The output projection's weight in the compute dtype: the embedding when tied."""
   p = unbox(params)
-  w = p["embed"] if cfg.tie_embeddings else p["lm_head"]
-  return _project(h, w.astype(cfg.jnp_dtype), cfg.tie_embeddings)
+  return (p["embed"] if cfg.tie_embeddings else p["lm_head"]).astype(cfg.jnp_dtype)
 
 
 def _project_eqs(tied: bool):
@@ -378,12 +382,8 @@ def _chunk_logprobs(h, w, targets, temperature, tied: bool, with_entropy: bool):
   return _chunk_logprobs_fwd(h, w, targets, temperature, tied, with_entropy)[0]
 
 
-def _chunk_logits(h, w, temperature, tied):
-  return jnp.einsum(_project_eqs(tied)[0], h, w, preferred_element_type=jnp.float32) / temperature
-
-
 def _chunk_logprobs_fwd(h, w, targets, temperature, tied, with_entropy):
-  z = _chunk_logits(h, w, temperature, tied)
+  z = _project(h, w, tied) / temperature
   lse = jax.nn.logsumexp(z, axis=-1)
   lp = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0] - lse
   if with_entropy:
@@ -397,17 +397,14 @@ def _chunk_logprobs_fwd(h, w, targets, temperature, tied, with_entropy):
 def _chunk_logprobs_bwd(tied, with_entropy, res, g):
   h, w, targets, temperature, lse, ent = res
   g_lp, g_ent = g
-  z = _chunk_logits(h, w, temperature, tied)
+  z = _project(h, w, tied) / temperature
   logp = z - lse[..., None]
   p = jnp.exp(logp)
   onehot = targets[..., None] == jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
   gz = g_lp[..., None] * (onehot.astype(jnp.float32) - p)
   if with_entropy:
     gz = gz - g_ent[..., None] * p * (logp + ent[..., None])
-  gz = (gz / temperature).astype(h.dtype)
-  _, eq_h, eq_w = _project_eqs(tied)
-  dh = jnp.einsum(eq_h, gz, w, preferred_element_type=jnp.float32).astype(h.dtype)
-  dw = jnp.einsum(eq_w, h, gz, preferred_element_type=jnp.float32).astype(w.dtype)
+  dh, dw = _project_bwd(tied, (h, w), gz / temperature)
   return dh, dw, np.zeros(targets.shape, jax.dtypes.float0), jnp.zeros_like(temperature)
 
 
@@ -449,8 +446,7 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
     for lp in layers:
       x, o = layer(x, lp)
       outs.append(o)
-    kv = (jnp.stack([o[0] for o in outs]), jnp.stack([o[1] for o in outs])) if collect_kv \
-        else None
+    kv = jax.tree.map(lambda *xs: jnp.stack(xs), *outs) if collect_kv else None
   else:
     x, kv = jax.lax.scan(_remat(body, cfg), x, layers)
   h = rms_norm(x, p["final_norm"], cfg.norm_eps)
@@ -489,8 +485,7 @@ def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature:
   hs = h.reshape(b, n, c, d).swapaxes(0, 1)
   ts = targets.reshape(b, n, c).swapaxes(0, 1)
 
-  p_out = unbox(params)
-  w = (p_out["embed"] if cfg.tie_embeddings else p_out["lm_head"]).astype(cfg.jnp_dtype)
+  w = _output_weight(params, cfg)
   temp = jnp.asarray(temperature, jnp.float32)
 
   def one(hc, tc):
