@@ -5,7 +5,8 @@
 Rows are packed from a realistic multi-turn length mix by `jaxagent.rl.packing` (its
 efficiency is reported); params are float32 masters with bfloat16 compute. Defaults are the
 fastest measured on an H100 (RESULTS.md): the unrolled layer loop (`--scan` for the
-`lax.scan`), remat "dots_attention", 8 micro-batches.
+`lax.scan`), remat "dots_attention", 8 micro-batches, the token log-probs' backward from
+saved probabilities (`StepConfig.logprob_save_probs`; `--no-save-probs` recomputes).
 
 JAX's GPU client takes 75% of the card's memory unless told otherwise; this script lets it
 take 95% ($XLA_PYTHON_CLIENT_MEM_FRACTION, if unset), since the 1.5B step at 8 micro-batches
@@ -65,6 +66,10 @@ def main():
   ap.add_argument("--remat", default="dots_attention")
   ap.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True: the "
                   "layer loop as a lax.scan (default: unrolled over per-layer weights)")
+  ap.add_argument("--save-probs", action=argparse.BooleanOptionalAction, default=True,
+                  help="StepConfig.logprob_save_probs: keep softmax - onehot from the forward "
+                  "pass instead of recomputing the logits in the backward pass (default on; "
+                  "--no-save-probs recomputes)")
   ap.add_argument("--param-dtype", default="float32")
   ap.add_argument("--record", action="store_true")
   ap.add_argument("--trace", default="", help="also profile 2 steps into this directory and "
@@ -77,7 +82,8 @@ def main():
                             scan_layers=args.scan)
     batch, eff, seg_lens = make_batch(args.rows, args.len, cfg.vocab_size, rng)
     scfg = step.StepConfig(loss=losses.LossConfig(clip_high=0.28),
-                           micro_batches=args.micro_batches, entropy=False)
+                           micro_batches=args.micro_batches, entropy=False,
+                           logprob_save_probs=args.save_probs)
     learner = step.Learner(cfg, scfg, step.make_optimizer(1e-6))
     params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
     state = learner.init(params)
@@ -95,7 +101,7 @@ def main():
     flops = useful_flops(cfg, seg_lens)
     emit("train_step", args.record, model=name, rows=args.rows, len=args.len,
          micro_batches=args.micro_batches, attention=args.attention, remat=args.remat,
-         scan_layers=args.scan,
+         scan_layers=args.scan, save_probs=args.save_probs,
          param_dtype=args.param_dtype, step_s=t["median_s"], tokens_per_s=n_tok / t["median_s"],
          mfu=flops / t["median_s"] / peaks()["bf16_flops"], packing_efficiency=eff)
     if args.trace:

@@ -59,7 +59,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       prompts_per_step=8, samples_per_prompt=4, micro_batches=4, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
       pack_len=512, len_buckets=(256, 512), nonfinite="raise",
-      gather_weights=False, row_rounding="multiple", time_limit_s=0.0))
+      gather_weights=False, logprob_save_probs=False, row_rounding="multiple",
+      time_limit_s=0.0))
   c.sft = ml_collections.ConfigDict(dict(
       steps=16, batch_size=16, lr=3e-5, num_examples=256, data="", warmup_steps=0))
   c.eval = ml_collections.ConfigDict(dict(size=100, every=0, pass_k=0, before=True))

@@ -48,6 +48,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # With fsdp and micro_batches > 1: all-gather the weights once per step, not in every
       # micro-batch (one unsharded copy of the params per device; StepConfig.gather_weights).
       gather_weights=False,
+      # Keep softmax - onehot(target) of every logit chunk from the forward pass (compute dtype,
+      # tokens per micro-batch x vocab x 2 bytes) instead of recomputing the logits in the
+      # backward pass: one vocabulary matmul less per step (StepConfig.logprob_save_probs).
+      logprob_save_probs=False,
       # Packed row count B: "multiple" (of micro_batches x data-parallel devices: least padding,
       # one update program per distinct B) or "pow2" (that multiple x a power of two: at most
       # ~log2 programs, up to 2x padded rows; for runs where recompiles cost more than padding).

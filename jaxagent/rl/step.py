@@ -51,7 +51,13 @@ class StepConfig:
     logprob_chunk: sequence chunk for the vocabulary projection (bounds `[B, chunk, V]`).
     logprob_chunk_tokens: most tokens (rows x positions) per chunk; bounds the float32 logits
       of one chunk to `logprob_chunk_tokens * V * 4` bytes however many rows a batch packs.
-    entropy: compute per-token entropies (needed for `loss.entropy_coef`; else a metric only).
+    logprob_save_probs: keep each chunk's `softmax - onehot(target)` (compute dtype) from the
+      forward pass for the backward pass instead of recomputing the logits there
+      (`decoder.token_logprobs(save_probs=True)`): saves one vocabulary matmul and a pass
+      over the float32 logits per chunk, costs `tokens per micro-batch x vocab x 2` bytes
+      of memory (5 GB for 16k tokens of a 152k vocabulary in bf16). Off by default.
+    entropy: compute per-token entropies (needed for `loss.entropy_coef`; else a metric only,
+      not differentiated).
     nonfinite: "raise" stops with an error naming the step and metric; "skip" leaves params
       unchanged for that step and reports `nonfinite=1`.
     gather_weights: with fsdp and several micro-batches, all-gather the weights once per step
@@ -67,6 +73,7 @@ class StepConfig:
   temperature: float = 1.0
   logprob_chunk: int = 512
   logprob_chunk_tokens: int = 4096
+  logprob_save_probs: bool = False
   entropy: bool = True
   nonfinite: Literal["raise", "skip"] = "raise"
   gather_weights: bool = False
@@ -116,18 +123,21 @@ def make_optimizer(learning_rate: float = 1e-6, *, weight_decay: float = 0.0, b1
 
 def sequence_logprobs(params, batch: Batch, *, cfg: ModelConfig, temperature: float = 1.0,
                       chunk: int = 512, with_entropy: bool = False,
-                      chunk_tokens: int = 4096):
+                      chunk_tokens: int = 4096, entropy_grad: bool = True,
+                      save_probs: bool = False):
   """Per-token log-probs `[B, L]` (position t: log p(token t | tokens < t); 0 at t = 0).
 
   Also returns the entropies of the predictive distributions at the same positions (zeros
-  unless `with_entropy`).
+  unless `with_entropy`; not differentiated unless `entropy_grad`). `save_probs`: see
+  `decoder.token_logprobs`.
   """
   tokens = batch["tokens"]
   h = decoder.hidden_states(params, tokens, cfg=cfg, positions=batch.get("positions"),
                             segment_ids=batch["segment_ids"])
   nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
   out = decoder.token_logprobs(params, h, nxt, cfg=cfg, temperature=temperature, chunk=chunk,
-                               with_entropy=with_entropy, max_chunk_tokens=chunk_tokens)
+                               with_entropy=with_entropy, max_chunk_tokens=chunk_tokens,
+                               entropy_grad=entropy_grad, save_probs=save_probs)
   lp, ent = out if with_entropy else (out, jnp.zeros_like(out))
   shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], axis=1)
   return shift(lp), shift(ent)
@@ -148,7 +158,9 @@ def _micro_parts(params, mb: Batch, cfg: ModelConfig, scfg: StepConfig):
   want_ent = scfg.entropy or scfg.loss.entropy_coef > 0
   logps, ents = sequence_logprobs(params, mb, cfg=cfg, temperature=scfg.temperature,
                                   chunk=scfg.logprob_chunk, with_entropy=want_ent,
-                                  chunk_tokens=scfg.logprob_chunk_tokens)
+                                  chunk_tokens=scfg.logprob_chunk_tokens,
+                                  entropy_grad=scfg.loss.entropy_coef > 0,
+                                  save_probs=scfg.logprob_save_probs)
   if scfg.objective == "sft":
     parts = _sft_parts(logps, mb)
   else:
@@ -267,7 +279,8 @@ def learner_parts(config):
   scfg = StepConfig(loss=loss_cfg, micro_batches=t.micro_batches,
                     temperature=c.rollout.temperature or 1.0,
                     nonfinite=t.get("nonfinite", "raise"),
-                    gather_weights=bool(t.get("gather_weights", False)))
+                    gather_weights=bool(t.get("gather_weights", False)),
+                    logprob_save_probs=bool(t.get("logprob_save_probs", False)))
   rl_opt = make_optimizer(
       opt.lr, weight_decay=opt.weight_decay, b1=opt.b1, b2=opt.b2,
       max_grad_norm=opt.max_grad_norm, warmup_steps=opt.warmup_steps,

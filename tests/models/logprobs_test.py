@@ -55,3 +55,90 @@ def test_token_logprobs_values_and_grads_equal_full_log_softmax(preset, tied, te
   gh_ref = jax.grad(lambda h: jnp.sum(_reference(params, h, targets, cfg, temperature)[0]
                                       * wl))(h)
   np.testing.assert_allclose(gh, gh_ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("preset,tied", [("tiny-qwen3", None), ("tiny-llama", False)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_saved_probs_backward_equals_recomputing_backward(preset, tied, temperature):
+  # save_probs keeps softmax - onehot from the forward pass; its gradients (hidden states and
+  # output weight) equal the recomputing path's, with entropies as a metric (entropy_grad off,
+  # so their cotangent is ignored) or not computed.
+  kw = {} if tied is None else {"tie_embeddings": tied}
+  cfg = models.get_config(preset, **kw)
+  params = models.init_params(cfg, jax.random.key(0), std=0.5)
+  h = jax.random.normal(jax.random.key(1), (3, 11, cfg.d_model))
+  targets = jax.random.randint(jax.random.key(2), (3, 11), 0, cfg.vocab_size)
+  wl, we = jax.random.normal(jax.random.key(3), (2, 3, 11))
+
+  def loss(p, h, c, save, with_entropy=False):
+    out = decoder.token_logprobs(p, h, targets, cfg=c, temperature=temperature, chunk=4,
+                                 max_chunk_tokens=8, with_entropy=with_entropy,
+                                 entropy_grad=False, save_probs=save)
+    lp, ent = out if with_entropy else (out, jnp.zeros_like(out))
+    return jnp.sum(lp * wl) + jnp.sum(ent * we), (lp, ent)
+
+  grad = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+  _, g_ref = jax.value_and_grad(
+      lambda p, h: (jnp.sum(_reference(p, h, targets, cfg, temperature)[0] * wl), 0.0),
+      argnums=(0, 1), has_aux=True)(params, h)
+  for with_entropy in (False, True):
+    (_, got), g_got = grad(params, h, cfg, True, with_entropy)
+    (_, want), g_want = grad(params, h, cfg, False, with_entropy)
+    # The same forward values (the saved path loops over chunks, the other maps: rounding).
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)
+    moved = 0
+    for a, b, c in zip(*map(jax.tree.leaves, (g_got, g_want, g_ref))):
+      np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(a, c, rtol=1e-4, atol=1e-5)
+      moved += float(jnp.abs(c).max()) > 0
+    assert moved >= 2
+  # bf16 compute: both backward paths round (the saved path stores p - onehot in bf16, the
+  # recomputing one its cotangent); against the float32 gradients the saved path's relative
+  # error is no larger than the recomputing path's (measured: 0.35-0.61% vs 0.36-0.64%).
+  cfg16 = models.get_config(preset, dtype="bfloat16", **kw)
+  h16 = h.astype(jnp.bfloat16)
+  _, g_saved = grad(params, h16, cfg16, True)
+  _, g_recomp = grad(params, h16, cfg16, False)
+  for a, b, c in zip(*map(jax.tree.leaves, (g_saved, g_recomp, g_ref))):
+    if not float(jnp.abs(c).max()):
+      continue
+    rel = lambda x: float(jnp.linalg.norm(x.astype(jnp.float32) - c) / jnp.linalg.norm(c))
+    assert rel(a) < 1e-2 and rel(a) <= 1.25 * rel(b), (rel(a), rel(b))
+
+
+def test_entropy_grad_false_drops_only_the_entropy_cotangent():
+  cfg = models.get_config("tiny-llama")
+  params = models.init_params(cfg, jax.random.key(0), std=0.5)
+  h = jax.random.normal(jax.random.key(1), (2, 8, cfg.d_model))
+  targets = jax.random.randint(jax.random.key(2), (2, 8), 0, cfg.vocab_size)
+
+  def ent_sum(h, entropy_grad):
+    _, ent = decoder.token_logprobs(params, h, targets, cfg=cfg, with_entropy=True,
+                                    entropy_grad=entropy_grad)
+    return jnp.sum(ent)
+
+  assert float(jnp.abs(jax.grad(ent_sum)(h, True)).max()) > 1e-3
+  np.testing.assert_array_equal(jax.grad(ent_sum)(h, False), 0.0)
+
+
+@pytest.mark.parametrize("save_probs", [False, True])
+def test_chunk_loop_unrolled_equals_mapped(save_probs):
+  # scan_layers=False (or save_probs) runs the chunks as a Python loop, else as a lax.map: the
+  # same values and gradients either way.
+  cfg = models.get_config("tiny-llama")
+  cfg_unrolled = models.get_config("tiny-llama", scan_layers=False)
+  params = models.init_params(cfg, jax.random.key(0), std=0.5)
+  h = jax.random.normal(jax.random.key(1), (2, 11, cfg.d_model))
+  targets = jax.random.randint(jax.random.key(2), (2, 11), 0, cfg.vocab_size)
+
+  def f(p, h, c):
+    lp = decoder.token_logprobs(p, h, targets, cfg=c, chunk=4, save_probs=save_probs)
+    return jnp.sum(lp * jnp.cos(lp)), lp
+
+  grad = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
+  (_, a), ga = grad(params, h, cfg)
+  (_, b), gb = grad(params, h, cfg_unrolled)
+  np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)

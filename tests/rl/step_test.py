@@ -1,4 +1,6 @@
 """Learner steps: packing invariance, masking, micro-batching, sharding, and that it learns."""
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -242,13 +244,15 @@ def test_mixed_precision_step_equals_per_use_casts():
     assert float(jnp.abs(a - b).max()) <= 2 * ulp + rel * float(jnp.abs(b).max()), path
 
 
-@pytest.mark.parametrize("micro_batches,dtype", [(1, "float32"), (2, "float32"),
-                                                 (2, "bfloat16")])
-def test_unrolled_layer_loop_equals_scan(micro_batches, dtype):
+@pytest.mark.parametrize("micro_batches,dtype,save_probs", [
+    (1, "float32", False), (2, "float32", True), (2, "bfloat16", True)])
+def test_unrolled_layer_loop_equals_scan(micro_batches, dtype, save_probs):
   """`ModelConfig.scan_layers=False` (per-layer weights cut once per step, an unrolled layer
   loop) gives the scan's loss, metrics and update (float32 masters; float32 compute to float32
   rounding, bfloat16 compute to bfloat16 rounding), with the "dots_attention" remat policy and
-  boxed params."""
+  boxed params; with `StepConfig.logprob_save_probs` on the unrolled side, the token
+  log-probs' backward reads saved probabilities instead of recomputing the logits (entropies
+  on as a metric)."""
   kw = dict(param_dtype="float32", dtype=dtype)
   base = models.get_config("tiny-qwen3", remat="dots", **kw)
   unrolled = models.get_config("tiny-qwen3", remat="dots_attention", scan_layers=False, **kw)
@@ -259,9 +263,11 @@ def test_unrolled_layer_loop_equals_scan(micro_batches, dtype):
   opt = optax.sgd(0.5)
   tol = 1e-5 if dtype == "float32" else 2e-2
   state = step.TrainState(step=jnp.asarray(0), params=p, opt_state=opt.init(p))
-  run = lambda cfg: jax.jit(lambda s, b: step.train_step(s, b, cfg=cfg, scfg=scfg,
-                                                         optimizer=opt))(state, batch)
-  (want, want_m), (got, got_m) = run(base), run(unrolled)
+  run = lambda cfg, scfg: jax.jit(lambda s, b: step.train_step(s, b, cfg=cfg, scfg=scfg,
+                                                               optimizer=opt))(state, batch)
+  want, want_m = run(base, scfg)
+  got, got_m = run(unrolled, dataclasses.replace(scfg, logprob_save_probs=save_probs))
+  assert "entropy" in want_m
   assert jax.tree.structure(got.params) == jax.tree.structure(p)
   for k in want_m:
     np.testing.assert_allclose(got_m[k], want_m[k], rtol=tol, atol=1e-6, err_msg=k)
