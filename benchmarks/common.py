@@ -73,12 +73,14 @@ def grpo_batch(cfg, rows: int, prompt: int, gen: int) -> dict:
   }
 
 
-def grpo_learner(cfg, micro_batches: int, mesh=None, gather_weights: bool = False):
+def grpo_learner(cfg, micro_batches: int, mesh=None, gather_weights: bool = False,
+                 save_probs: bool = False):
   """The learner of the peer comparison's GRPO step, as the Tunix harness sets its own: k3 KL
-  at 0.04, AdamW (lr 1e-6, b2 0.99, weight decay 0.1) after clipping the global norm at 1."""
+  at 0.04, AdamW (lr 1e-6, b2 0.99, weight decay 0.1) after clipping the global norm at 1.
+  `save_probs`: `StepConfig.logprob_save_probs`."""
   from jaxagent.rl import losses, step
   scfg = step.StepConfig(loss=losses.LossConfig(kl_coef=0.04, kl_estimator="k3"),
                          micro_batches=micro_batches, entropy=False,
-                         gather_weights=gather_weights)
+                         gather_weights=gather_weights, logprob_save_probs=save_probs)
   opt = step.make_optimizer(1e-6, weight_decay=0.1, b2=0.99, max_grad_norm=1.0)
   return step.Learner(cfg, scfg, opt, mesh)

@@ -78,9 +78,9 @@ def our_decode(cfg, params, batch, steps, layout="stacked"):
   return timeit(one, warmup=1, iters=3)["min_s"]
 
 
-def our_update(cfg, micro_batches):
+def our_update(cfg, micro_batches, save_probs=False):
   batch = grpo_batch(cfg, TRAIN_B, PROMPT, GEN)
-  learner = grpo_learner(cfg, micro_batches)
+  learner = grpo_learner(cfg, micro_batches, save_probs=save_probs)
   new_params = lambda: jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(1))
   st = [learner.init(new_params())]
   ref, _ = learner.score(st[0].params, batch)
@@ -99,14 +99,14 @@ def our_update(cfg, micro_batches):
   return t_step, t_ref
 
 
-def our_e2e(cfg, prompts_n, group, micro_batches, slots, steps, layout):
+def our_e2e(cfg, prompts_n, group, micro_batches, slots, steps, layout, save_probs=False):
   """One GRPO iteration (rollout, reference pass, update); returns its parts' seconds."""
   n = prompts_n * group
   L = PROMPT + GEN
   rng = np.random.default_rng(2)
   uniq = rng.integers(2, cfg.vocab_size, (prompts_n, PROMPT))
   prompts = np.repeat(uniq, group, 0).tolist()
-  learner = grpo_learner(cfg, micro_batches)
+  learner = grpo_learner(cfg, micro_batches, save_probs=save_probs)
   new_params = jax.jit(lambda k: models.init_params(cfg, k))
   st = [learner.init(new_params(jax.random.key(2)))]
   ref_params = new_params(jax.random.key(2))
@@ -169,6 +169,9 @@ def main():
   ap.add_argument("--remat", default="dots_attention", help="our learner's ModelConfig.remat")
   ap.add_argument("--scan", action="store_true", help="our learner's layer loop as a lax.scan "
                   "(ModelConfig.scan_layers=True; default: unrolled, the faster on an H100)")
+  ap.add_argument("--save-probs", action=argparse.BooleanOptionalAction, default=True,
+                  help="our learner's StepConfig.logprob_save_probs (default on; "
+                  "--no-save-probs recomputes the logits in the backward pass)")
   ap.add_argument("--record", action="store_true")
   ap.add_argument("--tiny", action="store_true", help="CPU smoke test sizes")
   args = ap.parse_args()
@@ -194,11 +197,12 @@ def main():
                        scan_layers=args.scan)
     for layout in args.layouts.split(","):
       r = our_e2e(ecfg, args.e2e_prompts, args.e2e_group, args.e2e_micro_batches,
-                  args.e2e_slots, args.steps, layout)
+                  args.e2e_slots, args.steps, layout, args.save_probs)
       theirs = tunix.get("e2e", {})
       emit("peer_e2e", args.record, model=MODEL, prompts=args.e2e_prompts,
            group=args.e2e_group, new_tokens=GEN, layout=layout, slots=args.e2e_slots,
-           remat=args.remat, scan_layers=args.scan, ours=r, tunix=theirs or None,
+           remat=args.remat, scan_layers=args.scan, save_probs=args.save_probs, ours=r,
+           tunix=theirs or None,
            ratio=(theirs["s"] / r["s"]) if theirs else None)
   if "decode" not in only and "update" not in only:
     return
@@ -215,14 +219,14 @@ def main():
     return
   ucfg = cfg.replace(param_dtype="float32", remat=args.remat,
                      scan_layers=args.scan)
-  t_step, t_ref = our_update(ucfg, args.micro_batches)
+  t_step, t_ref = our_update(ucfg, args.micro_batches, args.save_probs)
   flops = ucfg.flops_per_token(PROMPT + GEN) * TRAIN_B * (PROMPT + GEN)
   tun = {k: v["s"] for k, v in tunix.items() if k.startswith("grpo_step")}
   theirs = min(tun.values()) if tun else None
   emit("peer_update", args.record, model=MODEL, tokens=TRAIN_B * (PROMPT + GEN),
        ours_step_s=t_step, ours_ref_s=t_ref, ours_mfu=flops / t_step / peaks()["bf16_flops"],
        micro_batches=args.micro_batches, remat=args.remat, scan_layers=args.scan,
-       tunix_step_s=theirs,
+       save_probs=args.save_probs, tunix_step_s=theirs,
        tunix_configs={k: round(v, 4) for k, v in tun.items()},
        ratio=(theirs / t_step) if theirs else None)
 

@@ -35,7 +35,7 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 
 def time_update(cfg, mesh, args):
-  learner = grpo_learner(cfg, args.micro_batches, mesh, args.gather_weights)
+  learner = grpo_learner(cfg, args.micro_batches, mesh, args.gather_weights, args.save_probs)
   st = [learner.init(shd.init_sharded(lambda k: models.init_params(cfg, k), mesh,
                                       jax.random.key(1)))]
   batch = grpo_batch(cfg, args.batch, args.prompt, args.gen)
@@ -85,6 +85,7 @@ def child(args):
     flops = ucfg.flops_per_token(length) * args.batch * length
     emit("scaling_run", part="update", **common, micro_batches=args.micro_batches,
          gather_weights=args.gather_weights, remat=args.remat, scan_layers=not args.unrolled,
+         save_probs=args.save_probs,
          step_s=t, tokens_per_s=args.batch * length / t,
          mfu=flops / t / (n * peaks()["bf16_flops"]))
   if "decode" in args.parts:
@@ -173,6 +174,8 @@ def main():
   ap.add_argument("--remat", default="dots", help="the learner's ModelConfig.remat")
   ap.add_argument("--unrolled", action="store_true", help="the learner's layer loop unrolled "
                   "(ModelConfig.scan_layers=False; train_step.py's default)")
+  ap.add_argument("--save-probs", action="store_true",
+                  help="the learner's StepConfig.logprob_save_probs")
   ap.add_argument("--timeout", type=float, default=1800, help="seconds per child")
   ap.add_argument("--record", action="store_true")
   ap.add_argument("--tiny", action="store_true", help="CPU smoke test sizes")
