@@ -533,11 +533,12 @@ def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature:
     return _chunk_logprobs(hc, w, tc.astype(jnp.int32), temp, cfg.tie_embeddings,
                            with_entropy, entropy_grad, save_probs)
 
-  if (save_probs or not cfg.scan_layers) and n <= _MAX_UNROLLED_CHUNKS:
-    # A Python loop over the chunks, as the unrolled layer loop runs: a `lax.map` stacks each
-    # chunk's saved `[c, V]` probabilities into one buffer and slices them out again in the
-    # backward pass, copies that cost as much as the matmul `save_probs` saves (Qwen2.5-1.5B
-    # update on an H100: 2.662 s per step with the map, 2.580 s with the loop).
+  if save_probs and n <= _MAX_UNROLLED_CHUNKS:
+    # A Python loop over the chunks: a `lax.map` stacks each chunk's saved `[c, V]`
+    # probabilities into one buffer and slices them out again in the backward pass, copies
+    # that cost as much as the matmul `save_probs` saves (Qwen2.5-1.5B update on an H100:
+    # 2.662 s per step with the map, 2.580 s with the loop). Without saved probabilities the
+    # map stays: it bounds the live float32 logits to one chunk's.
     outs = [one(hs[i], ts[i]) for i in range(n)]
     lps, ents = (jnp.stack(x) for x in zip(*outs))
   else:

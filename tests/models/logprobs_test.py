@@ -122,23 +122,26 @@ def test_entropy_grad_false_drops_only_the_entropy_cotangent():
   np.testing.assert_array_equal(jax.grad(ent_sum)(h, False), 0.0)
 
 
-@pytest.mark.parametrize("save_probs", [False, True])
-def test_chunk_loop_unrolled_equals_mapped(save_probs):
-  # scan_layers=False (or save_probs) runs the chunks as a Python loop, else as a lax.map: the
-  # same values and gradients either way.
+def test_saved_probs_chunk_loop_equals_mapped():
+  # save_probs runs the chunks as a Python loop (more than _MAX_UNROLLED_CHUNKS: a lax.map):
+  # the same values and gradients either way.
   cfg = models.get_config("tiny-llama")
-  cfg_unrolled = models.get_config("tiny-llama", scan_layers=False)
   params = models.init_params(cfg, jax.random.key(0), std=0.5)
   h = jax.random.normal(jax.random.key(1), (2, 11, cfg.d_model))
   targets = jax.random.randint(jax.random.key(2), (2, 11), 0, cfg.vocab_size)
 
   def f(p, h, c):
-    lp = decoder.token_logprobs(p, h, targets, cfg=c, chunk=4, save_probs=save_probs)
+    lp = decoder.token_logprobs(p, h, targets, cfg=c, chunk=4, save_probs=True)
     return jnp.sum(lp * jnp.cos(lp)), lp
 
   grad = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
   (_, a), ga = grad(params, h, cfg)
-  (_, b), gb = grad(params, h, cfg_unrolled)
+  limit = decoder._MAX_UNROLLED_CHUNKS
+  decoder._MAX_UNROLLED_CHUNKS = 0  # every chunk count mapped
+  try:
+    (_, b), gb = grad(params, h, cfg)
+  finally:
+    decoder._MAX_UNROLLED_CHUNKS = limit
   np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
