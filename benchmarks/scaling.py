@@ -6,8 +6,10 @@ For each GPU count n a child process (`--child n`, CUDA_VISIBLE_DEVICES = the fi
 builds a mesh over its n devices (`--mesh fsdp`: fsdp=n, params and optimizer state sharded;
 `--mesh data`: data=n, replicated) and times, on the SAME global batch (`--batch` rows, so
 batch/n rows per device):
-  1. update: one jitted `Learner` step (GRPO loss, beta 0.04 k3 KL, AdamW, `--micro-batches`)
-     over batch x (prompt + gen) tokens, loss on the gen tokens, float32 params, bf16 compute,
+  1. update: one jitted `Learner` step (GRPO loss, beta 0.04 k3 KL, AdamW, `--micro-batches`,
+     or with `--micro-rows R` batch / (n x R) micro-batches: R rows per device per
+     micro-batch at every n, so each device runs the same programme size and more devices
+     accumulate fewer micro-batches) over batch x (prompt + gen) tokens, loss on the gen tokens, float32 params, bf16 compute,
      remat `--remat` ("dots"), the layer loop a scan unless `--unrolled`; MFU per device =
      FLOPs / step_s / (n x peak);
   2. decode: prefill + `gen` decode steps of `batch` slots on the same mesh (bf16 params).
@@ -165,6 +167,9 @@ def main():
   ap.add_argument("--prompt", type=int, default=128)
   ap.add_argument("--gen", type=int, default=512)
   ap.add_argument("--micro-batches", type=int, default=4)
+  ap.add_argument("--micro-rows", type=int, default=0,
+                  help="rows per device per micro-batch: n devices run batch / (n x R) "
+                  "micro-batches (overrides --micro-batches; 0: off)")
   ap.add_argument("--steps", type=int, default=16, help="decode steps per generate call")
   ap.add_argument("--mesh", choices=("fsdp", "data"), default="fsdp")
   ap.add_argument("--gather-weights", action="store_true",
@@ -189,9 +194,19 @@ def main():
   if not set(args.parts) <= {"update", "decode"}:
     ap.error(f"--parts takes update and/or decode, got {args.parts}")
   for n in args.gpus:
-    if args.batch % (n * args.micro_batches):
+    if args.micro_rows:
+      if args.batch % (n * args.micro_rows):
+        ap.error(f"--batch {args.batch} must divide into {n} devices x micro-batches of "
+                 f"--micro-rows {args.micro_rows}")
+    elif args.batch % (n * args.micro_batches):
       ap.error(f"--batch {args.batch} must divide into {n} devices x {args.micro_batches} "
                f"micro-batches (batch % (n * micro_batches) == 0)")
+  if args.micro_rows and args.child:
+    per = args.batch // args.child
+    if per % args.micro_rows:
+      ap.error(f"--micro-rows {args.micro_rows} must divide the {per} rows per device at "
+               f"n={args.child}")
+    args.micro_batches = per // args.micro_rows
   if args.child:
     child(args)
   else:
