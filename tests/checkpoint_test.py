@@ -349,6 +349,7 @@ def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, run_files):
   assert meta["step"] == last and meta["warm_started"]
 
 
+@pytest.mark.slow  # CI time; test_interrupted_save_is_named_and_skipped covers the skip in-process
 def test_kill9_during_save_resumes_from_previous_checkpoint(tmp_path, run_files):
   ckdir = tmp_path / "checkpoints"
   proc = _launch(tmp_path, run_files, "--config.total_steps=20",

@@ -4,6 +4,21 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# A persistent compilation cache shared by the whole run (and the subprocesses tests start):
+# many tests compile the same small programs (the tiny models' prefill, decode and update
+# steps), and XLA's compile time is most of this suite's time on a CPU. A fresh directory per
+# run, removed at exit; JAX keys entries on the program, its compile options and the jax
+# version, so a hit is the executable the compile would have produced. Measured on the
+# 2-core machine: engine_test.py + step_test.py 5m32s -> 3m57s from an empty cache.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  import atexit
+  import shutil
+  import tempfile
+  _cache = tempfile.mkdtemp(prefix="jaxagent-test-compile-cache-")
+  atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+
 import jax  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)

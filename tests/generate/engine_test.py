@@ -56,7 +56,7 @@ def test_sampler_logprobs_match_training_forward(params, dtype, tol):
     assert gap < 0.1  # bf16 is reported, and must stay sane
 
 
-@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+@pytest.mark.parametrize("layout", [pytest.param("stacked", marks=pytest.mark.slow), "per_layer"])
 def test_append_then_decode_equals_prefill_of_history(params, layout):
   eng = Engine(CFG, EngineConfig(slots=3, max_len=128, sampling=SamplingConfig(),
                                  cache_layout=layout))
@@ -182,7 +182,7 @@ def test_per_layer_cache_on_a_mesh_matches_single_device(params):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
-@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+@pytest.mark.parametrize("layout", [pytest.param("stacked", marks=pytest.mark.slow), "per_layer"])
 def test_prefill_insert_drops_padding_rows_and_bounds_compiles(params, layout):
   """`prefill_insert` pads the batch to a row bucket and the insert drops the padding rows:
   the slots it fills hold what `prefill` + `insert` put there, the other slots are untouched,

@@ -47,7 +47,9 @@ def _grads(params, batch, scfg):
   return num / d, jax.tree.map(lambda x: x / d, g)
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean", "seq_mean_token_sum"])
+# The other aggregations only in the slow run (CI time); the loss tests cover every agg.
+@pytest.mark.parametrize("agg", ["token_mean", pytest.param("seq_mean_token_mean", marks=pytest.mark.slow),
+                                 pytest.param("seq_mean_token_sum", marks=pytest.mark.slow)])
 def test_packed_equals_unpacked_loss_and_param_grads(params, agg):
   scfg = step.StepConfig(loss=losses.LossConfig(agg=agg, kl_coef=0.05, kl_estimator="k3"))
   items = _items()
@@ -90,7 +92,7 @@ def test_logit_gradient_is_zero_off_policy_tokens(params):
   assert np.all(per_pos[target_is_policy] > 0.0)
 
 
-@pytest.mark.parametrize("agg", ["token_mean", "seq_mean_token_mean"])
+@pytest.mark.parametrize("agg", ["token_mean", pytest.param("seq_mean_token_mean", marks=pytest.mark.slow)])
 def test_four_micro_batches_equal_one_batch(params, agg):
   items = _items(16, seed=2)
   _, b = _batch(items, max_len=32, rows_multiple=4)
@@ -245,7 +247,8 @@ def test_mixed_precision_step_equals_per_use_casts():
 
 
 @pytest.mark.parametrize("micro_batches,dtype,save_probs", [
-    (1, "float32", False), (2, "float32", True), (2, "bfloat16", True)])
+    (1, "float32", False), pytest.param(2, "float32", True, marks=pytest.mark.slow),
+    (2, "bfloat16", True)])
 def test_unrolled_layer_loop_equals_scan(micro_batches, dtype, save_probs):
   """`ModelConfig.scan_layers=False` (per-layer weights cut once per step, an unrolled layer
   loop) gives the scan's loss, metrics and update (float32 masters; float32 compute to float32
@@ -298,7 +301,7 @@ def test_unrolled_hidden_states_and_kv_equal_scan(params):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("gather", [False, True])
+@pytest.mark.parametrize("gather", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_unrolled_layer_loop_sharded_equals_scan(gather):
   """The unrolled loop on 8 fsdp devices, with and without gathered weights, gives the scan's
   update (float32)."""
