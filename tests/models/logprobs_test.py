@@ -16,16 +16,23 @@ def _reference(params, h, targets, cfg, temperature):
   return lp, ent
 
 
-@pytest.mark.parametrize("preset,tied", [("tiny-qwen3", None), ("tiny-llama", False),
-                                         ("tiny-llama", True)])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_token_logprobs_values_and_grads_equal_full_log_softmax(preset, tied, temperature):
-  kw = {} if tied is None else {"tie_embeddings": tied}
+def _problem(preset, **kw):
+  """A config, params (std 0.5: peaked softmaxes), hidden states [3, 11, D], targets and two
+  random weightings of the per-token outputs."""
   cfg = models.get_config(preset, **kw)
   params = models.init_params(cfg, jax.random.key(0), std=0.5)
   h = jax.random.normal(jax.random.key(1), (3, 11, cfg.d_model))
   targets = jax.random.randint(jax.random.key(2), (3, 11), 0, cfg.vocab_size)
   wl, we = jax.random.normal(jax.random.key(3), (2, 3, 11))
+  return cfg, params, h, targets, wl, we
+
+
+@pytest.mark.parametrize("preset,tied", [("tiny-qwen3", None), ("tiny-llama", False),
+                                         ("tiny-llama", True)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_values_and_grads_equal_full_log_softmax(preset, tied, temperature):
+  kw = {} if tied is None else {"tie_embeddings": tied}
+  cfg, params, h, targets, wl, we = _problem(preset, **kw)
 
   def ours(p, h):
     # chunk 4 over 11 positions: chunks are padded; 8 tokens per chunk at most.
@@ -66,11 +73,7 @@ def test_saved_probs_backward_equals_recomputing_backward(preset, tied, temperat
   # output weight) equal the recomputing path's, with entropies as a metric (entropy_grad off,
   # so their cotangent is ignored) or not computed.
   kw = {} if tied is None else {"tie_embeddings": tied}
-  cfg = models.get_config(preset, **kw)
-  params = models.init_params(cfg, jax.random.key(0), std=0.5)
-  h = jax.random.normal(jax.random.key(1), (3, 11, cfg.d_model))
-  targets = jax.random.randint(jax.random.key(2), (3, 11), 0, cfg.vocab_size)
-  wl, we = jax.random.normal(jax.random.key(3), (2, 3, 11))
+  cfg, params, h, targets, wl, we = _problem(preset, **kw)
 
   def loss(p, h, c, save, with_entropy=False):
     out = decoder.token_logprobs(p, h, targets, cfg=c, temperature=temperature, chunk=4,
