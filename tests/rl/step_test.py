@@ -66,7 +66,11 @@ def test_packed_equals_unpacked_loss_and_param_grads(params, agg):
   l2, g2 = _grads(params, unpacked, scfg)
   np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5, atol=1e-6)
   for a, b in zip(jax.tree.leaves(g1), jax.tree.leaves(g2)):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+    # float32 summation order: an absolute floor relative to the leaf's largest gradient
+    # (token sums make gradients of order 1; one entry of 5e-4 differed by 1.3e-6).
+    b = np.asarray(b)
+    np.testing.assert_allclose(np.asarray(a), b, rtol=2e-4,
+                               atol=max(1e-6, 2e-6 * float(np.abs(b).max())))
 
 
 def test_logit_gradient_is_zero_off_policy_tokens(params):
