@@ -9,9 +9,9 @@ batch/n rows per device):
   1. update: one jitted `Learner` step (GRPO loss, beta 0.04 k3 KL, AdamW, `--micro-batches`,
      or with `--micro-rows R` batch / (n x R) micro-batches: R rows per device per
      micro-batch at every n, so each device runs the same programme size and more devices
-     accumulate fewer micro-batches) over batch x (prompt + gen) tokens, loss on the gen tokens, float32 params, bf16 compute,
-     remat `--remat` ("dots"), the layer loop a scan unless `--unrolled`; MFU per device =
-     FLOPs / step_s / (n x peak);
+     accumulate fewer micro-batches) over batch x (prompt + gen) tokens, loss on the gen
+     tokens, float32 params, bf16 compute, remat `--remat` ("dots"), the layer loop a scan
+     unless `--unrolled`; MFU per device = FLOPs / step_s / (n x peak);
   2. decode: prefill + `gen` decode steps of `batch` slots on the same mesh (bf16 params).
 Each child prints `RESULT` lines (bench `scaling_run`); the parent then prints one `scaling`
 line per part and n with efficiency = t_1 / (n x t_n): strong scaling, 1.0 = perfect (with no
@@ -201,12 +201,8 @@ def main():
     elif args.batch % (n * args.micro_batches):
       ap.error(f"--batch {args.batch} must divide into {n} devices x {args.micro_batches} "
                f"micro-batches (batch % (n * micro_batches) == 0)")
-  if args.micro_rows and args.child:
-    per = args.batch // args.child
-    if per % args.micro_rows:
-      ap.error(f"--micro-rows {args.micro_rows} must divide the {per} rows per device at "
-               f"n={args.child}")
-    args.micro_batches = per // args.micro_rows
+  if args.micro_rows and args.child:  # divisibility checked above for every n in --gpus
+    args.micro_batches = args.batch // (args.child * args.micro_rows)
   if args.child:
     child(args)
   else:

@@ -411,6 +411,12 @@ def _logsumexp(z):
   return m + jnp.log(s)
 
 
+def _onehot(targets, shape):
+  """float32 one-hot of `targets` over the last axis of `shape` (the logits')."""
+  iota = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
+  return (targets[..., None] == iota).astype(jnp.float32)
+
+
 def _chunk_logprobs_fwd(h, w, targets, temperature, tied, with_entropy, entropy_grad,
                         save_probs):
   z = _project(h, w, tied) / temperature
@@ -422,8 +428,7 @@ def _chunk_logprobs_fwd(h, w, targets, temperature, tied, with_entropy, entropy_
   else:
     ent = jnp.zeros_like(lp)
   if save_probs and not (with_entropy and entropy_grad):
-    onehot = targets[..., None] == jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
-    q = (jnp.exp(logp) - onehot.astype(jnp.float32)).astype(h.dtype)
+    q = (jnp.exp(logp) - _onehot(targets, z.shape)).astype(h.dtype)
     return (lp, ent), (h, w, targets, temperature, None, None, q)
   return (lp, ent), (h, w, targets, temperature, lse, ent, None)
 
@@ -449,8 +454,7 @@ def _chunk_logprobs_bwd(tied, with_entropy, entropy_grad, save_probs, res, g):
   z = _project(h, w, tied) / temperature
   logp = z - lse[..., None]
   p = jnp.exp(logp)
-  onehot = targets[..., None] == jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1)
-  gz = g_lp[..., None] * (onehot.astype(jnp.float32) - p)
+  gz = g_lp[..., None] * (_onehot(targets, z.shape) - p)
   if with_entropy and entropy_grad:
     gz = gz - g_ent[..., None] * p * (logp + ent[..., None])
   dh, dw = _project_bwd(tied, (h, w), gz / temperature)

@@ -17,8 +17,9 @@ def _rand(key, *shape):
   return jax.random.normal(jax.random.key(key), shape)
 
 
-@pytest.mark.parametrize("g,hd,c", [(3, 16, 128), pytest.param(1, 32, 96, marks=pytest.mark.slow),
-                                    pytest.param(6, 16, 64, marks=pytest.mark.slow), (150, 16, 64)])
+@pytest.mark.parametrize("g,hd,c", [
+    (3, 16, 128), pytest.param(1, 32, 96, marks=pytest.mark.slow),
+    pytest.param(6, 16, 64, marks=pytest.mark.slow), (150, 16, 64)])
 def test_flash_decode_matches_masked_softmax(g, hd, c):
   s, kv = 5, 2
   q, k, v = _rand(0, s, kv, g, hd), _rand(1, s, kv, c, hd), _rand(2, s, kv, c, hd)

@@ -48,8 +48,9 @@ def _grads(params, batch, scfg):
 
 
 # The other aggregations only in the slow run (CI time); the loss tests cover every agg.
-@pytest.mark.parametrize("agg", ["token_mean", pytest.param("seq_mean_token_mean", marks=pytest.mark.slow),
-                                 pytest.param("seq_mean_token_sum", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("agg", [
+    "token_mean", pytest.param("seq_mean_token_mean", marks=pytest.mark.slow),
+    pytest.param("seq_mean_token_sum", marks=pytest.mark.slow)])
 def test_packed_equals_unpacked_loss_and_param_grads(params, agg):
   scfg = step.StepConfig(loss=losses.LossConfig(agg=agg, kl_coef=0.05, kl_estimator="k3"))
   items = _items()
@@ -96,7 +97,8 @@ def test_logit_gradient_is_zero_off_policy_tokens(params):
   assert np.all(per_pos[target_is_policy] > 0.0)
 
 
-@pytest.mark.parametrize("agg", ["token_mean", pytest.param("seq_mean_token_mean", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("agg", [
+    "token_mean", pytest.param("seq_mean_token_mean", marks=pytest.mark.slow)])
 def test_four_micro_batches_equal_one_batch(params, agg):
   items = _items(16, seed=2)
   _, b = _batch(items, max_len=32, rows_multiple=4)
