@@ -15,7 +15,7 @@ import jax.numpy as jnp
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES = ("float32", "bfloat16", "float16")
 Remat = Literal["none", "full", "dots", "dots_attention"]
-AttentionImpl = Literal["xla", "cudnn", "auto"]
+AttentionImpl = Literal["xla", "cudnn", "pallas", "auto"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +54,10 @@ class ModelConfig:
   # made once per step, and saved activations stay separate buffers, so the backward pass
   # reads them in place instead of slicing them out of the scan's stacked carries.
   scan_layers: bool = True
+  # Attention over packed rows in the training forward: "xla" (einsums with a dense mask),
+  # "cudnn" (fused attention with the dense segment mask as a bias), "pallas"
+  # (`packed_attention`: kernels that skip the blocks across segments; GPU, interpret mode
+  # elsewhere) or "auto" (cudnn on GPUs, xla elsewhere).
   attention_impl: AttentionImpl = "xla"
   name: str = "custom"
 
@@ -77,8 +81,8 @@ class ModelConfig:
                        f"got {self.remat!r}")
     if not isinstance(self.scan_layers, bool):
       raise ValueError(f"ModelConfig.scan_layers must be a bool, got {self.scan_layers!r}")
-    if self.attention_impl not in ("xla", "cudnn", "auto"):
-      raise ValueError("ModelConfig.attention_impl must be 'xla', 'cudnn' or 'auto', got "
+    if self.attention_impl not in ("xla", "cudnn", "pallas", "auto"):
+      raise ValueError("ModelConfig.attention_impl must be 'xla', 'cudnn', 'pallas' or 'auto', got "
                        f"{self.attention_impl!r}")
     if self.architecture not in ("llama", "qwen2", "qwen3"):
       raise ValueError("ModelConfig.architecture must be 'llama', 'qwen2' or 'qwen3', got "

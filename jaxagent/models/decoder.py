@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxagent.models.config import ModelConfig
+from jaxagent.models import packed_attention
 
 Params = dict[str, Any]
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -258,6 +259,8 @@ def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask, is_causal=True, scale=1.0 / math.sqrt(hd),
         implementation="cudnn")
+  if impl == "pallas":
+    return packed_attention.packed_attention(q, k, v, segment_ids)
   qg = _group(q, cfg) * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
   logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
   causal = jnp.tril(jnp.ones((t, t), bool))
@@ -273,10 +276,13 @@ _CUDNN_ATTENTION_FWD = ("dot_product_attention_fwd_wrapper", "dot_product_attent
 
 
 def _save_dots_and_attention(prim, *args, **params) -> bool:
-  """Remat policy "dots_attention": what "dots" saves, plus the outputs of the cuDNN attention
-  forward (its output and softmax statistics, which its backward reads), so the backward pass
-  does not run the attention forward again. On the XLA attention path it equals "dots"."""
+  """Remat policy "dots_attention": what "dots" saves, plus the outputs of the cuDNN or Pallas
+  attention forward (its output and softmax statistics, which its backward reads), so the
+  backward pass does not run the attention forward again. On the XLA attention path it equals
+  "dots"."""
   if prim.name in _CUDNN_ATTENTION_FWD:
+    return True
+  if prim.name == "name" and params.get("name") in packed_attention.RESIDUAL_NAMES:
     return True
   return jax.checkpoint_policies.dots_with_no_batch_dims_saveable(prim, *args, **params)
 
