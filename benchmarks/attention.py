@@ -8,7 +8,8 @@ Rows are packed from the train-step benchmark's multi-turn length mix (one micro
 `benchmarks/train_step.py`). Implementations: "cudnn" (fused attention with the dense
 `[B, 1, T, T]` segment mask), "cudnn_causal" (causal only, no segment mask: a reference
 ceiling, not a correct result), "pallas" (`jaxagent.models.packed_attention`, one line per
-`--variants` entry, each a `$JAXAGENT_PACKED_ATTENTION` setting), "xla". FLOPs are the useful
+`--variants` entry, each a `$JAXAGENT_PACKED_ATTENTION` setting), "xla". `--one-segment`:
+one trajectory per row instead (plain causal rows). FLOPs are the useful
 ones: 4 hd H n^2 / 2 per segment of n tokens forward, 2.5x that backward.
 """
 import argparse
@@ -58,13 +59,17 @@ def main():
   ap.add_argument("--impls", default="cudnn,cudnn_causal,pallas")
   ap.add_argument("--variants", default="", help="semicolon-separated "
                   "$JAXAGENT_PACKED_ATTENTION settings for the pallas rows ('' = defaults)")
+  ap.add_argument("--one-segment", action="store_true", help="one trajectory per row (no "
+                  "packing; the peer comparison's rows) instead of the packed length mix")
   ap.add_argument("--iters", type=int, default=20)
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
   for name in args.models.split(","):
     cfg = models.get_config(name, dtype="bfloat16")
-    batch, _, seg_lens = make_batch(args.rows, args.len, cfg.vocab_size, rng)
+    batch, _, _ = make_batch(args.rows, args.len, cfg.vocab_size, rng)
+    if args.one_segment:
+      batch = {"segment_ids": np.ones((args.rows, args.len), np.int32)}
     seg = jnp.asarray(batch["segment_ids"][:args.rows])
     shape = (args.rows, args.len)
     keys = jax.random.split(jax.random.key(1), 4)
