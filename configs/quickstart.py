@@ -23,7 +23,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model = ml_collections.ConfigDict(dict(
       path="smollm2-135m-instruct", tokenizer="", param_dtype="float32", dtype="float32",
       remat="full", init_std=0.02, init_seed=0,  # remat: 4x less update memory
-      scan_layers=True))  # False: unrolled layer loop, faster updates on GPUs, longer compile
+      scan_layers=True,  # False: unrolled layer loop, faster updates on GPUs, longer compile
+      # Training attention: "auto" (Pallas packed-segment kernels on GPUs, XLA elsewhere),
+      # "pallas", "cudnn" or "xla".
+      attention="auto"))
   c.env = ml_collections.ConfigDict(dict(name="quickstart", kwargs=dict(
       min_terms=3, max_terms=4, min_digits=2, max_digits=3, train_size=2000, eval_size=200,
       sft_size=256, easy_fraction=0.5, easy_max_digits=2, sft_easy_fraction=0.8,

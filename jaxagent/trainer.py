@@ -68,7 +68,8 @@ def load_model(mcfg) -> tuple[models.ModelConfig, Any, Any]:
   (random init, e.g. "tiny-llama" for tests) whose vocabulary is resized to `tokenizer`'s.
   """
   dtype_kw = dict(param_dtype=mcfg.param_dtype, dtype=mcfg.dtype, remat=mcfg.remat,
-                  scan_layers=mcfg.get("scan_layers", True))
+                  scan_layers=mcfg.get("scan_layers", True),
+                  attention_impl=mcfg.get("attention", "auto"))
   tok = models.load_tokenizer(mcfg.get("tokenizer") or mcfg.path)
   if mcfg.path in models.PRESETS:
     cfg = models.get_config(mcfg.path, vocab_size=tok.vocab_size,

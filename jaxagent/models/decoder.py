@@ -253,7 +253,10 @@ def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
   b, t, _, hd = q.shape
   impl = cfg.attention_impl
   if impl == "auto":
-    impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
+    impl = "xla"
+    if jax.default_backend() == "gpu":
+      # The Pallas kernels' tiles need a power-of-two head size of at least 16.
+      impl = "pallas" if hd >= 16 and not hd & (hd - 1) else "cudnn"
   if impl == "cudnn":
     mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     return jax.nn.dot_product_attention(

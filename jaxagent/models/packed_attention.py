@@ -43,7 +43,7 @@ RESIDUAL_NAMES = ("packed_attention_out", "packed_attention_lse")
 # (`dq_q`, `dq_k`) and of the dk / dv kernel (`dkv_q`, `dkv_k`), and the Triton warps / stages
 # of each kernel. Overridden by $JAXAGENT_PACKED_ATTENTION="fwd_q=64,fwd_warps=8" for sweeps
 # (benchmarks/attention.py), read when a program is traced.
-DEFAULT_TUNING = dict(fwd_q=128, fwd_k=64, fwd_warps=4, fwd_stages=3,
+DEFAULT_TUNING = dict(fwd_q=64, fwd_k=32, fwd_warps=4, fwd_stages=3,
                       dq_q=64, dq_k=64, dq_warps=4, dq_stages=2,
                       dkv_q=64, dkv_k=64, dkv_warps=4, dkv_stages=2)
 
