@@ -248,15 +248,22 @@ def _softmax_attend(logits, mask):
   return jax.nn.softmax(logits, axis=-1)
 
 
+def attention_path(cfg: ModelConfig, backend: str) -> str:
+  """The training attention `segment_attention` runs on `backend`: `cfg.attention_impl`, with
+  "auto" resolved to "pallas" on GPUs ("cudnn" where the head size is not a power of two >= 16,
+  which the Pallas kernels' tiles need) and "xla" elsewhere."""
+  if cfg.attention_impl != "auto":
+    return cfg.attention_impl
+  if backend != "gpu":
+    return "xla"
+  hd = cfg.head_dim
+  return "pallas" if hd >= 16 and not hd & (hd - 1) else "cudnn"
+
+
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
   """Causal attention blocked across segments. q: [B,T,H,hd]; k, v: [B,T,KV,hd]."""
   b, t, _, hd = q.shape
-  impl = cfg.attention_impl
-  if impl == "auto":
-    impl = "xla"
-    if jax.default_backend() == "gpu":
-      # The Pallas kernels' tiles need a power-of-two head size of at least 16.
-      impl = "pallas" if hd >= 16 and not hd & (hd - 1) else "cudnn"
+  impl = attention_path(cfg, jax.default_backend())
   if impl == "cudnn":
     mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
     return jax.nn.dot_product_attention(

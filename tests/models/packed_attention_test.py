@@ -142,3 +142,12 @@ def test_bad_shapes_are_rejected():
     attend(q[0], k, v, seg)
   with pytest.raises(ValueError, match="attention_impl"):
     models.ModelConfig(**{**models.get_config("tiny-qwen3").__dict__, "attention_impl": "flash"})
+
+
+def test_auto_attention_path():
+  cfg = models.get_config("qwen2.5-1.5b")
+  assert cfg.attention_impl == "auto"
+  assert decoder.attention_path(cfg, "gpu") == "pallas"
+  assert decoder.attention_path(cfg, "tpu") == decoder.attention_path(cfg, "cpu") == "xla"
+  assert decoder.attention_path(cfg.replace(head_dim=80), "gpu") == "cudnn"
+  assert decoder.attention_path(cfg.replace(attention_impl="cudnn"), "gpu") == "cudnn"

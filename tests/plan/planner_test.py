@@ -55,6 +55,16 @@ def test_learner_parts_match_the_trainer():
     trainer.close()
 
 
+def test_model_attention_key_sets_the_attention_path():
+  c = tiny()
+  assert c.model.attention == "auto" and plan.model_config(c).attention_impl == "auto"
+  c.model.attention = "pallas"
+  assert plan.model_config(c).attention_impl == "pallas"
+  c.model.attention = "flash"
+  with pytest.raises(ValueError, match="attention_impl"):
+    plan.model_config(c)
+
+
 def test_model_config_reads_hf_directory(tmp_path):
   from jaxagent.models import get_config
   ref = get_config("tiny-qwen2")
