@@ -260,6 +260,25 @@ def attention_path(cfg: ModelConfig, backend: str) -> str:
   return "pallas" if hd >= 16 and not hd & (hd - 1) else "cudnn"
 
 
+def _pallas_attention(q, k, v, segment_ids):
+  """`packed_attention` under the ambient mesh: a Pallas call is one opaque kernel to XLA's
+  partitioner, which would gather its inputs onto every device, so it runs per shard
+  (`shard_map`): rows split over the batch axes, heads over "tensor" when the key-value heads
+  divide evenly (each shard's query heads then map onto its own key-value heads)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return packed_attention.packed_attention(q, k, v, segment_ids)
+  axes, n = _batch_split()
+  rows = axes if axes and q.shape[0] % n == 0 else None
+  tp = mesh.shape.get("tensor", 1)
+  heads = "tensor" if tp > 1 and k.shape[2] % tp == 0 else None
+  P = jax.sharding.PartitionSpec
+  spec = P(rows, None, heads, None)
+  return jax.shard_map(packed_attention.packed_attention, mesh=mesh,
+                       in_specs=(spec, spec, spec, P(rows, None)), out_specs=spec,
+                       check_vma=False)(q, k, v, segment_ids)
+
+
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
   """Causal attention blocked across segments. q: [B,T,H,hd]; k, v: [B,T,KV,hd]."""
   b, t, _, hd = q.shape
@@ -270,7 +289,7 @@ def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
         q, k, v, mask=mask, is_causal=True, scale=1.0 / math.sqrt(hd),
         implementation="cudnn")
   if impl == "pallas":
-    return packed_attention.packed_attention(q, k, v, segment_ids)
+    return _pallas_attention(q, k, v, segment_ids)
   qg = _group(q, cfg) * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
   logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
   causal = jnp.tril(jnp.ones((t, t), bool))

@@ -151,3 +151,27 @@ def test_auto_attention_path():
   assert decoder.attention_path(cfg, "tpu") == decoder.attention_path(cfg, "cpu") == "xla"
   assert decoder.attention_path(cfg.replace(head_dim=80), "gpu") == "cudnn"
   assert decoder.attention_path(cfg.replace(attention_impl="cudnn"), "gpu") == "cudnn"
+
+
+@pytest.mark.parametrize("data,fsdp,tensor", [(4, 1, 2), (1, 8, 1), (2, 2, 2)])
+def test_sharded_rows_and_heads_run_per_shard(data, fsdp, tensor):
+  # Under a mesh the kernels run per shard (shard_map): the same values and gradients as one
+  # device, and no all-gather of q / k / v onto every device.
+  from jaxagent import sharding as shd
+  cfg = models.get_config("tiny-qwen3").replace(attention_impl="pallas")
+  q, k, v, w = _qkv(8, 64, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+  seg = _segments(8, 64, seed=7)
+
+  def loss(q, k, v, seg):
+    return (decoder.segment_attention(q, k, v, seg, cfg) * w).sum()
+
+  mesh = shd.make_mesh(data=data, fsdp=fsdp, tensor=tensor)
+  rows4, rows2 = shd.batch_sharding(mesh, 4), shd.batch_sharding(mesh, 2)
+  jitted = jax.jit(shd.on_mesh(jax.value_and_grad(loss, (0, 1, 2)), mesh),
+                   in_shardings=(rows4, rows4, rows4, rows2))
+  (val, grads) = jitted(q, k, v, seg)
+  want_val, want_grads = jax.value_and_grad(loss, (0, 1, 2))(q, k, v, seg)
+  np.testing.assert_allclose(float(val), float(want_val), rtol=1e-5)
+  for a, e in zip(grads, want_grads):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=1e-5)
+  assert "all-gather" not in jitted.lower(q, k, v, seg).compile().as_text()
