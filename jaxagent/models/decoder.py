@@ -260,23 +260,47 @@ def attention_path(cfg: ModelConfig, backend: str) -> str:
   return "pallas" if hd >= 16 and not hd & (hd - 1) else "cudnn"
 
 
-def _pallas_attention(q, k, v, segment_ids):
-  """`packed_attention` under the ambient mesh: a Pallas call is one opaque kernel to XLA's
-  partitioner, which would gather its inputs onto every device, so it runs per shard
-  (`shard_map`): rows split over the batch axes, heads over "tensor" when the key-value heads
-  divide evenly (each shard's query heads then map onto its own key-value heads)."""
+def _per_shard(fn, row_args, n_out, heads_dim: int, kv_heads: int):
+  """`fn` (a Pallas kernel call) per shard of the ambient mesh (`shard_map`; `fn` itself
+  without a mesh). XLA's partitioner sees a Pallas call as one opaque kernel and would gather
+  its sharded inputs onto every device. Every array of `row_args` is split on axis 0 over the
+  batch axes (when the rows divide evenly); the ones with more than two dims also on axis
+  `heads_dim` over "tensor" when `kv_heads` divide evenly (each shard's query heads then map
+  onto its own key-value heads); the `n_out` outputs likewise."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
-    return packed_attention.packed_attention(q, k, v, segment_ids)
+    return fn(*row_args)
   axes, n = _batch_split()
-  rows = axes if axes and q.shape[0] % n == 0 else None
+  rows = axes if axes and row_args[0].shape[0] % n == 0 else None
   tp = mesh.shape.get("tensor", 1)
-  heads = "tensor" if tp > 1 and k.shape[2] % tp == 0 else None
-  P = jax.sharding.PartitionSpec
-  spec = P(rows, None, heads, None)
-  return jax.shard_map(packed_attention.packed_attention, mesh=mesh,
-                       in_specs=(spec, spec, spec, P(rows, None)), out_specs=spec,
-                       check_vma=False)(q, k, v, segment_ids)
+  heads = "tensor" if tp > 1 and kv_heads % tp == 0 else None
+
+  def spec(ndim):
+    dims = [rows] + [None] * (ndim - 1)
+    if ndim > 2:
+      dims[heads_dim] = heads
+    return jax.sharding.PartitionSpec(*dims)
+
+  in_specs = tuple(spec(a.ndim) for a in row_args)
+  out_shapes = jax.eval_shape(fn, *row_args)
+  out_specs = (spec(out_shapes.ndim) if n_out == 1
+               else tuple(spec(o.ndim) for o in out_shapes))
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                       check_vma=False)(*row_args)
+
+
+def _pallas_attention(q, k, v, segment_ids):
+  """`packed_attention`, per shard under the ambient mesh (rows over the batch axes, heads
+  over "tensor")."""
+  return _per_shard(packed_attention.packed_attention, (q, k, v, segment_ids), 1, 2, k.shape[2])
+
+
+def _flash_decode(q, cache_k, cache_v, lens, interpret):
+  """`decode_attention.flash_decode`, per shard under the ambient mesh (slots over the batch
+  axes, KV heads over "tensor", as `sharding.kv_cache_spec` lays out the cache)."""
+  from jaxagent.models.decode_attention import flash_decode
+  fn = functools.partial(flash_decode, interpret=interpret)
+  return _per_shard(fn, (q, cache_k, cache_v, lens), 2, 1, cache_k.shape[1])
 
 
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
@@ -638,12 +662,11 @@ def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelCo
   mask_n = jnp.tril(jnp.ones((n, n), bool))[None, None, None]
   ln = jnp.where(mask_n, ln, _MASK_VALUE)
   if impl == "pallas":
-    from jaxagent.models.decode_attention import flash_decode
     g = cfg.q_per_kv
     # Every new token sees the same cached prefix: fold the n queries into the head group.
     qf = q.reshape(s, n, cfg.n_kv_heads, g, hd).transpose(0, 2, 1, 3, 4)
-    o_c, lse_c = flash_decode(qf.reshape(s, cfg.n_kv_heads, n * g, hd), cache_k, cache_v,
-                              cache_lens, interpret=jax.default_backend() == "cpu")
+    o_c, lse_c = _flash_decode(qf.reshape(s, cfg.n_kv_heads, n * g, hd), cache_k, cache_v,
+                               cache_lens, jax.default_backend() == "cpu")
     o_c = o_c.reshape(s, cfg.n_kv_heads, n, g, hd).astype(jnp.float32)
     lse_c = lse_c.reshape(s, cfg.n_kv_heads, n, g).transpose(0, 1, 3, 2)  # [S, KV, G, n]
     lse_n = jax.nn.logsumexp(ln, axis=-1)
@@ -759,7 +782,6 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   full (`cache_lens == C`) gets its write dropped and attends over the C cached entries only.
   Returns (logits `[S, V]` float32, cache_k, cache_v).
   """
-  from jaxagent.models.decode_attention import flash_decode
   p = unbox(params)
   tokens = jnp.asarray(tokens, jnp.int32)[:, None]
   s = tokens.shape[0]
@@ -781,7 +803,7 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
                                                      mode="drop")
       new_k[layer], new_v[layer] = ck, cv
       qg = q.reshape(s, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim)
-      out, _ = flash_decode(qg, ck, cv, read_lens, interpret=interpret)
+      out, _ = _flash_decode(qg, ck, cv, read_lens, interpret)
       return out.reshape(s, 1, cfg.n_heads, cfg.head_dim).astype(v.dtype)
 
     x, _, _ = _block(x, lp, positions, attend, cfg, inv_freq)

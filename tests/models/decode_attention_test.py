@@ -177,3 +177,40 @@ def test_tuning_by_launch_size(monkeypatch):
   assert da.FEW_PROGRAMS_TUNING["block_k"] == 64
   monkeypatch.setenv("JAXAGENT_DECODE_KERNEL", "block_k=16")
   assert da.tuning(programs=64 * 2)["block_k"] == 16  # the environment still overrides
+
+
+def test_flash_decode_runs_per_shard_on_a_mesh():
+  # Slots over data x fsdp, KV heads over tensor: the kernel runs per shard (no all-gather of
+  # the cache onto every device) and gives the single-device result.
+  from jaxagent import sharding as shd
+  s, kv, g, hd, c = 8, 2, 3, 16, 64
+  q, k, v = _rand(0, s, kv, g, hd), _rand(1, s, kv, c, hd), _rand(2, s, kv, c, hd)
+  lens = jnp.arange(s) * 7 + 3
+  mesh = shd.make_mesh(2, 2, 2)
+  spec = shd.NamedSharding(mesh, shd.P(("data", "fsdp"), "tensor"))
+  fn = jax.jit(shd.on_mesh(lambda *a: decoder._flash_decode(*a, True), mesh),
+               in_shardings=(spec, spec, spec, shd.NamedSharding(mesh, shd.P(("data", "fsdp")))))
+  out, lse = fn(q, k, v, lens)
+  want_out, want_lse = flash_decode(q, k, v, lens, interpret=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-6)
+  assert "all-gather" not in fn.lower(q, k, v, lens).compile().as_text()
+
+
+def test_engine_on_a_mesh_with_the_decode_kernel_matches_single_device():
+  from jaxagent import sharding as shd
+  cfg = models.get_config("tiny-qwen2")
+  params = models.init_params(cfg, jax.random.key(0), std=0.2)
+  rng = np.random.default_rng(1)
+  prompts = [rng.integers(0, cfg.vocab_size, rng.integers(3, 30)).tolist() for _ in range(5)]
+  mesh = shd.make_mesh(2, 2, 2)
+  outs = []
+  for m in (None, mesh):
+    eng = Engine(cfg, EngineConfig(slots=4, max_len=64, sampling=SamplingConfig(1.0),
+                                   decode_attention="pallas", cache_layout="per_layer"), mesh=m)
+    p = params if m is None else shd.shard(params, m)
+    outs.append(run_requests(eng, p, prompts, max_new_tokens=10, request_ids=list(range(5)),
+                             seed=2))
+  for a, b in zip(*outs):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
