@@ -201,19 +201,23 @@ def _whole():
   return pl.BlockSpec()
 
 
-def _block_bounds(start, end, t, bq, bk):
-  """Key-block lower bounds per query block (start of the first query's run) and query-block
-  upper bounds per key block (end of the last key's run), [B, n, 1] int32."""
-  lo = start[:, ::bq] // bk
-  hi = -(-end[:, bk - 1::bk] // bq)
-  return lo[..., None], hi[..., None]
+def _first_key_block(start, bq, bk):
+  """Per query block of `bq`: the first key block of `bk` it can see (the one holding the start
+  of its first query's run), [B, T / bq, 1] int32."""
+  return (start[:, ::bq] // bk)[..., None]
+
+
+def _query_block_end(end, bq, bk):
+  """Per key block of `bk`: one past the last query block of `bq` that can see it (the end of
+  its last key's run), [B, T / bk, 1] int32."""
+  return (-(-end[:, bk - 1::bk] // bq))[..., None]
 
 
 def _forward(q, k, v, runs, start, t, interpret):
   b, n, h, hd = q.shape
   group = h // k.shape[2]
   bq, bk = t["fwd_q"], t["fwd_k"]
-  lo, _ = _block_bounds(start, start, n, bq, bk)
+  lo = _first_key_block(start, bq, bk)
   kern = functools.partial(_fwd_kernel, bq=bq, bk=bk, scale2=_LOG2E / math.sqrt(hd), group=group)
   return pl.pallas_call(
       kern,
@@ -234,7 +238,7 @@ def _backward(q, k, v, o, lse, do, runs, start, end, t, interpret):
   scale = 1.0 / math.sqrt(hd)
   delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
   bq, bk = t["dq_q"], t["dq_k"]
-  lo, _ = _block_bounds(start, end, n, bq, bk)
+  lo = _first_key_block(start, bq, bk)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, bq=bq, bk=bk, scale2=scale * _LOG2E, scale=scale,
                         group=group),
@@ -245,7 +249,7 @@ def _backward(q, k, v, o, lse, do, runs, start, end, t, interpret):
       interpret=interpret, name="packed_attention_dq", **_params(t, "dq", interpret),
   )(lo, runs, q, k, v, do, lse, delta)
   bq, bk = t["dkv_q"], t["dkv_k"]
-  _, hi = _block_bounds(start, end, n, bq, bk)
+  hi = _query_block_end(end, bq, bk)
   kv_spec = pl.BlockSpec((None, bk, None, hd), lambda i, j, a: (i, a, j, 0))
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, bq=bq, bk=bk, scale2=scale * _LOG2E, scale=scale,
@@ -308,7 +312,8 @@ def packed_attention(q, k, v, segment_ids, *, interpret: bool | None = None, **l
   if pad:
     widths = ((0, 0), (0, pad), (0, 0), (0, 0))
     q, k, v = (jnp.pad(x, widths) for x in (q, k, v))
-    # The padding is a run of its own (an id no real segment has next to it).
+    # Padded positions come after every real token, so causality keeps them out of the real
+    # tokens' attention whatever run they join; their outputs are cut off below.
     seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
   runs, start, end = _runs(seg)
   out = _attention(q, k, v, runs, start, end, tuple(sorted(t.items())), interpret)
