@@ -57,8 +57,8 @@ class ModelConfig:
   # Attention over packed rows in the training forward: "xla" (einsums with a dense mask),
   # "cudnn" (fused attention with the dense segment mask as a bias), "pallas"
   # (`packed_attention`: kernels that skip the blocks across segments; GPU, interpret mode
-  # elsewhere) or "auto": pallas on GPUs (cudnn for head sizes that are not a power of two
-  # >= 16), xla elsewhere. On an H100 the Pallas kernels took half the time of cuDNN's per
+  # elsewhere) or "auto": pallas on GPUs (cudnn for head sizes other than 16, 32, 64, 128),
+  # xla elsewhere. On an H100 the Pallas kernels took half the time of cuDNN's per
   # training attention call, packed or not (benchmarks/RESULTS.md).
   attention_impl: AttentionImpl = "auto"
   name: str = "custom"

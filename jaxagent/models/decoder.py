@@ -250,14 +250,15 @@ def _softmax_attend(logits, mask):
 
 def attention_path(cfg: ModelConfig, backend: str) -> str:
   """The training attention `segment_attention` runs on `backend`: `cfg.attention_impl`, with
-  "auto" resolved to "pallas" on GPUs ("cudnn" where the head size is not a power of two >= 16,
-  which the Pallas kernels' tiles need) and "xla" elsewhere."""
+  "auto" resolved to "pallas" on GPUs for head sizes of 16-128 that are powers of two (the
+  Pallas kernels' tiles need a power of two; 64 and 128 are the sizes measured), "cudnn" for
+  other head sizes, and "xla" elsewhere."""
   if cfg.attention_impl != "auto":
     return cfg.attention_impl
   if backend != "gpu":
     return "xla"
   hd = cfg.head_dim
-  return "pallas" if hd >= 16 and not hd & (hd - 1) else "cudnn"
+  return "pallas" if 16 <= hd <= 128 and not hd & (hd - 1) else "cudnn"
 
 
 def _per_shard(fn, row_args, n_out, heads_dim: int, kv_heads: int):

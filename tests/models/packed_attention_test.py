@@ -150,6 +150,8 @@ def test_auto_attention_path():
   assert decoder.attention_path(cfg, "gpu") == "pallas"
   assert decoder.attention_path(cfg, "tpu") == decoder.attention_path(cfg, "cpu") == "xla"
   assert decoder.attention_path(cfg.replace(head_dim=80), "gpu") == "cudnn"
+  assert decoder.attention_path(cfg.replace(head_dim=256), "gpu") == "cudnn"
+  assert decoder.attention_path(cfg.replace(head_dim=64), "gpu") == "pallas"
   assert decoder.attention_path(cfg.replace(attention_impl="cudnn"), "gpu") == "cudnn"
 
 
