@@ -99,7 +99,8 @@ def test_decoder_forward_and_grads_equal_xla_attention():
   vals = {i: jax.value_and_grad(loss)(params, c) for i, c in cfgs.items()}
   np.testing.assert_allclose(float(vals["pallas"][0]), float(vals["xla"][0]), rtol=1e-5)
   for a, e in zip(jax.tree.leaves(vals["pallas"][1]), jax.tree.leaves(vals["xla"][1])):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=1e-5 * float(jnp.abs(e).max()) + 1e-7)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e),
+                               atol=1e-5 * float(jnp.abs(e).max()) + 1e-7)
 
 
 def test_remat_dots_attention_keeps_the_kernel_residuals(capsys):
