@@ -37,6 +37,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       slots=64, max_len=192, temperature=1.0, top_p=1.0, top_k=0, max_turns=3,
       max_tokens_per_turn=32, max_total_tokens=None, tool_timeout_s=5.0,
       traj_tool_timeout_s=15.0, decode_steps=8,
+      mesh="learner",  # "data": decode with replicated weights, each device its own slots
       max_prompt_tokens=None))  # longest prompt decoded (None: what fits); the fit check plans it
   c.loss = ml_collections.ConfigDict(dict(
       algo="grpo", agg="token_mean", clip_low=0.2, clip_high=0.28, dual_clip=None,

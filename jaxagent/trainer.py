@@ -220,14 +220,18 @@ class Trainer:
     compile_stats.install()
     # Settings that need no model are checked first, so a bad value fails in a second.
     self.time_limit_s = _time_limit_s(c.train)
+    if c.rollout.get("mesh", "learner") not in sharding.ROLLOUT_MESHES:
+      raise ValueError(f"rollout.mesh must be one of {sharding.ROLLOUT_MESHES}, got "
+                       f"{c.rollout.mesh!r}")
     (self.step_cfg, self.optimizer), _ = step_lib.learner_parts(c)
     self.workdir = pathlib.Path(c.workdir)
     self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))
     self.cfg, params, self.tok = load_model(c.model)
     self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     # Rollouts run on process 0's local devices in multi-host jobs (see the module docstring).
-    self.gen_mesh = (self.mesh if jax.process_count() == 1 else
-                     sharding.make_mesh(devices=jax.local_devices()))
+    self.gen_mesh = sharding.rollout_mesh(
+        c.rollout.get("mesh", "learner"), self.mesh,
+        None if jax.process_count() == 1 else jax.local_devices())
     self.train_examples = list(self.env.examples("train"))
     self.eval_examples = list(self.env.examples("eval"))[:c.eval.size]
     self.prompts = PromptStream(self.train_examples, c.seed)
@@ -353,13 +357,16 @@ class Trainer:
     """The current params as the rollout engines take them (None off process 0 on multi-host):
     with float32 masters and a lower compute dtype, a copy in the compute dtype made once per
     call (`models.decoder.compute_copy`: bitwise the same logits, half the bytes per decode
-    step); otherwise the same buffers."""
-    if self.gen_mesh is self.mesh:
-      if self.cfg.jnp_param_dtype == self.cfg.jnp_dtype:
-        return self.state.params  # colocated: the same buffers, no copy
-      if self._cast is None:
-        self._cast = jax.jit(functools.partial(decoder.compute_copy, cfg=self.cfg))
-      return self._cast(self.state.params)
+    step); otherwise the same buffers. With `rollout.mesh = "data"` that copy is then
+    replicated onto the rollout mesh (one all-gather per step)."""
+    if jax.process_count() == 1:
+      params = self.state.params
+      if self.cfg.jnp_param_dtype != self.cfg.jnp_dtype:
+        if self._cast is None:
+          self._cast = jax.jit(functools.partial(decoder.compute_copy, cfg=self.cfg))
+        params = self._cast(params)
+      # Colocated (the learner's mesh): the same buffers, no copy.
+      return params if self.gen_mesh is self.mesh else sharding.shard(params, self.gen_mesh)
     host = decoder.compute_copy(_to_host(self.state.params), self.cfg)
     return sharding.shard(host, self.gen_mesh) if jax.process_index() == 0 else None
 

@@ -6,6 +6,7 @@ metrics make sense, and paste them into GOLDEN.
 """
 import json
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -108,6 +109,30 @@ def test_generator_gets_compute_dtype_weights_with_the_same_logits(tmp_path):
   np.testing.assert_array_equal(np.asarray(models.forward(gen, tokens, cfg=tr.cfg)),
                                 np.asarray(models.forward(tr.state.params, tokens, cfg=tr.cfg)))
   tr.close()
+
+
+def test_data_rollout_mesh_decodes_replicated_weights_with_the_same_first_step(tmp_path):
+  # rollout.mesh="data": the engines decode on all 8 devices along the data axis with
+  # replicated weights, while the learner keeps its fsdp mesh; the first RL step matches the
+  # golden one (same sampled tokens, same update).
+  trainer = Trainer(_tiny(tmp_path, **{"rollout.mesh": "data"}))
+  try:
+    assert dict(trainer.mesh.shape) == {"data": 1, "fsdp": 8, "tensor": 1}
+    assert dict(trainer.gen_mesh.shape) == {"data": 8, "fsdp": 1, "tensor": 1}
+    assert trainer.sample_engine.mesh is trainer.gen_mesh
+    gen = trainer._generator_params()
+    for leaf in jax.tree.leaves(gen):
+      assert leaf.sharding.mesh.shape == trainer.gen_mesh.shape
+      assert leaf.sharding.is_fully_replicated
+    trainer.run()
+  finally:
+    trainer.close()
+  rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  first = next(r for r in rows if r["step"] == 1 and "reward/mean" in r)
+  for key, want in GOLDEN.items():
+    np.testing.assert_allclose(first[key], want, rtol=2e-3, atol=1e-6, err_msg=key)
+  with pytest.raises(ValueError, match="rollout.mesh"):
+    Trainer(_tiny(tmp_path, **{"rollout.mesh": "fsdp"}))
 
 
 @pytest.mark.slow  # a whole run with a checkpoint (about 25 s on 2 cores)

@@ -31,6 +31,7 @@ body once and is reported alongside). Peaks and bandwidths are in `jaxagent.plan
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -313,10 +314,10 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
       (("ref_logps",) if shapes.kl else ())
   programs: list[ProgramReport] = []
 
-  def add(rep: ProgramReport, fn, *args, **kwargs):
+  def add(rep: ProgramReport, fn, *args, on: Mesh | None = None, **kwargs):
     rep.capacity = chip.hbm_bytes
     programs.append(rep)
-    compiled = _compile(rep, fn, args, kwargs, mesh, chip, cfg.dtype)
+    compiled = _compile(rep, fn, args, kwargs, on or mesh, chip, cfg.dtype)
     if executables is not None and compiled is not None:
       executables[rep.name] = (compiled, args)
     return compiled
@@ -357,22 +358,32 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
     ecfg = EngineConfig(slots=r.slots, max_len=r.max_len,
                         eos_ids=(cfg.eos_token_id,) if cfg.eos_token_id is not None else (),
                         sampling=SamplingConfig(r.temperature, r.top_p, r.top_k))
-    engine = Engine(cfg, ecfg, mesh=mesh)
+    # The rollout mesh (`rollout.mesh`): the learner's, or every device on the data axis with
+    # a replicated compute-dtype copy of the weights beside the learner's resident masters.
+    dmesh = shd.rollout_mesh(r.get("mesh", "learner"), mesh)
+    dparams, masters_b = params, 0.0
+    if dmesh is not mesh:
+      copy = jax.eval_shape(functools.partial(decoder.compute_copy, cfg=cfg), abstract_params)
+      dparams, masters_b = _sds(copy, shd.shardings(copy, dmesh)), params_b
+    engine = Engine(cfg, ecfg, mesh=dmesh)
     dstate = engine.abstract_decode_state()
     kv_b = _per_chip_bytes((dstate.k, dstate.v))
-    rep_sh = NamedSharding(mesh, P())
+    rep_sh = NamedSharding(dmesh, P())
     vec = lambda n, dt=jnp.int32: jax.ShapeDtypeStruct((n,), dt, sharding=rep_sh)
-    dec_components = {"params": params_b, "optimizer": opt_b, "kv_cache": kv_b,
+    dec_components = {"params": _per_chip_bytes(dparams), "optimizer": opt_b, "kv_cache": kv_b,
                       "ref_params": ref_b}
+    if masters_b:
+      dec_components["learner_params"] = masters_b
     s = shapes
     b, t = s.prefill_batch, s.prefill_len
-    prefill_args = (params, jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rep_sh), vec(b),
+    prefill_args = (dparams, jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rep_sh), vec(b),
                     vec(b), vec(b, jnp.uint32), vec(b), vec(b))
     prefill = None
     if want & {"prefill", "insert"}:
       rep = ProgramReport("prefill", "prefill", f"[{b}x{t}]",
-                          resident_bytes=opt_b + ref_b + kv_b, components=dec_components)
-      prefill = add(rep, engine.program("prefill"), *prefill_args)
+                          resident_bytes=masters_b + opt_b + ref_b + kv_b,
+                          components=dec_components)
+      prefill = add(rep, engine.program("prefill"), *prefill_args, on=dmesh)
       if "prefill" not in want:  # compiled only for the shardings of its output
         programs.remove(rep)
     if "insert" in want:
@@ -383,25 +394,26 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
 
       def sliced(a, sh):  # `Engine.prefill` hands insert the first n of b prefixes
         shape = (a.shape[0], n) + a.shape[2:] if a.ndim == 5 else (n,) + a.shape[1:]
-        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=_fit_sharding(sh, shape, mesh))
+        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=_fit_sharding(sh, shape, dmesh))
 
       prefix = jax.tree.map(sliced, out, out_sh)
       rep = ProgramReport("insert", "insert", f"{n} prefixes of {t}",
-                          resident_bytes=params_b + opt_b + ref_b, components=dec_components)
-      add(rep, engine.program("insert"), prefix, dstate, vec(n))
+                          resident_bytes=_per_chip_bytes(dparams) + masters_b + opt_b + ref_b,
+                          components=dec_components)
+      add(rep, engine.program("insert"), prefix, dstate, vec(n), on=dmesh)
     if "generate" in want:
       rep = ProgramReport("generate", "generate",
                           f"{s.slots} slots x {s.decode_steps} steps, kv {s.kv_len}",
-                          resident_bytes=opt_b + ref_b, components=dec_components)
-      add(rep, engine.program("generate"), params, dstate, steps=s.decode_steps,
+                          resident_bytes=masters_b + opt_b + ref_b, components=dec_components)
+      add(rep, engine.program("generate"), dparams, dstate, on=dmesh, steps=s.decode_steps,
           kv_len=s.kv_len)
     if "append" in want:
       b, n = s.append_batch, s.append_len
       chunk = jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=rep_sh)
       rep = ProgramReport("append", "append", f"[{b}x{n}], kv {s.kv_len}",
-                          resident_bytes=opt_b + ref_b, components=dec_components)
-      add(rep, engine.program("append"), params, dstate, vec(b), chunk, vec(b), vec(b),
-          kv_len=s.kv_len)
+                          resident_bytes=masters_b + opt_b + ref_b, components=dec_components)
+      add(rep, engine.program("append"), dparams, dstate, vec(b), chunk, vec(b), vec(b),
+          on=dmesh, kv_len=s.kv_len)
 
   report = PlanReport(model=cfg.name, num_params=cfg.num_params(), target=target,
                       platform=devices[0].platform, chip=chip, n_devices=len(devices),

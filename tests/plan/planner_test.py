@@ -103,6 +103,25 @@ def test_plan_on_local_cpu_devices():
   assert "update[L=128]" in report.render()
 
 
+def test_data_rollout_mesh_plans_decode_with_replicated_weights():
+  from jaxagent.models import get_config
+  cfg = get_config("tiny-llama", n_layers=1)
+  c = tiny(1, 4, 1)
+  opts = plan.PlanOptions(programs=("generate",))
+  fsdp = plan.plan_run(c, jax.devices()[:4], cfg=cfg, options=opts).program("generate")
+  c.rollout.mesh = "data"
+  data = plan.plan_run(c, jax.devices()[:4], cfg=cfg, options=opts).program("generate")
+  # The decode step reads a whole (replicated) copy of the weights on every chip, and keeps
+  # the learner's fsdp-sharded masters resident beside it; over fsdp it gathers the weights
+  # at every step, over data only the sampled tokens.
+  assert data.components["params"] == pytest.approx(4 * fsdp.components["params"], rel=0.05)
+  assert data.components["learner_params"] == fsdp.components["params"]
+  gathered = lambda r: r.collectives["all-gather"].bytes if "all-gather" in r.collectives else 0
+  weights = data.components["params"]
+  assert gathered(fsdp) > 0.5 * weights and gathered(data) < 0.1 * weights, (
+      weights, data.collectives, fsdp.collectives)
+
+
 def test_check_fit_is_lenient_on_cpu():
   c = tiny()
   c.model.tokenizer = ""
