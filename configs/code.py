@@ -49,7 +49,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       slots=64, max_len=1024, temperature=1.0, top_p=1.0, top_k=0, max_turns=1,
       max_tokens_per_turn=256, max_total_tokens=None, max_prompt_tokens=512,
       tool_timeout_s=10.0,
-      traj_tool_timeout_s=30.0, decode_steps=8))
+      traj_tool_timeout_s=30.0, decode_steps=8,
+      mesh="learner"))  # "data": replicated weights for decoding on several devices
   c.train = ml_collections.ConfigDict(dict(
       prompts_per_step=8, samples_per_prompt=4, micro_batches=8, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
