@@ -304,6 +304,10 @@ def packed_attention(q, k, v, segment_ids, *, interpret: bool | None = None, **l
                      f"{q.shape[:2]}")
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
+  hd = q.shape[3]
+  if not interpret and (hd < 16 or hd & (hd - 1)):
+    raise ValueError(f"packed_attention: head size {hd} is not a power of two >= 16, which the "
+                     f"kernels' tiles need on a GPU; use attention_impl='cudnn' or 'xla'")
   t = tuning(**launch)
   n = q.shape[1]
   mult = max(t[key] for key in t if key.endswith(("_q", "_k")))

@@ -143,6 +143,9 @@ def test_bad_shapes_are_rejected():
     attend(q[0], k, v, seg)
   with pytest.raises(ValueError, match="attention_impl"):
     models.ModelConfig(**{**models.get_config("tiny-qwen3").__dict__, "attention_impl": "flash"})
+  q, k, v, _ = _qkv(1, 32, 4, 2, 24)
+  with pytest.raises(ValueError, match="power of two"):  # checked before any GPU lowering
+    attend(q, k, v, seg, interpret=False)
 
 
 def test_auto_attention_path():
