@@ -47,7 +47,7 @@ def impl_fn(impl, cfg):
   if impl == "cudnn_causal":
     return lambda q, k, v, seg: jax.nn.dot_product_attention(
         q, k, v, is_causal=True, scale=1.0 / math.sqrt(q.shape[-1]), implementation="cudnn")
-  c = models.ModelConfig(**{**cfg.__dict__, "attention_impl": impl})
+  c = cfg.replace(attention_impl=impl)
   return lambda q, k, v, seg: decoder.segment_attention(q, k, v, seg, c)
 
 

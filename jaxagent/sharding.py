@@ -87,6 +87,13 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
 ROLLOUT_MESHES = ("learner", "data")
 
 
+def check_rollout_mesh(kind: str) -> str:
+  """`kind` if it names a rollout mesh (`ROLLOUT_MESHES`), else a ValueError naming the key."""
+  if kind not in ROLLOUT_MESHES:
+    raise ValueError(f"rollout.mesh must be one of {ROLLOUT_MESHES}, got {kind!r}")
+  return kind
+
+
 def rollout_mesh(kind: str, learner_mesh: Mesh,
                  devices: Sequence[jax.Device] | None = None) -> Mesh:
   """The mesh the rollout engines decode on (config key `rollout.mesh`).
@@ -98,9 +105,7 @@ def rollout_mesh(kind: str, learner_mesh: Mesh,
   GPUs over fsdp and 2.77 / 1.38 s over data (benchmarks/RESULTS.md); it costs one copy of the
   compute-dtype weights per device, refreshed once per step. With `devices` given and kind
   "learner", a mesh over them with the learner's default layout (fsdp)."""
-  if kind not in ROLLOUT_MESHES:
-    raise ValueError(f"rollout.mesh must be one of {ROLLOUT_MESHES}, got {kind!r}")
-  if kind == "data":
+  if check_rollout_mesh(kind) == "data":
     devs = list(learner_mesh.devices.flat) if devices is None else list(devices)
     return make_mesh(data=len(devs), fsdp=1, tensor=1, devices=devs)
   return learner_mesh if devices is None else make_mesh(devices=devices)

@@ -220,9 +220,7 @@ class Trainer:
     compile_stats.install()
     # Settings that need no model are checked first, so a bad value fails in a second.
     self.time_limit_s = _time_limit_s(c.train)
-    if c.rollout.get("mesh", "learner") not in sharding.ROLLOUT_MESHES:
-      raise ValueError(f"rollout.mesh must be one of {sharding.ROLLOUT_MESHES}, got "
-                       f"{c.rollout.mesh!r}")
+    sharding.check_rollout_mesh(c.rollout.get("mesh", "learner"))
     (self.step_cfg, self.optimizer), _ = step_lib.learner_parts(c)
     self.workdir = pathlib.Path(c.workdir)
     self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))

@@ -59,12 +59,18 @@ def tuning(programs: int | None = None) -> dict:
   """The kernel's launch settings: DEFAULT_TUNING (FEW_PROGRAMS_TUNING for a launch of at most
   FEW_PROGRAMS (slot, KV head) programs) updated from $JAXAGENT_DECODE_KERNEL."""
   few = programs is not None and programs <= FEW_PROGRAMS
-  out = dict(FEW_PROGRAMS_TUNING if few else DEFAULT_TUNING)
-  spec = os.environ.get("JAXAGENT_DECODE_KERNEL", "").strip()
+  return env_tuning("JAXAGENT_DECODE_KERNEL", FEW_PROGRAMS_TUNING if few else DEFAULT_TUNING)
+
+
+def env_tuning(var: str, defaults: dict) -> dict:
+  """`defaults` (int launch settings of a Pallas kernel) updated from $`var`, a comma-separated
+  list of key=value with keys of `defaults` (e.g. "block_k=32,num_warps=8")."""
+  out = dict(defaults)
+  spec = os.environ.get(var, "").strip()
   for item in filter(None, (x.strip() for x in spec.split(","))):
     key, sep, value = item.partition("=")
     if not sep or key not in out:
-      raise ValueError(f"JAXAGENT_DECODE_KERNEL: expected comma-separated key=value with keys "
+      raise ValueError(f"{var}: expected comma-separated key=value with keys "
                        f"{sorted(out)}, got {item!r}")
     out[key] = int(value)
   return out

@@ -258,16 +258,17 @@ def attention_path(cfg: ModelConfig, backend: str) -> str:
   if backend != "gpu":
     return "xla"
   hd = cfg.head_dim
-  return "pallas" if 16 <= hd <= 128 and not hd & (hd - 1) else "cudnn"
+  return "pallas" if packed_attention.tileable(hd) and hd <= 128 else "cudnn"
 
 
-def _per_shard(fn, row_args, n_out, heads_dim: int, kv_heads: int):
+def _per_shard(fn, row_args, out_ndims, heads_dim: int, kv_heads: int):
   """`fn` (a Pallas kernel call) per shard of the ambient mesh (`shard_map`; `fn` itself
   without a mesh). XLA's partitioner sees a Pallas call as one opaque kernel and would gather
   its sharded inputs onto every device. Every array of `row_args` is split on axis 0 over the
   batch axes (when the rows divide evenly); the ones with more than two dims also on axis
   `heads_dim` over "tensor" when `kv_heads` divide evenly (each shard's query heads then map
-  onto its own key-value heads); the `n_out` outputs likewise."""
+  onto its own key-value heads); the outputs, of `out_ndims` dims (an int for one output, a
+  tuple for several), likewise."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
     return fn(*row_args)
@@ -283,9 +284,8 @@ def _per_shard(fn, row_args, n_out, heads_dim: int, kv_heads: int):
     return jax.sharding.PartitionSpec(*dims)
 
   in_specs = tuple(spec(a.ndim) for a in row_args)
-  out_shapes = jax.eval_shape(fn, *row_args)
-  out_specs = (spec(out_shapes.ndim) if n_out == 1
-               else tuple(spec(o.ndim) for o in out_shapes))
+  out_specs = (spec(out_ndims) if isinstance(out_ndims, int)
+               else tuple(spec(d) for d in out_ndims))
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
                        check_vma=False)(*row_args)
 
@@ -293,7 +293,7 @@ def _per_shard(fn, row_args, n_out, heads_dim: int, kv_heads: int):
 def _pallas_attention(q, k, v, segment_ids):
   """`packed_attention`, per shard under the ambient mesh (rows over the batch axes, heads
   over "tensor")."""
-  return _per_shard(packed_attention.packed_attention, (q, k, v, segment_ids), 1, 2, k.shape[2])
+  return _per_shard(packed_attention.packed_attention, (q, k, v, segment_ids), 4, 2, k.shape[2])
 
 
 def _flash_decode(q, cache_k, cache_v, lens, interpret):
@@ -301,7 +301,7 @@ def _flash_decode(q, cache_k, cache_v, lens, interpret):
   axes, KV heads over "tensor", as `sharding.kv_cache_spec` lays out the cache)."""
   from jaxagent.models.decode_attention import flash_decode
   fn = functools.partial(flash_decode, interpret=interpret)
-  return _per_shard(fn, (q, cache_k, cache_v, lens), 2, 1, cache_k.shape[1])
+  return _per_shard(fn, (q, cache_k, cache_v, lens), (4, 3), 1, cache_k.shape[1])
 
 
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
+
+from jaxagent.models.decode_attention import env_tuning
 
 _NEG = -1e30
 _LOG2E = math.log2(math.e)
@@ -50,24 +51,21 @@ DEFAULT_TUNING = dict(fwd_q=64, fwd_k=32, fwd_warps=4, fwd_stages=3,
 
 def tuning(**launch) -> dict:
   """DEFAULT_TUNING updated from $JAXAGENT_PACKED_ATTENTION, then from `launch`."""
-  out = dict(DEFAULT_TUNING)
-  spec = os.environ.get("JAXAGENT_PACKED_ATTENTION", "").strip()
-  items = [x.strip() for x in spec.split(",") if x.strip()]
-  for item in items:
-    key, sep, value = item.partition("=")
-    if not sep or key not in out:
-      raise ValueError(f"JAXAGENT_PACKED_ATTENTION: expected comma-separated key=value with "
-                       f"keys {sorted(out)}, got {item!r}")
-    out[key] = int(value)
+  out = env_tuning("JAXAGENT_PACKED_ATTENTION", DEFAULT_TUNING)
   unknown = set(launch) - set(out)
   if unknown:
     raise TypeError(f"packed_attention: unknown launch settings {sorted(unknown)}")
   out.update(launch)
   for key, value in out.items():
-    if key.endswith(("_q", "_k")) and (value < 16 or value & (value - 1)):
+    if key.endswith(("_q", "_k")) and not tileable(value):
       raise ValueError(f"packed_attention: block size {key}={value} must be a power of two "
                        f">= 16")
   return out
+
+
+def tileable(n: int) -> bool:
+  """Whether `n` (a block or head size) fits the kernels' tiles: a power of two >= 16."""
+  return n >= 16 and not n & (n - 1)
 
 
 def _runs(segment_ids):
@@ -305,7 +303,7 @@ def packed_attention(q, k, v, segment_ids, *, interpret: bool | None = None, **l
   if interpret is None:
     interpret = jax.default_backend() != "gpu"
   hd = q.shape[3]
-  if not interpret and (hd < 16 or hd & (hd - 1)):
+  if not interpret and not tileable(hd):
     raise ValueError(f"packed_attention: head size {hd} is not a power of two >= 16, which the "
                      f"kernels' tiles need on a GPU; use attention_impl='cudnn' or 'xla'")
   t = tuning(**launch)

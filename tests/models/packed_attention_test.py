@@ -87,8 +87,7 @@ def test_bfloat16_error_is_that_of_rounding():
 
 def test_decoder_forward_and_grads_equal_xla_attention():
   base = models.get_config("tiny-qwen3", dtype="float32")
-  cfgs = {impl: models.ModelConfig(**{**base.__dict__, "attention_impl": impl})
-          for impl in ("xla", "pallas")}
+  cfgs = {impl: base.replace(attention_impl=impl) for impl in ("xla", "pallas")}
   params = models.init_params(cfgs["xla"], jax.random.key(0))
   toks = jax.random.randint(jax.random.key(1), (2, 64), 0, base.vocab_size)
   seg = _segments(2, 64, seed=5)
@@ -104,8 +103,7 @@ def test_decoder_forward_and_grads_equal_xla_attention():
 
 
 def test_remat_dots_attention_keeps_the_kernel_residuals(capsys):
-  cfg = models.ModelConfig(**{**models.get_config("tiny-qwen3").__dict__,
-                              "attention_impl": "pallas", "remat": "dots_attention"})
+  cfg = models.get_config("tiny-qwen3").replace(attention_impl="pallas", remat="dots_attention")
   q, k, v, _ = _qkv(1, 64, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
   seg = jnp.ones((1, 64), jnp.int32)
   layer = decoder._remat(lambda q, k, v: jnp.sin(decoder.segment_attention(q, k, v, seg, cfg)),
@@ -142,7 +140,7 @@ def test_bad_shapes_are_rejected():
   with pytest.raises(ValueError, match="expected q"):
     attend(q[0], k, v, seg)
   with pytest.raises(ValueError, match="attention_impl"):
-    models.ModelConfig(**{**models.get_config("tiny-qwen3").__dict__, "attention_impl": "flash"})
+    models.get_config("tiny-qwen3").replace(attention_impl="flash")
   q, k, v, _ = _qkv(1, 32, 4, 2, 24)
   with pytest.raises(ValueError, match="power of two"):  # checked before any GPU lowering
     attend(q, k, v, seg, interpret=False)
