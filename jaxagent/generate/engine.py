@@ -52,6 +52,12 @@ class DecodeState:
   limit: jax.Array      # [S] max total sequence length (cache + pending)
   request_ids: jax.Array  # [S] int32
   seeds: jax.Array      # [S] uint32
+  # Prompt sharing (`EngineConfig.share_prompts`): the first `share_len[s]` cached K/V of slot
+  # s equal those of slot `share_src[s]` (samples of one prompt inserted together); itself and
+  # 0 when none. Each slot still holds its own copy; the decode kernel reads the shared rows
+  # from the source slot, so that the samples of one prompt read them from the L2 cache.
+  share_src: jax.Array  # [S] int32
+  share_len: jax.Array  # [S] int32
 
 
 @flax.struct.dataclass
@@ -153,6 +159,10 @@ class EngineConfig:
   # XLA compiler options of the decode program on GPUs, as (name, value) pairs; None: the
   # library's `DECODE_GPU_OPTIONS`; (): XLA's defaults.
   decode_gpu_options: tuple[tuple[str, Any], ...] | None = None
+  # Samples of one prompt in one `prefill_insert` batch (a GRPO group) are prefilled once, and
+  # the Pallas decode kernel reads their common prompt K/V from one slot's rows
+  # (`DecodeState.share_src`); False: every slot reads only its own rows.
+  share_prompts: bool = True
 
   def __post_init__(self):
     if not isinstance(self.slots, int) or self.slots <= 0:
@@ -264,7 +274,8 @@ class Engine:
     zi = jnp.zeros((s,), jnp.int32)
     return DecodeState(k=zk, v=zv, lengths=zi, tokens=zi, active=jnp.zeros((s,), bool),
                        done=zi, remaining=zi, limit=jnp.full((s,), e.max_len, jnp.int32),
-                       request_ids=zi, seeds=jnp.zeros((s,), jnp.uint32))
+                       request_ids=zi, seeds=jnp.zeros((s,), jnp.uint32),
+                       share_src=jnp.arange(s, dtype=jnp.int32), share_len=zi)
 
   def decode_state_shardings(self) -> DecodeState | None:
     """Shardings of the decode state's arrays on the engine's mesh (None without a mesh)."""
@@ -273,7 +284,8 @@ class Engine:
     cs = self._cache_sharding()
     rep = NamedSharding(self.mesh, P())
     return DecodeState(k=cs, v=cs, lengths=rep, tokens=rep, active=rep, done=rep,
-                       remaining=rep, limit=rep, request_ids=rep, seeds=rep)
+                       remaining=rep, limit=rep, request_ids=rep, seeds=rep, share_src=rep,
+                       share_len=rep)
 
   def abstract_decode_state(self) -> DecodeState:
     """`jax.ShapeDtypeStruct`s (with shardings) of `init_decode_state()`, allocating nothing."""
@@ -309,8 +321,12 @@ class Engine:
     return code
 
   # ------------------------------------------------------------------ prefill / insert
-  def _prefill(self, params, tokens, lengths, request_ids, seeds, budgets, limits):
+  def _prefill(self, params, tokens, lengths, request_ids, seeds, budgets, limits, rows=None):
+    # rows: None, or for each request the row of `tokens` / `lengths` (the distinct prompts)
+    # that it takes its K/V and logits from; `request_ids` and the rest are per request.
     logits, k, v = decoder.prefill(params, tokens, lengths, cfg=self.cfg)
+    if rows is not None:
+      logits, k, v, lengths = logits[rows], k[:, rows], v[:, rows], lengths[rows]
     keys = token_keys(seeds, request_ids, lengths)
     tok, lp = sample(logits, keys, self.ecfg.sampling)
     remaining = budgets - 1
@@ -346,7 +362,8 @@ class Engine:
                                   max_total_len)
     rows = np.full((pre.lengths.shape[0],), self.ecfg.slots, np.int32)  # out of range: dropped
     rows[:n] = slots
-    state = self._jit_insert(pre, state, rows)
+    share = self._share(prompts, slots, len(rows)) if self.ecfg.share_prompts else None
+    state = self._jit_insert(pre, state, rows, share)
     tok, lp, done = jax.device_get((pre.tokens, pre.logprobs, pre.done))
     return state, (tok[:n], lp[:n], done[:n])
 
@@ -362,11 +379,16 @@ class Engine:
                        f"{self.ecfg.max_len} (at least one new token must fit)")
     t = _bucket(max(lens), self.ecfg.prefill_buckets)
     b = _count_bucket(n, self.ecfg.slots)
-    toks = np.zeros((b, t), np.int32)
-    for i, p in enumerate(prompts):
+    # Repeated prompts (the samples of a group) run through the model once.
+    first: dict[tuple[int, ...], int] = {}
+    distinct = [first.setdefault(tuple(p), len(first)) for p in prompts]
+    u = len(first)
+    ub = _count_bucket(u, self.ecfg.slots) if u < n else b
+    toks = np.zeros((ub, t), np.int32)
+    lengths = np.ones((ub,), np.int32)
+    for p, i in zip(prompts, distinct):
       toks[i, :len(p)] = p
-    lengths = np.ones((b,), np.int32)
-    lengths[:n] = lens
+      lengths[i] = len(p)
 
     def per(x, default, dtype):
       arr = np.full((b,), default, dtype)
@@ -380,9 +402,34 @@ class Engine:
     sds = per(seeds if not isinstance(seeds, int) else [seeds] * n, 0, np.uint32)
     if np.any(budgets[:n] <= 0):
       raise ValueError("max_new_tokens must be >= 1")
-    return self._jit_prefill(params, toks, lengths, rids, sds, budgets, limits), n
+    rows = None
+    if u < n:  # padding requests take the last distinct prompt's row (never inserted)
+      rows = np.full((b,), u - 1, np.int32)
+      rows[:n] = distinct
+    return self._jit_prefill(params, toks, lengths, rids, sds, budgets, limits, rows), n
 
-  def _insert(self, prefix: Prefix, state: DecodeState, slots):
+  def _row_shards(self) -> int:
+    """How many ways the mesh splits the cache's slots."""
+    if self.mesh is None:
+      return 1
+    axes = shd.kv_cache_spec(self.cfg.n_kv_heads, self.ecfg.slots, self.mesh)[1]
+    axes = (axes,) if isinstance(axes, str) else (axes or ())
+    return int(np.prod([self.mesh.shape[a] for a in axes]))
+
+  def _share(self, prompts, slots, rows: int):
+    """(src, shared) of each inserted row (`DecodeState.share_src` / `share_len`): the first
+    slot of the batch holding the same prompt on the same shard, and the prompt's length (0
+    for the first). Padding rows (`rows > len(prompts)`) point past the last slot."""
+    per = self.ecfg.slots // self._row_shards()
+    src = np.full((rows,), self.ecfg.slots, np.int32)
+    shared = np.zeros((rows,), np.int32)
+    leader: dict = {}
+    for i, (p, slot) in enumerate(zip(prompts, slots)):
+      src[i] = leader.setdefault((tuple(p), int(slot) // per), int(slot))
+      shared[i] = len(p) if src[i] != slot else 0
+    return src, shared
+
+  def _insert(self, prefix: Prefix, state: DecodeState, slots, share=None):
     t = prefix.k.shape[2]
     if t > self.cache_len:
       raise ValueError("prefix longer than the cache")
@@ -397,7 +444,15 @@ class Engine:
       v = state.v.at[:, slots, :, :t].set(head_major(prefix.v), mode="drop")
     # Slot index `slots` (one past the last) marks a padding row: "drop" discards its writes.
     upd = lambda a, b: a.at[slots].set(b.astype(a.dtype), mode="drop")
+    # Slots that read shared rows of a slot overwritten here read their own rows again.
+    n = self.ecfg.slots
+    own = jnp.arange(n, dtype=jnp.int32)
+    stale = jnp.zeros((n,), bool).at[slots].set(True, mode="drop")[state.share_src]
+    src, shared = (slots, jnp.zeros_like(slots)) if share is None else share
+    share_src = upd(jnp.where(stale, own, state.share_src), src)
+    share_len = upd(jnp.where(stale, 0, state.share_len), shared)
     return self._constrain(state.replace(
+        share_src=share_src, share_len=share_len,
         k=k, v=v, lengths=upd(state.lengths, prefix.lengths),
         tokens=upd(state.tokens, prefix.tokens),
         active=upd(state.active, prefix.done == RUNNING), done=upd(state.done, prefix.done),
@@ -420,8 +475,9 @@ class Engine:
   # ------------------------------------------------------------------ decode
   def _step(self, params, state: DecodeState, kv_len: int):
     if self.per_layer and self._attn == "pallas" and self.ecfg.decode_write_first:
+      share = (state.share_src, state.share_len) if self.ecfg.share_prompts else None
       logits, k, v = decoder.decode_in_place(params, state.k, state.v, state.tokens,
-                                             state.lengths, cfg=self.cfg)
+                                             state.lengths, cfg=self.cfg, share=share)
     else:
       logits, k_new, v_new = decoder.extend(params, state.k, state.v, state.tokens[:, None],
                                             state.lengths, cfg=self.cfg, kv_len=kv_len,
@@ -536,7 +592,14 @@ class Engine:
   # ------------------------------------------------------------------ host control
   def _update(self, state: DecodeState, slots, lengths, tokens, active, remaining):
     upd = lambda a, b: a.at[slots].set(b.astype(a.dtype))
-    return state.replace(lengths=upd(state.lengths, lengths), tokens=upd(state.tokens, tokens),
+    lengths = upd(state.lengths, lengths)
+    # A slot rewound below shared rows overwrites them (its own copy, or the rows that others
+    # read from it): such readers read their own rows again.
+    stale = (lengths[state.share_src] < state.share_len) | (lengths < state.share_len)
+    own = jnp.arange(self.ecfg.slots, dtype=jnp.int32)
+    return state.replace(lengths=lengths, tokens=upd(state.tokens, tokens),
+                         share_src=jnp.where(stale, own, state.share_src),
+                         share_len=jnp.where(stale, 0, state.share_len),
                          active=upd(state.active, active),
                          remaining=upd(state.remaining, remaining),
                          done=upd(state.done, jnp.where(active, RUNNING, state.done[slots])))

@@ -76,19 +76,23 @@ def env_tuning(var: str, defaults: dict) -> dict:
   return out
 
 
-def _kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int, scale: float,
-            dot_dtype, split_blocks: int, row_blocks: int):
+def _kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, split_blocks: int,
+            row_blocks: int, shared: bool):
+  if shared:
+    share_ref, q_ref, k_ref, v_ref, ks_ref, vs_ref, o_ref, lse_ref = refs
+  else:
+    q_ref, k_ref, v_ref, o_ref, lse_ref = refs
   length = lens_ref[0]
   first = (pl.program_id(2) // row_blocks) * split_blocks  # this program's range of blocks
   last = jnp.minimum((length + block_k - 1) // block_k, first + split_blocks)
   q = (q_ref[...].astype(jnp.float32) * scale).astype(dot_dtype)  # [Gp, hd]
   gp, hd = q.shape
 
-  def body(b, carry):
+  def body(load, b, carry):
     o, m, l = carry
     start = pl.multiple_of(b * block_k, block_k)
-    k = k_ref[pl.ds(start, block_k), :].astype(dot_dtype)  # [BK, hd]
-    v = v_ref[pl.ds(start, block_k), :].astype(dot_dtype)
+    k, v = load(start)
+    k, v = k.astype(dot_dtype), v.astype(dot_dtype)  # [BK, hd]
     s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                             preferred_element_type=jnp.float32)  # [Gp, BK]
     idx = start + jax.lax.broadcasted_iota(jnp.int32, (gp, block_k), 1)
@@ -101,20 +105,38 @@ def _kernel(lens_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, block_k: int, scal
                                                 preferred_element_type=jnp.float32)
     return o, m_new, l
 
-  init = (jnp.zeros((gp, hd), jnp.float32), jnp.full((gp,), _NEG, jnp.float32),
-          jnp.zeros((gp,), jnp.float32))
-  o, m, l = jax.lax.fori_loop(first, jnp.maximum(first, last), body, init)
+  own = lambda start: (k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :])
+  carry = (jnp.zeros((gp, hd), jnp.float32), jnp.full((gp,), _NEG, jnp.float32),
+           jnp.zeros((gp,), jnp.float32))
+  if shared:
+    # The slot's first `share_ref[1]` keys equal those of slot `share_ref[0]` (a sample of the
+    # same prompt): whole blocks of them are read from that slot's rows, which the programs of
+    # the other samples read at about the same time, so that most of those reads come from the
+    # L2 cache instead of HBM.
+    src, head = share_ref[0], pl.program_id(1)
+    mid = jnp.clip(share_ref[1] // block_k, first, jnp.maximum(first, last))
+    other = lambda start: (ks_ref[src, head, pl.ds(start, block_k), :],
+                           vs_ref[src, head, pl.ds(start, block_k), :])
+    carry = jax.lax.fori_loop(first, mid, functools.partial(body, other), carry)
+    first = mid
+  o, m, l = jax.lax.fori_loop(first, jnp.maximum(first, last), functools.partial(body, own),
+                              carry)
   safe = jnp.maximum(l, 1e-30)
   o_ref[...] = (o / safe[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe), _NEG)
 
 
-def flash_decode(q, cache_k, cache_v, lengths, *, interpret: bool = False, **launch):
+def flash_decode(q, cache_k, cache_v, lengths, *, share=None, interpret: bool = False,
+                 **launch):
   """Attention of one query per (slot, head group) over each slot's first `lengths[s]` keys.
 
   q: [S, KV, G, hd]; cache_k, cache_v: [S, KV, C, hd] with C a multiple of 16 (blocks are
   the largest power of two up to `block_k` dividing C);
-  lengths: [S]. Returns (out [S, KV, G, hd] in q's dtype, lse [S, KV, G] float32); slots of
+  lengths: [S]. `share`: None, or (src [S], shared [S]) ints saying that the first `shared[s]`
+  keys and values of slot s are equal to those of slot `src[s]` (the samples of one prompt);
+  the kernel then reads the whole blocks among them from slot `src[s]`, whose rows the
+  programs of the other samples read too (mostly L2 hits instead of HBM reads). The result is
+  the same either way. Returns (out [S, KV, G, hd] in q's dtype, lse [S, KV, G] float32); slots of
   length 0 give out 0 and lse -1e30. Launch settings are `tuning(S * KV)` updated by `launch`
   (e.g. `block_k=32`).
   """
@@ -123,7 +145,7 @@ def flash_decode(q, cache_k, cache_v, lengths, *, interpret: bool = False, **lau
   if unknown:
     raise TypeError(f"flash_decode: unknown launch settings {sorted(unknown)}")
   t.update(launch)
-  return _flash_decode(q, cache_k, cache_v, lengths, block_k=t["block_k"],
+  return _flash_decode(q, cache_k, cache_v, lengths, share, block_k=t["block_k"],
                        num_warps=t["num_warps"], num_stages=t["num_stages"],
                        low_precision_dot=bool(t["low_precision_dot"]), splits=t["splits"],
                        interpret=interpret)
@@ -131,7 +153,7 @@ def flash_decode(q, cache_k, cache_v, lengths, *, interpret: bool = False, **lau
 
 @functools.partial(jax.jit, static_argnames=("block_k", "num_warps", "num_stages",
                                              "low_precision_dot", "splits", "interpret"))
-def _flash_decode(q, cache_k, cache_v, lengths, *, block_k, num_warps, num_stages,
+def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, num_stages,
                   low_precision_dot, splits, interpret):
   s, kv, g, hd = q.shape
   c = cache_k.shape[2]
@@ -153,7 +175,23 @@ def _flash_decode(q, cache_k, cache_v, lengths, *, block_k, num_warps, num_stage
   dot_dtype = cache_k.dtype if low_precision_dot else jnp.float32
   nr = gp // bq
   kern = functools.partial(_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd),
-                           dot_dtype=dot_dtype, split_blocks=split_blocks, row_blocks=nr)
+                           dot_dtype=dot_dtype, split_blocks=split_blocks, row_blocks=nr,
+                           shared=share is not None)
+  row = lambda i, j, a: (i, j, 0)
+  cache_spec = pl.BlockSpec((None, None, c, hd), lambda i, j, a: (i, j, 0, 0))
+  in_specs = [pl.BlockSpec((None, None, 1), row)]
+  args = [lens]
+  if share is not None:
+    src, shared = (jnp.asarray(x, jnp.int32) for x in share)
+    in_specs.append(pl.BlockSpec((None, None, 2), row))
+    args.append(jnp.broadcast_to(jnp.stack([src, shared], -1)[:, None], (s, kv, 2)))
+  in_specs += [pl.BlockSpec((None, None, bq, hd), lambda i, j, a: (i, j, a % nr, 0)),
+               cache_spec, cache_spec]
+  args += [qp, cache_k, cache_v]
+  if share is not None:  # the whole caches again, for the reads from other slots' rows
+    whole = pl.BlockSpec((s, kv, c, hd), lambda i, j, a: (0, 0, 0, 0))
+    in_specs += [whole, whole]
+    args += [cache_k, cache_v]
   # Partial outputs of several splits stay float32 until they are merged.
   o_dtype = q.dtype if splits == 1 else jnp.float32
   params = {}
@@ -164,12 +202,7 @@ def _flash_decode(q, cache_k, cache_v, lengths, *, block_k, num_warps, num_stage
   out, lse = pl.pallas_call(
       kern,
       grid=(s, kv, splits * nr),
-      in_specs=[
-          pl.BlockSpec((None, None, 1), lambda i, j, a: (i, j, 0)),
-          pl.BlockSpec((None, None, bq, hd), lambda i, j, a: (i, j, a % nr, 0)),
-          pl.BlockSpec((None, None, c, hd), lambda i, j, a: (i, j, 0, 0)),
-          pl.BlockSpec((None, None, c, hd), lambda i, j, a: (i, j, 0, 0)),
-      ],
+      in_specs=in_specs,
       out_specs=[
           pl.BlockSpec((None, None, None, bq, hd), lambda i, j, a: (i, j, a // nr, a % nr, 0)),
           pl.BlockSpec((None, None, None, bq), lambda i, j, a: (i, j, a // nr, a % nr)),
@@ -178,7 +211,7 @@ def _flash_decode(q, cache_k, cache_v, lengths, *, block_k, num_warps, num_stage
                  jax.ShapeDtypeStruct((s, kv, splits, gp), jnp.float32)],
       interpret=interpret,
       **params,
-  )(lens, qp, cache_k, cache_v)
+  )(*args)
   out, lse = out[:, :, :, :g], lse[:, :, :, :g]
   if splits == 1:
     return out[:, :, 0], lse[:, :, 0]

@@ -296,12 +296,29 @@ def _pallas_attention(q, k, v, segment_ids):
   return _per_shard(packed_attention.packed_attention, (q, k, v, segment_ids), 4, 2, k.shape[2])
 
 
-def _flash_decode(q, cache_k, cache_v, lens, interpret):
+def _flash_decode(q, cache_k, cache_v, lens, interpret, share=None):
   """`decode_attention.flash_decode`, per shard under the ambient mesh (slots over the batch
-  axes, KV heads over "tensor", as `sharding.kv_cache_spec` lays out the cache)."""
+  axes, KV heads over "tensor", as `sharding.kv_cache_spec` lays out the cache). `share`:
+  None or (src, shared) slot indices and lengths (see `flash_decode`); a slot and its `src`
+  must be on the same shard."""
   from jaxagent.models.decode_attention import flash_decode
-  fn = functools.partial(flash_decode, interpret=interpret)
-  return _per_shard(fn, (q, cache_k, cache_v, lens), (4, 3), 1, cache_k.shape[1])
+  if share is None:
+    fn = functools.partial(flash_decode, interpret=interpret)
+    return _per_shard(fn, (q, cache_k, cache_v, lens), (4, 3), 1, cache_k.shape[1])
+  src, shared = share
+  # Offsets from each slot to its source stay valid in every shard's local slot numbering.
+  offset = src - jnp.arange(src.shape[0], dtype=src.dtype)
+
+  def fn(q, ck, cv, lens, offset, shared):
+    own = jnp.arange(offset.shape[0], dtype=offset.dtype)
+    local = own + offset
+    # A source on another shard is not readable here: such a slot reads its own rows (equal).
+    ok = (local >= 0) & (local < offset.shape[0])
+    share = (jnp.where(ok, local, own), jnp.where(ok, shared, 0))
+    return flash_decode(q, ck, cv, lens, share=share, interpret=interpret)
+
+  return _per_shard(fn, (q, cache_k, cache_v, lens, offset, shared), (4, 3), 1,
+                    cache_k.shape[1])
 
 
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
@@ -770,7 +787,7 @@ def _extend_per_layer(p, cache_k, cache_v, tokens, positions, cache_lens, cfg, k
 
 
 def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelConfig,
-                    interpret: bool | None = None):
+                    share=None, interpret: bool | None = None):
   """One decode token per slot over a per-layer cache, with the Pallas kernel: each layer writes
   its new K/V into its cache buffer first and the kernel then attends over `cache_lens + 1`
   entries, the new token included.
@@ -781,6 +798,8 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   new K/V of all layers. tokens: [S] ints; cache_lens: [S]; cache_k, cache_v: tuples of
   per-layer `[S, KV, C, hd]` buffers (donate them to update in place). A slot whose cache is
   full (`cache_lens == C`) gets its write dropped and attends over the C cached entries only.
+  `share`: None or (src [S], shared [S]): the first `shared[s]` cached entries of slot s equal
+  those of slot `src[s]` in every layer (`decode_attention.flash_decode` reads them there).
   Returns (logits `[S, V]` float32, cache_k, cache_v).
   """
   p = unbox(params)
@@ -804,7 +823,7 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
                                                      mode="drop")
       new_k[layer], new_v[layer] = ck, cv
       qg = q.reshape(s, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim)
-      out, _ = _flash_decode(qg, ck, cv, read_lens, interpret)
+      out, _ = _flash_decode(qg, ck, cv, read_lens, interpret, share)
       return out.reshape(s, 1, cfg.n_heads, cfg.head_dim).astype(v.dtype)
 
     x, _, _ = _block(x, lp, positions, attend, cfg, inv_freq)

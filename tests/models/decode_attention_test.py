@@ -214,3 +214,100 @@ def test_engine_on_a_mesh_with_the_decode_kernel_matches_single_device():
   for a, b in zip(*outs):
     assert a.tokens == b.tokens
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+
+
+def _shared_cache(s, kv, c, hd, groups):
+  """Random caches where slot `m` of each (leader, members, n) group repeats the leader's first
+  n rows (the samples of one prompt)."""
+  k, v = np.array(_rand(1, s, kv, c, hd)), np.array(_rand(2, s, kv, c, hd))
+  src, shared = np.arange(s), np.zeros(s, np.int32)
+  for leader, members, n in groups:
+    for m in members:
+      k[m, :, :n], v[m, :, :n] = k[leader, :, :n], v[leader, :, :n]
+      src[m], shared[m] = leader, n
+  return k, v, jnp.asarray(src), jnp.asarray(shared)
+
+
+def test_flash_decode_reads_shared_rows_from_the_source_slot():
+  """With `share`, whole blocks of a slot's shared rows come from its source slot: the result
+  equals the unshared one, and the slot's own copy of those rows is not read."""
+  s, kv, g, hd, c = 6, 2, 3, 16, 128
+  q = _rand(0, s, kv, g, hd)
+  k, v, src, shared = _shared_cache(s, kv, c, hd, [(0, (1, 2), 70), (3, (5,), 40)])
+  lens = jnp.array([100, 90, 70, 50, 0, 45])
+  want = flash_decode(q, jnp.asarray(k), jnp.asarray(v), lens, block_k=16, interpret=True)
+  k[1, :, :64] = v[1, :, :64] = 1e3  # slot 1's own copy of its 4 whole shared blocks
+  got = flash_decode(q, jnp.asarray(k), jnp.asarray(v), lens, share=(src, shared), block_k=16,
+                     interpret=True)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
+  unshared = flash_decode(q, jnp.asarray(k), jnp.asarray(v), lens, block_k=16, interpret=True)
+  assert not np.allclose(np.asarray(unshared[0][1]), np.asarray(want[0][1]), atol=1e-3)
+
+
+def test_flash_decode_shared_rows_per_shard():
+  """On a mesh each shard reads shared rows from its own slots; a source on another shard is
+  ignored (the slot reads its own, equal rows)."""
+  from jaxagent import sharding as shd
+  s, kv, g, hd, c = 8, 2, 3, 16, 64
+  q = _rand(0, s, kv, g, hd)
+  # Slots 0-1, 2-3, ... per shard of a data x fsdp = 4 split: 0 -> 1 shares within a shard,
+  # 2 -> 5 across shards.
+  k, v, src, shared = _shared_cache(s, kv, c, hd, [(0, (1,), 40), (2, (5,), 33)])
+  lens = jnp.arange(s) * 3 + 40
+  mesh = shd.make_mesh(2, 2, 2)
+  spec = shd.NamedSharding(mesh, shd.P(("data", "fsdp"), "tensor"))
+  rows = shd.NamedSharding(mesh, shd.P(("data", "fsdp")))
+  fn = jax.jit(shd.on_mesh(lambda q, k, v, l, a, b: decoder._flash_decode(q, k, v, l, True,
+                                                                           (a, b)), mesh),
+               in_shardings=(spec, spec, spec, rows, rows, rows))
+  out, lse = fn(q, jnp.asarray(k), jnp.asarray(v), lens, src, shared)
+  want_out, want_lse = flash_decode(q, jnp.asarray(k), jnp.asarray(v), lens, interpret=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want_out), atol=1e-6)
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-6)
+
+
+def test_engine_prompt_sharing_matches_unshared(monkeypatch):
+  """Groups of samples of one prompt through fewer slots than requests, with per-request
+  budgets: sources finish and their slots take other prompts while their samples still decode.
+  Outputs equal an engine that shares nothing."""
+  monkeypatch.setenv("JAXAGENT_DECODE_KERNEL", "block_k=16")  # shared blocks of short prompts
+  cfg = models.get_config("tiny-qwen2")
+  params = models.init_params(cfg, jax.random.key(0), std=0.2)
+  rng = np.random.default_rng(1)
+  uniq = [rng.integers(0, cfg.vocab_size, rng.integers(34, 60)).tolist() for _ in range(3)]
+  prompts = [p for p in uniq for _ in range(3)]
+  budgets = [int(b) for b in rng.integers(2, 14, len(prompts))]
+  outs = []
+  for share in (True, False):
+    eng = Engine(cfg, EngineConfig(slots=4, max_len=96, sampling=SamplingConfig(1.0),
+                                   decode_attention="pallas", cache_layout="per_layer",
+                                   share_prompts=share))
+    outs.append(run_requests(eng, params, prompts, max_new_tokens=budgets,
+                             request_ids=list(range(len(prompts))), seed=2, decode_steps=4))
+  for a, b in zip(*outs):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+
+
+def test_engine_share_bookkeeping():
+  """`prefill_insert` points the samples of a prompt at its first slot; overwriting or
+  rewinding the source (below the shared rows) points them back at themselves."""
+  cfg = models.get_config("tiny-qwen2")
+  params = models.init_params(cfg, jax.random.key(0))
+  eng = Engine(cfg, EngineConfig(slots=6, max_len=64, decode_attention="pallas",
+                                 cache_layout="per_layer"))
+  a, b = [5] * 20, [7] * 30
+  st, _ = eng.prefill_insert(params, eng.init_decode_state(), [a, b, a, a, b], [4, 0, 1, 3, 2],
+                             list(range(5)))
+  assert np.asarray(st.share_src).tolist() == [0, 4, 0, 4, 4, 5]
+  assert np.asarray(st.share_len).tolist() == [0, 20, 30, 20, 0, 0]
+  st, _ = eng.prefill_insert(params, st, [b], [4], [9])  # slot 4 now holds another prompt
+  assert np.asarray(st.share_src).tolist() == [0, 1, 0, 3, 4, 5]
+  assert np.asarray(st.share_len).tolist() == [0, 0, 30, 0, 0, 0]
+  st = eng.update_slots(st, [0], lengths=[25], tokens=[1], active=False)  # 25 < 30 shared rows
+  assert np.asarray(st.share_src).tolist() == [0, 1, 2, 3, 4, 5]
+  assert np.asarray(st.share_len).tolist() == [0] * 6
+  off = Engine(cfg, EngineConfig(slots=6, max_len=64, share_prompts=False))
+  st, _ = off.prefill_insert(params, off.init_decode_state(), [a, a], [0, 1], [0, 1])
+  assert np.asarray(st.share_len).tolist() == [0] * 6
