@@ -11,6 +11,11 @@ A sweep over cache layouts, attention paths and the Pallas kernel's launch setti
     python benchmarks/generate.py --models qwen3-0.6b --batches 256 \
         --variants "stacked/auto/;per_layer/auto/;per_layer/pallas/block_k=128,num_warps=8"
 
+Samples of one prompt (a GRPO group), with and without the engine's prompt sharing:
+
+    python benchmarks/generate.py --models qwen3-0.6b --batches 512 --prompt-len 128 \
+        --group 8 --share on,off
+
 each variant `layout/attention/kernel[/merge]` (kernel: `JAXAGENT_DECODE_KERNEL` settings, see
 `jaxagent/models/decode_attention.py`; `/merge`: the new token's K/V written after the layer
 stack and its attention merged by log-sum-exp, instead of `EngineConfig.decode_write_first`).
@@ -33,7 +38,7 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 
 def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0,
-        layout="auto", kernel="", write_first=True, xla_options=None):
+        layout="auto", kernel="", write_first=True, xla_options=None, group=1, share=True):
   os.environ["JAXAGENT_DECODE_KERNEL"] = kernel
   cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
@@ -42,16 +47,19 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
                                  sampling=SamplingConfig(temperature), kv_page=128,
                                  decode_attention=attention, cache_layout=layout,
                                  decode_write_first=write_first,
-                                 decode_gpu_options=xla_options))
+                                 decode_gpu_options=xla_options, share_prompts=share))
   rng = np.random.default_rng(0)
-  prompts = rng.integers(0, cfg.vocab_size, (batch, prompt_len)).tolist()
+  if batch % group or 64 % group:
+    raise SystemExit(f"--group {group} must divide the batch {batch} and 64 (a prefill call)")
+  prompts = np.repeat(rng.integers(0, cfg.vocab_size, (batch // group, prompt_len)), group,
+                      0).tolist()
 
   def one_pass():
     state = eng.init_decode_state()
     t0 = time.perf_counter()
     for i in range(0, batch, 64):
-      pre = eng.prefill(params, prompts[i:i + 64], list(range(i, min(i + 64, batch))))
-      state = eng.insert(pre, state, list(range(i, min(i + 64, batch))))
+      rows = list(range(i, min(i + 64, batch)))
+      state, _ = eng.prefill_insert(params, state, prompts[i:i + 64], rows, rows)
     jax.block_until_ready(state.k)
     t1 = time.perf_counter()
     done = 0
@@ -70,13 +78,17 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   step_bytes = w_bytes + batch * avg_len * kv_tok
   roof_step_s = step_bytes / peaks()["hbm_bytes_s"]
   step_s = decode_s / n_steps
+  # With a group's prompt K/V counted once: the bytes a step must read from HBM at best.
+  distinct_bytes = step_bytes - batch * (1 - 1 / group) * prompt_len * kv_tok
   emit("decode", record, model=name, batch=batch, attention=attention,
        layout=eng.cache_layout, kernel=kernel, write_first=write_first,
        xla_options="default" if xla_options is None else dict(xla_options),
        prompt_len=prompt_len, new_tokens=n_steps,
        decode_steps_per_call=steps, tokens_per_s=batch * n_steps / decode_s,
        step_ms=step_s * 1e3, roofline_step_ms=roof_step_s * 1e3,
-       roofline_fraction=roof_step_s / step_s, prefill_s=prefill_s,
+       roofline_fraction=roof_step_s / step_s, prefill_s=prefill_s, group=group,
+       share_prompts=share,
+       distinct_roofline_fraction=distinct_bytes / peaks()["hbm_bytes_s"] / step_s,
        weight_gb=w_bytes / 1e9, avg_kv_gb=batch * avg_len * kv_tok / 1e9)
 
 
@@ -96,6 +108,9 @@ def main():
   ap.add_argument("--xla-options", default="",
                   help="';'-separated JSON dicts of XLA options for the decode program, one "
                        "run each (default: the engine's DECODE_GPU_OPTIONS; '{}': XLA's)")
+  ap.add_argument("--group", type=int, default=1,
+                  help="samples per prompt (consecutive slots; divides 64)")
+  ap.add_argument("--share", default="on", help="prompt sharing: on, off or on,off")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   variants = ([(v.split("/") + ["", "", ""])[:4] for v in args.variants.split(";")]
@@ -105,13 +120,15 @@ def main():
               if args.xla_options else [None])
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
-      for (layout, attention, kernel, mode), xla in itertools.product(variants, xla_sets):
+      for (layout, attention, kernel, mode), xla, share in itertools.product(
+          variants, xla_sets, args.share.split(",")):
         if mode not in ("", "merge"):
           raise SystemExit(f"--variants: unknown mode {mode!r} (expected '' or 'merge')")
         try:
           run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record,
               attention or "auto", layout=layout or "auto", kernel=kernel,
-              write_first=mode != "merge", xla_options=xla)
+              write_first=mode != "merge", xla_options=xla, group=args.group,
+              share=share == "on")
         except Exception as e:  # one failing variant must not lose the others' numbers
           print(f"FAILED {name} b={b} {layout}/{attention}/{kernel}/{mode}: {type(e).__name__}: "
                 f"{str(e)[:2000]}", flush=True)

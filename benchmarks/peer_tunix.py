@@ -22,6 +22,7 @@ one process ran out of memory at the default 75% of an 80 GB card.
 """
 import argparse
 import ast
+import itertools
 import os
 import subprocess
 import sys
@@ -99,7 +100,8 @@ def our_update(cfg, micro_batches, save_probs=False):
   return t_step, t_ref
 
 
-def our_e2e(cfg, prompts_n, group, micro_batches, slots, steps, layout, save_probs=False):
+def our_e2e(cfg, prompts_n, group, micro_batches, slots, steps, layout, save_probs=False,
+            share=True):
   """One GRPO iteration (rollout, reference pass, update); returns its parts' seconds."""
   n = prompts_n * group
   L = PROMPT + GEN
@@ -113,7 +115,7 @@ def our_e2e(cfg, prompts_n, group, micro_batches, slots, steps, layout, save_pro
   cast = jax.jit(lambda p: decoder.compute_copy(p, cfg))
   eng = Engine(cfg, EngineConfig(slots=slots, max_len=L + steps, eos_ids=(),
                                  sampling=SamplingConfig(1.0), kv_page=128,
-                                 cache_layout=layout))
+                                 cache_layout=layout, share_prompts=share))
   loss_mask = np.concatenate([np.zeros((n, PROMPT)), np.ones((n, GEN))], 1).astype(np.float32)
 
   def iteration(seed):
@@ -173,6 +175,9 @@ def main():
                   help="our learner's StepConfig.logprob_save_probs (off by default: with the "
                   "512-slot engine's cache resident the end-to-end update at 8 micro-batches "
                   "asked 69 GiB and ran out of memory on an H100)")
+  ap.add_argument("--e2e-share", default="on",
+                  help="our engine's prompt sharing in the rollout (EngineConfig.share_prompts):"
+                       " on, off, or on,off for both")
   ap.add_argument("--record", action="store_true")
   ap.add_argument("--tiny", action="store_true", help="CPU smoke test sizes")
   args = ap.parse_args()
@@ -196,13 +201,14 @@ def main():
   if "e2e" in only:
     ecfg = cfg.replace(param_dtype="float32", remat=args.remat,
                        scan_layers=args.scan)
-    for layout in args.layouts.split(","):
+    for layout, share in itertools.product(args.layouts.split(","), args.e2e_share.split(",")):
       r = our_e2e(ecfg, args.e2e_prompts, args.e2e_group, args.e2e_micro_batches,
-                  args.e2e_slots, args.steps, layout, args.save_probs)
+                  args.e2e_slots, args.steps, layout, args.save_probs, share == "on")
       theirs = tunix.get("e2e", {})
       emit("peer_e2e", args.record, model=MODEL, prompts=args.e2e_prompts,
            group=args.e2e_group, new_tokens=GEN, layout=layout, slots=args.e2e_slots,
-           remat=args.remat, scan_layers=args.scan, save_probs=args.save_probs, ours=r,
+           remat=args.remat, scan_layers=args.scan, save_probs=args.save_probs,
+           share_prompts=share == "on", ours=r,
            tunix=theirs or None,
            ratio=(theirs["s"] / r["s"]) if theirs else None)
   if "decode" not in only and "update" not in only:

@@ -136,8 +136,15 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
         return True
     return False
 
+  inflight = None  # a decode call dispatched before the previous one's results were read
+
+  def dispatch(ahead: int):
+    """Decode `steps` tokens for every active slot; `ahead` calls are not yet on the host."""
+    kv = max(lv.cached for lv in live.values()) + (ahead + 1) * decode_steps
+    return engine.generate(params, state, steps=decode_steps, kv_len=kv)
+
   while queue or live:
-    if queue and free:
+    if queue and free and inflight is None:
       batch = [queue.popleft() for _ in range(min(len(free), len(queue)))]
       slots = [free.pop() for _ in batch]
       state, (toks, lps, done) = engine.prefill_insert(
@@ -156,8 +163,19 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
       continue
     if not live:
       continue
-    kv = max(lv.cached for lv in live.values()) + decode_steps
-    state, out = engine.generate(params, state, steps=decode_steps, kv_len=kv)
+    if inflight is None:
+      state, out = dispatch(0)
+    else:
+      (state, out), inflight = inflight, None
+    # Dispatch the next call before reading this one's tokens, so that the device decodes
+    # while the host takes them, when nothing the host does next can change the state: no
+    # host-side stops (which rewind slots) and no waiting prompts (which refill slots). Only
+    # when some slot has budget left after this call; EOS in this call can still make the
+    # next one idle.
+    if not stop and not queue and any(
+        min(budgets[lv.req_index] - len(lv.tokens), ecfg.max_len - lv.cached - 1) > decode_steps
+        for lv in live.values()):
+      inflight = dispatch(1)
     toks, lps, valid, done = jax.device_get((out.tokens, out.logprobs, out.valid, out.done))
     host_stopped = []
     for slot in list(live):

@@ -114,6 +114,26 @@ def test_twenty_prompts_through_four_slots(params):
     assert single[0].tokens == batched[i].tokens
 
 
+def test_decode_calls_are_dispatched_ahead_of_the_host(params, monkeypatch):
+  """With no stop strings and no waiting prompts, the scheduler dispatches each decode call
+  before reading the previous one's tokens: outputs are unchanged (greedy = argmax of the full
+  forward), and no call is wasted when budgets end the requests (19 tokens in calls of 4: 5)."""
+  from jaxagent.generate import run_requests
+  eng = Engine(CFG, EngineConfig(slots=4, max_len=64))
+  events = []
+  real_generate, real_get = eng.generate, jax.device_get
+  eng.generate = lambda *a, **k: events.append("call") or real_generate(*a, **k)
+  monkeypatch.setattr(jax, "device_get", lambda x: events.append("read") or real_get(x))
+  prompts = _prompts(3, seed=9)
+  outs = run_requests(eng, params, prompts, max_new_tokens=20, request_ids=[0, 1, 2],
+                      decode_steps=4)
+  events = events[events.index("call"):]  # the prefill's read comes first
+  assert events == ["call", "call", "read"] + ["call", "read"] * 3 + ["read"]
+  for p, o in zip(prompts, outs):
+    assert len(o.tokens) == 20 and o.stop_reason == "max_new_tokens"
+    _assert_greedy(params, p, o.tokens)
+
+
 def test_eos_and_stop_sequences_and_max_length(params):
   prompt = _prompts(1, seed=6)[0]
   ref = generate(params, CFG, [prompt], 12)[0].tokens
