@@ -20,8 +20,8 @@ GOLDEN = {
     "rollout/num_trajectories": 8.0,
     "rollout/policy_tokens": 12.0,
     "pack/efficiency": 0.654296875,
-    "train/loss": -0.09516488760709763,
-    "train/grad_norm": 0.004434409085661173,
+    "train/loss": -0.0952531024813652,
+    "train/grad_norm": 0.00416631530970335,
     "train/num_policy_tokens": 96.0,
 }
 

@@ -64,6 +64,47 @@ def _truncate(scaled, cfg: SamplingConfig):
   return scaled
 
 
+def _vocab_blocks(v: int) -> int:
+  """Entries per block of the two-level draw: the largest power of two up to 1024 dividing
+  `v` (no padding copy of the logits), or 256 with padding when that is below 64."""
+  block = min(1024, v & -v)
+  return block if block >= 64 else 256
+
+
+def _first_above(cum, weights, r):
+  """Per row, the first index whose cumulative weight exceeds `r` (in [0, cum[-1])); where
+  rounding puts `r` at or past the end, the last index of positive weight instead."""
+  n = cum.shape[-1]
+  i = jnp.minimum(jnp.sum(cum <= r[:, None], axis=-1), n - 1)
+  last = n - 1 - jnp.argmax(weights[:, ::-1] > 0, axis=-1)
+  ok = jnp.take_along_axis(weights, i[:, None], axis=-1)[:, 0] > 0
+  return jnp.where(ok, i, last)
+
+
+def _draw(keys, filt):
+  """One token per row from softmax(filt) by inverting its cumulative distribution: a block
+  of the vocabulary by the blocks' masses with one uniform, then a token within the block by
+  the block's own cumulative mass with a second (the distribution is resolved relative to
+  each block's mass, not only to the whole). Two random numbers per token instead of a
+  Gumbel variate per vocabulary entry (`jax.random.categorical`), which on an H100 took 0.57
+  ms per step for 512 rows of a 151,936-token vocabulary against 0.35 ms."""
+  s, v = filt.shape
+  block = _vocab_blocks(v)
+  nb = -(-v // block)
+  p = jnp.exp(filt - filt.max(axis=-1, keepdims=True))  # truncated entries underflow to 0
+  if nb * block != v:
+    p = jnp.pad(p, ((0, 0), (0, nb * block - v)))
+  p = p.reshape(s, nb, block)
+  mass = p.sum(axis=-1)                                   # [S, nb]
+  cum = jnp.cumsum(mass, axis=-1)
+  u = jax.vmap(lambda k: jax.random.uniform(k, (2,)))(keys)
+  b = _first_above(cum, mass, u[:, 0] * cum[:, -1])
+  w = jnp.take_along_axis(p, b[:, None, None], axis=1)[:, 0]  # [S, block]
+  cw = jnp.cumsum(w, axis=-1)
+  j = _first_above(cw, w, u[:, 1] * cw[:, -1])
+  return b * block + j
+
+
 def sample(logits, keys, cfg: SamplingConfig):
   """Sample one token per row. logits: [S, V] float32; keys: [S]. Returns (tokens, logprobs)."""
   logits = logits.astype(jnp.float32)
@@ -73,7 +114,6 @@ def sample(logits, keys, cfg: SamplingConfig):
   else:
     scaled = logits / cfg.temperature
     lp_all = jax.nn.log_softmax(scaled, axis=-1)
-    filt = _truncate(scaled, cfg)
-    tok = jax.vmap(lambda k, l: jax.random.categorical(k, l))(keys, filt)
+    tok = _draw(keys, _truncate(scaled, cfg))
   lp = jnp.take_along_axis(lp_all, tok[:, None], axis=-1)[:, 0]
   return tok.astype(jnp.int32), lp

@@ -1,0 +1,64 @@
+"""The sampler's draws: the right distribution, truncation respected, zero-mass entries never."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxagent.generate.sampling import SamplingConfig, _first_above, sample, token_keys
+
+
+def _draws(probs, n, cfg=SamplingConfig(1.0), seed=0):
+  logits = jnp.log(jnp.asarray(probs, jnp.float32) + 1e-38)[None].repeat(n, 0)
+  keys = token_keys(jnp.full((n,), seed, jnp.uint32), jnp.arange(n), jnp.full((n,), 5))
+  tok, lp = jax.jit(lambda l, k: sample(l, k, cfg))(logits, keys)
+  return np.asarray(tok), np.asarray(lp)
+
+
+@pytest.mark.parametrize("v", [2048, 1000])  # blocks of 1024; padded blocks of 256
+def test_draws_follow_the_distribution(v):
+  rng = np.random.default_rng(0)
+  probs = np.zeros(v)
+  support = rng.choice(v, 12, replace=False)  # spread over several blocks
+  probs[support] = rng.dirichlet(np.ones(12))
+  probs[support[0]] = 0.002  # a small mass: still drawn at its rate
+  probs /= probs.sum()
+  n = 60_000
+  tok, lp = _draws(probs, n)
+  assert set(np.unique(tok)) <= set(support)
+  freq = np.bincount(tok, minlength=v) / n
+  sigma = np.sqrt(probs * (1 - probs) / n)
+  assert np.all(np.abs(freq - probs) <= 5 * sigma + 1e-9), (freq[support], probs[support])
+  np.testing.assert_allclose(lp, np.log(probs[tok]), atol=1e-5)
+
+
+def test_truncation_is_respected():
+  probs = np.array([0.4, 0.3, 0.2, 0.1] + [0.0] * 1020)
+  tok, lp = _draws(probs, 20_000, SamplingConfig(1.0, top_k=2))
+  assert set(np.unique(tok)) == {0, 1}
+  assert abs(np.mean(tok == 0) - 4 / 7) < 0.02
+  # Reported log-probs are of the full distribution (before truncation).
+  np.testing.assert_allclose(lp, np.log(probs[tok]), atol=1e-5)
+  tok, _ = _draws(probs, 20_000, SamplingConfig(1.0, top_p=0.75))
+  assert set(np.unique(tok)) == {0, 1, 2}
+
+
+def test_rounding_at_the_end_picks_a_positive_entry():
+  # r at (or rounded past) the total mass: the last entry of positive weight, never a
+  # zero-weight tail entry.
+  w = jnp.array([[0.5, 0.5, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 2.0]])
+  cum = jnp.cumsum(w, -1)
+  got = _first_above(cum, w, cum[:, -1])
+  assert np.asarray(got).tolist() == [1, 1, 3]
+  got = _first_above(cum, w, jnp.array([0.0, 0.0, 0.999]))
+  assert np.asarray(got).tolist() == [0, 1, 0]
+  got = _first_above(cum, w, jnp.array([0.5, 0.7, 1.5]))
+  assert np.asarray(got).tolist() == [1, 1, 3]
+
+
+def test_same_key_same_token_and_keys_differ():
+  probs = np.full(4096, 1 / 4096)
+  a, _ = _draws(probs, 256, seed=3)
+  b, _ = _draws(probs, 256, seed=3)
+  c, _ = _draws(probs, 256, seed=4)
+  assert (a == b).all() and (a != c).mean() > 0.9
+  assert len(np.unique(a)) > 200  # 256 draws from 4096 equally likely tokens
