@@ -81,17 +81,18 @@ def _first_above(cum, weights, r):
   return jnp.where(ok, i, last)
 
 
-def _draw(keys, filt):
+def _draw(keys, filt, top):
   """One token per row from softmax(filt) by inverting its cumulative distribution: a block
   of the vocabulary by the blocks' masses with one uniform, then a token within the block by
   the block's own cumulative mass with a second (the distribution is resolved relative to
   each block's mass, not only to the whole). Two random numbers per token instead of a
   Gumbel variate per vocabulary entry (`jax.random.categorical`), which on an H100 took 0.57
-  ms per step for 512 rows of a 151,936-token vocabulary against 0.35 ms."""
+  ms per step for 512 rows of a 151,936-token vocabulary against 0.35 ms. `top`: the rows'
+  maxima `[S, 1]`. Returns the tokens and each row's sum of exp(filt - top)."""
   s, v = filt.shape
   block = _vocab_blocks(v)
   nb = -(-v // block)
-  p = jnp.exp(filt - filt.max(axis=-1, keepdims=True))  # truncated entries underflow to 0
+  p = jnp.exp(filt - top)  # truncated entries underflow to 0
   if nb * block != v:
     p = jnp.pad(p, ((0, 0), (0, nb * block - v)))
   p = p.reshape(s, nb, block)
@@ -102,7 +103,7 @@ def _draw(keys, filt):
   w = jnp.take_along_axis(p, b[:, None, None], axis=1)[:, 0]  # [S, block]
   cw = jnp.cumsum(w, axis=-1)
   j = _first_above(cw, w, u[:, 1] * cw[:, -1])
-  return b * block + j
+  return b * block + j, cum[:, -1]
 
 
 def sample(logits, keys, cfg: SamplingConfig):
@@ -111,9 +112,14 @@ def sample(logits, keys, cfg: SamplingConfig):
   if cfg.greedy:
     tok = jnp.argmax(logits, axis=-1)
     lp_all = jax.nn.log_softmax(logits, axis=-1)
-  else:
-    scaled = logits / cfg.temperature
-    lp_all = jax.nn.log_softmax(scaled, axis=-1)
-    tok = _draw(keys, _truncate(scaled, cfg))
-  lp = jnp.take_along_axis(lp_all, tok[:, None], axis=-1)[:, 0]
+    lp = jnp.take_along_axis(lp_all, tok[:, None], axis=-1)[:, 0]
+    return tok.astype(jnp.int32), lp
+  scaled = logits / cfg.temperature
+  top = scaled.max(axis=-1, keepdims=True)
+  filt = _truncate(scaled, cfg)
+  tok, mass = _draw(keys, filt, top)
+  if filt is not scaled:  # truncated: the full distribution's normaliser apart
+    mass = jnp.exp(scaled - top).sum(axis=-1)
+  # log_softmax(scaled)[tok] from the draw's own row sums (one pass over the logits fewer).
+  lp = (jnp.take_along_axis(scaled, tok[:, None], axis=-1)[:, 0] - top[:, 0]) - jnp.log(mass)
   return tok.astype(jnp.int32), lp
