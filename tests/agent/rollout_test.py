@@ -689,3 +689,40 @@ def test_real_model_ledger_matches_engine_samples_and_training_forward(tiny):
   for x, y in zip(trajs, again):
     assert x.token_ids == y.token_ids and x.stop_reason == y.stop_reason
     np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
+
+
+def test_group_rollout_with_prompt_sharing_matches_the_training_forward(monkeypatch):
+  """Multi-turn group rollouts (appends, host-side stops and rewinds) on the per-layer cache with
+  the Pallas decode kernel reading shared prompt rows: the samples of a prompt share its rows,
+  and every ledger still equals the training forward's log-probs and the unshared engine's."""
+  monkeypatch.setenv("JAXAGENT_DECODE_KERNEL", "block_k=16")  # whole shared blocks of short prompts
+  cfg = models.get_config("tiny-llama")
+  params = models.init_params(cfg, jax.random.key(0), std=0.2)
+  examples = [Example(f"e{i}", f"Prompt number {i}: go!" + "." * (3 * i)) for i in range(2)]
+  rcfg = RolloutConfig(max_turns=3, max_tokens_per_turn=16, decode_steps=4)
+  runs, shared = [], {True: [], False: []}
+  for share in (True, False):
+    engine = Engine(cfg, EngineConfig(slots=4, max_len=128, eos_ids=(EOS,),
+                                      sampling=SamplingConfig(temperature=1.0),
+                                      decode_attention="pallas", cache_layout="per_layer",
+                                      share_prompts=share))
+    rec = RecordingEngine(engine)
+    real = rec.prefill_insert
+
+    def prefill_insert(*a, real=real, share=share, **k):
+      state, out = real(*a, **k)
+      shared[share].append(int(np.asarray(state.share_len).max()))
+      return state, out
+
+    rec.prefill_insert = prefill_insert
+    runs.append(rollout(rec, params, EchoEnv(), examples, tokenizer=TOK, num_samples=2,
+                        cfg=rcfg, seed=7))
+  assert max(shared[True]) >= 16 and max(shared[False]) == 0  # whole blocks only when enabled
+  assert any(t.num_turns > 1 for t in runs[0])
+  for x, y in zip(*runs):
+    assert x.token_ids == y.token_ids and x.stop_reason == y.stop_reason
+    np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-6)
+    logits = models.forward(params, jnp.asarray([x.token_ids]), cfg=cfg)[0]
+    logp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    pos = np.flatnonzero(x.roles == POLICY)
+    assert np.abs(logp[pos - 1, x.tokens[pos]] - x.logprobs[pos]).mean() <= 1e-4
