@@ -691,6 +691,7 @@ def test_real_model_ledger_matches_engine_samples_and_training_forward(tiny):
     np.testing.assert_allclose(x.logprobs, y.logprobs, atol=1e-5)
 
 
+@pytest.mark.slow  # ~40 s on 2 cores (Pallas interpret mode); the engine-level test runs by default
 def test_group_rollout_with_prompt_sharing_matches_the_training_forward(monkeypatch):
   """Multi-turn group rollouts (appends, host-side stops and rewinds) on the per-layer cache with
   the Pallas decode kernel reading shared prompt rows: the samples of a prompt share its rows,
