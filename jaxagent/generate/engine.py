@@ -445,12 +445,10 @@ class Engine:
     # Slot index `slots` (one past the last) marks a padding row: "drop" discards its writes.
     upd = lambda a, b: a.at[slots].set(b.astype(a.dtype), mode="drop")
     # Slots that read shared rows of a slot overwritten here read their own rows again.
-    n = self.ecfg.slots
-    own = jnp.arange(n, dtype=jnp.int32)
-    stale = jnp.zeros((n,), bool).at[slots].set(True, mode="drop")[state.share_src]
+    stale = jnp.zeros((self.ecfg.slots,), bool).at[slots].set(True, mode="drop")
+    share_src, share_len = self._unshare(state, stale[state.share_src])
     src, shared = (slots, jnp.zeros_like(slots)) if share is None else share
-    share_src = upd(jnp.where(stale, own, state.share_src), src)
-    share_len = upd(jnp.where(stale, 0, state.share_len), shared)
+    share_src, share_len = upd(share_src, src), upd(share_len, shared)
     return self._constrain(state.replace(
         share_src=share_src, share_len=share_len,
         k=k, v=v, lengths=upd(state.lengths, prefix.lengths),
@@ -590,16 +588,20 @@ class Engine:
     return state, (tok[:b], lp[:b], code[:b])
 
   # ------------------------------------------------------------------ host control
+  def _unshare(self, state: DecodeState, stale):
+    """`share_src` / `share_len` with the slots flagged in `stale` back on their own rows."""
+    own = jnp.arange(self.ecfg.slots, dtype=jnp.int32)
+    return jnp.where(stale, own, state.share_src), jnp.where(stale, 0, state.share_len)
+
   def _update(self, state: DecodeState, slots, lengths, tokens, active, remaining):
     upd = lambda a, b: a.at[slots].set(b.astype(a.dtype))
     lengths = upd(state.lengths, lengths)
     # A slot rewound below shared rows overwrites them (its own copy, or the rows that others
     # read from it): such readers read their own rows again.
     stale = (lengths[state.share_src] < state.share_len) | (lengths < state.share_len)
-    own = jnp.arange(self.ecfg.slots, dtype=jnp.int32)
+    share_src, share_len = self._unshare(state, stale)
     return state.replace(lengths=lengths, tokens=upd(state.tokens, tokens),
-                         share_src=jnp.where(stale, own, state.share_src),
-                         share_len=jnp.where(stale, 0, state.share_len),
+                         share_src=share_src, share_len=share_len,
                          active=upd(state.active, active),
                          remaining=upd(state.remaining, remaining),
                          done=upd(state.done, jnp.where(active, RUNNING, state.done[slots])))
