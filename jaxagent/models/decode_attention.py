@@ -76,6 +76,46 @@ def env_tuning(var: str, defaults: dict) -> dict:
   return out
 
 
+def _online_block(q, length, dot_dtype, block_k, load, b, carry):
+  """One block of keys into the online softmax: carry (o [Gp, hd], m [Gp], l [Gp])."""
+  o, m, l = carry
+  gp = q.shape[0]
+  start = pl.multiple_of(b * block_k, block_k)
+  k, v = load(start)
+  k, v = k.astype(dot_dtype), v.astype(dot_dtype)  # [BK, hd]
+  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32)  # [Gp, BK]
+  idx = start + jax.lax.broadcasted_iota(jnp.int32, (gp, block_k), 1)
+  s = jnp.where(idx < length, s, _NEG)
+  m_new = jnp.maximum(m, s.max(axis=-1))
+  p = jnp.exp(s - m_new[:, None])
+  corr = jnp.exp(m - m_new)
+  l = corr * l + p.sum(axis=-1)
+  o = corr[:, None] * o + jax.lax.dot_general(p.astype(dot_dtype), v, (((1,), (0,)), ((), ())),
+                                              preferred_element_type=jnp.float32)
+  return o, m_new, l
+
+
+def _attend(q, length, first, last, own, share, *, block_k, dot_dtype):
+  """The online softmax of q over blocks [first, last) of keys (those at or past `length`
+  masked): blocks wholly inside the first `share[1]` keys come from `share[0]` (a loader of
+  another slot's rows) when `share` is given, the rest from `own`."""
+  gp, hd = q.shape
+  body = functools.partial(_online_block, q, length, dot_dtype, block_k)
+  carry = (jnp.zeros((gp, hd), jnp.float32), jnp.full((gp,), _NEG, jnp.float32),
+           jnp.zeros((gp,), jnp.float32))
+  if share is not None:
+    # The slot's first `shared` keys equal those of another slot (a sample of the same
+    # prompt): whole blocks of them are read from that slot's rows, which the programs of the
+    # other samples read at about the same time, so that most of those reads come from the
+    # L2 cache instead of HBM.
+    other, shared = share
+    mid = jnp.clip(shared // block_k, first, jnp.maximum(first, last))
+    carry = jax.lax.fori_loop(first, mid, functools.partial(body, other), carry)
+    first = mid
+  return jax.lax.fori_loop(first, jnp.maximum(first, last), functools.partial(body, own), carry)
+
+
 def _kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, split_blocks: int,
             row_blocks: int, shared: bool):
   if shared:
@@ -86,41 +126,13 @@ def _kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, split_blocks
   first = (pl.program_id(2) // row_blocks) * split_blocks  # this program's range of blocks
   last = jnp.minimum((length + block_k - 1) // block_k, first + split_blocks)
   q = (q_ref[...].astype(jnp.float32) * scale).astype(dot_dtype)  # [Gp, hd]
-  gp, hd = q.shape
-
-  def body(load, b, carry):
-    o, m, l = carry
-    start = pl.multiple_of(b * block_k, block_k)
-    k, v = load(start)
-    k, v = k.astype(dot_dtype), v.astype(dot_dtype)  # [BK, hd]
-    s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32)  # [Gp, BK]
-    idx = start + jax.lax.broadcasted_iota(jnp.int32, (gp, block_k), 1)
-    s = jnp.where(idx < length, s, _NEG)
-    m_new = jnp.maximum(m, s.max(axis=-1))
-    p = jnp.exp(s - m_new[:, None])
-    corr = jnp.exp(m - m_new)
-    l = corr * l + p.sum(axis=-1)
-    o = corr[:, None] * o + jax.lax.dot_general(p.astype(dot_dtype), v, (((1,), (0,)), ((), ())),
-                                                preferred_element_type=jnp.float32)
-    return o, m_new, l
-
   own = lambda start: (k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :])
-  carry = (jnp.zeros((gp, hd), jnp.float32), jnp.full((gp,), _NEG, jnp.float32),
-           jnp.zeros((gp,), jnp.float32))
+  share = None
   if shared:
-    # The slot's first `share_ref[1]` keys equal those of slot `share_ref[0]` (a sample of the
-    # same prompt): whole blocks of them are read from that slot's rows, which the programs of
-    # the other samples read at about the same time, so that most of those reads come from the
-    # L2 cache instead of HBM.
     src, head = share_ref[0], pl.program_id(1)
-    mid = jnp.clip(share_ref[1] // block_k, first, jnp.maximum(first, last))
-    other = lambda start: (ks_ref[src, head, pl.ds(start, block_k), :],
-                           vs_ref[src, head, pl.ds(start, block_k), :])
-    carry = jax.lax.fori_loop(first, mid, functools.partial(body, other), carry)
-    first = mid
-  o, m, l = jax.lax.fori_loop(first, jnp.maximum(first, last), functools.partial(body, own),
-                              carry)
+    share = (lambda start: (ks_ref[src, head, pl.ds(start, block_k), :],
+                            vs_ref[src, head, pl.ds(start, block_k), :]), share_ref[1])
+  o, m, l = _attend(q, length, first, last, own, share, block_k=block_k, dot_dtype=dot_dtype)
   safe = jnp.maximum(l, 1e-30)
   o_ref[...] = (o / safe[:, None]).astype(o_ref.dtype)
   lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe), _NEG)
@@ -220,3 +232,120 @@ def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, nu
   w = jnp.exp(lse - tot[:, :, None])
   merged = (w[..., None] * out).sum(axis=2)
   return merged.astype(q.dtype), jnp.maximum(tot, _NEG)
+
+
+def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared: bool):
+  if shared:
+    share_ref, q_ref, kn_ref, vn_ref, k_ref, v_ref, o_ref, ko_ref, vo_ref = refs
+  else:
+    q_ref, kn_ref, vn_ref, k_ref, v_ref, o_ref, ko_ref, vo_ref = refs
+  slot, head = pl.program_id(0), pl.program_id(1)
+  length = lens_ref[0]
+  c = k_ref.shape[2]
+  k_new, v_new = kn_ref[...], vn_ref[...]  # [1, hd]
+  fits = length < c
+
+  # The new token's K/V go to row `length` of this slot and head (dropped when the cache is
+  # full); this program attends to them from registers, so it never reads the row it writes.
+  @pl.when(fits)
+  def _():
+    ko_ref[slot, head, pl.ds(length, 1), :] = k_new.astype(ko_ref.dtype)
+    vo_ref[slot, head, pl.ds(length, 1), :] = v_new.astype(vo_ref.dtype)
+
+  q = (q_ref[...].astype(jnp.float32) * scale).astype(dot_dtype)  # [Gp, hd]
+  own = lambda start: (k_ref[slot, head, pl.ds(start, block_k), :],
+                       v_ref[slot, head, pl.ds(start, block_k), :])
+  share = None
+  if shared:
+    src = share_ref[0]
+    share = (lambda start: (k_ref[src, head, pl.ds(start, block_k), :],
+                            v_ref[src, head, pl.ds(start, block_k), :]), share_ref[1])
+  last = (length + block_k - 1) // block_k
+  o, m, l = _attend(q, length, 0, last, own, share, block_k=block_k, dot_dtype=dot_dtype)
+  # The new token, rounded to the cache's dtype as the cached keys are.
+  kn = k_new.astype(k_ref.dtype).astype(jnp.float32)
+  s_new = jnp.sum(q.astype(jnp.float32) * kn, axis=-1)  # [Gp]
+  s_new = jnp.where(fits, s_new, _NEG)
+  m_new = jnp.maximum(m, s_new)
+  corr, p = jnp.exp(m - m_new), jnp.exp(s_new - m_new)
+  l = corr * l + p
+  vn = v_new.astype(v_ref.dtype).astype(jnp.float32)
+  o = corr[:, None] * o + p[:, None] * vn
+  o_ref[...] = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+
+
+def flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, *, share=None,
+                       interpret: bool = False, **launch):
+  """One decode step's attention with the new token's K/V written into the cache.
+
+  Writes `k_new`, `v_new` ([S, KV, hd]) at row `lengths[s]` of slot s's cache (dropped when
+  `lengths[s] == C`, the cache full) and returns the attention of q ([S, KV, G, hd], G <= 64)
+  over the slot's first `lengths[s]` cached keys plus the new one (the C cached keys alone for
+  a full cache): the same as writing with `.at[...].set(mode="drop")` and then
+  `flash_decode(q, cache_k, cache_v, min(lengths + 1, C))`, without the two scatter kernels
+  per layer. The caches are updated in place (donate them through the enclosing jit).
+  `share` as in `flash_decode`. Launch settings: `tuning(S * KV)` updated by `launch`; one
+  pass per (slot, head) (`splits` is ignored). Returns (out [S, KV, G, hd] in q's dtype,
+  cache_k, cache_v).
+  """
+  t = tuning(programs=q.shape[0] * q.shape[1])
+  unknown = set(launch) - set(t)
+  if unknown:
+    raise TypeError(f"flash_decode_write: unknown launch settings {sorted(unknown)}")
+  t.update(launch)
+  if q.shape[2] > _ROWS:
+    raise ValueError(f"flash_decode_write: at most {_ROWS} query rows per KV head, got "
+                     f"{q.shape[2]}")
+  return _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share,
+                             block_k=t["block_k"], num_warps=t["num_warps"],
+                             num_stages=t["num_stages"],
+                             low_precision_dot=bool(t["low_precision_dot"]), interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("block_k", "num_warps", "num_stages",
+                                             "low_precision_dot", "interpret"))
+def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, *, block_k,
+                        num_warps, num_stages, low_precision_dot, interpret):
+  s, kv, g, hd = q.shape
+  c = cache_k.shape[2]
+  block_k = min(block_k, c & -c)
+  if block_k < 16:
+    raise ValueError(f"cache length {c} must be a multiple of 16 for the decode kernel")
+  gp = max(16, 1 << (g - 1).bit_length())
+  qp = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+  lens = jnp.broadcast_to(lengths.astype(jnp.int32)[:, None, None], (s, kv, 1))
+  dot_dtype = cache_k.dtype if low_precision_dot else jnp.float32
+  kern = functools.partial(_write_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd),
+                           dot_dtype=dot_dtype, shared=share is not None)
+  row = lambda i, j: (i, j, 0)
+  in_specs = [pl.BlockSpec((None, None, 1), row)]
+  args = [lens]
+  if share is not None:
+    src, shared = (jnp.asarray(x, jnp.int32) for x in share)
+    in_specs.append(pl.BlockSpec((None, None, 2), row))
+    args.append(jnp.broadcast_to(jnp.stack([src, shared], -1)[:, None], (s, kv, 2)))
+  # Whole-cache refs: each program reads its own rows and, with sharing, its source's; the
+  # caches are aliased to the outputs, so the write lands in place (no copy of the cache).
+  whole = pl.BlockSpec((s, kv, c, hd), lambda i, j: (0, 0, 0, 0))
+  new_spec = pl.BlockSpec((None, None, 1, hd), lambda i, j: (i, j, 0, 0))
+  in_specs += [pl.BlockSpec((None, None, gp, hd), lambda i, j: (i, j, 0, 0)), new_spec,
+               new_spec, whole, whole]
+  n_in = len(args) + 5
+  args += [qp, k_new[:, :, None], v_new[:, :, None], cache_k, cache_v]
+  params = {}
+  if not interpret and (num_warps or num_stages):
+    from jax.experimental.pallas import triton as plt
+    params["compiler_params"] = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+  out, ck, cv = pl.pallas_call(
+      kern,
+      grid=(s, kv),
+      in_specs=in_specs,
+      out_specs=[pl.BlockSpec((None, None, gp, hd), lambda i, j: (i, j, 0, 0)), whole, whole],
+      out_shape=[jax.ShapeDtypeStruct((s, kv, gp, hd), q.dtype),
+                 jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
+                 jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype)],
+      input_output_aliases={n_in - 2: 1, n_in - 1: 2},
+      interpret=interpret,
+      **params,
+  )(*args)
+  return out[:, :, :g], ck, cv

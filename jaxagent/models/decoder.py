@@ -296,6 +296,15 @@ def _pallas_attention(q, k, v, segment_ids):
   return _per_shard(packed_attention.packed_attention, (q, k, v, segment_ids), 4, 2, k.shape[2])
 
 
+def _local_share(offset, shared):
+  """Per-shard `share` from slot-to-source offsets: a source on another shard is not readable
+  here, and such a slot reads its own (equal) rows."""
+  own = jnp.arange(offset.shape[0], dtype=offset.dtype)
+  local = own + offset
+  ok = (local >= 0) & (local < offset.shape[0])
+  return jnp.where(ok, local, own), jnp.where(ok, shared, 0)
+
+
 def _flash_decode(q, cache_k, cache_v, lens, interpret, share=None):
   """`decode_attention.flash_decode`, per shard under the ambient mesh (slots over the batch
   axes, KV heads over "tensor", as `sharding.kv_cache_spec` lays out the cache). `share`:
@@ -310,15 +319,29 @@ def _flash_decode(q, cache_k, cache_v, lens, interpret, share=None):
   offset = src - jnp.arange(src.shape[0], dtype=src.dtype)
 
   def fn(q, ck, cv, lens, offset, shared):
-    own = jnp.arange(offset.shape[0], dtype=offset.dtype)
-    local = own + offset
-    # A source on another shard is not readable here: such a slot reads its own rows (equal).
-    ok = (local >= 0) & (local < offset.shape[0])
-    share = (jnp.where(ok, local, own), jnp.where(ok, shared, 0))
-    return flash_decode(q, ck, cv, lens, share=share, interpret=interpret)
+    return flash_decode(q, ck, cv, lens, share=_local_share(offset, shared), interpret=interpret)
 
   return _per_shard(fn, (q, cache_k, cache_v, lens, offset, shared), (4, 3), 1,
                     cache_k.shape[1])
+
+
+def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lens, interpret, share=None):
+  """`decode_attention.flash_decode_write` (the new token's K/V written into the cache by the
+  attention kernel), per shard as `_flash_decode`."""
+  from jaxagent.models.decode_attention import flash_decode_write
+  if share is None:
+    fn = functools.partial(flash_decode_write, interpret=interpret)
+    return _per_shard(fn, (q, k_new, v_new, cache_k, cache_v, lens), (4, 4, 4), 1,
+                      cache_k.shape[1])
+  src, shared = share
+  offset = src - jnp.arange(src.shape[0], dtype=src.dtype)
+
+  def fn(q, kn, vn, ck, cv, lens, offset, shared):
+    return flash_decode_write(q, kn, vn, ck, cv, lens, share=_local_share(offset, shared),
+                              interpret=interpret)
+
+  return _per_shard(fn, (q, k_new, v_new, cache_k, cache_v, lens, offset, shared), (4, 4, 4),
+                    1, cache_k.shape[1])
 
 
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
@@ -788,18 +811,18 @@ def _extend_per_layer(p, cache_k, cache_v, tokens, positions, cache_lens, cfg, k
 
 def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelConfig,
                     share=None, interpret: bool | None = None):
-  """One decode token per slot over a per-layer cache, with the Pallas kernel: each layer writes
-  its new K/V into its cache buffer first and the kernel then attends over `cache_lens + 1`
-  entries, the new token included.
+  """One decode token per slot over a per-layer cache, with the Pallas kernel: in each layer the
+  kernel (`decode_attention.flash_decode_write`) writes the new K/V into the layer's cache
+  buffer and attends over the `cache_lens` cached entries plus the new one.
 
   Same function as `extend` followed by `write_kv`, but without the separate attention of the
   new token to itself and the log-sum-exp merge of the two parts (about ten small kernels per
-  layer, which at decode sizes cost more than the bytes they move), and without stacking the
-  new K/V of all layers. tokens: [S] ints; cache_lens: [S]; cache_k, cache_v: tuples of
+  layer, which at decode sizes cost more than the bytes they move), without the two K/V
+  scatter kernels per layer, and without stacking the new K/V of all layers. tokens: [S] ints; cache_lens: [S]; cache_k, cache_v: tuples of
   per-layer `[S, KV, C, hd]` buffers (donate them to update in place). A slot whose cache is
   full (`cache_lens == C`) gets its write dropped and attends over the C cached entries only.
   `share`: None or (src [S], shared [S]): the first `shared[s]` cached entries of slot s equal
-  those of slot `src[s]` in every layer (`decode_attention.flash_decode` reads them there).
+  those of slot `src[s]` in every layer (the kernel reads them there).
   Returns (logits `[S, V]` float32, cache_k, cache_v).
   """
   p = unbox(params)
@@ -808,22 +831,17 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   positions = cache_lens[:, None]
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-  slots = jnp.arange(s, dtype=jnp.int32)
-  c = cache_k[0].shape[2]
-  read_lens = jnp.minimum(cache_lens + 1, c)
   x = embed(p, tokens, cfg)
   new_k, new_v = list(cache_k), list(cache_v)
   for layer in range(cfg.n_layers):
     lp = jax.tree.map(lambda w: w[layer], p["layers"])
 
     def attend(q, k, v, layer=layer):
-      ck = new_k[layer].at[slots, :, cache_lens].set(k[:, 0].astype(new_k[layer].dtype),
-                                                     mode="drop")
-      cv = new_v[layer].at[slots, :, cache_lens].set(v[:, 0].astype(new_v[layer].dtype),
-                                                     mode="drop")
-      new_k[layer], new_v[layer] = ck, cv
+      # The kernel writes the new K/V into the layer's buffer (in place) and attends over the
+      # cached rows plus the new token.
       qg = q.reshape(s, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim)
-      out, _ = _flash_decode(qg, ck, cv, read_lens, interpret, share)
+      out, new_k[layer], new_v[layer] = _flash_decode_write(
+          qg, k[:, 0], v[:, 0], new_k[layer], new_v[layer], cache_lens, interpret, share)
       return out.reshape(s, 1, cfg.n_heads, cfg.head_dim).astype(v.dtype)
 
     x, _, _ = _block(x, lp, positions, attend, cfg, inv_freq)

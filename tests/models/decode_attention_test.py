@@ -311,3 +311,72 @@ def test_engine_share_bookkeeping():
   off = Engine(cfg, EngineConfig(slots=6, max_len=64, share_prompts=False))
   st, _ = off.prefill_insert(params, off.init_decode_state(), [a, a], [0, 1], [0, 1])
   assert np.asarray(st.share_len).tolist() == [0] * 6
+
+
+def _scatter_then_attend(q, kn, vn, k, v, lens, **kw):
+  c = k.shape[2]
+  slots = jnp.arange(k.shape[0])
+  k2 = k.at[slots, :, lens].set(kn, mode="drop")
+  v2 = v.at[slots, :, lens].set(vn, mode="drop")
+  out, _ = flash_decode(q, k2, v2, jnp.minimum(lens + 1, c), interpret=True, **kw)
+  return out, k2, v2
+
+
+@pytest.mark.parametrize("g", [3, 8])
+def test_flash_decode_write_equals_scatter_then_attend(g):
+  """The kernel that writes the new token's K/V gives the scatter-then-attend result: the new
+  row lands at each slot's length (dropped for a full slot, which attends over its C cached
+  rows), nothing else in the caches changes, and an empty slot attends to the new token only."""
+  from jaxagent.models.decode_attention import flash_decode_write
+  s, kv, hd, c = 6, 2, 16, 64
+  q, k, v = _rand(0, s, kv, g, hd), _rand(1, s, kv, c, hd), _rand(2, s, kv, c, hd)
+  kn, vn = _rand(3, s, kv, hd), _rand(4, s, kv, hd)
+  lens = jnp.array([0, 5, 16, 33, 63, 64], jnp.int32)
+  want, wk, wv = _scatter_then_attend(q, kn, vn, k, v, lens, block_k=16)
+  out, k2, v2 = flash_decode_write(q, kn, vn, k, v, lens, block_k=16, interpret=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-6)
+  np.testing.assert_array_equal(np.asarray(k2), np.asarray(wk))
+  np.testing.assert_array_equal(np.asarray(v2), np.asarray(wv))
+  np.testing.assert_allclose(np.asarray(out[0]), np.broadcast_to(np.asarray(vn[0])[:, None],
+                                                                  (kv, g, hd)), atol=1e-6)
+
+
+def test_flash_decode_write_reads_shared_rows_from_the_source_slot():
+  from jaxagent.models.decode_attention import flash_decode_write
+  s, kv, g, hd, c = 6, 2, 3, 16, 128
+  q, kn, vn = _rand(0, s, kv, g, hd), _rand(3, s, kv, hd), _rand(4, s, kv, hd)
+  k, v, src, shared = _shared_cache(s, kv, c, hd, [(0, (1, 2), 70), (3, (5,), 40)])
+  lens = jnp.array([100, 90, 70, 50, 0, 45], jnp.int32)
+  want, wk, wv = _scatter_then_attend(q, kn, vn, jnp.asarray(k), jnp.asarray(v), lens,
+                                      block_k=16)
+  k[1, :, :64] = v[1, :, :64] = 1e3  # slot 1's own copy of its 4 whole shared blocks
+  out, k2, _ = flash_decode_write(q, kn, vn, jnp.asarray(k), jnp.asarray(v), lens,
+                                  share=(src, shared), block_k=16, interpret=True)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(k2)[:, :, 64:], np.asarray(wk)[:, :, 64:])
+  unshared, _, _ = flash_decode_write(q, kn, vn, jnp.asarray(k), jnp.asarray(v), lens,
+                                      block_k=16, interpret=True)
+  assert not np.allclose(np.asarray(unshared[1]), np.asarray(want[1]), atol=1e-3)
+
+
+def test_flash_decode_write_per_shard():
+  """On a 2x2x2 mesh the writing kernel runs per shard (slots over data x fsdp, KV heads over
+  tensor), writes every shard's rows and reads shared rows only within a shard."""
+  from jaxagent import sharding as shd
+  s, kv, g, hd, c = 8, 2, 3, 16, 64
+  q, kn, vn = _rand(0, s, kv, g, hd), _rand(3, s, kv, hd), _rand(4, s, kv, hd)
+  k, v, src, shared = _shared_cache(s, kv, c, hd, [(0, (1,), 40), (2, (5,), 33)])
+  k, v = jnp.asarray(k), jnp.asarray(v)
+  lens = jnp.arange(s, dtype=jnp.int32) * 3 + 40
+  mesh = shd.make_mesh(2, 2, 2)
+  spec = shd.NamedSharding(mesh, shd.P(("data", "fsdp"), "tensor"))
+  rows = shd.NamedSharding(mesh, shd.P(("data", "fsdp")))
+  fn = jax.jit(shd.on_mesh(lambda *a: decoder._flash_decode_write(*a[:6], True, a[6:]), mesh),
+               in_shardings=(spec,) * 5 + (rows,) * 3)
+  args = (q, kn, vn, k, v, lens, src, shared)
+  out, k2, v2 = fn(*args)
+  want, wk, wv = _scatter_then_attend(q, kn, vn, k, v, lens)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(k2), np.asarray(wk))
+  np.testing.assert_array_equal(np.asarray(v2), np.asarray(wv))
+  assert "all-gather" not in fn.lower(*args).compile().as_text()
