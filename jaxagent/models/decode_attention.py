@@ -234,15 +234,23 @@ def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, nu
   return merged.astype(q.dtype), jnp.maximum(tot, _NEG)
 
 
-def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared: bool):
+def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared: bool, g: int,
+                  gp: int, kv: int):
+  from jax.experimental.pallas import triton as plt
   if shared:
-    share_ref, q_ref, kn_ref, vn_ref, k_ref, v_ref, o_ref, ko_ref, vo_ref = refs
+    share_ref, x_ref, k_ref, v_ref, o_ref, ko_ref, vo_ref = refs
   else:
-    q_ref, kn_ref, vn_ref, k_ref, v_ref, o_ref, ko_ref, vo_ref = refs
+    x_ref, k_ref, v_ref, o_ref, ko_ref, vo_ref = refs
   slot, head = pl.program_id(0), pl.program_id(1)
   length = lens_ref[0]
   c = k_ref.shape[2]
-  k_new, v_new = kn_ref[...], vn_ref[...]  # [1, hd]
+  heads = g * kv
+  # x_ref rows of this slot: the H query heads, then the KV new keys, then the KV new values.
+  # This program's G query rows are loaded as a power-of-two tile with the rest masked off.
+  qmask = jax.lax.broadcasted_iota(jnp.int32, (gp, x_ref.shape[2]), 0) < g
+  q = plt.load(x_ref.at[slot, pl.ds(head * g, gp), :], mask=qmask, other=0)
+  k_new = x_ref[slot, pl.ds(heads + head, 1), :]  # [1, hd]
+  v_new = x_ref[slot, pl.ds(heads + kv + head, 1), :]
   fits = length < c
 
   # The new token's K/V go to row `length` of this slot and head (dropped when the cache is
@@ -252,7 +260,7 @@ def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared
     ko_ref[slot, head, pl.ds(length, 1), :] = k_new.astype(ko_ref.dtype)
     vo_ref[slot, head, pl.ds(length, 1), :] = v_new.astype(vo_ref.dtype)
 
-  q = (q_ref[...].astype(jnp.float32) * scale).astype(dot_dtype)  # [Gp, hd]
+  q = (q.astype(jnp.float32) * scale).astype(dot_dtype)  # [Gp, hd]
   own = lambda start: (k_ref[slot, head, pl.ds(start, block_k), :],
                        v_ref[slot, head, pl.ds(start, block_k), :])
   share = None
@@ -271,7 +279,8 @@ def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared
   l = corr * l + p
   vn = v_new.astype(v_ref.dtype).astype(jnp.float32)
   o = corr[:, None] * o + p[:, None] * vn
-  o_ref[...] = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+  o = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
+  plt.store(o_ref.at[slot, pl.ds(head * g, gp), :], o, mask=qmask)
 
 
 def flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, *, share=None,
@@ -283,10 +292,12 @@ def flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, *, share=None
   over the slot's first `lengths[s]` cached keys plus the new one (the C cached keys alone for
   a full cache): the same as writing with `.at[...].set(mode="drop")` and then
   `flash_decode(q, cache_k, cache_v, min(lengths + 1, C))`, without the two scatter kernels
-  per layer. The caches are updated in place (donate them through the enclosing jit).
-  `share` as in `flash_decode`. Launch settings: `tuning(S * KV)` updated by `launch`; one
-  pass per (slot, head) (`splits` is ignored). Returns (out [S, KV, G, hd] in q's dtype,
-  cache_k, cache_v).
+  per layer. q, k_new and v_new go to the kernel as one `[S, H + 2 KV, hd]` array (XLA builds
+  it in one fusion with whatever produced them: RoPE, norms, the projection's split), and the
+  output comes back unpadded, so no padding or slicing kernels run around it either. The
+  caches are updated in place (donate them through the enclosing jit). `share` as in
+  `flash_decode`. Launch settings: `tuning(S * KV)` updated by `launch`; one pass per (slot,
+  head) (`splits` is ignored). Returns (out [S, KV, G, hd] in q's dtype, cache_k, cache_v).
   """
   t = tuning(programs=q.shape[0] * q.shape[1])
   unknown = set(launch) - set(t)
@@ -312,11 +323,18 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, *, bl
   if block_k < 16:
     raise ValueError(f"cache length {c} must be a multiple of 16 for the decode kernel")
   gp = max(16, 1 << (g - 1).bit_length())
-  qp = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+  heads = kv * g
+  # On a GPU the masked tiles of the last head group reach past the query rows (no memory is
+  # touched there); interpret mode slices them out of real memory, so it gets `gp` spare rows.
+  spare = gp if interpret else 0
+  parts = [q.reshape(s, heads, hd), k_new.astype(q.dtype), v_new.astype(q.dtype)]
+  if spare:
+    parts.append(jnp.zeros((s, spare, hd), q.dtype))
+  x = jnp.concatenate(parts, axis=1)
   lens = jnp.broadcast_to(lengths.astype(jnp.int32)[:, None, None], (s, kv, 1))
   dot_dtype = cache_k.dtype if low_precision_dot else jnp.float32
   kern = functools.partial(_write_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd),
-                           dot_dtype=dot_dtype, shared=share is not None)
+                           dot_dtype=dot_dtype, shared=share is not None, g=g, gp=gp, kv=kv)
   row = lambda i, j: (i, j, 0)
   in_specs = [pl.BlockSpec((None, None, 1), row)]
   args = [lens]
@@ -324,14 +342,13 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, *, bl
     src, shared = (jnp.asarray(x, jnp.int32) for x in share)
     in_specs.append(pl.BlockSpec((None, None, 2), row))
     args.append(jnp.broadcast_to(jnp.stack([src, shared], -1)[:, None], (s, kv, 2)))
-  # Whole-cache refs: each program reads its own rows and, with sharing, its source's; the
+  # Whole-array refs: each program reads its own rows and, with sharing, its source's; the
   # caches are aliased to the outputs, so the write lands in place (no copy of the cache).
-  whole = pl.BlockSpec((s, kv, c, hd), lambda i, j: (0, 0, 0, 0))
-  new_spec = pl.BlockSpec((None, None, 1, hd), lambda i, j: (i, j, 0, 0))
-  in_specs += [pl.BlockSpec((None, None, gp, hd), lambda i, j: (i, j, 0, 0)), new_spec,
-               new_spec, whole, whole]
-  n_in = len(args) + 5
-  args += [qp, k_new[:, :, None], v_new[:, :, None], cache_k, cache_v]
+  whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * len(a.shape))
+  out_shape = jax.ShapeDtypeStruct((s, heads + spare, hd), q.dtype)
+  in_specs += [whole(x), whole(cache_k), whole(cache_v)]
+  n_in = len(args) + 3
+  args += [x, cache_k, cache_v]
   params = {}
   if not interpret and (num_warps or num_stages):
     from jax.experimental.pallas import triton as plt
@@ -340,12 +357,11 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, *, bl
       kern,
       grid=(s, kv),
       in_specs=in_specs,
-      out_specs=[pl.BlockSpec((None, None, gp, hd), lambda i, j: (i, j, 0, 0)), whole, whole],
-      out_shape=[jax.ShapeDtypeStruct((s, kv, gp, hd), q.dtype),
-                 jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
+      out_specs=[whole(out_shape), whole(cache_k), whole(cache_v)],
+      out_shape=[out_shape, jax.ShapeDtypeStruct(cache_k.shape, cache_k.dtype),
                  jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype)],
       input_output_aliases={n_in - 2: 1, n_in - 1: 2},
       interpret=interpret,
       **params,
   )(*args)
-  return out[:, :, :g], ck, cv
+  return out[:, :heads].reshape(s, kv, g, hd), ck, cv
