@@ -138,6 +138,35 @@ def _kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, split_blocks
   lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe), _NEG)
 
 
+def _launch_settings(fn: str, programs: int, launch: dict) -> dict:
+  """`tuning(programs)` updated by a call's `launch` keywords (unknown ones are an error)."""
+  t = tuning(programs=programs)
+  unknown = set(launch) - set(t)
+  if unknown:
+    raise TypeError(f"{fn}: unknown launch settings {sorted(unknown)}")
+  t.update(launch)
+  return t
+
+
+def _slot_inputs(lengths, share, s: int, kv: int, index_map):
+  """BlockSpecs and arrays of the per-(slot, head) scalars: each slot's length and, with
+  `share`, its (source slot, shared rows)."""
+  specs = [pl.BlockSpec((None, None, 1), index_map)]
+  args = [jnp.broadcast_to(lengths.astype(jnp.int32)[:, None, None], (s, kv, 1))]
+  if share is not None:
+    src, shared = (jnp.asarray(x, jnp.int32) for x in share)
+    specs.append(pl.BlockSpec((None, None, 2), index_map))
+    args.append(jnp.broadcast_to(jnp.stack([src, shared], -1)[:, None], (s, kv, 2)))
+  return specs, args
+
+
+def _compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
+  if interpret or not (num_warps or num_stages):
+    return {}
+  from jax.experimental.pallas import triton as plt
+  return {"compiler_params": plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)}
+
+
 def flash_decode(q, cache_k, cache_v, lengths, *, share=None, interpret: bool = False,
                  **launch):
   """Attention of one query per (slot, head group) over each slot's first `lengths[s]` keys.
@@ -152,11 +181,7 @@ def flash_decode(q, cache_k, cache_v, lengths, *, share=None, interpret: bool = 
   length 0 give out 0 and lse -1e30. Launch settings are `tuning(S * KV)` updated by `launch`
   (e.g. `block_k=32`).
   """
-  t = tuning(programs=q.shape[0] * q.shape[1])
-  unknown = set(launch) - set(t)
-  if unknown:
-    raise TypeError(f"flash_decode: unknown launch settings {sorted(unknown)}")
-  t.update(launch)
+  t = _launch_settings("flash_decode", q.shape[0] * q.shape[1], launch)
   return _flash_decode(q, cache_k, cache_v, lengths, share, block_k=t["block_k"],
                        num_warps=t["num_warps"], num_stages=t["num_stages"],
                        low_precision_dot=bool(t["low_precision_dot"]), splits=t["splits"],
@@ -183,20 +208,13 @@ def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, nu
   else:
     bq, gp = _ROWS, -(-g // _ROWS) * _ROWS
   qp = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-  lens = jnp.broadcast_to(lengths.astype(jnp.int32)[:, None, None], (s, kv, 1))
   dot_dtype = cache_k.dtype if low_precision_dot else jnp.float32
   nr = gp // bq
   kern = functools.partial(_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd),
                            dot_dtype=dot_dtype, split_blocks=split_blocks, row_blocks=nr,
                            shared=share is not None)
-  row = lambda i, j, a: (i, j, 0)
   cache_spec = pl.BlockSpec((None, None, c, hd), lambda i, j, a: (i, j, 0, 0))
-  in_specs = [pl.BlockSpec((None, None, 1), row)]
-  args = [lens]
-  if share is not None:
-    src, shared = (jnp.asarray(x, jnp.int32) for x in share)
-    in_specs.append(pl.BlockSpec((None, None, 2), row))
-    args.append(jnp.broadcast_to(jnp.stack([src, shared], -1)[:, None], (s, kv, 2)))
+  in_specs, args = _slot_inputs(lengths, share, s, kv, lambda i, j, a: (i, j, 0))
   in_specs += [pl.BlockSpec((None, None, bq, hd), lambda i, j, a: (i, j, a % nr, 0)),
                cache_spec, cache_spec]
   args += [qp, cache_k, cache_v]
@@ -206,10 +224,6 @@ def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, nu
     args += [cache_k, cache_v]
   # Partial outputs of several splits stay float32 until they are merged.
   o_dtype = q.dtype if splits == 1 else jnp.float32
-  params = {}
-  if not interpret and (num_warps or num_stages):
-    from jax.experimental.pallas import triton as plt
-    params["compiler_params"] = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   # Grid axis 2 enumerates (split, query-row block) pairs: a = split * nr + row block.
   out, lse = pl.pallas_call(
       kern,
@@ -222,7 +236,7 @@ def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, nu
       out_shape=[jax.ShapeDtypeStruct((s, kv, splits, gp, hd), o_dtype),
                  jax.ShapeDtypeStruct((s, kv, splits, gp), jnp.float32)],
       interpret=interpret,
-      **params,
+      **_compiler_params(interpret, num_warps, num_stages),
   )(*args)
   out, lse = out[:, :, :, :g], lse[:, :, :, :g]
   if splits == 1:
@@ -299,11 +313,7 @@ def flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, *, share=None
   `flash_decode`. Launch settings: `tuning(S * KV)` updated by `launch`; one pass per (slot,
   head) (`splits` is ignored). Returns (out [S, KV, G, hd] in q's dtype, cache_k, cache_v).
   """
-  t = tuning(programs=q.shape[0] * q.shape[1])
-  unknown = set(launch) - set(t)
-  if unknown:
-    raise TypeError(f"flash_decode_write: unknown launch settings {sorted(unknown)}")
-  t.update(launch)
+  t = _launch_settings("flash_decode_write", q.shape[0] * q.shape[1], launch)
   if q.shape[2] > _ROWS:
     raise ValueError(f"flash_decode_write: at most {_ROWS} query rows per KV head, got "
                      f"{q.shape[2]}")
@@ -331,17 +341,10 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, *, bl
   if spare:
     parts.append(jnp.zeros((s, spare, hd), q.dtype))
   x = jnp.concatenate(parts, axis=1)
-  lens = jnp.broadcast_to(lengths.astype(jnp.int32)[:, None, None], (s, kv, 1))
   dot_dtype = cache_k.dtype if low_precision_dot else jnp.float32
   kern = functools.partial(_write_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd),
                            dot_dtype=dot_dtype, shared=share is not None, g=g, gp=gp, kv=kv)
-  row = lambda i, j: (i, j, 0)
-  in_specs = [pl.BlockSpec((None, None, 1), row)]
-  args = [lens]
-  if share is not None:
-    src, shared = (jnp.asarray(x, jnp.int32) for x in share)
-    in_specs.append(pl.BlockSpec((None, None, 2), row))
-    args.append(jnp.broadcast_to(jnp.stack([src, shared], -1)[:, None], (s, kv, 2)))
+  in_specs, args = _slot_inputs(lengths, share, s, kv, lambda i, j: (i, j, 0))
   # Whole-array refs: each program reads its own rows and, with sharing, its source's; the
   # caches are aliased to the outputs, so the write lands in place (no copy of the cache).
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * len(a.shape))
@@ -349,10 +352,6 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, *, bl
   in_specs += [whole(x), whole(cache_k), whole(cache_v)]
   n_in = len(args) + 3
   args += [x, cache_k, cache_v]
-  params = {}
-  if not interpret and (num_warps or num_stages):
-    from jax.experimental.pallas import triton as plt
-    params["compiler_params"] = plt.CompilerParams(num_warps=num_warps, num_stages=num_stages)
   out, ck, cv = pl.pallas_call(
       kern,
       grid=(s, kv),
@@ -362,6 +361,6 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, *, bl
                  jax.ShapeDtypeStruct(cache_v.shape, cache_v.dtype)],
       input_output_aliases={n_in - 2: 1, n_in - 1: 2},
       interpret=interpret,
-      **params,
+      **_compiler_params(interpret, num_warps, num_stages),
   )(*args)
   return out[:, :heads].reshape(s, kv, g, hd), ck, cv
