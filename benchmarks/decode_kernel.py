@@ -2,13 +2,16 @@
 
     python benchmarks/decode_kernel.py --models qwen3-0.6b,qwen2.5-1.5b --batches 256 \
         --sweep "block_k=16,32,64;num_warps=2,4;num_stages=2,3,4;splits=1,2"
+    python benchmarks/decode_kernel.py --kernels read,write   # flash_decode vs flash_decode_write
 
 Each measurement runs the kernel over `n_layers` distinct per-layer caches in one program (as a
 decode step does, so no layer's cache is still in L2 when it is read) with every slot at
 `--cached` keys, and reports microseconds per call and the bandwidth of the bytes it must read
 (live K and V, queries) and write, against the HBM peak (`benchmarks.common.PEAKS`). A
 reduction over the same caches (`jnp.sum` in float32) gives the bandwidth XLA reaches on this
-card, as a practical ceiling.
+card, as a practical ceiling. `--kernels write` times `flash_decode_write` (the kernel the
+write-first decode step runs: it also writes each slot's new K/V row into the cache, which is
+donated from call to call so the write stays in place) instead of `flash_decode`.
 """
 import argparse
 import itertools
@@ -22,7 +25,7 @@ import jax.numpy as jnp
 
 from benchmarks.common import emit, peaks, timeit
 from jaxagent import models
-from jaxagent.models.decode_attention import flash_decode
+from jaxagent.models.decode_attention import flash_decode, flash_decode_write
 
 # (prompt tokens, max length) of each model's benchmark in generate.py / peer_tunix.py; the
 # cached length defaults to the run's average (prompt + half the new tokens).
@@ -46,6 +49,8 @@ def main():
                   "(0: the model's layer count)")
   ap.add_argument("--sweep", default="", help="'key=v1,v2;key=...' over the kernel's launch "
                   "settings (decode_attention.DEFAULT_TUNING keys); empty: the defaults")
+  ap.add_argument("--kernels", default="read", help="read (flash_decode), write "
+                  "(flash_decode_write) or both, comma-separated")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU check "
                   "of the script, not a timing)")
@@ -69,23 +74,41 @@ def main():
       emit("decode_kernel_ceiling", model=name, batch=s, cached=cached,
            us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
            hbm_fraction=moved / t / hbm)
-      for launch in parse_sweep(args.sweep):
-        def run(q, cs, lens, launch=launch):
-          acc = jnp.zeros((), jnp.float32)
+      kn = jax.random.normal(keys[0], (s, kv, hd), jnp.bfloat16)
+      for kernel, launch in itertools.product(args.kernels.split(","), parse_sweep(args.sweep)):
+        if kernel not in ("read", "write"):
+          raise SystemExit(f"--kernels: unknown kernel {kernel!r} (expected read or write)")
+
+        def run(q, cs, lens, kernel=kernel, launch=launch):
+          acc, new = jnp.zeros((), jnp.float32), []
           for i in range(n_layers):
             # Each call's query depends on the last output so that no two calls overlap.
-            o, _ = flash_decode(q + acc.astype(q.dtype), cs[2 * i], cs[2 * i + 1], lens,
-                                interpret=args.interpret, **launch)
+            qi = q + acc.astype(q.dtype)
+            if kernel == "write":
+              o, ck, cv = flash_decode_write(qi, kn, kn, cs[2 * i], cs[2 * i + 1], lens,
+                                             interpret=args.interpret, **launch)
+              new += [ck, cv]
+            else:
+              o, _ = flash_decode(qi, cs[2 * i], cs[2 * i + 1], lens, interpret=args.interpret,
+                                  **launch)
             acc = o[0, 0, 0, 0].astype(jnp.float32) * 0
-          return acc
+          return acc, new
+        holder = [caches]
+
+        def call(f):
+          acc, new = f(q, holder[0], lens)
+          if new:
+            holder[0] = new
+          jax.block_until_ready(acc)
         try:
-          f = jax.jit(run)
-          t = timeit(lambda: jax.block_until_ready(f(q, caches, lens)),
-                     iters=args.iters)["median_s"]
+          f = jax.jit(run, donate_argnums=(1,) if kernel == "write" else ())
+          t = timeit(lambda: call(f), iters=args.iters)["median_s"]
         except Exception as e:  # report the setting that failed and go on
-          emit("decode_kernel", model=name, batch=s, launch=launch, error=str(e)[:200])
+          emit("decode_kernel", model=name, batch=s, kernel=kernel, launch=launch,
+               error=str(e)[:200])
           continue
-        emit("decode_kernel", model=name, batch=s, cached=cached, launch=launch,
+        caches = holder[0]
+        emit("decode_kernel", model=name, batch=s, cached=cached, kernel=kernel, launch=launch,
              us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
              hbm_fraction=moved / t / hbm)
       caches = None  # free this batch size's caches before the next
