@@ -205,8 +205,13 @@ class Engine:
     self.mesh = mesh
     self._eos = jnp.asarray(sorted(set(self.ecfg.eos_ids)) or [-1], jnp.int32)
     choice = self.ecfg.decode_attention
+    backend = jax.default_backend()
     if choice == "auto":
-      choice = "pallas" if jax.default_backend() == "gpu" else "xla"
+      choice = "pallas" if backend == "gpu" else "xla"
+    elif choice == "pallas" and backend not in ("gpu", "cpu"):
+      # The kernel is a Triton (GPU) kernel; CPUs run it in Pallas interpret mode (tests).
+      raise ValueError(f"EngineConfig.decode_attention='pallas' is a GPU kernel and cannot run "
+                       f"on {backend!r}: use 'auto' or 'xla' there")
     self._attn = choice
     layout = self.ecfg.cache_layout
     self.cache_layout = (("per_layer" if choice == "pallas" else "stacked") if layout == "auto"

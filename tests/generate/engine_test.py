@@ -165,6 +165,13 @@ def test_bad_input_errors(params):
     generate(params, CFG, [[1, 2, 3]], 4, stop=["</code>"])
 
 
+def test_pallas_decode_attention_off_gpu_is_a_clear_error(monkeypatch):
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  with pytest.raises(ValueError, match="GPU kernel"):
+    Engine(CFG, EngineConfig(slots=2, max_len=64, decode_attention="pallas"))
+  assert Engine(CFG, EngineConfig(slots=2, max_len=64)).cache_layout == "stacked"
+
+
 def test_cache_layouts_give_the_same_sampled_tokens(params):
   from jaxagent.generate import run_requests
   prompts = _prompts(6, seed=8)
