@@ -128,7 +128,8 @@ def test_timeout_resolves_at_deadline_while_thread_stays_stuck():
         start = time.monotonic()
         result = executor.run("hang", {}, timeout_s=0.3)
         waited = time.monotonic() - start
-        assert result.timed_out and 0.25 < waited < 1.0
+        # Upper bounds leave room for a loaded 2-core CI machine; the hang itself never ends.
+        assert result.timed_out and 0.25 < waited < 2.0
         assert executor.stats()["stuck_threads"] == 1
         assert executor.run("nap", {"seconds": 0}).ok  # a replacement thread serves new calls
         RELEASE.set()
@@ -143,7 +144,7 @@ def test_tool_timeout_attribute_and_default():
     with ToolExecutor(default_timeout_s=5) as executor:
         start = time.monotonic()
         assert executor.run(slow, {}).timed_out
-        assert time.monotonic() - start < 1.0
+        assert time.monotonic() - start < 3.0  # the tool's 0.2 s, not the default 5 s
         RELEASE.set()
     with pytest.raises(ValueError, match="timeout_s must be positive"):
         ToolExecutor().submit(nap, {"seconds": 0}, timeout_s=0)
@@ -156,7 +157,7 @@ def test_saturated_executor_fails_fast_instead_of_waiting_forever():
         start = time.monotonic()
         result = executor.run("nap", {"seconds": 0})
         assert not result.ok and "saturated" in result.error
-        assert time.monotonic() - start < 0.5
+        assert time.monotonic() - start < 2.0
         RELEASE.set()
         deadline = time.monotonic() + 5
         while executor.stats()["stuck_threads"] and time.monotonic() < deadline:
