@@ -647,6 +647,7 @@ def tiny():
   return cfg, params, engine
 
 
+@pytest.mark.slow  # ~60 s on 2 cores; the scripted multi-turn ledger test stays in the default run
 def test_real_model_ledger_matches_engine_samples_and_training_forward(tiny):
   cfg, params, engine = tiny
   rec = RecordingEngine(engine)

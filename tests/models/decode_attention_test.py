@@ -197,6 +197,7 @@ def test_flash_decode_runs_per_shard_on_a_mesh():
   assert "all-gather" not in fn.lower(q, k, v, lens).compile().as_text()
 
 
+@pytest.mark.slow  # ~40 s on 2 cores; the kernels' per-shard tests stay in the default run
 def test_engine_on_a_mesh_with_the_decode_kernel_matches_single_device():
   from jaxagent import sharding as shd
   cfg = models.get_config("tiny-qwen2")

@@ -28,7 +28,7 @@ def _problem(preset, **kw):
 
 
 @pytest.mark.parametrize("preset,tied", [("tiny-qwen3", None), ("tiny-llama", False),
-                                         ("tiny-llama", True)])
+                                         pytest.param("tiny-llama", True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_token_logprobs_values_and_grads_equal_full_log_softmax(preset, tied, temperature):
   kw = {} if tied is None else {"tie_embeddings": tied}

@@ -45,7 +45,9 @@ def _segments(b, t, seed):
   return jnp.asarray(seg)
 
 
-@pytest.mark.parametrize("t,h,kv,hd", [(192, 4, 2, 16), (200, 6, 2, 32), (100, 3, 3, 16)])
+@pytest.mark.parametrize("t,h,kv,hd", [
+    pytest.param(192, 4, 2, 16, marks=pytest.mark.slow),
+    pytest.param(200, 6, 2, 32, marks=pytest.mark.slow), (100, 3, 3, 16)])
 def test_values_and_grads_equal_dense_mask(t, h, kv, hd):
   b = 3
   q, k, v, w = _qkv(b, t, h, kv, hd, seed=t)
@@ -157,7 +159,8 @@ def test_auto_attention_path():
   assert decoder.attention_path(cfg.replace(attention_impl="cudnn"), "gpu") == "cudnn"
 
 
-@pytest.mark.parametrize("data,fsdp,tensor", [(4, 1, 2), (1, 8, 1), (2, 2, 2)])
+@pytest.mark.parametrize("data,fsdp,tensor", [
+    pytest.param(4, 1, 2, marks=pytest.mark.slow), (1, 8, 1), (2, 2, 2)])
 def test_sharded_rows_and_heads_run_per_shard(data, fsdp, tensor):
   # Under a mesh the kernels run per shard (shard_map): the same values and gradients as one
   # device, and no all-gather of q / k / v onto every device.

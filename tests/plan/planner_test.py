@@ -55,6 +55,7 @@ def test_learner_parts_match_the_trainer():
     trainer.close()
 
 
+@pytest.mark.slow  # ~20 s on 2 cores
 def test_model_attention_key_sets_the_attention_path():
   c = tiny()
   assert c.model.attention == "auto" and plan.model_config(c).attention_impl == "auto"

@@ -196,6 +196,7 @@ def test_score_in_micro_batches_equals_one_pass():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.slow  # ~50 s on 2 cores; the sharded unrolled test covers gathered weights
 def test_gather_weights_once_per_step_same_update_fewer_all_gathers():
   """fsdp over 8 devices, 4 micro-batches: gathering the weights once per step gives the same
   new params as the default path and executes fewer all-gather bytes (loop-weighted HLO)."""
@@ -221,6 +222,7 @@ def test_gather_weights_once_per_step_same_update_fewer_all_gathers():
   assert gathered[True] < 0.6 * gathered[False], gathered
 
 
+@pytest.mark.slow  # ~30 s on 2 cores
 def test_mixed_precision_step_equals_per_use_casts():
   """float32 masters with bfloat16 compute: the step differentiates a bfloat16 copy made once
   and accumulates in float32; its update equals differentiating the float32 masters directly
@@ -254,7 +256,7 @@ def test_mixed_precision_step_equals_per_use_casts():
 
 @pytest.mark.parametrize("micro_batches,dtype,save_probs", [
     (1, "float32", False), pytest.param(2, "float32", True, marks=pytest.mark.slow),
-    (2, "bfloat16", True)])
+    pytest.param(2, "bfloat16", True, marks=pytest.mark.slow)])
 def test_unrolled_layer_loop_equals_scan(micro_batches, dtype, save_probs):
   """`ModelConfig.scan_layers=False` (per-layer weights cut once per step, an unrolled layer
   loop) gives the scan's loss, metrics and update (float32 masters; float32 compute to float32
