@@ -9,6 +9,11 @@ the partial results are merged by log-sum-exp (flash-decoding), for launches wit
 an H100 even with 2-3 KV heads, so the default is one split. The XLA einsum path reads each
 (slot, head) through small batched matmuls far below HBM bandwidth; this kernel reads every
 live key and value once.
+
+`flash_decode_write` is the one-token form the GPU decode step runs (`decoder.decode_in_place`):
+it also writes the new token's key and value into the cache in place and attends to them from
+registers, taking q and the new K/V as one array and returning the output unpadded, so that no
+scatter, padding or slicing kernel runs around it.
 """
 from __future__ import annotations
 
