@@ -165,6 +165,14 @@ def _slot_inputs(lengths, share, s: int, kv: int, index_map):
   return specs, args
 
 
+def _cache_block(block_k: int, c: int) -> int:
+  """The largest power of two dividing the cache length `c`, at most `block_k`."""
+  block = min(block_k, c & -c)
+  if block < 16:
+    raise ValueError(f"cache length {c} must be a multiple of 16 for the decode kernel")
+  return block
+
+
 def _compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
   if interpret or not (num_warps or num_stages):
     return {}
@@ -199,9 +207,7 @@ def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, nu
                   low_precision_dot, splits, interpret):
   s, kv, g, hd = q.shape
   c = cache_k.shape[2]
-  block_k = min(block_k, c & -c)  # the largest power of two dividing C, at most block_k
-  if block_k < 16:
-    raise ValueError(f"cache length {c} must be a multiple of 16 for the decode kernel")
+  block_k = _cache_block(block_k, c)
   n_blocks = c // block_k
   splits = auto_splits(s, kv, c, block_k) if splits <= 0 else min(splits, n_blocks)
   split_blocks = -(-n_blocks // splits)
@@ -334,9 +340,7 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, *, bl
                         num_warps, num_stages, low_precision_dot, interpret):
   s, kv, g, hd = q.shape
   c = cache_k.shape[2]
-  block_k = min(block_k, c & -c)
-  if block_k < 16:
-    raise ValueError(f"cache length {c} must be a multiple of 16 for the decode kernel")
+  block_k = _cache_block(block_k, c)
   gp = max(16, 1 << (g - 1).bit_length())
   heads = kv * g
   # On a GPU the masked tiles of the last head group reach past the query rows (no memory is

@@ -305,43 +305,39 @@ def _local_share(offset, shared):
   return jnp.where(ok, local, own), jnp.where(ok, shared, 0)
 
 
-def _flash_decode(q, cache_k, cache_v, lens, interpret, share=None):
-  """`decode_attention.flash_decode`, per shard under the ambient mesh (slots over the batch
-  axes, KV heads over "tensor", as `sharding.kv_cache_spec` lays out the cache). `share`:
-  None or (src, shared) slot indices and lengths (see `flash_decode`); a slot and its `src`
-  must be on the same shard."""
-  from jaxagent.models.decode_attention import flash_decode
+def _per_shard_decode(kernel, arrays, out_ndims, interpret, share):
+  """`kernel(*arrays, share=..., interpret=...)` (a decode attention kernel of
+  `decode_attention.py`; `arrays` end with the caches and the lengths) per shard under the
+  ambient mesh: slots over the batch axes, KV heads over "tensor", as
+  `sharding.kv_cache_spec` lays out the cache. `share`: None or (src, shared) slot indices and
+  lengths; a slot and its `src` must be on the same shard."""
+  kv_heads = arrays[-2].shape[1]
   if share is None:
-    fn = functools.partial(flash_decode, interpret=interpret)
-    return _per_shard(fn, (q, cache_k, cache_v, lens), (4, 3), 1, cache_k.shape[1])
+    fn = functools.partial(kernel, interpret=interpret)
+    return _per_shard(fn, arrays, out_ndims, 1, kv_heads)
   src, shared = share
   # Offsets from each slot to its source stay valid in every shard's local slot numbering.
   offset = src - jnp.arange(src.shape[0], dtype=src.dtype)
 
-  def fn(q, ck, cv, lens, offset, shared):
-    return flash_decode(q, ck, cv, lens, share=_local_share(offset, shared), interpret=interpret)
+  def fn(*args):
+    *args, offset, shared = args
+    return kernel(*args, share=_local_share(offset, shared), interpret=interpret)
 
-  return _per_shard(fn, (q, cache_k, cache_v, lens, offset, shared), (4, 3), 1,
-                    cache_k.shape[1])
+  return _per_shard(fn, (*arrays, offset, shared), out_ndims, 1, kv_heads)
+
+
+def _flash_decode(q, cache_k, cache_v, lens, interpret, share=None):
+  """`decode_attention.flash_decode` per shard (`_per_shard_decode`)."""
+  from jaxagent.models.decode_attention import flash_decode
+  return _per_shard_decode(flash_decode, (q, cache_k, cache_v, lens), (4, 3), interpret, share)
 
 
 def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lens, interpret, share=None):
   """`decode_attention.flash_decode_write` (the new token's K/V written into the cache by the
-  attention kernel), per shard as `_flash_decode`."""
+  attention kernel) per shard (`_per_shard_decode`)."""
   from jaxagent.models.decode_attention import flash_decode_write
-  if share is None:
-    fn = functools.partial(flash_decode_write, interpret=interpret)
-    return _per_shard(fn, (q, k_new, v_new, cache_k, cache_v, lens), (4, 4, 4), 1,
-                      cache_k.shape[1])
-  src, shared = share
-  offset = src - jnp.arange(src.shape[0], dtype=src.dtype)
-
-  def fn(q, kn, vn, ck, cv, lens, offset, shared):
-    return flash_decode_write(q, kn, vn, ck, cv, lens, share=_local_share(offset, shared),
-                              interpret=interpret)
-
-  return _per_shard(fn, (q, k_new, v_new, cache_k, cache_v, lens, offset, shared), (4, 4, 4),
-                    1, cache_k.shape[1])
+  return _per_shard_decode(flash_decode_write, (q, k_new, v_new, cache_k, cache_v, lens),
+                           (4, 4, 4), interpret, share)
 
 
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
@@ -818,8 +814,9 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   Same function as `extend` followed by `write_kv`, but without the separate attention of the
   new token to itself and the log-sum-exp merge of the two parts (about ten small kernels per
   layer, which at decode sizes cost more than the bytes they move), without the two K/V
-  scatter kernels per layer, and without stacking the new K/V of all layers. tokens: [S] ints; cache_lens: [S]; cache_k, cache_v: tuples of
-  per-layer `[S, KV, C, hd]` buffers (donate them to update in place). A slot whose cache is
+  scatter kernels per layer, and without stacking the new K/V of all layers. tokens: [S] ints;
+  cache_lens: [S]; cache_k, cache_v: tuples of per-layer `[S, KV, C, hd]` buffers (donate them
+  to update in place). A slot whose cache is
   full (`cache_lens == C`) gets its write dropped and attends over the C cached entries only.
   `share`: None or (src [S], shared [S]): the first `shared[s]` cached entries of slot s equal
   those of slot `src[s]` in every layer (the kernel reads them there).
