@@ -34,13 +34,15 @@ _ROWS = 64  # query rows per program, at most
 # inputs), splits (sequence ranges per (slot, head); 0 = `auto_splits`). Set by
 # `JAXAGENT_DECODE_KERNEL="block_k=128,num_warps=8"` for sweeps (benchmarks/generate.py
 # --variants); read when a program is traced.
-# Defaults: the fastest of a sweep on an H100 with the write-first decode step (256 slots;
-# RESULTS.md): blocks of 32 keys, 4 warps, 2 stages beat the earlier H200-tuned 64 / 4 / 3 on
-# all three shapes measured (SmolLM2-135M 2.54 -> 2.50 ms per step, Qwen2.5-1.5B 4.61 -> 4.50,
-# Qwen3-0.6B 6.86 -> 6.64); 8 warps were 2-16% slower. One split: auto splits (2-4) were 2-3%
-# slower than one pass even for the models with 2-3 KV heads (512-768 programs), so the kernel
-# is not short of programs there.
-DEFAULT_TUNING = dict(block_k=32, num_warps=4, num_stages=2, low_precision_dot=1, splits=1)
+# Defaults: the fastest of sweeps on an H100 with the write-first decode step (256 slots;
+# RESULTS.md): blocks of 32 keys and 2 stages beat the earlier H200-tuned 64 / 3 on all three
+# shapes measured (SmolLM2-135M 2.54 -> 2.50 ms per step, Qwen2.5-1.5B 4.61 -> 4.50,
+# Qwen3-0.6B 6.86 -> 6.64). One warp per program: with the kernel writing the new K/V
+# (`flash_decode_write`) the Qwen3-0.6B step (2048 programs) went 6.23 -> 5.98 ms against 4
+# warps, SmolLM2-135M and Qwen2.5-1.5B (768 and 512 programs) within 0.5%; 8 warps were 2-16%
+# slower. One split: auto splits (2-4) were 2-3% slower than one pass even for the models with
+# 2-3 KV heads (512-768 programs), so the kernel is not short of programs there.
+DEFAULT_TUNING = dict(block_k=32, num_warps=1, num_stages=2, low_precision_dot=1, splits=1)
 # Launches of at most `FEW_PROGRAMS` (slot, KV head) programs (an H100 has 132 SMs) read each
 # sequence in longer blocks with more loads in flight per program: at 64 slots (128-192
 # programs) blocks of 64 keys, 2 warps, 3 stages measured 8-14% faster per decode step on an
