@@ -6,14 +6,19 @@
 
 Each measurement runs the kernel over `n_layers` distinct per-layer caches in one program (as a
 decode step does, so no layer's cache is still in L2 when it is read) with every slot at
-`--cached` keys, and reports microseconds per call and the bandwidth of the bytes it must read
-(live K and V, queries) and write, against the HBM peak (`benchmarks.common.PEAKS`). A
-reduction over the same caches (`jnp.sum` in float32) gives the bandwidth XLA reaches on this
-card, as a practical ceiling. `--kernels write` times `flash_decode_write` (the kernel the
-write-first decode step runs: it also writes each slot's new K/V row into the cache, which is
-donated from call to call so the write stays in place) instead of `flash_decode`.
+`--cached` keys, each call's query being the previous call's output (so that no two calls
+overlap and no other kernel runs between them), and reports microseconds per call and the
+bandwidth of the bytes it must read (live K and V, queries) and write, against the HBM peak
+(`benchmarks.common.PEAKS`). Two ceilings come first: a Pallas kernel of the same grid and
+blocks that only sums the live K/V (`decode_kernel_read_ceiling`: what this access pattern
+allows a Triton kernel without the attention's arithmetic), and a reduction by XLA over the
+same caches (`decode_kernel_ceiling`, `jnp.sum` in float32). `--kernels write` times
+`flash_decode_write` (the kernel the write-first decode step runs: it also writes each slot's
+new K/V row into the cache, which is donated from call to call so the write stays in place)
+instead of `flash_decode`.
 """
 import argparse
+import functools
 import itertools
 import os
 import sys
@@ -22,14 +27,45 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from benchmarks.common import emit, peaks, timeit
 from jaxagent import models
-from jaxagent.models.decode_attention import flash_decode, flash_decode_write
+from jaxagent.models.decode_attention import (_compiler_params, flash_decode,
+                                              flash_decode_write, tuning)
 
 # (prompt tokens, max length) of each model's benchmark in generate.py / peer_tunix.py; the
 # cached length defaults to the run's average (prompt + half the new tokens).
 SHAPES = {"qwen3-0.6b": (128, 640), "smollm2-135m": (256, 768), "qwen2.5-1.5b": (256, 768)}
+
+
+def _read_kernel(lens_ref, dep_ref, k_ref, v_ref, o_ref, *, block_k: int):
+  n = (lens_ref[0] + block_k - 1) // block_k
+
+  def body(b, acc):
+    start = pl.multiple_of(b * block_k, block_k)
+    k, v = k_ref[pl.ds(start, block_k), :], v_ref[pl.ds(start, block_k), :]
+    return acc + k.astype(jnp.float32) + v.astype(jnp.float32)
+  acc = jax.lax.fori_loop(0, n, body, jnp.zeros((block_k, k_ref.shape[-1]), jnp.float32))
+  o_ref[...] = acc.sum(0) + dep_ref[0, 0, :]
+
+
+def read_ceiling(dep, cache_k, cache_v, lengths, *, block_k: int, num_warps: int,
+                 num_stages: int, interpret: bool = False):
+  """Sums the K and V blocks of `block_k` rows that hold each (slot, KV head)'s live rows,
+  one program each (the decode kernel's grid and loads without its arithmetic); `dep` (the previous call's
+  [S, KV, hd] float32 output: its first row is added to every output) chains calls without a
+  kernel between them. Returns [S, KV, hd] float32."""
+  s, kv, c, hd = cache_k.shape
+  lens = jnp.broadcast_to(lengths.astype(jnp.int32)[:, None, None], (s, kv, 1))
+  spec = pl.BlockSpec((None, None, c, hd), lambda i, j: (i, j, 0, 0))
+  return pl.pallas_call(
+      functools.partial(_read_kernel, block_k=block_k), grid=(s, kv),
+      in_specs=[pl.BlockSpec((None, None, 1), lambda i, j: (i, j, 0)),
+                pl.BlockSpec((1, 1, hd), lambda i, j: (0, 0, 0)), spec, spec],
+      out_specs=pl.BlockSpec((None, None, hd), lambda i, j: (i, j, 0)),
+      out_shape=jax.ShapeDtypeStruct((s, kv, hd), jnp.float32), interpret=interpret,
+      **_compiler_params(interpret, num_warps, num_stages))(lens, dep, cache_k, cache_v)
 
 
 def parse_sweep(spec: str) -> list[dict]:
@@ -69,6 +105,17 @@ def main():
       q = jax.random.normal(keys[-1], (s, kv, g, hd), jnp.bfloat16)
       lens = jnp.full((s,), cached, jnp.int32)
       moved = (2 * s * kv * cached * hd * 2 + 2 * q.size * 2) * n_layers
+      t_def = tuning(programs=s * kv)
+      read = jax.jit(lambda cs: functools.reduce(
+          lambda dep, i: read_ceiling(dep, cs[2 * i], cs[2 * i + 1], lens,
+                                      block_k=t_def["block_k"], num_warps=t_def["num_warps"],
+                                      num_stages=t_def["num_stages"],
+                                      interpret=args.interpret),
+          range(n_layers), jnp.zeros((s, kv, hd), jnp.float32)))
+      t = timeit(lambda: jax.block_until_ready(read(caches)), iters=args.iters)["median_s"]
+      emit("decode_kernel_read_ceiling", model=name, batch=s, cached=cached,
+           us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
+           hbm_fraction=moved / t / hbm)
       red = jax.jit(lambda cs: sum(jnp.sum(c[:, :, :cached], dtype=jnp.float32) for c in cs))
       t = timeit(lambda: jax.block_until_ready(red(caches)), iters=args.iters)["median_s"]
       emit("decode_kernel_ceiling", model=name, batch=s, cached=cached,
@@ -80,26 +127,25 @@ def main():
           raise SystemExit(f"--kernels: unknown kernel {kernel!r} (expected read or write)")
 
         def run(q, cs, lens, kernel=kernel, launch=launch):
-          acc, new = jnp.zeros((), jnp.float32), []
+          new = []
           for i in range(n_layers):
-            # Each call's query depends on the last output so that no two calls overlap.
-            qi = q + acc.astype(q.dtype)
+            # Each call's query is the last call's output (same shape): the calls run one
+            # after the other with nothing in between.
             if kernel == "write":
-              o, ck, cv = flash_decode_write(qi, kn, kn, cs[2 * i], cs[2 * i + 1], lens,
+              q, ck, cv = flash_decode_write(q, kn, kn, cs[2 * i], cs[2 * i + 1], lens,
                                              interpret=args.interpret, **launch)
               new += [ck, cv]
             else:
-              o, _ = flash_decode(qi, cs[2 * i], cs[2 * i + 1], lens, interpret=args.interpret,
+              q, _ = flash_decode(q, cs[2 * i], cs[2 * i + 1], lens, interpret=args.interpret,
                                   **launch)
-            acc = o[0, 0, 0, 0].astype(jnp.float32) * 0
-          return acc, new
+          return q, new
         holder = [caches]
 
         def call(f):
-          acc, new = f(q, holder[0], lens)
+          out, new = f(q, holder[0], lens)
           if new:
             holder[0] = new
-          jax.block_until_ready(acc)
+          jax.block_until_ready(out)
         try:
           f = jax.jit(run, donate_argnums=(1,) if kernel == "write" else ())
           t = timeit(lambda: call(f), iters=args.iters)["median_s"]

@@ -2,6 +2,10 @@
 import json
 import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 from benchmarks import decode_kernel
 
 
@@ -19,6 +23,21 @@ def test_interpret_run_prints_one_line_per_setting(monkeypatch, capsys):
   decode_kernel.main()
   rows = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()
           if line.startswith("RESULT ")]
-  assert [r["bench"] for r in rows] == ["decode_kernel_ceiling"] + ["decode_kernel"] * 2
-  assert [r["launch"] for r in rows[1:]] == [{"block_k": 16}, {"block_k": 32}]
+  assert [r["bench"] for r in rows] == (["decode_kernel_read_ceiling", "decode_kernel_ceiling"]
+                                        + ["decode_kernel"] * 2)
+  assert [r["launch"] for r in rows[2:]] == [{"block_k": 16}, {"block_k": 32}]
   assert all("error" not in r and r["us_per_layer"] > 0 for r in rows)
+
+
+def test_read_ceiling_sums_the_live_blocks_and_adds_the_chained_row():
+  """Whole blocks of 16 rows up to each slot's length, as the decode kernel reads them."""
+  k = jax.random.normal(jax.random.key(0), (3, 2, 64, 8), jnp.float32)
+  v = jax.random.normal(jax.random.key(1), (3, 2, 64, 8), jnp.float32)
+  lens = jnp.array([0, 17, 64], jnp.int32)
+  dep = jax.random.normal(jax.random.key(2), (3, 2, 8), jnp.float32)
+  got = decode_kernel.read_ceiling(dep, k, v, lens, block_k=16, num_warps=1, num_stages=2,
+                                   interpret=True)
+  read = -(-lens // 16) * 16  # 0, 32, 64
+  live = (jnp.arange(64)[None, :] < read[:, None])[:, None, :, None]
+  want = jnp.where(live, k + v, 0).sum(axis=2) + dep[0, 0]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
