@@ -175,6 +175,14 @@ def _cache_block(block_k: int, c: int) -> int:
   return block
 
 
+def _warps_for_rows(num_warps: int, rows: int) -> int:
+  """At least one warp per 16 query rows of a program (a matmul tile's rows per warp): with
+  fewer, the float32 output accumulator `[rows, hd]` does not fit in the warps' registers (64
+  rows of 128 lanes in one warp would be 256 registers a thread). The one-warp default is for
+  decode steps (16 rows); an append folds n new tokens into up to 64 rows."""
+  return max(num_warps, rows // 16)
+
+
 def _compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
   if interpret or not (num_warps or num_stages):
     return {}
@@ -221,6 +229,7 @@ def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, nu
   else:
     bq, gp = _ROWS, -(-g // _ROWS) * _ROWS
   qp = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
+  num_warps = _warps_for_rows(num_warps, bq)
   dot_dtype = cache_k.dtype if low_precision_dot else jnp.float32
   nr = gp // bq
   kern = functools.partial(_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd),
@@ -344,6 +353,7 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, *, bl
   c = cache_k.shape[2]
   block_k = _cache_block(block_k, c)
   gp = max(16, 1 << (g - 1).bit_length())
+  num_warps = _warps_for_rows(num_warps, gp)
   heads = kv * g
   # On a GPU the masked tiles of the last head group reach past the query rows (no memory is
   # touched there); interpret mode slices them out of real memory, so it gets `gp` spare rows.

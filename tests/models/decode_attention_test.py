@@ -179,6 +179,35 @@ def test_tuning_by_launch_size(monkeypatch):
   assert da.tuning(programs=64 * 2)["block_k"] == 16  # the environment still overrides
 
 
+def test_at_least_one_warp_per_16_query_rows(monkeypatch):
+  """The one-warp default is for one-token decode programs (16 rows); programs of more query
+  rows (an append's tokens folded into the head group) get a warp per 16 rows, an explicit
+  setting included, so their float32 accumulator stays in registers."""
+  from jaxagent.models import decode_attention as da
+  from jaxagent.models.decode_attention import flash_decode_write
+  monkeypatch.delenv("JAXAGENT_DECODE_KERNEL", raising=False)
+  jax.clear_caches()  # the settings are read when a program is traced
+  seen = []
+
+  def record(interpret, num_warps, num_stages):
+    seen.append(num_warps)
+    return {}
+  monkeypatch.setattr(da, "_compiler_params", record)
+  s, kv, hd, c = 80, 4, 16, 64  # 320 programs: the default (one-warp) launch settings
+  k, v, lens = _rand(1, s, kv, c, hd), _rand(2, s, kv, c, hd), jnp.full((s,), 9, jnp.int32)
+  for rows, want in ((3, 1), (16, 1), (24, 2), (64, 4), (100, 4)):
+    seen.clear()
+    flash_decode(_rand(0, s, kv, rows, hd), k, v, lens, interpret=True)
+    assert seen == [want], (rows, seen)
+  seen.clear()
+  flash_decode(_rand(0, s, kv, 3, hd), k, v, lens, interpret=True, num_warps=8)
+  assert seen == [8]
+  seen.clear()
+  flash_decode_write(_rand(0, s, kv, 24, hd), k[:, :, 0], v[:, :, 0], k, v, lens,
+                     interpret=True)
+  assert seen == [2]
+
+
 def test_flash_decode_runs_per_shard_on_a_mesh():
   # Slots over data x fsdp, KV heads over tensor: the kernel runs per shard (no all-gather of
   # the cache onto every device) and gives the single-device result.
