@@ -40,8 +40,9 @@ _ROWS = 64  # query rows per program, at most
 # Qwen3-0.6B 6.86 -> 6.64). One warp per program: with the kernel writing the new K/V
 # (`flash_decode_write`) the Qwen3-0.6B step (2048 programs) went 6.23 -> 5.98 ms against 4
 # warps, SmolLM2-135M and Qwen2.5-1.5B (768 and 512 programs) within 0.5%; 8 warps were 2-16%
-# slower. Programs of more than 16 query rows (appends) get a warp per 16 (`_warps_for_rows`). One split: auto splits (2-4) were 2-3% slower than one pass even for the models with
-# 2-3 KV heads (512-768 programs), so the kernel is not short of programs there.
+# slower. Programs of more than 16 query rows (appends) get a warp per 16 (`_warps_for_rows`).
+# One split: auto splits (2-4) were 2-3% slower than one pass even for the models with 2-3 KV
+# heads (512-768 programs), so the kernel is not short of programs there.
 DEFAULT_TUNING = dict(block_k=32, num_warps=1, num_stages=2, low_precision_dot=1, splits=1)
 # Launches of at most `FEW_PROGRAMS` (slot, KV head) programs (an H100 has 132 SMs) read each
 # sequence in longer blocks with more loads in flight per program: at 64 slots (128-192
