@@ -53,9 +53,9 @@ def _read_kernel(lens_ref, dep_ref, k_ref, v_ref, o_ref, *, block_k: int):
 def read_ceiling(dep, cache_k, cache_v, lengths, *, block_k: int, num_warps: int,
                  num_stages: int, interpret: bool = False):
   """Sums the K and V blocks of `block_k` rows that hold each (slot, KV head)'s live rows,
-  one program each (the decode kernel's grid and loads without its arithmetic); `dep` (the previous call's
-  [S, KV, hd] float32 output: its first row is added to every output) chains calls without a
-  kernel between them. Returns [S, KV, hd] float32."""
+  one program each (the decode kernel's grid and loads without its arithmetic). `dep`, the
+  previous call's [S, KV, hd] float32 output (its first row is added to every output), chains
+  calls without a kernel between them. Returns [S, KV, hd] float32."""
   s, kv, c, hd = cache_k.shape
   lens = jnp.broadcast_to(lengths.astype(jnp.int32)[:, None, None], (s, kv, 1))
   spec = pl.BlockSpec((None, None, c, hd), lambda i, j: (i, j, 0, 0))
