@@ -40,7 +40,7 @@ _ROWS = 64  # query rows per program, at most
 # Qwen3-0.6B 6.86 -> 6.64). One warp per program: with the kernel writing the new K/V
 # (`flash_decode_write`) the Qwen3-0.6B step (2048 programs) went 6.23 -> 5.98 ms against 4
 # warps, SmolLM2-135M and Qwen2.5-1.5B (768 and 512 programs) within 0.5%; 8 warps were 2-16%
-# slower. Programs of more than 16 query rows (appends) get a warp per 16 (`_warps_for_rows`).
+# slower. Programs with a larger accumulator (appends) get more warps (`_warps_for_tile`).
 # One split: auto splits (2-4) were 2-3% slower than one pass even for the models with 2-3 KV
 # heads (512-768 programs), so the kernel is not short of programs there.
 DEFAULT_TUNING = dict(block_k=32, num_warps=1, num_stages=2, low_precision_dot=1, splits=1)
@@ -176,12 +176,13 @@ def _cache_block(block_k: int, c: int) -> int:
   return block
 
 
-def _warps_for_rows(num_warps: int, rows: int) -> int:
-  """At least one warp per 16 query rows of a program (a matmul tile's rows per warp): with
-  fewer, the float32 output accumulator `[rows, hd]` does not fit in the warps' registers (64
-  rows of 128 lanes in one warp would be 256 registers a thread). The one-warp default is for
-  decode steps (16 rows); an append folds n new tokens into up to 64 rows."""
-  return max(num_warps, rows // 16)
+def _warps_for_tile(num_warps: int, rows: int, hd: int) -> int:
+  """At least one warp per 2048 entries of a program's float32 output accumulator `[rows,
+  hd]`, i.e. at most 64 of its registers a thread: one warp holds a decode step's 16 rows of
+  64-128 lanes (what the one-warp default was measured on), but an append folds its n new
+  tokens into up to 64 rows, whose accumulator in one warp would take 256 registers a thread
+  (128 lanes) and spill."""
+  return max(num_warps, -(-rows * hd // 2048))
 
 
 def _compiler_params(interpret: bool, num_warps: int, num_stages: int) -> dict:
@@ -230,7 +231,7 @@ def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, nu
   else:
     bq, gp = _ROWS, -(-g // _ROWS) * _ROWS
   qp = jnp.pad(q, ((0, 0), (0, 0), (0, gp - g), (0, 0)))
-  num_warps = _warps_for_rows(num_warps, bq)
+  num_warps = _warps_for_tile(num_warps, bq, hd)
   dot_dtype = cache_k.dtype if low_precision_dot else jnp.float32
   nr = gp // bq
   kern = functools.partial(_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd),
@@ -354,7 +355,7 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, *, bl
   c = cache_k.shape[2]
   block_k = _cache_block(block_k, c)
   gp = max(16, 1 << (g - 1).bit_length())
-  num_warps = _warps_for_rows(num_warps, gp)
+  num_warps = _warps_for_tile(num_warps, gp, hd)
   heads = kv * g
   # On a GPU the masked tiles of the last head group reach past the query rows (no memory is
   # touched there); interpret mode slices them out of real memory, so it gets `gp` spare rows.

@@ -179,10 +179,11 @@ def test_tuning_by_launch_size(monkeypatch):
   assert da.tuning(programs=64 * 2)["block_k"] == 16  # the environment still overrides
 
 
-def test_at_least_one_warp_per_16_query_rows(monkeypatch):
-  """The one-warp default is for one-token decode programs (16 rows); programs of more query
-  rows (an append's tokens folded into the head group) get a warp per 16 rows, an explicit
-  setting included, so their float32 accumulator stays in registers."""
+def test_a_warp_per_2048_accumulator_entries(monkeypatch):
+  """The one-warp default is for one-token decode programs (16 rows of 64-128 lanes); a
+  program with a larger float32 accumulator (an append's tokens folded into the head group,
+  or wider heads) gets a warp per 2048 entries, an explicit setting included, so the
+  accumulator stays in registers."""
   from jaxagent.models import decode_attention as da
   from jaxagent.models.decode_attention import flash_decode_write
   monkeypatch.delenv("JAXAGENT_DECODE_KERNEL", raising=False)
@@ -193,17 +194,21 @@ def test_at_least_one_warp_per_16_query_rows(monkeypatch):
     seen.append(num_warps)
     return {}
   monkeypatch.setattr(da, "_compiler_params", record)
-  s, kv, hd, c = 80, 4, 16, 64  # 320 programs: the default (one-warp) launch settings
-  k, v, lens = _rand(1, s, kv, c, hd), _rand(2, s, kv, c, hd), jnp.full((s,), 9, jnp.int32)
-  for rows, want in ((3, 1), (16, 1), (24, 2), (64, 4), (100, 4)):
+  s, kv, c = 80, 4, 32  # 320 programs: the default (one-warp) launch settings
+  lens = jnp.full((s,), 9, jnp.int32)
+  for hd, rows, want in ((128, 3, 1), (128, 16, 1), (128, 24, 2), (128, 64, 4), (128, 100, 4),
+                         (64, 32, 1), (256, 16, 2)):
+    k, v = _rand(1, s, kv, c, hd), _rand(2, s, kv, c, hd)
     seen.clear()
     flash_decode(_rand(0, s, kv, rows, hd), k, v, lens, interpret=True)
-    assert seen == [want], (rows, seen)
+    assert seen == [want], (hd, rows, seen)
   seen.clear()
-  flash_decode(_rand(0, s, kv, 3, hd), k, v, lens, interpret=True, num_warps=8)
+  flash_decode(_rand(0, s, kv, 3, 128), k[..., :128], v[..., :128], lens, interpret=True,
+               num_warps=8)
   assert seen == [8]
+  k, v = _rand(1, s, kv, c, 128), _rand(2, s, kv, c, 128)
   seen.clear()
-  flash_decode_write(_rand(0, s, kv, 24, hd), k[:, :, 0], v[:, :, 0], k, v, lens,
+  flash_decode_write(_rand(0, s, kv, 24, 128), k[:, :, 0], v[:, :, 0], k, v, lens,
                      interpret=True)
   assert seen == [2]
 
