@@ -106,8 +106,9 @@ def main():
       lens = jnp.full((s,), cached, jnp.int32)
       moved = (2 * s * kv * cached * hd * 2 + 2 * q.size * 2) * n_layers
       # The read ceiling: the faster of two launches that read fastest on an H100 (blocks of
-      # 32 keys with 4 warps and 2 stages; 64 with 8 and 3). One warp reads slower here: with
-      # no matmul consuming the blocks, Triton does not pipeline their loads.
+      # 32 keys with 4 warps and 2 stages; 64 with 8 and 3). This kernel read slower with the
+      # decode kernel's one warp (1.7-2.4 against 2.2-2.6 TB/s at 256 slots), probably because
+      # with no matmul consuming the blocks Triton does not pipeline their loads.
       t = float("inf")
       for bk, warps, stages in ((32, 4, 2), (64, 8, 3)):
         read = jax.jit(lambda cs, bk=bk, warps=warps, stages=stages: functools.reduce(
