@@ -31,8 +31,8 @@ from jax.experimental import pallas as pl
 
 from benchmarks.common import emit, peaks, timeit
 from jaxagent import models
-from jaxagent.models.decode_attention import (_cache_block, _compiler_params, flash_decode,
-                                              flash_decode_write)
+from jaxagent.models.decode_attention import (_cache_block, _compiler_params, _slot_inputs,
+                                              flash_decode, flash_decode_write)
 
 # (prompt tokens, max length) of each model's benchmark in generate.py / peer_tunix.py; the
 # cached length defaults to the run's average (prompt + half the new tokens).
@@ -57,15 +57,15 @@ def read_ceiling(dep, cache_k, cache_v, lengths, *, block_k: int, num_warps: int
   previous call's [S, KV, hd] float32 output (its first row is added to every output), chains
   calls without a kernel between them. Returns [S, KV, hd] float32."""
   s, kv, c, hd = cache_k.shape
-  lens = jnp.broadcast_to(lengths.astype(jnp.int32)[:, None, None], (s, kv, 1))
+  row = lambda i, j: (i, j, 0)
+  specs, args = _slot_inputs(lengths, None, s, kv, row)
   spec = pl.BlockSpec((None, None, c, hd), lambda i, j: (i, j, 0, 0))
   return pl.pallas_call(
       functools.partial(_read_kernel, block_k=block_k), grid=(s, kv),
-      in_specs=[pl.BlockSpec((None, None, 1), lambda i, j: (i, j, 0)),
-                pl.BlockSpec((1, 1, hd), lambda i, j: (0, 0, 0)), spec, spec],
-      out_specs=pl.BlockSpec((None, None, hd), lambda i, j: (i, j, 0)),
+      in_specs=specs + [pl.BlockSpec((1, 1, hd), lambda i, j: (0, 0, 0)), spec, spec],
+      out_specs=pl.BlockSpec((None, None, hd), row),
       out_shape=jax.ShapeDtypeStruct((s, kv, hd), jnp.float32), interpret=interpret,
-      **_compiler_params(interpret, num_warps, num_stages))(lens, dep, cache_k, cache_v)
+      **_compiler_params(interpret, num_warps, num_stages))(*args, dep, cache_k, cache_v)
 
 
 def parse_sweep(spec: str) -> list[dict]:

@@ -816,8 +816,8 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   layer, which at decode sizes cost more than the bytes they move), without the two K/V
   scatter kernels per layer, and without stacking the new K/V of all layers. tokens: [S] ints;
   cache_lens: [S]; cache_k, cache_v: tuples of per-layer `[S, KV, C, hd]` buffers (donate them
-  to update in place). A slot whose cache is
-  full (`cache_lens == C`) gets its write dropped and attends over the C cached entries only.
+  to update in place). A slot whose cache is full (`cache_lens == C`) gets its write dropped
+  and attends over the C cached entries only.
   `share`: None or (src [S], shared [S]): the first `shared[s]` cached entries of slot s equal
   those of slot `src[s]` in every layer (the kernel reads them there).
   Returns (logits `[S, V]` float32, cache_k, cache_v).
