@@ -31,6 +31,7 @@ from jax.experimental import pallas as pl
 
 from benchmarks.common import emit, peaks, timeit
 from jaxagent import models
+from jaxagent.models import decode_attention
 from jaxagent.models.decode_attention import (_cache_block, _compiler_params, _slot_inputs,
                                               flash_decode, flash_decode_write)
 
@@ -87,17 +88,25 @@ def main():
                   "settings (decode_attention.DEFAULT_TUNING keys); empty: the defaults")
   ap.add_argument("--kernels", default="read", help="read (flash_decode), write "
                   "(flash_decode_write) or both, comma-separated")
+  ap.add_argument("--rows", type=int, default=0, help="query rows per KV head (0: the "
+                  "model's query heads per KV head, one decode token; an append of n tokens "
+                  "has n times that)")
+  ap.add_argument("--warps-as-given", action="store_true", help="launch with the sweep's "
+                  "num_warps as given, without the warp per 2048 accumulator entries that "
+                  "decode_attention adds (to measure what that rule avoids)")
   ap.add_argument("--iters", type=int, default=10)
   ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU check "
                   "of the script, not a timing)")
   args = ap.parse_args()
+  if args.warps_as_given:
+    decode_attention._warps_for_tile = lambda num_warps, rows, hd: num_warps
   hbm = peaks()["hbm_bytes_s"]
   for name in args.models.split(","):
     cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
     prompt, cache_len = SHAPES.get(name, (256, 768))
     cached = args.cached or prompt + 256
     n_layers = args.layers or cfg.n_layers
-    kv, g, hd = cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim
+    kv, g, hd = cfg.n_kv_heads, args.rows or cfg.q_per_kv, cfg.head_dim
     for s in map(int, args.batches.split(",")):
       keys = jax.random.split(jax.random.key(0), 2 * n_layers + 1)
       caches = [jax.random.normal(k, (s, kv, cache_len, hd), jnp.bfloat16)
@@ -159,8 +168,8 @@ def main():
                error=str(e)[:200])
           continue
         caches = holder[0]
-        emit("decode_kernel", model=name, batch=s, cached=cached, kernel=kernel, launch=launch,
-             us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
+        emit("decode_kernel", model=name, batch=s, cached=cached, rows=g, kernel=kernel,
+             launch=launch, warps_as_given=args.warps_as_given, us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
              hbm_fraction=moved / t / hbm)
       caches = None  # free this batch size's caches before the next
 

@@ -41,3 +41,29 @@ def test_read_ceiling_sums_the_live_blocks_and_adds_the_chained_row():
   live = (jnp.arange(64)[None, :] < read[:, None])[:, None, :, None]
   want = jnp.where(live, k + v, 0).sum(axis=2) + dep[0, 0]
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_rows_and_warps_as_given(monkeypatch, capsys):
+  """`--rows` sets the query rows per KV head (an append's); `--warps-as-given` launches the
+  sweep's warps without the warp-per-2048-entries rule (64 rows x 64 lanes: 2 warps by it)."""
+  from jaxagent.models import decode_attention
+  monkeypatch.setattr(decode_attention, "_warps_for_tile", decode_attention._warps_for_tile)
+  seen = []
+  params = decode_attention._compiler_params
+
+  def record(interpret, num_warps, num_stages):
+    seen.append(num_warps)
+    return params(interpret, num_warps, num_stages)
+  monkeypatch.setattr(decode_attention, "_compiler_params", record)
+  for extra, want in (([], 2), (["--warps-as-given"], 1)):
+    jax.clear_caches()  # launch settings are read when the kernel call is traced
+    seen.clear()
+    monkeypatch.setattr(sys, "argv", [
+        "decode_kernel.py", "--models", "smollm2-135m", "--batches", "2", "--layers", "1",
+        "--cached", "32", "--iters", "1", "--interpret", "--rows", "64",
+        "--sweep", "num_warps=1", *extra])
+    decode_kernel.main()
+    rows = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("RESULT ")]
+    assert rows[-1]["rows"] == 64 and rows[-1]["launch"] == {"num_warps": 1}
+    assert seen[-1] == want, (extra, seen)
