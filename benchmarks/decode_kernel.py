@@ -169,7 +169,8 @@ def main():
           continue
         caches = holder[0]
         emit("decode_kernel", model=name, batch=s, cached=cached, rows=g, kernel=kernel,
-             launch=launch, warps_as_given=args.warps_as_given, us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
+             launch=launch, warps_as_given=args.warps_as_given,
+             us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
              hbm_fraction=moved / t / hbm)
       caches = None  # free this batch size's caches before the next
 
