@@ -157,6 +157,8 @@ def main():
   # end 8 micro-batches of 64 rows: 12.08 s vs 32 of 16: 12.85 s); RESULTS.md.
   ap.add_argument("--micro-batches", type=int, default=1)
   ap.add_argument("--attention", default="auto")
+  ap.add_argument("--logprob", default="auto", help="our ModelConfig.logprob_impl: auto, "
+                  "pallas (fused vocabulary kernels) or xla")
   ap.add_argument("--layouts", default="auto", help="KV cache layouts, e.g. stacked,per_layer")
   ap.add_argument("--only", default="decode,update", help="sections: decode, update, e2e")
   ap.add_argument("--e2e-prompts", type=int, default=64)
@@ -197,7 +199,7 @@ def main():
     extra.append("--only_sampler")
   tunix = run_tunix(args.tunix_bench, args.tunix_budget, extra) if args.tunix_bench else {}
   cfg = models.get_config(MODEL, param_dtype="bfloat16", dtype="bfloat16",
-                          attention_impl=args.attention)
+                          attention_impl=args.attention, logprob_impl=args.logprob)
   if "e2e" in only:
     ecfg = cfg.replace(param_dtype="float32", remat=args.remat,
                        scan_layers=args.scan)

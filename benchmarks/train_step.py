@@ -25,6 +25,7 @@ import numpy as np
 from benchmarks.common import emit, peaks, timeit
 from benchmarks.forward import useful_flops
 from jaxagent import models
+from jaxagent.models import decoder
 from jaxagent.rl import losses, packing, step
 
 
@@ -63,6 +64,8 @@ def main():
   ap.add_argument("--len", type=int, default=2048)
   ap.add_argument("--micro-batches", type=int, default=8)
   ap.add_argument("--attention", default="auto")
+  ap.add_argument("--logprob", default="auto", help="ModelConfig.logprob_impl: auto, pallas "
+                  "(fused vocabulary kernels) or xla")
   ap.add_argument("--remat", default="dots_attention")
   ap.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True: the "
                   "layer loop as a lax.scan (default: unrolled over per-layer weights)")
@@ -79,7 +82,7 @@ def main():
   for name in args.models.split(","):
     cfg = models.get_config(name, param_dtype=args.param_dtype, dtype="bfloat16",
                             attention_impl=args.attention, remat=args.remat,
-                            scan_layers=args.scan)
+                            scan_layers=args.scan, logprob_impl=args.logprob)
     batch, eff, seg_lens = make_batch(args.rows, args.len, cfg.vocab_size, rng)
     scfg = step.StepConfig(loss=losses.LossConfig(clip_high=0.28),
                            micro_batches=args.micro_batches, entropy=False,
@@ -100,7 +103,8 @@ def main():
     n_tok = int((batch["segment_ids"] > 0).sum())
     flops = useful_flops(cfg, seg_lens)
     emit("train_step", args.record, model=name, rows=args.rows, len=args.len,
-         micro_batches=args.micro_batches, attention=args.attention, remat=args.remat,
+         micro_batches=args.micro_batches, attention=args.attention,
+         logprob=decoder.logprob_path(cfg, jax.default_backend()), remat=args.remat,
          scan_layers=args.scan, save_probs=args.save_probs,
          param_dtype=args.param_dtype, step_s=t["median_s"], tokens_per_s=n_tok / t["median_s"],
          mfu=flops / t["median_s"] / peaks()["bf16_flops"], packing_efficiency=eff)

@@ -26,7 +26,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       scan_layers=True,  # False: unrolled layer loop, faster updates on GPUs, longer compile
       # Training attention: "auto" (Pallas packed-segment kernels on GPUs, XLA elsewhere),
       # "pallas", "cudnn" or "xla".
-      attention="auto"))
+      attention="auto",
+      # The learner's vocabulary projection for token log-probs: "auto" (fused Pallas kernels
+      # on GPUs for bf16 / f16 models, XLA elsewhere), "pallas" or "xla".
+      logprob="auto"))
   c.env = ml_collections.ConfigDict(dict(name="quickstart", kwargs=dict(
       min_terms=3, max_terms=4, min_digits=2, max_digits=3, train_size=2000, eval_size=200,
       sft_size=256, easy_fraction=0.5, easy_max_digits=2, sft_easy_fraction=0.8,

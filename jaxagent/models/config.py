@@ -16,6 +16,7 @@ DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES = ("float32", "bfloat16", "float16")
 Remat = Literal["none", "full", "dots", "dots_attention"]
 AttentionImpl = Literal["xla", "cudnn", "pallas", "auto"]
+LogprobImpl = Literal["xla", "pallas", "auto"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +62,12 @@ class ModelConfig:
   # xla elsewhere. On an H100 the Pallas kernels took half the time of cuDNN's per
   # training attention call, packed or not (benchmarks/RESULTS.md).
   attention_impl: AttentionImpl = "auto"
+  # The learner's projection onto the vocabulary for token log-probs (`token_logprobs`): "xla"
+  # (a matmul to float32 logits per chunk, then passes over them), "pallas" (`vocab_kernels`:
+  # the log-sum-exp and the backward pass's logit cotangent from the matmul's tiles in
+  # registers, no float32 logits in HBM; GPU, interpret mode elsewhere; bf16 / f16 models) or
+  # "auto": pallas on GPUs where the kernels tile the shapes, xla elsewhere.
+  logprob_impl: LogprobImpl = "auto"
   name: str = "custom"
 
   def __post_init__(self):
@@ -86,6 +93,9 @@ class ModelConfig:
     if self.attention_impl not in ("xla", "cudnn", "pallas", "auto"):
       raise ValueError("ModelConfig.attention_impl must be 'xla', 'cudnn', 'pallas' or 'auto', got "
                        f"{self.attention_impl!r}")
+    if self.logprob_impl not in ("xla", "pallas", "auto"):
+      raise ValueError("ModelConfig.logprob_impl must be 'xla', 'pallas' or 'auto', got "
+                       f"{self.logprob_impl!r}")
     if self.architecture not in ("llama", "qwen2", "qwen3"):
       raise ValueError("ModelConfig.architecture must be 'llama', 'qwen2' or 'qwen3', got "
                        f"{self.architecture!r}")

@@ -26,6 +26,7 @@ import numpy as np
 
 from jaxagent.models.config import ModelConfig
 from jaxagent.models import packed_attention
+from jaxagent.models import vocab_kernels
 
 Params = dict[str, Any]
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -465,9 +466,9 @@ def _project_bwd(tied, res, g):
 _project.defvjp(_project_fwd, _project_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
 def _chunk_logprobs(h, w, targets, temperature, tied: bool, with_entropy: bool,
-                    entropy_grad: bool, save_probs: bool):
+                    entropy_grad: bool, save_probs: bool, fused: bool):
   """(log p(targets), entropy or zeros) under softmax((h @ w) / temperature), float32.
 
   The custom VJP makes one pass over the float32 `[tokens, vocab]` logits for their
@@ -482,9 +483,12 @@ def _chunk_logprobs(h, w, targets, temperature, tied: bool, with_entropy: bool,
       per-token cotangent into the matmuls' other operand, so the backward pass is the two
       matmuls and nothing else over the vocabulary.
   With `entropy_grad=False` the entropies are a metric: computed, not differentiated (their
-  cotangent is ignored). Differentiated entropies always use the recomputing path."""
+  cotangent is ignored). Differentiated entropies always use the recomputing path.
+  `fused`: the log-sum-exp and the recomputed logits' cotangent come from the Pallas kernels of
+  `vocab_kernels`, which never write the float32 logits (`save_probs`'s forward pass stays on
+  XLA: it needs the finished log-sum-exp before it can form `p - onehot`)."""
   return _chunk_logprobs_fwd(h, w, targets, temperature, tied, with_entropy, entropy_grad,
-                             save_probs)[0]
+                             save_probs, fused)[0]
 
 
 def _logsumexp(z):
@@ -513,8 +517,67 @@ def _onehot(targets, shape):
   return (targets[..., None] == iota).astype(jnp.float32)
 
 
+def _rows_per_shard(fn, rows, shared, out_ndims):
+  """`fn(*rows, *shared)` (a Pallas kernel call) per shard of the ambient mesh: every array of
+  `rows` split on axis 0 over the batch axes (when they divide evenly), `shared` replicated;
+  the outputs (of `out_ndims` dims each) split like `rows`."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return fn(*rows, *shared)
+  axes, n = _batch_split()
+  r = axes if axes and rows[0].shape[0] % n == 0 else None
+  spec = lambda nd: jax.sharding.PartitionSpec(r, *([None] * (nd - 1)))
+  in_specs = tuple(spec(a.ndim) for a in rows) + (jax.sharding.PartitionSpec(),) * len(shared)
+  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
+                       out_specs=tuple(spec(d) for d in out_ndims), check_vma=False)(
+                           *rows, *shared)
+
+
+def _fused_logsumexp(h, w, temperature, tied, with_entropy):
+  """(lse, entropy or None) `[..., n]` of the logits `h @ w / temperature` for `h` `[..., n, D]`
+  from `vocab_kernels.logsumexp`."""
+  interpret = jax.default_backend() == "cpu"
+
+  def fn(h, w, inv_t):
+    lse, pz = vocab_kernels.logsumexp(h.reshape(-1, h.shape[-1]), w, inv_t, tied=tied,
+                                      with_entropy=with_entropy, interpret=interpret)
+    ent = lse - pz if with_entropy else jnp.zeros_like(lse)
+    return lse.reshape(h.shape[:-1]), ent.reshape(h.shape[:-1])
+
+  nd = h.ndim - 1
+  lse, ent = _rows_per_shard(fn, (h,), (w, 1.0 / temperature), (nd, nd))
+  return lse, (ent if with_entropy else None)
+
+
+def _fused_cotangent(h, w, temperature, lse, coef, targets, ent, ent_coef, tied):
+  """`vocab_kernels.cotangent` for `h` `[..., n, D]` and per-token rows `[..., n]`."""
+  interpret = jax.default_backend() == "cpu"
+  lead = h.shape[:-1]
+
+  def fn(h, lse, coef, targets, *rest):
+    *ents, w, inv_t = rest
+    flat = [x.reshape(-1) for x in (lse, coef, targets, *ents)]
+    gz = vocab_kernels.cotangent(h.reshape(-1, h.shape[-1]), w, inv_t, *flat, tied=tied,
+                                 interpret=interpret)
+    return (gz.reshape(*h.shape[:-1], gz.shape[-1]),)
+
+  rows = (h, lse, coef, targets) + ((ent, ent_coef) if ent is not None else ())
+  return _rows_per_shard(fn, rows, (w, 1.0 / temperature), (len(lead) + 1,))[0]
+
+
+def _target_logits(h, w, targets, tied):
+  """float32 `(h @ w)[..., target]` per token, from the targets' rows of `w` only."""
+  wt = jnp.take(w, targets, axis=0) if tied else jnp.moveaxis(jnp.take(w, targets, axis=1), 0, -1)
+  return jnp.sum(h.astype(jnp.float32) * wt.astype(jnp.float32), axis=-1)
+
+
 def _chunk_logprobs_fwd(h, w, targets, temperature, tied, with_entropy, entropy_grad,
-                        save_probs):
+                        save_probs, fused=False):
+  if fused and not (save_probs and not (with_entropy and entropy_grad)):
+    lse, ent = _fused_logsumexp(h, w, temperature, tied, with_entropy)
+    lp = _target_logits(h, w, targets, tied) / temperature - lse
+    ent = ent if with_entropy else jnp.zeros_like(lp)
+    return (lp, ent), (h, w, targets, temperature, lse, ent, None)
   z = _project(h, w, tied) / temperature
   lse = _logsumexp(z)
   lp = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0] - lse
@@ -529,7 +592,7 @@ def _chunk_logprobs_fwd(h, w, targets, temperature, tied, with_entropy, entropy_
   return (lp, ent), (h, w, targets, temperature, lse, ent, None)
 
 
-def _chunk_logprobs_bwd(tied, with_entropy, entropy_grad, save_probs, res, g):
+def _chunk_logprobs_bwd(tied, with_entropy, entropy_grad, save_probs, fused, res, g):
   h, w, targets, temperature, lse, ent, q = res
   g_lp, g_ent = g
   zero_targets = np.zeros(targets.shape, jax.dtypes.float0)
@@ -547,6 +610,13 @@ def _chunk_logprobs_bwd(tied, with_entropy, entropy_grad, save_probs, res, g):
   # float32 logits alive until the backward pass: that is `save_probs`'s trade at twice its
   # memory, and this path promises only the inputs and the log-sum-exp.
   h, w = jax.lax.optimization_barrier((h, w))
+  if fused:
+    ent_grad = with_entropy and entropy_grad
+    gz = _fused_cotangent(h, w, temperature, lse, g_lp / temperature, targets,
+                          ent if ent_grad else None, g_ent / temperature if ent_grad else None,
+                          tied)
+    dh, dw = _project_bwd(tied, (h, w), gz)
+    return dh, dw, zero_targets, jnp.zeros_like(temperature)
   z = _project(h, w, tied) / temperature
   logp = z - lse[..., None]
   p = jnp.exp(logp)
@@ -608,6 +678,27 @@ def forward(params: Params, tokens, *, cfg: ModelConfig, positions=None, segment
   return logits_from_hidden(params, h, cfg)
 
 
+def logprob_path(cfg: ModelConfig, backend: str) -> str:
+  """How `token_logprobs` projects onto the vocabulary on `backend`: `cfg.logprob_impl`, with
+  "auto" resolved to "pallas" (`vocab_kernels`) on GPUs for bf16 / f16 models whose hidden size
+  and vocabulary the kernels tile, without a "tensor" mesh axis over more than one device (the
+  kernels take the whole vocabulary per device), and to "xla" elsewhere. An explicit "pallas"
+  that the kernels cannot tile is an error."""
+  tileable = vocab_kernels.tileable(cfg.d_model, cfg.vocab_size)
+  if cfg.logprob_impl != "auto":
+    if cfg.logprob_impl == "pallas" and not tileable:
+      t = vocab_kernels.tuning()
+      raise ValueError(
+          f"logprob_impl='pallas' needs d_model a multiple of {t['block_k']} and vocab_size a "
+          f"multiple of {t['block_n']}; got d_model {cfg.d_model}, vocab_size "
+          f"{cfg.vocab_size}: use logprob_impl='xla' or 'auto'")
+    return cfg.logprob_impl
+  mesh = jax.sharding.get_abstract_mesh()
+  tensor = 1 if mesh.empty else mesh.shape.get("tensor", 1)
+  low = cfg.dtype in ("bfloat16", "float16")
+  return "pallas" if backend == "gpu" and tensor == 1 and low and tileable else "xla"
+
+
 # The most chunks `token_logprobs` runs as a Python loop (see there) rather than a `lax.map`.
 _MAX_UNROLLED_CHUNKS = 64
 
@@ -648,10 +739,11 @@ def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature:
 
   w = _output_weight(params, cfg)
   temp = jnp.asarray(temperature, jnp.float32)
+  fused = logprob_path(cfg, jax.default_backend()) == "pallas"
 
   def one(hc, tc):
     return _chunk_logprobs(hc, w, tc.astype(jnp.int32), temp, cfg.tie_embeddings,
-                           with_entropy, entropy_grad, save_probs)
+                           with_entropy, entropy_grad, save_probs, fused)
 
   if save_probs and n <= _MAX_UNROLLED_CHUNKS:
     # A Python loop over the chunks: a `lax.map` stacks each chunk's saved `[c, V]`

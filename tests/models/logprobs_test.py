@@ -159,3 +159,104 @@ def test_one_pass_logsumexp_equals_two_pass():
   want = jax.nn.logsumexp(z, axis=-1)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
   assert bool(jnp.isfinite(got).all())
+
+
+# ----------------------------------------------------------------- fused kernels (vocab_kernels)
+@pytest.mark.parametrize("preset,tied,temperature", [
+    ("tiny-qwen3", None, 0.7), ("tiny-llama", False, 1.0),
+    pytest.param("tiny-llama", True, 0.7, marks=pytest.mark.slow)])
+def test_fused_kernels_values_and_grads_equal_full_log_softmax(preset, tied, temperature):
+  # logprob_impl="pallas" (interpret mode here): the log-sum-exp from per-tile partials, the
+  # target logit from the target's weight row, the cotangent of the recomputed logits from the
+  # kernel, with differentiated entropies; float32 inputs take exact products.
+  kw = {} if tied is None else {"tie_embeddings": tied}
+  cfg, params, h, targets, wl, we = _problem(preset, logprob_impl="pallas", **kw)
+  assert decoder.logprob_path(cfg, jax.default_backend()) == "pallas"
+
+  def ours(p, h):
+    lp, ent = decoder.token_logprobs(p, h, targets, cfg=cfg, temperature=temperature,
+                                     chunk=4, with_entropy=True, max_chunk_tokens=8)
+    return jnp.sum(lp * wl) + jnp.sum(ent * we), (lp, ent)
+
+  def ref(p, h):
+    lp, ent = _reference(p, h, targets, cfg, temperature)
+    return jnp.sum(lp * wl) + jnp.sum(ent * we), (lp, ent)
+
+  (_, got), g_got = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)(params, h)
+  (_, want), g_want = jax.value_and_grad(ref, argnums=(0, 1), has_aux=True)(params, h)
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-4)
+  moved = 0
+  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+    moved += float(jnp.abs(b).max()) > 0
+  assert moved >= 2
+  # Entropies as a metric, and saved probabilities (whose forward pass stays on XLA).
+  for save in (False, True):
+    g = jax.grad(lambda h: jnp.sum(decoder.token_logprobs(
+        params, h, targets, cfg=cfg, temperature=temperature, chunk=4, with_entropy=True,
+        entropy_grad=False, save_probs=save)[0] * wl))(h)
+    g_ref = jax.grad(lambda h: jnp.sum(_reference(params, h, targets, cfg, temperature)[0]
+                                       * wl))(h)
+    np.testing.assert_allclose(g, g_ref, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_kernels_bf16_match_the_xla_path():
+  # bf16 compute, a 7-row block (token rows padded to the 16-row block inside the kernels):
+  # log-probs within float32 rounding of the XLA path, gradients within its bf16 rounding of
+  # the cotangent.
+  outs = {}
+  for impl in ("xla", "pallas"):
+    cfg = models.get_config("tiny-qwen3", dtype="bfloat16", logprob_impl=impl)
+    params = models.init_params(cfg, jax.random.key(0), std=0.5)
+    h = jax.random.normal(jax.random.key(1), (1, 7, cfg.d_model)).astype(jnp.bfloat16)
+    targets = jax.random.randint(jax.random.key(2), (1, 7), 0, cfg.vocab_size)
+    f = lambda p, h: jnp.sum(decoder.token_logprobs(p, h, targets, cfg=cfg, temperature=0.8)
+                             * jnp.arange(1.0, 8.0))
+    outs[impl] = jax.value_and_grad(f, argnums=(0, 1))(params, h)
+  (va, ga), (vb, gb) = outs["xla"], outs["pallas"]
+  np.testing.assert_allclose(float(va), float(vb), rtol=1e-5)
+  for a, b in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.linalg.norm(a - b) <= 1e-2 * max(np.linalg.norm(a), 1e-6)
+
+
+def test_logprob_path_resolution_and_errors():
+  cfg = models.get_config("tiny-qwen3", dtype="bfloat16")
+  assert decoder.logprob_path(cfg, "gpu") == "pallas"
+  assert decoder.logprob_path(cfg, "cpu") == "xla"
+  assert decoder.logprob_path(cfg, "tpu") == "xla"
+  assert decoder.logprob_path(cfg.replace(dtype="float32"), "gpu") == "xla"  # TF32 otherwise
+  assert decoder.logprob_path(cfg.replace(vocab_size=500), "gpu") == "xla"  # not tileable
+  assert decoder.logprob_path(cfg.replace(logprob_impl="xla"), "gpu") == "xla"
+  from jaxagent import sharding as shd
+  with jax.sharding.use_abstract_mesh(shd.make_mesh(data=2, fsdp=2, tensor=2).abstract_mesh):
+    assert decoder.logprob_path(cfg, "gpu") == "xla"  # the vocabulary split over "tensor"
+  with pytest.raises(ValueError, match="vocab_size a multiple of 128"):
+    decoder.logprob_path(cfg.replace(vocab_size=500, logprob_impl="pallas"), "gpu")
+  with pytest.raises(ValueError, match="logprob_impl must be"):
+    cfg.replace(logprob_impl="triton")
+
+
+@pytest.mark.parametrize("data,fsdp", [(1, 8), pytest.param(2, 4, marks=pytest.mark.slow)])
+def test_fused_kernels_run_per_shard(data, fsdp):
+  # Under a mesh the kernels run per shard of the rows (shard_map) with the weight replicated:
+  # the same values and gradients as one device, and no all-gather of the hidden states.
+  from jaxagent import sharding as shd
+  cfg, params, _, _, _, _ = _problem("tiny-qwen3", logprob_impl="pallas")
+  h = jax.random.normal(jax.random.key(1), (8, 6, cfg.d_model))
+  targets = jax.random.randint(jax.random.key(2), (8, 6), 0, cfg.vocab_size)
+  wl = jax.random.normal(jax.random.key(3), (8, 6))
+
+  def loss(p, h):
+    return jnp.sum(decoder.token_logprobs(p, h, targets, cfg=cfg, chunk=3) * wl)
+
+  mesh = shd.make_mesh(data=data, fsdp=fsdp, tensor=1)
+  jitted = jax.jit(shd.on_mesh(jax.value_and_grad(loss, (0, 1)), mesh),
+                   in_shardings=(None, shd.batch_sharding(mesh, 3)))
+  val, grads = jitted(params, h)
+  want_val, want_grads = jax.value_and_grad(loss, (0, 1))(params, h)
+  np.testing.assert_allclose(float(val), float(want_val), rtol=1e-5)
+  for a, e in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5)
+  assert "all-gather" not in jitted.lower(params, h).compile().as_text()
