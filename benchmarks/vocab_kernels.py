@@ -8,7 +8,8 @@ weight) and `--tokens` tokens, times:
   * `chunk`: what the learner runs per chunk (`decoder._chunk_logprobs`, recomputing path):
     the forward pass alone and the forward and backward passes together, with the XLA path
     (a matmul to float32 logits, then passes over them) and the fused one
-    (`jaxagent.models.vocab_kernels`);
+    (`jaxagent.models.vocab_kernels`), and how far apart the two paths' log-probs and
+    gradients are (the cotangent is rounded to bf16 on both);
   * `kernels`: the two kernels alone, per launch setting of `--sweep`, with the matmul's
     throughput (2 x tokens x d x vocab FLOPs per call) against the bf16 peak. The XLA path's
     matmul to float32 logits is the first line, for reference.
@@ -67,7 +68,7 @@ def main():
     flops = 2 * args.tokens * cfg.d_model * cfg.vocab_size
     common = dict(model=name, tokens=args.tokens, d=cfg.d_model, vocab=cfg.vocab_size)
     if "chunk" in parts:
-      row = {}
+      row, outs = {}, {}
       for path, fused in (("xla", False), ("fused", True)):
 
         def fwd(h, w, fused=fused):
@@ -75,13 +76,20 @@ def main():
 
         def fwd_bwd(h, w, fused=fused):
           (lp, _), vjp = jax.vjp(fwd, h, w)
-          return vjp((g, jnp.zeros_like(g)))
+          return lp, vjp((g, jnp.zeros_like(g)))
 
+        outs[path] = jax.jit(fwd_bwd)(h, w)
         row[path] = dict(forward_ms=1e3 * _time(jax.jit(fwd), h, w, iters=args.iters),
                          forward_backward_ms=1e3 * _time(jax.jit(fwd_bwd), h, w,
                                                          iters=args.iters))
+      (lp_x, grads_x), (lp_f, grads_f) = outs["xla"], outs["fused"]
+      rel = lambda a, b: float(jnp.linalg.norm((a.astype(jnp.float32) - b.astype(jnp.float32))
+                                               .ravel()) / jnp.linalg.norm(
+                                                   a.astype(jnp.float32).ravel()))
       emit("vocab_chunk", args.record, **common, **row,
-           speedup=row["xla"]["forward_backward_ms"] / row["fused"]["forward_backward_ms"])
+           speedup=row["xla"]["forward_backward_ms"] / row["fused"]["forward_backward_ms"],
+           logprob_max_abs_diff=float(jnp.max(jnp.abs(lp_x - lp_f))),
+           grad_rel_diff={"h": rel(grads_x[0], grads_f[0]), "w": rel(grads_x[1], grads_f[1])})
     if "kernels" in parts:
       gemm = jax.jit(lambda h, w: decoder._project(h, w, tied))
       t = _time(gemm, h, w, iters=args.iters)

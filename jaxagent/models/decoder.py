@@ -686,6 +686,9 @@ def logprob_path(cfg: ModelConfig, backend: str) -> str:
   that the kernels cannot tile is an error."""
   tileable = vocab_kernels.tileable(cfg.d_model, cfg.vocab_size)
   if cfg.logprob_impl != "auto":
+    if cfg.logprob_impl == "pallas" and backend == "tpu":
+      raise ValueError("logprob_impl='pallas' runs Triton kernels (GPUs; interpret mode on "
+                       "CPUs); use logprob_impl='xla' or 'auto' on TPUs")
     if cfg.logprob_impl == "pallas" and not tileable:
       t = vocab_kernels.tuning()
       raise ValueError(

@@ -17,6 +17,8 @@ def test_interpret_run_reports_both_paths_and_each_launch(monkeypatch, capsys):
   chunk = rows[0]
   assert all(chunk[p]["forward_ms"] > 0 and chunk[p]["forward_backward_ms"] > 0
              for p in ("xla", "fused"))
+  assert chunk["logprob_max_abs_diff"] < 1e-4
+  assert 0 <= chunk["grad_rel_diff"]["h"] < 2e-2 and 0 <= chunk["grad_rel_diff"]["w"] < 2e-2
   assert [r["launch"] for r in rows[2:]] == [{"block_n": n} for n in (128, 256, 384)]
   assert rows[2]["cotangent_ms"] > 0 and rows[3]["logsumexp_ms"] > 0
   assert "do not tile" in rows[4]["error"]  # 512 is not a multiple of 384

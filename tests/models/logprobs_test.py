@@ -234,6 +234,8 @@ def test_logprob_path_resolution_and_errors():
     assert decoder.logprob_path(cfg, "gpu") == "xla"  # the vocabulary split over "tensor"
   with pytest.raises(ValueError, match="vocab_size a multiple of 128"):
     decoder.logprob_path(cfg.replace(vocab_size=500, logprob_impl="pallas"), "gpu")
+  with pytest.raises(ValueError, match="on TPUs"):
+    decoder.logprob_path(cfg.replace(logprob_impl="pallas"), "tpu")
   with pytest.raises(ValueError, match="logprob_impl must be"):
     cfg.replace(logprob_impl="triton")
 
