@@ -10,6 +10,7 @@ the mean and max |difference| over the sampled tokens. Random-init weights store
 compute dtype (what the engine reads); nothing is downloaded.
 """
 import argparse
+import itertools
 import os
 import sys
 
@@ -35,6 +36,8 @@ def main():
   ap.add_argument("--pack-len", type=int, default=1024)
   ap.add_argument("--dtypes", default="bfloat16,float32")
   ap.add_argument("--impls", default="auto,cudnn,xla")
+  ap.add_argument("--logprob-impls", default="auto", help="the learner's vocabulary path "
+                  "(ModelConfig.logprob_impl): auto, pallas, xla")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
@@ -56,17 +59,20 @@ def main():
     batch = packing.pack(items, packing.PackingConfig(max_len=args.pack_len,
                                                       row_multiple=1)).arrays()
     mask = batch["loss_mask"] > 0
-    for impl in args.impls.split(","):
-      c = cfg.replace(attention_impl=impl)
-      learner = step.Learner(c, step.StepConfig(), step.make_optimizer(1e-6))
+    for impl, lp_impl in itertools.product(args.impls.split(","),
+                                           args.logprob_impls.split(",")):
+      c = cfg.replace(attention_impl=impl, logprob_impl=lp_impl)
       try:
+        learner = step.Learner(c, step.StepConfig(), step.make_optimizer(1e-6))
         logps, _ = learner.score(params, batch)
       except Exception as e:  # a path this device lacks (cuDNN off GPU): say so and go on
-        print(f"{dtype} {impl}: failed: {type(e).__name__}: {str(e)[:200]}")
+        print(f"{dtype} {impl} {lp_impl}: failed: {type(e).__name__}: {str(e)[:200]}")
         continue
       gap = np.abs(np.asarray(logps, np.float64) - batch["old_logps"])[mask]
+      backend = jax.default_backend()
       emit("logprob_gap", args.record, model=args.model, dtype=dtype, attention=impl,
-           resolved=decoder.attention_path(c, jax.default_backend()),
+           resolved=decoder.attention_path(c, backend),
+           logprob=decoder.logprob_path(c, backend),
            tokens=int(mask.sum()), mean_abs_gap=float(gap.mean()), max_abs_gap=float(gap.max()))
 
 

@@ -541,7 +541,8 @@ def _fused_logsumexp(h, w, temperature, tied, with_entropy):
   def fn(h, w, inv_t):
     lse, pz = vocab_kernels.logsumexp(h.reshape(-1, h.shape[-1]), w, inv_t, tied=tied,
                                       with_entropy=with_entropy, interpret=interpret)
-    ent = lse - pz if with_entropy else jnp.zeros_like(lse)
+    # lse - E_p[z] (float32 rounding can take a near-zero entropy a few 1e-6 below zero).
+    ent = jnp.maximum(lse - pz, 0.0) if with_entropy else jnp.zeros_like(lse)
     return lse.reshape(h.shape[:-1]), ent.reshape(h.shape[:-1])
 
   nd = h.ndim - 1
