@@ -27,13 +27,9 @@ def _problem(preset, **kw):
   return cfg, params, h, targets, wl, we
 
 
-@pytest.mark.parametrize("preset,tied", [("tiny-qwen3", None), ("tiny-llama", False),
-                                         pytest.param("tiny-llama", True, marks=pytest.mark.slow)])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_token_logprobs_values_and_grads_equal_full_log_softmax(preset, tied, temperature):
-  kw = {} if tied is None else {"tie_embeddings": tied}
-  cfg, params, h, targets, wl, we = _problem(preset, **kw)
-
+def _check_entropy_values_and_grads(cfg, params, h, targets, wl, we, temperature):
+  """`token_logprobs` with differentiated entropies against the full log-softmax: values, and
+  gradients of a random weighting of both; returns the reference (log-probs, entropies)."""
   def ours(p, h):
     # chunk 4 over 11 positions: chunks are padded; 8 tokens per chunk at most.
     lp, ent = decoder.token_logprobs(p, h, targets, cfg=cfg, temperature=temperature,
@@ -54,6 +50,16 @@ def test_token_logprobs_values_and_grads_equal_full_log_softmax(preset, tied, te
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
     moved += float(jnp.abs(b).max()) > 0
   assert moved >= 2  # the hidden states and the output embedding both get gradients
+  return want
+
+
+@pytest.mark.parametrize("preset,tied", [("tiny-qwen3", None), ("tiny-llama", False),
+                                         pytest.param("tiny-llama", True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_values_and_grads_equal_full_log_softmax(preset, tied, temperature):
+  kw = {} if tied is None else {"tie_embeddings": tied}
+  cfg, params, h, targets, wl, we = _problem(preset, **kw)
+  want = _check_entropy_values_and_grads(cfg, params, h, targets, wl, we, temperature)
   # Without entropies: log-probs only, same values and log-prob gradients.
   lp = decoder.token_logprobs(params, h, targets, cfg=cfg, temperature=temperature, chunk=4)
   np.testing.assert_allclose(lp, want[0], rtol=1e-5, atol=1e-5)
@@ -172,25 +178,7 @@ def test_fused_kernels_values_and_grads_equal_full_log_softmax(preset, tied, tem
   kw = {} if tied is None else {"tie_embeddings": tied}
   cfg, params, h, targets, wl, we = _problem(preset, logprob_impl="pallas", **kw)
   assert decoder.logprob_path(cfg, jax.default_backend()) == "pallas"
-
-  def ours(p, h):
-    lp, ent = decoder.token_logprobs(p, h, targets, cfg=cfg, temperature=temperature,
-                                     chunk=4, with_entropy=True, max_chunk_tokens=8)
-    return jnp.sum(lp * wl) + jnp.sum(ent * we), (lp, ent)
-
-  def ref(p, h):
-    lp, ent = _reference(p, h, targets, cfg, temperature)
-    return jnp.sum(lp * wl) + jnp.sum(ent * we), (lp, ent)
-
-  (_, got), g_got = jax.value_and_grad(ours, argnums=(0, 1), has_aux=True)(params, h)
-  (_, want), g_want = jax.value_and_grad(ref, argnums=(0, 1), has_aux=True)(params, h)
-  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
-  np.testing.assert_allclose(got[1], want[1], rtol=1e-4, atol=1e-4)
-  moved = 0
-  for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)):
-    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
-    moved += float(jnp.abs(b).max()) > 0
-  assert moved >= 2
+  _check_entropy_values_and_grads(cfg, params, h, targets, wl, we, temperature)
   # Entropies as a metric, and saved probabilities (whose forward pass stays on XLA).
   for save in (False, True):
     g = jax.grad(lambda h: jnp.sum(decoder.token_logprobs(
