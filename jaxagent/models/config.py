@@ -66,7 +66,8 @@ class ModelConfig:
   # (a matmul to float32 logits per chunk, then passes over them), "pallas" (`vocab_kernels`:
   # the log-sum-exp and the backward pass's logit cotangent from the matmul's tiles in
   # registers, no float32 logits in HBM; GPU, interpret mode elsewhere; bf16 / f16 models) or
-  # "auto": pallas on GPUs where the kernels tile the shapes, xla elsewhere.
+  # "auto": pallas on GPUs where the kernels tile the shapes and d_model <= 2048 (wider
+  # models' matmul is faster on XLA; `decoder.logprob_path`), xla elsewhere.
   logprob_impl: LogprobImpl = "auto"
   name: str = "custom"
 

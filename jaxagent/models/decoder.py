@@ -679,11 +679,19 @@ def forward(params: Params, tokens, *, cfg: ModelConfig, positions=None, segment
   return logits_from_hidden(params, h, cfg)
 
 
+# "auto" takes the fused kernels up to this hidden size. Their matmul runs below cuBLAS's, so
+# their gain (no passes over float32 logits) shrinks as the matmul grows: a 4096-token chunk's
+# forward + backward on an H100 went 1.21x / 1.18x faster at d 576 / 1024, 1.02x / 1.01x at
+# 1536 / 2048, and 0.92x (slower) at 3584 (Qwen2.5-7B; benchmarks/vocab_kernels.py).
+FUSED_LOGPROB_MAX_D = 2048
+
+
 def logprob_path(cfg: ModelConfig, backend: str) -> str:
   """How `token_logprobs` projects onto the vocabulary on `backend`: `cfg.logprob_impl`, with
   "auto" resolved to "pallas" (`vocab_kernels`) on GPUs for bf16 / f16 models whose hidden size
-  and vocabulary the kernels tile, without a "tensor" mesh axis over more than one device (the
-  kernels take the whole vocabulary per device), and to "xla" elsewhere. An explicit "pallas"
+  (at most `FUSED_LOGPROB_MAX_D`) and vocabulary the kernels tile, without a "tensor" mesh axis
+  over more than one device (the kernels take the whole vocabulary per device), and to "xla"
+  elsewhere. An explicit "pallas"
   that the kernels cannot tile is an error."""
   tileable = vocab_kernels.tileable(cfg.d_model, cfg.vocab_size)
   if cfg.logprob_impl != "auto":
@@ -700,7 +708,8 @@ def logprob_path(cfg: ModelConfig, backend: str) -> str:
   mesh = jax.sharding.get_abstract_mesh()
   tensor = 1 if mesh.empty else mesh.shape.get("tensor", 1)
   low = cfg.dtype in ("bfloat16", "float16")
-  return "pallas" if backend == "gpu" and tensor == 1 and low and tileable else "xla"
+  small = cfg.d_model <= FUSED_LOGPROB_MAX_D
+  return "pallas" if backend == "gpu" and tensor == 1 and low and tileable and small else "xla"
 
 
 # The most chunks `token_logprobs` runs as a Python loop (see there) rather than a `lax.map`.

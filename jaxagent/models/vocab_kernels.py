@@ -22,9 +22,11 @@ L2. The vocabulary must be a multiple of `block_n` and the hidden size of `block
 full-precision `dot` (slow on a GPU, where a default float32 `dot` would round to TF32), so
 `decoder.logprob_path` picks the kernels by default only for bf16 / f16 models.
 
-Measured on one H200 (4096 tokens, d 1024, vocabulary 151,936, T = 0.9): log-sum-exp 2.75 ->
-2.40 ms, cotangent 4.09 -> 2.58 ms against XLA's matmul plus its pass over the float32 logits;
-on H100s see benchmarks/RESULTS.md.
+Measured on an H100 (one 4096-token chunk, forward + backward as the learner runs it): 1.18x
+faster than the XLA path at d 1024 (Qwen3-0.6B's 151,936-entry vocabulary), 1.21x at d 576,
+about even at d 1536-2048, and 0.92x at d 3584, where the kernels' matmul (about 490 / 410
+TFLOP/s against cuBLAS's 617) costs more than the passes they save; `decoder.logprob_path`
+picks them by default up to d 2048 (benchmarks/RESULTS.md).
 """
 from __future__ import annotations
 
@@ -36,8 +38,8 @@ from jax.experimental import pallas as pl
 
 from jaxagent.models import decode_attention
 
-# Launch settings (the fastest of a sweep of 7 on an H200, see the module docstring); override
-# with JAXAGENT_VOCAB_KERNEL="block_n=256,num_warps=8" for sweeps.
+# Launch settings: a sweep of 36 on an H100 found none faster beyond the run-to-run spread
+# (benchmarks/RESULTS.md); override with JAXAGENT_VOCAB_KERNEL="block_m=256,num_warps=8".
 DEFAULT_TUNING = dict(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3)
 _NEG = -1e30
 

@@ -216,6 +216,9 @@ def test_logprob_path_resolution_and_errors():
   assert decoder.logprob_path(cfg, "tpu") == "xla"
   assert decoder.logprob_path(cfg.replace(dtype="float32"), "gpu") == "xla"  # TF32 otherwise
   assert decoder.logprob_path(cfg.replace(vocab_size=500), "gpu") == "xla"  # not tileable
+  wide = cfg.replace(d_model=decoder.FUSED_LOGPROB_MAX_D + 64)  # slower than XLA's matmul
+  assert decoder.logprob_path(wide, "gpu") == "xla"
+  assert decoder.logprob_path(wide.replace(logprob_impl="pallas"), "gpu") == "pallas"
   assert decoder.logprob_path(cfg.replace(logprob_impl="xla"), "gpu") == "xla"
   from jaxagent import sharding as shd
   with jax.sharding.use_abstract_mesh(shd.make_mesh(data=2, fsdp=2, tensor=2).abstract_mesh):
