@@ -41,7 +41,6 @@ from jaxagent.models import decode_attention
 # Launch settings: a sweep of 36 on an H100 found none faster beyond the run-to-run spread
 # (benchmarks/RESULTS.md); override with JAXAGENT_VOCAB_KERNEL="block_m=256,num_warps=8".
 DEFAULT_TUNING = dict(block_m=128, block_n=128, block_k=64, num_warps=4, num_stages=3)
-_NEG = -1e30
 
 
 def tuning() -> dict:
