@@ -691,8 +691,7 @@ def logprob_path(cfg: ModelConfig, backend: str) -> str:
   "auto" resolved to "pallas" (`vocab_kernels`) on GPUs for bf16 / f16 models whose hidden size
   (at most `FUSED_LOGPROB_MAX_D`) and vocabulary the kernels tile, without a "tensor" mesh axis
   over more than one device (the kernels take the whole vocabulary per device), and to "xla"
-  elsewhere. An explicit "pallas"
-  that the kernels cannot tile is an error."""
+  elsewhere. An explicit "pallas" that the kernels cannot tile, or on a TPU, is an error."""
   tileable = vocab_kernels.tileable(cfg.d_model, cfg.vocab_size)
   if cfg.logprob_impl != "auto":
     if cfg.logprob_impl == "pallas" and backend == "tpu":
