@@ -28,7 +28,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # "pallas", "cudnn" or "xla".
       attention="auto",
       # The learner's vocabulary projection for token log-probs: "auto" (fused Pallas kernels
-      # on GPUs for bf16 / f16 models, XLA elsewhere), "pallas" or "xla".
+      # on GPUs for bf16 / f16 models up to d_model 2048, XLA elsewhere), "pallas" or "xla".
       logprob="auto"))
   c.env = ml_collections.ConfigDict(dict(name="quickstart", kwargs=dict(
       min_terms=3, max_terms=4, min_digits=2, max_digits=3, train_size=2000, eval_size=200,
