@@ -262,33 +262,36 @@ def attention_path(cfg: ModelConfig, backend: str) -> str:
   return "pallas" if packed_attention.tileable(hd) and hd <= 128 else "cudnn"
 
 
-def _per_shard(fn, row_args, out_ndims, heads_dim: int, kv_heads: int):
-  """`fn` (a Pallas kernel call) per shard of the ambient mesh (`shard_map`; `fn` itself
-  without a mesh). XLA's partitioner sees a Pallas call as one opaque kernel and would gather
-  its sharded inputs onto every device. Every array of `row_args` is split on axis 0 over the
-  batch axes (when the rows divide evenly); the ones with more than two dims also on axis
-  `heads_dim` over "tensor" when `kv_heads` divide evenly (each shard's query heads then map
-  onto its own key-value heads); the outputs, of `out_ndims` dims (an int for one output, a
-  tuple for several), likewise."""
+def _per_shard(fn, row_args, out_ndims, heads_dim: int | None, kv_heads: int = 1,
+               shared=()):
+  """`fn(*row_args, *shared)` (a Pallas kernel call) per shard of the ambient mesh
+  (`shard_map`; `fn` itself without a mesh). XLA's partitioner sees a Pallas call as one
+  opaque kernel and would gather its sharded inputs onto every device. Every array of
+  `row_args` is split on axis 0 over the batch axes (when the rows divide evenly); the ones
+  with more than two dims also on axis `heads_dim` (None: not split) over "tensor" when
+  `kv_heads` divide evenly (each shard's query heads then map onto its own key-value heads);
+  the outputs, of `out_ndims` dims (an int for one output, a tuple for several), likewise.
+  The arrays of `shared` go to every shard whole."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh.empty or mesh.size == 1:
-    return fn(*row_args)
+    return fn(*row_args, *shared)
   axes, n = _batch_split()
   rows = axes if axes and row_args[0].shape[0] % n == 0 else None
   tp = mesh.shape.get("tensor", 1)
-  heads = "tensor" if tp > 1 and kv_heads % tp == 0 else None
+  heads = "tensor" if heads_dim is not None and tp > 1 and kv_heads % tp == 0 else None
 
   def spec(ndim):
     dims = [rows] + [None] * (ndim - 1)
-    if ndim > 2:
+    if ndim > 2 and heads_dim is not None:
       dims[heads_dim] = heads
     return jax.sharding.PartitionSpec(*dims)
 
-  in_specs = tuple(spec(a.ndim) for a in row_args)
+  in_specs = (tuple(spec(a.ndim) for a in row_args)
+              + (jax.sharding.PartitionSpec(),) * len(shared))
   out_specs = (spec(out_ndims) if isinstance(out_ndims, int)
                else tuple(spec(d) for d in out_ndims))
   return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                       check_vma=False)(*row_args)
+                       check_vma=False)(*row_args, *shared)
 
 
 def _pallas_attention(q, k, v, segment_ids):
@@ -517,22 +520,6 @@ def _onehot(targets, shape):
   return (targets[..., None] == iota).astype(jnp.float32)
 
 
-def _rows_per_shard(fn, rows, shared, out_ndims):
-  """`fn(*rows, *shared)` (a Pallas kernel call) per shard of the ambient mesh: every array of
-  `rows` split on axis 0 over the batch axes (when they divide evenly), `shared` replicated;
-  the outputs (of `out_ndims` dims each) split like `rows`."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return fn(*rows, *shared)
-  axes, n = _batch_split()
-  r = axes if axes and rows[0].shape[0] % n == 0 else None
-  spec = lambda nd: jax.sharding.PartitionSpec(r, *([None] * (nd - 1)))
-  in_specs = tuple(spec(a.ndim) for a in rows) + (jax.sharding.PartitionSpec(),) * len(shared)
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs,
-                       out_specs=tuple(spec(d) for d in out_ndims), check_vma=False)(
-                           *rows, *shared)
-
-
 def _fused_logsumexp(h, w, temperature, tied, with_entropy):
   """(lse, entropy or None) `[..., n]` of the logits `h @ w / temperature` for `h` `[..., n, D]`
   from `vocab_kernels.logsumexp`."""
@@ -546,7 +533,7 @@ def _fused_logsumexp(h, w, temperature, tied, with_entropy):
     return lse.reshape(h.shape[:-1]), ent.reshape(h.shape[:-1])
 
   nd = h.ndim - 1
-  lse, ent = _rows_per_shard(fn, (h,), (w, 1.0 / temperature), (nd, nd))
+  lse, ent = _per_shard(fn, (h,), (nd, nd), None, shared=(w, 1.0 / temperature))
   return lse, (ent if with_entropy else None)
 
 
@@ -563,7 +550,7 @@ def _fused_cotangent(h, w, temperature, lse, coef, targets, ent, ent_coef, tied)
     return (gz.reshape(*h.shape[:-1], gz.shape[-1]),)
 
   rows = (h, lse, coef, targets) + ((ent, ent_coef) if ent is not None else ())
-  return _rows_per_shard(fn, rows, (w, 1.0 / temperature), (len(lead) + 1,))[0]
+  return _per_shard(fn, rows, (len(lead) + 1,), None, shared=(w, 1.0 / temperature))[0]
 
 
 def _target_logits(h, w, targets, tied):

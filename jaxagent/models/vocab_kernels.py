@@ -54,11 +54,7 @@ def tileable(d: int, v: int) -> bool:
 
 
 def _compiler_params(t, interpret):
-  if interpret:
-    return {}
-  from jax.experimental.pallas import triton as plt
-  return {"compiler_params": plt.CompilerParams(num_warps=t["num_warps"],
-                                                num_stages=t["num_stages"])}
+  return decode_attention._compiler_params(interpret, t["num_warps"], t["num_stages"])
 
 
 def _tile_logits(h_ref, w_ref, inv_t, *, tied, block_k):
