@@ -11,6 +11,10 @@ A sweep over cache layouts, attention paths and the Pallas kernel's launch setti
     python benchmarks/generate.py --models qwen3-0.6b --batches 256 \
         --variants "stacked/auto/;per_layer/auto/;per_layer/pallas/block_k=128,num_warps=8"
 
+The decode program with and without the q|k|v and gate|up weights merged once per call:
+
+    python benchmarks/generate.py --models smollm2-135m --batches 256 --merge-weights on,off
+
 Samples of one prompt (a GRPO group), with and without the engine's prompt sharing:
 
     python benchmarks/generate.py --models qwen3-0.6b --batches 512 --prompt-len 128 \
@@ -38,7 +42,8 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 
 def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0,
-        layout="auto", kernel="", write_first=True, xla_options=None, group=1, share=True):
+        layout="auto", kernel="", write_first=True, xla_options=None, group=1, share=True,
+        merge=None):
   os.environ["JAXAGENT_DECODE_KERNEL"] = kernel
   cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
@@ -47,7 +52,8 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
                                  sampling=SamplingConfig(temperature), kv_page=128,
                                  decode_attention=attention, cache_layout=layout,
                                  decode_write_first=write_first,
-                                 decode_gpu_options=xla_options, share_prompts=share))
+                                 decode_gpu_options=xla_options, share_prompts=share,
+                                 decode_merge_weights=merge))
   rng = np.random.default_rng(0)
   if batch % group or 64 % group:
     raise SystemExit(f"--group {group} must divide the batch {batch} and 64 (a prefill call)")
@@ -82,6 +88,7 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   distinct_bytes = step_bytes - batch * (1 - 1 / group) * prompt_len * kv_tok
   emit("decode", record, model=name, batch=batch, attention=attention,
        layout=eng.cache_layout, kernel=kernel, write_first=write_first,
+       merge_weights=eng.merge_weights,
        xla_options="default" if xla_options is None else dict(xla_options),
        prompt_len=prompt_len, new_tokens=n_steps,
        decode_steps_per_call=steps, tokens_per_s=batch * n_steps / decode_s,
@@ -111,6 +118,10 @@ def main():
   ap.add_argument("--group", type=int, default=1,
                   help="samples per prompt (consecutive slots; divides 64)")
   ap.add_argument("--share", default="on", help="prompt sharing: on, off or on,off")
+  ap.add_argument("--merge-weights", default="auto",
+                  help="q|k|v and gate|up weights merged once per decode call "
+                       "(EngineConfig.decode_merge_weights): auto, on, off, or a list, one run "
+                       "each (e.g. on,off)")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   variants = ([(v.split("/") + ["", "", ""])[:4] for v in args.variants.split(";")]
@@ -120,15 +131,15 @@ def main():
               if args.xla_options else [None])
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
-      for (layout, attention, kernel, mode), xla, share in itertools.product(
-          variants, xla_sets, args.share.split(",")):
+      for (layout, attention, kernel, mode), xla, share, merge in itertools.product(
+          variants, xla_sets, args.share.split(","), args.merge_weights.split(",")):
         if mode not in ("", "merge"):
           raise SystemExit(f"--variants: unknown mode {mode!r} (expected '' or 'merge')")
         try:
           run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record,
               attention or "auto", layout=layout or "auto", kernel=kernel,
               write_first=mode != "merge", xla_options=xla, group=args.group,
-              share=share == "on")
+              share=share == "on", merge={"auto": None, "on": True, "off": False}[merge])
         except Exception as e:  # one failing variant must not lose the others' numbers
           print(f"FAILED {name} b={b} {layout}/{attention}/{kernel}/{mode}: {type(e).__name__}: "
                 f"{str(e)[:2000]}", flush=True)

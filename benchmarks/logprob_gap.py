@@ -38,6 +38,9 @@ def main():
   ap.add_argument("--impls", default="auto,cudnn,xla")
   ap.add_argument("--logprob-impls", default="auto", help="the learner's vocabulary path "
                   "(ModelConfig.logprob_impl): auto, pallas, xla")
+  ap.add_argument("--merge-weights", default="auto",
+                  help="the sampler's merged q|k|v and gate|up weights "
+                       "(EngineConfig.decode_merge_weights): auto, on, off or a list")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
@@ -46,34 +49,42 @@ def main():
     params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
     lens = rng.integers(args.prompt_len // 2, args.prompt_len + 1, args.prompts)
     prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in lens]
-    eng = Engine(cfg, EngineConfig(slots=args.prompts, max_len=args.prompt_len + args.gen,
-                                   eos_ids=(), sampling=SamplingConfig(1.0)))
-    outs = run_requests(eng, params, prompts, max_new_tokens=args.gen,
-                        request_ids=list(range(args.prompts)), seed=1)
-    items = [packing.PackItem(tokens=np.asarray(p + o.tokens, np.int32),
-                              loss_mask=np.r_[np.zeros(len(p)), np.ones(len(o.tokens))]
-                              .astype(np.float32),
-                              old_logps=np.r_[np.zeros(len(p)), o.logprobs].astype(np.float32),
-                              advantages=0.0)
-             for p, o in zip(prompts, outs)]
-    batch = packing.pack(items, packing.PackingConfig(max_len=args.pack_len,
-                                                      row_multiple=1)).arrays()
-    mask = batch["loss_mask"] > 0
-    for impl, lp_impl in itertools.product(args.impls.split(","),
-                                           args.logprob_impls.split(",")):
-      c = cfg.replace(attention_impl=impl, logprob_impl=lp_impl)
-      try:
-        learner = step.Learner(c, step.StepConfig(), step.make_optimizer(1e-6))
-        logps, _ = learner.score(params, batch)
-      except Exception as e:  # a path this device lacks (cuDNN off GPU): say so and go on
-        print(f"{dtype} {impl} {lp_impl}: failed: {type(e).__name__}: {str(e)[:200]}")
-        continue
-      gap = np.abs(np.asarray(logps, np.float64) - batch["old_logps"])[mask]
-      backend = jax.default_backend()
-      emit("logprob_gap", args.record, model=args.model, dtype=dtype, attention=impl,
-           resolved=decoder.attention_path(c, backend),
-           logprob=decoder.logprob_path(c, backend),
-           tokens=int(mask.sum()), mean_abs_gap=float(gap.mean()), max_abs_gap=float(gap.max()))
+    for merge in args.merge_weights.split(","):
+      eng = Engine(cfg, EngineConfig(
+          slots=args.prompts, max_len=args.prompt_len + args.gen, eos_ids=(),
+          sampling=SamplingConfig(1.0),
+          decode_merge_weights={"auto": None, "on": True, "off": False}[merge]))
+      outs = run_requests(eng, params, prompts, max_new_tokens=args.gen,
+                          request_ids=list(range(args.prompts)), seed=1)
+      _score(args, cfg, dtype, params, prompts, outs, eng.merge_weights)
+
+
+def _score(args, cfg, dtype, params, prompts, outs, merged):
+  """The learner's log-probs of the sampled token ledgers, per training path, against the
+  sampler's."""
+  items = [packing.PackItem(tokens=np.asarray(p + o.tokens, np.int32),
+                            loss_mask=np.r_[np.zeros(len(p)), np.ones(len(o.tokens))]
+                            .astype(np.float32),
+                            old_logps=np.r_[np.zeros(len(p)), o.logprobs].astype(np.float32),
+                            advantages=0.0)
+           for p, o in zip(prompts, outs)]
+  batch = packing.pack(items, packing.PackingConfig(max_len=args.pack_len,
+                                                    row_multiple=1)).arrays()
+  mask = batch["loss_mask"] > 0
+  for impl, lp_impl in itertools.product(args.impls.split(","), args.logprob_impls.split(",")):
+    c = cfg.replace(attention_impl=impl, logprob_impl=lp_impl)
+    try:
+      learner = step.Learner(c, step.StepConfig(), step.make_optimizer(1e-6))
+      logps, _ = learner.score(params, batch)
+    except Exception as e:  # a path this device lacks (cuDNN off GPU): say so and go on
+      print(f"{dtype} {impl} {lp_impl}: failed: {type(e).__name__}: {str(e)[:200]}")
+      continue
+    gap = np.abs(np.asarray(logps, np.float64) - batch["old_logps"])[mask]
+    backend = jax.default_backend()
+    emit("logprob_gap", args.record, model=args.model, dtype=dtype, attention=impl,
+         resolved=decoder.attention_path(c, backend), logprob=decoder.logprob_path(c, backend),
+         merged_decode_weights=merged, tokens=int(mask.sum()), mean_abs_gap=float(gap.mean()),
+         max_abs_gap=float(gap.max()))
 
 
 if __name__ == "__main__":

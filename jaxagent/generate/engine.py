@@ -156,6 +156,10 @@ class EngineConfig:
   # buffer before the kernel reads it (`decoder.decode_in_place`), instead of attending to the
   # new token separately and merging the two softmaxes. False: the `extend` + `write_kv` path.
   decode_write_first: bool = True
+  # The decode program multiplies by each layer's q|k|v and gate|up weights merged into one
+  # matrix each (`decoder.merge_decode_weights`, a transient copy made once per decode call):
+  # None (auto) merges on GPUs without a "tensor" mesh axis over more than one device.
+  decode_merge_weights: bool | None = None
   # XLA compiler options of the decode program on GPUs, as (name, value) pairs; None: the
   # library's `DECODE_GPU_OPTIONS`; (): XLA's defaults.
   decode_gpu_options: tuple[tuple[str, Any], ...] | None = None
@@ -175,6 +179,9 @@ class EngineConfig:
     if self.cache_layout not in ("auto", "stacked", "per_layer"):
       raise ValueError("EngineConfig.cache_layout must be 'auto', 'stacked' or 'per_layer', got "
                        f"{self.cache_layout!r}")
+    if self.decode_merge_weights not in (None, True, False):
+      raise ValueError("EngineConfig.decode_merge_weights must be None (auto), True or False, "
+                       f"got {self.decode_merge_weights!r}")
 
   @property
   def page(self) -> int:
@@ -226,6 +233,9 @@ class Engine:
     # Append (a tool observation into some slots) is rarer than a decode step and its program
     # is bucketed on rows and chunk length too: doubling live-KV buckets keep its compiles few.
     self.append_kv_buckets = _geometric_buckets(min(page, self.cache_len), self.cache_len)
+    merge = self.ecfg.decode_merge_weights
+    tensor = 1 if mesh is None else dict(mesh.shape).get("tensor", 1)
+    self.merge_weights = (backend == "gpu" and tensor == 1) if merge is None else bool(merge)
     on_mesh = lambda fn: shd.on_mesh(fn, mesh)
     opts = (DECODE_GPU_OPTIONS if self.ecfg.decode_gpu_options is None
             else self.ecfg.decode_gpu_options)
@@ -502,6 +512,9 @@ class Engine:
     return new, (tok, lp, valid)
 
   def _generate(self, params, state: DecodeState, steps: int, kv_len: int):
+    if self.merge_weights:
+      params = decoder.merge_decode_weights(params, self.cfg)
+
     def body(st, _):
       return self._step(params, st, kv_len)
     state, (tok, lp, valid) = jax.lax.scan(body, state, None, length=steps)

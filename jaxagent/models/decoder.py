@@ -176,9 +176,15 @@ def apply_rope(x, positions, inv_freq):
 
 def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq):
   dt = cfg.jnp_dtype
-  q = jnp.einsum("btd,dhk->bthk", h, lp["wq"].astype(dt))
-  k = jnp.einsum("btd,dhk->bthk", h, lp["wk"].astype(dt))
-  v = jnp.einsum("btd,dhk->bthk", h, lp["wv"].astype(dt))
+  if "wqkv" in lp:  # `merge_decode_weights`: one matmul, its output split by heads
+    b, t, _ = h.shape
+    qkv = jnp.einsum("btd,de->bte", h, lp["wqkv"].astype(dt))
+    qkv = qkv.reshape(b, t, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
+    q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
+  else:
+    q = jnp.einsum("btd,dhk->bthk", h, lp["wq"].astype(dt))
+    k = jnp.einsum("btd,dhk->bthk", h, lp["wk"].astype(dt))
+    v = jnp.einsum("btd,dhk->bthk", h, lp["wv"].astype(dt))
   if cfg.qkv_bias:
     q = q + lp["bq"].astype(dt)
     k = k + lp["bk"].astype(dt)
@@ -193,9 +199,34 @@ def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq):
 
 def _mlp(h, lp, cfg: ModelConfig):
   dt = cfg.jnp_dtype
-  g = jnp.einsum("btd,df->btf", h, lp["w_gate"].astype(dt))
-  u = jnp.einsum("btd,df->btf", h, lp["w_up"].astype(dt))
+  if "w_gate_up" in lp:  # `merge_decode_weights`
+    g, u = jnp.split(jnp.einsum("btd,df->btf", h, lp["w_gate_up"].astype(dt)), 2, axis=-1)
+  else:
+    g = jnp.einsum("btd,df->btf", h, lp["w_gate"].astype(dt))
+    u = jnp.einsum("btd,df->btf", h, lp["w_up"].astype(dt))
   return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"].astype(dt))
+
+
+def merge_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
+  """The plain params with each layer's q, k and v projections as one `[D, (H + 2 KV) hd]`
+  matrix ("wqkv") and its gate and up projections as one `[D, 2 F]` ("w_gate_up"), in the
+  compute dtype; every decoder function takes either form.
+
+  For the engine's decode program (`EngineConfig.decode_merge_weights`): at decode sizes one
+  GEMM over the merged weights costs less than two or three over their parts, and XLA's own
+  dot merger, which finds the same merge, concatenates the weights at every step (a copy of
+  them per layer and step); merged here once per decode call, the copy is made once per call
+  and the step loop reads the merged weights in place. Costs a transient copy of those weights.
+  """
+  p = dict(unbox(params))
+  lw = dict(p["layers"])
+  dt, lead = cfg.jnp_dtype, lw["wq"].shape[:-2]
+  flat = lambda w: w.astype(dt).reshape(*lead, -1)
+  lw["wqkv"] = jnp.concatenate([flat(lw.pop(n)) for n in ("wq", "wk", "wv")], axis=-1)
+  lw["w_gate_up"] = jnp.concatenate([lw.pop("w_gate").astype(dt), lw.pop("w_up").astype(dt)],
+                                    axis=-1)
+  p["layers"] = lw
+  return p
 
 
 _BATCH_AXES = ("data", "fsdp")

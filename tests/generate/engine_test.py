@@ -211,6 +211,44 @@ def test_per_layer_cache_on_a_mesh_matches_single_device(params):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
+@pytest.mark.parametrize("attention,mesh_shape", [
+    ("xla", None), ("xla", (2, 4, 1)), pytest.param("pallas", None, marks=pytest.mark.slow)])
+def test_merged_decode_weights_give_the_same_tokens(params, attention, mesh_shape):
+  """The decode program over q|k|v and gate|up weights merged once per call
+  (`EngineConfig.decode_merge_weights`) samples the same tokens with the same log-probs,
+  with the weights sharded over fsdp too."""
+  from jaxagent import sharding
+  from jaxagent.generate import run_requests
+  prompts = _prompts(5, seed=4)
+  mesh = None if mesh_shape is None else sharding.make_mesh(*mesh_shape)
+  p = params if mesh is None else sharding.shard(params, mesh)
+  outs = []
+  for merge in (False, True):
+    eng = Engine(CFG, EngineConfig(slots=4, max_len=64, sampling=SamplingConfig(1.0),
+                                   decode_attention=attention, decode_merge_weights=merge),
+                 mesh=mesh)
+    assert eng.merge_weights is merge
+    outs.append(run_requests(eng, p, prompts, max_new_tokens=10, request_ids=list(range(5)),
+                             seed=2))
+  for a, b in zip(*outs):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_merged_decode_weights_default(monkeypatch):
+  """Merged on GPUs (where it was measured faster), not elsewhere, and not under tensor
+  parallelism (the merge would concatenate weights split over "tensor")."""
+  from jaxagent import sharding
+  assert not Engine(CFG, EngineConfig(slots=2, max_len=64)).merge_weights
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  assert Engine(CFG, EngineConfig(slots=2, max_len=64)).merge_weights
+  mesh = sharding.make_mesh(2, 2, 2)
+  assert not Engine(CFG, EngineConfig(slots=2, max_len=64), mesh=mesh).merge_weights
+  assert Engine(CFG, EngineConfig(slots=2, max_len=64), mesh=sharding.make_mesh(2, 4, 1)).merge_weights
+  with pytest.raises(ValueError, match="decode_merge_weights"):
+    EngineConfig(decode_merge_weights="yes")
+
+
 @pytest.mark.parametrize("layout", [pytest.param("stacked", marks=pytest.mark.slow), "per_layer"])
 def test_prefill_insert_drops_padding_rows_and_bounds_compiles(params, layout):
   """`prefill_insert` pads the batch to a row bucket and the insert drops the padding rows:

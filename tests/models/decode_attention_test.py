@@ -146,6 +146,30 @@ def test_decode_in_place_equals_extend_then_write():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+def test_merged_decode_weights_compute_the_same_function(name):
+  """`merge_decode_weights` (q|k|v and gate|up as one matrix each) leaves the decoder's
+  function unchanged: the forward pass and the write-first decode step give the same logits
+  and caches (bias, QK norm and tied embeddings included)."""
+  cfg = models.get_config(name)
+  params = models.init_params(cfg, jax.random.key(3), std=0.2)
+  merged = decoder.merge_decode_weights(params, cfg)
+  assert {"wqkv", "w_gate_up"} <= set(merged["layers"])
+  assert not {"wq", "wk", "wv", "w_gate", "w_up"} & set(merged["layers"])
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)))
+  np.testing.assert_allclose(np.asarray(models.forward(merged, tokens, cfg=cfg)),
+                             np.asarray(models.forward(params, tokens, cfg=cfg)), atol=1e-5)
+  s, c = 3, 32
+  shape = (s, cfg.n_kv_heads, c, cfg.head_dim)
+  ck = tuple(_rand(30 + i, *shape) for i in range(cfg.n_layers))
+  cv = tuple(_rand(40 + i, *shape) for i in range(cfg.n_layers))
+  lens, tok = jnp.array([0, 9, 31], jnp.int32), jnp.array([5, 7, 11], jnp.int32)
+  a = decoder.decode_in_place(params, ck, cv, tok, lens, cfg=cfg)
+  b = decoder.decode_in_place(merged, ck, cv, tok, lens, cfg=cfg)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3, 8])
 def test_flash_decode_splits_equal_one_pass(splits):
   """Cutting each slot's sequence into ranges (one program each, merged by log-sum-exp) gives
