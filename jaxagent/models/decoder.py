@@ -210,7 +210,7 @@ def _mlp(h, lp, cfg: ModelConfig):
 def merge_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
   """The plain params with each layer's q, k and v projections as one `[D, (H + 2 KV) hd]`
   matrix ("wqkv") and its gate and up projections as one `[D, 2 F]` ("w_gate_up"), in the
-  compute dtype; every decoder function takes either form.
+  compute dtype. The forward, prefill, extend and decode functions take either form.
 
   For the engine's decode program (`EngineConfig.decode_merge_weights`): at decode sizes one
   GEMM over the merged weights costs less than two or three over their parts, and XLA's own
