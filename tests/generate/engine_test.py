@@ -237,14 +237,20 @@ def test_merged_decode_weights_give_the_same_tokens(params, attention, mesh_shap
 
 
 def test_merged_decode_weights_default(monkeypatch):
-  """Merged on GPUs (where it was measured faster), not elsewhere, and not under tensor
-  parallelism (the merge would concatenate weights split over "tensor")."""
+  """Merged on GPUs (where it was measured faster), not elsewhere, not under tensor
+  parallelism (the merge would concatenate weights split over "tensor"), and not when the
+  per-device copy exceeds `MERGE_WEIGHTS_MAX_BYTES`."""
   from jaxagent import sharding
+  from jaxagent.generate import engine as engine_mod
   assert not Engine(CFG, EngineConfig(slots=2, max_len=64)).merge_weights
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   assert Engine(CFG, EngineConfig(slots=2, max_len=64)).merge_weights
   mesh = sharding.make_mesh(2, 2, 2)
   assert not Engine(CFG, EngineConfig(slots=2, max_len=64), mesh=mesh).merge_weights
+  assert Engine(CFG, EngineConfig(slots=2, max_len=64), mesh=sharding.make_mesh(2, 4, 1)).merge_weights
+  # Not when the copy would be large (tiny-qwen2's is 2 layers x 64 x (128 + 256) x 4 bytes).
+  monkeypatch.setattr(engine_mod, "MERGE_WEIGHTS_MAX_BYTES", 100_000)
+  assert not Engine(CFG, EngineConfig(slots=2, max_len=64)).merge_weights
   assert Engine(CFG, EngineConfig(slots=2, max_len=64), mesh=sharding.make_mesh(2, 4, 1)).merge_weights
   with pytest.raises(ValueError, match="decode_merge_weights"):
     EngineConfig(decode_merge_weights="yes")
