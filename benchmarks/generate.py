@@ -88,7 +88,7 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   distinct_bytes = step_bytes - batch * (1 - 1 / group) * prompt_len * kv_tok
   emit("decode", record, model=name, batch=batch, attention=attention,
        layout=eng.cache_layout, kernel=kernel, write_first=write_first,
-       merge_weights=eng.merge_weights,
+       merge_weights=eng.merges(steps),
        xla_options="default" if xla_options is None else dict(xla_options),
        prompt_len=prompt_len, new_tokens=n_steps,
        decode_steps_per_call=steps, tokens_per_s=batch * n_steps / decode_s,

@@ -56,7 +56,8 @@ def main():
           decode_merge_weights={"auto": None, "on": True, "off": False}[merge]))
       outs = run_requests(eng, params, prompts, max_new_tokens=args.gen,
                           request_ids=list(range(args.prompts)), seed=1)
-      _score(args, cfg, dtype, params, prompts, outs, eng.merge_weights)
+      # `run_requests` decodes 8 steps a call (its default).
+      _score(args, cfg, dtype, params, prompts, outs, eng.merges(8))
 
 
 def _score(args, cfg, dtype, params, prompts, outs, merged):

@@ -244,7 +244,10 @@ def test_merged_decode_weights_default(monkeypatch):
   from jaxagent.generate import engine as engine_mod
   assert not Engine(CFG, EngineConfig(slots=2, max_len=64)).merge_weights
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert Engine(CFG, EngineConfig(slots=2, max_len=64)).merge_weights
+  eng = Engine(CFG, EngineConfig(slots=2, max_len=64))
+  # The copy is made once per call: calls of few steps (JetStream's one) do without.
+  assert eng.merge_weights and eng.merges(8) and not eng.merges(1)
+  assert Engine(CFG, EngineConfig(slots=2, max_len=64, decode_merge_weights=True)).merges(1)
   mesh = sharding.make_mesh(2, 2, 2)
   assert not Engine(CFG, EngineConfig(slots=2, max_len=64), mesh=mesh).merge_weights
   assert Engine(CFG, EngineConfig(slots=2, max_len=64), mesh=sharding.make_mesh(2, 4, 1)).merge_weights
