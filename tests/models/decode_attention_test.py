@@ -146,7 +146,9 @@ def test_decode_in_place_equals_extend_then_write():
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("name", [
+    pytest.param("tiny-llama", marks=pytest.mark.slow),
+    pytest.param("tiny-qwen2", marks=pytest.mark.slow), "tiny-qwen3"])
 def test_merged_decode_weights_compute_the_same_function(name):
   """`merge_decode_weights` (q|k|v and gate|up as one matrix each) leaves the decoder's
   function unchanged: the forward pass and the write-first decode step give the same logits
