@@ -249,9 +249,8 @@ class Engine:
     self.append_kv_buckets = _geometric_buckets(min(page, self.cache_len), self.cache_len)
     merge = self.ecfg.decode_merge_weights
     axes = {} if mesh is None else dict(mesh.shape)
-    copy = (cfg.n_layers * cfg.d_model * jnp.dtype(cfg.jnp_dtype).itemsize
-            * ((cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 2 * cfg.ffn_dim))
-    small = copy / axes.get("fsdp", 1) <= MERGE_WEIGHTS_MAX_BYTES
+    copy = decoder.merged_decode_weight_bytes(cfg) / axes.get("fsdp", 1)
+    small = copy <= MERGE_WEIGHTS_MAX_BYTES
     # Whether decode calls merge the weights (auto: those of `MERGE_MIN_STEPS` or more steps).
     self.merge_weights = ((backend == "gpu" and axes.get("tensor", 1) == 1 and small)
                           if merge is None else bool(merge))

@@ -229,6 +229,12 @@ def merge_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
   return p
 
 
+def merged_decode_weight_bytes(cfg: ModelConfig) -> int:
+  """Bytes of the merged matrices `merge_decode_weights` makes (the copy it costs)."""
+  cols = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 2 * cfg.ffn_dim
+  return cfg.n_layers * cfg.d_model * cols * jnp.dtype(cfg.jnp_dtype).itemsize
+
+
 _BATCH_AXES = ("data", "fsdp")
 
 

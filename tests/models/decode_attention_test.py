@@ -157,6 +157,8 @@ def test_merged_decode_weights_compute_the_same_function(name):
   params = models.init_params(cfg, jax.random.key(3), std=0.2)
   merged = decoder.merge_decode_weights(params, cfg)
   assert {"wqkv", "w_gate_up"} <= set(merged["layers"])
+  assert decoder.merged_decode_weight_bytes(cfg) == sum(
+      merged["layers"][n].nbytes for n in ("wqkv", "w_gate_up"))
   assert not {"wq", "wk", "wv", "w_gate", "w_up"} & set(merged["layers"])
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)))
   np.testing.assert_allclose(np.asarray(models.forward(merged, tokens, cfg=cfg)),
