@@ -1,5 +1,8 @@
 """Test setup: 8 fake CPU devices (set before jax is imported) and shared fixtures."""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -11,13 +14,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # version, so a hit is the executable the compile would have produced. Measured on the
 # 2-core machine: engine_test.py + step_test.py 5m32s -> 3m57s from an empty cache.
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
-  import atexit
-  import shutil
-  import tempfile
   _cache = tempfile.mkdtemp(prefix="jaxagent-test-compile-cache-")
   atexit.register(shutil.rmtree, _cache, ignore_errors=True)
   os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
   os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.2")
+# Tokenizers rebuilt from GGUF files are cached on disk (`tokenizer_cache_dir`); the run keeps
+# its own cache, shared with its workers and subprocesses, instead of writing to the home
+# directory.
+if "JAXAGENT_TOKENIZER_CACHE" not in os.environ:
+  _tokenizers = tempfile.mkdtemp(prefix="jaxagent-test-tokenizer-cache-")
+  atexit.register(shutil.rmtree, _tokenizers, ignore_errors=True)
+  os.environ["JAXAGENT_TOKENIZER_CACHE"] = _tokenizers
 
 import jax  # noqa: E402
 

