@@ -38,14 +38,16 @@ import numpy as np
 
 from benchmarks.common import emit, peaks
 from jaxagent import models
+from jaxagent.models import decoder
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 
 def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0,
         layout="auto", kernel="", write_first=True, xla_options=None, group=1, share=True,
-        merge=None):
+        merge=None, norm_rope="auto"):
   os.environ["JAXAGENT_DECODE_KERNEL"] = kernel
-  cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
+  cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16",
+                          norm_rope_impl=norm_rope)
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
   max_len = prompt_len + new_tokens + steps
   eng = Engine(cfg, EngineConfig(slots=batch, max_len=max_len, eos_ids=(),
@@ -89,6 +91,7 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   emit("decode", record, model=name, batch=batch, attention=attention,
        layout=eng.cache_layout, kernel=kernel, write_first=write_first,
        merge_weights=eng.merges(steps),
+       norm_rope=decoder.norm_rope_path(cfg, jax.default_backend()) if cfg.qk_norm else "none",
        xla_options="default" if xla_options is None else dict(xla_options),
        prompt_len=prompt_len, new_tokens=n_steps,
        decode_steps_per_call=steps, tokens_per_s=batch * n_steps / decode_s,
@@ -122,6 +125,9 @@ def main():
                   help="q|k|v and gate|up weights merged once per decode call "
                        "(EngineConfig.decode_merge_weights): auto, on, off, or a list, one run "
                        "each (e.g. on,off)")
+  ap.add_argument("--norm-rope", default="auto",
+                  help="Qwen3's q / k norms and RoPE (ModelConfig.norm_rope_impl): auto, pallas, "
+                       "xla, or a list, one run each (e.g. pallas,xla)")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   variants = ([(v.split("/") + ["", "", ""])[:4] for v in args.variants.split(";")]
@@ -131,15 +137,17 @@ def main():
               if args.xla_options else [None])
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
-      for (layout, attention, kernel, mode), xla, share, merge in itertools.product(
-          variants, xla_sets, args.share.split(","), args.merge_weights.split(",")):
+      for (layout, attention, kernel, mode), xla, share, merge, norm_rope in itertools.product(
+          variants, xla_sets, args.share.split(","), args.merge_weights.split(","),
+          args.norm_rope.split(",")):
         if mode not in ("", "merge"):
           raise SystemExit(f"--variants: unknown mode {mode!r} (expected '' or 'merge')")
         try:
           run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record,
               attention or "auto", layout=layout or "auto", kernel=kernel,
               write_first=mode != "merge", xla_options=xla, group=args.group,
-              share=share == "on", merge={"auto": None, "on": True, "off": False}[merge])
+              share=share == "on", merge={"auto": None, "on": True, "off": False}[merge],
+              norm_rope=norm_rope)
         except Exception as e:  # one failing variant must not lose the others' numbers
           print(f"FAILED {name} b={b} {layout}/{attention}/{kernel}/{mode}: {type(e).__name__}: "
                 f"{str(e)[:2000]}", flush=True)

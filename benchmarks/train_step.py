@@ -66,6 +66,8 @@ def main():
   ap.add_argument("--attention", default="auto")
   ap.add_argument("--logprob", default="auto", help="ModelConfig.logprob_impl: auto, pallas "
                   "(fused vocabulary kernels) or xla")
+  ap.add_argument("--norm-rope", default="auto", help="ModelConfig.norm_rope_impl: auto, "
+                  "pallas (one kernel each way for Qwen3's q / k norms and RoPE) or xla")
   ap.add_argument("--remat", default="dots_attention")
   ap.add_argument("--scan", action="store_true", help="ModelConfig.scan_layers=True: the "
                   "layer loop as a lax.scan (default: unrolled over per-layer weights)")
@@ -82,7 +84,8 @@ def main():
   for name in args.models.split(","):
     cfg = models.get_config(name, param_dtype=args.param_dtype, dtype="bfloat16",
                             attention_impl=args.attention, remat=args.remat,
-                            scan_layers=args.scan, logprob_impl=args.logprob)
+                            scan_layers=args.scan, logprob_impl=args.logprob,
+                            norm_rope_impl=args.norm_rope)
     batch, eff, seg_lens = make_batch(args.rows, args.len, cfg.vocab_size, rng)
     scfg = step.StepConfig(loss=losses.LossConfig(clip_high=0.28),
                            micro_batches=args.micro_batches, entropy=False,
@@ -104,7 +107,8 @@ def main():
     flops = useful_flops(cfg, seg_lens)
     emit("train_step", args.record, model=name, rows=args.rows, len=args.len,
          micro_batches=args.micro_batches, attention=args.attention,
-         logprob=decoder.logprob_path(cfg, jax.default_backend()), remat=args.remat,
+         logprob=decoder.logprob_path(cfg, jax.default_backend()),
+         norm_rope=decoder.norm_rope_path(cfg, jax.default_backend()), remat=args.remat,
          scan_layers=args.scan, save_probs=args.save_probs,
          param_dtype=args.param_dtype, step_s=t["median_s"], tokens_per_s=n_tok / t["median_s"],
          mfu=flops / t["median_s"] / peaks()["bf16_flops"], packing_efficiency=eff)

@@ -29,7 +29,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       attention="auto",
       # The learner's vocabulary projection for token log-probs: "auto" (fused Pallas kernels
       # on GPUs for bf16 / f16 models up to d_model 2048, XLA elsewhere), "pallas" or "xla".
-      logprob="auto"))
+      logprob="auto",
+      # Qwen3's q / k norms and RoPE: "auto" (one Pallas kernel each way on GPUs, XLA
+      # elsewhere), "pallas" or "xla".
+      norm_rope="auto"))
   c.env = ml_collections.ConfigDict(dict(name="quickstart", kwargs=dict(
       min_terms=3, max_terms=4, min_digits=2, max_digits=3, train_size=2000, eval_size=200,
       sft_size=256, easy_fraction=0.5, easy_max_digits=2, sft_easy_fraction=0.8,

@@ -70,7 +70,8 @@ def load_model(mcfg) -> tuple[models.ModelConfig, Any, Any]:
   dtype_kw = dict(param_dtype=mcfg.param_dtype, dtype=mcfg.dtype, remat=mcfg.remat,
                   scan_layers=mcfg.get("scan_layers", True),
                   attention_impl=mcfg.get("attention", "auto"),
-                  logprob_impl=mcfg.get("logprob", "auto"))
+                  logprob_impl=mcfg.get("logprob", "auto"),
+                  norm_rope_impl=mcfg.get("norm_rope", "auto"))
   tok = models.load_tokenizer(mcfg.get("tokenizer") or mcfg.path)
   if mcfg.path in models.PRESETS:
     cfg = models.get_config(mcfg.path, vocab_size=tok.vocab_size,

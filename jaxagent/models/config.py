@@ -17,6 +17,7 @@ _DTYPES = ("float32", "bfloat16", "float16")
 Remat = Literal["none", "full", "dots", "dots_attention"]
 AttentionImpl = Literal["xla", "cudnn", "pallas", "auto"]
 LogprobImpl = Literal["xla", "pallas", "auto"]
+NormRopeImpl = Literal["xla", "pallas", "auto"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +70,12 @@ class ModelConfig:
   # "auto": pallas on GPUs where the kernels tile the shapes and d_model <= 2048 (wider
   # models' matmul is faster on XLA; `decoder.logprob_path`), xla elsewhere.
   logprob_impl: LogprobImpl = "auto"
+  # Qwen3's per-head q / k norms and RoPE (`decoder.norm_rope`): "xla", "pallas"
+  # (`norm_rope_kernels`: one kernel each way; GPU, interpret mode elsewhere; head counts and
+  # head size powers of two) or "auto": pallas on GPUs where the kernels tile and no "tensor"
+  # mesh axis splits the heads, xla elsewhere (`decoder.norm_rope_path`). Models without q / k
+  # norms apply RoPE alone, as XLA operations.
+  norm_rope_impl: NormRopeImpl = "auto"
   name: str = "custom"
 
   def __post_init__(self):
@@ -97,6 +104,9 @@ class ModelConfig:
     if self.logprob_impl not in ("xla", "pallas", "auto"):
       raise ValueError("ModelConfig.logprob_impl must be 'xla', 'pallas' or 'auto', got "
                        f"{self.logprob_impl!r}")
+    if self.norm_rope_impl not in ("xla", "pallas", "auto"):
+      raise ValueError("ModelConfig.norm_rope_impl must be 'xla', 'pallas' or 'auto', got "
+                       f"{self.norm_rope_impl!r}")
     if self.architecture not in ("llama", "qwen2", "qwen3"):
       raise ValueError("ModelConfig.architecture must be 'llama', 'qwen2' or 'qwen3', got "
                        f"{self.architecture!r}")

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxagent.models.config import ModelConfig
+from jaxagent.models import norm_rope_kernels
 from jaxagent.models import packed_attention
 from jaxagent.models import vocab_kernels
 
@@ -163,15 +164,101 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
   return inv.astype(np.float32)
 
 
+def rope_tables(positions, inv_freq):
+  """float32 (cos, sin) `[B, T, 1, hd/2]` of the rotation angles at `positions` `[B, T]`."""
+  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
+  return jnp.cos(freqs)[:, :, None, :], jnp.sin(freqs)[:, :, None, :]
+
+
+def _rotate(xf, cos, sin, sign=1.0):
+  """Rotate-half RoPE of float32 `xf` by the angles (`sign=-1`: by minus the angles, the
+  rotation's transpose)."""
+  x1, x2 = jnp.split(xf, 2, axis=-1)
+  sin = sign * sin
+  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
 def apply_rope(x, positions, inv_freq):
   """HF (rotate-half) RoPE. x: [B, T, N, hd]; positions: [B, T]."""
-  freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # [B, T, hd/2]
-  cos = jnp.cos(freqs)[:, :, None, :]
-  sin = jnp.sin(freqs)[:, :, None, :]
+  cos, sin = rope_tables(positions, inv_freq)
+  return _rotate(x.astype(jnp.float32), cos, sin).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def norm_rope(x, w, cos, sin, eps, impl="xla"):
+  """`apply_rope(rms_norm(x, w, eps))` (Qwen3's per-head q / k norms, then RoPE) for x
+  `[B, T, N, hd]` and the `rope_tables` cos / sin, with a written-out backward pass.
+
+  `impl`: "xla" (the two functions' own operations forward; backward, the rotation's
+  transpose and the norm's backward from x and the per-row scale) or "pallas"
+  (`norm_rope_kernels`: one kernel each way, per shard under the ambient mesh; see
+  `norm_rope_path`). Both round the normed heads to x's dtype before the rotation, as the two
+  functions do."""
+  return _norm_rope_fwd(x, w, cos, sin, eps, impl)[0]
+
+
+def _norm_rope_kernel_fwd(x, w, cos, sin, eps):
+  interpret = jax.default_backend() == "cpu"
+  fn = lambda x, cos, sin, w: norm_rope_kernels.forward(x, w, cos, sin, eps=eps,
+                                                          interpret=interpret)
+  return _per_shard(fn, (x, cos, sin), 4, None, shared=(w,))
+
+
+def _norm_rope_kernel_bwd(x, w, cos, sin, g, eps):
+  interpret = jax.default_backend() == "cpu"
+  fn = lambda x, cos, sin, g, w: norm_rope_kernels.backward(x, w, cos, sin, g, eps=eps,
+                                                              interpret=interpret)
+  dx, dw = _per_shard(fn, (x, cos, sin, g), (4, 2), None, shared=(w,))
+  return dx, jnp.sum(dw, axis=0)
+
+
+def _norm_rope_fwd(x, w, cos, sin, eps, impl):
+  if impl == "pallas":
+    return _norm_rope_kernel_fwd(x, w, cos, sin, eps), (x, None, w, cos, sin)
   xf = x.astype(jnp.float32)
-  x1, x2 = jnp.split(xf, 2, axis=-1)
-  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
-  return out.astype(x.dtype)
+  r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  normed = (xf * r * w.astype(jnp.float32)).astype(x.dtype)
+  out = _rotate(normed.astype(jnp.float32), cos, sin).astype(x.dtype)
+  return out, (x, r, w, cos, sin)
+
+
+def _norm_rope_bwd(eps, impl, res, g):
+  x, r, w, cos, sin = res
+  if impl == "pallas":
+    dx, dw = _norm_rope_kernel_bwd(x, w, cos, sin, g, eps)
+  else:
+    dn = _rotate(g.astype(jnp.float32), cos, sin, sign=-1.0)  # the rotation's transpose
+    xhat = x.astype(jnp.float32) * r
+    dw = jnp.sum(dn * xhat, axis=tuple(range(x.ndim - 1)))
+    dxhat = dn * w.astype(jnp.float32)
+    dx = r * (dxhat - xhat * jnp.mean(dxhat * xhat, axis=-1, keepdims=True))
+  return dx.astype(x.dtype), dw.astype(w.dtype), jnp.zeros_like(cos), jnp.zeros_like(sin)
+
+
+norm_rope.defvjp(_norm_rope_fwd, _norm_rope_bwd)
+
+
+def norm_rope_path(cfg: ModelConfig, backend: str) -> str:
+  """How `_qkv` applies Qwen3's q / k norms and RoPE on `backend` (`norm_rope`):
+  `cfg.norm_rope_impl`, with "auto" resolved to "pallas" (`norm_rope_kernels`) on GPUs when
+  the kernels tile the head counts and head size and no "tensor" mesh axis splits the heads,
+  and to "xla" elsewhere. An explicit "pallas" on a TPU, or that the kernels cannot tile, is
+  an error."""
+  tileable = (norm_rope_kernels.tileable(cfg.n_heads, cfg.head_dim)
+              and norm_rope_kernels.tileable(cfg.n_kv_heads, cfg.head_dim))
+  if cfg.norm_rope_impl != "auto":
+    if cfg.norm_rope_impl == "pallas" and backend == "tpu":
+      raise ValueError("norm_rope_impl='pallas' runs Triton kernels (GPUs; interpret mode on "
+                       "CPUs); use norm_rope_impl='xla' or 'auto' on TPUs")
+    if cfg.norm_rope_impl == "pallas" and not tileable:
+      raise ValueError(
+          "norm_rope_impl='pallas' needs head counts and head_dim that are powers of two; got "
+          f"n_heads {cfg.n_heads}, n_kv_heads {cfg.n_kv_heads}, head_dim {cfg.head_dim}: use "
+          "norm_rope_impl='xla' or 'auto'")
+    return cfg.norm_rope_impl
+  mesh = jax.sharding.get_abstract_mesh()
+  tensor = 1 if mesh.empty else mesh.shape.get("tensor", 1)
+  return "pallas" if backend == "gpu" and tensor == 1 and tileable else "xla"
 
 
 def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq):
@@ -190,8 +277,10 @@ def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq):
     k = k + lp["bk"].astype(dt)
     v = v + lp["bv"].astype(dt)
   if cfg.qk_norm:
-    q = rms_norm(q, lp["q_norm"], cfg.norm_eps)
-    k = rms_norm(k, lp["k_norm"], cfg.norm_eps)
+    cos, sin = rope_tables(positions, inv_freq)
+    impl = norm_rope_path(cfg, jax.default_backend())
+    return (norm_rope(q, lp["q_norm"], cos, sin, cfg.norm_eps, impl),
+            norm_rope(k, lp["k_norm"], cos, sin, cfg.norm_eps, impl), v)
   q = apply_rope(q, positions, inv_freq)
   k = apply_rope(k, positions, inv_freq)
   return q, k, v

@@ -112,7 +112,8 @@ def model_config(config) -> ModelConfig:
   m = config.model
   kw = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
             scan_layers=m.get("scan_layers", True), attention_impl=m.get("attention", "auto"),
-            logprob_impl=m.get("logprob", "auto"))
+            logprob_impl=m.get("logprob", "auto"),
+            norm_rope_impl=m.get("norm_rope", "auto"))
   path = str(m.path)
   if path in model_config_lib.EMBEDDED or path in model_config_lib.PRESETS:
     cfg = model_config_lib.get_config(path, **kw)
