@@ -4,7 +4,13 @@ import os
 import shutil
 import tempfile
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# LLVM at -O0 (`--xla_backend_optimization_level=0`): this suite's programs are small and
+# compiled far more often than they run long, and unoptimised machine code computes the same
+# IEEE results (XLA CPU does not enable fast math); measured on the 2-core machine:
+# decode_attention_test.py 168 -> 96 s. Tests that start their own processes pass it on.
+CPU_TEST_XLA_FLAGS = "--xla_backend_optimization_level=0"
+os.environ.setdefault("XLA_FLAGS",
+                      f"--xla_force_host_platform_device_count=8 {CPU_TEST_XLA_FLAGS}")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 # A persistent compilation cache shared by the whole run (and the subprocesses tests start):

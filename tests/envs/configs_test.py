@@ -83,7 +83,7 @@ for name in names:
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
   out = tmp_path_factory.mktemp("tiny")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")  # one device
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run([sys.executable, "-c", _RUN_TINY, str(ROOT), str(out), *CONFIGS],
                         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)

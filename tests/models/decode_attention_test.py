@@ -108,7 +108,8 @@ def test_append_equal_with_either_decode_attention():
     eng = Engine(cfg, EngineConfig(slots=4, max_len=64, sampling=SamplingConfig(1.0),
                                    decode_attention=attention, cache_layout=layout))
     state, _ = eng.prefill_insert(params, eng.init_decode_state(), prompts, [0, 1, 3], [0, 1, 2], 4)
-    state, out = eng.generate(params, state, steps=2, kv_len=20)
+    # Both decode calls alike (steps, kv_len): one decode program per path to compile.
+    state, out = eng.generate(params, state, steps=3, kv_len=40)
     lens = np.asarray(state.lengths)[[3, 0]]
     state = eng.update_slots(state, [3, 0], lengths=lens, tokens=np.asarray(state.tokens)[[3, 0]],
                              active=False)
@@ -215,7 +216,10 @@ def test_a_warp_per_2048_accumulator_entries(monkeypatch):
   from jaxagent.models import decode_attention as da
   from jaxagent.models.decode_attention import flash_decode_write
   monkeypatch.delenv("JAXAGENT_DECODE_KERNEL", raising=False)
-  jax.clear_caches()  # the settings are read when a program is traced
+  # The settings are read when a kernel call is traced: drop the kernels' traces (not every
+  # cache, which would make the rest of this module compile again).
+  da._flash_decode.clear_cache()
+  da._flash_decode_write.clear_cache()
   seen = []
 
   def record(interpret, num_warps, num_stages):
