@@ -18,6 +18,7 @@ import pytest
 
 from jaxagent import checkpoint, models, sharding
 from jaxagent.rl import step as step_lib
+from tests.conftest import CPU_TEST_XLA_FLAGS
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 CFG = models.get_config("tiny-llama", vocab_size=256)
@@ -233,7 +234,7 @@ def run_files(tmp_path_factory):
 def _launch(workdir, run_files, *flags, **popen):
   cache, tok_dir = run_files
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             XLA_FLAGS="--xla_force_host_platform_device_count=1 --xla_backend_optimization_level=0",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count=1 {CPU_TEST_XLA_FLAGS}",
              JAX_COMPILATION_CACHE_DIR=str(cache), JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
              JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
   cmd = [sys.executable, "-m", "jaxagent.launch", *FLAGS, f"--config.workdir={workdir}",

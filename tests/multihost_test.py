@@ -31,9 +31,9 @@ def _free_port() -> int:
 
 
 def _env(devices: int, cache=None) -> dict:
+  from tests.conftest import CPU_TEST_XLA_FLAGS  # here: this file also runs as a worker script
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONUNBUFFERED="1",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} "
-                       "--xla_backend_optimization_level=0")
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices} {CPU_TEST_XLA_FLAGS}")
   for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID"):
     env.pop(k, None)
   if cache is not None:

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jaxagent.models import decode_attention
+from jaxagent.models import packed_attention
 
 # `block_t` tokens a program; rows (tokens x heads) a program are kept near `ROWS` so that a
 # program's float32 working set stays in registers. Override with
@@ -37,13 +38,9 @@ def tuning() -> dict:
   return decode_attention.env_tuning("JAXAGENT_NORM_ROPE_KERNEL", DEFAULT_TUNING)
 
 
-def _pow2(n: int) -> bool:
-  return n > 0 and n & (n - 1) == 0
-
-
 def tileable(heads: int, hd: int) -> bool:
-  """Whether the kernels' blocks fit `heads` heads of `hd` values (both powers of two)."""
-  return _pow2(heads) and _pow2(hd) and hd >= 16
+  """Whether the kernels' blocks fit `heads` heads of `hd` values (powers of two; hd >= 16)."""
+  return heads > 0 and not heads & (heads - 1) and packed_attention.tileable(hd)
 
 
 def _block_t(tokens: int, heads: int, t) -> int:
@@ -58,6 +55,16 @@ def _halves(ref, half):
           ref[:, :, pl.ds(half, half)].astype(jnp.float32))
 
 
+def _weight_halves(w_ref, half):
+  return (w_ref[pl.ds(0, half)].astype(jnp.float32)[None, None, :],
+          w_ref[pl.ds(half, half)].astype(jnp.float32)[None, None, :])
+
+
+def _tables(cos_ref, sin_ref):
+  """The block's per-token cos / sin, broadcast over its heads."""
+  return cos_ref[...][:, None, :], sin_ref[...][:, None, :]
+
+
 def _scale(x1, x2, hd, eps):
   ms = (jnp.sum(x1 * x1, axis=-1) + jnp.sum(x2 * x2, axis=-1)) / hd
   return jax.lax.rsqrt(ms + eps)[:, :, None]
@@ -67,13 +74,11 @@ def _fwd_kernel(x_ref, w_ref, cos_ref, sin_ref, o_ref, *, eps):
   half = x_ref.shape[-1] // 2
   x1, x2 = _halves(x_ref, half)
   r = _scale(x1, x2, 2 * half, eps)
-  w1 = w_ref[pl.ds(0, half)].astype(jnp.float32)[None, None, :]
-  w2 = w_ref[pl.ds(half, half)].astype(jnp.float32)[None, None, :]
+  w1, w2 = _weight_halves(w_ref, half)
   dt = o_ref.dtype
   n1 = (x1 * r * w1).astype(dt).astype(jnp.float32)
   n2 = (x2 * r * w2).astype(dt).astype(jnp.float32)
-  cos = cos_ref[...][:, None, :]
-  sin = sin_ref[...][:, None, :]
+  cos, sin = _tables(cos_ref, sin_ref)
   o_ref[:, :, pl.ds(0, half)] = (n1 * cos - n2 * sin).astype(dt)
   o_ref[:, :, pl.ds(half, half)] = (n2 * cos + n1 * sin).astype(dt)
 
@@ -82,14 +87,12 @@ def _bwd_kernel(x_ref, w_ref, cos_ref, sin_ref, g_ref, dx_ref, dw_ref, *, eps):
   half = x_ref.shape[-1] // 2
   x1, x2 = _halves(x_ref, half)
   g1, g2 = _halves(g_ref, half)
-  cos = cos_ref[...][:, None, :]
-  sin = sin_ref[...][:, None, :]
+  cos, sin = _tables(cos_ref, sin_ref)
   dn1 = g1 * cos + g2 * sin  # the rotation's transpose
   dn2 = g2 * cos - g1 * sin
   r = _scale(x1, x2, 2 * half, eps)
   xh1, xh2 = x1 * r, x2 * r
-  w1 = w_ref[pl.ds(0, half)].astype(jnp.float32)[None, None, :]
-  w2 = w_ref[pl.ds(half, half)].astype(jnp.float32)[None, None, :]
+  w1, w2 = _weight_halves(w_ref, half)
   d1, d2 = dn1 * w1, dn2 * w2
   c = ((jnp.sum(d1 * xh1, axis=-1) + jnp.sum(d2 * xh2, axis=-1)) / (2 * half))[:, :, None]
   dx_ref[:, :, pl.ds(0, half)] = (r * (d1 - xh1 * c)).astype(dx_ref.dtype)

@@ -480,6 +480,12 @@ def tokenizer_cache_dir() -> pathlib.Path | None:
   return pathlib.Path(env).expanduser() if env else pathlib.Path.home() / ".cache" / "jaxagent" / "tokenizers"
 
 
+@functools.cache
+def _source_digest() -> bytes:
+  """This module's source, hashed once per process (part of the GGUF cache key)."""
+  return hashlib.sha256(pathlib.Path(__file__).read_bytes()).digest()
+
+
 def _gguf_cache_file(path: pathlib.Path) -> pathlib.Path | None:
   folder = tokenizer_cache_dir()
   if folder is None:
@@ -488,7 +494,7 @@ def _gguf_cache_file(path: pathlib.Path) -> pathlib.Path | None:
   stat = path.stat()
   key = hashlib.sha256()
   key.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\0{tokenizers.__version__}\0".encode())
-  key.update(pathlib.Path(__file__).read_bytes())  # any change to the conversion invalidates
+  key.update(_source_digest())  # any change to the conversion invalidates
   return folder / f"{path.stem}-{key.hexdigest()[:24]}.json"
 
 

@@ -13,6 +13,7 @@ import pytest
 
 from jaxagent.config_files import load_config_module
 from jaxagent.envs import REGISTRY, make_env
+from tests.conftest import CPU_TEST_XLA_FLAGS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CONFIGS = ("math_tool", "search_qa", "code")
@@ -83,7 +84,7 @@ for name in names:
 @pytest.fixture(scope="module")
 def tiny_runs(tmp_path_factory):
   out = tmp_path_factory.mktemp("tiny")
-  env = dict(os.environ, XLA_FLAGS="--xla_backend_optimization_level=0")  # one device
+  env = dict(os.environ, XLA_FLAGS=CPU_TEST_XLA_FLAGS)  # one device
   env["JAX_PLATFORMS"] = "cpu"
   proc = subprocess.run([sys.executable, "-c", _RUN_TINY, str(ROOT), str(out), *CONFIGS],
                         capture_output=True, text=True, timeout=900, env=env, cwd=ROOT)
