@@ -21,7 +21,7 @@ import numpy as np
 
 from benchmarks.common import emit
 from jaxagent import models
-from jaxagent.models import decoder
+from jaxagent.models import decoder, logprobs
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.generate.scheduler import run_requests
 from jaxagent.rl import packing, step
@@ -83,7 +83,7 @@ def _score(args, cfg, dtype, params, prompts, outs, merged):
     gap = np.abs(np.asarray(logps, np.float64) - batch["old_logps"])[mask]
     backend = jax.default_backend()
     emit("logprob_gap", args.record, model=args.model, dtype=dtype, attention=impl,
-         resolved=decoder.attention_path(c, backend), logprob=decoder.logprob_path(c, backend),
+         resolved=decoder.attention_path(c, backend), logprob=logprobs.logprob_path(c, backend),
          merged_decode_weights=merged, tokens=int(mask.sum()), mean_abs_gap=float(gap.mean()),
          max_abs_gap=float(gap.max()))
 

@@ -38,7 +38,7 @@ from benchmarks.common import emit, grpo_batch, grpo_learner, peaks, timeit
 from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.generate.scheduler import run_requests
-from jaxagent.models import decoder
+from jaxagent.models import param_tree
 from jaxagent.rl import advantages
 
 PROMPT, GEN, TRAIN_B, MODEL = 128, 512, 64, "qwen3-0.6b"
@@ -112,7 +112,7 @@ def our_e2e(cfg, prompts_n, group, micro_batches, slots, steps, layout, save_pro
   new_params = jax.jit(lambda k: models.init_params(cfg, k))
   st = [learner.init(new_params(jax.random.key(2)))]
   ref_params = new_params(jax.random.key(2))
-  cast = jax.jit(lambda p: decoder.compute_copy(p, cfg))
+  cast = jax.jit(lambda p: param_tree.compute_copy(p, cfg))
   eng = Engine(cfg, EngineConfig(slots=slots, max_len=L + steps, eos_ids=(),
                                  sampling=SamplingConfig(1.0), kv_page=128,
                                  cache_layout=layout, share_prompts=share))

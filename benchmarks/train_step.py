@@ -25,7 +25,7 @@ import numpy as np
 from benchmarks.common import emit, peaks, timeit
 from benchmarks.forward import useful_flops
 from jaxagent import models
-from jaxagent.models import decoder
+from jaxagent.models import decoder, logprobs
 from jaxagent.rl import losses, packing, step
 
 
@@ -107,7 +107,7 @@ def main():
     flops = useful_flops(cfg, seg_lens)
     emit("train_step", args.record, model=name, rows=args.rows, len=args.len,
          micro_batches=args.micro_batches, attention=args.attention,
-         logprob=decoder.logprob_path(cfg, jax.default_backend()),
+         logprob=logprobs.logprob_path(cfg, jax.default_backend()),
          norm_rope=decoder.norm_rope_path(cfg, jax.default_backend()), remat=args.remat,
          scan_layers=args.scan, save_probs=args.save_probs,
          param_dtype=args.param_dtype, step_s=t["median_s"], tokens_per_s=n_tok / t["median_s"],

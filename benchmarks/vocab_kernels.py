@@ -5,7 +5,7 @@
 
 Per model shape (bf16, hidden size and vocabulary of the preset, its tied or untied output
 weight) and `--tokens` tokens, times:
-  * `chunk`: what the learner runs per chunk (`decoder._chunk_logprobs`, recomputing path):
+  * `chunk`: what the learner runs per chunk (`logprobs._chunk_logprobs`, recomputing path):
     the forward pass alone and the forward and backward passes together, with the XLA path
     (a matmul to float32 logits, then passes over them) and the fused one
     (`jaxagent.models.vocab_kernels`), and how far apart the two paths' log-probs and
@@ -26,7 +26,7 @@ import jax.numpy as jnp
 from benchmarks.common import emit, peaks, timeit
 from benchmarks.decode_kernel import parse_sweep
 from jaxagent import models
-from jaxagent.models import decoder, vocab_kernels
+from jaxagent.models import logprobs, vocab_kernels
 
 
 def _problem(name, tokens, seed=0):
@@ -72,7 +72,7 @@ def main():
       for path, fused in (("xla", False), ("fused", True)):
 
         def fwd(h, w, fused=fused):
-          return decoder._chunk_logprobs(h, w, targets, temp, tied, False, False, False, fused)
+          return logprobs._chunk_logprobs(h, w, targets, temp, tied, False, False, False, fused)
 
         def fwd_bwd(h, w, fused=fused):
           (lp, _), vjp = jax.vjp(fwd, h, w)
@@ -91,7 +91,7 @@ def main():
            logprob_max_abs_diff=float(jnp.max(jnp.abs(lp_x - lp_f))),
            grad_rel_diff={"h": rel(grads_x[0], grads_f[0]), "w": rel(grads_x[1], grads_f[1])})
     if "kernels" in parts:
-      gemm = jax.jit(lambda h, w: decoder._project(h, w, tied))
+      gemm = jax.jit(lambda h, w: logprobs._project(h, w, tied))
       t = _time(gemm, h, w, iters=args.iters)
       emit("vocab_kernels_xla_matmul", args.record, **common, ms=1e3 * t,
            tflops=flops / t / 1e12, peak_fraction=flops / t / peak)

@@ -1,7 +1,7 @@
 """Mesh, logical-axis rules and shardings for params, optimizer state, batches and KV caches.
 
 Every array that crosses a jit boundary gets its sharding from here. Params carry logical
-axis names (see `jaxagent.models.decoder.param_specs`); `RULES` maps them onto the mesh axes
+axis names (see `jaxagent.models.param_tree.param_specs`); `RULES` maps them onto the mesh axes
 `("data", "fsdp", "tensor")`. A logical axis whose size does not divide the mapped mesh size
 is replicated instead (e.g. SmolLM2's 3 KV heads on `tensor=2`), so every preset shards on
 every mesh without hand edits.
@@ -113,7 +113,7 @@ def rollout_mesh(kind: str, learner_mesh: Mesh,
 
 def on_mesh(fn, mesh: Mesh | None):
   """`fn` traced under `mesh` (`jax.sharding.use_abstract_mesh`), so that the decoder keeps
-  activations split by rows over the batch axes (`models.decoder.constrain_batch`) instead of
+  activations split by rows over the batch axes (`models.per_shard.constrain_batch`) instead of
   computing every row on every device. `fn` itself when `mesh` is None."""
   if mesh is None:
     return fn

@@ -52,7 +52,7 @@ from jaxagent.agent.trajectory import Trajectory, demonstration_trajectory
 from jaxagent.envs import make_env
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.metrics import MetricsWriter
-from jaxagent.models import decoder
+from jaxagent.models import param_tree
 from jaxagent.rewards import mean_metrics
 from jaxagent.rl import advantages as adv_lib
 from jaxagent.rl import packing, step as step_lib
@@ -356,18 +356,18 @@ class Trainer:
   def _generator_params(self):
     """The current params as the rollout engines take them (None off process 0 on multi-host):
     with float32 masters and a lower compute dtype, a copy in the compute dtype made once per
-    call (`models.decoder.compute_copy`: bitwise the same logits, half the bytes per decode
+    call (`models.param_tree.compute_copy`: bitwise the same logits, half the bytes per decode
     step); otherwise the same buffers. With `rollout.mesh = "data"` that copy is then
     replicated onto the rollout mesh (one all-gather per step)."""
     if jax.process_count() == 1:
       params = self.state.params
       if self.cfg.jnp_param_dtype != self.cfg.jnp_dtype:
         if self._cast is None:
-          self._cast = jax.jit(functools.partial(decoder.compute_copy, cfg=self.cfg))
+          self._cast = jax.jit(functools.partial(param_tree.compute_copy, cfg=self.cfg))
         params = self._cast(params)
       # Colocated (the learner's mesh): the same buffers, no copy.
       return params if self.gen_mesh is self.mesh else sharding.shard(params, self.gen_mesh)
-    host = decoder.compute_copy(_to_host(self.state.params), self.cfg)
+    host = param_tree.compute_copy(_to_host(self.state.params), self.cfg)
     return sharding.shard(host, self.gen_mesh) if jax.process_index() == 0 else None
 
   @staticmethod

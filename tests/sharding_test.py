@@ -58,7 +58,7 @@ def test_sharded_forward_equals_unsharded(preset):
 
 
 def test_residual_stream_is_constrained_to_batch_sharding_only_under_a_mesh():
-  from jaxagent.models.decoder import constrain_batch
+  from jaxagent.models.per_shard import constrain_batch
   from jaxagent.rl import step as step_lib
   x = jnp.ones((8, 4, 16))
   assert "sharding_constraint" not in str(jax.make_jaxpr(constrain_batch)(x))  # no mesh: no-op

@@ -33,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent import sharding as shd
 from jaxagent.generate.sampling import SamplingConfig, sample, token_keys
-from jaxagent.models import decoder
+from jaxagent.models import decoder, param_tree
 from jaxagent.models.config import ModelConfig
 
 # Why a slot stopped (device-side codes; host-side stop strings are reported by the scheduler).
@@ -169,7 +169,7 @@ class EngineConfig:
   # new token separately and merging the two softmaxes. False: the `extend` + `write_kv` path.
   decode_write_first: bool = True
   # The decode program multiplies by each layer's q|k|v and gate|up weights merged into one
-  # matrix each (`decoder.merge_decode_weights`, a transient copy made once per decode call):
+  # matrix each (`param_tree.merge_decode_weights`, a transient copy made once per decode call):
   # None (auto) merges on GPUs without a "tensor" mesh axis over more than one device, when
   # the copy takes at most `MERGE_WEIGHTS_MAX_BYTES` per device, in decode calls of at least
   # `MERGE_MIN_STEPS` steps; True merges in every call.
@@ -249,7 +249,7 @@ class Engine:
     self.append_kv_buckets = _geometric_buckets(min(page, self.cache_len), self.cache_len)
     merge = self.ecfg.decode_merge_weights
     axes = {} if mesh is None else dict(mesh.shape)
-    copy = decoder.merged_decode_weight_bytes(cfg) / axes.get("fsdp", 1)
+    copy = param_tree.merged_decode_weight_bytes(cfg) / axes.get("fsdp", 1)
     small = copy <= MERGE_WEIGHTS_MAX_BYTES
     # Whether decode calls merge the weights (auto: those of `MERGE_MIN_STEPS` or more steps).
     self.merge_weights = ((backend == "gpu" and axes.get("tensor", 1) == 1 and small)
@@ -531,7 +531,7 @@ class Engine:
 
   def _generate(self, params, state: DecodeState, steps: int, kv_len: int):
     if self.merges(steps):
-      params = decoder.merge_decode_weights(params, self.cfg)
+      params = param_tree.merge_decode_weights(params, self.cfg)
 
     def body(st, _):
       return self._step(params, st, kv_len)

@@ -5,9 +5,10 @@
     logits = jaxagent.models.forward(params, tokens, cfg=cfg, segment_ids=seg)
 """
 from jaxagent.models.config import EMBEDDED, PRESETS, ModelConfig, get_config
-from jaxagent.models.decoder import (box, extend, forward, hidden_states, init_params,
-                                     logical_axes, logits_from_hidden, param_specs, prefill,
-                                     segment_positions, token_logprobs, unbox, write_kv)
+from jaxagent.models.decoder import (extend, forward, hidden_states, prefill, segment_positions,
+                                     write_kv)
+from jaxagent.models.logprobs import logits_from_hidden, token_logprobs
+from jaxagent.models.param_tree import box, init_params, logical_axes, param_specs, unbox
 from jaxagent.models.hf import load, save_hf
 
 

@@ -68,7 +68,7 @@ class ModelConfig:
   # the log-sum-exp and the backward pass's logit cotangent from the matmul's tiles in
   # registers, no float32 logits in HBM; GPU, interpret mode elsewhere; bf16 / f16 models) or
   # "auto": pallas on GPUs where the kernels tile the shapes and d_model <= 2048 (wider
-  # models' matmul is faster on XLA; `decoder.logprob_path`), xla elsewhere.
+  # models' matmul is faster on XLA; `logprobs.logprob_path`), xla elsewhere.
   logprob_impl: LogprobImpl = "auto"
   # Qwen3's per-head q / k norms and RoPE (`decoder.norm_rope`): "xla", "pallas"
   # (`norm_rope_kernels`: one kernel each way; GPU, interpret mode elsewhere; head counts and

@@ -1,10 +1,10 @@
 """The decoder: one definition, used for training (packed rows) and for sampling (KV cache).
 
-Everything here is a pure function of a params pytree. Params are a nested dict whose leaves
-are `flax.linen.LogicallyPartitioned` boxes: each array carries its logical axis names
-(`("layers", "embed", "heads", "head_dim")`, ...), which `jaxagent.sharding` maps to the mesh.
-Layers are stacked on a leading `layers` axis and run with `lax.scan`, which keeps compile
-time flat in depth.
+Everything here is a pure function of a params pytree (laid out, initialised and transformed
+in `jaxagent.models.param_tree`). Layers are stacked on a leading `layers` axis and run with
+`lax.scan`, which keeps compile time flat in depth (or unrolled, `ModelConfig.scan_layers`).
+The projection onto the vocabulary and the learner's token log-probs are in
+`jaxagent.models.logprobs`; how the work splits over a mesh, in `jaxagent.models.per_shard`.
 
 Three entry points share `_block`, so the training forward, prefill and cached decode compute
 the same function of the same weights:
@@ -17,129 +17,26 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable
+from typing import Callable
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxagent.models.config import ModelConfig
 from jaxagent.models import norm_rope_kernels
 from jaxagent.models import packed_attention
-from jaxagent.models import vocab_kernels
+from jaxagent.models.config import ModelConfig
+# Parameters, the vocabulary path and the mesh helpers have modules of their own; the names
+# below stay importable from here, where they lived before.
+from jaxagent.models.logprobs import (FUSED_LOGPROB_MAX_D, logits_from_hidden,  # noqa: F401
+                                      logprob_path, token_logprobs)
+from jaxagent.models.param_tree import (Params, box, compute_copy, init_params,  # noqa: F401
+                                    logical_axes, merge_decode_weights,
+                                    merged_decode_weight_bytes, param_specs, stack_layers,
+                                    unbox, unstack_layers)
+from jaxagent.models.per_shard import constrain_batch, per_shard
 
-Params = dict[str, Any]
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
-
-
-# ----------------------------------------------------------------------------- params
-def param_specs(cfg: ModelConfig) -> dict[str, Any]:
-  """The params tree as `(shape, logical_axes, init)` leaves (init in {"normal","ones","zeros"})."""
-  d, h, kv, hd, f, v, n = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
-                           cfg.ffn_dim, cfg.vocab_size, cfg.n_layers)
-  layers = {
-      "attn_norm": ((n, d), ("layers", "norm"), "ones"),
-      "wq": ((n, d, h, hd), ("layers", "embed", "heads", "head_dim"), "normal"),
-      "wk": ((n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-      "wv": ((n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
-      "wo": ((n, h, hd, d), ("layers", "heads", "head_dim", "embed"), "normal"),
-      "mlp_norm": ((n, d), ("layers", "norm"), "ones"),
-      "w_gate": ((n, d, f), ("layers", "embed", "mlp"), "normal"),
-      "w_up": ((n, d, f), ("layers", "embed", "mlp"), "normal"),
-      "w_down": ((n, f, d), ("layers", "mlp", "embed"), "normal"),
-  }
-  if cfg.qkv_bias:
-    layers["bq"] = ((n, h, hd), ("layers", "heads", "head_dim"), "zeros")
-    layers["bk"] = ((n, kv, hd), ("layers", "kv_heads", "head_dim"), "zeros")
-    layers["bv"] = ((n, kv, hd), ("layers", "kv_heads", "head_dim"), "zeros")
-  if cfg.qk_norm:
-    layers["q_norm"] = ((n, hd), ("layers", "head_dim"), "ones")
-    layers["k_norm"] = ((n, hd), ("layers", "head_dim"), "ones")
-  specs = {
-      "embed": ((v, d), ("vocab", "embed"), "normal"),
-      "layers": layers,
-      "final_norm": ((d,), ("norm",), "ones"),
-  }
-  if not cfg.tie_embeddings:
-    specs["lm_head"] = ((d, v), ("embed", "vocab"), "normal")
-  return specs
-
-
-def _is_spec(x) -> bool:
-  return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], tuple)
-
-
-def init_params(cfg: ModelConfig, rng: jax.Array, std: float = 0.02) -> Params:
-  """Random params (normal(std) weights, unit norms, zero biases), boxed with logical axes.
-
-  Call it under `jax.jit(..., out_shardings=...)` (see `jaxagent.sharding.init_sharded`) so
-  large models are created already sharded.
-  """
-  specs = param_specs(cfg)
-  leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
-  keys = jax.random.split(rng, len(leaves))
-  out = []
-  for key, (shape, names, init) in zip(keys, leaves):
-    if init == "normal":
-      val = std * jax.random.normal(key, shape, jnp.float32)
-    elif init == "ones":
-      val = jnp.ones(shape, jnp.float32)
-    else:
-      val = jnp.zeros(shape, jnp.float32)
-    out.append(nn.LogicallyPartitioned(val.astype(cfg.jnp_param_dtype), names))
-  return jax.tree.unflatten(treedef, out)
-
-
-def box(cfg: ModelConfig, arrays: dict[str, Any]) -> Params:
-  """Attach logical axis names to a plain nested dict of arrays laid out as `param_specs`."""
-  specs = param_specs(cfg)
-
-  def attach(spec, arr):
-    shape, names, _ = spec
-    if tuple(arr.shape) != tuple(shape):
-      raise ValueError(f"parameter shape {tuple(arr.shape)} does not match the config's "
-                       f"{tuple(shape)} (axes {names})")
-    return nn.LogicallyPartitioned(arr, names)
-
-  if set(specs) != set(arrays) or set(specs["layers"]) != set(arrays["layers"]):
-    raise ValueError(f"params keys {sorted(arrays)} / layers {sorted(arrays.get('layers', {}))} "
-                     f"do not match the config's {sorted(specs)} / {sorted(specs['layers'])}")
-  return jax.tree.map(attach, specs, arrays, is_leaf=_is_spec)
-
-
-def unbox(params: Params) -> dict[str, Any]:
-  """The plain arrays of a boxed params tree (no-op on an unboxed tree)."""
-  return nn.meta.unbox(params)
-
-
-# Weights the decoder casts to the compute dtype where it uses them (norm scales stay float32).
-_COMPUTE_CAST = ("embed", "lm_head", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "w_gate",
-                 "w_up", "w_down")
-
-
-def compute_copy(params: Params, cfg: ModelConfig) -> Params:
-  """The params as the forward pass reads them: matmul weights and embeddings cast to the
-  compute dtype once, instead of at every use (norm scales untouched). Gives bitwise the same
-  outputs as `params`; a sampler decoding thousands of steps from float32 master weights
-  reads half the bytes and skips a cast per weight per step. Identity when the param and
-  compute dtypes agree. Jit it with the params' shardings to keep them."""
-  if cfg.jnp_param_dtype == cfg.jnp_dtype:
-    return params
-
-  def cast(path, x):
-    name = getattr(path[-1], "key", None) if path else None
-    if name is None and len(path) > 1:  # a boxed leaf: the name sits above the box
-      name = getattr(path[-2], "key", None)
-    if name in _COMPUTE_CAST and jnp.issubdtype(x.dtype, jnp.floating):
-      return x.astype(cfg.jnp_dtype)
-    return x
-  return jax.tree_util.tree_map_with_path(cast, params)
-
-
-def logical_axes(params: Params):
-  """The logical-axis `PartitionSpec` tree of boxed params (or optimizer state)."""
-  return nn.get_partition_spec(params)
 
 
 # ----------------------------------------------------------------------------- pieces
@@ -201,14 +98,14 @@ def _norm_rope_kernel_fwd(x, w, cos, sin, eps):
   interpret = jax.default_backend() == "cpu"
   fn = lambda x, cos, sin, w: norm_rope_kernels.forward(x, w, cos, sin, eps=eps,
                                                           interpret=interpret)
-  return _per_shard(fn, (x, cos, sin), 4, None, shared=(w,))
+  return per_shard(fn, (x, cos, sin), 4, None, shared=(w,))
 
 
 def _norm_rope_kernel_bwd(x, w, cos, sin, g, eps):
   interpret = jax.default_backend() == "cpu"
   fn = lambda x, cos, sin, g, w: norm_rope_kernels.backward(x, w, cos, sin, g, eps=eps,
                                                               interpret=interpret)
-  dx, dw = _per_shard(fn, (x, cos, sin, g), (4, 2), None, shared=(w,))
+  dx, dw = per_shard(fn, (x, cos, sin, g), (4, 2), None, shared=(w,))
   return dx, jnp.sum(dw, axis=0)
 
 
@@ -296,63 +193,6 @@ def _mlp(h, lp, cfg: ModelConfig):
   return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"].astype(dt))
 
 
-def merge_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
-  """The plain params with each layer's q, k and v projections as one `[D, (H + 2 KV) hd]`
-  matrix ("wqkv") and its gate and up projections as one `[D, 2 F]` ("w_gate_up"), in the
-  compute dtype. The forward, prefill, extend and decode functions take either form.
-
-  For the engine's decode program (`EngineConfig.decode_merge_weights`): at decode sizes one
-  GEMM over the merged weights costs less than two or three over their parts, and XLA's own
-  dot merger, which finds the same merge, concatenates the weights at every step (a copy of
-  them per layer and step); merged here once per decode call, the copy is made once per call
-  and the step loop reads the merged weights in place. Costs a transient copy of those weights.
-  """
-  p = dict(unbox(params))
-  lw = dict(p["layers"])
-  dt, lead = cfg.jnp_dtype, lw["wq"].shape[:-2]
-  flat = lambda w: w.astype(dt).reshape(*lead, -1)
-  lw["wqkv"] = jnp.concatenate([flat(lw.pop(n)) for n in ("wq", "wk", "wv")], axis=-1)
-  lw["w_gate_up"] = jnp.concatenate([lw.pop("w_gate").astype(dt), lw.pop("w_up").astype(dt)],
-                                    axis=-1)
-  p["layers"] = lw
-  return p
-
-
-def merged_decode_weight_bytes(cfg: ModelConfig) -> int:
-  """Bytes of the merged matrices `merge_decode_weights` makes (the copy it costs)."""
-  cols = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 2 * cfg.ffn_dim
-  return cfg.n_layers * cfg.d_model * cols * jnp.dtype(cfg.jnp_dtype).itemsize
-
-
-_BATCH_AXES = ("data", "fsdp")
-
-
-def _batch_split() -> tuple[tuple[str, ...], int]:
-  """The ambient mesh's batch axes with more than one device, and how many ways they split
-  rows (`((), 1)` without a mesh)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
-    return (), 1
-  axes = tuple(a for a in _BATCH_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
-  return axes, math.prod(mesh.shape[a] for a in axes)
-
-
-def constrain_batch(x):
-  """Keep `x` split by rows over the batch axes ("data", "fsdp") of the ambient mesh.
-
-  A no-op unless a mesh is set (`jax.sharding.use_abstract_mesh`; `sharding.on_mesh` sets it
-  for the learner's and the engine's programs) and the rows divide evenly. Without it, XLA's
-  sharding propagation may follow the fsdp-sharded weights into the residual stream and keep
-  activations of the whole batch on every chip (the planner: qwen2.5-0.5b update of
-  `configs/math_tool.py:qwen` on v5e:4x4 with fsdp=16, 6.68 -> 3.04 GiB per chip).
-  """
-  axes, n = _batch_split()
-  if not axes or x.shape[0] % n:
-    return x
-  spec = jax.sharding.PartitionSpec(axes, *([None] * (x.ndim - 1)))
-  return jax.lax.with_sharding_constraint(x, spec)
-
-
 def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq):
   """One decoder layer. `attend(q, k, v) -> [B, T, H, hd]` supplies the attention pattern."""
   x = constrain_batch(x)
@@ -388,42 +228,10 @@ def attention_path(cfg: ModelConfig, backend: str) -> str:
   return "pallas" if packed_attention.tileable(hd) and hd <= 128 else "cudnn"
 
 
-def _per_shard(fn, row_args, out_ndims, heads_dim: int | None, kv_heads: int = 1,
-               shared=()):
-  """`fn(*row_args, *shared)` (a Pallas kernel call) per shard of the ambient mesh
-  (`shard_map`; `fn` itself without a mesh). XLA's partitioner sees a Pallas call as one
-  opaque kernel and would gather its sharded inputs onto every device. Every array of
-  `row_args` is split on axis 0 over the batch axes (when the rows divide evenly); the ones
-  with more than two dims also on axis `heads_dim` (None: not split) over "tensor" when
-  `kv_heads` divide evenly (each shard's query heads then map onto its own key-value heads);
-  the outputs, of `out_ndims` dims (an int for one output, a tuple for several), likewise.
-  The arrays of `shared` go to every shard whole."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
-    return fn(*row_args, *shared)
-  axes, n = _batch_split()
-  rows = axes if axes and row_args[0].shape[0] % n == 0 else None
-  tp = mesh.shape.get("tensor", 1)
-  heads = "tensor" if heads_dim is not None and tp > 1 and kv_heads % tp == 0 else None
-
-  def spec(ndim):
-    dims = [rows] + [None] * (ndim - 1)
-    if ndim > 2 and heads_dim is not None:
-      dims[heads_dim] = heads
-    return jax.sharding.PartitionSpec(*dims)
-
-  in_specs = (tuple(spec(a.ndim) for a in row_args)
-              + (jax.sharding.PartitionSpec(),) * len(shared))
-  out_specs = (spec(out_ndims) if isinstance(out_ndims, int)
-               else tuple(spec(d) for d in out_ndims))
-  return jax.shard_map(fn, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                       check_vma=False)(*row_args, *shared)
-
-
 def _pallas_attention(q, k, v, segment_ids):
   """`packed_attention`, per shard under the ambient mesh (rows over the batch axes, heads
   over "tensor")."""
-  return _per_shard(packed_attention.packed_attention, (q, k, v, segment_ids), 4, 2, k.shape[2])
+  return per_shard(packed_attention.packed_attention, (q, k, v, segment_ids), 4, 2, k.shape[2])
 
 
 def _local_share(offset, shared):
@@ -444,7 +252,7 @@ def _per_shard_decode(kernel, arrays, out_ndims, interpret, share):
   kv_heads = arrays[-2].shape[1]
   if share is None:
     fn = functools.partial(kernel, interpret=interpret)
-    return _per_shard(fn, arrays, out_ndims, 1, kv_heads)
+    return per_shard(fn, arrays, out_ndims, 1, kv_heads)
   src, shared = share
   # Offsets from each slot to its source stay valid in every shard's local slot numbering.
   offset = src - jnp.arange(src.shape[0], dtype=src.dtype)
@@ -453,7 +261,7 @@ def _per_shard_decode(kernel, arrays, out_ndims, interpret, share):
     *args, offset, shared = args
     return kernel(*args, share=_local_share(offset, shared), interpret=interpret)
 
-  return _per_shard(fn, (*arrays, offset, shared), out_ndims, 1, kv_heads)
+  return per_shard(fn, (*arrays, offset, shared), out_ndims, 1, kv_heads)
 
 
 def _flash_decode(q, cache_k, cache_v, lens, interpret, share=None):
@@ -517,29 +325,6 @@ def _remat(fn, cfg: ModelConfig):
   return fn
 
 
-def unstack_layers(params: Params) -> dict[str, Any]:
-  """`params` with "layers" as a tuple of per-layer dicts of plain arrays (the stacked
-  `[n_layers, ...]` weights cut once); `hidden_states` runs such params with an unrolled loop.
-  The other entries are kept as they are (boxed or not)."""
-  out = dict(params)
-  layers = unbox(params["layers"])
-  n = jax.tree.leaves(layers)[0].shape[0]
-  out["layers"] = tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))
-  return out
-
-
-def stack_layers(tree: dict[str, Any], like: Params) -> Params:
-  """Inverse of `unstack_layers` for a tree shaped like its output (e.g. gradients): the
-  per-layer dicts stacked back into `like`'s "layers" (boxed as `like`'s are)."""
-  out = dict(tree)
-  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *tree["layers"])
-  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
-  out["layers"] = jax.tree.map(
-      lambda ref, a: ref.replace_boxed(a) if is_box(ref) else a, like["layers"], stacked,
-      is_leaf=is_box)
-  return out
-
-
 def segment_positions(segment_ids):
   """Positions restarting at 0 at each segment start (segments are contiguous runs)."""
   b, t = segment_ids.shape
@@ -551,197 +336,6 @@ def segment_positions(segment_ids):
 
 def embed(p, tokens, cfg: ModelConfig):
   return jnp.take(p["embed"], tokens, axis=0).astype(cfg.jnp_dtype)
-
-
-def logits_from_hidden(params: Params, h, cfg: ModelConfig):
-  """Output projection in float32 accumulation. h: [..., D] (already final-normed)."""
-  return _project(h, _output_weight(params, cfg), cfg.tie_embeddings)
-
-
-def _output_weight(params: Params, cfg: ModelConfig):
-  """The output projection's weight in the compute dtype: the embedding when tied."""
-  p = unbox(params)
-  return (p["embed"] if cfg.tie_embeddings else p["lm_head"]).astype(cfg.jnp_dtype)
-
-
-def _project_eqs(tied: bool):
-  # (forward, d hidden, d weight) for weights laid out [V, D] (tied) or [D, V].
-  if tied:
-    return "...d,vd->...v", "...v,vd->...d", "...d,...v->vd"
-  return "...d,dv->...v", "...v,dv->...d", "...d,...v->dv"
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _project(h, w, tied: bool):
-  """`h @ w` to float32 logits. Its backward takes the logits' cotangent in the compute dtype:
-  float32 cotangents would turn both backward matmuls over the vocabulary into float32 (TF32)
-  GEMMs, measured at 12% of a bf16 update step of Qwen2.5-1.5B on an H100."""
-  return jnp.einsum(_project_eqs(tied)[0], h, w, preferred_element_type=jnp.float32)
-
-
-def _project_fwd(h, w, tied):
-  return _project(h, w, tied), (h, w)
-
-
-def _project_bwd(tied, res, g):
-  h, w = res
-  _, eq_h, eq_w = _project_eqs(tied)
-  g = g.astype(h.dtype)
-  dh = jnp.einsum(eq_h, g, w, preferred_element_type=jnp.float32).astype(h.dtype)
-  dw = jnp.einsum(eq_w, h, g, preferred_element_type=jnp.float32).astype(w.dtype)
-  return dh, dw
-
-
-_project.defvjp(_project_fwd, _project_bwd)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5, 6, 7, 8))
-def _chunk_logprobs(h, w, targets, temperature, tied: bool, with_entropy: bool,
-                    entropy_grad: bool, save_probs: bool, fused: bool):
-  """(log p(targets), entropy or zeros) under softmax((h @ w) / temperature), float32.
-
-  The custom VJP makes one pass over the float32 `[tokens, vocab]` logits for their
-  cotangent: d lp / dz = onehot(target) - p, d entropy / dz = -p (log p + entropy). Plain
-  autodiff of the same code makes several more passes (the log-sum-exp again, the softmax,
-  the gather's scatter, the casts), which is most of an update's non-matmul time for a 152k
-  vocabulary. Two ways to get p in the backward pass:
-    * `save_probs=False`: save the inputs and the per-token log-sum-exp, recompute the logits
-      (one more `[tokens, D] x [D, vocab]` matmul) and form the cotangent from them.
-    * `save_probs=True`: save `p - onehot(target)` in the compute dtype from the forward pass
-      (`tokens x vocab x 2` bytes for bf16, kept until the backward pass), and fold the
-      per-token cotangent into the matmuls' other operand, so the backward pass is the two
-      matmuls and nothing else over the vocabulary.
-  With `entropy_grad=False` the entropies are a metric: computed, not differentiated (their
-  cotangent is ignored). Differentiated entropies always use the recomputing path.
-  `fused`: the log-sum-exp and the recomputed logits' cotangent come from the Pallas kernels of
-  `vocab_kernels`, which never write the float32 logits (`save_probs`'s forward pass stays on
-  XLA: it needs the finished log-sum-exp before it can form `p - onehot`)."""
-  return _chunk_logprobs_fwd(h, w, targets, temperature, tied, with_entropy, entropy_grad,
-                             save_probs, fused)[0]
-
-
-def _logsumexp(z):
-  """log(sum(exp(z))) over the last axis in one pass over `z`: a variadic reduction of
-  (running max, sum of exp(z - max)) pairs, where `jax.nn.logsumexp` reads `z` twice (the max,
-  then the sum). For the float32 `[tokens, vocab]` logits that is one pass fewer per chunk:
-  Qwen2.5-1.5B update on an H100, 2.582 -> 2.555 s per step. Finite inputs, not
-  differentiable (the log-prob VJP does not differentiate it); the identity's max is the
-  float32 minimum, not -inf, so combining two identities gives 0 * exp(0), not NaN."""
-  lo = jnp.finfo(jnp.float32).min
-
-  def combine(a, b):
-    (m1, s1), (m2, s2) = a, b
-    m = jnp.maximum(m1, m2)
-    return m, s1 * jnp.exp(m1 - m) + s2 * jnp.exp(m2 - m)
-
-  z = z.astype(jnp.float32)
-  m, s = jax.lax.reduce((z, jnp.ones_like(z)), (np.float32(lo), np.float32(0.0)), combine,
-                        (z.ndim - 1,))
-  return m + jnp.log(s)
-
-
-def _onehot(targets, shape):
-  """float32 one-hot of `targets` over the last axis of `shape` (the logits')."""
-  iota = jax.lax.broadcasted_iota(jnp.int32, shape, len(shape) - 1)
-  return (targets[..., None] == iota).astype(jnp.float32)
-
-
-def _fused_logsumexp(h, w, temperature, tied, with_entropy):
-  """(lse, entropy or None) `[..., n]` of the logits `h @ w / temperature` for `h` `[..., n, D]`
-  from `vocab_kernels.logsumexp`."""
-  interpret = jax.default_backend() == "cpu"
-
-  def fn(h, w, inv_t):
-    lse, pz = vocab_kernels.logsumexp(h.reshape(-1, h.shape[-1]), w, inv_t, tied=tied,
-                                      with_entropy=with_entropy, interpret=interpret)
-    # lse - E_p[z] (float32 rounding can take a near-zero entropy a few 1e-6 below zero).
-    ent = jnp.maximum(lse - pz, 0.0) if with_entropy else jnp.zeros_like(lse)
-    return lse.reshape(h.shape[:-1]), ent.reshape(h.shape[:-1])
-
-  nd = h.ndim - 1
-  lse, ent = _per_shard(fn, (h,), (nd, nd), None, shared=(w, 1.0 / temperature))
-  return lse, (ent if with_entropy else None)
-
-
-def _fused_cotangent(h, w, temperature, lse, coef, targets, ent, ent_coef, tied):
-  """`vocab_kernels.cotangent` for `h` `[..., n, D]` and per-token rows `[..., n]`."""
-  interpret = jax.default_backend() == "cpu"
-  lead = h.shape[:-1]
-
-  def fn(h, lse, coef, targets, *rest):
-    *ents, w, inv_t = rest
-    flat = [x.reshape(-1) for x in (lse, coef, targets, *ents)]
-    gz = vocab_kernels.cotangent(h.reshape(-1, h.shape[-1]), w, inv_t, *flat, tied=tied,
-                                 interpret=interpret)
-    return (gz.reshape(*h.shape[:-1], gz.shape[-1]),)
-
-  rows = (h, lse, coef, targets) + ((ent, ent_coef) if ent is not None else ())
-  return _per_shard(fn, rows, (len(lead) + 1,), None, shared=(w, 1.0 / temperature))[0]
-
-
-def _target_logits(h, w, targets, tied):
-  """float32 `(h @ w)[..., target]` per token, from the targets' rows of `w` only."""
-  wt = jnp.take(w, targets, axis=0) if tied else jnp.moveaxis(jnp.take(w, targets, axis=1), 0, -1)
-  return jnp.sum(h.astype(jnp.float32) * wt.astype(jnp.float32), axis=-1)
-
-
-def _chunk_logprobs_fwd(h, w, targets, temperature, tied, with_entropy, entropy_grad,
-                        save_probs, fused=False):
-  if fused and not (save_probs and not (with_entropy and entropy_grad)):
-    lse, ent = _fused_logsumexp(h, w, temperature, tied, with_entropy)
-    lp = _target_logits(h, w, targets, tied) / temperature - lse
-    ent = ent if with_entropy else jnp.zeros_like(lp)
-    return (lp, ent), (h, w, targets, temperature, lse, ent, None)
-  z = _project(h, w, tied) / temperature
-  lse = _logsumexp(z)
-  lp = jnp.take_along_axis(z, targets[..., None], axis=-1)[..., 0] - lse
-  logp = z - lse[..., None]
-  if with_entropy:
-    ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-  else:
-    ent = jnp.zeros_like(lp)
-  if save_probs and not (with_entropy and entropy_grad):
-    q = (jnp.exp(logp) - _onehot(targets, z.shape)).astype(h.dtype)
-    return (lp, ent), (h, w, targets, temperature, None, None, q)
-  return (lp, ent), (h, w, targets, temperature, lse, ent, None)
-
-
-def _chunk_logprobs_bwd(tied, with_entropy, entropy_grad, save_probs, fused, res, g):
-  h, w, targets, temperature, lse, ent, q = res
-  g_lp, g_ent = g
-  zero_targets = np.zeros(targets.shape, jax.dtypes.float0)
-  if q is not None:
-    # gz = g (onehot - p) / T = s q with s = -g / T per token: dh = s (q @ w^T) and
-    # dw = (s h)^T q, so both matmuls read the saved q as it is.
-    _, eq_h, eq_w = _project_eqs(tied)
-    s = (-g_lp / temperature)[..., None]
-    dh = (s * jnp.einsum(eq_h, q, w, preferred_element_type=jnp.float32)).astype(h.dtype)
-    hs = (s * h.astype(jnp.float32)).astype(h.dtype)
-    dw = jnp.einsum(eq_w, hs, q, preferred_element_type=jnp.float32).astype(w.dtype)
-    return dh, dw, zero_targets, jnp.zeros_like(temperature)
-  # The barrier keeps XLA from merging this matmul with the forward pass's identical one when
-  # both sit in one program (chunks and layers unrolled), which would keep every chunk's
-  # float32 logits alive until the backward pass: that is `save_probs`'s trade at twice its
-  # memory, and this path promises only the inputs and the log-sum-exp.
-  h, w = jax.lax.optimization_barrier((h, w))
-  if fused:
-    ent_grad = with_entropy and entropy_grad
-    gz = _fused_cotangent(h, w, temperature, lse, g_lp / temperature, targets,
-                          ent if ent_grad else None, g_ent / temperature if ent_grad else None,
-                          tied)
-    dh, dw = _project_bwd(tied, (h, w), gz)
-    return dh, dw, zero_targets, jnp.zeros_like(temperature)
-  z = _project(h, w, tied) / temperature
-  logp = z - lse[..., None]
-  p = jnp.exp(logp)
-  gz = g_lp[..., None] * (_onehot(targets, z.shape) - p)
-  if with_entropy and entropy_grad:
-    gz = gz - g_ent[..., None] * p * (logp + ent[..., None])
-  dh, dw = _project_bwd(tied, (h, w), gz / temperature)
-  return dh, dw, zero_targets, jnp.zeros_like(temperature)
-
-
-_chunk_logprobs.defvjp(_chunk_logprobs_fwd, _chunk_logprobs_bwd)
 
 
 # ----------------------------------------------------------------------------- training
@@ -790,99 +384,6 @@ def forward(params: Params, tokens, *, cfg: ModelConfig, positions=None, segment
   """Logits `[B, L, V]` (float32) of packed or plain rows."""
   h = hidden_states(params, tokens, cfg=cfg, positions=positions, segment_ids=segment_ids)
   return logits_from_hidden(params, h, cfg)
-
-
-# "auto" takes the fused kernels up to this hidden size. Their matmul runs below cuBLAS's, so
-# their gain (no passes over float32 logits) shrinks as the matmul grows: a 4096-token chunk's
-# forward + backward on an H100 went 1.21x / 1.18x faster at d 576 / 1024, 1.02x / 1.01x at
-# 1536 / 2048, and 0.92x (slower) at 3584 (Qwen2.5-7B; benchmarks/vocab_kernels.py).
-FUSED_LOGPROB_MAX_D = 2048
-
-
-def logprob_path(cfg: ModelConfig, backend: str) -> str:
-  """How `token_logprobs` projects onto the vocabulary on `backend`: `cfg.logprob_impl`, with
-  "auto" resolved to "pallas" (`vocab_kernels`) on GPUs for bf16 / f16 models whose hidden size
-  (at most `FUSED_LOGPROB_MAX_D`) and vocabulary the kernels tile, without a "tensor" mesh axis
-  over more than one device (the kernels take the whole vocabulary per device), and to "xla"
-  elsewhere. An explicit "pallas" that the kernels cannot tile, or on a TPU, is an error."""
-  tileable = vocab_kernels.tileable(cfg.d_model, cfg.vocab_size)
-  if cfg.logprob_impl != "auto":
-    if cfg.logprob_impl == "pallas" and backend == "tpu":
-      raise ValueError("logprob_impl='pallas' runs Triton kernels (GPUs; interpret mode on "
-                       "CPUs); use logprob_impl='xla' or 'auto' on TPUs")
-    if cfg.logprob_impl == "pallas" and not tileable:
-      t = vocab_kernels.tuning()
-      raise ValueError(
-          f"logprob_impl='pallas' needs d_model a multiple of {t['block_k']} and vocab_size a "
-          f"multiple of {t['block_n']}; got d_model {cfg.d_model}, vocab_size "
-          f"{cfg.vocab_size}: use logprob_impl='xla' or 'auto'")
-    return cfg.logprob_impl
-  mesh = jax.sharding.get_abstract_mesh()
-  tensor = 1 if mesh.empty else mesh.shape.get("tensor", 1)
-  low = cfg.dtype in ("bfloat16", "float16")
-  small = cfg.d_model <= FUSED_LOGPROB_MAX_D
-  return "pallas" if backend == "gpu" and tensor == 1 and low and tileable and small else "xla"
-
-
-# The most chunks `token_logprobs` runs as a Python loop (see there) rather than a `lax.map`.
-_MAX_UNROLLED_CHUNKS = 64
-
-
-def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature: float = 1.0,
-                   chunk: int = 512, with_entropy: bool = False, max_chunk_tokens: int = 4096,
-                   entropy_grad: bool = True, save_probs: bool = False):
-  """log p(targets) under softmax(logits / temperature), computed in chunks of the sequence.
-
-  Avoids materialising `[B, L, V]` logits for large vocabularies: by default each chunk's
-  logits are recomputed in the backward pass (`_chunk_logprobs`, a custom VJP that keeps only
-  the log-sum-exp per token and makes one pass over the recomputed logits for their
-  gradient). With `save_probs` the forward pass keeps `softmax - onehot(target)` of every
-  chunk in the compute dtype instead (`B x L x V x 2` bytes in bf16 until the backward
-  pass), and the backward pass is two matmuls per chunk: no recomputed vocabulary matmul and
-  no elementwise pass over the logits. `entropy_grad=False` returns the entropies as a metric
-  (not differentiated), which keeps the `save_probs` path; differentiated entropies use the
-  recomputing path.
-
-  A chunk spans `min(chunk, L)` positions of every row, cut further so that it holds at most
-  `max_chunk_tokens` tokens (rows per device, under the ambient mesh, x positions): the
-  float32 logits of one chunk are `[B, c, V]`, so many packed rows would otherwise need
-  gigabytes.
-  h: [B, L, D]; targets: [B, L] int. Returns `[B, L]` (and entropies `[B, L]` when
-  `with_entropy`).
-  """
-  b, l, d = h.shape
-  n = _batch_split()[1]
-  local_rows = max(1, b // n if b % n == 0 else b)  # rows per device under the ambient mesh
-  c = max(1, min(chunk, l, max_chunk_tokens // local_rows))
-  pad = (-l) % c
-  if pad:
-    h = jnp.pad(h, ((0, 0), (0, pad), (0, 0)))
-    targets = jnp.pad(targets, ((0, 0), (0, pad)))
-  n = (l + pad) // c
-  hs = h.reshape(b, n, c, d).swapaxes(0, 1)
-  ts = targets.reshape(b, n, c).swapaxes(0, 1)
-
-  w = _output_weight(params, cfg)
-  temp = jnp.asarray(temperature, jnp.float32)
-  fused = logprob_path(cfg, jax.default_backend()) == "pallas"
-
-  def one(hc, tc):
-    return _chunk_logprobs(hc, w, tc.astype(jnp.int32), temp, cfg.tie_embeddings,
-                           with_entropy, entropy_grad, save_probs, fused)
-
-  if save_probs and n <= _MAX_UNROLLED_CHUNKS:
-    # A Python loop over the chunks: a `lax.map` stacks each chunk's saved `[c, V]`
-    # probabilities into one buffer and slices them out again in the backward pass, copies
-    # that cost as much as the matmul `save_probs` saves (Qwen2.5-1.5B update on an H100:
-    # 2.662 s per step with the map, 2.580 s with the loop). Without saved probabilities the
-    # map stays: it bounds the live float32 logits to one chunk's.
-    outs = [one(hs[i], ts[i]) for i in range(n)]
-    lps, ents = (jnp.stack(x) for x in zip(*outs))
-  else:
-    lps, ents = jax.lax.map(lambda a: one(*a), (hs, ts))
-  lps = lps.swapaxes(0, 1).reshape(b, -1)[:, :l]
-  ents = ents.swapaxes(0, 1).reshape(b, -1)[:, :l]
-  return (lps, ents) if with_entropy else lps
 
 
 # ----------------------------------------------------------------------------- sampling

@@ -15,7 +15,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from jaxagent.models import decoder
+from jaxagent.models import param_tree
 from jaxagent.models.config import EMBEDDED, PRESETS, ModelConfig
 
 _LAYER_KEYS = {
@@ -75,7 +75,7 @@ def _expected_hf_shape(kind: str, cfg: ModelConfig, ours_shape: tuple[int, ...])
 def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
                            dtype: str | None = None, source: str = "checkpoint"):
   """Map an HF-named state dict to boxed params (host NumPy arrays), validating shapes."""
-  specs = decoder.param_specs(cfg)
+  specs = param_tree.param_specs(cfg)
   np_dtype = np.dtype(jax.numpy.dtype(dtype or cfg.param_dtype))
 
   def take(name: str, expected: tuple[int, ...]):
@@ -104,12 +104,12 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
   if not cfg.tie_embeddings:
     arrays["lm_head"] = take("lm_head.weight",
                              (cfg.vocab_size, cfg.d_model)).T.astype(np_dtype)
-  return decoder.box(cfg, arrays)
+  return param_tree.box(cfg, arrays)
 
 
 def state_dict_from_params(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
   """The inverse of `params_from_state_dict`: HF-named host arrays."""
-  p = jax.tree.map(np.asarray, decoder.unbox(params))
+  p = jax.tree.map(np.asarray, param_tree.unbox(params))
   sd = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
   for key, stacked in p["layers"].items():
     suffix, kind = _LAYER_KEYS[key]

@@ -2,7 +2,7 @@
 
 The learner's token log-probs need, per token, the log-sum-exp of `h @ w / T` over a large
 vocabulary, and in the backward pass the logits' cotangent `c (onehot(target) - p)`. The XLA
-path (`decoder._chunk_logprobs`) writes each chunk's float32 logits to HBM, then reads them back
+path (`logprobs._chunk_logprobs`) writes each chunk's float32 logits to HBM, then reads them back
 once for the log-sum-exp and, in the backward pass, once more to form the cotangent: for 4096
 tokens of a 151,936-entry vocabulary that is 2.5 GB written and read per pass. These kernels
 compute a tile of logits in registers (a bf16 matmul with float32 accumulation) and use it in
@@ -20,12 +20,12 @@ each block of the weight is read from HBM about once while the chunk's hidden st
 L2. The vocabulary must be a multiple of `block_n` and the hidden size of `block_k`
 (`tileable`). The products are bf16 / f16 with float32 accumulation; float32 inputs take the
 full-precision `dot` (slow on a GPU, where a default float32 `dot` would round to TF32), so
-`decoder.logprob_path` picks the kernels by default only for bf16 / f16 models.
+`logprobs.logprob_path` picks the kernels by default only for bf16 / f16 models.
 
 Measured on an H100 (one 4096-token chunk, forward + backward as the learner runs it): 1.18x
 faster than the XLA path at d 1024 (Qwen3-0.6B's 151,936-entry vocabulary), 1.21x at d 576,
 about even at d 1536-2048, and 0.92x at d 3584, where the kernels' matmul (about 490 / 410
-TFLOP/s against cuBLAS's 617) costs more than the passes they save; `decoder.logprob_path`
+TFLOP/s against cuBLAS's 617) costs more than the passes they save; `logprobs.logprob_path`
 picks them by default up to d 2048 (benchmarks/RESULTS.md).
 """
 from __future__ import annotations

@@ -48,7 +48,7 @@ from jaxagent import sharding as shd
 from jaxagent.generate.engine import Engine, EngineConfig, pow2_at_least
 from jaxagent.generate.sampling import SamplingConfig
 from jaxagent.models import config as model_config_lib
-from jaxagent.models import decoder
+from jaxagent.models import param_tree
 from jaxagent.models.config import ModelConfig
 from jaxagent.plan import hlo
 from jaxagent.plan.chips import ChipSpec, chip_for, devices_for
@@ -291,7 +291,7 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
   (scfg, rl_opt), (sft_scfg, sft_opt) = learner_parts(config)
 
   # Abstract params and train state with the trainer's shardings.
-  abstract_params = jax.eval_shape(lambda k: decoder.init_params(cfg, k), jax.random.key(0))
+  abstract_params = jax.eval_shape(lambda k: param_tree.init_params(cfg, k), jax.random.key(0))
   learner = step_lib.Learner(cfg, scfg, rl_opt, mesh)
 
   def abstract_state(opt):
@@ -365,7 +365,7 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
     dmesh = shd.rollout_mesh(r.get("mesh", "learner"), mesh)
     dparams, masters_b = params, 0.0
     if dmesh is not mesh:
-      copy = jax.eval_shape(functools.partial(decoder.compute_copy, cfg=cfg), abstract_params)
+      copy = jax.eval_shape(functools.partial(param_tree.compute_copy, cfg=cfg), abstract_params)
       dparams, masters_b = _sds(copy, shd.shardings(copy, dmesh)), params_b
     engine = Engine(cfg, ecfg, mesh=dmesh)
     dstate = engine.abstract_decode_state()

@@ -24,7 +24,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent import sharding as shd
-from jaxagent.models import decoder
+from jaxagent.models import decoder, logprobs, param_tree
 from jaxagent.models.config import ModelConfig
 from jaxagent.rl import losses
 
@@ -53,7 +53,7 @@ class StepConfig:
       of one chunk to `logprob_chunk_tokens * V * 4` bytes however many rows a batch packs.
     logprob_save_probs: keep each chunk's `softmax - onehot(target)` (compute dtype) from the
       forward pass for the backward pass instead of recomputing the logits there
-      (`decoder.token_logprobs(save_probs=True)`): saves one vocabulary matmul and a pass
+      (`logprobs.token_logprobs(save_probs=True)`): saves one vocabulary matmul and a pass
       over the float32 logits per chunk, costs `tokens per micro-batch x vocab x 2` bytes
       of memory (5 GB for 16k tokens of a 152k vocabulary in bf16). Off by default.
     entropy: compute per-token entropies (needed for `loss.entropy_coef`; else a metric only,
@@ -129,13 +129,13 @@ def sequence_logprobs(params, batch: Batch, *, cfg: ModelConfig, temperature: fl
 
   Also returns the entropies of the predictive distributions at the same positions (zeros
   unless `with_entropy`; not differentiated unless `entropy_grad`). `save_probs`: see
-  `decoder.token_logprobs`.
+  `logprobs.token_logprobs`.
   """
   tokens = batch["tokens"]
   h = decoder.hidden_states(params, tokens, cfg=cfg, positions=batch.get("positions"),
                             segment_ids=batch["segment_ids"])
   nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros_like(tokens[:, :1])], axis=1)
-  out = decoder.token_logprobs(params, h, nxt, cfg=cfg, temperature=temperature, chunk=chunk,
+  out = logprobs.token_logprobs(params, h, nxt, cfg=cfg, temperature=temperature, chunk=chunk,
                                with_entropy=with_entropy, max_chunk_tokens=chunk_tokens,
                                entropy_grad=entropy_grad, save_probs=save_probs)
   lp, ent = out if with_entropy else (out, jnp.zeros_like(out))
@@ -214,7 +214,7 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
   # once per step rather than at every use in every micro-batch: the layer loop then slices
   # half the bytes out of the stacked layers. The gradients are the same, since each use cast
   # its weight anyway; they come back in the compute dtype and are accumulated in the params'.
-  weights = decoder.compute_copy(state.params, cfg)
+  weights = param_tree.compute_copy(state.params, cfg)
   if gather:
     weights = _constrain_params(weights, _GATHERED_RULES)
   restack = lambda g: g
@@ -225,10 +225,10 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
     # layer and stacked back once (stacking every micro-batch's cost 80 ms per step for
     # Qwen2.5-1.5B on an H100), except with gathered weights, whose gradients go back to the
     # fsdp shards of the stacked layout after each micro-batch.
-    weights = decoder.unstack_layers(weights)
-    restack = lambda g: decoder.stack_layers(g, state.params)
+    weights = param_tree.unstack_layers(weights)
+    restack = lambda g: param_tree.stack_layers(g, state.params)
     if not gather:
-      like = jax.eval_shape(decoder.unstack_layers, state.params)
+      like = jax.eval_shape(param_tree.unstack_layers, state.params)
   to_master = lambda g: jax.tree.map(lambda a, p: a.astype(p.dtype), g, like)
   # Gradients w.r.t. gathered weights go back to the fsdp shards after each micro-batch.
   home = ((lambda g: _constrain_params(to_master(restack(g)), shd.RULES)) if gather

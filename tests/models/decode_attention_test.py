@@ -9,7 +9,7 @@ import pytest
 from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.generate.scheduler import run_requests
-from jaxagent.models import decoder
+from jaxagent.models import decoder, param_tree
 from jaxagent.models.decode_attention import flash_decode
 
 
@@ -156,9 +156,9 @@ def test_merged_decode_weights_compute_the_same_function(name):
   and caches (bias, QK norm and tied embeddings included)."""
   cfg = models.get_config(name)
   params = models.init_params(cfg, jax.random.key(3), std=0.2)
-  merged = decoder.merge_decode_weights(params, cfg)
+  merged = param_tree.merge_decode_weights(params, cfg)
   assert {"wqkv", "w_gate_up"} <= set(merged["layers"])
-  assert decoder.merged_decode_weight_bytes(cfg) == sum(
+  assert param_tree.merged_decode_weight_bytes(cfg) == sum(
       merged["layers"][n].nbytes for n in ("wqkv", "w_gate_up"))
   assert not {"wq", "wk", "wv", "w_gate", "w_up"} & set(merged["layers"])
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)))

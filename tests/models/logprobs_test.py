@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 from jaxagent import models
-from jaxagent.models import decoder
+from jaxagent.models import logprobs
 
 
 def _reference(params, h, targets, cfg, temperature):
-  logits = decoder.logits_from_hidden(params, h, cfg) / temperature
+  logits = logprobs.logits_from_hidden(params, h, cfg) / temperature
   logp = jax.nn.log_softmax(logits, axis=-1)
   lp = jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0]
   ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
@@ -32,7 +32,7 @@ def _check_entropy_values_and_grads(cfg, params, h, targets, wl, we, temperature
   gradients of a random weighting of both; returns the reference (log-probs, entropies)."""
   def ours(p, h):
     # chunk 4 over 11 positions: chunks are padded; 8 tokens per chunk at most.
-    lp, ent = decoder.token_logprobs(p, h, targets, cfg=cfg, temperature=temperature,
+    lp, ent = logprobs.token_logprobs(p, h, targets, cfg=cfg, temperature=temperature,
                                      chunk=4, with_entropy=True, max_chunk_tokens=8)
     return jnp.sum(lp * wl) + jnp.sum(ent * we), (lp, ent)
 
@@ -61,9 +61,9 @@ def test_token_logprobs_values_and_grads_equal_full_log_softmax(preset, tied, te
   cfg, params, h, targets, wl, we = _problem(preset, **kw)
   want = _check_entropy_values_and_grads(cfg, params, h, targets, wl, we, temperature)
   # Without entropies: log-probs only, same values and log-prob gradients.
-  lp = decoder.token_logprobs(params, h, targets, cfg=cfg, temperature=temperature, chunk=4)
+  lp = logprobs.token_logprobs(params, h, targets, cfg=cfg, temperature=temperature, chunk=4)
   np.testing.assert_allclose(lp, want[0], rtol=1e-5, atol=1e-5)
-  gh = jax.grad(lambda h: jnp.sum(decoder.token_logprobs(params, h, targets, cfg=cfg,
+  gh = jax.grad(lambda h: jnp.sum(logprobs.token_logprobs(params, h, targets, cfg=cfg,
                                                          temperature=temperature) * wl))(h)
   gh_ref = jax.grad(lambda h: jnp.sum(_reference(params, h, targets, cfg, temperature)[0]
                                       * wl))(h)
@@ -82,7 +82,7 @@ def test_saved_probs_backward_equals_recomputing_backward(preset, tied, temperat
   cfg, params, h, targets, wl, we = _problem(preset, **kw)
 
   def loss(p, h, c, save, with_entropy=False):
-    out = decoder.token_logprobs(p, h, targets, cfg=c, temperature=temperature, chunk=4,
+    out = logprobs.token_logprobs(p, h, targets, cfg=c, temperature=temperature, chunk=4,
                                  max_chunk_tokens=8, with_entropy=with_entropy,
                                  entropy_grad=False, save_probs=save)
     lp, ent = out if with_entropy else (out, jnp.zeros_like(out))
@@ -125,7 +125,7 @@ def test_entropy_grad_false_drops_only_the_entropy_cotangent():
   targets = jax.random.randint(jax.random.key(2), (2, 8), 0, cfg.vocab_size)
 
   def ent_sum(h, entropy_grad):
-    _, ent = decoder.token_logprobs(params, h, targets, cfg=cfg, with_entropy=True,
+    _, ent = logprobs.token_logprobs(params, h, targets, cfg=cfg, with_entropy=True,
                                     entropy_grad=entropy_grad)
     return jnp.sum(ent)
 
@@ -142,17 +142,17 @@ def test_saved_probs_chunk_loop_equals_mapped():
   targets = jax.random.randint(jax.random.key(2), (2, 11), 0, cfg.vocab_size)
 
   def f(p, h, c):
-    lp = decoder.token_logprobs(p, h, targets, cfg=c, chunk=4, save_probs=True)
+    lp = logprobs.token_logprobs(p, h, targets, cfg=c, chunk=4, save_probs=True)
     return jnp.sum(lp * jnp.cos(lp)), lp
 
   grad = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
   (_, a), ga = grad(params, h, cfg)
-  limit = decoder._MAX_UNROLLED_CHUNKS
-  decoder._MAX_UNROLLED_CHUNKS = 0  # every chunk count mapped
+  limit = logprobs._MAX_UNROLLED_CHUNKS
+  logprobs._MAX_UNROLLED_CHUNKS = 0  # every chunk count mapped
   try:
     (_, b), gb = grad(params, h, cfg)
   finally:
-    decoder._MAX_UNROLLED_CHUNKS = limit
+    logprobs._MAX_UNROLLED_CHUNKS = limit
   np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
   for x, y in zip(jax.tree.leaves(ga), jax.tree.leaves(gb)):
     np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6)
@@ -161,7 +161,7 @@ def test_saved_probs_chunk_loop_equals_mapped():
 def test_one_pass_logsumexp_equals_two_pass():
   z = 8.0 * jax.random.normal(jax.random.key(0), (3, 5, 4099))
   z = z.at[0, 0].set(-1e30).at[1, 2, 7].set(90.0)  # an all-tiny row and a dominant logit
-  got = jax.jit(decoder._logsumexp)(z)
+  got = jax.jit(logprobs._logsumexp)(z)
   want = jax.nn.logsumexp(z, axis=-1)
   np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-5)
   assert bool(jnp.isfinite(got).all())
@@ -177,11 +177,11 @@ def test_fused_kernels_values_and_grads_equal_full_log_softmax(preset, tied, tem
   # kernel, with differentiated entropies; float32 inputs take exact products.
   kw = {} if tied is None else {"tie_embeddings": tied}
   cfg, params, h, targets, wl, we = _problem(preset, logprob_impl="pallas", **kw)
-  assert decoder.logprob_path(cfg, jax.default_backend()) == "pallas"
+  assert logprobs.logprob_path(cfg, jax.default_backend()) == "pallas"
   _check_entropy_values_and_grads(cfg, params, h, targets, wl, we, temperature)
   # Entropies as a metric, and saved probabilities (whose forward pass stays on XLA).
   for save in (False, True):
-    g = jax.grad(lambda h: jnp.sum(decoder.token_logprobs(
+    g = jax.grad(lambda h: jnp.sum(logprobs.token_logprobs(
         params, h, targets, cfg=cfg, temperature=temperature, chunk=4, with_entropy=True,
         entropy_grad=False, save_probs=save)[0] * wl))(h)
     g_ref = jax.grad(lambda h: jnp.sum(_reference(params, h, targets, cfg, temperature)[0]
@@ -199,7 +199,7 @@ def test_fused_kernels_bf16_match_the_xla_path():
     params = models.init_params(cfg, jax.random.key(0), std=0.5)
     h = jax.random.normal(jax.random.key(1), (1, 7, cfg.d_model)).astype(jnp.bfloat16)
     targets = jax.random.randint(jax.random.key(2), (1, 7), 0, cfg.vocab_size)
-    f = lambda p, h: jnp.sum(decoder.token_logprobs(p, h, targets, cfg=cfg, temperature=0.8)
+    f = lambda p, h: jnp.sum(logprobs.token_logprobs(p, h, targets, cfg=cfg, temperature=0.8)
                              * jnp.arange(1.0, 8.0))
     outs[impl] = jax.value_and_grad(f, argnums=(0, 1))(params, h)
   (va, ga), (vb, gb) = outs["xla"], outs["pallas"]
@@ -211,22 +211,22 @@ def test_fused_kernels_bf16_match_the_xla_path():
 
 def test_logprob_path_resolution_and_errors():
   cfg = models.get_config("tiny-qwen3", dtype="bfloat16")
-  assert decoder.logprob_path(cfg, "gpu") == "pallas"
-  assert decoder.logprob_path(cfg, "cpu") == "xla"
-  assert decoder.logprob_path(cfg, "tpu") == "xla"
-  assert decoder.logprob_path(cfg.replace(dtype="float32"), "gpu") == "xla"  # TF32 otherwise
-  assert decoder.logprob_path(cfg.replace(vocab_size=500), "gpu") == "xla"  # not tileable
-  wide = cfg.replace(d_model=decoder.FUSED_LOGPROB_MAX_D + 64)  # slower than XLA's matmul
-  assert decoder.logprob_path(wide, "gpu") == "xla"
-  assert decoder.logprob_path(wide.replace(logprob_impl="pallas"), "gpu") == "pallas"
-  assert decoder.logprob_path(cfg.replace(logprob_impl="xla"), "gpu") == "xla"
+  assert logprobs.logprob_path(cfg, "gpu") == "pallas"
+  assert logprobs.logprob_path(cfg, "cpu") == "xla"
+  assert logprobs.logprob_path(cfg, "tpu") == "xla"
+  assert logprobs.logprob_path(cfg.replace(dtype="float32"), "gpu") == "xla"  # TF32 otherwise
+  assert logprobs.logprob_path(cfg.replace(vocab_size=500), "gpu") == "xla"  # not tileable
+  wide = cfg.replace(d_model=logprobs.FUSED_LOGPROB_MAX_D + 64)  # slower than XLA's matmul
+  assert logprobs.logprob_path(wide, "gpu") == "xla"
+  assert logprobs.logprob_path(wide.replace(logprob_impl="pallas"), "gpu") == "pallas"
+  assert logprobs.logprob_path(cfg.replace(logprob_impl="xla"), "gpu") == "xla"
   from jaxagent import sharding as shd
   with jax.sharding.use_abstract_mesh(shd.make_mesh(data=2, fsdp=2, tensor=2).abstract_mesh):
-    assert decoder.logprob_path(cfg, "gpu") == "xla"  # the vocabulary split over "tensor"
+    assert logprobs.logprob_path(cfg, "gpu") == "xla"  # the vocabulary split over "tensor"
   with pytest.raises(ValueError, match="vocab_size a multiple of 128"):
-    decoder.logprob_path(cfg.replace(vocab_size=500, logprob_impl="pallas"), "gpu")
+    logprobs.logprob_path(cfg.replace(vocab_size=500, logprob_impl="pallas"), "gpu")
   with pytest.raises(ValueError, match="on TPUs"):
-    decoder.logprob_path(cfg.replace(logprob_impl="pallas"), "tpu")
+    logprobs.logprob_path(cfg.replace(logprob_impl="pallas"), "tpu")
   with pytest.raises(ValueError, match="logprob_impl must be"):
     cfg.replace(logprob_impl="triton")
 
@@ -242,7 +242,7 @@ def test_fused_kernels_run_per_shard(data, fsdp):
   wl = jax.random.normal(jax.random.key(3), (8, 6))
 
   def loss(p, h):
-    return jnp.sum(decoder.token_logprobs(p, h, targets, cfg=cfg, chunk=3) * wl)
+    return jnp.sum(logprobs.token_logprobs(p, h, targets, cfg=cfg, chunk=3) * wl)
 
   mesh = shd.make_mesh(data=data, fsdp=fsdp, tensor=1)
   jitted = jax.jit(shd.on_mesh(jax.value_and_grad(loss, (0, 1)), mesh),

@@ -216,7 +216,7 @@ def test_gather_weights_once_per_step_same_update_fewer_all_gathers():
     stats = hlo.analyze(text, tuple(mesh.shape.values()), tuple(mesh.axis_names))
     gathered[g] = stats.collectives["all-gather"].bytes
     new, _ = learner.train_step(st, batch)
-    out[g] = jax.device_get(models.decoder.unbox(new.params))
+    out[g] = jax.device_get(models.param_tree.unbox(new.params))
   for a, b in zip(jax.tree.leaves(out[False]), jax.tree.leaves(out[True])):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
   assert gathered[True] < 0.6 * gathered[False], gathered
@@ -294,16 +294,16 @@ def test_unrolled_layer_loop_equals_scan(micro_batches, dtype, save_probs):
 
 def test_unrolled_hidden_states_and_kv_equal_scan(params):
   """The unrolled loop over stacked or per-layer weights equals the scan, K/V included."""
-  from jaxagent.models import decoder
+  from jaxagent.models import decoder, param_tree
   toks = jax.random.randint(jax.random.key(1), (2, 12), 0, CFG.vocab_size)
   seg = jnp.asarray([[1] * 7 + [2] * 5, [1] * 9 + [0] * 3])
   want = decoder.hidden_states(params, toks, cfg=CFG, segment_ids=seg, collect_kv=True)
   cfg = models.get_config("tiny-qwen3", scan_layers=False)
-  for p in (params, decoder.unstack_layers(params)):
+  for p in (params, param_tree.unstack_layers(params)):
     got = decoder.hidden_states(p, toks, cfg=cfg, segment_ids=seg, collect_kv=True)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-  restacked = decoder.stack_layers(decoder.unstack_layers(params), params)
+  restacked = param_tree.stack_layers(param_tree.unstack_layers(params), params)
   assert jax.tree.structure(restacked) == jax.tree.structure(params)
   for a, b in zip(jax.tree.leaves(restacked), jax.tree.leaves(params)):
     np.testing.assert_array_equal(a, b)

@@ -1,0 +1,178 @@
+"""The decoder's parameters: their layout, initialisation and the transformations of the tree.
+
+A params tree is a nested dict whose leaves are `flax.linen.LogicallyPartitioned` boxes: each
+array carries its logical axis names (`("layers", "embed", "heads", "head_dim")`, ...), which
+`jaxagent.sharding` maps to the mesh. Layers are stacked on a leading `layers` axis. The
+functions of `jaxagent.models.decoder` read this tree; checkpoints, weight import and export,
+the learner and the engine build and transform it here.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from jaxagent.models.config import ModelConfig
+
+Params = dict[str, Any]
+
+
+def param_specs(cfg: ModelConfig) -> dict[str, Any]:
+  """The params tree as `(shape, logical_axes, init)` leaves (init in {"normal","ones","zeros"})."""
+  d, h, kv, hd, f, v, n = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
+                           cfg.ffn_dim, cfg.vocab_size, cfg.n_layers)
+  layers = {
+      "attn_norm": ((n, d), ("layers", "norm"), "ones"),
+      "wq": ((n, d, h, hd), ("layers", "embed", "heads", "head_dim"), "normal"),
+      "wk": ((n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "wv": ((n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
+      "wo": ((n, h, hd, d), ("layers", "heads", "head_dim", "embed"), "normal"),
+      "mlp_norm": ((n, d), ("layers", "norm"), "ones"),
+      "w_gate": ((n, d, f), ("layers", "embed", "mlp"), "normal"),
+      "w_up": ((n, d, f), ("layers", "embed", "mlp"), "normal"),
+      "w_down": ((n, f, d), ("layers", "mlp", "embed"), "normal"),
+  }
+  if cfg.qkv_bias:
+    layers["bq"] = ((n, h, hd), ("layers", "heads", "head_dim"), "zeros")
+    layers["bk"] = ((n, kv, hd), ("layers", "kv_heads", "head_dim"), "zeros")
+    layers["bv"] = ((n, kv, hd), ("layers", "kv_heads", "head_dim"), "zeros")
+  if cfg.qk_norm:
+    layers["q_norm"] = ((n, hd), ("layers", "head_dim"), "ones")
+    layers["k_norm"] = ((n, hd), ("layers", "head_dim"), "ones")
+  specs = {
+      "embed": ((v, d), ("vocab", "embed"), "normal"),
+      "layers": layers,
+      "final_norm": ((d,), ("norm",), "ones"),
+  }
+  if not cfg.tie_embeddings:
+    specs["lm_head"] = ((d, v), ("embed", "vocab"), "normal")
+  return specs
+
+
+def _is_spec(x) -> bool:
+  return isinstance(x, tuple) and len(x) == 3 and isinstance(x[1], tuple)
+
+
+def init_params(cfg: ModelConfig, rng: jax.Array, std: float = 0.02) -> Params:
+  """Random params (normal(std) weights, unit norms, zero biases), boxed with logical axes.
+
+  Call it under `jax.jit(..., out_shardings=...)` (see `jaxagent.sharding.init_sharded`) so
+  large models are created already sharded.
+  """
+  specs = param_specs(cfg)
+  leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
+  keys = jax.random.split(rng, len(leaves))
+  out = []
+  for key, (shape, names, init) in zip(keys, leaves):
+    if init == "normal":
+      val = std * jax.random.normal(key, shape, jnp.float32)
+    elif init == "ones":
+      val = jnp.ones(shape, jnp.float32)
+    else:
+      val = jnp.zeros(shape, jnp.float32)
+    out.append(nn.LogicallyPartitioned(val.astype(cfg.jnp_param_dtype), names))
+  return jax.tree.unflatten(treedef, out)
+
+
+def box(cfg: ModelConfig, arrays: dict[str, Any]) -> Params:
+  """Attach logical axis names to a plain nested dict of arrays laid out as `param_specs`."""
+  specs = param_specs(cfg)
+
+  def attach(spec, arr):
+    shape, names, _ = spec
+    if tuple(arr.shape) != tuple(shape):
+      raise ValueError(f"parameter shape {tuple(arr.shape)} does not match the config's "
+                       f"{tuple(shape)} (axes {names})")
+    return nn.LogicallyPartitioned(arr, names)
+
+  if set(specs) != set(arrays) or set(specs["layers"]) != set(arrays["layers"]):
+    raise ValueError(f"params keys {sorted(arrays)} / layers {sorted(arrays.get('layers', {}))} "
+                     f"do not match the config's {sorted(specs)} / {sorted(specs['layers'])}")
+  return jax.tree.map(attach, specs, arrays, is_leaf=_is_spec)
+
+
+def unbox(params: Params) -> dict[str, Any]:
+  """The plain arrays of a boxed params tree (no-op on an unboxed tree)."""
+  return nn.meta.unbox(params)
+
+
+# Weights the decoder casts to the compute dtype where it uses them (norm scales stay float32).
+_COMPUTE_CAST = ("embed", "lm_head", "wq", "wk", "wv", "wo", "bq", "bk", "bv", "w_gate",
+                 "w_up", "w_down")
+
+
+def compute_copy(params: Params, cfg: ModelConfig) -> Params:
+  """The params as the forward pass reads them: matmul weights and embeddings cast to the
+  compute dtype once, instead of at every use (norm scales untouched). Gives bitwise the same
+  outputs as `params`; a sampler decoding thousands of steps from float32 master weights
+  reads half the bytes and skips a cast per weight per step. Identity when the param and
+  compute dtypes agree. Jit it with the params' shardings to keep them."""
+  if cfg.jnp_param_dtype == cfg.jnp_dtype:
+    return params
+
+  def cast(path, x):
+    name = getattr(path[-1], "key", None) if path else None
+    if name is None and len(path) > 1:  # a boxed leaf: the name sits above the box
+      name = getattr(path[-2], "key", None)
+    if name in _COMPUTE_CAST and jnp.issubdtype(x.dtype, jnp.floating):
+      return x.astype(cfg.jnp_dtype)
+    return x
+  return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def logical_axes(params: Params):
+  """The logical-axis `PartitionSpec` tree of boxed params (or optimizer state)."""
+  return nn.get_partition_spec(params)
+
+
+def merge_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
+  """The plain params with each layer's q, k and v projections as one `[D, (H + 2 KV) hd]`
+  matrix ("wqkv") and its gate and up projections as one `[D, 2 F]` ("w_gate_up"), in the
+  compute dtype. The forward, prefill, extend and decode functions take either form.
+
+  For the engine's decode program (`EngineConfig.decode_merge_weights`): at decode sizes one
+  GEMM over the merged weights costs less than two or three over their parts, and XLA's own
+  dot merger, which finds the same merge, concatenates the weights at every step (a copy of
+  them per layer and step); merged here once per decode call, the copy is made once per call
+  and the step loop reads the merged weights in place. Costs a transient copy of those weights.
+  """
+  p = dict(unbox(params))
+  lw = dict(p["layers"])
+  dt, lead = cfg.jnp_dtype, lw["wq"].shape[:-2]
+  flat = lambda w: w.astype(dt).reshape(*lead, -1)
+  lw["wqkv"] = jnp.concatenate([flat(lw.pop(n)) for n in ("wq", "wk", "wv")], axis=-1)
+  lw["w_gate_up"] = jnp.concatenate([lw.pop("w_gate").astype(dt), lw.pop("w_up").astype(dt)],
+                                    axis=-1)
+  p["layers"] = lw
+  return p
+
+
+def merged_decode_weight_bytes(cfg: ModelConfig) -> int:
+  """Bytes of the merged matrices `merge_decode_weights` makes (the copy it costs)."""
+  cols = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 2 * cfg.ffn_dim
+  return cfg.n_layers * cfg.d_model * cols * jnp.dtype(cfg.jnp_dtype).itemsize
+
+
+def unstack_layers(params: Params) -> dict[str, Any]:
+  """`params` with "layers" as a tuple of per-layer dicts of plain arrays (the stacked
+  `[n_layers, ...]` weights cut once); `hidden_states` runs such params with an unrolled loop.
+  The other entries are kept as they are (boxed or not)."""
+  out = dict(params)
+  layers = unbox(params["layers"])
+  n = jax.tree.leaves(layers)[0].shape[0]
+  out["layers"] = tuple(jax.tree.map(lambda a, i=i: a[i], layers) for i in range(n))
+  return out
+
+
+def stack_layers(tree: dict[str, Any], like: Params) -> Params:
+  """Inverse of `unstack_layers` for a tree shaped like its output (e.g. gradients): the
+  per-layer dicts stacked back into `like`'s "layers" (boxed as `like`'s are)."""
+  out = dict(tree)
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *tree["layers"])
+  is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
+  out["layers"] = jax.tree.map(
+      lambda ref, a: ref.replace_boxed(a) if is_box(ref) else a, like["layers"], stacked,
+      is_leaf=is_box)
+  return out
