@@ -34,7 +34,7 @@ from jaxagent.models.param_tree import (Params, box, compute_copy, init_params, 
                                     logical_axes, merge_decode_weights,
                                     merged_decode_weight_bytes, param_specs, stack_layers,
                                     unbox, unstack_layers)
-from jaxagent.models.per_shard import constrain_batch, per_shard
+from jaxagent.models.per_shard import constrain_batch, per_shard, tensor_split
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -153,9 +153,7 @@ def norm_rope_path(cfg: ModelConfig, backend: str) -> str:
           f"n_heads {cfg.n_heads}, n_kv_heads {cfg.n_kv_heads}, head_dim {cfg.head_dim}: use "
           "norm_rope_impl='xla' or 'auto'")
     return cfg.norm_rope_impl
-  mesh = jax.sharding.get_abstract_mesh()
-  tensor = 1 if mesh.empty else mesh.shape.get("tensor", 1)
-  return "pallas" if backend == "gpu" and tensor == 1 and tileable else "xla"
+  return "pallas" if backend == "gpu" and tensor_split() == 1 and tileable else "xla"
 
 
 def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq):

@@ -17,7 +17,7 @@ import numpy as np
 from jaxagent.models import vocab_kernels
 from jaxagent.models.config import ModelConfig
 from jaxagent.models.param_tree import Params, unbox
-from jaxagent.models.per_shard import batch_split, per_shard
+from jaxagent.models.per_shard import batch_split, per_shard, tensor_split
 
 
 def logits_from_hidden(params: Params, h, cfg: ModelConfig):
@@ -236,8 +236,7 @@ def logprob_path(cfg: ModelConfig, backend: str) -> str:
           f"multiple of {t['block_n']}; got d_model {cfg.d_model}, vocab_size "
           f"{cfg.vocab_size}: use logprob_impl='xla' or 'auto'")
     return cfg.logprob_impl
-  mesh = jax.sharding.get_abstract_mesh()
-  tensor = 1 if mesh.empty else mesh.shape.get("tensor", 1)
+  tensor = tensor_split()
   low = cfg.dtype in ("bfloat16", "float16")
   small = cfg.d_model <= FUSED_LOGPROB_MAX_D
   return "pallas" if backend == "gpu" and tensor == 1 and low and tileable and small else "xla"

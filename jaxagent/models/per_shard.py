@@ -27,6 +27,12 @@ def batch_split() -> tuple[tuple[str, ...], int]:
   return axes, math.prod(mesh.shape[a] for a in axes)
 
 
+def tensor_split() -> int:
+  """How many ways the ambient mesh's "tensor" axis splits heads (1 without a mesh)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return 1 if mesh.empty else mesh.shape.get("tensor", 1)
+
+
 def constrain_batch(x):
   """Keep `x` split by rows over the batch axes ("data", "fsdp") of the ambient mesh.
 
@@ -44,7 +50,7 @@ def constrain_batch(x):
 
 
 def per_shard(fn, row_args, out_ndims, heads_dim: int | None, kv_heads: int = 1,
-               shared=()):
+              shared=()):
   """`fn(*row_args, *shared)` (a Pallas kernel call) per shard of the ambient mesh
   (`shard_map`; `fn` itself without a mesh). XLA's partitioner sees a Pallas call as one
   opaque kernel and would gather its sharded inputs onto every device. Every array of
@@ -58,7 +64,7 @@ def per_shard(fn, row_args, out_ndims, heads_dim: int | None, kv_heads: int = 1,
     return fn(*row_args, *shared)
   axes, n = batch_split()
   rows = axes if axes and row_args[0].shape[0] % n == 0 else None
-  tp = mesh.shape.get("tensor", 1)
+  tp = tensor_split()
   heads = "tensor" if heads_dim is not None and tp > 1 and kv_heads % tp == 0 else None
 
   def spec(ndim):
