@@ -53,6 +53,7 @@ from jaxagent.envs import make_env
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.metrics import MetricsWriter
 from jaxagent.models import param_tree
+from jaxagent.models.config import run_overrides
 from jaxagent.rewards import mean_metrics
 from jaxagent.rl import advantages as adv_lib
 from jaxagent.rl import packing, step as step_lib
@@ -67,11 +68,7 @@ def load_model(mcfg) -> tuple[models.ModelConfig, Any, Any]:
   `path` is an HF directory, a `.gguf` file, an embedded preset, or an architecture preset
   (random init, e.g. "tiny-llama" for tests) whose vocabulary is resized to `tokenizer`'s.
   """
-  dtype_kw = dict(param_dtype=mcfg.param_dtype, dtype=mcfg.dtype, remat=mcfg.remat,
-                  scan_layers=mcfg.get("scan_layers", True),
-                  attention_impl=mcfg.get("attention", "auto"),
-                  logprob_impl=mcfg.get("logprob", "auto"),
-                  norm_rope_impl=mcfg.get("norm_rope", "auto"))
+  dtype_kw = run_overrides(mcfg)
   tok = models.load_tokenizer(mcfg.get("tokenizer") or mcfg.path)
   if mcfg.path in models.PRESETS:
     cfg = models.get_config(mcfg.path, vocab_size=tok.vocab_size,

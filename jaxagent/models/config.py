@@ -311,3 +311,14 @@ def get_config(name: str, **overrides) -> ModelConfig:
     raise ValueError(f"unknown model preset {name!r}; known presets: "
                      f"{sorted(PRESETS) + sorted(EMBEDDED)}")
   return PRESETS[key].replace(**overrides) if overrides else PRESETS[key]
+
+
+def run_overrides(model) -> dict:
+  """The `ModelConfig` fields a run's `config.model` section sets (numerics, remat, layer loop,
+  kernel paths), as overrides of a preset's or a checkpoint's architecture. The trainer and the
+  planner both build the model's config from these."""
+  return dict(param_dtype=model.param_dtype, dtype=model.dtype, remat=model.remat,
+              scan_layers=model.get("scan_layers", True),
+              attention_impl=model.get("attention", "auto"),
+              logprob_impl=model.get("logprob", "auto"),
+              norm_rope_impl=model.get("norm_rope", "auto"))

@@ -110,10 +110,7 @@ def model_config(config) -> ModelConfig:
   as the trainer does); HF directories their `config.json`; `.gguf` files their metadata.
   """
   m = config.model
-  kw = dict(param_dtype=m.param_dtype, dtype=m.dtype, remat=m.remat,
-            scan_layers=m.get("scan_layers", True), attention_impl=m.get("attention", "auto"),
-            logprob_impl=m.get("logprob", "auto"),
-            norm_rope_impl=m.get("norm_rope", "auto"))
+  kw = model_config_lib.run_overrides(m)
   path = str(m.path)
   if path in model_config_lib.EMBEDDED or path in model_config_lib.PRESETS:
     cfg = model_config_lib.get_config(path, **kw)
