@@ -44,7 +44,7 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0,
         layout="auto", kernel="", write_first=True, xla_options=None, group=1, share=True,
-        merge=None, norm_rope="auto"):
+        merge=None, norm_rope="auto", fused_qkv=True):
   os.environ["JAXAGENT_DECODE_KERNEL"] = kernel
   cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16",
                           norm_rope_impl=norm_rope)
@@ -55,7 +55,7 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
                                  decode_attention=attention, cache_layout=layout,
                                  decode_write_first=write_first,
                                  decode_gpu_options=xla_options, share_prompts=share,
-                                 decode_merge_weights=merge))
+                                 decode_merge_weights=merge, decode_fused_qkv=fused_qkv))
   rng = np.random.default_rng(0)
   if batch % group or 64 % group:
     raise SystemExit(f"--group {group} must divide the batch {batch} and 64 (a prefill call)")
@@ -90,7 +90,7 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   distinct_bytes = step_bytes - batch * (1 - 1 / group) * prompt_len * kv_tok
   emit("decode", record, model=name, batch=batch, attention=attention,
        layout=eng.cache_layout, kernel=kernel, write_first=write_first,
-       merge_weights=eng.merges(steps),
+       merge_weights=eng.merges(steps), fused_qkv=fused_qkv,
        norm_rope=decoder.norm_rope_path(cfg, jax.default_backend()) if cfg.qk_norm else "none",
        xla_options="default" if xla_options is None else dict(xla_options),
        prompt_len=prompt_len, new_tokens=n_steps,
@@ -128,6 +128,9 @@ def main():
   ap.add_argument("--norm-rope", default="auto",
                   help="Qwen3's q / k norms and RoPE (ModelConfig.norm_rope_impl): auto, pallas, "
                        "xla, or a list, one run each (e.g. pallas,xla)")
+  ap.add_argument("--fused-qkv", default="on",
+                  help="bias, q / k norms and RoPE in the decode kernel with merged weights "
+                       "(EngineConfig.decode_fused_qkv): on, off, or on,off (one run each)")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   variants = ([(v.split("/") + ["", "", ""])[:4] for v in args.variants.split(";")]
@@ -137,9 +140,10 @@ def main():
               if args.xla_options else [None])
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
-      for (layout, attention, kernel, mode), xla, share, merge, norm_rope in itertools.product(
-          variants, xla_sets, args.share.split(","), args.merge_weights.split(","),
-          args.norm_rope.split(",")):
+      for (layout, attention, kernel, mode), xla, share, merge, norm_rope, fused in (
+          itertools.product(variants, xla_sets, args.share.split(","),
+                            args.merge_weights.split(","), args.norm_rope.split(","),
+                            args.fused_qkv.split(","))):
         if mode not in ("", "merge"):
           raise SystemExit(f"--variants: unknown mode {mode!r} (expected '' or 'merge')")
         try:
@@ -147,7 +151,7 @@ def main():
               attention or "auto", layout=layout or "auto", kernel=kernel,
               write_first=mode != "merge", xla_options=xla, group=args.group,
               share=share == "on", merge={"auto": None, "on": True, "off": False}[merge],
-              norm_rope=norm_rope)
+              norm_rope=norm_rope, fused_qkv=fused == "on")
         except Exception as e:  # one failing variant must not lose the others' numbers
           print(f"FAILED {name} b={b} {layout}/{attention}/{kernel}/{mode}: {type(e).__name__}: "
                 f"{str(e)[:2000]}", flush=True)

@@ -174,6 +174,10 @@ class EngineConfig:
   # the copy takes at most `MERGE_WEIGHTS_MAX_BYTES` per device, in decode calls of at least
   # `MERGE_MIN_STEPS` steps; True merges in every call.
   decode_merge_weights: bool | None = None
+  # With merged weights, the decode kernel takes each layer's raw q|k|v projection and applies
+  # the bias, q / k norms and RoPE itself (`decoder.decode_in_place(fused_qkv=True)`), one XLA
+  # fusion a layer fewer; False: XLA prepares q, k and v for the kernel.
+  decode_fused_qkv: bool = True
   # XLA compiler options of the decode program on GPUs, as (name, value) pairs; None: the
   # library's `DECODE_GPU_OPTIONS`; (): XLA's defaults.
   decode_gpu_options: tuple[tuple[str, Any], ...] | None = None
@@ -193,6 +197,9 @@ class EngineConfig:
     if self.cache_layout not in ("auto", "stacked", "per_layer"):
       raise ValueError("EngineConfig.cache_layout must be 'auto', 'stacked' or 'per_layer', got "
                        f"{self.cache_layout!r}")
+    if not isinstance(self.decode_fused_qkv, bool):
+      raise ValueError("EngineConfig.decode_fused_qkv must be a bool, got "
+                       f"{self.decode_fused_qkv!r}")
     if self.decode_merge_weights not in (None, True, False):
       raise ValueError("EngineConfig.decode_merge_weights must be None (auto), True or False, "
                        f"got {self.decode_merge_weights!r}")
@@ -508,7 +515,8 @@ class Engine:
     if self.per_layer and self._attn == "pallas" and self.ecfg.decode_write_first:
       share = (state.share_src, state.share_len) if self.ecfg.share_prompts else None
       logits, k, v = decoder.decode_in_place(params, state.k, state.v, state.tokens,
-                                             state.lengths, cfg=self.cfg, share=share)
+                                             state.lengths, cfg=self.cfg, share=share,
+                                             fused_qkv=self.ecfg.decode_fused_qkv)
     else:
       logits, k_new, v_new = decoder.extend(params, state.k, state.v, state.tokens[:, None],
                                             state.lengths, cfg=self.cfg, kv_len=kv_len,

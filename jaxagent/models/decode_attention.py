@@ -50,6 +50,13 @@ DEFAULT_TUNING = dict(block_k=32, num_warps=1, num_stages=2, low_precision_dot=1
 # H100 (Qwen2.5-1.5B 2.93 -> 2.69 ms, SmolLM2-135M 1.67 -> 1.44 ms), and no faster at 256 slots.
 FEW_PROGRAMS = 256
 FEW_PROGRAMS_TUNING = dict(DEFAULT_TUNING, block_k=64, num_warps=2, num_stages=3)
+# `decoder.decode_in_place` hands the kernel the raw q|k|v projection
+# (`flash_decode_write_qkv`: bias, q / k norms and RoPE in the kernel) for head sizes up to
+# this. Measured on an H100, 256 slots (benchmarks/RESULTS.md): SmolLM2-135M (hd 64) 2.094 ->
+# 2.058-2.063 ms a step; Qwen2.5-1.5B (hd 128) 3.92 -> 4.33 ms, and slower with 2 or 4 warps
+# too (on an H200): the 0/1 products that put the rotated halves side by side cost a
+# 128-wide program more than the XLA fusion they replace.
+FUSED_QKV_MAX_HEAD_DIM = 64
 # `auto_splits` aims at this many programs per launch (an H100 has 132 SMs).
 _TARGET_PROGRAMS = 2048
 
@@ -272,13 +279,52 @@ def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, nu
   return merged.astype(q.dtype), jnp.maximum(tot, _NEG)
 
 
-def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared: bool, g: int,
-                  gp: int, kv: int):
+def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_row: int,
+                   eps: float):
+  """Rows `row0 ..` of this slot's projections as a float32 `[n, hd]` tile (rows at or past
+  `valid` zero): plus the bias (`b_ref`), RMS-normed with weight row `norm_row` of `w_ref`
+  (Qwen3's q / k norms) and rotated by RoPE (`cs_ref`: the slot's cos / sin), each step
+  rounded to the projections' dtype where `decoder._qkv` rounds it. The halves of each head are
+  loaded and rotated apart (rotate-half RoPE) and put side by side by two exact products with
+  0/1 matrices (a Triton tile cannot be concatenated)."""
   from jax.experimental.pallas import triton as plt
-  if shared:
-    share_ref, x_ref, k_ref, v_ref, o_ref, ko_ref, vo_ref = refs
-  else:
-    x_ref, k_ref, v_ref, o_ref, ko_ref, vo_ref = refs
+  dt, half = x_ref.dtype, x_ref.shape[-1] // 2
+  mask = jax.lax.broadcasted_iota(jnp.int32, (n, half), 0) < valid
+  f32 = lambda a: a.astype(jnp.float32)
+
+  def halves(ref, at):
+    return [plt.load(ref.at[(*at, pl.ds(row0, n), pl.ds(c, half))], mask=mask, other=0)
+            for c in (0, half)]
+  x1, x2 = halves(x_ref, (slot,))
+  if b_ref is not None:
+    b1, b2 = halves(b_ref, ())
+    x1, x2 = (f32(x1) + f32(b1)).astype(dt), (f32(x2) + f32(b2)).astype(dt)
+  x1, x2 = f32(x1), f32(x2)
+  if w_ref is not None:
+    r = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * half)
+                      + eps)[:, None]
+    w1, w2 = (f32(w_ref[pl.ds(norm_row, 1), pl.ds(c, half)]) for c in (0, half))
+    x1, x2 = f32((x1 * r * w1).astype(dt)), f32((x2 * r * w2).astype(dt))
+  cos, sin = cs_ref[pl.ds(0, 1), :], cs_ref[pl.ds(1, 1), :]  # [1, half]
+  y1, y2 = (x1 * cos - x2 * sin).astype(dt), (x2 * cos + x1 * sin).astype(dt)
+  col = (jax.lax.broadcasted_iota(jnp.int32, (half, 2 * half), 1)
+         - jax.lax.broadcasted_iota(jnp.int32, (half, 2 * half), 0))
+  place = lambda y, shift: jax.lax.dot_general(
+      y, (col == shift).astype(dt), (((1,), (0,)), ((), ())),
+      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+  return place(y1, 0) + place(y2, half)
+
+
+def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared: bool, g: int,
+                  gp: int, kv: int, rope: bool, bias: bool, qk_norm: bool, eps: float):
+  from jax.experimental.pallas import triton as plt
+  refs = list(refs)
+  share_ref = refs.pop(0) if shared else None
+  x_ref = refs.pop(0)
+  cs_ref = refs.pop(0) if rope else None
+  b_ref = refs.pop(0) if bias else None
+  w_ref = refs.pop(0) if qk_norm else None
+  k_ref, v_ref, o_ref, ko_ref, vo_ref = refs
   slot, head = pl.program_id(0), pl.program_id(1)
   length = lens_ref[0]
   c = k_ref.shape[2]
@@ -286,9 +332,19 @@ def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared
   # x_ref rows of this slot: the H query heads, then the KV new keys, then the KV new values.
   # This program's G query rows are loaded as a power-of-two tile with the rest masked off.
   qmask = jax.lax.broadcasted_iota(jnp.int32, (gp, x_ref.shape[2]), 0) < g
-  q = plt.load(x_ref.at[slot, pl.ds(head * g, gp), :], mask=qmask, other=0)
-  k_new = x_ref[slot, pl.ds(heads + head, 1), :]  # [1, hd]
-  v_new = x_ref[slot, pl.ds(heads + kv + head, 1), :]
+  if rope:  # raw projections: bias, norms and RoPE here
+    q = _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, head * g, gp, g, 0, eps)
+    # The new key as row 0 of a 16-row tile (a product's smallest), the other rows zero.
+    k_new = jnp.sum(_prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, heads + head, 16, 1, 1,
+                                   eps), axis=0, keepdims=True).astype(x_ref.dtype)
+    v_new = x_ref[slot, pl.ds(heads + kv + head, 1), :]
+    if bias:
+      v_new = (v_new.astype(jnp.float32)
+               + b_ref[pl.ds(heads + kv + head, 1), :].astype(jnp.float32)).astype(x_ref.dtype)
+  else:
+    q = plt.load(x_ref.at[slot, pl.ds(head * g, gp), :], mask=qmask, other=0)
+    k_new = x_ref[slot, pl.ds(heads + head, 1), :]  # [1, hd]
+    v_new = x_ref[slot, pl.ds(heads + kv + head, 1), :]
   fits = length < c
 
   # The new token's K/V go to row `length` of this slot and head (dropped when the cache is
@@ -337,44 +393,92 @@ def flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, *, share=None
   `flash_decode`. Launch settings: `tuning(S * KV)` updated by `launch`; one pass per (slot,
   head) (`splits` is ignored). Returns (out [S, KV, G, hd] in q's dtype, cache_k, cache_v).
   """
-  t = _launch_settings("flash_decode_write", q.shape[0] * q.shape[1], launch)
   if q.shape[2] > _ROWS:
     raise ValueError(f"flash_decode_write: at most {_ROWS} query rows per KV head, got "
                      f"{q.shape[2]}")
   return _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share,
-                             block_k=t["block_k"], num_warps=t["num_warps"],
-                             num_stages=t["num_stages"],
-                             low_precision_dot=bool(t["low_precision_dot"]), interpret=interpret)
+                             interpret=interpret,
+                             **_launch_settings("flash_decode_write", q.shape[0] * q.shape[1],
+                                                launch))
+
+
+def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_norm=None, *,
+                           eps: float = 1e-6, share=None, interpret: bool = False, **launch):
+  """`flash_decode_write` from a decode step's raw q|k|v projections: the bias, Qwen3's q / k
+  norms and RoPE are applied inside the kernel, so that nothing runs between the projection's
+  GEMM and the kernel (`[S, (H + 2 KV) hd]` to `[S, H + 2 KV, hd]` is a free reshape).
+
+  qkv: `[S, H + 2 KV, hd]`, the H query heads, the KV keys and the KV values of each slot's new
+  token as the projection wrote them; rope: `[S, 2, hd / 2]` float32, the cos and sin of each
+  slot's new position (`decoder.rope_tables` at `lengths`); bias: None or `[H + 2 KV, hd]`;
+  qk_norm: None or `[2, hd]`, the q and k norm weights (RMS norm with `eps` over each head).
+  Rounded as `decoder._qkv` rounds them: bias added in qkv's dtype, normed heads and rotated
+  heads rounded to it. The cache's KV head count gives H / KV; hd must be even (and at least 32
+  outside interpret mode: the halves' products need 16 columns). The rest as
+  `flash_decode_write`. Returns (out [S, KV, G, hd] in qkv's dtype, cache_k, cache_v).
+  """
+  s, rows, hd = qkv.shape
+  kv = cache_k.shape[1]
+  g = (rows - 2 * kv) // kv
+  if rows != (g + 2) * kv or not 0 < g <= _ROWS:
+    raise ValueError(f"flash_decode_write_qkv: {rows} projection rows for {kv} KV heads; "
+                     f"expected (G + 2) * KV with 1 <= G <= {_ROWS}")
+  if hd % 2 or (not interpret and hd < 32):
+    raise ValueError(f"flash_decode_write_qkv: head_dim {hd} must be even and, on a GPU, >= 32")
+  if rope.shape != (s, 2, hd // 2):
+    raise ValueError(f"flash_decode_write_qkv: rope must be [S, 2, hd / 2] = {(s, 2, hd // 2)}"
+                     f", got {rope.shape}")
+  return _flash_decode_write(qkv, None, None, cache_k, cache_v, lengths, share, rope=rope,
+                             bias=bias, qk_norm=qk_norm, eps=float(eps), g=g,
+                             interpret=interpret,
+                             **_launch_settings("flash_decode_write_qkv", s * kv, launch))
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "num_warps", "num_stages",
-                                             "low_precision_dot", "interpret"))
-def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, *, block_k,
-                        num_warps, num_stages, low_precision_dot, interpret):
-  s, kv, g, hd = q.shape
-  c = cache_k.shape[2]
+                                             "low_precision_dot", "splits", "eps", "g",
+                                             "interpret"))
+def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=None, bias=None,
+                        qk_norm=None, *, block_k, num_warps, num_stages, low_precision_dot,
+                        splits, interpret, eps=0.0, g=0):
+  """The kernel's launch. With `rope` None, q is `[S, KV, G, hd]` and k_new / v_new the new
+  K/V (`flash_decode_write`); otherwise q holds the raw `[S, H + 2 KV, hd]` projections,
+  k_new / v_new are None and the kernel prepares them (`flash_decode_write_qkv`)."""
+  del splits  # one pass per (slot, head)
+  s, kv, c, hd = cache_k.shape
   block_k = _cache_block(block_k, c)
+  g = g or q.shape[2]
   gp = max(16, 1 << (g - 1).bit_length())
   num_warps = _warps_for_tile(num_warps, gp, hd)
   heads = kv * g
-  # On a GPU the masked tiles of the last head group reach past the query rows (no memory is
-  # touched there); interpret mode slices them out of real memory, so it gets `gp` spare rows.
+  # On a GPU the masked tiles of the last head group (and the new key's 16-row tile) reach
+  # past the rows (no memory is touched there); interpret mode slices them out of real
+  # memory, so it gets `gp` spare rows.
   spare = gp if interpret else 0
-  parts = [q.reshape(s, heads, hd), k_new.astype(q.dtype), v_new.astype(q.dtype)]
-  if spare:
-    parts.append(jnp.zeros((s, spare, hd), q.dtype))
-  x = jnp.concatenate(parts, axis=1)
+  pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, spare), (0, 0)]) if spare else a
+  if rope is None:
+    x = pad(jnp.concatenate([q.reshape(s, heads, hd), k_new.astype(q.dtype),
+                             v_new.astype(q.dtype)], axis=1))
+  else:
+    x = pad(q)
+  extra = [] if rope is None else [rope.astype(jnp.float32)]
+  extra += [] if bias is None else [pad(bias.astype(x.dtype))]
+  extra += [] if qk_norm is None else [qk_norm]
   dot_dtype = cache_k.dtype if low_precision_dot else jnp.float32
   kern = functools.partial(_write_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd),
-                           dot_dtype=dot_dtype, shared=share is not None, g=g, gp=gp, kv=kv)
+                           dot_dtype=dot_dtype, shared=share is not None, g=g, gp=gp, kv=kv,
+                           rope=rope is not None, bias=bias is not None,
+                           qk_norm=qk_norm is not None, eps=eps)
   in_specs, args = _slot_inputs(lengths, share, s, kv, lambda i, j: (i, j, 0))
   # Whole-array refs: each program reads its own rows and, with sharing, its source's; the
   # caches are aliased to the outputs, so the write lands in place (no copy of the cache).
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * len(a.shape))
-  out_shape = jax.ShapeDtypeStruct((s, heads + spare, hd), q.dtype)
-  in_specs += [whole(x), whole(cache_k), whole(cache_v)]
-  n_in = len(args) + 3
-  args += [x, cache_k, cache_v]
+  out_shape = jax.ShapeDtypeStruct((s, heads + spare, hd), x.dtype)
+  in_specs += [whole(x)]
+  if rope is not None:  # this slot's cos / sin
+    in_specs.append(pl.BlockSpec((None, 2, hd // 2), lambda i, j: (i, 0, 0)))
+  in_specs += [whole(a) for a in extra[1:]] + [whole(cache_k), whole(cache_v)]
+  n_in = len(args) + 1 + len(extra) + 2
+  args += [x, *extra, cache_k, cache_v]
   out, ck, cv = pl.pallas_call(
       kern,
       grid=(s, kv),

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxagent.models import decode_attention
 from jaxagent.models import norm_rope_kernels
 from jaxagent.models import packed_attention
 from jaxagent.models.config import ModelConfig
@@ -156,26 +157,36 @@ def norm_rope_path(cfg: ModelConfig, backend: str) -> str:
   return "pallas" if backend == "gpu" and tensor_split() == 1 and tileable else "xla"
 
 
+def _project_qkv(h, lp, cfg: ModelConfig):
+  """The merged q|k|v projection (`merge_decode_weights`) `[B, T, H + 2 KV, hd]`, before its
+  bias."""
+  b, t, _ = h.shape
+  qkv = jnp.einsum("btd,de->bte", h, lp["wqkv"].astype(cfg.jnp_dtype))
+  return qkv.reshape(b, t, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
+
+
 def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq):
   dt = cfg.jnp_dtype
   if "wqkv" in lp:  # `merge_decode_weights`: one matmul, its output split by heads
-    b, t, _ = h.shape
-    qkv = jnp.einsum("btd,de->bte", h, lp["wqkv"].astype(dt))
-    qkv = qkv.reshape(b, t, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
+    qkv = _project_qkv(h, lp, cfg)
+    if cfg.qkv_bias:
+      qkv = qkv + lp["bqkv"].astype(dt)
     q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
   else:
     q = jnp.einsum("btd,dhk->bthk", h, lp["wq"].astype(dt))
     k = jnp.einsum("btd,dhk->bthk", h, lp["wk"].astype(dt))
     v = jnp.einsum("btd,dhk->bthk", h, lp["wv"].astype(dt))
-  if cfg.qkv_bias:
-    q = q + lp["bq"].astype(dt)
-    k = k + lp["bk"].astype(dt)
-    v = v + lp["bv"].astype(dt)
+    if cfg.qkv_bias:
+      q = q + lp["bq"].astype(dt)
+      k = k + lp["bk"].astype(dt)
+      v = v + lp["bv"].astype(dt)
   if cfg.qk_norm:
     cos, sin = rope_tables(positions, inv_freq)
     impl = norm_rope_path(cfg, jax.default_backend())
-    return (norm_rope(q, lp["q_norm"], cos, sin, cfg.norm_eps, impl),
-            norm_rope(k, lp["k_norm"], cos, sin, cfg.norm_eps, impl), v)
+    qn, kn = (lp["qk_norms"][0], lp["qk_norms"][1]) if "qk_norms" in lp else (lp["q_norm"],
+                                                                               lp["k_norm"])
+    return (norm_rope(q, qn, cos, sin, cfg.norm_eps, impl),
+            norm_rope(k, kn, cos, sin, cfg.norm_eps, impl), v)
   q = apply_rope(q, positions, inv_freq)
   k = apply_rope(k, positions, inv_freq)
   return q, k, v
@@ -191,12 +202,18 @@ def _mlp(h, lp, cfg: ModelConfig):
   return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"].astype(dt))
 
 
-def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq):
-  """One decoder layer. `attend(q, k, v) -> [B, T, H, hd]` supplies the attention pattern."""
+def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq,
+           raw_qkv: bool = False):
+  """One decoder layer. `attend(q, k, v) -> [B, T, H, hd]` supplies the attention pattern;
+  with `raw_qkv`, `attend(qkv)` takes the merged projection before its bias, norms and RoPE
+  (`_project_qkv`), and the layer returns None for k and v."""
   x = constrain_batch(x)
   h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
-  q, k, v = _qkv(h, lp, positions, cfg, inv_freq)
-  a = attend(q, k, v)
+  if raw_qkv:
+    a, k, v = attend(_project_qkv(h, lp, cfg)), None, None
+  else:
+    q, k, v = _qkv(h, lp, positions, cfg, inv_freq)
+    a = attend(q, k, v)
   x = x + jnp.einsum("bthk,hkd->btd", a, lp["wo"].astype(cfg.jnp_dtype))
   h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
   x = x + _mlp(h, lp, cfg)
@@ -241,39 +258,57 @@ def _local_share(offset, shared):
   return jnp.where(ok, local, own), jnp.where(ok, shared, 0)
 
 
-def _per_shard_decode(kernel, arrays, out_ndims, interpret, share):
-  """`kernel(*arrays, share=..., interpret=...)` (a decode attention kernel of
+def _per_shard_decode(kernel, arrays, out_ndims, interpret, share, shared=()):
+  """`kernel(*arrays, *shared, share=..., interpret=...)` (a decode attention kernel of
   `decode_attention.py`; `arrays` end with the caches and the lengths) per shard under the
   ambient mesh: slots over the batch axes, KV heads over "tensor", as
-  `sharding.kv_cache_spec` lays out the cache. `share`: None or (src, shared) slot indices and
-  lengths; a slot and its `src` must be on the same shard."""
+  `sharding.kv_cache_spec` lays out the cache; the arrays of `shared` go to every shard whole.
+  `share`: None or (src, shared) slot indices and lengths; a slot and its `src` must be on the
+  same shard."""
   kv_heads = arrays[-2].shape[1]
   if share is None:
     fn = functools.partial(kernel, interpret=interpret)
-    return per_shard(fn, arrays, out_ndims, 1, kv_heads)
-  src, shared = share
+    return per_shard(fn, arrays, out_ndims, 1, kv_heads, shared)
+  src, shared_len = share
   # Offsets from each slot to its source stay valid in every shard's local slot numbering.
   offset = src - jnp.arange(src.shape[0], dtype=src.dtype)
+  n = len(arrays)
 
   def fn(*args):
-    *args, offset, shared = args
-    return kernel(*args, share=_local_share(offset, shared), interpret=interpret)
+    (offset, shared_len), whole = args[n:n + 2], args[n + 2:]
+    return kernel(*args[:n], *whole, share=_local_share(offset, shared_len),
+                  interpret=interpret)
 
-  return per_shard(fn, (*arrays, offset, shared), out_ndims, 1, kv_heads)
+  return per_shard(fn, (*arrays, offset, shared_len), out_ndims, 1, kv_heads, shared)
 
 
 def _flash_decode(q, cache_k, cache_v, lens, interpret, share=None):
   """`decode_attention.flash_decode` per shard (`_per_shard_decode`)."""
-  from jaxagent.models.decode_attention import flash_decode
-  return _per_shard_decode(flash_decode, (q, cache_k, cache_v, lens), (4, 3), interpret, share)
+  return _per_shard_decode(decode_attention.flash_decode, (q, cache_k, cache_v, lens), (4, 3),
+                           interpret, share)
 
 
 def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lens, interpret, share=None):
   """`decode_attention.flash_decode_write` (the new token's K/V written into the cache by the
   attention kernel) per shard (`_per_shard_decode`)."""
-  from jaxagent.models.decode_attention import flash_decode_write
-  return _per_shard_decode(flash_decode_write, (q, k_new, v_new, cache_k, cache_v, lens),
-                           (4, 4, 4), interpret, share)
+  return _per_shard_decode(decode_attention.flash_decode_write,
+                           (q, k_new, v_new, cache_k, cache_v, lens), (4, 4, 4), interpret, share)
+
+
+def _flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps, interpret,
+                           share=None):
+  """`decode_attention.flash_decode_write_qkv` (bias, q / k norms and RoPE in the kernel) per
+  shard (`_per_shard_decode`; rows only: the projection's heads are not split)."""
+  given = [a for a in (bias, norms) if a is not None]
+
+  def kernel(qkv, rope, cache_k, cache_v, lens, *given, **kw):
+    it = iter(given)
+    return decode_attention.flash_decode_write_qkv(
+        qkv, rope, cache_k, cache_v, lens, next(it) if bias is not None else None,
+        next(it) if norms is not None else None, eps=eps, **kw)
+
+  return _per_shard_decode(kernel, (qkv, rope, cache_k, cache_v, lens), (4, 4, 4), interpret,
+                           share, shared=tuple(given))
 
 
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
@@ -522,7 +557,7 @@ def _extend_per_layer(p, cache_k, cache_v, tokens, positions, cache_lens, cfg, k
 
 
 def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelConfig,
-                    share=None, interpret: bool | None = None):
+                    share=None, interpret: bool | None = None, fused_qkv: bool = True):
   """One decode token per slot over a per-layer cache, with the Pallas kernel: in each layer the
   kernel (`decode_attention.flash_decode_write`) writes the new K/V into the layer's cache
   buffer and attends over the `cache_lens` cached entries plus the new one.
@@ -536,6 +571,11 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   and attends over the C cached entries only.
   `share`: None or (src [S], shared [S]): the first `shared[s]` cached entries of slot s equal
   those of slot `src[s]` in every layer (the kernel reads them there).
+  `fused_qkv`: with merged weights (`merge_decode_weights`), no "tensor" axis splitting the
+  heads and a head size from 32 (16 in interpret mode) to
+  `decode_attention.FUSED_QKV_MAX_HEAD_DIM`, the kernel takes each layer's raw q|k|v
+  projection and applies its bias, q / k norms and RoPE itself
+  (`decode_attention.flash_decode_write_qkv`): one XLA fusion a layer fewer.
   Returns (logits `[S, V]` float32, cache_k, cache_v).
   """
   p = unbox(params)
@@ -544,20 +584,33 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   positions = cache_lens[:, None]
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   interpret = jax.default_backend() == "cpu" if interpret is None else interpret
+  raw = (fused_qkv and "wqkv" in p["layers"] and tensor_split() == 1
+         and cfg.head_dim <= decode_attention.FUSED_QKV_MAX_HEAD_DIM
+         and (interpret or cfg.head_dim >= 32))
+  if raw:  # each slot's cos / sin, once for every layer
+    cos, sin = rope_tables(positions, inv_freq)
+    rope = jnp.stack([cos[:, 0, 0], sin[:, 0, 0]], axis=1)  # [S, 2, hd / 2]
   x = embed(p, tokens, cfg)
   new_k, new_v = list(cache_k), list(cache_v)
   for layer in range(cfg.n_layers):
     lp = jax.tree.map(lambda w: w[layer], p["layers"])
 
+    # The kernel writes the new K/V into the layer's buffer (in place) and attends over the
+    # cached rows plus the new token.
     def attend(q, k, v, layer=layer):
-      # The kernel writes the new K/V into the layer's buffer (in place) and attends over the
-      # cached rows plus the new token.
       qg = q.reshape(s, cfg.n_kv_heads, cfg.q_per_kv, cfg.head_dim)
       out, new_k[layer], new_v[layer] = _flash_decode_write(
           qg, k[:, 0], v[:, 0], new_k[layer], new_v[layer], cache_lens, interpret, share)
       return out.reshape(s, 1, cfg.n_heads, cfg.head_dim).astype(v.dtype)
 
-    x, _, _ = _block(x, lp, positions, attend, cfg, inv_freq)
+    def attend_raw(qkv, layer=layer, lp=lp):
+      out, new_k[layer], new_v[layer] = _flash_decode_write_qkv(
+          qkv[:, 0], rope, new_k[layer], new_v[layer], cache_lens, lp.get("bqkv"),
+          lp.get("qk_norms"), cfg.norm_eps, interpret, share)
+      return out.reshape(s, 1, cfg.n_heads, cfg.head_dim).astype(qkv.dtype)
+
+    x, _, _ = _block(x, lp, positions, attend_raw if raw else attend, cfg, inv_freq,
+                     raw_qkv=raw)
   logits = logits_from_hidden(params, rms_norm(x[:, 0], p["final_norm"], cfg.norm_eps), cfg)
   return logits, tuple(new_k), tuple(new_v)
 

@@ -130,7 +130,9 @@ def logical_axes(params: Params):
 def merge_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
   """The plain params with each layer's q, k and v projections as one `[D, (H + 2 KV) hd]`
   matrix ("wqkv") and its gate and up projections as one `[D, 2 F]` ("w_gate_up"), in the
-  compute dtype. The forward, prefill, extend and decode functions take either form.
+  compute dtype; q, k and v biases as one `[H + 2 KV, hd]` ("bqkv") and q and k norm weights
+  as one `[2, hd]` ("qk_norms"), where the model has them. The forward, prefill, extend and
+  decode functions take either form.
 
   For the engine's decode program (`EngineConfig.decode_merge_weights`): at decode sizes one
   GEMM over the merged weights costs less than two or three over their parts, and XLA's own
@@ -145,6 +147,10 @@ def merge_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
   lw["wqkv"] = jnp.concatenate([flat(lw.pop(n)) for n in ("wq", "wk", "wv")], axis=-1)
   lw["w_gate_up"] = jnp.concatenate([lw.pop("w_gate").astype(dt), lw.pop("w_up").astype(dt)],
                                     axis=-1)
+  if "bq" in lw:  # the biases as one `[H + 2 KV, hd]` per layer, in the projection's order
+    lw["bqkv"] = jnp.concatenate([lw.pop(n).astype(dt) for n in ("bq", "bk", "bv")], axis=-2)
+  if "q_norm" in lw:  # Qwen3's q and k norm weights as one `[2, hd]` per layer
+    lw["qk_norms"] = jnp.stack([lw.pop("q_norm"), lw.pop("k_norm")], axis=-2)
   p["layers"] = lw
   return p
 

@@ -259,6 +259,8 @@ def test_merged_decode_weights_default(monkeypatch):
   assert Engine(CFG, EngineConfig(slots=2, max_len=64), mesh=sharding.make_mesh(2, 4, 1)).merge_weights
   with pytest.raises(ValueError, match="decode_merge_weights"):
     EngineConfig(decode_merge_weights="yes")
+  with pytest.raises(ValueError, match="decode_fused_qkv"):
+    EngineConfig(decode_fused_qkv=None)
 
 
 @pytest.mark.parametrize("layout", [pytest.param("stacked", marks=pytest.mark.slow), "per_layer"])

@@ -160,7 +160,10 @@ def test_merged_decode_weights_compute_the_same_function(name):
   assert {"wqkv", "w_gate_up"} <= set(merged["layers"])
   assert param_tree.merged_decode_weight_bytes(cfg) == sum(
       merged["layers"][n].nbytes for n in ("wqkv", "w_gate_up"))
-  assert not {"wq", "wk", "wv", "w_gate", "w_up"} & set(merged["layers"])
+  assert not {"wq", "wk", "wv", "w_gate", "w_up", "bq", "bk", "bv", "q_norm",
+              "k_norm"} & set(merged["layers"])
+  assert ("bqkv" in merged["layers"]) == cfg.qkv_bias
+  assert ("qk_norms" in merged["layers"]) == cfg.qk_norm
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)))
   np.testing.assert_allclose(np.asarray(models.forward(merged, tokens, cfg=cfg)),
                              np.asarray(models.forward(params, tokens, cfg=cfg)), atol=1e-5)
@@ -446,4 +449,119 @@ def test_flash_decode_write_per_shard():
   np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=1e-6)
   np.testing.assert_array_equal(np.asarray(k2), np.asarray(wk))
   np.testing.assert_array_equal(np.asarray(v2), np.asarray(wv))
+  assert "all-gather" not in fn.lower(*args).compile().as_text()
+
+
+def _raw_qkv_case(dtype, s=5, kv=2, g=3, hd=16, c=64):
+  """Raw projections, bias, q / k norm weights, caches, lengths and (cos, sin) of a
+  `flash_decode_write_qkv` call."""
+  r = (g + 2) * kv
+  qkv = _rand(0, s, r, hd).astype(dtype)
+  bias = (0.3 * _rand(1, r, hd)).astype(dtype)
+  norms = 1 + 0.1 * _rand(2, 2, hd)
+  k, v = _rand(3, s, kv, c, hd).astype(dtype), _rand(4, s, kv, c, hd).astype(dtype)
+  lens = jnp.array([0, 5, 17, 40, c], jnp.int32)[:s]
+  inv = jnp.asarray(1.0 / (10000 ** (np.arange(0, hd, 2) / hd)), jnp.float32)
+  return qkv, bias, norms, k, v, lens, inv
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("with_bias,with_norms", [(False, False), (True, False), (False, True),
+                                                  (True, True)])
+def test_flash_decode_write_qkv_equals_xla_prepared_inputs(dtype, with_bias, with_norms):
+  """Bias, q / k norms and RoPE applied inside the kernel give what `flash_decode_write` gives
+  for q, k and v prepared by the decoder's own functions (bitwise in bfloat16 here), and the
+  kernel writes the same new K/V rows."""
+  from jaxagent.models.decode_attention import flash_decode_write, flash_decode_write_qkv
+  s, kv, g, hd = 5, 2, 3, 16
+  qkv, bias, norms, k, v, lens, inv = _raw_qkv_case(dtype, s, kv, g, hd)
+  bias, norms = (bias if with_bias else None), (norms if with_norms else None)
+  x = qkv if bias is None else qkv + bias
+  q, kn, vn = jnp.split(x[:, None], [g * kv, g * kv + kv], axis=2)
+  cos, sin = decoder.rope_tables(lens[:, None], inv)
+  if norms is None:
+    q, kn = (decoder.apply_rope(a, lens[:, None], inv) for a in (q, kn))
+  else:
+    q, kn = (decoder.norm_rope(a, w, cos, sin, 1e-6) for a, w in ((q, norms[0]), (kn, norms[1])))
+  want = flash_decode_write(q[:, 0].reshape(s, kv, g, hd), kn[:, 0], vn[:, 0], k, v, lens,
+                            block_k=16, interpret=True)
+  rope = jnp.stack([cos[:, 0, 0], sin[:, 0, 0]], axis=1)
+  got = flash_decode_write_qkv(qkv, rope, k, v, lens, bias, norms, eps=1e-6, block_k=16,
+                               interpret=True)
+  atol = 1e-6 if dtype == jnp.float32 else 0
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=atol)
+  # The full slot (length c) keeps its cache; the others got their row written.
+  assert not np.array_equal(np.asarray(got[1], np.float32), np.asarray(k, np.float32))
+
+
+def test_flash_decode_write_qkv_rejects_bad_shapes():
+  from jaxagent.models.decode_attention import flash_decode_write_qkv
+  qkv, _, _, k, v, lens, _ = _raw_qkv_case(jnp.float32)
+  rope = jnp.zeros((5, 2, 8))
+  with pytest.raises(ValueError, match="projection rows"):
+    flash_decode_write_qkv(qkv[:, :9], rope, k, v, lens, interpret=True)
+  with pytest.raises(ValueError, match="rope must be"):
+    flash_decode_write_qkv(qkv, rope[:, :, :4], k, v, lens, interpret=True)
+  with pytest.raises(ValueError, match="on a GPU, >= 32"):
+    flash_decode_write_qkv(qkv, rope, k, v, lens)  # hd 16 outside interpret mode
+
+
+@pytest.mark.parametrize("name", [
+    "tiny-qwen2", "tiny-qwen3", pytest.param("tiny-llama", marks=pytest.mark.slow)])
+def test_decode_in_place_fused_qkv_equals_xla_prepared(name, monkeypatch):
+  """With merged weights the write-first step hands the kernel the raw q|k|v projection
+  (bias, Qwen3's q / k norms and RoPE in the kernel) and gives the logits and caches of the
+  step whose q, k and v XLA prepares; without merged weights it keeps the XLA preparation."""
+  cfg = models.get_config(name)
+  params = models.init_params(cfg, jax.random.key(3), std=0.2)
+  merged = param_tree.merge_decode_weights(params, cfg)
+  layers = dict(merged["layers"])  # biases and norm weights that matter
+  for key in ("bqkv", "qk_norms"):
+    if key in layers:
+      layers[key] = layers[key] + 0.2 * _rand(7, *layers[key].shape)
+  merged = dict(merged, layers=layers)
+  s, c = 3, 32
+  shape = (s, cfg.n_kv_heads, c, cfg.head_dim)
+  ck = tuple(_rand(30 + i, *shape) for i in range(cfg.n_layers))
+  cv = tuple(_rand(40 + i, *shape) for i in range(cfg.n_layers))
+  lens, tok = jnp.array([0, 9, c], jnp.int32), jnp.array([5, 7, 11], jnp.int32)
+  calls = []
+  fused = decoder._flash_decode_write_qkv
+  monkeypatch.setattr(decoder, "_flash_decode_write_qkv",
+                      lambda *a, **k: calls.append(1) or fused(*a, **k))
+  a = decoder.decode_in_place(merged, ck, cv, tok, lens, cfg=cfg)
+  assert len(calls) == cfg.n_layers
+  b = decoder.decode_in_place(merged, ck, cv, tok, lens, cfg=cfg, fused_qkv=False)
+  decoder.decode_in_place(params, ck, cv, tok, lens, cfg=cfg)
+  assert len(calls) == cfg.n_layers
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
+
+
+def test_flash_decode_write_qkv_per_shard():
+  """On a data x fsdp mesh the raw-projection kernel runs per shard (slots split, bias and
+  norm weights whole on every shard) with shared rows read within a shard."""
+  from jaxagent import sharding as shd
+  s, kv, g, hd, c = 8, 2, 3, 16, 64
+  qkv = _rand(0, s, (g + 2) * kv, hd)
+  bias, norms = 0.3 * _rand(1, (g + 2) * kv, hd), 1 + 0.1 * _rand(2, 2, hd)
+  k, v, src, shared = _shared_cache(s, kv, c, hd, [(0, (1,), 40), (2, (5,), 33)])
+  k, v = jnp.asarray(k), jnp.asarray(v)
+  lens = jnp.arange(s, dtype=jnp.int32) * 3 + 40
+  rope = jnp.stack([jnp.cos(_rand(5, s, hd // 2)), jnp.sin(_rand(5, s, hd // 2))], axis=1)
+  mesh = shd.make_mesh(2, 4, 1)
+  rows = shd.NamedSharding(mesh, shd.P(("data", "fsdp")))
+  whole = shd.NamedSharding(mesh, shd.P())
+
+  def call(qkv, rope, k, v, lens, bias, norms, src, shared):
+    return decoder._flash_decode_write_qkv(qkv, rope, k, v, lens, bias, norms, 1e-6, True,
+                                           (src, shared))
+  fn = jax.jit(shd.on_mesh(call, mesh), in_shardings=(rows,) * 5 + (whole,) * 2 + (rows,) * 2)
+  args = (qkv, rope, k, v, lens, bias, norms, src, shared)
+  got = fn(*args)
+  from jaxagent.models.decode_attention import flash_decode_write_qkv
+  want = flash_decode_write_qkv(qkv, rope, k, v, lens, bias, norms, eps=1e-6, interpret=True)
+  for a, b in zip(got, want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-6)
   assert "all-gather" not in fn.lower(*args).compile().as_text()
