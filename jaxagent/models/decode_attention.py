@@ -13,7 +13,9 @@ live key and value once.
 `flash_decode_write` is the one-token form the GPU decode step runs (`decoder.decode_in_place`):
 it also writes the new token's key and value into the cache in place and attends to them from
 registers, taking q and the new K/V as one array and returning the output unpadded, so that no
-scatter, padding or slicing kernel runs around it.
+scatter, padding or slicing kernel runs around it. `flash_decode_write_qkv` is the same kernel
+fed the raw q|k|v projection: it adds the bias, applies Qwen3's q / k norms and RoPE itself, so
+that no XLA fusion runs between the projection's GEMM and the attention either.
 """
 from __future__ import annotations
 

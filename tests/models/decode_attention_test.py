@@ -84,9 +84,12 @@ def test_engine_tokens_equal_with_either_decode_attention():
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, cfg.vocab_size, rng.integers(3, 30)).tolist() for _ in range(5)]
   outs = []
-  for attention, layout in (("xla", "stacked"), ("pallas", "stacked"), ("pallas", "per_layer")):
+  # The last: merged weights, so the kernel takes the raw q|k|v projection (`decode_fused_qkv`).
+  for attention, layout, merge in (("xla", "stacked", False), ("pallas", "stacked", False),
+                                   ("pallas", "per_layer", False), ("pallas", "per_layer", True)):
     eng = Engine(cfg, EngineConfig(slots=4, max_len=100, sampling=SamplingConfig(1.0),
-                                   decode_attention=attention, cache_layout=layout))
+                                   decode_attention=attention, cache_layout=layout,
+                                   decode_merge_weights=merge))
     outs.append(run_requests(eng, params, prompts, max_new_tokens=12,
                              request_ids=list(range(5)), seed=3))
   for other in outs[1:]:
@@ -349,15 +352,17 @@ def test_engine_prompt_sharing_matches_unshared(monkeypatch):
   prompts = [p for p in uniq for _ in range(3)]
   budgets = [int(b) for b in rng.integers(2, 14, len(prompts))]
   outs = []
-  for share in (True, False):
+  # The third shares with merged weights: the kernel takes the raw q|k|v projection.
+  for share, merge in ((True, False), (False, False), (True, True)):
     eng = Engine(cfg, EngineConfig(slots=4, max_len=96, sampling=SamplingConfig(1.0),
                                    decode_attention="pallas", cache_layout="per_layer",
-                                   share_prompts=share))
+                                   share_prompts=share, decode_merge_weights=merge))
     outs.append(run_requests(eng, params, prompts, max_new_tokens=budgets,
                              request_ids=list(range(len(prompts))), seed=2, decode_steps=4))
-  for a, b in zip(*outs):
-    assert a.tokens == b.tokens
-    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6)
+  for other in outs[1:]:
+    for a, b in zip(outs[0], other):
+      assert a.tokens == b.tokens
+      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
 def test_engine_share_bookkeeping():

@@ -1,0 +1,120 @@
+"""HBM read bandwidth of one kernel by the size of what it reads (GPU).
+
+    python benchmarks/hbm_read.py --sizes-mb 25,50,100,134,400,1600
+
+A decode step reads each layer's live K/V in one attention kernel: about 100 MB per layer for
+SmolLM2-135M and 134 MB for Qwen2.5-1.5B at 256 slots and 512 cached keys. This script asks
+what fraction of the HBM peak (`benchmarks.common.PEAKS`) one kernel reading that much can
+reach at all on the card, with nothing but the read:
+
+  * "xla sum to rows": XLA's reduction of a `[rows, 128]` bfloat16 array over its last axis;
+  * "pallas read": a Pallas (Triton) kernel whose programs each sum `rows_per_prog` contiguous
+    rows in blocks of `blk` rows (the decode kernel's access pattern, one run of rows a
+    program), for a few launch settings.
+
+Each size is read from several distinct arrays in turn (at least 600 MB in all) so that no read
+finds the previous one in the L2 cache, each read's result feeding the next (so no two reads
+overlap), 10 rounds in one `fori_loop`; the time is the best of 5 calls divided by the reads.
+"""
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from benchmarks.common import emit, peaks
+
+# (rows per program, warps, stages, rows per block) of the Pallas read.
+PALLAS_SETTINGS = ((512, 1, 2, 32), (512, 4, 3, 64), (1024, 4, 4, 128), (4096, 8, 4, 256),
+                   (1024, 2, 3, 64))
+
+
+def _time(f, args, reads: int) -> float:
+  g = jax.jit(f)
+  jax.block_until_ready(g(*args))
+  best = float("inf")
+  for _ in range(5):
+    t0 = time.perf_counter()
+    jax.block_until_ready(g(*args))
+    best = min(best, time.perf_counter() - t0)
+  return best / reads
+
+
+def xla_sum(reps: int):
+  def f(*xs):
+    def body(i, dep):
+      for x in xs:
+        dep = jnp.sum(x.astype(jnp.float32) * (1 + dep[0] * 1e-30), axis=-1)[:1]
+      return dep
+    return jax.lax.fori_loop(0, reps, body, jnp.zeros((1,), jnp.float32))
+  return f
+
+
+def pallas_read(reps: int, rows_per_prog: int, warps: int, stages: int, block: int):
+  from jax.experimental.pallas import triton as plt
+
+  def kern(dep_ref, x_ref, o_ref):
+    def body(b, acc):
+      return acc + x_ref[pl.ds(pl.multiple_of(b * block, block), block), :].astype(jnp.float32)
+    acc = jax.lax.fori_loop(0, rows_per_prog // block, body,
+                            jnp.zeros((block, x_ref.shape[-1]), jnp.float32))
+    o_ref[...] = acc.sum(0) + dep_ref[0]
+
+  def one(x, dep):
+    n, d = x.shape
+    p = n // rows_per_prog
+    return pl.pallas_call(
+        kern, grid=(p,),
+        in_specs=[pl.BlockSpec((1, d), lambda i: (0, 0)),
+                  pl.BlockSpec((rows_per_prog, d), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((None, d), lambda i: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((p, d), jnp.float32),
+        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages))(dep, x)
+
+  def f(*xs):
+    def body(i, dep):
+      for x in xs:
+        dep = one(x, dep)[:1] * 1e-30
+      return dep
+    return jax.lax.fori_loop(0, reps, body, jnp.zeros((1, xs[0].shape[-1]), jnp.float32))
+  return f
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--sizes-mb", default="25,50,100,134,400,1600")
+  ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--record", action="store_true")
+  args = ap.parse_args()
+  peak = peaks()["hbm_bytes_s"]
+  key = jax.random.key(0)
+  for mb in map(int, args.sizes_mb.split(",")):
+    n = mb * 2**20 // (128 * 2)
+    arrays = max(2, 600 // mb)
+    xs = [jax.random.normal(jax.random.fold_in(key, i), (n, 128), jnp.bfloat16)
+          for i in range(arrays)]
+    nbytes = mb * 2**20
+    runs = [("xla sum to rows", xla_sum(args.reps))]
+    runs += [(f"pallas read rows/prog={r} w={w} st={st} blk={b}",
+              pallas_read(args.reps, r, w, st, b)) for r, w, st, b in PALLAS_SETTINGS
+             if n % r == 0]
+    for label, f in runs:
+      try:
+        t = _time(f, xs, args.reps * arrays)
+      except Exception as e:  # one failing launch setting must not lose the others
+        print(f"FAILED {mb} MB {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+        continue
+      print(f"{label:48s} {mb:5d} MB {t * 1e6:9.1f} us {nbytes / t / 1e12:5.2f} TB/s "
+            f"{nbytes / t / peak:6.1%}", flush=True)
+      emit("hbm_read", args.record, kernel=label, size_mb=mb, us=t * 1e6,
+           tb_s=nbytes / t / 1e12, hbm_fraction=nbytes / t / peak)
+    del xs
+
+
+if __name__ == "__main__":
+  main()
