@@ -17,6 +17,7 @@ finds the previous one in the L2 cache, each read's result feeding the next (so 
 overlap), 10 rounds in one `fori_loop`; the time is the best of 5 calls divided by the reads.
 """
 import argparse
+import functools
 import os
 import sys
 import time
@@ -55,9 +56,10 @@ def xla_sum(reps: int):
   return f
 
 
-def pallas_read(reps: int, rows_per_prog: int, warps: int, stages: int, block: int):
-  from jax.experimental.pallas import triton as plt
-
+def pallas_read_once(x, dep, *, rows_per_prog: int, warps: int, stages: int, block: int,
+                     interpret: bool = False):
+  """Program p sums rows `[p * rows_per_prog, (p + 1) * rows_per_prog)` of x `[n, d]` in
+  blocks of `block` rows, plus dep `[1, d]`: returns `[n / rows_per_prog, d]` float32."""
   def kern(dep_ref, x_ref, o_ref):
     def body(b, acc):
       return acc + x_ref[pl.ds(pl.multiple_of(b * block, block), block), :].astype(jnp.float32)
@@ -65,16 +67,25 @@ def pallas_read(reps: int, rows_per_prog: int, warps: int, stages: int, block: i
                             jnp.zeros((block, x_ref.shape[-1]), jnp.float32))
     o_ref[...] = acc.sum(0) + dep_ref[0]
 
-  def one(x, dep):
-    n, d = x.shape
-    p = n // rows_per_prog
-    return pl.pallas_call(
-        kern, grid=(p,),
-        in_specs=[pl.BlockSpec((1, d), lambda i: (0, 0)),
-                  pl.BlockSpec((rows_per_prog, d), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((None, d), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((p, d), jnp.float32),
-        compiler_params=plt.CompilerParams(num_warps=warps, num_stages=stages))(dep, x)
+  n, d = x.shape
+  p = n // rows_per_prog
+  params = {}
+  if not interpret:
+    from jax.experimental.pallas import triton as plt
+    params = {"compiler_params": plt.CompilerParams(num_warps=warps, num_stages=stages)}
+  return pl.pallas_call(
+      kern, grid=(p,),
+      in_specs=[pl.BlockSpec((1, d), lambda i: (0, 0)),
+                pl.BlockSpec((rows_per_prog, d), lambda i: (i, 0))],
+      out_specs=pl.BlockSpec((None, d), lambda i: (i, 0)),
+      out_shape=jax.ShapeDtypeStruct((p, d), jnp.float32), interpret=interpret,
+      **params)(dep, x)
+
+
+def pallas_read(reps: int, rows_per_prog: int, warps: int, stages: int, block: int,
+                interpret: bool = False):
+  one = functools.partial(pallas_read_once, rows_per_prog=rows_per_prog, warps=warps,
+                          stages=stages, block=block, interpret=interpret)
 
   def f(*xs):
     def body(i, dep):
@@ -89,19 +100,24 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sizes-mb", default="25,50,100,134,400,1600")
   ap.add_argument("--reps", type=int, default=10)
+  ap.add_argument("--min-total-mb", type=int, default=600,
+                  help="distinct arrays of each size are read in turn, this many MB in all")
+  ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU check "
+                  "that the script runs, not a measurement)")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   peak = peaks()["hbm_bytes_s"]
   key = jax.random.key(0)
   for mb in map(int, args.sizes_mb.split(",")):
     n = mb * 2**20 // (128 * 2)
-    arrays = max(2, 600 // mb)
+    arrays = max(2, args.min_total_mb // mb)
     xs = [jax.random.normal(jax.random.fold_in(key, i), (n, 128), jnp.bfloat16)
           for i in range(arrays)]
     nbytes = mb * 2**20
     runs = [("xla sum to rows", xla_sum(args.reps))]
     runs += [(f"pallas read rows/prog={r} w={w} st={st} blk={b}",
-              pallas_read(args.reps, r, w, st, b)) for r, w, st, b in PALLAS_SETTINGS
+              pallas_read(args.reps, r, w, st, b, args.interpret))
+             for r, w, st, b in PALLAS_SETTINGS
              if n % r == 0]
     for label, f in runs:
       try:
