@@ -276,17 +276,21 @@ def test_engine_on_a_mesh_with_the_decode_kernel_matches_single_device():
   params = models.init_params(cfg, jax.random.key(0), std=0.2)
   rng = np.random.default_rng(1)
   prompts = [rng.integers(0, cfg.vocab_size, rng.integers(3, 30)).tolist() for _ in range(5)]
-  mesh = shd.make_mesh(2, 2, 2)
   outs = []
-  for m in (None, mesh):
+  # The last run merges the weights on a mesh without "tensor": the kernel that takes the raw
+  # q|k|v projection, one slot a shard.
+  for m, merge in ((None, False), (shd.make_mesh(2, 2, 2), False),
+                   (shd.make_mesh(2, 2, 1, devices=jax.devices()[:4]), True)):
     eng = Engine(cfg, EngineConfig(slots=4, max_len=64, sampling=SamplingConfig(1.0),
-                                   decode_attention="pallas", cache_layout="per_layer"), mesh=m)
+                                   decode_attention="pallas", cache_layout="per_layer",
+                                   decode_merge_weights=merge), mesh=m)
     p = params if m is None else shd.shard(params, m)
     outs.append(run_requests(eng, p, prompts, max_new_tokens=10, request_ids=list(range(5)),
                              seed=2))
-  for a, b in zip(*outs):
-    assert a.tokens == b.tokens
-    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
+  for other in outs[1:]:
+    for a, b in zip(outs[0], other):
+      assert a.tokens == b.tokens
+      np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
 def _shared_cache(s, kv, c, hd, groups):
