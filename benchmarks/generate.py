@@ -15,6 +15,12 @@ The decode program with and without the q|k|v and gate|up weights merged once pe
 
     python benchmarks/generate.py --models smollm2-135m --batches 256 --merge-weights on,off
 
+With merged weights, the decode kernel fed the raw q|k|v projection (bias, q / k norms and
+RoPE in the kernel; head sizes up to `decode_attention.FUSED_QKV_MAX_HEAD_DIM`) against q, k
+and v prepared by XLA:
+
+    python benchmarks/generate.py --models smollm2-135m --batches 256 --fused-qkv on,off
+
 Samples of one prompt (a GRPO group), with and without the engine's prompt sharing:
 
     python benchmarks/generate.py --models qwen3-0.6b --batches 512 --prompt-len 128 \
