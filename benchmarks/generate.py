@@ -96,7 +96,8 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   distinct_bytes = step_bytes - batch * (1 - 1 / group) * prompt_len * kv_tok
   emit("decode", record, model=name, batch=batch, attention=attention,
        layout=eng.cache_layout, kernel=kernel, write_first=write_first,
-       merge_weights=eng.merges(steps), fused_qkv=fused_qkv,
+       merge_weights=eng.merges(steps),
+       fused_qkv=eng.fuses_qkv(steps),
        norm_rope=decoder.norm_rope_path(cfg, jax.default_backend()) if cfg.qk_norm else "none",
        xla_options="default" if xla_options is None else dict(xla_options),
        prompt_len=prompt_len, new_tokens=n_steps,

@@ -512,7 +512,7 @@ class Engine:
 
   # ------------------------------------------------------------------ decode
   def _step(self, params, state: DecodeState, kv_len: int):
-    if self.per_layer and self._attn == "pallas" and self.ecfg.decode_write_first:
+    if self.writes_first:
       share = (state.share_src, state.share_len) if self.ecfg.share_prompts else None
       logits, k, v = decoder.decode_in_place(params, state.k, state.v, state.tokens,
                                              state.lengths, cfg=self.cfg, share=share,
@@ -552,6 +552,22 @@ class Engine:
     (`EngineConfig.decode_merge_weights`)."""
     return self.merge_weights and (self.ecfg.decode_merge_weights is True
                                    or steps >= MERGE_MIN_STEPS)
+
+  def fuses_qkv(self, steps: int) -> bool:
+    """Whether a decode call of `steps` steps hands the decode kernel the raw q|k|v projection
+    (`EngineConfig.decode_fused_qkv`; `decoder.decode_in_place`): the write-first step with
+    merged weights, no "tensor" axis over more than one device, a head size the kernel takes
+    (`decoder.fused_qkv_fits`)."""
+    tensor = 1 if self.mesh is None else dict(self.mesh.shape).get("tensor", 1)
+    return (self.ecfg.decode_fused_qkv and self.writes_first and self.merges(steps)
+            and tensor == 1
+            and decoder.fused_qkv_fits(self.cfg, interpret=jax.default_backend() == "cpu"))
+
+  @property
+  def writes_first(self) -> bool:
+    """Whether the decode step is the write-first one (`EngineConfig.decode_write_first` with
+    the per-layer cache and the Pallas kernel: `decoder.decode_in_place`)."""
+    return self.per_layer and self._attn == "pallas" and self.ecfg.decode_write_first
 
   def kv_len_for(self, max_cached: int) -> int:
     """The live-KV bucket covering `max_cached` cached tokens."""

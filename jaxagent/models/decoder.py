@@ -556,6 +556,14 @@ def _extend_per_layer(p, cache_k, cache_v, tokens, positions, cache_lens, cfg, k
   return x, jnp.stack(ks), jnp.stack(vs)
 
 
+def fused_qkv_fits(cfg: ModelConfig, interpret: bool = False) -> bool:
+  """Whether `decode_in_place(fused_qkv=True)` hands the kernel the raw q|k|v projection (given
+  merged weights) under the ambient mesh: no "tensor" axis splitting the heads, and a head size
+  from 32 (any in interpret mode) to `decode_attention.FUSED_QKV_MAX_HEAD_DIM`."""
+  return (tensor_split() == 1 and cfg.head_dim <= decode_attention.FUSED_QKV_MAX_HEAD_DIM
+          and (interpret or cfg.head_dim >= 32))
+
+
 def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelConfig,
                     share=None, interpret: bool | None = None, fused_qkv: bool = True):
   """One decode token per slot over a per-layer cache, with the Pallas kernel: in each layer the
@@ -571,10 +579,8 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   and attends over the C cached entries only.
   `share`: None or (src [S], shared [S]): the first `shared[s]` cached entries of slot s equal
   those of slot `src[s]` in every layer (the kernel reads them there).
-  `fused_qkv`: with merged weights (`merge_decode_weights`), no "tensor" axis splitting the
-  heads and a head size from 32 (16 in interpret mode) to
-  `decode_attention.FUSED_QKV_MAX_HEAD_DIM`, the kernel takes each layer's raw q|k|v
-  projection and applies its bias, q / k norms and RoPE itself
+  `fused_qkv`: with merged weights (`merge_decode_weights`) where `fused_qkv_fits`, the kernel
+  takes each layer's raw q|k|v projection and applies its bias, q / k norms and RoPE itself
   (`decode_attention.flash_decode_write_qkv`): one XLA fusion a layer fewer.
   Returns (logits `[S, V]` float32, cache_k, cache_v).
   """
@@ -584,9 +590,7 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   positions = cache_lens[:, None]
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-  raw = (fused_qkv and "wqkv" in p["layers"] and tensor_split() == 1
-         and cfg.head_dim <= decode_attention.FUSED_QKV_MAX_HEAD_DIM
-         and (interpret or cfg.head_dim >= 32))
+  raw = fused_qkv and "wqkv" in p["layers"] and fused_qkv_fits(cfg, interpret)
   if raw:  # each slot's cos / sin, once for every layer
     cos, sin = rope_tables(positions, inv_freq)
     rope = jnp.stack([cos[:, 0, 0], sin[:, 0, 0]], axis=1)  # [S, 2, hd / 2]

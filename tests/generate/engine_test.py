@@ -263,6 +263,23 @@ def test_merged_decode_weights_default(monkeypatch):
     EngineConfig(decode_fused_qkv=None)
 
 
+def test_fuses_qkv_where_the_write_first_step_has_merged_weights():
+  """`Engine.fuses_qkv`: the raw q|k|v kernel path needs the write-first step (per-layer cache,
+  Pallas kernel), merged weights and no "tensor" axis."""
+  from jaxagent import sharding
+  kw = dict(slots=2, max_len=64, decode_attention="pallas", cache_layout="per_layer")
+  assert Engine(CFG, EngineConfig(decode_merge_weights=True, **kw)).fuses_qkv(1)
+  assert not Engine(CFG, EngineConfig(decode_merge_weights=True, decode_fused_qkv=False,
+                                      **kw)).fuses_qkv(1)
+  assert not Engine(CFG, EngineConfig(decode_merge_weights=False, **kw)).fuses_qkv(8)
+  assert not Engine(CFG, EngineConfig(decode_merge_weights=True, decode_write_first=False,
+                                      **kw)).fuses_qkv(8)
+  assert not Engine(CFG, EngineConfig(decode_merge_weights=True, **kw),
+                    mesh=sharding.make_mesh(2, 2, 2)).fuses_qkv(8)
+  assert Engine(CFG, EngineConfig(decode_merge_weights=True, **kw),
+                mesh=sharding.make_mesh(2, 4, 1)).fuses_qkv(8)
+
+
 @pytest.mark.parametrize("layout", [pytest.param("stacked", marks=pytest.mark.slow), "per_layer"])
 def test_prefill_insert_drops_padding_rows_and_bounds_compiles(params, layout):
   """`prefill_insert` pads the batch to a row bucket and the insert drops the padding rows:
