@@ -558,10 +558,9 @@ class Engine:
     (`EngineConfig.decode_fused_qkv`; `decoder.decode_in_place`): the write-first step with
     merged weights, no "tensor" axis over more than one device, a head size the kernel takes
     (`decoder.fused_qkv_fits`)."""
-    tensor = 1 if self.mesh is None else dict(self.mesh.shape).get("tensor", 1)
+    fits = shd.on_mesh(decoder.fused_qkv_fits, self.mesh)  # under the decode program's mesh
     return (self.ecfg.decode_fused_qkv and self.writes_first and self.merges(steps)
-            and tensor == 1
-            and decoder.fused_qkv_fits(self.cfg, interpret=jax.default_backend() == "cpu"))
+            and fits(self.cfg, interpret=jax.default_backend() == "cpu"))
 
   @property
   def writes_first(self) -> bool:

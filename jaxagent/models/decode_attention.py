@@ -462,9 +462,6 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=
                              v_new.astype(q.dtype)], axis=1))
   else:
     x = pad(q)
-  extra = [] if rope is None else [rope.astype(jnp.float32)]
-  extra += [] if bias is None else [pad(bias.astype(x.dtype))]
-  extra += [] if qk_norm is None else [qk_norm]
   dot_dtype = cache_k.dtype if low_precision_dot else jnp.float32
   kern = functools.partial(_write_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd),
                            dot_dtype=dot_dtype, shared=share is not None, g=g, gp=gp, kv=kv,
@@ -475,12 +472,20 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=
   # caches are aliased to the outputs, so the write lands in place (no copy of the cache).
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * len(a.shape))
   out_shape = jax.ShapeDtypeStruct((s, heads + spare, hd), x.dtype)
-  in_specs += [whole(x)]
+  # The kernel's inputs after the per-slot scalars, in `_write_kernel`'s order.
+  inputs = [(x, whole(x))]
   if rope is not None:  # this slot's cos / sin
-    in_specs.append(pl.BlockSpec((None, 2, hd // 2), lambda i, j: (i, 0, 0)))
-  in_specs += [whole(a) for a in extra[1:]] + [whole(cache_k), whole(cache_v)]
-  n_in = len(args) + 1 + len(extra) + 2
-  args += [x, *extra, cache_k, cache_v]
+    inputs.append((rope.astype(jnp.float32),
+                   pl.BlockSpec((None, 2, hd // 2), lambda i, j: (i, 0, 0))))
+  if bias is not None:
+    b = pad(bias.astype(x.dtype))
+    inputs.append((b, whole(b)))
+  if qk_norm is not None:
+    inputs.append((qk_norm, whole(qk_norm)))
+  inputs += [(cache_k, whole(cache_k)), (cache_v, whole(cache_v))]
+  in_specs += [spec for _, spec in inputs]
+  args += [a for a, _ in inputs]
+  n_in = len(args)
   out, ck, cv = pl.pallas_call(
       kern,
       grid=(s, kv),

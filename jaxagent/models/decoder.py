@@ -299,16 +299,15 @@ def _flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps,
                            share=None):
   """`decode_attention.flash_decode_write_qkv` (bias, q / k norms and RoPE in the kernel) per
   shard (`_per_shard_decode`; rows only: the projection's heads are not split)."""
-  given = [a for a in (bias, norms) if a is not None]
+  # The given ones go to every shard whole, and back to the kernel by name.
+  given = {k: a for k, a in (("bias", bias), ("qk_norm", norms)) if a is not None}
 
-  def kernel(qkv, rope, cache_k, cache_v, lens, *given, **kw):
-    it = iter(given)
-    return decode_attention.flash_decode_write_qkv(
-        qkv, rope, cache_k, cache_v, lens, next(it) if bias is not None else None,
-        next(it) if norms is not None else None, eps=eps, **kw)
+  def kernel(*args, **kw):
+    return decode_attention.flash_decode_write_qkv(*args[:5], **dict(zip(given, args[5:])),
+                                                   eps=eps, **kw)
 
   return _per_shard_decode(kernel, (qkv, rope, cache_k, cache_v, lens), (4, 4, 4), interpret,
-                           share, shared=tuple(given))
+                           share, shared=tuple(given.values()))
 
 
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
