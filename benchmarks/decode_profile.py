@@ -7,10 +7,29 @@ per call, every slot at `--cached` keys); the layer stack with the cached attent
 (`extend`); the same with a tiny live-KV window (so attention costs ~nothing); the K/V write;
 sampling from `[batch, vocab]` logits; and, on GPU, the Pallas flash-decoding kernel on the
 same cache.
+
+Ablations (`--ablate attention,norms`): the engine's step again, compiled with a piece taken
+out, so the difference to the whole step is that piece's share of the wall time, with no
+profiler in the way. "attention": the decode kernel calls return the query as the attention
+output and leave the caches as they are (the kernel's reads and writes are gone, the rest of
+the step is unchanged); "norms": every RMS norm is the identity. The outputs are meaningless;
+only the times are of use. Needs the Pallas decode step (`--attention pallas`, the GPU's
+default).
+
+    python benchmarks/decode_profile.py --model smollm2-135m --batch 256 --cached 512 \
+        --trace-only --ablate attention,norms
+
+Split batch (`--split 2`): `decoder.decode_in_place` over the whole batch, then over two
+halves with caches of their own in one program, with XLA's command buffer scheduling as
+configured and with `xla_gpu_command_buffer_scheduling_mode=CONCURRENT`, which lets the CUDA
+graph run the halves' independent kernels at the same time (one half's attention beside the
+other's GEMMs). Merged weights, 8 steps a call, every slot at `--cached` keys.
 """
 import argparse
+import contextlib
 import os
 import sys
+from unittest import mock
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -21,7 +40,100 @@ import numpy as np
 from benchmarks.common import emit, peaks, timeit
 from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig, sample, token_keys
+from jaxagent.generate.engine import DECODE_GPU_OPTIONS
 from jaxagent.models import decoder
+
+ABLATIONS = ("attention", "norms")
+
+
+def ablation(name: str):
+  """(stand-ins for `decoder` functions by name, list that each stand-in call appends to)."""
+  calls = []
+  if name == "attention":
+    def write(q, k_new, v_new, cache_k, cache_v, lens, interpret, share=None):
+      calls.append(name)
+      return q, cache_k, cache_v
+
+    def write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps, interpret, share=None):
+      calls.append(name)
+      s, rows, hd = qkv.shape
+      kv = cache_k.shape[1]
+      return qkv[:, :rows - 2 * kv].reshape(s, kv, -1, hd), cache_k, cache_v
+    return {"_flash_decode_write": write, "_flash_decode_write_qkv": write_qkv}, calls
+  if name == "norms":
+    def identity(x, w, eps):
+      calls.append(name)
+      return x
+    return {"rms_norm": identity}, calls
+  raise SystemExit(f"--ablate: unknown piece {name!r}; one of {', '.join(ABLATIONS)}")
+
+
+def held_step(eng: Engine, params, slots: int, cached: int, kv_len: int):
+  """A function running the engine's own decode program (its XLA options included), one step
+  per call, every slot put back at `cached` keys first: a step advances each slot by one, and
+  without the reset the timed and traced steps would drift past `cached`."""
+  state = eng.init_decode_state()
+  holder = [state.replace(lengths=jnp.full((slots,), cached, jnp.int32),
+                          active=jnp.ones((slots,), bool),
+                          remaining=jnp.full((slots,), 10**6, jnp.int32))]
+
+  def run_step():
+    st = holder[0].replace(lengths=np.full((slots,), cached, np.int32))
+    holder[0], o = eng.generate(params, st, steps=1, kv_len=kv_len)
+    jax.block_until_ready(o)
+  return run_step, holder
+
+
+def ablated_step_ms(name, cfg, ecfg, params, slots, cached, kv_len) -> float:
+  """The engine's step time compiled with `ablation(name)`'s stand-ins in `decoder`."""
+  patches, calls = ablation(name)
+  with contextlib.ExitStack() as stack:
+    for attr, fn in patches.items():
+      stack.enter_context(mock.patch.object(decoder, attr, fn))
+    eng = Engine(cfg, ecfg)
+    run_step, _ = held_step(eng, params, slots, cached, kv_len)
+    run_step()  # compiles with the stand-ins
+    if not calls:
+      raise SystemExit(f"--ablate {name}: the engine's decode step does not call what this "
+                       "ablation replaces (it needs the Pallas decode step: --attention "
+                       "pallas, per-layer cache)")
+    return timeit(run_step, iters=10)["median_s"] * 1e3
+
+
+def split_step_ms(cfg, params, slots: int, cached: int, parts: int, options: dict,
+                  steps: int = 8) -> float:
+  """Per-step time of `decoder.decode_in_place` over `parts` equal parts of `slots`, each with
+  its own caches, in one program (`steps` steps a call, every slot at `cached` keys)."""
+  if slots % parts:
+    raise SystemExit(f"--split {parts} does not divide --batch {slots}")
+  s = slots // parts
+  merged = jax.jit(lambda p: decoder.merge_decode_weights(p, cfg))(params)
+  cap = -(-(cached + 16) // 64) * 64
+  shape = (s, cfg.n_kv_heads, cap, cfg.head_dim)
+
+  def caches(seed):
+    return tuple(jax.random.normal(jax.random.key(seed + i), shape, cfg.jnp_dtype) * 0.5
+                 for i in range(cfg.n_layers))
+
+  def run(state, mp):
+    lens = jnp.full((s,), cached, jnp.int32)
+
+    def body(_, st):
+      out = []
+      for ck, cv, tok in st:
+        logits, ck, cv = decoder.decode_in_place(mp, ck, cv, tok, lens, cfg=cfg)
+        out.append((ck, cv, jnp.argmax(logits, -1).astype(jnp.int32)))
+      return tuple(out)
+    return jax.lax.fori_loop(0, steps, body, state)
+
+  fn = jax.jit(run, donate_argnums=0, compiler_options=options or None)
+  holder = [tuple((caches(1000 * i), caches(1000 * i + 500), jnp.zeros((s,), jnp.int32))
+                  for i in range(parts))]
+
+  def call():
+    holder[0] = fn(holder[0], merged)
+    jax.block_until_ready(holder[0])
+  return timeit(call, iters=6)["median_s"] * 1e3 / steps
 
 
 def main():
@@ -36,28 +148,37 @@ def main():
   ap.add_argument("--layout", default="auto", help="KV cache layout: auto, stacked or per_layer")
   ap.add_argument("--merge", action="store_true", help="the extend + write_kv decode step "
                   "instead of the write-first one (EngineConfig.decode_write_first=False)")
+  ap.add_argument("--attention", default="auto", help="decode attention: auto, xla, pallas")
+  ap.add_argument("--ablate", default="", help="comma-separated pieces to time the step "
+                  f"without, one at a time: {', '.join(ABLATIONS)}")
+  ap.add_argument("--split", type=int, default=0, help="also time the batch as this many "
+                  "parts in one program, serial and concurrent command buffer scheduling")
   args = ap.parse_args()
+  ablate = [a for a in args.ablate.split(",") if a]
+  for a in ablate:
+    ablation(a)  # a clear error for an unknown piece before anything compiles
   cfg = models.get_config(args.model, param_dtype="bfloat16", dtype="bfloat16")
   params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
   S, C = args.batch, args.cached
-  eng = Engine(cfg, EngineConfig(slots=S, max_len=args.max_len, sampling=SamplingConfig(1.0),
-                                 cache_layout=args.layout, decode_write_first=not args.merge))
-  state = eng.init_decode_state()
-  state = state.replace(lengths=jnp.full((S,), C, jnp.int32), active=jnp.ones((S,), bool),
-                        remaining=jnp.full((S,), 10**6, jnp.int32))
+  ecfg = EngineConfig(slots=S, max_len=args.max_len, sampling=SamplingConfig(1.0),
+                      cache_layout=args.layout, decode_write_first=not args.merge,
+                      decode_attention=args.attention)
+  eng = Engine(cfg, ecfg)
   kv_len = eng.kv_len_for(C + 1)
   out = {}
-
-  holder = [state]
-
-  def run_step():
-    # The engine's own decode program (its XLA options included), one step per call, every
-    # slot put back at C cached keys first: a step advances each slot by one, and without
-    # the reset the timed and traced steps would drift past --cached.
-    st = holder[0].replace(lengths=np.full((S,), C, np.int32))
-    holder[0], o = eng.generate(params, st, steps=1, kv_len=kv_len)
-    jax.block_until_ready(o)
+  run_step, holder = held_step(eng, params, S, C, kv_len)
   out["full_step_ms"] = timeit(run_step, iters=10)["median_s"] * 1e3
+  for a in ablate:
+    out[f"no_{a}_step_ms"] = ablated_step_ms(a, cfg, ecfg, params, S, C, kv_len)
+    out[f"{a}_ms"] = out["full_step_ms"] - out[f"no_{a}_step_ms"]
+  if args.split:
+    gpu = jax.default_backend() == "gpu"
+    base = dict(DECODE_GPU_OPTIONS) if gpu else {}
+    conc = {**base, "xla_gpu_command_buffer_scheduling_mode": "CONCURRENT"} if gpu else {}
+    out["split1_step_ms"] = split_step_ms(cfg, params, S, C, 1, base)
+    out[f"split{args.split}_step_ms"] = split_step_ms(cfg, params, S, C, args.split, base)
+    out[f"split{args.split}_concurrent_step_ms"] = split_step_ms(cfg, params, S, C, args.split,
+                                                                 conc)
   if args.trace:
     with jax.profiler.trace(args.trace, create_perfetto_trace=True):
       for _ in range(5):

@@ -2,6 +2,8 @@
 import json
 import sys
 
+import pytest
+
 from benchmarks import decode_profile
 
 
@@ -16,3 +18,55 @@ def test_trace_only_run_reports_the_engine_step(monkeypatch, capsys, tmp_path):
   assert [r["bench"] for r in rows] == ["decode_profile"]
   assert rows[0]["cached"] == 16 and rows[0]["full_step_ms"] > 0
   assert "trace written to" in out and any((tmp_path / "trace").rglob("*.pb*"))
+
+
+def _rows(out):
+  return [json.loads(line[len("RESULT "):]) for line in out.splitlines()
+          if line.startswith("RESULT ")]
+
+
+def test_ablations_and_split_report_their_step_times(monkeypatch, capsys, tmp_path):
+  monkeypatch.setattr(sys, "argv", [
+      "decode_profile.py", "--model", "tiny-qwen2", "--batch", "4", "--cached", "16",
+      "--max-len", "64", "--attention", "pallas", "--layout", "per_layer",
+      "--ablate", "attention,norms", "--split", "2", "--trace", str(tmp_path / "t"),
+      "--trace-only"])
+  decode_profile.main()
+  (row,) = _rows(capsys.readouterr().out)
+  for key in ("no_attention_step_ms", "no_norms_step_ms", "split1_step_ms", "split2_step_ms",
+              "split2_concurrent_step_ms"):
+    assert row[key] > 0, key
+  assert row["attention_ms"] == row["full_step_ms"] - row["no_attention_step_ms"]
+
+
+def test_ablation_needs_the_pallas_step_and_a_known_piece(monkeypatch):
+  base = ["decode_profile.py", "--model", "tiny-qwen2", "--batch", "2", "--cached", "8",
+          "--max-len", "32"]
+  monkeypatch.setattr(sys, "argv", base + ["--ablate", "mlp"])
+  with pytest.raises(SystemExit, match="unknown piece 'mlp'"):
+    decode_profile.main()
+  monkeypatch.setattr(sys, "argv", base + ["--attention", "xla", "--ablate", "attention"])
+  with pytest.raises(SystemExit, match="does not call what this ablation replaces"):
+    decode_profile.main()
+
+
+def test_attention_stand_ins_keep_the_caches_and_the_output_shape():
+  import jax
+  import jax.numpy as jnp
+  from unittest import mock
+
+  from jaxagent import models
+  from jaxagent.models import decoder
+  cfg = models.get_config("tiny-qwen2", param_dtype="float32", dtype="float32")
+  params = decoder.merge_decode_weights(models.init_params(cfg, jax.random.key(0)), cfg)
+  shape = (2, cfg.n_kv_heads, 16, cfg.head_dim)
+  ck = tuple(jax.random.normal(jax.random.key(i), shape) for i in range(cfg.n_layers))
+  cv = tuple(jax.random.normal(jax.random.key(9 + i), shape) for i in range(cfg.n_layers))
+  tok, lens = jnp.array([3, 4], jnp.int32), jnp.array([5, 7], jnp.int32)
+  for fused in (True, False):
+    patches, calls = decode_profile.ablation("attention")
+    with mock.patch.multiple(decoder, **patches):
+      logits, k2, v2 = decoder.decode_in_place(params, ck, cv, tok, lens, cfg=cfg,
+                                               fused_qkv=fused)
+    assert len(calls) == cfg.n_layers and logits.shape == (2, cfg.vocab_size)
+    assert all((a == b).all() for a, b in zip(k2 + v2, ck + cv))
