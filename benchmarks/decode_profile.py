@@ -2,11 +2,11 @@
 
     python benchmarks/decode_profile.py --model qwen2.5-1.5b --batch 256 --cached 512
 
-Pieces: the whole engine step (the engine's decode program with its XLA options, one step
-per call, every slot at `--cached` keys); the layer stack with the cached attention
-(`extend`); the same with a tiny live-KV window (so attention costs ~nothing); the K/V write;
-sampling from `[batch, vocab]` logits; and, on GPU, the Pallas flash-decoding kernel on the
-same cache.
+Pieces: the whole engine step (the engine's decode program with its XLA options, `--steps`
+steps a call, every slot put back at `--cached` keys before each call); the layer stack with
+the cached attention (`extend`); the same with a tiny live-KV window (so attention costs
+~nothing); the K/V write; sampling from `[batch, vocab]` logits; and, on GPU, the Pallas
+flash-decoding kernel on the same cache.
 
 Ablations (`--ablate attention,norms`): the engine's step again, compiled with a piece taken
 out, so the difference to the whole step is that piece's share of the wall time, with no
@@ -68,10 +68,16 @@ def ablation(name: str):
   raise SystemExit(f"--ablate: unknown piece {name!r}; one of {', '.join(ABLATIONS)}")
 
 
-def held_step(eng: Engine, params, slots: int, cached: int, kv_len: int):
-  """A function running the engine's own decode program (its XLA options included), one step
-  per call, every slot put back at `cached` keys first: a step advances each slot by one, and
-  without the reset the timed and traced steps would drift past `cached`."""
+def roofline_ms(cfg, slots: int, cached: int) -> float:
+  """bf16 weights plus every slot's `cached` keys and values, over the HBM bandwidth."""
+  kv_tok = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
+  return (cfg.num_params() * 2 + slots * cached * kv_tok) / peaks()["hbm_bytes_s"] * 1e3
+
+
+def held_step(eng: Engine, params, slots: int, cached: int, kv_len: int, steps: int):
+  """A function running the engine's own decode program (its XLA options included), `steps`
+  steps a call, every slot put back at `cached` keys first: a step advances each slot by one,
+  and without the reset the timed and traced steps would drift past `cached`."""
   state = eng.init_decode_state()
   holder = [state.replace(lengths=jnp.full((slots,), cached, jnp.int32),
                           active=jnp.ones((slots,), bool),
@@ -79,25 +85,25 @@ def held_step(eng: Engine, params, slots: int, cached: int, kv_len: int):
 
   def run_step():
     st = holder[0].replace(lengths=np.full((slots,), cached, np.int32))
-    holder[0], o = eng.generate(params, st, steps=1, kv_len=kv_len)
+    holder[0], o = eng.generate(params, st, steps=steps, kv_len=kv_len)
     jax.block_until_ready(o)
   return run_step, holder
 
 
-def ablated_step_ms(name, cfg, ecfg, params, slots, cached, kv_len) -> float:
+def ablated_step_ms(name, cfg, ecfg, params, slots, cached, kv_len, steps) -> float:
   """The engine's step time compiled with `ablation(name)`'s stand-ins in `decoder`."""
   patches, calls = ablation(name)
   with contextlib.ExitStack() as stack:
     for attr, fn in patches.items():
       stack.enter_context(mock.patch.object(decoder, attr, fn))
     eng = Engine(cfg, ecfg)
-    run_step, _ = held_step(eng, params, slots, cached, kv_len)
+    run_step, _ = held_step(eng, params, slots, cached, kv_len, steps)
     run_step()  # compiles with the stand-ins
     if not calls:
       raise SystemExit(f"--ablate {name}: the engine's decode step does not call what this "
                        "ablation replaces (it needs the Pallas decode step: --attention "
                        "pallas, per-layer cache)")
-    return timeit(run_step, iters=10)["median_s"] * 1e3
+    return timeit(run_step, iters=10)["median_s"] * 1e3 / steps
 
 
 def split_step_ms(cfg, params, slots: int, cached: int, parts: int, options: dict,
@@ -142,12 +148,14 @@ def main():
   ap.add_argument("--batch", type=int, default=256)
   ap.add_argument("--cached", type=int, default=512)
   ap.add_argument("--max-len", type=int, default=784)
-  ap.add_argument("--trace", default="", help="also write a profiler trace of 5 engine steps "
+  ap.add_argument("--trace", default="", help="also write a profiler trace of 5 engine calls "
                   "(with a Perfetto JSON) to this directory")
   ap.add_argument("--trace-only", action="store_true", help="skip the piecewise timings")
   ap.add_argument("--layout", default="auto", help="KV cache layout: auto, stacked or per_layer")
   ap.add_argument("--merge", action="store_true", help="the extend + write_kv decode step "
                   "instead of the write-first one (EngineConfig.decode_write_first=False)")
+  ap.add_argument("--steps", type=int, default=8, help="decode steps per engine call (the "
+                  "scheduler's default; from 8 the engine merges the q|k|v and gate|up weights)")
   ap.add_argument("--attention", default="auto", help="decode attention: auto, xla, pallas")
   ap.add_argument("--ablate", default="", help="comma-separated pieces to time the step "
                   f"without, one at a time: {', '.join(ABLATIONS)}")
@@ -164,12 +172,12 @@ def main():
                       cache_layout=args.layout, decode_write_first=not args.merge,
                       decode_attention=args.attention)
   eng = Engine(cfg, ecfg)
-  kv_len = eng.kv_len_for(C + 1)
+  kv_len = eng.kv_len_for(C + args.steps)
   out = {}
-  run_step, holder = held_step(eng, params, S, C, kv_len)
-  out["full_step_ms"] = timeit(run_step, iters=10)["median_s"] * 1e3
+  run_step, holder = held_step(eng, params, S, C, kv_len, args.steps)
+  out["full_step_ms"] = timeit(run_step, iters=10)["median_s"] * 1e3 / args.steps
   for a in ablate:
-    out[f"no_{a}_step_ms"] = ablated_step_ms(a, cfg, ecfg, params, S, C, kv_len)
+    out[f"no_{a}_step_ms"] = ablated_step_ms(a, cfg, ecfg, params, S, C, kv_len, args.steps)
     out[f"{a}_ms"] = out["full_step_ms"] - out[f"no_{a}_step_ms"]
   if args.split:
     gpu = jax.default_backend() == "gpu"
@@ -185,9 +193,11 @@ def main():
         run_step()
     print(f"trace written to {args.trace}", flush=True)
     from benchmarks import trace_summary
-    trace_summary.print_summary(trace_summary.summarize(args.trace, steps=5, top=25))
+    trace_summary.print_summary(trace_summary.summarize(args.trace, steps=5 * args.steps,
+                                                        top=25))
     if args.trace_only:
-      emit("decode_profile", model=args.model, batch=S, cached=C, **out)
+      emit("decode_profile", model=args.model, batch=S, cached=C, steps=args.steps,
+           roofline_step_ms=roofline_ms(cfg, S, C), **out)
       return
 
   st = holder[0]
@@ -257,9 +267,8 @@ def main():
                                             iters=10)["median_s"] * 1e3
     except Exception as e:  # report and continue
       out["attn_pallas_error"] = str(e)[:300]
-  kv_tok = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
-  roof = (cfg.num_params() * 2 + S * C * kv_tok) / peaks()["hbm_bytes_s"] * 1e3
-  emit("decode_profile", model=args.model, batch=S, cached=C, roofline_step_ms=roof, **out)
+  emit("decode_profile", model=args.model, batch=S, cached=C, steps=args.steps,
+       roofline_step_ms=roofline_ms(cfg, S, C), **out)
 
 
 if __name__ == "__main__":
