@@ -35,6 +35,17 @@ def peaks() -> dict:
   return PEAKS[device_info()["chip"]]
 
 
+def kv_bytes_per_token(cfg) -> int:
+  """bf16 keys and values of one cached token over every layer."""
+  return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
+
+
+def decode_roofline_bytes(cfg, slots: int, cached: float) -> float:
+  """What one decode step must read from HBM: the bf16 weights plus `slots` slots' live K/V of
+  `cached` tokens each (the roofline of `generate.py` and `decode_profile.py`)."""
+  return cfg.num_params() * 2 + slots * cached * kv_bytes_per_token(cfg)
+
+
 def timeit(fn, *, warmup: int = 2, iters: int = 5) -> dict:
   """Median / min wall time of `fn()` (which must block until its device work is done)."""
   for _ in range(warmup):

@@ -17,7 +17,7 @@ only the times are of use. Needs the Pallas decode step (`--attention pallas`, t
 default).
 
     python benchmarks/decode_profile.py --model smollm2-135m --batch 256 --cached 512 \
-        --trace-only --ablate attention,norms
+        --ablate attention,norms --trace /tmp/trace --trace-only
 
 Split batch (`--split 2`): `decoder.decode_in_place` over the whole batch, then over two
 halves with caches of their own in one program, with XLA's command buffer scheduling as
@@ -26,7 +26,6 @@ graph run the halves' independent kernels at the same time (one half's attention
 other's GEMMs). Merged weights, 8 steps a call, every slot at `--cached` keys.
 """
 import argparse
-import contextlib
 import os
 import sys
 from unittest import mock
@@ -37,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import emit, peaks, timeit
+from benchmarks.common import decode_roofline_bytes, emit, peaks, timeit
 from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig, sample, token_keys
 from jaxagent.generate.engine import DECODE_GPU_OPTIONS
@@ -69,9 +68,8 @@ def ablation(name: str):
 
 
 def roofline_ms(cfg, slots: int, cached: int) -> float:
-  """bf16 weights plus every slot's `cached` keys and values, over the HBM bandwidth."""
-  kv_tok = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
-  return (cfg.num_params() * 2 + slots * cached * kv_tok) / peaks()["hbm_bytes_s"] * 1e3
+  """`decode_roofline_bytes` over the HBM bandwidth, in ms."""
+  return decode_roofline_bytes(cfg, slots, cached) / peaks()["hbm_bytes_s"] * 1e3
 
 
 def held_step(eng: Engine, params, slots: int, cached: int, kv_len: int, steps: int):
@@ -93,9 +91,7 @@ def held_step(eng: Engine, params, slots: int, cached: int, kv_len: int, steps: 
 def ablated_step_ms(name, cfg, ecfg, params, slots, cached, kv_len, steps) -> float:
   """The engine's step time compiled with `ablation(name)`'s stand-ins in `decoder`."""
   patches, calls = ablation(name)
-  with contextlib.ExitStack() as stack:
-    for attr, fn in patches.items():
-      stack.enter_context(mock.patch.object(decoder, attr, fn))
+  with mock.patch.multiple(decoder, **patches):
     eng = Engine(cfg, ecfg)
     run_step, _ = held_step(eng, params, slots, cached, kv_len, steps)
     run_step()  # compiles with the stand-ins

@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from benchmarks.common import emit, peaks
+from benchmarks.common import decode_roofline_bytes, emit, kv_bytes_per_token, peaks
 from jaxagent import models
 from jaxagent.models import decoder
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
@@ -86,10 +86,10 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
 
   one_pass()  # compile every bucket
   prefill_s, decode_s, n_steps = one_pass()
-  kv_tok = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2  # bytes per cached token
+  kv_tok = kv_bytes_per_token(cfg)
   w_bytes = cfg.num_params() * 2
   avg_len = prompt_len + n_steps / 2
-  step_bytes = w_bytes + batch * avg_len * kv_tok
+  step_bytes = decode_roofline_bytes(cfg, batch, avg_len)
   roof_step_s = step_bytes / peaks()["hbm_bytes_s"]
   step_s = decode_s / n_steps
   # With a group's prompt K/V counted once: the bytes a step must read from HBM at best.
