@@ -16,6 +16,11 @@ same caches (`decode_kernel_ceiling`, `jnp.sum` in float32). `--kernels write` t
 `flash_decode_write` (the kernel the write-first decode step runs: it also writes each slot's
 new K/V row into the cache, which is donated from call to call so the write stays in place)
 instead of `flash_decode`.
+
+`--timer trace` adds each kernel's own device time from a profiler trace (`kernel_us`,
+`kernel_hbm_fraction`): the wall-clock time of the chain also counts the gaps between
+launches, which for a 40-60 us kernel are a sizeable part (on an H100, 60-64% of the HBM peak
+by the wall clock against 77-82% by the trace for the same kernels, benchmarks/RESULTS.md).
 """
 import argparse
 import functools
@@ -30,6 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from benchmarks.common import emit, peaks, timeit
+from benchmarks.trace_summary import traced_kernel_us
 from jaxagent import models
 from jaxagent.models import decode_attention
 from jaxagent.models.decode_attention import (_cache_block, _compiler_params, _slot_inputs,
@@ -95,12 +101,28 @@ def main():
                   "num_warps as given, without the warp per 2048 accumulator entries that "
                   "decode_attention adds (to measure what that rule avoids)")
   ap.add_argument("--iters", type=int, default=10)
+  ap.add_argument("--timer", default="wall", choices=("wall", "trace"),
+                  help="wall: wall-clock time of the chain of calls (launch gaps included); "
+                  "trace: also each kernel's own device time from a profiler trace "
+                  "(kernel_us, kernel_hbm_fraction), without the gaps")
   ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU check "
                   "of the script, not a timing)")
   args = ap.parse_args()
   if args.warps_as_given:
     decode_attention._warps_for_tile = lambda num_warps, rows, hd: num_warps
   hbm = peaks()["hbm_bytes_s"]
+
+  def kernel_fields(fn, pattern: str, per_layer_bytes: float) -> dict:
+    """With `--timer trace`: the mean device time of the kernels matching `pattern` while
+    `fn()` runs, and the bandwidth of a layer's bytes at that time."""
+    if args.timer != "trace":
+      return {}
+    got = traced_kernel_us(fn, pattern, iters=args.iters)
+    if got is None:
+      return {"kernel_us": None}
+    us, _ = got
+    return {"kernel_us": us, "kernel_hbm_fraction": per_layer_bytes / (us * 1e-6) / hbm}
+
   for name in args.models.split(","):
     cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
     prompt, cache_len = SHAPES.get(name, (256, 768))
@@ -114,12 +136,13 @@ def main():
       q = jax.random.normal(keys[-1], (s, kv, g, hd), jnp.bfloat16)
       lens = jnp.full((s,), cached, jnp.int32)
       moved = (2 * s * kv * cached * hd * 2 + 2 * q.size * 2) * n_layers
-      # The read ceiling: the faster of two launches that read fastest on an H100 (blocks of
-      # 32 keys with 4 warps and 2 stages; 64 with 8 and 3). This kernel read slower with the
-      # decode kernel's one warp (1.7-2.4 against 2.2-2.6 TB/s at 256 slots), probably because
-      # with no matmul consuming the blocks Triton does not pipeline their loads.
-      t = float("inf")
-      for bk, warps, stages in ((32, 4, 2), (64, 8, 3)):
+      # The read ceiling: the fastest of three launches that read fastest on an H100 (blocks
+      # of 32 keys with 4 warps and 2 stages; 64 with 8 and 3 by the wall clock; 64 with 2
+      # and 3 by the trace's kernel times). This kernel read slower with the decode kernel's
+      # one warp (1.7-2.4 against 2.2-2.6 TB/s at 256 slots), probably because with no matmul
+      # consuming the blocks Triton does not pipeline their loads.
+      t, kfields = float("inf"), {}
+      for bk, warps, stages in ((32, 4, 2), (64, 8, 3), (64, 2, 3)):
         read = jax.jit(lambda cs, bk=bk, warps=warps, stages=stages: functools.reduce(
             lambda dep, i: read_ceiling(dep, cs[2 * i], cs[2 * i + 1], lens,
                                         block_k=_cache_block(bk, cache_len), num_warps=warps,
@@ -127,11 +150,16 @@ def main():
             range(n_layers), jnp.zeros((s, kv, hd), jnp.float32)))
         t = min(t, timeit(lambda: jax.block_until_ready(read(caches)),
                           iters=args.iters)["median_s"])
+        kf = kernel_fields(lambda: jax.block_until_ready(read(caches)), r"^_read_kernel",
+                           moved / n_layers)
+        if kf.get("kernel_us") and kf["kernel_us"] < kfields.get("kernel_us", float("inf")):
+          kfields = kf
       emit("decode_kernel_read_ceiling", model=name, batch=s, cached=cached,
            us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
-           hbm_fraction=moved / t / hbm)
+           hbm_fraction=moved / t / hbm, **kfields)
       red = jax.jit(lambda cs: sum(jnp.sum(c[:, :, :cached], dtype=jnp.float32) for c in cs))
       t = timeit(lambda: jax.block_until_ready(red(caches)), iters=args.iters)["median_s"]
+      # XLA may reduce each cache in more than one kernel: the trace's time is per kernel.
       emit("decode_kernel_ceiling", model=name, batch=s, cached=cached,
            us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
            hbm_fraction=moved / t / hbm)
@@ -163,6 +191,9 @@ def main():
         try:
           f = jax.jit(run, donate_argnums=(1,) if kernel == "write" else ())
           t = timeit(lambda: call(f), iters=args.iters)["median_s"]
+          kf = kernel_fields(lambda: call(f),
+                             r"^_write_kernel" if kernel == "write" else r"^_kernel",
+                             moved / n_layers)
         except Exception as e:  # report the setting that failed and go on
           emit("decode_kernel", model=name, batch=s, kernel=kernel, launch=launch,
                error=str(e)[:200])
@@ -171,7 +202,7 @@ def main():
         emit("decode_kernel", model=name, batch=s, cached=cached, rows=g, kernel=kernel,
              launch=launch, warps_as_given=args.warps_as_given,
              us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
-             hbm_fraction=moved / t / hbm)
+             hbm_fraction=moved / t / hbm, **kf)
       caches = None  # free this batch size's caches before the next
 
 

@@ -15,6 +15,8 @@ reach at all on the card, with nothing but the read:
 Each size is read from several distinct arrays in turn (at least 600 MB in all) so that no read
 finds the previous one in the L2 cache, each read's result feeding the next (so no two reads
 overlap), 10 rounds in one `fori_loop`; the time is the best of 5 calls divided by the reads.
+That wall-clock time also counts the gaps between the kernels; `--timer trace` adds each read
+kernel's own device time from a profiler trace (`kernel_us`, `kernel_hbm_fraction`).
 """
 import argparse
 import functools
@@ -29,6 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from benchmarks.common import emit, peaks
+from benchmarks.trace_summary import traced_kernel_us
 
 # (rows per program, warps, stages, rows per block) of the Pallas read.
 PALLAS_SETTINGS = ((512, 1, 2, 32), (512, 4, 3, 64), (1024, 4, 4, 128), (4096, 8, 4, 256),
@@ -104,6 +107,8 @@ def main():
                   help="distinct arrays of each size are read in turn, this many MB in all")
   ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU check "
                   "that the script runs, not a measurement)")
+  ap.add_argument("--timer", default="wall", choices=("wall", "trace"),
+                  help="trace: also each read kernel's device time from a profiler trace")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   peak = peaks()["hbm_bytes_s"]
@@ -114,21 +119,30 @@ def main():
     xs = [jax.random.normal(jax.random.fold_in(key, i), (n, 128), jnp.bfloat16)
           for i in range(arrays)]
     nbytes = mb * 2**20
-    runs = [("xla sum to rows", xla_sum(args.reps))]
+    # (label, function, the name pattern of its read kernels in a profiler trace)
+    runs = [("xla sum to rows", xla_sum(args.reps), r"reduce")]
     runs += [(f"pallas read rows/prog={r} w={w} st={st} blk={b}",
-              pallas_read(args.reps, r, w, st, b, args.interpret))
+              pallas_read(args.reps, r, w, st, b, args.interpret), r"^kern")
              for r, w, st, b in PALLAS_SETTINGS
              if n % r == 0]
-    for label, f in runs:
+    for label, f, pattern in runs:
       try:
         t = _time(f, xs, args.reps * arrays)
+        kernel = {}
+        if args.timer == "trace":
+          g = jax.jit(f)
+          got = traced_kernel_us(lambda xs=xs: jax.block_until_ready(g(*xs)), pattern, iters=2)
+          kernel = {"kernel_us": got and got[0],
+                    "kernel_hbm_fraction": got and nbytes / (got[0] * 1e-6) / peak}
       except Exception as e:  # one failing launch setting must not lose the others
         print(f"FAILED {mb} MB {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue
+      by_trace = (f"  kernel {kernel['kernel_us']:7.1f} us {kernel['kernel_hbm_fraction']:6.1%}"
+                  if kernel.get("kernel_us") else "")
       print(f"{label:48s} {mb:5d} MB {t * 1e6:9.1f} us {nbytes / t / 1e12:5.2f} TB/s "
-            f"{nbytes / t / peak:6.1%}", flush=True)
+            f"{nbytes / t / peak:6.1%}{by_trace}", flush=True)
       emit("hbm_read", args.record, kernel=label, size_mb=mb, us=t * 1e6,
-           tb_s=nbytes / t / 1e12, hbm_fraction=nbytes / t / peak)
+           tb_s=nbytes / t / 1e12, hbm_fraction=nbytes / t / peak, **kernel)
     del xs
 
 

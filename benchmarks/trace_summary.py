@@ -79,6 +79,29 @@ def kernel_times(events: list[dict]) -> dict[str, tuple[float, int, dict | None]
   return {k: tuple(v) for k, v in out.items()}
 
 
+def traced_kernel_us(fn, pattern: str, iters: int = 5) -> tuple[float, int] | None:
+  """Device time of kernels by the profiler: the mean microseconds of the kernels whose
+  lower-cased names match the regular expression `pattern`, over `iters` calls of `fn()` (each
+  blocking until its work is done) under `jax.profiler.trace`, and how many such kernels ran.
+  Unlike a wall-clock time of a chain of kernels, this leaves out the launch gaps between
+  them. None where the trace holds no such kernel (e.g. on a CPU, which has no device
+  stream)."""
+  import tempfile
+
+  import jax
+  rx = re.compile(pattern)
+  with tempfile.TemporaryDirectory() as d:
+    with jax.profiler.trace(d, create_perfetto_trace=True):
+      for _ in range(iters):
+        fn()
+    times = kernel_times(load_events(find_trace(d)))
+  us = n = 0
+  for name, (t, c, _) in times.items():
+    if rx.search(name.lower()):
+      us, n = us + t, n + c
+  return (us / n, n) if n else None
+
+
 def summarize(path: str, steps: int = 1, top: int = 15) -> dict:
   """Per-step kernel time (ms) by kind and the `top` kernels; also returned as a dict."""
   times = kernel_times(load_events(find_trace(path)))

@@ -67,3 +67,44 @@ def test_rows_and_warps_as_given(monkeypatch, capsys):
             if line.startswith("RESULT ")]
     assert rows[-1]["rows"] == 64 and rows[-1]["launch"] == {"num_warps": 1}
     assert seen[-1] == want, (extra, seen)
+
+
+def test_trace_timer_reports_kernel_times(monkeypatch, capsys):
+  """`--timer trace` adds each kernel's device time from the profiler and the bandwidth of a
+  layer's bytes at that time; the kernel name searched is the launched kernel's."""
+  patterns = []
+
+  def fake(fn, pattern, iters):
+    fn()
+    patterns.append(pattern)
+    return 50.0, iters
+  monkeypatch.setattr(decode_kernel, "traced_kernel_us", fake)
+  monkeypatch.setattr(sys, "argv", [
+      "decode_kernel.py", "--models", "smollm2-135m", "--batches", "2", "--layers", "1",
+      "--cached", "32", "--iters", "1", "--interpret", "--kernels", "read,write",
+      "--timer", "trace"])
+  decode_kernel.main()
+  rows = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()
+          if line.startswith("RESULT ")]
+  by = {(r["bench"], r.get("kernel")): r for r in rows}
+  assert patterns == [r"^_read_kernel"] * 3 + [r"^_kernel", r"^_write_kernel"]
+  for key in (("decode_kernel_read_ceiling", None), ("decode_kernel", "read"),
+              ("decode_kernel", "write")):
+    r = by[key]
+    assert r["kernel_us"] == 50.0
+    layer_bytes = r["bandwidth_tb_s"] * 1e12 * r["us_per_layer"] * 1e-6
+    np.testing.assert_allclose(r["kernel_hbm_fraction"] * 50e-6 / layer_bytes,
+                               r["hbm_fraction"] * r["us_per_layer"] * 1e-6 / layer_bytes,
+                               rtol=1e-6)
+  assert "kernel_us" not in by[("decode_kernel_ceiling", None)]
+
+
+def test_trace_timer_on_a_cpu_reports_no_kernel_time(monkeypatch, capsys):
+  monkeypatch.setattr(sys, "argv", [
+      "decode_kernel.py", "--models", "smollm2-135m", "--batches", "2", "--layers", "1",
+      "--cached", "32", "--iters", "1", "--interpret", "--kernels", "write", "--timer",
+      "trace"])
+  decode_kernel.main()
+  rows = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()
+          if line.startswith("RESULT ")]
+  assert rows[-1]["bench"] == "decode_kernel" and rows[-1]["kernel_us"] is None
