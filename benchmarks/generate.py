@@ -15,6 +15,11 @@ The decode program with and without the q|k|v and gate|up weights merged once pe
 
     python benchmarks/generate.py --models smollm2-135m --batches 256 --merge-weights on,off
 
+The params are prepared once for the run, as rollouts do (`Engine.prepare`: the merged
+weights made once, not at the start of every decode call); `--prepare on,off` compares:
+
+    python benchmarks/generate.py --models qwen2.5-1.5b --batches 256 --prepare on,off
+
 With merged weights, the decode kernel fed the raw q|k|v projection (bias, q / k norms and
 RoPE in the kernel; head sizes up to `decode_attention.FUSED_QKV_MAX_HEAD_DIM`) against q, k
 and v prepared by XLA:
@@ -50,7 +55,7 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0,
         layout="auto", kernel="", write_first=True, xla_options=None, group=1, share=True,
-        merge=None, norm_rope="auto", fused_qkv=True):
+        merge=None, norm_rope="auto", fused_qkv=True, prepare=True):
   os.environ["JAXAGENT_DECODE_KERNEL"] = kernel
   cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16",
                           norm_rope_impl=norm_rope)
@@ -68,17 +73,21 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   prompts = np.repeat(rng.integers(0, cfg.vocab_size, (batch // group, prompt_len)), group,
                       0).tolist()
 
+  # As a rollout does (`Engine.prepare`): the merged decode weights made once for the run (a
+  # rollout makes them once per policy version), not at the start of every decode call.
+  run_params = eng.prepare(params) if prepare else params
+
   def one_pass():
     state = eng.init_decode_state()
     t0 = time.perf_counter()
     for i in range(0, batch, 64):
       rows = list(range(i, min(i + 64, batch)))
-      state, _ = eng.prefill_insert(params, state, prompts[i:i + 64], rows, rows)
+      state, _ = eng.prefill_insert(run_params, state, prompts[i:i + 64], rows, rows)
     jax.block_until_ready(state.k)
     t1 = time.perf_counter()
     done = 0
     while done < new_tokens - 1:
-      state, out = eng.generate(params, state, steps=steps,
+      state, out = eng.generate(run_params, state, steps=steps,
                                 kv_len=prompt_len + done + steps)
       done += steps
     jax.block_until_ready(out.tokens)
@@ -96,8 +105,9 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   distinct_bytes = step_bytes - batch * (1 - 1 / group) * prompt_len * kv_tok
   emit("decode", record, model=name, batch=batch, attention=attention,
        layout=eng.cache_layout, kernel=kernel, write_first=write_first,
-       merge_weights=eng.merges(steps),
-       fused_qkv=eng.fuses_qkv(steps),
+       merge_weights=eng.merges(steps, run_params),
+       fused_qkv=eng.fuses_qkv(steps, run_params),
+       prepared=prepare,
        norm_rope=decoder.norm_rope_path(cfg, jax.default_backend()) if cfg.qk_norm else "none",
        xla_options="default" if xla_options is None else dict(xla_options),
        prompt_len=prompt_len, new_tokens=n_steps,
@@ -138,6 +148,10 @@ def main():
   ap.add_argument("--fused-qkv", default="on",
                   help="bias, q / k norms and RoPE in the decode kernel with merged weights "
                        "(EngineConfig.decode_fused_qkv): on, off, or on,off (one run each)")
+  ap.add_argument("--prepare", default="on",
+                  help="params prepared once for the run as rollouts do (Engine.prepare: the "
+                       "merged decode weights made once, not in every decode call): on, off, "
+                       "or on,off (one run each)")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   variants = ([(v.split("/") + ["", "", ""])[:4] for v in args.variants.split(";")]
@@ -147,10 +161,10 @@ def main():
               if args.xla_options else [None])
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
-      for (layout, attention, kernel, mode), xla, share, merge, norm_rope, fused in (
+      for (layout, attention, kernel, mode), xla, share, merge, norm_rope, fused, prep in (
           itertools.product(variants, xla_sets, args.share.split(","),
                             args.merge_weights.split(","), args.norm_rope.split(","),
-                            args.fused_qkv.split(","))):
+                            args.fused_qkv.split(","), args.prepare.split(","))):
         if mode not in ("", "merge"):
           raise SystemExit(f"--variants: unknown mode {mode!r} (expected '' or 'merge')")
         try:
@@ -158,7 +172,7 @@ def main():
               attention or "auto", layout=layout or "auto", kernel=kernel,
               write_first=mode != "merge", xla_options=xla, group=args.group,
               share=share == "on", merge={"auto": None, "on": True, "off": False}[merge],
-              norm_rope=norm_rope, fused_qkv=fused == "on")
+              norm_rope=norm_rope, fused_qkv=fused == "on", prepare=prep == "on")
         except Exception as e:  # one failing variant must not lose the others' numbers
           print(f"FAILED {name} b={b} {layout}/{attention}/{kernel}/{mode}: {type(e).__name__}: "
                 f"{str(e)[:2000]}", flush=True)

@@ -249,7 +249,8 @@ class _Run:
   def __init__(self, driver: RolloutDriver, params, seed: int):
     self.d = driver
     self.engine, self.env, self.tok, self.cfg = driver.engine, driver.env, driver.tokenizer, driver.cfg
-    self.params, self.seed = params, seed
+    # Merged decode weights made once for the run's decode calls (`Engine.prepare`).
+    self.params, self.seed = driver.engine.prepare(params), seed
     self.stats = driver.stats = RolloutStats()
     self.queue: collections.deque[_Job] = collections.deque()
     self.free = list(range(self.engine.ecfg.slots))[::-1]

@@ -245,7 +245,9 @@ class JetStreamEngine(engine_api.Engine):
     self.tokenizer = tokenizer
     self.jetstream_tokenizer = JetStreamTokenizer(
         tokenizer, engine.ecfg.eos_ids, _adds_bos(tokenizer) if add_bos is None else add_bos)
-    self._params = params
+    # Held prepared (`Engine.prepare`): where the engine's decode calls multiply by merged
+    # q|k|v and gate|up weights, the merged copy is made once here, not at every decode call.
+    self._params = engine.prepare(params)
     self._steps = decode_steps
     self._max_prefill = max_prefill_length
     self._seed = int(seed)
@@ -387,7 +389,8 @@ class JetStreamEngine(engine_api.Engine):
 
   # ------------------------------------------------------------------ the rest of the contract
   def load_params(self, *args, **kwargs):
-    """The params this engine was built with (JetStream's server calls this with no arguments)."""
+    """The params this engine was built with, as `Engine.prepare` returns them (JetStream's
+    server calls this with no arguments and hands the result back to prefill and generate)."""
     if args or kwargs:
       raise TypeError("load_params takes no arguments: pass params to JetStreamEngine(...)")
     return self._params

@@ -155,6 +155,13 @@ def merge_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
   return p
 
 
+def is_merged(params: Params) -> bool:
+  """Whether `params` already hold `merge_decode_weights`'s merged matrices."""
+  layers = unbox(params)["layers"]
+  first = layers[0] if isinstance(layers, (tuple, list)) else layers
+  return "wqkv" in first
+
+
 def merged_decode_weight_bytes(cfg: ModelConfig) -> int:
   """Bytes of the merged matrices `merge_decode_weights` makes (the copy it costs)."""
   cols = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim + 2 * cfg.ffn_dim

@@ -87,6 +87,11 @@ class FakeEngine:
     self.calls = {"prefill": 0, "generate": 0, "append": 0, "update": 0, "append_rows": 0}
     self._state = None
 
+  def prepare(self, params):
+    """`Engine.prepare`: the driver prepares its params once a run (nothing to merge here)."""
+    self.calls["prepare"] = self.calls.get("prepare", 0) + 1
+    return params
+
   @staticmethod
   def logprob(rid, pos):
     return -0.001 * pos - 0.0001 * (rid % 17) - 0.5
@@ -283,6 +288,7 @@ def test_scripted_multi_turn_ledger_is_exact():
   # Observations were batched: fewer append calls than appended observations.
   assert fake.calls["append_rows"] == 2 * len(trajs)
   assert fake.calls["append"] < fake.calls["append_rows"]
+  assert fake.calls["prepare"] == 1  # the params prepared once for the run's calls
   metrics = rollout_metrics(trajs)
   assert metrics["rollout/stop/answer"] == 1.0 and metrics["rollout/tool/calculator"] == 2.0
 

@@ -280,6 +280,78 @@ def test_fuses_qkv_where_the_write_first_step_has_merged_weights():
                 mesh=sharding.make_mesh(2, 4, 1)).fuses_qkv(8)
 
 
+@pytest.mark.parametrize("merge", [True, False])
+def test_prepared_params_merge_once_and_match_plain_params(params, monkeypatch, merge):
+  """`Engine.prepare`: with merged decode weights (`decode_merge_weights=True` here, the GPU
+  default) the merge is made once, in `prepare`, and decode calls given the result do not merge
+  again; prefill, generate and append give what the plain params give, bit for bit. Without
+  merging, the prepared params only wrap the params."""
+  from jaxagent.generate import PreparedParams
+  from jaxagent.models import param_tree
+  eng = Engine(CFG, EngineConfig(slots=4, max_len=64, decode_merge_weights=merge,
+                                 sampling=SamplingConfig(temperature=1.0)))
+  calls = []
+  real = param_tree.merge_decode_weights
+  monkeypatch.setattr(param_tree, "merge_decode_weights",
+                      lambda *a, **k: calls.append(1) or real(*a, **k))
+  prep = eng.prepare(params)
+  assert isinstance(prep, PreparedParams) and prep.params is params
+  assert eng.prepare(prep) is prep
+  assert (prep.decode is not None) == merge and len(calls) == int(merge)
+  if merge:
+    assert param_tree.is_merged(prep.decode) and not param_tree.is_merged(params)
+  else:
+    assert not eng.merges(8, prep)
+  prompts = _prompts(4, seed=11)
+
+  def run(p):
+    st, first = eng.prefill_insert(p, eng.init_decode_state(), prompts, [0, 1, 2, 3],
+                                   [10, 11, 12, 13], seeds=3)
+    st, out = eng.generate(p, st, steps=3)
+    st, app = eng.append(p, st, [1, 3], [[5, 6, 7], [8]])
+    st, out2 = eng.generate(p, st, steps=2)
+    return jax.device_get((first, out.tokens, out.logprobs, app, out2.tokens, out2.logprobs))
+  calls.clear()
+  got = run(prep)
+  assert calls == []  # the prepared run merged nothing
+  want = run(params)
+  assert len(calls) == 2 * int(merge)  # the plain run merged in each of its 2 decode calls
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_prepared_params_merge_calls_of_any_step_count(params, monkeypatch):
+  """With the GPU default, decode calls of fewer than `MERGE_MIN_STEPS` steps do not merge
+  (the copy would cost more than it saves); with prepared params they use the merged weights,
+  whose copy is already made (`merges` and `fuses_qkv` say so)."""
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  kw = dict(slots=2, max_len=64, decode_attention="pallas", cache_layout="per_layer")
+  eng = Engine(CFG, EngineConfig(**kw))
+  prep = eng.prepare(params)
+  assert prep.decode is not None
+  assert not eng.merges(1) and eng.merges(1, prep) and eng.merges(8, prep)
+  monkeypatch.undo()  # the kernel's head-size check on this CPU (interpret mode)
+  assert not eng.fuses_qkv(1) and eng.fuses_qkv(1, prep)
+  plain = Engine(CFG, EngineConfig(decode_merge_weights=False, **kw))
+  assert plain.prepare(params).decode is None and not plain.merges(8, plain.prepare(params))
+
+
+def test_run_requests_prepares_its_params_once(params, monkeypatch):
+  """The scheduler prepares the params once for all its calls (and the prepared params it is
+  handed are used as they are)."""
+  eng = Engine(CFG, EngineConfig(slots=2, max_len=64, decode_merge_weights=True))
+  seen = []
+  real = eng.prepare
+  monkeypatch.setattr(eng, "prepare", lambda p: seen.append(type(p).__name__) or real(p))
+  from jaxagent.generate import run_requests
+  out = run_requests(eng, params, _prompts(5, seed=12), max_new_tokens=6,
+                     request_ids=list(range(5)), decode_steps=2)
+  assert seen == ["dict"] and all(len(o.tokens) == 6 for o in out)
+  ref = run_requests(eng, real(params), _prompts(5, seed=12), max_new_tokens=6,
+                     request_ids=list(range(5)), decode_steps=2)
+  assert [o.tokens for o in out] == [o.tokens for o in ref]
+
+
 @pytest.mark.parametrize("layout", [pytest.param("stacked", marks=pytest.mark.slow), "per_layer"])
 def test_prefill_insert_drops_padding_rows_and_bounds_compiles(params, layout):
   """`prefill_insert` pads the batch to a row bucket and the insert drops the padding rows:
