@@ -187,10 +187,12 @@ class EngineConfig:
   # new token separately and merging the two softmaxes. False: the `extend` + `write_kv` path.
   decode_write_first: bool = True
   # The decode program multiplies by each layer's q|k|v and gate|up weights merged into one
-  # matrix each (`param_tree.merge_decode_weights`, a transient copy made once per decode call):
-  # None (auto) merges on GPUs without a "tensor" mesh axis over more than one device, when
-  # the copy takes at most `MERGE_WEIGHTS_MAX_BYTES` per device, in decode calls of at least
-  # `MERGE_MIN_STEPS` steps; True merges in every call.
+  # matrix each (`param_tree.merge_decode_weights`): a copy made once per run by
+  # `Engine.prepare` (the scheduler and rollouts do that), or else a transient one at the start
+  # of each decode call. None (auto) merges on GPUs without a "tensor" mesh axis over more than
+  # one device, when the copy takes at most `MERGE_WEIGHTS_MAX_BYTES` per device, in decode
+  # calls of at least `MERGE_MIN_STEPS` steps (any with prepared params); True merges in every
+  # call.
   decode_merge_weights: bool | None = None
   # With merged weights, the decode kernel takes each layer's raw q|k|v projection and applies
   # the bias, q / k norms and RoPE itself (`decoder.decode_in_place(fused_qkv=True)`), one XLA
