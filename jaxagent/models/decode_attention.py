@@ -54,11 +54,11 @@ FEW_PROGRAMS = 256
 FEW_PROGRAMS_TUNING = dict(DEFAULT_TUNING, block_k=64, num_warps=2, num_stages=3)
 # `decoder.decode_in_place` hands the kernel the raw q|k|v projection
 # (`flash_decode_write_qkv`: bias, q / k norms and RoPE in the kernel) for head sizes up to
-# this. Measured on an H100, 256 slots (benchmarks/RESULTS.md): SmolLM2-135M (hd 64) 2.094 ->
-# 2.058-2.063 ms a step; Qwen2.5-1.5B (hd 128) 3.92 -> 4.33 ms, and slower with 2 or 4 warps
-# too (on an H200): the 0/1 products that put the rotated halves side by side cost a
-# 128-wide program more than the XLA fusion they replace.
-FUSED_QKV_MAX_HEAD_DIM = 64
+# this. Measured on an H100, 256 slots, against q, k and v prepared by XLA (benchmarks/
+# RESULTS.md): SmolLM2-135M (hd 64) 2.083 -> 1.996-2.007 ms a step, Qwen2.5-1.5B (hd 128)
+# 3.842 -> 3.768-3.775 ms, Qwen3-0.6B (hd 128, q / k norms) 5.767 -> 5.452 ms. (The first
+# version put the rotated halves side by side with 0/1 products, which made hd 128 slower.)
+FUSED_QKV_MAX_HEAD_DIM = 128
 # `auto_splits` aims at this many programs per launch (an H100 has 132 SMs).
 _TARGET_PROGRAMS = 2048
 
@@ -286,35 +286,34 @@ def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_
   """Rows `row0 ..` of this slot's projections as a float32 `[n, hd]` tile (rows at or past
   `valid` zero): plus the bias (`b_ref`), RMS-normed with weight row `norm_row` of `w_ref`
   (Qwen3's q / k norms) and rotated by RoPE (`cs_ref`: the slot's cos / sin), each step
-  rounded to the projections' dtype where `decoder._qkv` rounds it. The halves of each head are
-  loaded and rotated apart (rotate-half RoPE) and put side by side by two exact products with
-  0/1 matrices (a Triton tile cannot be concatenated)."""
-  from jax.experimental.pallas import triton as plt
-  dt, half = x_ref.dtype, x_ref.shape[-1] // 2
-  mask = jax.lax.broadcasted_iota(jnp.int32, (n, half), 0) < valid
+  rounded to the projections' dtype where `decoder._qkv` rounds it. Rotate-half RoPE needs
+  each entry's partner half a head away: the tile is loaded a second time with its columns
+  rotated by half a head (a gather load), so no tile has to be cut and put back together."""
+  dt, hd = x_ref.dtype, x_ref.shape[-1]
+  half = hd // 2
   f32 = lambda a: a.astype(jnp.float32)
-
-  def halves(ref, at):
-    return [plt.load(ref.at[(*at, pl.ds(row0, n), pl.ds(c, half))], mask=mask, other=0)
-            for c in (0, half)]
-  x1, x2 = halves(x_ref, (slot,))
+  row = jax.lax.broadcasted_iota(jnp.int32, (n, hd), 0)
+  col = jax.lax.broadcasted_iota(jnp.int32, (n, hd), 1)
+  # Rows past `valid` read a valid row (no out-of-bounds read) and are zeroed below.
+  rows = row0 + jnp.minimum(row, jnp.maximum(valid - 1, 0))
+  partner = (col + half) % hd
+  col1 = jax.lax.broadcasted_iota(jnp.int32, (1, hd), 1)  # one row's columns
+  partner1 = (col1 + half) % hd
+  x, xp = x_ref[slot, rows, col], x_ref[slot, rows, partner]
   if b_ref is not None:
-    b1, b2 = halves(b_ref, ())
-    x1, x2 = (f32(x1) + f32(b1)).astype(dt), (f32(x2) + f32(b2)).astype(dt)
-  x1, x2 = f32(x1), f32(x2)
+    x = (f32(x) + f32(b_ref[rows, col])).astype(dt)
+    xp = (f32(xp) + f32(b_ref[rows, partner])).astype(dt)
+  x, xp = f32(x), f32(xp)
   if w_ref is not None:
-    r = jax.lax.rsqrt((jnp.sum(x1 * x1, axis=1) + jnp.sum(x2 * x2, axis=1)) / (2 * half)
-                      + eps)[:, None]
-    w1, w2 = (f32(w_ref[pl.ds(norm_row, 1), pl.ds(c, half)]) for c in (0, half))
-    x1, x2 = f32((x1 * r * w1).astype(dt)), f32((x2 * r * w2).astype(dt))
-  cos, sin = cs_ref[pl.ds(0, 1), :], cs_ref[pl.ds(1, 1), :]  # [1, half]
-  y1, y2 = (x1 * cos - x2 * sin).astype(dt), (x2 * cos + x1 * sin).astype(dt)
-  col = (jax.lax.broadcasted_iota(jnp.int32, (half, 2 * half), 1)
-         - jax.lax.broadcasted_iota(jnp.int32, (half, 2 * half), 0))
-  place = lambda y, shift: jax.lax.dot_general(
-      y, (col == shift).astype(dt), (((1,), (0,)), ((), ())),
-      precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-  return place(y1, 0) + place(y2, half)
+    r = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / hd + eps)
+    first = col1 * 0 + norm_row
+    x = f32((x * r * f32(w_ref[first, col1])).astype(dt))
+    xp = f32((xp * r * f32(w_ref[first, partner1])).astype(dt))
+  k = col1 % half
+  cos, sin = cs_ref[k * 0, k], cs_ref[k * 0 + 1, k]  # [1, hd]: each column's angle
+  # First half: x1 cos - x2 sin; second half: x2 cos + x1 sin.
+  y = (x * cos + jnp.where(col < half, -xp, xp) * sin).astype(dt)
+  return jnp.where(row < valid, f32(y), 0.0)
 
 
 def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared: bool, g: int,
@@ -416,7 +415,7 @@ def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_n
   qk_norm: None or `[2, hd]`, the q and k norm weights (RMS norm with `eps` over each head).
   Rounded as `decoder._qkv` rounds them: bias added in qkv's dtype, normed heads and rotated
   heads rounded to it. The cache's KV head count gives H / KV; hd must be even (and at least 32
-  outside interpret mode: the halves' products need 16 columns). The rest as
+  outside interpret mode: no smaller head was run on a GPU). The rest as
   `flash_decode_write`. Returns (out [S, KV, G, hd] in qkv's dtype, cache_k, cache_v).
   """
   s, rows, hd = qkv.shape
