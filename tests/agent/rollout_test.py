@@ -616,6 +616,9 @@ class RecordingEngine:
   def init_decode_state(self):
     return self.engine.init_decode_state()
 
+  def prepare(self, params):
+    return self.engine.prepare(params)
+
   def prefill_insert(self, params, state, prompts, slots, request_ids, *a, **k):
     state, (toks, lps, done) = self.engine.prefill_insert(params, state, prompts, slots,
                                                           request_ids, *a, **k)
