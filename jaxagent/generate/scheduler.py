@@ -109,11 +109,11 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
     raise ValueError("max_new_tokens must be >= 1")
   stop = stop or StopChecker()
   ecfg = engine.ecfg
-  params = engine.prepare(params)  # merged decode weights made once for all the calls below
   for i, p in enumerate(prompts):
     if len(p) + 1 > ecfg.max_len:
       raise ValueError(f"prompt {i} has {len(p)} tokens; the engine's max_len is {ecfg.max_len}"
                        " (prompt plus at least one new token must fit)")
+  params = engine.prepare(params)  # merged decode weights made once for all the calls below
   results: list[Completion | None] = [None] * n
   queue = collections.deque(range(n))
   free = list(range(ecfg.slots))[::-1]

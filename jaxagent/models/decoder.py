@@ -32,7 +32,7 @@ from jaxagent.models.config import ModelConfig
 from jaxagent.models.logprobs import (FUSED_LOGPROB_MAX_D, logits_from_hidden,  # noqa: F401
                                       logprob_path, token_logprobs)
 from jaxagent.models.param_tree import (Params, box, compute_copy, init_params,  # noqa: F401
-                                    logical_axes, merge_decode_weights,
+                                    is_merged, logical_axes, merge_decode_weights,
                                     merged_decode_weight_bytes, param_specs, stack_layers,
                                     unbox, unstack_layers)
 from jaxagent.models.per_shard import constrain_batch, per_shard, tensor_split
@@ -589,7 +589,7 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   positions = cache_lens[:, None]
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   interpret = jax.default_backend() == "cpu" if interpret is None else interpret
-  raw = fused_qkv and "wqkv" in p["layers"] and fused_qkv_fits(cfg, interpret)
+  raw = fused_qkv and is_merged(p) and fused_qkv_fits(cfg, interpret)
   if raw:  # each slot's cos / sin, once for every layer
     cos, sin = rope_tables(positions, inv_freq)
     rope = jnp.stack([cos[:, 0, 0], sin[:, 0, 0]], axis=1)  # [S, 2, hd / 2]
