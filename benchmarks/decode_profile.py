@@ -75,7 +75,10 @@ def roofline_ms(cfg, slots: int, cached: int) -> float:
 def held_step(eng: Engine, params, slots: int, cached: int, kv_len: int, steps: int):
   """A function running the engine's own decode program (its XLA options included), `steps`
   steps a call, every slot put back at `cached` keys first: a step advances each slot by one,
-  and without the reset the timed and traced steps would drift past `cached`."""
+  and without the reset the timed and traced steps would drift past `cached`. The params are
+  prepared once (`Engine.prepare`), as rollouts and `generate.py` do, so no call starts by
+  making the merged decode weights."""
+  params = eng.prepare(params)
   state = eng.init_decode_state()
   holder = [state.replace(lengths=jnp.full((slots,), cached, jnp.int32),
                           active=jnp.ones((slots,), bool),
