@@ -89,8 +89,8 @@ def _score(args, cfg, dtype, params, prompts, outs, merged, fused_qkv):
     backend = jax.default_backend()
     emit("logprob_gap", args.record, model=args.model, dtype=dtype, attention=impl,
          resolved=decoder.attention_path(c, backend), logprob=logprobs.logprob_path(c, backend),
-         merged_decode_weights=merged, fused_qkv=fused_qkv, tokens=int(mask.sum()), mean_abs_gap=float(gap.mean()),
-         max_abs_gap=float(gap.max()))
+         merged_decode_weights=merged, fused_qkv=fused_qkv, tokens=int(mask.sum()),
+         mean_abs_gap=float(gap.mean()), max_abs_gap=float(gap.max()))
 
 
 if __name__ == "__main__":
