@@ -45,7 +45,7 @@ import numpy as np
 from jaxagent.agent.env import Env, Episode, Example
 from jaxagent.agent.parsers import ParseResult
 from jaxagent.agent.trajectory import STOP_REASONS, ToolOutcome, Trajectory, Turn
-from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH
+from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH, STOP_NONFINITE
 from jaxagent.generate.scheduler import StopChecker
 from jaxagent.tools import (ToolArgumentError, ToolExecutor, ToolResult, UnknownToolError,
                             validate_arguments)
@@ -389,6 +389,13 @@ class _Run:
     """Records one sampled token (pending at `lv.cached`); True when the turn ended."""
     lv.toks.append(int(tok))
     lv.lps.append(float(lp))
+    if code == STOP_NONFINITE:
+      traj = lv.traj
+      raise FloatingPointError(
+          f"rollout: the policy's logits held a NaN or inf while sampling turn {lv.turn} of "
+          f"request {traj.request_id} (group {traj.group_id}, sample {traj.sample_index}), at "
+          f"token {len(lv.toks)} of the turn: the params have diverged or a kernel failed "
+          "numerically. No trajectory of this rollout is returned.")
     match = self.d.stop.check(lv.toks) if self.d.stop else None
     if match is not None:
       if code == RUNNING:  # the device would go on (or already did): freeze it at this token

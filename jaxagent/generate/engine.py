@@ -40,7 +40,10 @@ from jaxagent.models import decoder, param_tree
 from jaxagent.models.config import ModelConfig
 
 # Why a slot stopped (device-side codes; host-side stop strings are reported by the scheduler).
-RUNNING, STOP_EOS, STOP_BUDGET, STOP_LENGTH = 0, 1, 2, 3
+# STOP_NONFINITE: the sampled token's log-prob is NaN or infinite, so the logits it was drawn
+# from held a NaN or +inf (diverged params, a numerical fault); the slot stops rather than go
+# on sampling from them, and that token is not to be trusted.
+RUNNING, STOP_EOS, STOP_BUDGET, STOP_LENGTH, STOP_NONFINITE = 0, 1, 2, 3, 4
 
 
 @flax.struct.dataclass
@@ -378,13 +381,15 @@ class Engine:
     return getattr(self, f"_jit_{name}")
 
   # ------------------------------------------------------------------ stopping
-  def _stop_code(self, tok, lengths, remaining, limit):
+  def _stop_code(self, tok, lp, lengths, remaining, limit):
     is_eos = jnp.any(tok[:, None] == self._eos[None, :], axis=-1)
     code = jnp.where(is_eos, STOP_EOS, RUNNING)
     code = jnp.where((code == RUNNING) & (remaining <= 0), STOP_BUDGET, code)
     # The pending token sits at position `lengths`; the sequence is full at `limit`.
     code = jnp.where((code == RUNNING) & (lengths + 1 >= limit), STOP_LENGTH, code)
-    return code
+    # Before any other reason: `sample` propagates a NaN or +inf anywhere in a row's logits
+    # (through its maximum and normaliser) into the sampled token's log-prob.
+    return jnp.where(jnp.isfinite(lp), code, STOP_NONFINITE)
 
   # ------------------------------------------------------------------ prefill / insert
   def _prefill(self, params, tokens, lengths, request_ids, seeds, budgets, limits, rows=None):
@@ -396,7 +401,7 @@ class Engine:
     keys = token_keys(seeds, request_ids, lengths)
     tok, lp = sample(logits, keys, self.ecfg.sampling)
     remaining = budgets - 1
-    done = self._stop_code(tok, lengths, remaining, limits)
+    done = self._stop_code(tok, lp, lengths, remaining, limits)
     return Prefix(k=k, v=v, lengths=lengths, tokens=tok, logprobs=lp, done=done,
                   remaining=remaining, limit=limits, request_ids=request_ids, seeds=seeds)
 
@@ -556,7 +561,7 @@ class Engine:
     keys = token_keys(state.seeds, state.request_ids, lengths)
     tok, lp = sample(logits, keys, self.ecfg.sampling)
     remaining = state.remaining - state.active.astype(jnp.int32)
-    code = self._stop_code(tok, lengths, remaining, state.limit)
+    code = self._stop_code(tok, lp, lengths, remaining, state.limit)
     valid = state.active
     new = state.replace(
         k=k, v=v, lengths=lengths, tokens=jnp.where(valid, tok, state.tokens),
@@ -651,7 +656,7 @@ class Engine:
     tok, lp = sample(last, keys, self.ecfg.sampling)
     remaining = budgets - 1
     limit = state.limit[slots]
-    code = self._stop_code(tok, lengths, remaining, limit)
+    code = self._stop_code(tok, lp, lengths, remaining, limit)
     # A chunk that does not fit leaves the slot at its limit: report a length stop.
     code = jnp.where(lengths >= limit, STOP_LENGTH, code)
     upd = lambda a, b: a.at[slots].set(b.astype(a.dtype))

@@ -10,16 +10,18 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from typing import Sequence
 
 import jax
 import numpy as np
 
-from jaxagent.generate.engine import (RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH, Engine,
-                                      EngineConfig)
+from jaxagent.generate.engine import (RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH,
+                                      STOP_NONFINITE, Engine, EngineConfig)
 from jaxagent.generate.sampling import SamplingConfig
 
-STOP_REASONS = {STOP_EOS: "eos", STOP_BUDGET: "max_new_tokens", STOP_LENGTH: "max_length"}
+STOP_REASONS = {STOP_EOS: "eos", STOP_BUDGET: "max_new_tokens", STOP_LENGTH: "max_length",
+                STOP_NONFINITE: "nonfinite"}
 
 
 @dataclasses.dataclass
@@ -27,7 +29,9 @@ class Completion:
   """One request's output: new token ids, their sampler log-probs, and why it stopped.
 
   `stop_reason` is one of "eos", "stop" (a stop string / token sequence; it is included in
-  `tokens`), "max_new_tokens", "max_length".
+  `tokens`), "max_new_tokens", "max_length", or "nonfinite": the logits of the last token held
+  a NaN or +inf (its log-prob in `logprobs` is not finite; diverged params or a numerical
+  fault), and the request stopped there. Other requests of the batch are unaffected.
   """
   request_id: int
   tokens: list[int]
@@ -130,7 +134,7 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
     lv = live[slot]
     lv.tokens.append(int(tok))
     lv.logprobs.append(float(lp))
-    if stop:
+    if stop and math.isfinite(lp):  # a non-finite one is the device's "nonfinite" stop
       m = stop.check(lv.tokens)
       if m is not None:
         finish(slot, "stop", m)

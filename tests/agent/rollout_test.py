@@ -15,7 +15,7 @@ from jaxagent.agent import (OBSERVATION, OBSERVATION_TEMPLATES, POLICY, PROMPT, 
                             Episode, Example, JSONToolCallParser, ParseResult, RolloutConfig,
                             RolloutDriver, ToolCall, XMLTagParser, rollout, rollout_metrics)
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
-from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH
+from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH, STOP_NONFINITE
 from jaxagent.rewards import RewardOutput
 from jaxagent.tools import ToolExecutor, ToolRegistry, ToolResult, function_tool
 
@@ -516,6 +516,41 @@ def test_config_validation():
     RolloutDriver(fake, CalculatorEnv(), tokenizer=TOK, cfg=RolloutConfig(max_total_tokens=200))
   with pytest.raises(TypeError, match="not a jaxagent.agent.Example"):
     rollout(fake, None, CalculatorEnv(), ["what is 1+1?"], tokenizer=TOK)
+
+
+class NonfiniteEngine(FakeEngine):
+  """The fake with the device's non-finite stop: request `bad_rid`'s logits are NaN once its
+  sequence is longer than `at` tokens."""
+
+  def __init__(self, *a, bad_rid, at, **k):
+    super().__init__(*a, **k)
+    self.bad_rid, self.at, self._nan = bad_rid, at, False
+
+  def _sample(self, st, s):
+    tok, lp = super()._sample(st, s)
+    self._nan = int(st.rid[s]) == self.bad_rid and len(st.seq[s]) > self.at
+    return tok, float("nan") if self._nan else lp
+
+  def _code(self, *a):
+    return STOP_NONFINITE if self._nan else super()._code(*a)
+
+
+def test_nonfinite_logits_stop_the_rollout_with_a_clear_error():
+  """Tokens sampled from NaN logits are never turned into a trajectory: the rollout raises,
+  naming the request and turn."""
+  turns = ["Let me compute. <calc>2+3</calc>", "<answer>5</answer>"]
+  texts = {rid: turns for rid in range(8)}
+  plen = len(TOK.encode(_examples(1)[0].prompt))
+  fake = NonfiniteEngine(_script_from_texts(texts), slots=4, max_len=256, bad_rid=1, at=plen + 40)
+  cfg = RolloutConfig(max_turns=4, max_tokens_per_turn=64, decode_steps=3)
+  with pytest.raises(FloatingPointError, match=r"NaN or inf .* turn 1 of request 1 "):
+    rollout(fake, None, CalculatorEnv(), _examples(2), tokenizer=TOK, num_samples=2, cfg=cfg,
+            seed=0)
+  # The same rollout without the fault completes.
+  fake = NonfiniteEngine(_script_from_texts(texts), slots=4, max_len=256, bad_rid=-1, at=0)
+  trajs = rollout(fake, None, CalculatorEnv(), _examples(2), tokenizer=TOK, num_samples=2,
+                  cfg=cfg, seed=0)
+  assert len(trajs) == 4 and all(np.isfinite(t.logprobs).all() for t in trajs)
 
 
 # --------------------------------------------------------------------------------------- chaos

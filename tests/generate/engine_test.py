@@ -185,6 +185,31 @@ def test_eos_and_stop_sequences_and_max_length(params):
   assert out.stop_reason == "max_length" and len(prompt) + len(out.tokens) == len(prompt) + 6
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nonfinite_logits_stop_their_request_only(temperature):
+  """A request whose logits turn NaN (here a NaN embedding row for a token of its prompt, with
+  an untied output head) stops at its first token, stop reason "nonfinite", its log-prob not
+  finite. The others, one of them in the slot the poisoned request leaves (stale NaN K/V
+  beyond its prompt), decode the same tokens as with clean params."""
+  from jaxagent.models import param_tree
+  cfg = CFG.replace(tie_embeddings=False)
+  clean = param_tree.unbox(models.init_params(cfg, jax.random.key(0), std=0.2))
+  bad = 7
+  poisoned = dict(clean, embed=clean["embed"].at[bad].set(jnp.nan))
+  prompts = [[t if t != bad else bad + 1 for t in p] for p in _prompts(3, seed=9)]
+  prompts.insert(1, [3, 4, bad, 5] * 6)  # longer than the prompt that takes its slot next
+  kw = dict(temperature=temperature, seed=1, slots=2)
+  out = generate(poisoned, cfg, prompts, 12, **kw)
+  ref = generate(clean, cfg, prompts, 12, **kw)
+  assert out[1].stop_reason == "nonfinite" and len(out[1].tokens) == 1
+  assert not np.isfinite(out[1].logprobs[0])
+  for i in (0, 2, 3):
+    assert out[i].stop_reason == ref[i].stop_reason == "max_new_tokens"
+    assert out[i].tokens == ref[i].tokens
+    # Float rounding apart: the early stop changes which requests share a decode call.
+    np.testing.assert_allclose(out[i].logprobs, ref[i].logprobs, atol=1e-5)
+
+
 def test_bad_input_errors(params):
   with pytest.raises(ValueError, match="max_len"):
     generate(params, CFG, [list(range(40))], 4, max_len=32)
