@@ -23,7 +23,9 @@ How our engine maps onto the contract (0.2.2):
   * `ResultTokens.valid` is our engine's per-step activity: a token is valid while the slot's
     request has not stopped on device (EOS, cache length). The EOS token itself is valid and is
     in the tokenizer's `stop_tokens`, so the orchestrator ends the request without returning it;
-    a length stop returns the last token, then the next result is invalid, which ends it.
+    a length stop returns the last token, then the next result is invalid, which ends it. A
+    non-finite stop (`STOP_NONFINITE`: NaN or inf in the request's logits) ends it the same
+    way; JetStream's results carry no stop reason, so the client sees a short completion.
   * `ResultTokens` lengths are "tokens returned to this request, counting this result's first",
     which the orchestrator compares with the request's `max_tokens`: with `decode_steps=1`
     (default) a request receives exactly `max_tokens` tokens; with k > 1 steps per call it may
