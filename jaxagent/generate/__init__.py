@@ -10,6 +10,6 @@ from jaxagent.generate.sampling import SamplingConfig, sample, token_keys
 from jaxagent.generate.scheduler import Completion, StopChecker, generate, run_requests
 
 __all__ = ["DecodeState", "Engine", "EngineConfig", "Prefix", "PreparedParams", "StepOutput",
-           "RUNNING",
-           "STOP_BUDGET", "STOP_EOS", "STOP_LENGTH", "STOP_NONFINITE", "SamplingConfig", "sample", "token_keys",
+           "RUNNING", "STOP_BUDGET", "STOP_EOS", "STOP_LENGTH", "STOP_NONFINITE",
+           "SamplingConfig", "sample", "token_keys",
            "Completion", "StopChecker", "generate", "run_requests"]
