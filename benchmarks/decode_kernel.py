@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from benchmarks.common import emit, peaks, timeit
-from benchmarks.trace_summary import traced_kernel_us
+from benchmarks.trace_summary import kernel_fields, traced_kernel_us
 from jaxagent import models
 from jaxagent.models import decode_attention
 from jaxagent.models.decode_attention import (_cache_block, _compiler_params, _slot_inputs,
@@ -112,16 +112,12 @@ def main():
     decode_attention._warps_for_tile = lambda num_warps, rows, hd: num_warps
   hbm = peaks()["hbm_bytes_s"]
 
-  def kernel_fields(fn, pattern: str, per_layer_bytes: float) -> dict:
+  def traced_fields(fn, pattern: str, per_layer_bytes: float) -> dict:
     """With `--timer trace`: the mean device time of the kernels matching `pattern` while
     `fn()` runs, and the bandwidth of a layer's bytes at that time."""
     if args.timer != "trace":
       return {}
-    got = traced_kernel_us(fn, pattern, iters=args.iters)
-    if got is None:
-      return {"kernel_us": None}
-    us, _ = got
-    return {"kernel_us": us, "kernel_hbm_fraction": per_layer_bytes / (us * 1e-6) / hbm}
+    return kernel_fields(traced_kernel_us(fn, pattern, iters=args.iters), per_layer_bytes, hbm)
 
   for name in args.models.split(","):
     cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16")
@@ -150,7 +146,7 @@ def main():
             range(n_layers), jnp.zeros((s, kv, hd), jnp.float32)))
         t = min(t, timeit(lambda: jax.block_until_ready(read(caches)),
                           iters=args.iters)["median_s"])
-        kf = kernel_fields(lambda: jax.block_until_ready(read(caches)), r"^_read_kernel",
+        kf = traced_fields(lambda: jax.block_until_ready(read(caches)), r"^_read_kernel",
                            moved / n_layers)
         if kf.get("kernel_us") and kf["kernel_us"] < kfields.get("kernel_us", float("inf")):
           kfields = kf
@@ -191,7 +187,7 @@ def main():
         try:
           f = jax.jit(run, donate_argnums=(1,) if kernel == "write" else ())
           t = timeit(lambda: call(f), iters=args.iters)["median_s"]
-          kf = kernel_fields(lambda: call(f),
+          kf = traced_fields(lambda: call(f),
                              r"^_write_kernel" if kernel == "write" else r"^_kernel",
                              moved / n_layers)
         except Exception as e:  # report the setting that failed and go on

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from benchmarks.common import emit, peaks
-from benchmarks.trace_summary import traced_kernel_us
+from benchmarks.trace_summary import kernel_fields, traced_kernel_us
 
 # (rows per program, warps, stages, rows per block) of the Pallas read.
 PALLAS_SETTINGS = ((512, 1, 2, 32), (512, 4, 3, 64), (1024, 4, 4, 128), (4096, 8, 4, 256),
@@ -131,9 +131,8 @@ def main():
         kernel = {}
         if args.timer == "trace":
           g = jax.jit(f)
-          got = traced_kernel_us(lambda xs=xs: jax.block_until_ready(g(*xs)), pattern, iters=2)
-          kernel = {"kernel_us": got and got[0],
-                    "kernel_hbm_fraction": got and nbytes / (got[0] * 1e-6) / peak}
+          kernel = kernel_fields(traced_kernel_us(lambda xs=xs: jax.block_until_ready(g(*xs)),
+                                                  pattern, iters=2), nbytes, peak)
       except Exception as e:  # one failing launch setting must not lose the others
         print(f"FAILED {mb} MB {label}: {type(e).__name__}: {str(e)[:300]}", flush=True)
         continue

@@ -102,6 +102,15 @@ def traced_kernel_us(fn, pattern: str, iters: int = 5) -> tuple[float, int] | No
   return (us / n, n) if n else None
 
 
+def kernel_fields(got: tuple[float, int] | None, nbytes: float, peak_bytes_s: float) -> dict:
+  """Result fields of a `traced_kernel_us` answer for a kernel that moves `nbytes`: its mean
+  device time (`kernel_us`) and that bandwidth over the peak (`kernel_hbm_fraction`), both
+  None where the trace held no such kernel."""
+  if got is None:
+    return {"kernel_us": None, "kernel_hbm_fraction": None}
+  return {"kernel_us": got[0], "kernel_hbm_fraction": nbytes / (got[0] * 1e-6) / peak_bytes_s}
+
+
 def summarize(path: str, steps: int = 1, top: int = 15) -> dict:
   """Per-step kernel time (ms) by kind and the `top` kernels; also returned as a dict."""
   times = kernel_times(load_events(find_trace(path)))
