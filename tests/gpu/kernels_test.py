@@ -65,9 +65,12 @@ def test_fused_qkv_kernel_equals_xla_prepared_step(name, dtype):
   tok = jnp.asarray(rng.integers(0, cfg.vocab_size, s), jnp.int32)
   assert decoder.fused_qkv_fits(cfg, interpret=False)
   with jax.default_matmul_precision("highest"):
-    step = jax.jit(lambda fused: decoder.decode_in_place(merged, ck, cv, tok, lens, cfg=cfg,
-                                                         fused_qkv=fused), static_argnums=0)
-    a, b = step(True), step(False)
+    # The arrays go in as arguments: closed over, they would be constants of the program,
+    # which a GPU compile embeds and folds (this module took over 7 minutes for three tests so).
+    step = jax.jit(lambda fused, *args: decoder.decode_in_place(*args, cfg=cfg,
+                                                                fused_qkv=fused),
+                   static_argnums=0)
+    a, b = (step(fused, merged, ck, cv, tok, lens) for fused in (True, False))
   la, lb = (np.asarray(x[0], np.float32) for x in (a, b))
   lpa, lpb = (np.asarray(jax.nn.log_softmax(x, -1)) for x in (la, lb))
   gap = float(np.abs(lpa - lpb).mean())
