@@ -26,6 +26,12 @@ and v prepared by XLA:
 
     python benchmarks/generate.py --models smollm2-135m --batches 256 --fused-qkv on,off
 
+The layer norms' weights folded into the merged matrices (their row scales in the decode
+kernel and the SwiGLU kernel, no norm kernel a layer) against XLA's norms:
+
+    python benchmarks/generate.py --models smollm2-135m,qwen2.5-1.5b --batches 256 \
+        --fold-norms on,off
+
 Samples of one prompt (a GRPO group), with and without the engine's prompt sharing:
 
     python benchmarks/generate.py --models qwen3-0.6b --batches 512 --prompt-len 128 \
@@ -55,7 +61,7 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0,
         layout="auto", kernel="", write_first=True, xla_options=None, group=1, share=True,
-        merge=None, norm_rope="auto", fused_qkv=True, prepare=True):
+        merge=None, norm_rope="auto", fused_qkv=True, prepare=True, fold_norms=True):
   os.environ["JAXAGENT_DECODE_KERNEL"] = kernel
   cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16",
                           norm_rope_impl=norm_rope)
@@ -66,7 +72,8 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
                                  decode_attention=attention, cache_layout=layout,
                                  decode_write_first=write_first,
                                  decode_gpu_options=xla_options, share_prompts=share,
-                                 decode_merge_weights=merge, decode_fused_qkv=fused_qkv))
+                                 decode_merge_weights=merge, decode_fused_qkv=fused_qkv,
+                                 decode_fold_norms=fold_norms))
   rng = np.random.default_rng(0)
   if batch % group or 64 % group:
     raise SystemExit(f"--group {group} must divide the batch {batch} and 64 (a prefill call)")
@@ -107,6 +114,7 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
        layout=eng.cache_layout, kernel=kernel, write_first=write_first,
        merge_weights=eng.merges(steps, run_params),
        fused_qkv=eng.fuses_qkv(steps, run_params),
+       fold_norms=eng.fuses_qkv(steps, run_params) and eng.fold_norms,
        prepared=prepare,
        norm_rope=decoder.norm_rope_path(cfg, jax.default_backend()) if cfg.qk_norm else "none",
        xla_options="default" if xla_options is None else dict(xla_options),
@@ -148,6 +156,10 @@ def main():
   ap.add_argument("--fused-qkv", default="on",
                   help="bias, q / k norms and RoPE in the decode kernel with merged weights "
                        "(EngineConfig.decode_fused_qkv): on, off, or on,off (one run each)")
+  ap.add_argument("--fold-norms", default="on",
+                  help="the layer norms' weights folded into the merged matrices, their scales "
+                       "in the decode kernels (EngineConfig.decode_fold_norms): on, off, or "
+                       "on,off (one run each)")
   ap.add_argument("--prepare", default="on",
                   help="params prepared once for the run as rollouts do (Engine.prepare: the "
                        "merged decode weights made once, not in every decode call): on, off, "
@@ -161,10 +173,11 @@ def main():
               if args.xla_options else [None])
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
-      for (layout, attention, kernel, mode), xla, share, merge, norm_rope, fused, prep in (
+      for (layout, attention, kernel, mode), xla, share, merge, norm_rope, fused, prep, fold in (
           itertools.product(variants, xla_sets, args.share.split(","),
                             args.merge_weights.split(","), args.norm_rope.split(","),
-                            args.fused_qkv.split(","), args.prepare.split(","))):
+                            args.fused_qkv.split(","), args.prepare.split(","),
+                            args.fold_norms.split(","))):
         if mode not in ("", "merge"):
           raise SystemExit(f"--variants: unknown mode {mode!r} (expected '' or 'merge')")
         try:
@@ -172,7 +185,8 @@ def main():
               attention or "auto", layout=layout or "auto", kernel=kernel,
               write_first=mode != "merge", xla_options=xla, group=args.group,
               share=share == "on", merge={"auto": None, "on": True, "off": False}[merge],
-              norm_rope=norm_rope, fused_qkv=fused == "on", prepare=prep == "on")
+              norm_rope=norm_rope, fused_qkv=fused == "on", prepare=prep == "on",
+              fold_norms=fold == "on")
         except Exception as e:  # one failing variant must not lose the others' numbers
           print(f"FAILED {name} b={b} {layout}/{attention}/{kernel}/{mode}: {type(e).__name__}: "
                 f"{str(e)[:2000]}", flush=True)

@@ -44,6 +44,9 @@ def main():
   ap.add_argument("--fused-qkv", default="on",
                   help="the decode kernel fed the raw q|k|v projection where it fits "
                        "(EngineConfig.decode_fused_qkv): on, off or on,off")
+  ap.add_argument("--fold-norms", default="on",
+                  help="the sampler's layer-norm weights folded into its merged matrices "
+                       "(EngineConfig.decode_fold_norms): on, off or on,off")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
@@ -52,20 +55,23 @@ def main():
     params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
     lens = rng.integers(args.prompt_len // 2, args.prompt_len + 1, args.prompts)
     prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in lens]
-    for merge, fused in itertools.product(args.merge_weights.split(","),
-                                          args.fused_qkv.split(",")):
+    for merge, fused, fold in itertools.product(args.merge_weights.split(","),
+                                                args.fused_qkv.split(","),
+                                                args.fold_norms.split(",")):
       eng = Engine(cfg, EngineConfig(
           slots=args.prompts, max_len=args.prompt_len + args.gen, eos_ids=(),
           sampling=SamplingConfig(1.0),
           decode_merge_weights={"auto": None, "on": True, "off": False}[merge],
-          decode_fused_qkv={"on": True, "off": False}[fused]))
+          decode_fused_qkv={"on": True, "off": False}[fused],
+          decode_fold_norms={"on": True, "off": False}[fold]))
       outs = run_requests(eng, params, prompts, max_new_tokens=args.gen,
                           request_ids=list(range(args.prompts)), seed=1)
       # `run_requests` decodes 8 steps a call (its default).
-      _score(args, cfg, dtype, params, prompts, outs, eng.merges(8), eng.fuses_qkv(8))
+      _score(args, cfg, dtype, params, prompts, outs, eng.merges(8), eng.fuses_qkv(8),
+             eng.fuses_qkv(8) and eng.fold_norms)
 
 
-def _score(args, cfg, dtype, params, prompts, outs, merged, fused_qkv):
+def _score(args, cfg, dtype, params, prompts, outs, merged, fused_qkv, fold_norms):
   """The learner's log-probs of the sampled token ledgers, per training path, against the
   sampler's."""
   items = [packing.PackItem(tokens=np.asarray(p + o.tokens, np.int32),
@@ -89,7 +95,8 @@ def _score(args, cfg, dtype, params, prompts, outs, merged, fused_qkv):
     backend = jax.default_backend()
     emit("logprob_gap", args.record, model=args.model, dtype=dtype, attention=impl,
          resolved=decoder.attention_path(c, backend), logprob=logprobs.logprob_path(c, backend),
-         merged_decode_weights=merged, fused_qkv=fused_qkv, tokens=int(mask.sum()),
+         merged_decode_weights=merged, fused_qkv=fused_qkv, fold_norms=fold_norms,
+         tokens=int(mask.sum()),
          mean_abs_gap=float(gap.mean()), max_abs_gap=float(gap.max()))
 
 

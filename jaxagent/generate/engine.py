@@ -87,7 +87,8 @@ class PreparedParams:
 
   `params`: the model's params, as given (prefill and append use them, so their numerics do
   not change); `decode`: the same params with each layer's q|k|v and gate|up weights merged
-  (`param_tree.merge_decode_weights`), which decode calls use instead of merging at their
+  (`param_tree.merge_decode_weights`; the norm weights folded in where `Engine.fold_norms`),
+  which decode calls use instead of merging at their
   start, or None where the engine's decode calls do not merge. Every `Engine` method that takes
   params takes this too. It holds a copy of the merged weights for as long as it is kept: drop
   it when the params it was made from are replaced.
@@ -201,6 +202,11 @@ class EngineConfig:
   # the bias, q / k norms and RoPE itself (`decoder.decode_in_place(fused_qkv=True)`), one XLA
   # fusion a layer fewer; False: XLA prepares q, k and v for the kernel.
   decode_fused_qkv: bool = True
+  # With the raw q|k|v projection in the kernel, each layer's two RMS-norm weights are folded
+  # into the merged matrices (`param_tree.merge_decode_weights(fold_norms=True)`): the decode
+  # kernel applies the attention norm's row scale and one kernel the MLP norm's scale with the
+  # SwiGLU (`decode_mlp.swiglu_rms`), so the layer runs no norm kernel. False: XLA norms.
+  decode_fold_norms: bool = True
   # XLA compiler options of the decode program on GPUs, as (name, value) pairs; None: the
   # library's `DECODE_GPU_OPTIONS`; (): XLA's defaults.
   decode_gpu_options: tuple[tuple[str, Any], ...] | None = None
@@ -220,9 +226,9 @@ class EngineConfig:
     if self.cache_layout not in ("auto", "stacked", "per_layer"):
       raise ValueError("EngineConfig.cache_layout must be 'auto', 'stacked' or 'per_layer', got "
                        f"{self.cache_layout!r}")
-    if not isinstance(self.decode_fused_qkv, bool):
-      raise ValueError("EngineConfig.decode_fused_qkv must be a bool, got "
-                       f"{self.decode_fused_qkv!r}")
+    for name in ("decode_fused_qkv", "decode_fold_norms"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
     if self.decode_merge_weights not in (None, True, False):
       raise ValueError("EngineConfig.decode_merge_weights must be None (auto), True or False, "
                        f"got {self.decode_merge_weights!r}")
@@ -293,7 +299,8 @@ class Engine:
     opts = (DECODE_GPU_OPTIONS if self.ecfg.decode_gpu_options is None
             else self.ecfg.decode_gpu_options)
     opts = dict(opts) if jax.default_backend() == "gpu" else {}
-    self._jit_merge = jax.jit(on_mesh(lambda p: param_tree.merge_decode_weights(p, self.cfg)))
+    self._jit_merge = jax.jit(on_mesh(lambda p: param_tree.merge_decode_weights(
+        p, self.cfg, fold_norms=self.fold_norms)))
     self._jit_generate = jax.jit(on_mesh(self._generate), static_argnames=("steps", "kv_len"),
                                  compiler_options=opts or None,
                                  donate_argnames=("state",))
@@ -571,7 +578,7 @@ class Engine:
 
   def _generate(self, params, state: DecodeState, steps: int, kv_len: int):
     if self.merges(steps) and not param_tree.is_merged(params):
-      params = param_tree.merge_decode_weights(params, self.cfg)
+      params = param_tree.merge_decode_weights(params, self.cfg, fold_norms=self.fold_norms)
 
     def body(st, _):
       return self._step(params, st, kv_len)
@@ -593,9 +600,21 @@ class Engine:
     kernel the raw q|k|v projection (`EngineConfig.decode_fused_qkv`;
     `decoder.decode_in_place`): the write-first step with merged weights, no "tensor" axis over
     more than one device, a head size the kernel takes (`decoder.fused_qkv_fits`)."""
+    return self.merges(steps, params) and self._raw_qkv
+
+  @property
+  def _raw_qkv(self) -> bool:
+    """Whether the write-first step with merged weights hands the kernel the raw q|k|v
+    projection (`fuses_qkv` given merged weights)."""
     fits = shd.on_mesh(decoder.fused_qkv_fits, self.mesh)  # under the decode program's mesh
-    return (self.ecfg.decode_fused_qkv and self.writes_first and self.merges(steps, params)
+    return (self.ecfg.decode_fused_qkv and self.writes_first
             and fits(self.cfg, interpret=jax.default_backend() == "cpu"))
+
+  @property
+  def fold_norms(self) -> bool:
+    """Whether the merged decode weights this engine makes carry the layer norms' weights
+    (`EngineConfig.decode_fold_norms`, where the kernel takes the raw q|k|v projection)."""
+    return self.ecfg.decode_fold_norms and self._raw_qkv
 
   def prepare(self, params) -> PreparedParams:
     """The params for a run of calls with one policy version (a rollout, a batch of requests):

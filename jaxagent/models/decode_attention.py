@@ -282,9 +282,11 @@ def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, nu
 
 
 def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_row: int,
-                   eps: float):
+                   eps: float, scale=None):
   """Rows `row0 ..` of this slot's projections as a float32 `[n, hd]` tile (rows at or past
-  `valid` zero): plus the bias (`b_ref`), RMS-normed with weight row `norm_row` of `w_ref`
+  `valid` zero): times `scale` (the layer norm's row scale where its weight is folded into the
+  projection, `residual_scale`), plus the bias (`b_ref`), RMS-normed with weight row
+  `norm_row` of `w_ref`
   (Qwen3's q / k norms) and rotated by RoPE (`cs_ref`: the slot's cos / sin), each step
   rounded to the projections' dtype where `decoder._qkv` rounds it. Rotate-half RoPE needs
   each entry's partner half a head away: the tile is loaded a second time with its columns
@@ -300,6 +302,8 @@ def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_
   col1 = jax.lax.broadcasted_iota(jnp.int32, (1, hd), 1)  # one row's columns
   partner1 = (col1 + half) % hd
   x, xp = x_ref[slot, rows, col], x_ref[slot, rows, partner]
+  if scale is not None:
+    x, xp = (f32(x) * scale).astype(dt), (f32(xp) * scale).astype(dt)
   if b_ref is not None:
     x = (f32(x) + f32(b_ref[rows, col])).astype(dt)
     xp = (f32(xp) + f32(b_ref[rows, partner])).astype(dt)
@@ -316,8 +320,34 @@ def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_
   return jnp.where(row < valid, f32(y), 0.0)
 
 
+def row_sum_squares(ref, row0, rows: int, one_load: bool):
+  """The float32 sum of squares `[rows, 1]` of rows `row0 ..` of a `[S, D]` ref (a kernel's
+  residual-stream rows, for an RMS norm's scale). `one_load` (a GPU): one masked load of the
+  next power of two past D (its start dynamic, so that no static bound check refuses the
+  slice); else (interpret mode, which would clamp such a slice) a loop over chunks of the
+  largest power of two dividing D (on a GPU such a loop is a chain of load latencies at the
+  start of every program: SmolLM2-135M's SwiGLU kernel took 5.0 us a call on an H200 with it
+  and 48 programs, 3.0 us with one load and 192 programs)."""
+  d = ref.shape[-1]
+  if one_load:
+    from jax.experimental.pallas import triton as plt
+    dp = 1 << (d - 1).bit_length()
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, dp), 1)
+    x = plt.load(ref.at[pl.ds(row0, rows), pl.ds(row0 * 0, dp)], mask=col < d, other=0.0)
+    x = x.astype(jnp.float32)
+    return jnp.sum(x * x, axis=1, keepdims=True)
+  c = min(d & -d, 256)
+
+  def body(j, acc):
+    x = ref[pl.ds(row0, rows), pl.ds(pl.multiple_of(j * c, c), c)].astype(jnp.float32)
+    return acc + x * x
+  acc = jax.lax.fori_loop(0, d // c, body, jnp.zeros((rows, c), jnp.float32))
+  return jnp.sum(acc, axis=1, keepdims=True)
+
+
 def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared: bool, g: int,
-                  gp: int, kv: int, rope: bool, bias: bool, qk_norm: bool, eps: float):
+                  gp: int, kv: int, rope: bool, bias: bool, qk_norm: bool, eps: float,
+                  resid: bool, resid_eps: float, one_load: bool):
   from jax.experimental.pallas import triton as plt
   refs = list(refs)
   share_ref = refs.pop(0) if shared else None
@@ -325,6 +355,7 @@ def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared
   cs_ref = refs.pop(0) if rope else None
   b_ref = refs.pop(0) if bias else None
   w_ref = refs.pop(0) if qk_norm else None
+  r_ref = refs.pop(0) if resid else None
   k_ref, v_ref, o_ref, ko_ref, vo_ref = refs
   slot, head = pl.program_id(0), pl.program_id(1)
   length = lens_ref[0]
@@ -333,12 +364,18 @@ def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared
   # x_ref rows of this slot: the H query heads, then the KV new keys, then the KV new values.
   # This program's G query rows are loaded as a power-of-two tile with the rest masked off.
   qmask = jax.lax.broadcasted_iota(jnp.int32, (gp, x_ref.shape[2]), 0) < g
-  if rope:  # raw projections: bias, norms and RoPE here
-    q = _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, head * g, gp, g, 0, eps)
+  if rope:  # raw projections: the layer norm's scale, bias, norms and RoPE here
+    r = None
+    if resid:  # the attention norm's scale of this slot's residual stream
+      ss = row_sum_squares(r_ref, slot, 1, one_load)[0, 0]
+      r = jax.lax.rsqrt(ss / r_ref.shape[-1] + resid_eps)
+    q = _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, head * g, gp, g, 0, eps, r)
     # The new key as row 0 of a 16-row tile (a product's smallest), the other rows zero.
     k_new = jnp.sum(_prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, heads + head, 16, 1, 1,
-                                   eps), axis=0, keepdims=True).astype(x_ref.dtype)
+                                   eps, r), axis=0, keepdims=True).astype(x_ref.dtype)
     v_new = x_ref[slot, pl.ds(heads + kv + head, 1), :]
+    if resid:
+      v_new = (v_new.astype(jnp.float32) * r).astype(x_ref.dtype)
     if bias:
       v_new = (v_new.astype(jnp.float32)
                + b_ref[pl.ds(heads + kv + head, 1), :].astype(jnp.float32)).astype(x_ref.dtype)
@@ -403,8 +440,9 @@ def flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, *, share=None
                                                 launch))
 
 
-def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_norm=None, *,
-                           eps: float = 1e-6, share=None, interpret: bool = False, **launch):
+def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_norm=None,
+                           resid=None, *, eps: float = 1e-6, resid_eps: float = 1e-6,
+                           share=None, interpret: bool = False, **launch):
   """`flash_decode_write` from a decode step's raw q|k|v projections: the bias, Qwen3's q / k
   norms and RoPE are applied inside the kernel, so that nothing runs between the projection's
   GEMM and the kernel (`[S, (H + 2 KV) hd]` to `[S, H + 2 KV, hd]` is a free reshape).
@@ -413,9 +451,14 @@ def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_n
   token as the projection wrote them; rope: `[S, 2, hd / 2]` float32, the cos and sin of each
   slot's new position (`decoder.rope_tables` at `lengths`); bias: None or `[H + 2 KV, hd]`;
   qk_norm: None or `[2, hd]`, the q and k norm weights (RMS norm with `eps` over each head).
-  Rounded as `decoder._qkv` rounds them: bias added in qkv's dtype, normed heads and rotated
-  heads rounded to it. The cache's KV head count gives H / KV; hd must be even (and at least 32
-  outside interpret mode: no smaller head was run on a GPU). The rest as
+  resid: None or `[S, D]`, each slot's residual stream entering the layer, where the layer's
+  RMS norm weight is folded into the projection (`param_tree.merge_decode_weights(
+  fold_norms=True)`): the projection is then that of the unnormed stream, and each slot's rows
+  are first multiplied by the norm's scale `rsqrt(mean(resid^2) + resid_eps)`, computed here,
+  so that no XLA norm runs before the projection either.
+  Rounded as `decoder._qkv` rounds them: scaled rows, bias added in qkv's dtype, normed heads
+  and rotated heads rounded to it. The cache's KV head count gives H / KV; hd must be even
+  (and at least 32 outside interpret mode: no smaller head was run on a GPU). The rest as
   `flash_decode_write`. Returns (out [S, KV, G, hd] in qkv's dtype, cache_k, cache_v).
   """
   s, rows, hd = qkv.shape
@@ -429,18 +472,21 @@ def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_n
   if rope.shape != (s, 2, hd // 2):
     raise ValueError(f"flash_decode_write_qkv: rope must be [S, 2, hd / 2] = {(s, 2, hd // 2)}"
                      f", got {rope.shape}")
+  if resid is not None and (resid.ndim != 2 or resid.shape[0] != s):
+    raise ValueError(f"flash_decode_write_qkv: resid must be [S, D] with S = {s}, got "
+                     f"{resid.shape}")
   return _flash_decode_write(qkv, None, None, cache_k, cache_v, lengths, share, rope=rope,
-                             bias=bias, qk_norm=qk_norm, eps=float(eps), g=g,
-                             interpret=interpret,
+                             bias=bias, qk_norm=qk_norm, resid=resid, eps=float(eps),
+                             resid_eps=float(resid_eps), g=g, interpret=interpret,
                              **_launch_settings("flash_decode_write_qkv", s * kv, launch))
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "num_warps", "num_stages",
-                                             "low_precision_dot", "splits", "eps", "g",
-                                             "interpret"))
+                                             "low_precision_dot", "splits", "eps", "resid_eps",
+                                             "g", "interpret"))
 def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=None, bias=None,
-                        qk_norm=None, *, block_k, num_warps, num_stages, low_precision_dot,
-                        splits, interpret, eps=0.0, g=0):
+                        qk_norm=None, resid=None, *, block_k, num_warps, num_stages,
+                        low_precision_dot, splits, interpret, eps=0.0, resid_eps=0.0, g=0):
   """The kernel's launch. With `rope` None, q is `[S, KV, G, hd]` and k_new / v_new the new
   K/V (`flash_decode_write`); otherwise q holds the raw `[S, H + 2 KV, hd]` projections,
   k_new / v_new are None and the kernel prepares them (`flash_decode_write_qkv`)."""
@@ -465,7 +511,8 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=
   kern = functools.partial(_write_kernel, block_k=block_k, scale=1.0 / math.sqrt(hd),
                            dot_dtype=dot_dtype, shared=share is not None, g=g, gp=gp, kv=kv,
                            rope=rope is not None, bias=bias is not None,
-                           qk_norm=qk_norm is not None, eps=eps)
+                           qk_norm=qk_norm is not None, eps=eps, resid=resid is not None,
+                           resid_eps=resid_eps, one_load=not interpret)
   in_specs, args = _slot_inputs(lengths, share, s, kv, lambda i, j: (i, j, 0))
   # Whole-array refs: each program reads its own rows and, with sharing, its source's; the
   # caches are aliased to the outputs, so the write lands in place (no copy of the cache).
@@ -481,6 +528,8 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=
     inputs.append((b, whole(b)))
   if qk_norm is not None:
     inputs.append((qk_norm, whole(qk_norm)))
+  if resid is not None:
+    inputs.append((resid, whole(resid)))
   inputs += [(cache_k, whole(cache_k)), (cache_v, whole(cache_v))]
   in_specs += [spec for _, spec in inputs]
   args += [a for a, _ in inputs]

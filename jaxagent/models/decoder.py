@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxagent.models import decode_attention
+from jaxagent.models import decode_mlp
 from jaxagent.models import norm_rope_kernels
 from jaxagent.models import packed_attention
 from jaxagent.models.config import ModelConfig
@@ -33,8 +34,8 @@ from jaxagent.models.logprobs import (FUSED_LOGPROB_MAX_D, logits_from_hidden,  
                                       logprob_path, token_logprobs)
 from jaxagent.models.param_tree import (Params, box, compute_copy, init_params,  # noqa: F401
                                     is_merged, logical_axes, merge_decode_weights,
-                                    merged_decode_weight_bytes, param_specs, stack_layers,
-                                    unbox, unstack_layers)
+                                    merged_decode_weight_bytes, norms_folded, param_specs,
+                                    stack_layers, unbox, unstack_layers)
 from jaxagent.models.per_shard import constrain_batch, per_shard, tensor_split
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -165,10 +166,14 @@ def _project_qkv(h, lp, cfg: ModelConfig):
   return qkv.reshape(b, t, cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
 
 
-def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq):
+def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq, scale=None):
+  """q, k, v of the layer's input h; `scale` (`[B, T, 1]`), where the attention norm's weight
+  is folded into "wqkv": h is the unnormed stream and the projection is scaled by it."""
   dt = cfg.jnp_dtype
   if "wqkv" in lp:  # `merge_decode_weights`: one matmul, its output split by heads
     qkv = _project_qkv(h, lp, cfg)
+    if scale is not None:
+      qkv = (qkv.astype(jnp.float32) * scale[..., None]).astype(dt)
     if cfg.qkv_bias:
       qkv = qkv + lp["bqkv"].astype(dt)
     q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
@@ -203,18 +208,31 @@ def _mlp(h, lp, cfg: ModelConfig):
 
 
 def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq,
-           raw_qkv: bool = False):
+           raw_qkv: bool = False, swiglu: Callable | None = None):
   """One decoder layer. `attend(q, k, v) -> [B, T, H, hd]` supplies the attention pattern;
-  with `raw_qkv`, `attend(qkv)` takes the merged projection before its bias, norms and RoPE
-  (`_project_qkv`), and the layer returns None for k and v."""
+  with `raw_qkv`, `attend(qkv, resid)` takes the merged projection before its bias, norms and
+  RoPE (`_project_qkv`), and the layer returns None for k and v.
+
+  With the norm weights folded into the merged matrices (`param_tree.norms_folded`), both
+  projections multiply the unnormed stream and each norm becomes a per-row scale afterwards:
+  `resid` is then the stream entering the layer (the raw-q|k|v kernel scales by its norm
+  itself; else None), and `swiglu(gu, resid)` (default `decode_mlp.swiglu_rms_reference`) the
+  MLP's scaled activation."""
   x = constrain_batch(x)
-  h = rms_norm(x, lp["attn_norm"], cfg.norm_eps)
+  dt = cfg.jnp_dtype
+  folded = norms_folded(lp)
+  h = x if folded else rms_norm(x, lp["attn_norm"], cfg.norm_eps)
   if raw_qkv:
-    a, k, v = attend(_project_qkv(h, lp, cfg)), None, None
+    a, k, v = attend(_project_qkv(h, lp, cfg), x if folded else None), None, None
   else:
-    q, k, v = _qkv(h, lp, positions, cfg, inv_freq)
+    scale = decode_mlp.row_scale(x, cfg.norm_eps) if folded else None
+    q, k, v = _qkv(h, lp, positions, cfg, inv_freq, scale)
     a = attend(q, k, v)
-  x = x + jnp.einsum("bthk,hkd->btd", a, lp["wo"].astype(cfg.jnp_dtype))
+  x = x + jnp.einsum("bthk,hkd->btd", a, lp["wo"].astype(dt))
+  if folded:
+    gu = jnp.einsum("btd,df->btf", x, lp["w_gate_up"].astype(dt))
+    swiglu = swiglu or functools.partial(decode_mlp.swiglu_rms_reference, eps=cfg.norm_eps)
+    return x + jnp.einsum("btf,fd->btd", swiglu(gu, x), lp["w_down"].astype(dt)), k, v
   h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
   x = x + _mlp(h, lp, cfg)
   return x, k, v
@@ -296,18 +314,31 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lens, interpret, shar
 
 
 def _flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps, interpret,
-                           share=None):
-  """`decode_attention.flash_decode_write_qkv` (bias, q / k norms and RoPE in the kernel) per
-  shard (`_per_shard_decode`; rows only: the projection's heads are not split)."""
+                           share=None, resid=None, resid_eps=0.0):
+  """`decode_attention.flash_decode_write_qkv` (bias, q / k norms and RoPE in the kernel; with
+  `resid`, the folded attention norm's scale too) per shard (`_per_shard_decode`; rows only:
+  the projection's heads are not split)."""
   # The given ones go to every shard whole, and back to the kernel by name.
   given = {k: a for k, a in (("bias", bias), ("qk_norm", norms)) if a is not None}
+  rows = (qkv, rope) if resid is None else (qkv, rope, resid)
 
   def kernel(*args, **kw):
-    return decode_attention.flash_decode_write_qkv(*args[:5], **dict(zip(given, args[5:])),
-                                                   eps=eps, **kw)
+    n = len(rows)
+    named = dict(zip(given, args[n + 3:]))
+    if resid is not None:
+      named["resid"] = args[2]
+    return decode_attention.flash_decode_write_qkv(
+        args[0], args[1], *args[n:n + 3], **named, eps=eps, resid_eps=resid_eps, **kw)
 
-  return _per_shard_decode(kernel, (qkv, rope, cache_k, cache_v, lens), (4, 4, 4), interpret,
+  return _per_shard_decode(kernel, (*rows, cache_k, cache_v, lens), (4, 4, 4), interpret,
                            share, shared=tuple(given.values()))
+
+
+def _swiglu_rms(gu, resid, eps, interpret):
+  """`decode_mlp.swiglu_rms` (the folded MLP norm's scale and SwiGLU in one kernel) per shard
+  (rows over the batch axes): gu `[S, 1, 2 F]`, resid `[S, 1, D]` -> `[S, 1, F]`."""
+  fn = lambda g, r: decode_mlp.swiglu_rms(g, r, eps, interpret=interpret)
+  return per_shard(fn, (gu[:, 0], resid[:, 0]), 2, None)[:, None]
 
 
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
@@ -580,7 +611,10 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   those of slot `src[s]` in every layer (the kernel reads them there).
   `fused_qkv`: with merged weights (`merge_decode_weights`) where `fused_qkv_fits`, the kernel
   takes each layer's raw q|k|v projection and applies its bias, q / k norms and RoPE itself
-  (`decode_attention.flash_decode_write_qkv`): one XLA fusion a layer fewer.
+  (`decode_attention.flash_decode_write_qkv`): one XLA fusion a layer fewer. With the norm
+  weights folded in too (`merge_decode_weights(fold_norms=True)`), the kernel also applies
+  the attention norm's row scale, and the MLP's scale and SwiGLU run as one kernel
+  (`decode_mlp.swiglu_rms`): no norm kernel in the layer.
   Returns (logits `[S, V]` float32, cache_k, cache_v).
   """
   p = unbox(params)
@@ -595,6 +629,9 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
     rope = jnp.stack([cos[:, 0, 0], sin[:, 0, 0]], axis=1)  # [S, 2, hd / 2]
   x = embed(p, tokens, cfg)
   new_k, new_v = list(cache_k), list(cache_v)
+  # Norm weights folded into the merged matrices: the MLP's scale and SwiGLU in one kernel.
+  swiglu = (functools.partial(_swiglu_rms, eps=cfg.norm_eps, interpret=interpret)
+            if norms_folded(p) else None)
   for layer in range(cfg.n_layers):
     lp = jax.tree.map(lambda w: w[layer], p["layers"])
 
@@ -606,14 +643,15 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
           qg, k[:, 0], v[:, 0], new_k[layer], new_v[layer], cache_lens, interpret, share)
       return out.reshape(s, 1, cfg.n_heads, cfg.head_dim).astype(v.dtype)
 
-    def attend_raw(qkv, layer=layer, lp=lp):
+    def attend_raw(qkv, resid, layer=layer, lp=lp):
       out, new_k[layer], new_v[layer] = _flash_decode_write_qkv(
           qkv[:, 0], rope, new_k[layer], new_v[layer], cache_lens, lp.get("bqkv"),
-          lp.get("qk_norms"), cfg.norm_eps, interpret, share)
+          lp.get("qk_norms"), cfg.norm_eps, interpret, share,
+          None if resid is None else resid[:, 0], cfg.norm_eps)
       return out.reshape(s, 1, cfg.n_heads, cfg.head_dim).astype(qkv.dtype)
 
     x, _, _ = _block(x, lp, positions, attend_raw if raw else attend, cfg, inv_freq,
-                     raw_qkv=raw)
+                     raw_qkv=raw, swiglu=swiglu)
   logits = logits_from_hidden(params, rms_norm(x[:, 0], p["final_norm"], cfg.norm_eps), cfg)
   return logits, tuple(new_k), tuple(new_v)
 

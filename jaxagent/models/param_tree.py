@@ -127,12 +127,22 @@ def logical_axes(params: Params):
   return nn.get_partition_spec(params)
 
 
-def merge_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
+def merge_decode_weights(params: Params, cfg: ModelConfig,
+                         fold_norms: bool = False) -> dict[str, Any]:
   """The plain params with each layer's q, k and v projections as one `[D, (H + 2 KV) hd]`
   matrix ("wqkv") and its gate and up projections as one `[D, 2 F]` ("w_gate_up"), in the
   compute dtype; q, k and v biases as one `[H + 2 KV, hd]` ("bqkv") and q and k norm weights
   as one `[2, hd]` ("qk_norms"), where the model has them. The forward, prefill, extend and
   decode functions take either form.
+
+  `fold_norms`: each layer's attention and MLP RMS-norm weights are multiplied into the rows
+  of "wqkv" and "w_gate_up" (in float32, then rounded to the compute dtype) and dropped
+  ("attn_norm" and "mlp_norm" are gone: `norms_folded`). rms_norm(x) w @ W equals
+  r(x) (x @ diag(w) W) with r(x) the norm's per-row scale, so the layer multiplies the unnormed
+  residual stream and scales the products afterwards: the GPU decode step does that inside the
+  attention kernel and the SwiGLU kernel (`decoder.decode_in_place`), with no norm kernel of
+  its own. The same function up to rounding: in bfloat16 the folded weights and the unnormed
+  products round differently from the normed activations.
 
   For the engine's decode program (`EngineConfig.decode_merge_weights`): at decode sizes one
   GEMM over the merged weights costs less than two or three over their parts, and XLA's own
@@ -143,10 +153,17 @@ def merge_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
   p = dict(unbox(params))
   lw = dict(p["layers"])
   dt, lead = cfg.jnp_dtype, lw["wq"].shape[:-2]
-  flat = lambda w: w.astype(dt).reshape(*lead, -1)
-  lw["wqkv"] = jnp.concatenate([flat(lw.pop(n)) for n in ("wq", "wk", "wv")], axis=-1)
-  lw["w_gate_up"] = jnp.concatenate([lw.pop("w_gate").astype(dt), lw.pop("w_up").astype(dt)],
-                                    axis=-1)
+  # With `fold_norms`, the norm weight scales row d of each matrix it feeds.
+  scales = {}
+  if fold_norms:
+    attn, mlp = (lw.pop(n).astype(jnp.float32)[..., :, None] for n in ("attn_norm", "mlp_norm"))
+    scales = dict(wq=attn, wk=attn, wv=attn, w_gate=mlp, w_up=mlp)
+
+  def flat(n):
+    w = lw.pop(n).reshape(*lead, -1)
+    return (w.astype(jnp.float32) * scales[n]).astype(dt) if scales else w.astype(dt)
+  lw["wqkv"] = jnp.concatenate([flat(n) for n in ("wq", "wk", "wv")], axis=-1)
+  lw["w_gate_up"] = jnp.concatenate([flat(n) for n in ("w_gate", "w_up")], axis=-1)
   if "bq" in lw:  # the biases as one `[H + 2 KV, hd]` per layer, in the projection's order
     lw["bqkv"] = jnp.concatenate([lw.pop(n).astype(dt) for n in ("bq", "bk", "bv")], axis=-2)
   if "q_norm" in lw:  # Qwen3's q and k norm weights as one `[2, hd]` per layer
@@ -160,6 +177,15 @@ def is_merged(params: Params) -> bool:
   layers = unbox(params)["layers"]
   first = layers[0] if isinstance(layers, (tuple, list)) else layers
   return "wqkv" in first
+
+
+def norms_folded(params: Params) -> bool:
+  """Whether `params` (or one layer's dict of them) hold merged weights with the layer norms
+  folded in (`merge_decode_weights(fold_norms=True)`)."""
+  layers = unbox(params)
+  layers = layers.get("layers", layers)
+  first = layers[0] if isinstance(layers, (tuple, list)) else layers
+  return "wqkv" in first and "attn_norm" not in first
 
 
 def merged_decode_weight_bytes(cfg: ModelConfig) -> int:

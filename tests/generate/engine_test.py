@@ -339,6 +339,34 @@ def test_fuses_qkv_where_the_write_first_step_has_merged_weights():
                 mesh=sharding.make_mesh(2, 4, 1)).fuses_qkv(8)
 
 
+def test_fold_norms_where_the_kernel_takes_the_raw_projection(params):
+  """`Engine.fold_norms`: the layer norms' weights go into the merged matrices exactly where
+  the kernel takes the raw q|k|v projection (`decode_fold_norms`, on by default), the prepared
+  params carry them folded, and the sampled tokens and log-probs are those of the XLA norms."""
+  from jaxagent.generate import run_requests
+  from jaxagent.models import param_tree
+  kw = dict(slots=2, max_len=48, decode_attention="pallas", cache_layout="per_layer",
+            sampling=SamplingConfig(1.0))
+  assert not Engine(CFG, EngineConfig(decode_merge_weights=True, decode_fused_qkv=False,
+                                      **kw)).fold_norms
+  assert not Engine(CFG, EngineConfig(decode_merge_weights=True, decode_write_first=False,
+                                      **kw)).fold_norms
+  with pytest.raises(ValueError, match="decode_fold_norms"):
+    EngineConfig(decode_fold_norms=1)
+  prompts = _prompts(2, seed=5)
+  outs = []
+  for fold in (True, False):
+    eng = Engine(CFG, EngineConfig(decode_merge_weights=True, decode_fold_norms=fold, **kw))
+    assert eng.fold_norms is fold and eng.fuses_qkv(8)
+    prep = eng.prepare(params)
+    assert param_tree.norms_folded(prep.decode) is fold
+    outs.append(run_requests(eng, prep, prompts, max_new_tokens=6, request_ids=[0, 1],
+                             seed=2))
+  for a, b in zip(*outs):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
 @pytest.mark.parametrize("merge", [True, False])
 def test_prepared_params_merge_once_and_match_plain_params(params, monkeypatch, merge):
   """`Engine.prepare`: with merged decode weights (`decode_merge_weights=True` here, the GPU

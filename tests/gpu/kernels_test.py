@@ -18,7 +18,7 @@ import pytest
 from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.generate.scheduler import run_requests
-from jaxagent.models import decoder, param_tree
+from jaxagent.models import decode_mlp, decoder, param_tree
 
 pytestmark = pytest.mark.gpu
 
@@ -33,27 +33,32 @@ def _on_a_gpu():
 
 
 def _params(name, dtype, seed=3):
-  """A two-layer cut of `name` with non-zero q|k|v biases and q / k norm weights other than
-  one (each changes what the kernel computes), boxed logical axes removed."""
+  """A two-layer cut of `name` with non-zero q|k|v biases and q / k and layer norm weights
+  other than one (each changes what the kernels compute), boxed logical axes removed."""
   cfg = models.get_config(name, dtype=dtype, param_dtype=dtype).replace(n_layers=2)
   p = param_tree.unbox(jax.jit(lambda k: models.init_params(cfg, k, std=0.05))(
       jax.random.key(seed)))
   layers = dict(p["layers"])
-  for i, n in enumerate(("bq", "bk", "bv", "q_norm", "k_norm")):
+  for i, n in enumerate(("bq", "bk", "bv", "q_norm", "k_norm", "attn_norm", "mlp_norm")):
     if n in layers:
       noise = 0.2 * jax.random.normal(jax.random.key(10 + i), layers[n].shape, jnp.float32)
       layers[n] = (layers[n].astype(jnp.float32) + noise).astype(layers[n].dtype)
   return cfg, dict(p, layers=layers)
 
 
+@pytest.mark.parametrize("fold", [False, True], ids=["norms", "folded"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", SHAPES)
-def test_fused_qkv_kernel_equals_xla_prepared_step(name, dtype):
+def test_fused_qkv_kernel_equals_xla_prepared_step(name, dtype, fold):
   """One write-first decode step with merged weights: the kernel fed the raw q|k|v projection
   (bias, q / k norms and RoPE in the kernel) against q, k, v prepared by XLA, over 64 slots of
-  random lengths up to 256 cached keys."""
+  random lengths up to 256 cached keys. `folded`: the layer norms' weights in the merged
+  matrices, their scales in the decode kernel and the SwiGLU kernel, against XLA's scales and
+  SwiGLU of the same weights (and, in float32, against XLA's norms of the unfolded ones)."""
   cfg, params = _params(name, dtype)
-  merged = jax.jit(lambda p: param_tree.merge_decode_weights(p, cfg))(params)
+  merge = jax.jit(lambda p, fold: param_tree.merge_decode_weights(p, cfg, fold_norms=fold),
+                  static_argnums=1)
+  merged, kernels = merge(params, False), merge(params, fold)
   s, c = 64, 256
   shape = (s, cfg.n_kv_heads, c, cfg.head_dim)
   ck = tuple(jax.random.normal(jax.random.key(30 + i), shape, cfg.jnp_dtype)
@@ -70,33 +75,55 @@ def test_fused_qkv_kernel_equals_xla_prepared_step(name, dtype):
     step = jax.jit(lambda fused, *args: decoder.decode_in_place(*args, cfg=cfg,
                                                                 fused_qkv=fused),
                    static_argnums=0)
-    a, b = (step(fused, merged, ck, cv, tok, lens) for fused in (True, False))
+    a, b = step(True, kernels, ck, cv, tok, lens), step(False, kernels, ck, cv, tok, lens)
+    unfolded = step(False, merged, ck, cv, tok, lens)
   la, lb = (np.asarray(x[0], np.float32) for x in (a, b))
   lpa, lpb = (np.asarray(jax.nn.log_softmax(x, -1)) for x in (la, lb))
   gap = float(np.abs(lpa - lpb).mean())
   same = float((la.argmax(-1) == lb.argmax(-1)).mean())
   kd = max(float(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)).max())
            for x, y in zip(a[1] + a[2], b[1] + b[2]))
-  print(f"{name} {dtype}: log-prob mean |d| {gap:.2e}, argmax equal {same:.3f}, "
+  print(f"{name} {dtype} fold={fold}: log-prob mean |d| {gap:.2e}, argmax equal {same:.3f}, "
         f"caches max |d| {kd:.2e}")
   if dtype == "float32":
     assert gap <= 1e-5 and same == 1.0 and kd <= 1e-4, (gap, same, kd)
+    lpu = np.asarray(jax.nn.log_softmax(np.asarray(unfolded[0], np.float32), -1))
+    assert np.abs(lpa - lpu).mean() <= 1e-5, np.abs(lpa - lpu).mean()
   else:  # the two programs round bf16 activations in different places
     assert gap <= 2e-3 and same >= 0.95 and kd <= 0.1, (gap, same, kd)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("shape", [(256, 576, 1536), (256, 1536, 8960), (24, 1024, 3072)])
+def test_swiglu_rms_kernel_equals_xla(shape, dtype):
+  """The folded MLP norm's scale and SwiGLU as the compiled kernel against the same function
+  in XLA ops, at SmolLM2-135M's and Qwen2.5-1.5B's widths and an odd slot count."""
+  s, d, f = shape
+  gu = jax.random.normal(jax.random.key(0), (s, 2 * f), dtype)
+  resid = 3 * jax.random.normal(jax.random.key(1), (s, d), dtype)
+  got = np.asarray(decode_mlp.swiglu_rms(gu, resid, 1e-6), np.float32)
+  want = np.asarray(jax.jit(decode_mlp.swiglu_rms_reference, static_argnums=2)(gu, resid, 1e-6),
+                    np.float32)
+  err = np.abs(got - want).max() / np.abs(want).max()
+  print(f"swiglu_rms {shape} {dtype}: max |d| / max |ref| {err:.2e}")
+  # bfloat16: two units in the last place (2^-6) at the largest entry; the two compute the
+  # sigmoid differently before rounding it.
+  assert np.isfinite(got).all() and err <= (1e-6 if dtype == "float32" else 2 ** -6), err
 
 
 @pytest.mark.parametrize("name", SHAPES)
 def test_sampler_logprobs_match_training_forward(name):
   """The issue's bound, float32 at full matmul precision: the engine's sampled tokens (GPU
-  defaults: Pallas decode kernel, merged weights, fused q|k|v where the head fits) scored by
-  the training forward differ from the sampler's log-probs by at most 1e-4 on average."""
+  defaults: Pallas decode kernel, merged weights, fused q|k|v and folded norms where the head
+  fits) scored by the training forward differ from the sampler's log-probs by at most 1e-4 on
+  average."""
   cfg, params = _params(name, "float32")
   rng = np.random.default_rng(4)
   prompts = [rng.integers(0, cfg.vocab_size, rng.integers(40, 60)).tolist() for _ in range(8)]
   with jax.default_matmul_precision("highest"):
     eng = Engine(cfg, EngineConfig(slots=8, max_len=128, eos_ids=(),
                                    sampling=SamplingConfig(1.0)))
-    assert eng.fuses_qkv(8)
+    assert eng.fuses_qkv(8) and eng.fold_norms
     out = run_requests(eng, params, prompts, max_new_tokens=32, request_ids=list(range(8)),
                        seed=5)
     # One forward over the ledgers right-padded to one length (one compile; causal attention

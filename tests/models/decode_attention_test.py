@@ -181,6 +181,73 @@ def test_merged_decode_weights_compute_the_same_function(name):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
 
 
+@pytest.mark.parametrize("name", [
+    "tiny-qwen2", "tiny-qwen3", pytest.param("tiny-llama", marks=pytest.mark.slow)])
+def test_folded_norms_compute_the_same_function(name, monkeypatch):
+  """`merge_decode_weights(fold_norms=True)`: the layer norms' weights (random here, not one)
+  go into the merged matrices and their entries are dropped. The forward and both write-first
+  decode paths (the kernels' row scales and the SwiGLU kernel; XLA's scales) give the logits
+  and caches of the unfolded weights, and the kernel path runs one RMS norm (the final one)
+  and one SwiGLU kernel a layer."""
+  cfg = models.get_config(name)
+  params = param_tree.unbox(models.init_params(cfg, jax.random.key(3), std=0.2))
+  layers = dict(params["layers"])
+  for i, n in enumerate(("attn_norm", "mlp_norm")):
+    layers[n] = layers[n] + 0.3 * _rand(60 + i, *layers[n].shape)
+  params = dict(params, layers=layers)
+  merged = param_tree.merge_decode_weights(params, cfg)
+  folded = param_tree.merge_decode_weights(params, cfg, fold_norms=True)
+  assert param_tree.norms_folded(folded) and not param_tree.norms_folded(merged)
+  assert not {"attn_norm", "mlp_norm"} & set(folded["layers"])
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 12)))
+  np.testing.assert_allclose(np.asarray(models.forward(folded, tokens, cfg=cfg)),
+                             np.asarray(models.forward(params, tokens, cfg=cfg)), atol=1e-4)
+  s, c = 3, 32
+  shape = (s, cfg.n_kv_heads, c, cfg.head_dim)
+  ck = tuple(_rand(30 + i, *shape) for i in range(cfg.n_layers))
+  cv = tuple(_rand(40 + i, *shape) for i in range(cfg.n_layers))
+  lens, tok = jnp.array([0, 9, c], jnp.int32), jnp.array([5, 7, 11], jnp.int32)
+  want = decoder.decode_in_place(merged, ck, cv, tok, lens, cfg=cfg)
+  norms, swiglus = [], []
+  rms, swiglu = decoder.rms_norm, decoder._swiglu_rms
+  monkeypatch.setattr(decoder, "rms_norm", lambda *a: norms.append(1) or rms(*a))
+  monkeypatch.setattr(decoder, "_swiglu_rms", lambda *a, **k: swiglus.append(1) or swiglu(*a, **k))
+  got = decoder.decode_in_place(folded, ck, cv, tok, lens, cfg=cfg)
+  assert len(norms) == 1 and len(swiglus) == cfg.n_layers
+  xla = decoder.decode_in_place(folded, ck, cv, tok, lens, cfg=cfg, fused_qkv=False)
+  for w, a, b in zip(jax.tree.leaves(want), jax.tree.leaves(got), jax.tree.leaves(xla)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=2e-5)
+    np.testing.assert_allclose(np.asarray(b), np.asarray(w), atol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("s,d,f,max_programs", [(8, 40, 96, 512), (6, 48, 80, 4), (16, 64, 64, 2)])
+def test_swiglu_rms_kernel_equals_reference(s, d, f, max_programs, dtype, monkeypatch):
+  """The folded MLP norm's scale and the SwiGLU in one kernel (interpret mode) against the
+  same function in XLA ops, with one column block a program and with several (few programs
+  allowed), for row widths D that are not powers of two."""
+  from jaxagent.models import decode_mlp
+  monkeypatch.setattr(decode_mlp, "BLOCK_COLS", 16)
+  monkeypatch.setattr(decode_mlp, "MAX_PROGRAMS", max_programs)
+  gu = _rand(0, s, 2 * f).astype(dtype)
+  resid = (3 * _rand(1, s, d)).astype(dtype)
+  got = decode_mlp.swiglu_rms(gu, resid, 1e-6, interpret=True)
+  want = decode_mlp.swiglu_rms_reference(gu, resid, 1e-6)
+  assert got.shape == (s, f) and got.dtype == dtype
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                             rtol=1e-6, atol=1e-6)
+  # The scale is that of each row's RMS norm.
+  r = 1 / np.sqrt((np.asarray(resid, np.float64) ** 2).mean(-1, keepdims=True) + 1e-6)
+  g, u = np.split(np.asarray(gu, np.float64), 2, axis=-1)
+  ref = (g * r) / (1 + np.exp(-g * r)) * (u * r)
+  tol = 1e-5 if dtype == jnp.float32 else 3e-2
+  np.testing.assert_allclose(np.asarray(got, np.float64), ref, rtol=tol, atol=tol)
+  with pytest.raises(ValueError, match="swiglu_rms"):
+    decode_mlp.swiglu_rms(gu[:, :-1], resid, 1e-6, interpret=True)
+  with pytest.raises(ValueError, match="swiglu_rms"):
+    decode_mlp.swiglu_rms(gu, resid[:-1], 1e-6, interpret=True)
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3, 8])
 def test_flash_decode_splits_equal_one_pass(splits):
   """Cutting each slot's sequence into ranges (one program each, merged by log-sum-exp) gives
@@ -514,6 +581,9 @@ def test_flash_decode_write_qkv_rejects_bad_shapes():
     flash_decode_write_qkv(qkv, rope[:, :, :4], k, v, lens, interpret=True)
   with pytest.raises(ValueError, match="on a GPU, >= 32"):
     flash_decode_write_qkv(qkv, rope, k, v, lens)  # hd 16 outside interpret mode
+  with pytest.raises(ValueError, match="resid must be"):
+    flash_decode_write_qkv(qkv, jnp.zeros((5, 2, 8)), k, v, lens, resid=jnp.zeros((4, 32)),
+                           interpret=True)
 
 
 @pytest.mark.parametrize("name", [
