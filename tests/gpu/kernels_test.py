@@ -89,8 +89,17 @@ def test_fused_qkv_kernel_equals_xla_prepared_step(name, dtype, fold):
     assert gap <= 1e-5 and same == 1.0 and kd <= 1e-4, (gap, same, kd)
     lpu = np.asarray(jax.nn.log_softmax(np.asarray(unfolded[0], np.float32), -1))
     assert np.abs(lpa - lpu).mean() <= 1e-5, np.abs(lpa - lpu).mean()
-  else:  # the two programs round bf16 activations in different places
+  elif not fold:  # the two programs round bf16 activations in different places
     assert gap <= 2e-3 and same >= 0.95 and kd <= 0.1, (gap, same, kd)
+  else:
+    # Folded, XLA's program rounds its scaled projections and the SwiGLU's steps in other
+    # places than the kernels do. Measured on an H200: mean log-prob gaps 1.3e-2 (SmolLM2-135M),
+    # 2.5e-2 (Qwen2.5-1.5B), 1.7e-2 (Qwen3-0.6B), argmax equal 95-97%, caches 0.06-0.18
+    # apart; on the CPU, 3.3e-3 for the SmolLM2-135M cut. Folding itself moves the bf16
+    # log-probs of these cuts by about 1.4e-2 (CPU, XLA either way), and the sampler/learner
+    # gap of the whole Qwen3-0.6B from 7.55e-3 to 7.88e-3 (benchmarks/RESULTS.md). A wrong
+    # scale moves them by orders of magnitude more.
+    assert gap <= 4e-2 and same >= 0.9 and kd <= 0.25, (gap, same, kd)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
