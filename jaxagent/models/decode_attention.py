@@ -285,9 +285,9 @@ def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_
                    eps: float, scale=None):
   """Rows `row0 ..` of this slot's projections as a float32 `[n, hd]` tile (rows at or past
   `valid` zero): times `scale` (the layer norm's row scale where its weight is folded into the
-  projection, `residual_scale`), plus the bias (`b_ref`), RMS-normed with weight row
-  `norm_row` of `w_ref`
-  (Qwen3's q / k norms) and rotated by RoPE (`cs_ref`: the slot's cos / sin), each step
+  projection: `flash_decode_write_qkv`'s `resid`), plus the bias (`b_ref`), RMS-normed with
+  weight row `norm_row` of `w_ref` (Qwen3's q / k norms) and rotated by RoPE (`cs_ref`: the
+  slot's cos / sin), each step
   rounded to the projections' dtype where `decoder._qkv` rounds it. Rotate-half RoPE needs
   each entry's partner half a head away: the tile is loaded a second time with its columns
   rotated by half a head (a gather load), so no tile has to be cut and put back together."""

@@ -23,10 +23,11 @@ from jaxagent.models.decode_attention import row_sum_squares
 # array's, at most these), and each program takes as many column blocks as keep the programs
 # at most `MAX_PROGRAMS` (its rows' scale is computed once a program). Measured on an H200 in
 # the engine's step at 256 slots (benchmarks/RESULTS.md): blocks of 8 x 256, one a program,
-# took SmolLM2-135M's step to 1.650 ms, 4 x 256 to 1.623 ms; with Qwen2.5-1.5B's 35 column
-# blocks of one program each (1120 programs summing the same rows) the step was 1.5% slower
-# than with XLA's norms, and at most 512 programs (7 a row block, 5 blocks each) evened it;
-# at most 256 programs made it 3.554 ms against 3.215.
+# took SmolLM2-135M's step to 1.650 ms, 4 x 256 to 1.623 ms (1.687 ms with XLA's norms). One
+# program per column block gave Qwen2.5-1.5B's 35 blocks a row block 1120-2240 programs, each
+# summing the same rows again, and the step was 1.3-1.5% slower than with XLA's norms; at most
+# 512 programs (7 a row block, 5 blocks each) made it 3.215 ms against 3.221, at most 256
+# programs 3.554 ms.
 BLOCK_ROWS = 4
 BLOCK_COLS = 256
 MAX_PROGRAMS = 512

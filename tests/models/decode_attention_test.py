@@ -17,6 +17,13 @@ def _rand(key, *shape):
   return jax.random.normal(jax.random.key(key), shape)
 
 
+def _layer_caches(cfg, s, c):
+  """Random per-layer K and V caches `[s, KV, c, hd]` (the write-first step's buffers)."""
+  shape = (s, cfg.n_kv_heads, c, cfg.head_dim)
+  return (tuple(_rand(30 + i, *shape) for i in range(cfg.n_layers)),
+          tuple(_rand(40 + i, *shape) for i in range(cfg.n_layers)))
+
+
 @pytest.mark.parametrize("g,hd,c", [
     (3, 16, 128), pytest.param(1, 32, 96, marks=pytest.mark.slow),
     pytest.param(6, 16, 64, marks=pytest.mark.slow), (150, 16, 64)])
@@ -171,9 +178,7 @@ def test_merged_decode_weights_compute_the_same_function(name):
   np.testing.assert_allclose(np.asarray(models.forward(merged, tokens, cfg=cfg)),
                              np.asarray(models.forward(params, tokens, cfg=cfg)), atol=1e-5)
   s, c = 3, 32
-  shape = (s, cfg.n_kv_heads, c, cfg.head_dim)
-  ck = tuple(_rand(30 + i, *shape) for i in range(cfg.n_layers))
-  cv = tuple(_rand(40 + i, *shape) for i in range(cfg.n_layers))
+  ck, cv = _layer_caches(cfg, s, c)
   lens, tok = jnp.array([0, 9, 31], jnp.int32), jnp.array([5, 7, 11], jnp.int32)
   a = decoder.decode_in_place(params, ck, cv, tok, lens, cfg=cfg)
   b = decoder.decode_in_place(merged, ck, cv, tok, lens, cfg=cfg)
@@ -203,9 +208,7 @@ def test_folded_norms_compute_the_same_function(name, monkeypatch):
   np.testing.assert_allclose(np.asarray(models.forward(folded, tokens, cfg=cfg)),
                              np.asarray(models.forward(params, tokens, cfg=cfg)), atol=1e-4)
   s, c = 3, 32
-  shape = (s, cfg.n_kv_heads, c, cfg.head_dim)
-  ck = tuple(_rand(30 + i, *shape) for i in range(cfg.n_layers))
-  cv = tuple(_rand(40 + i, *shape) for i in range(cfg.n_layers))
+  ck, cv = _layer_caches(cfg, s, c)
   lens, tok = jnp.array([0, 9, c], jnp.int32), jnp.array([5, 7, 11], jnp.int32)
   want = decoder.decode_in_place(merged, ck, cv, tok, lens, cfg=cfg)
   norms, swiglus = [], []
@@ -601,9 +604,7 @@ def test_decode_in_place_fused_qkv_equals_xla_prepared(name, monkeypatch):
       layers[key] = layers[key] + 0.2 * _rand(7, *layers[key].shape)
   merged = dict(merged, layers=layers)
   s, c = 3, 32
-  shape = (s, cfg.n_kv_heads, c, cfg.head_dim)
-  ck = tuple(_rand(30 + i, *shape) for i in range(cfg.n_layers))
-  cv = tuple(_rand(40 + i, *shape) for i in range(cfg.n_layers))
+  ck, cv = _layer_caches(cfg, s, c)
   lens, tok = jnp.array([0, 9, c], jnp.int32), jnp.array([5, 7, 11], jnp.int32)
   calls = []
   fused = decoder._flash_decode_write_qkv
