@@ -12,12 +12,13 @@ Ablations (`--ablate attention,norms`): the engine's step again, compiled with a
 out, so the difference to the whole step is that piece's share of the wall time, with no
 profiler in the way. "attention": the decode kernel calls return the query as the attention
 output and leave the caches as they are (the kernel's reads and writes are gone, the rest of
-the step is unchanged); "norms": every RMS norm is the identity. The outputs are meaningless;
-only the times are of use. Needs the Pallas decode step (`--attention pallas`, the GPU's
-default).
+the step is unchanged); "norms": every RMS norm is the identity (the step with XLA's norms,
+`--fold-norms off`: folded into the decode weights, they have no kernel of their own). The
+outputs are meaningless; only the times are of use. Needs the Pallas decode step
+(`--attention pallas`, the GPU's default).
 
     python benchmarks/decode_profile.py --model smollm2-135m --batch 256 --cached 512 \
-        --ablate attention,norms --trace /tmp/trace --trace-only
+        --ablate attention,norms --fold-norms off --trace /tmp/trace --trace-only
 
 Split batch (`--split 2`): `decoder.decode_in_place` over the whole batch, then over two
 halves with caches of their own in one program, with XLA's command buffer scheduling as
@@ -53,7 +54,8 @@ def ablation(name: str):
       calls.append(name)
       return q, cache_k, cache_v
 
-    def write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps, interpret, share=None):
+    def write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps, interpret, share=None,
+                  resid=None, resid_eps=0.0):
       calls.append(name)
       s, rows, hd = qkv.shape
       kv = cache_k.shape[1]
@@ -158,6 +160,9 @@ def main():
   ap.add_argument("--attention", default="auto", help="decode attention: auto, xla, pallas")
   ap.add_argument("--ablate", default="", help="comma-separated pieces to time the step "
                   f"without, one at a time: {', '.join(ABLATIONS)}")
+  ap.add_argument("--fold-norms", default="on", choices=("on", "off"),
+                  help="the layer norms' weights folded into the merged decode matrices "
+                       "(EngineConfig.decode_fold_norms; --ablate norms needs off)")
   ap.add_argument("--split", type=int, default=0, help="also time the batch as this many "
                   "parts in one program, serial and concurrent command buffer scheduling")
   args = ap.parse_args()
@@ -169,8 +174,12 @@ def main():
   S, C = args.batch, args.cached
   ecfg = EngineConfig(slots=S, max_len=args.max_len, sampling=SamplingConfig(1.0),
                       cache_layout=args.layout, decode_write_first=not args.merge,
-                      decode_attention=args.attention)
+                      decode_attention=args.attention,
+                      decode_fold_norms=args.fold_norms == "on")
   eng = Engine(cfg, ecfg)
+  if "norms" in ablate and eng.fold_norms:
+    raise SystemExit("--ablate norms replaces XLA's RMS norms; with the norms folded into the "
+                     "decode weights the step has none but the final one: add --fold-norms off")
   kv_len = eng.kv_len_for(C + args.steps)
   out = {}
   run_step, holder = held_step(eng, params, S, C, kv_len, args.steps)

@@ -612,9 +612,10 @@ class Engine:
 
   @property
   def fold_norms(self) -> bool:
-    """Whether the merged decode weights this engine makes carry the layer norms' weights
-    (`EngineConfig.decode_fold_norms`, where the kernel takes the raw q|k|v projection)."""
-    return self.ecfg.decode_fold_norms and self._raw_qkv
+    """Whether the merged decode weights this engine makes (`merge_weights`) carry the layer
+    norms' weights (`EngineConfig.decode_fold_norms`, where the kernel takes the raw q|k|v
+    projection)."""
+    return self.ecfg.decode_fold_norms and self.merge_weights and self._raw_qkv
 
   def prepare(self, params) -> PreparedParams:
     """The params for a run of calls with one policy version (a rollout, a batch of requests):
