@@ -6,6 +6,7 @@ Each script prints one machine-readable line per measurement (`RESULT {json}`) a
 from __future__ import annotations
 
 import datetime
+import itertools
 import json
 import pathlib
 import statistics
@@ -21,6 +22,32 @@ PEAKS = {
     "cpu": dict(bf16_flops=float("nan"), hbm_bytes_s=float("nan")),
 }
 RESULTS = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
+
+_ON_OFF = {"on": True, "off": False}
+
+
+def add_decode_switches(ap) -> None:
+  """The decode program's weight switches as options, each a comma-separated list of values
+  with one run per combination (`decode_switch_runs`)."""
+  ap.add_argument("--merge-weights", default="auto",
+                  help="q|k|v and gate|up weights merged into one matrix each "
+                       "(EngineConfig.decode_merge_weights): auto, on, off, or a list")
+  ap.add_argument("--fused-qkv", default="on",
+                  help="bias, q / k norms and RoPE in the decode kernel with merged weights "
+                       "(EngineConfig.decode_fused_qkv): on, off, or on,off")
+  ap.add_argument("--fold-norms", default="on",
+                  help="the layer norms' weights folded into the merged matrices, their scales "
+                       "in the decode kernels (EngineConfig.decode_fold_norms): on, off, or "
+                       "on,off")
+
+
+def decode_switch_runs(args) -> list[dict]:
+  """`EngineConfig` keywords of every combination of `add_decode_switches`' values."""
+  return [dict(decode_merge_weights={"auto": None, **_ON_OFF}[merge],
+               decode_fused_qkv=_ON_OFF[fused], decode_fold_norms=_ON_OFF[fold])
+          for merge, fused, fold in itertools.product(args.merge_weights.split(","),
+                                                      args.fused_qkv.split(","),
+                                                      args.fold_norms.split(","))]
 
 
 def device_info() -> dict:

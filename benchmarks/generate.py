@@ -53,7 +53,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from benchmarks.common import decode_roofline_bytes, emit, kv_bytes_per_token, peaks
+from benchmarks.common import (add_decode_switches, decode_roofline_bytes, decode_switch_runs,
+                               emit, kv_bytes_per_token, peaks)
 from jaxagent import models
 from jaxagent.models import decoder
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
@@ -61,7 +62,7 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 
 def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", temperature=1.0,
         layout="auto", kernel="", write_first=True, xla_options=None, group=1, share=True,
-        merge=None, norm_rope="auto", fused_qkv=True, prepare=True, fold_norms=True):
+        norm_rope="auto", prepare=True, switches=None):
   os.environ["JAXAGENT_DECODE_KERNEL"] = kernel
   cfg = models.get_config(name, param_dtype="bfloat16", dtype="bfloat16",
                           norm_rope_impl=norm_rope)
@@ -72,8 +73,7 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
                                  decode_attention=attention, cache_layout=layout,
                                  decode_write_first=write_first,
                                  decode_gpu_options=xla_options, share_prompts=share,
-                                 decode_merge_weights=merge, decode_fused_qkv=fused_qkv,
-                                 decode_fold_norms=fold_norms))
+                                 **(switches or {})))
   rng = np.random.default_rng(0)
   if batch % group or 64 % group:
     raise SystemExit(f"--group {group} must divide the batch {batch} and 64 (a prefill call)")
@@ -146,20 +146,10 @@ def main():
   ap.add_argument("--group", type=int, default=1,
                   help="samples per prompt (consecutive slots; divides 64)")
   ap.add_argument("--share", default="on", help="prompt sharing: on, off or on,off")
-  ap.add_argument("--merge-weights", default="auto",
-                  help="q|k|v and gate|up weights merged once per decode call "
-                       "(EngineConfig.decode_merge_weights): auto, on, off, or a list, one run "
-                       "each (e.g. on,off)")
   ap.add_argument("--norm-rope", default="auto",
                   help="Qwen3's q / k norms and RoPE (ModelConfig.norm_rope_impl): auto, pallas, "
                        "xla, or a list, one run each (e.g. pallas,xla)")
-  ap.add_argument("--fused-qkv", default="on",
-                  help="bias, q / k norms and RoPE in the decode kernel with merged weights "
-                       "(EngineConfig.decode_fused_qkv): on, off, or on,off (one run each)")
-  ap.add_argument("--fold-norms", default="on",
-                  help="the layer norms' weights folded into the merged matrices, their scales "
-                       "in the decode kernels (EngineConfig.decode_fold_norms): on, off, or "
-                       "on,off (one run each)")
+  add_decode_switches(ap)  # one run per combination of their values
   ap.add_argument("--prepare", default="on",
                   help="params prepared once for the run as rollouts do (Engine.prepare: the "
                        "merged decode weights made once, not in every decode call): on, off, "
@@ -173,20 +163,17 @@ def main():
               if args.xla_options else [None])
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
-      for (layout, attention, kernel, mode), xla, share, merge, norm_rope, fused, prep, fold in (
-          itertools.product(variants, xla_sets, args.share.split(","),
-                            args.merge_weights.split(","), args.norm_rope.split(","),
-                            args.fused_qkv.split(","), args.prepare.split(","),
-                            args.fold_norms.split(","))):
+      for (layout, attention, kernel, mode), xla, share, switches, norm_rope, prep in (
+          itertools.product(variants, xla_sets, args.share.split(","), decode_switch_runs(args),
+                            args.norm_rope.split(","), args.prepare.split(","))):
         if mode not in ("", "merge"):
           raise SystemExit(f"--variants: unknown mode {mode!r} (expected '' or 'merge')")
         try:
           run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record,
               attention or "auto", layout=layout or "auto", kernel=kernel,
               write_first=mode != "merge", xla_options=xla, group=args.group,
-              share=share == "on", merge={"auto": None, "on": True, "off": False}[merge],
-              norm_rope=norm_rope, fused_qkv=fused == "on", prepare=prep == "on",
-              fold_norms=fold == "on")
+              share=share == "on", norm_rope=norm_rope, prepare=prep == "on",
+              switches=switches)
         except Exception as e:  # one failing variant must not lose the others' numbers
           print(f"FAILED {name} b={b} {layout}/{attention}/{kernel}/{mode}: {type(e).__name__}: "
                 f"{str(e)[:2000]}", flush=True)

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from benchmarks.common import emit
+from benchmarks.common import add_decode_switches, decode_switch_runs, emit
 from jaxagent import models
 from jaxagent.models import decoder, logprobs
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
@@ -38,15 +38,7 @@ def main():
   ap.add_argument("--impls", default="auto,cudnn,xla")
   ap.add_argument("--logprob-impls", default="auto", help="the learner's vocabulary path "
                   "(ModelConfig.logprob_impl): auto, pallas, xla")
-  ap.add_argument("--merge-weights", default="auto",
-                  help="the sampler's merged q|k|v and gate|up weights "
-                       "(EngineConfig.decode_merge_weights): auto, on, off or a list")
-  ap.add_argument("--fused-qkv", default="on",
-                  help="the decode kernel fed the raw q|k|v projection where it fits "
-                       "(EngineConfig.decode_fused_qkv): on, off or on,off")
-  ap.add_argument("--fold-norms", default="on",
-                  help="the sampler's layer-norm weights folded into its merged matrices "
-                       "(EngineConfig.decode_fold_norms): on, off or on,off")
+  add_decode_switches(ap)  # the sampler's decode weights
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
   rng = np.random.default_rng(0)
@@ -55,15 +47,10 @@ def main():
     params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
     lens = rng.integers(args.prompt_len // 2, args.prompt_len + 1, args.prompts)
     prompts = [rng.integers(2, cfg.vocab_size, n).tolist() for n in lens]
-    for merge, fused, fold in itertools.product(args.merge_weights.split(","),
-                                                args.fused_qkv.split(","),
-                                                args.fold_norms.split(",")):
+    for switches in decode_switch_runs(args):
       eng = Engine(cfg, EngineConfig(
           slots=args.prompts, max_len=args.prompt_len + args.gen, eos_ids=(),
-          sampling=SamplingConfig(1.0),
-          decode_merge_weights={"auto": None, "on": True, "off": False}[merge],
-          decode_fused_qkv={"on": True, "off": False}[fused],
-          decode_fold_norms={"on": True, "off": False}[fold]))
+          sampling=SamplingConfig(1.0), **switches))
       outs = run_requests(eng, params, prompts, max_new_tokens=args.gen,
                           request_ids=list(range(args.prompts)), seed=1)
       # `run_requests` decodes 8 steps a call (its default).

@@ -320,9 +320,9 @@ def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_
   return jnp.where(row < valid, f32(y), 0.0)
 
 
-def row_sum_squares(ref, row0, rows: int, one_load: bool):
-  """The float32 sum of squares `[rows, 1]` of rows `row0 ..` of a `[S, D]` ref (a kernel's
-  residual-stream rows, for an RMS norm's scale). `one_load` (a GPU): one masked load of the
+def row_rms_scale(ref, row0, rows: int, eps: float, one_load: bool):
+  """The RMS norm's scale `rsqrt(mean(x^2) + eps)` (float32 `[rows, 1]`) of rows `row0 ..` of a
+  `[S, D]` ref (a kernel's residual-stream rows). `one_load` (a GPU): one masked load of the
   next power of two past D (its start dynamic, so that no static bound check refuses the
   slice); else (interpret mode, which would clamp such a slice) a loop over chunks of the
   largest power of two dividing D (on a GPU such a loop is a chain of load latencies at the
@@ -335,14 +335,16 @@ def row_sum_squares(ref, row0, rows: int, one_load: bool):
     col = jax.lax.broadcasted_iota(jnp.int32, (rows, dp), 1)
     x = plt.load(ref.at[pl.ds(row0, rows), pl.ds(row0 * 0, dp)], mask=col < d, other=0.0)
     x = x.astype(jnp.float32)
-    return jnp.sum(x * x, axis=1, keepdims=True)
-  c = min(d & -d, 256)
+    ss = jnp.sum(x * x, axis=1, keepdims=True)
+  else:
+    c = min(d & -d, 256)
 
-  def body(j, acc):
-    x = ref[pl.ds(row0, rows), pl.ds(pl.multiple_of(j * c, c), c)].astype(jnp.float32)
-    return acc + x * x
-  acc = jax.lax.fori_loop(0, d // c, body, jnp.zeros((rows, c), jnp.float32))
-  return jnp.sum(acc, axis=1, keepdims=True)
+    def body(j, acc):
+      x = ref[pl.ds(row0, rows), pl.ds(pl.multiple_of(j * c, c), c)].astype(jnp.float32)
+      return acc + x * x
+    acc = jax.lax.fori_loop(0, d // c, body, jnp.zeros((rows, c), jnp.float32))
+    ss = jnp.sum(acc, axis=1, keepdims=True)
+  return jax.lax.rsqrt(ss / d + eps)
 
 
 def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared: bool, g: int,
@@ -365,10 +367,8 @@ def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared
   # This program's G query rows are loaded as a power-of-two tile with the rest masked off.
   qmask = jax.lax.broadcasted_iota(jnp.int32, (gp, x_ref.shape[2]), 0) < g
   if rope:  # raw projections: the layer norm's scale, bias, norms and RoPE here
-    r = None
-    if resid:  # the attention norm's scale of this slot's residual stream
-      ss = row_sum_squares(r_ref, slot, 1, one_load)[0, 0]
-      r = jax.lax.rsqrt(ss / r_ref.shape[-1] + resid_eps)
+    # The attention norm's scale of this slot's residual stream, where its weight is folded.
+    r = row_rms_scale(r_ref, slot, 1, resid_eps, one_load)[0, 0] if resid else None
     q = _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, head * g, gp, g, 0, eps, r)
     # The new key as row 0 of a 16-row tile (a product's smallest), the other rows zero.
     k_new = jnp.sum(_prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, heads + head, 16, 1, 1,

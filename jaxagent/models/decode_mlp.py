@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxagent.models.decode_attention import row_sum_squares
+from jaxagent.models.decode_attention import row_rms_scale
 
 # Launch: rows and gate columns per column block (the largest powers of two dividing the
 # array's, at most these), and each program takes as many column blocks as keep the programs
@@ -63,7 +63,7 @@ def _kernel(r_ref, gu_ref, o_ref, *, eps: float, rows: int, cols: int, per: int,
             one_load: bool):
   f = o_ref.shape[-1]
   row0 = pl.program_id(0) * rows
-  r = jax.lax.rsqrt(row_sum_squares(r_ref, row0, rows, one_load) / r_ref.shape[-1] + eps)
+  r = row_rms_scale(r_ref, row0, rows, eps, one_load)
   rs = pl.ds(row0, rows)
   first = pl.program_id(1) * per
 

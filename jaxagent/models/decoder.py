@@ -43,8 +43,7 @@ _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
 # ----------------------------------------------------------------------------- pieces
 def rms_norm(x, w, eps):
-  xf = x.astype(jnp.float32)
-  y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  y = x.astype(jnp.float32) * decode_mlp.row_scale(x, eps)
   return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
@@ -115,7 +114,7 @@ def _norm_rope_fwd(x, w, cos, sin, eps, impl):
   if impl == "pallas":
     return _norm_rope_kernel_fwd(x, w, cos, sin, eps), (x, None, w, cos, sin)
   xf = x.astype(jnp.float32)
-  r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+  r = decode_mlp.row_scale(x, eps)
   normed = (xf * r * w.astype(jnp.float32)).astype(x.dtype)
   out = _rotate(normed.astype(jnp.float32), cos, sin).astype(x.dtype)
   return out, (x, r, w, cos, sin)
@@ -197,10 +196,15 @@ def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq, scale=None):
   return q, k, v
 
 
-def _mlp(h, lp, cfg: ModelConfig):
+def _mlp(h, lp, cfg: ModelConfig, act: Callable | None = None):
+  """The SwiGLU MLP of h; `act(gu)`, with merged weights: the activation of the gate|up
+  projection `[B, T, 2 F]` instead of silu(g) * u (the folded norm's scaled form)."""
   dt = cfg.jnp_dtype
   if "w_gate_up" in lp:  # `merge_decode_weights`
-    g, u = jnp.split(jnp.einsum("btd,df->btf", h, lp["w_gate_up"].astype(dt)), 2, axis=-1)
+    gu = jnp.einsum("btd,df->btf", h, lp["w_gate_up"].astype(dt))
+    if act is not None:
+      return jnp.einsum("btf,fd->btd", act(gu), lp["w_down"].astype(dt))
+    g, u = jnp.split(gu, 2, axis=-1)
   else:
     g = jnp.einsum("btd,df->btf", h, lp["w_gate"].astype(dt))
     u = jnp.einsum("btd,df->btf", h, lp["w_up"].astype(dt))
@@ -219,7 +223,6 @@ def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq,
   itself; else None), and `swiglu(gu, resid)` (default `decode_mlp.swiglu_rms_reference`) the
   MLP's scaled activation."""
   x = constrain_batch(x)
-  dt = cfg.jnp_dtype
   folded = norms_folded(lp)
   h = x if folded else rms_norm(x, lp["attn_norm"], cfg.norm_eps)
   if raw_qkv:
@@ -228,11 +231,10 @@ def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq,
     scale = decode_mlp.row_scale(x, cfg.norm_eps) if folded else None
     q, k, v = _qkv(h, lp, positions, cfg, inv_freq, scale)
     a = attend(q, k, v)
-  x = x + jnp.einsum("bthk,hkd->btd", a, lp["wo"].astype(dt))
+  x = x + jnp.einsum("bthk,hkd->btd", a, lp["wo"].astype(cfg.jnp_dtype))
   if folded:
-    gu = jnp.einsum("btd,df->btf", x, lp["w_gate_up"].astype(dt))
     swiglu = swiglu or functools.partial(decode_mlp.swiglu_rms_reference, eps=cfg.norm_eps)
-    return x + jnp.einsum("btf,fd->btd", swiglu(gu, x), lp["w_down"].astype(dt)), k, v
+    return x + _mlp(x, lp, cfg, act=lambda gu: swiglu(gu, x)), k, v
   h = rms_norm(x, lp["mlp_norm"], cfg.norm_eps)
   x = x + _mlp(h, lp, cfg)
   return x, k, v
