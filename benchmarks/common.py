@@ -39,15 +39,19 @@ def add_decode_switches(ap) -> None:
                   help="the layer norms' weights folded into the merged matrices, their scales "
                        "in the decode kernels (EngineConfig.decode_fold_norms): on, off, or "
                        "on,off")
+  ap.add_argument("--chain-weights", default="auto",
+                  help="prepared decode matrices chained, two GEMMs a layer "
+                       "(EngineConfig.decode_chain_weights): auto, on, off, or a list")
 
 
 def decode_switch_runs(args) -> list[dict]:
   """`EngineConfig` keywords of every combination of `add_decode_switches`' values."""
-  return [dict(decode_merge_weights={"auto": None, **_ON_OFF}[merge],
-               decode_fused_qkv=_ON_OFF[fused], decode_fold_norms=_ON_OFF[fold])
-          for merge, fused, fold in itertools.product(args.merge_weights.split(","),
-                                                      args.fused_qkv.split(","),
-                                                      args.fold_norms.split(","))]
+  auto = {"auto": None, **_ON_OFF}
+  return [dict(decode_merge_weights=auto[merge], decode_fused_qkv=_ON_OFF[fused],
+               decode_fold_norms=_ON_OFF[fold], decode_chain_weights=auto[chain])
+          for merge, fused, fold, chain in itertools.product(
+              args.merge_weights.split(","), args.fused_qkv.split(","),
+              args.fold_norms.split(","), args.chain_weights.split(","))]
 
 
 def device_info() -> dict:

@@ -55,10 +55,12 @@ def ablation(name: str):
       return q, cache_k, cache_v
 
     def write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps, interpret, share=None,
-                  resid=None, resid_eps=0.0):
+                  resid=None, resid_eps=0.0, resid_rows=0):
       calls.append(name)
       s, rows, hd = qkv.shape
       kv = cache_k.shape[1]
+      if resid_rows:  # chained weights: the stream's rows, then the heads
+        return qkv[:, :rows - 2 * kv], cache_k, cache_v
       return qkv[:, :rows - 2 * kv].reshape(s, kv, -1, hd), cache_k, cache_v
     return {"_flash_decode_write": write, "_flash_decode_write_qkv": write_qkv}, calls
   if name == "norms":
@@ -163,6 +165,8 @@ def main():
   ap.add_argument("--fold-norms", default="on", choices=("on", "off"),
                   help="the layer norms' weights folded into the merged decode matrices "
                        "(EngineConfig.decode_fold_norms; --ablate norms needs off)")
+  ap.add_argument("--chain-weights", default="auto", choices=("auto", "on", "off"),
+                  help="the prepared decode matrices chained (EngineConfig.decode_chain_weights)")
   ap.add_argument("--split", type=int, default=0, help="also time the batch as this many "
                   "parts in one program, serial and concurrent command buffer scheduling")
   args = ap.parse_args()
@@ -175,7 +179,9 @@ def main():
   ecfg = EngineConfig(slots=S, max_len=args.max_len, sampling=SamplingConfig(1.0),
                       cache_layout=args.layout, decode_write_first=not args.merge,
                       decode_attention=args.attention,
-                      decode_fold_norms=args.fold_norms == "on")
+                      decode_fold_norms=args.fold_norms == "on",
+                      decode_chain_weights={"auto": None, "on": True,
+                                            "off": False}[args.chain_weights])
   eng = Engine(cfg, ecfg)
   if "norms" in ablate and eng.fold_norms:
     raise SystemExit("--ablate norms replaces XLA's RMS norms; with the norms folded into the "

@@ -32,6 +32,10 @@ kernel and the SwiGLU kernel, no norm kernel a layer) against XLA's norms:
     python benchmarks/generate.py --models smollm2-135m,qwen2.5-1.5b --batches 256 \
         --fold-norms on,off
 
+The prepared decode matrices chained, two GEMMs a layer instead of four (auto: small models):
+
+    python benchmarks/generate.py --models smollm2-135m --batches 256 --chain-weights on,off
+
 Samples of one prompt (a GRPO group), with and without the engine's prompt sharing:
 
     python benchmarks/generate.py --models qwen3-0.6b --batches 512 --prompt-len 128 \
@@ -115,6 +119,7 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
        merge_weights=eng.merges(steps, run_params),
        fused_qkv=eng.fuses_qkv(steps, run_params),
        fold_norms=eng.fuses_qkv(steps, run_params) and eng.fold_norms,
+       chain_weights=prepare and eng.fuses_qkv(steps, run_params) and eng.chain_weights,
        prepared=prepare,
        norm_rope=decoder.norm_rope_path(cfg, jax.default_backend()) if cfg.qk_norm else "none",
        xla_options="default" if xla_options is None else dict(xla_options),

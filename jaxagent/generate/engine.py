@@ -87,10 +87,10 @@ class PreparedParams:
 
   `params`: the model's params, as given (prefill and append use them, so their numerics do
   not change); `decode`: the same params with each layer's q|k|v and gate|up weights merged
-  (`param_tree.merge_decode_weights`; the norm weights folded in where `Engine.fold_norms`),
-  which decode calls use instead of merging at their
-  start, or None where the engine's decode calls do not merge. Every `Engine` method that takes
-  params takes this too. It holds a copy of the merged weights for as long as it is kept: drop
+  (`param_tree.merge_decode_weights`; the norm weights folded in where `Engine.fold_norms`,
+  the matrices chained where `Engine.chain_weights`), which decode calls use instead of
+  merging at their start, or None where the engine's decode calls do not merge. Every `Engine`
+  method that takes params takes this too. It holds a copy of the merged weights for as long as it is kept: drop
   it when the params it was made from are replaced.
   """
   params: Any
@@ -162,6 +162,13 @@ MERGE_WEIGHTS_MAX_BYTES = 4 << 30
 # 1.0 ms and saves about 0.26 ms a step, so it pays from about 4 steps a call; the rollout
 # and the scheduler decode 8 a call, the JetStream adapter 1 by default.
 MERGE_MIN_STEPS = 8
+# `EngineConfig.decode_chain_weights=None` chains where one layer's chained matrices
+# (`param_tree.chained_layer_bytes`) take at most this many bytes. The chain trades two GEMM
+# launches a layer for about twice the matrices' products; at 256 rows on an H200 (a 30-layer
+# chain of the GEMMs with XLA fusions in the kernels' places, benchmarks/RESULTS.md) it took
+# SmolLM2-135M's layer (14.9 MB chained) from 26.9 to 20.9 us, and made Qwen3-0.6B's (77.6 MB)
+# and Qwen2.5-1.5B's (195 MB) slower: 39.0 -> 50.7 us and 69.7 -> 87.4 us.
+CHAIN_MAX_LAYER_BYTES = 16 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,6 +214,15 @@ class EngineConfig:
   # kernel applies the attention norm's row scale and one kernel the MLP norm's scale with the
   # SwiGLU (`decode_mlp.swiglu_rms`), so the layer runs no norm kernel. False: XLA norms.
   decode_fold_norms: bool = True
+  # With folded norms, `Engine.prepare` also chains the decode matrices
+  # (`param_tree.chain_decode_weights`): each layer runs two GEMMs instead of four, each taking
+  # the residual stream through with the next projection. None (auto): for models whose chained
+  # layer takes at most `CHAIN_MAX_LAYER_BYTES` (small ones, where GEMM launches cost more than
+  # the extra products); True: wherever the norms fold and d_model is a multiple of head_dim;
+  # False: never. Decode calls on params
+  # that were not prepared merge and fold at their start but do not chain (the products of
+  # weights cost more than a call saves).
+  decode_chain_weights: bool | None = None
   # XLA compiler options of the decode program on GPUs, as (name, value) pairs; None: the
   # library's `DECODE_GPU_OPTIONS`; (): XLA's defaults.
   decode_gpu_options: tuple[tuple[str, Any], ...] | None = None
@@ -229,9 +245,10 @@ class EngineConfig:
     for name in ("decode_fused_qkv", "decode_fold_norms"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
-    if self.decode_merge_weights not in (None, True, False):
-      raise ValueError("EngineConfig.decode_merge_weights must be None (auto), True or False, "
-                       f"got {self.decode_merge_weights!r}")
+    for name in ("decode_merge_weights", "decode_chain_weights"):
+      if not any(getattr(self, name) is v for v in (None, True, False)):
+        raise ValueError(f"EngineConfig.{name} must be None (auto), True or False, got "
+                         f"{getattr(self, name)!r}")
 
   @property
   def page(self) -> int:
@@ -299,8 +316,7 @@ class Engine:
     opts = (DECODE_GPU_OPTIONS if self.ecfg.decode_gpu_options is None
             else self.ecfg.decode_gpu_options)
     opts = dict(opts) if jax.default_backend() == "gpu" else {}
-    self._jit_merge = jax.jit(on_mesh(lambda p: param_tree.merge_decode_weights(
-        p, self.cfg, fold_norms=self.fold_norms)))
+    self._jit_merge = jax.jit(on_mesh(self._merge_for_run))
     self._jit_generate = jax.jit(on_mesh(self._generate), static_argnames=("steps", "kv_len"),
                                  compiler_options=opts or None,
                                  donate_argnames=("state",))
@@ -617,12 +633,27 @@ class Engine:
     projection)."""
     return self.ecfg.decode_fold_norms and self.merge_weights and self._raw_qkv
 
+  @property
+  def chain_weights(self) -> bool:
+    """Whether `prepare` chains the folded decode matrices (`EngineConfig.decode_chain_weights`;
+    `param_tree.chain_decode_weights`): a model whose width is a multiple of its head size, and
+    in auto mode one whose chained layer takes at most `CHAIN_MAX_LAYER_BYTES`."""
+    chain = self.ecfg.decode_chain_weights
+    fits = self.cfg.d_model % self.cfg.head_dim == 0
+    small = param_tree.chained_layer_bytes(self.cfg) <= CHAIN_MAX_LAYER_BYTES
+    return bool(self.fold_norms and fits and chain is not False and (chain or small))
+
+  def _merge_for_run(self, params):
+    merged = param_tree.merge_decode_weights(params, self.cfg, fold_norms=self.fold_norms)
+    return param_tree.chain_decode_weights(merged, self.cfg) if self.chain_weights else merged
+
   def prepare(self, params) -> PreparedParams:
     """The params for a run of calls with one policy version (a rollout, a batch of requests):
     where this engine's decode calls multiply by merged q|k|v and gate|up weights
     (`merge_weights`), the merged copy is made here once instead of at the start of every
     decode call of at least `MERGE_MIN_STEPS` steps (on an H100, 1.06 ms a call for
-    Qwen2.5-1.5B, 0.13 ms a step at 8 steps a call; benchmarks/RESULTS.md). Every method that
+    Qwen2.5-1.5B, 0.13 ms a step at 8 steps a call; benchmarks/RESULTS.md), chained where
+    `chain_weights`. Every method that
     takes params takes the result. It keeps that copy alive while it is kept: make a new one
     after each params update. Params already prepared are returned as they are."""
     if isinstance(params, PreparedParams):

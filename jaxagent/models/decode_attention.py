@@ -282,13 +282,14 @@ def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, nu
 
 
 def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_row: int,
-                   eps: float, scale=None):
+                   eps: float, scale=None, lead: int = 0):
   """Rows `row0 ..` of this slot's projections as a float32 `[n, hd]` tile (rows at or past
   `valid` zero): times `scale` (the layer norm's row scale where its weight is folded into the
   projection: `flash_decode_write_qkv`'s `resid`), plus the bias (`b_ref`), RMS-normed with
   weight row `norm_row` of `w_ref` (Qwen3's q / k norms) and rotated by RoPE (`cs_ref`: the
-  slot's cos / sin), each step
-  rounded to the projections' dtype where `decoder._qkv` rounds it. Rotate-half RoPE needs
+  slot's cos / sin), each step rounded to the projections' dtype where `decoder._qkv` rounds
+  it. `lead`: rows of x_ref's slot before its projections (the residual stream, with chained
+  weights); row0 counts from past them. Rotate-half RoPE needs
   each entry's partner half a head away: the tile is loaded a second time with its columns
   rotated by half a head (a gather load), so no tile has to be cut and put back together."""
   dt, hd = x_ref.dtype, x_ref.shape[-1]
@@ -301,7 +302,7 @@ def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_
   partner = (col + half) % hd
   col1 = jax.lax.broadcasted_iota(jnp.int32, (1, hd), 1)  # one row's columns
   partner1 = (col1 + half) % hd
-  x, xp = x_ref[slot, rows, col], x_ref[slot, rows, partner]
+  x, xp = x_ref[slot, lead + rows, col], x_ref[slot, lead + rows, partner]
   if scale is not None:
     x, xp = (f32(x) * scale).astype(dt), (f32(xp) * scale).astype(dt)
   if b_ref is not None:
@@ -320,15 +321,15 @@ def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_
   return jnp.where(row < valid, f32(y), 0.0)
 
 
-def row_rms_scale(ref, row0, rows: int, eps: float, one_load: bool):
+def row_rms_scale(ref, row0, rows: int, eps: float, one_load: bool, d: int | None = None):
   """The RMS norm's scale `rsqrt(mean(x^2) + eps)` (float32 `[rows, 1]`) of rows `row0 ..` of a
-  `[S, D]` ref (a kernel's residual-stream rows). `one_load` (a GPU): one masked load of the
-  next power of two past D (its start dynamic, so that no static bound check refuses the
-  slice); else (interpret mode, which would clamp such a slice) a loop over chunks of the
-  largest power of two dividing D (on a GPU such a loop is a chain of load latencies at the
-  start of every program: SmolLM2-135M's SwiGLU kernel took 5.0 us a call on an H200 with it
-  and 48 programs, 3.0 us with one load and 192 programs)."""
-  d = ref.shape[-1]
+  `[S, D]` ref (a kernel's residual-stream rows; with `d`, of their first d columns).
+  `one_load` (a GPU): one masked load of the next power of two past D (its start dynamic, so
+  that no static bound check refuses the slice); else (interpret mode, which would clamp such
+  a slice) a loop over chunks of the largest power of two dividing D (on a GPU such a loop is
+  a chain of load latencies at the start of every program: SmolLM2-135M's SwiGLU kernel took
+  5.0 us a call on an H200 with it and 48 programs, 3.0 us with one load and 192 programs)."""
+  d = d or ref.shape[-1]
   if one_load:
     from jax.experimental.pallas import triton as plt
     dp = 1 << (d - 1).bit_length()
@@ -349,7 +350,7 @@ def row_rms_scale(ref, row0, rows: int, eps: float, one_load: bool):
 
 def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared: bool, g: int,
                   gp: int, kv: int, rope: bool, bias: bool, qk_norm: bool, eps: float,
-                  resid: bool, resid_eps: float, one_load: bool):
+                  resid: bool, resid_eps: float, one_load: bool, lead: int = 0):
   from jax.experimental.pallas import triton as plt
   refs = list(refs)
   share_ref = refs.pop(0) if shared else None
@@ -363,18 +364,29 @@ def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared
   length = lens_ref[0]
   c = k_ref.shape[2]
   heads = g * kv
-  # x_ref rows of this slot: the H query heads, then the KV new keys, then the KV new values.
-  # This program's G query rows are loaded as a power-of-two tile with the rest masked off.
+  # x_ref rows of this slot: `lead` rows of its residual stream (chained weights), the H query
+  # heads, then the KV new keys, then the KV new values. This program's G query rows are loaded
+  # as a power-of-two tile with the rest masked off.
   qmask = jax.lax.broadcasted_iota(jnp.int32, (gp, x_ref.shape[2]), 0) < g
   if rope:  # raw projections: the layer norm's scale, bias, norms and RoPE here
     # The attention norm's scale of this slot's residual stream, where its weight is folded.
     r = row_rms_scale(r_ref, slot, 1, resid_eps, one_load)[0, 0] if resid else None
-    q = _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, head * g, gp, g, 0, eps, r)
+    if lead:  # the stream in the slot's first rows: its scale, and the copy into the output
+      lp = _pow2_at_least(lead)
+      lmask = jax.lax.broadcasted_iota(jnp.int32, (lp, x_ref.shape[2]), 0) < lead
+      stream = plt.load(x_ref.at[slot, pl.ds(0, lp), :], mask=lmask, other=0)
+      sf = stream.astype(jnp.float32)
+      r = jax.lax.rsqrt(jnp.sum(sf * sf) / (lead * x_ref.shape[2]) + resid_eps)
+
+      @pl.when(head == 0)
+      def _():
+        plt.store(o_ref.at[slot, pl.ds(0, lp), :], stream.astype(o_ref.dtype), mask=lmask)
+    q = _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, head * g, gp, g, 0, eps, r, lead)
     # The new key as row 0 of a 16-row tile (a product's smallest), the other rows zero.
     k_new = jnp.sum(_prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, heads + head, 16, 1, 1,
-                                   eps, r), axis=0, keepdims=True).astype(x_ref.dtype)
-    v_new = x_ref[slot, pl.ds(heads + kv + head, 1), :]
-    if resid:
+                                   eps, r, lead), axis=0, keepdims=True).astype(x_ref.dtype)
+    v_new = x_ref[slot, pl.ds(lead + heads + kv + head, 1), :]
+    if resid or lead:
       v_new = (v_new.astype(jnp.float32) * r).astype(x_ref.dtype)
     if bias:
       v_new = (v_new.astype(jnp.float32)
@@ -412,7 +424,11 @@ def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared
   vn = v_new.astype(v_ref.dtype).astype(jnp.float32)
   o = corr[:, None] * o + p[:, None] * vn
   o = (o / jnp.maximum(l, 1e-30)[:, None]).astype(o_ref.dtype)
-  plt.store(o_ref.at[slot, pl.ds(head * g, gp), :], o, mask=qmask)
+  plt.store(o_ref.at[slot, pl.ds(lead + head * g, gp), :], o, mask=qmask)
+
+
+def _pow2_at_least(n: int) -> int:
+  return 1 << (n - 1).bit_length()
 
 
 def flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, *, share=None,
@@ -442,7 +458,7 @@ def flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, *, share=None
 
 def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_norm=None,
                            resid=None, *, eps: float = 1e-6, resid_eps: float = 1e-6,
-                           share=None, interpret: bool = False, **launch):
+                           resid_rows: int = 0, share=None, interpret: bool = False, **launch):
   """`flash_decode_write` from a decode step's raw q|k|v projections: the bias, Qwen3's q / k
   norms and RoPE are applied inside the kernel, so that nothing runs between the projection's
   GEMM and the kernel (`[S, (H + 2 KV) hd]` to `[S, H + 2 KV, hd]` is a free reshape).
@@ -456,12 +472,21 @@ def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_n
   fold_norms=True)`): the projection is then that of the unnormed stream, and each slot's rows
   are first multiplied by the norm's scale `rsqrt(mean(resid^2) + resid_eps)`, computed here,
   so that no XLA norm runs before the projection either.
+  resid_rows: with chained weights (`param_tree.chain_decode_weights`), each slot's residual
+  stream (R x hd = D entries) rides in the first R rows of qkv, before its projections
+  (`[S, R + H + 2 KV, hd]`, resid None): the norm's scale is taken from those rows, and the
+  output is `[S, R + H, hd]`, those rows copied, then the H heads' attention (the next GEMM's
+  `[x | a]`).
   Rounded as `decoder._qkv` rounds them: scaled rows, bias added in qkv's dtype, normed heads
   and rotated heads rounded to it. The cache's KV head count gives H / KV; hd must be even
   (and at least 32 outside interpret mode: no smaller head was run on a GPU). The rest as
   `flash_decode_write`. Returns (out [S, KV, G, hd] in qkv's dtype, cache_k, cache_v).
   """
   s, rows, hd = qkv.shape
+  if resid_rows and (resid is not None or not 0 < resid_rows < rows):
+    raise ValueError(f"flash_decode_write_qkv: resid_rows={resid_rows} needs resid None and "
+                     f"fewer rows than qkv's {rows}")
+  rows -= resid_rows
   kv = cache_k.shape[1]
   g = (rows - 2 * kv) // kv
   if rows != (g + 2) * kv or not 0 < g <= _ROWS:
@@ -477,19 +502,22 @@ def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_n
                      f"{resid.shape}")
   return _flash_decode_write(qkv, None, None, cache_k, cache_v, lengths, share, rope=rope,
                              bias=bias, qk_norm=qk_norm, resid=resid, eps=float(eps),
-                             resid_eps=float(resid_eps), g=g, interpret=interpret,
+                             resid_eps=float(resid_eps), g=g, lead=int(resid_rows),
+                             interpret=interpret,
                              **_launch_settings("flash_decode_write_qkv", s * kv, launch))
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "num_warps", "num_stages",
                                              "low_precision_dot", "splits", "eps", "resid_eps",
-                                             "g", "interpret"))
+                                             "g", "lead", "interpret"))
 def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=None, bias=None,
                         qk_norm=None, resid=None, *, block_k, num_warps, num_stages,
-                        low_precision_dot, splits, interpret, eps=0.0, resid_eps=0.0, g=0):
+                        low_precision_dot, splits, interpret, eps=0.0, resid_eps=0.0, g=0,
+                        lead=0):
   """The kernel's launch. With `rope` None, q is `[S, KV, G, hd]` and k_new / v_new the new
   K/V (`flash_decode_write`); otherwise q holds the raw `[S, H + 2 KV, hd]` projections,
-  k_new / v_new are None and the kernel prepares them (`flash_decode_write_qkv`)."""
+  k_new / v_new are None and the kernel prepares them (`flash_decode_write_qkv`; `lead` its
+  `resid_rows`)."""
   del splits  # one pass per (slot, head)
   s, kv, c, hd = cache_k.shape
   block_k = _cache_block(block_k, c)
@@ -500,7 +528,7 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=
   # On a GPU the masked tiles of the last head group (and the new key's 16-row tile) reach
   # past the rows (no memory is touched there); interpret mode slices them out of real
   # memory, so it gets `gp` spare rows.
-  spare = gp if interpret else 0
+  spare = max(gp, _pow2_at_least(lead) if lead else 0) if interpret else 0
   pad = lambda a: jnp.pad(a, [(0, 0)] * (a.ndim - 2) + [(0, spare), (0, 0)]) if spare else a
   if rope is None:
     x = pad(jnp.concatenate([q.reshape(s, heads, hd), k_new.astype(q.dtype),
@@ -512,12 +540,12 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=
                            dot_dtype=dot_dtype, shared=share is not None, g=g, gp=gp, kv=kv,
                            rope=rope is not None, bias=bias is not None,
                            qk_norm=qk_norm is not None, eps=eps, resid=resid is not None,
-                           resid_eps=resid_eps, one_load=not interpret)
+                           resid_eps=resid_eps, one_load=not interpret, lead=lead)
   in_specs, args = _slot_inputs(lengths, share, s, kv, lambda i, j: (i, j, 0))
   # Whole-array refs: each program reads its own rows and, with sharing, its source's; the
   # caches are aliased to the outputs, so the write lands in place (no copy of the cache).
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0,) * len(a.shape))
-  out_shape = jax.ShapeDtypeStruct((s, heads + spare, hd), x.dtype)
+  out_shape = jax.ShapeDtypeStruct((s, lead + heads + spare, hd), x.dtype)
   # The kernel's inputs after the per-slot scalars, in `_write_kernel`'s order.
   inputs = [(x, whole(x))]
   if rope is not None:  # this slot's cos / sin
@@ -545,4 +573,6 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=
       interpret=interpret,
       **_compiler_params(interpret, num_warps, num_stages),
   )(*args)
+  if lead:
+    return out[:, :lead + heads], ck, cv
   return out[:, :heads].reshape(s, kv, g, hd), ck, cv

@@ -7,7 +7,9 @@ residual stream x, and the norm's per-row scale r = rsqrt(mean(x^2) + eps) comes
 squares itself), where XLA would run a reduction and an elementwise fusion; with the attention
 side's scale in the decode kernel (`decode_attention.flash_decode_write_qkv(resid=...)`), a
 decode layer runs no norm kernel of its own. `swiglu_rms_reference` is the same function in
-XLA ops (the path without the kernel, and the tests' reference).
+XLA ops (the path without the kernel, and the tests' reference). With chained weights
+(`param_tree.chain_decode_weights`) the stream rides in the first D columns of the projection
+and of the activation (`lead`).
 """
 from __future__ import annotations
 
@@ -51,45 +53,75 @@ def _swiglu(g, u, r, dt):
   return (sg * u).astype(dt)
 
 
-def swiglu_rms_reference(gu, resid, eps: float):
+def swiglu_rms_reference(gu, resid, eps: float, *, lead: int = 0):
   """`silu(r g) * (r u)` in XLA ops: gu `[..., 2 F]` (gate then up, the projection of the
   unnormed `resid` `[..., D]` by the folded gate|up matrix); r the norm's scale of each row of
-  `resid`. Returns `[..., F]` in gu's dtype."""
+  `resid`. Returns `[..., F]` in gu's dtype. `lead` (resid None): gu is `[..., D + 2 F]` with
+  the stream in its first D = lead columns, and the result `[..., D + F]` starts with them."""
+  if lead:
+    resid, gu = gu[..., :lead], gu[..., lead:]
   g, u = jnp.split(gu, 2, axis=-1)
-  return _swiglu(g, u, row_scale(resid, eps), gu.dtype)
+  out = _swiglu(g, u, row_scale(resid, eps), gu.dtype)
+  return jnp.concatenate([resid, out], axis=-1) if lead else out
 
 
 def _kernel(r_ref, gu_ref, o_ref, *, eps: float, rows: int, cols: int, per: int,
-            one_load: bool):
-  f = o_ref.shape[-1]
+            one_load: bool, lead: int):
+  f = (o_ref.shape[-1] - lead) if lead else o_ref.shape[-1]
   row0 = pl.program_id(0) * rows
-  r = row_rms_scale(r_ref, row0, rows, eps, one_load)
   rs = pl.ds(row0, rows)
   first = pl.program_id(1) * per
+  if lead:  # the stream in gu's first columns: its scale, and (column group 0) its copy
+    r = row_rms_scale(gu_ref, row0, rows, eps, one_load, d=lead)
+
+    @pl.when(pl.program_id(1) == 0)
+    def _():
+      _copy_columns(gu_ref, o_ref, row0, rows, lead, one_load)
+  else:
+    r = row_rms_scale(r_ref, row0, rows, eps, one_load)
 
   def block(j, carry):  # this program's `per` column blocks, one scale for all
     c0 = pl.multiple_of((first + j) * cols, cols)
-    g, u = gu_ref[rs, pl.ds(c0, cols)], gu_ref[rs, pl.ds(c0 + f, cols)]
-    o_ref[rs, pl.ds(c0, cols)] = _swiglu(g, u, r, o_ref.dtype)
+    g, u = gu_ref[rs, pl.ds(lead + c0, cols)], gu_ref[rs, pl.ds(lead + c0 + f, cols)]
+    o_ref[rs, pl.ds(lead + c0, cols)] = _swiglu(g, u, r, o_ref.dtype)
     return carry
   jax.lax.fori_loop(0, per, block, 0)
 
 
-def swiglu_rms(gu, resid, eps: float, *, interpret: bool = False):
-  """`swiglu_rms_reference` as one Pallas kernel: gu `[S, 2 F]`, resid `[S, D]` -> `[S, F]`
-  (launch: `BLOCK_ROWS`, `BLOCK_COLS`, `MAX_PROGRAMS`)."""
+def _copy_columns(src_ref, dst_ref, row0, rows: int, d: int, one_load: bool):
+  """Columns `[0, d)` of rows `row0 ..` from src_ref to dst_ref (as `row_rms_scale` loads
+  them: one masked tile on a GPU, chunks in interpret mode)."""
+  if one_load:
+    from jax.experimental.pallas import triton as plt
+    dp = 1 << (d - 1).bit_length()
+    col = jax.lax.broadcasted_iota(jnp.int32, (rows, dp), 1)
+    at = lambda ref: ref.at[pl.ds(row0, rows), pl.ds(row0 * 0, dp)]
+    plt.store(at(dst_ref), plt.load(at(src_ref), mask=col < d, other=0), mask=col < d)
+  else:
+    dst_ref[pl.ds(row0, rows), pl.ds(0, d)] = src_ref[pl.ds(row0, rows), pl.ds(0, d)]
+
+
+def swiglu_rms(gu, resid, eps: float, *, lead: int = 0, interpret: bool = False):
+  """`swiglu_rms_reference` as one Pallas kernel: gu `[S, 2 F]`, resid `[S, D]` -> `[S, F]`;
+  with `lead` = D (resid None), gu `[S, D + 2 F]` -> `[S, D + F]` (launch: `BLOCK_ROWS`,
+  `BLOCK_COLS`, `MAX_PROGRAMS`)."""
   s, f2 = gu.shape
-  if f2 % 2 or resid.ndim != 2 or resid.shape[0] != s:
-    raise ValueError(f"swiglu_rms: gu must be [S, 2 F] and resid [S, D], got {gu.shape} and "
-                     f"{resid.shape}")
+  f2 -= lead
+  if lead and (resid is not None or not 0 < lead < gu.shape[1]):
+    raise ValueError(f"swiglu_rms: lead={lead} needs resid None and fewer columns than gu's "
+                     f"{gu.shape}")
+  if f2 % 2 or (not lead and (resid.ndim != 2 or resid.shape[0] != s)):
+    raise ValueError(f"swiglu_rms: gu must be [S, {'D + ' if lead else ''}2 F] and resid "
+                     f"[S, D], got {gu.shape} and {None if resid is None else resid.shape}")
   f = f2 // 2
   return _swiglu_rms(gu, resid, eps=float(eps), interpret=interpret,
-                     rows=min(s & -s, BLOCK_ROWS), cols=min(f & -f, BLOCK_COLS))
+                     rows=min(s & -s, BLOCK_ROWS), cols=min(f & -f, BLOCK_COLS), lead=int(lead))
 
 
-@functools.partial(jax.jit, static_argnames=("eps", "interpret", "rows", "cols"))
-def _swiglu_rms(gu, resid, *, eps, interpret, rows, cols):
+@functools.partial(jax.jit, static_argnames=("eps", "interpret", "rows", "cols", "lead"))
+def _swiglu_rms(gu, resid, *, eps, interpret, rows, cols, lead):
   s, f2 = gu.shape
+  f2 -= lead
   blocks = f2 // 2 // cols
   # Column groups: the most (a divisor of `blocks`) within `MAX_PROGRAMS` programs.
   groups = max(g for g in range(1, blocks + 1)
@@ -99,14 +131,16 @@ def _swiglu_rms(gu, resid, *, eps, interpret, rows, cols):
     from jax.experimental.pallas import triton as plt
     params = dict(compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1))
   whole = lambda a: pl.BlockSpec(a.shape, lambda i, j: (0, 0))
-  out = jax.ShapeDtypeStruct((s, f2 // 2), gu.dtype)
+  out = jax.ShapeDtypeStruct((s, lead + f2 // 2), gu.dtype)
+  kern = functools.partial(_kernel, eps=eps, rows=rows, cols=cols, per=blocks // groups,
+                           one_load=not interpret, lead=lead)
+  args = (gu,) if lead else (resid, gu)
   return pl.pallas_call(
-      functools.partial(_kernel, eps=eps, rows=rows, cols=cols, per=blocks // groups,
-                        one_load=not interpret),
+      (lambda *refs: kern(None, *refs)) if lead else kern,
       grid=(s // rows, groups),
-      in_specs=[whole(resid), whole(gu)],
+      in_specs=[whole(a) for a in args],
       out_specs=whole(out),
       out_shape=out,
       interpret=interpret,
       **params,
-  )(resid, gu)
+  )(*args)

@@ -316,7 +316,7 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lens, interpret, shar
 
 
 def _flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps, interpret,
-                           share=None, resid=None, resid_eps=0.0):
+                           share=None, resid=None, resid_eps=0.0, resid_rows=0):
   """`decode_attention.flash_decode_write_qkv` (bias, q / k norms and RoPE in the kernel; with
   `resid`, the folded attention norm's scale too) per shard (`_per_shard_decode`; rows only:
   the projection's heads are not split)."""
@@ -330,9 +330,11 @@ def _flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps,
     if resid is not None:
       named["resid"] = args[2]
     return decode_attention.flash_decode_write_qkv(
-        args[0], args[1], *args[n:n + 3], **named, eps=eps, resid_eps=resid_eps, **kw)
+        args[0], args[1], *args[n:n + 3], **named, eps=eps, resid_eps=resid_eps,
+        resid_rows=resid_rows, **kw)
 
-  return _per_shard_decode(kernel, (*rows, cache_k, cache_v, lens), (4, 4, 4), interpret,
+  out_ndims = (3 if resid_rows else 4, 4, 4)
+  return _per_shard_decode(kernel, (*rows, cache_k, cache_v, lens), out_ndims, interpret,
                            share, shared=tuple(given.values()))
 
 
@@ -341,6 +343,12 @@ def _swiglu_rms(gu, resid, eps, interpret):
   (rows over the batch axes): gu `[S, 1, 2 F]`, resid `[S, 1, D]` -> `[S, 1, F]`."""
   fn = lambda g, r: decode_mlp.swiglu_rms(g, r, eps, interpret=interpret)
   return per_shard(fn, (gu[:, 0], resid[:, 0]), 2, None)[:, None]
+
+
+def _swiglu_rms_lead(gu, lead, eps, interpret):
+  """`decode_mlp.swiglu_rms(lead=...)` per shard: gu `[S, D + 2 F]` -> `[S, D + F]`."""
+  fn = lambda g: decode_mlp.swiglu_rms(g, None, eps, lead=lead, interpret=interpret)
+  return per_shard(fn, (gu,), 2, None)
 
 
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
@@ -616,7 +624,8 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   (`decode_attention.flash_decode_write_qkv`): one XLA fusion a layer fewer. With the norm
   weights folded in too (`merge_decode_weights(fold_norms=True)`), the kernel also applies
   the attention norm's row scale, and the MLP's scale and SwiGLU run as one kernel
-  (`decode_mlp.swiglu_rms`): no norm kernel in the layer.
+  (`decode_mlp.swiglu_rms`): no norm kernel in the layer. With chained weights
+  (`param_tree.chain_decode_weights`) a layer runs two GEMMs instead of four: `_decode_chained`.
   Returns (logits `[S, V]` float32, cache_k, cache_v).
   """
   p = unbox(params)
@@ -629,6 +638,12 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   if raw:  # each slot's cos / sin, once for every layer
     cos, sin = rope_tables(positions, inv_freq)
     rope = jnp.stack([cos[:, 0, 0], sin[:, 0, 0]], axis=1)  # [S, 2, hd / 2]
+  if "chain" in p:
+    if not raw:
+      raise ValueError("decode_in_place: chained weights need the kernel to take the raw q|k|v "
+                       "projection (fused_qkv=True where decoder.fused_qkv_fits)")
+    return _decode_chained(params, p, cache_k, cache_v, tokens, cache_lens, rope, cfg=cfg,
+                           share=share, interpret=interpret)
   x = embed(p, tokens, cfg)
   new_k, new_v = list(cache_k), list(cache_v)
   # Norm weights folded into the merged matrices: the MLP's scale and SwiGLU in one kernel.
@@ -655,6 +670,32 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
     x, _, _ = _block(x, lp, positions, attend_raw if raw else attend, cfg, inv_freq,
                      raw_qkv=raw, swiglu=swiglu)
   logits = logits_from_hidden(params, rms_norm(x[:, 0], p["final_norm"], cfg.norm_eps), cfg)
+  return logits, tuple(new_k), tuple(new_v)
+
+
+def _decode_chained(params, p, cache_k, cache_v, tokens, cache_lens, rope, *, cfg: ModelConfig,
+                    share, interpret):
+  """`decode_in_place` over `param_tree.chain_decode_weights`'s matrices: per layer the decode
+  kernel (its input `[x | x Wqkv]`, its output `[x | a]`), one GEMM to `[x' | x' Wgu]`, the
+  SwiGLU kernel (to `[x' | f]`) and one GEMM to the next layer's `[x'' | x'' Wqkv]`. The
+  stream rides in the first D columns, so no kernel but these four runs in a layer."""
+  dt, d, hd = cfg.jnp_dtype, cfg.d_model, cfg.head_dim
+  c, layers = p["chain"], p["layers"]
+  s = tokens.shape[0]
+  lead = d // hd
+  y = embed(p, tokens, cfg)[:, 0] @ c["in"].astype(dt)  # [S, D + Q]: [x | x Wqkv]
+  new_k, new_v = list(cache_k), list(cache_v)
+  for layer in range(cfg.n_layers):
+    lp = jax.tree.map(lambda w: w[layer], layers)
+    xa, new_k[layer], new_v[layer] = _flash_decode_write_qkv(
+        y.reshape(s, -1, hd), rope, new_k[layer], new_v[layer], cache_lens, lp.get("bqkv"),
+        lp.get("qk_norms"), cfg.norm_eps, interpret, share, resid_eps=cfg.norm_eps,
+        resid_rows=lead)
+    z = xa.reshape(s, -1).astype(dt) @ c["a"][layer].astype(dt)  # [x' | x' Wgu]
+    f = _swiglu_rms_lead(z, d, cfg.norm_eps, interpret)  # [x' | f]
+    last = layer == cfg.n_layers - 1
+    y = f @ (c["out"] if last else c["b"][layer]).astype(dt)  # [x'' | x'' Wqkv_next]
+  logits = logits_from_hidden(params, rms_norm(y, p["final_norm"], cfg.norm_eps), cfg)
   return logits, tuple(new_k), tuple(new_v)
 
 

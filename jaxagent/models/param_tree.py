@@ -173,19 +173,86 @@ def merge_decode_weights(params: Params, cfg: ModelConfig,
 
 
 def is_merged(params: Params) -> bool:
-  """Whether `params` already hold `merge_decode_weights`'s merged matrices."""
-  layers = unbox(params)["layers"]
+  """Whether `params` already hold `merge_decode_weights`'s merged matrices (or
+  `chain_decode_weights`'s, made from them)."""
+  p = unbox(params)
+  layers = p["layers"]
   first = layers[0] if isinstance(layers, (tuple, list)) else layers
-  return "wqkv" in first
+  return "wqkv" in first or "chain" in p
 
 
 def norms_folded(params: Params) -> bool:
   """Whether `params` (or one layer's dict of them) hold merged weights with the layer norms
   folded in (`merge_decode_weights(fold_norms=True)`)."""
-  layers = unbox(params)
-  layers = layers.get("layers", layers)
+  p = unbox(params)
+  if "chain" in p:  # `chain_decode_weights` of folded ones
+    return True
+  layers = p.get("layers", p)
   first = layers[0] if isinstance(layers, (tuple, list)) else layers
   return "wqkv" in first and "attn_norm" not in first
+
+
+def chain_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
+  """Folded merged weights (`merge_decode_weights(fold_norms=True)`) rearranged so that a decode
+  layer runs two GEMMs instead of four: with the norms folded in, the next projection is linear
+  in the unnormed residual stream, so it can be taken through the product that makes that
+  stream. With x the stream entering layer l, a its attention output, x' = x + a Wo, f the
+  MLP's activation and x'' = x' + f Wd (the next layer's input):
+
+    [x | a]  @ [[I, Wgu], [Wo, Wo Wgu]]             = [x'  | x' Wgu]          ("a", per layer)
+    [x' | f] @ [[I, Wqkv_next], [Wd, Wd Wqkv_next]] = [x'' | x'' Wqkv_next]   ("b", per layer)
+
+  (Wgu, Wqkv the folded matrices; the products of weights are made in float32 at the highest
+  precision and rounded to the compute dtype once.) The stream rides along in the first D
+  columns, where the decode kernels read the norms' row scales from it and copy it into their
+  outputs (`decoder.decode_in_place`). The first layer's [x | x Wqkv] comes from "in" =
+  [I | Wqkv_0] and the last layer's x'' from "out" = [[I], [Wd]]. Returns the folded params with
+  "chain" = {"in": [D, D + Q], "a": [L, D + H hd, D + 2 F], "b": [L - 1, D + F, D + Q], "out":
+  [D + F, D]} (Q = (H + 2 KV) hd), and the layers' matrices the chain replaces dropped ("wqkv",
+  "w_gate_up", "wo", "w_down"; the layers keep their biases and q / k norms).
+
+  The same function up to rounding. It multiplies more: 2.1x the matrices' elements for
+  SmolLM2-135M, which at a few hundred rows is cheaper than two more GEMM launches a layer for
+  models that small, and dearer for larger ones (`chained_layer_bytes`;
+  `EngineConfig.decode_chain_weights`)."""
+  p = dict(unbox(params))
+  if not norms_folded(p):
+    raise ValueError("chain_decode_weights: needs merge_decode_weights(fold_norms=True) params")
+  if cfg.d_model % cfg.head_dim:
+    raise ValueError(f"chain_decode_weights: d_model {cfg.d_model} must be a multiple of "
+                     f"head_dim {cfg.head_dim} (the stream rides in the kernels' head rows)")
+  lw = dict(p["layers"])
+  dt, f32, d = cfg.jnp_dtype, jnp.float32, cfg.d_model
+  hi = jax.lax.Precision.HIGHEST
+  wqkv, wgu = lw.pop("wqkv").astype(f32), lw.pop("w_gate_up").astype(f32)
+  wo = lw.pop("wo").astype(f32).reshape(cfg.n_layers, -1, d)  # [L, H hd, D]
+  wd = lw.pop("w_down").astype(f32)  # [L, F, D]
+  eye = lambda n: jnp.broadcast_to(jnp.eye(d, dtype=f32), (n, d, d))
+  prod = lambda a, b: jnp.matmul(a, b, precision=hi)
+  n = cfg.n_layers
+  a = jnp.concatenate([jnp.concatenate([eye(n), wgu], -1),
+                       jnp.concatenate([wo, prod(wo, wgu)], -1)], -2)
+  nxt = wqkv[1:]
+  b = jnp.concatenate([jnp.concatenate([eye(n - 1), nxt], -1),
+                       jnp.concatenate([wd[:-1], prod(wd[:-1], nxt)], -1)], -2)
+  p["chain"] = {"in": jnp.concatenate([jnp.eye(d, dtype=f32), wqkv[0]], -1).astype(dt),
+                "a": a.astype(dt), "b": b.astype(dt),
+                "out": jnp.concatenate([jnp.eye(d, dtype=f32), wd[-1]], -2).astype(dt)}
+  p["layers"] = lw
+  return p
+
+
+def is_chained(params: Params) -> bool:
+  """Whether `params` hold `chain_decode_weights`'s matrices."""
+  return "chain" in unbox(params)
+
+
+def chained_layer_bytes(cfg: ModelConfig) -> int:
+  """Bytes of one layer's two chained matrices (`chain_decode_weights`)."""
+  d, f, hd = cfg.d_model, cfg.ffn_dim, cfg.head_dim
+  q = (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
+  elems = (d + cfg.n_heads * hd) * (d + 2 * f) + (d + f) * (d + q)
+  return elems * jnp.dtype(cfg.jnp_dtype).itemsize
 
 
 def merged_decode_weight_bytes(cfg: ModelConfig) -> int:

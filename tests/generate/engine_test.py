@@ -367,6 +367,54 @@ def test_fold_norms_where_the_kernel_takes_the_raw_projection(params):
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+def test_chain_weights_where_the_norms_fold(params, monkeypatch):
+  """`Engine.chain_weights`: `prepare` chains the folded matrices where the norms fold and, in
+  auto mode, the chained layer is at most `CHAIN_MAX_LAYER_BYTES`; the sampled tokens and
+  log-probs are those of the unchained weights, and decode calls on unprepared params do not
+  chain."""
+  from jaxagent.generate import engine as engine_mod
+  from jaxagent.generate import run_requests
+  from jaxagent.models import param_tree
+  kw = dict(slots=2, max_len=48, decode_attention="pallas", cache_layout="per_layer",
+            decode_merge_weights=True, sampling=SamplingConfig(1.0))
+  with pytest.raises(ValueError, match="decode_chain_weights"):
+    EngineConfig(decode_chain_weights=1)
+  assert Engine(CFG, EngineConfig(**kw)).chain_weights  # a tiny model: auto chains
+  assert not Engine(CFG, EngineConfig(decode_fold_norms=False, decode_chain_weights=True,
+                                      **kw)).chain_weights
+  monkeypatch.setattr(engine_mod, "CHAIN_MAX_LAYER_BYTES", 0)
+  assert not Engine(CFG, EngineConfig(**kw)).chain_weights
+  assert Engine(CFG, EngineConfig(decode_chain_weights=True, **kw)).chain_weights
+  prompts = _prompts(2, seed=5)
+  outs = []
+  for chain in (True, False):
+    eng = Engine(CFG, EngineConfig(decode_chain_weights=chain, **kw))
+    prep = eng.prepare(params)
+    assert param_tree.is_chained(prep.decode) is chain
+    assert param_tree.norms_folded(prep.decode)
+    outs.append(run_requests(eng, prep, prompts, max_new_tokens=6, request_ids=[0, 1],
+                             seed=2))
+  for a, b in zip(*outs):
+    assert a.tokens == b.tokens
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+  chains = []
+  chain_fn = param_tree.chain_decode_weights
+  monkeypatch.setattr(param_tree, "chain_decode_weights",
+                      lambda *a: chains.append(1) or chain_fn(*a))
+  eng = Engine(CFG, EngineConfig(decode_chain_weights=True, **kw))
+
+  def run(p):
+    st, first = eng.prefill_insert(p, eng.init_decode_state(), prompts, [0, 1], [0, 1], seeds=2)
+    st, out = eng.generate(p, st, steps=8)
+    return np.asarray(out.tokens), np.asarray(out.logprobs)
+  plain = run(params)
+  assert not chains  # merged and folded in the decode call, not chained
+  prepared = run(eng.prepare(params))
+  assert chains
+  np.testing.assert_array_equal(plain[0], prepared[0])
+  np.testing.assert_allclose(plain[1], prepared[1], atol=1e-5)
+
+
 @pytest.mark.parametrize("merge", [True, False])
 def test_prepared_params_merge_once_and_match_plain_params(params, monkeypatch, merge):
   """`Engine.prepare`: with merged decode weights (`decode_merge_weights=True` here, the GPU

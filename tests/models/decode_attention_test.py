@@ -223,6 +223,77 @@ def test_folded_norms_compute_the_same_function(name, monkeypatch):
     np.testing.assert_allclose(np.asarray(b), np.asarray(w), atol=2e-5)
 
 
+@pytest.mark.parametrize("name", [
+    "tiny-qwen2", "tiny-qwen3", pytest.param("tiny-llama", marks=pytest.mark.slow)])
+def test_chained_weights_compute_the_same_function(name, monkeypatch):
+  """`chain_decode_weights`: each layer's four decode matrices as two, the residual stream
+  riding in the first D columns of the kernels' inputs and outputs. The write-first step gives
+  the logits and caches of the folded weights (bias and q / k norms included), running the
+  decode kernel, two GEMMs and the SwiGLU kernel a layer and one RMS norm (the final one)."""
+  cfg = models.get_config(name)
+  params = param_tree.unbox(models.init_params(cfg, jax.random.key(3), std=0.2))
+  layers = dict(params["layers"])
+  for i, n in enumerate(("attn_norm", "mlp_norm")):
+    layers[n] = layers[n] + 0.3 * _rand(60 + i, *layers[n].shape)
+  params = dict(params, layers=layers)
+  folded = param_tree.merge_decode_weights(params, cfg, fold_norms=True)
+  chained = param_tree.chain_decode_weights(folded, cfg)
+  assert param_tree.is_chained(chained) and param_tree.is_merged(chained)
+  assert param_tree.norms_folded(chained) and not param_tree.is_chained(folded)
+  assert not {"wqkv", "w_gate_up", "wo", "w_down"} & set(chained["layers"])
+  ch = chained["chain"]
+  assert param_tree.chained_layer_bytes(cfg) == ch["a"][0].nbytes + ch["b"][0].nbytes
+  d, q = cfg.d_model, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+  assert ch["a"].shape == (cfg.n_layers, d + cfg.n_heads * cfg.head_dim, d + 2 * cfg.ffn_dim)
+  assert ch["b"].shape == (cfg.n_layers - 1, d + cfg.ffn_dim, d + q)
+  assert ch["in"].shape == (d, d + q) and ch["out"].shape == (d + cfg.ffn_dim, d)
+  s, c = 3, 32
+  ck, cv = _layer_caches(cfg, s, c)
+  lens, tok = jnp.array([0, 9, c], jnp.int32), jnp.array([5, 7, 11], jnp.int32)
+  want = decoder.decode_in_place(folded, ck, cv, tok, lens, cfg=cfg)
+  norms, swiglus, kernels = [], [], []
+  rms, swiglu, attn = decoder.rms_norm, decoder._swiglu_rms_lead, decoder._flash_decode_write_qkv
+  monkeypatch.setattr(decoder, "rms_norm", lambda *a: norms.append(1) or rms(*a))
+  monkeypatch.setattr(decoder, "_swiglu_rms_lead",
+                      lambda *a, **k: swiglus.append(1) or swiglu(*a, **k))
+  monkeypatch.setattr(decoder, "_flash_decode_write_qkv",
+                      lambda *a, **k: kernels.append(k["resid_rows"]) or attn(*a, **k))
+  got = decoder.decode_in_place(chained, ck, cv, tok, lens, cfg=cfg)
+  assert len(norms) == 1 and len(swiglus) == cfg.n_layers
+  assert kernels == [d // cfg.head_dim] * cfg.n_layers
+  for w, a in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=2e-5)
+  with pytest.raises(ValueError, match="chained weights need"):
+    decoder.decode_in_place(chained, ck, cv, tok, lens, cfg=cfg, fused_qkv=False)
+  with pytest.raises(ValueError, match="fold_norms=True"):
+    param_tree.chain_decode_weights(param_tree.merge_decode_weights(params, cfg), cfg)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swiglu_rms_kernel_with_the_stream_in_front(dtype, monkeypatch):
+  """`swiglu_rms(lead=D)` (chained weights): the stream in the projection's first D columns
+  gives the scale and is copied in front of the activation, equal to the two-array form."""
+  from jaxagent.models import decode_mlp
+  monkeypatch.setattr(decode_mlp, "BLOCK_COLS", 16)
+  s, d, f = 8, 40, 96
+  gu = _rand(0, s, 2 * f).astype(dtype)
+  resid = (3 * _rand(1, s, d)).astype(dtype)
+  both = jnp.concatenate([resid, gu], axis=1)
+  got = decode_mlp.swiglu_rms(both, None, 1e-6, lead=d, interpret=True)
+  assert got.shape == (s, d + f) and got.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(got[:, :d]), np.asarray(resid))
+  np.testing.assert_array_equal(np.asarray(got[:, d:]),
+                                np.asarray(decode_mlp.swiglu_rms(gu, resid, 1e-6,
+                                                                 interpret=True)))
+  np.testing.assert_array_equal(np.asarray(decode_mlp.swiglu_rms_reference(both, None, 1e-6,
+                                                                           lead=d)),
+                                np.asarray(jnp.concatenate(
+                                    [resid, decode_mlp.swiglu_rms_reference(gu, resid, 1e-6)],
+                                    axis=1)))
+  with pytest.raises(ValueError, match="lead=40 needs resid None"):
+    decode_mlp.swiglu_rms(both, resid, 1e-6, lead=d, interpret=True)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("s,d,f,max_programs", [(8, 40, 96, 512), (6, 48, 80, 4), (16, 64, 64, 2)])
 def test_swiglu_rms_kernel_equals_reference(s, d, f, max_programs, dtype, monkeypatch):
