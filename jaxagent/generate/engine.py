@@ -164,10 +164,10 @@ MERGE_WEIGHTS_MAX_BYTES = 4 << 30
 MERGE_MIN_STEPS = 8
 # `EngineConfig.decode_chain_weights=None` chains where one layer's chained matrices
 # (`param_tree.chained_layer_bytes`) take at most this many bytes. The chain trades two GEMM
-# launches a layer for about twice the matrices' products; at 256 rows on an H200 (a 30-layer
-# chain of the GEMMs with XLA fusions in the kernels' places, benchmarks/RESULTS.md) it took
-# SmolLM2-135M's layer (14.9 MB chained) from 26.9 to 20.9 us, and made Qwen3-0.6B's (77.6 MB)
-# and Qwen2.5-1.5B's (195 MB) slower: 39.0 -> 50.7 us and 69.7 -> 87.4 us.
+# launches a layer for about twice the matrices' products. In the engine's step at 256 slots
+# on an H200 (benchmarks/RESULTS.md) it took SmolLM2-135M (14 MiB a chained layer) from 1.623
+# to 1.514 ms and made Qwen2.5-0.5B (59 MiB) and Qwen3-0.6B (82 MiB) slower: 1.916 -> 1.976
+# ms and 4.932 -> 5.309 ms.
 CHAIN_MAX_LAYER_BYTES = 16 << 20
 
 

@@ -213,7 +213,7 @@ def chain_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
 
   The same function up to rounding. It multiplies more: 2.1x the matrices' elements for
   SmolLM2-135M, which at a few hundred rows is cheaper than two more GEMM launches a layer for
-  models that small, and dearer for larger ones (`chained_layer_bytes`;
+  it, and dearer for Qwen2.5-0.5B and larger ones (`chained_layer_bytes`;
   `EngineConfig.decode_chain_weights`)."""
   p = dict(unbox(params))
   if not norms_folded(p):
