@@ -90,8 +90,8 @@ class PreparedParams:
   (`param_tree.merge_decode_weights`; the norm weights folded in where `Engine.fold_norms`,
   the matrices chained where `Engine.chain_weights`), which decode calls use instead of
   merging at their start, or None where the engine's decode calls do not merge. Every `Engine`
-  method that takes params takes this too. It holds a copy of the merged weights for as long as it is kept: drop
-  it when the params it was made from are replaced.
+  method that takes params takes this too. It holds a copy of the merged weights for as long
+  as it is kept: drop it when the params it was made from are replaced.
   """
   params: Any
   decode: Any = None
@@ -219,9 +219,8 @@ class EngineConfig:
   # the residual stream through with the next projection. None (auto): for models whose chained
   # layer takes at most `CHAIN_MAX_LAYER_BYTES` (small ones, where GEMM launches cost more than
   # the extra products); True: wherever the norms fold and d_model is a multiple of head_dim;
-  # False: never. Decode calls on params
-  # that were not prepared merge and fold at their start but do not chain (the products of
-  # weights cost more than a call saves).
+  # False: never. Decode calls on params that were not prepared merge and fold at their start
+  # but do not chain (the products of weights cost more than a call saves).
   decode_chain_weights: bool | None = None
   # XLA compiler options of the decode program on GPUs, as (name, value) pairs; None: the
   # library's `DECODE_GPU_OPTIONS`; (): XLA's defaults.
@@ -653,9 +652,9 @@ class Engine:
     (`merge_weights`), the merged copy is made here once instead of at the start of every
     decode call of at least `MERGE_MIN_STEPS` steps (on an H100, 1.06 ms a call for
     Qwen2.5-1.5B, 0.13 ms a step at 8 steps a call; benchmarks/RESULTS.md), chained where
-    `chain_weights`. Every method that
-    takes params takes the result. It keeps that copy alive while it is kept: make a new one
-    after each params update. Params already prepared are returned as they are."""
+    `chain_weights`. Every method that takes params takes the result. It keeps that copy alive
+    while it is kept: make a new one after each params update. Params already prepared are
+    returned as they are."""
     if isinstance(params, PreparedParams):
       return params
     if not self.merge_weights or param_tree.is_merged(params):

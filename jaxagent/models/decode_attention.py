@@ -289,9 +289,9 @@ def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_
   weight row `norm_row` of `w_ref` (Qwen3's q / k norms) and rotated by RoPE (`cs_ref`: the
   slot's cos / sin), each step rounded to the projections' dtype where `decoder._qkv` rounds
   it. `lead`: rows of x_ref's slot before its projections (the residual stream, with chained
-  weights); row0 counts from past them. Rotate-half RoPE needs
-  each entry's partner half a head away: the tile is loaded a second time with its columns
-  rotated by half a head (a gather load), so no tile has to be cut and put back together."""
+  weights); row0 counts from past them. Rotate-half RoPE needs each entry's partner half a
+  head away: the tile is loaded a second time with its columns rotated by half a head (a
+  gather load), so no tile has to be cut and put back together."""
   dt, hd = x_ref.dtype, x_ref.shape[-1]
   half = hd // 2
   f32 = lambda a: a.astype(jnp.float32)

@@ -12,6 +12,9 @@ the same function of the same weights:
   * `prefill`: a fresh prompt, returning the K/V to insert into a cache slot.
   * `extend`: new tokens for live cache slots (one token per slot when decoding, a chunk of
     tool-observation tokens when appending), attending to the slot's cached prefix.
+The GPU decode step (`decode_in_place`) runs `_block` too, except over chained matrices
+(`param_tree.chain_decode_weights`), where `_decode_chained` computes the same layer as two
+products that carry the residual stream along (tested equal to `_block`'s to float rounding).
 """
 from __future__ import annotations
 

@@ -274,11 +274,12 @@ def test_per_layer_cache_on_a_mesh_matches_single_device(params):
 # function (decode_attention_test) and when the engine merges (below).
 @pytest.mark.slow
 @pytest.mark.parametrize("attention,mesh_shape", [
-    ("xla", None), ("xla", (2, 4, 1)), ("pallas", None)])
+    ("xla", None), ("xla", (2, 4, 1)), ("pallas", None), ("pallas", (2, 4, 1))])
 def test_merged_decode_weights_give_the_same_tokens(params, attention, mesh_shape):
   """The decode program over q|k|v and gate|up weights merged once per call
   (`EngineConfig.decode_merge_weights`) samples the same tokens with the same log-probs,
-  with the weights sharded over fsdp too."""
+  with the weights sharded over fsdp too. With the Pallas kernels the merged weights are also
+  folded and chained (a tiny model: auto chains), and the kernels run per shard of slots."""
   from jaxagent import sharding
   from jaxagent.generate import run_requests
   prompts = _prompts(3, seed=4)
@@ -286,10 +287,12 @@ def test_merged_decode_weights_give_the_same_tokens(params, attention, mesh_shap
   p = params if mesh is None else sharding.shard(params, mesh)
   outs = []
   for merge in (False, True):
-    eng = Engine(CFG, EngineConfig(slots=4, max_len=64, sampling=SamplingConfig(1.0),
-                                   decode_attention=attention, decode_merge_weights=merge),
+    eng = Engine(CFG, EngineConfig(slots=4 if mesh is None else 8, max_len=64,
+                                   sampling=SamplingConfig(1.0), decode_attention=attention,
+                                   decode_merge_weights=merge),
                  mesh=mesh)
     assert eng.merge_weights is merge
+    assert eng.chain_weights is (merge and attention == "pallas")
     outs.append(run_requests(eng, p, prompts, max_new_tokens=8, request_ids=list(range(3)),
                              seed=2))
   for a, b in zip(*outs):

@@ -47,6 +47,31 @@ def _params(name, dtype, seed=3):
   return cfg, dict(p, layers=layers)
 
 
+def _step_inputs(cfg, s=64, c=256):
+  """Random per-layer caches of `s` slots and `c` rows, one token a slot and random lengths:
+  a decode step's arguments after the params."""
+  shape = (s, cfg.n_kv_heads, c, cfg.head_dim)
+  ck = tuple(jax.random.normal(jax.random.key(30 + i), shape, cfg.jnp_dtype)
+             for i in range(cfg.n_layers))
+  cv = tuple(jax.random.normal(jax.random.key(40 + i), shape, cfg.jnp_dtype)
+             for i in range(cfg.n_layers))
+  rng = np.random.default_rng(0)
+  lens = jnp.asarray(rng.integers(0, c, s), jnp.int32)
+  tok = jnp.asarray(rng.integers(0, cfg.vocab_size, s), jnp.int32)
+  return ck, cv, tok, lens
+
+
+def _step_gaps(a, b):
+  """Two decode steps' (logits, cache_k, cache_v) apart: mean |log-prob| gap, the share of
+  equal argmaxes, the caches' max |d|, and a's log-probs."""
+  la, lb = (np.asarray(x[0], np.float32) for x in (a, b))
+  lpa, lpb = (np.asarray(jax.nn.log_softmax(x, -1)) for x in (la, lb))
+  kd = max(float(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)).max())
+           for x, y in zip(a[1] + a[2], b[1] + b[2]))
+  return (float(np.abs(lpa - lpb).mean()), float((la.argmax(-1) == lb.argmax(-1)).mean()), kd,
+          lpa)
+
+
 @pytest.mark.parametrize("fold", [False, True], ids=["norms", "folded"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("name", SHAPES)
@@ -60,15 +85,7 @@ def test_fused_qkv_kernel_equals_xla_prepared_step(name, dtype, fold):
   merge = jax.jit(lambda p, fold: param_tree.merge_decode_weights(p, cfg, fold_norms=fold),
                   static_argnums=1)
   merged, kernels = merge(params, False), merge(params, fold)
-  s, c = 64, 256
-  shape = (s, cfg.n_kv_heads, c, cfg.head_dim)
-  ck = tuple(jax.random.normal(jax.random.key(30 + i), shape, cfg.jnp_dtype)
-             for i in range(cfg.n_layers))
-  cv = tuple(jax.random.normal(jax.random.key(40 + i), shape, cfg.jnp_dtype)
-             for i in range(cfg.n_layers))
-  rng = np.random.default_rng(0)
-  lens = jnp.asarray(rng.integers(0, c, s), jnp.int32)
-  tok = jnp.asarray(rng.integers(0, cfg.vocab_size, s), jnp.int32)
+  ck, cv, tok, lens = _step_inputs(cfg)
   assert decoder.fused_qkv_fits(cfg, interpret=False)
   with jax.default_matmul_precision("highest"):
     # The arrays go in as arguments: closed over, they would be constants of the program,
@@ -78,12 +95,7 @@ def test_fused_qkv_kernel_equals_xla_prepared_step(name, dtype, fold):
                    static_argnums=0)
     a, b = step(True, kernels, ck, cv, tok, lens), step(False, kernels, ck, cv, tok, lens)
     unfolded = step(False, merged, ck, cv, tok, lens)
-  la, lb = (np.asarray(x[0], np.float32) for x in (a, b))
-  lpa, lpb = (np.asarray(jax.nn.log_softmax(x, -1)) for x in (la, lb))
-  gap = float(np.abs(lpa - lpb).mean())
-  same = float((la.argmax(-1) == lb.argmax(-1)).mean())
-  kd = max(float(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)).max())
-           for x, y in zip(a[1] + a[2], b[1] + b[2]))
+  gap, same, kd, lpa = _step_gaps(a, b)
   print(f"{name} {dtype} fold={fold}: log-prob mean |d| {gap:.2e}, argmax equal {same:.3f}, "
         f"caches max |d| {kd:.2e}")
   if dtype == "float32":
@@ -112,24 +124,11 @@ def test_chained_step_equals_folded_step(name, dtype):
   cfg, params = _params(name, dtype)
   folded = jax.jit(lambda p: param_tree.merge_decode_weights(p, cfg, fold_norms=True))(params)
   chained = jax.jit(lambda p: param_tree.chain_decode_weights(p, cfg))(folded)
-  s, c = 64, 256
-  shape = (s, cfg.n_kv_heads, c, cfg.head_dim)
-  ck = tuple(jax.random.normal(jax.random.key(30 + i), shape, cfg.jnp_dtype)
-             for i in range(cfg.n_layers))
-  cv = tuple(jax.random.normal(jax.random.key(40 + i), shape, cfg.jnp_dtype)
-             for i in range(cfg.n_layers))
-  rng = np.random.default_rng(0)
-  lens = jnp.asarray(rng.integers(0, c, s), jnp.int32)
-  tok = jnp.asarray(rng.integers(0, cfg.vocab_size, s), jnp.int32)
+  ck, cv, tok, lens = _step_inputs(cfg)
   with jax.default_matmul_precision("highest"):
     step = jax.jit(lambda *args: decoder.decode_in_place(*args, cfg=cfg))
     a, b = step(chained, ck, cv, tok, lens), step(folded, ck, cv, tok, lens)
-  la, lb = (np.asarray(x[0], np.float32) for x in (a, b))
-  lpa, lpb = (np.asarray(jax.nn.log_softmax(x, -1)) for x in (la, lb))
-  gap = float(np.abs(lpa - lpb).mean())
-  same = float((la.argmax(-1) == lb.argmax(-1)).mean())
-  kd = max(float(np.abs(np.asarray(x, np.float32) - np.asarray(y, np.float32)).max())
-           for x, y in zip(a[1] + a[2], b[1] + b[2]))
+  gap, same, kd, lpa = _step_gaps(a, b)
   print(f"{name} {dtype} chained vs folded: log-prob mean |d| {gap:.2e}, argmax equal "
         f"{same:.3f}, caches max |d| {kd:.2e}")
   if dtype == "float32":

@@ -186,6 +186,15 @@ def test_merged_decode_weights_compute_the_same_function(name):
     np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5)
 
 
+def _params_with_norms(cfg):
+  """Random params whose layer norm weights are not one (folding them changes the matrices)."""
+  params = param_tree.unbox(models.init_params(cfg, jax.random.key(3), std=0.2))
+  layers = dict(params["layers"])
+  for i, n in enumerate(("attn_norm", "mlp_norm")):
+    layers[n] = layers[n] + 0.3 * _rand(60 + i, *layers[n].shape)
+  return dict(params, layers=layers)
+
+
 @pytest.mark.parametrize("name", [
     "tiny-qwen2", "tiny-qwen3", pytest.param("tiny-llama", marks=pytest.mark.slow)])
 def test_folded_norms_compute_the_same_function(name, monkeypatch):
@@ -195,11 +204,7 @@ def test_folded_norms_compute_the_same_function(name, monkeypatch):
   and caches of the unfolded weights, and the kernel path runs one RMS norm (the final one)
   and one SwiGLU kernel a layer."""
   cfg = models.get_config(name)
-  params = param_tree.unbox(models.init_params(cfg, jax.random.key(3), std=0.2))
-  layers = dict(params["layers"])
-  for i, n in enumerate(("attn_norm", "mlp_norm")):
-    layers[n] = layers[n] + 0.3 * _rand(60 + i, *layers[n].shape)
-  params = dict(params, layers=layers)
+  params = _params_with_norms(cfg)
   merged = param_tree.merge_decode_weights(params, cfg)
   folded = param_tree.merge_decode_weights(params, cfg, fold_norms=True)
   assert param_tree.norms_folded(folded) and not param_tree.norms_folded(merged)
@@ -231,11 +236,7 @@ def test_chained_weights_compute_the_same_function(name, monkeypatch):
   the logits and caches of the folded weights (bias and q / k norms included), running the
   decode kernel, two GEMMs and the SwiGLU kernel a layer and one RMS norm (the final one)."""
   cfg = models.get_config(name)
-  params = param_tree.unbox(models.init_params(cfg, jax.random.key(3), std=0.2))
-  layers = dict(params["layers"])
-  for i, n in enumerate(("attn_norm", "mlp_norm")):
-    layers[n] = layers[n] + 0.3 * _rand(60 + i, *layers[n].shape)
-  params = dict(params, layers=layers)
+  params = _params_with_norms(cfg)
   folded = param_tree.merge_decode_weights(params, cfg, fold_norms=True)
   chained = param_tree.chain_decode_weights(folded, cfg)
   assert param_tree.is_chained(chained) and param_tree.is_merged(chained)
