@@ -264,6 +264,18 @@ def test_chained_weights_compute_the_same_function(name, monkeypatch):
   assert kernels == [d // cfg.head_dim] * cfg.n_layers
   for w, a in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=2e-5)
+  monkeypatch.undo()
+  # Slot 1 reads its first 64 cached rows (a whole block at this launch's 64) from slot 0's
+  # (prompt sharing).
+  ck, cv = _layer_caches(cfg, s, 4 * c)
+  lens = jnp.array([0, 100, 4 * c], jnp.int32)
+  share = (jnp.array([0, 0, 2], jnp.int32), jnp.array([0, 64, 0], jnp.int32))
+  want = decoder.decode_in_place(folded, ck, cv, tok, lens, cfg=cfg, share=share)
+  got = decoder.decode_in_place(chained, ck, cv, tok, lens, cfg=cfg, share=share)
+  for w, a in zip(jax.tree.leaves(want), jax.tree.leaves(got)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(w), atol=2e-5)
+  own = decoder.decode_in_place(chained, ck, cv, tok, lens, cfg=cfg)[0]
+  assert not np.allclose(np.asarray(got[0][1]), np.asarray(own[1]), atol=1e-3)  # it did share
   with pytest.raises(ValueError, match="chained weights need"):
     decoder.decode_in_place(chained, ck, cv, tok, lens, cfg=cfg, fused_qkv=False)
   with pytest.raises(ValueError, match="fold_norms=True"):
