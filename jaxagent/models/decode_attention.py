@@ -52,6 +52,14 @@ DEFAULT_TUNING = dict(block_k=32, num_warps=1, num_stages=2, low_precision_dot=1
 # H100 (Qwen2.5-1.5B 2.93 -> 2.69 ms, SmolLM2-135M 1.67 -> 1.44 ms), and no faster at 256 slots.
 FEW_PROGRAMS = 256
 FEW_PROGRAMS_TUNING = dict(DEFAULT_TUNING, block_k=64, num_warps=2, num_stages=3)
+# Heads of at most `SMALL_HEAD_DIM` get one more pipeline stage at the default's many
+# programs: in the engine's step at 256 slots on an H200 (benchmarks/RESULTS.md) SmolLM2-135M
+# (hd 64, chained weights) went 1.511 -> 1.467 ms with 3 stages (1.491 with 4), where 3 stages
+# left Qwen2.5-1.5B (hd 128) at 3.250 -> 3.248 ms and made Qwen3-0.6B (hd 128) 0.6% slower.
+# Alone, the kernel at SmolLM2-135M's shape was fastest with 3 stages on an H100 and on an
+# H200 too.
+SMALL_HEAD_DIM = 64
+SMALL_HEAD_TUNING = dict(DEFAULT_TUNING, num_stages=3)
 # `decoder.decode_in_place` hands the kernel the raw q|k|v projection
 # (`flash_decode_write_qkv`: bias, q / k norms and RoPE in the kernel) for head sizes up to
 # this. Measured on an H100, 256 slots, against q, k and v prepared by XLA (benchmarks/
@@ -72,11 +80,17 @@ def auto_splits(slots: int, kv_heads: int, cache_len: int, block_k: int) -> int:
   return 1 << (n.bit_length() - 1)
 
 
-def tuning(programs: int | None = None) -> dict:
+def tuning(programs: int | None = None, head_dim: int | None = None) -> dict:
   """The kernel's launch settings: DEFAULT_TUNING (FEW_PROGRAMS_TUNING for a launch of at most
-  FEW_PROGRAMS (slot, KV head) programs) updated from $JAXAGENT_DECODE_KERNEL."""
-  few = programs is not None and programs <= FEW_PROGRAMS
-  return env_tuning("JAXAGENT_DECODE_KERNEL", FEW_PROGRAMS_TUNING if few else DEFAULT_TUNING)
+  FEW_PROGRAMS (slot, KV head) programs, else SMALL_HEAD_TUNING for heads of at most
+  SMALL_HEAD_DIM) updated from $JAXAGENT_DECODE_KERNEL."""
+  if programs is not None and programs <= FEW_PROGRAMS:
+    defaults = FEW_PROGRAMS_TUNING
+  elif head_dim is not None and head_dim <= SMALL_HEAD_DIM:
+    defaults = SMALL_HEAD_TUNING
+  else:
+    defaults = DEFAULT_TUNING
+  return env_tuning("JAXAGENT_DECODE_KERNEL", defaults)
 
 
 def env_tuning(var: str, defaults: dict) -> dict:
@@ -155,9 +169,10 @@ def _kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, split_blocks
   lse_ref[...] = jnp.where(l > 0, m + jnp.log(safe), _NEG)
 
 
-def _launch_settings(fn: str, programs: int, launch: dict) -> dict:
-  """`tuning(programs)` updated by a call's `launch` keywords (unknown ones are an error)."""
-  t = tuning(programs=programs)
+def _launch_settings(fn: str, programs: int, launch: dict, head_dim: int | None = None) -> dict:
+  """`tuning(programs, head_dim)` updated by a call's `launch` keywords (unknown ones are an
+  error)."""
+  t = tuning(programs=programs, head_dim=head_dim)
   unknown = set(launch) - set(t)
   if unknown:
     raise TypeError(f"{fn}: unknown launch settings {sorted(unknown)}")
@@ -212,10 +227,10 @@ def flash_decode(q, cache_k, cache_v, lengths, *, share=None, interpret: bool = 
   the kernel then reads the whole blocks among them from slot `src[s]`, whose rows the
   programs of the other samples read too (mostly L2 hits instead of HBM reads). The result is
   the same either way. Returns (out [S, KV, G, hd] in q's dtype, lse [S, KV, G] float32); slots of
-  length 0 give out 0 and lse -1e30. Launch settings are `tuning(S * KV)` updated by `launch`
+  length 0 give out 0 and lse -1e30. Launch settings are `tuning(S * KV, hd)` updated by `launch`
   (e.g. `block_k=32`).
   """
-  t = _launch_settings("flash_decode", q.shape[0] * q.shape[1], launch)
+  t = _launch_settings("flash_decode", q.shape[0] * q.shape[1], launch, q.shape[-1])
   return _flash_decode(q, cache_k, cache_v, lengths, share, block_k=t["block_k"],
                        num_warps=t["num_warps"], num_stages=t["num_stages"],
                        low_precision_dot=bool(t["low_precision_dot"]), splits=t["splits"],
@@ -444,7 +459,7 @@ def flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, *, share=None
   it in one fusion with whatever produced them: RoPE, norms, the projection's split), and the
   output comes back unpadded, so no padding or slicing kernels run around it either. The
   caches are updated in place (donate them through the enclosing jit). `share` as in
-  `flash_decode`. Launch settings: `tuning(S * KV)` updated by `launch`; one pass per (slot,
+  `flash_decode`. Launch settings: `tuning(S * KV, hd)` updated by `launch`; one pass per (slot,
   head) (`splits` is ignored). Returns (out [S, KV, G, hd] in q's dtype, cache_k, cache_v).
   """
   if q.shape[2] > _ROWS:
@@ -453,7 +468,7 @@ def flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, *, share=None
   return _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share,
                              interpret=interpret,
                              **_launch_settings("flash_decode_write", q.shape[0] * q.shape[1],
-                                                launch))
+                                                launch, q.shape[-1]))
 
 
 def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_norm=None,
@@ -504,7 +519,7 @@ def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_n
                              bias=bias, qk_norm=qk_norm, resid=resid, eps=float(eps),
                              resid_eps=float(resid_eps), g=g, lead=int(resid_rows),
                              interpret=interpret,
-                             **_launch_settings("flash_decode_write_qkv", s * kv, launch))
+                             **_launch_settings("flash_decode_write_qkv", s * kv, launch, hd))
 
 
 @functools.partial(jax.jit, static_argnames=("block_k", "num_warps", "num_stages",

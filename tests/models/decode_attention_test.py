@@ -364,6 +364,18 @@ def test_tuning_by_launch_size(monkeypatch):
   assert da.tuning(programs=256 * 8) == da.DEFAULT_TUNING
   assert da.tuning(programs=64 * 2) == da.FEW_PROGRAMS_TUNING
   assert da.FEW_PROGRAMS_TUNING["block_k"] == 64
+  # Heads up to 64 wide get 3 stages at many programs, wider ones the default's 2.
+  assert da.tuning(programs=256 * 3, head_dim=64) == da.SMALL_HEAD_TUNING
+  assert da.SMALL_HEAD_TUNING["num_stages"] == 3 and da.DEFAULT_TUNING["num_stages"] == 2
+  assert da.tuning(programs=256 * 2, head_dim=128) == da.DEFAULT_TUNING
+  assert da.tuning(programs=64 * 2, head_dim=64) == da.FEW_PROGRAMS_TUNING
+  seen = []
+  monkeypatch.setattr(da, "_flash_decode_write", lambda *a, **k: seen.append(k["num_stages"]))
+  for hd in (64, 128):  # 256 slots x 2 KV heads: 512 programs
+    cache = jnp.zeros((256, 2, 32, hd))
+    da.flash_decode_write_qkv(jnp.zeros((256, 6, hd)), jnp.zeros((256, 2, hd // 2)), cache,
+                              cache, jnp.zeros(256, jnp.int32), interpret=True)
+  assert seen == [3, 2]  # the kernel's launch takes its head size into account
   monkeypatch.setenv("JAXAGENT_DECODE_KERNEL", "block_k=16")
   assert da.tuning(programs=64 * 2)["block_k"] == 16  # the environment still overrides
 
