@@ -57,7 +57,8 @@ FEW_PROGRAMS_TUNING = dict(DEFAULT_TUNING, block_k=64, num_warps=2, num_stages=3
 # (hd 64, chained weights) went 1.511 -> 1.467 ms with 3 stages (1.491 with 4), where 3 stages
 # left Qwen2.5-1.5B (hd 128) at 3.250 -> 3.248 ms and made Qwen3-0.6B (hd 128) 0.6% slower.
 # Alone, the kernel at SmolLM2-135M's shape was fastest with 3 stages on an H100 and on an
-# H200 too.
+# H200 too. (Measured on the write kernel of the engine's step; `flash_decode` and
+# `flash_decode_write` take the same setting.)
 SMALL_HEAD_DIM = 64
 SMALL_HEAD_TUNING = dict(DEFAULT_TUNING, num_stages=3)
 # `decoder.decode_in_place` hands the kernel the raw q|k|v projection
