@@ -23,7 +23,9 @@ PEAKS = {
 }
 RESULTS = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
 
-_ON_OFF = {"on": True, "off": False}
+# Values of on/off options (`AUTO_ON_OFF`: "auto" is None, an `EngineConfig` auto setting).
+ON_OFF = {"on": True, "off": False}
+AUTO_ON_OFF = {"auto": None, **ON_OFF}
 
 
 def add_decode_switches(ap) -> None:
@@ -46,9 +48,8 @@ def add_decode_switches(ap) -> None:
 
 def decode_switch_runs(args) -> list[dict]:
   """`EngineConfig` keywords of every combination of `add_decode_switches`' values."""
-  auto = {"auto": None, **_ON_OFF}
-  return [dict(decode_merge_weights=auto[merge], decode_fused_qkv=_ON_OFF[fused],
-               decode_fold_norms=_ON_OFF[fold], decode_chain_weights=auto[chain])
+  return [dict(decode_merge_weights=AUTO_ON_OFF[merge], decode_fused_qkv=ON_OFF[fused],
+               decode_fold_norms=ON_OFF[fold], decode_chain_weights=AUTO_ON_OFF[chain])
           for merge, fused, fold, chain in itertools.product(
               args.merge_weights.split(","), args.fused_qkv.split(","),
               args.fold_norms.split(","), args.chain_weights.split(","))]

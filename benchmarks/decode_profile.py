@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import decode_roofline_bytes, emit, peaks, timeit
+from benchmarks.common import AUTO_ON_OFF, ON_OFF, decode_roofline_bytes, emit, peaks, timeit
 from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig, sample, token_keys
 from jaxagent.generate.engine import DECODE_GPU_OPTIONS
@@ -179,9 +179,8 @@ def main():
   ecfg = EngineConfig(slots=S, max_len=args.max_len, sampling=SamplingConfig(1.0),
                       cache_layout=args.layout, decode_write_first=not args.merge,
                       decode_attention=args.attention,
-                      decode_fold_norms=args.fold_norms == "on",
-                      decode_chain_weights={"auto": None, "on": True,
-                                            "off": False}[args.chain_weights])
+                      decode_fold_norms=ON_OFF[args.fold_norms],
+                      decode_chain_weights=AUTO_ON_OFF[args.chain_weights])
   eng = Engine(cfg, ecfg)
   if "norms" in ablate and eng.fold_norms:
     raise SystemExit("--ablate norms replaces XLA's RMS norms; with the norms folded into the "

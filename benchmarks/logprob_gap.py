@@ -53,8 +53,8 @@ def main():
           sampling=SamplingConfig(1.0), **switches))
       outs = run_requests(eng, params, prompts, max_new_tokens=args.gen,
                           request_ids=list(range(args.prompts)), seed=1)
-      # `run_requests` decodes 8 steps a call (its default).
-      # `run_requests` prepares the params (so chains where `chain_weights`).
+      # `run_requests` decodes 8 steps a call (its default) and prepares the params (so
+      # chains where `chain_weights`).
       _score(args, cfg, dtype, params, prompts, outs, eng.merges(8), eng.fuses_qkv(8),
              eng.fuses_qkv(8) and eng.fold_norms, eng.fuses_qkv(8) and eng.chain_weights)
 
@@ -85,8 +85,7 @@ def _score(args, cfg, dtype, params, prompts, outs, merged, fused_qkv, fold_norm
     emit("logprob_gap", args.record, model=args.model, dtype=dtype, attention=impl,
          resolved=decoder.attention_path(c, backend), logprob=logprobs.logprob_path(c, backend),
          merged_decode_weights=merged, fused_qkv=fused_qkv, fold_norms=fold_norms,
-         chain_weights=chain_weights,
-         tokens=int(mask.sum()),
+         chain_weights=chain_weights, tokens=int(mask.sum()),
          mean_abs_gap=float(gap.mean()), max_abs_gap=float(gap.max()))
 
 

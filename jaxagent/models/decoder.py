@@ -341,17 +341,13 @@ def _flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps,
                            share, shared=tuple(given.values()))
 
 
-def _swiglu_rms(gu, resid, eps, interpret):
+def _swiglu_rms(gu, resid, eps, interpret, lead=0):
   """`decode_mlp.swiglu_rms` (the folded MLP norm's scale and SwiGLU in one kernel) per shard
-  (rows over the batch axes): gu `[S, 1, 2 F]`, resid `[S, 1, D]` -> `[S, 1, F]`."""
-  fn = lambda g, r: decode_mlp.swiglu_rms(g, r, eps, interpret=interpret)
-  return per_shard(fn, (gu[:, 0], resid[:, 0]), 2, None)[:, None]
-
-
-def _swiglu_rms_lead(gu, lead, eps, interpret):
-  """`decode_mlp.swiglu_rms(lead=...)` per shard: gu `[S, D + 2 F]` -> `[S, D + F]`."""
-  fn = lambda g: decode_mlp.swiglu_rms(g, None, eps, lead=lead, interpret=interpret)
-  return per_shard(fn, (gu,), 2, None)
+  (rows over the batch axes): gu `[S, 2 F]`, resid `[S, D]` -> `[S, F]`; with `lead` = D
+  (resid None, chained weights), gu `[S, D + 2 F]` -> `[S, D + F]`."""
+  rows = (gu,) if resid is None else (gu, resid)
+  fn = lambda g, r=None: decode_mlp.swiglu_rms(g, r, eps, lead=lead, interpret=interpret)
+  return per_shard(fn, rows, 2, None)
 
 
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
@@ -650,7 +646,7 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   x = embed(p, tokens, cfg)
   new_k, new_v = list(cache_k), list(cache_v)
   # Norm weights folded into the merged matrices: the MLP's scale and SwiGLU in one kernel.
-  swiglu = (functools.partial(_swiglu_rms, eps=cfg.norm_eps, interpret=interpret)
+  swiglu = ((lambda gu, r: _swiglu_rms(gu[:, 0], r[:, 0], cfg.norm_eps, interpret)[:, None])
             if norms_folded(p) else None)
   for layer in range(cfg.n_layers):
     lp = jax.tree.map(lambda w: w[layer], p["layers"])
@@ -694,8 +690,8 @@ def _decode_chained(params, p, cache_k, cache_v, tokens, cache_lens, rope, *, cf
         y.reshape(s, -1, hd), rope, new_k[layer], new_v[layer], cache_lens, lp.get("bqkv"),
         lp.get("qk_norms"), cfg.norm_eps, interpret, share, resid_eps=cfg.norm_eps,
         resid_rows=lead)
-    z = xa.reshape(s, -1).astype(dt) @ c["a"][layer].astype(dt)  # [x' | x' Wgu]
-    f = _swiglu_rms_lead(z, d, cfg.norm_eps, interpret)  # [x' | f]
+    z = xa.reshape(s, -1) @ c["a"][layer].astype(dt)  # [x' | x' Wgu]
+    f = _swiglu_rms(z, None, cfg.norm_eps, interpret, lead=d)  # [x' | f]
     last = layer == cfg.n_layers - 1
     y = f @ (c["out"] if last else c["b"][layer]).astype(dt)  # [x'' | x'' Wqkv_next]
   logits = logits_from_hidden(params, rms_norm(y, p["final_norm"], cfg.norm_eps), cfg)

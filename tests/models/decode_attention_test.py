@@ -253,9 +253,9 @@ def test_chained_weights_compute_the_same_function(name, monkeypatch):
   lens, tok = jnp.array([0, 9, c], jnp.int32), jnp.array([5, 7, 11], jnp.int32)
   want = decoder.decode_in_place(folded, ck, cv, tok, lens, cfg=cfg)
   norms, swiglus, kernels = [], [], []
-  rms, swiglu, attn = decoder.rms_norm, decoder._swiglu_rms_lead, decoder._flash_decode_write_qkv
+  rms, swiglu, attn = decoder.rms_norm, decoder._swiglu_rms, decoder._flash_decode_write_qkv
   monkeypatch.setattr(decoder, "rms_norm", lambda *a: norms.append(1) or rms(*a))
-  monkeypatch.setattr(decoder, "_swiglu_rms_lead",
+  monkeypatch.setattr(decoder, "_swiglu_rms",
                       lambda *a, **k: swiglus.append(1) or swiglu(*a, **k))
   monkeypatch.setattr(decoder, "_flash_decode_write_qkv",
                       lambda *a, **k: kernels.append(k["resid_rows"]) or attn(*a, **k))
