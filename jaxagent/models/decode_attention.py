@@ -337,31 +337,45 @@ def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_
   return jnp.where(row < valid, f32(y), 0.0)
 
 
-def row_rms_scale(ref, row0, rows: int, eps: float, one_load: bool, d: int | None = None):
-  """The RMS norm's scale `rsqrt(mean(x^2) + eps)` (float32 `[rows, 1]`) of rows `row0 ..` of a
-  `[S, D]` ref (a kernel's residual-stream rows; with `d`, of their first d columns).
-  `one_load` (a GPU): one masked load of the next power of two past D (its start dynamic, so
-  that no static bound check refuses the slice); else (interpret mode, which would clamp such
-  a slice) a loop over chunks of the largest power of two dividing D (on a GPU such a loop is
-  a chain of load latencies at the start of every program: SmolLM2-135M's SwiGLU kernel took
-  5.0 us a call on an H200 with it and 48 programs, 3.0 us with one load and 192 programs)."""
-  d = d or ref.shape[-1]
-  if one_load:
-    from jax.experimental.pallas import triton as plt
-    dp = 1 << (d - 1).bit_length()
-    col = jax.lax.broadcasted_iota(jnp.int32, (rows, dp), 1)
-    x = plt.load(ref.at[pl.ds(row0, rows), pl.ds(row0 * 0, dp)], mask=col < d, other=0.0)
-    x = x.astype(jnp.float32)
-    ss = jnp.sum(x * x, axis=1, keepdims=True)
-  else:
-    c = min(d & -d, 256)
+def row_tile(ref, row0, rows: int, d: int, one_load: bool):
+  """Columns `[0, d)` of rows `row0 ..` of a `[S, D]` ref (a kernel's residual-stream rows), as
+  one tile. `one_load` (a GPU): one masked load of the next power of two past d, the columns
+  past d zero (its start dynamic, so that no static bound check refuses the slice; a Triton
+  tile's sides are powers of two). Else (interpret mode, which would clamp such a slice) the
+  exact `[rows, d]` slice."""
+  if not one_load:
+    return ref[pl.ds(row0, rows), pl.ds(0, d)]
+  from jax.experimental.pallas import triton as plt
+  dp = _pow2_at_least(d)
+  col = jax.lax.broadcasted_iota(jnp.int32, (rows, dp), 1)
+  return plt.load(ref.at[pl.ds(row0, rows), pl.ds(row0 * 0, dp)], mask=col < d, other=0)
 
-    def body(j, acc):
-      x = ref[pl.ds(row0, rows), pl.ds(pl.multiple_of(j * c, c), c)].astype(jnp.float32)
-      return acc + x * x
-    acc = jax.lax.fori_loop(0, d // c, body, jnp.zeros((rows, c), jnp.float32))
-    ss = jnp.sum(acc, axis=1, keepdims=True)
-  return jax.lax.rsqrt(ss / d + eps)
+
+def store_row_tile(ref, x, row0, rows: int, d: int, one_load: bool):
+  """Stores a `row_tile` of d columns into rows `row0 ..` of ref (masked as it was loaded)."""
+  if not one_load:
+    ref[pl.ds(row0, rows), pl.ds(0, d)] = x.astype(ref.dtype)
+    return
+  from jax.experimental.pallas import triton as plt
+  col = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  plt.store(ref.at[pl.ds(row0, rows), pl.ds(row0 * 0, x.shape[1])], x.astype(ref.dtype),
+            mask=col < d)
+
+
+def rms_scale(x, d: int, eps: float):
+  """The RMS norm's scale `rsqrt(mean(x^2) + eps)` (float32 `[rows, 1]`) of a `row_tile` of d
+  columns (its zero padding adds nothing to the sums)."""
+  xf = x.astype(jnp.float32)
+  return jax.lax.rsqrt(jnp.sum(xf * xf, axis=1, keepdims=True) / d + eps)
+
+
+def row_rms_scale(ref, row0, rows: int, eps: float, one_load: bool, d: int | None = None):
+  """`rms_scale` of rows `row0 ..` of a `[S, D]` ref (with `d`, of their first d columns), read
+  as one `row_tile`. On a GPU a loop over column chunks instead would be a chain of load
+  latencies at the start of every program: SmolLM2-135M's SwiGLU kernel took 5.0 us a call on
+  an H200 with such a loop and 48 programs, 3.0 us with one load and 192 programs."""
+  d = d or ref.shape[-1]
+  return rms_scale(row_tile(ref, row0, rows, d, one_load), d, eps)
 
 
 def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared: bool, g: int,

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jaxagent.models.decode_attention import row_rms_scale
+from jaxagent.models.decode_attention import rms_scale, row_rms_scale, row_tile, store_row_tile
 
 # Launch: rows and gate columns per column block (the largest powers of two dividing the
 # array's, at most these), and each program takes as many column blocks as keep the programs
@@ -71,12 +71,13 @@ def _kernel(r_ref, gu_ref, o_ref, *, eps: float, rows: int, cols: int, per: int,
   row0 = pl.program_id(0) * rows
   rs = pl.ds(row0, rows)
   first = pl.program_id(1) * per
-  if lead:  # the stream in gu's first columns: its scale, and (column group 0) its copy
-    r = row_rms_scale(gu_ref, row0, rows, eps, one_load, d=lead)
+  if lead:  # the stream in gu's first columns, loaded once: its scale, and its copy
+    stream = row_tile(gu_ref, row0, rows, lead, one_load)
+    r = rms_scale(stream, lead, eps)
 
-    @pl.when(pl.program_id(1) == 0)
+    @pl.when(pl.program_id(1) == 0)  # one column group copies it
     def _():
-      _copy_columns(gu_ref, o_ref, row0, rows, lead, one_load)
+      store_row_tile(o_ref, stream, row0, rows, lead, one_load)
   else:
     r = row_rms_scale(r_ref, row0, rows, eps, one_load)
 
@@ -86,19 +87,6 @@ def _kernel(r_ref, gu_ref, o_ref, *, eps: float, rows: int, cols: int, per: int,
     o_ref[rs, pl.ds(lead + c0, cols)] = _swiglu(g, u, r, o_ref.dtype)
     return carry
   jax.lax.fori_loop(0, per, block, 0)
-
-
-def _copy_columns(src_ref, dst_ref, row0, rows: int, d: int, one_load: bool):
-  """Columns `[0, d)` of rows `row0 ..` from src_ref to dst_ref (as `row_rms_scale` loads
-  them: one masked tile on a GPU, chunks in interpret mode)."""
-  if one_load:
-    from jax.experimental.pallas import triton as plt
-    dp = 1 << (d - 1).bit_length()
-    col = jax.lax.broadcasted_iota(jnp.int32, (rows, dp), 1)
-    at = lambda ref: ref.at[pl.ds(row0, rows), pl.ds(row0 * 0, dp)]
-    plt.store(at(dst_ref), plt.load(at(src_ref), mask=col < d, other=0), mask=col < d)
-  else:
-    dst_ref[pl.ds(row0, rows), pl.ds(0, d)] = src_ref[pl.ds(row0, rows), pl.ds(0, d)]
 
 
 def swiglu_rms(gu, resid, eps: float, *, lead: int = 0, interpret: bool = False):
