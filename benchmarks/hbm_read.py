@@ -10,7 +10,10 @@ reach at all on the card, with nothing but the read:
   * "xla sum to rows": XLA's reduction of a `[rows, 128]` bfloat16 array over its last axis;
   * "pallas read": a Pallas (Triton) kernel whose programs each sum `rows_per_prog` contiguous
     rows in blocks of `blk` rows (the decode kernel's access pattern, one run of rows a
-    program), for a few launch settings.
+    program), for a few launch settings;
+  * "tma read": a persistent Mosaic GPU kernel (Hopper or later): each of `ctas` CTAs sums its
+    share of the rows through one pipeline of TMA copies of `blk` rows, `st` copies in flight,
+    so the pipeline never drains between runs of rows.
 
 Each size is read from several distinct arrays in turn (at least 600 MB in all) so that no read
 finds the previous one in the L2 cache, each read's result feeding the next (so no two reads
@@ -36,6 +39,8 @@ from benchmarks.trace_summary import kernel_fields, traced_kernel_us
 # (rows per program, warps, stages, rows per block) of the Pallas read.
 PALLAS_SETTINGS = ((512, 1, 2, 32), (512, 4, 3, 64), (1024, 4, 4, 128), (4096, 8, 4, 256),
                    (1024, 2, 3, 64))
+# (CTAs, copies in flight, rows per block) of the TMA read.
+TMA_SETTINGS = ((128, 4, 32), (128, 4, 64), (256, 6, 32))
 
 
 def _time(f, args, reads: int) -> float:
@@ -99,6 +104,64 @@ def pallas_read(reps: int, rows_per_prog: int, warps: int, stages: int, block: i
   return f
 
 
+def gpu_interpret_params():
+  """Mosaic GPU's interpret mode (runs a kernel on the CPU: barriers, TMA copies), from
+  jax's private module where this jax has one; None where it has not."""
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import InterpretGPUParams
+  except ImportError:
+    return None
+  return InterpretGPUParams()
+
+
+def tma_read_once(x, dep, *, ctas: int, stages: int, block: int, interpret: bool = False):
+  """CTA c sums rows `[c * n / ctas, (c + 1) * n / ctas)` of x `[n, d]` in blocks of `block`
+  rows, copied by TMA in one pipeline with `stages` copies in flight: returns the sums
+  `[ctas, block, d]` float32 (each CTA's blocks added up). dep, not read, orders this read
+  after the kernel that made it."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+
+  n, d = x.shape
+  per = n // (ctas * block)
+
+  def tma_read_kernel(x_g, dep_g, o_g, o_s):
+    del dep_g
+    cta = jax.lax.axis_index("c")
+
+    def step(_, x_s, acc):
+      return acc + x_s[...].astype(jnp.float32)
+    spec = pl.BlockSpec((block, d), lambda b: (cta * per + b, 0))
+    acc = plgpu.emit_pipeline(step, grid=(per,), in_specs=[spec], max_concurrent_steps=stages,
+                              init_carry=jnp.zeros((block, d), jnp.float32))(x_g)
+    o_s[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, o_g.at[cta])
+    plgpu.wait_smem_to_gmem(0)
+
+  kw = {}
+  if interpret:
+    kw["interpret"] = gpu_interpret_params()
+    if kw["interpret"] is None:
+      raise NotImplementedError("this jax has no Mosaic GPU interpret mode")
+  return plgpu.kernel(tma_read_kernel, out_type=jax.ShapeDtypeStruct((ctas, block, d),
+                                                                     jnp.float32),
+                      grid=(ctas,), grid_names=("c",),
+                      scratch_types=[plgpu.SMEM((block, d), jnp.float32)], **kw)(x, dep)
+
+
+def tma_read(reps: int, ctas: int, stages: int, block: int, interpret: bool = False):
+  one = functools.partial(tma_read_once, ctas=ctas, stages=stages, block=block,
+                          interpret=interpret)
+
+  def f(*xs):
+    def body(i, dep):
+      for x in xs:
+        dep = one(x, dep)[0, :1] * 1e-30
+      return dep
+    return jax.lax.fori_loop(0, reps, body, jnp.zeros((1, xs[0].shape[-1]), jnp.float32))
+  return f
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--sizes-mb", default="25,50,100,134,400,1600")
@@ -125,6 +188,10 @@ def main():
               pallas_read(args.reps, r, w, st, b, args.interpret), r"^kern")
              for r, w, st, b in PALLAS_SETTINGS
              if n % r == 0]
+    runs += [(f"tma read ctas={c} st={st} blk={b}",
+              tma_read(args.reps, c, st, b, args.interpret), r"tma_read")
+             for c, st, b in TMA_SETTINGS
+             if n % (c * b) == 0]
     for label, f, pattern in runs:
       try:
         t = _time(f, xs, args.reps * arrays)
