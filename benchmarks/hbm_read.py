@@ -105,13 +105,18 @@ def pallas_read(reps: int, rows_per_prog: int, warps: int, stages: int, block: i
 
 
 def gpu_interpret_params():
-  """Mosaic GPU's interpret mode (runs a kernel on the CPU: barriers, TMA copies), from
-  jax's private module where this jax has one; None where it has not."""
-  try:
-    from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import InterpretGPUParams
-  except ImportError:
-    return None
-  return InterpretGPUParams()
+  """Mosaic GPU's interpret mode (runs a kernel on the CPU: barriers, TMA copies): public in
+  `jax.experimental.pallas.mosaic_gpu` from jax 0.11, in a private module in 0.10; None where
+  this jax has neither."""
+  from jax.experimental.pallas import mosaic_gpu as plgpu
+  params = getattr(plgpu, "InterpretGPUParams", None)
+  if params is None:
+    try:
+      from jax._src.pallas.mosaic_gpu.interpret.interpret_pallas_call import (
+          InterpretGPUParams as params)
+    except ImportError:
+      return None
+  return params()
 
 
 def tma_read_once(x, dep, *, ctas: int, stages: int, block: int, interpret: bool = False):
