@@ -67,7 +67,7 @@ def swiglu_rms_reference(gu, resid, eps: float, *, lead: int = 0):
 
 def _kernel(r_ref, gu_ref, o_ref, *, eps: float, rows: int, cols: int, per: int,
             one_load: bool, lead: int):
-  f = (o_ref.shape[-1] - lead) if lead else o_ref.shape[-1]
+  f = o_ref.shape[-1] - lead  # the activation's columns, after the stream's
   row0 = pl.program_id(0) * rows
   rs = pl.ds(row0, rows)
   first = pl.program_id(1) * per

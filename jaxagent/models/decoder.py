@@ -36,7 +36,7 @@ from jaxagent.models.config import ModelConfig
 from jaxagent.models.logprobs import (FUSED_LOGPROB_MAX_D, logits_from_hidden,  # noqa: F401
                                       logprob_path, token_logprobs)
 from jaxagent.models.param_tree import (Params, box, compute_copy, init_params,  # noqa: F401
-                                    is_merged, logical_axes, merge_decode_weights,
+                                    is_chained, is_merged, logical_axes, merge_decode_weights,
                                     merged_decode_weight_bytes, norms_folded, param_specs,
                                     stack_layers, unbox, unstack_layers)
 from jaxagent.models.per_shard import constrain_batch, per_shard, tensor_split
@@ -637,7 +637,7 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   if raw:  # each slot's cos / sin, once for every layer
     cos, sin = rope_tables(positions, inv_freq)
     rope = jnp.stack([cos[:, 0, 0], sin[:, 0, 0]], axis=1)  # [S, 2, hd / 2]
-  if "chain" in p:
+  if is_chained(p):
     if not raw:
       raise ValueError("decode_in_place: chained weights need the kernel to take the raw q|k|v "
                        "projection (fused_qkv=True where decoder.fused_qkv_fits)")

@@ -172,21 +172,25 @@ def merge_decode_weights(params: Params, cfg: ModelConfig,
   return p
 
 
+def is_chained(params: Params) -> bool:
+  """Whether `params` hold `chain_decode_weights`'s matrices."""
+  return "chain" in unbox(params)
+
+
 def is_merged(params: Params) -> bool:
   """Whether `params` already hold `merge_decode_weights`'s merged matrices (or
   `chain_decode_weights`'s, made from them)."""
-  p = unbox(params)
-  layers = p["layers"]
+  layers = unbox(params)["layers"]
   first = layers[0] if isinstance(layers, (tuple, list)) else layers
-  return "wqkv" in first or "chain" in p
+  return "wqkv" in first or is_chained(params)
 
 
 def norms_folded(params: Params) -> bool:
   """Whether `params` (or one layer's dict of them) hold merged weights with the layer norms
   folded in (`merge_decode_weights(fold_norms=True)`)."""
-  p = unbox(params)
-  if "chain" in p:  # `chain_decode_weights` of folded ones
+  if is_chained(params):  # `chain_decode_weights` of folded ones
     return True
+  p = unbox(params)
   layers = p.get("layers", p)
   first = layers[0] if isinstance(layers, (tuple, list)) else layers
   return "wqkv" in first and "attn_norm" not in first
@@ -240,11 +244,6 @@ def chain_decode_weights(params: Params, cfg: ModelConfig) -> dict[str, Any]:
                 "out": jnp.concatenate([jnp.eye(d, dtype=f32), wd[-1]], -2).astype(dt)}
   p["layers"] = lw
   return p
-
-
-def is_chained(params: Params) -> bool:
-  """Whether `params` hold `chain_decode_weights`'s matrices."""
-  return "chain" in unbox(params)
 
 
 def chained_layer_bytes(cfg: ModelConfig) -> int:
