@@ -90,11 +90,9 @@ def pallas_read_once(x, dep, *, rows_per_prog: int, warps: int, stages: int, blo
       **params)(dep, x)
 
 
-def pallas_read(reps: int, rows_per_prog: int, warps: int, stages: int, block: int,
-                interpret: bool = False):
-  one = functools.partial(pallas_read_once, rows_per_prog=rows_per_prog, warps=warps,
-                          stages=stages, block=block, interpret=interpret)
-
+def chained_reads(one, reps: int):
+  """A function of the arrays xs that reads each in turn with `one(x, dep)` (whose first row,
+  `[1, d]`, is the next read's dep, so no two reads overlap), `reps` rounds in one loop."""
   def f(*xs):
     def body(i, dep):
       for x in xs:
@@ -102,6 +100,13 @@ def pallas_read(reps: int, rows_per_prog: int, warps: int, stages: int, block: i
       return dep
     return jax.lax.fori_loop(0, reps, body, jnp.zeros((1, xs[0].shape[-1]), jnp.float32))
   return f
+
+
+def pallas_read(reps: int, rows_per_prog: int, warps: int, stages: int, block: int,
+                interpret: bool = False):
+  return chained_reads(functools.partial(pallas_read_once, rows_per_prog=rows_per_prog,
+                                         warps=warps, stages=stages, block=block,
+                                         interpret=interpret), reps)
 
 
 def gpu_interpret_params():
@@ -157,14 +162,7 @@ def tma_read_once(x, dep, *, ctas: int, stages: int, block: int, interpret: bool
 def tma_read(reps: int, ctas: int, stages: int, block: int, interpret: bool = False):
   one = functools.partial(tma_read_once, ctas=ctas, stages=stages, block=block,
                           interpret=interpret)
-
-  def f(*xs):
-    def body(i, dep):
-      for x in xs:
-        dep = one(x, dep)[0, :1] * 1e-30
-      return dep
-    return jax.lax.fori_loop(0, reps, body, jnp.zeros((1, xs[0].shape[-1]), jnp.float32))
-  return f
+  return chained_reads(lambda x, dep: one(x, dep)[0], reps)  # CTA 0's sums
 
 
 def main():
