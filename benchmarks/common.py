@@ -46,13 +46,34 @@ def add_decode_switches(ap) -> None:
                        "(EngineConfig.decode_chain_weights): auto, on, off, or a list")
 
 
+def _switch_values(option: str, spec: str, allowed: dict) -> list:
+  values = spec.split(",")
+  bad = [v for v in values if v not in allowed]
+  if bad:
+    raise SystemExit(f"{option}: unknown value(s) {bad}; expected a comma-separated list of "
+                     f"{', '.join(allowed)}")
+  return [allowed[v] for v in values]
+
+
 def decode_switch_runs(args) -> list[dict]:
   """`EngineConfig` keywords of every combination of `add_decode_switches`' values."""
-  return [dict(decode_merge_weights=AUTO_ON_OFF[merge], decode_fused_qkv=ON_OFF[fused],
-               decode_fold_norms=ON_OFF[fold], decode_chain_weights=AUTO_ON_OFF[chain])
+  return [dict(decode_merge_weights=merge, decode_fused_qkv=fused, decode_fold_norms=fold,
+               decode_chain_weights=chain)
           for merge, fused, fold, chain in itertools.product(
-              args.merge_weights.split(","), args.fused_qkv.split(","),
-              args.fold_norms.split(","), args.chain_weights.split(","))]
+              _switch_values("--merge-weights", args.merge_weights, AUTO_ON_OFF),
+              _switch_values("--fused-qkv", args.fused_qkv, ON_OFF),
+              _switch_values("--fold-norms", args.fold_norms, ON_OFF),
+              _switch_values("--chain-weights", args.chain_weights, AUTO_ON_OFF))]
+
+
+def decode_switch_run(args) -> dict:
+  """The one `decode_switch_runs` combination of a script that takes a single value of each
+  switch."""
+  runs = decode_switch_runs(args)
+  if len(runs) != 1:
+    raise SystemExit("this script takes one value of each of --merge-weights, --fused-qkv, "
+                     "--fold-norms and --chain-weights, not a list")
+  return runs[0]
 
 
 def device_info() -> dict:

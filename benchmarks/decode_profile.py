@@ -37,7 +37,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import AUTO_ON_OFF, ON_OFF, decode_roofline_bytes, emit, peaks, timeit
+from benchmarks.common import (add_decode_switches, decode_roofline_bytes, decode_switch_run,
+                               emit, peaks, timeit)
 from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig, sample, token_keys
 from jaxagent.generate.engine import DECODE_GPU_OPTIONS
@@ -162,15 +163,12 @@ def main():
   ap.add_argument("--attention", default="auto", help="decode attention: auto, xla, pallas")
   ap.add_argument("--ablate", default="", help="comma-separated pieces to time the step "
                   f"without, one at a time: {', '.join(ABLATIONS)}")
-  ap.add_argument("--fold-norms", default="on", choices=("on", "off"),
-                  help="the layer norms' weights folded into the merged decode matrices "
-                       "(EngineConfig.decode_fold_norms; --ablate norms needs off)")
-  ap.add_argument("--chain-weights", default="auto", choices=("auto", "on", "off"),
-                  help="the prepared decode matrices chained (EngineConfig.decode_chain_weights)")
+  add_decode_switches(ap)  # one value each here (--ablate norms needs --fold-norms off)
   ap.add_argument("--split", type=int, default=0, help="also time the batch as this many "
                   "parts in one program, serial and concurrent command buffer scheduling")
   args = ap.parse_args()
   ablate = [a for a in args.ablate.split(",") if a]
+  switches = decode_switch_run(args)
   for a in ablate:
     ablation(a)  # a clear error for an unknown piece before anything compiles
   cfg = models.get_config(args.model, param_dtype="bfloat16", dtype="bfloat16")
@@ -178,9 +176,7 @@ def main():
   S, C = args.batch, args.cached
   ecfg = EngineConfig(slots=S, max_len=args.max_len, sampling=SamplingConfig(1.0),
                       cache_layout=args.layout, decode_write_first=not args.merge,
-                      decode_attention=args.attention,
-                      decode_fold_norms=ON_OFF[args.fold_norms],
-                      decode_chain_weights=AUTO_ON_OFF[args.chain_weights])
+                      decode_attention=args.attention, **switches)
   eng = Engine(cfg, ecfg)
   if "norms" in ablate and eng.fold_norms:
     raise SystemExit("--ablate norms replaces XLA's RMS norms; with the norms folded into the "

@@ -70,3 +70,29 @@ def test_attention_stand_ins_keep_the_caches_and_the_output_shape():
                                                fused_qkv=fused)
     assert len(calls) == cfg.n_layers and logits.shape == (2, cfg.vocab_size)
     assert all((a == b).all() for a, b in zip(k2 + v2, ck + cv))
+
+
+def test_decode_switches_one_run_per_combination_and_clear_errors():
+  import argparse
+
+  from benchmarks import common
+  ap = argparse.ArgumentParser()
+  common.add_decode_switches(ap)
+  runs = common.decode_switch_runs(ap.parse_args(["--fold-norms", "on,off",
+                                                  "--chain-weights", "auto,off"]))
+  assert [(r["decode_fold_norms"], r["decode_chain_weights"]) for r in runs] == [
+      (True, None), (True, False), (False, None), (False, False)]
+  assert all(r["decode_merge_weights"] is None and r["decode_fused_qkv"] for r in runs)
+  with pytest.raises(SystemExit, match="--fused-qkv: unknown value"):
+    common.decode_switch_runs(ap.parse_args(["--fused-qkv", "yes"]))
+  assert common.decode_switch_run(ap.parse_args(["--merge-weights", "off"]))[
+      "decode_merge_weights"] is False
+  with pytest.raises(SystemExit, match="one value of each"):
+    common.decode_switch_run(ap.parse_args(["--fold-norms", "on,off"]))
+
+
+def test_profile_takes_one_value_of_each_switch(monkeypatch):
+  monkeypatch.setattr(sys, "argv", ["decode_profile.py", "--model", "tiny-qwen2", "--batch",
+                                    "2", "--cached", "8", "--chain-weights", "on,off"])
+  with pytest.raises(SystemExit, match="one value of each"):
+    decode_profile.main()
