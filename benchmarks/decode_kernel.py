@@ -3,6 +3,8 @@
     python benchmarks/decode_kernel.py --models qwen3-0.6b,qwen2.5-1.5b --batches 256 \
         --sweep "block_k=16,32,64;num_warps=2,4;num_stages=2,3,4;splits=1,2"
     python benchmarks/decode_kernel.py --kernels read,write   # flash_decode vs flash_decode_write
+    python benchmarks/decode_kernel.py --models smollm2-135m,qwen2.5-1.5b --batches 256 \
+        --kernels write,qkv --timer trace   # without and with the step's q / k preparation
 
 Each measurement runs the kernel over `n_layers` distinct per-layer caches in one program (as a
 decode step does, so no layer's cache is still in L2 when it is read) with every slot at
@@ -15,7 +17,10 @@ allows a Triton kernel without the attention's arithmetic), and a reduction by X
 same caches (`decode_kernel_ceiling`, `jnp.sum` in float32). `--kernels write` times
 `flash_decode_write` (the kernel the write-first decode step runs: it also writes each slot's
 new K/V row into the cache, which is donated from call to call so the write stays in place)
-instead of `flash_decode`.
+instead of `flash_decode`; `--kernels qkv` times `flash_decode_write_qkv` fed what the
+engine's GPU decode step feeds it (`qkv_inputs`: the raw q|k|v projection, with the residual
+stream's rows in front where the weights are chained), so that the kernel's preparation of q
+and the new K/V (the folded norm's scale, bias, q / k norms, RoPE) is timed too.
 
 `--timer trace` adds each kernel's own device time from a profiler trace (`kernel_us`,
 `kernel_hbm_fraction`): the wall-clock time of the chain also counts the gaps between
@@ -39,7 +44,8 @@ from benchmarks.trace_summary import kernel_fields, traced_kernel_us
 from jaxagent import models
 from jaxagent.models import decode_attention
 from jaxagent.models.decode_attention import (_cache_block, _compiler_params, _slot_inputs,
-                                              flash_decode, flash_decode_write)
+                                              flash_decode, flash_decode_write,
+                                              flash_decode_write_qkv)
 
 # (prompt tokens, max length) of each model's benchmark in generate.py / peer_tunix.py; the
 # cached length defaults to the run's average (prompt + half the new tokens).
@@ -75,6 +81,30 @@ def read_ceiling(dep, cache_k, cache_v, lengths, *, block_k: int, num_warps: int
       **_compiler_params(interpret, num_warps, num_stages))(*args, dep, cache_k, cache_v)
 
 
+def qkv_inputs(cfg, s: int, lengths, chained: bool, key) -> dict:
+  """Random inputs of `flash_decode_write_qkv` as the engine's GPU decode step hands them over
+  for `cfg` with its prepared weights (`decoder.decode_in_place`): the raw q|k|v projection
+  rows `x` (the residual stream's D / hd rows in front where the weights are chained, else the
+  stream apart as `resid`, the folded attention norm), the RoPE table at `lengths`, and the
+  bias and q / k norm weights where the model has them. `keep`: the rows after the kernel's
+  output rows (the new keys and values), which a chain of calls appends to each output."""
+  from jaxagent.models import decoder
+  hd, kvh = cfg.head_dim, cfg.n_kv_heads
+  lead = cfg.d_model // hd if chained else 0
+  ks = jax.random.split(key, 4)
+  x = jax.random.normal(ks[0], (s, lead + cfg.n_heads + 2 * kvh, hd), jnp.bfloat16)
+  cos, sin = decoder.rope_tables(lengths[:, None], jnp.asarray(decoder.rope_inv_freq(cfg)))
+  out = dict(x=x, rope=jnp.stack([cos[:, 0, 0], sin[:, 0, 0]], axis=1), resid_rows=lead,
+             keep=x[:, lead + cfg.n_heads:],
+             bias=(jax.random.normal(ks[1], (cfg.n_heads + 2 * kvh, hd), jnp.bfloat16)
+                   if cfg.qkv_bias else None),
+             qk_norm=(1 + 0.1 * jax.random.normal(ks[2], (2, hd))).astype(jnp.bfloat16)
+             if cfg.qk_norm else None,
+             resid=None if chained else jax.random.normal(ks[3], (s, cfg.d_model),
+                                                          jnp.bfloat16))
+  return out
+
+
 def parse_sweep(spec: str) -> list[dict]:
   axes = []
   for part in filter(None, (p.strip() for p in spec.split(";"))):
@@ -93,7 +123,13 @@ def main():
   ap.add_argument("--sweep", default="", help="'key=v1,v2;key=...' over the kernel's launch "
                   "settings (decode_attention.DEFAULT_TUNING keys); empty: the defaults")
   ap.add_argument("--kernels", default="read", help="read (flash_decode), write "
-                  "(flash_decode_write) or both, comma-separated")
+                  "(flash_decode_write), qkv (flash_decode_write_qkv fed the raw q|k|v "
+                  "projection as the engine's GPU step feeds it: bias, norms, RoPE and the "
+                  "folded norm's scale in the kernel), comma-separated")
+  ap.add_argument("--chained", default="auto", choices=("auto", "on", "off"),
+                  help="qkv kernel: the residual stream's rows in front of the projection, as "
+                       "with chained decode weights (auto: where the engine chains them, "
+                       "Engine.chain_weights on a GPU)")
   ap.add_argument("--rows", type=int, default=0, help="query rows per KV head (0: the "
                   "model's query heads per KV head, one decode token; an append of n tokens "
                   "has n times that)")
@@ -108,6 +144,12 @@ def main():
   ap.add_argument("--interpret", action="store_true", help="Pallas interpret mode (a CPU check "
                   "of the script, not a timing)")
   args = ap.parse_args()
+  kernels = args.kernels.split(",")
+  for kernel in kernels:
+    if kernel not in ("read", "write", "qkv"):
+      raise SystemExit(f"--kernels: unknown kernel {kernel!r} (expected read, write or qkv)")
+  if "qkv" in kernels and args.rows:
+    raise SystemExit("--rows: the qkv kernel takes one decode token (the model's query heads)")
   if args.warps_as_given:
     decode_attention._warps_for_tile = lambda num_warps, rows, hd: num_warps
   hbm = peaks()["hbm_bytes_s"]
@@ -160,16 +202,30 @@ def main():
            us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
            hbm_fraction=moved / t / hbm)
       kn = jax.random.normal(keys[0], (s, kv, hd), jnp.bfloat16)
-      for kernel, launch in itertools.product(args.kernels.split(","), parse_sweep(args.sweep)):
-        if kernel not in ("read", "write"):
-          raise SystemExit(f"--kernels: unknown kernel {kernel!r} (expected read or write)")
+      chained = {"on": True, "off": False}.get(args.chained)
+      if chained is None:
+        from jaxagent.generate import Engine, EngineConfig
+        chained = (jax.default_backend() == "gpu"
+                   and Engine(cfg, EngineConfig(slots=s, max_len=cache_len)).chain_weights)
+      qi = qkv_inputs(cfg, s, lens, chained, keys[-1]) if "qkv" in kernels else None
+      for kernel, launch in itertools.product(kernels, parse_sweep(args.sweep)):
 
         def run(q, cs, lens, kernel=kernel, launch=launch):
           new = []
+          if kernel == "qkv":
+            q = qi["x"]
           for i in range(n_layers):
             # Each call's query is the last call's output (same shape): the calls run one
-            # after the other with nothing in between.
-            if kernel == "write":
+            # after the other with nothing in between (the qkv kernel: the output with the
+            # new keys' and values' rows appended, one XLA concatenation between calls).
+            if kernel == "qkv":
+              out, ck, cv = flash_decode_write_qkv(
+                  q, qi["rope"], cs[2 * i], cs[2 * i + 1], lens, qi["bias"], qi["qk_norm"],
+                  qi["resid"], eps=cfg.norm_eps, resid_eps=cfg.norm_eps,
+                  resid_rows=qi["resid_rows"], interpret=args.interpret, **launch)
+              q = jnp.concatenate([out.reshape(s, -1, hd), qi["keep"]], axis=1)
+              new += [ck, cv]
+            elif kernel == "write":
               q, ck, cv = flash_decode_write(q, kn, kn, cs[2 * i], cs[2 * i + 1], lens,
                                              interpret=args.interpret, **launch)
               new += [ck, cv]
@@ -185,10 +241,10 @@ def main():
             holder[0] = new
           jax.block_until_ready(out)
         try:
-          f = jax.jit(run, donate_argnums=(1,) if kernel == "write" else ())
+          f = jax.jit(run, donate_argnums=(1,) if kernel != "read" else ())
           t = timeit(lambda: call(f), iters=args.iters)["median_s"]
           kf = traced_fields(lambda: call(f),
-                             r"^_write_kernel" if kernel == "write" else r"^_kernel",
+                             r"^_kernel" if kernel == "read" else r"^_write_kernel",
                              moved / n_layers)
         except Exception as e:  # report the setting that failed and go on
           emit("decode_kernel", model=name, batch=s, kernel=kernel, launch=launch,
@@ -197,6 +253,7 @@ def main():
         caches = holder[0]
         emit("decode_kernel", model=name, batch=s, cached=cached, rows=g, kernel=kernel,
              launch=launch, warps_as_given=args.warps_as_given,
+             chained=chained if kernel == "qkv" else None,
              us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
              hbm_fraction=moved / t / hbm, **kf)
       caches = None  # free this batch size's caches before the next

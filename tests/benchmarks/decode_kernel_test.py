@@ -108,3 +108,42 @@ def test_trace_timer_on_a_cpu_reports_no_kernel_time(monkeypatch, capsys):
   rows = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()
           if line.startswith("RESULT ")]
   assert rows[-1]["bench"] == "decode_kernel" and rows[-1]["kernel_us"] is None
+
+
+def test_qkv_kernel_runs_as_the_engine_feeds_it(monkeypatch, capsys):
+  """`--kernels qkv`: the raw-projection kernel with the stream's rows in front (chained) or
+  apart (folded norms), for models with biases and with q / k norms."""
+  for model, chained in (("smollm2-135m", "on"), ("qwen2.5-1.5b", "off"), ("qwen3-0.6b", "off")):
+    monkeypatch.setattr(sys, "argv", [
+        "decode_kernel.py", "--models", model, "--batches", "2", "--layers", "2",
+        "--cached", "32", "--iters", "1", "--interpret", "--kernels", "qkv",
+        "--chained", chained])
+    decode_kernel.main()
+    rows = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()
+            if line.startswith("RESULT ")]
+    (r,) = [r for r in rows if r["bench"] == "decode_kernel"]
+    assert "error" not in r and r["us_per_layer"] > 0 and r["chained"] == (chained == "on")
+
+
+def test_qkv_inputs_are_what_the_kernel_takes():
+  from jaxagent import models
+  from jaxagent.models.decode_attention import flash_decode_write_qkv
+  cfg = models.get_config("qwen2.5-1.5b", param_dtype="bfloat16", dtype="bfloat16")
+  s, c = 2, 32
+  lens = jnp.array([5, 17], jnp.int32)
+  cache = jnp.zeros((s, cfg.n_kv_heads, c, cfg.head_dim), jnp.bfloat16)
+  for chained in (True, False):
+    qi = decode_kernel.qkv_inputs(cfg, s, lens, chained, jax.random.key(0))
+    lead = cfg.d_model // cfg.head_dim if chained else 0
+    assert qi["x"].shape == (s, lead + cfg.n_heads + 2 * cfg.n_kv_heads, cfg.head_dim)
+    assert (qi["resid"] is None) == chained and qi["bias"] is not None
+    assert qi["keep"].shape == (s, 2 * cfg.n_kv_heads, cfg.head_dim)
+    out, ck, _ = flash_decode_write_qkv(qi["x"], qi["rope"], cache, cache, lens, qi["bias"],
+                                        qi["qk_norm"], qi["resid"], resid_rows=lead,
+                                        interpret=True)
+    # Chained, the stream's rows lead the output unchanged.
+    assert out.reshape(s, -1, cfg.head_dim).shape[1] == lead + cfg.n_heads
+    if chained:
+      np.testing.assert_array_equal(np.asarray(out[:, :lead]), np.asarray(qi["x"][:, :lead]))
+    # The new key was written at each slot's length.
+    assert bool(jnp.all(ck[0, :, 5] != 0)) and bool(jnp.all(ck[0, :, 6] == 0))
