@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from benchmarks.common import emit, peaks, timeit
+from benchmarks.common import AUTO_ON_OFF, emit, peaks, timeit
 from benchmarks.trace_summary import kernel_fields, traced_kernel_us
 from jaxagent import models
 from jaxagent.models import decode_attention
@@ -93,8 +93,8 @@ def qkv_inputs(cfg, s: int, lengths, chained: bool, key) -> dict:
   lead = cfg.d_model // hd if chained else 0
   ks = jax.random.split(key, 4)
   x = jax.random.normal(ks[0], (s, lead + cfg.n_heads + 2 * kvh, hd), jnp.bfloat16)
-  cos, sin = decoder.rope_tables(lengths[:, None], jnp.asarray(decoder.rope_inv_freq(cfg)))
-  out = dict(x=x, rope=jnp.stack([cos[:, 0, 0], sin[:, 0, 0]], axis=1), resid_rows=lead,
+  rope = decoder.decode_rope(lengths, jnp.asarray(decoder.rope_inv_freq(cfg)))
+  out = dict(x=x, rope=rope, resid_rows=lead,
              keep=x[:, lead + cfg.n_heads:],
              bias=(jax.random.normal(ks[1], (cfg.n_heads + 2 * kvh, hd), jnp.bfloat16)
                    if cfg.qkv_bias else None),
@@ -202,7 +202,7 @@ def main():
            us_per_layer=t / n_layers * 1e6, bandwidth_tb_s=moved / t / 1e12,
            hbm_fraction=moved / t / hbm)
       kn = jax.random.normal(keys[0], (s, kv, hd), jnp.bfloat16)
-      chained = {"on": True, "off": False}.get(args.chained)
+      chained = AUTO_ON_OFF[args.chained]
       if chained is None:
         from jaxagent.generate import Engine, EngineConfig
         chained = (jax.default_backend() == "gpu"

@@ -71,6 +71,13 @@ def rope_tables(positions, inv_freq):
   return jnp.cos(freqs)[:, :, None, :], jnp.sin(freqs)[:, :, None, :]
 
 
+def decode_rope(lengths, inv_freq):
+  """Each slot's cos / sin at position `lengths[s]` as the raw-projection decode kernel takes
+  them (`decode_attention.flash_decode_write_qkv`'s `rope`): float32 `[S, 2, hd / 2]`."""
+  cos, sin = rope_tables(lengths[:, None], inv_freq)
+  return jnp.stack([cos[:, 0, 0], sin[:, 0, 0]], axis=1)
+
+
 def _rotate(xf, cos, sin, sign=1.0):
   """Rotate-half RoPE of float32 `xf` by the angles (`sign=-1`: by minus the angles, the
   rotation's transpose)."""
@@ -635,8 +642,7 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   interpret = jax.default_backend() == "cpu" if interpret is None else interpret
   raw = fused_qkv and is_merged(p) and fused_qkv_fits(cfg, interpret)
   if raw:  # each slot's cos / sin, once for every layer
-    cos, sin = rope_tables(positions, inv_freq)
-    rope = jnp.stack([cos[:, 0, 0], sin[:, 0, 0]], axis=1)  # [S, 2, hd / 2]
+    rope = decode_rope(cache_lens, inv_freq)
   if is_chained(p):
     if not raw:
       raise ValueError("decode_in_place: chained weights need the kernel to take the raw q|k|v "
