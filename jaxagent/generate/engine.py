@@ -467,6 +467,7 @@ class Engine:
     lens = [len(p) for p in prompts]
     if min(lens) == 0:
       raise ValueError("prefill: empty prompt")
+    self._check_tokens(prompts, "prefill", "prompt")
     if max(lens) >= self.ecfg.max_len:
       raise ValueError(f"prompt of {max(lens)} tokens does not fit the engine's max_len "
                        f"{self.ecfg.max_len} (at least one new token must fit)")
@@ -563,6 +564,23 @@ class Engine:
   def _check_slots(self, slots: np.ndarray, what: str) -> None:
     if slots.min() < 0 or slots.max() >= self.ecfg.slots:
       raise ValueError(f"{what}: slot out of range [0, {self.ecfg.slots}): {slots.tolist()}")
+
+  def _check_tokens(self, seqs, what: str, item: str) -> None:
+    """A clear error for token ids that are not integers in [0, vocab_size): the embedding
+    gather would otherwise wrap negative ids and fill out-of-range ones with NaN, and the
+    request would decode on from a token nobody sampled."""
+    v = self.cfg.vocab_size
+    for i, seq in enumerate(seqs):
+      a = np.asarray(seq)
+      if a.size == 0:
+        continue
+      if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
+        raise ValueError(f"{what}: {item} {i} must be a flat sequence of integer token ids, "
+                         f"got {a.dtype} of shape {a.shape}")
+      lo, hi = int(a.min()), int(a.max())
+      if lo < 0 or hi >= v:
+        raise ValueError(f"{what}: {item} {i} has token id {lo if lo < 0 else hi} outside "
+                         f"the model's vocabulary [0, {v})")
 
   # ------------------------------------------------------------------ decode
   def _step(self, params, state: DecodeState, kv_len: int):
@@ -678,6 +696,8 @@ class Engine:
     `kv_len` bounds the cache prefix read by attention; it must cover the longest active slot
     plus `steps - 1` (the scheduler passes it; default: the whole cache).
     """
+    if not isinstance(steps, (int, np.integer)) or steps < 1:
+      raise ValueError(f"Engine.generate: steps must be a positive int, got {steps!r}")
     if kv_len is None or (self.per_layer and self._attn == "pallas"):
       # The kernel reads each per-layer buffer in place and stops at each slot's length, so
       # the bound changes nothing there: one program instead of one per live-KV bucket (each
@@ -719,13 +739,29 @@ class Engine:
              max_new_tokens: Sequence[int] | int | None = None, cached_lens=None):
     """Feed each slot's pending token plus observation tokens, then sample the next token.
 
-    `cached_lens` (host-known cache lengths of `slots`) only picks the live-KV bucket; pass it
-    to avoid reading the whole cache. Returns (state, (first tokens, logprobs, stop codes)),
-    the three as host NumPy arrays, one entry per slot.
+    `cached_lens` (host-known cache lengths of `slots`) picks the live-KV bucket (without it
+    attention reads the whole cache) and checks that each observation fits; without it the
+    slots' lengths are read from the device for that check. A slot that holds no request, an
+    observation that leaves no room for a next token within `max_len`, or a token id outside
+    the vocabulary is a ValueError, raised before anything runs. Returns (state, (first tokens,
+    logprobs, stop codes)), the three as host NumPy arrays, one entry per slot.
     """
     slots = np.atleast_1d(np.asarray(slots, np.int32))
     if len(slots) != len(observations):
       raise ValueError("append: one observation per slot")
+    self._check_slots(slots, "append")
+    self._check_tokens(observations, "append", "observation")
+    held = (np.asarray(cached_lens, np.int64).reshape(-1) if cached_lens is not None
+            else np.asarray(jax.device_get(state.lengths))[slots])
+    for slot, c, o in zip(slots.tolist(), held.tolist(), observations):
+      if c == 0:
+        raise ValueError(f"append: slot {slot} holds no request (insert a prefix into it first)")
+      # The pending token and the observation are cached; the next token must still fit.
+      if c + 1 + len(o) >= self.ecfg.max_len:
+        raise ValueError(
+            f"append: slot {slot} holds {c} cached tokens and a pending one; {len(o)} "
+            f"observation tokens more leave no room for a next token within max_len "
+            f"{self.ecfg.max_len} (end the request or shorten the observation)")
     n = max(len(o) for o in observations) + 1
     nb = _bucket(n, _geometric_buckets(8, max(8, pow2_at_least(n))))
     b = len(slots)

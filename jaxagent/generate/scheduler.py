@@ -109,8 +109,17 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
   n = len(prompts)
   budgets = ([int(max_new_tokens)] * n if isinstance(max_new_tokens, (int, np.integer))
              else [int(b) for b in max_new_tokens])
+  if len(budgets) != n:
+    raise ValueError(f"max_new_tokens: {len(budgets)} budgets for {n} prompts (give one int "
+                     "or one per prompt)")
+  if len(request_ids) != n:
+    raise ValueError(f"request_ids: {len(request_ids)} ids for {n} prompts")
   if any(b <= 0 for b in budgets):
     raise ValueError("max_new_tokens must be >= 1")
+  if not isinstance(decode_steps, (int, np.integer)) or decode_steps < 1:
+    raise ValueError(f"decode_steps must be a positive int, got {decode_steps!r}")
+  if n == 0:
+    return []
   stop = stop or StopChecker()
   ecfg = engine.ecfg
   for i, p in enumerate(prompts):
@@ -231,7 +240,9 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
         raise ValueError("string prompts need a tokenizer (pass tokenizer=...)")
       ids.append(tokenizer.encode(p))
     else:
-      ids.append([int(t) for t in p])
+      ids.append(list(p))  # checked by the engine's prefill (integer ids in the vocabulary)
+  if not ids:
+    return []
   checker = StopChecker(stop, tokenizer)
   if eos_ids is None:
     if tokenizer is not None and getattr(tokenizer, "eos_ids", None):

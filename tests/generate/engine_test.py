@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from jaxagent import models
-from jaxagent.generate import Engine, EngineConfig, SamplingConfig, StopChecker, generate
+from jaxagent.generate import (STOP_LENGTH, Engine, EngineConfig, SamplingConfig, StopChecker,
+                               generate)
 
 CFG = models.get_config("tiny-qwen2")
 
@@ -223,6 +224,43 @@ def test_bad_input_errors(params):
     EngineConfig(slots=0)
   with pytest.raises(ValueError, match="tokenizer"):
     generate(params, CFG, [[1, 2, 3]], 4, stop=["</code>"])
+  # Token ids outside the vocabulary would be wrapped (negative) or read as NaN by the
+  # embedding gather, so they fail before anything runs, as do non-integer ids.
+  with pytest.raises(ValueError, match=rf"prompt 1 has token id {CFG.vocab_size} outside"):
+    generate(params, CFG, [[1, 2], [3, CFG.vocab_size]], 4)
+  with pytest.raises(ValueError, match="prompt 0 has token id -3 outside"):
+    generate(params, CFG, [[1, -3]], 4)
+  with pytest.raises(ValueError, match="integer token ids"):
+    generate(params, CFG, [[1.5, 2]], 4)
+  with pytest.raises(ValueError, match="2 budgets for 3 prompts"):
+    generate(params, CFG, [[1], [2], [3]], [4, 4])
+  with pytest.raises(ValueError, match="1 ids for 2 prompts"):
+    generate(params, CFG, [[1], [2]], 4, request_ids=[0])
+  with pytest.raises(ValueError, match="decode_steps"):
+    generate(params, CFG, [[1, 2]], 4, decode_steps=0)
+  assert generate(params, CFG, [], 4) == []
+
+
+def test_append_bad_input_errors_before_running(params):
+  eng = Engine(CFG, EngineConfig(slots=2, max_len=32, sampling=SamplingConfig()))
+  state = eng.insert(eng.prefill(params, [list(range(1, 20))], [1]), eng.init_decode_state(), 0)
+  with pytest.raises(ValueError, match="steps must be a positive int"):
+    eng.generate(params, state, steps=0)
+  with pytest.raises(ValueError, match="slot 1 holds no request"):
+    eng.append(params, state, [1], [[1, 2]])
+  with pytest.raises(ValueError, match="slot out of range"):
+    eng.append(params, state, [2], [[1, 2]])
+  with pytest.raises(ValueError, match="observation 0 has token id"):
+    eng.append(params, state, [0], [[1, CFG.vocab_size + 1]])
+  # 19 cached + the pending token + 12 observation tokens = 32: no room for a next token. The
+  # check uses the device's lengths, or `cached_lens` where given.
+  for cached in (None, [19]):
+    with pytest.raises(ValueError, match="no room for a next token within max_len 32"):
+      eng.append(params, state, [0], [list(range(1, 13))], cached_lens=cached)
+  # The errors above ran nothing (the state was not donated); one token fewer fits and ends
+  # the request at the cache's length.
+  state, (tok, lp, code) = eng.append(params, state, [0], [list(range(1, 12))])
+  assert int(np.asarray(state.lengths)[0]) == 31 and code[0] == STOP_LENGTH and np.isfinite(lp[0])
 
 
 def test_pallas_decode_attention_off_gpu_is_a_clear_error(monkeypatch):
