@@ -14,6 +14,7 @@ temperature=T)`).
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,12 @@ class SamplingConfig:
   top_k: int = 0
 
   def __post_init__(self):
+    for name in ("temperature", "top_p"):
+      v = getattr(self, name)
+      if isinstance(v, bool) or not isinstance(v, numbers.Real) or v != v:
+        raise ValueError(f"SamplingConfig.{name} must be a number, got {v!r}")
+    if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
+      raise ValueError(f"SamplingConfig.top_k must be an int (0 = off), got {self.top_k!r}")
     if self.temperature < 0:
       raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
     if not 0.0 < self.top_p <= 1.0:

@@ -62,3 +62,22 @@ def test_same_key_same_token_and_keys_differ():
   c, _ = _draws(probs, 256, seed=4)
   assert (a == b).all() and (a != c).mean() > 0.9
   assert len(np.unique(a)) > 200  # 256 draws from 4096 equally likely tokens
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(temperature="1"), "temperature must be a number"),
+    (dict(temperature=True), "temperature must be a number"),
+    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+    (dict(top_p=float("nan")), "top_p must be a number"),
+    (dict(top_k=-1), "top_k must be >= 0"),
+    (dict(top_k=2.5), "top_k must be an int"),
+])
+def test_bad_sampling_config_is_a_clear_error(kw, match):
+  with pytest.raises(ValueError, match=match):
+    SamplingConfig(**kw)
+
+
+def test_sampling_config_takes_numpy_scalars():
+  cfg = SamplingConfig(np.float32(0.7), np.float64(0.9), np.int64(5))
+  assert not cfg.greedy and cfg.top_k == 5
