@@ -753,6 +753,8 @@ class Engine:
     self._check_tokens(observations, "append", "observation")
     held = (np.asarray(cached_lens, np.int64).reshape(-1) if cached_lens is not None
             else np.asarray(jax.device_get(state.lengths))[slots])
+    if len(held) != len(slots):
+      raise ValueError(f"append: {len(held)} cached_lens for {len(slots)} slots")
     for slot, c, o in zip(slots.tolist(), held.tolist(), observations):
       if c == 0:
         raise ValueError(f"append: slot {slot} holds no request (insert a prefix into it first)")

@@ -241,9 +241,9 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
       ids.append(tokenizer.encode(p))
     else:
       ids.append(list(p))  # checked by the engine's prefill (integer ids in the vocabulary)
+  checker = StopChecker(stop, tokenizer)
   if not ids:
     return []
-  checker = StopChecker(stop, tokenizer)
   if eos_ids is None:
     if tokenizer is not None and getattr(tokenizer, "eos_ids", None):
       eos_ids = sorted(tokenizer.eos_ids)

@@ -252,6 +252,8 @@ def test_append_bad_input_errors_before_running(params):
     eng.append(params, state, [2], [[1, 2]])
   with pytest.raises(ValueError, match="observation 0 has token id"):
     eng.append(params, state, [0], [[1, CFG.vocab_size + 1]])
+  with pytest.raises(ValueError, match="2 cached_lens for 1 slots"):
+    eng.append(params, state, [0], [[1, 2]], cached_lens=[19, 3])
   # 19 cached + the pending token + 12 observation tokens = 32: no room for a next token. The
   # check uses the device's lengths, or `cached_lens` where given.
   for cached in (None, [19]):
