@@ -484,16 +484,18 @@ class Engine:
       toks[i, :len(p)] = p
       lengths[i] = len(p)
 
-    def per(x, default, dtype):
+    def per(x, default, dtype, name):  # one value for all requests, or one per request
       arr = np.full((b,), default, dtype)
+      if x is not None and np.ndim(x) and len(x) != n:
+        raise ValueError(f"prefill: {len(x)} {name} for {n} prompts")
       arr[:n] = x if x is not None else default
       return arr
 
     full = self.ecfg.max_len
-    budgets = per(max_new_tokens, full, np.int32)
-    limits = np.minimum(per(max_total_len, full, np.int32), full)
-    rids = per(list(request_ids), 0, np.int32)
-    sds = per(seeds if not isinstance(seeds, int) else [seeds] * n, 0, np.uint32)
+    budgets = per(max_new_tokens, full, np.int32, "max_new_tokens")
+    limits = np.minimum(per(max_total_len, full, np.int32, "max_total_len"), full)
+    rids = per(list(request_ids), 0, np.int32, "request_ids")
+    sds = per(seeds, 0, np.uint32, "seeds")
     if np.any(budgets[:n] <= 0):
       raise ValueError("max_new_tokens must be >= 1")
     rows = None

@@ -254,6 +254,10 @@ def test_append_bad_input_errors_before_running(params):
     eng.append(params, state, [0], [[1, CFG.vocab_size + 1]])
   with pytest.raises(ValueError, match="2 cached_lens for 1 slots"):
     eng.append(params, state, [0], [[1, 2]], cached_lens=[19, 3])
+  for kw, name in ((dict(request_ids=[1]), "request_ids"), (dict(seeds=[0, 1, 2]), "seeds"),
+                   (dict(max_new_tokens=[4]), "max_new_tokens")):
+    with pytest.raises(ValueError, match=f"prefill: [13] {name} for 2 prompts"):
+      eng.prefill(params, [[1, 2], [3, 4]], **{"request_ids": [1, 2], **kw})
   # 19 cached + the pending token + 12 observation tokens = 32: no room for a next token. The
   # check uses the device's lengths, or `cached_lens` where given.
   for cached in (None, [19]):
