@@ -56,7 +56,7 @@ def ablation(name: str):
       return q, cache_k, cache_v
 
     def write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps, interpret, share=None,
-                  resid=None, resid_eps=0.0, resid_rows=0):
+                  resid=None, resid_eps=0.0, resid_rows=0, layer=None):
       calls.append(name)
       s, rows, hd = qkv.shape
       kv = cache_k.shape[1]

@@ -298,7 +298,7 @@ def _flash_decode(q, cache_k, cache_v, lengths, share, *, block_k, num_warps, nu
 
 
 def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_row: int,
-                   eps: float, scale=None, lead: int = 0):
+                   eps: float, scale=None, lead: int = 0, layer=()):
   """Rows `row0 ..` of this slot's projections as a float32 `[n, hd]` tile (rows at or past
   `valid` zero): times `scale` (the layer norm's row scale where its weight is folded into the
   projection: `flash_decode_write_qkv`'s `resid`), plus the bias (`b_ref`), RMS-normed with
@@ -307,7 +307,8 @@ def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_
   it. `lead`: rows of x_ref's slot before its projections (the residual stream, with chained
   weights); row0 counts from past them. Rotate-half RoPE needs each entry's partner half a
   head away: the tile is loaded a second time with its columns rotated by half a head (a
-  gather load), so no tile has to be cut and put back together."""
+  gather load), so no tile has to be cut and put back together. `layer`: `()`, or `(l,)` where
+  b_ref and w_ref hold every layer's rows (`[L, ...]`) and this is layer l's call."""
   dt, hd = x_ref.dtype, x_ref.shape[-1]
   half = hd // 2
   f32 = lambda a: a.astype(jnp.float32)
@@ -322,14 +323,14 @@ def _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, row0, n: int, valid, norm_
   if scale is not None:
     x, xp = (f32(x) * scale).astype(dt), (f32(xp) * scale).astype(dt)
   if b_ref is not None:
-    x = (f32(x) + f32(b_ref[rows, col])).astype(dt)
-    xp = (f32(xp) + f32(b_ref[rows, partner])).astype(dt)
+    x = (f32(x) + f32(b_ref[(*layer, rows, col)])).astype(dt)
+    xp = (f32(xp) + f32(b_ref[(*layer, rows, partner)])).astype(dt)
   x, xp = f32(x), f32(xp)
   if w_ref is not None:
     r = jax.lax.rsqrt(jnp.sum(x * x, axis=1, keepdims=True) / hd + eps)
     first = col1 * 0 + norm_row
-    x = f32((x * r * f32(w_ref[first, col1])).astype(dt))
-    xp = f32((xp * r * f32(w_ref[first, partner1])).astype(dt))
+    x = f32((x * r * f32(w_ref[(*layer, first, col1)])).astype(dt))
+    xp = f32((xp * r * f32(w_ref[(*layer, first, partner1)])).astype(dt))
   k = col1 % half
   cos, sin = cs_ref[k * 0, k], cs_ref[k * 0 + 1, k]  # [1, hd]: each column's angle
   # First half: x1 cos - x2 sin; second half: x2 cos + x1 sin.
@@ -380,12 +381,15 @@ def row_rms_scale(ref, row0, rows: int, eps: float, one_load: bool, d: int | Non
 
 def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared: bool, g: int,
                   gp: int, kv: int, rope: bool, bias: bool, qk_norm: bool, eps: float,
-                  resid: bool, resid_eps: float, one_load: bool, lead: int = 0):
+                  resid: bool, resid_eps: float, one_load: bool, lead: int = 0,
+                  stacked: bool = False):
   from jax.experimental.pallas import triton as plt
   refs = list(refs)
   share_ref = refs.pop(0) if shared else None
   x_ref = refs.pop(0)
   cs_ref = refs.pop(0) if rope else None
+  # `stacked`: the bias / norm refs hold every layer's rows and this ref says which layer.
+  layer = (refs.pop(0)[0],) if stacked else ()
   b_ref = refs.pop(0) if bias else None
   w_ref = refs.pop(0) if qk_norm else None
   r_ref = refs.pop(0) if resid else None
@@ -411,16 +415,19 @@ def _write_kernel(lens_ref, *refs, block_k: int, scale: float, dot_dtype, shared
       @pl.when(head == 0)
       def _():
         plt.store(o_ref.at[slot, pl.ds(0, lp), :], stream.astype(o_ref.dtype), mask=lmask)
-    q = _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, head * g, gp, g, 0, eps, r, lead)
+    q = _prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, head * g, gp, g, 0, eps, r, lead,
+                       layer)
     # The new key as row 0 of a 16-row tile (a product's smallest), the other rows zero.
     k_new = jnp.sum(_prepared_rows(x_ref, b_ref, w_ref, cs_ref, slot, heads + head, 16, 1, 1,
-                                   eps, r, lead), axis=0, keepdims=True).astype(x_ref.dtype)
+                                   eps, r, lead, layer),
+                    axis=0, keepdims=True).astype(x_ref.dtype)
     v_new = x_ref[slot, pl.ds(lead + heads + kv + head, 1), :]
     if resid or lead:
       v_new = (v_new.astype(jnp.float32) * r).astype(x_ref.dtype)
     if bias:
       v_new = (v_new.astype(jnp.float32)
-               + b_ref[pl.ds(heads + kv + head, 1), :].astype(jnp.float32)).astype(x_ref.dtype)
+               + b_ref[(*layer, pl.ds(heads + kv + head, 1), slice(None))].astype(jnp.float32)
+               ).astype(x_ref.dtype)
   else:
     q = plt.load(x_ref.at[slot, pl.ds(head * g, gp), :], mask=qmask, other=0)
     k_new = x_ref[slot, pl.ds(heads + head, 1), :]  # [1, hd]
@@ -488,7 +495,8 @@ def flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, *, share=None
 
 def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_norm=None,
                            resid=None, *, eps: float = 1e-6, resid_eps: float = 1e-6,
-                           resid_rows: int = 0, share=None, interpret: bool = False, **launch):
+                           resid_rows: int = 0, layer=None, share=None, interpret: bool = False,
+                           **launch):
   """`flash_decode_write` from a decode step's raw q|k|v projections: the bias, Qwen3's q / k
   norms and RoPE are applied inside the kernel, so that nothing runs between the projection's
   GEMM and the kernel (`[S, (H + 2 KV) hd]` to `[S, H + 2 KV, hd]` is a free reshape).
@@ -507,6 +515,10 @@ def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_n
   (`[S, R + H + 2 KV, hd]`, resid None): the norm's scale is taken from those rows, and the
   output is `[S, R + H, hd]`, those rows copied, then the H heads' attention (the next GEMM's
   `[x | a]`).
+  layer: None, or this call's layer (an int or int32 scalar) where bias and qk_norm hold every
+  layer's rows, `[L, H + 2 KV, hd]` and `[L, 2, hd]` (the params' stacked layout): the kernel
+  reads that layer's rows itself. A slice of the stacked arrays per call would be a copy
+  before each kernel (about a microsecond each on an H200).
   Rounded as `decoder._qkv` rounds them: scaled rows, bias added in qkv's dtype, normed heads
   and rotated heads rounded to it. The cache's KV head count gives H / KV; hd must be even
   (and at least 32 outside interpret mode: no smaller head was run on a GPU). The rest as
@@ -530,8 +542,19 @@ def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_n
   if resid is not None and (resid.ndim != 2 or resid.shape[0] != s):
     raise ValueError(f"flash_decode_write_qkv: resid must be [S, D] with S = {s}, got "
                      f"{resid.shape}")
+  for name, a, n in (("bias", bias, rows), ("qk_norm", qk_norm, 2)):
+    if a is None:
+      continue
+    want = (n, hd) if layer is None else (a.shape[0], n, hd)
+    if a.shape != want:
+      raise ValueError(f"flash_decode_write_qkv: {name} must be {list(want)}"
+                       f"{'' if layer is None else ' (every layer, with layer given)'}, got "
+                       f"{list(a.shape)}")
+  if layer is not None:  # no per-layer rows to pick without a bias or norms
+    layer = (None if bias is None and qk_norm is None
+             else jnp.asarray(layer, jnp.int32).reshape(1))
   return _flash_decode_write(qkv, None, None, cache_k, cache_v, lengths, share, rope=rope,
-                             bias=bias, qk_norm=qk_norm, resid=resid, eps=float(eps),
+                             bias=bias, qk_norm=qk_norm, resid=resid, layer=layer, eps=float(eps),
                              resid_eps=float(resid_eps), g=g, lead=int(resid_rows),
                              interpret=interpret,
                              **_launch_settings("flash_decode_write_qkv", s * kv, launch, hd))
@@ -541,7 +564,7 @@ def flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lengths, bias=None, qk_n
                                              "low_precision_dot", "splits", "eps", "resid_eps",
                                              "g", "lead", "interpret"))
 def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=None, bias=None,
-                        qk_norm=None, resid=None, *, block_k, num_warps, num_stages,
+                        qk_norm=None, resid=None, layer=None, *, block_k, num_warps, num_stages,
                         low_precision_dot, splits, interpret, eps=0.0, resid_eps=0.0, g=0,
                         lead=0):
   """The kernel's launch. With `rope` None, q is `[S, KV, G, hd]` and k_new / v_new the new
@@ -570,7 +593,8 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=
                            dot_dtype=dot_dtype, shared=share is not None, g=g, gp=gp, kv=kv,
                            rope=rope is not None, bias=bias is not None,
                            qk_norm=qk_norm is not None, eps=eps, resid=resid is not None,
-                           resid_eps=resid_eps, one_load=not interpret, lead=lead)
+                           resid_eps=resid_eps, one_load=not interpret, lead=lead,
+                           stacked=layer is not None)
   in_specs, args = _slot_inputs(lengths, share, s, kv, lambda i, j: (i, j, 0))
   # Whole-array refs: each program reads its own rows and, with sharing, its source's; the
   # caches are aliased to the outputs, so the write lands in place (no copy of the cache).
@@ -581,6 +605,8 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lengths, share, rope=
   if rope is not None:  # this slot's cos / sin
     inputs.append((rope.astype(jnp.float32),
                    pl.BlockSpec((None, 2, hd // 2), lambda i, j: (i, 0, 0))))
+  if layer is not None:
+    inputs.append((layer, whole(layer)))
   if bias is not None:
     b = pad(bias.astype(x.dtype))
     inputs.append((b, whole(b)))

@@ -326,12 +326,18 @@ def _flash_decode_write(q, k_new, v_new, cache_k, cache_v, lens, interpret, shar
 
 
 def _flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps, interpret,
-                           share=None, resid=None, resid_eps=0.0, resid_rows=0):
+                           share=None, resid=None, resid_eps=0.0, resid_rows=0, layer=None):
   """`decode_attention.flash_decode_write_qkv` (bias, q / k norms and RoPE in the kernel; with
   `resid`, the folded attention norm's scale too) per shard (`_per_shard_decode`; rows only:
-  the projection's heads are not split)."""
+  the projection's heads are not split). With `layer`, bias and norms are every layer's
+  (`[L, ...]`, the stacked params) and the kernel picks this layer's rows."""
+  if layer is not None and (bias is not None or norms is not None):
+    layer = jnp.full((1,), layer, jnp.int32)
+  else:
+    layer = None
   # The given ones go to every shard whole, and back to the kernel by name.
-  given = {k: a for k, a in (("bias", bias), ("qk_norm", norms)) if a is not None}
+  given = {k: a for k, a in (("bias", bias), ("qk_norm", norms), ("layer", layer))
+           if a is not None}
   rows = (qkv, rope) if resid is None else (qkv, rope, resid)
 
   def kernel(*args, **kw):
@@ -665,11 +671,13 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
           qg, k[:, 0], v[:, 0], new_k[layer], new_v[layer], cache_lens, interpret, share)
       return out.reshape(s, 1, cfg.n_heads, cfg.head_dim).astype(v.dtype)
 
-    def attend_raw(qkv, resid, layer=layer, lp=lp):
+    def attend_raw(qkv, resid, layer=layer):
+      # The stacked bias / norms and the layer's index: a per-layer slice of them would be
+      # copied before each kernel.
       out, new_k[layer], new_v[layer] = _flash_decode_write_qkv(
-          qkv[:, 0], rope, new_k[layer], new_v[layer], cache_lens, lp.get("bqkv"),
-          lp.get("qk_norms"), cfg.norm_eps, interpret, share,
-          None if resid is None else resid[:, 0], cfg.norm_eps)
+          qkv[:, 0], rope, new_k[layer], new_v[layer], cache_lens, p["layers"].get("bqkv"),
+          p["layers"].get("qk_norms"), cfg.norm_eps, interpret, share,
+          None if resid is None else resid[:, 0], cfg.norm_eps, layer=layer)
       return out.reshape(s, 1, cfg.n_heads, cfg.head_dim).astype(qkv.dtype)
 
     x, _, _ = _block(x, lp, positions, attend_raw if raw else attend, cfg, inv_freq,
@@ -691,11 +699,10 @@ def _decode_chained(params, p, cache_k, cache_v, tokens, cache_lens, rope, *, cf
   y = embed(p, tokens, cfg)[:, 0] @ c["in"].astype(dt)  # [S, D + Q]: [x | x Wqkv]
   new_k, new_v = list(cache_k), list(cache_v)
   for layer in range(cfg.n_layers):
-    lp = jax.tree.map(lambda w: w[layer], layers)
     xa, new_k[layer], new_v[layer] = _flash_decode_write_qkv(
-        y.reshape(s, -1, hd), rope, new_k[layer], new_v[layer], cache_lens, lp.get("bqkv"),
-        lp.get("qk_norms"), cfg.norm_eps, interpret, share, resid_eps=cfg.norm_eps,
-        resid_rows=lead)
+        y.reshape(s, -1, hd), rope, new_k[layer], new_v[layer], cache_lens, layers.get("bqkv"),
+        layers.get("qk_norms"), cfg.norm_eps, interpret, share, resid_eps=cfg.norm_eps,
+        resid_rows=lead, layer=layer)
     z = xa.reshape(s, -1) @ c["a"][layer].astype(dt)  # [x' | x' Wgu]
     f = _swiglu_rms(z, None, cfg.norm_eps, interpret, lead=d)  # [x' | f]
     last = layer == cfg.n_layers - 1

@@ -685,6 +685,30 @@ def test_flash_decode_write_qkv_rejects_bad_shapes():
                            interpret=True)
 
 
+def test_flash_decode_write_qkv_reads_its_layer_of_stacked_bias_and_norms():
+  """With `layer`, bias and norms hold every layer's rows and the kernel reads that layer's:
+  the same result as the layer's own slice, and not another layer's."""
+  from jaxagent.models.decode_attention import flash_decode_write_qkv
+  qkv, bias, norms, k, v, lens, inv = _raw_qkv_case(jnp.float32)
+  cos, sin = decoder.rope_tables(lens[:, None], inv)
+  rope = jnp.stack([cos[:, 0, 0], sin[:, 0, 0]], axis=1)
+  biases = jnp.stack([bias + 0.5 * i for i in range(3)])
+  normss = jnp.stack([norms * (1 + 0.2 * i) for i in range(3)])
+  run = lambda b, w, **kw: flash_decode_write_qkv(qkv, rope, k, v, lens, b, w, eps=1e-6,
+                                                  block_k=16, interpret=True, **kw)
+  for layer in (0, 2):
+    want = run(biases[layer], normss[layer])
+    got = run(biases, normss, layer=layer)
+    for a, b in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  other = run(biases, normss, layer=1)
+  assert not np.allclose(np.asarray(other[0]), np.asarray(got[0]))
+  with pytest.raises(ValueError, match="every layer, with layer given"):
+    run(bias, norms, layer=0)
+  with pytest.raises(ValueError, match="bias must be"):
+    run(biases, None)
+
+
 @pytest.mark.parametrize("name", [
     "tiny-qwen2", "tiny-qwen3", pytest.param("tiny-llama", marks=pytest.mark.slow)])
 def test_decode_in_place_fused_qkv_equals_xla_prepared(name, monkeypatch):
