@@ -329,15 +329,10 @@ def _flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps,
                            share=None, resid=None, resid_eps=0.0, resid_rows=0, layer=None):
   """`decode_attention.flash_decode_write_qkv` (bias, q / k norms and RoPE in the kernel; with
   `resid`, the folded attention norm's scale too) per shard (`_per_shard_decode`; rows only:
-  the projection's heads are not split). With `layer`, bias and norms are every layer's
-  (`[L, ...]`, the stacked params) and the kernel picks this layer's rows."""
-  if layer is not None and (bias is not None or norms is not None):
-    layer = jnp.full((1,), layer, jnp.int32)
-  else:
-    layer = None
+  the projection's heads are not split). With `layer` (an int), bias and norms are every
+  layer's (`[L, ...]`, the stacked params) and the kernel picks this layer's rows."""
   # The given ones go to every shard whole, and back to the kernel by name.
-  given = {k: a for k, a in (("bias", bias), ("qk_norm", norms), ("layer", layer))
-           if a is not None}
+  given = {k: a for k, a in (("bias", bias), ("qk_norm", norms)) if a is not None}
   rows = (qkv, rope) if resid is None else (qkv, rope, resid)
 
   def kernel(*args, **kw):
@@ -347,7 +342,7 @@ def _flash_decode_write_qkv(qkv, rope, cache_k, cache_v, lens, bias, norms, eps,
       named["resid"] = args[2]
     return decode_attention.flash_decode_write_qkv(
         args[0], args[1], *args[n:n + 3], **named, eps=eps, resid_eps=resid_eps,
-        resid_rows=resid_rows, **kw)
+        resid_rows=resid_rows, layer=layer, **kw)
 
   out_ndims = (3 if resid_rows else 4, 4, 4)
   return _per_shard_decode(kernel, (*rows, cache_k, cache_v, lens), out_ndims, interpret,
