@@ -42,6 +42,9 @@ same `agg`. Metrics (`finalize_parts`):
     (A < 0, r < 1 - clip_low), upper clip (A > 0, r > 1 + clip_high) or dual clip (A < 0,
     loss capped at c |A|) binds, i.e. where the ratio gets no gradient.
   * ratio_mean, ratio_min, ratio_max: of the importance ratio over units.
+  * log_ratio_clamped: fraction of policy tokens whose |log r| (for gspo: of their sequence's
+    mean log r) exceeds `MAX_LOG_RATIO` and was clamped to it (a sign of stale or mismatched
+    old log-probs; such tokens get no gradient through the ratio).
   * num_policy_tokens, num_segments (live segments).
 A "unit" is a policy token for grpo and gspo_token, and a live segment for gspo.
 
@@ -74,6 +77,13 @@ Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_me
 KLEstimator = Literal["k1", "k2", "k3"]
 
 _SEQ_AGGS = ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
+
+# Bound on |log(pi_theta / pi_old)| before it is exponentiated. exp(88.7) overflows float32, and
+# an infinite ratio makes a NaN gradient even where the clip zeroes the token's gradient
+# (0 * inf in the backward pass of exp), so one stale or corrupt old log-prob would poison the
+# whole update. Past the bound the ratio is held at exp(+-20) (about 4.9e8 / 2.1e-9), with zero
+# gradient through the log-ratio, the same bound verl uses.
+MAX_LOG_RATIO = 20.0
 
 
 def _check_choice(field: str, value, literal) -> None:
@@ -179,7 +189,9 @@ def _clipped_surrogate(ratio: Array, adv: Array, cfg: LossConfig):
     """
     lo, hi = 1.0 - cfg.clip_low, 1.0 + cfg.clip_high
     unclipped = -adv * ratio
-    clipped = -adv * jnp.clip(ratio, lo, hi)
+    # clip(ratio, lo, hi) written with `where` so that a ratio exactly on a bound keeps its full
+    # gradient (jnp.clip would pass half of it at the tie, e.g. at r = 1 with clip_low = 0).
+    clipped = -adv * jnp.where(ratio < lo, lo, jnp.where(ratio > hi, hi, ratio))
     loss = jnp.maximum(unclipped, clipped)
     clip_low = (adv < 0) & (ratio < lo)
     clip_high = (adv > 0) & (ratio > hi)
@@ -256,6 +268,9 @@ def policy_loss_parts(
     adv_BxL = clean(jax.lax.stop_gradient(advantages))
     log_ratio_BxL = logps_BxL - old_BxL
 
+    def bounded(x):  # the log-ratio exponentiated below; see MAX_LOG_RATIO
+        return jnp.clip(x, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+
     ntok_BxS = _segment_sum_BxS(maskf_BxL, segment_ids_BxL, num_segments)
     live_BxS = ntok_BxS > 0
     inv_ntok_BxS = jnp.where(live_BxS, 1.0 / jnp.maximum(ntok_BxS, 1.0), 0.0)
@@ -278,7 +293,8 @@ def policy_loss_parts(
 
     if cfg.algo == "grpo":
         # Token-level ratio r_t = pi(y_t) / pi_old(y_t) (GRPO, DeepSeekMath eq. 3).
-        ratio_BxL = jnp.exp(log_ratio_BxL)
+        ratio_log_BxL = log_ratio_BxL
+        ratio_BxL = jnp.exp(bounded(ratio_log_BxL))
         pg_BxL, low_BxL, high_BxL, dual_BxL = _clipped_surrogate(ratio_BxL, adv_BxL, cfg)
         unit_BxL = maskf_BxL  # clip and ratio metrics count policy tokens
     elif cfg.algo == "gspo":
@@ -287,15 +303,16 @@ def policy_loss_parts(
         # advantages over the segment's policy tokens (exactly A_i for outcome rewards, which are
         # constant within a segment). Each policy token carries its sequence's loss, so
         # agg="seq_mean_token_mean" is eq. (5) exactly and the other modes reweight sequences.
-        ratio_BxL = jnp.exp(seq_mean(log_ratio_BxL))
+        ratio_log_BxL = seq_mean(log_ratio_BxL)
+        ratio_BxL = jnp.exp(bounded(ratio_log_BxL))
         pg_BxL, low_BxL, high_BxL, dual_BxL = _clipped_surrogate(ratio_BxL, seq_mean(adv_BxL), cfg)
         # Metrics count sequences: put each segment's weight 1 on its tokens as 1/n_i.
         unit_BxL = maskf_BxL * _gather_BxL(inv_ntok_BxS, segment_ids_BxL)
     else:
         # GSPO-token (GSPO Sec. 4.3): s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]; its value is s_i,
         # its gradient flows only through token t, and advantages stay per token.
-        seq_log_ratio_BxL = jax.lax.stop_gradient(seq_mean(log_ratio_BxL))
-        ratio_BxL = jnp.exp(seq_log_ratio_BxL + logps_BxL - jax.lax.stop_gradient(logps_BxL))
+        ratio_log_BxL = jax.lax.stop_gradient(seq_mean(log_ratio_BxL))
+        ratio_BxL = jnp.exp(bounded(ratio_log_BxL) + logps_BxL - jax.lax.stop_gradient(logps_BxL))
         pg_BxL, low_BxL, high_BxL, dual_BxL = _clipped_surrogate(ratio_BxL, adv_BxL, cfg)
         unit_BxL = maskf_BxL
 
@@ -317,8 +334,10 @@ def policy_loss_parts(
 
     # approx_kl_old: k3 estimate of KL(pi_old || pi_theta) on the sampled tokens (which come from
     # pi_old): r - 1 - log r with r = pi_theta / pi_old. Token-level even for GSPO.
-    token_ratio_BxL = jnp.exp(jax.lax.stop_gradient(log_ratio_BxL))
-    k3_old_BxL = clean(token_ratio_BxL - 1.0 - jax.lax.stop_gradient(log_ratio_BxL))
+    # The log-ratio is bounded as for the loss, so that one corrupt old log-prob cannot make the
+    # metric infinite.
+    sg_log_ratio_BxL = bounded(jax.lax.stop_gradient(log_ratio_BxL))
+    k3_old_BxL = clean(jnp.exp(sg_log_ratio_BxL) - 1.0 - sg_log_ratio_BxL)
     sums["approx_kl_old"], counts["approx_kl_old"] = jnp.sum(k3_old_BxL), num_tokens
     sums["pg_loss"], counts["pg_loss"] = pg_num, denominator
     sums["kl_loss"], counts["kl_loss"] = kl_num, denominator
@@ -326,6 +345,8 @@ def policy_loss_parts(
     for name, x in (("clip_frac_low", low_BxL), ("clip_frac_high", high_BxL), ("clip_frac_dual", dual_BxL),
                     ("ratio_mean", ratio_sg)):
         sums[name], counts[name] = jnp.sum(unit_BxL * x), num_units
+    clamped_BxL = maskf_BxL * (jnp.abs(jax.lax.stop_gradient(ratio_log_BxL)) > MAX_LOG_RATIO)
+    sums["log_ratio_clamped"], counts["log_ratio_clamped"] = jnp.sum(clamped_BxL), num_tokens
     sums["num_policy_tokens"] = num_tokens
     sums["num_segments"] = num_live
     ratio_min = jnp.min(jnp.where(mask_BxL, ratio_sg, jnp.inf))

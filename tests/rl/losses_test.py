@@ -287,6 +287,52 @@ def test_dual_clip_caps_negative_advantage_loss(algo):
     assert single_token(np.log(5.0), 1.0, make_cfg(algo, dual_clip=3.0))[0] == pytest.approx(-1.2, abs=1e-6)
 
 
+@pytest.mark.parametrize("clip_low,clip_high,adv", [(0.0, 0.2, 1.0), (0.0, 0.2, -1.0), (0.2, 0.0, 1.0),
+                                                     (0.2, 0.0, -1.0), (0.2, 0.2, 1.0)])
+def test_ratio_on_a_clip_bound_keeps_its_full_gradient(clip_low, clip_high, adv):
+    # r = 1 exactly (old log-probs equal to the learner's, the first update of a batch) with a
+    # zero clip on one side: the ratio is inside the closed range, so d loss / d logp = -A.
+    for algo in ALGOS:
+        loss, m, g = single_token(0.0, adv, make_cfg(algo, clip_low=clip_low, clip_high=clip_high))
+        assert (loss, g) == pytest.approx((-adv, -adv), abs=1e-6), algo
+
+
+def two_tokens(log_ratios, adv, cfg):
+    """Loss, metrics and gradient for a segment of three tokens, the last two policy tokens."""
+    lr = np.asarray(log_ratios, np.float64)
+    arr = {"lp": np.concatenate([[0.0], -1.0 + lr])[None], "old": np.array([[0.0, -1.0, -1.0]]),
+           "adv": np.full((1, 3), adv), "mask": np.array([[0.0, 1.0, 1.0]]), "ref": np.zeros((1, 3)),
+           "ent": np.zeros((1, 3))}
+    loss, m, g = jax_loss_and_grad(arr, np.ones((1, 3), np.int32), cfg, use_ref=False, use_ent=False)
+    return float(loss), m, g[0]
+
+
+@pytest.mark.parametrize("adv", [1.0, 0.0, -1.0])
+@pytest.mark.parametrize("algo", ALGOS)
+def test_huge_log_ratio_is_finite_and_does_not_poison_other_tokens(algo, adv):
+    # Token 1's old log-prob is 100 nats off (stale or corrupt): exp would overflow float32 and
+    # 0 * inf would make the gradient NaN even where the clip zeroes it.
+    cfg = make_cfg(algo, dual_clip=3.0)
+    loss, m, g = two_tokens([100.0, 0.0], adv, cfg)
+    assert np.isfinite(loss) and np.all(np.isfinite(g)), (loss, g)
+    for k in ("approx_kl_old", "ratio_mean", "ratio_max"):
+        assert np.isfinite(float(m[k])), k
+    assert float(m["log_ratio_clamped"]) == pytest.approx(0.5 if algo == "grpo" else 1.0)
+    if algo == "grpo":
+        # Token 1 is clipped (A > 0), dual-clipped (A < 0) or has A = 0: no gradient; token 2 at
+        # r = 1 keeps -A / 2 (token mean over two tokens), and the loss is exact.
+        assert g[1] == 0.0 and g[2] == pytest.approx(-adv / 2, abs=1e-6)
+        want = {1.0: -(1.2 + 1.0) / 2, 0.0: 0.0, -1.0: (3.0 + 1.0) / 2}[adv]
+        assert loss == pytest.approx(want, abs=1e-6)
+    else:
+        # The sequence ratio exp(50) is clipped (A > 0) or dual-clipped (A < 0): no gradient.
+        np.testing.assert_array_equal(g, 0.0)
+    # Below the bound nothing changes: a log-ratio of 15 is not clamped.
+    _, m, _ = two_tokens([15.0, 0.0], adv, cfg)
+    assert float(m["log_ratio_clamped"]) == 0.0
+    assert float(m["ratio_max"]) == pytest.approx(np.exp(15.0 if algo == "grpo" else 7.5), rel=1e-5)
+
+
 def test_entropy_bonus_lowers_loss():
     base = single_token(0.1, 0.5, make_cfg(), entropy=1.5)[0]
     bonus = single_token(0.1, 0.5, make_cfg(entropy_coef=0.1), entropy=1.5)
