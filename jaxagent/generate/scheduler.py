@@ -69,7 +69,11 @@ class StopChecker:
       raise ValueError("stop strings need a tokenizer (pass tokenizer=...), or give stop token "
                        "id sequences instead")
     self.tokenizer = tokenizer
-    self._window = max((len(s) for s in self.strings), default=0) + 2
+    # The window is counted in tokens. A byte-level tokenizer's token decodes to at least one
+    # UTF-8 byte, so a stop string of n bytes lies within its last n tokens; a non-ASCII
+    # character can take up to 4 tokens, so the string's character count would be too small.
+    # Two more tokens cover a token that straddles the string's start.
+    self._window = max((len(s.encode("utf-8")) for s in self.strings), default=0) + 2
 
   def __bool__(self):
     return bool(self.strings or self.sequences)

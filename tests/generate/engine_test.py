@@ -211,6 +211,19 @@ def test_nonfinite_logits_stop_their_request_only(temperature):
     np.testing.assert_allclose(out[i].logprobs, ref[i].logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("stop", ["</tool_call>", "【答案结束】", "\U00010348", "é!"])
+def test_stop_string_found_however_many_tokens_it_takes(stop):
+  """A stop string is found at the token that completes it, even when it takes more tokens than
+  characters (non-ASCII text is split into byte tokens) and follows other text."""
+  from jaxagent import models
+  tok = models.load_tokenizer("smollm2-135m-instruct")
+  ids = tok.encode("Some reasoning first, then " + stop)
+  checker = StopChecker([stop], tok)
+  hits = [i for i in range(1, len(ids) + 1) if checker.check(ids[:i]) is not None]
+  assert hits and hits[0] == len(ids), (stop, len(ids), hits)
+  assert checker.check(ids[:-1]) is None
+
+
 def test_bad_input_errors(params):
   with pytest.raises(ValueError, match="max_len"):
     generate(params, CFG, [list(range(40))], 4, max_len=32)
