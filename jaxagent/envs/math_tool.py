@@ -71,11 +71,11 @@ class InterpreterTool(PythonTool):
   def __init__(self, config: SandboxConfig | None = None):
     super().__init__(config, stateful=True, name="python")
 
-  def __call__(self, args: dict[str, Any]) -> ToolResult:
+  def __call__(self, args: dict[str, Any], timeout_s: float | None = None) -> ToolResult:
     code = args.get("code")
     if isinstance(code, str):
       args = {**args, "code": clean_code(code)}
-    return super().__call__(args)
+    return super().__call__(args, timeout_s=timeout_s)
 
 
 # ----------------------------------------------------------------------------- demonstrations

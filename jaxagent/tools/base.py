@@ -8,9 +8,11 @@ trajectory as observation tokens. Every failure mode of a tool ends up as a `Too
 `ok=False`, never as an exception in the training loop (DESIGN decision 7).
 
 A tool is any object with `name`, `description`, `parameters` (a JSON schema for an object) and
-`__call__(args) -> ToolResult | str`. Two optional attributes are read by the executor:
-`timeout_s` (its default per-call timeout) and `execution` (`"thread"` for I/O-bound tools,
-`"process"` for CPU-bound pure-Python tools that would otherwise hold the GIL).
+`__call__(args) -> ToolResult | str`. Optional attributes read by the executor: `timeout_s` (its
+default per-call timeout), `execution` (`"thread"` for I/O-bound tools, `"process"` for
+CPU-bound pure-Python tools that would otherwise hold the GIL), and `takes_timeout`: a thread
+tool that sets it is called as `tool(args, timeout_s=limit)`, must stop itself within the limit
+(the sandbox's `PythonTool` does), and is abandoned only `timeout_grace_s` (default 5 s) later.
 """
 
 from __future__ import annotations

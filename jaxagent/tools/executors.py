@@ -57,18 +57,28 @@ from jaxagent.tools.base import (
 log = logging.getLogger(__name__)
 
 
-def invoke_tool(tool: Tool, args: Any, *, max_output_chars: int | None = None) -> ToolResult:
-    """Calls `tool(args)` on this thread, turning any exception or bad return value into data."""
+def invoke_tool(tool: Tool, args: Any, *, max_output_chars: int | None = None,
+                timeout_s: float | None = None) -> ToolResult:
+    """Calls `tool(args)` on this thread, turning any exception or bad return value into data.
+
+    A tool with `takes_timeout = True` is called as `tool(args, timeout_s=timeout_s)` when a
+    limit is given, and is expected to stop itself within it.
+    """
     name = getattr(tool, "name", type(tool).__name__)
     start = time.monotonic()
     try:
-        result = normalize_result(tool(args), tool_name=name, max_output_chars=max_output_chars)
+        out = tool(args, timeout_s=timeout_s) if timeout_s is not None and _takes_timeout(tool) else tool(args)
+        result = normalize_result(out, tool_name=name, max_output_chars=max_output_chars)
     except BaseException as e:  # noqa: BLE001 - a failing tool is an observation, not a crash.
         if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
             raise
         log.debug("tool %r raised", name, exc_info=True)
         result = ToolResult.failure(f"tool {name!r} raised {type(e).__name__}: {e}")
     return dataclasses.replace(result, duration_s=time.monotonic() - start)
+
+
+def _takes_timeout(tool: Any) -> bool:
+    return getattr(tool, "takes_timeout", False) is True
 
 
 # --------------------------------------------------------------------------- process path
@@ -416,7 +426,14 @@ class ToolExecutor:
                 job.state = "running"
                 # Process calls enforce their own timeout by killing the worker; the watchdog
                 # only backstops them (worker startup is not part of the call's budget).
-                grace = 0.0 if job.execution == "thread" else self._processes.startup_timeout_s + 5.0
+                # Thread tools that take the limit themselves (`takes_timeout`) are backstopped
+                # by their `timeout_grace_s` (default 5 s) in the same way.
+                if job.execution != "thread":
+                    grace = self._processes.startup_timeout_s + 5.0
+                elif _takes_timeout(job.tool):
+                    grace = float(getattr(job.tool, "timeout_grace_s", None) or 5.0)
+                else:
+                    grace = 0.0
                 heapq.heappush(self._deadlines, (time.monotonic() + job.timeout_s + grace, next(self._seq), job))
                 self._watch_cv.notify()
                 return job
@@ -439,7 +456,8 @@ class ToolExecutor:
             if job.execution == "process":
                 result = self._processes.call(job.tool, job.args, job.timeout_s, self.max_output_chars)
             else:
-                result = invoke_tool(job.tool, job.args, max_output_chars=self.max_output_chars)
+                result = invoke_tool(job.tool, job.args, max_output_chars=self.max_output_chars,
+                                     timeout_s=job.timeout_s)
             with self._lock:
                 abandoned = job.state == "timed_out"
                 if not abandoned:

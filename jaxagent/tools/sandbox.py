@@ -306,6 +306,10 @@ class _SandboxProcess:
             raise SandboxError(f"could not start the sandbox interpreter {config.python!r}: {e}") from e
         os.close(ctrl_w)
         self.ctrl = ctrl_r
+        try:  # made now, while the PID is surely ours (see `kill`)
+            self._leader: psutil.Process | None = psutil.Process(self.proc.pid)
+        except psutil.Error:
+            self._leader = None
         _LIVE.add(self)
         setup = {"ctrl_fd": ctrl_w, "tmpdir": self.tmpdir, "namespaces": config.namespaces,
                  "audit_hook": config.audit_hook, "memory_mb": config.memory_mb, "kernel_cpu_s": kernel_cpu_s,
@@ -445,6 +449,21 @@ class _SandboxProcess:
                 pass
         return total
 
+    def kill(self) -> None:
+        """Sends SIGKILL to the interpreter and its processes, from any thread, touching no pipe.
+
+        A `run` in progress on another thread then sees the interpreter end, closes it and
+        returns; `close` reaps it otherwise. The leader's psutil handle was made at start, so
+        psutil's identity check keeps a reused PID from being hit.
+        """
+        if self._closed or self._leader is None or not self._leader.is_running():
+            return
+        for p in [*_descendants(self.proc.pid), self._leader]:
+            try:
+                p.kill()
+            except psutil.Error:
+                pass
+
     def close(self, *, graceful: bool = False) -> int | None:
         """Ends the interpreter, reaps every process of it and removes the temporary directory.
 
@@ -560,6 +579,11 @@ class PythonSession:
                 except SandboxError as e:
                     return ToolResult.failure(str(e))
             result = self._proc.run(code, timeout_s or self.config.timeout_s, self.config.call_cpu_s)
+            if self._closed:  # closed by another thread during the call (see `close`)
+                self._proc.close()
+                self._proc = None
+                return ToolResult.failure("the Python session was closed during the call",
+                                          duration_s=result.duration_s)
             if not self._proc.alive:
                 self._proc = None
                 self.restarts += 1
@@ -579,11 +603,24 @@ class PythonSession:
         return dict(proc.isolation) if proc is not None else {}
 
     def close(self) -> None:
-        with self._lock:
-            self._closed = True
+        """Ends the session without waiting for a call in progress.
+
+        A call still running (for instance one its caller stopped waiting for) holds the lock:
+        its interpreter is killed instead, and that call closes it as it returns. So a rollout
+        that ends a trajectory never blocks on the trajectory's last program.
+        """
+        self._closed = True
+        if not self._lock.acquire(blocking=False):
+            proc = self._proc
+            if proc is not None:
+                proc.kill()
+            return
+        try:
             if self._proc is not None:
                 self._proc.close(graceful=True)
                 self._proc = None
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> PythonSession:
         return self
@@ -613,6 +650,7 @@ class PythonTool:
     parameters = {"type": "object", "additionalProperties": False, "required": ["code"],
                   "properties": {"code": {"type": "string", "description": "Python source to execute."}}}
     execution = "thread"
+    takes_timeout = True  # the executor passes each call's time limit; see `__call__`
 
     def __init__(self, config: SandboxConfig | None = None, *, stateful: bool = False, name: str = "python",
                  description: str | None = None):
@@ -622,14 +660,24 @@ class PythonTool:
             "Execute Python code in a sandbox and return what it prints; the value of a final expression "
             "is printed too. No network access." + (" Variables persist between calls." if stateful else ""))
         self._session = PythonSession(self.config) if stateful else None
-        # The executor's watchdog only backstops the sandbox's own, more informative timeout.
-        self.timeout_s = self.config.timeout_s + self.config.startup_timeout_s + 10.0
+        # The default per-call limit is the sandbox's own. The executor's watchdog only backstops
+        # it, `timeout_grace_s` later: starting an interpreter is not part of a call's time.
+        self.timeout_s = self.config.timeout_s
+        self.timeout_grace_s = self.config.startup_timeout_s + 10.0
 
-    def __call__(self, args: dict[str, Any]) -> ToolResult:
+    def __call__(self, args: dict[str, Any], timeout_s: float | None = None) -> ToolResult:
+        """Runs `args["code"]` with the sandbox's wall-clock limit, lowered to `timeout_s` if given.
+
+        The sandbox itself enforces the limit and stops the program, so a caller with a shorter
+        limit (a rollout's per-call or per-trajectory tool budget) gets the sandbox's timeout
+        message, and a stateful session is restarted, rather than a call abandoned while it
+        still runs and holds the session.
+        """
         code = validate_arguments(self.parameters, args)["code"]
+        limit = self.config.timeout_s if timeout_s is None else min(self.config.timeout_s, float(timeout_s))
         if self._session is not None:
-            return self._session.run(code)
-        return run_python(code, config=self.config)
+            return self._session.run(code, timeout_s=limit)
+        return run_python(code, config=self.config, timeout_s=limit)
 
     def close(self) -> None:
         if self._session is not None:

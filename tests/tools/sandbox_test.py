@@ -2,8 +2,10 @@
 ok=False within its timeout and leave the host untouched, no surviving processes), each kernel
 layer on its own, and persistent sessions."""
 
+import dataclasses
 import os
 import socket
+import threading
 import time
 
 import psutil
@@ -367,6 +369,44 @@ def test_python_tool_through_the_executor():
             assert loop.timed_out and "Timed out after 2 s (wall clock)" in loop.error
     finally:
         stateful.close()
+
+
+def test_python_tool_keeps_a_shorter_executor_limit_itself():
+    """A caller's limit below the sandbox's (a rollout's tool budget) is enforced by the sandbox:
+    the program is stopped with the sandbox's message and a stateful session restarts, instead
+    of the call being abandoned while its program still runs and holds the session."""
+    stateful = PythonTool(dataclasses.replace(FULL, timeout_s=10.0), stateful=True, name="repl")
+    try:
+        with ToolExecutor(ToolRegistry([stateful])) as executor:
+            assert executor.run("repl", {"code": "x = 41"}).ok
+            t = time.monotonic()
+            slow = executor.run("repl", {"code": "x = 0\nimport time\ntime.sleep(5)"}, timeout_s=1.0)
+            assert slow.timed_out and "Timed out after 1 s (wall clock)" in slow.error, slow
+            assert "session was restarted" in slow.error
+            after = executor.run("repl", {"code": "print(x + 1)"}, timeout_s=1.0)
+            assert time.monotonic() - t < 4.0
+            assert "NameError" in after.error  # the policy was told the state is gone, and it is
+            assert executor.stats()["timed_out"] == 1 and executor.stats()["stuck_threads"] == 0
+    finally:
+        stateful.close()
+
+
+def test_session_close_does_not_wait_for_a_running_call():
+    session = PythonSession(FULL, timeout_s=30.0)
+    session.run("import time")
+    pid = session.pids[0]
+    results = []
+    worker = threading.Thread(target=lambda: results.append(session.run("time.sleep(20)")))
+    worker.start()
+    time.sleep(0.5)
+    t = time.monotonic()
+    session.close()
+    assert time.monotonic() - t < 1.0
+    worker.join(timeout=5.0)
+    assert not worker.is_alive()
+    assert results[0].error == "the Python session was closed during the call"
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    assert session.run("1").error == "the Python session is closed"
 
 
 def test_descendants_walks_only_the_tree_and_matches_psutil():
