@@ -35,9 +35,11 @@ import math
 import os
 import pathlib
 import re
+import time
 from typing import Any, Callable, Mapping
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
@@ -49,7 +51,10 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 # Settings that define what a checkpoint *is*: resuming with any of them changed is refused.
-# Everything else (learning rate, total_steps, eval, logging, mesh) may change on resume.
+# Everything else (learning rate, total_steps, eval, logging, mesh) may change on resume, except
+# where a change alters the saved arrays' layout: the optimizer state's structure depends on
+# `optimizer.max_grad_norm` being on or off and on `optimizer.schedule` / `warmup_steps`, and
+# `check` names those settings when their change is what makes the state not fit.
 IDENTITY_KEYS = ("model", "env", "seed")
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _STEP_DIR = re.compile(r"^(\d+)$")
@@ -62,6 +67,33 @@ class CheckpointError(RuntimeError):
 
 class IncompatibleCheckpointError(CheckpointError):
   """The checkpoint was written by a run with another model, task, seed or state layout."""
+
+
+class NonFiniteParamsError(CheckpointError):
+  """The params to save or export hold NaN or Inf; nothing was written."""
+
+
+@jax.jit
+def _nonfinite_counts(tree):
+  return jax.tree.map(
+      lambda x: (jnp.sum(~jnp.isfinite(x)) if jnp.issubdtype(x.dtype, jnp.inexact)
+                 else jnp.zeros((), jnp.int32)), tree)
+
+
+def check_finite(params, what: str) -> None:
+  """Raise `NonFiniteParamsError` naming the arrays of `params` that hold NaN or Inf.
+
+  One jitted reduction over the (possibly sharded) params; every process must call it.
+  """
+  counts = jax.tree_util.tree_flatten_with_path(jax.device_get(_nonfinite_counts(params)))[0]
+  bad = [(jax.tree_util.keystr(k), int(n)) for k, n in counts if int(n)]
+  if bad:
+    shown = ", ".join(f"{k} ({n})" for k, n in bad[:6])
+    shown += f", and {len(bad) - 6} more" if len(bad) > 6 else ""
+    raise NonFiniteParamsError(
+        f"{what}: the params hold NaN or Inf ({sum(n for _, n in bad)} values in {len(bad)} "
+        f"arrays: {shown}). Training has diverged; nothing was written. Lower the learning "
+        f"rate or check the data, and resume from an earlier checkpoint.")
 
 
 # ----------------------------------------------------------------------------- config
@@ -231,6 +263,7 @@ class CheckpointManager:
                *, say: Callable[[str], None] | None = None, read_only: bool = False):
     self.directory = as_path(directory)
     self.cfg = cfg
+    self.read_only = read_only
     self.say = say or log.warning
     # Interrupted saves, listed before orbax removes them, so the resume can name them.
     self._interrupted = self.incomplete()
@@ -265,11 +298,15 @@ class CheckpointManager:
   def save(self, step: int, state, *, meta: Mapping[str, Any], ref_params=None) -> bool:
     """Start saving `state` (and `ref_params`) as `step`; False if that step already exists.
 
+    Params holding NaN or Inf are never saved: `NonFiniteParamsError` names them, and the
+    checkpoints already written stay as they are.
+
     With async saves this returns once the arrays are copied to host memory; the state may be
     updated (and donated) right after. Call `wait` before relying on the files.
     """
     if step in self._mgr.all_steps():
       return False
+    check_finite(state.params, f"not saving checkpoint {self.step_path(step)}")
     items = {"params": state.params, "train": {"step": state.step, "opt_state": state.opt_state}}
     if ref_params is not None:
       items["ref_params"] = ref_params
@@ -333,6 +370,11 @@ class CheckpointManager:
         if want.get(k) != have.get(k):
           problems.append(f"{name}{k}: {have.get(k, 'absent')} in the checkpoint, "
                           f"{want.get(k, 'absent')} now")
+    if problems and any(p.startswith("train['opt_state']") for p in problems):
+      culprits = [f"{k}: {old!r} in the checkpoint, {new!r} now" for k, old, new in changed
+                  if k.startswith("optimizer.") or k == "total_steps"]
+      problems.insert(0, "the optimizer state is laid out differently" + (
+          "; these settings changed and shape it: " + "; ".join(culprits) if culprits else ""))
     if problems:
       shown = problems[:12] + ([f"... and {len(problems) - 12} more"] if len(problems) > 12 else [])
       raise IncompatibleCheckpointError(
@@ -390,7 +432,7 @@ class CheckpointManager:
     """
     for p in self._interrupted:
       self.say(f"skipping incomplete checkpoint {p} (its save was interrupted)")
-    failures = []
+    failures, skipped = [], []
     for step in reversed(self.steps()):
       try:
         restored = self.restore(step, state_target, ref_target=ref_target, config=config)
@@ -402,7 +444,9 @@ class CheckpointManager:
         failures.append(str(e))
       # Every process must take the same checkpoint: one failing read fails it for all.
       if _all_processes_ok(ok):
+        self._set_aside(skipped)
         return restored
+      skipped.append(step)
       if ok:
         failures.append(f"checkpoint {self.step_path(step)} did not read on another process")
       self.say(f"skipping {failures[-1]}; trying the previous checkpoint")
@@ -411,6 +455,24 @@ class CheckpointManager:
           f"no usable checkpoint in {self.directory}:\n  " + "\n  ".join(failures) +
           "\nMove the directory away to start from scratch.")
     return None
+
+  def _set_aside(self, steps: list[int]) -> None:
+    """Moves unreadable checkpoints newer than the one resumed from out of the way, into
+    `<directory>-unreadable/<step>`, so that the resumed run can save those steps again. Nothing
+    is deleted."""
+    if not steps or self.read_only:
+      return
+    aside = self.directory.parent / f"{self.directory.name}-unreadable"
+    if jax.process_index() == 0:
+      aside.mkdir(parents=True, exist_ok=True)
+      for step in steps:
+        dest = aside / str(step)
+        if dest.exists():
+          dest = aside / f"{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+        self.step_path(step).rename(dest)
+        self.say(f"moved the unreadable checkpoint {self.step_path(step)} to {dest}")
+    _all_processes_ok(True)  # every process waits for the move before listing steps again
+    self._mgr.reload()
 
 
 # ----------------------------------------------------------------------------- export
@@ -459,6 +521,7 @@ def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: i
     target = abstract_target(abstract, sharding.shardings(abstract, mesh))
     mgr.check(meta, step=step, items={"params": target})
     params = mgr.restore_params(step, target)
+    check_finite(params, f"not exporting checkpoint {mgr.step_path(step)}")
   finally:
     mgr.close()
   if jax.process_count() > 1:

@@ -80,10 +80,16 @@ def main(argv):
     plan.check_fit(_CONFIG.value, _FIT_CHECK.value)
   except plan.DoesNotFit as e:
     raise SystemExit(f"the run does not fit the devices; nothing was started.\n{e}") from None
+  from jaxagent.checkpoint import CheckpointError
   from jaxagent.trainer import Trainer
-  trainer = Trainer(_CONFIG.value)
+  try:
+    trainer = Trainer(_CONFIG.value)
+  except ValueError as e:  # a bad setting: its message says which; nothing was started
+    raise SystemExit(f"bad config: {e}") from None
   try:
     trainer.run()
+  except CheckpointError as e:  # unusable checkpoints or diverged params; nothing was lost
+    raise SystemExit(f"checkpoint error: {e}") from None
   finally:
     trainer.close()
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import difflib
 import functools
 import json
 import logging
@@ -189,6 +190,73 @@ def _to_host(tree):
 
 
 # ----------------------------------------------------------------------------- trainer
+# Every key a run config may set: those of `configs/quickstart.py`, which sets them all
+# (`tests/trainer_test.py` keeps the two equal). Under `env.kwargs` any key goes: the task's
+# own settings, checked by the task.
+KNOWN_CONFIG_KEYS = frozenset("""
+    checkpoint_async checkpoint_dir checkpoint_every checkpoint_keep checkpoint_keep_every
+    env.name env.kwargs
+    eval.before eval.every eval.pass_k eval.size
+    export seed total_steps workdir
+    log.dump_count log.dump_every log.progress log.tensorboard
+    loss.agg loss.algo loss.clip_high loss.clip_low loss.dual_clip loss.entropy_coef
+    loss.kl_coef loss.kl_estimator loss.max_len_norm
+    mesh.data mesh.fsdp mesh.tensor
+    model.attention model.dtype model.init_seed model.init_std model.logprob model.norm_rope
+    model.param_dtype model.path model.remat model.scan_layers model.tokenizer
+    optimizer.b1 optimizer.b2 optimizer.lr optimizer.max_grad_norm optimizer.schedule
+    optimizer.warmup_steps optimizer.weight_decay
+    rollout.decode_steps rollout.max_len rollout.max_prompt_tokens rollout.max_tokens_per_turn
+    rollout.max_total_tokens rollout.max_turns rollout.mesh rollout.slots rollout.temperature
+    rollout.tool_timeout_s rollout.top_k rollout.top_p rollout.traj_tool_timeout_s
+    sft.batch_size sft.data sft.lr sft.num_examples sft.steps sft.warmup_steps
+    train.advantage train.dynamic_sampling train.epochs train.gather_weights
+    train.len_buckets train.logprob_save_probs train.max_sampling_rounds train.micro_batches
+    train.nonfinite train.pack_len train.prompts_per_step train.row_rounding
+    train.samples_per_prompt train.time_limit_s train.zero_variance
+""".split())
+_FREE_FORM = ("env.kwargs",)
+
+
+def config_keys(config, prefix: str = "") -> list[str]:
+  """Dotted keys of a (nested) config's leaves; free-form sections count as one key."""
+  out = []
+  for k, v in config.items():
+    key = prefix + k
+    if hasattr(v, "items") and key not in _FREE_FORM:
+      out += config_keys(v, key + ".")
+    else:
+      out.append(key)
+  return out
+
+
+def check_config(config) -> None:
+  """Raise ValueError naming unknown keys (typos are otherwise silently ignored: the trainer
+  reads optional keys with defaults) and counts that would make a run do nothing."""
+  unknown = [k for k in config_keys(config) if k not in KNOWN_CONFIG_KEYS]
+  if unknown:
+    def hint(k):
+      close = difflib.get_close_matches(k, KNOWN_CONFIG_KEYS, n=1, cutoff=0.6)
+      return f"{k} (did you mean {close[0]}?)" if close else k
+    raise ValueError("unknown config key(s): " + ", ".join(hint(k) for k in unknown) +
+                     ". configs/quickstart.py sets every key a run reads.")
+
+  def count(key, least):
+    section, _, name = key.rpartition(".")
+    node = config
+    for part in filter(None, section.split(".")):
+      node = node.get(part) if hasattr(node, "get") else None
+    v = node.get(name) if hasattr(node, "get") else None
+    if v is None:
+      return
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
+      raise ValueError(f"{key} must be an int >= {least}, got {v!r}")
+  count("total_steps", 0)
+  for key in ("train.prompts_per_step", "train.samples_per_prompt", "train.epochs",
+              "rollout.slots", "train.micro_batches"):
+    count(key, 1)
+
+
 def _time_limit_s(train) -> float:
   """`train.time_limit_s`: the wall-clock budget of the RL loop in seconds (0 or missing: none)."""
   v = train.get("time_limit_s", 0.0)
@@ -218,8 +286,10 @@ class Trainer:
     c = config
     compile_stats.install()
     # Settings that need no model are checked first, so a bad value fails in a second.
+    check_config(c)
     self.time_limit_s = _time_limit_s(c.train)
     sharding.check_rollout_mesh(c.rollout.get("mesh", "learner"))
+    # Both optimizers are built now, so a bad RL or SFT setting fails before any work.
     (self.step_cfg, self.optimizer), _ = step_lib.learner_parts(c)
     self.workdir = pathlib.Path(c.workdir)
     self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))
@@ -340,6 +410,7 @@ class Trainer:
     for i in range(s.steps):
       idx = rng.choice(len(items), size=min(s.batch_size, len(items)), replace=False)
       pb = packing.pack([items[j] for j in idx], self.pack_cfg)
+      self._warn_dropped("SFT step", i + 1, pb.stats)
       st, m = learner.train_step(st, pb.arrays())
       losses_seen.append(m["loss"])
       self.writer.message(f"sft step {i + 1}/{s.steps}: loss {m['loss']:.4f}")
@@ -467,12 +538,23 @@ class Trainer:
       batch = pb.arrays()
       metrics["pack/efficiency"] = pb.stats["efficiency"]
       metrics["pack/rows"], metrics["pack/len"] = pb.shape
+      metrics["pack/dropped_items"] = pb.stats["dropped_items"]
+      metrics["pack/truncated_items"] = pb.stats["truncated_items"]
+      self._warn_dropped("RL step", step, pb.stats)
       metrics["tokens/loss_fraction"] = float(batch["loss_mask"].sum() /
                                               max(1, (batch["segment_ids"] > 0).sum()))
     metrics["time/rollout_s"] = t_roll
     if self.config.log.dump_every and step % self.config.log.dump_every == 0:
       self.dump_samples(step, all_trajs[:self.config.log.get("dump_count", 4)])
     return metrics, batch
+
+  def _warn_dropped(self, what: str, step: int, stats: dict[str, Any]) -> None:
+    """Says when packing dropped sequences longer than a row: they train on nothing."""
+    if stats["dropped_items"]:
+      self.writer.message(
+          f"{what} {step}: packing dropped {stats['dropped_items']} of {stats['num_items']} "
+          f"sequences ({stats['dropped_tokens']} tokens) longer than train.pack_len="
+          f"{self.pack_cfg.max_len}; raise train.pack_len (and the last of train.len_buckets)")
 
   def dump_samples(self, step: int, trajs: Sequence[Trajectory]) -> None:
     if jax.process_index() != 0:

@@ -167,6 +167,33 @@ def test_corrupt_newest_falls_back_to_previous(tmp_path):
   assert r.step == 1
   _assert_trees_equal(r.state, h1)
   assert any(str(tmp_path / "2") in m and "corrupt" in m for m in said), said
+  # The unreadable step is moved aside (not deleted), so the resumed run can save step 2 again.
+  aside = tmp_path.parent / f"{tmp_path.name}-unreadable" / "2"
+  assert aside.is_dir() and not (tmp_path / "2").exists() and mgr.steps() == [1]
+  assert any(f"moved the unreadable checkpoint {tmp_path / '2'} to {aside}" in m for m in said)
+  assert mgr.save(2, r.state, meta=_meta(_config()))
+  mgr.wait()
+  again = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1),
+                                       say=said.append).restore_latest(target, config=_config())
+  assert again.step == 2
+  _assert_trees_equal(again.state, h1)
+
+
+def test_nonfinite_params_are_never_saved_or_exported(tmp_path):
+  learner, _ = _two_checkpoints(tmp_path)
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1))
+  state = _trained_state(learner, steps=1)
+  leaves, treedef = jax.tree.flatten(state.params)
+  leaves[1] = leaves[1].at[0].set(jnp.nan)
+  bad = dataclasses.replace(state, params=jax.tree.unflatten(treedef, leaves))
+  with pytest.raises(checkpoint.NonFiniteParamsError, match=r"not saving checkpoint .*3: the params "
+                     r"hold NaN or Inf \(\d+ values in 1 arrays"):
+    mgr.save(3, bad, meta=_meta(_config()))
+  mgr.wait()
+  assert mgr.steps() == [1, 2]
+  with pytest.raises(checkpoint.NonFiniteParamsError):
+    checkpoint.check_finite(bad.params, "x")
+  checkpoint.check_finite(state.params, "x")  # finite params pass
 
 
 def test_corrupt_only_checkpoint_is_a_clear_error(tmp_path):
@@ -207,6 +234,16 @@ def test_incompatible_config_and_shapes_are_named(tmp_path):
   changed.optimizer.lr = 5e-3
   r = mgr.restore_latest(target, config=changed)
   assert r.changed == [("optimizer.lr", 1e-2, 5e-3)]
+  # Clipping turned off changes the optimizer state's layout: the setting is named.
+  no_clip = _config()
+  no_clip.optimizer.max_grad_norm = 0.0
+  unclipped = step_lib.Learner(CFG, step_lib.StepConfig(), step_lib.make_optimizer(1e-2, max_grad_norm=0),
+                               learner.mesh)
+  with pytest.raises(checkpoint.IncompatibleCheckpointError,
+                     match=r"the optimizer state is laid out differently; these settings changed and "
+                           r"shape it: optimizer.max_grad_norm: '<unset>' in the checkpoint, 0.0 now"):
+    mgr.restore_latest(checkpoint.state_target(unclipped.init(_initial_params()), learner.mesh),
+                       config=no_clip)
 
 
 # ----------------------------------------------------------------------------- trainer runs

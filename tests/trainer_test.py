@@ -80,6 +80,49 @@ def test_unknown_env_and_bad_loss_settings_are_named(tmp_path):
     Trainer(_tiny(tmp_path, **{"optimizer.lr": -1.0}))
 
 
+def test_config_keys_are_checked_against_the_quickstart():
+  import pathlib
+  from jaxagent.config_files import load_config_module
+  from jaxagent.trainer import KNOWN_CONFIG_KEYS, check_config, config_keys
+  # The quickstart sets every key a run reads, so the two lists cannot drift apart.
+  assert set(config_keys(get_config())) == KNOWN_CONFIG_KEYS
+  configs = pathlib.Path(__file__).resolve().parent.parent / "configs"
+  for path in sorted(configs.glob("*.py")):
+    check_config(load_config_module(path).get_config(None))
+
+
+@pytest.mark.parametrize("key,value,match", [
+    ("checkpoint_evry", 1, r"unknown config key\(s\): checkpoint_evry \(did you mean checkpoint_every\?\)"),
+    ("train.time_limit", 5, r"train.time_limit \(did you mean train.time_limit_s\?\)"),
+    ("train.prompts_per_step", 0, "train.prompts_per_step must be an int >= 1, got 0"),
+    ("train.samples_per_prompt", 0, "train.samples_per_prompt must be an int >= 1"),
+    ("train.epochs", 0, "train.epochs must be an int >= 1"),
+    ("total_steps", -1, "total_steps must be an int >= 0"),
+    ("rollout.slots", 0, "rollout.slots must be an int >= 1"),
+    ("optimizer.lr", float("nan"), "learning_rate must be a finite number > 0"),
+    ("sft.lr", float("nan"), "learning_rate must be a finite number > 0"),
+    ("optimizer.max_grad_norm", -1.0, "max_grad_norm must be a finite number >= 0"),
+])
+def test_bad_or_misspelt_settings_fail_before_any_work(tmp_path, key, value, match):
+  c = _tiny(tmp_path)
+  with c.unlocked():
+    obj = c
+    *path, last = key.split(".")
+    for part in path:
+      obj = obj[part]
+    obj[last] = value
+  with pytest.raises(ValueError, match=match):
+    Trainer(c)
+  assert not (tmp_path / "run").exists()  # nothing was started or written
+
+
+def test_env_kwargs_are_free_form():
+  from jaxagent.trainer import check_config
+  c = get_config("tiny")
+  c.env.kwargs.some_task_setting = 3  # the task checks its own settings
+  check_config(c)
+
+
 def test_bad_chat_jsonl_names_the_line(tmp_path):
   from jaxagent import models
   tok = models.load_tokenizer("smollm2-135m-instruct")

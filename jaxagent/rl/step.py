@@ -14,6 +14,8 @@ given the tokens before it in its segment.
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 from typing import Any, Literal
 
 import flax.struct
@@ -93,9 +95,23 @@ def make_optimizer(learning_rate: float = 1e-6, *, weight_decay: float = 0.0, b1
                    b2: float = 0.999, eps: float = 1e-8, max_grad_norm: float | None = 1.0,
                    warmup_steps: int = 0, total_steps: int | None = None,
                    schedule: Literal["constant", "cosine", "linear"] = "constant"):
-  """AdamW with optional global-norm clipping and a warmup + decay schedule."""
-  if learning_rate <= 0:
-    raise ValueError(f"learning_rate must be > 0, got {learning_rate}")
+  """AdamW with optional global-norm clipping (`max_grad_norm` None or 0: off) and a warmup +
+  decay schedule."""
+  def real(name, value, ok, what):
+    if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
+        or not ok(value)):
+      raise ValueError(f"{name} must be a finite number {what}, got {value!r}")
+  real("learning_rate", learning_rate, lambda v: v > 0, "> 0")
+  if max_grad_norm is not None:
+    # A negative norm would flip the clipped gradient's sign: gradient ascent.
+    real("max_grad_norm", max_grad_norm, lambda v: v >= 0, ">= 0 (or None; 0 turns clipping off)")
+  real("weight_decay", weight_decay, lambda v: v >= 0, ">= 0")
+  real("b1", b1, lambda v: 0 <= v < 1, "in [0, 1)")
+  real("b2", b2, lambda v: 0 <= v < 1, "in [0, 1)")
+  real("eps", eps, lambda v: v >= 0, ">= 0")
+  if (isinstance(warmup_steps, bool) or not isinstance(warmup_steps, numbers.Integral)
+      or warmup_steps < 0):
+    raise ValueError(f"warmup_steps must be an int >= 0, got {warmup_steps!r}")
   if schedule == "constant":
     lr = (optax.linear_schedule(0.0, learning_rate, warmup_steps) if warmup_steps else
           learning_rate)

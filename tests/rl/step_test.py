@@ -326,3 +326,29 @@ def test_unrolled_layer_loop_sharded_equals_scan(gather):
   assert jax.tree.structure(out[True]) == jax.tree.structure(out[False])
   for a, b in zip(jax.tree.leaves(out[True]), jax.tree.leaves(out[False])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)  # sharded sums' order
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(learning_rate=float("nan")), "learning_rate must be a finite number > 0"),
+    (dict(learning_rate=float("inf")), "learning_rate must be a finite number > 0"),
+    (dict(learning_rate=0.0), "learning_rate must be a finite number > 0"),
+    (dict(learning_rate=1e-3, max_grad_norm=-1.0), "max_grad_norm must be a finite number >= 0"),
+    (dict(learning_rate=1e-3, max_grad_norm=float("nan")), "max_grad_norm"),
+    (dict(learning_rate=1e-3, weight_decay=-0.1), "weight_decay"),
+    (dict(learning_rate=1e-3, b2=1.0), "b2 must be a finite number in"),
+    (dict(learning_rate=1e-3, warmup_steps=-2), "warmup_steps must be an int >= 0"),
+])
+def test_make_optimizer_rejects_values_that_would_poison_or_invert_training(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    step.make_optimizer(**kwargs)
+
+
+def test_max_grad_norm_zero_or_none_turns_clipping_off():
+  g = {"w": jnp.array([30.0, 40.0])}
+  for norm in (None, 0, 0.0):
+    opt = step.make_optimizer(0.1, max_grad_norm=norm)
+    updates, _ = opt.update(g, opt.init(g), g)
+    assert float(updates["w"][0]) < 0  # descent, Adam's first step -lr * sign(g)
+  opt = step.make_optimizer(0.1, max_grad_norm=1.0)
+  updates, _ = opt.update(g, opt.init(g), g)
+  assert float(updates["w"][0]) < 0
