@@ -482,6 +482,7 @@ def model_config_from_meta(meta: Mapping[str, Any]):
   d = dict(meta["model_config"])
   if d.get("rope_scaling") is not None:
     d["rope_scaling"] = tuple(d["rope_scaling"])
+  d["extra_eos_token_ids"] = tuple(d.get("extra_eos_token_ids") or ())
   return ModelConfig(**d)
 
 

@@ -228,7 +228,7 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
     stop: a string, a list of strings, or a list of token-id sequences; a match ends the
       request and is included in its tokens.
     eos_ids: token ids that end a request (default: the tokenizer's `eos_ids`, else the
-      config's `eos_token_id`).
+      config's `eos_token_ids`).
     request_ids: per-prompt ids for the rng (default 0..n-1); with the same seed and request
       id a prompt gives the same output whatever the slot count or arrival order.
   Returns one `Completion` per prompt, in order (with `.text` when a tokenizer is given).
@@ -252,7 +252,7 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
     if tokenizer is not None and getattr(tokenizer, "eos_ids", None):
       eos_ids = sorted(tokenizer.eos_ids)
     else:
-      eos_ids = [cfg.eos_token_id] if cfg.eos_token_id is not None else []
+      eos_ids = list(cfg.eos_token_ids)
   longest = max(len(p) for p in ids)
   budget = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
   if max_len is None:

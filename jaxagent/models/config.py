@@ -47,6 +47,9 @@ class ModelConfig:
   architecture: Literal["llama", "qwen2", "qwen3"] = "llama"
   bos_token_id: int | None = None
   eos_token_id: int | None = None
+  # Further end-of-sequence ids of checkpoints that list several (`eos_token_id: [a, b]` in
+  # config.json, e.g. an instruct model's end-of-turn token besides its end of text).
+  extra_eos_token_ids: tuple[int, ...] = ()
   param_dtype: DType = "float32"
   dtype: DType = "float32"
   remat: Remat = "none"
@@ -174,38 +177,64 @@ class ModelConfig:
       raise ValueError(
           f"unknown architecture {archs or model_type!r}: jaxagent supports "
           f"{sorted(known)} (model_type llama, qwen2, qwen3)")
+    def need(key):
+      if key not in hf:
+        raise ValueError(f"HF config: required field {key!r} is missing")
+      return hf[key]
+
+    # Features of these architectures that the model here does not implement: loading such a
+    # checkpoint would run and give wrong logits, so it is refused.
+    if hf.get("mlp_bias"):
+      raise ValueError("HF config: mlp_bias=True (biases on the MLP projections) is not supported")
+    act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
+    if act not in ("silu", "swish"):
+      raise ValueError(f"HF config: hidden_act={act!r} is not supported (SwiGLU with silu only)")
+    if arch in ("llama", "qwen3") and hf.get("attention_bias"):
+      raise ValueError(f"HF config: attention_bias=True for {arch} (biases on q, k, v and the "
+                       "output projection) is not supported")
+    window = hf.get("sliding_window")
+    if hf.get("use_sliding_window") or (
+        model_type == "mistral" and window is not None and "use_sliding_window" not in hf
+        and window < hf.get("max_position_embeddings", float("inf"))):
+      raise ValueError(f"HF config: sliding-window attention (sliding_window={window!r}) is not "
+                       "supported; every layer here attends to the whole context")
     # transformers 5.x writes rope settings under `rope_parameters`; released checkpoints
     # keep a top-level `rope_theta` / `rope_scaling`.
     rope_params = hf.get("rope_parameters") or {}
     theta = hf.get("rope_theta", rope_params.get("rope_theta", 10_000.0))
     scaling = hf.get("rope_scaling") or (
-        rope_params if rope_params.get("rope_type") == "llama3" else None)
+        rope_params if rope_params.get("rope_type", rope_params.get("type")) not in (None, "default")
+        else None)
     rope_scaling = None
     if scaling:
       rtype = scaling.get("rope_type", scaling.get("type"))
       if rtype == "llama3":
-        rope_scaling = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                        float(scaling["high_freq_factor"]),
-                        int(scaling["original_max_position_embeddings"]))
+        try:
+          rope_scaling = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                          float(scaling["high_freq_factor"]),
+                          int(scaling["original_max_position_embeddings"]))
+        except KeyError as e:
+          raise ValueError(f"HF config: llama3 rope scaling lacks the field {e.args[0]!r}") from None
       elif rtype not in (None, "default"):
         raise ValueError(f"unsupported rope_scaling type {rtype!r} (supported: llama3)")
-    n_heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // n_heads
+    n_heads = need("num_attention_heads")
+    head_dim = hf.get("head_dim") or need("hidden_size") // n_heads
     eos = hf.get("eos_token_id")
+    extra_eos: tuple[int, ...] = ()
     if isinstance(eos, (list, tuple)):
-      eos = eos[0] if eos else None
+      eos, extra_eos = (int(eos[0]), tuple(int(e) for e in eos[1:])) if eos else (None, ())
     kw = dict(
-        vocab_size=hf["vocab_size"], d_model=hf["hidden_size"],
-        n_layers=hf["num_hidden_layers"], n_heads=n_heads,
+        vocab_size=need("vocab_size"), d_model=need("hidden_size"),
+        n_layers=need("num_hidden_layers"), n_heads=n_heads,
         n_kv_heads=hf.get("num_key_value_heads", n_heads), head_dim=head_dim,
-        ffn_dim=hf["intermediate_size"], rope_theta=float(theta),
+        ffn_dim=need("intermediate_size"), rope_theta=float(theta),
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=bool(hf.get("attention_bias", arch == "qwen2")),
         qk_norm=(arch == "qwen3"),
         max_seq_len=int(min(hf.get("max_position_embeddings", 4096), 32768)),
         rope_scaling=rope_scaling, architecture=arch,
-        bos_token_id=hf.get("bos_token_id"), eos_token_id=eos,
+        bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, extra_eos_token_ids=extra_eos,
         name=hf.get("_name_or_path", "hf") or "hf")
     kw.update(overrides)
     return cls(**kw)
@@ -236,8 +265,15 @@ class ModelConfig:
     if self.bos_token_id is not None:
       hf["bos_token_id"] = self.bos_token_id
     if self.eos_token_id is not None:
-      hf["eos_token_id"] = self.eos_token_id
+      hf["eos_token_id"] = ([self.eos_token_id, *self.extra_eos_token_ids]
+                            if self.extra_eos_token_ids else self.eos_token_id)
     return hf
+
+  @property
+  def eos_token_ids(self) -> tuple[int, ...]:
+    """Every end-of-sequence id of the config (`eos_token_id`, then the extra ones)."""
+    return (() if self.eos_token_id is None else (self.eos_token_id,)) + tuple(
+        self.extra_eos_token_ids)
 
 
 _LLAMA3_SCALING = (32.0, 1.0, 4.0, 8192)

@@ -77,8 +77,10 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
   """Map an HF-named state dict to boxed params (host NumPy arrays), validating shapes."""
   specs = param_tree.param_specs(cfg)
   np_dtype = np.dtype(jax.numpy.dtype(dtype or cfg.param_dtype))
+  used: set[str] = set()
 
   def take(name: str, expected: tuple[int, ...]):
+    used.add(name)
     if name not in sd:
       raise ValueError(f"{source}: tensor {name!r} is missing (expected shape {expected})")
     w = np.asarray(sd[name])
@@ -104,6 +106,18 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
   if not cfg.tie_embeddings:
     arrays["lm_head"] = take("lm_head.weight",
                              (cfg.vocab_size, cfg.d_model)).T.astype(np_dtype)
+  # A tensor the config does not account for (more layers, an untied output head, biases of a
+  # variant not implemented here) would otherwise be dropped and the logits silently wrong.
+  unused = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
+  if cfg.tie_embeddings and "lm_head.weight" in unused and np.array_equal(
+      np.asarray(sd["lm_head.weight"]), np.asarray(sd["model.embed_tokens.weight"])):
+    unused.remove("lm_head.weight")  # a tied head saved anyway: the same values
+  if unused:
+    shown = ", ".join(unused[:8]) + (f", and {len(unused) - 8} more" if len(unused) > 8 else "")
+    why = (" (the config says tie_word_embeddings, but the checkpoint has its own output head)"
+           if "lm_head.weight" in unused else "")
+    raise ValueError(f"{source}: {len(unused)} tensor(s) the config does not account for: "
+                     f"{shown}{why}")
   return param_tree.box(cfg, arrays)
 
 
@@ -125,7 +139,11 @@ def _read_safetensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
 
   index = directory / "model.safetensors.index.json"
   if index.exists():
-    files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    try:
+      files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+      raise ValueError(f"{index}: not a safetensors index with a 'weight_map' object "
+                       f"({type(e).__name__}: {e})") from None
   else:
     files = sorted(p.name for p in directory.glob("*.safetensors"))
   if not files:
@@ -181,11 +199,19 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
     cfg_file = path / "config.json"
     if not cfg_file.exists():
       raise FileNotFoundError(f"{path} has no config.json (expected an HF model directory)")
-    hf_cfg = json.loads(cfg_file.read_text())
+    try:
+      hf_cfg = json.loads(cfg_file.read_text())
+    except ValueError as e:
+      raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
+    if not isinstance(hf_cfg, dict):
+      raise ValueError(f"{cfg_file}: expected a JSON object")
     sd = _read_safetensors(path)
   else:
     raise ValueError(f"{path}: expected an HF model directory or a .gguf file")
-  cfg = ModelConfig.from_hf(hf_cfg, **cfg_overrides)
+  try:
+    cfg = ModelConfig.from_hf(hf_cfg, **cfg_overrides)
+  except ValueError as e:
+    raise ValueError(f"{path}: {e}") from None
   if os.fspath(path_or_preset) in EMBEDDED:
     cfg = cfg.replace(name=os.fspath(path_or_preset))
   elif cfg.name in ("hf", "custom"):

@@ -355,7 +355,7 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
   if want & set(DECODE_KINDS):
     r = config.rollout
     ecfg = EngineConfig(slots=r.slots, max_len=r.max_len,
-                        eos_ids=(cfg.eos_token_id,) if cfg.eos_token_id is not None else (),
+                        eos_ids=cfg.eos_token_ids,
                         sampling=SamplingConfig(r.temperature, r.top_p, r.top_k))
     # The rollout mesh (`rollout.mesh`): the learner's, or every device on the data axis with
     # a replicated compute-dtype copy of the weights beside the learner's resident masters.

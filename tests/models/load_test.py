@@ -86,3 +86,78 @@ def test_bad_model_config_values():
     models.get_config("tiny-llama", n_kv_heads=3)
   with pytest.raises(ValueError, match="dtype"):
     models.get_config("tiny-llama", dtype="float8")
+
+
+def _edit_config(path, **changes):
+  hf = json.loads((path / "config.json").read_text())
+  hf.update(changes)
+  (path / "config.json").write_text(json.dumps(hf))
+
+
+def test_tensors_the_config_does_not_account_for_are_named(tmp_path):
+  import numpy as np
+  from safetensors.numpy import load_file, save_file
+  cfg, path = _save_tiny(tmp_path)
+  sd = load_file(str(path / "model.safetensors"))
+  # One layer more than the config says (a wrong num_hidden_layers).
+  _edit_config(path, num_hidden_layers=cfg.n_layers - 1)
+  with pytest.raises(ValueError, match=rf"tensor\(s\) the config does not account for: "
+                                       rf"model\.layers\.{cfg.n_layers - 1}\."):
+    models.load(path)
+  _edit_config(path, num_hidden_layers=cfg.n_layers)
+  # An output head of its own under a tied config.
+  extra = dict(sd, **{"lm_head.weight": np.ones_like(sd["model.embed_tokens.weight"])})
+  save_file(extra, str(path / "model.safetensors"))
+  with pytest.raises(ValueError, match="tie_word_embeddings, but the checkpoint has its own"):
+    models.load(path)
+  # A tied head saved anyway (the same values) and rotary buffers are fine.
+  same = dict(sd, **{"lm_head.weight": sd["model.embed_tokens.weight"],
+                     "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(4, np.float32)})
+  save_file(same, str(path / "model.safetensors"))
+  models.load(path)
+
+
+@pytest.mark.parametrize("changes,match", [
+    (dict(mlp_bias=True), "mlp_bias=True"),
+    (dict(hidden_act="gelu"), "hidden_act='gelu'"),
+    (dict(attention_bias=True), "attention_bias=True for llama"),
+    (dict(use_sliding_window=True, sliding_window=32), "sliding-window attention"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}),
+     "unsupported rope_scaling type 'linear'"),
+    (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "lacks the field 'low_freq_factor'"),
+    (dict(intermediate_size=None), None),
+])
+def test_unsupported_or_incomplete_configs_are_refused(tmp_path, changes, match):
+  _, path = _save_tiny(tmp_path)
+  if changes == dict(intermediate_size=None):
+    hf = json.loads((path / "config.json").read_text())
+    del hf["intermediate_size"]
+    (path / "config.json").write_text(json.dumps(hf))
+    match = "required field 'intermediate_size' is missing"
+  else:
+    _edit_config(path, **changes)
+  with pytest.raises(ValueError, match=match) as e:
+    models.load(path)
+  assert str(path) in str(e.value)
+
+
+def test_malformed_config_json_and_index_name_the_file(tmp_path):
+  _, path = _save_tiny(tmp_path)
+  (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}}))
+  with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json: not a safetensors index"):
+    models.load(path)
+  (path / "model.safetensors.index.json").unlink()
+  (path / "config.json").write_text("{\n  vocab_size: 3\n}")
+  with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+    models.load(path)
+
+
+def test_several_eos_ids_are_kept_and_exported(tmp_path):
+  cfg, path = _save_tiny(tmp_path)
+  _edit_config(path, eos_token_id=[5, 7, 9])
+  loaded, params = models.load(path)
+  assert loaded.eos_token_id == 5 and loaded.extra_eos_token_ids == (7, 9)
+  assert loaded.eos_token_ids == (5, 7, 9)
+  out = models.save_hf(tmp_path / "export", loaded, params)
+  assert json.loads((out / "config.json").read_text())["eos_token_id"] == [5, 7, 9]
+  assert models.load(out)[0].eos_token_ids == (5, 7, 9)
