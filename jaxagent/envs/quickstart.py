@@ -15,6 +15,7 @@ tool.
 """
 from __future__ import annotations
 
+import decimal
 import re
 from typing import Sequence
 
@@ -31,18 +32,25 @@ SYSTEM_PROMPT = (
     "You are a careful assistant with a calculator. To compute, write <calc>expression</calc>; "
     "the result comes back as <result>value</result>. Finish with <answer>number</answer>.")
 
-_NUM = re.compile(r"-?\d+(?:\.\d+)?")
+# Commas only as thousands separators: "1,234" is a number, "1,2,3" is not.
+_NUM = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
 
 
 def numeric_match(text: str | None, gold: str) -> float:
-  """1.0 when `text` is the gold number (up to 1e-6 relative), else 0.0."""
+  """1.0 when `text` is the gold number, else 0.0.
+
+  An integer gold needs that exact integer ("42.0" counts); a non-integer gold allows 1e-6 relative
+  error.
+  """
   if text is None:
     return 0.0
-  m = _NUM.fullmatch(text.strip().replace(",", ""))
+  m = _NUM.fullmatch(text.strip())
   if m is None:
     return 0.0
-  a, b = float(m.group(0)), float(gold)
-  return float(abs(a - b) <= 1e-6 * max(1.0, abs(b)))
+  a, b = decimal.Decimal(m.group(0).replace(",", "")), decimal.Decimal(gold)
+  if b == b.to_integral_value():
+    return float(a == b)
+  return float(abs(a - b) <= decimal.Decimal("1e-6") * max(1, abs(b)))
 
 
 class _Correct:

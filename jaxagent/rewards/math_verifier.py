@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import decimal
 import json
 import logging
 import math
@@ -110,8 +111,39 @@ _MATH_WORDS = frozenset({
     "sin", "cos", "tan", "cot", "sec", "csc", "sinh", "cosh", "tanh", "arcsin", "arccos", "arctan",
     "log", "ln", "exp", "sqrt", "pi", "oo", "inf", "infty", "max", "min", "gcd", "lcm", "mod", "det",
 })
-# "1\,000": a LaTeX thin space used as a thousands separator would otherwise parse as 1*000.
-_LATEX_THOUSANDS = re.compile(r"(?<=\d)\\[,;:! ](?=\d{3}(?!\d))")
+# "1\,000", "1 000": thousands groups split by a LaTeX or plain space. LaTeX would read "1 000" as
+# 1*000 and "1 234" as the mixed number 1 + 234.
+_SPACED_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\[,;:! ]| )\d{3})+(?!\d)")
+_THOUSANDS_SPACE = re.compile(r"\\[,;:! ]| ")
+# "1e3", "2.5e-3": scientific notation, which LaTeX would read as 1*e*3 (Euler's number).
+_SCIENTIFIC = re.compile(r"(?<![\w.])\d+(?:\.\d+)?[eE][+-]?\d{1,3}(?![\w.])")
+# Two numbers side by side ("5 6", "5\quad 6"), which LaTeX adds up as a mixed number; group 1 is a
+# command whose arguments may go unbraced ("\frac 1 2").
+_JUXTAPOSED = re.compile(r"(\\[A-Za-z]+\s*)?(?<![\d.])\d+(?:\.\d+)?(?:\s|\\[,;:! ]|\\q?quad(?![A-Za-z]))+\d")
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+_BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
+
+
+def _box_spans(text: str) -> list[tuple[int, int, int]]:
+  """(start, content start, content end) of each `\\boxed{...}` / `\\fbox{...}` whose braces balance.
+
+  One pass pairs every brace, so the cost is linear however many boxes are left open. Escaped
+  braces (`\\{`, `\\}`, as in sets) do not count.
+  """
+  closing, open_braces = {}, []
+  for m in _BRACE_TOKEN.finditer(text):
+    if m.group() == "{":
+      open_braces.append(m.start())
+    elif m.group() == "}" and open_braces:
+      closing[open_braces.pop()] = m.start()
+  return [(m.start(), m.end(), closing[m.end() - 1]) for m in _BOX.finditer(text) if m.end() - 1 in closing]
+
+
+def _normalize_numbers(text: str) -> str:
+  """Writes spaced thousands ("1\\,000", "1 000") and scientific notation ("1e3") as plain numbers."""
+  text = _SPACED_THOUSANDS.sub(lambda m: _THOUSANDS_SPACE.sub("", m.group()), text)
+  return _SCIENTIFIC.sub(lambda m: format(decimal.Decimal(m.group()), "f"), text)
 
 
 def _is_bare_answer(text: str) -> bool:
@@ -122,7 +154,89 @@ def _is_bare_answer(text: str) -> bool:
   return all(w.lower() in _MATH_WORDS for w in words)
 
 
-def _parse_answer(text: str) -> list:
+def _latex_only() -> list:
+  """math-verify extraction that reads only boxed LaTeX, without picking numbers out of it."""
+  from math_verify.parser import LatexExtractionConfig
+
+  return [LatexExtractionConfig(try_extract_without_anchor=False)]
+
+
+def _same_value(a, b, options: dict[str, Any]) -> bool:
+  """Whether two parsed values are equal, read either way round."""
+  from math_verify import verify
+
+  return bool(verify(a, b, timeout_seconds=None, **options) or verify(b, a, timeout_seconds=None, **options))
+
+
+def _equates_two_values(parsed: list, options: dict[str, Any]) -> bool:
+  """True when an equation in `parsed` sets two different constants equal ("5 = 6", "x = 5 = 6")."""
+  import sympy
+
+  for expr in parsed:
+    if not isinstance(expr, sympy.Basic):
+      continue
+    for eq in sympy.preorder_traversal(expr):
+      if (isinstance(eq, sympy.Eq) and not eq.lhs.free_symbols and not eq.rhs.free_symbols
+          and not _same_value(eq.lhs, eq.rhs, options)):
+        return True
+  return False
+
+
+def _names_two_values(text: str, options: dict[str, Any]) -> bool:
+  """True when math-verify reads two different values in prose ("5 or 6", "6, not 5").
+
+  Every match of math-verify's extraction patterns counts, except one nested in a longer match
+  that parses ("1/2" holds "1"). Where the text marks its answer (a box, "answer: ...", "final
+  answer is ..."), only matches from the first mark on count, so working before it is no hedge.
+  """
+  from math_verify import parse
+  from math_verify.parser import (ExprExtractionConfig, LatexExtractionConfig, extract_match,
+                                  get_extraction_regexes)
+
+  # (start, end, marked, match, target); a box has no match: math-verify's own box pattern runs
+  # from the first box to the last closing brace, so boxes are read one by one here.
+  found = [(start, end + 1, True, None, None) for start, _, end in _box_spans(text)]
+  targets = (LatexExtractionConfig(boxed_match_priority=-1), ExprExtractionConfig())
+  for patterns, target in get_extraction_regexes(targets):
+    for pattern, priority in patterns:
+      found += [(m.start(), m.end(), priority < 300, m, target) for m in pattern.finditer(text)]
+  first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
+  found.sort(key=lambda f: (f[0], -f[1]))
+  covered, first, seen = -1, None, {}
+  for start, end, _, match, target in found:
+    if start < first_mark or end <= covered:
+      continue
+    key = (text[start:end], target, match and match.re)  # an answer may repeat one number many times
+    if key not in seen:
+      if match is None:
+        values = parse(key[0], extraction_config=_latex_only(), fallback_mode="no_fallback",
+                       parsing_timeout=None)
+        seen[key] = values[0] if values else None
+      else:
+        seen[key] = extract_match(match, target)[0]
+    value = seen[key]
+    if value is None:
+      continue
+    covered = end
+    if first is None:
+      first = value
+    elif value != first and not _same_value(first, value, options):
+      return True
+  return False
+
+
+def _with_percent_values(parsed: list) -> list:
+  """Adds the number of each percentage: "12.5%" then also equals 12.5, as "50%" equals 50."""
+  import sympy
+
+  hundredth = sympy.Rational(1, 100)
+  extra = [x.args[0] for x in parsed
+           if isinstance(x, sympy.Mul) and len(x.args) == 2
+           and x.args[1] in (hundredth, sympy.UnevaluatedExpr(hundredth))]
+  return parsed + extra
+
+
+def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   """math-verify parse results for one side, choosing how to read the string.
 
   A bare answer is parsed as if boxed, so the whole string is read as one LaTeX expression
@@ -130,19 +244,31 @@ def _parse_answer(text: str) -> list:
   single number out of it. Prose and delimited math go through math-verify's extraction, which
   finds "5" in "5 dollars" and the boxed part of a full solution. A bare string that yields no
   expression when boxed ("3.") falls back to extraction.
+
+  With `single` (the prediction's side), an answer naming two or more different values parses to
+  nothing, since extraction would pick one of them: "5 or 6", "The answer is 5. The answer is 6.",
+  "5 = 6", "5 6" (which LaTeX adds up), "5|6". `options` are `verify`'s, to tell values apart.
   """
   from math_verify import parse
 
-  text = _LATEX_THOUSANDS.sub("", text.strip())
+  text = _normalize_numbers(text.strip())
   if not text:
     return []
   if _is_bare_answer(text):
-    boxed = parse("\\boxed{" + text + "}", parsing_timeout=None)
+    if single and any(m.group(1) is None for m in _JUXTAPOSED.finditer(text)):
+      return []
+    boxed = parse("\\boxed{" + text + "}", extraction_config=_latex_only(), parsing_timeout=None)
     if any(not isinstance(x, str) for x in boxed):
-      return boxed
+      if single and _equates_two_values(boxed, options):
+        return []
+      return _with_percent_values(boxed)
+    if single and len(_NUMBER.findall(text)) > 1:
+      return []
     raw = parse(text, parsing_timeout=None)
-    return raw or boxed
-  return parse(text, parsing_timeout=None)
+    return _with_percent_values(raw or boxed)
+  if single and _names_two_values(text, options):
+    return []
+  return _with_percent_values(parse(text, parsing_timeout=None))
 
 
 def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_precision: int = 15,
@@ -152,8 +278,9 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
 
   if " ".join(prediction.split()) == " ".join(gold.split()) and prediction.strip():
     return True
+  options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}
   gold_parsed = _parse_answer(gold)
-  pred_parsed = _parse_answer(prediction)
+  pred_parsed = _parse_answer(prediction, single=True, **options)
   if not gold_parsed or not pred_parsed:
     return False
   return bool(verify(gold_parsed, pred_parsed, float_rounding=float_rounding,
@@ -447,8 +574,9 @@ def default_verifier() -> MathVerifier:
 def math_equal(prediction: str, gold: str, *, timeout_s: float = 5.0) -> bool:
   """Whether `prediction` equals `gold` as math (math-verify); False on timeout or any error.
 
-  Handles numbers ("42" = "42.0", "1,000" = "1000", "$5" = "5 dollars" = "5"), fractions and
-  LaTeX ("0.5" = "\\frac{1}{2}", "\\boxed{3}" = "3"), sets and intervals ("\\{1,2\\}" =
-  "\\{2,1\\}", "[1,2)"). Returns within about `timeout_s` (plus a one-time worker start).
+  Handles numbers ("42" = "42.0", "1,000" = "1000", "$5" = "5 dollars" = "5", "12.5%" = "12.5",
+  "1e3" = "1000"), fractions and LaTeX ("0.5" = "\\frac{1}{2}", "\\boxed{3}" = "3"), sets and
+  intervals ("\\{1,2\\}" = "\\{2,1\\}", "[1,2)"). A prediction naming two different values
+  ("5 or 6", "5 = 6") equals neither. Returns within about `timeout_s` (plus a one-time worker start).
   """
   return default_verifier().equal(prediction, gold, timeout_s=timeout_s)

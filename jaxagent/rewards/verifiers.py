@@ -16,7 +16,7 @@ import re
 import string
 from typing import Sequence
 
-from jaxagent.rewards.math_verifier import math_equal
+from jaxagent.rewards.math_verifier import _box_spans, math_equal
 
 __all__ = [
     "exact_match", "extract_answer", "extract_boxed", "extract_gsm8k", "extract_tagged", "f1_score",
@@ -26,42 +26,37 @@ __all__ = [
 # ----------------------------------------------------------------------------------------------
 # Answer extraction.
 
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 _GSM8K = re.compile(r"####[ \t]*([^\n]*)")
 _TAG_NAME = re.compile(r"[A-Za-z_][\w\-]*")
 
 
 def extract_tagged(text: str, tag: str = "answer") -> str | None:
-  """Stripped content of the last complete `<tag>...</tag>` block, or None."""
+  """Stripped content of the last complete `<tag>...</tag>` block, or None.
+
+  A block runs from an opening tag to the first closing tag after it; the search then goes on
+  after that closing tag. Linear in the text however many tags are left open.
+  """
   if not _TAG_NAME.fullmatch(tag):
     raise ValueError(f"tag must be a bare tag name like 'answer', got {tag!r}")
-  matches = re.findall(rf"<{re.escape(tag)}>(.*?)</{re.escape(tag)}>", text, flags=re.DOTALL)
-  return matches[-1].strip() if matches else None
+  opening, closing = f"<{tag}>", f"</{tag}>"
+  found, pos = None, 0
+  while (start := text.find(opening, pos)) >= 0:
+    end = text.find(closing, start + len(opening))
+    if end < 0:  # no later opening tag has a closing one either
+      break
+    found, pos = (start + len(opening), end), end + len(closing)
+  return text[found[0]:found[1]].strip() if found else None
 
 
 def extract_boxed(text: str) -> str | None:
   """Stripped content of the last `\\boxed{...}` (or `\\fbox{...}`) whose braces balance, or None.
 
   Escaped braces (`\\{`, `\\}`, as in sets) do not count towards the balance. A box left open
-  (a truncated response) is skipped, so an earlier complete box can still be returned.
+  (a truncated response) is skipped, so an earlier complete box can still be returned. Linear in
+  the text however many boxes are left open.
   """
-  found = None
-  for m in _BOXED.finditer(text):
-    depth, i = 1, m.end()
-    while i < len(text):
-      c = text[i]
-      if c == "\\":
-        i += 2
-        continue
-      if c == "{":
-        depth += 1
-      elif c == "}":
-        depth -= 1
-        if depth == 0:
-          found = text[m.end():i].strip()
-          break
-      i += 1
-  return found
+  spans = _box_spans(text)
+  return text[spans[-1][1]:spans[-1][2]].strip() if spans else None
 
 
 def extract_gsm8k(text: str) -> str | None:

@@ -31,6 +31,34 @@ EQUAL = [
     ("x+1", "1+x"),
     ("\\sqrt{2}", "2^{1/2}"),
     ("3.", "3"),
+    # Forms a model writes for a single number.
+    ("\\$5", "5"),
+    ("18 dollars.", "18"),
+    ("10\\text{ cm}", "10"),
+    ("$1,234.50", "1234.5"),
+    ("\u22125", "-5"),  # Unicode minus
+    ("\\left(1,2\\right)", "(1,2)"),
+    ("5.", "5"),
+    ("\\sqrt{2}", "sqrt(2)"),
+    ("2^{10}", "1024"),
+    ("1.5\\times10^3", "1500"),
+    ("The answer is 42", "42"),
+    ("The answer is 42, so 42.", "42"),  # one value named twice
+    ("Adding 2 and 3 gives \\boxed{5}", "5"),  # with a box, only the box is the answer
+    ("1 000", "1000"),  # a space as thousands separator
+    # A percentage equals its number, as "50%" = "50" in math-verify, and its fraction.
+    ("50%", "50"),
+    ("12.5%", "12.5"),
+    ("12.5\\%", "12.5"),
+    ("7.5%", "7.5"),
+    ("12.5%", "0.125"),
+    ("12.5", "12.5%"),
+    # Scientific notation is a number, not a product with Euler's e.
+    ("1e3", "1000"),
+    ("1e-3", "0.001"),
+    ("1.5e3", "1500"),
+    ("2.5e-3", "0.0025"),
+    ("The answer is 1.5E3", "1500"),
 ]
 
 NOT_EQUAL = [
@@ -46,6 +74,31 @@ NOT_EQUAL = [
     ("1,2", "1.2"),  # a comma here separates elements, not decimals
     ("\\{1,2\\}", "\\{1,2,3\\}"),
     ("0.3333", "\\frac{1}{3}"),  # within 6-digit rounding it differs
+    ("1e3", "3e"),
+    ("1 234", "235"),  # not the mixed number 1 + 234
+]
+
+# Two or more different values in one answer hedge: none of them gets credit.
+HEDGED = [
+    ("5 or 6", "6"),
+    ("5 or 6", "5"),
+    ("The answer is 5 or 6", "6"),
+    ("The answer is 5. The answer is 6.", "6"),
+    ("6, not 5", "5"),
+    ("x=5 or x=6", "6"),
+    ("5 = 6", "6"),
+    ("x = 5 = 6", "6"),
+    ("5 \\lor 6", "6"),
+    ("5|6", "5"),
+    ("5\\\\6", "5"),
+    ("5 6", "11"),
+    ("5\n6", "11"),
+    ("5\\quad 6", "11"),
+    ("\\boxed{5}. No: \\boxed{6}", "6"),
+    ("$5$ $6$", "6"),
+    # Already rejected before: a list is a set, not one of its elements.
+    ("5, 6", "6"),
+    ("$5$ or $6$", "6"),
 ]
 
 
@@ -69,6 +122,19 @@ def test_equal_cases(thread_verifier, prediction, gold):
 @pytest.mark.parametrize("prediction,gold", NOT_EQUAL)
 def test_not_equal_cases(thread_verifier, prediction, gold):
   assert not thread_verifier.equal(prediction, gold)
+
+
+@pytest.mark.parametrize("prediction,gold", HEDGED)
+def test_hedged_answers_get_no_credit(thread_verifier, prediction, gold):
+  assert not thread_verifier.equal(prediction, gold)
+
+
+def test_only_the_prediction_is_checked_for_hedging(thread_verifier):
+  # A reference answer is trusted: prose with several numbers still reads as math-verify reads it.
+  assert thread_verifier.equal("6", "Of the 5 options, the answer is 6")
+  # A list answer still matches a list gold.
+  assert thread_verifier.equal("$5$ or $6$", "\\{5, 6\\}")
+  assert thread_verifier.equal("x=5, y=6", "x=5, y=6")
 
 
 def test_process_backend_agrees_with_thread_backend(thread_verifier, process_verifier):

@@ -2,6 +2,7 @@
 import collections
 import re
 import string
+import time
 
 import numpy as np
 import pytest
@@ -45,6 +46,57 @@ def test_extract_tagged_takes_the_last_complete_block():
 ])
 def test_extract_boxed(text, expected):
   assert extract_boxed(text) == expected
+
+
+def _reference_extract_tagged(text, tag="answer"):
+  """The regex reading extract_tagged must agree with (quadratic on many open tags)."""
+  matches = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
+  return matches[-1].strip() if matches else None
+
+
+def _reference_extract_boxed(text):
+  """A scan from each box to its closing brace: what extract_boxed must return (quadratic)."""
+  found = None
+  for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+    depth, i = 1, m.end()
+    while i < len(text):
+      c = text[i]
+      if c == "\\":
+        i += 2
+        continue
+      if c == "{":
+        depth += 1
+      elif c == "}":
+        depth -= 1
+        if depth == 0:
+          found = text[m.end():i].strip()
+          break
+      i += 1
+  return found
+
+
+def test_extraction_agrees_with_the_reference_readings():
+  pieces = ["\\boxed{", "\\fbox {", "{", "}", "\\{", "\\}", "\\\\", "\\", "x", " ", "\n", "1",
+            "<answer>", "</answer>", "<answer", "answer>", "<result>", "</result>"]
+  rng = np.random.default_rng(0)
+  for _ in range(3000):
+    text = "".join(rng.choice(pieces, size=rng.integers(0, 16)))
+    assert extract_boxed(text) == _reference_extract_boxed(text), text
+    assert extract_tagged(text) == _reference_extract_tagged(text), text
+    assert extract_tagged(text, "result") == _reference_extract_tagged(text, "result"), text
+
+
+@pytest.mark.parametrize("extract,text", [
+    (extract_boxed, "\\boxed{" * 20000),
+    (extract_boxed, "\\boxed{" * 20000 + "}"),
+    (extract_tagged, "<answer>" * 20000),
+    (extract_tagged, "<answer>" * 20000 + "</answer>"),
+])
+def test_extraction_is_linear_on_adversarial_outputs(extract, text):
+  # A scan from every open box or tag to the end of the text took tens of seconds here.
+  start = time.perf_counter()
+  extract(text)
+  assert time.perf_counter() - start < 1.0
 
 
 def test_extract_gsm8k():
