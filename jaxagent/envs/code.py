@@ -56,19 +56,30 @@ SYSTEM_PROMPT = (
     "and </code>, or in a ```python block.")
 
 SYNTAX_KEY = "syntax_ok"
-_CODE_TAG = re.compile(r"<code>(.*?)</code>", re.DOTALL)
 _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
 # ----------------------------------------------------------------------------- solutions
+def _last_code_tag_block(text: str) -> str | None:
+  """The last `<code>...</code>` block (each from an opening tag to the first closing tag after
+  it), found in linear time however many tags are left open."""
+  found, pos = None, 0
+  while (start := text.find("<code>", pos)) >= 0:
+    end = text.find("</code>", start + 6)
+    if end < 0:
+      break
+    found, pos = text[start + 6:end], end + 7
+  return found
+
+
 def extract_code(text: str) -> str | None:
   """The last `<code>` block of a response, else its last fenced code block, else None."""
-  blocks = _CODE_TAG.findall(text)
-  if not blocks:
+  code = _last_code_tag_block(text)
+  if code is None:
     blocks = _FENCE.findall(text)
-  if not blocks:
-    return None
-  code = blocks[-1]
+    if not blocks:
+      return None
+    code = blocks[-1]
   inner = _FENCE.findall(code)  # a fenced block inside <code> tags
   return inner[-1] if inner else code
 

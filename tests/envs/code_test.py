@@ -42,6 +42,14 @@ def test_extract_code():
   assert extract_code("```python\nunclosed = 1\n") is None
 
 
+def test_extract_code_is_linear_in_unclosed_tags():
+  import time
+  t = time.perf_counter()
+  assert extract_code("<code>" * 20000) is None
+  assert extract_code("<code>x</code>" + "<code>" * 20000) == "x"
+  assert time.perf_counter() - t < 2.0  # microseconds now; the old regex took ~10 s here
+
+
 def test_assemble_program_full_function_and_body():
   full = assemble_program(STUB, "square", "def square(x):\n    return x * x\n")
   ns = {}
