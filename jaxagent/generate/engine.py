@@ -488,6 +488,13 @@ class Engine:
       arr = np.full((b,), default, dtype)
       if x is not None and np.ndim(x) and len(x) != n:
         raise ValueError(f"prefill: {len(x)} {name} for {n} prompts")
+      if x is not None:
+        info = np.iinfo(dtype)
+        vals = np.asarray(x, object).reshape(-1)
+        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+                   and info.min <= v <= info.max for v in vals):
+          raise ValueError(f"prefill: {name} must be integers in [{info.min}, {info.max}], "
+                           f"got {x!r}")
       arr[:n] = x if x is not None else default
       return arr
 
@@ -566,6 +573,10 @@ class Engine:
   def _check_slots(self, slots: np.ndarray, what: str) -> None:
     if slots.min() < 0 or slots.max() >= self.ecfg.slots:
       raise ValueError(f"{what}: slot out of range [0, {self.ecfg.slots}): {slots.tolist()}")
+    # Two rows scattered into one slot: one row's tokens would be lost while a sampled token
+    # is still returned for it.
+    if len(np.unique(slots)) != len(slots):
+      raise ValueError(f"{what}: a slot appears more than once: {slots.tolist()}")
 
   def _check_tokens(self, seqs, what: str, item: str) -> None:
     """A clear error for token ids that are not integers in [0, vocab_size): the embedding

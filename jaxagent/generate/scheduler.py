@@ -254,7 +254,8 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
     else:
       eos_ids = list(cfg.eos_token_ids)
   longest = max(len(p) for p in ids)
-  budget = max_new_tokens if isinstance(max_new_tokens, int) else max(max_new_tokens)
+  budget = (int(max_new_tokens) if isinstance(max_new_tokens, (int, np.integer))
+            else max(max_new_tokens))
   if max_len is None:
     max_len = min(cfg.max_seq_len, 1 << (longest + budget).bit_length())
   ecfg = EngineConfig(slots=slots, max_len=max_len, eos_ids=tuple(int(e) for e in eos_ids),

@@ -224,6 +224,11 @@ def test_stop_string_found_however_many_tokens_it_takes(stop):
   assert checker.check(ids[:-1]) is None
 
 
+def test_numpy_integer_budget(params):
+  out = generate(params, CFG, [[1, 2, 3]], np.int64(4), decode_steps=2)[0]
+  assert out.tokens == generate(params, CFG, [[1, 2, 3]], 4, decode_steps=2)[0].tokens
+
+
 def test_bad_input_errors(params):
   with pytest.raises(ValueError, match="max_len"):
     generate(params, CFG, [list(range(40))], 4, max_len=32)
@@ -265,6 +270,15 @@ def test_append_bad_input_errors_before_running(params):
     eng.append(params, state, [2], [[1, 2]])
   with pytest.raises(ValueError, match="observation 0 has token id"):
     eng.append(params, state, [0], [[1, CFG.vocab_size + 1]])
+  # One slot twice: one observation would be lost while a token is returned for both.
+  with pytest.raises(ValueError, match=r"a slot appears more than once: \[0, 0\]"):
+    eng.append(params, state, [0, 0], [[1, 2], [3]])
+  with pytest.raises(ValueError, match="a slot appears more than once"):
+    eng.prefill_insert(params, state, [[1, 2], [3, 4]], [1, 1], [1, 2])
+  for kw, name in ((dict(seeds=-1), "seeds"), (dict(seeds=[0, 2 ** 32]), "seeds"),
+                   (dict(request_ids=[1, 2 ** 31]), "request_ids")):
+    with pytest.raises(ValueError, match=rf"prefill: {name} must be integers in \["):
+      eng.prefill(params, [[1, 2], [3, 4]], **{"request_ids": [1, 2], **kw})
   with pytest.raises(ValueError, match="2 cached_lens for 1 slots"):
     eng.append(params, state, [0], [[1, 2]], cached_lens=[19, 3])
   for kw, name in ((dict(request_ids=[1]), "request_ids"), (dict(seeds=[0, 1, 2]), "seeds"),
