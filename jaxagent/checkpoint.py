@@ -185,6 +185,50 @@ def signature(tree) -> dict[str, str]:
           for p, x in leaves}
 
 
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
+
+
+@jax.jit
+def _fingerprint_arrays(tree):
+  def fp(x):
+    x = jnp.asarray(x)
+    if x.dtype == jnp.bool_:
+      x = x.astype(jnp.uint8)
+    size = np.dtype(x.dtype).itemsize
+    if size not in _UINT:  # (64-bit arrays are off in JAX by default; none are saved)
+      return jnp.zeros((2,), jnp.uint32)
+    bits = jax.lax.bitcast_convert_type(x, _UINT[size]).reshape(-1).astype(jnp.uint32)
+    # Sums of the raw bits, plain and position-weighted, both mod 2**32: any changed value
+    # changes the first, most moved values the second; integer sums give the same result in
+    # any reduction order or sharding.
+    weights = jnp.arange(bits.shape[0], dtype=jnp.uint32) * jnp.uint32(2654435761) + jnp.uint32(1)
+    return jnp.stack([jnp.sum(bits, dtype=jnp.uint32), jnp.sum(bits * weights, dtype=jnp.uint32)])
+  return jax.tree.map(fp, tree)
+
+
+def fingerprint(tree) -> dict[str, list[int]]:
+  """`{path: [sum, weighted sum]}` of the raw bits of every array leaf of `tree`: saved with a
+  checkpoint and compared after a restore, so that contents changed on disk (a flipped byte
+  that leaves the files readable) are caught. Every process must call it."""
+  leaves, _ = jax.tree_util.tree_flatten_with_path(jax.device_get(_fingerprint_arrays(tree)))
+  return {jax.tree_util.keystr(p): [int(v) for v in np.asarray(x)] for p, x in leaves}
+
+
+def _check_fingerprints(meta: Mapping[str, Any], restored: Mapping[str, Any], path) -> None:
+  """Raise `CheckpointError` when a restored item's contents differ from what was saved."""
+  saved = meta.get("fingerprints") or {}
+  for name, tree in restored.items():
+    if name not in saved:
+      continue  # written before fingerprints were kept
+    now = fingerprint(tree)
+    bad = [k for k, v in now.items() if k in saved[name] and list(saved[name][k]) != v]
+    if bad:
+      raise CheckpointError(
+          f"checkpoint {path} is corrupt: the contents of {name}{bad[0]}"
+          + (f" and {len(bad) - 1} more arrays" if len(bad) > 1 else "")
+          + " differ from what was saved (a damaged file)")
+
+
 def _json_safe(x):
   """Plain JSON (non-finite floats become None; NumPy scalars become Python numbers)."""
   if isinstance(x, Mapping):
@@ -312,7 +356,8 @@ class CheckpointManager:
       items["ref_params"] = ref_params
     full_meta = dict(meta)
     full_meta.update(format=FORMAT, step=int(step),
-                     signature={k: signature(v) for k, v in items.items()})
+                     signature={k: signature(v) for k, v in items.items()},
+                     fingerprints={k: fingerprint(v) for k, v in items.items()})
     args = {k: ocp.args.StandardSave(v) for k, v in items.items()}
     args["meta"] = ocp.args.JsonSave(_json_safe(full_meta))
     return bool(self._mgr.save(step, args=ocp.args.Composite(**args), force=True))
@@ -407,6 +452,7 @@ class CheckpointManager:
     except Exception as e:
       raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: "
                             f"{type(e).__name__}: {e}") from e
+    _check_fingerprints(meta, out, path)
     state = dataclasses.replace(state_target, step=out["train"]["step"], params=out["params"],
                                 opt_state=out["train"]["opt_state"])
     return Restored(step=step, path=path, state=state,
@@ -416,11 +462,13 @@ class CheckpointManager:
   def restore_params(self, step: int, target):
     """Only the policy params of checkpoint `step` (e.g. for export or evaluation)."""
     try:
-      return self._mgr.restore(step, args=ocp.args.Composite(
+      params = self._mgr.restore(step, args=ocp.args.Composite(
           params=ocp.args.StandardRestore(target)))["params"]
     except Exception as e:
       raise CheckpointError(f"checkpoint {self.step_path(step)} is corrupt or unreadable: "
                             f"{type(e).__name__}: {e}") from e
+    _check_fingerprints(self.read_meta(step), {"params": params}, self.step_path(step))
+    return params
 
   def restore_latest(self, state_target, *, ref_target=None, config=None) -> Restored | None:
     """The newest checkpoint that reads, or None when there is none.

@@ -196,6 +196,30 @@ def test_nonfinite_params_are_never_saved_or_exported(tmp_path):
   checkpoint.check_finite(state.params, "x")  # finite params pass
 
 
+def test_flipped_bytes_that_still_read_are_caught_by_the_fingerprints(tmp_path):
+  learner, h1 = _two_checkpoints(tmp_path)
+  # Damage the middle of the largest array file of step 2 in place: the files still read.
+  files = sorted((p for p in (tmp_path / "2" / "params").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+  data = bytearray(files[-1].read_bytes())
+  mid = len(data) // 2
+  data[mid:mid + 64] = bytes(b ^ 0x5A for b in data[mid:mid + 64])
+  files[-1].write_bytes(bytes(data))
+  said = []
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1),
+                                     say=said.append)
+  r = mgr.restore_latest(_target(learner), config=_config())
+  assert r.step == 1
+  _assert_trees_equal(r.state, h1)
+  assert any("is corrupt: the contents of params" in m and "differ from what was saved" in m
+             for m in said), said
+  # The fingerprints of an intact checkpoint match (step 1 restored above), and export checks
+  # them too.
+  with pytest.raises(checkpoint.CheckpointError, match="differ from what was saved"):
+    checkpoint.CheckpointManager(tmp_path.parent / f"{tmp_path.name}-unreadable",
+                                 read_only=True).restore_params(2, _target(learner).params)
+
+
 def test_corrupt_only_checkpoint_is_a_clear_error(tmp_path):
   learner, _ = _two_checkpoints(tmp_path)
   _corrupt(tmp_path / "1")
