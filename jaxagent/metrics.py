@@ -107,6 +107,17 @@ class MetricsWriter:
     fig.savefig(path, dpi=110)
     return path
 
+  def rewind_tensorboard(self, step: int) -> None:
+    """Hides the TensorBoard events of steps after `step` (a resumed run redoes them): the
+    event files are reopened with `purge_step=step + 1`, which TensorBoard honours on load."""
+    if self._tb is None:
+      return
+    from tensorboardX import SummaryWriter
+    self._tb.close()
+    # Its own file name: one made in the same second as the last would replace that file.
+    self._tb = SummaryWriter(str(self.workdir / "tensorboard"), purge_step=int(step) + 1,
+                             filename_suffix=f".resumed-after-{int(step)}")
+
   def close(self) -> None:
     if self._bar is not None:
       self._bar.close()

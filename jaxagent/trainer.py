@@ -125,9 +125,13 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
   """SFT items from chat JSONL (`{"messages": [...]}` per line): assistant turns get loss.
 
   Each message is rendered with the chat template and tokenized on its own, in order, so the
-  token sequence is exactly what the model will see (as in rollouts).
+  token sequence is exactly what the model will see (as in rollouts). The loss covers what the
+  policy would sample: an assistant message's text up to and including its end-of-turn token.
+  The template's framing around it (the newline after that token, the header that opens the
+  next assistant turn) gets none, as in rollouts.
   """
   from jaxagent.agent.trajectory import OBSERVATION, POLICY
+  eos_texts = [t for t in (tokenizer.id_to_token(i) for i in sorted(tokenizer.eos_ids)) if t]
   items = []
   for n, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
     if not line.strip():
@@ -136,22 +140,51 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
       msgs = json.loads(line)["messages"]
     except (json.JSONDecodeError, KeyError, TypeError) as e:
       raise ValueError(f"{path}:{n}: expected a JSON object with a 'messages' list ({e})") from e
-    first = next((i for i, m in enumerate(msgs) if m.get("role") == "assistant"), None)
+    if not isinstance(msgs, list) or not all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in msgs):
+      raise ValueError(f"{path}:{n}: 'messages' must be a list of objects with a 'role' string")
+    first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
     if first is None:
       raise ValueError(f"{path}:{n}: no assistant message to learn from")
-    prompt = tokenizer.encode(tokenizer.apply_chat_template(msgs[:first],
-                                                            add_generation_prompt=True))
-    prev = tokenizer.apply_chat_template(msgs[:first], add_generation_prompt=True)
-    segs = []
+
+    def render(k, gen_prompt):
+      try:
+        return tokenizer.apply_chat_template(msgs[:k], add_generation_prompt=gen_prompt)
+      except Exception as e:  # noqa: BLE001 - the template's own errors name no line
+        raise ValueError(f"{path}:{n}: the chat template cannot render messages 1-{k} "
+                         f"({type(e).__name__}: {e})") from None
+
+    prev = render(first, True)
+    prompt = tokenizer.encode(prev)
+    segs: list[tuple[int, str]] = []
+
+    def add(role, text):  # consecutive pieces of one role form one segment
+      if not text:
+        return
+      if segs and segs[-1][0] == role:
+        segs[-1] = (role, segs[-1][1] + text)
+      else:
+        segs.append((role, text))
+
     for i in range(first, len(msgs)):
-      gen = msgs[i].get("role") == "assistant"
-      # Text of this message: the rendering up to and including it, minus what came before.
-      nxt_prompt = i + 1 < len(msgs) and msgs[i + 1].get("role") == "assistant"
-      cur = tokenizer.apply_chat_template(msgs[:i + 1], add_generation_prompt=nxt_prompt)
-      if not cur.startswith(prev):
+      gen = msgs[i]["role"] == "assistant"
+      # Text of this message: the rendering up to and including it, minus what came before;
+      # then the header of the next turn when an assistant message follows.
+      cur = render(i + 1, False)
+      nxt = render(i + 1, True) if i + 1 < len(msgs) and msgs[i + 1]["role"] == "assistant" else cur
+      if not cur.startswith(prev) or not nxt.startswith(cur):
         raise ValueError(f"{path}:{n}: the chat template does not render incrementally")
-      segs.append((POLICY if gen else OBSERVATION, cur[len(prev):]))
-      prev = cur
+      text = cur[len(prev):]
+      if gen:
+        cut = max((text.rfind(t) + len(t) for t in eos_texts if t in text), default=len(text))
+        add(POLICY, text[:cut])
+        add(OBSERVATION, text[cut:])
+      else:
+        add(OBSERVATION, text)
+      add(OBSERVATION, nxt[len(cur):])
+      prev = nxt
+    if not segs or segs[0][0] != POLICY:
+      raise ValueError(f"{path}:{n}: the first assistant message renders to no text")
     traj = demonstration_trajectory(prompt, segs, tokenizer)
     items.append(traj.to_pack_item(0.0))
   return items
@@ -751,6 +784,7 @@ class Trainer:
         f.write("".join(json.dumps(r) + "\n" for r in kept))
         f.truncate()
     self.writer.history = kept
+    self.writer.rewind_tensorboard(step)
 
   def request_stop(self, reason: str = "stop requested") -> None:
     """Finish the current step, save a checkpoint and return from `run` (as on SIGTERM)."""

@@ -138,7 +138,37 @@ def test_bad_chat_jsonl_names_the_line(tmp_path):
   path.write_text(json.dumps(good) + "\n")
   (item,) = sft_items_from_chat_jsonl(path, tok)
   text = tok.decode(item.tokens[item.loss_mask > 0])
-  assert "<answer>4</answer>" in text and "2+2?" not in text
+  assert text == "<answer>4</answer><|im_end|>"  # what the policy samples, no template framing
+  for bad in ({"messages": None}, {"messages": "abc"}, {"messages": [1]},
+              {"messages": [{"content": "no role"}]}):
+    path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    with pytest.raises(ValueError, match=r"sft.jsonl:2: 'messages' must be a list of objects"):
+      sft_items_from_chat_jsonl(path, tok)
+
+
+def test_chat_jsonl_loss_covers_exactly_the_assistant_turns():
+  import pathlib
+  import tempfile
+  from jaxagent import models
+  tok = models.load_tokenizer("smollm2-135m-instruct")
+  chats = {
+      # Two assistant messages in a row: the header opening the second is template framing.
+      "back_to_back": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "A1"},
+                       {"role": "assistant", "content": "A2"}],
+      "with_tool": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "call"},
+                    {"role": "tool", "content": "out"}, {"role": "assistant", "content": "done"}],
+  }
+  with tempfile.TemporaryDirectory() as d:
+    for name, msgs in chats.items():
+      path = pathlib.Path(d) / f"{name}.jsonl"
+      path.write_text(json.dumps({"messages": msgs}) + "\n")
+      (item,) = sft_items_from_chat_jsonl(path, tok)
+      policy = [i for i in range(len(item.tokens)) if item.loss_mask[i] > 0]
+      # The masked tokens are the assistant texts with their end-of-turn tokens, nothing else.
+      want = "".join(m["content"] + "<|im_end|>" for m in msgs if m["role"] == "assistant")
+      assert tok.decode(np.asarray(item.tokens)[policy]) == want, name
+      # And the whole sequence is the template's rendering of the conversation.
+      assert tok.decode(item.tokens) == tok.apply_chat_template(msgs, add_generation_prompt=False), name
 
 
 def test_generator_gets_compute_dtype_weights_with_the_same_logits(tmp_path):
