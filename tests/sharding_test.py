@@ -77,3 +77,14 @@ def test_residual_stream_is_constrained_to_batch_sharding_only_under_a_mesh():
   shardy = re.findall(r'sharding_constraint[^\n]*\[\{"fsdp"\}, \{\}, \{\}\]', text)
   gspmd = re.findall(r"@Sharding[^\n]*\n[^\n]*devices=\[8,1,1\]", text)
   assert len(shardy) + len(gspmd) >= 2
+
+
+def test_engine_warns_when_slots_do_not_divide_the_batch_devices(caplog):
+  from jaxagent.generate import Engine, EngineConfig
+  cfg = models.get_config("tiny-qwen3", vocab_size=64)
+  mesh = sharding.make_mesh(2, 2, 2)
+  with caplog.at_level("WARNING", logger="jaxagent.generate.engine"):
+    Engine(cfg, EngineConfig(slots=8, max_len=32), mesh=mesh)
+    assert not caplog.records
+    Engine(cfg, EngineConfig(slots=6, max_len=32), mesh=mesh)
+  assert "slots=6 does not divide the 4 devices" in caplog.text

@@ -26,6 +26,8 @@ every decode call.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 from typing import Any, Sequence
 
 import flax.struct
@@ -38,6 +40,8 @@ from jaxagent import sharding as shd
 from jaxagent.generate.sampling import SamplingConfig, sample, token_keys
 from jaxagent.models import decoder, param_tree
 from jaxagent.models.config import ModelConfig
+
+log = logging.getLogger(__name__)
 
 # Why a slot stopped (device-side codes; host-side stop strings are reported by the scheduler).
 # STOP_NONFINITE: the sampled token's log-prob is NaN or infinite, so the logits it was drawn
@@ -281,6 +285,13 @@ class Engine:
       raise ValueError(f"EngineConfig.max_len {self.ecfg.max_len} exceeds the model's "
                        f"max_seq_len {cfg.max_seq_len}")
     self.mesh = mesh
+    if mesh is not None:
+      rows = math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp"))
+      if rows > 1 and self.ecfg.slots % rows:
+        log.warning("EngineConfig.slots=%d does not divide the %d devices of the mesh's data x "
+                    "fsdp axes: the KV cache and the decoding are replicated on every one of "
+                    "them instead of split; use a multiple of %d slots", self.ecfg.slots, rows,
+                    rows)
     self._eos = jnp.asarray(sorted(set(self.ecfg.eos_ids)) or [-1], jnp.int32)
     choice = self.ecfg.decode_attention
     backend = jax.default_backend()
