@@ -47,7 +47,8 @@ from jaxagent.agent.env import Env, Example
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import POLICY, Trajectory
 from jaxagent.rewards import (TESTS_PASSED_KEY, TESTS_TOTAL_KEY, Component, CompositeReward,
-                              ProgressiveSchedule, RewardInput, RewardOutput, UnitTestReward)
+                              ProgressiveSchedule, RewardInput, RewardOutput, UnitTestReward,
+                              extract_tagged)
 from jaxagent.tools import PythonSession, SandboxConfig
 
 SYSTEM_PROMPT = (
@@ -60,21 +61,9 @@ _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL
 
 
 # ----------------------------------------------------------------------------- solutions
-def _last_code_tag_block(text: str) -> str | None:
-  """The last `<code>...</code>` block (each from an opening tag to the first closing tag after
-  it), found in linear time however many tags are left open."""
-  found, pos = None, 0
-  while (start := text.find("<code>", pos)) >= 0:
-    end = text.find("</code>", start + 6)
-    if end < 0:
-      break
-    found, pos = text[start + 6:end], end + 7
-  return found
-
-
 def extract_code(text: str) -> str | None:
   """The last `<code>` block of a response, else its last fenced code block, else None."""
-  code = _last_code_tag_block(text)
+  code = extract_tagged(text, "code", strip=False)  # linear however many tags are left open
   if code is None:
     blocks = _FENCE.findall(text)
     if not blocks:

@@ -30,8 +30,8 @@ _GSM8K = re.compile(r"####[ \t]*([^\n]*)")
 _TAG_NAME = re.compile(r"[A-Za-z_][\w\-]*")
 
 
-def extract_tagged(text: str, tag: str = "answer") -> str | None:
-  """Stripped content of the last complete `<tag>...</tag>` block, or None.
+def extract_tagged(text: str, tag: str = "answer", *, strip: bool = True) -> str | None:
+  """Content of the last complete `<tag>...</tag>` block (stripped unless `strip=False`), or None.
 
   A block runs from an opening tag to the first closing tag after it; the search then goes on
   after that closing tag. Linear in the text however many tags are left open.
@@ -45,7 +45,10 @@ def extract_tagged(text: str, tag: str = "answer") -> str | None:
     if end < 0:  # no later opening tag has a closing one either
       break
     found, pos = (start + len(opening), end), end + len(closing)
-  return text[found[0]:found[1]].strip() if found else None
+  if found is None:
+    return None
+  content = text[found[0]:found[1]]
+  return content.strip() if strip else content
 
 
 def extract_boxed(text: str) -> str | None:
