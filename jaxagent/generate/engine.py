@@ -286,8 +286,9 @@ class Engine:
                        f"max_seq_len {cfg.max_seq_len}")
     self.mesh = mesh
     if mesh is not None:
+      # The cache's own spec decides: its slot axis left unsplit on a mesh with batch devices.
       rows = math.prod(mesh.shape.get(a, 1) for a in ("data", "fsdp"))
-      if rows > 1 and self.ecfg.slots % rows:
+      if rows > 1 and shd.kv_cache_spec(cfg.n_kv_heads, self.ecfg.slots, mesh)[1] is None:
         log.warning("EngineConfig.slots=%d does not divide the %d devices of the mesh's data x "
                     "fsdp axes: the KV cache and the decoding are replicated on every one of "
                     "them instead of split; use a multiple of %d slots", self.ecfg.slots, rows,
