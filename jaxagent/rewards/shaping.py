@@ -107,6 +107,7 @@ def check_format(text: str, config: FormatConfig = FormatConfig()) -> FormatChec
   allowed = set(config.allowed_tags)
   tags_ok = True
   stack: list[tuple[str, int]] = []  # (tag, end of its opening tag)
+  open_count: dict[str, int] = {}  # tag -> its entries in `stack`, so a stray close is O(1) to check
   blocks: dict[str, list[tuple[int, int, int]]] = {}  # tag -> [(content start, content end, block end)]
   answer_opens = 0
   pos = 0
@@ -129,15 +130,19 @@ def check_format(text: str, config: FormatConfig = FormatConfig()) -> FormatChec
         pos = end + len(name) + 3
         continue
       stack.append((name, m.end()))
+      open_count[name] = open_count.get(name, 0) + 1
     elif stack and stack[-1][0] == name:
       _, start = stack.pop()
+      open_count[name] -= 1
       blocks.setdefault(name, []).append((start, m.start(), m.end()))
     else:
       tags_ok = False  # a close with no matching open, or crossing blocks
-      while stack and name in (t for t, _ in stack) and stack[-1][0] != name:
-        stack.pop()
-      if stack and stack[-1][0] == name:
-        stack.pop()
+      if open_count.get(name, 0):  # close the blocks opened since `name`, and `name` itself
+        while True:
+          top, _ = stack.pop()
+          open_count[top] -= 1
+          if top == name:
+            break
   tags_ok = tags_ok and not stack
 
   answers = blocks.get(config.answer_tag, [])
