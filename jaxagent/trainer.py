@@ -39,7 +39,7 @@ import pickle
 import signal
 import threading
 import time
-from typing import Any, Sequence
+from typing import Any, Sequence, get_args
 
 import grain
 import jax
@@ -286,8 +286,15 @@ def check_config(config) -> None:
       raise ValueError(f"{key} must be an int >= {least}, got {v!r}")
   count("total_steps", 0)
   for key in ("train.prompts_per_step", "train.samples_per_prompt", "train.epochs",
-              "rollout.slots", "train.micro_batches"):
+              "rollout.slots", "train.micro_batches", "train.max_sampling_rounds"):
     count(key, 1)
+  # Read only after the first step's rollouts (and the warm start): check them now.
+  train = config.get("train") if hasattr(config, "get") else None
+  for key, allowed in (("advantage", get_args(adv_lib.Method)),
+                       ("zero_variance", get_args(adv_lib.ZeroVariance))):
+    v = train.get(key) if hasattr(train, "get") else None
+    if v is not None and v not in allowed:
+      raise ValueError(f"train.{key} must be one of {allowed}, got {v!r}")
 
 
 def _time_limit_s(train) -> float:

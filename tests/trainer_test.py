@@ -102,6 +102,10 @@ def test_config_keys_are_checked_against_the_quickstart():
     ("optimizer.lr", float("nan"), "learning_rate must be a finite number > 0"),
     ("sft.lr", float("nan"), "learning_rate must be a finite number > 0"),
     ("optimizer.max_grad_norm", -1.0, "max_grad_norm must be a finite number >= 0"),
+    # Read only after the first step's rollouts: they used to fail after the warm start.
+    ("train.advantage", "ppo", r"train.advantage must be one of \('grpo', 'dr_grpo', 'rloo'\), got 'ppo'"),
+    ("train.zero_variance", "skip", r"train.zero_variance must be one of \('keep', 'drop'\)"),
+    ("train.max_sampling_rounds", 0, "train.max_sampling_rounds must be an int >= 1, got 0"),
 ])
 def test_bad_or_misspelt_settings_fail_before_any_work(tmp_path, key, value, match):
   c = _tiny(tmp_path)
