@@ -386,7 +386,9 @@ class Trajectory:
       o = t.outcome
       lines.append(f"[turn {t.index}: tool result not appended (trajectory ended): ok={o.ok} "
                    f"error={o.error!r}]")
-    return "\n".join(lines)
+    # A model's JSON escape (`"\ud800"`) puts lone surrogates into parsed call arguments and
+    # names; UTF-8 cannot encode them, so the sample dump would fail. Show them escaped.
+    return "\n".join(lines).encode("utf-8", "backslashreplace").decode("utf-8")
 
   def to_dict(self) -> dict[str, Any]:
     """A JSON-serialisable dict (for JSONL sample dumps); `from_dict` inverts it."""

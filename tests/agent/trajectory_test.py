@@ -121,6 +121,15 @@ def test_render_marks_roles_and_masks():
   assert "chars cut" in t.render(TOK, max_chars=100)
 
 
+def test_render_of_lone_surrogates_in_a_call_can_be_written_as_utf8(tmp_path):
+  """`{"expression": "\\ud800"}` parses to a lone surrogate; the sample dump must still write."""
+  t = _ledger()
+  t.turns[0].call = ToolCall("\udc00calc", {"expression": "\ud800"}, t.turns[0].text)
+  text = t.render(TOK)
+  (tmp_path / "samples.txt").write_text(text, encoding="utf-8")
+  assert "\\udc00calc(" in text and '"\\ud800"' in text
+
+
 def test_dict_round_trip_through_json():
   t = _ledger()
   d = json.loads(json.dumps(t.to_dict()))
