@@ -30,6 +30,7 @@ Expected:
 import pathlib
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from jaxagent.config_files import load_config
 
@@ -47,7 +48,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.rollout = ml_collections.ConfigDict(dict(
       slots=64, max_len=1024, temperature=1.0, top_p=1.0, top_k=0, max_turns=1,
-      max_tokens_per_turn=256, max_total_tokens=None, max_prompt_tokens=512,
+      max_tokens_per_turn=256, max_total_tokens=placeholder(int), max_prompt_tokens=512,
       tool_timeout_s=10.0,
       traj_tool_timeout_s=30.0, decode_steps=8,
       mesh="learner"))  # "data": replicated weights for decoding on several devices

@@ -12,6 +12,7 @@ after GRPO, which learns to call the calculator on every problem, close to 1. Th
 of real runs are in benchmarks/RESULTS.md.
 """
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
@@ -39,15 +40,19 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       seed=0)))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
 
+  # Settings that default to None are typed placeholders, so that `--config.key=value` can set
+  # them (the command line cannot override a plain None).
   c.rollout = ml_collections.ConfigDict(dict(
       slots=64, max_len=192, temperature=1.0, top_p=1.0, top_k=0, max_turns=3,
-      max_tokens_per_turn=32, max_total_tokens=None, tool_timeout_s=5.0,
+      max_tokens_per_turn=32, max_total_tokens=placeholder(int), tool_timeout_s=5.0,
       traj_tool_timeout_s=15.0, decode_steps=8,
       mesh="learner",  # "data": decode with replicated weights, each device its own slots
-      max_prompt_tokens=None))  # longest prompt decoded (None: what fits); the fit check plans it
+      # Longest prompt decoded (None: what fits); the fit check plans it.
+      max_prompt_tokens=placeholder(int)))
   c.loss = ml_collections.ConfigDict(dict(
-      algo="grpo", agg="token_mean", clip_low=0.2, clip_high=0.28, dual_clip=None,
-      kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0, max_len_norm=None))
+      algo="grpo", agg="token_mean", clip_low=0.2, clip_high=0.28, dual_clip=placeholder(float),
+      kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
+      max_len_norm=placeholder(float)))
   c.optimizer = ml_collections.ConfigDict(dict(
       lr=1e-5, weight_decay=0.0, b1=0.9, b2=0.99, max_grad_norm=1.0, warmup_steps=0,
       schedule="constant"))

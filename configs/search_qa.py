@@ -39,6 +39,7 @@ Expected:
 import pathlib
 
 import ml_collections
+from ml_collections.config_dict import placeholder
 
 from jaxagent.config_files import load_config
 
@@ -58,7 +59,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
 
   c.rollout = ml_collections.ConfigDict(dict(
       slots=64, max_len=1024, temperature=1.0, top_p=1.0, top_k=0, max_turns=4,
-      max_tokens_per_turn=64, max_total_tokens=None, max_prompt_tokens=256,
+      max_tokens_per_turn=64, max_total_tokens=placeholder(int), max_prompt_tokens=256,
       tool_timeout_s=10.0,
       traj_tool_timeout_s=30.0, decode_steps=8,
       mesh="learner"))  # "data": replicated weights for decoding on several devices

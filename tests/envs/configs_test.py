@@ -116,3 +116,50 @@ def test_tiny_config_runs(name, tiny_runs):
 def test_make_env_rejects_unknown_settings():
   with pytest.raises(ValueError, match="bad settings for env 'code'"):
     make_env("code", no_such_knob=1)
+
+
+def _none_leaves(cfg: ml_collections.ConfigDict, prefix="") -> list[str]:
+  out = []
+  for k, v in cfg.items():
+    if isinstance(v, ml_collections.ConfigDict):
+      out += _none_leaves(v, f"{prefix}{k}.")
+    elif v is None:
+      out.append(prefix + k)
+  return out
+
+
+@pytest.mark.parametrize("name", ("quickstart",) + CONFIGS)
+def test_every_none_setting_can_be_set_from_the_command_line(name):
+  # A plain None cannot be overridden by `--config.key=value` (ml_collections refuses its type),
+  # so such settings are typed placeholders; this sets each one as the launcher would.
+  from absl import flags
+  from ml_collections import config_flags
+  variants = ("", "tiny") if name == "quickstart" else VARIANTS
+  for variant in variants:
+    path = f"{ROOT}/configs/{name}.py:{variant}"
+    keys = _none_leaves(_load(name).get_config(variant))
+    assert keys, "expected some settings that default to None"
+    argv = ["prog", f"--config={path}"] + [f"--config.{k}=3" for k in keys]
+    fv = flags.FlagValues()
+    holder = config_flags.DEFINE_config_file("config", flag_values=fv, sys_argv=argv)
+    fv(argv)
+    for k in keys:
+      node = holder.value
+      for part in k.split("."):
+        node = node[part]
+      assert node == 3, (variant, k, node)
+
+
+def test_dual_clip_and_max_len_norm_reach_the_loss_from_the_command_line():
+  from absl import flags
+  from ml_collections import config_flags
+  from jaxagent.rl import step as step_lib
+  argv = ["prog", f"--config={ROOT}/configs/quickstart.py:tiny", "--config.loss.dual_clip=3",
+          "--config.loss.agg=seq_mean_token_sum_norm", "--config.loss.max_len_norm=512",
+          "--config.rollout.max_total_tokens=100"]
+  fv = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", flag_values=fv, sys_argv=argv)
+  fv(argv)
+  (step_cfg, _), _ = step_lib.learner_parts(holder.value)
+  assert step_cfg.loss.dual_clip == 3.0 and step_cfg.loss.max_len_norm == 512.0
+  assert holder.value.rollout.max_total_tokens == 100
