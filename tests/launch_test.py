@@ -237,3 +237,18 @@ def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
                      env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert r.returncode != 0
   assert f"no checkpoints at {tmp_path}: expected a run's workdir" in r.stderr
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--config=configs/quickstart.py:tiny", "--config.totl_steps=3"],
+     'the config has no key \'totl_steps\'\nDid you mean "total_steps"'),
+    (["--config=configs/quickstart.py:tiny", "--config.env.kwargs.no_such_knob=3"],
+     "the config has no key 'no_such_knob'"),
+    (["--config=configs/no_such_config.py"], "No such file or directory: 'configs/no_such_config.py'"),
+])
+def test_launch_names_a_bad_config_argument_without_a_traceback(args, expected):
+  r = subprocess.run([sys.executable, "-m", "jaxagent.launch", *args], cwd=REPO,
+                     capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 1, r.stderr[-2000:]
+  assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
