@@ -520,7 +520,10 @@ class Trainer:
     advs, info = adv_lib.compute_advantages(
         np.array(kept_rewards, np.float32), gids, method=t.advantage,
         zero_variance=t.zero_variance)
-    return all_trajs, reward_outs, kept_trajs, advs, info, rounds
+    # With dynamic sampling `info` sees only the accepted (informative) groups; the sampler's
+    # counts cover every group sampled, e.g. 1 - informative_rate of them had zero variance.
+    sampling = sampler.metrics() if dyn else {}
+    return all_trajs, reward_outs, kept_trajs, advs, info, rounds, sampling
 
   def rl_step(self, step: int) -> dict[str, float]:
     """One RL step: rollouts and packing (`_collect`), reference log-probs, updates."""
@@ -558,7 +561,7 @@ class Trainer:
   def _collect(self, step: int, params) -> tuple[dict[str, float], dict[str, np.ndarray] | None]:
     """Rollouts, rewards, advantages and packing of one step: (metrics, packed batch or None)."""
     t0 = time.time()
-    all_trajs, outs, trajs, advs, info, rounds = self._rollout_groups(step, params)
+    all_trajs, outs, trajs, advs, info, rounds, sampling = self._rollout_groups(step, params)
     t_roll = time.time() - t0
     metrics: dict[str, float] = {}
     totals = np.array([o.total for o in outs])
@@ -567,6 +570,7 @@ class Trainer:
     metrics.update(mean_metrics(outs))
     metrics.update(rollout_metrics(all_trajs))
     metrics.update({f"adv/{k}": v for k, v in info.metrics().items()})
+    metrics.update({f"adv/{k}": v for k, v in sampling.items()})
     metrics["rollout/sampling_rounds"] = rounds
     keep = np.asarray(info.keep, bool)
     obs_loss = bool(getattr(self.env, "train_on_observations", False))

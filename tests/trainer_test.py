@@ -304,3 +304,32 @@ def test_observation_loss_is_wired_and_unsampled_old_logps_are_scored(tmp_path, 
     np.testing.assert_array_equal(filled["old_logps"][~nan], batch["old_logps"][~nan])
   finally:
     trainer.close()
+
+
+@pytest.mark.slow  # two RL steps, one with an update (about 30 s on 2 cores)
+def test_dynamic_sampling_logs_counts_over_every_sampled_group(tmp_path, monkeypatch):
+  """`adv/*` of `compute_advantages` sees only the accepted groups (never zero-variance under
+  dynamic sampling); the sampler's counts, over every group sampled, are logged beside them."""
+  import dataclasses
+  trainer = Trainer(_tiny(tmp_path, **{"train.dynamic_sampling": True, "train.max_sampling_rounds": 2}))
+  try:
+    P, G = trainer.config.train.prompts_per_step, trainer.config.train.samples_per_prompt
+    m = trainer.rl_step(1)  # a random tiny model earns no reward: every group has zero variance
+    assert m["rollout/sampling_rounds"] == 2 and m["train/skipped_no_signal"] == 1.0
+    assert m["adv/dynamic_sampling_groups_seen"] == m["rollout/num_trajectories"] / G > P
+    assert m["adv/dynamic_sampling_informative_rate"] == 0.0
+    assert m["adv/dynamic_sampling_shortfall"] == P and m["adv/num_groups"] == 0.0
+
+    real, calls = trainer.env.reward, []
+
+    def alternating(*args):  # rewards 0, 1, 0, 1, ...: every group informative
+      calls.append(None)
+      return dataclasses.replace(real(*args), total=float(len(calls) % 2))
+
+    monkeypatch.setattr(trainer.env, "reward", alternating)
+    m = trainer.rl_step(2)
+    assert m["rollout/sampling_rounds"] == 1 and m["adv/dynamic_sampling_informative_rate"] == 1.0
+    assert m["adv/dynamic_sampling_groups_seen"] == m["adv/num_groups"] == P
+    assert m["adv/dynamic_sampling_shortfall"] == 0.0 and "train/loss" in m
+  finally:
+    trainer.close()
