@@ -34,6 +34,9 @@ _ROLES = ("outcome", "shaping", "fixed")
 ScheduleKind = Literal["linear", "cosine"]
 _SCHEDULE_KINDS = ("linear", "cosine")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
+# `reward/<name>` of these is already taken: by `RewardOutput.metrics` / `mean_metrics` (total,
+# alpha, errors/<name>) and by the trainer's batch mean and std of the totals (mean, std).
+_RESERVED_NAMES = ("total", "alpha", "errors", "mean", "std")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,8 +75,9 @@ class Component:
     if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
       raise ValueError(f"Component.name must be letters, digits, '_', '.', '-' (it becomes the metric "
                        f"'reward/<name>'), got {self.name!r}")
-    if self.name in ("total", "alpha", "errors"):
-      raise ValueError(f"Component.name {self.name!r} is reserved for the composite's own metrics")
+    if self.name in _RESERVED_NAMES:
+      raise ValueError(f"Component.name {self.name!r} is reserved: 'reward/{self.name}' is a batch metric of "
+                       f"its own (reserved: {_RESERVED_NAMES}); rename the component")
     if not callable(self.fn):
       raise ValueError(f"Component {self.name!r}: fn must be callable RewardInput -> float, got {self.fn!r}")
     if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or not math.isfinite(self.weight):

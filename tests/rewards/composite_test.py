@@ -135,6 +135,9 @@ def test_reward_input_is_frozen():
 @pytest.mark.parametrize("make,match", [
     (lambda: Component("reward/x", const(1.0)), "name"),
     (lambda: Component("total", const(1.0)), "reserved"),
+    # The trainer logs the batch's reward/mean and reward/std; a component's mean must not replace them.
+    (lambda: Component("mean", const(1.0)), "reserved"),
+    (lambda: Component("std", const(1.0)), "reserved"),
     (lambda: Component("x", "not callable"), "callable"),
     (lambda: Component("x", const(1.0), weight=math.inf), "weight"),
     (lambda: Component("x", const(1.0), role="bonus"), "role"),
