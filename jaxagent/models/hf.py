@@ -224,6 +224,14 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
   from safetensors.numpy import save_file
 
   out = pathlib.Path(path)
+  # Loaders read a safetensors index (or every *.safetensors file) in preference to, or
+  # together with, model.safetensors: weights left by an earlier model would be loaded.
+  other = sorted(p.name for p in out.glob("*.safetensors*")
+                 if p.name != "model.safetensors") if out.is_dir() else []
+  if other:
+    raise FileExistsError(f"{out} already holds other weights ({', '.join(other)}) that loaders "
+                          "would read instead of or along with the new model.safetensors; "
+                          "write to an empty directory or remove them")
   out.mkdir(parents=True, exist_ok=True)
   (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
   sd = state_dict_from_params(cfg, params)

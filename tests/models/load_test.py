@@ -161,3 +161,18 @@ def test_several_eos_ids_are_kept_and_exported(tmp_path):
   out = models.save_hf(tmp_path / "export", loaded, params)
   assert json.loads((out / "config.json").read_text())["eos_token_id"] == [5, 7, 9]
   assert models.load(out)[0].eos_token_ids == (5, 7, 9)
+
+
+def test_save_hf_refuses_a_directory_with_other_weights(tmp_path):
+  # A sharded model left in the directory: our loader (and JetStream's from_pretrained) would
+  # read its index and load the old shards instead of the new model.safetensors.
+  cfg, path = _save_tiny(tmp_path)
+  (path / "model.safetensors").rename(path / "model-00001-of-00001.safetensors")
+  (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {}}))
+  params = models.init_params(cfg, jax.random.key(1))
+  with pytest.raises(FileExistsError, match="model-00001-of-00001.safetensors, "
+                     "model.safetensors.index.json"):
+    models.save_hf(path, cfg, params)
+  # Writing over an earlier export (one model.safetensors) is fine.
+  out = models.save_hf(tmp_path / "again", cfg, params)
+  models.save_hf(out, cfg, params)
