@@ -22,9 +22,12 @@ def main(argv):
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it reads
   from jaxagent.launch import init_runtime
   init_runtime()
-  from jaxagent.checkpoint import export_hf
+  from jaxagent.checkpoint import CheckpointError, export_hf
   out = _OUT.value or str(pathlib.Path(_WORKDIR.value) / "export")
-  path = export_hf(_WORKDIR.value, out, step=_STEP.value)
+  try:
+    path = export_hf(_WORKDIR.value, out, step=_STEP.value)
+  except (CheckpointError, OSError) as e:  # no or unusable checkpoint, or an unusable --out
+    raise SystemExit(f"export failed: {e}") from None
   print(f"exported {path}", flush=True)
 
 

@@ -236,7 +236,8 @@ def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
                      cwd=REPO, capture_output=True, text=True, timeout=120,
                      env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert r.returncode != 0
-  assert f"no checkpoints at {tmp_path}: expected a run's workdir" in r.stderr
+  assert f"export failed: no checkpoints at {tmp_path}: expected a run's workdir" in r.stderr
+  assert "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("args, expected", [
