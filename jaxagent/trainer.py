@@ -187,6 +187,9 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
       raise ValueError(f"{path}:{n}: the first assistant message renders to no text")
     traj = demonstration_trajectory(prompt, segs, tokenizer)
     items.append(traj.to_pack_item(0.0))
+  if not items:  # else the warm start runs its steps on empty batches, loss 0
+    raise ValueError(f"{path}: no conversations (one JSON object with a 'messages' list per "
+                     "line); fix sft.data or set sft.steps=0")
   return items
 
 

@@ -148,6 +148,10 @@ def test_bad_chat_jsonl_names_the_line(tmp_path):
     path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     with pytest.raises(ValueError, match=r"sft.jsonl:2: 'messages' must be a list of objects"):
       sft_items_from_chat_jsonl(path, tok)
+  for empty in ("", "\n  \n"):  # no conversations: an error, not a warm start on nothing
+    path.write_text(empty)
+    with pytest.raises(ValueError, match=r"sft.jsonl: no conversations"):
+      sft_items_from_chat_jsonl(path, tok)
 
 
 def test_chat_jsonl_loss_covers_exactly_the_assistant_turns():
