@@ -125,3 +125,32 @@ def test_dynamic_sampler_validation():
         DynamicSampler(target_groups=0)
     with pytest.raises(ValueError, match="min_informative_rate"):
         DynamicSampler(target_groups=1, min_informative_rate=0.0)
+
+
+def test_dynamic_sampler_matches_loop_reference_on_random_rounds():
+  rng = np.random.default_rng(1)
+  for _ in range(200):
+    target, rounds = int(rng.integers(1, 10)), int(rng.integers(1, 5))
+    cap = None if rng.random() < 0.5 else int(rng.integers(1, 30))
+    s = DynamicSampler(target, max_rounds=rounds, max_prompts_per_round=cap)
+    accepted = seen = informative = done_rounds = 0
+    while not s.done:
+      rate = max(informative / seen if seen else 1.0, 0.05)
+      want = int(np.ceil((target - accepted) / rate))
+      n = s.num_prompts_to_sample()
+      assert n == (want if cap is None else min(want, cap))
+      G = int(rng.integers(1, 5))
+      ids = np.repeat(np.arange(n) * 3 + 7, G)
+      rewards = (rng.random(n * G) < rng.random()).astype(float)
+      perm = rng.permutation(n * G)  # members interleaved
+      ids, rewards = ids[perm], rewards[perm]
+      keep = s.update(rewards, ids)
+      order = list(dict.fromkeys(ids.tolist()))  # groups by first appearance
+      useful = [g for g in order if np.ptp(rewards[ids == g]) > 0]
+      taken = set(useful[:target - accepted])
+      np.testing.assert_array_equal(keep, [g in taken for g in ids])
+      accepted, seen, informative, done_rounds = (accepted + len(taken), seen + len(order),
+                                                  informative + len(useful), done_rounds + 1)
+    assert s.accepted == accepted and s.shortfall == max(target - accepted, 0)
+    assert accepted == target or done_rounds == rounds
+    assert s.metrics()["dynamic_sampling_groups_seen"] == seen
