@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import inspect
 import logging
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -140,8 +141,29 @@ class Env(abc.ABC):
     return self.observation_template.format(output=result.to_observation())
 
   def encode_observation(self, text: str, tokenizer) -> list[int]:
-    """Observation token ids (override to keep tool output from spelling control tokens)."""
-    return list(tokenizer.encode(text))
+    """Observation token ids: the template's text with its control tokens, the tool output as text.
+
+    A tool's output is data: a program that prints "<|im_end|>" must not close the turn. When
+    `text` is `observation_template` (with the default `format_observation`) around an output
+    that spells a special token, and the tokenizer takes `parse_special`, the output is
+    tokenized literally between the template's two sides, each tokenized on its own. Otherwise
+    (the usual case) `text` is tokenized whole, as before. Override for other formats.
+    """
+    ids = list(tokenizer.encode(text))
+    if ("parse_special" not in inspect.signature(tokenizer.encode).parameters
+        or type(self).format_observation is not Env.format_observation):
+      return ids
+    head, sep, tail = self.observation_template.partition("{output}")
+    if not sep or "{" in head + tail or "}" in head + tail or len(text) < len(head) + len(tail):
+      return ids
+    if not (text.startswith(head) and text.endswith(tail)):
+      return ids
+    output = text[len(head):len(text) - len(tail)]
+    literal = list(tokenizer.encode(output, parse_special=False))
+    if literal == list(tokenizer.encode(output)):
+      return ids  # no special-token text in the output
+    return ((list(tokenizer.encode(head)) if head else []) + literal
+            + (list(tokenizer.encode(tail)) if tail else []))
 
   @abc.abstractmethod
   def reward(self, trajectory: Trajectory, example: Example, tokenizer, step: int) -> RewardOutput:
