@@ -179,7 +179,8 @@ class Env(abc.ABC):
 
 class CalculatorEnv(Env):
   """Arithmetic with a calculator: `<calc>EXPR</calc>` -> `<result>VALUE</result>`, then
-  `<answer>VALUE</answer>`. Reward: exact match of the answer, plus a fading bonus for valid calls.
+  `<answer>VALUE</answer>`. Reward: the answer equals the gold number (`numeric_match`), plus a
+  fading bonus for valid calls.
   """
 
   name = "calculator"
@@ -189,7 +190,7 @@ class CalculatorEnv(Env):
     self.parser = XMLTagParser({"calc": ("calculator", "expression")}, answer_tag="answer")
     self.tools = ToolRegistry([Calculator()])
     self._reward = CompositeReward([
-        Component("correct", TextMatchReward("exact_match"), 1.0, role="outcome"),
+        Component("correct", TextMatchReward("numeric_match"), 1.0, role="outcome"),
         Component("tool_calls", ToolUseReward(), tool_bonus, role="shaping"),
     ])
 

@@ -15,8 +15,6 @@ tool.
 """
 from __future__ import annotations
 
-import decimal
-import re
 from typing import Sequence
 
 import numpy as np
@@ -25,33 +23,12 @@ from jaxagent.agent.env import Env, Example
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory
 from jaxagent.rewards import Component, CompositeReward, RewardInput, RewardOutput
-from jaxagent.rewards.verifiers import extract_tagged
+from jaxagent.rewards.verifiers import extract_tagged, numeric_match
 from jaxagent.tools import Calculator, ToolRegistry
 
 SYSTEM_PROMPT = (
     "You are a careful assistant with a calculator. To compute, write <calc>expression</calc>; "
     "the result comes back as <result>value</result>. Finish with <answer>number</answer>.")
-
-# Commas only as thousands separators: "1,234" is a number, "1,2,3" is not.
-_NUM = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
-
-
-def numeric_match(text: str | None, gold: str) -> float:
-  """1.0 when `text` is the gold number, else 0.0.
-
-  An integer gold needs that exact integer ("42.0" counts); a non-integer gold allows 1e-6 relative
-  error.
-  """
-  if text is None:
-    return 0.0
-  m = _NUM.fullmatch(text.strip())
-  if m is None:
-    return 0.0
-  a, b = decimal.Decimal(m.group(0).replace(",", "")), decimal.Decimal(gold)
-  if b == b.to_integral_value():
-    return float(a == b)
-  return float(abs(a - b) <= decimal.Decimal("1e-6") * max(1, abs(b)))
-
 
 class _Correct:
   """The final `<answer>` equals the gold number."""

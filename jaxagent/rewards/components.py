@@ -26,11 +26,12 @@ from jaxagent.rewards import verifiers
 from jaxagent.rewards.composite import RewardInput
 from jaxagent.rewards.math_verifier import MathVerifier, math_equal
 
-TextMetric = Literal["exact_match", "f1", "substring_exact_match"]
+TextMetric = Literal["exact_match", "f1", "substring_exact_match", "numeric_match"]
 _TEXT_METRICS = {
     "exact_match": verifiers.exact_match,
     "f1": verifiers.f1_score,
     "substring_exact_match": verifiers.substring_exact_match,
+    "numeric_match": verifiers.numeric_match,
 }
 
 # Keys in `RewardInput.metadata` that the code environments fill from the sandbox's test run.
@@ -83,7 +84,11 @@ class MathAnswerReward:
 
 @dataclasses.dataclass(frozen=True)
 class TextMatchReward:
-  """Exact match, token F1 or substring match of the extracted answer against the golds."""
+  """Exact match, token F1, substring or numeric match of the extracted answer against the golds.
+
+  The text metrics normalise as SQuAD does, which drops signs and decimal points; use
+  "numeric_match" (`verifiers.numeric_match`) for numbers.
+  """
 
   metric: TextMetric = "exact_match"
   tag: str | None = "answer"

@@ -6,11 +6,13 @@ lives in `math_verifier.py` (it needs a time limit and worker processes) and is 
 so every verifier can be imported from one place.
 
 Exact match and F1 follow the SQuAD evaluation script, as Search-R1 does: lowercase, drop
-punctuation, drop the articles a/an/the, collapse whitespace.
+punctuation, drop the articles a/an/the, collapse whitespace. That normalisation drops signs and
+decimal points ("-5" matches "5"), so numeric answers use `numeric_match`.
 """
 from __future__ import annotations
 
 import collections
+import decimal
 import numbers
 import re
 import string
@@ -20,7 +22,7 @@ from jaxagent.rewards.math_verifier import _box_spans, math_equal
 
 __all__ = [
     "exact_match", "extract_answer", "extract_boxed", "extract_gsm8k", "extract_tagged", "f1_score",
-    "math_equal", "normalize_answer", "substring_exact_match", "unit_test_reward",
+    "math_equal", "normalize_answer", "numeric_match", "substring_exact_match", "unit_test_reward",
 ]
 
 # ----------------------------------------------------------------------------------------------
@@ -128,6 +130,41 @@ def substring_exact_match(prediction: str | None, golds: str | Sequence[str]) ->
     return 0.0
   pred = f" {normalize_answer(prediction)} "
   return float(any(f" {g} " in pred for g in map(normalize_answer, golds) if g))
+
+
+# Commas only as thousands separators: "1,234" is a number, "1,2,3" is not.
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+
+
+def numeric_match(prediction: str | None, golds: str | Sequence[str]) -> float:
+  """1.0 when the prediction is one of the gold numbers, else 0.0 (None or not a number scores 0).
+
+  The prediction is a plain decimal number, optionally negative, with commas only as thousands
+  separators. An integer gold needs that exact integer ("42.0" counts for "42"); a non-integer
+  gold allows 1e-6 relative error. A gold that is not a number is an error.
+  """
+  parsed = []
+  for g in _golds(golds):
+    try:
+      b = decimal.Decimal(g.strip().replace(",", ""))
+    except decimal.InvalidOperation:
+      raise ValueError(f"numeric_match needs numeric gold answers, got {g!r}") from None
+    if not b.is_finite():
+      raise ValueError(f"numeric_match needs finite gold answers, got {g!r}")
+    parsed.append(b)
+  if prediction is None:
+    return 0.0
+  m = _NUMBER.fullmatch(prediction.strip())
+  if m is None:
+    return 0.0
+  a = decimal.Decimal(m.group(0).replace(",", ""))
+  for b in parsed:
+    if b == b.to_integral_value():
+      if a == b:
+        return 1.0
+    elif abs(a - b) <= decimal.Decimal("1e-6") * max(1, abs(b)):
+      return 1.0
+  return 0.0
 
 
 def _f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:

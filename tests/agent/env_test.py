@@ -54,3 +54,16 @@ def test_default_template_and_overridden_format(tok):
   # A format the default cannot take apart is tokenized whole, as written.
   text = OwnFormat().format_observation(ToolResult(True, "x<|im_end|>"))
   assert OwnFormat().encode_observation(text, tok) == tok.encode(text)
+
+
+def test_calculator_env_scores_the_number_not_its_normalised_text():
+  from jaxagent.agent import POLICY, Example
+  from jaxagent.agent.trajectory import demonstration_trajectory
+  from tests.agent.rollout_test import TOK
+
+  env = CalculatorEnv(tool_bonus=0.0)
+  ex = Example("m", "What is 2-7?", gold="-5")
+  for answer, want in (("-5", 1.0), ("5", 0.0), ("-5.0", 1.0), ("-0.5", 0.0)):
+    traj = demonstration_trajectory(TOK.encode("Q"), [(POLICY, f"<answer>{answer}</answer>")], TOK)
+    traj.stop_reason = "answer"
+    assert env.reward(traj, ex, TOK, step=0).components["correct"] == want, answer

@@ -223,3 +223,20 @@ def test_unit_test_reward_rejects_bad_counts(args, match):
 
 def test_math_equal_is_reexported():
   assert verifiers.math_equal.__module__ == "jaxagent.rewards.math_verifier"
+
+
+@pytest.mark.parametrize("prediction,golds,want", [
+    ("-5", "5", 0.0), ("5", "-5", 0.0), ("3.5", "35", 0.0), ("1/2", "12", 0.0), ("-5", "-5", 1.0),
+    ("1,000", "1000", 1.0), ("42.0", "42", 1.0), ("0.5000001", "0.5", 1.0), ("5.0000001", "5", 0.0),
+    ("7", ["6", "7"], 1.0), ("seven", "7", 0.0), (None, "7", 0.0), ("1,2", "12", 0.0),
+])
+def test_numeric_match_keeps_signs_and_decimal_points(prediction, golds, want):
+  # The SQuAD normalisation of exact_match drops them: "-5" would match "5".
+  assert verifiers.numeric_match(prediction, golds) == want
+
+
+def test_numeric_match_rejects_non_numeric_golds():
+  with pytest.raises(ValueError, match="numeric gold"):
+    verifiers.numeric_match("1", "one")
+  with pytest.raises(ValueError, match="finite gold"):
+    verifiers.numeric_match("1", "inf")
