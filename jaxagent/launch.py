@@ -7,8 +7,9 @@ Multi-process: pass `--coordinator_address=HOST:PORT --num_processes=N --process
 JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) and run the same command on
 every process; on a Cloud TPU slice JAX finds all three itself. Only process 0 logs and writes
 metrics; every process takes part in checkpoints. `launch/` has recipes for TPU VMs, GKE (xpk)
-and GPU clusters (Slurm). A run stopped by SIGTERM saves a checkpoint and exits 0; rerunning the
-same command resumes it.
+and GPU clusters (Slurm). With checkpointing on (`--config.checkpoint_every=N`), a run stopped
+by SIGTERM finishes its step, saves a checkpoint and exits 0, and rerunning the same command
+resumes it; without it, SIGTERM ends the run as usual.
 """
 import logging
 import pathlib
