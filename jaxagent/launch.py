@@ -111,7 +111,9 @@ def main(argv):
   from jaxagent.trainer import Trainer
   try:
     trainer = Trainer(_CONFIG.value)
-  except ValueError as e:  # a bad setting: its message says which; nothing was started
+  except (ValueError, FileNotFoundError) as e:
+    # A bad setting, or a model / tokenizer path that does not exist: its message says
+    # which; nothing was started.
     raise SystemExit(f"bad config: {e}") from None
   try:
     trainer.run()

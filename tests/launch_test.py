@@ -246,6 +246,8 @@ def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
     (["--config=configs/quickstart.py:tiny", "--config.env.kwargs.no_such_knob=3"],
      "the config has no key 'no_such_knob'"),
     (["--config=configs/no_such_config.py"], "No such file or directory: 'configs/no_such_config.py'"),
+    (["--config=configs/quickstart.py:tiny", "--config.model.tokenizer=/no/such/tokenizer",
+      "--fit_check=off"], "bad config: '/no/such/tokenizer' does not exist"),
 ])
 def test_launch_names_a_bad_config_argument_without_a_traceback(args, expected):
   r = subprocess.run([sys.executable, "-m", "jaxagent.launch", *args], cwd=REPO,
