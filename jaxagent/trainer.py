@@ -55,7 +55,7 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.metrics import MetricsWriter
 from jaxagent.models import param_tree
 from jaxagent.models.config import run_overrides
-from jaxagent.rewards import mean_metrics
+from jaxagent.rewards import mean_metrics, math_verifier
 from jaxagent.rl import advantages as adv_lib
 from jaxagent.rl import packing, step as step_lib
 
@@ -314,6 +314,22 @@ def _time_limit_s(train) -> float:
   return v
 
 
+MATH_VERIFY_COUNTS = ("calls", "timeouts", "errors", "busy", "restarts")
+
+
+def math_verify_metrics(before: dict[str, int] | None, after: dict[str, int] | None) -> dict[str, float]:
+  """`reward/math_verify/<count>`: what the shared math verifier counted between two `stats()`.
+
+  A timeout, error or busy pool scores the answer 0 without raising, so these counts are how a
+  run sees that its rewards are being cut by the verifier's limits. Empty while no task has used
+  the shared verifier (`math_verifier.default_stats()` is None).
+  """
+  if after is None:
+    return {}
+  before = before or {}
+  return {f"reward/math_verify/{k}": float(after[k] - before.get(k, 0)) for k in MATH_VERIFY_COUNTS}
+
+
 def _pass_at_k(n: int, c: int, k: int) -> float:
   """Unbiased pass@k from n samples with c successes (Chen et al., 2021)."""
   if n - c < k:
@@ -564,9 +580,10 @@ class Trainer:
   def _collect(self, step: int, params) -> tuple[dict[str, float], dict[str, np.ndarray] | None]:
     """Rollouts, rewards, advantages and packing of one step: (metrics, packed batch or None)."""
     t0 = time.time()
+    verify_before = math_verifier.default_stats()
     all_trajs, outs, trajs, advs, info, rounds, sampling = self._rollout_groups(step, params)
     t_roll = time.time() - t0
-    metrics: dict[str, float] = {}
+    metrics: dict[str, float] = math_verify_metrics(verify_before, math_verifier.default_stats())
     totals = np.array([o.total for o in outs])
     metrics["reward/mean"] = float(totals.mean())
     metrics["reward/std"] = float(totals.std())

@@ -337,3 +337,39 @@ def test_dynamic_sampling_logs_counts_over_every_sampled_group(tmp_path, monkeyp
     assert m["adv/dynamic_sampling_shortfall"] == 0.0 and "train/loss" in m
   finally:
     trainer.close()
+
+
+def test_math_verifier_counts_are_logged_per_step(tmp_path, monkeypatch):
+  """A verifier timeout scores 0 without raising: the step's counts must reach the metrics."""
+  from jaxagent.rewards import math_verifier
+  counts = dict.fromkeys(("calls", "equal", "unequal", "timeouts", "errors", "busy", "restarts"), 0)
+  counts["calls"] = counts["timeouts"] = 7  # before the step (an eval): not this step's
+
+  class Shared:
+    def stats(self):
+      return dict(counts)
+
+  monkeypatch.setattr(math_verifier, "_default", Shared())
+  trainer = Trainer(_tiny(tmp_path))
+  try:
+    real = trainer.env.reward
+
+    def reward(*args):  # as a task whose every math comparison timed out
+      counts["calls"] += 1
+      counts["timeouts"] += 1
+      return real(*args)
+
+    monkeypatch.setattr(trainer.env, "reward", reward)
+    m = trainer.rl_step(1)
+  finally:
+    trainer.close()
+  n = m["rollout/num_trajectories"]
+  assert m["reward/math_verify/calls"] == m["reward/math_verify/timeouts"] == n > 0
+  assert m["reward/math_verify/errors"] == m["reward/math_verify/busy"] == 0.0
+
+
+def test_math_verify_metrics_without_a_started_verifier():
+  from jaxagent.trainer import math_verify_metrics
+  assert math_verify_metrics(None, None) == {}
+  after = {"calls": 3, "timeouts": 1, "errors": 0, "busy": 0, "restarts": 1, "equal": 2, "unequal": 0}
+  assert math_verify_metrics(None, after)["reward/math_verify/timeouts"] == 1.0

@@ -571,6 +571,13 @@ def default_verifier() -> MathVerifier:
     return _default
 
 
+def default_stats() -> dict[str, int] | None:
+  """`stats()` of the verifier that `math_equal` uses, or None while nothing has started it."""
+  with _default_lock:
+    verifier = _default
+  return None if verifier is None else verifier.stats()
+
+
 def math_equal(prediction: str, gold: str, *, timeout_s: float = 5.0) -> bool:
   """Whether `prediction` equals `gold` as math (math-verify); False on timeout or any error.
 
