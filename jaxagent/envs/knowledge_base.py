@@ -508,7 +508,12 @@ def load_kb(cfg: KBConfig, data_dir: str | os.PathLike | None = None) -> Knowled
     if split not in sources:
       raise ValueError(f"the prepared knowledge base at {builder.data_dir} has no split "
                        f"{split!r} (has {sorted(sources)}); delete that directory to rebuild it")
-    return list(grain.MapDataset.source(sources[split]).map(decode))
+    try:
+      return list(grain.MapDataset.source(sources[split]).map(decode))
+    except Exception as e:  # noqa: BLE001 - a damaged file fails deep inside the reader
+      raise ValueError(f"cannot read split {split!r} of the prepared knowledge base at "
+                       f"{builder.data_dir} ({type(e).__name__}: {e}); delete that directory "
+                       "to rebuild it") from e
 
   docs = sorted(read("documents", decode_document), key=lambda d: _doc_order(d.id))
   questions = {s: sorted(read(s, decode_question), key=lambda q: int(q.id.rsplit("-", 1)[1]))

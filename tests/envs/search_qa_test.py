@@ -106,6 +106,16 @@ def test_tfds_build_and_grain_read(data_dir):
   assert {f: f.stat().st_mtime for f in files} == mtimes
 
 
+def test_a_damaged_prepared_file_is_named_with_the_fix(tmp_path):
+  cfg = kb.KBConfig(seed=9, **SMALL)
+  builder = kb.build_kb(cfg, tmp_path)
+  (path,) = pathlib.Path(builder.data_dir).glob("*-train.array_record*")
+  path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+  with pytest.raises(ValueError, match=r"cannot read split 'train' of the prepared knowledge "
+                     r"base at .*; delete that directory to rebuild it"):
+    kb.load_kb(cfg, tmp_path)
+
+
 def test_build_and_read_without_tensorflow(tmp_path):
   """tfds writes and reads the ArrayRecord dataset, and grain reads it, with TensorFlow hidden."""
   script = textwrap.dedent(f"""
