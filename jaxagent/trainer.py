@@ -293,6 +293,12 @@ def check_config(config) -> None:
     count(key, 1)
   # Read only after the first step's rollouts (and the warm start): check them now.
   train = config.get("train") if hasattr(config, "get") else None
+  if (hasattr(train, "get") and train.get("samples_per_prompt") == 1
+      and (config.get("total_steps") or 0) > 0):
+    raise ValueError(
+        "train.samples_per_prompt=1 gives every group one member, so every group-relative "
+        "advantage (grpo, dr_grpo, rloo) is 0 and no RL step would learn: use 2 or more "
+        "(or total_steps=0 for a run without RL)")
   for key, allowed in (("advantage", get_args(adv_lib.Method)),
                        ("zero_variance", get_args(adv_lib.ZeroVariance))):
     v = train.get(key) if hasattr(train, "get") else None

@@ -96,6 +96,7 @@ def test_config_keys_are_checked_against_the_quickstart():
     ("train.time_limit", 5, r"train.time_limit \(did you mean train.time_limit_s\?\)"),
     ("train.prompts_per_step", 0, "train.prompts_per_step must be an int >= 1, got 0"),
     ("train.samples_per_prompt", 0, "train.samples_per_prompt must be an int >= 1"),
+    ("train.samples_per_prompt", 1, "samples_per_prompt=1 gives every group one member"),
     ("train.epochs", 0, "train.epochs must be an int >= 1"),
     ("total_steps", -1, "total_steps must be an int >= 0"),
     ("rollout.slots", 0, "rollout.slots must be an int >= 1"),
