@@ -288,6 +288,7 @@ def check_config(config) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
       raise ValueError(f"{key} must be an int >= {least}, got {v!r}")
   count("total_steps", 0)
+  count("seed", 0)  # the prompt shuffle takes only non-negative seeds
   for key in ("train.prompts_per_step", "train.samples_per_prompt", "train.epochs",
               "rollout.slots", "train.micro_batches", "train.max_sampling_rounds"):
     count(key, 1)

@@ -99,6 +99,7 @@ def test_config_keys_are_checked_against_the_quickstart():
     ("train.samples_per_prompt", 1, "samples_per_prompt=1 gives every group one member"),
     ("train.epochs", 0, "train.epochs must be an int >= 1"),
     ("total_steps", -1, "total_steps must be an int >= 0"),
+    ("seed", -1, "seed must be an int >= 0, got -1"),
     ("rollout.slots", 0, "rollout.slots must be an int >= 1"),
     ("optimizer.lr", float("nan"), "learning_rate must be a finite number > 0"),
     ("sft.lr", float("nan"), "learning_rate must be a finite number > 0"),
