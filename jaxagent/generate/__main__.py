@@ -1,28 +1,63 @@
-"""`python -m jaxagent.generate "question" [--model PATH] [--max-new-tokens N] [--temperature T]`.
+"""`python -m jaxagent.generate "question" [--model PATH] [--max-new-tokens N] [--temperature T]
+[--top-p P] [--top-k K] [--stop STRING ...] [--seed S]`.
 
 Chat with a model from the command line: renders the chat template, samples a reply.
+A bad flag, model or prompt is a one-line error and exit status 2 (flags) or 1 (the rest).
 """
 import argparse
+import math
 
 from jaxagent import models
 from jaxagent.generate import generate
 
 
-def main(argv=None):
-  ap = argparse.ArgumentParser(prog="python -m jaxagent.generate", description=__doc__)
-  ap.add_argument("prompt", nargs="?", default="What is the capital of France?")
+def _parser() -> argparse.ArgumentParser:
+  ap = argparse.ArgumentParser(prog="python -m jaxagent.generate", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("prompt", nargs="?", default="What is the capital of France?",
+                  help="the user message (default: %(default)r)")
   ap.add_argument("--model", default="smollm2-135m-instruct",
-                  help="HF directory, .gguf file or embedded preset")
-  ap.add_argument("--max-new-tokens", type=int, default=64)
-  ap.add_argument("--temperature", type=float, default=0.0)
+                  help="HF directory, .gguf file or embedded preset (default: %(default)s)")
+  ap.add_argument("--max-new-tokens", type=int, default=64, help="reply budget, >= 1")
+  ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; else > 0")
+  ap.add_argument("--top-p", type=float, default=1.0, help="nucleus mass in (0, 1]; 1 = off")
+  ap.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = off")
+  ap.add_argument("--stop", action="append", default=None, metavar="STRING",
+                  help="end the reply at this string (repeatable)")
   ap.add_argument("--seed", type=int, default=0)
+  return ap
+
+
+def main(argv=None):
+  ap = _parser()
   args = ap.parse_args(argv)
-  cfg, params = models.load(args.model)
-  tok = models.load_tokenizer(args.model)
-  text = tok.apply_chat_template([{"role": "user", "content": args.prompt}],
-                                 add_generation_prompt=True)
-  out = generate(params, cfg, [tok.encode(text)], args.max_new_tokens, tokenizer=tok,
-                 temperature=args.temperature, seed=args.seed, slots=1)[0]
+  if args.max_new_tokens < 1:
+    ap.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  if not (math.isfinite(args.temperature) and args.temperature >= 0):
+    ap.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+  if not 0.0 < args.top_p <= 1.0:  # also false for nan
+    ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
+  if args.top_k < 0:
+    ap.error(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+  if args.stop is not None and not all(args.stop):
+    ap.error("--stop strings must be non-empty")
+  for name, text in [("prompt", args.prompt)] + [("--stop", s) for s in args.stop or []]:
+    try:
+      text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the terminal's locale could not decode
+      ap.error(f"the {name} {text!r} is not valid UTF-8 text")
+  try:
+    cfg, params = models.load(args.model)
+    tok = models.load_tokenizer(args.model)
+    prompt = tok.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    if len(prompt) + 1 > cfg.max_seq_len:
+      raise ValueError(f"the prompt is {len(prompt)} tokens with its chat template; {args.model} "
+                       f"takes at most {cfg.max_seq_len} (prompt plus one new token): shorten it")
+    out = generate(params, cfg, [prompt], args.max_new_tokens, tokenizer=tok,
+                   temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                   stop=args.stop, seed=args.seed, slots=1)[0]
+  except (OSError, ValueError) as e:  # a missing or unusable model, a bad prompt
+    raise SystemExit(f"generate failed: {e}") from None
   reply = tok.decode(out.tokens, skip_special_tokens=True)
   print(f"user: {args.prompt}\nassistant: {reply}\n[{len(out.tokens)} tokens, "
         f"stop: {out.stop_reason}]")
