@@ -222,6 +222,7 @@ class Tokenizer:
     """
     if not isinstance(text, str):
       raise TypeError(f"encode expects a str, got {type(text).__name__}")
+    _check_encodable(text, "encode")
     backend = self._backend if parse_special else self._literal()
     return backend.encode(text, add_special_tokens=add_special_tokens).ids
 
@@ -232,6 +233,7 @@ class Tokenizer:
     for i, text in enumerate(texts):
       if not isinstance(text, str):
         raise TypeError(f"encode_batch expects strs, got {type(text).__name__} at index {i}")
+      _check_encodable(text, f"encode_batch: text {i}")
     backend = self._backend if parse_special else self._literal()
     return [e.ids for e in backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
 
@@ -293,6 +295,13 @@ class Tokenizer:
           add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as e:
       raise ValueError(f"{self.name}: the chat template rejected this conversation: {e}") from e
+    except TypeError as e:  # e.g. `'...' + message['content']` on a non-string content
+      odd = [f"messages[{i}]['content'] is of type {type(m['content']).__name__}"
+             for i, m in enumerate(messages) if not isinstance(m.get("content", ""), str)]
+      hint = (f"; {', '.join(odd)}: this template needs string contents (join text parts into "
+              "one string)") if odd else ""
+      raise TypeError(f"{self.name}: the chat template cannot render this conversation "
+                      f"({e}){hint}") from e
 
   def encode_chat(
       self,
@@ -603,6 +612,19 @@ def _build_from_gguf(path: pathlib.Path) -> tuple[tokenizers.Tokenizer, dict[str
 
 
 # ---- helpers ----------------------------------------------------------------------------
+
+
+def _check_encodable(text: str, where: str) -> None:
+  # The `tokenizers` library refuses text that is not valid Unicode with a bare "TextInputSequence
+  # must be str"; name the character instead (lone surrogates come from JSON escapes such as
+  # "\ud800" and from undecodable bytes read with errors="surrogateescape").
+  try:
+    text.encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise ValueError(
+        f"{where}: the text holds a lone surrogate {text[e.start]!r} at index {e.start}, which is "
+        "not valid Unicode; clean it first, e.g. text.encode('utf-8', 'replace').decode('utf-8')"
+    ) from None
 
 
 def _as_id_list(ids: Iterable[int] | np.ndarray) -> list[int]:

@@ -374,6 +374,30 @@ def test_template_errors_are_clear(tool_dir, tok):
     tok.apply_chat_template(_CONVERSATIONS[2])
 
 
+@pytest.mark.parametrize("content", [5, 1.5, True, {"a": 1}, [{"type": "text", "text": "hi"}]])
+def test_non_string_content_names_the_message(tok, content):
+  # SmolLM2's template concatenates message['content']: the error says which message and why.
+  messages = [{"role": "system", "content": "S"}, {"role": "user", "content": content}]
+  with pytest.raises(TypeError, match=r"cannot render this conversation \(can only concatenate.*"
+                     rf"messages\[1\]\['content'\] is of type {type(content).__name__}.*string"):
+    tok.apply_chat_template(messages)
+  with pytest.raises(TypeError, match=r"messages\[1\]\['content'\]"):
+    tok.encode_chat(messages)
+
+
+def test_lone_surrogates_are_a_clear_error(tok):
+  # e.g. json.loads('"\\ud800"') in a dataset: the tokenizers library alone says only
+  # "TextInputSequence must be str".
+  bad = json.loads('"ok \\ud800"')
+  with pytest.raises(ValueError, match=r"encode: .*lone surrogate '\\ud800' at index 3"):
+    tok.encode(bad)
+  with pytest.raises(ValueError, match=r"encode_batch: text 1: .*lone surrogate"):
+    tok.encode_batch(["fine", bad])
+  with pytest.raises(ValueError, match="lone surrogate"):
+    tok.encode_chat([{"role": "user", "content": bad}])
+  assert tok.encode(bad.encode("utf-8", "replace").decode("utf-8"))  # the fix the message gives
+
+
 def test_template_variables_and_named_templates(tok):
   messages = [{"role": "user", "content": "hi"}]
   template = "{{ greeting }} {{ bos_token }}{{ eos_token }}{{ messages[0].content }}"
