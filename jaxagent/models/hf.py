@@ -219,6 +219,19 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
   return cfg, params_from_state_dict(cfg, sd, source=str(path))
 
 
+def _umask() -> int:
+  """The process's umask, read without changing it where the OS shows it (Linux)."""
+  try:
+    for line in pathlib.Path("/proc/self/status").read_text().splitlines():
+      if line.startswith("Umask:"):
+        return int(line.split()[1], 8)
+  except OSError:
+    pass
+  mask = os.umask(0o022)  # elsewhere: set and restore (briefly process-wide)
+  os.umask(mask)
+  return mask
+
+
 def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -> pathlib.Path:
   """Write `config.json` + `model.safetensors` (+ tokenizer files when given) to `path`."""
   from safetensors.numpy import save_file
@@ -235,7 +248,11 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
   out.mkdir(parents=True, exist_ok=True)
   (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
   sd = state_dict_from_params(cfg, params)
-  save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+  weights = out / "model.safetensors"
+  save_file(sd, str(weights), metadata={"format": "pt"})
+  # The safetensors writer creates its file owner-only (0600) whatever the umask; give it the
+  # mode of the other files written here, so others who can read config.json can load it.
+  weights.chmod(0o666 & ~_umask())
   if tokenizer is not None and hasattr(tokenizer, "save"):
     tokenizer.save(out)
   return out

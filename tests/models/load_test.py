@@ -176,3 +176,16 @@ def test_save_hf_refuses_a_directory_with_other_weights(tmp_path):
   # Writing over an earlier export (one model.safetensors) is fine.
   out = models.save_hf(tmp_path / "again", cfg, params)
   models.save_hf(out, cfg, params)
+
+
+def test_exported_weights_have_the_mode_of_the_other_files(tmp_path):
+  # The safetensors writer creates its file 0600; others on a shared cluster could not load it.
+  import os
+  import stat
+  old = os.umask(0o022)
+  try:
+    _, path = _save_tiny(tmp_path)
+  finally:
+    os.umask(old)
+  mode = lambda name: stat.S_IMODE((path / name).stat().st_mode)  # noqa: E731
+  assert mode("model.safetensors") == mode("config.json") == 0o644
