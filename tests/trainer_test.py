@@ -271,6 +271,10 @@ def test_row_rounding_reaches_the_packer(tmp_path):
     config_from_train(t, dp=4)
   del t["row_rounding"]  # configs written before the key: the least-padding default
   assert config_from_train(t, dp=4).row_rounding == "multiple"
+  # A new pack_len alone: the error names the two settings to change, not packing's fields.
+  t.pack_len = 2 * t.len_buckets[-1]
+  with pytest.raises(ValueError, match=r"train.len_buckets=\(.*\) must end with train.pack_len="):
+    config_from_train(t, dp=4)
 
 
 def test_observation_loss_is_wired_and_unsampled_old_logps_are_scored(tmp_path, monkeypatch):

@@ -160,9 +160,12 @@ def config_from_train(train, dp: int) -> PackingConfig:
     both use this): rows of `train.pack_len` tokens, `len_buckets`, and a row count rounded per
     `row_rounding` to a multiple of the micro-batches times the `dp` data-parallel devices
     (each micro-batch splits evenly over them)."""
-    return PackingConfig(
-        max_len=train.pack_len, len_buckets=tuple(train.get("len_buckets", ())) or (train.pack_len,),
-        row_multiple=train.micro_batches * dp, row_rounding=train.get("row_rounding", "multiple"))
+    buckets = tuple(train.get("len_buckets", ())) or (train.pack_len,)
+    if buckets[-1] != train.pack_len:
+        raise ValueError(f"train.len_buckets={buckets} must end with train.pack_len={train.pack_len}: "
+                         "set both (e.g. --config.train.len_buckets='(..., PACK_LEN)')")
+    return PackingConfig(max_len=train.pack_len, len_buckets=buckets, row_multiple=train.micro_batches * dp,
+                         row_rounding=train.get("row_rounding", "multiple"))
 
 
 @dataclasses.dataclass
