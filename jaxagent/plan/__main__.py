@@ -3,7 +3,9 @@
 Compiles every program of the run for the topology (TPU topologies through libtpu, on any
 machine; `--topology=local` for this machine's devices) and prints memory per chip, estimated
 times and collectives per program, the verdict and the knobs to turn. Exit status 1 when the run
-does not fit. `--json=PATH` also writes the report as JSON.
+does not fit, when a program it uses fails to compile, or on bad input (an unknown topology, a
+mesh that does not divide the devices, a misspelt config key: one line saying which).
+`--json=PATH` also writes the report as JSON.
 """
 import json
 import logging
@@ -19,12 +21,39 @@ _TOPOLOGY = flags.DEFINE_string(
     "topology", "local", "TPU topology ('v5e:4x4', 'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1', ...) or "
     "'local' for this machine's devices.")
 _ROWS = flags.DEFINE_integer("rows", None, "Update-batch rows (default: one trajectory per row).")
-_PROMPT_LEN = flags.DEFINE_integer("prompt_len", None,
-                                   "Longest prompt to prefill (default: the cache length - 1).")
+_PROMPT_LEN = flags.DEFINE_integer(
+    "prompt_len", None, "Longest prompt to prefill (default: rollout.max_prompt_tokens, else "
+    "the cache length - 1).")
 _APPEND_LEN = flags.DEFINE_integer("append_len", 256, "Tokens appended into a slot at once.")
 _PROGRAMS = flags.DEFINE_list("programs", [], "Only these program kinds (update, sft, score, "
                               "prefill, insert, generate, append).")
 _JSON = flags.DEFINE_string("json", None, "Also write the report as JSON to this path.")
+
+
+def _parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing, with one line (exit status 1) instead of a traceback for a
+  `--config.key=value` naming a key the config lacks or a config file that does not load."""
+  def fail(message: str):
+    print(f"FATAL Flags parsing error: {message}\nPass --helpshort or --helpfull to see help on "
+          "flags.", file=sys.stderr)
+    sys.exit(1)
+  try:
+    rest = flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(str(e))
+  except (AttributeError, KeyError) as e:  # raised by the config for a key it does not have
+    while e.args and isinstance(e.args[0], BaseException):
+      e = e.args[0]
+    what = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
+    fail(f"the config has no key {what}")
+  except OSError as e:  # an override of a config file that could not be loaded
+    fail(str(e))
+  try:
+    if _CONFIG.value is not None:
+      _CONFIG.value.keys()  # a config file that could not be loaded raises its error here
+  except OSError as e:
+    fail(str(e))
+  return rest
 
 
 def main(argv):
@@ -39,15 +68,29 @@ def main(argv):
     jax.config.update("jax_platforms", "cpu")
   jax.config.update("jax_threefry_partitionable", True)
   from jaxagent import plan
-  options = plan.PlanOptions(rows=_ROWS.value, prompt_len=_PROMPT_LEN.value,
-                             append_len=_APPEND_LEN.value, programs=tuple(_PROGRAMS.value))
-  report = plan.plan_run(_CONFIG.value, _TOPOLOGY.value, options=options)
+  try:
+    options = plan.PlanOptions(rows=_ROWS.value, prompt_len=_PROMPT_LEN.value,
+                               append_len=_APPEND_LEN.value, programs=tuple(_PROGRAMS.value))
+  except ValueError as e:
+    raise app.UsageError(str(e)) from None
+  try:
+    report = plan.plan_run(_CONFIG.value, _TOPOLOGY.value, options=options)
+  except (ValueError, FileNotFoundError) as e:  # a bad setting, topology or model path
+    raise SystemExit(f"bad plan input: {e}") from None
+  except RuntimeError as e:
+    if plan.has_libtpu():
+      raise
+    raise SystemExit(str(e)) from None  # a TPU topology without libtpu: how to install it
   print(report.render())
   if _JSON.value:
-    pathlib.Path(_JSON.value).write_text(json.dumps(report.to_dict(), indent=2, default=str))
-  if report.fits is False:
+    try:
+      pathlib.Path(_JSON.value).write_text(json.dumps(report.to_dict(), indent=2, default=str))
+    except OSError as e:
+      raise SystemExit(f"could not write --json={_JSON.value}: {e}") from None
+  failed = [p.name for p in report.programs if p.used and p.error and not p.oom]
+  if report.fits is False or failed:
     sys.exit(1)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)

@@ -1,0 +1,54 @@
+"""`python -m jaxagent.plan`: bad input is one line and exit status 1, never a traceback."""
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from jaxagent import plan
+
+REPO = pathlib.Path(__file__).resolve().parent.parent.parent
+TINY = ["--config=configs/quickstart.py:tiny", "--config.model.tokenizer="]
+
+
+def _plan(*args):
+  return subprocess.run([sys.executable, "-m", "jaxagent.plan", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=300,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+
+@pytest.mark.parametrize("args, expected", [
+    (["--topology=v5e"], "bad plan input: topology 'v5e': expected '<chip>:<shape>'"),
+    (["--config.trian.rows=3"], 'the config has no key \'trian\'\nDid you mean "train"'),
+    (["--config=configs/no_such_config.py"], "No such file or directory"),
+    (["--programs=decode"], "PlanOptions.programs: unknown ['decode']"),
+    (["--config.model.path=no-such-model"], "bad plan input: model.path 'no-such-model'"),
+])
+def test_bad_input_is_one_line_not_a_traceback(args, expected):
+  r = _plan(*TINY, *args)
+  assert r.returncode == 1, r.stderr[-2000:]
+  assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("args, expected", [
+    (["--topology=v9:2x2"], "bad plan input: libtpu does not know the topology 'v9:2x2'"),
+    (["--topology=v5e:2x2", "--config.mesh.data=3", "--config.mesh.fsdp=1"],
+     "bad plan input: MeshConfig data*fsdp*tensor = 3 but 4 devices"),
+])
+def test_bad_topology_or_mesh_is_one_line(args, expected):
+  r = _plan(*TINY, *args)
+  assert r.returncode == 1, r.stderr[-2000:]
+  assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
+@pytest.mark.tpu_aot
+def test_a_program_that_fails_to_compile_is_a_failed_plan():
+  # cuDNN attention exists on no TPU: the update cannot be built for v5e, so the plan must not
+  # exit 0 as if the run could go ahead.
+  r = _plan(*TINY, "--topology=v5e:2x2", "--programs=update", "--config.model.attention=cudnn")
+  assert "compile failed" in r.stdout, r.stdout
+  assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
