@@ -22,8 +22,11 @@ coarse lower bound that ignores topology, latency and overlap with compute.
 float32 matmuls run at the bf16 rate on TPU (JAX's default precision there is one bf16 pass)
 and at the TF32 rate on GPU. Where the runtime reports the allocator's limit
 (`device.memory_stats()["bytes_limit"]`, real GPUs and TPUs) that number is the capacity: it is
-what this process can actually use. A compile-only TPU device reports nothing, so the table is
-used. CPU devices have no capacity and no peak: host memory is checked leniently, if at all.
+what this process can actually use. A compile-only TPU device reports nothing; there the
+capacity is the HBM the TPU compiler lets one program use on it, which it names when it refuses
+a program too large to fit (with this libtpu: v5e 15.75 GiB of its 16, v6e 31.25 of 32, v5p
+95.74, a v4 core 15.25), and the table's figure only when that cannot be read. CPU devices have
+no capacity and no peak: host memory is checked leniently, if at all.
 A TPU v4 topology described without a TPU lists each chip's two TensorCores as two devices;
 each then gets half the chip.
 """
@@ -32,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
+import re
 from typing import Sequence
 
 import jax
@@ -49,7 +53,8 @@ class ChipSpec:
   f32_flops: float | None          # peak matmul flop/s for float32 inputs at default precision
   hbm_bandwidth: float | None      # bytes/s
   ici_bandwidth: float | None = None  # bytes/s into one chip over its interconnect
-  source: str = "table"            # "table", "runtime" (allocator limit) or "unknown"
+  source: str = "table"            # "table", "runtime" (allocator limit), "compiler" (the TPU
+                                   # compiler's budget for a compile-only device) or "unknown"
 
   def peak_flops(self, dtype: str) -> float | None:
     return self.f32_flops if dtype == "float32" else self.bf16_flops
@@ -93,9 +98,30 @@ def chip_for(devices: Sequence[jax.Device]) -> ChipSpec:
     limit = None
   if limit and d.platform != "cpu":
     spec = dataclasses.replace(spec, hbm_bytes=float(limit), source="runtime")
+  elif d.platform == "tpu" and (budget := _compiler_hbm_budget(d)):
+    spec = dataclasses.replace(spec, hbm_bytes=budget, source="compiler")
   if d.platform == "cpu":
     spec = dataclasses.replace(spec, name="cpu", hbm_bytes=None, source="unknown")
   return spec
+
+
+_BUDGET_RE = re.compile(r"exceeds available HBM \(([\d.]+)([KMGT])\)")
+
+
+def _compiler_hbm_budget(device: jax.Device) -> float | None:
+  """The HBM (bytes) the TPU compiler lets one program use on `device`, read from its refusal
+  of a program that needs 1 TiB (a compile that stops at its memory check, in milliseconds);
+  None if it does not say. It is not the datasheet's HBM: the runtime keeps a part."""
+  replicated = jax.sharding.NamedSharding(jax.sharding.Mesh([device], ("x",)),
+                                          jax.sharding.PartitionSpec())
+  too_big = jax.ShapeDtypeStruct((1 << 40,), "int8", sharding=replicated)
+  try:
+    jax.jit(lambda a: a[0]).lower(too_big).compile()
+  except Exception as e:  # the refusal is the answer
+    m = _BUDGET_RE.search(str(e))
+    if m:
+      return float(m.group(1)) * 1024 ** " KMGT".index(m.group(2))
+  return None
 
 
 def has_libtpu() -> bool:

@@ -215,12 +215,16 @@ def _compile(report: ProgramReport, fn, args, kwargs, mesh: Mesh, chip: ChipSpec
     report.oom = bool(_OOM_RE.search(msg)) and not _KERNEL_LIMIT_RE.search(msg)
     report.error = msg[:600]
     report.compile_s = time.perf_counter() - t0
-    # What is known without the compiled program: the arguments, and the temporaries the
-    # TPU compiler names when it refuses.
+    # What is known without the compiled program: the arguments, and the memory the TPU
+    # compiler says the program needs when it refuses. Despite its wording ("HLO temporaries")
+    # that figure is the program's whole footprint, arguments and outputs included (a program
+    # that only reads a 20 GiB argument is refused with "HLO temporaries (20.00G)"), so the
+    # temporaries are what it names beyond the arguments.
     report.argument_bytes = _per_chip_bytes(args)
     m = _TEMP_RE.search(msg)
     if m:
-      report.temp_bytes = float(m.group(1)) * 1024 ** " KMGT".index(m.group(2))
+      required = float(m.group(1)) * 1024 ** " KMGT".index(m.group(2))
+      report.temp_bytes = max(0.0, required - report.argument_bytes)
     return None
   report.compile_s = time.perf_counter() - t0
   ma = compiled.memory_analysis()

@@ -1,5 +1,6 @@
 """The planner: run shapes, the trainer's step settings, CPU plans, knobs, and TPU AOT compiles."""
 import json
+import re
 
 import jax
 import numpy as np
@@ -217,6 +218,10 @@ def test_7b_without_fsdp_on_v5e_2x2_is_reported_not_raised():
   assert report.fits is False and report.target == "local"
   up = report.programs[0]
   assert up.oom and up.total_bytes > 16 * GiB          # the compiler's refusal, with its sizes
+  # ... counted once: the figure it names is the program's whole footprint, arguments included.
+  required = float(re.search(r"HLO temporaries \(([\d.]+)G\)", up.error).group(1)) * GiB
+  assert up.program_bytes == pytest.approx(required, rel=0.01)
+  assert report.chip.source == "compiler" and report.chip.hbm_bytes < 16 * GiB
   assert "DOES NOT FIT" in str(info.value)
 
 
@@ -242,3 +247,24 @@ def test_kernel_resource_limit_is_a_compile_failure_not_device_memory():
   planner._compile(hbm, Refusing("RESOURCE_EXHAUSTED: Ran out of memory in memory space hbm"),
                    (), {}, None, chip, "bfloat16")
   assert hbm.oom and hbm.fits is False
+
+
+@needs_libtpu
+@pytest.mark.tpu_aot
+def test_compiler_refusal_counts_the_arguments_once():
+  # The TPU compiler's refusal names the program's whole footprint (it calls it "HLO
+  # temporaries"): a program that only reads one element of a 20 GiB argument needs 20 GiB,
+  # not the argument plus that figure again.
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jaxagent.plan import planner
+  from jaxagent.plan.report import ProgramReport
+  devices = plan.devices_for("v5e:2x2")
+  chip = plan.chip_for(devices)
+  sh = NamedSharding(Mesh(np.asarray(devices[:1]), ("x",)), P())
+  big = jax.ShapeDtypeStruct((20 * GiB,), np.int8, sharding=sh)
+  rep = ProgramReport(name="read", kind="update", shapes="[20 GiB]", capacity=chip.hbm_bytes)
+  assert planner._compile(rep, jax.jit(lambda a: a[:8]), (big,), {}, None, chip,
+                          "bfloat16") is None
+  assert rep.oom and "20.00G" in rep.error and rep.fits is False
+  assert rep.argument_bytes == 20 * GiB
+  assert rep.total_bytes == pytest.approx(20 * GiB, rel=0.01), rep.total_bytes / GiB
