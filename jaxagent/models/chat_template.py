@@ -71,6 +71,40 @@ def normalize_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, 
   return out
 
 
+# Marks where the final message's text ends, for `continue_final_message`. The trailing space
+# shows whether the template kept the text as written or trimmed its end.
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def tag_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+  """`messages` with a marker after the final message's text (its last text block for a list)."""
+  last = dict(messages[-1])
+  content = last.get("content")
+  if isinstance(content, str):
+    last["content"] = content + _CONTINUE_TAG
+  elif isinstance(content, list):
+    blocks = [dict(b) if isinstance(b, dict) else b for b in content]
+    text_blocks = [b for b in blocks if isinstance(b, dict) and isinstance(b.get("text"), str)]
+    if not text_blocks:
+      raise ValueError("continue_final_message: the final message has no text block to continue")
+    text_blocks[-1]["text"] += _CONTINUE_TAG
+    last["content"] = blocks
+  else:
+    raise ValueError("continue_final_message: the final message has no 'content' to continue "
+                     f"(got {type(content).__name__})")
+  return messages[:-1] + [last]
+
+
+def cut_at_final_message(text: str) -> str:
+  """The rendering of `tag_final_message(...)` cut where the final message's text ends."""
+  at = text.rfind(_CONTINUE_TAG.strip())
+  if at < 0:
+    raise ValueError("continue_final_message: the chat template does not write the final "
+                     "message's content, so there is nothing to continue")
+  # A template that trims the text also dropped its trailing whitespace: drop it here too.
+  return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+
+
 class _GenerationBlock(jinja2.ext.Extension):
   """`{% generation %}...{% endgeneration %}` (marks assistant text in some templates): renders its body."""
 

@@ -39,7 +39,8 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
-from jaxagent.models.chat_template import compile_template, normalize_messages, plain
+from jaxagent.models.chat_template import (compile_template, cut_at_final_message, normalize_messages,
+                                           plain, tag_final_message)
 
 __all__ = ["PRESETS", "StreamDecoder", "Tokenizer", "load_tokenizer", "tokenizer_cache_dir"]
 
@@ -263,6 +264,7 @@ class Tokenizer:
       *,
       documents: Sequence[Mapping[str, Any]] | None = None,
       chat_template: str | None = None,
+      continue_final_message: bool = False,
       **kwargs: Any,
   ) -> str:
     """Renders a conversation to the prompt text, exactly as `transformers` does.
@@ -274,11 +276,24 @@ class Tokenizer:
       tools: JSON-schema tool descriptions, for templates that render them.
       chat_template: a template name of this tokenizer (e.g. "tool_use") or a jinja template string;
         by default "tool_use" when `tools` are given and such a template exists, else "default".
+      continue_final_message: end the text right after the final message's content (no end-of-turn
+        token), so that generation continues that message, e.g. an assistant reply begun by the
+        caller. Needs `add_generation_prompt=False`.
       **kwargs: extra template variables (e.g. `enable_thinking=False`); they override the special
         token variables (`bos_token`, `eos_token`, ...).
     """
+    if kwargs.pop("tokenize", False):
+      raise TypeError("apply_chat_template returns text; for token ids call encode_chat with the "
+                      "same arguments")
+    if not isinstance(continue_final_message, bool):
+      raise TypeError(f"continue_final_message must be a bool, got {continue_final_message!r}")
+    if continue_final_message and add_generation_prompt:
+      raise ValueError("continue_final_message=True continues the last message instead of opening "
+                       "a new turn: pass add_generation_prompt=False with it")
     template = self._select_template(chat_template, tools)
     messages = normalize_messages(messages)
+    if continue_final_message:
+      messages = tag_final_message(messages)
     if tools is not None:
       tools = plain(list(tools), "tools")
       for i, tool in enumerate(tools):
@@ -290,9 +305,10 @@ class Tokenizer:
         raise TypeError("documents must be dicts (e.g. with 'title' and 'text' keys)")
     variables = {**self.special_tokens, **plain(kwargs, "template variables")}
     try:
-      return compile_template(template).render(
+      text = compile_template(template).render(
           messages=messages, tools=tools, documents=documents,
           add_generation_prompt=add_generation_prompt, **variables)
+      return cut_at_final_message(text) if continue_final_message else text
     except jinja2.TemplateError as e:
       raise ValueError(f"{self.name}: the chat template rejected this conversation: {e}") from e
     except TypeError as e:  # e.g. `'...' + message['content']` on a non-string content

@@ -398,6 +398,48 @@ def test_lone_surrogates_are_a_clear_error(tok):
   assert tok.encode(bad.encode("utf-8", "replace").decode("utf-8"))  # the fix the message gives
 
 
+_CONTINUE_CASES = [
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is"}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "It is "}],
+    [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "x It is x"}],
+    [{"role": "system", "content": "S"}, {"role": "user", "content": "Start a list:\n"}],
+]
+_TRIMMING_TEMPLATE = ("{% for m in messages %}<{{ m.role }}>{{ m.content | trim }}</{{ m.role }}>\n"
+                      "{% endfor %}")
+
+
+@pytest.mark.parametrize("template", ["default", _TRIMMING_TEMPLATE])
+@pytest.mark.parametrize("case", range(len(_CONTINUE_CASES)))
+def test_continue_final_message_matches_transformers(tok, hf_tok, template, case):
+  # The text ends right after the final message's content (no end-of-turn token); a template that
+  # trims the content also loses its trailing spaces.
+  messages = _CONTINUE_CASES[case]
+  kwargs = {} if template == "default" else {"chat_template": template}
+  ours = tok.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                 **kwargs)
+  ref = hf_tok.apply_chat_template(messages, add_generation_prompt=False, tokenize=False,
+                                   continue_final_message=True, **kwargs)
+  assert ours == ref
+  assert ours.rstrip().endswith(messages[-1]["content"].rstrip()) and "<|im_end|>" not in ours[-12:]
+  assert tok.encode_chat(messages, add_generation_prompt=False, continue_final_message=True) == (
+      tok.encode(tok.apply_chat_template(messages, False, continue_final_message=True)))
+
+
+def test_continue_final_message_errors(tok):
+  messages = _CONTINUE_CASES[0]
+  with pytest.raises(ValueError, match="add_generation_prompt=False"):
+    tok.apply_chat_template(messages, continue_final_message=True)
+  with pytest.raises(ValueError, match="nothing to continue"):
+    tok.apply_chat_template(messages, False, continue_final_message=True,
+                            chat_template="{{ messages | length }}")
+  with pytest.raises(ValueError, match="no 'content' to continue"):
+    tok.apply_chat_template([{"role": "user", "content": "x"}, {"role": "assistant"}], False,
+                            continue_final_message=True)
+  with pytest.raises(TypeError, match="encode_chat"):  # would be a silently ignored variable
+    tok.apply_chat_template(messages, tokenize=True)
+  assert tok.apply_chat_template(messages, tokenize=False) == tok.apply_chat_template(messages)
+
+
 def test_template_variables_and_named_templates(tok):
   messages = [{"role": "user", "content": "hi"}]
   template = "{{ greeting }} {{ bos_token }}{{ eos_token }}{{ messages[0].content }}"
