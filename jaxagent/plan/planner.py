@@ -22,8 +22,9 @@ appended at once, attention over the whole cache. `PlanOptions` narrows them.
 
 Memory per chip = XLA's arguments + outputs - donated aliases + temporaries + code, plus the
 buffers the run keeps alive meanwhile (`resident`): the optimizer state while the generator
-decodes (colocated mode shares the params, not the moments), the frozen reference params when
-KL is on, the RL state during the SFT warm start. Time per program is a roofline estimate,
+decodes (colocated mode shares the params, not the moments; float32 masters with a lower
+compute dtype decode from a compute-dtype copy, the masters resident beside it), the frozen
+reference params when KL is on, the RL state during the SFT warm start. Time per program is a roofline estimate,
 max(flops / peak, HBM bytes / bandwidth, collective bytes / interconnect bandwidth), from
 loop-aware HLO counts (`jaxagent.plan.hlo`; XLA's own `cost_analysis()` counts each `lax.scan`
 body once and is reported alongside). Peaks and bandwidths are in `jaxagent.plan.chips`.
@@ -363,11 +364,16 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
                         sampling=SamplingConfig(r.temperature, r.top_p, r.top_k))
     # The rollout mesh (`rollout.mesh`): the learner's, or every device on the data axis with
     # a replicated compute-dtype copy of the weights beside the learner's resident masters.
+    # On the learner's mesh the generator decodes from the masters themselves when the param
+    # and compute dtypes agree, else from a compute-dtype copy with the masters' shardings
+    # (as `Trainer._generator_params` hands them), the masters staying resident beside it.
     dmesh = shd.rollout_mesh(r.get("mesh", "learner"), mesh)
     dparams, masters_b = params, 0.0
-    if dmesh is not mesh:
+    if dmesh is not mesh or cfg.jnp_param_dtype != cfg.jnp_dtype:
       copy = jax.eval_shape(functools.partial(param_tree.compute_copy, cfg=cfg), abstract_params)
-      dparams, masters_b = _sds(copy, shd.shardings(copy, dmesh)), params_b
+      copy_sh = (shd.shardings(copy, dmesh) if dmesh is not mesh
+                 else jax.tree.map(lambda p: p.sharding, params))
+      dparams, masters_b = _sds(copy, copy_sh), params_b
     engine = Engine(cfg, ecfg, mesh=dmesh)
     dstate = engine.abstract_decode_state()
     kv_b = _per_chip_bytes((dstate.k, dstate.v))

@@ -124,6 +124,23 @@ def test_data_rollout_mesh_plans_decode_with_replicated_weights():
       weights, data.collectives, fsdp.collectives)
 
 
+def test_float32_masters_decode_from_a_compute_dtype_copy_on_the_learner_mesh():
+  from jaxagent.models import get_config
+  c = tiny(1, 4, 1)
+  opts = plan.PlanOptions(programs=("generate",))
+  plan_of = lambda cfg: plan.plan_run(c, jax.devices()[:4], cfg=cfg, options=opts
+                                      ).program("generate")
+  same = plan_of(get_config("tiny-llama", n_layers=1))
+  mixed = plan_of(get_config("tiny-llama", n_layers=1, param_dtype="float32", dtype="bfloat16"))
+  # The trainer hands the generator a bfloat16 copy of the float32 masters
+  # (`Trainer._generator_params`) and keeps the masters alive beside it: half the weight bytes
+  # in the program, the masters resident.
+  assert "learner_params" not in same.components
+  assert mixed.components["learner_params"] == same.components["params"]
+  assert mixed.components["params"] == pytest.approx(0.5 * same.components["params"], rel=0.05)
+  assert mixed.resident_bytes == pytest.approx(same.resident_bytes + same.components["params"])
+
+
 def test_check_fit_is_lenient_on_cpu():
   c = tiny()
   c.model.tokenizer = ""
