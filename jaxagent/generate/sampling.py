@@ -35,8 +35,8 @@ class SamplingConfig:
         raise ValueError(f"SamplingConfig.{name} must be a number, got {v!r}")
     if isinstance(self.top_k, bool) or not isinstance(self.top_k, numbers.Integral):
       raise ValueError(f"SamplingConfig.top_k must be an int (0 = off), got {self.top_k!r}")
-    if self.temperature < 0:
-      raise ValueError(f"SamplingConfig.temperature must be >= 0, got {self.temperature}")
+    if not 0 <= self.temperature < float("inf"):
+      raise ValueError(f"SamplingConfig.temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
     if self.top_k < 0:

@@ -85,8 +85,8 @@ class StepConfig:
       raise ValueError(f"StepConfig.objective must be 'rl' or 'sft', got {self.objective!r}")
     if self.micro_batches < 1:
       raise ValueError(f"StepConfig.micro_batches must be >= 1, got {self.micro_batches}")
-    if self.temperature <= 0:
-      raise ValueError(f"StepConfig.temperature must be > 0, got {self.temperature}")
+    if not 0 < self.temperature < float("inf"):  # NaN fails too
+      raise ValueError(f"StepConfig.temperature must be a finite number > 0, got {self.temperature}")
     if self.nonfinite not in ("raise", "skip"):
       raise ValueError(f"StepConfig.nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
 

@@ -66,6 +66,7 @@ def test_same_key_same_token_and_keys_differ():
 
 @pytest.mark.parametrize("kw,match", [
     (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(temperature=float("inf")), "temperature must be >= 0 and finite"),
     (dict(temperature="1"), "temperature must be a number"),
     (dict(temperature=True), "temperature must be a number"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),

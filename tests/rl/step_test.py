@@ -352,3 +352,9 @@ def test_max_grad_norm_zero_or_none_turns_clipping_off():
   opt = step.make_optimizer(0.1, max_grad_norm=1.0)
   updates, _ = opt.update(g, opt.init(g), g)
   assert float(updates["w"][0]) < 0
+
+
+@pytest.mark.parametrize("t", [0.0, -1.0, float("inf"), float("nan")])
+def test_step_config_temperature_must_be_finite_and_positive(t):
+  with pytest.raises(ValueError, match="StepConfig.temperature must be a finite number > 0"):
+    step.StepConfig(temperature=t)
