@@ -1,9 +1,12 @@
 """Run configs kept as Python files (`configs/<name>.py` with `get_config(variant)`), loaded
-outside the command line: by one config building on another, by tests and notebooks."""
+outside the command line (by one config building on another, by tests and notebooks), and the
+flag parsing of the entry points that take one on the command line (`--config=path.py[:variant]`).
+"""
 from __future__ import annotations
 
 import importlib.util
 import pathlib
+import sys
 import types
 
 import ml_collections
@@ -24,3 +27,35 @@ def load_config(path: str | pathlib.Path, variant: str | None = None
                 ) -> ml_collections.ConfigDict:
   """`get_config(variant)` of the config file at `path`."""
   return load_config_module(path).get_config(variant)
+
+
+def parse_config_flags(argv: list[str], config_flag) -> list[str]:
+  """absl's flag parsing for an entry point with a `--config` file flag (`app.run(main,
+  flags_parser=...)`): a `--config.key=value` naming a key the config lacks, or a config file
+  that does not load, is one line on stderr and exit status 1, as for other bad flags, instead of
+  a traceback."""
+  from absl import flags
+
+  def fail(message: str):
+    print(f"FATAL Flags parsing error: {message}\nPass --helpshort or --helpfull to see help on "
+          "flags.", file=sys.stderr)
+    sys.exit(1)
+
+  try:
+    rest = flags.FLAGS(argv)
+  except flags.Error as e:
+    fail(str(e))
+  except (AttributeError, KeyError) as e:  # raised by the config for a key it does not have
+    while e.args and isinstance(e.args[0], BaseException):
+      e = e.args[0]
+    what = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
+    fail(f"the config has no key {what}\n--config.KEY=VALUE only sets keys that the config "
+         "file defines (add a new one to its get_config).")
+  except OSError as e:  # an override of a config file that could not be loaded
+    fail(str(e))
+  try:
+    if config_flag.value is not None:
+      config_flag.value.keys()  # a config file that could not be loaded raises its error here
+  except OSError as e:
+    fail(str(e))
+  return rest

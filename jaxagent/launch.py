@@ -13,12 +13,11 @@ resumes it; without it, SIGTERM ends the run as usual.
 """
 import logging
 import pathlib
-import sys
 
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxagent import sharding
+from jaxagent import config_files, sharding
 
 
 def _default_config() -> str:
@@ -69,28 +68,9 @@ def init_runtime(coordinator_address=None, num_processes=None, process_id=None) 
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with a one-line error (exit status 1, as for other bad flags) instead
-  of a traceback when a `--config.key=value` names a key the config lacks or the config file
-  does not load."""
-  def fail(message: str):
-    print(f"FATAL Flags parsing error: {message}\nPass --helpshort or --helpfull to see help on "
-          "flags.", file=sys.stderr)
-    sys.exit(1)
-  try:
-    rest = flags.FLAGS(argv)
-  except flags.Error as e:
-    fail(str(e))
-  except (AttributeError, KeyError) as e:  # raised by the config for a key it does not have
-    while e.args and isinstance(e.args[0], BaseException):
-      e = e.args[0]
-    what = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
-    fail(f"the config has no key {what}\n--config.KEY=VALUE only sets keys that the config "
-         "file defines (add a new one to its get_config).")
-  try:
-    _CONFIG.value.keys()  # a config file that could not be loaded raises its error here
-  except OSError as e:
-    fail(str(e))
-  return rest
+  """absl's flag parsing with one-line errors for bad `--config` overrides
+  (`config_files.parse_config_flags`)."""
+  return config_files.parse_config_flags(argv, _CONFIG)
 
 
 def main(argv):

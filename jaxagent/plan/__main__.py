@@ -7,6 +7,7 @@ does not fit, when a program it uses fails to compile, or on bad input (an unkno
 mesh that does not divide the devices, a misspelt config key: one line saying which).
 `--json=PATH` also writes the report as JSON.
 """
+import functools
 import json
 import logging
 import os
@@ -15,6 +16,8 @@ import sys
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from jaxagent import config_files
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (`path.py[:variant]`).")
 _TOPOLOGY = flags.DEFINE_string(
@@ -28,32 +31,6 @@ _APPEND_LEN = flags.DEFINE_integer("append_len", 256, "Tokens appended into a sl
 _PROGRAMS = flags.DEFINE_list("programs", [], "Only these program kinds (update, sft, score, "
                               "prefill, insert, generate, append).")
 _JSON = flags.DEFINE_string("json", None, "Also write the report as JSON to this path.")
-
-
-def _parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing, with one line (exit status 1) instead of a traceback for a
-  `--config.key=value` naming a key the config lacks or a config file that does not load."""
-  def fail(message: str):
-    print(f"FATAL Flags parsing error: {message}\nPass --helpshort or --helpfull to see help on "
-          "flags.", file=sys.stderr)
-    sys.exit(1)
-  try:
-    rest = flags.FLAGS(argv)
-  except flags.Error as e:
-    fail(str(e))
-  except (AttributeError, KeyError) as e:  # raised by the config for a key it does not have
-    while e.args and isinstance(e.args[0], BaseException):
-      e = e.args[0]
-    what = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)
-    fail(f"the config has no key {what}")
-  except OSError as e:  # an override of a config file that could not be loaded
-    fail(str(e))
-  try:
-    if _CONFIG.value is not None:
-      _CONFIG.value.keys()  # a config file that could not be loaded raises its error here
-  except OSError as e:
-    fail(str(e))
-  return rest
 
 
 def main(argv):
@@ -93,4 +70,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=functools.partial(config_files.parse_config_flags,
+                                                    config_flag=_CONFIG))
