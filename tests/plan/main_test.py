@@ -18,27 +18,22 @@ def _plan(*args):
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
 
 
+_NEEDS_LIBTPU = [pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'"),
+                 pytest.mark.tpu_aot]
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--topology=v5e"], "bad plan input: topology 'v5e': expected '<chip>:<shape>'"),
     (["--config.trian.rows=3"], 'the config has no key \'trian\'\nDid you mean "train"'),
     (["--config=configs/no_such_config.py"], "No such file or directory"),
     (["--programs=decode"], "PlanOptions.programs: unknown ['decode']"),
     (["--config.model.path=no-such-model"], "bad plan input: model.path 'no-such-model'"),
+    pytest.param(["--topology=v9:2x2"], "bad plan input: libtpu does not know the topology 'v9:2x2'",
+                 marks=_NEEDS_LIBTPU),
+    pytest.param(["--topology=v5e:2x2", "--config.mesh.data=3", "--config.mesh.fsdp=1"],
+                 "bad plan input: MeshConfig data*fsdp*tensor = 3 but 4 devices", marks=_NEEDS_LIBTPU),
 ])
 def test_bad_input_is_one_line_not_a_traceback(args, expected):
-  r = _plan(*TINY, *args)
-  assert r.returncode == 1, r.stderr[-2000:]
-  assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
-
-
-@pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
-@pytest.mark.tpu_aot
-@pytest.mark.parametrize("args, expected", [
-    (["--topology=v9:2x2"], "bad plan input: libtpu does not know the topology 'v9:2x2'"),
-    (["--topology=v5e:2x2", "--config.mesh.data=3", "--config.mesh.fsdp=1"],
-     "bad plan input: MeshConfig data*fsdp*tensor = 3 but 4 devices"),
-])
-def test_bad_topology_or_mesh_is_one_line(args, expected):
   r = _plan(*TINY, *args)
   assert r.returncode == 1, r.stderr[-2000:]
   assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
