@@ -13,8 +13,9 @@
 set -euo pipefail
 
 : "${NNODES:?set NNODES to the number of nodes}"
-: "${NODE_RANK:?set NODE_RANK to this node's index, 0 .. NNODES-1}"
-: "${MASTER_ADDR:?set MASTER_ADDR to node 0's address}"
+# (No apostrophes in these messages: bash reads one inside "${VAR:?...}" as an opening quote.)
+: "${NODE_RANK:?set NODE_RANK to the index of this node, 0 .. NNODES-1}"
+: "${MASTER_ADDR:?set MASTER_ADDR to the address of node 0}"
 if ! [[ "$NODE_RANK" =~ ^[0-9]+$ && "$NNODES" =~ ^[0-9]+$ && "$NODE_RANK" -lt "$NNODES" ]]; then
   echo "NODE_RANK=$NODE_RANK must be an integer in [0, NNODES=$NNODES)" >&2
   exit 2

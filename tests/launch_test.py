@@ -201,6 +201,17 @@ def test_gpu_multinode_maps_torchrun_variables(stubs):
   r = _run([str(LAUNCH / "gpu_multinode.sh")], {k: v for k, v in base.items() if k != "NNODES"}
            | {"NODE_RANK": "0"})
   assert r.returncode != 0 and "set NNODES" in r.stderr
+  # Each missing variable is named by its own message (an apostrophe in one once swallowed the
+  # next line's check, so a missing MASTER_ADDR died as an "unbound variable").
+  r = _run([str(LAUNCH / "gpu_multinode.sh")], {k: v for k, v in base.items() if k != "NODE_RANK"})
+  assert r.returncode != 0
+  assert r.stderr.strip().endswith("NODE_RANK: set NODE_RANK to the index of this node, "
+                                   "0 .. NNODES-1"), r.stderr
+  r = _run([str(LAUNCH / "gpu_multinode.sh")],
+           {k: v for k, v in base.items() if k != "MASTER_ADDR"} | {"NODE_RANK": "0"})
+  assert r.returncode != 0
+  assert "MASTER_ADDR: set MASTER_ADDR to the address of node 0" in r.stderr, r.stderr
+  assert not _records(record)[1:], "the launch ran without its variables"
 
 
 # ----------------------------------------------------------------------------- jaxagent.launch
