@@ -7,6 +7,7 @@ record their arguments; the remote commands the scripts build are then run here 
 import json
 import os
 import pathlib
+import signal
 import stat
 import subprocess
 import sys
@@ -166,24 +167,91 @@ def test_xpk_creates_one_workload_with_the_launch_command(stubs):
   assert _records(record)[-1]["argv"] == ["-m", "jaxagent.launch", *ARGS]
 
 
+# scontrol: `show hostnames` prints two nodes; anything else (`requeue JOB`) is recorded.
+SCONTROL = """#!/usr/bin/env bash
+if [[ "$1" == show ]]; then printf 'gpu-node-7\\ngpu-node-8\\n'; else echo "$*" >> "$RECORD.scontrol"; fi
+"""
+# srun: start the command once per task, with that task's SLURM_PROCID, and wait for all.
+SRUN = """#!/usr/bin/env bash
+while [[ "$1" == --* ]]; do shift; done
+pids=()
+for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i "$@" & pids+=($!); done
+echo "${pids[@]}" > "$RECORD.tasks"
+status=0
+for p in "${pids[@]}"; do wait "$p" || status=1; done
+exit $status
+"""
+# scancel --signal=SIG JOB: signal every task.
+SCANCEL = """#!/usr/bin/env bash
+echo "$*" >> "$RECORD.scancel"
+kill -s "${1#--signal=}" $(cat "$RECORD.tasks")
+"""
+
+
+def _slurm_stubs(bin_dir):
+  for name, text in (("scontrol", SCONTROL), ("srun", SRUN), ("scancel", SCANCEL)):
+    _stub(bin_dir, name, text)
+  return dict(SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="gpu-node-[7-8]", SLURM_NTASKS="2")
+
+
 def test_slurm_script_gives_each_task_its_process_id(stubs):
   bin_dir, env, record = stubs
-  _stub(bin_dir, "scontrol", "#!/usr/bin/env bash\nprintf 'gpu-node-7\\ngpu-node-8\\n'\n")
-  # srun: run the command once per task with that task's SLURM_PROCID.
-  _stub(bin_dir, "srun", """#!/usr/bin/env bash
-while [[ "$1" == --* ]]; do shift; done
-for ((i = 0; i < SLURM_NTASKS; i++)); do SLURM_PROCID=$i "$@" || exit 1; done
-""")
+  slurm = _slurm_stubs(bin_dir)
   r = _run(["bash", str(LAUNCH / "gpu_slurm.sbatch"), *ARGS],
-           dict(env, SLURM_JOB_NODELIST="gpu-node-[7-8]", SLURM_NTASKS="2",
-                JAXAGENT_PYTHON=str(bin_dir / "python-stub")))
+           dict(env, **slurm, JAXAGENT_PYTHON=str(bin_dir / "python-stub")))
   assert r.returncode == 0, r.stderr
-  calls = _records(record)
+  assert not pathlib.Path(f"{record}.scontrol").exists()  # a finished run is not requeued
+  calls = sorted(_records(record), key=lambda c: c["env"]["JAX_PROCESS_ID"])
   assert [c["env"]["JAX_PROCESS_ID"] for c in calls] == ["0", "1"]
   for c in calls:
     assert c["env"]["JAX_COORDINATOR_ADDRESS"] == "gpu-node-7:12345"
     assert c["env"]["JAX_NUM_PROCESSES"] == "2"
     assert c["argv"] == ["-m", "jaxagent.launch", *ARGS]
+
+
+@pytest.mark.parametrize("exit_on_sigterm", [0, 1])
+def test_slurm_script_stops_the_run_and_requeues_it_before_the_time_limit(stubs, tmp_path,
+                                                                          exit_on_sigterm):
+  """Slurm's warning (USR1 to the batch script, --signal=B:USR1@300) -> SIGTERM to every task;
+  a run that then saved and exited 0 is requeued (a job that reaches its time limit is not
+  requeued by --requeue), one that failed is not."""
+  bin_dir, env, record = stubs
+  slurm = _slurm_stubs(bin_dir)
+  log = tmp_path / "tasks.log"
+  trainer = _stub(bin_dir, "trainer", f"""#!{sys.executable}
+import os, signal, sys, time
+def stop(*_):
+    time.sleep(0.3)  # finishing the step and saving
+    with open({str(log)!r}, "a") as f:
+        f.write("saved " + os.environ["JAX_PROCESS_ID"] + "\\n")
+    sys.exit({exit_on_sigterm})
+signal.signal(signal.SIGTERM, stop)
+with open({str(log)!r}, "a") as f:
+    f.write("running " + os.environ["JAX_PROCESS_ID"] + "\\n")
+time.sleep(60)
+""")
+  assert "--signal=B:USR1@" in (LAUNCH / "gpu_slurm.sbatch").read_text()
+  proc = subprocess.Popen(["bash", str(LAUNCH / "gpu_slurm.sbatch"), *ARGS],
+                          env=dict(env, **slurm, JAXAGENT_PYTHON=str(trainer)),
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+  try:
+    deadline = time.time() + 30
+    while (log.read_text() if log.exists() else "").count("running") < 2:
+      assert time.time() < deadline and proc.poll() is None, "the tasks did not start"
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=30)
+  finally:
+    proc.kill()
+  assert sorted(log.read_text().split("\n")[2:4]) == ["saved 0", "saved 1"], log.read_text()
+  assert pathlib.Path(f"{record}.scancel").read_text() == "--signal=TERM 4242\n"
+  requeued = pathlib.Path(f"{record}.scontrol")
+  if exit_on_sigterm == 0:
+    assert proc.returncode == 0, stderr
+    assert requeued.read_text() == "requeue 4242\n"
+  else:
+    assert proc.returncode == 1, stderr
+    assert not requeued.exists()
 
 
 def test_gpu_multinode_maps_torchrun_variables(stubs):
