@@ -40,8 +40,8 @@ case "$cmd" in
   setup)
     tarball=$(mktemp -t jaxagent-XXXXXX.tar.gz)
     trap 'rm -f "$tarball"' EXIT
-    tar -C "$root" --exclude=.git --exclude=runs --exclude=.venv --exclude='*.egg-info' \
-        --exclude=__pycache__ -czf "$tarball" .
+    tar -C "$root" --exclude=.git --exclude=runs --exclude=.venv --exclude=venv --exclude=workdir \
+        --exclude='*.egg-info' --exclude=__pycache__ -czf "$tarball" .
     "${gcloud_tpu[@]}" scp "$tarball" "$name":jaxagent.tar.gz "${where[@]}" --worker=all
     on_workers all "rm -rf jaxagent && mkdir jaxagent && tar -C jaxagent -xzf jaxagent.tar.gz \
 && python3 -m venv jaxagent-venv && jaxagent-venv/bin/pip install -q -U pip \

