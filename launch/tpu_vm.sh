@@ -14,7 +14,7 @@
 # Environment: PROJECT (gcloud project, optional), JAXAGENT_EXTRAS (pip extras, default "tpu").
 set -euo pipefail
 
-usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 2; }
 [[ $# -ge 3 ]] || usage
 cmd=$1 name=$2 zone=$3
 shift 3

@@ -15,7 +15,7 @@
 # XPK (the xpk command, default "xpk").
 set -euo pipefail
 
-usage() { sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 2; }
+usage() { awk 'NR > 1 && !/^#/ {exit} NR > 1 {sub(/^# ?/, ""); print}' "$0"; exit 2; }
 [[ $# -ge 3 ]] || usage
 cluster=$1 workload=$2 tpu_type=$3
 shift 3

@@ -71,6 +71,14 @@ def test_scripts_parse_and_are_documented(script):
   assert script in (LAUNCH / "README.md").read_text()
 
 
+@pytest.mark.parametrize("script", ["tpu_vm.sh", "xpk.sh"])
+def test_usage_is_the_header_comment(script):
+  r = subprocess.run([str(LAUNCH / script)], capture_output=True, text=True)
+  assert r.returncode == 2
+  assert f"launch/{script}" in r.stdout and "Environment:" in r.stdout
+  assert "set -euo" not in r.stdout and "#" not in r.stdout.splitlines()[0], r.stdout
+
+
 def test_tpu_vm_run_sends_the_same_command_to_every_worker(stubs, tmp_path):
   bin_dir, env, record = stubs
   r = _run([str(LAUNCH / "tpu_vm.sh"), "run", "pod", "us-east5-a", "--", *ARGS], env)
