@@ -55,6 +55,14 @@ def _switch_values(option: str, spec: str, allowed: dict) -> list:
   return [allowed[v] for v in values]
 
 
+def list_option(option: str, spec: str, allowed) -> list:
+  """The values of a comma-separated option, each one of `allowed` (a list of names, or a dict
+  from name to value); an unknown one exits with a message naming the option (a misspelt
+  section or switch would otherwise skip its measurement, or run the other setting, silently)."""
+  allowed = allowed if isinstance(allowed, dict) else {name: name for name in allowed}
+  return _switch_values(option, spec, allowed)
+
+
 def decode_switch_runs(args) -> list[dict]:
   """`EngineConfig` keywords of every combination of `add_decode_switches`' values."""
   return [dict(decode_merge_weights=merge, decode_fused_qkv=fused, decode_fold_norms=fold,

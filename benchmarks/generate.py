@@ -57,8 +57,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import numpy as np
 
-from benchmarks.common import (add_decode_switches, decode_roofline_bytes, decode_switch_runs,
-                               emit, kv_bytes_per_token, peaks)
+from benchmarks.common import (ON_OFF, add_decode_switches, decode_roofline_bytes,
+                               decode_switch_runs, emit, kv_bytes_per_token, list_option, peaks)
 from jaxagent import models
 from jaxagent.models import decoder
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
@@ -164,20 +164,22 @@ def main():
   variants = ([(v.split("/") + ["", "", ""])[:4] for v in args.variants.split(";")]
               if args.variants else
               [(layout, args.attention, "", "") for layout in args.layouts.split(",")])
+  shares = list_option("--share", args.share, ON_OFF)
+  prepares = list_option("--prepare", args.prepare, ON_OFF)
   xla_sets = ([tuple(sorted(json.loads(x).items())) for x in args.xla_options.split(";")]
               if args.xla_options else [None])
   for name in args.models.split(","):
     for b in map(int, args.batches.split(",")):
       for (layout, attention, kernel, mode), xla, share, switches, norm_rope, prep in (
-          itertools.product(variants, xla_sets, args.share.split(","), decode_switch_runs(args),
-                            args.norm_rope.split(","), args.prepare.split(","))):
+          itertools.product(variants, xla_sets, shares, decode_switch_runs(args),
+                            args.norm_rope.split(","), prepares)):
         if mode not in ("", "merge"):
           raise SystemExit(f"--variants: unknown mode {mode!r} (expected '' or 'merge')")
         try:
           run(name, b, args.prompt_len, args.new_tokens, args.steps, args.record,
               attention or "auto", layout=layout or "auto", kernel=kernel,
               write_first=mode != "merge", xla_options=xla, group=args.group,
-              share=share == "on", norm_rope=norm_rope, prepare=prep == "on",
+              share=share, norm_rope=norm_rope, prepare=prep,
               switches=switches)
         except Exception as e:  # one failing variant must not lose the others' numbers
           print(f"FAILED {name} b={b} {layout}/{attention}/{kernel}/{mode}: {type(e).__name__}: "

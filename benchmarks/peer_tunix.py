@@ -34,7 +34,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 import jax
 import numpy as np
 
-from benchmarks.common import emit, grpo_batch, grpo_learner, peaks, timeit
+from benchmarks.common import ON_OFF, emit, grpo_batch, grpo_learner, list_option, peaks, timeit
 from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.generate.scheduler import run_requests
@@ -184,7 +184,8 @@ def main():
   ap.add_argument("--tiny", action="store_true", help="CPU smoke test sizes")
   args = ap.parse_args()
   global PROMPT, GEN, TRAIN_B, MODEL
-  only = set(args.only.split(","))
+  only = set(list_option("--only", args.only, ["decode", "update", "e2e"]))
+  shares = list_option("--e2e-share", args.e2e_share, ON_OFF)
   if args.tiny:
     PROMPT, GEN, TRAIN_B, MODEL = 16, 32, 8, "tiny-qwen3"
     args.e2e_prompts, args.e2e_group, args.e2e_slots, args.e2e_micro_batches = 4, 2, 8, 2
@@ -203,14 +204,14 @@ def main():
   if "e2e" in only:
     ecfg = cfg.replace(param_dtype="float32", remat=args.remat,
                        scan_layers=args.scan)
-    for layout, share in itertools.product(args.layouts.split(","), args.e2e_share.split(",")):
+    for layout, share in itertools.product(args.layouts.split(","), shares):
       r = our_e2e(ecfg, args.e2e_prompts, args.e2e_group, args.e2e_micro_batches,
-                  args.e2e_slots, args.steps, layout, args.save_probs, share == "on")
+                  args.e2e_slots, args.steps, layout, args.save_probs, share)
       theirs = tunix.get("e2e", {})
       emit("peer_e2e", args.record, model=MODEL, prompts=args.e2e_prompts,
            group=args.e2e_group, new_tokens=GEN, layout=layout, slots=args.e2e_slots,
            remat=args.remat, scan_layers=args.scan, save_probs=args.save_probs,
-           share_prompts=share == "on", ours=r,
+           share_prompts=share, ours=r,
            tunix=theirs or None,
            ratio=(theirs["s"] / r["s"]) if theirs else None)
   if "decode" not in only and "update" not in only:

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax
 import jax.numpy as jnp
 
-from benchmarks.common import emit, peaks, timeit
+from benchmarks.common import emit, list_option, peaks, timeit
 from benchmarks.decode_kernel import parse_sweep
 from jaxagent import models
 from jaxagent.models import logprobs, vocab_kernels
@@ -60,7 +60,7 @@ def main():
                   "in Pallas interpret mode (CPU; `chunk` picks it by the backend)")
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
-  parts = set(args.parts.split(","))
+  parts = set(list_option("--parts", args.parts, ["chunk", "kernels"]))
   peak = peaks()["bf16_flops"]
   for name in args.models.split(","):
     cfg, h, w, targets, g = _problem(name, args.tokens)

@@ -2,6 +2,8 @@
 import json
 import sys
 
+import pytest
+
 from benchmarks import vocab_kernels
 
 
@@ -22,3 +24,12 @@ def test_interpret_run_reports_both_paths_and_each_launch(monkeypatch, capsys):
   assert [r["launch"] for r in rows[2:]] == [{"block_n": n} for n in (128, 256, 384)]
   assert rows[2]["cotangent_ms"] > 0 and rows[3]["logsumexp_ms"] > 0
   assert "do not tile" in rows[4]["error"]  # 512 is not a multiple of 384
+
+
+def test_a_misspelt_part_is_refused(monkeypatch, capsys):
+  # `--parts chunks` used to measure nothing and exit 0.
+  monkeypatch.setattr(sys, "argv", ["vocab_kernels.py", "--models", "tiny-qwen3",
+                                    "--parts", "chunks"])
+  with pytest.raises(SystemExit, match=r"--parts: unknown value\(s\) \['chunks'\]"):
+    vocab_kernels.main()
+  assert "RESULT" not in capsys.readouterr().out
