@@ -77,7 +77,10 @@ def main(argv):
   del argv
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes
-  init_runtime(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  try:
+    init_runtime(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+  except ValueError as e:  # a missing or impossible rank / process count
+    raise SystemExit(f"bad launch: {e}") from None
   from jaxagent import compile_stats
   cache = compile_stats.enable_persistent_cache(_COMPILE_CACHE.value)
   if cache is not None:

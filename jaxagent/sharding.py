@@ -212,15 +212,25 @@ def initialize_distributed(coordinator_address: str | None = None,
   """
   env = os.environ
   coordinator_address = coordinator_address or env.get("JAX_COORDINATOR_ADDRESS")
+  def env_int(name: str) -> int:
+    try:
+      return int(env[name])
+    except ValueError:
+      raise ValueError(f"{name}={env[name]!r} is not an integer") from None
+
   if num_processes is None and env.get("JAX_NUM_PROCESSES"):
-    num_processes = int(env["JAX_NUM_PROCESSES"])
+    num_processes = env_int("JAX_NUM_PROCESSES")
   if process_id is None and env.get("JAX_PROCESS_ID"):
-    process_id = int(env["JAX_PROCESS_ID"])
+    process_id = env_int("JAX_PROCESS_ID")
   tpu_hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h]
   if coordinator_address:
     if num_processes is None or process_id is None:
       raise ValueError("multi-process launch: with a coordinator address, num_processes and "
                        "process_id (or JAX_NUM_PROCESSES / JAX_PROCESS_ID) are required")
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+      raise ValueError(f"multi-process launch: process_id must be in [0, num_processes) and "
+                       f"num_processes >= 1, got process_id={process_id}, "
+                       f"num_processes={num_processes}")
     if num_processes == 1:
       return False
     jax.distributed.initialize(coordinator_address=coordinator_address,

@@ -332,6 +332,13 @@ def test_initialize_distributed_reads_the_environment_and_validates(monkeypatch)
   monkeypatch.setenv("JAX_NUM_PROCESSES", "2")
   with pytest.raises(ValueError, match="num_processes and process_id"):
     sharding.initialize_distributed()
+  # A rank outside the job, or a non-integer, is named before JAX would wait for the others.
+  monkeypatch.setenv("JAX_PROCESS_ID", "2")
+  with pytest.raises(ValueError, match=r"process_id must be in \[0, num_processes\).*process_id=2"):
+    sharding.initialize_distributed()
+  monkeypatch.setenv("JAX_PROCESS_ID", "one")
+  with pytest.raises(ValueError, match="JAX_PROCESS_ID='one' is not an integer"):
+    sharding.initialize_distributed()
 
 
 def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
@@ -358,3 +365,12 @@ def test_launch_names_a_bad_config_argument_without_a_traceback(args, expected):
                      env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert r.returncode == 1, r.stderr[-2000:]
   assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_an_impossible_process_id_is_one_line():
+  r = subprocess.run([sys.executable, "-m", "jaxagent.launch", "--config=configs/quickstart.py:tiny",
+                      "--coordinator_address=localhost:1", "--num_processes=2", "--process_id=5"],
+                     cwd=REPO, capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert "bad launch: multi-process launch: process_id must be in [0, num_processes)" in r.stderr
