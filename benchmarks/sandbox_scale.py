@@ -30,6 +30,8 @@ def main():
   ap.add_argument("--cell-s", type=float, default=3.0)
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
+  if args.sessions < 1 or args.background < 0 or not args.cell_s > 0:
+    ap.error("need --sessions >= 1, --background >= 0 and --cell-s > 0")
   bg = [subprocess.Popen(["sleep", str(10 * args.cell_s + 60)]) for _ in range(args.background)]
   sessions = [PythonSession(SandboxConfig(timeout_s=args.cell_s + 5, memory_mb=512))
               for _ in range(args.sessions)]

@@ -189,7 +189,12 @@ def main():
   args = ap.parse_args()
   if args.tiny:
     args.model, args.batch, args.prompt, args.gen, args.micro_batches = "tiny-qwen3", 8, 16, 32, 1
-  args.gpus = [int(g) for g in args.gpus.split(",")]
+  try:
+    args.gpus = [int(g) for g in args.gpus.split(",")]
+  except ValueError:
+    ap.error(f"--gpus takes a comma-separated list of device counts, got {args.gpus!r}")
+  if min(args.gpus) < 1:
+    ap.error(f"--gpus: each device count must be >= 1, got {args.gpus}")
   args.parts = args.parts.split(",")
   if not set(args.parts) <= {"update", "decode"}:
     ap.error(f"--parts takes update and/or decode, got {args.parts}")
