@@ -321,11 +321,12 @@ class _SandboxProcess:
                  "max_open_files": config.max_open_files, "display": config.display_last_expression,
                  "extra_read_paths": [os.path.realpath(p) for p in config.extra_read_paths],
                  "deny_read_paths": [os.path.realpath(p) for p in config.deny_read_paths]}
+        deadline = time.monotonic() + config.startup_timeout_s
         try:
-            self.proc.stdin.write(_frame(_CHILD_SOURCE) + _frame(setup))
-            self.proc.stdin.flush()
-            ready, streams, _ = self._collect(time.monotonic() + config.startup_timeout_s,
-                                              secrets.token_bytes(16), None)
+            if self._write(_frame(_CHILD_SOURCE) + _frame(setup), deadline):
+                ready, streams, _ = self._collect(deadline, secrets.token_bytes(16), None)
+            else:
+                ready, streams = None, None
         except OSError:
             ready, streams = None, None
         if ready is None or ready["type"] != "ready":
@@ -343,12 +344,15 @@ class _SandboxProcess:
         start = time.monotonic()
         marker = f"\0\x1e{secrets.token_hex(16)}\x1e\0"
         try:
-            self.proc.stdin.write(_frame({"code": code, "marker": marker}))
-            self.proc.stdin.flush()
+            sent = self._write(_frame({"code": code, "marker": marker}), start + timeout_s)
         except OSError:
             self.close()
             return ToolResult.failure("the sandbox interpreter is not running")
-        reply, (out, err), stop = self._collect(start + timeout_s, marker.encode(), cpu_s)
+        if sent:
+            reply, (out, err), stop = self._collect(start + timeout_s, marker.encode(), cpu_s)
+        else:  # it never read the program (user code left it stuck between calls)
+            cap = self.config.max_output_bytes
+            reply, (out, err), stop = None, (_Stream(cap, marker.encode()), _Stream(cap, marker.encode())), "timeout"
         duration = time.monotonic() - start
         output, stderr = out.text(), err.text()
         truncated = out.overflow or err.overflow
@@ -377,6 +381,29 @@ class _SandboxProcess:
                 error += f"\n{stderr[-4000:].rstrip()}"
         return ToolResult(ok=False, output=output, error=error, timed_out=stop in ("timeout", "cpu"),
                           truncated=truncated, duration_s=duration)
+
+    def _write(self, data: bytes, deadline: float) -> bool:
+        """Writes a request to the interpreter's stdin; False if it is not all taken by `deadline`.
+
+        The interpreter reads requests only between cells, so code that leaves it stuck there
+        (a signal handler that never returns) would block a plain write of a program larger than
+        the pipe's buffer forever.
+        """
+        fd = self.proc.stdin.fileno()
+        os.set_blocking(fd, False)
+        view = memoryview(data)
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_WRITE)
+            while view:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                if sel.select(timeout=remaining):
+                    try:
+                        view = view[os.write(fd, view):]
+                    except BlockingIOError:
+                        pass
+        return True
 
     def _collect(self, deadline: float, marker: bytes, cpu_s: float | None
                  ) -> tuple[dict[str, Any] | None, tuple[_Stream, _Stream], str | None]:
@@ -481,11 +508,21 @@ class _SandboxProcess:
         self._closed = True
         _LIVE.discard(self)
         pid = self.proc.pid
+        # Listed before the leader may exit: its children are then reparented, out of our sight.
+        descendants = _descendants(pid) if graceful else []
         try:
             self.proc.stdin.close()
         except OSError:
             pass
-        if not (graceful and self._exited_within(0.5)):
+        if graceful and self._exited_within(0.5):
+            # Without a PID namespace, processes the code started outlive a leader that exited
+            # on its own: kill those listed above, and (below) the rest of its process group.
+            for p in descendants:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+        else:
             descendants = _descendants(pid)
             for p in descendants:  # the PID namespace's init first: the kernel then ends the rest
                 try:
@@ -494,10 +531,10 @@ class _SandboxProcess:
                     pass
             if descendants and self.isolation.get("pid_namespace"):
                 self._exited_within(1.0)  # the bootstrap reaps the namespace's init and exits
-            try:  # the leader is not reaped yet, so its group id cannot have been reused
-                os.killpg(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+        try:  # the leader is not reaped yet, so its group id cannot have been reused
+            os.killpg(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
         returncode = self.proc.wait()
         for stream in (self.proc.stdout, self.proc.stderr):
             try:

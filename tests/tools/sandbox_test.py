@@ -325,6 +325,22 @@ def test_processes_that_leave_the_session_are_killed_without_namespaces():
     # no_surviving_processes then checks that the setsid() child was found and killed too
 
 
+@pytest.mark.parametrize("setsid", [False, True], ids=["same-group", "setsid"])
+def test_processes_left_by_a_finished_call_are_killed_without_namespaces(setsid):
+    """The interpreter exits on its own when the call is done (or the session closed); a process
+    the code started must not outlive it, though it is no longer the interpreter's child."""
+    bare = SandboxConfig(timeout_s=5.0, namespaces="off", audit_hook=False)
+    code = (f"import os, time\nif os.fork() == 0:\n    {'os.setsid()' if setsid else 'pass'}\n"
+            "    time.sleep(60)\n    os._exit(0)\nprint('parent')")
+    result, _ = run(code, bare)
+    assert result.ok and result.output == "parent\n"
+    assert psutil.wait_procs(sandbox_processes(), timeout=2.0)[1] == []  # SIGKILLed ones die at once
+    session = PythonSession(bare)
+    assert session.run(code).ok
+    session.close()
+    assert psutil.wait_procs(sandbox_processes(), timeout=2.0)[1] == []
+
+
 # --------------------------------------------------------------------------- sessions and the tool
 
 def test_session_keeps_state_across_calls():
@@ -417,6 +433,26 @@ def test_session_close_does_not_wait_for_a_running_call():
     assert results[0].error == "the Python session was closed during the call"
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     assert session.run("1").error == "the Python session is closed"
+
+
+def test_a_program_the_stuck_interpreter_does_not_read_times_out():
+    """A signal handler that never returns leaves the interpreter stuck between calls; the next
+    program, larger than the pipe's buffer, must still time out rather than block its caller."""
+    session = PythonSession(FULL, timeout_s=1.0)
+    armed = session.run("import signal, time\nsignal.signal(signal.SIGALRM, lambda *a: time.sleep(1000))\n"
+                        "signal.setitimer(signal.ITIMER_REAL, 0.05)")
+    assert armed.ok
+    time.sleep(0.3)
+    results = []
+    worker = threading.Thread(target=lambda: results.append(session.run("x = 1\n#" + "#" * 500_000)), daemon=True)
+    worker.start()
+    worker.join(timeout=4.0)
+    stuck = worker.is_alive()
+    session.close()  # releases a stuck call on the old code
+    worker.join(timeout=5.0)
+    assert not stuck, "the call blocked writing its program"
+    assert results[0].timed_out and "session was restarted" in results[0].error
+    assert session.restarts == 1
 
 
 def test_descendants_walks_only_the_tree_and_matches_psutil():
