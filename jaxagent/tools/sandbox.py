@@ -39,7 +39,9 @@ its value printed. Before any user code runs, the child applies, in order:
 
 The parent enforces the wall-clock timeout, a per-call CPU-time limit (polling the process tree)
 and the output cap; on any of them, or on a crash, it SIGKILLs the process group (and every
-descendant it can see) and reaps it, so no process outlives the call.
+descendant it can see) and reaps it, so no process outlives the call; so it does when a call ends
+normally. Without a PID namespace the interpreter is a child subreaper, so a process whose parent
+exited (a daemon) stays among its descendants.
 
 What this does not protect against: an audit hook is not a security boundary. Code that reaches
 interpreter internals (ctypes addresses obtained without dlsym, frame and closure introspection,
@@ -286,6 +288,18 @@ def _descendants(pid: int) -> list[psutil.Process]:
     return out
 
 
+def _live_descendants(pid: int) -> list[psutil.Process]:
+    """`_descendants` less the zombies (killed, not yet reaped)."""
+    out = []
+    for p in _descendants(pid):
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(p)
+        except psutil.Error:
+            continue
+    return out
+
+
 class _SandboxProcess:
     """One sandboxed interpreter: start, run cells, kill. Callers serialise calls."""
 
@@ -490,11 +504,11 @@ class _SandboxProcess:
         """
         if self._closed or self._leader is None or not self._leader.is_running():
             return
-        for p in [*_descendants(self.proc.pid), self._leader]:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
+        self._kill_descendants()
+        try:
+            self._leader.kill()
+        except psutil.Error:
+            pass
 
     def close(self, *, graceful: bool = False) -> int | None:
         """Ends the interpreter, reaps every process of it and removes the temporary directory.
@@ -508,28 +522,17 @@ class _SandboxProcess:
         self._closed = True
         _LIVE.discard(self)
         pid = self.proc.pid
-        # Listed before the leader may exit: its children are then reparented, out of our sight.
-        descendants = _descendants(pid) if graceful else []
+        pid_namespace = self.isolation.get("pid_namespace")
+        if graceful and not pid_namespace:
+            # Processes the code started would outlive a leader that exits on its own (only a PID
+            # namespace ends with its init): kill them first, while the leader holds their orphans.
+            self._kill_descendants()
         try:
             self.proc.stdin.close()
         except OSError:
             pass
-        if graceful and self._exited_within(0.5):
-            # Without a PID namespace, processes the code started outlive a leader that exited
-            # on its own: kill those listed above, and (below) the rest of its process group.
-            for p in descendants:
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
-        else:
-            descendants = _descendants(pid)
-            for p in descendants:  # the PID namespace's init first: the kernel then ends the rest
-                try:
-                    p.kill()
-                except psutil.Error:
-                    pass
-            if descendants and self.isolation.get("pid_namespace"):
+        if not (graceful and self._exited_within(0.5)):
+            if self._kill_descendants() and pid_namespace:
                 self._exited_within(1.0)  # the bootstrap reaps the namespace's init and exits
         try:  # the leader is not reaped yet, so its group id cannot have been reused
             os.killpg(pid, signal.SIGKILL)
@@ -544,6 +547,25 @@ class _SandboxProcess:
         os.close(self.ctrl)
         shutil.rmtree(self.tmpdir, ignore_errors=True)
         return returncode
+
+    def _kill_descendants(self) -> bool:
+        """SIGKILLs the leader's descendants, parents first; returns whether there were any.
+
+        Without a PID namespace the leader is a child subreaper, so a process forked while its
+        parent was being killed is reparented to the leader and found by the next pass. In a PID
+        namespace the first descendant is its init, and killing it ends the rest.
+        """
+        descendants = _descendants(self.proc.pid)
+        found = bool(descendants)
+        for _ in range(5):
+            for p in descendants:
+                try:
+                    p.kill()
+                except psutil.Error:
+                    pass
+            if self.isolation.get("pid_namespace") or not (descendants := _live_descendants(self.proc.pid)):
+                break
+        return found
 
     def _exited_within(self, seconds: float) -> bool:
         """Waits up to `seconds` for the leader to exit, without reaping it."""

@@ -107,6 +107,8 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
                 os.kill(os.getpid(), sig)
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+    else:  # orphans of processes the code starts stay below this one, where the host finds them
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
     if in_ns:
         for cap in range(64):
             libc.prctl(24, cap, 0, 0, 0)  # PR_CAPBSET_DROP; EINVAL past the last capability

@@ -323,15 +323,24 @@ def test_processes_that_leave_the_session_are_killed_without_namespaces():
     result, _ = run(code, bare)
     assert result.timed_out and result.output == "parent\n"
     # no_surviving_processes then checks that the setsid() child was found and killed too
+    daemon = code.replace("os.setsid()", "os.setsid()\n    if os.fork():\n        os._exit(0)")
+    result, _ = run(daemon, bare)
+    assert result.timed_out and result.output == "parent\n"
+    assert psutil.wait_procs(sandbox_processes(), timeout=2.0)[1] == []
 
 
-@pytest.mark.parametrize("setsid", [False, True], ids=["same-group", "setsid"])
-def test_processes_left_by_a_finished_call_are_killed_without_namespaces(setsid):
+DAEMON = {"same-group": "pass", "setsid": "os.setsid()",
+          # a daemon: its parent exits at once, so it is nobody's child but the subreaper's
+          "double-fork": "os.setsid()\n    if os.fork():\n        os._exit(0)"}
+
+
+@pytest.mark.parametrize("how", DAEMON)
+def test_processes_left_by_a_finished_call_are_killed_without_namespaces(how):
     """The interpreter exits on its own when the call is done (or the session closed); a process
     the code started must not outlive it, though it is no longer the interpreter's child."""
     bare = SandboxConfig(timeout_s=5.0, namespaces="off", audit_hook=False)
-    code = (f"import os, time\nif os.fork() == 0:\n    {'os.setsid()' if setsid else 'pass'}\n"
-            "    time.sleep(60)\n    os._exit(0)\nprint('parent')")
+    code = (f"import os, time\nif os.fork() == 0:\n    {DAEMON[how]}\n"
+            "    time.sleep(60)\n    os._exit(0)\ntime.sleep(0.2)\nprint('parent')")
     result, _ = run(code, bare)
     assert result.ok and result.output == "parent\n"
     assert psutil.wait_procs(sandbox_processes(), timeout=2.0)[1] == []  # SIGKILLed ones die at once
