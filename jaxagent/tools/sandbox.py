@@ -288,6 +288,27 @@ def _descendants(pid: int) -> list[psutil.Process]:
     return out
 
 
+def _remove_tree(path: str) -> None:
+    """Deletes a sandbox's temporary directory, including directories the code made unreadable
+    or read-only (chmod), which a plain rmtree leaves behind where the host lacks root's
+    permission override. Called once every process of the sandbox is gone."""
+    shutil.rmtree(path, ignore_errors=True)
+    if not os.path.lexists(path):
+        return
+    def unlock(d: str) -> None:
+        try:
+            if not os.path.islink(d):
+                os.chmod(d, 0o700)
+        except OSError:
+            pass
+
+    unlock(path)
+    for root, dirs, _ in os.walk(path):  # top-down: each directory is unlocked before it is entered
+        for d in dirs:
+            unlock(os.path.join(root, d))
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def _live_descendants(pid: int) -> list[psutil.Process]:
     """`_descendants` less the zombies (killed, not yet reaped)."""
     out = []
@@ -545,7 +566,7 @@ class _SandboxProcess:
             except OSError:
                 pass
         os.close(self.ctrl)
-        shutil.rmtree(self.tmpdir, ignore_errors=True)
+        _remove_tree(self.tmpdir)
         return returncode
 
     def _kill_descendants(self) -> bool:

@@ -113,6 +113,33 @@ def test_fresh_temp_dir_is_writable_and_removed():
     assert run("import os\nprint(os.listdir('.'))", FULL)[0].output == "[]\n"
 
 
+def test_temp_dir_is_removed_after_the_code_chmods_it_shut():
+    """Where the host lacks root's permission override (a non-root host, emulated for root by
+    dropping CAP_DAC_OVERRIDE), directories the code made unreadable must still be deleted."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    check = ("import glob, json, tempfile\nfrom jaxagent.tools.sandbox import run_python\n"
+             "pattern = tempfile.gettempdir() + '/jaxagent-sandbox-*'\nbefore = set(glob.glob(pattern))\n"
+             "r = run_python(\"import os\\nos.makedirs('d/e/f')\\nopen('d/e/x', 'w').write('x')\\n"
+             "os.chmod('d/e/f', 0)\\nos.chmod('d/e', 0o500)\\nos.chmod('d', 0)\\nos.chmod('.', 0o500)\")\n"
+             "assert r.ok, r\nprint(json.dumps(sorted(set(glob.glob(pattern)) - before)))")
+    command = [sys.executable, "-c", check]
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("needs setpriv to drop CAP_DAC_OVERRIDE as root")
+        caps = "-dac_override,-dac_read_search"
+        command = ["setpriv", "--bounding-set", caps, "--inh-caps", caps, "--", *command]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    leaked = json.loads(done.stdout)
+    for path in leaked:  # as this (privileged) process
+        subprocess.run(["rm", "-rf", path])
+    assert leaked == []
+
+
 def test_scientific_libraries_import():
     result, _ = run("import numpy as np, sympy\nprint(np.arange(4).sum(), sympy.factor('x**2 - 1'))", FULL,
                     timeout_s=20)
