@@ -400,8 +400,12 @@ class _SandboxProcess:
             if stderr.strip():
                 error = f"{stderr[-4000:].rstrip()}\n{error}"
             return ToolResult(ok=False, output=output, error=error.rstrip(), duration_s=duration)
+        # Every pipe at EOF but the process still there: the code closed them itself.
+        closed_pipes = stop == "exit" and not self._exited_within(0.2)
         returncode = self.close()
-        if stop == "timeout":
+        if closed_pipes:
+            error = "The program closed its output and control pipes, so the sandbox stopped it."
+        elif stop == "timeout":
             error = f"Timed out after {timeout_s:g} s (wall clock); the program was stopped."
         elif stop == "cpu":
             error = f"CPU time limit of {cpu_s:g} s exceeded; the program was stopped."

@@ -377,6 +377,16 @@ def test_processes_left_by_a_finished_call_are_killed_without_namespaces(how):
     assert psutil.wait_procs(sandbox_processes(), timeout=2.0)[1] == []
 
 
+def test_code_that_closes_every_pipe_is_told_so():
+    """Without a PID namespace nothing else holds the pipes: the host sees EOF on all of them
+    while the program still runs, and says that, not that it was killed by a limit."""
+    code = "import os, time\nfor fd in range(64):\n    try:\n        os.close(fd)\n    except OSError:\n" \
+           "        pass\ntime.sleep(30)"
+    result, elapsed = run(code, HOOK_ONLY)
+    assert not result.ok and not result.timed_out and elapsed < TIMEOUT
+    assert result.error == "The program closed its output and control pipes, so the sandbox stopped it."
+
+
 # --------------------------------------------------------------------------- sessions and the tool
 
 def test_session_keeps_state_across_calls():
