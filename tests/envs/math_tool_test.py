@@ -76,6 +76,26 @@ def test_demonstration_cells_match_the_sandbox():
   assert segs[-1] == (POLICY, "<answer>50</answer>")
 
 
+@pytest.mark.parametrize("cot,gold", [
+    ("5 - 5 = 0\n3 / 0.0000001 = 30000000 cats\n#### 30000000", "30000000"),  # 0 reused: 3 / 0
+    ("9" * 400 + " * 2 = 5\n#### 5", "5"),  # an int too large for a float
+    ("9" * 400 + " / 3 = 5\n#### 5", "5"),
+    ("1" + " + 1" * 3000 + " = 3001\n#### 3001", "3001"),  # deeper than the recursion limit
+    ("2 + 3 = " + "9" * 400 + "\n#### 5", "5"),  # a stated value that overflows to inf
+    ("He has 12 \u2212 4 = 8 apples; 20% of 50 = 10\n#### 8", "8"),
+])
+def test_demonstration_of_odd_solutions_is_none_not_an_error(cot, gold):
+  assert gsm_demonstration(cot, gold) is None
+
+
+def test_demonstration_rejects_non_finite_gold_and_keeps_builtins():
+  for gold in ("inf", "-inf", "1e400", "nan"):
+    assert gsm_demonstration(GIRLS, gold) is None, gold
+  # A unit word naming a builtin does not shadow it ("print = 12" breaks the print below it).
+  segs = gsm_demonstration("5 * 2 = 10 print\n10 + 2 = 12 sum\n#### 12", "12")
+  assert segs[0] == (POLICY, "<code>\nstep = 5 * 2\nstep_2 = step + 2\nprint(step_2)\n</code>")
+
+
 # ----------------------------------------------------------------------------- data and prompt
 def test_splits_disjoint_deterministic_and_demonstrated(env):
   train, ev, sft = env.examples("train"), env.examples("eval"), env.examples("sft")
