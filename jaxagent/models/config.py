@@ -8,9 +8,13 @@ It is hashable so it can be a static argument of jitted functions.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import math
+import numbers
 from typing import Any, Literal, Mapping
 
 import jax.numpy as jnp
+import numpy as np
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -18,6 +22,11 @@ Remat = Literal["none", "full", "dots", "dots_attention"]
 AttentionImpl = Literal["xla", "cudnn", "pallas", "auto"]
 LogprobImpl = Literal["xla", "pallas", "auto"]
 NormRopeImpl = Literal["xla", "pallas", "auto"]
+
+
+def _is_int(v) -> bool:
+  """An int (NumPy's too, as GGUF metadata gives them), not a bool."""
+  return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,8 +94,38 @@ class ModelConfig:
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
               "ffn_dim", "max_seq_len"):
       v = getattr(self, f)
-      if not isinstance(v, int) or v <= 0:
+      if not _is_int(v) or v <= 0:
         raise ValueError(f"ModelConfig.{f} must be a positive int, got {v!r}")
+      object.__setattr__(self, f, int(v))
+    for f in ("rope_theta", "norm_eps"):
+      v = getattr(self, f)
+      if (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)
+          or v < 0 or (f == "rope_theta" and v == 0)):
+        raise ValueError(f"ModelConfig.{f} must be a finite number "
+                         f"{'> 0' if f == 'rope_theta' else '>= 0'}, got {v!r}")
+    # A truthy string ("no", "false") would silently switch the feature on.
+    for f in ("tie_embeddings", "qkv_bias", "qk_norm"):
+      v = getattr(self, f)
+      if not isinstance(v, (bool, np.bool_)):
+        raise ValueError(f"ModelConfig.{f} must be a bool (True or False), got {v!r}")
+      object.__setattr__(self, f, bool(v))
+    # End-of-sequence ids: one outside the vocabulary is never sampled, so generation would
+    # never stop on it. (The bos id is only written to exported configs, and a preset's stays
+    # when the trainer resizes the vocabulary to another tokenizer's: no range check.) Lists
+    # (from JSON or a config file) become tuples: the config must stay hashable.
+    if self.bos_token_id is not None:
+      if not _is_int(self.bos_token_id) or self.bos_token_id < 0:
+        raise ValueError("ModelConfig.bos_token_id must be None or a token id (an int >= 0), "
+                         f"got {self.bos_token_id!r}")
+      object.__setattr__(self, "bos_token_id", int(self.bos_token_id))
+    if self.eos_token_id is not None:
+      object.__setattr__(self, "eos_token_id", self._token_id("eos_token_id", self.eos_token_id))
+    extra = self.extra_eos_token_ids
+    if not isinstance(extra, (tuple, list)):
+      raise ValueError("ModelConfig.extra_eos_token_ids must be a tuple of token ids, got "
+                       f"{extra!r}")
+    object.__setattr__(self, "extra_eos_token_ids",
+                       tuple(self._token_id("extra_eos_token_ids", e) for e in extra))
     if self.n_heads % self.n_kv_heads:
       raise ValueError(
           f"ModelConfig.n_heads ({self.n_heads}) must be a multiple of n_kv_heads "
@@ -113,10 +152,25 @@ class ModelConfig:
     if self.architecture not in ("llama", "qwen2", "qwen3"):
       raise ValueError("ModelConfig.architecture must be 'llama', 'qwen2' or 'qwen3', got "
                        f"{self.architecture!r}")
-    if self.rope_scaling is not None and len(self.rope_scaling) != 4:
-      raise ValueError("ModelConfig.rope_scaling must be (factor, low_freq_factor, "
-                       f"high_freq_factor, original_max_position_embeddings), got "
-                       f"{self.rope_scaling!r}")
+    if self.rope_scaling is not None:
+      rs = self.rope_scaling
+      what = ("ModelConfig.rope_scaling must be (factor, low_freq_factor, high_freq_factor, "
+              "original_max_position_embeddings) with factor > 0, 0 < low_freq_factor < "
+              f"high_freq_factor and a positive int original_max_position_embeddings, got {rs!r}")
+      if not isinstance(rs, (tuple, list)) or len(rs) != 4:
+        raise ValueError(what)
+      factor, lo, hi, orig = rs
+      if (not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+                  for x in (factor, lo, hi)) or not _is_int(orig)
+          or not (factor > 0 and 0 < lo < hi and orig > 0)):
+        raise ValueError(what)
+      object.__setattr__(self, "rope_scaling", (float(factor), float(lo), float(hi), int(orig)))
+
+  def _token_id(self, field: str, v) -> int:
+    if not _is_int(v) or not 0 <= v < self.vocab_size:
+      raise ValueError(f"ModelConfig.{field}: {v!r} is not a token id of the vocabulary "
+                       f"(an int in [0, vocab_size={self.vocab_size}))")
+    return int(v)
 
   @property
   def jnp_dtype(self):
@@ -241,6 +295,12 @@ class ModelConfig:
 
   def to_hf(self) -> dict[str, Any]:
     """An HF `config.json` dict that `transformers` loads."""
+    # transformers' Qwen3 always has q / k norms and its Llama and Qwen2 never do: written
+    # under the wrong architecture, the checkpoint would load as another function.
+    if self.qk_norm != (self.architecture == "qwen3"):
+      raise ValueError(f"ModelConfig.to_hf: qk_norm={self.qk_norm} with architecture "
+                       f"{self.architecture!r} has no HF equivalent (q / k norms are Qwen3's: "
+                       "use architecture='qwen3' with qk_norm=True, else qk_norm=False)")
     arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
             "qwen3": ("Qwen3ForCausalLM", "qwen3")}[self.architecture]
     hf: dict[str, Any] = {
@@ -257,7 +317,7 @@ class ModelConfig:
       hf["attention_bias"] = self.qkv_bias
       hf["mlp_bias"] = False
     if self.architecture == "qwen3":
-      hf["attention_bias"] = False
+      hf["attention_bias"] = self.qkv_bias
     if self.rope_scaling is not None:
       f, lo, hi, orig = self.rope_scaling
       hf["rope_scaling"] = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
@@ -349,10 +409,23 @@ def get_config(name: str, **overrides) -> ModelConfig:
   return PRESETS[key].replace(**overrides) if overrides else PRESETS[key]
 
 
+# Every key of a run's `config.model` section (`configs/quickstart.py` sets them all).
+RUN_MODEL_KEYS = ("path", "tokenizer", "param_dtype", "dtype", "remat", "init_std", "init_seed",
+                  "scan_layers", "attention", "logprob", "norm_rope")
+
+
 def run_overrides(model) -> dict:
   """The `ModelConfig` fields a run's `config.model` section sets (numerics, remat, layer loop,
   kernel paths), as overrides of a preset's or a checkpoint's architecture. The trainer and the
-  planner both build the model's config from these."""
+  planner both build the model's config from these. Raises ValueError on a key the section
+  does not have (a typo would otherwise be silently ignored)."""
+  unknown = sorted(k for k in model.keys() if k not in RUN_MODEL_KEYS)
+  if unknown:
+    def hint(k):
+      close = difflib.get_close_matches(k, RUN_MODEL_KEYS, n=1, cutoff=0.6)
+      return f"model.{k} (did you mean model.{close[0]}?)" if close else f"model.{k}"
+    raise ValueError("unknown config key(s): " + ", ".join(hint(k) for k in unknown)
+                     + f"; config.model takes {', '.join(RUN_MODEL_KEYS)}")
   return dict(param_dtype=model.param_dtype, dtype=model.dtype, remat=model.remat,
               scan_layers=model.get("scan_layers", True),
               attention_impl=model.get("attention", "auto"),

@@ -1,0 +1,95 @@
+"""`ModelConfig` validation, presets against the published model sizes, `run_overrides`."""
+import ml_collections
+import numpy as np
+import pytest
+
+from jaxagent.models.config import PRESETS, RUN_MODEL_KEYS, ModelConfig, run_overrides
+
+TINY = PRESETS["tiny-llama"]
+
+
+@pytest.mark.parametrize("field,value", [
+    ("n_layers", True), ("vocab_size", 3.0), ("rope_theta", 0.0), ("rope_theta", -1.0),
+    ("rope_theta", float("nan")), ("norm_eps", -1e-5), ("norm_eps", float("inf")),
+    ("tie_embeddings", "no"), ("qkv_bias", 1), ("qk_norm", "yes"),
+    ("rope_scaling", (32.0, 1.0, 4.0)), ("rope_scaling", (0.0, 1.0, 4.0, 8192)),
+    ("rope_scaling", (32.0, 4.0, 1.0, 8192)), ("rope_scaling", (32.0, 1.0, 1.0, 8192)),
+    ("rope_scaling", (32.0, 1.0, 4.0, 0)), ("rope_scaling", "abcd"),
+    ("eos_token_id", -1), ("eos_token_id", 512), ("eos_token_id", "2"), ("bos_token_id", -1),
+    ("extra_eos_token_ids", (600,)), ("extra_eos_token_ids", (-1,)), ("extra_eos_token_ids", 5),
+])
+def test_bad_field_value_is_refused_naming_the_field(field, value):
+  with pytest.raises(ValueError, match=f"ModelConfig.{field}"):
+    TINY.replace(**{field: value})
+
+
+def test_a_preset_resized_to_a_smaller_tokenizer_keeps_its_bos_id():
+  # The trainer resizes a preset's vocabulary to the run's tokenizer and sets its eos id only.
+  cfg = PRESETS["llama3.2-1b"].replace(vocab_size=49152, eos_token_id=2)
+  assert cfg.bos_token_id == 128000
+
+
+def test_lists_and_numpy_scalars_are_normalised_so_the_config_stays_hashable():
+  cfg = TINY.replace(rope_scaling=[32, 1, 4, 8192], extra_eos_token_ids=[3, np.int64(4)],
+                     eos_token_id=np.uint32(2), tie_embeddings=np.bool_(False))
+  hash(cfg)
+  assert cfg.rope_scaling == (32.0, 1.0, 4.0, 8192)
+  assert cfg.extra_eos_token_ids == (3, 4) and type(cfg.extra_eos_token_ids[1]) is int
+  assert type(cfg.eos_token_id) is int and cfg.tie_embeddings is False
+  assert cfg == TINY.replace(rope_scaling=(32.0, 1.0, 4.0, 8192), extra_eos_token_ids=(3, 4),
+                             eos_token_id=2, tie_embeddings=False)
+
+
+def test_to_hf_refuses_q_k_norms_the_architecture_lacks():
+  with pytest.raises(ValueError, match="qk_norm"):
+    TINY.replace(qk_norm=True).to_hf()
+  with pytest.raises(ValueError, match="qk_norm"):
+    PRESETS["tiny-qwen3"].replace(qk_norm=False).to_hf()
+  assert PRESETS["tiny-qwen3"].replace(qkv_bias=True).to_hf()["attention_bias"] is True
+
+
+# Published sizes: the model cards (SmolLM2 135M; Qwen2.5 0.49B, 1.54B, 3.09B, 7.61B;
+# Qwen3 0.6B with 0.44B non-embedding, 1.7B with 1.4B; Llama 3.2 1.23B, 3.21B).
+@pytest.mark.parametrize("name,total,non_embedding", [
+    ("smollm2-135m", 134.5e6, None), ("qwen2.5-0.5b", 0.49e9, 0.36e9),
+    ("qwen2.5-1.5b", 1.54e9, 1.31e9), ("qwen2.5-3b", 3.09e9, 2.77e9),
+    ("qwen2.5-7b", 7.61e9, 6.53e9), ("qwen3-0.6b", 0.596e9, 0.44e9),
+    ("qwen3-1.7b", 1.72e9, 1.4e9), ("llama3.2-1b", 1.236e9, None),
+    ("llama3.2-3b", 3.21e9, None)])
+def test_preset_parameter_counts_match_the_published_sizes(name, total, non_embedding):
+  cfg = PRESETS[name]
+  n = cfg.num_params()
+  assert abs(n - total) / total < 0.01, (name, n)
+  if non_embedding is not None:
+    embed = cfg.vocab_size * cfg.d_model * (1 if cfg.tie_embeddings else 2)
+    assert abs(n - embed - non_embedding) / non_embedding < 0.01, (name, n - embed)
+
+
+def _model_section(**extra):
+  return ml_collections.ConfigDict(dict(
+      path="tiny-llama", tokenizer="", param_dtype="float32", dtype="bfloat16", remat="full",
+      init_std=0.02, init_seed=0, scan_layers=True, attention="xla", logprob="auto",
+      norm_rope="auto", **extra))
+
+
+def test_run_overrides_reads_the_section():
+  kw = run_overrides(_model_section())
+  assert kw["dtype"] == "bfloat16" and kw["attention_impl"] == "xla"
+  assert TINY.replace(**kw).remat == "full"
+
+
+def test_run_overrides_refuses_unknown_keys_with_a_hint():
+  with pytest.raises(ValueError, match=r"model.attention_impl \(did you mean model.attention"):
+    run_overrides(_model_section(attention_impl="pallas"))
+
+
+def test_run_model_keys_match_the_trainer_s_known_keys():
+  from jaxagent.trainer import KNOWN_CONFIG_KEYS
+  assert set(RUN_MODEL_KEYS) == {k[len("model."):] for k in KNOWN_CONFIG_KEYS
+                                 if k.startswith("model.")}
+
+
+def test_valid_presets_build():
+  for cfg in PRESETS.values():
+    assert isinstance(cfg, ModelConfig)
+    hash(cfg)
