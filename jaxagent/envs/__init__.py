@@ -5,7 +5,9 @@
 """
 from __future__ import annotations
 
+import difflib
 import importlib
+import inspect
 
 # name -> "module:class" (imported lazily: tasks pull optional packages).
 REGISTRY = {
@@ -22,7 +24,18 @@ def make_env(name: str, **kwargs):
   if name not in REGISTRY:
     raise ValueError(f"unknown env {name!r}; registered envs: {sorted(REGISTRY)}")
   module, cls = REGISTRY[name].split(":")
+  env_cls = getattr(importlib.import_module(module), cls)
+  params = inspect.signature(env_cls).parameters
+  if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+    allowed = sorted(n for n, p in params.items()
+                     if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD))
+    for key in kwargs:
+      if key not in allowed:
+        close = difflib.get_close_matches(key, allowed, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"bad settings for env {name!r}: unknown setting {key!r}{hint}; its "
+                         f"settings are: {allowed}")
   try:
-    return getattr(importlib.import_module(module), cls)(**kwargs)
+    return env_cls(**kwargs)
   except TypeError as e:
     raise ValueError(f"bad settings for env {name!r}: {e}") from e

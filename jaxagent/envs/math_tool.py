@@ -334,8 +334,8 @@ class MathToolEnv(Env):
                          f"got {value!r}")
     for field, value in (("train_size", train_size), ("eval_size", eval_size),
                          ("sft_size", sft_size)):
-      if value < 0:
-        raise ValueError(f"MathToolEnv.{field} must be >= 0, got {value}")
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"MathToolEnv.{field} must be an int >= 0, got {value!r}")
     if max_output_chars < 32:
       raise ValueError(f"MathToolEnv.max_output_chars must be >= 32, got {max_output_chars}")
     self.sources, self.eval_sources = tuple(sources), tuple(eval_sources)
@@ -447,7 +447,7 @@ class MathToolEnv(Env):
   def demonstration(self, example: Example):
     """The reference solution as interpreter code (gsm_symbolic), or None."""
     cot = example.metadata.get("answer_cot")
-    if not cot or not isinstance(example.gold, str):
+    if not isinstance(cot, str) or not cot or not isinstance(example.gold, str):
       return None
     return gsm_demonstration(cot, example.gold)
 

@@ -2,6 +2,7 @@
 parsing, +1/-1 reward, progressive shaping and the per-trajectory interpreter."""
 import pytest
 
+from jaxagent.agent.env import Example
 from jaxagent.agent.trajectory import OBSERVATION, POLICY
 from jaxagent.envs import make_env
 from jaxagent.envs.math_tool import (SYSTEM_PROMPT, MathToolEnv, champ_problems, clean_code,
@@ -119,6 +120,21 @@ def test_prompt_and_registry(env, smol_tok):
   assert isinstance(make_env("math_tool", train_size=4), MathToolEnv)
   with pytest.raises(ValueError, match="sources"):
     MathToolEnv(sources=("gsm8k",))
+
+
+def test_make_env_names_the_allowed_settings():
+  with pytest.raises(ValueError, match=r"env 'math_tool': unknown setting 'train_sizes' \(did you "
+                     r"mean 'train_size'\?\).*'eval_size'"):
+    make_env("math_tool", train_sizes=4)
+  with pytest.raises(ValueError, match=r"env 'code': unknown setting 'bogus'; its settings are: "
+                     r"\['all_or_nothing'"):
+    make_env("code", bogus=1)
+  with pytest.raises(ValueError, match=r"unknown env 'maths'; registered envs: \['calculator'"):
+    make_env("maths")
+  with pytest.raises(ValueError, match=r"MathToolEnv.train_size must be an int >= 0, got '5'"):
+    make_env("math_tool", train_size="5")
+  odd = MathToolEnv(train_size=0, eval_size=0, sft_size=0)
+  assert odd.demonstration(Example(id="x", prompt="Q", gold="3", metadata={"answer_cot": 3})) is None
 
 
 def test_champ_source_split_in_halves():
