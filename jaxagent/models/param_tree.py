@@ -150,6 +150,9 @@ def merge_decode_weights(params: Params, cfg: ModelConfig,
   them per layer and step); merged here once per decode call, the copy is made once per call
   and the step loop reads the merged weights in place. Costs a transient copy of those weights.
   """
+  if is_merged(params):
+    raise ValueError("merge_decode_weights: the params are merged already (they hold 'wqkv' "
+                     "or chained matrices); pass the plain params")
   p = dict(unbox(params))
   lw = dict(p["layers"])
   dt, lead = cfg.jnp_dtype, lw["wq"].shape[:-2]
