@@ -375,10 +375,12 @@ class MathToolEnv(Env):
 
     # reasoning-gym seeds item i with (seed + i): the splits' seed ranges are kept disjoint.
     offsets = {"train": 0, "sft": 10_000_000, "eval": 20_000_000}
+    # A question is in one split only: sft draws around train's, eval around both.
     seen: set[str] = set()
-    if split == "eval":
-      seen = {ex.metadata["question"] for s in ("train", "sft") if "gsm_symbolic" in self.sources
-              for ex in self.examples(s)}
+    earlier = {"train": (), "sft": ("train",), "eval": ("train", "sft")}[split]
+    if "gsm_symbolic" in self.sources:
+      seen = {ex.metadata["question"] for s in earlier for ex in self.examples(s)
+              if ex.metadata["source"] == "gsm_symbolic"}
     size = self._sizes[split]
     if size == 0:
       return []

@@ -110,6 +110,13 @@ def test_splits_disjoint_deterministic_and_demonstrated(env):
   assert q(other.examples("eval")) != q(ev)
 
 
+def test_train_and_sft_share_no_question():
+  # With seed 1, sft's 38th draw repeats train's 40th question.
+  env = MathToolEnv(train_size=40, eval_size=0, sft_size=38, seed=1)
+  q = lambda s: {e.metadata["question"] for e in env.examples(s)}  # noqa: E731
+  assert len(q("sft")) == 38 and not q("train") & q("sft")
+
+
 def test_prompt_and_registry(env, smol_tok):
   ex = env.examples("train")[0]
   assert ex.prompt[0] == {"role": "system", "content": SYSTEM_PROMPT}
