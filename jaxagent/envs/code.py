@@ -479,7 +479,7 @@ class CodeEnv(Env):
     """(test outcome, parses) of a response to problem `task_id`."""
     problem = self._problems[task_id]
     code = extract_code(response)
-    if code is None:
+    if code is None or not code.strip():  # an empty block is no code (nor a syntax bonus)
       return TestRun(0, self._plans[task_id].num_tests, "no code block"), False
     program = assemble_program(problem["prompt"], problem["entry_point"], code)
     try:

@@ -269,7 +269,8 @@ def test_reward_from_trajectories(env, make_traj, char_tok):
   right = canonical_solution(env.problem("HumanEval/0"))
   always_true = "def has_close_elements(numbers, threshold):\n    return True\n"
   cases = [(f"<code>\n{right}</code>", 1.0, True), (f"```python\n{always_true}```", 4 / 7, True),
-           ("<code>def has_close_elements(:</code>", 0.0, False), ("I cannot.", 0.0, False)]
+           ("<code>def has_close_elements(:</code>", 0.0, False), ("I cannot.", 0.0, False),
+           ("<code>\n \n</code>", 0.0, False), ("```python\n```", 0.0, False)]  # empty: no code
   for text, tests, syntax in cases:
     out = env.reward(make_traj([(POLICY, text)]), ex, char_tok, 0)
     assert out.components["tests"] == pytest.approx(tests), text
