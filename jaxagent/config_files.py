@@ -4,6 +4,7 @@ flag parsing of the entry points that take one on the command line (`--config=pa
 """
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import pathlib
 import sys
@@ -27,6 +28,13 @@ def load_config(path: str | pathlib.Path, variant: str | None = None
                 ) -> ml_collections.ConfigDict:
   """`get_config(variant)` of the config file at `path`."""
   return load_config_module(path).get_config(variant)
+
+
+def did_you_mean(key: str, known, prefix: str = "") -> str:
+  """`prefix + key` for an error message, with "(did you mean prefix + K?)" when one of the
+  `known` keys is close to it."""
+  close = difflib.get_close_matches(key, list(known), n=1, cutoff=0.6)
+  return f"{prefix}{key} (did you mean {prefix}{close[0]}?)" if close else f"{prefix}{key}"
 
 
 def parse_config_flags(argv: list[str], config_flag) -> list[str]:

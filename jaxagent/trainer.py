@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import functools
 import json
 import logging
@@ -46,7 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxagent import checkpoint, compile_stats, models, sharding
+from jaxagent import checkpoint, compile_stats, config_files, models, sharding
 from jaxagent.agent.env import Env, Example
 from jaxagent.agent.rollout import RolloutConfig, RolloutDriver, rollout_metrics
 from jaxagent.agent.trajectory import Trajectory, demonstration_trajectory
@@ -54,7 +53,7 @@ from jaxagent.envs import make_env
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.metrics import MetricsWriter
 from jaxagent.models import param_tree
-from jaxagent.models.config import run_overrides
+from jaxagent.models.config import RUN_MODEL_KEYS, run_overrides
 from jaxagent.rewards import mean_metrics, math_verifier
 from jaxagent.rl import advantages as adv_lib
 from jaxagent.rl import packing, step as step_lib
@@ -227,8 +226,8 @@ def _to_host(tree):
 
 # ----------------------------------------------------------------------------- trainer
 # Every key a run config may set: those of `configs/quickstart.py`, which sets them all
-# (`tests/trainer_test.py` keeps the two equal). Under `env.kwargs` any key goes: the task's
-# own settings, checked by the task.
+# (`tests/trainer_test.py` keeps the two equal); the `model` section's are `run_overrides`'.
+# Under `env.kwargs` any key goes: the task's own settings, checked by the task.
 KNOWN_CONFIG_KEYS = frozenset("""
     checkpoint_async checkpoint_dir checkpoint_every checkpoint_keep checkpoint_keep_every
     env.name env.kwargs
@@ -238,8 +237,6 @@ KNOWN_CONFIG_KEYS = frozenset("""
     loss.agg loss.algo loss.clip_high loss.clip_low loss.dual_clip loss.entropy_coef
     loss.kl_coef loss.kl_estimator loss.max_len_norm
     mesh.data mesh.fsdp mesh.tensor
-    model.attention model.dtype model.init_seed model.init_std model.logprob model.norm_rope
-    model.param_dtype model.path model.remat model.scan_layers model.tokenizer
     optimizer.b1 optimizer.b2 optimizer.lr optimizer.max_grad_norm optimizer.schedule
     optimizer.warmup_steps optimizer.weight_decay
     rollout.decode_steps rollout.max_len rollout.max_prompt_tokens rollout.max_tokens_per_turn
@@ -250,7 +247,7 @@ KNOWN_CONFIG_KEYS = frozenset("""
     train.len_buckets train.logprob_save_probs train.max_sampling_rounds train.micro_batches
     train.nonfinite train.pack_len train.prompts_per_step train.row_rounding
     train.samples_per_prompt train.time_limit_s train.zero_variance
-""".split())
+""".split()) | {f"model.{k}" for k in RUN_MODEL_KEYS}
 _FREE_FORM = ("env.kwargs",)
 
 
@@ -271,10 +268,8 @@ def check_config(config) -> None:
   reads optional keys with defaults) and counts that would make a run do nothing."""
   unknown = [k for k in config_keys(config) if k not in KNOWN_CONFIG_KEYS]
   if unknown:
-    def hint(k):
-      close = difflib.get_close_matches(k, KNOWN_CONFIG_KEYS, n=1, cutoff=0.6)
-      return f"{k} (did you mean {close[0]}?)" if close else k
-    raise ValueError("unknown config key(s): " + ", ".join(hint(k) for k in unknown) +
+    raise ValueError("unknown config key(s): " +
+                     ", ".join(config_files.did_you_mean(k, KNOWN_CONFIG_KEYS) for k in unknown) +
                      ". configs/quickstart.py sets every key a run reads.")
 
   def count(key, least):

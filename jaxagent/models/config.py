@@ -8,13 +8,14 @@ It is hashable so it can be a static argument of jitted functions.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import math
 import numbers
 from typing import Any, Literal, Mapping
 
 import jax.numpy as jnp
 import numpy as np
+
+from jaxagent.config_files import did_you_mean
 
 DType = Literal["float32", "bfloat16", "float16"]
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -421,10 +422,8 @@ def run_overrides(model) -> dict:
   does not have (a typo would otherwise be silently ignored)."""
   unknown = sorted(k for k in model.keys() if k not in RUN_MODEL_KEYS)
   if unknown:
-    def hint(k):
-      close = difflib.get_close_matches(k, RUN_MODEL_KEYS, n=1, cutoff=0.6)
-      return f"model.{k} (did you mean model.{close[0]}?)" if close else f"model.{k}"
-    raise ValueError("unknown config key(s): " + ", ".join(hint(k) for k in unknown)
+    raise ValueError("unknown config key(s): "
+                     + ", ".join(did_you_mean(k, RUN_MODEL_KEYS, "model.") for k in unknown)
                      + f"; config.model takes {', '.join(RUN_MODEL_KEYS)}")
   return dict(param_dtype=model.param_dtype, dtype=model.dtype, remat=model.remat,
               scan_layers=model.get("scan_layers", True),
