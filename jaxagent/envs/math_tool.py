@@ -284,14 +284,19 @@ def champ_problems() -> list[tuple[str, str, list[str]]]:
 
 
 # ----------------------------------------------------------------------------- the task
-_CODE_BLOCK = re.compile(r"<code>.*?(?:</code>|$)", re.DOTALL)
+# A code block runs to its `</code>`. One never closed runs to where an `<answer>` opens, or to
+# the end of the text: the rollout stops a turn at `</answer>` and reads it as the final answer
+# even inside an unclosed block, and goes on after a turn whose block was left open (a malformed
+# call), so the policy's later answer is an answer.
+_CODE_BLOCK = re.compile(r"<code>(?:.*?</code>|.*?(?=<answer>)|.*)", re.DOTALL)
 
 
 class SignedMathAnswer:
   """+1 when the answer equals a gold answer (math-verify), -1 otherwise.
 
   The answer is looked for outside `<code>` blocks: a program that prints an answer tag has
-  not answered.
+  not answered. An unclosed `<code>` block does not hide an answer written after it: the
+  reward scores the answer that the env's parser read.
   """
 
   def __init__(self, timeout_s: float = 5.0):

@@ -3,7 +3,7 @@ parsing, +1/-1 reward, progressive shaping and the per-trajectory interpreter.""
 import pytest
 
 from jaxagent.agent.env import Example
-from jaxagent.agent.trajectory import OBSERVATION, POLICY
+from jaxagent.agent.trajectory import OBSERVATION, POLICY, demonstration_trajectory
 from jaxagent.envs import make_env
 from jaxagent.envs.math_tool import (SYSTEM_PROMPT, MathToolEnv, champ_problems, clean_code,
                                      cot_steps, gsm_demonstration, safe_eval, steps_program)
@@ -258,3 +258,29 @@ def test_rollout_keeps_one_interpreter_per_trajectory(env):
   assert (first.stop_reason, second.stop_reason) == ("answer", "answer")
   assert env.reward(first, ex, TOK, 0).total == 1.0
   assert first.valid_tool_calls == 2 and second.tool_errors == 1
+
+
+@pytest.mark.parametrize("turns", [
+    # The turn stops at </answer> inside a block never closed: the parser reads the answer.
+    ["<code>print('<answer>42</answer>"],
+    # A malformed call (its block left open) gets an error observation; the policy then answers.
+    ["<code>\nprint(6 * 7)</answer>", "<answer>42</answer>"],
+])
+def test_reward_scores_the_answer_the_parser_read_after_an_unclosed_code_block(env, turns):
+  """The reward and the rollout's parser agree: an unclosed `<code>` does not swallow the
+  answer that ended the trajectory (it scored -1 although the rollout's final answer was 42)."""
+  from jaxagent.agent.rollout import RolloutConfig, rollout
+  from tests.agent.rollout_test import TOK, FakeEngine
+
+  cache = [TOK.encode(t) for t in turns]
+  engine = FakeEngine(lambda rid, turn: cache[turn] if turn < len(cache) else [], slots=1,
+                      max_len=512)
+  ex = Example(id="x", prompt="Q: 6 times 7?", gold="42")
+  cfg = RolloutConfig(max_turns=4, max_tokens_per_turn=64, tool_timeout_s=20, traj_tool_timeout_s=60)
+  (traj,) = rollout(engine, None, env, [ex], tokenizer=TOK, num_samples=1, cfg=cfg)
+  assert (traj.stop_reason, traj.final_answer) == ("answer", "42")
+  assert env.reward(traj, ex, TOK, 0).components["correct"] == 1.0
+  # A closed program that prints an answer tag still has not answered; nor has an open one.
+  for text in ("<code>print('<answer>42</answer>')</code>", "<code>print('\\boxed{42}')"):
+    hand = demonstration_trajectory(TOK.encode("Q"), [(POLICY, text)], TOK)
+    assert env.reward(hand, ex, TOK, 0).components["correct"] == -1.0
