@@ -19,7 +19,9 @@ This is `generate.scheduler.run_requests` generalised to many turns:
 * Budgets end or truncate a trajectory and are recorded as its `stop_reason`, never silently:
   max turns, tokens per turn, total tokens (an observation that would not fit truncates the
   trajectory), per-call tool timeout and per-trajectory tool time. Malformed calls, unknown tools,
-  bad arguments, tool errors and timeouts become error observations and counts (DESIGN 7).
+  bad arguments, tool errors and timeouts become error observations and counts (DESIGN 7). Task
+  code that raises for one trajectory (`new_episode`, `format_observation`,
+  `encode_observation`) ends that trajectory with stop reason "env_error" (logged); the others go on.
 
 Reproducibility: each trajectory's sampler rng is `(seed, request_id, position)` with
 `request_id = request_id_offset + prompt_index * G + sample_index`, so tokens do not depend on
@@ -325,18 +327,36 @@ class _Run:
   def _admit(self) -> None:
     self._flush_rewinds()
     n = min(len(self.free), len(self.queue))
-    jobs = [self.queue.popleft() for _ in range(n)]
+    jobs, episodes = [], []
+    for job in (self.queue.popleft() for _ in range(n)):
+      try:
+        episodes.append(self.env.new_episode(job.example))
+      except Exception:  # noqa: BLE001 - one trajectory's task failure is data, not a crashed run
+        log.warning("env %r: new_episode raised for example %r (request %d); the trajectory ends "
+                    "with stop reason 'env_error'", getattr(self.env, "name", self.env),
+                    job.example.id, job.traj.request_id, exc_info=True)
+        job.traj.finish("env_error")
+        continue
+      jobs.append(job)
+    if not jobs:
+      return
+    n = len(jobs)
     slots = [self.free.pop() for _ in jobs]
     t = time.perf_counter()
-    self.state, (toks, lps, done) = self.engine.prefill_insert(
-        self.params, self.state, [j.prompt for j in jobs], slots,
-        [j.traj.request_id for j in jobs], self.seed, [self.cfg.max_tokens_per_turn] * n,
-        [self.d.limit] * n)
+    try:
+      self.state, (toks, lps, done) = self.engine.prefill_insert(
+          self.params, self.state, [j.prompt for j in jobs], slots,
+          [j.traj.request_id for j in jobs], self.seed, [self.cfg.max_tokens_per_turn] * n,
+          [self.d.limit] * n)
+    except BaseException:
+      for episode in episodes:  # not live yet, so `run` would not close them
+        episode.close()
+      raise
     self.stats.prefill_s += time.perf_counter() - t
     self.stats.prefill_calls += 1
     self.stats.decoded_tokens += n
-    for j, (job, slot) in enumerate(zip(jobs, slots)):
-      lv = _Live(job.traj, self.env.new_episode(job.example), slot, self.d.limit, cached=len(job.prompt))
+    for j, (job, episode, slot) in enumerate(zip(jobs, episodes, slots)):
+      lv = _Live(job.traj, episode, slot, self.d.limit, cached=len(job.prompt))
       self.live[slot] = lv
       self._take(lv, toks[j], lps[j], int(done[j]))
     self._flush_rewinds()
@@ -506,8 +526,14 @@ class _Run:
     traj.tool_seconds += float(result.duration_s)
     if traj.tool_seconds >= self.cfg.traj_tool_timeout_s - 1e-9:
       return self._finish(lv, "tool_budget")
-    text = self.env.format_observation(result)
-    ids = [int(t) for t in self.env.encode_observation(_clean_text(text), self.tok)]
+    try:
+      text = self.env.format_observation(result)
+      ids = [int(t) for t in self.env.encode_observation(_clean_text(text), self.tok)]
+    except Exception:  # noqa: BLE001 - one trajectory's task failure is data, not a crashed run
+      log.warning("env %r: turning the result of turn %d into observation tokens raised (request "
+                  "%d); the trajectory ends with stop reason 'env_error'",
+                  getattr(self.env, "name", self.env), turn.index, traj.request_id, exc_info=True)
+      return self._finish(lv, "env_error")
     turn.observation_text = text
     # The pending token, the observation and at least one new token must fit.
     if lv.cached + 1 + len(ids) + 1 > lv.limit:

@@ -51,6 +51,8 @@ STOP_REASONS = (
     "max_length",           # the trajectory reached the engine's cache length
     "tool_budget",          # the trajectory's tool time (`traj_tool_timeout_s`) ran out
     "prompt_too_long",      # the prompt leaves no room for a single policy token
+    "env_error",            # the task's code raised for this trajectory (new_episode,
+                            # format_observation, encode_observation); logged with its traceback
 )
 NATURAL_STOPS = frozenset({"answer", "eos", "no_tool_call"})
 

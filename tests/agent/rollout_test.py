@@ -454,6 +454,61 @@ def test_eos_no_tool_call_and_prompt_too_long():
     RolloutConfig(max_prompt_tokens=0)
 
 
+class _FlakyEnv(ScriptedCalcEnv):
+  """Task code that raises for some trajectories: `new_episode` for example q1, formatting the
+  calculator's "6", encoding the calculator's "7"."""
+
+  def __init__(self):
+    super().__init__([nap])
+    self.opened, self.closed = 0, 0
+
+  def new_episode(self, example):
+    if example.id == "q1":
+      raise OSError("sandbox failed to start")
+    env = self
+
+    class Owned:
+      def close(self):
+        env.closed += 1
+
+    self.opened += 1
+    return Episode(self.tools, owned=[Owned()])
+
+  def format_observation(self, result):
+    if result.output == "6":
+      raise RuntimeError("format bug")
+    return super().format_observation(result)
+
+  def encode_observation(self, text, tokenizer):
+    if text == "<result>7</result>":
+      raise UnicodeError("encode bug")
+    return super().encode_observation(text, tokenizer)
+
+
+def test_task_code_that_raises_ends_only_its_trajectory():
+  """One trajectory's env failure is data (stop reason "env_error"), not a crashed rollout."""
+  texts = {rid: [f"<calc>{rid}+1</calc>", "<answer>x</answer>"] for rid in range(8)}
+  env = _FlakyEnv()
+  fake = FakeEngine(_script_from_texts(texts), slots=3)
+  trajs = rollout(fake, None, env, _examples(4), tokenizer=TOK, num_samples=2,
+                  cfg=RolloutConfig(decode_steps=4))
+  fake.finalize()
+  reasons = {t.request_id: t.stop_reason for t in trajs}
+  assert reasons == {0: "answer", 1: "answer", 2: "env_error", 3: "env_error", 4: "answer",
+                     5: "env_error", 6: "env_error", 7: "answer"}, reasons
+  for t in trajs:
+    if t.group_id == 1:  # never reached the engine
+      assert t.num_policy_tokens == 0 and t.truncated and t.num_turns == 0 and len(t) == t.prompt_len
+      continue
+    check_ledger(t, fake)
+    if t.request_id in (5, 6):  # "5+1" and "6+1": the call ran, its observation was never added
+      assert t.num_turns == 1 and t.turns[0].outcome.ok and t.turns[0].observation_span is None
+      assert t.truncated and t.num_observation_tokens == 0
+      assert t.to_pack_item(0.0).loss_mask.sum() == t.num_policy_tokens > 0
+  assert env.opened == env.closed == 6
+  assert rollout_metrics(trajs)["rollout/stop/env_error"] == 0.5
+
+
 def test_tool_timeouts_and_trajectory_tool_budget():
   texts = {0: ["<nap>0.3</nap>", "<nap>0.01</nap>", "<answer>1</answer>"],
            1: ["<nap>0.3</nap>", "<nap>1</nap>", "<answer>1</answer>"]}
