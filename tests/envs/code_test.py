@@ -252,10 +252,25 @@ def test_splits_and_prompt(env, smol_tok):
   assert ex.prompt[0]["content"] == SYSTEM_PROMPT
   text = smol_tok.decode(env.render_prompt(ex, smol_tok))
   assert f"def {ex.metadata['entry_point']}(" in text and "<code>" in text
-  short = CodeEnv(eval_size=2, max_prompt_chars=300)
+  short = CodeEnv(eval_size=2, sft_size=8, max_prompt_chars=300)
   assert len(short.examples("train")) + 2 < 164
   with pytest.raises(ValueError, match="eval_size"):
     CodeEnv(eval_size=164)
+
+
+def test_sft_size_beyond_the_train_problems_is_refused():
+  """A user asking for N demonstrations must not silently get fewer (the split was cut to the
+  train problems: eval_size=50 left 114 of the default 124)."""
+  with pytest.raises(ValueError, match=r"CodeEnv.sft_size=124 exceeds the 114 train problems "
+                     r"\(164 problems after max_prompt_chars=0, less eval_size=50\); set "
+                     r"sft_size <= 114"):
+    CodeEnv(eval_size=50)
+  with pytest.raises(ValueError, match=r"sft_size=45 exceeds the 44 train problems \(46 problems "
+                     r"after max_prompt_chars=300"):
+    CodeEnv(eval_size=2, sft_size=45, max_prompt_chars=300)
+  assert len(CodeEnv(eval_size=2, sft_size=44, max_prompt_chars=300).examples("sft")) == 44
+  with pytest.raises(ValueError, match=r"CodeEnv.eval_size must be an int >= 0, got '5'"):
+    CodeEnv(eval_size="5")
 
 
 def test_parser_stops_at_code(env):
