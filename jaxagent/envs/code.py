@@ -57,6 +57,9 @@ SYSTEM_PROMPT = (
     "and </code>, or in a ```python block.")
 
 SYNTAX_KEY = "syntax_ok"
+# What parsing a program can raise: besides syntax errors, a null byte (ValueError) and nesting
+# too deep for the parser (a few thousand unary minus signs: RecursionError, then MemoryError).
+_UNPARSABLE = (SyntaxError, ValueError, RecursionError, MemoryError)
 _FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
@@ -333,7 +336,7 @@ def run_tests(program: str, entry_point: str, plan: TestPlan, *, timeout_s: floa
   total = plan.num_tests
   try:
     compile(program, "<solution>", "exec")
-  except (SyntaxError, ValueError) as e:
+  except _UNPARSABLE as e:
     return TestRun(0, total, f"the solution does not parse: {type(e).__name__}")
   start = time.monotonic()
   deadline = start + timeout_s
@@ -493,7 +496,7 @@ class CodeEnv(Env):
     program = assemble_program(problem["prompt"], problem["entry_point"], code)
     try:
       ast.parse(program)
-    except (SyntaxError, ValueError):
+    except _UNPARSABLE:
       return TestRun(0, self._plans[task_id].num_tests, "the solution does not parse"), False
     return self._run(task_id, program), True
 

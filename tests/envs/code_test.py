@@ -320,3 +320,15 @@ def test_every_canonical_solution_passes_all_its_tests():
     task_id, problem = ex.id, env.problem(ex.id)
     run, parses = env.score(task_id, f"<code>\n{canonical_solution(problem)}</code>")
     assert parses and run.passed == run.total > 0, (task_id, run)
+
+
+@pytest.mark.parametrize("depth", [3000, 10000])
+def test_a_program_nested_too_deep_to_parse_scores_zero(env, make_traj, char_tok, depth):
+  """A degenerate sample (thousands of minus signs) is an unparsable solution, not a crash of
+  the reward (the parser raised RecursionError, then MemoryError, out of env.reward)."""
+  deep = f"def has_close_elements(numbers, threshold):\n    return {'-' * depth}1\n"
+  ex = env.to_example(env.problem("HumanEval/0"))
+  out = env.reward(make_traj([(POLICY, f"<code>\n{deep}</code>")]), ex, char_tok, 0)
+  assert (out.components["tests"], out.components["syntax"], out.errors) == (0.0, 0.0, ())
+  run = run_tests(deep, "has_close_elements", plan_tests("def check(c):\n    assert c([], 1)\n"))
+  assert (run.passed, run.total) == (0, 1) and "does not parse" in run.error
