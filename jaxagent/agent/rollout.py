@@ -266,7 +266,12 @@ class _Run:
     t0 = time.perf_counter()
     out: list[Trajectory] = []
     for i, ex in enumerate(examples):
-      prompt = [int(t) for t in self.env.render_prompt(ex, self.tok)]
+      try:
+        prompt = [int(t) for t in self.env.render_prompt(ex, self.tok)]
+      except Exception as e:  # the task's data is at fault: name the example among thousands
+        raise ValueError(f"example {ex.id!r} (examples[{i}]): env {getattr(self.env, 'name', self.env)!r} "
+                         f"could not render its prompt: {type(e).__name__}: {e}; fix or drop this "
+                         "example") from e
       if not prompt:
         raise ValueError(f"example {ex.id!r}: the rendered prompt is empty")
       for g in range(num_samples):

@@ -573,6 +573,22 @@ def test_config_validation():
     rollout(fake, None, CalculatorEnv(), ["what is 1+1?"], tokenizer=TOK)
 
 
+def test_a_prompt_that_cannot_be_rendered_names_its_example():
+  class Strict:
+    def encode(self, text):
+      text.encode("utf-8")  # raises on a lone surrogate, as real tokenizers do
+      return TOK.encode(text)
+
+    def decode(self, ids):
+      return TOK.decode(ids)
+
+  fake = FakeEngine(_script_from_texts({}), max_len=128)
+  exs = [*_examples(2), Example("bad-7", "what is \ud800 + 1?")]
+  with pytest.raises(ValueError, match=r"example 'bad-7' \(examples\[2\]\): env 'calculator' could "
+                     r"not render its prompt: UnicodeEncodeError"):
+    rollout(fake, None, CalculatorEnv(), exs, tokenizer=Strict())
+
+
 class NonfiniteEngine(FakeEngine):
   """The fake with the device's non-finite stop: request `bad_rid`'s logits are NaN once its
   sequence is longer than `at` tokens."""
