@@ -15,7 +15,12 @@ With a `ProgressiveSchedule`, outcome weights are multiplied by alpha(step) and 
 by 1 - alpha(step), so weight moves from shaping to outcome as alpha goes from `start` to `end`.
 
 A component that raises or returns a non-finite value scores 0.0 for that trajectory; the failure
-is counted per component (`error_counts`) and logged once, and training goes on.
+is counted per component (`error_counts`) and logged once, and training goes on. A component
+that might hang (a user's verifier calling out to a service, say) can be given a time limit,
+`Component.timeout_s`: its call then runs on a daemon thread, and past the limit it scores 0.0
+and counts as a failure. Python cannot stop that thread; it runs on until the call returns.
+The verifiers shipped here bound their own time (math-verify in worker processes, unit tests in
+the sandbox) and need no limit.
 """
 from __future__ import annotations
 
@@ -64,12 +69,13 @@ class RewardInput:
 
 @dataclasses.dataclass(frozen=True)
 class Component:
-  """A named, weighted reward term."""
+  """A named, weighted reward term; `timeout_s` (None: no limit) bounds each call of `fn`."""
 
   name: str
   fn: Callable[[RewardInput], float]
   weight: float = 1.0
   role: Role = "fixed"
+  timeout_s: float | None = None
 
   def __post_init__(self):
     if not isinstance(self.name, str) or not _NAME.fullmatch(self.name):
@@ -84,6 +90,33 @@ class Component:
       raise ValueError(f"Component {self.name!r}: weight must be a finite number, got {self.weight!r}")
     if self.role not in _ROLES:
       raise ValueError(f"Component {self.name!r}: role must be one of {_ROLES}, got {self.role!r}")
+    t = self.timeout_s
+    if t is not None and (isinstance(t, bool) or not isinstance(t, numbers.Real)
+                          or not math.isfinite(t) or t <= 0):
+      raise ValueError(f"Component {self.name!r}: timeout_s must be None (no limit) or a finite "
+                       f"number of seconds > 0, got {t!r}")
+
+  def __call__(self, inp: RewardInput) -> Any:
+    """`fn(inp)`, within `timeout_s` when one is set (TimeoutError past it)."""
+    if self.timeout_s is None:
+      return self.fn(inp)
+    box: dict[str, Any] = {}
+    done = threading.Event()
+
+    def run():
+      try:
+        box["value"] = self.fn(inp)
+      except BaseException as e:  # noqa: BLE001 - handed to the caller below
+        box["error"] = e
+      finally:
+        done.set()
+
+    threading.Thread(target=run, name=f"reward-{self.name}", daemon=True).start()
+    if not done.wait(self.timeout_s):
+      raise TimeoutError(f"took longer than its timeout_s={self.timeout_s:g}")
+    if "error" in box:
+      raise box["error"]
+    return box["value"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +212,7 @@ class CompositeReward:
     failed: list[str] = []
     for c in self.components:
       try:
-        value = c.fn(inp)
+        value = c(inp)
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
           raise ValueError(f"returned {value!r}; a reward component must return a finite float")
         values[c.name] = float(value)

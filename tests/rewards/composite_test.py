@@ -127,6 +127,28 @@ def test_score_batch_and_mean_metrics():
   assert mean_metrics([]) == {}
 
 
+def test_component_past_its_timeout_scores_zero_and_is_counted():
+  """A hanging user reward used to block the trainer forever; with `timeout_s` it is a failure
+  like a raise (0.0, counted), and the other components still score."""
+  import threading
+  import time
+
+  release = threading.Event()
+  reward = CompositeReward([
+      Component("hangs", lambda inp: release.wait(60) and 1.0, timeout_s=0.2),
+      Component("fast", const(0.5), timeout_s=5.0),
+      Component("raises", boom, timeout_s=5.0),
+      Component("plain", const(1.0)),
+  ])
+  t0 = time.monotonic()
+  out = reward(INP)
+  assert time.monotonic() - t0 < 5
+  release.set()
+  assert out.components == {"hangs": 0.0, "fast": 0.5, "raises": 0.0, "plain": 1.0}
+  assert out.errors == ("hangs", "raises") and out.total == pytest.approx(1.5)
+  assert reward.error_counts() == {"hangs": 1, "fast": 0, "raises": 1, "plain": 0}
+
+
 def test_reward_input_is_frozen():
   with pytest.raises(dataclasses.FrozenInstanceError):
     INP.gold = "5"
@@ -141,6 +163,8 @@ def test_reward_input_is_frozen():
     (lambda: Component("x", "not callable"), "callable"),
     (lambda: Component("x", const(1.0), weight=math.inf), "weight"),
     (lambda: Component("x", const(1.0), role="bonus"), "role"),
+    (lambda: Component("x", const(1.0), timeout_s=0), "timeout_s"),
+    (lambda: Component("x", const(1.0), timeout_s=math.nan), "timeout_s"),
     (lambda: CompositeReward([]), "at least one"),
     (lambda: CompositeReward([Component("x", const(1.0)), Component("x", const(2.0))]), "unique"),
     (lambda: CompositeReward([Component("x", const(1.0), role="shaping")], schedule=ProgressiveSchedule(10)),
