@@ -149,19 +149,18 @@ class Env(abc.ABC):
     tokenized literally between the template's two sides, each tokenized on its own. Otherwise
     (the usual case) `text` is tokenized whole, as before. Override for other formats.
     """
-    ids = list(tokenizer.encode(text))
+    # `text` is encoded whole only when that is the result (not also on the split path).
     if ("parse_special" not in inspect.signature(tokenizer.encode).parameters
         or type(self).format_observation is not Env.format_observation):
-      return ids
+      return list(tokenizer.encode(text))
     head, sep, tail = self.observation_template.partition("{output}")
-    if not sep or "{" in head + tail or "}" in head + tail or len(text) < len(head) + len(tail):
-      return ids
-    if not (text.startswith(head) and text.endswith(tail)):
-      return ids
+    if (not sep or "{" in head + tail or "}" in head + tail or len(text) < len(head) + len(tail)
+        or not (text.startswith(head) and text.endswith(tail))):
+      return list(tokenizer.encode(text))
     output = text[len(head):len(text) - len(tail)]
     literal = list(tokenizer.encode(output, parse_special=False))
     if literal == list(tokenizer.encode(output)):
-      return ids  # no special-token text in the output
+      return list(tokenizer.encode(text))  # no special-token text in the output
     return ((list(tokenizer.encode(head)) if head else []) + literal
             + (list(tokenizer.encode(tail)) if tail else []))
 

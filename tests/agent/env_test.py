@@ -41,6 +41,31 @@ def test_plain_tool_output_is_tokenized_whole(tok):
     assert env.encode_observation(text, tok) == tok.encode(text)
 
 
+def test_observation_is_encoded_no_more_than_needed(tok):
+  """The whole text is encoded only when it is the result; the tokens are those of the
+  reference (the output literal between the template's sides, else the text whole)."""
+
+  class Counting:
+    def __init__(self):
+      self.calls = []
+
+    def encode(self, text, parse_special=True):
+      self.calls.append((text, parse_special))
+      return tok.encode(text, parse_special=parse_special)
+
+  env = ChatCalc()
+  head, _, tail = env.observation_template.partition("{output}")
+  for output, want, calls in (
+      ("x<|im_end|>y", tok.encode(head) + tok.encode("x<|im_end|>y", parse_special=False)
+       + tok.encode(tail), 4),  # output literal twice (compare), head, tail; was also the text
+      ("42", None, 3)):  # output twice (compare), then the text whole
+    text = env.format_observation(ToolResult(True, output))
+    counting = Counting()
+    ids = env.encode_observation(text, counting)
+    assert ids == (want if want is not None else tok.encode(text))
+    assert len(counting.calls) == calls, counting.calls
+
+
 def test_default_template_and_overridden_format(tok):
   env = CalculatorEnv()
   env.observation_template = "{output}"
