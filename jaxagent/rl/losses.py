@@ -311,8 +311,12 @@ def policy_loss_parts(
     else:
         # GSPO-token (GSPO Sec. 4.3): s_{i,t} = sg[s_i] * pi(y_t) / sg[pi(y_t)]; its value is s_i,
         # its gradient flows only through token t, and advantages stay per token.
+        # A clamped sequence ratio gets no gradient, as for grpo and gspo: else an unclipped
+        # token (A < 0, no dual clip) would carry a gradient of exp(MAX_LOG_RATIO) |A|.
         ratio_log_BxL = jax.lax.stop_gradient(seq_mean(log_ratio_BxL))
-        ratio_BxL = jnp.exp(bounded(ratio_log_BxL) + logps_BxL - jax.lax.stop_gradient(logps_BxL))
+        grad_path_BxL = jnp.where(jnp.abs(ratio_log_BxL) <= MAX_LOG_RATIO,
+                                  logps_BxL - jax.lax.stop_gradient(logps_BxL), 0.0)
+        ratio_BxL = jnp.exp(bounded(ratio_log_BxL) + grad_path_BxL)
         pg_BxL, low_BxL, high_BxL, dual_BxL = _clipped_surrogate(ratio_BxL, adv_BxL, cfg)
         unit_BxL = maskf_BxL
 

@@ -333,6 +333,18 @@ def test_huge_log_ratio_is_finite_and_does_not_poison_other_tokens(algo, adv):
     assert float(m["ratio_max"]) == pytest.approx(np.exp(15.0 if algo == "grpo" else 7.5), rel=1e-5)
 
 
+@pytest.mark.parametrize("algo", ALGOS)
+def test_clamped_log_ratio_gets_no_gradient_without_dual_clip(algo):
+    # A < 0 and no dual clip: the unclipped branch binds, so only the clamp keeps the gradient of
+    # a stale token / sequence from being exp(MAX_LOG_RATIO) |A| (about 5e8).
+    loss, m, g = two_tokens([100.0, 0.0], -1.0, make_cfg(algo))
+    assert np.isfinite(loss) and float(m["log_ratio_clamped"]) > 0
+    if algo == "grpo":
+        assert g[1] == 0.0 and g[2] == pytest.approx(0.5, abs=1e-6)
+    else:
+        np.testing.assert_array_equal(g, 0.0)
+
+
 def test_entropy_bonus_lowers_loss():
     base = single_token(0.1, 0.5, make_cfg(), entropy=1.5)[0]
     bonus = single_token(0.1, 0.5, make_cfg(entropy_coef=0.1), entropy=1.5)
