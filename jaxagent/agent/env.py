@@ -65,10 +65,10 @@ class Example:
 
   def __post_init__(self):
     if not isinstance(self.prompt, str):
-      msgs = tuple(self.prompt)
+      msgs = tuple(self.prompt) if isinstance(self.prompt, Iterable) else ()
       if not msgs or not all(isinstance(m, Mapping) and "role" in m for m in msgs):
         raise ValueError(f"Example {self.id!r}: prompt must be text or a non-empty list of chat "
-                         "messages with a 'role' key")
+                         f"messages with a 'role' key, got {type(self.prompt).__name__}")
       object.__setattr__(self, "prompt", msgs)
 
 

@@ -92,3 +92,13 @@ def test_calculator_env_scores_the_number_not_its_normalised_text():
     traj = demonstration_trajectory(TOK.encode("Q"), [(POLICY, f"<answer>{answer}</answer>")], TOK)
     traj.stop_reason = "answer"
     assert env.reward(traj, ex, TOK, step=0).components["correct"] == want, answer
+
+
+@pytest.mark.parametrize("prompt", [None, 5, [], [{"content": "x"}], {"role": "user"}])
+def test_example_rejects_a_prompt_that_is_neither_text_nor_messages(prompt):
+  from jaxagent.agent import Example
+
+  # None and numbers raised a bare "'NoneType' object is not iterable" TypeError.
+  with pytest.raises(ValueError, match=r"Example 'e': prompt must be text or a non-empty list of "
+                     r"chat messages with a 'role' key, got"):
+    Example("e", prompt)
