@@ -29,6 +29,10 @@ def test_extract_tagged_takes_the_last_complete_block():
   assert extract_tagged("<answer></answer>") == ""
   assert extract_tagged("no tags here") is None
   assert extract_tagged("<result>7</result>", tag="result") == "7"
+  # A repeated opening restarts the block, as the rollout's parser reads the final answer (the
+  # reward read "I think <answer>42" and scored 0 an answer the rollout took as 42).
+  assert extract_tagged("<answer>I think <answer>42</answer>") == "42"
+  assert extract_tagged("<answer>a<answer>b</answer><answer>c</answer>") == "c"
   with pytest.raises(ValueError, match="tag name"):
     extract_tagged("x", tag="<answer>")
 
@@ -49,8 +53,9 @@ def test_extract_boxed(text, expected):
 
 
 def _reference_extract_tagged(text, tag="answer"):
-  """The regex reading extract_tagged must agree with (quadratic on many open tags)."""
-  matches = re.findall(rf"<{tag}>(.*?)</{tag}>", text, flags=re.DOTALL)
+  """The regex reading extract_tagged must agree with (quadratic on many open tags): a block
+  holds no opening tag of its own."""
+  matches = re.findall(rf"<{tag}>((?:(?!<{tag}>).)*?)</{tag}>", text, flags=re.DOTALL)
   return matches[-1].strip() if matches else None
 
 
