@@ -119,7 +119,7 @@ class CheckpointConfig:
     for name in ("every", "keep_every"):
       v = getattr(self, name)
       if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise ValueError(f"checkpoint setting {name} must be an int >= 0, got {v!r}")
+        raise ValueError(f"checkpoint_{name} must be an int >= 0, got {v!r}")
     if isinstance(self.keep, bool) or not isinstance(self.keep, int) or self.keep < 1:
       raise ValueError(f"checkpoint_keep must be an int >= 1, got {self.keep!r}")
 
@@ -132,8 +132,11 @@ class CheckpointConfig:
     """Read `checkpoint_every`, `checkpoint_keep`, `checkpoint_keep_every`,
     `checkpoint_async` and `checkpoint_dir` (all optional) from a run config."""
     get = config.get
-    return cls(every=int(get("checkpoint_every", 0) or 0), keep=int(get("checkpoint_keep", 3)),
-               keep_every=int(get("checkpoint_keep_every", 0) or 0),
+    # Counts go to `__post_init__` as given (NumPy ints as ints), so that 2.5 or True is
+    # refused there instead of being truncated to a count.
+    count = lambda v: int(v) if isinstance(v, np.integer) else v
+    return cls(every=count(get("checkpoint_every", 0) or 0), keep=count(get("checkpoint_keep", 3)),
+               keep_every=count(get("checkpoint_keep_every", 0) or 0),
                async_save=bool(get("checkpoint_async", True)),
                directory=str(get("checkpoint_dir", "") or ""))
 
@@ -149,10 +152,24 @@ def as_path(path: str | os.PathLike) -> epath.Path:
 
 
 def config_to_json(config) -> dict[str, Any]:
-  """The run config as plain JSON types (tuples become lists), for storing and comparing."""
+  """The run config as plain JSON types, for storing and comparing: tuples become lists, and
+  inf and nan (which JSON cannot hold, and which the saved metadata would turn into null) the
+  strings "inf", "-inf" and "nan", so that a run resumes with the very config it saved."""
   if hasattr(config, "to_json_best_effort"):
-    return json.loads(config.to_json_best_effort(sort_keys=True))
-  return json.loads(json.dumps(config, sort_keys=True, default=str))
+    out = json.loads(config.to_json_best_effort(sort_keys=True))
+  else:
+    out = json.loads(json.dumps(config, sort_keys=True, default=str))
+  return _nonfinite_as_text(out)
+
+
+def _nonfinite_as_text(x):
+  if isinstance(x, dict):
+    return {k: _nonfinite_as_text(v) for k, v in x.items()}
+  if isinstance(x, list):
+    return [_nonfinite_as_text(v) for v in x]
+  if isinstance(x, float) and not math.isfinite(x):
+    return str(x)  # "inf", "-inf", "nan"
+  return x
 
 
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

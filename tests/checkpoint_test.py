@@ -270,6 +270,32 @@ def test_incompatible_config_and_shapes_are_named(tmp_path):
                        config=no_clip)
 
 
+def test_config_with_inf_or_nan_resumes_and_its_changes_are_named(tmp_path):
+  # JSON holds no inf or nan: the saved config must still equal the run's own on resume.
+  learner = _learner(1)
+  config = _config()
+  config.env.kwargs = dict(limit=float("inf"), floor=float("-inf"), scale=float("nan"))
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1,
+                                                                           async_save=False))
+  mgr.save(1, learner.init(_initial_params()), meta=_meta(config))
+  assert mgr.restore_latest(_target(learner), config=config).changed == []
+  config.env.kwargs.limit = 5.0
+  with pytest.raises(checkpoint.IncompatibleCheckpointError,
+                     match=r"config env.kwargs.limit: 'inf' in the checkpoint, 5.0 now"):
+    mgr.restore_latest(_target(learner), config=config)
+
+
+@pytest.mark.parametrize("key,value", [("checkpoint_every", True), ("checkpoint_every", 2.5),
+                                       ("checkpoint_keep", None), ("checkpoint_keep", 1.9),
+                                       ("checkpoint_keep_every", -1)])
+def test_bad_checkpoint_settings_are_refused_not_truncated(key, value):
+  with pytest.raises(ValueError, match=rf"{key} must be an int >= [01], got {value!r}"):
+    checkpoint.CheckpointConfig.from_config({key: value})
+  cfg = checkpoint.CheckpointConfig.from_config(
+      {"checkpoint_every": np.int64(4), "checkpoint_keep": 2, "checkpoint_keep_every": None})
+  assert (cfg.every, cfg.keep, cfg.keep_every) == (4, 2, 0) and type(cfg.every) is int
+
+
 # ----------------------------------------------------------------------------- trainer runs
 # The tiny quickstart in subprocesses of `python -m jaxagent.launch`, made to update every step
 # (entropy and KL terms give gradients even when a random model earns no reward) and cheap to
