@@ -66,6 +66,19 @@ class AdvantageInfo:
         }
 
 
+def _check_rewards(rewards, group_ids) -> tuple[np.ndarray, np.ndarray]:
+    """float64 rewards `[N]` and group ids `[N]`, or a ValueError saying what is wrong."""
+    rewards = np.asarray(rewards, dtype=np.float64)
+    group_ids = np.asarray(group_ids)
+    if rewards.ndim != 1 or group_ids.shape != rewards.shape:
+        raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be 1-D of the same length")
+    bad = np.flatnonzero(~np.isfinite(rewards))
+    if bad.size:
+        raise ValueError(f"rewards must be finite; got {rewards[bad[:5]]} at indices {bad[:5].tolist()} "
+                         "(score failures as a finite reward upstream, e.g. 0)")
+    return rewards, group_ids
+
+
 def _group_index(group_ids: np.ndarray) -> tuple[np.ndarray, int]:
     """Dense index 0..K-1 per trajectory, numbered by first appearance."""
     _, first, inverse = np.unique(group_ids, return_index=True, return_inverse=True)
@@ -100,14 +113,7 @@ def compute_advantages(
         raise ValueError(f"zero_variance={zero_variance!r} is not supported; allowed values: {get_args(ZeroVariance)}")
     if not eps >= 0:
         raise ValueError(f"eps={eps} must be >= 0")
-    rewards = np.asarray(rewards, dtype=np.float64)
-    group_ids = np.asarray(group_ids)
-    if rewards.ndim != 1 or group_ids.shape != rewards.shape:
-        raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be 1-D of the same length")
-    bad = np.flatnonzero(~np.isfinite(rewards))
-    if bad.size:
-        raise ValueError(f"rewards must be finite; got {rewards[bad[:5]]} at indices {bad[:5].tolist()} "
-                         "(score failures as a finite reward upstream, e.g. 0)")
+    rewards, group_ids = _check_rewards(rewards, group_ids)
     n = rewards.size
     if n == 0:
         return np.zeros(0, np.float32), AdvantageInfo(np.zeros(0, bool), 0, 0, 0.0, 0.0, 0.0)
@@ -211,10 +217,8 @@ class DynamicSampler:
 
     def update(self, rewards: np.ndarray, group_ids: np.ndarray) -> np.ndarray:
         """Records one round of scored groups; returns the bool keep mask over its trajectories."""
-        rewards = np.asarray(rewards, dtype=np.float64)
-        group_ids = np.asarray(group_ids)
-        if rewards.ndim != 1 or group_ids.shape != rewards.shape:
-            raise ValueError(f"rewards {rewards.shape} and group_ids {group_ids.shape} must be 1-D of the same length")
+        # A NaN reward would make its group look informative (NaN compares as not equal).
+        rewards, group_ids = _check_rewards(rewards, group_ids)
         self.rounds += 1
         if rewards.size == 0:
             return np.zeros(0, bool)

@@ -127,6 +127,14 @@ def test_dynamic_sampler_validation():
         DynamicSampler(target_groups=1, min_informative_rate=0.0)
 
 
+def test_dynamic_sampler_rejects_non_finite_rewards():
+    # A NaN reward made its group look informative and get accepted into the batch.
+    s = DynamicSampler(target_groups=2)
+    with pytest.raises(ValueError, match="rewards must be finite"):
+        s.update(np.array([np.nan, 1.0, 0.0, 0.0]), np.array([0, 0, 1, 1]))
+    assert s.accepted == 0 and s.rounds == 0
+
+
 def test_dynamic_sampler_matches_loop_reference_on_random_rounds():
   rng = np.random.default_rng(1)
   for _ in range(200):
