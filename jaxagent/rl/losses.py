@@ -65,6 +65,7 @@ Gradient accumulation over micro-batches (what `rl/step.py` does)::
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal, NamedTuple, get_args
 
 import jax
@@ -128,16 +129,18 @@ class LossConfig:
             raise ValueError(f"LossConfig.clip_low={self.clip_low} must be in [0, 1) so 1 - clip_low > 0")
         if not self.clip_high >= 0.0:
             raise ValueError(f"LossConfig.clip_high={self.clip_high} must be >= 0")
-        if self.dual_clip is not None and not self.dual_clip > 1.0:
-            raise ValueError(f"LossConfig.dual_clip={self.dual_clip} must be None or a constant c > 1 (e.g. 3.0)")
-        if not self.kl_coef >= 0.0:
-            raise ValueError(f"LossConfig.kl_coef={self.kl_coef} must be >= 0")
-        if not self.entropy_coef >= 0.0:
-            raise ValueError(f"LossConfig.entropy_coef={self.entropy_coef} must be >= 0")
+        # An infinite coefficient makes the loss NaN (inf * 0) and an infinite max_len_norm
+        # zeroes every gradient without a word, so these must be finite.
+        if self.dual_clip is not None and not 1.0 < self.dual_clip < math.inf:
+            raise ValueError(f"LossConfig.dual_clip={self.dual_clip} must be None or a finite constant c > 1 (e.g. 3.0)")
+        if not 0.0 <= self.kl_coef < math.inf:
+            raise ValueError(f"LossConfig.kl_coef={self.kl_coef} must be finite and >= 0")
+        if not 0.0 <= self.entropy_coef < math.inf:
+            raise ValueError(f"LossConfig.entropy_coef={self.entropy_coef} must be finite and >= 0")
         if self.agg == "seq_mean_token_sum_norm":
-            if self.max_len_norm is None or not self.max_len_norm > 0:
+            if self.max_len_norm is None or not 0 < self.max_len_norm < math.inf:
                 raise ValueError(
-                    "LossConfig.max_len_norm must be a positive constant (e.g. the maximum response "
+                    "LossConfig.max_len_norm must be a finite positive constant (e.g. the maximum response "
                     f"length) when agg='seq_mean_token_sum_norm'; got {self.max_len_norm!r}"
                 )
         elif self.max_len_norm is not None:

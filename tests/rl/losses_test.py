@@ -477,6 +477,11 @@ def test_jit_and_sharded_batch_match_eager():
     ({"entropy_coef": -1.0}, "entropy_coef"),
     ({"agg": "seq_mean_token_sum_norm"}, "max_len_norm"),
     ({"agg": "token_mean", "max_len_norm": 100.0}, "max_len_norm"),
+    # Infinite values: a NaN loss (inf * 0) or, for max_len_norm, silently zero gradients.
+    ({"kl_coef": float("inf")}, "kl_coef"),
+    ({"entropy_coef": float("inf")}, "entropy_coef"),
+    ({"dual_clip": float("inf")}, "dual_clip"),
+    ({"agg": "seq_mean_token_sum_norm", "max_len_norm": float("inf")}, "max_len_norm"),
 ])
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
