@@ -216,6 +216,17 @@ def _compile_metrics(d: compile_stats.CompileCounts, count: str, seconds: str,
   return {count: d.count, seconds: d.seconds, hits: d.cache_hits}
 
 
+@contextlib.contextmanager
+def _names_the_step(where: str):
+  """Re-raise the learner's non-finite error naming the step the run logs: the learner counts
+  optimizer updates, which are not the RL (or warm-start) step numbers of metrics.jsonl."""
+  try:
+    yield
+  except FloatingPointError as e:
+    raise FloatingPointError(f"{where}: {e} The checkpoints already written are "
+                             "unchanged.") from None
+
+
 def _to_host(tree):
   """Host NumPy copies of (possibly multi-host sharded) arrays: a collective on multi-host."""
   if jax.process_count() == 1:
@@ -472,7 +483,8 @@ class Trainer:
       idx = rng.choice(len(items), size=min(s.batch_size, len(items)), replace=False)
       pb = packing.pack([items[j] for j in idx], self.pack_cfg)
       self._warn_dropped("SFT step", i + 1, pb.stats)
-      st, m = learner.train_step(st, pb.arrays())
+      with _names_the_step(f"SFT warm-start step {i + 1} of {s.steps}"):
+        st, m = learner.train_step(st, pb.arrays())
       losses_seen.append(m["loss"])
       self.writer.message(f"sft step {i + 1}/{s.steps}: loss {m['loss']:.4f}")
       self.writer.write(-s.steps + i, {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"]})
@@ -556,8 +568,11 @@ class Trainer:
       if self.loss_cfg.kl_coef > 0:
         ref, _ = self.learner.score(self.ref_params, batch)
         batch["ref_logps"] = np.asarray(_to_host(ref))
-      for _ in range(max(1, self.config.train.epochs)):
-        self.state, m = self.learner.train_step(self.state, batch)
+      epochs = max(1, self.config.train.epochs)
+      for epoch in range(epochs):
+        with _names_the_step(f"RL step {step}" + (f", epoch {epoch + 1} of {epochs}"
+                                                  if epochs > 1 else "")):
+          self.state, m = self.learner.train_step(self.state, batch)
         metrics.update({f"train/{k}": v for k, v in m.items()})
     else:
       metrics["train/skipped_no_signal"] = 1.0
@@ -752,6 +767,12 @@ class Trainer:
     """Save a checkpoint of the current state now (on demand; all processes must call it)."""
     if self.ckpt is None:
       raise ValueError("checkpointing is off: set checkpoint_every > 0 to save checkpoints")
+    if not self.warm_started:
+      # A resume skips the warm start and the evals before RL: a checkpoint from before them
+      # would make every later run of this workdir refuse to start.
+      raise ValueError("save_checkpoint before `run` has reached RL: checkpoints are written "
+                       "from the start of RL on (`run` writes step 0); use `export` to save "
+                       "the initial weights")
     step = self.step if step is None else step
     self.ckpt.save(step, self.state, meta=self.checkpoint_meta(), ref_params=self.ref_params)
     if wait:

@@ -379,3 +379,42 @@ def test_math_verify_metrics_without_a_started_verifier():
   assert math_verify_metrics(None, None) == {}
   after = {"calls": 3, "timeouts": 1, "errors": 0, "busy": 0, "restarts": 1, "equal": 2, "unequal": 0}
   assert math_verify_metrics(None, after)["reward/math_verify/timeouts"] == 1.0
+
+
+# ----------------------------------------------------------------------------- checkpoints
+@pytest.fixture(scope="module")
+def ckpt_trainer(tmp_path_factory):
+  """A tiny trainer with checkpointing on that has not run (built once for these tests)."""
+  trainer = Trainer(_tiny(tmp_path_factory.mktemp("ckpt"), checkpoint_every=1))
+  yield trainer
+  trainer.close()
+
+
+def test_nonfinite_update_names_the_rl_step_of_the_metrics(ckpt_trainer, monkeypatch):
+  # The learner counts optimizer updates (2 before RL step 3 here); the error must name the
+  # step the run logs.
+  trainer = ckpt_trainer
+  batch = {"old_logps": np.zeros((1, 4), np.float32)}
+  monkeypatch.setattr(trainer, "_collect", lambda step, params: ({}, dict(batch)))
+
+  def diverged(state, b):
+    raise FloatingPointError("non-finite values at train step 2: ['loss']; params were not "
+                             "updated.")
+  monkeypatch.setattr(trainer.learner, "train_step", diverged)
+  with pytest.raises(FloatingPointError, match=r"^RL step 3: non-finite values at train step 2"
+                     r".*The checkpoints already written are unchanged\."):
+    trainer.rl_step(3)
+  monkeypatch.setitem(trainer.config.train, "epochs", 2)
+  with pytest.raises(FloatingPointError, match=r"^RL step 3, epoch 1 of 2: "):
+    trainer.rl_step(3)
+
+
+def test_save_checkpoint_before_run_is_refused_and_leaves_the_workdir_resumable(ckpt_trainer):
+  # A checkpoint written before the warm start would make every later run of the workdir
+  # refuse to resume ("predates the warm start").
+  trainer = ckpt_trainer
+  with pytest.raises(ValueError, match="save_checkpoint before `run` has reached RL"):
+    trainer.save_checkpoint(wait=True)
+  trainer.ckpt.wait()
+  assert trainer.ckpt.steps() == []
+  assert trainer.restore() is None  # a fresh start, not an error
