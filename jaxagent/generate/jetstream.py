@@ -232,6 +232,11 @@ class JetStreamEngine(engine_api.Engine):
       tokenizer = load_tokenizer(tokenizer)
     if not isinstance(decode_steps, int) or decode_steps < 1:
       raise ValueError(f"decode_steps must be a positive int, got {decode_steps!r}")
+    # Checked here: the prefill that would refuse it runs in a Driver thread, whose exception
+    # kills the process.
+    if (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+        or not 0 <= seed < 2 ** 32):
+      raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
     max_len = engine.ecfg.max_len
     if max_prefill_length is None:
       fits = [n for n in PREFILL_LENGTHS if n < max_len]

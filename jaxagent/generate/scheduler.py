@@ -126,10 +126,26 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
     return []
   stop = stop or StopChecker()
   ecfg = engine.ecfg
+  # Every prompt, id and the seed are checked before anything runs: prefill checks only the
+  # batch it is given, so a bad prompt waiting in the queue would end the run after the
+  # requests before it were generated, its error naming its index within that batch.
   for i, p in enumerate(prompts):
+    if len(p) == 0:
+      raise ValueError(f"prompt {i} is empty (a prompt needs at least one token to predict "
+                       "the next one from)")
     if len(p) + 1 > ecfg.max_len:
       raise ValueError(f"prompt {i} has {len(p)} tokens; the engine's max_len is {ecfg.max_len}"
-                       " (prompt plus at least one new token must fit)")
+                       " (prompt plus at least one new token must fit: raise max_len, up to the "
+                       "model's max_seq_len, or shorten the prompt)")
+  engine._check_tokens(prompts, "run_requests", "prompt")
+  lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
+  bad = [r for r in request_ids if isinstance(r, bool) or not isinstance(r, (int, np.integer))
+         or not lo <= r <= hi]
+  if bad:
+    raise ValueError(f"request_ids must be integers in [{lo}, {hi}], got {bad[:5]}")
+  if (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+      or not 0 <= seed < 2 ** 32):
+    raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
   params = engine.prepare(params)  # merged decode weights made once for all the calls below
   results: list[Completion | None] = [None] * n
   queue = collections.deque(range(n))
@@ -235,6 +251,8 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
   """
   if slots <= 0:
     raise ValueError(f"slots must be a positive int, got {slots}")
+  if isinstance(prompts, (np.ndarray, jax.Array)):  # one prompt [T] or a batch [B, T]
+    prompts = np.asarray(prompts).tolist()
   if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], (int, np.integer))):
     prompts = [prompts]
   ids = []

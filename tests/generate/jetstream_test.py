@@ -204,3 +204,13 @@ def test_grpc_server_streams_tokens_and_rejects_bad_requests(js, cfg, engine, re
       assert decode(_token_prompts(cfg)[1], 3) == want[2][:3]
   finally:
     server.stop()
+
+
+@pytest.mark.jetstream
+def test_bad_seed_is_refused_at_construction(js, tok, params, engine):
+  """A seed prefill would refuse is an error here, in the caller's thread: in a Driver's prefill
+  thread the same error would kill the process."""
+  for seed in (-1, 2 ** 32, 1.5, True):
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*32\)"):
+      js.JetStreamEngine(engine.engine, params, tok, seed=seed)
+  js.JetStreamEngine(engine.engine, params, tok, seed=2 ** 32 - 1)
