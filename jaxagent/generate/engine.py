@@ -774,7 +774,16 @@ class Engine:
     slots = np.atleast_1d(np.asarray(slots, np.int32))
     if len(slots) != len(observations):
       raise ValueError("append: one observation per slot")
+    if len(slots) == 0:
+      raise ValueError("append needs at least one slot")
     self._check_slots(slots, "append")
+    if max_new_tokens is not None:
+      # As in prefill: a budget below one would still sample (and return) a token.
+      budget = np.asarray(max_new_tokens).reshape(-1)
+      if budget.size != 1 and budget.size != len(slots):
+        raise ValueError(f"append: {budget.size} max_new_tokens for {len(slots)} slots")
+      if not np.issubdtype(budget.dtype, np.integer) or budget.min() < 1:
+        raise ValueError(f"append: max_new_tokens must be integers >= 1, got {max_new_tokens!r}")
     self._check_tokens(observations, "append", "observation")
     held = (np.asarray(cached_lens, np.int64).reshape(-1) if cached_lens is not None
             else np.asarray(jax.device_get(state.lengths))[slots])

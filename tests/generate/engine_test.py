@@ -281,6 +281,14 @@ def test_append_bad_input_errors_before_running(params):
       eng.prefill(params, [[1, 2], [3, 4]], **{"request_ids": [1, 2], **kw})
   with pytest.raises(ValueError, match="2 cached_lens for 1 slots"):
     eng.append(params, state, [0], [[1, 2]], cached_lens=[19, 3])
+  with pytest.raises(ValueError, match="append needs at least one slot"):
+    eng.append(params, state, [], [])
+  # A budget below one would still sample and return a token (prefill refuses it too).
+  for budget in (0, [-2], [1.5]):
+    with pytest.raises(ValueError, match="append: max_new_tokens must be integers >= 1"):
+      eng.append(params, state, [0], [[1, 2]], max_new_tokens=budget)
+  with pytest.raises(ValueError, match="append: 2 max_new_tokens for 1 slots"):
+    eng.append(params, state, [0], [[1, 2]], max_new_tokens=[4, 4])
   for kw, name in ((dict(request_ids=[1]), "request_ids"), (dict(seeds=[0, 1, 2]), "seeds"),
                    (dict(max_new_tokens=[4]), "max_new_tokens")):
     with pytest.raises(ValueError, match=f"prefill: [13] {name} for 2 prompts"):
