@@ -32,6 +32,9 @@ class Completion:
   `tokens`), "max_new_tokens", "max_length", or "nonfinite": the logits of the last token held
   a NaN or +inf (its log-prob in `logprobs` is not finite; diverged params or a numerical
   fault), and the request stopped there. Other requests of the batch are unaffected.
+  `tokens` end with the token that ended the request (the EOS id, the last token of the stop
+  match). Where several reasons hold at one token, the first of "nonfinite", "stop", "eos",
+  "max_new_tokens", "max_length" is reported.
   """
   request_id: int
   tokens: list[int]
@@ -100,6 +103,19 @@ class _Live:
   logprobs: list[float] = dataclasses.field(default_factory=list)
 
 
+def _budgets(max_new_tokens, n: int) -> list[int]:
+  """Per-prompt budgets from one int or one per prompt; a float (2.7 would be cut to 2) or
+  anything else is a clear error."""
+  is_int = lambda b: isinstance(b, (int, np.integer)) and not isinstance(b, bool)
+  if is_int(max_new_tokens):
+    return [int(max_new_tokens)] * n
+  if (isinstance(max_new_tokens, (list, tuple, np.ndarray))
+      and all(is_int(b) for b in max_new_tokens)):
+    return [int(b) for b in max_new_tokens]
+  raise ValueError(f"max_new_tokens must be an int or a sequence of one int per prompt, got "
+                   f"{max_new_tokens!r}")
+
+
 @functools.lru_cache(maxsize=16)
 def _engine(cfg, ecfg: EngineConfig, mesh) -> Engine:
   return Engine(cfg, ecfg, mesh=mesh)
@@ -107,12 +123,14 @@ def _engine(cfg, ecfg: EngineConfig, mesh) -> Engine:
 
 def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
                  max_new_tokens: int | Sequence[int], request_ids: Sequence[int],
-                 seed: int = 0, stop: StopChecker | None = None,
-                 decode_steps: int = 8) -> list[Completion]:
-  """Run all prompts through `engine` with continuous batching; results in prompt order."""
+                 seed: int = 0, stop=None, decode_steps: int = 8) -> list[Completion]:
+  """Run all prompts through `engine` with continuous batching; results in prompt order.
+
+  `stop`: a `StopChecker`, or a spec it takes (token-id sequences; strings need the checker's
+  tokenizer).
+  """
   n = len(prompts)
-  budgets = ([int(max_new_tokens)] * n if isinstance(max_new_tokens, (int, np.integer))
-             else [int(b) for b in max_new_tokens])
+  budgets = _budgets(max_new_tokens, n)
   if len(budgets) != n:
     raise ValueError(f"max_new_tokens: {len(budgets)} budgets for {n} prompts (give one int "
                      "or one per prompt)")
@@ -124,7 +142,7 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
     raise ValueError(f"decode_steps must be a positive int, got {decode_steps!r}")
   if n == 0:
     return []
-  stop = stop or StopChecker()
+  stop = stop if isinstance(stop, StopChecker) else StopChecker(stop)
   ecfg = engine.ecfg
   # Every prompt, id and the seed are checked before anything runs: prefill checks only the
   # batch it is given, so a bad prompt waiting in the queue would end the run after the
@@ -249,8 +267,9 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
       id a prompt gives the same output whatever the slot count or arrival order.
   Returns one `Completion` per prompt, in order (with `.text` when a tokenizer is given).
   """
-  if slots <= 0:
-    raise ValueError(f"slots must be a positive int, got {slots}")
+  if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots <= 0:
+    raise ValueError(f"slots must be a positive int, got {slots!r}")
+  slots = int(slots)
   if isinstance(prompts, (np.ndarray, jax.Array)):  # one prompt [T] or a batch [B, T]
     prompts = np.asarray(prompts).tolist()
   if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], (int, np.integer))):
@@ -272,8 +291,7 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
     else:
       eos_ids = list(cfg.eos_token_ids)
   longest = max(len(p) for p in ids)
-  budget = (int(max_new_tokens) if isinstance(max_new_tokens, (int, np.integer))
-            else max(max_new_tokens))
+  budget = max(_budgets(max_new_tokens, len(ids)), default=1)
   if max_len is None:
     max_len = min(cfg.max_seq_len, 1 << (longest + budget).bit_length())
   ecfg = EngineConfig(slots=slots, max_len=max_len, eos_ids=tuple(int(e) for e in eos_ids),

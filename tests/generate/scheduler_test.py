@@ -58,3 +58,56 @@ def test_numpy_and_jax_array_prompts(params):
   assert [c.tokens for c in generate(params, CFG, batch, 3)] == want
   assert [c.tokens for c in generate(params, CFG, jax.numpy.asarray(batch), 3)] == want
   assert generate(params, CFG, batch[1], 3)[0].tokens == want[1]
+
+
+def test_bad_budgets_and_slots_are_clear_errors(params):
+  for budget in (4.0, [2.7], True, "4"):
+    with pytest.raises(ValueError, match="max_new_tokens must be an int or a sequence of one int"):
+      generate(params, CFG, [[1, 2]], budget)
+  with pytest.raises(ValueError, match="0 budgets for 1 prompts"):
+    generate(params, CFG, [[1, 2]], [])
+  for slots in (0, None, 2.0, True):
+    with pytest.raises(ValueError, match="slots must be a positive int"):
+      generate(params, CFG, [[1, 2]], 2, slots=slots)
+  assert (generate(params, CFG, [[1, 2]], 3, slots=np.int64(2))[0].tokens
+          == generate(params, CFG, [[1, 2]], 3, slots=2)[0].tokens)
+
+
+def test_run_requests_takes_a_stop_spec(params, engine):
+  """`stop` as a spec (token-id sequences) is what the same `StopChecker` gives (a list
+  failed with AttributeError after the first prefill)."""
+  from jaxagent.generate import StopChecker
+  ref = run_requests(engine, params, [[1, 2, 3]], max_new_tokens=12, request_ids=[0])[0].tokens
+  spec = [ref[4:6]]
+  got = run_requests(engine, params, [[1, 2, 3]], max_new_tokens=12, request_ids=[0],
+                     stop=spec)[0]
+  want = run_requests(engine, params, [[1, 2, 3]], max_new_tokens=12, request_ids=[0],
+                      stop=StopChecker(spec))[0]
+  assert got.tokens == want.tokens and got.stop_reason == "stop"
+  assert got.tokens[-2:] == ref[4:6] and got.tokens == ref[:len(got.tokens)]
+  with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+    run_requests(engine, params, [[1, 2, 3]], max_new_tokens=4, request_ids=[0], stop="</a>")
+
+
+def test_which_stop_reason_wins_at_one_token(params):
+  """The documented order at one token: "stop", then "eos", "max_new_tokens", "max_length";
+  the token that ended the request is the last of `tokens` in every case."""
+  prompt = [3, 1, 4, 1, 5]
+  ref = generate(params, CFG, [prompt], 8, max_len=64)[0].tokens
+  t = ref[3]
+  assert t not in ref[:3]
+  cases = [  # (kwargs, reason): each ends at token 3
+      (dict(eos_ids=[t], stop=[[t]]), "stop"),
+      (dict(eos_ids=[t], stop=[ref[2:4]], max_len=len(prompt) + 4), "stop"),
+      (dict(eos_ids=[t]), "eos"),
+      (dict(eos_ids=[t], max_len=len(prompt) + 4), "eos"),
+      (dict(eos_ids=[t], budget=4), "eos"),
+      (dict(budget=4, max_len=len(prompt) + 4), "max_new_tokens"),
+      (dict(max_len=len(prompt) + 4), "max_length"),
+  ]
+  for kw, reason in cases:
+    budget = kw.pop("budget", 8)
+    for steps in (1, 3):
+      out = generate(params, CFG, [prompt], budget, decode_steps=steps,
+                     **{"max_len": 64, **kw})[0]
+      assert (out.stop_reason, out.tokens) == (reason, ref[:4]), (kw, steps)
