@@ -54,7 +54,7 @@ from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.metrics import MetricsWriter
 from jaxagent.models import param_tree
 from jaxagent.models.config import RUN_MODEL_KEYS, run_overrides
-from jaxagent.rewards import mean_metrics, math_verifier
+from jaxagent.rewards import ENV_REWARD_ERROR, RewardOutput, mean_metrics, math_verifier
 from jaxagent.rl import advantages as adv_lib
 from jaxagent.rl import packing, step as step_lib
 
@@ -403,6 +403,7 @@ class Trainer:
     self.writer = MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
                                 progress_total=c.total_steps, progress=c.log.progress)
     self.step = 0
+    self._reward_failures: list[str] = []  # this step's env.reward raises (`_reward`)
     self.summary: dict[str, Any] = {}
     self.ckpt_cfg = checkpoint.CheckpointConfig.from_config(c)
     self.ckpt = (checkpoint.CheckpointManager(self.ckpt_cfg.path(self.workdir), self.ckpt_cfg,
@@ -457,8 +458,21 @@ class Trainer:
     with open(self.workdir / "compiles.jsonl", "a") as f:
       f.write(json.dumps(rec) + "\n")
 
+  def _reward(self, traj: Trajectory, ex: Example, step: int) -> RewardOutput:
+    """`env.reward`, with a raise turned into data: the trajectory scores 0.0 and its output
+    names `ENV_REWARD_ERROR` in `errors` (counted as `reward/errors/env_reward`), the traceback
+    logged. The env's own reward components are already isolated (`CompositeReward`); this
+    covers the env's code around them, so one odd trajectory cannot end a long run. When every
+    trajectory of a step fails the env is broken, not the samples: `_collect` raises."""
+    try:
+      return self.env.reward(traj, ex, self.tok, step)
+    except Exception as e:  # noqa: BLE001 - any failure of user code becomes data
+      log.warning("env %r: reward raised for example %r", self.env.name, ex.id, exc_info=True)
+      self._reward_failures.append(f"example {ex.id!r}: {type(e).__name__}: {e}")
+      return RewardOutput(0.0, {}, {}, errors=(ENV_REWARD_ERROR,))
+
   def _success(self, traj: Trajectory, ex: Example) -> bool:
-    return bool(self.env.is_success(self.env.reward(traj, ex, self.tok, self.step)))
+    return bool(self.env.is_success(self._reward(traj, ex, self.step)))
 
   # --------------------------------------------------------------------------- SFT
   def warm_start(self) -> dict[str, float]:
@@ -533,7 +547,7 @@ class Trainer:
       trajs = self.sampler.run(params, exs, num_samples=G,
                                seed=_rollout_seed(self.config.seed, step),
                                request_id_offset=offset)
-      outs = [self.env.reward(tr, exs[tr.group_id], self.tok, step) for tr in trajs]
+      outs = [self._reward(tr, exs[tr.group_id], step) for tr in trajs]
       rewards = np.array([o.total for o in outs], np.float32)
       gids = np.array([tr.group_id for tr in trajs])
       keep = sampler.update(rewards, gids) if dyn else np.ones(len(trajs), bool)
@@ -597,11 +611,19 @@ class Trainer:
   def _collect(self, step: int, params) -> tuple[dict[str, float], dict[str, np.ndarray] | None]:
     """Rollouts, rewards, advantages and packing of one step: (metrics, packed batch or None)."""
     t0 = time.time()
+    self._reward_failures = []
     verify_before = math_verifier.default_stats()
     all_trajs, outs, trajs, advs, info, rounds, sampling = self._rollout_groups(step, params)
     t_roll = time.time() - t0
     metrics: dict[str, float] = math_verify_metrics(verify_before, math_verifier.default_stats())
+    failed = sum(ENV_REWARD_ERROR in o.errors for o in outs)
+    if failed == len(outs):
+      raise RuntimeError(
+          f"RL step {step}: env {self.env.name!r}'s reward raised for all {failed} trajectories; "
+          f"the first: {self._reward_failures[0] if self._reward_failures else '?'} "
+          "(tracebacks in the log)")
     totals = np.array([o.total for o in outs])
+    metrics["reward/errors/env_reward"] = failed / len(outs)
     metrics["reward/mean"] = float(totals.mean())
     metrics["reward/std"] = float(totals.std())
     metrics.update(mean_metrics(outs))

@@ -374,6 +374,46 @@ def test_math_verifier_counts_are_logged_per_step(tmp_path, monkeypatch):
   assert m["reward/math_verify/errors"] == m["reward/math_verify/busy"] == 0.0
 
 
+def test_env_reward_that_raises_is_data_and_all_raising_is_an_error(tmp_path, monkeypatch):
+  """The env's own code around its reward components raising for one trajectory (a missing
+  field, a bug on odd text) scores that trajectory 0 and is counted; the step goes on. When it
+  raises for every trajectory the env is broken: a clear error, not a step of zero rewards."""
+  import dataclasses
+  trainer = Trainer(_tiny(tmp_path))
+  try:
+    real, calls = trainer.env.reward, []
+
+    def every_third_raises(*args):
+      calls.append(None)
+      if len(calls) % 3 == 1:
+        raise KeyError("task_id")
+      return dataclasses.replace(real(*args), total=1.0)
+
+    monkeypatch.setattr(trainer.env, "reward", every_third_raises)
+    m = trainer.rl_step(1)
+    n = int(m["rollout/num_trajectories"])
+    failed = len(range(0, n, 3))
+    assert m["reward/errors/env_reward"] == pytest.approx(failed / n)
+    assert m["reward/mean"] == pytest.approx((n - failed) / n)
+    assert "train/loss" in m
+
+    def always_raises(*args):
+      raise ValueError("no gold answer")
+
+    monkeypatch.setattr(trainer.env, "reward", always_raises)
+    with pytest.raises(RuntimeError, match=r"RL step 2: env .*reward raised for all \d+ trajectories; "
+                       r"the first: example .*ValueError: no gold answer"):
+      trainer.rl_step(2)
+  finally:
+    trainer.close()
+
+
+def test_env_reward_is_a_reserved_component_name():
+  from jaxagent.rewards import ENV_REWARD_ERROR, Component
+  with pytest.raises(ValueError, match="is reserved"):
+    Component(ENV_REWARD_ERROR, lambda inp: 1.0)
+
+
 def test_math_verify_metrics_without_a_started_verifier():
   from jaxagent.trainer import math_verify_metrics
   assert math_verify_metrics(None, None) == {}

@@ -18,6 +18,7 @@ from jaxagent.rewards.components import (
     UnitTestReward,
 )
 from jaxagent.rewards.composite import (
+    ENV_REWARD_ERROR,
     Component,
     CompositeReward,
     ProgressiveSchedule,

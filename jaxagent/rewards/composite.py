@@ -41,7 +41,10 @@ _SCHEDULE_KINDS = ("linear", "cosine")
 _NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 # `reward/<name>` of these is already taken: by `RewardOutput.metrics` / `mean_metrics` (total,
 # alpha, errors/<name>) and by the trainer's batch mean and std of the totals (mean, std).
-_RESERVED_NAMES = ("total", "alpha", "errors", "mean", "std")
+# What the trainer names in `RewardOutput.errors` when an env's `reward` itself raised (logged as
+# `reward/errors/env_reward`, the fraction of the step's trajectories).
+ENV_REWARD_ERROR = "env_reward"
+_RESERVED_NAMES = ("total", "alpha", "errors", "mean", "std", ENV_REWARD_ERROR)
 
 
 @dataclasses.dataclass(frozen=True)
