@@ -9,14 +9,15 @@ Peak numbers are the vendors' published per-chip figures (dense, no sparsity):
 | chip | HBM | bf16 matmul peak | HBM bandwidth | interconnect per chip |
 |---|---|---|---|---|
 | TPU v4  | 32 GiB | 275 TFLOP/s | 1200 GB/s | ICI 2400 Gb/s = 300 GB/s |
-| TPU v5e | 16 GiB | 197 TFLOP/s | 819 GB/s | ICI 1600 Gb/s = 200 GB/s |
-| TPU v5p | 95 GiB | 459 TFLOP/s | 2765 GB/s | ICI 4800 Gb/s = 600 GB/s |
-| TPU v6e | 32 GiB | 918 TFLOP/s | 1640 GB/s | ICI 3584 Gb/s = 448 GB/s |
+| TPU v5e | 16 GiB | 197 TFLOP/s | 819 GB/s | ICI 400 GB/s both ways (200 each way) |
+| TPU v5p | 95 GiB | 459 TFLOP/s | 2765 GB/s | ICI 1200 GB/s both ways (600 each way) |
+| TPU v6e | 32 GiB | 918 TFLOP/s | 1640 GB/s | ICI 800 GB/s both ways (400 each way) |
 | H100 SXM | 80 GB | 989 TFLOP/s (TF32 494) | 3350 GB/s | NVLink 900 GB/s (450 each way) |
 | H200 | 141 GB | 989 TFLOP/s (TF32 494) | 4800 GB/s | NVLink 900 GB/s (450 each way) |
 | A100 80GB | 80 GB | 312 TFLOP/s (TF32 156) | 2039 GB/s | NVLink 600 GB/s (300 each way) |
 
-The interconnect figure is the whole chip's; the planner divides collective payloads by it, a
+The interconnect figure the planner uses is one direction of the whole chip's (the vendors
+quote TPU ICI as the bidirectional sum); it divides collective payloads by it, a
 coarse lower bound that ignores topology, latency and overlap with compute.
 
 float32 matmuls run at the bf16 rate on TPU (JAX's default precision there is one bf16 pass)
@@ -74,8 +75,8 @@ CHIPS: dict[str, ChipSpec] = {
     "TPU v5e": ChipSpec("v5e", 16 * GiB, 197e12, 197e12, 819e9, 200e9),
     "TPU v5": ChipSpec("v5p", 95 * GiB, 459e12, 459e12, 2765e9, 600e9),
     "TPU v5p": ChipSpec("v5p", 95 * GiB, 459e12, 459e12, 2765e9, 600e9),
-    "TPU v6 lite": ChipSpec("v6e", 32 * GiB, 918e12, 918e12, 1640e9, 448e9),
-    "TPU v6e": ChipSpec("v6e", 32 * GiB, 918e12, 918e12, 1640e9, 448e9),
+    "TPU v6 lite": ChipSpec("v6e", 32 * GiB, 918e12, 918e12, 1640e9, 400e9),
+    "TPU v6e": ChipSpec("v6e", 32 * GiB, 918e12, 918e12, 1640e9, 400e9),
     "H100": ChipSpec("H100", 80e9, 989e12, 494e12, 3350e9, 450e9),
     "H200": ChipSpec("H200", 141e9, 989e12, 494e12, 4800e9, 450e9),
     "A100": ChipSpec("A100", 80e9, 312e12, 156e12, 2039e9, 300e9),
