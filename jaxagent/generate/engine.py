@@ -517,6 +517,12 @@ class Engine:
     sds = per(seeds, 0, np.uint32, "seeds")
     if np.any(budgets[:n] <= 0):
       raise ValueError("max_new_tokens must be >= 1")
+    # As with max_len: the first token is sampled whatever the cap, and would exceed it.
+    short = [i for i in range(n) if lens[i] >= limits[i]]
+    if short:
+      i = short[0]
+      raise ValueError(f"prefill: prompt {i} has {lens[i]} tokens; its max_total_len "
+                       f"{int(limits[i])} leaves no room for a new token")
     rows = None
     if u < n:  # padding requests take the last distinct prompt's row (never inserted)
       rows = np.full((b,), u - 1, np.int32)

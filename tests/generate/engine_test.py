@@ -281,6 +281,9 @@ def test_append_bad_input_errors_before_running(params):
       eng.prefill(params, [[1, 2], [3, 4]], **{"request_ids": [1, 2], **kw})
   with pytest.raises(ValueError, match="2 cached_lens for 1 slots"):
     eng.append(params, state, [0], [[1, 2]], cached_lens=[19, 3])
+  # A prompt at its own total-length cap: its first token would exceed the cap.
+  with pytest.raises(ValueError, match="prompt 1 has 2 tokens; its max_total_len 2 leaves no"):
+    eng.prefill(params, [[1, 2, 3], [4, 5]], [1, 2], max_total_len=[4, 2])
   with pytest.raises(ValueError, match="append needs at least one slot"):
     eng.append(params, state, [], [])
   # A budget below one would still sample and return a token (prefill refuses it too).
