@@ -855,6 +855,16 @@ class Engine:
     """Set slots' cached length, pending token and activity (rewind after a host-side stop)."""
     slots = np.atleast_1d(np.asarray(slots, np.int32))
     k = len(slots)
+    if k == 0:
+      return state
+    # A negative slot would wrap onto another request's slot; a length past the cache would
+    # have the next steps' writes dropped and attention read stale rows.
+    self._check_slots(slots, "update_slots")
+    lens = np.broadcast_to(np.asarray(lengths), (k,))
+    if (not np.issubdtype(lens.dtype, np.integer) or lens.min() < 0
+        or lens.max() >= self.ecfg.max_len):
+      raise ValueError(f"update_slots: lengths must be integers in [0, {self.ecfg.max_len}) "
+                       f"(the pending token must fit), got {np.asarray(lengths).tolist()}")
     kb = pow2_at_least(k)  # one program per power of two
 
     def arr(x, dt):

@@ -284,6 +284,13 @@ def test_append_bad_input_errors_before_running(params):
   # A prompt at its own total-length cap: its first token would exceed the cap.
   with pytest.raises(ValueError, match="prompt 1 has 2 tokens; its max_total_len 2 leaves no"):
     eng.prefill(params, [[1, 2, 3], [4, 5]], [1, 2], max_total_len=[4, 2])
+  # A negative slot wrapped onto another request's slot; a length past the cache was taken.
+  for slot, length, match in ((-1, 3, "slot out of range"), (2, 3, "slot out of range"),
+                              (0, 32, r"lengths must be integers in \[0, 32\)"),
+                              (0, -1, r"lengths must be integers in \[0, 32\)")):
+    with pytest.raises(ValueError, match=f"update_slots: {match}"):
+      eng.update_slots(state, [slot], lengths=length, tokens=1, active=False)
+  assert eng.update_slots(state, [], lengths=[], tokens=[], active=[]) is state
   with pytest.raises(ValueError, match="append needs at least one slot"):
     eng.append(params, state, [], [])
   # A budget below one would still sample and return a token (prefill refuses it too).
