@@ -3,8 +3,9 @@
 One iteration: prompts from a grain pipeline -> G rollouts per prompt (multi-turn, tools on
 host threads) -> rewards -> group-relative advantages -> dynamic-sampling filter -> packing ->
 reference log-probs (frozen params on the same mesh) -> optimizer steps over micro-batches ->
-the new params go to the generator (same buffers, no copy) -> metrics, samples, eval,
-checkpoint. Single-turn tasks are multi-turn tasks that never call a tool.
+the new params go to the generator (same buffers, no copy; a compute-dtype copy when the
+masters are float32 and compute is lower) -> metrics, samples, eval, checkpoint. Single-turn
+tasks are multi-turn tasks that never call a tool.
 
 The run is built from an ml_collections config (see `configs/quickstart.py`); the config is
 turned into the frozen dataclasses of each module here, at the boundary.

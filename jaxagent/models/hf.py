@@ -186,7 +186,7 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
 
   `dtype` sets both the stored param dtype and the compute dtype unless `cfg_overrides`
   say otherwise (e.g. `dtype="bfloat16"`, or `param_dtype="float32", dtype="bfloat16"`).
-  Params come back as host arrays; place them with `jaxagent.sharding.shard_params`.
+  Params come back as host arrays; place them with `jaxagent.sharding.shard`.
   """
   path = resolve(path_or_preset)
   if dtype is not None:
