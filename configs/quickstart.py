@@ -21,6 +21,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.seed = 0
   c.total_steps = 5
 
+  # path: an HF directory, a .gguf file, an embedded preset, or an architecture preset such as
+  # "tiny-llama" (random init with init_std / init_seed, vocabulary of `tokenizer`; "" = path's).
+  # param_dtype: stored (master) weights; dtype: compute. remat: "none", "full", "dots" or
+  # "dots_attention" (what the backward pass recomputes).
   c.model = ml_collections.ConfigDict(dict(
       path="smollm2-135m-instruct", tokenizer="", param_dtype="float32", dtype="float32",
       remat="full", init_std=0.02, init_seed=0,  # remat: 4x less update memory
@@ -34,14 +38,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # Qwen3's q / k norms and RoPE: "auto" (one Pallas kernel each way on GPUs, XLA
       # elsewhere), "pallas" or "xla".
       norm_rope="auto"))
+  # The task (`jaxagent.envs.make_env(name, **kwargs)`); kwargs are the task's own settings,
+  # documented by its class (here `ArithmeticToolEnv`: min/max_terms and min/max_digits shape the
+  # "hard" problems, easy_max_digits the "easy" ones, easy_fraction their share of the train and
+  # eval sets, sft_easy_fraction of the SFT set).
   c.env = ml_collections.ConfigDict(dict(name="quickstart", kwargs=dict(
       min_terms=3, max_terms=4, min_digits=2, max_digits=3, train_size=2000, eval_size=200,
       sft_size=256, easy_fraction=0.5, easy_max_digits=2, sft_easy_fraction=0.8,
       seed=0)))
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))  # -1: the other devices
 
   # Settings that default to None are typed placeholders, so that `--config.key=value` can set
   # them (the command line cannot override a plain None).
+  # rollout: KV slots and cache length per slot (`EngineConfig`), sampling, and the budgets of
+  # `jaxagent.agent.RolloutConfig` (turns, tokens, tool time limits, decode steps per call).
   c.rollout = ml_collections.ConfigDict(dict(
       slots=64, max_len=192, temperature=1.0, top_p=1.0, top_k=0, max_turns=3,
       max_tokens_per_turn=32, max_total_tokens=placeholder(int), tool_timeout_s=5.0,
@@ -49,13 +59,20 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       mesh="learner",  # "data": decode with replicated weights, each device its own slots
       # Longest prompt decoded (None: what fits); the fit check plans it.
       max_prompt_tokens=placeholder(int)))
+  # `jaxagent.rl.losses.LossConfig`: algo "grpo" / "gspo" / "gspo_token", agg (see losses.py).
   c.loss = ml_collections.ConfigDict(dict(
       algo="grpo", agg="token_mean", clip_low=0.2, clip_high=0.28, dual_clip=placeholder(float),
       kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
       max_len_norm=placeholder(float)))
+  # AdamW; max_grad_norm 0 turns clipping off; schedule "constant", "cosine" or "linear".
   c.optimizer = ml_collections.ConfigDict(dict(
       lr=1e-5, weight_decay=0.0, b1=0.9, b2=0.99, max_grad_norm=1.0, warmup_steps=0,
       schedule="constant"))
+  # Per RL step: prompts_per_step groups of samples_per_prompt rollouts; advantage "grpo",
+  # "dr_grpo" or "rloo"; zero_variance "drop" (groups with equal rewards are not trained on) or
+  # "keep"; dynamic_sampling: DAPO's refill of dropped groups, up to max_sampling_rounds; the
+  # batch packs into rows of pack_len tokens (lengths len_buckets), split into micro_batches;
+  # epochs: updates over each step's batch; nonfinite "raise" or "skip" (a NaN/Inf step).
   c.train = ml_collections.ConfigDict(dict(
       prompts_per_step=16, samples_per_prompt=4, micro_batches=1, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
@@ -72,15 +89,22 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # ~log2 programs, up to 2x padded rows; for runs where recompiles cost more than padding).
       row_rounding="multiple",
       time_limit_s=0.0))  # RL wall-clock budget in s (0: none): final eval + checkpoint, then stop
+  # SFT warm start (steps=0: none): on num_examples of the task's demonstrations, or on the
+  # chat JSONL file `data` ({"messages": [...]} per line; loss on assistant turns).
   c.sft = ml_collections.ConfigDict(dict(
       steps=8, batch_size=16, lr=3e-5, num_examples=256, data="", warmup_steps=0))
+  # Held-out eval on the first `size` examples: greedy pass@1 (and pass@k with pass_k > 1
+  # samples) before training (`before`), after the warm start, every `every` RL steps (0: none)
+  # and at the end.
   c.eval = ml_collections.ConfigDict(dict(size=150, every=0, pass_k=0, before=True))
+  # dump_every: write dump_count trajectories (tokens, roles, loss mask) to
+  # <workdir>/samples/step_N.{txt,jsonl} every N RL steps (0: never).
   c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True, dump_every=4,
                                          dump_count=4))
   c.checkpoint_every = 0       # save every N RL steps (0: off); rerunning resumes
   c.checkpoint_keep = 3        # keep the newest N checkpoints
   c.checkpoint_keep_every = 0  # and every K-th step (0: none)
-  c.checkpoint_async = True
+  c.checkpoint_async = True    # write checkpoints in the background while training goes on
   c.checkpoint_dir = ""        # "" -> <workdir>/checkpoints; shared storage for multi-host
   c.export = False             # write <workdir>/export (HF safetensors) at the end
 
