@@ -84,6 +84,12 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
     if name not in sd:
       raise ValueError(f"{source}: tensor {name!r} is missing (expected shape {expected})")
     w = np.asarray(sd[name])
+    # An integer or bool tensor (a quantized weight without its scales) would be cast to
+    # floats of the wrong values.
+    if not jax.numpy.issubdtype(w.dtype, jax.numpy.floating):
+      raise ValueError(f"{source}: tensor {name!r} has dtype {w.dtype}; weights must be "
+                       "floating point (float32, float16 or bfloat16): dequantize the "
+                       "checkpoint first")
     if tuple(w.shape) != tuple(expected):
       raise ValueError(f"{source}: tensor {name!r} has shape {tuple(w.shape)}, the config "
                        f"expects {tuple(expected)}")
@@ -147,18 +153,34 @@ def _read_safetensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
   else:
     files = sorted(p.name for p in directory.glob("*.safetensors"))
   if not files:
-    raise FileNotFoundError(f"no *.safetensors weights in {directory}")
-  sd = {}
+    raise FileNotFoundError(f"{index} lists no weight files" if index.exists()
+                            else f"no *.safetensors weights in {directory}")
+  sd, where = {}, {}
   for name in files:
     path = directory / name
     if not path.exists():
       raise FileNotFoundError(f"{path} is listed in the safetensors index but missing")
     try:
-      with safe_open(str(path), framework="numpy") as f:
-        for k in f.keys():
-          sd[k] = f.get_tensor(k)
+      f = safe_open(str(path), framework="numpy")
     except Exception as e:  # safetensors raises its own error types for corrupt headers
       raise ValueError(f"cannot read safetensors file {path}: {e}") from e
+    with f:
+      for k in f.keys():
+        # Two files holding one tensor (a stale model.safetensors beside the shards, a shard
+        # written twice): whichever was read last would win, silently.
+        if k in where:
+          raise ValueError(
+              f"{directory}: tensor {k!r} is stored in both {where[k]} and {name}; remove the "
+              "stale file (a directory holds either model.safetensors or the shards its "
+              "model.safetensors.index.json lists)")
+        try:
+          sd[k] = f.get_tensor(k)
+        except Exception as e:  # a dtype NumPy cannot hold (float8, ...) or a corrupt body
+          raise ValueError(
+              f"cannot read tensor {k!r} ({f.get_slice(k).get_dtype()}) of {path}: {e}. "
+              f"Weights must be float32, float16 or bfloat16; convert quantized (float8, int) "
+              "checkpoints to one of these first") from e
+        where[k] = name
   return sd
 
 

@@ -189,3 +189,41 @@ def test_exported_weights_have_the_mode_of_the_other_files(tmp_path):
     os.umask(old)
   mode = lambda name: stat.S_IMODE((path / name).stat().st_mode)  # noqa: E731
   assert mode("model.safetensors") == mode("config.json") == 0o644
+
+
+def test_a_tensor_in_two_files_is_refused(tmp_path):
+  # Shards next to a stale model.safetensors (no index), or one tensor in two shards: the file
+  # read last would silently win.
+  import numpy as np
+  from safetensors.numpy import load_file, save_file
+  cfg, path = _save_tiny(tmp_path)
+  sd = load_file(str(path / "model.safetensors"))
+  names = sorted(sd)
+  save_file({k: sd[k] for k in names[:3]}, str(path / "model-00001-of-00002.safetensors"))
+  save_file({k: sd[k] for k in names[3:]}, str(path / "model-00002-of-00002.safetensors"))
+  stale = {k: np.zeros_like(v) for k, v in sd.items()}
+  save_file(stale, str(path / "model.safetensors"))
+  with pytest.raises(ValueError, match=rf"tensor '{names[0]}' is stored in both "
+                                       r"model-00001-of-00002.safetensors and model.safetensors"):
+    models.load(path)
+  (path / "model.safetensors").unlink()
+  models.load(path)  # the two shards alone load
+  index = {"weight_map": {k: f"model-0000{1 + (k in names[3:])}-of-00002.safetensors"
+                          for k in names}}
+  (path / "model.safetensors.index.json").write_text(json.dumps(index))
+  save_file({k: sd[k] for k in names[:4]}, str(path / "model-00001-of-00002.safetensors"))
+  with pytest.raises(ValueError, match=rf"'{names[3]}' is stored in both"):
+    models.load(path)
+
+
+def test_non_float_weights_are_refused(tmp_path):
+  import numpy as np
+  from safetensors.numpy import load_file, save_file
+  _, path = _save_tiny(tmp_path)
+  sd = load_file(str(path / "model.safetensors"))
+  name = "model.layers.0.self_attn.k_proj.weight"
+  sd[name] = (sd[name] * 100).astype(np.int8)  # a quantized weight without its scales
+  save_file(sd, str(path / "model.safetensors"))
+  with pytest.raises(ValueError, match=rf"tensor '{name}' has dtype int8; weights must be "
+                                       "floating point"):
+    models.load(path)
