@@ -443,12 +443,17 @@ def _from_hf_dir(path: pathlib.Path) -> Tokenizer:
     backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
   except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
     raise ValueError(f"cannot read {tokenizer_file}: {e}") from e
-  config = _read_json(path / "tokenizer_config.json")
-  specials = {k: _token_content(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+  config_file = path / "tokenizer_config.json"
+  config = _read_json(config_file)
+  specials = {k: _token_content(config.get(k), k, config_file)
+              for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
   # Like transformers 5, the tokenizer.json post-processor alone decides what
   # `add_special_tokens=True` adds; tokenizer_config's add_bos_token/add_eos_token are ignored.
   extra_eos = _read_json(path / "generation_config.json").get("eos_token_id")
   extra_eos = [] if extra_eos is None else [extra_eos] if isinstance(extra_eos, int) else extra_eos
+  if not (isinstance(extra_eos, list) and all(type(i) is int for i in extra_eos)):
+    raise ValueError(f"{path / 'generation_config.json'}: eos_token_id must be an int or a list "
+                     f"of ints, got {extra_eos!r}")
   return Tokenizer(backend, **specials, chat_template=_hf_chat_templates(path, config),
                    extra_eos_ids=extra_eos, name=str(path))
 
@@ -457,16 +462,21 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
   if not path.is_file():
     return {}
   try:
-    return json.loads(path.read_text(encoding="utf-8"))
+    data = json.loads(path.read_text(encoding="utf-8"))
   except (json.JSONDecodeError, UnicodeDecodeError) as e:
     raise ValueError(f"cannot parse {path}: {e}") from e
+  if not isinstance(data, dict):
+    raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
+  return data
 
 
-def _token_content(value: Any) -> str | None:
+def _token_content(value: Any, key: str, where: pathlib.Path) -> str | None:
   """A special token as tokenizer_config.json spells it: a string or a serialized AddedToken."""
-  if isinstance(value, dict):
-    return value.get("content")
-  return value
+  content = value.get("content") if isinstance(value, dict) else value
+  if content is not None and not isinstance(content, str):
+    raise ValueError(f"{where}: {key} must be the token's text (a string, or an object with a "
+                     f"'content' string), got {value!r}")
+  return content
 
 
 def _hf_chat_templates(path: pathlib.Path, config: dict[str, Any]) -> dict[str, str]:
@@ -476,16 +486,34 @@ def _hf_chat_templates(path: pathlib.Path, config: dict[str, Any]) -> dict[str, 
   if isinstance(inline, str):
     templates["default"] = inline
   elif isinstance(inline, list):
-    templates.update({t["name"]: t["template"] for t in inline})
+    for i, t in enumerate(inline):
+      if not (isinstance(t, dict) and isinstance(t.get("name"), str)
+              and isinstance(t.get("template"), str)):
+        raise ValueError(f"{path / 'tokenizer_config.json'}: chat_template[{i}] must be an "
+                         f"object with 'name' and 'template' strings, got {t!r:.200}")
+      templates[t["name"]] = t["template"]
+  elif inline is not None:
+    raise ValueError(f"{path / 'tokenizer_config.json'}: chat_template must be a string or a "
+                     f"list of {{'name', 'template'}} objects, got {type(inline).__name__}")
   if (path / "chat_template.jinja").is_file():
-    templates["default"] = (path / "chat_template.jinja").read_text(encoding="utf-8")
+    templates["default"] = _read_text(path / "chat_template.jinja")
   elif "default" not in templates and (path / "chat_template.json").is_file():
-    templates["default"] = _read_json(path / "chat_template.json")["chat_template"]
+    template = _read_json(path / "chat_template.json").get("chat_template")
+    if not isinstance(template, str):
+      raise ValueError(f"{path / 'chat_template.json'}: expected a 'chat_template' string")
+    templates["default"] = template
   extra_dir = path / "additional_chat_templates"
   if extra_dir.is_dir():
     for file in sorted(extra_dir.glob("*.jinja")):
-      templates[file.stem] = file.read_text(encoding="utf-8")
+      templates[file.stem] = _read_text(file)
   return templates
+
+
+def _read_text(path: pathlib.Path) -> str:
+  try:
+    return path.read_text(encoding="utf-8")
+  except UnicodeDecodeError as e:
+    raise ValueError(f"{path} is not UTF-8 text: {e}") from e
 
 
 def _template_processing(backend: tokenizers.Tokenizer, bos: str | None, eos: str | None) -> Any:

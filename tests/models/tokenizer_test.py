@@ -619,6 +619,34 @@ def test_load_tokenizer_bad_inputs(tmp_path):
     T.load_tokenizer(tmp_path)
 
 
+
+@pytest.mark.parametrize("file,content,match", [
+    # A string eos id was read character by character: "12" stopped generation at ids 1 and 2.
+    ("generation_config.json", {"eos_token_id": "12"}, "eos_token_id must be an int or a list"),
+    ("generation_config.json", {"eos_token_id": [2, None]}, "eos_token_id must be an int or a list"),
+    ("generation_config.json", [], r"generation_config\.json: expected a JSON object"),
+    ("tokenizer_config.json", [], r"tokenizer_config\.json: expected a JSON object"),
+    ("tokenizer_config.json", {"eos_token": 2}, "eos_token must be the token's text"),
+    ("tokenizer_config.json", {"chat_template": [{"template": "x"}]},
+     r"chat_template\[0\] must be an object with 'name' and 'template'"),
+    ("tokenizer_config.json", {"chat_template": 3}, "chat_template must be a string or a list"),
+    ("chat_template.json", {}, r"chat_template\.json: expected a 'chat_template' string"),
+    ("chat_template.jinja", b"\xff\xfe", r"chat_template\.jinja is not UTF-8"),
+])
+def test_malformed_hf_tokenizer_files_are_named(tok, tmp_path, file, content, match):
+  out = tok.save(tmp_path / "t")
+  config = json.loads((out / "tokenizer_config.json").read_text())
+  if file == "tokenizer_config.json" and isinstance(content, dict):
+    content = {**config, **content}
+  if file == "chat_template.json":
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {k: v for k, v in config.items() if k != "chat_template"}))
+  data = content if isinstance(content, bytes) else json.dumps(content).encode()
+  (out / file).write_bytes(data)
+  with pytest.raises(ValueError, match=match):
+    T.load_tokenizer(out)
+
+
 def test_gguf_tokenizers_are_cached_on_disk(tmp_path, monkeypatch, caplog):
   backend = _trained_byte_level_bpe()
   path = _write_tokenizer_gguf(tmp_path / "t.gguf", backend, template="T", add_bos=True)
