@@ -129,7 +129,11 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
 
 def state_dict_from_params(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
   """The inverse of `params_from_state_dict`: HF-named host arrays."""
+  if param_tree.is_merged(params):
+    raise ValueError("the params hold merged decode weights (merge_decode_weights); pass the "
+                     "plain params")
   p = jax.tree.map(np.asarray, param_tree.unbox(params))
+  _check_against_config(cfg, p)
   sd = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
   for key, stacked in p["layers"].items():
     suffix, kind = _LAYER_KEYS[key]
@@ -138,6 +142,28 @@ def state_dict_from_params(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
   if not cfg.tie_embeddings:
     sd["lm_head.weight"] = np.ascontiguousarray(p["lm_head"].T)
   return sd
+
+
+def _check_against_config(cfg: ModelConfig, p: Mapping[str, Any]) -> None:
+  """Params laid out as `cfg` says; otherwise the export would drop what the config does not
+  name (layers past n_layers, an untied output head) or write a config that does not load."""
+  specs = param_tree.param_specs(cfg)
+  layers = p.get("layers") if isinstance(p.get("layers"), Mapping) else {}
+  have = {k for k in p if k != "layers"} | {f"layers/{k}" for k in layers}
+  want = {k for k in specs if k != "layers"} | {f"layers/{k}" for k in specs["layers"]}
+  if have != want:
+    raise ValueError(
+        f"the params do not match the config {cfg.name!r}: params without an entry in the "
+        f"config {sorted(have - want)}, config entries missing from the params "
+        f"{sorted(want - have)} (check tie_embeddings, qkv_bias and qk_norm; pass the config "
+        "the params were made with)")
+  for name in sorted(want):
+    shape, _, _ = specs["layers"][name[7:]] if name.startswith("layers/") else specs[name]
+    arr = layers[name[7:]] if name.startswith("layers/") else p[name]
+    if tuple(arr.shape) != tuple(shape):
+      raise ValueError(f"the params do not match the config {cfg.name!r}: {name} has shape "
+                       f"{tuple(arr.shape)}, the config says {tuple(shape)} (pass the config "
+                       "the params were made with)")
 
 
 def _read_safetensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
@@ -267,9 +293,11 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
     raise FileExistsError(f"{out} already holds other weights ({', '.join(other)}) that loaders "
                           "would read instead of or along with the new model.safetensors; "
                           "write to an empty directory or remove them")
+  # Checked (and converted) before anything is written: a refused export must not leave a
+  # new config.json beside an earlier export's weights.
+  hf_cfg, sd = cfg.to_hf(), state_dict_from_params(cfg, params)
   out.mkdir(parents=True, exist_ok=True)
-  (out / "config.json").write_text(json.dumps(cfg.to_hf(), indent=2))
-  sd = state_dict_from_params(cfg, params)
+  (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
   weights = out / "model.safetensors"
   save_file(sd, str(weights), metadata={"format": "pt"})
   # The safetensors writer creates its file owner-only (0600) whatever the umask; give it the

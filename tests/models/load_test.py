@@ -227,3 +227,21 @@ def test_non_float_weights_are_refused(tmp_path):
   with pytest.raises(ValueError, match=rf"tensor '{name}' has dtype int8; weights must be "
                                        "floating point"):
     models.load(path)
+
+
+def test_save_hf_refuses_params_that_do_not_match_the_config(tmp_path):
+  # The export walked the config's layers and entries: extra layers or an untied output head
+  # were dropped silently, and the directory loaded as a different model.
+  cfg, path = _save_tiny(tmp_path)
+  before = (path / "config.json").read_text()
+  params = models.init_params(cfg, jax.random.key(1))
+  with pytest.raises(ValueError, match=r"layers/attn_norm has shape \(2, 64\), the config says "
+                                       r"\(1, 64\)"):
+    models.save_hf(path, cfg.replace(n_layers=1), params)
+  untied = models.init_params(cfg.replace(tie_embeddings=False), jax.random.key(1))
+  with pytest.raises(ValueError, match=r"params without an entry in the config \['lm_head'\]"):
+    models.save_hf(path, cfg, untied)
+  merged = models.param_tree.merge_decode_weights(params, cfg)
+  with pytest.raises(ValueError, match="merged decode weights"):
+    models.save_hf(path, cfg, merged)
+  assert (path / "config.json").read_text() == before  # the earlier export is left as it was
