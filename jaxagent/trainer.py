@@ -106,6 +106,20 @@ class PromptStream:
     self._it.set_state(state)
 
 
+def _sft_batches(n: int, batch_size: int, steps: int, seed: int) -> list[np.ndarray]:
+  """Item indices of each warm-start step: every item once per epoch, in a fresh order per
+  epoch drawn from `seed`; a batch at an epoch's end continues into the next epoch."""
+  rng = np.random.default_rng(seed)
+  size = min(batch_size, n)
+  stream, out = np.zeros(0, np.int64), []
+  for _ in range(steps):
+    while stream.size < size:
+      stream = np.concatenate([stream, rng.permutation(n)])
+    out.append(stream[:size])
+    stream = stream[size:]
+  return out
+
+
 def sft_items(env: Env, examples: Sequence[Example], tokenizer) -> list[packing.PackItem]:
   """SFT items from the task's demonstrations: loss only on the policy's own tokens."""
   items = []
@@ -133,7 +147,7 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
   from jaxagent.agent.trajectory import OBSERVATION, POLICY
   eos_texts = [t for t in (tokenizer.id_to_token(i) for i in sorted(tokenizer.eos_ids)) if t]
   items = []
-  for n, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+  for n, line in enumerate(pathlib.Path(path).read_text(encoding="utf-8").splitlines(), 1):
     if not line.strip():
       continue
     try:
@@ -146,6 +160,9 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
     first = next((i for i, m in enumerate(msgs) if m["role"] == "assistant"), None)
     if first is None:
       raise ValueError(f"{path}:{n}: no assistant message to learn from")
+    if first == 0:
+      raise ValueError(f"{path}:{n}: the conversation starts with an assistant message; put the "
+                       "prompt (a user or system message) before it")
 
     def render(k, gen_prompt):
       try:
@@ -185,7 +202,8 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
       prev = nxt
     if not segs or segs[0][0] != POLICY:
       raise ValueError(f"{path}:{n}: the first assistant message renders to no text")
-    traj = demonstration_trajectory(prompt, segs, tokenizer)
+    # The line number as the item's id, so the warm start can name lines too long to train.
+    traj = demonstration_trajectory(prompt, segs, tokenizer, request_id=n)
     items.append(traj.to_pack_item(0.0))
   if not items:  # else the warm start runs its steps on empty batches, loss 0
     raise ValueError(f"{path}: no conversations (one JSON object with a 'messages' list per "
@@ -297,8 +315,14 @@ def check_config(config) -> None:
   count("total_steps", 0)
   count("seed", 0)  # the prompt shuffle takes only non-negative seeds
   for key in ("train.prompts_per_step", "train.samples_per_prompt", "train.epochs",
-              "rollout.slots", "train.micro_batches", "train.max_sampling_rounds"):
+              "rollout.slots", "train.micro_batches", "train.max_sampling_rounds",
+              "sft.batch_size"):
     count(key, 1)
+  # Negative values were taken as Python slices or ranges: eval.size=-1 evaluated all but the
+  # last example, sft.steps=-1 ran the evals before RL and then crashed with an IndexError.
+  for key in ("sft.steps", "sft.num_examples", "eval.size", "eval.every", "eval.pass_k",
+              "log.dump_every", "log.dump_count"):
+    count(key, 0)
   # Read only after the first step's rollouts (and the warm start): check them now.
   train = config.get("train") if hasattr(config, "get") else None
   if (hasattr(train, "get") and train.get("samples_per_prompt") == 1
@@ -477,7 +501,9 @@ class Trainer:
 
   # --------------------------------------------------------------------------- SFT
   def warm_start(self) -> dict[str, float]:
-    """SFT on demonstrations (or chat JSONL): cross-entropy on policy tokens only."""
+    """SFT on demonstrations (or chat JSONL): cross-entropy on policy tokens only; batches of
+    `sft.batch_size` take every item once per epoch, reshuffled each epoch (`sft.steps` may
+    stop mid-epoch)."""
     s = self.config.sft
     if not s.steps:
       return {}
@@ -491,11 +517,11 @@ class Trainer:
                                   warmup_steps=s.get("warmup_steps", 0))
     learner = step_lib.Learner(self.cfg, scfg, opt, self.mesh)
     st = learner.init(self.state.params)
-    rng = np.random.default_rng(self.config.seed)
+    items, too_long = self._sft_items_that_fit(items)
+    batches = _sft_batches(len(items), s.batch_size, s.steps, self.config.seed)
     t0 = time.time()
     losses_seen = []
-    for i in range(s.steps):
-      idx = rng.choice(len(items), size=min(s.batch_size, len(items)), replace=False)
+    for i, idx in enumerate(batches):
       pb = packing.pack([items[j] for j in idx], self.pack_cfg)
       self._warn_dropped("SFT step", i + 1, pb.stats)
       with _names_the_step(f"SFT warm-start step {i + 1} of {s.steps}"):
@@ -506,7 +532,33 @@ class Trainer:
     # Continue RL from the warm-started weights with a fresh optimizer state.
     self.state = self.learner.init(st.params)
     return {"sft/first_loss": losses_seen[0], "sft/last_loss": losses_seen[-1],
-            "sft/time_s": time.time() - t0, "sft/num_examples": len(items)}
+            "sft/time_s": time.time() - t0, "sft/num_examples": len(items),
+            "sft/num_too_long": too_long}
+
+  def _sft_items_that_fit(self, items: list[packing.PackItem]) -> tuple[list[packing.PackItem], int]:
+    """The SFT items no longer than a packed row, and how many were left out.
+
+    Packing drops a longer sequence from its batch, so it would take a batch place and train
+    nothing; left out here instead, with one message that counts them (and names the lines of
+    `sft.data`). All of them too long is an error: the warm start would train on nothing.
+    """
+    cap = self.pack_cfg.max_len
+    fit = [it for it in items if len(it) <= cap]
+    long = [it for it in items if len(it) > cap]
+    if not long:
+      return items, 0
+    data = self.config.sft.get("data")
+    where = ""
+    if data:
+      lines = ", ".join(str(it.traj_id) for it in long[:10]) + (", ..." if len(long) > 10 else "")
+      where = f" ({data} lines {lines})"
+    msg = (f"SFT warm start: {len(long)} of {len(items)} sequences{where} are longer than "
+           f"train.pack_len={cap} (the longest has {max(len(it) for it in long)} tokens)")
+    if not fit:
+      raise ValueError(msg + ": none is left to train on; raise train.pack_len (and the last "
+                       "of train.len_buckets) or shorten the SFT data")
+    self.writer.message(msg + "; they are left out (raise train.pack_len to keep them)")
+    return fit, len(long)
 
   # --------------------------------------------------------------------------- RL
   def _generator_params(self):
@@ -665,10 +717,12 @@ class Trainer:
       return
     d = self.workdir / "samples"
     d.mkdir(parents=True, exist_ok=True)
-    with open(d / f"step_{step:06d}.txt", "w") as f:
+    # UTF-8 whatever the locale: sampled text is arbitrary Unicode (an ASCII locale raised
+    # UnicodeEncodeError and ended the run); "replace" for what UTF-8 cannot hold.
+    with open(d / f"step_{step:06d}.txt", "w", encoding="utf-8", errors="replace") as f:
       for tr in trajs:
         f.write(tr.render(self.tok) + "\n\n")
-    with open(d / f"step_{step:06d}.jsonl", "w") as f:
+    with open(d / f"step_{step:06d}.jsonl", "w", encoding="utf-8") as f:
       for tr in trajs:
         f.write(json.dumps(tr.to_dict()) + "\n")
 

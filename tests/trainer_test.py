@@ -108,6 +108,16 @@ def test_config_keys_are_checked_against_the_quickstart():
     ("train.advantage", "ppo", r"train.advantage must be one of \('grpo', 'dr_grpo', 'rloo'\), got 'ppo'"),
     ("train.zero_variance", "skip", r"train.zero_variance must be one of \('keep', 'drop'\)"),
     ("train.max_sampling_rounds", 0, "train.max_sampling_rounds must be an int >= 1, got 0"),
+    # Negative counts were taken as slices or ranges: eval.size=-1 evaluated all but the last
+    # example; sft.steps=-1 crashed with an IndexError after the evals before RL.
+    ("eval.size", -1, "eval.size must be an int >= 0, got -1"),
+    ("eval.every", -2, "eval.every must be an int >= 0"),
+    ("eval.pass_k", -1, "eval.pass_k must be an int >= 0"),
+    ("sft.steps", -1, "sft.steps must be an int >= 0, got -1"),
+    ("sft.batch_size", 0, "sft.batch_size must be an int >= 1, got 0"),
+    ("sft.num_examples", -1, "sft.num_examples must be an int >= 0"),
+    ("log.dump_every", -1, "log.dump_every must be an int >= 0"),
+    ("log.dump_count", -1, "log.dump_count must be an int >= 0"),
 ])
 def test_bad_or_misspelt_settings_fail_before_any_work(tmp_path, key, value, match):
   c = _tiny(tmp_path)
@@ -150,6 +160,10 @@ def test_bad_chat_jsonl_names_the_line(tmp_path):
     path.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
     with pytest.raises(ValueError, match=r"sft.jsonl:2: 'messages' must be a list of objects"):
       sft_items_from_chat_jsonl(path, tok)
+  path.write_text(json.dumps(good) + "\n" + json.dumps(
+      {"messages": [{"role": "assistant", "content": "hi"}, {"role": "user", "content": "?"}]}) + "\n")
+  with pytest.raises(ValueError, match=r"sft.jsonl:2: the conversation starts with an assistant"):
+    sft_items_from_chat_jsonl(path, tok)
   for empty in ("", "\n  \n"):  # no conversations: an error, not a warm start on nothing
     path.write_text(empty)
     with pytest.raises(ValueError, match=r"sft.jsonl: no conversations"):
@@ -179,6 +193,84 @@ def test_chat_jsonl_loss_covers_exactly_the_assistant_turns():
       assert tok.decode(np.asarray(item.tokens)[policy]) == want, name
       # And the whole sequence is the template's rendering of the conversation.
       assert tok.decode(item.tokens) == tok.apply_chat_template(msgs, add_generation_prompt=False), name
+
+
+def test_warm_start_sees_every_item_once_per_epoch_and_leaves_out_too_long_lines(
+    tmp_path, monkeypatch):
+  """Batches drew a fresh random subset each step (8 steps of 16 from 128 items saw 84 of them,
+  some twice); lines longer than a packed row were dropped from their batch by packing, and when
+  all were, the warm start trained on nothing with loss 0."""
+  from jaxagent.rl import packing, step as step_lib
+  short = {"messages": [{"role": "user", "content": "2+2?"},
+                        {"role": "assistant", "content": "<answer>4</answer>"}]}
+  long = {"messages": [{"role": "user", "content": "x " * 200},
+                       {"role": "assistant", "content": "<answer>4</answer>"}]}
+  lines = [long if n in (3, 7) else short for n in range(1, 9)]  # 6 that fit, lines 3 and 7 not
+  data = tmp_path / "sft.jsonl"
+  data.write_text("".join(json.dumps(m) + "\n" for m in lines))
+  trainer = Trainer(_tiny(tmp_path, **{"sft.data": str(data), "sft.steps": 3,
+                                       "sft.batch_size": 4}))
+  try:
+    said, seen = [], []
+    monkeypatch.setattr(trainer.writer, "message", said.append)
+    real_pack = packing.pack
+
+    def spy(items, cfg):
+      seen.append([it.traj_id for it in items])  # the JSONL line of each item
+      return real_pack(items, cfg)
+
+    monkeypatch.setattr(packing, "pack", spy)
+    # The update itself is the learner's (tested there): here only what it is fed.
+    monkeypatch.setattr(step_lib.Learner, "train_step",
+                        lambda self, st, batch: (st, {"loss": 1.0, "grad_norm": 0.0}))
+    out = trainer.warm_start()
+    assert out["sft/num_examples"] == 6 and out["sft/num_too_long"] == 2
+    assert any("2 of 8 sequences" in m and "lines 3, 7" in m and "train.pack_len=128" in m
+               for m in said), said
+    stream = [n for batch in seen for n in batch]
+    assert [len(b) for b in seen] == [4, 4, 4]
+    fit = [1, 2, 4, 5, 6, 8]
+    epochs = stream[:6], stream[6:]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == fit  # each line once per epoch
+    assert epochs[0] != epochs[1]  # in a fresh order
+    data.write_text(json.dumps(long) + "\n")
+    with pytest.raises(ValueError, match=r"1 of 1 sequences \(.*sft.jsonl lines 1\) are longer "
+                       r"than train.pack_len=128 .*none is left to train on"):
+      trainer.warm_start()
+  finally:
+    trainer.close()
+
+
+def test_sample_dumps_and_chat_jsonl_are_utf8_whatever_the_locale(tmp_path):
+  """Under an ASCII locale (no UTF-8 mode) the sample dump of a non-ASCII completion raised
+  UnicodeEncodeError, ending the run, and a UTF-8 chat JSONL could not be read."""
+  import os
+  import subprocess
+  import sys
+  import textwrap
+  script = textwrap.dedent(r"""
+      import json, pathlib, sys, types
+      from jaxagent import models
+      from jaxagent.agent.trajectory import Trajectory
+      from jaxagent.trainer import Trainer, sft_items_from_chat_jsonl
+      out = pathlib.Path(sys.argv[1])
+      tok = models.load_tokenizer("smollm2-135m-instruct")
+      chat = {"messages": [{"role": "user", "content": "caf\u00e9?"},
+                           {"role": "assistant", "content": "\u00fc \u4f60\u597d"}]}
+      (out / "sft.jsonl").write_text(json.dumps(chat, ensure_ascii=False) + "\n", encoding="utf-8")
+      (item,) = sft_items_from_chat_jsonl(out / "sft.jsonl", tok)
+      traj = Trajectory(request_id=0)
+      traj.add_prompt(tok.encode("caf\u00e9?"))
+      ids = tok.encode("\u00fc \u4f60\u597d")
+      traj.add_policy(ids, [0.0] * len(ids), 0)
+      Trainer.dump_samples(types.SimpleNamespace(workdir=out, tok=tok), 1, [traj])
+      text = (out / "samples" / "step_000001.txt").read_text(encoding="utf-8")
+      assert "\u4f60\u597d" in text, text
+      """)
+  env = {**os.environ, "LC_ALL": "C", "LANG": "C", "PYTHONUTF8": "0", "PYTHONCOERCECLOCALE": "0"}
+  r = subprocess.run([sys.executable, "-c", script, str(tmp_path)], env=env, capture_output=True,
+                     text=True, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert r.returncode == 0, r.stderr[-3000:]
 
 
 def test_generator_gets_compute_dtype_weights_with_the_same_logits(tmp_path):
