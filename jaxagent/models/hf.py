@@ -296,6 +296,9 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
   # Checked (and converted) before anything is written: a refused export must not leave a
   # new config.json beside an earlier export's weights.
   hf_cfg, sd = cfg.to_hf(), state_dict_from_params(cfg, params)
+  if tokenizer is not None and not hasattr(tokenizer, "save"):
+    raise TypeError(f"save_hf: tokenizer must be a jaxagent Tokenizer (load_tokenizer), got "
+                    f"{type(tokenizer).__name__}; its files would not be written")
   out.mkdir(parents=True, exist_ok=True)
   (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
   weights = out / "model.safetensors"
@@ -303,6 +306,6 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
   # The safetensors writer creates its file owner-only (0600) whatever the umask; give it the
   # mode of the other files written here, so others who can read config.json can load it.
   weights.chmod(0o666 & ~_umask())
-  if tokenizer is not None and hasattr(tokenizer, "save"):
+  if tokenizer is not None:
     tokenizer.save(out)
   return out

@@ -244,4 +244,7 @@ def test_save_hf_refuses_params_that_do_not_match_the_config(tmp_path):
   merged = models.param_tree.merge_decode_weights(params, cfg)
   with pytest.raises(ValueError, match="merged decode weights"):
     models.save_hf(path, cfg, merged)
+  # A tokenizer of another library was skipped: the export had no tokenizer files.
+  with pytest.raises(TypeError, match="tokenizer must be a jaxagent Tokenizer.*got str"):
+    models.save_hf(path, cfg, params, tokenizer="smollm2-135m-instruct")
   assert (path / "config.json").read_text() == before  # the earlier export is left as it was
