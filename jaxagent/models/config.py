@@ -233,9 +233,16 @@ class ModelConfig:
           f"unknown architecture {archs or model_type!r}: jaxagent supports "
           f"{sorted(known)} (model_type llama, qwen2, qwen3)")
     def need(key):
-      if key not in hf:
-        raise ValueError(f"HF config: required field {key!r} is missing")
+      if hf.get(key) is None:
+        raise ValueError(f"HF config: required field {key!r} is "
+                         f"{'null' if key in hf else 'missing'}")
       return hf[key]
+
+    def number(key, default, value=None):  # an optional numeric field; null is an error
+      v = hf.get(key, default) if value is None else value
+      if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"HF config: {key}={v!r} must be a number (or left out: default {default})")
+      return v
 
     # Features of these architectures that the model here does not implement: loading such a
     # checkpoint would run and give wrong logits, so it is refused.
@@ -256,7 +263,8 @@ class ModelConfig:
     # transformers 5.x writes rope settings under `rope_parameters`; released checkpoints
     # keep a top-level `rope_theta` / `rope_scaling`.
     rope_params = hf.get("rope_parameters") or {}
-    theta = hf.get("rope_theta", rope_params.get("rope_theta", 10_000.0))
+    theta = number("rope_theta", 10_000.0,
+                   hf["rope_theta"] if "rope_theta" in hf else rope_params.get("rope_theta", 10_000.0))
     scaling = hf.get("rope_scaling") or (
         rope_params if rope_params.get("rope_type", rope_params.get("type")) not in (None, "default")
         else None)
@@ -281,13 +289,14 @@ class ModelConfig:
     kw = dict(
         vocab_size=need("vocab_size"), d_model=need("hidden_size"),
         n_layers=need("num_hidden_layers"), n_heads=n_heads,
-        n_kv_heads=hf.get("num_key_value_heads", n_heads), head_dim=head_dim,
+        # null key / value heads means one per query head (plain multi-head attention)
+        n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=head_dim,
         ffn_dim=need("intermediate_size"), rope_theta=float(theta),
-        norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        norm_eps=float(number("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=bool(hf.get("attention_bias", arch == "qwen2")),
         qk_norm=(arch == "qwen3"),
-        max_seq_len=int(min(hf.get("max_position_embeddings", 4096), 32768)),
+        max_seq_len=int(min(number("max_position_embeddings", 4096), 32768)),
         rope_scaling=rope_scaling, architecture=arch,
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, extra_eos_token_ids=extra_eos,
         name=hf.get("_name_or_path", "hf") or "hf")

@@ -93,3 +93,24 @@ def test_valid_presets_build():
   for cfg in PRESETS.values():
     assert isinstance(cfg, ModelConfig)
     hash(cfg)
+
+
+def test_from_hf_null_fields():
+  """null in an HF config.json: key / value heads default to one per query head (as the
+  reference implementation reads it); a required or numeric field that is null is named."""
+  hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": None,
+        "intermediate_size": 128}
+  assert ModelConfig.from_hf(hf).n_kv_heads == 4
+  assert ModelConfig.from_hf({**hf, "num_key_value_heads": 2}).n_kv_heads == 2
+  for key in ("rope_theta", "rms_norm_eps", "max_position_embeddings"):
+    with pytest.raises(ValueError, match=f"HF config: {key}=None must be a number"):
+      ModelConfig.from_hf({**hf, key: None})
+  with pytest.raises(ValueError, match="HF config: rope_theta='1e4' must be a number"):
+    ModelConfig.from_hf({**hf, "rope_theta": "1e4"})
+  with pytest.raises(ValueError, match="required field 'intermediate_size' is null"):
+    ModelConfig.from_hf({**hf, "intermediate_size": None})
+  with pytest.raises(ValueError, match="required field 'intermediate_size' is missing"):
+    ModelConfig.from_hf({k: v for k, v in hf.items() if k != "intermediate_size"})
+  cfg = ModelConfig.from_hf({**hf, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
+  assert cfg.rope_theta == 5e5
