@@ -67,10 +67,12 @@ class MetricsWriter:
 
   def progress(self, n: int = 1, **postfix) -> None:
     if self._bar is not None:
-      self._bar.update(n)
+      # The postfix first: the update redraws the bar, so this step's values show with it
+      # (set after, they showed one step late).
       if postfix:
         self._bar.set_postfix({k: (f"{v:.3g}" if isinstance(v, float) else v)
                                for k, v in postfix.items()}, refresh=False)
+      self._bar.update(n)
 
   def message(self, text: str) -> None:
     """A line on the console that does not break the progress bar."""

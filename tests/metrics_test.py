@@ -38,3 +38,17 @@ def test_jsonl_and_tensorboard_and_the_rewind_purges_later_steps(tmp_path):
   assert [ev.step for ev in starts] == [2]  # events at steps >= 2 before this are purged on load
   tags = {v.tag for _, ev in events for v in ev.summary.value}
   assert {"reward/mean", "eval/pass_at_1"} <= tags
+
+
+def test_progress_bar_shows_this_steps_values(tmp_path, capsys):
+  # The postfix was set after the update that redraws the bar: each step showed the last one's.
+  w = MetricsWriter(tmp_path, tensorboard=False, progress_total=3)
+  w._bar.mininterval = 0  # redraw on every update
+  w.progress(1, reward=0.5)
+  first = capsys.readouterr().err.rsplit("\r", 1)[-1]
+  w.progress(1, reward=0.75)
+  second = capsys.readouterr().err.rsplit("\r", 1)[-1]
+  w.close()
+  assert "1/3" in first and "reward=0.5" in first, first
+  assert "2/3" in second and "reward=0.75" in second, second
+  MetricsWriter(tmp_path / "none", tensorboard=False, progress_total=0).progress(1, reward=1.0)
