@@ -451,6 +451,7 @@ class Trainer:
     if not exs:
       return {}
     t0, c0 = time.time(), compile_stats.snapshot()
+    failed_before = len(self._reward_failures)
     trajs = self.greedy.run(params, exs, num_samples=1, seed=self.config.seed,
                             request_id_offset=0)
     ok = np.array([self._success(tr, ex) for tr, ex in zip(trajs, exs)], float)
@@ -465,6 +466,10 @@ class Trainer:
         c[tr.group_id] += self._success(tr, exs[tr.group_id])
       out[f"{tag}/pass@{e.pass_k}"] = float(np.mean([_pass_at_k(e.pass_k, int(ci), e.pass_k)
                                                      for ci in c]))
+    # An env reward that raises scores the trajectory as a failure (`_reward`): without this
+    # count a broken verifier read as a model that solves nothing.
+    scored = len(exs) * (1 + (e.pass_k if e.pass_k > 1 else 0))
+    out[f"{tag}/errors/env_reward"] = (len(self._reward_failures) - failed_before) / scored
     out[f"{tag}/time_s"] = time.time() - t0
     d = compile_stats.snapshot() - c0
     out.update(_compile_metrics(d, f"{tag}/compiles", f"{tag}/compile_s",

@@ -541,6 +541,39 @@ def test_nonfinite_update_names_the_rl_step_of_the_metrics(ckpt_trainer, monkeyp
     trainer.rl_step(3)
 
 
+def test_eval_counts_env_rewards_that_raise_and_scores_pass_at_k_per_example(ckpt_trainer,
+                                                                             monkeypatch):
+  """A reward that raises scores its trajectory a failure: eval counts them, so a broken
+  verifier does not read as a model that solves nothing. pass@k groups samples by example."""
+  from jaxagent.agent.trajectory import Trajectory
+  trainer = ckpt_trainer
+  monkeypatch.setitem(trainer.config.eval, "pass_k", 3)
+  exs = trainer.eval_examples[:4]
+  monkeypatch.setattr(trainer, "eval_examples", exs)
+
+  def fake_run(params, examples, *, num_samples, seed, request_id_offset):
+    return [Trajectory(request_id=i * num_samples + g, group_id=i, sample_index=g)
+            for i in range(len(examples)) for g in range(num_samples)]
+
+  monkeypatch.setattr(trainer.greedy, "run", fake_run)
+  monkeypatch.setattr(trainer.sampler, "run", fake_run)
+  solved = {(0, 0), (1, 2), (3, 1), (3, 2)}  # (example, sample): greedy is sample 0
+
+  def reward(traj, ex, tok, step):
+    if traj.group_id == 2 and traj.sample_index < 2:
+      raise KeyError("gold")  # greedy's and 2 sampled: 3 of the 4 + 4 x 3 trajectories
+    v = float((traj.group_id, traj.sample_index) in solved)
+    return RewardOutput(v, {"correct": v}, {"correct": 1.0})  # the quickstart's success test
+
+  from jaxagent.rewards import RewardOutput
+  monkeypatch.setattr(trainer.env, "reward", reward)
+  m = trainer.evaluate()
+  assert m["eval/errors/env_reward"] == 3 / 16
+  assert m["eval/pass@1"] == 1 / 4  # greedy: only example 0
+  assert m["eval/pass@3"] == 3 / 4  # examples 0, 1 and 3 have a solved sample among 3
+  assert m["eval/num_examples"] == 4
+
+
 def test_save_checkpoint_before_run_is_refused_and_leaves_the_workdir_resumable(ckpt_trainer):
   # A checkpoint written before the warm start would make every later run of the workdir
   # refuse to resume ("predates the warm start").
