@@ -387,7 +387,8 @@ class Trainer:
     self.time_limit_s = _time_limit_s(c.train)
     sharding.check_rollout_mesh(c.rollout.get("mesh", "learner"))
     # Both optimizers are built now, so a bad RL or SFT setting fails before any work.
-    (self.step_cfg, self.optimizer), _ = step_lib.learner_parts(c)
+    (self.step_cfg, self.optimizer), (self._sft_step_cfg, self._sft_optimizer) = (
+        step_lib.learner_parts(c))
     self.workdir = pathlib.Path(c.workdir)
     self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))
     self.cfg, params, self.tok = load_model(c.model)
@@ -422,8 +423,7 @@ class Trainer:
                                  cfg=self.rollout_cfg)
     self.greedy = RolloutDriver(self.greedy_engine, self.env, tokenizer=self.tok,
                                 cfg=self.rollout_cfg)
-    dp = c.mesh.data * (jax.device_count() // (c.mesh.data * c.mesh.tensor)
-                        if c.mesh.fsdp == -1 else c.mesh.fsdp)
+    dp = self.mesh.shape["data"] * self.mesh.shape["fsdp"]  # as resolved (either may be -1)
     self.pack_cfg = packing.config_from_train(t, dp)
     self.writer = MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
                                 progress_total=c.total_steps, progress=c.log.progress)
@@ -517,10 +517,7 @@ class Trainer:
     else:
       pool = self.env.examples("sft") if hasattr(self.env, "examples") else self.train_examples
       items = sft_items(self.env, list(pool)[:s.num_examples], self.tok)
-    scfg = dataclasses.replace(self.step_cfg, objective="sft", entropy=False)
-    opt = step_lib.make_optimizer(s.lr, max_grad_norm=self.config.optimizer.max_grad_norm,
-                                  warmup_steps=s.get("warmup_steps", 0))
-    learner = step_lib.Learner(self.cfg, scfg, opt, self.mesh)
+    learner = step_lib.Learner(self.cfg, self._sft_step_cfg, self._sft_optimizer, self.mesh)
     st = learner.init(self.state.params)
     items, too_long = self._sft_items_that_fit(items)
     batches = _sft_batches(len(items), s.batch_size, s.steps, self.config.seed)

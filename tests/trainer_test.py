@@ -286,6 +286,19 @@ def test_generator_gets_compute_dtype_weights_with_the_same_logits(tmp_path):
   tr.close()
 
 
+def test_packing_rows_follow_the_resolved_mesh_whichever_axis_is_minus_one(tmp_path):
+  # mesh.data=-1 gave a data-parallel count of -8 (row_multiple < 1: the run was refused after
+  # loading the model).
+  for data, fsdp in ((-1, 1), (2, -1), (4, 2)):
+    trainer = Trainer(_tiny(tmp_path / f"{data}_{fsdp}", **{"mesh.data": data, "mesh.fsdp": fsdp}))
+    try:
+      shape = trainer.mesh.shape
+      assert trainer.pack_cfg.row_multiple == (trainer.config.train.micro_batches
+                                               * shape["data"] * shape["fsdp"]) > 0
+    finally:
+      trainer.close()
+
+
 def test_data_rollout_mesh_decodes_replicated_weights_with_the_same_first_step(tmp_path):
   # rollout.mesh="data": the engines decode on all 8 devices along the data axis with
   # replicated weights, while the learner keeps its fsdp mesh; the first RL step matches the

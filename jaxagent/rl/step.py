@@ -49,7 +49,8 @@ class StepConfig:
       token mean, for the warm start).
     micro_batches: the batch's rows are split into this many micro-batches whose gradients are
       accumulated (rows must divide evenly; packing rounds rows accordingly).
-    temperature: logits are divided by it before the softmax (match the sampler's).
+    temperature: logits are divided by it before the softmax (match the sampler's; the warm
+      start of `learner_parts` uses 1.0).
     logprob_chunk: sequence chunk for the vocabulary projection (bounds `[B, chunk, V]`).
     logprob_chunk_tokens: most tokens (rows x positions) per chunk; bounds the float32 logits
       of one chunk to `logprob_chunk_tokens * V * 4` bytes however many rows a batch packs.
@@ -302,7 +303,9 @@ def learner_parts(config):
       max_grad_norm=opt.max_grad_norm, warmup_steps=opt.warmup_steps,
       total_steps=c.total_steps * max(1, t.epochs), schedule=opt.schedule)
   s = c.sft
-  sft_scfg = dataclasses.replace(scfg, objective="sft", entropy=False)
+  # The warm start fits the model's own distribution to the demonstrations (temperature 1),
+  # whatever temperature the rollouts then sample at.
+  sft_scfg = dataclasses.replace(scfg, objective="sft", entropy=False, temperature=1.0)
   sft_opt = make_optimizer(s.lr, max_grad_norm=opt.max_grad_norm,
                            warmup_steps=s.get("warmup_steps", 0))
   return (scfg, rl_opt), (sft_scfg, sft_opt)

@@ -358,3 +358,15 @@ def test_max_grad_norm_zero_or_none_turns_clipping_off():
 def test_step_config_temperature_must_be_finite_and_positive(t):
   with pytest.raises(ValueError, match="StepConfig.temperature must be a finite number > 0"):
     step.StepConfig(temperature=t)
+
+
+def test_learner_parts_warm_start_fits_the_untempered_distribution():
+  # The RL learner scores at the sampler's temperature; the SFT cross-entropy must not: at 0.7
+  # it would fit logits / 0.7 to the demonstrations.
+  from configs.quickstart import get_config
+  c = get_config("tiny")
+  c.rollout.temperature = 0.7
+  (scfg, _), (sft_scfg, _) = step.learner_parts(c)
+  assert scfg.temperature == 0.7 and scfg.objective == "rl"
+  assert sft_scfg.temperature == 1.0 and sft_scfg.objective == "sft"
+  assert dataclasses.replace(sft_scfg, temperature=0.7, objective="rl", entropy=scfg.entropy) == scfg
