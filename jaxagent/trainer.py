@@ -967,6 +967,7 @@ class Trainer:
   def export(self, out: str | pathlib.Path | None = None) -> pathlib.Path:
     """Write the current policy as an HF directory (default `<workdir>/export`)."""
     out = pathlib.Path(out) if out is not None else self.workdir / "export"
+    checkpoint.check_finite(self.state.params, f"not exporting the policy to {out}")
     params = _to_host(self.state.params)
     if jax.process_index() == 0:
       models.save_hf(out, self.cfg, params, self.tok)

@@ -587,6 +587,21 @@ def test_eval_counts_env_rewards_that_raise_and_scores_pass_at_k_per_example(ckp
   assert m["eval/num_examples"] == 4
 
 
+def test_export_refuses_non_finite_params_and_writes_nothing(ckpt_trainer, tmp_path):
+  from jaxagent.checkpoint import NonFiniteParamsError
+  trainer = ckpt_trainer
+  good = trainer.state
+  leaves, tree = jax.tree.flatten(good.params)
+  bad = jax.tree.unflatten(tree, [leaves[0] * jnp.nan, *leaves[1:]])
+  trainer.state = good.replace(params=bad)
+  try:
+    with pytest.raises(NonFiniteParamsError, match="not exporting the policy to"):
+      trainer.export(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+  finally:
+    trainer.state = good
+
+
 def test_save_checkpoint_before_run_is_refused_and_leaves_the_workdir_resumable(ckpt_trainer):
   # A checkpoint written before the warm start would make every later run of the workdir
   # refuse to resume ("predates the warm start").
