@@ -237,6 +237,11 @@ def initialize_distributed(coordinator_address: str | None = None,
                                num_processes=num_processes, process_id=process_id)
   elif len(tpu_hosts) > 1:
     jax.distributed.initialize()
+  elif num_processes is not None and num_processes > 1:
+    # Without this check every process would start alone and train its own copy of the run.
+    raise ValueError(f"multi-process launch: num_processes={num_processes} but no coordinator "
+                     f"address; pass --coordinator_address=HOST:PORT of process 0 (or set "
+                     f"JAX_COORDINATOR_ADDRESS) on every process")
   else:
     return False
   log.info("JAX distributed: process %d of %d, %d local / %d global devices",

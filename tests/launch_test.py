@@ -341,6 +341,23 @@ def test_initialize_distributed_reads_the_environment_and_validates(monkeypatch)
     sharding.initialize_distributed()
 
 
+def test_several_processes_without_a_coordinator_are_refused(monkeypatch):
+  """N processes given no coordinator address would each start alone and train its own run."""
+  from jaxagent import sharding
+  for k in ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID",
+            "TPU_WORKER_HOSTNAMES"):
+    monkeypatch.delenv(k, raising=False)
+  with pytest.raises(ValueError, match="num_processes=2 but no coordinator address.*"
+                                       "--coordinator_address"):
+    sharding.initialize_distributed(None, 2, 1)
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "4")
+  monkeypatch.setenv("JAX_PROCESS_ID", "3")
+  with pytest.raises(ValueError, match="num_processes=4 but no coordinator address"):
+    sharding.initialize_distributed()
+  monkeypatch.setenv("JAX_NUM_PROCESSES", "1")
+  assert sharding.initialize_distributed() is False  # one process: nothing to coordinate
+
+
 def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
   r = subprocess.run([sys.executable, "-m", "jaxagent.export", f"--workdir={tmp_path}"],
                      cwd=REPO, capture_output=True, text=True, timeout=120,
