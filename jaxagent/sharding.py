@@ -4,7 +4,7 @@ Every array that crosses a jit boundary gets its sharding from here. Params carr
 axis names (see `jaxagent.models.param_tree.param_specs`); `RULES` maps them onto the mesh axes
 `("data", "fsdp", "tensor")`. A logical axis whose size does not divide the mapped mesh size
 is replicated instead (e.g. SmolLM2's 3 KV heads on `tensor=2`), so every preset shards on
-every mesh without hand edits.
+every mesh without hand edits; `shardings` logs a warning naming each such fallback once.
 """
 from __future__ import annotations
 
@@ -133,11 +133,11 @@ def _axis_size(mesh: Mesh, axes) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
-def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None, mesh: Mesh,
-                    rules=RULES) -> P:
-  """PartitionSpec for an array with logical axis `names` (dims that don't divide replicate)."""
+def _spec_and_fallbacks(names, shape, mesh: Mesh, rules):
+  """`logical_to_spec`'s spec, and for each dim that the rules map onto mesh axes of more than
+  one device but whose size does not divide them, `(name, size, ((axis, axis size), ...))`."""
   table = dict(rules)
-  out, used = [], set()
+  out, used, fallbacks = [], set(), []
   for i, name in enumerate(names):
     axes = table.get(name) if name is not None else None
     if axes is not None:
@@ -145,12 +145,38 @@ def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None, me
       tup = tuple(a for a in tup if a not in used and mesh.shape.get(a, 1) > 1)
       size = _axis_size(mesh, tup) if tup else 1
       if not tup or (shape is not None and shape[i] % size):
+        if tup:
+          fallbacks.append((name, int(shape[i]), tuple((a, mesh.shape[a]) for a in tup)))
         axes = None
       else:
         axes = tup[0] if len(tup) == 1 else tup
         used.update(tup)
     out.append(axes)
-  return P(*out)
+  return P(*out), fallbacks
+
+
+def logical_to_spec(names: Sequence[str | None], shape: Sequence[int] | None, mesh: Mesh,
+                    rules=RULES) -> P:
+  """PartitionSpec for an array with logical axis `names` (dims that don't divide replicate)."""
+  return _spec_and_fallbacks(names, shape, mesh, rules)[0]
+
+
+# Replication fallbacks already logged by this process (one warning each, not one per call).
+_LOGGED_FALLBACKS: set = set()
+
+
+def _log_fallbacks(found: dict) -> None:
+  for (name, size, axes), paths in found.items():
+    if (name, size, axes) in _LOGGED_FALLBACKS:
+      continue
+    _LOGGED_FALLBACKS.add((name, size, axes))
+    sizes = " x ".join(f"{a}={n}" for a, n in axes)
+    more = f" and {len(paths) - 3} more" if len(paths) > 3 else ""
+    log.warning("sharding: logical axis %r has size %d, which the mesh's %s (%d devices) does "
+                "not divide: it is replicated over them instead of split (%s%s); to split it, "
+                "use a mesh where %s divides %d", name, size, sizes,
+                math.prod(n for _, n in axes), ", ".join(paths[:3]), more,
+                " x ".join(a for a, _ in axes), size)
 
 
 def _is_box(x) -> bool:
@@ -160,14 +186,21 @@ def _is_box(x) -> bool:
 def shardings(tree, mesh: Mesh, rules=RULES):
   """A sharding tree matching `tree` (boxed params, optimizer state, or abstract versions).
 
-  Boxed leaves are sharded by their logical names; other leaves are replicated.
+  Boxed leaves are sharded by their logical names; other leaves are replicated. A dim
+  whose size does not divide its mesh axes is replicated, with a warning (once per process).
   """
-  def one(x):
+  found: dict = {}
+
+  def one(path, x):
     if _is_box(x):
-      spec = logical_to_spec(x.names, np.shape(x.value), mesh, rules)
+      spec, fallbacks = _spec_and_fallbacks(x.names, np.shape(x.value), mesh, rules)
+      for f in fallbacks:
+        found.setdefault(f, []).append(jax.tree_util.keystr(path, simple=True, separator="/"))
       return x.replace_boxed(NamedSharding(mesh, spec))
     return NamedSharding(mesh, P())
-  return jax.tree.map(one, tree, is_leaf=_is_box)
+  out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
+  _log_fallbacks(found)
+  return out
 
 
 def shard(tree, mesh: Mesh, rules=RULES):

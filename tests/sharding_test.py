@@ -88,3 +88,37 @@ def test_engine_warns_when_slots_do_not_divide_the_batch_devices(caplog):
     assert not caplog.records
     Engine(cfg, EngineConfig(slots=6, max_len=32), mesh=mesh)
   assert "slots=6 does not divide the 4 devices" in caplog.text
+
+
+def test_replicated_fallbacks_are_logged_once_naming_the_arrays(caplog, monkeypatch):
+  """A dim that its mesh axes do not divide is replicated (the rules' documented fallback)
+  with a warning that names the axis, the arrays and the mesh sizes, once per process."""
+  monkeypatch.setattr(sharding, "_LOGGED_FALLBACKS", set())
+  cfg = models.get_config("tiny-llama", n_heads=6, n_kv_heads=2, vocab_size=510, ffn_dim=96)
+  abstract = jax.eval_shape(lambda k: models.init_params(cfg, k), jax.random.key(0))
+  mesh = sharding.make_mesh(1, 2, 4)
+  with caplog.at_level("WARNING", logger="jaxagent.sharding"):
+    sh = models.unbox(sharding.shardings(abstract, mesh))
+  assert sh["layers"]["wq"].spec == P(None, "fsdp", None, None)  # 6 heads on tensor=4
+  assert sh["layers"]["w_up"].spec == P(None, "fsdp", "tensor")  # 96 divides: split
+  text = caplog.text
+  assert "logical axis 'heads' has size 6, which the mesh's tensor=4" in text
+  assert "(layers/wo, layers/wq)" in text and "tensor divides 6" in text
+  assert "'kv_heads' has size 2" in text and "(layers/wk, layers/wv)" in text
+  assert "'vocab' has size 510" in text and "(embed)" in text
+  assert "'mlp'" not in text and len(caplog.records) == 3
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="jaxagent.sharding"):
+    sharding.shardings(abstract, mesh)
+  assert not caplog.records
+
+
+def test_engine_warns_when_kv_heads_do_not_divide_the_tensor_devices(caplog):
+  from jaxagent.generate import Engine, EngineConfig
+  cfg = models.get_config("tiny-qwen3", vocab_size=64)  # 2 KV heads
+  with caplog.at_level("WARNING", logger="jaxagent.generate.engine"):
+    Engine(cfg, EngineConfig(slots=8, max_len=32), mesh=sharding.make_mesh(1, 4, 2))
+    assert not caplog.records
+    eng = Engine(cfg, EngineConfig(slots=8, max_len=32), mesh=sharding.make_mesh(1, 2, 4))
+  assert "2 KV heads do not divide the mesh's tensor=4 devices" in caplog.text
+  assert eng.abstract_decode_state().k.sharding.spec == P(None, "fsdp", None, None, None)

@@ -293,6 +293,12 @@ class Engine:
                     "fsdp axes: the KV cache and the decoding are replicated on every one of "
                     "them instead of split; use a multiple of %d slots", self.ecfg.slots, rows,
                     rows)
+      tp = mesh.shape.get("tensor", 1)
+      if tp > 1 and shd.kv_cache_spec(cfg.n_kv_heads, self.ecfg.slots, mesh)[2] is None:
+        log.warning("the model's %d KV heads do not divide the mesh's tensor=%d devices: the KV "
+                    "cache is replicated over them instead of split by heads (each holds the "
+                    "whole cache of its slots); use a tensor size that divides %d",
+                    cfg.n_kv_heads, tp, cfg.n_kv_heads)
     self._eos = jnp.asarray(sorted(set(self.ecfg.eos_ids)) or [-1], jnp.int32)
     choice = self.ecfg.decode_attention
     backend = jax.default_backend()
