@@ -42,7 +42,7 @@ class ToolResult:
       output: the text the tool produced (for a failed call, whatever it produced before failing).
       error: why the call failed; required when `ok` is False, None when it is True.
       timed_out: the call was stopped at its time limit.
-      truncated: `output` was cut to a size limit.
+      truncated: `output` (or `error`) was cut to a size limit.
       duration_s: wall-clock seconds the call took.
     """
 
@@ -103,16 +103,23 @@ class ToolArgumentError(ValueError):
 
 
 def truncate_text(text: str, max_chars: int) -> tuple[str, bool]:
-    """Cuts `text` to at most `max_chars` characters, marking the cut; returns (text, truncated)."""
+    """Cuts `text` to at most `max_chars` characters, marking the cut; returns (text, truncated).
+
+    The marker counts toward the limit; a limit too small to hold it cuts the text bare.
+    """
     if len(text) <= max_chars:
         return text, False
     note = f"\n... [truncated {len(text) - max_chars} characters]"
-    keep = max(0, max_chars - len(note))
-    return text[:keep] + note, True
+    if max_chars < len(note):
+        return text[:max(0, max_chars)], True
+    return text[:max_chars - len(note)] + note, True
 
 
 def normalize_result(value: Any, *, tool_name: str, max_output_chars: int | None = None) -> ToolResult:
-    """Turns whatever a tool returned into a `ToolResult`; anything but str/ToolResult is an error."""
+    """Turns whatever a tool returned into a `ToolResult`; anything but str/ToolResult is an error.
+
+    With `max_output_chars`, the output and the error are each cut to that many characters.
+    """
     if isinstance(value, ToolResult):
         result = value
     elif isinstance(value, str):
@@ -121,9 +128,13 @@ def normalize_result(value: Any, *, tool_name: str, max_output_chars: int | None
         return ToolResult.failure(
             f"tool {tool_name!r} returned {type(value).__name__}; a tool must return str or ToolResult"
         )
-    if max_output_chars is not None and len(result.output) > max_output_chars:
-        output, _ = truncate_text(result.output, max_output_chars)
-        result = dataclasses.replace(result, output=output, truncated=True)
+    if max_output_chars is not None:
+        if max_output_chars < 1:
+            raise ValueError(f"max_output_chars must be >= 1 or None, got {max_output_chars}")
+        output, cut_output = truncate_text(result.output, max_output_chars)
+        error, cut_error = truncate_text(result.error, max_output_chars) if result.error else (result.error, False)
+        if cut_output or cut_error:
+            result = dataclasses.replace(result, output=output, error=error, truncated=True)
     return result
 
 

@@ -39,7 +39,7 @@ import multiprocessing.connection
 import pickle
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import psutil
@@ -55,6 +55,9 @@ from jaxagent.tools.base import (
 )
 
 log = logging.getLogger(__name__)
+
+# The longest single wait; longer (or infinite) time limits are waited out in slices of this.
+_MAX_WAIT_S = 3600.0
 
 
 def invoke_tool(tool: Tool, args: Any, *, max_output_chars: int | None = None,
@@ -73,8 +76,18 @@ def invoke_tool(tool: Tool, args: Any, *, max_output_chars: int | None = None,
         if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
             raise
         log.debug("tool %r raised", name, exc_info=True)
-        result = ToolResult.failure(f"tool {name!r} raised {type(e).__name__}: {e}")
+        result = normalize_result(ToolResult.failure(f"tool {name!r} raised {_describe_exception(e)}"),
+                                  tool_name=name, max_output_chars=max_output_chars)
     return dataclasses.replace(result, duration_s=time.monotonic() - start)
+
+
+def _describe_exception(e: BaseException) -> str:
+    """`Type: message`, even for an exception whose `__str__` itself raises."""
+    try:
+        message = str(e)
+    except BaseException:  # noqa: BLE001
+        message = "<the exception's message could not be turned into text>"
+    return f"{type(e).__name__}: {message}"
 
 
 def _takes_timeout(tool: Any) -> bool:
@@ -117,9 +130,13 @@ class _ProcessWorker:
     def run(self, payload: bytes, timeout_s: float, name: str) -> tuple[ToolResult, bool]:
         """Returns (result, worker still usable)."""
         start = time.monotonic()
+        deadline = start + timeout_s
         try:
             self.conn.send_bytes(payload)
-            if not self.conn.poll(timeout_s):
+            # In slices: a very long (or infinite) limit is more than one wait call accepts.
+            while not self.conn.poll(min(max(deadline - time.monotonic(), 0.0), _MAX_WAIT_S)):
+                if time.monotonic() < deadline:
+                    continue
                 self.kill()
                 return ToolResult.failure(f"tool {name!r} timed out after {timeout_s:g} s (worker process killed)",
                                           timed_out=True, duration_s=time.monotonic() - start), False
@@ -161,7 +178,9 @@ class _ProcessPool:
         self._closed = False
         self._cv = threading.Condition()
 
-    def call(self, tool: Tool, args: Any, timeout_s: float, max_output_chars: int | None) -> ToolResult:
+    def call(self, tool: Tool, args: Any, timeout_s: float, max_output_chars: int | None,
+             on_start: Callable[[], None] | None = None) -> ToolResult:
+        """Runs one call on a worker; `on_start` is called once a worker is held (the call's clock starts)."""
         name = getattr(tool, "name", type(tool).__name__)
         try:
             payload = pickle.dumps((tool, args, max_output_chars))
@@ -174,6 +193,8 @@ class _ProcessPool:
             return ToolResult.failure(f"tool {name!r}: no worker process available: {e}")
         usable = False
         try:
+            if on_start is not None:
+                on_start()
             result, usable = worker.run(payload, timeout_s, name)
         finally:
             self._release(worker, usable)
@@ -267,8 +288,10 @@ class ToolExecutor:
         if max_workers < 1 or max_stuck_threads < 0 or process_workers < 1:
             raise ValueError("max_workers and process_workers must be >= 1 and max_stuck_threads >= 0, got "
                              f"{max_workers}, {process_workers}, {max_stuck_threads}")
-        if default_timeout_s <= 0:
+        if not default_timeout_s > 0:
             raise ValueError(f"default_timeout_s must be positive, got {default_timeout_s}")
+        if max_output_chars is not None and max_output_chars < 1:
+            raise ValueError(f"max_output_chars must be >= 1 or None, got {max_output_chars}")
         if registry is None or isinstance(registry, ToolRegistry):
             self.registry = registry
         else:
@@ -289,6 +312,7 @@ class ToolExecutor:
         self._seq = itertools.count()
         self._live = 0      # threads that count toward max_workers (idle or running a live call)
         self._idle = 0
+        self._starting = 0  # threads started that have not yet looked for a job
         self._stuck = 0     # abandoned threads still inside a timed-out call
         self._shutdown = False
         self._watchdog: threading.Thread | None = None
@@ -313,6 +337,11 @@ class ToolExecutor:
             return future
         tool_obj, checked = resolved
         timeout = float(timeout_s or getattr(tool_obj, "timeout_s", None) or self.default_timeout_s)
+        if not timeout > 0:
+            result = ToolResult.failure(f"tool {tool_obj.name!r} has timeout_s {timeout!r}; it must be positive")
+            self._count_result(result)
+            future.set_result(result)
+            return future
         job = _Job(tool_obj, tool_obj.name, checked, timeout, getattr(tool_obj, "execution", "thread"), future)
         with self._lock:
             self._pending.append(job)
@@ -391,9 +420,11 @@ class ToolExecutor:
 
     def _spawn_threads_locked(self) -> None:
         limit = self.max_workers + self.max_stuck_threads
-        while (len(self._pending) > self._idle and self._live < self.max_workers
+        # Threads already starting will take a queued job each, like idle ones.
+        while (len(self._pending) > self._idle + self._starting and self._live < self.max_workers
                and self._live + self._stuck < limit):
             self._live += 1
+            self._starting += 1
             threading.Thread(target=self._worker_loop, name="jaxagent-tool", daemon=True).start()
         if self._watchdog is None:
             self._watchdog = threading.Thread(target=self._watchdog_loop, name="jaxagent-tool-watchdog",
@@ -425,27 +456,35 @@ class ToolExecutor:
                     continue  # cancelled by the caller while queued
                 job.state = "running"
                 # Process calls enforce their own timeout by killing the worker; the watchdog
-                # only backstops them (worker startup is not part of the call's budget).
+                # only backstops them, from when a worker is free to take the call (waiting for
+                # a busy worker or starting a new one is not part of the call's budget).
                 # Thread tools that take the limit themselves (`takes_timeout`) are backstopped
                 # by their `timeout_grace_s` (default 5 s) in the same way.
-                if job.execution != "thread":
-                    grace = self._processes.startup_timeout_s + 5.0
-                elif _takes_timeout(job.tool):
-                    grace = float(getattr(job.tool, "timeout_grace_s", None) or 5.0)
-                else:
+                if job.execution == "thread":
                     grace = 0.0
-                heapq.heappush(self._deadlines, (time.monotonic() + job.timeout_s + grace, next(self._seq), job))
-                self._watch_cv.notify()
+                    if _takes_timeout(job.tool):
+                        grace = float(getattr(job.tool, "timeout_grace_s", None) or 5.0)
+                    self._arm_deadline_locked(job, grace)
                 return job
             if self._shutdown:
                 return None
             self._idle += 1
-            woke = self._work_cv.wait(timeout=self._idle_exit_s)
+            woke = self._work_cv.wait(timeout=min(self._idle_exit_s, _MAX_WAIT_S))
             self._idle -= 1
             if not woke and not self._pending:
                 return None
 
+    def _arm_deadline_locked(self, job: _Job, grace: float) -> None:
+        heapq.heappush(self._deadlines, (time.monotonic() + job.timeout_s + grace, next(self._seq), job))
+        self._watch_cv.notify()
+
+    def _arm_process_deadline(self, job: _Job) -> None:
+        with self._lock:
+            self._arm_deadline_locked(job, 5.0)
+
     def _worker_loop(self) -> None:
+        with self._lock:
+            self._starting -= 1
         while True:
             with self._lock:
                 job = self._next_job_locked()
@@ -453,11 +492,16 @@ class ToolExecutor:
                     self._live -= 1
                     self._done_cv.notify_all()
                     return
-            if job.execution == "process":
-                result = self._processes.call(job.tool, job.args, job.timeout_s, self.max_output_chars)
-            else:
-                result = invoke_tool(job.tool, job.args, max_output_chars=self.max_output_chars,
-                                     timeout_s=job.timeout_s)
+            try:
+                if job.execution == "process":
+                    result = self._processes.call(job.tool, job.args, job.timeout_s, self.max_output_chars,
+                                                  on_start=lambda job=job: self._arm_process_deadline(job))
+                else:
+                    result = invoke_tool(job.tool, job.args, max_output_chars=self.max_output_chars,
+                                         timeout_s=job.timeout_s)
+            except BaseException as e:  # noqa: BLE001 - this thread must resolve its call and live on
+                log.error("running tool %r failed inside the executor", job.name, exc_info=True)
+                result = ToolResult.failure(f"tool {job.name!r} could not be run: {_describe_exception(e)}")
             with self._lock:
                 abandoned = job.state == "timed_out"
                 if not abandoned:
@@ -491,8 +535,8 @@ class ToolExecutor:
                 if not expired and not failed:
                     if self._shutdown and self._live == 0 and not self._deadlines:
                         return
-                    wait = self._deadlines[0][0] - now if self._deadlines else None
-                    self._watch_cv.wait(timeout=wait if wait is None else max(wait, 0.0))
+                    wait = self._deadlines[0][0] - now if self._deadlines else _MAX_WAIT_S
+                    self._watch_cv.wait(timeout=min(max(wait, 0.0), _MAX_WAIT_S))
                     continue
             for job in expired:
                 log.warning("tool %r timed out after %.3g s; abandoning its thread", job.name, job.timeout_s)

@@ -56,6 +56,19 @@ def test_normalize_result_rejects_garbage_and_truncates():
     assert (text, cut) == ("abc", False)
 
 
+def test_truncation_respects_the_cap_and_covers_errors():
+    for cap in (1, 5, 20, 40, 100):
+        text, cut = truncate_text("é" * 1000, cap)
+        assert cut and len(text) <= cap, (cap, text)
+    failed = normalize_result(ToolResult.failure("e" * 5000, output="o" * 5000), tool_name="t", max_output_chars=100)
+    assert failed.truncated and len(failed.output) <= 100 and len(failed.error) <= 100
+    assert "truncated 4900" in failed.error and failed.to_observation().count("truncated") == 2
+    short = normalize_result(ToolResult.failure("short"), tool_name="t", max_output_chars=100)
+    assert short == ToolResult.failure("short")
+    with pytest.raises(ValueError, match="max_output_chars"):
+        normalize_result("x", tool_name="t", max_output_chars=0)
+
+
 def test_function_tool_schema_from_signature_and_docstring():
     assert lookup.name == "lookup"
     assert lookup.description == "Look up the weather forecast."

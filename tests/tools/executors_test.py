@@ -68,7 +68,32 @@ def crash_in_process() -> str:
     os._exit(3)
 
 
-REGISTRY = ToolRegistry([nap, hang, explode, garbage, pid_in_process, spin_in_process, crash_in_process])
+@function_tool(execution="process")
+def nap_in_process(seconds: float) -> str:
+    """Sleep in the worker process."""
+    time.sleep(seconds)
+    return f"slept {seconds}"
+
+
+class Unprintable(Exception):
+    def __str__(self):
+        raise RuntimeError("no message")
+
+
+@function_tool
+def raise_unprintable() -> str:
+    """Raise an exception whose message cannot be formatted."""
+    raise Unprintable()
+
+
+@function_tool
+def raise_long(n: int) -> str:
+    """Raise with an n-character message."""
+    raise ValueError("x" * n)
+
+
+REGISTRY = ToolRegistry([nap, hang, explode, garbage, pid_in_process, spin_in_process, crash_in_process,
+                         nap_in_process, raise_unprintable, raise_long])
 
 
 def test_invoke_tool_turns_everything_into_results():
@@ -221,3 +246,55 @@ def test_process_path_reports_unpicklable_tools():
     with ToolExecutor(process_workers=1) as executor:
         result = executor.run(local, {})
     assert not result.ok and "cannot be pickled" in result.error
+
+
+def test_exception_whose_message_raises_is_a_result_not_a_dead_thread():
+    direct = invoke_tool(raise_unprintable, {})
+    assert not direct.ok and direct.error.startswith("tool 'raise_unprintable' raised Unprintable: <")
+    executor = ToolExecutor(REGISTRY, max_workers=1, default_timeout_s=10)
+    try:
+        # It used to kill the worker thread: the call waited out its timeout, was reported as
+        # timed out, and a "stuck" thread was counted forever.
+        result = executor.submit("raise_unprintable", {}).result(timeout=5)
+        assert not result.ok and not result.timed_out and "raised Unprintable" in result.error
+        assert executor.run("nap", {"seconds": 0}).ok
+        assert executor.stats()["stuck_threads"] == 0
+    finally:
+        executor.shutdown(wait=False)
+
+
+def test_huge_error_messages_are_capped_like_output():
+    with ToolExecutor(REGISTRY, max_output_chars=1000) as executor:
+        result = executor.run("raise_long", {"n": 1_000_000})
+    assert not result.ok and result.truncated
+    assert len(result.error) <= 1000 and "truncated" in result.error
+    with pytest.raises(ValueError, match="max_output_chars"):
+        ToolExecutor(max_output_chars=0)
+
+
+def test_infinite_timeout_does_not_kill_the_watchdog():
+    executor = ToolExecutor(REGISTRY, process_workers=1)
+    try:
+        assert executor.submit("nap", {"seconds": 0.05}, timeout_s=float("inf")).result(timeout=5).ok
+        assert executor.submit("pid_in_process", {}, timeout_s=float("inf")).result(timeout=60).ok
+        # Timeouts of later calls are still enforced.
+        assert executor.submit("hang", {}, timeout_s=0.3).result(timeout=5).timed_out
+    finally:
+        RELEASE.set()
+        executor.shutdown(wait=False)
+
+
+def test_one_call_starts_one_thread():
+    with ToolExecutor(REGISTRY, max_workers=32) as executor:
+        assert executor.run("nap", {"seconds": 0}).ok
+        assert executor.stats()["live_threads"] == 1  # was max_workers for a single call
+
+
+def test_process_calls_waiting_for_a_busy_worker_are_not_timed_out():
+    # 16 calls of 0.5 s, each under a 1 s limit, share one worker process: the last ones wait
+    # about 8 s for it. The limit counts from when the worker takes the call, not from the queue.
+    with ToolExecutor(REGISTRY, process_workers=1, process_startup_timeout_s=1.0) as executor:
+        futures = [executor.submit("nap_in_process", {"seconds": 0.5}, timeout_s=1.0) for _ in range(16)]
+        results = [f.result(timeout=60) for f in futures]
+        assert executor.stats()["stuck_threads"] == 0
+    assert all(r.ok and r.output == "slept 0.5" for r in results), [r.error for r in results if not r.ok]
