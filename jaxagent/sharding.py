@@ -50,6 +50,11 @@ class MeshConfig:
   tensor: int = 1
 
   def __post_init__(self):
+    for name in ("data", "fsdp", "tensor"):
+      v = getattr(self, name)
+      if not isinstance(v, (int, np.integer)) or isinstance(v, bool):
+        raise ValueError(f"MeshConfig.{name} must be an int (a device count, or -1 for all "
+                         f"remaining devices), got {v!r}")
     sizes = (self.data, self.fsdp, self.tensor)
     if sum(s == -1 for s in sizes) > 1:
       raise ValueError(f"MeshConfig: at most one axis may be -1, got data={self.data}, "
@@ -75,6 +80,9 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
   """A `("data", "fsdp", "tensor")` mesh over `devices` (default: all devices)."""
   devices = list(jax.devices() if devices is None else devices)
+  if not devices or len(set(devices)) != len(devices):
+    raise ValueError(f"make_mesh: devices must be a non-empty list of distinct devices, got "
+                     f"{devices!r}")
   shape = MeshConfig(data, fsdp, tensor).resolve(len(devices))
   try:
     from jax.experimental import mesh_utils

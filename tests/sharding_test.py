@@ -16,6 +16,16 @@ def test_mesh_config_resolves_and_validates():
     sharding.MeshConfig(-1, -1, 1)
   with pytest.raises(ValueError, match="devices"):
     sharding.MeshConfig(3, 1, 1).resolve(8)
+  # A size that is not an int (a string from a hand-written override, a float, a bool) is
+  # named; a string used to fail as a bare TypeError, a float to build the mesh anyway.
+  for bad in ("2", 2.0, True):
+    with pytest.raises(ValueError, match=r"MeshConfig.fsdp must be an int .*got " + repr(bad)):
+      sharding.MeshConfig(1, bad, 1)
+  # No devices, or one device twice, is refused instead of giving an empty or invalid mesh.
+  with pytest.raises(ValueError, match="non-empty list of distinct devices"):
+    sharding.make_mesh(devices=[])
+  with pytest.raises(ValueError, match="non-empty list of distinct devices"):
+    sharding.make_mesh(devices=jax.devices()[:1] * 2)
 
 
 def test_logical_rules_replicate_indivisible_dims():
