@@ -13,12 +13,14 @@ a power or factorial is computed) and on nesting depth.
 
 Results: exact integer arithmetic stays integer (`10**20 / 10**10` is `10000000000`); a float
 that is an integer below 1e15 prints without a decimal point; other floats print with up to 12
-significant digits (`0.1 + 0.2` -> `0.3`, `1/3` -> `0.333333333333`).
+significant digits (`0.1 + 0.2` -> `0.3`, `1/3` -> `0.333333333333`), as plain decimals from
+1e-7 to 1e21 (`format_number`).
 """
 
 from __future__ import annotations
 
 import ast
+import decimal
 import math
 import operator
 from collections.abc import Callable
@@ -99,6 +101,10 @@ def _round(x: Number, ndigits: Number | None = None) -> Number:
         return round(x)
     if not isinstance(ndigits, int):
         raise CalculatorError("round's second argument must be an integer")
+    if isinstance(x, int) and -ndigits > len(str(abs(x))):
+        # |x| < 10**digits <= 10**-ndigits / 10: it rounds to 0. Python would first compute
+        # 10**-ndigits, which for round(5, -10**9) holds the GIL for hours.
+        return 0
     return round(x, ndigits)
 
 
@@ -174,6 +180,8 @@ class _Evaluator:
             raise CalculatorError(f"{name}() needs integers")
         try:
             return _check_int(fn(*args), self.max_bits)
+        except CalculatorError:
+            raise  # e.g. a result too large: not a domain error
         except ValueError:
             shown = ", ".join(format_number(a) for a in args)
             raise CalculatorError(f"math domain error: {name}({shown}) is undefined") from None
@@ -215,11 +223,23 @@ def evaluate(expression: str, *, max_chars: int = MAX_EXPRESSION_CHARS, max_int_
 
 
 def format_number(value: Number, *, significant_digits: int = 12) -> str:
-    """Integers exactly; integral floats below 1e15 without `.0`; other floats to 12 significant digits."""
+    """A plain decimal for ints and for floats from 1e-7 to 1e21, scientific notation beyond.
+
+    Integers print exactly; integral floats below 1e15 without `.0`. Other floats in the plain
+    range print to 12 significant digits, but never round away integer digits: a float of 1e12
+    or more prints rounded to an integer (`1234567890123.5` -> `1234567890124`, `1e20` ->
+    `100000000000000000000`). Plain decimals are what `rewards.verifiers.numeric_match` reads,
+    so a policy that copies a result into its answer is scored on the number.
+    """
     if isinstance(value, int):
         return str(value)
     if value.is_integer() and abs(value) < 1e15:
         return str(int(value))
+    if 1e-7 <= abs(value) < 1e21:
+        if abs(value) >= 10 ** significant_digits:
+            # repr is the shortest decimal that reads back as this float: no binary noise digits.
+            return format(decimal.Decimal(repr(value)).to_integral_value(decimal.ROUND_HALF_EVEN), "f")
+        return format(decimal.Decimal(f"{value:.{significant_digits}g}"), "f")
     text = f"{value:.{significant_digits}g}"
     if "e" in text:
         mantissa, exponent = text.split("e")

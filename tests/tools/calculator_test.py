@@ -1,9 +1,13 @@
 """Tests for jaxagent/tools/calculator.py: hand-worked results, formatting, refusals and limits."""
 
+import decimal
+import math
+import random
 import time
 
 import pytest
 
+from jaxagent.rewards.verifiers import numeric_match
 from jaxagent.tools.calculator import Calculator, CalculatorError, calculate, evaluate, format_number
 
 
@@ -23,8 +27,13 @@ from jaxagent.tools.calculator import Calculator, CalculatorError, calculate, ev
     ("0.1 + 0.2", "0.3"),             # 12 significant digits hide the binary rounding
     ("1 / 3", "0.333333333333"),
     ("2 / 3", "0.666666666667"),
-    ("1e20", "1e20"),
-    ("1.5e-7", "1.5e-7"),
+    ("1e20", "100000000000000000000"),  # plain decimals from 1e-7 to 1e21
+    ("1.5e-7", "0.00000015"),
+    ("3e-5", "0.00003"),
+    ("2.5 * 10**15", "2500000000000000"),
+    ("1234567890123.5", "1234567890124"),  # integer digits are never rounded away
+    ("1e21", "1e21"),
+    ("9.5e-8", "9.5e-8"),
     ("sqrt(16)", "4"),
     ("sqrt(2)", "1.41421356237"),
     ("abs(-2.5)", "2.5"),
@@ -91,6 +100,7 @@ def test_bad_input_gives_clear_errors(expression, message):
     "factorial(100000)",
     "(10 ** 1000) ** 5",
     "99999999999 ** 99999",
+    "lcm(2 ** 4000, 2 ** 4000 - 1)",  # was reported as "math domain error: lcm(...) is undefined"
 ])
 def test_huge_results_are_refused_fast(expression):
     start = time.monotonic()
@@ -119,7 +129,8 @@ def test_caret_can_mean_xor_syntax_error_instead():
 def test_format_number():
     assert format_number(3) == "3"
     assert format_number(3.0) == "3"
-    assert format_number(1e15) == "1e15"
+    assert format_number(1e15) == "1000000000000000"
+    assert format_number(1.5e300) == "1.5e300"
     assert format_number(123456.789) == "123456.789"
     assert format_number(-2.5e-10) == "-2.5e-10"
     assert format_number(2 ** 70) == "1180591620717411303424"
@@ -133,3 +144,28 @@ def test_calculator_tool():
     assert not failure.ok and failure.error == "division by zero"
     assert "missing required argument" in tool({}).error
     assert "must be of type string" in tool({"expression": 5}).error
+
+
+def test_round_to_huge_negative_digits_is_fast_and_exact():
+    # round(5, -10**7) made Python build 10**(10**7) first (14 s holding the GIL; -10**9: hours).
+    start = time.monotonic()
+    assert calculate("round(5, -10**7)") == "0"
+    assert time.monotonic() - start < 0.5
+    assert calculate("round(-12345, -10**100)") == "0"
+    for x in (5, 15, 50, 55, 149, 150, 250, -55, 99999, 10 ** 30 + 1):
+        for nd in range(-8, 2):
+            assert calculate(f"round({x}, {nd})") == str(round(x, nd)), (x, nd)
+
+
+def test_formatted_floats_are_read_back_by_numeric_match():
+    """A policy that copies a result into its answer is scored on the number it copied."""
+    rng = random.Random(0)
+    for _ in range(2000):
+        x = rng.choice([-1, 1]) * 10 ** rng.uniform(-7, 21) * rng.uniform(1, 10) / 10
+        if not 1e-7 <= abs(x) < 1e21:
+            continue
+        text = format_number(x)
+        assert "e" not in text, (x, text)
+        assert math.isclose(float(text), x, rel_tol=1e-11), (x, text)
+        gold = format(decimal.Decimal(repr(x)), "f")  # the shortest decimal that reads back as x
+        assert numeric_match(text, gold) == 1.0, (x, text, gold)
