@@ -346,6 +346,14 @@ class Learner:
 
   def put_batch(self, batch) -> Batch:
     """Place host arrays on the mesh, rows split over the data axes."""
+    dp = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
+    for k, v in batch.items():
+      rows = np.shape(v)[0] if v is not None and np.ndim(v) else None
+      if rows is not None and rows % dp:
+        raise ValueError(
+            f"put_batch: {k!r} has {rows} rows, not a multiple of the {dp} data-parallel devices "
+            f"(mesh data x fsdp = {self.mesh.shape['data']} x {self.mesh.shape['fsdp']}); pack with "
+            f"PackingConfig(row_multiple=micro_batches * {dp}) (`packing.config_from_train`)")
     return {k: jax.device_put(np.asarray(v), self.batch_sharding(np.ndim(v)))
             for k, v in batch.items() if v is not None}
 

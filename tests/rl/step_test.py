@@ -370,3 +370,13 @@ def test_learner_parts_warm_start_fits_the_untempered_distribution():
   assert scfg.temperature == 0.7 and scfg.objective == "rl"
   assert sft_scfg.temperature == 1.0 and sft_scfg.objective == "sft"
   assert dataclasses.replace(sft_scfg, temperature=0.7, objective="rl", entropy=scfg.entropy) == scfg
+
+
+def test_put_batch_names_rows_that_do_not_split_over_the_data_devices():
+  learner = step.Learner(CFG, step.StepConfig(), optax.sgd(0.1), sharding.make_mesh(2, 2, 2))
+  batch = {"tokens": np.zeros((6, 8), np.int32), "loss_mask": np.zeros((6, 8), np.float32)}
+  with pytest.raises(ValueError, match=r"'tokens' has 6 rows, not a multiple of the 4 "
+                     r"data-parallel devices \(mesh data x fsdp = 2 x 2\)"):
+    learner.put_batch(batch)
+  placed = learner.put_batch({k: np.zeros((8, 8), v.dtype) for k, v in batch.items()})
+  assert len(placed["tokens"].sharding.device_set) == 8
