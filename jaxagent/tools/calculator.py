@@ -23,6 +23,7 @@ import ast
 import decimal
 import math
 import operator
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -267,6 +268,20 @@ class Calculator:
         self.description = description or (
             "Evaluate an arithmetic expression with + - * / // % ** (or ^), parentheses, pi, e and "
             f"the functions {', '.join(FUNCTIONS)}.")
+        unknown = sorted(set(limits) - {"max_chars", "max_int_bits", "caret_is_power"})
+        if unknown:
+            # Caught here, not at each call: there every call would fail as a tool error.
+            raise TypeError(f"Calculator got unknown limit(s) {unknown}; the limits are max_chars, "
+                            "max_int_bits and caret_is_power")
+        for key in ("max_chars", "max_int_bits"):
+            value = limits.get(key, 1)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"Calculator {key} must be a positive int, got {value!r}")
+        max_digits = getattr(sys, "get_int_max_str_digits", lambda: 0)()  # 0: no limit
+        printable_bits = int(max_digits / math.log10(2)) if max_digits else None
+        if printable_bits is not None and limits.get("max_int_bits", MAX_INT_BITS) > printable_bits:
+            raise ValueError(f"Calculator max_int_bits must be at most {printable_bits}: larger integers exceed "
+                             "Python's limit on printing integers (sys.set_int_max_str_digits)")
         self._limits = limits
 
     def __call__(self, args: dict[str, Any]) -> ToolResult:

@@ -169,3 +169,14 @@ def test_formatted_floats_are_read_back_by_numeric_match():
         assert math.isclose(float(text), x, rel_tol=1e-11), (x, text)
         gold = format(decimal.Decimal(repr(x)), "f")  # the shortest decimal that reads back as x
         assert numeric_match(text, gold) == 1.0, (x, text, gold)
+
+
+def test_calculator_rejects_bad_limits_when_built():
+    # A misspelt limit used to fail every call with a TypeError observation.
+    with pytest.raises(TypeError, match=r"unknown limit\(s\) \['max_int_bit'\]"):
+        Calculator(max_int_bit=64)
+    with pytest.raises(ValueError, match="max_chars must be a positive int"):
+        Calculator(max_chars="100")
+    with pytest.raises(ValueError, match="max_int_bits must be at most"):
+        Calculator(max_int_bits=100_000)  # its results could not be printed
+    assert Calculator(max_int_bits=64)({"expression": "2 ** 100"}).error == "result too large (more than 64 bits)"
