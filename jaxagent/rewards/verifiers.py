@@ -136,15 +136,17 @@ def substring_exact_match(prediction: str | None, golds: str | Sequence[str]) ->
 
 
 # Commas only as thousands separators: "1,234" is a number, "1,2,3" is not.
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
+# An exponent ("1.5e-7", "2E+20") is read too: a calculator or a model may write one.
+_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d{1,6})?")
 
 
 def numeric_match(prediction: str | None, golds: str | Sequence[str]) -> float:
   """1.0 when the prediction is one of the gold numbers, else 0.0 (None or not a number scores 0).
 
-  The prediction is a plain decimal number, optionally negative, with commas only as thousands
-  separators. An integer gold needs that exact integer ("42.0" counts for "42"); a non-integer
-  gold allows 1e-6 relative error. A gold that is not a number is an error.
+  The prediction is a decimal number, optionally negative, with commas only as thousands
+  separators and an optional exponent ("1.5e-7"). An integer gold needs that exact integer
+  ("42.0" and "4.2e1" count for "42"); a non-integer gold allows an error of 1e-6 times
+  max(1, |gold|) (relative above 1, absolute below). A gold that is not a number is an error.
   """
   parsed = []
   for g in _golds(golds):
