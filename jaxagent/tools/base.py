@@ -180,10 +180,16 @@ def validate_arguments(parameters: Mapping[str, Any], args: Any) -> dict[str, An
 
     Covers the part of JSON Schema that tool specs use: required keys, unknown keys (when
     `additionalProperties` is false), primitive types and enums. Raises `ToolArgumentError`.
+    A null for an optional, declared argument whose schema does not allow null counts as not
+    given (the tool's default applies): models write `"x": null` for an argument they leave unset.
     """
     if not isinstance(args, Mapping):
         raise ToolArgumentError(f"arguments must be a JSON object, got {type(args).__name__}")
     properties: Mapping[str, Any] = parameters.get("properties", {})
+    required = set(parameters.get("required", ()))
+    args = {key: value for key, value in args.items()
+            if not (value is None and key in properties and key not in required
+                    and not _allows_null(properties[key]))}
     missing = [key for key in parameters.get("required", ()) if key not in args]
     if missing:
         raise ToolArgumentError(f"missing required argument(s): {', '.join(missing)}")
@@ -193,6 +199,13 @@ def validate_arguments(parameters: Mapping[str, Any], args: Any) -> dict[str, An
             allowed = ", ".join(properties) or "none"
             raise ToolArgumentError(f"unknown argument(s): {', '.join(map(str, unknown))} (allowed: {allowed})")
     return {key: _check_value(key, value, properties.get(key, {})) for key, value in args.items()}
+
+
+def _allows_null(schema: Mapping[str, Any]) -> bool:
+    types_ = schema.get("type")
+    return ("type" not in schema or types_ == "null"
+            or (isinstance(types_, (list, tuple)) and "null" in types_)
+            or None in schema.get("enum", ()))
 
 
 # --------------------------------------------------------------------------- function tools

@@ -120,6 +120,20 @@ def test_validate_arguments_number_and_null_types():
     assert validate_arguments(schema, {"extra": 1}) == {"extra": 1}  # additionalProperties defaults to true
 
 
+def test_null_for_an_optional_argument_means_not_given():
+    @function_tool(description="Scale a number.")
+    def scale(x: float, factor: float | None = None, unit: str = "m") -> str:
+        return f"{x * (2 if factor is None else factor)}{unit}"
+
+    assert scale.parameters["properties"]["factor"] == {"type": "number"}  # schema unchanged
+    assert scale({"x": 1.5, "factor": None}) == "3.0m"
+    assert scale({"x": 1.5, "unit": None}) == "3.0m"  # the default, not None
+    result = scale({"x": None})  # required: null is still wrong
+    assert not result.ok and "'x' must be of type number" in result.error
+    schema = {"type": "object", "properties": {"y": {"type": ["string", "null"]}, "z": {}}}
+    assert validate_arguments(schema, {"y": None, "z": None}) == {"y": None, "z": None}
+
+
 def test_registry_lookup_schemas_and_listing():
     @function_tool(name="echo", description="Repeat the text.")
     def echo(text: str) -> str:
