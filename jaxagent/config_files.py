@@ -9,8 +9,10 @@ import importlib.util
 import pathlib
 import sys
 import types
+from typing import TYPE_CHECKING
 
-import ml_collections
+if TYPE_CHECKING:  # the models and the generator import this module; keep it light
+  import ml_collections
 
 
 def load_config_module(path: str | pathlib.Path) -> types.ModuleType:

@@ -114,3 +114,15 @@ def test_from_hf_null_fields():
     ModelConfig.from_hf({k: v for k, v in hf.items() if k != "intermediate_size"})
   cfg = ModelConfig.from_hf({**hf, "rope_parameters": {"rope_type": "default", "rope_theta": 5e5}})
   assert cfg.rope_theta == 5e5
+
+
+def test_models_generate_and_losses_import_without_the_config_machinery():
+  # Their import path needs only jax / flax / optax (what a serving or GPU image has): the run
+  # config machinery (ml_collections) is for the entry points.
+  import subprocess
+  import sys
+  code = ("import sys; import jaxagent.models, jaxagent.generate, jaxagent.rl; "
+          "print(sorted(m for m in ('ml_collections',) if m in sys.modules))")
+  r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                     env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
