@@ -23,6 +23,7 @@ log = logging.getLogger(__name__)
 
 _BACKEND_COMPILE = "/jax/core/compile/backend_compile_duration"
 _CACHE_HIT = "/jax/compilation_cache/cache_hits"
+_CACHE_REQUEST = "/jax/compilation_cache/compile_requests_use_cache"
 
 _lock = threading.Lock()
 _installed = False
@@ -30,6 +31,10 @@ _count = 0
 _seconds = 0.0
 _hits = 0
 _by_name: dict[str, tuple[int, float]] = {}
+# JAX times a persistent-cache load under the same event as a backend compile (both run inside
+# `compile_or_get_cached`, on the calling thread): a cache hit marks this thread so that the
+# duration that follows it is not counted as a compile.
+_thread = threading.local()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,6 +64,9 @@ class CompileCounts:
 def _on_duration(event: str, duration: float, fun_name: str | None = None, **_) -> None:
   global _count, _seconds
   if event == _BACKEND_COMPILE:
+    if getattr(_thread, "hit", False):  # an executable loaded from the cache, not compiled
+      _thread.hit = False
+      return
     with _lock:
       _count += 1
       _seconds += float(duration)
@@ -69,7 +77,10 @@ def _on_duration(event: str, duration: float, fun_name: str | None = None, **_) 
 
 def _on_event(event: str, **_) -> None:
   global _hits
-  if event == _CACHE_HIT:
+  if event == _CACHE_REQUEST:  # a new lookup: forget any earlier mark
+    _thread.hit = False
+  elif event == _CACHE_HIT:
+    _thread.hit = True
     with _lock:
       _hits += 1
 

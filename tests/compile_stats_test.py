@@ -43,3 +43,34 @@ def test_persistent_cache_switch(tmp_path, monkeypatch):
     # The cache initialises once per process: forget this test's directory for later tests.
     from jax.experimental.compilation_cache import compilation_cache
     compilation_cache.reset_cache()
+
+
+def test_persistent_cache_hit_is_not_a_compile(tmp_path):
+  """A program loaded from the persistent cache counts as a cache hit only (JAX times the load
+  under the same event as a backend compile)."""
+  from jax.experimental.compilation_cache import compilation_cache
+  compile_stats.install()
+  keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+          "jax_persistent_cache_min_entry_size_bytes")
+  old = {k: getattr(jax.config, k) for k in keys}
+  try:
+    compilation_cache.reset_cache()
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    x = np.ones((13, 5), np.float32)
+    before = compile_stats.snapshot()
+    jax.jit(lambda v: jnp.cos(v) * 7.0 - 2.0)(x).block_until_ready()
+    first = compile_stats.snapshot() - before
+    jax.clear_caches()  # forget the in-process executable: the next call reads the cache
+    jax.jit(lambda v: jnp.cos(v) * 7.0 - 2.0)(x).block_until_ready()
+    second = compile_stats.snapshot() - before - first
+    assert (first.count, first.cache_hits) == (1, 0)
+    assert (second.count, second.cache_hits, second.by_name) == (0, 1, {})
+    jax.jit(lambda v: jnp.sin(v) + 5.0)(x).block_until_ready()  # a new program still counts
+    third = compile_stats.snapshot() - before - first
+    assert (third.count, third.cache_hits) == (1, 1)
+  finally:
+    for k, v in old.items():
+      jax.config.update(k, v)
+    compilation_cache.reset_cache()
