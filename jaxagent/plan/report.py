@@ -216,7 +216,8 @@ def knobs(report: PlanReport, config, cfg: ModelConfig) -> list[str]:
       if share > 0.7 and mesh["fsdp"] * mesh["tensor"] >= n:
         say(f"the weights alone need {g(weights)} per chip on {n} chips: use a larger topology")
     if p.kind in ("update", "sft"):
-      rows_per_chip = s.rows // max(1, s.micro_batches * mesh["data"] * mesh["fsdp"])
+      rows = s.sft_rows if p.kind == "sft" else s.rows
+      rows_per_chip = rows // max(1, s.micro_batches * mesh["data"] * mesh["fsdp"])
       if rows_per_chip > 1:
         say(f"train.micro_batches={s.micro_batches * 2} (now {s.micro_batches}; "
             f"{rows_per_chip} rows per chip per micro-batch; activations scale with it)")

@@ -154,8 +154,9 @@ def test_check_fit_is_lenient_on_cpu():
     plan.check_fit(c, "sometimes")
 
 
-def _report_with(program: plan.ProgramReport, **mesh):
-  shapes = plan.run_shapes(tiny(), {"data": 4, "fsdp": 1, "tensor": 1})
+def _report_with(program: plan.ProgramReport, config=None, **mesh):
+  config = config if config is not None else tiny()
+  shapes = plan.run_shapes(config, {"data": 4, "fsdp": 1, "tensor": 1})
   chip = ChipSpec("v5e", 16 * GiB, 197e12, 197e12, 819e9)
   program.capacity = chip.hbm_bytes
   from jaxagent.models import get_config
@@ -164,7 +165,7 @@ def _report_with(program: plan.ProgramReport, **mesh):
                         platform="tpu", chip=chip, n_devices=4,
                         mesh=mesh or {"data": 4, "fsdp": 1, "tensor": 1}, shapes=shapes,
                         programs=[program], knobs=[])
-  rep.knobs = plan.knobs(rep, tiny(), cfg)
+  rep.knobs = plan.knobs(rep, config, cfg)
   return rep
 
 
@@ -194,6 +195,22 @@ def test_knobs_name_the_setting_for_what_overflows():
   rep = _report_with(broken)
   assert rep.fits is None and "failed to compile" in rep.knobs[0]
   assert "compile failed: INVALID_ARGUMENT" in rep.render()
+
+
+def test_sft_micro_batch_knob_counts_the_sft_rows():
+  # The warm start's batch (sft.batch_size) is not the RL batch: its rows per chip decide
+  # whether more micro-batches help it.
+  c = tiny()
+  c.train.update(prompts_per_step=2, samples_per_prompt=2)   # 4 RL rows: 1 per chip
+  c.sft.batch_size = 64                                      # 16 SFT rows per chip
+  sft = lambda: plan.ProgramReport("sft[L=128]", "sft", "[64x128]", temp_bytes=20 * GiB)
+  rep = _report_with(sft(), c)
+  assert rep.fits is False
+  assert any("train.micro_batches=2" in k and "16 rows per chip" in k for k in rep.knobs), \
+      rep.knobs
+  c.train.update(prompts_per_step=16, samples_per_prompt=2)  # 32 RL rows: 8 per chip
+  c.sft.batch_size = 4                                       # 1 SFT row per chip
+  assert not any("micro_batches" in k for k in _report_with(sft(), c).knobs)
 
 
 @needs_libtpu
