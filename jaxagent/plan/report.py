@@ -231,9 +231,17 @@ def knobs(report: PlanReport, config, cfg: ModelConfig) -> list[str]:
       if kv > 0.2 * (cap or p.total_bytes):
         say(f"rollout.slots (now {s.slots}) or rollout.max_len (now {s.max_len}): the KV cache "
             f"is {g(kv)} per chip and scales with both")
-        if mesh["tensor"] < cfg.n_kv_heads and cfg.n_kv_heads % (mesh["tensor"] * 2) == 0:
-          say(f"mesh.tensor={mesh['tensor'] * 2} shards the KV cache's {cfg.n_kv_heads} heads "
-              f"further")
+        # On the learner's mesh the cache splits its slots over data x fsdp (when they divide
+        # them) and its heads over tensor (when they divide): with the chip count fixed, a
+        # larger tensor axis shrinks the cache per chip only where the slots did not split.
+        rows, t = mesh["data"] * mesh["fsdp"], mesh["tensor"]
+        now, more = _kv_ways(s.slots, cfg.n_kv_heads, rows, t), 0
+        if rows % 2 == 0 and cfg.n_kv_heads % (2 * t) == 0:
+          more = _kv_ways(s.slots, cfg.n_kv_heads, rows // 2, 2 * t)
+        if config.rollout.get("mesh", "learner") == "learner" and more > now:
+          say(f"mesh.tensor={2 * t} with mesh.data x mesh.fsdp = {rows // 2} splits the KV "
+              f"cache {more} ways instead of {now} (its {cfg.n_kv_heads} heads over tensor; "
+              f"{s.slots} slots over data x fsdp only where they divide)")
       if p.kind == "append":
         say(f"append: rollout.slots (now {s.slots}) or rollout.max_len (now {s.max_len}); "
             f"planned with all {s.append_batch} slots appending {s.append_len} tokens at once, "
@@ -242,3 +250,9 @@ def knobs(report: PlanReport, config, cfg: ModelConfig) -> list[str]:
         say(f"prefill fewer or shorter prompts: rollout.slots (now {s.slots}); prompts are "
             f"planned at {s.prefill_len} tokens (PlanOptions.prompt_len)")
   return out
+
+
+def _kv_ways(slots: int, kv_heads: int, rows: int, tensor: int) -> int:
+  """How many ways `sharding.kv_cache_spec` splits a KV cache over data x fsdp = `rows` and
+  `tensor` devices: each dim splits over its axes when it divides them, else not at all."""
+  return (rows if slots % rows == 0 else 1) * (tensor if kv_heads % tensor == 0 else 1)

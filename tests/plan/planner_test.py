@@ -197,6 +197,19 @@ def test_knobs_name_the_setting_for_what_overflows():
   assert "compile failed: INVALID_ARGUMENT" in rep.render()
 
 
+def test_tensor_knob_only_when_it_shrinks_the_kv_cache_per_chip():
+  kv = lambda: plan.ProgramReport("generate", "generate", "slots", temp_bytes=17 * GiB,
+                                  components={"kv_cache": 12 * GiB})
+  tensor_knobs = lambda c: [k for k in _report_with(kv(), c).knobs if "mesh.tensor" in k]
+  c = tiny()
+  c.rollout.slots = 8   # 8 slots split 4 ways over data=4 already: tensor=2 leaves 2 x 2
+  assert tensor_knobs(c) == []
+  c.rollout.slots = 6   # 4 does not divide 6 (the slots replicate), 2 does: 2 x 2 ways
+  assert len(tensor_knobs(c)) == 1 and "4 ways instead of 1" in tensor_knobs(c)[0]
+  c.rollout.mesh = "data"  # the rollout mesh has no tensor axis
+  assert tensor_knobs(c) == []
+
+
 def test_sft_micro_batch_knob_counts_the_sft_rows():
   # The warm start's batch (sft.batch_size) is not the RL batch: its rows per chip decide
   # whether more micro-batches help it.
