@@ -44,9 +44,15 @@ Sharp edges of google-jetstream 0.2.2 handled here:
   * It prepends `bos_id` to every request without a session cache. For tokenizers that add no BOS
     (SmolLM2, Qwen) the adapter's `bos_id` is the marker -1 and prefill drops it.
 
+  * Its detokenize thread decodes text replies one token at a time, so a character split across
+    byte-level tokens would arrive as U+FFFD pieces; `CheckedDriver` re-decodes each request's
+    stream (`_ReturnChannel`), holding bytes back until their character is complete. It also
+    frees the slot of a request whose client cancelled or whose event loop closed (JetStream
+    would decode it to `max_tokens`, and delivering to a closed loop kills the process), and
+    `stop` ends requests still in flight with RuntimeError (JetStream drops them silently).
+
 Not supported: session caches (`session_cache` / `existing_prefix`) and several samples per
-request. Text replies are decoded one token at a time (JetStream's streaming), so a character
-split across byte-level tokens arrives as U+FFFD; token-id requests return exact ids.
+request. Token-id requests return exact ids and no text.
 """
 from __future__ import annotations
 
@@ -450,18 +456,99 @@ class JetStreamEngine(engine_api.Engine):
     return None
 
 
+class _ReturnChannel:
+  """A request's return channel as `CheckedDriver`'s threads see it.
+
+  JetStream's detokenize thread calls `add_result` and `close` on it. Three things differ from the
+  `AsyncMultifuture` it wraps (which the client iterates through this object):
+    * text replies are re-detokenized per request (`Tokenizer.stream_decoder`): a character split
+      across tokens is held back until its last byte arrives, so no reply carries U+FFFD for
+      bytes that a later token completes, and `close` sends what is still held;
+    * a channel whose client cancelled (gRPC) or whose event loop has closed (a client that
+      stopped reading) marks its request complete, so the detokenize thread frees the slot at
+      the next result instead of decoding up to `max_tokens` for nobody;
+    * delivering to a closed event loop is skipped: JetStream's `add_result` would raise
+      RuntimeError in the detokenize thread, which kills the process.
+  """
+
+  def __init__(self, request, channel, decoder):
+    self._request, self._channel, self._decoder = request, channel, decoder
+    self.finished = False
+
+  def _send(self, call, *args) -> bool:
+    """`call(*args)` on the wrapped channel; False (request marked complete) if nobody reads."""
+    if not self.finished and not self._channel.cancelled():
+      try:
+        call(*args)
+        return True
+      except RuntimeError:  # its event loop is closed
+        pass
+    self.finished = True
+    if self._request.complete is not None:
+      self._request.complete = np.ones_like(self._request.complete)
+    return False
+
+  def add_result(self, samples) -> None:
+    if self._decoder is not None:
+      samples = [dataclasses.replace(s, text=[t] if (t := self._decoder.push(s.token_ids)) else [])
+                 for s in samples]
+    self._send(self._channel.add_result, samples)
+
+  def close(self) -> None:
+    tail = self._decoder.flush() if self._decoder is not None else ""
+    if tail:  # an incomplete last character, as the tokenizer decodes it (U+FFFD)
+      self._send(self._channel.add_result, [orchestrator.ReturnSample(text=[tail], token_ids=[])])
+    if self._send(self._channel.close):
+      self.finished = True
+
+  def abort(self, why: str) -> None:
+    """End the client's iteration with RuntimeError(why) (no-op if already finished)."""
+    if self._request.return_channel is None:  # `Driver.stop` unhooks requests it drains
+      self._request.return_channel = self
+    if self._send(self._channel.set_exception, RuntimeError(why)):
+      self.finished = True
+
+  def __getattr__(self, name):  # cancel, cancelled, done, set_exception, ...
+    return getattr(self._channel, name)
+
+  def __aiter__(self):
+    return self._channel.__aiter__()
+
+  async def __anext__(self):
+    return await self._channel.__anext__()
+
+
 class CheckedDriver(orchestrator.Driver):
   """JetStream's `Driver` that rejects unservable requests before they reach its threads.
 
   `place_request_on_prefill_queue` (what in-process callers and the gRPC `Decode` handler call)
-  raises ValueError in the caller's thread instead of letting a Driver thread die on the request.
+  raises ValueError in the caller's thread instead of letting a Driver thread die on the request,
+  and gives the request a `_ReturnChannel` (whole characters in streamed text; cancelled or
+  abandoned requests free their slot). `stop` ends the iteration of requests still in flight
+  with RuntimeError instead of leaving their clients waiting forever.
   """
 
+  def __init__(self, *args, **kwargs):
+    self._channels: list[_ReturnChannel] = []
+    super().__init__(*args, **kwargs)
+
   def place_request_on_prefill_queue(self, request) -> None:
-    for engine in self._prefill_engines:
-      if isinstance(engine, JetStreamEngine):
-        engine.check_request(request.prefill_content, request.max_tokens, request.history_path)
+    engines = [e for e in self._prefill_engines if isinstance(e, JetStreamEngine)]
+    for engine in engines:
+      engine.check_request(request.prefill_content, request.max_tokens, request.history_path)
+    decoder = None
+    if engines and not request.is_client_side_tokenization:
+      decoder = engines[0].tokenizer.stream_decoder()
+    channel = _ReturnChannel(request, request.return_channel, decoder)
+    request.return_channel = channel
+    self._channels = [c for c in self._channels if not c.finished] + [channel]
     super().place_request_on_prefill_queue(request)
+
+  def stop(self) -> None:
+    super().stop()
+    for channel in self._channels:
+      channel.abort("the JetStream driver stopped before this request finished")
+    self._channels = []
 
 
 def make_driver(engine: JetStreamEngine, *, interleaved: bool = False) -> CheckedDriver:
@@ -498,7 +585,8 @@ async def collect(request) -> tuple[list[int], str]:
   async for samples in request.return_channel:
     ids.extend(samples[0].token_ids)
     text.extend(samples[0].text)
-  return ids, token_utils.text_tokens_to_str(text)
+  # A `CheckedDriver` streams whole characters (`_ReturnChannel`); join them as they are.
+  return ids, "".join(text)
 
 
 def serve(engine: JetStreamEngine, port: int, *, threads: int | None = None,

@@ -3,6 +3,7 @@
 A tiny random Llama with SmolLM2's real tokenizer (vocab 49152) keeps this on CPU in seconds.
 """
 import asyncio
+import dataclasses
 import logging
 import os
 import socket
@@ -134,7 +135,7 @@ def test_driver_serves_concurrent_requests_like_generate(js, cfg, tok, engine, r
   assert not any(t.is_alive() for t in driver._all_threads)
   for i, ((tokens, _), expected) in enumerate(zip(got, want)):
     assert tokens == expected, f"request {i}: {tokens} != {expected}"
-  assert got[0][1] == "".join(tok.decode([t]) for t in want[0])  # streamed text, token by token
+  assert got[0][1] == tok.decode(want[0])  # streamed text: whole characters, no bytes lost
 
 
 @pytest.mark.jetstream
@@ -214,3 +215,102 @@ def test_bad_seed_is_refused_at_construction(js, tok, params, engine):
     with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*32\)"):
       js.JetStreamEngine(engine.engine, params, tok, seed=seed)
   js.JetStreamEngine(engine.engine, params, tok, seed=2 ** 32 - 1)
+
+
+def _byte_ids(tok, text):
+  """One byte-level token per UTF-8 byte of `text` (GPT-2's byte-to-unicode map)."""
+  bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
+  cs, n = bs[:], 0
+  for b in range(256):
+    if b not in bs:
+      bs.append(b)
+      cs.append(256 + n)
+      n += 1
+  char = dict(zip(bs, map(chr, cs)))
+  return [tok.token_to_id(char[b]) for b in text.encode()]
+
+
+@pytest.mark.jetstream
+def test_streamed_text_keeps_characters_split_across_tokens_whole(js, tok, params, engine):
+  """Each streamed piece is whole characters: JetStream decodes token by token, which gave U+FFFD
+  for every byte of a multi-byte character sent as one token per byte."""
+  text = "héllo 世界😀!"
+  script = _byte_ids(tok, text)
+  assert None not in script and tok.decode(script) == text
+
+  class Scripted(js.JetStreamEngine):  # the engine's results, with the script's tokens
+    def generate(self, params, decode_state):
+      st, res = super().generate(params, decode_state)
+      data = np.array(res.data)
+      data[:, 0] = script[min(self.step, len(script) - 1)]
+      self.step += 1
+      return st, dataclasses.replace(res, data=jax.numpy.asarray(data))
+
+  scripted = Scripted(engine.engine, params, tok)
+  scripted.step = 0
+  driver = js.make_driver(scripted)
+
+  async def run():
+    try:
+      request = js.submit(driver, "hi", len(script))
+      return [(s[0].text, s[0].token_ids) async for s in request.return_channel]
+    finally:
+      driver.stop()
+
+  got = asyncio.run(run())
+  assert [t for _, ids in got for t in ids] == script
+  pieces = [p for texts, _ in got for p in texts]
+  assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces), pieces
+
+
+ABANDON = textwrap.dedent("""
+    import asyncio, time
+    import jax
+    from jaxagent import models
+    from jaxagent.generate import jetstream as js
+    tok = models.load_tokenizer("smollm2-135m-instruct")
+    cfg = models.get_config("tiny-llama", vocab_size=tok.vocab_size)
+    params = models.init_params(cfg, jax.random.key(0), std=0.2)
+    engine = js.JetStreamEngine.create(params, cfg, tok, slots=1, max_len=128)
+    calls = [0]
+    generate = engine.generate
+    def counted(*a):
+      calls[0] += 1
+      return generate(*a)
+    engine.generate = counted
+    driver = js.make_driver(engine)
+
+    async def first_result_only(request):
+      async for _ in request.return_channel:
+        return
+    async def abandon():  # reads one result, then its event loop closes
+      await first_result_only(js.submit(driver, "Hello", 100))
+    asyncio.run(abandon())
+    async def cancel():
+      request = js.submit(driver, "Hello", 100)
+      await first_result_only(request)
+      request.return_channel.cancel()
+      n = calls[0]
+      ids, text = await asyncio.wait_for(js.collect(js.submit(driver, "Hi", 3)), 60)
+      return len(ids), calls[0] - n
+    n_ids, steps = asyncio.run(cancel())
+    assert n_ids == 3 and steps < 60, (n_ids, steps)  # not ~100 steps for the cancelled request
+    async def stop():
+      requests = [js.submit(driver, "Hello", 100) for _ in range(3)]
+      await asyncio.sleep(0.2)
+      driver.stop()
+      return await asyncio.wait_for(asyncio.gather(*(js.collect(r) for r in requests),
+                                                   return_exceptions=True), 30)
+    assert all(isinstance(r, RuntimeError) and "stopped" in str(r) for r in asyncio.run(stop()))
+    print("OK")
+""")
+
+
+@pytest.mark.jetstream
+def test_abandoned_cancelled_and_unfinished_requests(js):
+  """A client whose event loop closed used to kill the process (JetStream's detokenize thread
+  raised delivering to it); a cancelled request held its slot up to max_tokens; `stop` left
+  requests in flight waiting forever. Run in a subprocess, since the first one is a SIGKILL."""
+  r = subprocess.run([sys.executable, "-c", ABANDON], capture_output=True, text=True,
+                     timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.returncode, r.stderr[-3000:])
