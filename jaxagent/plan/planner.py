@@ -241,7 +241,9 @@ def _compile(report: ProgramReport, fn, args, kwargs, mesh: Mesh, chip: ChipSpec
   ca = ca or {}
   report.xla_flops = ca.get("flops")
   report.xla_bytes = ca.get("bytes accessed")
-  report.xla_optimal_s = ca.get("optimal_seconds")
+  # The TPU compiler answers -1 (about) where it has no estimate: that is no time at all.
+  opt_s = ca.get("optimal_seconds")
+  report.xla_optimal_s = float(opt_s) if opt_s is not None and opt_s >= 0 else None
   stats = hlo.analyze(compiled.as_text(), tuple(mesh.devices.shape), tuple(mesh.axis_names))
   report.flops, report.bytes_accessed = stats.flops, stats.bytes_accessed
   report.collectives = {k: v for k, v in stats.collectives.items() if v.static}

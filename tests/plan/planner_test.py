@@ -315,3 +315,41 @@ def test_compiler_refusal_counts_the_arguments_once():
   assert rep.oom and "20.00G" in rep.error and rep.fits is False
   assert rep.argument_bytes == 20 * GiB
   assert rep.total_bytes == pytest.approx(20 * GiB, rel=0.01), rep.total_bytes / GiB
+
+
+def test_xla_has_no_time_estimate_is_none_not_negative():
+  # The TPU compiler's cost analysis says optimal_seconds -0.99999 where it has no estimate
+  # (a v5e decode loop does): the report (and its JSON) must not carry a negative time.
+  from jaxagent.plan import planner
+  from jaxagent.plan.report import ProgramReport
+  compiled = jax.jit(lambda a: a @ a).lower(np.ones((8, 8), np.float32)).compile()
+
+  class Answers:
+    def __init__(self, optimal_s):
+      self.optimal_s = optimal_s
+
+    def lower(self, *a, **k):
+      return self
+
+    def compile(self):
+      return self
+
+    def memory_analysis(self):
+      return None
+
+    def cost_analysis(self):
+      return {"flops": 1024.0, "optimal_seconds": self.optimal_s}
+
+    def as_text(self):
+      return compiled.as_text()
+
+  chip = ChipSpec(name="test", hbm_bytes=16 * GiB, bf16_flops=1e14, f32_flops=1e13,
+                  hbm_bandwidth=1e12)
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]), ("x",))
+  for optimal_s, expected in ((-0.9999884963035583, None), (2e-6, 2e-6)):
+    rep = ProgramReport(name="generate", kind="generate", shapes="[1]")
+    planner._compile(rep, Answers(optimal_s), (), {}, mesh, chip, "float32")
+    assert rep.xla_optimal_s == expected
+    assert rep.flops == 2 * 8 * 8 * 8 and rep.est_s > 0
+    json.loads(json.dumps(rep.to_dict()), parse_constant=lambda c: pytest.fail(c))
+
