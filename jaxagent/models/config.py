@@ -238,8 +238,8 @@ class ModelConfig:
                          f"{'null' if key in hf else 'missing'}")
       return hf[key]
 
-    def number(key, default, value=None):  # an optional numeric field; null is an error
-      v = hf.get(key, default) if value is None else value
+    def number(key, default):  # an optional numeric field; null is an error
+      v = hf.get(key, default)
       if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise ValueError(f"HF config: {key}={v!r} must be a number (or left out: default {default})")
       return v
@@ -263,8 +263,7 @@ class ModelConfig:
     # transformers 5.x writes rope settings under `rope_parameters`; released checkpoints
     # keep a top-level `rope_theta` / `rope_scaling`.
     rope_params = hf.get("rope_parameters") or {}
-    theta = number("rope_theta", 10_000.0,
-                   hf["rope_theta"] if "rope_theta" in hf else rope_params.get("rope_theta", 10_000.0))
+    theta = number("rope_theta", rope_params.get("rope_theta", 10_000.0))
     scaling = hf.get("rope_scaling") or (
         rope_params if rope_params.get("rope_type", rope_params.get("type")) not in (None, "default")
         else None)
