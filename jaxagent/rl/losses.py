@@ -34,7 +34,8 @@ The total per-token loss is pg + kl_coef * kl - entropy_coef * entropy, all thre
 same `agg`. Metrics (`finalize_parts`):
   * loss, pg_loss, kl_loss: the aggregated total, policy-gradient and KL terms (kl_loss before
     `kl_coef`; 0 without `ref_logps`).
-  * kl_ref: mean over policy tokens of the configured KL estimator against `ref_logps`.
+  * kl_ref: mean over policy tokens of the configured KL estimator against `ref_logps` (k3 with
+    log(pi_ref / pi) held at most `MAX_LOG_RATIO`; see `_kl_per_token`).
   * entropy: mean over policy tokens of `entropies` (only when given).
   * approx_kl_old: mean over policy tokens of k3 = r - 1 - log r, r = pi_theta / pi_old: an
     unbiased estimate of KL(pi_old || pi_theta), since the tokens were sampled from pi_old.
@@ -83,7 +84,9 @@ _SEQ_AGGS = ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_no
 # an infinite ratio makes a NaN gradient even where the clip zeroes the token's gradient
 # (0 * inf in the backward pass of exp), so one stale or corrupt old log-prob would poison the
 # whole update. Past the bound the ratio is held at exp(+-20) (about 4.9e8 / 2.1e-9), with zero
-# gradient through the log-ratio, the same bound verl uses.
+# gradient through the log-ratio. A sampled token's log-ratio between two nearby policies is a
+# few nats at most, so only stale or corrupt log-probs reach the bound. k3's log(pi_ref / pi) has
+# the same upper bound (`_kl_per_token`).
 MAX_LOG_RATIO = 20.0
 
 
@@ -212,12 +215,20 @@ def _kl_per_token(logps: Array, ref_logps: Array, estimator: KLEstimator) -> Arr
 
     Schulman's k1/k2/k3 (http://joschu.net/blog/kl-approx.html); k3 is the GRPO form
     (DeepSeekMath eq. 4): pi_ref/pi - log(pi_ref/pi) - 1, unbiased and non-negative.
+
+    k3 exponentiates log(pi_ref / pi), which overflows float32 past 88.7 nats (a token the
+    reference finds far likelier than the policy does), and an infinite value makes the loss and
+    the gradient infinite or NaN. So k3 holds log(pi_ref / pi) at most `MAX_LOG_RATIO`: beyond it
+    the token's k3 is exp(20) - 21 (about 4.9e8) with zero gradient, as for the importance ratio.
+    Below, exp cannot overflow and the gradient 1 - pi_ref / pi is bounded by 1, so that side is
+    exact. k1 and k2 do not exponentiate and are used as they are.
     """
     log_r = ref_logps - logps
     if estimator == "k1":
         return -log_r
     if estimator == "k2":
         return 0.5 * jnp.square(log_r)
+    log_r = jnp.minimum(log_r, MAX_LOG_RATIO)
     return jnp.exp(log_r) - log_r - 1.0
 
 

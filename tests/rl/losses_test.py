@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxagent.rl.losses import LossConfig, combine_parts, finalize_parts, policy_loss, policy_loss_parts
+from jaxagent.rl.losses import MAX_LOG_RATIO, LossConfig, combine_parts, finalize_parts, policy_loss, policy_loss_parts
 
 ALGOS = ("grpo", "gspo", "gspo_token")
 AGGS = ("token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
@@ -360,6 +360,32 @@ def test_kl_estimators_by_hand(estimator, want):
     loss, m, _ = jax_loss_and_grad(arr, np.ones((1, 2), np.int32), cfg, use_ent=False)
     assert float(loss) == pytest.approx(want, abs=1e-6)
     assert float(m["kl_ref"]) == pytest.approx(want, abs=1e-6)
+
+
+@pytest.mark.parametrize("estimator", ESTIMATORS)
+@pytest.mark.parametrize("algo", ALGOS)
+def test_kl_of_a_token_far_from_the_reference_is_finite(algo, estimator):
+    # Token 1: the reference gives it log-prob 0, the policy -100 (log pi_ref / pi = 100: exp
+    # overflows float32, which made k3's value and gradient infinite). Token 2 agrees with both.
+    cfg = make_cfg(algo, kl_coef=0.1, kl_estimator=estimator)
+    arr = {"lp": np.array([[0.0, -100.0, -1.0]]), "old": np.array([[0.0, -100.0, -1.0]]),
+           "adv": np.full((1, 3), 0.5), "mask": np.array([[0.0, 1.0, 1.0]]),
+           "ref": np.array([[0.0, 0.0, -1.0]]), "ent": np.zeros((1, 3))}
+    loss, m, g = jax_loss_and_grad(arr, np.ones((1, 3), np.int32), cfg, use_ent=False)
+    assert np.isfinite(float(loss)) and np.isfinite(float(m["kl_ref"])) and np.all(np.isfinite(g)), (loss, g)
+    # Token 2 carries its policy-gradient term (r = 1, A = 0.5, token mean over two) and, for k1
+    # only, a KL gradient (d k1 / d logp = 1; k2 and k3 are flat where pi = pi_ref).
+    assert g[0, 2] == pytest.approx(-0.25 + (0.05 if estimator == "k1" else 0.0), abs=1e-6)
+    if estimator == "k3":
+        # Held at the bound: value exp(20) - 21, no gradient through the KL (pg only: -A / 2
+        # for grpo and gspo_token; gspo's ratio gradient is shared by the sequence's tokens).
+        assert float(m["kl_ref"]) == pytest.approx((np.exp(MAX_LOG_RATIO) - MAX_LOG_RATIO - 1) / 2, rel=1e-5)
+        assert g[0, 1] == pytest.approx(-0.25, abs=1e-6)
+    # Just below the bound k3 is exact, value and gradient 0.1 * (1 - exp(log_r)) / 2.
+    arr["lp"][0, 1] = arr["old"][0, 1] = -19.0
+    loss, m, g = jax_loss_and_grad(arr, np.ones((1, 3), np.int32), make_cfg(algo, kl_coef=0.1), use_ent=False)
+    assert float(m["kl_ref"]) == pytest.approx((np.exp(19.0) - 20.0) / 2, rel=1e-5)
+    assert g[0, 1] == pytest.approx(-0.25 + 0.1 * (1 - np.exp(19.0)) / 2, rel=1e-5)
 
 
 # ----------------------------------------------------------------------------- structural properties
