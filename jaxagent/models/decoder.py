@@ -358,21 +358,33 @@ def _swiglu_rms(gu, resid, eps, interpret, lead=0):
   return per_shard(fn, rows, 2, None)
 
 
+def _run_ids(segment_ids):
+  """[B, T] int32 ids that change wherever `segment_ids` changes: one id per contiguous run."""
+  change = segment_ids[:, 1:] != segment_ids[:, :-1]
+  return jnp.cumsum(jnp.pad(change, ((0, 0), (1, 0))), axis=1, dtype=jnp.int32)
+
+
 def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
-  """Causal attention blocked across segments. q: [B,T,H,hd]; k, v: [B,T,KV,hd]."""
+  """Causal attention within each segment. q: [B,T,H,hd]; k, v: [B,T,KV,hd].
+
+  A segment is a contiguous run of equal ids, on every path (as `segment_positions` restarts
+  positions): an id that reappears after another one starts a new segment that does not see
+  the earlier run, which is what the Pallas kernels do by construction.
+  """
   b, t, _, hd = q.shape
   impl = attention_path(cfg, jax.default_backend())
+  if impl == "pallas":
+    return _pallas_attention(q, k, v, segment_ids)
+  runs = _run_ids(segment_ids)
   if impl == "cudnn":
-    mask = (segment_ids[:, None, :, None] == segment_ids[:, None, None, :])
+    mask = (runs[:, None, :, None] == runs[:, None, None, :])
     return jax.nn.dot_product_attention(
         q, k, v, mask=mask, is_causal=True, scale=1.0 / math.sqrt(hd),
         implementation="cudnn")
-  if impl == "pallas":
-    return _pallas_attention(q, k, v, segment_ids)
   qg = _group(q, cfg) * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
   logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
   causal = jnp.tril(jnp.ones((t, t), bool))
-  same = segment_ids[:, :, None] == segment_ids[:, None, :]
+  same = runs[:, :, None] == runs[:, None, :]
   mask = (causal[None] & same)[:, None, None]
   probs = _softmax_attend(logits, mask).astype(v.dtype)
   out = jnp.einsum("bkgts,bskd->btkgd", probs, v)

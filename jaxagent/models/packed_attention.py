@@ -14,7 +14,8 @@ segment with the query block:
 With trajectories of 200-1300 tokens in 2048-token rows that skips most of the causal blocks.
 Segments are the contiguous runs of equal `segment_ids` (0, the padding, is a run like any
 other), which is what the packing produces; a segment id that reappears after another one
-starts a new run here (the dense mask would join the two).
+starts a new run, which sees nothing of the earlier one (the decoder's XLA and cuDNN paths,
+`decoder.segment_attention`, mask the same runs).
 
 One forward kernel (online softmax in base 2, the log-sum-exp kept for the backward) and two
 backward kernels (dk / dv per key block, summed over the query heads that share the key-value

@@ -76,6 +76,22 @@ def test_a_repeated_segment_id_starts_a_new_run():
                              np.asarray(dense(q, k, v, runs)), atol=2e-5)
 
 
+def test_xla_path_also_starts_a_new_run_at_a_repeated_segment_id():
+  # Ids 1, 2, 1 in the decoder: the XLA path masked by id equality, so its third run attended
+  # to the first while the Pallas kernels (above) and the restarting positions treat it as a
+  # trajectory of its own, which must equal running it alone.
+  cfg = models.get_config("tiny-qwen3", dtype="float32").replace(attention_impl="xla")
+  params = models.init_params(cfg, jax.random.key(0))
+  toks = jax.random.randint(jax.random.key(1), (1, 48), 0, cfg.vocab_size)
+  seg = jnp.asarray(np.repeat([1, 2, 1], 16)[None].astype(np.int32))
+  out = decoder.forward(params, toks, cfg=cfg, segment_ids=seg)
+  alone = decoder.forward(params, toks[:, 32:], cfg=cfg)
+  np.testing.assert_allclose(np.asarray(out[:, 32:]), np.asarray(alone), atol=2e-5)
+  q, k, v, _ = _qkv(1, 48, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim)
+  np.testing.assert_allclose(np.asarray(decoder.segment_attention(q, k, v, seg, cfg)),
+                             np.asarray(attend(q, k, v, seg, **SMALL)), atol=2e-5)
+
+
 def test_bfloat16_error_is_that_of_rounding():
   q, k, v, _ = _qkv(2, 160, 4, 2, 32)
   seg = _segments(2, 160, seed=3)
