@@ -23,6 +23,12 @@ temporary directory behind: it is reported by name and skipped. A checkpoint tha
 is reported and the previous one is used; one written by an incompatible run (other model,
 task or seed; other array shapes) raises `IncompatibleCheckpointError` naming the differences.
 
+Retention (`checkpoint_keep`, `checkpoint_keep_every`) only ever deletes checkpoints of this
+run: step folders whose metadata names the same model, task and seed as the checkpoint being
+saved. A numbered folder in the directory that is not a jaxagent checkpoint at all (a user's
+`7/`, another tool's files) makes `restore_latest` and `save` refuse, naming it, instead of
+treating it as a checkpoint to restore from or to delete.
+
 All processes of a multi-host job call `save` and `restore` (orbax coordinates the writes;
 process 0 writes the JSON). The directory must be shared by all hosts (e.g. a GCS bucket).
 """
@@ -59,6 +65,8 @@ IDENTITY_KEYS = ("model", "env", "seed")
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _STEP_DIR = re.compile(r"^(\d+)$")
 _TMP_DIR = re.compile(r"^(\d+)" + re.escape(_TMP_SUFFIX))
+# Files orbax writes into every step folder it finalises (locally / on buckets).
+_ORBAX_FINAL_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")
 
 
 class CheckpointError(RuntimeError):
@@ -292,6 +300,47 @@ def _all_processes_ok(ok: bool) -> bool:
   return bool(np.all(flags))
 
 
+def _meta_file(step_dir: epath.Path) -> dict[str, Any] | None:
+  """The jaxagent metadata of a step folder read straight from its JSON file (no orbax), or
+  None when it is missing, unreadable or not ours."""
+  try:
+    meta = json.loads((step_dir / "meta" / "metadata").read_text())
+  except (OSError, ValueError):
+    return None
+  return meta if isinstance(meta, dict) and "format" in meta and "signature" in meta else None
+
+
+def _identity(meta: Mapping[str, Any]) -> str:
+  """What makes checkpoints belong to one run: its `IDENTITY_KEYS` settings, as JSON text."""
+  config = meta.get("config") or {}
+  return json.dumps({k: config.get(k) for k in IDENTITY_KEYS}, sort_keys=True)
+
+
+def _is_checkpoint_folder(step_dir: epath.Path) -> bool:
+  """Whether a numbered folder holds a jaxagent checkpoint: readable jaxagent metadata, or
+  (a damaged one, which the resume names and skips) a folder orbax finalised that holds a
+  `params` or `meta` item."""
+  if _meta_file(step_dir) is not None:
+    return True
+  return (any((step_dir / f).exists() for f in _ORBAX_FINAL_FILES)
+          and any((step_dir / d).is_dir() for d in ("params", "meta")))
+
+
+@dataclasses.dataclass
+class _OwnStepsOnly:
+  """A preservation policy applying `inner` to the checkpoints `owns` recognises and keeping
+  every other step folder: orbax deletes each step its policy does not preserve."""
+
+  inner: Any
+  owns: Callable[[int], bool]
+
+  def should_preserve(self, checkpoints, *, context):
+    own = [self.owns(c.step) for c in checkpoints]
+    keep = iter(self.inner.should_preserve([c for c, o in zip(checkpoints, own) if o],
+                                           context=context))
+    return [next(keep) if o else True for o in own]
+
+
 # ----------------------------------------------------------------------------- manager
 @dataclasses.dataclass
 class Restored:
@@ -328,14 +377,47 @@ class CheckpointManager:
     self.say = say or log.warning
     # Interrupted saves, listed before orbax removes them, so the resume can name them.
     self._interrupted = self.incomplete()
+    # The run identity of the last save, and that of each step folder as read (`_owns`).
+    self._identity: str | None = None
+    self._step_identity: dict[int, str | None] = {}
     policies = [ocp.checkpoint_managers.LatestN(cfg.keep)]
     if cfg.keep_every:
       policies.append(ocp.checkpoint_managers.EveryNSteps(cfg.keep_every))
     options = ocp.CheckpointManagerOptions(
         enable_async_checkpointing=cfg.async_save and not read_only,
-        preservation_policy=ocp.checkpoint_managers.AnyPreservationPolicy(policies),
+        preservation_policy=_OwnStepsOnly(
+            ocp.checkpoint_managers.AnyPreservationPolicy(policies), self._owns),
         cleanup_tmp_directories=not read_only, read_only=read_only, create=not read_only)
     self._mgr = ocp.CheckpointManager(self.directory, options=options)
+    self._folders_checked = read_only
+
+  def _refuse_foreign_folders(self) -> None:
+    """Raise `CheckpointError` naming the numbered folders that are not jaxagent checkpoints
+    (orbax lists every folder named by a number as a step, to restore from and to delete).
+    Checked once, before the first restore or save of a writable manager."""
+    if self._folders_checked:
+      return
+    foreign = [self.step_path(s) for s in sorted(self._mgr.all_steps())
+               if not _is_checkpoint_folder(self.step_path(s))]
+    if foreign:
+      shown = ", ".join(str(p) for p in foreign[:8])
+      shown += f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
+      raise CheckpointError(
+          f"the checkpoint directory {self.directory} holds folders named like checkpoint "
+          f"steps that are not jaxagent checkpoints: {shown}. Checkpoint retention would "
+          f"restore from or delete them, so nothing is written here: move them out of "
+          f"{self.directory}, or set checkpoint_dir (or workdir) to a directory of their own.")
+    self._folders_checked = True
+
+  def _owns(self, step: int) -> bool:
+    """Whether step folder `step` is a checkpoint of this run (the identity of its metadata is
+    that of the last save): only those are counted and deleted by retention."""
+    if self._identity is None:
+      return False
+    if step not in self._step_identity:
+      meta = _meta_file(self.step_path(step))
+      self._step_identity[step] = None if meta is None else _identity(meta)
+    return self._step_identity[step] == self._identity
 
   # ------------------------------------------------------------------ listing
   def steps(self) -> list[int]:
@@ -365,6 +447,7 @@ class CheckpointManager:
     With async saves this returns once the arrays are copied to host memory; the state may be
     updated (and donated) right after. Call `wait` before relying on the files.
     """
+    self._refuse_foreign_folders()
     if step in self._mgr.all_steps():
       return False
     check_finite(state.params, f"not saving checkpoint {self.step_path(step)}")
@@ -375,8 +458,10 @@ class CheckpointManager:
     full_meta.update(format=FORMAT, step=int(step),
                      signature={k: signature(v) for k, v in items.items()},
                      fingerprints={k: fingerprint(v) for k, v in items.items()})
+    full_meta = _json_safe(full_meta)
+    self._identity = self._step_identity[step] = _identity(full_meta)
     args = {k: ocp.args.StandardSave(v) for k, v in items.items()}
-    args["meta"] = ocp.args.JsonSave(_json_safe(full_meta))
+    args["meta"] = ocp.args.JsonSave(full_meta)
     return bool(self._mgr.save(step, args=ocp.args.Composite(**args), force=True))
 
   def wait(self) -> None:
@@ -389,8 +474,12 @@ class CheckpointManager:
 
   # ------------------------------------------------------------------ restore
   def read_meta(self, step: int) -> dict[str, Any]:
-    """The JSON metadata of checkpoint `step`."""
-    out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    """The JSON metadata of checkpoint `step` (`CheckpointError` when it cannot be read)."""
+    try:
+      out = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    except Exception as e:  # orbax raises KeyError, JSONDecodeError, OSError... for bad files
+      raise CheckpointError(f"checkpoint {self.step_path(step)} is unreadable: "
+                            f"{type(e).__name__}: {e}") from e
     meta = out["meta"]
     if not isinstance(meta, dict) or "signature" not in meta:
       raise CheckpointError(f"checkpoint {self.step_path(step)} has no jaxagent metadata")
@@ -452,12 +541,7 @@ class CheckpointManager:
     `CheckpointError` when it cannot be read.
     """
     path = self.step_path(step)
-    try:
-      meta = self.read_meta(step)
-    except CheckpointError:
-      raise
-    except Exception as e:  # orbax/tensorstore raise many types for unreadable files
-      raise CheckpointError(f"checkpoint {path} is unreadable: {type(e).__name__}: {e}") from e
+    meta = self.read_meta(step)
     items = {"params": state_target.params,
              "train": {"step": state_target.step, "opt_state": state_target.opt_state}}
     if ref_target is not None:
@@ -495,6 +579,7 @@ class CheckpointManager:
     same run would not fit either. When checkpoints exist but none reads, raises
     `CheckpointError` listing each one's problem.
     """
+    self._refuse_foreign_folders()
     for p in self._interrupted:
       self.say(f"skipping incomplete checkpoint {p} (its save was interrupted)")
     failures, skipped = [], []
@@ -537,6 +622,8 @@ class CheckpointManager:
         self.step_path(step).rename(dest)
         self.say(f"moved the unreadable checkpoint {self.step_path(step)} to {dest}")
     _all_processes_ok(True)  # every process waits for the move before listing steps again
+    for step in steps:
+      self._step_identity.pop(step, None)
     self._mgr.reload()
 
 

@@ -120,6 +120,52 @@ def test_keep_last_n_plus_every_k(tmp_path):
   assert every4.should_save(8) and not every4.should_save(6)
 
 
+def test_numbered_folders_that_are_not_checkpoints_are_refused_and_kept(tmp_path):
+  # A user's folders named like steps: orbax lists them as steps, and retention deleted them.
+  for n in ("1", "7"):
+    (tmp_path / n).mkdir()
+    (tmp_path / n / "notes.txt").write_text("not a checkpoint")
+  learner = _learner(1)
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1, keep=1))
+  refused = (rf"not jaxagent checkpoints: {tmp_path / '1'}, {tmp_path / '7'}\. "
+             r"Checkpoint retention would .* move them out")
+  with pytest.raises(checkpoint.CheckpointError, match=refused):  # was: "no usable checkpoint"
+    mgr.restore_latest(_target(learner), config=_config())
+  with pytest.raises(checkpoint.CheckpointError, match=refused):
+    mgr.save(8, learner.init(_initial_params()), meta=_meta(_config()))
+  mgr.close()
+  assert all((tmp_path / n / "notes.txt").read_text() == "not a checkpoint" for n in ("1", "7"))
+  # Read-only (export) does not refuse; a folder without our metadata is a CheckpointError.
+  ro = checkpoint.CheckpointManager(tmp_path, read_only=True)
+  with pytest.raises(checkpoint.CheckpointError, match=rf"checkpoint {tmp_path / '7'} is unreadable"):
+    ro.read_meta(7)
+
+
+def test_retention_deletes_only_this_runs_checkpoints(tmp_path):
+  # Two runs (other seeds) writing into one directory, and a user's folder that appears while
+  # they run: each run's retention keeps its own newest 2 and touches nothing else.
+  state = _learner(1).init(_initial_params())
+  cfg = checkpoint.CheckpointConfig(every=1, keep=2, async_save=False)
+  a, b = _config(), _config()
+  b.seed = 1
+  run_a = checkpoint.CheckpointManager(tmp_path, cfg)
+  run_b = checkpoint.CheckpointManager(tmp_path, cfg)
+  for s in (1, 2, 3):
+    assert run_a.save(s, state, meta=_meta(a))
+  for s in (10, 11, 12):
+    run_b._mgr.reload()  # (as a second process sees the directory)
+    assert run_b.save(s, state, meta=_meta(b))
+    if s == 10:
+      (tmp_path / "5").mkdir()
+      (tmp_path / "5" / "notes.txt").write_text("user data")
+  run_a._mgr.reload()
+  assert run_a.save(4, state, meta=_meta(a))
+  run_a.close()
+  run_b.close()
+  assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [3, 4, 5, 11, 12]
+  assert (tmp_path / "5" / "notes.txt").read_text() == "user data"
+
+
 def _two_checkpoints(tmp_path):
   learner = _learner(2)
   s1 = _trained_state(learner, steps=1)
