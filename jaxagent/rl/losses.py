@@ -251,12 +251,14 @@ def policy_loss_parts(
       old_logps: sampler log-probs `[B, L]` (treated as constants).
       advantages: per-token advantages `[B, L]`.
       loss_mask: `[B, L]`, > 0 on policy tokens.
-      segment_ids: `[B, L]` int, 1.. per packed trajectory, 0 on padding.
+      segment_ids: `[B, L]` int, 1.. per packed trajectory, 0 on padding; each id one
+        contiguous run of its row, as attention sees it (`rl/packing.py` builds such rows and
+        `step.Learner.put_batch` rejects others).
       ref_logps: reference-policy log-probs `[B, L]`; required when `cfg.kl_coef > 0`.
       entropies: per-token policy entropies `[B, L]`; required when `cfg.entropy_coef > 0`.
-      max_segments_per_row: static bound on segment ids (default L, always safe). Segment ids
-        above it would be silently dropped by the segment sums, so pass a smaller value only when
-        the packer guarantees it.
+      max_segments_per_row: static bound on segment ids (default L, always safe). A segment id
+        above it is left out of the segment sums and makes the per-segment terms (GSPO, the seq_*
+        aggregations) NaN, so pass a smaller value only when the packer guarantees it.
     """
     if cfg.kl_coef > 0 and ref_logps is None:
         raise ValueError(f"LossConfig.kl_coef={cfg.kl_coef} > 0 needs ref_logps; pass the reference policy's log-probs")

@@ -311,6 +311,40 @@ def learner_parts(config):
   return (scfg, rl_opt), (sft_scfg, sft_opt)
 
 
+def _check_segment_ids(segment_ids) -> None:
+  """Raises ValueError unless every row of `segment_ids` `[B, L]` is a valid packing: ids in
+  [0, L] (0 = padding) and each id > 0 one contiguous run.
+
+  Attention and positions treat every contiguous run as its own trajectory, while the losses
+  reduce per (row, id) and have room for ids up to L only; so a repeated id would silently
+  join two trajectories into one sequence of the GSPO ratio and of the per-sequence means,
+  and a larger id would make the loss NaN.
+  """
+  seg = np.asarray(segment_ids)
+  if seg.ndim != 2 or not np.issubdtype(seg.dtype, np.integer):
+    raise ValueError(f"segment_ids must be a [B, L] integer array, got {seg.dtype} {seg.shape}")
+  n = seg.shape[1]
+  bad = (seg < 0) | (seg > n)
+  if bad.any():
+    row, col = np.argwhere(bad)[0]
+    raise ValueError(f"segment_ids[{row}, {col}] = {seg[row, col]} is outside [0, {n}] (0 is "
+                     f"padding, trajectories are numbered 1, 2, ... per row); pack rows with "
+                     f"`rl.packing.pack`")
+  first = np.ones(seg.shape, bool)
+  first[:, 1:] = seg[:, 1:] != seg[:, :-1]
+  first &= seg > 0
+  rows, cols = np.nonzero(first)
+  ids = seg[rows, cols]
+  key = rows.astype(np.int64) * (n + 1) + ids
+  _, idx, counts = np.unique(key, return_index=True, return_counts=True)
+  if (counts > 1).any():
+    k = idx[np.argmax(counts > 1)]
+    again = cols[(key == key[k])][1]
+    raise ValueError(f"segment_ids row {rows[k]}: id {ids[k]} starts at column {cols[k]} and "
+                     f"again at column {again}; each trajectory must be one contiguous run with "
+                     f"its own id in its row (number them 1, 2, ... as `rl.packing.pack` does)")
+
+
 class Learner:
   """Owns the jitted `train_step` / `score` of one model on one mesh.
 
@@ -345,7 +379,10 @@ class Learner:
     return jax.jit(make, out_shardings=shardings)(params)
 
   def put_batch(self, batch) -> Batch:
-    """Place host arrays on the mesh, rows split over the data axes."""
+    """Place host arrays on the mesh, rows split over the data axes (segment ids checked by
+    `_check_segment_ids`)."""
+    if batch.get("segment_ids") is not None:
+      _check_segment_ids(batch["segment_ids"])
     dp = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
     for k, v in batch.items():
       rows = np.shape(v)[0] if v is not None and np.ndim(v) else None

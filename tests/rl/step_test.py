@@ -380,3 +380,20 @@ def test_put_batch_names_rows_that_do_not_split_over_the_data_devices():
     learner.put_batch(batch)
   placed = learner.put_batch({k: np.zeros((8, 8), v.dtype) for k, v in batch.items()})
   assert len(placed["tokens"].sharding.device_set) == 8
+
+
+@pytest.mark.parametrize("seg,match", [
+    ([1, 1, 2, 2, 1, 1, 0, 0], r"row 1: id 1 starts at column 0 and again at column 4"),
+    ([1, 1, 2, 2, 9, 9, 0, 0], r"segment_ids\[1, 4\] = 9 is outside \[0, 8\]"),
+    ([1, 1, 2, 2, -1, -1, 0, 0], r"segment_ids\[1, 4\] = -1 is outside \[0, 8\]")])
+def test_put_batch_rejects_segment_ids_the_loss_would_misread(seg, match):
+  # Attention and positions take each contiguous run as a trajectory; the loss reduces per
+  # (row, id), so ids 1, 2, 1 were silently one GSPO sequence, and ids > L made the loss NaN.
+  learner = step.Learner(CFG, step.StepConfig(), optax.sgd(0.1))
+  good = np.array([[1, 1, 1, 2, 2, 3, 0, 0], [1, 1, 2, 2, 3, 3, 0, 0]], np.int32)
+  assert learner.put_batch({"segment_ids": good})["segment_ids"].shape == (2, 8)
+  with pytest.raises(ValueError, match=match):
+    learner.put_batch({"segment_ids": np.stack([good[0], np.asarray(seg, np.int32)])})
+  with pytest.raises(ValueError, match=match):
+    learner.score(None, {"tokens": np.zeros((2, 8), np.int32),
+                         "segment_ids": np.stack([good[0], np.asarray(seg, np.int32)])})
