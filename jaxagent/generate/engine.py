@@ -116,6 +116,26 @@ def _bucket(n: int, buckets: Sequence[int]) -> int:
   raise ValueError(f"length {n} exceeds the largest bucket {buckets[-1]}")
 
 
+def _per_request(x, n: int, dtype, what: str, name: str, unit: str,
+                 least: int | None = None) -> np.ndarray:
+  """`x`, one value for all `n` requests or a sequence of one per request, as `n` values of
+  `dtype`. A wrong count, or a value that is not an integer (a bool, a float) in range, is a
+  ValueError naming `what` and `name`: NumPy would otherwise truncate a float and wrap a value
+  that `dtype` cannot hold (a budget of 2**32 + 5 became 5)."""
+  vals = np.asarray(x, object).reshape(-1).tolist()
+  if np.ndim(x) and len(vals) != n:
+    raise ValueError(f"{what}: {len(vals)} {name} for {n} {unit}")
+  info = np.iinfo(dtype)
+  lo = info.min if least is None else least
+  bad = [v for v in vals if isinstance(v, bool) or not isinstance(v, (int, np.integer))
+         or not lo <= v <= info.max]
+  if bad:
+    span = f"in [{lo}, {info.max}]" if least is None else f">= {least} (at most {info.max})"
+    bad = [int(v) if isinstance(v, np.integer) else v for v in bad[:5]]
+    raise ValueError(f"{what}: {name} must be integers {span}, got {bad}")
+  return np.broadcast_to(np.asarray(vals, dtype), (n,)).copy()
+
+
 def pow2_at_least(n: int) -> int:
   """The smallest power of two >= n (1 for n <= 1)."""
   return 1 << max(0, n - 1).bit_length()
@@ -482,13 +502,8 @@ class Engine:
     n = len(prompts)
     if n == 0:
       raise ValueError("prefill needs at least one prompt")
+    self._check_prompts(prompts, "prefill")
     lens = [len(p) for p in prompts]
-    if min(lens) == 0:
-      raise ValueError("prefill: empty prompt")
-    self._check_tokens(prompts, "prefill", "prompt")
-    if max(lens) >= self.ecfg.max_len:
-      raise ValueError(f"prompt of {max(lens)} tokens does not fit the engine's max_len "
-                       f"{self.ecfg.max_len} (at least one new token must fit)")
     t = _bucket(max(lens), self.ecfg.prefill_buckets)
     b = _count_bucket(n, self.ecfg.slots)
     # Repeated prompts (the samples of a group) run through the model once.
@@ -502,27 +517,18 @@ class Engine:
       toks[i, :len(p)] = p
       lengths[i] = len(p)
 
-    def per(x, default, dtype, name):  # one value for all requests, or one per request
+    def per(x, default, dtype, name, least=None):  # padding rows (past n) take `default`
       arr = np.full((b,), default, dtype)
-      if x is not None and np.ndim(x) and len(x) != n:
-        raise ValueError(f"prefill: {len(x)} {name} for {n} prompts")
       if x is not None:
-        info = np.iinfo(dtype)
-        vals = np.asarray(x, object).reshape(-1)
-        if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-                   and info.min <= v <= info.max for v in vals):
-          raise ValueError(f"prefill: {name} must be integers in [{info.min}, {info.max}], "
-                           f"got {x!r}")
-      arr[:n] = x if x is not None else default
+        arr[:n] = _per_request(x, n, dtype, "prefill", name, "prompts", least)
       return arr
 
     full = self.ecfg.max_len
-    budgets = per(max_new_tokens, full, np.int32, "max_new_tokens")
+    # A budget below one would still sample (and return) a token.
+    budgets = per(max_new_tokens, full, np.int32, "max_new_tokens", least=1)
     limits = np.minimum(per(max_total_len, full, np.int32, "max_total_len"), full)
     rids = per(list(request_ids), 0, np.int32, "request_ids")
     sds = per(seeds, 0, np.uint32, "seeds")
-    if np.any(budgets[:n] <= 0):
-      raise ValueError("max_new_tokens must be >= 1")
     # As with max_len: the first token is sampled whatever the cap, and would exceed it.
     short = [i for i in range(n) if lens[i] >= limits[i]]
     if short:
@@ -601,6 +607,19 @@ class Engine:
     # is still returned for it.
     if len(np.unique(slots)) != len(slots):
       raise ValueError(f"{what}: a slot appears more than once: {slots.tolist()}")
+
+  def _check_prompts(self, prompts, what: str) -> None:
+    """A clear error, naming the prompt's index, for a prompt that is empty, leaves no room
+    for a new token within `max_len`, or holds ids that are not in the vocabulary."""
+    for i, p in enumerate(prompts):
+      if len(p) == 0:
+        raise ValueError(f"{what}: prompt {i} is empty (a prompt needs at least one token to "
+                         "predict the next one from)")
+      if len(p) + 1 > self.ecfg.max_len:
+        raise ValueError(f"{what}: prompt {i} has {len(p)} tokens; the engine's max_len is "
+                         f"{self.ecfg.max_len} (prompt plus at least one new token must fit: "
+                         "raise max_len, up to the model's max_seq_len, or shorten the prompt)")
+    self._check_tokens(prompts, what, "prompt")
 
   def _check_tokens(self, seqs, what: str, item: str) -> None:
     """A clear error for token ids that are not integers in [0, vocab_size): the embedding
@@ -790,12 +809,11 @@ class Engine:
       raise ValueError("append needs at least one slot")
     self._check_slots(slots, "append")
     if max_new_tokens is not None:
+      if np.size(max_new_tokens) == 1:  # a one-element sequence is one value for all slots
+        max_new_tokens = np.asarray(max_new_tokens, object).reshape(-1)[0]
       # As in prefill: a budget below one would still sample (and return) a token.
-      budget = np.asarray(max_new_tokens).reshape(-1)
-      if budget.size != 1 and budget.size != len(slots):
-        raise ValueError(f"append: {budget.size} max_new_tokens for {len(slots)} slots")
-      if not np.issubdtype(budget.dtype, np.integer) or budget.min() < 1:
-        raise ValueError(f"append: max_new_tokens must be integers >= 1, got {max_new_tokens!r}")
+      budget = _per_request(max_new_tokens, len(slots), np.int32, "append", "max_new_tokens",
+                            "slots", least=1)
     self._check_tokens(observations, "append", "observation")
     held = (np.asarray(cached_lens, np.int64).reshape(-1) if cached_lens is not None
             else np.asarray(jax.device_get(state.lengths))[slots])
@@ -826,7 +844,7 @@ class Engine:
     lens[b:] = lens[0]
     budgets = np.full((bb,), self.ecfg.max_len, np.int32)
     if max_new_tokens is not None:
-      budgets[:b] = max_new_tokens
+      budgets[:b] = budget
     budgets[b:] = budgets[0]
     kv_len = (self.cache_len if cached_lens is None
               else _bucket(max(1, min(int(np.max(cached_lens)), self.cache_len)),

@@ -17,7 +17,7 @@ import jax
 import numpy as np
 
 from jaxagent.generate.engine import (RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH,
-                                      STOP_NONFINITE, Engine, EngineConfig)
+                                      STOP_NONFINITE, Engine, EngineConfig, _per_request)
 from jaxagent.generate.sampling import SamplingConfig
 
 STOP_REASONS = {STOP_EOS: "eos", STOP_BUDGET: "max_new_tokens", STOP_LENGTH: "max_length",
@@ -136,31 +136,21 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
                      "or one per prompt)")
   if len(request_ids) != n:
     raise ValueError(f"request_ids: {len(request_ids)} ids for {n} prompts")
-  if any(b <= 0 for b in budgets):
-    raise ValueError("max_new_tokens must be >= 1")
+  # Prefill's rule, for every prompt before anything runs (a budget prefill refuses, waiting
+  # in the queue, ended the run after the requests before it were generated).
+  _per_request(budgets, n, np.int32, "run_requests", "max_new_tokens", "prompts", least=1)
   if not isinstance(decode_steps, (int, np.integer)) or decode_steps < 1:
     raise ValueError(f"decode_steps must be a positive int, got {decode_steps!r}")
   if n == 0:
     return []
   stop = stop if isinstance(stop, StopChecker) else StopChecker(stop)
   ecfg = engine.ecfg
-  # Every prompt, id and the seed are checked before anything runs: prefill checks only the
-  # batch it is given, so a bad prompt waiting in the queue would end the run after the
-  # requests before it were generated, its error naming its index within that batch.
-  for i, p in enumerate(prompts):
-    if len(p) == 0:
-      raise ValueError(f"prompt {i} is empty (a prompt needs at least one token to predict "
-                       "the next one from)")
-    if len(p) + 1 > ecfg.max_len:
-      raise ValueError(f"prompt {i} has {len(p)} tokens; the engine's max_len is {ecfg.max_len}"
-                       " (prompt plus at least one new token must fit: raise max_len, up to the "
-                       "model's max_seq_len, or shorten the prompt)")
-  engine._check_tokens(prompts, "run_requests", "prompt")
-  lo, hi = np.iinfo(np.int32).min, np.iinfo(np.int32).max
-  bad = [r for r in request_ids if isinstance(r, bool) or not isinstance(r, (int, np.integer))
-         or not lo <= r <= hi]
-  if bad:
-    raise ValueError(f"request_ids must be integers in [{lo}, {hi}], got {bad[:5]}")
+  # Every prompt, id and the seed are checked before anything runs, by prefill's rules:
+  # prefill checks only the batch it is given, so a bad prompt waiting in the queue would end
+  # the run after the requests before it were generated, its error naming its index within
+  # that batch.
+  engine._check_prompts(prompts, "run_requests")
+  _per_request(list(request_ids), n, np.int32, "run_requests", "request_ids", "prompts")
   if (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
       or not 0 <= seed < 2 ** 32):
     raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")

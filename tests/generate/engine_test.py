@@ -299,6 +299,20 @@ def test_append_bad_input_errors_before_running(params):
       eng.append(params, state, [0], [[1, 2]], max_new_tokens=budget)
   with pytest.raises(ValueError, match="append: 2 max_new_tokens for 1 slots"):
     eng.append(params, state, [0], [[1, 2]], max_new_tokens=[4, 4])
+  # A budget int32 cannot hold was wrapped (2**32 + 5 ran as a budget of 5) or raised a bare
+  # OverflowError; prefill refuses it with the same message.
+  for budget in (np.array([2 ** 32 + 5]), np.int64(2 ** 32 + 5), 2 ** 40):
+    with pytest.raises(ValueError, match=r"append: max_new_tokens must be integers >= 1 \(at "
+                       r"most 2147483647\), got \[\d+\]"):
+      eng.append(params, state, [0], [[1, 2]], max_new_tokens=budget)
+  with pytest.raises(ValueError, match=r"prefill: max_new_tokens must be integers >= 1 \(at "
+                     r"most 2147483647\), got \[0, 2147483648\]"):
+    eng.prefill(params, [[1, 2], [3, 4], [5]], [1, 2, 3], max_new_tokens=[0, 2, 2 ** 31])
+  # Prompts: the same checks and messages as `run_requests`, naming the prompt's index.
+  with pytest.raises(ValueError, match="prefill: prompt 1 is empty"):
+    eng.prefill(params, [[1, 2], []], [1, 2])
+  with pytest.raises(ValueError, match="prefill: prompt 1 has 32 tokens; the engine's max_len is 32"):
+    eng.prefill(params, [[1, 2], list(range(1, 33))], [1, 2])
   for kw, name in ((dict(request_ids=[1]), "request_ids"), (dict(seeds=[0, 1, 2]), "seeds"),
                    (dict(max_new_tokens=[4]), "max_new_tokens")):
     with pytest.raises(ValueError, match=f"prefill: [13] {name} for 2 prompts"):

@@ -51,6 +51,20 @@ def test_bad_request_ids_and_seed_are_refused_before_anything_runs(params, engin
   assert calls == []
 
 
+def test_a_bad_budget_in_the_queue_is_refused_before_anything_runs(params, engine, monkeypatch):
+  """A budget prefill refuses (2**31 does not fit its int32), for a prompt waiting behind
+  others, ended the run after prompts 0 and 1 were generated, in prefill's words."""
+  calls = []
+  real = engine.prefill_insert
+  monkeypatch.setattr(engine, "prefill_insert", lambda *a, **k: calls.append(1) or real(*a, **k))
+  for budgets, got in (([2, 2, 2 ** 31], r"\[2147483648\]"), ([2, 0, 2], r"\[0\]")):
+    with pytest.raises(ValueError, match=r"run_requests: max_new_tokens must be integers >= 1 "
+                       r"\(at most 2147483647\), got " + got):
+      run_requests(engine, params, [[1], [2], [3]], max_new_tokens=budgets,
+                   request_ids=[0, 1, 2])
+  assert calls == []
+
+
 def test_numpy_and_jax_array_prompts(params):
   """A `[B, T]` array is B prompts, a `[T]` array one prompt, as the same nested lists are."""
   batch = np.asarray([[1, 2, 3], [4, 5, 6]])
