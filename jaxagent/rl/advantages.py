@@ -126,7 +126,8 @@ def compute_advantages(
     if method == "grpo":
         sq = np.bincount(idx, weights=centered**2, minlength=num_groups)
         std = np.sqrt(sq / np.maximum(count - 1, 1))  # sample std (ddof=1)
-        adv = centered / (std[idx] + eps)
+        # Zero-variance groups get 0 below; dividing them by 1 keeps eps=0 free of 0 / 0 warnings.
+        adv = centered / np.where(zero_var, 1.0, std + eps)[idx]
     elif method == "dr_grpo":
         adv = centered
     else:

@@ -70,6 +70,14 @@ def test_zero_variance_keep_and_drop():
     assert info_d.metrics()["kept_frac"] == pytest.approx(0.2)
 
 
+@pytest.mark.filterwarnings("error")
+def test_eps_zero_with_a_zero_variance_group_warns_nothing():
+    # eps=0 divided a zero-variance group by its std of 0 (0 / 0 RuntimeWarning every step,
+    # an error under -W error) before the group was set to 0.
+    adv, _ = compute_advantages(np.array([1.0, 1.0, 1.0, 0.0, 7.0]), np.array([0, 0, 1, 1, 2]), eps=0.0)
+    np.testing.assert_allclose(adv, [0.0, 0.0, np.sqrt(0.5), -np.sqrt(0.5), 0.0], rtol=1e-6)
+
+
 @pytest.mark.parametrize("method", ["grpo", "dr_grpo", "rloo"])
 def test_singleton_group_is_zero_variance(method):
     adv, info = compute_advantages(np.array([3.0, 1.0, 0.0]), np.array([5, 6, 6]), method=method, zero_variance="drop")
