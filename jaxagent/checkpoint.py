@@ -27,7 +27,9 @@ Retention (`checkpoint_keep`, `checkpoint_keep_every`) only ever deletes checkpo
 run: step folders whose metadata names the same model, task and seed as the checkpoint being
 saved. A numbered folder in the directory that is not a jaxagent checkpoint at all (a user's
 `7/`, another tool's files) makes `restore_latest` and `save` refuse, naming it, instead of
-treating it as a checkpoint to restore from or to delete.
+treating it as a checkpoint to restore from or to delete. Interrupted saves are removed by this
+module, not by orbax, whose clean-up on a bucket (`gs://`, where a step folder is complete once
+it holds `commit_success.txt`) deletes every folder of the directory without that file.
 
 All processes of a multi-host job call `save` and `restore` (orbax coordinates the writes;
 process 0 writes the JSON). The directory must be shared by all hosts (e.g. a GCS bucket).
@@ -65,8 +67,11 @@ IDENTITY_KEYS = ("model", "env", "seed")
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _STEP_DIR = re.compile(r"^(\d+)$")
 _TMP_DIR = re.compile(r"^(\d+)" + re.escape(_TMP_SUFFIX))
-# Files orbax writes into every step folder it finalises (locally / on buckets).
+_ORBAX_STEP = re.compile(r"^(0|[1-9]\d*)$")  # the folder names orbax reads as steps
+# Files orbax writes into every step folder it finalises (locally / on buckets), and every name
+# a save of ours puts at the top of a step folder.
 _ORBAX_FINAL_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")
+_SAVE_ENTRIES = frozenset({"params", "train", "ref_params", "meta", *_ORBAX_FINAL_FILES})
 
 
 class CheckpointError(RuntimeError):
@@ -300,6 +305,13 @@ def _all_processes_ok(ok: bool) -> bool:
   return bool(np.all(flags))
 
 
+def _commit_file_saves(directory: epath.Path) -> bool:
+  """Whether orbax finalises saves under `directory` by writing `commit_success.txt` into the
+  step folder (buckets) rather than by renaming `<step>.orbax-checkpoint-tmp` (local disks)."""
+  return (ocp.path.atomicity_defaults.get_default_temporary_path_class(directory)
+          is ocp.path.atomicity.CommitFileTemporaryPath)
+
+
 def _meta_file(step_dir: epath.Path) -> dict[str, Any] | None:
   """The jaxagent metadata of a step folder read straight from its JSON file (no orbax), or
   None when it is missing, unreadable or not ours."""
@@ -387,18 +399,21 @@ class CheckpointManager:
         enable_async_checkpointing=cfg.async_save and not read_only,
         preservation_policy=_OwnStepsOnly(
             ocp.checkpoint_managers.AnyPreservationPolicy(policies), self._owns),
-        cleanup_tmp_directories=not read_only, read_only=read_only, create=not read_only)
+        cleanup_tmp_directories=False, read_only=read_only, create=not read_only)
     self._mgr = ocp.CheckpointManager(self.directory, options=options)
     self._folders_checked = read_only
 
   def _refuse_foreign_folders(self) -> None:
     """Raise `CheckpointError` naming the numbered folders that are not jaxagent checkpoints
-    (orbax lists every folder named by a number as a step, to restore from and to delete).
-    Checked once, before the first restore or save of a writable manager."""
+    (orbax lists every folder named by a number as a step, to restore from and to delete),
+    then remove the interrupted saves. Once, before the first restore or save of a writable
+    manager; every process calls it."""
     if self._folders_checked:
       return
-    foreign = [self.step_path(s) for s in sorted(self._mgr.all_steps())
-               if not _is_checkpoint_folder(self.step_path(s))]
+    partial = set(self.incomplete())
+    foreign = sorted((p for p in self.directory.iterdir() if _ORBAX_STEP.match(p.name)
+                      and p.is_dir() and p not in partial and not _is_checkpoint_folder(p)),
+                     key=lambda p: int(p.name)) if self.directory.is_dir() else []
     if foreign:
       shown = ", ".join(str(p) for p in foreign[:8])
       shown += f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
@@ -407,6 +422,10 @@ class CheckpointManager:
           f"steps that are not jaxagent checkpoints: {shown}. Checkpoint retention would "
           f"restore from or delete them, so nothing is written here: move them out of "
           f"{self.directory}, or set checkpoint_dir (or workdir) to a directory of their own.")
+    if partial and jax.process_index() == 0:
+      for p in partial:
+        p.rmtree()
+    _all_processes_ok(True)  # every process waits for the removal before saving
     self._folders_checked = True
 
   def _owns(self, step: int) -> bool:
@@ -425,11 +444,18 @@ class CheckpointManager:
     return sorted(self._mgr.all_steps())
 
   def incomplete(self) -> list[epath.Path]:
-    """Temporary directories of saves that never finished (oldest step first)."""
+    """Folders of saves that never finished (oldest step first): orbax's temporary
+    `<step>.orbax-checkpoint-tmp` folders, and on a bucket the step folders without
+    `commit_success.txt` that hold nothing but what a save writes."""
     if not self.directory.is_dir():
       return []
     found = [p for p in self.directory.iterdir() if p.is_dir() and _TMP_DIR.match(p.name)]
-    return sorted(found, key=lambda p: int(_TMP_DIR.match(p.name).group(1)))
+    if _commit_file_saves(self.directory):
+      found += [p for p in self.directory.iterdir()
+                if _ORBAX_STEP.match(p.name) and p.is_dir()
+                and not (p / "commit_success.txt").exists()
+                and all(e.name.split(_TMP_SUFFIX)[0] in _SAVE_ENTRIES for e in p.iterdir())]
+    return sorted(found, key=lambda p: int(re.match(r"\d+", p.name).group()))
 
   def step_path(self, step: int) -> epath.Path:
     return self.directory / str(step)

@@ -166,6 +166,43 @@ def test_retention_deletes_only_this_runs_checkpoints(tmp_path):
   assert (tmp_path / "5" / "notes.txt").read_text() == "user data"
 
 
+def test_on_a_bucket_only_interrupted_saves_are_cleaned_up(tmp_path, monkeypatch):
+  # On gs:// orbax completes a save by writing commit_success.txt into the step folder, and its
+  # clean-up of unfinished saves deleted every folder without that file (a user's notes/ or
+  # 7/). The bucket's behaviour, on a local directory:
+  from orbax.checkpoint._src.path import gcs_utils
+  monkeypatch.setattr(gcs_utils, "is_gcs_path", lambda path: True)
+  learner = _learner(1)
+  state = learner.init(_initial_params())
+  cfg = checkpoint.CheckpointConfig(every=1, async_save=False)
+  mgr = checkpoint.CheckpointManager(tmp_path, cfg)
+  for s in (1, 2):
+    mgr.save(s, state, meta=_meta(_config()))
+  mgr.close()
+  assert (tmp_path / "2" / "commit_success.txt").exists()
+  # A save of step 3 killed before its commit file, and a user's folder.
+  (tmp_path / "3" / "params").mkdir(parents=True)
+  (tmp_path / "3" / "_CHECKPOINT_METADATA").write_text("{}")
+  (tmp_path / "notes").mkdir()
+  (tmp_path / "notes" / "todo.txt").write_text("user data")
+  said = []
+  mgr = checkpoint.CheckpointManager(tmp_path, cfg, say=said.append)
+  assert mgr.restore_latest(_target(learner), config=_config()).step == 2
+  assert mgr.save(3, state, meta=_meta(_config()))
+  mgr.close()
+  assert (tmp_path / "notes" / "todo.txt").read_text() == "user data"
+  assert any(f"skipping incomplete checkpoint {tmp_path / '3'}" in m for m in said), said
+  assert (tmp_path / "3" / "commit_success.txt").exists()
+  # A numbered folder that is not a save of ours is refused and kept.
+  (tmp_path / "7").mkdir()
+  (tmp_path / "7" / "todo.txt").write_text("user data")
+  mgr = checkpoint.CheckpointManager(tmp_path, cfg)
+  with pytest.raises(checkpoint.CheckpointError, match=rf"not jaxagent checkpoints: {tmp_path / '7'}\."):
+    mgr.restore_latest(_target(learner), config=_config())
+  mgr.close()
+  assert (tmp_path / "7" / "todo.txt").exists() and (tmp_path / "notes" / "todo.txt").exists()
+
+
 def _two_checkpoints(tmp_path):
   learner = _learner(2)
   s1 = _trained_state(learner, steps=1)
