@@ -266,7 +266,8 @@ def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature:
   float32 logits of one chunk are `[B, c, V]`, so many packed rows would otherwise need
   gigabytes.
   h: [B, L, D]; targets: [B, L] int. Returns `[B, L]` (and entropies `[B, L]` when
-  `with_entropy`).
+  `with_entropy`). `temperature` is a fixed setting (the sampler's, from the step config), not
+  a parameter: the result carries no gradient with respect to it.
   """
   b, l, d = h.shape
   n = batch_split()[1]
