@@ -368,6 +368,11 @@ def math_verify_metrics(before: dict[str, int] | None, after: dict[str, int] | N
   return {f"reward/math_verify/{k}": float(after[k] - before.get(k, 0)) for k in MATH_VERIFY_COUNTS}
 
 
+def _env_reward_failures(outs: Sequence[RewardOutput]) -> int:
+  """How many of `outs` are env.reward raises turned into data (`Trainer._reward`)."""
+  return sum(ENV_REWARD_ERROR in o.errors for o in outs)
+
+
 def _pass_at_k(n: int, c: int, k: int) -> float:
   """Unbiased pass@k from n samples with c successes (Chen et al., 2021)."""
   if n - c < k:
@@ -451,10 +456,10 @@ class Trainer:
     if not exs:
       return {}
     t0, c0 = time.time(), compile_stats.snapshot()
-    failed_before = len(self._reward_failures)
     trajs = self.greedy.run(params, exs, num_samples=1, seed=self.config.seed,
                             request_id_offset=0)
-    ok = np.array([self._success(tr, ex) for tr, ex in zip(trajs, exs)], float)
+    outs = [self._reward(tr, ex, self.step) for tr, ex in zip(trajs, exs)]
+    ok = np.array([self._success(o) for o in outs], float)
     p = float(ok.mean())
     out = {f"{tag}/pass@1": p, f"{tag}/pass@1_se": math.sqrt(p * (1 - p) / len(exs)),
            f"{tag}/num_examples": len(exs)}
@@ -463,13 +468,14 @@ class Trainer:
                                  request_id_offset=0)
       c = np.zeros(len(exs))
       for tr in trajs_k:
-        c[tr.group_id] += self._success(tr, exs[tr.group_id])
+        o = self._reward(tr, exs[tr.group_id], self.step)
+        outs.append(o)
+        c[tr.group_id] += self._success(o)
       out[f"{tag}/pass@{e.pass_k}"] = float(np.mean([_pass_at_k(e.pass_k, int(ci), e.pass_k)
                                                      for ci in c]))
     # An env reward that raises scores the trajectory as a failure (`_reward`): without this
-    # count a broken verifier read as a model that solves nothing.
-    scored = len(exs) * (1 + (e.pass_k if e.pass_k > 1 else 0))
-    out[f"{tag}/errors/env_reward"] = (len(self._reward_failures) - failed_before) / scored
+    # count a broken verifier read as a model that solves nothing. Counted as RL steps count.
+    out[f"{tag}/errors/env_reward"] = _env_reward_failures(outs) / len(outs)
     out[f"{tag}/time_s"] = time.time() - t0
     d = compile_stats.snapshot() - c0
     out.update(_compile_metrics(d, f"{tag}/compiles", f"{tag}/compile_s",
@@ -501,8 +507,10 @@ class Trainer:
       self._reward_failures.append(f"example {ex.id!r}: {type(e).__name__}: {e}")
       return RewardOutput(0.0, {}, {}, errors=(ENV_REWARD_ERROR,))
 
-  def _success(self, traj: Trajectory, ex: Example) -> bool:
-    return bool(self.env.is_success(self._reward(traj, ex, self.step)))
+  def _success(self, out: RewardOutput) -> bool:
+    """`env.is_success`; a reward that raised is a failure without asking the env, whose test
+    may read components that the stand-in output of `_reward` lacks."""
+    return ENV_REWARD_ERROR not in out.errors and bool(self.env.is_success(out))
 
   # --------------------------------------------------------------------------- SFT
   def warm_start(self) -> dict[str, float]:
@@ -671,7 +679,7 @@ class Trainer:
     all_trajs, outs, trajs, advs, info, rounds, sampling = self._rollout_groups(step, params)
     t_roll = time.time() - t0
     metrics: dict[str, float] = math_verify_metrics(verify_before, math_verifier.default_stats())
-    failed = sum(ENV_REWARD_ERROR in o.errors for o in outs)
+    failed = _env_reward_failures(outs)
     if failed == len(outs):
       raise RuntimeError(
           f"RL step {step}: env {self.env.name!r}'s reward raised for all {failed} trajectories; "

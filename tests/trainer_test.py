@@ -587,6 +587,34 @@ def test_eval_counts_env_rewards_that_raise_and_scores_pass_at_k_per_example(ckp
   assert m["eval/num_examples"] == 4
 
 
+def test_a_failing_train_and_a_failing_eval_trajectory_are_each_counted_once(ckpt_trainer,
+                                                                           monkeypatch):
+  """One env.reward raise in an RL step and one in the eval of that step (as `run` does it):
+  each counted once, in its own metric, by the same rule. An env whose success test reads a
+  component (`out.components["correct"]`) ended the eval with a KeyError on the stand-in
+  output of the reward that raised."""
+  trainer = ckpt_trainer
+  monkeypatch.setattr(trainer, "eval_examples", trainer.eval_examples[:3])
+  real, raised = trainer.env.reward, []
+
+  def once_per_split(traj, ex, tok, step):
+    split = ex.id.split("-")[0]  # "train" / "eval"
+    if split not in raised:
+      raised.append(split)
+      raise KeyError("gold")
+    return real(traj, ex, tok, step)
+
+  monkeypatch.setattr(trainer.env, "reward", once_per_split)
+  monkeypatch.setattr(trainer.env, "is_success", lambda out: out.components["correct"] >= 1.0)
+  m = trainer.rl_step(1)
+  n = m["rollout/num_trajectories"]
+  assert raised == ["train"] and m["reward/errors/env_reward"] == 1 / n
+  m.update(trainer.evaluate())
+  assert raised == ["train", "eval"]
+  assert m["eval/errors/env_reward"] == 1 / 3 and m["reward/errors/env_reward"] == 1 / n
+  assert m["eval/pass@1"] == 0.0 and m["eval/num_examples"] == 3
+
+
 def test_export_refuses_non_finite_params_and_writes_nothing(ckpt_trainer, tmp_path):
   from jaxagent.checkpoint import NonFiniteParamsError
   trainer = ckpt_trainer
