@@ -54,7 +54,13 @@ def parse_config_flags(argv: list[str], config_flag) -> list[str]:
   try:
     rest = flags.FLAGS(argv)
   except flags.Error as e:
-    fail(str(e))
+    message = str(e)
+    if "Error whilst parsing config file:" in message:
+      # The config file's get_config raised (an unknown variant, say): its own message, not the
+      # traceback that ml_collections wraps around it.
+      head = message.split("Error whilst parsing config file:", 1)[0]
+      message = head + [line for line in message.splitlines() if line.strip()][-1]
+    fail(message)
   except (AttributeError, KeyError) as e:  # raised by the config for a key it does not have
     while e.args and isinstance(e.args[0], BaseException):
       e = e.args[0]

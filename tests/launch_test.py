@@ -373,6 +373,10 @@ def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
     (["--config=configs/quickstart.py:tiny", "--config.env.kwargs.no_such_knob=3"],
      "the config has no key 'no_such_knob'"),
     (["--config=configs/no_such_config.py"], "No such file or directory: 'configs/no_such_config.py'"),
+    # get_config raising (a misspelt variant) is its message, not ml_collections' traceback.
+    (["--config=configs/math_tool.py:tinny"],
+     "flag --config=configs/math_tool.py:tinny: ValueError: unknown math_tool variant 'tinny'; "
+     "expected '', 'tiny', 'gpu' or 'qwen'"),
     (["--config=configs/quickstart.py:tiny", "--config.model.tokenizer=/no/such/tokenizer",
       "--fit_check=off"], "bad config: '/no/such/tokenizer' does not exist"),
 ])
