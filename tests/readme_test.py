@@ -1,4 +1,5 @@
 """The README's API tour runs as written (with the arrays it leaves to the reader filled in)."""
+import json
 import os
 import pathlib
 import re
@@ -49,3 +50,144 @@ def test_readme_api_tour_runs(tmp_path):
 
 def test_readme_api_tour_is_found_and_parses():
   compile(_INPUTS + api_tour(), "README.md", "exec")
+
+
+# ------------------------------------------------------------- commands named in the docs
+# Every `python -m jaxagent.X ...`, `python benchmarks/X.py ...` and `launch/X.sh ... -- ...`
+# command written in the docs, the config headers, the launch scripts' usage comments and the
+# notebooks' text passes only flags that its entry point defines, and only `--config.KEY`s that
+# its config file has: a new user copies them as written.
+_DOCS = ("README.md", "launch/README.md", "benchmarks/README.md", "configs/*.py", "launch/*.sh",
+         "launch/*.sbatch", "colabs/*.ipynb", "benchmarks/*.py", "jaxagent/**/*.py")
+_ENTRY = re.compile(r"python3? (-m jaxagent(?:\.\w+)+|benchmarks/\w+\.py)((?:[^`#;&|\n\"]|\\\n)*)")
+_RECIPE = re.compile(r"launch/(?:tpu_vm|xpk|gpu_multinode)\.sh|launch/gpu_slurm\.sbatch")
+
+
+def _defined_flags(path: pathlib.Path) -> set[str]:
+  """The flags an entry point defines (argparse or absl), read from its source."""
+  text = path.read_text()
+  if "benchmarks.common import" in text or "from benchmarks import common" in text:
+    text += (REPO / "benchmarks" / "common.py").read_text()
+  out = set(re.findall(r'add_argument\(\s*"(--[-\w]+)"', text))
+  out |= set(re.findall(r'add_argument\(\s*"-[-\w]+",\s*"(--[-\w]+)"', text))
+  out |= {f"--no-{f[2:]}" for f in out if "BooleanOptionalAction" in text}
+  out |= {f"--{f}" for f in re.findall(r'DEFINE_\w+\(\s*"(\w+)"', text)}
+  out |= {f"--no{f[2:]}" for f in out if "DEFINE_bool" in text}
+  return out
+
+
+def _entry_point(target: str) -> pathlib.Path:
+  if target.startswith("-m "):
+    base = REPO / target[3:].replace(".", "/")
+    return base.with_suffix(".py") if base.with_suffix(".py").exists() else base / "__main__.py"
+  return REPO / target
+
+
+def _doc_commands():
+  """(where, entry point, argument text) of every command found in the docs."""
+  for pattern in _DOCS:
+    for path in sorted(REPO.glob(pattern)):
+      text = path.read_text()
+      if path.suffix == ".ipynb":
+        text = "\n".join("".join(c["source"]) for c in json.loads(text)["cells"])
+      # Join continued lines; in Python files also the `#   ` of comment blocks.
+      text = re.sub(r"\\\n\s*#?", " ", text)
+      where = str(path.relative_to(REPO))
+      for line in text.splitlines():
+        for m in _ENTRY.finditer(line):
+          yield where, m.group(1), m.group(2)
+        for m in _RECIPE.finditer(line):  # a recipe passes what follows ` -- ` to the launcher
+          rest = line[m.end():]
+          if " -- " in rest or rest.lstrip().startswith("--config"):
+            yield where, "-m jaxagent.launch", rest.split(" -- ", 1)[-1]
+
+
+def _has_key(cfg, dotted: str) -> bool:
+  for part in dotted.split("."):
+    if not hasattr(cfg, "keys") or part not in cfg:
+      return False
+    cfg = cfg[part]
+  return True
+
+
+def test_commands_in_the_docs_pass_flags_that_exist():
+  from jaxagent.config_files import load_config
+  configs = {}
+  bad, seen = [], 0
+  for where, target, args in _doc_commands():
+    if target in ("-m jaxagent.launch", "-m jaxagent.plan") or target.endswith("plan_vs_measured.py"):
+      m = re.search(r"--config=(configs/\w+\.py)(?::(\w+))?", args)
+      config = (m.group(1), m.group(2)) if m else ("configs/quickstart.py", None)
+    else:
+      config = None
+    path = _entry_point(target)
+    if not path.exists():
+      bad.append(f"{where}: `python {target}`: no such entry point")
+      continue
+    known = _defined_flags(path)
+    for flag in re.findall(r"(?<![\w./-])(--[\w.-]+)", args):
+      seen += 1
+      if flag.startswith("--config.") and config is not None:
+        key = flag[len("--config."):]
+        if key == "key":  # the placeholder of `--config.key=value`
+          continue
+        if config not in configs:
+          configs[config] = load_config(REPO / config[0], config[1])
+        if not _has_key(configs[config], key):
+          bad.append(f"{where}: `python {target} ... {flag}`: {config[0]}:{config[1] or ''} "
+                     "has no such key")
+      elif flag != "--" and flag not in known:
+        bad.append(f"{where}: `python {target} ... {flag}`: {path.relative_to(REPO)} defines "
+                   "no such flag")
+  assert seen > 100, f"found only {seen} flags in the docs: is the command pattern still right?"
+  assert not bad, "\n".join(bad)
+
+
+def test_config_keys_and_launch_flags_named_in_the_docs_exist():
+  """`--config.KEY` settings named on their own (knobs in a config's header, tips in the
+  READMEs) are keys of that config (of the quickstart's layout elsewhere), and the launcher's
+  own flags named in the READMEs (absl spells them with underscores) are defined."""
+  from jaxagent.config_files import load_config
+  quickstart = load_config(REPO / "configs" / "quickstart.py")
+  launcher = set()
+  for entry in ("jaxagent/launch.py", "jaxagent/plan/__main__.py", "jaxagent/export.py"):
+    launcher |= _defined_flags(REPO / entry)
+  bad, seen = [], 0
+  for pattern in ("README.md", "launch/README.md", "benchmarks/README.md", "configs/*.py",
+                  "launch/*.sh", "launch/*.sbatch", "colabs/*.ipynb"):
+    for path in sorted(REPO.glob(pattern)):
+      where = str(path.relative_to(REPO))
+      cfg = load_config(path) if where.startswith("configs/") else quickstart
+      text = path.read_text()
+      for key in re.findall(r"--config\.([\w.]+\w)", text):
+        seen += 1
+        if key != "key" and not _has_key(cfg, key):
+          bad.append(f"{where}: --config.{key}: no such key in "
+                     f"{where if where.startswith('configs/') else 'configs/quickstart.py'}")
+      if path.name == "README.md":
+        for flag in re.findall(r"`(--[a-z]+_[\w]+)", text):
+          seen += 1
+          if flag not in launcher:
+            bad.append(f"{where}: `{flag}`: no entry point defines it")
+  assert seen > 30, f"found only {seen} settings in the docs: is the pattern still right?"
+  assert not bad, "\n".join(bad)
+
+
+def test_benchmark_table_flags_exist():
+  """Each row of benchmarks/README.md's table names flags of its own script (or of the script
+  named just before them)."""
+  bad, seen = [], 0
+  for line in (REPO / "benchmarks" / "README.md").read_text().splitlines():
+    m = re.match(r"\| `(\w+\.py)` \|(.*)", line)
+    if not m:
+      continue
+    for span in re.findall(r"`([^`]+)`", m.group(2)):
+      owner = re.match(r"(\w+\.py)\b", span)
+      script = owner.group(1) if owner else m.group(1)
+      known = _defined_flags(REPO / "benchmarks" / script)
+      for flag in re.findall(r"(?<![\w-])(--[\w-]+)", span):
+        seen += 1
+        if flag not in known:
+          bad.append(f"benchmarks/README.md, row {m.group(1)}: `{flag}` is not a flag of {script}")
+  assert seen > 30, f"found only {seen} flags in the table: is the pattern still right?"
+  assert not bad, "\n".join(bad)
