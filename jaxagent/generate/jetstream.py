@@ -50,6 +50,12 @@ Sharp edges of google-jetstream 0.2.2 handled here:
     frees the slot of a request whose client cancelled or whose event loop closed (JetStream
     would decode it to `max_tokens`, and delivering to a closed loop kills the process), and
     `stop` ends requests still in flight with RuntimeError (JetStream drops them silently).
+  * It ends requests on the host only: a slot it frees keeps decoding until the engine stops
+    it (cache length), and counts in every call's live-KV bound. `CheckedDriver` reports each
+    slot handed back (`JetStreamEngine.slot_freed`) and the next `generate` deactivates it.
+  * Its detokenize thread and its gRPC server's event-loop thread are not daemons, so a
+    process that never stopped its driver or server hung at exit. `CheckedDriver` and `serve`
+    run every thread as a daemon and stop what is still running at exit.
 
 Not supported: session caches (`session_cache` / `existing_prefix`) and several samples per
 request. Token-id requests return exact ids and no text.
@@ -57,10 +63,14 @@ request. Token-id requests return exact ids and no text.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import dataclasses
 import itertools
 import logging
 import pathlib
+import queue
+import threading
+import weakref
 from typing import Any, Sequence
 
 import flax.struct
@@ -198,6 +208,11 @@ def _insert_meta(pending, unsent, emitted, slot, first, ok):
   return (pending.at[slot].set(first), unsent.at[slot].set(ok), emitted.at[slot].set(0))
 
 
+def _release(active, unsent, freed):
+  """Deactivate the slots flagged in `freed` (their requests ended on the host)."""
+  return active & ~freed, unsent & ~freed
+
+
 def _pack(tokens_KxS, valid_KxS, pending, unsent, emitted):
   """This call's `ResultTokens.data` [S, 2k + 1] and the next pending / unsent / emitted."""
   k = tokens_KxS.shape[0]
@@ -267,6 +282,11 @@ class JetStreamEngine(engine_api.Engine):
     self._request_ids = itertools.count()  # next() is atomic: prefill threads may share it
     self._jit_insert_meta = jax.jit(_insert_meta, donate_argnums=(0, 1, 2))
     self._jit_pack = jax.jit(_pack, donate_argnums=(2, 3, 4))
+    self._jit_release = jax.jit(_release, donate_argnums=(0, 1))
+    # Slots whose requests JetStream has ended (`CheckedDriver` reports them from its
+    # detokenize thread, `slot_freed`); the next `generate` deactivates them.
+    self._freed: set[int] = set()
+    self._freed_lock = threading.Lock()
 
   @classmethod
   def create(cls, params, cfg: ModelConfig, tokenizer, *, slots: int = 8, max_len: int = 1024,
@@ -363,6 +383,8 @@ class JetStreamEngine(engine_api.Engine):
 
   def insert(self, prefix: ServingPrefix, decode_state: ServingState, slot: int) -> ServingState:
     """Place a prefilled request into `slot`."""
+    with self._freed_lock:  # the slot's previous request was freed before it could be reused
+      self._freed.discard(int(slot))
     st = decode_state
     decode = self.engine.insert(prefix.prefix, st.decode, slot)
     pending, unsent, emitted = self._jit_insert_meta(
@@ -374,10 +396,24 @@ class JetStreamEngine(engine_api.Engine):
     return ServingState(decode, pending, unsent, emitted, tuple(bounds))
 
   # ------------------------------------------------------------------ decode
+  def slot_freed(self, slot: int) -> None:
+    """Note that JetStream ended the request in `slot` and handed the slot back (thread-safe).
+
+    JetStream's engine contract has no such call: its detokenize thread ends a request (its
+    `max_tokens`, a stop token, a cancelled client) on the host only. Without this the slot
+    went on decoding for nobody up to the cache length, and the live-KV bound of every
+    `generate` call counted it. `CheckedDriver` calls this; the next `generate` deactivates
+    the slot unless a new request was inserted into it first.
+    """
+    with self._freed_lock:
+      self._freed.add(int(slot))
+
   def init_decode_state(self, *args, **kwargs) -> ServingState:
     """All slots empty."""
     if args or kwargs:
       raise TypeError("init_decode_state takes no arguments")
+    with self._freed_lock:
+      self._freed.clear()
     s = self.engine.ecfg.slots
     zi = jnp.zeros((s,), jnp.int32)
     return ServingState(self.engine.init_decode_state(), zi, jnp.zeros((s,), bool), zi + 0,
@@ -386,6 +422,15 @@ class JetStreamEngine(engine_api.Engine):
   def generate(self, params, decode_state: ServingState):
     """`decode_steps` steps for every active slot; returns (state, `ResultTokens`)."""
     st, k = decode_state, self._steps
+    with self._freed_lock:
+      freed, self._freed = self._freed, set()
+    freed = [s for s in freed if st.bounds[s] >= 0]  # -1: not active anyway
+    if freed:
+      mask = np.zeros((len(st.bounds),), bool)
+      mask[freed] = True
+      active, unsent = self._jit_release(st.decode.active, st.unsent, mask)
+      bounds = tuple(-1 if m else b for b, m in zip(st.bounds, mask))
+      st = ServingState(st.decode.replace(active=active), st.pending, unsent, st.emitted, bounds)
     live = [b for b in st.bounds if b >= 0]
     # Attention reads only the cache prefix that the longest possibly-active slot can use.
     decode, out = self.engine.generate(params, st.decode, steps=k,
@@ -518,6 +563,35 @@ class _ReturnChannel:
     return await self._channel.__anext__()
 
 
+class _FreeSlots(queue.Queue):
+  """A generate engine's queue of free slots that tells the engine when a slot comes back.
+
+  The engine is told before the slot can be taken again, so a later `insert` into the slot
+  (which clears the note) always follows it.
+  """
+
+  def __init__(self, maxsize: int, engine: JetStreamEngine):
+    super().__init__(maxsize)
+    self._engine = engine
+
+  def _put(self, slot) -> None:
+    self._engine.slot_freed(slot)
+    super()._put(slot)
+
+
+# Drivers and servers still running, stopped at interpreter exit (their threads are daemons).
+_RUNNING: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_running() -> None:
+  for obj in sorted(_RUNNING, key=lambda o: not isinstance(o, _Server)):  # servers first
+    try:
+      obj.stop()
+    except Exception:  # pylint: disable=broad-exception-caught
+      log.exception("stopping %s at exit failed", type(obj).__name__)
+
+
 class CheckedDriver(orchestrator.Driver):
   """JetStream's `Driver` that rejects unservable requests before they reach its threads.
 
@@ -526,11 +600,42 @@ class CheckedDriver(orchestrator.Driver):
   and gives the request a `_ReturnChannel` (whole characters in streamed text; cancelled or
   abandoned requests free their slot). `stop` ends the iteration of requests still in flight
   with RuntimeError instead of leaving their clients waiting forever.
+
+  Two more differences from JetStream's `Driver`: a slot that its detokenize thread hands back
+  is reported to the `JetStreamEngine` (`slot_freed`), which stops decoding it; and all its
+  threads are daemons (JetStream's detokenize thread is not, so a process that never called
+  `stop` hung at exit), with drivers still running stopped at exit.
   """
 
   def __init__(self, *args, **kwargs):
     self._channels: list[_ReturnChannel] = []
     super().__init__(*args, **kwargs)
+    _RUNNING.add(self)
+
+  # `Driver.__init__` assigns these two and starts its threads right after: the setters adjust
+  # them before any thread runs.
+  @property
+  def _generate_slots(self) -> list[queue.Queue]:
+    return self.__dict__.get("_free_slot_queues", [])
+
+  @_generate_slots.setter
+  def _generate_slots(self, queues: list[queue.Queue]) -> None:
+    engines = self._generate_engines
+    # One note set per engine: an engine serving two decode states could not tell them apart.
+    self.__dict__["_free_slot_queues"] = [
+        _FreeSlots(q.maxsize, e) if isinstance(e, JetStreamEngine) and engines.count(e) == 1
+        else q for q, e in zip(queues, engines)]
+
+  @property
+  def detokenize_threads(self) -> list[threading.Thread]:
+    return self.__dict__.get("_detokenize_threads", [])
+
+  @detokenize_threads.setter
+  def detokenize_threads(self, threads: list[threading.Thread]) -> None:
+    for t in threads:
+      if not t.is_alive():
+        t.daemon = True
+    self.__dict__["_detokenize_threads"] = threads
 
   def place_request_on_prefill_queue(self, request) -> None:
     engines = [e for e in self._prefill_engines if isinstance(e, JetStreamEngine)]
@@ -545,10 +650,12 @@ class CheckedDriver(orchestrator.Driver):
     super().place_request_on_prefill_queue(request)
 
   def stop(self) -> None:
+    """Stop and join the threads; requests in flight end with RuntimeError."""
+    _RUNNING.discard(self)
     super().stop()
-    for channel in self._channels:
+    channels, self._channels = self._channels, []
+    for channel in channels:
       channel.abort("the JetStream driver stopped before this request finished")
-    self._channels = []
 
 
 def make_driver(engine: JetStreamEngine, *, interleaved: bool = False) -> CheckedDriver:
@@ -597,11 +704,36 @@ def serve(engine: JetStreamEngine, port: int, *, threads: int | None = None,
   """
   import grpc
   driver = make_driver(engine, interleaved=interleaved)
-  server = server_lib.JetStreamServer(
-      driver, threads or max(driver.get_total_concurrent_requests(), 64), port,
-      credentials or grpc.insecure_server_credentials())
+  server = _Server(driver, threads or max(driver.get_total_concurrent_requests(), 64), port,
+                   credentials or grpc.insecure_server_credentials())
   server.start()
   return server
+
+
+class _Server(server_lib.JetStreamServer):
+  """JetStream's gRPC server with its event loop on a daemon thread, stopped at exit if running.
+
+  JetStream's runs the loop on a non-daemon thread, so a process that never called `stop` hung
+  at exit. `stop` may be called more than once.
+  """
+
+  def __init__(self, *args, **kwargs):
+    super().__init__(*args, **kwargs)
+    # Move the (idle) loop onto a daemon thread: stop it, then run it again there.
+    self._loop.call_soon_threadsafe(self._loop.stop)
+    self._loop_thread.join()
+    self._loop_thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                         name="jetstream-grpc-loop")
+    self._loop_thread.start()
+    self._stopped = False
+    _RUNNING.add(self)
+
+  def stop(self) -> None:
+    if self._stopped:  # a second JetStream `stop` would wait forever on the stopped loop
+      return
+    self._stopped = True
+    _RUNNING.discard(self)
+    super().stop()
 
 
 __all__ = ["CheckedDriver", "JetStreamEngine", "JetStreamTokenizer", "PREFILL_LENGTHS",

@@ -314,3 +314,94 @@ def test_abandoned_cancelled_and_unfinished_requests(js):
   r = subprocess.run([sys.executable, "-c", ABANDON], capture_output=True, text=True,
                      timeout=300, env={**os.environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 0 and r.stdout.strip().endswith("OK"), (r.returncode, r.stderr[-3000:])
+
+
+@pytest.mark.jetstream
+def test_a_freed_slot_stops_decoding(js, tok, cfg, params, engine):
+  """JetStream frees a slot on the host only (a request's `max_tokens`, a stop token, a client
+  gone): the slot used to go on decoding for nobody to the cache length, and every later
+  `generate` read the live KV up to it. The freed slot is now inactive, the others unchanged."""
+  rng = np.random.default_rng(3)
+  short, long = rng.integers(3, cfg.vocab_size, 60).tolist(), _token_prompts(cfg)[1]
+  eos = set(engine.engine.ecfg.eos_ids)
+  ref = generate(params, cfg, [long], 40, max_len=MAX_LEN, eos_ids=sorted(eos), slots=8)[0]
+  want = next((ref.tokens[:i] for i, t in enumerate(ref.tokens) if t in eos), ref.tokens)
+  assert len(want) > 20
+
+  class Recorded(js.JetStreamEngine):
+    def generate(self, params, decode_state):
+      st, res = super().generate(params, decode_state)
+      self.calls.append((decode_state.bounds, np.asarray(st.decode.active).tolist()))
+      return st, res
+
+  recorded = Recorded(engine.engine, params, tok)
+  recorded.calls = []
+  driver = js.make_driver(recorded)
+
+  async def run():
+    try:
+      first = js.submit(driver, short, 2)
+      await asyncio.sleep(0)
+      second = js.submit(driver, long, 40)
+      return await asyncio.wait_for(asyncio.gather(js.collect(first), js.collect(second)), 120)
+    finally:
+      driver.stop()
+
+  (a, _), (b, _) = asyncio.run(run())
+  assert len(a) == 2 and b == want
+  slot = next(s for bounds, _ in recorded.calls for s, n in enumerate(bounds) if n == 60)
+  bounds, active = recorded.calls[-1]  # the long request's last call: it still runs
+  assert bounds[slot] == -1 and not active[slot], recorded.calls
+  # Freed after the few results JetStream's detokenize thread lags behind the decoding.
+  assert max(bounds[slot] for bounds, _ in recorded.calls) < 60 + 12, recorded.calls
+
+  # Without threads: a note of a freed slot deactivates it at the next call, unless a request
+  # was inserted into the slot first (the driver frees a slot before it can be reused).
+  prompt = _token_prompts(cfg)[3]
+  pre = recorded.prefill(params=params, padded_tokens=np.array([-1] + prompt),
+                         true_length=1 + len(prompt))
+  state = recorded.insert(pre, recorded.insert(pre, recorded.init_decode_state(), 0), 1)
+  recorded.slot_freed(1)
+  recorded.slot_freed(0)
+  state = recorded.insert(pre, state, 0)
+  state, res = recorded.generate(params, state)
+  assert state.bounds == (len(prompt) + 1, -1)
+  assert np.asarray(res.data)[:, 1].tolist() == [1, 0]  # valid column: slot 1's output dropped
+
+
+EXIT = textwrap.dedent("""
+    import asyncio, socket, time
+    import jax
+    from jaxagent import models
+    from jaxagent.generate import jetstream as js
+    tok = models.load_tokenizer("smollm2-135m-instruct")
+    cfg = models.get_config("tiny-llama", vocab_size=tok.vocab_size)
+    params = models.init_params(cfg, jax.random.key(0), std=0.2)
+    engine = js.JetStreamEngine.create(params, cfg, tok, slots=2, max_len=128)
+    with socket.socket() as sock:
+      sock.bind(("localhost", 0))
+      port = sock.getsockname()[1]
+    server = js.serve(engine, port, threads=2)  # never stopped
+    driver = js.make_driver(engine)  # never stopped, a request still in flight
+    async def first_result():
+      async for _ in js.submit(driver, "Hello", 100).return_channel:
+        return
+    asyncio.run(first_result())
+    print("EXIT", time.time(), flush=True)
+""")
+
+
+@pytest.mark.jetstream
+def test_process_exits_without_stop(js):
+  """JetStream's detokenize thread and its gRPC server's event-loop thread were not daemons: a
+  process that had not stopped its driver or server hung at exit. Now it exits promptly."""
+  import time
+  try:
+    r = subprocess.run([sys.executable, "-c", EXIT], capture_output=True, text=True,
+                       timeout=240, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  except subprocess.TimeoutExpired as e:
+    raise AssertionError(f"the process did not exit: {(e.stdout or b'')[-500:]!r}") from None
+  end = time.time()
+  assert r.returncode == 0 and "EXIT" in r.stdout, (r.returncode, r.stderr[-3000:])
+  took = end - float(r.stdout.split("EXIT")[-1].split()[0])
+  assert took < 30, f"exit took {took:.1f} s"
