@@ -602,11 +602,17 @@ class Trainer:
     sampler = adv_lib.DynamicSampler(t.prompts_per_step, max_rounds=t.max_sampling_rounds,
                                      max_prompts_per_round=t.prompts_per_step * 4) if dyn else None
     kept_trajs, kept_rewards, kept_exs, all_trajs, reward_outs = [], [], [], [], []
+    # Request ids: a block per step with room for every round's prompts, so they are unique
+    # within the step. They must stay below 2**31, so late steps reuse the blocks of early
+    # ones (from step 21845 with 512 prompts x 16 samples the rollout refused them and the run
+    # ended): the sampler seed differs per step (`_rollout_seed`), so the samples still do.
+    per_round = t.prompts_per_step * 4 * G
+    steps_per_cycle = max(1, 2**31 // (t.max_sampling_rounds * per_round))
     rounds = 0
     while True:
       n = sampler.num_prompts_to_sample() if dyn else t.prompts_per_step
       exs = self.prompts.next(n)
-      offset = (step * t.max_sampling_rounds + rounds) * t.prompts_per_step * 4 * G
+      offset = ((step % steps_per_cycle) * t.max_sampling_rounds + rounds) * per_round
       trajs = self.sampler.run(params, exs, num_samples=G,
                                seed=_rollout_seed(self.config.seed, step),
                                request_id_offset=offset)

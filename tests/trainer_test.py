@@ -615,6 +615,31 @@ def test_a_failing_train_and_a_failing_eval_trajectory_are_each_counted_once(ckp
   assert m["eval/pass@1"] == 0.0 and m["eval/num_examples"] == 3
 
 
+def test_late_steps_keep_request_ids_within_int32(ckpt_trainer):
+  """Request ids grew with the step: past 2**31 the rollout refused them and the run ended (at
+  step 21845 with 512 prompts x 16 samples). They now reuse an early step's block."""
+  trainer = ckpt_trainer
+  t = trainer.config.train
+  per_step = t.max_sampling_rounds * t.prompts_per_step * 4 * t.samples_per_prompt
+  late = 2**31 // per_step + 1  # its ids began past 2**31
+  runs = []
+  real = trainer.sampler.run
+
+  def spy(params, exs, **kw):
+    out = real(params, exs, **kw)
+    runs.append([tr.request_id for tr in out])
+    return out
+
+  trainer.sampler.run = spy
+  try:
+    m, _ = trainer._collect(late, trainer._generator_params())
+  finally:
+    del trainer.sampler.run
+  ids = [i for run in runs for i in run]
+  assert m["rollout/num_trajectories"] == len(ids) > 0
+  assert len(set(ids)) == len(ids) and 0 <= min(ids) and max(ids) < 2**31
+
+
 def test_export_refuses_non_finite_params_and_writes_nothing(ckpt_trainer, tmp_path):
   from jaxagent.checkpoint import NonFiniteParamsError
   trainer = ckpt_trainer
