@@ -350,7 +350,9 @@ class JetStreamEngine(engine_api.Engine):
       return [], f"padded_tokens must be a 1-D numeric array, got {arr.dtype}{list(arr.shape)}"
     n = int(true_length)
     if n > arr.shape[0]:  # JetStream truncated a too-long prompt to its last tokens
-      log.warning("prompt of %d tokens was truncated to its last %d", n, arr.shape[0])
+      # A prompt of exactly `max_prefill_length` tokens loses only the no-BOS marker.
+      if n - arr.shape[0] > 1 or self.jetstream_tokenizer.add_bos:
+        log.warning("prompt of %d tokens was truncated to its last %d", n, arr.shape[0])
       n = arr.shape[0]
     arr = arr[:max(n, 0)]
     if arr.size and not np.all(np.isfinite(arr) & (arr == np.round(arr))):

@@ -405,3 +405,16 @@ def test_process_exits_without_stop(js):
   assert r.returncode == 0 and "EXIT" in r.stdout, (r.returncode, r.stderr[-3000:])
   took = end - float(r.stdout.split("EXIT")[-1].split()[0])
   assert took < 30, f"exit took {took:.1f} s"
+
+
+@pytest.mark.jetstream
+def test_full_length_prompt_is_not_reported_truncated(js, cfg, params, engine, caplog):
+  """A prompt of exactly `max_prefill_length` tokens reaches prefill without JetStream's no-BOS
+  marker only (it keeps the last tokens); that was logged as a truncated prompt."""
+  prompt = np.random.default_rng(4).integers(3, cfg.vocab_size, 64).tolist()
+  engine.check_request(prompt, 5)
+  with caplog.at_level(logging.WARNING, logger="jaxagent.generate.jetstream"):
+    pre = engine.prefill(params=params, padded_tokens=np.array(prompt), true_length=65)
+    assert not caplog.records and int(pre.prompt_len) == 64 and bool(pre.ok)
+    engine.prefill(params=params, padded_tokens=np.array(prompt), true_length=70)
+  assert "truncated" in caplog.text  # a prompt that did lose tokens (a driver without checks)
