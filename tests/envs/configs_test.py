@@ -163,3 +163,29 @@ def test_dual_clip_and_max_len_norm_reach_the_loss_from_the_command_line():
   (step_cfg, _), _ = step_lib.learner_parts(holder.value)
   assert step_cfg.loss.dual_clip == 3.0 and step_cfg.loss.max_len_norm == 512.0
   assert holder.value.rollout.max_total_tokens == 100
+
+
+# The CPU variants' warm-start data against their row length, with the real tokenizer: a
+# demonstration longer than train.pack_len is left out of the warm start, and the longest ones
+# are a task's hardest (search_qa's 3-hop questions): such a config would warm-start on a
+# skewed sample without anyone choosing it. (The gpu / qwen variants build larger sets.)
+@pytest.mark.parametrize("name", ("quickstart",) + CONFIGS)
+@pytest.mark.parametrize("variant", ("", "tiny"))
+def test_sft_demonstrations_fit_the_packed_rows(name, variant, smol_tok, tmp_path):
+  from jaxagent.trainer import sft_items
+  cfg = _load(name).get_config(variant)
+  kwargs = dict(cfg.env.kwargs)
+  if name == "search_qa":
+    kwargs["data_dir"] = str(tmp_path)
+  if "train_size" in kwargs:  # the sft split is drawn apart from train's questions
+    kwargs["train_size"] = min(kwargs["train_size"], 200)
+  env = make_env(cfg.env.name, **kwargs)
+  items = sft_items(env, list(env.examples("sft"))[:cfg.sft.num_examples], smol_tok)
+  lengths = sorted(len(it) for it in items)
+  too_long = [n for n in lengths if n > cfg.train.pack_len]
+  assert not too_long, (
+      f"configs/{name}.py:{variant}: {len(too_long)} of {len(items)} SFT demonstrations are "
+      f"longer than train.pack_len={cfg.train.pack_len} (up to {lengths[-1]} tokens) and would "
+      "be left out of the warm start")
+  # A rollout that follows a demonstration's shape must fit the cache too.
+  assert lengths[-1] <= cfg.rollout.max_len, (name, variant, lengths[-1], cfg.rollout.max_len)
