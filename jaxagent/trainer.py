@@ -657,6 +657,8 @@ class Trainer:
                                                   if epochs > 1 else "")):
           self.state, m = self.learner.train_step(self.state, batch)
         metrics.update({f"train/{k}": v for k, v in m.items()})
+      # Logged on every step, so its mean over a run is the fraction of steps skipped.
+      metrics["train/skipped_no_signal"] = 0.0
     else:
       metrics["train/skipped_no_signal"] = 1.0
     metrics["time/update_s"] = time.time() - t1

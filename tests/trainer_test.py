@@ -402,6 +402,8 @@ def test_observation_loss_is_wired_and_unsampled_old_logps_are_scored(tmp_path, 
     m = trainer.rl_step(1)
     assert seen and all(seen), "the trainer did not pass observation_loss=True"
     assert np.isfinite(m["train/loss"])
+    # On every step (was only on skipped ones, so its mean over a run read 1.0).
+    assert m["train/skipped_no_signal"] == 0.0
 
     rng = np.random.default_rng(0)
     toks = rng.integers(1, trainer.cfg.vocab_size, 24)
