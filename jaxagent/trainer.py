@@ -127,7 +127,8 @@ def sft_items(env: Env, examples: Sequence[Example], tokenizer) -> list[packing.
     segs = env.demonstration(ex)
     if segs is None:
       continue
-    traj = demonstration_trajectory(env.render_prompt(ex, tokenizer), segs, tokenizer)
+    traj = demonstration_trajectory(env.render_prompt(ex, tokenizer), segs, tokenizer,
+                                    parser=getattr(env, "parser", None))
     items.append(traj.to_pack_item(0.0))
   if not items:
     raise ValueError(f"task {env.name!r} gave no demonstrations for the SFT warm start; set "

@@ -421,12 +421,17 @@ class Trajectory:
 
 
 def demonstration_trajectory(prompt_ids: Sequence[int], segments: Sequence[tuple[int, str]],
-                             tokenizer, *, request_id: int = -1) -> Trajectory:
+                             tokenizer, *, request_id: int = -1, parser=None) -> Trajectory:
   """A ledger for SFT from a task's worked example (`Env.demonstration`).
 
   `segments` are (role, text) pairs after the prompt, role POLICY or OBSERVATION; each text is
   tokenized on its own (there is no sampler here, so logprobs are 0). Loss masks follow roles as
   in rollouts, so SFT trains only the policy's text.
+
+  With the task's `parser` (`env.parser`), each policy turn is parsed as a rollout would parse
+  it, so the ledger's turns carry their action, call and answer and its counts the tool calls
+  (a call followed by an observation counts as a valid call of that tool). Without it, turns
+  have no action and the counts stay 0; the tokens and masks are the same either way.
   """
   traj = Trajectory(request_id=request_id)
   traj.add_prompt(prompt_ids)
@@ -436,11 +441,29 @@ def demonstration_trajectory(prompt_ids: Sequence[int], segments: Sequence[tuple
       turn = len(traj.turns)
       span = traj.add_policy(ids, [0.0] * len(ids), turn)
       traj.turns.append(Turn(index=turn, policy_span=span, text=text, ended_by="demonstration"))
+      if parser is not None:
+        try:
+          parsed = parser.parse(text)
+        except Exception as e:  # noqa: BLE001 - as in rollouts: an unparsable turn is malformed
+          parsed = ParseResult.malformed(f"the turn could not be parsed ({type(e).__name__})")
+        traj.turns[-1].set_parse(parsed)
     elif role == OBSERVATION:
       if not traj.turns:
         raise ValueError("a demonstration must start with a POLICY segment, not an observation")
-      span = traj.add_observation(ids, traj.turns[-1].index)
-      traj.turns[-1].observation_span, traj.turns[-1].observation_text = span, text
+      last = traj.turns[-1]
+      if last.observation_span is None and last.action is not None:
+        traj.num_tool_calls += 1
+        if last.action == "tool_call" and last.call is not None:
+          traj.valid_tool_calls += 1
+          traj.tool_calls[last.call.name] = traj.tool_calls.get(last.call.name, 0) + 1
+        else:
+          traj.tool_errors += 1
+          traj.malformed_calls += last.action == "malformed"
+      span = traj.add_observation(ids, last.index)
+      if last.observation_span is not None:  # consecutive observation segments: one span
+        span = (last.observation_span[0], span[1])
+        text = (last.observation_text or "") + text
+      last.observation_span, last.observation_text = span, text
     else:
       raise ValueError(f"demonstration segments must be POLICY or OBSERVATION, got role {role!r}")
   return traj

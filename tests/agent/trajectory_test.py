@@ -150,3 +150,30 @@ def test_demonstration_trajectory_for_sft():
   assert env.demonstration(Example("x", "no expression", gold="1")) is None
   with pytest.raises(ValueError, match="must start with a POLICY"):
     demonstration_trajectory([1], [(OBSERVATION, "x")], TOK)
+
+
+def test_demonstration_with_the_parser_records_its_tool_call():
+  env = CalculatorEnv()
+  ex = Example("d", "What is 6*7?", gold="42", metadata={"expression": "6*7"})
+  plain = demonstration_trajectory(env.render_prompt(ex, TOK), env.demonstration(ex), TOK)
+  t = demonstration_trajectory(env.render_prompt(ex, TOK), env.demonstration(ex), TOK,
+                               parser=env.parser)
+  assert t.token_ids == plain.token_ids and np.array_equal(t.loss_mask(), plain.loss_mask())
+  assert plain.num_tool_calls == 0 and plain.turns[0].action is None
+  assert [turn.action for turn in t.turns] == ["tool_call", "answer"]
+  assert t.turns[0].call.name == "calculator" and t.turns[1].answer == "42"
+  assert (t.num_tool_calls, t.valid_tool_calls, t.tool_calls) == (1, 1, {"calculator": 1})
+  assert "tool_calls=1" in t.render(TOK) and "-> tool_call calculator" in t.render(TOK)
+  # Consecutive observation segments make one observation span, counted as one call.
+  two = demonstration_trajectory([1], [(POLICY, "<calc>1+1</calc>"), (OBSERVATION, "<result>"),
+                                       (OBSERVATION, "2</result>")], TOK, parser=env.parser)
+  (a, b), = [two.turns[0].observation_span]
+  assert (a, b) == (1 + len(TOK.encode("<calc>1+1</calc>")), len(two))
+  assert two.turns[0].observation_text == "<result>2</result>" and two.num_tool_calls == 1
+
+  class Raises:
+    def parse(self, text):
+      raise RuntimeError("boom")
+
+  bad = demonstration_trajectory([1], [(POLICY, "x"), (OBSERVATION, "y")], TOK, parser=Raises())
+  assert bad.turns[0].action == "malformed" and (bad.num_tool_calls, bad.tool_errors) == (1, 1)
