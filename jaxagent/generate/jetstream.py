@@ -283,9 +283,11 @@ class JetStreamEngine(engine_api.Engine):
     self._jit_insert_meta = jax.jit(_insert_meta, donate_argnums=(0, 1, 2))
     self._jit_pack = jax.jit(_pack, donate_argnums=(2, 3, 4))
     self._jit_release = jax.jit(_release, donate_argnums=(0, 1))
-    # Slots whose requests JetStream has ended (`CheckedDriver` reports them from its
-    # detokenize thread, `slot_freed`); the next `generate` deactivates them.
-    self._freed: set[int] = set()
+    # Slots whose requests JetStream has ended (`slot_freed`), per thread that runs the decode
+    # state holding them (JetStream's generate thread; drivers sharing this engine each have
+    # their own); that thread's next `generate` deactivates them.
+    self._freed: weakref.WeakKeyDictionary[threading.Thread, set[int]] = (
+        weakref.WeakKeyDictionary())
     self._freed_lock = threading.Lock()
 
   @classmethod
@@ -386,7 +388,7 @@ class JetStreamEngine(engine_api.Engine):
   def insert(self, prefix: ServingPrefix, decode_state: ServingState, slot: int) -> ServingState:
     """Place a prefilled request into `slot`."""
     with self._freed_lock:  # the slot's previous request was freed before it could be reused
-      self._freed.discard(int(slot))
+      self._freed.get(threading.current_thread(), set()).discard(int(slot))
     st = decode_state
     decode = self.engine.insert(prefix.prefix, st.decode, slot)
     pending, unsent, emitted = self._jit_insert_meta(
@@ -398,24 +400,25 @@ class JetStreamEngine(engine_api.Engine):
     return ServingState(decode, pending, unsent, emitted, tuple(bounds))
 
   # ------------------------------------------------------------------ decode
-  def slot_freed(self, slot: int) -> None:
+  def slot_freed(self, slot: int, thread: threading.Thread | None = None) -> None:
     """Note that JetStream ended the request in `slot` and handed the slot back (thread-safe).
 
     JetStream's engine contract has no such call: its detokenize thread ends a request (its
     `max_tokens`, a stop token, a cancelled client) on the host only. Without this the slot
     went on decoding for nobody up to the cache length, and the live-KV bound of every
-    `generate` call counted it. `CheckedDriver` calls this; the next `generate` deactivates
-    the slot unless a new request was inserted into it first.
+    `generate` call counted it. `CheckedDriver` calls this; the next `generate` call made by
+    `thread` (the one that runs the decode state holding the slot; default: the caller)
+    deactivates the slot unless that thread inserted a new request into it first.
     """
     with self._freed_lock:
-      self._freed.add(int(slot))
+      self._freed.setdefault(thread or threading.current_thread(), set()).add(int(slot))
 
   def init_decode_state(self, *args, **kwargs) -> ServingState:
     """All slots empty."""
     if args or kwargs:
       raise TypeError("init_decode_state takes no arguments")
     with self._freed_lock:
-      self._freed.clear()
+      self._freed.pop(threading.current_thread(), None)
     s = self.engine.ecfg.slots
     zi = jnp.zeros((s,), jnp.int32)
     return ServingState(self.engine.init_decode_state(), zi, jnp.zeros((s,), bool), zi + 0,
@@ -425,7 +428,7 @@ class JetStreamEngine(engine_api.Engine):
     """`decode_steps` steps for every active slot; returns (state, `ResultTokens`)."""
     st, k = decode_state, self._steps
     with self._freed_lock:
-      freed, self._freed = self._freed, set()
+      freed = self._freed.pop(threading.current_thread(), set())
     freed = [s for s in freed if st.bounds[s] >= 0]  # -1: not active anyway
     if freed:
       mask = np.zeros((len(st.bounds),), bool)
@@ -569,15 +572,19 @@ class _FreeSlots(queue.Queue):
   """A generate engine's queue of free slots that tells the engine when a slot comes back.
 
   The engine is told before the slot can be taken again, so a later `insert` into the slot
-  (which clears the note) always follows it.
+  (which clears the note) always follows it. The note is for the driver's generate thread
+  `idx`, which runs the decode state holding the slot.
   """
 
-  def __init__(self, maxsize: int, engine: JetStreamEngine):
+  def __init__(self, maxsize: int, engine: JetStreamEngine, driver, idx: int):
     super().__init__(maxsize)
-    self._engine = engine
+    self._engine, self._driver, self._idx = engine, weakref.ref(driver), idx
 
   def _put(self, slot) -> None:
-    self._engine.slot_freed(slot)
+    driver = self._driver()
+    threads = None if driver is None else driver.__dict__.get("_generate_threads")
+    if threads:  # none yet while the Driver fills the queue: nothing runs, nothing to free
+      self._engine.slot_freed(slot, threads[self._idx])
     super()._put(slot)
 
 
@@ -622,11 +629,9 @@ class CheckedDriver(orchestrator.Driver):
 
   @_generate_slots.setter
   def _generate_slots(self, queues: list[queue.Queue]) -> None:
-    engines = self._generate_engines
-    # One note set per engine: an engine serving two decode states could not tell them apart.
     self.__dict__["_free_slot_queues"] = [
-        _FreeSlots(q.maxsize, e) if isinstance(e, JetStreamEngine) and engines.count(e) == 1
-        else q for q, e in zip(queues, engines)]
+        _FreeSlots(q.maxsize, e, self, i) if isinstance(e, JetStreamEngine) else q
+        for i, (q, e) in enumerate(zip(queues, self._generate_engines))]
 
   @property
   def detokenize_threads(self) -> list[threading.Thread]:

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import textwrap
+import threading
 
 import jax
 import numpy as np
@@ -355,6 +356,22 @@ def test_a_freed_slot_stops_decoding(js, tok, cfg, params, engine):
   # Freed after the few results JetStream's detokenize thread lags behind the decoding.
   assert max(bounds[slot] for bounds, _ in recorded.calls) < 60 + 12, recorded.calls
 
+  # Two drivers on one engine: slots that one frees are not the other's (same indices).
+  shared = js.JetStreamEngine(engine.engine, params, tok)
+  one, two = js.make_driver(shared), js.make_driver(shared)
+
+  async def run_both():
+    try:
+      second = js.submit(two, long, 40)
+      firsts = [js.submit(one, p, 1) for p in _token_prompts(cfg)]
+      return await asyncio.wait_for(
+          asyncio.gather(js.collect(second), *(js.collect(r) for r in firsts)), 120)
+    finally:
+      one.stop()
+      two.stop()
+
+  assert asyncio.run(run_both())[0][0] == want
+
   # Without threads: a note of a freed slot deactivates it at the next call, unless a request
   # was inserted into the slot first (the driver frees a slot before it can be reused).
   prompt = _token_prompts(cfg)[3]
@@ -363,6 +380,7 @@ def test_a_freed_slot_stops_decoding(js, tok, cfg, params, engine):
   state = recorded.insert(pre, recorded.insert(pre, recorded.init_decode_state(), 0), 1)
   recorded.slot_freed(1)
   recorded.slot_freed(0)
+  recorded.slot_freed(0, thread=threading.Thread())  # another decode state's slot 0
   state = recorded.insert(pre, state, 0)
   state, res = recorded.generate(params, state)
   assert state.bounds == (len(prompt) + 1, -1)
