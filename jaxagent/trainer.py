@@ -218,6 +218,12 @@ def _rollout_seed(seed: int, step: int) -> int:
   return (seed * 1_000_003 + step) % 2**32
 
 
+@dataclasses.dataclass(frozen=True)
+class _LeadError:
+  """What `Trainer._on_lead` broadcasts in place of a result when process 0's call raised."""
+  message: str
+
+
 def _broadcast_from_lead(obj):
   """Process 0's `obj` (any picklable value) on every process; the identity on one process."""
   if jax.process_count() == 1:
@@ -591,10 +597,25 @@ class Trainer:
 
   @staticmethod
   def _on_lead(fn, *args):
-    """`fn(*args)` run on process 0 and its result broadcast (plain call on one process)."""
+    """`fn(*args)` run on process 0 and its result broadcast (plain call on one process).
+
+    When `fn` raises on process 0, the error is broadcast in place of the result, so every
+    process raises (process 0 its own exception, the others a RuntimeError naming it) instead
+    of the others waiting in the broadcast until the coordinator times out.
+    """
     if jax.process_count() == 1:
       return fn(*args)
-    return _broadcast_from_lead(fn(*args) if jax.process_index() == 0 else None)
+    if jax.process_index() == 0:
+      try:
+        result = fn(*args)
+      except BaseException as e:
+        _broadcast_from_lead(_LeadError(f"{type(e).__name__}: {e}"))
+        raise
+      return _broadcast_from_lead(result)
+    result = _broadcast_from_lead(None)
+    if isinstance(result, _LeadError):
+      raise RuntimeError(f"process 0 failed in {getattr(fn, '__name__', fn)!s}: {result.message}")
+    return result
 
   def _rollout_groups(self, step: int, params):
     """Rollouts + rewards + advantages for one step, with DAPO dynamic sampling if enabled."""

@@ -666,3 +666,27 @@ def test_save_checkpoint_before_run_is_refused_and_leaves_the_workdir_resumable(
   trainer.ckpt.wait()
   assert trainer.ckpt.steps() == []
   assert trainer.restore() is None  # a fresh start, not an error
+
+
+def test_an_error_on_the_lead_process_reaches_every_process(monkeypatch):
+  from jaxagent import trainer as trainer_lib
+  sent = []
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+
+  def boom():
+    raise ValueError("bad example 7")
+
+  # Process 0: its own exception, after broadcasting it in place of a result.
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+  monkeypatch.setattr(trainer_lib, "_broadcast_from_lead", lambda obj: sent.append(obj) or obj)
+  with pytest.raises(ValueError, match="bad example 7"):
+    Trainer._on_lead(boom)
+  assert sent == [trainer_lib._LeadError("ValueError: bad example 7")]
+  assert Trainer._on_lead(lambda x: x + 1, 1) == 2 and sent[-1] == 2
+  # Another process: a RuntimeError naming the failure instead of waiting for a result.
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  monkeypatch.setattr(trainer_lib, "_broadcast_from_lead", lambda obj: sent[0])
+  with pytest.raises(RuntimeError, match="process 0 failed in boom: ValueError: bad example 7"):
+    Trainer._on_lead(boom)
+  monkeypatch.setattr(trainer_lib, "_broadcast_from_lead", lambda obj: {"ok": 1})
+  assert Trainer._on_lead(boom) == {"ok": 1}  # not called off the lead
