@@ -4,7 +4,7 @@ Run (the README's main job; no flags runs this file):
   python -m jaxagent.launch
   python -m jaxagent.launch --config=configs/quickstart.py:tiny   # seconds; a random tiny model
 
-Expected (2-core CPU, about 15 minutes): held-out pass@1 ~0 before training (the model never
+Expected (2-core CPU, 11 to 14 minutes): held-out pass@1 ~0 before training (the model never
 writes an <answer> tag); after the SFT warm start, the easy problems it answers from memory
 (the demonstrations answer easy problems directly and use the calculator only on hard ones);
 after GRPO, which learns to call the calculator on every problem, close to 1. The SFT set is
