@@ -618,6 +618,7 @@ class CheckedDriver(orchestrator.Driver):
 
   def __init__(self, *args, **kwargs):
     self._channels: list[_ReturnChannel] = []
+    self._channels_lock = threading.Lock()  # requests may be placed from several threads
     super().__init__(*args, **kwargs)
     _RUNNING.add(self)
 
@@ -653,14 +654,16 @@ class CheckedDriver(orchestrator.Driver):
       decoder = engines[0].tokenizer.stream_decoder()
     channel = _ReturnChannel(request, request.return_channel, decoder)
     request.return_channel = channel
-    self._channels = [c for c in self._channels if not c.finished] + [channel]
+    with self._channels_lock:
+      self._channels = [c for c in self._channels if not c.finished] + [channel]
     super().place_request_on_prefill_queue(request)
 
   def stop(self) -> None:
     """Stop and join the threads; requests in flight end with RuntimeError."""
     _RUNNING.discard(self)
     super().stop()
-    channels, self._channels = self._channels, []
+    with self._channels_lock:
+      channels, self._channels = self._channels, []
     for channel in channels:
       channel.abort("the JetStream driver stopped before this request finished")
 
