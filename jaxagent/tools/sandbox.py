@@ -19,7 +19,9 @@ its value printed. Before any user code runs, the child applies, in order:
      including to 127.0.0.1 on the host;
    * a mount namespace in which every mount is remounted read-only, nosuid, nodev, except the
      temporary directory and bind-mounted /dev/{null,zero,full,random,urandom}: writes anywhere
-     else fail with EROFS at the kernel level;
+     else fail with EROFS at the kernel level; `deny_read_paths` are covered by an empty
+     read-only tmpfs (a directory) or /dev/null (a file), so not even a dir_fd-relative open,
+     which the audit hook cannot follow, reads them;
    * a PID namespace whose init is the user code's process, with the parent-death signal set:
      host PIDs cannot be named (so the parent cannot be signalled) and killing the sandbox kills
      every process it started, even ones that called setsid();
@@ -111,7 +113,8 @@ class SandboxConfig:
       python: interpreter to run (its site-packages are importable by the code).
       extra_read_paths: further host paths the code may read.
       deny_read_paths: host paths the code may not read even where it could otherwise (e.g. a
-        task's answer key inside an installed package); enforced by the audit hook.
+        task's answer key inside an installed package); enforced by the audit hook, and hidden
+        by the kernel where the mount namespace is available (`deny_read_hidden`).
       extra_env: further environment variables for the interpreter.
     """
 

@@ -40,6 +40,8 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
     facts = {"user_namespace": False, "net_namespace": False, "mount_namespace": False,
              "pid_namespace": False, "readonly_host_fs": False, "capabilities_dropped": False,
              "no_new_privs": False, "audit_hook": bool(cfg["audit_hook"])}
+    deny_paths = [p for p in cfg.get("deny_read_paths", ()) if p]
+    facts["deny_read_hidden"] = not deny_paths  # set below once they are hidden from the kernel
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
     in_ns = cfg["namespaces"] != "off" and (os.geteuid() == 0 or cfg["namespaces"] == "user")
     if cfg["namespaces"] == "user" or (cfg["namespaces"] == "auto" and os.geteuid() != 0):
@@ -63,8 +65,8 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
     if facts["mount_namespace"]:
         rdonly, nosuid, nodev, remount, bind, private = 1, 2, 4, 32, 4096, 1 << 18
 
-        def mount(source, target, flags):
-            check(libc.mount(source and source.encode(), target.encode(), None, flags, None))
+        def mount(source, target, flags, fstype=None, data=None):
+            check(libc.mount(source and source.encode(), target.encode(), fstype, flags, data))
 
         def kept_flags(path):  # flags a remount must keep (locked ones inside a user namespace)
             try:
@@ -95,6 +97,20 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
                 except OSError:
                     failures += 1
             facts["readonly_host_fs"] = failures == 0
+            # Denied paths are hidden by the kernel too (an empty read-only tmpfs over a directory,
+            # /dev/null over a file): the audit hook cannot see the directory of a dir_fd-relative
+            # open, so it alone would let os.open(name, dir_fd=...) read them.
+            hidden = 0
+            for path in deny_paths:
+                try:
+                    if os.path.isdir(path):
+                        mount("none", path, rdonly | nosuid | nodev | 8, b"tmpfs", b"size=4k,mode=0555")
+                    elif os.path.lexists(path):
+                        mount("/dev/null", path, bind)
+                    hidden += 1
+                except OSError:
+                    pass
+            facts["deny_read_hidden"] = hidden == len(deny_paths)
         except OSError:
             pass
     if facts["pid_namespace"]:

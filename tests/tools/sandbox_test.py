@@ -165,6 +165,23 @@ def test_reading_host_files_outside_allowed_paths_is_refused(tmp_path):
     assert not result.ok and "42" not in result.output
 
 
+def test_denied_paths_are_hidden_from_dir_fd_relative_opens(isolation, tmp_path):
+    # The audit hook sees a dir_fd-relative open as a path relative to the working directory, so
+    # only the kernel layer keeps the answer key out of reach.
+    kernel_only(isolation, "mount_namespace")
+    (tmp_path / "key").mkdir()
+    (tmp_path / "key" / "answer_key.py").write_text("ANSWER = 42")
+    (tmp_path / "single.txt").write_text("ANSWER = 43")
+    config = dataclasses.replace(FULL, extra_read_paths=(str(tmp_path),),
+                                 deny_read_paths=(str(tmp_path / "key"), str(tmp_path / "single.txt")))
+    for name in ("key/answer_key.py", "single.txt"):
+        code = (f"import os\nfd = os.open({str(tmp_path)!r}, os.O_RDONLY)\n"
+                f"print(os.read(os.open({name!r}, os.O_RDONLY, dir_fd=fd), 100))")
+        result, _ = run(code, config)
+        assert "ANSWER" not in result.output, (name, result.output)
+    assert sandbox_isolation(config)["deny_read_hidden"] is True
+
+
 def test_code_size_limit_and_type():
     tiny = SandboxConfig(max_code_bytes=10)
     result = run_python("print('this is too long')", config=tiny)
