@@ -153,6 +153,9 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
     sys.dont_write_bytecode = True
     for stream in (sys.stdout, sys.stderr):
         stream.reconfigure(line_buffering=True, errors="backslashreplace")
+    # The output pipes, to tell whether fd 1 or 2 still is one: code that points them elsewhere
+    # (os.dup2 of /dev/null or a file) gets no end marker there, which the host would wait for.
+    pipes = {fd: (os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2)}
 
     read_roots = {tmp, os.path.realpath("/proc/self"), "/usr/share", *devices}
     read_roots |= {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
@@ -280,8 +283,10 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
                 pass
             try:
                 stream.flush()
-                os.write(fd, marker)
-                written.append(fd)
+                st = os.fstat(fd)
+                if (st.st_dev, st.st_ino) == pipes[fd]:
+                    os.write(fd, marker)
+                    written.append(fd)
             except BaseException:  # noqa: BLE001
                 pass
         send({"type": "result", "ok": ok, "error": error, "markers": written})

@@ -404,6 +404,22 @@ def test_code_that_closes_every_pipe_is_told_so():
     assert result.error == "The program closed its output and control pipes, so the sandbox stopped it."
 
 
+@MODES
+def test_code_that_points_stdout_elsewhere_is_not_timed_out(config):
+    """os.dup2 of /dev/null (or a file) over fd 1 and 2 would swallow the end-of-call markers:
+    the call returns when it ends, not at the timeout, and a session keeps its state."""
+    with PythonSession(config) as session:
+        start = time.monotonic()
+        result = session.run("import os\nx = 7\nprint('before', flush=True)\n"
+                             "null = os.open('/dev/null', os.O_WRONLY)\nos.dup2(null, 1)\nos.dup2(null, 2)\n"
+                             "print('hidden')")
+        assert result.ok and not result.timed_out, result.error
+        assert result.output == "before\n" and time.monotonic() - start < TIMEOUT
+        reopened = session.run("f = os.open('out.txt', os.O_WRONLY | os.O_CREAT)\nos.dup2(f, 1)\nx")
+        assert reopened.ok and session.restarts == 0
+        assert session.run("print(open('out.txt').read())").ok
+
+
 # --------------------------------------------------------------------------- sessions and the tool
 
 def test_session_keeps_state_across_calls():
