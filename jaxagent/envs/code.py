@@ -329,10 +329,20 @@ def _answer_key_paths() -> tuple[str, ...]:
   return tuple(spec.submodule_search_locations or ()) if spec is not None else ()
 
 
+def _check_limits(timeout_s: float, per_test_s: float, memory_mb: int, where: str) -> None:
+  """Refuses limits under which every solution would fail (per_test_s=0 scored the reference
+  solutions 0 without a word) or the sandbox could not start."""
+  for field, value in (("timeout_s", timeout_s), ("per_test_s", per_test_s)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+      raise ValueError(f"{where}.{field} must be a positive finite number of seconds, got {value!r}")
+  SandboxConfig(timeout_s=timeout_s, memory_mb=memory_mb)  # its own checks, e.g. an int memory_mb
+
+
 def run_tests(program: str, entry_point: str, plan: TestPlan, *, timeout_s: float = 8.0,
               per_test_s: float = 2.0, memory_mb: int = 1024) -> TestRun:
   """Runs `plan` against `program`: the solution in a sandboxed interpreter, the tests here
   (see the module docstring)."""
+  _check_limits(timeout_s, per_test_s, memory_mb, "run_tests")
   total = plan.num_tests
   try:
     compile(program, "<solution>", "exec")
@@ -433,6 +443,7 @@ class CodeEnv(Env):
                          ("max_prompt_chars", max_prompt_chars)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"CodeEnv.{field} must be an int >= 0, got {value!r}")
+    _check_limits(timeout_s, per_test_s, memory_mb, "CodeEnv")
     problems = sorted(read_problems().values(), key=lambda p: int(p["task_id"].split("/")[1]))
     if max_prompt_chars:
       problems = [p for p in problems if len(p["prompt"]) <= max_prompt_chars]

@@ -137,11 +137,22 @@ class SandboxConfig:
     extra_env: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self):
+        # The limits travel to the interpreter as JSON and become rlimits there: a float (1e3 from
+        # a config override) or an infinite time would fail every call at interpreter start.
+        for name in ("memory_mb", "max_output_bytes", "max_processes", "max_file_mb", "max_open_files",
+                     "max_code_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"SandboxConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
         for name in ("timeout_s", "session_cpu_s", "startup_timeout_s"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"SandboxConfig.{name} must be positive, got {getattr(self, name)}")
-        if self.cpu_time_s is not None and not self.cpu_time_s > 0:
-            raise ValueError(f"SandboxConfig.cpu_time_s must be positive or None, got {self.cpu_time_s}")
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise ValueError(f"SandboxConfig.{name} must be a positive finite number of seconds, got {value!r}")
+        if self.cpu_time_s is not None and (isinstance(self.cpu_time_s, bool)
+                                            or not isinstance(self.cpu_time_s, (int, float))
+                                            or not 0 < self.cpu_time_s < math.inf):
+            raise ValueError(f"SandboxConfig.cpu_time_s must be a positive finite number of seconds or None, "
+                             f"got {self.cpu_time_s!r}")
         if self.memory_mb < 128:
             raise ValueError(f"SandboxConfig.memory_mb must be >= 128 (the interpreter itself needs it), "
                              f"got {self.memory_mb}")

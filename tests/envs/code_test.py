@@ -273,6 +273,17 @@ def test_sft_size_beyond_the_train_problems_is_refused():
     CodeEnv(eval_size="5")
 
 
+def test_limits_under_which_nothing_can_pass_are_refused():
+  """per_test_s=0 scored every solution, the reference ones too, 0 without an error."""
+  with pytest.raises(ValueError, match=r"CodeEnv.per_test_s must be a positive finite number of "
+                     r"seconds, got 0"):
+    CodeEnv(eval_size=2, sft_size=2, per_test_s=0)
+  with pytest.raises(ValueError, match=r"run_tests.timeout_s must be a positive finite"):
+    run_tests("def f():\n  return 1\n", "f", plan_tests(CHECK), timeout_s=float("inf"))
+  with pytest.raises(TypeError, match=r"memory_mb must be an int, got 1000.0"):
+    CodeEnv(eval_size=2, sft_size=2, memory_mb=1e3)
+
+
 def test_parser_stops_at_code(env):
   assert env.parser.stop_strings() == ["</code>"]
   assert env.parser.parse("<code>\ndef f():\n    pass\n</code>").kind == "answer"

@@ -182,6 +182,18 @@ def test_denied_paths_are_hidden_from_dir_fd_relative_opens(isolation, tmp_path)
     assert sandbox_isolation(config)["deny_read_hidden"] is True
 
 
+def test_config_refuses_limits_the_interpreter_cannot_apply():
+    # Each of these passed validation and then failed every call (or raised out of run_python).
+    with pytest.raises(TypeError, match=r"SandboxConfig.memory_mb must be an int, got 512.0"):
+        SandboxConfig(memory_mb=512.0)
+    with pytest.raises(TypeError, match="SandboxConfig.max_file_mb must be an int"):
+        SandboxConfig(max_file_mb=1.5)
+    for field in ("timeout_s", "cpu_time_s", "session_cpu_s"):
+        with pytest.raises(ValueError, match=f"SandboxConfig.{field} must be a positive finite number"):
+            SandboxConfig(**{field: float("inf")})
+    assert SandboxConfig(timeout_s=1, cpu_time_s=0.5, memory_mb=256).call_cpu_s == 0.5
+
+
 def test_code_size_limit_and_type():
     tiny = SandboxConfig(max_code_bytes=10)
     result = run_python("print('this is too long')", config=tiny)
