@@ -343,6 +343,7 @@ class _SandboxProcess:
         self.isolation: dict[str, bool] = {}
         self.tmpdir = tempfile.mkdtemp(prefix="jaxagent-sandbox-")
         self._closed = False
+        self._paused = False
         self._ctrl_buf = bytearray()
         self._tree: list[psutil.Process] = []
         self._tree_refresh = 0.0
@@ -388,8 +389,30 @@ class _SandboxProcess:
     def alive(self) -> bool:
         return not self._closed
 
+    def pause(self) -> None:
+        """Freezes the interpreter's processes (SIGSTOP) until the next `run` or `close`.
+
+        A session sits idle while the policy writes its next turn; a thread or process the code
+        left running would otherwise burn a core all that time, outside any call's limits.
+        """
+        if not self._closed and not self._paused:
+            self._paused = self._signal_group(signal.SIGSTOP)
+
+    def _resume(self) -> None:
+        if self._paused:
+            self._paused = False
+            self._signal_group(signal.SIGCONT)
+
+    def _signal_group(self, sig: int) -> bool:
+        try:  # the leader is not reaped until `close`, so its group id cannot have been reused
+            os.killpg(self.proc.pid, sig)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
     def run(self, code: str, timeout_s: float, cpu_s: float) -> ToolResult:
         """Runs one cell. If the result says the process was stopped, `alive` is now False."""
+        self._resume()
         start = time.monotonic()
         marker = f"\0\x1e{secrets.token_hex(16)}\x1e\0"
         try:
@@ -558,6 +581,7 @@ class _SandboxProcess:
         """
         if self._closed:
             return self.proc.returncode
+        self._resume()  # a stopped interpreter could neither exit gracefully nor reap its init
         self._closed = True
         _LIVE.discard(self)
         pid = self.proc.pid
@@ -658,7 +682,9 @@ class PythonSession:
 
     Each call has the limits of `config`. A call that times out, overruns a limit or crashes the
     interpreter kills it; its error says that the state was lost, and the next call starts a fresh
-    interpreter. Thread-safe (calls are serialised). Use `close()` or a `with` block.
+    interpreter. Between calls the interpreter is stopped (SIGSTOP): threads the code left
+    running resume with the next call. Thread-safe (calls are serialised). Use `close()` or a
+    `with` block.
     """
 
     def __init__(self, config: SandboxConfig | None = None, *, timeout_s: float | None = None,
@@ -691,6 +717,8 @@ class PythonSession:
                 self._proc = None
                 self.restarts += 1
                 result = dataclasses.replace(result, error=(result.error or "") + _RESTART_NOTE)
+            else:  # threads the code left running wait for the next call
+                self._proc.pause()
             return result
 
     @property

@@ -463,6 +463,26 @@ def test_session_restarts_after_crash_and_timeout():
     assert session.run("1").error == "the Python session is closed"
 
 
+def test_threads_left_running_by_a_session_call_wait_for_the_next_call():
+    """A session idles while the policy writes its next turn; a spinning thread the code left
+    behind burned a core all that time (outside every call's limits)."""
+    def tree_cpu(pid):
+        procs = [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]
+        return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+    with PythonSession(FULL) as session:
+        assert session.run("import threading, time\nn = 0\ndef spin():\n    global n\n    while True:\n"
+                           "        n += 1\nthreading.Thread(target=spin, daemon=True).start()").ok
+        pid = session.pids[0]
+        before = tree_cpu(pid)
+        time.sleep(0.5)
+        assert tree_cpu(pid) - before < 0.1
+        result = session.run("a = n\ntime.sleep(0.2)\nprint(n > a)")  # it runs again during a call
+        assert result.output == "True\n" and session.restarts == 0
+        start = time.monotonic()
+    assert time.monotonic() - start < 0.5 and sandbox_processes() == []  # closes at once, paused or not
+
+
 def test_session_close_leaves_no_process():
     session = PythonSession(FULL)
     session.run("import time")
