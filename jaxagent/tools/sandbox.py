@@ -245,7 +245,7 @@ class _Stream:
         if at >= 0:
             del self.data[at:]
             self.marker_seen = True
-        elif len(self.data) > self.cap:
+        if len(self.data) > self.cap:  # also when the marker came in the same read: same program, same result
             del self.data[self.cap:]
             self.overflow = True
 

@@ -18,6 +18,7 @@ from jaxagent.tools.sandbox import (
     PythonSession,
     PythonTool,
     SandboxConfig,
+    _Stream,
     run_python,
     sandbox_isolation,
 )
@@ -192,6 +193,18 @@ def test_config_refuses_limits_the_interpreter_cannot_apply():
         with pytest.raises(ValueError, match=f"SandboxConfig.{field} must be a positive finite number"):
             SandboxConfig(**{field: float("inf")})
     assert SandboxConfig(timeout_s=1, cpu_time_s=0.5, memory_mb=256).call_cpu_s == 0.5
+
+
+def test_output_cap_holds_when_the_end_marker_arrives_in_the_same_read():
+    # Whether output past the cap and the marker came in one read was a race: the same program
+    # got ok=True with up to 64 KiB past the cap, or was stopped for its output.
+    stream = _Stream(10, b"<end>")
+    stream.feed(b"z" * 30 + b"<end>")
+    assert stream.overflow and stream.text() == "z" * 10
+    result, _ = run("import sys\nsys.stdout.write('z' * 50000)", FULL)
+    assert run("import sys\nsys.stdout.write('z' * 50000)",
+               dataclasses.replace(FULL, max_output_bytes=10_000))[0].truncated
+    assert result.ok and result.output == "z" * 50000 + "50000\n"  # under the default cap
 
 
 def test_code_size_limit_and_type():
