@@ -195,19 +195,37 @@ def shardings(tree, mesh: Mesh, rules=RULES):
   """A sharding tree matching `tree` (boxed params, optimizer state, or abstract versions).
 
   Boxed leaves are sharded by their logical names; other leaves are replicated. A dim
-  whose size does not divide its mesh axes is replicated, with a warning (once per process).
+  whose size does not divide its mesh axes is replicated, with a warning (once per process);
+  so is a boxed array whose rank differs from its names' count (an optimizer's factored
+  statistics in their param's box).
   """
   found: dict = {}
+  other_rank: list = []
 
   def one(path, x):
     if _is_box(x):
-      spec, fallbacks = _spec_and_fallbacks(x.names, np.shape(x.value), mesh, rules)
+      name = jax.tree_util.keystr(path, simple=True, separator="/")
+      shape = np.shape(x.value)
+      if len(x.names) != len(shape):
+        # Names of another array: an optimizer statistic kept in its param's box with fewer
+        # dims (optax.adafactor's factored second moments). Which dim they lost is the
+        # optimizer's business, so they are replicated (they are small).
+        other_rank.append(f"{name} {tuple(shape)} named {tuple(x.names)}")
+        return x.replace_boxed(NamedSharding(mesh, P()))
+      spec, fallbacks = _spec_and_fallbacks(x.names, shape, mesh, rules)
       for f in fallbacks:
-        found.setdefault(f, []).append(jax.tree_util.keystr(path, simple=True, separator="/"))
+        found.setdefault(f, []).append(name)
       return x.replace_boxed(NamedSharding(mesh, spec))
     return NamedSharding(mesh, P())
   out = jax.tree_util.tree_map_with_path(one, tree, is_leaf=_is_box)
   _log_fallbacks(found)
+  key = ("rank", len(other_rank), tuple(other_rank[:1]))
+  if other_rank and mesh.size > 1 and key not in _LOGGED_FALLBACKS:
+    _LOGGED_FALLBACKS.add(key)
+    more = f" and {len(other_rank) - 3} more" if len(other_rank) > 3 else ""
+    log.warning("sharding: %d arrays carry logical axis names of a different rank than their "
+                "own (%s%s): they are replicated", len(other_rank), "; ".join(other_rank[:3]),
+                more)
   return out
 
 

@@ -132,3 +132,26 @@ def test_engine_warns_when_kv_heads_do_not_divide_the_tensor_devices(caplog):
     eng = Engine(cfg, EngineConfig(slots=8, max_len=32), mesh=sharding.make_mesh(1, 2, 4))
   assert "2 KV heads do not divide the mesh's tensor=4 devices" in caplog.text
   assert eng.abstract_decode_state().k.sharding.spec == P(None, "fsdp", None, None, None)
+
+
+def test_optimizer_statistics_of_another_rank_are_replicated(caplog, monkeypatch):
+  """optax.adafactor keeps its factored second moments (a param's shape less one dim) in the
+  param's box: names of another rank. They are replicated (with a warning) instead of
+  failing the Learner's init with an IndexError (or a spec longer than the array)."""
+  import optax
+  from jaxagent.rl import step as step_lib
+  monkeypatch.setattr(sharding, "_LOGGED_FALLBACKS", set())
+  # d_model and ffn_dim of at least 128: adafactor factors the MLP weights.
+  cfg = models.get_config("tiny-llama", d_model=128, ffn_dim=256)
+  abstract = jax.eval_shape(lambda k: models.init_params(cfg, k), jax.random.key(0))
+  opt = optax.adafactor(1e-3)
+  mesh = sharding.make_mesh(2, 2, 2)
+  with caplog.at_level("WARNING", logger="jaxagent.sharding"):
+    state = sharding.shardings(jax.eval_shape(opt.init, abstract), mesh)
+  v_row = models.unbox(jax.eval_shape(opt.init, abstract))[0].v_row["layers"]["w_gate"]
+  assert v_row.ndim == 2  # [layers, ...] of a [layers, embed, mlp] param
+  assert models.unbox(state)[0].v_row["layers"]["w_gate"].spec == P()
+  assert "carry logical axis names of a different rank" in caplog.text
+  learner = step_lib.Learner(cfg, step_lib.StepConfig(), opt, mesh)
+  state = learner.init(models.init_params(cfg, jax.random.key(0)))
+  assert models.unbox(state.params)["layers"]["wq"].sharding.spec == P(None, "fsdp", "tensor", None)
