@@ -138,6 +138,12 @@ def substring_exact_match(prediction: str | None, golds: str | Sequence[str]) ->
 # Commas only as thousands separators: "1,234" is a number, "1,2,3" is not.
 # An exponent ("1.5e-7", "2E+20") is read too: a calculator or a model may write one.
 _NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d{1,6})?")
+# A gold may also carry a "+" and any of the forms `decimal.Decimal` reads (".5", "5."), but a
+# comma only as a thousands separator: "1,5" is not silently read as 15.
+_GOLD_COMMAS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?(?:[eE][-+]?\d+)?")
+# The whole exponent range the pattern admits, without traps: in the default context a prediction
+# such as "9999e999999" raised decimal.Overflow against a non-integer gold instead of scoring 0.
+_EXACT = decimal.Context(prec=60, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[])
 
 
 def numeric_match(prediction: str | None, golds: str | Sequence[str]) -> float:
@@ -146,10 +152,14 @@ def numeric_match(prediction: str | None, golds: str | Sequence[str]) -> float:
   The prediction is a decimal number, optionally negative, with commas only as thousands
   separators and an optional exponent ("1.5e-7"). An integer gold needs that exact integer
   ("42.0" and "4.2e1" count for "42"); a non-integer gold allows an error of 1e-6 times
-  max(1, |gold|) (relative above 1, absolute below). A gold that is not a number is an error.
+  max(1, |gold|) (relative above 1, absolute below). A gold that is not a number, or has a
+  comma that is not a thousands separator ("1,5"), is an error.
   """
   parsed = []
   for g in _golds(golds):
+    if "," in g and not _GOLD_COMMAS.fullmatch(g.strip()):
+      raise ValueError(f"numeric_match needs numeric gold answers with commas only as thousands "
+                       f"separators (1,234,567), got {g!r}; write a decimal comma as a point")
     try:
       b = decimal.Decimal(g.strip().replace(",", ""))
     except decimal.InvalidOperation:
@@ -163,12 +173,13 @@ def numeric_match(prediction: str | None, golds: str | Sequence[str]) -> float:
   if m is None:
     return 0.0
   a = decimal.Decimal(m.group(0).replace(",", ""))
-  for b in parsed:
-    if b == b.to_integral_value():
-      if a == b:
+  with decimal.localcontext(_EXACT):
+    for b in parsed:
+      if b == b.to_integral_value():
+        if a == b:
+          return 1.0
+      elif abs(a - b) <= decimal.Decimal("1e-6") * max(1, abs(b)):
         return 1.0
-    elif abs(a - b) <= decimal.Decimal("1e-6") * max(1, abs(b)):
-      return 1.0
   return 0.0
 
 

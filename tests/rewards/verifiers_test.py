@@ -249,3 +249,26 @@ def test_numeric_match_rejects_non_numeric_golds():
     verifiers.numeric_match("1", "one")
   with pytest.raises(ValueError, match="finite gold"):
     verifiers.numeric_match("1", "inf")
+
+
+@pytest.mark.parametrize("gold", ["1,5", "12,0", "1,2,3", "1000,", ",5", "1,0000"])
+def test_numeric_match_rejects_gold_commas_that_are_not_thousands_separators(gold):
+  # Such a gold was read with its commas dropped: "1,5" (a decimal comma) became 15, so "15"
+  # scored 1 and "1.5" scored 0.
+  with pytest.raises(ValueError, match="thousands"):
+    verifiers.numeric_match("15", gold)
+
+
+@pytest.mark.parametrize("gold,prediction", [("1,000", "1000"), ("-1,234.5", "-1234.5"), ("+5", "5"),
+                                             ("1,000,000", "1e6"), (" 2,500 ", "2,500")])
+def test_numeric_match_reads_thousands_separators_in_golds(gold, prediction):
+  assert verifiers.numeric_match(prediction, gold) == 1.0
+
+
+@pytest.mark.parametrize("prediction", ["9999e999999", "-9999e999999", "1e999999", "1e-999999"])
+def test_numeric_match_huge_exponents_score_zero(prediction):
+  # A policy's answer is data: far outside the default decimal context's range, it raised
+  # decimal.Overflow (counted as the reward component's failure) instead of scoring 0.
+  for gold in ("0.5", "5", "123.25"):
+    assert verifiers.numeric_match(prediction, gold) == 0.0
+  assert verifiers.numeric_match(prediction, ["0.5", prediction]) == 1.0  # and its own value matches
