@@ -19,7 +19,7 @@ import dataclasses
 import math
 import numbers
 import re
-from typing import Literal
+from typing import Iterable, Literal, Mapping
 
 from jaxagent.rewards import shaping
 from jaxagent.rewards import verifiers
@@ -42,7 +42,13 @@ TESTS_TOTAL_KEY = "tests_total"
 def _golds(inp: RewardInput) -> list[str]:
   if inp.gold is None:
     raise ValueError("this reward component needs RewardInput.gold, which is None")
-  golds = [inp.gold] if isinstance(inp.gold, str) else list(inp.gold)
+  gold = inp.gold
+  if isinstance(gold, str):
+    return [gold]
+  golds = list(gold) if isinstance(gold, Iterable) and not isinstance(gold, (bytes, bytearray, Mapping)) else None
+  if golds is None or not all(isinstance(g, str) for g in golds):
+    raise TypeError(f"RewardInput.gold must be a str or a sequence of str (the task's reference "
+                    f"answers as text), got {type(gold).__name__}: {gold!r:.200}")
   if not golds:
     raise ValueError("RewardInput.gold is an empty sequence")
   return golds
@@ -142,7 +148,7 @@ class ToolUseReward:
 
 @dataclasses.dataclass(frozen=True)
 class LinearLengthReward:
-  """`shaping.linear_length_penalty` of the response length in tokens."""
+  """`shaping.linear_length_penalty` of `RewardInput.num_response_tokens` (policy tokens only)."""
 
   config: shaping.LinearLengthConfig
 
@@ -152,7 +158,8 @@ class LinearLengthReward:
 
 @dataclasses.dataclass(frozen=True)
 class OverlongReward:
-  """DAPO overlong shaping (`shaping.overlong_penalty`) of the response length in tokens."""
+  """DAPO overlong shaping (`shaping.overlong_penalty`) of `RewardInput.num_response_tokens`
+  (the policy's tokens over all turns; observations and prompt excluded)."""
 
   config: shaping.OverlongConfig
 

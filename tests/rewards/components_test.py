@@ -51,6 +51,22 @@ def test_text_match_reward():
     TextMatchReward("bleu")
 
 
+@pytest.mark.parametrize("gold", [42, 4.2, [42], b"42", {"answer": "42"}])
+def test_golds_that_are_not_text_are_a_clear_error(gold):
+  # A mapping's keys were read as the golds ("answer" scored 1 against {"answer": "42"}); an int
+  # failed with "'int' object is not iterable".
+  inp = RewardInput("<answer>answer</answer>", gold=gold)
+  for component in (TextMatchReward("exact_match"), MathAnswerReward()):
+    with pytest.raises(TypeError, match=r"RewardInput\.gold must be a str or a sequence of str"):
+      component(inp)
+
+
+def test_golds_may_be_any_sequence_of_str():
+  np = pytest.importorskip("numpy")
+  for gold in ("42", ["41", "42"], ("42",), np.array(["41", "42"])):
+    assert TextMatchReward("numeric_match")(RewardInput("<answer>42</answer>", gold=gold)) == 1.0
+
+
 def test_unit_test_reward_reads_metadata():
   inp = RewardInput("def f(): ...", metadata={TESTS_PASSED_KEY: 3, TESTS_TOTAL_KEY: 4})
   assert UnitTestReward()(inp) == 0.75
