@@ -54,7 +54,9 @@ class RewardInput:
   Attributes:
     response_text: the decoded policy (and observation) text after the prompt.
     gold: the reference answer(s), if the task has any.
-    num_response_tokens: policy tokens generated (the unit of length shaping).
+    num_response_tokens: the policy's own tokens after the prompt, over all its turns; tool
+      observations and the prompt are not counted. The length that `LinearLengthReward` and
+      `OverlongReward` (DAPO's |y|) shape, so the policy is not penalised for what tools return.
     num_tool_calls, num_valid_tool_calls, num_tool_errors: the agent's tool-call counts.
     truncated: whether generation stopped at a length or turn budget.
     metadata: task-specific extras (e.g. unit-test counts, see `components.UnitTestReward`).

@@ -215,7 +215,8 @@ def tool_use_reward(num_calls: int, num_valid: int, num_errors: int,
 
 
 # ----------------------------------------------------------------------------------------------
-# Length, counted in response tokens.
+# Length, counted in the policy's own tokens: in a multi-turn trajectory the sum over its turns,
+# without the prompt and without tool observations (`RewardInput.num_response_tokens`).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,7 +245,13 @@ def linear_length_penalty(num_tokens: int, config: LinearLengthConfig) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class OverlongConfig:
-  """DAPO soft overlong punishment: L_max = max_tokens, L_cache = cache_tokens."""
+  """DAPO soft overlong punishment: L_max = max_tokens, L_cache = cache_tokens.
+
+  The length is the policy's token count (observations excluded; see the section comment), so
+  set `max_tokens` to the policy-token budget (at most `RolloutConfig.max_turns *
+  max_tokens_per_turn`), not to `RolloutConfig.max_total_tokens`, which also holds the prompt
+  and the observations: against that cap the penalty would start late or never.
+  """
 
   max_tokens: int
   cache_tokens: int

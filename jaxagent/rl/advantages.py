@@ -153,7 +153,11 @@ class DynamicSampler:
     """DAPO dynamic sampling (DAPO Sec. 3.2): fill a batch with informative groups.
 
     A group is informative when its rewards are not all equal (0 < accuracy < 1 for binary
-    rewards). The trainer loop::
+    rewards), the test `compute_advantages` uses for zero-variance groups. The trainer passes
+    each trajectory's total reward, so with shaping terms (format, tool use, length) a group
+    that is all right or all wrong still counts when those terms differ within it: it has
+    non-zero advantages. DAPO's filter reads accuracy alone; a caller that wants it passes the
+    outcome component's values (`RewardOutput.components[name]`) instead. The trainer loop::
 
         sampler = DynamicSampler(target_groups=32, max_rounds=4)
         while not sampler.done:
