@@ -14,7 +14,8 @@ shaping terms wrapped this way). Each has a role:
 With a `ProgressiveSchedule`, outcome weights are multiplied by alpha(step) and shaping weights
 by 1 - alpha(step), so weight moves from shaping to outcome as alpha goes from `start` to `end`.
 
-A component that raises or returns a non-finite value scores 0.0 for that trajectory; the failure
+A component that raises or returns a non-finite value (or one that is non-finite once weighted,
+or a sum of weighted values that overflows) scores 0.0 for that trajectory; the failure
 is counted per component (`error_counts`) and logged once, and training goes on. A component
 that might hang (a user's verifier calling out to a service, say) can be given a time limit,
 `Component.timeout_s`: its call then runs on a daemon thread, and past the limit it scores 0.0
@@ -220,12 +221,28 @@ class CompositeReward:
         value = c(inp)
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
           raise ValueError(f"returned {value!r}; a reward component must return a finite float")
+        if not math.isfinite(weights[c.name] * float(value)):
+          raise ValueError(f"returned {value!r}, which times its weight {weights[c.name]!r} is not a "
+                           "finite float")
         values[c.name] = float(value)
       except Exception as e:  # noqa: BLE001  (failures are data: see module docstring)
         values[c.name] = 0.0
         failed.append(c.name)
         self._record_error(c.name, e)
-    total = math.fsum(weights[n] * v for n, v in values.items())
+    try:
+      total = math.fsum(weights[n] * v for n, v in values.items())
+    except OverflowError:
+      total = math.inf
+    if not math.isfinite(total):
+      # Finite terms whose sum overflows: an infinite total would stop the advantage computation,
+      # and no one term is to blame, so every non-zero term fails and the total is 0.0.
+      for n, v in values.items():
+        if weights[n] * v != 0.0:
+          values[n] = 0.0
+          failed.append(n)
+          self._record_error(n, OverflowError(f"the weighted sum of the components overflows a float "
+                                              f"(this one's value {v!r}, weight {weights[n]!r})"))
+      total = 0.0
     return RewardOutput(total=total, components=values, weights=weights, errors=tuple(failed),
                         alpha=self.alpha(step))
 

@@ -60,6 +60,22 @@ def test_failing_component_scores_zero_and_is_counted(caplog):
   assert "verifier crashed" in caplog.text
 
 
+def test_total_that_overflows_is_data_not_a_crash():
+  # A finite value that overflows once weighted made the total inf (which compute_advantages
+  # refuses, ending the run); two whose sum overflows made math.fsum raise out of the call.
+  weighted = CompositeReward([Component("dist", const(-1e308), weight=2.0), Component("format", const(1.0))])
+  out = weighted(INP)
+  assert out.total == 1.0 and out.components == {"dist": 0.0, "format": 1.0} and out.errors == ("dist",)
+  summed = CompositeReward([Component("a", const(1e308)), Component("b", const(1e308)),
+                            Component("zero", const(5.0), weight=0.0)])
+  out = summed(INP)
+  assert out.total == 0.0 and out.components == {"a": 0.0, "b": 0.0, "zero": 5.0}
+  assert out.errors == ("a", "b") and summed.error_counts() == {"a": 1, "b": 1, "zero": 0}
+  # Large values that fit stay as they are.
+  assert CompositeReward([Component("a", const(1e308)), Component("b", const(-1e308))])(INP).total == 0.0
+  assert CompositeReward([Component("a", const(1e307), weight=10.0)])(INP).total == pytest.approx(1e308)
+
+
 def test_keyboard_interrupt_is_not_swallowed():
   def interrupt(inp):
     raise KeyboardInterrupt
