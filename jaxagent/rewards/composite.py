@@ -271,7 +271,11 @@ class CompositeReward:
 
 
 def mean_metrics(outputs: Sequence[RewardOutput]) -> dict[str, float]:
-  """Batch means of `RewardOutput.metrics`, plus `reward/errors/<name>` (fraction that failed)."""
+  """Batch means of `RewardOutput.metrics`, plus `reward/errors/<name>` (fraction that failed).
+
+  `reward/alpha` is the mean over the outputs whose env reward ran: one that raised
+  (`ENV_REWARD_ERROR`, scored 0.0 by the trainer) has no schedule value of its own.
+  """
   if not outputs:
     return {}
   sums: dict[str, float] = {}
@@ -281,4 +285,8 @@ def mean_metrics(outputs: Sequence[RewardOutput]) -> dict[str, float]:
     for name in out.components:
       key = f"reward/errors/{name}"
       sums[key] = sums.get(key, 0.0) + (name in out.errors)
-  return {k: v / len(outputs) for k, v in sums.items()}
+  means = {k: v / len(outputs) for k, v in sums.items()}
+  ran = [out.alpha for out in outputs if ENV_REWARD_ERROR not in out.errors]
+  if ran:
+    means["reward/alpha"] = math.fsum(ran) / len(ran)
+  return means

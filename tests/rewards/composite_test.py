@@ -198,3 +198,13 @@ def test_validation(make, match):
 def test_rejects_non_component():
   with pytest.raises(TypeError, match="Component"):
     CompositeReward([const(1.0)])
+
+
+def test_mean_alpha_leaves_out_outputs_whose_env_reward_raised():
+  from jaxagent.rewards import ENV_REWARD_ERROR, RewardOutput, mean_metrics
+  ran = [RewardOutput(1.0, {"c": 1.0}, {"c": 1.0}, alpha=0.25) for _ in range(3)]
+  failed = RewardOutput(0.0, {}, {}, errors=(ENV_REWARD_ERROR,))  # the trainer's stand-in
+  m = mean_metrics([*ran, failed])
+  assert m["reward/alpha"] == pytest.approx(0.25)
+  assert m["reward/total"] == pytest.approx(0.75) and m["reward/c"] == pytest.approx(0.75)
+  assert mean_metrics([failed])["reward/alpha"] == 1.0
