@@ -203,16 +203,18 @@ def knobs(report: PlanReport, config, cfg: ModelConfig) -> list[str]:
     if not p.used or p.fits is not False:
       continue
     comp = p.components
-    weights = comp.get("params", 0) + comp.get("optimizer", 0) + comp.get("ref_params", 0)
+    parts = {"params": "params", "optimizer": "optimizer state", "ref_params": "reference params"}
+    held = [name for key, name in parts.items() if comp.get(key, 0) > 0] or ["params"]
+    what = " + ".join(held)
+    weights = sum(comp.get(key, 0) for key in parts)
     share = weights / (cap or p.total_bytes or 1.0)
     if share > 0.3:
       if mesh["fsdp"] < n // max(1, mesh["tensor"]):
         say(f"shard weights over more chips: mesh.fsdp={n // mesh['tensor']} with mesh.data=1 "
-            f"(params + optimizer state are {g(weights)} per chip at fsdp={mesh['fsdp']} and "
-            f"shrink as 1/fsdp)")
+            f"({what} take {g(weights)} per chip at fsdp={mesh['fsdp']} and shrink as "
+            f"1/fsdp)")
       if cfg.param_dtype == "float32":
-        say(f"model.param_dtype=bfloat16 halves params and optimizer state "
-            f"({g(weights)} per chip now)")
+        say(f"model.param_dtype=bfloat16 halves {what} ({g(weights)} per chip now)")
       if share > 0.7 and mesh["fsdp"] * mesh["tensor"] >= n:
         say(f"the weights alone need {g(weights)} per chip on {n} chips: use a larger topology")
     if p.kind in ("update", "sft"):

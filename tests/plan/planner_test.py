@@ -178,6 +178,13 @@ def test_knobs_name_the_setting_for_what_overflows():
   assert any("param_dtype=bfloat16" in k for k in rep.knobs)
   assert any("micro_batches" in k for k in rep.knobs)
   assert "DOES NOT FIT" in rep.render()
+  assert "(params + optimizer state take 85.0 GiB per chip" in rep.knobs[0]
+  # The knobs name what the program holds: a generator program has no optimizer state.
+  gen = plan.ProgramReport("generate", "generate", "64 slots", argument_bytes=17 * GiB,
+                           components={"params": 15 * GiB})
+  knobs = _report_with(gen).knobs
+  assert "(params take 15.0 GiB per chip at fsdp=1 and shrink as 1/fsdp)" in knobs[0]
+  assert not any("optimizer" in k for k in knobs)
 
   kv = plan.ProgramReport("generate", "generate", "64 slots", argument_bytes=2 * GiB,
                           temp_bytes=15 * GiB,
