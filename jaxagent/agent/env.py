@@ -22,6 +22,7 @@ import abc
 import dataclasses
 import inspect
 import logging
+import string
 from typing import Any, Iterable, Mapping, Sequence
 
 from jaxagent.agent.parsers import Parser, XMLTagParser
@@ -146,23 +147,33 @@ class Env(abc.ABC):
     A tool's output is data: a program that prints "<|im_end|>" must not close the turn. When
     `text` is `observation_template` (with the default `format_observation`) around an output
     that spells a special token, and the tokenizer takes `parse_special`, the output is
-    tokenized literally between the template's two sides, each tokenized on its own. Otherwise
-    (the usual case) `text` is tokenized whole, as before. Override for other formats.
+    tokenized literally and the template's literal parts (escaped braces `{{ }}` read as the
+    braces they print; `{output}` may appear more than once) are tokenized on their own. A
+    template whose fields cannot be taken apart (a conversion or format spec such as
+    `{output!r}`) is tokenized whole with `parse_special=False` when its own text spells no
+    special token. Otherwise (the usual case: an output without special-token text) `text` is
+    tokenized whole, as before. Override for other formats.
     """
     # `text` is encoded whole only when that is the result (not also on the split path).
     if ("parse_special" not in inspect.signature(tokenizer.encode).parameters
         or type(self).format_observation is not Env.format_observation):
       return list(tokenizer.encode(text))
-    head, sep, tail = self.observation_template.partition("{output}")
-    if (not sep or "{" in head + tail or "}" in head + tail or len(text) < len(head) + len(tail)
-        or not (text.startswith(head) and text.endswith(tail))):
+    split = _split_template(self.observation_template, text)
+    if split is None:
+      literals = _template_literals(self.observation_template)
+      if literals is not None and not any(
+          list(tokenizer.encode(x)) != list(tokenizer.encode(x, parse_special=False))
+          for x in literals if x):
+        return list(tokenizer.encode(text, parse_special=False))
       return list(tokenizer.encode(text))
-    output = text[len(head):len(text) - len(tail)]
+    segments, output = split
     literal = list(tokenizer.encode(output, parse_special=False))
     if literal == list(tokenizer.encode(output)):
       return list(tokenizer.encode(text))  # no special-token text in the output
-    return ((list(tokenizer.encode(head)) if head else []) + literal
-            + (list(tokenizer.encode(tail)) if tail else []))
+    ids = list(tokenizer.encode(segments[0])) if segments[0] else []
+    for seg in segments[1:]:
+      ids += literal + (list(tokenizer.encode(seg)) if seg else [])
+    return ids
 
   @abc.abstractmethod
   def reward(self, trajectory: Trajectory, example: Example, tokenizer, step: int) -> RewardOutput:
@@ -174,6 +185,41 @@ class Env(abc.ABC):
     Turn it into a ledger with `trajectory.demonstration_trajectory`.
     """
     return None
+
+
+def _template_literals(template: str) -> list[str] | None:
+  """The literal text around each field of a `str.format` template, or None if it is invalid."""
+  try:
+    return [literal for literal, _, _, _ in string.Formatter().parse(template)]
+  except ValueError:
+    return None
+
+
+def _split_template(template: str, text: str) -> tuple[list[str], str] | None:
+  """(literal segments, output) with `text == output.join(segments)` when every field of
+  `template` is a plain `{output}`; None when the template or `text` cannot be taken apart."""
+  try:
+    parts = list(string.Formatter().parse(template))
+  except ValueError:
+    return None
+  segments = [""]  # the literal text before, between and after the fields
+  for literal, name, spec, conversion in parts:  # escaped braces split a literal in parts
+    segments[-1] += literal
+    if name is not None:
+      if (name, spec, conversion) != ("output", "", None):
+        return None
+      segments.append("")
+  k = len(segments) - 1
+  if k == 0:
+    return None
+  n = len(text) - sum(map(len, segments))
+  if n < 0 or n % k:
+    return None
+  start = len(segments[0])
+  output = text[start:start + n // k]
+  if output.join(segments) != text:
+    return None
+  return segments, output
 
 
 class CalculatorEnv(Env):
