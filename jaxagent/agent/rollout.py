@@ -21,7 +21,8 @@ This is `generate.scheduler.run_requests` generalised to many turns:
   trajectory), per-call tool timeout and per-trajectory tool time. Malformed calls, unknown tools,
   bad arguments, tool errors and timeouts become error observations and counts (DESIGN 7). Task
   code that raises for one trajectory (`new_episode`, `format_observation`,
-  `encode_observation`) ends that trajectory with stop reason "env_error" (logged); the others go on.
+  `encode_observation`, or observation ids outside the model's vocabulary) ends that trajectory
+  with stop reason "env_error" (logged); the others go on.
 
 Reproducibility: each trajectory's sampler rng is `(seed, request_id, position)` with
 `request_id = request_id_offset + prompt_index * G + sample_index`, so tokens do not depend on
@@ -193,6 +194,9 @@ class RolloutDriver:
     self.limit = min(cfg.max_total_tokens or ecfg.max_len, ecfg.max_len)
     self.limit_reason = "max_total_tokens" if self.limit < ecfg.max_len else "max_length"
     self.eos_ids = frozenset(int(e) for e in ecfg.eos_ids)
+    # Observation ids are checked against the model's vocabulary (where the engine says it), so
+    # that one task's bad ids end its trajectory instead of failing the batched append.
+    self.vocab_size = getattr(getattr(engine, "cfg", None), "vocab_size", None)
     stops = list(dict.fromkeys([*parser.stop_strings(), *cfg.stop_strings]))
     self.stop = StopChecker(stops, tokenizer)
     self._own_executor = executor is None
@@ -534,6 +538,11 @@ class _Run:
     try:
       text = self.env.format_observation(result)
       ids = [int(t) for t in self.env.encode_observation(_clean_text(text), self.tok)]
+      vocab = self.d.vocab_size
+      bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
+      if bad is not None:
+        raise ValueError(f"encode_observation returned token id {bad}, outside the model's "
+                         f"vocabulary [0, {vocab}): the tokenizer does not match the model")
     except Exception:  # noqa: BLE001 - one trajectory's task failure is data, not a crashed run
       log.warning("env %r: turning the result of turn %d into observation tokens raised (request "
                   "%d); the trajectory ends with stop reason 'env_error'",

@@ -509,6 +509,38 @@ def test_task_code_that_raises_ends_only_its_trajectory():
   assert rollout_metrics(trajs)["rollout/stop/env_error"] == 0.5
 
 
+def test_observation_ids_outside_the_vocabulary_end_only_their_trajectory():
+  """A task whose observation tokens fall outside the model's vocabulary (a tokenizer that does
+  not match the model) fails its own trajectory, not the batched append of every slot."""
+
+  class VocabCheckingEngine(FakeEngine):  # the real `Engine.append` refuses such ids
+    cfg = dataclasses.make_dataclass("Cfg", [("vocab_size", int)])(512)
+
+    def append(self, params, state, slots, observations, **k):
+      for i, obs in enumerate(observations):
+        if any(not 0 <= t < self.cfg.vocab_size for t in obs):
+          raise ValueError(f"append: observation {i} has a token id outside the vocabulary")
+      return super().append(params, state, slots, observations, **k)
+
+  class BadIds(CalculatorEnv):
+    def encode_observation(self, text, tokenizer):
+      ids = super().encode_observation(text, tokenizer)
+      return {"<result>3</result>": ids + [600], "<result>5</result>": [-1] + ids}.get(text, ids)
+
+  texts = {rid: [f"<calc>{rid}+1</calc>", "<answer>x</answer>"] for rid in range(6)}
+  fake = VocabCheckingEngine(_script_from_texts(texts), slots=4)
+  trajs = rollout(fake, None, BadIds(), _examples(3), tokenizer=TOK, num_samples=2,
+                  cfg=RolloutConfig(decode_steps=4))
+  fake.finalize()
+  reasons = {t.request_id: t.stop_reason for t in trajs}
+  assert reasons == {0: "answer", 1: "answer", 2: "env_error", 3: "answer", 4: "env_error",
+                     5: "answer"}, reasons
+  for t in trajs:
+    check_ledger(t, fake)
+    if t.stop_reason == "env_error":
+      assert t.turns[-1].observation_span is None and t.num_observation_tokens == 0
+
+
 def test_tool_timeouts_and_trajectory_tool_budget():
   texts = {0: ["<nap>0.3</nap>", "<nap>0.01</nap>", "<answer>1</answer>"],
            1: ["<nap>0.3</nap>", "<nap>1</nap>", "<answer>1</answer>"]}
