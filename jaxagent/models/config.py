@@ -261,12 +261,39 @@ class ModelConfig:
       raise ValueError(f"HF config: sliding-window attention (sliding_window={window!r}) is not "
                        "supported; every layer here attends to the whole context")
     # transformers 5.x writes rope settings under `rope_parameters`; released checkpoints
-    # keep a top-level `rope_theta` / `rope_scaling`.
-    rope_params = hf.get("rope_parameters") or {}
-    theta = number("rope_theta", rope_params.get("rope_theta", 10_000.0))
-    scaling = hf.get("rope_scaling") or (
-        rope_params if rope_params.get("rope_type", rope_params.get("type")) not in (None, "default")
-        else None)
+    # keep a top-level `rope_theta` / `rope_scaling`. transformers reads `rope_scaling` in place
+    # of `rope_parameters` when both are given, and a `rope_theta` inside that dict before the
+    # top-level one (older releases read the top-level one): a file whose places disagree is
+    # refused rather than read one way or the other.
+    given = {k: hf.get(k) for k in ("rope_scaling", "rope_parameters")}
+    for k, v in given.items():
+      if v is not None and not isinstance(v, Mapping):
+        raise ValueError(f"HF config: {k}={v!r} must be an object (or null)")
+
+    def spelled_one_way(d):  # `type` is the older spelling of `rope_type`
+      out = {k: v for k, v in d.items() if k != "type"}
+      out["rope_type"] = d.get("rope_type", d.get("type")) or "default"
+      return out
+    if given["rope_scaling"] and given["rope_parameters"]:
+      if spelled_one_way(given["rope_scaling"]) != spelled_one_way(given["rope_parameters"]):
+        raise ValueError(
+            f"HF config: rope_scaling={dict(given['rope_scaling'])!r} and rope_parameters="
+            f"{dict(given['rope_parameters'])!r} disagree (transformers 5 reads rope_scaling "
+            "alone); keep one of them")
+    rope_params = given["rope_scaling"] or given["rope_parameters"] or {}
+    theta = number("rope_theta", 10_000.0)
+    if rope_params.get("rope_theta") is not None:
+      inner = rope_params["rope_theta"]
+      if isinstance(inner, bool) or not isinstance(inner, (int, float)):
+        raise ValueError(f"HF config: rope_theta={inner!r} (in the rope settings) must be a number")
+      if hf.get("rope_theta") is not None and float(inner) != float(theta):
+        raise ValueError(
+            f"HF config: rope_theta={hf['rope_theta']!r} at the top level and rope_theta="
+            f"{inner!r} in the rope settings disagree (transformers 5 reads the latter, older "
+            "releases the former); keep one of them")
+      theta = inner
+    scaling = (rope_params if rope_params.get("rope_type", rope_params.get("type"))
+               not in (None, "default") else None)
     rope_scaling = None
     if scaling:
       rtype = scaling.get("rope_type", scaling.get("type"))
@@ -280,7 +307,9 @@ class ModelConfig:
       elif rtype not in (None, "default"):
         raise ValueError(f"unsupported rope_scaling type {rtype!r} (supported: llama3)")
     n_heads = need("num_attention_heads")
-    head_dim = hf.get("head_dim") or need("hidden_size") // n_heads
+    # transformers' Qwen3 config defaults head_dim to 128 (not hidden_size / heads).
+    head_dim = hf.get("head_dim") or (128 if arch == "qwen3" and "head_dim" not in hf
+                                      else need("hidden_size") // n_heads)
     eos = hf.get("eos_token_id")
     extra_eos: tuple[int, ...] = ()
     if isinstance(eos, (list, tuple)):

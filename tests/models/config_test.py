@@ -126,3 +126,48 @@ def test_models_generate_and_losses_import_without_the_config_machinery():
   r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                      env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
   assert r.returncode == 0 and r.stdout.strip() == "[]", (r.stdout, r.stderr[-2000:])
+
+
+_HF_LLAMA = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 128}
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+           "original_max_position_embeddings": 64}
+
+
+def test_from_hf_reads_rope_theta_where_transformers_does():
+  # transformers 5 reads `rope_scaling` in place of `rope_parameters` and a rope_theta inside
+  # it before the top-level one (`AutoConfig.from_pretrained` on these dicts gives 5e5).
+  assert ModelConfig.from_hf({**_HF_LLAMA, "rope_scaling": {**_LLAMA3, "rope_theta": 5e5}}
+                             ).rope_theta == 5e5
+  assert ModelConfig.from_hf({**_HF_LLAMA, "rope_parameters": {**_LLAMA3, "rope_theta": 5e5}}
+                             ).rope_scaling == (8.0, 1.0, 4.0, 64)
+  agree = {**_HF_LLAMA, "rope_theta": 5e5, "rope_parameters": {"rope_type": "default",
+                                                               "rope_theta": 500000}}
+  assert ModelConfig.from_hf(agree).rope_theta == 5e5
+  same = {**_HF_LLAMA, "rope_scaling": {**_LLAMA3, "type": "llama3"}, "rope_parameters": _LLAMA3}
+  assert ModelConfig.from_hf(same).rope_scaling == (8.0, 1.0, 4.0, 64)
+
+
+@pytest.mark.parametrize("rope,match", [
+    # Read as 1e4 here and as 5e5 by transformers 5 (which reads the inner one).
+    (dict(rope_theta=1e4, rope_parameters={"rope_type": "default", "rope_theta": 5e5}),
+     "rope_theta=10000.0 at the top level and rope_theta=500000.0 in the rope settings"),
+    (dict(rope_theta=1e4, rope_scaling={**_LLAMA3, "rope_theta": 5e5}), "disagree"),
+    # transformers 5 ignores rope_parameters (and its theta) when rope_scaling is given.
+    (dict(rope_scaling=_LLAMA3, rope_parameters={"rope_type": "default", "rope_theta": 3e5}),
+     "rope_scaling=.* and rope_parameters=.* disagree"),
+    (dict(rope_parameters=[1e4]), "rope_parameters=\\[10000.0\\] must be an object"),
+    (dict(rope_parameters={"rope_type": "default", "rope_theta": "1e4"}), "must be a number"),
+])
+def test_from_hf_refuses_rope_settings_that_disagree(rope, match):
+  with pytest.raises(ValueError, match=match):
+    ModelConfig.from_hf({**_HF_LLAMA, **rope})
+
+
+def test_from_hf_qwen3_head_dim_defaults_as_in_transformers():
+  # transformers' Qwen3Config defaults head_dim to 128, whatever hidden_size / heads is.
+  hf = {**_HF_LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+  assert ModelConfig.from_hf(hf).head_dim == 128
+  assert ModelConfig.from_hf({**hf, "head_dim": 16}).head_dim == 16
+  assert ModelConfig.from_hf(_HF_LLAMA).head_dim == 16
