@@ -267,6 +267,15 @@ def _hf_config(path: pathlib.Path, metadata: dict[str, Any], tensors: dict[str, 
   scaling = metadata.get(f"{arch}.rope.scaling.type", "none")
   if scaling not in ("none", None):
     raise ValueError(f"{path}: RoPE scaling {scaling!r} is not supported; only plain RoPE is.")
+  # llama.cpp applies a scaling factor without a scaling type as linear scaling (its default
+  # type), and reads the factor under an older key too: ignoring it would change the model.
+  for factor_key in (f"{arch}.rope.scaling.factor", f"{arch}.rope.scale_linear"):
+    factor = metadata.get(factor_key)
+    if factor is not None and float(factor) not in (0.0, 1.0):
+      raise ValueError(
+          f"{path}: GGUF metadata {factor_key}={factor} scales the RoPE frequencies (linear "
+          "scaling), which is not supported; only plain RoPE is."
+      )
   if "token_embd.weight" not in tensors:
     raise ValueError(f"{path} has no 'token_embd.weight' tensor; it is not a decoder checkpoint.")
   embed_rows = int(tensors["token_embd.weight"].shape[-1])  # GGUF lists ne[0]=hidden first

@@ -90,7 +90,10 @@ def _write_gguf(path, sd, arch="llama", qtype=gguf.GGMLQuantizationType.F32, n_l
   w.add_bos_token_id(t["bos_token_id"])
   w.add_eos_token_id(t["eos_token_id"])
   for key, value in (extra or {}).items():
-    w.add_string(key, value)
+    if isinstance(value, float):
+      w.add_float32(key, value)
+    else:
+      w.add_string(key, value)
   for name, array in sd.items():
     if name in _GGUF_TENSOR:
       gname = _GGUF_TENSOR[name]
@@ -216,6 +219,22 @@ def test_unknown_architecture_is_named(tmp_path):
   path = _write_gguf(tmp_path / "m.gguf", sd, arch="falcon", permute=False)
   with pytest.raises(ValueError, match=r"'falcon'.*\['llama', 'qwen2', 'qwen3'\]"):
     G.read_gguf(path)
+
+
+@pytest.mark.parametrize("extra", [
+    {"llama.rope.scaling.factor": 4.0},  # no type: llama.cpp scales linearly (its default)
+    {"llama.rope.scale_linear": 4.0},  # the older key for the same factor
+    {"llama.rope.scaling.type": "none", "llama.rope.scaling.factor": 4.0},
+])
+def test_a_rope_scaling_factor_is_refused(tmp_path, extra):
+  _, sd = _tiny_hf_model("llama")
+  path = _write_gguf(tmp_path / "m.gguf", sd, extra=extra)
+  with pytest.raises(ValueError, match=f"{list(extra)[-1]}=4.0 scales the RoPE"):
+    G.read_gguf(path)
+  # A factor of 1 (or 0, llama.cpp's "unset") changes nothing.
+  path = _write_gguf(tmp_path / "one.gguf", sd, extra={k: 1.0 if isinstance(v, float) else v
+                                                        for k, v in extra.items()})
+  G.read_gguf(path)
 
 
 def test_truncated_or_corrupt_file_names_the_path(tmp_path):
