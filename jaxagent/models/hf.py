@@ -166,6 +166,23 @@ def _check_against_config(cfg: ModelConfig, p: Mapping[str, Any]) -> None:
                        "the params were made with)")
 
 
+def _zero_tensors_hf_expects(cfg: ModelConfig, sd: Mapping[str, np.ndarray]):
+  """Zero tensors that transformers' class for `cfg.to_hf()` has and these params lack: its
+  Qwen2 always has q / k / v biases, and its Llama and Qwen3 with attention_bias also an output
+  projection bias. Written out, the export is complete (transformers would otherwise create
+  them as newly initialized weights) and computes the same function."""
+  dtype = sd["model.norm.weight"].dtype
+  out = {}
+  for i in range(cfg.n_layers):
+    pre = f"model.layers.{i}.self_attn."
+    if cfg.architecture == "qwen2" and not cfg.qkv_bias:
+      for proj, heads in (("q", cfg.n_heads), ("k", cfg.n_kv_heads), ("v", cfg.n_kv_heads)):
+        out[f"{pre}{proj}_proj.bias"] = np.zeros(heads * cfg.head_dim, dtype)
+    if cfg.architecture in ("llama", "qwen3") and cfg.qkv_bias:
+      out[f"{pre}o_proj.bias"] = np.zeros(cfg.d_model, dtype)
+  return out
+
+
 def _read_safetensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
   from safetensors import safe_open
 
@@ -296,6 +313,7 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
   # Checked (and converted) before anything is written: a refused export must not leave a
   # new config.json beside an earlier export's weights.
   hf_cfg, sd = cfg.to_hf(), state_dict_from_params(cfg, params)
+  sd.update(_zero_tensors_hf_expects(cfg, sd))
   if tokenizer is not None and not hasattr(tokenizer, "save"):
     raise TypeError(f"save_hf: tokenizer must be a jaxagent Tokenizer (load_tokenizer), got "
                     f"{type(tokenizer).__name__}; its files would not be written")

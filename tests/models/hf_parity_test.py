@@ -120,3 +120,26 @@ def test_transformers5_rope_parameters_are_read(tmp_path):
   theta = hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta"))
   cfg, _ = models.load(tmp_path)
   assert cfg.rope_theta == pytest.approx(float(theta)) == pytest.approx(1e6)
+
+
+@pytest.mark.parametrize("name,overrides", [("tiny-qwen2", dict(qkv_bias=False)),
+                                            ("tiny-llama", dict(qkv_bias=True)),
+                                            ("tiny-qwen3", dict(qkv_bias=True))])
+def test_save_hf_writes_every_tensor_transformers_expects(name, overrides, tmp_path):
+  # transformers' Qwen2 always has q / k / v biases, its Llama and Qwen3 with attention_bias an
+  # output bias too: the export writes them as zeros instead of leaving transformers to create
+  # them as newly initialized weights.
+  cfg = models.get_config(name, **overrides)
+  params = models.init_params(cfg, jax.random.key(0), std=0.2)
+  params = jax.tree.map(lambda x: x + 0.1 * np.sign(np.asarray(x)), params)  # non-zero biases
+  out = models.save_hf(tmp_path / "out", cfg, params)
+  reloaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+      out, output_loading_info=True)
+  assert not info["missing_keys"] and not info["unexpected_keys"], info
+  tokens = np.random.default_rng(5).integers(0, cfg.vocab_size, (2, 24))
+  ours = np.asarray(models.forward(params, jnp.asarray(tokens), cfg=cfg))
+  assert np.abs(ours - torch_logits(reloaded.eval(), tokens)).max() <= 1e-4
+  if name == "tiny-qwen2":  # and it loads back here, with zero biases
+    cfg2, params2 = models.load(out)
+    again = np.asarray(models.forward(params2, jnp.asarray(tokens), cfg=cfg2))
+    np.testing.assert_allclose(again, ours, atol=1e-5)
