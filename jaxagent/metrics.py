@@ -17,6 +17,11 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+# What a run writes at the top of its workdir besides checkpoints: a run that starts from
+# scratch in a workdir holding these moves them to `previous/<n>/` (`set_aside_earlier_run`).
+RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "summary.json", "curves.png", "compiles.jsonl",
+               "samples")
+
 
 def _scalar(v) -> float | None:
   try:
@@ -40,6 +45,8 @@ class MetricsWriter:
     if not self.is_lead:
       return
     self.workdir.mkdir(parents=True, exist_ok=True)
+    # An earlier run's outputs, seen before this writer adds its own (see set_aside_earlier_run).
+    self._earlier = [n for n in RUN_OUTPUTS if (self.workdir / n).exists()]
     self._jsonl = open(self.workdir / "metrics.jsonl", "a", buffering=1)
     if tensorboard:
       try:
@@ -119,6 +126,34 @@ class MetricsWriter:
     # Its own file name: one made in the same second as the last would replace that file.
     self._tb = SummaryWriter(str(self.workdir / "tensorboard"), purge_step=int(step) + 1,
                              filename_suffix=f".resumed-after-{int(step)}")
+
+  def set_aside_earlier_run(self) -> pathlib.Path | None:
+    """For a run that starts from scratch (nothing to resume): move the outputs an earlier run
+    left in the workdir (`RUN_OUTPUTS`) to `<workdir>/previous/<n>/` and start them afresh.
+
+    Appended to, metrics.jsonl held the records of both runs (steps 0, 1, ... twice) and
+    TensorBoard drew both on the same curves. Returns the folder they went to, or None when
+    there were none (or on processes other than 0).
+    """
+    if not self.is_lead or not self._earlier:
+      return None
+    names, self._earlier = self._earlier, []
+    root = self.workdir / "previous"
+    taken = [int(p.name) for p in root.iterdir() if p.name.isdigit()] if root.is_dir() else []
+    dest = root / str(max(taken, default=0) + 1)
+    dest.mkdir(parents=True)
+    tb = self._tb is not None
+    if tb:
+      self._tb.close()
+    self._jsonl.close()
+    for name in names:
+      if (self.workdir / name).exists():
+        (self.workdir / name).rename(dest / name)
+    self._jsonl = open(self.workdir / "metrics.jsonl", "a", buffering=1)
+    if tb:
+      from tensorboardX import SummaryWriter
+      self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+    return dest
 
   def close(self) -> None:
     if self._bar is not None:

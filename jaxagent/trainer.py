@@ -785,6 +785,10 @@ class Trainer:
     with self._sigterm_stops():
       start = self.restore()
       if start is None:
+        earlier = self.writer.set_aside_earlier_run()
+        if earlier is not None:
+          say(f"starting from scratch: moved the earlier run's metrics and summary in this "
+              f"workdir to {earlier}")
         self._pre_rl()
         start = 0
         self._save(0)

@@ -52,3 +52,52 @@ def test_progress_bar_shows_this_steps_values(tmp_path, capsys):
   assert "1/3" in first and "reward=0.5" in first, first
   assert "2/3" in second and "reward=0.75" in second, second
   MetricsWriter(tmp_path / "none", tensorboard=False, progress_total=0).progress(1, reward=1.0)
+
+
+def test_set_aside_moves_an_earlier_runs_outputs(tmp_path):
+  (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+  (tmp_path / "summary.json").write_text("{}")
+  w = MetricsWriter(tmp_path, progress=False)
+  dest = w.set_aside_earlier_run()
+  w.write(1, {"reward/mean": 0.25})
+  assert w.set_aside_earlier_run() is None  # once: this run's own records stay
+  w.close()
+  assert dest == tmp_path / "previous" / "1"
+  assert json.loads((dest / "metrics.jsonl").read_text())["reward/mean"] == 0.5
+  assert (dest / "summary.json").exists() and not (tmp_path / "summary.json").exists()
+  recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [(r["step"], r["reward/mean"]) for r in recs] == [(1, 0.25)]
+  assert [v.tag for _, ev in _events(tmp_path / "tensorboard") for v in ev.summary.value] == [
+      "reward/mean"]
+  # A third run goes to previous/2; a fresh workdir has nothing to move.
+  w = MetricsWriter(tmp_path, progress=False)
+  assert w.set_aside_earlier_run() == tmp_path / "previous" / "2"
+  w.close()
+  assert MetricsWriter(tmp_path / "new", progress=False).set_aside_earlier_run() is None
+
+
+def test_a_run_from_scratch_does_not_append_to_an_earlier_runs_metrics(tmp_path):
+  """Rerunning into a workdir with nothing to resume (checkpointing off, or a run that died
+  before its first checkpoint) appended a second step 0, 1, ... to metrics.jsonl and drew both
+  runs on the same TensorBoard curves."""
+  from jaxagent.trainer import Trainer
+  from configs.quickstart import get_config
+  c = get_config("tiny")
+  c.workdir = str(tmp_path / "run")
+  c.total_steps, c.sft.steps = 0, 0
+  for value in (0.25, 0.75):
+    trainer = Trainer(c)
+    trainer.evaluate = lambda tag="eval", v=value: {"eval/pass@1": v}
+    try:
+      trainer.run()
+    finally:
+      trainer.close()
+  run = tmp_path / "run"
+  recs = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+  assert [(r["step"], r["before/pass@1"]) for r in recs] == [(0, 0.75)]
+  assert json.loads((run / "summary.json").read_text())["pass@1/before"] == 0.75
+  old = [json.loads(x) for x in (run / "previous" / "1" / "metrics.jsonl").read_text().splitlines()]
+  assert [(r["step"], r["before/pass@1"]) for r in old] == [(0, 0.25)]
+  tb = [(ev.step, v.simple_value) for _, ev in _events(run / "tensorboard")
+        for v in ev.summary.value if v.tag == "before/pass_at_1"]
+  assert tb == [(0, 0.75)]
