@@ -13,6 +13,7 @@ resumes it; without it, SIGTERM ends the run as usual.
 """
 import logging
 import pathlib
+import tempfile
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -67,6 +68,23 @@ def init_runtime(coordinator_address=None, num_processes=None, process_id=None) 
   return started
 
 
+def check_workdir(workdir) -> None:
+  """Raise ValueError unless this process can create `workdir` and write a file in it.
+
+  Process 0 writes the run's metrics there; a read-only or mistyped path (one under a file,
+  say) otherwise failed with a traceback once the model was built.
+  """
+  path = pathlib.Path(str(workdir))
+  try:
+    path.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryFile(dir=path):
+      pass
+  except OSError as e:
+    raise ValueError(f"workdir {str(path)!r} cannot be written ({e.strerror or e}): set "
+                     "--config.workdir to a directory this process can create and write"
+                     ) from None
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing with one-line errors for bad `--config` overrides
   (`config_files.parse_config_flags`)."""
@@ -81,6 +99,12 @@ def main(argv):
     init_runtime(_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
   except ValueError as e:  # a missing or impossible rank / process count
     raise SystemExit(f"bad launch: {e}") from None
+  import jax
+  if jax.process_index() == 0:
+    try:
+      check_workdir(_CONFIG.value.workdir)
+    except ValueError as e:
+      raise SystemExit(f"bad config: {e}") from None
   from jaxagent import compile_stats
   cache = compile_stats.enable_persistent_cache(_COMPILE_CACHE.value)
   if cache is not None:

@@ -395,3 +395,24 @@ def test_an_impossible_process_id_is_one_line():
                      env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
   assert "bad launch: multi-process launch: process_id must be in [0, num_processes)" in r.stderr
+
+
+@pytest.mark.parametrize("where", ["a_file", "under_a_file"])
+def test_an_unwritable_workdir_is_one_line_before_any_work(tmp_path, where):
+  """A workdir that cannot be created or written failed with a traceback (OSError from the
+  metrics writer) once the model was built."""
+  (tmp_path / "a_file").write_text("")
+  workdir = tmp_path / "a_file" if where == "a_file" else tmp_path / "a_file" / "run"
+  r = subprocess.run([sys.executable, "-m", "jaxagent.launch", "--config=configs/quickstart.py:tiny",
+                      f"--config.workdir={workdir}", "--fit_check=off"],
+                     cwd=REPO, capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert f"bad config: workdir '{workdir}' cannot be written" in r.stderr, r.stderr[-2000:]
+  assert "set --config.workdir to a directory" in r.stderr
+
+
+def test_check_workdir_makes_the_folder_and_leaves_nothing_in_it(tmp_path):
+  from jaxagent.launch import check_workdir
+  check_workdir(tmp_path / "new" / "run")
+  assert list((tmp_path / "new" / "run").iterdir()) == []
