@@ -343,6 +343,13 @@ def check_config(config) -> None:
     v = train.get(key) if hasattr(train, "get") else None
     if v is not None and v not in allowed:
       raise ValueError(f"train.{key} must be one of {allowed}, got {v!r}")
+  # Read by the warm start, after the evals before training: a missing file ended the run there.
+  sft = config.get("sft") if hasattr(config, "get") else None
+  data = sft.get("data") if hasattr(sft, "get") else None
+  if data and sft.get("steps") and not pathlib.Path(data).is_file():
+    raise FileNotFoundError(f"sft.data={data!r} is not a file: give a chat JSONL file (one "
+                            "{\"messages\": [...]} object per line), or sft.data='' for the "
+                            "task's demonstrations")
 
 
 def _time_limit_s(train) -> float:

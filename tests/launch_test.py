@@ -379,6 +379,9 @@ def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
      "expected '', 'tiny', 'gpu' or 'qwen'"),
     (["--config=configs/quickstart.py:tiny", "--config.model.tokenizer=/no/such/tokenizer",
       "--fit_check=off"], "bad config: '/no/such/tokenizer' does not exist"),
+    # Read by the warm start, after the evals before training: it failed there, with a traceback.
+    (["--config=configs/quickstart.py:tiny", "--config.sft.data=/no/such.jsonl", "--fit_check=off"],
+     "bad config: sft.data='/no/such.jsonl' is not a file"),
 ])
 def test_launch_names_a_bad_config_argument_without_a_traceback(args, expected):
   r = subprocess.run([sys.executable, "-m", "jaxagent.launch", *args], cwd=REPO,
