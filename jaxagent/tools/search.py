@@ -10,7 +10,8 @@ tf part = tf / (tf + k1 * (1 - b + b * |d| / avgdl))) over each document's title
 English stopwords removed. The index is built once; a query costs one sparse lookup over the
 query's terms plus a top-k selection in NumPy, and is safe to run from many threads. Documents
 sharing no term with the query are never returned, so a query with no known terms, an empty
-query and an empty corpus all give an empty result rather than arbitrary documents.
+query and an empty corpus (or one whose documents hold no term outside the stopwords) all give
+an empty result rather than arbitrary documents.
 """
 
 from __future__ import annotations
@@ -105,11 +106,12 @@ class BM25Index:
         self._stemmer = stemmer
         self._retriever = None
         if self.documents:
-            import bm25s  # deferred: importing it takes about a second
-
-            self._retriever = bm25s.BM25(k1=k1, b=b, method="lucene")
             corpus = self._tokenize([f"{d.title}\n{d.text}" for d in self.documents])
-            self._retriever.index(corpus, show_progress=False)
+            if any(corpus):  # bm25s cannot index a corpus without a single term
+                import bm25s  # deferred: importing it takes about a second
+
+                self._retriever = bm25s.BM25(k1=k1, b=b, method="lucene")
+                self._retriever.index(corpus, show_progress=False)
 
     def __len__(self) -> int:
         return len(self.documents)
@@ -144,6 +146,7 @@ class BM25Index:
 
 def format_passages(passages: Sequence[Passage], max_chars_per_passage: int | None = None) -> str:
     """`Doc 1 (Title: ...): text` lines, the form Search-R1-style prompts expect."""
+    _check_max_chars(max_chars_per_passage)
     lines = []
     for p in passages:
         text = " ".join(p.text.split())
@@ -151,6 +154,18 @@ def format_passages(passages: Sequence[Passage], max_chars_per_passage: int | No
             text = text[:max_chars_per_passage].rstrip() + " ..."
         lines.append(f"Doc {p.rank} (Title: {p.title}): {text}")
     return "\n".join(lines)
+
+
+def _check_max_chars(max_chars_per_passage: int | None) -> None:
+    # A slice bound of 0 or below would print every passage empty or drop its last characters.
+    if max_chars_per_passage is not None and (isinstance(max_chars_per_passage, bool)
+                                              or not isinstance(max_chars_per_passage, int)
+                                              or max_chars_per_passage < 1):
+        raise ValueError(f"max_chars_per_passage must be an int >= 1 or None (no cut), "
+                         f"got {max_chars_per_passage!r}")
+
+
+_ECHO_CHARS = 100  # how much of a query without results the observation quotes back
 
 
 class SearchTool:
@@ -163,6 +178,7 @@ class SearchTool:
                  name: str = "search", description: str | None = None):
         if not 1 <= k <= max_k:
             raise ValueError(f"SearchTool needs 1 <= k <= max_k, got k={k}, max_k={max_k}")
+        _check_max_chars(max_chars_per_passage)
         self.index = index
         self.k = k
         self.max_k = max_k
@@ -187,5 +203,7 @@ class SearchTool:
             return ToolResult.failure(f"k must be between 1 and {self.max_k}, got {k}")
         passages = self.index.search(query, k)
         if not passages:
-            return ToolResult.success(f"No results found for {query!r}.")
+            # A long query without results is quoted in part: the observation costs tokens.
+            shown = query if len(query) <= _ECHO_CHARS else query[:_ECHO_CHARS] + "..."
+            return ToolResult.success(f"No results found for {shown!r}.")
         return ToolResult.success(format_passages(passages, self.max_chars_per_passage))

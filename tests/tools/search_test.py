@@ -136,3 +136,27 @@ def test_load_documents(tmp_path):
     path.write_text('{"text": "ok"}\nnot json\n')
     with pytest.raises(ValueError, match="corpus.jsonl:2: not valid JSON"):
         load_documents(path)
+
+
+def test_corpus_without_any_indexable_term_gives_empty_results():
+    # bm25s raised "max() arg is an empty sequence" on such a corpus.
+    for docs in ([{"text": ""}], [{"title": "", "text": "the was in"}], [{"text": "  "}, {"text": "a"}]):
+        idx = BM25Index(docs)
+        assert idx.search("anything the") == [] and not idx.scores("x").any()
+        assert SearchTool(idx)({"query": "x"}).output == "No results found for 'x'."
+
+
+def test_max_chars_per_passage_must_be_positive(index):
+    # 0 printed every passage empty; -10 silently dropped the passage's last 10 characters.
+    for bad in (0, -10, 2.5, True):
+        with pytest.raises(ValueError, match="max_chars_per_passage must be an int >= 1 or None"):
+            SearchTool(index, max_chars_per_passage=bad)
+        with pytest.raises(ValueError, match="max_chars_per_passage must be an int >= 1 or None"):
+            format_passages([Passage(1, 1.0, "A", "text", "a")], max_chars_per_passage=bad)
+    full = SearchTool(index, max_chars_per_passage=None)({"query": "cartographer"}).output
+    assert full == "Doc 1 (Title: Zorvath Kel): Zorvath Kel was a cartographer born in Lumeria in 1834."
+
+
+def test_a_long_query_without_results_is_quoted_in_part(index):
+    out = SearchTool(index)({"query": "zq" * 3000}).output
+    assert out == f"No results found for {'zq' * 50 + '...'!r}." and len(out) < 150
