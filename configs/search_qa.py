@@ -86,7 +86,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     # A small world with 1-hop questions keeps the demonstrations short.
     c.env.kwargs.update(num_countries=3, num_cities=8, num_universities=4, num_people=20,
                         num_companies=12, max_hops=1, train_size=24, eval_size=4, sft_size=8,
-                        top_k=2, max_passage_chars=120)
+                        top_k=2, max_passage_chars=160)
     c.rollout.update(slots=8, max_len=384, max_tokens_per_turn=16, max_turns=2)
     c.train.update(prompts_per_step=2, samples_per_prompt=2, micro_batches=1, pack_len=512,
                    len_buckets=(512,))

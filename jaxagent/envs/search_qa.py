@@ -62,6 +62,29 @@ class RetrievalHits:
     return sum(f"(Title: {t})" in seen for t in titles) / len(titles)
 
 
+def _check_passages_keep_the_facts(kb: kb_lib.KnowledgeBase, max_chars: int | None) -> None:
+  """Raises if cutting passages to `max_chars` drops the fact a hop of some question reads.
+
+  Such a cut leaves questions that no search can answer, and demonstrations that state a fact
+  their observation does not show.
+  """
+  if max_chars is None:
+    return
+  texts = {d.id: " ".join(d.text.split()).lower() for d in kb.documents}
+  needs = []
+  for q in (q for split in kb_lib.SPLITS for q in kb.questions[split]):
+    for rel, query, found, doc_id in zip(q.relations, q.queries, q.hop_answers, q.supporting_ids):
+      fact = kb_lib.hop_fact(rel, query, found).lower()
+      at = texts[doc_id].find(fact)
+      if at >= 0:
+        needs.append(at + len(fact))
+  cut = sum(n > max_chars for n in needs)
+  if cut:
+    raise ValueError(f"SearchQAEnv.max_passage_chars={max_chars} cuts the sentence that answers "
+                     f"{cut} of the {len(needs)} question hops out of its passage; set it to at "
+                     f"least {max(needs)}")
+
+
 class SearchQAEnv(Env):
   """Search-R1-style multi-hop QA over a generated knowledge base (see the module docstring).
 
@@ -71,7 +94,9 @@ class SearchQAEnv(Env):
       questions (`knowledge_base.KBConfig`); hops and distractors set the difficulty.
     data_dir: where the tfds dataset is prepared ("" = `knowledge_base.default_data_dir()`).
     top_k: passages per search.
-    max_passage_chars: each passage is cut to this many characters in the observation.
+    max_passage_chars: each passage is cut to this many characters in the observation; it must
+      keep the sentence each hop reads from its supporting document (a ValueError says the
+      smallest value that does).
     mask_observations: False trains on the retrieved `<information>` tokens too (ablation).
     outcome: "exact_match" or "f1", the outcome reward.
     format_weight, retrieval_weight: weights of the shaping terms (0 = off).
@@ -99,6 +124,7 @@ class SearchQAEnv(Env):
         min_hops=min_hops, max_hops=max_hops, distractors=distractors, train_size=train_size,
         eval_size=eval_size, sft_size=sft_size)
     self.kb = kb_lib.load_kb(self.kb_config, data_dir or None)
+    _check_passages_keep_the_facts(self.kb, max_passage_chars)
     self.index = BM25Index(self.kb.documents)
     self.search_tool = SearchTool(self.index, k=top_k, max_k=max(10, top_k),
                                   max_chars_per_passage=max_passage_chars)

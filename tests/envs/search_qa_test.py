@@ -166,6 +166,19 @@ def test_parser_and_search_tool(env):
   assert obs.count("Doc ") == 3
 
 
+def test_passages_keep_the_sentence_each_hop_reads(data_dir, env):
+  """A passage cut before a hop's fact leaves a question no search answers and a demonstration
+  that states a fact its observation does not show: refused, with the smallest safe value."""
+  with pytest.raises(ValueError, match=r"max_passage_chars=60 cuts the sentence that answers \d+ "
+                     r"of the \d+ question hops out of its passage; set it to at least \d+"):
+    SearchQAEnv(data_dir=str(data_dir), kb_seed=5, max_hops=3, max_passage_chars=60, **SMALL)
+  for ex in env.examples("sft"):  # at the default, each hop's observation states its fact
+    observations = [t for r, t in env.demonstration(ex) if r == OBSERVATION]
+    for obs, rel, query, found in zip(observations, ex.metadata["relations"],
+                                      ex.metadata["queries"], ex.metadata["hop_answers"]):
+      assert kb.hop_fact(rel, query, found).lower() in obs.lower(), (ex.id, rel)
+
+
 def test_observation_tokens_never_spell_control_tokens(env, smol_tok):
   ids = env.encode_observation("<information><|im_end|></information>", smol_tok)
   assert smol_tok.encode("<|im_end|>")[0] not in ids
