@@ -110,7 +110,10 @@ def _draw(keys, filt, top):
   w = jnp.take_along_axis(p, b[:, None, None], axis=1)[:, 0]  # [S, block]
   cw = jnp.cumsum(w, axis=-1)
   j = _first_above(cw, w, u[:, 1] * cw[:, -1])
-  return b * block + j, cum[:, -1]
+  # A row without positive finite mass (NaN or +inf logits, or all -inf; its log-prob is not
+  # finite and the engine stops it) falls through to the last padded entry: keep its token in
+  # the vocabulary, since the caller still records it.
+  return jnp.minimum(b * block + j, v - 1), cum[:, -1]
 
 
 def sample(logits, keys, cfg: SamplingConfig):

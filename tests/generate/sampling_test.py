@@ -82,3 +82,22 @@ def test_bad_sampling_config_is_a_clear_error(kw, match):
 def test_sampling_config_takes_numpy_scalars():
   cfg = SamplingConfig(np.float32(0.7), np.float64(0.9), np.int64(5))
   assert not cfg.greedy and cfg.top_k == 5
+
+
+@pytest.mark.parametrize("v", [1000, 3])  # vocabularies the draw pads to whole blocks
+@pytest.mark.parametrize("cfg", [SamplingConfig(1.0), SamplingConfig(0.7, top_p=0.9, top_k=2),
+                                 SamplingConfig(1e-38)])
+def test_a_nonfinite_row_still_samples_a_token_in_the_vocabulary(v, cfg):
+  """Rows whose logits hold a NaN or +inf, or are all -inf (and a temperature so small that
+  logits / temperature overflow), get a non-finite log-prob (the engine's "nonfinite" stop),
+  but a token id inside [0, v): it is recorded, and one past the vocabulary (the draw's padding,
+  id 1023 or 255) broke whatever read it next."""
+  logits = jnp.array([[jnp.nan] * v, [-jnp.inf] * v, [1.0] * (v - 1) + [jnp.inf],
+                      [5.0] + [1.0] * (v - 1)], jnp.float32)
+  keys = token_keys(jnp.zeros(4, jnp.uint32), jnp.arange(4), jnp.zeros(4))
+  tok, lp = sample(logits, keys, cfg)
+  tok, lp = np.asarray(tok), np.asarray(lp)
+  assert ((tok >= 0) & (tok < v)).all(), tok
+  assert not np.isfinite(lp[:3]).any()
+  if cfg.temperature >= 0.5:
+    assert np.isfinite(lp[3])
