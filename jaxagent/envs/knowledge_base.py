@@ -147,9 +147,14 @@ class KBConfig:
   sft_size: int = 256
 
   def __post_init__(self):
+    for field in dataclasses.fields(self):  # every field is a count (a float such as 1e3 too)
+      v = getattr(self, field.name)
+      if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"KBConfig.{field.name} must be an int, got {v!r} "
+                         f"({type(v).__name__})")
     for name in ("seed", "distractors", "train_size", "eval_size", "sft_size"):
       v = getattr(self, name)
-      if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+      if v < 0:
         raise ValueError(f"KBConfig.{name} must be an int >= 0, got {v!r}")
     if not 1 <= self.num_countries:
       raise ValueError(f"KBConfig.num_countries must be >= 1, got {self.num_countries}")

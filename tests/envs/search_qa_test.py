@@ -52,6 +52,17 @@ def test_facts_are_stated_in_the_source_documents():
       assert kb.hop_fact(rel, e.name, world.entities[target].name).lower() in doc.text.lower(), (rel, doc)
 
 
+def test_config_counts_must_be_ints():
+  # A float count (e.g. 1e3 from a command line) failed deep in generation with
+  # "'float' object cannot be interpreted as an integer"; min_hops=1.0 built a second dataset.
+  for bad in (dict(num_people=1e3), dict(min_hops=1.0), dict(max_hops=True), dict(num_cities="9")):
+    name = next(iter(bad))
+    with pytest.raises(ValueError, match=rf"KBConfig.{name} must be an int, got"):
+      kb.KBConfig(**{**SMALL, **bad})
+  with pytest.raises(ValueError, match="KBConfig.seed must be an int >= 0, got -1"):
+    kb.KBConfig(seed=-1)
+
+
 def test_questions_split_disjoint_and_balanced():
   cfg = kb.KBConfig(seed=4, min_hops=1, max_hops=4, **SMALL)
   qs = kb.generate_questions(kb.generate_world(cfg), cfg)
