@@ -6,8 +6,9 @@ The rollout driver calls the tool through `jaxagent.tools.executors.ToolExecutor
 and appends the formatted passages (`Doc 1 (Title: ...): text`) as an observation.
 
 Indexing uses `bm25s` (Lucene BM25 variant: idf = ln(1 + (N - df + 0.5) / (df + 0.5)),
-tf part = tf / (tf + k1 * (1 - b + b * |d| / avgdl))) over each document's title and text, with
-English stopwords removed. The index is built once; a query costs one sparse lookup over the
+tf part = tf / (tf + k1 * (1 - b + b * |d| / avgdl))) over each document's title and text:
+Unicode NFKC-normalised (so "café" typed as "e" + a combining accent finds "café"), lowercased,
+split into `TOKEN_PATTERN` words, English stopwords removed. The index is built once; a query costs one sparse lookup over the
 query's terms plus a top-k selection in NumPy, and is safe to run from many threads. Documents
 sharing no term with the query are never returned, so a query with no known terms, an empty
 query and an empty corpus (or one whose documents hold no term outside the stopwords) all give
@@ -19,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import unicodedata
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -119,6 +121,7 @@ class BM25Index:
     def _tokenize(self, texts: list[str]) -> list[list[str]]:
         import bm25s
 
+        texts = [unicodedata.normalize("NFKC", t) for t in texts]
         return bm25s.tokenize(texts, stopwords=self._stopwords, stemmer=self._stemmer, return_ids=False,
                               show_progress=False, token_pattern=TOKEN_PATTERN)
 

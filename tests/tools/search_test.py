@@ -160,3 +160,14 @@ def test_max_chars_per_passage_must_be_positive(index):
 def test_a_long_query_without_results_is_quoted_in_part(index):
     out = SearchTool(index)({"query": "zq" * 3000}).output
     assert out == f"No results found for {'zq' * 50 + '...'!r}." and len(out) < 150
+
+
+def test_unicode_forms_of_a_word_match():
+    # "café" composed (NFC) and decomposed (e + U+0301) print alike; the decomposed form was
+    # split into "cafe" and never met the composed one. Fullwidth letters fold to ASCII.
+    composed, decomposed = "caf\u00e9", "cafe\u0301"
+    idx = BM25Index([{"title": "Le Rond", "text": f"A {composed} by the river."},
+                     {"title": "Mill", "text": f"A {decomposed} on the hill."}, {"text": "cafe"}])
+    assert sorted(h.id for h in idx.search(decomposed, 5)) == ["0", "1"]
+    assert sorted(h.id for h in idx.search(composed.upper(), 5)) == ["0", "1"]
+    assert [h.id for h in idx.search("\uff2d\uff49\uff4c\uff4c", 5)] == ["1"]  # fullwidth "Mill"
