@@ -116,6 +116,23 @@ def _budgets(max_new_tokens, n: int) -> list[int]:
                    f"{max_new_tokens!r}")
 
 
+def _eos_ids(eos_ids, vocab_size: int) -> tuple[int, ...]:
+  """`eos_ids` (one int or a sequence of ints) as a tuple, refusing what would silently never
+  match (an id outside the vocabulary, from a mismatched tokenizer) or match another token (a
+  float or a string, which `int()` turned into some id)."""
+  is_int = lambda e: isinstance(e, (int, np.integer)) and not isinstance(e, bool)
+  ids = [eos_ids] if is_int(eos_ids) else eos_ids
+  if (not isinstance(ids, (list, tuple, set, frozenset, np.ndarray))
+      or not all(is_int(e) for e in ids)):
+    raise ValueError(f"eos_ids must be an int or a sequence of int token ids, got {eos_ids!r}")
+  bad = [int(e) for e in ids if not 0 <= e < vocab_size]
+  if bad:
+    raise ValueError(f"eos_ids {bad} are outside the model's vocabulary [0, {vocab_size}) and "
+                     "would never end a request: pass the ids of the tokenizer that matches the "
+                     "model")
+  return tuple(int(e) for e in ids)
+
+
 @functools.lru_cache(maxsize=16)
 def _engine(cfg, ecfg: EngineConfig, mesh) -> Engine:
   return Engine(cfg, ecfg, mesh=mesh)
@@ -251,8 +268,8 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
     prompts: token-id lists, or strings (then `tokenizer` is required).
     stop: a string, a list of strings, or a list of token-id sequences; a match ends the
       request and is included in its tokens.
-    eos_ids: token ids that end a request (default: the tokenizer's `eos_ids`, else the
-      config's `eos_token_ids`).
+    eos_ids: token ids that end a request, one int or a sequence (default: the tokenizer's
+      `eos_ids`, else the config's `eos_token_ids`).
     request_ids: per-prompt ids for the rng (default 0..n-1); with the same seed and request
       id a prompt gives the same output whatever the slot count or arrival order.
   Returns one `Completion` per prompt, in order (with `.text` when a tokenizer is given).
@@ -284,7 +301,7 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
   budget = max(_budgets(max_new_tokens, len(ids)), default=1)
   if max_len is None:
     max_len = min(cfg.max_seq_len, 1 << (longest + budget).bit_length())
-  ecfg = EngineConfig(slots=slots, max_len=max_len, eos_ids=tuple(int(e) for e in eos_ids),
+  ecfg = EngineConfig(slots=slots, max_len=max_len, eos_ids=_eos_ids(eos_ids, cfg.vocab_size),
                       sampling=SamplingConfig(temperature, top_p, top_k))
   engine = _engine(cfg, ecfg, mesh)
   rids = list(range(len(ids))) if request_ids is None else list(request_ids)

@@ -125,3 +125,21 @@ def test_which_stop_reason_wins_at_one_token(params):
       out = generate(params, CFG, [prompt], budget, decode_steps=steps,
                      **{"max_len": 64, **kw})[0]
       assert (out.stop_reason, out.tokens) == (reason, ref[:4]), (kw, steps)
+
+
+def test_eos_ids_one_int_or_ids_in_the_vocabulary(params):
+  """One int is one EOS id (it failed with "'int' object is not iterable"); a float or a string
+  was cut by int() to another token's id, and an id outside the vocabulary (a tokenizer that
+  does not match the model) silently never ended a request: both are clear errors."""
+  ref = generate(params, CFG, [[1, 2, 3]], 8)[0].tokens
+  eos = ref[2]
+  assert eos not in ref[:2]
+  for spec in (eos, np.int64(eos), [eos], (eos,), np.asarray([eos])):
+    out = generate(params, CFG, [[1, 2, 3]], 8, eos_ids=spec)[0]
+    assert (out.stop_reason, out.tokens) == ("eos", ref[:3]), spec
+  for spec in ([eos + 0.5], [str(eos)], "2", 2.0, [True], {"a": 1}):
+    with pytest.raises(ValueError, match="eos_ids must be an int or a sequence of int token"):
+      generate(params, CFG, [[1, 2, 3]], 8, eos_ids=spec)
+  for spec, got in (([CFG.vocab_size + eos], CFG.vocab_size + eos), ([eos, -1], -1)):
+    with pytest.raises(ValueError, match=rf"eos_ids \[{got}\] are outside the model's vocab"):
+      generate(params, CFG, [[1, 2, 3]], 8, eos_ids=spec)
