@@ -80,7 +80,10 @@ def load_documents(path: str | os.PathLike) -> list[Document]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path}:{line_no}: not valid JSON: {e}") from None
-            documents.append(_as_document(record, len(documents)))
+            try:
+                documents.append(_as_document(record, len(documents)))
+            except (TypeError, ValueError) as e:  # name the line: blank lines shift the position
+                raise type(e)(f"{path}:{line_no}: {e}") from None
     return documents
 
 

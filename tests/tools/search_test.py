@@ -136,6 +136,13 @@ def test_load_documents(tmp_path):
     path.write_text('{"text": "ok"}\nnot json\n')
     with pytest.raises(ValueError, match="corpus.jsonl:2: not valid JSON"):
         load_documents(path)
+    # A line that is JSON but not a document names its line, not its position among documents.
+    path.write_text('{"text": "ok"}\n\n["not", "an", "object"]\n')
+    with pytest.raises(TypeError, match="corpus.jsonl:3: document 1 must be a Document or a mapping"):
+        load_documents(path)
+    path.write_text('{"text": "ok"}\n\n{"title": "t"}\n')
+    with pytest.raises(ValueError, match=r"corpus.jsonl:3: document 1 has no 'text' field"):
+        load_documents(path)
 
 
 def test_corpus_without_any_indexable_term_gives_empty_results():
