@@ -10,6 +10,16 @@ i.e. before top-k / top-p truncation (with `temperature == 0`, greedy, it is
 training forward's `log_softmax` at the same position, which is what RL importance ratios need;
 a trainer that samples at temperature T scores with the same T (`token_logprobs(...,
 temperature=T)`).
+
+Which tokens are drawn from: greedy (`temperature == 0`) takes the argmax, the lowest token id
+among tied maxima; top-p and top-k are then ignored. Otherwise tokens are drawn from
+`softmax(logits / temperature)` restricted to the tokens that top-k and then top-p keep, and
+renormalised. Top-k keeps every token whose scaled logit is at least the k-th largest (so all
+tokens tied with the k-th: more than k where they tie; `top_k >= V` keeps all). Top-p works on
+the distribution left by top-k: it keeps the smallest prefix of tokens, by descending
+probability, whose mass reaches `top_p`, and every token tied with the last of that prefix
+(with `top_p=1` all; with a tiny `top_p` the most likely token and its ties). Ties are kept
+rather than broken by token id, which would favour low ids.
 """
 from __future__ import annotations
 

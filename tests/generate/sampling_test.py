@@ -101,3 +101,21 @@ def test_a_nonfinite_row_still_samples_a_token_in_the_vocabulary(v, cfg):
   assert not np.isfinite(lp[:3]).any()
   if cfg.temperature >= 0.5:
     assert np.isfinite(lp[3])
+
+
+def test_documented_tie_rules():
+  """Greedy takes the lowest id among tied maxima; top-k and top-p keep every token tied with
+  the boundary one (module docstring), and the draw is uniform over tied tokens."""
+  logits = np.log(np.array([0.1, 0.3, 0.3, 0.3]))
+  keys = token_keys(jnp.zeros(1, jnp.uint32), jnp.zeros(1), jnp.zeros(1))
+  tok, _ = sample(jnp.asarray(logits, jnp.float32)[None], keys, SamplingConfig(0.0))
+  assert int(tok[0]) == 1
+  n = 6000
+  for cfg in (SamplingConfig(1.0, top_k=1), SamplingConfig(1.0, top_k=2),
+              SamplingConfig(1.0, top_p=1e-6), SamplingConfig(1.0, top_p=0.5)):
+    tok, lp = _draws(np.exp(logits), n, cfg)
+    freq = np.bincount(tok, minlength=4) / n
+    assert freq[0] == 0 and np.all(np.abs(freq[1:] - 1 / 3) < 0.03), (cfg, freq)
+    np.testing.assert_allclose(lp, np.log(0.3), atol=1e-5)
+  tok, _ = _draws(np.exp(logits), n, SamplingConfig(1.0, top_p=0.95))
+  assert np.bincount(tok, minlength=4)[0] > 0
