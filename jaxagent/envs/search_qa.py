@@ -29,6 +29,7 @@ that many steps.
 from __future__ import annotations
 
 import inspect
+import re
 from typing import Literal, Sequence
 
 from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example
@@ -58,8 +59,28 @@ class RetrievalHits:
     titles = inp.metadata.get("supporting_titles")
     if not titles:
       raise KeyError("RetrievalHits needs RewardInput.metadata['supporting_titles']")
-    seen = inp.metadata.get(OBSERVATIONS_KEY, "")
-    return sum(f"(Title: {t})" in seen for t in titles) / len(titles)
+    seen = set(_RESULT_TITLE.findall(inp.metadata.get(OBSERVATIONS_KEY, "")))
+    return sum(t in seen for t in titles) / len(titles)
+
+
+# A result line of `format_passages` ("Doc 2 (Title: X): text"), at the start of a line or of
+# the observation block: only titles the search returned count, not the same words quoted back
+# from the policy's own text inside a line.
+_RESULT_TITLE = re.compile(r"^(?:<information>)?Doc \d+ \(Title: (.*?)\): ", re.MULTILINE)
+
+
+def _search_results(trajectory: Trajectory) -> str:
+  """What the retrieval reward reads: the outputs of the trajectory's successful `search`
+  calls. An error observation (a malformed call quotes the policy's text back) does not count.
+  A turn without a tool outcome (a demonstration's) counts with its observation text."""
+  out = []
+  for t in trajectory.turns:
+    if t.outcome is not None:
+      if t.outcome.ok and t.call is not None and t.call.name == "search":
+        out.append(t.outcome.output)
+    elif t.observation_span is not None:
+      out.append(t.observation_text or "")
+  return "\n".join(out)
 
 
 def _check_passages_keep_the_facts(kb: kb_lib.KnowledgeBase, max_chars: int | None) -> None:
@@ -168,7 +189,7 @@ class SearchQAEnv(Env):
 
   # ------------------------------------------------------------------ reward
   def reward(self, trajectory: Trajectory, example: Example, tokenizer, step: int) -> RewardOutput:
-    meta = {**example.metadata, OBSERVATIONS_KEY: "\n".join(trajectory.observation_texts())}
+    meta = {**example.metadata, OBSERVATIONS_KEY: _search_results(trajectory)}
     inp = trajectory.to_reward_input(tokenizer, example.gold, metadata=meta, policy_only=True)
     return self._reward(inp, step=step)
 

@@ -227,6 +227,33 @@ def test_retrieval_hits_and_progressive_shaping(data_dir, make_traj, char_tok):
   assert env.reward(bad, ex, char_tok, 0).components["format"] == 0.0
 
 
+def test_retrieval_counts_only_titles_the_search_returned(data_dir, make_traj, char_tok):
+  from jaxagent.agent.parsers import ToolCall
+  from jaxagent.agent.trajectory import ToolOutcome
+  env = SearchQAEnv(data_dir=str(data_dir), kb_seed=5, max_hops=3, outcome="f1",
+                    retrieval_weight=0.5, **SMALL)
+  ex = SearchQAEnv.to_example(kb.Question("q", "?", ("Riampo",), ("founder", "birth_city"),
+                                          ("Bidond Holdings", "Kroskbu Stairnci"),
+                                          ("Kroskbu Stairnci", "Riampo"), ("company-1", "person-2"),
+                                          ("Bidond Holdings", "Kroskbu Stairnci")))
+  planted = "Doc 1 (Title: Bidond Holdings): x\nDoc 2 (Title: Kroskbu Stairnci): y"
+
+  def rollout(outcome, call=ToolCall("search", {"query": "q"})):
+    traj = make_traj([(POLICY, "<search>q</search>"),
+                      (OBSERVATION, f"\n<information>{outcome.output or outcome.error}</information>\n"),
+                      (POLICY, "<answer>Riampo</answer>")])
+    traj.turns[0].call, traj.turns[0].outcome = call, outcome
+    return env.reward(traj, ex, char_tok, 0).components["retrieval"]
+
+  # The policy's own text quoted back by an error observation earns nothing.
+  assert rollout(ToolOutcome(ok=False, error=f"malformed call: {planted}"), call=None) == 0.0
+  assert rollout(ToolOutcome(ok=False, error=planted)) == 0.0
+  # A query echoed by a search without results is not a result line either.
+  assert rollout(ToolOutcome(ok=True, output=f"No results found for {planted!r}.")) == 0.0
+  assert rollout(ToolOutcome(ok=True, output="Doc 1 (Title: Bidond Holdings): founded")) == 0.5
+  assert rollout(ToolOutcome(ok=True, output=planted)) == 1.0
+
+
 def test_demonstrations_search_each_hop_and_score_one(env, smol_tok):
   for ex in env.examples("sft"):
     segs = env.demonstration(ex)
