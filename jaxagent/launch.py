@@ -100,24 +100,29 @@ def main(argv):
   except ValueError as e:  # a missing or impossible rank / process count
     raise SystemExit(f"bad launch: {e}") from None
   import jax
-  if jax.process_index() == 0:
-    try:
-      check_workdir(_CONFIG.value.workdir)
-    except ValueError as e:
-      raise SystemExit(f"bad config: {e}") from None
-  from jaxagent import compile_stats
+  from jaxagent import compile_stats, plan
+  from jaxagent.checkpoint import CheckpointError
+  from jaxagent.trainer import Trainer, check_config
+  config = _CONFIG.value
+  try:
+    # The settings that need no model first: the fit check compiles every program (minutes
+    # on a TPU) before the trainer would have named a typo.
+    check_config(config)
+    if jax.process_index() == 0:  # the process that writes the run's outputs
+      check_workdir(config.workdir)
+  except (ValueError, FileNotFoundError) as e:
+    raise SystemExit(f"bad config: {e}") from None
   cache = compile_stats.enable_persistent_cache(_COMPILE_CACHE.value)
   if cache is not None:
     logging.info("persistent compilation cache: %s", cache)
-  from jaxagent import plan
   try:
-    plan.check_fit(_CONFIG.value, _FIT_CHECK.value)
+    plan.check_fit(config, _FIT_CHECK.value)
   except plan.DoesNotFit as e:
     raise SystemExit(f"the run does not fit the devices; nothing was started.\n{e}") from None
-  from jaxagent.checkpoint import CheckpointError
-  from jaxagent.trainer import Trainer
+  except (ValueError, FileNotFoundError) as e:  # the plan builds the model first: as below
+    raise SystemExit(f"bad config: {e}") from None
   try:
-    trainer = Trainer(_CONFIG.value)
+    trainer = Trainer(config)
   except (ValueError, FileNotFoundError) as e:
     # A bad setting, or a model / tokenizer path that does not exist: its message says
     # which; nothing was started.

@@ -383,12 +383,30 @@ def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
     (["--config=configs/quickstart.py:tiny", "--config.sft.data=/no/such.jsonl", "--fit_check=off"],
      "bad config: sft.data='/no/such.jsonl' is not a file"),
 ])
-def test_launch_names_a_bad_config_argument_without_a_traceback(args, expected):
+def test_launch_names_a_bad_config_argument_without_a_traceback(tmp_path, args, expected):
+  if args[0] == "--config=configs/quickstart.py:tiny":  # not runs/ in the checkout
+    args = [*args, f"--config.workdir={tmp_path}/run"]
   r = subprocess.run([sys.executable, "-m", "jaxagent.launch", *args], cwd=REPO,
                      capture_output=True, text=True, timeout=120,
                      env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert r.returncode == 1, r.stderr[-2000:]
   assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, expected", [
+    # The fit check (on by default on TPU / GPU) read these first and raised a traceback.
+    (["--config.model.path=/no/such/model"], "bad config: model.path '/no/such/model' is neither"),
+    (["--config.rollout.max_len=0"], "bad config: EngineConfig.max_len"),
+    # It compiled every program before the trainer named a bad setting.
+    (["--config.train.advantage=bogus"], "bad config: train.advantage must be one of"),
+])
+def test_a_bad_config_is_named_before_the_fit_check(tmp_path, args, expected):
+  r = subprocess.run([sys.executable, "-m", "jaxagent.launch", "--config=configs/quickstart.py:tiny",
+                      f"--config.workdir={tmp_path}/run", "--fit_check=on", *args], cwd=REPO, capture_output=True, text=True,
+                     timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 1, r.stderr[-2000:]
+  assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert "fit check" not in r.stderr, r.stderr[-2000:]
 
 
 def test_an_impossible_process_id_is_one_line():
