@@ -1,7 +1,9 @@
 """Run metrics: `metrics.jsonl`, TensorBoard events, a console progress bar and a curves PNG.
 
 The trainer logs one flat dict per step (`{"reward/mean": ..., "eval/pass@1": ...}`); this
-module fans it out. Only process 0 writes anything, so multi-host runs log once.
+module fans it out. Only process 0 writes anything, so multi-host runs log once. A resumed run
+rewinds these files to its checkpoint's step; a run that starts from scratch moves an earlier
+run's files aside (`MetricsWriter.set_aside_earlier_run`).
 """
 from __future__ import annotations
 
