@@ -9,10 +9,13 @@ every process; on a Cloud TPU slice JAX finds all three itself. Only process 0 l
 metrics; every process takes part in checkpoints. `launch/` has recipes for TPU VMs, GKE (xpk)
 and GPU clusters (Slurm). With checkpointing on (`--config.checkpoint_every=N`), a run stopped
 by SIGTERM finishes its step, saves a checkpoint and exits 0, and rerunning the same command
-resumes it; without it, SIGTERM ends the run as usual.
+resumes it; without it, SIGTERM ends the run as usual. A second launch into a workdir that a
+running launch holds stops at once, naming the process that holds it.
 """
 import logging
+import os
 import pathlib
+import socket
 import tempfile
 
 from absl import app, flags
@@ -85,6 +88,41 @@ def check_workdir(workdir) -> None:
                      ) from None
 
 
+_HELD_LOCKS = []  # `lock_workdir`'s open files: the locks last as long as the process
+
+
+def lock_workdir(workdir):
+  """Hold an exclusive lock on `<workdir>/.jaxagent.lock` for the life of this process.
+
+  Two runs launched into one workdir (a command started twice, a requeued job while the first
+  still runs) both finished "successfully" with their checkpoints, metrics and TensorBoard
+  events interleaved. Returns the open lock file (keep it referenced), or None on a file
+  system without locks (with a warning). Raises ValueError when another process holds it.
+  """
+  import fcntl
+  path = pathlib.Path(str(workdir)) / ".jaxagent.lock"
+  f = open(path, "a+")
+  try:
+    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    f.seek(0)
+    holder = f.read().strip()
+    f.close()
+    raise ValueError(f"another run is using workdir {str(workdir)!r} ({holder or path}): wait "
+                     "for it to end or stop it, or set --config.workdir to another directory"
+                     ) from None
+  except OSError as e:
+    logging.warning("cannot lock %s (%s): nothing stops a second run from using this workdir",
+                    path, e)
+    f.close()
+    return None
+  f.seek(0)
+  f.truncate()
+  f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
+  f.flush()
+  return f
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing with one-line errors for bad `--config` overrides
   (`config_files.parse_config_flags`)."""
@@ -112,6 +150,11 @@ def main(argv):
       check_workdir(config.workdir)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"bad config: {e}") from None
+  if jax.process_index() == 0:
+    try:
+      _HELD_LOCKS.append(lock_workdir(config.workdir))  # held until this process exits
+    except ValueError as e:
+      raise SystemExit(f"bad launch: {e}") from None
   cache = compile_stats.enable_persistent_cache(_COMPILE_CACHE.value)
   if cache is not None:
     logging.info("persistent compilation cache: %s", cache)

@@ -437,3 +437,29 @@ def test_check_workdir_makes_the_folder_and_leaves_nothing_in_it(tmp_path):
   from jaxagent.launch import check_workdir
   check_workdir(tmp_path / "new" / "run")
   assert list((tmp_path / "new" / "run").iterdir()) == []
+
+
+def test_a_second_launch_into_a_workdir_in_use_is_refused(tmp_path):
+  """Two launches into one workdir both ran to the end, interleaving their checkpoints,
+  metrics.jsonl and TensorBoard events."""
+  from jaxagent.launch import lock_workdir
+  workdir = tmp_path / "run"
+  workdir.mkdir()
+  held = lock_workdir(workdir)
+  try:
+    assert f"pid {os.getpid()} on" in (workdir / ".jaxagent.lock").read_text()
+    with pytest.raises(ValueError, match="another run is using workdir"):
+      lock_workdir(workdir)  # another open file of this process counts as another holder
+    r = subprocess.run([sys.executable, "-m", "jaxagent.launch",
+                        "--config=configs/quickstart.py:tiny", f"--config.workdir={workdir}",
+                        "--config.total_steps=0", "--config.sft.steps=0",
+                        "--config.eval.before=False", "--fit_check=off"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (f"bad launch: another run is using workdir '{workdir}' (pid {os.getpid()} on"
+            in r.stderr), r.stderr[-2000:]
+    assert not (workdir / "metrics.jsonl").exists()
+  finally:
+    held.close()
+  lock_workdir(workdir).close()  # free again once the holder is gone
