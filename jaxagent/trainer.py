@@ -1020,6 +1020,10 @@ class Trainer:
     params = _to_host(self.state.params)
     if jax.process_index() == 0:
       models.save_hf(out, self.cfg, params, self.tok)
+      # The record `python -m jaxagent.export` writes: one it left here earlier named the step
+      # of the weights this export replaced. These are the policy in memory, not a checkpoint.
+      (out / "jaxagent_export.json").write_text(json.dumps(
+          {"checkpoint": None, "step": self.step}, indent=2))
       self.writer.message(f"exported the policy to {out}")
     return out
 

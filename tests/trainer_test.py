@@ -657,6 +657,17 @@ def test_export_refuses_non_finite_params_and_writes_nothing(ckpt_trainer, tmp_p
     trainer.state = good
 
 
+def test_export_records_its_own_step_over_an_earlier_exports(ckpt_trainer, tmp_path):
+  # `python -m jaxagent.export` writes jaxagent_export.json; the end-of-run export into the
+  # same folder replaced the weights and left that record naming the earlier step.
+  out = tmp_path / "export"
+  out.mkdir()
+  (out / "jaxagent_export.json").write_text(json.dumps({"checkpoint": "ckpt/2", "step": 2}))
+  ckpt_trainer.export(out)
+  assert json.loads((out / "jaxagent_export.json").read_text()) == {
+      "checkpoint": None, "step": ckpt_trainer.step}
+
+
 def test_save_checkpoint_before_run_is_refused_and_leaves_the_workdir_resumable(ckpt_trainer):
   # A checkpoint written before the warm start would make every later run of the workdir
   # refuse to resume ("predates the warm start").
