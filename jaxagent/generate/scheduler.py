@@ -298,7 +298,11 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
     else:
       eos_ids = list(cfg.eos_token_ids)
   longest = max(len(p) for p in ids)
-  budget = max(_budgets(max_new_tokens, len(ids)), default=1)
+  budgets = _budgets(max_new_tokens, len(ids))
+  # Before the default max_len is derived from them (a negative budget made it 1, and the
+  # error named max_len).
+  _per_request(budgets, len(budgets), np.int32, "generate", "max_new_tokens", "prompts", least=1)
+  budget = max(budgets, default=1)
   if max_len is None:
     max_len = min(cfg.max_seq_len, 1 << (longest + budget).bit_length())
   ecfg = EngineConfig(slots=slots, max_len=max_len, eos_ids=_eos_ids(eos_ids, cfg.vocab_size),

@@ -80,6 +80,11 @@ def test_bad_budgets_and_slots_are_clear_errors(params):
       generate(params, CFG, [[1, 2]], budget)
   with pytest.raises(ValueError, match="0 budgets for 1 prompts"):
     generate(params, CFG, [[1, 2]], [])
+  # A budget below one is named as such (with -3 the default max_len came out as 1 and the
+  # error was "EngineConfig.max_len must be > 1").
+  for budget in (-3, 0, [2, -1]):
+    with pytest.raises(ValueError, match=r"max_new_tokens must be integers >= 1"):
+      generate(params, CFG, [[1, 2, 3], [4]][:np.size(budget)], budget)
   for slots in (0, None, 2.0, True):
     with pytest.raises(ValueError, match="slots must be a positive int"):
       generate(params, CFG, [[1, 2]], 2, slots=slots)
