@@ -32,6 +32,18 @@ DEFAULT_ROWS = (
 )
 
 
+def check_row(row: str) -> str | None:
+  """Why `row` is not `model:topology:data,fsdp,tensor` (None when it is)."""
+  parts = row.split(":")
+  if len(parts) != 4 or not all(parts):
+    return (f"{row!r}: expected model:generation:topology:data,fsdp,tensor, "
+            f"e.g. {DEFAULT_ROWS[0]!r}")
+  mesh = parts[3].split(",")
+  if len(mesh) != 3 or not all(m.isdigit() and int(m) >= 1 for m in mesh):
+    return f"{row!r}: the mesh {parts[3]!r} must be three counts >= 1, data,fsdp,tensor"
+  return None
+
+
 def run_row(row: str, timeout: float, extra: list[str]) -> dict:
   model, gen, topo, mesh = row.split(":")
   data, fsdp, tensor = mesh.split(",")
@@ -66,7 +78,8 @@ def table_line(r: dict) -> str:
   ut = f"{ut:.2f} s" if ut else "-"
   dt = f"{dt * 1e3:.2f} ms" if dt else "-"
   knob = r["knobs"][0] if r.get("knobs") else ""
-  peak = f"{r['peak_bytes'] / 2**30:.2f} / {r['chip']['hbm_bytes'] / 2**30:.0f}"
+  cap = (r.get("chip") or {}).get("hbm_bytes")  # None: the planner does not know the chip's HBM
+  peak = f"{r['peak_bytes'] / 2**30:.2f} / {f'{cap / 2**30:.0f}' if cap else '?'}"
   return f"{head} {fits} | {peak} | {ut} | {dt} | {knob} |"
 
 
@@ -78,6 +91,9 @@ def main():
   ap.add_argument("--append_len", type=int, default=64,
                   help="tokens appended into every slot at once (the planner's worst case)")
   args = ap.parse_args()
+  bad = [why for why in map(check_row, args.rows) if why]
+  if bad:  # before any row runs: one bad row at the end would otherwise fail after the rest
+    ap.error("--rows: " + "; ".join(bad))
   results = []
   for row in args.rows:
     r = run_row(row, args.timeout, [f"--append_len={args.append_len}"])

@@ -8,12 +8,25 @@ Only RL steps (step >= 1) with the key are drawn; the SFT steps and evals before
 import argparse
 import json
 import pathlib
+import sys
 
 
 def load(path: str, key: str) -> tuple[list[int], list[float]]:
+  """Steps >= 1 and values of `key` in one `metrics.jsonl`. Blank lines are skipped, and so is
+  a line that is not a JSON object (the torn last line of a run killed while writing), with a
+  warning naming the file and line, so the other records of the run are still drawn."""
   xs, ys = [], []
-  for line in pathlib.Path(path).read_text().splitlines():
-    rec = json.loads(line)
+  for i, line in enumerate(pathlib.Path(path).read_text().splitlines(), 1):
+    if not line.strip():
+      continue
+    try:
+      rec = json.loads(line)
+    except json.JSONDecodeError as e:
+      rec = e
+    if not isinstance(rec, dict):
+      print(f"warning: {path}:{i} is not a JSON record; skipped: {line[:80]!r}",
+            file=sys.stderr)
+      continue
     if rec.get("step", 0) >= 1 and rec.get(key) is not None:
       xs.append(rec["step"])
       ys.append(rec[key])
@@ -31,6 +44,12 @@ def main():
   ap.add_argument("--out", required=True)
   args = ap.parse_args()
   runs = [r.split("=", 1) for r in args.runs.split(",")]
+  bad = [r for r, pair in zip(args.runs.split(","), runs) if len(pair) != 2 or not all(pair)]
+  if bad:
+    ap.error(f"--runs: each entry is name=path/to/metrics.jsonl; got {bad}")
+  missing = [path for _, path in runs if not pathlib.Path(path).is_file()]
+  if missing:
+    ap.error(f"--runs: no such file {missing}")
   keys = args.keys.split(",")
   from matplotlib.backends.backend_agg import FigureCanvasAgg
   from matplotlib.figure import Figure
@@ -49,6 +68,8 @@ def main():
   for ax, key in zip(axes, keys):
     for style, (name, path) in zip(styles, runs):
       xs, ys = load(path, key)
+      if not xs:  # a misspelt key would otherwise draw an empty panel without a word
+        print(f"warning: run {name!r} ({path}) has no RL step with {key!r}", file=sys.stderr)
       ax.plot(xs, ys, marker="o", markersize=4, label=name, **style)
     ax.set_title(key)
     ax.set_xlabel("RL step")
