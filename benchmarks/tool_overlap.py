@@ -94,6 +94,11 @@ def main(argv=None):
   ap.add_argument("--max-warmup", type=int, default=4, help="most untimed warm-up rounds")
   ap.add_argument("--seed", type=int, default=0)
   args = ap.parse_args(argv)
+  small = [f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+           if k in ("trajectories", "samples", "turns", "slots", "decode_steps",
+                    "tokens_per_turn", "turn_tokens", "prompt_len", "repeats") and v < 1]
+  if small:  # --turn-tokens 0 divided by zero inside the rollout; others ran nothing
+    ap.error(f"these must be >= 1: {', '.join(small)}")
 
   cfg = models.get_config(args.model, dtype=args.dtype, param_dtype=args.dtype)
   if args.max_len > cfg.max_seq_len:  # random weights: a tiny preset can take longer contexts
