@@ -41,6 +41,14 @@ def main():
   add_decode_switches(ap)  # the sampler's decode weights
   ap.add_argument("--record", action="store_true")
   args = ap.parse_args()
+  if args.prompts < 1 or args.prompt_len < 2 or args.gen < 1:
+    ap.error(f"need --prompts >= 1, --prompt-len >= 2 and --gen >= 1; got {args.prompts}, "
+             f"{args.prompt_len} and {args.gen}")
+  if args.pack_len < args.prompt_len + args.gen:
+    # Packing drops a longer trajectory: the gap was measured over the shorter prompts only,
+    # or, with none left, the script failed on an empty reduction after sampling.
+    ap.error(f"--pack-len {args.pack_len} must hold the longest trajectory, --prompt-len + "
+             f"--gen = {args.prompt_len + args.gen}")
   rng = np.random.default_rng(0)
   for dtype in args.dtypes.split(","):
     cfg = models.get_config(args.model, dtype=dtype, param_dtype=dtype)
