@@ -131,15 +131,20 @@ def main():
                   help="instead: replay this many rollout-like decode calls and count the "
                        "programs compiled per entry point")
   args = ap.parse_args()
+  variants = [v.split("/") for v in args.variants.split(",")]
+  bad = [v for v, parts in zip(args.variants.split(","), variants)
+         if len(parts) != 2 or not all(parts)]
+  if bad:  # raised ValueError (unpacking) after the variants before it had compiled
+    ap.error(f"--variants: each entry is layout/attention, e.g. stacked/xla or "
+             f"per_layer/pallas; got {bad}")
   compile_stats.install()
   if args.schedule:
-    for v in args.variants.split(","):
-      layout, attention = v.split("/")
+    for layout, attention in variants:
       schedule(args.model, layout, attention, args.slots, args.max_len, args.steps,
                args.schedule)
     return
-  for v in args.variants.split(","):
-    layout, attention = v.split("/")
+  for layout, attention in variants:
+    v = f"{layout}/{attention}"
     try:
       run(args.model, layout, attention, args.slots, args.max_len, args.rows, args.prompt_len,
           args.chunk, args.steps, args.dtype, args.record)

@@ -1,0 +1,33 @@
+"""`benchmarks/compile_time.py`: a tiny CPU run of each mode and its option checks."""
+import pytest
+
+from benchmarks import compile_time
+
+TINY = ["--model", "tiny-llama", "--slots", "4", "--max-len", "64", "--dtype", "float32",
+        "--steps", "4"]
+
+
+def test_a_tiny_run_times_each_program_kind(run_main):
+  rows = run_main(compile_time, *TINY, "--rows", "2", "--prompt-len", "8", "--chunk", "4",
+                  "--variants", "stacked/xla,stacked/no_such_attention")
+  [r] = rows  # the unknown attention path fails on its own; the other variant still reports
+  assert "FAILED stacked/no_such_attention" in run_main.out
+  assert (r["layout"], r["attention"]) == ("stacked", "xla")
+  for kind in ("prefill_insert", "generate", "append"):
+    assert r[f"{kind}_programs"] >= 1
+    assert 0 < r[f"{kind}_compile_s"] <= r[f"{kind}_wall_s"]
+
+
+def test_a_tiny_schedule_counts_the_programs_it_compiled(run_main):
+  [r] = run_main(compile_time, *TINY, "--variants", "stacked/xla", "--schedule", "3")
+  assert r["bench"] == "compile_schedule"
+  assert r["total_programs"] == sum(r["programs"].values()) >= 3
+  # `compiles` counts backend compilations: an earlier test's identical program may come from
+  # the persistent compilation cache instead.
+  assert r["compiles"] >= 0 and r["compile_s"] >= 0
+
+
+def test_a_variant_without_its_attention_path_is_refused(run_main):
+  with pytest.raises(SystemExit):
+    run_main(compile_time, *TINY, "--variants", "stacked/xla,per_layer")
+  assert "each entry is layout/attention" in run_main.err and "'per_layer'" in run_main.err
