@@ -52,12 +52,17 @@ import flax
 from flax import nnx
 import optax
 
-import tunix
-from tunix.models.qwen3 import model as qwen3_lib
-from tunix.generate import sampler as sampler_lib
-from tunix.rl import algo_core
-from tunix.rl import common as rl_common
-from tunix.rl.grpo import grpo_learner
+try:
+  import tunix
+  from tunix.models.qwen3 import model as qwen3_lib
+  from tunix.generate import sampler as sampler_lib
+  from tunix.rl import algo_core
+  from tunix.rl import common as rl_common
+  from tunix.rl.grpo import grpo_learner
+except ImportError as e:  # the peer is an optional install, not a dependency of jaxagent
+  sys.exit(f"tunix_bench.py needs the peer's wheels in this interpreter ({e}): python3 -m pip "
+           "install --no-deps google-tunix==0.1.7 google-metrax==0.2.4 clu==0.0.12 "
+           "tensorboardX==2.6.5 perfetto==0.59.1 (benchmarks/README.md)")
 
 import importlib.metadata as md
 
