@@ -103,8 +103,12 @@ def kv_bytes_per_token(cfg) -> int:
 
 def decode_roofline_bytes(cfg, slots: int, cached: float) -> float:
   """What one decode step must read from HBM: the bf16 weights plus `slots` slots' live K/V of
-  `cached` tokens each (the roofline of `generate.py` and `decode_profile.py`)."""
-  return cfg.num_params() * 2 + slots * cached * kv_bytes_per_token(cfg)
+  `cached` tokens each (the roofline of `generate.py` and `decode_profile.py`). An untied input
+  embedding is read only as the `slots` rows it looks up, not as a whole table."""
+  weights = cfg.num_params()
+  if not cfg.tie_embeddings:
+    weights -= (cfg.vocab_size - min(slots, cfg.vocab_size)) * cfg.d_model
+  return weights * 2 + slots * cached * kv_bytes_per_token(cfg)
 
 
 def timeit(fn, *, warmup: int = 2, iters: int = 5) -> dict:
