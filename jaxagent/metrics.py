@@ -33,6 +33,13 @@ def _scalar(v) -> float | None:
   return f
 
 
+def finite_json(record: Mapping[str, Any], **kwargs) -> str:
+  """`json.dumps` of a flat record with non-finite floats as null (strict JSON: NaN and
+  Infinity are not JSON, and many readers refuse them)."""
+  return json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                     for k, v in record.items()}, **kwargs)
+
+
 class MetricsWriter:
   """Writes step metrics to JSONL and TensorBoard; keeps them for the final curves plot."""
 
@@ -66,8 +73,7 @@ class MetricsWriter:
     self.history.append(rec)
     if not self.is_lead:
       return
-    self._jsonl.write(json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v)
-                                      else v) for k, v in rec.items()}) + "\n")
+    self._jsonl.write(finite_json(rec) + "\n")
     if self._tb is not None:
       for k, v in clean.items():
         # TensorBoard tags allow [A-Za-z0-9_./-]: "eval/pass@1" is logged as "eval/pass_at_1".

@@ -52,7 +52,7 @@ from jaxagent.agent.rollout import RolloutConfig, RolloutDriver, rollout_metrics
 from jaxagent.agent.trajectory import Trajectory, demonstration_trajectory
 from jaxagent.envs import make_env
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
-from jaxagent.metrics import MetricsWriter
+from jaxagent.metrics import MetricsWriter, finite_json
 from jaxagent.models import param_tree
 from jaxagent.models.config import RUN_MODEL_KEYS, run_overrides
 from jaxagent.rewards import ENV_REWARD_ERROR, RewardOutput, mean_metrics, math_verifier
@@ -842,7 +842,7 @@ class Trainer:
       self.summary["export"] = str(self.export())
     say("summary: " + json.dumps(self.summary))
     if jax.process_index() == 0:
-      (self.workdir / "summary.json").write_text(json.dumps(self.summary, indent=2))
+      (self.workdir / "summary.json").write_text(finite_json(self.summary, indent=2))
     if self.ckpt is not None:
       self.ckpt.wait()
     return self.summary

@@ -2,6 +2,7 @@
 import json
 import struct
 
+import pytest
 from tensorboardX.proto import event_pb2
 
 from jaxagent.metrics import MetricsWriter
@@ -101,3 +102,11 @@ def test_a_run_from_scratch_does_not_append_to_an_earlier_runs_metrics(tmp_path)
   tb = [(ev.step, v.simple_value) for _, ev in _events(run / "tensorboard")
         for v in ev.summary.value if v.tag == "before/pass_at_1"]
   assert tb == [(0, 0.75)]
+
+
+def test_finite_json_writes_non_finite_floats_as_null():
+  import math
+  from jaxagent.metrics import finite_json
+  text = finite_json({"a": math.nan, "b": -math.inf, "c": 1.5, "d": "x"}, indent=2)
+  assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == {
+      "a": None, "b": None, "c": 1.5, "d": "x"}
