@@ -5,31 +5,39 @@ import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-from benchmarks import plan_vs_measured
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_materialise_fills_shapes_with_zeros_and_segment_ids_with_ones():
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  tree = {"tokens": jax.ShapeDtypeStruct((2, 3), jnp.int32, sharding=sharding),
-          "segment_ids": jax.ShapeDtypeStruct((2, 3), jnp.int32, sharding=sharding),
-          "rng": jax.ShapeDtypeStruct((4,), jax.random.key(0).dtype, sharding=sharding),
-          "steps": 7}
-  out = plan_vs_measured._materialise(tree)
-  assert (np.asarray(out["tokens"]) == 0).all() and (np.asarray(out["segment_ids"]) == 1).all()
-  assert out["rng"].shape == (4,) and out["steps"] == 7
+  # In a child process: the script defines absl flags (--config) at import, which clash with
+  # jaxagent.launch's when another test of this worker imported that.
+  code = textwrap.dedent("""
+      import jax, jax.numpy as jnp, numpy as np
+      from benchmarks import plan_vs_measured
+      sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+      tree = {"tokens": jax.ShapeDtypeStruct((2, 3), jnp.int32, sharding=sharding),
+              "segment_ids": jax.ShapeDtypeStruct((2, 3), jnp.int32, sharding=sharding),
+              "rng": jax.ShapeDtypeStruct((4,), jax.random.key(0).dtype, sharding=sharding),
+              "steps": 7}
+      out = plan_vs_measured._materialise(tree)
+      assert (np.asarray(out["tokens"]) == 0).all(), out["tokens"]
+      assert (np.asarray(out["segment_ids"]) == 1).all(), out["segment_ids"]
+      assert out["rng"].shape == (4,) and out["steps"] == 7, out
+      print("ok")
+  """)
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                        timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
 
 
 @pytest.mark.slow  # plans and runs every program of a run (~60 s)
 def test_tiny_config_measures_every_program():
-  root = pathlib.Path(__file__).resolve().parents[2]
   proc = subprocess.run([sys.executable, "benchmarks/plan_vs_measured.py",
-                         "--config=configs/math_tool.py:tiny", "--iters=1"], cwd=root,
+                         "--config=configs/math_tool.py:tiny", "--iters=1"], cwd=ROOT,
                         capture_output=True, text=True, timeout=600,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert proc.returncode == 0, proc.stderr[-2000:]
