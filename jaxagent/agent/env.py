@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import functools
 import inspect
 import logging
 import string
@@ -187,20 +188,27 @@ class Env(abc.ABC):
     return None
 
 
-def _template_literals(template: str) -> list[str] | None:
-  """The literal text around each field of a `str.format` template, or None if it is invalid."""
+@functools.lru_cache(maxsize=64)
+def _template_parts(template: str) -> tuple[tuple, ...] | None:
+  """`string.Formatter().parse(template)` as a tuple (parsed once per template: the env's
+  template is fixed and every observation reads it), or None if the template is invalid."""
   try:
-    return [literal for literal, _, _, _ in string.Formatter().parse(template)]
+    return tuple(string.Formatter().parse(template))
   except ValueError:
     return None
+
+
+def _template_literals(template: str) -> list[str] | None:
+  """The literal text around each field of a `str.format` template, or None if it is invalid."""
+  parts = _template_parts(template)
+  return None if parts is None else [literal for literal, _, _, _ in parts]
 
 
 def _split_template(template: str, text: str) -> tuple[list[str], str] | None:
   """(literal segments, output) with `text == output.join(segments)` when every field of
   `template` is a plain `{output}`; None when the template or `text` cannot be taken apart."""
-  try:
-    parts = list(string.Formatter().parse(template))
-  except ValueError:
+  parts = _template_parts(template)
+  if parts is None:
     return None
   segments = [""]  # the literal text before, between and after the fields
   for literal, name, spec, conversion in parts:  # escaped braces split a literal in parts
