@@ -425,7 +425,9 @@ class _Run:
           f"request {traj.request_id} (group {traj.group_id}, sample {traj.sample_index}), at "
           f"token {len(lv.toks)} of the turn: the params have diverged or a kernel failed "
           "numerically. No trajectory of this rollout is returned.")
-    match = self.d.stop.check(lv.toks) if self.d.stop else None
+    # A stop string that spells the EOS token's text matches when EOS is sampled: the turn
+    # still ended by EOS (the engine stopped the slot), not at a stop string.
+    match = self.d.stop.check(lv.toks) if self.d.stop and code != STOP_EOS else None
     if match is not None:
       if code == RUNNING:  # the device would go on (or already did): freeze it at this token
         self.rewinds.append((lv.slot, lv.cached, int(tok)))

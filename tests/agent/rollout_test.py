@@ -454,6 +454,18 @@ def test_eos_no_tool_call_and_prompt_too_long():
     RolloutConfig(max_prompt_tokens=0)
 
 
+def test_a_stop_string_spelling_eos_still_ends_by_eos():
+  """A stop string equal to the EOS token's text matches when EOS is sampled: the turn ended by
+  EOS (a natural "eos" end, or "answer" when it answered), not "no_tool_call"."""
+  texts = {0: ["I give up." + chr(EOS)], 1: ["<answer>2" + chr(EOS)], 2: ["thinking... STOP"]}
+  stops = (chr(EOS), "STOP")
+  trajs = _run(texts, prompts=3, cfg=RolloutConfig(stop_strings=stops, decode_steps=4))
+  assert [t.stop_reason for t in trajs] == ["eos", "eos", "no_tool_call"]
+  assert [t.turns[0].ended_by for t in trajs] == ["eos", "eos", "stop"]
+  assert trajs[0].token_ids[-1] == EOS and trajs[0].turns[0].action == "text"
+  assert not any(t.truncated for t in trajs)
+
+
 class _FlakyEnv(ScriptedCalcEnv):
   """Task code that raises for some trajectories: `new_episode` for example q1, formatting the
   calculator's "6", encoding the calculator's "7"."""
