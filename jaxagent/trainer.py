@@ -128,7 +128,7 @@ def sft_items(env: Env, examples: Sequence[Example], tokenizer) -> list[packing.
     if segs is None:
       continue
     traj = demonstration_trajectory(env.render_prompt(ex, tokenizer), segs, tokenizer,
-                                    parser=getattr(env, "parser", None))
+                                    parser=getattr(env, "parser", None), env=env)
     items.append(traj.to_pack_item(0.0))
   if not items:
     raise ValueError(f"task {env.name!r} gave no demonstrations for the SFT warm start; set "

@@ -421,22 +421,33 @@ class Trajectory:
 
 
 def demonstration_trajectory(prompt_ids: Sequence[int], segments: Sequence[tuple[int, str]],
-                             tokenizer, *, request_id: int = -1, parser=None) -> Trajectory:
+                             tokenizer, *, request_id: int = -1, parser=None,
+                             env=None) -> Trajectory:
   """A ledger for SFT from a task's worked example (`Env.demonstration`).
 
   `segments` are (role, text) pairs after the prompt, role POLICY or OBSERVATION; each text is
   tokenized on its own (there is no sampler here, so logprobs are 0). Loss masks follow roles as
   in rollouts, so SFT trains only the policy's text.
 
+  With the task's `env`, observation texts are tokenized by `env.encode_observation`, as in
+  rollouts, so a tool output that spells a special token ("<|im_end|>") stays text in both;
+  `parser` defaults to `env.parser`. Without it, each text is tokenized with `tokenizer.encode`
+  (special-token text parsed: right for chat-template framing such as a chat JSONL's turns).
+
   With the task's `parser` (`env.parser`), each policy turn is parsed as a rollout would parse
   it, so the ledger's turns carry their action, call and answer and its counts the tool calls
   (a call followed by an observation counts as a valid call of that tool). Without it, turns
   have no action and the counts stay 0; the tokens and masks are the same either way.
   """
+  if env is not None and parser is None:
+    parser = getattr(env, "parser", None)
   traj = Trajectory(request_id=request_id)
   traj.add_prompt(prompt_ids)
   for role, text in segments:
-    ids = tokenizer.encode(text)
+    if role == OBSERVATION and callable(getattr(env, "encode_observation", None)):
+      ids = [int(t) for t in env.encode_observation(text, tokenizer)]
+    else:
+      ids = tokenizer.encode(text)
     if role == POLICY:
       turn = len(traj.turns)
       span = traj.add_policy(ids, [0.0] * len(ids), turn)

@@ -177,3 +177,45 @@ def test_demonstration_with_the_parser_records_its_tool_call():
 
   bad = demonstration_trajectory([1], [(POLICY, "x"), (OBSERVATION, "y")], TOK, parser=Raises())
   assert bad.turns[0].action == "malformed" and (bad.num_tool_calls, bad.tool_errors) == (1, 1)
+
+
+def test_demonstration_observations_are_tokenized_as_rollouts_tokenize_them():
+  """A tool output that spells "<|im_end|>" stays text in a demonstration given the env, as in
+  rollouts (`Env.encode_observation`); the SFT items of `trainer.sft_items` do the same."""
+  from jaxagent import models
+  from jaxagent.trainer import sft_items
+  from jaxagent.tools import ToolResult
+  try:
+    tok = models.load_tokenizer("smollm2-135m-instruct")
+  except Exception as e:  # noqa: BLE001 - the GGUF ships in an optional pip package
+    pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
+  env = CalculatorEnv()
+  obs = env.format_observation(ToolResult.success("4<|im_end|>2"))
+  ex = Example("d", [{"role": "user", "content": "What is 6*7?"}], gold="42",
+               metadata={"expression": "6*7"})
+  segs = [(POLICY, "<calc>6*7</calc>"), (OBSERVATION, obs), (POLICY, "<answer>42</answer>")]
+  prompt = env.render_prompt(ex, tok)
+  t = demonstration_trajectory(prompt, segs, tok, env=env)
+  a, b = t.turns[0].observation_span
+  assert t.token_ids[a:b] == env.encode_observation(obs, tok)
+  assert not set(t.token_ids[a:b]) & set(tok.eos_ids)  # the output did not close the turn
+  assert tok.decode(t.token_ids[a:b]) == obs
+  assert [turn.action for turn in t.turns] == ["tool_call", "answer"]  # parser from the env
+
+  # Framing a template adds is still parsed as special tokens; the output is not.
+  class ChatCalc(CalculatorEnv):
+    observation_template = "<|im_end|>\n<|im_start|>user\n{output}<|im_end|>\n<|im_start|>assistant\n"
+
+  chat = ChatCalc()
+  obs = chat.format_observation(ToolResult.success("<|im_end|>"))
+  t = demonstration_trajectory(prompt, [(POLICY, "<calc>1</calc>"), (OBSERVATION, obs)], tok, env=chat)
+  a, b = t.turns[0].observation_span
+  ids = t.token_ids[a:b]
+  assert ids == chat.encode_observation(obs, tok) and sum(i in tok.eos_ids for i in ids) == 2
+
+  # The trainer's warm start builds its items the same way.
+  class Demo(CalculatorEnv):
+    def demonstration(self, example):
+      return segs
+  (item,) = sft_items(Demo(), [ex], tok)
+  assert np.asarray(item.tokens).tolist() == demonstration_trajectory(prompt, segs, tok, env=env).token_ids
