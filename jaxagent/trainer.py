@@ -513,9 +513,16 @@ class Trainer:
     names `ENV_REWARD_ERROR` in `errors` (counted as `reward/errors/env_reward`), the traceback
     logged. The env's own reward components are already isolated (`CompositeReward`); this
     covers the env's code around them, so one odd trajectory cannot end a long run. When every
-    trajectory of a step fails the env is broken, not the samples: `_collect` raises."""
+    trajectory of a step fails the env is broken, not the samples: `_collect` raises. A return
+    that is not a `RewardOutput`, or whose total is not a finite number, fails the same way."""
     try:
-      return self.env.reward(traj, ex, self.tok, step)
+      out = self.env.reward(traj, ex, self.tok, step)
+      if not isinstance(out, RewardOutput):
+        raise TypeError(f"env.reward returned {type(out).__name__}, not a jaxagent.rewards."
+                        "RewardOutput (e.g. RewardOutput(total, {}, {}), or a CompositeReward's)")
+      if not (isinstance(out.total, (int, float, np.number)) and math.isfinite(out.total)):
+        raise ValueError(f"env.reward returned a total of {out.total!r}; it must be a finite number")
+      return out
     except Exception as e:  # noqa: BLE001 - any failure of user code becomes data
       log.warning("env %r: reward raised for example %r", self.env.name, ex.id, exc_info=True)
       self._reward_failures.append(f"example {ex.id!r}: {type(e).__name__}: {e}")

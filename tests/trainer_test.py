@@ -701,3 +701,22 @@ def test_an_error_on_the_lead_process_reaches_every_process(monkeypatch):
     Trainer._on_lead(boom)
   monkeypatch.setattr(trainer_lib, "_broadcast_from_lead", lambda obj: {"ok": 1})
   assert Trainer._on_lead(boom) == {"ok": 1}  # not called off the lead
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), None, 1.0, "1"])
+def test_env_reward_that_returns_a_non_finite_or_wrong_value_is_data(bad):
+  """A user's env.reward returning NaN (or not a RewardOutput) for one trajectory scores it 0 and
+  counts it, like a raise; the advantages would otherwise end the run on a NaN reward."""
+  from jaxagent.agent import CalculatorEnv, Example, Trajectory
+  from jaxagent.rewards import ENV_REWARD_ERROR, RewardOutput
+
+  class Env(CalculatorEnv):
+    def reward(self, trajectory, example, tokenizer, step):
+      return RewardOutput(bad, {}, {}) if isinstance(bad, float) and bad != 1.0 else bad
+
+  trainer = Trainer.__new__(Trainer)  # only what `_reward` reads
+  trainer.env, trainer.tok, trainer._reward_failures = Env(), None, []
+  out = trainer._reward(Trajectory(request_id=0), Example("q7", "2+2?", gold="4"), 0)
+  assert out.total == 0.0 and out.errors == (ENV_REWARD_ERROR,)
+  (msg,) = trainer._reward_failures
+  assert "q7" in msg and ("finite" in msg or "not a jaxagent.rewards.RewardOutput" in msg)
