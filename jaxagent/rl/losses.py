@@ -71,6 +71,7 @@ from typing import Literal, NamedTuple, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 Array = jax.Array
 
@@ -257,21 +258,39 @@ def policy_loss_parts(
       ref_logps: reference-policy log-probs `[B, L]`; required when `cfg.kl_coef > 0`.
       entropies: per-token policy entropies `[B, L]`; required when `cfg.entropy_coef > 0`.
       max_segments_per_row: static bound on segment ids (default L, always safe). A segment id
-        above it is left out of the segment sums and makes the per-segment terms (GSPO, the seq_*
-        aggregations) NaN, so pass a smaller value only when the packer guarantees it.
+        above it is an error in an eager call; under jit it is left out of the segment sums and
+        makes the per-segment terms (GSPO, the seq_* aggregations) NaN, so pass a smaller value
+        only when the packer guarantees it.
     """
     if cfg.kl_coef > 0 and ref_logps is None:
         raise ValueError(f"LossConfig.kl_coef={cfg.kl_coef} > 0 needs ref_logps; pass the reference policy's log-probs")
     if cfg.entropy_coef > 0 and entropies is None:
         raise ValueError(f"LossConfig.entropy_coef={cfg.entropy_coef} > 0 needs per-token entropies")
+    if logps.ndim != 2:
+        raise ValueError(f"logps has shape {logps.shape}; expected [B, L] (rows x positions): give a single "
+                         "sequence a leading axis of 1, and vmap over any further leading axes")
     B, L = logps.shape
     for name, x in (("old_logps", old_logps), ("advantages", advantages), ("loss_mask", loss_mask),
                     ("segment_ids", segment_ids), ("ref_logps", ref_logps), ("entropies", entropies)):
         if x is not None and x.shape != (B, L):
             raise ValueError(f"{name} has shape {x.shape}; expected {(B, L)} like logps")
     num_segments = (L if max_segments_per_row is None else max_segments_per_row) + 1  # + padding id 0
+    # Concrete ids (an eager call) are checked here; under jit an id past the bound makes the
+    # per-segment terms NaN (see max_segments_per_row), which the step's non-finite check catches.
+    try:  # not for tracers, nor for arrays spread over several hosts
+        top = (int(np.max(np.asarray(segment_ids), initial=0))
+               if getattr(segment_ids, "is_fully_addressable", True) else None)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        top = None
+    if top is not None and top >= num_segments:
+        raise ValueError(
+            f"segment_ids go up to {top} but max_segments_per_row={num_segments - 1}: number the "
+            "segments 1, 2, ... within each row (0 for padding), as `rl/packing.pack` does, or pass a "
+            "larger max_segments_per_row")
 
-    dtype = jnp.promote_types(logps.dtype, jnp.float32)
+    # float32 at least; float64 only under jax_enable_x64 (NumPy's float64 inputs otherwise
+    # compute in float32, without a truncation warning per array).
+    dtype = jax.dtypes.canonicalize_dtype(jnp.promote_types(logps.dtype, jnp.float32))
     segment_ids_BxL = segment_ids.astype(jnp.int32)
     mask_BxL = (loss_mask > 0) & (segment_ids_BxL > 0)
     maskf_BxL = mask_BxL.astype(dtype)

@@ -524,3 +524,43 @@ def test_missing_ref_or_entropies_is_a_clear_error():
     with pytest.raises(ValueError, match="shape"):
         policy_loss(z, z, z, jnp.zeros((1, 3)), seg, LossConfig())
     assert hash(LossConfig()) == hash(LossConfig())  # usable as a static jit argument
+
+
+def test_non_2d_logps_is_a_clear_error():
+    z = jnp.zeros(4)
+    with pytest.raises(ValueError, match=r"logps has shape \(4,\); expected \[B, L\]"):
+        policy_loss(z, z, z, z, jnp.ones(4, jnp.int32), LossConfig())
+
+
+@pytest.mark.parametrize("agg", AGGS)
+def test_segment_id_past_the_bound_is_a_clear_error_when_eager(agg):
+    # Ids numbered across the batch (here a trajectory index 9 in rows of 6) are left out of the
+    # segment sums: the seq_* aggregations were NaN without a word in an eager call.
+    z = jnp.zeros((2, 6))
+    mask = jnp.asarray([[0, 1, 1, 0, 1, 1]] * 2, jnp.float32)
+    seg = jnp.asarray([[1, 1, 1, 2, 2, 2], [9, 9, 9, 9, 0, 0]])
+    with pytest.raises(ValueError, match="segment_ids go up to 9 but max_segments_per_row=6"):
+        policy_loss(z, z, jnp.ones((2, 6)), mask, seg, make_cfg(agg=agg))
+    with pytest.raises(ValueError, match="max_segments_per_row=1"):
+        policy_loss(z, z, jnp.ones((2, 6)), mask, jnp.minimum(seg, 2), make_cfg(agg=agg), max_segments_per_row=1)
+    ok = jnp.asarray([[1, 1, 1, 2, 2, 2], [6, 6, 6, 6, 0, 0]])  # up to L is fine
+    loss, _ = policy_loss(z, z, jnp.ones((2, 6)), mask, ok, make_cfg(agg=agg))
+    assert np.isfinite(float(loss))
+    # Under jit the ids are not known: no check (the documented NaN, which the step catches).
+    jax.jit(lambda s: policy_loss(z, z, jnp.ones((2, 6)), mask, s, make_cfg(agg=agg))[0])(seg)
+
+
+def test_numpy_float64_inputs_compute_in_float32_without_warnings():
+    # NumPy's default float64 arrays (x64 off) used to warn "float64 ... truncated" per array.
+    rng = np.random.default_rng(0)
+    lp, old = -rng.uniform(0.1, 2, (2, 5)), -rng.uniform(0.1, 2, (2, 5))
+    mask = np.array([[0, 1, 1, 1, 0], [0, 1, 1, 0, 0]], np.float64)
+    seg = np.array([[1, 1, 1, 1, 0], [1, 1, 2, 2, 0]])
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss, _ = policy_loss(lp, old, np.ones((2, 5)), mask, seg, LossConfig(kl_coef=0.1), ref_logps=lp + 0.1)
+    assert loss.dtype == jnp.float32
+    want, _ = policy_loss(*(jnp.asarray(x, jnp.float32) for x in (lp, old, np.ones((2, 5)), mask)), jnp.asarray(seg),
+                          LossConfig(kl_coef=0.1), ref_logps=jnp.asarray(lp + 0.1, jnp.float32))
+    np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
