@@ -75,6 +75,12 @@ class PackItem:
             x = getattr(self, name)
             if x is not None and x.shape != (n,):
                 raise ValueError(f"{who}: {name} has shape {x.shape}; expected ({n},) like tokens")
+        # A non-finite advantage on a trained token makes the whole batch's loss NaN.
+        bad = np.flatnonzero((self.loss_mask > 0) & ~np.isfinite(self.advantages))
+        if bad.size:
+            raise ValueError(f"{who}: advantages must be finite on policy tokens (loss_mask > 0); got "
+                             f"{self.advantages[bad[:5]].tolist()} at positions {bad[:5].tolist()} "
+                             "(check the rewards and the advantage computation upstream)")
         if self.loss_mask[0] != 0:
             raise ValueError(f"{who}: loss_mask[0] must be 0 (position 0 has no log-prob); "
                              "the ledger is probably shifted by one")
@@ -220,7 +226,13 @@ def best_fit_decreasing(lengths: np.ndarray, capacity: int) -> tuple[np.ndarray,
     room that still fits them, else into a new row. Returns (row, offset) per item and the used
     length of each row; within a row, items sit in placement order.
     """
-    order = np.argsort(-np.asarray(lengths), kind="stable")
+    lengths = np.asarray(lengths)
+    bad = np.flatnonzero((lengths < 0) | (lengths > capacity))
+    if bad.size:
+        raise ValueError(f"best_fit_decreasing: lengths {lengths[bad[:5]].tolist()} at indices {bad[:5].tolist()} "
+                         f"do not fit rows of capacity {capacity}; each length must be in [0, capacity] "
+                         "(drop or truncate longer items first, as `pack` does)")
+    order = np.argsort(-lengths, kind="stable")
     row = np.full(len(lengths), -1, np.int64)
     offset = np.zeros(len(lengths), np.int64)
     used: list[int] = []

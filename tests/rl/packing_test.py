@@ -230,3 +230,22 @@ def test_validation():
     with pytest.raises(ValueError, match="shape"):
         packed = pack([make_item(rng, 5)], PackingConfig(max_len=8))
         unpack(np.zeros((2, 8)), packed)
+
+
+def test_best_fit_decreasing_rejects_items_longer_than_the_row():
+    # An item over capacity used to open a row and overfill it (used > capacity) silently.
+    with pytest.raises(ValueError, match=r"lengths \[12\] at indices \[1\] do not fit rows of capacity 10"):
+        best_fit_decreasing(np.array([5, 12, 3]), 10)
+    row, offset, used = best_fit_decreasing(np.array([10, 4, 6]), 10)  # exactly full rows are fine
+    assert used == [10, 10]
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_non_finite_advantage_on_a_policy_token_is_a_clear_error(bad):
+    # One such item made the loss of its whole packed batch NaN.
+    with pytest.raises(ValueError, match=r"traj_id=7.*advantages must be finite on policy tokens"):
+        PackItem(np.arange(4), np.array([0, 1, 1, 0]), np.zeros(4), bad, traj_id=7)
+    with pytest.raises(ValueError, match=r"positions \[2\]"):
+        PackItem(np.arange(4), np.array([0, 1, 1, 0]), np.zeros(4), np.array([0, 1, bad, 0]))
+    # Positions without loss never reach the loss: accepted.
+    PackItem(np.arange(4), np.array([0, 1, 1, 0]), np.zeros(4), np.array([bad, 1, 1, bad]))
