@@ -8,7 +8,8 @@ trajectory as observation tokens. Every failure mode of a tool ends up as a `Too
 `ok=False`, never as an exception in the training loop (DESIGN decision 7).
 
 A tool is any object with `name`, `description`, `parameters` (a JSON schema for an object) and
-`__call__(args) -> ToolResult | str`. Optional attributes read by the executor: `timeout_s` (its
+`__call__(args) -> ToolResult | str` (or `async def __call__`, whose result the executor awaits
+in an event loop of the call's thread, cancelling it at the call's time limit). Optional attributes read by the executor: `timeout_s` (its
 default per-call timeout), `execution` (`"thread"` for I/O-bound tools, `"process"` for
 CPU-bound pure-Python tools that would otherwise hold the GIL), and `takes_timeout`: a thread
 tool that sets it is called as `tool(args, timeout_s=limit)`, must stop itself within the limit
@@ -304,6 +305,7 @@ def function_tool(
 
     The schema comes from the signature (str/int/float/bool/list/dict/Literal/Optional) and the
     description from the docstring's first paragraph, parameter descriptions from its `Args:`.
+    `fn` may be an `async def` (the executor awaits it).
     """
 
     def build(f: Callable[..., Any]) -> FunctionTool:

@@ -28,10 +28,12 @@ them short.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import dataclasses
 import heapq
+import inspect
 import itertools
 import logging
 import multiprocessing
@@ -64,6 +66,9 @@ def invoke_tool(tool: Tool, args: Any, *, max_output_chars: int | None = None,
                 timeout_s: float | None = None) -> ToolResult:
     """Calls `tool(args)` on this thread, turning any exception or bad return value into data.
 
+    An async tool (`async def __call__`, or `function_tool` of an `async def`) is awaited in an
+    event loop of this thread, and cancelled at `timeout_s`.
+
     A tool with `takes_timeout = True` is called as `tool(args, timeout_s=timeout_s)` when a
     limit is given, and is expected to stop itself within it.
     """
@@ -71,6 +76,8 @@ def invoke_tool(tool: Tool, args: Any, *, max_output_chars: int | None = None,
     start = time.monotonic()
     try:
         out = tool(args, timeout_s=timeout_s) if timeout_s is not None and _takes_timeout(tool) else tool(args)
+        if inspect.isawaitable(out):
+            out = _await(out, timeout_s, name)
         result = normalize_result(out, tool_name=name, max_output_chars=max_output_chars)
     except BaseException as e:  # noqa: BLE001 - a failing tool is an observation, not a crash.
         if isinstance(e, KeyboardInterrupt) and threading.current_thread() is threading.main_thread():
@@ -79,6 +86,23 @@ def invoke_tool(tool: Tool, args: Any, *, max_output_chars: int | None = None,
         result = normalize_result(ToolResult.failure(f"tool {name!r} raised {_describe_exception(e)}"),
                                   tool_name=name, max_output_chars=max_output_chars)
     return dataclasses.replace(result, duration_s=time.monotonic() - start)
+
+
+def _await(awaitable: Any, timeout_s: float | None, name: str) -> Any:
+    """The result of an async tool's call, run to completion in an event loop of this thread.
+
+    With a limit the coroutine is cancelled at it (the executor's watchdog answers the call at
+    the same moment), so an async tool does not keep running after its timeout.
+    """
+    async def main():
+        if timeout_s is None:
+            return await awaitable
+        try:
+            return await asyncio.wait_for(awaitable, timeout_s)
+        except asyncio.TimeoutError:
+            return ToolResult.failure(f"tool {name!r} timed out after {timeout_s:g} s", timed_out=True)
+
+    return asyncio.run(main())
 
 
 def _describe_exception(e: BaseException) -> str:

@@ -298,3 +298,39 @@ def test_process_calls_waiting_for_a_busy_worker_are_not_timed_out():
         results = [f.result(timeout=60) for f in futures]
         assert executor.stats()["stuck_threads"] == 0
     assert all(r.ok and r.output == "slept 0.5" for r in results), [r.error for r in results if not r.ok]
+
+
+@function_tool
+async def async_echo(text: str, delay: float = 0.0) -> str:
+  """Echo text after an asynchronous sleep."""
+  import asyncio
+  await asyncio.sleep(delay)
+  return f"echo {text}"
+
+
+def test_async_tools_are_awaited_and_cancelled_at_their_timeout():
+  """An `async def` tool (a user's HTTP client, say) returns its result, not an error about a
+  coroutine; past its limit it is cancelled and answered as a timeout."""
+  import asyncio
+
+  class AsyncCallable:
+    name, description = "acall", "an object with an async __call__"
+    parameters = {"type": "object", "properties": {}}
+
+    async def __call__(self, args):
+      await asyncio.sleep(0)
+      return ToolResult.success("done")
+
+  direct = invoke_tool(async_echo, {"text": "hi"})
+  assert (direct.ok, direct.output) == (True, "echo hi")
+  with ToolExecutor(default_timeout_s=5.0) as ex:
+    assert ex.run(async_echo, {"text": "a"}).output == "echo a"
+    assert ex.run(AsyncCallable(), {}).output == "done"
+    t0 = time.monotonic()
+    slow = ex.run(async_echo, {"text": "b", "delay": 30.0}, timeout_s=0.3)
+    assert time.monotonic() - t0 < 5.0
+    assert not slow.ok and slow.timed_out and "timed out" in slow.error
+    deadline = time.monotonic() + 2.0  # cancelled, not left running on its thread
+    while ex.stats()["stuck_threads"] and time.monotonic() < deadline:
+      time.sleep(0.01)
+    assert ex.stats()["stuck_threads"] == 0
