@@ -9,8 +9,9 @@ every process; on a Cloud TPU slice JAX finds all three itself. Only process 0 l
 metrics; every process takes part in checkpoints. `launch/` has recipes for TPU VMs, GKE (xpk)
 and GPU clusters (Slurm). With checkpointing on (`--config.checkpoint_every=N`), a run stopped
 by SIGTERM finishes its step, saves a checkpoint and exits 0, and rerunning the same command
-resumes it; without it, SIGTERM ends the run as usual. A second launch into a workdir that a
-running launch holds stops at once, naming the process that holds it.
+resumes it; without it, SIGTERM ends the run as usual. A second launch into a workdir (or a
+local checkpoint directory) that a running launch holds stops at once, naming the process that
+holds it.
 """
 import logging
 import os
@@ -91,13 +92,15 @@ def check_workdir(workdir) -> None:
 _HELD_LOCKS = []  # `lock_workdir`'s open files: the locks last as long as the process
 
 
-def lock_workdir(workdir):
+def lock_workdir(workdir, setting: str = "workdir"):
   """Hold an exclusive lock on `<workdir>/.jaxagent.lock` for the life of this process.
 
   Two runs launched into one workdir (a command started twice, a requeued job while the first
   still runs) both finished "successfully" with their checkpoints, metrics and TensorBoard
   events interleaved. Returns the open lock file (keep it referenced), or None on a file
-  system without locks (with a warning). Raises ValueError when another process holds it.
+  system without locks (with a warning). Raises ValueError when another process holds it,
+  naming `setting`, the config key that chose the directory (the checkpoint directory is
+  locked the same way: `lock_checkpoint_dir`).
   """
   import fcntl
   path = pathlib.Path(str(workdir)) / ".jaxagent.lock"
@@ -108,9 +111,9 @@ def lock_workdir(workdir):
     f.seek(0)
     holder = f.read().strip()
     f.close()
-    raise ValueError(f"another run is using workdir {str(workdir)!r} ({holder or path}): wait "
-                     "for it to end or stop it, or set --config.workdir to another directory"
-                     ) from None
+    raise ValueError(f"another run is using {setting} {str(workdir)!r} ({holder or path}): "
+                     f"wait for it to end or stop it, or set --config.{setting} to another "
+                     "directory") from None
   except OSError as e:
     logging.warning("cannot lock %s (%s): nothing stops a second run from using this workdir",
                     path, e)
@@ -121,6 +124,28 @@ def lock_workdir(workdir):
   f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")
   f.flush()
   return f
+
+
+def lock_checkpoint_dir(config):
+  """`lock_workdir` for the run's checkpoint directory when checkpointing is on and it is local:
+  two runs with their own workdirs and one `checkpoint_dir` (or one pointing into the other's
+  workdir) each overwrote and deleted the other's checkpoints and ended "successfully"; a rerun
+  then resumed the other run's weights. None when there is nothing to lock (a bucket cannot be
+  locked: one run per bucket folder is the user's to keep)."""
+  from jaxagent.checkpoint import CheckpointConfig
+  cfg = CheckpointConfig.from_config(config)
+  if not cfg.enabled:
+    return None
+  path = cfg.path(config.workdir)
+  if "://" in str(path):
+    return None
+  try:
+    pathlib.Path(str(path)).mkdir(parents=True, exist_ok=True)
+  except OSError as e:
+    raise ValueError(f"checkpoint directory {str(path)!r} cannot be created "
+                     f"({e.strerror or e}): set --config.checkpoint_dir to a directory this "
+                     "process can create and write") from None
+  return lock_workdir(path, setting="checkpoint_dir")
 
 
 def parse_flags(argv: list[str]) -> list[str]:
@@ -153,6 +178,7 @@ def main(argv):
   if jax.process_index() == 0:
     try:
       _HELD_LOCKS.append(lock_workdir(config.workdir))  # held until this process exits
+      _HELD_LOCKS.append(lock_checkpoint_dir(config))
     except ValueError as e:
       raise SystemExit(f"bad launch: {e}") from None
   cache = compile_stats.enable_persistent_cache(_COMPILE_CACHE.value)

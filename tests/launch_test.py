@@ -463,3 +463,50 @@ def test_a_second_launch_into_a_workdir_in_use_is_refused(tmp_path):
   finally:
     held.close()
   lock_workdir(workdir).close()  # free again once the holder is gone
+
+
+def test_a_second_launch_into_a_checkpoint_dir_in_use_is_refused(tmp_path):
+  """Two launches with workdirs of their own and one checkpoint directory (here the second's
+  checkpoint_dir is the first's `<workdir>/checkpoints`) both ended "successfully": the second
+  overwrote and deleted the first's checkpoints, and a rerun of the first resumed its weights."""
+  from jaxagent.launch import lock_workdir
+  held = lock_workdir(_mkdir(tmp_path / "a" / "checkpoints"))
+  try:
+    r = subprocess.run([sys.executable, "-m", "jaxagent.launch",
+                        "--config=configs/quickstart.py:tiny", f"--config.workdir={tmp_path / 'b'}",
+                        f"--config.checkpoint_dir={tmp_path / 'a' / 'checkpoints'}",
+                        "--config.checkpoint_every=1", "--config.total_steps=0",
+                        "--config.sft.steps=0", "--config.eval.before=False", "--fit_check=off"],
+                       cwd=REPO, capture_output=True, text=True, timeout=120,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    assert (f"bad launch: another run is using checkpoint_dir '{tmp_path / 'a' / 'checkpoints'}' "
+            f"(pid {os.getpid()} on" in r.stderr), r.stderr[-2000:]
+    assert "--config.checkpoint_dir to another directory" in r.stderr
+    assert not (tmp_path / "b" / "metrics.jsonl").exists()
+  finally:
+    held.close()
+
+
+def test_checkpoint_dir_is_locked_only_when_checkpointing_to_a_local_directory(tmp_path):
+  from configs.quickstart import get_config
+  from jaxagent.launch import lock_checkpoint_dir
+  c = get_config("tiny")
+  c.workdir = str(tmp_path / "run")
+  assert lock_checkpoint_dir(c) is None  # checkpoint_every=0: no checkpoints to guard
+  c.checkpoint_dir = "gs://bucket/run/checkpoints"
+  c.checkpoint_every = 1
+  assert lock_checkpoint_dir(c) is None  # buckets cannot be locked
+  c.checkpoint_dir = ""
+  held = lock_checkpoint_dir(c)
+  try:
+    assert (tmp_path / "run" / "checkpoints" / ".jaxagent.lock").exists()
+    with pytest.raises(ValueError, match="another run is using checkpoint_dir"):
+      lock_checkpoint_dir(c)
+  finally:
+    held.close()
+
+
+def _mkdir(path):
+  path.mkdir(parents=True)
+  return path
