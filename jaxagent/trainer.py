@@ -834,8 +834,14 @@ class Trainer:
               f"{c.total_steps}" + ("; rerun the same command to continue from its checkpoint"
                                     if self.ckpt is not None else ""))
           break
-      if stopped:
+      if stopped and self.step < c.total_steps:
         return self._stop()
+      if stopped:
+        # A stop that comes once the last step is done (or before any step of a run that is
+        # complete) finishes the run: taking the stop path left it without its summary.json,
+        # curves and export, and said to rerun a run that had nothing left to do.
+        say(f"{self._stop_reason} after the last step ({self.step} of {c.total_steps}): "
+            "finishing the run")
     if c.total_steps:
       last = [r for r in self.writer.history if "eval/pass@1" in r]
       if last:

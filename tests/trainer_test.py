@@ -347,6 +347,32 @@ def test_time_limit_stops_after_the_step_with_final_eval_and_checkpoint(tmp_path
   assert summary["pass@1/after_rl"] == step1["eval/pass@1"]
 
 
+@pytest.mark.slow  # a whole run (about 25 s on 2 cores)
+def test_sigterm_in_the_last_step_finishes_the_run(tmp_path):
+  # A stop noticed after the last step took the SIGTERM path: no summary.json, curves or
+  # export, and "rerun the same command to resume" for a run with nothing left to do.
+  trainer = Trainer(_tiny(tmp_path, **{"total_steps": 1, "checkpoint_every": 1,
+                                       "export": True}))
+  saved = []
+  trainer._save = saved.append  # the save calls, without the cost of real checkpoints
+  rl_step = trainer.rl_step
+
+  def sigterm_during(step):
+    trainer.request_stop("received SIGTERM")
+    return rl_step(step)
+  trainer.rl_step = sigterm_during
+  try:
+    summary = trainer.run()
+  finally:
+    trainer.close()
+  assert saved == [0, 1]
+  assert "stopped_at_step" not in summary
+  assert "pass@1/after_rl" in summary and "time_s" in summary
+  run = tmp_path / "run"
+  assert json.loads((run / "summary.json").read_text())["export"] == str(run / "export")
+  assert (run / "export" / "model.safetensors").exists() and (run / "curves.png").exists()
+
+
 def test_time_limit_must_not_be_negative(tmp_path):
   with pytest.raises(ValueError, match="time_limit_s"):
     Trainer(_tiny(tmp_path, **{"train.time_limit_s": -1.0}))
