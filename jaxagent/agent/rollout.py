@@ -21,7 +21,8 @@ This is `generate.scheduler.run_requests` generalised to many turns:
   trajectory), per-call tool timeout and per-trajectory tool time. Malformed calls, unknown tools,
   bad arguments, tool errors and timeouts become error observations and counts (DESIGN 7). Task
   code that raises for one trajectory (`new_episode`, `format_observation`,
-  `encode_observation`, or observation ids outside the model's vocabulary) ends that trajectory
+  `encode_observation`), returns the wrong type (an `Episode`, a list of int ids) or gives
+  observation ids outside the model's vocabulary ends that trajectory
   with stop reason "env_error" (logged); the others go on.
 
 Reproducibility: each trajectory's sampler rng is `(seed, request_id, position)` with
@@ -166,6 +167,19 @@ class _Job:
 def _clean_text(text: str) -> str:
   """Text the tokenizer can encode: lone surrogates (e.g. from JSON escapes) become '?'."""
   return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _token_ids(ids) -> list[int]:
+  """`encode_observation`'s return as a list of ints; anything else raises, naming what it was
+  (a float id would be cut to another token, a string read character by character)."""
+  if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
+    raise TypeError(f"encode_observation returned {type(ids).__name__}, not a list of token ids")
+  ids = list(ids)
+  bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+  if bad is not None:
+    raise TypeError(f"encode_observation returned a {type(bad).__name__} ({bad!r}) among its token "
+                    "ids; it must return ints")
+  return [int(t) for t in ids]
 
 
 class RolloutDriver:
@@ -339,7 +353,11 @@ class _Run:
     jobs, episodes = [], []
     for job in (self.queue.popleft() for _ in range(n)):
       try:
-        episodes.append(self.env.new_episode(job.example))
+        episode = self.env.new_episode(job.example)
+        if not isinstance(episode, Episode):
+          raise TypeError(f"new_episode returned {type(episode).__name__}, not a "
+                          "jaxagent.agent.Episode; wrap the trajectory's tools: Episode(tools)")
+        episodes.append(episode)
       except Exception:  # noqa: BLE001 - one trajectory's task failure is data, not a crashed run
         log.warning("env %r: new_episode raised for example %r (request %d); the trajectory ends "
                     "with stop reason 'env_error'", getattr(self.env, "name", self.env),
@@ -539,7 +557,7 @@ class _Run:
       return self._finish(lv, "tool_budget")
     try:
       text = self.env.format_observation(result)
-      ids = [int(t) for t in self.env.encode_observation(_clean_text(text), self.tok)]
+      ids = _token_ids(self.env.encode_observation(_clean_text(text), self.tok))
       vocab = self.d.vocab_size
       bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
       if bad is not None:

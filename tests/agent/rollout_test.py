@@ -521,6 +521,32 @@ def test_task_code_that_raises_ends_only_its_trajectory():
   assert rollout_metrics(trajs)["rollout/stop/env_error"] == 0.5
 
 
+def test_task_code_that_returns_the_wrong_type_ends_only_its_trajectory(caplog):
+  """`new_episode` returning tools instead of an `Episode`, or `encode_observation` returning
+  text or float ids, ends that trajectory ("env_error", the log naming the fix): it crashed the
+  rollout on `.close()`, and float ids were silently cut to other tokens."""
+
+  class WrongTypes(CalculatorEnv):
+    def new_episode(self, example):
+      return self.tools if example.id == "q0" else super().new_episode(example)
+
+    def encode_observation(self, text, tokenizer):
+      ids = super().encode_observation(text, tokenizer)
+      return {"<result>2</result>": text, "<result>3</result>": [i + 0.5 for i in ids]}.get(text, ids)
+
+  texts = {rid: [f"<calc>{rid}+1</calc>", "<answer>x</answer>"] for rid in range(4)}
+  fake = FakeEngine(_script_from_texts(texts), slots=2)
+  with caplog.at_level("WARNING"):
+    trajs = rollout(fake, None, WrongTypes(), _examples(4), tokenizer=TOK,
+                    cfg=RolloutConfig(decode_steps=4))
+  assert [t.stop_reason for t in trajs] == ["env_error", "env_error", "env_error", "answer"]
+  assert trajs[0].num_turns == 0 and trajs[1].turns[0].observation_span is None
+  assert trajs[2].num_observation_tokens == 0
+  log = caplog.text
+  assert "not a jaxagent.agent.Episode" in log and "returned str, not a list of token ids" in log
+  assert "returned a float" in log
+
+
 def test_observation_ids_outside_the_vocabulary_end_only_their_trajectory():
   """A task whose observation tokens fall outside the model's vocabulary (a tokenizer that does
   not match the model) fails its own trajectory, not the batched append of every slot."""
