@@ -28,6 +28,7 @@ import functools
 import hashlib
 import json
 import logging
+import operator
 import os
 import pathlib
 import tempfile
@@ -240,7 +241,10 @@ class Tokenizer:
 
   def decode(self, ids: Iterable[int] | np.ndarray, skip_special_tokens: bool = False) -> str:
     """Text of `ids`. Byte sequences cut mid-character decode to U+FFFD; ids outside the vocab are skipped."""
-    return self._backend.decode(_as_id_list(ids), skip_special_tokens=skip_special_tokens)
+    # The backend takes unsigned 32-bit ids: a negative or larger one (a -1 pad, say) would
+    # raise a bare OverflowError instead of being skipped like the other unknown ids.
+    return self._backend.decode([i for i in _as_id_list(ids) if 0 <= i < 2**32],
+                                skip_special_tokens=skip_special_tokens)
 
   def stream_decoder(self, prompt_ids: Iterable[int] = (), skip_special_tokens: bool = False
                      ) -> StreamDecoder:
@@ -675,5 +679,13 @@ def _as_id_list(ids: Iterable[int] | np.ndarray) -> list[int]:
   if isinstance(ids, np.ndarray):
     if ids.ndim != 1:
       raise ValueError(f"expected a 1-D sequence of token ids, got shape {ids.shape}")
+    if not np.issubdtype(ids.dtype, np.integer):  # float ids would be truncated silently
+      raise TypeError(f"token ids must be integers, got an array of dtype {ids.dtype}")
     return ids.astype(np.int64).tolist()
-  return [int(i) for i in ids]
+  out = []
+  for i in ids:
+    try:
+      out.append(operator.index(i))  # ints, NumPy / JAX integer scalars; not floats
+    except TypeError:
+      raise TypeError(f"token ids must be integers, got {i!r} ({type(i).__name__})") from None
+  return out

@@ -216,6 +216,21 @@ def test_decode_skips_special_tokens_and_accepts_arrays(tok):
     tok.encode(b"bytes")
 
 
+def test_decode_skips_ids_outside_the_vocab_and_refuses_non_integers(tok):
+  # Negative and huge ids are skipped like any other unknown id (the backend raised a bare
+  # OverflowError on them), in decode and in the stream decoder.
+  ids = tok.encode("hi there")
+  assert tok.decode([-1] + ids + [tok.vocab_size + 7, 2**40]) == "hi there"
+  assert tok.decode(np.asarray([-1] + ids, np.int64)) == "hi there"
+  stream = tok.stream_decoder([-1])
+  assert stream.push(-5) + stream.push(ids) + stream.flush() == "hi there"
+  # Float ids were truncated to ints silently.
+  with pytest.raises(TypeError, match="dtype float"):
+    tok.decode(np.asarray(ids, np.float32))
+  with pytest.raises(TypeError, match="must be integers"):
+    tok.decode([float(i) for i in ids])
+
+
 @pytest.mark.parametrize("text", ["héllo 😀🎉 中文字符 👩‍👩‍👧!", "plain ascii text, nothing odd", "x  1 é"])
 def test_stream_decoder_emits_whole_characters(tok, text):
   prompt = tok.encode_chat([{"role": "user", "content": "Say something."}])
