@@ -44,7 +44,8 @@ class PackItem:
       tokens: int32 `[n]`.
       loss_mask: `[n]`, 1 on policy-generated tokens; position 0 must be 0.
       old_logps: float32 `[n]`, sampler log-prob of token t at position t (0 where mask is 0).
-      advantages: a scalar (broadcast to all n positions) or a float32 `[n]` array.
+      advantages: a scalar (broadcast to all n positions) or a float32 `[n]` array; finite on
+        policy tokens.
       ref_logps: optional float32 `[n]` reference-policy log-probs.
       group_id, traj_id: bookkeeping ids, carried into the packed batch (-1 when unknown).
     """
