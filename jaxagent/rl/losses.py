@@ -388,8 +388,9 @@ def policy_loss_parts(
     sums["log_ratio_clamped"], counts["log_ratio_clamped"] = jnp.sum(clamped_BxL), num_tokens
     sums["num_policy_tokens"] = num_tokens
     sums["num_segments"] = num_live
-    ratio_min = jnp.min(jnp.where(mask_BxL, ratio_sg, jnp.inf))
-    ratio_max = jnp.max(jnp.where(mask_BxL, ratio_sg, -jnp.inf))
+    # `initial` so an empty batch ([0, L] or [B, 0]) reduces like an all-masked one.
+    ratio_min = jnp.min(jnp.where(mask_BxL, ratio_sg, jnp.inf), initial=jnp.inf)
+    ratio_max = jnp.max(jnp.where(mask_BxL, ratio_sg, -jnp.inf), initial=-jnp.inf)
     return LossParts(numerator, denominator, sums, counts, ratio_min, ratio_max)
 
 

@@ -445,6 +445,19 @@ def test_all_masked_batch_is_zero_not_nan():
         assert float(m["ratio_mean"]) == 1.0 and float(m["num_policy_tokens"]) == 0.0
 
 
+@pytest.mark.parametrize("shape", [(0, 8), (2, 0)])
+def test_empty_batch_is_zero_like_an_all_masked_one(shape):
+    # A micro-batch without rows (e.g. every row filtered out) raised "zero-size array to
+    # reduction operation min" from the ratio extremes.
+    z = jnp.zeros(shape)
+    for algo in ALGOS:
+        cfg = make_cfg(algo, "seq_mean_token_mean", kl_coef=0.1, entropy_coef=0.01)
+        f = lambda lp: policy_loss(lp, z, z, z, z.astype(jnp.int32), cfg, ref_logps=z, entropies=z)
+        (loss, m), g = jax.value_and_grad(f, has_aux=True)(z)
+        assert float(loss) == 0.0 and g.shape == shape and float(jax.jit(f)(z)[0]) == 0.0
+        assert float(m["ratio_min"]) == float(m["ratio_max"]) == 1.0 and float(m["num_policy_tokens"]) == 0.0
+
+
 @pytest.mark.parametrize("agg", AGGS)
 def test_micro_batch_accumulation_equals_full_batch(agg):
     rng = np.random.default_rng(4)
