@@ -154,6 +154,16 @@ def _strftime_now(fmt: str) -> str:
   return datetime.now().strftime(fmt)
 
 
+class _TemplateDict:
+  """`dict` for templates: `dict(...)` and `dict.fromkeys(...)`, nothing else of the type."""
+
+  def __call__(self, *args: Any, **kwargs: Any) -> dict:
+    return dict(*args, **kwargs)
+
+  def fromkeys(self, *args: Any) -> dict:
+    return dict.fromkeys(*args)
+
+
 @functools.lru_cache(maxsize=32)
 def compile_template(template: str) -> jinja2.Template:
   env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
@@ -161,7 +171,7 @@ def compile_template(template: str) -> jinja2.Template:
   env.filters["tojson"] = _tojson
   env.globals["raise_exception"] = _raise_exception
   env.globals["strftime_now"] = _strftime_now
-  env.globals["dict"] = lambda *args, **kwargs: dict(*args, **kwargs)
+  env.globals["dict"] = _TemplateDict()
   env.globals["namespace"] = _TemplateNamespace
   try:
     return env.from_string(template)

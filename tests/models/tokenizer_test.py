@@ -469,6 +469,18 @@ def test_template_variables_and_named_templates(tok):
     T.Tokenizer(tok.backend, eos_token="<|im_end|>").apply_chat_template(messages)
 
 
+@pytest.mark.parametrize("template", [
+    "{% set d = dict.fromkeys(['a', 'b'], 1) %}{{ d | tojson }}{{ dict.fromkeys('xy') | tojson }}",
+    "{% set d = dict(x=1, y=[2]) %}{{ d.x }}{{ d | tojson }}{{ dict([('k', 3)]).k }}",
+])
+def test_template_dict_global_matches_transformers(tok, hf_tok, template):
+  # transformers' templates may call dict.fromkeys; it failed here ('function object' has no
+  # attribute 'fromkeys').
+  messages = [{"role": "user", "content": "hi"}]
+  assert tok.apply_chat_template(messages, chat_template=template) == hf_tok.apply_chat_template(
+      messages, chat_template=template, add_generation_prompt=True, tokenize=False)
+
+
 # ---- HF directories ----------------------------------------------------------------------------
 
 
