@@ -33,6 +33,9 @@ from typing import Literal, get_args
 import numpy as np
 
 Overflow = Literal["drop", "truncate"]
+
+# Largest log-prob a PackItem accepts on a policy token: 0 plus float rounding.
+_MAX_LOGP = 1e-3
 RowRounding = Literal["multiple", "pow2", "buckets"]
 
 
@@ -43,7 +46,8 @@ class PackItem:
     Attributes:
       tokens: int32 `[n]`.
       loss_mask: `[n]`, 1 on policy-generated tokens; position 0 must be 0.
-      old_logps: float32 `[n]`, sampler log-prob of token t at position t (0 where mask is 0).
+      old_logps: float32 `[n]`, sampler log-prob (<= 0) of token t at position t (0 where mask is
+        0; NaN on trained tokens the sampler did not sample, for the trainer to fill in).
       advantages: a scalar (broadcast to all n positions) or a float32 `[n]` array; finite on
         policy tokens.
       ref_logps: optional float32 `[n]` reference-policy log-probs.
@@ -82,6 +86,15 @@ class PackItem:
             raise ValueError(f"{who}: advantages must be finite on policy tokens (loss_mask > 0); got "
                              f"{self.advantages[bad[:5]].tolist()} at positions {bad[:5].tolist()} "
                              "(check the rewards and the advantage computation upstream)")
+        # A log-prob is <= 0; a positive one on a trained token is almost surely a negative
+        # log-likelihood passed for a log-prob, which would skew every ratio without an error.
+        for name in ("old_logps", "ref_logps"):
+            x = getattr(self, name)
+            pos = np.flatnonzero((self.loss_mask > 0) & (x > _MAX_LOGP)) if x is not None else ()
+            if len(pos):
+                raise ValueError(f"{who}: {name} must be log-probabilities (<= 0) on policy tokens; got "
+                                 f"{x[pos[:5]].tolist()} at positions {pos[:5].tolist()} (negative "
+                                 "log-likelihoods? pass log p, not -log p)")
         if self.loss_mask[0] != 0:
             raise ValueError(f"{who}: loss_mask[0] must be 0 (position 0 has no log-prob); "
                              "the ledger is probably shifted by one")

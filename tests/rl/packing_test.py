@@ -23,7 +23,7 @@ def make_item(rng, n, traj_id=-1, scalar_adv=True, ref=False):
     old = np.where(mask > 0, -rng.uniform(0.01, 5.0, n), 0.0)
     adv = float(rng.normal()) if scalar_adv else rng.normal(size=n)
     return PackItem(tokens=rng.integers(1, 50_000, n), loss_mask=mask, old_logps=old, advantages=adv,
-                    ref_logps=rng.normal(size=n) if ref else None, group_id=traj_id // 4, traj_id=traj_id)
+                    ref_logps=-np.abs(rng.normal(size=n)) if ref else None, group_id=traj_id // 4, traj_id=traj_id)
 
 
 def realistic_lengths(rng, n):
@@ -249,3 +249,16 @@ def test_non_finite_advantage_on_a_policy_token_is_a_clear_error(bad):
         PackItem(np.arange(4), np.array([0, 1, 1, 0]), np.zeros(4), np.array([0, 1, bad, 0]))
     # Positions without loss never reach the loss: accepted.
     PackItem(np.arange(4), np.array([0, 1, 1, 0]), np.zeros(4), np.array([bad, 1, 1, bad]))
+
+
+@pytest.mark.parametrize("name", ["old_logps", "ref_logps"])
+def test_positive_log_probs_on_policy_tokens_are_a_clear_error(name):
+    # Negative log-likelihoods passed as log-probs were packed as they were: every importance
+    # ratio (or KL term) of the trajectory then used log p = +NLL, without an error.
+    lp = np.array([0.0, -0.5, -1.2, 0.0])
+    base = dict(tokens=np.arange(4), loss_mask=np.array([0, 1, 1, 0]), old_logps=lp, advantages=1.0, ref_logps=lp)
+    with pytest.raises(ValueError, match=rf"traj_id=3.*{name} must be log-probabilities .* positions \[1, 2\]"):
+        PackItem(**{**base, name: -lp}, traj_id=3)
+    # Off policy tokens anything goes; NaN (an unsampled trained token) and -inf pass; so does 0.
+    PackItem(**{**base, name: np.array([5.0, np.nan, -np.inf, 7.0])})
+    PackItem(**{**base, name: np.array([0.0, 0.0, 1e-6, 0.0])})
