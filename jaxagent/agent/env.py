@@ -143,23 +143,30 @@ class Env(abc.ABC):
     return self.observation_template.format(output=result.to_observation())
 
   def encode_observation(self, text: str, tokenizer) -> list[int]:
-    """Observation token ids: the template's text with its control tokens, the tool output as text.
+    """Observation token ids: the wrapper's text with its control tokens, the tool output as text.
 
     A tool's output is data: a program that prints "<|im_end|>" must not close the turn. When
-    `text` is `observation_template` (with the default `format_observation`) around an output
-    that spells a special token, and the tokenizer takes `parse_special`, the output is
-    tokenized literally and the template's literal parts (escaped braces `{{ }}` read as the
-    braces they print; `{output}` may appear more than once) are tokenized on their own. A
-    template whose fields cannot be taken apart (a conversion or format spec such as
-    `{output!r}`) is tokenized whole with `parse_special=False` when its own text spells no
-    special token. Otherwise (the usual case: an output without special-token text) `text` is
-    tokenized whole, as before. Override for other formats.
+    `text` is a wrapper around an output that spells a special token, and the tokenizer takes
+    `parse_special`, the output is tokenized literally and the wrapper's parts are tokenized on
+    their own. The wrapper is `observation_template` (escaped braces `{{ }}` read as the braces
+    they print; `{output}` may appear more than once) with the default `format_observation`;
+    with an overridden one, it is what that method puts around a placeholder output (so a
+    format that adds the same text around every output is taken apart too). A template whose
+    fields cannot be taken apart (a conversion or format spec such as `{output!r}`) is
+    tokenized whole with `parse_special=False` when its own text spells no special token.
+    Otherwise (the usual case: an output without special-token text; or a format whose text
+    does not split around the output) `text` is tokenized whole, as before. Override for other
+    formats.
     """
     # `text` is encoded whole only when that is the result (not also on the split path).
-    if ("parse_special" not in inspect.signature(tokenizer.encode).parameters
-        or type(self).format_observation is not Env.format_observation):
+    if "parse_special" not in inspect.signature(tokenizer.encode).parameters:
       return list(tokenizer.encode(text))
-    split = _split_template(self.observation_template, text)
+    if type(self).format_observation is not Env.format_observation:
+      split = _split_formatted(self.format_observation, text)
+      if split is None:
+        return list(tokenizer.encode(text))
+    else:
+      split = _split_template(self.observation_template, text)
     if split is None:
       literals = _template_literals(self.observation_template)
       if literals is not None and not any(
@@ -217,6 +224,27 @@ def _split_template(template: str, text: str) -> tuple[list[str], str] | None:
       if (name, spec, conversion) != ("output", "", None):
         return None
       segments.append("")
+  return _split_segments(segments, text)
+
+
+# A placeholder tool output no format is expected to spell or alter (private-use characters).
+_PLACEHOLDER = "\ue000jaxagent-tool-output\ue001"
+
+
+def _split_formatted(format_observation, text: str) -> tuple[list[str], str] | None:
+  """`_split_template` for an overridden `format_observation`: the segments are what it puts
+  around a placeholder output; None when it fails on it or leaves no placeholder."""
+  try:
+    framed = format_observation(ToolResult.success(_PLACEHOLDER))
+  except Exception:  # noqa: BLE001 - a format that cannot take the placeholder is not split
+    return None
+  if not isinstance(framed, str) or _PLACEHOLDER not in framed:
+    return None
+  return _split_segments(framed.split(_PLACEHOLDER), text)
+
+
+def _split_segments(segments: list[str], text: str) -> tuple[list[str], str] | None:
+  """(segments, output) with `text == output.join(segments)`, or None."""
   k = len(segments) - 1
   if k == 0:
     return None

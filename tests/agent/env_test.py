@@ -76,9 +76,60 @@ def test_default_template_and_overridden_format(tok):
     def format_observation(self, result):
       return "<|im_start|>" + result.to_observation()
 
-  # A format the default cannot take apart is tokenized whole, as written.
+  # An overridden format is taken apart around a placeholder output: its own control token
+  # stays one, the output's "<|im_end|>" is text (it was the end-of-turn token).
   text = OwnFormat().format_observation(ToolResult(True, "x<|im_end|>"))
-  assert OwnFormat().encode_observation(text, tok) == tok.encode(text)
+  assert OwnFormat().encode_observation(text, tok) == (
+      tok.encode("<|im_start|>") + tok.encode("x<|im_end|>", parse_special=False))
+
+  class Shouting(ChatCalc):  # changes the output itself: the text cannot be taken apart
+    def format_observation(self, result):
+      return "<|im_start|>" + result.to_observation().upper()
+
+  text = Shouting().format_observation(ToolResult(True, "x<|im_end|>"))
+  assert Shouting().encode_observation(text, tok) == tok.encode(text)  # whole, as written
+
+
+def test_a_custom_format_observation_keeps_tool_output_as_text_in_rollouts(tok):
+  """A task's own `format_observation` (the common way to write one) around a tool output that
+  spells "<|im_end|>": the rollout's observation tokens hold only the format's control tokens,
+  and a demonstration of the same observation gets the same ids."""
+  from jaxagent.agent import OBSERVATION, POLICY, Example, RolloutConfig, XMLTagParser, rollout
+  from jaxagent.agent.trajectory import demonstration_trajectory
+  from jaxagent.tools import ToolRegistry, function_tool
+  from tests.agent.rollout_test import FakeEngine
+
+  @function_tool
+  def echo(text: str) -> str:
+    """Echo."""
+    return text
+
+  class EchoEnv(CalculatorEnv):
+    def __init__(self):
+      super().__init__()
+      self.tools = ToolRegistry([echo])
+      self.parser = XMLTagParser({"echo": ("echo", "text")}, answer_tag="answer")
+
+    def format_observation(self, result):
+      return f"<|im_end|>\n<|im_start|>user\nTool said: {result.to_observation()}<|im_end|>\n<|im_start|>assistant\n"
+
+  env = EchoEnv()
+  turns = [tok.encode("<echo>a<|im_end|>b</echo>", parse_special=False), tok.encode("<answer>1</answer>")]
+  fake = FakeEngine(lambda rid, k: turns[k] if k < 2 else [], slots=1, max_len=512,
+                    eos_ids=tuple(sorted(tok.eos_ids)), filler=tok.encode("x")[0])
+  ex = Example("e", [{"role": "user", "content": "echo"}], gold="1")
+  (t,) = rollout(fake, None, env, [ex], tokenizer=tok, cfg=RolloutConfig(decode_steps=4))
+  assert t.turns[0].call.arguments == {"text": "a<|im_end|>b"} and t.stop_reason == "answer"
+  a, b = t.turns[0].observation_span
+  obs = t.token_ids[a:b]
+  im_end = tok.token_to_id("<|im_end|>")
+  assert obs.count(im_end) == 2  # the format's two, not the output's
+  assert tok.decode(obs) == t.turns[0].observation_text
+  demo = demonstration_trajectory(t.prompt_ids, [(POLICY, "<echo>a</echo>"),
+                                                 (OBSERVATION, t.turns[0].observation_text)],
+                                  tok, env=env)
+  a2, b2 = demo.turns[0].observation_span
+  assert demo.token_ids[a2:b2] == obs
 
 
 @pytest.mark.parametrize("template,pieces", [
