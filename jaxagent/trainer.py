@@ -343,6 +343,17 @@ def check_config(config) -> None:
     v = train.get(key) if hasattr(train, "get") else None
     if v is not None and v not in allowed:
       raise ValueError(f"train.{key} must be one of {allowed}, got {v!r}")
+  # Settings the trainer turns into validated dataclasses only once the model is loaded (minutes
+  # for a large one, and after the launcher's fit check): built here as well, so that a bad
+  # checkpoint_keep, rollout budget, sampling or packing setting fails before that work.
+  checkpoint.CheckpointConfig.from_config(config)
+  rollout = config.get("rollout") if hasattr(config, "get") else None
+  if hasattr(rollout, "get") and "max_turns" in rollout:
+    _rollout_config(rollout)
+    SamplingConfig(rollout.get("temperature", 1.0), rollout.get("top_p", 1.0),
+                   rollout.get("top_k", 0))
+  if hasattr(train, "get") and train.get("pack_len") is not None:
+    packing.config_from_train(train, 1)
   # Read by the warm start, after the evals before training: a missing file ended the run there.
   sft = config.get("sft") if hasattr(config, "get") else None
   data = sft.get("data") if hasattr(sft, "get") else None
@@ -350,6 +361,15 @@ def check_config(config) -> None:
     raise FileNotFoundError(f"sft.data={data!r} is not a file: give a chat JSONL file (one "
                             "{\"messages\": [...]} object per line), or sft.data='' for the "
                             "task's demonstrations")
+
+
+def _rollout_config(r) -> RolloutConfig:
+  """The rollout budgets of the `rollout` config section."""
+  return RolloutConfig(
+      max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
+      max_total_tokens=r.get("max_total_tokens"),
+      max_prompt_tokens=r.get("max_prompt_tokens"), tool_timeout_s=r.tool_timeout_s,
+      traj_tool_timeout_s=r.traj_tool_timeout_s, decode_steps=r.decode_steps)
 
 
 def _time_limit_s(train) -> float:
@@ -409,9 +429,10 @@ class Trainer:
     (self.step_cfg, self.optimizer), (self._sft_step_cfg, self._sft_optimizer) = (
         step_lib.learner_parts(c))
     self.workdir = pathlib.Path(c.workdir)
+    # The mesh before the model: a mesh that does not fit the devices fails before the load.
+    self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))
     self.cfg, params, self.tok = load_model(c.model)
-    self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     # Rollouts run on process 0's local devices in multi-host jobs (see the module docstring).
     self.gen_mesh = sharding.rollout_mesh(
         c.rollout.get("mesh", "learner"), self.mesh,
@@ -428,11 +449,7 @@ class Trainer:
 
     r = c.rollout
     eos = tuple(sorted(self.tok.eos_ids))
-    self.rollout_cfg = RolloutConfig(
-        max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
-        max_total_tokens=r.get("max_total_tokens"),
-        max_prompt_tokens=r.get("max_prompt_tokens"), tool_timeout_s=r.tool_timeout_s,
-        traj_tool_timeout_s=r.traj_tool_timeout_s, decode_steps=r.decode_steps)
+    self.rollout_cfg = _rollout_config(r)
     mk = lambda samp: Engine(self.cfg, EngineConfig(slots=r.slots, max_len=r.max_len,
                                                     eos_ids=eos, sampling=samp),
                              mesh=self.gen_mesh)

@@ -132,6 +132,42 @@ def test_bad_or_misspelt_settings_fail_before_any_work(tmp_path, key, value, mat
   assert not (tmp_path / "run").exists()  # nothing was started or written
 
 
+@pytest.mark.parametrize("key,value,match", [
+    ("checkpoint_keep", 0, "checkpoint_keep must be an int >= 1, got 0"),
+    ("checkpoint_keep_every", -2, "checkpoint_keep_every must be an int >= 0"),
+    ("rollout.max_turns", 0, "RolloutConfig.max_turns must be an int >= 1"),
+    ("rollout.tool_timeout_s", -1.0, "RolloutConfig.tool_timeout_s"),
+    ("rollout.top_p", 2.0, r"SamplingConfig.top_p must be in \(0, 1\]"),
+    ("rollout.top_k", -1, "SamplingConfig.top_k must be >= 0"),
+    ("train.row_rounding", "x", "PackingConfig.row_rounding='x' is not supported"),
+    ("train.len_buckets", (64,), "must end with train.pack_len=128"),
+])
+def test_settings_read_after_the_model_loads_are_checked_before_it(tmp_path, monkeypatch, key,
+                                                                   value, match):
+  # They were checked only once the model was loaded (minutes for a large one) and, through
+  # `python -m jaxagent.launch`, after the fit check had compiled every program.
+  from jaxagent import trainer as trainer_lib
+  c = _tiny(tmp_path)
+  obj = c
+  *path, last = key.split(".")
+  for part in path:
+    obj = obj[part]
+  obj[last] = value
+  with pytest.raises(ValueError, match=match):
+    trainer_lib.check_config(c)  # what the launcher runs before the fit check
+  monkeypatch.setattr(trainer_lib, "load_model", lambda m: pytest.fail("the model was loaded"))
+  with pytest.raises(ValueError, match=match):
+    Trainer(c)
+
+
+def test_a_mesh_that_does_not_fit_the_devices_fails_before_the_model_loads(tmp_path,
+                                                                           monkeypatch):
+  from jaxagent import trainer as trainer_lib
+  monkeypatch.setattr(trainer_lib, "load_model", lambda m: pytest.fail("the model was loaded"))
+  with pytest.raises(ValueError, match="not divisible"):
+    Trainer(_tiny(tmp_path, **{"mesh.data": 3}))
+
+
 def test_env_kwargs_are_free_form():
   from jaxagent.trainer import check_config
   c = get_config("tiny")
