@@ -20,11 +20,16 @@ REGISTRY = {
 
 
 def make_env(name: str, **kwargs):
-  """Build a registered task by name with its keyword settings."""
-  if name not in REGISTRY:
-    raise ValueError(f"unknown env {name!r}; registered envs: {sorted(REGISTRY)}")
-  module, cls = REGISTRY[name].split(":")
-  env_cls = getattr(importlib.import_module(module), cls)
+  """Build a task with its keyword settings: a registered name, or "module:Class" for a task
+  of your own (an `Env` subclass in an importable module, e.g. "mytask:ReverseEnv")."""
+  if name in REGISTRY:
+    module, cls = REGISTRY[name].split(":")
+    env_cls = getattr(importlib.import_module(module), cls)
+  elif ":" in name:
+    env_cls = _import_env(name)
+  else:
+    raise ValueError(f"unknown env {name!r}; registered envs: {sorted(REGISTRY)}, or name your "
+                     "own task's class as 'module:Class'")
   params = inspect.signature(env_cls).parameters
   if not any(p.kind is p.VAR_KEYWORD for p in params.values()):
     allowed = sorted(n for n, p in params.items()
@@ -39,3 +44,21 @@ def make_env(name: str, **kwargs):
     return env_cls(**kwargs)
   except TypeError as e:
     raise ValueError(f"bad settings for env {name!r}: {e}") from e
+
+
+def _import_env(name: str):
+  """The class named by "module:Class", with errors that say what to fix."""
+  from jaxagent.agent.env import Env
+  module, _, cls = name.partition(":")
+  try:
+    mod = importlib.import_module(module)
+  except ImportError as e:
+    raise ValueError(f"env {name!r}: cannot import module {module!r} ({e}); put it on the Python "
+                     "path (e.g. run from its directory, or set PYTHONPATH)") from e
+  env_cls = mod
+  for part in cls.split("."):
+    env_cls = getattr(env_cls, part, None)
+  if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
+    raise ValueError(f"env {name!r}: {module}.{cls} is {'missing' if env_cls is None else env_cls!r}; "
+                     "name a subclass of jaxagent.agent.Env")
+  return env_cls

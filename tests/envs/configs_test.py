@@ -189,3 +189,46 @@ def test_sft_demonstrations_fit_the_packed_rows(name, variant, smol_tok, tmp_pat
       "be left out of the warm start")
   # A rollout that follows a demonstration's shape must fit the cache too.
   assert lengths[-1] <= cfg.rollout.max_len, (name, variant, lengths[-1], cfg.rollout.max_len)
+
+
+def _readme_task_module() -> str:
+  import pathlib
+  import re
+  text = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text()
+  start = text.index("## Your own task")
+  return re.search(r"```python\n(.*?)```", text[start:], re.S).group(1)
+
+
+def test_readme_own_task_runs_by_module_class_name(tmp_path, monkeypatch):
+  """The README's own-task example, saved as mytask.py, builds through make_env("mytask:
+  ReverseEnv"), rolls out (a scripted policy calling its tool, then answering), scores 1 plus
+  the tool bonus and gives SFT items; bad "module:Class" names say what to fix."""
+  from jaxagent import models
+  from jaxagent.agent import RolloutConfig, rollout
+  from jaxagent.trainer import sft_items
+  from tests.agent.rollout_test import FakeEngine
+  try:
+    tok = models.load_tokenizer("smollm2-135m-instruct")
+  except Exception as e:  # noqa: BLE001 - the GGUF ships in an optional pip package
+    pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
+  (tmp_path / "mytask.py").write_text(_readme_task_module())
+  monkeypatch.syspath_prepend(str(tmp_path))
+  env = make_env("mytask:ReverseEnv", size=8)
+  ex = env.examples("eval")[0]
+  word = ex.gold[::-1]
+  turns = [tok.encode(f"<reverse>{word}</reverse>"), tok.encode(f"<answer>{ex.gold}</answer>")]
+  fake = FakeEngine(lambda rid, k: turns[k] if k < 2 else [], slots=2, max_len=256,
+                    eos_ids=tuple(sorted(tok.eos_ids)), filler=tok.encode("x")[0])
+  (t,) = rollout(fake, None, env, [ex], tokenizer=tok, cfg=RolloutConfig(decode_steps=4))
+  assert t.stop_reason == "answer" and t.turns[0].outcome.output == ex.gold
+  assert t.valid_tool_calls == 1 and t.turns[0].observation_text == f"<result>{ex.gold}</result>"
+  out = env.reward(t, ex, tok, 0)
+  assert out.components["correct"] == 1.0 and out.components["tool_calls"] > 0
+  assert out.total == pytest.approx(1.0 + 0.1 * out.components["tool_calls"])
+  assert len(sft_items(env, env.examples("sft"), tok)) == len(env.examples("train")) == 6
+  with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
+    make_env("no_such_module:Env")
+  with pytest.raises(ValueError, match="name a subclass of jaxagent.agent.Env"):
+    make_env("mytask:reverse")
+  with pytest.raises(ValueError, match="'module:Class'"):
+    make_env("mytask")
