@@ -257,6 +257,17 @@ class EngineConfig:
   def __post_init__(self):
     if not isinstance(self.slots, int) or self.slots <= 0:
       raise ValueError(f"EngineConfig.slots must be a positive int, got {self.slots!r}")
+    # A float or a string was cast to some other id, and a bool to 0 or 1, by the device-side
+    # comparison; one int or any sequence becomes a tuple (the config must stay hashable).
+    # The vocabulary range is checked by `Engine`, which knows the model.
+    is_int = lambda e: isinstance(e, (int, np.integer)) and not isinstance(e, bool)
+    ids = [self.eos_ids] if is_int(self.eos_ids) else self.eos_ids
+    if (not isinstance(ids, (list, tuple, set, frozenset, np.ndarray))
+        or not all(is_int(e) for e in ids)):
+      raise ValueError("EngineConfig.eos_ids must be an int or a sequence of int token ids, "
+                       f"got {self.eos_ids!r}")
+    ids = sorted(ids) if isinstance(ids, (set, frozenset)) else ids
+    object.__setattr__(self, "eos_ids", tuple(int(e) for e in ids))
     if self.max_len <= 1:
       raise ValueError(f"EngineConfig.max_len must be > 1, got {self.max_len}")
     if self.decode_attention not in ("auto", "xla", "pallas"):
@@ -304,6 +315,11 @@ class Engine:
     if self.ecfg.max_len > cfg.max_seq_len:
       raise ValueError(f"EngineConfig.max_len {self.ecfg.max_len} exceeds the model's "
                        f"max_seq_len {cfg.max_seq_len}")
+    bad = [e for e in self.ecfg.eos_ids if not 0 <= e < cfg.vocab_size]
+    if bad:
+      raise ValueError(f"eos_ids {bad} are outside the model's vocabulary [0, {cfg.vocab_size}) "
+                       "and would never end a request: pass the ids of the tokenizer that "
+                       "matches the model")
     self.mesh = mesh
     if mesh is not None:
       # The cache's own spec decides: its slot axis left unsplit on a mesh with batch devices.
@@ -889,6 +905,24 @@ class Engine:
         or lens.max() >= self.ecfg.max_len):
       raise ValueError(f"update_slots: lengths must be integers in [0, {self.ecfg.max_len}) "
                        f"(the pending token must fit), got {np.asarray(lengths).tolist()}")
+    # The pending token is fed at the next step: an id outside the vocabulary would be
+    # wrapped (negative) or read as NaN by the embedding gather, as in `prefill`.
+    toks = np.broadcast_to(np.asarray(tokens), (k,))
+    v = self.cfg.vocab_size
+    if not np.issubdtype(toks.dtype, np.integer) or toks.min() < 0 or toks.max() >= v:
+      raise ValueError(f"update_slots: tokens must be integer token ids in the model's "
+                       f"vocabulary [0, {v}), got {np.asarray(tokens).tolist()}")
+    # A truthy string ("no") became True; an active slot with a budget below one would still
+    # sample (and return) a token, which prefill and append refuse.
+    act = np.broadcast_to(np.asarray(active), (k,))
+    if act.dtype != bool:
+      raise ValueError(f"update_slots: active must be bools, got {np.asarray(active).tolist()}")
+    if remaining is not None:
+      rem = np.broadcast_to(np.asarray(remaining), (k,))
+      if not np.issubdtype(rem.dtype, np.integer) or (act & (rem < 1)).any():
+        raise ValueError(f"update_slots: remaining must be integers, at least 1 for an active "
+                         f"slot, got {np.asarray(remaining).tolist()} (active "
+                         f"{np.asarray(active).tolist()})")
     kb = pow2_at_least(k)  # one program per power of two
 
     def arr(x, dt):

@@ -298,10 +298,10 @@ class JetStreamEngine(engine_api.Engine):
     if isinstance(tokenizer, (str, pathlib.Path)):
       from jaxagent.models import load_tokenizer
       tokenizer = load_tokenizer(tokenizer)
-    eos = sorted({int(e) for e in (tokenizer.eos_ids if eos_ids is None else eos_ids)})
-    if any(not 0 <= e < cfg.vocab_size for e in eos):
-      raise ValueError(f"eos_ids {eos} must lie in [0, vocab_size={cfg.vocab_size})")
-    engine = Engine(cfg, EngineConfig(slots=slots, max_len=max_len, eos_ids=tuple(eos),
+    # EngineConfig refuses ids that are not ints (`int()` cut 2.5 to 2), and Engine ids
+    # outside the model's vocabulary.
+    eos = tokenizer.eos_ids if eos_ids is None else eos_ids
+    engine = Engine(cfg, EngineConfig(slots=slots, max_len=max_len, eos_ids=eos,
                                       sampling=sampling), mesh=mesh)
     return cls(engine, params, tokenizer, **kw)
 

@@ -116,21 +116,16 @@ def _budgets(max_new_tokens, n: int) -> list[int]:
                    f"{max_new_tokens!r}")
 
 
-def _eos_ids(eos_ids, vocab_size: int) -> tuple[int, ...]:
-  """`eos_ids` (one int or a sequence of ints) as a tuple, refusing what would silently never
-  match (an id outside the vocabulary, from a mismatched tokenizer) or match another token (a
-  float or a string, which `int()` turned into some id)."""
-  is_int = lambda e: isinstance(e, (int, np.integer)) and not isinstance(e, bool)
-  ids = [eos_ids] if is_int(eos_ids) else eos_ids
-  if (not isinstance(ids, (list, tuple, set, frozenset, np.ndarray))
-      or not all(is_int(e) for e in ids)):
-    raise ValueError(f"eos_ids must be an int or a sequence of int token ids, got {eos_ids!r}")
-  bad = [int(e) for e in ids if not 0 <= e < vocab_size]
-  if bad:
-    raise ValueError(f"eos_ids {bad} are outside the model's vocabulary [0, {vocab_size}) and "
-                     "would never end a request: pass the ids of the tokenizer that matches the "
-                     "model")
-  return tuple(int(e) for e in ids)
+def _checked_budgets(max_new_tokens, n: int, what: str) -> list[int]:
+  """`_budgets`, refusing a count other than `n` and a budget below one (which would still
+  sample, and return, a token) or past int32: the one budget check of `generate` and
+  `run_requests`, made before anything runs."""
+  budgets = _budgets(max_new_tokens, n)
+  if len(budgets) != n:
+    raise ValueError(f"max_new_tokens: {len(budgets)} budgets for {n} prompts (give one int "
+                     "or one per prompt)")
+  _per_request(budgets, n, np.int32, what, "max_new_tokens", "prompts", least=1)
+  return budgets
 
 
 @functools.lru_cache(maxsize=16)
@@ -147,15 +142,11 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
   tokenizer).
   """
   n = len(prompts)
-  budgets = _budgets(max_new_tokens, n)
-  if len(budgets) != n:
-    raise ValueError(f"max_new_tokens: {len(budgets)} budgets for {n} prompts (give one int "
-                     "or one per prompt)")
-  if len(request_ids) != n:
-    raise ValueError(f"request_ids: {len(request_ids)} ids for {n} prompts")
   # Prefill's rule, for every prompt before anything runs (a budget prefill refuses, waiting
   # in the queue, ended the run after the requests before it were generated).
-  _per_request(budgets, n, np.int32, "run_requests", "max_new_tokens", "prompts", least=1)
+  budgets = _checked_budgets(max_new_tokens, n, "run_requests")
+  if len(request_ids) != n:
+    raise ValueError(f"request_ids: {len(request_ids)} ids for {n} prompts")
   if not isinstance(decode_steps, (int, np.integer)) or decode_steps < 1:
     raise ValueError(f"decode_steps must be a positive int, got {decode_steps!r}")
   if n == 0:
@@ -298,18 +289,17 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
     else:
       eos_ids = list(cfg.eos_token_ids)
   longest = max(len(p) for p in ids)
-  budgets = _budgets(max_new_tokens, len(ids))
   # Before the default max_len is derived from them (a negative budget made it 1, and the
-  # error named max_len).
-  _per_request(budgets, len(budgets), np.int32, "generate", "max_new_tokens", "prompts", least=1)
-  budget = max(budgets, default=1)
+  # error named max_len); `run_requests` takes the checked list.
+  budgets = _checked_budgets(max_new_tokens, len(ids), "generate")
+  budget = max(budgets)
   if max_len is None:
     max_len = min(cfg.max_seq_len, 1 << (longest + budget).bit_length())
-  ecfg = EngineConfig(slots=slots, max_len=max_len, eos_ids=_eos_ids(eos_ids, cfg.vocab_size),
+  ecfg = EngineConfig(slots=slots, max_len=max_len, eos_ids=eos_ids,
                       sampling=SamplingConfig(temperature, top_p, top_k))
   engine = _engine(cfg, ecfg, mesh)
   rids = list(range(len(ids))) if request_ids is None else list(request_ids)
-  out = run_requests(engine, params, ids, max_new_tokens=max_new_tokens, request_ids=rids,
+  out = run_requests(engine, params, ids, max_new_tokens=budgets, request_ids=rids,
                      seed=seed, stop=checker, decode_steps=decode_steps)
   if tokenizer is not None:
     for c in out:

@@ -259,6 +259,23 @@ def test_bad_input_errors(params):
   assert generate(params, CFG, [], 4) == []
 
 
+def test_engine_refuses_eos_ids_it_could_never_match():
+  """EOS ids given to the Engine directly (as the rollout and the JetStream adapter build it)
+  are checked there: an id outside the vocabulary never ends a request, and a float, a string
+  or a bool was cast to some other id on device."""
+  for eos, got in (((CFG.vocab_size + 3,), CFG.vocab_size + 3), ((5, -1), -1)):
+    with pytest.raises(ValueError, match=rf"eos_ids \[{got}\] are outside the model's vocab"):
+      Engine(CFG, EngineConfig(slots=1, max_len=32, eos_ids=eos))
+  for eos in ((2.5,), ("3",), (True,), "3", 2.0, {"a": 1}):
+    with pytest.raises(ValueError, match="EngineConfig.eos_ids must be an int or a sequence"):
+      EngineConfig(eos_ids=eos)
+  # One int, a list, a set or an array is kept as a hashable tuple of ints.
+  for eos, want in ((7, (7,)), ([7, 3], (7, 3)), ({7, 3}, (3, 7)), (np.asarray([3]), (3,))):
+    ecfg = EngineConfig(eos_ids=eos)
+    assert ecfg.eos_ids == want and all(type(e) is int for e in ecfg.eos_ids)
+    hash(ecfg)
+
+
 def test_append_bad_input_errors_before_running(params):
   eng = Engine(CFG, EngineConfig(slots=2, max_len=32, sampling=SamplingConfig()))
   state = eng.insert(eng.prefill(params, [list(range(1, 20))], [1]), eng.init_decode_state(), 0)
@@ -291,6 +308,17 @@ def test_append_bad_input_errors_before_running(params):
     with pytest.raises(ValueError, match=f"update_slots: {match}"):
       eng.update_slots(state, [slot], lengths=length, tokens=1, active=False)
   assert eng.update_slots(state, [], lengths=[], tokens=[], active=[]) is state
+  # The pending token is fed at the next step: an id outside the vocabulary decoded on from NaN
+  # logits (a "nonfinite" stop) or, negative, from a wrapped id nobody sampled; a truthy string
+  # activated the slot; an active slot with a budget below one still sampled a token.
+  for kw, match in ((dict(tokens=CFG.vocab_size), "tokens must be integer token ids"),
+                    (dict(tokens=-2), "tokens must be integer token ids"),
+                    (dict(tokens=1.0), "tokens must be integer token ids"),
+                    (dict(active="no"), "active must be bools"),
+                    (dict(active=True, remaining=0), "remaining must be integers, at least 1"),
+                    (dict(active=[True], remaining=[-4]), "remaining must be integers, at least")):
+    with pytest.raises(ValueError, match=f"update_slots: {match}"):
+      eng.update_slots(state, [0], **{"lengths": 3, "tokens": 1, "active": False, **kw})
   with pytest.raises(ValueError, match="append needs at least one slot"):
     eng.append(params, state, [], [])
   # A budget below one would still sample and return a token (prefill refuses it too).

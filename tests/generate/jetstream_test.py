@@ -112,6 +112,21 @@ def test_import_is_lazy_and_missing_extra_is_explained():
 
 
 @pytest.mark.jetstream
+def test_create_refuses_eos_ids_that_are_not_vocabulary_ints(js, tok, cfg, params):
+  """`create` cut a float id to an int (2.5 became 2, a token that then ended requests); an id
+  outside the vocabulary is refused by the Engine, where the adapter also meets one built by
+  the caller."""
+  with pytest.raises(ValueError, match="eos_ids must be an int or a sequence of int token ids"):
+    js.JetStreamEngine.create(params, cfg, tok, slots=1, max_len=MAX_LEN, eos_ids=[2.5])
+  with pytest.raises(ValueError, match=rf"eos_ids \[{cfg.vocab_size}\] are outside"):
+    js.JetStreamEngine.create(params, cfg, tok, slots=1, max_len=MAX_LEN,
+                              eos_ids=[cfg.vocab_size])
+  engine = js.JetStreamEngine.create(params, cfg, tok, slots=1, max_len=MAX_LEN)
+  assert engine.engine.ecfg.eos_ids == tuple(sorted(tok.eos_ids))
+  assert engine.jetstream_tokenizer.stop_tokens == set(tok.eos_ids)
+
+
+@pytest.mark.jetstream
 def test_driver_serves_concurrent_requests_like_generate(js, cfg, tok, engine, reference):
   _, want = reference
   prompts = [TEXT] + _token_prompts(cfg)[:3]

@@ -65,6 +65,19 @@ def test_a_bad_budget_in_the_queue_is_refused_before_anything_runs(params, engin
   assert calls == []
 
 
+def test_generate_checks_budgets_once_before_building_an_engine(params, monkeypatch):
+  """`generate` refuses a wrong budget count itself, in its own name, before it builds (and
+  caches) an engine sized from those budgets; the bad count is named before a bad value."""
+  from jaxagent.generate import scheduler
+  built = []
+  monkeypatch.setattr(scheduler, "_engine", lambda *a: built.append(a))
+  with pytest.raises(ValueError, match="2 budgets for 3 prompts"):
+    generate(params, CFG, [[1], [2], [3]], [4, 4])
+  with pytest.raises(ValueError, match="2 budgets for 1 prompts"):
+    generate(params, CFG, [[1]], [4, -1])
+  assert built == []
+
+
 def test_numpy_and_jax_array_prompts(params):
   """A `[B, T]` array is B prompts, a `[T]` array one prompt, as the same nested lists are."""
   batch = np.asarray([[1, 2, 3], [4, 5, 6]])
