@@ -255,11 +255,8 @@ class ModelConfig:
       raise ValueError(f"HF config: attention_bias=True for {arch} (biases on q, k, v and the "
                        "output projection) is not supported")
     window = hf.get("sliding_window")
-    if hf.get("use_sliding_window") or (
-        model_type == "mistral" and window is not None and "use_sliding_window" not in hf
-        and window < hf.get("max_position_embeddings", float("inf"))):
-      raise ValueError(f"HF config: sliding-window attention (sliding_window={window!r}) is not "
-                       "supported; every layer here attends to the whole context")
+    if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float))):
+      raise ValueError(f"HF config: sliding_window={window!r} must be a number or null")
     # transformers 5.x writes rope settings under `rope_parameters`; released checkpoints
     # keep a top-level `rope_theta` / `rope_scaling`. transformers reads `rope_scaling` in place
     # of `rope_parameters` when both are given, and a `rope_theta` inside that dict before the
@@ -329,6 +326,18 @@ class ModelConfig:
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, extra_eos_token_ids=extra_eos,
         name=hf.get("_name_or_path", "hf") or "hf")
     kw.update(overrides)
+    # Qwen2 / Qwen3 use `sliding_window` only with use_sliding_window; transformers' Mistral
+    # whenever it is set (it reads no use_sliding_window). A window at least as long as the
+    # longest sequence served here (max_seq_len) never masks anything.
+    mistral = model_type == "mistral" or "MistralForCausalLM" in archs
+    if hf.get("use_sliding_window") or (
+        mistral and window is not None and _is_int(kw["max_seq_len"])
+        and window < kw["max_seq_len"]):
+      hint = (f"; to serve sequences of at most {int(window)} tokens, which the window does not "
+              f"cut, pass max_seq_len={int(window)}" if mistral and window is not None and window >= 1
+              else "")
+      raise ValueError(f"HF config: sliding-window attention (sliding_window={window!r}) is not "
+                       f"supported; every layer here attends to the whole context{hint}")
     return cls(**kw)
 
   def to_hf(self) -> dict[str, Any]:

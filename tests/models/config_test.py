@@ -171,3 +171,37 @@ def test_from_hf_qwen3_head_dim_defaults_as_in_transformers():
   assert ModelConfig.from_hf(hf).head_dim == 128
   assert ModelConfig.from_hf({**hf, "head_dim": 16}).head_dim == 16
   assert ModelConfig.from_hf(_HF_LLAMA).head_dim == 16
+
+
+_HF_MISTRAL = {**_HF_LLAMA, "architectures": ["MistralForCausalLM"], "model_type": "mistral",
+               "max_position_embeddings": 512}
+
+
+@pytest.mark.parametrize("hf", [
+    # transformers' Mistral applies sliding_window whatever use_sliding_window says...
+    {**_HF_MISTRAL, "sliding_window": 16, "use_sliding_window": False},
+    # ... and the class named in `architectures` is Mistral's without a model_type too.
+    {k: v for k, v in {**_HF_MISTRAL, "sliding_window": 16}.items() if k != "model_type"},
+    {**_HF_MISTRAL, "sliding_window": 16},
+])
+def test_from_hf_refuses_a_mistral_window_shorter_than_the_sequences(hf):
+  # Both were loaded with full attention: logits 0.3 apart from transformers' after 16 tokens.
+  with pytest.raises(ValueError, match="sliding-window attention .*pass max_seq_len=16"):
+    ModelConfig.from_hf(hf)
+  # Sequences no longer than the window are served exactly.
+  assert ModelConfig.from_hf(hf, max_seq_len=16).max_seq_len == 16
+  with pytest.raises(ValueError, match="sliding-window attention"):
+    ModelConfig.from_hf(hf, max_seq_len=17)
+
+
+def test_from_hf_mistral_windows_that_mask_nothing_are_accepted():
+  assert ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": None}).max_seq_len == 512
+  assert ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": 512}).max_seq_len == 512
+  # A Qwen2 window is used only with use_sliding_window.
+  qwen2 = {**_HF_LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+           "sliding_window": 16}
+  assert ModelConfig.from_hf(qwen2).architecture == "qwen2"
+  with pytest.raises(ValueError, match="sliding-window attention"):
+    ModelConfig.from_hf({**qwen2, "use_sliding_window": True})
+  with pytest.raises(ValueError, match="sliding_window='16' must be a number or null"):
+    ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": "16"})
