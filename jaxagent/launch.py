@@ -16,6 +16,7 @@ holds it.
 import logging
 import os
 import pathlib
+import signal
 import socket
 import tempfile
 
@@ -148,6 +149,44 @@ def lock_checkpoint_dir(config):
   return lock_workdir(path, setting="checkpoint_dir")
 
 
+def _stop_on_sigterm_before_training(config):
+  """With checkpointing on, SIGTERM is a stop request from the start, not only once `run` has
+  begun: during the fit check and the trainer's construction (model load, first compiles) it
+  ended the process with status 143, so a job script that requeues a run which exits 0 after a
+  stop (launch/gpu_slurm.sbatch) ended the job instead. Returns `early_stop(trainer)`: True
+  when a single-process run was asked to stop before training began (nothing to save: it says
+  so, and `main` exits 0); otherwise the stop goes to `trainer.request_stop`, which `run`
+  honours as a SIGTERM of its own (on several processes, so that all stop at the same step)."""
+  from jaxagent.checkpoint import CheckpointConfig
+  if not CheckpointConfig.from_config(config).enabled:
+    return lambda trainer: False
+  import jax
+  received, built = [], []
+
+  def on_sigterm(signum, frame):
+    del frame
+    reason = f"received {signal.Signals(signum).name}"
+    if built:
+      built[0].request_stop(reason)
+    else:
+      received.append(reason)
+
+  signal.signal(signal.SIGTERM, on_sigterm)
+
+  def early_stop(trainer) -> bool:
+    built.append(trainer)  # from here on the handler stops the trainer itself
+    if not received:
+      return False
+    if jax.process_count() > 1:
+      trainer.request_stop(received[0])
+      return False
+    print(f"{received[0]} before training began: nothing to save; rerun the same command to "
+          "start (or resume) the run", flush=True)
+    return True
+
+  return early_stop
+
+
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing with one-line errors for bad `--config` overrides
   (`config_files.parse_config_flags`)."""
@@ -175,6 +214,7 @@ def main(argv):
       check_workdir(config.workdir)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"bad config: {e}") from None
+  early_stop = _stop_on_sigterm_before_training(config)
   if jax.process_index() == 0:
     try:
       _HELD_LOCKS.append(lock_workdir(config.workdir))  # held until this process exits
@@ -196,6 +236,9 @@ def main(argv):
     # A bad setting, or a model / tokenizer path that does not exist: its message says
     # which; nothing was started.
     raise SystemExit(f"bad config: {e}") from None
+  if early_stop(trainer):
+    trainer.close()
+    return
   try:
     trainer.run()
   except CheckpointError as e:  # unusable checkpoints or diverged params; nothing was lost

@@ -510,3 +510,27 @@ def test_checkpoint_dir_is_locked_only_when_checkpointing_to_a_local_directory(t
 def _mkdir(path):
   path.mkdir(parents=True)
   return path
+
+
+def test_sigterm_before_training_begins_exits_zero_with_checkpointing_on(tmp_path):
+  """SIGTERM while the model loaded (before `Trainer.run`) ended the launch with status 143,
+  so a job script that requeues a run that stopped and exited 0 did not requeue it."""
+  workdir = tmp_path / "run"
+  proc = subprocess.Popen([sys.executable, "-m", "jaxagent.launch",
+                           "--config=configs/quickstart.py:tiny", f"--config.workdir={workdir}",
+                           "--config.checkpoint_every=1", "--fit_check=off"],
+                          cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  try:
+    deadline = time.time() + 120
+    while not (workdir / ".jaxagent.lock").exists():  # written just before the trainer is built
+      assert proc.poll() is None and time.time() < deadline, proc.communicate()[0][-2000:]
+      time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 0, out[-2000:]
+  assert "received SIGTERM before training began: nothing to save" in out, out[-2000:]
+  assert "sft step" not in out and not list((workdir / "checkpoints").glob("[0-9]*"))
