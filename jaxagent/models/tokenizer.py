@@ -603,6 +603,13 @@ def _build_from_gguf(path: pathlib.Path) -> tuple[tokenizers.Tokenizer, dict[str
     raise ValueError(
         f"{path}: GGUF pre-tokenizer {pre!r} is not supported; supported are "
         f"{sorted(_GGUF_PRE_TOKENIZERS)}. Load the tokenizer from the model's HF directory instead.")
+  # Without its merges a BPE tokenizer splits every word into single bytes: ids the model
+  # never saw in training, with no error.
+  for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+    if not meta.get(key):
+      raise ValueError(f"{path}: the GGUF tokenizer has no {key!r} metadata (a byte-level BPE "
+                       "needs its vocab and merges). Load the tokenizer from the model's HF "
+                       "directory instead.")
   tokens: list[str] = meta["tokenizer.ggml.tokens"]
   types: list[int] = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
   if len(types) != len(tokens):
@@ -611,7 +618,7 @@ def _build_from_gguf(path: pathlib.Path) -> tuple[tokenizers.Tokenizer, dict[str
   for i, token in enumerate(tokens):
     vocab.setdefault(token, i)  # a duplicate spelling can only ever map to one id
   merges = []
-  for merge in meta.get("tokenizer.ggml.merges", []):
+  for merge in meta["tokenizer.ggml.merges"]:
     parts = merge.split(" ")
     if len(parts) != 2:
       raise ValueError(f"{path}: malformed BPE merge {merge!r} (expected 'left right').")

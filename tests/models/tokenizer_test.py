@@ -631,6 +631,24 @@ def test_gguf_tokenizer_errors(tmp_path):
     T.load_tokenizer(tmp_path / "d.gguf")
 
 
+@pytest.mark.parametrize("missing", ["tokens", "merges"])
+def test_gguf_tokenizer_without_vocab_or_merges_is_refused(tmp_path, missing):
+  # Without merges every word was split into single bytes (ids the model never saw), silently;
+  # without tokens the error was a bare KeyError.
+  w = gguf.GGUFWriter(str(tmp_path / "t.gguf"), "llama")
+  w.add_tokenizer_model("gpt2")
+  if missing != "tokens":
+    w.add_token_list(["a", "b", "ab", "\u0120"])
+  if missing != "merges":
+    w.add_token_merges(["a b"])
+  w.write_header_to_file()
+  w.write_kv_data_to_file()
+  w.write_tensors_to_file()
+  w.close()
+  with pytest.raises(ValueError, match=f"no 'tokenizer.ggml.{missing}' metadata"):
+    T.load_tokenizer(tmp_path / "t.gguf")
+
+
 def test_load_tokenizer_bad_inputs(tmp_path):
   with pytest.raises(FileNotFoundError, match=r"'no-such-preset' does not exist.*smollm2-135m-instruct"):
     T.load_tokenizer("no-such-preset")
