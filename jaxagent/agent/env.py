@@ -72,6 +72,12 @@ class Example:
         raise ValueError(f"Example {self.id!r}: prompt must be text or a non-empty list of chat "
                          f"messages with a 'role' key, got {type(self.prompt).__name__}")
       object.__setattr__(self, "prompt", msgs)
+    gold = self.gold
+    if not (gold is None or isinstance(gold, str) or (
+        isinstance(gold, Sequence) and all(isinstance(g, str) for g in gold))):
+      raise TypeError(f"Example {self.id!r}: gold must be a str, a list of str or None (the "
+                      f"reference answers as text), got {type(gold).__name__} {gold!r}; convert "
+                      "it, e.g. gold=str(answer) (a number would fail every text-matching reward)")
 
 
 class Episode:

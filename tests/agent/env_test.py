@@ -185,3 +185,14 @@ def test_example_rejects_a_prompt_that_is_neither_text_nor_messages(prompt):
   with pytest.raises(ValueError, match=r"Example 'e': prompt must be text or a non-empty list of "
                      r"chat messages with a 'role' key, got"):
     Example("e", prompt)
+
+
+def test_example_gold_must_be_text():
+  """A numeric gold (a dataset's integer answer) failed every text-matching reward component
+  of every trajectory, logged once: the run trained on shaping alone. It is refused at once."""
+  from jaxagent.agent import Example
+  for gold in (42, 4.5, ["7", 7], {"answer": "7"}):
+    with pytest.raises(TypeError, match=r"Example 'q': gold must be a str.*gold=str\(answer\)"):
+      Example("q", "What is 6*7?", gold=gold)
+  for gold in ("42", ["42", "42.0"], ("a",), None):
+    assert Example("q", "p", gold=gold).gold == gold
