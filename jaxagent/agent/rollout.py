@@ -74,7 +74,8 @@ class RolloutConfig:
       prefill at this length, so a bound well under `max_len` frees prefill memory.
     tool_timeout_s: time limit of one tool call.
     traj_tool_timeout_s: total tool time of one trajectory; reaching it ends the trajectory
-      ("tool_budget"). Each call's limit is the smaller of the two.
+      ("tool_budget"). Each call's limit is the smaller of the two, and of the tool's own
+      `timeout_s` where it sets one.
     decode_steps: tokens per slot per `generate` call (more: fewer host round trips; fewer:
       quicker reaction to stop strings and finished tools).
     stop_strings: extra strings that end a turn, besides the parser's.
@@ -518,6 +519,9 @@ class _Run:
     traj.valid_tool_calls += 1
     traj.tool_calls[call.name] = traj.tool_calls.get(call.name, 0) + 1
     timeout = min(self.cfg.tool_timeout_s, self.cfg.traj_tool_timeout_s - traj.tool_seconds)
+    own = getattr(tool, "timeout_s", None)  # a tool's own limit (`function_tool(timeout_s=...)`)
+    if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
+      timeout = min(timeout, own)
     lv.future = self.d.executor.submit(tool, args, timeout_s=max(timeout, 1e-3))
     lv.phase = "tool"
     waiting = sum(1 for x in self.live.values() if x.phase == "tool")

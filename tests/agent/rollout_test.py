@@ -579,6 +579,25 @@ def test_observation_ids_outside_the_vocabulary_end_only_their_trajectory():
       assert t.turns[-1].observation_span is None and t.num_observation_tokens == 0
 
 
+@function_tool(timeout_s=0.2)
+def quick(seconds: str) -> str:
+  """Sleep, with a short limit of its own."""
+  time.sleep(float(seconds))
+  return "woke"
+
+
+def test_a_tools_own_timeout_is_kept_under_the_rollouts():
+  """`function_tool(timeout_s=0.2)` is that tool's limit in rollouts too; the rollout's
+  tool_timeout_s (30 s here) used to replace it."""
+  texts = {0: ["<quick>3</quick>", "<answer>1</answer>"]}
+  t0 = time.monotonic()
+  (t,) = _run(texts, env=ScriptedCalcEnv([quick]),
+              cfg=RolloutConfig(tool_timeout_s=30.0, decode_steps=4))
+  assert time.monotonic() - t0 < 2.5
+  assert t.turns[0].outcome.timed_out and "timed out after 0.2 s" in t.turns[0].outcome.error
+  assert t.stop_reason == "answer" and t.tool_timeouts == 1
+
+
 def test_tool_timeouts_and_trajectory_tool_budget():
   texts = {0: ["<nap>0.3</nap>", "<nap>0.01</nap>", "<answer>1</answer>"],
            1: ["<nap>0.3</nap>", "<nap>1</nap>", "<answer>1</answer>"]}
