@@ -193,6 +193,17 @@ def _read_safetensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
     except (ValueError, KeyError, TypeError, AttributeError) as e:
       raise ValueError(f"{index}: not a safetensors index with a 'weight_map' object "
                        f"({type(e).__name__}: {e})") from None
+    single = "model.safetensors"
+    if (directory / single).exists() and files != [single]:
+      # transformers reads model.safetensors when there is one and ignores the index; a later
+      # single-file save_pretrained into a sharded directory removes the shards but leaves the
+      # index. With the shards still there, either file set may be the stale one.
+      if files and all((directory / f).exists() for f in files):
+        raise ValueError(
+            f"{directory} holds both {single} and the shards {index.name} lists ({files[0]}, "
+            f"...), two copies of the weights (transformers loads {single}); remove the stale "
+            "one")
+      files = [single]
   else:
     files = sorted(p.name for p in directory.glob("*.safetensors"))
   if not files:

@@ -216,6 +216,32 @@ def test_a_tensor_in_two_files_is_refused(tmp_path):
     models.load(path)
 
 
+def test_model_safetensors_beside_an_index_is_read_as_transformers_reads_it(tmp_path):
+  # transformers reads model.safetensors and ignores the index. Its save_pretrained of a
+  # smaller model into a sharded directory deletes the shards and leaves the index: that
+  # directory failed to load here (shards "listed in the index but missing"); with the shards
+  # still there, the old shards were loaded in place of model.safetensors, silently.
+  import numpy as np
+  from safetensors.numpy import load_file, save_file
+  cfg, path = _save_tiny(tmp_path)
+  sd = load_file(str(path / "model.safetensors"))
+  names = sorted(sd)
+  index = {"weight_map": {k: f"model-0000{1 + (k in names[3:])}-of-00002.safetensors"
+                          for k in names}}
+  (path / "model.safetensors.index.json").write_text(json.dumps(index))
+  _, params = models.load(path)  # the index's shards are gone: model.safetensors
+  np.testing.assert_array_equal(np.asarray(params["final_norm"].value), sd["model.norm.weight"])
+  stale = {k: np.zeros_like(v) for k, v in sd.items()}
+  save_file({k: stale[k] for k in names[:3]}, str(path / "model-00001-of-00002.safetensors"))
+  save_file({k: stale[k] for k in names[3:]}, str(path / "model-00002-of-00002.safetensors"))
+  with pytest.raises(ValueError, match="holds both model.safetensors and the shards "
+                     "model.safetensors.index.json lists .*remove the stale one"):
+    models.load(path)
+  (path / "model.safetensors").unlink()
+  _, params = models.load(path)  # the shards alone, through the index
+  assert not np.asarray(params["final_norm"].value).any()
+
+
 def test_non_float_weights_are_refused(tmp_path):
   import numpy as np
   from safetensors.numpy import load_file, save_file
