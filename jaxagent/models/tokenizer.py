@@ -353,9 +353,16 @@ class Tokenizer:
 
   def save(self, directory: str | os.PathLike[str]) -> pathlib.Path:
     """Writes `tokenizer.json` and `tokenizer_config.json` (with the chat template) to `directory`,
-    loadable by `load_tokenizer` and by `transformers.AutoTokenizer`."""
+    loadable by `load_tokenizer` and by `transformers.AutoTokenizer`. Chat template files of an
+    earlier tokenizer there (`chat_template.jinja`, ...) are removed."""
     out = pathlib.Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    # Loaders read these files in place of (or along with) the templates written inline below:
+    # left by an earlier tokenizer in `directory`, they would render its prompts.
+    for stale in [out / "chat_template.jinja", out / "chat_template.json",
+                  *sorted((out / "additional_chat_templates").glob("*.jinja"))]:
+      if stale.is_file():
+        stale.unlink()
     self._backend.save(str(out / "tokenizer.json"))
     # BOS/EOS insertion lives in tokenizer.json's post-processor, as transformers expects.
     config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", **self.special_tokens}

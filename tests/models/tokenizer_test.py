@@ -529,6 +529,23 @@ def test_hf_dir_bos_post_processor_and_separate_template_file(tok, tmp_path):
   assert ours.eos_ids == {0, 2, 5}
 
 
+def test_save_replaces_an_earlier_tokenizers_template_files(tok, tmp_path):
+  # transformers 5 writes chat templates to chat_template.jinja (named ones under
+  # additional_chat_templates/), which loaders read in place of tokenizer_config's: saved into
+  # such a directory, the tokenizer came back with the earlier tokenizer's templates.
+  (tmp_path / "chat_template.jinja").write_text("OLD")
+  (tmp_path / "chat_template.json").write_text(json.dumps({"chat_template": "OLD"}))
+  (tmp_path / "additional_chat_templates").mkdir()
+  (tmp_path / "additional_chat_templates" / "tool_use.jinja").write_text("OLD TOOLS")
+  tok.save(tmp_path)
+  messages = [{"role": "user", "content": "hi"}]
+  again = T.load_tokenizer(tmp_path)
+  assert again.chat_templates == tok.chat_templates
+  ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+  assert ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == (
+      tok.apply_chat_template(messages))
+
+
 # ---- GGUF files built here ----------------------------------------------------------------------
 
 
