@@ -257,10 +257,10 @@ class EngineConfig:
   def __post_init__(self):
     if not isinstance(self.slots, int) or self.slots <= 0:
       raise ValueError(f"EngineConfig.slots must be a positive int, got {self.slots!r}")
+    is_int = lambda e: isinstance(e, (int, np.integer)) and not isinstance(e, bool)
     # A float or a string was cast to some other id, and a bool to 0 or 1, by the device-side
     # comparison; one int or any sequence becomes a tuple (the config must stay hashable).
     # The vocabulary range is checked by `Engine`, which knows the model.
-    is_int = lambda e: isinstance(e, (int, np.integer)) and not isinstance(e, bool)
     ids = [self.eos_ids] if is_int(self.eos_ids) else self.eos_ids
     if (not isinstance(ids, (list, tuple, set, frozenset, np.ndarray))
         or not all(is_int(e) for e in ids)):
@@ -268,8 +268,16 @@ class EngineConfig:
                        f"got {self.eos_ids!r}")
     ids = sorted(ids) if isinstance(ids, (set, frozenset)) else ids
     object.__setattr__(self, "eos_ids", tuple(int(e) for e in ids))
-    if self.max_len <= 1:
-      raise ValueError(f"EngineConfig.max_len must be > 1, got {self.max_len}")
+    # A float length failed deep in the cache's shape; a negative page or a prefill bucket
+    # below one made the bucket loops (`_geometric_buckets`) run forever.
+    if not is_int(self.max_len) or self.max_len <= 1:
+      raise ValueError(f"EngineConfig.max_len must be an int > 1, got {self.max_len!r}")
+    if not is_int(self.kv_page) or self.kv_page < 0:
+      raise ValueError(f"EngineConfig.kv_page must be an int >= 0 (0: max_len // 16, at least "
+                       f"64), got {self.kv_page!r}")
+    if not is_int(self.min_prefill_len) or self.min_prefill_len < 1:
+      raise ValueError(f"EngineConfig.min_prefill_len must be an int >= 1, got "
+                       f"{self.min_prefill_len!r}")
     if self.decode_attention not in ("auto", "xla", "pallas"):
       raise ValueError("EngineConfig.decode_attention must be 'auto', 'xla' or 'pallas', got "
                        f"{self.decode_attention!r}")

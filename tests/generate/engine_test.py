@@ -259,6 +259,20 @@ def test_bad_input_errors(params):
   assert generate(params, CFG, [], 4) == []
 
 
+@pytest.mark.parametrize("kw,match", [
+    (dict(kv_page=-5), "kv_page must be an int >= 0"),  # these three never returned
+    (dict(min_prefill_len=0), "min_prefill_len must be an int >= 1"),
+    (dict(min_prefill_len=-3), "min_prefill_len must be an int >= 1"),
+    (dict(kv_page=2.5), "kv_page must be an int >= 0"),
+    (dict(max_len=64.0), "max_len must be an int > 1"),
+    (dict(max_len=True), "max_len must be an int > 1"),
+])
+@pytest.mark.timeout(30)
+def test_bad_engine_config_is_a_clear_error_not_a_hang(kw, match):
+  with pytest.raises(ValueError, match=f"EngineConfig.{match}"):
+    Engine(CFG, EngineConfig(**{"slots": 2, "max_len": 64, **kw}))
+
+
 def test_engine_refuses_eos_ids_it_could_never_match():
   """EOS ids given to the Engine directly (as the rollout and the JetStream adapter build it)
   are checked there: an id outside the vocabulary never ends a request, and a float, a string
