@@ -320,7 +320,8 @@ class JetStreamEngine(engine_api.Engine):
   def check_request(self, content: str | Sequence[int], max_tokens: int,
                     history_path: str | None = None) -> None:
     """Raise ValueError if JetStream could not serve this request (call before queueing it)."""
-    if not isinstance(max_tokens, (int, np.integer)) or max_tokens < 1:
+    if (isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer))
+        or max_tokens < 1):
       raise ValueError(f"max_tokens must be a positive int, got {max_tokens!r}")
     if history_path:
       raise ValueError("session caches (history_path / session_cache) are not supported by the "
@@ -329,7 +330,7 @@ class JetStreamEngine(engine_api.Engine):
       ids = self.tokenizer.encode(content)
     elif isinstance(content, (list, tuple, np.ndarray)):
       ids = list(content)
-      bad = [t for t in ids if not isinstance(t, (int, np.integer))
+      bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
              or not 0 <= int(t) < self.cfg.vocab_size]
       if bad:
         raise ValueError(f"prompt token ids must be ints in [0, {self.cfg.vocab_size}); got "

@@ -124,6 +124,12 @@ def test_create_refuses_eos_ids_that_are_not_vocabulary_ints(js, tok, cfg, param
   engine = js.JetStreamEngine.create(params, cfg, tok, slots=1, max_len=MAX_LEN)
   assert engine.engine.ecfg.eos_ids == tuple(sorted(tok.eos_ids))
   assert engine.jetstream_tokenizer.stop_tokens == set(tok.eos_ids)
+  # A bool was served as token id 1, and max_tokens=True as 1.
+  with pytest.raises(ValueError, match=r"prompt token ids must be ints .* got \[True\]"):
+    engine.check_request([True, 3], 4)
+  with pytest.raises(ValueError, match="max_tokens must be a positive int, got True"):
+    engine.check_request([1, 3], True)
+  engine.check_request([1, 3], np.int64(4))
 
 
 @pytest.mark.jetstream
