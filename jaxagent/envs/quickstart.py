@@ -112,6 +112,13 @@ class ArithmeticToolEnv(Env):
         got += 1
         if got == n:
           break
+      if got < n:
+        # A small problem space (few digits, terms or operators) runs out of distinct
+        # expressions; a shorter split (or an eval split without its easy tier) would go unseen.
+        raise ValueError(f"quickstart: could only draw {got} distinct {tier} problems for split "
+                         f"{split!r} (wanted {n}; problems of other splits are excluded); lower "
+                         "train_size / eval_size / sft_size or widen the problems (more digits "
+                         "or terms)")
     # Interleave the tiers in a fixed pseudo-random order.
     order = np.random.default_rng(self.seed + offsets[split]).permutation(len(out))
     return [out[i] for i in order]

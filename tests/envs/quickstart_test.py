@@ -86,3 +86,13 @@ def test_bad_settings_are_named():
     make_env("nope")
   with pytest.raises(ValueError, match="bad settings for env 'quickstart'"):
     make_env("quickstart", colour="red")
+
+
+def test_a_split_that_runs_out_of_distinct_problems_is_an_error():
+  # One-digit easy problems: about 200 distinct expressions, fewer than the 1000 easy train
+  # problems asked for. The split came back short, and eval without its easy tier, silently.
+  env = make_env("quickstart", easy_max_digits=1, train_size=2000, eval_size=200)
+  with pytest.raises(ValueError, match="could only draw .* easy problems for split 'train'"):
+    env.examples("train")
+  small = make_env("quickstart", easy_max_digits=1, train_size=100, eval_size=20, sft_size=20)
+  assert [len(small.examples(s)) for s in ("train", "sft", "eval")] == [100, 20, 20]
