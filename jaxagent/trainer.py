@@ -106,6 +106,33 @@ class PromptStream:
     self._it.set_state(state)
 
 
+def check_examples(env: Env, examples: Sequence[Any], tokenizer, split: str) -> list[tuple[int, ...]]:
+  """The rendered prompt of each example of `split`, or a ValueError naming every bad record.
+
+  Run once when the trainer starts: a record that is not an `Example`, or whose prompt does
+  not render (a message without text content, invalid Unicode) or renders empty, would
+  otherwise end the run at whichever RL step first draws it.
+  """
+  prompts, bad = [], []
+  for i, ex in enumerate(examples):
+    if not isinstance(ex, Example):
+      bad.append(f"examples[{i}] is a {type(ex).__name__}, not a jaxagent.agent.Example")
+      continue
+    try:
+      ids = tuple(int(t) for t in env.render_prompt(ex, tokenizer))
+      if not ids:
+        raise ValueError("the rendered prompt is empty")
+    except Exception as e:  # noqa: BLE001 - collected: every bad record is named at once
+      bad.append(f"example {ex.id!r} (examples[{i}]): {type(e).__name__}: {e}")
+      continue
+    prompts.append(ids)
+  if bad:
+    raise ValueError(
+        f"{len(bad)} of the {len(examples)} {split!r} examples of env {env.name!r} cannot be "
+        f"used; fix or drop them: " + "; ".join(bad[:5]) + ("; ..." if len(bad) > 5 else ""))
+  return prompts
+
+
 def _sft_batches(n: int, batch_size: int, steps: int, seed: int) -> list[np.ndarray]:
   """Item indices of each warm-start step: every item once per epoch, in a fresh order per
   epoch drawn from `seed`; a batch at an epoch's end continues into the next epoch."""
@@ -439,6 +466,9 @@ class Trainer:
         None if jax.process_count() == 1 else jax.local_devices())
     self.train_examples = list(self.env.examples("train"))
     self.eval_examples = list(self.env.examples("eval"))[:c.eval.size]
+    train_prompts = set(check_examples(self.env, self.train_examples, self.tok, "train"))
+    leaked = [ex.id for ex, p in zip(self.eval_examples, check_examples(
+        self.env, self.eval_examples, self.tok, "eval")) if p in train_prompts]
     self.prompts = PromptStream(self.train_examples, c.seed)
 
     t = c.train
@@ -463,6 +493,11 @@ class Trainer:
     self.pack_cfg = packing.config_from_train(t, dp)
     self.writer = MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
                                 progress_total=c.total_steps, progress=c.log.progress)
+    if leaked:  # allowed (a check on training prompts), but then eval does not measure held-out
+      self.writer.message(
+          f"warning: {len(leaked)} of the {len(self.eval_examples)} eval examples have the same "
+          f"prompt as a train example, so eval/pass@1 is not held out: "
+          + ", ".join(map(repr, leaked[:5])) + (", ..." if len(leaked) > 5 else ""))
     self.step = 0
     self._reward_failures: list[str] = []  # this step's env.reward raises (`_reward`)
     self.summary: dict[str, Any] = {}

@@ -782,3 +782,43 @@ def test_env_reward_that_returns_a_non_finite_or_wrong_value_is_data(bad):
   assert out.total == 0.0 and out.errors == (ENV_REWARD_ERROR,)
   (msg,) = trainer._reward_failures
   assert "q7" in msg and ("finite" in msg or "not a jaxagent.rewards.RewardOutput" in msg)
+
+
+def test_bad_records_of_a_users_dataset_are_named_when_the_trainer_starts(tmp_path, monkeypatch,
+                                                                           capsys):
+  """A task of one's own whose data holds an empty prompt, a message without content or a
+  record that is not an Example fails at start, naming each record; it ended the run at the
+  first RL step that drew it. An eval prompt that is also a train prompt gets a warning."""
+  from jaxagent.agent.env import CalculatorEnv, Example
+  import jaxagent.trainer as trainer_lib
+
+  good = [Example(f"q{i}", [{"role": "user", "content": f"What is {i} + 1?"}], gold=str(i + 1))
+          for i in range(8)]
+
+  class MyData(CalculatorEnv):
+    def __init__(self, train, eval_):
+      super().__init__()
+      self.splits = {"train": train, "eval": eval_}
+
+    def examples(self, split):
+      return self.splits[split]
+
+  bad = good[2:] + [Example("empty", ""), Example("no-content", [{"role": "user"}]),
+                    {"id": "raw", "prompt": "hi"}]
+  monkeypatch.setattr(trainer_lib, "make_env", lambda name, **kw: MyData(bad, good[:2]))
+  with pytest.raises(ValueError, match=r"3 of the 9 'train' examples of env 'calculator' cannot "
+                     r"be used; fix or drop them: example 'empty' \(examples\[6\]\): .*empty; "
+                     r"example 'no-content' \(examples\[7\]\): .*; examples\[8\] is a dict"):
+    Trainer(_tiny(tmp_path))
+
+  monkeypatch.setattr(trainer_lib, "make_env", lambda name, **kw: MyData(good[1:], good[:2]))
+  trainer = Trainer(_tiny(tmp_path))
+  trainer.close()
+  out = capsys.readouterr().out
+  assert "1 of the 2 eval examples have the same prompt as a train example" in out
+  assert "not held out: 'q1'" in out
+  from jaxagent import models
+  from jaxagent.trainer import check_examples
+  tok = models.load_tokenizer("smollm2-135m-instruct")
+  prompts = check_examples(CalculatorEnv(), good, tok, "train")
+  assert prompts == [tuple(CalculatorEnv().render_prompt(ex, tok)) for ex in good]
