@@ -175,7 +175,14 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
   from jaxagent.agent.trajectory import OBSERVATION, POLICY
   eos_texts = [t for t in (tokenizer.id_to_token(i) for i in sorted(tokenizer.eos_ids)) if t]
   items = []
-  for n, line in enumerate(pathlib.Path(path).read_text(encoding="utf-8").splitlines(), 1):
+  # Lines end at "\n" only: `str.splitlines` also splits at U+2028, U+2029 and U+0085, which
+  # JSON strings may hold unescaped (`json.dumps(..., ensure_ascii=False)` writes them so).
+  raw = pathlib.Path(path).read_bytes().removeprefix(b"\xef\xbb\xbf")  # a UTF-8 BOM
+  for n, line_bytes in enumerate(raw.split(b"\n"), 1):
+    try:
+      line = line_bytes.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{path}:{n}: not valid UTF-8 ({e}); re-encode the file as UTF-8") from None
     if not line.strip():
       continue
     try:
@@ -200,7 +207,7 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
                          f"({type(e).__name__}: {e})") from None
 
     prev = render(first, True)
-    prompt = tokenizer.encode(prev)
+    prompt = _encode_line(tokenizer, prev, path, n)
     segs: list[tuple[int, str]] = []
 
     def add(role, text):  # consecutive pieces of one role form one segment
@@ -231,12 +238,24 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
     if not segs or segs[0][0] != POLICY:
       raise ValueError(f"{path}:{n}: the first assistant message renders to no text")
     # The line number as the item's id, so the warm start can name lines too long to train.
-    traj = demonstration_trajectory(prompt, segs, tokenizer, request_id=n)
+    try:
+      traj = demonstration_trajectory(prompt, segs, tokenizer, request_id=n)
+    except ValueError as e:  # the tokenizer's errors (invalid Unicode) name no line
+      raise ValueError(f"{path}:{n}: {e}") from None
     items.append(traj.to_pack_item(0.0))
   if not items:  # else the warm start runs its steps on empty batches, loss 0
     raise ValueError(f"{path}: no conversations (one JSON object with a 'messages' list per "
                      "line); fix sft.data or set sft.steps=0")
   return items
+
+
+def _encode_line(tokenizer, text: str, path, n: int) -> list[int]:
+  """`tokenizer.encode(text)` with its errors (a lone surrogate from a JSON escape) naming
+  line `n` of `path`."""
+  try:
+    return tokenizer.encode(text)
+  except ValueError as e:
+    raise ValueError(f"{path}:{n}: {e}") from None
 
 
 # ----------------------------------------------------------------------------- multi-host

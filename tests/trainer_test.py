@@ -206,6 +206,33 @@ def test_bad_chat_jsonl_names_the_line(tmp_path):
       sft_items_from_chat_jsonl(path, tok)
 
 
+def test_chat_jsonl_reads_valid_files_whole_and_names_the_line_of_bad_bytes(tmp_path):
+  """A text with U+2028 / U+2029 / U+0085 (JSON leaves them unescaped with ensure_ascii=False)
+  was cut into two lines and refused, a file with a BOM was refused, and invalid UTF-8 or a
+  lone surrogate escape failed without naming the line."""
+  from jaxagent import models
+  tok = models.load_tokenizer("smollm2-135m-instruct")
+  path = tmp_path / "sft.jsonl"
+
+  def conv(user, answer="<answer>4</answer>"):
+    return json.dumps({"messages": [{"role": "user", "content": user},
+                                    {"role": "assistant", "content": answer}]},
+                      ensure_ascii=False)
+
+  path.write_bytes(("\ufeff" + conv("a\u2028b\u2029c\x85d") + "\r\n" + conv("2+2?") + "\n")
+                   .encode("utf-8"))
+  first, second = sft_items_from_chat_jsonl(path, tok)
+  assert "a\u2028b\u2029c\x85d" in tok.decode(first.tokens)
+  assert tok.decode(second.tokens[second.loss_mask > 0]) == "<answer>4</answer><|im_end|>"
+  path.write_bytes(conv("2+2?").encode() + b"\n" + conv("caf\xe9").encode("latin-1") + b"\n")
+  with pytest.raises(ValueError, match=r"sft.jsonl:2: not valid UTF-8"):
+    sft_items_from_chat_jsonl(path, tok)
+  for bad in (conv("q\udcff"), conv("q", "a\udcff")):
+    path.write_text(conv("2+2?") + "\n" + bad.replace("\udcff", "\\udcff") + "\n")
+    with pytest.raises(ValueError, match=r"sft.jsonl:2: .*lone surrogate"):
+      sft_items_from_chat_jsonl(path, tok)
+
+
 def test_chat_jsonl_loss_covers_exactly_the_assistant_turns():
   import pathlib
   import tempfile
