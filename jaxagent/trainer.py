@@ -150,13 +150,21 @@ def _sft_batches(n: int, batch_size: int, steps: int, seed: int) -> list[np.ndar
 def sft_items(env: Env, examples: Sequence[Example], tokenizer) -> list[packing.PackItem]:
   """SFT items from the task's demonstrations: loss only on the policy's own tokens."""
   items = []
-  for ex in examples:
-    segs = env.demonstration(ex)
-    if segs is None:
-      continue
-    traj = demonstration_trajectory(env.render_prompt(ex, tokenizer), segs, tokenizer,
-                                    parser=getattr(env, "parser", None), env=env)
-    items.append(traj.to_pack_item(0.0))
+  for i, ex in enumerate(examples):
+    try:
+      segs = env.demonstration(ex)
+      if segs is None:
+        continue
+      prompt = list(env.render_prompt(ex, tokenizer))
+      if not prompt:
+        raise ValueError("the rendered prompt is empty")
+      traj = demonstration_trajectory(prompt, segs, tokenizer,
+                                      parser=getattr(env, "parser", None), env=env)
+      items.append(traj.to_pack_item(0.0))
+    except Exception as e:  # the task's data is at fault: name the example among thousands
+      raise ValueError(f"SFT warm start: example {getattr(ex, 'id', None)!r} (examples[{i}]) of "
+                       f"env {env.name!r} gave no usable demonstration: {type(e).__name__}: {e}; "
+                       "fix or drop this example") from e
   if not items:
     raise ValueError(f"task {env.name!r} gave no demonstrations for the SFT warm start; set "
                      "sft.steps=0 or use a task with `demonstration`")

@@ -233,6 +233,28 @@ def test_chat_jsonl_reads_valid_files_whole_and_names_the_line_of_bad_bytes(tmp_
       sft_items_from_chat_jsonl(path, tok)
 
 
+def test_a_demonstration_that_fails_names_its_example():
+  """A bad record of the task's sft split (a message without content, an empty prompt, a
+  demonstration that raises on it) failed the warm start with an error naming no example
+  (an empty prompt: a PackItem error about a shifted ledger)."""
+  from jaxagent import models
+  from jaxagent.agent.env import CalculatorEnv, Example
+  from jaxagent.trainer import sft_items
+  tok = models.load_tokenizer("smollm2-135m-instruct")
+  good = Example("g", [{"role": "user", "content": "1+1"}], gold="2",
+                 metadata={"expression": "1+1"})
+  assert len(sft_items(CalculatorEnv(), [good], tok)) == 1
+  for bad, why in ((Example("nc", [{"role": "user"}], gold="2", metadata={"expression": "1+1"}),
+                    "chat template"),
+                   (Example("ep", "", gold="2", metadata={"expression": "1+1"}),
+                    "rendered prompt is empty"),
+                   (Example("bad-gold", "1+1", gold="2\udcff", metadata={"expression": "1+1"}),
+                    "lone surrogate")):
+    with pytest.raises(ValueError, match=rf"SFT warm start: example '{bad.id}' \(examples\[1\]\) "
+                       rf"of env 'calculator' gave no usable demonstration: .*{why}"):
+      sft_items(CalculatorEnv(), [good, bad], tok)
+
+
 def test_chat_jsonl_loss_covers_exactly_the_assistant_turns():
   import pathlib
   import tempfile
