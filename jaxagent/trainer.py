@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import logging
 import math
@@ -131,6 +132,14 @@ def check_examples(env: Env, examples: Sequence[Any], tokenizer, split: str) -> 
         f"{len(bad)} of the {len(examples)} {split!r} examples of env {env.name!r} cannot be "
         f"used; fix or drop them: " + "; ".join(bad[:5]) + ("; ..." if len(bad) > 5 else ""))
   return prompts
+
+
+def _examples_fingerprint(examples: Sequence[Example], prompts: Sequence[Sequence[int]]) -> dict:
+  """How many examples and a digest of their ids and prompt token ids, in order."""
+  h = hashlib.sha256()
+  for ex, ids in zip(examples, prompts):
+    h.update(json.dumps([str(ex.id), list(ids)]).encode())
+  return {"count": len(examples), "sha256": h.hexdigest()}
 
 
 def _sft_batches(n: int, batch_size: int, steps: int, seed: int) -> list[np.ndarray]:
@@ -493,7 +502,10 @@ class Trainer:
         None if jax.process_count() == 1 else jax.local_devices())
     self.train_examples = list(self.env.examples("train"))
     self.eval_examples = list(self.env.examples("eval"))[:c.eval.size]
-    train_prompts = set(check_examples(self.env, self.train_examples, self.tok, "train"))
+    train_prompts = check_examples(self.env, self.train_examples, self.tok, "train")
+    # Saved with the prompt stream's position: resuming over other examples is named.
+    self._train_fingerprint = _examples_fingerprint(self.train_examples, train_prompts)
+    train_prompts = set(train_prompts)
     leaked = [ex.id for ex, p in zip(self.eval_examples, check_examples(
         self.env, self.eval_examples, self.tok, "eval")) if p in train_prompts]
     self.prompts = PromptStream(self.train_examples, c.seed)
@@ -975,6 +987,7 @@ class Trainer:
                 "rollouts": "seed (seed * 1000003 + step) mod 2**32, request ids from the step",
                 "eval": "seed and seed + 1, request ids from 0"},
         "data": self.prompts.get_state(),
+        "train_examples": self._train_fingerprint,
         "warm_started": self.warm_started,
         "ref": {"kind": "params when RL began (after the warm start)", "step": 0,
                 "stored": self.ref_params is not None},
@@ -1031,6 +1044,14 @@ class Trainer:
           f"{k}: {old!r} -> {new!r}" for k, old, new in r.changed))
     self.state, self.ref_params = r.state, r.ref_params
     self.prompts.set_state(r.meta["data"])
+    saved = r.meta.get("train_examples")
+    if saved is not None and saved != self._train_fingerprint:
+      self.writer.message(
+          f"warning: the task's train examples differ from those of checkpoint {r.path} "
+          f"({saved['count']} -> {self._train_fingerprint['count']} examples, or their ids or "
+          f"prompts changed): the prompt order goes on from position "
+          f"{r.meta['data'].get('next_index', '?')} of the new examples' shuffle, so this epoch "
+          "may repeat or skip examples")
     self.step, self.warm_started = r.step, True
     self.summary = dict(r.meta.get("summary") or {})
     self._rewind_metrics(r.step)

@@ -871,3 +871,45 @@ def test_bad_records_of_a_users_dataset_are_named_when_the_trainer_starts(tmp_pa
   tok = models.load_tokenizer("smollm2-135m-instruct")
   prompts = check_examples(CalculatorEnv(), good, tok, "train")
   assert prompts == [tuple(CalculatorEnv().render_prompt(ex, tok)) for ex in good]
+
+
+@pytest.mark.slow  # two trainers, a checkpoint saved and restored twice (about 30 s)
+def test_resuming_over_changed_train_examples_is_named(tmp_path, monkeypatch, capsys):
+  """The checkpoint keeps the prompt stream's position; over a dataset that changed since
+  (records added to a task's own data file, same config), that position lands elsewhere in a
+  new shuffle and the epoch repeats or skips examples: said, where it was silent."""
+  from jaxagent.agent.env import CalculatorEnv, Example
+  import jaxagent.trainer as trainer_lib
+
+  class MyData(CalculatorEnv):
+    def __init__(self, n):
+      super().__init__()
+      self.exs = [Example(f"q{i}", f"What is {i} + 1?", gold=str(i + 1)) for i in range(n)]
+
+    def examples(self, split):
+      return self.exs[:2] if split == "eval" else self.exs[2:]
+
+  def trainer_over(n):
+    monkeypatch.setattr(trainer_lib, "make_env", lambda name, **kw: MyData(n))
+    return Trainer(_tiny(tmp_path, checkpoint_every=1, checkpoint_async=False))
+
+  first = trainer_over(20)
+  try:
+    first.prompts.next(5)
+    first.warm_started = True
+    first.save_checkpoint(0, wait=True)
+    capsys.readouterr()
+    first._restore_done = False  # the same examples: resumed without a word about them
+    assert first.restore() == 0
+    assert "resumed from checkpoint" in (out := capsys.readouterr().out)
+    assert "differ" not in out
+  finally:
+    first.close()
+  again = trainer_over(24)
+  try:
+    assert again.restore() == 0
+  finally:
+    again.close()
+  assert ("train examples differ from those of checkpoint" in (out := capsys.readouterr().out)
+          and "(18 -> 22 examples, or their ids or prompts changed): the prompt order goes on "
+          "from position 5" in out), out
