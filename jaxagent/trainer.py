@@ -506,8 +506,8 @@ class Trainer:
     # Saved with the prompt stream's position: resuming over other examples is named.
     self._train_fingerprint = _examples_fingerprint(self.train_examples, train_prompts)
     train_prompts = set(train_prompts)
-    leaked = [ex.id for ex, p in zip(self.eval_examples, check_examples(
-        self.env, self.eval_examples, self.tok, "eval")) if p in train_prompts]
+    self._eval_prompts = check_examples(self.env, self.eval_examples, self.tok, "eval")
+    leaked = [ex.id for ex, p in zip(self.eval_examples, self._eval_prompts) if p in train_prompts]
     self.prompts = PromptStream(self.train_examples, c.seed)
 
     t = c.train
@@ -635,8 +635,27 @@ class Trainer:
     if s.get("data"):
       items = sft_items_from_chat_jsonl(s.data, self.tok)
     else:
-      pool = self.env.examples("sft") if hasattr(self.env, "examples") else self.train_examples
-      items = sft_items(self.env, list(pool)[:s.num_examples], self.tok)
+      try:
+        pool = list(self.env.examples("sft"))[:s.num_examples]
+      except Exception as e:
+        raise ValueError(
+            f"sft.steps={s.steps} warm-starts on the task's 'sft' split, and env "
+            f"{self.env.name!r} has none (examples('sft') raised {type(e).__name__}: {e}): "
+            "return the examples to demonstrate for 'sft' (usually the train ones), give a "
+            "chat JSONL file as sft.data, or set sft.steps=0") from e
+      items = sft_items(self.env, pool, self.tok)
+      # An `examples` that returns the eval split for every split but "train" warm-started on
+      # the held-out examples, silently.
+      held_out = set(self._eval_prompts)
+      on_eval = [ex.id for ex in pool
+                 if tuple(int(t) for t in self.env.render_prompt(ex, self.tok)) in held_out]
+      if on_eval:
+        raise ValueError(
+            f"the SFT warm start would train on {len(on_eval)} eval examples: env "
+            f"{self.env.name!r} returns examples for 'sft' whose prompts are eval prompts ("
+            + ", ".join(map(repr, on_eval[:5])) + (", ..." if len(on_eval) > 5 else "")
+            + "), so eval/pass@1 would not be held out; return the train examples (or other "
+            "non-eval ones) for 'sft', give a chat JSONL file as sft.data, or set sft.steps=0")
     learner = step_lib.Learner(self.cfg, self._sft_step_cfg, self._sft_optimizer, self.mesh)
     st = learner.init(self.state.params)
     items, too_long = self._sft_items_that_fit(items)

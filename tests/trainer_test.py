@@ -913,3 +913,33 @@ def test_resuming_over_changed_train_examples_is_named(tmp_path, monkeypatch, ca
   assert ("train examples differ from those of checkpoint" in (out := capsys.readouterr().out)
           and "(18 -> 22 examples, or their ids or prompts changed): the prompt order goes on "
           "from position 5" in out), out
+
+
+def test_warm_start_refuses_the_eval_split_and_names_a_missing_sft_split(tmp_path, monkeypatch):
+  """A task of one's own whose `examples` returns the eval split for every split but "train"
+  warm-started on the held-out examples, silently; one without an "sft" split failed with a
+  bare KeyError."""
+  from jaxagent.agent.env import CalculatorEnv, Example
+  import jaxagent.trainer as trainer_lib
+
+  exs = [Example(f"q{i}", [{"role": "user", "content": f"What is {i} + {i}?"}], gold=str(2 * i),
+                 metadata={"expression": f"{i} + {i}"}) for i in range(12)]
+
+  class MyData(CalculatorEnv):
+    def examples(self, split):
+      return exs[4:] if split == "train" else exs[:4]
+
+  monkeypatch.setattr(trainer_lib, "make_env", lambda name, **kw: MyData())
+  trainer = Trainer(_tiny(tmp_path, **{"sft.steps": 2}))
+  try:
+    with pytest.raises(ValueError, match=r"the SFT warm start would train on 4 eval examples: env "
+                       r"'calculator' returns examples for 'sft' whose prompts are eval prompts "
+                       r"\('q0', 'q1', 'q2', 'q3'\)"):
+      trainer.warm_start()
+    monkeypatch.setattr(trainer.env, "examples", lambda split: {"train": exs[4:],
+                                                                "eval": exs[:4]}[split])
+    with pytest.raises(ValueError, match=r"sft.steps=2 warm-starts on the task's 'sft' split, and "
+                       r"env 'calculator' has none \(examples\('sft'\) raised KeyError: 'sft'\)"):
+      trainer.warm_start()
+  finally:
+    trainer.close()
