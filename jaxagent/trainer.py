@@ -505,6 +505,7 @@ class Trainer:
     train_prompts = check_examples(self.env, self.train_examples, self.tok, "train")
     # Saved with the prompt stream's position: resuming over other examples is named.
     self._train_fingerprint = _examples_fingerprint(self.train_examples, train_prompts)
+    train_lens = [len(p) for p in train_prompts]
     train_prompts = set(train_prompts)
     self._eval_prompts = check_examples(self.env, self.eval_examples, self.tok, "eval")
     leaked = [ex.id for ex, p in zip(self.eval_examples, self._eval_prompts) if p in train_prompts]
@@ -537,6 +538,7 @@ class Trainer:
           f"warning: {len(leaked)} of the {len(self.eval_examples)} eval examples have the same "
           f"prompt as a train example, so eval/pass@1 is not held out: "
           + ", ".join(map(repr, leaked[:5])) + (", ..." if len(leaked) > 5 else ""))
+    self._check_prompt_lengths(train_lens)
     self.step = 0
     self._reward_failures: list[str] = []  # this step's env.reward raises (`_reward`)
     self.summary: dict[str, Any] = {}
@@ -549,6 +551,23 @@ class Trainer:
     self._resumed: int | None = None
     self._restore_done = False
     self._stop_reason: str | None = None
+
+  def _check_prompt_lengths(self, lens: Sequence[int]) -> None:
+    """Train prompts too long to decode end their trajectories unsampled (stop reason
+    "prompt_too_long") whenever they are drawn: counted here once, an error when all are."""
+    limit, cap = self.sampler.limit, self.rollout_cfg.max_prompt_tokens
+    long = [ex.id for ex, n in zip(self.train_examples, lens)
+            if n + 1 > limit or (cap is not None and n > cap)]
+    if not long:
+      return
+    msg = (f"{len(long)} of the {len(lens)} train prompts are too long to decode (longest "
+           f"{max(lens)} tokens; rollout.max_len={self.config.rollout.max_len}, "
+           f"rollout.max_total_tokens / max_prompt_tokens={self.rollout_cfg.max_total_tokens} / "
+           f"{cap}): " + ", ".join(map(repr, long[:5])) + (", ..." if len(long) > 5 else ""))
+    if len(long) == len(lens):
+      raise ValueError(msg + "; no prompt is left to train on: raise those limits or shorten "
+                       "the prompts")
+    self.writer.message(f"warning: {msg}; they never train (stop reason prompt_too_long)")
 
   # --------------------------------------------------------------------------- eval
   def evaluate(self, tag: str = "eval") -> dict[str, float]:

@@ -943,3 +943,30 @@ def test_warm_start_refuses_the_eval_split_and_names_a_missing_sft_split(tmp_pat
       trainer.warm_start()
   finally:
     trainer.close()
+
+
+def test_train_prompts_too_long_to_decode_are_counted_at_start(tmp_path, monkeypatch, capsys):
+  """Such a prompt ends its trajectories unsampled each time it is drawn (a step of them trains
+  nothing); the count was only seen in the rollout metrics, step after step."""
+  from jaxagent.agent.env import CalculatorEnv, Example
+  import jaxagent.trainer as trainer_lib
+
+  short = [Example(f"s{i}", f"What is {i} + 1?", gold=str(i + 1)) for i in range(6)]
+  huge = [Example(f"h{i}", "1 + " * 200 + f"{i}", gold="0") for i in range(2)]
+
+  class MyData(CalculatorEnv):
+    def __init__(self, train):
+      super().__init__()
+      self.train = train
+
+    def examples(self, split):
+      return self.train if split == "train" else short[:2]
+
+  monkeypatch.setattr(trainer_lib, "make_env", lambda name, **kw: MyData(short[2:] + huge))
+  Trainer(_tiny(tmp_path)).close()
+  assert "warning: 2 of the 6 train prompts are too long to decode (longest " in (
+      out := capsys.readouterr().out) and "rollout.max_len=128" in out and "'h0', 'h1'" in out
+  monkeypatch.setattr(trainer_lib, "make_env", lambda name, **kw: MyData(huge))
+  with pytest.raises(ValueError, match=r"2 of the 2 train prompts are too long .*no prompt is "
+                     r"left to train on"):
+    Trainer(_tiny(tmp_path))
