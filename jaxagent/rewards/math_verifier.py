@@ -118,10 +118,13 @@ _THOUSANDS_SPACE = re.compile(r"\\[,;:! ]| ")
 # "1e3", "2.5e-3": scientific notation, which LaTeX would read as 1*e*3 (Euler's number).
 _SCIENTIFIC = re.compile(r"(?<![\w.])\d+(?:\.\d+)?[eE][+-]?\d{1,3}(?![\w.])")
 # Two numbers side by side ("5 6", "5\quad 6"), which LaTeX adds up as a mixed number; group 1 is a
-# command whose arguments may go unbraced ("\frac 1 2").
-_JUXTAPOSED = re.compile(r"(\\[A-Za-z]+\s*)?(?<![\d.])\d+(?:\.\d+)?(?:\s|\\[,;:! ]|\\q?quad(?![A-Za-z]))+\d")
+# command whose arguments may go unbraced ("\frac 1 2", and after a subscript "\log_2 8").
+_JUXTAPOSED = re.compile(
+    r"(\\[A-Za-z]+\s*(?:_\s*)?)?(?<![\d.])\d+(?:\.\d+)?(?:\s|\\[,;:! ]|\\q?quad(?![A-Za-z]))+\d")
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# math-verify reads \boxed only; \fbox is the same box to a reader.
+_FBOX = re.compile(r"\\fbox(?![A-Za-z])")
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 
 
@@ -185,26 +188,49 @@ def _equates_two_values(parsed: list, options: dict[str, Any]) -> bool:
 def _names_two_values(text: str, options: dict[str, Any]) -> bool:
   """True when math-verify reads two different values in prose ("5 or 6", "6, not 5").
 
-  Every match of math-verify's extraction patterns counts, except one nested in a longer match
-  that parses ("1/2" holds "1"). Where the text marks its answer (a box, "answer: ...", "final
-  answer is ..."), only matches from the first mark on count, so working before it is no hedge.
+  Where the text boxes its answer, only the boxes count, as math-verify reads only the box: two
+  boxes with different values hedge ("\\boxed{5}. No: \\boxed{6}"), and so does a box whose
+  content hedges on its own ("\\boxed{5 \\lor 6}"), but prose around a box does not
+  ("\\boxed{5}. Check: 5 \\cdot 2 = 10"). Otherwise every match of math-verify's extraction
+  patterns counts, except one nested in a longer match that parses ("1/2" holds "1"). Where the
+  text marks its answer ("answer: ...", "final answer is ..."), only matches from the first mark
+  on count, so working before it is no hedge.
   """
-  from math_verify import parse
-  from math_verify.parser import (ExprExtractionConfig, LatexExtractionConfig, extract_match,
+  from math_verify.parser import (ExprExtractionConfig, LatexExtractionConfig,
                                   get_extraction_regexes)
 
   # (start, end, marked, match, target); a box has no match: math-verify's own box pattern runs
   # from the first box to the last closing brace, so boxes are read one by one here.
-  found = [(start, end + 1, True, None, None) for start, _, end in _box_spans(text)]
+  seen: dict = {}
+  spans = _box_spans(text)
+  # A box holding a hedge hedges as the same answer unboxed does ("\\boxed{5 \\lor 6}").
+  for _, content_start, content_end in spans:
+    content = text[content_start:content_end]
+    if not _parse_answer(content, single=True, **options) and _parse_answer(content):
+      return True
+  boxes = [(start, end + 1, True, None, None) for start, _, end in spans]
+  if boxes:
+    hedged, read = _differ(text, boxes, seen, options)
+    if read:  # a box that parses; boxes none of which parse leave the prose to decide
+      return hedged
+  found = list(boxes)
   targets = (LatexExtractionConfig(boxed_match_priority=-1), ExprExtractionConfig())
   for patterns, target in get_extraction_regexes(targets):
     for pattern, priority in patterns:
       found += [(m.start(), m.end(), priority < 300, m, target) for m in pattern.finditer(text)]
   first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
-  found.sort(key=lambda f: (f[0], -f[1]))
-  covered, first, seen = -1, None, {}
+  return _differ(text, [f for f in found if f[0] >= first_mark], seen, options)[0]
+
+
+def _differ(text: str, found: list, seen: dict, options: dict[str, Any]) -> tuple[bool, bool]:
+  """(whether the matches in `found` read two different values, whether any read a value)."""
+  from math_verify import parse
+  from math_verify.parser import extract_match
+
+  found = sorted(found, key=lambda f: (f[0], -f[1]))
+  covered, first = -1, None
   for start, end, _, match, target in found:
-    if start < first_mark or end <= covered:
+    if end <= covered:
       continue
     key = (text[start:end], target, match and match.re)  # an answer may repeat one number many times
     if key not in seen:
@@ -221,8 +247,8 @@ def _names_two_values(text: str, options: dict[str, Any]) -> bool:
     if first is None:
       first = value
     elif value != first and not _same_value(first, value, options):
-      return True
-  return False
+      return True, True
+  return False, first is not None
 
 
 def _with_percent_values(parsed: list) -> list:
@@ -251,7 +277,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   """
   from math_verify import parse
 
-  text = _normalize_numbers(text.strip())
+  text = _normalize_numbers(_FBOX.sub(r"\\boxed", text.strip()))
   if not text:
     return []
   if _is_bare_answer(text):

@@ -59,6 +59,17 @@ EQUAL = [
     ("1.5e3", "1500"),
     ("2.5e-3", "0.0025"),
     ("The answer is 1.5E3", "1500"),
+    # A logarithm's base written as a bare subscript is not two numbers side by side.
+    ("\\log_2 8", "3"),
+    ("\\log_2 5", "\\log_{2}5"),
+    ("x = \\log_2 5", "\\log_2 5"),
+    # \fbox is a box, as extract_boxed reads it.
+    ("\\fbox{7}", "7"),
+    ("The answer is \\fbox{7}.", "7"),
+    # With a box, only the box is the answer: working after it is not a second value.
+    ("\\boxed{5}. Indeed 5 \\cdot 2 = 10", "5"),
+    ("So she has \\boxed{18} dollars, which is 18 = 9 \\times 2.", "18"),
+    ("The answer is \\boxed{10} (rounded from 9.97).", "10"),
 ]
 
 NOT_EQUAL = [
@@ -76,6 +87,8 @@ NOT_EQUAL = [
     ("0.3333", "\\frac{1}{3}"),  # within 6-digit rounding it differs
     ("1e3", "3e"),
     ("1 234", "235"),  # not the mixed number 1 + 234
+    ("\\log_2 8", "4"),
+    ("\\fbox{7}", "8"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
@@ -99,6 +112,11 @@ HEDGED = [
     # Already rejected before: a list is a set, not one of its elements.
     ("5, 6", "6"),
     ("$5$ or $6$", "6"),
+    # A box holding a hedge hedges as the same answer unboxed does.
+    ("\\boxed{5 \\lor 6}", "6"),
+    ("\\boxed{5 6}", "11"),
+    ("\\boxed{x = 5 = 6}", "6"),
+    ("\\fbox{5} or \\fbox{6}", "5"),
 ]
 
 
