@@ -122,6 +122,8 @@ _SCIENTIFIC = re.compile(r"(?<![\w.])\d+(?:\.\d+)?[eE][+-]?\d{1,3}(?![\w.])")
 _JUXTAPOSED = re.compile(
     r"(\\[A-Za-z]+\s*(?:_\s*)?)?(?<![\d.])\d+(?:\.\d+)?(?:\s|\\[,;:! ]|\\q?quad(?![A-Za-z]))+\d")
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+# A full stop ending an answer ("\frac{1}{2}.", "2/3."), which LaTeX would read as part of it.
+_FULL_STOP = re.compile(r"(?<![.\s])\s*\.$")
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # math-verify reads \boxed only; \fbox is the same box to a reader.
 _FBOX = re.compile(r"\\fbox(?![A-Za-z])")
@@ -281,6 +283,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   if not text:
     return []
   if _is_bare_answer(text):
+    text = _FULL_STOP.sub("", text) or text
     if single and any(m.group(1) is None for m in _JUXTAPOSED.finditer(text)):
       return []
     boxed = parse("\\boxed{" + text + "}", extraction_config=_latex_only(), parsing_timeout=None)

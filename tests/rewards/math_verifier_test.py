@@ -70,6 +70,11 @@ EQUAL = [
     ("\\boxed{5}. Indeed 5 \\cdot 2 = 10", "5"),
     ("So she has \\boxed{18} dollars, which is 18 = 9 \\times 2.", "18"),
     ("The answer is \\boxed{10} (rounded from 9.97).", "10"),
+    # A full stop ends the answer; it is not part of it.
+    ("\\frac{1}{2}.", "1/2"),
+    ("2/3.", "2/3"),
+    ("\\sqrt{2}.", "\\sqrt{2}"),
+    ("(1,2).", "(1,2)"),
 ]
 
 NOT_EQUAL = [
@@ -117,6 +122,7 @@ HEDGED = [
     ("\\boxed{5 6}", "11"),
     ("\\boxed{x = 5 = 6}", "6"),
     ("\\fbox{5} or \\fbox{6}", "5"),
+    ("5. 6.", "6"),
 ]
 
 
