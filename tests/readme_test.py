@@ -191,3 +191,52 @@ def test_benchmark_table_flags_exist():
           bad.append(f"benchmarks/README.md, row {m.group(1)}: `{flag}` is not a flag of {script}")
   assert seen > 30, f"found only {seen} flags in the table: is the pattern still right?"
   assert not bad, "\n".join(bad)
+
+
+# ------------------------------------------------------------- numbers that go stale silently
+def test_quickstart_numbers_in_the_readme_are_the_configs():
+  """The README's main-job result names the held-out size and GRPO step count of
+  configs/quickstart.py: a change to either must come with a new measurement in the README."""
+  from jaxagent.config_files import load_config
+  c = load_config(REPO / "configs" / "quickstart.py")
+  text = re.sub(r"\s+", " ", (REPO / "README.md").read_text())
+  m = re.search(r"held-out pass@1 \(n=(\d+), greedy\).*? after (\d+) GRPO steps", text)
+  assert m, "README.md no longer states the main job's held-out n and GRPO steps"
+  assert int(m.group(1)) == c.eval.size, (
+      f"README.md quotes n={m.group(1)} held-out problems; configs/quickstart.py evaluates "
+      f"{c.eval.size}: rerun the main job and update the README's numbers")
+  assert int(m.group(2)) == c.total_steps, (
+      f"README.md quotes {m.group(2)} GRPO steps; configs/quickstart.py runs {c.total_steps}: "
+      "rerun the main job and update the README's numbers")
+
+
+def test_config_headers_name_the_eval_size_of_their_measured_variant():
+  """A config header's measured `gpu` result names its held-out n: the variant's eval.size."""
+  from jaxagent.config_files import load_config
+  seen = 0
+  for name in ("math_tool", "search_qa", "code"):
+    path = REPO / "configs" / f"{name}.py"
+    header = re.sub(r"\s+", " ", path.read_text().split('"""')[1])
+    m = re.search(r"\bgpu \(measured[^\n]*?\(n=(\d+)", header)
+    assert m, f"{path.name}: the gpu variant's measured result no longer names its n"
+    seen += 1
+    size = load_config(path, "gpu").eval.size
+    assert int(m.group(1)) == size, (
+        f"{path.name}'s header quotes n={m.group(1)} for the gpu variant, which evaluates "
+        f"{size} held-out examples")
+  assert seen == 3
+
+
+def test_readme_counts_the_gpu_tests():
+  """The README's `pytest -m gpu tests/gpu` command says how many tests it runs."""
+  m = re.search(r"pytest -m gpu tests/gpu -n 0`\s*\((\d+) tests",
+                (REPO / "README.md").read_text())
+  assert m, "README.md no longer says how many tests `pytest -m gpu tests/gpu` runs"
+  proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-m", "gpu",
+                         "-n", "0", "-p", "no:cacheprovider", "tests/gpu"],
+                        cwd=REPO, capture_output=True, text=True, timeout=300)
+  found = re.search(r"(\d+) tests? collected", proc.stdout)
+  assert found, proc.stdout[-2000:] + proc.stderr[-2000:]
+  assert int(found.group(1)) == int(m.group(1)), (
+      f"README.md says {m.group(1)} GPU tests; tests/gpu has {found.group(1)}: run them on a "
+      "GPU and update the README (and benchmarks/RESULTS.md)")
