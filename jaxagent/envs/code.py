@@ -309,7 +309,8 @@ class _Candidate:
 
 @dataclasses.dataclass(frozen=True)
 class TestRun:
-  """Outcome of one solution's tests."""
+  """Outcome of one solution's tests; `error` says why the first failing test failed (or why
+  none could run), None when all passed."""
 
   passed: int
   total: int
@@ -370,22 +371,30 @@ def run_tests(program: str, entry_point: str, plan: TestPlan, *, timeout_s: floa
       return TestRun(0, total, f"the test module failed: {type(e).__name__}")
     # A check may name the entry point instead of `candidate` (the prompt's stub is not it).
     namespace["candidate"] = namespace[entry_point] = candidate
-    passed = 0
+    passed, tests, failure = 0, 0, None
     for is_test, source in plan.steps:
       now = time.monotonic()
       candidate.deadline = min(now + per_test_s, deadline)
+      ok, why = False, ""
       try:
         if now >= deadline:
           raise _CandidateFailed("out of time")
         exec(_compile(source, "<check>"), namespace)  # noqa: S102
         ok = True
-      except (Exception, _CandidateFailed):  # noqa: BLE001
-        ok = False
+      except _CandidateFailed as e:
+        why = (str(e).splitlines() or ["no reply"])[0][:200]
+      except AssertionError:
+        why = "wrong result"
+      except Exception as e:  # noqa: BLE001
+        why = f"the test raised {type(e).__name__}"
       if is_test:
+        tests += 1
         passed += ok
+        if not ok and failure is None:
+          failure = f"test {tests} of {total} failed: {why}"
       elif not ok:
-        return TestRun(passed, total, "a setup step of check() failed")
-    return TestRun(passed, total)
+        return TestRun(passed, total, f"a setup step of check() failed: {why}")
+    return TestRun(passed, total, failure)
   finally:
     candidate.close()
 

@@ -108,6 +108,21 @@ def test_run_tests_hanging_and_forged_reports():
   assert run.passed == 0 and time.time() - t0 < 4, "hanging on every test costs about timeout_s"
 
 
+@pytest.mark.parametrize("solution,passed,error", [
+    ("    return x * x\n", 3, None),
+    ("    return x + x\n", 1, "test 2 of 3 failed: wrong result"),
+    ("    if x == 3:\n        return square(x)\n    return x * x\n", 2,
+     "test 2 of 3 failed: the solution raised RecursionError"),
+    ("    import os\n    os.fork()\n", 0, "test 1 of 3 failed: the solution raised PermissionError"),
+    ("    while x == 3:\n        pass\n    return x * x\n", 2, "test 2 of 3 failed: Timed out"),
+])
+def test_run_tests_records_why_the_first_test_failed(solution, passed, error):
+  run = run_tests(assemble_program(STUB, "square", solution), "square", plan_tests(CHECK),
+                  per_test_s=0.5)
+  assert run.passed == passed, run
+  assert run.error == error if error is None else run.error.startswith(error), run
+
+
 # Each of these passes no test on its own (they all return garbage); each used to reach the
 # harness that counted the tests, or the values the tests compare, from inside the solution.
 _FORGERIES = {
