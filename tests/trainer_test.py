@@ -970,3 +970,26 @@ def test_train_prompts_too_long_to_decode_are_counted_at_start(tmp_path, monkeyp
   with pytest.raises(ValueError, match=r"2 of the 2 train prompts are too long .*no prompt is "
                      r"left to train on"):
     Trainer(_tiny(tmp_path))
+
+
+def test_prompt_stream_covers_each_example_once_per_epoch_and_resumes_mid_epoch():
+  """The RL prompt order: a seeded shuffle, every example once per epoch (a new order each
+  epoch), and a state (JSON, as a checkpoint keeps it) that resumes at the next example."""
+  from jaxagent.agent.env import Example
+  from jaxagent.trainer import PromptStream
+  exs = [Example(f"e{i}", f"p{i}") for i in range(7)]
+  ids = [e.id for e in PromptStream(exs, seed=3).next(21)]
+  epochs = [ids[k:k + 7] for k in range(0, 21, 7)]
+  assert all(sorted(ep) == sorted(e.id for e in exs) for ep in epochs)
+  assert len({tuple(ep) for ep in epochs}) > 1  # reshuffled per epoch
+  assert [e.id for e in PromptStream(exs, seed=3).next(21)] == ids
+  assert [e.id for e in PromptStream(exs, seed=4).next(7)] != ids[:7]
+  first = PromptStream(exs, seed=3)
+  first.next(10)  # mid-epoch (the second epoch's third example)
+  state = json.loads(json.dumps(first.get_state()))
+  resumed = PromptStream(exs, seed=3)
+  resumed.set_state(state)
+  assert [e.id for e in resumed.next(11)] == ids[10:]
+  assert [e.id for e in PromptStream(exs[:1], seed=0).next(3)] == ["e0"] * 3  # smaller than a step
+  with pytest.raises(ValueError, match="no training examples"):
+    PromptStream([], seed=0)
