@@ -136,8 +136,9 @@ def substring_exact_match(prediction: str | None, golds: str | Sequence[str]) ->
 
 
 # Commas only as thousands separators: "1,234" is a number, "1,2,3" is not.
-# An exponent ("1.5e-7", "2E+20") is read too: a calculator or a model may write one.
-_NUMBER = re.compile(r"-?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?(?:[eE][-+]?\d{1,6})?")
+# An exponent ("1.5e-7", "2E+20") is read too: a calculator or a model may write one. So are a
+# sign and the forms `decimal.Decimal` reads without a digit on one side of the point (".5", "42.").
+_NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d{1,6})?")
 # A gold may also carry a "+" and any of the forms `decimal.Decimal` reads (".5", "5."), but a
 # comma only as a thousands separator: "1,5" is not silently read as 15.
 _GOLD_COMMAS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?(?:[eE][-+]?\d+)?")
@@ -149,11 +150,11 @@ _EXACT = decimal.Context(prec=60, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, 
 def numeric_match(prediction: str | None, golds: str | Sequence[str]) -> float:
   """1.0 when the prediction is one of the gold numbers, else 0.0 (None or not a number scores 0).
 
-  The prediction is a decimal number, optionally negative, with commas only as thousands
-  separators and an optional exponent ("1.5e-7"). An integer gold needs that exact integer
-  ("42.0" and "4.2e1" count for "42"); a non-integer gold allows an error of 1e-6 times
-  max(1, |gold|) (relative above 1, absolute below). A gold that is not a number, or has a
-  comma that is not a thousands separator ("1,5"), is an error.
+  The prediction is a decimal number, optionally signed, with commas only as thousands
+  separators and an optional exponent ("1.5e-7"); ".5" and "42." count as 0.5 and 42. An
+  integer gold needs that exact integer ("42.0" and "4.2e1" count for "42"); a non-integer gold
+  allows an error of 1e-6 times max(1, |gold|) (relative above 1, absolute below). A gold that
+  is not a number, or has a comma that is not a thousands separator ("1,5"), is an error.
   """
   parsed = []
   for g in _golds(golds):

@@ -238,6 +238,9 @@ def test_math_equal_is_reexported():
     ("1e20", "100000000000000000000", 1.0), ("4.2e1", "42", 1.0), ("1.5E-7", "0.00000015", 1.0),
     ("-2.5e+3", "-2500", 1.0), ("1e2", "1000", 0.0), ("1e", "1", 0.0), ("e5", "100000", 0.0),
     ("1e1234567", "1", 0.0),
+    # a digit on one side of the point only, and a plus sign, as decimal.Decimal reads them
+    (".5", "0.5", 1.0), ("-.5", "-0.5", 1.0), ("42.", "42", 1.0), ("+5", "5", 1.0), ("1,000.", "1000", 1.0),
+    (".", "0", 0.0), ("-", "0", 0.0), ("+-5", "-5", 0.0), ("5..", "5", 0.0),
 ])
 def test_numeric_match_keeps_signs_and_decimal_points(prediction, golds, want):
   # The SQuAD normalisation of exact_match drops them: "-5" would match "5".
