@@ -206,8 +206,7 @@ def _names_two_values(text: str, options: dict[str, Any]) -> bool:
   seen: dict = {}
   spans = _box_spans(text)
   # A box holding a hedge hedges as the same answer unboxed does ("\\boxed{5 \\lor 6}").
-  for _, content_start, content_end in spans:
-    content = text[content_start:content_end]
+  for content in dict.fromkeys(text[start:end] for _, start, end in spans):
     if not _parse_answer(content, single=True, **options) and _parse_answer(content):
       return True
   boxes = [(start, end + 1, True, None, None) for start, _, end in spans]
