@@ -155,3 +155,44 @@ def test_optimizer_statistics_of_another_rank_are_replicated(caplog, monkeypatch
   learner = step_lib.Learner(cfg, step_lib.StepConfig(), opt, mesh)
   state = learner.init(models.init_params(cfg, jax.random.key(0)))
   assert models.unbox(state.params)["layers"]["wq"].sharding.spec == P(None, "fsdp", "tensor", None)
+
+
+@pytest.mark.slow  # about 15 s of compiles on 2 cores, more when they are shared
+def test_train_step_on_a_data_fsdp_tensor_mesh_equals_one_device():
+  """One RL update (KL term, two micro-batches) on a 2 x 2 x 2 mesh gives the loss, gradients
+  and log-probs of one device, and keeps the optimizer state sharded like the params (no
+  statistic left replicated on every device)."""
+  import optax
+  from jaxagent.rl import losses, step as step_lib
+  cfg = models.get_config("tiny-qwen3", n_heads=4, n_kv_heads=2)
+  params = models.init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  b, n = 8, 16
+  seg = np.repeat(np.array([[1] * 7 + [2] * 6 + [0] * 3]), b, 0).astype(np.int32)
+  pos = np.concatenate([np.arange(7), np.arange(6), np.zeros(3, int)])[None].repeat(b, 0)
+  batch = dict(tokens=rng.integers(0, cfg.vocab_size, (b, n)).astype(np.int32),
+               segment_ids=seg, positions=pos.astype(np.int32),
+               loss_mask=((seg > 0) & (rng.random((b, n)) > 0.3)).astype(np.float32),
+               old_logps=(-3 * rng.random((b, n))).astype(np.float32),
+               advantages=rng.normal(size=(b, n)).astype(np.float32),
+               ref_logps=(-3 * rng.random((b, n))).astype(np.float32))
+  scfg = step_lib.StepConfig(loss=losses.LossConfig(kl_coef=0.1), micro_batches=2)
+  out = []
+  for mesh in (sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]),
+               sharding.make_mesh(2, 2, 2)):
+    # Plain SGD with rate 1: the params move by exactly the gradients (Adam would turn
+    # rounding-level differences of near-zero gradients into whole steps).
+    learner = step_lib.Learner(cfg, scfg, optax.chain(optax.trace(0.9), optax.sgd(1.0)), mesh)
+    state, metrics = learner.train_step(learner.init(params), batch)
+    out.append((state, metrics, np.asarray(learner.score(state.params, batch)[0])))
+  (ref, ref_m, ref_lp), (state, m, lp) = out
+  assert m["loss"] == pytest.approx(ref_m["loss"], abs=1e-6)
+  assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-5)
+  for a, c in zip(jax.tree.leaves(ref.params), jax.tree.leaves(state.params)):
+    np.testing.assert_allclose(np.asarray(c), np.asarray(a), atol=2e-6, rtol=1e-5)
+  np.testing.assert_allclose(lp, ref_lp, atol=1e-4)
+  p = models.unbox(state.params)
+  assert p["layers"]["wq"].sharding.spec == P(None, "fsdp", "tensor", None)
+  trace = models.unbox(state.opt_state[0].trace)
+  for a, c in zip(jax.tree.leaves(p), jax.tree.leaves(trace)):
+    assert c.sharding == a.sharding
