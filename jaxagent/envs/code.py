@@ -60,7 +60,8 @@ SYNTAX_KEY = "syntax_ok"
 # What parsing a program can raise: besides syntax errors, a null byte (ValueError) and nesting
 # too deep for the parser (a few thousand unary minus signs: RecursionError, then MemoryError).
 _UNPARSABLE = (SyntaxError, ValueError, RecursionError, MemoryError)
-_FENCE = re.compile(r"```[ \t]*(?:python|py|Python)?[ \t]*\n(.*?)```", re.DOTALL)
+# The language names a model writes on a fence: python, py, python3, py3, in any case.
+_FENCE = re.compile(r"```[ \t]*(?:(?i:python|py)3?)?[ \t]*\n(.*?)```", re.DOTALL)
 
 
 # ----------------------------------------------------------------------------- solutions

@@ -41,6 +41,10 @@ def test_extract_code():
   assert extract_code("```\nw = 4\n```") == "w = 4\n"
   assert extract_code("no code here") is None
   assert extract_code("```python\nunclosed = 1\n") is None
+  # A correct solution in a ```python3 fence scored 0 (no code block, or unparsable in <code>).
+  for lang in ("python3", "Python3", "py3", "PYTHON", "Py"):
+    assert extract_code(f"```{lang}\nv = 5\n```") == "v = 5\n", lang
+    assert extract_code(f"<code>\n```{lang}\nv = 5\n```\n</code>") == "v = 5\n", lang
 
 
 def test_extract_code_is_linear_in_unclosed_tags():
