@@ -25,7 +25,7 @@ Expected:
   gpu (measured on one H200, benchmarks/RESULTS.md): held-out pass@1 (n=300, greedy) 0.000
     before, 0.410 / 0.417 after the SFT warm start, 0.513 / 0.527 (+/- 0.029) after 18 / 22
     GRPO steps (seeds 0 / 1; `--config.train.time_limit_s=540 --config.eval.before=False`,
-    about 13 min for the whole run while sharing the GPU with two other runs); the sampled
+    at most 14 min for the whole run while sharing the GPU with two other runs); the sampled
     reward rises from about -0.43 to -0.30 (figures/math_tool_reward_h200.png). No
     interpreter timeouts.
   qwen (not measured): a Qwen2.5-1.5B-Instruct start should use the interpreter after SFT and
