@@ -1,5 +1,6 @@
 """The README's API tour runs as written (with the arrays it leaves to the reader filled in)."""
 import json
+import math
 import os
 import pathlib
 import re
@@ -50,6 +51,17 @@ def test_readme_api_tour_runs(tmp_path):
 
 def test_readme_api_tour_is_found_and_parses():
   compile(_INPUTS + api_tour(), "README.md", "exec")
+
+
+def test_readme_api_tour_rl_kernels_run():
+  """The tour's last part needs no model, so the default run executes it: a renamed loss
+  argument or setting fails here, not only in the slow test."""
+  tour = api_tour()
+  assert "# RL kernels" in tour, "README.md's API tour no longer has its '# RL kernels' part"
+  scope: dict = {}
+  exec(compile(_INPUTS + tour[tour.index("# RL kernels"):], "README.md", "exec"), scope)
+  assert int(scope["metrics"]["num_segments"]) == 2
+  assert math.isfinite(float(scope["loss"]))
 
 
 # ------------------------------------------------------------- commands named in the docs
