@@ -2,7 +2,7 @@
 
 Run (the README's main job; no flags runs this file):
   python -m jaxagent.launch
-  python -m jaxagent.launch --config=configs/quickstart.py:tiny   # seconds; a random tiny model
+  python -m jaxagent.launch --config=configs/quickstart.py:tiny   # under a minute; a random tiny model
 
 Expected (2-core CPU, 11 to 14 minutes): held-out pass@1 ~0 before training (the model never
 writes an <answer> tag); after the SFT warm start, the easy problems it answers from memory
