@@ -299,6 +299,17 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   return _with_percent_values(parse(text, parsing_timeout=None))
 
 
+_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\s*\{([^{}]*)\}")
+_WORDS_ONLY = re.compile(r"[A-Za-z]{2,}(?:[ '\-][A-Za-z]+)*")
+
+
+def _word_answer(text: str) -> str | None:
+  """A gold or prediction that is only words ("Yes", "\\text{No}.", "$\\text{even}$"), lowercased;
+  None for anything with math in it."""
+  text = _TEXT_WRAPPER.sub(r"\1", text).strip(" \t\n$.")
+  return text.lower() if _WORDS_ONLY.fullmatch(text) else None
+
+
 def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_precision: int = 15,
                   strict: bool = True) -> bool:
   """Compares on the calling thread with no time limit; raises on unexpected errors."""
@@ -310,7 +321,9 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
   gold_parsed = _parse_answer(gold)
   pred_parsed = _parse_answer(prediction, single=True, **options)
   if not gold_parsed or not pred_parsed:
-    return False
+    # Words hold no math to parse ("Yes" against "\\text{yes}."): they are compared as text.
+    word = _word_answer(gold)
+    return word is not None and word == _word_answer(prediction)
   return bool(verify(gold_parsed, pred_parsed, float_rounding=float_rounding,
                      numeric_precision=numeric_precision, strict=strict, timeout_seconds=None))
 

@@ -75,6 +75,10 @@ EQUAL = [
     ("2/3.", "2/3"),
     ("\\sqrt{2}.", "\\sqrt{2}"),
     ("(1,2).", "(1,2)"),
+    # Word answers hold no math to parse; they compare as text, without case or \text{}.
+    ("yes", "Yes"),
+    ("\\text{Yes}", "Yes"),
+    ("$\\text{yes}$.", "Yes"),
 ]
 
 NOT_EQUAL = [
@@ -94,6 +98,9 @@ NOT_EQUAL = [
     ("1 234", "235"),  # not the mixed number 1 + 234
     ("\\log_2 8", "4"),
     ("\\fbox{7}", "8"),
+    ("No", "Yes"),
+    ("yes", "5"),
+    ("5", "yes"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
@@ -123,6 +130,7 @@ HEDGED = [
     ("\\boxed{x = 5 = 6}", "6"),
     ("\\fbox{5} or \\fbox{6}", "5"),
     ("5. 6.", "6"),
+    ("Yes or no", "Yes"),
 ]
 
 
