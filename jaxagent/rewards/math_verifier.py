@@ -201,14 +201,14 @@ def _names_two_values(text: str, options: dict[str, Any]) -> bool:
   from math_verify.parser import (ExprExtractionConfig, LatexExtractionConfig,
                                   get_extraction_regexes)
 
-  # (start, end, marked, match, target); a box has no match: math-verify's own box pattern runs
-  # from the first box to the last closing brace, so boxes are read one by one here.
   seen: dict = {}
   spans = _box_spans(text)
   # A box holding a hedge hedges as the same answer unboxed does ("\\boxed{5 \\lor 6}").
   for content in dict.fromkeys(text[start:end] for _, start, end in spans):
     if not _parse_answer(content, single=True, **options) and _parse_answer(content):
       return True
+  # (start, end, marked, match, target); a box has no match: math-verify's own box pattern runs
+  # from the first box to the last closing brace, so boxes are read one by one here.
   boxes = [(start, end + 1, True, None, None) for start, _, end in spans]
   if boxes:
     hedged, read = _differ(text, boxes, seen, options)
