@@ -541,6 +541,7 @@ class Trainer:
     self._check_prompt_lengths(train_lens)
     self.step = 0
     self._reward_failures: list[str] = []  # this step's env.reward raises (`_reward`)
+    self._success_failures = 0  # this eval's env.is_success raises (`_success`)
     self.summary: dict[str, Any] = {}
     self.ckpt_cfg = checkpoint.CheckpointConfig.from_config(c)
     self.ckpt = (checkpoint.CheckpointManager(self.ckpt_cfg.path(self.workdir), self.ckpt_cfg,
@@ -580,6 +581,7 @@ class Trainer:
     if not exs:
       return {}
     t0, c0 = time.time(), compile_stats.snapshot()
+    self._success_failures = 0
     trajs = self.greedy.run(params, exs, num_samples=1, seed=self.config.seed,
                             request_id_offset=0)
     outs = [self._reward(tr, ex, self.step) for tr, ex in zip(trajs, exs)]
@@ -600,6 +602,7 @@ class Trainer:
     # An env reward that raises scores the trajectory as a failure (`_reward`): without this
     # count a broken verifier read as a model that solves nothing. Counted as RL steps count.
     out[f"{tag}/errors/env_reward"] = _env_reward_failures(outs) / len(outs)
+    out[f"{tag}/errors/is_success"] = self._success_failures / len(outs)
     out[f"{tag}/time_s"] = time.time() - t0
     d = compile_stats.snapshot() - c0
     out.update(_compile_metrics(d, f"{tag}/compiles", f"{tag}/compile_s",
@@ -640,8 +643,19 @@ class Trainer:
 
   def _success(self, out: RewardOutput) -> bool:
     """`env.is_success`; a reward that raised is a failure without asking the env, whose test
-    may read components that the stand-in output of `_reward` lacks."""
-    return ENV_REWARD_ERROR not in out.errors and bool(self.env.is_success(out))
+    may read components that the stand-in output of `_reward` lacks. An `is_success` that
+    raises counts its sample as a failure (logged, counted in `_success_failures`): one odd
+    sample ended the whole eval, and with it the run."""
+    if ENV_REWARD_ERROR in out.errors:
+      return False
+    try:
+      return bool(self.env.is_success(out))
+    except Exception:  # noqa: BLE001 - any failure of user code becomes data
+      if not self._success_failures:
+        log.warning("env %r: is_success raised; the sample counts as a failure",
+                    getattr(self.env, "name", self.env), exc_info=True)
+      self._success_failures += 1
+      return False
 
   # --------------------------------------------------------------------------- SFT
   def warm_start(self) -> dict[str, float]:

@@ -700,6 +700,38 @@ def test_eval_counts_env_rewards_that_raise_and_scores_pass_at_k_per_example(ckp
   assert m["eval/num_examples"] == 4
 
 
+def test_eval_counts_an_is_success_that_raises_as_a_failed_sample(ckpt_trainer, monkeypatch):
+  """A task's is_success that raises for one sample counts that sample as a failure, in its own
+  metric; it ended the eval (and with it the run) with the user's exception."""
+  from jaxagent.agent.trajectory import Trajectory
+  from jaxagent.rewards import RewardOutput
+  trainer = ckpt_trainer
+  monkeypatch.setitem(trainer.config.eval, "pass_k", 2)
+  monkeypatch.setattr(trainer, "eval_examples", trainer.eval_examples[:4])
+
+  def fake_run(params, examples, *, num_samples, seed, request_id_offset):
+    return [Trajectory(request_id=i * num_samples + g, group_id=i, sample_index=g)
+            for i in range(len(examples)) for g in range(num_samples)]
+
+  monkeypatch.setattr(trainer.greedy, "run", fake_run)
+  monkeypatch.setattr(trainer.sampler, "run", fake_run)
+  monkeypatch.setattr(trainer.env, "reward", lambda traj, ex, tok, step: RewardOutput(
+      float(traj.group_id), {"g": float(traj.group_id)}, {"g": 1.0}))
+
+  def is_success(out):
+    if out.total == 1.0:
+      raise KeyError("odd")  # example 1: greedy and both samples
+    return out.total >= 2.0
+
+  monkeypatch.setattr(trainer.env, "is_success", is_success)
+  m = trainer.evaluate()
+  assert m["eval/errors/is_success"] == 3 / 12
+  assert m["eval/pass@1"] == 2 / 4 and m["eval/pass@2"] == 2 / 4  # examples 2 and 3
+  assert m["eval/errors/env_reward"] == 0.0
+  m = trainer.evaluate()  # counted per eval, not summed over evals
+  assert m["eval/errors/is_success"] == 3 / 12
+
+
 def test_a_failing_train_and_a_failing_eval_trajectory_are_each_counted_once(ckpt_trainer,
                                                                            monkeypatch):
   """One env.reward raise in an RL step and one in the eval of that step (as `run` does it):
