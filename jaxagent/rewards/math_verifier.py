@@ -19,7 +19,8 @@ enforced from outside by one of two backends (`MathVerifyConfig.backend`):
   a computation that never releases the GIL, such as sympy evaluating a huge integer power in C,
   blocks the caller too. Use it for trusted inputs, tests and notebooks.
 
-Any failure (timeout, parse error, worker crash, busy pool) returns False and is counted in
+Callers beyond `max_workers` wait for a free worker (up to `wait_timeout_s`) before their
+own limit starts. Any failure (timeout, parse error, worker crash, busy pool) returns False and is counted in
 `MathVerifier.stats()` so the trainer can log it. A worker that cannot start at all is a setup
 error and raises.
 
@@ -59,6 +60,13 @@ class MathVerifyConfig:
     backend: "process" (hard limit, killed on timeout) or "thread" (soft limit); see module doc.
     max_workers: concurrent comparisons (processes or threads); started lazily.
     startup_timeout_s: how long a fresh worker process may take to import math-verify.
+    wait_timeout_s: how long a call may wait for a free worker when more callers than
+      `max_workers` compare at once (a trainer scoring on several threads); the call's own
+      `timeout_s` starts once it has one, so a correct answer is not scored 0 because others
+      were slow. Past it the call returns False, counted as "busy". A process worker frees up
+      within a call's limit, so "busy" means callers queue for more than this long (raise
+      `max_workers`); with the thread backend also that abandoned calls that never finish hold
+      every slot.
     worker_memory_mb: address-space cap per worker process (0 disables it).
     float_rounding, numeric_precision, strict: passed to `math_verify.verify`.
   """
@@ -67,6 +75,7 @@ class MathVerifyConfig:
   backend: Backend = "process" if os.name == "posix" else "thread"
   max_workers: int = 4
   startup_timeout_s: float = 60.0
+  wait_timeout_s: float = 300.0
   worker_memory_mb: int = 4096
   float_rounding: int = 6
   numeric_precision: int = 15
@@ -79,6 +88,7 @@ class MathVerifyConfig:
       raise ValueError("MathVerifyConfig.backend='process' needs a POSIX system; use backend='thread'")
     _check_timeout("MathVerifyConfig.timeout_s", self.timeout_s)
     _check_timeout("MathVerifyConfig.startup_timeout_s", self.startup_timeout_s)
+    _check_timeout("MathVerifyConfig.wait_timeout_s", self.wait_timeout_s)
     if not isinstance(self.max_workers, int) or self.max_workers < 1:
       raise ValueError(f"MathVerifyConfig.max_workers must be an int >= 1, got {self.max_workers!r}")
     if not isinstance(self.worker_memory_mb, int) or self.worker_memory_mb < 0:
@@ -531,20 +541,22 @@ class MathVerifier:
   def stats(self) -> dict[str, int]:
     """Counts since construction.
 
-    calls = equal + unequal + timeouts + errors + busy (no free worker within the limit);
+    calls = equal + unequal + timeouts + errors + busy (no free worker within
+    `MathVerifyConfig.wait_timeout_s`);
     restarts counts worker processes replaced after a timeout or crash.
     """
     with self._lock:
       return dict(self._stats)
 
   def _equal_process(self, prediction: str, gold: str, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
+    # The wait for a worker is not part of `timeout_s` (`MathVerifyConfig.wait_timeout_s`);
+    # `compare` starts the answer's clock.
     try:
-      worker = self._idle.get(timeout=timeout_s)
+      worker = self._idle.get(timeout=self.config.wait_timeout_s)
     except queue.Empty:
       return "busy"
     try:
-      reply = worker.compare(prediction, gold, max(deadline - time.monotonic(), 1e-3))
+      reply = worker.compare(prediction, gold, timeout_s)
     finally:
       self._idle.put(worker)
     if reply is None:
@@ -560,9 +572,9 @@ class MathVerifier:
     return "equal" if reply["equal"] else "unequal"
 
   def _equal_thread(self, prediction: str, gold: str, timeout_s: float) -> str:
-    deadline = time.monotonic() + timeout_s
-    if not self._slots.acquire(timeout=timeout_s):
+    if not self._slots.acquire(timeout=self.config.wait_timeout_s):
       return "busy"
+    deadline = time.monotonic() + timeout_s  # the wait for a slot is not part of the limit
     box: dict[str, Any] = {}
     done = threading.Event()
     options = self.config.verify_options()
@@ -625,6 +637,7 @@ def math_equal(prediction: str, gold: str, *, timeout_s: float = 5.0) -> bool:
   Handles numbers ("42" = "42.0", "1,000" = "1000", "$5" = "5 dollars" = "5", "12.5%" = "12.5",
   "1e3" = "1000"), fractions and LaTeX ("0.5" = "\\frac{1}{2}", "\\boxed{3}" = "3"), sets and
   intervals ("\\{1,2\\}" = "\\{2,1\\}", "[1,2)"). A prediction naming two different values
-  ("5 or 6", "5 = 6") equals neither. Returns within about `timeout_s` (plus a one-time worker start).
+  ("5 or 6", "5 = 6") equals neither. Returns within about `timeout_s` (plus a one-time worker
+  start, and any wait for a free worker while more callers than its workers compare at once).
   """
   return default_verifier().equal(prediction, gold, timeout_s=timeout_s)

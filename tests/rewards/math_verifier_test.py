@@ -229,13 +229,50 @@ def test_thread_backend_timeout_returns_false_in_bounded_time(blocking_verify):
 
 
 def test_thread_backend_busy_when_all_workers_are_stuck(blocking_verify):
-  v = MathVerifier(MathVerifyConfig(backend="thread", max_workers=1))
+  v = MathVerifier(MathVerifyConfig(backend="thread", max_workers=1, wait_timeout_s=0.2))
   assert not v.equal("1", "2", timeout_s=0.2)  # leaves the only worker stuck
   start = time.monotonic()
   assert not v.equal("3", "3.0", timeout_s=0.2)
   assert time.monotonic() - start < 1.0
   stats = v.stats()
   assert stats["timeouts"] == 1 and stats["busy"] == 1
+
+
+def _score_concurrently(v: MathVerifier, n: int) -> list[bool]:
+  with concurrent.futures.ThreadPoolExecutor(n) as pool:
+    return list(pool.map(lambda _: v.equal("3", "3.0", timeout_s=0.5), range(n)))
+
+
+def test_thread_backend_waiting_for_a_worker_is_not_part_of_the_limit(monkeypatch):
+  """More concurrent callers than workers (a trainer scoring on threads): each comparison takes
+  0.3 s of a 0.5 s limit, so every answer is correct; the queue's wait scored later callers
+  False ("busy" or a timeout) when it counted against their own limit."""
+  def slow_verify(*args, **kwargs):
+    time.sleep(0.3)
+    return True
+
+  monkeypatch.setattr(math_verify, "verify", slow_verify)
+  v = MathVerifier(MathVerifyConfig(backend="thread", max_workers=1))
+  assert _score_concurrently(v, 4) == [True] * 4
+  stats = v.stats()
+  assert stats["equal"] == 4 and stats["busy"] == stats["timeouts"] == 0
+
+
+def test_process_backend_waiting_for_a_worker_is_not_part_of_the_limit(monkeypatch):
+  """The same with the process pool (its worker stood in for: 0.3 s per comparison, past the
+  limit it is given it times out as a real worker would)."""
+  def compare(self, prediction, gold, timeout_s):
+    if timeout_s < 0.3:
+      time.sleep(timeout_s)
+      return None
+    time.sleep(0.3)
+    return {"equal": True}
+
+  monkeypatch.setattr(math_verifier._ProcessWorker, "compare", compare)
+  with MathVerifier(MathVerifyConfig(backend="process", max_workers=1)) as v:
+    assert _score_concurrently(v, 4) == [True] * 4
+    stats = v.stats()
+  assert stats["equal"] == 4 and stats["busy"] == stats["timeouts"] == 0
 
 
 def test_errors_are_counted_and_score_false(monkeypatch):
@@ -270,6 +307,7 @@ def test_closed_verifier_raises():
     ({"backend": "gpu"}, "backend"),
     ({"timeout_s": 0}, "timeout_s"),
     ({"timeout_s": float("inf")}, "timeout_s"),
+    ({"wait_timeout_s": 0}, "wait_timeout_s"),
     ({"max_workers": 0}, "max_workers"),
     ({"worker_memory_mb": -1}, "worker_memory_mb"),
     ({"numeric_precision": 0}, "numeric_precision"),
