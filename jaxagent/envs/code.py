@@ -33,6 +33,7 @@ demonstrations (the entry point's signature plus the reference body).
 from __future__ import annotations
 
 import ast
+import collections
 import dataclasses
 import functools
 import inspect
@@ -40,6 +41,7 @@ import json
 import random
 import re
 import textwrap
+import threading
 import time
 from typing import Any, Mapping, Sequence
 
@@ -62,6 +64,8 @@ SYNTAX_KEY = "syntax_ok"
 _UNPARSABLE = (SyntaxError, ValueError, RecursionError, MemoryError)
 # The language names a model writes on a fence: python, py, python3, py3, in any case.
 _FENCE = re.compile(r"```[ \t]*(?:(?i:python|py)3?)?[ \t]*\n(.*?)```", re.DOTALL)
+# Test runs a `CodeEnv` keeps (`CodeEnv._run`).
+_RUN_CACHE_SIZE = 4096
 
 
 # ----------------------------------------------------------------------------- solutions
@@ -256,6 +260,7 @@ class _Candidate:
     self._session = PythonSession(config)
     self._loaded = False
     self.deadline = 0.0  # of the current test (time.monotonic)
+    self.timed_out = False  # some call ran out of its time (`TestRun.timed_out`)
 
   def close(self) -> None:
     self._session.close()
@@ -263,9 +268,11 @@ class _Candidate:
   def _ask(self, code: str) -> dict[str, Any]:
     left = self.deadline - time.monotonic()
     if left <= 0:
+      self.timed_out = True
       raise _CandidateFailed("out of time")
     restarts = self._session.restarts
     result = self._session.run(code, timeout_s=left)
+    self.timed_out |= result.timed_out
     if self._session.restarts != restarts or not result.ok:
       self._loaded = False
     for line in reversed(result.output.splitlines()):
@@ -316,6 +323,9 @@ class TestRun:
   passed: int
   total: int
   error: str | None = None
+  # A call of the solution, or the whole run, hit its time limit: the outcome may be the
+  # host's load rather than the solution's, so `CodeEnv` does not cache it.
+  timed_out: bool = False
 
 
 def _compile(source: str, name: str):
@@ -360,44 +370,53 @@ def run_tests(program: str, entry_point: str, plan: TestPlan, *, timeout_s: floa
                          deny_read_paths=_answer_key_paths())
   candidate = _Candidate(program, entry_point, config)
   try:
-    candidate.deadline = min(start + per_test_s, deadline)
-    error = candidate.load()
-    if error is not None:
-      return TestRun(0, total, f"the solution failed to load: {error}")
-    namespace: dict[str, Any] = {"__name__": "__tests__"}
-    try:
-      for source, name in ((plan.prelude, "<prompt>"), (plan.module, "<tests>")):
-        exec(_compile(source, name), namespace)  # noqa: S102 - the task's own code
-    except Exception as e:  # noqa: BLE001
-      return TestRun(0, total, f"the test module failed: {type(e).__name__}")
-    # A check may name the entry point instead of `candidate` (the prompt's stub is not it).
-    namespace["candidate"] = namespace[entry_point] = candidate
-    passed, tests, failure = 0, 0, None
-    for is_test, source in plan.steps:
-      now = time.monotonic()
-      candidate.deadline = min(now + per_test_s, deadline)
-      ok, why = False, ""
-      try:
-        if now >= deadline:
-          raise _CandidateFailed("out of time")
-        exec(_compile(source, "<check>"), namespace)  # noqa: S102
-        ok = True
-      except _CandidateFailed as e:
-        why = (str(e).splitlines() or ["no reply"])[0][:200]
-      except AssertionError:
-        why = "wrong result"
-      except Exception as e:  # noqa: BLE001
-        why = f"the test raised {type(e).__name__}"
-      if is_test:
-        tests += 1
-        passed += ok
-        if not ok and failure is None:
-          failure = f"test {tests} of {total} failed: {why}"
-      elif not ok:
-        return TestRun(passed, total, f"a setup step of check() failed: {why}")
-    return TestRun(passed, total, failure)
+    run = _run_plan(candidate, plan, entry_point, start, deadline, per_test_s)
   finally:
     candidate.close()
+  return dataclasses.replace(run, timed_out=True) if candidate.timed_out else run
+
+
+def _run_plan(candidate: _Candidate, plan: TestPlan, entry_point: str, start: float,
+              deadline: float, per_test_s: float) -> TestRun:
+  """The body of `run_tests`: loads the solution and runs the tests against it."""
+  total = plan.num_tests
+  candidate.deadline = min(start + per_test_s, deadline)
+  error = candidate.load()
+  if error is not None:
+    return TestRun(0, total, f"the solution failed to load: {error}")
+  namespace: dict[str, Any] = {"__name__": "__tests__"}
+  try:
+    for source, name in ((plan.prelude, "<prompt>"), (plan.module, "<tests>")):
+      exec(_compile(source, name), namespace)  # noqa: S102 - the task's own code
+  except Exception as e:  # noqa: BLE001
+    return TestRun(0, total, f"the test module failed: {type(e).__name__}")
+  # A check may name the entry point instead of `candidate` (the prompt's stub is not it).
+  namespace["candidate"] = namespace[entry_point] = candidate
+  passed, tests, failure = 0, 0, None
+  for is_test, source in plan.steps:
+    now = time.monotonic()
+    candidate.deadline = min(now + per_test_s, deadline)
+    ok, why = False, ""
+    try:
+      if now >= deadline:
+        candidate.timed_out = True
+        raise _CandidateFailed("out of time")
+      exec(_compile(source, "<check>"), namespace)  # noqa: S102
+      ok = True
+    except _CandidateFailed as e:
+      why = (str(e).splitlines() or ["no reply"])[0][:200]
+    except AssertionError:
+      why = "wrong result"
+    except Exception as e:  # noqa: BLE001
+      why = f"the test raised {type(e).__name__}"
+    if is_test:
+      tests += 1
+      passed += ok
+      if not ok and failure is None:
+        failure = f"test {tests} of {total} failed: {why}"
+    elif not ok:
+      return TestRun(passed, total, f"a setup step of check() failed: {why}")
+  return TestRun(passed, total, failure)
 
 
 def canonical_solution(problem: Mapping[str, Any]) -> str:
@@ -442,6 +461,9 @@ class CodeEnv(Env):
   """
 
   name = "code"
+  # Each reward runs its own sandboxed interpreter (the cache of test runs is thread-safe), and
+  # waits on it: up to `timeout_s` for a hanging solution.
+  reward_threads = 8
 
   def __init__(self, *, eval_size: int = 40, sft_size: int = 124, max_prompt_chars: int = 0,
                timeout_s: float = 8.0, per_test_s: float = 2.0, memory_mb: int = 1024,
@@ -477,7 +499,10 @@ class CodeEnv(Env):
     self._plans = {p["task_id"]: plan_tests(p["test"], prelude=p["prompt"]) for p in problems}
     self.parser = XMLTagParser({}, answer_tag="code", strip=False)
     self._limits = dict(timeout_s=timeout_s, per_test_s=per_test_s, memory_mb=memory_mb)
-    self._run = functools.lru_cache(maxsize=4096)(self._run_uncached)
+    # Test runs by (task id, program): GRPO groups often repeat a solution. Not a run that timed
+    # out, which a loaded host may have caused; a lock, as the trainer may score concurrently.
+    self._runs: collections.OrderedDict[tuple[str, str], TestRun] = collections.OrderedDict()
+    self._runs_lock = threading.Lock()
     schedule = ProgressiveSchedule(shaping_steps, start=shaping_start) if shaping_steps else None
     self._reward = CompositeReward([
         Component("tests", UnitTestReward(all_or_nothing=all_or_nothing), 1.0, role="outcome"),
@@ -511,6 +536,21 @@ class CodeEnv(Env):
   def _run_uncached(self, task_id: str, program: str) -> TestRun:
     return run_tests(program, self._problems[task_id]["entry_point"], self._plans[task_id],
                      **self._limits)
+
+  def _run(self, task_id: str, program: str) -> TestRun:
+    """`_run_uncached` through the cache of the last 4096 runs that did not time out."""
+    key = (task_id, program)
+    with self._runs_lock:
+      if key in self._runs:
+        self._runs.move_to_end(key)
+        return self._runs[key]
+    run = self._run_uncached(task_id, program)
+    if not run.timed_out:
+      with self._runs_lock:
+        self._runs[key] = run
+        while len(self._runs) > _RUN_CACHE_SIZE:
+          self._runs.popitem(last=False)
+    return run
 
   def score(self, task_id: str, response: str) -> tuple[TestRun, bool]:
     """(test outcome, parses) of a response to problem `task_id`."""

