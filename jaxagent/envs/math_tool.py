@@ -9,7 +9,9 @@ gets no loss. The policy ends with `<answer>...</answer>`.
 
 Reward: +1 when math-verify finds the answer equal to the gold answer, -1 otherwise (component
 "correct"), plus optional shaping terms (tag format, valid tool calls) whose weight a
-`ProgressiveSchedule` hands to the outcome over `shaping_steps` steps.
+`ProgressiveSchedule` hands to the outcome over `shaping_steps` steps. A reasoning model's
+`<think>...</think>` block (Qwen3 style) is welcome where a turn opens, before anything else; an
+unclosed one, or one after other text, breaks the format, and nothing inside one is an answer.
 
 Demonstrations for the SFT cold start (`demonstration`) are built from the reference solution
 that reasoning-gym ships with each problem (`answer_cot`, lines such as "He drank 8*3=24 ccs"):
@@ -52,7 +54,8 @@ SYSTEM_PROMPT = (
     "</answer>.")
 
 SOURCES = ("gsm_symbolic", "champ")
-_FORMAT = FormatConfig(allowed_tags=("code", "answer"), answer_tag="answer", opaque_tags=("code",))
+_FORMAT = FormatConfig(allowed_tags=("code", "answer"), answer_tag="answer", opaque_tags=("code",),
+                       think_tag="think")
 _NO_OUTPUT = "(no output: print() the values you need)"
 
 
@@ -284,26 +287,28 @@ def champ_problems() -> list[tuple[str, str, list[str]]]:
 
 
 # ----------------------------------------------------------------------------- the task
-# A code block runs to its `</code>`. One never closed runs to where an `<answer>` opens, or to
-# the end of the text: the rollout stops a turn at `</answer>` and reads it as the final answer
-# even inside an unclosed block, and goes on after a turn whose block was left open (a malformed
-# call), so the policy's later answer is an answer.
-_CODE_BLOCK = re.compile(r"<code>(?:.*?</code>|.*?(?=<answer>)|.*)", re.DOTALL)
+# A code or think block runs to its close. One never closed runs to where an `<answer>` opens,
+# or to the end of the text: the rollout stops a turn at `</answer>` and reads it as the final
+# answer even inside an unclosed block, and goes on after a turn whose code block was left open (a
+# malformed call), so the policy's later answer is an answer. The first block to open hides what
+# it holds, a `<think>` quoted in code as much as code quoted in thought.
+_HIDDEN_BLOCK = re.compile(r"<(code|think)>(?:.*?</\1>|.*?(?=<answer>)|.*)", re.DOTALL)
 
 
 class SignedMathAnswer:
   """+1 when the answer equals a gold answer (math-verify), -1 otherwise.
 
-  The answer is looked for outside `<code>` blocks: a program that prints an answer tag has
-  not answered. An unclosed `<code>` block does not hide an answer written after it: the
-  reward scores the answer that the env's parser read.
+  The answer is looked for outside `<code>` and `<think>` blocks: a program that prints an
+  answer tag has not answered, and neither has a thought that tries one (`\\boxed{41}` while
+  thinking, with no answer after it, scores -1). An unclosed block does not hide an answer tag
+  written after it: the reward scores the answer that the env's parser read.
   """
 
   def __init__(self, timeout_s: float = 5.0):
     self._inner = MathAnswerReward(tag="answer", timeout_s=timeout_s)
 
   def __call__(self, inp: RewardInput) -> float:
-    prose = dataclasses.replace(inp, response_text=_CODE_BLOCK.sub("", inp.response_text))
+    prose = dataclasses.replace(inp, response_text=_HIDDEN_BLOCK.sub("", inp.response_text))
     return 2.0 * self._inner(prose) - 1.0
 
 

@@ -43,6 +43,13 @@ class FormatConfig:
     allow_unknown_tags: whether `<x>`-style markup outside `allowed_tags` is tolerated as text.
     eos_markers: end-of-sequence strings that may follow the answer (besides whitespace).
     partial_credit: score the fraction of checks passed instead of 1.0/0.0.
+    think_tag: a reasoning block that may open the response, as Qwen3-style reasoning models
+      open every turn with `<think>...</think>` (possibly empty, any number of lines); None: no
+      such block. It is accepted only where nothing but whitespace comes before it since the start
+      of the text or since the close of the previous block (a later turn opening right after a
+      tool block), must be closed, and is free text: tags inside it are not read, so an answer
+      written while thinking is not the answer. Anywhere else it fails `tags_ok`. Not one of
+      `allowed_tags` (the tags a response may use anywhere).
   """
 
   allowed_tags: tuple[str, ...] = ("think", "answer")
@@ -53,6 +60,7 @@ class FormatConfig:
   allow_unknown_tags: bool = False
   eos_markers: tuple[str, ...] = ("<|im_end|>", "<|endoftext|>", "<|eot_id|>", "</s>")
   partial_credit: bool = False
+  think_tag: str | None = None
 
   def __post_init__(self):
     for name in ("allowed_tags", "required_tags", "opaque_tags"):
@@ -69,6 +77,14 @@ class FormatConfig:
         raise ValueError(f"FormatConfig.{name} {sorted(extra)} are not in allowed_tags {self.allowed_tags}")
     if self.answer_tag in self.opaque_tags:
       raise ValueError("FormatConfig.answer_tag cannot be opaque")
+    if self.think_tag is not None:
+      if not isinstance(self.think_tag, str) or not _TAG_NAME.fullmatch(self.think_tag):
+        raise ValueError(f"FormatConfig.think_tag must be a bare tag name like 'think' or None, "
+                         f"got {self.think_tag!r}")
+      if self.think_tag in self.allowed_tags:
+        raise ValueError(f"FormatConfig.think_tag {self.think_tag!r} is also in allowed_tags "
+                         f"{self.allowed_tags}: keep it in allowed_tags to allow the block anywhere, "
+                         "or drop it from there to allow it only where a turn opens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +127,21 @@ def check_format(text: str, config: FormatConfig = FormatConfig()) -> FormatChec
   blocks: dict[str, list[tuple[int, int, int]]] = {}  # tag -> [(content start, content end, block end)]
   answer_opens = 0
   pos = 0
+  boundary = 0  # end of the last top-level block: a think block may follow it after whitespace
   while (m := _TAG.search(text, pos)) is not None:
     pos = m.end()
     closing, name = m.group(1) == "/", m.group(2)
+    if name == config.think_tag:
+      if closing or stack or text[boundary:m.start()].strip():
+        tags_ok = False  # a stray close, or a think block that does not open a turn
+      if closing:
+        continue
+      end = text.find(f"</{name}>", m.end())
+      if end < 0:
+        tags_ok = False
+        break
+      pos = boundary = end + len(name) + 3
+      continue
     if name not in allowed:
       tags_ok = tags_ok and config.allow_unknown_tags
       continue
@@ -128,6 +156,8 @@ def check_format(text: str, config: FormatConfig = FormatConfig()) -> FormatChec
           break
         blocks.setdefault(name, []).append((m.end(), end, end + len(name) + 3))
         pos = end + len(name) + 3
+        if not stack:
+          boundary = pos
         continue
       stack.append((name, m.end()))
       open_count[name] = open_count.get(name, 0) + 1
@@ -135,6 +165,8 @@ def check_format(text: str, config: FormatConfig = FormatConfig()) -> FormatChec
       _, start = stack.pop()
       open_count[name] -= 1
       blocks.setdefault(name, []).append((start, m.start(), m.end()))
+      if not stack:
+        boundary = m.end()
     else:
       tags_ok = False  # a close with no matching open, or crossing blocks
       if open_count.get(name, 0):  # close the blocks opened since `name`, and `name` itself

@@ -206,6 +206,40 @@ def test_reward_plus_minus_one(env, make_traj, char_tok, segments, expected):
   assert env.is_success(out) == (expected == 1.0)
 
 
+@pytest.mark.parametrize("segments,fmt", [
+    ([(POLICY, "<think>\n32 * 3 = 96\n</think>\n\n<answer>96</answer>")], 1.0),
+    ([(POLICY, "<think>\n\n</think>\n\n<code>print(32 * 3)</code>"),
+      (OBSERVATION, "<interpreter>96\n</interpreter>"),
+      (POLICY, "<think>It printed 96.</think>\n<answer>96</answer>")], 1.0),
+    ([(POLICY, "First: <think>32 * 3 = 96</think><answer>96</answer>")], 0.0),
+    ([(POLICY, "<think>32 * 3 = 96 <answer>96</answer>")], 0.0),  # never closed
+])
+def test_format_credits_a_leading_think_block(make_traj, char_tok, segments, fmt):
+  """Qwen3-style reasoning models open each turn with <think>...</think>: format_weight > 0
+  scored them 0 on format whatever they did."""
+  env = MathToolEnv(train_size=2, eval_size=0, sft_size=0, format_weight=0.5)
+  ex = env.examples("train")[0]
+  ex = type(ex)(id=ex.id, prompt=ex.prompt, gold="96", metadata=ex.metadata)
+  out = env.reward(make_traj(segments), ex, char_tok, step=0)
+  assert out.components["format"] == fmt
+  assert out.components["correct"] == 1.0  # an answer after an unclosed think is still read
+
+
+@pytest.mark.parametrize("text,expected", [
+    # What a thought tries is not the answer: the real one after it is.
+    ("<think>maybe <answer>95</answer></think> So \\boxed{96}", 1.0),
+    ("<think>\\boxed{95}</think> Hence #### 96", 1.0),
+    ("<think>\\boxed{95}</think><answer>96</answer>", 1.0),
+    ("<think>\\boxed{96}?</think> I am not sure.", -1.0),  # no answer outside the thought
+    ("<think>\\boxed{96}?", -1.0),  # nor inside an unclosed one
+    ("<code>print('<think>')</code>\n<answer>96</answer>", 1.0),  # a tag quoted in code
+])
+def test_answer_inside_think_block_is_not_the_answer(env, make_traj, char_tok, text, expected):
+  ex = env.examples("train")[0]
+  ex = type(ex)(id=ex.id, prompt=ex.prompt, gold="96", metadata=ex.metadata)
+  assert env.reward(make_traj([(POLICY, text)]), ex, char_tok, 0).components["correct"] == expected
+
+
 def test_reward_math_equivalence(env, make_traj, char_tok):
   ex = env.examples("train")[0]
   ex = type(ex)(id=ex.id, prompt=ex.prompt, gold="0.5", metadata=ex.metadata)

@@ -128,6 +128,47 @@ def test_format_check_is_linear_in_stray_closing_tags():
       False, True, True, True)
 
 
+THINKING = FormatConfig(allowed_tags=("code", "answer"), opaque_tags=("code",), think_tag="think")
+
+
+@pytest.mark.parametrize("text", [
+    "<think>\nSo 3 + 4 = 7.\n\nChecking: 7.\n</think>\n\n<answer>7</answer>",
+    "<think></think><answer>7</answer>",  # a reasoning model with thinking switched off
+    "  \n<think>\n\n</think>\n\n<answer>7</answer><|im_end|>",
+    "<think>a</think><code>print(3 + 4)</code>\n<think>b</think>\n<answer>7</answer>",  # per turn
+    "<think>I could write <code> or <answer>6</answer>, or compare x < y</think><answer>7</answer>",
+    "<answer>7</answer>",  # the block is allowed, not required
+])
+def test_format_think_tag_accepts_a_block_that_opens_a_turn(text):
+  """A Qwen3-style reasoning model opens its turn with <think>...</think>: with "think" not an
+  allowed tag the format scored 0 however well the rest was formed."""
+  assert check_format(text, THINKING) == FormatCheck(True, True, True, True)
+  assert format_reward(text, THINKING) == 1.0
+
+
+@pytest.mark.parametrize("text,failed", [
+    ("<think>7 is the sum<answer>7</answer>", "tags_ok"),  # never closed
+    ("<think>7 is the sum", "tags_ok"),
+    ("Let me think. <think>x</think><answer>7</answer>", "tags_ok"),  # text before it
+    ("<code>print(7)</code> so <think>x</think><answer>7</answer>", "tags_ok"),
+    ("<think>x</think></think><answer>7</answer>", "tags_ok"),  # a stray close
+    ("<answer>7</answer><think>x</think>", "answer_last"),
+    ("<think><answer>7</answer></think>", "one_answer"),  # an answer while thinking is no answer
+])
+def test_format_think_tag_rejects(text, failed):
+  check = check_format(text, THINKING)
+  assert not getattr(check, failed), check
+  assert format_reward(text, THINKING) == 0.0
+
+
+def test_format_think_tag_validation_and_default():
+  assert FormatConfig().think_tag is None
+  with pytest.raises(ValueError, match="think_tag 'think' is also in allowed_tags"):
+    FormatConfig(think_tag="think")
+  with pytest.raises(ValueError, match="think_tag must be a bare tag name"):
+    FormatConfig(allowed_tags=("answer",), think_tag="<think>")
+
+
 def test_format_config_is_hashable_with_list_inputs():
   config = FormatConfig(allowed_tags=["think", "answer"])
   assert config.allowed_tags == ("think", "answer")
