@@ -130,7 +130,9 @@ class ProgressiveSchedule:
   """alpha(step), the share of weight given to outcome terms; shaping terms get 1 - alpha.
 
   alpha goes from `start` at step 0 to `end` at `num_steps` (and stays there), linearly or
-  along a half cosine.
+  along a half cosine. A `CompositeReward` refuses a schedule when no shaping component has a
+  weight: with nothing to hand over it would only scale the outcome down (to 0 at step 0 when
+  start=0, so every trajectory of the first steps would score 0 and teach nothing).
   """
 
   num_steps: int
@@ -198,6 +200,15 @@ class CompositeReward:
       raise ValueError(f"CompositeReward component names must be unique; repeated: {duplicates}")
     if schedule is not None and not any(c.role == "outcome" for c in components):
       raise ValueError("a ProgressiveSchedule moves weight to outcome components, but none has role='outcome'")
+    if schedule is not None and not any(c.role == "shaping" and c.weight != 0 for c in components):
+      shaping = {c.name: c.weight for c in components if c.role == "shaping"}
+      raise ValueError(
+          f"a ProgressiveSchedule hands weight from shaping components to outcome ones, but no "
+          f"shaping component has a non-zero weight (shaping weights: {shaping or 'none'}): it would "
+          f"only scale the outcome reward by alpha, which is {schedule.start:g} at step 0 "
+          f"(start=0: every trajectory of the first steps scores 0). Give a shaping term a weight "
+          f"(an env's format_weight, tool_weight, ...), or drop the schedule (an env's "
+          f"shaping_steps=0)")
     self.components = components
     self.schedule = schedule
     self._lock = threading.Lock()

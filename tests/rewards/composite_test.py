@@ -122,6 +122,23 @@ def test_schedule_moves_weight_from_shaping_to_outcome():
   assert end.components["format"] == 1.0
 
 
+def test_schedule_with_nothing_to_hand_over_is_refused():
+  """shaping_steps > 0 with every shaping weight 0 scored every trajectory 0 at step 0 (alpha =
+  start = 0) and scaled the outcome down until num_steps, without a word."""
+  schedule = ProgressiveSchedule(num_steps=20)
+  zero = [Component("correct", const(1.0), 1.0, role="outcome"),
+          Component("format", const(1.0), 0.0, role="shaping"),
+          Component("tool_calls", const(1.0), 0.0, role="shaping")]
+  with pytest.raises(ValueError, match=r"no shaping component has a non-zero weight \(shaping "
+                     r"weights: \{'format': 0.0, 'tool_calls': 0.0\}\).*0 at step 0.*shaping_steps=0"):
+    CompositeReward(zero, schedule=schedule)
+  with pytest.raises(ValueError, match=r"shaping weights: none"):
+    CompositeReward([zero[0], Component("len", const(-1.0), role="fixed")], schedule=schedule)
+  assert CompositeReward(zero).weights(0) == {"correct": 1.0, "format": 0.0, "tool_calls": 0.0}
+  one = [zero[0], Component("format", const(1.0), 0.1, role="shaping"), zero[2]]
+  assert CompositeReward(one, schedule=schedule)(INP, step=0).total == pytest.approx(0.1)
+
+
 def test_score_batch_and_mean_metrics():
   flaky_calls = iter([1.0, RuntimeError("x"), 0.0, 1.0])
 
