@@ -28,6 +28,7 @@ params to every host each step: simple, and costly for large models.)
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import functools
@@ -584,7 +585,7 @@ class Trainer:
     self._success_failures = 0
     trajs = self.greedy.run(params, exs, num_samples=1, seed=self.config.seed,
                             request_id_offset=0)
-    outs = [self._reward(tr, ex, self.step) for tr, ex in zip(trajs, exs)]
+    outs = self._score(trajs, exs, self.step)
     ok = np.array([self._success(o) for o in outs], float)
     p = float(ok.mean())
     out = {f"{tag}/pass@1": p, f"{tag}/pass@1_se": math.sqrt(p * (1 - p) / len(exs)),
@@ -593,8 +594,8 @@ class Trainer:
       trajs_k = self.sampler.run(params, exs, num_samples=e.pass_k, seed=self.config.seed + 1,
                                  request_id_offset=0)
       c = np.zeros(len(exs))
-      for tr in trajs_k:
-        o = self._reward(tr, exs[tr.group_id], self.step)
+      outs_k = self._score(trajs_k, [exs[tr.group_id] for tr in trajs_k], self.step)
+      for tr, o in zip(trajs_k, outs_k):
         outs.append(o)
         c[tr.group_id] += self._success(o)
       out[f"{tag}/pass@{e.pass_k}"] = float(np.mean([_pass_at_k(e.pass_k, int(ci), e.pass_k)
@@ -628,6 +629,15 @@ class Trainer:
     covers the env's code around them, so one odd trajectory cannot end a long run. When every
     trajectory of a step fails the env is broken, not the samples: `_collect` raises. A return
     that is not a `RewardOutput`, or whose total is not a finite number, fails the same way."""
+    out, failure = self._reward_or_failure(traj, ex, step)
+    if failure is not None:
+      self._reward_failures.append(failure)
+    return out
+
+  def _reward_or_failure(self, traj: Trajectory, ex: Example,
+                         step: int) -> tuple[RewardOutput, str | None]:
+    """`_reward` without the bookkeeping: (output, the failure's one-line description or None).
+    Touches no trainer state, so several threads may run it at once (`_score`)."""
     try:
       out = self.env.reward(traj, ex, self.tok, step)
       if not isinstance(out, RewardOutput):
@@ -635,11 +645,29 @@ class Trainer:
                         "RewardOutput (e.g. RewardOutput(total, {}, {}), or a CompositeReward's)")
       if not (isinstance(out.total, (int, float, np.number)) and math.isfinite(out.total)):
         raise ValueError(f"env.reward returned a total of {out.total!r}; it must be a finite number")
-      return out
+      return out, None
     except Exception as e:  # noqa: BLE001 - any failure of user code becomes data
       log.warning("env %r: reward raised for example %r", self.env.name, ex.id, exc_info=True)
-      self._reward_failures.append(f"example {ex.id!r}: {type(e).__name__}: {e}")
-      return RewardOutput(0.0, {}, {}, errors=(ENV_REWARD_ERROR,))
+      return (RewardOutput(0.0, {}, {}, errors=(ENV_REWARD_ERROR,)),
+              f"example {ex.id!r}: {type(e).__name__}: {e}")
+
+  def _score(self, trajs: Sequence[Trajectory], exs: Sequence[Example],
+             step: int) -> list[RewardOutput]:
+    """`_reward` of each (trajectory, example) pair, in order: on `env.reward_threads` threads
+    when the env allows more than one (rewards that wait on a sandbox or a verifier process,
+    e.g. a hanging solution's 8 s, then overlap instead of adding up). Outputs, their order and
+    the failures recorded are those of scoring one after another."""
+    threads = getattr(self.env, "reward_threads", 1)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+      raise ValueError(f"env {getattr(self.env, 'name', self.env)!r}: reward_threads must be an "
+                       f"int >= 1 (1 scores one trajectory after another), got {threads!r}")
+    threads = min(threads, len(trajs))
+    if threads <= 1:
+      return [self._reward(tr, ex, step) for tr, ex in zip(trajs, exs)]
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="reward") as pool:
+      scored = list(pool.map(lambda pair: self._reward_or_failure(*pair, step), zip(trajs, exs)))
+    self._reward_failures.extend(f for _, f in scored if f is not None)
+    return [out for out, _ in scored]
 
   def _success(self, out: RewardOutput) -> bool:
     """`env.is_success`; a reward that raised is a failure without asking the env, whose test
@@ -795,7 +823,7 @@ class Trainer:
       trajs = self.sampler.run(params, exs, num_samples=G,
                                seed=_rollout_seed(self.config.seed, step),
                                request_id_offset=offset)
-      outs = [self._reward(tr, exs[tr.group_id], step) for tr in trajs]
+      outs = self._score(trajs, [exs[tr.group_id] for tr in trajs], step)
       rewards = np.array([o.total for o in outs], np.float32)
       gids = np.array([tr.group_id for tr in trajs])
       keep = sampler.update(rewards, gids) if dyn else np.ones(len(trajs), bool)

@@ -1025,3 +1025,67 @@ def test_prompt_stream_covers_each_example_once_per_epoch_and_resumes_mid_epoch(
   assert [e.id for e in PromptStream(exs[:1], seed=0).next(3)] == ["e0"] * 3  # smaller than a step
   with pytest.raises(ValueError, match="no training examples"):
     PromptStream([], seed=0)
+
+
+def _scoring_trainer(threads, delay_s=0.0):
+  """A Trainer with only what reward scoring reads, and an env whose reward is a deterministic
+  function of the trajectory (raising for every fifth), optionally taking `delay_s`."""
+  import time
+
+  from jaxagent.agent import CalculatorEnv
+  from jaxagent.rewards import RewardOutput
+
+  class Env(CalculatorEnv):
+    reward_threads = threads
+
+    def reward(self, trajectory, example, tokenizer, step):
+      time.sleep(delay_s * (1 + 0.2 * (trajectory.request_id % 3 == 0)))  # finish out of order
+      if trajectory.request_id % 5 == 0:
+        raise KeyError(f"bad {trajectory.request_id}")
+      i = trajectory.request_id
+      return RewardOutput(float(i % 3) + step, {"i": float(i)}, {"i": 1.0})
+
+  trainer = Trainer.__new__(Trainer)
+  trainer.env, trainer.tok, trainer._reward_failures = Env(), None, []
+  return trainer
+
+
+def test_concurrent_reward_scoring_matches_sequential_in_values_order_and_failures():
+  """An env with reward_threads > 1 is scored on a thread pool: the outputs, their order and the
+  recorded failures (first failure named in the step's error) are those of scoring in turn."""
+  from jaxagent.agent import Example, Trajectory
+
+  trajs = [Trajectory(request_id=i) for i in range(23)]
+  exs = [Example(f"q{i}", "2+2?", gold="4") for i in range(23)]
+  seq, par = _scoring_trainer(1), _scoring_trainer(6, delay_s=0.01)
+  want = seq._score(trajs, exs, 2)
+  assert want == [seq._reward(tr, ex, 2) for tr, ex in zip(trajs, exs)]
+  assert par._score(trajs, exs, 2) == want
+  assert par._reward_failures == seq._reward_failures[:len(par._reward_failures)]
+  assert [f.split(":")[0] for f in par._reward_failures] == [f"example 'q{i}'" for i in range(0, 23, 5)]
+  assert par._score([], [], 0) == []
+
+
+def test_concurrent_reward_scoring_overlaps_slow_rewards():
+  """8 rewards that each wait 0.5 s (a hanging unit test, a slow verifier) take about
+  0.5 s * 8 / 4 on 4 threads, not 4 s one after another."""
+  import time
+
+  from jaxagent.agent import Example, Trajectory
+
+  trajs = [Trajectory(request_id=i) for i in range(1, 9)]
+  exs = [Example(f"q{i}", "2+2?", gold="4") for i in range(1, 9)]
+  trainer = _scoring_trainer(4, delay_s=0.5)
+  t0 = time.monotonic()
+  outs = trainer._score(trajs, exs, 0)
+  assert time.monotonic() - t0 < 2.5
+  assert [o.components["i"] for o in outs if not o.errors] == [float(i) for i in range(1, 9) if i % 5]
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.0, True, "4"])
+def test_bad_reward_threads_is_a_clear_error(bad):
+  from jaxagent.agent import Example, Trajectory
+
+  trainer = _scoring_trainer(bad)
+  with pytest.raises(ValueError, match="reward_threads must be an int >= 1"):
+    trainer._score([Trajectory(request_id=1)], [Example("q1", "2+2?", gold="4")], 0)

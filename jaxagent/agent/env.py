@@ -11,7 +11,7 @@ to `agent.rollout.rollout`, which for each (example, sample)
    once with `env.encode_observation`;
 
 and afterwards the trainer scores each trajectory with `env.reward(trajectory, example, tokenizer,
-step)`. `env.demonstration(example)` optionally gives a worked example for an SFT warm start.
+step)` (`env.reward_threads` at a time). `env.demonstration(example)` optionally gives a worked example for an SFT warm start.
 
 `CalculatorEnv` at the end is a complete small task (arithmetic with a `<calc>` tool), the
 reference for this contract and what the tests run.
@@ -124,6 +124,11 @@ class Env(abc.ABC):
   # True trains on observation tokens too (the Search-R1 ablation without retrieved-token
   # masking); the default gives loss only to the policy's own tokens.
   train_on_observations: bool = False
+  # How many trajectories the trainer scores at once with `reward` (a thread pool; outputs and
+  # their order are those of scoring one after another). Raise it only when `reward` is
+  # thread-safe; it pays where a reward waits on something else (unit tests in a sandbox, a
+  # verifier process), so that slow or hanging answers overlap instead of adding up.
+  reward_threads: int = 1
 
   def examples(self, split: str) -> Sequence[Example]:
     """The task's examples of `split`: "train", "eval" (held out) and optionally "sft"."""

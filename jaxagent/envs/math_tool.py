@@ -330,6 +330,9 @@ class MathToolEnv(Env):
   """
 
   name = "math_tool"
+  # The reward components keep no state; answers are compared by the shared `MathVerifier`, which
+  # is thread-safe and gives each call its full time limit however many wait for a worker.
+  reward_threads = 4
   observation_template = OBSERVATION_TEMPLATES["interpreter"]
 
   def __init__(self, *, sources: Sequence[str] = ("gsm_symbolic",),

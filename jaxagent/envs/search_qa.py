@@ -126,6 +126,7 @@ class SearchQAEnv(Env):
   """
 
   name = "search_qa"
+  reward_threads = 4  # the reward components keep no state (text matching over the trajectory)
   observation_template = OBSERVATION_TEMPLATES["information"]
 
   def __init__(self, *, kb_seed: int = 0, num_countries: int = 8, num_cities: int = 40,

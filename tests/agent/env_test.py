@@ -196,3 +196,17 @@ def test_example_gold_must_be_text():
       Example("q", "What is 6*7?", gold=gold)
   for gold in ("42", ["42", "42.0"], ("a",), None):
     assert Example("q", "p", gold=gold).gold == gold
+
+
+def test_reward_threads_is_opt_in_and_raised_only_by_thread_safe_builtin_envs():
+  """An env's reward may not be thread-safe: the trainer scores one at a time unless the env
+  says otherwise; the built-in tasks, whose rewards keep no shared unlocked state, say so."""
+  from jaxagent.agent.env import CalculatorEnv, Env
+  from jaxagent.envs.code import CodeEnv
+  from jaxagent.envs.math_tool import MathToolEnv
+  from jaxagent.envs.quickstart import ArithmeticToolEnv
+  from jaxagent.envs.search_qa import SearchQAEnv
+
+  assert Env.reward_threads == 1 and CalculatorEnv.reward_threads == 1
+  for env in (CodeEnv, MathToolEnv, ArithmeticToolEnv, SearchQAEnv):
+    assert env.reward_threads > 1, env
