@@ -19,10 +19,10 @@ enforced from outside by one of two backends (`MathVerifyConfig.backend`):
   a computation that never releases the GIL, such as sympy evaluating a huge integer power in C,
   blocks the caller too. Use it for trusted inputs, tests and notebooks.
 
-Callers beyond `max_workers` wait for a free worker (up to `wait_timeout_s`) before their
-own limit starts. Any failure (timeout, parse error, worker crash, busy pool) returns False and is counted in
-`MathVerifier.stats()` so the trainer can log it. A worker that cannot start at all is a setup
-error and raises.
+Callers beyond `max_workers` wait for a free worker (up to `wait_timeout_s`) before their own
+limit starts. Any failure (timeout, parse error, worker crash, busy pool) returns False and is
+counted in `MathVerifier.stats()` so the trainer can log it. A worker that cannot start at all
+is a setup error and raises.
 
 This file imports only the standard library at module level: worker processes load it by path,
 without importing the `jaxagent` package (and so without JAX).
@@ -64,8 +64,8 @@ class MathVerifyConfig:
       `max_workers` compare at once (a trainer scoring on several threads); the call's own
       `timeout_s` starts once it has one, so a correct answer is not scored 0 because others
       were slow. Past it the call returns False, counted as "busy". A process worker frees up
-      within a call's limit, so "busy" means callers queue for more than this long (raise
-      `max_workers`); with the thread backend also that abandoned calls that never finish hold
+      within a call's limit, so "busy" means that callers queued longer than this (raise
+      `max_workers`) or, with the thread backend, that abandoned calls which never finish hold
       every slot.
     worker_memory_mb: address-space cap per worker process (0 disables it).
     float_rounding, numeric_precision, strict: passed to `math_verify.verify`.
