@@ -261,6 +261,7 @@ class _Candidate:
     self._loaded = False
     self.deadline = 0.0  # of the current test (time.monotonic)
     self.timed_out = False  # some call ran out of its time (`TestRun.timed_out`)
+    self.sandbox_failed = False  # an interpreter failed to start (`TestRun.sandbox_failed`)
 
   def close(self) -> None:
     self._session.close()
@@ -273,6 +274,9 @@ class _Candidate:
     restarts = self._session.restarts
     result = self._session.run(code, timeout_s=left)
     self.timed_out |= result.timed_out
+    # No interpreter, none lost in the call: it could not start (a failure of the host).
+    self.sandbox_failed |= (not result.ok and not self._session.pids
+                            and self._session.restarts == restarts)
     if self._session.restarts != restarts or not result.ok:
       self._loaded = False
     for line in reversed(result.output.splitlines()):
@@ -326,6 +330,9 @@ class TestRun:
   # A call of the solution, or the whole run, hit its time limit: the outcome may be the
   # host's load rather than the solution's, so `CodeEnv` does not cache it.
   timed_out: bool = False
+  # The sandboxed interpreter could not start (the host's failure, not the solution's): not
+  # cached either.
+  sandbox_failed: bool = False
 
 
 def _compile(source: str, name: str):
@@ -373,7 +380,8 @@ def run_tests(program: str, entry_point: str, plan: TestPlan, *, timeout_s: floa
     run = _run_plan(candidate, plan, entry_point, start, deadline, per_test_s)
   finally:
     candidate.close()
-  return dataclasses.replace(run, timed_out=True) if candidate.timed_out else run
+  return dataclasses.replace(run, timed_out=run.timed_out or candidate.timed_out,
+                             sandbox_failed=candidate.sandbox_failed)
 
 
 def _run_plan(candidate: _Candidate, plan: TestPlan, entry_point: str, start: float,
@@ -538,14 +546,15 @@ class CodeEnv(Env):
                      **self._limits)
 
   def _run(self, task_id: str, program: str) -> TestRun:
-    """`_run_uncached` through the cache of the last 4096 runs that did not time out."""
+    """`_run_uncached` through the cache of the last 4096 runs that did not time out (nor
+    fail to start the sandbox)."""
     key = (task_id, program)
     with self._runs_lock:
       if key in self._runs:
         self._runs.move_to_end(key)
         return self._runs[key]
     run = self._run_uncached(task_id, program)
-    if not run.timed_out:
+    if not (run.timed_out or run.sandbox_failed):
       with self._runs_lock:
         self._runs[key] = run
         while len(self._runs) > _RUN_CACHE_SIZE:

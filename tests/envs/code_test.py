@@ -416,3 +416,23 @@ def test_a_run_that_timed_out_is_not_cached(make_traj, char_tok, monkeypatch):
   assert hung.timed_out and hung.passed == 0
   wrong = run_tests(assemble_program(STUB, "square", "    return x + x\n"), "square", plan)
   assert not wrong.timed_out and wrong.passed == 1
+
+
+def test_a_sandbox_that_failed_to_start_is_not_cached(monkeypatch):
+  """An interpreter that could not start (the host's failure: out of processes or memory, a
+  startup timeout) scored a right solution 0 from the cache for the rest of training."""
+  from jaxagent.tools import sandbox
+
+  env = CodeEnv(eval_size=10, sft_size=20, seed=1)
+  problem = env.problem("HumanEval/2")
+  response = f"<code>\n{canonical_solution(problem)}</code>"
+
+  def fail(self, *args, **kwargs):
+    raise sandbox.SandboxError("the sandbox interpreter failed to start: no message")
+
+  with monkeypatch.context() as m:
+    m.setattr(sandbox._SandboxProcess, "__init__", fail)
+    run, _ = env.score("HumanEval/2", response)
+  assert run.passed == 0 and run.sandbox_failed and not run.timed_out
+  run, _ = env.score("HumanEval/2", response)
+  assert run.passed == run.total > 0 and not run.sandbox_failed
