@@ -198,3 +198,14 @@ def test_sharded_rows_and_heads_run_per_shard(data, fsdp, tensor):
   for a, e in zip(grads, want_grads):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=1e-5)
   assert "all-gather" not in jitted.lower(q, k, v, seg).compile().as_text()
+
+
+def test_segment_positions_of_numpy_int64_ids_warn_nothing():
+  """NumPy's default int64 segment ids (an eager call, x64 off) give the positions without a
+  dtype-truncation warning per call."""
+  import warnings
+  seg = np.array([[1, 1, 2, 2, 2, 0], [3, 3, 3, 1, 1, 1]])  # int64
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    pos = decoder.segment_positions(seg)
+  np.testing.assert_array_equal(np.asarray(pos), [[0, 1, 0, 1, 2, 0], [0, 1, 2, 0, 1, 2]])
