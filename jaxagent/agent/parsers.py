@@ -21,6 +21,13 @@ Two conventions are provided:
 Both act only on the LAST complete block that ends the turn text (only whitespace may follow it),
 because the driver stops the turn right after a closing tag; earlier blocks are history. `parse`
 never raises on any input string (see the hypothesis fuzz tests).
+
+Reasoning models (Qwen3 style) think in a `<think>...</think>` block before they act. With
+`XMLTagParser(..., think_tag="think")` what is written while thinking is not an action, as the
+rewards judge it (`FormatConfig.think_tag`, math_tool's answer): `parse` reads the text without
+its think blocks, and `stop_allowed(text)` (an optional parser method that the driver calls when
+a stop string matches) keeps a turn going while a think block is still open, so a closing tag
+written in thought does not end it.
 """
 from __future__ import annotations
 
@@ -141,10 +148,17 @@ class XMLTagParser:
       "code": ("python", "code"), "calc": ("calculator", "expression")}`.
     answer_tag: the tag of a final answer (None: the task has no answer tag).
     strip: strip surrounding whitespace from a block's body (code keeps its inner layout).
+    think_tag: the tag of a reasoning block, e.g. "think" (None: no such block, every tag is
+      read wherever it is). Its blocks are free text: a tool or answer tag inside one is not a
+      call or an answer, and a stop string matched while one is open does not end the turn
+      (`stop_allowed`). The first block to open hides what it holds: a `<think>` inside a call's
+      body is part of the call. A think block never closed (the turn ended by EOS or a budget)
+      runs to where an answer tag opens, or to the end of the text: an answer written after it is
+      read, as math_tool's reward reads it, and a call inside it is not.
   """
 
   def __init__(self, tools: Mapping[str, tuple[str, str]], answer_tag: str | None = "answer", *,
-               strip: bool = True):
+               strip: bool = True, think_tag: str | None = None):
     if not isinstance(tools, Mapping):
       raise TypeError(f"XMLTagParser.tools must map tag -> (tool name, argument name), got {tools!r}")
     self.tools: dict[str, tuple[str, str]] = {}
@@ -160,20 +174,47 @@ class XMLTagParser:
         raise ValueError(f"XMLTagParser: {answer_tag!r} is both a tool tag and the answer tag")
     if not self.tools and answer_tag is None:
       raise ValueError("XMLTagParser needs at least one tool tag or an answer tag")
+    if think_tag is not None:
+      _check_tag("XMLTagParser.think_tag", think_tag)
+      if think_tag in self.tools or think_tag == answer_tag:
+        raise ValueError(f"XMLTagParser: think_tag {think_tag!r} is also a tool tag or the answer "
+                         "tag; give the reasoning block a tag of its own")
     self.answer_tag = answer_tag
     self.strip = strip
+    self.think_tag = think_tag
     # Longest first so that a tag that is a suffix of another (`q` vs `subq`) never shadows it.
     self._tags = sorted([*self.tools, *([answer_tag] if answer_tag else [])], key=len, reverse=True)
+    if think_tag is not None:
+      # A think or call block from its opening tag to its close (the first to open hides what it
+      # holds); one never closed runs to where an answer opens (`_blocks`), or to the end (`_open`).
+      opens = "|".join(re.escape(t) for t in (think_tag, *self.tools))
+      until_answer = f"|.*?(?=<{re.escape(answer_tag)}>)" if answer_tag else ""
+      self._blocks = re.compile(rf"<({opens})>(?:.*?</\1>{until_answer}|.*)", re.DOTALL)
+      self._open = re.compile(rf"<({opens})>(?:.*?</\1>|.*)", re.DOTALL)
 
   def __repr__(self) -> str:
-    return f"XMLTagParser(tools={self.tools}, answer_tag={self.answer_tag!r})"
+    think = f", think_tag={self.think_tag!r}" if self.think_tag is not None else ""
+    return f"XMLTagParser(tools={self.tools}, answer_tag={self.answer_tag!r}{think})"
 
   def stop_strings(self) -> list[str]:
     return [f"</{t}>" for t in [*self.tools, *([self.answer_tag] if self.answer_tag else [])]]
 
+  def stop_allowed(self, text: str) -> bool:
+    """Whether a stop string that ends `text` (the turn so far) may end the turn: not while a
+    think block is open. Always True without a think_tag."""
+    if self.think_tag is None or not isinstance(text, str):
+      return True
+    last = None
+    for last in self._open.finditer(text):
+      pass
+    return not (last is not None and last.group(1) == self.think_tag
+                and not last.group(0).endswith(f"</{self.think_tag}>"))
+
   def parse(self, text: str) -> ParseResult:
     if not isinstance(text, str):
       return ParseResult.malformed(f"expected text, got {type(text).__name__}")
+    if self.think_tag is not None:  # what was written while thinking is not an action
+      text = self._blocks.sub(lambda m: "" if m.group(1) == self.think_tag else m.group(0), text)
     found = _last_closing(text, self._tags)
     if found is None:
       tag = _dangling_open(text, self._tags)

@@ -7,7 +7,8 @@ This is `generate.scheduler.run_requests` generalised to many turns:
 * Continuous batching: trajectories wait in a queue; free KV slots are refilled by one batched
   `prefill` + `insert`; every decoding slot advances `decode_steps` tokens per `generate` call.
 * A turn ends at a stop string (the parser's closing tags, checked on the host after every
-  token), at EOS, at the per-turn token budget (the engine's `remaining`) or at the slot's total
+  token; a parser with a `stop_allowed(text)` method may refuse one, e.g. inside a think
+  block), at EOS, at the per-turn token budget (the engine's `remaining`) or at the slot's total
   length (the engine's `limit`). A slot stopped by the host mid-call is rewound with
   `update_slots` to the stop token, which stays pending (not yet in the cache).
 * At a tool call the trajectory leaves the decode batch (its slot is frozen, other slots keep
@@ -214,6 +215,10 @@ class RolloutDriver:
     self.vocab_size = getattr(getattr(engine, "cfg", None), "vocab_size", None)
     stops = list(dict.fromkeys([*parser.stop_strings(), *cfg.stop_strings]))
     self.stop = StopChecker(stops, tokenizer)
+    # An optional parser hook: may a stop string end the turn here (not while the policy is
+    # still thinking, `XMLTagParser(think_tag=...)`)? Without it every match ends the turn.
+    allowed = getattr(parser, "stop_allowed", None)
+    self.stop_allowed = allowed if callable(allowed) else None
     self._own_executor = executor is None
     self.executor = executor if executor is not None else ToolExecutor(
         max_workers=cfg.tool_workers or ecfg.slots, default_timeout_s=cfg.tool_timeout_s)
@@ -447,6 +452,8 @@ class _Run:
     # A stop string that spells the EOS token's text matches when EOS is sampled: the turn
     # still ended by EOS (the engine stopped the slot), not at a stop string.
     match = self.d.stop.check(lv.toks) if self.d.stop and code != STOP_EOS else None
+    if isinstance(match, str) and self.d.stop_allowed is not None:
+      match = self._allowed_stop(lv, match)
     if match is not None:
       if code == RUNNING:  # the device would go on (or already did): freeze it at this token
         self.rewinds.append((lv.slot, lv.cached, int(tok)))
@@ -459,6 +466,26 @@ class _Run:
       self._end_turn(lv, ended)
       return True
     return False
+
+  def _allowed_stop(self, lv: _Live, match: str) -> str | None:
+    """`match` if the parser lets the turn end at its newest stop string, else None.
+
+    The checker's window can still hold a stop string that the parser refused a few tokens
+    earlier, so the newest occurrence in the turn's text is the one judged: a refused one stays
+    refused, and a new one is judged at the token that completed it.
+    """
+    text = self.tok.decode(lv.toks)
+    ends = [(text.rfind(s) + len(s), s) for s in self.d.stop.strings if s in text]
+    if not ends:  # the window's decoding saw it, the whole turn's did not: keep the match
+      return match
+    end, newest = max(ends)
+    try:
+      allowed = self.d.stop_allowed(text[:end])
+    except Exception:  # noqa: BLE001 - a parser failure on model text must not end the run
+      log.warning("parser %r: stop_allowed raised on model output; the stop ends the turn",
+                  self.env.parser, exc_info=True)
+      allowed = True
+    return newest if allowed else None
 
   def _parse(self, text: str) -> ParseResult:
     try:

@@ -11,7 +11,8 @@ Reward: +1 when math-verify finds the answer equal to the gold answer, -1 otherw
 "correct"), plus optional shaping terms (tag format, valid tool calls) whose weight a
 `ProgressiveSchedule` hands to the outcome over `shaping_steps` steps. A reasoning model's
 `<think>...</think>` block (Qwen3 style) is welcome where a turn opens, before anything else; an
-unclosed one, or one after other text, breaks the format, and nothing inside one is an answer.
+unclosed one, or one after other text, breaks the format, and nothing inside one is an answer
+or a call (the rollout does not end a turn at a closing tag written while thinking).
 
 Demonstrations for the SFT cold start (`demonstration`) are built from the reference solution
 that reasoning-gym ships with each problem (`answer_cot`, lines such as "He drank 8*3=24 ccs"):
@@ -289,9 +290,12 @@ def champ_problems() -> list[tuple[str, str, list[str]]]:
 # ----------------------------------------------------------------------------- the task
 # A code or think block runs to its close. One never closed runs to where an `<answer>` opens,
 # or to the end of the text: the rollout stops a turn at `</answer>` and reads it as the final
-# answer even inside an unclosed block, and goes on after a turn whose code block was left open (a
-# malformed call), so the policy's later answer is an answer. The first block to open hides what
-# it holds, a `<think>` quoted in code as much as code quoted in thought.
+# answer even inside an unclosed code block, and goes on after a turn whose code block was left
+# open (a malformed call), so the policy's later answer is an answer. Inside an open think block
+# `</answer>` does not end the turn (the env's parser has think_tag="think"); a turn that ends
+# with one still open (EOS, budget) has its answer after the `<think>` read by the parser as
+# here. The first block to open hides what it holds, a `<think>` quoted in code as much as code
+# quoted in thought.
 _HIDDEN_BLOCK = re.compile(r"<(code|think)>(?:.*?</\1>|.*?(?=<answer>)|.*)", re.DOTALL)
 
 
@@ -355,7 +359,8 @@ class MathToolEnv(Env):
     self.seed = seed
     self.max_output_chars = max_output_chars
     self.sandbox = SandboxConfig(timeout_s=code_timeout_s, memory_mb=code_memory_mb)
-    self.parser = XMLTagParser({"code": ("python", "code")}, answer_tag="answer", strip=False)
+    self.parser = XMLTagParser({"code": ("python", "code")}, answer_tag="answer", strip=False,
+                               think_tag=_FORMAT.think_tag)
     self._sizes = {"train": train_size, "eval": eval_size, "sft": sft_size}
     self._cache: dict[str, list[Example]] = {}
     schedule = ProgressiveSchedule(shaping_steps, start=shaping_start) if shaping_steps else None

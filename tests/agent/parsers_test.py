@@ -197,3 +197,73 @@ def test_fuzz_xml_round_trip(body, tag):
   _valid_result(r)
   if "<" not in body and ">" not in body and body.strip():
     assert r.kind == "tool_call" and list(r.call.arguments.values()) == [body.strip()]
+
+
+# ----------------------------------------------------------------------------------- think blocks
+
+THINK = XMLTagParser({"code": ("python", "code"), "search": ("search", "query")}, answer_tag="answer",
+                     think_tag="think")
+
+
+@pytest.mark.parametrize("text,kind,expect", [
+    # What is written while thinking is not an action (it was read as one).
+    ("<think>maybe <answer>41</answer></think>", "text", None),
+    ("<think>I could run <code>print(1)</code></think>", "text", None),
+    ("<think>I could run <code>print(1)</code>", "text", None),  # never closed: hides the call
+    ("<think>maybe <answer>41</answer></think> no: <answer>42</answer>", "answer", "42"),
+    ("<think>run <code>print(1)</code>?</think>\n<code>print(2)</code>", "tool_call",
+     ToolCall("python", {"code": "print(2)"}, "<code>print(2)</code>")),
+    ("<answer>4<think>or 5?</think>2</answer>", "answer", "42"),
+    # A think block never closed runs to where an answer opens (as math_tool's reward reads it).
+    ("<think>so it is <answer>42</answer>", "answer", "42"),
+    # The first block to open hides what it holds: a <think> in a call's body is part of the call.
+    ("<search>what is <think></search>", "tool_call",
+     ToolCall("search", {"query": "what is <think>"}, "<search>what is <think></search>")),
+    ("<think>x</think><code>print(1)", "malformed", "<code> was opened but never closed"),
+])
+def test_xml_think_tag_hides_what_is_written_while_thinking(text, kind, expect):
+  r = THINK.parse(text)
+  assert r.kind == kind, r
+  if kind == "answer":
+    assert r.answer == expect
+  elif kind == "tool_call":
+    assert r.call == expect
+  elif kind == "malformed":
+    assert expect in r.error
+
+
+@pytest.mark.parametrize("text,allowed", [
+    ("<think>maybe <answer>41</answer>", False),
+    ("<think>I could run <code>print(1)</code>", False),
+    ("<think>a</think>\n<answer>41</answer>", True),
+    ("<think>a <answer>4</answer> b</think> <answer>5</answer>", True),
+    ("<code>print('<think>')</code>", True),  # a <think> quoted in code opens no block
+    ("<answer>42</answer>", True),
+])
+def test_xml_think_tag_stop_allowed(text, allowed):
+  assert THINK.stop_allowed(text) is allowed
+
+
+def test_xml_without_think_tag_is_unchanged():
+  assert XML.think_tag is None
+  for text in ("<think>maybe <answer>41</answer>", "<think>run <code>print(1)</code>"):
+    assert XML.stop_allowed(text)
+  assert XML.parse("<think>maybe <answer>41</answer>").answer == "41"
+  assert XML.parse("<think>run <code>print(1)</code>").call.arguments == {"code": "print(1)"}
+
+
+def test_xml_think_tag_config_errors():
+  with pytest.raises(ValueError, match="think_tag 'code' is also a tool tag or the answer tag"):
+    XMLTagParser({"code": ("python", "code")}, think_tag="code")
+  with pytest.raises(ValueError, match="think_tag 'answer' is also"):
+    XMLTagParser({"code": ("python", "code")}, think_tag="answer")
+  with pytest.raises(ValueError, match="XMLTagParser.think_tag: tag '<think>' must be a bare tag"):
+    XMLTagParser({"code": ("python", "code")}, think_tag="<think>")
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(text=st.lists(st.one_of(st.text(_chars, max_size=20), st.sampled_from(
+    [*_tags, "<think>", "</think>"])), max_size=40).map("".join))
+def test_fuzz_think_tag_never_raises(text):
+  _valid_result(THINK.parse(text))
+  assert THINK.stop_allowed(text) in (True, False)

@@ -466,6 +466,60 @@ def test_a_stop_string_spelling_eos_still_ends_by_eos():
   assert not any(t.truncated for t in trajs)
 
 
+class _ThinkingCalcEnv(CalculatorEnv):
+  """The calculator env for a reasoning model that thinks in <think>...</think> first."""
+
+  def __init__(self, think_tag="think"):
+    super().__init__()
+    self.parser = XMLTagParser({"calc": ("calculator", "expression")}, answer_tag="answer",
+                               think_tag=think_tag)
+
+
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_a_closing_tag_written_while_thinking_does_not_end_the_turn(decode_steps):
+  """`</answer>` or `</calc>` inside an open <think> ended the turn, and the thought's answer
+  (41) was taken as the final one; with think_tag the turns run to the real tags after </think>."""
+  turns = ["<think>maybe <answer>41</answer>, or <calc>2+2</calc>? No.</think>\n<calc>2+3</calc>",
+           "<think>so <answer>4</answer></think><answer>5</answer>"]
+  texts = {rid: [t + " and more" for t in turns] for rid in range(2)}
+  fake = FakeEngine(_script_from_texts(texts), slots=2, max_len=512)
+  cfg = RolloutConfig(max_turns=4, max_tokens_per_turn=128, decode_steps=decode_steps)
+  trajs = rollout(fake, None, _ThinkingCalcEnv(), _examples(1), tokenizer=TOK, num_samples=2,
+                  cfg=cfg)
+  fake.finalize()
+  for traj in trajs:
+    check_ledger(traj, fake)  # the ledger is exactly what the engine sampled, nothing re-tokenized
+    assert traj.turn_texts() == turns
+    assert [t.ended_by for t in traj.turns] == ["stop", "stop"]
+    assert traj.turns[0].call == ToolCall("calculator", {"expression": "2+3"}, "<calc>2+3</calc>")
+    assert traj.observation_texts() == ["<result>5</result>"]
+    assert (traj.stop_reason, traj.final_answer) == ("answer", "5")
+    assert traj.num_tool_calls == traj.valid_tool_calls == 1
+
+  # Without think_tag nothing changes: the first closing tag ends the turn, whatever surrounds it.
+  fake = FakeEngine(_script_from_texts(texts), slots=2, max_len=512)
+  (traj,) = rollout(fake, None, _ThinkingCalcEnv(think_tag=None), _examples(1), tokenizer=TOK,
+                    cfg=cfg)
+  fake.finalize()
+  check_ledger(traj, fake)
+  assert traj.turn_texts() == ["<think>maybe <answer>41</answer>"]
+  assert (traj.stop_reason, traj.final_answer) == ("answer", "41")
+
+
+def test_a_think_block_never_closed_ends_by_eos_or_budget():
+  """The stop strings inside an open think block are refused to the end of the turn; an answer
+  after the <think> is still read when the turn ends there (as math_tool's reward reads it)."""
+  texts = {0: ["<think>run <calc>1+1</calc> then..." + chr(EOS)],
+           1: ["<think>it is <answer>2</answer>" + chr(EOS)],
+           2: ["<think><calc>1+1</calc> hmm"]}
+  trajs = _run(texts, prompts=3, env=_ThinkingCalcEnv(),
+               cfg=RolloutConfig(max_tokens_per_turn=40, decode_steps=3))
+  assert [t.stop_reason for t in trajs] == ["eos", "answer", "max_tokens_per_turn"]
+  assert [t.turns[0].action for t in trajs] == ["text", "answer", "text"]
+  assert trajs[1].final_answer == "2"
+  assert all(t.num_tool_calls == 0 for t in trajs)
+
+
 class _FlakyEnv(ScriptedCalcEnv):
   """Task code that raises for some trajectories: `new_episode` for example q1, formatting the
   calculator's "6", encoding the calculator's "7"."""

@@ -318,3 +318,33 @@ def test_reward_scores_the_answer_the_parser_read_after_an_unclosed_code_block(e
   for text in ("<code>print('<answer>42</answer>')</code>", "<code>print('\\boxed{42}')"):
     hand = demonstration_trajectory(TOK.encode("Q"), [(POLICY, text)], TOK)
     assert env.reward(hand, ex, TOK, 0).components["correct"] == -1.0
+
+
+@pytest.mark.parametrize("turns,answer,correct", [
+    # `</answer>` written while thinking ended the turn and 41 was the final answer.
+    (["<think>maybe <answer>41</answer>? 6 * 7 is</think>\n<answer>42</answer>"], "42", 1.0),
+    # `</code>` written while thinking ran the code and ended the turn.
+    (["<think>I could run <code>print(41)</code></think><code>print(6 * 7)</code>",
+      "<think>It printed 42.</think><answer>42</answer>"], "42", 1.0),
+    # Never closed: the answer after the <think> is read, by the parser and by the reward.
+    (["<think>6 * 7 = <answer>42</answer>" + chr(3)], "42", 1.0),
+])
+def test_rollout_reads_no_action_inside_a_think_block(env, turns, answer, correct):
+  """The rollout agrees with the reward (which reads no answer inside a think block): the env's
+  parser has think_tag="think", so a tag written while thinking neither ends the turn nor acts."""
+  from jaxagent.agent.rollout import RolloutConfig, rollout
+  from tests.agent.rollout_test import TOK, FakeEngine
+
+  assert env.parser.think_tag == "think"
+  cache = [TOK.encode(t) for t in turns]
+  engine = FakeEngine(lambda rid, turn: cache[turn] if turn < len(cache) else [], slots=1,
+                      max_len=512)
+  ex = Example(id="x", prompt="Q: 6 times 7?", gold="42")
+  cfg = RolloutConfig(max_turns=4, max_tokens_per_turn=128, tool_timeout_s=20,
+                      traj_tool_timeout_s=60)
+  (traj,) = rollout(engine, None, env, [ex], tokenizer=TOK, num_samples=1, cfg=cfg)
+  assert [t.text for t in traj.turns] == turns
+  assert (traj.stop_reason, traj.final_answer) == ("answer", answer)
+  assert env.reward(traj, ex, TOK, 0).components["correct"] == correct
+  if len(turns) == 2:
+    assert traj.observation_texts() == ["<interpreter>42\n</interpreter>"]
