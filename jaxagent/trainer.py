@@ -557,9 +557,9 @@ class Trainer:
   def _check_prompt_lengths(self, lens: Sequence[int]) -> None:
     """Train prompts too long to decode end their trajectories unsampled (stop reason
     "prompt_too_long") whenever they are drawn: counted here once, an error when all are."""
-    limit, cap = self.sampler.limit, self.rollout_cfg.max_prompt_tokens
+    cap = self.rollout_cfg.max_prompt_tokens
     long = [ex.id for ex, n in zip(self.train_examples, lens)
-            if n + 1 > limit or (cap is not None and n > cap)]
+            if self.sampler.prompt_too_long(n) is not None]
     if not long:
       return
     msg = (f"{len(long)} of the {len(lens)} train prompts are too long to decode (longest "

@@ -224,6 +224,16 @@ class RolloutDriver:
         max_workers=cfg.tool_workers or ecfg.slots, default_timeout_s=cfg.tool_timeout_s)
     self.stats = RolloutStats()
 
+  def prompt_too_long(self, n: int) -> str | None:
+    """Why a prompt of `n` tokens cannot be decoded (its trajectories end "prompt_too_long"
+    before any decoding), or None when it fits."""
+    if n + 1 > self.limit:
+      return f"prompt of {n} tokens leaves no room in {self.limit} total tokens"
+    cap = self.cfg.max_prompt_tokens
+    if cap is not None and n > cap:
+      return f"prompt of {n} tokens exceeds rollout.max_prompt_tokens={cap}"
+    return None
+
   def close(self) -> None:
     """Shuts down the executor if the driver created it."""
     if self._own_executor:
@@ -303,13 +313,9 @@ class _Run:
                           example_id=ex.id)
         traj.add_prompt(prompt)
         out.append(traj)
-        if len(prompt) + 1 > self.d.limit:
-          log.warning("example %r: prompt of %d tokens leaves no room in %d total tokens",
-                      ex.id, len(prompt), self.d.limit)
-          traj.finish("prompt_too_long")
-        elif self.cfg.max_prompt_tokens is not None and len(prompt) > self.cfg.max_prompt_tokens:
-          log.warning("example %r: prompt of %d tokens exceeds rollout.max_prompt_tokens=%d",
-                      ex.id, len(prompt), self.cfg.max_prompt_tokens)
+        too_long = self.d.prompt_too_long(len(prompt))
+        if too_long is not None:
+          log.warning("example %r: %s", ex.id, too_long)
           traj.finish("prompt_too_long")
         else:
           self.queue.append(_Job(traj, ex, prompt))
