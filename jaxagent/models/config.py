@@ -251,9 +251,9 @@ class ModelConfig:
     act = hf.get("hidden_act", hf.get("hidden_activation", "silu"))
     if act not in ("silu", "swish"):
       raise ValueError(f"HF config: hidden_act={act!r} is not supported (SwiGLU with silu only)")
-    if arch in ("llama", "qwen3") and hf.get("attention_bias"):
-      raise ValueError(f"HF config: attention_bias=True for {arch} (biases on q, k, v and the "
-                       "output projection) is not supported")
+    # Llama / Qwen3 with attention_bias=True also bias the output projection, which the model
+    # here lacks: such a config loads as qkv_bias=True, and the weight loader accepts an
+    # o_proj.bias only when it is all zeros (as save_hf writes it) and refuses any other.
     window = hf.get("sliding_window")
     if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float))):
       raise ValueError(f"HF config: sliding_window={window!r} must be a number or null")

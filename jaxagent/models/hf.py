@@ -112,6 +112,15 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
   if not cfg.tie_embeddings:
     arrays["lm_head"] = take("lm_head.weight",
                              (cfg.vocab_size, cfg.d_model)).T.astype(np_dtype)
+  if cfg.architecture in ("llama", "qwen3") and cfg.qkv_bias:
+    # transformers' class for this config has an output projection bias; the model here has
+    # none, so only zeros (what save_hf writes) compute the same function.
+    for i in range(cfg.n_layers):
+      name = f"model.layers.{i}.self_attn.o_proj.bias"
+      if name in sd:
+        if np.any(take(name, (cfg.d_model,))):
+          raise ValueError(f"{source}: tensor {name!r} is nonzero; a bias on the attention "
+                           "output projection (attention_bias=True) is not supported")
   # A tensor the config does not account for (more layers, an untied output head, biases of a
   # variant not implemented here) would otherwise be dropped and the logits silently wrong.
   unused = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))

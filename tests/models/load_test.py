@@ -120,7 +120,7 @@ def test_tensors_the_config_does_not_account_for_are_named(tmp_path):
 @pytest.mark.parametrize("changes,match", [
     (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
-    (dict(attention_bias=True), "attention_bias=True for llama"),
+    (dict(attention_bias=True), r"tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' is missing"),
     (dict(use_sliding_window=True, sliding_window=32), "sliding-window attention"),
     (dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}),
      "unsupported rope_scaling type 'linear'"),
@@ -139,6 +139,25 @@ def test_unsupported_or_incomplete_configs_are_refused(tmp_path, changes, match)
   with pytest.raises(ValueError, match=match) as e:
     models.load(path)
   assert str(path) in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
+def test_export_with_qkv_bias_reloads_and_a_nonzero_output_bias_is_refused(tmp_path, name):
+  import numpy as np
+  from safetensors.numpy import load_file, save_file
+
+  cfg = models.get_config(name, qkv_bias=True)
+  params = models.init_params(cfg, jax.random.key(1))
+  path = models.save_hf(tmp_path / "m", cfg, params)
+  loaded, again = models.load(path)
+  assert loaded.qkv_bias and loaded.architecture == cfg.architecture
+  for a, b in zip(jax.tree.leaves(models.unbox(params)), jax.tree.leaves(models.unbox(again))):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  sd = load_file(str(path / "model.safetensors"))
+  sd["model.layers.1.self_attn.o_proj.bias"] = np.full(cfg.d_model, 0.5, np.float32)
+  save_file(sd, str(path / "model.safetensors"))
+  with pytest.raises(ValueError, match=r"o_proj\.bias' is nonzero"):
+    models.load(path)
 
 
 def test_malformed_config_json_and_index_name_the_file(tmp_path):
