@@ -353,9 +353,13 @@ class Tokenizer:
 
   def save(self, directory: str | os.PathLike[str]) -> pathlib.Path:
     """Writes `tokenizer.json` and `tokenizer_config.json` (with the chat template) to `directory`,
-    loadable by `load_tokenizer` and by `transformers.AutoTokenizer`. Chat template files of an
-    earlier tokenizer there (`chat_template.jinja`, ...) are removed."""
+    loadable by `load_tokenizer` and by `transformers.AutoTokenizer`, and sets the stop ids
+    (`eos_ids`) as `eos_token_id` in `generation_config.json` (other keys of an existing one are
+    kept). Chat template files of an earlier tokenizer there (`chat_template.jinja`, ...) are
+    removed."""
     out = pathlib.Path(directory)
+    gen_file = out / "generation_config.json"
+    gen = _read_json(gen_file)  # read first: a malformed one is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
     # Loaders read these files in place of (or along with) the templates written inline below:
     # left by an earlier tokenizer in `directory`, they would render its prompts.
@@ -371,6 +375,17 @@ class Tokenizer:
     elif self.chat_templates:
       config["chat_template"] = [{"name": k, "template": v} for k, v in self.chat_templates.items()]
     (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    # The loader (like transformers' generate) takes generation_config.json's eos_token_id as
+    # stop ids: one left by an earlier model would add its ids, and without one this
+    # tokenizer's extra stop ids would be lost. Other keys there (sampling defaults) are kept.
+    first = [self.eos_id] if self.eos_id is not None else []
+    stop = first + sorted(self.eos_ids - set(first))
+    if stop or "eos_token_id" in gen:
+      if stop:
+        gen["eos_token_id"] = stop[0] if len(stop) == 1 else stop
+      else:
+        del gen["eos_token_id"]
+      gen_file.write_text(json.dumps(gen, indent=2))
     return out
 
 

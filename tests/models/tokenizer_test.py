@@ -500,6 +500,28 @@ def test_hf_dir_matches_transformers_and_tokenizers(tok, tmp_path):
   assert T.load_tokenizer(out / "tokenizer.json").encode("x  1") == tok.encode("x  1")
 
 
+def test_save_sets_the_stop_ids_of_generation_config(tok, tmp_path):
+  out = tmp_path / "t"
+  out.mkdir()
+  # An earlier model's file: its stop id 5 must not become one of this tokenizer's.
+  (out / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 5], "temperature": 0.7}))
+  tok.save(out)
+  gen = json.loads((out / "generation_config.json").read_text())
+  assert gen["temperature"] == 0.7
+  assert T.load_tokenizer(out).eos_ids == tok.eos_ids and 5 not in tok.eos_ids
+  # Extra stop ids of a tokenizer survive a save into an empty directory.
+  extra = T.Tokenizer(tok.backend, eos_token=tok.eos_token, extra_eos_ids=[7, 9])
+  again = T.load_tokenizer(extra.save(tmp_path / "u"))
+  assert again.eos_ids == extra.eos_ids and {7, 9} <= again.eos_ids
+  # A malformed file is refused before anything is written.
+  bad = tmp_path / "bad"
+  bad.mkdir()
+  (bad / "generation_config.json").write_text("{")
+  with pytest.raises(ValueError, match="cannot parse"):
+    tok.save(bad)
+  assert sorted(p.name for p in bad.iterdir()) == ["generation_config.json"]
+
+
 def test_hf_dir_bos_post_processor_and_separate_template_file(tok, tmp_path):
   out = tok.save(tmp_path / "bos")
   config = json.loads((out / "tokenizer_config.json").read_text())
