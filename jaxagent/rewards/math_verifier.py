@@ -138,6 +138,10 @@ _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # math-verify reads \boxed only; \fbox is the same box to a reader.
 _FBOX = re.compile(r"\\fbox(?![A-Za-z])")
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
+# The end of a sentence: a full stop before a space or the end, or a line break. "0.5" goes on.
+_SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
+# Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
+_PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 
 
 def _box_spans(text: str) -> list[tuple[int, int, int]]:
@@ -208,9 +212,6 @@ def _names_two_values(text: str, options: dict[str, Any]) -> bool:
   text marks its answer ("answer: ...", "final answer is ..."), only matches from the first mark
   on count, so working before it is no hedge.
   """
-  from math_verify.parser import (ExprExtractionConfig, LatexExtractionConfig,
-                                  get_extraction_regexes)
-
   seen: dict = {}
   spans = _box_spans(text)
   # A box holding a hedge hedges as the same answer unboxed does ("\\boxed{5 \\lor 6}").
@@ -224,13 +225,52 @@ def _names_two_values(text: str, options: dict[str, Any]) -> bool:
     hedged, read = _differ(text, boxes, seen, options)
     if read:  # a box that parses; boxes none of which parse leave the prose to decide
       return hedged
-  found = list(boxes)
+  found = boxes + _extraction_matches(text)
+  first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
+  return _differ(text, [f for f in found if f[0] >= first_mark], seen, options)[0]
+
+
+def _extraction_matches(text: str) -> list:
+  """(start, end, marked, match, target) of every match of math-verify's extraction patterns;
+  `marked` for the patterns that mark an answer ("answer: ...", "final answer is ...")."""
+  from math_verify.parser import (ExprExtractionConfig, LatexExtractionConfig,
+                                  get_extraction_regexes)
+
   targets = (LatexExtractionConfig(boxed_match_priority=-1), ExprExtractionConfig())
+  found = []
   for patterns, target in get_extraction_regexes(targets):
     for pattern, priority in patterns:
       found += [(m.start(), m.end(), priority < 300, m, target) for m in pattern.finditer(text)]
-  first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
-  return _differ(text, [f for f in found if f[0] >= first_mark], seen, options)[0]
+  return found
+
+
+def _marked_answer(text: str) -> tuple[str, str] | None:
+  """(the text up to the end of the sentence that first marks an answer, the rest), or None
+  when nothing is marked or the text boxes its answer.
+
+  "The answer is 5. Check: 5 \\cdot 2 = 10" reads as "The answer is 5.": a marked answer ends
+  with its sentence, and what follows (a check, an explanation) is no answer. math-verify's own
+  "answer is" pattern runs on across sentences and would read 10 here.
+  """
+  if _box_spans(text):
+    return None
+  marks = [start for start, _, marked, _, _ in _extraction_matches(text) if marked]
+  if not marks:
+    return None
+  first = min(marks)
+  for end in _SENTENCE_END.finditer(text, first):
+    head = text[:end.end()]
+    # "Answer:\n5": the sentence must hold the marked value itself.
+    if any(marked and start >= first and _match_value(match, target) is not None
+           for start, _, marked, match, target in _extraction_matches(head)):
+      return head, text[end.end():]
+  return None
+
+
+def _match_value(match, target):
+  from math_verify.parser import extract_match
+
+  return extract_match(match, target)[0]
 
 
 def _differ(text: str, found: list, seen: dict, options: dict[str, Any]) -> tuple[bool, bool]:
@@ -280,7 +320,9 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   ("[1,2)" is an interval, "1,2" a set, "0.5" the rational 1/2); unboxed, math-verify would pick a
   single number out of it. Prose and delimited math go through math-verify's extraction, which
   finds "5" in "5 dollars" and the boxed part of a full solution. A bare string that yields no
-  expression when boxed ("3.") falls back to extraction.
+  expression when boxed ("3.") falls back to extraction. Prose that marks its answer without a
+  box ("The answer is 5. Check: ...") is read up to the end of the marking sentence, and a
+  later sentence marking another value hedges. Python's power operator is read ("2**3" is 8).
 
   With `single` (the prediction's side), an answer naming two or more different values parses to
   nothing, since extraction would pick one of them: "5 or 6", "The answer is 5. The answer is 6.",
@@ -293,6 +335,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     return []
   if _is_bare_answer(text):
     text = _FULL_STOP.sub("", text) or text
+    text = _PY_POWER.sub(lambda m: "^{" + m.group(1) + "}", text)  # "2**3" as LaTeX's "2^{3}"
     if single and any(m.group(1) is None for m in _JUXTAPOSED.finditer(text)):
       return []
     boxed = parse("\\boxed{" + text + "}", extraction_config=_latex_only(), parsing_timeout=None)
@@ -304,9 +347,31 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
       return []
     raw = parse(text, parsing_timeout=None)
     return _with_percent_values(raw or boxed)
+  marked = _marked_answer(text)
+  if marked is not None:
+    head, rest = marked
+    parsed = _parse_prose(head, single, options)
+    # A later sentence that marks another value hedges ("The answer is 5. The answer is 6.").
+    if single and parsed and _marks_other_value(rest, parsed[0], options):
+      return []
+    return parsed
+  return _parse_prose(text, single, options)
+
+
+def _parse_prose(text: str, single: bool, options: dict[str, Any]) -> list:
+  from math_verify import parse
+
   if single and _names_two_values(text, options):
     return []
   return _with_percent_values(parse(text, parsing_timeout=None))
+
+
+def _marks_other_value(text: str, value, options: dict[str, Any]) -> bool:
+  for _, _, marked, match, target in _extraction_matches(text):
+    other = _match_value(match, target) if marked else None
+    if other is not None and other != value and not _same_value(value, other, options):
+      return True
+  return False
 
 
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\s*\{([^{}]*)\}")

@@ -79,6 +79,18 @@ EQUAL = [
     ("yes", "Yes"),
     ("\\text{Yes}", "Yes"),
     ("$\\text{yes}$.", "Yes"),
+    # A marked answer ends with its sentence: a check or explanation after it is no answer.
+    ("The answer is 5. Check: 5 * 2 = 10", "5"),
+    ("The final answer is 5.\nVerification: 5+5=10", "5"),
+    ("Answer: 5\n\nExplanation: we add 2 and 3 to get 5.", "5"),
+    ("Answer:\n5\nbecause 2+3", "5"),
+    ("The answer is 0.5. Since 1/2 = 0.5.", "1/2"),
+    ("The answer is 5. So the final answer is 5.", "5"),
+    ("The answer is $\\frac{1}{2}$. Check: 2 \\cdot \\frac12 = 1", "\\frac{1}{2}"),
+    # Python's power operator.
+    ("2**3", "8"),
+    ("2**10", "1024"),
+    ("2**(1/2)", "\\sqrt{2}"),
 ]
 
 NOT_EQUAL = [
@@ -131,6 +143,9 @@ HEDGED = [
     ("\\fbox{5} or \\fbox{6}", "5"),
     ("5. 6.", "6"),
     ("Yes or no", "Yes"),
+    ("The answer is 6. The answer is 5.", "5"),
+    ("The answer is 5. Then x = 7 and the answer is 7", "5"),
+    ("So the answer is 5, not 6.", "5"),
 ]
 
 
