@@ -9,6 +9,7 @@ import math
 
 from jaxagent import models
 from jaxagent.generate import generate
+from jaxagent.generate.sampling import MIN_TEMPERATURE
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -35,6 +36,9 @@ def main(argv=None):
     ap.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
   if not (math.isfinite(args.temperature) and args.temperature >= 0):
     ap.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+  if 0 < args.temperature < MIN_TEMPERATURE:
+    ap.error(f"--temperature {args.temperature} is below {MIN_TEMPERATURE}, where logits / "
+             "temperature overflow; use 0 for greedy decoding")
   if not 0.0 < args.top_p <= 1.0:  # also false for nan
     ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
   if args.top_k < 0:

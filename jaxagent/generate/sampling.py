@@ -30,6 +30,11 @@ import jax
 import jax.numpy as jnp
 
 
+# The smallest positive temperature: below it logits / temperature reach float32's range
+# (3.4e38) for ordinary logits, and the softmax is an argmax anyway.
+MIN_TEMPERATURE = 1e-6
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingConfig:
   """Static sampling settings of an engine (hashable; part of the jitted program)."""
@@ -47,6 +52,11 @@ class SamplingConfig:
       raise ValueError(f"SamplingConfig.top_k must be an int (0 = off), got {self.top_k!r}")
     if not 0 <= self.temperature < float("inf"):
       raise ValueError(f"SamplingConfig.temperature must be >= 0 and finite (0 = greedy), got {self.temperature}")
+    if 0 < self.temperature < MIN_TEMPERATURE:
+      raise ValueError(
+          f"SamplingConfig.temperature {self.temperature} is below {MIN_TEMPERATURE}: the draw is "
+          "greedy in all but name, and logits / temperature overflow float32 (every request "
+          "would stop as 'nonfinite'); use temperature=0 for greedy decoding")
     if not 0.0 < self.top_p <= 1.0:
       raise ValueError(f"SamplingConfig.top_p must be in (0, 1], got {self.top_p}")
     if self.top_k < 0:

@@ -57,6 +57,7 @@ def test_sampling_flags_and_stop_strings_reach_the_sampler(model_dir, capsys):
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
     (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
+    (["--temperature", "1e-39"], "--temperature 1e-39 is below 1e-06"),
     (["--top-p", "0"], r"--top-p must be in \(0, 1\]"),
     (["--top-p", "1.5"], r"--top-p must be in \(0, 1\]"),
     (["--top-p", "nan"], r"--top-p must be in \(0, 1\]"),

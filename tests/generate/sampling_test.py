@@ -69,6 +69,8 @@ def test_same_key_same_token_and_keys_differ():
     (dict(temperature=float("inf")), "temperature must be >= 0 and finite"),
     (dict(temperature="1"), "temperature must be a number"),
     (dict(temperature=True), "temperature must be a number"),
+    (dict(temperature=1e-39), "below 1e-06.*use temperature=0"),
+    (dict(temperature=5e-7), "below 1e-06"),
     (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
     (dict(top_p=float("nan")), "top_p must be a number"),
     (dict(top_k=-1), "top_k must be >= 0"),
@@ -86,10 +88,9 @@ def test_sampling_config_takes_numpy_scalars():
 
 @pytest.mark.parametrize("v", [1000, 3])  # vocabularies the draw pads to whole blocks
 @pytest.mark.parametrize("cfg", [SamplingConfig(1.0), SamplingConfig(0.7, top_p=0.9, top_k=2),
-                                 SamplingConfig(1e-38)])
+                                 SamplingConfig(1e-6)])
 def test_a_nonfinite_row_still_samples_a_token_in_the_vocabulary(v, cfg):
-  """Rows whose logits hold a NaN or +inf, or are all -inf (and a temperature so small that
-  logits / temperature overflow), get a non-finite log-prob (the engine's "nonfinite" stop),
+  """Rows whose logits hold a NaN or +inf, or are all -inf, get a non-finite log-prob (the engine's "nonfinite" stop),
   but a token id inside [0, v): it is recorded, and one past the vocabulary (the draw's padding,
   id 1023 or 255) broke whatever read it next."""
   logits = jnp.array([[jnp.nan] * v, [-jnp.inf] * v, [1.0] * (v - 1) + [jnp.inf],
