@@ -399,8 +399,37 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
     # Words hold no math to parse ("Yes" against "\\text{yes}."): they are compared as text.
     word = _word_answer(gold)
     return word is not None and word == _word_answer(prediction)
-  return bool(verify(gold_parsed, pred_parsed, float_rounding=float_rounding,
-                     numeric_precision=numeric_precision, strict=strict, timeout_seconds=None))
+  if verify(gold_parsed, pred_parsed, timeout_seconds=None, **options):
+    return True
+  # An inequality in one variable against an interval ("x < 3" and "(-\\infty, 3)"): the
+  # inequality is compared as its solution set. Only then, so "x < 3" stays unequal to "y < 3".
+  for a, b in ((gold_parsed, pred_parsed), (pred_parsed, gold_parsed)):
+    if _has_set(b) and not _has_set(a):
+      sets = _solution_sets(a)
+      if sets and verify(sets, b, timeout_seconds=None, **options):
+        return True
+  return False
+
+
+def _has_set(parsed: list) -> bool:
+  import sympy
+
+  return any(isinstance(x, sympy.Set) for x in parsed)
+
+
+def _solution_sets(parsed: list) -> list:
+  """The solution set on the reals of each inequality in one variable ("1 < x < 3" -> (1, 3))."""
+  import sympy
+
+  out = []
+  for x in parsed:
+    if (isinstance(x, (sympy.core.relational.Relational, sympy.And, sympy.Or))
+        and not isinstance(x, (sympy.Eq, sympy.Ne)) and len(x.free_symbols) == 1):
+      try:
+        out.append(x.as_set())
+      except Exception:  # sympy raises several types for what it cannot solve; no set then
+        continue
+  return out
 
 
 class _DropDisabledTimeoutWarning(logging.Filter):

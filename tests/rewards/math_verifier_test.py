@@ -91,6 +91,12 @@ EQUAL = [
     ("2**3", "8"),
     ("2**10", "1024"),
     ("2**(1/2)", "\\sqrt{2}"),
+    # An inequality in one variable is its solution set against an interval.
+    ("x < 3", "(-\\infty, 3)"),
+    ("$x \\le 3$", "(-\\infty, 3]"),
+    ("1 < x < 3", "(1,3)"),
+    ("3 > x", "(-\\infty,3)"),
+    ("(2, \\infty)", "x > 2"),
 ]
 
 NOT_EQUAL = [
@@ -113,6 +119,9 @@ NOT_EQUAL = [
     ("No", "Yes"),
     ("yes", "5"),
     ("5", "yes"),
+    ("x \\le 3", "(-\\infty, 3)"),
+    ("x < 4", "(-\\infty, 3)"),
+    ("x < 3", "y < 3"),  # two inequalities compare as written, not as sets
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
