@@ -39,7 +39,7 @@ from jaxagent.models.param_tree import (Params, box, compute_copy, init_params, 
                                     is_chained, is_merged, logical_axes, merge_decode_weights,
                                     merged_decode_weight_bytes, norms_folded, param_specs,
                                     stack_layers, unbox, unstack_layers)
-from jaxagent.models.per_shard import constrain_batch, per_shard, tensor_split
+from jaxagent.models.per_shard import batch_split, constrain_batch, per_shard, tensor_split
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 
@@ -428,7 +428,23 @@ def segment_positions(segment_ids):
 
 
 def embed(p, tokens, cfg: ModelConfig):
-  return jnp.take(p["embed"], tokens, axis=0).astype(cfg.jnp_dtype)
+  """The token embeddings `[B, ..., D]`, split by rows over the batch axes under a mesh.
+
+  The lookup in a table whose model dim is split over "fsdp" gives rows split that way too;
+  XLA's partitioner could not move them to the rows' split (on meshes with data > 1 it
+  logged "Involuntary full rematerialization" and copied the whole batch's embeddings onto
+  every device, in the update's forward and backward). Two steps it does move: rows over
+  the other batch axes (a local slice), then rows over "fsdp" for model dims (an all-to-all).
+  """
+  x = jnp.take(p["embed"], tokens, axis=0).astype(cfg.jnp_dtype)
+  axes, n = batch_split()
+  if "fsdp" in axes and x.shape[0] % n == 0:
+    fsdp = jax.sharding.get_abstract_mesh().shape["fsdp"]
+    if x.shape[-1] % fsdp == 0:
+      other = tuple(a for a in axes if a != "fsdp") or None
+      x = jax.lax.with_sharding_constraint(
+          x, jax.sharding.PartitionSpec(other, *([None] * (x.ndim - 2)), "fsdp"))
+  return constrain_batch(x)
 
 
 # ----------------------------------------------------------------------------- training

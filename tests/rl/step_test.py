@@ -397,3 +397,41 @@ def test_put_batch_rejects_segment_ids_the_loss_would_misread(seg, match):
   with pytest.raises(ValueError, match=match):
     learner.score(None, {"tokens": np.zeros((2, 8), np.int32),
                          "segment_ids": np.stack([good[0], np.asarray(seg, np.int32)])})
+
+
+_COMPILE_ON_DATA_MESHES = """
+import jax, numpy as np, optax
+from jaxagent import models, sharding
+from jaxagent.rl import step
+from tests.rl.step_test import CFG, _batch, _items
+
+params = models.init_params(CFG, jax.random.key(0), std=0.1)
+_, b = _batch(_items(16, seed=3), max_len=32, rows_multiple=8)
+for mesh in [(2, 2, 2), (2, 4, 1)]:
+  learner = step.Learner(CFG, step.StepConfig(micro_batches=2), optax.sgd(0.1),
+                         sharding.make_mesh(*mesh))
+  state = learner.init(params)
+  batch = learner.put_batch({k: np.asarray(v) for k, v in b.items()})
+  learner.train_step_fn(state).lower(state, batch).compile()
+  print("compiled", mesh, flush=True)
+"""
+
+
+def test_update_on_a_data_mesh_moves_no_activation_through_a_full_copy():
+  """The embedding lookup's output (and its gradient) go straight to the rows' split: XLA's
+  partitioner logged "Involuntary full rematerialization" (every device holding the whole
+  batch's embeddings, then slicing its rows) for the lookup and its transpose on meshes with
+  data > 1. In a process of its own, with the persistent compilation cache off: a cache hit
+  compiles nothing and logs nothing."""
+  import os
+  import pathlib
+  import subprocess
+  import sys
+
+  env = dict(os.environ, JAX_ENABLE_COMPILATION_CACHE="false")
+  root = pathlib.Path(__file__).resolve().parents[2]
+  out = subprocess.run([sys.executable, "-c", _COMPILE_ON_DATA_MESHES], cwd=root, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.count("compiled") == 2, out.stdout
+  assert "Involuntary full rematerialization" not in out.stderr, out.stderr[-3000:]
