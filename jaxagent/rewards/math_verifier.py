@@ -374,6 +374,10 @@ def _marks_other_value(text: str, value, options: dict[str, Any]) -> bool:
   return False
 
 
+# What an answer phrase names, to the end of its sentence: "The answer is B.", "**Answer:** (C)".
+_ANSWER_TAIL = re.compile(
+    r"\banswer\b(?:\*\*)?\s*(?:is\b|:)\s*(?:\*\*)?\s*(.+?)\s*(?:\*\*)?\s*(?:\.(?=\s|$)|\n|$)",
+    re.IGNORECASE)
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\s*\{([^{}]*)\}")
 _WORDS_ONLY = re.compile(r"[A-Za-z]{2,}(?:[ '\-][A-Za-z]+)*")
 
@@ -395,6 +399,14 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
   options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}
   gold_parsed = _parse_answer(gold)
   pred_parsed = _parse_answer(prediction, single=True, **options)
+  if not pred_parsed:
+    # Prose naming an answer math-verify finds nothing in ("The answer is B.", "Final answer:
+    # yes"): what the phrase names is read as the answer on its own. Phrases naming different
+    # answers name none.
+    tails = {" ".join(m.group(1).split()) for m in _ANSWER_TAIL.finditer(prediction)}
+    if len(tails) == 1:
+      prediction = tails.pop()
+      pred_parsed = _parse_answer(prediction, single=True, **options)
   if not gold_parsed or not pred_parsed:
     # Words hold no math to parse ("Yes" against "\\text{yes}."): they are compared as text.
     word = _word_answer(gold)

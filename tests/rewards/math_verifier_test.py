@@ -97,6 +97,11 @@ EQUAL = [
     ("1 < x < 3", "(1,3)"),
     ("3 > x", "(-\\infty,3)"),
     ("(2, \\infty)", "x > 2"),
+    # Prose naming an answer that holds no number: the phrase's answer on its own.
+    ("The answer is B.", "B"),
+    ("**Answer:** (C)", "C"),
+    ("The final answer is yes.", "Yes"),
+    ("I think the answer is B\nThe answer is B.", "B"),
 ]
 
 NOT_EQUAL = [
@@ -122,6 +127,9 @@ NOT_EQUAL = [
     ("x \\le 3", "(-\\infty, 3)"),
     ("x < 4", "(-\\infty, 3)"),
     ("x < 3", "y < 3"),  # two inequalities compare as written, not as sets
+    ("The answer is B.", "C"),
+    ("The answer is not B", "B"),
+    ("The final answer is no.", "Yes"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
@@ -155,6 +163,8 @@ HEDGED = [
     ("The answer is 6. The answer is 5.", "5"),
     ("The answer is 5. Then x = 7 and the answer is 7", "5"),
     ("So the answer is 5, not 6.", "5"),
+    ("The answer is A. The answer is B.", "B"),
+    ("The answer is A or B", "A"),
 ]
 
 
