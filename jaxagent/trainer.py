@@ -13,8 +13,9 @@ turned into the frozen dataclasses of each module here, at the boundary.
 Checkpoints and resume (`jaxagent.checkpoint`): with `checkpoint_every > 0` the trainer saves
 after the warm start (step 0), every `checkpoint_every` RL steps, at the last step (also the
 one where `train.time_limit_s` runs out) and when it receives SIGTERM (it finishes the current
-step, saves and returns); rerunning the same command with the same workdir resumes from the
-newest complete checkpoint, without redoing the warm start. Every random choice derives from
+step, saves and returns; during the warm start it stops after the current SFT step or eval
+and saves nothing, since step 0 is not reached); rerunning the same command with the same
+workdir resumes from the newest complete checkpoint, without redoing the warm start. Every random choice derives from
 (seed, step): rollout seeds and request ids from the step, the prompt order from the grain
 iterator state stored in the checkpoint, so a resumed run repeats the uninterrupted one exactly
 (same hardware, same mesh).
@@ -553,6 +554,7 @@ class Trainer:
     self._resumed: int | None = None
     self._restore_done = False
     self._stop_reason: str | None = None
+    self._interrupted: str | None = None  # where a stop cut the phase before RL short
 
   def _check_prompt_lengths(self, lens: Sequence[int]) -> None:
     """Train prompts too long to decode end their trajectories unsampled (stop reason
@@ -731,6 +733,11 @@ class Trainer:
       losses_seen.append(m["loss"])
       self.writer.message(f"sft step {i + 1}/{s.steps}: loss {m['loss']:.4f}")
       self.writer.write(-s.steps + i, {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"]})
+      # A stop (a preemption notice) between steps ends the warm start here: waiting for the
+      # rest could outlast the notice's grace period. Nothing of it is kept (see `run`).
+      if i + 1 < len(batches) and self._stop_requested():
+        self._interrupted = f"SFT warm-start step {i + 1} of {s.steps}"
+        return {}
     # Continue RL from the warm-started weights with a fresh optimizer state.
     self.state = self.learner.init(st.params)
     return {"sft/first_loss": losses_seen[0], "sft/last_loss": losses_seen[-1],
@@ -975,6 +982,14 @@ class Trainer:
           say(f"starting from scratch: moved the earlier run's metrics and summary in this "
               f"workdir to {earlier}")
         self._pre_rl()
+        if self._interrupted is not None:
+          # Stopped before RL began: the warm start is not kept half done (a resumed run
+          # would not know where it stood), so nothing is saved and a rerun starts over.
+          say(f"{self._stop_reason} during the warm start (after {self._interrupted}): "
+              "nothing was saved; rerun the same command to start the run over")
+          self.summary["stopped_at_step"] = 0
+          self.summary["stopped_in"] = self._interrupted
+          return self.summary
         start = 0
         self._save(0)
       elif start >= c.total_steps:
@@ -1047,8 +1062,13 @@ class Trainer:
       self.summary["pass@1/before"] = m.get("eval/pass@1")
       say(f"held-out pass@1 before training: {m.get('eval/pass@1', float('nan')):.3f} "
           f"(n={len(self.eval_examples)})")
+      if c.sft.steps and self._stop_requested():
+        self._interrupted = "the eval before training"
+        return
     if c.sft.steps:
       self.summary.update(self.warm_start())
+      if self._interrupted is not None:
+        return
       m = self.evaluate()
       self.writer.write(0, {**m, **{f"after_sft/{k.split('/', 1)[1]}": v for k, v in m.items()}})
       self.summary["pass@1/after_sft"] = m.get("eval/pass@1")

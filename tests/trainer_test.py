@@ -5,6 +5,7 @@ default), rerun `python -m pytest tests/trainer_test.py -k golden -s`, check tha
 metrics make sense, and paste them into GOLDEN.
 """
 import json
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 
 from configs.quickstart import get_config
+from jaxagent.rl import step as step_lib
 from jaxagent.trainer import Trainer, sft_items_from_chat_jsonl
 
 # First RL step of `configs/quickstart.py:tiny` with the overrides in `_tiny`.
@@ -1089,3 +1091,32 @@ def test_bad_reward_threads_is_a_clear_error(bad):
   trainer = _scoring_trainer(bad)
   with pytest.raises(ValueError, match="reward_threads must be an int >= 1"):
     trainer._score([Trajectory(request_id=1)], [Example("q1", "2+2?", gold="4")], 0)
+
+
+def test_sigterm_during_the_warm_start_stops_after_the_current_sft_step(tmp_path):
+  # A preemption notice during a long warm start waited for all of it (and the eval after it)
+  # before the run stopped. Now it stops after the SFT step it is in, saves nothing (step 0,
+  # the end of the warm start, was not reached) and a rerun starts over.
+  trainer = Trainer(_tiny(tmp_path, **{"sft.steps": 4, "sft.batch_size": 2,
+                                       "checkpoint_every": 1}))
+  saved, stepped = [], []
+  trainer._save = saved.append
+  evaluate = trainer.evaluate
+  trainer.evaluate = lambda *a, **k: pytest.fail("no eval after a stopped warm start")
+  train_step = step_lib.Learner.train_step
+
+  def sigterm_in_step_two(self, state, batch):
+    stepped.append(1)
+    if len(stepped) == 2:
+      trainer.request_stop("received SIGTERM")
+    return train_step(self, state, batch)
+  try:
+    with mock.patch.object(step_lib.Learner, "train_step", sigterm_in_step_two):
+      summary = trainer.run()
+  finally:
+    trainer.evaluate = evaluate
+    trainer.close()
+  assert len(stepped) == 2 and saved == []
+  assert summary["stopped_at_step"] == 0
+  assert summary["stopped_in"] == "SFT warm-start step 2 of 4"
+  assert not trainer.warm_started and "pass@1/after_sft" not in summary
