@@ -65,6 +65,7 @@ import inspect
 import json
 import math
 import os
+import queue
 import secrets
 import selectors
 import shutil
@@ -335,6 +336,46 @@ def _live_descendants(pid: int) -> list[psutil.Process]:
     return out
 
 
+_spawner: tuple[int, queue.SimpleQueue] | None = None  # (pid of this process, requests of its spawner thread)
+_spawner_lock = threading.Lock()
+
+
+def _spawner_loop(requests: queue.SimpleQueue) -> None:
+    while True:
+        args, kwargs, box, done = requests.get()
+        try:
+            box.append(subprocess.Popen(args, **kwargs))
+        except BaseException as e:  # noqa: BLE001 - raised again on the caller's thread
+            box.append(e)
+        done.set()
+
+
+def _popen(args: list[str], **kwargs: Any) -> subprocess.Popen:
+    """`subprocess.Popen`, run on one thread that lives as long as this process.
+
+    The interpreter asks the kernel to SIGKILL it when the thread that started it ends
+    (PR_SET_PDEATHSIG), so that a host killed outright (SIGKILL, the OOM killer) leaves no
+    sandbox behind, not even a session stopped between calls. That signal follows the starting
+    thread, not the process: an executor thread that exits when idle would take the sessions
+    it started with it, so every interpreter is started from this one thread instead.
+    """
+    global _spawner
+    with _spawner_lock:
+        if _spawner is None or _spawner[0] != os.getpid():  # none yet, or inherited by a fork
+            requests: queue.SimpleQueue = queue.SimpleQueue()
+            threading.Thread(target=_spawner_loop, args=(requests,), name="jaxagent-sandbox-spawner",
+                             daemon=True).start()
+            _spawner = (os.getpid(), requests)
+        requests = _spawner[1]
+    box: list[Any] = []
+    done = threading.Event()
+    requests.put((args, kwargs, box, done))
+    done.wait()
+    if isinstance(box[0], BaseException):
+        raise box[0]
+    return box[0]
+
+
 class _SandboxProcess:
     """One sandboxed interpreter: start, run cells, kill. Callers serialise calls."""
 
@@ -349,7 +390,7 @@ class _SandboxProcess:
         self._tree_refresh = 0.0
         ctrl_r, ctrl_w = os.pipe()
         try:
-            self.proc = subprocess.Popen(
+            self.proc = _popen(
                 [config.python, "-I", "-c", _LOADER, f"{PROCESS_TAG}:{os.getpid()}"],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, pass_fds=(ctrl_w,),
                 cwd=self.tmpdir, env=_minimal_env(self.tmpdir, config.extra_env), start_new_session=True)
@@ -365,7 +406,7 @@ class _SandboxProcess:
         except psutil.Error:
             self._leader = None
         _LIVE.add(self)
-        setup = {"ctrl_fd": ctrl_w, "tmpdir": self.tmpdir, "namespaces": config.namespaces,
+        setup = {"ctrl_fd": ctrl_w, "host_pid": os.getpid(), "tmpdir": self.tmpdir, "namespaces": config.namespaces,
                  "audit_hook": config.audit_hook, "memory_mb": config.memory_mb, "kernel_cpu_s": kernel_cpu_s,
                  "max_processes": config.max_processes, "max_file_mb": config.max_file_mb,
                  "max_open_files": config.max_open_files, "display": config.display_last_expression,

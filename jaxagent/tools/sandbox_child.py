@@ -32,6 +32,15 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
 
     libc = ctypes.CDLL(None, use_errno=True)
 
+    def die_with_host():
+        # SIGKILL when the host's starting thread ends (see `_popen` in sandbox.py), so a host
+        # killed outright leaves no interpreter behind; a host already gone: leave now.
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        if os.getppid() != cfg["host_pid"]:
+            os._exit(1)
+
+    die_with_host()
+
     def check(ret):
         if ret != 0:
             err = ctypes.get_errno()
@@ -113,6 +122,7 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
             facts["deny_read_hidden"] = hidden == len(deny_paths)
         except OSError:
             pass
+    die_with_host()  # again: a change of credentials (entering a user namespace) may clear it
     if facts["pid_namespace"]:
         pid = os.fork()
         if pid:  # outside the namespace: wait for its init, mirror how it ended, never run user code

@@ -597,3 +597,54 @@ def test_descendants_walks_only_the_tree_and_matches_psutil():
         proc.kill()
         proc.wait()
     assert _descendants(proc.pid) == []  # gone: no error, nothing listed
+
+
+_HOST_SCRIPT = """
+import threading, time
+from jaxagent.tools.sandbox import PythonSession, SandboxConfig, _descendants, run_python
+config = SandboxConfig(timeout_s=60.0, memory_mb=512)
+session = PythonSession(config)
+# Started on a thread that then ends: the session must outlive that thread.
+starter = threading.Thread(target=lambda: session.run("x = 41"))
+starter.start()
+starter.join()
+time.sleep(0.3)
+print(session.run("x + 1").output.strip(), flush=True)  # then stopped (SIGSTOP) until the next call
+threading.Thread(target=run_python, args=("import time; time.sleep(60)",), kwargs={"config": config},
+                 daemon=True).start()
+time.sleep(1.0)
+pids = [p.pid for p in _descendants(__import__("os").getpid())]
+print(" ".join(map(str, pids)), flush=True)
+time.sleep(60)
+"""
+
+
+def test_a_host_killed_outright_leaves_no_sandbox_process(tmp_path):
+    # SIGKILL (the OOM killer, a preemption past its grace) runs no cleanup in the host; the
+    # interpreters, a session stopped between calls among them, must end with it.
+    import subprocess
+    import sys
+
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the dead host cannot remove its temporary directories
+    host = subprocess.Popen([sys.executable, "-c", _HOST_SCRIPT], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert host.stdout.readline().strip() == "42"
+        pids = [int(p) for p in host.stdout.readline().split()]
+        assert len(pids) >= 2  # the session's interpreter and the running call's
+    finally:
+        host.kill()
+        host.wait()
+
+    def alive(pid):
+        try:
+            return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    deadline = time.monotonic() + 5.0
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    survivors = [p for p in pids if alive(p)]
+    for p in survivors:  # do not leave them to other tests
+        psutil.Process(p).kill()
+    assert survivors == []
