@@ -16,7 +16,8 @@ graph, derives each loop's trip count, and weighs every instruction by how often
   * collectives: every all-reduce / all-gather / reduce-scatter / all-to-all /
     collective-permute (sync or async `-start`), counted once per appearance in the text
     (`static`) and per execution of the program (`executed`), with payload bytes and the mesh
-    axes their device groups span.
+    axes their device groups span (groups as listed, as an iota `[2,2]<=[4]`, or as the TPU
+    compiler's mesh axes `mesh['axis_0'=2,'axis_1'=2] {'axis_0'}`).
 
 Trip counts come from XLA's `known_trip_count` annotation when present (CPU, GPU), else from the
 loop condition `i < N` with a constant N (TPU), counting from 0 as JAX's scan, map and fori loops
@@ -226,6 +227,8 @@ def _multiplicities(comps: list[_Computation]):
             mult[callee] += m * factor
             sequential.add(callee)
         continue
+      if ins.opcode in ("async-update", "async-done"):
+        continue  # may name the computation its async-start runs (once, counted there)
       for key in ("calls", "to_apply", "true_computation", "false_computation"):
         callee = _attr_comp(ins.attrs, key)
         if callee:
@@ -373,7 +376,66 @@ class _Traffic:
     return total
 
 
+_MESH_GROUPS_RE = re.compile(
+    r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\((.*?)\))?\s*\{([^}]*)\}")
+_AXIS_REF_RE = re.compile(r"\s*'?([^':]+)'?(?::\((\d+)\)(\d+))?\s*")
+
+
+def _iota(text: str, n: int) -> np.ndarray:
+  """Device ids written as an iota (`[4,2]T(1,0)`: arange reshaped, transposed, flattened) or as
+  an explicit list of all `n` ids."""
+  m = re.fullmatch(r"\s*\[([\d,]+)\](?:T\(([\d,]+)\))?\s*", text)
+  ints = [int(x) for x in re.findall(r"\d+", text)]
+  if m and not (m.group(2) is None and len(ints) == n and sorted(ints) == list(range(n))):
+    dims = [int(x) for x in m.group(1).split(",")]
+    ids = np.arange(math.prod(dims)).reshape(dims)
+    if m.group(2):
+      ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+    return ids.reshape(-1)
+  return np.asarray(ints)
+
+
+def _mesh_axes_groups(mesh: str, device_ids: str | None, axes: str) -> list[list[int]]:
+  """The device groups of `replica_groups=mesh['a'=4,'b'=2][, device_ids=(...)] {'a',...}` (the
+  TPU compiler's form): devices laid out over the named axes (row-major, or as `device_ids`
+  says); a group is every device that differs only along the listed axes, a listed axis
+  `'a':(p)k` being the part of size k of axis a that has p above it."""
+  names, sizes = [], []
+  for item in mesh.split(","):
+    name, _, size = item.rpartition("=")
+    names.append(name.strip().strip("'\""))
+    sizes.append(int(size))
+  n = math.prod(sizes)
+  ids = np.arange(n) if device_ids is None else _iota(device_ids, n)
+  parts: dict[int, list[tuple[int, int]]] = collections.defaultdict(list)  # dim -> (pre, size)
+  for item in axes.split(","):
+    m = _AXIS_REF_RE.fullmatch(item)
+    dim = names.index(m.group(1))
+    parts[dim].append((int(m.group(2)), int(m.group(3))) if m.group(2) else (1, sizes[dim]))
+  shape, grouped = [], []
+  for dim, full in enumerate(sizes):
+    prefix = 1
+    for pre, size in sorted(parts.get(dim, [])):
+      if pre != prefix:  # the part of the axis above this sub-axis
+        shape.append(pre // prefix)
+        prefix = pre
+      grouped.append(len(shape))
+      shape.append(size)
+      prefix *= size
+    if prefix != full:
+      shape.append(full // prefix)
+  per_group = math.prod(shape[g] for g in grouped)
+  order = [d for d in range(len(shape)) if d not in grouped] + grouped
+  return ids.reshape(shape).transpose(order).reshape(-1, per_group).tolist()
+
+
 def _parse_groups(attrs: str) -> list[list[int]] | None:
+  m = _MESH_GROUPS_RE.search(attrs)
+  if m:
+    try:
+      return _mesh_axes_groups(m.group(1), m.group(2), m.group(3))
+    except (ValueError, AttributeError):  # a form this reader does not know: every device
+      return None
   m = re.search(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", attrs)
   if m:
     shape = [int(x) for x in m.group(1).split(",")]
@@ -448,6 +510,8 @@ def analyze(text: str, mesh_shape: Sequence[int] | None = None,
         continue
       if ins.opcode == "custom-call" and "AllocateBuffer" in ins.attrs:
         continue
+      if ins.opcode == "async-start" and _attr_comp(ins.attrs, "calls"):
+        continue  # its traffic is that of the computation it runs, counted there
       if ins.opcode == "fusion":
         callee = by_name.get(_attr_comp(ins.attrs, "calls") or "")
         read = 0.0

@@ -157,3 +157,149 @@ def test_in_place_scatter_counts_its_updates_not_the_buffer():
   st = hlo.analyze(compiled.as_text())
   cache_bytes = 64 * 4096 * 128 * 4
   assert st.bytes_accessed < 0.01 * cache_bytes  # reads and writes the rows, not the cache
+
+
+@pytest.mark.parametrize("attrs, axes", [
+    # Printed by the TPU compiler (libtpu, v5e:2x2 / v5e:2x4) for a sum over one mesh axis of
+    # an array sharded P("data", "tensor") (2 x 2) or over a (2, 2, 2) data x fsdp x tensor mesh.
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_0'}, use_global_device_ids=true",
+     "data"),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=2] {'axis_1'}, use_global_device_ids=true",
+     "tensor"),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=1] {'axis_0'}, to_apply=%add", "data+tensor"),
+])
+def test_mesh_axes_replica_groups_on_a_2x2_mesh(attrs, axes):
+  assert hlo._axes(hlo._parse_groups(attrs), (2, 2), ("data", "tensor")) == axes
+
+
+@pytest.mark.parametrize("attrs, groups, axes", [
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([2,2,2]T(1,0,2)) "
+     "{'axis_0'}, use_global_device_ids=true", [[0, 2], [1, 3], [4, 6], [5, 7]], "fsdp"),
+    ("replica_groups=mesh['axis_0'=2,'axis_1'=2,'axis_2'=2], device_ids=([4,2]T(1,0)) "
+     "{'axis_0'}, use_global_device_ids=true", [[0, 1], [2, 3], [4, 5], [6, 7]], "tensor"),
+    ("replica_groups=mesh['axis_0'=4,'axis_1'=2], device_ids=([2,2,2]T(0,2,1)) {'axis_0'}, "
+     "use_global_device_ids=true", [[0, 1, 4, 5], [2, 3, 6, 7]], "data+tensor"),
+    # A sub-axis: the middle factor 2 of an axis of 8 (2 above it).
+    ("replica_groups=mesh['a'=8] {'a':(2)2}, to_apply=%add", [[0, 2], [1, 3], [4, 6], [5, 7]],
+     "fsdp"),
+])
+def test_mesh_axes_replica_groups_with_device_ids(attrs, groups, axes):
+  assert hlo._parse_groups(attrs) == groups
+  assert hlo._axes(groups, (2, 2, 2), ("data", "fsdp", "tensor")) == axes
+
+
+# Two nested loops (3 x 5, the inner one inside a `call`), an async all-gather in the inner
+# body and an async all-reduce in the outer one, and a reduce-scatter run through
+# async-start / async-done of a wrapped computation (the done naming it too, as the TPU
+# compiler prints some).
+_NESTED = """
+HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%icond (p: (s32[], f32[8,8])) -> pred[] {
+  %p = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%ibody (q: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %q = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i.1 = s32[] get-tuple-element(%q), index=0
+  %x.1 = f32[8,8]{1,0} get-tuple-element(%q), index=1
+  %ags = (f32[8,2]{1,0}, f32[8,8]{1,0}) all-gather-start(%x.1), channel_id=2, replica_groups={{0,1,2,3}}, dimensions={1}, use_global_device_ids=true
+  %agd = f32[8,8]{1,0} all-gather-done(%ags)
+  %d = f32[8,8]{1,0} dot(%agd, %x.1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %one = s32[] constant(1)
+  %i.2 = s32[] add(%i.1, %one)
+  ROOT %t = (s32[], f32[8,8]{1,0}) tuple(%i.2, %d)
+}
+
+%inner (z: f32[8,8]) -> f32[8,8] {
+  %z = f32[8,8]{1,0} parameter(0)
+  %zero.1 = s32[] constant(0)
+  %init.1 = (s32[], f32[8,8]{1,0}) tuple(%zero.1, %z)
+  %w.1 = (s32[], f32[8,8]{1,0}) while(%init.1), condition=%icond, body=%ibody
+  ROOT %r.1 = f32[8,8]{1,0} get-tuple-element(%w.1), index=1
+}
+
+%ocond (p2: (s32[], f32[8,8])) -> pred[] {
+  %p2 = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i3 = s32[] get-tuple-element(%p2), index=0
+  %n3 = s32[] constant(3)
+  ROOT %lt3 = pred[] compare(%i3, %n3), direction=LT
+}
+
+%obody (q2: (s32[], f32[8,8])) -> (s32[], f32[8,8]) {
+  %q2 = (s32[], f32[8,8]{1,0}) parameter(0)
+  %i4 = s32[] get-tuple-element(%q2), index=0
+  %x4 = f32[8,8]{1,0} get-tuple-element(%q2), index=1
+  %c4 = f32[8,8]{1,0} call(%x4), to_apply=%inner
+  %ars = f32[8,8]{1,0} all-reduce-start(%c4), channel_id=1, replica_groups={{0,2},{1,3}}, use_global_device_ids=true, to_apply=%add
+  %ard = f32[8,8]{1,0} all-reduce-done(%ars)
+  %one4 = s32[] constant(1)
+  %i5 = s32[] add(%i4, %one4)
+  ROOT %t4 = (s32[], f32[8,8]{1,0}) tuple(%i5, %ard)
+}
+
+%wrapped_rs (wp: f32[8,8]) -> f32[2,8] {
+  %wp = f32[8,8]{1,0} parameter(0)
+  ROOT %rs = f32[2,8]{1,0} reduce-scatter(%wp), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true, to_apply=%add
+}
+
+ENTRY %main (a: f32[8,8]) -> f32[2,8] {
+  %a = f32[8,8]{1,0} parameter(0)
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,8]{1,0}) tuple(%zero, %a)
+  %w = (s32[], f32[8,8]{1,0}) while(%init), condition=%ocond, body=%obody
+  %r = f32[8,8]{1,0} get-tuple-element(%w), index=1
+  %st = ((f32[8,8]{1,0}), f32[2,8]{1,0}, u32[]) async-start(%r), calls=%wrapped_rs
+  ROOT %dn = f32[2,8]{1,0} async-done(%st), calls=%wrapped_rs
+}
+"""
+
+
+def test_nested_loops_calls_and_async_pairs_are_counted_once_per_execution():
+  st = hlo.analyze(_NESTED, (2, 2), ("data", "tensor"))
+  assert (st.loops, st.unknown_loops, st.max_trip_count) == (2, 0, 5)
+  assert st.flops == 3 * 5 * 2 * 8 * 8 * 8
+  c = st.collectives
+  assert (c["all-gather"].static, c["all-gather"].executed) == (1, 15)
+  assert c["all-gather"].bytes == 15 * 8 * 8 * 4          # the gathered result
+  assert c["all-gather"].axes == {"data+tensor": 15}
+  assert (c["all-reduce"].static, c["all-reduce"].executed) == (1, 3)
+  assert c["all-reduce"].axes == {"data": 3}               # {0,2}, {1,3}: the first mesh axis
+  # The wrapped reduce-scatter runs once: its async-start and async-done both name it.
+  assert (c["reduce-scatter"].static, c["reduce-scatter"].executed) == (1, 1)
+  assert c["reduce-scatter"].bytes == 8 * 8 * 4
+
+
+def test_async_wrapped_collective_traffic_is_counted_once():
+  text = """
+HloModule m
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+%wrapped_rs (wp: f32[8,8]) -> f32[2,8] {
+  %wp = f32[8,8]{1,0} parameter(0)
+  ROOT %rs = f32[2,8]{1,0} reduce-scatter(%wp), channel_id=3, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true, to_apply=%add
+}
+
+ENTRY %main (a: f32[8,8]) -> f32[2,8] {
+  %a = f32[8,8]{1,0} parameter(0)
+  %st = ((f32[8,8]{1,0}), f32[2,8]{1,0}, u32[]) async-start(%a), calls=%wrapped_rs
+  ROOT %dn = f32[2,8]{1,0} async-done(%st)
+}
+"""
+  st = hlo.analyze(text)
+  assert st.collectives["reduce-scatter"].executed == 1
+  assert st.bytes_accessed == 8 * 8 * 4 + 2 * 8 * 4         # reads its operand, writes its shard
