@@ -36,8 +36,9 @@ _JSON = flags.DEFINE_string("json", None, "Also write the report as JSON to this
 def main(argv):
   del argv
   logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+  # Bad input is one line and exit status 1 (absl's UsageError would print every flag's help).
   if _CONFIG.value is None:
-    raise app.UsageError("--config is required, e.g. --config=configs/quickstart.py")
+    raise SystemExit("bad plan input: --config is required, e.g. --config=configs/quickstart.py")
   import jax
   if _TOPOLOGY.value not in ("", "local") and not os.environ.get("JAX_PLATFORMS"):
     # Compiling for a described topology needs no local accelerator: keep JAX on the CPU so it
@@ -49,11 +50,18 @@ def main(argv):
     options = plan.PlanOptions(rows=_ROWS.value, prompt_len=_PROMPT_LEN.value,
                                append_len=_APPEND_LEN.value, programs=tuple(_PROGRAMS.value))
   except ValueError as e:
-    raise app.UsageError(str(e)) from None
+    raise SystemExit(f"bad plan input: {e}") from None
   try:
     report = plan.plan_run(_CONFIG.value, _TOPOLOGY.value, options=options)
   except (ValueError, FileNotFoundError) as e:  # a bad setting, topology or model path
     raise SystemExit(f"bad plan input: {e}") from None
+  except AttributeError as e:
+    if not (e.args and isinstance(e.args[0], KeyError)):
+      raise
+    # A config file without a key the run reads (ConfigDict raises AttributeError(KeyError)).
+    key = e.args[0].args[0] if e.args[0].args else e.args[0]
+    raise SystemExit(f"bad plan input: the config has no key {key}, which the run reads; "
+                     "configs/quickstart.py sets every key a run reads") from None
   except RuntimeError as e:
     if plan.has_libtpu():
       raise

@@ -110,7 +110,12 @@ def model_config(config) -> ModelConfig:
   Presets give their architecture (vocabulary resized to `model.tokenizer` when one is named,
   as the trainer does); HF directories their `config.json`; `.gguf` files their metadata.
   """
-  m = config.model
+  m = config.get("model") if hasattr(config, "get") else None
+  if not hasattr(m, "get") or not m.get("path"):
+    raise ValueError(
+        "the config names no model: set model.path to a preset "
+        f"({', '.join(sorted(model_config_lib.PRESETS))}), an HF model directory or a .gguf "
+        "file (e.g. --config.model.path=smollm2-135m-instruct)")
   kw = model_config_lib.run_overrides(m)
   path = str(m.path)
   if path in model_config_lib.EMBEDDED or path in model_config_lib.PRESETS:

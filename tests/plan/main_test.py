@@ -26,8 +26,10 @@ _NEEDS_LIBTPU = [pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu:
     (["--topology=v5e"], "bad plan input: topology 'v5e': expected '<chip>:<shape>'"),
     (["--config.trian.rows=3"], 'the config has no key \'trian\'\nDid you mean "train"'),
     (["--config=configs/no_such_config.py"], "No such file or directory"),
-    (["--programs=decode"], "PlanOptions.programs: unknown ['decode']"),
+    (["--programs=decode"], "bad plan input: PlanOptions.programs: unknown ['decode']"),
+    (["--rows=0"], "bad plan input: PlanOptions.rows must be None or a positive int, got 0"),
     (["--config.model.path=no-such-model"], "bad plan input: model.path 'no-such-model'"),
+    (["--config.model.path="], "bad plan input: the config names no model: set model.path"),
     pytest.param(["--topology=v9:2x2"], "bad plan input: libtpu does not know the topology 'v9:2x2'",
                  marks=_NEEDS_LIBTPU),
     pytest.param(["--topology=v5e:2x2", "--config.mesh.data=3", "--config.mesh.fsdp=1"],
@@ -37,6 +39,28 @@ def test_bad_input_is_one_line_not_a_traceback(args, expected):
   r = _plan(*TINY, *args)
   assert r.returncode == 1, r.stderr[-2000:]
   assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+  assert "--json: " not in r.stderr, r.stderr[-2000:]  # not every flag's help after it
+
+
+@pytest.mark.parametrize("edit, expected", [
+    ('del c["model"]', "bad plan input: the config names no model: set model.path"),
+    ('del c.model["path"]', "bad plan input: the config names no model: set model.path"),
+    ('del c.model["param_dtype"]', "bad plan input: the config has no key 'param_dtype'"),
+])
+def test_config_file_without_a_key_the_run_reads_is_one_line(tmp_path, edit, expected):
+  config = tmp_path / "cfg.py"
+  config.write_text("from configs import quickstart\n\n\ndef get_config(arg=None):\n"
+                    "  c = quickstart.get_config('tiny')\n  c.model.tokenizer = ''\n"
+                    f"  {edit}\n  return c\n")
+  r = _plan(f"--config={config}")
+  assert r.returncode == 1, r.stderr[-2000:]
+  assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_missing_config_flag_is_one_line():
+  r = _plan()
+  assert r.returncode == 1 and r.stderr.strip() == (
+      "bad plan input: --config is required, e.g. --config=configs/quickstart.py"), r.stderr
 
 
 @pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
