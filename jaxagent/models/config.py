@@ -218,6 +218,9 @@ class ModelConfig:
   def from_hf(cls, hf: Mapping[str, Any], **overrides) -> "ModelConfig":
     """Build from an HF `config.json` dict (Llama, Qwen2, Qwen3 naming)."""
     archs = hf.get("architectures") or []
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+      raise ValueError(f"HF config: architectures={archs!r} must be a list of class names, "
+                       "e.g. [\"LlamaForCausalLM\"]")
     model_type = hf.get("model_type", "")
     known = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "llama"}
@@ -232,10 +235,12 @@ class ModelConfig:
       raise ValueError(
           f"unknown architecture {archs or model_type!r}: jaxagent supports "
           f"{sorted(known)} (model_type llama, qwen2, qwen3)")
-    def need(key):
+    def need(key):  # a required size: a positive int
       if hf.get(key) is None:
         raise ValueError(f"HF config: required field {key!r} is "
                          f"{'null' if key in hf else 'missing'}")
+      if not _is_int(hf[key]) or hf[key] <= 0:
+        raise ValueError(f"HF config: {key}={hf[key]!r} must be a positive int")
       return hf[key]
 
     def number(key, default):  # an optional numeric field; null is an error
@@ -295,12 +300,21 @@ class ModelConfig:
     if scaling:
       rtype = scaling.get("rope_type", scaling.get("type"))
       if rtype == "llama3":
-        try:
-          rope_scaling = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
-                          float(scaling["high_freq_factor"]),
-                          int(scaling["original_max_position_embeddings"]))
-        except KeyError as e:
-          raise ValueError(f"HF config: llama3 rope scaling lacks the field {e.args[0]!r}") from None
+        fields = ("factor", "low_freq_factor", "high_freq_factor",
+                  "original_max_position_embeddings")
+        for field in fields:
+          if field not in scaling:
+            raise ValueError(f"HF config: llama3 rope scaling lacks the field {field!r}")
+          v = scaling[field]
+          # A null or a string here used to escape as a bare TypeError from float(), and a
+          # fractional context length was truncated silently.
+          if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+              field == fields[-1] and v != int(v)):
+            raise ValueError(f"HF config: llama3 rope scaling {field}={v!r} must be "
+                             f"{'an int' if field == fields[-1] else 'a number'}")
+        rope_scaling = (float(scaling["factor"]), float(scaling["low_freq_factor"]),
+                        float(scaling["high_freq_factor"]),
+                        int(scaling["original_max_position_embeddings"]))
       elif rtype not in (None, "default"):
         raise ValueError(f"unsupported rope_scaling type {rtype!r} (supported: llama3)")
     n_heads = need("num_attention_heads")

@@ -165,6 +165,29 @@ def test_from_hf_refuses_rope_settings_that_disagree(rope, match):
     ModelConfig.from_hf({**_HF_LLAMA, **rope})
 
 
+@pytest.mark.parametrize("changes,match", [
+    # These escaped as bare TypeErrors (from float(), or hidden_size // heads) that named
+    # neither the field nor, through models.load, the file.
+    (dict(rope_scaling={**_LLAMA3, "factor": None}), r"llama3 rope scaling factor=None must be a number"),
+    (dict(rope_scaling={**_LLAMA3, "high_freq_factor": [4]}), r"high_freq_factor=\[4\] must be a number"),
+    (dict(rope_parameters={**_LLAMA3, "low_freq_factor": "1"}), r"low_freq_factor='1' must be a number"),
+    (dict(num_attention_heads="4"), r"num_attention_heads='4' must be a positive int"),
+    (dict(hidden_size=[64]), r"hidden_size=\[64\] must be a positive int"),
+    (dict(num_attention_heads=0), r"num_attention_heads=0 must be a positive int"),
+    (dict(architectures="LlamaForCausalLM"), r"architectures='LlamaForCausalLM' must be a list"),
+    (dict(architectures=1.5), r"architectures=1.5 must be a list"),
+    # Truncated to 8192 before.
+    (dict(rope_scaling={**_LLAMA3, "original_max_position_embeddings": 8192.5}),
+     r"original_max_position_embeddings=8192.5 must be an int"),
+])
+def test_from_hf_malformed_fields_are_named(changes, match):
+  hf = {k: v for k, v in _HF_LLAMA.items() if k != "head_dim"}
+  with pytest.raises(ValueError, match=match):
+    ModelConfig.from_hf({**hf, **changes})
+  assert ModelConfig.from_hf({**hf, "rope_scaling": {**_LLAMA3, "original_max_position_embeddings": 64.0}}
+                             ).rope_scaling == (8.0, 1.0, 4.0, 64)
+
+
 def test_from_hf_qwen3_head_dim_defaults_as_in_transformers():
   # transformers' Qwen3Config defaults head_dim to 128, whatever hidden_size / heads is.
   hf = {**_HF_LLAMA, "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
