@@ -147,7 +147,7 @@ class PlanReport:
   def render(self) -> str:
     """A plain-text report: header, one line per program, verdict and knobs."""
     c = self.chip
-    cap = f"{c.hbm_bytes / GiB:.1f} GiB" if c.hbm_bytes else "unknown"
+    cap = f"{c.hbm_bytes / GiB:.2f} GiB" if c.hbm_bytes else "unknown"
     mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
     lines = [
         f"model {self.model} ({self.num_params / 1e9:.2f}B params) on {self.target} "

@@ -362,3 +362,20 @@ def test_xla_has_no_time_estimate_is_none_not_negative():
     assert rep.flops == 2 * 8 * 8 * 8 and rep.est_s > 0
     json.loads(json.dumps(rep.to_dict()), parse_constant=lambda c: pytest.fail(c))
 
+
+
+def test_printed_capacity_agrees_with_the_verdict():
+  # The v5e compiler's budget is 15.75 GiB: a program of 15.77 GiB does not fit, and the
+  # report must not print the capacity as 15.8 GiB beside it.
+  from jaxagent.plan.report import PlanReport, ProgramReport
+  chip = ChipSpec("v5e", 15.75 * GiB, 197e12, 197e12, 819e9, source="compiler")
+  prog = ProgramReport("generate", "generate", "64 slots", argument_bytes=15.77 * GiB,
+                       capacity=chip.hbm_bytes)
+  rep = PlanReport(model="m", num_params=1, target="v5e:2x2", platform="tpu", chip=chip,
+                   n_devices=4, mesh={"data": 4, "fsdp": 1, "tensor": 1},
+                   shapes=plan.run_shapes(tiny(), {"data": 4, "fsdp": 1, "tensor": 1}),
+                   programs=[prog], knobs=[])
+  text = rep.render()
+  assert rep.fits is False and "verdict: DOES NOT FIT; peak 15.77 GiB per chip of 15.75 GiB" \
+      in text, text
+  assert "4 x v5e, 15.75 GiB per chip [compiler]" in text, text
