@@ -129,8 +129,10 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
             status = os.waitpid(pid, 0)[1]
             if os.WIFSIGNALED(status):
                 sig = os.WTERMSIG(status)
-                signal.signal(sig, signal.SIG_DFL)
+                if sig != signal.SIGKILL:  # its action cannot be set (EINVAL), and needs not be
+                    signal.signal(sig, signal.SIG_DFL)
                 os.kill(os.getpid(), sig)
+                os._exit(128 + sig)
             os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     else:  # orphans of processes the code starts stay below this one, where the host finds them

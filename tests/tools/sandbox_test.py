@@ -648,3 +648,14 @@ def test_a_host_killed_outright_leaves_no_sandbox_process(tmp_path):
     for p in survivors:  # do not leave them to other tests
         psutil.Process(p).kill()
     assert survivors == []
+
+
+@MODES
+def test_session_cpu_budget_kill_is_reported_as_such(config):
+    # The kernel's CPU-time limit (RLIMIT_CPU, `session_cpu_s`) ends the interpreter with SIGKILL;
+    # the policy must read that, not a traceback of the sandbox's own start-up code.
+    config = dataclasses.replace(config, timeout_s=30.0, cpu_time_s=60.0, session_cpu_s=1.0)
+    with PythonSession(config) as session:
+        result = session.run("while True: pass")
+    assert not result.ok and "killed by SIGKILL" in result.error, result.error
+    assert "Traceback" not in result.error and "restarted" in result.error
