@@ -130,9 +130,15 @@ def _process_worker_main(conn: multiprocessing.connection.Connection) -> None:
             return
         try:
             tool, args, max_chars = pickle.loads(payload)
-            result = invoke_tool(tool, args, max_output_chars=max_chars)
         except BaseException as e:  # noqa: BLE001
             result = ToolResult.failure(f"could not load the tool in its worker process: {type(e).__name__}: {e}")
+        else:
+            try:
+                result = invoke_tool(tool, args, max_output_chars=max_chars)
+            except BaseException as e:  # noqa: BLE001 - KeyboardInterrupt, which a main thread re-raises
+                name = getattr(tool, "name", type(tool).__name__)
+                result = normalize_result(ToolResult.failure(f"tool {name!r} raised {_describe_exception(e)}"),
+                                          tool_name=name, max_output_chars=max_chars)
         try:
             data = pickle.dumps(result)
         except Exception as e:  # noqa: BLE001 - e.g. an unpicklable ToolResult subclass.

@@ -75,6 +75,12 @@ def nap_in_process(seconds: float) -> str:
     return f"slept {seconds}"
 
 
+@function_tool(execution="process")
+def interrupt_in_process() -> str:
+    """Raise KeyboardInterrupt in the worker process."""
+    raise KeyboardInterrupt
+
+
 class Unprintable(Exception):
     def __str__(self):
         raise RuntimeError("no message")
@@ -93,7 +99,7 @@ def raise_long(n: int) -> str:
 
 
 REGISTRY = ToolRegistry([nap, hang, explode, garbage, pid_in_process, spin_in_process, crash_in_process,
-                         nap_in_process, raise_unprintable, raise_long])
+                         nap_in_process, raise_unprintable, raise_long, interrupt_in_process])
 
 
 def test_invoke_tool_turns_everything_into_results():
@@ -239,6 +245,15 @@ def test_process_path_kills_cpu_bound_tool_on_timeout():
         idle = executor.worker_process_pids()
     for pid in idle:
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_process_tool_raising_keyboard_interrupt_is_reported_as_raised():
+    # The worker runs the tool on its main thread, where invoke_tool lets KeyboardInterrupt through;
+    # it was reported as the tool failing to load, and not as what the tool did.
+    with ToolExecutor(REGISTRY, process_workers=1) as executor:
+        result = executor.run("interrupt_in_process", {}, timeout_s=30)
+        assert not result.ok and result.error == "tool 'interrupt_in_process' raised KeyboardInterrupt: "
+        assert executor.run("pid_in_process", {}, timeout_s=30).ok  # the worker lives on
 
 
 def test_process_path_reports_unpicklable_tools():
