@@ -122,6 +122,13 @@ def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
   try:
     reader = gguf.GGUFReader(path)
   except Exception as e:  # the reader raises ValueError/IndexError/KeyError/... on bad bytes
+    if "GGMLQuantizationType" in str(e):  # a type id this gguf release does not know
+      raise ValueError(
+          f"{path} stores a tensor in a GGML quantization type that the installed gguf package "
+          f"({_gguf_version()}) does not know ({e}): the file is probably newer than the package. "
+          "Upgrade it (pip install -U gguf), use a file quantized to a supported type (F32, F16, "
+          "BF16, Q8_0, Q4_K, ...) or load the model's HF safetensors checkpoint."
+      ) from e
     raise ValueError(
         f"{path} is not a readable GGUF file ({type(e).__name__}: {e}). The file may be "
         "truncated or corrupt (re-download or re-install it), or not a GGUF file at all."

@@ -6,6 +6,7 @@ the `transformers` PyTorch models for logits, and (slow) transformers' own GGUF 
 dequantizes and un-permutes the embedded SmolLM2 file with its own code.
 """
 import pathlib
+import struct
 
 import gguf
 import numpy as np
@@ -276,6 +277,22 @@ def test_a_type_gguf_cannot_dequantize_is_named(tmp_path):
                                        r"Q8_1, which the installed gguf package \([0-9.]+\) "
                                        r"cannot dequantize .*HF safetensors"):
     G.read_gguf(path)
+
+def test_a_type_gguf_does_not_know_is_named(tmp_path):
+  # A type id newer than the installed gguf package: the message said the file was truncated
+  # or corrupt and to re-download it, which does not help.
+  _, sd = _tiny_hf_model("llama")
+  data = bytearray(_write_gguf(tmp_path / "m.gguf", sd).read_bytes())
+  name = b"blk.0.ffn_up.weight"
+  at = data.find(name) + len(name)  # tensor info: name, n_dims, dims (uint64 each), type
+  n_dims = struct.unpack_from("<I", data, at)[0]
+  struct.pack_into("<I", data, at + 4 + 8 * n_dims, 99)
+  (tmp_path / "new.gguf").write_bytes(bytes(data))
+  with pytest.raises(ValueError, match=r"new\.gguf stores a tensor in a GGML quantization type "
+                                       r"that the installed gguf package .* does not know .*99.*"
+                                       r"pip install -U gguf"):
+    G.read_gguf(tmp_path / "new.gguf")
+
 
 def test_find_embedded_gguf_explains_how_to_install(monkeypatch, tmp_path):
   monkeypatch.setattr(G.importlib.util, "find_spec", lambda name: None)
