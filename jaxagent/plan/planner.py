@@ -297,6 +297,9 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
   sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
   shapes = run_shapes(config, sizes, options)
   want = set(options.programs or UPDATE_KINDS + DECODE_KINDS)
+  if "sft" in options.programs and not shapes.sft_rows:
+    raise ValueError("PlanOptions.programs (--programs) names sft, but this config runs no SFT "
+                     "warm start (sft.steps=0): there is no sft program to plan")
   (scfg, rl_opt), (sft_scfg, sft_opt) = learner_parts(config)
 
   # Abstract params and train state with the trainer's shardings.

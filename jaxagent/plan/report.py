@@ -108,8 +108,11 @@ class PlanReport:
 
   @property
   def fits(self) -> bool | None:
-    """False if a used program does not fit; None if the capacity is unknown; else True."""
+    """False if a used program does not fit; None if the capacity is unknown, or if no program
+    the run uses was planned; else True."""
     verdicts = [p.fits for p in self.programs if p.used]
+    if not verdicts:
+      return None
     if any(v is False for v in verdicts):
       return False
     if any(v is None for v in verdicts):
@@ -173,7 +176,9 @@ class PlanReport:
                  "this config; est = roofline max of compute (c), HBM (h) and interconnect (i) "
                  "time from loop-aware HLO counts)")
     verdict = {True: "FITS", False: "DOES NOT FIT",
-               None: "fit unknown (no device capacity, or a program failed to compile)"}
+               None: "fit unknown (no device capacity, or a program failed to compile)"
+               if any(p.used for p in self.programs)
+               else "none (no program that this run uses was planned)"}
     lines.append(f"verdict: {verdict[self.fits]}; peak {self.peak_bytes() / GiB:.2f} GiB per "
                  f"chip of {cap}")
     ut, dt = self.update_time_s(), self.decode_step_time_s()

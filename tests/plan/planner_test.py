@@ -379,3 +379,23 @@ def test_printed_capacity_agrees_with_the_verdict():
   assert rep.fits is False and "verdict: DOES NOT FIT; peak 15.77 GiB per chip of 15.75 GiB" \
       in text, text
   assert "4 x v5e, 15.75 GiB per chip [compiler]" in text, text
+
+
+def test_no_verdict_when_no_program_the_run_uses_was_planned():
+  # --programs=score without KL: the one program planned is not used by the run, so the plan
+  # says nothing about whether the run fits (it said FITS, even with no device capacity).
+  from jaxagent.plan.report import PlanReport, ProgramReport
+  chip = ChipSpec("v5e", 15.75 * GiB, 197e12, 197e12, 819e9, source="compiler")
+  score = ProgramReport("score[L=128]", "score", "[8x128]", used=False, argument_bytes=GiB,
+                        capacity=chip.hbm_bytes)
+  rep = PlanReport(model="m", num_params=1, target="v5e:2x2", platform="tpu", chip=chip,
+                   n_devices=4, mesh={"data": 4, "fsdp": 1, "tensor": 1},
+                   shapes=plan.run_shapes(tiny(), {"data": 4, "fsdp": 1, "tensor": 1}),
+                   programs=[score], knobs=[])
+  assert rep.fits is None
+  assert "verdict: none (no program that this run uses was planned)" in rep.render()
+  c = tiny(1, 1, 1)
+  c.model.tokenizer = ""
+  c.sft.steps = 0
+  with pytest.raises(ValueError, match="names sft, but this config runs no SFT warm start"):
+    plan.plan_run(c, jax.devices()[:1], options=plan.PlanOptions(programs=("sft",)))
