@@ -239,6 +239,28 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
 
+    def shorten_tracebacks(error, keep=100, longest=5000):
+        # Formatting costs ~10 us a frame: a runaway recursion under sys.setrecursionlimit(10**6)
+        # would spend longer on its traceback than a call's time limit. Of a traceback longer
+        # than `longest` frames (the default recursion limit is 1000), keeps the first and the
+        # last `keep`, for each exception in the chain; returns how many frames were dropped.
+        omitted, seen = 0, set()
+        while error is not None and id(error) not in seen:
+            seen.add(id(error))
+            depth, tb = 0, error.__traceback__
+            while tb is not None:
+                depth, tb = depth + 1, tb.tb_next
+            if depth > longest:
+                tb, cut = error.__traceback__, None
+                for i in range(depth - keep):
+                    if i == keep - 1:
+                        cut = tb
+                    tb = tb.tb_next
+                cut.tb_next = tb
+                omitted += depth - 2 * keep
+            error = error.__cause__ or error.__context__
+        return omitted
+
     def run_cell(code, filename):
         reserve = bytearray(1 << 20)  # released on MemoryError so the traceback can be formatted
         try:
@@ -264,6 +286,7 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
         except BaseException as e:  # noqa: BLE001
             del reserve
             try:  # the traceback without this REPL's own frames (the cell runner, the audit hook)
+                omitted = shorten_tracebacks(e)
                 report = traceback.TracebackException(type(e), e, e.__traceback__)
                 chain = [report]
                 while chain:
@@ -272,6 +295,8 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
                         [f for f in item.stack if f.filename != "<jaxagent-sandbox>"])
                     chain += [c for c in (item.__cause__, item.__context__) if c is not None]
                 text = "".join(report.format())
+                if omitted:
+                    text += f"({omitted} frames in the middle of the traceback are not shown)\n"
                 if isinstance(e, MemoryError):
                     text += f"(the sandbox memory limit is {cfg['memory_mb']} MB)\n"
             except BaseException:  # noqa: BLE001

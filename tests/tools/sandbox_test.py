@@ -659,3 +659,15 @@ def test_session_cpu_budget_kill_is_reported_as_such(config):
         result = session.run("while True: pass")
     assert not result.ok and "killed by SIGKILL" in result.error, result.error
     assert "Traceback" not in result.error and "restarted" in result.error
+
+
+def test_runaway_recursion_under_a_raised_limit_reports_the_error_in_time():
+    # Models raise the recursion limit for deep DP; a runaway recursion then dies at a million
+    # frames, and formatting all of them took longer than the call's limit: the policy read a
+    # timeout, and a session lost its state, instead of the RecursionError.
+    code = "import sys\nsys.setrecursionlimit(10**6)\ndef f(n):\n    return f(n + 1)\nf(0)"
+    result, elapsed = run(code, dataclasses.replace(FULL, timeout_s=10.0, memory_mb=1024))
+    assert not result.ok and not result.timed_out, result.error
+    assert result.error.rstrip().endswith("frames in the middle of the traceback are not shown)")
+    assert "RecursionError: maximum recursion depth exceeded" in result.error and 'line 4, in f' in result.error
+    assert elapsed < 10.0
