@@ -141,13 +141,20 @@ class BM25Index:
         """The top-`k` documents sharing a term with `query`, best first (ties: corpus order)."""
         if not isinstance(query, str):
             raise TypeError(f"query must be a str, got {type(query).__name__}")
-        if k < 1:
-            raise ValueError(f"k must be >= 1, got {k}")
+        _check_k("k", k)
         scores = self.scores(query)
         order = np.argsort(-scores, kind="stable")[:k]
         return [Passage(rank=r + 1, score=float(scores[i]), title=self.documents[i].title,
                         text=self.documents[i].text, id=self.documents[i].id)
                 for r, i in enumerate(order) if scores[i] > 0]
+
+
+def _check_k(name: str, k: Any) -> None:
+    # A float k (3.0 from a config) passed a comparison and then failed every search as a slice index.
+    if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
+        raise TypeError(f"{name} must be an int, got {k!r} ({type(k).__name__})")
+    if k < 1:
+        raise ValueError(f"{name} must be >= 1, got {k}")
 
 
 def format_passages(passages: Sequence[Passage], max_chars_per_passage: int | None = None) -> str:
@@ -182,6 +189,8 @@ class SearchTool:
 
     def __init__(self, index: BM25Index, *, k: int = 3, max_k: int = 10, max_chars_per_passage: int | None = 600,
                  name: str = "search", description: str | None = None):
+        _check_k("SearchTool k", k)
+        _check_k("SearchTool max_k", max_k)
         if not 1 <= k <= max_k:
             raise ValueError(f"SearchTool needs 1 <= k <= max_k, got k={k}, max_k={max_k}")
         _check_max_chars(max_chars_per_passage)

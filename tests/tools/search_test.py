@@ -75,6 +75,8 @@ def test_empty_corpus_and_bad_arguments():
         empty.search("x", k=0)
     with pytest.raises(TypeError, match="query must be a str"):
         empty.search(None)
+    with pytest.raises(TypeError, match=r"k must be an int, got 2.5 \(float\)"):
+        empty.search("x", k=2.5)
     with pytest.raises(ValueError, match="no 'text' field"):
         BM25Index([{"title": "t"}])
     with pytest.raises(ValueError, match="unknown field"):
@@ -126,6 +128,11 @@ def test_search_tool(index):
     assert tool.parameters["properties"]["k"]["type"] == "integer"
     with pytest.raises(ValueError, match="1 <= k <= max_k"):
         SearchTool(index, k=20)
+    # A float k passed the range check and then made every call fail as a slice index.
+    with pytest.raises(TypeError, match="SearchTool k must be an int, got 3.0"):
+        SearchTool(index, k=3.0)
+    with pytest.raises(TypeError, match="SearchTool max_k must be an int"):
+        SearchTool(index, max_k=10.0)
 
 
 def test_load_documents(tmp_path):
