@@ -297,6 +297,11 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
     cfg = ModelConfig.from_hf(hf_cfg, **cfg_overrides)
   except ValueError as e:
     raise ValueError(f"{path}: {e}") from None
+  if (cfg.architecture == "qwen2" and not cfg.qkv_bias and "qkv_bias" not in cfg_overrides
+      and "model.layers.0.self_attn.q_proj.bias" in sd):
+    # transformers' Qwen2 has q / k / v biases whatever `attention_bias` says (configs written
+    # by some tools carry attention_bias=false): the checkpoint's biases are part of the model.
+    cfg = cfg.replace(qkv_bias=True)
   if os.fspath(path_or_preset) in EMBEDDED:
     cfg = cfg.replace(name=os.fspath(path_or_preset))
   elif cfg.name in ("hf", "custom"):

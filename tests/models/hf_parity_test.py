@@ -147,3 +147,18 @@ def test_save_hf_writes_every_tensor_transformers_expects(name, overrides, tmp_p
     cfg2, params2 = models.load(out)
     again = np.asarray(models.forward(params2, jnp.asarray(tokens), cfg=cfg2))
     np.testing.assert_allclose(again, ours, atol=1e-5)
+
+
+def test_qwen2_config_with_attention_bias_false_keeps_its_biases(tmp_path):
+  # transformers' Qwen2 has q / k / v biases whatever attention_bias says; such a config was
+  # refused here ("tensors the config does not account for: ...q_proj.bias").
+  model = make_hf_model("qwen2", tmp_path, seed=6)
+  hf = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps({**hf, "attention_bias": False}))
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  cfg, params = models.load(tmp_path)
+  assert cfg.qkv_bias
+  tokens = np.random.default_rng(6).integers(0, 256, (2, 24))
+  ours = np.asarray(models.forward(params, jnp.asarray(tokens), cfg=cfg))
+  assert np.abs(ours - torch_logits(reloaded, tokens)).max() <= 1e-4
+  assert np.abs(torch_logits(model, tokens) - torch_logits(reloaded, tokens)).max() == 0
