@@ -51,6 +51,15 @@ def main(argv):
                                append_len=_APPEND_LEN.value, programs=tuple(_PROGRAMS.value))
   except ValueError as e:
     raise SystemExit(f"bad plan input: {e}") from None
+  from jaxagent.trainer import check_config
+  try:
+    # What the launcher refuses before its fit check (a misspelt key in the config file, which
+    # the plan would otherwise ignore and plan the defaults), the plan refuses too.
+    check_config(_CONFIG.value)
+  except FileNotFoundError:
+    pass  # a data file (sft.data) the plan does not read: it may exist only where the run does
+  except ValueError as e:
+    raise SystemExit(f"bad plan input: {e}") from None
   try:
     report = plan.plan_run(_CONFIG.value, _TOPOLOGY.value, options=options)
   except (ValueError, FileNotFoundError) as e:  # a bad setting, topology or model path

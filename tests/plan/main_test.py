@@ -46,8 +46,11 @@ def test_bad_input_is_one_line_not_a_traceback(args, expected):
     ('del c["model"]', "bad plan input: the config names no model: set model.path"),
     ('del c.model["path"]', "bad plan input: the config names no model: set model.path"),
     ('del c.model["param_dtype"]', "bad plan input: the config has no key 'param_dtype'"),
+    # A misspelt key in the file: the launcher refuses it, so the plan must not plan without it.
+    ("c.rollout.max_promt_tokens = 32", "bad plan input: unknown config key(s): "
+     "rollout.max_promt_tokens (did you mean rollout.max_prompt_tokens?)"),
 ])
-def test_config_file_without_a_key_the_run_reads_is_one_line(tmp_path, edit, expected):
+def test_config_file_missing_or_misspelling_a_key_is_one_line(tmp_path, edit, expected):
   config = tmp_path / "cfg.py"
   config.write_text("from configs import quickstart\n\n\ndef get_config(arg=None):\n"
                     "  c = quickstart.get_config('tiny')\n  c.model.tokenizer = ''\n"
