@@ -207,7 +207,9 @@ class Tokenizer:
 
   def id_to_token(self, token_id: int) -> str | None:
     """The vocabulary entry for `token_id` (byte-level spelling, e.g. 'Ġthe'), None if unknown."""
-    return self._backend.id_to_token(int(token_id))
+    token_id = operator.index(token_id)
+    # The backend takes unsigned 32-bit ids and raises OverflowError outside them (a -1 pad).
+    return self._backend.id_to_token(token_id) if 0 <= token_id < 2**32 else None
 
   # ---- encode / decode -------------------------------------------------------------------------
 

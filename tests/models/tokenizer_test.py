@@ -229,6 +229,9 @@ def test_decode_skips_ids_outside_the_vocab_and_refuses_non_integers(tok):
     tok.decode(np.asarray(ids, np.float32))
   with pytest.raises(TypeError, match="must be integers"):
     tok.decode([float(i) for i in ids])
+  # id_to_token says None for an unknown id; a negative or huge one raised OverflowError.
+  assert [tok.id_to_token(i) for i in (-1, tok.vocab_size + 7, 2**40)] == [None, None, None]
+  assert tok.id_to_token(np.int64(ids[0])) == tok.id_to_token(ids[0]) == "hi"
 
 
 @pytest.mark.parametrize("text", ["héllo 😀🎉 中文字符 👩‍👩‍👧!", "plain ascii text, nothing odd", "x  1 é"])
