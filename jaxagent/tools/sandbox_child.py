@@ -226,6 +226,13 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
                 path = as_path(args[i], dir_fd if isinstance(dir_fd, int) and dir_fd >= 0 else None)
                 if path is not None and not inside(path, write_roots):
                     refuse(f"{event} on {path!r}")
+        elif event == "sqlite3.connect":  # the library opens the file itself, with no "open" event
+            path = as_path(args[0])
+            if path is not None and path not in ("", ":memory:"):
+                if path.startswith("file:"):  # a URI (uri=True): checked by its path
+                    path = path[5:].split("?")[0]
+                if not inside(path, write_roots) or inside(path, deny_roots):
+                    refuse(f"sqlite3 opening {path!r}")
         elif event == "os.kill" and args[0] != my_pid:
             refuse("signalling another process")
         elif event == "socket.__new__" and args[1] != socket.AF_UNIX:

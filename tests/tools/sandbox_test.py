@@ -277,13 +277,19 @@ def test_writing_outside_the_temp_dir(config, tmp_path):
                 f"import os\nos.rename({str(victim)!r}, 'stolen')",
                 f"import pathlib\npathlib.Path({str(tmp_path / 'new.txt')!r}).write_text('x')",
                 f"import os\nos.symlink({str(victim)!r}, 'link')\nopen('link', 'w').write('pwned')",
-                f"import shutil\nshutil.rmtree({str(tmp_path)!r})"]
+                f"import shutil\nshutil.rmtree({str(tmp_path)!r})",
+                # sqlite opens files in C, past the "open" audit event
+                f"import sqlite3\nsqlite3.connect({str(tmp_path / 'new.db')!r}).execute('create table t (x)')",
+                f"import sqlite3\nsqlite3.connect('file:{tmp_path / 'new.db'}?mode=rwc', uri=True).execute('create table t (x)')"]
     for code in attempts:
         result, _ = run(code, config)
         assert not result.ok, code
         assert "not allowed in the sandbox" in result.error, (code, result.error)
     assert victim.read_text() == "original"
     assert sorted(os.listdir(tmp_path)) == ["victim.txt"]
+    inside, _ = run("import sqlite3\nfor name in ('own.db', ':memory:', 'file:uri.db?mode=rwc'):\n"
+                    "    sqlite3.connect(name, uri=True).execute('create table t (x)')\nprint('ok')", config)
+    assert inside.ok and inside.output == "ok\n", inside.error
 
 
 @pytest.fixture
