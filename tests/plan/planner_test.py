@@ -399,3 +399,32 @@ def test_no_verdict_when_no_program_the_run_uses_was_planned():
   c.sft.steps = 0
   with pytest.raises(ValueError, match="names sft, but this config runs no SFT warm start"):
     plan.plan_run(c, jax.devices()[:1], options=plan.PlanOptions(programs=("sft",)))
+
+
+def test_roofline_matches_a_hand_derivation_from_the_chip_table():
+  # One 1024^3 float32 matmul on one v5e chip: 2 * 1024^3 flops at 197 TFLOP/s against three
+  # 4 MiB matrices through 819 GB/s of HBM; then the same contraction split over 8 devices,
+  # whose replicated result is one all-reduce of 4 MiB, moved twice over 200 GB/s of ICI.
+  from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+  from jaxagent.plan import planner
+  from jaxagent.plan.chips import CHIPS
+  from jaxagent.plan.report import ProgramReport
+  chip, n = CHIPS["TPU v5 lite"], 1024
+  mm = jax.jit(lambda a, b: a @ b)
+  one = Mesh(np.asarray(jax.devices()[:1]), ("x",))
+  rep = ProgramReport("mm", "update", "[1024x1024]")
+  planner._compile(rep, mm, (jax.ShapeDtypeStruct((n, n), np.float32),) * 2, {}, one, chip,
+                   "float32")
+  flops, hbm = 2 * n ** 3, 3 * n * n * 4
+  assert (rep.flops, rep.bytes_accessed) == (flops, hbm)
+  assert rep.bound == "hbm" and rep.est_s == pytest.approx(max(flops / 197e12, hbm / 819e9))
+  eight = Mesh(np.asarray(jax.devices()[:8]), ("x",))
+  split = jax.jit(lambda a, b: a @ b, out_shardings=NamedSharding(eight, P()))
+  args = (jax.ShapeDtypeStruct((n, n), np.float32, sharding=NamedSharding(eight, P(None, "x"))),
+          jax.ShapeDtypeStruct((n, n), np.float32, sharding=NamedSharding(eight, P("x", None))))
+  rep = ProgramReport("mm", "update", "[1024x1024]")
+  planner._compile(rep, split, args, {}, eight, chip, "float32")
+  assert rep.flops == flops / 8
+  ar = rep.collectives["all-reduce"]
+  assert (ar.executed, ar.bytes, ar.axes) == (1, n * n * 4, {"x": 1})
+  assert rep.bound == "ici" and rep.est_s == pytest.approx(2 * n * n * 4 / 200e9)
