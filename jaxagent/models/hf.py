@@ -216,8 +216,14 @@ def _read_safetensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
   else:
     files = sorted(p.name for p in directory.glob("*.safetensors"))
   if not files:
-    raise FileNotFoundError(f"{index} lists no weight files" if index.exists()
-                            else f"no *.safetensors weights in {directory}")
+    if index.exists():
+      raise FileNotFoundError(f"{index} lists no weight files")
+    other = sorted(p.name for p in directory.iterdir()
+                   if p.suffix in (".bin", ".pt", ".pth", ".ckpt", ".gguf"))
+    hint = (f"; it holds {', '.join(other[:4])}: convert a PyTorch checkpoint once with "
+            "transformers (AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir)), or "
+            "pass a .gguf file itself" if other else "")
+    raise FileNotFoundError(f"no *.safetensors weights in {directory}{hint}")
   sd, where = {}, {}
   for name in files:
     path = directory / name

@@ -38,6 +38,12 @@ def test_missing_file_names_the_path(tmp_path):
     models.load(tmp_path / "nope")
   with pytest.raises(FileNotFoundError, match="config.json"):
     models.load(tmp_path)
+  # A directory with PyTorch weights only: the error says how to convert them.
+  (tmp_path / "config.json").write_text(json.dumps(models.get_config("tiny-llama").to_hf()))
+  (tmp_path / "pytorch_model.bin").write_bytes(b"")
+  with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors weights in .*holds "
+                     r"pytorch_model\.bin: convert .*save_pretrained"):
+    models.load(tmp_path)
 
 
 def test_unknown_preset_lists_the_known_ones():
