@@ -748,7 +748,15 @@ class PythonSession:
                     self._proc = _SandboxProcess(self.config, kernel_cpu_s=self.config.session_cpu_s)
                 except SandboxError as e:
                     return ToolResult.failure(str(e))
-            result = self._proc.run(code, timeout_s or self.config.timeout_s, self.config.call_cpu_s)
+            try:
+                result = self._proc.run(code, timeout_s or self.config.timeout_s, self.config.call_cpu_s)
+            except BaseException:
+                # Cut short in this process (KeyboardInterrupt): the interpreter is still in the cell
+                # and its reply would answer the next call. End it; the next call starts afresh.
+                self._proc.close()
+                self._proc = None
+                self.restarts += 1
+                raise
             if self._closed:  # closed by another thread during the call (see `close`)
                 self._proc.close()
                 self._proc = None

@@ -677,3 +677,23 @@ def test_runaway_recursion_under_a_raised_limit_reports_the_error_in_time():
     assert result.error.rstrip().endswith("frames in the middle of the traceback are not shown)")
     assert "RecursionError: maximum recursion depth exceeded" in result.error and 'line 4, in f' in result.error
     assert elapsed < 10.0
+
+
+def test_a_session_call_interrupted_in_the_host_does_not_shift_later_replies():
+    # A KeyboardInterrupt in the host (a notebook's interrupt) left the interpreter in the cell:
+    # the next call got its output and end marker, and every later call the previous call's result.
+    import _thread
+
+    with PythonSession(FULL) as session:
+        session.run("x = 1")
+        timer = threading.Timer(0.3, _thread.interrupt_main)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            session.run("import time\ntime.sleep(1.5)\nprint('slept')")
+        timer.join()
+        first = session.run("print('a')")
+        assert first.ok and first.output == "a\n", first
+        failing = session.run("raise ValueError('c')")
+        assert not failing.ok and "ValueError: c" in failing.error
+        assert session.run("print('d')").output == "d\n"
+        assert session.restarts == 1
