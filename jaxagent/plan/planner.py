@@ -14,7 +14,8 @@ shardings; params come from `jax.eval_shape(init_params)`, so no weight is ever 
   * `score[L=...]`: `sequence_logprobs` (reference log-probs; used when `loss.kl_coef > 0`,
     else reported but not part of the verdict).
   * `prefill`, `insert`, `generate`, `append`: the generator's programs (`Engine.program`), at
-    the configured slots and cache length.
+    the configured slots and cache length, on the rollout mesh (on several hosts, process 0's
+    devices alone, where the trainer rolls out).
 
 Shapes are worst cases: every trajectory in its own row (`rows = prompts x samples`, rounded as
 the trainer's packing rounds them), prompts as long as the cache allows, all slots prefilled or
@@ -43,6 +44,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent import sharding as shd
@@ -265,6 +267,33 @@ def _compile(report: ProgramReport, fn, args, kwargs, mesh: Mesh, chip: ChipSpec
   return compiled
 
 
+def _rollout_devices(devices: Sequence[jax.Device], topology: str | None
+                     ) -> list[jax.Device] | None:
+  """The devices the rollouts run on when `devices` span several hosts (process 0's, as the
+  trainer runs them); None on one host (the rollout mesh is then over all of them).
+
+  A compile-only TPU client compiles only for whole topologies (one host's devices of a larger
+  one are refused), so for a `topology` those are described as a topology of their own: the
+  same chips in the same layout."""
+  lead = min(d.process_index for d in devices)
+  local = [d for d in devices if d.process_index == lead]
+  if len(local) == len(devices):
+    return None
+  if topology and ":" in topology and all(hasattr(d, "coords") for d in local):
+    name, shape = topology.split(":", 1)
+    coords = np.asarray([d.coords for d in local])
+    extent = coords.max(0) - coords.min(0) + 1
+    dims = len(shape.split("x"))
+    if (extent[dims:] == 1).all():
+      try:
+        host = devices_for(f"{name}:{'x'.join(str(int(e)) for e in extent[:dims])}")
+      except ValueError:
+        host = []
+      if len(host) == len(local):
+        return host
+  return local
+
+
 def _mesh_for(config, devices) -> Mesh:
   m = config.mesh
   return shd.make_mesh(m.data, m.fsdp, m.tensor, devices=devices)
@@ -293,6 +322,8 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
     target = "local"
   cfg = cfg if cfg is not None else model_config(config)
   chip = chip_for(devices)
+  rollout_devices = _rollout_devices(
+      devices, devices_or_topology if isinstance(devices_or_topology, str) else None)
   mesh = _mesh_for(config, devices)
   sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
   shapes = run_shapes(config, sizes, options)
@@ -377,7 +408,9 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
     # On the learner's mesh the generator decodes from the masters themselves when the param
     # and compute dtypes agree, else from a compute-dtype copy with the masters' shardings
     # (as `Trainer._generator_params` hands them), the masters staying resident beside it.
-    dmesh = shd.rollout_mesh(r.get("mesh", "learner"), mesh)
+    # On several hosts the rollouts run on process 0's devices alone (see `jaxagent.trainer`),
+    # on a mesh of those devices with a compute-dtype copy of the weights.
+    dmesh = shd.rollout_mesh(r.get("mesh", "learner"), mesh, rollout_devices)
     dparams, masters_b = params, 0.0
     if dmesh is not mesh or cfg.jnp_param_dtype != cfg.jnp_dtype:
       copy = jax.eval_shape(functools.partial(param_tree.compute_copy, cfg=cfg), abstract_params)
@@ -436,7 +469,8 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
 
   report = PlanReport(model=cfg.name, num_params=cfg.num_params(), target=target,
                       platform=devices[0].platform, chip=chip, n_devices=len(devices),
-                      mesh=sizes, shapes=shapes, programs=programs, knobs=[])
+                      mesh=sizes, shapes=shapes, programs=programs, knobs=[],
+                      rollout_devices=len(rollout_devices) if rollout_devices else None)
   report.knobs = knobs(report, config, cfg)
   return report
 

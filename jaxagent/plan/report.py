@@ -105,6 +105,8 @@ class PlanReport:
   shapes: RunShapes
   programs: list[ProgramReport]
   knobs: list[str]
+  rollout_devices: int | None = None  # on several hosts: process 0's devices, where the
+                                      # rollouts run (None: all `n_devices`)
 
   @property
   def fits(self) -> bool | None:
@@ -142,6 +144,7 @@ class PlanReport:
     return {"model": self.model, "num_params": self.num_params, "target": self.target,
             "platform": self.platform, "chip": dataclasses.asdict(self.chip),
             "n_devices": self.n_devices, "mesh": self.mesh,
+            "rollout_devices": self.rollout_devices,
             "shapes": dataclasses.asdict(self.shapes), "fits": self.fits,
             "peak_bytes": self.peak_bytes(), "update_time_s": self.update_time_s(),
             "decode_step_time_s": self.decode_step_time_s(),
@@ -154,7 +157,9 @@ class PlanReport:
     mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
     lines = [
         f"model {self.model} ({self.num_params / 1e9:.2f}B params) on {self.target} "
-        f"({self.n_devices} x {c.name}, {cap} per chip [{c.source}]), mesh {mesh}",
+        f"({self.n_devices} x {c.name}, {cap} per chip [{c.source}]), mesh {mesh}"
+        + (f"; rollouts on process 0's {self.rollout_devices} devices (the generator programs)"
+           if self.rollout_devices else ""),
         f"{'program':<16} {'shape':<28} {'args':>8} {'out':>8} {'temp':>8} {'resid':>8} "
         f"{'total':>9} {'fits':>5} {'est ms':>8} {'TFLOP':>8} {'GB':>7}  collectives (executed)",
     ]
@@ -245,7 +250,8 @@ def knobs(report: PlanReport, config, cfg: ModelConfig) -> list[str]:
         now, more = _kv_ways(s.slots, cfg.n_kv_heads, rows, t), 0
         if rows % 2 == 0 and cfg.n_kv_heads % (2 * t) == 0:
           more = _kv_ways(s.slots, cfg.n_kv_heads, rows // 2, 2 * t)
-        if config.rollout.get("mesh", "learner") == "learner" and more > now:
+        if (config.rollout.get("mesh", "learner") == "learner" and not report.rollout_devices
+            and more > now):
           say(f"mesh.tensor={2 * t} with mesh.data x mesh.fsdp = {rows // 2} splits the KV "
               f"cache {more} ways instead of {now} (its {cfg.n_kv_heads} heads over tensor; "
               f"{s.slots} slots over data x fsdp only where they divide)")

@@ -428,3 +428,33 @@ def test_roofline_matches_a_hand_derivation_from_the_chip_table():
   ar = rep.collectives["all-reduce"]
   assert (ar.executed, ar.bytes, ar.axes) == (1, n * n * 4, {"x": 1})
   assert rep.bound == "ici" and rep.est_s == pytest.approx(2 * n * n * 4 / 200e9)
+
+
+def test_rollouts_on_several_hosts_run_on_process_0s_devices():
+  # The trainer rolls out on process 0's local devices when the run spans several hosts: the
+  # planner's generator programs must be planned there, not over every chip of the pod.
+  from types import SimpleNamespace
+  from jaxagent.plan import planner
+  devs = [SimpleNamespace(process_index=i // 4, id=i) for i in range(16)]
+  assert [d.id for d in planner._rollout_devices(devs, None)] == [0, 1, 2, 3]
+  assert planner._rollout_devices(devs[:4], None) is None
+
+
+@needs_libtpu
+@pytest.mark.tpu_aot
+def test_multi_host_topology_plans_the_generator_on_one_hosts_chips():
+  from jaxagent.models import get_config
+  c = tiny(1, -1, 1)
+  c.model.tokenizer = ""
+  c.rollout.slots = 16
+  cfg = get_config("tiny-llama", n_layers=1)
+  # v5e:4x4 is 16 chips on 4 hosts of 4: the learner shards over 16, the rollouts over 4.
+  rep = plan.plan_run(c, "v5e:4x4", cfg=cfg, options=plan.PlanOptions(programs=("generate",)))
+  gen = rep.program("generate")
+  assert rep.rollout_devices == 4 and gen.error is None, gen.error
+  assert "rollouts on process 0's 4 devices" in rep.render()
+  kv = 2 * 16 * 128 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4   # k + v, float32
+  assert gen.components["kv_cache"] == kv / 4                           # 16 slots over 4 chips
+  weights = cfg.num_params() * 4
+  assert gen.components["params"] == pytest.approx(weights / 4, rel=0.05)
+  assert gen.components["learner_params"] == pytest.approx(weights / 16, rel=0.05)
