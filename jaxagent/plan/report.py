@@ -214,6 +214,20 @@ def knobs(report: PlanReport, config, cfg: ModelConfig) -> list[str]:
       continue
     comp = p.components
     parts = {"params": "params", "optimizer": "optimizer state", "ref_params": "reference params"}
+    # A generator off the learner's mesh (rollout.mesh=data, or process 0's chips on several
+    # hosts) decodes from a copy of the weights that mesh.fsdp does not split: named apart.
+    off_learner = p.kind not in ("update", "sft", "score") and (
+        config.rollout.get("mesh", "learner") == "data" or bool(report.rollout_devices))
+    if off_learner:
+      copy = comp.get("params", 0)
+      if copy > 0.3 * (cap or p.total_bytes or 1.0):
+        on = (f"process 0's {report.rollout_devices} chips, split over them"
+              if report.rollout_devices else "every chip, whole")
+        say(f"the generator's copy of the weights takes {g(copy)} per chip (on {on}; mesh.fsdp "
+            "does not split it)" + ("; rollout.mesh=learner decodes from the learner's sharded "
+                                   "weights instead" if not report.rollout_devices else ""))
+      parts = {"learner_params": "learner params", "optimizer": "optimizer state",
+               "ref_params": "reference params"}
     held = [name for key, name in parts.items() if comp.get(key, 0) > 0] or ["params"]
     what = " + ".join(held)
     weights = sum(comp.get(key, 0) for key in parts)

@@ -458,3 +458,18 @@ def test_multi_host_topology_plans_the_generator_on_one_hosts_chips():
   weights = cfg.num_params() * 4
   assert gen.components["params"] == pytest.approx(weights / 4, rel=0.05)
   assert gen.components["learner_params"] == pytest.approx(weights / 16, rel=0.05)
+
+
+def test_weight_knobs_for_a_generator_off_the_learner_mesh():
+  # rollout.mesh=data decodes from a whole copy of the weights on every chip: mesh.fsdp does
+  # not shrink it, so the knob must not say it does.
+  c = tiny()
+  c.rollout.mesh = "data"
+  gen = plan.ProgramReport("generate", "generate", "64 slots", argument_bytes=15 * GiB,
+                           temp_bytes=2 * GiB,
+                           components={"params": 14 * GiB, "learner_params": 3.5 * GiB})
+  knobs = _report_with(gen, c).knobs
+  assert knobs[0].startswith("the generator's copy of the weights takes 14.0 GiB per chip (on "
+                             "every chip, whole; mesh.fsdp does not split it); rollout.mesh="
+                             "learner"), knobs
+  assert not any("params take 14.0 GiB" in k for k in knobs), knobs
