@@ -82,7 +82,8 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
   def take(name: str, expected: tuple[int, ...]):
     used.add(name)
     if name not in sd:
-      raise ValueError(f"{source}: tensor {name!r} is missing (expected shape {expected})")
+      raise ValueError(f"{source}: tensor {name!r} is missing (expected shape {expected})"
+                       f"{_missing_hint(name, sd)}")
     w = np.asarray(sd[name])
     # An integer or bool tensor (a quantized weight without its scales) would be cast to
     # floats of the wrong values.
@@ -135,6 +136,18 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
                      f"{shown}{why}")
   return param_tree.box(cfg, arrays)
 
+
+def _missing_hint(name: str, sd: Mapping[str, Any]) -> str:
+  """What the checkpoint holds instead of `name`: the same tensor under a prefix (an adapter or
+  multimodal wrapper's naming), or a few of its names."""
+  suffix = name.removeprefix("model.")
+  alike = sorted(k for k in sd if k.endswith("." + suffix))
+  if alike:
+    return (f"; the checkpoint has {alike[0]!r}: its tensors carry a prefix this loader does not "
+            "read (rename them to the plain Hugging Face names, e.g. merge and unload an "
+            "adapter and save_pretrained the base model)")
+  shown = sorted(sd)[:3]
+  return f"; the checkpoint's {len(sd)} tensors are named like {shown}" if shown else ""
 
 def state_dict_from_params(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
   """The inverse of `params_from_state_dict`: HF-named host arrays."""

@@ -2,6 +2,7 @@
 import json
 
 import jax
+import numpy as np
 import pytest
 
 from jaxagent import models
@@ -79,6 +80,22 @@ def test_wrong_shape_in_checkpoint_is_named(tmp_path):
   with pytest.raises(ValueError, match=r"mlp\.(gate|up|down)_proj\.weight.*shape"):
     models.load(path)
 
+
+def test_prefixed_tensor_names_are_named(tmp_path):
+  # A checkpoint saved under a wrapper's names (an adapter's "base_model.model."): the error
+  # only said the plain name was missing.
+  from safetensors.numpy import load_file, save_file
+  _, path = _save_tiny(tmp_path)
+  weights = path / "model.safetensors"
+  save_file({"base_model.model." + k: v for k, v in load_file(weights).items()}, weights)
+  with pytest.raises(ValueError, match=r"tensor 'model\.layers\.0\.input_layernorm\.weight' is "
+                     r"missing .*the checkpoint has 'base_model\.model\.model\.layers\.0\."
+                     r"input_layernorm\.weight': its tensors carry a prefix"):
+    models.load(path)
+  save_file({"x.y": np.zeros(2, np.float32)}, weights)
+  with pytest.raises(ValueError, match=r"is missing .*the checkpoint's 1 tensors are named like "
+                     r"\['x\.y'\]"):
+    models.load(path)
 
 def test_corrupt_safetensors_is_named(tmp_path):
   _, path = _save_tiny(tmp_path)
