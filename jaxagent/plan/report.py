@@ -177,7 +177,8 @@ class PlanReport:
           f"{p.collective_summary or 'none'}")
       if p.oom:
         lines.append(f"{'':<16} the compiler ran out of device memory: {p.error}")
-    lines.append("(GiB per chip; resid = buffers the run keeps alive meanwhile; * = not used by "
+    lines.append("(GiB per chip; resid = buffers the run keeps alive meanwhile; total = args + "
+                 "out - donated args reused for outputs + temp + code + resid; * = not used by "
                  "this config; est = roofline max of compute (c), HBM (h) and interconnect (i) "
                  "time from loop-aware HLO counts)")
     verdict = {True: "FITS", False: "DOES NOT FIT",
