@@ -233,13 +233,23 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
                     path = path[5:].split("?")[0]
                 if not inside(path, write_roots) or inside(path, deny_roots):
                     refuse(f"sqlite3 opening {path!r}")
+        elif event == "import" and args[0] == "_signal":  # imported above; again only to undo the guard
+            refuse("importing _signal again")
         elif event == "os.kill" and args[0] != my_pid:
             refuse("signalling another process")
         elif event == "socket.__new__" and args[1] != socket.AF_UNIX:
             refuse("network access")
 
+    def no_pidfd_signal(*args, **kwargs):
+        refuse("signalling another process")
+
     limit(resource.RLIMIT_AS, cfg["memory_mb"] << 20)
     if cfg["audit_hook"]:
+        # pidfd_send_signal raises no audit event: it is replaced, and a fresh import of its
+        # module (after deleting it from sys.modules) is refused by the hook.
+        for module in (signal, sys.modules.get("_signal")):
+            if module is not None and hasattr(module, "pidfd_send_signal"):
+                module.pidfd_send_signal = no_pidfd_signal
         sys.addaudithook(audit)
 
     main = types.ModuleType("__main__")

@@ -322,6 +322,27 @@ def test_network_connection_never_arrives(config, listener):
 
 
 @MODES
+def test_signals_through_a_pidfd_are_refused(config):
+    # signal.pidfd_send_signal raises no audit event: without namespaces it killed host processes.
+    import subprocess
+
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        for code in [f"import os, signal\nsignal.pidfd_send_signal(os.pidfd_open({victim.pid}), signal.SIGKILL)",
+                     f"import os, sys\ndel sys.modules['_signal']\nimport _signal\n"
+                     f"_signal.pidfd_send_signal(os.pidfd_open({victim.pid}), 9)"]:
+            result, _ = run(code, config)
+            assert not result.ok, code
+        time.sleep(0.2)
+        assert victim.poll() is None
+        ok, _ = run("import signal, _signal\nprint(signal.SIGINT.value)", config)  # imports still work
+        assert ok.ok and ok.output == "2\n", ok.error
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@MODES
 def test_killing_the_parent_process(config):
     me = os.getpid()
     for code in ["import os\nos.kill(os.getppid(), 9)", f"import os\nos.kill({me}, 9)",
