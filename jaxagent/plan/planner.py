@@ -133,7 +133,12 @@ def model_config(config) -> ModelConfig:
     cfg_file = p / "config.json"
     if not cfg_file.exists():
       raise FileNotFoundError(f"{p} has no config.json (expected an HF model directory)")
-    return ModelConfig.from_hf(json.loads(cfg_file.read_text()), **kw)
+    try:
+      hf_cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{cfg_file} is not valid JSON ({e}): fix or replace the model's "
+                       "config.json") from None
+    return ModelConfig.from_hf(hf_cfg, **kw)
   if p.is_file() and p.suffix == ".gguf":
     from jaxagent.models import gguf as gguf_lib
     reader = gguf_lib.open_gguf(p)

@@ -79,6 +79,10 @@ def test_model_config_reads_hf_directory(tmp_path):
   c.model.path = str(tmp_path / "missing")
   with pytest.raises(FileNotFoundError, match="preset"):
     plan.model_config(c)
+  (tmp_path / "config.json").write_text('{"model_type": "llama"')  # cut short
+  c.model.path = str(tmp_path)
+  with pytest.raises(ValueError, match=r"config.json is not valid JSON \(Expecting"):
+    plan.model_config(c)
 
 
 def test_plan_on_local_cpu_devices():
