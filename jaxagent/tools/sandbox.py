@@ -32,7 +32,9 @@ its value printed. Before any user code runs, the child applies, in order:
    process-count limit only binds inside a user namespace mapped to a non-root uid; the audit hook
    (3) is then what stops fork bombs.
 3. An audit hook (`sys.addaudithook`) that refuses: process creation (os.fork/exec/system/spawn,
-   posix_spawn, subprocess), signals to other processes, sockets other than AF_UNIX and all
+   posix_spawn, subprocess), signals to other processes (`signal.pidfd_send_signal`, which raises
+   no audit event, is replaced), without a PID namespace changes to another process's CPU mask
+   or priority (`os.sched_setaffinity`, `os.setpriority`, likewise), sockets other than AF_UNIX and all
    connect/bind/DNS calls, rlimit changes, loading or calling C functions through ctypes, GC
    introspection, opening files for writing outside the temporary directory (and /dev/null), and
    opening files for reading outside the temporary directory, the interpreter's prefixes and

@@ -233,8 +233,8 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
                     path = path[5:].split("?")[0]
                 if not inside(path, write_roots) or inside(path, deny_roots):
                     refuse(f"sqlite3 opening {path!r}")
-        elif event == "import" and args[0] == "_signal":  # imported above; again only to undo the guard
-            refuse("importing _signal again")
+        elif event == "import" and args[0] in ("_signal", "posix"):  # imported above; again only to undo guards
+            refuse(f"importing {args[0]} again")
         elif event == "os.kill" and args[0] != my_pid:
             refuse("signalling another process")
         elif event == "socket.__new__" and args[1] != socket.AF_UNIX:
@@ -243,6 +243,26 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
     def no_pidfd_signal(*args, **kwargs):
         refuse("signalling another process")
 
+    def own_process(pid):  # this interpreter (0 or its PID) or one of its threads
+        try:
+            return pid in (0, my_pid) or os.path.isdir(f"/proc/self/task/{int(pid)}")
+        except (TypeError, ValueError, OverflowError):
+            return True  # the function itself raises the error
+
+    def only_own_process(fn):
+        def guarded(pid, *args, **kwargs):
+            if not own_process(pid):
+                refuse(f"{fn.__name__} on another process")
+            return fn(pid, *args, **kwargs)
+        return guarded
+
+    def only_own_priority(fn):
+        def guarded(which, who, *args, **kwargs):
+            if which != os.PRIO_PROCESS or not own_process(who):
+                refuse("setpriority on another process")
+            return fn(which, who, *args, **kwargs)
+        return guarded
+
     limit(resource.RLIMIT_AS, cfg["memory_mb"] << 20)
     if cfg["audit_hook"]:
         # pidfd_send_signal raises no audit event: it is replaced, and a fresh import of its
@@ -250,6 +270,12 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
         for module in (signal, sys.modules.get("_signal")):
             if module is not None and hasattr(module, "pidfd_send_signal"):
                 module.pidfd_send_signal = no_pidfd_signal
+        if not facts["pid_namespace"]:  # host PIDs are visible: a CPU mask or priority of the trainer
+            for module in (os, sys.modules.get("posix")):
+                for name in ("sched_setaffinity", "sched_setscheduler", "sched_setparam", "setpriority"):
+                    if module is not None and hasattr(module, name):
+                        wrap = only_own_priority if name == "setpriority" else only_own_process
+                        setattr(module, name, wrap(getattr(module, name)))
         sys.addaudithook(audit)
 
     main = types.ModuleType("__main__")

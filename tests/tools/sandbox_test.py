@@ -343,6 +343,33 @@ def test_signals_through_a_pidfd_are_refused(config):
 
 
 @MODES
+def test_cpu_mask_and_priority_of_host_processes_cannot_be_changed(config):
+    # Without a PID namespace host PIDs are visible: code pinned the trainer to one CPU and reniced it.
+    import subprocess
+
+    victim = subprocess.Popen(["sleep", "30"])
+    try:
+        before = (os.sched_getaffinity(victim.pid), os.getpriority(os.PRIO_PROCESS, victim.pid))
+        for code in [f"import os\nos.sched_setaffinity({victim.pid}, {{0}})",
+                     f"import os\nos.setpriority(os.PRIO_PROCESS, {victim.pid}, 19)",
+                     f"import posix\nposix.sched_setaffinity({victim.pid}, {{0}})",
+                     f"import sys\ndel sys.modules['posix']\nimport posix\nposix.sched_setaffinity({victim.pid}, {{0}})"]:
+            result, _ = run(code, config)
+            assert not result.ok, code
+        # Every process of this user: in a PID namespace only the sandbox's own, so not refused there.
+        result, _ = run("import os\nos.setpriority(os.PRIO_USER, 0, 19)", config)
+        assert not result.ok or config.namespaces != "off"
+        assert (os.sched_getaffinity(victim.pid), os.getpriority(os.PRIO_PROCESS, victim.pid)) == before
+        own, _ = run("import os, threading\nos.sched_setaffinity(0, {0})\n"
+                     "os.sched_setaffinity(threading.get_native_id(), {0})\n"
+                     "os.setpriority(os.PRIO_PROCESS, 0, 5)\nos.nice(1)\nprint(os.sched_getaffinity(0))", config)
+        assert own.ok and own.output == "{0}\n", own.error
+    finally:
+        victim.kill()
+        victim.wait()
+
+
+@MODES
 def test_killing_the_parent_process(config):
     me = os.getpid()
     for code in ["import os\nos.kill(os.getppid(), 9)", f"import os\nos.kill({me}, 9)",
