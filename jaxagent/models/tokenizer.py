@@ -442,7 +442,11 @@ class StreamDecoder:
 
 def load_tokenizer(path_or_preset: str | os.PathLike[str]) -> Tokenizer:
   """A `Tokenizer` from an HF directory, a `.gguf` file or a preset name (see module docstring)."""
-  if isinstance(path_or_preset, str) and path_or_preset.lower() in PRESETS:
+  # A preset's exact name wins over a path of that name, as in `models.load`; another spelling
+  # ("SmolLM2-135M-Instruct") names the preset only where no such path exists: `models.load`
+  # reads that directory, and the tokenizer must come from the same place.
+  if isinstance(path_or_preset, str) and path_or_preset.lower() in PRESETS and (
+      path_or_preset in PRESETS or not pathlib.Path(path_or_preset).expanduser().exists()):
     from jaxagent.models.gguf import find_embedded_gguf
     tok = _from_gguf(find_embedded_gguf())
     tok.name = path_or_preset.lower()

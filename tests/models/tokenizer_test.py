@@ -706,6 +706,18 @@ def test_load_tokenizer_bad_inputs(tmp_path):
     T.load_tokenizer(tmp_path)
 
 
+def test_a_directory_named_like_the_preset_is_read_as_models_load_reads_it(tok, tmp_path,
+                                                                            monkeypatch):
+  # A local download of the model in ./SmolLM2-135M-Instruct: models.load reads that directory,
+  # and load_tokenizer (given the same run config path) read the embedded preset, so the run's
+  # prompts came from another tokenizer and chat template than its checkpoint's.
+  monkeypatch.chdir(tmp_path)
+  T.Tokenizer(tok.backend, eos_token="<|im_end|>", chat_template="MINE").save("SmolLM2-135M-Instruct")
+  assert T.load_tokenizer("SmolLM2-135M-Instruct").chat_templates == {"default": "MINE"}
+  assert T.load_tokenizer("smollm2-135m-instruct").chat_templates == tok.chat_templates
+  monkeypatch.chdir(tmp_path / "SmolLM2-135M-Instruct")  # no such path here: the preset
+  assert T.load_tokenizer("SmolLM2-135M-Instruct").chat_templates == tok.chat_templates
+
 
 @pytest.mark.parametrize("file,content,match", [
     # A string eos id was read character by character: "12" stopped generation at ids 1 and 2.
