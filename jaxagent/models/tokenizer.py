@@ -567,8 +567,14 @@ def tokenizer_cache_dir() -> pathlib.Path | None:
 
 @functools.cache
 def _source_digest() -> bytes:
-  """This module's source, hashed once per process (part of the GGUF cache key)."""
-  return hashlib.sha256(pathlib.Path(__file__).read_bytes()).digest()
+  """The conversion's source (this module, and `models.gguf`, which reads the metadata) and the
+  `gguf` package's version, hashed once per process (part of the GGUF cache key)."""
+  from jaxagent.models import gguf as gguf_io
+  digest = hashlib.sha256()
+  for file in (__file__, gguf_io.__file__):
+    digest.update(pathlib.Path(file).read_bytes())
+  digest.update(gguf_io._gguf_version().encode())
+  return digest.digest()
 
 
 def _gguf_cache_file(path: pathlib.Path) -> pathlib.Path | None:

@@ -785,3 +785,24 @@ def test_gguf_tokenizers_are_cached_on_disk(tmp_path, monkeypatch, caplog):
   T.load_tokenizer(path)
   assert len(builds) == 3 and len(list(cache.glob("*.json"))) == 2
   assert not list(cache.glob("*.tmp"))
+
+
+def test_gguf_tokenizer_cache_key_covers_the_metadata_reader(tmp_path, monkeypatch):
+  # The GGUF metadata is read by models/gguf.py: a change there (or to the gguf package) left
+  # tokenizers built by the earlier code in the cache, read back as if current.
+  from jaxagent.models import gguf as G
+  T._source_digest.cache_clear()
+  before = T._source_digest()
+  changed = tmp_path / "gguf.py"
+  changed.write_bytes(pathlib.Path(G.__file__).read_bytes() + b"\n# changed\n")
+  monkeypatch.setattr(G, "__file__", str(changed))
+  T._source_digest.cache_clear()
+  assert T._source_digest() != before
+  monkeypatch.undo()
+  T._source_digest.cache_clear()
+  assert T._source_digest() == before
+  monkeypatch.setattr(G, "_gguf_version", lambda: "0.0-other")
+  T._source_digest.cache_clear()
+  assert T._source_digest() != before
+  monkeypatch.undo()
+  T._source_digest.cache_clear()
