@@ -149,6 +149,7 @@ def _missing_hint(name: str, sd: Mapping[str, Any]) -> str:
   shown = sorted(sd)[:3]
   return f"; the checkpoint's {len(sd)} tensors are named like {shown}" if shown else ""
 
+
 def state_dict_from_params(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
   """The inverse of `params_from_state_dict`: HF-named host arrays."""
   if param_tree.is_merged(params):
