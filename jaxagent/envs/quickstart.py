@@ -15,6 +15,9 @@ tool.
 """
 from __future__ import annotations
 
+import ast
+import operator
+from fractions import Fraction
 from typing import Sequence
 
 import numpy as np
@@ -29,6 +32,27 @@ from jaxagent.tools import Calculator, ToolRegistry
 SYSTEM_PROMPT = (
     "You are a careful assistant with a calculator. To compute, write <calc>expression</calc>; "
     "the result comes back as <result>value</result>. Finish with <answer>number</answer>.")
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
+        ast.Div: operator.truediv}
+
+
+def exact_value(expression: str) -> Fraction:
+  """The exact value of a problem's expression (integers, + - * /, parentheses, unary minus)."""
+
+  def ev(node):
+    if isinstance(node, ast.Expression):
+      return ev(node.body)
+    if isinstance(node, ast.Constant) and type(node.value) is int:
+      return Fraction(node.value)
+    if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+      return _OPS[type(node.op)](ev(node.left), ev(node.right))
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+      return -ev(node.operand) if isinstance(node.op, ast.USub) else ev(node.operand)
+    raise ValueError(f"not integer arithmetic: {expression!r}")
+
+  return ev(ast.parse(expression, mode="eval"))
+
 
 class _Correct:
   """The final `<answer>` equals the gold number."""
@@ -103,6 +127,14 @@ class ArithmeticToolEnv(Env):
       for i, item in enumerate(ds):
         expr = item["metadata"]["expression"]
         if expr in seen:
+          continue
+        # reasoning-gym computes the answer with floor division: where a division is not exact
+        # ("-99 / -( -60 + 75 + 16 )", answer 3) the gold is not the value the question asks
+        # for, nor what the calculator returns. Such problems are skipped.
+        try:
+          if exact_value(expr) != int(item["answer"]):
+            continue
+        except (ValueError, ZeroDivisionError):
           continue
         seen.add(expr)
         messages = ({"role": "system", "content": SYSTEM_PROMPT},

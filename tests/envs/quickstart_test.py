@@ -96,3 +96,18 @@ def test_a_split_that_runs_out_of_distinct_problems_is_an_error():
     env.examples("train")
   small = make_env("quickstart", easy_max_digits=1, train_size=100, eval_size=20, sft_size=20)
   assert [len(small.examples(s)) for s in ("train", "sft", "eval")] == [100, 20, 20]
+
+
+def test_gold_is_the_exact_value_of_the_question():
+  # reasoning-gym's answer is the floor-division value: "Calculate -99 / -( -60 + 75 + 16 )."
+  # (train-hard-275 of the default train split) came with gold 3, where the calculator says
+  # 3.1935...; a policy that used the tool right got reward 0.
+  import re
+  from fractions import Fraction
+  env = make_env("quickstart")
+  for split in ("train", "sft", "eval"):
+    for ex in env.examples(split):
+      # An independent evaluation: Python's own arithmetic, exact over fractions.
+      expr = ex.metadata["expression"]
+      value = eval(re.sub(r"\d+", r"Fraction(\g<0>)", expr))
+      assert value == Fraction(ex.gold), (ex.id, expr, ex.gold)
