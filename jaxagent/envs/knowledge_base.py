@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -120,7 +121,8 @@ _CODAS = ("", "", "n", "r", "l", "s", "th", "m", "k", "nd", "rn", "x", "sk", "v"
 
 @dataclasses.dataclass(frozen=True)
 class KBConfig:
-  """What to generate; every field enters the dataset's name, so equal configs share files.
+  """What to generate; every field, and the generator's code, enter the dataset's name, so
+  equal configs share files under one version of the generator.
 
   Attributes:
     seed: seed of the world and the questions.
@@ -171,9 +173,17 @@ class KBConfig:
 
   @property
   def dataset_name(self) -> str:
-    """The builder config name: a digest of every field."""
-    blob = json.dumps(dataclasses.asdict(self), sort_keys=True).encode()
+    """The builder config name: a digest of every field and of the generator's code (this
+    file), so a prepared dataset written by another version of the generator is not read
+    back as this version's world."""
+    blob = json.dumps([dataclasses.asdict(self), _generator_digest()], sort_keys=True).encode()
     return f"kb_{hashlib.sha1(blob).hexdigest()[:12]}"
+
+
+@functools.lru_cache(maxsize=None)
+def _generator_digest() -> str:
+  """sha1 of this module's source, which generates the world, questions and documents."""
+  return hashlib.sha1(pathlib.Path(__file__).read_bytes()).hexdigest()
 
 
 # ----------------------------------------------------------------------------- the world

@@ -127,6 +127,28 @@ def test_a_damaged_prepared_file_is_named_with_the_fix(tmp_path):
     kb.load_kb(cfg, tmp_path)
 
 
+def test_a_changed_generator_does_not_read_back_the_old_world(tmp_path, monkeypatch):
+  """The prepared dataset was named by the config alone: after an edit of the generator (an
+  upgrade), load_kb read back the world the old code wrote, not the one the code generates."""
+  import importlib.util
+  cfg = kb.KBConfig(seed=9, **SMALL)
+  old = kb.load_kb(cfg, tmp_path)
+  source = pathlib.Path(kb.__file__).read_text()
+  edited = source.replace('"{x} is mentioned in several regional almanacs."',
+                          '"{x} is mentioned in a newer almanac."')
+  assert edited != source
+  path = tmp_path / "edited_knowledge_base.py"
+  path.write_text(edited)
+  spec = importlib.util.spec_from_file_location("edited_knowledge_base", path)
+  new_kb = importlib.util.module_from_spec(spec)
+  monkeypatch.setitem(sys.modules, spec.name, new_kb)  # its dataclasses look themselves up
+  spec.loader.exec_module(new_kb)
+  new_cfg = new_kb.KBConfig(seed=9, **SMALL)
+  loaded = new_kb.load_kb(new_cfg, tmp_path)
+  assert loaded.documents == new_kb.generate_world(new_cfg).documents != old.documents
+  assert kb.load_kb(cfg, tmp_path).documents == old.documents  # each version reads its own
+
+
 def test_build_and_read_without_tensorflow(tmp_path):
   """tfds writes and reads the ArrayRecord dataset, and grain reads it, with TensorFlow hidden."""
   script = textwrap.dedent(f"""
