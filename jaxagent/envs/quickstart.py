@@ -73,6 +73,16 @@ class ArithmeticToolEnv(Env):
                max_digits: int = 3, easy_fraction: float = 0.5, easy_max_digits: int = 2,
                sft_easy_fraction: float | None = None, train_size: int = 2000,
                eval_size: int = 200, sft_size: int = 256, seed: int = 0):
+    # Counts and the seed: a negative size drew a short split of arbitrary length (train_size=-5
+    # gave 173 problems), and other bad values failed deep inside reasoning-gym or numpy.
+    for field, value in (("min_terms", min_terms), ("max_terms", max_terms),
+                         ("min_digits", min_digits), ("max_digits", max_digits),
+                         ("easy_max_digits", easy_max_digits), ("train_size", train_size),
+                         ("eval_size", eval_size), ("sft_size", sft_size), ("seed", seed)):
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"ArithmeticToolEnv.{field} must be an int >= 0, got {value!r}")
+    if easy_max_digits < 1:
+      raise ValueError(f"ArithmeticToolEnv.easy_max_digits must be >= 1, got {easy_max_digits}")
     if not 2 <= min_terms <= max_terms:
       raise ValueError(f"need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
     if not 1 <= min_digits <= max_digits:
