@@ -108,7 +108,7 @@ class ArithmeticToolEnv(Env):
 
   # ------------------------------------------------------------------ data
   def examples(self, split: str) -> Sequence[Example]:
-    """"train", "eval" (held out: no expression shared with train/sft) or "sft"."""
+    """"train", "eval" (held out) or "sft"; no expression is in two splits."""
     if split not in self._sizes:
       raise ValueError(f"unknown split {split!r}; expected one of {sorted(self._sizes)}")
     if split not in self._cache:
@@ -121,9 +121,10 @@ class ArithmeticToolEnv(Env):
     # reasoning-gym seeds item i with (seed + i): keep the splits' and tiers' seed ranges
     # disjoint.
     offsets = {"train": 0, "sft": 10_000_000, "eval": 20_000_000}
-    seen = set()
-    if split == "eval":
-      seen = {ex.metadata["expression"] for s in ("train", "sft") for ex in self.examples(s)}
+    # A problem is in one split only: sft draws around train's (an SFT answer would otherwise
+    # come back as an RL problem), eval around both.
+    earlier = {"train": (), "sft": ("train",), "eval": ("train", "sft")}[split]
+    seen = {ex.metadata["expression"] for s in earlier for ex in self.examples(s)}
     size = self._sizes[split]
     n_easy = round(size * self.easy_fraction[split])
     out = []

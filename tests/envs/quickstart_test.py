@@ -17,6 +17,12 @@ def test_splits_sizes_tiers_and_held_out(env):
   assert sum(e.metadata["tier"] == "easy" for e in ev) == 30
   seen = {e.metadata["expression"] for e in train + sft}
   assert not any(e.metadata["expression"] in seen for e in ev)
+  # Nor an SFT problem in train (56 of the default 256 were, all easy; 89 with the config's
+  # sft_easy_fraction=0.8): its demonstrated answer came back as an RL problem.
+  full = make_env("quickstart", sft_easy_fraction=0.8)
+  prompts = {s: {e.prompt[1]["content"] for e in full.examples(s)} for s in ("train", "sft", "eval")}
+  assert [len(p) for p in prompts.values()] == [2000, 256, 200]
+  assert not prompts["train"] & prompts["sft"] and not (prompts["train"] | prompts["sft"]) & prompts["eval"]
   assert env.examples("eval") is ev  # cached, deterministic
   again = make_env("quickstart", train_size=200, eval_size=60, sft_size=40)
   assert [e.gold for e in again.examples("eval")] == [e.gold for e in ev]
