@@ -734,11 +734,20 @@ def test_a_session_call_interrupted_in_the_host_does_not_shift_later_replies():
 
     with PythonSession(FULL) as session:
         session.run("x = 1")
-        timer = threading.Timer(0.3, _thread.interrupt_main)
-        timer.start()
+        started = os.path.join(session._proc.tmpdir, "started")
+
+        def interrupt_once_the_cell_runs():  # not on a clock: a loaded machine starts cells late
+            deadline = time.monotonic() + 60
+            while not os.path.exists(started) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            _thread.interrupt_main()
+
+        watcher = threading.Thread(target=interrupt_once_the_cell_runs)
+        watcher.start()
         with pytest.raises(KeyboardInterrupt):
-            session.run("import time\ntime.sleep(1.5)\nprint('slept')")
-        timer.join()
+            session.run("open('started', 'w').close()\nimport time\ntime.sleep(30)\nprint('slept')",
+                        timeout_s=90)
+        watcher.join()
         first = session.run("print('a')")
         assert first.ok and first.output == "a\n", first
         failing = session.run("raise ValueError('c')")
