@@ -4,6 +4,7 @@ layer on its own, and persistent sessions."""
 
 import dataclasses
 import os
+import signal
 import socket
 import threading
 import time
@@ -743,11 +744,17 @@ def test_a_session_call_interrupted_in_the_host_does_not_shift_later_replies():
             _thread.interrupt_main()
 
         watcher = threading.Thread(target=interrupt_once_the_cell_runs)
-        watcher.start()
-        with pytest.raises(KeyboardInterrupt):
-            session.run("open('started', 'w').close()\nimport time\ntime.sleep(30)\nprint('slept')",
-                        timeout_s=90)
-        watcher.join()
+        # interrupt_main runs the SIGINT handler, which code run earlier in this process may
+        # have replaced (or set to ignore, when it does nothing): Python's own, for this test.
+        previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            watcher.start()
+            with pytest.raises(KeyboardInterrupt):
+                session.run("open('started', 'w').close()\nimport time\ntime.sleep(30)\nprint('slept')",
+                            timeout_s=90)
+            watcher.join()
+        finally:
+            signal.signal(signal.SIGINT, previous)
         first = session.run("print('a')")
         assert first.ok and first.output == "a\n", first
         failing = session.run("raise ValueError('c')")
