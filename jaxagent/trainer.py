@@ -15,10 +15,10 @@ after the warm start (step 0), every `checkpoint_every` RL steps, at the last st
 one where `train.time_limit_s` runs out) and when it receives SIGTERM (it finishes the current
 step, saves and returns; during the warm start it stops after the current SFT step or eval
 and saves nothing, since step 0 is not reached); rerunning the same command with the same
-workdir resumes from the newest complete checkpoint, without redoing the warm start. Every random choice derives from
-(seed, step): rollout seeds and request ids from the step, the prompt order from the grain
-iterator state stored in the checkpoint, so a resumed run repeats the uninterrupted one exactly
-(same hardware, same mesh).
+workdir resumes from the newest complete checkpoint, without redoing the warm start. Every
+random choice derives from (seed, step): rollout seeds and request ids from the step, the
+prompt order from the grain iterator state stored in the checkpoint, so a resumed run repeats
+the uninterrupted one exactly (same hardware, same mesh).
 
 Multi-host: the learner (warm start, reference scoring, updates) runs SPMD over the global mesh
 on every process. Rollouts and evaluation run on process 0 alone, on a mesh of its local devices

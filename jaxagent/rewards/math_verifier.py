@@ -276,7 +276,6 @@ def _match_value(match, target):
 def _differ(text: str, found: list, seen: dict, options: dict[str, Any]) -> tuple[bool, bool]:
   """(whether the matches in `found` read two different values, whether any read a value)."""
   from math_verify import parse
-  from math_verify.parser import extract_match
 
   found = sorted(found, key=lambda f: (f[0], -f[1]))
   covered, first = -1, None
@@ -290,7 +289,7 @@ def _differ(text: str, found: list, seen: dict, options: dict[str, Any]) -> tupl
                        parsing_timeout=None)
         seen[key] = values[0] if values else None
       else:
-        seen[key] = extract_match(match, target)[0]
+        seen[key] = _match_value(match, target)
     value = seen[key]
     if value is None:
       continue
