@@ -137,6 +137,14 @@ _FULL_STOP = re.compile(r"(?<![.\s])\s*\.$")
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # math-verify reads \boxed only; \fbox is the same box to a reader.
 _FBOX = re.compile(r"\\fbox(?![A-Za-z])")
+# A box whose one-token argument goes without braces ("\boxed5", "\boxed B", "\boxed\pi"), as
+# LaTeX allows ("\frac12"); group 1 the argument. A run of digits is one argument ("\boxed12" is
+# 12, as its writer meant), and "\boxed5 6" boxes 5 only. An argument followed by an operator
+# ("\boxed x = 5") or a command that takes arguments ("\boxed\frac12") is left as written:
+# its writer meant the whole expression, which the prose reading finds.
+_UNBRACED_BOX = re.compile(
+    r"\\boxed(?![A-Za-z])\s*(\d+(?:\.\d+)?(?!\.?\d)|[A-Za-z](?![A-Za-z])|\\[A-Za-z]+(?!\s*[{\d]))"
+    r"(?!\s*[=<>+\-*/^_!])")
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 # The end of a sentence: a full stop before a space or the end, or a line break. "0.5" goes on.
 _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
@@ -329,7 +337,8 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   """
   from math_verify import parse
 
-  text = _normalize_numbers(_FBOX.sub(r"\\boxed", text.strip()))
+  text = _UNBRACED_BOX.sub(r"\\boxed{\1}", _FBOX.sub(r"\\boxed", text.strip()))
+  text = _normalize_numbers(text)
   if not text:
     return []
   if _is_bare_answer(text):

@@ -102,6 +102,16 @@ EQUAL = [
     ("**Answer:** (C)", "C"),
     ("The final answer is yes.", "Yes"),
     ("I think the answer is B\nThe answer is B.", "B"),
+    # A box's one-token argument may go without braces, as in LaTeX; a run of digits is one token.
+    ("\\boxed5", "5"),
+    ("\\boxed 5", "5"),
+    ("\\fbox5", "5"),
+    ("\\boxed5 6", "5"),  # LaTeX boxes the 5 only
+    ("\\boxed12", "12"),
+    ("\\boxed B", "B"),
+    ("\\boxed\\pi", "\\pi"),
+    ("The answer is \\boxed5.", "5"),
+    ("\\boxed 5. Check: 5 \\cdot 2 = 10", "5"),
 ]
 
 NOT_EQUAL = [
@@ -130,6 +140,8 @@ NOT_EQUAL = [
     ("The answer is B.", "C"),
     ("The answer is not B", "B"),
     ("The final answer is no.", "Yes"),
+    ("\\boxed5 6", "6"),
+    ("\\boxed5 6", "11"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
@@ -165,6 +177,8 @@ HEDGED = [
     ("So the answer is 5, not 6.", "5"),
     ("The answer is A. The answer is B.", "B"),
     ("The answer is A or B", "A"),
+    ("\\boxed{5} or \\boxed 6", "5"),
+    ("\\boxed5 or \\boxed6", "6"),
 ]
 
 
