@@ -148,6 +148,10 @@ _UNBRACED_BOX = re.compile(
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 # The end of a sentence: a full stop before a space or the end, or a line break. "0.5" goes on.
 _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
+# A reason given after a marked answer in its sentence ("The answer is 5, since 2 + 3 = 5."): its
+# working names no other answer. "5 as well as 6" names two.
+_REASON = re.compile(r"[,;]?\s*\(?\b(?:since|because|(?<!well )as(?!\s+well\b))\b", re.IGNORECASE)
+_NOTHING_NAMED = re.compile(r"(?:^|\banswer|\bis|:)[\s*:]*$", re.IGNORECASE)
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 
@@ -258,7 +262,9 @@ def _marked_answer(text: str) -> tuple[str, str] | None:
 
   "The answer is 5. Check: 5 \\cdot 2 = 10" reads as "The answer is 5.": a marked answer ends
   with its sentence, and what follows (a check, an explanation) is no answer. math-verify's own
-  "answer is" pattern runs on across sentences and would read 10 here.
+  "answer is" pattern runs on across sentences and would read 10 here. So does a reason given in
+  the same sentence: "The answer is 5, since 2 + 3 = 5." reads as "The answer is 5", and "The
+  answer is B, because 2 is even." names B, not 2.
   """
   if _box_spans(text):
     return None
@@ -266,13 +272,23 @@ def _marked_answer(text: str) -> tuple[str, str] | None:
   if not marks:
     return None
   first = min(marks)
-  for end in _SENTENCE_END.finditer(text, first):
-    head = text[:end.end()]
+  for end in [m.end() for m in _SENTENCE_END.finditer(text, first)] + [len(text)]:
+    head = text[:end]
     # "Answer:\n5": the sentence must hold the marked value itself.
     if any(marked and start >= first and _match_value(match, target) is not None
            for start, _, marked, match, target in _extraction_matches(head)):
-      return head, text[end.end():]
+      end = _reason_start(head, first, end)
+      return text[:end], text[end:]
   return None
+
+
+def _reason_start(text: str, pos: int, default: int) -> int:
+  """Where the first reason given in `text[pos:]` once an answer is named starts, else `default`.
+
+  "The answer is as follows: 5" names no answer before its "as".
+  """
+  return next((r.start() for r in _REASON.finditer(text, pos)
+               if not _NOTHING_NAMED.search(text, pos, r.start())), default)
 
 
 def _match_value(match, target):
@@ -411,7 +427,8 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
     # Prose naming an answer math-verify finds nothing in ("The answer is B.", "Final answer:
     # yes"): what the phrase names is read as the answer on its own. Phrases naming different
     # answers name none.
-    tails = {" ".join(m.group(1).split()) for m in _ANSWER_TAIL.finditer(prediction)}
+    tails = {" ".join(m.group(1)[:_reason_start(m.group(1), 0, None)].split())
+             for m in _ANSWER_TAIL.finditer(prediction)}
     if len(tails) == 1:
       prediction = tails.pop()
       pred_parsed = _parse_answer(prediction, single=True, **options)

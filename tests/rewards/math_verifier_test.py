@@ -112,6 +112,15 @@ EQUAL = [
     ("\\boxed\\pi", "\\pi"),
     ("The answer is \\boxed5.", "5"),
     ("\\boxed 5. Check: 5 \\cdot 2 = 10", "5"),
+    # A reason given in the answer's sentence is working, not another answer.
+    ("The answer is $5$, since $2+3=5$.", "5"),
+    ("The answer is 5 because 2 + 3 = 5", "5"),
+    ("The answer is 5, as 2 + 3 = 5.", "5"),
+    ("The answer is 5 (since 2 + 3 = 5).", "5"),
+    ("The final answer is $\\frac{1}{2}$, because $2 \\cdot \\frac{1}{2} = 1$.", "\\frac{1}{2}"),
+    ("The answer is B, because 2 is even.", "B"),
+    ("The answer is as follows: 5 because 2 + 3 = 5.", "5"),
+    ("The answer is as follows: 5.", "5"),
 ]
 
 NOT_EQUAL = [
@@ -142,6 +151,7 @@ NOT_EQUAL = [
     ("The final answer is no.", "Yes"),
     ("\\boxed5 6", "6"),
     ("\\boxed5 6", "11"),
+    ("The answer is B, because 2 is even.", "2"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
@@ -179,6 +189,11 @@ HEDGED = [
     ("The answer is A or B", "A"),
     ("\\boxed{5} or \\boxed 6", "5"),
     ("\\boxed5 or \\boxed6", "6"),
+    ("The answer is 5 or 6.", "5"),
+    ("The answer is 5 or 6.", "6"),
+    ("The answer is 5 or 6, since 2 + 3 = 5.", "5"),
+    ("The answer is 5 as well as 6.", "5"),
+    ("The answer is 5 since 2 + 3 = 5. The answer is 6.", "6"),
 ]
 
 
