@@ -288,15 +288,28 @@ def champ_problems() -> list[tuple[str, str, list[str]]]:
 
 
 # ----------------------------------------------------------------------------- the task
-# A code or think block runs to its close. One never closed runs to where an `<answer>` opens,
-# or to the end of the text: the rollout stops a turn at `</answer>` and reads it as the final
-# answer even inside an unclosed code block, and goes on after a turn whose code block was left
-# open (a malformed call), so the policy's later answer is an answer. Inside an open think block
-# `</answer>` does not end the turn (the env's parser has think_tag="think"); a turn that ends
-# with one still open (EOS, budget) has its answer after the `<think>` read by the parser as
-# here. The first block to open hides what it holds, a `<think>` quoted in code as much as code
-# quoted in thought.
-_HIDDEN_BLOCK = re.compile(r"<(code|think)>(?:.*?</\1>|.*?(?=<answer>)|.*)", re.DOTALL)
+# The answer is read as the env's parser reads the turn that ended with it. A code or think block
+# runs to its close. One never closed runs to where an `<answer>` opens, or to the end of the
+# text: the rollout stops a turn at `</answer>` and reads it as the final answer even inside an
+# unclosed code block, and goes on after a turn whose code block was left open (a malformed
+# call), so the policy's later answer is an answer. Inside an open think block `</answer>` does
+# not end the turn (the env's parser has think_tag="think"); a turn that ends with one still open
+# (EOS, budget) has its answer after the `<think>` read by the parser as here. The first block to
+# open hides what it holds, a `<think>` quoted in code as much as code quoted in thought, and an
+# answer holds a `<code>` tag as its text: the rollout ends `<answer>5 <code></answer>` at
+# `</answer>` with the answer "5 <code>" (a `<think>` inside an answer still opens a thought,
+# for the parser as here). Think blocks go first, exactly as the parser drops them; then code
+# blocks outside answers.
+_THINK_OR_CODE = re.compile(r"<(code|think)>(?:.*?</\1>|.*?(?=<answer>)|.*)", re.DOTALL)
+_ANSWER_OR_CODE = re.compile(r"<answer>.*?</answer>|<code>(?:.*?</code>|.*?(?=<answer>)|.*)",
+                             re.DOTALL)
+
+
+def _prose(text: str) -> str:
+  """`text` without its think blocks and the code blocks outside answers."""
+  text = _THINK_OR_CODE.sub(lambda m: "" if m.group(1) == "think" else m.group(0), text)
+  return _ANSWER_OR_CODE.sub(lambda m: m.group(0) if m.group(0).startswith("<answer>") else "",
+                             text)
 
 
 class SignedMathAnswer:
@@ -305,14 +318,15 @@ class SignedMathAnswer:
   The answer is looked for outside `<code>` and `<think>` blocks: a program that prints an
   answer tag has not answered, and neither has a thought that tries one (`\\boxed{41}` while
   thinking, with no answer after it, scores -1). An unclosed block does not hide an answer tag
-  written after it: the reward scores the answer that the env's parser read.
+  written after it, and a `<code>` tag written inside an answer is part of it: the reward scores
+  the answer that the env's parser read.
   """
 
   def __init__(self, timeout_s: float = 5.0):
     self._inner = MathAnswerReward(tag="answer", timeout_s=timeout_s)
 
   def __call__(self, inp: RewardInput) -> float:
-    prose = dataclasses.replace(inp, response_text=_HIDDEN_BLOCK.sub("", inp.response_text))
+    prose = dataclasses.replace(inp, response_text=_prose(inp.response_text))
     return 2.0 * self._inner(prose) - 1.0
 
 

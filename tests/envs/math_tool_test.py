@@ -348,3 +348,25 @@ def test_rollout_reads_no_action_inside_a_think_block(env, turns, answer, correc
   assert env.reward(traj, ex, TOK, 0).components["correct"] == correct
   if len(turns) == 2:
     assert traj.observation_texts() == ["<interpreter>42\n</interpreter>"]
+
+
+@pytest.mark.parametrize("turn,answer", [
+    ("<answer>42 <code></answer>", "42 <code>"),
+    ("<think>6 * 7</think><answer>42<code></answer>", "42<code>"),
+])
+def test_a_code_tag_inside_an_answer_is_answer_text_for_parser_and_reward(env, turn, answer):
+  """An answer holds a `<code>` tag as text: the rollout ends the turn at `</answer>` with the
+  parser's answer "42 <code>", and the reward scores that answer (math-verify reads it as 42).
+  The reward used to hide the unclosed code block, answer tag and all, and read no answer (-1)."""
+  from jaxagent.agent.rollout import RolloutConfig, rollout
+  from tests.agent.rollout_test import TOK, FakeEngine
+
+  cache = [TOK.encode(turn)]
+  engine = FakeEngine(lambda rid, t: cache[t] if t < len(cache) else [], slots=1, max_len=512)
+  ex = Example(id="x", prompt="Q: 6 times 7?", gold="42")
+  cfg = RolloutConfig(max_turns=2, max_tokens_per_turn=64, tool_timeout_s=20, traj_tool_timeout_s=60)
+  (traj,) = rollout(engine, None, env, [ex], tokenizer=TOK, num_samples=1, cfg=cfg)
+  assert (traj.stop_reason, traj.final_answer) == ("answer", answer)
+  assert env.reward(traj, ex, TOK, 0).components["correct"] == 1.0
+  wrong = Example(id="y", prompt="Q", gold="41")
+  assert env.reward(traj, wrong, TOK, 0).components["correct"] == -1.0
