@@ -26,10 +26,12 @@ and at the TF32 rate on GPU. Where the runtime reports the allocator's limit
 what this process can actually use. A compile-only TPU device reports nothing; there the
 capacity is the HBM the TPU compiler lets one program use on it, which it names when it refuses
 a program too large to fit (with this libtpu: v5e 15.75 GiB of its 16, v6e 31.25 of 32, v5p
-95.74, a v4 core 15.25), and the table's figure only when that cannot be read. CPU devices have
+95.74, v4 30.75), and the table's figure only when that cannot be read. CPU devices have
 no capacity and no peak: host memory is checked leniently, if at all.
-A TPU v4 topology described without a TPU lists each chip's two TensorCores as two devices;
-each then gets half the chip.
+A v4 chip has two TensorCores that JAX on a v4 host runs as one device (megacore), so a v4
+topology is described in that chip configuration: one device per chip, as on the real hosts
+(libtpu's default lists each core as a device). Devices that are single cores of a chip (its
+`core_on_chip` differs) each get half the chip.
 """
 from __future__ import annotations
 
@@ -147,8 +149,12 @@ def devices_for(topology: str | None) -> list[jax.Device]:
   # lockfile) must not stop it.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies
+  # v4 hosts run each chip's two cores as one device (megacore); libtpu's default description
+  # lists the cores apart, twice the devices a v4 run has, so a mesh of the run's chip count
+  # would not divide them.
+  kw = {"chip_config_name": "megacore"} if topology.split(":")[0].strip().lower() == "v4" else {}
   try:
-    desc = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+    desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, **kw)
   except Exception as e:
     raise ValueError(f"libtpu does not know the topology {topology!r} ({e}); examples: "
                      "'v5e:2x2', 'v5e:4x4', 'v5p:2x2x1', 'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1'") from e

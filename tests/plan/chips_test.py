@@ -21,7 +21,8 @@ def test_table_matches_the_datasheets():
 
 @pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
 @pytest.mark.tpu_aot
-@pytest.mark.parametrize("topology, kind", [("v5e:2x2", "v5e"), ("v6e:2x2", "v6e")])
+@pytest.mark.parametrize("topology, kind", [("v5e:2x2", "v5e"), ("v6e:2x2", "v6e"),
+                                            ("v4:2x2x1", "v4")])
 def test_compile_only_capacity_is_what_the_compiler_lets_a_program_use(topology, kind):
   devices = plan.devices_for(topology)
   spec = plan.chip_for(devices)
@@ -40,3 +41,26 @@ def test_compile_only_capacity_is_what_the_compiler_lets_a_program_use(topology,
   # A plan that says "fits" must be a program the compiler accepts, and the other way round.
   assert compiles(spec.hbm_bytes - 64 * 2 ** 20)
   assert not compiles(spec.hbm_bytes + 64 * 2 ** 20)
+
+
+@pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
+@pytest.mark.tpu_aot
+def test_v4_topology_has_one_device_per_chip_as_on_v4_hosts():
+  # A v4 host runs each chip's two TensorCores as one device (megacore): v4:2x2x1 is 4 chips,
+  # 4 devices. libtpu's default description lists 8 cores, so a run's mesh of 4 was refused.
+  from configs import quickstart
+  from jaxagent.models import get_config
+  devices = plan.devices_for("v4:2x2x1")
+  assert len(devices) == 4 and len({tuple(d.coords) for d in devices}) == 4
+  spec = plan.chip_for(devices)
+  assert spec.name == "v4" and spec.source == "compiler"
+  # The whole chip: its peak and (about) its 32 GiB, not half of them for one core.
+  assert spec.bf16_flops == CHIPS["TPU v4"].bf16_flops
+  assert 24 * GiB < spec.hbm_bytes <= 32 * GiB
+  c = quickstart.get_config("tiny")
+  c.model.tokenizer = ""
+  c.mesh.update(data=4, fsdp=1, tensor=1)
+  report = plan.plan_run(c, "v4:2x2x1", cfg=get_config("tiny-llama", n_layers=1),
+                         options=plan.PlanOptions(programs=("update",)))
+  assert report.n_devices == 4 and report.mesh == {"data": 4, "fsdp": 1, "tensor": 1}
+  assert report.fits is True, report.render()
