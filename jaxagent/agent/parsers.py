@@ -27,7 +27,8 @@ Reasoning models (Qwen3 style) think in a `<think>...</think>` block before they
 rewards judge it (`FormatConfig.think_tag`, math_tool's answer): `parse` reads the text without
 its think blocks, and `stop_allowed(text)` (an optional parser method that the driver calls when
 a stop string matches) keeps a turn going while a think block is still open, so a closing tag
-written in thought does not end it.
+written in thought does not end it. A parser whose `may_refuse_stops` is False (an optional
+attribute; `XMLTagParser` without a think_tag) is never asked.
 """
 from __future__ import annotations
 
@@ -198,6 +199,12 @@ class XMLTagParser:
 
   def stop_strings(self) -> list[str]:
     return [f"</{t}>" for t in [*self.tools, *([self.answer_tag] if self.answer_tag else [])]]
+
+  @property
+  def may_refuse_stops(self) -> bool:
+    """Whether `stop_allowed` can ever return False (only with a think_tag): the driver skips
+    the hook, and the decode of the turn it needs, when it cannot."""
+    return self.think_tag is not None
 
   def stop_allowed(self, text: str) -> bool:
     """Whether a stop string that ends `text` (the turn so far) may end the turn: not while a

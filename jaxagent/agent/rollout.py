@@ -216,9 +216,12 @@ class RolloutDriver:
     stops = list(dict.fromkeys([*parser.stop_strings(), *cfg.stop_strings]))
     self.stop = StopChecker(stops, tokenizer)
     # An optional parser hook: may a stop string end the turn here (not while the policy is
-    # still thinking, `XMLTagParser(think_tag=...)`)? Without it every match ends the turn.
+    # still thinking, `XMLTagParser(think_tag=...)`)? Without it every match ends the turn. A
+    # parser that says it never refuses (`may_refuse_stops` False) is not asked: each call
+    # decodes the whole turn so far.
     allowed = getattr(parser, "stop_allowed", None)
-    self.stop_allowed = allowed if callable(allowed) else None
+    refuses = bool(getattr(parser, "may_refuse_stops", True))
+    self.stop_allowed = allowed if callable(allowed) and refuses else None
     self._own_executor = executor is None
     self.executor = executor if executor is not None else ToolExecutor(
         max_workers=cfg.tool_workers or ecfg.slots, default_timeout_s=cfg.tool_timeout_s)

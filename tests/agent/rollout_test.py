@@ -506,6 +506,39 @@ def test_a_closing_tag_written_while_thinking_does_not_end_the_turn(decode_steps
   assert (traj.stop_reason, traj.final_answer) == ("answer", "41")
 
 
+class _CountingParser(XMLTagParser):
+  """The calculator env's parser, counting the driver's `stop_allowed` calls."""
+
+  def __init__(self, think_tag):
+    super().__init__({"calc": ("calculator", "expression")}, answer_tag="answer",
+                     think_tag=think_tag)
+    self.asked = []
+
+  def stop_allowed(self, text):
+    self.asked.append(text)
+    return super().stop_allowed(text)
+
+
+def test_stop_allowed_is_asked_only_of_a_parser_that_can_refuse():
+  """Without a think_tag `stop_allowed` is always True, yet the driver decoded the whole turn and
+  called it at every stop match; it is skipped there, and still refuses inside a think block."""
+  turns = ["<think>maybe <answer>41</answer></think><calc>2+3</calc>", "<answer>5</answer>"]
+  for think_tag in (None, "think"):
+    env = _ThinkingCalcEnv(think_tag=think_tag)
+    env.parser = parser = _CountingParser(think_tag)
+    (traj,) = _run({0: turns}, env=env, cfg=RolloutConfig(max_tokens_per_turn=128))
+    if think_tag is None:
+      assert parser.asked == []
+      assert traj.turn_texts() == ["<think>maybe <answer>41</answer>"]
+      assert traj.final_answer == "41"
+    else:
+      # Judged where each stop string completes (a refused one again while the checker's window
+      # still holds it).
+      assert sorted(set(parser.asked)) == sorted(["<think>maybe <answer>41</answer>", *turns])
+      assert traj.turn_texts() == turns and traj.final_answer == "5"
+    assert parser.may_refuse_stops == (think_tag is not None)
+
+
 def test_a_think_block_never_closed_ends_by_eos_or_budget():
   """The stop strings inside an open think block are refused to the end of the turn; an answer
   after the <think> is still read when the turn ends there (as math_tool's reward reads it)."""
