@@ -406,6 +406,18 @@ _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\s*\{([^{}]*)
 _WORDS_ONLY = re.compile(r"[A-Za-z]{2,}(?:[ '\-][A-Za-z]+)*")
 
 
+def _answer_tails(text: str) -> set[str]:
+  """What each answer phrase in `text` names, without a reason given after it ("The answer is B,
+  because ..." names B); a phrase inside that reason names an answer too."""
+  tails = set()
+  for m in _ANSWER_TAIL.finditer(text):
+    tail = m.group(1)
+    cut = _reason_start(tail, 0, len(tail))
+    tails.add(" ".join(tail[:cut].split()))
+    tails |= _answer_tails(tail[cut:])
+  return tails
+
+
 def _word_answer(text: str) -> str | None:
   """A gold or prediction that is only words ("Yes", "\\text{No}.", "$\\text{even}$"), lowercased;
   None for anything with math in it."""
@@ -427,8 +439,7 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
     # Prose naming an answer math-verify finds nothing in ("The answer is B.", "Final answer:
     # yes"): what the phrase names is read as the answer on its own. Phrases naming different
     # answers name none.
-    tails = {" ".join(m.group(1)[:_reason_start(m.group(1), 0, None)].split())
-             for m in _ANSWER_TAIL.finditer(prediction)}
+    tails = _answer_tails(prediction)
     if len(tails) == 1:
       prediction = tails.pop()
       pred_parsed = _parse_answer(prediction, single=True, **options)

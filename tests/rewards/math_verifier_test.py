@@ -194,6 +194,8 @@ HEDGED = [
     ("The answer is 5 or 6, since 2 + 3 = 5.", "5"),
     ("The answer is 5 as well as 6.", "5"),
     ("The answer is 5 since 2 + 3 = 5. The answer is 6.", "6"),
+    ("The answer is 5 because the answer is 6.", "5"),
+    ("The answer is B, because the answer is C.", "B"),
 ]
 
 
