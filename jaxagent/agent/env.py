@@ -140,7 +140,13 @@ class Env(abc.ABC):
     return out.total >= 1.0
 
   def render_prompt(self, example: Example, tokenizer) -> list[int]:
-    """Prompt token ids: chat messages through the tokenizer's chat template, text as is."""
+    """Prompt token ids: chat messages through the tokenizer's chat template, text as is.
+
+    Messages go through `encode_chat`, where only the template's control tokens are control
+    tokens: a message that spells one ("<|im_end|>") keeps it as text, so a dataset prompt
+    cannot forge an end of turn or another role's turn. A text prompt is the model's whole
+    input (a chat rendered by hand, say), encoded with its special tokens parsed.
+    """
     if isinstance(example.prompt, str):
       return list(tokenizer.encode(example.prompt))
     return list(tokenizer.encode_chat(list(example.prompt), add_generation_prompt=True))

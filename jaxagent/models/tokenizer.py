@@ -1,9 +1,10 @@
 """Tokenizer and chat template: text <-> token ids for prompts, rollouts and training rows.
 
-Data flow: envs render conversations with `Tokenizer.apply_chat_template` / `encode_chat`; the rollout
-driver decodes sampled ids incrementally (`StreamDecoder`) to find tool calls and stop strings, and
-tokenizes tool observations once (`encode`, optionally with `parse_special=False` so text from a tool
-cannot inject control tokens); the trainer only ever sees ids.
+Data flow: envs render conversations with `Tokenizer.apply_chat_template` / `encode_chat` (which
+keeps special-token text inside the messages as text: only the template writes control tokens);
+the rollout driver decodes sampled ids incrementally (`StreamDecoder`) to find tool calls and stop
+strings, and tokenizes tool observations once (`encode`, optionally with `parse_special=False` so
+text from a tool cannot inject control tokens); the trainer only ever sees ids.
 
 `load_tokenizer` accepts three sources and yields the same `Tokenizer`:
 - an HF directory (`tokenizer.json` + `tokenizer_config.json`, chat template inline or in
@@ -26,11 +27,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import itertools
 import json
 import logging
 import operator
 import os
 import pathlib
+import re
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -129,6 +132,7 @@ class Tokenizer:
   ):
     self._backend = backend
     self._literal_backend: tokenizers.Tokenizer | None = None  # built on first parse_special=False
+    self._special_re: tuple[re.Pattern[str] | None] | None = None  # built on first encode_chat
     self.name = name or "tokenizer"
     self.special_tokens = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token),
                                               ("unk_token", unk_token), ("pad_token", pad_token))
@@ -288,6 +292,54 @@ class Tokenizer:
       **kwargs: extra template variables (e.g. `enable_thinking=False`); they override the special
         token variables (`bos_token`, `eos_token`, ...).
     """
+    return self._render_chat(self._chat_inputs(
+        messages, add_generation_prompt, tools, documents=documents, chat_template=chat_template,
+        continue_final_message=continue_final_message, **kwargs))
+
+  def encode_chat(
+      self,
+      messages: Sequence[Mapping[str, Any]],
+      add_generation_prompt: bool = True,
+      tools: Sequence[Mapping[str, Any]] | None = None,
+      *,
+      parse_special_in_content: bool = False,
+      **kwargs: Any,
+  ) -> list[int]:
+    """Token ids of `apply_chat_template(...)` (no special tokens added, as transformers).
+
+    The template's own control tokens ("<|im_start|>", "<|im_end|>", `bos_token`, ...) become
+    control ids. Text of the conversation's data (every string in `messages`, `tools` and
+    `documents`) that spells a special token, e.g. a dataset prompt holding "<|im_end|>" or
+    "<|im_start|>assistant", is encoded as ordinary text (as `encode(..., parse_special=False)`
+    encodes it), so a prompt cannot forge an end of turn or a turn of another role; the ids
+    still decode to the rendered text. Data that spells no special token (the usual case) gives
+    exactly `encode(apply_chat_template(...))`, the ids transformers gives.
+
+    Args:
+      parse_special_in_content: True encodes special-token text in the data as control tokens
+        too (transformers' behaviour: the whole rendering tokenized with special tokens parsed).
+      **kwargs: as `apply_chat_template` (`documents`, `chat_template`, `continue_final_message`,
+        template variables; template variables are the caller's and are never escaped).
+    """
+    inputs = self._chat_inputs(messages, add_generation_prompt, tools, **kwargs)
+    text = self._render_chat(inputs)
+    data = (inputs["messages"], inputs["tools"], inputs["documents"])
+    if parse_special_in_content or not any(map(self._spells_special, _strings(data))):
+      return self.encode(text, add_special_tokens=False)
+    return self._encode_chat_literal(inputs, text)
+
+  def _chat_inputs(
+      self,
+      messages: Sequence[Mapping[str, Any]],
+      add_generation_prompt: bool = True,
+      tools: Sequence[Mapping[str, Any]] | None = None,
+      *,
+      documents: Sequence[Mapping[str, Any]] | None = None,
+      chat_template: str | None = None,
+      continue_final_message: bool = False,
+      **kwargs: Any,
+  ) -> dict[str, Any]:
+    """The checked, plain-data arguments of one chat-template rendering."""
     if kwargs.pop("tokenize", False):
       raise TypeError("apply_chat_template returns text; for token ids call encode_chat with the "
                       "same arguments")
@@ -310,11 +362,17 @@ class Tokenizer:
       if not all(isinstance(d, dict) for d in documents):
         raise TypeError("documents must be dicts (e.g. with 'title' and 'text' keys)")
     variables = {**self.special_tokens, **plain(kwargs, "template variables")}
+    return dict(template=template, messages=messages, tools=tools, documents=documents,
+                add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, variables=variables)
+
+  def _render_chat(self, inputs: Mapping[str, Any]) -> str:
+    messages = inputs["messages"]
     try:
-      text = compile_template(template).render(
-          messages=messages, tools=tools, documents=documents,
-          add_generation_prompt=add_generation_prompt, **variables)
-      return cut_at_final_message(text) if continue_final_message else text
+      text = compile_template(inputs["template"]).render(
+          messages=messages, tools=inputs["tools"], documents=inputs["documents"],
+          add_generation_prompt=inputs["add_generation_prompt"], **inputs["variables"])
+      return cut_at_final_message(text) if inputs["continue_final_message"] else text
     except jinja2.TemplateError as e:
       raise ValueError(f"{self.name}: the chat template rejected this conversation: {e}") from e
     except TypeError as e:  # e.g. `'...' + message['content']` on a non-string content
@@ -325,16 +383,61 @@ class Tokenizer:
       raise TypeError(f"{self.name}: the chat template cannot render this conversation "
                       f"({e}){hint}") from e
 
-  def encode_chat(
-      self,
-      messages: Sequence[Mapping[str, Any]],
-      add_generation_prompt: bool = True,
-      tools: Sequence[Mapping[str, Any]] | None = None,
-      **kwargs: Any,
-  ) -> list[int]:
-    """Token ids of `apply_chat_template(...)` (special tokens parsed, none added; as transformers)."""
-    text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
-    return self.encode(text, add_special_tokens=False)
+  def _spells_special(self, text: str) -> bool:
+    pattern = self._special_pattern()
+    return pattern is not None and pattern.search(text) is not None
+
+  def _special_pattern(self) -> re.Pattern[str] | None:
+    """A regex matching any special token's text (longest first), None if there are none."""
+    if self._special_re is None:
+      decoder = self._backend.get_added_tokens_decoder()
+      spellings = sorted({decoder[i].content for i in self._special_ids if decoder[i].content},
+                         key=len, reverse=True)
+      self._special_re = (re.compile("|".join(map(re.escape, spellings))),) if spellings else (None,)
+    return self._special_re[0]
+
+  def _encode_chat_literal(self, inputs: Mapping[str, Any], text: str) -> list[int]:
+    """`encode_chat` for data that spells special tokens: the rendering's control tokens are
+    the template's only.
+
+    Each special-token spelling in the data is replaced by a private-use character that the
+    rendering does not otherwise hold and the conversation is rendered again; the special
+    tokens of that rendering are the template's. The text between them, with the spellings put
+    back, is encoded with special tokens as text.
+    """
+    _check_encodable(text, "encode_chat")
+    pattern = self._special_pattern()
+    data = (inputs["messages"], inputs["tools"], inputs["documents"])
+    spelled = sorted({m.group() for s in _strings(data) for m in pattern.finditer(s)})
+    free = (chr(c) for c in itertools.chain(range(0xE000, 0xF900), range(0xF0000, 0xFFFFE))
+            if chr(c) not in text)
+    marks = dict(zip(spelled, free))
+    escape = lambda s: pattern.sub(lambda m: marks[m.group()], s)  # noqa: E731
+    messages, tools, documents = _map_strings(data, escape)
+    marked = self._render_chat({**inputs, "messages": messages, "tools": tools,
+                                "documents": documents})
+    restore = {ord(mark): spelling for spelling, mark in marks.items()}
+    if marked.translate(restore) != text:
+      raise ValueError(
+          f"{self.name}: the chat template changes the text of this conversation's messages, "
+          "so the special-token text they spell (" + ", ".join(map(repr, spelled)) + ") "
+          "cannot be told apart from the template's own control tokens. Remove that text from "
+          "the data, or pass parse_special_in_content=True to encode it as control tokens.")
+    # The template's control tokens, where the tokenizer itself finds them (an added token's
+    # span includes the whitespace it strips); the text between them is encoded literally.
+    encoding = self._backend.encode(marked, add_special_tokens=False)
+    controls = [(tid, span) for tid, span in zip(encoding.ids, encoding.offsets)
+                if tid in self._special_ids]
+    pieces, start = [], 0
+    for _, (begin, end) in controls:
+      pieces.append(marked[start:begin].translate(restore))
+      start = end
+    pieces.append(marked[start:].translate(restore))
+    encoded = [e.ids for e in self._literal().encode_batch(pieces, add_special_tokens=False)]
+    ids = list(encoded[0])
+    for (tid, _), piece in zip(controls, encoded[1:]):
+      ids += [tid] + piece
+    return ids
 
   def _select_template(self, chat_template: str | None, tools: Any) -> str:
     if chat_template is not None:
@@ -730,3 +833,28 @@ def _as_id_list(ids: Iterable[int] | np.ndarray) -> list[int]:
     except TypeError:
       raise TypeError(f"token ids must be integers, got {i!r} ({type(i).__name__})") from None
   return out
+
+
+def _strings(value: Any) -> Iterable[str]:
+  """Every string inside plain data (dict values, list and tuple items; not dict keys)."""
+  if isinstance(value, str):
+    yield value
+  elif isinstance(value, dict):
+    for v in value.values():
+      yield from _strings(v)
+  elif isinstance(value, (list, tuple)):
+    for v in value:
+      yield from _strings(v)
+
+
+def _map_strings(value: Any, fn: Any) -> Any:
+  """A copy of plain data with `fn` applied to every string `_strings` yields."""
+  if isinstance(value, str):
+    return fn(value)
+  if isinstance(value, dict):
+    return {k: _map_strings(v, fn) for k, v in value.items()}
+  if isinstance(value, list):
+    return [_map_strings(v, fn) for v in value]
+  if isinstance(value, tuple):
+    return tuple(_map_strings(v, fn) for v in value)
+  return value
