@@ -435,10 +435,11 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
   options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}
   gold_parsed = _parse_answer(gold)
   pred_parsed = _parse_answer(prediction, single=True, **options)
-  if not pred_parsed:
+  if not pred_parsed and not _parse_answer(prediction, **options):
     # Prose naming an answer math-verify finds nothing in ("The answer is B.", "Final answer:
     # yes"): what the phrase names is read as the answer on its own. Phrases naming different
-    # answers name none.
+    # answers name none. A prediction that names two values ("The answer is \\boxed{5}. No:
+    # \\boxed{6}") stays a hedge.
     tails = _answer_tails(prediction)
     if len(tails) == 1:
       prediction = tails.pop()

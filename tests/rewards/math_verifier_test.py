@@ -196,6 +196,9 @@ HEDGED = [
     ("The answer is 5 since 2 + 3 = 5. The answer is 6.", "6"),
     ("The answer is 5 because the answer is 6.", "5"),
     ("The answer is B, because the answer is C.", "B"),
+    # An answer phrase naming one of two boxes does not undo the hedge.
+    ("The answer is \\boxed{5}. No: \\boxed{6}", "5"),
+    ("The answer is \\boxed{5}. Actually \\boxed{6}.", "5"),
 ]
 
 
