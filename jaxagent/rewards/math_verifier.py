@@ -272,13 +272,17 @@ def _marked_answer(text: str) -> tuple[str, str] | None:
   if not marks:
     return None
   first = min(marks)
-  for end in [m.end() for m in _SENTENCE_END.finditer(text, first)] + [len(text)]:
+  for stop, end in [m.span() for m in _SENTENCE_END.finditer(text, first)] + [(len(text),) * 2]:
     head = text[:end]
     # "Answer:\n5": the sentence must hold the marked value itself.
     if any(marked and start >= first and _match_value(match, target) is not None
            for start, _, marked, match, target in _extraction_matches(head)):
       end = _reason_start(head, first, end)
       return text[:end], text[end:]
+    # "The answer is B.\nOption B has 12 apples.": the sentence names an answer math-verify does
+    # not read, and a later number is none.
+    if not _NOTHING_NAMED.search(text, first, stop):
+      return head, text[end:]
   return None
 
 
@@ -379,6 +383,10 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     if single and parsed and _marks_other_value(rest, parsed[0], options):
       return []
     return parsed
+  if not _box_spans(text) and any(_ALNUM.search(tail) for tail in _answer_tails(text)):
+    # "The answer is B.\nOption B has 12 apples.": the phrase names an answer math-verify does
+    # not read (`_equal_inline` reads it), and a number elsewhere is none.
+    return []
   return _parse_prose(text, single, options)
 
 
@@ -402,6 +410,7 @@ def _marks_other_value(text: str, value, options: dict[str, Any]) -> bool:
 _ANSWER_TAIL = re.compile(
     r"\banswer\b(?:\*\*)?\s*(?:is\b|:)\s*(?:\*\*)?\s*(.+?)\s*(?:\*\*)?\s*(?:\.(?=\s|$)|\n|$)",
     re.IGNORECASE)
+_ALNUM = re.compile(r"[A-Za-z0-9]")
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\s*\{([^{}]*)\}")
 _WORDS_ONLY = re.compile(r"[A-Za-z]{2,}(?:[ '\-][A-Za-z]+)*")
 

@@ -121,6 +121,11 @@ EQUAL = [
     ("The answer is B, because 2 is even.", "B"),
     ("The answer is as follows: 5 because 2 + 3 = 5.", "5"),
     ("The answer is as follows: 5.", "5"),
+    # An answer math-verify does not read ends with its sentence too: a later number is none.
+    ("The answer is B. Note that 2 is even.", "B"),
+    ("The answer is B.\nOption B has 12 apples.", "B"),
+    ("The answer is yes. Indeed 4 is even.", "Yes"),
+    ("The answer is:\n\n5", "5"),
 ]
 
 NOT_EQUAL = [
@@ -152,6 +157,8 @@ NOT_EQUAL = [
     ("\\boxed5 6", "6"),
     ("\\boxed5 6", "11"),
     ("The answer is B, because 2 is even.", "2"),
+    ("The answer is B. Note that 2 is even.", "2"),
+    ("The answer is B.\nOption B has 12 apples.", "12"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
