@@ -42,6 +42,7 @@ import pickle
 import signal
 import threading
 import time
+import types
 from typing import Any, Sequence, get_args
 
 import grain
@@ -189,7 +190,9 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
   token sequence is exactly what the model will see (as in rollouts). The loss covers what the
   policy would sample: an assistant message's text up to and including its end-of-turn token.
   The template's framing around it (the newline after that token, the header that opens the
-  next assistant turn) gets none, as in rollouts.
+  next assistant turn) gets none, as in rollouts. As in `Tokenizer.encode_chat`, special-token
+  text inside the messages ("<|im_end|>" in a user message) is encoded as text: only the
+  template writes control tokens.
   """
   from jaxagent.agent.trajectory import OBSERVATION, POLICY
   eos_texts = [t for t in (tokenizer.id_to_token(i) for i in sorted(tokenizer.eos_ids)) if t]
@@ -217,6 +220,12 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
     if first == 0:
       raise ValueError(f"{path}:{n}: the conversation starts with an assistant message; put the "
                        "prompt (a user or system message) before it")
+    # The messages' special-token spellings are rendered as marks, so that the special tokens
+    # of each rendered piece are the template's; `restore` puts the spellings back as text.
+    written, restore = msgs, {}
+    mark = getattr(tokenizer, "_mark_special_text", None)
+    if mark is not None:
+      msgs, restore = mark(msgs, avoid="".join(tokenizer.chat_templates.values()))
 
     def render(k, gen_prompt):
       try:
@@ -225,8 +234,14 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
         raise ValueError(f"{path}:{n}: the chat template cannot render messages 1-{k} "
                          f"({type(e).__name__}: {e})") from None
 
+    def render_written():  # the whole conversation as written (no marks), or None
+      try:
+        return tokenizer.apply_chat_template(written, add_generation_prompt=False)
+      except Exception:  # noqa: BLE001 - it rendered with the marks: a difference all the same
+        return None
+
     prev = render(first, True)
-    prompt = _encode_line(tokenizer, prev, path, n)
+    prompt = _encode_line(tokenizer, prev, path, n, restore)
     segs: list[tuple[int, str]] = []
 
     def add(role, text):  # consecutive pieces of one role form one segment
@@ -256,9 +271,18 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
       prev = nxt
     if not segs or segs[0][0] != POLICY:
       raise ValueError(f"{path}:{n}: the first assistant message renders to no text")
+    if restore and prev.translate(restore) != render_written():
+      raise ValueError(f"{path}:{n}: the chat template changes the text of messages that spell "
+                       f"special tokens ({', '.join(map(repr, restore.values()))}), so they cannot "
+                       "be told apart from the template's control tokens; remove that text")
+    # Each piece encoded with only the template's control tokens (the turns' texts keep the
+    # marks: only the tokens and masks leave this function).
+    encoder = (types.SimpleNamespace(encode=functools.partial(tokenizer._encode_marked,
+                                                              restore=restore))
+               if restore else tokenizer)
     # The line number as the item's id, so the warm start can name lines too long to train.
     try:
-      traj = demonstration_trajectory(prompt, segs, tokenizer, request_id=n)
+      traj = demonstration_trajectory(prompt, segs, encoder, request_id=n)
     except ValueError as e:  # the tokenizer's errors (invalid Unicode) name no line
       raise ValueError(f"{path}:{n}: {e}") from None
     items.append(traj.to_pack_item(0.0))
@@ -268,11 +292,11 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
   return items
 
 
-def _encode_line(tokenizer, text: str, path, n: int) -> list[int]:
-  """`tokenizer.encode(text)` with its errors (a lone surrogate from a JSON escape) naming
-  line `n` of `path`."""
+def _encode_line(tokenizer, text: str, path, n: int, restore=None) -> list[int]:
+  """`tokenizer.encode(text)` (of marked text, `_encode_marked`) with its errors (a lone
+  surrogate from a JSON escape) naming line `n` of `path`."""
   try:
-    return tokenizer.encode(text)
+    return tokenizer._encode_marked(text, restore) if restore else tokenizer.encode(text)
   except ValueError as e:
     raise ValueError(f"{path}:{n}: {e}") from None
 

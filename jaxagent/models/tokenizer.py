@@ -400,39 +400,55 @@ class Tokenizer:
     """`encode_chat` for data that spells special tokens: the rendering's control tokens are
     the template's only.
 
-    Each special-token spelling in the data is replaced by a private-use character that the
-    rendering does not otherwise hold and the conversation is rendered again; the special
-    tokens of that rendering are the template's. The text between them, with the spellings put
-    back, is encoded with special tokens as text.
+    The conversation is rendered again with each special-token spelling in the data replaced by
+    a private-use character (`_mark_special_text`); the special tokens of that rendering are the
+    template's (`_encode_marked`).
     """
-    _check_encodable(text, "encode_chat")
-    pattern = self._special_pattern()
     data = (inputs["messages"], inputs["tools"], inputs["documents"])
-    spelled = sorted({m.group() for s in _strings(data) for m in pattern.finditer(s)})
-    free = (chr(c) for c in itertools.chain(range(0xE000, 0xF900), range(0xF0000, 0xFFFFE))
-            if chr(c) not in text)
-    marks = dict(zip(spelled, free))
-    escape = lambda s: pattern.sub(lambda m: marks[m.group()], s)  # noqa: E731
-    messages, tools, documents = _map_strings(data, escape)
+    (messages, tools, documents), restore = self._mark_special_text(data, avoid=text)
     marked = self._render_chat({**inputs, "messages": messages, "tools": tools,
                                 "documents": documents})
-    restore = {ord(mark): spelling for spelling, mark in marks.items()}
     if marked.translate(restore) != text:
       raise ValueError(
           f"{self.name}: the chat template changes the text of this conversation's messages, "
-          "so the special-token text they spell (" + ", ".join(map(repr, spelled)) + ") "
-          "cannot be told apart from the template's own control tokens. Remove that text from "
+          "so the special-token text they spell (" + ", ".join(map(repr, restore.values())) +
+          ") cannot be told apart from the template's own control tokens. Remove that text from "
           "the data, or pass parse_special_in_content=True to encode it as control tokens.")
-    # The template's control tokens, where the tokenizer itself finds them (an added token's
-    # span includes the whitespace it strips); the text between them is encoded literally.
-    encoding = self._backend.encode(marked, add_special_tokens=False)
+    return self._encode_marked(marked, restore)
+
+  def _mark_special_text(self, data: Any, avoid: str = "") -> tuple[Any, dict[int, str]]:
+    """(`data` with each special-token spelling in its strings replaced by a private-use
+    character that is in neither those strings nor `avoid`, the `str.translate` table that puts
+    the spellings back); (`data`, {}) when no string spells one."""
+    pattern = self._special_pattern()
+    strings = list(_strings(data))
+    spelled = sorted({m.group() for s in strings for m in pattern.finditer(s)}) if pattern else []
+    if not spelled:
+      return data, {}
+    used = set(avoid).union(*strings)
+    free = (chr(c) for c in itertools.chain(range(0xE000, 0xF900), range(0xF0000, 0xFFFFE))
+            if chr(c) not in used)
+    marks = dict(zip(spelled, free))
+    marked = _map_strings(data, lambda s: pattern.sub(lambda m: marks[m.group()], s))
+    return marked, {ord(mark): spelling for spelling, mark in marks.items()}
+
+  def _encode_marked(self, text: str, restore: Mapping[int, str]) -> list[int]:
+    """Ids of (part of) a rendering of data marked by `_mark_special_text`: the special tokens
+    in `text` are the template's and stay control tokens; the text between them, with the
+    spellings put back by `restore`, is encoded with special tokens as text."""
+    if not restore:
+      return self.encode(text)
+    _check_encodable(text, "encode")
+    # The control tokens where the tokenizer itself finds them (an added token's span includes
+    # the whitespace it strips).
+    encoding = self._backend.encode(text, add_special_tokens=False)
     controls = [(tid, span) for tid, span in zip(encoding.ids, encoding.offsets)
                 if tid in self._special_ids]
     pieces, start = [], 0
     for _, (begin, end) in controls:
-      pieces.append(marked[start:begin].translate(restore))
+      pieces.append(text[start:begin].translate(restore))
       start = end
-    pieces.append(marked[start:].translate(restore))
+    pieces.append(text[start:].translate(restore))
     encoded = [e.ids for e in self._literal().encode_batch(pieces, add_special_tokens=False)]
     ids = list(encoded[0])
     for (tid, _), piece in zip(controls, encoded[1:]):
