@@ -359,7 +359,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
 
   text = _UNBRACED_BOX.sub(r"\\boxed{\1}", _FBOX.sub(r"\\boxed", text.strip()))
   text = _normalize_numbers(text)
-  if not text:
+  if not text or (single and _NEGATED.search(text)):
     return []
   if _is_bare_answer(text):
     text = _FULL_STOP.sub("", text) or text
@@ -411,6 +411,9 @@ _ANSWER_TAIL = re.compile(
     r"\banswer\b(?:\*\*)?\s*(?:is\b|:)\s*(?:\*\*)?\s*(.+?)\s*(?:\*\*)?\s*(?:\.(?=\s|$)|\n|$)",
     re.IGNORECASE)
 _ALNUM = re.compile(r"[A-Za-z0-9]")
+# An answer that rules a value out ("not 5", "The answer is not $5$.") names no answer.
+_NEGATED = re.compile(
+    r"(?:^|\banswer\b(?:\*\*)?\s*(?:is\b|:))\s*(?:\*\*)?\s*not\s+(?=[-+\d$\\(\[{])", re.IGNORECASE)
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\s*\{([^{}]*)\}")
 _WORDS_ONLY = re.compile(r"[A-Za-z]{2,}(?:[ '\-][A-Za-z]+)*")
 

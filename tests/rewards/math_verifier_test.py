@@ -126,6 +126,7 @@ EQUAL = [
     ("The answer is B.\nOption B has 12 apples.", "B"),
     ("The answer is yes. Indeed 4 is even.", "Yes"),
     ("The answer is:\n\n5", "5"),
+    ("Not sure. The answer is 5.", "5"),
 ]
 
 NOT_EQUAL = [
@@ -159,6 +160,10 @@ NOT_EQUAL = [
     ("The answer is B, because 2 is even.", "2"),
     ("The answer is B. Note that 2 is even.", "2"),
     ("The answer is B.\nOption B has 12 apples.", "12"),
+    # An answer that rules a value out names no answer.
+    ("not 5", "5"),
+    ("The answer is not 5.", "5"),
+    ("**Answer:** not $5$", "5"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
