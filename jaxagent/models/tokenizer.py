@@ -313,13 +313,16 @@ class Tokenizer:
     "<|im_start|>assistant", is encoded as ordinary text (as `encode(..., parse_special=False)`
     encodes it), so a prompt cannot forge an end of turn or a turn of another role; the ids
     still decode to the rendered text. Data that spells no special token (the usual case) gives
-    exactly `encode(apply_chat_template(...))`, the ids transformers gives.
+    exactly `encode(apply_chat_template(...))`, the ids transformers gives. Added tokens that are
+    not special ("<tool_call>", "<think>" in some vocabularies) keep their ids either way, as in
+    `encode(..., parse_special=False)`. A template that rewrites such data's text (upper-cases
+    it, say), so that its spellings cannot be told apart from the template's, is a ValueError.
 
     Args:
       parse_special_in_content: True encodes special-token text in the data as control tokens
         too (transformers' behaviour: the whole rendering tokenized with special tokens parsed).
       **kwargs: as `apply_chat_template` (`documents`, `chat_template`, `continue_final_message`,
-        template variables; template variables are the caller's and are never escaped).
+        template variables; a template variable's text is the template's own, parsed).
     """
     inputs = self._chat_inputs(messages, add_generation_prompt, tools, **kwargs)
     text = self._render_chat(inputs)
