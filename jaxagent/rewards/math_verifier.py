@@ -145,6 +145,9 @@ _FBOX = re.compile(r"\\fbox(?![A-Za-z])")
 _UNBRACED_BOX = re.compile(
     r"\\boxed(?![A-Za-z])\s*(\d+(?:\.\d+)?(?!\.?\d)|[A-Za-z](?![A-Za-z])|\\[A-Za-z]+(?!\s*[{\d]))"
     r"(?!\s*[=<>+\-*/^_!])")
+# A logical or between answers ("x = 2 \lor x = 3"), which math-verify reads as the chain
+# x = (2 \lor x) = 3, that is 3; "\text{ or }" it reads as the set of both.
+_LOGICAL_OR = re.compile(r"\\(?:lor|vee)(?![A-Za-z])")
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 # The end of a sentence: a full stop before a space or the end, or a line break. "0.5" goes on.
 _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
@@ -358,7 +361,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   from math_verify import parse
 
   text = _UNBRACED_BOX.sub(r"\\boxed{\1}", _FBOX.sub(r"\\boxed", text.strip()))
-  text = _normalize_numbers(text)
+  text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", text))
   if not text or (single and _NEGATED.search(text)):
     return []
   if _is_bare_answer(text):

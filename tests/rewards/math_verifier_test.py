@@ -127,6 +127,7 @@ EQUAL = [
     ("The answer is yes. Indeed 4 is even.", "Yes"),
     ("The answer is:\n\n5", "5"),
     ("Not sure. The answer is 5.", "5"),
+    ("x = 2 \\lor x = 3", "2, 3"),  # the solutions of a quadratic
 ]
 
 NOT_EQUAL = [
@@ -211,6 +212,9 @@ HEDGED = [
     # An answer phrase naming one of two boxes does not undo the hedge.
     ("The answer is \\boxed{5}. No: \\boxed{6}", "5"),
     ("The answer is \\boxed{5}. Actually \\boxed{6}.", "5"),
+    # A logical or names both sides (math-verify alone reads "x = 2 \\lor x = 3" as 3).
+    ("x = 2 \\lor x = 3", "3"),
+    ("\\boxed{x = 2 \\vee x = 3}", "3"),
 ]
 
 
