@@ -12,11 +12,11 @@ knobs, rendering), `hlo.py` (loop-aware flops, bytes and collectives from compil
 from jaxagent.plan.chips import CHIPS, ChipSpec, chip_for, devices_for, has_libtpu
 from jaxagent.plan.hlo import HloStats, analyze
 from jaxagent.plan.planner import (DoesNotFit, PlanOptions, check_fit, learner_parts,
-                                   model_config, plan_run, run_shapes)
+                                   model_config, plan_run, run_shapes, runs_score)
 from jaxagent.plan.report import PlanReport, ProgramReport, RunShapes, knobs
 
 __all__ = [
     "CHIPS", "ChipSpec", "DoesNotFit", "HloStats", "PlanOptions", "PlanReport", "ProgramReport",
     "RunShapes", "analyze", "check_fit", "chip_for", "devices_for", "has_libtpu", "knobs",
-    "learner_parts", "model_config", "plan_run", "run_shapes",
+    "learner_parts", "model_config", "plan_run", "run_shapes", "runs_score",
 ]

@@ -11,8 +11,9 @@ shardings; params come from `jax.eval_shape(init_params)`, so no weight is ever 
   * `update[L=...]`: `rl.step.train_step` on `[rows, L]` per length bucket, with the configured
     micro-batches (through `Learner.train_step_fn`, the trainer's own jit).
   * `sft[L=...]`: the warm start's update at the longest bucket (when `sft.steps > 0`).
-  * `score[L=...]`: `sequence_logprobs` (reference log-probs; used when `loss.kl_coef > 0`,
-    else reported but not part of the verdict).
+  * `score[L=...]`: `sequence_logprobs`, used when the trainer runs it (`runs_score`: reference
+    log-probs with `loss.kl_coef > 0`, old log-probs of observation tokens with an env that
+    trains on them); else reported but not part of the verdict.
   * `prefill`, `insert`, `generate`, `append`: the generator's programs (`Engine.program`), at
     the configured slots and cache length, on the rollout mesh (on several hosts, process 0's
     devices alone, where the trainer rolls out).
@@ -84,7 +85,8 @@ class PlanOptions:
       `rollout.max_prompt_tokens`, else the cache length minus one).
     append_len: tokens appended into a slot at once (pending token + observation; the engine
       rounds it up to a power of two, at least 8).
-    programs: compile only these kinds (default: all that the run uses, plus `score`).
+    programs: compile only these kinds (default: all that the run uses, plus `score` when it
+      does not, reported apart from the verdict).
   """
 
   rows: int | None = None
@@ -151,6 +153,28 @@ def model_config(config) -> ModelConfig:
 
 # The learner settings of a run, as the trainer builds them (one definition for both).
 learner_parts = step_lib.learner_parts
+
+
+def runs_score(config) -> bool:
+  """Whether the trainer's RL steps run the learner's `score` program (`sequence_logprobs`).
+
+  It runs for the KL term's reference log-probs (`loss.kl_coef > 0`, `Trainer.rl_step`) and for
+  the old log-probs of trained tokens the sampler never sampled: the observation tokens of an
+  env with `train_on_observations` (`Trainer.fill_unsampled_old_logps`, on every step whose
+  batch holds one). The env is built as the trainer builds it (`make_env(env.name,
+  **env.kwargs)`) to read that attribute.
+  """
+  e = config.get("env") if hasattr(config, "get") else None
+  on_observations = False
+  if hasattr(e, "get") and e.get("name"):
+    from jaxagent.envs import make_env
+    try:  # also with KL on: a misspelt env setting is refused here as the trainer refuses it
+      env = make_env(e.name, **dict(e.get("kwargs") or {}))
+      on_observations = bool(getattr(env, "train_on_observations", False))
+    except (ImportError, OSError) as err:  # a package or data file only the run's host has
+      log.warning("could not build env %r to ask whether it trains on observation tokens "
+                  "(%s: %s); planned as if it does not", e.name, type(err).__name__, err)
+  return config.loss.kl_coef > 0 or on_observations
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -337,6 +361,7 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
     raise ValueError("PlanOptions.programs (--programs) names sft, but this config runs no SFT "
                      "warm start (sft.steps=0): there is no sft program to plan")
   (scfg, rl_opt), (sft_scfg, sft_opt) = learner_parts(config)
+  scores = runs_score(config)  # builds the env, which also checks its settings
 
   # Abstract params and train state with the trainer's shardings.
   abstract_params = jax.eval_shape(lambda k: param_tree.init_params(cfg, k), jax.random.key(0))
@@ -396,10 +421,12 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
   if "score" in want:
     length = shapes.len_buckets[-1]
     b = batch(shapes.rows, length, ("tokens", "segment_ids", "positions"))
+    # It scores the reference params with the train state resident (KL), or the train
+    # state's params with the optimizer state and any reference params resident.
     rep = ProgramReport(f"score[L={length}]", "score", f"[{shapes.rows}x{length}]",
-                        used=shapes.kl, resident_bytes=params_b + opt_b,
+                        used=scores, resident_bytes=opt_b + ref_b,
                         components={"params": params_b, "optimizer": opt_b,
-                                    "batch": _per_chip_bytes(b)})
+                                    "batch": _per_chip_bytes(b), "ref_params": ref_b})
     fn = learner.score_fn(False)
     add(rep, fn, params, b)
 

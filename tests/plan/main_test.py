@@ -49,6 +49,9 @@ def test_bad_input_is_one_line_not_a_traceback(args, expected):
     # A misspelt key in the file: the launcher refuses it, so the plan must not plan without it.
     ("c.rollout.max_promt_tokens = 32", "bad plan input: unknown config key(s): "
      "rollout.max_promt_tokens (did you mean rollout.max_prompt_tokens?)"),
+    # ... and the env's own settings, which the trainer's env refuses (the plan ignored them).
+    ("c.env.kwargs.max_term = 3", "bad plan input: bad settings for env 'quickstart': unknown "
+     "setting 'max_term' (did you mean 'max_terms'?)"),
 ])
 def test_config_file_missing_or_misspelling_a_key_is_one_line(tmp_path, edit, expected):
   config = tmp_path / "cfg.py"

@@ -8,6 +8,7 @@ import pytest
 
 from configs import quickstart
 from jaxagent import plan
+from jaxagent.envs import quickstart as quickstart_env
 from jaxagent.plan.chips import GiB, ChipSpec
 
 needs_libtpu = pytest.mark.skipif(
@@ -143,6 +144,49 @@ def test_float32_masters_decode_from_a_compute_dtype_copy_on_the_learner_mesh():
   assert mixed.components["learner_params"] == same.components["params"]
   assert mixed.components["params"] == pytest.approx(0.5 * same.components["params"], rel=0.05)
   assert mixed.resident_bytes == pytest.approx(same.resident_bytes + same.components["params"])
+
+
+class ObservationEnv(quickstart_env.ArithmeticToolEnv):
+  """The quickstart task trained on its observation tokens too (as search_qa with
+  mask_observations=False): the trainer scores their old log-probs before each update."""
+
+  def __init__(self, **kwargs):
+    super().__init__(**kwargs)
+    self.train_on_observations = True
+
+
+def test_score_is_used_exactly_when_the_trainer_runs_it():
+  from jaxagent.models import get_config
+  cfg = get_config("tiny-llama", n_layers=1)
+  c = tiny(1, 1, 1)
+  c.model.tokenizer = ""
+  opts = plan.PlanOptions(programs=("score",))
+  score = lambda: plan.plan_run(c, jax.devices()[:1], cfg=cfg, options=opts).program("score")
+  assert c.loss.kl_coef == 0 and not score().used
+  # An env that trains on observations: `Trainer.fill_unsampled_old_logps` scores the current
+  # params before every update (the plan left this program out of the verdict).
+  c.env.name = f"{__name__}:ObservationEnv"
+  obs = score()
+  assert obs.used
+  # It scores the train state's own params: the optimizer state is what is resident beside
+  # them, not a second copy of the params.
+  assert obs.resident_bytes == obs.components["optimizer"] > 0
+  c.env.name = "quickstart"
+  c.loss.kl_coef = 0.01   # reference log-probs: the reference params are the argument
+  kl = score()
+  assert kl.used
+  assert kl.resident_bytes == kl.components["params"] + kl.components["optimizer"]
+  # The predicate the planner asks.
+  assert plan.runs_score(c)
+  c.loss.kl_coef = 0.0
+  assert not plan.runs_score(c)
+  c.env.name = f"{__name__}:ObservationEnv"
+  assert plan.runs_score(c)
+  # A misspelt env setting is refused as the trainer refuses it, not planned with the default.
+  c.env.name = "quickstart"
+  c.env.kwargs.max_term = 3
+  with pytest.raises(ValueError, match="unknown setting 'max_term'"):
+    plan.plan_run(c, jax.devices()[:1], cfg=cfg, options=plan.PlanOptions(programs=("update",)))
 
 
 def test_check_fit_is_lenient_on_cpu():
