@@ -33,6 +33,7 @@ SYSTEM_PROMPT = (
     "You are a careful assistant with a calculator. To compute, write <calc>expression</calc>; "
     "the result comes back as <result>value</result>. Finish with <answer>number</answer>.")
 
+_MAX_PRODUCT_DIGITS = 12  # see ArithmeticToolEnv.__init__
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
         ast.Div: operator.truediv}
 
@@ -87,6 +88,18 @@ class ArithmeticToolEnv(Env):
       raise ValueError(f"need 2 <= min_terms <= max_terms, got {min_terms}, {max_terms}")
     if not 1 <= min_digits <= max_digits:
       raise ValueError(f"need 1 <= min_digits <= max_digits, got {min_digits}, {max_digits}")
+    # reasoning-gym picks a division's divisor by trial division up to the square root of the
+    # dividend, which can be the product of up to max_terms - 1 numbers of max_digits digits.
+    # Measured (default split sizes, 3 seeds): products of up to 12 digits generate in under
+    # 3 s; 14 digits took up to 25 s, 16 digits up to 3 minutes, 21 digits (3 digits, 8 terms)
+    # one problem of 44 s, and max_digits=9 with 4 terms did not finish.
+    if max_digits * (max_terms - 1) > _MAX_PRODUCT_DIGITS:
+      raise ValueError(
+          f"ArithmeticToolEnv: max_digits={max_digits} with max_terms={max_terms} makes problems "
+          f"whose generation (reasoning-gym's trial division of products of up to max_terms - 1 "
+          f"numbers) takes minutes to hours; keep max_digits * (max_terms - 1) <= "
+          f"{_MAX_PRODUCT_DIGITS} (it is {max_digits * (max_terms - 1)}): lower max_digits or "
+          "max_terms")
     sft_easy_fraction = easy_fraction if sft_easy_fraction is None else sft_easy_fraction
     for name, f in (("easy_fraction", easy_fraction), ("sft_easy_fraction", sft_easy_fraction)):
       if not 0.0 <= f <= 1.0:

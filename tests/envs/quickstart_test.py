@@ -94,6 +94,19 @@ def test_bad_settings_are_named():
     make_env("quickstart", colour="red")
 
 
+@pytest.mark.parametrize("setting", [dict(max_digits=9), dict(max_digits=7, max_terms=3),
+                                     dict(max_digits=3, max_terms=8)])
+def test_problems_too_large_to_generate_are_refused(setting):
+  # max_digits=9 hung in reasoning-gym's trial division for divisors (a 27-digit dividend);
+  # max_terms=8 with 3 digits spent 44 s on one problem.
+  with pytest.raises(ValueError, match=r"max_digits \* \(max_terms - 1\) <= 12"):
+    make_env("quickstart", **setting)
+  # The largest products allowed still generate at once.
+  env = make_env("quickstart", min_digits=4, max_digits=4, train_size=200, eval_size=0, sft_size=0)
+  assert len(env.examples("train")) == 200
+  assert make_env("quickstart", max_digits=6, max_terms=3).examples
+
+
 def test_a_split_that_runs_out_of_distinct_problems_is_an_error():
   # One-digit easy problems: about 200 distinct expressions, fewer than the 1000 easy train
   # problems asked for. The split came back short, and eval without its easy tier, silently.
