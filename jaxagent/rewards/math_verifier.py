@@ -148,6 +148,9 @@ _UNBRACED_BOX = re.compile(
 # A logical or between answers ("x = 2 \lor x = 3"), which math-verify reads as the chain
 # x = (2 \lor x) = 3, that is 3; "\text{ or }" it reads as the set of both.
 _LOGICAL_OR = re.compile(r"\\(?:lor|vee)(?![A-Za-z])")
+# Space or a line break between equations ("x = 2 \quad x = 3", "x = 2 \\ x = 3"), which
+# math-verify reads as one chain x = 2x = 3 (or as its last side, 3): such equations are a list.
+_EQUATION_BREAK = re.compile(r"\s*(?:\\\\|\\q?quad(?![A-Za-z])|\\[ ;]|\\text\{\s*\})\s*")
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 # The end of a sentence: a full stop before a space or the end, or a line break. "0.5" goes on.
 _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
@@ -362,6 +365,9 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
 
   text = _UNBRACED_BOX.sub(r"\\boxed{\1}", _FBOX.sub(r"\\boxed", text.strip()))
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", text))
+  equations = _EQUATION_BREAK.split(text)
+  if len(equations) > 1 and all("=" in e for e in equations):
+    text = ", ".join(e.strip(" ,;") for e in equations)  # "x = 2 \\quad x = 3" lists two
   if not text or (single and _NEGATED.search(text)):
     return []
   if _is_bare_answer(text):

@@ -128,6 +128,8 @@ EQUAL = [
     ("The answer is:\n\n5", "5"),
     ("Not sure. The answer is 5.", "5"),
     ("x = 2 \\lor x = 3", "2, 3"),  # the solutions of a quadratic
+    ("x = 2 \\quad x = 3", "2, 3"),
+    ("x = 2 \\\\ x = 3", "2, 3"),
 ]
 
 NOT_EQUAL = [
@@ -215,6 +217,10 @@ HEDGED = [
     # A logical or names both sides (math-verify alone reads "x = 2 \\lor x = 3" as 3).
     ("x = 2 \\lor x = 3", "3"),
     ("\\boxed{x = 2 \\vee x = 3}", "3"),
+    # Equations side by side are a list (math-verify alone reads the chain x = 2x = 3).
+    ("x = 2 \\quad x = 3", "3"),
+    ("x = 2 \\\\ x = 3", "3"),
+    ("a = 1 \\quad b = 2", "2"),
 ]
 
 
