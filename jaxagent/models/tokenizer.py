@@ -132,7 +132,6 @@ class Tokenizer:
   ):
     self._backend = backend
     self._literal_backend: tokenizers.Tokenizer | None = None  # built on first parse_special=False
-    self._special_re: tuple[re.Pattern[str] | None] | None = None  # built on first encode_chat
     self.name = name or "tokenizer"
     self.special_tokens = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token),
                                               ("unk_token", unk_token), ("pad_token", pad_token))
@@ -387,17 +386,16 @@ class Tokenizer:
                       f"({e}){hint}") from e
 
   def _spells_special(self, text: str) -> bool:
-    pattern = self._special_pattern()
+    pattern = self._special_pattern
     return pattern is not None and pattern.search(text) is not None
 
+  @functools.cached_property
   def _special_pattern(self) -> re.Pattern[str] | None:
     """A regex matching any special token's text (longest first), None if there are none."""
-    if self._special_re is None:
-      decoder = self._backend.get_added_tokens_decoder()
-      spellings = sorted({decoder[i].content for i in self._special_ids if decoder[i].content},
-                         key=len, reverse=True)
-      self._special_re = (re.compile("|".join(map(re.escape, spellings))),) if spellings else (None,)
-    return self._special_re[0]
+    decoder = self._backend.get_added_tokens_decoder()
+    spellings = sorted({decoder[i].content for i in self._special_ids if decoder[i].content},
+                       key=len, reverse=True)
+    return re.compile("|".join(map(re.escape, spellings))) if spellings else None
 
   def _encode_chat_literal(self, inputs: Mapping[str, Any], text: str) -> list[int]:
     """`encode_chat` for data that spells special tokens: the rendering's control tokens are
@@ -423,7 +421,7 @@ class Tokenizer:
     """(`data` with each special-token spelling in its strings replaced by a private-use
     character that is in neither those strings nor `avoid`, the `str.translate` table that puts
     the spellings back); (`data`, {}) when no string spells one."""
-    pattern = self._special_pattern()
+    pattern = self._special_pattern
     strings = list(_strings(data))
     spelled = sorted({m.group() for s in strings for m in pattern.finditer(s)}) if pattern else []
     if not spelled:
