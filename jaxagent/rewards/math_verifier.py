@@ -151,6 +151,8 @@ _LOGICAL_OR = re.compile(r"\\(?:lor|vee)(?![A-Za-z])")
 # Space or a line break between equations ("x = 2 \quad x = 3", "x = 2 \\ x = 3"), which
 # math-verify reads as one chain x = 2x = 3 (or as its last side, 3): such equations are a list.
 _EQUATION_BREAK = re.compile(r"\s*(?:\\\\|\\q?quad(?![A-Za-z])|\\[ ;]|\\text\{\s*\})\s*")
+# "and" / "or" between math, which then lists its sides.
+_LISTING_WORD = re.compile(r"\s+(?:and|or)\s+")
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 # The end of a sentence: a full stop before a space or the end, or a line break. "0.5" goes on.
 _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
@@ -370,6 +372,9 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     text = ", ".join(e.strip(" ,;") for e in equations)  # "x = 2 \\quad x = 3" lists two
   if not text or (single and _NEGATED.search(text)):
     return []
+  if _LISTING_WORD.search(text) and not _is_bare_answer(text):
+    listed = _LISTING_WORD.sub(", ", text)  # "2 and 3", "x = 2 or x = 3": a list, as "2, 3"
+    text = listed if _is_bare_answer(listed) else text
   if _is_bare_answer(text):
     text = _FULL_STOP.sub("", text) or text
     text = _PY_POWER.sub(lambda m: "^{" + m.group(1) + "}", text)  # "2**3" as LaTeX's "2^{3}"

@@ -130,6 +130,8 @@ EQUAL = [
     ("x = 2 \\lor x = 3", "2, 3"),  # the solutions of a quadratic
     ("x = 2 \\quad x = 3", "2, 3"),
     ("x = 2 \\\\ x = 3", "2, 3"),
+    ("2 and 3", "2, 3"),
+    ("x = -2 or x = 3", "-2, 3"),
 ]
 
 NOT_EQUAL = [
@@ -167,6 +169,7 @@ NOT_EQUAL = [
     ("not 5", "5"),
     ("The answer is not 5.", "5"),
     ("**Answer:** not $5$", "5"),
+    ("2 and 3", "3"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
