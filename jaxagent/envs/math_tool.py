@@ -319,15 +319,24 @@ class SignedMathAnswer:
   answer tag has not answered, and neither has a thought that tries one (`\\boxed{41}` while
   thinking, with no answer after it, scores -1). An unclosed block does not hide an answer tag
   written after it, and a `<code>` tag written inside an answer is part of it: the reward scores
-  the answer that the env's parser read.
+  the answer that the env's parser read. A trajectory that the rollout ended otherwise than with
+  an answer (its "stop_reason" in the metadata) has no `<answer>` to score, whatever its text
+  holds (`\\boxed{}` and `####` are still read).
   """
 
   def __init__(self, timeout_s: float = 5.0):
     self._inner = MathAnswerReward(tag="answer", timeout_s=timeout_s)
+    self._untagged = MathAnswerReward(tag=None, timeout_s=timeout_s)
 
   def __call__(self, inp: RewardInput) -> float:
     prose = dataclasses.replace(inp, response_text=_prose(inp.response_text))
-    return 2.0 * self._inner(prose) - 1.0
+    # The parser reads only an answer that ends its turn; the text can still hold a complete
+    # answer block that it did not read: after an unclosed `<think>` (where `</answer>` did not
+    # end the turn) with more text after it before EOS or the budget, or put together across
+    # turns (`<answer><code>print(6*7)</code>` ran the code, then `42</answer>` was malformed).
+    stop = inp.metadata.get("stop_reason") if isinstance(inp.metadata, Mapping) else None
+    inner = self._inner if stop in (None, "answer") else self._untagged
+    return 2.0 * inner(prose) - 1.0
 
 
 class MathToolEnv(Env):

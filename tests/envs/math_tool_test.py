@@ -370,3 +370,28 @@ def test_a_code_tag_inside_an_answer_is_answer_text_for_parser_and_reward(env, t
   assert env.reward(traj, ex, TOK, 0).components["correct"] == 1.0
   wrong = Example(id="y", prompt="Q", gold="41")
   assert env.reward(traj, wrong, TOK, 0).components["correct"] == -1.0
+
+
+@pytest.mark.parametrize("turns,stop", [
+    # `</answer>` inside an open think block did not end the turn; the policy went on and ended
+    # it by EOS: the parser reads no answer (one must end the turn), the reward read 42.
+    (["<think>6 * 7 = <answer>42</answer> or is it 41?" + chr(3)], "eos"),
+    (["<think>6 * 7 = <answer>42</answer> and now I check it again and again"], "max_tokens_per_turn"),
+    # An answer block put together across turns: the code ran, then `42</answer>` was malformed.
+    (["<answer><code>print(6 * 7)</code>", "42</answer>", "done." + chr(3)], "eos"),
+])
+def test_reward_reads_no_answer_where_the_rollout_read_none(env, turns, stop):
+  from jaxagent.agent.rollout import RolloutConfig, rollout
+  from tests.agent.rollout_test import TOK, FakeEngine
+
+  cache = [TOK.encode(t) for t in turns]
+  engine = FakeEngine(lambda rid, t: cache[t] if t < len(cache) else [], slots=1, max_len=512)
+  ex = Example(id="x", prompt="Q: 6 times 7?", gold="42")
+  cfg = RolloutConfig(max_turns=4, max_tokens_per_turn=60, tool_timeout_s=20, traj_tool_timeout_s=60)
+  (traj,) = rollout(engine, None, env, [ex], tokenizer=TOK, num_samples=1, cfg=cfg)
+  assert (traj.stop_reason, traj.final_answer) == (stop, None)
+  assert env.reward(traj, ex, TOK, 0).components["correct"] == -1.0
+  # A boxed answer is still read without an answer tag.
+  boxed = demonstration_trajectory(TOK.encode("Q"), [(POLICY, "So \\boxed{42}." + chr(3))], TOK)
+  boxed.finish("eos")
+  assert env.reward(boxed, ex, TOK, 0).components["correct"] == 1.0
