@@ -335,7 +335,7 @@ class SignedMathAnswer:
     # end the turn) with more text after it before EOS or the budget, or put together across
     # turns (`<answer><code>print(6*7)</code>` ran the code, then `42</answer>` was malformed).
     stop = inp.metadata.get("stop_reason") if isinstance(inp.metadata, Mapping) else None
-    inner = self._inner if stop in (None, "answer") else self._untagged
+    inner = self._inner if not stop or stop == "answer" else self._untagged  # "": not finished
     return 2.0 * inner(prose) - 1.0
 
 

@@ -395,3 +395,6 @@ def test_reward_reads_no_answer_where_the_rollout_read_none(env, turns, stop):
   boxed = demonstration_trajectory(TOK.encode("Q"), [(POLICY, "So \\boxed{42}." + chr(3))], TOK)
   boxed.finish("eos")
   assert env.reward(boxed, ex, TOK, 0).components["correct"] == 1.0
+  # A trajectory not finished (no stop reason) is read as before.
+  unfinished = demonstration_trajectory(TOK.encode("Q"), [(POLICY, "<answer>42</answer>")], TOK)
+  assert env.reward(unfinished, ex, TOK, 0).components["correct"] == 1.0
