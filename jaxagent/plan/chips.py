@@ -31,7 +31,9 @@ no capacity and no peak: host memory is checked leniently, if at all.
 A v4 chip has two TensorCores that JAX on a v4 host runs as one device (megacore), so a v4
 topology is described in that chip configuration: one device per chip, as on the real hosts
 (libtpu's default lists each core as a device). Devices that are single cores of a chip (its
-`core_on_chip` differs) each get half the chip.
+`core_on_chip` differs) each get half the chip. The v5e and v6e slices of 1, 4 and 8 chips
+(1x1, 2x2, 2x4) are described as one host, as Cloud TPU provisions them; larger ones, like v4
+and v5p, as hosts of 4 chips.
 """
 from __future__ import annotations
 
@@ -149,10 +151,20 @@ def devices_for(topology: str | None) -> list[jax.Device]:
   # lockfile) must not stop it.
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from jax.experimental import topologies
-  # v4 hosts run each chip's two cores as one device (megacore); libtpu's default description
-  # lists the cores apart, twice the devices a v4 run has, so a mesh of the run's chip count
-  # would not divide them.
-  kw = {"chip_config_name": "megacore"} if topology.split(":")[0].strip().lower() == "v4" else {}
+  kind, _, shape = topology.partition(":")
+  kind = kind.strip().lower()
+  kw = {}
+  if kind == "v4":
+    # v4 hosts run each chip's two cores as one device (megacore); libtpu's default description
+    # lists the cores apart, twice the devices a v4 run has, so a mesh of the run's chip count
+    # would not divide them.
+    kw["chip_config_name"] = "megacore"
+  dims = [int(d) for d in shape.split("x")] if re.fullmatch(r"\d+(x\d+)*", shape) else []
+  if kind in ("v5e", "v6e") and dims and sorted(dims) in ([1, 1], [2, 2], [2, 4]):
+    # The single-host slices (v5litepod-1/4/8, v6e-1/4/8): one host of 1, 4 or 8 chips.
+    # libtpu's default describes hosts of 2x2 chips, which refuses 1x1 and splits 2x4 into two
+    # hosts (the rollouts would be planned on half the chips).
+    kw["chips_per_host_bounds"] = dims + [1]
   try:
     desc = topologies.get_topology_desc(platform="tpu", topology_name=topology, **kw)
   except Exception as e:
