@@ -160,7 +160,9 @@ def devices_for(topology: str | None) -> list[jax.Device]:
     # would not divide them.
     kw["chip_config_name"] = "megacore"
   dims = [int(d) for d in shape.split("x")] if re.fullmatch(r"\d+(x\d+)*", shape) else []
-  if kind in ("v5e", "v6e") and dims and sorted(dims) in ([1, 1], [2, 2], [2, 4]):
+  if len(dims) == 3 and dims[2] == 1:  # "2x4x1" is "2x4"
+    dims = dims[:2]
+  if kind in ("v5e", "v6e") and sorted(dims) in ([1, 1], [2, 2], [2, 4]):
     # The single-host slices (v5litepod-1/4/8, v6e-1/4/8): one host of 1, 4 or 8 chips.
     # libtpu's default describes hosts of 2x2 chips, which refuses 1x1 and splits 2x4 into two
     # hosts (the rollouts would be planned on half the chips).

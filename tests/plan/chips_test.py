@@ -70,7 +70,7 @@ def test_v4_topology_has_one_device_per_chip_as_on_v4_hosts():
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("topology, chips, hosts", [
     ("v5e:1x1", 1, 1), ("v6e:1x1", 1, 1), ("v5e:2x2", 4, 1), ("v5e:2x4", 8, 1),
-    ("v6e:2x4", 8, 1), ("v5e:4x4", 16, 4), ("v5p:2x2x2", 8, 2)])
+    ("v6e:2x4", 8, 1), ("v5e:2x4x1", 8, 1), ("v5e:4x4", 16, 4), ("v5p:2x2x2", 8, 2)])
 def test_topologies_have_the_hosts_of_their_cloud_slices(topology, chips, hosts):
   # v5litepod-1 and -8 (v6e-1, -8) are one host: libtpu's default hosts of 2x2 chips refused
   # 1x1 and split 2x4 over two hosts, where the planner then put the rollouts on half the chips.
