@@ -141,6 +141,46 @@ def _dangling_open(text: str, tags: Sequence[str]) -> str | None:
   return best
 
 
+def _block_spans(text: str, tags: Sequence[str], *, until: str | None = None,
+                 skip_unclosed: Sequence[str] = ()) -> list[tuple[str, int, int, bool]]:
+  """(tag, start, end, closed) of each `<tag>...</tag>` block of `text`, in order.
+
+  A block runs from its opening tag to the first closing tag of the same name; the first block to
+  open hides what it holds. One never closed runs to where `<until>` next opens, or to the end of
+  the text; a tag in `skip_unclosed` left open is no block, and the scan goes on after it. Linear
+  in the text, however many tags are left open (a regex that looked for each one's close was
+  quadratic: seconds on a degenerate 100k-character output).
+  """
+  opening = re.compile("<(" + "|".join(re.escape(t) for t in tags) + ")>")
+  last_close = {t: text.rfind(f"</{t}>") for t in tags}
+  spans, pos = [], 0
+  while (m := opening.search(text, pos)) is not None:
+    tag = m.group(1)
+    close = text.find(f"</{tag}>", m.end()) if last_close[tag] >= m.end() else -1
+    if close >= 0:
+      end = close + len(tag) + 3
+    elif tag in skip_unclosed:
+      pos = m.end()
+      continue
+    else:
+      nxt = text.find(f"<{until}>", m.end()) if until is not None else -1
+      end = nxt if nxt >= 0 else len(text)
+    spans.append((tag, m.start(), end, close >= 0))
+    pos = end
+  return spans
+
+
+def _without(text: str, spans: Sequence[tuple[str, int, int, bool]], tag: str) -> str:
+  """`text` without the spans of `tag`."""
+  parts, pos = [], 0
+  for t, start, end, _ in spans:
+    if t == tag:
+      parts.append(text[pos:start])
+      pos = end
+  parts.append(text[pos:])
+  return "".join(parts)
+
+
 class XMLTagParser:
   """Tags mapped to tools, e.g. `<search>query</search>` -> `search(query=...)`.
 
@@ -185,13 +225,8 @@ class XMLTagParser:
     self.think_tag = think_tag
     # Longest first so that a tag that is a suffix of another (`q` vs `subq`) never shadows it.
     self._tags = sorted([*self.tools, *([answer_tag] if answer_tag else [])], key=len, reverse=True)
-    if think_tag is not None:
-      # A think or call block from its opening tag to its close (the first to open hides what it
-      # holds); one never closed runs to where an answer opens (`_blocks`), or to the end (`_open`).
-      opens = "|".join(re.escape(t) for t in (think_tag, *self.tools))
-      until_answer = f"|.*?(?=<{re.escape(answer_tag)}>)" if answer_tag else ""
-      self._blocks = re.compile(rf"<({opens})>(?:.*?</\1>{until_answer}|.*)", re.DOTALL)
-      self._open = re.compile(rf"<({opens})>(?:.*?</\1>|.*)", re.DOTALL)
+    # Think and call blocks (`_block_spans`): the first to open hides what it holds.
+    self._hiding = (think_tag, *self.tools) if think_tag is not None else ()
 
   def __repr__(self) -> str:
     think = f", think_tag={self.think_tag!r}" if self.think_tag is not None else ""
@@ -211,17 +246,15 @@ class XMLTagParser:
     think block is open. Always True without a think_tag."""
     if self.think_tag is None or not isinstance(text, str):
       return True
-    last = None
-    for last in self._open.finditer(text):
-      pass
-    return not (last is not None and last.group(1) == self.think_tag
-                and not last.group(0).endswith(f"</{self.think_tag}>"))
+    spans = _block_spans(text, self._hiding)  # one never closed runs to the end
+    return not (spans and spans[-1][0] == self.think_tag and not spans[-1][3])
 
   def parse(self, text: str) -> ParseResult:
     if not isinstance(text, str):
       return ParseResult.malformed(f"expected text, got {type(text).__name__}")
     if self.think_tag is not None:  # what was written while thinking is not an action
-      text = self._blocks.sub(lambda m: "" if m.group(1) == self.think_tag else m.group(0), text)
+      text = _without(text, _block_spans(text, self._hiding, until=self.answer_tag),
+                      self.think_tag)
     found = _last_closing(text, self._tags)
     if found is None:
       tag = _dangling_open(text, self._tags)

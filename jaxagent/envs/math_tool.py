@@ -39,7 +39,7 @@ import textwrap
 from typing import Any, Mapping, Sequence
 
 from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Episode, Example
-from jaxagent.agent.parsers import XMLTagParser
+from jaxagent.agent.parsers import XMLTagParser, _block_spans, _without
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
                               MathAnswerReward, ProgressiveSchedule, RewardInput, RewardOutput,
@@ -299,17 +299,12 @@ def champ_problems() -> list[tuple[str, str, list[str]]]:
 # answer holds a `<code>` tag as its text: the rollout ends `<answer>5 <code></answer>` at
 # `</answer>` with the answer "5 <code>" (a `<think>` inside an answer still opens a thought,
 # for the parser as here). Think blocks go first, exactly as the parser drops them; then code
-# blocks outside answers.
-_THINK_OR_CODE = re.compile(r"<(code|think)>(?:.*?</\1>|.*?(?=<answer>)|.*)", re.DOTALL)
-_ANSWER_OR_CODE = re.compile(r"<answer>.*?</answer>|<code>(?:.*?</code>|.*?(?=<answer>)|.*)",
-                             re.DOTALL)
-
-
+# blocks outside answers (an answer never closed is no block).
 def _prose(text: str) -> str:
   """`text` without its think blocks and the code blocks outside answers."""
-  text = _THINK_OR_CODE.sub(lambda m: "" if m.group(1) == "think" else m.group(0), text)
-  return _ANSWER_OR_CODE.sub(lambda m: m.group(0) if m.group(0).startswith("<answer>") else "",
-                             text)
+  text = _without(text, _block_spans(text, ("code", "think"), until="answer"), "think")
+  return _without(text, _block_spans(text, ("answer", "code"), until="answer",
+                                     skip_unclosed=("answer",)), "code")
 
 
 class SignedMathAnswer:

@@ -261,6 +261,19 @@ def test_xml_think_tag_config_errors():
     XMLTagParser({"code": ("python", "code")}, think_tag="<think>")
 
 
+def test_think_tag_parsing_is_linear_in_many_unclosed_tags():
+  """A degenerate output of many tags left open took seconds per parse (a regex looked for each
+  tag's close to the end of the text): 5 s for 8000 `<code>x<answer>`."""
+  for blob in ("<code>x<answer>" * 8000, "<think>x<answer>" * 8000, "<code>x" * 15000,
+               "<search>" * 20000 + "</think>"):
+    t = time.perf_counter()
+    THINK.parse(blob)
+    THINK.stop_allowed(blob)
+    assert time.perf_counter() - t < 1.0, blob[:20]
+  assert THINK.parse("<code>x<answer>" * 3 + "4</answer>").answer == "4"
+  assert not THINK.stop_allowed("<code>a</code>" * 5000 + "<think>" + "<code>x" * 5000 + "</code>")
+
+
 @hypothesis.settings(max_examples=200, deadline=None)
 @hypothesis.given(text=st.lists(st.one_of(st.text(_chars, max_size=20), st.sampled_from(
     [*_tags, "<think>", "</think>"])), max_size=40).map("".join))

@@ -398,3 +398,16 @@ def test_reward_reads_no_answer_where_the_rollout_read_none(env, turns, stop):
   # A trajectory not finished (no stop reason) is read as before.
   unfinished = demonstration_trajectory(TOK.encode("Q"), [(POLICY, "<answer>42</answer>")], TOK)
   assert env.reward(unfinished, ex, TOK, 0).components["correct"] == 1.0
+
+
+def test_reward_is_linear_in_many_unclosed_tags():
+  """12 s to score 8000 `<code>x<answer>` (a regex looked for each tag's close to the end)."""
+  import time
+  from jaxagent.envs.math_tool import SignedMathAnswer
+  from jaxagent.rewards import RewardInput
+  score = SignedMathAnswer()
+  for blob in ("<code>x<answer>" * 8000, "<answer>x" * 15000, "<think>x<answer>" * 8000):
+    t = time.perf_counter()
+    assert score(RewardInput(response_text=blob, gold="42")) == -1.0
+    assert time.perf_counter() - t < 1.0, blob[:20]
+  assert score(RewardInput(response_text="<code>x<answer>" * 3 + "42</answer>", gold="42")) == 1.0
