@@ -30,6 +30,7 @@ without importing the `jaxagent` package (and so without JAX).
 from __future__ import annotations
 
 import atexit
+import bisect
 import dataclasses
 import decimal
 import json
@@ -159,7 +160,7 @@ _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
 # A reason given after a marked answer in its sentence ("The answer is 5, since 2 + 3 = 5."): its
 # working names no other answer. "5 as well as 6" names two.
 _REASON = re.compile(r"[,;]?\s*\(?\b(?:since|because|(?<!well )as(?!\s+well\b))\b", re.IGNORECASE)
-_NOTHING_NAMED = re.compile(r"(?:^|\banswer|\bis|:)[\s*:]*$", re.IGNORECASE)
+_NOTHING_NAMED = re.compile(r"(?:\banswer|\bis|:)[\s*:]*$", re.IGNORECASE)
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 
@@ -285,7 +286,7 @@ def _marked_answer(text: str) -> tuple[str, str] | None:
     # "Answer:\n5": the sentence must hold the marked value itself.
     if any(marked and start >= first and _match_value(match, target) is not None
            for start, _, marked, match, target in _extraction_matches(head)):
-      end = _reason_start(head, first, end)
+      end = _reason_start(text, first, end)
       return text[:end], text[end:]
     # "The answer is B.\nOption B has 12 apples.": the sentence names an answer math-verify does
     # not read, and a later number is none.
@@ -294,13 +295,13 @@ def _marked_answer(text: str) -> tuple[str, str] | None:
   return None
 
 
-def _reason_start(text: str, pos: int, default: int) -> int:
-  """Where the first reason given in `text[pos:]` once an answer is named starts, else `default`.
+def _reason_start(text: str, pos: int, end: int) -> int:
+  """Where the first reason given in `text[pos:end]` once an answer is named starts, else `end`.
 
   "The answer is as follows: 5" names no answer before its "as".
   """
-  return next((r.start() for r in _REASON.finditer(text, pos)
-               if not _NOTHING_NAMED.search(text, pos, r.start())), default)
+  return next((r.start() for r in _REASON.finditer(text, pos, end)
+               if text[pos:r.start()].strip() and not _NOTHING_NAMED.search(text, pos, r.start())), end)
 
 
 def _match_value(match, target):
@@ -420,10 +421,10 @@ def _marks_other_value(text: str, value, options: dict[str, Any]) -> bool:
   return False
 
 
-# What an answer phrase names, to the end of its sentence: "The answer is B.", "**Answer:** (C)".
-_ANSWER_TAIL = re.compile(
-    r"\banswer\b(?:\*\*)?\s*(?:is\b|:)\s*(?:\*\*)?\s*(.+?)\s*(?:\*\*)?\s*(?:\.(?=\s|$)|\n|$)",
-    re.IGNORECASE)
+# An answer phrase ("The answer is B.", "**Answer:** (C)"), which names what follows it to the end
+# of its sentence (`_TAIL_STOP`).
+_ANSWER_MARK = re.compile(r"\banswer\b(?:\*\*)?\s*(?:is\b|:)\s*(?:\*\*)?\s*", re.IGNORECASE)
+_TAIL_STOP = re.compile(r"\.(?=\s|$)|\n|$")
 _ALNUM = re.compile(r"[A-Za-z0-9]")
 # An answer that rules a value out ("not 5", "The answer is not $5$.") names no answer.
 _NEGATED = re.compile(
@@ -435,13 +436,32 @@ _WORDS_ONLY = re.compile(r"[A-Za-z]{2,}(?:[ '\-][A-Za-z]+)*")
 def _answer_tails(text: str) -> set[str]:
   """What each answer phrase in `text` names, without a reason given after it ("The answer is B,
   because ..." names B); a phrase inside that reason names an answer too."""
-  tails = set()
-  for m in _ANSWER_TAIL.finditer(text):
-    tail = m.group(1)
-    cut = _reason_start(tail, 0, len(tail))
-    tails.add(" ".join(tail[:cut].split()))
-    tails |= _answer_tails(tail[cut:])
+  # The sentence ends are found once: a phrase's tail can run to the end of a long sentence that
+  # holds many phrases.
+  stops = [m.start() for m in _TAIL_STOP.finditer(text)]
+  tails, covered = set(), 0
+  for m in _ANSWER_MARK.finditer(text):
+    if m.start() < covered or m.end() == len(text):
+      continue
+    stop = stops[bisect.bisect_left(stops, m.end() + 1)]
+    end = _trimmed_end(text, m.end(), stop)
+    cut = _reason_start(text, m.end(), end)
+    tails.add(" ".join(text[m.end():cut].split()))
+    covered = cut if cut < end else stop  # a reason is read on for phrases
   return tails
+
+
+def _trimmed_end(text: str, start: int, stop: int) -> int:
+  """`stop` moved back over trailing spaces and one "**" ("B** " ends after "B"), keeping at
+  least one character after `start`."""
+  end = stop
+  while end > start + 1 and text[end - 1].isspace():
+    end -= 1
+  if end > start + 2 and text.startswith("**", end - 2):
+    end -= 2
+    while end > start + 1 and text[end - 1].isspace():
+      end -= 1
+  return end
 
 
 def _word_answer(text: str) -> str | None:

@@ -1,5 +1,7 @@
 """Tests for jaxagent/rewards/math_verifier.py: equivalence cases, time limits, failure counting."""
 import concurrent.futures
+import random
+import re
 import threading
 import time
 
@@ -252,6 +254,37 @@ def test_not_equal_cases(thread_verifier, prediction, gold):
 @pytest.mark.parametrize("prediction,gold", HEDGED)
 def test_hedged_answers_get_no_credit(thread_verifier, prediction, gold):
   assert not thread_verifier.equal(prediction, gold)
+
+
+def test_many_answer_phrases_in_one_sentence_cost_linear_time(thread_verifier):
+  # Each phrase's reason holds the next phrase; reading them one inside another took quadratic
+  # time (and past about 1000 phrases raised RecursionError, scored 0).
+  text = "The answer is B " + "because the answer is B " * 1500
+  start = time.monotonic()
+  assert thread_verifier.equal(text, "B", timeout_s=30.0)
+  assert time.monotonic() - start < 3.0
+
+
+def _reference_answer_tails(text):
+  """What each answer phrase names, read with one regex per phrase (quadratic in the worst case)."""
+  tails = set()
+  for m in re.finditer(r"\banswer\b(?:\*\*)?\s*(?:is\b|:)\s*(?:\*\*)?\s*(.+?)\s*(?:\*\*)?\s*(?:\.(?=\s|$)|\n|$)",
+                       text, re.IGNORECASE):
+    tail = m.group(1)
+    cut = math_verifier._reason_start(tail, 0, len(tail))
+    tails.add(" ".join(tail[:cut].split()))
+    tails |= _reference_answer_tails(tail[cut:])
+  return tails
+
+
+def test_answer_tails_match_a_reference():
+  pieces = ["answer", "Answer", " is ", ":", "**", " ", "\n", ".", ". ", "B", "5", "because", " as ",
+            "since", ",", "x", "the ", "is"]
+  rng = random.Random(0)
+  named = lambda tails: {t for t in tails if re.search("[A-Za-z0-9]", t)}  # noqa: E731
+  for _ in range(3000):
+    text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 14)))
+    assert named(math_verifier._answer_tails(text)) == named(_reference_answer_tails(text)), text
 
 
 def test_only_the_prediction_is_checked_for_hedging(thread_verifier):
