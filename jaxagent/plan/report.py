@@ -242,12 +242,14 @@ def knobs(report: PlanReport, config, cfg: ModelConfig) -> list[str]:
         say(f"model.param_dtype=bfloat16 halves {what} ({g(weights)} per chip now)")
       if share > 0.7 and mesh["fsdp"] * mesh["tensor"] >= n:
         say(f"the weights alone need {g(weights)} per chip on {n} chips: use a larger topology")
-    if p.kind in ("update", "sft"):
+    if p.kind in ("update", "sft", "score"):
+      # The score program runs its rows in the update's micro-batches too (`Learner.score_fn`).
       rows = s.sft_rows if p.kind == "sft" else s.rows
       rows_per_chip = rows // max(1, s.micro_batches * mesh["data"] * mesh["fsdp"])
       if rows_per_chip > 1:
         say(f"train.micro_batches={s.micro_batches * 2} (now {s.micro_batches}; "
             f"{rows_per_chip} rows per chip per micro-batch; activations scale with it)")
+    if p.kind in ("update", "sft"):
       if cfg.remat == "none":
         say("model.remat=full (recompute layer activations in the backward pass)")
       say(f"train.pack_len / train.len_buckets (rows of {s.len_buckets[-1]} tokens now)")

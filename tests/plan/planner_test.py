@@ -252,6 +252,16 @@ def test_knobs_name_the_setting_for_what_overflows():
   assert "compile failed: INVALID_ARGUMENT" in rep.render()
 
 
+def test_score_that_does_not_fit_gets_the_micro_batch_knob():
+  # `Learner.score_fn` runs its rows in train.micro_batches, as the update does: more of them
+  # shrink its activations (the knobs named only train.pack_len).
+  c = tiny()
+  c.train.update(prompts_per_step=8, samples_per_prompt=4)   # 32 rows: 8 per chip
+  score = plan.ProgramReport("score[L=128]", "score", "[32x128]", temp_bytes=20 * GiB)
+  knobs = _report_with(score, c).knobs
+  assert any("train.micro_batches=2" in k and "8 rows per chip" in k for k in knobs), knobs
+
+
 def test_tensor_knob_only_when_it_shrinks_the_kv_cache_per_chip():
   kv = lambda: plan.ProgramReport("generate", "generate", "slots", temp_bytes=17 * GiB,
                                   components={"kv_cache": 12 * GiB})
