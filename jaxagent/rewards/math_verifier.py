@@ -151,16 +151,20 @@ _UNBRACED_BOX = re.compile(
 _LOGICAL_OR = re.compile(r"\\(?:lor|vee)(?![A-Za-z])")
 # Space or a line break between equations ("x = 2 \quad x = 3", "x = 2 \\ x = 3"), which
 # math-verify reads as one chain x = 2x = 3 (or as its last side, 3): such equations are a list.
-_EQUATION_BREAK = re.compile(r"\s*(?:\\\\|\\q?quad(?![A-Za-z])|\\[ ;]|\\text\{\s*\})\s*")
+_EQUATION_BREAK = re.compile(r"(?<!\s)\s*(?:\\\\|\\q?quad(?![A-Za-z])|\\[ ;]|\\text\{\s*\})\s*")
 # "and" / "or" between math, which then lists its sides.
-_LISTING_WORD = re.compile(r"\s+(?:and|or)\s+")
+_LISTING_WORD = re.compile(r"(?<!\s)\s+(?:and|or)\s+")
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 # The end of a sentence: a full stop before a space or the end, or a line break. "0.5" goes on.
 _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
 # A reason given after a marked answer in its sentence ("The answer is 5, since 2 + 3 = 5."): its
-# working names no other answer. "5 as well as 6" names two.
-_REASON = re.compile(r"[,;]?\s*\(?\b(?:since|because|(?<!well )as(?!\s+well\b))\b", re.IGNORECASE)
-_NOTHING_NAMED = re.compile(r"(?:\banswer|\bis|:)[\s*:]*$", re.IGNORECASE)
+# working names no other answer. "5 as well as 6" names two. (This pattern, `_EQUATION_BREAK` and
+# `_LISTING_WORD` start only where a run of spaces starts: tried at every space of a long run,
+# each would scan the rest of it, in quadratic time.)
+_REASON = re.compile(
+    r"(?:[,;]|(?<!\s))\s*\(?\b(?:since|because|(?<!well )as(?!\s+well\b))\b", re.IGNORECASE)
+# The end of an answer phrase that has named nothing yet ("The answer is", "Answer").
+_ENDS_MARKED = re.compile(r"\b(?:answer|is)$", re.IGNORECASE)
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 
@@ -290,7 +294,7 @@ def _marked_answer(text: str) -> tuple[str, str] | None:
       return text[:end], text[end:]
     # "The answer is B.\nOption B has 12 apples.": the sentence names an answer math-verify does
     # not read, and a later number is none.
-    if not _NOTHING_NAMED.search(text, first, stop):
+    if not _names_nothing(text, first, stop):
       return head, text[end:]
   return None
 
@@ -301,7 +305,16 @@ def _reason_start(text: str, pos: int, end: int) -> int:
   "The answer is as follows: 5" names no answer before its "as".
   """
   return next((r.start() for r in _REASON.finditer(text, pos, end)
-               if text[pos:r.start()].strip() and not _NOTHING_NAMED.search(text, pos, r.start())), end)
+               if text[pos:r.start()].strip() and not _names_nothing(text, pos, r.start())), end)
+
+
+def _names_nothing(text: str, pos: int, end: int) -> bool:
+  """Whether `text[pos:end]` ends with an answer phrase and nothing after it ("answer is",
+  "Answer:**"): the answer it names is still to come."""
+  named = end
+  while named > pos and (text[named - 1] in "*:" or text[named - 1].isspace()):
+    named -= 1
+  return ":" in text[named:end] or _ENDS_MARKED.search(text[max(pos, named - 7):named]) is not None
 
 
 def _match_value(match, target):
@@ -370,7 +383,8 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", text))
   equations = _EQUATION_BREAK.split(text)
   if len(equations) > 1 and all("=" in e for e in equations):
-    text = ", ".join(e.strip(" ,;") for e in equations)  # "x = 2 \\quad x = 3" lists two
+    # "x = 2 \\quad x = 3" lists two equations
+    text = ", ".join(e.strip().strip(",;").strip() for e in equations)
   if not text or (single and _NEGATED.search(text)):
     return []
   if _LISTING_WORD.search(text) and not _is_bare_answer(text):
@@ -428,7 +442,7 @@ _TAIL_STOP = re.compile(r"\.(?=\s|$)|\n|$")
 _ALNUM = re.compile(r"[A-Za-z0-9]")
 # An answer that rules a value out ("not 5", "The answer is not $5$.") names no answer.
 _NEGATED = re.compile(
-    r"(?:^|\banswer\b(?:\*\*)?\s*(?:is\b|:))\s*(?:\*\*)?\s*not\s+(?=[-+\d$\\(\[{])", re.IGNORECASE)
+    r"(?:^|\banswer\b(?:\*\*)?\s*(?:is\b|:))\s*(?:\*\*\s*)?not\s+(?=[-+\d$\\(\[{])", re.IGNORECASE)
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\s*\{([^{}]*)\}")
 _WORDS_ONLY = re.compile(r"[A-Za-z]{2,}(?:[ '\-][A-Za-z]+)*")
 

@@ -265,11 +265,21 @@ def test_many_answer_phrases_in_one_sentence_cost_linear_time(thread_verifier):
   assert time.monotonic() - start < 3.0
 
 
+@pytest.mark.parametrize("text", [
+    "The answer is" + " " * 20000 + "B",  # a pattern starting with spaces, tried at each of them
+    "The answer is " + "as is " * 4000 + "5",  # a reason after "is" names nothing: each looked back
+])
+def test_degenerate_responses_cost_linear_time(thread_verifier, text):
+  start = time.monotonic()
+  thread_verifier.equal(text, "5", timeout_s=60.0)
+  assert time.monotonic() - start < 2.0
+
+
 def _reference_answer_tails(text):
   """What each answer phrase names, read with one regex per phrase (quadratic in the worst case)."""
   tails = set()
-  for m in re.finditer(r"\banswer\b(?:\*\*)?\s*(?:is\b|:)\s*(?:\*\*)?\s*(.+?)\s*(?:\*\*)?\s*(?:\.(?=\s|$)|\n|$)",
-                       text, re.IGNORECASE):
+  phrase = r"\banswer\b(?:\*\*)?\s*(?:is\b|:)\s*(?:\*\*)?\s*(.+?)\s*(?:\*\*)?\s*(?:\.(?=\s|$)|\n|$)"
+  for m in re.finditer(phrase, text, re.IGNORECASE):
     tail = m.group(1)
     cut = math_verifier._reason_start(tail, 0, len(tail))
     tails.add(" ".join(tail[:cut].split()))
@@ -278,8 +288,8 @@ def _reference_answer_tails(text):
 
 
 def test_answer_tails_match_a_reference():
-  pieces = ["answer", "Answer", " is ", ":", "**", " ", "\n", ".", ". ", "B", "5", "because", " as ",
-            "since", ",", "x", "the ", "is"]
+  pieces = ["answer", "Answer", " is ", ":", "**", " ", "\n", ".", ". ", "B", "5", "because",
+            " as ", "since", ",", "x", "the ", "is"]
   rng = random.Random(0)
   named = lambda tails: {t for t in tails if re.search("[A-Za-z0-9]", t)}  # noqa: E731
   for _ in range(3000):
