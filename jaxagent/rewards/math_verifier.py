@@ -184,6 +184,19 @@ def _box_spans(text: str) -> list[tuple[int, int, int]]:
   return [(m.start(), m.end(), closing[m.end() - 1]) for m in _BOX.finditer(text) if m.end() - 1 in closing]
 
 
+def _drop_boxed_full_stops(text: str) -> str:
+  """Drops a full stop that ends a box's content ("\\boxed{5.}"), which math-verify cannot parse."""
+  if "\\boxed" not in text:
+    return text
+  pieces, last = [], 0
+  for _, start, end in _box_spans(text):
+    stop = _FULL_STOP.search(text, start, end) if start >= last else None
+    if stop is not None:
+      pieces.append(text[last:stop.start()])
+      last = end
+  return "".join(pieces) + text[last:]
+
+
 def _normalize_numbers(text: str) -> str:
   """Writes spaced thousands ("1\\,000", "1 000") and scientific notation ("1e3") as plain numbers."""
   text = _SPACED_THOUSANDS.sub(lambda m: _THOUSANDS_SPACE.sub("", m.group()), text)
@@ -380,7 +393,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   from math_verify import parse
 
   text = _UNBRACED_BOX.sub(r"\\boxed{\1}", _FBOX.sub(r"\\boxed", text.strip()))
-  text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", text))
+  text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
   equations = _EQUATION_BREAK.split(text)
   if len(equations) > 1 and all("=" in e for e in equations):
     # "x = 2 \\quad x = 3" lists two equations

@@ -77,6 +77,8 @@ EQUAL = [
     ("2/3.", "2/3"),
     ("\\sqrt{2}.", "\\sqrt{2}"),
     ("(1,2).", "(1,2)"),
+    ("\\boxed{5.}", "5"),
+    ("The answer is \\boxed{5 .}", "5"),
     # Word answers hold no math to parse; they compare as text, without case or \text{}.
     ("yes", "Yes"),
     ("\\text{Yes}", "Yes"),
@@ -226,6 +228,7 @@ HEDGED = [
     ("x = 2 \\quad x = 3", "3"),
     ("x = 2 \\\\ x = 3", "3"),
     ("a = 1 \\quad b = 2", "2"),
+    ("\\boxed{5.} Then \\boxed{6.}", "5"),
 ]
 
 
