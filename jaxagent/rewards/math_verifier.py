@@ -158,11 +158,12 @@ _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 # The end of a sentence: a full stop before a space or the end, or a line break. "0.5" goes on.
 _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
 # A reason given after a marked answer in its sentence ("The answer is 5, since 2 + 3 = 5."): its
-# working names no other answer. "5 as well as 6" names two. (This pattern, `_EQUATION_BREAK` and
-# `_LISTING_WORD` start only where a run of spaces starts: tried at every space of a long run,
-# each would scan the rest of it, in quadratic time.)
+# working names no other answer. "5 as well as 6" names two, and "as" after a word is no reason
+# ("the same as 5", "such as"). (This pattern, `_EQUATION_BREAK` and `_LISTING_WORD` start only
+# where a run of spaces starts: tried at every space of a long run, each would scan the rest of
+# it, in quadratic time.)
 _REASON = re.compile(
-    r"(?:[,;]|(?<!\s))\s*\(?\b(?:since|because|(?<!well )as(?!\s+well\b))\b", re.IGNORECASE)
+    r"(?:[,;]|(?<!\s))\s*\(?\b(?:since|because|(?<![A-Za-z]{2} )as(?!\s+well\b))\b", re.IGNORECASE)
 # The end of an answer phrase that has named nothing yet ("The answer is", "Answer").
 _ENDS_MARKED = re.compile(r"\b(?:answer|is)$", re.IGNORECASE)
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.

@@ -125,6 +125,8 @@ EQUAL = [
     ("The answer is B, because 2 is even.", "B"),
     ("The answer is as follows: 5 because 2 + 3 = 5.", "5"),
     ("The answer is as follows: 5.", "5"),
+    ("The answer is the same as 5.", "5"),  # "as" after a word gives no reason
+    ("The answer is B as expected.", "B"),
     # An answer math-verify does not read ends with its sentence too: a later number is none.
     ("The answer is B. Note that 2 is even.", "B"),
     ("The answer is B.\nOption B has 12 apples.", "B"),
