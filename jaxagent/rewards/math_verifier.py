@@ -384,12 +384,17 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   single number out of it. Prose and delimited math go through math-verify's extraction, which
   finds "5" in "5 dollars" and the boxed part of a full solution. A bare string that yields no
   expression when boxed ("3.") falls back to extraction. Prose that marks its answer without a
-  box ("The answer is 5. Check: ...") is read up to the end of the marking sentence, and a
-  later sentence marking another value hedges. Python's power operator is read ("2**3" is 8).
+  box ("The answer is 5. Check: ...") is read up to the end of the marking sentence or a reason
+  given in it ("..., since 2 + 3 = 5"), and a later sentence marking another value hedges; an
+  answer phrase naming what math-verify does not read ("The answer is B.") parses to nothing, for
+  `_equal_inline` to read. Python's power operator is read ("2**3" is 8), a box's argument may
+  go without braces ("\\boxed5"), and math joined by "and", "or" or "\\lor", and equations side
+  by side ("x = 2 \\quad x = 3"), are a list.
 
   With `single` (the prediction's side), an answer naming two or more different values parses to
   nothing, since extraction would pick one of them: "5 or 6", "The answer is 5. The answer is 6.",
-  "5 = 6", "5 6" (which LaTeX adds up), "5|6". `options` are `verify`'s, to tell values apart.
+  "5 = 6", "5 6" (which LaTeX adds up), "5|6"; so does one that rules a value out ("not 5").
+  `options` are `verify`'s, to tell values apart.
   """
   from math_verify import parse
 
