@@ -164,8 +164,11 @@ _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
 # it, in quadratic time.)
 _REASON = re.compile(
     r"(?:[,;]|(?<!\s))\s*\(?\b(?:since|because|(?<![A-Za-z]{2} )as(?!\s+well\b))\b", re.IGNORECASE)
-# The end of an answer phrase that has named nothing yet ("The answer is", "Answer").
+# The end of an answer phrase that has named nothing yet ("The answer is", "### Final Answer").
 _ENDS_MARKED = re.compile(r"\b(?:answer|is)$", re.IGNORECASE)
+# What names an answer after an answer phrase: a letter or digit (group 1) outside a command or
+# an environment's name ("$$", "\[" and "\begin{equation}" name nothing yet).
+_NAMING = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+|([A-Za-z0-9])")
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 
@@ -323,12 +326,17 @@ def _reason_start(text: str, pos: int, end: int) -> int:
 
 
 def _names_nothing(text: str, pos: int, end: int) -> bool:
-  """Whether `text[pos:end]` ends with an answer phrase and nothing after it ("answer is",
-  "Answer:**"): the answer it names is still to come."""
+  """Whether `text[pos:end]` names nothing after its last answer phrase ("answer is", "Answer:**",
+  "The answer is\n$$", "### Final Answer") or ends with a colon ("The answer is as follows:"):
+  the answer it names is still to come."""
   named = end
   while named > pos and (text[named - 1] in "*:" or text[named - 1].isspace()):
     named -= 1
-  return ":" in text[named:end] or _ENDS_MARKED.search(text[max(pos, named - 7):named]) is not None
+  if ":" in text[named:end] or _ENDS_MARKED.search(text[max(pos, named - 7):named]):
+    return True
+  for m in _ANSWER_MARK.finditer(text, pos, end):
+    pos = m.end()
+  return not any(m.group(1) for m in _NAMING.finditer(text, pos, end))
 
 
 def _match_value(match, target):

@@ -133,6 +133,10 @@ EQUAL = [
     ("The answer is yes. Indeed 4 is even.", "Yes"),
     ("The answer is:\n\n5", "5"),
     ("Not sure. The answer is 5.", "5"),
+    # Display math on its own lines after an answer phrase is what it names.
+    ("The final answer is\n\n$$\n5\n$$", "5"),
+    ("The answer is:\n\\[\n\\frac{1}{2}\n\\]", "0.5"),
+    ("### Final Answer\n5", "5"),
     ("x = 2 \\lor x = 3", "2, 3"),  # the solutions of a quadratic
     ("x = 2 \\quad x = 3", "2, 3"),
     ("x = 2 \\\\ x = 3", "2, 3"),
