@@ -286,9 +286,10 @@ def _extraction_matches(text: str) -> list:
   return found
 
 
-def _marked_answer(text: str) -> tuple[str, str] | None:
+def _marked_answer(text: str) -> tuple[str | None, str] | None:
   """(the text up to the end of the sentence that first marks an answer, the rest), or None
-  when nothing is marked or the text boxes its answer.
+  when nothing is marked or the text boxes its answer. The head is None where the marking
+  sentence names an answer math-verify does not read ("The answer is B. It has 2 sides.").
 
   "The answer is 5. Check: 5 \\cdot 2 = 10" reads as "The answer is 5.": a marked answer ends
   with its sentence, and what follows (a check, an explanation) is no answer. math-verify's own
@@ -302,17 +303,19 @@ def _marked_answer(text: str) -> tuple[str, str] | None:
   if not marks:
     return None
   first = min(marks)
-  for stop, end in [m.span() for m in _SENTENCE_END.finditer(text, first)] + [(len(text),) * 2]:
+  ends = [m.span() for m in _SENTENCE_END.finditer(text, first)] + [(len(text),) * 2]
+  for i, (stop, end) in enumerate(ends):
     head = text[:end]
     # "Answer:\n5": the sentence must hold the marked value itself.
     if any(marked and start >= first and _match_value(match, target) is not None
            for start, _, marked, match, target in _extraction_matches(head)):
       end = _reason_start(text, first, end)
       return text[:end], text[end:]
-    # "The answer is B.\nOption B has 12 apples.": the sentence names an answer math-verify does
-    # not read, and a later number is none.
-    if not _names_nothing(text, first, stop):
-      return head, text[end:]
+    # "The answer is B.\nOption B has 12 apples.": the marking sentence names an answer
+    # math-verify does not read, and a later number is none. ("Answer:\n$$\n(1, 2)\n$$" names
+    # nothing in its first line, and its later lines are one display.)
+    if i == 0 and not _names_nothing(text, first, stop):
+      return None, text[end:]
   return None
 
 
@@ -434,14 +437,17 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   marked = _marked_answer(text)
   if marked is not None:
     head, rest = marked
+    if head is None:
+      return []  # `_equal_inline` reads what the answer phrase names
     parsed = _parse_prose(head, single, options)
     # A later sentence that marks another value hedges ("The answer is 5. The answer is 6.").
     if single and parsed and _marks_other_value(rest, parsed[0], options):
       return []
     return parsed
-  if not _box_spans(text) and any(_ALNUM.search(tail) for tail in _answer_tails(text)):
-    # "The answer is B.\nOption B has 12 apples.": the phrase names an answer math-verify does
-    # not read (`_equal_inline` reads it), and a number elsewhere is none.
+  if not _box_spans(text) and any(_ALNUM.search(tail) and not _DIGIT.search(tail)
+                                  for tail in _answer_tails(text)):
+    # "The answer is B.\nOption B has 12 apples.": the phrase names an answer without a number,
+    # which math-verify does not read (`_equal_inline` reads it), and a number elsewhere is none.
     return []
   return _parse_prose(text, single, options)
 
@@ -464,9 +470,10 @@ def _marks_other_value(text: str, value, options: dict[str, Any]) -> bool:
 
 # An answer phrase ("The answer is B.", "**Answer:** (C)"), which names what follows it to the end
 # of its sentence (`_TAIL_STOP`).
-_ANSWER_MARK = re.compile(r"\banswer\b(?:\*\*)?\s*(?:is\b|:)\s*(?:\*\*)?\s*", re.IGNORECASE)
+_ANSWER_MARK = re.compile(r"\banswer\b(?:\*\*)?\s*(?:is\b\s*:?|:)\s*(?:\*\*)?\s*", re.IGNORECASE)
 _TAIL_STOP = re.compile(r"\.(?=\s|$)|\n|$")
 _ALNUM = re.compile(r"[A-Za-z0-9]")
+_DIGIT = re.compile(r"\d")
 # An answer that rules a value out ("not 5", "The answer is not $5$.") names no answer.
 _NEGATED = re.compile(
     r"(?:^|\banswer\b(?:\*\*)?\s*(?:is\b|:))\s*(?:\*\*\s*)?not\s+(?=[-+\d$\\(\[{])", re.IGNORECASE)
@@ -522,11 +529,11 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
   options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}
   gold_parsed = _parse_answer(gold)
   pred_parsed = _parse_answer(prediction, single=True, **options)
-  if not pred_parsed and not _parse_answer(prediction, **options):
+  if not pred_parsed and not (_BOX.search(prediction) or _UNBRACED_BOX.search(prediction)):
     # Prose naming an answer math-verify finds nothing in ("The answer is B.", "Final answer:
     # yes"): what the phrase names is read as the answer on its own. Phrases naming different
-    # answers name none. A prediction that names two values ("The answer is \\boxed{5}. No:
-    # \\boxed{6}") stays a hedge.
+    # answers name none. A prediction that boxes its answer is read by its boxes only ("The
+    # answer is \\boxed{5}. No: \\boxed{6}" hedges).
     tails = _answer_tails(prediction)
     if len(tails) == 1:
       prediction = tails.pop()

@@ -137,6 +137,11 @@ EQUAL = [
     ("The final answer is\n\n$$\n5\n$$", "5"),
     ("The answer is:\n\\[\n\\frac{1}{2}\n\\]", "0.5"),
     ("### Final Answer\n5", "5"),
+    ("The answer is:\n$$\n(1, 2)\n$$", "(1,2)"),
+    ("The answer is (1, 2). Note that 12 is not the answer.", "(1,2)"),
+    ("The answer is 2, 3.", "\\{2,3\\}"),
+    ("The answer is: **5**", "5"),
+    ("The answer is:\n- 5", "5"),
     ("x = 2 \\lor x = 3", "2, 3"),  # the solutions of a quadratic
     ("x = 2 \\quad x = 3", "2, 3"),
     ("x = 2 \\\\ x = 3", "2, 3"),
@@ -287,7 +292,7 @@ def test_degenerate_responses_cost_linear_time(thread_verifier, text):
 def _reference_answer_tails(text):
   """What each answer phrase names, read with one regex per phrase (quadratic in the worst case)."""
   tails = set()
-  phrase = r"\banswer\b(?:\*\*)?\s*(?:is\b|:)\s*(?:\*\*)?\s*(.+?)\s*(?:\*\*)?\s*(?:\.(?=\s|$)|\n|$)"
+  phrase = r"\banswer\b(?:\*\*)?\s*(?:is\b\s*:?|:)\s*(?:\*\*)?\s*(.+?)\s*(?:\*\*)?\s*(?:\.(?=\s|$)|\n|$)"
   for m in re.finditer(phrase, text, re.IGNORECASE):
     tail = m.group(1)
     cut = math_verifier._reason_start(tail, 0, len(tail))
