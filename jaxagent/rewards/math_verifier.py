@@ -330,7 +330,7 @@ def _reason_start(text: str, pos: int, end: int) -> int:
 
 def _names_nothing(text: str, pos: int, end: int) -> bool:
   """Whether `text[pos:end]` names nothing after its last answer phrase ("answer is", "Answer:**",
-  "The answer is\n$$", "### Final Answer") or ends with a colon ("The answer is as follows:"):
+  "The answer is\\n$$", "### Final Answer") or ends with a colon ("The answer is as follows:"):
   the answer it names is still to come."""
   named = end
   while named > pos and (text[named - 1] in "*:" or text[named - 1].isspace()):
