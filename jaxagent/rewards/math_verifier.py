@@ -141,10 +141,12 @@ _FBOX = re.compile(r"\\fbox(?![A-Za-z])")
 # A box whose one-token argument goes without braces ("\boxed5", "\boxed B", "\boxed\pi"), as
 # LaTeX allows ("\frac12"); group 1 the argument. A run of digits is one argument ("\boxed12" is
 # 12, as its writer meant), and "\boxed5 6" boxes 5 only. An argument followed by an operator
-# ("\boxed x = 5") or a command that takes arguments ("\boxed\frac12") is left as written:
-# its writer meant the whole expression, which the prose reading finds.
+# ("\boxed x = 5") or a command that takes arguments ("\boxed\frac12", "\boxed\frac{1}{2}") is
+# left as written: its writer meant the whole expression, which the prose reading finds. A
+# command's name is read whole ("\frac", never "\fra" before a "c").
 _UNBRACED_BOX = re.compile(
-    r"\\boxed(?![A-Za-z])\s*(\d+(?:\.\d+)?(?!\.?\d)|[A-Za-z](?![A-Za-z])|\\[A-Za-z]+(?!\s*[{\d]))"
+    r"\\boxed(?![A-Za-z])\s*"
+    r"(\d+(?:\.\d+)?(?!\.?\d)|[A-Za-z](?![A-Za-z])|\\[A-Za-z]+(?![A-Za-z])(?!\s*[{\d]))"
     r"(?!\s*[=<>+\-*/^_!])")
 # A logical or between answers ("x = 2 \lor x = 3"), which math-verify reads as the chain
 # x = (2 \lor x) = 3, that is 3; "\text{ or }" it reads as the set of both.

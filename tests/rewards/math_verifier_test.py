@@ -111,6 +111,10 @@ EQUAL = [
     ("\\boxed 5", "5"),
     ("\\fbox5", "5"),
     ("\\boxed5 6", "5"),  # LaTeX boxes the 5 only
+    # A command that takes arguments is no one-token argument, and its name is read whole
+    # (read as "\\boxed{\\fra}c{1}{2}" these scored 0).
+    ("\\boxed\\frac{1}{2}", "1/2"),
+    ("The answer is \\boxed\\frac{1}{2}.", "0.5"),
     ("\\boxed12", "12"),
     ("\\boxed B", "B"),
     ("\\boxed\\pi", "\\pi"),
@@ -309,6 +313,13 @@ def test_answer_tails_match_a_reference():
   for _ in range(3000):
     text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 14)))
     assert named(math_verifier._answer_tails(text)) == named(_reference_answer_tails(text)), text
+
+
+def test_an_unbraced_box_reads_a_command_name_whole():
+  # "\\boxed\\frac12" was read as the box "\\fra" before a "c12".
+  for text in ("\\boxed\\frac12", "\\boxed\\frac{1}{2}", "\\boxed\\sqrt2", "\\boxed \\dfrac{3}{4}"):
+    assert math_verifier._UNBRACED_BOX.search(text) is None, text
+  assert math_verifier._UNBRACED_BOX.search("\\boxed\\pi").group(1) == "\\pi"
 
 
 def test_only_the_prediction_is_checked_for_hedging(thread_verifier):
