@@ -225,6 +225,8 @@ HEDGED = [
     ("The answer is A. The answer is B.", "B"),
     ("The answer is A or B", "A"),
     ("\\boxed{5} or \\boxed 6", "5"),
+    ("The answer is \\fbox5. No: \\fbox6", "5"),  # the phrase's "\\fbox5" undid the hedge
+    ("The answer is \\fbox5. Actually \\fbox6.", "5"),
     ("\\boxed5 or \\boxed6", "6"),
     ("The answer is 5 or 6.", "5"),
     ("The answer is 5 or 6.", "6"),
