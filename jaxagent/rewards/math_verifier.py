@@ -143,10 +143,11 @@ _FBOX = re.compile(r"\\fbox(?![A-Za-z])")
 # 12, as its writer meant), and "\boxed5 6" boxes 5 only. An argument followed by an operator
 # ("\boxed x = 5") or a command that takes arguments ("\boxed\frac12", "\boxed\frac{1}{2}") is
 # left as written: its writer meant the whole expression, which the prose reading finds. A
-# command's name is read whole ("\frac", never "\fra" before a "c"). "\fbox5" is such a box too.
+# command's name is read whole ("\frac", never "\fra" before a "c"), and a box is no argument
+# ("\boxed\boxed5" boxes 5), so no such box holds another. "\fbox5" is such a box too.
 _UNBRACED_BOX = re.compile(
-    r"\\(?:boxed|fbox)(?![A-Za-z])\s*"
-    r"(\d+(?:\.\d+)?(?!\.?\d)|[A-Za-z](?![A-Za-z])|\\[A-Za-z]+(?![A-Za-z])(?!\s*[{\d]))"
+    r"\\(?:boxed|fbox)(?![A-Za-z])\s*(\d+(?:\.\d+)?(?!\.?\d)|[A-Za-z](?![A-Za-z])"
+    r"|\\(?!(?:boxed|fbox)(?![A-Za-z]))[A-Za-z]+(?![A-Za-z])(?!\s*[{\d]))"
     r"(?!\s*[=<>+\-*/^_!])")
 # A logical or between answers ("x = 2 \lor x = 3"), which math-verify reads as the chain
 # x = (2 \lor x) = 3, that is 3; "\text{ or }" it reads as the set of both.

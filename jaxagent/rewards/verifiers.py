@@ -18,7 +18,7 @@ import re
 import string
 from typing import Sequence
 
-from jaxagent.rewards.math_verifier import _box_spans, math_equal
+from jaxagent.rewards.math_verifier import _UNBRACED_BOX, _box_spans, math_equal
 
 __all__ = [
     "exact_match", "extract_answer", "extract_boxed", "extract_gsm8k", "extract_tagged", "f1_score",
@@ -60,11 +60,19 @@ def extract_boxed(text: str) -> str | None:
   """Stripped content of the last `\\boxed{...}` (or `\\fbox{...}`) whose braces balance, or None.
 
   Escaped braces (`\\{`, `\\}`, as in sets) do not count towards the balance. A box left open
-  (a truncated response) is skipped, so an earlier complete box can still be returned. Linear in
-  the text however many boxes are left open.
+  (a truncated response) is skipped, so an earlier complete box can still be returned. A box
+  whose one-token argument goes without braces ("\\boxed5", "\\boxed B", "\\fbox\\pi") is read
+  as `math_equal` reads it: its argument is the content. Linear in the text however many boxes
+  are left open.
   """
   spans = _box_spans(text)
-  return text[spans[-1][1]:spans[-1][2]].strip() if spans else None
+  last = spans[-1][1:] if spans else None
+  unbraced = None
+  for unbraced in _UNBRACED_BOX.finditer(text):
+    pass
+  if unbraced is not None and (last is None or unbraced.start() > spans[-1][0]):
+    last = unbraced.span(1)
+  return text[last[0]:last[1]].strip() if last else None
 
 
 def extract_gsm8k(text: str) -> str | None:

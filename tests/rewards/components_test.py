@@ -30,6 +30,11 @@ def test_math_answer_reward(verifier):
   assert math(RewardInput("so the answer is \\boxed{1,000}", gold="1000")) == 1.0
   assert math(RewardInput("I think it is 0.5", gold="0.5")) == 0.0  # no extractable answer
   assert math(RewardInput("<answer>3</answer>", gold=["2", "3"])) == 1.0
+  # A box whose argument goes without braces is read as math_equal reads it (it scored 0).
+  untagged = MathAnswerReward(tag=None, verifier=verifier)
+  assert untagged(RewardInput("So the answer is \\boxed5.", gold="5")) == 1.0
+  assert untagged(RewardInput("\\boxed B", gold="B")) == 1.0
+  assert untagged(RewardInput("\\boxed5 6", gold="6")) == 0.0
   with pytest.raises(ValueError, match="gold"):
     math(RewardInput("<answer>3</answer>"))
 

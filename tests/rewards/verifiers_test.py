@@ -47,6 +47,19 @@ def test_extract_tagged_takes_the_last_complete_block():
     ("\\boxed {7}", "7"),
     ("no box", None),
     ("\\boxed{", None),
+    # A one-token argument may go without braces, as math_equal reads it.
+    ("So the answer is \\boxed5.", "5"),
+    ("\\boxed B", "B"),
+    ("\\fbox5", "5"),
+    ("\\boxed12.5", "12.5"),
+    ("\\boxed\\pi", "\\pi"),
+    ("\\boxed{4} then \\boxed 5", "5"),
+    ("\\boxed5 then \\boxed{4}", "4"),
+    ("\\boxed{\\boxed5}", "5"),
+    ("\\boxed5 6", "5"),
+    ("\\boxed x = 5", None),  # the whole expression was meant; no box reads it
+    ("\\boxed\\frac12", None),
+    ("\\boxedx", None),
 ])
 def test_extract_boxed(text, expected):
   assert extract_boxed(text) == expected
@@ -59,10 +72,56 @@ def _reference_extract_tagged(text, tag="answer"):
   return matches[-1].strip() if matches else None
 
 
+_LETTERS = frozenset(string.ascii_letters)
+
+
+def _reference_unbraced_argument(text, i):
+  """The argument of a box whose name ends at `text[i]`, when it goes without braces, by LaTeX's
+  one-token rule: a number ("12", "1.5"), a letter, or a command that takes no argument ("\\pi";
+  "\\frac12" is no token), not followed by an operator ("\\boxed x = 5" boxes the expression)."""
+  if text[i:i + 1] in _LETTERS:
+    return None  # "\\boxedx" is another command
+  while i < len(text) and text[i].isspace():
+    i += 1
+  start, j = i, i
+  if text[j:j + 1].isdecimal():
+    while text[j:j + 1].isdecimal():
+      j += 1
+    if text[j:j + 1] == "." and text[j + 1:j + 2].isdecimal():
+      j += 1
+      while text[j:j + 1].isdecimal():
+        j += 1
+    if text[j:j + 1] == "." and text[j + 1:j + 2].isdecimal():
+      return None  # "1.2.3" is no number
+  elif text[j:j + 1] in _LETTERS:
+    j += 1
+    if text[j:j + 1] in _LETTERS:
+      return None
+  elif text[j:j + 1] == "\\":
+    j += 1
+    while text[j:j + 1] in _LETTERS:
+      j += 1
+    if j == start + 1 or text[start + 1:j] in ("boxed", "fbox"):
+      return None
+    if text[j:].lstrip()[:1].isdecimal() or text[j:].lstrip()[:1] == "{":
+      return None
+  else:
+    return None
+  if text[j:].lstrip()[:1] and text[j:].lstrip()[0] in "=<>+-*/^_!":
+    return None
+  return text[start:j]
+
+
 def _reference_extract_boxed(text):
-  """A scan from each box to its closing brace: what extract_boxed must return (quadratic)."""
+  """A scan from each box to its closing brace, or its argument written without braces: what
+  extract_boxed must return (quadratic)."""
   found = None
-  for m in re.finditer(r"\\(?:boxed|fbox)\s*\{", text):
+  for box in re.finditer(r"\\(?:boxed|fbox)", text):
+    m = re.compile(r"\s*\{").match(text, box.end())
+    if m is None:
+      argument = _reference_unbraced_argument(text, box.end())
+      found = argument.strip() if argument is not None else found
+      continue
     depth, i = 1, m.end()
     while i < len(text):
       c = text[i]
@@ -82,9 +141,11 @@ def _reference_extract_boxed(text):
 
 def test_extraction_agrees_with_the_reference_readings():
   pieces = ["\\boxed{", "\\fbox {", "{", "}", "\\{", "\\}", "\\\\", "\\", "x", " ", "\n", "1",
-            "<answer>", "</answer>", "<answer", "answer>", "<result>", "</result>"]
+            "<answer>", "</answer>", "<answer", "answer>", "<result>", "</result>",
+            # boxes whose argument goes without braces
+            "\\boxed", "\\fbox", "\\boxed ", "B", "12", ".", "5", "\\pi", "\\frac", "=", "+", "ab"]
   rng = np.random.default_rng(0)
-  for _ in range(3000):
+  for _ in range(6000):
     text = "".join(rng.choice(pieces, size=rng.integers(0, 16)))
     assert extract_boxed(text) == _reference_extract_boxed(text), text
     assert extract_tagged(text) == _reference_extract_tagged(text), text
