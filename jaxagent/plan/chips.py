@@ -33,12 +33,14 @@ topology is described in that chip configuration: one device per chip, as on the
 (libtpu's default lists each core as a device). Devices that are single cores of a chip (its
 `core_on_chip` differs) each get half the chip. The v5e and v6e slices of 1, 4 and 8 chips
 (1x1, 2x2, 2x4) are described as one host, as Cloud TPU provisions them; larger ones, like v4
-and v5p, as hosts of 4 chips.
+and v5p, as hosts of 4 chips. Cloud TPU accelerator types (`v5litepod-16`, `v4-8`) are read as
+the topologies they name (`resolve_topology`).
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 import os
 import re
 from typing import Sequence
@@ -133,14 +135,65 @@ def has_libtpu() -> bool:
   return importlib.util.find_spec("libtpu") is not None
 
 
+# Cloud TPU accelerator types (`gcloud ... --accelerator-type=v5litepod-16`) and the planner's
+# topologies they name. v4-N and v5p-N count TensorCores (two per chip: v4-8 is 4 chips),
+# v5litepod-N (v5e) and v6e-N count chips. Only the sizes whose slice has one shape are
+# translated; others (v4-384, v5p-1536, ...) are refused with this list, since the shape of
+# their slice is not fixed by the size alone.
+_TORUS_3D = ("2x2x1", "2x2x2", "2x2x4", "2x4x4", "4x4x4", "4x4x8", "4x8x8", "8x8x8", "8x8x16",
+             "8x16x16")
+_TORUS_2D = ("1x1", "2x2", "2x4", "4x4", "4x8", "8x8", "8x16", "16x16")
+# Cloud generation -> (the planner's chip name, TensorCores counted per chip, slice shapes).
+_CLOUD_TYPES = {"v4": ("v4", 2, _TORUS_3D), "v5p": ("v5p", 2, _TORUS_3D),
+                "v5litepod": ("v5e", 1, _TORUS_2D), "v6e": ("v6e", 1, _TORUS_2D)}
+_CLOUD_RE = re.compile(r"((?:v|tpu)\d+[a-z]*)-(\d+)")
+
+
+def _cloud_sizes(generation: str) -> dict[int, str]:
+  """Cloud size N -> slice shape, for one generation of `_CLOUD_TYPES`."""
+  _, per_chip, shapes = _CLOUD_TYPES[generation]
+  return {per_chip * math.prod(int(d) for d in s.split("x")): s for s in shapes}
+
+
+def resolve_topology(topology: str) -> str:
+  """The planner's '<chip>:<shape>' topology for a Cloud TPU accelerator type ('v5litepod-16'
+  -> 'v5e:4x4', 'v4-8' -> 'v4:2x2x1'); any other name is returned as it is."""
+  m = _CLOUD_RE.fullmatch(topology.strip().lower())
+  if not m:
+    return topology
+  generation, n = m.group(1), int(m.group(2))
+  if generation not in _CLOUD_TYPES:
+    known = {chip: cloud for cloud, (chip, _, _) in _CLOUD_TYPES.items()}
+    why = (f"Cloud names {generation} slices {known[generation]}-N" if generation in known
+           else f"the planner has no chip figures for {generation}")
+    raise ValueError(
+        f"topology {topology!r}: {why}. The planner translates the Cloud TPU accelerator types "
+        "v4-N, v5p-N (N TensorCores, 2 per chip), v5litepod-N (v5e) and v6e-N (N chips); for "
+        "another pass a '<chip>:<shape>' topology such as 'v5e:4x4'")
+  chip, per_chip, shapes = _CLOUD_TYPES[generation]
+  sizes = _cloud_sizes(generation)
+  if n not in sizes:
+    counts = "TensorCores (2 per chip)" if per_chip == 2 else "chips"
+    valid = ", ".join(f"{k} ({s})" for k, s in sizes.items())
+    example = "AxBxC" if len(shapes[0].split("x")) == 3 else "AxB"
+    raise ValueError(
+        f"topology {topology!r}: in {generation}-N, N counts {counts}; the planner translates "
+        f"N = {valid}. For another slice pass its shape as an explicit '{chip}:{example}' "
+        "topology")
+  return f"{chip}:{sizes[n]}"
+
+
 def devices_for(topology: str | None) -> list[jax.Device]:
-  """Devices of a TPU topology such as "v5p:4x4x4" (compile-only, via libtpu), or this
-  machine's devices for None / "local"."""
+  """Devices of a TPU topology such as "v5p:4x4x4" or a Cloud TPU accelerator type such as
+  "v5p-128" (compile-only, via libtpu), or this machine's devices for None / "local"."""
   if topology in (None, "", "local"):
     return list(jax.devices())
+  topology = resolve_topology(topology)
   if ":" not in topology:
     raise ValueError(f"topology {topology!r}: expected '<chip>:<shape>' such as 'v5e:4x4', "
-                     "'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1', or 'local' for this machine's devices")
+                     "'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1', a Cloud TPU accelerator type such as "
+                     "'v5litepod-16', 'v5p-8', 'v6e-8', 'v4-8', or 'local' for this machine's "
+                     "devices")
   if not has_libtpu():
     raise RuntimeError(
         f"compiling for the TPU topology {topology!r} needs libtpu, which is not installed. "

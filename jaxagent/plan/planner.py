@@ -55,7 +55,7 @@ from jaxagent.models import config as model_config_lib
 from jaxagent.models import param_tree
 from jaxagent.models.config import ModelConfig
 from jaxagent.plan import hlo
-from jaxagent.plan.chips import ChipSpec, chip_for, devices_for
+from jaxagent.plan.chips import ChipSpec, chip_for, devices_for, resolve_topology
 from jaxagent.plan.report import PlanReport, ProgramReport, RunShapes, knobs
 from jaxagent.rl import packing
 from jaxagent.rl import step as step_lib
@@ -335,7 +335,8 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
 
   Args:
     config: a run config (`configs/*.py` `get_config()`).
-    devices_or_topology: a TPU topology name ("v5p:4x4x4"; compiled here through libtpu),
+    devices_or_topology: a TPU topology name ("v5p:4x4x4", or a Cloud TPU accelerator type
+      such as "v5p-128"; compiled here through libtpu),
       "local"/None for this machine's devices, or a list of devices.
     options: narrower shapes than the worst case.
     cfg: the model config, when the caller already has it (else from `config.model`).
@@ -343,16 +344,19 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
       program that compiled, `args` being the abstract dynamic arguments (static ones are
       part of the compiled program); `benchmarks/plan_vs_measured.py` times them.
   """
+  topology = None
   if isinstance(devices_or_topology, str) or devices_or_topology is None:
     target = devices_or_topology or "local"
-    devices = devices_for(devices_or_topology)
+    if target != "local":
+      topology = resolve_topology(target)  # a Cloud accelerator type: the topology it names
+      target = target if topology == target else f"{target} (= {topology})"
+    devices = devices_for(topology)
   else:
     devices = list(devices_or_topology)
     target = "local"
   cfg = cfg if cfg is not None else model_config(config)
   chip = chip_for(devices)
-  rollout_devices = _rollout_devices(
-      devices, devices_or_topology if isinstance(devices_or_topology, str) else None)
+  rollout_devices = _rollout_devices(devices, topology)
   mesh = _mesh_for(config, devices)
   sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
   shapes = run_shapes(config, sizes, options)

@@ -77,3 +77,62 @@ def test_topologies_have_the_hosts_of_their_cloud_slices(topology, chips, hosts)
   devices = plan.devices_for(topology)
   assert len(devices) == chips
   assert len({d.process_index for d in devices}) == hosts
+
+
+# Cloud TPU accelerator types: v4-N and v5p-N count TensorCores (two per chip), v5litepod-N
+# and v6e-N count chips.
+CLOUD_TYPES = [("v4-8", "v4:2x2x1", 4), ("v4-16", "v4:2x2x2", 8), ("v4-32", "v4:2x2x4", 16),
+               ("v4-64", "v4:2x4x4", 32), ("v4-128", "v4:4x4x4", 64),
+               ("v5p-8", "v5p:2x2x1", 4), ("v5p-16", "v5p:2x2x2", 8), ("v5p-128", "v5p:4x4x4", 64),
+               ("v5litepod-1", "v5e:1x1", 1), ("v5litepod-4", "v5e:2x2", 4),
+               ("v5litepod-8", "v5e:2x4", 8), ("v5litepod-16", "v5e:4x4", 16),
+               ("v5litepod-256", "v5e:16x16", 256), ("v6e-8", "v6e:2x4", 8),
+               ("v6e-32", "v6e:4x8", 32), ("V6E-64", "v6e:8x8", 64)]
+
+
+@pytest.mark.parametrize("name, topology, chips", CLOUD_TYPES)
+def test_cloud_accelerator_types_are_the_topologies_they_name(name, topology, chips):
+  # `--topology=v5litepod-16` was refused ("expected '<chip>:<shape>'"), though it is how
+  # Cloud TPU names a slice.
+  assert plan.resolve_topology(name) == topology
+  assert np.prod([int(d) for d in topology.split(":")[1].split("x")]) == chips
+
+
+def test_planner_topologies_pass_through():
+  for name in ("v5e:4x4", "v4:2x2x1", "v5p:4x4x4", "local"):
+    assert plan.resolve_topology(name) == name
+
+
+@pytest.mark.parametrize("name, expected", [
+    # Slices whose shape the size alone does not fix, or that Cloud does not offer.
+    ("v4-384", "'v4-384': in v4-N, N counts TensorCores (2 per chip); the planner translates "
+     "N = 8 (2x2x1), 16 (2x2x2)"),
+    ("v5p-4", "pass its shape as an explicit 'v5p:AxBxC' topology"),
+    ("v5litepod-2", "'v5litepod-2': in v5litepod-N, N counts chips; the planner translates "
+     "N = 1 (1x1), 4 (2x2), 8 (2x4), 16 (4x4), 32 (4x8), 64 (8x8), 128 (8x16), 256 (16x16). "
+     "For another slice pass its shape as an explicit 'v5e:AxB' topology"),
+    ("v6e-512", "explicit 'v6e:AxB' topology"),
+    # Chips the planner has no figures for, and v5e under a name Cloud does not use.
+    ("v3-8", "'v3-8': the planner has no chip figures for v3. The planner translates the Cloud "
+     "TPU accelerator types v4-N, v5p-N"),
+    ("tpu7x-8", "the planner has no chip figures for tpu7x"),
+    ("v5e-16", "'v5e-16': Cloud names v5e slices v5litepod-N"),
+])
+def test_cloud_types_it_cannot_translate_say_which_it_can(name, expected):
+  with pytest.raises(ValueError) as e:
+    plan.resolve_topology(name)
+  assert expected in str(e.value), str(e.value)
+  with pytest.raises(ValueError, match="translates"):
+    plan.devices_for(name)  # before libtpu is asked
+
+
+@pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("name, chips, hosts, kind", [
+    ("v4-8", 4, 1, "v4"), ("v5p-8", 4, 1, "v5p"), ("v5p-16", 8, 2, "v5p"),
+    ("v5litepod-8", 8, 1, "v5e"), ("v5litepod-16", 16, 4, "v5e"), ("v6e-8", 8, 1, "v6e")])
+def test_cloud_accelerator_types_describe_their_slices(name, chips, hosts, kind):
+  devices = plan.devices_for(name)
+  assert len(devices) == chips
+  assert len({d.process_index for d in devices}) == hosts
+  assert plan.CHIPS[devices[0].device_kind].name == kind

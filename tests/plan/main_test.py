@@ -24,6 +24,8 @@ _NEEDS_LIBTPU = [pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu:
 
 @pytest.mark.parametrize("args, expected", [
     (["--topology=v5e"], "bad plan input: topology 'v5e': expected '<chip>:<shape>'"),
+    (["--topology=v5litepod-2"], "bad plan input: topology 'v5litepod-2': in v5litepod-N, N "
+     "counts chips; the planner translates N = 1 (1x1), 4 (2x2), 8 (2x4)"),
     (["--config.trian.rows=3"], 'the config has no key \'trian\'\nDid you mean "train"'),
     (["--config=configs/no_such_config.py"], "No such file or directory"),
     (["--programs=decode"], "bad plan input: PlanOptions.programs: unknown ['decode']"),
@@ -77,3 +79,12 @@ def test_a_program_that_fails_to_compile_is_a_failed_plan():
   r = _plan(*TINY, "--topology=v5e:2x2", "--programs=update", "--config.model.attention=cudnn")
   assert "compile failed" in r.stdout, r.stdout
   assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
+
+
+@pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
+@pytest.mark.tpu_aot
+def test_cloud_accelerator_type_is_planned_as_the_topology_it_names():
+  # `--topology=v5litepod-4` was bad input; it is the v5e:2x2 slice, and the report says so.
+  r = _plan(*TINY, "--topology=v5litepod-4", "--programs=update")
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert "on v5litepod-4 (= v5e:2x2) (4 x v5e" in r.stdout, r.stdout

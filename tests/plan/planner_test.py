@@ -500,16 +500,20 @@ def test_rollouts_on_several_hosts_run_on_process_0s_devices():
 
 @needs_libtpu
 @pytest.mark.tpu_aot
-def test_multi_host_topology_plans_the_generator_on_one_hosts_chips():
+@pytest.mark.parametrize("topology, target", [("v5e:4x4", "v5e:4x4"),
+                                              ("v5litepod-16", "v5litepod-16 (= v5e:4x4)")])
+def test_multi_host_topology_plans_the_generator_on_one_hosts_chips(topology, target):
   from jaxagent.models import get_config
   c = tiny(1, -1, 1)
   c.model.tokenizer = ""
   c.rollout.slots = 16
   cfg = get_config("tiny-llama", n_layers=1)
   # v5e:4x4 is 16 chips on 4 hosts of 4: the learner shards over 16, the rollouts over 4.
-  rep = plan.plan_run(c, "v5e:4x4", cfg=cfg, options=plan.PlanOptions(programs=("generate",)))
+  # A Cloud accelerator type plans the same slice and the report says which topology it read.
+  rep = plan.plan_run(c, topology, cfg=cfg, options=plan.PlanOptions(programs=("generate",)))
   gen = rep.program("generate")
   assert rep.rollout_devices == 4 and gen.error is None, gen.error
+  assert f"on {target} (16 x v5e" in rep.render() and rep.target == target
   assert "rollouts on process 0's 4 devices" in rep.render()
   kv = 2 * 16 * 128 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 4   # k + v, float32
   assert gen.components["kv_cache"] == kv / 4                           # 16 slots over 4 chips
