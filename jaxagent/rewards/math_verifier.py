@@ -172,6 +172,9 @@ _ENDS_MARKED = re.compile(r"\b(?:answer|is)$", re.IGNORECASE)
 # What names an answer after an answer phrase: a letter or digit (group 1) outside a command or
 # an environment's name ("$$", "\[" and "\begin{equation}" name nothing yet).
 _NAMING = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+|([A-Za-z0-9])")
+# Inline code in markdown ("The answer is `5`.", "``5``"), which quotes its content; group 2 the
+# content. Code blocks ("```python") are left as written.
+_INLINE_CODE = re.compile(r"(?<!`)(`{1,2})([^`\n]+)\1(?!`)")
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 
@@ -527,6 +530,9 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
   """Compares on the calling thread with no time limit; raises on unexpected errors."""
   from math_verify import verify
 
+  # A model writing markdown quotes its answer as code ("**Answer:** `5`"): the quoted text is
+  # read as written without the quotes, so "`5` or `6`" still hedges.
+  prediction, gold = _INLINE_CODE.sub(r"\2", prediction), _INLINE_CODE.sub(r"\2", gold)
   if " ".join(prediction.split()) == " ".join(gold.split()) and prediction.strip():
     return True
   options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}
@@ -875,9 +881,10 @@ def math_equal(prediction: str, gold: str, *, timeout_s: float = 5.0) -> bool:
   """Whether `prediction` equals `gold` as math (math-verify); False on timeout or any error.
 
   Handles numbers ("42" = "42.0", "1,000" = "1000", "$5" = "5 dollars" = "5", "12.5%" = "12.5",
-  "1e3" = "1000"), fractions and LaTeX ("0.5" = "\\frac{1}{2}", "\\boxed{3}" = "3"), sets and
-  intervals ("\\{1,2\\}" = "\\{2,1\\}", "[1,2)"). A prediction naming two different values
-  ("5 or 6", "5 = 6") equals neither. Returns within about `timeout_s` (plus a one-time worker
-  start, and any wait for a free worker while more callers than its workers compare at once).
+  "1e3" = "1000", markdown code "`5`" = "5"), fractions and LaTeX ("0.5" = "\\frac{1}{2}",
+  "\\boxed{3}" = "3"), sets and intervals ("\\{1,2\\}" = "\\{2,1\\}", "[1,2)"). A prediction
+  naming two different values ("5 or 6", "5 = 6") equals neither. Returns within about
+  `timeout_s` (plus a one-time worker start, and any wait for a free worker while more callers
+  than its workers compare at once).
   """
   return default_verifier().equal(prediction, gold, timeout_s=timeout_s)

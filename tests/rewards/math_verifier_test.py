@@ -151,6 +151,14 @@ EQUAL = [
     ("x = 2 \\\\ x = 3", "2, 3"),
     ("2 and 3", "2, 3"),
     ("x = -2 or x = 3", "-2, 3"),
+    # An answer quoted as markdown code is read without the quotes.
+    ("The answer is `5`.", "5"),
+    ("**Answer:** `5`", "5"),
+    ("`5`", "5"),
+    ("The answer is ``5``.", "5"),
+    ("The answer is `B`.", "B"),
+    ("The value of `n` is 4, so the answer is `5`.", "5"),
+    ("The answer is `5`. Check: `5 * 2 = 10`", "5"),
 ]
 
 NOT_EQUAL = [
@@ -189,6 +197,10 @@ NOT_EQUAL = [
     ("The answer is not 5.", "5"),
     ("**Answer:** not $5$", "5"),
     ("2 and 3", "3"),
+    # Quoted as code, the answer is still the one named (the quotes hid it: these scored 1).
+    ("The value of `n` is 4, so the answer is `5`.", "4"),
+    ("The answer is `not 5`.", "5"),
+    ("```python\nprint(5)\n```\nThe answer is 6.", "5"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
@@ -246,6 +258,9 @@ HEDGED = [
     ("x = 2 \\\\ x = 3", "3"),
     ("a = 1 \\quad b = 2", "2"),
     ("\\boxed{5.} Then \\boxed{6.}", "5"),
+    ("`5` or `6`", "5"),
+    ("The answer is `5` or `6`.", "6"),
+    ("`5`, not `6`", "6"),
 ]
 
 
