@@ -35,7 +35,8 @@ def test_math_answer_reward(verifier):
   assert untagged(RewardInput("So the answer is \\boxed5.", gold="5")) == 1.0
   assert untagged(RewardInput("\\boxed B", gold="B")) == 1.0
   assert untagged(RewardInput("\\boxed5 6", gold="6")) == 0.0
-  assert math(RewardInput("<answer>`5`</answer>", gold="5")) == 1.0  # markdown code (scored 0)
+  assert math(RewardInput("<answer>`5`</answer>", gold="5")) == 1.0  # markdown (scored 0)
+  assert math(RewardInput("<answer>**7**</answer>", gold="7")) == 1.0
   with pytest.raises(ValueError, match="gold"):
     math(RewardInput("<answer>3</answer>"))
 

@@ -159,6 +159,12 @@ EQUAL = [
     ("The answer is `B`.", "B"),
     ("The value of `n` is 4, so the answer is `5`.", "5"),
     ("The answer is `5`. Check: `5 * 2 = 10`", "5"),
+    # So is a bold answer (a bare "**7**" was read as Python's power operator).
+    ("**7**", "7"),
+    ("**-3**", "-3"),
+    ("**\\frac{1}{2}**", "0.5"),
+    ("**B**", "B"),
+    ("2 ** 3", "8"),
 ]
 
 NOT_EQUAL = [
@@ -261,6 +267,8 @@ HEDGED = [
     ("`5` or `6`", "5"),
     ("The answer is `5` or `6`.", "6"),
     ("`5`, not `6`", "6"),
+    ("**5** or **6**", "5"),
+    ("**5**, not **6**", "6"),
 ]
 
 
