@@ -18,7 +18,8 @@ import re
 import string
 from typing import Sequence
 
-from jaxagent.rewards.math_verifier import _UNBRACED_BOX, _box_spans, math_equal
+from jaxagent.rewards._math_compare import _UNBRACED_BOX, _box_spans
+from jaxagent.rewards.math_verifier import math_equal
 
 __all__ = [
     "exact_match", "extract_answer", "extract_boxed", "extract_gsm8k", "extract_tagged", "f1_score",

@@ -1,4 +1,5 @@
-"""Tests for jaxagent/rewards/math_verifier.py: equivalence cases, time limits, failure counting."""
+"""Tests for jaxagent/rewards/math_verifier.py and its reading in _math_compare.py: equivalence
+cases, time limits, failure counting."""
 import concurrent.futures
 import random
 import re
@@ -8,7 +9,7 @@ import time
 import math_verify
 import pytest
 
-from jaxagent.rewards import math_verifier
+from jaxagent.rewards import _math_compare, math_verifier
 from jaxagent.rewards.math_verifier import MathVerifier, MathVerifyConfig, math_equal
 
 EQUAL = [
@@ -324,7 +325,7 @@ def _reference_answer_tails(text):
   phrase = r"\banswer\b(?:\*\*)?\s*(?:is\b\s*:?|:)\s*(?:\*\*)?\s*(.+?)\s*(?:\*\*)?\s*(?:\.(?=\s|$)|\n|$)"
   for m in re.finditer(phrase, text, re.IGNORECASE):
     tail = m.group(1)
-    cut = math_verifier._reason_start(tail, 0, len(tail))
+    cut = _math_compare._reason_start(tail, 0, len(tail))
     tails.add(" ".join(tail[:cut].split()))
     tails |= _reference_answer_tails(tail[cut:])
   return tails
@@ -337,14 +338,14 @@ def test_answer_tails_match_a_reference():
   named = lambda tails: {t for t in tails if re.search("[A-Za-z0-9]", t)}  # noqa: E731
   for _ in range(3000):
     text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 14)))
-    assert named(math_verifier._answer_tails(text)) == named(_reference_answer_tails(text)), text
+    assert named(_math_compare._answer_tails(text)) == named(_reference_answer_tails(text)), text
 
 
 def test_an_unbraced_box_reads_a_command_name_whole():
   # "\\boxed\\frac12" was read as the box "\\fra" before a "c12".
   for text in ("\\boxed\\frac12", "\\boxed\\frac{1}{2}", "\\boxed\\sqrt2", "\\boxed \\dfrac{3}{4}"):
-    assert math_verifier._UNBRACED_BOX.search(text) is None, text
-  assert math_verifier._UNBRACED_BOX.search("\\boxed\\pi").group(1) == "\\pi"
+    assert _math_compare._UNBRACED_BOX.search(text) is None, text
+  assert _math_compare._UNBRACED_BOX.search("\\boxed\\pi").group(1) == "\\pi"
 
 
 def test_only_the_prediction_is_checked_for_hedging(thread_verifier):

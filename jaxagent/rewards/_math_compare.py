@@ -1,0 +1,552 @@
+"""How a math answer is read and compared: the code that runs inside a `MathVerifier` worker.
+
+`math_verifier.py` holds the public API (`MathVerifier`, `math_equal`) and the time limit: its
+thread backend calls `_equal_inline` on a daemon thread, and its process backend starts worker
+processes that run `_serve`, which answers one JSON request per line with `_equal_inline`.
+`_parse_answer` decides how each side is read (a bare answer, prose, a box, a marked answer, a
+hedge); `verifiers.extract_boxed` reads boxes by the same rules (`_box_spans`, `_UNBRACED_BOX`).
+
+This file imports only the standard library at module level: worker processes load it by path,
+without importing the `jaxagent` package (and so without JAX).
+"""
+from __future__ import annotations
+
+import bisect
+import decimal
+import json
+import logging
+import os
+import re
+import sys
+from typing import Any
+
+# Explicit math delimiters: let math-verify's own extraction find the answer.
+_DELIMITED = re.compile(r"\\boxed|\\fbox|\\\(|\\\[|\$[^$]*\$")
+# LaTeX commands (with one braced argument, so \text{ dollars} goes too) are not prose.
+_LATEX_COMMAND = re.compile(r"\\[A-Za-z]+\s*(?:\{[^{}]*\})?")
+_WORD = re.compile(r"[A-Za-z]{2,}")
+_MATH_WORDS = frozenset({
+    "sin", "cos", "tan", "cot", "sec", "csc", "sinh", "cosh", "tanh", "arcsin", "arccos", "arctan",
+    "log", "ln", "exp", "sqrt", "pi", "oo", "inf", "infty", "max", "min", "gcd", "lcm", "mod", "det",
+})
+# "1\,000", "1 000": thousands groups split by a LaTeX or plain space. LaTeX would read "1 000" as
+# 1*000 and "1 234" as the mixed number 1 + 234.
+_SPACED_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\[,;:! ]| )\d{3})+(?!\d)")
+_THOUSANDS_SPACE = re.compile(r"\\[,;:! ]| ")
+# "1e3", "2.5e-3": scientific notation, which LaTeX would read as 1*e*3 (Euler's number).
+_SCIENTIFIC = re.compile(r"(?<![\w.])\d+(?:\.\d+)?[eE][+-]?\d{1,3}(?![\w.])")
+# Two numbers side by side ("5 6", "5\quad 6"), which LaTeX adds up as a mixed number; group 1 is a
+# command whose arguments may go unbraced ("\frac 1 2", and after a subscript "\log_2 8").
+_JUXTAPOSED = re.compile(
+    r"(\\[A-Za-z]+\s*(?:_\s*)?)?(?<![\d.])\d+(?:\.\d+)?(?:\s|\\[,;:! ]|\\q?quad(?![A-Za-z]))+\d")
+_NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
+# A full stop ending an answer ("\frac{1}{2}.", "2/3."), which LaTeX would read as part of it.
+_FULL_STOP = re.compile(r"(?<![.\s])\s*\.$")
+_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
+# math-verify reads \boxed only; \fbox is the same box to a reader.
+_FBOX = re.compile(r"\\fbox(?![A-Za-z])")
+# A box whose one-token argument goes without braces ("\boxed5", "\boxed B", "\boxed\pi"), as
+# LaTeX allows ("\frac12"); group 1 the argument. A run of digits is one argument ("\boxed12" is
+# 12, as its writer meant), and "\boxed5 6" boxes 5 only. An argument followed by an operator
+# ("\boxed x = 5") or a command that takes arguments ("\boxed\frac12", "\boxed\frac{1}{2}") is
+# left as written: its writer meant the whole expression, which the prose reading finds. A
+# command's name is read whole ("\frac", never "\fra" before a "c"), and a box is no argument
+# ("\boxed\boxed5" boxes 5), so no such box holds another. "\fbox5" is such a box too.
+_UNBRACED_BOX = re.compile(
+    r"\\(?:boxed|fbox)(?![A-Za-z])\s*(\d+(?:\.\d+)?(?!\.?\d)|[A-Za-z](?![A-Za-z])"
+    r"|\\(?!(?:boxed|fbox)(?![A-Za-z]))[A-Za-z]+(?![A-Za-z])(?!\s*[{\d]))"
+    r"(?!\s*[=<>+\-*/^_!])")
+# A logical or between answers ("x = 2 \lor x = 3"), which math-verify reads as the chain
+# x = (2 \lor x) = 3, that is 3; "\text{ or }" it reads as the set of both.
+_LOGICAL_OR = re.compile(r"\\(?:lor|vee)(?![A-Za-z])")
+# Space or a line break between equations ("x = 2 \quad x = 3", "x = 2 \\ x = 3"), which
+# math-verify reads as one chain x = 2x = 3 (or as its last side, 3): such equations are a list.
+_EQUATION_BREAK = re.compile(r"(?<!\s)\s*(?:\\\\|\\q?quad(?![A-Za-z])|\\[ ;]|\\text\{\s*\})\s*")
+# "and" / "or" between math, which then lists its sides.
+_LISTING_WORD = re.compile(r"(?<!\s)\s+(?:and|or)\s+")
+_BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
+# The end of a sentence: a full stop before a space or the end, or a line break. "0.5" goes on.
+_SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
+# A reason given after a marked answer in its sentence ("The answer is 5, since 2 + 3 = 5."): its
+# working names no other answer. "5 as well as 6" names two, and "as" after a word is no reason
+# ("the same as 5", "such as"). (This pattern, `_EQUATION_BREAK` and `_LISTING_WORD` start only
+# where a run of spaces starts: tried at every space of a long run, each would scan the rest of
+# it, in quadratic time.)
+_REASON = re.compile(
+    r"(?:[,;]|(?<!\s))\s*\(?\b(?:since|because|(?<![A-Za-z]{2} )as(?!\s+well\b))\b", re.IGNORECASE)
+# The end of an answer phrase that has named nothing yet ("The answer is", "### Final Answer").
+_ENDS_MARKED = re.compile(r"\b(?:answer|is)$", re.IGNORECASE)
+# What names an answer after an answer phrase: a letter or digit (group 1) outside a command or
+# an environment's name ("$$", "\[" and "\begin{equation}" name nothing yet).
+_NAMING = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+|([A-Za-z0-9])")
+# Inline code in markdown ("The answer is `5`.", "``5``"), which quotes its content; group 2 the
+# content. Code blocks ("```python") are left as written.
+_INLINE_CODE = re.compile(r"(?<!`)(`{1,2})([^`\n]+)\1(?!`)")
+# Bold text in markdown ("**7**", "**-3**"), which a bare answer would read as Python's power
+# operator; group 1 the content. "2**3**2" is powers: bold starts and ends outside a word.
+_BOLD = re.compile(r"(?<![\w*])\*\*(?=\S)([^*\n]+?)(?<=\S)\*\*(?![\w*])")
+# Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
+_PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
+
+
+def _box_spans(text: str) -> list[tuple[int, int, int]]:
+  """(start, content start, content end) of each `\\boxed{...}` / `\\fbox{...}` whose braces balance.
+
+  One pass pairs every brace, so the cost is linear however many boxes are left open. Escaped
+  braces (`\\{`, `\\}`, as in sets) do not count.
+  """
+  closing, open_braces = {}, []
+  for m in _BRACE_TOKEN.finditer(text):
+    if m.group() == "{":
+      open_braces.append(m.start())
+    elif m.group() == "}" and open_braces:
+      closing[open_braces.pop()] = m.start()
+  return [(m.start(), m.end(), closing[m.end() - 1]) for m in _BOX.finditer(text) if m.end() - 1 in closing]
+
+
+def _drop_boxed_full_stops(text: str) -> str:
+  """Drops a full stop that ends a box's content ("\\boxed{5.}"), which math-verify cannot parse."""
+  if "\\boxed" not in text:
+    return text
+  pieces, last = [], 0
+  for _, start, end in _box_spans(text):
+    stop = _FULL_STOP.search(text, start, end) if start >= last else None
+    if stop is not None:
+      pieces.append(text[last:stop.start()])
+      last = end
+  return "".join(pieces) + text[last:]
+
+
+def _drop_markdown(text: str) -> str:
+  """Drops the marks of inline code ("`5`") and bold text ("**7**") around what they mark."""
+  return _BOLD.sub(r"\1", _INLINE_CODE.sub(r"\2", text))
+
+
+def _normalize_numbers(text: str) -> str:
+  """Writes spaced thousands ("1\\,000", "1 000") and scientific notation ("1e3") as plain numbers."""
+  text = _SPACED_THOUSANDS.sub(lambda m: _THOUSANDS_SPACE.sub("", m.group()), text)
+  return _SCIENTIFIC.sub(lambda m: format(decimal.Decimal(m.group()), "f"), text)
+
+
+def _is_bare_answer(text: str) -> bool:
+  """True for an answer on its own ("1,000", "[1,2)", "\\frac{1}{2}"), False for prose or delimited math."""
+  if _DELIMITED.search(text):
+    return False
+  words = _WORD.findall(_LATEX_COMMAND.sub(" ", text))
+  return all(w.lower() in _MATH_WORDS for w in words)
+
+
+def _latex_only() -> list:
+  """math-verify extraction that reads only boxed LaTeX, without picking numbers out of it."""
+  from math_verify.parser import LatexExtractionConfig
+
+  return [LatexExtractionConfig(try_extract_without_anchor=False)]
+
+
+def _same_value(a, b, options: dict[str, Any]) -> bool:
+  """Whether two parsed values are equal, read either way round."""
+  from math_verify import verify
+
+  return bool(verify(a, b, timeout_seconds=None, **options) or verify(b, a, timeout_seconds=None, **options))
+
+
+def _equates_two_values(parsed: list, options: dict[str, Any]) -> bool:
+  """True when an equation in `parsed` sets two different constants equal ("5 = 6", "x = 5 = 6")."""
+  import sympy
+
+  for expr in parsed:
+    if not isinstance(expr, sympy.Basic):
+      continue
+    for eq in sympy.preorder_traversal(expr):
+      if (isinstance(eq, sympy.Eq) and not eq.lhs.free_symbols and not eq.rhs.free_symbols
+          and not _same_value(eq.lhs, eq.rhs, options)):
+        return True
+  return False
+
+
+def _names_two_values(text: str, options: dict[str, Any]) -> bool:
+  """True when math-verify reads two different values in prose ("5 or 6", "6, not 5").
+
+  Where the text boxes its answer, only the boxes count, as math-verify reads only the box: two
+  boxes with different values hedge ("\\boxed{5}. No: \\boxed{6}"), and so does a box whose
+  content hedges on its own ("\\boxed{5 \\lor 6}"), but prose around a box does not
+  ("\\boxed{5}. Check: 5 \\cdot 2 = 10"). Otherwise every match of math-verify's extraction
+  patterns counts, except one nested in a longer match that parses ("1/2" holds "1"). Where the
+  text marks its answer ("answer: ...", "final answer is ..."), only matches from the first mark
+  on count, so working before it is no hedge.
+  """
+  seen: dict = {}
+  spans = _box_spans(text)
+  # A box holding a hedge hedges as the same answer unboxed does ("\\boxed{5 \\lor 6}").
+  for content in dict.fromkeys(text[start:end] for _, start, end in spans):
+    if not _parse_answer(content, single=True, **options) and _parse_answer(content):
+      return True
+  # (start, end, marked, match, target); a box has no match: math-verify's own box pattern runs
+  # from the first box to the last closing brace, so boxes are read one by one here.
+  boxes = [(start, end + 1, True, None, None) for start, _, end in spans]
+  if boxes:
+    hedged, read = _differ(text, boxes, seen, options)
+    if read:  # a box that parses; boxes none of which parse leave the prose to decide
+      return hedged
+  found = boxes + _extraction_matches(text)
+  first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
+  return _differ(text, [f for f in found if f[0] >= first_mark], seen, options)[0]
+
+
+def _extraction_matches(text: str) -> list:
+  """(start, end, marked, match, target) of every match of math-verify's extraction patterns;
+  `marked` for the patterns that mark an answer ("answer: ...", "final answer is ...")."""
+  from math_verify.parser import (ExprExtractionConfig, LatexExtractionConfig,
+                                  get_extraction_regexes)
+
+  targets = (LatexExtractionConfig(boxed_match_priority=-1), ExprExtractionConfig())
+  found = []
+  for patterns, target in get_extraction_regexes(targets):
+    for pattern, priority in patterns:
+      found += [(m.start(), m.end(), priority < 300, m, target) for m in pattern.finditer(text)]
+  return found
+
+
+def _marked_answer(text: str) -> tuple[str | None, str] | None:
+  """(the text up to the end of the sentence that first marks an answer, the rest), or None
+  when nothing is marked or the text boxes its answer. The head is None where the marking
+  sentence names an answer math-verify does not read ("The answer is B. It has 2 sides.").
+
+  "The answer is 5. Check: 5 \\cdot 2 = 10" reads as "The answer is 5.": a marked answer ends
+  with its sentence, and what follows (a check, an explanation) is no answer. math-verify's own
+  "answer is" pattern runs on across sentences and would read 10 here. So does a reason given in
+  the same sentence: "The answer is 5, since 2 + 3 = 5." reads as "The answer is 5", and "The
+  answer is B, because 2 is even." names B, not 2.
+  """
+  if _box_spans(text):
+    return None
+  marks = [start for start, _, marked, _, _ in _extraction_matches(text) if marked]
+  if not marks:
+    return None
+  first = min(marks)
+  ends = [m.span() for m in _SENTENCE_END.finditer(text, first)] + [(len(text),) * 2]
+  for i, (stop, end) in enumerate(ends):
+    head = text[:end]
+    # "Answer:\n5": the sentence must hold the marked value itself.
+    if any(marked and start >= first and _match_value(match, target) is not None
+           for start, _, marked, match, target in _extraction_matches(head)):
+      end = _reason_start(text, first, end)
+      return text[:end], text[end:]
+    # "The answer is B.\nOption B has 12 apples.": the marking sentence names an answer
+    # math-verify does not read, and a later number is none. ("Answer:\n$$\n(1, 2)\n$$" names
+    # nothing in its first line, and its later lines are one display.)
+    if i == 0 and not _names_nothing(text, first, stop):
+      return None, text[end:]
+  return None
+
+
+def _reason_start(text: str, pos: int, end: int) -> int:
+  """Where the first reason given in `text[pos:end]` once an answer is named starts, else `end`.
+
+  "The answer is as follows: 5" names no answer before its "as".
+  """
+  return next((r.start() for r in _REASON.finditer(text, pos, end)
+               if text[pos:r.start()].strip() and not _names_nothing(text, pos, r.start())), end)
+
+
+def _names_nothing(text: str, pos: int, end: int) -> bool:
+  """Whether `text[pos:end]` names nothing after its last answer phrase ("answer is", "Answer:**",
+  "The answer is\\n$$", "### Final Answer") or ends with a colon ("The answer is as follows:"):
+  the answer it names is still to come."""
+  named = end
+  while named > pos and (text[named - 1] in "*:" or text[named - 1].isspace()):
+    named -= 1
+  if ":" in text[named:end] or _ENDS_MARKED.search(text[max(pos, named - 7):named]):
+    return True
+  for m in _ANSWER_MARK.finditer(text, pos, end):
+    pos = m.end()
+  return not any(m.group(1) for m in _NAMING.finditer(text, pos, end))
+
+
+def _match_value(match, target):
+  from math_verify.parser import extract_match
+
+  return extract_match(match, target)[0]
+
+
+def _differ(text: str, found: list, seen: dict, options: dict[str, Any]) -> tuple[bool, bool]:
+  """(whether the matches in `found` read two different values, whether any read a value)."""
+  from math_verify import parse
+
+  found = sorted(found, key=lambda f: (f[0], -f[1]))
+  covered, first = -1, None
+  for start, end, _, match, target in found:
+    if end <= covered:
+      continue
+    key = (text[start:end], target, match and match.re)  # an answer may repeat one number many times
+    if key not in seen:
+      if match is None:
+        values = parse(key[0], extraction_config=_latex_only(), fallback_mode="no_fallback",
+                       parsing_timeout=None)
+        seen[key] = values[0] if values else None
+      else:
+        seen[key] = _match_value(match, target)
+    value = seen[key]
+    if value is None:
+      continue
+    covered = end
+    if first is None:
+      first = value
+    elif value != first and not _same_value(first, value, options):
+      return True, True
+  return False, first is not None
+
+
+def _with_percent_values(parsed: list) -> list:
+  """Adds the number of each percentage: "12.5%" then also equals 12.5, as "50%" equals 50."""
+  import sympy
+
+  hundredth = sympy.Rational(1, 100)
+  extra = [x.args[0] for x in parsed
+           if isinstance(x, sympy.Mul) and len(x.args) == 2
+           and x.args[1] in (hundredth, sympy.UnevaluatedExpr(hundredth))]
+  return parsed + extra
+
+
+def _parse_answer(text: str, *, single: bool = False, **options) -> list:
+  """math-verify parse results for one side, choosing how to read the string.
+
+  A bare answer is parsed as if boxed, so the whole string is read as one LaTeX expression
+  ("[1,2)" is an interval, "1,2" a set, "0.5" the rational 1/2); unboxed, math-verify would pick a
+  single number out of it. Prose and delimited math go through math-verify's extraction, which
+  finds "5" in "5 dollars" and the boxed part of a full solution. A bare string that yields no
+  expression when boxed ("3.") falls back to extraction. Prose that marks its answer without a
+  box ("The answer is 5. Check: ...") is read up to the end of the marking sentence or a reason
+  given in it ("..., since 2 + 3 = 5"), and a later sentence marking another value hedges; an
+  answer phrase naming what math-verify does not read ("The answer is B.") parses to nothing, for
+  `_equal_inline` to read. Python's power operator is read ("2**3" is 8), a box's argument may
+  go without braces ("\\boxed5"), and math joined by "and", "or" or "\\lor", and equations side
+  by side ("x = 2 \\quad x = 3"), are a list.
+
+  With `single` (the prediction's side), an answer naming two or more different values parses to
+  nothing, since extraction would pick one of them: "5 or 6", "The answer is 5. The answer is 6.",
+  "5 = 6", "5 6" (which LaTeX adds up), "5|6"; so does one that rules a value out ("not 5").
+  `options` are `verify`'s, to tell values apart.
+  """
+  from math_verify import parse
+
+  text = _UNBRACED_BOX.sub(r"\\boxed{\1}", _FBOX.sub(r"\\boxed", text.strip()))
+  text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
+  equations = _EQUATION_BREAK.split(text)
+  if len(equations) > 1 and all("=" in e for e in equations):
+    # "x = 2 \\quad x = 3" lists two equations
+    text = ", ".join(e.strip().strip(",;").strip() for e in equations)
+  if not text or (single and _NEGATED.search(text)):
+    return []
+  if _LISTING_WORD.search(text) and not _is_bare_answer(text):
+    listed = _LISTING_WORD.sub(", ", text)  # "2 and 3", "x = 2 or x = 3": a list, as "2, 3"
+    text = listed if _is_bare_answer(listed) else text
+  if _is_bare_answer(text):
+    text = _FULL_STOP.sub("", text) or text
+    text = _PY_POWER.sub(lambda m: "^{" + m.group(1) + "}", text)  # "2**3" as LaTeX's "2^{3}"
+    if single and any(m.group(1) is None for m in _JUXTAPOSED.finditer(text)):
+      return []
+    boxed = parse("\\boxed{" + text + "}", extraction_config=_latex_only(), parsing_timeout=None)
+    if any(not isinstance(x, str) for x in boxed):
+      if single and _equates_two_values(boxed, options):
+        return []
+      return _with_percent_values(boxed)
+    if single and len(_NUMBER.findall(text)) > 1:
+      return []
+    raw = parse(text, parsing_timeout=None)
+    return _with_percent_values(raw or boxed)
+  marked = _marked_answer(text)
+  if marked is not None:
+    head, rest = marked
+    if head is None:
+      return []  # `_equal_inline` reads what the answer phrase names
+    parsed = _parse_prose(head, single, options)
+    # A later sentence that marks another value hedges ("The answer is 5. The answer is 6.").
+    if single and parsed and _marks_other_value(rest, parsed[0], options):
+      return []
+    return parsed
+  if not _box_spans(text) and any(_ALNUM.search(tail) and not _DIGIT.search(tail)
+                                  for tail in _answer_tails(text)):
+    # "The answer is B.\nOption B has 12 apples.": the phrase names an answer without a number,
+    # which math-verify does not read (`_equal_inline` reads it), and a number elsewhere is none.
+    return []
+  return _parse_prose(text, single, options)
+
+
+def _parse_prose(text: str, single: bool, options: dict[str, Any]) -> list:
+  from math_verify import parse
+
+  if single and _names_two_values(text, options):
+    return []
+  return _with_percent_values(parse(text, parsing_timeout=None))
+
+
+def _marks_other_value(text: str, value, options: dict[str, Any]) -> bool:
+  for _, _, marked, match, target in _extraction_matches(text):
+    other = _match_value(match, target) if marked else None
+    if other is not None and other != value and not _same_value(value, other, options):
+      return True
+  return False
+
+
+# An answer phrase ("The answer is B.", "**Answer:** (C)"), which names what follows it to the end
+# of its sentence (`_TAIL_STOP`).
+_ANSWER_MARK = re.compile(r"\banswer\b(?:\*\*)?\s*(?:is\b\s*:?|:)\s*(?:\*\*)?\s*", re.IGNORECASE)
+_TAIL_STOP = re.compile(r"\.(?=\s|$)|\n|$")
+_ALNUM = re.compile(r"[A-Za-z0-9]")
+_DIGIT = re.compile(r"\d")
+# An answer that rules a value out ("not 5", "The answer is not $5$.") names no answer.
+_NEGATED = re.compile(
+    r"(?:^|\banswer\b(?:\*\*)?\s*(?:is\b|:))\s*(?:\*\*\s*)?not\s+(?=[-+\d$\\(\[{])", re.IGNORECASE)
+_TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\s*\{([^{}]*)\}")
+_WORDS_ONLY = re.compile(r"[A-Za-z]{2,}(?:[ '\-][A-Za-z]+)*")
+
+
+def _answer_tails(text: str) -> set[str]:
+  """What each answer phrase in `text` names, without a reason given after it ("The answer is B,
+  because ..." names B); a phrase inside that reason names an answer too."""
+  # The sentence ends are found once: a phrase's tail can run to the end of a long sentence that
+  # holds many phrases.
+  stops = [m.start() for m in _TAIL_STOP.finditer(text)]
+  tails, covered = set(), 0
+  for m in _ANSWER_MARK.finditer(text):
+    if m.start() < covered or m.end() == len(text):
+      continue
+    stop = stops[bisect.bisect_left(stops, m.end() + 1)]
+    end = _trimmed_end(text, m.end(), stop)
+    cut = _reason_start(text, m.end(), end)
+    tails.add(" ".join(text[m.end():cut].split()))
+    covered = cut if cut < end else stop  # a reason is read on for phrases
+  return tails
+
+
+def _trimmed_end(text: str, start: int, stop: int) -> int:
+  """`stop` moved back over trailing spaces and one "**" ("B** " ends after "B"), keeping at
+  least one character after `start`."""
+  end = stop
+  while end > start + 1 and text[end - 1].isspace():
+    end -= 1
+  if end > start + 2 and text.startswith("**", end - 2):
+    end -= 2
+    while end > start + 1 and text[end - 1].isspace():
+      end -= 1
+  return end
+
+
+def _word_answer(text: str) -> str | None:
+  """A gold or prediction that is only words ("Yes", "\\text{No}.", "$\\text{even}$"), lowercased;
+  None for anything with math in it."""
+  text = _TEXT_WRAPPER.sub(r"\1", text).strip(" \t\n$.")
+  return text.lower() if _WORDS_ONLY.fullmatch(text) else None
+
+
+def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_precision: int = 15,
+                  strict: bool = True) -> bool:
+  """Compares on the calling thread with no time limit; raises on unexpected errors."""
+  from math_verify import verify
+
+  # A model writing markdown quotes its answer as code ("**Answer:** `5`") or bolds it ("**7**"):
+  # the text is read as written without the marks, so "`5` or `6`" still hedges.
+  prediction, gold = _drop_markdown(prediction), _drop_markdown(gold)
+  if " ".join(prediction.split()) == " ".join(gold.split()) and prediction.strip():
+    return True
+  options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}
+  gold_parsed = _parse_answer(gold)
+  pred_parsed = _parse_answer(prediction, single=True, **options)
+  if not pred_parsed and not (_BOX.search(prediction) or _UNBRACED_BOX.search(prediction)):
+    # Prose naming an answer math-verify finds nothing in ("The answer is B.", "Final answer:
+    # yes"): what the phrase names is read as the answer on its own. Phrases naming different
+    # answers name none. A prediction that boxes its answer is read by its boxes only ("The
+    # answer is \\boxed{5}. No: \\boxed{6}" hedges).
+    tails = _answer_tails(prediction)
+    if len(tails) == 1:
+      prediction = tails.pop()
+      pred_parsed = _parse_answer(prediction, single=True, **options)
+  if not gold_parsed or not pred_parsed:
+    # Words hold no math to parse ("Yes" against "\\text{yes}."): they are compared as text.
+    word = _word_answer(gold)
+    return word is not None and word == _word_answer(prediction)
+  if verify(gold_parsed, pred_parsed, timeout_seconds=None, **options):
+    return True
+  # An inequality in one variable against an interval ("x < 3" and "(-\\infty, 3)"): the
+  # inequality is compared as its solution set. Only then, so "x < 3" stays unequal to "y < 3".
+  for a, b in ((gold_parsed, pred_parsed), (pred_parsed, gold_parsed)):
+    if _has_set(b) and not _has_set(a):
+      sets = _solution_sets(a)
+      if sets and verify(sets, b, timeout_seconds=None, **options):
+        return True
+  return False
+
+
+def _has_set(parsed: list) -> bool:
+  import sympy
+
+  return any(isinstance(x, sympy.Set) for x in parsed)
+
+
+def _solution_sets(parsed: list) -> list:
+  """The solution set on the reals of each inequality in one variable ("1 < x < 3" -> (1, 3))."""
+  import sympy
+
+  out = []
+  for x in parsed:
+    if (isinstance(x, (sympy.core.relational.Relational, sympy.And, sympy.Or))
+        and not isinstance(x, (sympy.Eq, sympy.Ne)) and len(x.free_symbols) == 1):
+      try:
+        out.append(x.as_set())
+      except Exception:  # sympy raises several types for what it cannot solve; no set then
+        continue
+  return out
+
+
+class _DropDisabledTimeoutWarning(logging.Filter):
+  """math-verify warns once that its timeouts are off; here that is by design."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    return "Timeout is disabled" not in record.getMessage()
+
+
+def _silence_math_verify() -> None:
+  for name in ("math_verify.parser", "math_verify.grader"):
+    lg = logging.getLogger(name)
+    if not any(isinstance(f, _DropDisabledTimeoutWarning) for f in lg.filters):
+      lg.addFilter(_DropDisabledTimeoutWarning())
+
+
+# ----------------------------------------------------------------------------------------------
+# The worker process's main loop (see `math_verifier._ProcessWorker`).
+
+def _serve(options_json: str) -> None:
+  """Worker process main loop: one JSON request per stdin line, one JSON reply per line."""
+  import signal
+
+  options = json.loads(options_json)
+  # Protocol replies go to the original stdout; anything else printed lands on stderr.
+  reply_fd = os.dup(1)
+  os.dup2(2, 1)
+  send = lambda obj: os.write(reply_fd, (json.dumps(obj) + "\n").encode())  # noqa: E731
+  memory_mb = options.pop("memory_mb")
+  if memory_mb:
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = memory_mb * 2**20
+    if hard != resource.RLIM_INFINITY:
+      cap = min(cap, hard)
+    resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
+  try:
+    import math_verify  # noqa: F401  (pay the import before reporting ready)
+    _silence_math_verify()
+  except BaseException as e:  # noqa: BLE001
+    send({"ready": False, "error": f"{type(e).__name__}: {e}"})
+    return
+  send({"ready": True})
+  for line in sys.stdin.buffer:
+    request = json.loads(line)
+    signal.alarm(int(request["watchdog_s"]))
+    try:
+      reply = {"equal": _equal_inline(request["prediction"], request["gold"], **options)}
+    except BaseException as e:  # noqa: BLE001  (MemoryError, RecursionError: a wrong answer)
+      reply = {"equal": False, "error": f"{type(e).__name__}: {e}"}
+    finally:
+      signal.alarm(0)
+    send(reply)
