@@ -240,6 +240,21 @@ def _marked_answer(text: str) -> tuple[str | None, str] | None:
   return None
 
 
+def _reasoned_answer(text: str) -> str | None:
+  """The answer in "7, since 3 + 4 = 7": a bare answer followed by its reason, which runs to the
+  end of the text; else None. The reason's working names no other answer, as after a marked
+  answer ("The answer is 7, since ..."); a later sentence ("... Actually 8.") leaves the text to
+  the prose reading."""
+  reason = _REASON.search(text)
+  if reason is None:
+    return None
+  head = text[:reason.start()].strip()
+  stop = _SENTENCE_END.search(text, reason.end())
+  if not head or not _is_bare_answer(head) or (stop is not None and text[stop.end():].strip()):
+    return None
+  return head
+
+
 def _reason_start(text: str, pos: int, end: int) -> int:
   """Where the first reason given in `text[pos:end]` once an answer is named starts, else `end`.
 
@@ -317,7 +332,8 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   finds "5" in "5 dollars" and the boxed part of a full solution. A bare string that yields no
   expression when boxed ("3.") falls back to extraction. Prose that marks its answer without a
   box ("The answer is 5. Check: ...") is read up to the end of the marking sentence or a reason
-  given in it ("..., since 2 + 3 = 5"), and a later sentence marking another value hedges; an
+  given in it ("..., since 2 + 3 = 5"), and a later sentence marking another value hedges; a
+  bare answer with a reason that ends the text ("7, since 3 + 4 = 7") is that answer; an
   answer phrase naming what math-verify does not read ("The answer is B.") parses to nothing, for
   `_equal_inline` to read. Python's power operator is read ("2**3" is 8), a box's argument may
   go without braces ("\\boxed5"), and math joined by "and", "or" or "\\lor", and equations side
@@ -355,6 +371,9 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
       return []
     raw = parse(text, parsing_timeout=None)
     return _with_percent_values(raw or boxed)
+  reasoned = _reasoned_answer(text)
+  if reasoned is not None:
+    return _parse_answer(reasoned, single=single, **options)
   marked = _marked_answer(text)
   if marked is not None:
     head, rest = marked

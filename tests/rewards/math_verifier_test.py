@@ -166,6 +166,11 @@ EQUAL = [
     ("**\\frac{1}{2}**", "0.5"),
     ("**B**", "B"),
     ("2 ** 3", "8"),
+    # A bare answer followed by its reason, to the end of the text, is the answer.
+    ("7, since 3 + 4 = 7", "7"),
+    ("x = 5 since 2x = 10", "5"),
+    ("5 (since 2+3=5).", "5"),
+    ("B, because 2 is even", "B"),
 ]
 
 NOT_EQUAL = [
@@ -208,6 +213,8 @@ NOT_EQUAL = [
     ("The value of `n` is 4, so the answer is `5`.", "4"),
     ("The answer is `not 5`.", "5"),
     ("```python\nprint(5)\n```\nThe answer is 6.", "5"),
+    ("x = 5 since 2x = 10", "10"),
+    ("B, because 2 is even", "2"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
@@ -270,6 +277,8 @@ HEDGED = [
     ("`5`, not `6`", "6"),
     ("**5** or **6**", "5"),
     ("**5**, not **6**", "6"),
+    ("7, since 3 + 4 = 7. Actually 8.", "7"),
+    ("5 or 6, since 2 + 3 = 5", "5"),
 ]
 
 
