@@ -82,9 +82,11 @@ _NAMING = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+|([A-Za-z0-9])")
 # Inline code in markdown ("The answer is `5`.", "``5``"), which quotes its content; group 2 the
 # content. Code blocks ("```python") are left as written.
 _INLINE_CODE = re.compile(r"(?<!`)(`{1,2})([^`\n]+)\1(?!`)")
-# Bold text in markdown ("**7**", "**-3**"), which a bare answer would read as Python's power
-# operator; group 1 the content. "2**3**2" is powers: bold starts and ends outside a word.
-_BOLD = re.compile(r"(?<![\w*])\*\*(?=\S)([^*\n]+?)(?<=\S)\*\*(?![\w*])")
+# Bold or italic text in markdown ("**7**", "*7*", "__7__"), which a bare answer would read as
+# Python's power operator or a product; group 2 the content. "2**3**2", "2*3*4" and "(2)*3*(4)"
+# are arithmetic: emphasis starts and ends outside a word or a bracket.
+_EMPHASIS = re.compile(
+    r"(?<![\w*)\]}])(\*\*?|__)(?=[^\s*_])([^*\n]+?)(?<=[^\s*_])\1(?![\w*(\[{])")
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 
@@ -118,8 +120,9 @@ def _drop_boxed_full_stops(text: str) -> str:
 
 
 def _drop_markdown(text: str) -> str:
-  """Drops the marks of inline code ("`5`") and bold text ("**7**") around what they mark."""
-  return _BOLD.sub(r"\1", _INLINE_CODE.sub(r"\2", text))
+  """Drops the marks of inline code ("`5`") and bold or italic text ("**7**") around what they
+  mark."""
+  return _EMPHASIS.sub(r"\2", _INLINE_CODE.sub(r"\2", text))
 
 
 def _normalize_numbers(text: str) -> str:
@@ -464,7 +467,7 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
   """Compares on the calling thread with no time limit; raises on unexpected errors."""
   from math_verify import verify
 
-  # A model writing markdown quotes its answer as code ("**Answer:** `5`") or bolds it ("**7**"):
+  # A model writing markdown quotes its answer as code ("**Answer:** `5`") or stresses it ("**7**"):
   # the text is read as written without the marks, so "`5` or `6`" still hedges.
   prediction, gold = _drop_markdown(prediction), _drop_markdown(gold)
   if " ".join(prediction.split()) == " ".join(gold.split()) and prediction.strip():

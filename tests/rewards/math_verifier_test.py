@@ -166,6 +166,11 @@ EQUAL = [
     ("**\\frac{1}{2}**", "0.5"),
     ("**B**", "B"),
     ("2 ** 3", "8"),
+    ("The answer is *5*.", "5"),  # italic
+    ("*-3*", "-3"),
+    ("__5__", "5"),
+    ("2*3*4", "24"),  # products, not emphasis
+    ("(2)*3*(4)", "24"),
     # A bare answer followed by its reason, to the end of the text, is the answer.
     ("7, since 3 + 4 = 7", "7"),
     ("x = 5 since 2x = 10", "5"),
@@ -277,6 +282,7 @@ HEDGED = [
     ("`5`, not `6`", "6"),
     ("**5** or **6**", "5"),
     ("**5**, not **6**", "6"),
+    ("*5* or *6*", "5"),
     ("7, since 3 + 4 = 7. Actually 8.", "7"),
     ("5 or 6, since 2 + 3 = 5", "5"),
 ]
