@@ -83,10 +83,13 @@ _NAMING = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+|([A-Za-z0-9])")
 # content. Code blocks ("```python") are left as written.
 _INLINE_CODE = re.compile(r"(?<!`)(`{1,2})([^`\n]+)\1(?!`)")
 # Bold or italic text in markdown ("**7**", "*7*", "__7__"), which a bare answer would read as
-# Python's power operator or a product; group 2 the content. "2**3**2", "2*3*4" and "(2)*3*(4)"
-# are arithmetic: emphasis starts and ends outside a word or a bracket.
+# Python's power operator or a product; group 2 or 3 the content. "2**3**2", "2*3*4" and
+# "(2)*3*(4)" are arithmetic: emphasis starts and ends outside a word or a bracket. Its content
+# holds no mark of its kind, so each try ends at the next mark (linear time).
 _EMPHASIS = re.compile(
-    r"(?<![\w*)\]}])(\*\*?|__)(?=[^\s*_])([^*\n]+?)(?<=[^\s*_])\1(?![\w*(\[{])")
+    r"(?<![\w*)\]}])"
+    r"(?:(\*\*?)(?=[^\s*])([^*\n]+?)(?<=[^\s*])\1|__(?=[^\s_])([^_\n]+?)(?<=[^\s_])__)"
+    r"(?![\w*(\[{])")
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 
@@ -122,7 +125,8 @@ def _drop_boxed_full_stops(text: str) -> str:
 def _drop_markdown(text: str) -> str:
   """Drops the marks of inline code ("`5`") and bold or italic text ("**7**") around what they
   mark."""
-  return _EMPHASIS.sub(r"\2", _INLINE_CODE.sub(r"\2", text))
+  text = _INLINE_CODE.sub(r"\2", text)
+  return _EMPHASIS.sub(lambda m: m.group(2) if m.group(3) is None else m.group(3), text)
 
 
 def _normalize_numbers(text: str) -> str:

@@ -327,6 +327,8 @@ def test_many_answer_phrases_in_one_sentence_cost_linear_time(thread_verifier):
 @pytest.mark.parametrize("text", [
     "The answer is" + " " * 20000 + "B",  # a pattern starting with spaces, tried at each of them
     "The answer is " + "as is " * 4000 + "5",  # a reason after "is" names nothing: each looked back
+    " __a" * 20000,  # markdown emphasis never closed: each opening looked to the end of the line
+    " __a_" * 20000,
 ])
 def test_degenerate_responses_cost_linear_time(thread_verifier, text):
   start = time.monotonic()
