@@ -251,9 +251,10 @@ def _reasoned_answer(text: str) -> str | None:
   """The answer in "7, since 3 + 4 = 7": a bare answer followed by its reason, which runs to the
   end of the text; else None. The reason's working names no other answer, as after a marked
   answer ("The answer is 7, since ..."); a later sentence ("... Actually 8.") leaves the text to
-  the prose reading."""
+  the prose reading, and so does a reason that marks or boxes an answer ("5 because the answer
+  is 6", "5, since \\boxed{6}")."""
   reason = _REASON.search(text)
-  if reason is None:
+  if reason is None or _ANSWER_MARK.search(text) or _box_spans(text):
     return None
   head = text[:reason.start()].strip()
   stop = _SENTENCE_END.search(text, reason.end())

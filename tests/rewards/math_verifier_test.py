@@ -285,6 +285,8 @@ HEDGED = [
     ("*5* or *6*", "5"),
     ("7, since 3 + 4 = 7. Actually 8.", "7"),
     ("5 or 6, since 2 + 3 = 5", "5"),
+    ("5 because the answer is 6", "5"),  # the reason's answer is read (scored 1 after 82dd079)
+    ("5, since \\boxed{6}", "5"),
 ]
 
 
