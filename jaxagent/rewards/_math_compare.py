@@ -380,8 +380,9 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     raw = parse(text, parsing_timeout=None)
     return _with_percent_values(raw or boxed)
   reasoned = _reasoned_answer(text)
-  if reasoned is not None:
-    return _parse_answer(reasoned, single=single, **options)
+  parsed = [] if reasoned is None else _parse_answer(reasoned, single=single, **options)
+  if any(not isinstance(x, str) for x in parsed):  # else the prose reading decides
+    return parsed
   marked = _marked_answer(text)
   if marked is not None:
     head, rest = marked

@@ -176,6 +176,7 @@ EQUAL = [
     ("x = 5 since 2x = 10", "5"),
     ("5 (since 2+3=5).", "5"),
     ("B, because 2 is even", "B"),
+    ("\n.   because 6", "6"),  # a head that reads nothing leaves the text to the prose reading
 ]
 
 NOT_EQUAL = [
