@@ -354,7 +354,8 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   """
   from math_verify import parse
 
-  text = _UNBRACED_BOX.sub(r"\\boxed{\1}", _FBOX.sub(r"\\boxed", text.strip()))
+  # A tie ("5~or~6", "1~000") is a space to LaTeX.
+  text = _UNBRACED_BOX.sub(r"\\boxed{\1}", _FBOX.sub(r"\\boxed", text.replace("~", " ").strip()))
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
   equations = _EQUATION_BREAK.split(text)
   if len(equations) > 1 and all("=" in e for e in equations):

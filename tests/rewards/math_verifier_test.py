@@ -177,6 +177,9 @@ EQUAL = [
     ("5 (since 2+3=5).", "5"),
     ("B, because 2 is even", "B"),
     ("\n.   because 6", "6"),  # a head that reads nothing leaves the text to the prose reading
+    # A LaTeX tie is a space.
+    ("1~000", "1000"),
+    ("x=2~\\text{or}~x=3", "2, 3"),
 ]
 
 NOT_EQUAL = [
@@ -284,6 +287,7 @@ HEDGED = [
     ("**5** or **6**", "5"),
     ("**5**, not **6**", "6"),
     ("*5* or *6*", "5"),
+    ("5~or~6", "5"),
     ("7, since 3 + 4 = 7. Actually 8.", "7"),
     ("5 or 6, since 2 + 3 = 5", "5"),
     ("5 because the answer is 6", "5"),  # the reason's answer is read (scored 1 after 82dd079)
