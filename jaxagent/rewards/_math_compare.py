@@ -90,6 +90,12 @@ _EMPHASIS = re.compile(
     r"(?<![\w*)\]}])"
     r"(?:(\*\*?)(?=[^\s*])([^*\n]+?)(?<=[^\s*])\1|__(?=[^\s_])([^_\n]+?)(?<=[^\s_])__)"
     r"(?![\w*(\[{])")
+# A plus-minus, and what may stand before and after a fraction on its own (`_spread_plus_minus`).
+_PLUS_MINUS = re.compile(r"\\pm(?![A-Za-z])")
+_FRAC_HEAD = re.compile(r"\\[dt]?frac\s*\{$")
+_BRACE_OPEN = re.compile(r"\s*\{")
+_ALONE_BEFORE = re.compile(r"(?:^|[=,{$]|\\[(\[]|\\boxed\s*\{)\s*$")
+_ALONE_AFTER = re.compile(r"\s*(?:$|[,}$.]|\\[)\]])")
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 
@@ -127,6 +133,39 @@ def _drop_markdown(text: str) -> str:
   mark."""
   text = _INLINE_CODE.sub(r"\2", text)
   return _EMPHASIS.sub(lambda m: m.group(2) if m.group(3) is None else m.group(3), text)
+
+
+def _spread_plus_minus(text: str) -> str:
+  """Writes a fraction with a plus-minus in its numerator ("\\frac{-1 \\pm \\sqrt{5}}{2}") as
+  "\\frac{-1}{2} \\pm \\frac{\\sqrt{5}}{2}", which math-verify reads as the set of both values;
+  it cannot parse the first. Only where the text holds one plus-minus and the fraction stands on
+  its own (a side of an equation, a box's content, a list's element): next to other terms, the
+  spread sum would bind differently."""
+  signs = _PLUS_MINUS.findall(text)
+  if len(signs) != 1:
+    return text
+  sign = _PLUS_MINUS.search(text)
+  opens, closing, numerator = [], {}, None
+  for m in _BRACE_TOKEN.finditer(text):
+    if m.start() == sign.start():
+      numerator = opens[-1] if opens else None
+    elif m.group() == "{":
+      opens.append(m.start())
+    elif m.group() == "}" and opens:
+      closing[opens.pop()] = m.start()
+  frac = numerator is not None and _FRAC_HEAD.search(text, 0, numerator + 1)
+  if not frac or numerator not in closing:
+    return text
+  denominator = _BRACE_OPEN.match(text, closing[numerator] + 1)
+  if denominator is None or denominator.end() - 1 not in closing:
+    return text
+  end = closing[denominator.end() - 1] + 1
+  if not (_ALONE_BEFORE.search(text, 0, frac.start()) and _ALONE_AFTER.match(text, end)):
+    return text
+  a, b = text[numerator + 1:sign.start()].strip(), text[sign.end():closing[numerator]].strip()
+  d = text[denominator.end():end - 1]
+  spread = f"\\frac{{{a}}}{{{d}}} \\pm \\frac{{{b}}}{{{d}}}" if a else f"\\pm \\frac{{{b}}}{{{d}}}"
+  return text[:frac.start()] + spread + text[end:]
 
 
 def _normalize_numbers(text: str) -> str:
@@ -357,6 +396,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   # A tie ("5~or~6", "1~000") is a space to LaTeX.
   text = _UNBRACED_BOX.sub(r"\\boxed{\1}", _FBOX.sub(r"\\boxed", text.replace("~", " ").strip()))
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
+  text = _spread_plus_minus(text)
   equations = _EQUATION_BREAK.split(text)
   if len(equations) > 1 and all("=" in e for e in equations):
     # "x = 2 \\quad x = 3" lists two equations

@@ -177,6 +177,11 @@ EQUAL = [
     ("5 (since 2+3=5).", "5"),
     ("B, because 2 is even", "B"),
     ("\n.   because 6", "6"),  # a head that reads nothing leaves the text to the prose reading
+    # A plus-minus in a fraction's numerator names both values (math-verify cannot parse it).
+    ("x = \\frac{-1 \\pm \\sqrt{5}}{2}", "\\frac{-1 \\pm \\sqrt{5}}{2}"),
+    ("\\frac{-1 + \\sqrt{5}}{2}, \\frac{-1 - \\sqrt{5}}{2}", "\\frac{-1 \\pm \\sqrt{5}}{2}"),
+    ("\\boxed{\\dfrac{-1\\pm\\sqrt5}{2}}", "\\frac{-1 - \\sqrt{5}}{2}, \\frac{-1 + \\sqrt{5}}{2}"),
+    ("\\frac{\\pm \\sqrt{5}}{2}", "\\pm \\frac{\\sqrt{5}}{2}"),
     # A LaTeX tie is a space.
     ("1~000", "1000"),
     ("x=2~\\text{or}~x=3", "2, 3"),
@@ -224,6 +229,8 @@ NOT_EQUAL = [
     ("```python\nprint(5)\n```\nThe answer is 6.", "5"),
     ("x = 5 since 2x = 10", "10"),
     ("B, because 2 is even", "2"),
+    ("\\frac{-1 + \\sqrt{5}}{2}", "\\frac{-1 \\pm \\sqrt{5}}{2}"),  # one of the two values
+    ("2", "\\frac{1 \\pm 2}{2}"),  # the gold was read as its denominator
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
