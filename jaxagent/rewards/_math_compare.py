@@ -141,10 +141,10 @@ def _spread_plus_minus(text: str) -> str:
   it cannot parse the first. Only where the text holds one plus-minus and the fraction stands on
   its own (a side of an equation, a box's content, a list's element): next to other terms, the
   spread sum would bind differently."""
-  signs = _PLUS_MINUS.findall(text)
+  signs = list(_PLUS_MINUS.finditer(text))
   if len(signs) != 1:
     return text
-  sign = _PLUS_MINUS.search(text)
+  sign = signs[0]
   opens, closing, numerator = [], {}, None
   for m in _BRACE_TOKEN.finditer(text):
     if m.start() == sign.start():
