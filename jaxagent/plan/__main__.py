@@ -21,9 +21,9 @@ from jaxagent import config_files
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (`path.py[:variant]`).")
 _TOPOLOGY = flags.DEFINE_string(
-    "topology", "local", "TPU topology ('v5e:4x4', 'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1', ...), a "
-    "Cloud TPU accelerator type ('v5litepod-16', 'v5p-8', 'v6e-8', 'v4-8') or 'local' for this "
-    "machine's devices.")
+    "topology", "local", "TPU topology ('v5e:4x4', 'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1', "
+    "'tpu7x:2x2x1', ...), a Cloud TPU accelerator type ('v5litepod-16', 'v5p-8', 'v6e-8', 'v4-8') "
+    "or 'local' for this machine's devices.")
 _ROWS = flags.DEFINE_integer("rows", None, "Update-batch rows (default: one trajectory per row).")
 _PROMPT_LEN = flags.DEFINE_integer(
     "prompt_len", None, "Longest prompt to prefill (default: rollout.max_prompt_tokens, else "

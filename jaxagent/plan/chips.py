@@ -12,6 +12,7 @@ Peak numbers are the vendors' published per-chip figures (dense, no sparsity):
 | TPU v5e | 16 GiB | 197 TFLOP/s | 819 GB/s | ICI 400 GB/s both ways (200 each way) |
 | TPU v5p | 95 GiB | 459 TFLOP/s | 2765 GB/s | ICI 1200 GB/s both ways (600 each way) |
 | TPU v6e | 32 GiB | 918 TFLOP/s | 1640 GB/s | ICI 800 GB/s both ways (400 each way) |
+| TPU7x | 192 GiB | 2307 TFLOP/s | 7380 GB/s | ICI 1200 GB/s both ways (600 each way) |
 | H100 SXM | 80 GB | 989 TFLOP/s (TF32 494) | 3350 GB/s | NVLink 900 GB/s (450 each way) |
 | H200 | 141 GB | 989 TFLOP/s (TF32 494) | 4800 GB/s | NVLink 900 GB/s (450 each way) |
 | A100 80GB | 80 GB | 312 TFLOP/s (TF32 156) | 2039 GB/s | NVLink 600 GB/s (300 each way) |
@@ -26,12 +27,20 @@ and at the TF32 rate on GPU. Where the runtime reports the allocator's limit
 what this process can actually use. A compile-only TPU device reports nothing; there the
 capacity is the HBM the TPU compiler lets one program use on it, which it names when it refuses
 a program too large to fit (with this libtpu: v5e 15.75 GiB of its 16, v6e 31.25 of 32, v5p
-95.74, v4 30.75), and the table's figure only when that cannot be read. CPU devices have
-no capacity and no peak: host memory is checked leniently, if at all.
+95.74, v4 30.75, a TPU7x core 94.75 of its half of 192), and the table's figure only when
+that cannot be read. CPU devices have no capacity and no peak: host memory is checked
+leniently, if at all.
 A v4 chip has two TensorCores that JAX on a v4 host runs as one device (megacore), so a v4
 topology is described in that chip configuration: one device per chip, as on the real hosts
 (libtpu's default lists each core as a device). Devices that are single cores of a chip (its
-`core_on_chip` differs) each get half the chip. The v5e and v6e slices of 1, 4 and 8 chips
+`core_on_chip` differs) each get half the chip. A TPU7x (Ironwood) chip is two chiplets of one
+TensorCore each, which JAX runs as two devices (docs.cloud.google.com/tpu/docs/tpu7x: its
+programming model gives access to two TPU devices per chip; docs.jax.dev's
+jax.experimental.pallas.tpu.ChipVersion: 7x has no megacore), so a TPU7x topology keeps
+libtpu's default listing: two devices per chip, each with half its HBM, peak and
+bandwidth, and a mesh counts devices (tpu7x:2x2x1 is 4 chips, 8 devices); its hosts are libtpu's
+default 2x2x1 (the 4-chip VMs Cloud provisions). Cloud's docs give no tpu7x-N accelerator type
+with a fixed shape, so only 'tpu7x:AxBxC' is read. The v5e and v6e slices of 1, 4 and 8 chips
 (1x1, 2x2, 2x4) are described as one host, as Cloud TPU provisions them; larger ones, like v4
 and v5p, as hosts of 4 chips. Cloud TPU accelerator types (`v5litepod-16`, `v4-8`) are read as
 the topologies they name (`resolve_topology`).
@@ -83,6 +92,9 @@ CHIPS: dict[str, ChipSpec] = {
     "TPU v5p": ChipSpec("v5p", 95 * GiB, 459e12, 459e12, 2765e9, 600e9),
     "TPU v6 lite": ChipSpec("v6e", 32 * GiB, 918e12, 918e12, 1640e9, 400e9),
     "TPU v6e": ChipSpec("v6e", 32 * GiB, 918e12, 918e12, 1640e9, 400e9),
+    # https://docs.cloud.google.com/tpu/docs/tpu7x (per chip: 2307 TFLOP/s bf16, 192 GiB HBM,
+    # 7380 GB/s, ICI 1200 GB/s bidirectional, two TensorCores); chip_for halves it per device.
+    "TPU7x": ChipSpec("tpu7x", 192 * GiB, 2307e12, 2307e12, 7380e9, 600e9),
     "H100": ChipSpec("H100", 80e9, 989e12, 494e12, 3350e9, 450e9),
     "H200": ChipSpec("H200", 141e9, 989e12, 494e12, 4800e9, 450e9),
     "A100": ChipSpec("A100", 80e9, 312e12, 156e12, 2039e9, 300e9),
@@ -162,6 +174,11 @@ def resolve_topology(topology: str) -> str:
   if not m:
     return topology
   generation, n = m.group(1), int(m.group(2))
+  if generation == "tpu7x":
+    raise ValueError(
+        f"topology {topology!r}: the planner translates no tpu7x-N accelerator type (Cloud's "
+        "TPU7x docs name none with a fixed slice shape); pass the slice's shape as an explicit "
+        "'tpu7x:AxBxC' topology, such as 'tpu7x:2x2x1' (4 chips, one host, 8 devices)")
   if generation not in _CLOUD_TYPES:
     known = {chip: cloud for cloud, (chip, _, _) in _CLOUD_TYPES.items()}
     why = (f"Cloud names {generation} slices {known[generation]}-N" if generation in known
@@ -191,9 +208,9 @@ def devices_for(topology: str | None) -> list[jax.Device]:
   topology = resolve_topology(topology)
   if ":" not in topology:
     raise ValueError(f"topology {topology!r}: expected '<chip>:<shape>' such as 'v5e:4x4', "
-                     "'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1', a Cloud TPU accelerator type such as "
-                     "'v5litepod-16', 'v5p-8', 'v6e-8', 'v4-8', or 'local' for this machine's "
-                     "devices")
+                     "'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1', 'tpu7x:2x2x1', a Cloud TPU "
+                     "accelerator type such as 'v5litepod-16', 'v5p-8', 'v6e-8', 'v4-8', or "
+                     "'local' for this machine's devices")
   if not has_libtpu():
     raise RuntimeError(
         f"compiling for the TPU topology {topology!r} needs libtpu, which is not installed. "

@@ -17,6 +17,10 @@ def test_table_matches_the_datasheets():
       459e12, 95 * GiB, 2765e9, 4800e9 / 8)
   assert (v6e.bf16_flops, v6e.hbm_bytes) == (918e12, 32 * GiB)
   assert (v4.bf16_flops, v4.hbm_bytes, v4.hbm_bandwidth) == (275e12, 32 * GiB, 1200e9)
+  # https://docs.cloud.google.com/tpu/docs/tpu7x: ICI 1200 GB/s bidirectional.
+  tpu7x = CHIPS["TPU7x"]
+  assert (tpu7x.bf16_flops, tpu7x.hbm_bytes, tpu7x.hbm_bandwidth, tpu7x.ici_bandwidth) == (
+      2307e12, 192 * GiB, 7380e9, 1200e9 / 2)
 
 
 @pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
@@ -68,6 +72,36 @@ def test_v4_topology_has_one_device_per_chip_as_on_v4_hosts():
 
 @pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
 @pytest.mark.tpu_aot
+def test_tpu7x_topology_has_a_device_per_tensorcore_with_half_the_chip():
+  # JAX runs each of a TPU7x chip's two TensorCores as a device: tpu7x:2x2x1 is 4 chips on one
+  # host, 8 devices. The planner had no TPU7x figures, so a plan for it had no verdict.
+  from configs import quickstart
+  from jaxagent.models import get_config
+  devices = plan.devices_for("tpu7x:2x2x1")
+  assert len(devices) == 8 and len({tuple(d.coords) for d in devices}) == 4
+  assert len({d.process_index for d in devices}) == 1
+  spec = plan.chip_for(devices)
+  assert spec.name == "tpu7x" and spec.source == "compiler"
+  chip = CHIPS["TPU7x"]
+  assert (spec.bf16_flops, spec.hbm_bandwidth, spec.ici_bandwidth) == (
+      chip.bf16_flops / 2, chip.hbm_bandwidth / 2, chip.ici_bandwidth / 2)
+  # The compiler's budget for one core: (about) half the chip's 192 GiB, not all of it.
+  assert 80 * GiB < spec.hbm_bytes <= 96 * GiB
+  c = quickstart.get_config("tiny")
+  c.model.tokenizer = ""
+  c.mesh.update(data=8, fsdp=1, tensor=1)
+  report = plan.plan_run(c, "tpu7x:2x2x1", cfg=get_config("tiny-llama", n_layers=1),
+                         options=plan.PlanOptions(programs=("update",)))
+  assert report.n_devices == 8 and report.mesh == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert report.fits is True, report.render()
+  update = report.program("update")
+  assert update.capacity == spec.hbm_bytes and 0 < update.total_bytes < update.capacity
+  # A time estimate needs the chip's peak and bandwidth (none without TPU7x figures).
+  assert update.est_s is not None and update.est_s > 0 and update.bound, report.render()
+
+
+@pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
+@pytest.mark.tpu_aot
 @pytest.mark.parametrize("topology, chips, hosts", [
     ("v5e:1x1", 1, 1), ("v6e:1x1", 1, 1), ("v5e:2x2", 4, 1), ("v5e:2x4", 8, 1),
     ("v6e:2x4", 8, 1), ("v5e:2x4x1", 8, 1), ("v5e:4x4", 16, 4), ("v5p:2x2x2", 8, 2)])
@@ -115,7 +149,9 @@ def test_planner_topologies_pass_through():
     # Chips the planner has no figures for, and v5e under a name Cloud does not use.
     ("v3-8", "'v3-8': the planner has no chip figures for v3. The planner translates the Cloud "
      "TPU accelerator types v4-N, v5p-N"),
-    ("tpu7x-8", "the planner has no chip figures for tpu7x"),
+    # TPU7x has figures, but no Cloud accelerator type the planner reads: its shape is asked for.
+    ("tpu7x-8", "'tpu7x-8': the planner translates no tpu7x-N accelerator type"),
+    ("TPU7X-16", "pass the slice's shape as an explicit 'tpu7x:AxBxC' topology"),
     ("v5e-16", "'v5e-16': Cloud names v5e slices v5litepod-N"),
 ])
 def test_cloud_types_it_cannot_translate_say_which_it_can(name, expected):
