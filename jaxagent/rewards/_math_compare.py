@@ -4,7 +4,7 @@
 thread backend calls `_equal_inline` on a daemon thread, and its process backend starts worker
 processes that run `_serve`, which answers one JSON request per line with `_equal_inline`.
 `_parse_answer` decides how each side is read (a bare answer, prose, a box, a marked answer, a
-hedge); `verifiers.extract_boxed` reads boxes by the same rules (`_box_spans`, `_UNBRACED_BOX`).
+hedge); `verifiers.extract_boxed` reads boxes by the same rules (`_brace_boxes`, `_box_spans`).
 
 This file imports only the standard library at module level: worker processes load it by path,
 without importing the `jaxagent` package (and so without JAX).
@@ -98,6 +98,12 @@ _ALONE_BEFORE = re.compile(r"(?:^|[=,{$]|\\[(\[]|\\boxed\s*\{)\s*$")
 _ALONE_AFTER = re.compile(r"\s*(?:$|[,}$.]|\\[)\]])")
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
+
+
+def _brace_boxes(text: str) -> str:
+  """`text` with each box whose argument goes without braces (`_UNBRACED_BOX`) braced:
+  "\\boxed5" -> "\\boxed{5}"."""
+  return _UNBRACED_BOX.sub(r"\\boxed{\1}", text)
 
 
 def _box_spans(text: str) -> list[tuple[int, int, int]]:
@@ -394,7 +400,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   from math_verify import parse
 
   # A tie ("5~or~6", "1~000") is a space to LaTeX.
-  text = _UNBRACED_BOX.sub(r"\\boxed{\1}", _FBOX.sub(r"\\boxed", text.replace("~", " ").strip()))
+  text = _brace_boxes(_FBOX.sub(r"\\boxed", text.replace("~", " ").strip()))
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
   text = _spread_plus_minus(text)
   equations = _EQUATION_BREAK.split(text)

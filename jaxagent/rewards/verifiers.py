@@ -18,7 +18,7 @@ import re
 import string
 from typing import Sequence
 
-from jaxagent.rewards._math_compare import _UNBRACED_BOX, _box_spans
+from jaxagent.rewards._math_compare import _box_spans, _brace_boxes
 from jaxagent.rewards.math_verifier import math_equal
 
 __all__ = [
@@ -66,14 +66,9 @@ def extract_boxed(text: str) -> str | None:
   as `math_equal` reads it: its argument is the content. Linear in the text however many boxes
   are left open.
   """
+  text = _brace_boxes(text)
   spans = _box_spans(text)
-  last = spans[-1][1:] if spans else None
-  unbraced = None
-  for unbraced in _UNBRACED_BOX.finditer(text):
-    pass
-  if unbraced is not None and (last is None or unbraced.start() > spans[-1][0]):
-    last = unbraced.span(1)
-  return text[last[0]:last[1]].strip() if last else None
+  return text[spans[-1][1]:spans[-1][2]].strip() if spans else None
 
 
 def extract_gsm8k(text: str) -> str | None:
