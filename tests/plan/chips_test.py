@@ -47,13 +47,23 @@ def test_compile_only_capacity_is_what_the_compiler_lets_a_program_use(topology,
   assert not compiles(spec.hbm_bytes + 64 * 2 ** 20)
 
 
+def _tiny_update_plan(topology: str, data: int) -> plan.PlanReport:
+  """The update program of the quickstart's tiny config on a one-layer tiny-llama, planned for
+  `topology` with a data-parallel mesh of `data` devices."""
+  from configs import quickstart
+  from jaxagent.models import get_config
+  c = quickstart.get_config("tiny")
+  c.model.tokenizer = ""
+  c.mesh.update(data=data, fsdp=1, tensor=1)
+  return plan.plan_run(c, topology, cfg=get_config("tiny-llama", n_layers=1),
+                       options=plan.PlanOptions(programs=("update",)))
+
+
 @pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
 @pytest.mark.tpu_aot
 def test_v4_topology_has_one_device_per_chip_as_on_v4_hosts():
   # A v4 host runs each chip's two TensorCores as one device (megacore): v4:2x2x1 is 4 chips,
   # 4 devices. libtpu's default description lists 8 cores, so a run's mesh of 4 was refused.
-  from configs import quickstart
-  from jaxagent.models import get_config
   devices = plan.devices_for("v4:2x2x1")
   assert len(devices) == 4 and len({tuple(d.coords) for d in devices}) == 4
   spec = plan.chip_for(devices)
@@ -61,11 +71,7 @@ def test_v4_topology_has_one_device_per_chip_as_on_v4_hosts():
   # The whole chip: its peak and (about) its 32 GiB, not half of them for one core.
   assert spec.bf16_flops == CHIPS["TPU v4"].bf16_flops
   assert 24 * GiB < spec.hbm_bytes <= 32 * GiB
-  c = quickstart.get_config("tiny")
-  c.model.tokenizer = ""
-  c.mesh.update(data=4, fsdp=1, tensor=1)
-  report = plan.plan_run(c, "v4:2x2x1", cfg=get_config("tiny-llama", n_layers=1),
-                         options=plan.PlanOptions(programs=("update",)))
+  report = _tiny_update_plan("v4:2x2x1", data=4)
   assert report.n_devices == 4 and report.mesh == {"data": 4, "fsdp": 1, "tensor": 1}
   assert report.fits is True, report.render()
 
@@ -74,9 +80,7 @@ def test_v4_topology_has_one_device_per_chip_as_on_v4_hosts():
 @pytest.mark.tpu_aot
 def test_tpu7x_topology_has_a_device_per_tensorcore_with_half_the_chip():
   # JAX runs each of a TPU7x chip's two TensorCores as a device: tpu7x:2x2x1 is 4 chips on one
-  # host, 8 devices. The planner had no TPU7x figures, so a plan for it had no verdict.
-  from configs import quickstart
-  from jaxagent.models import get_config
+  # host, 8 devices. Without TPU7x figures a plan for it had no peak, bandwidth or time estimate.
   devices = plan.devices_for("tpu7x:2x2x1")
   assert len(devices) == 8 and len({tuple(d.coords) for d in devices}) == 4
   assert len({d.process_index for d in devices}) == 1
@@ -87,11 +91,7 @@ def test_tpu7x_topology_has_a_device_per_tensorcore_with_half_the_chip():
       chip.bf16_flops / 2, chip.hbm_bandwidth / 2, chip.ici_bandwidth / 2)
   # The compiler's budget for one core: (about) half the chip's 192 GiB, not all of it.
   assert 80 * GiB < spec.hbm_bytes <= 96 * GiB
-  c = quickstart.get_config("tiny")
-  c.model.tokenizer = ""
-  c.mesh.update(data=8, fsdp=1, tensor=1)
-  report = plan.plan_run(c, "tpu7x:2x2x1", cfg=get_config("tiny-llama", n_layers=1),
-                         options=plan.PlanOptions(programs=("update",)))
+  report = _tiny_update_plan("tpu7x:2x2x1", data=8)
   assert report.n_devices == 8 and report.mesh == {"data": 8, "fsdp": 1, "tensor": 1}
   assert report.fits is True, report.render()
   update = report.program("update")
