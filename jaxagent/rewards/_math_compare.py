@@ -45,6 +45,8 @@ _FULL_STOP = re.compile(r"(?<![.\s])\s*\.$")
 _BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # math-verify reads \boxed only; \fbox is the same box to a reader.
 _FBOX = re.compile(r"\\fbox(?![A-Za-z])")
+# An empty box names nothing; left in, it hid an earlier box ("\boxed{5} so \boxed{}").
+_EMPTY_BOX = re.compile(r"\\boxed\s*\{\s*\}")
 # A box whose one-token argument goes without braces ("\boxed5", "\boxed B", "\boxed\pi"), as
 # LaTeX allows ("\frac12"); group 1 the argument. A run of digits is one argument ("\boxed12" is
 # 12, as its writer meant), and "\boxed5 6" boxes 5 only. An argument followed by an operator
@@ -401,6 +403,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
 
   # A tie ("5~or~6", "1~000") is a space to LaTeX.
   text = _brace_boxes(_FBOX.sub(r"\\boxed", text.replace("~", " ").strip()))
+  text = _EMPTY_BOX.sub("", text).strip()
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
   text = _spread_plus_minus(text)
   equations = _EQUATION_BREAK.split(text)

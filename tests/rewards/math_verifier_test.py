@@ -185,6 +185,10 @@ EQUAL = [
     # A LaTeX tie is a space.
     ("1~000", "1000"),
     ("x=2~\\text{or}~x=3", "2, 3"),
+    # An empty box names nothing; it does not hide an earlier box (these scored 0).
+    ("\\boxed{5} so \\boxed{}", "5"),
+    ("\\boxed{} \\boxed{5}", "5"),
+    ("\\boxed{5}. \\fbox{ }", "5"),
 ]
 
 NOT_EQUAL = [
@@ -299,6 +303,7 @@ HEDGED = [
     ("5 or 6, since 2 + 3 = 5", "5"),
     ("5 because the answer is 6", "5"),  # the reason's answer is read (scored 1 after 82dd079)
     ("5, since \\boxed{6}", "5"),
+    ("\\boxed{5} \\boxed{6} \\boxed{}", "5"),
 ]
 
 
