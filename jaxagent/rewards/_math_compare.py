@@ -476,6 +476,8 @@ _DIGIT = re.compile(r"\d")
 # An answer that rules a value out ("not 5", "The answer is not $5$.") names no answer.
 _NEGATED = re.compile(
     r"(?:^|\banswer\b(?:\*\*)?\s*(?:is\b|:))\s*(?:\*\*\s*)?not\s+(?=[-+\d$\\(\[{])", re.IGNORECASE)
+# A multiple-choice answer spelled out ("option A", "Choice (B)") is its letter.
+_OPTION = re.compile(r"\b(?i:option|choice)\s+(\(?[A-Z]\)?)(?![\w(])")
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\s*\{([^{}]*)\}")
 _WORDS_ONLY = re.compile(r"[A-Za-z]{2,}(?:[ '\-][A-Za-z]+)*")
 
@@ -526,6 +528,7 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
   # A model writing markdown quotes its answer as code ("**Answer:** `5`") or stresses it ("**7**"):
   # the text is read as written without the marks, so "`5` or `6`" still hedges.
   prediction, gold = _drop_markdown(prediction), _drop_markdown(gold)
+  prediction, gold = _OPTION.sub(r"\1", prediction), _OPTION.sub(r"\1", gold)
   if " ".join(prediction.split()) == " ".join(gold.split()) and prediction.strip():
     return True
   options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}

@@ -189,6 +189,12 @@ EQUAL = [
     ("\\boxed{5} so \\boxed{}", "5"),
     ("\\boxed{} \\boxed{5}", "5"),
     ("\\boxed{5}. \\fbox{ }", "5"),
+    # A multiple-choice answer spelled "option A" / "choice A" is its letter (these scored 0).
+    ("Option A", "A"),
+    ("The answer is option A.", "A"),
+    ("The correct answer is Choice (D).", "D"),
+    ("**Answer:** Option C", "C"),
+    ("A", "Option A"),
 ]
 
 NOT_EQUAL = [
@@ -235,6 +241,9 @@ NOT_EQUAL = [
     ("B, because 2 is even", "2"),
     ("\\frac{-1 + \\sqrt{5}}{2}", "\\frac{-1 \\pm \\sqrt{5}}{2}"),  # one of the two values
     ("2", "\\frac{1 \\pm 2}{2}"),  # the gold was read as its denominator
+    ("Option A", "B"),
+    ("Option B", "Option A"),
+    ("The answer is B. Option A has 5 sides.", "A"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
@@ -304,6 +313,7 @@ HEDGED = [
     ("5 because the answer is 6", "5"),  # the reason's answer is read (scored 1 after 82dd079)
     ("5, since \\boxed{6}", "5"),
     ("\\boxed{5} \\boxed{6} \\boxed{}", "5"),
+    ("Option A or option B", "A"),
 ]
 
 
