@@ -19,8 +19,14 @@ Two conventions are provided:
   `<tool_call>{"name": "calculator", "arguments": {"expression": "2+2"}}</tool_call>`.
 
 Both act only on the LAST complete block that ends the turn text (only whitespace may follow it),
-because the driver stops the turn right after a closing tag; earlier blocks are history. `parse`
-never raises on any input string (see the hypothesis fuzz tests).
+because the driver stops the turn right after a closing tag; earlier blocks are history. A block
+runs from its opening tag to the first closing tag of the same name, and the first block to open
+hides what it holds: an opening tag written inside a body is body text (`<code>s = "<code>"</code>`
+runs `s = "<code>"`; `<tool_call>` inside a JSON string argument stays in the string). An answer
+block is read as the rewards read it (`rewards.verifiers.extract_tagged`): from the last answer
+tag inside the block (`<answer>so <answer>42</answer>` answers "42"). A tag never closed is no
+block. `parse` never raises on any input string (see the hypothesis fuzz tests) and is linear in
+the text.
 
 Reasoning models (Qwen3 style) think in a `<think>...</think>` block before they act. With
 `XMLTagParser(..., think_tag="think")` what is written while thinking is not an action, as the
@@ -131,16 +137,6 @@ def _last_closing(text: str, tags: Sequence[str]) -> tuple[str, int] | None:
   return None
 
 
-def _dangling_open(text: str, tags: Sequence[str]) -> str | None:
-  """A tag whose last opening is after its last closing (an unclosed block), or None."""
-  best, best_pos = None, -1
-  for tag in tags:
-    opened = text.rfind(f"<{tag}>")
-    if opened > text.rfind(f"</{tag}>") and opened > best_pos:
-      best, best_pos = tag, opened
-  return best
-
-
 def _block_spans(text: str, tags: Sequence[str], *, until: str | None = None,
                  skip_unclosed: Sequence[str] = ()) -> list[tuple[str, int, int, bool]]:
   """(tag, start, end, closed) of each `<tag>...</tag>` block of `text`, in order.
@@ -179,6 +175,40 @@ def _without(text: str, spans: Sequence[tuple[str, int, int, bool]], tag: str) -
       pos = end
   parts.append(text[pos:])
   return "".join(parts)
+
+
+def _final_block(text: str, tags: Sequence[str],
+                 answer_tag: str | None) -> ParseResult | tuple[str, int, int]:
+  """(tag, opening start, closing start) of the block that ends `text`, or the ParseResult when
+  there is none ("text", or "malformed" for a tag left open or a stray closing tag).
+
+  The blocks are those of `_block_spans`: an opening tag inside a body is body text, so the
+  closing tag at the end belongs to the first opening tag after the previous block (the last
+  opening tag before it cut `<code>s = "<code>"</code>` to `"`). An answer starts at its last
+  opening tag inside its block, as `extract_tagged` reads it for the reward.
+  """
+  found = _last_closing(text, tags)
+  if found is None:
+    spans = _block_spans(text, tags)  # one never closed runs to the end of the text
+    if spans and not spans[-1][3]:
+      tag, start = spans[-1][:2]
+      return ParseResult.malformed(f"<{tag}> was opened but never closed; write <{tag}>...</{tag}>.",
+                                   raw=text[start:])
+    return ParseResult.text()
+  tag, close_at = found
+  end = close_at + len(tag) + 3
+  spans = _block_spans(text, tags, skip_unclosed=tags)
+  if not spans or spans[-1][2] != end:  # the closing tag at the end closes no block
+    opened = text.rfind(f"<{tag}>", 0, close_at)
+    if opened < 0:
+      return ParseResult.malformed(f"</{tag}> has no matching <{tag}>; write <{tag}>...</{tag}>.",
+                                   raw=text[max(0, close_at - _ECHO_CHARS):end])
+    return ParseResult.malformed(f"unbalanced <{tag}> tags: {_quote(text[opened:end])}",
+                                 raw=text[opened:end])
+  opened = spans[-1][1]
+  if tag == answer_tag:
+    opened = text.rfind(f"<{tag}>", opened, close_at)
+  return tag, opened, close_at
 
 
 class XMLTagParser:
@@ -255,22 +285,12 @@ class XMLTagParser:
     if self.think_tag is not None:  # what was written while thinking is not an action
       text = _without(text, _block_spans(text, self._hiding, until=self.answer_tag),
                       self.think_tag)
-    found = _last_closing(text, self._tags)
-    if found is None:
-      tag = _dangling_open(text, self._tags)
-      if tag is not None:
-        return ParseResult.malformed(f"<{tag}> was opened but never closed; write <{tag}>...</{tag}>.",
-                                     raw=text[text.rfind(f"<{tag}>"):])
-      return ParseResult.text()
-    tag, close_at = found
-    opened = text.rfind(f"<{tag}>", 0, close_at)
-    if opened < 0:
-      return ParseResult.malformed(f"</{tag}> has no matching <{tag}>; write <{tag}>...</{tag}>.",
-                                   raw=text[max(0, close_at - _ECHO_CHARS):close_at + len(tag) + 3])
+    found = _final_block(text, self._tags, self.answer_tag)
+    if isinstance(found, ParseResult):
+      return found
+    tag, opened, close_at = found
     raw = text[opened:close_at + len(tag) + 3]
     body = text[opened + len(tag) + 2:close_at]
-    if f"</{tag}>" in body:
-      return ParseResult.malformed(f"unbalanced <{tag}> tags: {_quote(raw)}", raw=raw)
     if self.strip:
       body = body.strip()
     if tag == self.answer_tag:
@@ -312,18 +332,10 @@ class JSONToolCallParser:
   def parse(self, text: str) -> ParseResult:
     if not isinstance(text, str):
       return ParseResult.malformed(f"expected text, got {type(text).__name__}")
-    found = _last_closing(text, sorted(self._tags, key=len, reverse=True))
-    if found is None:
-      tag = _dangling_open(text, self._tags)
-      if tag is not None:
-        return ParseResult.malformed(f"<{tag}> was opened but never closed; write <{tag}>...</{tag}>.",
-                                     raw=text[text.rfind(f"<{tag}>"):])
-      return ParseResult.text()
-    tag, close_at = found
-    opened = text.rfind(f"<{tag}>", 0, close_at)
-    if opened < 0:
-      return ParseResult.malformed(f"</{tag}> has no matching <{tag}>; write <{tag}>...</{tag}>.",
-                                   raw=text[max(0, close_at - _ECHO_CHARS):close_at + len(tag) + 3])
+    found = _final_block(text, sorted(self._tags, key=len, reverse=True), self.answer_tag)
+    if isinstance(found, ParseResult):
+      return found
+    tag, opened, close_at = found
     raw = text[opened:close_at + len(tag) + 3]
     body = text[opened + len(tag) + 2:close_at]
     if tag == self.answer_tag:

@@ -32,7 +32,9 @@ def test_parsers_satisfy_the_protocol_and_list_stop_strings():
      ToolCall("python", {"code": "x = 1\nprint(x)"}, "<code>\nx = 1\nprint(x)\n</code>")),
     ("<search>old</search> then <calc>2+2</calc>", "tool_call",
      ToolCall("calculator", {"expression": "2+2"}, "<calc>2+2</calc>")),
-    ("<search>a <search>b</search>", "tool_call", ToolCall("search", {"query": "b"}, "<search>b</search>")),
+    # An opening tag inside a body is body text: a block opens at the first tag after the last block.
+    ("<search>a <search>b</search>", "tool_call",
+     ToolCall("search", {"query": "a <search>b"}, "<search>a <search>b</search>")),
     ("So <answer> Paris </answer>", "answer", "Paris"),
     ("<answer></answer>", "answer", ""),
     ("just thinking out loud", "text", None),
@@ -46,6 +48,33 @@ def test_xml_parses_the_last_block_at_the_end(text, kind, expect):
     assert r.call == expect
   elif kind == "answer":
     assert r.answer == expect
+
+
+@pytest.mark.parametrize("text,kind,expect", [
+    # An opening tag written inside a body is body text. The last opening tag before the close was
+    # taken as the block's start: the program below ran as '"\nprint(s)', a syntax error.
+    ('<code>s = "<code>"\nprint(s)</code>', "tool_call", 's = "<code>"\nprint(s)'),
+    ('<code>a</code> text <code>s = "<code>"</code>', "tool_call", 's = "<code>"'),
+    ("<code>a</code> text <code>b</code>", "tool_call", "b"),  # earlier blocks stay history
+    # The first block to open hides what it holds, of whatever tag.
+    ("<search>what does <code> mean</search> <code>print(1)</code>", "tool_call", "print(1)"),
+    ('<code>print("<answer>")</code> <answer>42</answer>', "answer", "42"),
+    ('<code>print("<answer>")</code> so', "text", None),
+    ("<code>x = '<search>'</code> <search>q</search>", "tool_call", "q"),
+    ("<search>q <code>print(1)</code>", "tool_call", "print(1)"),  # an unclosed tag is no block
+    # An answer is read from its last opening tag, as the reward's extract_tagged reads it.
+    ("<answer>I think <answer>42</answer>", "answer", "42"),
+    ("<code>a <answer>b</code></answer>", "malformed", "unbalanced <answer> tags"),
+])
+def test_xml_opening_tags_inside_a_body_are_body_text(text, kind, expect):
+  r = XML.parse(text)
+  assert r.kind == kind, r
+  if kind == "tool_call":
+    assert list(r.call.arguments.values()) == [expect]
+  elif kind == "answer":
+    assert r.answer == expect
+  elif kind == "malformed":
+    assert expect in r.error
 
 
 @pytest.mark.parametrize("text,message", [
@@ -112,6 +141,17 @@ def test_json_malformed_calls_are_precise(body, message):
   assert r.kind == "malformed" and message in r.error, r.error
 
 
+def test_json_tool_call_tag_inside_a_string_argument():
+  """`<tool_call>` quoted in an argument was taken as the block's start: invalid JSON."""
+  call = {"name": "write", "arguments": {"text": "wrap calls in <tool_call> tags"}}
+  r = JSON.parse(f"<tool_call>{json.dumps(call)}</tool_call>")
+  assert r.kind == "tool_call" and r.call.arguments == call["arguments"], r
+  r = JSON_ANS.parse('<tool_call>{"name": "a"}</tool_call> <answer>x <tool_call> y</answer>')
+  assert r.kind == "answer" and r.answer == "x <tool_call> y"
+  r = JSON_ANS.parse("<answer>1</answer></answer>")
+  assert r.kind == "malformed" and "unbalanced <answer> tags" in r.error
+
+
 def test_json_unclosed_and_stray_tags():
   assert "opened but never closed" in JSON.parse('<tool_call>{"name": "f"').error
   assert "has no matching <tool_call>" in JSON.parse('{"name": "f"}</tool_call>').error
@@ -135,6 +175,25 @@ def test_huge_inputs_parse_quickly():
     p.parse("</tool_call>" * 100_000)
   assert XML.parse(blob).call == ToolCall("python", {"code": "print(1)"}, "<code>print(1)</code>")
   assert time.perf_counter() - t < 5.0
+
+
+def test_parsing_is_linear_with_many_tags_before_and_after():
+  """200 KB of tags left open, closed pairs and tags inside a body parse in milliseconds."""
+  body = 's = "<code>"\n' * 15000
+  for text, expect in [("<code>" * 30000 + "x</code>", "<code>" * 29999 + "x"),
+                       ("<code>a</code> " * 14000 + "<code>b</code>", "b"),
+                       ("<search>q<answer>" * 12000 + "<code>x</code>", "x"),
+                       ("</code>" * 25000 + "<code>x</code>", None),
+                       (f"<code>{body}</code>", body.strip())]:
+    t = time.perf_counter()
+    r = XML.parse(text)
+    assert time.perf_counter() - t < 0.5
+    if expect is not None:
+      assert r.call.arguments == {"code": expect}
+  for text in ("<tool_call>" * 20000 + '{"name": "f"}</tool_call>', "<answer>a</answer>" * 12000):
+    t = time.perf_counter()
+    JSON_ANS.parse(text)
+    assert time.perf_counter() - t < 0.5
 
 
 # ----------------------------------------------------------------------------------- fuzzing
