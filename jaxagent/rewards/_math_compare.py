@@ -50,14 +50,25 @@ _EMPTY_BOX = re.compile(r"\\boxed\s*\{\s*\}")
 # A box whose one-token argument goes without braces ("\boxed5", "\boxed B", "\boxed\pi"), as
 # LaTeX allows ("\frac12"); group 1 the argument. A run of digits is one argument ("\boxed12" is
 # 12, as its writer meant), and "\boxed5 6" boxes 5 only. An argument followed by an operator
-# ("\boxed x = 5") or a command that takes arguments ("\boxed\frac12", "\boxed\frac{1}{2}") is
-# left as written: its writer meant the whole expression, which the prose reading finds. A
-# command's name is read whole ("\frac", never "\fra" before a "c"), and a box is no argument
-# ("\boxed\boxed5" boxes 5), so no such box holds another. "\fbox5" is such a box too.
+# ("\boxed x = 5") or a command that takes arguments ("\boxed\frac12", "\boxed\frac{1}{2}",
+# "\boxed\sqrt[3]{8}") is left to `_COMMAND_BOX` and the prose reading: its writer meant the
+# whole expression. A command's name is read whole ("\frac", never "\fra"
+# before a "c"), and a box is no argument ("\boxed\boxed5" boxes 5), so no such box holds
+# another. "\fbox5" is such a box too.
 _UNBRACED_BOX = re.compile(
     r"\\(?:boxed|fbox)(?![A-Za-z])\s*(\d+(?:\.\d+)?(?!\.?\d)|[A-Za-z](?![A-Za-z])"
-    r"|\\(?!(?:boxed|fbox)(?![A-Za-z]))[A-Za-z]+(?![A-Za-z])(?!\s*[{\d]))"
+    r"|\\(?!(?:boxed|fbox)(?![A-Za-z]))[A-Za-z]+(?![A-Za-z])(?!\s*[{\d\[]))"
     r"(?!\s*[=<>+\-*/^_!])")
+# A box whose argument is a command with its own arguments, unbraced ("\boxed\sqrt{2}",
+# "\boxed\frac12", "\boxed\frac{\sqrt5}{2}"): its writer boxed the whole command. Read in the
+# answer only, after `_UNBRACED_BOX`; `verifiers.extract_boxed` keeps to one-token arguments.
+# Only commands that take arguments: "\boxed\pi 2" stays a box of \pi.
+_COMMAND_BOX = re.compile(
+    r"\\boxed\s*(\\(?:[dt]?frac|sqrt|[dt]?binom|text|textbf|mathrm|mathbf|mbox)(?![A-Za-z])"
+    r"(?:\s*\[[^\[\]{}]*\])?(?:\s*(?:\{(?:[^{}]|\{[^{}]*\})*\}|\d)){1,2})"
+    r"(?!\s*[{\d=<>+\-*/^_!])")
+# A number with its unit inside text ("\text{7 apples}") is the number with a unit after it.
+_TEXT_NUMBER = re.compile(r"\\(?:text|mbox|mathrm)\s*\{\s*([-+]?\d+(?:[.,]\d+)*)\s+([A-Za-z][A-Za-z ]*)\}")
 # A logical or between answers ("x = 2 \lor x = 3"), which math-verify reads as the chain
 # x = (2 \lor x) = 3, that is 3; "\text{ or }" it reads as the set of both.
 _LOGICAL_OR = re.compile(r"\\(?:lor|vee)(?![A-Za-z])")
@@ -403,7 +414,8 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
 
   # A tie ("5~or~6", "1~000") is a space to LaTeX.
   text = _brace_boxes(_FBOX.sub(r"\\boxed", text.replace("~", " ").strip()))
-  text = _EMPTY_BOX.sub("", text).strip()
+  text = _EMPTY_BOX.sub("", _COMMAND_BOX.sub(r"\\boxed{\1}", text)).strip()
+  text = _TEXT_NUMBER.sub(r"\1\\text{ \2}", text)
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
   text = _spread_plus_minus(text)
   equations = _EQUATION_BREAK.split(text)

@@ -195,6 +195,15 @@ EQUAL = [
     ("The correct answer is Choice (D).", "D"),
     ("**Answer:** Option C", "C"),
     ("A", "Option A"),
+    # A number with its unit inside \\text is the number (read as the symbol "7apples": scored 0).
+    ("\\boxed{\\text{7 apples}}", "7"),
+    ("\\boxed{\\text{7 apples}}", "7 apples"),
+    ("\\text{1,000 dollars}", "1000"),
+    # An unbraced box holding a command with its own arguments boxes the whole command.
+    ("\\boxed\\sqrt{2}", "\\sqrt{2}"),
+    ("\\boxed\\frac12", "1/2"),
+    ("\\boxed\\frac{\\sqrt{5}}{2}", "\\frac{\\sqrt5}{2}"),
+    ("\\boxed\\sqrt[3]{8}", "2"),  # was read as the box "\\sqrt" before "[3]{8}"
 ]
 
 NOT_EQUAL = [
@@ -243,6 +252,8 @@ NOT_EQUAL = [
     ("2", "\\frac{1 \\pm 2}{2}"),  # the gold was read as its denominator
     ("Option A", "B"),
     ("Option B", "Option A"),
+    ("\\boxed{\\text{7 apples}}", "8"),
+    ("\\boxed\\frac12 + 1", "1/2"),  # the whole expression was boxed
     ("The answer is B. Option A has 5 sides.", "A"),
 ]
 
@@ -314,6 +325,8 @@ HEDGED = [
     ("5, since \\boxed{6}", "5"),
     ("\\boxed{5} \\boxed{6} \\boxed{}", "5"),
     ("Option A or option B", "A"),
+    ("\\boxed{\\text{2 or 3}}", "2"),
+    ("\\boxed\\sqrt{2} or \\boxed\\sqrt{3}", "\\sqrt{3}"),
 ]
 
 
@@ -389,7 +402,8 @@ def test_answer_tails_match_a_reference():
 
 def test_an_unbraced_box_reads_a_command_name_whole():
   # "\\boxed\\frac12" was read as the box "\\fra" before a "c12".
-  for text in ("\\boxed\\frac12", "\\boxed\\frac{1}{2}", "\\boxed\\sqrt2", "\\boxed \\dfrac{3}{4}"):
+  for text in ("\\boxed\\frac12", "\\boxed\\frac{1}{2}", "\\boxed\\sqrt2", "\\boxed \\dfrac{3}{4}",
+               "\\boxed\\sqrt[3]{8}"):
     assert _math_compare._UNBRACED_BOX.search(text) is None, text
   assert _math_compare._UNBRACED_BOX.search("\\boxed\\pi").group(1) == "\\pi"
 
