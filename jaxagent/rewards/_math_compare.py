@@ -111,6 +111,10 @@ _ALONE_BEFORE = re.compile(r"(?:^|[=,{$]|\\[(\[]|\\boxed\s*\{)\s*$")
 _ALONE_AFTER = re.compile(r"\s*(?:$|[,}$.]|\\[)\]])")
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
+# A tower of powers ("2^3^2", and "2**3**2" once written "2^{3}^{2}"), which math-verify reads
+# as (2^3)^2 = 64: a power is right-associative, 2^{3^{2}} = 512. Each exponent one token.
+_POWER_TOWER = re.compile(r"\^\s*(?:\{[^{}]*\}|\w)(?:\s*\^\s*(?:\{[^{}]*\}|\w))+")
+_EXPONENT = re.compile(r"\^\s*(?:\{([^{}]*)\}|(\w))")
 
 
 def _brace_boxes(text: str) -> str:
@@ -185,6 +189,17 @@ def _spread_plus_minus(text: str) -> str:
   d = text[denominator.end():end - 1]
   spread = f"\\frac{{{a}}}{{{d}}} \\pm \\frac{{{b}}}{{{d}}}" if a else f"\\pm \\frac{{{b}}}{{{d}}}"
   return text[:frac.start()] + spread + text[end:]
+
+
+def _right_powers(text: str) -> str:
+  """Writes a tower of powers right-associatively: "2^3^2" -> "2^{3^{2}}"."""
+  def nest(m):
+    exponents = [braced or token for braced, token in _EXPONENT.findall(m.group())]
+    tower = exponents[-1]
+    for e in reversed(exponents[:-1]):
+      tower = f"{e}^{{{tower}}}"
+    return "^{" + tower + "}"
+  return _POWER_TOWER.sub(nest, text) if "^" in text else text
 
 
 def _normalize_numbers(text: str) -> str:
@@ -417,7 +432,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   text = _EMPTY_BOX.sub("", _COMMAND_BOX.sub(r"\\boxed{\1}", text)).strip()
   text = _TEXT_NUMBER.sub(r"\1\\text{ \2}", text)
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
-  text = _spread_plus_minus(text)
+  text = _right_powers(_spread_plus_minus(text))
   equations = _EQUATION_BREAK.split(text)
   if len(equations) > 1 and all("=" in e for e in equations):
     # "x = 2 \\quad x = 3" lists two equations
@@ -429,7 +444,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     text = listed if _is_bare_answer(listed) else text
   if _is_bare_answer(text):
     text = _FULL_STOP.sub("", text) or text
-    text = _PY_POWER.sub(lambda m: "^{" + m.group(1) + "}", text)  # "2**3" as LaTeX's "2^{3}"
+    text = _right_powers(_PY_POWER.sub(lambda m: "^{" + m.group(1) + "}", text))  # "2**3": "2^{3}"
     if single and any(m.group(1) is None for m in _JUXTAPOSED.finditer(text)):
       return []
     boxed = parse("\\boxed{" + text + "}", extraction_config=_latex_only(), parsing_timeout=None)

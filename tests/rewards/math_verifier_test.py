@@ -204,6 +204,12 @@ EQUAL = [
     ("\\boxed\\frac12", "1/2"),
     ("\\boxed\\frac{\\sqrt{5}}{2}", "\\frac{\\sqrt5}{2}"),
     ("\\boxed\\sqrt[3]{8}", "2"),  # was read as the box "\\sqrt" before "[3]{8}"
+    # A tower of powers is right-associative (these were read as (2^3)^2 = 64).
+    ("2**3**2", "512"),
+    ("2^3^2", "512"),
+    ("\\boxed{2^3^2}", "512"),
+    ("2^{3}^{2}", "2^{3^{2}}"),
+    ("2**(1/2)**2", "2**(1/4)"),
 ]
 
 NOT_EQUAL = [
@@ -254,6 +260,8 @@ NOT_EQUAL = [
     ("Option B", "Option A"),
     ("\\boxed{\\text{7 apples}}", "8"),
     ("\\boxed\\frac12 + 1", "1/2"),  # the whole expression was boxed
+    ("2**3**2", "64"),
+    ("2^3^2", "64"),
     ("The answer is B. Option A has 5 sides.", "A"),
 ]
 
