@@ -270,16 +270,31 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
   slots = int(slots)
   if isinstance(prompts, (np.ndarray, jax.Array)):  # one prompt [T] or a batch [B, T]
     prompts = np.asarray(prompts).tolist()
-  if isinstance(prompts, (str, bytes)) or (prompts and isinstance(prompts[0], (int, np.integer))):
+  if isinstance(prompts, (str, bytes, bytearray)):
+    prompts = [prompts]
+  try:
+    prompts = list(prompts)
+  except TypeError:
+    raise ValueError("prompts must be a list of strs or of token-id sequences, got "
+                     f"{type(prompts).__name__}") from None
+  if prompts and isinstance(prompts[0], (int, np.integer)):
     prompts = [prompts]
   ids = []
-  for p in prompts:
+  for i, p in enumerate(prompts):
     if isinstance(p, str):
       if tokenizer is None:
         raise ValueError("string prompts need a tokenizer (pass tokenizer=...)")
       ids.append(tokenizer.encode(p))
+    elif isinstance(p, (bytes, bytearray)):
+      # list(b"hi") is [104, 105]: the bytes' values were taken as token ids.
+      raise ValueError(f"prompt {i} is bytes ({bytes(p[:20])!r}): pass text as a str (with "
+                       "tokenizer=...) or token ids as a sequence of ints")
     else:
-      ids.append(list(p))  # checked by the engine's prefill (integer ids in the vocabulary)
+      try:
+        ids.append(list(p))  # checked by the engine's prefill (integer ids in the vocabulary)
+      except TypeError:
+        raise ValueError(f"prompt {i} must be a str or a sequence of token ids, got "
+                         f"{type(p).__name__}") from None
   checker = StopChecker(stop, tokenizer)
   if not ids:
     return []

@@ -161,3 +161,18 @@ def test_eos_ids_one_int_or_ids_in_the_vocabulary(params):
   for spec, got in (([CFG.vocab_size + eos], CFG.vocab_size + eos), ([eos, -1], -1)):
     with pytest.raises(ValueError, match=rf"eos_ids \[{got}\] are outside the model's vocab"):
       generate(params, CFG, [[1, 2, 3]], 8, eos_ids=spec)
+
+
+def test_prompts_that_are_not_text_or_token_ids_are_clear_errors(params):
+  """A bytes prompt was read as token ids (list(b"hi") is [104, 105]) and generated from
+  silently; a prompt that is not a sequence failed with "'NoneType' object is not iterable"."""
+  for prompts in (b"hi", [b"hi"], [[1, 2], bytearray(b"hi")]):
+    with pytest.raises(ValueError, match=r"prompt \d is bytes .*pass text as a str"):
+      generate(params, CFG, prompts, 2)
+  for prompts, got in (([[1, 2], None], "prompt 1 .* got NoneType"),
+                       ([1.5, 2.5], "prompt 0 .* got float"), (None, "prompts must be a list")):
+    with pytest.raises(ValueError, match=got):
+      generate(params, CFG, prompts, 2)
+  # A generator of prompts is a list of prompts.
+  want = [c.tokens for c in generate(params, CFG, [[1, 2], [3]], 2)]
+  assert [c.tokens for c in generate(params, CFG, (p for p in [[1, 2], [3]]), 2)] == want
