@@ -223,7 +223,7 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
     # The messages' special-token spellings are rendered as marks, so that the special tokens
     # of each rendered piece are the template's; `restore` puts the spellings back as text.
     written, restore = msgs, {}
-    mark = getattr(tokenizer, "_mark_special_text", None)
+    mark = getattr(tokenizer, "mark_special_text", None)
     if mark is not None:
       msgs, restore = mark(msgs, avoid="".join(tokenizer.chat_templates.values()))
 
@@ -277,7 +277,7 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
                        "be told apart from the template's control tokens; remove that text")
     # Each piece encoded with only the template's control tokens (the turns' texts keep the
     # marks: only the tokens and masks leave this function).
-    encoder = (types.SimpleNamespace(encode=functools.partial(tokenizer._encode_marked,
+    encoder = (types.SimpleNamespace(encode=functools.partial(tokenizer.encode_marked,
                                                               restore=restore))
                if restore else tokenizer)
     # The line number as the item's id, so the warm start can name lines too long to train.
@@ -293,10 +293,10 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
 
 
 def _encode_line(tokenizer, text: str, path, n: int, restore=None) -> list[int]:
-  """`tokenizer.encode(text)` (of marked text, `_encode_marked`) with its errors (a lone
+  """`tokenizer.encode(text)` (of marked text, `encode_marked`) with its errors (a lone
   surrogate from a JSON escape) naming line `n` of `path`."""
   try:
-    return tokenizer._encode_marked(text, restore) if restore else tokenizer.encode(text)
+    return tokenizer.encode_marked(text, restore) if restore else tokenizer.encode(text)
   except ValueError as e:
     raise ValueError(f"{path}:{n}: {e}") from None
 

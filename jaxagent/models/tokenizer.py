@@ -4,7 +4,9 @@ Data flow: envs render conversations with `Tokenizer.apply_chat_template` / `enc
 keeps special-token text inside the messages as text: only the template writes control tokens);
 the rollout driver decodes sampled ids incrementally (`StreamDecoder`) to find tool calls and stop
 strings, and tokenizes tool observations once (`encode`, optionally with `parse_special=False` so
-text from a tool cannot inject control tokens); the trainer only ever sees ids.
+text from a tool cannot inject control tokens); the SFT of chat JSONL renders a conversation in
+pieces and encodes them with the same rule as `encode_chat` (`mark_special_text`,
+`encode_marked`); the trainer only ever sees ids.
 
 `load_tokenizer` accepts three sources and yields the same `Tokenizer`:
 - an HF directory (`tokenizer.json` + `tokenizer_config.json`, chat template inline or in
@@ -402,11 +404,11 @@ class Tokenizer:
     the template's only.
 
     The conversation is rendered again with each special-token spelling in the data replaced by
-    a private-use character (`_mark_special_text`); the special tokens of that rendering are the
-    template's (`_encode_marked`).
+    a private-use character (`mark_special_text`); the special tokens of that rendering are the
+    template's (`encode_marked`).
     """
     data = (inputs["messages"], inputs["tools"], inputs["documents"])
-    (messages, tools, documents), restore = self._mark_special_text(data, avoid=text)
+    (messages, tools, documents), restore = self.mark_special_text(data, avoid=text)
     marked = self._render_chat({**inputs, "messages": messages, "tools": tools,
                                 "documents": documents})
     if marked.translate(restore) != text:
@@ -415,12 +417,18 @@ class Tokenizer:
           "so the special-token text they spell (" + ", ".join(map(repr, restore.values())) +
           ") cannot be told apart from the template's own control tokens. Remove that text from "
           "the data, or pass parse_special_in_content=True to encode it as control tokens.")
-    return self._encode_marked(marked, restore)
+    return self.encode_marked(marked, restore)
 
-  def _mark_special_text(self, data: Any, avoid: str = "") -> tuple[Any, dict[int, str]]:
+  def mark_special_text(self, data: Any, avoid: str = "") -> tuple[Any, dict[int, str]]:
     """(`data` with each special-token spelling in its strings replaced by a private-use
     character that is in neither those strings nor `avoid`, the `str.translate` table that puts
-    the spellings back); (`data`, {}) when no string spells one."""
+    the spellings back); (`data`, {}) when no string spells one.
+
+    With `encode_marked`, the ids of a chat rendered in pieces (the SFT of chat JSONL) whose
+    data spells special tokens: render the marked data, then encode each piece with
+    `encode_marked`; only the template's control tokens become control ids. `avoid`: text the
+    rendering may hold besides the data (the template's), which no mark may equal.
+    """
     pattern = self._special_pattern
     strings = list(_strings(data))
     spelled = sorted({m.group() for s in strings for m in pattern.finditer(s)}) if pattern else []
@@ -433,8 +441,8 @@ class Tokenizer:
     marked = _map_strings(data, lambda s: pattern.sub(lambda m: marks[m.group()], s))
     return marked, {ord(mark): spelling for spelling, mark in marks.items()}
 
-  def _encode_marked(self, text: str, restore: Mapping[int, str]) -> list[int]:
-    """Ids of (part of) a rendering of data marked by `_mark_special_text`: the special tokens
+  def encode_marked(self, text: str, restore: Mapping[int, str]) -> list[int]:
+    """Ids of (part of) a rendering of data marked by `mark_special_text`: the special tokens
     in `text` are the template's and stay control tokens; the text between them, with the
     spellings put back by `restore`, is encoded with special tokens as text."""
     if not restore:

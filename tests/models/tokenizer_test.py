@@ -533,6 +533,23 @@ def test_spelled_control_tokens_in_tools_are_text(tool_dir):
       ours.apply_chat_template(messages, tools=[_TOOL]))
 
 
+@pytest.mark.parametrize("messages", _FORGED)
+def test_marked_pieces_encode_as_encode_chat(tok, messages):
+  """The public pair the SFT of chat JSONL uses: data marked once, rendered message by message,
+  each piece encoded with `encode_marked`, gives the hand-derived ids of `encode_chat`."""
+  marked, restore = tok.mark_special_text(messages, avoid=tok.chat_templates["default"])
+  assert restore and not any(tok._spells_special(m["content"]) for m in marked)
+  assert all(chr(k) not in tok.chat_templates["default"] for k in restore)
+  renders = [""] + [tok.apply_chat_template(marked[:k], add_generation_prompt=k == len(marked))
+                    for k in range(1, len(marked) + 1)]
+  assert renders[-1].translate(restore) == tok.apply_chat_template(messages)
+  ids = [i for prev, cur in zip(renders, renders[1:]) for i in tok.encode_marked(cur[len(prev):],
+                                                                               restore)]
+  assert ids == tok.encode_chat(messages) == _smol_reference_ids(tok, messages)
+  assert tok.mark_special_text([{"role": "user", "content": "plain"}]) == (
+      [{"role": "user", "content": "plain"}], {})
+
+
 def test_a_template_that_rewrites_spelled_control_tokens_is_a_clear_error(tok):
   upper = "{% for m in messages %}<|im_start|>{{ m['content'] | upper }}<|im_end|>{% endfor %}"
   messages = [{"role": "user", "content": "a<|im_end|>b"}]
