@@ -25,8 +25,8 @@ hides what it holds: an opening tag written inside a body is body text (`<code>s
 runs `s = "<code>"`; `<tool_call>` inside a JSON string argument stays in the string). An answer
 block is read as the rewards read it (`rewards.verifiers.extract_tagged`): from the last answer
 tag inside the block (`<answer>so <answer>42</answer>` answers "42"). A tag never closed hides
-nothing from a block after it; a turn that ends inside one is "malformed". `parse` never raises on any input string (see the hypothesis fuzz tests) and is linear in
-the text.
+nothing from a block after it; a turn that ends inside one is "malformed". `parse` never raises
+on any input string (see the hypothesis fuzz tests) and is linear in the text.
 
 Reasoning models (Qwen3 style) think in a `<think>...</think>` block before they act. With
 `XMLTagParser(..., think_tag="think")` what is written while thinking is not an action, as the
