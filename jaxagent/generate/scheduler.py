@@ -152,6 +152,12 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
   if n == 0:
     return []
   stop = stop if isinstance(stop, StopChecker) else StopChecker(stop)
+  v = engine.cfg.vocab_size
+  for seq in stop.sequences:  # the model never samples such an id: the stop could never match
+    if min(seq) < 0 or max(seq) >= v:
+      raise ValueError(f"stop token-id sequence {list(seq)} has ids outside the model's "
+                       f"vocabulary [0, {v}), so it could never match (a tokenizer that does "
+                       "not match the model?)")
   ecfg = engine.ecfg
   # Every prompt, id and the seed are checked before anything runs, by prefill's rules:
   # prefill checks only the batch it is given, so a bad prompt waiting in the queue would end
@@ -159,6 +165,12 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
   # that batch.
   engine._check_prompts(prompts, "run_requests")
   _per_request(list(request_ids), n, np.int32, "run_requests", "request_ids", "prompts")
+  repeated = sorted(r for r, c in collections.Counter(int(r) for r in request_ids).items()
+                    if c > 1)
+  if repeated:
+    raise ValueError(f"request_ids {repeated[:5]} repeat: a request's random numbers derive "
+                     "from (seed, request id, position), so one prompt sent twice under one "
+                     "id would give the same sample twice; give each request its own id")
   if (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
       or not 0 <= seed < 2 ** 32):
     raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
@@ -261,7 +273,7 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
       request and is included in its tokens.
     eos_ids: token ids that end a request, one int or a sequence (default: the tokenizer's
       `eos_ids`, else the config's `eos_token_ids`).
-    request_ids: per-prompt ids for the rng (default 0..n-1); with the same seed and request
+    request_ids: distinct per-prompt ids for the rng (default 0..n-1); with the same seed and request
       id a prompt gives the same output whatever the slot count or arrival order.
   Returns one `Completion` per prompt, in order (with `.text` when a tokenizer is given).
   """

@@ -2,6 +2,8 @@
 
 (The engine-level tests of `generate` and `run_requests` are in engine_test.py.)
 """
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -176,3 +178,23 @@ def test_prompts_that_are_not_text_or_token_ids_are_clear_errors(params):
   # A generator of prompts is a list of prompts.
   want = [c.tokens for c in generate(params, CFG, [[1, 2], [3]], 2)]
   assert [c.tokens for c in generate(params, CFG, (p for p in [[1, 2], [3]]), 2)] == want
+
+
+def test_repeated_request_ids_are_refused(params, engine):
+  """The rng derives from (seed, request id, position): two samples of one prompt under one id
+  were the same sample, silently (a GRPO group with no variance)."""
+  with pytest.raises(ValueError, match=r"request_ids \[5\] repeat"):
+    generate(params, CFG, [[1, 2], [1, 2], [3]], 3, temperature=1.0, request_ids=[5, 5, 6])
+  with pytest.raises(ValueError, match=r"request_ids \[0\] repeat"):
+    run_requests(engine, params, [[1], [2]], max_new_tokens=2, request_ids=[0, np.int64(0)])
+  a, b = generate(params, CFG, [[1, 2], [1, 2]], 6, temperature=1.0, request_ids=[5, 6])
+  assert a.tokens != b.tokens
+
+
+def test_stop_token_ids_outside_the_vocabulary_are_refused(params, engine):
+  """Such a stop could never match, so the request ran on to its budget without a word."""
+  for seq in ([CFG.vocab_size], [3, -1]):
+    with pytest.raises(ValueError, match=re.escape(f"stop token-id sequence {seq} has ids")):
+      generate(params, CFG, [[1, 2]], 3, stop=[[1], seq])
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+      run_requests(engine, params, [[1, 2]], max_new_tokens=3, request_ids=[0], stop=[seq])
