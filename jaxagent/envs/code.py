@@ -70,8 +70,11 @@ _RUN_CACHE_SIZE = 4096
 
 # ----------------------------------------------------------------------------- solutions
 def extract_code(text: str) -> str | None:
-  """The last `<code>` block of a response, else its last fenced code block, else None."""
-  code = extract_tagged(text, "code", strip=False)  # linear however many tags are left open
+  """The last `<code>` block of a response, else its last fenced code block, else None.
+
+  A `<code>` text inside a program (`s = "<code>"`) is part of it, as the rollout's parser
+  reads a tool call."""
+  code = extract_tagged(text, "code", strip=False, innermost=False)  # linear in the text
   if code is None:
     blocks = _FENCE.findall(text)
     if not blocks:

@@ -33,13 +33,16 @@ _GSM8K = re.compile(r"####[ \t]*([^\n]*)")
 _TAG_NAME = re.compile(r"[A-Za-z_][\w\-]*")
 
 
-def extract_tagged(text: str, tag: str = "answer", *, strip: bool = True) -> str | None:
+def extract_tagged(text: str, tag: str = "answer", *, strip: bool = True,
+                   innermost: bool = True) -> str | None:
   """Content of the last complete `<tag>...</tag>` block (stripped unless `strip=False`), or None.
 
-  A block ends at the first closing tag after an opening one and starts at the last opening
-  tag before that closing one (`<answer>so <answer>42</answer>` holds "42", as the rollout's
-  parser reads it); the search then goes on after the closing tag. Linear in the text however
-  many tags are left open.
+  A block ends at the first closing tag after an opening one. With `innermost` (the default,
+  for answers) it starts at the last opening tag before that closing one (`<answer>so
+  <answer>42</answer>` holds "42", as the rollout's parser reads an answer); without it, at the
+  first opening tag after the previous block, so that opening-tag text inside a body is body
+  text (`<code>s = "<code>"</code>` holds `s = "<code>"`, as the parser reads a tool call). The
+  search then goes on after the closing tag. Linear in the text however many tags are left open.
   """
   if not _TAG_NAME.fullmatch(tag):
     raise ValueError(f"tag must be a bare tag name like 'answer', got {tag!r}")
@@ -49,7 +52,8 @@ def extract_tagged(text: str, tag: str = "answer", *, strip: bool = True) -> str
     end = text.find(closing, start + len(opening))
     if end < 0:  # no later opening tag has a closing one either
       break
-    start = text.rfind(opening, start, end)
+    if innermost:
+      start = text.rfind(opening, start, end)
     found, pos = (start + len(opening), end), end + len(closing)
   if found is None:
     return None

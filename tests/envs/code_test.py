@@ -49,6 +49,16 @@ def test_extract_code():
     assert extract_code(f"<code>\n```{lang}\nv = 5\n```\n</code>") == "v = 5\n", lang
 
 
+
+def test_extract_code_reads_the_program_the_parser_runs():
+  # Opening-tag text inside a program is program text, for the reward as for the tool call
+  # (the reward cut this correct program to '"\n  return s' and graded a syntax error).
+  from jaxagent.agent.parsers import XMLTagParser
+  text = 'Here:\n<code>\ndef f():\n  s = "<code>"\n  return s\n</code>'
+  call = XMLTagParser({"code": ("python", "code")}, strip=False).parse(text).call
+  assert extract_code(text) == call.arguments["code"] == '\ndef f():\n  s = "<code>"\n  return s\n'
+
+
 def test_extract_code_is_linear_in_unclosed_tags():
   import time
   t = time.perf_counter()

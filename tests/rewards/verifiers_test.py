@@ -33,6 +33,11 @@ def test_extract_tagged_takes_the_last_complete_block():
   # reward read "I think <answer>42" and scored 0 an answer the rollout took as 42).
   assert extract_tagged("<answer>I think <answer>42</answer>") == "42"
   assert extract_tagged("<answer>a<answer>b</answer><answer>c</answer>") == "c"
+  # Without `innermost` opening-tag text inside a body is body text (a program that prints
+  # "<code>" was cut to what followed that text).
+  assert extract_tagged('<code>s = "<code>"\nprint(s)</code>', "code", innermost=False) == 's = "<code>"\nprint(s)'
+  assert extract_tagged("<code>a</code> then <code>b <code> c</code>", "code", innermost=False) == "b <code> c"
+  assert extract_tagged("<code>a</code><code>b", "code", innermost=False) == "a"
   with pytest.raises(ValueError, match="tag name"):
     extract_tagged("x", tag="<answer>")
 
