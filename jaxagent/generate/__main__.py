@@ -25,7 +25,7 @@ def _parser() -> argparse.ArgumentParser:
   ap.add_argument("--top-k", type=int, default=0, help="keep the k likeliest tokens; 0 = off")
   ap.add_argument("--stop", action="append", default=None, metavar="STRING",
                   help="end the reply at this string (repeatable)")
-  ap.add_argument("--seed", type=int, default=0)
+  ap.add_argument("--seed", type=int, default=0, help="sampling seed in [0, 2**32)")
   return ap
 
 
@@ -43,6 +43,8 @@ def main(argv=None):
     ap.error(f"--top-p must be in (0, 1], got {args.top_p}")
   if args.top_k < 0:
     ap.error(f"--top-k must be >= 0 (0 = off), got {args.top_k}")
+  if not 0 <= args.seed < 2 ** 32:  # refused by the sampler only after the model had loaded
+    ap.error(f"--seed must be in [0, 2**32), got {args.seed}")
   if args.stop is not None and not all(args.stop):
     ap.error("--stop strings must be non-empty")
   for name, text in [("prompt", args.prompt)] + [("--stop", s) for s in args.stop or []]:

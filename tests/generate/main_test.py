@@ -63,6 +63,8 @@ def test_sampling_flags_and_stop_strings_reach_the_sampler(model_dir, capsys):
     (["--top-p", "nan"], r"--top-p must be in \(0, 1\]"),
     (["--top-k", "-1"], "--top-k must be >= 0"),
     (["--stop", ""], "--stop strings must be non-empty"),
+    (["--seed", "-1"], r"--seed must be in \[0, 2\*\*32\)"),
+    (["--seed", str(2 ** 32)], r"--seed must be in \[0, 2\*\*32\)"),
     (["\udcff"], "not valid UTF-8"),
 ])
 def test_bad_flags_are_usage_errors(flags, message, capsys):
