@@ -416,7 +416,8 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   given in it ("..., since 2 + 3 = 5"), and a later sentence marking another value hedges; a
   bare answer with a reason that ends the text ("7, since 3 + 4 = 7") is that answer; an
   answer phrase naming what math-verify does not read ("The answer is B.") parses to nothing, for
-  `_equal_inline` to read. Python's power operator is read ("2**3" is 8), a box's argument may
+  `_equal_inline` to read. A self-correction after a marked answer ("The answer is 5. Wait, no,
+  it is 6.") replaces it: the text after the last one followed by a number is read instead. Python's power operator is read ("2**3" is 8), a box's argument may
   go without braces ("\\boxed5"), and math joined by "and", "or" or "\\lor", and equations side
   by side ("x = 2 \\quad x = 3"), are a list.
 
@@ -466,6 +467,11 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     if head is None:
       return []  # `_equal_inline` reads what the answer phrase names
     parsed = _parse_prose(head, single, options)
+    revision = _last_revision(rest) if single and parsed else None
+    if revision is not None:
+      # "The answer is 5. Wait, no, it is 6.": the last correction naming a number is the answer,
+      # read on its own; one that settles on no single value gets no credit.
+      return _parse_answer(rest[revision:], single=True, **options)
     # A later sentence that marks another value hedges ("The answer is 5. The answer is 6.").
     if single and parsed and _marks_other_value(rest, parsed[0], options):
       return []
@@ -476,6 +482,15 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     # which math-verify does not read (`_equal_inline` reads it), and a number elsewhere is none.
     return []
   return _parse_prose(text, single, options)
+
+
+def _last_revision(text: str) -> int | None:
+  """Where the text after the last self-correction (`_REVISION`) followed by a number starts."""
+  last_digit = _LAST_DIGIT.search(text)
+  if last_digit is None:
+    return None
+  cues = [m.end() for m in _REVISION.finditer(text, 0, last_digit.start())]
+  return cues[-1] if cues else None
 
 
 def _parse_prose(text: str, single: bool, options: dict[str, Any]) -> list:
@@ -494,6 +509,16 @@ def _marks_other_value(text: str, value, options: dict[str, Any]) -> bool:
   return False
 
 
+# A self-correction starting a sentence ("Wait, no, it is 6.", "Actually, ...", "Correction: ...");
+# what follows it is the answer (`_parse_answer`). Only spaces and tabs are skipped before the cue
+# (one scan per line, linear).
+_REVISION = re.compile(
+    r"(?:^|(?<=[.!?\n]))[ \t]*(?:wait|actually|correction|oops|no(?=\s*[,:;!.]))\b[\s,:;!.]*",
+    re.IGNORECASE)
+_LAST_DIGIT = re.compile(r"\d\D*$")
+# What names an answer in a correction of a phrase's answer: a digit or a capital letter on its
+# own ("Wait, no, it is C."), not the word "I".
+_NAMES_CHOICE = re.compile(r"\d|\b(?!I\b)[A-Z]\b")
 # An answer phrase ("The answer is B.", "**Answer:** (C)"), which names what follows it to the end
 # of its sentence (`_TAIL_STOP`).
 _ANSWER_MARK = re.compile(r"\banswer\b(?:\*\*)?\s*(?:is\b\s*:?|:)\s*(?:\*\*)?\s*", re.IGNORECASE)
@@ -565,9 +590,11 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
     # Prose naming an answer math-verify finds nothing in ("The answer is B.", "Final answer:
     # yes"): what the phrase names is read as the answer on its own. Phrases naming different
     # answers name none. A prediction that boxes its answer is read by its boxes only ("The
-    # answer is \\boxed{5}. No: \\boxed{6}" hedges).
+    # answer is \\boxed{5}. No: \\boxed{6}" hedges). A correction after the phrase that names a
+    # letter or a number ("The answer is B. Wait, no, it is C.") leaves the phrase's answer unread.
     tails = _answer_tails(prediction)
-    if len(tails) == 1:
+    revision = _REVISION.search(prediction, _ANSWER_MARK.search(prediction).end()) if tails else None
+    if len(tails) == 1 and not (revision and _NAMES_CHOICE.search(prediction, revision.end())):
       prediction = tails.pop()
       pred_parsed = _parse_answer(prediction, single=True, **options)
   if not gold_parsed or not pred_parsed:

@@ -210,6 +210,18 @@ EQUAL = [
     ("\\boxed{2^3^2}", "512"),
     ("2^{3}^{2}", "2^{3^{2}}"),
     ("2**(1/2)**2", "2**(1/4)"),
+    # A self-correction after a marked answer revises it: the last correction naming a number is
+    # the answer (the first marked value scored 1, the revised one 0).
+    ("The answer is 5. Wait, no, it is 6.", "6"),
+    ("The answer is 5. Actually, it is 6.", "6"),
+    ("The answer is 5. Correction: the answer is 6.", "6"),
+    ("The answer is 5. Wait, no, it is 6. Actually, it is 7.", "7"),
+    ("The answer is 5, since 2 + 3 = 5. Wait, no: 2 + 4 = 6, so it is 6.", "6"),
+    # A check after the answer is no correction.
+    ("The answer is 5. Wait, let me verify: 2 + 3 = 5. Yes.", "5"),
+    ("The answer is 5. Wait, that is right.", "5"),
+    ("The answer is 5. No other value works.", "5"),
+    ("The answer is B. Wait, I think that is right.", "B"),
 ]
 
 NOT_EQUAL = [
@@ -335,6 +347,12 @@ HEDGED = [
     ("Option A or option B", "A"),
     ("\\boxed{\\text{2 or 3}}", "2"),
     ("\\boxed\\sqrt{2} or \\boxed\\sqrt{3}", "\\sqrt{3}"),
+    # A corrected answer gets no credit; nor does a correction that settles on no single value.
+    ("The answer is 5. Wait, no, it is 6.", "5"),
+    ("The answer is 5. Correction: the answer is 6.", "5"),
+    ("The answer is 5. Wait, no, it is 6. Actually, it is 7.", "6"),
+    ("The answer is 5. Wait, 5 or 6?", "5"),
+    ("The answer is B. Wait, no, it is C.", "B"),
 ]
 
 
@@ -379,6 +397,8 @@ def test_many_answer_phrases_in_one_sentence_cost_linear_time(thread_verifier):
     "The answer is " + "as is " * 4000 + "5",  # a reason after "is" names nothing: each looked back
     " __a" * 20000,  # markdown emphasis never closed: each opening looked to the end of the line
     " __a_" * 20000,
+    "The answer is 5. Wait, the answer is 6. " * 1000,  # corrections of corrections
+    "The answer is 5. Wait, 1" * 2000,
 ])
 def test_degenerate_responses_cost_linear_time(thread_verifier, text):
   start = time.monotonic()
