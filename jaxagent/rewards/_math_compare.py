@@ -417,7 +417,9 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   bare answer with a reason that ends the text ("7, since 3 + 4 = 7") is that answer; an
   answer phrase naming what math-verify does not read ("The answer is B.") parses to nothing, for
   `_equal_inline` to read. A self-correction after a marked answer ("The answer is 5. Wait, no,
-  it is 6.") replaces it: the text after the last one followed by a number is read instead. Python's power operator is read ("2**3" is 8), a box's argument may
+  it is 6.") replaces it: the text after the last one followed by a number is read instead.
+  Unmarked prose whose last sentence concludes ("... Therefore, she makes $18.") is read by that
+  sentence when it names one value. Python's power operator is read ("2**3" is 8), a box's argument may
   go without braces ("\\boxed5"), and math joined by "and", "or" or "\\lor", and equations side
   by side ("x = 2 \\quad x = 3"), are a list.
 
@@ -481,7 +483,18 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     # "The answer is B.\nOption B has 12 apples.": the phrase names an answer without a number,
     # which math-verify does not read (`_equal_inline` reads it), and a number elsewhere is none.
     return []
-  return _parse_prose(text, single, options)
+  conclusion = _concluding_sentence(text) if single and not _box_spans(text) else None
+  parsed = [] if conclusion is None else _parse_prose(conclusion, single, options)
+  return parsed or _parse_prose(text, single, options)
+
+
+def _concluding_sentence(text: str) -> str | None:
+  """The last sentence of prose when it concludes ("... 9*2=18. Therefore, she makes $18."), else
+  None. Naming one value, it is the answer, as a marked answer is: working before it is no hedge."""
+  body = text.rstrip()
+  start = max((m.end() for m in _SENTENCE_END.finditer(body) if m.end() < len(body)), default=0)
+  last = body[start:].strip()
+  return last if start and _CONCLUSION.match(last) and not last.endswith("?") else None
 
 
 def _last_revision(text: str) -> int | None:
@@ -516,6 +529,8 @@ _REVISION = re.compile(
     r"(?:^|(?<=[.!?\n]))[ \t]*(?:wait|actually|correction|oops|no(?=\s*[,:;!.]))\b[\s,:;!.]*",
     re.IGNORECASE)
 _LAST_DIGIT = re.compile(r"\d\D*$")
+# The opening of a sentence that concludes (`_concluding_sentence`).
+_CONCLUSION = re.compile(r"(?:therefore|thus|so|hence|in total|in conclusion|altogether)\b", re.IGNORECASE)
 # What names an answer in a correction of a phrase's answer: a digit or a capital letter on its
 # own ("Wait, no, it is C."), not the word "I".
 _NAMES_CHOICE = re.compile(r"\d|\b(?!I\b)[A-Z]\b")

@@ -222,6 +222,12 @@ EQUAL = [
     ("The answer is 5. Wait, that is right.", "5"),
     ("The answer is 5. No other value works.", "5"),
     ("The answer is B. Wait, I think that is right.", "B"),
+    # A concluding sentence that names one value is the answer: working before it is no hedge
+    # (these scored 0).
+    ("Janet sells 16-3-4=9 eggs, 9*2=18. Therefore, Janet makes $18 every day.", "18"),
+    ("First 5 + 6 = 11.\nThus the total is 11.", "11"),
+    ("There are 5 red and 6 blue. So she has 5 + 6 = 11 balls.", "11"),
+    ("There are 5 red and 6 blue. Therefore, $x = \\frac{1}{2}$.", "1/2"),
 ]
 
 NOT_EQUAL = [
@@ -270,6 +276,7 @@ NOT_EQUAL = [
     ("2", "\\frac{1 \\pm 2}{2}"),  # the gold was read as its denominator
     ("Option A", "B"),
     ("Option B", "Option A"),
+    ("Janet sells 16-3-4=9 eggs, 9*2=18. Therefore, Janet makes $18 every day.", "9"),
     ("\\boxed{\\text{7 apples}}", "8"),
     ("\\boxed\\frac12 + 1", "1/2"),  # the whole expression was boxed
     ("2**3**2", "64"),
@@ -353,6 +360,10 @@ HEDGED = [
     ("The answer is 5. Wait, no, it is 6. Actually, it is 7.", "6"),
     ("The answer is 5. Wait, 5 or 6?", "5"),
     ("The answer is B. Wait, no, it is C.", "B"),
+    ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "18"),
+    ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "19"),
+    ("There are 5 red and 6 blue. So 6, not 5.", "6"),
+    ("There are 5 red and 6 blue. In total, 11 balls. Check: 11 - 5 = 6.", "11"),  # not the last
 ]
 
 
