@@ -582,7 +582,13 @@ def _trimmed_end(text: str, start: int, stop: int) -> int:
 
 def _word_answer(text: str) -> str | None:
   """A gold or prediction that is only words ("Yes", "\\text{No}.", "$\\text{even}$"), lowercased;
-  None for anything with math in it."""
+  None for anything with math in it. A text with boxes is read by its boxes ("So \\boxed{Yes}."),
+  which must agree; a box in a box is read inside ("\\boxed{\\boxed{Yes}}")."""
+  spans = _box_spans(text)
+  if spans:
+    words = {_word_answer(text[start:end]) for i, (_, start, end) in enumerate(spans)
+             if i + 1 == len(spans) or spans[i + 1][0] > end}
+    return words.pop() if len(words) == 1 else None
   text = _TEXT_WRAPPER.sub(r"\1", text).strip(" \t\n$.")
   return text.lower() if _WORDS_ONLY.fullmatch(text) else None
 

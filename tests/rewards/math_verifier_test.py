@@ -228,6 +228,10 @@ EQUAL = [
     ("First 5 + 6 = 11.\nThus the total is 11.", "11"),
     ("There are 5 red and 6 blue. So she has 5 + 6 = 11 balls.", "11"),
     ("There are 5 red and 6 blue. Therefore, $x = \\frac{1}{2}$.", "1/2"),
+    # A boxed word answer is the word (these scored 0).
+    ("\\boxed{Yes}", "Yes"),
+    ("The answer is \\boxed{\\text{No}}.", "No"),
+    ("\\boxed{\\boxed{even}}", "Even"),
 ]
 
 NOT_EQUAL = [
@@ -277,6 +281,7 @@ NOT_EQUAL = [
     ("Option A", "B"),
     ("Option B", "Option A"),
     ("Janet sells 16-3-4=9 eggs, 9*2=18. Therefore, Janet makes $18 every day.", "9"),
+    ("\\boxed{yes}", "No"),
     ("\\boxed{\\text{7 apples}}", "8"),
     ("\\boxed\\frac12 + 1", "1/2"),  # the whole expression was boxed
     ("2**3**2", "64"),
@@ -360,6 +365,7 @@ HEDGED = [
     ("The answer is 5. Wait, no, it is 6. Actually, it is 7.", "6"),
     ("The answer is 5. Wait, 5 or 6?", "5"),
     ("The answer is B. Wait, no, it is C.", "B"),
+    ("\\boxed{Yes} or \\boxed{No}", "Yes"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "18"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "19"),
     ("There are 5 red and 6 blue. So 6, not 5.", "6"),
