@@ -715,8 +715,12 @@ def serve(engine: JetStreamEngine, port: int, *, threads: int | None = None,
   """
   import grpc
   driver = make_driver(engine, interleaved=interleaved)
-  server = _Server(driver, threads or max(driver.get_total_concurrent_requests(), 64), port,
-                   credentials or grpc.insecure_server_credentials())
+  try:
+    server = _Server(driver, threads or max(driver.get_total_concurrent_requests(), 64), port,
+                     credentials or grpc.insecure_server_credentials())
+  except BaseException:  # the port is in use, say: nothing may keep running
+    driver.stop()
+    raise
   server.start()
   return server
 
@@ -728,16 +732,29 @@ class _Server(server_lib.JetStreamServer):
   at exit. `stop` may be called more than once.
   """
 
-  def __init__(self, *args, **kwargs):
-    super().__init__(*args, **kwargs)
+  def __init__(self, driver, threads, port, credentials):
+    try:
+      super().__init__(driver, threads, port, credentials)
+    except BaseException as e:
+      # JetStream starts its loop thread before it binds the port: a port in use left that
+      # (non-daemon) thread running, and the process hung at exit.
+      self._stop_loop()
+      if isinstance(e, RuntimeError):  # grpc's "Failed to bind to address ..."
+        raise RuntimeError(f"cannot serve on port {port} (is it in use?): {e}") from e
+      raise
     # Move the (idle) loop onto a daemon thread: stop it, then run it again there.
-    self._loop.call_soon_threadsafe(self._loop.stop)
-    self._loop_thread.join()
+    self._stop_loop()
     self._loop_thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                          name="jetstream-grpc-loop")
     self._loop_thread.start()
     self._stopped = False
     _RUNNING.add(self)
+
+  def _stop_loop(self) -> None:
+    """Stop the event loop and join its thread (if JetStream got as far as starting it)."""
+    if getattr(self, "_loop_thread", None) is not None:
+      self._loop.call_soon_threadsafe(self._loop.stop)
+      self._loop_thread.join()
 
   def stop(self) -> None:
     if self._stopped:  # a second JetStream `stop` would wait forever on the stopped loop

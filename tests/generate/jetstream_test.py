@@ -230,6 +230,25 @@ def test_grpc_server_streams_tokens_and_rejects_bad_requests(js, cfg, engine, re
 
 
 @pytest.mark.jetstream
+def test_serving_on_a_port_in_use_is_an_error_that_leaves_nothing_running(js, engine):
+  """JetStream's server starts its (non-daemon) event-loop thread before it binds the port:
+  on a port in use `serve` raised, but that thread and the driver's threads ran on, and the
+  process hung at exit."""
+  before = set(threading.enumerate())
+  with socket.socket() as sock:
+    sock.bind(("localhost", 0))
+    sock.listen()
+    port = sock.getsockname()[1]
+    with pytest.raises(RuntimeError) as e:
+      js.serve(engine, port, threads=2)
+  # grpc.aio's completion-queue poller (a daemon) starts with the first server and stays.
+  left = [t.name for t in set(threading.enumerate()) - before
+          if t.is_alive() and "_poll_wrapper" not in t.name]
+  assert left == []
+  assert f"cannot serve on port {port} (is it in use?)" in str(e.value)
+
+
+@pytest.mark.jetstream
 def test_bad_seed_is_refused_at_construction(js, tok, params, engine):
   """A seed prefill would refuse is an error here, in the caller's thread: in a Driver's prefill
   thread the same error would kill the process."""
