@@ -257,8 +257,15 @@ def _names_two_values(text: str, options: dict[str, Any]) -> bool:
   """
   seen: dict = {}
   spans = _box_spans(text)
-  # A box holding a hedge hedges as the same answer unboxed does ("\\boxed{5 \\lor 6}").
-  for content in dict.fromkeys(text[start:end] for _, start, end in spans):
+  # A box holding a hedge hedges as the same answer unboxed does ("\\boxed{5 \\lor 6}"). Only
+  # outermost boxes are read here; reading one reads the boxes in it (each read once: reading
+  # every nested box at every level took exponential time in the depth).
+  outermost, reach = [], -1
+  for _, start, end in spans:
+    if start > reach:
+      outermost.append(text[start:end])
+      reach = end
+  for content in dict.fromkeys(outermost):
     if not _parse_answer(content, single=True, **options) and _parse_answer(content):
       return True
   # (start, end, marked, match, target); a box has no match: math-verify's own box pattern runs

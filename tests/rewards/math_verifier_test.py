@@ -423,6 +423,16 @@ def test_degenerate_responses_cost_linear_time(thread_verifier, text):
   assert time.monotonic() - start < 2.0
 
 
+def test_nested_boxes_cost_polynomial_time(thread_verifier):
+  # A response stuck repeating "\\boxed{": each box's hedge check read every box nested in it,
+  # at every level (2^depth reads; depth 20 ran past a minute).
+  for word, gold in (("yes", "Yes"), ("5", "5")):
+    text = "\\boxed{" * 30 + word + "}" * 30
+    start = time.monotonic()
+    assert thread_verifier.equal(text, gold, timeout_s=5.0)
+    assert time.monotonic() - start < 2.0
+
+
 def _reference_answer_tails(text):
   """What each answer phrase names, read with one regex per phrase (quadratic in the worst case)."""
   tails = set()
