@@ -32,8 +32,8 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None):
   ap = _parser()
   args = ap.parse_args(argv)
-  if args.max_new_tokens < 1:
-    ap.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+  if not 1 <= args.max_new_tokens < 2 ** 31:  # the engine counts budgets in int32
+    ap.error(f"--max-new-tokens must be >= 1 and below 2**31, got {args.max_new_tokens}")
   if not (math.isfinite(args.temperature) and args.temperature >= 0):
     ap.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
   if 0 < args.temperature < MIN_TEMPERATURE:

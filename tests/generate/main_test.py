@@ -54,6 +54,7 @@ def test_sampling_flags_and_stop_strings_reach_the_sampler(model_dir, capsys):
 @pytest.mark.parametrize("flags, message", [
     (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--max-new-tokens", "-2"], "--max-new-tokens must be >= 1"),
+    (["--max-new-tokens", str(2 ** 31)], r"--max-new-tokens must be >= 1 and below 2\*\*31"),
     (["--temperature", "-1"], "--temperature must be a finite number >= 0"),
     (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
     (["--temperature", "inf"], "--temperature must be a finite number >= 0"),
