@@ -35,6 +35,9 @@ _SPACED_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\[,;:! ]| )\d{3})+(?!\d
 _THOUSANDS_SPACE = re.compile(r"\\[,;:! ]| ")
 # "1e3", "2.5e-3": scientific notation, which LaTeX would read as 1*e*3 (Euler's number).
 _SCIENTIFIC = re.compile(r"(?<![\w.])\d+(?:\.\d+)?[eE][+-]?\d{1,3}(?![\w.])")
+# A mixed number in plain text ("3 1/2"), read as two numbers side by side; groups: the whole
+# part, the numerator, the denominator (greater than the numerator, or it is no mixed number).
+_MIXED_NUMBER = re.compile(r"(?<![\d.,/])(\d+)[ \t]+(\d+)/(\d+)(?![\d/.]|,\d)")
 # Two numbers side by side ("5 6", "5\quad 6"), which LaTeX adds up as a mixed number; group 1 is a
 # command whose arguments may go unbraced ("\frac 1 2", and after a subscript "\log_2 8").
 _JUXTAPOSED = re.compile(
@@ -202,9 +205,16 @@ def _right_powers(text: str) -> str:
   return _POWER_TOWER.sub(nest, text) if "^" in text else text
 
 
+def _improper_fraction(m: re.Match) -> str:
+  whole, numerator, denominator = int(m[1]), int(m[2]), int(m[3])
+  return f"{whole * denominator + numerator}/{denominator}" if numerator < denominator else m[0]
+
+
 def _normalize_numbers(text: str) -> str:
-  """Writes spaced thousands ("1\\,000", "1 000") and scientific notation ("1e3") as plain numbers."""
+  """Writes spaced thousands ("1\\,000", "1 000"), scientific notation ("1e3") and mixed numbers
+  ("3 1/2" as "7/2") as plain numbers."""
   text = _SPACED_THOUSANDS.sub(lambda m: _THOUSANDS_SPACE.sub("", m.group()), text)
+  text = _MIXED_NUMBER.sub(_improper_fraction, text)
   return _SCIENTIFIC.sub(lambda m: format(decimal.Decimal(m.group()), "f"), text)
 
 
@@ -533,7 +543,7 @@ def _marks_other_value(text: str, value, options: dict[str, Any]) -> bool:
 # what follows it is the answer (`_parse_answer`). Only spaces and tabs are skipped before the cue
 # (one scan per line, linear).
 _REVISION = re.compile(
-    r"(?:^|(?<=[.!?\n]))[ \t]*(?:wait|actually|correction|oops|no(?=\s*[,:;!.]))\b[\s,:;!.]*",
+    r"(?:^|(?<=[.!?\n]))[ \t]*(?:wait|actually|correction|oops|hmm+|no(?=\s*[,:;!.]))\b[\s,:;!.]*",
     re.IGNORECASE)
 _LAST_DIGIT = re.compile(r"\d\D*$")
 # The opening of a sentence that concludes (`_concluding_sentence`).

@@ -232,6 +232,11 @@ EQUAL = [
     ("\\boxed{Yes}", "Yes"),
     ("The answer is \\boxed{\\text{No}}.", "No"),
     ("\\boxed{\\boxed{even}}", "Even"),
+    # A mixed number in plain text (read as the two numbers 3 and 1/2 side by side: scored 0).
+    ("3 1/2", "3.5"),
+    ("The answer is 3 1/2 cups.", "7/2"),
+    ("-2 3/4", "-2.75"),
+    ("The answer is 5. Hmm, no: 6.", "6"),
 ]
 
 NOT_EQUAL = [
@@ -282,6 +287,8 @@ NOT_EQUAL = [
     ("Option B", "Option A"),
     ("Janet sells 16-3-4=9 eggs, 9*2=18. Therefore, Janet makes $18 every day.", "9"),
     ("\\boxed{yes}", "No"),
+    ("3 1/2", "3"),
+    ("3 4/2", "5"),  # no mixed number
     ("\\boxed{\\text{7 apples}}", "8"),
     ("\\boxed\\frac12 + 1", "1/2"),  # the whole expression was boxed
     ("2**3**2", "64"),
@@ -365,6 +372,7 @@ HEDGED = [
     ("The answer is 5. Wait, no, it is 6. Actually, it is 7.", "6"),
     ("The answer is 5. Wait, 5 or 6?", "5"),
     ("The answer is B. Wait, no, it is C.", "B"),
+    ("The answer is 5. Hmm, no: 6.", "5"),
     ("\\boxed{Yes} or \\boxed{No}", "Yes"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "18"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "19"),
