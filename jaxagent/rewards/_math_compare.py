@@ -72,6 +72,9 @@ _COMMAND_BOX = re.compile(
     r"(?!\s*[{\d=<>+\-*/^_!])")
 # A number with its unit inside text ("\text{7 apples}") is the number with a unit after it.
 _TEXT_NUMBER = re.compile(r"\\(?:text|mbox|mathrm)\s*\{\s*([-+]?\d+(?:[.,]\d+)*)\s+([A-Za-z][A-Za-z ]*)\}")
+# Letters listed inside text ("\text{A, C}", choices of a multiple-answer question) are a list,
+# which math-verify would read as one symbol "a,c".
+_TEXT_LETTERS = re.compile(r"\\text\s*\{\s*(\(?[A-Z]\)?(?:\s*,\s*\(?[A-Z]\)?)+)\s*\}")
 # A logical or between answers ("x = 2 \lor x = 3"), which math-verify reads as the chain
 # x = (2 \lor x) = 3, that is 3; "\text{ or }" it reads as the set of both.
 _LOGICAL_OR = re.compile(r"\\(?:lor|vee)(?![A-Za-z])")
@@ -450,7 +453,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   # A tie ("5~or~6", "1~000") is a space to LaTeX.
   text = _brace_boxes(_FBOX.sub(r"\\boxed", text.replace("~", " ").strip()))
   text = _EMPTY_BOX.sub("", _COMMAND_BOX.sub(r"\\boxed{\1}", text)).strip()
-  text = _TEXT_NUMBER.sub(r"\1\\text{ \2}", text)
+  text = _TEXT_LETTERS.sub(r"\1", _TEXT_NUMBER.sub(r"\1\\text{ \2}", text))
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
   text = _right_powers(_spread_plus_minus(text))
   equations = _EQUATION_BREAK.split(text)

@@ -237,6 +237,9 @@ EQUAL = [
     ("The answer is 3 1/2 cups.", "7/2"),
     ("-2 3/4", "-2.75"),
     ("The answer is 5. Hmm, no: 6.", "6"),
+    # Letters listed in \\text are a list (read as one symbol "a,c": these scored 0).
+    ("\\boxed{A, C}", "\\text{A, C}"),
+    ("\\boxed{C, A}", "\\text{A, C}"),
 ]
 
 NOT_EQUAL = [
@@ -289,6 +292,8 @@ NOT_EQUAL = [
     ("\\boxed{yes}", "No"),
     ("3 1/2", "3"),
     ("3 4/2", "5"),  # no mixed number
+    ("\\boxed{A}", "\\text{A, C}"),
+    ("\\boxed{A, B, C}", "\\text{A, C}"),
     ("\\boxed{\\text{7 apples}}", "8"),
     ("\\boxed\\frac12 + 1", "1/2"),  # the whole expression was boxed
     ("2**3**2", "64"),
