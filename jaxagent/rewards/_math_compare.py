@@ -55,9 +55,9 @@ _EMPTY_BOX = re.compile(r"\\boxed\s*\{\s*\}")
 # 12, as its writer meant), and "\boxed5 6" boxes 5 only. An argument followed by an operator
 # ("\boxed x = 5") or a command that takes arguments ("\boxed\frac12", "\boxed\frac{1}{2}",
 # "\boxed\sqrt[3]{8}") is left to `_COMMAND_BOX` and the prose reading: its writer meant the
-# whole expression. A command's name is read whole ("\frac", never "\fra"
-# before a "c"), and a box is no argument ("\boxed\boxed5" boxes 5), so no such box holds
-# another. "\fbox5" is such a box too.
+# whole expression. A command's name is read whole ("\frac", never "\fra" before a "c"), and a
+# box is no argument ("\boxed\boxed5" boxes 5), so no such box holds another. "\fbox5" is such
+# a box too.
 _UNBRACED_BOX = re.compile(
     r"\\(?:boxed|fbox)(?![A-Za-z])\s*(\d+(?:\.\d+)?(?!\.?\d)|[A-Za-z](?![A-Za-z])"
     r"|\\(?!(?:boxed|fbox)(?![A-Za-z]))[A-Za-z]+(?![A-Za-z])(?!\s*[{\d\[]))"
@@ -71,7 +71,8 @@ _COMMAND_BOX = re.compile(
     r"(?:\s*\[[^\[\]{}]*\])?(?:\s*(?:\{(?:[^{}]|\{[^{}]*\})*\}|\d)){1,2})"
     r"(?!\s*[{\d=<>+\-*/^_!])")
 # A number with its unit inside text ("\text{7 apples}") is the number with a unit after it.
-_TEXT_NUMBER = re.compile(r"\\(?:text|mbox|mathrm)\s*\{\s*([-+]?\d+(?:[.,]\d+)*)\s+([A-Za-z][A-Za-z ]*)\}")
+_TEXT_NUMBER = re.compile(
+    r"\\(?:text|mbox|mathrm)\s*\{\s*([-+]?\d+(?:[.,]\d+)*)\s+([A-Za-z][A-Za-z ]*)\}")
 # Letters listed inside text ("\text{A, C}", choices of a multiple-answer question) are a list,
 # which math-verify would read as one symbol "a,c".
 _TEXT_LETTERS = re.compile(r"\\text\s*\{\s*(\(?[A-Z]\)?(?:\s*,\s*\(?[A-Z]\)?)+)\s*\}")
@@ -439,9 +440,9 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   `_equal_inline` to read. A self-correction after a marked answer ("The answer is 5. Wait, no,
   it is 6.") replaces it: the text after the last one followed by a number is read instead.
   Unmarked prose whose last sentence concludes ("... Therefore, she makes $18.") is read by that
-  sentence when it names one value. Python's power operator is read ("2**3" is 8), a box's argument may
-  go without braces ("\\boxed5"), and math joined by "and", "or" or "\\lor", and equations side
-  by side ("x = 2 \\quad x = 3"), are a list.
+  sentence when it names one value. Python's power operator is read ("2**3" is 8), a box's
+  argument may go without braces ("\\boxed5"), and math joined by "and", "or" or "\\lor", and
+  equations side by side ("x = 2 \\quad x = 3"), are a list.
 
   With `single` (the prediction's side), an answer naming two or more different values parses to
   nothing, since extraction would pick one of them: "5 or 6", "The answer is 5. The answer is 6.",
@@ -467,7 +468,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     text = listed if _is_bare_answer(listed) else text
   if _is_bare_answer(text):
     text = _FULL_STOP.sub("", text) or text
-    text = _right_powers(_PY_POWER.sub(lambda m: "^{" + m.group(1) + "}", text))  # "2**3": "2^{3}"
+    text = _right_powers(_PY_POWER.sub(lambda m: "^{" + m.group(1) + "}", text))  # 2**3: 2^{3}
     if single and any(m.group(1) is None for m in _JUXTAPOSED.finditer(text)):
       return []
     boxed = parse("\\boxed{" + text + "}", extraction_config=_latex_only(), parsing_timeout=None)
@@ -550,7 +551,8 @@ _REVISION = re.compile(
     re.IGNORECASE)
 _LAST_DIGIT = re.compile(r"\d\D*$")
 # The opening of a sentence that concludes (`_concluding_sentence`).
-_CONCLUSION = re.compile(r"(?:therefore|thus|so|hence|in total|in conclusion|altogether)\b", re.IGNORECASE)
+_CONCLUSION = re.compile(r"(?:therefore|thus|so|hence|in total|in conclusion|altogether)\b",
+                         re.IGNORECASE)
 # What names an answer in a correction of a phrase's answer: a digit or a capital letter on its
 # own ("Wait, no, it is C."), not the word "I".
 _NAMES_CHOICE = re.compile(r"\d|\b(?!I\b)[A-Z]\b")
@@ -634,7 +636,9 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
     # answer is \\boxed{5}. No: \\boxed{6}" hedges). A correction after the phrase that names a
     # letter or a number ("The answer is B. Wait, no, it is C.") leaves the phrase's answer unread.
     tails = _answer_tails(prediction)
-    revision = _REVISION.search(prediction, _ANSWER_MARK.search(prediction).end()) if tails else None
+    revision = None
+    if tails:  # each tail follows an answer phrase: the correction is looked for after the first
+      revision = _REVISION.search(prediction, _ANSWER_MARK.search(prediction).end())
     if len(tails) == 1 and not (revision and _NAMES_CHOICE.search(prediction, revision.end())):
       prediction = tails.pop()
       pred_parsed = _parse_answer(prediction, single=True, **options)
