@@ -251,8 +251,12 @@ class JetStreamEngine(engine_api.Engine):
     if isinstance(tokenizer, (str, pathlib.Path)):
       from jaxagent.models import load_tokenizer
       tokenizer = load_tokenizer(tokenizer)
-    if not isinstance(decode_steps, int) or decode_steps < 1:
+    is_int = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+    if not is_int(decode_steps) or decode_steps < 1:
       raise ValueError(f"decode_steps must be a positive int, got {decode_steps!r}")
+    if add_bos is not None and not isinstance(add_bos, (bool, np.bool_)):  # "no" was True
+      raise ValueError(f"add_bos must be True, False or None (the tokenizer's own), got "
+                       f"{add_bos!r}")
     # Checked here: the prefill that would refuse it runs in a Driver thread, whose exception
     # kills the process.
     if (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
@@ -265,19 +269,22 @@ class JetStreamEngine(engine_api.Engine):
         raise ValueError(f"max_len {max_len} is too small for JetStream: its shortest prefill "
                          f"length is {PREFILL_LENGTHS[0]} and one new token must fit after it")
       max_prefill_length = fits[-1]
-    if max_prefill_length not in PREFILL_LENGTHS or max_prefill_length >= max_len:
+    # A float equal to a length (32.0) passed this check, then JetStream sliced a full-length
+    # prompt with it in its prefill thread: a TypeError there kills the process.
+    if (not is_int(max_prefill_length) or max_prefill_length not in PREFILL_LENGTHS
+        or max_prefill_length >= max_len):
       raise ValueError(f"max_prefill_length must be one of JetStream's prefill lengths "
-                       f"{PREFILL_LENGTHS} and below max_len={max_len}, got {max_prefill_length}")
+                       f"{PREFILL_LENGTHS} and below max_len={max_len}, got {max_prefill_length!r}")
     self.engine = engine
     self.cfg = engine.cfg
     self.tokenizer = tokenizer
     self.jetstream_tokenizer = JetStreamTokenizer(
-        tokenizer, engine.ecfg.eos_ids, _adds_bos(tokenizer) if add_bos is None else add_bos)
+        tokenizer, engine.ecfg.eos_ids, _adds_bos(tokenizer) if add_bos is None else bool(add_bos))
     # Held prepared (`Engine.prepare`): where the engine's decode calls multiply by merged
     # q|k|v and gate|up weights, the merged copy is made once here, not at every decode call.
     self._params = engine.prepare(params)
-    self._steps = decode_steps
-    self._max_prefill = max_prefill_length
+    self._steps = int(decode_steps)
+    self._max_prefill = int(max_prefill_length)
     self._seed = int(seed)
     self._request_ids = itertools.count()  # next() is atomic: prefill threads may share it
     self._jit_insert_meta = jax.jit(_insert_meta, donate_argnums=(0, 1, 2))

@@ -249,6 +249,24 @@ def test_serving_on_a_port_in_use_is_an_error_that_leaves_nothing_running(js, en
 
 
 @pytest.mark.jetstream
+def test_constructor_arguments_of_the_wrong_type_are_refused(js, tok, params, engine):
+  """max_prefill_length=32.0 was accepted, and a 32-token prompt then killed the process
+  (JetStream slices the padded prompt with it in its prefill thread); add_bos="no" meant True;
+  a NumPy int of decode steps was refused as not an int."""
+  with pytest.raises(ValueError, match=r"max_prefill_length must be one of .* got 32.0"):
+    js.JetStreamEngine(engine.engine, params, tok, max_prefill_length=32.0)
+  with pytest.raises(ValueError, match="add_bos must be True, False or None .* got 'no'"):
+    js.JetStreamEngine(engine.engine, params, tok, add_bos="no")
+  for steps in (True, 2.0, 0):
+    with pytest.raises(ValueError, match="decode_steps must be a positive int"):
+      js.JetStreamEngine(engine.engine, params, tok, decode_steps=steps)
+  e = js.JetStreamEngine(engine.engine, params, tok, decode_steps=np.int64(2),
+                         max_prefill_length=np.int64(32), add_bos=np.bool_(False))
+  assert (e._steps, e.max_prefill_length, e.jetstream_tokenizer.add_bos) == (2, 32, False)
+  assert type(e.max_prefill_length) is int
+
+
+@pytest.mark.jetstream
 def test_bad_seed_is_refused_at_construction(js, tok, params, engine):
   """A seed prefill would refuse is an error here, in the caller's thread: in a Driver's prefill
   thread the same error would kill the process."""
