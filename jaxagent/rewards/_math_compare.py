@@ -37,7 +37,7 @@ _THOUSANDS_SPACE = re.compile(r"\\[,;:! ]| ")
 _SCIENTIFIC = re.compile(r"(?<![\w.])\d+(?:\.\d+)?[eE][+-]?\d{1,3}(?![\w.])")
 # A mixed number in plain text ("3 1/2"), read as two numbers side by side; groups: the whole
 # part, the numerator, the denominator (greater than the numerator, or it is no mixed number).
-_MIXED_NUMBER = re.compile(r"(?<![\d.,/])(\d+)[ \t]+(\d+)/(\d+)(?![\d/.]|,\d)")
+_MIXED_NUMBER = re.compile(r"(?<![\d.,/])(\d{1,9})[ \t]+(\d{1,9})/(\d{1,9})(?![\d/.]|,\d)")
 # Two numbers side by side ("5 6", "5\quad 6"), which LaTeX adds up as a mixed number; group 1 is a
 # command whose arguments may go unbraced ("\frac 1 2", and after a subscript "\log_2 8").
 _JUXTAPOSED = re.compile(

@@ -446,6 +446,12 @@ def test_nested_boxes_cost_polynomial_time(thread_verifier):
     assert time.monotonic() - start < 2.0
 
 
+def test_a_huge_number_is_no_mixed_number():
+  # Read as a mixed number, its whole part went through int(), which refuses 5000 digits.
+  text = "1" * 5000 + " 1/2"
+  assert _math_compare._normalize_numbers(text) == text
+
+
 def _reference_answer_tails(text):
   """What each answer phrase names, read with one regex per phrase (quadratic in the worst case)."""
   tails = set()
