@@ -65,14 +65,14 @@ def extract_boxed(text: str) -> str | None:
   """Stripped content of the last `\\boxed{...}` (or `\\fbox{...}`) whose braces balance, or None.
 
   Escaped braces (`\\{`, `\\}`, as in sets) do not count towards the balance. A box left open
-  (a truncated response) is skipped, so an earlier complete box can still be returned. A box
-  whose one-token argument goes without braces ("\\boxed5", "\\boxed B", "\\fbox\\pi") is read
-  as `math_equal` reads it: its argument is the content. Linear in the text however many boxes
-  are left open.
+  (a truncated response) is skipped, so an earlier complete box can still be returned; so is an
+  empty box ("\\boxed{5}, in \\boxed{}"), which names nothing. A box whose one-token argument
+  goes without braces ("\\boxed5", "\\boxed B", "\\fbox\\pi") is read as `math_equal` reads it:
+  its argument is the content. Linear in the text however many boxes are left open.
   """
   text = _brace_boxes(text)
-  spans = _box_spans(text)
-  return text[spans[-1][1]:spans[-1][2]].strip() if spans else None
+  contents = [text[start:end].strip() for _, start, end in _box_spans(text)]
+  return next((c for c in reversed(contents) if c), None)
 
 
 def extract_gsm8k(text: str) -> str | None:

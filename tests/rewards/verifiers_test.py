@@ -48,6 +48,9 @@ def test_extract_tagged_takes_the_last_complete_block():
     ("\\boxed{\\{1, 2\\}}", "\\{1, 2\\}"),  # escaped braces do not close the box
     ("\\boxed{1} then \\boxed{ 2 }", "2"),
     ("\\boxed{4} and finally \\boxed{5", "4"),  # an unclosed (truncated) box is skipped
+    # An empty box names nothing (the trailing one was returned, and a correct answer scored 0).
+    ("\\boxed{5} so the answer goes in \\boxed{}", "5"),
+    ("\\boxed{ }", None),
     ("\\fbox{x^{2}}", "x^{2}"),
     ("\\boxed {7}", "7"),
     ("no box", None),
@@ -138,7 +141,7 @@ def _reference_extract_boxed(text):
       elif c == "}":
         depth -= 1
         if depth == 0:
-          found = text[m.end():i].strip()
+          found = text[m.end():i].strip() or found
           break
       i += 1
   return found
