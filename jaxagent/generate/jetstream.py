@@ -695,6 +695,9 @@ def submit(driver, prompt: str | Sequence[int], max_tokens: int):
   except RuntimeError:
     raise RuntimeError("submit must be called inside a running asyncio event loop: JetStream's "
                        "return channels deliver tokens to it (see `collect`)") from None
+  if isinstance(prompt, (bytes, bytearray)):  # list(b"hi") would be the token ids [104, 105]
+    raise ValueError(f"prompt is bytes ({bytes(prompt[:20])!r}): pass text as a str or token "
+                     "ids as a sequence of ints")
   token_ids = not isinstance(prompt, str)
   request = orchestrator.ActiveRequest(
       max_tokens=max_tokens, return_channel=async_multifuture.AsyncMultifuture(),

@@ -144,7 +144,8 @@ def test_driver_serves_concurrent_requests_like_generate(js, cfg, tok, engine, r
   async def run():
     try:
       bad = [([cfg.vocab_size + 5, 1], 5, "token ids"), ([], 5, "empty"),
-             (list(range(1, 70)), 5, "max_prefill_length"), (TEXT, 0, "max_tokens")]
+             (list(range(1, 70)), 5, "max_prefill_length"), (TEXT, 0, "max_tokens"),
+             (TEXT.encode(), 5, "prompt is bytes")]  # was served as the bytes' values
       for prompt, max_tokens, why in bad:  # rejected in this thread; the Driver keeps running
         with pytest.raises(ValueError, match=why):
           js.submit(driver, prompt, max_tokens)
