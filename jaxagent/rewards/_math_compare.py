@@ -490,11 +490,9 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     if head is None:
       return []  # `_equal_inline` reads what the answer phrase names
     parsed = _parse_prose(head, single, options)
-    revision = _last_revision(rest) if single and parsed else None
-    if revision is not None:
-      # "The answer is 5. Wait, no, it is 6.": the last correction naming a number is the answer,
-      # read on its own; one that settles on no single value gets no credit.
-      return _parse_answer(rest[revision:], single=True, **options)
+    revised = _revised_answer(rest, options) if single and parsed else None
+    if revised is not None:
+      return revised
     # A later sentence that marks another value hedges ("The answer is 5. The answer is 6.").
     if single and parsed and _marks_other_value(rest, parsed[0], options):
       return []
@@ -518,13 +516,37 @@ def _concluding_sentence(text: str) -> str | None:
   return last if start and _CONCLUSION.match(last) and not last.endswith("?") else None
 
 
-def _last_revision(text: str) -> int | None:
-  """Where the text after the last self-correction (`_REVISION`) followed by a number starts."""
+def _last_correction(text: str, pos: int = 0, endpos: int | None = None) -> re.Match | None:
+  """The last self-correction (`_REVISION`) that starts in `text[pos:endpos]`."""
+  cue = None
+  for cue in _REVISION.finditer(text, pos, len(text) if endpos is None else endpos):
+    pass
+  return cue
+
+
+def _overrules(text: str, cue: re.Match) -> bool:
+  """Whether a correction says the answer before it was wrong ("Wait, no, ...", "Correction:",
+  "..., I made a mistake")."""
+  return bool(_NEGATING_CUE.match(text, cue.start()) or _ADMITS_ERROR.search(text, cue.end()))
+
+
+def _revised_answer(text: str, options: dict[str, Any]) -> list | None:
+  """What a self-correction in `text`, the rest after a marked answer, gives instead of that
+  answer, or None where it leaves it. The last correction followed by a number is read on its
+  own. One that overrules the answer ("Wait, no, it is 6.") gives what it settles on, or no answer
+  (no credit) where it settles on no single value. One that does not ("Wait, it is 6.") gives its
+  value when it restates one or marks it ("... So the answer is 6."), and is a check that leaves
+  the answer when it works something out ("Wait, let me verify: 2 * 5 = 10.") or names several
+  values."""
   last_digit = _LAST_DIGIT.search(text)
-  if last_digit is None:
+  cue = None if last_digit is None else _last_correction(text, 0, last_digit.start())
+  if cue is None:
     return None
-  cues = [m.end() for m in _REVISION.finditer(text, 0, last_digit.start())]
-  return cues[-1] if cues else None
+  correction = text[cue.end():]
+  revised = _parse_answer(correction, single=True, **options)
+  if _overrules(text, cue):
+    return revised
+  return revised if revised and ("=" not in correction or _ANSWER_MARK.search(correction)) else None
 
 
 def _parse_prose(text: str, single: bool, options: dict[str, Any]) -> list:
@@ -550,12 +572,16 @@ _REVISION = re.compile(
     r"(?:^|(?<=[.!?\n]))[ \t]*(?:wait|actually|correction|oops|hmm+|no(?=\s*[,:;!.]))\b[\s,:;!.]*",
     re.IGNORECASE)
 _LAST_DIGIT = re.compile(r"\d\D*$")
+# A correction that overrules the answer before it (`_overrules`).
+_NEGATING_CUE = re.compile(r"[ \t]*(?:(?:wait|hmm+|actually)[\s,:;!.]*)?(?:no|correction|oops)\b",
+                           re.IGNORECASE)
+_ADMITS_ERROR = re.compile(r"\b(?:wrong|incorrect|mistaken|mistake)\b", re.IGNORECASE)
 # The opening of a sentence that concludes (`_concluding_sentence`).
 _CONCLUSION = re.compile(r"(?:therefore|thus|so|hence|in total|in conclusion|altogether)\b",
                          re.IGNORECASE)
 # What names an answer in a correction of a phrase's answer: a digit or a capital letter on its
-# own ("Wait, no, it is C."), not the word "I".
-_NAMES_CHOICE = re.compile(r"\d|\b(?!I\b)[A-Z]\b")
+# own ("Wait, no, it is C."), not the word "I"; group 1 the letter.
+_NAMES_CHOICE = re.compile(r"\d|\b(?!I\b)([A-Z])\b")
 # An answer phrase ("The answer is B.", "**Answer:** (C)"), which names what follows it to the end
 # of its sentence (`_TAIL_STOP`).
 _ANSWER_MARK = re.compile(r"\banswer\b(?:\*\*)?\s*(?:is\b\s*:?|:)\s*(?:\*\*)?\s*", re.IGNORECASE)
@@ -633,15 +659,18 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
     # Prose naming an answer math-verify finds nothing in ("The answer is B.", "Final answer:
     # yes"): what the phrase names is read as the answer on its own. Phrases naming different
     # answers name none. A prediction that boxes its answer is read by its boxes only ("The
-    # answer is \\boxed{5}. No: \\boxed{6}" hedges). A correction after the phrase that names a
-    # letter or a number ("The answer is B. Wait, no, it is C.") leaves the phrase's answer unread.
+    # answer is \\boxed{5}. No: \\boxed{6}" hedges). A correction after the phrase that overrules
+    # it and names a letter or number ("The answer is B. Wait, no, it is C."), or names another
+    # letter ("... Wait, it is C."), leaves the phrase's answer unread.
     tails = _answer_tails(prediction)
-    revision = None
-    if tails:  # each tail follows an answer phrase: the correction is looked for after the first
-      revision = _REVISION.search(prediction, _ANSWER_MARK.search(prediction).end())
-    if len(tails) == 1 and not (revision and _NAMES_CHOICE.search(prediction, revision.end())):
-      prediction = tails.pop()
-      pred_parsed = _parse_answer(prediction, single=True, **options)
+    if len(tails) == 1:
+      tail = tails.pop()
+      cue = _last_correction(prediction, _ANSWER_MARK.search(prediction).end())
+      named = [] if cue is None else _NAMES_CHOICE.findall(prediction, cue.end())
+      overruled = named and (_overrules(prediction, cue) or set(named) - {"", tail.strip("()")})
+      if not overruled:
+        prediction = tail
+        pred_parsed = _parse_answer(prediction, single=True, **options)
   if not gold_parsed or not pred_parsed:
     # Words hold no math to parse ("Yes" against "\\text{yes}."): they are compared as text.
     word = _word_answer(gold)

@@ -222,6 +222,14 @@ EQUAL = [
     ("The answer is 5. Wait, that is right.", "5"),
     ("The answer is 5. No other value works.", "5"),
     ("The answer is B. Wait, I think that is right.", "B"),
+    ("The answer is 5. Wait, it is 6.", "6"),
+    ("The answer is 5. Wait, I made a mistake: 3 + 3 = 6.", "6"),
+    ("The answer is 5.\n\nWait, let me reconsider. 3 + 3 = 6. So the answer is 6.", "6"),
+    # A check that works something out leaves the answer (a correction was read as 10 or a hedge).
+    ("The answer is 5. Wait, 2 * 5 = 10, so yes.", "5"),
+    ("The answer is 5. Actually, 5 is the only value such that 2x = 10.", "5"),
+    ("The answer is 18.\n\nWait, let me verify: 16 - 3 - 4 = 9 and 9 * 2 = 18. Yes.", "18"),
+    ("The answer is B. Wait, let me check: option B has 4 sides.", "B"),
     # A concluding sentence that names one value is the answer: working before it is no hedge
     # (these scored 0).
     ("Janet sells 16-3-4=9 eggs, 9*2=18. Therefore, Janet makes $18 every day.", "18"),
@@ -288,6 +296,7 @@ NOT_EQUAL = [
     ("2", "\\frac{1 \\pm 2}{2}"),  # the gold was read as its denominator
     ("Option A", "B"),
     ("Option B", "Option A"),
+    ("The answer is 5. Wait, 2 * 5 = 10, so yes.", "10"),
     ("Janet sells 16-3-4=9 eggs, 9*2=18. Therefore, Janet makes $18 every day.", "9"),
     ("\\boxed{yes}", "No"),
     ("3 1/2", "3"),
@@ -375,7 +384,10 @@ HEDGED = [
     ("The answer is 5. Wait, no, it is 6.", "5"),
     ("The answer is 5. Correction: the answer is 6.", "5"),
     ("The answer is 5. Wait, no, it is 6. Actually, it is 7.", "6"),
-    ("The answer is 5. Wait, 5 or 6?", "5"),
+    ("The answer is 5. Wait, no: 5 or 6?", "5"),
+    ("The answer is 5. Wait, it is 6.", "5"),
+    ("The answer is 5. Wait, I made a mistake: 3 + 3 = 6.", "5"),
+    ("The answer is B. Wait, it is C.", "B"),
     ("The answer is B. Wait, no, it is C.", "B"),
     ("The answer is 5. Hmm, no: 6.", "5"),
     ("\\boxed{Yes} or \\boxed{No}", "Yes"),
