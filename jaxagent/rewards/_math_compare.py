@@ -566,8 +566,8 @@ def _marks_other_value(text: str, value, options: dict[str, Any]) -> bool:
 
 
 # A self-correction starting a sentence ("Wait, no, it is 6.", "Actually, ...", "Correction: ...");
-# what follows it is the answer (`_parse_answer`). Only spaces and tabs are skipped before the cue
-# (one scan per line, linear).
+# what follows it may replace the answer (`_revised_answer`). Only spaces and tabs are skipped
+# before the cue (one scan per line, linear).
 _REVISION = re.compile(
     r"(?:^|(?<=[.!?\n]))[ \t]*(?:wait|actually|correction|oops|hmm+|no(?=\s*[,:;!.]))\b[\s,:;!.]*",
     re.IGNORECASE)
