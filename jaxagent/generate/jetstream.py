@@ -42,7 +42,9 @@ Sharp edges of google-jetstream 0.2.2 handled here:
     `JetStreamEngine.prefill` turns content that still slips through (out-of-vocabulary ids, empty
     prompts) into a request that finishes with no tokens instead of raising.
   * It prepends `bos_id` to every request without a session cache. For tokenizers that add no BOS
-    (SmolLM2, Qwen) the adapter's `bos_id` is the marker -1 and prefill drops it.
+    (SmolLM2, Qwen) the adapter's `bos_id` is the marker -1 and prefill drops it; for those that
+    do (Llama 3), prefill drops it from a prompt that already starts with BOS (a chat-templated
+    one), which would otherwise reach the model as BOS BOS ...
 
   * Its detokenize thread decodes text replies one token at a time, so a character split across
     byte-level tokens would arrive as U+FFFD pieces; `CheckedDriver` re-decodes each request's
@@ -369,6 +371,11 @@ class JetStreamEngine(engine_api.Engine):
       return [], "non-integer token ids"
     ids = arr.astype(np.int64)
     if ids.size and ids[0] == NO_BOS:
+      ids = ids[1:]
+    bos = self.jetstream_tokenizer.bos_id
+    if self.jetstream_tokenizer.add_bos and ids.size >= 2 and ids[0] == ids[1] == bos:
+      # JetStream prepends BOS to a prompt that already starts with it: a chat-templated
+      # prompt of a tokenizer that adds BOS (Llama 3) reached the model as BOS BOS ...
       ids = ids[1:]
     if ids.size == 0:
       return [], "empty prompt"

@@ -268,6 +268,26 @@ def test_constructor_arguments_of_the_wrong_type_are_refused(js, tok, params, en
 
 
 @pytest.mark.jetstream
+def test_a_prompt_that_starts_with_bos_gets_no_second_one(js, tok, cfg, params, engine):
+  """With `add_bos` (a tokenizer that adds BOS, as Llama 3's does), JetStream prepends BOS
+  to every prompt: a chat-templated prompt, whose text starts with the BOS token, reached the
+  model as BOS BOS ..."""
+  e = js.JetStreamEngine(engine.engine, params, tok, add_bos=True)
+  text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
+  ids = tok.encode(text)
+  assert ids[0] == tok.bos_id == e.jetstream_tokenizer.bos_id
+  first = generate(params, cfg, [ids], 1, max_len=MAX_LEN)[0].tokens[0]
+  # As JetStream's prefill thread pads them: a text prompt that starts with BOS, and a token
+  # prompt without it (JetStream's BOS is then the only one).
+  for padded, n in (e.jetstream_tokenizer.encode(text, jax_padding=False),
+                    js.token_utils.pad_tokens(np.asarray(ids[1:]), tok.bos_id, 0,
+                                              jax_padding=False)):
+    pre = e.prefill(params=params, padded_tokens=padded, true_length=n)
+    assert int(pre.prompt_len) == len(ids) and bool(pre.ok)
+    assert int(pre.prefix.tokens[0]) == first
+
+
+@pytest.mark.jetstream
 def test_bad_seed_is_refused_at_construction(js, tok, params, engine):
   """A seed prefill would refuse is an error here, in the caller's thread: in a Driver's prefill
   thread the same error would kill the process."""
