@@ -141,6 +141,9 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
   `stop`: a `StopChecker`, or a spec it takes (token-id sequences; strings need the checker's
   tokenizer).
   """
+  # JAX arrays as Python ints: prefill hashes each prompt's ids (a JAX scalar is unhashable).
+  prompts = [np.asarray(p).tolist() if isinstance(p, (np.ndarray, jax.Array)) else p
+             for p in prompts]
   n = len(prompts)
   # Prefill's rule, for every prompt before anything runs (a budget prefill refuses, waiting
   # in the queue, ended the run after the requests before it were generated).
@@ -301,6 +304,8 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
       # list(b"hi") is [104, 105]: the bytes' values were taken as token ids.
       raise ValueError(f"prompt {i} is bytes ({bytes(p[:20])!r}): pass text as a str (with "
                        "tokenizer=...) or token ids as a sequence of ints")
+    elif isinstance(p, (np.ndarray, jax.Array)):
+      ids.append(np.asarray(p).tolist())  # a list of JAX scalars cannot be hashed
     else:
       try:
         ids.append(list(p))  # checked by the engine's prefill (integer ids in the vocabulary)

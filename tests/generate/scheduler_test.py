@@ -80,13 +80,18 @@ def test_generate_checks_budgets_once_before_building_an_engine(params, monkeypa
   assert built == []
 
 
-def test_numpy_and_jax_array_prompts(params):
+def test_numpy_and_jax_array_prompts(params, engine):
   """A `[B, T]` array is B prompts, a `[T]` array one prompt, as the same nested lists are."""
   batch = np.asarray([[1, 2, 3], [4, 5, 6]])
   want = [c.tokens for c in generate(params, CFG, batch.tolist(), 3)]
   assert [c.tokens for c in generate(params, CFG, batch, 3)] == want
   assert [c.tokens for c in generate(params, CFG, jax.numpy.asarray(batch), 3)] == want
   assert generate(params, CFG, batch[1], 3)[0].tokens == want[1]
+  # A list of arrays (one per prompt): JAX ones failed with "unhashable type".
+  for rows in ([np.asarray(r) for r in batch], [jax.numpy.asarray(r) for r in batch]):
+    assert [c.tokens for c in generate(params, CFG, rows, 3)] == want
+    assert [c.tokens for c in run_requests(engine, params, rows, max_new_tokens=3,
+                                           request_ids=[0, 1])] == want
 
 
 def test_bad_budgets_and_slots_are_clear_errors(params):
