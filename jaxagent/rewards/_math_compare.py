@@ -489,7 +489,14 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     head, rest = marked
     if head is None:
       return []  # `_equal_inline` reads what the answer phrase names
-    parsed = _parse_prose(head, single, options)
+    tails = _answer_tails(head)
+    tail = tails.pop() if len(tails) == 1 else ""
+    if _DIGIT.search(tail) and _is_bare_answer(tail):
+      # "The answer is 2\\sqrt{2}.": what the phrase names, read whole; math-verify's own
+      # pattern stops at the first command and read 2.
+      parsed = _parse_answer(tail, single=single, **options)
+    else:
+      parsed = _parse_prose(head, single, options)
     revised = _revised_answer(rest, options) if single and parsed else None
     if revised is not None:
       return revised

@@ -248,6 +248,10 @@ EQUAL = [
     # Letters listed in \\text are a list (read as one symbol "a,c": these scored 0).
     ("\\boxed{A, C}", "\\text{A, C}"),
     ("\\boxed{C, A}", "\\text{A, C}"),
+    # What an answer phrase names is read whole, LaTeX and all (math-verify's pattern read 2 here).
+    ("The answer is 2\\sqrt{2}.", "2\\sqrt{2}"),
+    ("The answer is 2^{10}.", "1024"),
+    ("Answer: 10^{-3}", "0.001"),
 ]
 
 NOT_EQUAL = [
@@ -297,6 +301,11 @@ NOT_EQUAL = [
     ("Option A", "B"),
     ("Option B", "Option A"),
     ("The answer is 5. Wait, 2 * 5 = 10, so yes.", "10"),
+    # A wrong answer was read as its leading number (these scored 1).
+    ("The answer is 2\\sqrt{2}.", "2"),
+    ("The answer is 3\\pi.", "3"),
+    ("The answer is 2x.", "2"),
+    ("Answer: 10^{-3}", "10"),
     ("Janet sells 16-3-4=9 eggs, 9*2=18. Therefore, Janet makes $18 every day.", "9"),
     ("\\boxed{yes}", "No"),
     ("3 1/2", "3"),
