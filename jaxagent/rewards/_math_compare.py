@@ -76,6 +76,14 @@ _TEXT_NUMBER = re.compile(
 # Letters listed inside text ("\text{A, C}", choices of a multiple-answer question) are a list,
 # which math-verify would read as one symbol "a,c".
 _TEXT_LETTERS = re.compile(r"\\text\s*\{\s*(\(?[A-Z]\)?(?:\s*,\s*\(?[A-Z]\)?)+)\s*\}")
+# Unicode math that math-verify does not read: a root of one number, letter or bracket ("√2",
+# "2√(3)"), superscript digits ("x²", "10⁻³"), infinity and common vulgar fractions ("1½" is the
+# mixed number 1 1/2).
+_UNICODE_ROOT = re.compile(r"√\s*(?:(\d+(?:\.\d+)?|[A-Za-z])|\(([^()]*)\)|\{([^{}]*)\})")
+_SUPERSCRIPT = re.compile("⁻?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
+_SUPERSCRIPT_DIGITS = str.maketrans("⁻⁰¹²³⁴⁵⁶⁷⁸⁹", "-0123456789")
+_UNICODE_SYMBOLS = str.maketrans({"∞": "\\infty ", "½": " 1/2", "⅓": " 1/3", "⅔": " 2/3", "¼": " 1/4",
+                                  "¾": " 3/4"})
 # A logical or between answers ("x = 2 \lor x = 3"), which math-verify reads as the chain
 # x = (2 \lor x) = 3, that is 3; "\text{ or }" it reads as the set of both.
 _LOGICAL_OR = re.compile(r"\\(?:lor|vee)(?![A-Za-z])")
@@ -212,6 +220,13 @@ def _right_powers(text: str) -> str:
 def _improper_fraction(m: re.Match) -> str:
   whole, numerator, denominator = int(m[1]), int(m[2]), int(m[3])
   return f"{whole * denominator + numerator}/{denominator}" if numerator < denominator else m[0]
+
+
+def _read_unicode(text: str) -> str:
+  """Writes the Unicode math of `_UNICODE_ROOT`, `_SUPERSCRIPT` and `_UNICODE_SYMBOLS` as LaTeX."""
+  text = _UNICODE_ROOT.sub(lambda m: "\\sqrt{" + (m[1] or m[2] or m[3] or "") + "}", text)
+  text = _SUPERSCRIPT.sub(lambda m: "^{" + m.group().translate(_SUPERSCRIPT_DIGITS) + "}", text)
+  return text.translate(_UNICODE_SYMBOLS)
 
 
 def _normalize_numbers(text: str) -> str:
@@ -452,6 +467,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   from math_verify import parse
 
   # A tie ("5~or~6", "1~000") is a space to LaTeX.
+  text = text if text.isascii() else _read_unicode(text)
   text = _brace_boxes(_FBOX.sub(r"\\boxed", text.replace("~", " ").strip()))
   text = _EMPTY_BOX.sub("", _COMMAND_BOX.sub(r"\\boxed{\1}", text)).strip()
   text = _TEXT_LETTERS.sub(r"\1", _TEXT_NUMBER.sub(r"\1\\text{ \2}", text))

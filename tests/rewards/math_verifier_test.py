@@ -252,6 +252,14 @@ EQUAL = [
     ("The answer is 2\\sqrt{2}.", "2\\sqrt{2}"),
     ("The answer is 2^{10}.", "1024"),
     ("Answer: 10^{-3}", "0.001"),
+    # Unicode math math-verify does not read (these scored 0).
+    ("√2", "\\sqrt{2}"),
+    ("3√2", "\\sqrt{18}"),
+    ("The answer is 2√2.", "2\\sqrt{2}"),
+    ("x²+2x+1", "(x+1)^2"),
+    ("10⁻³", "0.001"),
+    ("1½", "1.5"),
+    ("(-∞, 3]", "(-\\infty, 3]"),
 ]
 
 NOT_EQUAL = [
@@ -306,6 +314,8 @@ NOT_EQUAL = [
     ("The answer is 3\\pi.", "3"),
     ("The answer is 2x.", "2"),
     ("Answer: 10^{-3}", "10"),
+    ("√12", "2"),
+    ("x¹²", "x^{1}"),
     ("Janet sells 16-3-4=9 eggs, 9*2=18. Therefore, Janet makes $18 every day.", "9"),
     ("\\boxed{yes}", "No"),
     ("3 1/2", "3"),
@@ -389,6 +399,7 @@ HEDGED = [
     ("Option A or option B", "A"),
     ("\\boxed{\\text{2 or 3}}", "2"),
     ("\\boxed\\sqrt{2} or \\boxed\\sqrt{3}", "\\sqrt{3}"),
+    ("√2 or √3", "\\sqrt{3}"),
     # A corrected answer gets no credit; nor does a correction that settles on no single value.
     ("The answer is 5. Wait, no, it is 6.", "5"),
     ("The answer is 5. Correction: the answer is 6.", "5"),
