@@ -261,6 +261,11 @@ def test_constructor_arguments_of_the_wrong_type_are_refused(js, tok, params, en
   for steps in (True, 2.0, 0):
     with pytest.raises(ValueError, match="decode_steps must be a positive int"):
       js.JetStreamEngine(engine.engine, params, tok, decode_steps=steps)
+  # Not a SamplingConfig: the first prefill, in a Driver thread, killed the process.
+  for sampling in (0.7, {"temperature": 0.7}):
+    with pytest.raises(TypeError, match="sampling must be a jaxagent.generate.SamplingConfig"):
+      js.JetStreamEngine.create(params, engine.cfg, tok, slots=1, max_len=MAX_LEN,
+                                sampling=sampling)
   e = js.JetStreamEngine(engine.engine, params, tok, decode_steps=np.int64(2),
                          max_prefill_length=np.int64(32), add_bos=np.bool_(False))
   assert (e._steps, e.max_prefill_length, e.jetstream_tokenizer.add_bos) == (2, 32, False)
