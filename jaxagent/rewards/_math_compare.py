@@ -305,6 +305,10 @@ def _names_two_values(text: str, options: dict[str, Any]) -> bool:
     if read:  # a box that parses; boxes none of which parse leave the prose to decide
       return hedged
   found = boxes + _extraction_matches(text)
+  # A number math-verify reads as dollars ("$2" in "We get $2\\sqrt{2}$") whose "$" opens inline
+  # math is that math, not a value of its own.
+  opens = {start for start, end, _, _, _ in found if text[start] == "$" and text[end - 1] == "$"}
+  found = [f for f in found if not (text.find("$", f[0], f[1]) in opens and text[f[1] - 1] != "$")]
   first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
   return _differ(text, [f for f in found if f[0] >= first_mark], seen, options)[0]
 

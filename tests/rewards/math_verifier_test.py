@@ -260,6 +260,10 @@ EQUAL = [
     ("10⁻³", "0.001"),
     ("1½", "1.5"),
     ("(-∞, 3]", "(-\\infty, 3]"),
+    # Inline math in prose that starts with a number is one value, not also the dollars "$2"
+    # (read as two values, a hedge: these scored 0).
+    ("So the area is $3\\pi$.", "3\\pi"),
+    ("We get $2\\sqrt{2}$", "2\\sqrt{2}"),
 ]
 
 NOT_EQUAL = [
@@ -315,6 +319,7 @@ NOT_EQUAL = [
     ("The answer is 2x.", "2"),
     ("Answer: 10^{-3}", "10"),
     ("√12", "2"),
+    ("The area is $3\\pi$.", "3"),
     ("x¹²", "x^{1}"),
     ("Janet sells 16-3-4=9 eggs, 9*2=18. Therefore, Janet makes $18 every day.", "9"),
     ("\\boxed{yes}", "No"),
@@ -400,6 +405,8 @@ HEDGED = [
     ("\\boxed{\\text{2 or 3}}", "2"),
     ("\\boxed\\sqrt{2} or \\boxed\\sqrt{3}", "\\sqrt{3}"),
     ("√2 or √3", "\\sqrt{3}"),
+    ("We get $2\\sqrt{2}$ or $3$", "3"),
+    ("It costs $5 or $6.", "5"),
     # A corrected answer gets no credit; nor does a correction that settles on no single value.
     ("The answer is 5. Wait, no, it is 6.", "5"),
     ("The answer is 5. Correction: the answer is 6.", "5"),
