@@ -276,8 +276,8 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
       request and is included in its tokens.
     eos_ids: token ids that end a request, one int or a sequence (default: the tokenizer's
       `eos_ids`, else the config's `eos_token_ids`).
-    request_ids: distinct per-prompt ids for the rng (default 0..n-1); with the same seed and request
-      id a prompt gives the same output whatever the slot count or arrival order.
+    request_ids: distinct per-prompt ids for the rng (default 0..n-1); with the same seed and
+      request id a prompt gives the same output whatever the slot count or arrival order.
   Returns one `Completion` per prompt, in order (with `.text` when a tokenizer is given).
   """
   if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots <= 0:
