@@ -257,6 +257,11 @@ class EngineConfig:
   def __post_init__(self):
     if not isinstance(self.slots, int) or self.slots <= 0:
       raise ValueError(f"EngineConfig.slots must be a positive int, got {self.slots!r}")
+    # Else the first prefill failed on it (an AttributeError; in a JetStream Driver thread it
+    # killed the server process).
+    if not isinstance(self.sampling, SamplingConfig):
+      raise TypeError("EngineConfig.sampling must be a jaxagent.generate.SamplingConfig, got "
+                      f"{self.sampling!r}")
     is_int = lambda e: isinstance(e, (int, np.integer)) and not isinstance(e, bool)
     # A float or a string was cast to some other id, and a bool to 0 or 1, by the device-side
     # comparison; one int or any sequence becomes a tuple (the config must stay hashable).

@@ -250,10 +250,6 @@ class JetStreamEngine(engine_api.Engine):
     if not isinstance(engine, Engine):
       raise TypeError(f"engine must be a jaxagent.generate.Engine, got {type(engine).__name__} "
                       "(JetStreamEngine.create builds one from params and a config)")
-    # Else the first prefill, in a Driver thread, would fail on it and kill the process.
-    if not isinstance(engine.ecfg.sampling, SamplingConfig):
-      raise TypeError("the engine's sampling must be a jaxagent.generate.SamplingConfig, got "
-                      f"{engine.ecfg.sampling!r}")
     if isinstance(tokenizer, (str, pathlib.Path)):
       from jaxagent.models import load_tokenizer
       tokenizer = load_tokenizer(tokenizer)

@@ -273,6 +273,14 @@ def test_bad_engine_config_is_a_clear_error_not_a_hang(kw, match):
     Engine(CFG, EngineConfig(**{"slots": 2, "max_len": 64, **kw}))
 
 
+def test_engine_config_refuses_sampling_that_is_not_a_sampling_config():
+  """A temperature or a dict given as `sampling` was accepted; the first prefill then failed
+  with an AttributeError (in a JetStream Driver thread, killing the server)."""
+  for sampling in (0.7, {"temperature": 0.7}, None):
+    with pytest.raises(TypeError, match="EngineConfig.sampling must be a jaxagent.generate.SamplingConfig"):
+      EngineConfig(slots=1, max_len=32, sampling=sampling)
+
+
 def test_engine_refuses_eos_ids_it_could_never_match():
   """EOS ids given to the Engine directly (as the rollout and the JetStream adapter build it)
   are checked there: an id outside the vocabulary never ends a request, and a float, a string
