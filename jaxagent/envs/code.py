@@ -84,12 +84,61 @@ def extract_code(text: str) -> str | None:
   return inner[-1] if inner else code
 
 
+def _module_binding(code: str, entry_point: str) -> ast.Module | None:
+  """The AST of `code` when it compiles as a module of its own and binds `entry_point` at its
+  top level (`f = lambda ...`, `f = _impl`, `from m import f`), else None. A bare body never
+  compiles alone: it holds a `return` outside a function."""
+  try:
+    compile(code, "<solution>", "exec", dont_inherit=True)
+    tree = ast.parse(code)
+  except _UNPARSABLE:
+    return None
+  for node in tree.body:
+    if isinstance(node, (ast.Assign, ast.AnnAssign)):
+      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+      names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+    elif isinstance(node, (ast.Import, ast.ImportFrom)):
+      names = {(a.asname or a.name).split(".")[0] for a in node.names}
+    else:
+      names = {getattr(node, "name", None)}
+    if entry_point in names:
+      return tree
+  return None
+
+
+def _hoist_futures(code: str) -> tuple[str, str]:
+  """(its `from __future__` imports, the rest) of a full solution: they must open the program,
+  which starts with the prompt (a solution that began with one did not compile)."""
+  try:
+    tree = ast.parse(code)
+  except _UNPARSABLE:
+    return "", code
+  lines = code.splitlines(keepends=True)
+  spans = [(n.lineno, n.end_lineno) for n in tree.body]
+  cut: set[int] = set()
+  for n in tree.body:
+    if isinstance(n, ast.ImportFrom) and n.module == "__future__":
+      mine = range(n.lineno, n.end_lineno + 1)
+      # Only an import alone on its lines moves (not `from __future__ import x; import y`).
+      if sum(a <= ln <= b for a, b in spans for ln in mine) == len(mine):
+        cut.update(mine)
+  if not cut:
+    return "", code
+  futures = "".join(ln if ln.endswith("\n") else ln + "\n"
+                    for i, ln in enumerate(lines, 1) if i in cut)
+  return futures, "".join(ln for i, ln in enumerate(lines, 1) if i not in cut)
+
+
 def assemble_program(prompt: str, entry_point: str, code: str) -> str:
   """The program to test: the prompt, then the solution (a full function redefines the stub;
-  a bare body is appended to the stub, indented if it was not)."""
+  a bare body is appended to the stub, indented if it was not). A full solution is one that
+  defines the entry point (`def`), or a module that binds its name otherwise; its
+  `from __future__` imports go before the prompt."""
   code = code.strip("\n")
-  if re.search(rf"^\s*(?:async\s+)?def\s+{re.escape(entry_point)}\s*\(", code, re.M):
-    return f"{prompt.rstrip()}\n\n\n{textwrap.dedent(code)}\n"
+  if (re.search(rf"^\s*(?:async\s+)?def\s+{re.escape(entry_point)}\s*\(", code, re.M)
+      or _module_binding(textwrap.dedent(code), entry_point) is not None):
+    futures, rest = _hoist_futures(textwrap.dedent(code))
+    return f"{futures}{prompt.rstrip()}\n\n\n{rest.strip(chr(10))}\n"
   lines = code.splitlines()
   first = next((ln for ln in lines if ln.strip()), "")
   if first and not first[0].isspace():
@@ -572,7 +621,9 @@ class CodeEnv(Env):
       return TestRun(0, self._plans[task_id].num_tests, "no code block"), False
     program = assemble_program(problem["prompt"], problem["entry_point"], code)
     try:
-      ast.parse(program)
+      # compile, not ast.parse: it also refuses what only the compiler checks (a misplaced
+      # `from __future__` import, `return` outside a function), which run_tests refuses too.
+      compile(program, "<solution>", "exec", dont_inherit=True)
     except _UNPARSABLE:
       return TestRun(0, self._plans[task_id].num_tests, "the solution does not parse"), False
     return self._run(task_id, program), True

@@ -79,6 +79,39 @@ def test_assemble_program_full_function_and_body():
   assert ns["square"](4) == 16
 
 
+@pytest.mark.parametrize("code", [
+    # A `from __future__` import must open the program, which starts with the prompt: these
+    # did not compile ('does not parse', 0) yet earned the syntax bonus.
+    "from __future__ import annotations\n\ndef square(x: int) -> int:\n    return x * x\n",
+    '"""Squares."""\nfrom __future__ import annotations\nimport math\n\n'
+    "def square(x):\n    return math.prod([x, x])\n",
+    # The entry point bound without a `def` of its own was indented into the stub's body.
+    "square = lambda x: x * x\n",
+    "def _impl(x):\n    return x * x\n\n\nsquare = _impl\n",
+    "from operator import mul\n\ndef _sq(x):\n    return mul(x, x)\n\nsquare: object = _sq\n",
+])
+def test_assemble_program_full_solutions_in_other_forms(code):
+  program = assemble_program(STUB, "square", code)
+  ns = {}
+  exec(compile(program, "<solution>", "exec", dont_inherit=True), ns)  # noqa: S102
+  assert ns["square"](3) == 9 and ns["square"](0.5) == 0.25, program
+  run = run_tests(program, "square", plan_tests(CHECK))
+  assert (run.passed, run.total) == (3, 3), run
+
+
+def test_a_body_that_binds_a_local_is_still_a_body():
+  body = assemble_program(STUB, "square", "square = x * x\nreturn square\n")
+  ns = {}
+  exec(body, ns)  # noqa: S102
+  assert ns["square"](3) == 9
+
+
+def test_a_program_only_the_compiler_refuses_does_not_parse(env):
+  # `break` outside a loop parses (ast.parse) but does not compile: it got the syntax bonus.
+  run, parses = env.score("HumanEval/53", "<code>\ndef add(x, y):\n    return x + y\n\nbreak\n</code>")
+  assert (run.passed, parses) == (0, False), run
+
+
 def test_plan_tests_counts_asserts_per_statement():
   plan = plan_tests(CHECK)
   assert plan.num_tests == 3  # two plain asserts and one loop; `assert True` is a marker
