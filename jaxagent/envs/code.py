@@ -62,26 +62,59 @@ SYNTAX_KEY = "syntax_ok"
 # What parsing a program can raise: besides syntax errors, a null byte (ValueError) and nesting
 # too deep for the parser (a few thousand unary minus signs: RecursionError, then MemoryError).
 _UNPARSABLE = (SyntaxError, ValueError, RecursionError, MemoryError)
-# The language names a model writes on a fence: python, py, python3, py3, in any case.
-_FENCE = re.compile(r"```[ \t]*(?:(?i:python|py)3?)?[ \t]*\n(.*?)```", re.DOTALL)
+# An opening fence and its language (python, py, python3, py3 in any case are Python; a fence
+# without one may be; any other, e.g. the ```text of a printed output, is not).
+_FENCE_OPEN = re.compile(r"```[ \t]*([^\s`]*)[^\n`]*\n")
+_PYTHON = re.compile(r"(?i:python|py)3?")
 # Test runs a `CodeEnv` keeps (`CodeEnv._run`).
 _RUN_CACHE_SIZE = 4096
 
 
 # ----------------------------------------------------------------------------- solutions
+def _fenced_blocks(text: str) -> list[str]:
+  """The bodies of the Python code fences of `text`: the untagged ones, then those tagged as
+  Python, each in order. A fence in another language is skipped whole, so its closing fence
+  never opens a block."""
+  untagged, tagged, pos = [], [], 0
+  while (m := _FENCE_OPEN.search(text, pos)) is not None:
+    end = text.find("```", m.end())
+    if end < 0:
+      break
+    lang = m.group(1)
+    if not lang:
+      untagged.append(text[m.end():end])
+    elif _PYTHON.fullmatch(lang):
+      tagged.append(text[m.end():end])
+    pos = end + 3
+  return untagged + tagged
+
+
+def _code_candidates(text: str) -> list[str]:
+  """What `extract_code` may read, the one it reads last: the `<code>` block's fences, or the
+  block itself when it has none; without a `<code>` block, the response's fences."""
+  code = extract_tagged(text, "code", strip=False, innermost=False)  # linear in the text
+  if code is None:
+    return _fenced_blocks(text)
+  return _fenced_blocks(code) or [code]
+
+
 def extract_code(text: str) -> str | None:
   """The last `<code>` block of a response, else its last fenced code block, else None.
 
-  A `<code>` text inside a program (`s = "<code>"`) is part of it, as the rollout's parser
-  reads a tool call."""
-  code = extract_tagged(text, "code", strip=False, innermost=False)  # linear in the text
-  if code is None:
-    blocks = _FENCE.findall(text)
-    if not blocks:
-      return None
-    code = blocks[-1]
-  inner = _FENCE.findall(code)  # a fenced block inside <code> tags
-  return inner[-1] if inner else code
+  A ```python fence is preferred to an untagged one (a solution followed by its printed output
+  in a bare fence is the solution). A `<code>` text inside a program (`s = "<code>"`) is part
+  of it, as the rollout's parser reads a tool call."""
+  candidates = _code_candidates(text)
+  return candidates[-1] if candidates else None
+
+
+def _solution_code(text: str, entry_point: str) -> str | None:
+  """The code `CodeEnv` tests: of `extract_code`'s candidates, the last that defines the entry
+  point (a solution followed by a usage example in a second fence is the solution), else
+  `extract_code`'s."""
+  candidates = _code_candidates(text)
+  defining = [c for c in candidates if _is_full_solution(c.strip("\n"), entry_point)]
+  return (defining or candidates or [None])[-1]
 
 
 def _module_binding(code: str, entry_point: str) -> ast.Module | None:
@@ -104,6 +137,12 @@ def _module_binding(code: str, entry_point: str) -> ast.Module | None:
     if entry_point in names:
       return tree
   return None
+
+
+def _is_full_solution(code: str, entry_point: str) -> bool:
+  """Whether `code` defines the entry point (`assemble_program`), not only its body."""
+  return bool(re.search(rf"^\s*(?:async\s+)?def\s+{re.escape(entry_point)}\s*\(", code, re.M)
+              or _module_binding(textwrap.dedent(code), entry_point) is not None)
 
 
 def _hoist_futures(code: str) -> tuple[str, str]:
@@ -135,8 +174,7 @@ def assemble_program(prompt: str, entry_point: str, code: str) -> str:
   defines the entry point (`def`), or a module that binds its name otherwise; its
   `from __future__` imports go before the prompt."""
   code = code.strip("\n")
-  if (re.search(rf"^\s*(?:async\s+)?def\s+{re.escape(entry_point)}\s*\(", code, re.M)
-      or _module_binding(textwrap.dedent(code), entry_point) is not None):
+  if _is_full_solution(code, entry_point):
     futures, rest = _hoist_futures(textwrap.dedent(code))
     return f"{futures}{prompt.rstrip()}\n\n\n{rest.strip(chr(10))}\n"
   lines = code.splitlines()
@@ -616,7 +654,7 @@ class CodeEnv(Env):
   def score(self, task_id: str, response: str) -> tuple[TestRun, bool]:
     """(test outcome, parses) of a response to problem `task_id`."""
     problem = self._problems[task_id]
-    code = extract_code(response)
+    code = _solution_code(response, problem["entry_point"])
     if code is None or not code.strip():  # an empty block is no code (nor a syntax bonus)
       return TestRun(0, self._plans[task_id].num_tests, "no code block"), False
     program = assemble_program(problem["prompt"], problem["entry_point"], code)

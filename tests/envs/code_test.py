@@ -50,6 +50,31 @@ def test_extract_code():
 
 
 
+_ADD = "def add(x, y):\n    return x + y\n"
+
+
+@pytest.mark.parametrize("response", [
+    # The printed output in a bare fence after the solution was read as the program.
+    f"```python\n{_ADD}print(add(2, 3))\n```\nOutput:\n```\n5\n```",
+    f"<code>\n```python\n{_ADD}```\nOutput:\n```\n5\n```\n</code>",
+    # A usage example in a second fence was read as the program.
+    f"```python\n{_ADD}```\nExample usage:\n```python\nprint(add(2, 3))  # 5\n```",
+    # The closing fence of a ```text block opened a block of the prose after it.
+    f"Output:\n```text\n5\n```\nThe code:\n```python\n{_ADD}```",
+    # A fence opened with Windows line ends was not found.
+    f"```python\n{_ADD}```".replace("\n", "\r\n"),
+])
+def test_the_solution_is_read_among_other_fences(env, response):
+  run, parses = env.score("HumanEval/53", response)
+  assert (run.passed, run.total, parses) == (6, 6, True), run
+
+
+def test_extract_code_prefers_python_fences():
+  assert extract_code("```python\nx = 1\n```\nOutput:\n```\n1\n```") == "x = 1\n"
+  assert extract_code("```text\n1\n```\nthen\n```\ny = 2\n```") == "y = 2\n"
+  assert extract_code("```bash\npip install x\n```") is None
+
+
 def test_extract_code_reads_the_program_the_parser_runs():
   # Opening-tag text inside a program is program text, for the reward as for the tool call
   # (the reward cut this correct program to '"\n  return s' and graded a syntax error).
