@@ -84,6 +84,11 @@ _SUPERSCRIPT = re.compile("⁻?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
 _SUPERSCRIPT_DIGITS = str.maketrans("⁻⁰¹²³⁴⁵⁶⁷⁸⁹", "-0123456789")
 _UNICODE_SYMBOLS = str.maketrans({"∞": "\\infty ", "½": " 1/2", "⅓": " 1/3", "⅔": " 2/3", "¼": " 1/4",
                                   "¾": " 3/4"})
+# A word of prose that holds LaTeX ("2\sqrt{2}", "3\pi", "2^{10}", "\frac{1}{2}"), with the
+# punctuation after it; math-verify finds LaTeX in prose only between delimiters, and read "We get
+# 2\sqrt{2}" as 2. A word that starts with a letter is left ("5 cm^2" is 5 with a unit).
+_UNDELIMITED_MATH = re.compile(
+    r"(?<!\S)(?=[-+(\\\d])([^\s$]*(?:\\[A-Za-z]|\^)[^\s$]*?)([.,;:!?]*)(?!\S)")
 # A logical or between answers ("x = 2 \lor x = 3"), which math-verify reads as the chain
 # x = (2 \lor x) = 3, that is 3; "\text{ or }" it reads as the set of both.
 _LOGICAL_OR = re.compile(r"\\(?:lor|vee)(?![A-Za-z])")
@@ -307,8 +312,9 @@ def _names_two_values(text: str, options: dict[str, Any]) -> bool:
   found = boxes + _extraction_matches(text)
   # A number math-verify reads as dollars ("$2" in "We get $2\\sqrt{2}$") whose "$" opens inline
   # math is that math, not a value of its own.
-  opens = {start for start, end, _, _, _ in found if text[start] == "$" and text[end - 1] == "$"}
-  found = [f for f in found if not (text.find("$", f[0], f[1]) in opens and text[f[1] - 1] != "$")]
+  spans = [(text.find("$", start, end), text[start:end].strip()) for start, end, _, _, _ in found]
+  opens = {dollar for dollar, match in spans if len(match) > 1 and match[0] == match[-1] == "$"}
+  found = [f for f, (dollar, match) in zip(found, spans) if dollar not in opens or match[-1] == "$"]
   first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
   return _differ(text, [f for f in found if f[0] >= first_mark], seen, options)[0]
 
@@ -504,6 +510,8 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   parsed = [] if reasoned is None else _parse_answer(reasoned, single=single, **options)
   if any(not isinstance(x, str) for x in parsed):  # else the prose reading decides
     return parsed
+  if not _DELIMITED.search(text):
+    text = _UNDELIMITED_MATH.sub(r"$\1$\2", text)  # "We get 2\\sqrt{2}." as "We get $2\\sqrt{2}$."
   marked = _marked_answer(text)
   if marked is not None:
     head, rest = marked

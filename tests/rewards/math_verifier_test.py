@@ -264,6 +264,11 @@ EQUAL = [
     # (read as two values, a hedge: these scored 0).
     ("So the area is $3\\pi$.", "3\\pi"),
     ("We get $2\\sqrt{2}$", "2\\sqrt{2}"),
+    # So is LaTeX written in prose without delimiters (read as its leading number).
+    ("We get 2\\sqrt{2}", "2\\sqrt{2}"),
+    ("The area is 25\\pi cm^2.", "25\\pi"),
+    ("It equals 2^{10}.", "1024"),
+    ("The area is 5 m^2.", "5"),  # a unit's power is no math of its own
 ]
 
 NOT_EQUAL = [
@@ -320,6 +325,10 @@ NOT_EQUAL = [
     ("Answer: 10^{-3}", "10"),
     ("√12", "2"),
     ("The area is $3\\pi$.", "3"),
+    # A wrong answer was read as its leading number (these scored 1).
+    ("We get 2\\sqrt{2}", "2"),
+    ("The area is 25\\pi cm^2.", "25"),
+    ("It equals 2^{10}.", "2"),
     ("x¹²", "x^{1}"),
     ("Janet sells 16-3-4=9 eggs, 9*2=18. Therefore, Janet makes $18 every day.", "9"),
     ("\\boxed{yes}", "No"),
