@@ -228,6 +228,23 @@ def test_reward_em_f1(env, make_traj, char_tok, answer, em, f1):
   assert out.total == em and env.is_success(out) == bool(em)
 
 
+@pytest.mark.parametrize("text", [
+    "<think>It is \\boxed{Riampo}.</think>",
+    "<think>so</think>\n#### Riampo",
+    "<search>\\boxed{Riampo}</search>",
+])
+def test_only_an_answer_the_parser_reads_scores(env, char_tok, text):
+  """A guess outside `<answer>` (the parser reads no answer) scored exact match 1 and success."""
+  ex = SearchQAEnv.to_example(kb.Question("q", "Where?", ("Riampo",), ("country",), ("Treivnaem",),
+                                          ("Riampo",), ("city-1",), ("Treivnaem",)))
+  assert env.parser.parse(text).kind != "answer"
+  traj = demonstration_trajectory(char_tok.encode("Q"), [(POLICY, text)], char_tok)
+  traj.finish("max_tokens_per_turn")
+  out = env.reward(traj, ex, char_tok, 0)
+  assert out.components["exact_match"] == out.components["f1"] == out.total == 0.0
+  assert not env.is_success(out)
+
+
 def test_retrieval_hits_and_progressive_shaping(data_dir, make_traj, char_tok):
   env = SearchQAEnv(data_dir=str(data_dir), kb_seed=5, max_hops=3, outcome="f1",
                     format_weight=0.5, retrieval_weight=0.5, shaping_steps=4, **SMALL)
