@@ -8,8 +8,9 @@ single turn: `</code>` ends it.
 Scoring (`run_tests`): the solution is loaded after the problem's prompt (so the prompt's imports
 and helper functions exist; a solution that only writes the body is appended to the stub, the
 HumanEval convention), then the problem's `check(candidate)` function is taken apart: each
-top-level statement of its body that contains an `assert` is one test, the other statements
-(imports, setup) run in order before the tests that follow them. The solution and the tests run
+top-level statement of its body that runs an `assert` (its own, or one of a helper that `check`
+defines) is one test, the other statements (imports, setup, helper definitions) run in order
+before the tests that follow them. The solution and the tests run
 in different processes. The solution runs alone in a sandboxed interpreter (`PythonSession`),
 which only ever calls its entry point; the tests run here, in a fresh namespace with the prompt
 (a trusted copy: the helpers a check calls are the prompt's, never the solution's) and the test
@@ -203,17 +204,46 @@ def _is_check(node: ast.AST) -> bool:
                                                and node.test.value)
 
 
+_SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)
+
+
+def _runs_now(stmt: ast.AST):
+  """The nodes of `stmt` that run when it runs: not the bodies of functions, classes or
+  lambdas it defines (their asserts run when they are called)."""
+  stack = [stmt]
+  while stack:
+    node = stack.pop()
+    yield node
+    if not isinstance(node, _SCOPES):
+      stack.extend(ast.iter_child_nodes(node))
+
+
 def plan_tests(test_source: str, check_name: str = "check", *, prelude: str = "") -> TestPlan:
   """Splits a HumanEval test file into its module part and the steps of `check`'s body;
-  `prelude` is the problem's prompt, whose helpers the tests see (not the solution's)."""
+  `prelude` is the problem's prompt, whose helpers the tests see (not the solution's).
+
+  A step is a test when it runs an assert: one of its own, or one in a helper function that
+  `check` defines and the step calls (defining the helper is setup, not a test)."""
   tree = ast.parse(test_source)
   check = next((n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == check_name),
                None)
   if check is None:
     raise ValueError(f"the test code defines no {check_name}(candidate) function")
   module = ast.unparse(ast.Module([n for n in tree.body if n is not check], type_ignores=[]))
-  steps = tuple((any(_is_check(x) for x in ast.walk(stmt)), ast.unparse(stmt))
-                for stmt in check.body)
+
+  def asserts(stmts, helpers) -> bool:
+    return any(_is_check(x) or (isinstance(x, ast.Call) and isinstance(x.func, ast.Name)
+                                and x.func.id in helpers)
+               for stmt in stmts for x in _runs_now(stmt))
+
+  defs = [n for n in check.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+  helpers: set[str] = set()
+  while True:  # helpers that assert, or call a helper that does
+    found = {d.name for d in defs if asserts(d.body, helpers)}
+    if found <= helpers:
+      break
+    helpers |= found
+  steps = tuple((asserts([stmt], helpers), ast.unparse(stmt)) for stmt in check.body)
   if not any(is_test for is_test, _ in steps):
     raise ValueError(f"{check_name}() contains no assert statement to count")
   return TestPlan(module, steps, prelude)

@@ -146,6 +146,32 @@ def test_plan_tests_counts_asserts_per_statement():
     plan_tests("def test(candidate):\n    assert candidate()\n")
 
 
+_HELPER_CHECK = '''
+def check(candidate):
+    def expect(x, y):
+        assert candidate(x) == y
+    def expect_all(pairs):
+        for x, y in pairs:
+            expect(x, y)
+    expect(2, 4)
+    expect_all([(3, 9), (0, 0)])
+'''
+
+
+@pytest.mark.parametrize("solution,passed", [
+    ("def square(x):\n    return x * x\n", 2),
+    ("def square(x):\n    return 0\n", 0),
+    ("def square(x):\n    return x + x\n", 1),
+])
+def test_asserts_in_a_checks_helper_count_where_it_is_called(solution, passed):
+  """Defining a helper that asserts was counted as the one test, and always passed; the calls
+  that ran its asserts were setup: a wrong solution scored 1 of 1."""
+  plan = plan_tests(_HELPER_CHECK)
+  assert [t for t, _ in plan.steps] == [False, False, True, True]
+  run = run_tests(assemble_program(STUB, "square", solution), "square", plan)
+  assert (run.passed, run.total) == (passed, 2), run
+
+
 @pytest.mark.parametrize("solution,passed", [
     ("def square(x):\n    return x * x\n", 3),
     ("def square(x):\n    return x * 2\n", 1),          # right only for 2
