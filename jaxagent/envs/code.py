@@ -92,10 +92,17 @@ def _fenced_blocks(text: str) -> list[str]:
 
 def _code_candidates(text: str) -> list[str]:
   """What `extract_code` may read, the one it reads last: the `<code>` block's fences, or the
-  block itself when it has none; without a `<code>` block, the response's fences."""
+  block itself when it has none or is a program (a docstring may show a fenced example);
+  without a `<code>` block, the response's fences."""
   code = extract_tagged(text, "code", strip=False, innermost=False)  # linear in the text
   if code is None:
     return _fenced_blocks(text)
+  if "```" in code:
+    try:  # a block that is a program already holds its fences in strings or comments
+      ast.parse(textwrap.dedent(code.strip("\n")))
+      return [code]
+    except _UNPARSABLE:
+      pass
   return _fenced_blocks(code) or [code]
 
 

@@ -61,6 +61,9 @@ _ADD = "def add(x, y):\n    return x + y\n"
     f"```python\n{_ADD}```\nExample usage:\n```python\nprint(add(2, 3))  # 5\n```",
     # The closing fence of a ```text block opened a block of the prose after it.
     f"Output:\n```text\n5\n```\nThe code:\n```python\n{_ADD}```",
+    # A fenced example in a docstring inside <code> was read as the program.
+    '<code>\ndef add(x, y):\n    """Adds.\n\n    ```python\n    >>> add(1, 2)\n    3\n    ```\n'
+    '    """\n    return x + y\n</code>',
     # A fence opened with Windows line ends was not found.
     f"```python\n{_ADD}```".replace("\n", "\r\n"),
 ])
