@@ -288,7 +288,8 @@ class CalculatorEnv(Env):
     self.parser = XMLTagParser({"calc": ("calculator", "expression")}, answer_tag="answer")
     self.tools = ToolRegistry([Calculator()])
     self._reward = CompositeReward([
-        Component("correct", TextMatchReward("numeric_match"), 1.0, role="outcome"),
+        # The <answer> block only, as the parser reads the answer (a box in a call is none).
+        Component("correct", TextMatchReward("numeric_match", fallback=False), 1.0, role="outcome"),
         Component("tool_calls", ToolUseReward(), tool_bonus, role="shaping"),
     ])
 

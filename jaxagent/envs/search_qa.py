@@ -38,8 +38,7 @@ from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory
 from jaxagent.envs import knowledge_base as kb_lib
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
-                              ProgressiveSchedule, RewardInput, RewardOutput, exact_match,
-                              extract_tagged, f1_score)
+                              ProgressiveSchedule, RewardInput, RewardOutput, TextMatchReward)
 from jaxagent.tools import BM25Index, SearchTool, ToolRegistry
 
 SYSTEM_PROMPT = (
@@ -52,21 +51,6 @@ SYSTEM_PROMPT = (
 
 OBSERVATIONS_KEY = "observations"
 _FORMAT = FormatConfig(allowed_tags=("think", "search", "answer"), answer_tag="answer")
-
-
-class _AnswerMatch:
-  """Exact match or token F1 of the `<answer>` block against the golds: only an answer the
-  rollout's parser reads as one (a `\\boxed{}` or `####` guess in a thought or a search query,
-  with no answer given, scores 0)."""
-
-  def __init__(self, metric: Literal["exact_match", "f1"]):
-    self.metric = metric
-    self._score = exact_match if metric == "exact_match" else f1_score
-
-  def __call__(self, inp: RewardInput) -> float:
-    if inp.gold is None:
-      raise ValueError("_AnswerMatch needs RewardInput.gold, which is None")
-    return self._score(extract_tagged(inp.response_text, "answer"), inp.gold)
 
 
 class RetrievalHits:
@@ -173,8 +157,10 @@ class SearchQAEnv(Env):
     other = "f1" if outcome == "exact_match" else "exact_match"
     schedule = ProgressiveSchedule(shaping_steps, start=shaping_start) if shaping_steps else None
     self._reward = CompositeReward([
-        Component(outcome, _AnswerMatch(outcome), 1.0, role="outcome"),
-        Component(other, _AnswerMatch(other), 0.0, role="fixed"),  # logged only
+        # Only the <answer> block, the answer the rollout's parser reads (a `\\boxed{}` or
+        # `####` guess in a thought or a search query, with no answer given, scores 0).
+        Component(outcome, TextMatchReward(outcome, fallback=False), 1.0, role="outcome"),
+        Component(other, TextMatchReward(other, fallback=False), 0.0, role="fixed"),  # logged only
         Component("format", FormatReward(_FORMAT), format_weight, role="shaping"),
         Component("retrieval", RetrievalHits(), retrieval_weight, role="shaping"),
     ], schedule=schedule)

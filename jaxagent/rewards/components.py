@@ -54,6 +54,20 @@ def _golds(inp: RewardInput) -> list[str]:
   return golds
 
 
+def _answer(text: str, tag: str | None, fallback: bool) -> str | None:
+  """The answer a reward reads: `extract_answer`'s (the tag's block, else a box, else `####`),
+  or with `fallback=False` the tag's block only."""
+  return verifiers.extract_answer(text, tag=tag) if fallback else verifiers.extract_tagged(text, tag)
+
+
+def _check_fallback(owner: str, tag: str | None, fallback) -> None:
+  if not isinstance(fallback, bool):
+    raise ValueError(f"{owner}.fallback must be a bool, got {fallback!r}")
+  if tag is None and not fallback:
+    raise ValueError(f"{owner}: fallback=False reads only the answer tag's block, so it needs a "
+                     "tag (tag=None reads only boxes and '####')")
+
+
 def _check_tag(owner: str, tag: str | None) -> None:
   if tag is not None and not (isinstance(tag, str) and re.fullmatch(r"[A-Za-z_][\w\-]*", tag)):
     raise ValueError(f"{owner}.tag must be a bare tag name like 'answer' or None, got {tag!r}")
@@ -67,21 +81,26 @@ class MathAnswerReward:
     tag: answer tag for `extract_answer` (None: only `\\boxed{}` and `####`).
     timeout_s: limit per comparison; a timeout scores 0.0.
     verifier: a `MathVerifier` to use instead of the shared default one.
+    fallback: without the tag's block, read the last `\\boxed{}`, then `####` (the default);
+      False reads only the tag's block, the answer a rollout's parser reads as one (a box in
+      a thought or a tool call is no answer).
   """
 
   tag: str | None = "answer"
   timeout_s: float = 5.0
   verifier: MathVerifier | None = dataclasses.field(default=None, compare=False, repr=False)
+  fallback: bool = True
 
   def __post_init__(self):
     _check_tag("MathAnswerReward", self.tag)
+    _check_fallback("MathAnswerReward", self.tag, self.fallback)
     t = self.timeout_s
     if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t <= 0:
       raise ValueError(f"MathAnswerReward.timeout_s must be a finite number of seconds > 0, got {t!r}")
 
   def __call__(self, inp: RewardInput) -> float:
     golds = _golds(inp)
-    answer = verifiers.extract_answer(inp.response_text, tag=self.tag)
+    answer = _answer(inp.response_text, self.tag, self.fallback)
     if answer is None:
       return 0.0
     equal = math_equal if self.verifier is None else self.verifier.equal
@@ -93,20 +112,23 @@ class TextMatchReward:
   """Exact match, token F1, substring or numeric match of the extracted answer against the golds.
 
   The text metrics normalise as SQuAD does, which drops signs and decimal points; use
-  "numeric_match" (`verifiers.numeric_match`) for numbers.
+  "numeric_match" (`verifiers.numeric_match`) for numbers. `tag` and `fallback` choose what is
+  read as the answer, as for `MathAnswerReward`.
   """
 
   metric: TextMetric = "exact_match"
   tag: str | None = "answer"
+  fallback: bool = True
 
   def __post_init__(self):
     if self.metric not in _TEXT_METRICS:
       raise ValueError(f"TextMatchReward.metric must be one of {tuple(_TEXT_METRICS)}, got {self.metric!r}")
     _check_tag("TextMatchReward", self.tag)
+    _check_fallback("TextMatchReward", self.tag, self.fallback)
 
   def __call__(self, inp: RewardInput) -> float:
     golds = _golds(inp)
-    return _TEXT_METRICS[self.metric](verifiers.extract_answer(inp.response_text, tag=self.tag), golds)
+    return _TEXT_METRICS[self.metric](_answer(inp.response_text, self.tag, self.fallback), golds)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -175,6 +175,12 @@ def test_calculator_env_scores_the_number_not_its_normalised_text():
     traj = demonstration_trajectory(TOK.encode("Q"), [(POLICY, f"<answer>{answer}</answer>")], TOK)
     traj.stop_reason = "answer"
     assert env.reward(traj, ex, TOK, step=0).components["correct"] == want, answer
+  # A box or '####' in a call or in prose, with no <answer>, is no answer to the parser: it
+  # scored 1 through the reward's box / '####' fallback.
+  for text in ("<calc>\\boxed{-5}</calc>", "So #### -5"):
+    traj = demonstration_trajectory(TOK.encode("Q"), [(POLICY, text)], TOK)
+    traj.stop_reason = "text"
+    assert env.reward(traj, ex, TOK, step=0).components["correct"] == 0.0, text
 
 
 @pytest.mark.parametrize("prompt", [None, 5, [], [{"content": "x"}], {"role": "user"}])

@@ -58,6 +58,23 @@ def test_text_match_reward():
     TextMatchReward("bleu")
 
 
+def test_answer_rewards_without_fallback_read_only_the_tag():
+  # A box or a '####' guess outside the answer tag (in a thought, in a tool call), with no answer
+  # given, is no answer to the rollout's parser; with fallback=False it scores 0 too.
+  for text in ("<think>It is \\boxed{42}.</think>", "<calc>\\boxed{42}</calc>", "#### 42"):
+    inp = RewardInput(text, gold="42")
+    assert TextMatchReward("numeric_match")(inp) == MathAnswerReward()(inp) == 1.0, text
+    assert TextMatchReward("numeric_match", fallback=False)(inp) == 0.0, text
+    assert MathAnswerReward(fallback=False)(inp) == 0.0, text
+  inp = RewardInput("\\boxed{7} <answer>42</answer>", gold="42")
+  assert TextMatchReward("numeric_match", fallback=False)(inp) == MathAnswerReward(fallback=False)(inp) == 1.0
+  for cls in (TextMatchReward, MathAnswerReward):
+    with pytest.raises(ValueError, match="fallback=False reads only the answer tag's block"):
+      cls(tag=None, fallback=False)
+    with pytest.raises(ValueError, match="fallback must be a bool"):
+      cls(fallback="no")
+
+
 @pytest.mark.parametrize("gold", [42, 4.2, [42], b"42", {"answer": "42"}])
 def test_golds_that_are_not_text_are_a_clear_error(gold):
   # A mapping's keys were read as the golds ("answer" scored 1 against {"answer": "42"}); an int
