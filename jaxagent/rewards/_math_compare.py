@@ -63,12 +63,12 @@ _UNBRACED_BOX = re.compile(
     r"|\\(?!(?:boxed|fbox)(?![A-Za-z]))[A-Za-z]+(?![A-Za-z])(?!\s*[{\d\[]))"
     r"(?!\s*[=<>+\-*/^_!])")
 # A box whose argument is a command with its own arguments, unbraced ("\boxed\sqrt{2}",
-# "\boxed\frac12", "\boxed\frac{\sqrt5}{2}"): its writer boxed the whole command. Read in the
-# answer only, after `_UNBRACED_BOX`; `verifiers.extract_boxed` keeps to one-token arguments.
-# Only commands that take arguments: "\boxed\pi 2" stays a box of \pi.
+# "\boxed\frac12", "\boxed\frac{\sqrt5}{2}"): its writer boxed the whole command. Read after
+# `_UNBRACED_BOX` (`_brace_boxes`), in the answer as in `verifiers.extract_boxed`. Only commands
+# that take arguments: "\boxed\pi 2" stays a box of \pi.
 _COMMAND_BOX = re.compile(
-    r"\\boxed\s*(\\(?:[dt]?frac|sqrt|[dt]?binom|text|textbf|mathrm|mathbf|mbox)(?![A-Za-z])"
-    r"(?:\s*\[[^\[\]{}]*\])?(?:\s*(?:\{(?:[^{}]|\{[^{}]*\})*\}|\d)){1,2})"
+    r"\\(?:boxed|fbox)\s*(\\(?:[dt]?frac|sqrt|[dt]?binom|text|textbf|mathrm|mathbf|mbox)"
+    r"(?![A-Za-z])(?:\s*\[[^\[\]{}]*\])?(?:\s*(?:\{(?:[^{}]|\{[^{}]*\})*\}|\d)){1,2})"
     r"(?!\s*[{\d=<>+\-*/^_!])")
 # A number with its unit inside text ("\text{7 apples}") is the number with a unit after it.
 _TEXT_NUMBER = re.compile(
@@ -138,9 +138,10 @@ _EXPONENT = re.compile(r"\^\s*(?:\{([^{}]*)\}|(\w))")
 
 
 def _brace_boxes(text: str) -> str:
-  """`text` with each box whose argument goes without braces (`_UNBRACED_BOX`) braced:
-  "\\boxed5" -> "\\boxed{5}"."""
-  return _UNBRACED_BOX.sub(r"\\boxed{\1}", text)
+  """`text` with each box whose argument goes without braces braced: a one-token argument
+  (`_UNBRACED_BOX`: "\\boxed5" -> "\\boxed{5}"), then a command with its arguments
+  (`_COMMAND_BOX`: "\\boxed\\sqrt{2}" -> "\\boxed{\\sqrt{2}}")."""
+  return _COMMAND_BOX.sub(r"\\boxed{\1}", _UNBRACED_BOX.sub(r"\\boxed{\1}", text))
 
 
 def _box_spans(text: str) -> list[tuple[int, int, int]]:
@@ -479,7 +480,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   # A tie ("5~or~6", "1~000") is a space to LaTeX.
   text = text if text.isascii() else _read_unicode(text)
   text = _brace_boxes(_FBOX.sub(r"\\boxed", text.replace("~", " ").strip()))
-  text = _EMPTY_BOX.sub("", _COMMAND_BOX.sub(r"\\boxed{\1}", text)).strip()
+  text = _EMPTY_BOX.sub("", text).strip()
   text = _TEXT_LETTERS.sub(r"\1", _TEXT_NUMBER.sub(r"\1\\text{ \2}", text))
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
   text = _right_powers(_spread_plus_minus(text))

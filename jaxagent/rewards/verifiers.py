@@ -66,9 +66,10 @@ def extract_boxed(text: str) -> str | None:
 
   Escaped braces (`\\{`, `\\}`, as in sets) do not count towards the balance. A box left open
   (a truncated response) is skipped, so an earlier complete box can still be returned; so is an
-  empty box ("\\boxed{5}, in \\boxed{}"), which names nothing. A box whose one-token argument
-  goes without braces ("\\boxed5", "\\boxed B", "\\fbox\\pi") is read as `math_equal` reads it:
-  its argument is the content. Linear in the text however many boxes are left open.
+  empty box ("\\boxed{5}, in \\boxed{}"), which names nothing. A box whose argument goes without
+  braces is read as `math_equal` reads it: a one-token argument ("\\boxed5", "\\boxed B",
+  "\\fbox\\pi"), or a command with its own arguments ("\\boxed\\sqrt{2}", "\\boxed\\frac12"), is
+  the content. Linear in the text however many boxes are left open.
   """
   text = _brace_boxes(text)
   contents = [text[start:end].strip() for _, start, end in _box_spans(text)]

@@ -66,7 +66,15 @@ def test_extract_tagged_takes_the_last_complete_block():
     ("\\boxed{\\boxed5}", "5"),
     ("\\boxed5 6", "5"),
     ("\\boxed x = 5", None),  # the whole expression was meant; no box reads it
-    ("\\boxed\\frac12", None),
+    # A command with its own arguments, unbraced, is boxed whole (these returned None or
+    # "\\sqrt", and the math rewards scored the answers 0 while math_equal read them).
+    ("\\boxed\\frac12", "\\frac12"),
+    ("\\boxed\\sqrt{2}.", "\\sqrt{2}"),
+    ("\\boxed \\dfrac{\\sqrt{3}}{2}", "\\dfrac{\\sqrt{3}}{2}"),
+    ("\\boxed\\sqrt[3]{8}", "\\sqrt[3]{8}"),
+    ("\\fbox\\text{7 apples}", "\\text{7 apples}"),
+    ("\\boxed\\frac12 = x", None),  # the whole expression was meant
+    ("\\boxed\\frac{1}{2}{3}", None),
     ("\\boxedx", None),
 ])
 def test_extract_boxed(text, expected):
@@ -111,13 +119,61 @@ def _reference_unbraced_argument(text, i):
       j += 1
     if j == start + 1 or text[start + 1:j] in ("boxed", "fbox"):
       return None
-    if text[j:].lstrip()[:1].isdecimal() or text[j:].lstrip()[:1] == "{":
-      return None
+    if text[j:].lstrip()[:1].isdecimal() or text[j:].lstrip()[:1] in ("{", "["):
+      return _reference_command_argument(text, start, j)  # no one-token argument
   else:
     return None
   if text[j:].lstrip()[:1] and text[j:].lstrip()[0] in "=<>+-*/^_!":
     return None
   return text[start:j]
+
+
+_COMMANDS_WITH_ARGUMENTS = ("frac", "dfrac", "tfrac", "sqrt", "binom", "dbinom", "tbinom", "text",
+                            "textbf", "mathrm", "mathbf", "mbox")
+
+
+def _reference_command_argument(text, start, j):
+  """The argument of a box that is a command with its own arguments ("\\frac12",
+  "\\sqrt[3]{8}"): the command (named `text[start + 1:j]`), an optional [...] and the longest
+  run of one or two arguments (a braced group nesting at most one more group, or one digit)
+  that no brace, digit or operator follows; None when there is none."""
+  if text[start + 1:j] not in _COMMANDS_WITH_ARGUMENTS:
+    return None
+
+  def skip_spaces(k):
+    while k < len(text) and text[k].isspace():
+      k += 1
+    return k
+
+  k = skip_spaces(j)
+  if text[k:k + 1] == "[":
+    close = k + 1
+    while close < len(text) and text[close] not in "[]{}":
+      close += 1
+    if text[close:close + 1] == "]":
+      j = close + 1
+  ends, k = [], j
+  for _ in range(2):
+    k = skip_spaces(k)
+    if text[k:k + 1].isdecimal():
+      k += 1
+    elif text[k:k + 1] == "{":
+      depth, k = 1, k + 1
+      while k < len(text) and depth:
+        depth += {"{": 1, "}": -1}.get(text[k], 0)
+        if depth > 2:
+          break
+        k += 1
+      if depth:
+        break
+    else:
+      break
+    ends.append(k)
+  for end in reversed(ends):
+    after = text[end:].lstrip()[:1]
+    if not (after and after in "{0123456789=<>+-*/^_!"):
+      return text[start:end]
+  return None
 
 
 def _reference_extract_boxed(text):
@@ -151,7 +207,9 @@ def test_extraction_agrees_with_the_reference_readings():
   pieces = ["\\boxed{", "\\fbox {", "{", "}", "\\{", "\\}", "\\\\", "\\", "x", " ", "\n", "1",
             "<answer>", "</answer>", "<answer", "answer>", "<result>", "</result>",
             # boxes whose argument goes without braces
-            "\\boxed", "\\fbox", "\\boxed ", "B", "12", ".", "5", "\\pi", "\\frac", "=", "+", "ab"]
+            "\\boxed", "\\fbox", "\\boxed ", "B", "12", ".", "5", "\\pi", "\\frac", "=", "+", "ab",
+            # boxes of a command with its own arguments
+            "\\sqrt", "\\text", "[3]", "[", "]"]
   rng = np.random.default_rng(0)
   for _ in range(6000):
     text = "".join(rng.choice(pieces, size=rng.integers(0, 16)))
