@@ -85,6 +85,24 @@ class InterpreterTool(PythonTool):
     return super().__call__(args, timeout_s=timeout_s)
 
 
+def _cut_middle(text: str, max_chars: int) -> str:
+  """`text` in at most `max_chars` characters: its start and its end (the larger part) around a
+  note of how many characters were cut; only its end when the limit cannot hold the note."""
+  if len(text) <= max_chars:
+    return text
+  note = ""
+  while True:  # the note counts itself: settles once its number's digits do
+    keep = max_chars - len(note)
+    fresh = f"\n... [{len(text) - keep} characters cut] ...\n"
+    if fresh == note:
+      break
+    note = fresh
+  if keep < 8:
+    return text[len(text) - max_chars:]
+  head = keep // 3
+  return text[:head] + note + text[len(text) - (keep - head):]
+
+
 # ----------------------------------------------------------------------------- demonstrations
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv}
@@ -461,11 +479,24 @@ class MathToolEnv(Env):
     return Episode([tool], owned=[tool])
 
   def format_observation(self, result: ToolResult) -> str:
-    text = result.to_observation()
-    if result.ok and not text.strip():
-      text = _NO_OUTPUT
-    text, _ = truncate_text(text, self.max_output_chars)
-    return self.observation_template.format(output=text)
+    """The output between interpreter tags, cut to `max_output_chars`.
+
+    A failed call's error says what went wrong (the exception's last line, a timeout, a
+    restarted session whose variables are lost) and is kept over the output printed before it:
+    it gets at least three quarters of the limit (all of it when nothing was printed), a longer
+    error loses its middle so that its first and last lines stay, and the output gets the rest.
+    """
+    limit = self.max_output_chars
+    if result.ok:
+      text, _ = truncate_text(result.output if result.output.strip() else _NO_OUTPUT, limit)
+      return self.observation_template.format(output=text)
+    output = result.output.rstrip()
+    room = limit - min(len(output) + 1, limit // 4) if output else limit
+    error = _cut_middle(f"Error: {result.error}", room)
+    if output:
+      output, _ = truncate_text(output, limit - len(error) - 1)
+      error = f"{output}\n{error}"
+    return self.observation_template.format(output=error)
 
   def encode_observation(self, text: str, tokenizer) -> list[int]:
     # Program output is data: it must never spell the chat template's control tokens.

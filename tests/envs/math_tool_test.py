@@ -185,6 +185,32 @@ def test_observation_format(env):
   assert err == "<interpreter>Error: NameError: y</interpreter>"
 
 
+def test_a_failed_calls_error_is_kept_over_long_output():
+  """The error of a failed call outranks what it printed: with the output cut to the limit first,
+  a timeout that restarted the session (variables lost) or the exception's last line was cut away,
+  and the policy read only its printed output."""
+  env = MathToolEnv(train_size=0, eval_size=0, sft_size=0, max_output_chars=256)
+  wrap = len(env.observation_template.format(output=""))
+  restart = ("Timed out after 5 s (wall clock); the program was stopped. The Python session was "
+             "restarted: variables and imports from earlier calls are lost.")
+  printed = "".join(f"{i}\n" for i in range(300))
+  obs = env.format_observation(ToolResult.failure(restart, output=printed, timed_out=True))
+  assert obs.startswith("<interpreter>0\n1\n2\n") and "truncated" in obs
+  assert obs.endswith(f"Error: {restart}</interpreter>") and len(obs) <= 256 + wrap
+  # A traceback longer than the limit keeps its first lines and its exception.
+  trace = ("Traceback (most recent call last):\n"
+           + '  File "<cell-1>", line 1, in f\n    return f(n + 1)\n' * 40
+           + "RecursionError: maximum recursion depth exceeded")
+  for output in ("", "x" * 1000):
+    obs = env.format_observation(ToolResult.failure(trace, output=output))
+    assert obs.startswith("<interpreter>" + ("x" if output else "Error: Traceback"))
+    assert obs.endswith("RecursionError: maximum recursion depth exceeded</interpreter>")
+    assert "characters cut" in obs and len(obs) <= 256 + wrap
+  # A short error after short output is unchanged.
+  assert (env.format_observation(ToolResult.failure("NameError: y", output="5\n"))
+          == "<interpreter>5\nError: NameError: y</interpreter>")
+
+
 # ----------------------------------------------------------------------------- reward
 @pytest.mark.parametrize("segments,expected", [
     ([(POLICY, "<answer>96</answer>")], 1.0),
