@@ -119,16 +119,16 @@ def make_optimizer(learning_rate: float = 1e-6, *, weight_decay: float = 0.0, b1
     if warmup_steps:
       lr = optax.join_schedules([lr, optax.constant_schedule(learning_rate)], [warmup_steps])
   elif schedule in ("cosine", "linear"):
-    if not total_steps:
-      raise ValueError(f"schedule={schedule!r} needs total_steps")
-    if schedule == "cosine":
-      lr = optax.warmup_cosine_decay_schedule(0.0, learning_rate, max(warmup_steps, 1),
-                                              total_steps)
-    else:
-      lr = optax.join_schedules(
-          [optax.linear_schedule(0.0, learning_rate, max(warmup_steps, 1)),
-           optax.linear_schedule(learning_rate, 0.0, max(total_steps - warmup_steps, 1))],
-          [max(warmup_steps, 1)])
+    if (isinstance(total_steps, bool) or not isinstance(total_steps, numbers.Integral)
+        or total_steps <= warmup_steps):
+      raise ValueError(f"schedule={schedule!r} needs an int total_steps > warmup_steps "
+                       f"({warmup_steps}) to decay over, got total_steps={total_steps!r}")
+    # warmup_steps=0 starts at the full rate: a one-step warmup would make the first update 0.
+    decay = (optax.cosine_decay_schedule(learning_rate, total_steps - warmup_steps)
+             if schedule == "cosine" else
+             optax.linear_schedule(learning_rate, 0.0, total_steps - warmup_steps))
+    lr = (optax.join_schedules([optax.linear_schedule(0.0, learning_rate, warmup_steps), decay],
+                               [warmup_steps]) if warmup_steps else decay)
   else:
     raise ValueError(f"schedule must be 'constant', 'cosine' or 'linear', got {schedule!r}")
   parts = []

@@ -343,6 +343,36 @@ def test_make_optimizer_rejects_values_that_would_poison_or_invert_training(kwar
     step.make_optimizer(**kwargs)
 
 
+def _lrs(n, **kw):
+  """The learning rate of each of the first n updates (SGD-like: b1 = b2 = eps = 0)."""
+  opt = step.make_optimizer(1.0, max_grad_norm=None, b1=0.0, b2=0.0, eps=0.0, **kw)
+  p = {"w": jnp.ones(())}
+  state, out = opt.init(p), []
+  for _ in range(n):
+    u, state = opt.update({"w": jnp.ones(())}, state, p)
+    out.append(-float(u["w"]))
+  return np.array(out)
+
+
+def test_decay_schedules_without_warmup_start_at_the_full_rate():
+  # warmup_steps=0 used to become a one-step warmup: the first update had learning rate 0.
+  np.testing.assert_allclose(_lrs(4, schedule="cosine", total_steps=4),
+                             0.5 * (1 + np.cos(np.pi * np.arange(4) / 4)), atol=1e-6)
+  np.testing.assert_allclose(_lrs(4, schedule="linear", total_steps=4), [1, .75, .5, .25],
+                             atol=1e-6)
+  # With a warmup: 0, 1/w, ..., then the decay over the remaining steps.
+  np.testing.assert_allclose(_lrs(6, schedule="linear", warmup_steps=2, total_steps=6),
+                             [0, .5, 1, .75, .5, .25], atol=1e-6)
+  np.testing.assert_allclose(_lrs(4, warmup_steps=2), [0, .5, 1, 1], atol=1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+@pytest.mark.parametrize("total", [None, 0, 3, 2.5])
+def test_decay_schedule_needs_total_steps_past_the_warmup(schedule, total):
+  with pytest.raises(ValueError, match="needs an int total_steps > warmup_steps"):
+    step.make_optimizer(1e-3, schedule=schedule, warmup_steps=3, total_steps=total)
+
+
 def test_max_grad_norm_zero_or_none_turns_clipping_off():
   g = {"w": jnp.array([30.0, 40.0])}
   for norm in (None, 0, 0.0):
