@@ -61,14 +61,32 @@ _NO_OUTPUT = "(no output: print() the values you need)"
 
 
 # ----------------------------------------------------------------------------- the tool
+_FENCE_LANGUAGES = frozenset({"python", "python3", "py"})
+
+
 def clean_code(code: str) -> str:
   """Code as a model writes it inside `<code>`: drops Markdown fences, common indentation and
-  blank edge lines."""
-  lines = code.strip("\n").splitlines()
-  if lines and lines[0].strip().startswith("```"):
+  blank edge lines. A closing fence may end the last line (`print(1)```), and a program may sit
+  on the fence's own line (```python print(1)```)."""
+  lines = code.splitlines()
+  while lines and not lines[0].strip():
+    lines.pop(0)
+  while lines and not lines[-1].strip():
+    lines.pop()
+  fenced = bool(lines) and lines[0].strip().startswith("```")
+  if fenced and len(lines) == 1:
+    inner = lines[0].strip()[3:]
+    inner = inner[:-3] if inner.endswith("```") else inner
+    words = inner.split(maxsplit=1)
+    if words and words[0].lower() in _FENCE_LANGUAGES:
+      inner = words[1] if len(words) > 1 else ""
+    return inner.strip() + "\n"
+  if fenced:
     lines = lines[1:]
   if lines and lines[-1].strip() == "```":
     lines = lines[:-1]
+  elif fenced and lines and lines[-1].rstrip().endswith("```"):
+    lines[-1] = lines[-1].rstrip()[:-3]
   return textwrap.dedent("\n".join(lines)).strip("\n") + "\n"
 
 

@@ -166,6 +166,24 @@ def test_parser(env):
   assert clean_code("```python\nprint(1)\n```") == "print(1)\n"
 
 
+@pytest.mark.parametrize("code,clean", [
+    # The closing fence ends the last line: the program was a SyntaxError.
+    ("```python\nx = 6 * 7\nprint(x)```", "x = 6 * 7\nprint(x)\n"),
+    ("\n```python\n  for i in range(2):\n      print(i)```\n", "for i in range(2):\n    print(i)\n"),
+    # A program on the fence's line was dropped whole ("no output: print() the values you need").
+    ("```python print(6 * 7)```", "print(6 * 7)\n"),
+    ("```print(6 * 7)```", "print(6 * 7)\n"),
+    # Blank space after the closing fence left the fence in the program.
+    ("```python\nprint(6 * 7)\n```\n  ", "print(6 * 7)\n"),
+    # Unchanged: fences on lines of their own, and a fence inside a string.
+    ("\n```py\nprint(1)\n```\n\n", "print(1)\n"),
+    ('x = """\n```\n"""\nprint(x)', 'x = """\n```\n"""\nprint(x)\n'),
+])
+def test_clean_code_reads_the_program_in_fences_a_model_writes(code, clean):
+  assert clean_code(code) == clean
+  compile(clean, "<code>", "exec")
+
+
 def test_episode_has_a_persistent_interpreter_closed_at_the_end(env):
   ep = env.new_episode(env.examples("train")[0])
   tool = ep.tools.get("python")
