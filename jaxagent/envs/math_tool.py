@@ -407,8 +407,13 @@ class MathToolEnv(Env):
                          ("sft_size", sft_size)):
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"MathToolEnv.{field} must be an int >= 0, got {value!r}")
-    if max_output_chars < 32:
-      raise ValueError(f"MathToolEnv.max_output_chars must be >= 32, got {max_output_chars}")
+    # A float limit failed every observation: each trajectory that ran code ended 'env_error'.
+    if (not isinstance(max_output_chars, int) or isinstance(max_output_chars, bool)
+        or max_output_chars < 32):
+      raise ValueError(f"MathToolEnv.max_output_chars must be an int >= 32, "
+                       f"got {max_output_chars!r}")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+      raise ValueError(f"MathToolEnv.seed must be an int, got {seed!r}")
     self.sources, self.eval_sources = tuple(sources), tuple(eval_sources)
     self.seed = seed
     self.max_output_chars = max_output_chars

@@ -140,6 +140,13 @@ def test_make_env_names_the_allowed_settings():
     make_env("maths")
   with pytest.raises(ValueError, match=r"MathToolEnv.train_size must be an int >= 0, got '5'"):
     make_env("math_tool", train_size="5")
+  # A float output limit was accepted, then every observation raised (each trajectory that ran
+  # code ended 'env_error'); a string one said only "'<' not supported".
+  for bad in (512.0, "512"):
+    with pytest.raises(ValueError, match=r"MathToolEnv.max_output_chars must be an int >= 32"):
+      make_env("math_tool", max_output_chars=bad)
+  with pytest.raises(ValueError, match=r"MathToolEnv.seed must be an int, got 1.5"):
+    make_env("math_tool", seed=1.5)
   odd = MathToolEnv(train_size=0, eval_size=0, sft_size=0)
   assert odd.demonstration(Example(id="x", prompt="Q", gold="3", metadata={"answer_cot": 3})) is None
 
