@@ -379,7 +379,8 @@ class MathToolEnv(Env):
       seeded shuffle, into a train half and an eval half, so no problem is in both.
     train_size, eval_size, sft_size: gsm_symbolic problems per split (no question repeats
       across splits); CHAMP adds its half on top where listed.
-    max_output_chars: the interpreter's output is cut to this many characters.
+    max_output_chars: the text between the interpreter tags is cut to this many characters (a
+      failed call keeps its error over its output; see `format_observation`).
     code_timeout_s, code_memory_mb: limits of each code cell.
     format_weight, tool_weight: weights of the shaping terms (0 = off); `tool_weight` is the
       bonus per valid call, capped at 5 calls.
