@@ -516,11 +516,11 @@ class MathToolEnv(Env):
       return self.observation_template.format(output=text)
     output = result.output.rstrip()
     room = limit - min(len(output) + 1, limit // 4) if output else limit
-    error = _cut_middle(f"Error: {result.error}", room)
+    text = _cut_middle(f"Error: {result.error}", room)
     if output:
-      output, _ = truncate_text(output, limit - len(error) - 1)
-      error = f"{output}\n{error}"
-    return self.observation_template.format(output=error)
+      output, _ = truncate_text(output, limit - len(text) - 1)
+      text = f"{output}\n{text}"
+    return self.observation_template.format(output=text)
 
   def encode_observation(self, text: str, tokenizer) -> list[int]:
     # Program output is data: it must never spell the chat template's control tokens.
