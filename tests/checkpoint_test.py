@@ -36,7 +36,7 @@ def _batch(seed=0, rows=8, length=16):
   return dict(tokens=rng.integers(0, CFG.vocab_size, (rows, length)).astype(np.int32),
               segment_ids=np.ones((rows, length), np.int32),
               positions=np.tile(np.arange(length, dtype=np.int32), (rows, 1)),
-              loss_mask=np.ones((rows, length), np.float32),
+              loss_mask=(np.arange(length) > 0)[None].repeat(rows, 0).astype(np.float32),
               old_logps=np.full((rows, length), -5.0, np.float32),
               advantages=rng.normal(size=(rows, length)).astype(np.float32))
 

@@ -345,6 +345,26 @@ def _check_segment_ids(segment_ids) -> None:
                      f"its own id in its row (number them 1, 2, ... as `rl.packing.pack` does)")
 
 
+def _check_loss_mask(loss_mask, segment_ids) -> None:
+  """Raises ValueError where `loss_mask` trains a position that has no log-prob of its own
+  segment: a segment's first token (its log-prob is the previous segment's prediction of it, or
+  0 in column 0) or padding."""
+  mask = np.asarray(loss_mask) > 0
+  seg = np.asarray(segment_ids)
+  if mask.shape != seg.shape:
+    raise ValueError(f"loss_mask has shape {mask.shape}; expected {seg.shape} like segment_ids")
+  start = np.ones(seg.shape, bool)
+  start[:, 1:] = seg[:, 1:] != seg[:, :-1]
+  bad = mask & (start | (seg == 0))
+  if bad.any():
+    row, col = np.argwhere(bad)[0]
+    what = "padding (segment id 0)" if seg[row, col] == 0 else "the first token of its segment"
+    raise ValueError(f"loss_mask[{row}, {col}] > 0 on {what}, which has no log-prob to train: "
+                     f"position t holds log p(token t | tokens < t) of its own trajectory, so a "
+                     f"trajectory's first token and padding must have loss_mask 0 (the ledger is "
+                     f"probably shifted by one; pack rows with `rl.packing.pack`)")
+
+
 class Learner:
   """Owns the jitted `train_step` / `score` of one model on one mesh.
 
@@ -380,9 +400,11 @@ class Learner:
 
   def put_batch(self, batch) -> Batch:
     """Place host arrays on the mesh, rows split over the data axes (segment ids checked by
-    `_check_segment_ids`)."""
+    `_check_segment_ids`, the loss mask by `_check_loss_mask`)."""
     if batch.get("segment_ids") is not None:
       _check_segment_ids(batch["segment_ids"])
+      if batch.get("loss_mask") is not None:
+        _check_loss_mask(batch["loss_mask"], batch["segment_ids"])
     dp = self.mesh.shape["data"] * self.mesh.shape["fsdp"]
     for k, v in batch.items():
       rows = np.shape(v)[0] if v is not None and np.ndim(v) else None

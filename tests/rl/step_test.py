@@ -429,6 +429,22 @@ def test_put_batch_rejects_segment_ids_the_loss_would_misread(seg, match):
                          "segment_ids": np.stack([good[0], np.asarray(seg, np.int32)])})
 
 
+@pytest.mark.parametrize("col,match", [
+    (0, r"loss_mask\[1, 0\] > 0 on the first token of its segment"),
+    (3, r"loss_mask\[1, 3\] > 0 on the first token of its segment"),
+    (7, r"loss_mask\[1, 7\] > 0 on padding")])
+def test_put_batch_rejects_a_loss_mask_on_a_position_without_its_own_log_prob(col, match):
+  # A segment's first position holds the previous trajectory's prediction of its first token
+  # (0 in column 0): a hand-built batch that trained it ran without a word.
+  learner = step.Learner(CFG, step.StepConfig(), optax.sgd(0.1))
+  seg = np.array([[1, 1, 1, 2, 2, 2, 0, 0], [1, 1, 1, 2, 2, 2, 2, 0]], np.int32)
+  mask = np.array([[0, 1, 1, 0, 1, 1, 0, 0], [0, 1, 1, 0, 1, 1, 1, 0]], np.float32)
+  assert learner.put_batch({"segment_ids": seg, "loss_mask": mask})["loss_mask"].shape == (2, 8)
+  mask[1, col] = 1.0
+  with pytest.raises(ValueError, match=match):
+    learner.put_batch({"segment_ids": seg, "loss_mask": mask})
+
+
 _COMPILE_ON_DATA_MESHES = """
 import jax, numpy as np, optax
 from jaxagent import models, sharding
