@@ -436,9 +436,13 @@ class Learner:
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if metrics["nonfinite"] and self.scfg.nonfinite == "raise":
       bad = [k for k, v in metrics.items() if not np.isfinite(v)]
-      raise FloatingPointError(
+      err = FloatingPointError(
           f"non-finite values at train step {step}: {bad or ['grad_norm']}; params were not "
-          f"updated. Lower the learning rate, check the batch, or set nonfinite='skip'.")
+          f"updated (the state passed in was donated to the step: the error's `state` holds "
+          f"the unchanged params and optimizer state). Lower the learning rate, check the "
+          f"batch, or set nonfinite='skip'.")
+      err.state = state
+      raise err
     return state, metrics
 
   def score_fn(self, with_entropy: bool = False):

@@ -171,8 +171,11 @@ def test_nonfinite_step_raises_with_step_and_metric(params):
   host["advantages"] = np.where(host["loss_mask"] > 0, np.nan, 0.0).astype(np.float32)
   learner = step.Learner(CFG, step.StepConfig(), step.make_optimizer(1e-3))
   st = learner.init(params)
-  with pytest.raises(FloatingPointError, match="train step 0.*loss"):
+  before = np.asarray(models.unbox(st.params)["embed"]).copy()
+  with pytest.raises(FloatingPointError, match="train step 0.*loss") as err:
     learner.train_step(st, host)
+  # The state passed in was donated; the unchanged one comes with the error (it was lost).
+  np.testing.assert_array_equal(np.asarray(models.unbox(err.value.state.params)["embed"]), before)
   skip = step.Learner(CFG, step.StepConfig(nonfinite="skip"), step.make_optimizer(1e-3))
   st = skip.init(params)
   before = np.asarray(models.unbox(st.params)["embed"]).copy()
