@@ -45,7 +45,7 @@ class PackItem:
 
     Attributes:
       tokens: int32 `[n]`.
-      loss_mask: `[n]`, 1 on policy-generated tokens; position 0 must be 0.
+      loss_mask: `[n]`, 1 on policy-generated tokens, else 0; position 0 must be 0.
       old_logps: float32 `[n]`, sampler log-prob (<= 0) of token t at position t (0 where mask is
         0; NaN on trained tokens the sampler did not sample, for the trainer to fill in).
       advantages: a scalar (broadcast to all n positions) or a float32 `[n]` array; finite on
@@ -80,6 +80,13 @@ class PackItem:
             x = getattr(self, name)
             if x is not None and x.shape != (n,):
                 raise ValueError(f"{who}: {name} has shape {x.shape}; expected ({n},) like tokens")
+        # The loss trains every position with loss_mask > 0 at weight 1: a weight such as 0.5
+        # would be trained as 1 without a word, and NaN or negative values break the counts.
+        bad = np.flatnonzero((self.loss_mask != 0) & (self.loss_mask != 1))
+        if bad.size:
+            raise ValueError(f"{who}: loss_mask must be 0 or 1 (1 on policy-generated tokens); got "
+                             f"{self.loss_mask[bad[:5]].tolist()} at positions {bad[:5].tolist()} "
+                             "(per-token loss weights are not supported)")
         # A non-finite advantage on a trained token makes the whole batch's loss NaN.
         bad = np.flatnonzero((self.loss_mask > 0) & ~np.isfinite(self.advantages))
         if bad.size:

@@ -262,3 +262,16 @@ def test_positive_log_probs_on_policy_tokens_are_a_clear_error(name):
     # Off policy tokens anything goes; NaN (an unsampled trained token) and -inf pass; so does 0.
     PackItem(**{**base, name: np.array([5.0, np.nan, -np.inf, 7.0])})
     PackItem(**{**base, name: np.array([0.0, 0.0, 1e-6, 0.0])})
+
+
+@pytest.mark.parametrize("mask,shown", [([0, 0.5, 0.5, 1], r"\[0.5, 0.5\] at positions \[1, 2\]"),
+                                        ([0, 1, np.nan, 1], r"\[nan\] at positions \[2\]"),
+                                        ([np.nan, 1, 1, 1], r"\[nan\] at positions \[0\]"),
+                                        ([0, -1, 1, 1], r"\[-1.0\] at positions \[1\]")])
+def test_loss_mask_other_than_zero_or_one_is_a_clear_error(mask, shown):
+    # The loss trains every position with loss_mask > 0 at weight 1: a weight of 0.5 was trained
+    # as 1 without a word, -1 was dropped, and a NaN failed in `pack` with an unrelated message.
+    with pytest.raises(ValueError, match=rf"traj_id=4.*loss_mask must be 0 or 1 .*{shown}"):
+        PackItem(tokens=np.arange(4), loss_mask=np.array(mask), old_logps=np.zeros(4), advantages=1.0, traj_id=4)
+    PackItem(tokens=np.arange(4), loss_mask=np.array([False, True, True, False]), old_logps=np.zeros(4),
+             advantages=1.0)
