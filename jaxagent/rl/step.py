@@ -345,6 +345,20 @@ def _check_segment_ids(segment_ids) -> None:
                      f"its own id in its row (number them 1, 2, ... as `rl.packing.pack` does)")
 
 
+def _check_tokens(tokens, vocab_size: int) -> None:
+  """Raises ValueError for a token id outside [0, vocab_size): the embedding lookup gives NaN
+  for one past the table (the whole trajectory's log-probs, hence the step's loss, go NaN) and
+  wraps a negative one onto another token."""
+  tok = np.asarray(tokens)
+  bad = (tok < 0) | (tok >= vocab_size)
+  if bad.any():
+    row, col = np.argwhere(bad)[0]
+    raise ValueError(f"tokens[{row}, {col}] = {tok[row, col]} is outside the model's vocabulary "
+                     f"[0, {vocab_size}); {int(bad.sum())} such tokens in the batch: the tokenizer "
+                     f"(or an observation template) does not match the model, or PackingConfig.pad_id "
+                     f"is not a token id")
+
+
 def _check_loss_mask(loss_mask, segment_ids) -> None:
   """Raises ValueError where `loss_mask` trains a position that has no log-prob of its own
   segment: a segment's first token (its log-prob is the previous segment's prediction of it, or
@@ -399,8 +413,10 @@ class Learner:
     return jax.jit(make, out_shardings=shardings)(params)
 
   def put_batch(self, batch) -> Batch:
-    """Place host arrays on the mesh, rows split over the data axes (segment ids checked by
-    `_check_segment_ids`, the loss mask by `_check_loss_mask`)."""
+    """Place host arrays on the mesh, rows split over the data axes (token ids checked by
+    `_check_tokens`, segment ids by `_check_segment_ids`, the loss mask by `_check_loss_mask`)."""
+    if batch.get("tokens") is not None:
+      _check_tokens(batch["tokens"], self.cfg.vocab_size)
     if batch.get("segment_ids") is not None:
       _check_segment_ids(batch["segment_ids"])
       if batch.get("loss_mask") is not None:

@@ -448,6 +448,19 @@ def test_put_batch_rejects_a_loss_mask_on_a_position_without_its_own_log_prob(co
     learner.put_batch({"segment_ids": seg, "loss_mask": mask})
 
 
+@pytest.mark.parametrize("bad", [CFG.vocab_size, -3])
+def test_put_batch_rejects_token_ids_outside_the_vocabulary(bad):
+  # One past the embedding table made the trajectory's log-probs and the step's loss NaN (the
+  # step stopped blaming the learning rate); a negative id was wrapped onto another token.
+  learner = step.Learner(CFG, step.StepConfig(), optax.sgd(0.1))
+  tokens = np.array([[1, 2, 3, 4], [5, 6, 7, CFG.vocab_size - 1]], np.int32)
+  assert learner.put_batch({"tokens": tokens})["tokens"].shape == (2, 4)
+  tokens[1, 2] = bad
+  with pytest.raises(ValueError, match=rf"tokens\[1, 2\] = {bad} is outside the model's "
+                     rf"vocabulary \[0, {CFG.vocab_size}\)"):
+    learner.put_batch({"tokens": tokens})
+
+
 _COMPILE_ON_DATA_MESHES = """
 import jax, numpy as np, optax
 from jaxagent import models, sharding
