@@ -239,12 +239,12 @@ def test_mixed_precision_step_equals_per_use_casts():
                                                 optimizer=optax.sgd(1.0)))(state, batch)
   got = jax.tree.map(lambda a, b: b - a, models.unbox(new.params), models.unbox(p))
   mbs = step.split_micro_batches(batch, 2)
-  total = None
+  total, den = None, 0.0
   for i in range(2):
     mb = jax.tree.map(lambda x: x[i], mbs)
     (_, parts), g = jax.value_and_grad(step._micro_parts, has_aux=True)(p, mb, cfg, scfg)
     total = g if total is None else jax.tree.map(jnp.add, total, g)
-    den = parts.denominator if i == 0 else den + parts.denominator
+    den = den + parts.denominator
   want = jax.tree.map(lambda x: x / jnp.maximum(den, 1.0), models.unbox(total))
   for path, a in jax.tree_util.tree_leaves_with_path(got):
     b, w = want, models.unbox(p)
