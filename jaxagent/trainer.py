@@ -955,6 +955,11 @@ class Trainer:
       self._warn_dropped("RL step", step, pb.stats)
       metrics["tokens/loss_fraction"] = float(batch["loss_mask"].sum() /
                                               max(1, (batch["segment_ids"] > 0).sum()))
+      if not batch["loss_mask"].any():
+        # Every sequence dropped (longer than a row), or none with a token to train: no update
+        # (an optimizer step on a zero gradient still moves the weights through the moments and
+        # the weight decay).
+        batch = None
     metrics["time/rollout_s"] = t_roll
     if self.config.log.dump_every and step % self.config.log.dump_every == 0:
       self.dump_samples(step, all_trajs[:self.config.log.get("dump_count", 4)])

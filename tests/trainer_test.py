@@ -560,6 +560,24 @@ def test_observation_loss_is_wired_and_unsampled_old_logps_are_scored(tmp_path, 
     trainer.close()
 
 
+def test_a_step_whose_packing_keeps_no_policy_token_makes_no_update(tmp_path):
+  """Every trajectory longer than a row is dropped by packing: the step trains on nothing and
+  says so; the optimizer was stepped on the all-padding batch, moving the weights by its
+  moments and weight decay."""
+  import dataclasses
+  trainer = Trainer(_tiny(tmp_path, **{"optimizer.weight_decay": 0.1}))
+  try:
+    trainer.pack_cfg = dataclasses.replace(trainer.pack_cfg, max_len=8, len_buckets=(8,))
+    before = jax.device_get(trainer.state.params)
+    m = trainer.rl_step(1)
+    assert m["train/skipped_no_signal"] == 1.0 and m["pack/dropped_items"] > 0
+    after = jax.device_get(trainer.state.params)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+      np.testing.assert_array_equal(a, b)
+  finally:
+    trainer.close()
+
+
 @pytest.mark.slow  # two RL steps, one with an update (about 30 s on 2 cores)
 def test_dynamic_sampling_logs_counts_over_every_sampled_group(tmp_path, monkeypatch):
   """`adv/*` of `compute_advantages` sees only the accepted groups (never zero-variance under
