@@ -84,6 +84,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxagent import sharding as shd
 from jaxagent.generate.engine import STOP_LENGTH, DecodeState, Engine, EngineConfig, Prefix
 from jaxagent.generate.sampling import SamplingConfig
+from jaxagent.generate.scheduler import _adds_bos
 from jaxagent.models.config import ModelConfig
 
 def _import_jetstream():
@@ -176,15 +177,6 @@ class JetStreamTokenizer(tokenizer_api.Tokenizer):
   @property
   def stop_tokens(self) -> set[int]:
     return set(self._stop)
-
-
-def _adds_bos(tokenizer) -> bool:
-  """Whether the tokenizer's own encoding of a text starts with its BOS token."""
-  bos = tokenizer.bos_id
-  if bos is None:
-    return False
-  ids = tokenizer.encode("a", add_special_tokens=True)
-  return bool(ids) and ids[0] == bos and tokenizer.encode("a")[:1] != [bos]
 
 
 @flax.struct.dataclass

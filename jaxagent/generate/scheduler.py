@@ -262,6 +262,15 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
   return results  # type: ignore[return-value]
 
 
+def _adds_bos(tokenizer) -> bool:
+  """Whether the tokenizer's own encoding of a text starts with its BOS token."""
+  bos = tokenizer.bos_id
+  if bos is None:
+    return False
+  ids = tokenizer.encode("a", add_special_tokens=True)
+  return bool(ids) and ids[0] == bos and tokenizer.encode("a")[:1] != [bos]
+
+
 def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
              temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, seed: int = 0,
              stop=None, slots: int = 8, max_len: int | None = None,
@@ -271,7 +280,9 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
   """Generate continuations for many prompts with continuous batching over `slots` slots.
 
   Args:
-    prompts: token-id lists, or strings (then `tokenizer` is required).
+    prompts: token-id lists, or strings (then `tokenizer` is required). A string starts with
+      the tokenizer's BOS where its own encoding adds one (a Llama 3 base model expects it),
+      unless the text already starts with it (a chat-templated prompt).
     stop: a string, a list of strings, or a list of token-id sequences; a match ends the
       request and is included in its tokens.
     eos_ids: token ids that end a request, one int or a sequence (default: the tokenizer's
@@ -294,12 +305,15 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
                      f"{type(prompts).__name__}") from None
   if prompts and isinstance(prompts[0], (int, np.integer)):
     prompts = [prompts]
-  ids = []
+  ids, bos = [], None
   for i, p in enumerate(prompts):
     if isinstance(p, str):
       if tokenizer is None:
         raise ValueError("string prompts need a tokenizer (pass tokenizer=...)")
-      ids.append(tokenizer.encode(p))
+      if bos is None:  # the id to prepend, or -1 for none; worked out once
+        bos = tokenizer.bos_id if _adds_bos(tokenizer) else -1
+      text_ids = tokenizer.encode(p)
+      ids.append(text_ids if bos < 0 or text_ids[:1] == [bos] else [bos] + text_ids)
     elif isinstance(p, (bytes, bytearray)):
       # list(b"hi") is [104, 105]: the bytes' values were taken as token ids.
       raise ValueError(f"prompt {i} is bytes ({bytes(p[:20])!r}): pass text as a str (with "

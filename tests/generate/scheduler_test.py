@@ -203,3 +203,39 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(params, engine):
       generate(params, CFG, [[1, 2]], 3, stop=[[1], seq])
     with pytest.raises(ValueError, match="outside the model's vocabulary"):
       run_requests(engine, params, [[1, 2]], max_new_tokens=3, request_ids=[0], stop=[seq])
+
+
+def test_text_prompts_start_with_the_bos_the_tokenizer_adds(tmp_path, monkeypatch):
+  """A tokenizer whose own encoding adds BOS (Llama 3's post-processor): a text prompt reached
+  the model without it; a text that already starts with it (a chat-templated prompt) gets no
+  second one; a tokenizer that adds none (SmolLM2's) is encoded as before."""
+  import json
+
+  from jaxagent.generate import scheduler
+  tok = models.load_tokenizer("smollm2-135m-instruct")
+  out = tok.save(tmp_path / "bos")
+  data = json.loads((out / "tokenizer.json").read_text())
+  data["post_processor"] = {  # BOS insertion as Llama 3's tokenizer.json writes it
+      "type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                 {"Sequence": {"id": "A", "type_id": 0}}],
+      "pair": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+               {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+      "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                           "tokens": ["<|endoftext|>"]}}}
+  (out / "tokenizer.json").write_text(json.dumps(data))
+  config = json.loads((out / "tokenizer_config.json").read_text())
+  (out / "tokenizer_config.json").write_text(json.dumps(config | {"bos_token": "<|endoftext|>"}))
+  bos_tok = models.load_tokenizer(out)
+  assert bos_tok.bos_id == 0
+  seen = []
+  real = scheduler.run_requests
+  monkeypatch.setattr(scheduler, "run_requests",
+                      lambda eng, p, prompts, **kw: seen.append(prompts) or real(eng, p, prompts, **kw))
+  cfg = models.get_config("tiny-llama", vocab_size=tok.vocab_size)
+  params = models.init_params(cfg, jax.random.key(0))
+  texts = ["The capital of France is", "<|endoftext|>Hi"]
+  generate(params, cfg, texts, 1, tokenizer=bos_tok, max_len=32)
+  assert seen[-1] == [[0] + tok.encode(texts[0]), [0] + tok.encode("Hi")]
+  generate(params, cfg, texts, 1, tokenizer=tok, max_len=32)
+  assert seen[-1] == [tok.encode(t) for t in texts]
