@@ -501,7 +501,14 @@ def test_a_run_that_timed_out_is_not_cached(make_traj, char_tok, monkeypatch):
   problem = env.problem("HumanEval/0")
   ex = env.to_example(problem)
   calls = []
-  monkeypatch.setattr(code_lib, "run_tests", lambda *a, **k: calls.append(a[0]) or run_tests(*a, **k))
+
+  def counted(program, *a, **k):
+    calls.append(program)
+    if "while True" not in program:  # the right solution must not time out on a loaded host
+      k.update(timeout_s=60.0, per_test_s=30.0)
+    return run_tests(program, *a, **k)
+
+  monkeypatch.setattr(code_lib, "run_tests", counted)
   stuck = "def has_close_elements(numbers, threshold):\n    while True:\n        pass\n"
   right = canonical_solution(problem)
   for text in (stuck, stuck, right, right):
