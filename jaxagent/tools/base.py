@@ -110,10 +110,14 @@ def truncate_text(text: str, max_chars: int) -> tuple[str, bool]:
     """
     if len(text) <= max_chars:
         return text, False
-    note = f"\n... [truncated {len(text) - max_chars} characters]"
-    if max_chars < len(note):
-        return text[:max(0, max_chars)], True
-    return text[:max_chars - len(note)] + note, True
+    cut = len(text) - max_chars
+    while True:  # the note names how many characters it replaced; its own length moves that count
+        note = f"\n... [truncated {cut} characters]"
+        if max_chars < len(note):
+            return text[:max(0, max_chars)], True
+        if len(text) - (max_chars - len(note)) == cut:
+            return text[:max_chars - len(note)] + note, True
+        cut = len(text) - (max_chars - len(note))
 
 
 def normalize_result(value: Any, *, tool_name: str, max_output_chars: int | None = None) -> ToolResult:
