@@ -67,21 +67,52 @@ _UNPARSABLE = (SyntaxError, ValueError, RecursionError, MemoryError)
 # without one may be; any other, e.g. the ```text of a printed output, is not).
 _FENCE_OPEN = re.compile(r"```[ \t]*([^\s`]*)[^\n`]*\n")
 _PYTHON = re.compile(r"(?i:python|py)3?")
+# Closing fences past the first that `_fence_end` tries (each try parses the body once).
+_FENCE_TRIES = 16
 # Test runs a `CodeEnv` keeps (`CodeEnv._run`).
 _RUN_CACHE_SIZE = 4096
 
 
 # ----------------------------------------------------------------------------- solutions
+def _fence_end(text: str, start: int) -> int:
+  """Where the Python fence whose body starts at `start` closes, or -1: at the first ``` after
+  it, unless that one is inside the program (a docstring, string or comment that shows a
+  fence): then at the next ``` (of the next `_FENCE_TRIES`) where the body parses. A ``` is
+  taken as inside the program when the body cut there leaves a string unterminated, or parses
+  but ends in a comment; a body that runs past a real closing fence holds a ``` outside any
+  string or comment, which never parses."""
+  first = end = text.find("```", start)
+  best = -1
+  for _ in range(_FENCE_TRIES):
+    if end < 0:
+      break
+    body = text[start:end]
+    try:
+      ast.parse(textwrap.dedent(body))
+    except SyntaxError as e:
+      if not str(e.msg).startswith("unterminated"):  # a program cut inside a string
+        break
+    except _UNPARSABLE:
+      break
+    else:
+      best = end
+      if "#" not in body[body.rfind("\n") + 1:]:  # not cut inside a comment
+        break
+    end = text.find("```", end + 3)
+  return best if best >= 0 else first
+
+
 def _fenced_blocks(text: str) -> list[str]:
   """The bodies of the Python code fences of `text`: the untagged ones, then those tagged as
   Python, each in order. A fence in another language is skipped whole, so its closing fence
-  never opens a block."""
+  never opens a block; a Python one closes where `_fence_end` says."""
   untagged, tagged, pos = [], [], 0
   while (m := _FENCE_OPEN.search(text, pos)) is not None:
-    end = text.find("```", m.end())
+    lang = m.group(1)
+    python = not lang or _PYTHON.fullmatch(lang)
+    end = _fence_end(text, m.end()) if python else text.find("```", m.end())
     if end < 0:
       break
-    lang = m.group(1)
     if not lang:
       untagged.append(text[m.end():end])
     elif _PYTHON.fullmatch(lang):

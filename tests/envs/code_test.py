@@ -51,6 +51,9 @@ def test_extract_code():
 
 
 _ADD = "def add(x, y):\n    return x + y\n"
+# A solution whose docstring shows a fenced example.
+_ADD_SHOWN = ('def add(x, y):\n    """Adds.\n\n    ```\n    >>> add(1, 2)\n    3\n    ```\n    """\n'
+              '    return x + y\n')
 
 
 @pytest.mark.parametrize("response", [
@@ -66,10 +69,29 @@ _ADD = "def add(x, y):\n    return x + y\n"
     '    """\n    return x + y\n</code>',
     # A fence opened with Windows line ends was not found.
     f"```python\n{_ADD}```".replace("\n", "\r\n"),
+    # A bare fence around a program whose docstring shows a fenced example was cut there.
+    f"```\n{_ADD_SHOWN}```\nUsage:\n```\nprint(add(1, 2))\n```",
 ])
 def test_the_solution_is_read_among_other_fences(env, response):
   run, parses = env.score("HumanEval/53", response)
   assert (run.passed, run.total, parses) == (6, 6, True), run
+
+
+@pytest.mark.parametrize("program", [
+    _ADD_SHOWN,
+    _ADD_SHOWN.replace("    ```\n    >>>", "    ```python\n    >>>"),
+    'FENCE = "```"\n' + _ADD,
+    "# shown in ``` fences\n" + _ADD,
+])
+@pytest.mark.parametrize("fence", ["```", "```python"])
+def test_a_fence_inside_the_program_does_not_close_its_block(program, fence):
+  # The block was cut at the program's own fence (in a docstring, a string or a comment), so a
+  # correct solution did not parse; the real closing fence and the blocks after it still count.
+  assert extract_code(f"Here:\n{fence}\n{program}```\nDone.") == program
+  assert extract_code(f"<code>\n{fence}\n{program}```\n</code>") == program
+  two = f"{fence}\n{program}```\nUsage:\n```python\nprint(add(1, 2))\n```"
+  assert code_lib._fenced_blocks(two)[-2:] == [program, "print(add(1, 2))\n"]
+  assert code_lib._solution_code(two, "add") == program
 
 
 def test_extract_code_prefers_python_fences():
