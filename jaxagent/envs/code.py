@@ -17,8 +17,11 @@ which only ever calls its entry point; the tests run here, in a fresh namespace 
 module, where `candidate` forwards each call's arguments to the sandbox and returns the result
 decoded as plain data (None, bool, int, float, str, bytes, complex and lists, tuples, sets and
 dicts of them). A result that is anything else, a call that raises, and an interpreter that
-crashes fail the test; nothing the solution does reaches the count, so it cannot print, patch or
-compare its way to a score. Every test has its own time limit (`per_test_s`, the whole run
+crashes fail the test (a `SystemExit` inside a call too, whatever its code); nothing the solution
+does reaches the count, so it cannot print, patch, compare or exit its way to a score. A
+`SystemExit` raised while the solution loads (an unguarded `sys.exit()` at module level, after
+the function) ends the solution's module, as it ends a script, not its test run: the entry point
+defined before it is tested (one it exits before defining is the prompt's stub, which fails). Every test has its own time limit (`per_test_s`, the whole run
 `timeout_s`): a call past it kills the interpreter, and the next test starts a fresh one and
 loads the solution again, so a failing or hanging test costs only itself. The reward is the
 fraction of tests passed (`UnitTestReward`, from `TESTS_PASSED_KEY` / `TESTS_TOTAL_KEY`);
@@ -373,10 +376,15 @@ def _solution_quiet(fn, *args, **kwargs):  # pragma: no cover - runs in the sand
 
 
 def _solution_load(program: str, entry: str) -> None:  # pragma: no cover - runs in the sandbox
-  """Runs the solution and keeps its entry point for `_solution_call`."""
+  """Runs the solution and keeps its entry point for `_solution_call`. A `SystemExit` (an
+  unguarded `sys.exit()`, `exit()`, `quit()` at module level) ends the module where it is
+  raised, as it ends a script: what was defined before it is tested."""
   namespace = {"__name__": "__solution__"}
   try:
-    _solution_quiet(exec, compile(program, "<solution>", "exec"), namespace)
+    try:
+      _solution_quiet(exec, compile(program, "<solution>", "exec"), namespace)
+    except SystemExit:
+      pass
     _solution_load.entry = namespace[entry]
     reply = {"loaded": True}
   except BaseException as e:  # noqa: BLE001

@@ -214,6 +214,30 @@ def test_run_tests_pass_fraction(solution, passed):
   assert (run.passed, run.total) == (passed, 3), run
 
 
+_SQUARE = "def square(x):\n    return x * x\n"
+
+
+@pytest.mark.parametrize("solution,passed", [
+    # An unguarded exit after the function scored 0: it ended the load, not only the module.
+    (_SQUARE + "import sys\nsys.exit()\n", 3),
+    (_SQUARE + "import sys\nsys.exit(1)\n", 3),
+    (_SQUARE + "exit()\n", 3),
+    (_SQUARE + "quit(0)\n", 3),
+    (_SQUARE + "raise SystemExit\n", 3),
+    (_SQUARE + "if True:\n    print(square(3))\n    raise SystemExit('done')\n", 3),
+    ("import sys\nsys.exit(0)\n" + _SQUARE, 0),  # exits before defining it: the stub is tested
+    # An exit inside the function fails each test that calls it, whatever its code, even after
+    # the solution wrote a reply of its own.
+    ("def square(x):\n    import sys\n    sys.exit(0)\n", 0),
+    ("def square(x):\n    if x == 2:\n        exit()\n    return x * x\n", 2),
+    ("import sys\ndef square(x):\n    sys.__stdout__.write('@@solution@@{\"value\": %d}\\n' % (x * x))\n"
+     "    sys.exit(0)\n", 0),
+])
+def test_a_module_level_exit_ends_the_module_not_the_tests(solution, passed):
+  run = run_tests(assemble_program(STUB, "square", solution), "square", plan_tests(CHECK))
+  assert (run.passed, run.total) == (passed, 3), run
+
+
 def test_run_tests_hanging_and_forged_reports():
   plan = plan_tests(CHECK)
   t0 = time.time()
