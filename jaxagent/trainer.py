@@ -855,7 +855,7 @@ class Trainer:
                                seed=_rollout_seed(self.config.seed, step),
                                request_id_offset=offset)
       outs = self._score(trajs, [exs[tr.group_id] for tr in trajs], step)
-      rewards = np.array([o.total for o in outs], np.float32)
+      rewards = np.array([o.total for o in outs], np.float64)
       gids = np.array([tr.group_id for tr in trajs])
       keep = sampler.update(rewards, gids) if dyn else np.ones(len(trajs), bool)
       base = len(kept_exs)
@@ -872,7 +872,7 @@ class Trainer:
         break
     gids = np.array([tr.group_id for tr in kept_trajs])
     advs, info = adv_lib.compute_advantages(
-        np.array(kept_rewards, np.float32), gids, method=t.advantage,
+        np.array(kept_rewards, np.float64), gids, method=t.advantage,
         zero_variance=t.zero_variance)
     # With dynamic sampling `info` sees only the accepted (informative) groups; the sampler's
     # counts cover every group sampled, e.g. 1 - informative_rate of them had zero variance.

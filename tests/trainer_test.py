@@ -711,6 +711,24 @@ def test_nonfinite_update_names_the_rl_step_of_the_metrics(ckpt_trainer, monkeyp
     trainer.rl_step(3)
 
 
+def test_rewards_reach_the_advantages_in_float64(ckpt_trainer, monkeypatch):
+  """Rewards 4e-16 apart (one value computed two ways) are a zero-variance group; rounded to
+  float32 first they straddled a rounding point, 1.2e-7 apart, and got advantages of +-0.06."""
+  import dataclasses
+  trainer = ckpt_trainer
+  real, calls = trainer.env.reward, []
+  mid = 1.0 + 2.0**-24  # halfway between two float32 values
+
+  def straddling(*args):
+    calls.append(None)
+    return dataclasses.replace(real(*args), total=mid + (-1) ** len(calls) * 2.0**-52)
+
+  monkeypatch.setattr(trainer.env, "reward", straddling)
+  m, _ = trainer._collect(1, trainer._generator_params())  # rollouts and advantages, no update
+  assert m["adv/num_groups"] > 0 and len(calls) == m["rollout/num_trajectories"]
+  assert m["adv/num_zero_variance_groups"] == m["adv/num_groups"], m
+
+
 def test_eval_counts_env_rewards_that_raise_and_scores_pass_at_k_per_example(ckpt_trainer,
                                                                              monkeypatch):
   """A reward that raises scores its trajectory a failure: eval counts them, so a broken
