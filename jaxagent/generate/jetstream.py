@@ -734,36 +734,73 @@ def serve(engine: JetStreamEngine, port: int, *, threads: int | None = None,
   return server
 
 
-class _Server(server_lib.JetStreamServer):
-  """JetStream's gRPC server with its event loop on a daemon thread, stopped at exit if running.
+class _Orchestrator(orchestrator.LLMOrchestrator):
+  """JetStream's gRPC servicer, answering a request it cannot serve with INVALID_ARGUMENT.
 
-  JetStream's runs the loop on a non-daemon thread, so a process that never called `stop` hung
-  at exit. `stop` may be called more than once.
+  JetStream's read a request with neither text nor token content as `getattr(request, None)`
+  and the client got UNKNOWN "attribute name must be string"; a request our checks refuse (bad
+  token ids, a prompt too long, ...) also reached the client as UNKNOWN.
   """
 
-  def __init__(self, driver, threads, port, credentials):
-    try:
-      super().__init__(driver, threads, port, credentials)
-    except BaseException as e:
-      # JetStream starts its loop thread before it binds the port: a port in use left that
-      # (non-daemon) thread running, and the process hung at exit.
-      self._stop_loop()
-      if isinstance(e, RuntimeError):  # grpc's "Failed to bind to address ..."
-        raise RuntimeError(f"cannot serve on port {port} (is it in use?): {e}") from e
-      raise
-    # Move the (idle) loop onto a daemon thread: stop it, then run it again there.
-    self._stop_loop()
+  async def Decode(self, request, context=None):  # noqa: N802 (the gRPC method's name)
+    import grpc
+    if request.WhichOneof("content") is None:
+      why = "a DecodeRequest needs text_content or token_content; it has neither"
+    else:
+      try:
+        async for response in super().Decode(request, context):
+          yield response
+        return
+      except ValueError as e:  # raised by `check_request` before anything was streamed
+        why = str(e)
+    if context is None:
+      raise ValueError(why)
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
+
+
+class _Server(server_lib.JetStreamServer):
+  """JetStream's gRPC server with our servicer and its event loop on a daemon thread.
+
+  JetStream's constructor runs the loop on a non-daemon thread (a process that never called
+  `stop` hung at exit), started before it binds the port (a port in use left that thread
+  running), and registers its own servicer; this one does the same work in an order that
+  leaves nothing running on failure. `stop` may be called more than once.
+  """
+
+  def __init__(self, driver, threads, port, credentials):  # pylint: disable=super-init-not-called
+    import concurrent.futures
+
+    import grpc
+    from jetstream.core.proto import jetstream_pb2_grpc
+    self._driver = driver
+    self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=threads)
+    self._loop = asyncio.new_event_loop()
+    self._loop.set_default_executor(self._executor)
     self._loop_thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                          name="jetstream-grpc-loop")
     self._loop_thread.start()
+
+    async def make_server():
+      return grpc.aio.server(self._executor)
+
+    try:
+      self._grpc_server = asyncio.run_coroutine_threadsafe(make_server(), self._loop).result()
+      jetstream_pb2_grpc.add_OrchestratorServicer_to_server(_Orchestrator(driver=driver),
+                                                            self._grpc_server)
+      self._grpc_server.add_secure_port(f"{server_lib._HOST}:{port}", credentials)
+    except BaseException as e:
+      self._stop_loop()
+      self._executor.shutdown(wait=False)
+      if isinstance(e, RuntimeError):  # grpc's "Failed to bind to address ..."
+        raise RuntimeError(f"cannot serve on port {port} (is it in use?): {e}") from e
+      raise
     self._stopped = False
     _RUNNING.add(self)
 
   def _stop_loop(self) -> None:
-    """Stop the event loop and join its thread (if JetStream got as far as starting it)."""
-    if getattr(self, "_loop_thread", None) is not None:
-      self._loop.call_soon_threadsafe(self._loop.stop)
-      self._loop_thread.join()
+    """Stop the event loop and join its thread."""
+    self._loop.call_soon_threadsafe(self._loop.stop)
+    self._loop_thread.join()
 
   def stop(self) -> None:
     if self._stopped:  # a second JetStream `stop` would wait forever on the stopped loop

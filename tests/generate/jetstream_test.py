@@ -223,8 +223,12 @@ def test_grpc_server_streams_tokens_and_rejects_bad_requests(js, cfg, engine, re
 
       want = reference[1]
       assert decode(_token_prompts(cfg)[0], MAX_TOKENS[1]) == want[1]
-      with pytest.raises(grpc.RpcError, match="token ids"):  # fails this call, not the server
+      with pytest.raises(grpc.RpcError, match="token ids") as e:  # fails this call, not the server
         decode([cfg.vocab_size + 1], 5)
+      assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+      with pytest.raises(grpc.RpcError, match="needs text_content or token_content") as e:
+        list(stub.Decode(jetstream_pb2.DecodeRequest(max_tokens=5), timeout=60))
+      assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
       assert decode(_token_prompts(cfg)[1], 3) == want[2][:3]
   finally:
     server.stop()
