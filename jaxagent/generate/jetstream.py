@@ -38,7 +38,8 @@ Sharp edges of google-jetstream 0.2.2 handled here:
     undone right after the import.
   * An exception in any Driver thread SIGKILLs the process, so input is checked before it reaches
     a thread: `CheckedDriver` (used by `make_driver` and `serve`) rejects bad requests with a
-    ValueError in the submitting thread (for gRPC, an error status for that call), and
+    ValueError in the submitting thread (for gRPC, INVALID_ARGUMENT for that call, as for a
+    request with neither text nor token content, which JetStream's servicer cannot read), and
     `JetStreamEngine.prefill` turns content that still slips through (out-of-vocabulary ids, empty
     prompts) into a request that finishes with no tokens instead of raising.
   * It prepends `bos_id` to every request without a session cache. For tokenizers that add no BOS
