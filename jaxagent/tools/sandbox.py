@@ -9,7 +9,9 @@ output, or the traceback, as an observation. Verifiers that execute model code (
 Each interpreter is a fresh `python -I` child started with `subprocess` (fork+exec, never a fork
 of this process's Python state), in a new session, with a minimal environment (PATH, a temporary
 HOME/TMPDIR, LANG, single-threaded BLAS; nothing else from the parent, so no secrets) and a fresh
-temporary working directory that is deleted afterwards. Code and results travel over pipes; the
+temporary working directory that is deleted afterwards
+(inside a directory the code may not list, so it cannot find the other sandboxes' directories:
+`_make_workdir`). Code and results travel over pipes; the
 printed output is read incrementally and capped. Like a REPL, a final expression statement has
 its value printed. Before any user code runs, the child applies, in order:
 
@@ -263,6 +265,7 @@ _LIVE: weakref.WeakSet[_SandboxProcess] = weakref.WeakSet()
 def _kill_live_sandboxes() -> None:
     for proc in list(_LIVE):
         proc.close()
+    _remove_workdir_parent()
 
 
 # Whether this kernel lists each thread's children in /proc (CONFIG_PROC_CHILDREN).
@@ -326,6 +329,51 @@ def _remove_tree(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+# (pid of this process, the directory that holds its sandboxes' temporary directories)
+_workdir_parent: tuple[int, str] | None = None
+_workdir_lock = threading.Lock()
+
+
+def _make_workdir() -> str:
+    """A fresh temporary directory for one interpreter: a random name inside a directory that
+    this process's sandboxes share and that may be traversed but not listed (mode 0o311).
+
+    The code can list the host's temporary directory (the audit hook checks opens, not
+    listings), where it sees that shared directory (and those of other processes); without
+    read permission on it, and without the capabilities that override it (dropped where
+    namespaces are used), it cannot learn the names inside, so it can neither list nor open the
+    files of another trajectory's sandbox. As root without namespaces the override remains and
+    only the audit hook refuses those reads. The shared directory is made once per process
+    (a forked process makes its own) and removed at exit; each call costs one mkdir, as a
+    directory of its own did.
+    """
+    global _workdir_parent
+    stale = None
+    for _ in range(2):
+        with _workdir_lock:
+            if _workdir_parent is None or _workdir_parent[0] != os.getpid() or _workdir_parent[1] == stale:
+                parent = tempfile.mkdtemp(prefix="jaxagent-sandbox-")
+                os.chmod(parent, 0o311)
+                _workdir_parent = (os.getpid(), parent)
+            parent = _workdir_parent[1]
+        path = os.path.join(parent, f"jaxagent-sandbox-{secrets.token_hex(16)}")
+        try:
+            os.mkdir(path, 0o700)
+            return path
+        except FileNotFoundError:  # the shared directory was removed (a cleaner of old files): anew
+            stale = parent
+    raise FileNotFoundError(f"could not make a sandbox directory in {parent}")
+
+
+def _remove_workdir_parent() -> None:
+    """Removes this process's shared directory of `_make_workdir` once it is empty."""
+    if _workdir_parent is not None and _workdir_parent[0] == os.getpid():
+        try:
+            os.rmdir(_workdir_parent[1])
+        except OSError:  # a sandbox directory left behind, or already gone
+            pass
+
+
 def _live_descendants(pid: int) -> list[psutil.Process]:
     """`_descendants` less the zombies (killed, not yet reaped)."""
     out = []
@@ -384,7 +432,7 @@ class _SandboxProcess:
     def __init__(self, config: SandboxConfig, *, kernel_cpu_s: float):
         self.config = config
         self.isolation: dict[str, bool] = {}
-        self.tmpdir = tempfile.mkdtemp(prefix="jaxagent-sandbox-")
+        self.tmpdir = _make_workdir()
         self._closed = False
         self._paused = False
         self._ctrl_buf = bytearray()
@@ -399,7 +447,7 @@ class _SandboxProcess:
         except OSError as e:
             os.close(ctrl_r)
             os.close(ctrl_w)
-            shutil.rmtree(self.tmpdir, ignore_errors=True)
+            _remove_tree(self.tmpdir)
             raise SandboxError(f"could not start the sandbox interpreter {config.python!r}: {e}") from e
         os.close(ctrl_w)
         self.ctrl = ctrl_r

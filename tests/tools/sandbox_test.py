@@ -115,6 +115,32 @@ def test_fresh_temp_dir_is_writable_and_removed():
     assert run("import os\nprint(os.listdir('.'))", FULL)[0].output == "[]\n"
 
 
+def test_other_sandboxes_temp_dirs_cannot_be_listed(isolation):
+    """A program listed the host's temporary directory, in it the temporary directories of the
+    other sandboxes (other trajectories), and in those their files; only the audit hook kept it
+    from reading them."""
+    if not isolation["capabilities_dropped"]:
+        pytest.skip("needs the namespaces (without them root may list any directory)")
+    import tempfile
+    search = (f"import os\nfound = []\ntop = {tempfile.gettempdir()!r}\n"
+              "for name in os.listdir(top):\n"
+              "    if name.startswith('jaxagent-sandbox-'):\n"
+              "        try:\n"
+              "            for entry in os.scandir(os.path.join(top, name)):\n"
+              "                found.append(entry.name)\n"
+              "                if entry.is_dir() and entry.path != os.getcwd():\n"
+              "                    found += os.listdir(entry.path)\n"
+              "        except OSError:\n"
+              "            pass\n"
+              "print(sorted(set(found)))")
+    with PythonSession(FULL) as other:
+        assert other.run("open('the-other-trajectorys-file.txt', 'w').write('x')").ok
+        assert os.listdir(other._proc.tmpdir) == ["the-other-trajectorys-file.txt"]
+        result, _ = run(search, FULL)
+    assert result.ok, result.error
+    assert "the-other-trajectorys-file.txt" not in result.output, result.output
+
+
 def test_temp_dir_is_removed_after_the_code_chmods_it_shut():
     """Where the host lacks root's permission override (a non-root host, emulated for root by
     dropping CAP_DAC_OVERRIDE), directories the code made unreadable must still be deleted."""
@@ -123,11 +149,13 @@ def test_temp_dir_is_removed_after_the_code_chmods_it_shut():
     import subprocess
     import sys
 
-    check = ("import glob, json, tempfile\nfrom jaxagent.tools.sandbox import run_python\n"
+    check = ("import glob, json, os, tempfile\nfrom jaxagent.tools.sandbox import run_python\n"
              "pattern = tempfile.gettempdir() + '/jaxagent-sandbox-*'\nbefore = set(glob.glob(pattern))\n"
              "r = run_python(\"import os\\nos.makedirs('d/e/f')\\nopen('d/e/x', 'w').write('x')\\n"
-             "os.chmod('d/e/f', 0)\\nos.chmod('d/e', 0o500)\\nos.chmod('d', 0)\\nos.chmod('.', 0o500)\")\n"
-             "assert r.ok, r\nprint(json.dumps(sorted(set(glob.glob(pattern)) - before)))")
+             "os.chmod('d/e/f', 0)\\nos.chmod('d/e', 0o500)\\nos.chmod('d', 0)\\nos.chmod('.', 0o500)\\n"
+             "print(os.getcwd())\")\nassert r.ok, r\nfrom jaxagent.tools import sandbox\n"
+             "shared = sandbox._workdir_parent[1]\nassert not os.path.lexists(r.output.strip()), r\n"
+             "print(json.dumps([shared, sorted(set(glob.glob(pattern)) - before - {shared})]))")
     command = [sys.executable, "-c", check]
     if os.geteuid() == 0:
         if shutil.which("setpriv") is None:
@@ -136,10 +164,11 @@ def test_temp_dir_is_removed_after_the_code_chmods_it_shut():
         command = ["setpriv", "--bounding-set", caps, "--inh-caps", caps, "--", *command]
     done = subprocess.run(command, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    leaked = json.loads(done.stdout)
+    shared, leaked = json.loads(done.stdout)
     for path in leaked:  # as this (privileged) process
         subprocess.run(["rm", "-rf", path])
     assert leaked == []
+    assert not os.path.exists(shared), "the shared directory is removed at exit"
 
 
 def test_scientific_libraries_import():
