@@ -281,6 +281,9 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
     main = types.ModuleType("__main__")
     main.__builtins__ = builtins
     sys.modules["__main__"] = main
+    # As in an interactive interpreter: the loader's arguments (the host's tag and PID) would
+    # be read as the program's own (argparse refused them; `int(sys.argv[1])` raised).
+    sys.argv = [""]
 
     def shorten_tracebacks(error, keep=100, longest=5000):
         # Formatting costs ~10 us a frame: a runaway recursion under sys.setrecursionlimit(10**6)

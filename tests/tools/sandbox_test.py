@@ -105,6 +105,14 @@ def test_environment_is_minimal_and_secrets_are_not_inherited(monkeypatch):
     assert "'PATH'" in result.output and "'LANG'" in result.output
 
 
+def test_the_program_gets_no_command_line_arguments():
+    # The loader's arguments were the program's: a script's argparse refused them.
+    code = ("import argparse, sys\nprint(sys.argv)\np = argparse.ArgumentParser()\n"
+            "p.add_argument('--n', type=int, default=3)\nprint(p.parse_args().n)")
+    result, _ = run(code, FULL)
+    assert (result.ok, result.output) == (True, "['']\n3\n"), result.error
+
+
 def test_fresh_temp_dir_is_writable_and_removed():
     result, _ = run("import os, tempfile\nopen('a.txt', 'w').write('x')\n"
                     "print(os.getcwd())\nprint(tempfile.mkstemp()[1].startswith(os.getcwd()))", FULL)
