@@ -152,11 +152,14 @@ def extract_code(text: str) -> str | None:
 
 def _solution_code(text: str, entry_point: str) -> str | None:
   """The code `CodeEnv` tests: of `extract_code`'s candidates, the last that defines the entry
-  point (a solution followed by a usage example in a second fence is the solution), else
+  point (a solution followed by a usage example in a second fence is the solution), one that
+  only imports it (`from math import gcd as f`) counting only where none defines it, else
   `extract_code`'s."""
   candidates = _code_candidates(text)
   defining = [c for c in candidates if _is_full_solution(c.strip("\n"), entry_point)]
-  return (defining or candidates or [None])[-1]
+  # A test snippet after the solution (`from solution import f`, then asserts) only imports it.
+  own = [c for c in defining if not _imports_only(c.strip("\n"), entry_point)]
+  return (own or defining or candidates or [None])[-1]
 
 
 def _module_binding(code: str, entry_point: str) -> ast.Module | None:
@@ -168,17 +171,26 @@ def _module_binding(code: str, entry_point: str) -> ast.Module | None:
     tree = ast.parse(code)
   except _UNPARSABLE:
     return None
-  for node in tree.body:
-    if isinstance(node, (ast.Assign, ast.AnnAssign)):
-      targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-      names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-    elif isinstance(node, (ast.Import, ast.ImportFrom)):
-      names = {(a.asname or a.name).split(".")[0] for a in node.names}
-    else:
-      names = {getattr(node, "name", None)}
-    if entry_point in names:
-      return tree
-  return None
+  return tree if any(entry_point in _bound_names(node) for node in tree.body) else None
+
+
+def _bound_names(node: ast.stmt) -> set:
+  """The names a top-level statement binds (of the kinds `_module_binding` looks at)."""
+  if isinstance(node, (ast.Assign, ast.AnnAssign)):
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+  if isinstance(node, (ast.Import, ast.ImportFrom)):
+    return {(a.asname or a.name).split(".")[0] for a in node.names}
+  return {getattr(node, "name", None)}
+
+
+def _imports_only(code: str, entry_point: str) -> bool:
+  """Whether `code` binds the entry point only by importing it, defining it nowhere."""
+  if re.search(rf"^\s*(?:async\s+)?def\s+{re.escape(entry_point)}\s*\(", code, re.M):
+    return False
+  tree = _module_binding(textwrap.dedent(code), entry_point)
+  return tree is not None and all(isinstance(n, (ast.Import, ast.ImportFrom))
+                                  for n in tree.body if entry_point in _bound_names(n))
 
 
 def _is_full_solution(code: str, entry_point: str) -> bool:

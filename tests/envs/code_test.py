@@ -69,6 +69,9 @@ _ADD_SHOWN = ('def add(x, y):\n    """Adds.\n\n    ```\n    >>> add(1, 2)\n    3
     '    """\n    return x + y\n</code>',
     # A fence opened with Windows line ends was not found.
     f"```python\n{_ADD}```".replace("\n", "\r\n"),
+    # A test snippet after the solution, importing it from a module of the response's own, was
+    # read as the solution (it binds the name) and failed to load.
+    f"```python\n{_ADD}```\nTests:\n```python\nfrom solution import add\n\nassert add(1, 2) == 3\n```",
     # A bare fence around a program whose docstring shows a fenced example was cut there.
     f"```\n{_ADD_SHOWN}```\nUsage:\n```\nprint(add(1, 2))\n```",
 ])
