@@ -22,8 +22,8 @@ its value printed. Before any user code runs, the child applies, in order:
    * a mount namespace in which every mount is remounted read-only, nosuid, nodev, except the
      temporary directory and bind-mounted /dev/{null,zero,full,random,urandom}: writes anywhere
      else fail with EROFS at the kernel level; `deny_read_paths` are covered by an empty
-     read-only tmpfs (a directory) or /dev/null (a file), so not even a dir_fd-relative open,
-     which the audit hook cannot follow, reads them;
+     read-only tmpfs (a directory) or /dev/null (a file), so not even code that gets past the
+     audit hook reads them;
    * a PID namespace whose init is the user code's process, with the parent-death signal set:
      host PIDs cannot be named (so the parent cannot be signalled) and killing the sandbox kills
      every process it started, even ones that called setsid();
@@ -40,8 +40,9 @@ its value printed. Before any user code runs, the child applies, in order:
    connect/bind/DNS calls, rlimit changes, loading or calling C functions through ctypes, GC
    introspection, opening files for writing outside the temporary directory (and /dev/null), and
    opening files for reading outside the temporary directory, the interpreter's prefixes and
-   site-packages, /usr/share, /proc/self and the device files above. So model code cannot read
-   task data or answer keys kept elsewhere on the host.
+   site-packages, /usr/share, /proc/self and the device files above (`os.open` is replaced so
+   that a dir_fd-relative open is checked against its directory, which its audit event does not
+   name). So model code cannot read task data or answer keys kept elsewhere on the host.
 
 The parent enforces the wall-clock timeout, a per-call CPU-time limit (polling the process tree)
 and the output cap; on any of them, or on a crash, it SIGKILLs the process group (and every
@@ -51,7 +52,8 @@ exited (a daemon) stays among its descendants.
 
 What this does not protect against: an audit hook is not a security boundary. Code that reaches
 interpreter internals (ctypes addresses obtained without dlsym, frame and closure introspection,
-`_posixsubprocess`, dir_fd-relative opens) can get around it. Where the namespaces are available
+`_posixsubprocess`, the original `os.open` in the closure of its replacement, a link swapped
+between the check and the open) can get around it. Where the namespaces are available
 the kernel still blocks the network, host file writes and signals to host processes; where they
 are not (unprivileged host without user namespaces, or `namespaces="off"`), only the hook, the
 rlimits and the process-group kill remain. Nothing here limits CPU or memory bandwidth, disk use

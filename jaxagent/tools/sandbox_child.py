@@ -210,15 +210,17 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
     def refuse(what):
         raise PermissionError(errno.EACCES, f"{what} is not allowed in the sandbox")
 
+    def check_open(path, writing):
+        if not inside(path, write_roots if writing else read_roots) or inside(path, deny_roots):
+            refuse(f"{'writing' if writing else 'reading'} {path!r}")
+
     def audit(event, args):
         if event in denied:
             refuse(event)
         if event == "open":
             path = as_path(args[0])
             if path is not None:
-                writing = any(c in (args[1] or "") for c in "wax+") or (args[2] or 0) & write_flags
-                if not inside(path, write_roots if writing else read_roots) or inside(path, deny_roots):
-                    refuse(f"{'writing' if writing else 'reading'} {path!r}")
+                check_open(path, any(c in (args[1] or "") for c in "wax+") or (args[2] or 0) & write_flags)
         elif event in path_events:
             indexes, fd_index = path_events[event]
             dir_fd = args[fd_index] if fd_index is not None and len(args) > fd_index else None
@@ -263,8 +265,24 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
             return fn(which, who, *args, **kwargs)
         return guarded
 
+    def dir_fd_checked(fn):
+        # os.open(name, flags, dir_fd=fd) raises an "open" event with `name` alone, which the
+        # hook reads against the working directory: a link named alike there and in fd's
+        # directory opened any host file. The path is checked against fd's directory here.
+        def guarded(path, flags, mode=0o777, *, dir_fd=None):
+            if isinstance(dir_fd, int) and not isinstance(dir_fd, bool):
+                full = as_path(path, dir_fd)
+                if full is not None:
+                    check_open(full, bool(flags & write_flags))
+            return fn(path, flags, mode, dir_fd=dir_fd)
+        return guarded
+
     limit(resource.RLIMIT_AS, cfg["memory_mb"] << 20)
     if cfg["audit_hook"]:
+        guarded_open = dir_fd_checked(os.open)
+        for module in (os, sys.modules.get("posix")):
+            if module is not None:
+                module.open = guarded_open
         # pidfd_send_signal raises no audit event: it is replaced, and a fresh import of its
         # module (after deleting it from sys.modules) is refused by the hook.
         for module in (signal, sys.modules.get("_signal")):

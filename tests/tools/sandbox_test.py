@@ -221,6 +221,28 @@ def test_denied_paths_are_hidden_from_dir_fd_relative_opens(isolation, tmp_path)
     assert sandbox_isolation(config)["deny_read_hidden"] is True
 
 
+@MODES
+def test_dir_fd_relative_opens_are_checked_against_their_directory(config, tmp_path):
+    """os.open(name, dir_fd=fd) raises an audit event with `name` alone, which the hook read
+    against the working directory: a link named alike in the working directory and in a folder
+    of the temporary directory let the program read any file of the host (another copy of a
+    task's answer key)."""
+    secret = tmp_path / "answers.txt"
+    secret.write_text("the answers")
+    code = ("import os\nos.mkdir('sub')\nos.symlink('harmless', 's')\n"
+            f"os.symlink({str(tmp_path)!r}, 'sub/s')\nopen('harmless', 'w').close()\n"
+            "fd = os.open('sub', os.O_RDONLY)\n"
+            "try:\n"
+            "    f = os.open('s/answers.txt', os.O_RDONLY, dir_fd=fd)\n"
+            "    print(os.read(f, 100))\n"
+            "except PermissionError as e:\n"
+            "    print('refused')\n"
+            "f = os.open('harmless', os.O_RDONLY, dir_fd=os.open('.', os.O_RDONLY))\n"
+            "print(os.read(f, 10))")
+    result, _ = run(code, config)
+    assert (result.ok, result.output) == (True, "refused\nb''\n"), (result.output, result.error)
+
+
 def test_config_refuses_limits_the_interpreter_cannot_apply():
     # Each of these passed validation and then failed every call (or raised out of run_python).
     with pytest.raises(TypeError, match=r"SandboxConfig.memory_mb must be an int, got 512.0"):
