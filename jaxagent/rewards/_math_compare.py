@@ -488,7 +488,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   if len(equations) > 1 and all("=" in e for e in equations):
     # "x = 2 \\quad x = 3" lists two equations
     text = ", ".join(e.strip().strip(",;").strip() for e in equations)
-  if not text or (single and _NEGATED.search(text)):
+  if not text or (single and (_NEGATED.search(text) or _negates_only_number(text))):
     return []
   if _LISTING_WORD.search(text) and not _is_bare_answer(text):
     listed = _LISTING_WORD.sub(", ", text)  # "2 and 3", "x = 2 or x = 3": a list, as "2, 3"
@@ -543,6 +543,12 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   return parsed or _parse_prose(text, single, options)
 
 
+def _negates_only_number(text: str) -> bool:
+  """Whether `text` names one number only and rules it out (`_NEGATION`). With another number
+  ("The answer is 5, not 6.") the hedge rule decides."""
+  return len(set(_SIGNED_NUMBER.findall(text))) == 1 and _NEGATION.search(text) is not None
+
+
 def _concluding_sentence(text: str) -> str | None:
   """The last sentence of prose when it concludes ("... 9*2=18. Therefore, she makes $18."), else
   None. Naming one value, it is the answer, as a marked answer is: working before it is no hedge."""
@@ -566,6 +572,17 @@ def _overrules(text: str, cue: re.Match) -> bool:
   return bool(_NEGATING_CUE.match(text, cue.start()) or _ADMITS_ERROR.search(text, cue.end()))
 
 
+def _retracts(text: str, cue: re.Match) -> bool:
+  """Whether a correction takes the answer before it back without naming another ("Wait, no.",
+  "Hmm, no, that is wrong.", "Actually, I made a mistake.")."""
+  if _NAMES_CHOICE.search(text, cue.end()):
+    return False
+  negating = _NEGATING_CUE.match(text, cue.start())
+  if negating is not None:
+    return _RETRACTION.match(text, negating.end()) is not None
+  return _ADMISSION.match(text, cue.end()) is not None
+
+
 def _revised_answer(text: str, options: dict[str, Any]) -> list | None:
   """What a self-correction in `text`, the rest after a marked answer, gives instead of that
   answer, or None where it leaves it. The last correction followed by a number is read on its
@@ -573,7 +590,10 @@ def _revised_answer(text: str, options: dict[str, Any]) -> list | None:
   (no credit) where it settles on no single value. One that does not ("Wait, it is 6.") gives its
   value when it restates one or marks it ("... So the answer is 6."), and is a check that leaves
   the answer when it works something out ("Wait, let me verify: 2 * 5 = 10.") or names several
-  values."""
+  values. One that takes the answer back and names nothing ("Wait, no.") leaves no answer."""
+  last = _last_correction(text)
+  if last is not None and _retracts(text, last):
+    return []
   last_digit = _LAST_DIGIT.search(text)
   cue = None if last_digit is None else _last_correction(text, 0, last_digit.start())
   if cue is None:
@@ -612,6 +632,12 @@ _LAST_DIGIT = re.compile(r"\d\D*$")
 _NEGATING_CUE = re.compile(r"[ \t]*(?:(?:wait|hmm+|actually)[\s,:;!.]*)?(?:no|correction|oops)\b",
                            re.IGNORECASE)
 _ADMITS_ERROR = re.compile(r"\b(?:wrong|incorrect|mistaken|mistake)\b", re.IGNORECASE)
+# What a correction that takes the answer back says, naming nothing (`_retracts`): after "no",
+# "oops" or "correction", nothing or an admission; after "wait" or "actually", an admission.
+_ADMISSION = re.compile(
+    r"[\s,:;!.]*(?:that|this|it|i)\b[^.\n]{0,30}?\b(?:wrong|incorrect|mistaken|mistake|error)\b",
+    re.IGNORECASE)
+_RETRACTION = re.compile(_ADMISSION.pattern + r"|[\s,:;!.]*$", re.IGNORECASE)
 # The opening of a sentence that concludes (`_concluding_sentence`).
 _CONCLUSION = re.compile(r"(?:therefore|thus|so|hence|in total|in conclusion|altogether)\b",
                          re.IGNORECASE)
@@ -627,6 +653,16 @@ _DIGIT = re.compile(r"\d")
 # An answer that rules a value out ("not 5", "The answer is not $5$.") names no answer.
 _NEGATED = re.compile(
     r"(?:^|\banswer\b(?:\*\*)?\s*(?:is\b|:))\s*(?:\*\*\s*)?not\s+(?=[-+\d$\\(\[{])", re.IGNORECASE)
+# A statement that rules out the only number a text names ("It is not 5.", "The answer isn't 5.",
+# "It cannot be 5.", "The answer ≠ 5", "5 is not the answer") names no answer either
+# (`_negates_only_number`). "x ≠ 5" is an inequation, no negation: "≠" counts after a word only.
+_NEGATION = re.compile(
+    r"(?:\b(?:not|never|cannot|isn[’']t|can[’']t|won[’']t)|(?:^|\b(?:answer|it|result|value|is))\s*"
+    r"(?:≠|\\neq?(?![A-Za-z])))(?:\s+(?:be|equal|equals|to))*\s*(?:\*\*|[$`(\[{]|\\[(\[{]|\\boxed\s*\{)*"
+    r"\s*[-+]?\d"
+    r"|\d[$*})\]`]*\s+(?:is\s+not|isn[’']t|is\s+never|cannot\s+be)\s+(?:the\s+)?"
+    r"(?:answer|solution|result|correct|right)\b", re.IGNORECASE)
+_SIGNED_NUMBER = re.compile(r"-?\d+(?:[.,]\d+)*")  # "5, not -5" names two numbers
 # A multiple-choice answer spelled out ("option A", "Choice (B)") is its letter.
 _OPTION = re.compile(r"\b(?i:option|choice)\s+(\(?[A-Z]\)?)(?![\w(])")
 _TEXT_WRAPPER = re.compile(r"\\(?:text|textbf|textit|mathrm|mathbf)\s*\{([^{}]*)\}")
@@ -704,6 +740,7 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
       cue = _last_correction(prediction, _ANSWER_MARK.search(prediction).end())
       named = [] if cue is None else _NAMES_CHOICE.findall(prediction, cue.end())
       overruled = named and (_overrules(prediction, cue) or set(named) - {"", tail.strip("()")})
+      overruled = overruled or (cue is not None and _retracts(prediction, cue))
       if not overruled:
         prediction = tail
         pred_parsed = _parse_answer(prediction, single=True, **options)

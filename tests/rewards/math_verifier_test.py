@@ -245,6 +245,13 @@ EQUAL = [
     ("The answer is 3 1/2 cups.", "7/2"),
     ("-2 3/4", "-2.75"),
     ("The answer is 5. Hmm, no: 6.", "6"),
+    # A negation of another number, or a check after the answer, keeps it.
+    ("x \u2260 5", "x \\neq 5"),
+    ("It is not less than 5, so it is 5.", "5"),
+    ("The answer is 5 since it is not even.", "5"),
+    ("The answer is 5. Wait, that is right.", "5"),
+    ("The answer is 5. Hmm, no, I think it is right.", "5"),
+    ("The answer is 5. Wait, no. Actually it is 6.", "6"),
     # Letters listed in \\text are a list (read as one symbol "a,c": these scored 0).
     ("\\boxed{A, C}", "\\text{A, C}"),
     ("\\boxed{C, A}", "\\text{A, C}"),
@@ -306,6 +313,13 @@ NOT_EQUAL = [
     ("not 5", "5"),
     ("The answer is not 5.", "5"),
     ("**Answer:** not $5$", "5"),
+    # So does a negated statement of the only number (these scored 1).
+    ("It is not 5.", "5"),
+    ("The answer isn't 5.", "5"),
+    ("It cannot be 5.", "5"),
+    ("It is not equal to $5$.", "5"),
+    ("The answer \u2260 5", "5"),
+    ("5 is not the answer.", "5"),
     ("2 and 3", "3"),
     # Quoted as code, the answer is still the one named (the quotes hid it: these scored 1).
     ("The value of `n` is 4, so the answer is `5`.", "4"),
@@ -426,6 +440,12 @@ HEDGED = [
     ("The answer is B. Wait, it is C.", "B"),
     ("The answer is B. Wait, no, it is C.", "B"),
     ("The answer is 5. Hmm, no: 6.", "5"),
+    # A correction that takes the answer back and names nothing leaves no answer (these scored 1).
+    ("The answer is 5. Wait, no.", "5"),
+    ("The answer is 5. Hmm, no, that is wrong.", "5"),
+    ("The answer is 5. Actually, I made a mistake.", "5"),
+    ("The answer is B. Wait, no.", "B"),
+    ("The answer is 5. Wait, no, it is 6. Hmm, no.", "6"),
     ("\\boxed{Yes} or \\boxed{No}", "Yes"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "18"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "19"),
