@@ -744,6 +744,10 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
       if not overruled:
         prediction = tail
         pred_parsed = _parse_answer(prediction, single=True, **options)
+  if not pred_parsed and _several_values(gold_parsed):
+    # A gold of several values ("2, 3") is named by prose that lists exactly them ("The roots are
+    # 2 and 3."), which the hedge rule refuses for a gold of one value.
+    pred_parsed = _listed_values(prediction, options)
   if not gold_parsed or not pred_parsed:
     # Words hold no math to parse ("Yes" against "\\text{yes}."): they are compared as text.
     word = _word_answer(gold)
@@ -758,6 +762,42 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
       if sets and verify(sets, b, timeout_seconds=None, **options):
         return True
   return False
+
+
+def _several_values(parsed: list) -> bool:
+  """Whether a parsed gold is a set of two or more values ("2, 3", "\\{2, 3\\}", "x=2, x=3")."""
+  import sympy
+
+  return bool(parsed) and isinstance(parsed[0], sympy.FiniteSet) and len(parsed[0].args) > 1
+
+
+def _listed_values(text: str, options: dict[str, Any]) -> list:
+  """The values prose names, as one set ("The roots are 2 and 3." -> {2, 3}), for a gold that
+  is such a set; [] where it names fewer than two. They are read where the answer is: from the
+  first answer phrase to the end of its sentence, else in a concluding sentence, else anywhere.
+  A prediction with a box is read by its boxes only, as `_parse_answer` reads it, and one with a
+  self-correction by `_parse_answer` only ("The answer is 2 and 3. Wait, no." names nothing)."""
+  import sympy
+
+  digit = _DIGIT.search(text)
+  if digit is None or _box_spans(text) or _last_correction(text, digit.start()) is not None:
+    return []
+  marked = _marked_answer(text)
+  head = marked[0] if marked is not None else None
+  head = head or _concluding_sentence(text) or text
+  found = _extraction_matches(head)
+  first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
+  values, covered = [], -1
+  for start, end, _, match, target in sorted(found, key=lambda f: (f[0], -f[1])):
+    if start < first_mark or end <= covered:
+      continue
+    value = _match_value(match, target)
+    if value is None:
+      continue
+    covered = end
+    if not any(v == value or _same_value(v, value, options) for v in values):
+      values.append(value)
+  return [sympy.FiniteSet(*values)] if len(values) > 1 else []
 
 
 def _has_set(parsed: list) -> bool:

@@ -185,6 +185,15 @@ EQUAL = [
     # A LaTeX tie is a space.
     ("1~000", "1000"),
     ("x=2~\\text{or}~x=3", "2, 3"),
+    # Prose listing exactly the values of a gold of several values names them (these scored 0,
+    # read as a hedge).
+    ("The roots are 2 and 3.", "2, 3"),
+    ("The roots are 3 and 2.", "2,3"),
+    ("The roots are 2 and 3.", "\\{2, 3\\}"),
+    ("The roots are 2 and 3.", "x=2, x=3"),
+    ("The solutions are x = 2 and x = 3.", "2, 3"),
+    ("The possible values of k are -4 and 4.", "\\pm 4"),
+    ("We factor: (x-2)(x-3) = 0. So the roots are 2 and 3.", "2,3"),
     # An empty box names nothing; it does not hide an earlier box (these scored 0).
     ("\\boxed{5} so \\boxed{}", "5"),
     ("\\boxed{} \\boxed{5}", "5"),
@@ -321,6 +330,13 @@ NOT_EQUAL = [
     ("The answer \u2260 5", "5"),
     ("5 is not the answer.", "5"),
     ("2 and 3", "3"),
+    # Against a gold of several values, a list must name exactly them.
+    ("The roots are 2, 3 and 4.", "2, 3"),
+    ("The roots are 2 and 3.", "2, 3, 4"),
+    ("The roots are 1 and 1.", "-1, 1"),
+    ("The roots are 2 and 3.", "(2, 3)"),  # an interval, not a set
+    ("The answer is 2 and 3. Wait, no.", "2, 3"),
+    ("2. Wait, no, 3", "2, 3"),
     # Quoted as code, the answer is still the one named (the quotes hid it: these scored 1).
     ("The value of `n` is 4, so the answer is `5`.", "4"),
     ("The answer is `not 5`.", "5"),
@@ -396,6 +412,8 @@ HEDGED = [
     ("\\boxed5 or \\boxed6", "6"),
     ("The answer is 5 or 6.", "5"),
     ("The answer is 5 or 6.", "6"),
+    ("The roots are 2 and 3.", "2"),  # still a hedge against a gold of one value
+    ("The answer is 2 or 3.", "2"),
     ("The answer is 5 or 6, since 2 + 3 = 5.", "5"),
     ("The answer is 5 as well as 6.", "5"),
     ("The answer is 5 since 2 + 3 = 5. The answer is 6.", "6"),
