@@ -15,6 +15,7 @@ import bisect
 import decimal
 import json
 import logging
+import math
 import os
 import re
 import sys
@@ -135,6 +136,59 @@ _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 # as (2^3)^2 = 64: a power is right-associative, 2^{3^{2}} = 512. Each exponent one token.
 _POWER_TOWER = re.compile(r"\^\s*(?:\{[^{}]*\}|\w)(?:\s*\^\s*(?:\{[^{}]*\}|\w))+")
 _EXPONENT = re.compile(r"\^\s*(?:\{([^{}]*)\}|(\w))")
+
+
+# Inputs that cost math-verify seconds to minutes and are no realistic answer (`_too_costly`):
+# brackets nested deeper than this (its LaTeX parser's time doubles with each level past about
+# 8; "(" * 2000 took 14 s), a power of literal numbers with more digits than this ("2^3^4^5" is
+# 2^{3^{4^{5}}}; 10^{10^{7}} took 6 s), or a factorial of more ("\boxed{1000000!}" took 5 s).
+_MAX_NESTING = 12
+_MAX_DIGITS = 10**5
+_MAX_FACTORIAL = 10**5
+# A box's braces do not count: boxes in boxes are read one by one ("\boxed{\boxed{5}}").
+_NESTING_TOKEN = re.compile(r"\\(?:boxed|fbox)\s*\{|[(\[{]|[)\]}]")
+# A power of literal numbers, a tower read right to left ("9^{9^{9}}", "2**3**4"); group 1 the
+# base, group 2 the exponents.
+_NUMBER_POWER = re.compile(
+    r"(?<![\d.])(\d+(?:\.\d+)?)((?:\s*(?:\^|\*\*)\s*[{(]?\s*\d+(?:\.\d+)?)+)")
+_POWER_EXPONENT = re.compile(r"\d+(?:\.\d+)?")
+# A factorial inside math ("\boxed{1000000!}"); one that ends a sentence may be an exclamation
+# ("So she has 1000000!").
+_NUMBER_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*!(?!\s|$)")
+
+
+def _too_costly(text: str) -> bool:
+  """Whether `text` holds math too costly to read (`_MAX_NESTING`, `_MAX_DIGITS`,
+  `_MAX_FACTORIAL`); the cost of the check is linear in the text."""
+  depth, opened = 0, []
+  for m in _NESTING_TOKEN.finditer(text):
+    if m.group() in ")]}":
+      if opened:
+        depth -= opened.pop()
+    else:
+      counts = len(m.group()) == 1
+      opened.append(counts)
+      depth += counts
+      if depth > _MAX_NESTING:
+        return True
+  if "!" in text and any(len(n) > 6 or int(n) > _MAX_FACTORIAL
+                         for n in _NUMBER_FACTORIAL.findall(text)):
+    return True
+  if "^" not in text and "**" not in text:
+    return False
+  for m in _NUMBER_POWER.finditer(text):
+    numbers = [m[1]] + _POWER_EXPONENT.findall(m[2])
+    if any(len(n) > 300 for n in numbers):
+      return True
+    exponent = float(numbers[-1])
+    for n in reversed(numbers[1:-1]):
+      base = float(n)
+      exponent = math.inf if exponent * math.log10(max(base, 1.0)) > 300 else base**exponent
+    base = float(numbers[0])
+    scale = abs(math.log10(base)) if base > 0 else 0.0
+    if scale and exponent * scale > _MAX_DIGITS:
+      return True
+  return False
 
 
 def _brace_boxes(text: str) -> str:
@@ -724,6 +778,8 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
   prediction, gold = _OPTION.sub(r"\1", prediction), _OPTION.sub(r"\1", gold)
   if " ".join(prediction.split()) == " ".join(gold.split()) and prediction.strip():
     return True
+  if _too_costly(prediction) or _too_costly(gold):
+    return False  # no realistic answer; math-verify would take seconds or minutes to say so
   options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}
   gold_parsed = _parse_answer(gold)
   pred_parsed = _parse_answer(prediction, single=True, **options)

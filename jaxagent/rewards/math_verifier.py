@@ -8,8 +8,10 @@ here its timeouts are off (`parsing_timeout=None`, `timeout_seconds=None`) and t
 enforced from outside by one of two backends (`MathVerifyConfig.backend`):
 
 * ``"process"`` (default on POSIX): a small pool of long-lived worker processes. A request that
-  runs past its limit gets its worker killed (SIGKILL) and replaced, so a pathological input
-  such as ``10^{10^{10}}`` costs the caller the timeout and leaves nothing running. Each worker
+  runs past its limit gets its worker killed (SIGKILL) and replaced, so an input that hangs
+  math-verify, such as ``(x+1)^{5000}``, costs the caller the timeout and leaves nothing running.
+  (Input that is no realistic answer and known to be costly, such as ``10^{10^{10}}`` or
+  ``"(" * 2000``, is refused before math-verify sees it: `_math_compare._too_costly`.) Each worker
   also caps its address space and arms a kernel alarm per request that ends it if the parent is
   gone. Costs, measured on a 2-core CPU host: under a second to start a worker (not counted
   against a call's limit; bounded by `startup_timeout_s`), about 60 MB resident per started

@@ -591,12 +591,13 @@ def test_math_equal_default_verifier():
 
 
 def test_process_backend_kills_a_real_hang_within_the_limit(process_verifier):
-  # sympy evaluates 9^(9^9) (370 million digits) in C without releasing the GIL, for minutes:
-  # a thread could not be abandoned here, only a process can be stopped.
+  # sympy expands (x+1)^5000 to compare it, for minutes (a power of literal numbers such as
+  # 9^{9^{9}}, which it evaluates in C without releasing the GIL, is refused before it starts:
+  # see the next test). A process can be stopped however it hangs.
   process_verifier.equal("1", "1")  # make sure a worker is started; startup is not timed
   before = process_verifier.stats()
   start = time.monotonic()
-  assert not process_verifier.equal("9^{9^{9}}", "5", timeout_s=1.0)
+  assert not process_verifier.equal("(x+1)^{5000}", "5", timeout_s=1.0)
   elapsed = time.monotonic() - start
   assert elapsed < 2.5, elapsed
   after = process_verifier.stats()
@@ -604,6 +605,30 @@ def test_process_backend_kills_a_real_hang_within_the_limit(process_verifier):
   assert after["restarts"] == before["restarts"] + 1
   # The replacement worker answers normally.
   assert process_verifier.equal("2", "2.0", timeout_s=30.0)
+
+
+@pytest.mark.parametrize("text", [
+    "(" * 2000, "[" * 2000, "(1" * 1000, "{" * 300 + "5" + "}" * 300,
+    "\\frac{" * 100 + "1" + "}{2}" * 100,  # nesting: seconds to minutes in the LaTeX parser
+    "2^3^4^5", "9^{9^{9}}", "2**3**4**5", "10^{10^{7}}", "9" * 3000 + "^" + "9" * 3000,  # powers
+    "\\boxed{1000000!}",
+])
+def test_pathological_input_is_refused_quickly(process_verifier, text):
+  # Each took seconds to minutes inside math-verify (a timeout, or a worker killed).
+  process_verifier.equal("1", "1")  # make sure a worker is started; startup is not timed
+  before = process_verifier.stats()
+  start = time.monotonic()
+  assert not process_verifier.equal(text, "5", timeout_s=3.0)
+  assert time.monotonic() - start < 1.0
+  assert process_verifier.stats()["timeouts"] == before["timeouts"]
+
+
+def test_realistic_nesting_and_powers_are_read(thread_verifier):
+  # The guard against pathological input leaves realistic answers alone.
+  for prediction, gold in [("((((((((((5))))))))))", "5"), ("\\boxed{" * 30 + "5" + "}" * 30, "5"),
+                           ("2^{100}", "1267650600228229401496703205376"), ("10^{100}", "10^{100}"), ("9^{9}", "387420489"),
+                           ("\\boxed{5!}", "120"), ("So she has 1000000!", "1000000")]:
+    assert thread_verifier.equal(prediction, gold, timeout_s=30.0), prediction
 
 
 def test_process_backend_concurrent_callers(process_verifier):
