@@ -101,13 +101,15 @@ _LISTING_WORD = re.compile(r"(?<!\s)\s+(?:and|or)\s+")
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 # The end of a sentence: a full stop before a space or the end, or a line break. "0.5" goes on.
 _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
-# A reason given after a marked answer in its sentence ("The answer is 5, since 2 + 3 = 5."): its
-# working names no other answer. "5 as well as 6" names two, and "as" after a word is no reason
-# ("the same as 5", "such as"). (This pattern, `_EQUATION_BREAK` and `_LISTING_WORD` start only
+# A reason given after a marked answer in its sentence ("The answer is 5, since 2 + 3 = 5."), or a
+# remark on it after a comma ("The answer is 5, which is not divisible by 2."): its working names
+# no other answer. "5 as well as 6" names two, and "as" after a word is no reason ("the same as
+# 5", "such as"). (This pattern, `_EQUATION_BREAK` and `_LISTING_WORD` start only
 # where a run of spaces starts: tried at every space of a long run, each would scan the rest of
 # it, in quadratic time.)
 _REASON = re.compile(
-    r"(?:[,;]|(?<!\s))\s*\(?\b(?:since|because|(?<![A-Za-z]{2} )as(?!\s+well\b))\b", re.IGNORECASE)
+    r"(?:[,;]|(?<!\s))\s*\(?\b(?:since|because|(?<![A-Za-z]{2} )as(?!\s+well\b))\b|,\s*which\b",
+    re.IGNORECASE)
 # The end of an answer phrase that has named nothing yet ("The answer is", "### Final Answer").
 _ENDS_MARKED = re.compile(r"\b(?:answer|is)$", re.IGNORECASE)
 # What names an answer after an answer phrase: a letter or digit (group 1) outside a command or

@@ -132,6 +132,10 @@ EQUAL = [
     ("The answer is as follows: 5.", "5"),
     ("The answer is the same as 5.", "5"),  # "as" after a word gives no reason
     ("The answer is B as expected.", "B"),
+    # So is a remark on it after a comma (read as a hedge: these scored 0).
+    ("The answer is 5, which is not divisible by 2.", "5"),
+    ("The answer is 5, which is the smallest prime greater than 3.", "5"),
+    ("The answer is B, which has 4 sides.", "B"),
     # An answer math-verify does not read ends with its sentence too: a later number is none.
     ("The answer is B. Note that 2 is even.", "B"),
     ("The answer is B.\nOption B has 12 apples.", "B"),
@@ -316,6 +320,7 @@ NOT_EQUAL = [
     ("\\boxed5 6", "6"),
     ("\\boxed5 6", "11"),
     ("The answer is B, because 2 is even.", "2"),
+    ("The answer is 5, which is not divisible by 2.", "2"),
     ("The answer is B. Note that 2 is even.", "2"),
     ("The answer is B.\nOption B has 12 apples.", "12"),
     # An answer that rules a value out names no answer.
@@ -416,6 +421,7 @@ HEDGED = [
     ("The answer is 2 or 3.", "2"),
     ("The answer is 5 or 6, since 2 + 3 = 5.", "5"),
     ("The answer is 5 as well as 6.", "5"),
+    ("The answer is 5 or 6, which is odd.", "5"),
     ("The answer is 5 since 2 + 3 = 5. The answer is 6.", "6"),
     ("The answer is 5 because the answer is 6.", "5"),
     ("The answer is B, because the answer is C.", "B"),
