@@ -563,6 +563,13 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
       return []
     raw = parse(text, parsing_timeout=None)
     return _with_percent_values(raw or boxed)
+  spans = _box_spans(text) if single else []
+  if spans:
+    # A box taken back after it ("\\boxed{5}. Wait, no.") names nothing, as a phrase's answer.
+    rest = text[max(end for _, _, end in spans):]
+    cue = _last_correction(rest)
+    if cue is not None and _retracts(rest, cue):
+      return []
   reasoned = _reasoned_answer(text)
   parsed = [] if reasoned is None else _parse_answer(reasoned, single=single, **options)
   if any(not isinstance(x, str) for x in parsed):  # else the prose reading decides

@@ -265,6 +265,8 @@ EQUAL = [
     ("The answer is 5. Wait, that is right.", "5"),
     ("The answer is 5. Hmm, no, I think it is right.", "5"),
     ("The answer is 5. Wait, no. Actually it is 6.", "6"),
+    ("\\boxed{5}. Wait, let me check: 2 + 3 = 5. Yes.", "5"),
+    ("Wait, no. \\boxed{5}", "5"),
     # Letters listed in \\text are a list (read as one symbol "a,c": these scored 0).
     ("\\boxed{A, C}", "\\text{A, C}"),
     ("\\boxed{C, A}", "\\text{A, C}"),
@@ -470,6 +472,8 @@ HEDGED = [
     ("The answer is 5. Actually, I made a mistake.", "5"),
     ("The answer is B. Wait, no.", "B"),
     ("The answer is 5. Wait, no, it is 6. Hmm, no.", "6"),
+    ("The answer is \\boxed{5}. Wait, no.", "5"),
+    ("\\boxed{B}. Hmm, no, that is wrong.", "B"),
     ("\\boxed{Yes} or \\boxed{No}", "Yes"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "18"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "19"),
