@@ -592,8 +592,10 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     revised = _revised_answer(rest, options) if single and parsed else None
     if revised is not None:
       return revised
-    # A later sentence that marks another value hedges ("The answer is 5. The answer is 6.").
-    if single and parsed and _marks_other_value(rest, parsed[0], options):
+    # A later sentence that marks another value hedges ("The answer is 5. The answer is 6."), and
+    # so does one that offers another ("The answer is 5. Alternatively, 6.").
+    if single and parsed and (_marks_other_value(rest, parsed[0], options)
+                              or _offers_other_value(rest, parsed[0], options)):
       return []
     return parsed
   if not _box_spans(text) and any(_ALNUM.search(tail) and not _DIGIT.search(tail)
@@ -676,6 +678,34 @@ def _parse_prose(text: str, single: bool, options: dict[str, Any]) -> list:
   return _with_percent_values(parse(text, parsing_timeout=None))
 
 
+def _offers_other_value(text: str, value, options: dict[str, Any]) -> bool:
+  """Whether a sentence of `text` offers an alternative answer (`_ALTERNATIVE`: "Alternatively,
+  6.", "Or maybe it is 6.") that names one value other than `value`. Working after the cue
+  ("Alternatively, 2 + 3 = 5.") is a check, not an answer."""
+  seen = set()  # a response stuck in a loop offers the same sentence many times
+  for cue in _ALTERNATIVE.finditer(text):
+    stop = _SENTENCE_END.search(text, cue.end())
+    offered = text[cue.end():len(text) if stop is None else stop.start()]
+    if not _DIGIT.search(offered) or "=" in offered or offered in seen:
+      continue
+    seen.add(offered)
+    other = _parse_answer(offered, single=True, **options)
+    if other and not _same_value(value, other[0], options):
+      return True
+  return False
+
+
+def _offers_other(text: str, pos: int, tail: str) -> bool:
+  """Whether a sentence of `text[pos:]` offers an alternative answer (`_ALTERNATIVE`) that names
+  something other than `tail`, an answer phrase's answer ("The answer is B. Alternatively, C.")."""
+  for cue in _ALTERNATIVE.finditer(text, pos):
+    stop = _SENTENCE_END.search(text, cue.end())
+    offered = " ".join(text[cue.end():len(text) if stop is None else stop.start()].split())
+    if _NAMES_CHOICE.search(offered) and "=" not in offered and offered != tail:
+      return True
+  return False
+
+
 def _marks_other_value(text: str, value, options: dict[str, Any]) -> bool:
   for _, _, marked, match, target in _extraction_matches(text):
     other = _match_value(match, target) if marked else None
@@ -690,6 +720,9 @@ def _marks_other_value(text: str, value, options: dict[str, Any]) -> bool:
 _REVISION = re.compile(
     r"(?:^|(?<=[.!?\n]))[ \t]*(?:wait|actually|correction|oops|hmm+|no(?=\s*[,:;!.]))\b[\s,:;!.]*",
     re.IGNORECASE)
+# A sentence that offers an alternative answer (`_offers_other_value`).
+_ALTERNATIVE = re.compile(
+    r"(?:^|(?<=[.!?\n]))[ \t]*(?:alternatively|or|maybe|perhaps|possibly)\b[\s,:;]*", re.IGNORECASE)
 _LAST_DIGIT = re.compile(r"\d\D*$")
 # A correction that overrules the answer before it (`_overrules`).
 _NEGATING_CUE = re.compile(r"[ \t]*(?:(?:wait|hmm+|actually)[\s,:;!.]*)?(?:no|correction|oops)\b",
@@ -806,7 +839,7 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
       named = [] if cue is None else _NAMES_CHOICE.findall(prediction, cue.end())
       overruled = named and (_overrules(prediction, cue) or set(named) - {"", tail.strip("()")})
       overruled = overruled or (cue is not None and _retracts(prediction, cue))
-      if not overruled:
+      if not overruled and not _offers_other(prediction, _ANSWER_MARK.search(prediction).end(), tail):
         prediction = tail
         pred_parsed = _parse_answer(prediction, single=True, **options)
   if not pred_parsed and _several_values(gold_parsed):

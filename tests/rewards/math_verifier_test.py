@@ -266,6 +266,10 @@ EQUAL = [
     ("The answer is 5. Hmm, no, I think it is right.", "5"),
     ("The answer is 5. Wait, no. Actually it is 6.", "6"),
     ("\\boxed{5}. Wait, let me check: 2 + 3 = 5. Yes.", "5"),
+    ("The answer is 5. Alternatively, 2 + 3 = 5.", "5"),  # working, not another answer
+    ("The answer is 5. Alternatively, we get 5 by counting.", "5"),
+    ("The answer is \\frac{1}{2}. Alternatively, 0.5.", "0.5"),
+    ("The answer is B. Maybe I am wrong.", "B"),
     ("Wait, no. \\boxed{5}", "5"),
     # Letters listed in \\text are a list (read as one symbol "a,c": these scored 0).
     ("\\boxed{A, C}", "\\text{A, C}"),
@@ -424,6 +428,11 @@ HEDGED = [
     ("The answer is 5 or 6, since 2 + 3 = 5.", "5"),
     ("The answer is 5 as well as 6.", "5"),
     ("The answer is 5 or 6, which is odd.", "5"),
+    # A sentence offering an alternative answer after a marked one hedges (these scored 1).
+    ("The answer is 5. Alternatively, 6.", "5"),
+    ("The answer is 5. Or maybe it is 6.", "5"),
+    ("The answer is 5. Maybe 6.", "5"),
+    ("The answer is B. Alternatively, C.", "B"),
     ("The answer is 5 since 2 + 3 = 5. The answer is 6.", "6"),
     ("The answer is 5 because the answer is 6.", "5"),
     ("The answer is B, because the answer is C.", "B"),
@@ -525,6 +534,7 @@ def test_many_answer_phrases_in_one_sentence_cost_linear_time(thread_verifier):
     " __a_" * 20000,
     "The answer is 5. Wait, the answer is 6. " * 1000,  # corrections of corrections
     "The answer is 5. Wait, 1" * 2000,
+    "The answer is 5. " + "Maybe it is 5 apples. " * 2000,  # alternatives, each read once
 ])
 def test_degenerate_responses_cost_linear_time(thread_verifier, text):
   start = time.monotonic()
