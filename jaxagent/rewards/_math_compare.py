@@ -883,6 +883,8 @@ def _listed_values(text: str, options: dict[str, Any]) -> list:
   marked = _marked_answer(text)
   head = marked[0] if marked is not None else None
   head = head or _concluding_sentence(text) or text
+  if _NEGATED.search(head) or _NEGATION.search(head):
+    return []  # "The roots are not 2 and 3."
   found = _extraction_matches(head)
   first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
   values, covered = [], -1

@@ -348,6 +348,9 @@ NOT_EQUAL = [
     ("The roots are 2 and 3.", "(2, 3)"),  # an interval, not a set
     ("The answer is 2 and 3. Wait, no.", "2, 3"),
     ("2. Wait, no, 3", "2, 3"),
+    ("The roots are not 2 and 3.", "2, 3"),  # ruled out (these scored 1 after b4f63b0)
+    ("not 2, 3", "2, 3"),
+    ("It cannot be 2 or 3.", "2, 3"),
     # Quoted as code, the answer is still the one named (the quotes hid it: these scored 1).
     ("The value of `n` is 4, so the answer is `5`.", "4"),
     ("The answer is `not 5`.", "5"),
