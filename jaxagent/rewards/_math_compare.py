@@ -754,8 +754,8 @@ _NEGATED = re.compile(
 # (`_negates_only_number`). "x ≠ 5" is an inequation, no negation: "≠" counts after a word only.
 _NEGATION = re.compile(
     r"(?:\b(?:not|never|cannot|isn[’']t|can[’']t|won[’']t)|(?:^|\b(?:answer|it|result|value|is))\s*"
-    r"(?:≠|\\neq?(?![A-Za-z])))(?:\s+(?:be|equal|equals|to))*\s*(?:\*\*|[$`(\[{]|\\[(\[{]|\\boxed\s*\{)*"
-    r"\s*[-+]?\d"
+    r"(?:≠|\\neq?(?![A-Za-z])))(?:\s+(?:be|equal|equals|to)\b)*"
+    r"(?:\s*(?:\*\*|[$`(\[{]|\\[(\[{]|\\boxed\s*\{))*\s*[-+]?\d"
     r"|\d[$*})\]`]*\s+(?:is\s+not|isn[’']t|is\s+never|cannot\s+be)\s+(?:the\s+)?"
     r"(?:answer|solution|result|correct|right)\b", re.IGNORECASE)
 _SIGNED_NUMBER = re.compile(r"-?\d+(?:[.,]\d+)*")  # "5, not -5" names two numbers
@@ -887,11 +887,14 @@ def _listed_values(text: str, options: dict[str, Any]) -> list:
     return []  # "The roots are not 2 and 3."
   found = _extraction_matches(head)
   first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
-  values, covered = [], -1
+  values, covered, seen = [], -1, {}
   for start, end, _, match, target in sorted(found, key=lambda f: (f[0], -f[1])):
     if start < first_mark or end <= covered:
       continue
-    value = _match_value(match, target)
+    key = (head[start:end], target, match.re)  # a list may repeat its values many times
+    if key not in seen:
+      seen[key] = _match_value(match, target)
+    value = seen[key]
     if value is None:
       continue
     covered = end
