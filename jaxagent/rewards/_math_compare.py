@@ -193,6 +193,17 @@ def _too_costly(text: str) -> bool:
   return False
 
 
+# A run of white space (a degenerate response pads with thousands of spaces): math-verify's parse
+# of a bare answer took quadratic time in its length ("x" + 3000 spaces + "=5": 2 s).
+_SPACE_RUN = re.compile(r"[ \t\r\f\v]*\n[\s]*|[ \t\r\f\v]{2,}")
+
+
+def _collapse_spaces(text: str) -> str:
+  """`text` with each run of white space one space, or one or two line breaks where it breaks
+  lines ("Answer:\n\n5" keeps its blank line)."""
+  return _SPACE_RUN.sub(lambda m: "\n" * min(m.group().count("\n"), 2) or " ", text)
+
+
 def _brace_boxes(text: str) -> str:
   """`text` with each box whose argument goes without braces braced: a one-token argument
   (`_UNBRACED_BOX`: "\\boxed5" -> "\\boxed{5}"), then a command with its arguments
@@ -818,6 +829,7 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
   # the text is read as written without the marks, so "`5` or `6`" still hedges.
   prediction, gold = _drop_markdown(prediction), _drop_markdown(gold)
   prediction, gold = _OPTION.sub(r"\1", prediction), _OPTION.sub(r"\1", gold)
+  prediction, gold = _collapse_spaces(prediction), _collapse_spaces(gold)
   if " ".join(prediction.split()) == " ".join(gold.split()) and prediction.strip():
     return True
   if _too_costly(prediction) or _too_costly(gold):

@@ -548,6 +548,15 @@ def test_degenerate_responses_cost_linear_time(thread_verifier, text):
     assert time.monotonic() - start < 2.0
 
 
+@pytest.mark.parametrize("text", ["x" + " " * 5000 + "= 5", "2^" + " " * 5000 + "{2} + 1", "5" + "\n" * 5000])
+def test_a_long_run_of_white_space_costs_linear_time(thread_verifier, text):
+  # A degenerate response padded with white space: math-verify's reading of a bare answer took
+  # quadratic time in the run (about 6 s here, 100 s at 20000 spaces).
+  start = time.monotonic()
+  assert thread_verifier.equal(text, "5", timeout_s=60.0)
+  assert time.monotonic() - start < 1.0
+
+
 def test_nested_boxes_cost_polynomial_time(thread_verifier):
   # A response stuck repeating "\\boxed{": each box's hedge check read every box nested in it,
   # at every level (2^depth reads; depth 20 ran past a minute).
