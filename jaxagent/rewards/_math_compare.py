@@ -152,7 +152,7 @@ _NESTING_TOKEN = re.compile(r"\\(?:boxed|fbox)\s*\{|[(\[{]|[)\]}]")
 # A power of literal numbers, a tower read right to left ("9^{9^{9}}", "2**3**4"); group 1 the
 # base, group 2 the exponents.
 _NUMBER_POWER = re.compile(
-    r"(?<![\d.])(\d+(?:\.\d+)?)((?:\s*(?:\^|\*\*)\s*[{(]?\s*\d+(?:\.\d+)?)+)")
+    r"(?<![\d.])(\d+(?:\.\d+)?)((?:\s*(?:\^|\*\*)\s*(?:[{(]\s*)?\d+(?:\.\d+)?)+)")
 _POWER_EXPONENT = re.compile(r"\d+(?:\.\d+)?")
 # A factorial inside math ("\boxed{1000000!}"); one that ends a sentence may be an exclamation
 # ("So she has 1000000!").

@@ -658,6 +658,13 @@ def test_pathological_input_is_refused_quickly(process_verifier, text):
   assert process_verifier.stats()["timeouts"] == before["timeouts"]
 
 
+def test_the_cost_guard_costs_linear_time():
+  # Its power pattern tried each split of a run of spaces around an optional brace (3.4 s here).
+  start = time.monotonic()
+  assert not _math_compare._too_costly("2^" + " " * 20000 + "x")
+  assert time.monotonic() - start < 0.5
+
+
 def test_realistic_nesting_and_powers_are_read(thread_verifier):
   # The guard against pathological input leaves realistic answers alone.
   for prediction, gold in [("((((((((((5))))))))))", "5"), ("\\boxed{" * 30 + "5" + "}" * 30, "5"),
