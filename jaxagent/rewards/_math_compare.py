@@ -377,14 +377,17 @@ def _names_two_values(text: str, options: dict[str, Any]) -> bool:
     hedged, read = _differ(text, boxes, seen, options)
     if read:  # a box that parses; boxes none of which parse leave the prose to decide
       return hedged
-  found = boxes + _extraction_matches(text)
-  # A number math-verify reads as dollars ("$2" in "We get $2\\sqrt{2}$") whose "$" opens inline
-  # math is that math, not a value of its own.
-  spans = [(text.find("$", start, end), text[start:end].strip()) for start, end, _, _, _ in found]
-  opens = {dollar for dollar, match in spans if len(match) > 1 and match[0] == match[-1] == "$"}
-  found = [f for f, (dollar, match) in zip(found, spans) if dollar not in opens or match[-1] == "$"]
+  found = _without_dollar_openers(text, boxes + _extraction_matches(text))
   first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
   return _differ(text, [f for f in found if f[0] >= first_mark], seen, options)[0]
+
+
+def _without_dollar_openers(text: str, found: list) -> list:
+  """`found` without a number math-verify reads as dollars ("$2" in "We get $2\\sqrt{2}$") whose
+  "$" opens inline math: that is the math, not a value of its own."""
+  spans = [(text.find("$", start, end), text[start:end].strip()) for start, end, _, _, _ in found]
+  opens = {dollar for dollar, match in spans if len(match) > 1 and match[0] == match[-1] == "$"}
+  return [f for f, (dollar, match) in zip(found, spans) if dollar not in opens or match[-1] == "$"]
 
 
 def _extraction_matches(text: str) -> list:
@@ -897,7 +900,10 @@ def _listed_values(text: str, options: dict[str, Any]) -> list:
   head = head or _concluding_sentence(text) or text
   if _NEGATED.search(head) or _NEGATION.search(head):
     return []  # "The roots are not 2 and 3."
-  found = _extraction_matches(head)
+  head = head if head.isascii() else _read_unicode(head)
+  if not _DELIMITED.search(head):
+    head = _UNDELIMITED_MATH.sub(r"$\1$\2", head)  # "2\sqrt{2} and 3" names 2\sqrt{2}, not 2
+  found = _without_dollar_openers(head, _extraction_matches(head))
   first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
   values, covered, seen = [], -1, {}
   for start, end, _, match, target in sorted(found, key=lambda f: (f[0], -f[1])):

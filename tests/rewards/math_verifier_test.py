@@ -198,6 +198,8 @@ EQUAL = [
     ("The solutions are x = 2 and x = 3.", "2, 3"),
     ("The possible values of k are -4 and 4.", "\\pm 4"),
     ("We factor: (x-2)(x-3) = 0. So the roots are 2 and 3.", "2,3"),
+    ("The roots are 2\\sqrt{2} and 3.", "2\\sqrt{2}, 3"),
+    ("The roots are \u221a2 and 3.", "\\sqrt{2}, 3"),
     # An empty box names nothing; it does not hide an earlier box (these scored 0).
     ("\\boxed{5} so \\boxed{}", "5"),
     ("\\boxed{} \\boxed{5}", "5"),
@@ -351,6 +353,7 @@ NOT_EQUAL = [
     ("The roots are not 2 and 3.", "2, 3"),  # ruled out (these scored 1 after b4f63b0)
     ("not 2, 3", "2, 3"),
     ("It cannot be 2 or 3.", "2, 3"),
+    ("The roots are 2\\sqrt{2} and 3.", "2, 3"),  # read as 2 and 3 (scored 1 after b4f63b0)
     # Quoted as code, the answer is still the one named (the quotes hid it: these scored 1).
     ("The value of `n` is 4, so the answer is `5`.", "4"),
     ("The answer is `not 5`.", "5"),
