@@ -884,12 +884,18 @@ def _several_values(parsed: list) -> bool:
   return bool(parsed) and isinstance(parsed[0], sympy.FiniteSet) and len(parsed[0].args) > 1
 
 
+# A conclusion drawn in a list's sentence ("x = 2 and x = 3, so their sum is 5"), `_listed_values`.
+_DRAWN = re.compile(r"[,;]\s*(?:so|hence|thus|therefore|then|giving|and so)\b", re.IGNORECASE)
+
+
 def _listed_values(text: str, options: dict[str, Any]) -> list:
   """The values prose names, as one set ("The roots are 2 and 3." -> {2, 3}), for a gold that
   is such a set; [] where it names fewer than two. They are read where the answer is: from the
-  first answer phrase to the end of its sentence, else in a concluding sentence, else anywhere.
-  A prediction with a box is read by its boxes only, as `_parse_answer` reads it, and one with a
-  self-correction by `_parse_answer` only ("The answer is 2 and 3. Wait, no." names nothing)."""
+  first answer phrase to the end of its sentence, else in a concluding sentence, else in a text
+  of one sentence (working over several sentences, "Try 2: no. Try 3: yes.", lists nothing), up
+  to a reason or a conclusion drawn from them ("..., so their sum is 5"). A prediction with a box
+  is read by its boxes only, as `_parse_answer` reads it, and one with a self-correction by
+  `_parse_answer` only ("The answer is 2 and 3. Wait, no." names nothing)."""
   import sympy
 
   digit = _DIGIT.search(text)
@@ -897,17 +903,22 @@ def _listed_values(text: str, options: dict[str, Any]) -> list:
     return []
   marked = _marked_answer(text)
   head = marked[0] if marked is not None else None
-  head = head or _concluding_sentence(text) or text
-  if _NEGATED.search(head) or _NEGATION.search(head):
+  if head is None:
+    body = text.strip()
+    one_sentence = all(m.end() >= len(body) for m in _SENTENCE_END.finditer(body))
+    head = _concluding_sentence(text) or (body if one_sentence else None)
+  if head is None or _NEGATED.search(head) or _NEGATION.search(head):
     return []  # "The roots are not 2 and 3."
   head = head if head.isascii() else _read_unicode(head)
   if not _DELIMITED.search(head):
     head = _UNDELIMITED_MATH.sub(r"$\1$\2", head)  # "2\sqrt{2} and 3" names 2\sqrt{2}, not 2
   found = _without_dollar_openers(head, _extraction_matches(head))
   first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
+  stop = min((m.start() for m in (_REASON.search(head, first_mark), _DRAWN.search(head, first_mark))
+              if m is not None), default=len(head))
   values, covered, seen = [], -1, {}
   for start, end, _, match, target in sorted(found, key=lambda f: (f[0], -f[1])):
-    if start < first_mark or end <= covered:
+    if start < first_mark or end > stop or end <= covered:
       continue
     key = (head[start:end], target, match.re)  # a list may repeat its values many times
     if key not in seen:

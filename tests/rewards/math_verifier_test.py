@@ -200,6 +200,8 @@ EQUAL = [
     ("We factor: (x-2)(x-3) = 0. So the roots are 2 and 3.", "2,3"),
     ("The roots are 2\\sqrt{2} and 3.", "2\\sqrt{2}, 3"),
     ("The roots are \u221a2 and 3.", "\\sqrt{2}, 3"),
+    ("The solutions are x = 2 and x = 3, so the sum is 5.", "2, 3"),  # a conclusion drawn
+    ("The roots are 2 and 3 because (x-2)(x-3) = 0.", "2, 3"),  # a reason
     # An empty box names nothing; it does not hide an earlier box (these scored 0).
     ("\\boxed{5} so \\boxed{}", "5"),
     ("\\boxed{} \\boxed{5}", "5"),
@@ -354,6 +356,9 @@ NOT_EQUAL = [
     ("not 2, 3", "2, 3"),
     ("It cannot be 2 or 3.", "2, 3"),
     ("The roots are 2\\sqrt{2} and 3.", "2, 3"),  # read as 2 and 3 (scored 1 after b4f63b0)
+    # Working is no list (these scored 1 after b4f63b0).
+    ("The solutions are x = 2 and x = 2, so the sum is 3.", "2, 3"),
+    ("Try 2: no. Try 3: yes.", "2, 3"),
     # Quoted as code, the answer is still the one named (the quotes hid it: these scored 1).
     ("The value of `n` is 4, so the answer is `5`.", "4"),
     ("The answer is `not 5`.", "5"),
