@@ -913,7 +913,7 @@ def _listed_values(text: str, options: dict[str, Any]) -> list:
   if not _DELIMITED.search(head):
     head = _UNDELIMITED_MATH.sub(r"$\1$\2", head)  # "2\sqrt{2} and 3" names 2\sqrt{2}, not 2
   found = _without_dollar_openers(head, _extraction_matches(head))
-  first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
+  first_mark = min((start for start, _, is_mark, _, _ in found if is_mark), default=0)
   stop = min((m.start() for m in (_REASON.search(head, first_mark), _DRAWN.search(head, first_mark))
               if m is not None), default=len(head))
   values, covered, seen = [], -1, {}
@@ -929,7 +929,14 @@ def _listed_values(text: str, options: dict[str, Any]) -> list:
     covered = end
     if not any(v == value or _same_value(v, value, options) for v in values):
       values.append(value)
-  return [sympy.FiniteSet(*values)] if len(values) > 1 else []
+  if len(values) < 2:
+    return []
+  listed = sympy.FiniteSet(*values)
+  # A later sentence that marks or offers other values hedges, as for one value.
+  rest = "" if marked is None else marked[1]
+  if _marks_other_value(rest, listed, options) or _offers_other_value(rest, listed, options):
+    return []
+  return [listed]
 
 
 def _has_set(parsed: list) -> bool:

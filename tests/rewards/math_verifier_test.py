@@ -359,6 +359,10 @@ NOT_EQUAL = [
     # Working is no list (these scored 1 after b4f63b0).
     ("The solutions are x = 2 and x = 2, so the sum is 3.", "2, 3"),
     ("Try 2: no. Try 3: yes.", "2, 3"),
+    # A later sentence marking or offering other values hedges a list too.
+    ("The answer is 2 and 3. The answer is 4 and 5.", "2, 3"),
+    ("The answer is 2 and 3. Alternatively, 4.", "2, 3"),
+    ("Answer: 2 and 3\nAnswer: 4", "2, 3"),
     # Quoted as code, the answer is still the one named (the quotes hid it: these scored 1).
     ("The value of `n` is 4, so the answer is `5`.", "4"),
     ("The answer is `not 5`.", "5"),
