@@ -745,8 +745,8 @@ _ADMITS_ERROR = re.compile(r"\b(?:wrong|incorrect|mistaken|mistake)\b", re.IGNOR
 # What a correction that takes the answer back says, naming nothing (`_retracts`): after "no",
 # "oops" or "correction", nothing or an admission; after "wait" or "actually", an admission.
 _ADMISSION = re.compile(
-    r"[\s,:;!.]*(?:that|this|it|i)\b[^.\n]{0,30}?\b(?:wrong|incorrect|mistaken|mistake|error)\b",
-    re.IGNORECASE)
+    r"[\s,:;!.]*(?:that|this|it|i)\b[^.\n]{0,30}?"
+    r"\b(?:wrong|incorrect|mistaken|mistake|error|not right|not correct)\b", re.IGNORECASE)
 _RETRACTION = re.compile(_ADMISSION.pattern + r"|[\s,:;!.]*$", re.IGNORECASE)
 # The opening of a sentence that concludes (`_concluding_sentence`).
 _CONCLUSION = re.compile(r"(?:therefore|thus|so|hence|in total|in conclusion|altogether)\b",

@@ -494,6 +494,8 @@ HEDGED = [
     ("The answer is 5. Wait, no.", "5"),
     ("The answer is 5. Hmm, no, that is wrong.", "5"),
     ("The answer is 5. Actually, I made a mistake.", "5"),
+    ("The answer is 5. Wait, no, that's not right.", "5"),
+    ("The answer is 5. Wait, that is not correct.", "5"),
     ("The answer is B. Wait, no.", "B"),
     ("The answer is 5. Wait, no, it is 6. Hmm, no.", "6"),
     ("The answer is \\boxed{5}. Wait, no.", "5"),
