@@ -21,10 +21,10 @@ crashes fail the test (a `SystemExit` inside a call too, whatever its code); not
 does reaches the count, so it cannot print, patch, compare or exit its way to a score. A
 `SystemExit` raised while the solution loads (an unguarded `sys.exit()` at module level, after
 the function) ends the solution's module, as it ends a script, not its test run: the entry point
-defined before it is tested (one it exits before defining is the prompt's stub, which fails). Every test has its own time limit (`per_test_s`, the whole run
-`timeout_s`): a call past it kills the interpreter, and the next test starts a fresh one and
-loads the solution again, so a failing or hanging test costs only itself. The reward is the
-fraction of tests passed (`UnitTestReward`, from `TESTS_PASSED_KEY` / `TESTS_TOTAL_KEY`);
+defined before it is tested (one it exits before defining is the prompt's stub, which fails).
+Every test has its own time limit (`per_test_s`, the whole run `timeout_s`): a call past it
+kills the interpreter, and the next test starts a fresh one and loads the solution again, so a
+failing or hanging test costs only itself. The reward is the fraction of tests passed (`UnitTestReward`, from `TESTS_PASSED_KEY` / `TESTS_TOTAL_KEY`);
 success means all passed. A failing setup statement fails every test after it; a solution that
 fails to load or define the function passes none. Optional shaping: the solution parses as
 Python ("syntax"), its weight handed to the outcome by a `ProgressiveSchedule` over
