@@ -4,22 +4,38 @@
 thread backend calls `_equal_inline` on a daemon thread, and its process backend starts worker
 processes that run `_serve`, which answers one JSON request per line with `_equal_inline`.
 `_parse_answer` decides how each side is read (a bare answer, prose, a box, a marked answer, a
-hedge); `verifiers.extract_boxed` reads boxes by the same rules (`_brace_boxes`, `_box_spans`).
+hedge). The text rewrites done before parsing (markdown, spaces, boxes, Unicode math, numbers,
+towers of powers) and the cost guard `_too_costly` live in `_math_text.py`;
+`verifiers.extract_boxed` reads boxes by the same rules (`_math_text._brace_boxes`, `_box_spans`).
 
-This file imports only the standard library at module level: worker processes load it by path,
-without importing the `jaxagent` package (and so without JAX).
+This file imports only the standard library and `_math_text` at module level: worker processes
+load both by path, without importing the `jaxagent` package (and so without JAX).
 """
 from __future__ import annotations
 
 import bisect
-import decimal
 import json
 import logging
-import math
 import os
 import re
 import sys
 from typing import Any
+
+from jaxagent.rewards._math_text import (
+    _BOX,
+    _FULL_STOP,
+    _UNBRACED_BOX,
+    _box_spans,
+    _brace_boxes,
+    _collapse_spaces,
+    _drop_boxed_full_stops,
+    _drop_markdown,
+    _normalize_numbers,
+    _read_unicode,
+    _right_powers,
+    _spread_plus_minus,
+    _too_costly,
+)
 
 # Explicit math delimiters: let math-verify's own extraction find the answer.
 _DELIMITED = re.compile(r"\\boxed|\\fbox|\\\(|\\\[|\$[^$]*\$")
@@ -30,61 +46,21 @@ _MATH_WORDS = frozenset({
     "sin", "cos", "tan", "cot", "sec", "csc", "sinh", "cosh", "tanh", "arcsin", "arccos", "arctan",
     "log", "ln", "exp", "sqrt", "pi", "oo", "inf", "infty", "max", "min", "gcd", "lcm", "mod", "det",
 })
-# "1\,000", "1 000": thousands groups split by a LaTeX or plain space. LaTeX would read "1 000" as
-# 1*000 and "1 234" as the mixed number 1 + 234.
-_SPACED_THOUSANDS = re.compile(r"(?<![\d.])\d{1,3}(?:(?:\\[,;:! ]| )\d{3})+(?!\d)")
-_THOUSANDS_SPACE = re.compile(r"\\[,;:! ]| ")
-# "1e3", "2.5e-3": scientific notation, which LaTeX would read as 1*e*3 (Euler's number).
-_SCIENTIFIC = re.compile(r"(?<![\w.])\d+(?:\.\d+)?[eE][+-]?\d{1,3}(?![\w.])")
-# A mixed number in plain text ("3 1/2"), read as two numbers side by side; groups: the whole
-# part, the numerator, the denominator (greater than the numerator, or it is no mixed number).
-_MIXED_NUMBER = re.compile(r"(?<![\d.,/])(\d{1,9})[ \t]+(\d{1,9})/(\d{1,9})(?![\d/.]|,\d)")
 # Two numbers side by side ("5 6", "5\quad 6"), which LaTeX adds up as a mixed number; group 1 is a
 # command whose arguments may go unbraced ("\frac 1 2", and after a subscript "\log_2 8").
 _JUXTAPOSED = re.compile(
     r"(\\[A-Za-z]+\s*(?:_\s*)?)?(?<![\d.])\d+(?:\.\d+)?(?:\s|\\[,;:! ]|\\q?quad(?![A-Za-z]))+\d")
 _NUMBER = re.compile(r"\d+(?:[.,]\d+)*")
-# A full stop ending an answer ("\frac{1}{2}.", "2/3."), which LaTeX would read as part of it.
-_FULL_STOP = re.compile(r"(?<![.\s])\s*\.$")
-_BOX = re.compile(r"\\(?:boxed|fbox)\s*\{")
 # math-verify reads \boxed only; \fbox is the same box to a reader.
 _FBOX = re.compile(r"\\fbox(?![A-Za-z])")
 # An empty box names nothing; left in, it hid an earlier box ("\boxed{5} so \boxed{}").
 _EMPTY_BOX = re.compile(r"\\boxed\s*\{\s*\}")
-# A box whose one-token argument goes without braces ("\boxed5", "\boxed B", "\boxed\pi"), as
-# LaTeX allows ("\frac12"); group 1 the argument. A run of digits is one argument ("\boxed12" is
-# 12, as its writer meant), and "\boxed5 6" boxes 5 only. An argument followed by an operator
-# ("\boxed x = 5") or a command that takes arguments ("\boxed\frac12", "\boxed\frac{1}{2}",
-# "\boxed\sqrt[3]{8}") is left to `_COMMAND_BOX` and the prose reading: its writer meant the
-# whole expression. A command's name is read whole ("\frac", never "\fra" before a "c"), and a
-# box is no argument ("\boxed\boxed5" boxes 5), so no such box holds another. "\fbox5" is such
-# a box too.
-_UNBRACED_BOX = re.compile(
-    r"\\(?:boxed|fbox)(?![A-Za-z])\s*(\d+(?:\.\d+)?(?!\.?\d)|[A-Za-z](?![A-Za-z])"
-    r"|\\(?!(?:boxed|fbox)(?![A-Za-z]))[A-Za-z]+(?![A-Za-z])(?!\s*[{\d\[]))"
-    r"(?!\s*[=<>+\-*/^_!])")
-# A box whose argument is a command with its own arguments, unbraced ("\boxed\sqrt{2}",
-# "\boxed\frac12", "\boxed\frac{\sqrt5}{2}"): its writer boxed the whole command. Read after
-# `_UNBRACED_BOX` (`_brace_boxes`), in the answer as in `verifiers.extract_boxed`. Only commands
-# that take arguments: "\boxed\pi 2" stays a box of \pi.
-_COMMAND_BOX = re.compile(
-    r"\\(?:boxed|fbox)\s*(\\(?:[dt]?frac|sqrt|[dt]?binom|text|textbf|mathrm|mathbf|mbox)"
-    r"(?![A-Za-z])(?:\s*\[[^\[\]{}]*\])?(?:\s*(?:\{(?:[^{}]|\{[^{}]*\})*\}|\d)){1,2})"
-    r"(?!\s*[{\d=<>+\-*/^_!])")
 # A number with its unit inside text ("\text{7 apples}") is the number with a unit after it.
 _TEXT_NUMBER = re.compile(
     r"\\(?:text|mbox|mathrm)\s*\{\s*([-+]?\d+(?:[.,]\d+)*)\s+([A-Za-z][A-Za-z ]*)\}")
 # Letters listed inside text ("\text{A, C}", choices of a multiple-answer question) are a list,
 # which math-verify would read as one symbol "a,c".
 _TEXT_LETTERS = re.compile(r"\\text\s*\{\s*(\(?[A-Z]\)?(?:\s*,\s*\(?[A-Z]\)?)+)\s*\}")
-# Unicode math that math-verify does not read: a root of one number, letter or bracket ("√2",
-# "2√(3)"), superscript digits ("x²", "10⁻³"), infinity and common vulgar fractions ("1½" is the
-# mixed number 1 1/2).
-_UNICODE_ROOT = re.compile(r"√\s*(?:(\d+(?:\.\d+)?|[A-Za-z])|\(([^()]*)\)|\{([^{}]*)\})")
-_SUPERSCRIPT = re.compile("⁻?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
-_SUPERSCRIPT_DIGITS = str.maketrans("⁻⁰¹²³⁴⁵⁶⁷⁸⁹", "-0123456789")
-_UNICODE_SYMBOLS = str.maketrans({"∞": "\\infty ", "½": " 1/2", "⅓": " 1/3", "⅔": " 2/3", "¼": " 1/4",
-                                  "¾": " 3/4"})
 # A word of prose that holds LaTeX ("2\sqrt{2}", "3\pi", "2^{10}", "\frac{1}{2}"), with the
 # punctuation after it; math-verify finds LaTeX in prose only between delimiters, and read "We get
 # 2\sqrt{2}" as 2. A word that starts with a letter is left ("5 cm^2" is 5 with a unit).
@@ -98,7 +74,6 @@ _LOGICAL_OR = re.compile(r"\\(?:lor|vee)(?![A-Za-z])")
 _EQUATION_BREAK = re.compile(r"(?<!\s)\s*(?:\\\\|\\q?quad(?![A-Za-z])|\\[ ;]|\\text\{\s*\})\s*")
 # "and" / "or" between math, which then lists its sides.
 _LISTING_WORD = re.compile(r"(?<!\s)\s+(?:and|or)\s+")
-_BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 # The end of a sentence: a full stop before a space or the end, or a line break. "0.5" goes on.
 _SENTENCE_END = re.compile(r"\.(?=\s|$)|\n")
 # A reason given after a marked answer in its sentence ("The answer is 5, since 2 + 3 = 5."), or a
@@ -115,199 +90,8 @@ _ENDS_MARKED = re.compile(r"\b(?:answer|is)$", re.IGNORECASE)
 # What names an answer after an answer phrase: a letter or digit (group 1) outside a command or
 # an environment's name ("$$", "\[" and "\begin{equation}" name nothing yet).
 _NAMING = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+|([A-Za-z0-9])")
-# Inline code in markdown ("The answer is `5`.", "``5``"), which quotes its content; group 2 the
-# content. Code blocks ("```python") are left as written.
-_INLINE_CODE = re.compile(r"(?<!`)(`{1,2})([^`\n]+)\1(?!`)")
-# Bold or italic text in markdown ("**7**", "*7*", "__7__"), which a bare answer would read as
-# Python's power operator or a product; group 2 or 3 the content. "2**3**2", "2*3*4" and
-# "(2)*3*(4)" are arithmetic: emphasis starts and ends outside a word or a bracket. Its content
-# holds no mark of its kind, so each try ends at the next mark (linear time).
-_EMPHASIS = re.compile(
-    r"(?<![\w*)\]}])"
-    r"(?:(\*\*?)(?=[^\s*])([^*\n]+?)(?<=[^\s*])\1|__(?=[^\s_])([^_\n]+?)(?<=[^\s_])__)"
-    r"(?![\w*(\[{])")
-# A plus-minus, and what may stand before and after a fraction on its own (`_spread_plus_minus`).
-_PLUS_MINUS = re.compile(r"\\pm(?![A-Za-z])")
-_FRAC_HEAD = re.compile(r"\\[dt]?frac\s*\{$")
-_BRACE_OPEN = re.compile(r"\s*\{")
-_ALONE_BEFORE = re.compile(r"(?:^|[=,{$]|\\[(\[]|\\boxed\s*\{)\s*$")
-_ALONE_AFTER = re.compile(r"\s*(?:$|[,}$.]|\\[)\]])")
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
-# A tower of powers ("2^3^2", and "2**3**2" once written "2^{3}^{2}"), which math-verify reads
-# as (2^3)^2 = 64: a power is right-associative, 2^{3^{2}} = 512. Each exponent one token.
-_POWER_TOWER = re.compile(r"\^\s*(?:\{[^{}]*\}|\w)(?:\s*\^\s*(?:\{[^{}]*\}|\w))+")
-_EXPONENT = re.compile(r"\^\s*(?:\{([^{}]*)\}|(\w))")
-
-
-# Inputs that cost math-verify seconds to minutes and are no realistic answer (`_too_costly`):
-# brackets nested deeper than this (its LaTeX parser's time doubles with each level past about
-# 8; "(" * 2000 took 14 s), a power of literal numbers with more digits than this ("2^3^4^5" is
-# 2^{3^{4^{5}}}; 10^{10^{7}} took 6 s), or a factorial of more ("\boxed{1000000!}" took 5 s).
-_MAX_NESTING = 12
-_MAX_DIGITS = 10**5
-_MAX_FACTORIAL = 10**5
-# A box's braces do not count: boxes in boxes are read one by one ("\boxed{\boxed{5}}").
-_NESTING_TOKEN = re.compile(r"\\(?:boxed|fbox)\s*\{|[(\[{]|[)\]}]")
-# A power of literal numbers, a tower read right to left ("9^{9^{9}}", "2**3**4"); group 1 the
-# base, group 2 the exponents.
-_NUMBER_POWER = re.compile(
-    r"(?<![\d.])(\d+(?:\.\d+)?)((?:\s*(?:\^|\*\*)\s*(?:[{(]\s*)?\d+(?:\.\d+)?)+)")
-_POWER_EXPONENT = re.compile(r"\d+(?:\.\d+)?")
-# A factorial inside math ("\boxed{1000000!}"); one that ends a sentence may be an exclamation
-# ("So she has 1000000!").
-_NUMBER_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*!(?!\s|$)")
-
-
-def _too_costly(text: str) -> bool:
-  """Whether `text` holds math too costly to read (`_MAX_NESTING`, `_MAX_DIGITS`,
-  `_MAX_FACTORIAL`); the cost of the check is linear in the text."""
-  depth, opened = 0, []
-  for m in _NESTING_TOKEN.finditer(text):
-    if m.group() in ")]}":
-      if opened:
-        depth -= opened.pop()
-    else:
-      counts = len(m.group()) == 1
-      opened.append(counts)
-      depth += counts
-      if depth > _MAX_NESTING:
-        return True
-  if "!" in text and any(len(n) > 6 or int(n) > _MAX_FACTORIAL
-                         for n in _NUMBER_FACTORIAL.findall(text)):
-    return True
-  if "^" not in text and "**" not in text:
-    return False
-  for m in _NUMBER_POWER.finditer(text):
-    numbers = [m[1]] + _POWER_EXPONENT.findall(m[2])
-    if any(len(n) > 300 for n in numbers):
-      return True
-    exponent = float(numbers[-1])
-    for n in reversed(numbers[1:-1]):
-      base = float(n)
-      exponent = math.inf if exponent * math.log10(max(base, 1.0)) > 300 else base**exponent
-    base = float(numbers[0])
-    scale = abs(math.log10(base)) if base > 0 else 0.0
-    if scale and exponent * scale > _MAX_DIGITS:
-      return True
-  return False
-
-
-# A run of white space (a degenerate response pads with thousands of spaces): math-verify's parse
-# of a bare answer took quadratic time in its length ("x" + 3000 spaces + "=5": 2 s).
-_SPACE_RUN = re.compile(r"[ \t\r\f\v]*\n[\s]*|[ \t\r\f\v]{2,}")
-
-
-def _collapse_spaces(text: str) -> str:
-  """`text` with each run of white space one space, or one or two line breaks where it breaks
-  lines ("Answer:\n\n5" keeps its blank line)."""
-  return _SPACE_RUN.sub(lambda m: "\n" * min(m.group().count("\n"), 2) or " ", text)
-
-
-def _brace_boxes(text: str) -> str:
-  """`text` with each box whose argument goes without braces braced: a one-token argument
-  (`_UNBRACED_BOX`: "\\boxed5" -> "\\boxed{5}"), then a command with its arguments
-  (`_COMMAND_BOX`: "\\boxed\\sqrt{2}" -> "\\boxed{\\sqrt{2}}")."""
-  return _COMMAND_BOX.sub(r"\\boxed{\1}", _UNBRACED_BOX.sub(r"\\boxed{\1}", text))
-
-
-def _box_spans(text: str) -> list[tuple[int, int, int]]:
-  """(start, content start, content end) of each `\\boxed{...}` / `\\fbox{...}` whose braces balance.
-
-  One pass pairs every brace, so the cost is linear however many boxes are left open. Escaped
-  braces (`\\{`, `\\}`, as in sets) do not count.
-  """
-  closing, open_braces = {}, []
-  for m in _BRACE_TOKEN.finditer(text):
-    if m.group() == "{":
-      open_braces.append(m.start())
-    elif m.group() == "}" and open_braces:
-      closing[open_braces.pop()] = m.start()
-  return [(m.start(), m.end(), closing[m.end() - 1]) for m in _BOX.finditer(text) if m.end() - 1 in closing]
-
-
-def _drop_boxed_full_stops(text: str) -> str:
-  """Drops a full stop that ends a box's content ("\\boxed{5.}"), which math-verify cannot parse."""
-  if "\\boxed" not in text:
-    return text
-  pieces, last = [], 0
-  for _, start, end in _box_spans(text):
-    stop = _FULL_STOP.search(text, start, end) if start >= last else None
-    if stop is not None:
-      pieces.append(text[last:stop.start()])
-      last = end
-  return "".join(pieces) + text[last:]
-
-
-def _drop_markdown(text: str) -> str:
-  """Drops the marks of inline code ("`5`") and bold or italic text ("**7**") around what they
-  mark."""
-  text = _INLINE_CODE.sub(r"\2", text)
-  return _EMPHASIS.sub(lambda m: m.group(2) if m.group(3) is None else m.group(3), text)
-
-
-def _spread_plus_minus(text: str) -> str:
-  """Writes a fraction with a plus-minus in its numerator ("\\frac{-1 \\pm \\sqrt{5}}{2}") as
-  "\\frac{-1}{2} \\pm \\frac{\\sqrt{5}}{2}", which math-verify reads as the set of both values;
-  it cannot parse the first. Only where the text holds one plus-minus and the fraction stands on
-  its own (a side of an equation, a box's content, a list's element): next to other terms, the
-  spread sum would bind differently."""
-  signs = list(_PLUS_MINUS.finditer(text))
-  if len(signs) != 1:
-    return text
-  sign = signs[0]
-  opens, closing, numerator = [], {}, None
-  for m in _BRACE_TOKEN.finditer(text):
-    if m.start() == sign.start():
-      numerator = opens[-1] if opens else None
-    elif m.group() == "{":
-      opens.append(m.start())
-    elif m.group() == "}" and opens:
-      closing[opens.pop()] = m.start()
-  frac = numerator is not None and _FRAC_HEAD.search(text, 0, numerator + 1)
-  if not frac or numerator not in closing:
-    return text
-  denominator = _BRACE_OPEN.match(text, closing[numerator] + 1)
-  if denominator is None or denominator.end() - 1 not in closing:
-    return text
-  end = closing[denominator.end() - 1] + 1
-  if not (_ALONE_BEFORE.search(text, 0, frac.start()) and _ALONE_AFTER.match(text, end)):
-    return text
-  a, b = text[numerator + 1:sign.start()].strip(), text[sign.end():closing[numerator]].strip()
-  d = text[denominator.end():end - 1]
-  spread = f"\\frac{{{a}}}{{{d}}} \\pm \\frac{{{b}}}{{{d}}}" if a else f"\\pm \\frac{{{b}}}{{{d}}}"
-  return text[:frac.start()] + spread + text[end:]
-
-
-def _right_powers(text: str) -> str:
-  """Writes a tower of powers right-associatively: "2^3^2" -> "2^{3^{2}}"."""
-  def nest(m):
-    exponents = [braced or token for braced, token in _EXPONENT.findall(m.group())]
-    tower = exponents[-1]
-    for e in reversed(exponents[:-1]):
-      tower = f"{e}^{{{tower}}}"
-    return "^{" + tower + "}"
-  return _POWER_TOWER.sub(nest, text) if "^" in text else text
-
-
-def _improper_fraction(m: re.Match) -> str:
-  whole, numerator, denominator = int(m[1]), int(m[2]), int(m[3])
-  return f"{whole * denominator + numerator}/{denominator}" if numerator < denominator else m[0]
-
-
-def _read_unicode(text: str) -> str:
-  """Writes the Unicode math of `_UNICODE_ROOT`, `_SUPERSCRIPT` and `_UNICODE_SYMBOLS` as LaTeX."""
-  text = _UNICODE_ROOT.sub(lambda m: "\\sqrt{" + (m[1] or m[2] or m[3] or "") + "}", text)
-  text = _SUPERSCRIPT.sub(lambda m: "^{" + m.group().translate(_SUPERSCRIPT_DIGITS) + "}", text)
-  return text.translate(_UNICODE_SYMBOLS)
-
-
-def _normalize_numbers(text: str) -> str:
-  """Writes spaced thousands ("1\\,000", "1 000"), scientific notation ("1e3") and mixed numbers
-  ("3 1/2" as "7/2") as plain numbers."""
-  text = _SPACED_THOUSANDS.sub(lambda m: _THOUSANDS_SPACE.sub("", m.group()), text)
-  text = _MIXED_NUMBER.sub(_improper_fraction, text)
-  return _SCIENTIFIC.sub(lambda m: format(decimal.Decimal(m.group()), "f"), text)
 
 
 def _is_bare_answer(text: str) -> bool:

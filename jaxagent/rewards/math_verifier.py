@@ -11,7 +11,7 @@ enforced from outside by one of two backends (`MathVerifyConfig.backend`):
   runs past its limit gets its worker killed (SIGKILL) and replaced, so an input that hangs
   math-verify, such as ``(x+1)^{5000}``, costs the caller the timeout and leaves nothing running.
   (Input that is no realistic answer and known to be costly, such as ``10^{10^{10}}`` or
-  ``"(" * 2000``, is refused before math-verify sees it: `_math_compare._too_costly`.) Each worker
+  ``"(" * 2000``, is refused before math-verify sees it: `_math_text._too_costly`.) Each worker
   also caps its address space and arms a kernel alarm per request that ends it if the parent is
   gone. Costs, measured on a 2-core CPU host: under a second to start a worker (not counted
   against a call's limit; bounded by `startup_timeout_s`), about 60 MB resident per started
@@ -26,9 +26,9 @@ limit starts. Any failure (timeout, parse error, worker crash, busy pool) return
 counted in `MathVerifier.stats()` so the trainer can log it. A worker that cannot start at all
 is a setup error and raises.
 
-How each side is read and compared lives in `_math_compare.py`, which worker processes load by
-path, without importing the `jaxagent` package (and so without JAX); this file holds the
-backends and the public API.
+How each side is read and compared lives in `_math_compare.py`, and the text rewrites done
+before parsing in `_math_text.py`; worker processes load both by path, without importing the
+`jaxagent` package (and so without JAX). This file holds the backends and the public API.
 """
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ import threading
 import time
 from typing import Any, Literal
 
-from jaxagent.rewards import _math_compare
+from jaxagent.rewards import _math_compare, _math_text
 from jaxagent.rewards._math_compare import _equal_inline, _silence_math_verify
 
 logger = logging.getLogger(__name__)
@@ -116,14 +116,18 @@ def _check_timeout(name: str, value: float) -> None:
 # ----------------------------------------------------------------------------------------------
 # Process backend.
 
-# A worker process loads `_math_compare.py` by path and runs its `_serve`.
+# A worker process loads `_math_text.py` and `_math_compare.py` by path and runs the latter's
+# `_serve`. `_math_text` goes into `sys.modules` under its package name first, so the import of
+# it in `_math_compare` finds it there without importing the `jaxagent` package.
 _WORKER_BOOT = (
     "import importlib.util, sys\n"
-    "spec = importlib.util.spec_from_file_location('_jaxagent_math_worker', sys.argv[1])\n"
-    "mod = importlib.util.module_from_spec(spec)\n"
-    "sys.modules[spec.name] = mod\n"
-    "spec.loader.exec_module(mod)\n"
-    "mod._serve(sys.argv[2])\n"
+    "for name, path in (('jaxagent.rewards._math_text', sys.argv[1]),\n"
+    "                   ('_jaxagent_math_worker', sys.argv[2])):\n"
+    "  spec = importlib.util.spec_from_file_location(name, path)\n"
+    "  mod = importlib.util.module_from_spec(spec)\n"
+    "  sys.modules[spec.name] = mod\n"
+    "  spec.loader.exec_module(mod)\n"
+    "mod._serve(sys.argv[3])\n"
 )
 # A worker ends itself (SIGALRM, default action) this long past a request's limit, in case the
 # parent died and nobody is left to kill it.
@@ -149,8 +153,8 @@ class _ProcessWorker:
     self._buf = bytearray()
     self._ready = False
     self._proc = subprocess.Popen(
-        [sys.executable, "-c", _WORKER_BOOT, os.path.abspath(_math_compare.__file__),
-         json.dumps(self._options)],
+        [sys.executable, "-c", _WORKER_BOOT, os.path.abspath(_math_text.__file__),
+         os.path.abspath(_math_compare.__file__), json.dumps(self._options)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, bufsize=0, close_fds=True)
 
   def _ensure_ready(self) -> None:

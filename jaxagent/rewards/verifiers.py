@@ -18,7 +18,7 @@ import re
 import string
 from typing import Sequence
 
-from jaxagent.rewards._math_compare import _box_spans, _brace_boxes
+from jaxagent.rewards._math_text import _box_spans, _brace_boxes
 from jaxagent.rewards.math_verifier import math_equal
 
 __all__ = [

@@ -1,5 +1,5 @@
-"""Tests for jaxagent/rewards/math_verifier.py and its reading in _math_compare.py: equivalence
-cases, time limits, failure counting."""
+"""Tests for jaxagent/rewards/math_verifier.py and its reading in _math_compare.py and
+_math_text.py: equivalence cases, time limits, failure counting."""
 import concurrent.futures
 import random
 import re
@@ -9,7 +9,7 @@ import time
 import math_verify
 import pytest
 
-from jaxagent.rewards import _math_compare, math_verifier
+from jaxagent.rewards import _math_compare, _math_text, math_verifier
 from jaxagent.rewards.math_verifier import MathVerifier, MathVerifyConfig, math_equal
 
 EQUAL = [
@@ -584,7 +584,7 @@ def test_nested_boxes_cost_polynomial_time(thread_verifier):
 def test_a_huge_number_is_no_mixed_number():
   # Read as a mixed number, its whole part went through int(), which refuses 5000 digits.
   text = "1" * 5000 + " 1/2"
-  assert _math_compare._normalize_numbers(text) == text
+  assert _math_text._normalize_numbers(text) == text
 
 
 def _reference_answer_tails(text):
@@ -613,8 +613,8 @@ def test_an_unbraced_box_reads_a_command_name_whole():
   # "\\boxed\\frac12" was read as the box "\\fra" before a "c12".
   for text in ("\\boxed\\frac12", "\\boxed\\frac{1}{2}", "\\boxed\\sqrt2", "\\boxed \\dfrac{3}{4}",
                "\\boxed\\sqrt[3]{8}"):
-    assert _math_compare._UNBRACED_BOX.search(text) is None, text
-  assert _math_compare._UNBRACED_BOX.search("\\boxed\\pi").group(1) == "\\pi"
+    assert _math_text._UNBRACED_BOX.search(text) is None, text
+  assert _math_text._UNBRACED_BOX.search("\\boxed\\pi").group(1) == "\\pi"
 
 
 def test_only_the_prediction_is_checked_for_hedging(thread_verifier):
@@ -675,7 +675,7 @@ def test_pathological_input_is_refused_quickly(process_verifier, text):
 def test_the_cost_guard_costs_linear_time():
   # Its power pattern tried each split of a run of spaces around an optional brace (3.4 s here).
   start = time.monotonic()
-  assert not _math_compare._too_costly("2^" + " " * 20000 + "x")
+  assert not _math_text._too_costly("2^" + " " * 20000 + "x")
   assert time.monotonic() - start < 0.5
 
 
