@@ -728,15 +728,15 @@ def test_thread_backend_busy_when_all_workers_are_stuck(blocking_verify):
 
 def _score_concurrently(v: MathVerifier, n: int) -> list[bool]:
   with concurrent.futures.ThreadPoolExecutor(n) as pool:
-    return list(pool.map(lambda _: v.equal("3", "3.0", timeout_s=0.5), range(n)))
+    return list(pool.map(lambda _: v.equal("3", "3.0", timeout_s=1.0), range(n)))
 
 
 def test_thread_backend_waiting_for_a_worker_is_not_part_of_the_limit(monkeypatch):
   """More concurrent callers than workers (a trainer scoring on threads): each comparison takes
-  0.3 s of a 0.5 s limit, so every answer is correct; the queue's wait scored later callers
-  False ("busy" or a timeout) when it counted against their own limit."""
+  0.4 s of a 1 s limit, so every answer is correct; the queue's wait (up to 1.2 s) scored later
+  callers False ("busy" or a timeout) when it counted against their own limit."""
   def slow_verify(*args, **kwargs):
-    time.sleep(0.3)
+    time.sleep(0.4)
     return True
 
   monkeypatch.setattr(math_verify, "verify", slow_verify)
@@ -747,13 +747,13 @@ def test_thread_backend_waiting_for_a_worker_is_not_part_of_the_limit(monkeypatc
 
 
 def test_process_backend_waiting_for_a_worker_is_not_part_of_the_limit(monkeypatch):
-  """The same with the process pool (its worker stood in for: 0.3 s per comparison, past the
+  """The same with the process pool (its worker stood in for: 0.4 s per comparison, past the
   limit it is given it times out as a real worker would)."""
   def compare(self, prediction, gold, timeout_s):
-    if timeout_s < 0.3:
+    if timeout_s < 0.4:
       time.sleep(timeout_s)
       return None
-    time.sleep(0.3)
+    time.sleep(0.4)
     return {"equal": True}
 
   monkeypatch.setattr(math_verifier._ProcessWorker, "compare", compare)

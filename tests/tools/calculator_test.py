@@ -106,7 +106,7 @@ def test_huge_results_are_refused_fast(expression):
     start = time.monotonic()
     with pytest.raises(CalculatorError, match="too large"):
         evaluate(expression)
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 2.0  # room for a loaded host
 
 
 def test_limits_on_length_and_nesting():
@@ -150,7 +150,7 @@ def test_round_to_huge_negative_digits_is_fast_and_exact():
     # round(5, -10**7) made Python build 10**(10**7) first (14 s holding the GIL; -10**9: hours).
     start = time.monotonic()
     assert calculate("round(5, -10**7)") == "0"
-    assert time.monotonic() - start < 0.5
+    assert time.monotonic() - start < 2.0  # room for a loaded host
     assert calculate("round(-12345, -10**100)") == "0"
     for x in (5, 15, 50, 55, 149, 150, 250, -55, 99999, 10 ** 30 + 1):
         for nd in range(-8, 2):
