@@ -476,14 +476,21 @@ def _parse_prose(text: str, single: bool, options: dict[str, Any]) -> list:
   return _with_percent_values(parse(text, parsing_timeout=None))
 
 
-def _offers_other_value(text: str, value, options: dict[str, Any]) -> bool:
-  """Whether a sentence of `text` offers an alternative answer (`_ALTERNATIVE`: "Alternatively,
-  6.", "Or maybe it is 6.") that names one value other than `value`. Working after the cue
-  ("Alternatively, 2 + 3 = 5.") is a check, not an answer."""
-  seen = set()  # a response stuck in a loop offers the same sentence many times
-  for cue in _ALTERNATIVE.finditer(text):
+def _offered(text: str, pos: int = 0):
+  """What each sentence of `text[pos:]` that offers an alternative answer (`_ALTERNATIVE`:
+  "Alternatively, 6.", "Or maybe it is 6.") offers: its text after the cue, to the sentence's
+  end."""
+  for cue in _ALTERNATIVE.finditer(text, pos):
     stop = _SENTENCE_END.search(text, cue.end())
-    offered = text[cue.end():len(text) if stop is None else stop.start()]
+    yield text[cue.end():len(text) if stop is None else stop.start()]
+
+
+def _offers_other_value(text: str, value, options: dict[str, Any]) -> bool:
+  """Whether a sentence of `text` offers an alternative answer (`_offered`) that names one value
+  other than `value`. Working after the cue ("Alternatively, 2 + 3 = 5.") is a check, not an
+  answer."""
+  seen = set()  # a response stuck in a loop offers the same sentence many times
+  for offered in _offered(text):
     if not _DIGIT.search(offered) or "=" in offered or offered in seen:
       continue
     seen.add(offered)
@@ -494,11 +501,10 @@ def _offers_other_value(text: str, value, options: dict[str, Any]) -> bool:
 
 
 def _offers_other(text: str, pos: int, tail: str) -> bool:
-  """Whether a sentence of `text[pos:]` offers an alternative answer (`_ALTERNATIVE`) that names
+  """Whether a sentence of `text[pos:]` offers an alternative answer (`_offered`) that names
   something other than `tail`, an answer phrase's answer ("The answer is B. Alternatively, C.")."""
-  for cue in _ALTERNATIVE.finditer(text, pos):
-    stop = _SENTENCE_END.search(text, cue.end())
-    offered = " ".join(text[cue.end():len(text) if stop is None else stop.start()].split())
+  for offered in _offered(text, pos):
+    offered = " ".join(offered.split())
     if _NAMES_CHOICE.search(offered) and "=" not in offered and offered != tail:
       return True
   return False
@@ -634,11 +640,12 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
     tails = _answer_tails(prediction)
     if len(tails) == 1:
       tail = tails.pop()
-      cue = _last_correction(prediction, _ANSWER_MARK.search(prediction).end())
+      after_mark = _ANSWER_MARK.search(prediction).end()
+      cue = _last_correction(prediction, after_mark)
       named = [] if cue is None else _NAMES_CHOICE.findall(prediction, cue.end())
       overruled = named and (_overrules(prediction, cue) or set(named) - {"", tail.strip("()")})
       overruled = overruled or (cue is not None and _retracts(prediction, cue))
-      if not overruled and not _offers_other(prediction, _ANSWER_MARK.search(prediction).end(), tail):
+      if not overruled and not _offers_other(prediction, after_mark, tail):
         prediction = tail
         pred_parsed = _parse_answer(prediction, single=True, **options)
   if not pred_parsed and _several_values(gold_parsed):
