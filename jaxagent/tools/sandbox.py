@@ -789,6 +789,9 @@ class PythonSession:
         self.restarts = 0
 
     def run(self, code: str, *, timeout_s: float | None = None) -> ToolResult:
+        """Runs `code` in the session's interpreter; `timeout_s` overrides the config's wall-clock
+        limit for this call (a positive finite number; None keeps the config's)."""
+        limit = self.config.timeout_s if timeout_s is None else _config(self.config, timeout_s, None).timeout_s
         problem = _check_code(code, self.config)
         if problem:
             return ToolResult.failure(problem)
@@ -801,7 +804,7 @@ class PythonSession:
                 except SandboxError as e:
                     return ToolResult.failure(str(e))
             try:
-                result = self._proc.run(code, timeout_s or self.config.timeout_s, self.config.call_cpu_s)
+                result = self._proc.run(code, limit, self.config.call_cpu_s)
             except BaseException:
                 # Cut short in this process (KeyboardInterrupt): the interpreter is still in the cell
                 # and its reply would answer the next call. End it; the next call starts afresh.

@@ -590,6 +590,24 @@ def test_session_restarts_after_crash_and_timeout():
     assert session.run("1").error == "the Python session is closed"
 
 
+@pytest.mark.parametrize("stateful", [False, True], ids=["stateless", "session"])
+@pytest.mark.parametrize("limit", [0, -1.0])
+def test_a_bad_call_time_limit_is_refused_alike_with_and_without_a_session(stateful, limit):
+    """A session read `timeout_s=0` as "the default" (`0 or default`) where a fresh interpreter
+    refused it; both refuse it now, before starting anything."""
+    tool = PythonTool(FULL, stateful=stateful)
+    try:
+        with pytest.raises(ValueError, match="timeout_s must be a positive finite number"):
+            tool({"code": "print(1)"}, timeout_s=limit)
+        assert tool({"code": "print(1)"}, timeout_s=1.5).output == "1\n"
+        runner = tool._session.run if stateful else (lambda code, timeout_s: run_python(code, config=FULL,
+                                                                                          timeout_s=timeout_s))
+        with pytest.raises(ValueError, match="timeout_s must be a positive finite number"):
+            runner("print(1)", timeout_s=float("nan"))
+    finally:
+        tool.close()
+
+
 def test_threads_left_running_by_a_session_call_wait_for_the_next_call():
     """A session idles while the policy writes its next turn; a spinning thread the code left
     behind burned a core all that time (outside every call's limits)."""
