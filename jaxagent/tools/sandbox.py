@@ -42,7 +42,9 @@ its value printed. Before any user code runs, the child applies, in order:
    opening files for reading outside the temporary directory, the interpreter's prefixes and
    site-packages, /usr/share, /proc/self and the device files above (`os.open` is replaced so
    that a dir_fd-relative open is checked against its directory, which its audit event does not
-   name). So model code cannot read task data or answer keys kept elsewhere on the host.
+   name), and listing directories (`os.listdir`, `os.scandir`) outside those same readable
+   paths. So model code can neither read task data or answer keys kept elsewhere on the host
+   nor find their names.
 
 The parent enforces the wall-clock timeout, a per-call CPU-time limit (polling the process tree)
 and the output cap; on any of them, or on a crash, it SIGKILLs the process group (and every

@@ -228,6 +228,10 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
                 path = as_path(args[i], dir_fd if isinstance(dir_fd, int) and dir_fd >= 0 else None)
                 if path is not None and not inside(path, write_roots):
                     refuse(f"{event} on {path!r}")
+        elif event in ("os.listdir", "os.scandir"):  # names are read like contents: same roots
+            path = as_path(args[0])
+            if path is not None and (not inside(path, read_roots) or inside(path, deny_roots)):
+                refuse(f"listing {path!r}")
         elif event == "sqlite3.connect":  # the library opens the file itself, with no "open" event
             path = as_path(args[0])
             if path is not None and path not in ("", ":memory:"):

@@ -123,15 +123,20 @@ def test_fresh_temp_dir_is_writable_and_removed():
     assert run("import os\nprint(os.listdir('.'))", FULL)[0].output == "[]\n"
 
 
-def test_other_sandboxes_temp_dirs_cannot_be_listed(isolation):
+@pytest.mark.parametrize("hook", [True, False], ids=["hook", "kernel-only"])
+def test_other_sandboxes_temp_dirs_cannot_be_listed(isolation, hook):
     """A program listed the host's temporary directory, in it the temporary directories of the
     other sandboxes (other trajectories), and in those their files; only the audit hook kept it
-    from reading them."""
+    from reading them. Each layer stops the listing on its own: the hook refuses to list a
+    directory outside the readable roots, the kernel layer (work directories in a shared
+    directory that can be traversed, not listed) hides the others' names."""
     if not isolation["capabilities_dropped"]:
         pytest.skip("needs the namespaces (without them root may list any directory)")
+    config = FULL if hook else kernel_only(isolation)
     import tempfile
     search = (f"import os\nfound = []\ntop = {tempfile.gettempdir()!r}\n"
-              "for name in os.listdir(top):\n"
+              "try:\n    names = os.listdir(top)\nexcept PermissionError as e:\n    names = []\n    print(e)\n"
+              "for name in names:\n"
               "    if name.startswith('jaxagent-sandbox-'):\n"
               "        try:\n"
               "            for entry in os.scandir(os.path.join(top, name)):\n"
@@ -144,9 +149,10 @@ def test_other_sandboxes_temp_dirs_cannot_be_listed(isolation):
     with PythonSession(FULL) as other:
         assert other.run("open('the-other-trajectorys-file.txt', 'w').write('x')").ok
         assert os.listdir(other._proc.tmpdir) == ["the-other-trajectorys-file.txt"]
-        result, _ = run(search, FULL)
+        result, _ = run(search, config)
     assert result.ok, result.error
     assert "the-other-trajectorys-file.txt" not in result.output, result.output
+    assert ("listing" in result.output and "is not allowed in the sandbox" in result.output) == hook
 
 
 def test_temp_dir_is_removed_after_the_code_chmods_it_shut():
@@ -183,6 +189,31 @@ def test_scientific_libraries_import():
     result, _ = run("import numpy as np, sympy\nprint(np.arange(4).sum(), sympy.factor('x**2 - 1'))", FULL,
                     timeout_s=20)
     assert result.ok and result.output == "6 (x - 1)*(x + 1)\n", result.error
+
+
+@MODES
+def test_listing_host_directories_outside_allowed_paths_is_refused(config, tmp_path):
+    """Directory names were listed anywhere on the host (the file names of a task's answer key
+    among them); the hook lists only what it lets the program read."""
+    (tmp_path / "key").mkdir()
+    (tmp_path / "key" / "answers_42.txt").write_text("42")
+    (tmp_path / "notes.txt").write_text("x")
+    for listing in ("os.listdir({!r})", "list(os.scandir({!r}))", "list(pathlib.Path({!r}).iterdir())"):
+        code = f"import os, pathlib\nprint({listing.format(str(tmp_path))})"
+        result, _ = run(code, config)
+        assert "notes.txt" not in result.output and "listing" in (result.error or ""), (listing, result)
+    for listing in ("glob.glob({!r} + '/*')", "list(os.walk({!r}))"):  # these swallow the error
+        result, _ = run(f"import glob, os\nprint({listing.format(str(tmp_path))})", config)
+        assert result.output == "[]\n", (listing, result)
+    readable = dataclasses.replace(config, extra_read_paths=(str(tmp_path),),
+                                   deny_read_paths=(str(tmp_path / "key"),))
+    result, _ = run(f"import os\nprint(sorted(os.listdir({str(tmp_path)!r})))", readable)
+    assert result.output == "['key', 'notes.txt']\n", result
+    result, _ = run(f"import os\nprint(os.listdir({str(tmp_path / 'key')!r}))", readable)
+    assert "answers_42" not in result.output and "is not allowed in the sandbox" in result.error
+    result, _ = run("import os, sys\nos.makedirs('d/e')\nprint(sorted(os.listdir()), os.listdir('d'),"
+                    " len(os.listdir(sys.prefix)) > 0)", config)
+    assert result.output == "['d'] ['e'] True\n", result
 
 
 def test_reading_host_files_outside_allowed_paths_is_refused(tmp_path):
