@@ -685,12 +685,15 @@ def _listed_values(text: str, options: dict[str, Any]) -> list:
   first answer phrase to the end of its sentence, else in a concluding sentence, else in a text
   of one sentence (working over several sentences, "Try 2: no. Try 3: yes.", lists nothing), up
   to a reason or a conclusion drawn from them ("..., so their sum is 5"). A prediction with a box
-  is read by its boxes only, as `_parse_answer` reads it, and one with a self-correction by
-  `_parse_answer` only ("The answer is 2 and 3. Wait, no." names nothing)."""
+  is read by its boxes only (`_boxed_values`), and one with a self-correction by `_parse_answer`
+  only ("The answer is 2 and 3. Wait, no." names nothing)."""
   import sympy
 
+  spans = _box_spans(text)
+  if spans:
+    return _boxed_values(text, spans, options)
   digit = _DIGIT.search(text)
-  if digit is None or _box_spans(text) or _last_correction(text, digit.start()) is not None:
+  if digit is None or _last_correction(text, digit.start()) is not None:
     return []
   marked = _marked_answer(text)
   head = marked[0] if marked is not None else None
@@ -728,6 +731,30 @@ def _listed_values(text: str, options: dict[str, Any]) -> list:
   if _marks_other_value(rest, listed, options) or _offers_other_value(rest, listed, options):
     return []
   return [listed]
+
+
+def _boxed_values(text: str, spans: list, options: dict[str, Any]) -> list:
+  """The values of several boxes as one set ("\\boxed{2} and \\boxed{3}", "x = \\boxed{2} or
+  x = \\boxed{3}" -> {2, 3}), for a gold that is such a set, as `_listed_values` reads prose;
+  [] where fewer than two values are boxed, a box does not parse as one value or a set of values,
+  or a self-correction follows the first box ("\\boxed{2}. Wait, no: \\boxed{3}")."""
+  import sympy
+
+  if _last_correction(text, spans[0][0]) is not None:
+    return []
+  values, reach = [], -1
+  for _, start, end in spans:
+    if start <= reach:
+      continue  # a box inside a box is read with it
+    reach = end
+    parsed = _parse_answer(text[start:end], single=True, **options)
+    if not parsed:
+      return []
+    members = parsed[0].args if isinstance(parsed[0], sympy.FiniteSet) else (parsed[0],)
+    for value in members:
+      if not any(v == value or _same_value(v, value, options) for v in values):
+        values.append(value)
+  return [sympy.FiniteSet(*values)] if len(values) > 1 else []
 
 
 def _has_set(parsed: list) -> bool:

@@ -202,6 +202,13 @@ EQUAL = [
     ("The roots are \u221a2 and 3.", "\\sqrt{2}, 3"),
     ("The solutions are x = 2 and x = 3, so the sum is 5.", "2, 3"),  # a conclusion drawn
     ("The roots are 2 and 3 because (x-2)(x-3) = 0.", "2, 3"),  # a reason
+    # So do boxes naming exactly them (these scored 0, two boxes read as a hedge).
+    ("\\boxed{2} and \\boxed{3}", "2, 3"),
+    ("\\boxed{3}, \\boxed{2}", "\\{2, 3\\}"),
+    ("x = \\boxed{2} or x = \\boxed{3}", "2, 3"),
+    ("\\boxed{x=2} and \\boxed{x=3}", "x=2, x=3"),
+    ("\\boxed{\\frac{1}{2}} and \\boxed{-3}", "-3, 1/2"),
+    ("\\boxed{2} and \\boxed{3, 4}", "2, 3, 4"),
     # An empty box names nothing; it does not hide an earlier box (these scored 0).
     ("\\boxed{5} so \\boxed{}", "5"),
     ("\\boxed{} \\boxed{5}", "5"),
@@ -350,6 +357,12 @@ NOT_EQUAL = [
     ("The roots are 2 and 3.", "2, 3, 4"),
     ("The roots are 1 and 1.", "-1, 1"),
     ("The roots are 2 and 3.", "(2, 3)"),  # an interval, not a set
+    ("\\boxed{2} and \\boxed{3}", "2"),  # still a hedge against one value
+    ("\\boxed{2} and \\boxed{3}", "2, 3, 4"),
+    ("\\boxed{2}, \\boxed{3}, \\boxed{4}", "2, 3"),
+    ("\\boxed{2} and \\boxed{2}", "2, 3"),
+    ("\\boxed{2} and \\boxed{y}", "2, 3"),
+    ("\\boxed{2}. Wait, no: \\boxed{3}", "2, 3"),
     ("The answer is 2 and 3. Wait, no.", "2, 3"),
     ("2. Wait, no, 3", "2, 3"),
     ("The roots are not 2 and 3.", "2, 3"),  # ruled out (these scored 1 after b4f63b0)
