@@ -338,8 +338,12 @@ def _names_the_step(where: str):
   try:
     yield
   except FloatingPointError as e:
-    raise FloatingPointError(f"{where}: {e} The checkpoints already written are "
-                             "unchanged.") from None
+    err = FloatingPointError(f"{where}: {e} The checkpoints already written are unchanged.")
+    # The learner's error carries the unchanged state (the one it was given was donated), as
+    # its message says; a re-raise without it left the message naming an attribute it lacked.
+    if hasattr(e, "state"):
+      err.state = e.state
+    raise err from None
 
 
 def _to_host(tree):
@@ -893,7 +897,13 @@ class Trainer:
       for epoch in range(epochs):
         with _names_the_step(f"RL step {step}" + (f", epoch {epoch + 1} of {epochs}"
                                                   if epochs > 1 else "")):
-          self.state, m = self.learner.train_step(self.state, batch)
+          try:
+            self.state, m = self.learner.train_step(self.state, batch)
+          except FloatingPointError as e:
+            # `self.state` was donated to the step: keep the unchanged state the error
+            # carries, so that the trainer can still save, export or evaluate it.
+            self.state = getattr(e, "state", self.state)
+            raise
         metrics.update({f"train/{k}": v for k, v in m.items()})
       # Logged on every step, so its mean over a run is the fraction of steps skipped.
       metrics["train/skipped_no_signal"] = 0.0

@@ -711,6 +711,34 @@ def test_nonfinite_update_names_the_rl_step_of_the_metrics(ckpt_trainer, monkeyp
     trainer.rl_step(3)
 
 
+def test_a_nonfinite_update_leaves_the_trainer_its_unchanged_state(ckpt_trainer, monkeypatch):
+  """The update's state is donated; on a non-finite step the learner's error carries the state
+  it was given (`Learner.train_step`, done here without the compile). The trainer kept the
+  deleted buffers (its save, export and eval then raised 'Array has been deleted') and
+  re-raised without the `state` its message names."""
+  trainer = ckpt_trainer
+  monkeypatch.setattr(trainer, "_collect",
+                      lambda step, params: ({}, {"old_logps": np.zeros((1, 4), np.float32)}))
+  before = jax.device_get(trainer.state)
+
+  def diverged(state, batch):
+    unchanged = jax.tree.map(jnp.copy, state)
+    for x in jax.tree.leaves(state):
+      x.delete()  # what donation does to the state passed in
+    err = FloatingPointError("non-finite values at train step 0: ['loss']; params were not "
+                             "updated (the error's `state` holds the unchanged params).")
+    err.state = unchanged
+    raise err
+
+  monkeypatch.setattr(trainer.learner, "train_step", diverged)
+  with pytest.raises(FloatingPointError, match=r"^RL step 1: non-finite values") as e:
+    trainer.rl_step(1)
+  assert e.value.state is trainer.state
+  after = jax.device_get(trainer.state)  # raised "Array has been deleted" on the old code
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
+    np.testing.assert_array_equal(a, b)
+
+
 def test_rewards_reach_the_advantages_in_float64(ckpt_trainer, monkeypatch):
   """Rewards 4e-16 apart (one value computed two ways) are a zero-variance group; rounded to
   float32 first they straddled a rounding point, 1.2e-7 apart, and got advantages of +-0.06."""
