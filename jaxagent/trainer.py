@@ -414,6 +414,11 @@ def check_config(config) -> None:
       raise ValueError(f"{key} must be an int >= {least}, got {v!r}")
   count("total_steps", 0)
   count("seed", 0)  # the prompt shuffle takes only non-negative seeds
+  # Evals sample with seeds `seed` and `seed + 1`, which the rollout takes below 2**32 only: a
+  # larger seed trained and then ended the run at its first eval (or first pass@k eval).
+  if isinstance(config.get("seed"), (int, np.integer)) and config.get("seed") >= 2**32 - 1:
+    raise ValueError(f"seed must be an int in [0, 2**32 - 1) (evals sample with seed and "
+                     f"seed + 1, below 2**32), got {config.get('seed')!r}")
   for key in ("train.prompts_per_step", "train.samples_per_prompt", "train.epochs",
               "rollout.slots", "train.micro_batches", "train.max_sampling_rounds",
               "sft.batch_size"):

@@ -102,6 +102,8 @@ def test_config_keys_are_checked_against_the_quickstart():
     ("train.epochs", 0, "train.epochs must be an int >= 1"),
     ("total_steps", -1, "total_steps must be an int >= 0"),
     ("seed", -1, "seed must be an int >= 0, got -1"),
+    # Evals sample with seed and seed + 1 (< 2**32): the run trained, then its first eval raised.
+    ("seed", 2**32 - 1, r"seed must be an int in \[0, 2\*\*32 - 1\) .*got 4294967295"),
     ("rollout.slots", 0, "rollout.slots must be an int >= 1"),
     ("optimizer.lr", float("nan"), "learning_rate must be a finite number > 0"),
     ("sft.lr", float("nan"), "learning_rate must be a finite number > 0"),
