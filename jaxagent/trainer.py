@@ -448,8 +448,10 @@ def check_config(config) -> None:
   rollout = config.get("rollout") if hasattr(config, "get") else None
   if hasattr(rollout, "get") and "max_turns" in rollout:
     _rollout_config(rollout)
-    SamplingConfig(rollout.get("temperature", 1.0), rollout.get("top_p", 1.0),
-                   rollout.get("top_k", 0))
+    sampling = SamplingConfig(rollout.get("temperature", 1.0), rollout.get("top_p", 1.0),
+                              rollout.get("top_k", 0))
+    if "max_len" in rollout:  # (rollout.max_len=0 failed in the engines, after the model load)
+      EngineConfig(slots=rollout.get("slots", 8), max_len=rollout.max_len, sampling=sampling)
   if hasattr(train, "get") and train.get("pack_len") is not None:
     packing.config_from_train(train, 1)
   # Read by the warm start, after the evals before training: a missing file ended the run there.
