@@ -132,7 +132,8 @@ def lock_checkpoint_dir(config):
   two runs with their own workdirs and one `checkpoint_dir` (or one pointing into the other's
   workdir) each overwrote and deleted the other's checkpoints and ended "successfully"; a rerun
   then resumed the other run's weights. None when there is nothing to lock (a bucket cannot be
-  locked: one run per bucket folder is the user's to keep)."""
+  locked: one run per bucket folder is the user's to keep), and when the checkpoint directory
+  is the workdir itself, whose lock (`lock_workdir`, which `main` takes first) covers it."""
   from jaxagent.checkpoint import CheckpointConfig
   cfg = CheckpointConfig.from_config(config)
   if not cfg.enabled:
@@ -146,6 +147,10 @@ def lock_checkpoint_dir(config):
     raise ValueError(f"checkpoint directory {str(path)!r} cannot be created "
                      f"({e.strerror or e}): set --config.checkpoint_dir to a directory this "
                      "process can create and write") from None
+  # A second lock on the same file from this process fails like another run's would: a run
+  # with checkpoint_dir = workdir was refused as "another run", naming its own pid.
+  if pathlib.Path(str(path)).resolve() == pathlib.Path(str(config.workdir)).resolve():
+    return None
   return lock_workdir(path, setting="checkpoint_dir")
 
 

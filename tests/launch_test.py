@@ -507,6 +507,26 @@ def test_checkpoint_dir_is_locked_only_when_checkpointing_to_a_local_directory(t
     held.close()
 
 
+def test_a_checkpoint_dir_that_is_the_workdir_is_not_refused_as_another_run(tmp_path):
+  """checkpoint_dir = workdir (however spelt): the launch locked the same file twice, and the
+  second lock failed like another run's, naming the launch's own pid ("bad launch: another
+  run is using checkpoint_dir ..."). The workdir's lock guards that directory."""
+  from configs.quickstart import get_config
+  from jaxagent.launch import lock_checkpoint_dir, lock_workdir
+  c = get_config("tiny")
+  c.workdir = str(_mkdir(tmp_path / "run"))
+  c.checkpoint_every = 1
+  held = lock_workdir(c.workdir)
+  try:
+    for spelling in (c.workdir, c.workdir + "/", str(tmp_path / "run" / ".." / "run")):
+      c.checkpoint_dir = spelling
+      assert lock_checkpoint_dir(c) is None
+    with pytest.raises(ValueError, match="another run is using workdir"):
+      lock_workdir(c.workdir)  # (the directory stays locked, by the workdir's lock)
+  finally:
+    held.close()
+
+
 def _mkdir(path):
   path.mkdir(parents=True)
   return path
