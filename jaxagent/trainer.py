@@ -445,7 +445,11 @@ def check_config(config) -> None:
   # for a large one, and after the launcher's fit check): built here as well, so that a bad
   # checkpoint_keep, rollout budget, sampling or packing setting fails before that work.
   checkpoint.CheckpointConfig.from_config(config)
+  if hasattr(train, "get"):
+    _time_limit_s(train)
   rollout = config.get("rollout") if hasattr(config, "get") else None
+  if hasattr(rollout, "get"):
+    sharding.check_rollout_mesh(rollout.get("mesh", "learner"))
   if hasattr(rollout, "get") and "max_turns" in rollout:
     _rollout_config(rollout)
     sampling = SamplingConfig(rollout.get("temperature", 1.0), rollout.get("top_p", 1.0),

@@ -144,6 +144,8 @@ def test_bad_or_misspelt_settings_fail_before_any_work(tmp_path, key, value, mat
     ("rollout.top_p", 2.0, r"SamplingConfig.top_p must be in \(0, 1\]"),
     ("rollout.top_k", -1, "SamplingConfig.top_k must be >= 0"),
     ("rollout.max_len", 0, "EngineConfig.max_len must be an int > 1, got 0"),
+    ("rollout.mesh", "foo", r"rollout.mesh must be one of \('learner', 'data'\), got 'foo'"),
+    ("train.time_limit_s", -5.0, r"train.time_limit_s must be a number of seconds >= 0"),
     ("train.row_rounding", "x", "PackingConfig.row_rounding='x' is not supported"),
     ("train.len_buckets", (64,), "must end with train.pack_len=128"),
 ])
