@@ -257,8 +257,8 @@ def test_rollout_stats_and_metrics_on_a_hand_counted_case():
 _driver = importlib.import_module("jaxagent.agent.rollout")  # the module (`rollout` is the function)
 
 
-@pytest.mark.slow  # 15-25 s each on 2 cores (compiles of the tiny model; Pallas in interpret mode)
-@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+@pytest.mark.slow  # 10-40 s each on 2 cores (compiles of the tiny model; Pallas in interpret mode)
+@pytest.mark.parametrize("kernel", ["xla", "pallas", "pallas-merged"])
 def test_real_engine_slots_hold_exactly_the_ledger(monkeypatch, kernel):
   """The real engine and the driver agree after every prefill, decode and append call: each live
   slot's cached length, pending token and activity are the ledger's (its last token pending,
@@ -266,14 +266,22 @@ def test_real_engine_slots_hold_exactly_the_ledger(monkeypatch, kernel):
   (so the next turn's context is the ledger, nothing sampled past a stop and nothing of the
   slot's earlier trajectory). Then every trajectory equals its run alone. With "pallas" the
   per-layer cache and the decode kernel reading shared prompt rows: the samples of a prompt
-  share them while other groups take over finished slots."""
-  if kernel == "pallas":
+  share them while other groups take over finished slots; "pallas-merged" decodes as GPUs do by
+  default, with the run's prepared weights (q|k|v and gate|up merged, norms folded, matrices
+  chained, the raw q|k|v projection into the kernel) while prefill and append use the plain
+  ones."""
+  if kernel != "xla":
     monkeypatch.setenv("JAXAGENT_DECODE_KERNEL", "block_k=16")  # whole shared blocks
   cfg = models.get_config("tiny-llama")
   params = models.init_params(cfg, jax.random.key(0), std=0.2)
-  layout = dict(decode_attention="pallas", cache_layout="per_layer") if kernel == "pallas" else {}
+  layout = {} if kernel == "xla" else dict(decode_attention="pallas", cache_layout="per_layer")
+  if kernel == "pallas-merged":
+    layout.update(decode_merge_weights=True, decode_chain_weights=True)
   engine = Engine(cfg, EngineConfig(slots=3, max_len=96, eos_ids=(EOS,),
                                     sampling=SamplingConfig(temperature=1.0), **layout))
+  if kernel == "pallas-merged":
+    prepared = engine.prepare(params)
+    assert engine.fold_norms and engine.chain_weights and engine.fuses_qkv(4, prepared)
   seen = {"checks": 0, "states": set(), "shared": 0, "on": True}
 
   def check(run):
@@ -305,7 +313,7 @@ def test_real_engine_slots_hold_exactly_the_ledger(monkeypatch, kernel):
   trajs = rollout(engine, params, EchoEnv(), examples, tokenizer=TOK, num_samples=2, cfg=rcfg,
                   seed=3)
   assert seen["checks"] >= 30 and seen["states"] == {"decode", "tool"}
-  assert seen["shared"] >= (16 if kernel == "pallas" else 0)
+  assert seen["shared"] >= (0 if kernel == "xla" else 16)
   assert sum(t.num_turns for t in trajs) >= 12  # several appends into live slots
   seen["on"] = False
   for t in trajs:  # alone in the engine, under its own request id
