@@ -585,3 +585,37 @@ def test_numpy_float64_inputs_compute_in_float32_without_warnings():
     want, _ = policy_loss(*(jnp.asarray(x, jnp.float32) for x in (lp, old, np.ones((2, 5)), mask)), jnp.asarray(seg),
                           LossConfig(kl_coef=0.1), ref_logps=jnp.asarray(lp + 0.1, jnp.float32))
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
+
+
+@pytest.mark.parametrize("algo", ALGOS)
+def test_uneven_and_empty_micro_batches_equal_full_batch(algo):
+    # One row per micro-batch: six trajectories in one row, one each in two rows, a row of padding
+    # only and a row whose only trajectory has no policy token (zero tokens, zero live segments:
+    # denominator 0). Summed numerators over the summed denominator must equal the full batch,
+    # for every aggregation, with nothing NaN from the empty parts.
+    trajs = make_trajs(seed=6)
+    rows = [[0, 1, 2, 3, 4, 5], [6], [], [7], [2]]
+    for agg in AGGS:
+        cfg = make_cfg(algo, agg, clip_high=0.28, dual_clip=3.0, kl_coef=0.05, entropy_coef=0.01)
+        arr, seg, _ = to_batch(trajs, rows, 128)
+        loss_full, m_full, g_full = jax_loss_and_grad(arr, seg, cfg)
+        parts, grads = [], []
+        for r in range(len(rows)):
+            _, p, g = jax_loss_and_grad({k: v[r:r + 1] for k, v in arr.items()}, seg[r:r + 1], cfg, parts=True)
+            parts.append(p)
+            grads.append(g)
+        for r in (2, 3):  # the micro-batches without a policy token contribute exactly nothing
+            assert float(parts[r].numerator) == 0.0 and float(parts[r].denominator) == 0.0
+            assert np.all(grads[r] == 0.0)
+        total = combine_parts(*parts)
+        loss_acc, m_acc = finalize_parts(total)
+        g_acc = np.concatenate(grads) / float(jnp.maximum(total.denominator, 1.0))
+        assert np.isfinite(float(loss_acc)) and np.all(np.isfinite(g_acc))
+        np.testing.assert_allclose(loss_acc, loss_full, rtol=1e-5, atol=1e-6, err_msg=agg)
+        np.testing.assert_allclose(g_acc, g_full, rtol=1e-5, atol=1e-9, err_msg=agg)
+        for k in m_full:
+            np.testing.assert_allclose(m_acc[k], m_full[k], rtol=1e-5, err_msg=f"{agg} {k}")
+        # ...and the full batch is the reference formula on the unpacked trajectories.
+        live = [trajs[i] for row in rows for i in row]
+        lps = [t.lp for t in live]
+        np.testing.assert_allclose(float(loss_full), reference_loss(live, lps, cfg), rtol=1e-5, atol=1e-6)

@@ -97,6 +97,74 @@ def test_logit_gradient_is_zero_off_policy_tokens(params):
   assert np.all(per_pos[target_is_policy] > 0.0)
 
 
+def _log_softmax_np(z):
+  z = z - z.max(-1, keepdims=True)
+  return z - np.log(np.exp(z).sum(-1, keepdims=True))
+
+
+def test_packed_logprobs_equal_each_trajectory_scored_alone(params):
+  """`sequence_logprobs` on packed rows, position by position, against a NumPy log-softmax of
+  the logits of each trajectory run alone: position t of a segment holds log p(token t | its own
+  tokens < t) and the entropy of that prediction (temperature 0.7), for every t >= 1 of every
+  segment, so no segment sees its neighbour and positions restart per segment. A chunk of 16
+  makes the vocabulary projection cross segment boundaries."""
+  temp = 0.7
+  items = _items(5, seed=7)
+  pb, b = _batch(items, max_len=64)
+  assert pb.shape[0] < len(items) and pb.stats["max_segments_per_row"] >= 2
+  lp, ent = jax.jit(lambda p, b: step.sequence_logprobs(p, b, cfg=CFG, temperature=temp, chunk=16,
+                                                        with_entropy=True))(params, b)
+  lp, ent = np.asarray(lp), np.asarray(ent)
+  assert np.all(lp[:, 0] == 0.0)
+  # Alone: one trajectory per row, left-aligned, padding (segment 0) after it.
+  n_max = max(len(it.tokens) for it in items)
+  alone = np.zeros((len(items), n_max), np.int32)
+  for i, it in enumerate(items):
+    alone[i, :len(it.tokens)] = it.tokens
+  seg = (np.arange(n_max) < np.array([len(it.tokens) for it in items])[:, None]).astype(np.int32)
+  logits = np.asarray(jax.jit(lambda p, t, s: models.forward(p, t, cfg=CFG, segment_ids=s))(
+      params, alone, seg), np.float64)
+  for i, it in enumerate(items):
+    logp = _log_softmax_np(logits[i] / temp)
+    n = len(it.tokens)
+    want_lp = logp[np.arange(n - 1), it.tokens[1:]]
+    want_ent = -(np.exp(logp) * logp).sum(-1)[:n - 1]
+    r, o = pb.item_row[i], pb.item_offset[i]
+    np.testing.assert_allclose(lp[r, o + 1:o + n], want_lp, rtol=1e-4, atol=1e-4, err_msg=str(i))
+    np.testing.assert_allclose(ent[r, o + 1:o + n], want_ent, rtol=1e-4, atol=1e-4, err_msg=str(i))
+
+
+@pytest.mark.parametrize("save_probs", [False, True])
+def test_hidden_state_gradient_is_zero_off_policy_tokens(params, save_probs):
+  """The production log-prob path (`logprobs.token_logprobs`, its custom VJP, differentiated
+  entropies and a k3 KL term): d loss / d h at position t - 1, which predicts token t, is exactly
+  0 where token t is not a policy token, even with NaN old/reference log-probs and advantages
+  there, and nonzero where it is."""
+  items = _items(3, seed=8)
+  _, b = _batch(items, max_len=64)
+  off = np.asarray(b["loss_mask"]) == 0
+  dirty = {k: jnp.where(off, jnp.nan, b[k]) for k in ("old_logps", "ref_logps", "advantages")}
+  cfg = losses.LossConfig(algo="grpo", agg="seq_mean_token_mean", kl_coef=0.1, entropy_coef=0.01)
+  h = jax.jit(lambda p, b: models.hidden_states(p, b["tokens"], cfg=CFG, segment_ids=b["segment_ids"],
+                                                positions=b["positions"]))(params, b)
+  nxt = jnp.concatenate([b["tokens"][:, 1:], jnp.zeros_like(b["tokens"][:, :1])], 1)
+  shift = lambda x: jnp.concatenate([jnp.zeros_like(x[:, :1]), x[:, :-1]], 1)
+
+  def loss_of_h(h):
+    lp, ent = models.token_logprobs(params, h, nxt, cfg=CFG, temperature=0.7, chunk=16,
+                                    with_entropy=True, save_probs=save_probs)
+    return losses.policy_loss(shift(lp), dirty["old_logps"], dirty["advantages"], b["loss_mask"],
+                              b["segment_ids"], cfg, ref_logps=dirty["ref_logps"],
+                              entropies=shift(ent))[0]
+
+  loss, g = jax.jit(jax.value_and_grad(loss_of_h))(h)
+  assert np.isfinite(float(loss))
+  per_pos = np.abs(np.asarray(g)).sum(-1)
+  target_is_policy = np.concatenate([~off[:, 1:], np.zeros_like(off[:, :1])], 1)
+  assert np.all(per_pos[~target_is_policy] == 0.0)
+  assert np.all(per_pos[target_is_policy] > 0.0)
+
+
 @pytest.mark.parametrize("agg", [
     "token_mean", pytest.param("seq_mean_token_mean", marks=pytest.mark.slow)])
 def test_four_micro_batches_equal_one_batch(params, agg):
