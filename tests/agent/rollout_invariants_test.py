@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from jaxagent import models
-from jaxagent.agent import (OBSERVATION, POLICY, PROMPT, STOP_REASONS, Example, RolloutConfig,
+from jaxagent.agent import (OBSERVATION, OBSERVATION_TEMPLATES, POLICY, PROMPT, STOP_REASONS,
+                            CalculatorEnv, Example, JSONToolCallParser, RolloutConfig,
                             RolloutDriver, rollout, rollout_metrics)
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from tests.agent.rollout_test import (EOS, TOK, EchoEnv, FakeEngine, ScriptedCalcEnv,
@@ -250,6 +251,75 @@ def test_rollout_stats_and_metrics_on_a_hand_counted_case():
   assert m["rollout/num_tool_calls"] == m["rollout/valid_tool_calls"] == pytest.approx(1 / 3)
   assert m["rollout/tool/calculator"] == pytest.approx(1 / 3)
   assert m["rollout/tool_errors"] == m["rollout/tool_error_rate"] == 0.0
+
+
+
+# Fragments of turns in a real byte-level BPE vocabulary: the JSON call convention, tags split
+# anywhere, tokens that run past a closing tag (">\n", ">."), characters of several byte tokens
+# and a non-ASCII stop string.
+_BPE_FRAGMENTS = ["<tool_call>", '{"name": "calculator", "arguments": {"expression": "1+1"}}',
+                  "</", "tool", "_call", ">", "\n\n", "</tool_call>", "é漢字🙂", "<answer>", "4",
+                  "</answer>", "answer>", " ", "x", "</tool_call>.", ">\n", "終了", "終", "了",
+                  "終了" * 4]
+
+
+def test_turns_end_at_the_first_stop_string_with_a_real_bpe_tokenizer():
+  """Byte-level BPE tokens (SmolLM2): whatever way a stop string is split over tokens, or shares
+  its last token with text after it, a turn ends at the first token whose decoded prefix holds a
+  stop string (or at EOS), never later; its tokens are those sampled; each observation is the
+  env's encoding of its text. An 8-character stop string of 16 byte tokens is found too."""
+  try:
+    tok = models.load_tokenizer("smollm2-135m-instruct")
+  except Exception as e:  # noqa: BLE001 - the GGUF ships in an optional pip package
+    pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
+
+  class ChatCalc(CalculatorEnv):
+    observation_template = OBSERVATION_TEMPLATES["chatml_tool"]
+
+    def __init__(self):
+      super().__init__()
+      self.parser = JSONToolCallParser(answer_tag="answer")
+
+  env, eos = ChatCalc(), sorted(tok.eos_ids)
+  stops = ["</tool_call>", "</answer>", "終了" * 4]  # 8 characters, 16 tokens
+  assert len(tok.encode(stops[-1])) == 16
+  ex = Example("c", [{"role": "user", "content": "What is 6*7?"}], gold="42")
+  for seed in range(60):
+    rng = random.Random(seed)
+    scripts = {}
+    for rid in range(3):
+      turns = []
+      for _ in range(rng.randint(1, 4)):
+        ids = []
+        for _ in range(rng.randint(1, 8)):
+          piece = rng.choice(_BPE_FRAGMENTS)
+          # As the tokenizer splits it, or character by character (other token boundaries).
+          ids += (tok.encode(piece) if rng.random() < 0.6
+                  else [i for c in piece for i in tok.encode(c)])
+        turns.append(ids + ([eos[-1]] if rng.random() < 0.2 else []))
+      scripts[rid] = turns
+    fake = FakeEngine(lambda rid, k, sc=scripts: sc[rid][k] if k < len(sc[rid]) else [],
+                      slots=rng.randint(1, 3), max_len=512, eos_ids=tuple(eos),
+                      filler=tok.encode("z")[0])
+    cfg = RolloutConfig(max_turns=4, max_tokens_per_turn=rng.randint(4, 80),
+                        decode_steps=rng.randint(1, 6), stop_strings=(stops[-1],))
+    trajs = rollout(fake, None, env, [ex], tokenizer=tok, num_samples=3, cfg=cfg)
+    fake.finalize()
+    for t in trajs:
+      check_ledger(t, fake, tok)
+      for turn in t.turns:
+        a, b = turn.policy_span
+        toks = t.token_ids[a:b]
+        first_stop = next((i for i in range(len(toks))
+                           if any(s in tok.decode(toks[:i + 1]) for s in stops)), None)
+        first_eos = next((i for i, x in enumerate(toks) if x in tok.eos_ids), None)
+        end = min(i for i in (first_stop, first_eos, len(toks) - 1) if i is not None)
+        assert end == len(toks) - 1, (seed, turn.text)
+        assert (turn.ended_by == "stop") == (first_stop == end and first_eos != end), (
+            seed, turn.ended_by, turn.text)
+        if turn.observation_span is not None:
+          oa, ob = turn.observation_span
+          assert t.token_ids[oa:ob] == env.encode_observation(turn.observation_text, tok)
 
 
 # --------------------------------------------------------------------------------------- real model
