@@ -489,6 +489,71 @@ def test_sigterm_in_the_last_step_finishes_the_run(tmp_path):
   assert (run / "export" / "model.safetensors").exists() and (run / "curves.png").exists()
 
 
+@pytest.mark.slow  # three trainers, 6 RL steps with evals and checkpoints (about 2 min on 2 cores)
+def test_a_stop_between_checkpoints_then_a_resume_repeats_the_straight_run(tmp_path):
+  """3 RL steps straight == a stop (SIGTERM's path) after step 1, which is not a checkpoint
+  step, then a new trainer resuming to step 3: the same params, optimizer state, step count,
+  KL reference, samples and metrics, with dynamic sampling (a varying number of prompts drawn
+  per step), a cosine schedule and evals every 2 steps."""
+  import dataclasses
+  import zlib
+
+  def trainer(workdir):
+    t = Trainer(_tiny(workdir, **{
+        "total_steps": 3, "checkpoint_every": 100, "train.dynamic_sampling": True,
+        "train.max_sampling_rounds": 2, "train.zero_variance": "drop", "loss.kl_coef": 0.01,
+        "optimizer.schedule": "cosine", "optimizer.warmup_steps": 1, "eval.size": 2,
+        "eval.every": 2, "log.dump_every": 1}))
+    real = t.env.reward
+
+    def reward(traj, *args):  # a function of the sampled tokens: some groups informative
+      out = real(traj, *args)
+      return dataclasses.replace(out, total=float(zlib.crc32(np.asarray(traj.tokens, np.int64)
+                                                             .tobytes()) % 3 == 0))
+    t.env.reward = reward
+    return t
+
+  def finish(t):
+    try:
+      summary = t.run()
+      return summary, jax.device_get((t.state, t.ref_params))
+    finally:
+      t.close()
+
+  def records(workdir):
+    timing = lambda k: k == "time" or k.startswith("time/") or k.endswith("_s") or "compile" in k
+    return [{k: v for k, v in json.loads(line).items() if not timing(k)}
+            for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
+
+  straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+  _, (want, want_ref) = finish(trainer(straight))
+  first = trainer(resumed)
+  rl_step = first.rl_step
+
+  def stop_after_step_1(step):
+    m = rl_step(step)
+    first.request_stop("test stop")
+    return m
+  first.rl_step = stop_after_step_1
+  summary, _ = finish(first)
+  assert summary["stopped_at_step"] == 1
+  assert sorted(p.name for p in (resumed / "run" / "checkpoints").iterdir()
+                if p.name.isdigit()) == ["0", "1"]
+  _, (got, got_ref) = finish(trainer(resumed))
+
+  for a, b in zip(jax.tree.leaves((want, want_ref)), jax.tree.leaves((got, got_ref))):
+    np.testing.assert_array_equal(a, b)
+  assert int(got.step) >= 1
+  assert any(np.any(a != b) for a, b in zip(jax.tree.leaves(got.params),
+                                            jax.tree.leaves(got_ref)))  # it trained
+  rec_a, rec_b = records(straight), records(resumed)
+  assert [r["step"] for r in rec_b] == [1, 2, 3] and rec_b == rec_a
+  assert any(r["adv/dynamic_sampling_informative_rate"] not in (0.0, 1.0) for r in rec_a)
+  for step in (1, 2, 3):
+    name = f"samples/step_{step:06d}.jsonl"
+    assert (resumed / "run" / name).read_text() == (straight / "run" / name).read_text(), step
+
+
 def test_time_limit_must_not_be_negative(tmp_path):
   with pytest.raises(ValueError, match="time_limit_s"):
     Trainer(_tiny(tmp_path, **{"train.time_limit_s": -1.0}))
