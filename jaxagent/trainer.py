@@ -915,6 +915,13 @@ class Trainer:
             # carries, so that the trainer can still save, export or evaluate it.
             self.state = getattr(e, "state", self.state)
             raise
+        if m.get("nonfinite"):  # train.nonfinite="skip": said here, not only in the metrics
+          bad = [k for k, v in m.items() if not math.isfinite(v)] or ["grad_norm"]
+          self.writer.message(
+              f"warning: RL step {step}" + (f", epoch {epoch + 1} of {epochs}" if epochs > 1
+                                            else "")
+              + f": non-finite {', '.join(bad)}; the update was skipped (train.nonfinite="
+              "'skip'): params and optimizer state are unchanged (train/nonfinite=1)")
         metrics.update({f"train/{k}": v for k, v in m.items()})
       # Logged on every step, so its mean over a run is the fraction of steps skipped.
       metrics["train/skipped_no_signal"] = 0.0

@@ -809,6 +809,28 @@ def test_a_nonfinite_update_leaves_the_trainer_its_unchanged_state(ckpt_trainer,
     np.testing.assert_array_equal(a, b)
 
 
+def test_a_skipped_nonfinite_update_is_said_with_its_step_and_metrics(ckpt_trainer, monkeypatch):
+  """train.nonfinite='skip': the step and the non-finite metrics are named on the console (a
+  run skipping every update showed it only as train/nonfinite=1 in metrics.jsonl)."""
+  trainer = ckpt_trainer
+  monkeypatch.setattr(trainer, "_collect",
+                      lambda step, params: ({}, {"old_logps": np.zeros((1, 4), np.float32)}))
+  said = []
+  monkeypatch.setattr(trainer.writer, "message", said.append)
+  skipped = {"loss": float("nan"), "grad_norm": float("inf"), "entropy": 1.0, "nonfinite": 1.0}
+  monkeypatch.setattr(trainer.learner, "train_step", lambda state, batch: (state, dict(skipped)))
+  m = trainer.rl_step(4)
+  assert m["train/nonfinite"] == 1.0
+  assert said == ["warning: RL step 4: non-finite loss, grad_norm; the update was skipped "
+                  "(train.nonfinite='skip'): params and optimizer state are unchanged "
+                  "(train/nonfinite=1)"]
+  monkeypatch.setattr(trainer.learner, "train_step",
+                      lambda state, batch: (state, {"loss": 0.5, "grad_norm": 1.0,
+                                                    "nonfinite": 0.0}))
+  trainer.rl_step(5)
+  assert len(said) == 1  # an update that was applied says nothing
+
+
 def test_rewards_reach_the_advantages_in_float64(ckpt_trainer, monkeypatch):
   """Rewards 4e-16 apart (one value computed two ways) are a zero-variance group; rounded to
   float32 first they straddled a rounding point, 1.2e-7 apart, and got advantages of +-0.06."""
