@@ -170,3 +170,16 @@ def test_dynamic_sampler_matches_loop_reference_on_random_rounds():
     assert s.accepted == accepted and s.shortfall == max(target - accepted, 0)
     assert accepted == target or done_rounds == rounds
     assert s.metrics()["dynamic_sampling_groups_seen"] == seen
+
+
+@pytest.mark.parametrize("method,want", [("grpo", [-1.0, 0.0, 1.0]), ("dr_grpo", [-0.01, 0.0, 0.01]),
+                                         ("rloo", [-0.015, 0.0, 0.015])])
+def test_float64_rewards_keep_differences_float32_would_lose(method, want):
+    # Rewards 1e6 + {0, 0.01, 0.02}: float32 spaces numbers near 1e6 by 0.0625, so reading them
+    # in float32 would make the group all equal (zero variance, advantage 0). The group is
+    # centred in float64, and only the advantages are float32.
+    rewards = 1e6 + np.array([0.0, 0.01, 0.02])
+    assert np.ptp(rewards.astype(np.float32)) == 0.0
+    adv, info = compute_advantages(rewards, np.zeros(3, int), method=method, eps=0.0)
+    np.testing.assert_allclose(adv, want, rtol=1e-6, atol=1e-7)  # 1e6 + 0.01 is itself rounded
+    assert info.num_zero_variance_groups == 0 and adv.dtype == np.float32
