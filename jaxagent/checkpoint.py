@@ -331,11 +331,18 @@ def _identity(meta: Mapping[str, Any]) -> str:
 def _is_checkpoint_folder(step_dir: epath.Path) -> bool:
   """Whether a numbered folder holds a jaxagent checkpoint: readable jaxagent metadata, or
   (a damaged one, which the resume names and skips) a folder orbax finalised that holds a
-  `params` or `meta` item."""
+  `params` or `meta` item, or one that holds nothing but what a save writes.
+
+  The last is what a kill leaves of a checkpoint that retention was deleting: orbax deletes
+  the files first, the top-level ones among the first, then the folders. Taken for a user's
+  folder, it stopped every later resume of the run."""
   if _meta_file(step_dir) is not None:
     return True
-  return (any((step_dir / f).exists() for f in _ORBAX_FINAL_FILES)
-          and any((step_dir / d).is_dir() for d in ("params", "meta")))
+  if (any((step_dir / f).exists() for f in _ORBAX_FINAL_FILES)
+      and any((step_dir / d).is_dir() for d in ("params", "meta"))):
+    return True
+  entries = list(step_dir.iterdir())
+  return bool(entries) and all(e.name.split(_TMP_SUFFIX)[0] in _SAVE_ENTRIES for e in entries)
 
 
 @dataclasses.dataclass

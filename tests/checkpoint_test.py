@@ -166,6 +166,32 @@ def test_retention_deletes_only_this_runs_checkpoints(tmp_path):
   assert (tmp_path / "5" / "notes.txt").read_text() == "user data"
 
 
+def test_a_checkpoint_whose_deletion_was_cut_short_does_not_stop_the_resume(tmp_path):
+  """Retention deletes an old checkpoint's files (the top-level ones among the first), then
+  its folders; a kill in between left a numbered folder without metadata that the resume took
+  for a user's folder: every later start of the run was refused ("not jaxagent checkpoints")."""
+  learner, _ = _two_checkpoints(tmp_path)
+  files = sorted((p for p in (tmp_path / "1").rglob("*") if p.is_file()), key=str)
+  for p in files[::2] + [tmp_path / "1" / "_CHECKPOINT_METADATA",
+                         tmp_path / "1" / "commit_success.txt", tmp_path / "1" / "meta" / "metadata"]:
+    p.unlink(missing_ok=True)
+  assert any(p.is_file() for p in (tmp_path / "1").rglob("*"))  # array files left
+  said = []
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1),
+                                     say=said.append)
+  r = mgr.restore_latest(_target(learner), config=_config())
+  assert r.step == 2 and said == []
+  assert mgr.save(3, r.state, meta=_meta(_config()))
+  mgr.close()
+  assert (tmp_path / "3").is_dir() and (tmp_path / "1").is_dir()  # kept: nothing names its run
+  # With every file gone (the folders left), the same.
+  for p in [p for p in (tmp_path / "1").rglob("*") if p.is_file()]:
+    p.unlink()
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1))
+  assert mgr.restore_latest(_target(learner), config=_config()).step == 3
+  mgr.close()
+
+
 def test_on_a_bucket_only_interrupted_saves_are_cleaned_up(tmp_path, monkeypatch):
   # On gs:// orbax completes a save by writing commit_success.txt into the step folder, and its
   # clean-up of unfinished saves deleted every folder without that file (a user's notes/ or
