@@ -239,3 +239,29 @@ def test_text_prompts_start_with_the_bos_the_tokenizer_adds(tmp_path, monkeypatc
   assert seen[-1] == [[0] + tok.encode(texts[0]), [0] + tok.encode("Hi")]
   generate(params, cfg, texts, 1, tokenizer=tok, max_len=32)
   assert seen[-1] == [tok.encode(t) for t in texts]
+
+
+def test_host_stops_and_slot_reuse_leave_each_request_as_if_alone(params, engine):
+  """Requests through one slot with host-side stops (stop token ids picked from their unstopped
+  outputs: a first token, tokens inside a decode call): the device decodes past a stop within
+  its call, the host frees the slot and the next request reuses it over the stale cache rows.
+  Each request is its unstopped output cut at its first stop token (the same tokens and
+  log-probs, nothing after the stop), and equals its run alone."""
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(6, CFG.vocab_size, rng.integers(1, 13)).tolist() for _ in range(6)]
+  ids = list(range(len(prompts)))
+  ref = run_requests(engine, params, prompts, max_new_tokens=16, request_ids=ids,
+                     decode_steps=4)
+  stop_ids = {ref[0].tokens[0], ref[1].tokens[2], ref[2].tokens[5], ref[3].tokens[10]}
+  stops = [[t] for t in sorted(stop_ids)]
+  outs = run_requests(engine, params, prompts, max_new_tokens=16, request_ids=ids, stop=stops,
+                      decode_steps=4)
+  for i, (o, r) in enumerate(zip(outs, ref)):
+    cut = next((k for k, t in enumerate(r.tokens) if t in stop_ids), None)
+    want = r.tokens if cut is None else r.tokens[:cut + 1]
+    assert (o.tokens, o.stop_reason) == (want, "max_new_tokens" if cut is None else "stop"), i
+    np.testing.assert_allclose(o.logprobs, r.logprobs[:len(want)], atol=1e-5)
+    (alone,) = run_requests(engine, params, [prompts[i]], max_new_tokens=16, request_ids=[i],
+                            stop=stops, decode_steps=4)
+    assert (alone.tokens, alone.stop_reason) == (o.tokens, o.stop_reason), i
+  assert {o.stop_reason for o in outs} == {"stop", "max_new_tokens"} and len(outs[0].tokens) == 1
