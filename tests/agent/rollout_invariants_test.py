@@ -24,8 +24,8 @@ from tests.agent.rollout_test import (EOS, TOK, EchoEnv, FakeEngine, ScriptedCal
 # Pieces of scripted turns: calls, answers, malformed and unbalanced tags, a tool that fails, a
 # result too long for short limits, EOS inside a turn, think blocks, a configured stop string.
 _PIECES = ["<calc>1+1</calc>", "<calc>2*", "3</calc>", "<answer>2</answer>", "</calc>",
-           "<calc></calc>", "hello ", "x" * 7, "<pair>ab</pair>", chr(EOS), "<ans", "wer>5</answer>",
-           "<nap>0.001</nap>", "STOP", "<calc>1/0</calc>", "<think>", "</think>",
+           "<calc></calc>", "hello ", "x" * 7, "<pair>ab</pair>", chr(EOS), "<ans",
+           "wer>5</answer>", "<nap>0.001</nap>", "STOP", "<calc>1/0</calc>", "<think>", "</think>",
            "<calc>99999999999*99999999999</calc>"]
 _ENDS = ["<calc>1+2</calc>", "<answer>3</answer>", chr(EOS), "<nap>0.001</nap>", "", "<calc>5",
          "STOP"]
@@ -176,10 +176,12 @@ def test_an_observation_at_the_length_limit(cap, room):
     assert len(t) == limit and t.num_turns == 2
     assert t.turns[0].observation_span == (cached + 1, cached + 1 + len(obs))
     a, b = t.turns[1].policy_span
-    assert (b - a, t.turns[1].ended_by, t.turns[1].text) == (1 + room, "length", "<answer>5"[:1 + room])
+    assert (b - a, t.turns[1].ended_by) == (1 + room, "length")
+    assert t.turns[1].text == "<answer>5"[:1 + room]
   np.testing.assert_array_equal(t.loss_mask(), t.roles == POLICY)
   inp = t.to_reward_input(TOK, "5", policy_only=True)
-  assert inp.truncated and inp.metadata["stop_reason"] == cap and inp.metadata["final_answer"] is None
+  assert inp.truncated and inp.metadata["stop_reason"] == cap
+  assert inp.metadata["final_answer"] is None
 
 
 @pytest.mark.parametrize("last", ["<answer>5</answer>", "<calc>1+1</calc>"])
@@ -324,7 +326,8 @@ def test_turns_end_at_the_first_stop_string_with_a_real_bpe_tokenizer():
 
 # --------------------------------------------------------------------------------------- real model
 
-_driver = importlib.import_module("jaxagent.agent.rollout")  # the module (`rollout` is the function)
+# The module (`jaxagent.agent.rollout` is also the name of the function).
+_driver = importlib.import_module("jaxagent.agent.rollout")
 
 
 @pytest.mark.slow  # 10-40 s each on 2 cores (compiles of the tiny model; Pallas in interpret mode)
