@@ -40,6 +40,40 @@ def finite_json(record: Mapping[str, Any], **kwargs) -> str:
                      for k, v in record.items()}, **kwargs)
 
 
+class _EventFile:
+  """A TensorBoard event file whose scalars are on disk when `write` returns.
+
+  tensorboardX's `SummaryWriter` queues events for a thread that writes them, and its `flush`
+  does not wait for that thread: a run killed after logging a step (out of memory, a
+  preemption without notice) lost that step's events, and a resume from the checkpoint of that
+  step never logs it again. `purge_step`: TensorBoard drops the events of earlier files at
+  steps >= it (the START record `SummaryWriter(purge_step=...)` writes).
+  """
+
+  def __init__(self, logdir: pathlib.Path, *, purge_step: int | None = None, suffix: str = ""):
+    from tensorboardX.event_file_writer import EventsWriter
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.summary import scalar
+    self._event, self._scalar = event_pb2.Event, scalar
+    logdir.mkdir(parents=True, exist_ok=True)
+    self._writer = EventsWriter(str(logdir / "events"), suffix)
+    if purge_step is not None:
+      self._writer.write_event(event_pb2.Event(
+          wall_time=time.time(), step=purge_step,
+          session_log=event_pb2.SessionLog(status=event_pb2.SessionLog.START)))
+    self._writer.flush()
+
+  def write(self, step: int, scalars: Mapping[str, float]) -> None:
+    now = time.time()
+    for tag, value in scalars.items():
+      self._writer.write_event(self._event(wall_time=now, step=int(step),
+                                           summary=self._scalar(tag, value)))
+    self._writer.flush()
+
+  def close(self) -> None:
+    self._writer.close()
+
+
 class MetricsWriter:
   """Writes step metrics to JSONL and TensorBoard; keeps them for the final curves plot."""
 
@@ -59,8 +93,7 @@ class MetricsWriter:
     self._jsonl = open(self.workdir / "metrics.jsonl", "a", buffering=1)
     if tensorboard:
       try:
-        from tensorboardX import SummaryWriter
-        self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+        self._tb = _EventFile(self.workdir / "tensorboard")
       except ImportError:  # optional: JSONL is always written
         log.warning("tensorboardX is not installed; writing metrics.jsonl only")
     if progress and progress_total:
@@ -75,10 +108,8 @@ class MetricsWriter:
       return
     self._jsonl.write(finite_json(rec) + "\n")
     if self._tb is not None:
-      for k, v in clean.items():
-        # TensorBoard tags allow [A-Za-z0-9_./-]: "eval/pass@1" is logged as "eval/pass_at_1".
-        self._tb.add_scalar(k.replace("@", "_at_"), v, step)
-      self._tb.flush()
+      # TensorBoard tags allow [A-Za-z0-9_./-]: "eval/pass@1" is logged as "eval/pass_at_1".
+      self._tb.write(step, {k.replace("@", "_at_"): v for k, v in clean.items()})
 
   def progress(self, n: int = 1, **postfix) -> None:
     if self._bar is not None:
@@ -129,11 +160,10 @@ class MetricsWriter:
     event files are reopened with `purge_step=step + 1`, which TensorBoard honours on load."""
     if self._tb is None:
       return
-    from tensorboardX import SummaryWriter
     self._tb.close()
     # Its own file name: one made in the same second as the last would replace that file.
-    self._tb = SummaryWriter(str(self.workdir / "tensorboard"), purge_step=int(step) + 1,
-                             filename_suffix=f".resumed-after-{int(step)}")
+    self._tb = _EventFile(self.workdir / "tensorboard", purge_step=int(step) + 1,
+                          suffix=f".resumed-after-{int(step)}")
 
   def set_aside_earlier_run(self) -> pathlib.Path | None:
     """For a run that starts from scratch (nothing to resume): move the outputs an earlier run
@@ -159,8 +189,7 @@ class MetricsWriter:
         (self.workdir / name).rename(dest / name)
     self._jsonl = open(self.workdir / "metrics.jsonl", "a", buffering=1)
     if tb:
-      from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(str(self.workdir / "tensorboard"))
+      self._tb = _EventFile(self.workdir / "tensorboard")
     return dest
 
   def close(self) -> None:

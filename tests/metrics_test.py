@@ -41,6 +41,22 @@ def test_jsonl_and_tensorboard_and_the_rewind_purges_later_steps(tmp_path):
   assert {"reward/mean", "eval/pass_at_1"} <= tags
 
 
+def test_each_record_is_on_disk_when_write_returns(tmp_path):
+  """A run killed (-9, out of memory) between steps keeps every step it logged: the JSONL line
+  and the TensorBoard events are written through before `write` returns, not at `close`."""
+  w = MetricsWriter(tmp_path, progress=False)
+  try:
+    for step in (1, 2):
+      w.write(step, {"reward/mean": float(step)})
+      recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+      assert [r["step"] for r in recs] == list(range(1, step + 1))
+      logged = [(ev.step, v.simple_value) for _, ev in _events(tmp_path / "tensorboard")
+                for v in ev.summary.value if v.tag == "reward/mean"]
+      assert logged == [(s, float(s)) for s in range(1, step + 1)]
+  finally:
+    w.close()
+
+
 def test_progress_bar_shows_this_steps_values(tmp_path, capsys):
   # The postfix was set after the update that redraws the bar: each step showed the last one's.
   w = MetricsWriter(tmp_path, tensorboard=False, progress_total=3)
