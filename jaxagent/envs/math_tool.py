@@ -323,6 +323,17 @@ def champ_problems() -> list[tuple[str, str, list[str]]]:
   return out
 
 
+def _answer_key_paths() -> tuple[str, ...]:
+  """Where the installed problem sources live (located, not imported)."""
+  import importlib.util
+  paths = []
+  for package in ("reasoning_gym", "champ_dataset"):
+    spec = importlib.util.find_spec(package)
+    if spec is not None:
+      paths.extend(spec.submodule_search_locations or ([spec.origin] if spec.origin else []))
+  return tuple(paths)
+
+
 # ----------------------------------------------------------------------------- the task
 # The answer is read as the env's parser reads the turn that ended with it. A code or think block
 # runs to its close. One never closed runs to where an `<answer>` opens, or to the end of the
@@ -418,7 +429,11 @@ class MathToolEnv(Env):
     self.sources, self.eval_sources = tuple(sources), tuple(eval_sources)
     self.seed = seed
     self.max_output_chars = max_output_chars
-    self.sandbox = SandboxConfig(timeout_s=code_timeout_s, memory_mb=code_memory_mb)
+    # The problem sources are importable from the sandbox's site-packages: CHAMP ships its
+    # answers, and reasoning-gym regenerates every gsm_symbolic problem with its answer from the
+    # split's seed. The policy's code may not read them.
+    self.sandbox = SandboxConfig(timeout_s=code_timeout_s, memory_mb=code_memory_mb,
+                                 deny_read_paths=_answer_key_paths())
     self.parser = XMLTagParser({"code": ("python", "code")}, answer_tag="answer", strip=False,
                                think_tag=_FORMAT.think_tag)
     self._sizes = {"train": train_size, "eval": eval_size, "sft": sft_size}

@@ -201,6 +201,27 @@ def test_episode_has_a_persistent_interpreter_closed_at_the_end(env):
   assert not tool({"code": "print(1)"}).ok
 
 
+def test_the_interpreter_cannot_read_the_problem_sources(env):
+  """The policy's code could import champ_dataset and print the gold answer of a CHAMP problem,
+  or regenerate the train split's gsm_symbolic problems, answers included, with reasoning-gym
+  (seed 0 for the default seed); both packages sit in the sandbox's site-packages."""
+  ex = env.examples("train")[0]
+  ep = env.new_episode(ex)
+  tool = ep.tools.get("python")
+  try:
+    for code in ("import champ_dataset\nprint(len(champ_dataset.load('v0').problems))",
+                 "import reasoning_gym\nprint(reasoning_gym.create_dataset('gsm_symbolic', size=1, "
+                 "seed=0)[0]['answer'])"):
+      out = tool({"code": code})
+      # Refused by the audit hook, or found empty where the kernel hides the directory.
+      assert not out.ok and not out.output, (code, out)
+    # The interpreter works as before, with the libraries a solution may use.
+    out = tool({"code": "import math, fractions\nprint(math.comb(6, 2), fractions.Fraction(1, 3))"})
+    assert out.ok and out.output == "15 1/3\n", out
+  finally:
+    ep.close()
+
+
 def test_observation_format(env):
   assert env.format_observation(ToolResult.success("5\n")) == "<interpreter>5\n</interpreter>"
   assert "print()" in env.format_observation(ToolResult.success(""))
