@@ -206,10 +206,14 @@ def _check_count(name: str, value) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class ToolShapingConfig:
-  """Capped bonus for valid tool calls and an optional (capped) penalty for tool errors.
+  """Capped bonus for valid tool calls that ran, and an optional (capped) penalty for tool errors.
 
-  reward = min(reward_per_valid_call * num_valid, max_reward)
+  reward = min(reward_per_valid_call * num_ok, max_reward)
            - min(penalty_per_error * num_errors, max_penalty)
+
+  where num_ok = min(num_valid, num_calls - num_errors) counts the valid calls that did not
+  fail: a well-formed call that the tool then refused or that raised or timed out (garbage code,
+  `1/0` for a calculator) earns no bonus, or the bonus would pay for calls that do nothing.
   """
 
   reward_per_valid_call: float = 0.1
@@ -232,8 +236,10 @@ def tool_use_reward(num_calls: int, num_valid: int, num_errors: int,
 
   Args:
     num_calls: tool calls attempted.
-    num_valid: calls that parsed and named a known tool.
-    num_errors: calls that failed (malformed, tool raised, timed out).
+    num_valid: calls that parsed and named a known tool (with valid arguments), whether or not
+      the tool then succeeded.
+    num_errors: calls that failed (malformed, tool raised, timed out); a valid call that failed
+      counts in both, as the rollout counts it.
   """
   num_calls = _check_count("num_calls", num_calls)
   num_valid = _check_count("num_valid", num_valid)
@@ -241,7 +247,8 @@ def tool_use_reward(num_calls: int, num_valid: int, num_errors: int,
   if num_valid > num_calls or num_errors > num_calls:
     raise ValueError(f"tool counts disagree: num_valid={num_valid} and num_errors={num_errors} "
                      f"must each be <= num_calls={num_calls}")
-  bonus = min(config.reward_per_valid_call * num_valid, config.max_reward)
+  num_ok = min(num_valid, num_calls - num_errors)
+  bonus = min(config.reward_per_valid_call * num_ok, config.max_reward)
   penalty = min(config.penalty_per_error * num_errors, config.max_penalty) if num_errors else 0.0
   return bonus - penalty
 

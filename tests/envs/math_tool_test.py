@@ -335,6 +335,33 @@ def test_progressive_shaping(make_traj, char_tok):
     assert out.total == pytest.approx(-alpha + (1 - alpha) * (0.4 + 0.1))
 
 
+def test_tool_bonus_pays_only_for_code_that_ran():
+  """Through the real rollout: five cells of garbage code (NameError, ZeroDivisionError) before
+  a wrong answer earned the full tool bonus, as five cells that ran did."""
+  from jaxagent.agent.rollout import RolloutConfig, rollout
+  from tests.agent.rollout_test import TOK, FakeEngine
+
+  env = MathToolEnv(train_size=2, eval_size=0, sft_size=0, tool_weight=0.1)
+  ex = Example(id="x", prompt="Q: 6 times 7?", gold="42")
+  cfg = RolloutConfig(max_turns=8, max_tokens_per_turn=64, tool_timeout_s=20, traj_tool_timeout_s=60)
+
+  def run(cells, answer):
+    cache = [TOK.encode(t) for t in [*cells, f"<answer>{answer}</answer>"]]
+    engine = FakeEngine(lambda rid, t: cache[t] if t < len(cache) else [], slots=1, max_len=1024)
+    (traj,) = rollout(engine, None, env, [ex], tokenizer=TOK, num_samples=1, cfg=cfg)
+    assert traj.stop_reason == "answer" and traj.num_tool_calls == len(cells)
+    return env.reward(traj, ex, TOK, 0)
+
+  garbage = run(["<code>x</code>", "<code>1/0</code>"] * 2 + ["<code>y</code>"], "41")
+  assert garbage.components == {"correct": -1.0, "format": 1.0, "tool_calls": 0.0}
+  assert garbage.total == -1.0
+  ran = run(["<code>print(6 * 7)</code>", "<code>x = 6</code>", "<code>print(x)</code>"], "42")
+  assert ran.components["tool_calls"] == 3.0 and ran.total == pytest.approx(1.3)
+  # One cell of three failed: two earn the bonus.
+  mixed = run(["<code>x = 6</code>", "<code>print(x * z)</code>", "<code>print(x * 7)</code>"], "42")
+  assert mixed.components["tool_calls"] == 2.0
+
+
 def test_demonstration_scores_plus_one(env, smol_tok):
   from jaxagent.agent.trajectory import demonstration_trajectory
   for ex in env.examples("sft"):

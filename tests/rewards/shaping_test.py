@@ -195,6 +195,18 @@ def test_tool_use_error_penalty_and_its_cap():
   assert tool_use_reward(8, 0, 8, uncapped) == pytest.approx(-2.0)
 
 
+def test_a_valid_call_that_failed_earns_no_bonus():
+  """The rollout counts a well-formed call whose tool then failed (NameError, 1/0, a timeout) as
+  valid and as an error; five such calls earned the full bonus, as five that ran."""
+  config = ToolShapingConfig(reward_per_valid_call=0.1, max_reward=0.5)
+  assert tool_use_reward(5, 5, 5, config) == 0.0
+  assert tool_use_reward(5, 5, 0, config) == pytest.approx(0.5)
+  assert tool_use_reward(5, 5, 3, config) == pytest.approx(0.2)  # two ran
+  assert tool_use_reward(6, 4, 3, config) == pytest.approx(0.3)  # two invalid, one valid failed
+  penalised = ToolShapingConfig(reward_per_valid_call=0.1, max_reward=0.5, penalty_per_error=0.05)
+  assert tool_use_reward(2, 2, 1, penalised) == pytest.approx(0.1 - 0.05)
+
+
 @pytest.mark.parametrize("counts,match", [((1, 2, 0), "disagree"), ((1, 0, 2), "disagree"), ((-1, 0, 0), "num_calls"),
                                           ((1, 1.0, 0), "num_valid")])
 def test_tool_use_rejects_bad_counts(counts, match):
