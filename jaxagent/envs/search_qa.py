@@ -20,8 +20,9 @@ the trainer reads when it turns RL trajectories into packed rows (their old log-
 sampler never produced, are scored with the current policy before the update). The SFT warm
 start trains on the demonstrations' policy tokens in both arms, so the arms differ only in RL.
 
-Reward: exact match of the `<answer>` (only that block, as the rollout's parser reads the answer)
-against the gold entity name (or token F1 with
+Reward: exact match of the `<answer>` (only that block, as the rollout's parser reads the answer,
+and only in a trajectory that the rollout ended with an answer) against the gold entity name (or
+token F1 with
 `outcome="f1"`; the other metric is logged with weight 0), plus optional shaping terms: the tag
 format and the share of the question's supporting documents that the searches retrieved. With
 `shaping_steps > 0` a `ProgressiveSchedule` moves the weight from shaping to the outcome over
@@ -29,9 +30,10 @@ that many steps.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import re
-from typing import Literal, Sequence
+from typing import Literal, Mapping, Sequence
 
 from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example
 from jaxagent.agent.parsers import XMLTagParser
@@ -62,6 +64,23 @@ class RetrievalHits:
       raise KeyError("RetrievalHits needs RewardInput.metadata['supporting_titles']")
     seen = set(_RESULT_TITLE.findall(inp.metadata.get(OBSERVATIONS_KEY, "")))
     return sum(t in seen for t in titles) / len(titles)
+
+
+class AnswerMatch:
+  """`TextMatchReward(metric)` of the `<answer>` block, and 0.0 for a trajectory that the rollout
+  ended otherwise than with an answer ("stop_reason" in the metadata; "" = not finished, read as
+  before): an answer block put together across turns (`<answer>X <search>q</search>` ran the
+  search, then `</answer>` was malformed) was never read as an answer, yet F1 gave it partial
+  credit."""
+
+  def __init__(self, metric: Literal["exact_match", "f1"]):
+    self._inner = TextMatchReward(metric, fallback=False)
+
+  def __call__(self, inp: RewardInput) -> float:
+    stop = inp.metadata.get("stop_reason") if isinstance(inp.metadata, Mapping) else None
+    if stop and stop != "answer":
+      inp = dataclasses.replace(inp, response_text="")  # no answer read: 0.0, golds still checked
+    return self._inner(inp)
 
 
 # A result line of `format_passages` ("Doc 2 (Title: X): text"), at the start of a line or of
@@ -159,8 +178,8 @@ class SearchQAEnv(Env):
     self._reward = CompositeReward([
         # Only the <answer> block, the answer the rollout's parser reads (a `\\boxed{}` or
         # `####` guess in a thought or a search query, with no answer given, scores 0).
-        Component(outcome, TextMatchReward(outcome, fallback=False), 1.0, role="outcome"),
-        Component(other, TextMatchReward(other, fallback=False), 0.0, role="fixed"),  # logged only
+        Component(outcome, AnswerMatch(outcome), 1.0, role="outcome"),
+        Component(other, AnswerMatch(other), 0.0, role="fixed"),  # logged only
         Component("format", FormatReward(_FORMAT), format_weight, role="shaping"),
         Component("retrieval", RetrievalHits(), retrieval_weight, role="shaping"),
     ], schedule=schedule)

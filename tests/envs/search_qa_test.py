@@ -245,6 +245,34 @@ def test_only_an_answer_the_parser_reads_scores(env, char_tok, text):
   assert not env.is_success(out)
 
 
+@pytest.mark.parametrize("outcome", ["f1", "exact_match"])
+def test_an_answer_put_together_across_turns_is_no_answer(data_dir, outcome):
+  """Through the real rollout: `<answer>X <search>q</search>` runs the search, `</answer>` is
+  then a malformed call and the trajectory ends without an answer (final_answer None), but the
+  text holds `<answer>X <search>q</search></answer>`, which F1 scored 2/3 as the outcome."""
+  from jaxagent.agent.env import Example
+  from jaxagent.agent.rollout import RolloutConfig, rollout
+  from tests.agent.rollout_test import EOS, TOK, FakeEngine
+
+  env = SearchQAEnv(data_dir=str(data_dir), kb_seed=5, max_hops=3, outcome=outcome, **SMALL)
+  gold = env.examples("train")[0].gold
+  ex = Example(id="x", prompt="Q", gold=gold, metadata=env.examples("train")[0].metadata)
+  cfg = RolloutConfig(max_turns=4, max_tokens_per_turn=64, tool_timeout_s=20, traj_tool_timeout_s=60)
+
+  def run(turns):
+    cache = [TOK.encode(t) for t in turns]
+    engine = FakeEngine(lambda rid, t: cache[t] if t < len(cache) else [EOS], slots=1, max_len=2048)
+    (traj,) = rollout(engine, None, env, [ex], tokenizer=TOK, num_samples=1, cfg=cfg)
+    return traj, env.reward(traj, ex, TOK, 0)
+
+  traj, out = run([f"<answer>{gold[0]} <search>x</search>", "</answer>"])
+  assert (traj.stop_reason, traj.final_answer) == ("eos", None)
+  assert out.components["f1"] == out.components["exact_match"] == out.total == 0.0
+  traj, out = run([f"<search>{gold[0]}</search>", f"<answer>{gold[0]}</answer>"])
+  assert (traj.stop_reason, traj.final_answer) == ("answer", gold[0])
+  assert out.components["f1"] == out.components["exact_match"] == out.total == 1.0
+
+
 def test_retrieval_hits_and_progressive_shaping(data_dir, make_traj, char_tok):
   env = SearchQAEnv(data_dir=str(data_dir), kb_seed=5, max_hops=3, outcome="f1",
                     format_weight=0.5, retrieval_weight=0.5, shaping_steps=4, **SMALL)
