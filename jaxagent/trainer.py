@@ -454,6 +454,14 @@ def check_config(config) -> None:
     _rollout_config(rollout)
     sampling = SamplingConfig(rollout.get("temperature", 1.0), rollout.get("top_p", 1.0),
                               rollout.get("top_k", 0))
+    if (sampling.temperature == 0 or sampling.top_k == 1) and (config.get("total_steps") or 0) > 0:
+      # Greedy samples of one prompt are one sample repeated (the tools too are called alike),
+      # so every group has zero variance and the run would train on nothing.
+      raise ValueError(
+          f"rollout.temperature={sampling.temperature!r}, rollout.top_k={sampling.top_k!r} "
+          "samples greedily: the samples of a prompt would be identical, every group-relative "
+          "advantage 0 and no RL step would learn; sample with temperature > 0 and top_k != 1 "
+          "(the evals decode greedily already), or total_steps=0 for a run without RL")
     if "max_len" in rollout:  # (rollout.max_len=0 failed in the engines, after the model load)
       EngineConfig(slots=rollout.get("slots", 8), max_len=rollout.max_len, sampling=sampling)
   if hasattr(train, "get") and train.get("pack_len") is not None:
@@ -1298,8 +1306,16 @@ class Trainer:
     return out
 
   def close(self) -> None:
+    """Closes the checkpoint manager, the samplers and the metrics writer; each is closed even
+    when closing one before it raised (the first error is raised after)."""
+    closers = [self.sampler.close, self.greedy.close, self.writer.close]
     if self.ckpt is not None:
-      self.ckpt.close()
-    self.sampler.close()
-    self.greedy.close()
-    self.writer.close()
+      closers.insert(0, self.ckpt.close)
+    first = None
+    for close in closers:
+      try:
+        close()
+      except Exception as e:  # noqa: BLE001 - raised below, once every part is closed
+        first = first or e
+    if first is not None:
+      raise first

@@ -144,6 +144,8 @@ def test_bad_or_misspelt_settings_fail_before_any_work(tmp_path, key, value, mat
     ("rollout.top_p", 2.0, r"SamplingConfig.top_p must be in \(0, 1\]"),
     ("rollout.top_k", -1, "SamplingConfig.top_k must be >= 0"),
     ("rollout.max_len", 0, "EngineConfig.max_len must be an int > 1, got 0"),
+    ("rollout.temperature", 0.0, r"rollout.temperature=0.0, rollout.top_k=0 samples greedily"),
+    ("rollout.top_k", 1, r"rollout.temperature=1.0, rollout.top_k=1 samples greedily"),
     ("rollout.mesh", "foo", r"rollout.mesh must be one of \('learner', 'data'\), got 'foo'"),
     ("train.time_limit_s", -5.0, r"train.time_limit_s must be a number of seconds >= 0"),
     ("train.row_rounding", "x", "PackingConfig.row_rounding='x' is not supported"),
@@ -165,6 +167,26 @@ def test_settings_read_after_the_model_loads_are_checked_before_it(tmp_path, mon
   monkeypatch.setattr(trainer_lib, "load_model", lambda m: pytest.fail("the model was loaded"))
   with pytest.raises(ValueError, match=match):
     Trainer(c)
+
+
+def test_close_closes_every_part_when_one_of_them_fails(tmp_path):
+  # A checkpoint manager that raised on close (a full disk, a lost bucket) left the samplers'
+  # tool threads and the metrics file open.
+  trainer = Trainer(_tiny(tmp_path, checkpoint_every=1))
+  assert trainer.ckpt is not None
+  closed, real_ckpt_close = [], trainer.ckpt.close
+
+  def failing_close():
+    real_ckpt_close()
+    raise OSError("the checkpoint directory is gone")
+
+  trainer.ckpt.close = failing_close
+  for name in ("sampler", "greedy"):
+    part = getattr(trainer, name)
+    part.close = (lambda name=name, close=part.close: (closed.append(name), close()))
+  with pytest.raises(OSError, match="the checkpoint directory is gone"):
+    trainer.close()
+  assert closed == ["sampler", "greedy"] and trainer.writer._jsonl is None
 
 
 def test_a_mesh_that_does_not_fit_the_devices_fails_before_the_model_loads(tmp_path,
