@@ -485,15 +485,18 @@ class Tokenizer:
     """Writes `tokenizer.json` and `tokenizer_config.json` (with the chat template) to `directory`,
     loadable by `load_tokenizer` and by `transformers.AutoTokenizer`, and sets the stop ids
     (`eos_ids`) as `eos_token_id` in `generation_config.json` (other keys of an existing one are
-    kept). Chat template files of an earlier tokenizer there (`chat_template.jinja`, ...) are
-    removed."""
+    kept). Chat template files and a special_tokens_map.json of an earlier tokenizer there
+    (`chat_template.jinja`, ...) are removed."""
     out = pathlib.Path(directory)
     gen_file = out / "generation_config.json"
     gen = _read_json(gen_file)  # read first: a malformed one is refused before anything is written
     out.mkdir(parents=True, exist_ok=True)
     # Loaders read these files in place of (or along with) the templates written inline below:
-    # left by an earlier tokenizer in `directory`, they would render its prompts.
+    # left by an earlier tokenizer in `directory`, they would render its prompts. A
+    # special_tokens_map.json would likewise replace the special tokens written below (the
+    # config written here has no `added_tokens_decoder`, so transformers reads the map).
     for stale in [out / "chat_template.jinja", out / "chat_template.json",
+                  out / "special_tokens_map.json",
                   *sorted((out / "additional_chat_templates").glob("*.jinja"))]:
       if stale.is_file():
         stale.unlink()
@@ -607,6 +610,12 @@ def _from_hf_dir(path: pathlib.Path) -> Tokenizer:
   config = _read_json(config_file)
   specials = {k: _token_content(config.get(k), k, config_file)
               for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+  # As transformers: a tokenizer_config.json without `added_tokens_decoder` (an older save) takes
+  # its special tokens from special_tokens_map.json, whose entries win over its own.
+  map_file = path / "special_tokens_map.json"
+  if "added_tokens_decoder" not in config:
+    stm = _read_json(map_file)
+    specials.update({k: _token_content(stm[k], k, map_file) for k in specials if k in stm})
   # Like transformers 5, the tokenizer.json post-processor alone decides what
   # `add_special_tokens=True` adds; tokenizer_config's add_bos_token/add_eos_token are ignored.
   extra_eos = _read_json(path / "generation_config.json").get("eos_token_id")

@@ -714,6 +714,61 @@ def test_save_replaces_an_earlier_tokenizers_template_files(tok, tmp_path):
       tok.apply_chat_template(messages))
 
 
+_EOS_TEMPLATE = ("{% for m in messages %}{{ bos_token + m['role'] + '\\n' + m['content'] + eos_token }}"
+                 "{% endfor %}")
+
+
+def _legacy_special_tokens_dir(tok, path, config_tokens, map_tokens, added_tokens_decoder=False):
+  """An HF directory whose tokenizer_config.json holds `config_tokens` (and no
+  added_tokens_decoder unless asked) beside a special_tokens_map.json holding `map_tokens`."""
+  tok.save(path)
+  (path / "generation_config.json").unlink()  # the stop ids come from the special tokens alone
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", "chat_template": _EOS_TEMPLATE,
+            **config_tokens}
+  if added_tokens_decoder:
+    config["added_tokens_decoder"] = {str(i): {"content": tok.id_to_token(i), "special": True}
+                                      for i in sorted(tok.special_ids)}
+  (path / "tokenizer_config.json").write_text(json.dumps(config))
+  (path / "special_tokens_map.json").write_text(json.dumps(map_tokens))
+  return path
+
+
+@pytest.mark.parametrize("config_tokens,added_tokens_decoder", [
+    ({}, False),  # the special tokens only in the map
+    ({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}, False),  # the map wins
+    ({"eos_token": "<|endoftext|>", "bos_token": "<|endoftext|>"}, True),  # the map is not read
+])
+def test_hf_dir_special_tokens_map_is_read_as_transformers_reads_it(tok, tmp_path, config_tokens,
+                                                                    added_tokens_decoder):
+  # A tokenizer_config.json without added_tokens_decoder (an older save) takes its special tokens
+  # from special_tokens_map.json in transformers; they were not read here: no eos (stop ids
+  # without <|im_end|>) and a template using bos_token / eos_token failed to render.
+  bos = {"content": "<|im_start|>", "lstrip": False, "normalized": False, "rstrip": False,
+         "single_word": False}  # the map's serialized AddedToken form
+  path = _legacy_special_tokens_dir(
+      tok, tmp_path, config_tokens, {"bos_token": bos, "eos_token": "<|im_end|>",
+                                     "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>"},
+      added_tokens_decoder)
+  ours, ref = T.load_tokenizer(path), transformers.AutoTokenizer.from_pretrained(path)
+  assert (ours.bos_token, ours.eos_token, ours.pad_token) == (
+      ref.bos_token, ref.eos_token, ref.pad_token)
+  assert ours.eos_id == ref.eos_token_id
+  messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+  assert ours.apply_chat_template(messages, add_generation_prompt=False) == (
+      ref.apply_chat_template(messages, tokenize=False))
+  assert (ours.eos_id == tok.token_to_id("<|im_end|>")) == (not added_tokens_decoder)
+
+
+def test_save_removes_an_earlier_special_tokens_map(tok, tmp_path):
+  # transformers reads special_tokens_map.json in place of the special tokens of a
+  # tokenizer_config.json without added_tokens_decoder (as save writes it): one left in the
+  # directory by an earlier tokenizer gave the export that tokenizer's eos.
+  (tmp_path / "special_tokens_map.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+  tok.save(tmp_path)
+  ref = transformers.AutoTokenizer.from_pretrained(tmp_path)
+  assert ref.eos_token == T.load_tokenizer(tmp_path).eos_token == tok.eos_token == "<|im_end|>"
+
+
 # ---- GGUF files built here ----------------------------------------------------------------------
 
 
