@@ -649,7 +649,20 @@ def _token_content(value: Any, key: str, where: pathlib.Path) -> str | None:
 
 
 def _hf_chat_templates(path: pathlib.Path, config: dict[str, Any]) -> dict[str, str]:
-  """Chat templates as transformers finds them: inline in the config, or in separate files."""
+  """Chat templates as transformers finds them: in template files (`chat_template.jinja`, named
+  ones in `additional_chat_templates/`) when the directory has any, else inline in the config
+  (or, lacking a default there, in `chat_template.json`)."""
+  files: dict[str, str] = {}
+  if (path / "chat_template.jinja").is_file():
+    files["default"] = _read_text(path / "chat_template.jinja")
+  extra_dir = path / "additional_chat_templates"
+  if extra_dir.is_dir():
+    for file in sorted(extra_dir.glob("*.jinja")):
+      files[file.stem] = _read_text(file)
+  if files:
+    # transformers takes these in place of every template of the config: a named template left
+    # inline ("tool_use") beside a newer chat_template.jinja is not used.
+    return files
   templates: dict[str, str] = {}
   inline = config.get("chat_template")
   if isinstance(inline, str):
@@ -664,17 +677,11 @@ def _hf_chat_templates(path: pathlib.Path, config: dict[str, Any]) -> dict[str, 
   elif inline is not None:
     raise ValueError(f"{path / 'tokenizer_config.json'}: chat_template must be a string or a "
                      f"list of {{'name', 'template'}} objects, got {type(inline).__name__}")
-  if (path / "chat_template.jinja").is_file():
-    templates["default"] = _read_text(path / "chat_template.jinja")
-  elif "default" not in templates and (path / "chat_template.json").is_file():
+  if "default" not in templates and (path / "chat_template.json").is_file():
     template = _read_json(path / "chat_template.json").get("chat_template")
     if not isinstance(template, str):
       raise ValueError(f"{path / 'chat_template.json'}: expected a 'chat_template' string")
     templates["default"] = template
-  extra_dir = path / "additional_chat_templates"
-  if extra_dir.is_dir():
-    for file in sorted(extra_dir.glob("*.jinja")):
-      templates[file.stem] = _read_text(file)
   return templates
 
 

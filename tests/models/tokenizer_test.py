@@ -714,6 +714,39 @@ def test_save_replaces_an_earlier_tokenizers_template_files(tok, tmp_path):
       tok.apply_chat_template(messages))
 
 
+@pytest.mark.parametrize("inline,files", [
+    # A newer chat_template.jinja beside an inline list that still names a "tool_use" template:
+    # with tools, the stale inline template was rendered here, the file in transformers.
+    ([{"name": "default", "template": "OLD"}, {"name": "tool_use", "template": "OLD TOOLS"}],
+     {"chat_template.jinja": "NEW {{ messages[0]['content'] }}{% if tools %} tools{% endif %}"}),
+    ("OLD", {"chat_template.jinja": "NEW {{ messages[0]['content'] }}"}),
+    # A named file without a default: the inline default is not used either (transformers
+    # refuses to choose; so does load_tokenizer's tokenizer).
+    ("OLD", {"additional_chat_templates/tool_use.jinja": "FILE TOOLS {{ tools[0]['function']['name'] }}"}),
+])
+@pytest.mark.parametrize("with_tools", [False, True])
+def test_hf_dir_template_files_replace_the_inline_templates(tok, tmp_path, inline, files,
+                                                            with_tools):
+  out = tok.save(tmp_path / "t")
+  config = json.loads((out / "tokenizer_config.json").read_text())
+  (out / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": inline}))
+  for name, text in files.items():
+    (out / name).parent.mkdir(exist_ok=True)
+    (out / name).write_text(text)
+  messages = [{"role": "user", "content": "hi"}]
+  tools = [{"type": "function", "function": {"name": "calc", "parameters": {}}}] if with_tools else None
+  ref = transformers.AutoTokenizer.from_pretrained(out)
+  ours = T.load_tokenizer(out)
+  try:
+    expected = ref.apply_chat_template(messages, tools=tools, tokenize=False)
+  except ValueError:  # transformers finds no template to use
+    with pytest.raises(ValueError, match="none is named 'default'"):
+      ours.apply_chat_template(messages, tools=tools, add_generation_prompt=False)
+    return
+  assert ours.apply_chat_template(messages, tools=tools, add_generation_prompt=False) == expected
+  assert "OLD" not in expected
+
+
 _EOS_TEMPLATE = ("{% for m in messages %}{{ bos_token + m['role'] + '\\n' + m['content'] + eos_token }}"
                  "{% endfor %}")
 
