@@ -606,6 +606,11 @@ def _from_hf_dir(path: pathlib.Path) -> Tokenizer:
     backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
   except Exception as e:  # tokenizers raises a bare Exception on malformed JSON
     raise ValueError(f"cannot read {tokenizer_file}: {e}") from e
+  # A tokenizer.json may carry the truncation / padding of the encode that ran before it was
+  # saved (save_pretrained writes the backend's state); transformers encodes without them
+  # unless asked, and ids here must never be cut or padded.
+  backend.no_truncation()
+  backend.no_padding()
   config_file = path / "tokenizer_config.json"
   config = _read_json(config_file)
   specials = {k: _token_content(config.get(k), k, config_file)

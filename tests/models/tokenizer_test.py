@@ -646,6 +646,29 @@ def test_hf_dir_matches_transformers_and_tokenizers(tok, tmp_path):
   assert T.load_tokenizer(out / "tokenizer.json").encode("x  1") == tok.encode("x  1")
 
 
+def test_hf_dir_truncation_and_padding_saved_in_tokenizer_json_are_not_applied(tok, tmp_path):
+  # save_pretrained writes the backend's truncation / padding state, so tokenizer.json files
+  # often carry those of the last encode with truncation=True. They were applied here: a
+  # 12-token text came back as its first 8 ids and 8 pad ids, a 42-token chat as 16 ids;
+  # transformers encodes without them.
+  tokenizers = pytest.importorskip("tokenizers")
+  out = tok.save(tmp_path / "saved")
+  raw = tokenizers.Tokenizer.from_file(str(out / "tokenizer.json"))
+  raw.enable_truncation(max_length=8)
+  raw.enable_padding(pad_id=tok.pad_id, pad_token=tok.pad_token, length=16)
+  raw.save(str(out / "tokenizer.json"))
+  ours = T.load_tokenizer(out)
+  ref = transformers.AutoTokenizer.from_pretrained(out)
+  texts = ["The quick brown fox jumps over the lazy dog again and again", "hi"]
+  for text in texts:
+    assert ours.encode(text) == tok.encode(text) == ref(text, add_special_tokens=False)["input_ids"]
+    assert ours.encode(text, parse_special=False) == tok.encode(text)
+  assert ours.encode_batch(texts) == [tok.encode(t) for t in texts]
+  messages = [{"role": "user", "content": texts[0]}]
+  assert ours.encode_chat(messages) == tok.encode_chat(messages) == ref.apply_chat_template(
+      messages, add_generation_prompt=True, tokenize=True)["input_ids"]
+
+
 def test_save_sets_the_stop_ids_of_generation_config(tok, tmp_path):
   out = tmp_path / "t"
   out.mkdir()
