@@ -321,6 +321,14 @@ class ModelConfig:
     # transformers' Qwen3 config defaults head_dim to 128 (not hidden_size / heads).
     head_dim = hf.get("head_dim") or (128 if arch == "qwen3" and "head_dim" not in hf
                                       else need("hidden_size") // n_heads)
+    mistral = model_type == "mistral" or "MistralForCausalLM" in archs
+    # A null num_key_value_heads means one per query head (plain multi-head attention); a
+    # missing one takes the default of transformers' config class, which is 32 for Qwen2 / Qwen3
+    # and 8 for Mistral, not the head count.
+    if "num_key_value_heads" in hf:
+      n_kv_heads = hf["num_key_value_heads"] or n_heads
+    else:
+      n_kv_heads = 8 if mistral else {"qwen2": 32, "qwen3": 32}.get(arch, n_heads)
     eos = hf.get("eos_token_id")
     extra_eos: tuple[int, ...] = ()
     if isinstance(eos, (list, tuple)):
@@ -328,8 +336,7 @@ class ModelConfig:
     kw = dict(
         vocab_size=need("vocab_size"), d_model=need("hidden_size"),
         n_layers=need("num_hidden_layers"), n_heads=n_heads,
-        # null key / value heads means one per query head (plain multi-head attention)
-        n_kv_heads=hf.get("num_key_value_heads") or n_heads, head_dim=head_dim,
+        n_kv_heads=n_kv_heads, head_dim=head_dim,
         ffn_dim=need("intermediate_size"), rope_theta=float(theta),
         norm_eps=float(number("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -343,7 +350,6 @@ class ModelConfig:
     # Qwen2 / Qwen3 use `sliding_window` only with use_sliding_window; transformers' Mistral
     # whenever it is set (it reads no use_sliding_window). A window at least as long as the
     # longest sequence served here (max_seq_len) never masks anything.
-    mistral = model_type == "mistral" or "MistralForCausalLM" in archs
     if hf.get("use_sliding_window") or (
         mistral and window is not None and _is_int(kw["max_seq_len"])
         and window < kw["max_seq_len"]):

@@ -162,3 +162,29 @@ def test_qwen2_config_with_attention_bias_false_keeps_its_biases(tmp_path):
   ours = np.asarray(models.forward(params, jnp.asarray(tokens), cfg=cfg))
   assert np.abs(ours - torch_logits(reloaded, tokens)).max() <= 1e-4
   assert np.abs(torch_logits(model, tokens) - torch_logits(reloaded, tokens)).max() == 0
+
+
+@pytest.mark.parametrize("arch,heads,kv_heads", [("mistral", 16, 8), ("qwen3", 64, 32),
+                                                 ("llama", 8, 8)])
+def test_a_missing_num_key_value_heads_takes_transformers_default(arch, heads, kv_heads,
+                                                                  tmp_path):
+  # transformers' config classes default a missing num_key_value_heads to 8 (Mistral) or 32
+  # (Qwen2 / Qwen3), not to the head count (Llama's): such a Mistral or Qwen3 file was read
+  # here as full multi-head attention and refused for its k_proj shape.
+  spec = ARCHS[arch]
+  torch.manual_seed(7)
+  hf_cfg = getattr(transformers, spec["cfg"])(
+      vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+      num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=8,
+      max_position_embeddings=512, rms_norm_eps=1e-6, tie_word_embeddings=False)
+  getattr(transformers, spec["cls"])(hf_cfg).save_pretrained(tmp_path)
+  hf = json.loads((tmp_path / "config.json").read_text())
+  del hf["num_key_value_heads"]
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  assert reloaded.config.num_key_value_heads == kv_heads
+  cfg, params = models.load(tmp_path)
+  assert (cfg.n_heads, cfg.n_kv_heads) == (heads, kv_heads)
+  tokens = np.random.default_rng(7).integers(0, 256, (2, 24))
+  ours = np.asarray(models.forward(params, jnp.asarray(tokens), cfg=cfg))
+  assert np.abs(ours - torch_logits(reloaded, tokens)).max() <= 1e-4
