@@ -592,19 +592,37 @@ class Engine:
       shared[i] = len(p) if src[i] != slot else 0
     return src, shared
 
+  def _clear_nonfinite_slots(self, state: DecodeState, slots):
+    """The cache (k, v) with every slot of `slots` whose last request stopped on non-finite
+    logits (`STOP_NONFINITE`) zeroed. Such a request may leave NaN or inf K/V rows past the
+    prompt that takes its slot next; attention gives those rows zero weight, but 0 * NaN is
+    NaN, so every later request in the slot would stop as "nonfinite" too. Under a `cond`:
+    inserts into other slots make no pass over the cache."""
+    s = self.ecfg.slots
+    hit = jnp.zeros((s,), bool).at[slots].set(True, mode="drop") & (state.done == STOP_NONFINITE)
+
+    def clear(kv):
+      axis = 0 if self.per_layer else 1
+      zero = lambda c: jnp.where(hit.reshape((1,) * axis + (s,) + (1,) * (c.ndim - axis - 1)),
+                                 jnp.zeros((), c.dtype), c)
+      return jax.tree.map(zero, kv)
+
+    return jax.lax.cond(hit.any(), clear, lambda kv: kv, (state.k, state.v))
+
   def _insert(self, prefix: Prefix, state: DecodeState, slots, share=None):
     t = prefix.k.shape[2]
     if t > self.cache_len:
       raise ValueError("prefix longer than the cache")
+    k, v = self._clear_nonfinite_slots(state, slots)
     if self.per_layer:
       put = lambda cache, new: tuple(
           c.at[slots, :, :t].set(new[l].transpose(0, 2, 1, 3).astype(c.dtype), mode="drop")
           for l, c in enumerate(cache))
-      k, v = put(state.k, prefix.k), put(state.v, prefix.v)
+      k, v = put(k, prefix.k), put(v, prefix.v)
     else:
       head_major = lambda x: x.transpose(0, 1, 3, 2, 4).astype(state.k.dtype)
-      k = state.k.at[:, slots, :, :t].set(head_major(prefix.k), mode="drop")
-      v = state.v.at[:, slots, :, :t].set(head_major(prefix.v), mode="drop")
+      k = k.at[:, slots, :, :t].set(head_major(prefix.k), mode="drop")
+      v = v.at[:, slots, :, :t].set(head_major(prefix.v), mode="drop")
     # Slot index `slots` (one past the last) marks a padding row: "drop" discards its writes.
     upd = lambda a, b: a.at[slots].set(b.astype(a.dtype), mode="drop")
     # Slots that read shared rows of a slot overwritten here read their own rows again.

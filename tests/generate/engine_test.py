@@ -190,15 +190,15 @@ def test_eos_and_stop_sequences_and_max_length(params):
 def test_nonfinite_logits_stop_their_request_only(temperature):
   """A request whose logits turn NaN (here a NaN embedding row for a token of its prompt, with
   an untied output head) stops at its first token, stop reason "nonfinite", its log-prob not
-  finite. The others, one of them in the slot the poisoned request leaves (stale NaN K/V
-  beyond its prompt), decode the same tokens as with clean params."""
+  finite. The others, one of them in the slot the poisoned request leaves, decode the same
+  tokens as with clean params (stale NaN K/V past a shorter prompt: the test below)."""
   from jaxagent.models import param_tree
   cfg = CFG.replace(tie_embeddings=False)
   clean = param_tree.unbox(models.init_params(cfg, jax.random.key(0), std=0.2))
   bad = 7
   poisoned = dict(clean, embed=clean["embed"].at[bad].set(jnp.nan))
   prompts = [[t if t != bad else bad + 1 for t in p] for p in _prompts(3, seed=9)]
-  prompts.insert(1, [3, 4, bad, 5] * 6)  # longer than the prompt that takes its slot next
+  prompts.insert(1, [3, 4, bad, 5] * 6)
   kw = dict(temperature=temperature, seed=1, slots=2)
   out = generate(poisoned, cfg, prompts, 12, **kw)
   ref = generate(clean, cfg, prompts, 12, **kw)
@@ -208,6 +208,32 @@ def test_nonfinite_logits_stop_their_request_only(temperature):
     assert out[i].stop_reason == ref[i].stop_reason == "max_new_tokens"
     assert out[i].tokens == ref[i].tokens
     # Float rounding apart: the early stop changes which requests share a decode call.
+    np.testing.assert_allclose(out[i].logprobs, ref[i].logprobs, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout,attention", [("stacked", "xla"), ("per_layer", "pallas")])
+def test_a_request_after_a_nonfinite_one_in_its_slot_is_unaffected(layout, attention):
+  """A request that stops on NaN logits leaves NaN K/V in its slot past the shorter prompt that
+  takes the slot next (24 cached tokens, then 5 in a prompt bucket of 16). Attention gives
+  those rows zero weight, but 0 * NaN is NaN: every later request in the slot stopped as
+  "nonfinite" after its first token. They decode as with clean params; with the Pallas kernel
+  ("per_layer", write-first) as with XLA attention."""
+  from jaxagent.generate import run_requests
+  from jaxagent.models import param_tree
+  cfg = CFG.replace(tie_embeddings=False)
+  clean = param_tree.unbox(models.init_params(cfg, jax.random.key(0), std=0.2))
+  bad = 7
+  poisoned = dict(clean, embed=clean["embed"].at[bad].set(jnp.nan))
+  prompts = [[3, 4, bad, 5] * 6, [10, 11, 12, 13, 14], [20, 21, 22]]
+  eng = Engine(cfg, EngineConfig(slots=1, max_len=64, sampling=SamplingConfig(1.0),
+                                 cache_layout=layout, decode_attention=attention))
+  kw = dict(max_new_tokens=6, request_ids=[0, 1, 2], seed=3, decode_steps=3)
+  out = run_requests(eng, poisoned, prompts, **kw)
+  ref = run_requests(eng, clean, prompts, **kw)
+  assert out[0].stop_reason == "nonfinite" and ref[0].stop_reason == "max_new_tokens"
+  for i in (1, 2):
+    assert out[i].stop_reason == "max_new_tokens", (i, out[i])
+    assert out[i].tokens == ref[i].tokens
     np.testing.assert_allclose(out[i].logprobs, ref[i].logprobs, atol=1e-5)
 
 
