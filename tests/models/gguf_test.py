@@ -194,6 +194,26 @@ def test_transformers_logits_from_imported_weights(tmp_path, model_type):
                              rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("model_type,tie", [("llama", True), ("llama", False), ("qwen2", False),
+                                            ("qwen3", True)])
+def test_models_load_of_a_gguf_gives_the_transformers_logits(tmp_path, model_type, tie):
+  # End to end through jaxagent's own model: models.load reads the GGUF (config from its metadata,
+  # Q/K un-permuted for llama), and models.forward on it gives the logits of the transformers
+  # model the file was written from.
+  import jax.numpy as jnp
+
+  from jaxagent import models
+  model, sd = _tiny_hf_model(model_type, tie=tie, seed=3)
+  cfg, params = models.load(_write_gguf(tmp_path / "m.gguf", sd, arch=model_type))
+  assert (cfg.architecture, cfg.tie_embeddings, cfg.qkv_bias, cfg.qk_norm) == (
+      model_type, tie, model_type == "qwen2", model_type == "qwen3")
+  assert (cfg.rope_theta, cfg.norm_eps, cfg.bos_token_id, cfg.eos_token_id) == (
+      _TINY["rope_theta"], _TINY["rms_norm_eps"], _TINY["bos_token_id"], _TINY["eos_token_id"])
+  ids = np.random.default_rng(3).integers(0, _TINY["vocab_size"], 40).tolist()
+  ours = np.asarray(models.forward(params, jnp.asarray([ids]), cfg=cfg))[0]
+  np.testing.assert_allclose(ours, _logits(model, ids), rtol=0, atol=1e-4)
+
+
 def test_transformers_gguf_loader_agrees_on_tiny_file(tmp_path):
   pytest.importorskip("accelerate")  # transformers requires it for GGUF loading
   _, sd = _tiny_hf_model("llama", tie=False)
