@@ -842,14 +842,15 @@ def _trained_byte_level_bpe():
   return backend
 
 
-def _write_tokenizer_gguf(path, backend, pre="gpt-2", model="gpt2", template=None, add_bos=None):
+def _write_tokenizer_gguf(path, backend, pre="gpt-2", model="gpt2", template=None, add_bos=None,
+                          arch="llama"):
   data = json.loads(backend.to_str())
   vocab = data["model"]["vocab"] | {t["content"]: t["id"] for t in data["added_tokens"]}
   tokens = [t for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])]
   added = {t["content"]: t["special"] for t in data["added_tokens"]}
   types = [(3 if added[t] else 4) if t in added else 1 for t in tokens]
   merges = [" ".join(m) if isinstance(m, list) else m for m in data["model"]["merges"]]
-  w = gguf.GGUFWriter(str(path), "llama")
+  w = gguf.GGUFWriter(str(path), arch)
   w.add_tokenizer_model(model)
   w.add_tokenizer_pre(pre)
   w.add_token_list(tokens)
@@ -875,6 +876,27 @@ def test_gguf_rebuild_matches_the_tokenizer_it_came_from(tmp_path_factory, text)
   ref, ours = _small_pair(tmp_path_factory)
   assert ours.encode(text) == ref.encode(text, add_special_tokens=False).ids
   assert ours.decode(ours.encode(text)) == text
+
+
+@pytest.mark.parametrize("arch,pre", [("llama", "llama-bpe"), ("qwen2", "qwen2")])
+def test_gguf_split_pre_tokenizers_match_transformers_gguf_tokenizer(tmp_path, arch, pre):
+  # Llama 3's and Qwen2's pre-tokenizer regexes (digits in threes or alone, contractions in any
+  # case, runs of newlines), rebuilt from `tokenizer.ggml.pre`, against transformers' own GGUF
+  # tokenizer converter on the same vocab and merges.
+  path = _write_tokenizer_gguf(tmp_path / "t.gguf", _trained_byte_level_bpe(), pre=pre,
+                               add_bos=False, arch=arch)
+  ours = T.load_tokenizer(path)
+  ref = transformers.AutoTokenizer.from_pretrained(tmp_path, gguf_file="t.gguf")
+  # NFC text only: the Qwen2 tokenizer.json (and so the rebuild here) normalizes to NFC, the
+  # transformers GGUF converter does not.
+  texts = _CORPUS + _WHITESPACE_BEFORE_DIGITS + [
+      "I'LL go, THEY'RE here; you'Ve 12345678 and 3.14159", "a\r\n\r\nb  \n  c\t\t\n", "don't 1234 😀😀"]
+  for text in texts:
+    assert ours.encode(text) == ref.encode(text, add_special_tokens=False), text
+  chunks = ["123", "456", "78"] if pre == "llama-bpe" else list("12345678")  # threes / singles
+  assert ours.encode("12345678") == [i for c in chunks for i in ours.encode(c)]
+  if pre == "qwen2":
+    assert ours.encode("e\u0301") == ours.encode("\u00e9")
 
 
 _SMALL = {}
