@@ -188,3 +188,36 @@ def test_a_missing_num_key_value_heads_takes_transformers_default(arch, heads, k
   tokens = np.random.default_rng(7).integers(0, 256, (2, 24))
   ours = np.asarray(models.forward(params, jnp.asarray(tokens), cfg=cfg))
   assert np.abs(ours - torch_logits(reloaded, tokens)).max() <= 1e-4
+
+
+@pytest.mark.slow  # about 12 s: two tokenizers of 49k tokens, a forward compile
+def test_export_with_tokenizer_runs_transformers_generate_greedily_as_our_logits(tmp_path):
+  # save_hf with a tokenizer writes a directory transformers serves on its own: AutoTokenizer
+  # renders and encodes the chat as ours does, generation_config holds our stop ids, and each
+  # token of greedy generate from AutoModelForCausalLM is the argmax of our logits.
+  tok = models.load_tokenizer("smollm2-135m-instruct")
+  torch.manual_seed(3)  # random weights over the tokenizer's vocabulary, made fast by torch
+  transformers.LlamaForCausalLM(transformers.LlamaConfig(
+      vocab_size=tok.vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, initializer_range=0.3,
+      bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)).save_pretrained(tmp_path / "src")
+  cfg, params = models.load(tmp_path / "src")
+  out = models.save_hf(tmp_path / "out", cfg, params, tokenizer=tok)
+  hf_tok = transformers.AutoTokenizer.from_pretrained(out)
+  hf_model = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+  messages = [{"role": "system", "content": "Be brief."},
+              {"role": "user", "content": "What is 2 + 2?"}]
+  ids = tok.encode_chat(messages)
+  assert ids == hf_tok.apply_chat_template(messages, add_generation_prompt=True,
+                                           tokenize=True)["input_ids"]
+  assert set(hf_model.generation_config.eos_token_id) == set(tok.eos_ids)
+  with torch.no_grad():
+    new = hf_model.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False,
+                            pad_token_id=tok.pad_id)[0, len(ids):].tolist()
+  full = ids + new
+  logits = np.asarray(models.forward(params, jnp.asarray([full]), cfg=cfg))[0]
+  steps = logits[len(ids) - 1:-1]
+  assert steps.argmax(-1).tolist() == new
+  top2 = np.sort(steps, -1)[:, -2:]
+  assert (top2[:, 1] - top2[:, 0]).min() > 1e-3  # no near-tie that rounding could flip
+  assert hf_tok.decode(new) == tok.decode(new)
