@@ -592,20 +592,24 @@ class Engine:
       shared[i] = len(p) if src[i] != slot else 0
     return src, shared
 
-  def _clear_nonfinite_slots(self, state: DecodeState, slots):
-    """The cache (k, v) with every slot of `slots` whose last request stopped on non-finite
-    logits (`STOP_NONFINITE`) zeroed. Such a request may leave NaN or inf K/V rows past the
-    prompt that takes its slot next; attention gives those rows zero weight, but 0 * NaN is
-    NaN, so every later request in the slot would stop as "nonfinite" too. Under a `cond`:
-    inserts into other slots make no pass over the cache."""
+  def _clear_nonfinite_slots(self, state: DecodeState, slots, starts=None):
+    """The cache (k, v) with the rows from `starts` on (each slot's; all rows when None) of
+    every slot of `slots` whose last request stopped on non-finite logits (`STOP_NONFINITE`)
+    zeroed. Such a request may leave NaN or inf K/V rows past the live ones of the slot's next
+    user (a shorter prompt, or its own rewind to a host-side stop before the non-finite step);
+    attention gives those rows zero weight, but 0 * NaN is NaN, so that user stopped as
+    "nonfinite" too. Under a `cond`: calls on other slots make no pass over the cache."""
     s = self.ecfg.slots
     hit = jnp.zeros((s,), bool).at[slots].set(True, mode="drop") & (state.done == STOP_NONFINITE)
+    first = jnp.zeros((s,), jnp.int32)
+    if starts is not None:
+      first = first.at[slots].set(jnp.asarray(starts, jnp.int32), mode="drop")
+    rows = hit[:, None] & (jnp.arange(self.cache_len)[None, :] >= first[:, None])  # [S, C]
 
     def clear(kv):
-      axis = 0 if self.per_layer else 1
-      zero = lambda c: jnp.where(hit.reshape((1,) * axis + (s,) + (1,) * (c.ndim - axis - 1)),
-                                 jnp.zeros((), c.dtype), c)
-      return jax.tree.map(zero, kv)
+      # [S, KV, C, hd] per layer, or [layers, S, KV, C, hd].
+      mask = rows[:, None, :, None] if self.per_layer else rows[None, :, None, :, None]
+      return jax.tree.map(lambda c: jnp.where(mask, jnp.zeros((), c.dtype), c), kv)
 
     return jax.lax.cond(hit.any(), clear, lambda kv: kv, (state.k, state.v))
 
@@ -910,12 +914,13 @@ class Engine:
 
   def _update(self, state: DecodeState, slots, lengths, tokens, active, remaining):
     upd = lambda a, b: a.at[slots].set(b.astype(a.dtype))
+    k, v = self._clear_nonfinite_slots(state, slots, lengths)
     lengths = upd(state.lengths, lengths)
     # A slot rewound below shared rows overwrites them (its own copy, or the rows that others
     # read from it): such readers read their own rows again.
     stale = (lengths[state.share_src] < state.share_len) | (lengths < state.share_len)
     share_src, share_len = self._unshare(state, stale)
-    return state.replace(lengths=lengths, tokens=upd(state.tokens, tokens),
+    return state.replace(k=k, v=v, lengths=lengths, tokens=upd(state.tokens, tokens),
                          share_src=share_src, share_len=share_len,
                          active=upd(state.active, active),
                          remaining=upd(state.remaining, remaining),

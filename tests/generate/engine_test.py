@@ -237,6 +237,38 @@ def test_a_request_after_a_nonfinite_one_in_its_slot_is_unaffected(layout, atten
     np.testing.assert_allclose(out[i].logprobs, ref[i].logprobs, atol=1e-5)
 
 
+@pytest.mark.parametrize("layout,attention", [("stacked", "xla"), ("per_layer", "pallas")])
+def test_a_rewind_before_a_nonfinite_step_leaves_no_nan_in_the_cache(layout, attention):
+  """A multi-step decode call runs past a host-side stop into a step whose logits are NaN (its
+  K/V rows NaN too); the host rewinds the slot to the stop and appends a tool observation.
+  The rows past the rewound length are stale, and the append's attention reads them with zero
+  weight: 0 * NaN made its first token NaN ("nonfinite"). It samples as after a clean step."""
+  from jaxagent.models import param_tree
+  clean = param_tree.unbox(models.init_params(CFG, jax.random.key(0), std=0.2))
+  nan = dict(clean, embed=jnp.full_like(clean["embed"], jnp.nan))
+  from jaxagent.generate.engine import STOP_NONFINITE
+  eng = Engine(CFG, EngineConfig(slots=1, max_len=64, cache_layout=layout,
+                                 decode_attention=attention))
+  results = []
+  for late in (clean, nan):
+    state, (first, _, _) = eng.prefill_insert(clean, eng.init_decode_state(), [[5, 6, 7, 8, 9]],
+                                              [0], [0])
+    state, out = eng.generate(clean, state, steps=3)  # positions 6, 7, 8
+    toks = [int(first[0])] + np.asarray(out.tokens[:, 0]).tolist()
+    state, bad = eng.generate(late, state, steps=2)  # feeds position 8: NaN rows with `nan`
+    assert (int(bad.done[0]) == STOP_NONFINITE) == (late is nan)
+    # A stop matched at the token at position 7: rewind there (it stays pending).
+    state = eng.update_slots(state, [0], lengths=[7], tokens=[toks[2]], active=[False],
+                             remaining=[0])
+    state, (tok, lp, code) = eng.append(clean, state, [0], [[1, 2, 3]], cached_lens=[7])
+    state, out = eng.generate(clean, state, steps=3)
+    results.append((tok.tolist(), lp, code.tolist(), np.asarray(out.tokens).tolist()))
+  (tok_c, lp_c, code_c, more_c), (tok_n, lp_n, code_n, more_n) = results
+  assert code_n == code_c == [0]
+  assert tok_n == tok_c and more_n == more_c
+  np.testing.assert_allclose(lp_n, lp_c, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("stop", ["</tool_call>", "【答案结束】", "\U00010348", "é!"])
 def test_stop_string_found_however_many_tokens_it_takes(stop):
   """A stop string is found at the token that completes it, even when it takes more tokens than
