@@ -9,7 +9,9 @@ i.e. before top-k / top-p truncation (with `temperature == 0`, greedy, it is
 `log_softmax(logits)[token]`). With temperature 1 and no truncation this is exactly the
 training forward's `log_softmax` at the same position, which is what RL importance ratios need;
 a trainer that samples at temperature T scores with the same T (`token_logprobs(...,
-temperature=T)`).
+temperature=T)`). Under top-k / top-p it is not the log-probability of the distribution the
+token was drawn from: that one is higher by minus the log of the mass the truncation kept, a
+per-position amount that an importance ratio against the reported value leaves out.
 
 Which tokens are drawn from: greedy (`temperature == 0`) takes the argmax, the lowest token id
 among tied maxima; top-p and top-k are then ignored. Otherwise tokens are drawn from
