@@ -569,10 +569,12 @@ def test_many_answer_phrases_in_one_sentence_cost_linear_time(thread_verifier):
     "The roots are " + "2 and 3 " * 3000,  # a list read against a gold of several values
 ])
 def test_degenerate_responses_cost_linear_time(thread_verifier, text):
+  # Each is read in under 0.7 s on a quiet 2-core machine (2.5 s once with the host loaded four
+  # times over); the quadratic readings these cases caught took from 14 s to minutes.
   for gold in ("5", "2, 3"):
     start = time.monotonic()
     thread_verifier.equal(text, gold, timeout_s=60.0)
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 6.0
 
 
 @pytest.mark.parametrize("text", ["x" + " " * 5000 + "= 5", "2^" + " " * 5000 + "{2} + 1", "5" + "\n" * 5000])
