@@ -146,12 +146,7 @@ def _names_two_values(text: str, options: dict[str, Any]) -> bool:
   # A box holding a hedge hedges as the same answer unboxed does ("\\boxed{5 \\lor 6}"). Only
   # outermost boxes are read here; reading one reads the boxes in it (each read once: reading
   # every nested box at every level took exponential time in the depth).
-  outermost, reach = [], -1
-  for _, start, end in spans:
-    if start > reach:
-      outermost.append(text[start:end])
-      reach = end
-  for content in dict.fromkeys(outermost):
+  for content in dict.fromkeys(_outermost_boxes(text, spans)):
     if not _parse_answer(content, single=True, **options) and _parse_answer(content):
       return True
   # (start, end, marked, match, target); a box has no match: math-verify's own box pattern runs
@@ -164,6 +159,16 @@ def _names_two_values(text: str, options: dict[str, Any]) -> bool:
   found = _without_dollar_openers(text, boxes + _extraction_matches(text))
   first_mark = min((start for start, _, marked, _, _ in found if marked), default=0)
   return _differ(text, [f for f in found if f[0] >= first_mark], seen, options)[0]
+
+
+def _outermost_boxes(text: str, spans: list) -> list[str]:
+  """The contents of the boxes of `spans` (`_box_spans(text)`) that are in no other box."""
+  contents, reach = [], -1
+  for _, start, end in spans:
+    if start > reach:
+      contents.append(text[start:end])
+      reach = end
+  return contents
 
 
 def _without_dollar_openers(text: str, found: list) -> list:
@@ -742,12 +747,9 @@ def _boxed_values(text: str, spans: list, options: dict[str, Any]) -> list:
 
   if _last_correction(text, spans[0][0]) is not None:
     return []
-  values, reach = [], -1
-  for _, start, end in spans:
-    if start <= reach:
-      continue  # a box inside a box is read with it
-    reach = end
-    parsed = _parse_answer(text[start:end], single=True, **options)
+  values = []
+  for content in _outermost_boxes(text, spans):  # a box inside a box is read with it
+    parsed = _parse_answer(content, single=True, **options)
     if not parsed:
       return []
     members = parsed[0].args if isinstance(parsed[0], sympy.FiniteSet) else (parsed[0],)
