@@ -376,8 +376,7 @@ class SignedMathAnswer:
     # answer block that it did not read: after an unclosed `<think>` (where `</answer>` did not
     # end the turn) with more text after it before EOS or the budget, or put together across
     # turns (`<answer><code>print(6*7)</code>` ran the code, then `42</answer>` was malformed).
-    stop = inp.metadata.get("stop_reason") if isinstance(inp.metadata, Mapping) else None
-    inner = self._inner if not stop or stop == "answer" else self._untagged  # "": not finished
+    inner = self._untagged if inp.ended_without_answer else self._inner
     return 2.0 * inner(prose) - 1.0
 
 

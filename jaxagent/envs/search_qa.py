@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
-from typing import Literal, Mapping, Sequence
+from typing import Literal, Sequence
 
 from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example
 from jaxagent.agent.parsers import XMLTagParser
@@ -77,8 +77,7 @@ class AnswerMatch:
     self._inner = TextMatchReward(metric, fallback=False)
 
   def __call__(self, inp: RewardInput) -> float:
-    stop = inp.metadata.get("stop_reason") if isinstance(inp.metadata, Mapping) else None
-    if stop and stop != "answer":
+    if inp.ended_without_answer:
       inp = dataclasses.replace(inp, response_text="")  # no answer read: 0.0, golds still checked
     return self._inner(inp)
 

@@ -72,6 +72,15 @@ class RewardInput:
   truncated: bool = False
   metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 
+  @property
+  def ended_without_answer(self) -> bool:
+    """Whether the rollout ended the trajectory otherwise than with an answer (its
+    "stop_reason" in `metadata`, as `Trajectory.to_reward_input` sets it). Missing or ""
+    (not known, not finished) reads as False. Such a trajectory's text can still hold a
+    complete answer block that the parser never read (one put together across turns)."""
+    stop = self.metadata.get("stop_reason") if isinstance(self.metadata, Mapping) else None
+    return bool(stop) and stop != "answer"
+
 
 @dataclasses.dataclass(frozen=True)
 class Component:
