@@ -19,7 +19,7 @@ This is `generate.scheduler.run_requests` generalised to many turns:
   observation, no re-prefill), which also samples each next turn's first token (DESIGN 5).
 * Budgets end or truncate a trajectory and are recorded as its `stop_reason`, never silently:
   max turns, tokens per turn, total tokens (an observation that would not fit truncates the
-  trajectory), per-call tool timeout and per-trajectory tool time. Malformed calls, unknown tools,
+  trajectory; a call that ends at the last position is not run), per-call tool timeout and per-trajectory tool time. Malformed calls, unknown tools,
   bad arguments, tool errors and timeouts become error observations and counts (DESIGN 7). Task
   code that raises for one trajectory (`new_episode`, `format_observation`,
   `encode_observation`), returns the wrong type (an `Episode`, a list of int ids) or gives
@@ -534,6 +534,10 @@ class _Run:
       return self._finish(lv, "no_tool_call")
     if lv.turn + 1 >= self.cfg.max_turns:
       return self._finish(lv, "max_turns")
+    if lv.cached + 2 > lv.limit:
+      # The call's last token is the trajectory's last position: not even an empty observation and
+      # one more policy token fit, so the call is not acted on (no tool runs, nothing is counted).
+      return self._finish(lv, self.d.limit_reason)
     traj.num_tool_calls += 1
     if parsed.kind == "malformed":
       traj.malformed_calls += 1

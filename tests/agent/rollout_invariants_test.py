@@ -112,10 +112,12 @@ def _check_trajectory(t, fake, cfg, stops, think, limit):
     assert last.ended_by == "max_tokens_per_turn"
   elif r in ("max_total_tokens", "max_length"):
     assert r == ("max_total_tokens" if limit < fake.ecfg.max_len else "max_length")
-    # Cut while decoding, or a call whose observation did not fit (run, never appended).
-    assert last.ended_by == "length" or (last.outcome is not None and last.observation_text
-                                         is not None and len(t) + len(TOK.encode(
-                                             last.observation_text)) + 1 > limit)
+    # Cut while decoding; a call that ended at the last position (not acted on); or a call
+    # whose observation did not fit (run, never appended).
+    assert (last.ended_by == "length"
+            or (last.outcome is None and last.action in ("tool_call", "malformed") and len(t) == limit)
+            or (last.outcome is not None and last.observation_text is not None
+                and len(t) + len(TOK.encode(last.observation_text)) + 1 > limit))
   else:
     assert r == "tool_budget", r
   assert t.truncated == (r not in ("answer", "eos", "no_tool_call"))

@@ -387,6 +387,24 @@ def test_observation_that_does_not_fit_truncates():
   assert len(t) <= limit and t.num_observation_tokens == 0
 
 
+def test_call_at_the_last_position_is_not_run():
+  prompt_len = len(TOK.encode(_examples(1)[0].prompt))
+  call = "<calc>6*7</calc>"
+  for extra, reason in ((0, "max_total_tokens"), (0, "max_length")):
+    limit = prompt_len + len(call) + extra  # the call's last token is the last position
+    kw = ({"cfg": RolloutConfig(max_total_tokens=limit, decode_steps=4)} if reason == "max_total_tokens"
+          else {"max_len": limit, "cfg": RolloutConfig(decode_steps=4)})
+    (t,) = _run({0: [call, "<answer>42</answer>"]}, **kw)
+    assert (t.stop_reason, t.truncated, len(t)) == (reason, True, limit)
+    assert t.turns[0].action == "tool_call" and t.turns[0].outcome is None
+    assert t.num_tool_calls == 0 and t.valid_tool_calls == 0 and t.tool_calls == {}
+  # One position more: an empty observation could still follow, so the call runs (its result
+  # does not fit and the trajectory ends, as in the test above).
+  (t,) = _run({0: [call, "<answer>42</answer>"]},
+              cfg=RolloutConfig(max_total_tokens=prompt_len + len(call) + 1, decode_steps=4))
+  assert t.stop_reason == "max_total_tokens" and t.turns[0].outcome.ok and t.num_tool_calls == 1
+
+
 def test_total_length_stops_decoding_at_the_limit():
   (t,) = _run({0: ["x" * 500]}, cfg=RolloutConfig(max_tokens_per_turn=400, max_total_tokens=64,
                                                     decode_steps=8))
