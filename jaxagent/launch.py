@@ -16,6 +16,7 @@ holds it.
 import logging
 import os
 import pathlib
+import re
 import signal
 import socket
 import tempfile
@@ -34,8 +35,11 @@ def _default_config() -> str:
   return "configs/quickstart.py"
 
 
-_CONFIG = config_flags.DEFINE_config_file("config", _default_config(),
-                                          "Run config file (`path.py[:variant]`).")
+# No default here: ml_collections loads a flag's default when the flag is defined (this module's
+# import), applying the `--config.KEY=VALUE` overrides of sys.argv, so a misspelt key raised a
+# traceback before `parse_flags` could name it. `parse_flags` supplies the quickstart instead.
+_CONFIG = config_flags.DEFINE_config_file(
+    "config", None, "Run config file (`path.py[:variant]`; default: configs/quickstart.py).")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
     "HOST:PORT of process 0 in a multi-process run (default: $JAX_COORDINATOR_ADDRESS).")
@@ -194,7 +198,10 @@ def _stop_on_sigterm_before_training(config):
 
 def parse_flags(argv: list[str]) -> list[str]:
   """absl's flag parsing with one-line errors for bad `--config` overrides
-  (`config_files.parse_config_flags`)."""
+  (`config_files.parse_config_flags`); without `--config`, the quickstart's config file."""
+  given = flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
+  if not any(re.match(r"-{1,2}config(=|$)", a) for a in given):
+    argv = [argv[0], f"--config={_default_config()}", *argv[1:]]
   return config_files.parse_config_flags(argv, _CONFIG)
 
 

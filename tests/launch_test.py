@@ -373,6 +373,11 @@ def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
     (["--config=configs/quickstart.py:tiny", "--config.env.kwargs.no_such_knob=3"],
      "the config has no key 'no_such_knob'"),
     (["--config=configs/no_such_config.py"], "No such file or directory: 'configs/no_such_config.py'"),
+    # Without --config (the quickstart), the default file was loaded when jaxagent.launch was
+    # imported, and a misspelt override raised a traceback there.
+    (["--config.totl_steps=3"], 'the config has no key \'totl_steps\'\nDid you mean "total_steps"'),
+    (["--config.env.kwargs.no_such_knob=3"], "the config has no key 'no_such_knob'"),
+    (["--config.total_steps=-1"], "bad config: total_steps must be an int >= 0, got -1"),
     # get_config raising (a misspelt variant) is its message, not ml_collections' traceback.
     (["--config=configs/math_tool.py:tinny"],
      "flag --config=configs/math_tool.py:tinny: ValueError: unknown math_tool variant 'tinny'; "
