@@ -49,7 +49,7 @@ import numpy as np
 
 from jaxagent.agent.env import Env, Episode, Example
 from jaxagent.agent.parsers import ParseResult
-from jaxagent.agent.trajectory import STOP_REASONS, ToolOutcome, Trajectory, Turn
+from jaxagent.agent.trajectory import STOP_REASONS, ToolOutcome, Trajectory, Turn, tool_call_key
 from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH, STOP_NONFINITE
 from jaxagent.generate.scheduler import StopChecker
 from jaxagent.tools import (ToolArgumentError, ToolExecutor, ToolResult, UnknownToolError,
@@ -157,6 +157,7 @@ class _Live:
   lps: list[float] = dataclasses.field(default_factory=list)
   future: concurrent.futures.Future | None = None
   obs_ids: list[int] | None = None
+  call_keys: set[str] = dataclasses.field(default_factory=set)  # the valid calls made so far
 
 
 @dataclasses.dataclass
@@ -558,6 +559,9 @@ class _Run:
       return self._observe(lv, ToolResult.failure(f"bad arguments for tool {call.name!r}: {e}"))
     traj.valid_tool_calls += 1
     traj.tool_calls[call.name] = traj.tool_calls.get(call.name, 0) + 1
+    key = tool_call_key(call.name, args)
+    traj.repeated_tool_calls += key in lv.call_keys
+    lv.call_keys.add(key)
     timeout = min(self.cfg.tool_timeout_s, self.cfg.traj_tool_timeout_s - traj.tool_seconds)
     own = getattr(tool, "timeout_s", None)  # a tool's own limit (`function_tool(timeout_s=...)`)
     if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
@@ -646,8 +650,8 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
   out["rollout/truncated"] = float(np.mean([t.truncated for t in trajectories]))
   for reason in STOP_REASONS:
     out[f"rollout/stop/{reason}"] = sum(t.stop_reason == reason for t in trajectories) / n
-  for key in ("num_tool_calls", "valid_tool_calls", "tool_errors", "tool_timeouts", "malformed_calls",
-              "unknown_tool_calls", "bad_argument_calls"):
+  for key in ("num_tool_calls", "valid_tool_calls", "repeated_tool_calls", "tool_errors",
+              "tool_timeouts", "malformed_calls", "unknown_tool_calls", "bad_argument_calls"):
     out[f"rollout/{key}"] = float(np.mean([getattr(t, key) for t in trajectories]))
   calls = sum(t.num_tool_calls for t in trajectories)
   out["rollout/tool_error_rate"] = sum(t.tool_errors for t in trajectories) / calls if calls else 0.0

@@ -57,6 +57,15 @@ STOP_REASONS = (
 NATURAL_STOPS = frozenset({"answer", "eos", "no_tool_call"})
 
 
+def tool_call_key(name: str, arguments: Any) -> str:
+  """A call's identity for `Trajectory.repeated_tool_calls`: its tool name and arguments, with
+  mapping keys in sorted order (so `{"a": 1, "b": 2}` and `{"b": 2, "a": 1}` are one call)."""
+  try:
+    return json.dumps([name, arguments], sort_keys=True, default=repr)
+  except (TypeError, ValueError):  # keys that do not sort, or a cycle: the repr is still stable
+    return repr((name, arguments))
+
+
 @dataclasses.dataclass
 class ToolOutcome:
   """What a tool call produced (a `jaxagent.tools.ToolResult`, flattened for dumps)."""
@@ -152,6 +161,8 @@ class Trajectory:
     tool_calls: calls per tool name (known tools only).
     num_tool_calls: calls acted on (run, or answered with an error observation).
     valid_tool_calls: calls that parsed, named a known tool and had valid arguments.
+    repeated_tool_calls: valid calls with the same tool and arguments as an earlier valid call
+      of this trajectory (counted in valid_tool_calls too).
     tool_errors: calls that ended in an error (malformed, unknown tool, bad arguments, failure,
       timeout).
     tool_timeouts, malformed_calls, unknown_tool_calls, bad_argument_calls: the error kinds.
@@ -172,6 +183,7 @@ class Trajectory:
   tool_calls: dict[str, int] = dataclasses.field(default_factory=dict)
   num_tool_calls: int = 0
   valid_tool_calls: int = 0
+  repeated_tool_calls: int = 0
   tool_errors: int = 0
   tool_timeouts: int = 0
   malformed_calls: int = 0
@@ -267,7 +279,8 @@ class Trajectory:
   def counts(self) -> dict[str, Any]:
     """Tool-call counts (per tool, valid, errors by kind)."""
     return {"tool_calls": dict(self.tool_calls), "num_tool_calls": self.num_tool_calls,
-            "valid_tool_calls": self.valid_tool_calls, "tool_errors": self.tool_errors,
+            "valid_tool_calls": self.valid_tool_calls,
+            "repeated_tool_calls": self.repeated_tool_calls, "tool_errors": self.tool_errors,
             "tool_timeouts": self.tool_timeouts, "malformed_calls": self.malformed_calls,
             "unknown_tool_calls": self.unknown_tool_calls,
             "bad_argument_calls": self.bad_argument_calls}
@@ -326,7 +339,9 @@ class Trajectory:
             "final_answer": self.final_answer, **(metadata or {})}
     return RewardInput(response_text=text, gold=gold, num_response_tokens=self.num_policy_tokens,
                        num_tool_calls=self.num_tool_calls, num_valid_tool_calls=self.valid_tool_calls,
-                       num_tool_errors=self.tool_errors, truncated=self.truncated, metadata=meta)
+                       num_tool_errors=self.tool_errors,
+                       num_repeated_tool_calls=self.repeated_tool_calls, truncated=self.truncated,
+                       metadata=meta)
 
   def _role_runs(self, role: int | None = None) -> list[tuple[int, int]]:
     """[start, end) runs of equal (role, turn), optionally only those of `role`."""
@@ -443,6 +458,7 @@ def demonstration_trajectory(prompt_ids: Sequence[int], segments: Sequence[tuple
     parser = getattr(env, "parser", None)
   traj = Trajectory(request_id=request_id)
   traj.add_prompt(prompt_ids)
+  call_keys: set[str] = set()
   for role, text in segments:
     if role == OBSERVATION and callable(getattr(env, "encode_observation", None)):
       ids = [int(t) for t in env.encode_observation(text, tokenizer)]
@@ -466,6 +482,9 @@ def demonstration_trajectory(prompt_ids: Sequence[int], segments: Sequence[tuple
         traj.num_tool_calls += 1
         if last.action == "tool_call" and last.call is not None:
           traj.valid_tool_calls += 1
+          key = tool_call_key(last.call.name, last.call.arguments)
+          traj.repeated_tool_calls += key in call_keys
+          call_keys.add(key)
           traj.tool_calls[last.call.name] = traj.tool_calls.get(last.call.name, 0) + 1
         else:
           traj.tool_errors += 1

@@ -165,7 +165,7 @@ class ToolUseReward:
 
   def __call__(self, inp: RewardInput) -> float:
     return shaping.tool_use_reward(inp.num_tool_calls, inp.num_valid_tool_calls, inp.num_tool_errors,
-                                   self.config)
+                                   self.config, num_repeated=inp.num_repeated_tool_calls)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -59,6 +59,8 @@ class RewardInput:
       observations and the prompt are not counted. The length that `LinearLengthReward` and
       `OverlongReward` (DAPO's |y|) shape, so the policy is not penalised for what tools return.
     num_tool_calls, num_valid_tool_calls, num_tool_errors: the agent's tool-call counts.
+    num_repeated_tool_calls: valid calls that repeat an earlier valid call of the trajectory
+      (same tool, same arguments); `ToolUseReward` pays no bonus for them.
     truncated: whether generation stopped at a length or turn budget.
     metadata: task-specific extras (e.g. unit-test counts, see `components.UnitTestReward`).
   """
@@ -69,6 +71,7 @@ class RewardInput:
   num_tool_calls: int = 0
   num_valid_tool_calls: int = 0
   num_tool_errors: int = 0
+  num_repeated_tool_calls: int = 0
   truncated: bool = False
   metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
 

@@ -211,15 +211,19 @@ class ToolShapingConfig:
   reward = min(reward_per_valid_call * num_ok, max_reward)
            - min(penalty_per_error * num_errors, max_penalty)
 
-  where num_ok = min(num_valid, num_calls - num_errors) counts the valid calls that did not
-  fail: a well-formed call that the tool then refused or that raised or timed out (garbage code,
-  `1/0` for a calculator) earns no bonus, or the bonus would pay for calls that do nothing.
+  where num_ok = min(num_valid - num_repeated, num_calls - num_errors) counts the distinct valid
+  calls that did not fail: a well-formed call that the tool then refused or that raised or timed
+  out (garbage code, `1/0` for a calculator) earns no bonus, or the bonus would pay for calls that
+  do nothing; and a call that repeats an earlier call of the trajectory word for word (same tool,
+  same arguments) earns none, or one trivial call made five times would collect the whole cap.
+  `reward_repeated_calls=True` pays for repeats too (num_repeated is then taken as 0).
   """
 
   reward_per_valid_call: float = 0.1
   max_reward: float = 0.5
   penalty_per_error: float = 0.0
   max_penalty: float = math.inf
+  reward_repeated_calls: bool = False
 
   def __post_init__(self):
     _check_real("ToolShapingConfig", "reward_per_valid_call", self.reward_per_valid_call)
@@ -228,10 +232,12 @@ class ToolShapingConfig:
     if isinstance(self.max_penalty, bool) or not isinstance(self.max_penalty, numbers.Real) or not (
         self.max_penalty >= 0):
       raise ValueError(f"ToolShapingConfig.max_penalty must be a number >= 0 (inf = no cap), got {self.max_penalty!r}")
+    if not isinstance(self.reward_repeated_calls, bool):
+      raise ValueError(f"ToolShapingConfig.reward_repeated_calls must be a bool, got {self.reward_repeated_calls!r}")
 
 
 def tool_use_reward(num_calls: int, num_valid: int, num_errors: int,
-                    config: ToolShapingConfig = ToolShapingConfig()) -> float:
+                    config: ToolShapingConfig = ToolShapingConfig(), *, num_repeated: int = 0) -> float:
   """Shaping for tool use from a trajectory's counts; see `ToolShapingConfig`.
 
   Args:
@@ -240,14 +246,22 @@ def tool_use_reward(num_calls: int, num_valid: int, num_errors: int,
       the tool then succeeded.
     num_errors: calls that failed (malformed, tool raised, timed out); a valid call that failed
       counts in both, as the rollout counts it.
+    num_repeated: valid calls with the same tool and arguments as an earlier valid call of the
+      trajectory (`Trajectory.repeated_tool_calls`); they count in num_valid too.
   """
   num_calls = _check_count("num_calls", num_calls)
   num_valid = _check_count("num_valid", num_valid)
   num_errors = _check_count("num_errors", num_errors)
+  num_repeated = _check_count("num_repeated", num_repeated)
   if num_valid > num_calls or num_errors > num_calls:
     raise ValueError(f"tool counts disagree: num_valid={num_valid} and num_errors={num_errors} "
                      f"must each be <= num_calls={num_calls}")
-  num_ok = min(num_valid, num_calls - num_errors)
+  if num_repeated > num_valid:
+    raise ValueError(f"tool counts disagree: num_repeated={num_repeated} must be <= num_valid={num_valid} "
+                     "(a repeated call is a valid call)")
+  if config.reward_repeated_calls:
+    num_repeated = 0
+  num_ok = min(num_valid - num_repeated, num_calls - num_errors)
   bonus = min(config.reward_per_valid_call * num_ok, config.max_reward)
   penalty = min(config.penalty_per_error * num_errors, config.max_penalty) if num_errors else 0.0
   return bonus - penalty

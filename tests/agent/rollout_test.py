@@ -16,7 +16,7 @@ from jaxagent.agent import (OBSERVATION, OBSERVATION_TEMPLATES, POLICY, PROMPT, 
                             RolloutDriver, ToolCall, XMLTagParser, rollout, rollout_metrics)
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH, STOP_NONFINITE
-from jaxagent.rewards import RewardOutput
+from jaxagent.rewards import RewardOutput, ToolShapingConfig, ToolUseReward
 from jaxagent.tools import ToolExecutor, ToolRegistry, ToolResult, function_tool
 
 EOS = 3
@@ -429,6 +429,21 @@ def test_errors_become_observations_and_counts():
   assert t.turns[4].observation_text == "<result>8</result>"
   inp = t.to_reward_input(TOK, "8")
   assert (inp.num_tool_calls, inp.num_valid_tool_calls, inp.num_tool_errors) == (5, 2, 4)
+
+
+def test_repeated_calls_are_counted_and_earn_no_tool_bonus():
+  # Repeats are the same tool with the same validated arguments; "1+1" and "1 + 1" are two calls.
+  texts = {0: ["<calc>1+1</calc>", "<calc>1+1</calc>", "<calc>1 + 1</calc>", "<calc>1+1</calc>",
+               "<answer>2</answer>"]}
+  (t,) = _run(texts, max_len=1024, cfg=RolloutConfig(max_turns=8, decode_steps=4))
+  assert t.stop_reason == "answer", t.render(TOK)
+  assert (t.num_tool_calls, t.valid_tool_calls, t.repeated_tool_calls) == (4, 4, 2)
+  assert t.counts()["repeated_tool_calls"] == 2
+  inp = t.to_reward_input(TOK, "2")
+  assert inp.num_repeated_tool_calls == 2
+  bonus = ToolUseReward(ToolShapingConfig(reward_per_valid_call=0.1, max_reward=0.5))(inp)
+  assert bonus == pytest.approx(0.2)  # two distinct calls, not four
+  assert rollout_metrics([t])["rollout/repeated_tool_calls"] == 2.0
 
 
 def test_unknown_tool_and_json_edge_cases():

@@ -170,6 +170,12 @@ def test_demonstration_with_the_parser_records_its_tool_call():
   (a, b), = [two.turns[0].observation_span]
   assert (a, b) == (1 + len(TOK.encode("<calc>1+1</calc>")), len(two))
   assert two.turns[0].observation_text == "<result>2</result>" and two.num_tool_calls == 1
+  # The same call twice is one repeat, as the rollout counts it.
+  rep = demonstration_trajectory([1], [(POLICY, "<calc>1+1</calc>"), (OBSERVATION, "<result>2</result>"),
+                                       (POLICY, "<calc>1+1</calc>"), (OBSERVATION, "<result>2</result>"),
+                                       (POLICY, "<calc>2+2</calc>"), (OBSERVATION, "<result>4</result>")],
+                                 TOK, parser=env.parser)
+  assert (rep.num_tool_calls, rep.valid_tool_calls, rep.repeated_tool_calls) == (3, 3, 1)
 
   class Raises:
     def parse(self, text):

@@ -195,6 +195,25 @@ def test_tool_use_error_penalty_and_its_cap():
   assert tool_use_reward(8, 0, 8, uncapped) == pytest.approx(-2.0)
 
 
+def test_a_repeated_call_earns_no_bonus_unless_asked():
+  """The same call five times earned the whole cap, as five different calls did."""
+  config = ToolShapingConfig(reward_per_valid_call=0.1, max_reward=0.5)
+  assert tool_use_reward(5, 5, 0, config, num_repeated=4) == pytest.approx(0.1)
+  assert tool_use_reward(5, 5, 0, config) == pytest.approx(0.5)
+  # A failed first try and its repeat that ran: one distinct call ran.
+  assert tool_use_reward(2, 2, 1, config, num_repeated=1) == pytest.approx(0.1)
+  # A call that ran and its repeat that failed: still one.
+  assert tool_use_reward(3, 3, 1, config, num_repeated=1) == pytest.approx(0.2)
+  paid = ToolShapingConfig(reward_per_valid_call=0.1, max_reward=0.5, reward_repeated_calls=True)
+  assert tool_use_reward(5, 5, 0, paid, num_repeated=4) == pytest.approx(0.5)
+  with pytest.raises(ValueError, match="num_repeated=3 must be <= num_valid=2"):
+    tool_use_reward(4, 2, 0, config, num_repeated=3)
+  with pytest.raises(ValueError, match="num_repeated must be an int >= 0"):
+    tool_use_reward(4, 2, 0, config, num_repeated=-1)
+  with pytest.raises(ValueError, match="reward_repeated_calls must be a bool"):
+    ToolShapingConfig(reward_repeated_calls=1)
+
+
 def test_a_valid_call_that_failed_earns_no_bonus():
   """The rollout counts a well-formed call whose tool then failed (NameError, 1/0, a timeout) as
   valid and as an error; five such calls earned the full bonus, as five that ran."""
