@@ -393,7 +393,8 @@ class MathToolEnv(Env):
       failed call keeps its error over its output; see `format_observation`).
     code_timeout_s, code_memory_mb: limits of each code cell.
     format_weight, tool_weight: weights of the shaping terms (0 = off); `tool_weight` is the
-      bonus per code cell that ran without an error, capped at 5 cells.
+      bonus per distinct code cell (not a repeat of an earlier one) that ran without an error,
+      capped at 5 cells.
     shaping_steps, shaping_start: progressive schedule (0 steps = fixed weights).
     seed: seed of problem generation and of the CHAMP split.
   """
