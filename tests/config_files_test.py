@@ -1,0 +1,57 @@
+"""`jaxagent.config_files.parse_config_flags`: a config file that does not load is one line."""
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+# An entry point as `jaxagent.launch` and `jaxagent.plan` build theirs (without their imports).
+ENTRY = """
+import sys
+from ml_collections import config_flags
+from jaxagent import config_files
+config = config_flags.DEFINE_config_file("config", None, "")
+config_files.parse_config_flags(sys.argv, config)
+print("loaded", type(config.value).__name__, config.value.get("a"))
+"""
+
+
+def _parse(*args):
+  return subprocess.run([sys.executable, "-c", ENTRY, *args], cwd=REPO, capture_output=True,
+                        text=True, timeout=60)
+
+
+@pytest.mark.parametrize("source, expected", [
+    # The file's own code raised: a traceback through absl and ml_collections.
+    ("import ml_collections\n1 / 0\n", "the config file raised ZeroDivisionError at {path}:2: "
+     "division by zero"),
+    ("def get_config(arg=None:\n  pass\n", "the config file raised SyntaxError at {path}:1: "),
+    ("import no_such_module_for_a_config\n", "the config file raised ModuleNotFoundError at "
+     "{path}:1: No module named 'no_such_module_for_a_config'"),
+    ("def get_config(arg=None):\n  raise RuntimeError('no GPU here')\n",
+     "the config file raised RuntimeError at {path}:2: no GPU here"),
+    # It read as "the config has no key module 'config_config' has no attribute 'get_config'".
+    ("X = 1\n", "the config file has no get_config function"),
+    # None (no return) ended the run in the trainer with an AttributeError on None.
+    ("def get_config(arg=None):\n  pass\n",
+     "the config file's get_config returned None, not an ml_collections.ConfigDict"),
+    ("def get_config(arg=None):\n  return {'a': 1}\n",
+     "the config file's get_config returned dict, not an ml_collections.ConfigDict"),
+])
+def test_a_config_file_that_does_not_load_is_one_line(tmp_path, source, expected):
+  path = tmp_path / "my_config.py"
+  path.write_text(source)
+  r = _parse(f"--config={path}")
+  assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
+  assert f"FATAL Flags parsing error: {expected.format(path=path)}" in r.stderr, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_config_file_that_loads_is_parsed_with_its_overrides(tmp_path):
+  path = tmp_path / "my_config.py"
+  path.write_text("import ml_collections\n"
+                  "def get_config(arg=None):\n  return ml_collections.ConfigDict({'a': 1})\n")
+  r = _parse(f"--config={path}", "--config.a=7")
+  assert r.returncode == 0 and r.stdout.strip() == "loaded ConfigDict 7", r.stderr[-2000:]
