@@ -116,6 +116,17 @@ def test_from_hf_null_fields():
   assert cfg.rope_theta == 5e5
 
 
+def test_from_hf_keeps_a_long_context_for_export():
+  """A 128k context (Llama 3.x, Qwen2.5) was read as 32768, and an export wrote 32768 into its
+  config.json. Nothing is sized by max_seq_len (caches take the engine's max_len)."""
+  hf = {"architectures": ["LlamaForCausalLM"], "vocab_size": 512, "hidden_size": 64,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "intermediate_size": 128, "max_position_embeddings": 131072}
+  cfg = ModelConfig.from_hf(hf)
+  assert cfg.max_seq_len == 131072 and cfg.to_hf()["max_position_embeddings"] == 131072
+  assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+
+
 def test_models_generate_and_losses_import_without_the_config_machinery():
   # Their import path needs only jax / flax / optax (what a serving or GPU image has): the run
   # config machinery (ml_collections) is for the entry points.
