@@ -473,6 +473,13 @@ def check_config(config) -> None:
     raise FileNotFoundError(f"sft.data={data!r} is not a file: give a chat JSONL file (one "
                             "{\"messages\": [...]} object per line), or sft.data='' for the "
                             "task's demonstrations")
+  # The warm start on the task's demonstrations takes the first sft.num_examples of them: 0
+  # failed there, after the eval before training, saying the task "gave no demonstrations".
+  if (hasattr(sft, "get") and not data and sft.get("steps")
+      and sft.get("num_examples", None) == 0):
+    raise ValueError(f"sft.num_examples=0 leaves the SFT warm start (sft.steps={sft.steps}) "
+                     "no demonstrations to train on: set sft.num_examples > 0, give a chat "
+                     "JSONL file as sft.data, or set sft.steps=0")
 
 
 def _rollout_config(r) -> RolloutConfig:

@@ -169,6 +169,25 @@ def test_settings_read_after_the_model_loads_are_checked_before_it(tmp_path, mon
     Trainer(c)
 
 
+def test_a_warm_start_on_no_demonstrations_is_named_before_any_work(tmp_path, monkeypatch):
+  """sft.num_examples=0 with sft.steps > 0 failed in the warm start, after the eval before
+  training, with "task 'quickstart' gave no demonstrations" (it has 16)."""
+  from jaxagent import trainer as trainer_lib
+  c = _tiny(tmp_path, **{"sft.steps": 2, "sft.num_examples": 0})
+  match = r"sft.num_examples=0 leaves the SFT warm start \(sft.steps=2\) no demonstrations"
+  with pytest.raises(ValueError, match=match):
+    trainer_lib.check_config(c)
+  monkeypatch.setattr(trainer_lib, "load_model", lambda m: pytest.fail("the model was loaded"))
+  with pytest.raises(ValueError, match=match):
+    Trainer(c)
+  # Without a warm start, or warm-starting on a chat JSONL file, it is not read.
+  trainer_lib.check_config(_tiny(tmp_path, **{"sft.steps": 0, "sft.num_examples": 0}))
+  data = tmp_path / "sft.jsonl"
+  data.write_text("")
+  trainer_lib.check_config(_tiny(tmp_path, **{"sft.steps": 2, "sft.num_examples": 0,
+                                              "sft.data": str(data)}))
+
+
 def test_close_closes_every_part_when_one_of_them_fails(tmp_path):
   # A checkpoint manager that raised on close (a full disk, a lost bucket) left the samplers'
   # tool threads and the metrics file open.
