@@ -344,7 +344,9 @@ def generate_questions(world: World, cfg: KBConfig) -> dict[str, list[Question]]
   pools: dict[int, list[list[tuple[tuple[str, ...], str, int]]]] = {}
   for chain, text in TEMPLATES:
     if cfg.min_hops <= len(chain) <= cfg.max_hops:
-      starts = world.by_kind(RELATIONS[chain[0]][0])
+      # A chain that comes back to its start ("the capital of the country where X is located"
+      # when X is that capital) would have the question's own entity as its answer.
+      starts = [s for s in world.by_kind(RELATIONS[chain[0]][0]) if _follow(ents, s, chain) != s]
       rng.shuffle(starts)
       pools.setdefault(len(chain), []).append([(chain, text, s) for s in starts])
   wanted = cfg.eval_size + cfg.sft_size + cfg.train_size
@@ -373,6 +375,13 @@ def generate_questions(world: World, cfg: KBConfig) -> dict[str, list[Question]]
                   for k in range(n)]
     start += n
   return out
+
+
+def _follow(ents: list[Entity], start: int, chain: tuple[str, ...]) -> int:
+  """The entity a relation chain leads to from `start`."""
+  for rel in chain:
+    start = ents[start].relations[rel]
+  return start
 
 
 def _question(qid: str, item, ents: list[Entity], docs: list[Document]) -> Question:

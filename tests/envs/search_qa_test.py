@@ -80,6 +80,16 @@ def test_questions_split_disjoint_and_balanced():
     kb.generate_questions(kb.generate_world(big), big)
 
 
+def test_no_question_names_its_own_answer():
+  """'What is the capital of the country where X is located?' with X that capital: 3 of the
+  default 200 eval questions (and 2 of 2000 train) had the question's own entity as the gold."""
+  cfg = kb.KBConfig()
+  qs = kb.generate_questions(kb.generate_world(cfg), cfg)
+  assert {s: len(v) for s, v in qs.items()} == {s: getattr(cfg, f"{s}_size") for s in qs}
+  for q in (q for v in qs.values() for q in v):
+    assert q.answers[0] != q.queries[0] and q.answers[0].lower() not in q.question.lower(), q
+
+
 @pytest.mark.parametrize("distractors", [0, 1, 3])
 def test_gold_answer_is_retrieved_by_the_right_queries(distractors):
   """Every hop's supporting document is in the BM25 top 3 for the hop's query, and the last
