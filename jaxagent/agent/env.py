@@ -278,8 +278,8 @@ def _split_segments(segments: list[str], text: str) -> tuple[list[str], str] | N
 class CalculatorEnv(Env):
   """Arithmetic with a calculator: `<calc>EXPR</calc>` -> `<result>VALUE</result>`, then
   `<answer>VALUE</answer>`. Reward: the answer equals the gold number (`numeric_match`), plus
-  `tool_bonus` times `shaping.tool_use_reward` (0.1 per distinct call that ran without an error, capped
-  at 0.5: a bonus of at most 0.05 at the default weight).
+  `tool_bonus` times `shaping.tool_use_reward` (0.1 per distinct call that ran without an error,
+  capped at 0.5: a bonus of at most 0.05 at the default weight).
   """
 
   name = "calculator"

@@ -19,8 +19,9 @@ This is `generate.scheduler.run_requests` generalised to many turns:
   observation, no re-prefill), which also samples each next turn's first token (DESIGN 5).
 * Budgets end or truncate a trajectory and are recorded as its `stop_reason`, never silently:
   max turns, tokens per turn, total tokens (an observation that would not fit truncates the
-  trajectory; a call that ends at the last position is not run), per-call tool timeout and per-trajectory tool time. Malformed calls, unknown tools,
-  bad arguments, tool errors and timeouts become error observations and counts (DESIGN 7). Task
+  trajectory; a call that ends at the last position is not run), per-call tool timeout and
+  per-trajectory tool time. Malformed calls, unknown tools, bad arguments, tool errors and
+  timeouts become error observations and counts (DESIGN 7). Task
   code that raises for one trajectory (`new_episode`, `format_observation`,
   `encode_observation`), returns the wrong type (an `Episode`, a list of int ids) or gives
   observation ids outside the model's vocabulary ends that trajectory

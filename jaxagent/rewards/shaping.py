@@ -233,11 +233,13 @@ class ToolShapingConfig:
         self.max_penalty >= 0):
       raise ValueError(f"ToolShapingConfig.max_penalty must be a number >= 0 (inf = no cap), got {self.max_penalty!r}")
     if not isinstance(self.reward_repeated_calls, bool):
-      raise ValueError(f"ToolShapingConfig.reward_repeated_calls must be a bool, got {self.reward_repeated_calls!r}")
+      raise ValueError(f"ToolShapingConfig.reward_repeated_calls must be a bool, "
+                       f"got {self.reward_repeated_calls!r}")
 
 
 def tool_use_reward(num_calls: int, num_valid: int, num_errors: int,
-                    config: ToolShapingConfig = ToolShapingConfig(), *, num_repeated: int = 0) -> float:
+                    config: ToolShapingConfig = ToolShapingConfig(), *,
+                    num_repeated: int = 0) -> float:
   """Shaping for tool use from a trajectory's counts; see `ToolShapingConfig`.
 
   Args:
@@ -257,8 +259,8 @@ def tool_use_reward(num_calls: int, num_valid: int, num_errors: int,
     raise ValueError(f"tool counts disagree: num_valid={num_valid} and num_errors={num_errors} "
                      f"must each be <= num_calls={num_calls}")
   if num_repeated > num_valid:
-    raise ValueError(f"tool counts disagree: num_repeated={num_repeated} must be <= num_valid={num_valid} "
-                     "(a repeated call is a valid call)")
+    raise ValueError(f"tool counts disagree: num_repeated={num_repeated} must be <= "
+                     f"num_valid={num_valid} (a repeated call is a valid call)")
   if config.reward_repeated_calls:
     num_repeated = 0
   num_ok = min(num_valid - num_repeated, num_calls - num_errors)
