@@ -741,7 +741,23 @@ class _Orchestrator(orchestrator.LLMOrchestrator):
   JetStream's read a request with neither text nor token content as `getattr(request, None)`
   and the client got UNKNOWN "attribute name must be string"; a request our checks refuse (bad
   token ids, a prompt too long, ...) also reached the client as UNKNOWN.
+
+  Streamed text is sent as `CheckedDriver` gives it: whole characters. JetStream's servicer
+  reads any text piece spelled like a SentencePiece byte token ("<0x41>") as that byte, for
+  tokenizers that stream raw bytes: a reply holding the text "<0x41>" as one piece reached the
+  client as "A", and one holding "<0xZZ>" ended the stream with an int() ValueError.
   """
+
+  def should_buffer_response(self, response) -> bool:
+    del response  # pieces never end inside a character (`_ReturnChannel`): nothing to wait for
+    return False
+
+  def process_server_side_tokenization_response(self, response, buffered_response_list):
+    del buffered_response_list  # always empty: nothing is buffered
+    from jetstream.core.proto import jetstream_pb2
+    sample = jetstream_pb2.DecodeResponse.StreamContent.Sample
+    return jetstream_pb2.DecodeResponse(stream_content=jetstream_pb2.DecodeResponse.StreamContent(
+        samples=[sample(text="".join(s.text), token_ids=s.token_ids) for s in response]))
 
   async def Decode(self, request, context=None):  # noqa: N802 (the gRPC method's name)
     import grpc

@@ -352,6 +352,44 @@ def test_streamed_text_keeps_characters_split_across_tokens_whole(js, tok, param
   assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces), pieces
 
 
+@pytest.mark.jetstream
+def test_grpc_text_that_spells_a_byte_token_reaches_the_client_as_written(js, tok, params, engine):
+  """JetStream's servicer read a streamed piece spelled like a SentencePiece byte token as that
+  byte: with 6 tokens per result, the reply "<0x41>" reached the client as "A", and "<0xZZ>"
+  ended the stream with INVALID_ARGUMENT "invalid literal for int() with base 16"."""
+  import grpc
+  from jetstream.core.proto import jetstream_pb2, jetstream_pb2_grpc
+  text = "<0x41><0xZZ>héllo"  # 6 + 6 + 6 bytes: one piece per result
+  script = _byte_ids(tok, text)
+  steps = 6
+
+  class Scripted(js.JetStreamEngine):  # the engine's results, with the script's tokens
+    def generate(self, params, decode_state):
+      st, res = super().generate(params, decode_state)
+      data = np.array(res.data)
+      for j in range(steps):
+        data[:, j] = script[min(self.step * steps + j, len(script) - 1)]
+      self.step += 1
+      return st, dataclasses.replace(res, data=jax.numpy.asarray(data))
+
+  scripted = Scripted(engine.engine, params, tok, decode_steps=steps)
+  scripted.step = 0
+  with socket.socket() as sock:  # a free local port
+    sock.bind(("localhost", 0))
+    port = sock.getsockname()[1]
+  server = js.serve(scripted, port, threads=4)
+  try:
+    with grpc.insecure_channel(f"localhost:{port}") as channel:
+      request = jetstream_pb2.DecodeRequest(
+          text_content=jetstream_pb2.DecodeRequest.TextContent(text="hi"), max_tokens=len(script))
+      replies = [r.stream_content.samples[0]
+                 for r in jetstream_pb2_grpc.OrchestratorStub(channel).Decode(request, timeout=60)]
+  finally:
+    server.stop()
+  assert [t for r in replies for t in r.token_ids] == script
+  assert "".join(r.text for r in replies) == text, [r.text for r in replies]
+
+
 ABANDON = textwrap.dedent("""
     import asyncio, time
     import jax
