@@ -379,6 +379,19 @@ KNOWN_CONFIG_KEYS = frozenset("""
     train.samples_per_prompt train.time_limit_s train.zero_variance
 """.split()) | {f"model.{k}" for k in RUN_MODEL_KEYS}
 _FREE_FORM = ("env.kwargs",)
+# The keys a run reads with a default (`.get`), which a config may leave out; the trainer reads
+# every other known key as an attribute, so a config without one failed with an AttributeError
+# traceback from wherever it was first read (for eval.pass_k: the first eval, after training).
+OPTIONAL_CONFIG_KEYS = frozenset("""
+    checkpoint_async checkpoint_dir checkpoint_every checkpoint_keep checkpoint_keep_every
+    env.kwargs export log.dump_count loss.dual_clip loss.max_len_norm
+    model.attention model.init_seed model.init_std model.logprob model.norm_rope
+    model.scan_layers model.tokenizer
+    rollout.max_prompt_tokens rollout.max_total_tokens rollout.mesh
+    sft.data sft.warmup_steps
+    train.gather_weights train.len_buckets train.logprob_save_probs train.nonfinite
+    train.row_rounding train.time_limit_s
+""".split())
 
 
 def config_keys(config, prefix: str = "") -> list[str]:
@@ -401,6 +414,17 @@ def check_config(config) -> None:
     raise ValueError("unknown config key(s): " +
                      ", ".join(config_files.did_you_mean(k, KNOWN_CONFIG_KEYS) for k in unknown) +
                      ". configs/quickstart.py sets every key a run reads.")
+  present = set(config_keys(config))
+  if "model.path" not in present:
+    raise ValueError("the config names no model: set model.path to a preset, an HF model "
+                     "directory or a .gguf file (e.g. model.path='smollm2-135m-instruct')")
+  missing = sorted(KNOWN_CONFIG_KEYS - OPTIONAL_CONFIG_KEYS - present)
+  if missing:
+    named = [f"'{k.rpartition('.')[2]}'" + (f" ({k})" if "." in k else "") for k in missing]
+    raise ValueError("the config has no key " + ", no key ".join(named[:8])
+                     + (f" (and {len(named) - 8} more)" if len(named) > 8 else "")
+                     + ", which a run reads. configs/quickstart.py sets every key a run reads "
+                     "(a config file can start from it: jaxagent.config_files.load_config).")
 
   def count(key, least):
     section, _, name = key.rpartition(".")

@@ -188,6 +188,47 @@ def test_a_warm_start_on_no_demonstrations_is_named_before_any_work(tmp_path, mo
                                               "sft.data": str(data)}))
 
 
+@pytest.mark.parametrize("section, key", [("eval", "pass_k"), ("rollout", "traj_tool_timeout_s"),
+                                          ("model", "remat"), (None, "seed")])
+def test_a_config_without_a_key_the_run_reads_is_named_before_any_work(tmp_path, monkeypatch,
+                                                                       section, key):
+  """A config file without a key that the run reads as an attribute failed with an
+  AttributeError traceback from wherever it was first read: eval.pass_k at the first eval."""
+  from jaxagent import trainer as trainer_lib
+  c = _tiny(tmp_path)
+  del (c[section] if section else c)[key]
+  dotted = f"{section}.{key}" if section else key
+  match = (rf"the config has no key '{key}'" + (rf" \({dotted}\)" if section else "")
+           + ", which a run reads")
+  with pytest.raises(ValueError, match=match):
+    trainer_lib.check_config(c)
+  monkeypatch.setattr(trainer_lib, "load_model", lambda m: pytest.fail("the model was loaded"))
+  with pytest.raises(ValueError, match=match):
+    Trainer(c)
+  del c["model"]
+  with pytest.raises(ValueError, match="the config names no model: set model.path"):
+    trainer_lib.check_config(c)
+
+
+@pytest.mark.slow  # a whole tiny run: about a minute on a loaded 2-core CPU
+def test_a_config_without_the_optional_keys_runs(tmp_path):
+  """Every key of OPTIONAL_CONFIG_KEYS is read with a default: a config without any of them
+  trains (an RL step and its eval). (model.tokenizer stays: the random tiny-llama preset takes
+  its vocabulary; a model directory or .gguf file brings its own.)"""
+  from jaxagent.trainer import KNOWN_CONFIG_KEYS, OPTIONAL_CONFIG_KEYS
+  assert OPTIONAL_CONFIG_KEYS < KNOWN_CONFIG_KEYS
+  c = _tiny(tmp_path, **{"eval.size": 1})
+  for k in OPTIONAL_CONFIG_KEYS - {"model.tokenizer"}:
+    section, _, name = k.rpartition(".")
+    del (c[section] if section else c)[name]
+  t = Trainer(c)
+  try:
+    summary = t.run()
+  finally:
+    t.close()
+  assert "pass@1/after_rl" in summary and (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def test_close_closes_every_part_when_one_of_them_fails(tmp_path):
   # A checkpoint manager that raised on close (a full disk, a lost bucket) left the samplers'
   # tool threads and the metrics file open.
