@@ -698,6 +698,8 @@ def submit(driver, prompt: str | Sequence[int], max_tokens: int):
   if isinstance(prompt, (bytes, bytearray)):  # list(b"hi") would be the token ids [104, 105]
     raise ValueError(f"prompt is bytes ({bytes(prompt[:20])!r}): pass text as a str or token "
                      "ids as a sequence of ints")
+  if isinstance(prompt, (np.ndarray, jax.Array)):  # list() of a JAX array: JAX scalars, refused
+    prompt = np.asarray(prompt).tolist()
   token_ids = not isinstance(prompt, str)
   request = orchestrator.ActiveRequest(
       max_tokens=max_tokens, return_channel=async_multifuture.AsyncMultifuture(),

@@ -135,7 +135,10 @@ def test_create_refuses_eos_ids_that_are_not_vocabulary_ints(js, tok, cfg, param
 @pytest.mark.jetstream
 def test_driver_serves_concurrent_requests_like_generate(js, cfg, tok, engine, reference):
   _, want = reference
-  prompts = [TEXT] + _token_prompts(cfg)[:3]
+  ids = _token_prompts(cfg)[:3]
+  # Token ids as a list, a NumPy array and a JAX array (a JAX array was refused: "prompt token
+  # ids must be ints in [0, 49152); got [Array(...), ...]").
+  prompts = [TEXT, ids[0], np.asarray(ids[1]), jax.numpy.asarray(ids[2])]
   assert engine.max_prefill_length == 64 and not engine.jetstream_tokenizer.add_bos
   # JetStream's Driver, with the same engine for prefill and generate; two slots for four
   # requests, so slots are refilled while others decode.
