@@ -56,6 +56,12 @@ _COMPILE_CACHE = flags.DEFINE_string(
     "JAX's persistent compilation cache: auto (on GPU/TPU, in $JAXAGENT_COMPILE_CACHE or "
     "~/.cache/jaxagent/xla), on (also on CPU), off, or a directory. A rerun or a resumed run "
     "then loads the programs it compiled before instead of compiling them again.")
+# A yes / no spelling was taken for a directory: --compile_cache=false turned the cache on, in
+# ./false.
+flags.register_validator(
+    "compile_cache",
+    lambda v: str(v).strip().lower() not in ("true", "false", "yes", "no", "1", "0", "none"),
+    "takes auto, on, off or a directory (a yes / no spelling is not a directory: say on or off)")
 
 
 def init_runtime(coordinator_address=None, num_processes=None, process_id=None) -> bool:

@@ -378,6 +378,9 @@ def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
     (["--config.totl_steps=3"], 'the config has no key \'totl_steps\'\nDid you mean "total_steps"'),
     (["--config.env.kwargs.no_such_knob=3"], "the config has no key 'no_such_knob'"),
     (["--config.total_steps=-1"], "bad config: total_steps must be an int >= 0, got -1"),
+    # A yes / no spelling was a directory: the cache went on, in ./false.
+    (["--config=configs/quickstart.py:tiny", "--compile_cache=false"],
+     "flag --compile_cache=false: takes auto, on, off or a directory"),
     # get_config raising (a misspelt variant) is its message, not ml_collections' traceback.
     (["--config=configs/math_tool.py:tinny"],
      "flag --config=configs/math_tool.py:tinny: ValueError: unknown math_tool variant 'tinny'; "
