@@ -111,6 +111,12 @@ def chip_for(devices: Sequence[jax.Device]) -> ChipSpec:
   cores = {getattr(x, "core_on_chip", 0) for x in devices}
   if d.platform == "tpu" and len(cores) > 1:
     spec = spec.scaled(1.0 / len(cores))
+  # Ask a device of this process: on several hosts `devices[0]` is process 0's, whose
+  # allocator the other processes cannot query (a GPU raises FailedPrecondition), so they fell
+  # back to the table's capacity while process 0 read its allocator's limit, and the fit check
+  # could stop one process and let the others start the run.
+  me = jax.process_index()
+  d = next((x for x in devices if x.process_index == me), d)
   try:
     limit = (d.memory_stats() or {}).get("bytes_limit")
   except Exception:  # compile-only and CPU devices have no allocator to ask

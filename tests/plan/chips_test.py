@@ -172,3 +172,31 @@ def test_cloud_accelerator_types_describe_their_slices(name, chips, hosts, kind)
   assert len(devices) == chips
   assert len({d.process_index for d in devices}) == hosts
   assert plan.CHIPS[devices[0].device_kind].name == kind
+
+
+class _Gpu:
+  """A GPU as another process sees it: its allocator answers only the process that owns it."""
+
+  platform, device_kind = "gpu", "NVIDIA H100 80GB HBM3"
+
+  def __init__(self, process_index, limit):
+    self.process_index, self._limit = process_index, limit
+
+  def memory_stats(self):
+    if self.process_index != jax.process_index():
+      # What jaxlib's GPU client raises for a device of another process.
+      raise RuntimeError("FAILED_PRECONDITION: GetAllocatorStats() is allowed only for "
+                         "addressable devices")
+    return {"bytes_limit": self._limit, "bytes_in_use": 0}
+
+
+def test_capacity_is_read_from_a_device_of_this_process(monkeypatch):
+  # On several hosts jax.devices() starts with process 0's devices: process 1 asked device 0's
+  # allocator, could not, and planned with the table's 80 GB while process 0 planned with its
+  # allocator's 60 GB, so the launcher's fit check could stop one process and start the rest.
+  limit = 60e9
+  devices = [_Gpu(0, limit), _Gpu(0, limit), _Gpu(1, limit), _Gpu(1, limit)]
+  for process in (0, 1):
+    monkeypatch.setattr(jax, "process_index", lambda: process)
+    spec = plan.chip_for(devices)
+    assert (spec.name, spec.hbm_bytes, spec.source) == ("H100", limit, "runtime"), process
