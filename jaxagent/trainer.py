@@ -110,6 +110,17 @@ class PromptStream:
     self._it.set_state(state)
 
 
+def _split_examples(env: Env, split: str) -> list[Example]:
+  """`env.examples(split)` as a list, with what it raises (a task's data file that is missing,
+  truncated or not JSON) named as coming from that task and split: it reached the launcher as
+  the bare error ("bad config: Unterminated string starting at: line 1 column 7")."""
+  try:
+    return list(env.examples(split))
+  except Exception as e:  # noqa: BLE001 - the task's own code and data
+    raise ValueError(f"env {env.name!r} ({type(env).__name__}) cannot give its {split!r} "
+                     f"examples: examples({split!r}) raised {type(e).__name__}: {e}") from e
+
+
 def check_examples(env: Env, examples: Sequence[Any], tokenizer, split: str) -> list[tuple[int, ...]]:
   """The rendered prompt of each example of `split`, or a ValueError naming every bad record.
 
@@ -575,13 +586,15 @@ class Trainer:
     # The mesh before the model: a mesh that does not fit the devices fails before the load.
     self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))
+    # Before the model: a task's data file that does not read fails in a second.
+    self.train_examples = _split_examples(self.env, "train")
+    # (eval.size=0: no evals, so a task without an eval split runs)
+    self.eval_examples = _split_examples(self.env, "eval")[:c.eval.size] if c.eval.size else []
     self.cfg, params, self.tok = load_model(c.model)
     # Rollouts run on process 0's local devices in multi-host jobs (see the module docstring).
     self.gen_mesh = sharding.rollout_mesh(
         c.rollout.get("mesh", "learner"), self.mesh,
         None if jax.process_count() == 1 else jax.local_devices())
-    self.train_examples = list(self.env.examples("train"))
-    self.eval_examples = list(self.env.examples("eval"))[:c.eval.size]
     train_prompts = check_examples(self.env, self.train_examples, self.tok, "train")
     # Saved with the prompt stream's position: resuming over other examples is named.
     self._train_fingerprint = _examples_fingerprint(self.train_examples, train_prompts)

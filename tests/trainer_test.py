@@ -1211,6 +1211,47 @@ def test_resuming_over_changed_train_examples_is_named(tmp_path, monkeypatch, ca
           "from position 5" in out), out
 
 
+def test_a_task_whose_examples_raise_is_named_and_eval_size_0_reads_no_eval_split(
+    tmp_path, monkeypatch):
+  """A task of one's own reading a truncated data file reached the launcher as the bare
+  "bad config: Unterminated string ..."; one without an eval split could not run even with
+  eval.size=0 (no evals)."""
+  from jaxagent.agent.env import CalculatorEnv, Example
+  import jaxagent.trainer as trainer_lib
+  (tmp_path / "train.jsonl").write_text('{"q": "What is 1 + 1?", "a": "2"}\n{"q": "What is 2')
+
+  class FileData(CalculatorEnv):
+    def __init__(self, path):
+      super().__init__()
+      self.path = path
+
+    def examples(self, split):
+      if split != "train":
+        raise KeyError(split)
+      with open(self.path) as f:
+        return [Example(str(i), r["q"], gold=r["a"]) for i, r in enumerate(map(json.loads, f))]
+
+  def trainer_over(name, **overrides):
+    monkeypatch.setattr(trainer_lib, "make_env", lambda *_, **__: FileData(tmp_path / name))
+    return Trainer(_tiny(tmp_path, **overrides))
+
+  real_load = trainer_lib.load_model
+  monkeypatch.setattr(trainer_lib, "load_model", lambda m: pytest.fail("the model was loaded"))
+  with pytest.raises(ValueError, match=r"env 'calculator' \(FileData\) cannot give its 'train' "
+                     r"examples: examples\('train'\) raised JSONDecodeError: Unterminated string"):
+    trainer_over("train.jsonl")
+  (tmp_path / "fixed.jsonl").write_text('{"q": "What is 1 + 1?", "a": "2"}\n')
+  with pytest.raises(ValueError, match=r"cannot give its 'eval' examples: examples\('eval'\) "
+                     "raised KeyError: 'eval'"):
+    trainer_over("fixed.jsonl")
+  monkeypatch.setattr(trainer_lib, "load_model", real_load)
+  t = trainer_over("fixed.jsonl", **{"eval.size": 0})
+  try:
+    assert [e.id for e in t.train_examples] == ["0"] and t.eval_examples == []
+  finally:
+    t.close()
+
+
 def test_warm_start_refuses_the_eval_split_and_names_a_missing_sft_split(tmp_path, monkeypatch):
   """A task of one's own whose `examples` returns the eval split for every split but "train"
   warm-started on the held-out examples, silently; one without an "sft" split failed with a
