@@ -454,6 +454,9 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
                  else jax.tree.map(lambda p: p.sharding, params))
       dparams, masters_b = _sds(copy, copy_sh), params_b
     engine = Engine(cfg, ecfg, mesh=dmesh)
+    # The engine's cache may be longer than max_len (the GPU decode kernel's rounds it up to a
+    # multiple of 64), and its generate and append read up to the whole cache.
+    shapes = dataclasses.replace(shapes, kv_len=engine.kv_buckets[-1])
     dstate = engine.abstract_decode_state()
     kv_b = _per_chip_bytes((dstate.k, dstate.v))
     rep_sh = NamedSharding(dmesh, P())

@@ -1,4 +1,5 @@
 """The planner: run shapes, the trainer's step settings, CPU plans, knobs, and TPU AOT compiles."""
+import dataclasses
 import json
 import re
 
@@ -108,6 +109,32 @@ def test_plan_on_local_cpu_devices():
   assert 0.9 < up.flops / expected < 2.0, (up.flops, expected)
   assert up.collectives["all-reduce"].static > 0
   assert "update[L=128]" in report.render()
+
+
+def test_generate_is_planned_over_the_engines_whole_cache(monkeypatch):
+  # The GPU decode kernel rounds the cache up to a multiple of 64 tokens (max_len 100: 128),
+  # and the engine's generate reads up to all of it; the plan compiled generate and append at
+  # kv_len = max_len instead, programs the run never runs. Forced here with the kernel in
+  # interpret mode, as on a GPU, where "auto" picks it.
+  from jaxagent.generate.engine import Engine, EngineConfig
+  from jaxagent.models import get_config
+  from jaxagent.plan import planner
+
+  class GpuKernelEngine(Engine):
+    def __init__(self, cfg, ecfg, **kw):
+      super().__init__(cfg, dataclasses.replace(ecfg, decode_attention="pallas"), **kw)
+
+  monkeypatch.setattr(planner, "Engine", GpuKernelEngine)
+  cfg = get_config("tiny-llama", n_layers=1)
+  c = tiny(1, 1, 1)
+  c.rollout.update(slots=2, max_len=100, decode_steps=1)
+  report = plan.plan_run(c, jax.devices()[:1], cfg=cfg,
+                         options=plan.PlanOptions(programs=("generate",)))
+  engine = GpuKernelEngine(cfg, EngineConfig(slots=2, max_len=100))
+  assert engine.cache_len == 128
+  assert report.shapes.kv_len == 128
+  gen = report.program("generate")
+  assert gen.error is None and gen.shapes == "2 slots x 1 steps, kv 128"
 
 
 def test_data_rollout_mesh_plans_decode_with_replicated_weights():
