@@ -107,6 +107,10 @@ def _budgets(max_new_tokens, n: int) -> list[int]:
   """Per-prompt budgets from one int or one per prompt; a float (2.7 would be cut to 2) or
   anything else is a clear error."""
   is_int = lambda b: isinstance(b, (int, np.integer)) and not isinstance(b, bool)
+  if isinstance(max_new_tokens, (np.ndarray, jax.Array)) and np.ndim(max_new_tokens) <= 1:
+    # One budget (0-d; it failed with "iteration over a 0-d array") or one per prompt, as
+    # Python numbers (a JAX array was refused).
+    max_new_tokens = np.asarray(max_new_tokens).tolist()
   if is_int(max_new_tokens):
     return [int(max_new_tokens)] * n
   if (isinstance(max_new_tokens, (list, tuple, np.ndarray))
@@ -128,6 +132,14 @@ def _checked_budgets(max_new_tokens, n: int, what: str) -> list[int]:
   return budgets
 
 
+def _ids_list(ids):
+  """A 1-D NumPy or JAX array of ids as a list of Python ints (a JAX array's elements are JAX
+  scalars, which the integer checks refuse); anything else as it is."""
+  if isinstance(ids, (np.ndarray, jax.Array)) and np.ndim(ids) == 1:
+    return np.asarray(ids).tolist()
+  return ids
+
+
 @functools.lru_cache(maxsize=16)
 def _engine(cfg, ecfg: EngineConfig, mesh) -> Engine:
   return Engine(cfg, ecfg, mesh=mesh)
@@ -145,6 +157,7 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
   prompts = [np.asarray(p).tolist() if isinstance(p, (np.ndarray, jax.Array)) else p
              for p in prompts]
   n = len(prompts)
+  request_ids = _ids_list(request_ids)
   # Prefill's rule, for every prompt before anything runs (a budget prefill refuses, waiting
   # in the queue, ended the run after the requests before it were generated).
   budgets = _checked_budgets(max_new_tokens, n, "run_requests")
@@ -344,7 +357,7 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
   ecfg = EngineConfig(slots=slots, max_len=max_len, eos_ids=eos_ids,
                       sampling=SamplingConfig(temperature, top_p, top_k))
   engine = _engine(cfg, ecfg, mesh)
-  rids = list(range(len(ids))) if request_ids is None else list(request_ids)
+  rids = list(range(len(ids))) if request_ids is None else list(_ids_list(request_ids))
   out = run_requests(engine, params, ids, max_new_tokens=budgets, request_ids=rids,
                      seed=seed, stop=checker, decode_steps=decode_steps)
   if tokenizer is not None:

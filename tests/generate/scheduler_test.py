@@ -112,6 +112,31 @@ def test_bad_budgets_and_slots_are_clear_errors(params):
           == generate(params, CFG, [[1, 2]], 3, slots=2)[0].tokens)
 
 
+def test_budgets_and_request_ids_as_numpy_or_jax_arrays(params, engine):
+  """Arrays of budgets or request ids are the numbers they hold: a 0-d NumPy budget failed with
+  TypeError "iteration over a 0-d array", JAX arrays of budgets or ids were refused as not
+  integers, and NumPy ids came back as np.int64 `request_id`s."""
+  jnp = jax.numpy
+  prompts = [[1, 2], [3]]
+  want = [(c.tokens, c.request_id) for c in generate(params, CFG, prompts, [3, 2],
+                                                      request_ids=[4, 7])]
+  for budgets in (np.asarray([3, 2]), jnp.asarray([3, 2])):
+    for rids in (np.asarray([4, 7]), jnp.asarray([4, 7])):
+      got = generate(params, CFG, prompts, budgets, request_ids=rids)
+      assert [(c.tokens, c.request_id) for c in got] == want
+      assert all(type(c.request_id) is int for c in got)
+  one = [c.tokens for c in generate(params, CFG, prompts, 3)]
+  for budget in (np.asarray(3), jnp.asarray(3)):
+    assert [c.tokens for c in generate(params, CFG, prompts, budget)] == one
+  ref = run_requests(engine, params, prompts, max_new_tokens=2, request_ids=[4, 7])
+  got = run_requests(engine, params, prompts, max_new_tokens=jnp.asarray(2),
+                     request_ids=jnp.asarray([4, 7]))
+  assert [(c.tokens, c.request_id) for c in got] == [(c.tokens, c.request_id) for c in ref]
+  for bad in (np.asarray(2.5), np.asarray(True), np.asarray([[3, 2]]), jnp.asarray([3.0, 2.0])):
+    with pytest.raises(ValueError, match="max_new_tokens must be an int or a sequence of one"):
+      generate(params, CFG, prompts, bad)
+
+
 def test_run_requests_takes_a_stop_spec(params, engine):
   """`stop` as a spec (token-id sequences) is what the same `StopChecker` gives (a list
   failed with AttributeError after the first prefill)."""
