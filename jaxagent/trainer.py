@@ -646,6 +646,7 @@ class Trainer:
     self._restore_done = False
     self._stop_reason: str | None = None
     self._interrupted: str | None = None  # where a stop cut the phase before RL short
+    self._sft_loaded: tuple[list[packing.PackItem], int] | None = None  # `_pre_rl` -> `warm_start`
 
   def _check_prompt_lengths(self, lens: Sequence[int]) -> None:
     """Train prompts too long to decode end their trajectories unsampled (stop reason
@@ -786,33 +787,11 @@ class Trainer:
     s = self.config.sft
     if not s.steps:
       return {}
-    if s.get("data"):
-      items = sft_items_from_chat_jsonl(s.data, self.tok)
-    else:
-      try:
-        pool = list(self.env.examples("sft"))[:s.num_examples]
-      except Exception as e:
-        raise ValueError(
-            f"sft.steps={s.steps} warm-starts on the task's 'sft' split, and env "
-            f"{self.env.name!r} has none (examples('sft') raised {type(e).__name__}: {e}): "
-            "return the examples to demonstrate for 'sft' (usually the train ones), give a "
-            "chat JSONL file as sft.data, or set sft.steps=0") from e
-      items = sft_items(self.env, pool, self.tok)
-      # An `examples` that returns the eval split for every split but "train" warm-started on
-      # the held-out examples, silently.
-      held_out = set(self._eval_prompts)
-      on_eval = [ex.id for ex in pool
-                 if tuple(int(t) for t in self.env.render_prompt(ex, self.tok)) in held_out]
-      if on_eval:
-        raise ValueError(
-            f"the SFT warm start would train on {len(on_eval)} eval examples: env "
-            f"{self.env.name!r} returns examples for 'sft' whose prompts are eval prompts ("
-            + ", ".join(map(repr, on_eval[:5])) + (", ..." if len(on_eval) > 5 else "")
-            + "), so eval/pass@1 would not be held out; return the train examples (or other "
-            "non-eval ones) for 'sft', give a chat JSONL file as sft.data, or set sft.steps=0")
+    # (`_pre_rl` reads them before the eval that comes first: a bad sft.data line fails then)
+    loaded, self._sft_loaded = self._sft_loaded, None
+    items, too_long = loaded or self._sft_items_that_fit(self._sft_items())
     learner = step_lib.Learner(self.cfg, self._sft_step_cfg, self._sft_optimizer, self.mesh)
     st = learner.init(self.state.params)
-    items, too_long = self._sft_items_that_fit(items)
     batches = _sft_batches(len(items), s.batch_size, s.steps, self.config.seed)
     t0 = time.time()
     losses_seen = []
@@ -834,6 +813,35 @@ class Trainer:
     return {"sft/first_loss": losses_seen[0], "sft/last_loss": losses_seen[-1],
             "sft/time_s": time.time() - t0, "sft/num_examples": len(items),
             "sft/num_too_long": too_long}
+
+  def _sft_items(self) -> list[packing.PackItem]:
+    """The warm start's sequences: `sft.data`'s conversations, or the task's demonstrations of
+    its first `sft.num_examples` "sft" examples (refused when they are eval prompts)."""
+    s = self.config.sft
+    if s.get("data"):
+      return sft_items_from_chat_jsonl(s.data, self.tok)
+    try:
+      pool = list(self.env.examples("sft"))[:s.num_examples]
+    except Exception as e:
+      raise ValueError(
+          f"sft.steps={s.steps} warm-starts on the task's 'sft' split, and env "
+          f"{self.env.name!r} has none (examples('sft') raised {type(e).__name__}: {e}): "
+          "return the examples to demonstrate for 'sft' (usually the train ones), give a "
+          "chat JSONL file as sft.data, or set sft.steps=0") from e
+    items = sft_items(self.env, pool, self.tok)
+    # An `examples` that returns the eval split for every split but "train" warm-started on
+    # the held-out examples, silently.
+    held_out = set(self._eval_prompts)
+    on_eval = [ex.id for ex in pool
+               if tuple(int(t) for t in self.env.render_prompt(ex, self.tok)) in held_out]
+    if on_eval:
+      raise ValueError(
+          f"the SFT warm start would train on {len(on_eval)} eval examples: env "
+          f"{self.env.name!r} returns examples for 'sft' whose prompts are eval prompts ("
+          + ", ".join(map(repr, on_eval[:5])) + (", ..." if len(on_eval) > 5 else "")
+          + "), so eval/pass@1 would not be held out; return the train examples (or other "
+          "non-eval ones) for 'sft', give a chat JSONL file as sft.data, or set sft.steps=0")
+    return items
 
   def _sft_items_that_fit(self, items: list[packing.PackItem]) -> tuple[list[packing.PackItem], int]:
     """The SFT items no longer than a packed row, and how many were left out.
@@ -1165,6 +1173,10 @@ class Trainer:
   def _pre_rl(self) -> None:
     """What happens once per run before RL: eval, SFT warm start, eval, the KL reference."""
     c, say = self.config, self.writer.message
+    if c.sft.steps:
+      # The warm start's data first: a bad line of sft.data (or a task without demonstrations)
+      # ended the run only after the eval before training, minutes of work on a large eval set.
+      self._sft_loaded = self._sft_items_that_fit(self._sft_items())
     if c.eval.before:
       m = self.evaluate()
       self.writer.write(0, {f"before/{k.split('/', 1)[1]}": v for k, v in m.items()})

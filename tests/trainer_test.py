@@ -264,6 +264,24 @@ def test_env_kwargs_are_free_form():
   check_config(c)
 
 
+@pytest.mark.parametrize("data", ['{"messages": [{"role": "user", "content": "hi"}, {"role": '
+                                  '"assistant", "content": "hello"}]}\n{"messages": [{"role": "us',
+                                  ""])
+def test_bad_sft_data_fails_before_the_eval_before_training(tmp_path, data):
+  """A truncated last line of sft.data (or a file with no conversation) ended the run at the
+  warm start, after the eval before training had run over the whole eval set."""
+  path = tmp_path / "sft.jsonl"
+  path.write_text(data)
+  t = Trainer(_tiny(tmp_path, **{"sft.steps": 1, "sft.data": str(path), "eval.before": True}))
+  t.evaluate = lambda *a: pytest.fail("the eval before training ran first")
+  try:
+    with pytest.raises(ValueError, match=f"{path}:2: expected a JSON object" if data
+                       else f"{path}: no conversations"):
+      t.run()
+  finally:
+    t.close()
+
+
 def test_bad_chat_jsonl_names_the_line(tmp_path):
   from jaxagent import models
   tok = models.load_tokenizer("smollm2-135m-instruct")
