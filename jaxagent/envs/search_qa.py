@@ -164,7 +164,14 @@ class SearchQAEnv(Env):
         num_universities=num_universities, num_people=num_people, num_companies=num_companies,
         min_hops=min_hops, max_hops=max_hops, distractors=distractors, train_size=train_size,
         eval_size=eval_size, sft_size=sft_size)
-    self.kb = kb_lib.load_kb(self.kb_config, data_dir or None)
+    try:
+      self.kb = kb_lib.load_kb(self.kb_config, data_dir or None)
+    except OSError as e:  # a data_dir under a file, read-only or not creatable: a traceback
+      where = data_dir or str(kb_lib.default_data_dir())
+      raise ValueError(f"SearchQAEnv: cannot prepare the knowledge base under {where!r} "
+                       f"({type(e).__name__}: {e.strerror or e}): set env.kwargs.data_dir (or "
+                       "$JAXAGENT_DATA_DIR) to a directory this process can create and write"
+                       ) from e
     _check_passages_keep_the_facts(self.kb, max_passage_chars)
     self.index = BM25Index(self.kb.documents)
     self.search_tool = SearchTool(self.index, k=top_k, max_k=max(10, top_k),

@@ -137,6 +137,16 @@ def test_a_damaged_prepared_file_is_named_with_the_fix(tmp_path):
     kb.load_kb(cfg, tmp_path)
 
 
+def test_a_data_dir_that_cannot_be_written_is_named(tmp_path):
+  """A data_dir under a file (or read-only) failed with a NotADirectoryError / PermissionError
+  traceback from tfds's locking and writing, through the launcher too."""
+  (tmp_path / "a_file").write_text("")
+  with pytest.raises(ValueError, match=r"SearchQAEnv: cannot prepare the knowledge base under "
+                     r"'.*a_file/kb' \(NotADirectoryError: Not a directory\): set "
+                     r"env.kwargs.data_dir \(or \$JAXAGENT_DATA_DIR\)"):
+    SearchQAEnv(data_dir=str(tmp_path / "a_file" / "kb"), **SMALL)
+
+
 def test_a_changed_generator_does_not_read_back_the_old_world(tmp_path, monkeypatch):
   """The prepared dataset was named by the config alone: after an edit of the generator (an
   upgrade), load_kb read back the world the old code wrote, not the one the code generates."""
