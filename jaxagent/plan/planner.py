@@ -219,22 +219,6 @@ def _per_chip_bytes(tree) -> float:
   return total
 
 
-def _fit_sharding(s, shape, mesh: Mesh) -> NamedSharding:
-  """`s` with dims that no longer divide `shape` replicated (a sliced array's sharding)."""
-  if not isinstance(s, NamedSharding):
-    return s if s.is_fully_replicated else NamedSharding(mesh, P())
-  spec = list(s.spec) + [None] * (len(shape) - len(s.spec))
-  out = []
-  for dim, axes in zip(shape, spec):
-    if axes is None:
-      out.append(None)
-      continue
-    names = (axes,) if isinstance(axes, str) else tuple(axes)
-    size = math.prod(s.mesh.shape[a] for a in names)
-    out.append(axes if dim % size == 0 else None)
-  return NamedSharding(s.mesh, P(*out))
-
-
 _OOM_RE = re.compile(r"RESOURCE_EXHAUSTED|[Oo]ut of memory|exceeds the memory|Ran out of memory")
 _KERNEL_LIMIT_RE = re.compile(r"[Ss]hared memory size limit|registers? (limit|exceeded)")
 _TEMP_RE = re.compile(r"HLO temporaries \(([\d.]+)([KMGT])\)")
@@ -478,20 +462,17 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
       if "prefill" not in want:  # compiled only for the shardings of its output
         programs.remove(rep)
     if "insert" in want:
-      n = s.slots
+      # The rollout driver's `Engine.prefill_insert` hands insert the prefill's whole padded
+      # batch (its padding rows are dropped by the insert), with the rows' prompt sharing.
       out = jax.eval_shape(engine.program("prefill"), *prefill_args)
       out_sh = (prefill.output_shardings if prefill is not None
                 else jax.tree.map(lambda _: rep_sh, out))
-
-      def sliced(a, sh):  # `Engine.prefill` hands insert the first n of b prefixes
-        shape = (a.shape[0], n) + a.shape[2:] if a.ndim == 5 else (n,) + a.shape[1:]
-        return jax.ShapeDtypeStruct(shape, a.dtype, sharding=_fit_sharding(sh, shape, dmesh))
-
-      prefix = jax.tree.map(sliced, out, out_sh)
-      rep = ProgramReport("insert", "insert", f"{n} prefixes of {t}",
+      prefix = _sds(out, out_sh)
+      share = (vec(b), vec(b)) if ecfg.share_prompts else None
+      rep = ProgramReport("insert", "insert", f"{b} prefixes of {t}",
                           resident_bytes=_per_chip_bytes(dparams) + masters_b + opt_b + ref_b,
                           components=dec_components)
-      add(rep, engine.program("insert"), prefix, dstate, vec(n), on=dmesh)
+      add(rep, engine.program("insert"), prefix, dstate, vec(b), share, on=dmesh)
     if "generate" in want:
       rep = ProgramReport("generate", "generate",
                           f"{s.slots} slots x {s.decode_steps} steps, kv {s.kv_len}",

@@ -137,6 +137,32 @@ def test_generate_is_planned_over_the_engines_whole_cache(monkeypatch):
   assert gen.error is None and gen.shapes == "2 slots x 1 steps, kv 128"
 
 
+def test_insert_is_planned_with_the_arguments_the_rollout_driver_passes():
+  # The rollout driver inserts through Engine.prefill_insert: the prefill's whole padded batch
+  # (6 slots: 8 rows) with the rows' prompt sharing. The plan compiled insert on the first 6
+  # rows without sharing, a program the run never runs, its prefix a quarter smaller.
+  from jaxagent.generate.engine import Engine, EngineConfig
+  from jaxagent.models import get_config, init_params
+  cfg = get_config("tiny-llama", n_layers=1)
+  c = tiny(1, 1, 1)
+  c.rollout.update(slots=6, max_len=64)
+  exe = {}
+  report = plan.plan_run(c, jax.devices()[:1], cfg=cfg, executables=exe,
+                         options=plan.PlanOptions(prompt_len=20, programs=("insert",)))
+  assert report.program("insert").error is None
+  assert report.program("insert").shapes == "8 prefixes of 32"
+  engine = Engine(cfg, EngineConfig(slots=6, max_len=64))
+  calls, real = [], engine._jit_insert
+  engine._jit_insert = lambda *args: (calls.append(args), real(*args))[1]
+  rng = np.random.default_rng(0)
+  prompts = [rng.integers(1, cfg.vocab_size, 20).tolist() for _ in range(3)] * 2  # groups of 2
+  engine.prefill_insert(init_params(cfg, jax.random.key(0)), engine.init_decode_state(),
+                        prompts, list(range(6)), list(range(6)))
+  sig = lambda args: (jax.tree.structure(args),
+                      [(tuple(x.shape), np.dtype(x.dtype)) for x in jax.tree.leaves(args)])
+  assert sig(exe["insert"][1]) == sig(calls[0])
+
+
 def test_data_rollout_mesh_plans_decode_with_replicated_weights():
   from jaxagent.models import get_config
   cfg = get_config("tiny-llama", n_layers=1)
