@@ -363,12 +363,21 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
     raise TypeError(f"save_hf: tokenizer must be a jaxagent Tokenizer (load_tokenizer), got "
                     f"{type(tokenizer).__name__}; its files would not be written")
   out.mkdir(parents=True, exist_ok=True)
-  (out / "config.json").write_text(json.dumps(hf_cfg, indent=2))
-  weights = out / "model.safetensors"
-  save_file(sd, str(weights), metadata={"format": "pt"})
-  # The safetensors writer creates its file owner-only (0600) whatever the umask; give it the
-  # mode of the other files written here, so others who can read config.json can load it.
-  weights.chmod(0o666 & ~_umask())
+  # Both files are written under temporary names (that no loader globs) and renamed into place
+  # once complete, weights first: a write that fails (a full disk, a kill) leaves an earlier
+  # export as it was, not a new config.json beside truncated or old weights.
+  tmp_cfg, tmp_weights = out / ".config.json.partial", out / ".model-weights.partial"
+  try:
+    tmp_cfg.write_text(json.dumps(hf_cfg, indent=2))
+    save_file(sd, str(tmp_weights), metadata={"format": "pt"})
+    # The safetensors writer creates its file owner-only (0600) whatever the umask; give it the
+    # mode of the other files written here, so others who can read config.json can load it.
+    tmp_weights.chmod(0o666 & ~_umask())
+    os.replace(tmp_weights, out / "model.safetensors")
+    os.replace(tmp_cfg, out / "config.json")
+  finally:
+    tmp_cfg.unlink(missing_ok=True)
+    tmp_weights.unlink(missing_ok=True)
   if tokenizer is not None:
     tokenizer.save(out)
   return out

@@ -1,5 +1,6 @@
 """Logits parity with the PyTorch `transformers` models, import and export, packed inputs."""
 import json
+import pathlib
 
 import jax
 import jax.numpy as jnp
@@ -104,6 +105,31 @@ def test_save_hf_reloads_in_transformers(arch, tmp_path):
   assert np.abs(ours - ref).max() <= 1e-4
   cfg2, params2 = models.load(out)
   assert cfg2.replace(name=cfg.name) == cfg
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_failed_save_hf_leaves_the_earlier_export(tmp_path, monkeypatch):
+  """config.json was written before the weights: a write that failed (disk full, a kill) left
+  the new config beside the earlier export's weights, a directory that loads neither model."""
+  import safetensors.numpy
+  cfg = models.get_config("tiny-llama")
+  params = models.init_params(cfg, jax.random.key(0))
+  out = models.save_hf(tmp_path / "out", cfg, params)
+  before = {p.name: p.read_bytes() for p in out.iterdir()}
+  bigger = cfg.replace(n_layers=cfg.n_layers + 1)
+
+  def full_disk(tensors, filename, metadata=None):
+    pathlib.Path(filename).write_bytes(b"\0" * 100)  # a partial file, then the failure
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
+  with pytest.raises(OSError, match="No space left"):
+    models.save_hf(out, bigger, models.init_params(bigger, jax.random.key(1)))
+  assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+  monkeypatch.undo()
+  cfg2, params2 = models.load(out)
+  assert cfg2.n_layers == cfg.n_layers
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(params2)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
