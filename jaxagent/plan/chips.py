@@ -14,6 +14,8 @@ Peak numbers are the vendors' published per-chip figures (dense, no sparsity):
 | TPU v6e | 32 GiB | 918 TFLOP/s | 1640 GB/s | ICI 800 GB/s both ways (400 each way) |
 | TPU7x | 192 GiB | 2307 TFLOP/s | 7380 GB/s | ICI 1200 GB/s both ways (600 each way) |
 | H100 SXM | 80 GB | 989 TFLOP/s (TF32 494) | 3350 GB/s | NVLink 900 GB/s (450 each way) |
+| H100 PCIe | 80 GB | 756 TFLOP/s (TF32 378) | 2000 GB/s | NVLink bridge 600 GB/s (300 each way) |
+| H100 NVL | 94 GB | 835 TFLOP/s (TF32 418) | 3900 GB/s | NVLink bridge 600 GB/s (300 each way) |
 | H200 | 141 GB | 989 TFLOP/s (TF32 494) | 4800 GB/s | NVLink 900 GB/s (450 each way) |
 | A100 80GB | 80 GB | 312 TFLOP/s (TF32 156) | 2039 GB/s | NVLink 600 GB/s (300 each way) |
 
@@ -96,6 +98,10 @@ CHIPS: dict[str, ChipSpec] = {
     # 7380 GB/s, ICI 1200 GB/s bidirectional, two TensorCores); chip_for halves it per device.
     "TPU7x": ChipSpec("tpu7x", 192 * GiB, 2307e12, 2307e12, 7380e9, 600e9),
     "H100": ChipSpec("H100", 80e9, 989e12, 494e12, 3350e9, 450e9),
+    # The PCIe cards report "NVIDIA H100 PCIe" / "NVIDIA H100 NVL": slower clocks and memory
+    # than the SXM part, whose figures they would otherwise take.
+    "H100 PCIe": ChipSpec("H100 PCIe", 80e9, 756e12, 378e12, 2000e9, 300e9),
+    "H100 NVL": ChipSpec("H100 NVL", 94e9, 835e12, 418e12, 3900e9, 300e9),
     "H200": ChipSpec("H200", 141e9, 989e12, 494e12, 4800e9, 450e9),
     "A100": ChipSpec("A100", 80e9, 312e12, 156e12, 2039e9, 300e9),
 }

@@ -174,6 +174,21 @@ def test_cloud_accelerator_types_describe_their_slices(name, chips, hosts, kind)
   assert plan.CHIPS[devices[0].device_kind].name == kind
 
 
+@pytest.mark.parametrize("kind,name,bandwidth", [
+    ("NVIDIA H100 80GB HBM3", "H100", 3350e9), ("NVIDIA H100 PCIe", "H100 PCIe", 2000e9),
+    ("NVIDIA H100 NVL", "H100 NVL", 3900e9), ("NVIDIA H200", "H200", 4800e9)])
+def test_gpu_kinds_take_their_own_figures(kind, name, bandwidth):
+  # The PCIe H100s took the SXM part's 3350 GB/s and 989 TFLOP/s: rooflines 1.7x too high.
+  class Gpu:
+    platform, device_kind, process_index = "gpu", kind, 0
+
+    def memory_stats(self):
+      return {}
+
+  spec = plan.chip_for([Gpu()])
+  assert (spec.name, spec.hbm_bandwidth) == (name, bandwidth)
+
+
 class _Gpu:
   """A GPU as another process sees it: its allocator answers only the process that owns it."""
 
