@@ -101,6 +101,14 @@ def kv_bytes_per_token(cfg) -> int:
   return 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
 
 
+def mean_live_kv(cached: int, steps: int) -> float:
+  """Keys per slot that `steps` decode steps move on average when each slot holds `cached`
+  before the first: step i writes its token's K/V at position `cached + i` and attends over
+  `cached + i + 1` keys, so the mean is `cached + (steps + 1) / 2` (`prompt + new / 2` was half
+  a key short for a whole run, and `cached` alone (steps + 1) / 2 keys short for a held call)."""
+  return cached + (steps + 1) / 2
+
+
 def decode_roofline_bytes(cfg, slots: int, cached: float) -> float:
   """What one decode step must read from HBM: the bf16 weights plus `slots` slots' live K/V of
   `cached` tokens each (the roofline of `generate.py` and `decode_profile.py`). An untied input

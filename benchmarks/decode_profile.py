@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import (add_decode_switches, decode_roofline_bytes, decode_switch_run,
-                               emit, peaks, timeit)
+                               emit, mean_live_kv, peaks, timeit)
 from jaxagent import models
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig, sample, token_keys
 from jaxagent.generate.engine import DECODE_GPU_OPTIONS
@@ -72,9 +72,11 @@ def ablation(name: str):
   raise SystemExit(f"--ablate: unknown piece {name!r}; one of {', '.join(ABLATIONS)}")
 
 
-def roofline_ms(cfg, slots: int, cached: int) -> float:
-  """`decode_roofline_bytes` over the HBM bandwidth, in ms."""
-  return decode_roofline_bytes(cfg, slots, cached) / peaks()["hbm_bytes_s"] * 1e3
+def roofline_ms(cfg, slots: int, cached: int, steps: int) -> float:
+  """`decode_roofline_bytes` over the HBM bandwidth, in ms, for a step of a `held_step` call:
+  its `steps` steps start from `cached` keys and advance by one each (`mean_live_kv`)."""
+  return decode_roofline_bytes(cfg, slots, mean_live_kv(cached, steps)) / peaks()[
+      "hbm_bytes_s"] * 1e3
 
 
 def held_step(eng: Engine, params, slots: int, cached: int, kv_len: int, steps: int):
@@ -206,7 +208,7 @@ def main():
                                                         top=25))
     if args.trace_only:
       emit("decode_profile", model=args.model, batch=S, cached=C, steps=args.steps,
-           roofline_step_ms=roofline_ms(cfg, S, C), **out)
+           roofline_step_ms=roofline_ms(cfg, S, C, args.steps), **out)
       return
 
   st = holder[0]
@@ -277,7 +279,7 @@ def main():
     except Exception as e:  # report and continue
       out["attn_pallas_error"] = str(e)[:300]
   emit("decode_profile", model=args.model, batch=S, cached=C, steps=args.steps,
-       roofline_step_ms=roofline_ms(cfg, S, C), **out)
+       roofline_step_ms=roofline_ms(cfg, S, C, args.steps), **out)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ import jax
 import numpy as np
 
 from benchmarks.common import (ON_OFF, add_decode_switches, decode_roofline_bytes,
-                               decode_switch_runs, emit, kv_bytes_per_token, list_option, peaks)
+                               decode_switch_runs, emit, kv_bytes_per_token, list_option,
+                               mean_live_kv, peaks)
 from jaxagent import models
 from jaxagent.models import decoder
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
@@ -108,7 +109,7 @@ def run(name, batch, prompt_len, new_tokens, steps, record, attention="auto", te
   prefill_s, decode_s, n_steps = one_pass()
   kv_tok = kv_bytes_per_token(cfg)
   w_bytes = cfg.num_params() * 2
-  avg_len = prompt_len + n_steps / 2
+  avg_len = mean_live_kv(prompt_len, n_steps)  # prefill leaves prompt_len keys cached
   step_bytes = decode_roofline_bytes(cfg, batch, avg_len)
   roof_step_s = step_bytes / peaks()["hbm_bytes_s"]
   step_s = decode_s / n_steps

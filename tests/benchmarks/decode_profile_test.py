@@ -2,9 +2,11 @@
 import json
 import sys
 
+import numpy as np
 import pytest
 
 from benchmarks import decode_profile
+from jaxagent import models
 
 
 def test_trace_only_run_reports_the_engine_step(monkeypatch, capsys, tmp_path):
@@ -96,3 +98,27 @@ def test_profile_takes_one_value_of_each_switch(monkeypatch):
                                     "2", "--cached", "8", "--chain-weights", "on,off"])
   with pytest.raises(SystemExit, match="one value of each"):
     decode_profile.main()
+
+
+def test_the_roofline_counts_the_keys_the_held_steps_hold(monkeypatch, capsys, tmp_path):
+  # Every call starts each slot at --cached keys, and its steps advance them one at a time;
+  # the roofline used to count --cached keys for every step.
+  monkeypatch.setattr(decode_profile, "peaks", lambda: {"bf16_flops": 1e12, "hbm_bytes_s": 1e12})
+  calls, real = [], decode_profile.Engine.generate
+
+  def record(self, params, state, steps=1, kv_len=None):
+    calls.append((np.asarray(state.lengths), steps))
+    return real(self, params, state, steps=steps, kv_len=kv_len)
+  monkeypatch.setattr(decode_profile.Engine, "generate", record)
+  monkeypatch.setattr(sys, "argv", [
+      "decode_profile.py", "--model", "tiny-qwen2", "--batch", "4", "--cached", "16",
+      "--max-len", "64", "--steps", "8", "--trace", str(tmp_path / "trace"), "--trace-only"])
+  decode_profile.main()
+  [row] = _rows(capsys.readouterr().out)
+  keys = [lens + i + 1 for lens, steps in calls for i in range(steps)]
+  mean_keys = float(np.mean(keys))
+  assert mean_keys == 16 + 4.5  # the same in every call: the lengths are reset to 16
+  cfg = models.get_config("tiny-qwen2")
+  kv = 2 * cfg.n_layers * cfg.n_kv_heads * cfg.head_dim * 2
+  assert row["roofline_step_ms"] == pytest.approx(
+      (cfg.num_params() * 2 + 4 * mean_keys * kv) / 1e12 * 1e3)
