@@ -15,10 +15,15 @@ import time
 
 import jax
 
-# Dense bf16 peak and HBM bandwidth of the chips we report against (vendor datasheets).
+# Dense bf16 peak and HBM bandwidth of the chips we report against (vendor datasheets). "H100"
+# and "H200" are the SXM parts; the PCIe / NVL cards run slower clocks (and the H100 PCIe
+# slower memory) and report their own device kinds.
 PEAKS = {
     "H100": dict(bf16_flops=989e12, hbm_bytes_s=3.35e12),
+    "H100 PCIe": dict(bf16_flops=756e12, hbm_bytes_s=2.0e12),
+    "H100 NVL": dict(bf16_flops=835e12, hbm_bytes_s=3.9e12),
     "H200": dict(bf16_flops=989e12, hbm_bytes_s=4.8e12),
+    "H200 NVL": dict(bf16_flops=835e12, hbm_bytes_s=4.8e12),
     "cpu": dict(bf16_flops=float("nan"), hbm_bytes_s=float("nan")),
 }
 RESULTS = pathlib.Path(__file__).resolve().parent / "RESULTS.md"
@@ -84,10 +89,19 @@ def decode_switch_run(args) -> dict:
   return runs[0]
 
 
+def chip_of(kind: str) -> str:
+  """The `PEAKS` entry of a device kind ("NVIDIA H100 80GB HBM3": "H100"; "NVIDIA H100 PCIe",
+  which used to take the SXM part's figures: "H100 PCIe")."""
+  for variant in ("H100 PCIe", "H100 NVL", "H200 NVL"):
+    if variant in kind:
+      return variant
+  return "H200" if "H200" in kind else "H100" if "H100" in kind else "cpu"
+
+
 def device_info() -> dict:
   d = jax.devices()[0]
   kind = getattr(d, "device_kind", d.platform)
-  chip = "H200" if "H200" in kind else "H100" if "H100" in kind else "cpu"
+  chip = chip_of(kind)
   return {"device": kind, "n_devices": jax.device_count(), "chip": chip,
           "jax": jax.__version__, "python": sys.version.split()[0]}
 

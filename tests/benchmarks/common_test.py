@@ -31,3 +31,20 @@ def test_decode_roofline_of_an_untied_model_reads_only_the_embedding_rows_it_loo
 @pytest.mark.parametrize("chip, flops, bw", [("H100", 989e12, 3.35e12), ("H200", 989e12, 4.8e12)])
 def test_peaks_are_the_dense_bf16_datasheet_numbers(chip, flops, bw):
   assert common.PEAKS[chip] == {"bf16_flops": flops, "hbm_bytes_s": bw}
+
+
+@pytest.mark.parametrize("kind, chip, flops, bw", [
+    ("NVIDIA H100 80GB HBM3", "H100", 989e12, 3.35e12),
+    ("NVIDIA H200", "H200", 989e12, 4.8e12),
+    ("NVIDIA H100 PCIe", "H100 PCIe", 756e12, 2.0e12),
+    ("NVIDIA H100 NVL", "H100 NVL", 835e12, 3.9e12),
+    ("NVIDIA H200 NVL", "H200 NVL", 835e12, 4.8e12),
+])
+def test_a_device_kind_takes_its_own_cards_peaks(monkeypatch, kind, chip, flops, bw):
+  # The PCIe and NVL cards matched "H100" / "H200" and took the SXM parts' figures: on an H100
+  # PCIe the roofline assumed 3.35 TB/s for a card of 2.0 TB/s.
+  class Device:
+    device_kind, platform = kind, "gpu"
+  monkeypatch.setattr(common.jax, "devices", lambda: [Device()])
+  assert common.device_info()["chip"] == chip
+  assert common.peaks() == {"bf16_flops": flops, "hbm_bytes_s": bw}
