@@ -64,6 +64,12 @@ FORMAT = 1
 # `optimizer.max_grad_norm` being on or off and on `optimizer.schedule` / `warmup_steps`, and
 # `check` names those settings when their change is what makes the state not fit.
 IDENTITY_KEYS = ("model", "env", "seed")
+# Settings under IDENTITY_KEYS that choose how the same function is computed, or where a file
+# is, not what the run computes: a resume may change them (a remat policy after running out of
+# memory, another kernel, the task's data directory on another machine). The arrays still have
+# to fit (`check` compares every saved shape and dtype).
+RUNTIME_KEYS = ("model.attention", "model.logprob", "model.norm_rope", "model.remat",
+                "model.scan_layers", "env.kwargs.data_dir")
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _STEP_DIR = re.compile(r"^(\d+)$")
 _TMP_DIR = re.compile(r"^(\d+)" + re.escape(_TMP_SUFFIX))
@@ -324,8 +330,8 @@ def _meta_file(step_dir: epath.Path) -> dict[str, Any] | None:
 
 def _identity(meta: Mapping[str, Any]) -> str:
   """What makes checkpoints belong to one run: its `IDENTITY_KEYS` settings, as JSON text."""
-  config = meta.get("config") or {}
-  return json.dumps({k: config.get(k) for k in IDENTITY_KEYS}, sort_keys=True)
+  flat = _flatten({k: (meta.get("config") or {}).get(k) for k in IDENTITY_KEYS})
+  return json.dumps({k: v for k, v in flat.items() if k not in RUNTIME_KEYS}, sort_keys=True)
 
 
 def _is_checkpoint_folder(step_dir: epath.Path) -> bool:
@@ -524,12 +530,13 @@ class CheckpointManager:
 
     Args:
       meta: the checkpoint's metadata (`read_meta`).
-      config: the current run config: `IDENTITY_KEYS` must match.
+      config: the current run config: `IDENTITY_KEYS` must match (but for `RUNTIME_KEYS`).
       items: current (abstract) arrays by item name (`params`, `train`, `ref_params`): every
         saved array must have the same path, shape and dtype. A current item the checkpoint
         lacks is an error; a saved item not asked for is ignored.
 
-    Returns the allowed setting changes (config keys outside `IDENTITY_KEYS`).
+    Returns the allowed setting changes (config keys outside `IDENTITY_KEYS`, and
+    `RUNTIME_KEYS`).
     """
     path = self.step_path(step)
     if meta.get("format") != FORMAT:
@@ -539,7 +546,7 @@ class CheckpointManager:
     problems, changed = [], []
     if config is not None:
       for key, old, new in config_diff(meta.get("config", {}), config_to_json(config)):
-        if key.split(".")[0] in IDENTITY_KEYS:
+        if key.split(".")[0] in IDENTITY_KEYS and key not in RUNTIME_KEYS:
           problems.append(f"config {key}: {old!r} in the checkpoint, {new!r} now")
         else:
           changed.append((key, old, new))

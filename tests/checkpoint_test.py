@@ -379,6 +379,36 @@ def test_incompatible_config_and_shapes_are_named(tmp_path):
                        config=no_clip)
 
 
+def test_runtime_model_settings_may_change_on_resume(tmp_path):
+  """Every model.* and env.* change was refused: a run that ran out of memory could not resume
+  with model.remat changed, nor on another machine with its task data elsewhere."""
+  learner = _learner(1)
+  config = _config(remat="none", attention="auto")
+  config.env.kwargs = dict(data_dir="/data/a", size=3)
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1, keep=1,
+                                                                           async_save=False))
+  mgr.save(1, learner.init(_initial_params()), meta=_meta(config))
+  moved = _config(remat="full", attention="xla")
+  moved.env.kwargs = dict(data_dir="/mnt/b", size=3)
+  r = mgr.restore_latest(_target(learner), config=moved)
+  assert r.changed == [("env.kwargs.data_dir", "/data/a", "/mnt/b"),
+                       ("model.attention", "auto", "xla"), ("model.remat", "none", "full")]
+  # The resumed run's checkpoints are the same run's: retention deletes the older one.
+  mgr.save(2, learner.init(_initial_params()), meta=_meta(moved))
+  mgr.close()
+  assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2]
+  # What the run computes still may not change.
+  other = _config(remat="full", attention="xla", dtype="bfloat16")
+  other.env.kwargs = dict(data_dir="/mnt/b", size=4)
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1))
+  with pytest.raises(checkpoint.IncompatibleCheckpointError) as e:
+    mgr.restore_latest(_target(learner), config=other)
+  mgr.close()
+  assert "config env.kwargs.size: 3 in the checkpoint, 4 now" in str(e.value)
+  assert "config model.dtype: '<unset>' in the checkpoint, 'bfloat16' now" in str(e.value)
+  assert "remat" not in str(e.value) and "data_dir" not in str(e.value)
+
+
 def test_config_with_inf_or_nan_resumes_and_its_changes_are_named(tmp_path):
   # JSON holds no inf or nan: the saved config must still equal the run's own on resume.
   learner = _learner(1)
