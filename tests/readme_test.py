@@ -205,6 +205,98 @@ def test_benchmark_table_flags_exist():
   assert not bad, "\n".join(bad)
 
 
+# ------------------------------------------------------------- names the docs send readers to
+_NAME_DOCS = ("README.md", "launch/README.md", "configs/*.py", "jaxagent/__init__.py",
+              "jaxagent/*/__init__.py", "colabs/*.ipynb")
+
+
+def _user_doc_texts():
+  """(where, text) of the user-facing docs: the READMEs, the config files' headers, the public
+  packages' docstrings and the notebooks' text cells."""
+  for pattern in _NAME_DOCS:
+    for path in sorted(REPO.glob(pattern)):
+      text = path.read_text()
+      if path.suffix == ".ipynb":
+        text = "\n".join("".join(c["source"]) for c in json.loads(text)["cells"]
+                         if c["cell_type"] == "markdown")
+      elif path.suffix == ".py":
+        text = text.split('"""')[1] if text.lstrip().startswith('"""') else ""
+      yield str(path.relative_to(REPO)), text
+
+
+def _source_index():
+  """class name -> module, and module short name -> module, over the package's source."""
+  classes, modules = {}, {}
+  for path in sorted((REPO / "jaxagent").rglob("*.py")):
+    module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+    if path.stem == "__init__":
+      module = module.rsplit(".", 1)[0]
+    elif path.stem != "__main__":
+      modules.setdefault(path.stem, module)
+    for name in re.findall(r"^class (\w+)", path.read_text(), re.M):
+      classes.setdefault(name, module)
+  return classes, modules
+
+
+def _has(obj, attr: str) -> bool:
+  return hasattr(obj, attr) or attr in getattr(obj, "__dataclass_fields__", {})
+
+
+def test_code_names_in_the_docs_exist():
+  """Every `jaxagent.x.y` the docs name imports, and every `Class.attribute` (a setting such as
+  `EngineConfig.share_prompts`, a method such as `Engine.prepare`) or `some_module.function`
+  they quote in backticks is there: a rename must take the docs along."""
+  import importlib
+  classes, modules = _source_index()
+
+  def resolve(dotted: str) -> bool:
+    parts = dotted.split(".")
+    base = REPO.joinpath(*parts)
+    if base.with_suffix(".py").exists() or (base / "__init__.py").exists():
+      return True  # a module, not imported: the entry points define flags when imported
+    if dotted.startswith("jaxagent.generate.jetstream."):
+      # Importing the adapter imports google-jetstream (seconds): read its top-level names.
+      source = (REPO / "jaxagent" / "generate" / "jetstream.py").read_text()
+      return bool(re.search(rf"^(class|def) {parts[3]}\b", source, re.M))
+    for i in range(len(parts), 0, -1):
+      try:
+        obj = importlib.import_module(".".join(parts[:i]))
+      except ImportError:
+        continue
+      for part in parts[i:]:
+        if not _has(obj, part):
+          return False
+        obj = getattr(obj, part, None)
+      return True
+    return False
+
+  bad, seen = [], 0
+  for where, text in _user_doc_texts():
+    for dotted in sorted(set(re.findall(r"(?<![\w/.~])jaxagent(?:\.\w+)+", text))):
+      if dotted.endswith((".log", ".lock")):  # files of that name (launch/tpu_vm.sh's log)
+        continue
+      seen += 1
+      if not resolve(dotted):
+        bad.append(f"{where}: {dotted} does not exist")
+    for span in re.findall(r"`([^`\n]+)`", text):
+      if span.startswith("-") or "/" in span:  # a flag, a config key or a path
+        continue
+      for owner, attr in re.findall(r"(?<![\w.])([A-Za-z_]\w*)\.([A-Za-z_]\w*)(?![\w.])", span):
+        # Classes by their CamelCase names; modules only by unambiguous snake_case names
+        # (`decode_mlp.swiglu_rms`): `env.name` or `config.json` are config keys and files.
+        if owner[0].isupper() and owner in classes:
+          obj = getattr(importlib.import_module(classes[owner]), owner)
+        elif "_" in owner and owner in modules:
+          obj = importlib.import_module(modules[owner])
+        else:
+          continue
+        seen += 1
+        if not _has(obj, attr):
+          bad.append(f"{where}: `{span}`: {owner} has no {attr!r}")
+  assert seen > 25, f"found only {seen} names in the docs: is the pattern still right?"
+  assert not bad, "\n".join(bad)
+
+
 # ------------------------------------------------------------- numbers that go stale silently
 def test_quickstart_numbers_in_the_readme_are_the_configs():
   """The README's main-job result names the held-out size and GRPO step count of

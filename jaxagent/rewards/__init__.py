@@ -1,8 +1,9 @@
 """Rewards: verifiers (math equivalence, EM/F1, unit tests) and shaping (format, tool use, length),
 combined with weights into the scalar the advantage estimator consumes.
 
-Data flow: a finished `Trajectory` becomes a `RewardInput` -> `CompositeReward(input, step=...)`
--> `RewardOutput.total` for `rl/advantages.py`, `RewardOutput.metrics()` for logging.
+Data flow: a finished `Trajectory` becomes a `RewardInput` (`Trajectory.to_reward_input`); a
+`CompositeReward` of weighted `Component`s, called as `reward(input, step=...)`, returns a
+`RewardOutput`: `.total` for `rl/advantages.py`, `.metrics()` for logging.
 
 This package imports no JAX: rewards run on host threads beside the rollout.
 """
