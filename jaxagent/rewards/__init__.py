@@ -51,3 +51,14 @@ from jaxagent.rewards.verifiers import (
     substring_exact_match,
     unit_test_reward,
 )
+
+__all__ = [
+    "TESTS_PASSED_KEY", "TESTS_TOTAL_KEY", "FormatReward", "LinearLengthReward", "MathAnswerReward",
+    "OverlongReward", "TextMatchReward", "ToolUseReward", "UnitTestReward", "ENV_REWARD_ERROR",
+    "Component", "CompositeReward", "ProgressiveSchedule", "RewardInput", "RewardOutput",
+    "mean_metrics", "MathVerifier", "MathVerifyConfig", "default_verifier", "math_equal",
+    "FormatCheck", "FormatConfig", "LinearLengthConfig", "OverlongConfig", "ToolShapingConfig",
+    "check_format", "format_reward", "linear_length_penalty", "overlong_penalty", "tool_use_reward",
+    "exact_match", "extract_answer", "extract_boxed", "extract_gsm8k", "extract_tagged", "f1_score",
+    "normalize_answer", "substring_exact_match", "unit_test_reward",
+]
