@@ -340,7 +340,12 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
         raise ValueError(f"prompt {i} must be a str or a sequence of token ids, got "
                          f"{type(p).__name__}") from None
   checker = StopChecker(stop, tokenizer)
+  sampling = SamplingConfig(temperature, top_p, top_k)
   if not ids:
+    # Nothing to run (the last batch of a loop, say), but settings no batch could run with are
+    # still refused, as they are with prompts.
+    one = isinstance(max_new_tokens, (int, np.integer)) or np.ndim(max_new_tokens) == 0
+    _checked_budgets(max_new_tokens, 1 if one else 0, "generate")
     return []
   if eos_ids is None:
     if tokenizer is not None and getattr(tokenizer, "eos_ids", None):
@@ -355,7 +360,7 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
   if max_len is None:
     max_len = min(cfg.max_seq_len, 1 << (longest + budget).bit_length())
   ecfg = EngineConfig(slots=slots, max_len=max_len, eos_ids=eos_ids,
-                      sampling=SamplingConfig(temperature, top_p, top_k))
+                      sampling=sampling)
   engine = _engine(cfg, ecfg, mesh)
   rids = list(range(len(ids))) if request_ids is None else list(_ids_list(request_ids))
   out = run_requests(engine, params, ids, max_new_tokens=budgets, request_ids=rids,

@@ -112,6 +112,18 @@ def test_bad_budgets_and_slots_are_clear_errors(params):
           == generate(params, CFG, [[1, 2]], 3, slots=2)[0].tokens)
 
 
+def test_an_empty_batch_still_refuses_bad_settings(params):
+  # With no prompt, generate returned [] whatever the sampling settings and budget.
+  assert generate(params, CFG, [], 4, temperature=0.7, top_p=0.9) == []
+  for kw, match in ((dict(temperature=-1.0), "temperature must be >= 0"),
+                    (dict(top_p=0.0), r"top_p must be in \(0, 1\]"),
+                    (dict(top_k=-2), "top_k must be >= 0"),
+                    (dict(max_new_tokens=-5), "max_new_tokens must be integers >= 1"),
+                    (dict(max_new_tokens=2.5), "max_new_tokens must be an int")):
+    with pytest.raises(ValueError, match=match):
+      generate(params, CFG, [], **kw)
+
+
 def test_budgets_and_request_ids_as_numpy_or_jax_arrays(params, engine):
   """Arrays of budgets or request ids are the numbers they hold: a 0-d NumPy budget failed with
   TypeError "iteration over a 0-d array", JAX arrays of budgets or ids were refused as not
