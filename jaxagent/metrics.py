@@ -2,7 +2,7 @@
 
 The trainer logs one flat dict per step (`{"reward/mean": ..., "eval/pass@1": ...}`); this
 module fans it out. Only process 0 writes anything, so multi-host runs log once. A resumed run
-rewinds these files to its checkpoint's step; a run that starts from scratch moves an earlier
+rewinds these files (and the trainer's `compiles.jsonl`) to its checkpoint's step; a run that starts from scratch moves an earlier
 run's files aside (`MetricsWriter.set_aside_earlier_run`).
 """
 from __future__ import annotations

@@ -568,6 +568,26 @@ def _pass_at_k(n: int, c: int, k: int) -> float:
   return 1.0 - math.prod((n - c - i) / (n - i) for i in range(k))
 
 
+
+def _rewind_jsonl(path: pathlib.Path, step: int) -> list[dict] | None:
+  """Truncates a JSON-lines file of step records to those of steps <= `step`, in place (a
+  writer's open handle appends at the new end), dropping lines that do not parse; returns
+  the records kept, or None when there is no such file."""
+  if not path.exists():
+    return None
+  kept = []
+  for line in path.read_text().splitlines():
+    try:
+      rec = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    if isinstance(rec, dict) and rec.get("step", 0) <= step:
+      kept.append(rec)
+  with open(path, "r+") as f:
+    f.write("".join(json.dumps(r) + "\n" for r in kept))
+    f.truncate()
+  return kept
+
 class Trainer:
   """Builds every piece from the config and runs SFT warm start, RL and evaluation."""
 
@@ -1283,22 +1303,12 @@ class Trainer:
     return r.step
 
   def _rewind_metrics(self, step: int) -> None:
-    """Keep the metric records up to `step` (and drop a line cut short by a crash)."""
+    """Keep the metric and compile records up to `step` (and drop a line cut short by a
+    crash): the steps after it run again, and their records would be there twice."""
     kept = [r for r in self.writer.history if r["step"] <= step]
-    path = self.workdir / "metrics.jsonl"
-    if self.writer.is_lead and path.exists():
-      kept = []
-      for line in path.read_text().splitlines():
-        try:
-          rec = json.loads(line)
-        except json.JSONDecodeError:
-          continue
-        if isinstance(rec, dict) and rec.get("step", 0) <= step:
-          kept.append(rec)
-      # Truncate in place: the writer's handle appends at the new end.
-      with open(path, "r+") as f:
-        f.write("".join(json.dumps(r) + "\n" for r in kept))
-        f.truncate()
+    if self.writer.is_lead:
+      kept = _rewind_jsonl(self.workdir / "metrics.jsonl", step) or kept
+      _rewind_jsonl(self.workdir / "compiles.jsonl", step)
     self.writer.history = kept
     self.writer.rewind_tensorboard(step)
 

@@ -589,6 +589,28 @@ def test_sigterm_in_the_last_step_finishes_the_run(tmp_path):
   assert (run / "export" / "model.safetensors").exists() and (run / "curves.png").exists()
 
 
+def test_a_resume_rewinds_compiles_jsonl_with_the_metrics(tmp_path):
+  """A resumed run kept the killed run's compiles.jsonl records of the steps it runs again, so
+  those steps had two records each (metrics.jsonl was already rewound)."""
+  import types
+  for name in ("metrics.jsonl", "compiles.jsonl"):
+    (tmp_path / name).write_text("".join(json.dumps({"step": s, "phase": "rl"}) + "\n"
+                                         for s in (1, 2, 3)) + '{"step": 4, "pha')
+
+  class Writer:
+    history, is_lead, rewound = [{"step": s} for s in (1, 2, 3)], True, None
+
+    def rewind_tensorboard(self, step):
+      self.rewound = step
+
+  fake = types.SimpleNamespace(writer=Writer(), workdir=tmp_path)
+  Trainer._rewind_metrics(fake, 2)
+  for name in ("metrics.jsonl", "compiles.jsonl"):
+    lines = (tmp_path / name).read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2], name
+  assert [r["step"] for r in fake.writer.history] == [1, 2] and fake.writer.rewound == 2
+
+
 @pytest.mark.slow  # three trainers, 6 RL steps with evals and checkpoints (about 2 min on 2 cores)
 def test_a_stop_between_checkpoints_then_a_resume_repeats_the_straight_run(tmp_path):
   """3 RL steps straight == a stop (SIGTERM's path) after step 1, which is not a checkpoint
