@@ -2,8 +2,8 @@
 
 The trainer logs one flat dict per step (`{"reward/mean": ..., "eval/pass@1": ...}`); this
 module fans it out. Only process 0 writes anything, so multi-host runs log once. A resumed run
-rewinds these files (and the trainer's `compiles.jsonl`) to its checkpoint's step; a run that starts from scratch moves an earlier
-run's files aside (`MetricsWriter.set_aside_earlier_run`).
+rewinds these files (and the trainer's `compiles.jsonl`) to its checkpoint's step; a run that
+starts from scratch moves an earlier run's files aside (`MetricsWriter.set_aside_earlier_run`).
 """
 from __future__ import annotations
 
