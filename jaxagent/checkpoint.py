@@ -686,7 +686,8 @@ def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: i
   Args:
     checkpoints: a checkpoint root (`<workdir>/checkpoints`) or a workdir containing one.
     out: the output directory.
-    step: which checkpoint (default: the newest complete one).
+    step: which checkpoint (default: the newest that reads: an unreadable or corrupt newer one
+      is named in a warning and skipped, as a resume skips it).
     tokenizer: "auto" (the run's tokenizer, from the saved config), None (weights only), or a
       `Tokenizer`.
   """
@@ -699,22 +700,42 @@ def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: i
     raise FileNotFoundError(f"no checkpoints at {root}: expected a run's workdir (with "
                             f"checkpoints/<step>/ inside) or a checkpoint directory")
   mgr = CheckpointManager(root, read_only=True)
+
+  def read(s: int):
+    meta = mgr.read_meta(s)
+    cfg = model_config_from_meta(meta)
+    abstract = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+    target = abstract_target(abstract, sharding.shardings(abstract, sharding.make_mesh()))
+    mgr.check(meta, step=s, items={"params": target})
+    params = mgr.restore_params(s, target)
+    check_finite(params, f"not exporting checkpoint {mgr.step_path(s)}")
+    return meta, cfg, params
+
   try:
     steps = mgr.steps()
     if not steps:
       raise CheckpointError(f"no complete checkpoint in {root}")
-    if step is None:
-      step = steps[-1]
-    elif step not in steps:
-      raise CheckpointError(f"no checkpoint for step {step} in {root}; available: {steps}")
-    meta = mgr.read_meta(step)
-    cfg = model_config_from_meta(meta)
-    mesh = sharding.make_mesh()
-    abstract = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
-    target = abstract_target(abstract, sharding.shardings(abstract, mesh))
-    mgr.check(meta, step=step, items={"params": target})
-    params = mgr.restore_params(step, target)
-    check_finite(params, f"not exporting checkpoint {mgr.step_path(step)}")
+    if step is not None:
+      if step not in steps:
+        raise CheckpointError(f"no checkpoint for step {step} in {root}; available: {steps}")
+      meta, cfg, params = read(step)
+    else:
+      failures = []
+      for s in reversed(steps):
+        try:
+          meta, cfg, params = read(s)
+          ok = True
+        except CheckpointError as e:
+          ok = False
+          failures.append(str(e))
+        if _all_processes_ok(ok):  # every process exports the same checkpoint
+          step = s
+          break
+        if ok:
+          failures.append(f"checkpoint {mgr.step_path(s)} did not read on another process")
+        log.warning("not exporting %s; trying the previous checkpoint", failures[-1])
+      else:
+        raise CheckpointError(f"no usable checkpoint in {root}:\n  " + "\n  ".join(failures))
   finally:
     mgr.close()
   if jax.process_count() > 1:

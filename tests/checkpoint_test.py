@@ -643,3 +643,34 @@ def test_export_loads_in_transformers_with_matching_logits(tmp_path):
   # And our loader reads the export back to the same arrays.
   _, params = models.load(out)
   _assert_trees_equal(models.unbox(params), models.unbox(jax.device_get(state.params)))
+
+
+def test_export_skips_a_corrupt_newest_checkpoint(tmp_path, caplog):
+  """A corrupt newest checkpoint stopped the export, though the resume skips it for the one
+  before; now the newest that reads is exported and the skipped one is named."""
+  learner = _learner(2)
+  s1 = _trained_state(learner, steps=1)
+  p1 = jax.device_get(s1.params)
+  config = _config()
+  config.model.tokenizer = ""
+  meta = dict(_meta(config), model_config=dataclasses.asdict(CFG))
+  ckdir = tmp_path / "run" / "checkpoints"
+  mgr = checkpoint.CheckpointManager(ckdir, checkpoint.CheckpointConfig(every=1, async_save=False))
+  mgr.save(1, s1, meta=meta)
+  s2, _ = learner.train_step(s1, _batch(5))  # (donates s1)
+  mgr.save(2, s2, meta=meta)
+  mgr.close()
+  _corrupt(ckdir / "2")
+  with caplog.at_level("WARNING", logger="jaxagent.checkpoint"):
+    out = checkpoint.export_hf(tmp_path / "run", tmp_path / "hf", tokenizer=None)
+  assert json.loads((out / "jaxagent_export.json").read_text())["step"] == 1
+  assert f"not exporting checkpoint {ckdir / '2'} is corrupt" in caplog.text
+  _, params = models.load(out)
+  _assert_trees_equal(models.unbox(params), models.unbox(p1))
+  # A step asked for by number is that step or an error.
+  with pytest.raises(checkpoint.CheckpointError, match=f"{ckdir / '2'} is corrupt"):
+    checkpoint.export_hf(tmp_path / "run", tmp_path / "hf2", step=2, tokenizer=None)
+  _corrupt(ckdir / "1")
+  with pytest.raises(checkpoint.CheckpointError, match=r"no usable checkpoint in .*\n  .*2 is "
+                     r"corrupt.*\n  .*1 is corrupt"):
+    checkpoint.export_hf(tmp_path / "run", tmp_path / "hf3", tokenizer=None)
