@@ -13,8 +13,10 @@ to `agent.rollout.rollout`, which for each (example, sample)
 and afterwards the trainer scores each trajectory with `env.reward(trajectory, example, tokenizer,
 step)` (`env.reward_threads` at a time). `env.demonstration(example)` optionally gives a worked example for an SFT warm start.
 
-`CalculatorEnv` at the end is a complete small task (arithmetic with a `<calc>` tool), the
-reference for this contract and what the tests run.
+`CalculatorEnv` at the end is the contract's reference (arithmetic with a `<calc>` tool: parser,
+tool, observations, reward and demonstrations) and what the tests run; it has no dataset
+(`examples` is not defined), so it trains on the examples of a subclass or of the caller. The
+trainable arithmetic task is "quickstart" (`envs.quickstart.ArithmeticToolEnv`).
 """
 from __future__ import annotations
 
@@ -279,7 +281,8 @@ class CalculatorEnv(Env):
   """Arithmetic with a calculator: `<calc>EXPR</calc>` -> `<result>VALUE</result>`, then
   `<answer>VALUE</answer>`. Reward: the answer equals the gold number (`numeric_match`), plus
   `tool_bonus` times `shaping.tool_use_reward` (0.1 per distinct call that ran without an error,
-  capped at 0.5: a bonus of at most 0.05 at the default weight).
+  capped at 0.5: a bonus of at most 0.05 at the default weight). No dataset: give a subclass an
+  `examples(split)`, or roll out examples of your own.
   """
 
   name = "calculator"
