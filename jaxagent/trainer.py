@@ -985,6 +985,7 @@ class Trainer:
         ref, _ = self.learner.score(self.ref_params, batch)
         batch["ref_logps"] = np.asarray(_to_host(ref))
       epochs = max(1, self.config.train.epochs)
+      skipped = 0.0  # train/nonfinite: 1 when any epoch's update was skipped
       for epoch in range(epochs):
         with _names_the_step(f"RL step {step}" + (f", epoch {epoch + 1} of {epochs}"
                                                   if epochs > 1 else "")):
@@ -1003,6 +1004,11 @@ class Trainer:
               + f": non-finite {', '.join(bad)}; the update was skipped (train.nonfinite="
               "'skip'): params and optimizer state are unchanged (train/nonfinite=1)")
         metrics.update({f"train/{k}": v for k, v in m.items()})
+        skipped = max(skipped, float(m.get("nonfinite", 0.0)))
+      # The other train/ metrics are the last epoch's; a skipped update of an earlier epoch was
+      # overwritten by the next one's nonfinite=0, so the run's metrics never showed it.
+      if "train/nonfinite" in metrics:
+        metrics["train/nonfinite"] = skipped
       # Logged on every step, so its mean over a run is the fraction of steps skipped.
       metrics["train/skipped_no_signal"] = 0.0
     else:

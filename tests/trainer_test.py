@@ -953,6 +953,27 @@ def test_a_skipped_nonfinite_update_is_said_with_its_step_and_metrics(ckpt_train
   assert len(said) == 1  # an update that was applied says nothing
 
 
+def test_an_epoch_skipped_before_an_applied_one_stays_in_train_nonfinite(ckpt_trainer,
+                                                                         monkeypatch):
+  """train.epochs=2 with the first epoch's update skipped (train.nonfinite='skip'): the step's
+  train/nonfinite is 1. The second epoch's metrics replaced the first's, so it read 0 and the
+  skipped update was missing from metrics.jsonl."""
+  trainer = ckpt_trainer
+  monkeypatch.setattr(trainer, "_collect",
+                      lambda step, params: ({}, {"old_logps": np.zeros((1, 4), np.float32)}))
+  monkeypatch.setattr(trainer.writer, "message", lambda msg: None)
+  monkeypatch.setitem(trainer.config.train, "epochs", 2)
+  skipped = {"loss": float("nan"), "grad_norm": float("inf"), "nonfinite": 1.0}
+  applied = {"loss": 0.5, "grad_norm": 1.0, "nonfinite": 0.0}
+  for epochs, want in (([skipped, applied], 1.0), ([applied, skipped], 1.0),
+                       ([applied, applied], 0.0)):
+    it = iter(epochs)
+    monkeypatch.setattr(trainer.learner, "train_step", lambda state, batch: (state, dict(next(it))))
+    m = trainer.rl_step(6)
+    assert m["train/nonfinite"] == want, (epochs, m)
+    assert m["train/loss"] == epochs[-1]["loss"] or np.isnan(epochs[-1]["loss"])
+
+
 def test_rewards_reach_the_advantages_in_float64(ckpt_trainer, monkeypatch):
   """Rewards 4e-16 apart (one value computed two ways) are a zero-variance group; rounded to
   float32 first they straddled a rounding point, 1.2e-7 apart, and got advantages of +-0.06."""
