@@ -652,6 +652,7 @@ class Trainer:
           f"prompt as a train example, so eval/pass@1 is not held out: "
           + ", ".join(map(repr, leaked[:5])) + (", ..." if len(leaked) > 5 else ""))
     self._check_prompt_lengths(train_lens)
+    self._check_eval_prompt_lengths([len(p) for p in self._eval_prompts])
     self.step = 0
     self._reward_failures: list[str] = []  # this step's env.reward raises (`_reward`)
     self._success_failures = 0  # this eval's env.is_success raises (`_success`)
@@ -684,6 +685,18 @@ class Trainer:
       raise ValueError(msg + "; no prompt is left to train on: raise those limits or shorten "
                        "the prompts")
     self.writer.message(f"warning: {msg}; they never train (stop reason prompt_too_long)")
+
+  def _check_eval_prompt_lengths(self, lens: Sequence[int]) -> None:
+    """Eval prompts too long to decode end unsampled and score as failures in eval/pass@1
+    (and pass@k) at every eval: named once here, or the pass rate reads as the model's alone."""
+    long = [ex.id for ex, n in zip(self.eval_examples, lens)
+            if self.sampler.prompt_too_long(n) is not None]
+    if long:
+      self.writer.message(
+          f"warning: {len(long)} of the {len(lens)} eval prompts are too long to decode (longest "
+          f"{max(lens)} tokens; rollout.max_len={self.config.rollout.max_len}); they count as "
+          "failures in every eval's pass@1 and pass@k: " + ", ".join(map(repr, long[:5]))
+          + (", ..." if len(long) > 5 else ""))
 
   # --------------------------------------------------------------------------- eval
   def evaluate(self, tag: str = "eval") -> dict[str, float]:

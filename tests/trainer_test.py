@@ -1364,6 +1364,13 @@ def test_train_prompts_too_long_to_decode_are_counted_at_start(tmp_path, monkeyp
   Trainer(_tiny(tmp_path)).close()
   assert "warning: 2 of the 6 train prompts are too long to decode (longest " in (
       out := capsys.readouterr().out) and "rollout.max_len=128" in out and "'h0', 'h1'" in out
+  assert "eval prompts" not in out
+  # An eval prompt too long to decode is a failure in every eval: named at the start, once.
+  monkeypatch.setattr(MyData, "examples",
+                      lambda self, split: self.train if split == "train" else short[:2] + huge[:1])
+  Trainer(_tiny(tmp_path)).close()
+  assert ("warning: 1 of the 3 eval prompts are too long to decode (longest "
+          in (out := capsys.readouterr().out)) and "pass@1" in out and "'h0'" in out
   monkeypatch.setattr(trainer_lib, "make_env", lambda name, **kw: MyData(huge))
   with pytest.raises(ValueError, match=r"2 of the 2 train prompts are too long .*no prompt is "
                      r"left to train on"):
