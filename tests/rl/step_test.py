@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxagent import models, sharding
 from jaxagent.rl import losses, packing, step
@@ -565,3 +566,47 @@ def test_update_on_a_data_mesh_moves_no_activation_through_a_full_copy():
   assert out.returncode == 0, out.stderr[-3000:]
   assert out.stdout.count("compiled") == 2, out.stdout
   assert "Involuntary full rematerialization" not in out.stderr, out.stderr[-3000:]
+
+
+@pytest.mark.slow  # about 30 s of compiles on 2 cores
+@pytest.mark.parametrize("mesh_shape", [(1, 8, 1), (2, 1, 4)])
+def test_gspo_update_is_the_same_on_meshes_whose_axes_do_not_divide_the_model(mesh_shape):
+  """A GSPO update with a KL term over two micro-batches gives one device's loss, gradient
+  norm, params and optimizer state on a mesh where the tensor axis divides neither the heads
+  (6), the KV heads (2) nor the vocabulary (510), so they fall back to replication (2 x 1 x 4),
+  or where a micro-batch's 4 rows do not split over the 8 fsdp devices (1 x 8 x 1); the new
+  params and their momentum keep the layout `sharding.shardings` gives them."""
+  cfg = models.get_config("tiny-llama", n_heads=6, n_kv_heads=2, vocab_size=510, ffn_dim=96)
+  params = models.init_params(cfg, jax.random.key(0), std=0.1)
+  rng = np.random.default_rng(0)
+  b, n = 8, 16
+  seg = np.repeat(np.array([[1] * 7 + [2] * 6 + [0] * 3]), b, 0).astype(np.int32)
+  pos = np.concatenate([np.arange(7), np.arange(6), np.zeros(3, int)])[None].repeat(b, 0)
+  batch = dict(tokens=rng.integers(0, cfg.vocab_size, (b, n)).astype(np.int32),
+               segment_ids=seg, positions=pos.astype(np.int32),
+               loss_mask=((pos > 0) & (rng.random((b, n)) > 0.3)).astype(np.float32),
+               old_logps=(-3 * rng.random((b, n))).astype(np.float32),
+               advantages=rng.normal(size=(b, n)).astype(np.float32),
+               ref_logps=(-3 * rng.random((b, n))).astype(np.float32))
+  scfg = step.StepConfig(loss=losses.LossConfig(algo="gspo", kl_coef=0.1), micro_batches=2)
+  out = []
+  for mesh in (sharding.make_mesh(devices=jax.devices()[:1]), sharding.make_mesh(*mesh_shape)):
+    # SGD with momentum: params move by the gradients (Adam would amplify rounding noise).
+    learner = step.Learner(cfg, scfg, optax.chain(optax.trace(0.9), optax.sgd(0.5)), mesh)
+    state, metrics = learner.train_step(learner.init(params), batch)
+    out.append((mesh, state, metrics))
+  (_, ref, ref_m), (mesh, state, m) = out
+  assert m["loss"] == pytest.approx(ref_m["loss"], rel=1e-5)
+  assert m["grad_norm"] == pytest.approx(ref_m["grad_norm"], rel=1e-5)
+  for a, c in zip(jax.tree.leaves((ref.params, ref.opt_state)),
+                  jax.tree.leaves((state.params, state.opt_state))):
+    # Gradients of norm ~150 summed in another order: a few 1e-6 apart.
+    np.testing.assert_allclose(np.asarray(c), np.asarray(a), rtol=1e-5, atol=1e-5)
+  want = models.unbox(sharding.shardings(jax.eval_shape(lambda: params), mesh))
+  got = models.unbox(state.params)
+  trace = models.unbox(state.opt_state[0].trace)
+  for w, p, t in zip(jax.tree.leaves(want), jax.tree.leaves(got), jax.tree.leaves(trace)):
+    assert p.sharding.spec == w.spec and t.sharding.spec == w.spec
+  # The rules still split what divides: the model dim over fsdp, the MLP over tensor.
+  assert got["layers"]["w_up"].sharding.spec == (P(None, None, "tensor") if mesh_shape[2] > 1
+                                                 else P(None, "fsdp", None))
