@@ -770,3 +770,35 @@ def test_append_projects_only_the_last_token_to_the_vocabulary(params, layout):
   text = eng.program("append").lower(*args, kv_len=eng.cache_len).as_text()
   assert f"{rows}x{CFG.vocab_size}xf32" in text
   assert f"{rows}x{n}x{CFG.vocab_size}xf32" not in text
+
+
+@pytest.mark.slow  # about 20 s of compiles each on 2 cores
+@pytest.mark.parametrize("mesh_shape,temperature", [((1, 8, 1), 1.0), ((2, 1, 4), 0.0)])
+def test_prefill_insert_generate_append_are_the_same_on_any_mesh(params, mesh_shape,
+                                                                temperature):
+  """Sampled (same seed) or greedy tokens and their log-probs from prefill_insert, generate
+  and append on a mesh equal one device's: 6 slots that the 8 fsdp devices do not divide
+  (replicated) on 1 x 8 x 1; slots split over data=2 and 2 KV heads that tensor=4 does not
+  divide on 2 x 1 x 4. A prompt repeated in the batch is prefilled once."""
+  from jaxagent import sharding
+  rng = np.random.default_rng(0)
+  prompts = _prompts(5, seed=6)
+  prompts[1] = list(prompts[0])
+  obs = [rng.integers(0, CFG.vocab_size, k).tolist() for k in (1, 5, 3)]
+  sampling = SamplingConfig(temperature, 0.9) if temperature else SamplingConfig(0.0)
+  outs = []
+  for mesh in (None, sharding.make_mesh(*mesh_shape)):
+    eng = Engine(CFG, EngineConfig(slots=6, max_len=64, sampling=sampling), mesh=mesh)
+    p = params if mesh is None else sharding.shard(params, mesh)
+    state = eng.init_decode_state()
+    state, first = eng.prefill_insert(p, state, prompts, [1, 2, 3, 4, 5],
+                                      request_ids=list(range(5)), seeds=3)
+    state, gen = eng.generate(p, state, steps=4)
+    state, after = eng.append(p, state, [2, 5, 1], obs)
+    state, gen2 = eng.generate(p, state, steps=3)
+    outs.append(jax.device_get((first, gen, after, gen2, state.lengths, state.k)))
+  for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1])):
+    if a.dtype.kind == "f":
+      np.testing.assert_allclose(b, a, atol=1e-4)
+    else:
+      np.testing.assert_array_equal(b, a)
