@@ -403,7 +403,12 @@ class Engine:
     buffer): rows over the batch axes, heads over tensor, where they divide."""
     spec = tuple(shd.kv_cache_spec(self.cfg.n_kv_heads, rows, self.mesh))
     spec = spec + (None,) * (5 - len(spec))
-    return NamedSharding(self.mesh, P(*(spec[1:] if self.per_layer else spec)))
+    spec = list(spec[1:] if self.per_layer else spec)
+    # Without trailing Nones, as the programs return it: `init_decode_state`'s cache spelled
+    # them, so the first call of each program compiled for it and the next ones again.
+    while spec and spec[-1] is None:
+      spec.pop()
+    return NamedSharding(self.mesh, P(*spec))
 
   def _cache_sharding(self):
     """Sharding of the cache (a tuple of per-layer shardings in the per-layer layout)."""
@@ -413,11 +418,11 @@ class Engine:
     return (one,) * self.cfg.n_layers if self.per_layer else one
 
   def _constrain(self, state: DecodeState) -> DecodeState:
-    s = self._cache_sharding()
-    if s is None:
-      return state
-    return state.replace(k=jax.lax.with_sharding_constraint(state.k, s),
-                         v=jax.lax.with_sharding_constraint(state.v, s))
+    """`state` with `decode_state_shardings()`, the per-slot vectors too: XLA returned them
+    split over the slots' devices after a decode step, so the next call of each program
+    compiled again for those inputs (and differed from the programs `jaxagent.plan` lowers)."""
+    ss = self.decode_state_shardings()
+    return state if ss is None else jax.lax.with_sharding_constraint(state, ss)
 
   # ------------------------------------------------------------------ state
   def _empty_state(self) -> DecodeState:
@@ -920,11 +925,11 @@ class Engine:
     # read from it): such readers read their own rows again.
     stale = (lengths[state.share_src] < state.share_len) | (lengths < state.share_len)
     share_src, share_len = self._unshare(state, stale)
-    return state.replace(k=k, v=v, lengths=lengths, tokens=upd(state.tokens, tokens),
-                         share_src=share_src, share_len=share_len,
-                         active=upd(state.active, active),
-                         remaining=upd(state.remaining, remaining),
-                         done=upd(state.done, jnp.where(active, RUNNING, state.done[slots])))
+    return self._constrain(state.replace(
+        k=k, v=v, lengths=lengths, tokens=upd(state.tokens, tokens),
+        share_src=share_src, share_len=share_len, active=upd(state.active, active),
+        remaining=upd(state.remaining, remaining),
+        done=upd(state.done, jnp.where(active, RUNNING, state.done[slots]))))
 
   def update_slots(self, state: DecodeState, slots, *, lengths, tokens, active,
                    remaining=None) -> DecodeState:

@@ -802,3 +802,33 @@ def test_prefill_insert_generate_append_are_the_same_on_any_mesh(params, mesh_sh
       np.testing.assert_allclose(b, a, atol=1e-4)
     else:
       np.testing.assert_array_equal(b, a)
+
+
+@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+def test_decode_state_keeps_its_shardings_so_each_program_compiles_once(params, layout):
+  """Every program returns the decode state with `decode_state_shardings()` (the cache split
+  by slots, the per-slot vectors replicated, as `init_decode_state` makes them). A decode
+  step returned the vectors split over the slots' devices, so the next generate, insert,
+  append or update call compiled its program again for those inputs."""
+  from jaxagent import sharding
+  mesh = sharding.make_mesh(2, 2, 2)
+  eng = Engine(CFG, EngineConfig(slots=8, max_len=64, cache_layout=layout), mesh=mesh)
+  p = sharding.shard(params, mesh)
+  want = jax.tree.leaves(eng.decode_state_shardings())
+  prompts = _prompts(4, seed=1, hi=12)
+
+  def check(state):
+    for a, s in zip(jax.tree.leaves(state), want):
+      assert a.sharding.is_equivalent_to(s, a.ndim), (a.sharding, s)
+    return state
+
+  state = check(eng.init_decode_state())
+  for rnd in range(2):
+    state, _ = eng.prefill_insert(p, state, prompts[2 * rnd:2 * rnd + 2], [2 * rnd, 2 * rnd + 1],
+                                  request_ids=[0, 1])
+    state, _ = eng.generate(p, check(state), steps=2)
+    state, _ = eng.append(p, check(state), [2 * rnd], [[5, 6]], cached_lens=[20])
+    state = check(eng.update_slots(check(state), [2 * rnd + 1], lengths=[9], tokens=[3],
+                                   active=[True], remaining=[4]))
+  for name in ("insert", "generate", "append", "update"):
+    assert eng.program(name)._cache_size() == 1, name
