@@ -418,9 +418,10 @@ class Engine:
     return (one,) * self.cfg.n_layers if self.per_layer else one
 
   def _constrain(self, state: DecodeState) -> DecodeState:
-    """`state` with `decode_state_shardings()`, the per-slot vectors too: XLA returned them
-    split over the slots' devices after a decode step, so the next call of each program
-    compiled again for those inputs (and differed from the programs `jaxagent.plan` lowers)."""
+    """`state` with `decode_state_shardings()`, the per-slot vectors too: a decode step
+    returned them split over the slots' devices while `init_decode_state` made them
+    replicated, so the next call of each program compiled again for those inputs (and
+    differed from the programs `jaxagent.plan` lowers)."""
     ss = self.decode_state_shardings()
     return state if ss is None else jax.lax.with_sharding_constraint(state, ss)
 
@@ -445,10 +446,13 @@ class Engine:
     if self.mesh is None:
       return None
     cs = self._cache_sharding()
-    rep = NamedSharding(self.mesh, P())
-    return DecodeState(k=cs, v=cs, lengths=rep, tokens=rep, active=rep, done=rep,
-                       remaining=rep, limit=rep, request_ids=rep, seeds=rep, share_src=rep,
-                       share_len=rep)
+    # The per-slot vectors split like the cache's slots: a decode step computes them so (and
+    # replicating them would gather them after every call).
+    axes = shd.kv_cache_spec(self.cfg.n_kv_heads, self.ecfg.slots, self.mesh)[1]
+    row = NamedSharding(self.mesh, P() if axes is None else P(axes))
+    return DecodeState(k=cs, v=cs, lengths=row, tokens=row, active=row, done=row,
+                       remaining=row, limit=row, request_ids=row, seeds=row, share_src=row,
+                       share_len=row)
 
   def abstract_decode_state(self) -> DecodeState:
     """`jax.ShapeDtypeStruct`s (with shardings) of `init_decode_state()`, allocating nothing."""

@@ -806,10 +806,11 @@ def test_prefill_insert_generate_append_are_the_same_on_any_mesh(params, mesh_sh
 
 @pytest.mark.parametrize("layout", ["stacked", "per_layer"])
 def test_decode_state_keeps_its_shardings_so_each_program_compiles_once(params, layout):
-  """Every program returns the decode state with `decode_state_shardings()` (the cache split
-  by slots, the per-slot vectors replicated, as `init_decode_state` makes them). A decode
-  step returned the vectors split over the slots' devices, so the next generate, insert,
-  append or update call compiled its program again for those inputs."""
+  """Every program returns the decode state with `decode_state_shardings()`, as
+  `init_decode_state` makes it (cache and per-slot vectors split by slots). A decode step
+  returned the vectors split over the slots' devices where the empty state had them
+  replicated, and the cache's spec without the trailing Nones the empty state's spelled, so
+  the next generate, insert, append or update call compiled its program again."""
   from jaxagent import sharding
   mesh = sharding.make_mesh(2, 2, 2)
   eng = Engine(CFG, EngineConfig(slots=8, max_len=64, cache_layout=layout), mesh=mesh)
