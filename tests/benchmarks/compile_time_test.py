@@ -14,6 +14,7 @@ TINY = ["--model", "tiny-llama", "--slots", "4", "--max-len", "64", "--dtype", "
         "--steps", "4"]
 
 
+@pytest.mark.slow  # a script run of tens of seconds on a 2-core CPU (the default run's time budget)
 def test_a_tiny_run_times_each_program_kind():
   # In a child process without the suite's persistent compilation cache: a program an earlier
   # test compiled identically (and the cache kept, which it does when the compile took over
@@ -35,6 +36,7 @@ def test_a_tiny_run_times_each_program_kind():
     assert 0 < r[f"{kind}_compile_s"] <= r[f"{kind}_wall_s"]
 
 
+@pytest.mark.slow  # a script run of tens of seconds on a 2-core CPU (the default run's time budget)
 def test_a_tiny_schedule_counts_the_programs_it_compiled():
   # In a child process: the count reads the jitted functions' in-process caches, which other
   # tests of the same xdist worker left in a state that read 0 for every program in one CI run.

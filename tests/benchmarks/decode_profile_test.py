@@ -27,6 +27,7 @@ def _rows(out):
           if line.startswith("RESULT ")]
 
 
+@pytest.mark.slow  # a script run of tens of seconds on a 2-core CPU (the default run's time budget)
 def test_ablations_and_split_report_their_step_times(monkeypatch, capsys, tmp_path):
   monkeypatch.setattr(sys, "argv", [
       "decode_profile.py", "--model", "tiny-qwen2", "--batch", "4", "--cached", "16",

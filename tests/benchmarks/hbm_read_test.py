@@ -6,6 +6,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from benchmarks import hbm_read
 
@@ -33,6 +34,7 @@ def _tma_runs(mb):
   return [(c, st, b) for c, st, b in hbm_read.TMA_SETTINGS if n % (c * b) == 0]
 
 
+@pytest.mark.slow  # a script run of tens of seconds on a 2-core CPU (the default run's time budget)
 def test_interpret_run_prints_one_line_per_kernel(monkeypatch, capsys):
   monkeypatch.setattr(sys, "argv", ["hbm_read.py", "--sizes-mb", "1", "--reps", "1",
                                     "--min-total-mb", "2", "--interpret"])
@@ -47,6 +49,7 @@ def test_interpret_run_prints_one_line_per_kernel(monkeypatch, capsys):
   assert all(r["size_mb"] == 1 and r["us"] > 0 for r in rows)
 
 
+@pytest.mark.slow  # a script run of tens of seconds on a 2-core CPU (the default run's time budget)
 def test_trace_timer_reports_each_read_kernels_device_time(monkeypatch, capsys):
   patterns = []
 

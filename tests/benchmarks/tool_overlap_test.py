@@ -18,6 +18,7 @@ def test_a_count_below_one_is_refused(capsys, flag):
   assert f"must be >= 1: {flag} 0" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # a script run of tens of seconds on a 2-core CPU (the default run's time budget)
 def test_a_tiny_run_reports_the_ratio_of_its_wall_times():
   r = tool_overlap.main(["--trajectories", "4", "--samples", "2", "--slots", "4",
                          "--tool-ms", "20", "--repeats", "1", "--max-warmup", "1",
