@@ -554,6 +554,7 @@ def test_resume_is_exact(tmp_path, run_files):
   assert summary["sft/num_examples"] == 16 and "pass@1/before" in summary
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core CPU (the default run's time budget)
 def test_sigterm_finishes_the_step_saves_and_exits_zero(tmp_path, run_files):
   proc = _launch(tmp_path, run_files, "--config.total_steps=200",
                  "--config.checkpoint_every=1000")

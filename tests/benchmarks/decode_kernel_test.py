@@ -5,6 +5,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from benchmarks import decode_kernel
 
@@ -43,6 +44,7 @@ def test_read_ceiling_sums_the_live_blocks_and_adds_the_chained_row():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core CPU (the default run's time budget)
 def test_rows_and_warps_as_given(monkeypatch, capsys):
   """`--rows` sets the query rows per KV head (an append's); `--warps-as-given` launches the
   sweep's warps without the warp-per-2048-entries rule (64 rows x 64 lanes: 2 warps by it)."""
@@ -110,6 +112,7 @@ def test_trace_timer_on_a_cpu_reports_no_kernel_time(monkeypatch, capsys):
   assert rows[-1]["bench"] == "decode_kernel" and rows[-1]["kernel_us"] is None
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core CPU (the default run's time budget)
 def test_qkv_kernel_runs_as_the_engine_feeds_it(monkeypatch, capsys):
   """`--kernels qkv`: the raw-projection kernel with the stream's rows in front (chained) or
   apart (folded norms), for models with biases and with q / k norms."""

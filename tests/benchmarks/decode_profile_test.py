@@ -9,6 +9,7 @@ from benchmarks import decode_profile
 from jaxagent import models
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core CPU (the default run's time budget)
 def test_trace_only_run_reports_the_engine_step(monkeypatch, capsys, tmp_path):
   monkeypatch.setattr(sys, "argv", [
       "decode_profile.py", "--model", "tiny-qwen2", "--batch", "4", "--cached", "16",

@@ -34,6 +34,7 @@ def _reply(out: str) -> str:
   return out.split("assistant: ", 1)[1].rsplit("\n[", 1)[0]
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core CPU (the default run's time budget)
 def test_sampling_flags_and_stop_strings_reach_the_sampler(model_dir, capsys):
   sample = ["Hi", "--model", model_dir, "--max-new-tokens", "8", "--temperature", "1", "--seed", "0"]
   main(sample)

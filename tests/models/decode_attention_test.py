@@ -510,6 +510,7 @@ def test_flash_decode_shared_rows_per_shard():
   np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), atol=1e-6)
 
 
+@pytest.mark.slow  # tens of seconds on a 2-core CPU (the default run's time budget)
 def test_engine_prompt_sharing_matches_unshared(monkeypatch):
   """Groups of samples of one prompt through fewer slots than requests, with per-request
   budgets: sources finish and their slots take other prompts while their samples still decode.
