@@ -318,6 +318,12 @@ def _rollout_seed(seed: int, step: int) -> int:
   return (seed * 1_000_003 + step) % 2**32
 
 
+def _eval_seed(seed: int) -> int:
+  """The sampler seed of every eval: the rollout seed of step -1, which no RL step takes (a
+  step-1 rollout and a pass@k eval used to draw the same noise at seed 0)."""
+  return _rollout_seed(seed, -1)
+
+
 @dataclasses.dataclass(frozen=True)
 class _LeadError:
   """What `Trainer._on_lead` broadcasts in place of a result when process 0's call raised."""
@@ -448,12 +454,7 @@ def check_config(config) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
       raise ValueError(f"{key} must be an int >= {least}, got {v!r}")
   count("total_steps", 0)
-  count("seed", 0)  # the prompt shuffle takes only non-negative seeds
-  # Evals sample with seeds `seed` and `seed + 1`, which the rollout takes below 2**32 only: a
-  # larger seed trained and then ended the run at its first eval (or first pass@k eval).
-  if isinstance(config.get("seed"), (int, np.integer)) and config.get("seed") >= 2**32 - 1:
-    raise ValueError(f"seed must be an int in [0, 2**32 - 1) (evals sample with seed and "
-                     f"seed + 1, below 2**32), got {config.get('seed')!r}")
+  count("seed", 0)  # the prompt shuffle takes only non-negative seeds; samplers take it mod 2**32
   for key in ("train.prompts_per_step", "train.samples_per_prompt", "train.epochs",
               "rollout.slots", "train.micro_batches", "train.max_sampling_rounds",
               "sft.batch_size"):
@@ -710,7 +711,7 @@ class Trainer:
       return {}
     t0, c0 = time.time(), compile_stats.snapshot()
     self._success_failures = 0
-    trajs = self.greedy.run(params, exs, num_samples=1, seed=self.config.seed,
+    trajs = self.greedy.run(params, exs, num_samples=1, seed=_eval_seed(self.config.seed),
                             request_id_offset=0)
     outs = self._score(trajs, exs, self.step)
     ok = np.array([self._success(o) for o in outs], float)
@@ -718,7 +719,8 @@ class Trainer:
     out = {f"{tag}/pass@1": p, f"{tag}/pass@1_se": math.sqrt(p * (1 - p) / len(exs)),
            f"{tag}/num_examples": len(exs)}
     if e.pass_k > 1:
-      trajs_k = self.sampler.run(params, exs, num_samples=e.pass_k, seed=self.config.seed + 1,
+      trajs_k = self.sampler.run(params, exs, num_samples=e.pass_k,
+                                 seed=_eval_seed(self.config.seed),
                                  request_id_offset=0)
       c = np.zeros(len(exs))
       outs_k = self._score(trajs_k, [exs[tr.group_id] for tr in trajs_k], self.step)
@@ -1245,7 +1247,7 @@ class Trainer:
         "model_config": dataclasses.asdict(self.cfg),
         "rng": {"seed": self.config.seed,
                 "rollouts": "seed (seed * 1000003 + step) mod 2**32, request ids from the step",
-                "eval": "seed and seed + 1, request ids from 0"},
+                "eval": "seed (seed * 1000003 - 1) mod 2**32, request ids from 0"},
         "data": self.prompts.get_state(),
         "train_examples": self._train_fingerprint,
         "warm_started": self.warm_started,
