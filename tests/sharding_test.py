@@ -165,18 +165,10 @@ def test_train_step_on_a_data_fsdp_tensor_mesh_equals_one_device():
   statistic left replicated on every device)."""
   import optax
   from jaxagent.rl import losses, step as step_lib
+  from tests.rl.step_test import two_sequence_rows
   cfg = models.get_config("tiny-qwen3", n_heads=4, n_kv_heads=2)
   params = models.init_params(cfg, jax.random.key(0))
-  rng = np.random.default_rng(0)
-  b, n = 8, 16
-  seg = np.repeat(np.array([[1] * 7 + [2] * 6 + [0] * 3]), b, 0).astype(np.int32)
-  pos = np.concatenate([np.arange(7), np.arange(6), np.zeros(3, int)])[None].repeat(b, 0)
-  batch = dict(tokens=rng.integers(0, cfg.vocab_size, (b, n)).astype(np.int32),
-               segment_ids=seg, positions=pos.astype(np.int32),
-               loss_mask=((pos > 0) & (rng.random((b, n)) > 0.3)).astype(np.float32),
-               old_logps=(-3 * rng.random((b, n))).astype(np.float32),
-               advantages=rng.normal(size=(b, n)).astype(np.float32),
-               ref_logps=(-3 * rng.random((b, n))).astype(np.float32))
+  batch = two_sequence_rows(cfg.vocab_size)
   scfg = step_lib.StepConfig(loss=losses.LossConfig(kl_coef=0.1), micro_batches=2)
   out = []
   for mesh in (sharding.make_mesh(1, 1, 1, devices=jax.devices()[:1]),

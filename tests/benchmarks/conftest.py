@@ -3,6 +3,7 @@
 import json
 import sys
 
+import numpy as np
 import pytest
 
 
@@ -37,3 +38,19 @@ def unit_clock_and_peak(monkeypatch):
     monkeypatch.setattr(module, "timeit", one_second)
     monkeypatch.setattr(module, "peaks", lambda: {"bf16_flops": 1e12, "hbm_bytes_s": 1e12})
   return pin
+
+
+@pytest.fixture
+def generate_calls(monkeypatch):
+  """`generate_calls(module)`: spies on `module.Engine.generate` and returns the list each call
+  appends `(cache lengths at the call, steps)` to, so a test can count the keys that every
+  decode step attends over."""
+  def spy(module):
+    calls, real = [], module.Engine.generate
+
+    def record(self, params, state, steps=1, kv_len=None):
+      calls.append((np.asarray(state.lengths), steps))
+      return real(self, params, state, steps=steps, kv_len=kv_len)
+    monkeypatch.setattr(module.Engine, "generate", record)
+    return calls
+  return spy

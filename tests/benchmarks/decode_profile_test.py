@@ -102,16 +102,12 @@ def test_profile_takes_one_value_of_each_switch(monkeypatch):
     decode_profile.main()
 
 
-def test_the_roofline_counts_the_keys_the_held_steps_hold(monkeypatch, capsys, tmp_path):
+def test_the_roofline_counts_the_keys_the_held_steps_hold(monkeypatch, capsys, tmp_path,
+                                                          generate_calls):
   # Every call starts each slot at --cached keys, and its steps advance them one at a time;
   # the roofline used to count --cached keys for every step.
   monkeypatch.setattr(decode_profile, "peaks", lambda: {"bf16_flops": 1e12, "hbm_bytes_s": 1e12})
-  calls, real = [], decode_profile.Engine.generate
-
-  def record(self, params, state, steps=1, kv_len=None):
-    calls.append((np.asarray(state.lengths), steps))
-    return real(self, params, state, steps=steps, kv_len=kv_len)
-  monkeypatch.setattr(decode_profile.Engine, "generate", record)
+  calls = generate_calls(decode_profile)
   monkeypatch.setattr(sys, "argv", [
       "decode_profile.py", "--model", "tiny-qwen2", "--batch", "4", "--cached", "16",
       "--max-len", "64", "--steps", "8", "--trace", str(tmp_path / "trace"), "--trace-only"])

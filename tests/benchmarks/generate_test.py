@@ -23,16 +23,11 @@ def test_a_misspelt_switch_is_refused_before_anything_runs(monkeypatch, args, me
   assert message in str(e.value)
 
 
-def test_the_roofline_counts_the_keys_the_timed_steps_hold(monkeypatch, capsys):
+def test_the_roofline_counts_the_keys_the_timed_steps_hold(monkeypatch, capsys, generate_calls):
   # Each decode step writes its token's K/V and attends over every cached key: counted from
   # the lengths the engine's cache holds at each generate call of the timed pass.
   monkeypatch.setattr(generate, "peaks", lambda: {"bf16_flops": 1e12, "hbm_bytes_s": 1e12})
-  calls, real = [], generate.Engine.generate
-
-  def record(self, params, state, steps=1, kv_len=None):
-    calls.append((np.asarray(state.lengths), steps))
-    return real(self, params, state, steps=steps, kv_len=kv_len)
-  monkeypatch.setattr(generate.Engine, "generate", record)
+  calls = generate_calls(generate)
   generate.run("tiny-qwen2", 4, 16, 32, 8, False)
   [row] = [json.loads(line[len("RESULT "):]) for line in capsys.readouterr().out.splitlines()
            if line.startswith("RESULT ")]

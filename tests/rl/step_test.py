@@ -37,6 +37,22 @@ def _items(n=6, seed=0):
   return items
 
 
+def two_sequence_rows(vocab_size: int, rows: int = 8, seed: int = 0) -> dict:
+  """A packed RL batch of `rows` rows of 16 tokens: two sequences (7 and 6 tokens) then 3
+  padding tokens per row, a random loss mask off each sequence's first token, random old and
+  reference log-probs and advantages. Also used by `tests/sharding_test.py`."""
+  rng = np.random.default_rng(seed)
+  n = 16
+  seg = np.repeat(np.array([[1] * 7 + [2] * 6 + [0] * 3]), rows, 0).astype(np.int32)
+  pos = np.concatenate([np.arange(7), np.arange(6), np.zeros(3, int)])[None].repeat(rows, 0)
+  return dict(tokens=rng.integers(0, vocab_size, (rows, n)).astype(np.int32),
+              segment_ids=seg, positions=pos.astype(np.int32),
+              loss_mask=((pos > 0) & (rng.random((rows, n)) > 0.3)).astype(np.float32),
+              old_logps=(-3 * rng.random((rows, n))).astype(np.float32),
+              advantages=rng.normal(size=(rows, n)).astype(np.float32),
+              ref_logps=(-3 * rng.random((rows, n))).astype(np.float32))
+
+
 def _batch(items, max_len, rows_multiple=1):
   pb = packing.pack(items, packing.PackingConfig(max_len=max_len, row_multiple=rows_multiple))
   return pb, {k: jnp.asarray(v) for k, v in pb.arrays().items()}
@@ -578,16 +594,7 @@ def test_gspo_update_is_the_same_on_meshes_whose_axes_do_not_divide_the_model(me
   params and their momentum keep the layout `sharding.shardings` gives them."""
   cfg = models.get_config("tiny-llama", n_heads=6, n_kv_heads=2, vocab_size=510, ffn_dim=96)
   params = models.init_params(cfg, jax.random.key(0), std=0.1)
-  rng = np.random.default_rng(0)
-  b, n = 8, 16
-  seg = np.repeat(np.array([[1] * 7 + [2] * 6 + [0] * 3]), b, 0).astype(np.int32)
-  pos = np.concatenate([np.arange(7), np.arange(6), np.zeros(3, int)])[None].repeat(b, 0)
-  batch = dict(tokens=rng.integers(0, cfg.vocab_size, (b, n)).astype(np.int32),
-               segment_ids=seg, positions=pos.astype(np.int32),
-               loss_mask=((pos > 0) & (rng.random((b, n)) > 0.3)).astype(np.float32),
-               old_logps=(-3 * rng.random((b, n))).astype(np.float32),
-               advantages=rng.normal(size=(b, n)).astype(np.float32),
-               ref_logps=(-3 * rng.random((b, n))).astype(np.float32))
+  batch = two_sequence_rows(cfg.vocab_size)
   scfg = step.StepConfig(loss=losses.LossConfig(algo="gspo", kl_coef=0.1), micro_batches=2)
   out = []
   for mesh in (sharding.make_mesh(devices=jax.devices()[:1]), sharding.make_mesh(*mesh_shape)):
