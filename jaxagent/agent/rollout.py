@@ -173,15 +173,17 @@ def _clean_text(text: str) -> str:
   return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def _token_ids(ids) -> list[int]:
-  """`encode_observation`'s return as a list of ints; anything else raises, naming what it was
-  (a float id would be cut to another token, a string read character by character)."""
+def _token_ids(ids, what: str = "encode_observation") -> list[int]:
+  """`what`'s return as a list of ints; anything else raises, naming what it was (a float id
+  would be cut to another token, a bool become 0 or 1, a string read character by character)."""
   if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-    raise TypeError(f"encode_observation returned {type(ids).__name__}, not a list of token ids")
-  ids = list(ids)
-  bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+    raise TypeError(f"{what} returned {type(ids).__name__}, not a list of token ids")
+  # An array (NumPy or JAX) as Python scalars, so its bools and floats are refused below.
+  ids = np.asarray(ids).tolist() if hasattr(ids, "dtype") else list(ids)
+  bad = next((t for t in ids if isinstance(t, (bool, np.bool_))
+              or not isinstance(t, (int, np.integer))), None)
   if bad is not None:
-    raise TypeError(f"encode_observation returned a {type(bad).__name__} ({bad!r}) among its token "
+    raise TypeError(f"{what} returned a {type(bad).__name__} ({bad!r}) among its token "
                     "ids; it must return ints")
   return [int(t) for t in ids]
 
@@ -306,7 +308,7 @@ class _Run:
     out: list[Trajectory] = []
     for i, ex in enumerate(examples):
       try:
-        prompt = [int(t) for t in self.env.render_prompt(ex, self.tok)]
+        prompt = _token_ids(self.env.render_prompt(ex, self.tok), "render_prompt")
       except Exception as e:  # the task's data is at fault: name the example among thousands
         raise ValueError(f"example {ex.id!r} (examples[{i}]): env {getattr(self.env, 'name', self.env)!r} "
                          f"could not render its prompt: {type(e).__name__}: {e}; fix or drop this "

@@ -682,11 +682,17 @@ class Engine:
     self._check_tokens(prompts, what, "prompt")
 
   def _check_tokens(self, seqs, what: str, item: str) -> None:
-    """A clear error for token ids that are not integers in [0, vocab_size): the embedding
-    gather would otherwise wrap negative ids and fill out-of-range ones with NaN, and the
-    request would decode on from a token nobody sampled."""
+    """A clear error for token ids that are not integers in [0, vocab_size), bools included: the
+    embedding gather would otherwise wrap negative ids and fill out-of-range ones with NaN, and
+    the request would decode on from a token nobody sampled."""
     v = self.cfg.vocab_size
     for i, seq in enumerate(seqs):
+      if not hasattr(seq, "dtype"):  # a list or tuple (an array's dtype is checked below)
+        # NumPy casts a bool among ints to 0 or 1: a caller's flag read as a token id.
+        j = next((j for j, t in enumerate(seq) if isinstance(t, (bool, np.bool_))), None)
+        if j is not None:
+          raise ValueError(f"{what}: {item} {i} has a bool ({bool(seq[j])}) at position {j} among "
+                           "its token ids; pass integer token ids")
       a = np.asarray(seq)
       if a.size == 0:
         continue

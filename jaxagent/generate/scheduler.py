@@ -63,7 +63,7 @@ class StopChecker:
           raise ValueError("stop strings must be non-empty")
         self.strings.append(s)
       elif (isinstance(s, (list, tuple)) and s
-            and all(isinstance(t, (int, np.integer)) for t in s)):
+            and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in s)):
         self.sequences.append(tuple(int(t) for t in s))
       else:
         raise ValueError(f"unknown stop spec entry {s!r}: expected a non-empty string or a "

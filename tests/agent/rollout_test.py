@@ -798,6 +798,21 @@ def test_a_prompt_that_cannot_be_rendered_names_its_example():
     rollout(fake, None, CalculatorEnv(), exs, tokenizer=Strict())
 
 
+def test_a_rendered_prompt_of_bools_or_floats_names_its_example():
+  """`render_prompt` ids were cast with int(): a bool became token 0 or 1 and a float was cut to
+  another token, and the trajectory trained on a prompt nobody wrote."""
+  fake = FakeEngine(_script_from_texts({}), max_len=128)
+  for bad, kind in (([5, True, 7], r"bool \(True\)"), (np.array([False, True]), "bool"),
+                    ([5, 7.0], r"float \(7.0\)")):
+    class Bad(CalculatorEnv):
+      def render_prompt(self, example, tokenizer):
+        return bad if example.id == "q1" else super().render_prompt(example, tokenizer)
+
+    with pytest.raises(ValueError, match=rf"example 'q1' \(examples\[1\]\): env 'calculator' could "
+                       rf"not render its prompt: TypeError: render_prompt returned a {kind}"):
+      rollout(fake, None, Bad(), _examples(2), tokenizer=TOK)
+
+
 class NonfiniteEngine(FakeEngine):
   """The fake with the device's non-finite stop: request `bad_rid`'s logits are NaN once its
   sequence is longer than `at` tokens."""

@@ -356,6 +356,24 @@ def test_engine_refuses_eos_ids_it_could_never_match():
     hash(ecfg)
 
 
+def test_bool_token_ids_are_refused(params):
+  """A bool among a prompt's or an observation's int token ids (a caller's flag in the list) was
+  cast by NumPy to token 1 or 0 and decoded on; so was a bool in a stop sequence."""
+  eng = Engine(CFG, EngineConfig(slots=2, max_len=32, sampling=SamplingConfig()))
+  with pytest.raises(ValueError, match=r"run_requests: prompt 1 has a bool \(True\) at position 1"):
+    generate(params, CFG, [[4, 5], [5, True, 3]], 2)
+  with pytest.raises(ValueError, match=r"prefill: prompt 0 has a bool \(False\) at position 0"):
+    eng.prefill(params, [(np.bool_(False), 7)], [1])
+  with pytest.raises(ValueError, match="integer token ids, got bool"):  # a bool array
+    eng.prefill(params, [np.array([True, False])], [1])
+  state = eng.insert(eng.prefill(params, [[1, 2, 3]], [1]), eng.init_decode_state(), 0)
+  with pytest.raises(ValueError, match=r"append: observation 0 has a bool \(True\) at position 2"):
+    eng.append(params, state, [0], [[1, 2, True]])
+  with pytest.raises(ValueError, match="unknown stop spec entry"):
+    StopChecker([[3, False]])
+  assert len(eng.append(params, state, [0], [[1, 2, np.int64(3)]])[1][0]) == 1  # ints pass
+
+
 def test_append_bad_input_errors_before_running(params):
   eng = Engine(CFG, EngineConfig(slots=2, max_len=32, sampling=SamplingConfig()))
   state = eng.insert(eng.prefill(params, [list(range(1, 20))], [1]), eng.init_decode_state(), 0)
