@@ -688,8 +688,8 @@ def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: i
     out: the output directory.
     step: which checkpoint (default: the newest that reads: an unreadable or corrupt newer one
       is named in a warning and skipped, as a resume skips it).
-    tokenizer: "auto" (the run's tokenizer, from the saved config), None (weights only), or a
-      `Tokenizer`.
+    tokenizer: "auto" (the run's tokenizer, from the saved config), None (weights only; an
+      `out` holding an earlier export's tokenizer files is refused), or a `Tokenizer`.
   """
   from jaxagent import models
 

@@ -342,8 +342,19 @@ def _umask() -> int:
   return mask
 
 
+# Tokenizer files that loaders read from a model directory (`Tokenizer.save` writes or removes
+# the first seven; the folder holds named chat templates); `save_hf` without a tokenizer refuses
+# a directory that holds any of them.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
+                    "special_tokens_map.json", "chat_template.jinja", "chat_template.json",
+                    "additional_chat_templates", "tokenizer.model", "vocab.json", "merges.txt")
+
+
 def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -> pathlib.Path:
-  """Write `config.json` + `model.safetensors` (+ tokenizer files when given) to `path`."""
+  """Write `config.json` + `model.safetensors` (+ tokenizer files when given) to `path`.
+
+  Without a tokenizer, a `path` that already holds tokenizer files (an earlier export's) is
+  refused with FileExistsError before anything is written."""
   from safetensors.numpy import save_file
 
   out = pathlib.Path(path)
@@ -355,6 +366,15 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
     raise FileExistsError(f"{out} already holds other weights ({', '.join(other)}) that loaders "
                           "would read instead of or along with the new model.safetensors; "
                           "write to an empty directory or remove them")
+  # Without a tokenizer nothing replaces the tokenizer files of an earlier export there: the
+  # directory would pair the new weights with another model's vocabulary, chat template and
+  # stop ids (generation_config.json), and loaders and servers would read them.
+  stale = sorted(p.name for p in map(out.joinpath, _TOKENIZER_FILES)
+                 if p.is_file() or any(p.glob("*.jinja"))) if tokenizer is None else []
+  if stale:
+    raise FileExistsError(f"{out} holds tokenizer files ({', '.join(stale)}) that the new weights "
+                          "would be loaded with; pass tokenizer= to write the model's own, write "
+                          "to an empty directory, or remove them")
   # Checked (and converted) before anything is written: a refused export must not leave a
   # new config.json beside an earlier export's weights.
   hf_cfg, sd = cfg.to_hf(), state_dict_from_params(cfg, params)

@@ -205,6 +205,32 @@ def test_several_eos_ids_are_kept_and_exported(tmp_path):
   assert models.load(out)[0].eos_token_ids == (5, 7, 9)
 
 
+def test_save_hf_without_a_tokenizer_refuses_an_earlier_exports_tokenizer(tmp_path):
+  """Weights written without a tokenizer over an earlier export kept its tokenizer files: the
+  directory loaded the new model with the old vocabulary, chat template and stop ids."""
+  import tokenizers
+
+  from jaxagent.models.tokenizer import Tokenizer
+  tok = Tokenizer(tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "</s>": 1}, "a")),
+                  eos_token="</s>")
+  cfg, path = _save_tiny(tmp_path)
+  tok.save(path)
+  before = {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()}
+  with pytest.raises(FileExistsError, match=r"holds tokenizer files \(generation_config.json, "
+                     r"tokenizer.json, tokenizer_config.json\)"):
+    models.save_hf(path, cfg, models.init_params(cfg, jax.random.key(1)))
+  assert {p.name: p.read_bytes() for p in path.iterdir() if p.is_file()} == before  # untouched
+  # With the tokenizer it writes over them; a directory without tokenizer files takes weights
+  # without one again and again.
+  models.save_hf(path, cfg, models.init_params(cfg, jax.random.key(1)), tok)
+  (path / "vocab.json").write_text("{}")
+  with pytest.raises(FileExistsError, match=r"\(generation_config.json, tokenizer.json, "
+                     r"tokenizer_config.json, vocab.json\)"):
+    models.save_hf(path, cfg, models.init_params(cfg, jax.random.key(2)))
+  weights_only = models.save_hf(tmp_path / "w", cfg, models.init_params(cfg, jax.random.key(2)))
+  models.save_hf(weights_only, cfg, models.init_params(cfg, jax.random.key(3)))  # no tokenizer
+
+
 def test_save_hf_refuses_a_directory_with_other_weights(tmp_path):
   # A sharded model left in the directory: our loader (and JetStream's from_pretrained) would
   # read its index and load the old shards instead of the new model.safetensors.
