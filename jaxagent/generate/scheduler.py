@@ -34,7 +34,9 @@ class Completion:
   fault), and the request stopped there. Other requests of the batch are unaffected.
   `tokens` end with the token that ended the request (the EOS id, the last token of the stop
   match). Where several reasons hold at one token, the first of "nonfinite", "stop", "eos",
-  "max_new_tokens", "max_length" is reported.
+  "max_new_tokens", "max_length" is reported. `text` (set by `generate` when it has a
+  tokenizer) is `tokens` decoded without special tokens (the EOS, chat-template markers) unless
+  `generate(skip_special_tokens=False)`; `tokens` always keep them.
   """
   request_id: int
   tokens: list[int]
@@ -289,7 +291,7 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
              stop=None, slots: int = 8, max_len: int | None = None,
              eos_ids: Sequence[int] | None = None, tokenizer=None,
              request_ids: Sequence[int] | None = None, decode_steps: int = 8,
-             mesh=None) -> list[Completion]:
+             mesh=None, skip_special_tokens: bool = True) -> list[Completion]:
   """Generate continuations for many prompts with continuous batching over `slots` slots.
 
   Args:
@@ -302,11 +304,16 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
       `eos_ids`, else the config's `eos_token_ids`).
     request_ids: distinct per-prompt ids for the rng (default 0..n-1); with the same seed and
       request id a prompt gives the same output whatever the slot count or arrival order.
+    skip_special_tokens: leave the tokenizer's special tokens (the EOS that ended a request,
+      chat-template markers) out of `Completion.text`, as HF's and vLLM's decoding does by
+      default; the token ids are never changed.
   Returns one `Completion` per prompt, in order (with `.text` when a tokenizer is given).
   """
   if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots <= 0:
     raise ValueError(f"slots must be a positive int, got {slots!r}")
   slots = int(slots)
+  if not isinstance(skip_special_tokens, (bool, np.bool_)):
+    raise ValueError(f"skip_special_tokens must be a bool, got {skip_special_tokens!r}")
   if isinstance(prompts, (np.ndarray, jax.Array)):  # one prompt [T] or a batch [B, T]
     prompts = np.asarray(prompts).tolist()
   if isinstance(prompts, (str, bytes, bytearray)):
@@ -367,5 +374,5 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
                      seed=seed, stop=checker, decode_steps=decode_steps)
   if tokenizer is not None:
     for c in out:
-      c.text = tokenizer.decode(c.tokens)
+      c.text = tokenizer.decode(c.tokens, skip_special_tokens=skip_special_tokens)
   return out

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from jaxagent import models
-from jaxagent.generate import Engine, EngineConfig, generate, run_requests
+from jaxagent.generate import Completion, Engine, EngineConfig, generate, run_requests
 
 CFG = models.get_config("tiny-qwen2")
 
@@ -276,6 +276,33 @@ def test_text_prompts_start_with_the_bos_the_tokenizer_adds(tmp_path, monkeypatc
   assert seen[-1] == [[0] + tok.encode(texts[0]), [0] + tok.encode("Hi")]
   generate(params, cfg, texts, 1, tokenizer=tok, max_len=32)
   assert seen[-1] == [tok.encode(t) for t in texts]
+
+
+def test_completion_text_leaves_out_special_tokens_and_keeps_the_ids(params, monkeypatch):
+  """`Completion.text` held the EOS that ended the request ("... <|im_end|>"), where HF's and
+  vLLM's decoding leave special tokens out; the ids keep it, and the option keeps the old text."""
+  import tokenizers
+
+  from jaxagent.generate import scheduler
+  from jaxagent.models.tokenizer import Tokenizer
+  vocab = {f"w{i}": i for i in range(CFG.vocab_size - 1)} | {"<|im_end|>": CFG.vocab_size - 1}
+  backend = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab, "w0"))
+  backend.add_special_tokens(["<|im_end|>"])
+  tok = Tokenizer(backend, eos_token="<|im_end|>")
+  ids = [7, 3, CFG.vocab_size - 1]  # what the engine returned (decoding is not under test)
+  seen = []
+
+  def engine_output(engine, p, prompts, **kw):
+    seen.append(engine.ecfg.eos_ids)
+    return [Completion(0, list(ids), [-1.0] * 3, "eos")]
+  monkeypatch.setattr(scheduler, "run_requests", engine_output)
+  out = generate(params, CFG, [[3, 1, 4]], 6, tokenizer=tok)[0]
+  assert seen == [(CFG.vocab_size - 1,)]  # the tokenizer's EOS ended requests
+  assert (out.tokens, out.text) == (ids, "w7 w3")
+  kept = generate(params, CFG, [[3, 1, 4]], 6, tokenizer=tok, skip_special_tokens=False)[0]
+  assert (kept.tokens, kept.text) == (ids, "w7 w3 <|im_end|>")
+  with pytest.raises(ValueError, match="skip_special_tokens must be a bool"):
+    generate(params, CFG, [[3, 1, 4]], 6, tokenizer=tok, skip_special_tokens="no")
 
 
 def test_host_stops_and_slot_reuse_leave_each_request_as_if_alone(params, engine):
