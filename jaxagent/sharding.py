@@ -92,6 +92,23 @@ def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
   return Mesh(arr, MESH_AXES)
 
 
+def check_mesh(mesh: Mesh, who: str) -> Mesh:
+  """`mesh` if it has every axis of `MESH_AXES`, else a ValueError naming the axes it lacks.
+
+  The learner splits batch rows over `("data", "fsdp")` and the rules table maps params onto
+  all three axes; a mesh of the user's own without one of them (e.g. `("fsdp", "tensor")`)
+  failed inside JAX (a KeyError 'data', or "Resource axis: data ... is not found in mesh").
+  """
+  missing = [a for a in MESH_AXES if a not in mesh.axis_names]
+  if missing:
+    sizes = ", ".join(f"{a}={n}" for a, n in mesh.shape.items())
+    raise ValueError(f"{who}: the mesh has axes {tuple(mesh.axis_names)} ({sizes}) and lacks "
+                     f"{tuple(missing)}; jaxagent needs a mesh with the axes {MESH_AXES} "
+                     "(size 1 for an unused one): build it with "
+                     "jaxagent.sharding.make_mesh(data, fsdp, tensor, devices=...)")
+  return mesh
+
+
 ROLLOUT_MESHES = ("learner", "data")
 
 
@@ -246,7 +263,7 @@ def batch_spec(ndim: int) -> P:
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
-  return NamedSharding(mesh, batch_spec(ndim))
+  return NamedSharding(check_mesh(mesh, "batch_sharding"), batch_spec(ndim))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

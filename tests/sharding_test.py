@@ -189,3 +189,23 @@ def test_train_step_on_a_data_fsdp_tensor_mesh_equals_one_device():
   trace = models.unbox(state.opt_state[0].trace)
   for a, c in zip(jax.tree.leaves(p), jax.tree.leaves(trace)):
     assert c.sharding == a.sharding
+
+
+def test_a_mesh_without_the_library_axes_is_named():
+  """A user's own ("fsdp", "tensor") mesh reached the learner's batch layout and failed inside
+  JAX ("Resource axis: data of P(('data', 'fsdp'), None) is not found in mesh"; `Learner`'s
+  `put_batch`: KeyError 'data'). It is named, with the axes it lacks and the ones needed."""
+  from jax.sharding import Mesh
+  from jaxagent.rl import step as step_lib
+  mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("fsdp", "tensor"))
+  match = (r"the mesh has axes \('fsdp', 'tensor'\) \(fsdp=2, tensor=2\) and lacks \('data',\); "
+           r"jaxagent needs a mesh with the axes \('data', 'fsdp', 'tensor'\)")
+  with pytest.raises(ValueError, match="batch_sharding: " + match):
+    sharding.batch_sharding(mesh)
+  cfg = models.get_config("tiny-llama")
+  with pytest.raises(ValueError, match="Learner: " + match):
+    step_lib.Learner(cfg, step_lib.StepConfig(), step_lib.make_optimizer(1e-3), mesh)
+  # Any order of the three axes, and extra ones, are meshes the library can use.
+  ok = Mesh(np.array(jax.devices()[:2]).reshape(1, 2, 1, 1), ("tensor", "data", "fsdp", "x"))
+  assert sharding.batch_sharding(ok).spec == P(("data", "fsdp"), None)
+  step_lib.Learner(cfg, step_lib.StepConfig(), step_lib.make_optimizer(1e-3), ok)

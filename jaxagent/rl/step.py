@@ -390,7 +390,8 @@ class Learner:
 
   def __init__(self, cfg: ModelConfig, scfg: StepConfig, optimizer, mesh: Mesh | None = None):
     self.cfg, self.scfg, self.optimizer = cfg, scfg, optimizer
-    self.mesh = mesh if mesh is not None else shd.make_mesh(devices=jax.devices()[:1])
+    self.mesh = (shd.check_mesh(mesh, "Learner") if mesh is not None
+                 else shd.make_mesh(devices=jax.devices()[:1]))
     self._train = None
     self._score = {}
 
