@@ -162,6 +162,10 @@ def test_eval_seed_is_no_rollout_seed_and_fits_the_sampler(seed):
     ("train.time_limit_s", -5.0, r"train.time_limit_s must be a number of seconds >= 0"),
     ("train.row_rounding", "x", "PackingConfig.row_rounding='x' is not supported"),
     ("train.len_buckets", (64,), "must end with train.pack_len=128"),
+    # `--config.checkpoint_dir=None` is the string "None": checkpoints went to ./None.
+    ("checkpoint_dir", "None", r"checkpoint_dir='None' is the text 'None', not a directory: "
+                               r"set --config.checkpoint_dir='' for <workdir>/checkpoints"),
+    ("checkpoint_dir", "null", r"checkpoint_dir='null' is the text 'null'"),
 ])
 def test_settings_read_after_the_model_loads_are_checked_before_it(tmp_path, monkeypatch, key,
                                                                    value, match):
