@@ -510,6 +510,7 @@ def check_config(config) -> None:
       EngineConfig(slots=rollout.get("slots", 8), max_len=rollout.max_len, sampling=sampling)
   if hasattr(train, "get") and train.get("pack_len") is not None:
     packing.config_from_train(train, 1)
+  _warn_long_warmups(config)
   # Read by the warm start, after the evals before training: a missing file ended the run there.
   sft = config.get("sft") if hasattr(config, "get") else None
   data = sft.get("data") if hasattr(sft, "get") else None
@@ -524,6 +525,42 @@ def check_config(config) -> None:
     raise ValueError(f"sft.num_examples=0 leaves the SFT warm start (sft.steps={sft.steps}) "
                      "no demonstrations to train on: set sft.num_examples > 0, give a chat "
                      "JSONL file as sft.data, or set sft.steps=0")
+
+
+# Warnings of `check_config` already logged by this process: the launcher checks the config
+# and then the trainer checks it again.
+_CONFIG_WARNINGS: set[str] = set()
+
+
+def _warn_long_warmups(config) -> None:
+  """Logs a warning (once per process) when a warmup is not shorter than the updates it warms:
+  the learning rate then never reaches the configured rate (legal, and rarely meant). The RL
+  optimizer makes `total_steps * train.epochs` updates (`step.learner_parts`); the warm start
+  `sft.steps`. Update i (from 0) runs at i / warmup_steps of the rate during the warmup, so the
+  rate is reached only when warmup_steps < the number of updates. (The cosine and linear
+  schedules already refuse such a warmup: they need total steps > warmup_steps to decay over.)"""
+  get = lambda section, key: (section.get(key) if hasattr(section, "get") else None)
+  opt, train, sft = (get(config, k) for k in ("optimizer", "train", "sft"))
+  epochs = get(train, "epochs") or 1
+  runs = [("optimizer.warmup_steps", get(opt, "warmup_steps"), "optimizer.lr",
+           (get(config, "total_steps") or 0) * epochs,
+           f"total_steps={get(config, 'total_steps')} x train.epochs={epochs} RL updates")]
+  if get(opt, "schedule") not in (None, "constant"):
+    runs = []  # `step.make_optimizer` raises for these
+  runs.append(("sft.warmup_steps", get(sft, "warmup_steps"), "sft.lr", get(sft, "steps") or 0,
+               f"sft.steps={get(sft, 'steps')} warm-start updates"))
+  for key, warmup, lr, updates, what in runs:
+    if not isinstance(warmup, (int, np.integer)) or isinstance(warmup, bool) or warmup <= 0:
+      continue
+    if not isinstance(updates, (int, np.integer)) or isinstance(updates, bool) or updates <= 0:
+      continue
+    if warmup >= updates:
+      msg = (f"{key}={warmup} is not shorter than the run's {what}: the learning rate never "
+             f"reaches {lr} (the last update runs at {(updates - 1) / warmup:.3g} of it); "
+             f"lower {key} below {updates} if the full rate is meant")
+      if msg not in _CONFIG_WARNINGS:
+        _CONFIG_WARNINGS.add(msg)
+        log.warning("%s", msg)
 
 
 def _rollout_config(r) -> RolloutConfig:

@@ -273,6 +273,43 @@ def test_a_mesh_that_does_not_fit_the_devices_fails_before_the_model_loads(tmp_p
     Trainer(_tiny(tmp_path, **{"mesh.data": 3}))
 
 
+def test_a_warmup_the_run_never_finishes_is_warned_once(tmp_path, monkeypatch, caplog):
+  """A constant-schedule warmup of at least the run's updates (total_steps x train.epochs; the
+  warm start's sft.steps) never reaches the configured learning rate; it passed silently."""
+  from jaxagent import trainer as trainer_lib
+  monkeypatch.setattr(trainer_lib, "_CONFIG_WARNINGS", set(), raising=False)
+  c = _tiny(tmp_path, **{"total_steps": 4, "train.epochs": 2, "optimizer.warmup_steps": 10,
+                         "sft.steps": 3, "sft.warmup_steps": 3})
+  with caplog.at_level("WARNING", logger="jaxagent.trainer"):
+    trainer_lib.check_config(c)
+    trainer_lib.check_config(c)  # the launcher's check, then the trainer's: one warning each
+  said = [r.getMessage() for r in caplog.records if r.name == "jaxagent.trainer"]
+  assert said == [
+      "optimizer.warmup_steps=10 is not shorter than the run's total_steps=4 x train.epochs=2 "
+      "RL updates: the learning rate never reaches optimizer.lr (the last update runs at 0.7 "
+      "of it); lower optimizer.warmup_steps below 8 if the full rate is meant",
+      "sft.warmup_steps=3 is not shorter than the run's sft.steps=3 warm-start updates: the "
+      "learning rate never reaches sft.lr (the last update runs at 0.667 of it); lower "
+      "sft.warmup_steps below 3 if the full rate is meant"]
+  # The rate the message says: update 7 (the last of 8) of a 10-step warmup.
+  opt = step_lib.make_optimizer(1.0, warmup_steps=10, max_grad_norm=None)
+  state = opt.init({"w": jnp.zeros(())})
+  lrs = []
+  for _ in range(8):
+    upd, state = opt.update({"w": jnp.ones(())}, state, {"w": jnp.zeros(())})
+    lrs.append(-float(upd["w"]))  # Adam moves a constant gradient of 1 by the rate itself
+  assert lrs == pytest.approx([i / 10 for i in range(8)], abs=1e-4)
+  # Warmups shorter than the updates, and runs without one, say nothing.
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="jaxagent.trainer"):
+    trainer_lib.check_config(_tiny(tmp_path, **{"total_steps": 4, "train.epochs": 2,
+                                                "optimizer.warmup_steps": 7, "sft.steps": 3,
+                                                "sft.warmup_steps": 2}))
+    trainer_lib.check_config(_tiny(tmp_path, **{"total_steps": 0, "optimizer.warmup_steps": 5,
+                                                "sft.steps": 0, "sft.warmup_steps": 5}))
+  assert not [r for r in caplog.records if r.name == "jaxagent.trainer"]
+
+
 def test_env_kwargs_are_free_form():
   from jaxagent.trainer import check_config
   c = get_config("tiny")
