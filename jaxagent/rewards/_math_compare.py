@@ -90,6 +90,10 @@ _ENDS_MARKED = re.compile(r"\b(?:answer|is)$", re.IGNORECASE)
 # What names an answer after an answer phrase: a letter or digit (group 1) outside a command or
 # an environment's name ("$$", "\[" and "\begin{equation}" name nothing yet).
 _NAMING = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+|([A-Za-z0-9])")
+# An exclamation mark that ends a sentence of prose after a number ("The answer is 18!", "18!\nSo
+# ..."), which LaTeX would read as a factorial: a full stop to a reader. A bare answer ("5!"), math
+# between delimiters ("$5!$", "\boxed{5!}") and "5! = 120" keep their factorial.
+_EXCLAMATION = re.compile(r"(?<=\d)!(?=[ \t]*(?:$|\n)|\s+[A-Z])")
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 
@@ -343,6 +347,8 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   text = _TEXT_LETTERS.sub(r"\1", _TEXT_NUMBER.sub(r"\1\\text{ \2}", text))
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
   text = _right_powers(_spread_plus_minus(text))
+  if "!" in text and not _is_bare_answer(text):
+    text = _EXCLAMATION.sub(".", text)
   equations = _EQUATION_BREAK.split(text)
   if len(equations) > 1 and all("=" in e for e in equations):
     # "x = 2 \\quad x = 3" lists two equations

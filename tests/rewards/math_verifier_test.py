@@ -306,6 +306,15 @@ EQUAL = [
     ("The area is 25\\pi cm^2.", "25\\pi"),
     ("It equals 2^{10}.", "1024"),
     ("The area is 5 m^2.", "5"),  # a unit's power is no math of its own
+    # An exclamation mark ending a sentence of prose is no factorial (these read 18! and scored 0).
+    ("The answer is 18!", "18"),
+    ("Answer: 18!", "18"),
+    ("The answer is 18! Check: 18 * 2 = 36", "18"),
+    ("She makes 9 * 2 = 18 dollars!\nThe answer is 18!", "18"),
+    # A factorial in math stays one.
+    ("5!", "120"),
+    ("The answer is $5!$.", "120"),
+    ("The answer is 5! = 120.", "120"),
 ]
 
 NOT_EQUAL = [
@@ -410,6 +419,7 @@ NOT_EQUAL = [
     ("2**3**2", "64"),
     ("2^3^2", "64"),
     ("The answer is B. Option A has 5 sides.", "A"),
+    ("The answer is 18!", "6402373705728000"),  # an exclamation, not 18!
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
