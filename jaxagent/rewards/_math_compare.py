@@ -94,6 +94,12 @@ _NAMING = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+|([A-Za-z0-9])")
 # ..."), which LaTeX would read as a factorial: a full stop to a reader. A bare answer ("5!"), math
 # between delimiters ("$5!$", "\boxed{5!}") and "5! = 120" keep their factorial.
 _EXCLAMATION = re.compile(r"(?<=\d)!(?=[ \t]*(?:$|\n)|\s+[A-Z])")
+# A value ruled out right after an answer, to the end of its sentence ("The answer is 5, not 6.",
+# "x = 5, and not 6"): the answer is the value before it, as a reader takes it, not a hedge between
+# the two. "5, not 6 or 7" and "5, not 6, 7" are left to the hedge rule.
+_EXCLUDED = re.compile(
+    r"(?<=[\d$})])[ \t]*,[ \t]*(?:(?:and|but)[ \t]+)?not[ \t]+(?:\$[ \t]*)?[-+]?\d+(?:[.,]\d+)*"
+    r"(?:[ \t]*\$)?(?=[ \t]*(?:[.!;]|$|\n))", re.IGNORECASE)
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 
@@ -135,7 +141,7 @@ def _equates_two_values(parsed: list, options: dict[str, Any]) -> bool:
 
 
 def _names_two_values(text: str, options: dict[str, Any]) -> bool:
-  """True when math-verify reads two different values in prose ("5 or 6", "6, not 5").
+  """True when math-verify reads two different values in prose ("5 or 6", "5. 6.").
 
   Where the text boxes its answer, only the boxes count, as math-verify reads only the box: two
   boxes with different values hedge ("\\boxed{5}. No: \\boxed{6}"), and so does a box whose
@@ -336,6 +342,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   With `single` (the prediction's side), an answer naming two or more different values parses to
   nothing, since extraction would pick one of them: "5 or 6", "The answer is 5. The answer is 6.",
   "5 = 6", "5 6" (which LaTeX adds up), "5|6"; so does one that rules a value out ("not 5").
+  A value ruled out right after the answer is dropped first ("5, not 6" is 5: `_EXCLUDED`).
   `options` are `verify`'s, to tell values apart.
   """
   from math_verify import parse
@@ -349,6 +356,8 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   text = _right_powers(_spread_plus_minus(text))
   if "!" in text and not _is_bare_answer(text):
     text = _EXCLAMATION.sub(".", text)
+  if single and "not" in text:
+    text = _EXCLUDED.sub("", text)
   equations = _EQUATION_BREAK.split(text)
   if len(equations) > 1 and all("=" in e for e in equations):
     # "x = 2 \\quad x = 3" lists two equations

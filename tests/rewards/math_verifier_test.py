@@ -315,6 +315,15 @@ EQUAL = [
     ("5!", "120"),
     ("The answer is $5!$.", "120"),
     ("The answer is 5! = 120.", "120"),
+    # A value ruled out right after the answer is no second answer (these were read as a hedge
+    # between the two values and scored 0).
+    ("The answer is 5, not 6", "5"),
+    ("So the answer is 5, not 6.", "5"),
+    ("6, not 5", "6"),
+    ("The answer is $5$, not $6$.", "5"),
+    ("The answer is \\frac{1}{2}, not 2.", "1/2"),
+    ("x = 5, and not 6", "5"),
+    ("There are 5 red and 6 blue. So 6, not 5.", "6"),
 ]
 
 NOT_EQUAL = [
@@ -420,6 +429,8 @@ NOT_EQUAL = [
     ("2^3^2", "64"),
     ("The answer is B. Option A has 5 sides.", "A"),
     ("The answer is 18!", "6402373705728000"),  # an exclamation, not 18!
+    ("The answer is 5, not 6", "6"),
+    ("The answer is 5, not -5.", "-5"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
@@ -452,7 +463,6 @@ HEDGED = [
     ("Yes or no", "Yes"),
     ("The answer is 6. The answer is 5.", "5"),
     ("The answer is 5. Then x = 7 and the answer is 7", "5"),
-    ("So the answer is 5, not 6.", "5"),
     ("The answer is A. The answer is B.", "B"),
     ("The answer is A or B", "A"),
     ("\\boxed{5} or \\boxed 6", "5"),
@@ -526,7 +536,6 @@ HEDGED = [
     ("\\boxed{Yes} or \\boxed{No}", "Yes"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "18"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "19"),
-    ("There are 5 red and 6 blue. So 6, not 5.", "6"),
     ("There are 5 red and 6 blue. In total, 11 balls. Check: 11 - 5 = 6.", "11"),  # not the last
 ]
 
