@@ -1046,6 +1046,7 @@ class Trainer:
         batch["ref_logps"] = np.asarray(_to_host(ref))
       epochs = max(1, self.config.train.epochs)
       skipped = 0.0  # train/nonfinite: 1 when any epoch's update was skipped
+      first_gap = None
       for epoch in range(epochs):
         with _names_the_step(f"RL step {step}" + (f", epoch {epoch + 1} of {epochs}"
                                                   if epochs > 1 else "")):
@@ -1065,10 +1066,17 @@ class Trainer:
               "'skip'): params and optimizer state are unchanged (train/nonfinite=1)")
         metrics.update({f"train/{k}": v for k, v in m.items()})
         skipped = max(skipped, float(m.get("nonfinite", 0.0)))
-      # The other train/ metrics are the last epoch's; a skipped update of an earlier epoch was
-      # overwritten by the next one's nonfinite=0, so the run's metrics never showed it.
+        if epoch == 0:
+          first_gap = m.get("logprob_gap")
+      # The other train/ metrics are the last epoch's (its loss, clip fractions, ratio and KL
+      # show how far the earlier epochs' updates moved the policy); a skipped update of an
+      # earlier epoch was overwritten by the next one's nonfinite=0, so the run's metrics never
+      # showed it. The log-prob gap is the sampler's disagreement with the learner only before
+      # the first update (later epochs add the updates' own change): the first epoch's.
       if "train/nonfinite" in metrics:
         metrics["train/nonfinite"] = skipped
+      if first_gap is not None:
+        metrics["train/logprob_gap"] = first_gap
       # Logged on every step, so its mean over a run is the fraction of steps skipped.
       metrics["train/skipped_no_signal"] = 0.0
     else:

@@ -1027,6 +1027,26 @@ def test_an_epoch_skipped_before_an_applied_one_stays_in_train_nonfinite(ckpt_tr
     assert m["train/loss"] == epochs[-1]["loss"] or np.isnan(epochs[-1]["loss"])
 
 
+def test_train_logprob_gap_is_the_first_epochs_and_the_rest_the_last_epochs(ckpt_trainer,
+                                                                            monkeypatch):
+  """train.epochs=2: train/logprob_gap (the sampler's disagreement with the learner, measured
+  on the params that sampled) is the first epoch's; it was the second epoch's, which adds the
+  first update's own change (0.5 here instead of 0.01). The loss and ratio stay the last's."""
+  trainer = ckpt_trainer
+  monkeypatch.setattr(trainer, "_collect",
+                      lambda step, params: ({}, {"old_logps": np.zeros((1, 4), np.float32)}))
+  monkeypatch.setitem(trainer.config.train, "epochs", 2)
+  epochs = [{"loss": 0.25, "ratio_mean": 1.0, "logprob_gap": 0.01, "nonfinite": 0.0},
+            {"loss": 0.75, "ratio_mean": 1.3, "logprob_gap": 0.5, "nonfinite": 0.0}]
+  it = iter(epochs)
+  monkeypatch.setattr(trainer.learner, "train_step", lambda state, batch: (state, dict(next(it))))
+  m = trainer.rl_step(6)
+  assert (m["train/logprob_gap"], m["train/loss"], m["train/ratio_mean"]) == (0.01, 0.75, 1.3)
+  # An SFT-style learner reports no gap: none is made up.
+  it = iter([{"loss": 0.25, "nonfinite": 0.0}, {"loss": 0.75, "nonfinite": 0.0}])
+  assert "train/logprob_gap" not in trainer.rl_step(7)
+
+
 def test_rewards_reach_the_advantages_in_float64(ckpt_trainer, monkeypatch):
   """Rewards 4e-16 apart (one value computed two ways) are a zero-variance group; rounded to
   float32 first they straddled a rounding point, 1.2e-7 apart, and got advantages of +-0.06."""
