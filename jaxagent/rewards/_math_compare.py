@@ -388,6 +388,15 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     cue = _last_correction(rest)
     if cue is not None and _retracts(rest, cue):
       return []
+  called_wrong = _called_wrong(text, spans) if single else None
+  if called_wrong is not None:
+    # "The answer is 42, which is wrong.": the text takes its answer back. What follows may name
+    # another, read as after a correction that does not overrule ("Wait, it is 6."); one that
+    # calls an answer wrong again names none (and is not read one remark at a time: linear time).
+    rest = text[called_wrong:]
+    named = _DIGIT.search(rest) and not _CALLED_WRONG.search(rest)
+    revised = _parse_answer(rest, single=True, **options) if named else []
+    return revised if revised and ("=" not in rest or _ANSWER_MARK.search(rest)) else []
   reasoned = _reasoned_answer(text)
   parsed = [] if reasoned is None else _parse_answer(reasoned, single=single, **options)
   if any(not isinstance(x, str) for x in parsed):  # else the prose reading decides
@@ -424,6 +433,31 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   conclusion = _concluding_sentence(text) if single and not _box_spans(text) else None
   parsed = [] if conclusion is None else _parse_prose(conclusion, single, options)
   return parsed or _parse_prose(text, single, options)
+
+
+def _called_wrong(text: str, spans: list) -> int | None:
+  """Where the sentence of the answer ends when the text calls its answer wrong right after
+  naming it (`_CALLED_WRONG`: "The answer is 42, which is wrong.", "\\boxed{42}, but that is
+  incorrect."), else None. The answer is what the last box (`spans`) or the first answer phrase
+  names, and a remark after another clause of its sentence ("The answer is 5, since 2 + 2 = 5,
+  which is wrong") is left alone. In text with neither, the remark must be in the last sentence,
+  with no number after it ("42, which is wrong", "So it is 42, which is wrong.")."""
+  mark = None if spans else _ANSWER_MARK.search(text)
+  if not spans and mark is None:
+    remark = None
+    for remark in _CALLED_WRONG.finditer(text):
+      pass
+    if (remark is None or _DIGIT.search(text, remark.end())
+        or any(m.end() < len(text.rstrip()) for m in _SENTENCE_END.finditer(text, remark.end()))):
+      return None
+    return len(text)
+  start = spans[-1][2] + 1 if spans else mark.end()
+  stop = _SENTENCE_END.search(text, start)
+  end = len(text) if stop is None else stop.start()
+  remark = _CALLED_WRONG.search(text, start, end)
+  if remark is None or _CLAUSE_BREAK.search(text, start, remark.start()):
+    return None
+  return end
 
 
 def _negates_only_number(text: str) -> bool:
@@ -551,6 +585,15 @@ _LAST_DIGIT = re.compile(r"\d\D*$")
 # A correction that overrules the answer before it (`_overrules`).
 _NEGATING_CUE = re.compile(r"[ \t]*(?:(?:wait|hmm+|actually)[\s,:;!.]*)?(?:no|correction|oops)\b",
                            re.IGNORECASE)
+# A remark right after an answer, in its sentence, that calls it wrong ("..., which is wrong",
+# "..., but that's incorrect", `_called_wrong`). Doubt ("..., which is probably wrong", "Maybe I
+# am wrong.") keeps the answer, and so does a remark on a case ("which is wrong for n = 1").
+_CALLED_WRONG = re.compile(
+    r",[ \t]*(?:which[ \t]+(?:is|was)|but[ \t]+(?:that|this|it)(?:[ \t]+(?:is|was)|['’]s))[ \t]+"
+    r"(?:(?:definitely|clearly|certainly)[ \t]+)?"
+    r"(?:wrong|incorrect|not[ \t]+(?:right|correct)|a[ \t]+mistake|an[ \t]+error)\b"
+    r"(?![ \t]*(?:to|for|if|when|unless|only|in)\b)", re.IGNORECASE)
+_CLAUSE_BREAK = re.compile(r"[,;]")
 _ADMITS_ERROR = re.compile(r"\b(?:wrong|incorrect|mistaken|mistake)\b", re.IGNORECASE)
 # What a correction that takes the answer back says, naming nothing (`_retracts`): after "no",
 # "oops" or "correction", nothing or an admission; after "wait" or "actually", an admission.
@@ -665,6 +708,7 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
       named = [] if cue is None else _NAMES_CHOICE.findall(prediction, cue.end())
       overruled = named and (_overrules(prediction, cue) or set(named) - {"", tail.strip("()")})
       overruled = overruled or (cue is not None and _retracts(prediction, cue))
+      overruled = overruled or _called_wrong(prediction, []) is not None
       if not overruled and not _offers_other(prediction, after_mark, tail):
         prediction = tail
         pred_parsed = _parse_answer(prediction, single=True, **options)
@@ -721,8 +765,8 @@ def _listed_values(text: str, options: dict[str, Any]) -> list:
     body = text.strip()
     one_sentence = all(m.end() >= len(body) for m in _SENTENCE_END.finditer(body))
     head = _concluding_sentence(text) or (body if one_sentence else None)
-  if head is None or _NEGATED.search(head) or _NEGATION.search(head):
-    return []  # "The roots are not 2 and 3."
+  if head is None or _NEGATED.search(head) or _NEGATION.search(head) or _CALLED_WRONG.search(head):
+    return []  # "The roots are not 2 and 3.", "The roots are 2 and 3, which is wrong."
   head = head if head.isascii() else _read_unicode(head)
   if not _DELIMITED.search(head):
     head = _UNDELIMITED_MATH.sub(r"$\1$\2", head)  # "2\sqrt{2} and 3" names 2\sqrt{2}, not 2

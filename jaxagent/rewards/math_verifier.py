@@ -372,7 +372,7 @@ def math_equal(prediction: str, gold: str, *, timeout_s: float = 5.0) -> bool:
   neither (one that rules a value out right after its answer, "5, not 6", names 5), but equals a gold that is the set of them ("The roots are 2 and 3." = "2, 3"); one
   that corrects a marked answer ("The answer is 5. Wait, no, it is 6.") equals the correction,
   and one that rules out its only number ("It is not 5.") or takes its answer back ("The answer
-  is 5. Wait, no.") equals nothing. Returns within about `timeout_s` (plus a one-time worker
+  is 5. Wait, no.", "The answer is 5, which is wrong.") equals nothing. Returns within about `timeout_s` (plus a one-time worker
   start, and any wait for a free worker while more callers than its workers compare at once).
   """
   return default_verifier().equal(prediction, gold, timeout_s=timeout_s)

@@ -324,6 +324,16 @@ EQUAL = [
     ("The answer is \\frac{1}{2}, not 2.", "1/2"),
     ("x = 5, and not 6", "5"),
     ("There are 5 red and 6 blue. So 6, not 5.", "6"),
+    # A remark that doubts the answer, or says something else of it, is no retraction; a new
+    # answer after a retraction is the answer.
+    ("The answer is 5, which is not wrong.", "5"),
+    ("The answer is 5, which is correct.", "5"),
+    ("The answer is 5, which is probably wrong.", "5"),
+    ("The answer is 5, which is wrong for n = 1 only.", "5"),
+    ("The answer is 5, since 2 + 2 = 5, which is wrong.", "5"),
+    ("The answer is 42, which is wrong. The answer is 43.", "43"),
+    ("The answer is 42, which is wrong. It is 43.", "43"),
+    ("First I got 7, which is wrong. So she has 8 apples.", "8"),
 ]
 
 NOT_EQUAL = [
@@ -533,6 +543,17 @@ HEDGED = [
     ("The answer is 5. Wait, no, it is 6. Hmm, no.", "6"),
     ("The answer is \\boxed{5}. Wait, no.", "5"),
     ("\\boxed{B}. Hmm, no, that is wrong.", "B"),
+    # So does a remark right after the answer that calls it wrong (these scored 1).
+    ("The answer is 42, which is wrong", "42"),
+    ("The answer is 42, which is wrong.", "42"),
+    ("The answer is 42, but that's incorrect.", "42"),
+    ("The answer is 42, but it is not right.", "42"),
+    ("42, which is incorrect", "42"),
+    ("\\boxed{42}, which is wrong.", "42"),
+    ("So it is 42, which is wrong.", "42"),
+    ("The answer is B, which is wrong.", "B"),
+    ("The roots are 2 and 3, which is wrong.", "2, 3"),
+    ("The answer is 42, which is wrong. 2 + 2 = 4.", "4"),  # working, not another answer
     ("\\boxed{Yes} or \\boxed{No}", "Yes"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "18"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "19"),
@@ -586,6 +607,8 @@ def test_many_answer_phrases_in_one_sentence_cost_linear_time(thread_verifier):
     "The answer is 5. " + "Maybe it is 5 apples. " * 2000,  # alternatives, each read once
     "It is not" + " " * 20000 + "x 5",  # a negation's spaces, each tried against the rest
     "The roots are " + "2 and 3 " * 3000,  # a list read against a gold of several values
+    "The answer is 5, which is wrong. " * 2000,  # retractions, not read one after another
+    "\\boxed{5}, which is wrong. " * 2000,
 ])
 def test_degenerate_responses_cost_linear_time(thread_verifier, text):
   # Each is read in under 0.7 s on a quiet 2-core machine (2.5 s once with the host loaded four
