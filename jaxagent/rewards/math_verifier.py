@@ -369,10 +369,12 @@ def math_equal(prediction: str, gold: str, *, timeout_s: float = 5.0) -> bool:
   "1e3" = "1000", markdown code "`5`" = "5"), fractions and LaTeX ("0.5" = "\\frac{1}{2}",
   "\\boxed{3}" = "3"), sets and intervals ("\\{1,2\\}" = "\\{2,1\\}", "[1,2)"). A prediction
   naming two different values ("5 or 6", "5 = 6", "The answer is 5. Alternatively, 6.") equals
-  neither (one that rules a value out right after its answer, "5, not 6", names 5), but equals a gold that is the set of them ("The roots are 2 and 3." = "2, 3"); one
-  that corrects a marked answer ("The answer is 5. Wait, no, it is 6.") equals the correction,
-  and one that rules out its only number ("It is not 5.") or takes its answer back ("The answer
-  is 5. Wait, no.", "The answer is 5, which is wrong.") equals nothing. Returns within about `timeout_s` (plus a one-time worker
-  start, and any wait for a free worker while more callers than its workers compare at once).
+  neither (one that rules a value out right after its answer, "5, not 6", names 5), but equals a
+  gold that is the set of them ("The roots are 2 and 3." = "2, 3"); one that corrects a marked
+  answer ("The answer is 5. Wait, no, it is 6.") equals the correction, and one that rules out its
+  only number ("It is not 5.") or takes its answer back ("The answer is 5. Wait, no.", "The
+  answer is 5, which is wrong.") equals nothing. A sentence ending "18!" states 18; a bare "5!"
+  and "$5!$" are factorials. Returns within about `timeout_s` (plus a one-time worker start, and
+  any wait for a free worker while more callers than its workers compare at once).
   """
   return default_verifier().equal(prediction, gold, timeout_s=timeout_s)
