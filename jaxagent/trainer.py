@@ -481,14 +481,22 @@ def check_config(config) -> None:
   # for a large one, and after the launcher's fit check): built here as well, so that a bad
   # checkpoint_keep, rollout budget, sampling or packing setting fails before that work.
   checkpoint.CheckpointConfig.from_config(config)
+  # `--config.checkpoint_dir=None` gives the string "None": checkpoints went to a directory
+  # called None in the current directory (not even under the workdir). A workdir of None (the
+  # string) wrote the whole run to ./None; Python None made ./None at launch and then raised a
+  # TypeError traceback in the trainer.
+  none_text = lambda v: isinstance(v, str) and v.strip().lower() in ("none", "null")
   ckpt_dir = config.get("checkpoint_dir") if hasattr(config, "get") else None
-  if isinstance(ckpt_dir, str) and ckpt_dir.strip().lower() in ("none", "null"):
-    # `--config.checkpoint_dir=None` gives the string "None": checkpoints went to a directory
-    # called None in the current directory (not even under the workdir).
+  if none_text(ckpt_dir):
     raise ValueError(f"checkpoint_dir={ckpt_dir!r} is the text {ckpt_dir!r}, not a directory: "
                      "set --config.checkpoint_dir='' for <workdir>/checkpoints (and "
                      "checkpoint_every=0 for no checkpoints), or name a directory (./None "
                      "if a directory of that name is meant)")
+  workdir = config.get("workdir", "") if hasattr(config, "get") else ""
+  if workdir is None or none_text(workdir):
+    raise ValueError(f"workdir={workdir!r} is not a directory: the run writes its metrics, "
+                     "samples and checkpoints there; set --config.workdir to one (./None if a "
+                     "directory of that name is meant)")
   if hasattr(train, "get"):
     _time_limit_s(train)
   rollout = config.get("rollout") if hasattr(config, "get") else None

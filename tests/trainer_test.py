@@ -166,6 +166,9 @@ def test_eval_seed_is_no_rollout_seed_and_fits_the_sampler(seed):
     ("checkpoint_dir", "None", r"checkpoint_dir='None' is the text 'None', not a directory: "
                                r"set --config.checkpoint_dir='' for <workdir>/checkpoints"),
     ("checkpoint_dir", "null", r"checkpoint_dir='null' is the text 'null'"),
+    # The run wrote to ./None; Python None made ./None, then raised a TypeError traceback.
+    ("workdir", "None", r"workdir='None' is not a directory: the run writes its metrics"),
+    ("workdir", None, r"workdir=None is not a directory"),
 ])
 def test_settings_read_after_the_model_loads_are_checked_before_it(tmp_path, monkeypatch, key,
                                                                    value, match):
