@@ -100,6 +100,9 @@ _EXCLAMATION = re.compile(r"(?<=\d)!(?=[ \t]*(?:$|\n)|\s+[A-Z])")
 _EXCLUDED = re.compile(
     r"(?<=[\d$})])[ \t]*,[ \t]*(?:(?:and|but)[ \t]+)?not[ \t]+(?:\$[ \t]*)?[-+]?\d+(?:[.,]\d+)*"
     r"(?:[ \t]*\$)?(?=[ \t]*(?:[.!;]|$|\n))", re.IGNORECASE)
+# An approximation sign, and the plain decimal number that may follow it (`_rounded_value`).
+_APPROX = re.compile(r"\\approx(?![A-Za-z])|≈")
+_DECIMAL = re.compile(r"[-+]?\d+(?:\.\d+)?")
 # Python's power operator ("2**3", "2**(1/2)"), which LaTeX does not read; group 1 the exponent.
 _PY_POWER = re.compile(r"\*\*\s*(\([^()]*\)|[-+]?[\w.]+)")
 
@@ -138,6 +141,34 @@ def _equates_two_values(parsed: list, options: dict[str, Any]) -> bool:
           and not _same_value(eq.lhs, eq.rhs, options)):
         return True
   return False
+
+
+def _rounded_value(text: str) -> list | None:
+  """The rounded value of a bare answer "A \\approx r" (A without variables, r a decimal number):
+  [r] when r is A to r's precision, within one unit of its last digit ("\\frac{2}{3} \\approx
+  0.67", "\\pi \\approx 3.14", "2/3 \\approx 0.66"), [] when it is not ("42 \\approx 41": two
+  values, as "5 = 6" is), None for any other answer. math-verify reads the exact side A; r is the
+  same answer written to a precision, so a gold of either is named."""
+  import sympy
+  from math_verify import parse
+
+  sides = _APPROX.split(text)
+  if len(sides) != 2 or not _DECIMAL.fullmatch(sides[1].strip()):
+    return None
+  exact = sides[0].rsplit("=", 1)[-1].strip()  # "x = \\frac{1}{3} \\approx 0.33"
+  parsed = parse("\\boxed{" + exact + "}", extraction_config=_latex_only(), parsing_timeout=None)
+  value = parsed[0] if parsed and isinstance(parsed[0], sympy.Expr) else None
+  if value is None or value.free_symbols:
+    return None
+  rounded = sympy.Rational(sides[1].strip())
+  digits = sides[1].strip().lstrip("+-")
+  places = len(digits.partition(".")[2])
+  zeros = 0 if places else len(digits) - len(digits.rstrip("0"))
+  unit = sympy.Rational(10) ** (zeros - places) if digits.strip("0.") else sympy.Integer(1)
+  error = sympy.N(value - rounded, 30)
+  if not error.is_real:
+    return None
+  return [rounded] if abs(error) < unit else []
 
 
 def _names_two_values(text: str, options: dict[str, Any]) -> bool:
@@ -376,6 +407,9 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
     if any(not isinstance(x, str) for x in boxed):
       if single and _equates_two_values(boxed, options):
         return []
+      rounded = _rounded_value(text) if single else None
+      if rounded is not None:
+        return _with_percent_values(boxed + rounded) if rounded else []
       return _with_percent_values(boxed)
     if single and len(_NUMBER.findall(text)) > 1:
       return []

@@ -334,6 +334,16 @@ EQUAL = [
     ("The answer is 42, which is wrong. The answer is 43.", "43"),
     ("The answer is 42, which is wrong. It is 43.", "43"),
     ("First I got 7, which is wrong. So she has 8 apples.", "8"),
+    # An exact value with its rounding names both ("\\pi \\approx 3.14" scored 0 against 3.14);
+    # math-verify reads the exact side.
+    ("\\pi \\approx 3.14", "3.14"),
+    ("\\pi \\approx 3.14", "\\pi"),
+    ("\\frac{1}{3} \\approx 0.333", "1/3"),
+    ("\\frac{1}{3} \\approx 0.333", "0.333"),
+    ("\\frac{2}{3} \\approx 0.66", "2/3"),  # cut, not rounded: within one unit of its last digit
+    ("x = \\frac{1}{3} \\approx 0.33", "0.33"),
+    ("The answer is \\sqrt{2} \u2248 1.414.", "1.414"),
+    ("x \\approx 3.14", "3.14"),
 ]
 
 NOT_EQUAL = [
@@ -441,6 +451,7 @@ NOT_EQUAL = [
     ("The answer is 18!", "6402373705728000"),  # an exclamation, not 18!
     ("The answer is 5, not 6", "6"),
     ("The answer is 5, not -5.", "-5"),
+    ("\\pi \\approx 3.14", "3.15"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
@@ -554,6 +565,13 @@ HEDGED = [
     ("The answer is B, which is wrong.", "B"),
     ("The roots are 2 and 3, which is wrong.", "2, 3"),
     ("The answer is 42, which is wrong. 2 + 2 = 4.", "4"),  # working, not another answer
+    # A rounding that is none of the exact value names two values, as "5 = 6" does (42 scored 1).
+    ("42 \u2248 41", "42"),
+    ("42 \u2248 41", "41"),
+    ("42 \\approx 41", "42"),
+    ("The answer is 42 \u2248 41.", "42"),
+    ("\\boxed{42 \\approx 41}", "42"),
+    ("\\frac{1}{3} \\approx 0.5", "1/3"),
     ("\\boxed{Yes} or \\boxed{No}", "Yes"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "18"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "19"),
