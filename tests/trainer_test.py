@@ -161,6 +161,10 @@ def test_eval_seed_is_no_rollout_seed_and_fits_the_sampler(seed):
     ("rollout.mesh", "foo", r"rollout.mesh must be one of \('learner', 'data'\), got 'foo'"),
     ("train.time_limit_s", -5.0, r"train.time_limit_s must be a number of seconds >= 0"),
     ("train.row_rounding", "x", "PackingConfig.row_rounding='x' is not supported"),
+    # PackingConfig's own error named PackingConfig.row_buckets, which no config key sets.
+    ("train.row_rounding", "buckets", r"train.row_rounding='buckets' needs a list of row "
+                                      r"counts, which the run config does not take: use "
+                                      r"'multiple' or 'pow2'"),
     ("train.len_buckets", (64,), "must end with train.pack_len=128"),
     # `--config.checkpoint_dir=None` is the string "None": checkpoints went to ./None.
     ("checkpoint_dir", "None", r"checkpoint_dir='None' is the text 'None', not a directory: "

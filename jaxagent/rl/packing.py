@@ -191,8 +191,14 @@ def config_from_train(train, dp: int) -> PackingConfig:
     if buckets[-1] != train.pack_len:
         raise ValueError(f"train.len_buckets={buckets} must end with train.pack_len={train.pack_len}: "
                          "set both (e.g. --config.train.len_buckets='(..., PACK_LEN)')")
+    rounding = train.get("row_rounding", "multiple")
+    if rounding == "buckets":
+        # PackingConfig's error named PackingConfig.row_buckets, which no run config key sets.
+        raise ValueError("train.row_rounding='buckets' needs a list of row counts, which the run "
+                         "config does not take: use 'multiple' or 'pow2' (row buckets are for "
+                         "PackingConfig(row_rounding='buckets', row_buckets=...) in your own code)")
     return PackingConfig(max_len=train.pack_len, len_buckets=buckets, row_multiple=train.micro_batches * dp,
-                         row_rounding=train.get("row_rounding", "multiple"))
+                         row_rounding=rounding)
 
 
 @dataclasses.dataclass
