@@ -31,8 +31,10 @@ from jaxagent.rewards._math_text import (
     _drop_boxed_full_stops,
     _drop_markdown,
     _normalize_numbers,
+    _number_word_count,
     _read_unicode,
     _right_powers,
+    _spelled_number,
     _spread_plus_minus,
     _too_costly,
 )
@@ -722,6 +724,7 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
   prediction, gold = _collapse_spaces(prediction), _collapse_spaces(gold)
   if " ".join(prediction.split()) == " ".join(gold.split()) and prediction.strip():
     return True
+  response = prediction
   if _too_costly(prediction) or _too_costly(gold):
     return False  # no realistic answer; math-verify would take seconds or minutes to say so
   options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}
@@ -750,6 +753,11 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
     # A gold of several values ("2, 3") is named by prose that lists exactly them ("The roots are
     # 2 and 3."), which the hedge rule refuses for a gold of one value.
     pred_parsed = _listed_values(prediction, options)
+  # A number in words ("seven", "The answer is forty-two.") is that number, where the response
+  # names no other number, in digits or in words ("The answer is seven. Wait, no, it is eight.").
+  # (math-verify reads a boxed "seven" as the product of five symbols.)
+  pred_parsed = _spelled_value(prediction, response) or pred_parsed
+  gold_parsed = _spelled_value(gold, gold) or gold_parsed
   if not gold_parsed or not pred_parsed:
     # Words hold no math to parse ("Yes" against "\\text{yes}."): they are compared as text.
     word = _word_answer(gold)
@@ -764,6 +772,17 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
       if sets and verify(sets, b, timeout_seconds=None, **options):
         return True
   return False
+
+
+def _spelled_value(answer: str, text: str) -> list:
+  """`answer`, a whole number in words (`_word_answer`, `_spelled_number`), parsed as its digits;
+  [] for any other answer, or where `text`, the whole response, names another number in digits
+  or words."""
+  word = _word_answer(answer)
+  value = None if word is None else _spelled_number(word)
+  if value is None or _DIGIT.search(text) or _number_word_count(text) != _number_word_count(word):
+    return []
+  return _parse_answer(str(value))
 
 
 def _several_values(parsed: list) -> bool:

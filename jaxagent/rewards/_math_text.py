@@ -229,6 +229,66 @@ def _right_powers(text: str) -> str:
   return _POWER_TOWER.sub(nest, text) if "^" in text else text
 
 
+# English cardinal number words (`_spelled_number`): an exact table, not a guess.
+_UNIT_WORDS = {w: i for i, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen "
+    "sixteen seventeen eighteen nineteen".split())}
+_TENS_WORDS = {w: 10 * i for i, w in enumerate(
+    "twenty thirty forty fifty sixty seventy eighty ninety".split(), start=2)}
+_SCALE_WORDS = {"thousand": 10**3, "million": 10**6, "billion": 10**9, "trillion": 10**12}
+_NUMBER_WORDS = frozenset(_UNIT_WORDS) | frozenset(_TENS_WORDS) | frozenset(_SCALE_WORDS) | {"hundred"}
+_WORD_TOKEN = re.compile(r"[a-z]+")
+
+
+def _spelled_number(words: str) -> int | None:
+  """The value of a whole English cardinal number in words ("seven", "forty-two", "one hundred
+  and five", "two thousand twenty-four"), lowercase, or None for anything else ("seven or eight",
+  "seven seven", "the seventh", "hundred")."""
+  tokens = [t for t in re.split(r"[\s\-]+", words.strip()) if t]
+  if not tokens or tokens[-1] == "and" or any(not _WORD_TOKEN.fullmatch(t) for t in tokens):
+    return None
+  if tokens == ["zero"]:
+    return 0
+  total, group, last, scale = 0, 0, None, None
+  for token in tokens:
+    if token == "and":  # "one hundred and five", "two thousand and five"
+      if last not in ("hundred", "scale"):
+        return None
+      last = "and"
+    elif token in _UNIT_WORDS and token != "zero":
+      value = _UNIT_WORDS[token]
+      if last == "tens" and value < 10:
+        group += value
+      elif last in (None, "hundred", "scale", "and") and group % 100 == 0:
+        group += value
+      else:
+        return None
+      last = "unit" if value < 10 else "teen"
+    elif token in _TENS_WORDS:
+      if last not in (None, "hundred", "scale", "and") or group % 100:
+        return None
+      group += _TENS_WORDS[token]
+      last = "tens"
+    elif token == "hundred":
+      if last != "unit" or group >= 10:
+        return None
+      group *= 100
+      last = "hundred"
+    elif token in _SCALE_WORDS:
+      value = _SCALE_WORDS[token]
+      if not group or last == "and" or (scale is not None and value >= scale):
+        return None
+      total, group, last, scale = total + group * value, 0, "scale", value
+    else:
+      return None
+  return total + group
+
+
+def _number_word_count(text: str) -> int:
+  """How many number words (`_NUMBER_WORDS`) `text` holds."""
+  return sum(t in _NUMBER_WORDS for t in _WORD_TOKEN.findall(text.lower()))
+
+
 def _improper_fraction(m: re.Match) -> str:
   whole, numerator, denominator = int(m[1]), int(m[2]), int(m[3])
   return f"{whole * denominator + numerator}/{denominator}" if numerator < denominator else m[0]

@@ -344,6 +344,14 @@ EQUAL = [
     ("x = \\frac{1}{3} \\approx 0.33", "0.33"),
     ("The answer is \\sqrt{2} \u2248 1.414.", "1.414"),
     ("x \\approx 3.14", "3.14"),
+    # A whole answer that is a number in words is that number (these compared as text: scored 0).
+    ("forty-two", "42"),
+    ("Seven", "7"),
+    ("The answer is seven.", "7"),
+    ("**Answer:** one hundred and five", "105"),
+    ("\\boxed{\\text{twelve}}", "12"),
+    ("\\boxed{seven}", "7"),
+    ("7", "seven"),
 ]
 
 NOT_EQUAL = [
@@ -452,6 +460,9 @@ NOT_EQUAL = [
     ("The answer is 5, not 6", "6"),
     ("The answer is 5, not -5.", "-5"),
     ("\\pi \\approx 3.14", "3.15"),
+    ("seven", "8"),
+    ("seven apples", "7"),
+    ("The answer is not seven.", "7"),
 ]
 
 # Two or more different values in one answer hedge: none of them gets credit.
@@ -572,6 +583,11 @@ HEDGED = [
     ("The answer is 42 \u2248 41.", "42"),
     ("\\boxed{42 \\approx 41}", "42"),
     ("\\frac{1}{3} \\approx 0.5", "1/3"),
+    # A number in words next to another number, in words or digits, is no answer of its own.
+    ("seven or eight", "7"),
+    ("The answer is seven. Wait, no, it is eight.", "7"),
+    ("The answer is seven. Alternatively, eight.", "7"),
+    ("\\boxed{seven} or \\boxed{eight}", "7"),
     ("\\boxed{Yes} or \\boxed{No}", "Yes"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "18"),
     ("She has 3 + 4 = 7 apples. So it is 18 or 19.", "19"),
@@ -682,6 +698,38 @@ def test_answer_tails_match_a_reference():
   for _ in range(3000):
     text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 14)))
     assert named(_math_compare._answer_tails(text)) == named(_reference_answer_tails(text)), text
+
+
+def _reference_words(n):
+  """English words for 0 <= n < 10**6, written the other way round from `_spelled_number`."""
+  units = ("zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen "
+           "fifteen sixteen seventeen eighteen nineteen").split()
+  tens = "_ _ twenty thirty forty fifty sixty seventy eighty ninety".split()
+
+  def below_thousand(k):
+    words = [units[k // 100], "hundred"] if k >= 100 else []
+    k %= 100
+    if k >= 20:
+      words.append(tens[k // 10] + ("-" + units[k % 10] if k % 10 else ""))
+    elif k or not words:
+      words.append(units[k])
+    return words
+
+  if n < 1000:
+    return " ".join(below_thousand(n))
+  rest = below_thousand(n % 1000) if n % 1000 else []
+  return " ".join(below_thousand(n // 1000) + ["thousand"] + rest)
+
+
+def test_spelled_numbers_match_a_reference():
+  rng = random.Random(0)
+  for n in list(range(1000)) + [rng.randrange(1000, 10**6) for _ in range(2000)]:
+    words = _reference_words(n)
+    assert _math_text._spelled_number(words) == n, words
+    assert _math_text._spelled_number(words.replace("-", " ")) == n, words
+  for words in ("seven or eight", "seven seven", "twenty thirty", "hundred", "seventh", "forty-twelve",
+                "one hundred and", "three thousand two million", "zero zero", "five hundred hundred"):
+    assert _math_text._spelled_number(words) is None, words
 
 
 def test_an_unbraced_box_reads_a_command_name_whole():
