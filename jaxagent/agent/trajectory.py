@@ -206,6 +206,12 @@ class Trajectory:
     return self._extend(ids, OBSERVATION, None, turn)
 
   def _extend(self, ids, role, logprobs, turn) -> tuple[int, int]:
+    ids = list(ids)
+    # int() would make a bool token 0 or 1 and cut a float to another token.
+    bad = next((t for t in ids if isinstance(t, (bool, np.bool_, float, np.floating))), None)
+    if bad is not None:
+      raise TypeError(f"{Role(role).name.lower()} token ids must be ints, got a "
+                      f"{type(bad).__name__} ({bad!r})")
     start = len(self.token_ids)
     self.token_ids.extend(int(t) for t in ids)
     self.role_ids.extend([int(role)] * len(ids))
@@ -461,7 +467,7 @@ def demonstration_trajectory(prompt_ids: Sequence[int], segments: Sequence[tuple
   call_keys: set[str] = set()
   for role, text in segments:
     if role == OBSERVATION and callable(getattr(env, "encode_observation", None)):
-      ids = [int(t) for t in env.encode_observation(text, tokenizer)]
+      ids = list(env.encode_observation(text, tokenizer))  # checked by the ledger
     else:
       ids = tokenizer.encode(text)
     if role == POLICY:

@@ -73,6 +73,32 @@ def test_ledger_guards():
   assert t.truncated
 
 
+def test_bool_or_float_token_ids_are_refused_by_the_ledger():
+  """int() made a bool in a prompt (or an SFT demonstration's observation ids) token 0 or 1 and
+  cut a float id to another token; the ledger trained on tokens nobody wrote."""
+  t = Trajectory(request_id=0)
+  with pytest.raises(TypeError, match=r"prompt token ids must be ints, got a bool \(True\)"):
+    t.add_prompt([5, True])
+  with pytest.raises(TypeError, match="prompt token ids must be ints, got a bool"):
+    t.add_prompt(np.array([True, False]))
+  assert len(t) == 0
+  t.add_prompt(np.array([5, 6], np.int32))
+  with pytest.raises(TypeError, match=r"observation token ids must be ints, got a float \(7.5\)"):
+    t.add_observation([7.5], 0)
+  with pytest.raises(TypeError, match="policy token ids must be ints"):
+    t.add_policy([np.float32(3.0)], [0.0], 0)
+  assert t.token_ids == [5, 6] and t.role_ids == [PROMPT, PROMPT]
+
+  class FloatObservations(CalculatorEnv):
+    def encode_observation(self, text, tokenizer):
+      return [i + 0.5 for i in super().encode_observation(text, tokenizer)]
+
+  env = FloatObservations()
+  ex = Example("d", "What is 6*7?", gold="42", metadata={"expression": "6*7"})
+  with pytest.raises(TypeError, match="observation token ids must be ints, got a float"):
+    demonstration_trajectory(env.render_prompt(ex, TOK), env.demonstration(ex), TOK, env=env)
+
+
 def test_pack_item_follows_the_packing_convention():
   t = _ledger()
   item = t.to_pack_item(advantage=0.5, ref_logps=np.full(len(t), -1.0))
