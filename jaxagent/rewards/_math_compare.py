@@ -92,10 +92,10 @@ _ENDS_MARKED = re.compile(r"\b(?:answer|is)$", re.IGNORECASE)
 # What names an answer after an answer phrase: a letter or digit (group 1) outside a command or
 # an environment's name ("$$", "\[" and "\begin{equation}" name nothing yet).
 _NAMING = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+|([A-Za-z0-9])")
-# An exclamation mark that ends a sentence of prose after a number ("The answer is 18!", "18!\nSo
-# ..."), which LaTeX would read as a factorial: a full stop to a reader. A bare answer ("5!"), math
-# between delimiters ("$5!$", "\boxed{5!}") and "5! = 120" keep their factorial.
-_EXCLAMATION = re.compile(r"(?<=\d)!(?=[ \t]*(?:$|\n)|\s+[A-Z])")
+# Exclamation marks that end a sentence of prose after a number ("The answer is 18!", "18!!",
+# "18!\nSo ..."), which LaTeX would read as a factorial: a full stop to a reader. A bare answer
+# ("5!"), math between delimiters ("$5!$", "\boxed{5!}") and "5! = 120" keep their factorial.
+_EXCLAMATION = re.compile(r"(?<=\d)!+(?=[ \t]*(?:$|\n)|\s+[A-Z])")
 # A value ruled out right after an answer, to the end of its sentence ("The answer is 5, not 6.",
 # "x = 5, and not 6"): the answer is the value before it, as a reader takes it, not a hedge between
 # the two. "5, not 6 or 7" and "5, not 6, 7" are left to the hedge rule.
@@ -387,8 +387,6 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   text = _TEXT_LETTERS.sub(r"\1", _TEXT_NUMBER.sub(r"\1\\text{ \2}", text))
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
   text = _right_powers(_spread_plus_minus(text))
-  if "!" in text and not _is_bare_answer(text):
-    text = _EXCLAMATION.sub(".", text)
   if single and "not" in text:
     text = _EXCLUDED.sub("", text)
   equations = _EQUATION_BREAK.split(text)
@@ -725,6 +723,8 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
   if " ".join(prediction.split()) == " ".join(gold.split()) and prediction.strip():
     return True
   response = prediction
+  # Before the cost guard, which refuses "(18!)!": "The answer is 18!!" is no such factorial.
+  prediction, gold = _exclaimed(prediction), _exclaimed(gold)
   if _too_costly(prediction) or _too_costly(gold):
     return False  # no realistic answer; math-verify would take seconds or minutes to say so
   options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}
@@ -783,6 +783,11 @@ def _spelled_value(answer: str, text: str) -> list:
   if value is None or _DIGIT.search(text) or _number_word_count(text) != _number_word_count(word):
     return []
   return _parse_answer(str(value))
+
+
+def _exclaimed(text: str) -> str:
+  """Prose with each exclamation after a number (`_EXCLAMATION`) a full stop; a bare answer as it is."""
+  return _EXCLAMATION.sub(".", text) if "!" in text and not _is_bare_answer(text) else text
 
 
 def _several_values(parsed: list) -> bool:

@@ -96,6 +96,10 @@ _POWER_EXPONENT = re.compile(r"\d+(?:\.\d+)?")
 # A factorial inside math ("\boxed{1000000!}"); one that ends a sentence may be an exclamation
 # ("So she has 1000000!").
 _NUMBER_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*!(?!\s|$)")
+# A factorial of a factorial ("18!!", "(18!)!"), which math-verify reads as such (the double
+# factorial has no LaTeX of its own): past 8!! it is beyond `_MAX_FACTORIAL` (9! = 362880), and
+# "(18!)!" ran until the time limit killed its worker.
+_NESTED_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*!\s*(?:\)\s*)?!")
 
 
 def _too_costly(text: str) -> bool:
@@ -114,6 +118,9 @@ def _too_costly(text: str) -> bool:
         return True
   if "!" in text and any(len(n) > 6 or int(n) > _MAX_FACTORIAL
                          for n in _NUMBER_FACTORIAL.findall(text)):
+    return True
+  if "!" in text and any(len(n) > 2 or math.factorial(int(n)) > _MAX_FACTORIAL
+                         for n in _NESTED_FACTORIAL.findall(text)):
     return True
   if "^" not in text and "**" not in text:
     return False
