@@ -93,9 +93,10 @@ _NESTING_TOKEN = re.compile(r"\\(?:boxed|fbox)\s*\{|[(\[{]|[)\]}]")
 _NUMBER_POWER = re.compile(
     r"(?<![\d.])(\d+(?:\.\d+)?)((?:\s*(?:\^|\*\*)\s*(?:[{(]\s*)?\d+(?:\.\d+)?)+)")
 _POWER_EXPONENT = re.compile(r"\d+(?:\.\d+)?")
-# A factorial inside math ("\boxed{1000000!}"); one that ends a sentence may be an exclamation
-# ("So she has 1000000!").
-_NUMBER_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*!(?!\s|$)")
+# A factorial of a number ("\boxed{1000000!}", "1000000!", "(1000000)!": 8 to 12 s each). An
+# exclamation ending a sentence of prose ("So she has 1000000!") is a full stop by the time the
+# guard runs (`_math_compare._exclaimed`).
+_NUMBER_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*(?:[)}]\s*)?!")
 # A factorial of a factorial ("18!!", "(18!)!"), which math-verify reads as such (the double
 # factorial has no LaTeX of its own): past 8!! it is beyond `_MAX_FACTORIAL` (9! = 362880), and
 # "(18!)!" ran until the time limit killed its worker.
