@@ -3,8 +3,9 @@
 `_math_compare._equal_inline` and `_parse_answer` rewrite each side here before math-verify or
 sympy sees it: markdown marks dropped (`_drop_markdown`), white space collapsed
 (`_collapse_spaces`), boxes braced and read (`_brace_boxes`, `_box_spans`), Unicode math, numbers,
-plus-minus fractions and towers of powers written as LaTeX reads them. `_too_costly` refuses input
-too costly to read at all. `verifiers.extract_boxed` reads boxes by the same rules.
+plus-minus fractions and towers of powers written as LaTeX reads them; an answer in English
+number words is read by `_spelled_number`. `_too_costly` refuses input too costly to read at
+all. `verifiers.extract_boxed` reads boxes by the same rules.
 
 This file imports only the standard library: worker processes load it by path beside
 `_math_compare.py`, without importing the `jaxagent` package (and so without JAX).

@@ -366,8 +366,9 @@ def math_equal(prediction: str, gold: str, *, timeout_s: float = 5.0) -> bool:
   """Whether `prediction` equals `gold` as math (math-verify); False on timeout or any error.
 
   Handles numbers ("42" = "42.0", "1,000" = "1000", "$5" = "5 dollars" = "5", "12.5%" = "12.5",
-  "1e3" = "1000", markdown code "`5`" = "5", a whole answer in words "forty-two" = "42"), fractions and LaTeX ("0.5" = "\\frac{1}{2}",
-  "\\boxed{3}" = "3"), sets and intervals ("\\{1,2\\}" = "\\{2,1\\}", "[1,2)"). A prediction
+  "1e3" = "1000", markdown code "`5`" = "5", a whole answer in words "forty-two" = "42"),
+  fractions and LaTeX ("0.5" = "\\frac{1}{2}", "\\boxed{3}" = "3", "\\pi \\approx 3.14" = "3.14"),
+  sets and intervals ("\\{1,2\\}" = "\\{2,1\\}", "[1,2)"). A prediction
   naming two different values ("5 or 6", "5 = 6", "The answer is 5. Alternatively, 6.") equals
   neither (one that rules a value out right after its answer, "5, not 6", names 5), but equals a
   gold that is the set of them ("The roots are 2 and 3." = "2, 3"); one that corrects a marked
