@@ -540,6 +540,7 @@ def _mkdir(path):
   return path
 
 
+@pytest.mark.slow  # a launch of its own, 15-40 s on 2 cores
 def test_sigterm_before_training_begins_exits_zero_with_checkpointing_on(tmp_path):
   """SIGTERM while the model loaded (before `Trainer.run`) ended the launch with status 143,
   so a job script that requeues a run that stopped and exited 0 did not requeue it."""

@@ -507,7 +507,8 @@ def test_reward_is_linear_in_many_unclosed_tags():
   from jaxagent.rewards import RewardInput
   score = SignedMathAnswer()
   for blob in ("<code>x<answer>" * 8000, "<answer>x" * 15000, "<think>x<answer>" * 8000):
-    t = time.perf_counter()
+    # CPU time of this process, not wall time: a loaded machine stretched it past 1 s of wall.
+    t = time.process_time()
     assert score(RewardInput(response_text=blob, gold="42")) == -1.0
-    assert time.perf_counter() - t < 1.0, blob[:20]
+    assert time.process_time() - t < 1.0, blob[:20]
   assert score(RewardInput(response_text="<code>x<answer>" * 3 + "42</answer>", gold="42")) == 1.0

@@ -58,7 +58,9 @@ def test_sampler_logprobs_match_training_forward(params, dtype, tol):
     assert gap < 0.1  # bf16 is reported, and must stay sane
 
 
-@pytest.mark.parametrize("name", ["tiny-qwen2", "tiny-qwen3"])
+# tiny-qwen2 (q/k/v biases; about 18 s on 2 cores) runs with -m slow; tiny-qwen3's q/k norms
+# stay in the default run.
+@pytest.mark.parametrize("name", [pytest.param("tiny-qwen2", marks=pytest.mark.slow), "tiny-qwen3"])
 def test_sampler_logprobs_match_training_forward_with_the_fused_qkv_kernel(name):
   """The decode kernel fed the raw q|k|v projection (bias, Qwen3's q / k norms and RoPE in the
   kernel; the GPU default with merged weights), here in Pallas interpret mode: its float32
@@ -186,7 +188,7 @@ def test_eos_and_stop_sequences_and_max_length(params):
   assert out.stop_reason == "max_length" and len(prompt) + len(out.tokens) == len(prompt) + 6
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
 def test_nonfinite_logits_stop_their_request_only(temperature):
   """A request whose logits turn NaN (here a NaN embedding row for a token of its prompt, with
   an untied output head) stops at its first token, stop reason "nonfinite", its log-prob not
@@ -211,7 +213,8 @@ def test_nonfinite_logits_stop_their_request_only(temperature):
     np.testing.assert_allclose(out[i].logprobs, ref[i].logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout,attention", [("stacked", "xla"), ("per_layer", "pallas")])
+@pytest.mark.parametrize("layout,attention", [
+    pytest.param("stacked", "xla", marks=pytest.mark.slow), ("per_layer", "pallas")])
 def test_a_request_after_a_nonfinite_one_in_its_slot_is_unaffected(layout, attention):
   """A request that stops on NaN logits leaves NaN K/V in its slot past the shorter prompt that
   takes the slot next (24 cached tokens, then 5 in a prompt bucket of 16). Attention gives
@@ -237,7 +240,10 @@ def test_a_request_after_a_nonfinite_one_in_its_slot_is_unaffected(layout, atten
     np.testing.assert_allclose(out[i].logprobs, ref[i].logprobs, atol=1e-5)
 
 
-@pytest.mark.parametrize("layout,attention", [("stacked", "xla"), ("per_layer", "pallas")])
+# The stacked / XLA variants (about 10 s each on 2 cores) run with -m slow: the default run's
+# time budget keeps the per-layer / Pallas path, the GPU default.
+@pytest.mark.parametrize("layout,attention", [
+    pytest.param("stacked", "xla", marks=pytest.mark.slow), ("per_layer", "pallas")])
 def test_a_rewind_before_a_nonfinite_step_leaves_no_nan_in_the_cache(layout, attention):
   """A multi-step decode call runs past a host-side stop into a step whose logits are NaN (its
   K/V rows NaN too); the host rewinds the slot to the stop and appends a tool observation.
@@ -775,7 +781,7 @@ def test_append_and_update_compile_per_bucket_not_per_count(params):
   assert (compile_stats.snapshot() - c0).count == 0
 
 
-@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+@pytest.mark.parametrize("layout", [pytest.param("stacked", marks=pytest.mark.slow), "per_layer"])
 def test_append_projects_only_the_last_token_to_the_vocabulary(params, layout):
   """An append needs the next-token logits after each row's last token only: the program must
   not build the `[rows, chunk, V]` float32 logits (a long chunk's were 24 GiB on a GPU)."""
@@ -822,7 +828,7 @@ def test_prefill_insert_generate_append_are_the_same_on_any_mesh(params, mesh_sh
       np.testing.assert_array_equal(b, a)
 
 
-@pytest.mark.parametrize("layout", ["stacked", "per_layer"])
+@pytest.mark.parametrize("layout", [pytest.param("stacked", marks=pytest.mark.slow), "per_layer"])
 def test_decode_state_keeps_its_shardings_so_each_program_compiles_once(params, layout):
   """Every program returns the decode state with `decode_state_shardings()`, as
   `init_decode_state` makes it (cache and per-slot vectors split by slots). A decode step

@@ -22,7 +22,7 @@ def test_draws_follow_the_distribution(v):
   probs[support] = rng.dirichlet(np.ones(12))
   probs[support[0]] = 0.002  # a small mass: still drawn at its rate
   probs /= probs.sum()
-  n = 60_000
+  n = 30_000  # the bound below is 5 sigma at any n
   tok, lp = _draws(probs, n)
   assert set(np.unique(tok)) <= set(support)
   freq = np.bincount(tok, minlength=v) / n
@@ -33,12 +33,13 @@ def test_draws_follow_the_distribution(v):
 
 def test_truncation_is_respected():
   probs = np.array([0.4, 0.3, 0.2, 0.1] + [0.0] * 1020)
-  tok, lp = _draws(probs, 20_000, SamplingConfig(1.0, top_k=2))
+  n = 6000  # draws cost their count x the vocabulary on a CPU: 20,000 took 15 s on 2 cores
+  tok, lp = _draws(probs, n, SamplingConfig(1.0, top_k=2))
   assert set(np.unique(tok)) == {0, 1}
-  assert abs(np.mean(tok == 0) - 4 / 7) < 0.02
+  assert abs(np.mean(tok == 0) - 4 / 7) < 4 * np.sqrt(4 / 7 * 3 / 7 / n)
   # Reported log-probs are of the full distribution (before truncation).
   np.testing.assert_allclose(lp, np.log(probs[tok]), atol=1e-5)
-  tok, _ = _draws(probs, 20_000, SamplingConfig(1.0, top_p=0.75))
+  tok, _ = _draws(probs, n, SamplingConfig(1.0, top_p=0.75))
   assert set(np.unique(tok)) == {0, 1, 2}
 
 

@@ -105,6 +105,9 @@ def test_engine_tokens_equal_with_either_decode_attention():
       np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4)
 
 
+# About 25 s on 2 cores; the engine tests check the per-layer append against a prefill of the
+# same history (`test_append_then_decode_equals_prefill_of_history[per_layer]`).
+@pytest.mark.slow
 def test_append_equal_with_either_decode_attention():
   """An append into some rows of the per-layer cache (a layer scan that picks each layer's
   buffer with lax.switch) gives the stacked XLA path's tokens and log-probs."""
@@ -196,7 +199,8 @@ def _params_with_norms(cfg):
 
 
 @pytest.mark.parametrize("name", [
-    "tiny-qwen2", "tiny-qwen3", pytest.param("tiny-llama", marks=pytest.mark.slow)])
+    pytest.param("tiny-qwen2", marks=pytest.mark.slow), "tiny-qwen3",
+    pytest.param("tiny-llama", marks=pytest.mark.slow)])
 def test_folded_norms_compute_the_same_function(name, monkeypatch):
   """`merge_decode_weights(fold_norms=True)`: the layer norms' weights (random here, not one)
   go into the merged matrices and their entries are dropped. The forward and both write-first
@@ -228,8 +232,11 @@ def test_folded_norms_compute_the_same_function(name, monkeypatch):
     np.testing.assert_allclose(np.asarray(b), np.asarray(w), atol=2e-5)
 
 
+# One model of each in the default run (CI time): folded norms on tiny-qwen3 (q / k norms),
+# chained weights on tiny-qwen2 (biases); the others with -m slow.
 @pytest.mark.parametrize("name", [
-    "tiny-qwen2", "tiny-qwen3", pytest.param("tiny-llama", marks=pytest.mark.slow)])
+    "tiny-qwen2", pytest.param("tiny-qwen3", marks=pytest.mark.slow),
+    pytest.param("tiny-llama", marks=pytest.mark.slow)])
 def test_chained_weights_compute_the_same_function(name, monkeypatch):
   """`chain_decode_weights`: each layer's four decode matrices as two, the residual stream
   riding in the first D columns of the kernels' inputs and outputs. The write-first step gives

@@ -1,5 +1,6 @@
 """Learner steps: packing invariance, masking, micro-batching, sharding, and that it learns."""
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -59,6 +60,13 @@ def _batch(items, max_len, rows_multiple=1):
 
 
 def _grads(params, batch, scfg):
+  # Compiled: op by op, the forward and backward dispatched hundreds of small programs (22 s on
+  # 2 cores for the packed-vs-unpacked test; compiled once per batch shape, a few seconds).
+  return _grads_jit(params, batch, scfg)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _grads_jit(params, batch, scfg):
   (num, parts), g = jax.value_and_grad(step._micro_parts, has_aux=True)(params, batch, CFG, scfg)
   d = jnp.maximum(parts.denominator, 1.0)
   return num / d, jax.tree.map(lambda x: x / d, g)
@@ -385,10 +393,11 @@ def test_unrolled_hidden_states_and_kv_equal_scan(params):
   from jaxagent.models import decoder, param_tree
   toks = jax.random.randint(jax.random.key(1), (2, 12), 0, CFG.vocab_size)
   seg = jnp.asarray([[1] * 7 + [2] * 5, [1] * 9 + [0] * 3])
-  want = decoder.hidden_states(params, toks, cfg=CFG, segment_ids=seg, collect_kv=True)
+  run = jax.jit(decoder.hidden_states, static_argnames=("cfg", "collect_kv"))  # not op by op
+  want = run(params, toks, cfg=CFG, segment_ids=seg, collect_kv=True)
   cfg = models.get_config("tiny-qwen3", scan_layers=False)
   for p in (params, param_tree.unstack_layers(params)):
-    got = decoder.hidden_states(p, toks, cfg=cfg, segment_ids=seg, collect_kv=True)
+    got = run(p, toks, cfg=cfg, segment_ids=seg, collect_kv=True)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
       np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
   restacked = param_tree.stack_layers(param_tree.unstack_layers(params), params)
@@ -564,6 +573,7 @@ for mesh in [(2, 2, 2), (2, 4, 1)]:
 """
 
 
+@pytest.mark.slow  # a compile-log regression check in a process of its own: 30 s on 2 cores
 def test_update_on_a_data_mesh_moves_no_activation_through_a_full_copy():
   """The embedding lookup's output (and its gradient) go straight to the rows' split: XLA's
   partitioner logged "Involuntary full rematerialization" (every device holding the whole
