@@ -166,6 +166,7 @@ def test_retention_deletes_only_this_runs_checkpoints(tmp_path):
   assert (tmp_path / "5" / "notes.txt").read_text() == "user data"
 
 
+@pytest.mark.slow  # default-run time budget: 7-14 s on 2 cores
 def test_a_checkpoint_whose_deletion_was_cut_short_does_not_stop_the_resume(tmp_path):
   """Retention deletes an old checkpoint's files (the top-level ones among the first), then
   its folders; a kill in between left a numbered folder without metadata that the resume took

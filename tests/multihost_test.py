@@ -106,6 +106,7 @@ def _learner_worker(out_dir: str, num_processes: int, process_id: int, coordinat
     np.savez(pathlib.Path(out_dir) / "result.npz", losses=losses, **leaves)
 
 
+@pytest.mark.slow  # default-run time budget: two processes of their own, 20-39 s on 2 cores
 def test_learner_two_processes_match_one(tmp_path):
   port = _free_port()
   procs = [subprocess.Popen(

@@ -575,6 +575,7 @@ def test_packing_rows_follow_the_resolved_mesh_whichever_axis_is_minus_one(tmp_p
       trainer.close()
 
 
+@pytest.mark.slow  # default-run time budget: 7-15 s on 2 cores
 def test_data_rollout_mesh_decodes_replicated_weights_with_the_same_first_step(tmp_path):
   # rollout.mesh="data": the engines decode on all 8 devices along the data axis with
   # replicated weights, while the learner keeps its fsdp mesh; the first RL step matches the
@@ -1544,6 +1545,7 @@ def test_bad_reward_threads_is_a_clear_error(bad):
     trainer._score([Trajectory(request_id=1)], [Example("q1", "2+2?", gold="4")], 0)
 
 
+@pytest.mark.slow  # default-run time budget: 6-12 s; SIGTERM during RL stays in the default run
 def test_sigterm_during_the_warm_start_stops_after_the_current_sft_step(tmp_path):
   # A preemption notice during a long warm start waited for all of it (and the eval after it)
   # before the run stopped. Now it stops after the SFT step it is in, saves nothing (step 0,

@@ -101,6 +101,7 @@ def test_trace_timer_reports_kernel_times(monkeypatch, capsys):
   assert "kernel_us" not in by[("decode_kernel_ceiling", None)]
 
 
+@pytest.mark.slow  # default-run time budget: 4-8 s
 def test_trace_timer_on_a_cpu_reports_no_kernel_time(monkeypatch, capsys):
   monkeypatch.setattr(sys, "argv", [
       "decode_kernel.py", "--models", "smollm2-135m", "--batches", "2", "--layers", "1",
@@ -128,6 +129,7 @@ def test_qkv_kernel_runs_as_the_engine_feeds_it(monkeypatch, capsys):
     assert "error" not in r and r["us_per_layer"] > 0 and r["chained"] == (chained == "on")
 
 
+@pytest.mark.slow  # default-run time budget: 5-10 s; the kernel's q|k|v inputs stay in decode_attention_test
 def test_qkv_inputs_are_what_the_kernel_takes():
   from jaxagent import models
   from jaxagent.models.decode_attention import flash_decode_write_qkv

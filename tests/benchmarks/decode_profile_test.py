@@ -43,6 +43,7 @@ def test_ablations_and_split_report_their_step_times(monkeypatch, capsys, tmp_pa
   assert row["attention_ms"] == row["full_step_ms"] - row["no_attention_step_ms"]
 
 
+@pytest.mark.slow  # default-run time budget: builds and compiles the engine before the second refusal, 5-9 s
 def test_ablation_needs_the_pallas_step_and_a_known_piece(monkeypatch):
   base = ["decode_profile.py", "--model", "tiny-qwen2", "--batch", "2", "--cached", "8",
           "--max-len", "32"]

@@ -140,6 +140,7 @@ def test_same_seed_any_slot_count_and_order_gives_same_output(params):
   assert any(x.tokens != y.tokens for x, y in zip(a, c))
 
 
+@pytest.mark.slow  # default-run time budget: 10-20 s on 2 cores; slot invariance stays in test_same_seed_any_slot_count_and_order_gives_same_output
 def test_twenty_prompts_through_four_slots(params):
   prompts = _prompts(20, seed=5)
   budgets = [int(b) for b in np.random.default_rng(5).integers(1, 24, 20)]
@@ -577,6 +578,7 @@ def test_fuses_qkv_where_the_write_first_step_has_merged_weights():
                 mesh=sharding.make_mesh(2, 4, 1)).fuses_qkv(8)
 
 
+@pytest.mark.slow  # default-run time budget: 8-15 s; folded norms stay in test_chain_weights_where_the_norms_fold and decode_attention_test
 def test_fold_norms_where_the_kernel_takes_the_raw_projection(params):
   """`Engine.fold_norms`: the layer norms' weights go into the merged matrices exactly where
   the kernel takes the raw q|k|v projection (`decode_fold_norms`, on by default), the prepared

@@ -436,6 +436,7 @@ ABANDON = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # default-run time budget: a process of its own, 7-13 s
 @pytest.mark.jetstream
 def test_abandoned_cancelled_and_unfinished_requests(js):
   """A client whose event loop closed used to kill the process (JetStream's detokenize thread
@@ -538,6 +539,7 @@ EXIT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # default-run time budget: a process of its own, 7-14 s
 @pytest.mark.jetstream
 def test_process_exits_without_stop(js):
   """JetStream's detokenize thread and its gRPC server's event-loop thread were not daemons: a

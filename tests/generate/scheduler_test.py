@@ -165,6 +165,7 @@ def test_run_requests_takes_a_stop_spec(params, engine):
     run_requests(engine, params, [[1, 2, 3]], max_new_tokens=4, request_ids=[0], stop="</a>")
 
 
+@pytest.mark.slow  # default-run time budget: 7-13 s on 2 cores
 def test_which_stop_reason_wins_at_one_token(params):
   """The documented order at one token: "stop", then "eos", "max_new_tokens", "max_length";
   the token that ended the request is the last of `tokens` in every case."""

@@ -176,7 +176,8 @@ def test_auto_attention_path():
 
 
 @pytest.mark.parametrize("data,fsdp,tensor", [
-    pytest.param(4, 1, 2, marks=pytest.mark.slow), (1, 8, 1), (2, 2, 2)])
+    pytest.param(4, 1, 2, marks=pytest.mark.slow), pytest.param(1, 8, 1, marks=pytest.mark.slow),
+    (2, 2, 2)])
 def test_sharded_rows_and_heads_run_per_shard(data, fsdp, tensor):
   # Under a mesh the kernels run per shard (shard_map): the same values and gradients as one
   # device, and no all-gather of q / k / v onto every device.

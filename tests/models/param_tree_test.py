@@ -36,7 +36,8 @@ def _cache(params, cfg, prompts, lens, size):
   return ck, cv
 
 
-@pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen2", "tiny-qwen3"])
+@pytest.mark.parametrize("name", [pytest.param("tiny-llama", marks=pytest.mark.slow), "tiny-qwen2",
+                                  "tiny-qwen3"])  # tiny-llama 9-18 s on 2 cores
 def test_merged_folded_and_chained_weights_give_the_plain_decode_step(name):
   cfg = PRESETS[name]
   params = _params(cfg)

@@ -76,6 +76,7 @@ def test_v4_topology_has_one_device_per_chip_as_on_v4_hosts():
   assert report.fits is True, report.render()
 
 
+@pytest.mark.slow  # default-run time budget: 5-11 s of TPU compiles
 @pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
 @pytest.mark.tpu_aot
 def test_tpu7x_topology_has_a_device_per_tensorcore_with_half_the_chip():

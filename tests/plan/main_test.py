@@ -81,6 +81,7 @@ def test_a_program_that_fails_to_compile_is_a_failed_plan():
   assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
 
 
+@pytest.mark.slow  # default-run time budget: a TPU compile in a process of its own; the name mapping stays in chips_test
 @pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
 @pytest.mark.tpu_aot
 def test_cloud_accelerator_type_is_planned_as_the_topology_it_names():

@@ -163,6 +163,7 @@ def test_insert_is_planned_with_the_arguments_the_rollout_driver_passes():
   assert sig(exe["insert"][1]) == sig(calls[0])
 
 
+@pytest.mark.slow  # default-run time budget: 4-7 s of compiles
 def test_data_rollout_mesh_plans_decode_with_replicated_weights():
   from jaxagent.models import get_config
   cfg = get_config("tiny-llama", n_layers=1)
@@ -553,8 +554,9 @@ def test_rollouts_on_several_hosts_run_on_process_0s_devices():
 
 @needs_libtpu
 @pytest.mark.tpu_aot
-@pytest.mark.parametrize("topology, target", [("v5e:4x4", "v5e:4x4"),
-                                              ("v5litepod-16", "v5litepod-16 (= v5e:4x4)")])
+@pytest.mark.parametrize("topology, target", [
+    ("v5e:4x4", "v5e:4x4"),
+    pytest.param("v5litepod-16", "v5litepod-16 (= v5e:4x4)", marks=pytest.mark.slow)])
 def test_multi_host_topology_plans_the_generator_on_one_hosts_chips(topology, target):
   from jaxagent.models import get_config
   c = tiny(1, -1, 1)
