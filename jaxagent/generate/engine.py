@@ -944,6 +944,16 @@ class Engine:
   def update_slots(self, state: DecodeState, slots, *, lengths, tokens, active,
                    remaining=None) -> DecodeState:
     """Set slots' cached length, pending token and activity (rewind after a host-side stop)."""
+    # NumPy casts a bool among ints to 0 / 1 and `np.int32` cuts a float slot (0.5 became slot
+    # 0): both are caller bugs, refused before any conversion.
+    for name, x in (("slots", slots), ("lengths", lengths), ("tokens", tokens),
+                    ("remaining", remaining)):
+      if x is not None and any(isinstance(t, (bool, np.bool_))
+                               for t in np.ravel(np.asarray(x, dtype=object))):
+        raise ValueError(f"update_slots: {name} must be integers, not bools, got "
+                         f"{np.asarray(x, dtype=object).tolist()}")
+    if not np.issubdtype(np.asarray(slots).dtype, np.integer) and np.asarray(slots).size:
+      raise ValueError(f"update_slots: slots must be integers, got {np.asarray(slots).tolist()}")
     slots = np.atleast_1d(np.asarray(slots, np.int32))
     k = len(slots)
     if k == 0:

@@ -419,11 +419,16 @@ def test_append_bad_input_errors_before_running(params):
   for kw, match in ((dict(tokens=CFG.vocab_size), "tokens must be integer token ids"),
                     (dict(tokens=-2), "tokens must be integer token ids"),
                     (dict(tokens=1.0), "tokens must be integer token ids"),
+                    # NumPy made [True] token 1, and slot 0.5 slot 0.
+                    (dict(tokens=[True]), r"tokens must be integers, not bools, got \[True\]"),
+                    (dict(lengths=np.array([True])), "lengths must be integers, not bools"),
+                    (dict(slots=[0.5]), r"slots must be integers, got \[0.5\]"),
                     (dict(active="no"), "active must be bools"),
                     (dict(active=True, remaining=0), "remaining must be integers, at least 1"),
                     (dict(active=[True], remaining=[-4]), "remaining must be integers, at least")):
     with pytest.raises(ValueError, match=f"update_slots: {match}"):
-      eng.update_slots(state, [0], **{"lengths": 3, "tokens": 1, "active": False, **kw})
+      eng.update_slots(state, kw.pop("slots", [0]),
+                       **{"lengths": 3, "tokens": 1, "active": False, **kw})
   with pytest.raises(ValueError, match="append needs at least one slot"):
     eng.append(params, state, [], [])
   # A budget below one would still sample and return a token (prefill refuses it too).
