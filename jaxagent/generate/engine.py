@@ -523,7 +523,7 @@ class Engine:
     rows in between (padding rows are dropped by the insert): one prefill and one insert
     program per bucket instead of an insert per distinct prompt count. Returns
     (state, (first tokens, logprobs, stop codes)) as host arrays of `len(prompts)` rows."""
-    slots = np.atleast_1d(np.asarray(slots, np.int32))
+    slots = self._slot_array(slots, "prefill_insert")
     if len(slots) != len(prompts):
       raise ValueError(f"prefill_insert: {len(prompts)} prompts but {len(slots)} slots")
     self._check_slots(slots, "prefill_insert")
@@ -654,11 +654,23 @@ class Engine:
 
   def insert(self, prefix: Prefix, state: DecodeState, slots) -> DecodeState:
     """Place prefilled prompts into `slots` (an int for one prompt, or a sequence)."""
-    slots = np.atleast_1d(np.asarray(slots, np.int32))
+    slots = self._slot_array(slots, "insert")
     if len(slots) != prefix.lengths.shape[0]:
       raise ValueError(f"insert: {prefix.lengths.shape[0]} prefixes but {len(slots)} slots")
     self._check_slots(slots, "insert")
     return self._jit_insert(prefix, state, slots)
+
+  @staticmethod
+  def _slot_array(slots, what: str) -> np.ndarray:
+    """`slots` (an int or a sequence) as an int32 array; a bool or a non-integer slot raises
+    before the cast, which made True slot 1 and cut slot 0.5 to slot 0."""
+    if any(isinstance(t, (bool, np.bool_)) for t in np.ravel(np.asarray(slots, dtype=object))):
+      raise ValueError(f"{what}: slots must be integers, not bools, got "
+                       f"{np.asarray(slots, dtype=object).tolist()}")
+    a = np.atleast_1d(np.asarray(slots))
+    if a.size and not np.issubdtype(a.dtype, np.integer):
+      raise ValueError(f"{what}: slots must be integers, got {a.tolist()}")
+    return a.astype(np.int32)
 
   def _check_slots(self, slots: np.ndarray, what: str) -> None:
     if slots.min() < 0 or slots.max() >= self.ecfg.slots:
@@ -868,7 +880,7 @@ class Engine:
     the vocabulary is a ValueError, raised before anything runs. Returns (state, (first tokens,
     logprobs, stop codes)), the three as host NumPy arrays, one entry per slot.
     """
-    slots = np.atleast_1d(np.asarray(slots, np.int32))
+    slots = self._slot_array(slots, "append")
     if len(slots) != len(observations):
       raise ValueError("append: one observation per slot")
     if len(slots) == 0:
@@ -944,17 +956,14 @@ class Engine:
   def update_slots(self, state: DecodeState, slots, *, lengths, tokens, active,
                    remaining=None) -> DecodeState:
     """Set slots' cached length, pending token and activity (rewind after a host-side stop)."""
-    # NumPy casts a bool among ints to 0 / 1 and `np.int32` cuts a float slot (0.5 became slot
-    # 0): both are caller bugs, refused before any conversion.
-    for name, x in (("slots", slots), ("lengths", lengths), ("tokens", tokens),
-                    ("remaining", remaining)):
+    # NumPy casts a bool among ints to 0 / 1 (tokens=[True] became token 1): a caller bug,
+    # refused before any conversion (slots: `_slot_array`).
+    for name, x in (("lengths", lengths), ("tokens", tokens), ("remaining", remaining)):
       if x is not None and any(isinstance(t, (bool, np.bool_))
                                for t in np.ravel(np.asarray(x, dtype=object))):
         raise ValueError(f"update_slots: {name} must be integers, not bools, got "
                          f"{np.asarray(x, dtype=object).tolist()}")
-    if not np.issubdtype(np.asarray(slots).dtype, np.integer) and np.asarray(slots).size:
-      raise ValueError(f"update_slots: slots must be integers, got {np.asarray(slots).tolist()}")
-    slots = np.atleast_1d(np.asarray(slots, np.int32))
+    slots = self._slot_array(slots, "update_slots")
     k = len(slots)
     if k == 0:
       return state
@@ -996,7 +1005,7 @@ class Engine:
 
   def free_slots(self, state: DecodeState, slots) -> DecodeState:
     """Deactivate slots (their cache is reused by the next insert)."""
-    slots = np.atleast_1d(np.asarray(slots, np.int32))
+    slots = self._slot_array(slots, "free_slots")
     lengths = np.asarray(state.lengths)[slots]
     tokens = np.asarray(state.tokens)[slots]
     return self.update_slots(state, slots, lengths=lengths, tokens=tokens, active=False,
