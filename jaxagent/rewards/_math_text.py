@@ -12,6 +12,7 @@ This file imports only the standard library: worker processes load it by path be
 """
 from __future__ import annotations
 
+import ast
 import decimal
 import math
 import re
@@ -102,6 +103,16 @@ _NUMBER_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*(?:[)}]\s*)?!")
 # factorial has no LaTeX of its own): past 8!! it is beyond `_MAX_FACTORIAL` (9! = 362880), and
 # "(18!)!" ran until the time limit killed its worker.
 _NESTED_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*!\s*(?:\)\s*)?!")
+# The operand of a factorial written as arithmetic of literal numbers ("(10^{6})!", "{10^6}!",
+# "(2^{20})!", "\left(10^{6}\right)!", "(1000 \cdot 1000)!", and "10^6!", which math-verify
+# reads as (10^6)!), read by `_factorial_operands`; past `_MAX_FACTORIAL` each ran to the time
+# limit. An operand longer than `_MAX_OPERAND` that is such arithmetic is refused unread.
+_MAX_OPERAND = 200
+_OPERAND_LATEX = re.compile(r"\\(?:left|right|,|cdot|times)(?![A-Za-z])|\^|[{}\[\]]")
+_OPERAND_PYTHON = {"\\left": "", "\\right": "", "\\,": "", "\\cdot": "*", "\\times": "*", "^": "**",
+                   "{": "(", "}": ")", "[": "(", "]": ")"}
+_ARITHMETIC = re.compile(r"[\d.+\-*/() ]+")
+_LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
 
 
 def _too_costly(text: str) -> bool:
@@ -118,12 +129,19 @@ def _too_costly(text: str) -> bool:
       depth += counts
       if depth > _MAX_NESTING:
         return True
+  if text.isascii() and "!" not in text and "^" not in text and "**" not in text:
+    return False
+  # Numbers and powers as `_math_compare._parse_answer` writes them before math-verify reads them
+  # ("1\,000\,000!", "1~000~000!" and "(1e6)!" are 1000000!; "10⁶!" is 10^{6}!).
+  text = _normalize_numbers((text if text.isascii() else _read_unicode(text)).replace("~", " "))
   if "!" in text and any(len(n) > 6 or int(n) > _MAX_FACTORIAL
                          for n in _NUMBER_FACTORIAL.findall(text)):
     return True
   if "!" in text and any(len(n) > 2 or math.factorial(int(n)) > _MAX_FACTORIAL
                          for n in _NESTED_FACTORIAL.findall(text)):
     return True
+  if "!" in text and any(_costly_operand(operand) for operand in set(_factorial_operands(text))):
+    return True  # each operand read once: a long answer may repeat one many times
   if "^" not in text and "**" not in text:
     return False
   for m in _NUMBER_POWER.finditer(text):
@@ -139,6 +157,91 @@ def _too_costly(text: str) -> bool:
     if scale and exponent * scale > _MAX_DIGITS:
       return True
   return False
+
+
+def _factorial_operands(text: str):
+  """The text of each factorial's operand in `text` that is a bracket, or a power of numbers and
+  brackets ("10^{6}" in "10^{6}!", "(2^{20})" in "(2^{20})!"); the cost is linear in the text, as
+  brackets nest no deeper than `_MAX_NESTING` by the time this runs."""
+  opener, opened = {}, []
+  for m in _BRACE_TOKEN.finditer(text.replace("(", "{").replace(")", "}")):
+    if m.group() == "{":
+      opened.append(m.start())
+    elif m.group() == "}" and opened:
+      opener[m.start()] = opened.pop()
+  for m in re.finditer(r"(?<!\\)!", text):
+    i = m.start() - 1
+    while i >= 0 and text[i] == " ":
+      i -= 1
+    while True:  # one base or exponent per turn, right to left
+      if i in opener:
+        i = opener[i] - 1
+        if text.endswith("\\left", 0, i + 1):
+          i -= len("\\left")
+      elif i >= 0 and text[i].isdigit():
+        while i >= 0 and (text[i].isdigit() or text[i] == "."):
+          i -= 1
+      else:
+        i = m.start()  # a power of something else ("x^{10^6}!")
+        break
+      power = i
+      while power >= 0 and text[power] == " ":
+        power -= 1
+      if text.endswith("^", 0, power + 1):
+        power -= 1
+      elif text.endswith("**", 0, power + 1):
+        power -= 2
+      else:
+        break
+      while power >= 0 and text[power] == " ":
+        power -= 1
+      i = power
+    operand = text[i + 1:m.start()].strip()
+    if operand and not operand.isdigit():  # a plain number is `_NUMBER_FACTORIAL`'s
+      yield operand
+
+
+def _costly_operand(operand: str) -> bool:
+  """Whether a factorial's operand (`_factorial_operands`) is arithmetic of literal numbers whose
+  value passes `_MAX_FACTORIAL` (or overflows a float on the way); an operand with anything
+  else in it ("(2n)", "x^{2}") is left to math-verify."""
+  expr = _OPERAND_LATEX.sub(lambda m: _OPERAND_PYTHON[m.group()], operand)
+  if not _ARITHMETIC.fullmatch(expr):
+    return False
+  if len(expr) > _MAX_OPERAND:
+    return True
+  try:
+    value = _float_value(ast.parse(_LEADING_ZEROS.sub("", expr), mode="eval").body)
+  except (SyntaxError, ValueError):
+    return False
+  return value is not None and not value <= _MAX_FACTORIAL  # NaN: a term overflowed
+
+
+def _float_value(node: ast.AST) -> float | None:
+  """The value of arithmetic on numbers (`_costly_operand`) in floats, inf past their range; None
+  where it has none (division by zero, a complex power)."""
+  if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+    try:
+      return float(node.value)
+    except OverflowError:
+      return math.inf
+  if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+    value = _float_value(node.operand)
+    return None if value is None else value if isinstance(node.op, ast.UAdd) else -value
+  if not isinstance(node, ast.BinOp) or not isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div,
+                                                                  ast.Pow)):
+    return None
+  a, b = _float_value(node.left), _float_value(node.right)
+  if a is None or b is None:
+    return None
+  try:
+    value = {ast.Add: a.__add__, ast.Sub: a.__sub__, ast.Mult: a.__mul__, ast.Div: a.__truediv__,
+             ast.Pow: a.__pow__}[type(node.op)](b)
+  except OverflowError:
+    return math.inf
+  except ZeroDivisionError:
+    return None
+  return value if isinstance(value, float) else None
 
 
 # A run of white space (a degenerate response pads with thousands of spaces): math-verify's parse

@@ -786,6 +786,9 @@ def test_process_backend_kills_a_real_hang_within_the_limit(process_verifier):
     "2^3^4^5", "9^{9^{9}}", "2**3**4**5", "10^{10^{7}}", "9" * 3000 + "^" + "9" * 3000,  # powers
     "\\boxed{1000000!}", "1000000!", "(1000000)!",  # factorials
     "18!!", "(18!)!", "\\boxed{20!!}",  # a factorial of a factorial
+    # A factorial of a large power or product (each ran to the time limit).
+    "(10^{6})!", "(10**6)!", "{10^6}!", "(1e6)!", "\\left(10^{6}\\right)!", "(2^{20})!", "10^6!",
+    "1\\,000\\,000!", "(1000 \\cdot 1000)!", "10^{10^{10}}", "2^{2^{100}}",
 ])
 def test_pathological_input_is_refused_quickly(process_verifier, text):
   # Each took seconds to minutes inside math-verify (a timeout, or a worker killed).
@@ -804,11 +807,36 @@ def test_the_cost_guard_costs_linear_time():
   assert time.monotonic() - start < 0.5
 
 
+@pytest.mark.parametrize("text,costly", [
+    ("(10^{6})!", True), ("(10**6)!", True), ("{10^6}!", True), ("(1e6)!", True),
+    ("\\left(10^{6}\\right)!", True), ("(2^{20})!", True), ("10^{6}!", True), ("10^6!", True),
+    ("\\boxed{(10^{6})!}", True), ("1\\,000\\,000!", True), ("1~000~000!", True),
+    ("(1000 \\cdot 1000)!", True), ("(999999+1)!", True), ("10⁶!", True),
+    ("(10^{400}-10^{399})!", True),  # a term past a float's range
+    ("(" + "1+" * 200 + "1)!", True),  # arithmetic too long to read
+    ("5!", False), ("2^{10}", False), ("(2^{4})!", False), ("10^{5}!", False), ("(3)!", False),
+    ("(2n)!", False), ("x^{10^6}!", False), ("\\frac{10!}{3!}", False), ("5! = 120", False),
+    ("(1/0)!", False), ("1,000,000!", False),  # math-verify reads a set {1, 0, 0!}
+])
+def test_the_cost_guard_reads_a_factorial_of_arithmetic(text, costly):
+  # math-verify reads "(10^{6})!" and "10^6!" as (10^6)!; the guard read only a factorial of a
+  # plain number and let these through.
+  assert _math_text._too_costly(text) is costly
+
+
+def test_the_cost_guard_reads_factorials_in_linear_time():
+  start = time.monotonic()
+  for text in ["(1)!" * 20000, "(1+2)! " * 20000, "2^" * 5000 + "2!", "(" + "1+" * 5000 + "1)!"]:
+    _math_text._too_costly(text)
+  assert time.monotonic() - start < 1.0
+
+
 def test_realistic_nesting_and_powers_are_read(thread_verifier):
   # The guard against pathological input leaves realistic answers alone.
   for prediction, gold in [("((((((((((5))))))))))", "5"), ("\\boxed{" * 30 + "5" + "}" * 30, "5"),
                            ("2^{100}", "1267650600228229401496703205376"), ("10^{100}", "10^{100}"), ("9^{9}", "387420489"),
-                           ("\\boxed{5!}", "120"), ("So she has 1000000!", "1000000")]:
+                           ("\\boxed{5!}", "120"), ("So she has 1000000!", "1000000"),
+                           ("(2^{4})!", "20922789888000"), ("10^{1}!", "3628800")]:
     assert thread_verifier.equal(prediction, gold, timeout_s=30.0), prediction
 
 
