@@ -316,6 +316,11 @@ EQUAL = [
     ("5!", "120"),
     ("The answer is $5!$.", "120"),
     ("The answer is 5! = 120.", "120"),
+    # A factorial in prose is its value, not its operand beside the answer (these read 3 and 6,
+    # a hedge, and scored 0).
+    ("3! ways, so 6", "6"),
+    ("There are 3! ways, so 6.", "6"),
+    ("We count 4! orders, so 24 in all.", "24"),
     # A value ruled out right after the answer is no second answer (these were read as a hedge
     # between the two values and scored 0).
     ("The answer is 5, not 6", "5"),
@@ -458,6 +463,8 @@ NOT_EQUAL = [
     ("2^3^2", "64"),
     ("The answer is B. Option A has 5 sides.", "A"),
     ("The answer is 18!", "6402373705728000"),  # an exclamation, not 18!
+    ("3! ways, so 6", "3"),
+    ("3! ways, so 6", "720"),
     ("The answer is 5, not 6", "6"),
     ("The answer is 5, not -5.", "-5"),
     ("\\pi \\approx 3.14", "3.15"),
