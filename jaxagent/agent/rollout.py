@@ -48,6 +48,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from jaxagent._token_ids import token_ids
 from jaxagent.agent.env import Env, Episode, Example
 from jaxagent.agent.parsers import ParseResult
 from jaxagent.agent.trajectory import STOP_REASONS, ToolOutcome, Trajectory, Turn, tool_call_key
@@ -174,18 +175,10 @@ def _clean_text(text: str) -> str:
 
 
 def _token_ids(ids, what: str = "encode_observation") -> list[int]:
-  """`what`'s return as a list of ints; anything else raises, naming what it was (a float id
-  would be cut to another token, a bool become 0 or 1, a string read character by character)."""
-  if isinstance(ids, (str, bytes)) or not hasattr(ids, "__iter__"):
-    raise TypeError(f"{what} returned {type(ids).__name__}, not a list of token ids")
-  # An array (NumPy or JAX) as Python scalars, so its bools and floats are refused below.
-  ids = np.asarray(ids).tolist() if hasattr(ids, "dtype") else list(ids)
-  bad = next((t for t in ids if isinstance(t, (bool, np.bool_))
-              or not isinstance(t, (int, np.integer))), None)
-  if bad is not None:
-    raise TypeError(f"{what} returned a {type(bad).__name__} ({bad!r}) among its token "
-                    "ids; it must return ints")
-  return [int(t) for t in ids]
+  """`what`'s return as a list of ints; anything else raises `TokenIdError` (a TypeError),
+  naming what it was (a float id would be cut to another token, a bool become 0 or 1, a string
+  read character by character)."""
+  return token_ids(ids, f"{what}'s return")
 
 
 class RolloutDriver:

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
+from jaxagent._token_ids import token_ids
 from jaxagent.agent.parsers import ParseResult, ToolCall
 from jaxagent.rewards import RewardInput
 from jaxagent.rl.packing import PackItem
@@ -206,14 +207,11 @@ class Trajectory:
     return self._extend(ids, OBSERVATION, None, turn)
 
   def _extend(self, ids, role, logprobs, turn) -> tuple[int, int]:
-    ids = list(ids)
     # int() would make a bool token 0 or 1 and cut a float to another token.
-    bad = next((t for t in ids if isinstance(t, (bool, np.bool_, float, np.floating))), None)
-    if bad is not None:
-      raise TypeError(f"{Role(role).name.lower()} token ids must be ints, got a "
-                      f"{type(bad).__name__} ({bad!r})")
+    ids = token_ids(ids, {PROMPT: "the prompt", POLICY: "the policy turn",
+                          OBSERVATION: "the observation"}[role])
     start = len(self.token_ids)
-    self.token_ids.extend(int(t) for t in ids)
+    self.token_ids.extend(ids)
     self.role_ids.extend([int(role)] * len(ids))
     self.logprob_list.extend([0.0] * len(ids) if logprobs is None else [float(x) for x in logprobs])
     self.turn_ids.extend([int(turn)] * len(ids))

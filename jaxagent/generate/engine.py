@@ -37,6 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent import sharding as shd
+from jaxagent._token_ids import token_ids
 from jaxagent.generate.sampling import SamplingConfig, sample, token_keys
 from jaxagent.models import decoder, param_tree
 from jaxagent.models.config import ModelConfig
@@ -697,24 +698,8 @@ class Engine:
     """A clear error for token ids that are not integers in [0, vocab_size), bools included: the
     embedding gather would otherwise wrap negative ids and fill out-of-range ones with NaN, and
     the request would decode on from a token nobody sampled."""
-    v = self.cfg.vocab_size
     for i, seq in enumerate(seqs):
-      if not hasattr(seq, "dtype"):  # a list or tuple (an array's dtype is checked below)
-        # NumPy casts a bool among ints to 0 or 1: a caller's flag read as a token id.
-        j = next((j for j, t in enumerate(seq) if isinstance(t, (bool, np.bool_))), None)
-        if j is not None:
-          raise ValueError(f"{what}: {item} {i} has a bool ({bool(seq[j])}) at position {j} among "
-                           "its token ids; pass integer token ids")
-      a = np.asarray(seq)
-      if a.size == 0:
-        continue
-      if a.ndim != 1 or not np.issubdtype(a.dtype, np.integer):
-        raise ValueError(f"{what}: {item} {i} must be a flat sequence of integer token ids, "
-                         f"got {a.dtype} of shape {a.shape}")
-      lo, hi = int(a.min()), int(a.max())
-      if lo < 0 or hi >= v:
-        raise ValueError(f"{what}: {item} {i} has token id {lo if lo < 0 else hi} outside "
-                         f"the model's vocabulary [0, {v})")
+      token_ids(seq, f"{what}: {item} {i}", self.cfg.vocab_size)
 
   # ------------------------------------------------------------------ decode
   def _step(self, params, state: DecodeState, kv_len: int):
@@ -957,8 +942,8 @@ class Engine:
                    remaining=None) -> DecodeState:
     """Set slots' cached length, pending token and activity (rewind after a host-side stop)."""
     # NumPy casts a bool among ints to 0 / 1 (tokens=[True] became token 1): a caller bug,
-    # refused before any conversion (slots: `_slot_array`).
-    for name, x in (("lengths", lengths), ("tokens", tokens), ("remaining", remaining)):
+    # refused before any conversion (slots: `_slot_array`; tokens: `token_ids`, below).
+    for name, x in (("lengths", lengths), ("remaining", remaining)):
       if x is not None and any(isinstance(t, (bool, np.bool_))
                                for t in np.ravel(np.asarray(x, dtype=object))):
         raise ValueError(f"update_slots: {name} must be integers, not bools, got "
@@ -977,11 +962,10 @@ class Engine:
                        f"(the pending token must fit), got {np.asarray(lengths).tolist()}")
     # The pending token is fed at the next step: an id outside the vocabulary would be
     # wrapped (negative) or read as NaN by the embedding gather, as in `prefill`.
-    toks = np.broadcast_to(np.asarray(tokens), (k,))
-    v = self.cfg.vocab_size
-    if not np.issubdtype(toks.dtype, np.integer) or toks.min() < 0 or toks.max() >= v:
-      raise ValueError(f"update_slots: tokens must be integer token ids in the model's "
-                       f"vocabulary [0, {v}), got {np.asarray(tokens).tolist()}")
+    tokens = token_ids([tokens] if np.ndim(tokens) == 0 else tokens, "update_slots: tokens",
+                       self.cfg.vocab_size)
+    if len(tokens) not in (1, k):
+      raise ValueError(f"update_slots: {len(tokens)} tokens for {k} slots")
     # A truthy string ("no") became True; an active slot with a budget below one would still
     # sample (and return) a token, which prefill and append refuse.
     act = np.broadcast_to(np.asarray(active), (k,))

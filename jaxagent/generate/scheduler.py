@@ -16,6 +16,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
+from jaxagent._token_ids import TokenIdError, token_ids
 from jaxagent.generate.engine import (RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH,
                                       STOP_NONFINITE, Engine, EngineConfig, _per_request)
 from jaxagent.generate.sampling import SamplingConfig
@@ -64,9 +65,11 @@ class StopChecker:
         if not s:
           raise ValueError("stop strings must be non-empty")
         self.strings.append(s)
-      elif (isinstance(s, (list, tuple)) and s
-            and all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in s)):
-        self.sequences.append(tuple(int(t) for t in s))
+      elif isinstance(s, (list, tuple)) and s:
+        try:
+          self.sequences.append(tuple(token_ids(s, "the stop sequence")))
+        except TokenIdError as e:
+          raise TokenIdError(f"unknown stop spec entry {s!r}: {e}") from None
       else:
         raise ValueError(f"unknown stop spec entry {s!r}: expected a non-empty string or a "
                          "non-empty sequence of token ids")

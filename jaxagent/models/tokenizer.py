@@ -32,7 +32,6 @@ import hashlib
 import itertools
 import json
 import logging
-import operator
 import os
 import pathlib
 import re
@@ -45,6 +44,7 @@ import numpy as np
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
+from jaxagent._token_ids import token_id as one_token_id, token_ids
 from jaxagent.models.chat_template import (compile_template, cut_at_final_message, normalize_messages,
                                            plain, tag_final_message)
 
@@ -212,7 +212,7 @@ class Tokenizer:
 
   def id_to_token(self, token_id: int) -> str | None:
     """The vocabulary entry for `token_id` (byte-level spelling, e.g. 'Ġthe'), None if unknown."""
-    token_id = operator.index(token_id)
+    token_id = one_token_id(token_id, "id_to_token's id")  # True was id 1
     # The backend takes unsigned 32-bit ids and raises OverflowError outside them (a -1 pad).
     return self._backend.id_to_token(token_id) if 0 <= token_id < 2**32 else None
 
@@ -250,7 +250,7 @@ class Tokenizer:
     """Text of `ids`. Byte sequences cut mid-character decode to U+FFFD; ids outside the vocab are skipped."""
     # The backend takes unsigned 32-bit ids: a negative or larger one (a -1 pad, say) would
     # raise a bare OverflowError instead of being skipped like the other unknown ids.
-    return self._backend.decode([i for i in _as_id_list(ids) if 0 <= i < 2**32],
+    return self._backend.decode([i for i in token_ids(ids, 'the ids to decode') if 0 <= i < 2**32],
                                 skip_special_tokens=skip_special_tokens)
 
   def stream_decoder(self, prompt_ids: Iterable[int] = (), skip_special_tokens: bool = False
@@ -537,7 +537,7 @@ class StreamDecoder:
   def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] = (),
                skip_special_tokens: bool = False):
     self._decode = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
-    self._ids = _as_id_list(prompt_ids)
+    self._ids = token_ids(prompt_ids, "StreamDecoder's prompt_ids")
     self._prefix = max(0, len(self._ids) - self._CONTEXT)  # decoding window starts here
     # Characters of decode(ids[prefix:]) already emitted (or part of the prompt).
     self._emitted = len(self._decode(self._ids[self._prefix:]).rstrip("\ufffd"))
@@ -549,7 +549,8 @@ class StreamDecoder:
 
   def push(self, ids: int | Iterable[int]) -> str:
     """Adds `ids` and returns the newly final text ("" while a character is incomplete)."""
-    self._ids.extend([int(ids)] if isinstance(ids, (int, np.integer)) else _as_id_list(ids))
+    one = not hasattr(ids, "__iter__") or getattr(ids, "ndim", None) == 0
+    self._ids.extend([one_token_id(ids, "the pushed id")] if one else token_ids(ids, "the pushed ids"))
     text = self._decode(self._ids[self._prefix:])
     final = text.rstrip("\ufffd")  # an incomplete trailing character decodes to U+FFFD
     new = final[self._emitted:]
@@ -863,22 +864,6 @@ def _check_encodable(text: str, where: str) -> None:
         f"{where}: the text holds a lone surrogate {text[e.start]!r} at index {e.start}, which is "
         "not valid Unicode; clean it first, e.g. text.encode('utf-8', 'replace').decode('utf-8')"
     ) from None
-
-
-def _as_id_list(ids: Iterable[int] | np.ndarray) -> list[int]:
-  if isinstance(ids, np.ndarray):
-    if ids.ndim != 1:
-      raise ValueError(f"expected a 1-D sequence of token ids, got shape {ids.shape}")
-    if not np.issubdtype(ids.dtype, np.integer):  # float ids would be truncated silently
-      raise TypeError(f"token ids must be integers, got an array of dtype {ids.dtype}")
-    return ids.astype(np.int64).tolist()
-  out = []
-  for i in ids:
-    try:
-      out.append(operator.index(i))  # ints, NumPy / JAX integer scalars; not floats
-    except TypeError:
-      raise TypeError(f"token ids must be integers, got {i!r} ({type(i).__name__})") from None
-  return out
 
 
 def _strings(value: Any) -> Iterable[str]:

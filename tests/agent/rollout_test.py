@@ -663,8 +663,8 @@ def test_task_code_that_returns_the_wrong_type_ends_only_its_trajectory(caplog):
   assert trajs[0].num_turns == 0 and trajs[1].turns[0].observation_span is None
   assert trajs[2].num_observation_tokens == 0
   log = caplog.text
-  assert "not a jaxagent.agent.Episode" in log and "returned str, not a list of token ids" in log
-  assert "returned a float" in log
+  assert "not a jaxagent.agent.Episode" in log and "encode_observation's return must be a sequence of token ids, got a str" in log
+  assert "encode_observation's return has a float (" in log
 
 
 def test_observation_ids_outside_the_vocabulary_end_only_their_trajectory():
@@ -802,14 +802,15 @@ def test_a_rendered_prompt_of_bools_or_floats_names_its_example():
   """`render_prompt` ids were cast with int(): a bool became token 0 or 1 and a float was cut to
   another token, and the trajectory trained on a prompt nobody wrote."""
   fake = FakeEngine(_script_from_texts({}), max_len=128)
-  for bad, kind in (([5, True, 7], r"bool \(True\)"), (np.array([False, True]), "bool"),
-                    ([5, 7.0], r"float \(7.0\)")):
+  for bad, kind in (([5, True, 7], r"has a bool \(True\) at position 1"),
+                    (np.array([False, True]), "must be a flat sequence of integer token ids, got bool"),
+                    ([5, 7.0], r"has a float \(7.0\) at position 1")):
     class Bad(CalculatorEnv):
       def render_prompt(self, example, tokenizer):
         return bad if example.id == "q1" else super().render_prompt(example, tokenizer)
 
     with pytest.raises(ValueError, match=rf"example 'q1' \(examples\[1\]\): env 'calculator' could "
-                       rf"not render its prompt: TypeError: render_prompt returned a {kind}"):
+                       rf"not render its prompt: TokenIdError: render_prompt's return {kind}"):
       rollout(fake, None, Bad(), _examples(2), tokenizer=TOK)
 
 

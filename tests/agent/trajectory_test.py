@@ -77,15 +77,23 @@ def test_bool_or_float_token_ids_are_refused_by_the_ledger():
   """int() made a bool in a prompt (or an SFT demonstration's observation ids) token 0 or 1 and
   cut a float id to another token; the ledger trained on tokens nobody wrote."""
   t = Trajectory(request_id=0)
-  with pytest.raises(TypeError, match=r"prompt token ids must be ints, got a bool \(True\)"):
+  with pytest.raises(TypeError, match=r"the prompt has a bool \(True\) at position 1 among its"):
     t.add_prompt([5, True])
-  with pytest.raises(TypeError, match="prompt token ids must be ints, got a bool"):
+  with pytest.raises(TypeError, match="the prompt must be a flat sequence of integer token ids"):
     t.add_prompt(np.array([True, False]))
+  # int("7") was token 7, and a JAX float array's entries were cut by int().
+  with pytest.raises(TypeError, match=r"the prompt has a str \('7'\) at position 1"):
+    t.add_prompt([5, "7"])
+  with pytest.raises(TypeError, match="the prompt must be a flat sequence of integer token ids, "
+                     "got float32"):
+    t.add_prompt(jnp.array([5.0, 6.7]))
+  with pytest.raises(ValueError, match="the prompt must be a sequence of token ids, got a str"):
+    t.add_prompt("5 6")
   assert len(t) == 0
   t.add_prompt(np.array([5, 6], np.int32))
-  with pytest.raises(TypeError, match=r"observation token ids must be ints, got a float \(7.5\)"):
+  with pytest.raises(TypeError, match=r"the observation has a float \(7.5\) at position 0"):
     t.add_observation([7.5], 0)
-  with pytest.raises(TypeError, match="policy token ids must be ints"):
+  with pytest.raises(TypeError, match="the policy turn has a float32"):
     t.add_policy([np.float32(3.0)], [0.0], 0)
   assert t.token_ids == [5, 6] and t.role_ids == [PROMPT, PROMPT]
 
@@ -95,7 +103,7 @@ def test_bool_or_float_token_ids_are_refused_by_the_ledger():
 
   env = FloatObservations()
   ex = Example("d", "What is 6*7?", gold="42", metadata={"expression": "6*7"})
-  with pytest.raises(TypeError, match="observation token ids must be ints, got a float"):
+  with pytest.raises(TypeError, match="the observation has a float"):
     demonstration_trajectory(env.render_prompt(ex, TOK), env.demonstration(ex), TOK, env=env)
 
 

@@ -313,8 +313,10 @@ def test_bad_input_errors(params):
     generate(params, CFG, [[1, 2], [3, CFG.vocab_size]], 4)
   with pytest.raises(ValueError, match="prompt 0 has token id -3 outside"):
     generate(params, CFG, [[1, -3]], 4)
-  with pytest.raises(ValueError, match="integer token ids"):
+  with pytest.raises(ValueError, match=r"prompt 0 has a float \(1.5\) at position 0 among its "):
     generate(params, CFG, [[1.5, 2]], 4)
+  with pytest.raises(ValueError, match=r"prompt 0 has a float \(1.0\) at position 0"):
+    generate(params, CFG, [np.array([1, 2], np.float32)], 4)
   with pytest.raises(ValueError, match="2 budgets for 3 prompts"):
     generate(params, CFG, [[1], [2], [3]], [4, 4])
   with pytest.raises(ValueError, match="1 ids for 2 prompts"):
@@ -416,11 +418,12 @@ def test_append_bad_input_errors_before_running(params):
   # The pending token is fed at the next step: an id outside the vocabulary decoded on from NaN
   # logits (a "nonfinite" stop) or, negative, from a wrapped id nobody sampled; a truthy string
   # activated the slot; an active slot with a budget below one still sampled a token.
-  for kw, match in ((dict(tokens=CFG.vocab_size), "tokens must be integer token ids"),
-                    (dict(tokens=-2), "tokens must be integer token ids"),
-                    (dict(tokens=1.0), "tokens must be integer token ids"),
+  for kw, match in ((dict(tokens=CFG.vocab_size), "tokens has token id .* outside the model's vocab"),
+                    (dict(tokens=-2), r"tokens has token id -2 outside the model's vocabulary"),
+                    (dict(tokens=1.0), r"tokens has a float \(1.0\) at position 0"),
                     # NumPy made [True] token 1, and slot 0.5 slot 0.
-                    (dict(tokens=[True]), r"tokens must be integers, not bools, got \[True\]"),
+                    (dict(tokens=[True]), r"tokens has a bool \(True\) at position 0"),
+                    (dict(tokens=[1, 2]), "2 tokens for 1 slots"),
                     (dict(lengths=np.array([True])), "lengths must be integers, not bools"),
                     (dict(slots=[0.5]), r"slots must be integers, got \[0.5\]"),
                     (dict(active="no"), "active must be bools"),

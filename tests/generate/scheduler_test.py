@@ -27,7 +27,7 @@ def engine():
 @pytest.mark.parametrize("bad,match", [
     ([[1, 2], [3, 4], [5, CFG.vocab_size]], rf"prompt 2 has token id {CFG.vocab_size} outside"),
     ([[1, 2], [3, 4], []], "prompt 2 is empty"),
-    ([[1, 2], [3, 4], [5, 1.5]], "prompt 2 must be a flat sequence of integer token ids"),
+    ([[1, 2], [3, 4], [5, 1.5]], r"prompt 2 has a float \(1.5\) at position 1 among its token ids"),
 ])
 def test_a_bad_prompt_in_the_queue_is_refused_before_anything_runs(params, engine, monkeypatch,
                                                                    bad, match):

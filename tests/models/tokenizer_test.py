@@ -210,7 +210,8 @@ def test_decode_skips_special_tokens_and_accepts_arrays(tok):
   ids = tok.encode("<|im_start|>user\nhi<|im_end|>")
   assert tok.decode(np.asarray(ids, np.int32)) == "<|im_start|>user\nhi<|im_end|>"
   assert tok.decode(ids, skip_special_tokens=True) == "user\nhi"
-  with pytest.raises(ValueError, match="1-D"):
+  with pytest.raises(ValueError, match=r"flat sequence of integer token ids, got int32 of shape "
+                     r"\(2, 2\)"):
     tok.decode(np.zeros((2, 2), np.int32))
   with pytest.raises(TypeError, match="expects a str"):
     tok.encode(b"bytes")
@@ -225,10 +226,17 @@ def test_decode_skips_ids_outside_the_vocab_and_refuses_non_integers(tok):
   stream = tok.stream_decoder([-1])
   assert stream.push(-5) + stream.push(ids) + stream.flush() == "hi there"
   # Float ids were truncated to ints silently.
-  with pytest.raises(TypeError, match="dtype float"):
+  with pytest.raises(TypeError, match="integer token ids, got float32"):
     tok.decode(np.asarray(ids, np.float32))
-  with pytest.raises(TypeError, match="must be integers"):
+  with pytest.raises(TypeError, match=r"the ids to decode has a float \(\d+\.0\) at position 0"):
     tok.decode([float(i) for i in ids])
+  # operator.index made True id 1, in decode, the stream decoder and id_to_token.
+  for call in (lambda: tok.decode([ids[0], True]), lambda: tok.stream_decoder([np.bool_(True)]),
+               lambda: tok.stream_decoder().push(True), lambda: tok.stream_decoder().push([False]),
+               lambda: tok.id_to_token(True)):
+    with pytest.raises(TypeError, match="bool"):
+      call()
+  assert tok.stream_decoder().push(np.int32(ids[0])) == "hi"
   # id_to_token says None for an unknown id; a negative or huge one raised OverflowError.
   assert [tok.id_to_token(i) for i in (-1, tok.vocab_size + 7, 2**40)] == [None, None, None]
   assert tok.id_to_token(np.int64(ids[0])) == tok.id_to_token(ids[0]) == "hi"
