@@ -28,6 +28,7 @@ from jaxagent.rewards._math_text import (
     _box_spans,
     _brace_boxes,
     _collapse_spaces,
+    _double_factorials,
     _drop_boxed_full_stops,
     _drop_markdown,
     _normalize_numbers,
@@ -388,6 +389,7 @@ def _parse_answer(text: str, *, single: bool = False, **options) -> list:
   text = _EMPTY_BOX.sub("", text).strip()
   text = _TEXT_LETTERS.sub(r"\1", _TEXT_NUMBER.sub(r"\1\\text{ \2}", text))
   text = _normalize_numbers(_LOGICAL_OR.sub(r"\\text{ or }", _drop_boxed_full_stops(text)))
+  text = _double_factorials(text)  # "5!!" is 15, which math-verify would read as (5!)!
   text = _right_powers(_spread_plus_minus(text))
   if single and "not" in text:
     text = _EXCLUDED.sub("", text)

@@ -3,9 +3,9 @@
 `_math_compare._equal_inline` and `_parse_answer` rewrite each side here before math-verify or
 sympy sees it: markdown marks dropped (`_drop_markdown`), white space collapsed
 (`_collapse_spaces`), boxes braced and read (`_brace_boxes`, `_box_spans`), Unicode math, numbers,
-plus-minus fractions and towers of powers written as LaTeX reads them; an answer in English
-number words is read by `_spelled_number`. `_too_costly` refuses input too costly to read at
-all. `verifiers.extract_boxed` reads boxes by the same rules.
+plus-minus fractions, towers of powers and double factorials written as LaTeX reads them; an
+answer in English number words is read by `_spelled_number`. `_too_costly` refuses input too
+costly to read at all. `verifiers.extract_boxed` reads boxes by the same rules.
 
 This file imports only the standard library: worker processes load it by path beside
 `_math_compare.py`, without importing the `jaxagent` package (and so without JAX).
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ast
 import decimal
+import functools
 import math
 import re
 
@@ -99,9 +100,16 @@ _POWER_EXPONENT = re.compile(r"\d+(?:\.\d+)?")
 # exclamation ending a sentence of prose ("So she has 1000000!") is a full stop by the time the
 # guard runs (`_math_compare._exclaimed`).
 _NUMBER_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*(?:[)}]\s*)?!")
-# A factorial of a factorial ("18!!", "(18!)!"), which math-verify reads as such (the double
-# factorial has no LaTeX of its own): past 8!! it is beyond `_MAX_FACTORIAL` (9! = 362880), and
-# "(18!)!" ran until the time limit killed its worker.
+# A double factorial of a number ("5!!" = 5 * 3 * 1 = 15, "6!!" = 48, "(5)!!"), which
+# math-verify reads as a factorial of a factorial ((5!)! = 120!): written as its value
+# (`_double_factorials`) before math-verify reads it, up to `_MAX_DOUBLE_FACTORIAL` (1000!! has
+# 1,285 digits; past it the guard refuses it). Group 1 or 2 the number. "18!!!" and "(5!)!" are
+# no such double factorial.
+_DOUBLE_FACTORIAL = re.compile(r"(?<![\d.])(?:\((\d+)\)|(\d+))!!(?!!)")
+_MAX_DOUBLE_FACTORIAL = 1000
+# A factorial of a factorial ("(18!)!", "18!!!", "18! !"), which math-verify reads as such: past
+# 8 it is beyond `_MAX_FACTORIAL` (9! = 362880), and "(18!)!" ran until the time limit killed its
+# worker. The guard reads it once double factorials are written as their values.
 _NESTED_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*!\s*(?:\)\s*)?!")
 # The operand of a factorial written as arithmetic of literal numbers ("(10^{6})!", "{10^6}!",
 # "(2^{20})!", "\left(10^{6}\right)!", "(1000 \cdot 1000)!", and "10^6!", which math-verify
@@ -134,6 +142,11 @@ def _too_costly(text: str) -> bool:
   # Numbers and powers as `_math_compare._parse_answer` writes them before math-verify reads them
   # ("1\,000\,000!", "1~000~000!" and "(1e6)!" are 1000000!; "10⁶!" is 10^{6}!).
   text = _normalize_numbers((text if text.isascii() else _read_unicode(text)).replace("~", " "))
+  if "!!" in text:
+    if any(len(a + b) > 4 or int(a + b) > _MAX_DOUBLE_FACTORIAL
+           for a, b in _DOUBLE_FACTORIAL.findall(text)):
+      return True
+    text = _double_factorials(text)  # "(18!!)!" is 185794560!
   if "!" in text and any(len(n) > 6 or int(n) > _MAX_FACTORIAL
                          for n in _NUMBER_FACTORIAL.findall(text)):
     return True
@@ -157,6 +170,20 @@ def _too_costly(text: str) -> bool:
     if scale and exponent * scale > _MAX_DIGITS:
       return True
   return False
+
+
+def _double_factorials(text: str) -> str:
+  """`text` with each double factorial of a number (`_DOUBLE_FACTORIAL`: "5!!") written as its value
+  in brackets ("(15)"); one past `_MAX_DOUBLE_FACTORIAL` is left as it is."""
+  def value(m: re.Match) -> str:
+    digits = m[1] or m[2]
+    return m[0] if len(digits) > 4 or int(digits) > _MAX_DOUBLE_FACTORIAL else _double_factorial(int(digits))
+  return _DOUBLE_FACTORIAL.sub(value, text) if "!!" in text else text
+
+
+@functools.lru_cache(maxsize=256)
+def _double_factorial(n: int) -> str:
+  return f"({math.prod(range(n, 0, -2))})"
 
 
 def _factorial_operands(text: str):

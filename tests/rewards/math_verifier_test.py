@@ -321,6 +321,17 @@ EQUAL = [
     ("3! ways, so 6", "6"),
     ("There are 3! ways, so 6.", "6"),
     ("We count 4! orders, so 24 in all.", "24"),
+    # n!! is the double factorial n(n-2)(n-4)..., not (n!)! as math-verify reads it (3!! read 720).
+    ("3!!", "3"),
+    ("5!!", "15"),
+    ("6!!", "48"),
+    ("0!!", "1"),
+    ("(5)!!", "15"),
+    ("\\boxed{7!!}", "105"),
+    ("$5!!$", "15"),
+    ("18!!", "185794560"),
+    ("\\boxed{20!!}", "3715891200"),
+    ("\\frac{8!!}{4!!}", "48"),
     # A value ruled out right after the answer is no second answer (these were read as a hedge
     # between the two values and scored 0).
     ("The answer is 5, not 6", "5"),
@@ -465,6 +476,8 @@ NOT_EQUAL = [
     ("The answer is 18!", "6402373705728000"),  # an exclamation, not 18!
     ("3! ways, so 6", "3"),
     ("3! ways, so 6", "720"),
+    ("3!!", "720"),
+    ("5!!", "(5!)!"),
     ("The answer is 5, not 6", "6"),
     ("The answer is 5, not -5.", "-5"),
     ("\\pi \\approx 3.14", "3.15"),
@@ -792,7 +805,8 @@ def test_process_backend_kills_a_real_hang_within_the_limit(process_verifier):
     "\\frac{" * 100 + "1" + "}{2}" * 100,  # nesting: seconds to minutes in the LaTeX parser
     "2^3^4^5", "9^{9^{9}}", "2**3**4**5", "10^{10^{7}}", "9" * 3000 + "^" + "9" * 3000,  # powers
     "\\boxed{1000000!}", "1000000!", "(1000000)!",  # factorials
-    "18!!", "(18!)!", "\\boxed{20!!}",  # a factorial of a factorial
+    "(18!)!", "18!!!", "\\boxed{(20!)!}",  # a factorial of a factorial
+    "(18!!)!", "1001!!",  # a factorial of a double factorial, a double factorial too large to write
     # A factorial of a large power or product (each ran to the time limit).
     "(10^{6})!", "(10**6)!", "{10^6}!", "(1e6)!", "\\left(10^{6}\\right)!", "(2^{20})!", "10^6!",
     "1\\,000\\,000!", "(1000 \\cdot 1000)!", "10^{10^{10}}", "2^{2^{100}}",
@@ -824,6 +838,8 @@ def test_the_cost_guard_costs_linear_time():
     ("5!", False), ("2^{10}", False), ("(2^{4})!", False), ("10^{5}!", False), ("(3)!", False),
     ("(2n)!", False), ("x^{10^6}!", False), ("\\frac{10!}{3!}", False), ("5! = 120", False),
     ("(1/0)!", False), ("1,000,000!", False),  # math-verify reads a set {1, 0, 0!}
+    ("5!!", False), ("18!!", False), ("1000!!", False), ("1001!!", True), ("(18!!)!", True),
+    ("18!!!", True),
 ])
 def test_the_cost_guard_reads_a_factorial_of_arithmetic(text, costly):
   # math-verify reads "(10^{6})!" and "10^6!" as (10^6)!; the guard read only a factorial of a
