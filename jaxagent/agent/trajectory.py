@@ -312,11 +312,16 @@ class Trajectory:
                     traj_id=self.request_id)
 
   def response_text(self, tokenizer) -> str:
-    """Everything after the prompt (policy turns and observations), decoded in one piece."""
+    """Everything after the prompt (policy turns and observations), decoded in one piece.
+
+    Special tokens are kept (unlike `jaxagent.generate.Completion.text`): the turn ends and the chat framing of
+    the observations stay visible to rewards, and `FormatConfig.eos_markers` strips an
+    end-of-turn marker after the answer."""
     return tokenizer.decode(self.token_ids[self.prompt_len:])
 
   def policy_text(self, tokenizer) -> str:
-    """Only the policy's tokens after the prompt, decoded span by span and concatenated."""
+    """Only the policy's tokens after the prompt, decoded span by span and concatenated
+    (special tokens kept, as in `response_text`)."""
     return "".join(tokenizer.decode(self.token_ids[a:b]) for a, b in self._role_runs(POLICY))
 
   def turn_texts(self) -> list[str]:
