@@ -314,9 +314,9 @@ class Trajectory:
   def response_text(self, tokenizer) -> str:
     """Everything after the prompt (policy turns and observations), decoded in one piece.
 
-    Special tokens are kept (unlike `jaxagent.generate.Completion.text`): the turn ends and the chat framing of
-    the observations stay visible to rewards, and `FormatConfig.eos_markers` strips an
-    end-of-turn marker after the answer."""
+    Special tokens are kept (unlike `jaxagent.generate.Completion.text`): the turn ends and
+    the chat framing of the observations stay visible to rewards, and
+    `FormatConfig.eos_markers` strips an end-of-turn marker after the answer."""
     return tokenizer.decode(self.token_ids[self.prompt_len:])
 
   def policy_text(self, tokenizer) -> str:
