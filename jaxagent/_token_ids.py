@@ -66,7 +66,11 @@ def token_ids(ids, what: str, vocab_size: int | None = None) -> list[int]:
                          f"of shape {a.shape}")
     out = a.tolist()
   else:
-    out = []
+    out = list(ids)
+    if all(type(t) is int for t in out):  # the common case, fast (a bool's type is bool)
+      _check_range(out, what, vocab_size)
+      return out
+    ids, out = out, []
     for j, t in enumerate(ids):
       v = _scalar_int(t)
       if v is None:
