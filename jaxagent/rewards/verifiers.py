@@ -151,27 +151,48 @@ _NUMBER = re.compile(r"[-+]?(?:(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d*)?|\.\d+)(?:[eE
 # A gold may also carry a "+" and any of the forms `decimal.Decimal` reads (".5", "5."), but a
 # comma only as a thousands separator: "1,5" is not silently read as 15.
 _GOLD_COMMAS = re.compile(r"[-+]?\d{1,3}(?:,\d{3})+(?:\.\d*)?(?:[eE][-+]?\d+)?")
+# Unicode a model writes in a number (`_plain_number`): a minus sign (U+2212) and full-width
+# forms ("－５", "１，０００"), an en dash as a leading minus ("–5"; "3–5" is a range and no
+# number), and a space, no-break, figure, thin or narrow no-break space between thousands groups
+# ("1 000 000"), one kind throughout ("1 000,000" and "1 23" are no number).
+_UNICODE_NUMBER = str.maketrans({"\u2212": "-", "\uff0d": "-", "\uff0b": "+", "\uff0c": ",",
+                                 "\uff0e": ".", **{chr(0xff10 + i): str(i) for i in range(10)}})
+_LEADING_DASH = re.compile(r"^\u2013(?=[\d.])")
+_SPACED_GROUPS = re.compile(
+    r"[-+]?\d{1,3}([ \u00a0\u2007\u2009\u202f])\d{3}(?:\1\d{3})*(?:\.\d*)?(?:[eE][-+]?\d{1,6})?")
+_GROUP_SPACE = re.compile(r"[ \u00a0\u2007\u2009\u202f]")
 # The whole exponent range the pattern admits, without traps: in the default context a prediction
 # such as "9999e999999" raised decimal.Overflow against a non-integer gold instead of scoring 0.
 _EXACT = decimal.Context(prec=60, Emax=decimal.MAX_EMAX, Emin=decimal.MIN_EMIN, traps=[])
+
+
+def _plain_number(text: str) -> str:
+  """`text` stripped, with the Unicode of `_UNICODE_NUMBER`, a leading en dash and spaced
+  thousands groups written as ASCII ("−5" -> "-5", "–5" -> "-5", "1 000" -> "1000")."""
+  text = _LEADING_DASH.sub("-", text.strip().translate(_UNICODE_NUMBER))
+  return _GROUP_SPACE.sub("", text) if _SPACED_GROUPS.fullmatch(text) else text
 
 
 def numeric_match(prediction: str | None, golds: str | Sequence[str]) -> float:
   """1.0 when the prediction is one of the gold numbers, else 0.0 (None or not a number scores 0).
 
   The prediction is a decimal number, optionally signed, with commas only as thousands
-  separators and an optional exponent ("1.5e-7"); ".5" and "42." count as 0.5 and 42. An
+  separators and an optional exponent ("1.5e-7"); ".5" and "42." count as 0.5 and 42. A minus
+  sign, an en dash before the number and full-width forms count as their ASCII ("−5" and "–5"
+  are -5, "３" is 3), and so do spaces between thousands groups ("1 000 000", also thin and
+  no-break spaces); a range ("3–5") is no number. The golds are read alike. An
   integer gold needs that exact integer ("42.0" and "4.2e1" count for "42"); a non-integer gold
   allows an error of 1e-6 times max(1, |gold|) (relative above 1, absolute below). A gold that
   is not a number, or has a comma that is not a thousands separator ("1,5"), is an error.
   """
   parsed = []
   for g in _golds(golds):
-    if "," in g and not _GOLD_COMMAS.fullmatch(g.strip()):
+    plain = _plain_number(g)
+    if "," in plain and not _GOLD_COMMAS.fullmatch(plain):
       raise ValueError(f"numeric_match needs numeric gold answers with commas only as thousands "
                        f"separators (1,234,567), got {g!r}; write a decimal comma as a point")
     try:
-      b = decimal.Decimal(g.strip().replace(",", ""))
+      b = decimal.Decimal(plain.replace(",", ""))
     except decimal.InvalidOperation:
       raise ValueError(f"numeric_match needs numeric gold answers, got {g!r}") from None
     if not b.is_finite():
@@ -179,7 +200,7 @@ def numeric_match(prediction: str | None, golds: str | Sequence[str]) -> float:
     parsed.append(b)
   if prediction is None:
     return 0.0
-  m = _NUMBER.fullmatch(prediction.strip())
+  m = _NUMBER.fullmatch(_plain_number(prediction))
   if m is None:
     return 0.0
   a = decimal.Decimal(m.group(0).replace(",", ""))

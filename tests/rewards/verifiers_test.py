@@ -395,6 +395,24 @@ def test_numeric_match_reads_thousands_separators_in_golds(gold, prediction):
   assert verifiers.numeric_match(prediction, gold) == 1.0
 
 
+@pytest.mark.parametrize("prediction,gold,want", [
+    # A minus sign, a leading en dash and full-width forms, as math_equal reads "\u22125" (these
+    # scored 0; a full-width digit alone already scored 1).
+    ("\u22125", "-5", 1.0), ("\u20135", "-5", 1.0), ("\uff0d\uff15", "-5", 1.0), ("\u2212\u20135", "-5", 0.0),
+    ("\uff11\uff0c\uff10\uff10\uff10", "1000", 1.0), ("\u2212.5", "-0.5", 1.0), ("\u22125", "5", 0.0),
+    # Spaces between thousands groups, plain, no-break, thin or narrow no-break (these scored 0).
+    ("1 000 000", "1000000", 1.0), ("1\u2009000\u2009000", "1000000", 1.0),
+    ("1\u202f000\u202f000", "1000000", 1.0), ("1\u00a0000", "1000", 1.0), ("\u22121 234.5", "-1234.5", 1.0),
+    # A range, or spaces that are no thousands groups, is no number.
+    ("3\u20135", "-5", 0.0), ("3\u20135", "3", 0.0), ("3\u20135", "-2", 0.0), ("3\u22125", "-2", 0.0),
+    ("1 23", "123", 0.0), ("5 6", "56", 0.0), ("1 000,000", "1000000", 0.0), ("1\u2009000 000", "1000000", 0.0),
+    # Golds are read alike ("\u22125" raised ValueError).
+    ("-5", "\u22125", 1.0), ("1000000", "1\u202f000\u202f000", 1.0), ("5", "\u22125", 0.0),
+])
+def test_numeric_match_reads_unicode_numbers(prediction, gold, want):
+  assert verifiers.numeric_match(prediction, gold) == want
+
+
 @pytest.mark.parametrize("prediction", ["9999e999999", "-9999e999999", "1e999999", "1e-999999"])
 def test_numeric_match_huge_exponents_score_zero(prediction):
   # A policy's answer is data: far outside the default decimal context's range, it raised
