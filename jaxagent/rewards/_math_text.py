@@ -58,6 +58,14 @@ _SUPERSCRIPT = re.compile("⁻?[⁰¹²³⁴⁵⁶⁷⁸⁹]+")
 _SUPERSCRIPT_DIGITS = str.maketrans("⁻⁰¹²³⁴⁵⁶⁷⁸⁹", "-0123456789")
 _UNICODE_SYMBOLS = str.maketrans({"∞": "\\infty ", "½": " 1/2", "⅓": " 1/3", "⅔": " 2/3", "¼": " 1/4",
                                   "¾": " 3/4"})
+# Unicode forms of numbers (`_read_unicode`): full-width digits and signs ("１２", "－５"), and
+# no-break, figure, thin and narrow no-break spaces, which split thousands groups ("1 000 000")
+# as a space does. An en dash right before a number that follows no number is a minus ("–5",
+# "x = –5"); "3–5" and "3 –5" are left alone.
+_UNICODE_NUMBERS = str.maketrans({"\uff0d": "-", "\uff0b": "+", "\uff0c": ",", "\uff0e": ".",
+                                  "\u00a0": " ", "\u2007": " ", "\u2009": " ", "\u202f": " ",
+                                  **{chr(0xff10 + i): str(i) for i in range(10)}})
+_EN_DASH_MINUS = re.compile(r"(?<![\w.)\]}])(?<!\d )\u2013(?=\d)")
 _BRACE_TOKEN = re.compile(r"\\.|[{}]", re.DOTALL)
 # Inline code in markdown ("The answer is `5`.", "``5``"), which quotes its content; group 2 the
 # content. Code blocks ("```python") are left as written.
@@ -434,9 +442,11 @@ def _improper_fraction(m: re.Match) -> str:
 
 
 def _read_unicode(text: str) -> str:
-  """Writes the Unicode math of `_UNICODE_ROOT`, `_SUPERSCRIPT` and `_UNICODE_SYMBOLS` as LaTeX."""
+  """Writes the Unicode math of `_UNICODE_ROOT`, `_SUPERSCRIPT`, `_UNICODE_NUMBERS`,
+  `_EN_DASH_MINUS` and `_UNICODE_SYMBOLS` as LaTeX."""
   text = _UNICODE_ROOT.sub(lambda m: "\\sqrt{" + (m[1] or m[2] or m[3] or "") + "}", text)
   text = _SUPERSCRIPT.sub(lambda m: "^{" + m.group().translate(_SUPERSCRIPT_DIGITS) + "}", text)
+  text = _EN_DASH_MINUS.sub("-", text.translate(_UNICODE_NUMBERS))
   return text.translate(_UNICODE_SYMBOLS)
 
 

@@ -297,6 +297,17 @@ EQUAL = [
     ("10⁻³", "0.001"),
     ("1½", "1.5"),
     ("(-∞, 3]", "(-\\infty, 3]"),
+    # Unicode forms of numbers, as numeric_match reads them (these scored 0): an en dash as a
+    # leading minus, full-width forms, thin and no-break spaces between thousands groups.
+    ("\u20135", "-5"),
+    ("The answer is \u20135.", "-5"),
+    ("\\boxed{\u20135}", "-5"),
+    ("\uff0d\uff15", "-5"),
+    ("\uff11\uff12\uff0e\uff15", "12.5"),
+    ("1\u2009000\u2009000", "1000000"),
+    ("1\u202f000\u202f000", "1000000"),
+    ("1\u00a0000", "1000"),
+    ("The answer is 1\u202f000.", "1000"),
     # Inline math in prose that starts with a number is one value, not also the dollars "$2"
     # (read as two values, a hedge: these scored 0).
     ("So the area is $3\\pi$.", "3\\pi"),
@@ -477,6 +488,11 @@ NOT_EQUAL = [
     ("3! ways, so 6", "3"),
     ("3! ways, so 6", "720"),
     ("3!!", "720"),
+    ("3\u20135", "-5"),  # a range, no minus
+    ("3\u20135", "-2"),
+    ("3\u20135", "3"),
+    ("3 \u20135", "-5"),
+    ("1\u2009234", "1235"),
     ("5!!", "(5!)!"),
     ("The answer is 5, not 6", "6"),
     ("The answer is 5, not -5.", "-5"),
