@@ -228,7 +228,12 @@ def _f1(pred_tokens: list[str], gold_tokens: list[str]) -> float:
 
 
 def f1_score(prediction: str | None, golds: str | Sequence[str]) -> float:
-  """Token-level F1 between normalised prediction and gold, maximised over golds."""
+  """Token-level F1 between normalised prediction and gold, maximised over golds.
+
+  A side that normalises to no tokens (only articles and punctuation, "the", "a.") scores 1.0
+  against a gold that does too and 0.0 against any other, as the SQuAD v2.0 script scores a
+  no-answer: f1_score("the", "a") is 1.0. (The v1.1 script scored 0 there.)
+  """
   golds = _golds(golds)
   if prediction is None:
     return 0.0
