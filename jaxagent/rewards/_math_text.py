@@ -129,6 +129,7 @@ _OPERAND_PYTHON = {"\\left": "", "\\right": "", "\\,": "", "\\cdot": "*", "\\tim
                    "{": "(", "}": ")", "[": "(", "]": ")"}
 _ARITHMETIC = re.compile(r"[\d.+\-*/() ]+")
 _LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
+_ALL_BRACKETS = str.maketrans("()[]", "{}{}")
 
 
 def _too_costly(text: str) -> bool:
@@ -199,7 +200,7 @@ def _factorial_operands(text: str):
   brackets ("10^{6}" in "10^{6}!", "(2^{20})" in "(2^{20})!"); the cost is linear in the text, as
   brackets nest no deeper than `_MAX_NESTING` by the time this runs."""
   opener, opened = {}, []
-  for m in _BRACE_TOKEN.finditer(text.replace("(", "{").replace(")", "}")):
+  for m in _BRACE_TOKEN.finditer(text.translate(_ALL_BRACKETS)):  # "\(", "\[" are no brackets
     if m.group() == "{":
       opened.append(m.start())
     elif m.group() == "}" and opened:

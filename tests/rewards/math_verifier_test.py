@@ -850,6 +850,7 @@ def test_the_cost_guard_costs_linear_time():
     ("\\boxed{(10^{6})!}", True), ("1\\,000\\,000!", True), ("1~000~000!", True),
     ("(1000 \\cdot 1000)!", True), ("(999999+1)!", True), ("10⁶!", True),
     ("(10^{400}-10^{399})!", True),  # a term past a float's range
+    ("[10^6]!", True), ("\\left[10^{6}\\right]!", True), ("\\[ (10^6)! \\]", True), ("[2,3)!", False),
     ("(" + "1+" * 200 + "1)!", True),  # arithmetic too long to read
     ("5!", False), ("2^{10}", False), ("(2^{4})!", False), ("10^{5}!", False), ("(3)!", False),
     ("(2n)!", False), ("x^{10^6}!", False), ("\\frac{10!}{3!}", False), ("5! = 120", False),
