@@ -932,13 +932,18 @@ class Trainer:
     return items
 
   def _sft_items_that_fit(self, items: list[packing.PackItem]) -> tuple[list[packing.PackItem], int]:
-    """The SFT items no longer than a packed row, and how many were left out.
+    """The SFT items no longer than a packed row or than the model's `max_seq_len`, and how
+    many were left out.
 
-    Packing drops a longer sequence from its batch, so it would take a batch place and train
-    nothing; left out here instead, with one message that counts them (and names the lines of
-    `sft.data`). All of them too long is an error: the warm start would train on nothing.
+    Packing drops a sequence longer than a row from its batch, so it would take a batch place
+    and train nothing; one longer than `max_seq_len` (when `train.pack_len` is larger) would
+    train at positions past what the model supports, which RL never does (its rollouts end at
+    `rollout.max_len` <= `max_seq_len`). Both are left out here instead, with one message that
+    counts them (and names the lines of `sft.data`). All of them too long is an error: the
+    warm start would train on nothing.
     """
-    cap = self.pack_cfg.max_len
+    row, model_len = self.pack_cfg.max_len, self.cfg.max_seq_len
+    cap = min(row, model_len)
     fit = [it for it in items if len(it) <= cap]
     long = [it for it in items if len(it) > cap]
     if not long:
@@ -948,12 +953,19 @@ class Trainer:
     if data:
       lines = ", ".join(str(it.traj_id) for it in long[:10]) + (", ..." if len(long) > 10 else "")
       where = f" ({data} lines {lines})"
+    if row <= model_len:
+      limit = f"train.pack_len={row}"
+      keep = "raise train.pack_len to keep them"
+      none = "raise train.pack_len (and the last of train.len_buckets) or shorten the SFT data"
+    else:
+      limit = f"the model's max_seq_len={model_len}, below train.pack_len={row},"
+      keep = "the model supports no longer sequences"
+      none = f"shorten the SFT data to at most {model_len} tokens a sequence"
     msg = (f"SFT warm start: {len(long)} of {len(items)} sequences{where} are longer than "
-           f"train.pack_len={cap} (the longest has {max(len(it) for it in long)} tokens)")
+           f"{limit} (the longest has {max(len(it) for it in long)} tokens)")
     if not fit:
-      raise ValueError(msg + ": none is left to train on; raise train.pack_len (and the last "
-                       "of train.len_buckets) or shorten the SFT data")
-    self.writer.message(msg + "; they are left out (raise train.pack_len to keep them)")
+      raise ValueError(f"{msg}: none is left to train on; {none}")
+    self.writer.message(f"{msg}; they are left out ({keep})")
     return fit, len(long)
 
   # --------------------------------------------------------------------------- RL

@@ -517,6 +517,44 @@ def test_warm_start_sees_every_item_once_per_epoch_and_leaves_out_too_long_lines
     trainer.close()
 
 
+def test_warm_start_leaves_out_lines_longer_than_the_model_supports(tmp_path, monkeypatch):
+  """With train.pack_len above the model's max_seq_len, a line that fit the row but not the
+  model was trained silently, at RoPE positions past what the model supports (RL cannot make
+  such a sequence: its rollouts end at rollout.max_len <= max_seq_len). It is left out and
+  counted now, as a line too long for a row is."""
+  from jaxagent.rl import packing, step as step_lib
+  short = {"messages": [{"role": "user", "content": "2+2?"},
+                        {"role": "assistant", "content": "<answer>4</answer>"}]}
+  long = {"messages": [{"role": "user", "content": "x " * 600},
+                       {"role": "assistant", "content": "<answer>4</answer>"}]}
+  data = tmp_path / "sft.jsonl"
+  data.write_text("".join(json.dumps(long if n == 2 else short) + "\n" for n in range(1, 5)))
+  trainer = Trainer(_tiny(tmp_path, **{"sft.data": str(data), "sft.steps": 1,
+                                       "sft.batch_size": 4, "train.pack_len": 1024,
+                                       "train.len_buckets": (1024,)}))
+  try:
+    assert trainer.cfg.max_seq_len == 512
+    said, seen = [], []
+    monkeypatch.setattr(trainer.writer, "message", said.append)
+    real_pack = packing.pack
+    monkeypatch.setattr(packing, "pack", lambda items, cfg: (
+        seen.append([(it.traj_id, len(it)) for it in items]), real_pack(items, cfg))[1])
+    monkeypatch.setattr(step_lib.Learner, "train_step",
+                        lambda self, st, batch: (st, {"loss": 1.0, "grad_norm": 0.0}))
+    out = trainer.warm_start()
+    assert out["sft/num_examples"] == 3 and out["sft/num_too_long"] == 1
+    assert sorted(n for n, _ in seen[0]) == [1, 3, 4]
+    assert max(length for batch in seen for _, length in batch) <= 512
+    assert any("1 of 4 sequences" in m and "lines 2" in m and "max_seq_len=512" in m
+               for m in said), said
+    data.write_text(json.dumps(long) + "\n")
+    with pytest.raises(ValueError, match=r"1 of 1 sequences \(.*lines 1\) are longer than the "
+                       r"model's max_seq_len=512, below train.pack_len=1024, .*none is left to train on"):
+      trainer.warm_start()
+  finally:
+    trainer.close()
+
+
 def test_sample_dumps_and_chat_jsonl_are_utf8_whatever_the_locale(tmp_path):
   """Under an ASCII locale (no UTF-8 mode) the sample dump of a non-ASCII completion raised
   UnicodeEncodeError, ending the run, and a UTF-8 chat JSONL could not be read."""
