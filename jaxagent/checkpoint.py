@@ -397,6 +397,12 @@ class CheckpointManager:
   def __init__(self, directory: str | os.PathLike, cfg: CheckpointConfig = CheckpointConfig(),
                *, say: Callable[[str], None] | None = None, read_only: bool = False):
     self.directory = as_path(directory)
+    # A file there listed no checkpoints (a resume started from scratch) and then every save
+    # failed in orbax's background threads, after the warm start and the first steps' work.
+    if self.directory.exists() and not self.directory.is_dir():
+      raise CheckpointError(f"the checkpoint directory {self.directory} is a file, not a "
+                            "directory: move it away, or set checkpoint_dir (or workdir) to "
+                            "a directory")
     self.cfg = cfg
     self.read_only = read_only
     self.say = say or log.warning

@@ -141,6 +141,20 @@ def test_numbered_folders_that_are_not_checkpoints_are_refused_and_kept(tmp_path
     ro.read_meta(7)
 
 
+def test_a_checkpoint_directory_that_is_a_file_is_refused_at_once(tmp_path):
+  """A file at the checkpoint path listed no checkpoints, so the run started from scratch, and
+  then its first save failed in orbax's background threads (NotADirectoryError on
+  `<path>/0.orbax-checkpoint-tmp`, then a 300 s wait for a signal that never came)."""
+  path = tmp_path / "checkpoints"
+  path.write_text("not a directory")
+  for read_only in (False, True):
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=rf"checkpoint directory {path} is a file, not a directory"):
+      checkpoint.CheckpointManager(path, checkpoint.CheckpointConfig(every=1),
+                                   read_only=read_only)
+  assert path.read_text() == "not a directory"
+
+
 def test_retention_deletes_only_this_runs_checkpoints(tmp_path):
   # Two runs (other seeds) writing into one directory, and a user's folder that appears while
   # they run: each run's retention keeps its own newest 2 and touches nothing else.
