@@ -67,10 +67,10 @@ _TEXT_LETTERS = re.compile(r"\\text\s*\{\s*(\(?[A-Z]\)?(?:\s*,\s*\(?[A-Z]\)?)+)\
 # A word of prose that holds LaTeX ("2\sqrt{2}", "3\pi", "2^{10}", "\frac{1}{2}"), with the
 # punctuation after it; math-verify finds LaTeX in prose only between delimiters, and read "We get
 # 2\sqrt{2}" as 2. A word that starts with a letter is left ("5 cm^2" is 5 with a unit). A
-# factorial before a space ("3! ways, so 6") is such a word too: math-verify read it as 3, a
-# second value beside 6.
+# factorial before a space, a comma or a semicolon ("3! ways, so 6", "3!, so 6") is such a word
+# too: math-verify read it as 3, a second value beside 6.
 _UNDELIMITED_MATH = re.compile(
-    r"(?<!\S)(?=[-+(\\\d])([^\s$]*(?:\\[A-Za-z]|\^|(?<=[\d)])!(?=\s))[^\s$]*?)([.,;:!?]*)(?!\S)")
+    r"(?<!\S)(?=[-+(\\\d])([^\s$]*(?:\\[A-Za-z]|\^|(?<=[\d)])!(?=[,;]?\s))[^\s$]*?)([.,;:!?]*)(?!\S)")
 # A logical or between answers ("x = 2 \lor x = 3"), which math-verify reads as the chain
 # x = (2 \lor x) = 3, that is 3; "\text{ or }" it reads as the set of both.
 _LOGICAL_OR = re.compile(r"\\(?:lor|vee)(?![A-Za-z])")

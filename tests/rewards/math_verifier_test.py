@@ -331,6 +331,7 @@ EQUAL = [
     # a hedge, and scored 0).
     ("3! ways, so 6", "6"),
     ("There are 3! ways, so 6.", "6"),
+    ("There are 3!, so 6 ways.", "6"),
     ("We count 4! orders, so 24 in all.", "24"),
     # n!! is the double factorial n(n-2)(n-4)..., not (n!)! as math-verify reads it (3!! read 720).
     ("3!!", "3"),
@@ -487,6 +488,7 @@ NOT_EQUAL = [
     ("The answer is 18!", "6402373705728000"),  # an exclamation, not 18!
     ("3! ways, so 6", "3"),
     ("3! ways, so 6", "720"),
+    ("There are 3!, so 6 ways.", "3"),
     ("3!!", "720"),
     ("3\u20135", "-5"),  # a range, no minus
     ("3\u20135", "-2"),
