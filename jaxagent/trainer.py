@@ -1083,7 +1083,8 @@ class Trainer:
               f"warning: RL step {step}" + (f", epoch {epoch + 1} of {epochs}" if epochs > 1
                                             else "")
               + f": non-finite {', '.join(bad)}; the update was skipped (train.nonfinite="
-              "'skip'): params and optimizer state are unchanged (train/nonfinite=1)")
+              "'skip'): params, optimizer state and learning-rate schedule are unchanged "
+              "(train/nonfinite=1)")
         metrics.update({f"train/{k}": v for k, v in m.items()})
         skipped = max(skipped, float(m.get("nonfinite", 0.0)))
         if epoch == 0:

@@ -1043,8 +1043,8 @@ def test_a_skipped_nonfinite_update_is_said_with_its_step_and_metrics(ckpt_train
   m = trainer.rl_step(4)
   assert m["train/nonfinite"] == 1.0
   assert said == ["warning: RL step 4: non-finite loss, grad_norm; the update was skipped "
-                  "(train.nonfinite='skip'): params and optimizer state are unchanged "
-                  "(train/nonfinite=1)"]
+                  "(train.nonfinite='skip'): params, optimizer state and learning-rate "
+                  "schedule are unchanged (train/nonfinite=1)"]
   monkeypatch.setattr(trainer.learner, "train_step",
                       lambda state, batch: (state, {"loss": 0.5, "grad_norm": 1.0,
                                                     "nonfinite": 0.0}))

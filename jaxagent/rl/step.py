@@ -62,7 +62,10 @@ class StepConfig:
     entropy: compute per-token entropies (needed for `loss.entropy_coef`; else a metric only,
       not differentiated).
     nonfinite: "raise" stops with an error naming the step and metric; "skip" leaves params
-      unchanged for that step and reports `nonfinite=1`.
+      and optimizer state unchanged for that step and reports `nonfinite=1`. The optimizer's
+      update count stays too, so the learning-rate schedule (warmup, decay) and Adam's bias
+      correction count applied updates: a skipped step delays the rest of the schedule by one
+      update, while `TrainState.step` counts every step (a resume restores both as saved).
     gather_weights: with fsdp and several micro-batches, all-gather the weights once per step
       (kept split over tensor) instead of letting every micro-batch gather them again in its
       forward and backward pass. Costs one unsharded copy of the params per device (their
@@ -97,7 +100,8 @@ def make_optimizer(learning_rate: float = 1e-6, *, weight_decay: float = 0.0, b1
                    warmup_steps: int = 0, total_steps: int | None = None,
                    schedule: Literal["constant", "cosine", "linear"] = "constant"):
   """AdamW with optional global-norm clipping (`max_grad_norm` None or 0: off) and a warmup +
-  decay schedule."""
+  decay schedule over the updates applied (`warmup_steps`, `total_steps` count updates; an
+  update skipped by `StepConfig.nonfinite="skip"` or not made for lack of signal is not one)."""
   def real(name, value, ok, what):
     if (isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value)
         or not ok(value)):
