@@ -235,7 +235,11 @@ class JetStreamEngine(engine_api.Engine):
       and below the engine's `max_len` (default: the largest such).
     decode_steps: decode steps per `generate` call (see the module docstring on `max_tokens`).
     add_bos: whether JetStream should prepend BOS (default: whether the tokenizer adds one).
-    seed: sampling seed; each request gets its own rng stream (ignored when greedy).
+    seed: sampling seed (ignored when greedy). A request's tokens are drawn from (seed, its
+      number among this adapter's requests, counted from 0, position), so the same seed gives
+      the same samples again: a restarted server, or a second one with the same seed, repeats
+      the first's streams request for request. For independent streams give each server (and
+      each restart meant to differ) its own seed, e.g. its replica index or a random one.
   """
 
   def __init__(self, engine: Engine, params, tokenizer, *, max_prefill_length: int | None = None,

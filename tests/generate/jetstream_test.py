@@ -309,6 +309,29 @@ def test_bad_seed_is_refused_at_construction(js, tok, params, engine):
   js.JetStreamEngine(engine.engine, params, tok, seed=2 ** 32 - 1)
 
 
+@pytest.mark.jetstream
+def test_sampled_streams_are_a_function_of_the_seed_and_the_request_count(js, tok, cfg, params):
+  """Sampling draws from (seed, request number of this adapter, position): two adapters (two
+  servers, or a server and its restart) with one seed sample the same tokens for their n-th
+  requests, and a seed per server gives each its own streams (as the docstring and README say)."""
+  from jaxagent.generate import SamplingConfig
+  first = js.JetStreamEngine.create(params, cfg, tok, slots=1, max_len=MAX_LEN,
+                                    sampling=SamplingConfig(temperature=1.0), seed=7)
+  ids = tok.encode(TEXT)
+  padded = np.asarray(ids, np.int32)
+
+  def firsts(e, n=4):
+    return [int(e.prefill(params=e.load_params(), padded_tokens=padded,
+                          true_length=len(ids)).prefix.tokens[0]) for _ in range(n)]
+
+  a = firsts(first)
+  again = firsts(js.JetStreamEngine(first.engine, params, tok, seed=7))
+  other = firsts(js.JetStreamEngine(first.engine, params, tok, seed=8))
+  assert again == a
+  assert len(set(a)) > 1  # each request of one adapter has its own stream
+  assert other != a
+
+
 def _byte_ids(tok, text):
   """One byte-level token per UTF-8 byte of `text` (GPT-2's byte-to-unicode map)."""
   bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), 256)]
