@@ -21,7 +21,8 @@ mesh (`jaxagent.sharding.shardings`), so a checkpoint written on 8 devices loads
 with every array resharded. A save that did not finish (killed mid-write) leaves orbax's
 temporary directory behind: it is reported by name and skipped. A checkpoint that cannot be read
 is reported and the previous one is used; one written by an incompatible run (other model,
-task or seed; other array shapes) raises `IncompatibleCheckpointError` naming the differences.
+task or seed; other array shapes; other architecture settings of the model loaded under the
+same config, `check_model_config`) raises `IncompatibleCheckpointError` naming the differences.
 
 Retention (`checkpoint_keep`, `checkpoint_keep_every`) only ever deletes checkpoints of this
 run: step folders whose metadata names the same model, task and seed as the checkpoint being
@@ -671,6 +672,32 @@ class CheckpointManager:
     for step in steps:
       self._step_identity.pop(step, None)
     self._mgr.reload()
+
+
+# The `ModelConfig` fields that define the function the params compute. A resume with another
+# value of one (an HF directory whose config.json changed under the same `model.path`, a preset
+# redefined between versions) would go on training the weights as another model, with every
+# array shape and the run config the same; the other fields (kernels, remat, dtypes, which the
+# run config's identity keys cover, the longest sequence, special token ids) may change.
+MODEL_IDENTITY_FIELDS = ("architecture", "vocab_size", "d_model", "n_layers", "n_heads",
+                         "n_kv_heads", "head_dim", "ffn_dim", "rope_theta", "rope_scaling",
+                         "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm")
+
+
+def check_model_config(meta: Mapping[str, Any], cfg, path) -> None:
+  """Raise `IncompatibleCheckpointError` when `MODEL_IDENTITY_FIELDS` of the `ModelConfig`
+  a checkpoint was written with (its `model_config` metadata) differ from `cfg`'s."""
+  saved = meta.get("model_config")
+  if not isinstance(saved, Mapping):
+    return  # written without one
+  now = json.loads(json.dumps(_json_safe(dataclasses.asdict(cfg))))
+  diff = [f"model {k}: {saved[k]!r} in the checkpoint, {now.get(k)!r} now"
+          for k in MODEL_IDENTITY_FIELDS if k in saved and saved[k] != now.get(k)]
+  if diff:
+    raise IncompatibleCheckpointError(
+        f"checkpoint {path} was written by another model than the one loaded now (the same "
+        f"config, other architecture settings):\n  " + "\n  ".join(diff) +
+        "\nLoad the model it was written with, or start fresh with another workdir.")
 
 
 # ----------------------------------------------------------------------------- export

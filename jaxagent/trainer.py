@@ -1372,6 +1372,7 @@ class Trainer:
                                  ref_target=ref_target, config=self.config)
     if r is None:
       return None
+    checkpoint.check_model_config(r.meta, self.cfg, r.path)
     if not r.meta.get("warm_started"):
       raise checkpoint.CheckpointError(f"checkpoint {r.path} predates the warm start; "
                                        "this jaxagent only writes checkpoints after it")

@@ -394,6 +394,33 @@ def test_incompatible_config_and_shapes_are_named(tmp_path):
                        config=no_clip)
 
 
+def test_another_model_architecture_under_the_same_config_is_named(tmp_path):
+  """Same run config, same array shapes, another function (rope_theta, norm_eps, rope scaling):
+  `check_model_config` refuses it (the trainer's resume calls it); what only changes how the
+  model is computed, or its longest sequence, passes."""
+  learner = _learner(1)
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1))
+  mgr.save(3, learner.init(_initial_params()),
+           meta={**_meta(_config()), "model_config": dataclasses.asdict(CFG)})
+  mgr.wait()
+  meta = mgr.read_meta(3)
+  mgr.close()
+  path = tmp_path / "3"
+  checkpoint.check_model_config(meta, CFG, path)
+  checkpoint.check_model_config(meta, dataclasses.replace(
+      CFG, remat="full", attention_impl="xla", scan_layers=False, max_seq_len=64), path)
+  checkpoint.check_model_config({"model_config": None}, CFG, path)  # written without one
+  other = dataclasses.replace(CFG, rope_theta=5e5, norm_eps=1e-6,
+                              rope_scaling=(8.0, 1.0, 4.0, 256))
+  with pytest.raises(checkpoint.IncompatibleCheckpointError) as e:
+    checkpoint.check_model_config(meta, other, path)
+  msg = str(e.value)
+  assert f"checkpoint {path} was written by another model" in msg
+  assert f"model rope_theta: {CFG.rope_theta!r} in the checkpoint, 500000.0 now" in msg
+  assert f"model norm_eps: {CFG.norm_eps!r} in the checkpoint, 1e-06 now" in msg
+  assert "model rope_scaling: None in the checkpoint, [8.0, 1.0, 4.0, 256] now" in msg
+
+
 def test_runtime_model_settings_may_change_on_resume(tmp_path):
   """Every model.* and env.* change was refused: a run that ran out of memory could not resume
   with model.remat changed, nor on another machine with its task data elsewhere."""

@@ -1391,6 +1391,32 @@ def test_resuming_over_changed_train_examples_is_named(tmp_path, monkeypatch, ca
           "from position 5" in out), out
 
 
+@pytest.mark.slow  # a Trainer of its own (10 s); checkpoint_test checks the comparison
+def test_resuming_with_another_model_architecture_is_refused(tmp_path):
+  """The same config and the same array shapes, but a model that computes another function
+  (an HF directory's config.json with another rope_theta under the same model.path): the run
+  resumed and trained the weights as the other model. Refused now, naming the field; a
+  runtime setting of the model (remat) may still change."""
+  import dataclasses
+  from jaxagent import checkpoint
+  trainer = Trainer(_tiny(tmp_path, checkpoint_every=1, checkpoint_async=False))
+  try:
+    trainer.warm_started = True
+    trainer.save_checkpoint(0, wait=True)
+    cfg = trainer.cfg
+    trainer.cfg = dataclasses.replace(cfg, rope_theta=cfg.rope_theta * 50)
+    trainer._restore_done = False
+    with pytest.raises(checkpoint.IncompatibleCheckpointError,
+                       match=rf"another model .*\n  model rope_theta: {cfg.rope_theta!r} in "
+                       rf"the checkpoint, {cfg.rope_theta * 50!r} now"):
+      trainer.restore()
+    trainer.cfg = dataclasses.replace(cfg, remat="full", max_seq_len=256)
+    trainer._restore_done = False
+    assert trainer.restore() == 0
+  finally:
+    trainer.close()
+
+
 def test_a_task_whose_examples_raise_is_named_and_eval_size_0_reads_no_eval_split(
     tmp_path, monkeypatch):
   """A task of one's own reading a truncated data file reached the launcher as the bare
