@@ -90,7 +90,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       row_rounding="multiple",
       time_limit_s=0.0))  # RL wall-clock budget in s (0: none): final eval + checkpoint, then stop
   # SFT warm start (steps=0: none): on num_examples of the task's demonstrations, or on the
-  # chat JSONL file `data` ({"messages": [...]} per line; loss on assistant turns).
+  # chat JSONL file `data` ({"messages": [...]} per line; loss on assistant turns). Its Adam has
+  # its own lr and warmup, optimizer.max_grad_norm and Adam's default b1, b2 (0.9, 0.999) with no
+  # weight decay: optimizer.b1, b2 and weight_decay are the RL updates' only.
   c.sft = ml_collections.ConfigDict(dict(
       steps=8, batch_size=16, lr=3e-5, num_examples=256, data="", warmup_steps=0))
   # Held-out eval on the first `size` examples: greedy pass@1 (and pass@k with pass_k > 1

@@ -310,6 +310,8 @@ def learner_parts(config):
   # The warm start fits the model's own distribution to the demonstrations (temperature 1),
   # whatever temperature the rollouts then sample at.
   sft_scfg = dataclasses.replace(scfg, objective="sft", entropy=False, temperature=1.0)
+  # Adam's default moments and no weight decay: optimizer.b1 / b2 / weight_decay are the RL
+  # updates' (README, "Your own task").
   sft_opt = make_optimizer(s.lr, max_grad_norm=opt.max_grad_norm,
                            warmup_steps=s.get("warmup_steps", 0))
   return (scfg, rl_opt), (sft_scfg, sft_opt)
