@@ -83,6 +83,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent import sharding as shd
+from jaxagent._token_ids import token_ids
 from jaxagent.generate.engine import STOP_LENGTH, DecodeState, Engine, EngineConfig, Prefix
 from jaxagent.generate.sampling import SamplingConfig
 from jaxagent.generate.scheduler import _adds_bos
@@ -335,12 +336,7 @@ class JetStreamEngine(engine_api.Engine):
     if isinstance(content, str):
       ids = self.tokenizer.encode(content)
     elif isinstance(content, (list, tuple, np.ndarray)):
-      ids = list(content)
-      bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, (int, np.integer))
-             or not 0 <= int(t) < self.cfg.vocab_size]
-      if bad:
-        raise ValueError(f"prompt token ids must be ints in [0, {self.cfg.vocab_size}); got "
-                         f"{bad[:5]}")
+      ids = token_ids(content, "the prompt", self.cfg.vocab_size)
     else:
       raise ValueError(f"prompt must be a str or a sequence of token ids, got "
                        f"{type(content).__name__}")

@@ -125,8 +125,12 @@ def test_create_refuses_eos_ids_that_are_not_vocabulary_ints(js, tok, cfg, param
   assert engine.engine.ecfg.eos_ids == tuple(sorted(tok.eos_ids))
   assert engine.jetstream_tokenizer.stop_tokens == set(tok.eos_ids)
   # A bool was served as token id 1, and max_tokens=True as 1.
-  with pytest.raises(ValueError, match=r"prompt token ids must be ints .* got \[True\]"):
+  with pytest.raises(ValueError, match=r"the prompt has a bool \(True\) at position 0"):
     engine.check_request([True, 3], 4)
+  with pytest.raises(ValueError, match=rf"the prompt has token id {cfg.vocab_size} outside"):
+    engine.check_request([1, cfg.vocab_size], 4)
+  with pytest.raises(ValueError, match="the prompt must be a flat sequence of integer token ids"):
+    engine.check_request(np.array([1.0, 2.0]), 4)
   with pytest.raises(ValueError, match="max_tokens must be a positive int, got True"):
     engine.check_request([1, 3], True)
   engine.check_request([1, 3], np.int64(4))
@@ -146,7 +150,7 @@ def test_driver_serves_concurrent_requests_like_generate(js, cfg, tok, engine, r
 
   async def run():
     try:
-      bad = [([cfg.vocab_size + 5, 1], 5, "token ids"), ([], 5, "empty"),
+      bad = [([cfg.vocab_size + 5, 1], 5, "outside the model.s vocabulary"), ([], 5, "empty"),
              (list(range(1, 70)), 5, "max_prefill_length"), (TEXT, 0, "max_tokens"),
              (TEXT.encode(), 5, "prompt is bytes")]  # was served as the bytes' values
       for prompt, max_tokens, why in bad:  # rejected in this thread; the Driver keeps running
@@ -226,7 +230,7 @@ def test_grpc_server_streams_tokens_and_rejects_bad_requests(js, cfg, engine, re
 
       want = reference[1]
       assert decode(_token_prompts(cfg)[0], MAX_TOKENS[1]) == want[1]
-      with pytest.raises(grpc.RpcError, match="token ids") as e:  # fails this call, not the server
+      with pytest.raises(grpc.RpcError, match="outside the model.s vocabulary") as e:  # fails this call, not the server
         decode([cfg.vocab_size + 1], 5)
       assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
       with pytest.raises(grpc.RpcError, match="needs text_content or token_content") as e:
