@@ -230,7 +230,8 @@ def test_grpc_server_streams_tokens_and_rejects_bad_requests(js, cfg, engine, re
 
       want = reference[1]
       assert decode(_token_prompts(cfg)[0], MAX_TOKENS[1]) == want[1]
-      with pytest.raises(grpc.RpcError, match="outside the model.s vocabulary") as e:  # fails this call, not the server
+      # It fails this call, not the server.
+      with pytest.raises(grpc.RpcError, match="outside the model.s vocabulary") as e:
         decode([cfg.vocab_size + 1], 5)
       assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
       with pytest.raises(grpc.RpcError, match="needs text_content or token_content") as e:
