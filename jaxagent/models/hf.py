@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import shutil
 from typing import Any, Mapping
 
 import jax
@@ -354,7 +355,10 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
   """Write `config.json` + `model.safetensors` (+ tokenizer files when given) to `path`.
 
   Without a tokenizer, a `path` that already holds tokenizer files (an earlier export's) is
-  refused with FileExistsError before anything is written."""
+  refused with FileExistsError before anything is written. Every file is written in full
+  under a hidden staging folder first and moved into place only when all are complete, so an
+  export that fails (a full disk, an unreadable generation_config.json there) leaves `path`
+  as it was."""
   from safetensors.numpy import save_file
 
   out = pathlib.Path(path)
@@ -382,22 +386,63 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
   if tokenizer is not None and not hasattr(tokenizer, "save"):
     raise TypeError(f"save_hf: tokenizer must be a jaxagent Tokenizer (load_tokenizer), got "
                     f"{type(tokenizer).__name__}; its files would not be written")
+  gen = out / "generation_config.json"
+  if tokenizer is not None and gen.is_file():  # the tokenizer adds its stop ids to it
+    try:
+      gen_ok = isinstance(json.loads(gen.read_text(encoding="utf-8")), dict)
+    except (ValueError, UnicodeDecodeError):
+      gen_ok = False
+    if not gen_ok:
+      raise ValueError(f"{gen} is not a JSON object: the tokenizer writes its stop ids into it "
+                       "(keeping its other keys); fix or remove it")
   out.mkdir(parents=True, exist_ok=True)
-  # Both files are written under temporary names (that no loader globs) and renamed into place
-  # once complete, weights first: a write that fails (a full disk, a kill) leaves an earlier
-  # export as it was, not a new config.json beside truncated or old weights.
-  tmp_cfg, tmp_weights = out / ".config.json.partial", out / ".model-weights.partial"
+  # A hidden folder inside `out` (no loader looks into it; renames out of it stay on one file
+  # system). One left by an export that was killed is ours to replace.
+  stage = out / ".save_hf.partial"
+  shutil.rmtree(stage, ignore_errors=True)
+  stage.mkdir()
   try:
-    tmp_cfg.write_text(json.dumps(hf_cfg, indent=2))
-    save_file(sd, str(tmp_weights), metadata={"format": "pt"})
+    (stage / "config.json").write_text(json.dumps(hf_cfg, indent=2))
+    save_file(sd, str(stage / "model.safetensors"), metadata={"format": "pt"})
     # The safetensors writer creates its file owner-only (0600) whatever the umask; give it the
     # mode of the other files written here, so others who can read config.json can load it.
-    tmp_weights.chmod(0o666 & ~_umask())
-    os.replace(tmp_weights, out / "model.safetensors")
-    os.replace(tmp_cfg, out / "config.json")
+    (stage / "model.safetensors").chmod(0o666 & ~_umask())
+    if tokenizer is not None:
+      # The tokenizer writes into copies of the tokenizer files `out` holds, so the stage ends
+      # up as `tokenizer.save(out)` would leave them (other keys of generation_config.json kept,
+      # an earlier tokenizer's chat templates removed), and its errors come before any move.
+      for name in _TOKENIZER_FILES:
+        if (out / name).is_dir():
+          shutil.copytree(out / name, stage / name)
+        elif (out / name).is_file():
+          shutil.copy2(out / name, stage / name)
+      tokenizer.save(stage)
+      _move_tokenizer_files(stage, out)
+    # config.json last: until it is in place a new directory does not load as a model.
+    os.replace(stage / "model.safetensors", out / "model.safetensors")
+    os.replace(stage / "config.json", out / "config.json")
   finally:
-    tmp_cfg.unlink(missing_ok=True)
-    tmp_weights.unlink(missing_ok=True)
-  if tokenizer is not None:
-    tokenizer.save(out)
+    shutil.rmtree(stage, ignore_errors=True)
   return out
+
+
+def _move_tokenizer_files(stage: pathlib.Path, out: pathlib.Path) -> None:
+  """The staged tokenizer files into `out`; those the tokenizer removed from the stage (copies
+  of `out`'s) are removed from `out`."""
+  for name in _TOKENIZER_FILES:
+    src, dst = stage / name, out / name
+    if src.is_dir():  # a folder of named chat templates
+      dst.mkdir(exist_ok=True)
+      for p in dst.iterdir():
+        if p.is_file() and not (src / p.name).exists():
+          p.unlink()
+      for p in src.iterdir():
+        if p.is_file():
+          os.replace(p, dst / p.name)
+    elif src.is_file():
+      os.replace(src, dst)
+    elif dst.is_file():
+      dst.unlink()
+  for p in stage.iterdir():  # any other file the tokenizer writes
+    if p.is_file() and p.name not in ("config.json", "model.safetensors"):
+      os.replace(p, out / p.name)

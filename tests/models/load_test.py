@@ -1,5 +1,7 @@
 """The embedded real model end to end, and clear errors for bad checkpoints."""
 import json
+import pathlib
+import re
 
 import jax
 import numpy as np
@@ -342,3 +344,68 @@ def test_save_hf_refuses_params_that_do_not_match_the_config(tmp_path):
   with pytest.raises(TypeError, match="tokenizer must be a jaxagent Tokenizer.*got str"):
     models.save_hf(path, cfg, params, tokenizer="smollm2-135m-instruct")
   assert (path / "config.json").read_text() == before  # the earlier export is left as it was
+
+
+def _tiny_tokenizer(eos="</s>"):
+  import tokenizers
+
+  from jaxagent.models.tokenizer import Tokenizer
+  return Tokenizer(tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, eos: 1}, "a")),
+                   eos_token=eos)
+
+
+def test_a_save_hf_whose_tokenizer_fails_leaves_the_earlier_export(tmp_path, monkeypatch):
+  """The tokenizer was saved after the new weights and config.json were in place: a tokenizer
+  that failed to write (a full disk) or a generation_config.json it could not read left the
+  new weights beside the earlier export's tokenizer."""
+  cfg, path = _save_tiny(tmp_path)
+  tok = _tiny_tokenizer()
+  tok.save(path)
+  (path / "generation_config.json").write_text("{not json")
+  before = {p.name: p.read_bytes() for p in path.iterdir()}
+  new = models.init_params(cfg, jax.random.key(1))
+  with pytest.raises(ValueError) as e:
+    models.save_hf(path, cfg, new, tok)
+  assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+  assert re.match(re.escape(f"{path / 'generation_config.json'} is not a JSON object"),
+                  str(e.value))
+  (path / "generation_config.json").write_text("{}")
+  before = {p.name: p.read_bytes() for p in path.iterdir()}
+  other = _tiny_tokenizer("<eos>")
+
+  def full_disk(directory):
+    (pathlib.Path(directory) / "tokenizer.json").write_text("{")  # a partial file, then
+    raise OSError(28, "No space left on device")
+
+  monkeypatch.setattr(other, "save", full_disk)
+  with pytest.raises(OSError, match="No space left"):
+    models.save_hf(path, cfg, new, other)
+  assert {p.name: p.read_bytes() for p in path.iterdir()} == before  # nothing moved, no stage
+
+
+def test_save_hf_with_a_tokenizer_leaves_what_tokenizer_save_leaves(tmp_path):
+  # Staged, the tokenizer still keeps generation_config.json's other keys and removes an
+  # earlier tokenizer's chat templates from the export directory.
+  cfg, path = _save_tiny(tmp_path)
+  _tiny_tokenizer().save(path)
+  (path / "generation_config.json").write_text(json.dumps({"temperature": 0.7,
+                                                           "eos_token_id": 9}))
+  (path / "chat_template.jinja").write_text("old")
+  (path / "additional_chat_templates").mkdir()
+  (path / "additional_chat_templates" / "tool_use.jinja").write_text("old")
+  (path / "vocab.json").write_text("{}")
+  params = models.init_params(cfg, jax.random.key(1))
+  tok = _tiny_tokenizer("<eos>")
+  models.save_hf(path, cfg, params, tok)
+  assert json.loads((path / "generation_config.json").read_text()) == {"temperature": 0.7,
+                                                                       "eos_token_id": 1}
+  assert not (path / "chat_template.jinja").exists()
+  assert not list((path / "additional_chat_templates").iterdir())
+  assert (path / "vocab.json").read_text() == "{}"  # not the tokenizer's: kept, as save keeps it
+  assert sorted(p.name for p in path.iterdir()) == [
+      "additional_chat_templates", "config.json", "generation_config.json", "model.safetensors",
+      "tokenizer.json", "tokenizer_config.json", "vocab.json"]
+  assert models.load_tokenizer(path).eos_id == 1
+  assert "<eos>" in (path / "tokenizer.json").read_text()
+  for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(models.load(path)[1])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
