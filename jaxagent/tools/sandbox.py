@@ -24,9 +24,10 @@ its value printed. Before any user code runs, the child applies, in order:
      else fail with EROFS at the kernel level; `deny_read_paths` are covered by an empty
      read-only tmpfs (a directory) or /dev/null (a file), so not even code that gets past the
      audit hook reads them;
-   * a PID namespace whose init is the user code's process, with the parent-death signal set:
-     host PIDs cannot be named (so the parent cannot be signalled) and killing the sandbox kills
-     every process it started, even ones that called setsid();
+   * a PID namespace, with the parent-death signal set: host PIDs cannot be named (so the
+     parent cannot be signalled) and killing the sandbox kills every process it started, even
+     ones that called setsid(). Its init only waits; the user code runs in its child, so that
+     signals end it as they end any program (an init ignores those it has no handler for);
    then drops every capability (bounding set included) and sets no_new_privs, so none of this can
    be undone from inside.
 2. Resource limits: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_NPROC, RLIMIT_FSIZE, RLIMIT_NOFILE,

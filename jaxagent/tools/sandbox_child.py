@@ -124,9 +124,16 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
             pass
     die_with_host()  # again: a change of credentials (entering a user namespace) may clear it
     if facts["pid_namespace"]:
+        # The namespace's init passes on here the signal that killed the user code (an init
+        # cannot die of a signal it sends itself, so it cannot mirror one by its own death).
+        killed_r, killed_w = os.pipe()
         pid = os.fork()
         if pid:  # outside the namespace: wait for its init, mirror how it ended, never run user code
+            os.close(killed_w)
             status = os.waitpid(pid, 0)[1]
+            killed = os.read(killed_r, 1)
+            if killed and not os.WIFSIGNALED(status):
+                status = killed[0]  # a wait status of death by that signal
             if os.WIFSIGNALED(status):
                 sig = os.WTERMSIG(status)
                 if sig != signal.SIGKILL:  # its action cannot be set (EINVAL), and needs not be
@@ -145,6 +152,30 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
         facts["capabilities_dropped"] = libc.capset(header, data) == 0
     facts["no_new_privs"] = libc.prctl(38, 1, 0, 0, 0) == 0
     facts["nproc_limit_effective"] = os.getuid() != 0
+    if facts["pid_namespace"]:
+        # The user code must not be the namespace's init: the kernel drops every signal an init
+        # has no handler for, so `os.kill(os.getpid(), SIGTERM)`, `signal.alarm` or `abort()`
+        # did not end the program (it printed on, reported ok). This process stays as the init:
+        # it reaps orphans, waits for the user code and reports how that ended.
+        child = os.fork()
+        if child:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)  # ignored, as an init without handlers
+            for fd in (0, 1, 2, ctrl, killed_r):
+                os.close(fd)
+            while True:
+                try:
+                    pid, status = os.wait()
+                except ChildProcessError:
+                    os._exit(1)
+                if pid == child:
+                    break
+            if os.WIFSIGNALED(status):
+                os.write(killed_w, bytes([os.WTERMSIG(status)]))
+                os._exit(1)
+            os._exit(os.waitstatus_to_exitcode(status) & 0xFF)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG: ends with the init
+        os.close(killed_r)
+        os.close(killed_w)
 
     def limit(res, soft, hard=None):
         try:

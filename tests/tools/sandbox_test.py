@@ -97,6 +97,22 @@ def test_stderr_exit_codes_and_stdin():
     assert "EOFError" in run("input()", FULL)[0].error
 
 
+@MODES
+@pytest.mark.parametrize("code,signal_name", [
+    ("import os, signal\nos.kill(os.getpid(), signal.SIGTERM)", "SIGTERM"),
+    ("import signal\nsignal.raise_signal(signal.SIGUSR1)", "SIGUSR1"),
+    ("import signal, time\nsignal.alarm(1)\ntime.sleep(3)", "SIGALRM"),
+    ("import os\nos.abort()", "SIGABRT"),
+])
+def test_a_program_ended_by_its_own_signal_is_reported_so(config, code, signal_name):
+    """In a PID namespace the code was the namespace's init, whose kernel drops signals it has no
+    handler for: it printed on after them and reported ok (abort() as SIGSEGV)."""
+    result, seconds = run(code + "\nprint('still running')", config, timeout_s=5.0)
+    assert not result.ok and "still running" not in result.output, result
+    assert f"killed by {signal_name}" in result.error, result.error
+    assert seconds < 4
+
+
 def test_environment_is_minimal_and_secrets_are_not_inherited(monkeypatch):
     monkeypatch.setenv("JAXAGENT_TEST_SECRET", "hunter2")
     result, _ = run("import os\nprint(sorted(os.environ))\nprint(os.environ['HOME'] == os.getcwd())", FULL)
@@ -526,7 +542,7 @@ def test_pid_namespace_alone_hides_host_processes(isolation):
     me = os.getpid()
     result, _ = run(f"import os\nprint(os.getpid(), os.getppid())\nos.kill({me}, 9)", config)
     assert not result.ok and "ProcessLookupError" in result.error
-    assert result.output == "1 0\n"
+    assert result.output == "2 1\n"  # the namespace's init is its parent
     assert psutil.Process(me).is_running()
     # A process that leaves the session is still ended with the namespace.
     escaped, _ = run("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\ntime.sleep(60)",
