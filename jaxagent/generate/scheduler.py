@@ -10,6 +10,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Sequence
 
@@ -280,6 +281,16 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
   return results  # type: ignore[return-value]
 
 
+def _takes_keyword(fn, name: str) -> bool:
+  """Whether `fn` accepts the keyword argument `name` (True when its signature is unknown)."""
+  try:
+    params = inspect.signature(fn).parameters.values()
+  except (TypeError, ValueError):  # a builtin or C extension: let the call tell
+    return True
+  return any(p.kind is p.VAR_KEYWORD or (p.name == name and p.kind is not p.POSITIONAL_ONLY)
+             for p in params)
+
+
 def _adds_bos(tokenizer) -> bool:
   """Whether the tokenizer's own encoding of a text starts with its BOS token."""
   bos = tokenizer.bos_id
@@ -317,6 +328,11 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
   slots = int(slots)
   if not isinstance(skip_special_tokens, (bool, np.bool_)):
     raise ValueError(f"skip_special_tokens must be a bool, got {skip_special_tokens!r}")
+  if tokenizer is not None and not _takes_keyword(tokenizer.decode, "skip_special_tokens"):
+    # Else the TypeError came after every request had run, and their tokens were lost.
+    raise ValueError(f"{type(tokenizer).__name__}.decode takes no skip_special_tokens argument, "
+                     "which generate passes to decode `Completion.text`: add it, or pass "
+                     "tokenizer=None (token-id prompts and stops) and decode the tokens yourself")
   if isinstance(prompts, (np.ndarray, jax.Array)):  # one prompt [T] or a batch [B, T]
     prompts = np.asarray(prompts).tolist()
   if isinstance(prompts, (str, bytes, bytearray)):

@@ -304,6 +304,25 @@ def test_completion_text_leaves_out_special_tokens_and_keeps_the_ids(params, mon
   assert (kept.tokens, kept.text) == (ids, "w7 w3 <|im_end|>")
   with pytest.raises(ValueError, match="skip_special_tokens must be a bool"):
     generate(params, CFG, [[3, 1, 4]], 6, tokenizer=tok, skip_special_tokens="no")
+  # A tokenizer whose decode takes no such argument failed with a TypeError after every
+  # request had run (their tokens lost); now before any runs. One with **kwargs is fine.
+  seen.clear()
+
+  class Plain:
+    eos_ids = {CFG.vocab_size - 1}
+
+    def decode(self, ids):
+      return tok.decode(ids)
+
+  with pytest.raises(ValueError, match="Plain.decode takes no skip_special_tokens argument"):
+    generate(params, CFG, [[3, 1, 4]], 6, tokenizer=Plain())
+  assert seen == []
+
+  class Kwargs(Plain):
+    def decode(self, ids, **kw):
+      return tok.decode(ids, **kw)
+
+  assert generate(params, CFG, [[3, 1, 4]], 6, tokenizer=Kwargs())[0].text == "w7 w3"
 
 
 def test_host_stops_and_slot_reuse_leave_each_request_as_if_alone(params, engine):
