@@ -97,23 +97,39 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
                        f"expects {tuple(expected)}")
     return w
 
+  def cast(name: str, w: np.ndarray) -> np.ndarray:
+    """`w` in the param dtype; NaN / Inf (a corrupt file, or values past float16's range)
+    would make every logit NaN, or wrong, with no error until training or sampling."""
+    with np.errstate(over="ignore", invalid="ignore"):
+      out = w.astype(np_dtype)
+    if not np.isfinite(out).all():
+      stored = np.asarray(sd[name]).astype(np.float32)
+      if not np.isfinite(stored).all():
+        raise ValueError(f"{source}: tensor {name!r} holds {np.sum(~np.isfinite(stored))} NaN "
+                         "or Inf values: the checkpoint is corrupt (re-download or re-export it)")
+      raise ValueError(f"{source}: tensor {name!r} has values up to {np.abs(stored).max():g}, "
+                       f"beyond the range of {np_dtype.name}; load it in a wider param dtype "
+                       "(dtype= / param_dtype='float32' or 'bfloat16')")
+    return out
+
   layers = {}
   for key, (shape, _, _) in specs["layers"].items():
     suffix, kind = _LAYER_KEYS[key]
     per = []
     for i in range(cfg.n_layers):
-      w = take(f"model.layers.{i}.{suffix}", _expected_hf_shape(kind, cfg, shape[1:]))
-      per.append(_to_ours(kind, w.astype(np.float32), cfg).astype(np_dtype))
+      name = f"model.layers.{i}.{suffix}"
+      w = take(name, _expected_hf_shape(kind, cfg, shape[1:]))
+      per.append(cast(name, _to_ours(kind, w.astype(np.float32), cfg)))
     layers[key] = np.stack(per)
   arrays: dict[str, Any] = {
-      "embed": take("model.embed_tokens.weight",
-                    (cfg.vocab_size, cfg.d_model)).astype(np_dtype),
+      "embed": cast("model.embed_tokens.weight",
+                    take("model.embed_tokens.weight", (cfg.vocab_size, cfg.d_model))),
       "layers": layers,
-      "final_norm": take("model.norm.weight", (cfg.d_model,)).astype(np_dtype),
+      "final_norm": cast("model.norm.weight", take("model.norm.weight", (cfg.d_model,))),
   }
   if not cfg.tie_embeddings:
-    arrays["lm_head"] = take("lm_head.weight",
-                             (cfg.vocab_size, cfg.d_model)).T.astype(np_dtype)
+    arrays["lm_head"] = cast("lm_head.weight",
+                             take("lm_head.weight", (cfg.vocab_size, cfg.d_model)).T)
   if cfg.architecture in ("llama", "qwen3") and cfg.qkv_bias:
     # transformers' class for this config has an output projection bias; the model here has
     # none, so only zeros (what save_hf writes) compute the same function.

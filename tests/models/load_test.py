@@ -409,3 +409,26 @@ def test_save_hf_with_a_tokenizer_leaves_what_tokenizer_save_leaves(tmp_path):
   assert "<eos>" in (path / "tokenizer.json").read_text()
   for a, b in zip(jax.tree.leaves(params), jax.tree.leaves(models.load(path)[1])):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
+  """NaN weights in a checkpoint, or float32 values past float16's range loaded as float16,
+  loaded silently: every logit NaN or wrong, with no error until training or sampling."""
+  from safetensors.numpy import load_file, save_file
+  cfg, path = _save_tiny(tmp_path)
+  good = load_file(str(path / "model.safetensors"))
+  sd = dict(good)
+  sd["model.layers.1.mlp.up_proj.weight"] = sd["model.layers.1.mlp.up_proj.weight"].copy()
+  sd["model.layers.1.mlp.up_proj.weight"][3, 5] = np.nan
+  save_file(sd, str(path / "model.safetensors"))
+  with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight' holds 1 NaN "
+                     "or Inf values: the checkpoint is corrupt"):
+    models.load(path)
+  sd = dict(good, **{"model.norm.weight": np.full(cfg.d_model, 1e5, np.float32)})
+  save_file(sd, str(path / "model.safetensors"))
+  loaded_cfg, params = models.load(path)  # float32 holds them
+  np.testing.assert_array_equal(np.asarray(params["final_norm"].value), sd["model.norm.weight"])
+  with pytest.raises(ValueError, match=r"'model\.norm\.weight' has values up to 100000, beyond "
+                     "the range of float16"):
+    models.load(path, dtype="float16")
+  assert models.load(path, dtype="bfloat16")[0].param_dtype == "bfloat16"
