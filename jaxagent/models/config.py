@@ -259,7 +259,10 @@ class ModelConfig:
     # Llama / Qwen3 with attention_bias=True also bias the output projection, which the model
     # here lacks: such a config loads as qkv_bias=True, and the weight loader accepts an
     # o_proj.bias only when it is all zeros (as save_hf writes it) and refuses any other.
-    window = hf.get("sliding_window")
+    mistral = model_type == "mistral" or "MistralForCausalLM" in archs
+    # transformers' Mistral config defaults sliding_window to 4096: a config.json without the
+    # key gets that window there.
+    window = hf.get("sliding_window", 4096 if mistral else None)
     if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float))):
       raise ValueError(f"HF config: sliding_window={window!r} must be a number or null")
     # transformers 5.x writes rope settings under `rope_parameters`; released checkpoints
@@ -321,7 +324,6 @@ class ModelConfig:
     # transformers' Qwen3 config defaults head_dim to 128 (not hidden_size / heads).
     head_dim = hf.get("head_dim") or (128 if arch == "qwen3" and "head_dim" not in hf
                                       else need("hidden_size") // n_heads)
-    mistral = model_type == "mistral" or "MistralForCausalLM" in archs
     # A null num_key_value_heads means one per query head (plain multi-head attention); a
     # missing one takes the default of transformers' config class, which is 32 for Qwen2 / Qwen3
     # and 8 for Mistral, not the head count.

@@ -228,6 +228,18 @@ def test_from_hf_refuses_a_mistral_window_shorter_than_the_sequences(hf):
     ModelConfig.from_hf(hf, max_seq_len=17)
 
 
+def test_from_hf_a_mistral_config_without_sliding_window_has_transformers_default_window():
+  # transformers' MistralConfig defaults sliding_window to 4096; such a config loaded with full
+  # attention over 8192 tokens.
+  hf = {**_HF_MISTRAL, "max_position_embeddings": 8192}
+  with pytest.raises(ValueError, match=r"sliding_window=4096\) is not supported.*pass "
+                     "max_seq_len=4096"):
+    ModelConfig.from_hf(hf)
+  assert ModelConfig.from_hf(hf, max_seq_len=4096).max_seq_len == 4096
+  # Llama has no window: the same fields under it load as they are.
+  assert ModelConfig.from_hf({**_HF_LLAMA, "max_position_embeddings": 8192}).max_seq_len == 8192
+
+
 def test_from_hf_mistral_windows_that_mask_nothing_are_accepted():
   assert ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": None}).max_seq_len == 512
   assert ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": 512}).max_seq_len == 512
