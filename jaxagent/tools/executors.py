@@ -153,6 +153,7 @@ class _ProcessWorker:
                                 name="jaxagent-tool-worker")
         self.proc.start()
         child_conn.close()
+        self.stopped = False  # killed by the executor's shutdown during a call (`stop`)
         if not self.conn.poll(startup_timeout_s) or self.conn.recv_bytes() != b"ready":
             self.kill()
             raise RuntimeError(f"tool worker process did not start within {startup_timeout_s:g} s")
@@ -176,11 +177,26 @@ class _ProcessWorker:
             self.proc.join(timeout=1.0)  # reap it here, so its exit code is known
             code = self.proc.exitcode
             self.kill()
+            if self.stopped:
+                return ToolResult.failure(f"tool {name!r} was stopped: the tool executor was shut down during "
+                                          "the call (worker process killed)",
+                                          duration_s=time.monotonic() - start), False
             return ToolResult.failure(f"tool {name!r} crashed its worker process (exit code {code}): {e!r}",
                                       duration_s=time.monotonic() - start), False
 
+    def stop(self) -> None:
+        """SIGKILLs the worker and anything it started, from another thread than the one in
+        `run`, touching no pipe: that thread sees the worker end and reports the call stopped."""
+        self.stopped = True
+        self._kill_tree()
+
     def kill(self) -> None:
         """SIGKILLs the worker and anything it started, then reaps the worker."""
+        self._kill_tree()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+    def _kill_tree(self) -> None:
         if self.proc.pid is not None and self.proc.exitcode is None:
             try:
                 children = psutil.Process(self.proc.pid).children(recursive=True)
@@ -192,8 +208,6 @@ class _ProcessWorker:
                 except psutil.Error:
                     pass
             self.proc.kill()
-        self.proc.join(timeout=5)
-        self.conn.close()
 
 
 class _ProcessPool:
@@ -204,6 +218,7 @@ class _ProcessPool:
         self._size = size
         self.startup_timeout_s = startup_timeout_s
         self._idle: list[_ProcessWorker] = []
+        self._busy: set[_ProcessWorker] = set()
         self._count = 0
         self._closed = False
         self._cv = threading.Condition()
@@ -236,21 +251,30 @@ class _ProcessPool:
                 if self._closed:
                     raise RuntimeError("the executor is shut down")
                 if self._idle:
-                    return self._idle.pop()
+                    worker = self._idle.pop()
+                    self._busy.add(worker)
+                    return worker
                 if self._count < self._size:
                     self._count += 1
                     break
                 self._cv.wait()
         try:
-            return _ProcessWorker(self._ctx, self.startup_timeout_s)
+            worker = _ProcessWorker(self._ctx, self.startup_timeout_s)
         except BaseException:
             with self._cv:
                 self._count -= 1
                 self._cv.notify()
             raise
+        with self._cv:
+            closed = self._closed
+            self._busy.add(worker)
+        if closed:  # shut down while it started: the call is stopped like the others
+            worker.stop()
+        return worker
 
     def _release(self, worker: _ProcessWorker, usable: bool) -> None:
         with self._cv:
+            self._busy.discard(worker)
             keep = usable and not self._closed
             if keep:
                 self._idle.append(worker)
@@ -261,13 +285,17 @@ class _ProcessPool:
             worker.kill()
 
     def close(self) -> None:
+        """Kills the idle workers, and the busy ones (their calls resolve as stopped)."""
         with self._cv:
             self._closed = True
             idle, self._idle = self._idle, []
             self._count -= len(idle)
+            busy = list(self._busy)
             self._cv.notify_all()
         for worker in idle:
             worker.kill()
+        for worker in busy:
+            worker.stop()
 
     def worker_pids(self) -> list[int]:
         with self._cv:
@@ -402,7 +430,9 @@ class ToolExecutor:
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops accepting calls. With `wait`, queued calls still run and live threads are joined
-        (each bounded by its timeout); abandoned threads are never waited for."""
+        (each bounded by its timeout); abandoned threads are never waited for. Then every worker
+        process is killed: without `wait`, a process call still running resolves at once as
+        stopped (a thread cannot be killed: a thread call still resolves at its timeout)."""
         with self._lock:
             self._shutdown = True
             self._work_cv.notify_all()

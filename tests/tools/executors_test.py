@@ -350,3 +350,21 @@ def test_async_tools_are_awaited_and_cancelled_at_their_timeout():
     while ex.stats()["stuck_threads"] and time.monotonic() < deadline:
       time.sleep(0.01)
     assert ex.stats()["stuck_threads"] == 0
+
+
+def test_shutdown_without_wait_stops_running_process_calls():
+    """A process call still running at `shutdown(wait=False)` (the rollout driver's close) kept
+    its worker alive, and its future pending, until the call's own timeout (30 s here)."""
+    before = {p.pid for p in psutil.Process().children()}
+    executor = ToolExecutor(REGISTRY, process_workers=2)
+    assert executor.run("pid_in_process", {}, timeout_s=30).ok
+    futures = [executor.submit("spin_in_process", {}, timeout_s=30) for _ in range(2)]
+    time.sleep(1.0)  # both running (a second worker starts)
+    start = time.monotonic()
+    executor.shutdown(wait=False)
+    results = [f.result(timeout=10) for f in futures]
+    assert time.monotonic() - start < 5
+    assert all(not r.ok and not r.timed_out and "shut down during the call" in r.error for r in results), results
+    workers = [p for p in psutil.Process().children()
+               if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
+    assert psutil.wait_procs(workers, timeout=5)[1] == []
