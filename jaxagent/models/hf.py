@@ -163,6 +163,11 @@ def _missing_hint(name: str, sd: Mapping[str, Any]) -> str:
     return (f"; the checkpoint has {alike[0]!r}: its tensors carry a prefix this loader does not "
             "read (rename them to the plain Hugging Face names, e.g. merge and unload an "
             "adapter and save_pretrained the base model)")
+  if name == "lm_head.weight" and "model.embed_tokens.weight" in sd:
+    # Read only under an untied config; transformers' Llama / Qwen classes default to untied.
+    return ("; the config says tie_word_embeddings is false (its default when absent), so the "
+            "output head is a tensor of its own: if this model shares it with "
+            "model.embed_tokens.weight, set \"tie_word_embeddings\": true in config.json")
   shown = sorted(sd)[:3]
   return f"; the checkpoint's {len(sd)} tensors are named like {shown}" if shown else ""
 

@@ -99,6 +99,21 @@ def test_prefixed_tensor_names_are_named(tmp_path):
                      r"\['x\.y'\]"):
     models.load(path)
 
+def test_an_untied_config_over_tied_weights_says_to_tie_them(tmp_path):
+  # A config.json without tie_word_embeddings (untied by default) over a tied model's weights
+  # said only that lm_head.weight is missing and listed other tensor names.
+  _, path = _save_tiny(tmp_path)
+  hf = json.loads((path / "config.json").read_text())
+  del hf["tie_word_embeddings"]
+  (path / "config.json").write_text(json.dumps(hf))
+  with pytest.raises(ValueError, match=r"'lm_head\.weight' is missing .*tie_word_embeddings is "
+                     r"false \(its default when absent\).*set \"tie_word_embeddings\": true"):
+    models.load(path)
+  hf["tie_word_embeddings"] = True
+  (path / "config.json").write_text(json.dumps(hf))
+  assert models.load(path)[0].tie_embeddings
+
+
 def test_corrupt_safetensors_is_named(tmp_path):
   _, path = _save_tiny(tmp_path)
   (path / "model.safetensors").write_bytes(b"\x00garbage" * 10)
