@@ -100,8 +100,11 @@ class BM25Index:
 
     def __init__(self, documents: Iterable[Document | Mapping[str, Any]], *, k1: float = 1.5, b: float = 0.75,
                  stopwords: str | Sequence[str] | None = "en", stemmer: Callable[[list[str]], list[str]] | None = None):
-        if k1 < 0 or not 0 <= b <= 1:
-            raise ValueError(f"BM25 needs k1 >= 0 and 0 <= b <= 1, got k1={k1}, b={b}")
+        # A NaN or infinite k1 passed a `k1 < 0` check and scored every document 0 or NaN: every
+        # search found nothing, and the tool answered "No results found" to every query.
+        numbers = all(isinstance(v, (int, float, np.number)) and not isinstance(v, bool) for v in (k1, b))
+        if not numbers or not (0 <= k1 < float("inf") and 0 <= b <= 1):
+            raise ValueError(f"BM25 needs a finite k1 >= 0 and 0 <= b <= 1, got k1={k1!r}, b={b!r}")
         self.documents: list[Document] = [_as_document(d, i) for i, d in enumerate(documents)]
         ids = [d.id for d in self.documents]
         if len(set(ids)) != len(ids):

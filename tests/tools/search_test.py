@@ -87,6 +87,14 @@ def test_empty_corpus_and_bad_arguments():
         BM25Index(["just text"])
 
 
+@pytest.mark.parametrize("k1,b", [(float("nan"), 0.75), (float("inf"), 0.75), (-1.0, 0.75), (1.5, float("nan")),
+                                  (1.5, 1.5), ("1.5", 0.75), (None, 0.75)])
+def test_bm25_parameters_must_be_finite_numbers(k1, b):
+    # k1=nan or inf was accepted, and then every search returned nothing.
+    with pytest.raises(ValueError, match="BM25 needs a finite k1"):
+        BM25Index([{"title": "Alpha", "text": "The alpha river."}], k1=k1, b=b)
+
+
 def test_default_ids_titles_and_single_character_tokens():
     idx = BM25Index([Document("Agent 7", "The seventh agent."), {"text": "No title here about X."}])
     assert [d.id for d in idx.documents] == ["0", "1"]
