@@ -23,11 +23,15 @@ def main(argv):
   from jaxagent.launch import init_runtime
   init_runtime()
   from jaxagent.checkpoint import CheckpointError, export_hf
+  if _OUT.value is None and "://" in _WORKDIR.value:
+    # <workdir>/export of a bucket workdir is no local path (pathlib makes "gs:/..." of it).
+    raise SystemExit(f"export failed: --workdir={_WORKDIR.value} is a bucket URL and the export "
+                     "is a local directory: pass --out=<a local directory>")
   out = _OUT.value or str(pathlib.Path(_WORKDIR.value) / "export")
   try:
     path = export_hf(_WORKDIR.value, out, step=_STEP.value)
-  except (CheckpointError, OSError) as e:  # no or unusable checkpoint, or an unusable --out
-    raise SystemExit(f"export failed: {e}") from None
+  except (CheckpointError, OSError, ValueError) as e:  # no or unusable checkpoint, an unusable
+    raise SystemExit(f"export failed: {e}") from None  # --out or files there
   print(f"exported {path}", flush=True)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import pathlib
+import re
 import shutil
 from typing import Any, Mapping
 
@@ -382,6 +383,11 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
   as it was."""
   from safetensors.numpy import save_file
 
+  # pathlib reads "gs://bucket/x" as the local relative path "gs:/bucket/x": the export would
+  # land in a folder named "gs:" under the working directory, not in the bucket.
+  if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:/", os.fspath(path)):
+    raise ValueError(f"save_hf writes a local directory; {os.fspath(path)!r} is a URL. Export to "
+                     "a local path, then copy it (e.g. gsutil -m cp -r DIR gs://...)")
   out = pathlib.Path(path)
   # Loaders read a safetensors index (or every *.safetensors file) in preference to, or
   # together with, model.safetensors: weights left by an earlier model would be loaded.

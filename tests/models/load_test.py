@@ -447,3 +447,16 @@ def test_non_finite_weights_are_refused_naming_the_tensor(tmp_path):
                      "the range of float16"):
     models.load(path, dtype="float16")
   assert models.load(path, dtype="bfloat16")[0].param_dtype == "bfloat16"
+
+
+def test_save_hf_refuses_a_url(tmp_path, monkeypatch):
+  # pathlib made "gs://bucket/m" the relative path "gs:/bucket/m": the export was written to a
+  # folder named "gs:" in the working directory and reported as done.
+  monkeypatch.chdir(tmp_path)
+  cfg = models.get_config("tiny-llama")
+  params = models.init_params(cfg, jax.random.key(0))
+  for url in ("gs://bucket/m", pathlib.Path("gs://bucket/m"), "s3://bucket/m"):
+    with pytest.raises(ValueError, match="save_hf writes a local directory; .* is a URL"):
+      models.save_hf(url, cfg, params)
+  assert not list(tmp_path.iterdir())
+  assert models.save_hf("m", cfg, params) == pathlib.Path("m")  # a relative local path is fine
