@@ -349,7 +349,18 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
     cfg = cfg.replace(name=os.fspath(path_or_preset))
   elif cfg.name in ("hf", "custom"):
     cfg = cfg.replace(name=path.stem if path.is_file() else path.name)
-  return cfg, params_from_state_dict(cfg, sd, source=str(path))
+  try:
+    return cfg, params_from_state_dict(cfg, sd, source=str(path))
+  except ValueError as e:
+    quant = hf_cfg.get("quantization_config")
+    if not quant:
+      raise
+    # A quantized checkpoint's errors name tensors (q_proj.qweight, weight_scale, int weights)
+    # without saying why they are there.
+    method = quant.get("quant_method", "unknown") if isinstance(quant, Mapping) else quant
+    raise ValueError(f"{e}. The checkpoint is quantized (config.json's quantization_config: "
+                     f"quant_method {method!r}), which this loader does not read: load the "
+                     "unquantized model, or dequantize it and save_pretrained it first") from None
 
 
 def _umask() -> int:

@@ -114,6 +114,25 @@ def test_an_untied_config_over_tied_weights_says_to_tie_them(tmp_path):
   assert models.load(path)[0].tie_embeddings
 
 
+def test_a_quantized_checkpoint_says_it_is_quantized(tmp_path):
+  # A GPTQ checkpoint (qweight / qzeros / scales in place of weight) was only said to miss
+  # q_proj.weight, with a list of other tensor names.
+  from safetensors.numpy import load_file, save_file
+  _, path = _save_tiny(tmp_path)
+  sd = load_file(str(path / "model.safetensors"))
+  for name in [k for k in sd if k.endswith("_proj.weight")]:
+    base = name.removesuffix(".weight")
+    del sd[name]
+    sd[base + ".qweight"] = np.zeros((8, 8), np.int32)
+    sd[base + ".scales"] = np.ones((1, 8), np.float16)
+  save_file(sd, str(path / "model.safetensors"))
+  _edit_config(path, quantization_config={"quant_method": "gptq", "bits": 4})
+  with pytest.raises(ValueError, match=r"'model\.layers\.0\.self_attn\.q_proj\.weight' is "
+                     r"missing .*The checkpoint is quantized \(config\.json's "
+                     r"quantization_config: quant_method 'gptq'\), which this loader does not"):
+    models.load(path)
+
+
 def test_corrupt_safetensors_is_named(tmp_path):
   _, path = _save_tiny(tmp_path)
   (path / "model.safetensors").write_bytes(b"\x00garbage" * 10)
