@@ -326,7 +326,11 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
   elif path.is_dir():
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-      raise FileNotFoundError(f"{path} has no config.json (expected an HF model directory)")
+      ggufs = sorted(p.name for p in path.glob("*.gguf"))
+      hint = (f"; it holds {', '.join(ggufs[:3])}: pass that file itself "
+              f"({path / ggufs[0]})" if ggufs else "")
+      raise FileNotFoundError(f"{path} has no config.json (expected an HF model directory)"
+                              f"{hint}")
     try:
       hf_cfg = json.loads(cfg_file.read_text())
     except ValueError as e:

@@ -41,6 +41,12 @@ def test_missing_file_names_the_path(tmp_path):
     models.load(tmp_path / "nope")
   with pytest.raises(FileNotFoundError, match="config.json"):
     models.load(tmp_path)
+  # A folder a GGUF was downloaded into: the error names the file to pass.
+  (tmp_path / "SmolLM2.Q4_K_M.gguf").write_bytes(b"")
+  with pytest.raises(FileNotFoundError, match=r"has no config\.json .*holds SmolLM2\.Q4_K_M\."
+                     r"gguf: pass that file itself"):
+    models.load(tmp_path)
+  (tmp_path / "SmolLM2.Q4_K_M.gguf").unlink()
   # A directory with PyTorch weights only: the error says how to convert them.
   (tmp_path / "config.json").write_text(json.dumps(models.get_config("tiny-llama").to_hf()))
   (tmp_path / "pytorch_model.bin").write_bytes(b"")
