@@ -334,7 +334,9 @@ class ModelConfig:
     eos = hf.get("eos_token_id")
     extra_eos: tuple[int, ...] = ()
     if isinstance(eos, (list, tuple)):
-      eos, extra_eos = (int(eos[0]), tuple(int(e) for e in eos[1:])) if eos else (None, ())
+      # As given: ModelConfig checks each is a token id, as it checks a single one (int() made
+      # 2.5 the id 2 and true the id 1, and a null a bare TypeError).
+      eos, extra_eos = (eos[0], tuple(eos[1:])) if eos else (None, ())
     kw = dict(
         vocab_size=need("vocab_size"), d_model=need("hidden_size"),
         n_layers=need("num_hidden_layers"), n_heads=n_heads,

@@ -190,6 +190,11 @@ def test_from_hf_refuses_rope_settings_that_disagree(rope, match):
     # Truncated to 8192 before.
     (dict(rope_scaling={**_LLAMA3, "original_max_position_embeddings": 8192.5}),
      r"original_max_position_embeddings=8192.5 must be an int"),
+    # A listed eos id went through int(): 2.5 became the stop id 2 and true the id 1, and a
+    # null escaped as a bare TypeError. A single id was checked already.
+    (dict(eos_token_id=[2.5, 3]), r"eos_token_id: 2\.5 is not a token id"),
+    (dict(eos_token_id=[2, True]), r"extra_eos_token_ids: True is not a token id"),
+    (dict(eos_token_id=[2, None]), r"extra_eos_token_ids: None is not a token id"),
 ])
 def test_from_hf_malformed_fields_are_named(changes, match):
   hf = {k: v for k, v in _HF_LLAMA.items() if k != "head_dim"}
