@@ -114,6 +114,17 @@ def _describe_exception(e: BaseException) -> str:
     return f"{type(e).__name__}: {message}"
 
 
+def _as_seconds(value: Any) -> float | None:
+    """`value` as a float number of seconds, or None when it is not a number (NaN included)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return None if seconds != seconds else seconds
+
+
 def _takes_timeout(tool: Any) -> bool:
     return getattr(tool, "takes_timeout", False) is True
 
@@ -312,6 +323,7 @@ class _Job:
     timeout_s: float
     execution: str
     future: concurrent.futures.Future
+    grace_s: float = 0.0  # how long after `timeout_s` the watchdog backstops a thread call
     state: str = "queued"  # queued -> running -> done | timed_out
 
 
@@ -394,13 +406,21 @@ class ToolExecutor:
             future.set_result(resolved)
             return future
         tool_obj, checked = resolved
-        timeout = float(timeout_s or getattr(tool_obj, "timeout_s", None) or self.default_timeout_s)
-        if not timeout > 0:
-            result = ToolResult.failure(f"tool {tool_obj.name!r} has timeout_s {timeout!r}; it must be positive")
+        timeout_attr = timeout_s or getattr(tool_obj, "timeout_s", None) or self.default_timeout_s
+        grace_attr = (getattr(tool_obj, "timeout_grace_s", None) or 5.0) if _takes_timeout(tool_obj) else 0.0
+        # Read here, where a bad value fails this call: read by the worker thread, it killed the
+        # thread and left the call's future pending forever (and a thread counted that was gone).
+        timeout, grace = _as_seconds(timeout_attr), _as_seconds(grace_attr)
+        if not (timeout is not None and timeout > 0 and grace is not None and grace >= 0):
+            problem = (f"timeout_s {timeout_attr!r}" if not (timeout is not None and timeout > 0)
+                       else f"timeout_grace_s {grace_attr!r}")
+            result = ToolResult.failure(f"tool {tool_obj.name!r} has {problem}; it must be a positive number "
+                                        "of seconds")
             self._count_result(result)
             future.set_result(result)
             return future
-        job = _Job(tool_obj, tool_obj.name, checked, timeout, getattr(tool_obj, "execution", "thread"), future)
+        job = _Job(tool_obj, tool_obj.name, checked, timeout, getattr(tool_obj, "execution", "thread"), future,
+                   grace_s=grace)
         with self._lock:
             self._pending.append(job)
             self._spawn_threads_locked()
@@ -521,10 +541,7 @@ class ToolExecutor:
                 # Thread tools that take the limit themselves (`takes_timeout`) are backstopped
                 # by their `timeout_grace_s` (default 5 s) in the same way.
                 if job.execution == "thread":
-                    grace = 0.0
-                    if _takes_timeout(job.tool):
-                        grace = float(getattr(job.tool, "timeout_grace_s", None) or 5.0)
-                    self._arm_deadline_locked(job, grace)
+                    self._arm_deadline_locked(job, job.grace_s)
                 return job
             if self._shutdown:
                 return None

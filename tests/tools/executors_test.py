@@ -368,3 +368,37 @@ def test_shutdown_without_wait_stops_running_process_calls():
     workers = [p for p in psutil.Process().children()
                if p.pid not in before and "resource_tracker" not in " ".join(p.cmdline())]
     assert psutil.wait_procs(workers, timeout=5)[1] == []
+
+
+class _LimitTakingTool:
+    """A thread tool that stops itself at its limit (`takes_timeout`), with a given grace."""
+
+    name = "limited"
+    description = "Returns at once."
+    parameters = {"type": "object"}
+    takes_timeout = True
+
+    def __init__(self, grace=None, timeout=None):
+        self.timeout_grace_s = grace
+        self.timeout_s = timeout
+
+    def __call__(self, args, timeout_s=None):
+        return f"limit {timeout_s:g}"
+
+
+@pytest.mark.parametrize("grace,timeout,problem", [
+    ("x", None, "timeout_grace_s 'x'"), (float("nan"), None, "timeout_grace_s nan"), (-1.0, None, "timeout_grace_s -1.0"),
+    (None, "soon", "timeout_s 'soon'"), (None, -2.0, "timeout_s -2.0"),
+])
+def test_a_tool_with_a_malformed_time_limit_fails_its_call_and_the_executor_lives_on(grace, timeout, problem):
+    """A `timeout_grace_s` that is not a number killed the worker thread that read it: the call's
+    future never resolved, and the dead thread still counted toward max_workers."""
+    executor = ToolExecutor(REGISTRY, max_workers=1)
+    try:  # not a `with`: its shutdown(wait=True) would wait forever for the dead thread
+        for _ in range(3):
+            result = executor.submit(_LimitTakingTool(grace, timeout), {}).result(timeout=5)
+            assert not result.ok and problem in result.error, result
+        assert executor.submit(_LimitTakingTool(2.0), {}, timeout_s=1).result(timeout=5).output == "limit 1"
+        assert executor.submit("nap", {"seconds": 0}).result(timeout=5).ok
+    finally:
+        executor.shutdown(wait=False)
