@@ -75,11 +75,20 @@ def _expected_hf_shape(kind: str, cfg: ModelConfig, ours_shape: tuple[int, ...])
 
 
 def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
-                           dtype: str | None = None, source: str = "checkpoint"):
-  """Map an HF-named state dict to boxed params (host NumPy arrays), validating shapes."""
+                           dtype: str | None = None, source: str = "checkpoint",
+                           files: Mapping[str, str] | None = None):
+  """Map an HF-named state dict to boxed params (host NumPy arrays), validating shapes.
+
+  `files`: the file each tensor was read from; errors name it when there were several."""
   specs = param_tree.param_specs(cfg)
   np_dtype = np.dtype(jax.numpy.dtype(dtype or cfg.param_dtype))
   used: set[str] = set()
+  several = files is not None and len(set(files.values())) > 1
+
+  def in_file(*names: str) -> str:  # which of a sharded checkpoint's files hold `names`
+    got = sorted({files[n] for n in names if n in files}) if several else []
+    more = f" and {len(got) - 4} more" if len(got) > 4 else ""
+    return f" (stored in {', '.join(got[:4])}{more})" if got else ""
 
   def take(name: str, expected: tuple[int, ...]):
     used.add(name)
@@ -92,10 +101,10 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
     if not jax.numpy.issubdtype(w.dtype, jax.numpy.floating):
       raise ValueError(f"{source}: tensor {name!r} has dtype {w.dtype}; weights must be "
                        "floating point (float32, float16 or bfloat16): dequantize the "
-                       "checkpoint first")
+                       f"checkpoint first{in_file(name)}")
     if tuple(w.shape) != tuple(expected):
       raise ValueError(f"{source}: tensor {name!r} has shape {tuple(w.shape)}, the config "
-                       f"expects {tuple(expected)}")
+                       f"expects {tuple(expected)}{in_file(name)}")
     return w
 
   def cast(name: str, w: np.ndarray) -> np.ndarray:
@@ -107,10 +116,11 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
       stored = np.asarray(sd[name]).astype(np.float32)
       if not np.isfinite(stored).all():
         raise ValueError(f"{source}: tensor {name!r} holds {np.sum(~np.isfinite(stored))} NaN "
-                         "or Inf values: the checkpoint is corrupt (re-download or re-export it)")
+                         f"or Inf values{in_file(name)}: the checkpoint is corrupt (re-download or "
+                         "re-export it)")
       raise ValueError(f"{source}: tensor {name!r} has values up to {np.abs(stored).max():g}, "
                        f"beyond the range of {np_dtype.name}; load it in a wider param dtype "
-                       "(dtype= / param_dtype='float32' or 'bfloat16')")
+                       f"(dtype= / param_dtype='float32' or 'bfloat16'){in_file(name)}")
     return out
 
   layers = {}
@@ -139,7 +149,8 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
       if name in sd:
         if np.any(take(name, (cfg.d_model,))):
           raise ValueError(f"{source}: tensor {name!r} is nonzero; a bias on the attention "
-                           "output projection (attention_bias=True) is not supported")
+                           "output projection (attention_bias=True) is not supported"
+                           f"{in_file(name)}")
   # A tensor the config does not account for (more layers, an untied output head, biases of a
   # variant not implemented here) would otherwise be dropped and the logits silently wrong.
   unused = sorted(k for k in sd if k not in used and not k.endswith("rotary_emb.inv_freq"))
@@ -151,7 +162,7 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
     why = (" (the config says tie_word_embeddings, but the checkpoint has its own output head)"
            if "lm_head.weight" in unused else "")
     raise ValueError(f"{source}: {len(unused)} tensor(s) the config does not account for: "
-                     f"{shown}{why}")
+                     f"{shown}{why}{in_file(*unused)}")
   return param_tree.box(cfg, arrays)
 
 
@@ -229,7 +240,8 @@ def _zero_tensors_hf_expects(cfg: ModelConfig, sd: Mapping[str, np.ndarray]):
   return out
 
 
-def _read_safetensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
+def _read_safetensors(directory: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+  """The tensors of a model directory, and the file each was read from."""
   from safetensors import safe_open
 
   index = directory / "model.safetensors.index.json"
@@ -287,7 +299,7 @@ def _read_safetensors(directory: pathlib.Path) -> dict[str, np.ndarray]:
               f"Weights must be float32, float16 or bfloat16; convert quantized (float8, int) "
               "checkpoints to one of these first") from e
         where[k] = name
-  return sd
+  return sd, where
 
 
 def resolve(path_or_preset: str | os.PathLike) -> pathlib.Path:
@@ -323,6 +335,7 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
   if path.is_file() and path.suffix == ".gguf":
     from jaxagent.models.gguf import read_gguf
     hf_cfg, sd = read_gguf(path)
+    files = None
   elif path.is_dir():
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -337,7 +350,7 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
       raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
     if not isinstance(hf_cfg, dict):
       raise ValueError(f"{cfg_file}: expected a JSON object")
-    sd = _read_safetensors(path)
+    sd, files = _read_safetensors(path)
   else:
     raise ValueError(f"{path}: expected an HF model directory or a .gguf file")
   try:
@@ -354,7 +367,7 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
   elif cfg.name in ("hf", "custom"):
     cfg = cfg.replace(name=path.stem if path.is_file() else path.name)
   try:
-    return cfg, params_from_state_dict(cfg, sd, source=str(path))
+    return cfg, params_from_state_dict(cfg, sd, source=str(path), files=files)
   except ValueError as e:
     quant = hf_cfg.get("quantization_config")
     if not quant:

@@ -485,3 +485,28 @@ def test_save_hf_refuses_a_url(tmp_path, monkeypatch):
       models.save_hf(url, cfg, params)
   assert not list(tmp_path.iterdir())
   assert models.save_hf("m", cfg, params) == pathlib.Path("m")  # a relative local path is fine
+
+
+def test_errors_name_the_file_of_a_sharded_checkpoint_that_holds_the_tensor(tmp_path):
+  # A wrong shape in one of several shards, or another model's file (an adapter) beside the
+  # weights, named the tensor but not the file to look at or remove.
+  from safetensors.numpy import load_file, save_file
+  cfg, path = _save_tiny(tmp_path)
+  sd = load_file(str(path / "model.safetensors"))
+  (path / "model.safetensors").unlink()
+  names = sorted(sd)
+  bad = "model.layers.1.mlp.up_proj.weight"
+  assert bad in names[10:]
+  save_file({k: sd[k] for k in names[:10]}, str(path / "model-00001-of-00002.safetensors"))
+  save_file({k: (sd[k][:-1] if k == bad else sd[k]) for k in names[10:]},
+            str(path / "model-00002-of-00002.safetensors"))
+  with pytest.raises(ValueError, match=rf"'{re.escape(bad)}' has shape \(127, 64\), the config "
+                     r"expects \(128, 64\) \(stored in model-00002-of-00002\.safetensors\)$"):
+    models.load(path)
+  save_file({k: sd[k] for k in names[10:]}, str(path / "model-00002-of-00002.safetensors"))
+  models.load(path)
+  save_file({"base_model.model.lm_head.lora_A.weight": np.zeros((4, 64), np.float32)},
+            str(path / "adapter_model.safetensors"))
+  with pytest.raises(ValueError, match=r"does not account for: base_model\.model\.lm_head\."
+                     r"lora_A\.weight \(stored in adapter_model\.safetensors\)$"):
+    models.load(path)
