@@ -6,6 +6,7 @@ config.json, model.safetensors and the tokenizer, loadable by `transformers` and
 to `<workdir>/export`. See `jaxagent.checkpoint.export_hf`.
 """
 import logging
+import os
 import pathlib
 
 from absl import app, flags
@@ -23,13 +24,16 @@ def main(argv):
   from jaxagent.launch import init_runtime
   init_runtime()
   from jaxagent.checkpoint import CheckpointError, export_hf
-  if _OUT.value is None and "://" in _WORKDIR.value:
+  # The shell leaves a "~" after "--out=" as it is: it would name a folder "~" in the working
+  # directory.
+  workdir = os.path.expanduser(_WORKDIR.value)
+  if _OUT.value is None and "://" in workdir:
     # <workdir>/export of a bucket workdir is no local path (pathlib makes "gs:/..." of it).
-    raise SystemExit(f"export failed: --workdir={_WORKDIR.value} is a bucket URL and the export "
+    raise SystemExit(f"export failed: --workdir={workdir} is a bucket URL and the export "
                      "is a local directory: pass --out=<a local directory>")
-  out = _OUT.value or str(pathlib.Path(_WORKDIR.value) / "export")
+  out = os.path.expanduser(_OUT.value) if _OUT.value else str(pathlib.Path(workdir) / "export")
   try:
-    path = export_hf(_WORKDIR.value, out, step=_STEP.value)
+    path = export_hf(workdir, out, step=_STEP.value)
   except (CheckpointError, OSError, ValueError) as e:  # no or unusable checkpoint, an unusable
     raise SystemExit(f"export failed: {e}") from None  # --out or files there
   print(f"exported {path}", flush=True)
