@@ -306,6 +306,7 @@ class JSONToolCallParser:
   """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen / Hermes).
 
   `arguments` may be omitted (no arguments) or be a JSON-encoded object string (OpenAI style).
+  Any other key (say Llama-style "parameters") makes the call malformed rather than dropped.
   Unknown tool names are not checked here: the driver reports them from the task's registry.
 
   Args:
@@ -349,8 +350,11 @@ class JSONToolCallParser:
     try:
       obj = json.loads(body)
     except json.JSONDecodeError as e:
+      # A Markdown fence around the object is the usual cause of "Expecting value at line 1".
+      fence = " without a ``` fence" if body.lstrip().startswith("`") else ""
       return ParseResult.malformed(
-          f"invalid JSON in <{self.tag}>: {e.msg} at line {e.lineno} column {e.colno}; write {form}", raw=raw)
+          f"invalid JSON in <{self.tag}>: {e.msg} at line {e.lineno} column {e.colno}; write "
+          f"{form}{fence}", raw=raw)
     except (ValueError, RecursionError, TypeError) as e:  # e.g. over-long integers, deep nesting
       return ParseResult.malformed(f"invalid JSON in <{self.tag}>: {type(e).__name__}: {str(e)[:200]}",
                                    raw=raw)
@@ -364,6 +368,14 @@ class JSONToolCallParser:
     if not isinstance(name, str) or not name.strip():
       return ParseResult.malformed(f"\"name\" must be a non-empty string, got {_quote(json.dumps(name))}",
                                    raw=raw)
+    # A key the call has no use for would be dropped without a word: Llama-style "parameters"
+    # ran the tool without the arguments the model gave (or failed on a "missing" one).
+    extra = [k for k in obj if k not in ("name", "arguments")]
+    if extra:
+      keys = ", ".join(_quote(k) for k in extra[:3]) + (", ..." if len(extra) > 3 else "")
+      return ParseResult.malformed(
+          f"unexpected key(s) {keys} in the call: it has only \"name\" and \"arguments\" (the "
+          f"tool's arguments go inside \"arguments\"); write {form}", raw=raw)
     args = obj.get("arguments", {})
     if isinstance(args, str):  # OpenAI style: the arguments object encoded as a string
       try:

@@ -339,3 +339,22 @@ def test_think_tag_parsing_is_linear_in_many_unclosed_tags():
 def test_fuzz_think_tag_never_raises(text):
   _valid_result(THINK.parse(text))
   assert THINK.stop_allowed(text) in (True, False)
+
+
+@pytest.mark.parametrize("body,key", [
+    ('{"name": "f", "parameters": {"x": 1}}', '"parameters"'),       # Llama-style key
+    ('{"name": "f", "arguments": {}, "x": 1}', '"x"'),               # an argument outside them
+    ('{"name": "f", "args": {"x": 1}, "arguments": {}}', '"args"'),
+])
+def test_json_call_with_a_key_besides_name_and_arguments_is_malformed(body, key):
+  """A key other than "name" / "arguments" was dropped: the call ran without those arguments."""
+  r = JSON.parse(f"<tool_call>{body}</tool_call>")
+  assert r.kind == "malformed", r
+  assert f"unexpected key(s) {key}" in r.error and '"arguments"' in r.error, r.error
+
+
+def test_json_call_in_a_markdown_fence_says_so():
+  r = JSON.parse('<tool_call>\n```json\n{"name": "f", "arguments": {}}\n```\n</tool_call>')
+  assert r.kind == "malformed" and r.error.endswith("without a ``` fence"), r.error
+  # Other invalid JSON does not mention a fence.
+  assert "fence" not in JSON.parse('<tool_call>{"name": f}</tool_call>').error
