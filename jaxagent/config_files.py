@@ -7,6 +7,7 @@ from __future__ import annotations
 import difflib
 import importlib.util
 import pathlib
+import re
 import sys
 import traceback
 import types
@@ -64,6 +65,8 @@ def parse_config_flags(argv: list[str], config_flag) -> list[str]:
       message = head + [line for line in message.splitlines() if line.strip()][-1]
     fail(message)
   except (AttributeError, KeyError) as e:  # raised by the config for a key it does not have
+    if (unknown := _unknown_override(argv, config_flag.name)) is not None:
+      fail(unknown)
     if isinstance(e, AttributeError) and getattr(e, "name", None) == "get_config":
       # (it read as "the config has no key module 'config_config' has no attribute ...")
       fail(f"the config file has no get_config function ({e}): define "
@@ -76,6 +79,10 @@ def parse_config_flags(argv: list[str], config_flag) -> list[str]:
   except OSError as e:  # an override of a config file that could not be loaded
     fail(str(e))
   except Exception as e:  # noqa: BLE001 - the config file's own code (a SyntaxError, an import)
+    # An override below a setting that is not a group (--config.workdir.x=1) raised a TypeError
+    # in ml_collections, which read as the config file's own error.
+    if (unknown := _unknown_override(argv, config_flag.name)) is not None:
+      fail(unknown)
     fail(f"the config file raised {type(e).__name__}{_where(e)}: {e}")
   try:
     if config_flag.value is not None:
@@ -90,6 +97,69 @@ def parse_config_flags(argv: list[str], config_flag) -> list[str]:
          f"{'None' if value is None else type(value).__name__}, not an "
          "ml_collections.ConfigDict")
   return rest
+
+
+def _unknown_override(argv: list[str], name: str = "config") -> str | None:
+  """The error for the first `--config.KEY=VALUE` of `argv` whose KEY the config file does not
+  define, or None when each one names a setting (or the config cannot be loaded here).
+
+  ml_collections named only the last part of the key, with a suggestion at the top level only:
+  `--config.train.lr=1e-3` (the key is optimizer.lr) said "the config has no key 'lr'".
+  """
+  from absl import flags
+  import ml_collections
+  try:
+    args = flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
+  except flags.Error:
+    return None
+  source, keys = None, []
+  for i, arg in enumerate(args):
+    if m := re.match(rf"-{{1,2}}{re.escape(name)}(=|$)", arg):
+      source = arg[m.end():] if m.group(1) else (args[i + 1] if i + 1 < len(args) else None)
+    elif m := re.match(rf"-{{1,2}}(no)?{re.escape(name)}\.([^=]+)", arg):
+      keys.append(m.group(2))
+  if source is None or not keys:
+    return None
+  path, *variant = source.split(":", 1)
+  try:
+    config = load_config_module(path).get_config(*variant)
+  except Exception:  # noqa: BLE001 - the caller reports the config file's own errors
+    return None
+  if not isinstance(config, ml_collections.ConfigDict):
+    return None
+  for key in keys:
+    parts = key.split(".")
+    if any("[" in p for p in parts):  # an indexed key: ml_collections' own message
+      continue
+    node = config
+    for i, part in enumerate(parts):
+      here = ".".join(parts[:i])
+      if not isinstance(node, ml_collections.ConfigDict):
+        value = repr(node) if len(repr(node)) <= 40 else type(node).__name__
+        return (f"the config has no key {key} (--{name}.{key}): {here} is a setting "
+                f"({value}), not a group of settings")
+      if part not in node:
+        prefix = f"{here}." if here else ""
+        close = [prefix + k for k in difflib.get_close_matches(part, list(node.keys()), n=2,
+                                                              cutoff=0.6)]
+        elsewhere = [p for p in _key_paths(config) if p.rsplit(".", 1)[-1] == part]
+        hints = list(dict.fromkeys(close + elsewhere))[:3]
+        hint = (f": did you mean {', '.join(hints[:-1])} or {hints[-1]}?" if len(hints) > 1
+                else f": did you mean {hints[0]}?" if hints else "")
+        return (f"the config has no key {key} (--{name}.{key}){hint}\n--{name}.KEY=VALUE only "
+                "sets keys that the config file defines (add a new one to its get_config).")
+      node = node[part]
+  return None
+
+
+def _key_paths(config, prefix: str = "") -> list[str]:
+  """The dotted path of every key of a ConfigDict, groups and settings, outermost first."""
+  out = []
+  for k in config.keys():
+    out.append(prefix + k)
+    if hasattr(config[k], "keys") and not isinstance(config[k], str):
+      out += _key_paths(config[k], f"{prefix}{k}.")
+  return out
 
 
 def _where(e: BaseException) -> str:

@@ -55,3 +55,30 @@ def test_a_config_file_that_loads_is_parsed_with_its_overrides(tmp_path):
                   "def get_config(arg=None):\n  return ml_collections.ConfigDict({'a': 1})\n")
   r = _parse(f"--config={path}", "--config.a=7")
   assert r.returncode == 0 and r.stdout.strip() == "loaded ConfigDict 7", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("override, expected", [
+    # ml_collections named only the last part ("the config has no key 'lr'"), with a suggestion
+    # for a top-level key only.
+    ("--config.train.lr=1", "the config has no key train.lr (--config.train.lr): did you mean "
+     "optimizer.lr or sft.lr?\n--config.KEY=VALUE only sets keys"),
+    ("--config.optimizer.lrr=1", "the config has no key optimizer.lrr (--config.optimizer.lrr): "
+     "did you mean optimizer.lr?"),
+    ("--config.steps=1", "the config has no key steps (--config.steps): did you mean "
+     "total_steps or sft.steps?"),
+    # A TypeError inside ml_collections, reported as "the config file raised TypeError".
+    ("--config.workdir.x=1", "the config has no key workdir.x (--config.workdir.x): workdir is a "
+     "setting ('runs/x'), not a group of settings"),
+    ("--config.train.rows.x=1", "the config has no key train.rows.x (--config.train.rows.x): "
+     "train.rows is a setting (4), not a group of settings"),
+])
+def test_an_unknown_override_names_its_whole_key_and_where_it_is(tmp_path, override, expected):
+  path = tmp_path / "my_config.py"
+  path.write_text("import ml_collections\n"
+                  "def get_config(arg=None):\n"
+                  "  return ml_collections.ConfigDict(dict(workdir='runs/x', total_steps=3,\n"
+                  "      train=dict(rows=4), optimizer=dict(lr=0.1), sft=dict(lr=0.2, steps=1)))\n")
+  r = _parse(f"--config={path}", override)
+  assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
+  assert f"FATAL Flags parsing error: {expected}" in r.stderr, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr, r.stderr[-2000:]

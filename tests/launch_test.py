@@ -369,14 +369,19 @@ def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
 
 @pytest.mark.parametrize("args, expected", [
     (["--config=configs/quickstart.py:tiny", "--config.totl_steps=3"],
-     'the config has no key \'totl_steps\'\nDid you mean "total_steps"'),
+     "the config has no key totl_steps (--config.totl_steps): did you mean total_steps?"),
     (["--config=configs/quickstart.py:tiny", "--config.env.kwargs.no_such_knob=3"],
-     "the config has no key 'no_such_knob'"),
+     "the config has no key env.kwargs.no_such_knob (--config.env.kwargs.no_such_knob)\n"),
     (["--config=configs/no_such_config.py"], "No such file or directory: 'configs/no_such_config.py'"),
     # Without --config (the quickstart), the default file was loaded when jaxagent.launch was
     # imported, and a misspelt override raised a traceback there.
-    (["--config.totl_steps=3"], 'the config has no key \'totl_steps\'\nDid you mean "total_steps"'),
-    (["--config.env.kwargs.no_such_knob=3"], "the config has no key 'no_such_knob'"),
+    (["--config.totl_steps=3"],
+     "the config has no key totl_steps (--config.totl_steps): did you mean total_steps?"),
+    (["--config.env.kwargs.no_such_knob=3"],
+     "the config has no key env.kwargs.no_such_knob (--config.env.kwargs.no_such_knob)\n"),
+    # The key is optimizer.lr: it said only "the config has no key 'lr'".
+    (["--config.train.lr=1e-3"], "the config has no key train.lr (--config.train.lr): did you "
+     "mean optimizer.lr or sft.lr?"),
     (["--config.total_steps=-1"], "bad config: total_steps must be an int >= 0, got -1"),
     # A yes / no spelling was a directory: the cache went on, in ./false.
     (["--config=configs/quickstart.py:tiny", "--compile_cache=false"],

@@ -26,7 +26,8 @@ _NEEDS_LIBTPU = [pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu:
     (["--topology=v5e"], "bad plan input: topology 'v5e': expected '<chip>:<shape>'"),
     (["--topology=v5litepod-2"], "bad plan input: topology 'v5litepod-2': in v5litepod-N, N "
      "counts chips; the planner translates N = 1 (1x1), 4 (2x2), 8 (2x4)"),
-    (["--config.trian.rows=3"], 'the config has no key \'trian\'\nDid you mean "train"'),
+    (["--config.trian.rows=3"], "the config has no key trian.rows (--config.trian.rows): did you "
+     "mean train?"),
     (["--config=configs/no_such_config.py"], "No such file or directory"),
     (["--programs=decode"], "bad plan input: PlanOptions.programs: unknown ['decode']"),
     (["--rows=0"], "bad plan input: PlanOptions.rows must be None or a positive int, got 0"),
