@@ -169,25 +169,25 @@ class Env(abc.ABC):
     `parse_special`, the output is tokenized literally and the wrapper's parts are tokenized on
     their own. The wrapper is `observation_template` (escaped braces `{{ }}` read as the braces
     they print; `{output}` may appear more than once) with the default `format_observation`;
-    with an overridden one, it is what that method puts around a placeholder output (so a
-    format that adds the same text around every output is taken apart too). A template whose
-    fields cannot be taken apart (a conversion or format spec such as `{output!r}`) is
-    tokenized whole with `parse_special=False` when its own text spells no special token.
-    Otherwise (the usual case: an output without special-token text; or a format whose text
-    does not split around the output) `text` is tokenized whole, as before. Override for other
-    formats.
+    with an overridden one, it is what that method puts around a placeholder output, or else
+    around a placeholder error (so a format that adds the same text around every output, and
+    another around every error, is taken apart too). A text that cannot be taken apart (a
+    template field with a conversion or format spec such as `{output!r}`; a format that frames
+    it otherwise) is tokenized whole with `parse_special=False` when the wrapper's own text
+    spells no special token. Otherwise (the usual case: an output without special-token text)
+    `text` is tokenized whole, as before. Override for other formats.
     """
     # `text` is encoded whole only when that is the result (not also on the split path).
     if "parse_special" not in inspect.signature(tokenizer.encode).parameters:
       return list(tokenizer.encode(text))
     if type(self).format_observation is not Env.format_observation:
-      split = _split_formatted(self.format_observation, text)
-      if split is None:
-        return list(tokenizer.encode(text))
+      frames = _formatted_frames(self.format_observation)
+      split = next((s for f in frames if (s := _split_segments(f, text)) is not None), None)
+      literals = [seg for f in frames for seg in f] or None
     else:
       split = _split_template(self.observation_template, text)
-    if split is None:
       literals = _template_literals(self.observation_template)
+    if split is None:
       if literals is not None and not any(
           list(tokenizer.encode(x)) != list(tokenizer.encode(x, parse_special=False))
           for x in literals if x):
@@ -250,16 +250,19 @@ def _split_template(template: str, text: str) -> tuple[list[str], str] | None:
 _PLACEHOLDER = "\ue000jaxagent-tool-output\ue001"
 
 
-def _split_formatted(format_observation, text: str) -> tuple[list[str], str] | None:
-  """`_split_template` for an overridden `format_observation`: the segments are what it puts
-  around a placeholder output; None when it fails on it or leaves no placeholder."""
-  try:
-    framed = format_observation(ToolResult.success(_PLACEHOLDER))
-  except Exception:  # noqa: BLE001 - a format that cannot take the placeholder is not split
-    return None
-  if not isinstance(framed, str) or _PLACEHOLDER not in framed:
-    return None
-  return _split_segments(framed.split(_PLACEHOLDER), text)
+def _formatted_frames(format_observation) -> list[list[str]]:
+  """The literal segments an overridden `format_observation` puts around a placeholder output,
+  then around a placeholder error (a format often frames errors its own way: `<error>...`),
+  for each of the two it formats with the placeholder in it."""
+  frames = []
+  for result in (ToolResult.success(_PLACEHOLDER), ToolResult.failure(_PLACEHOLDER)):
+    try:
+      framed = format_observation(result)
+    except Exception:  # noqa: BLE001 - a format that cannot take the placeholder is not split
+      continue
+    if isinstance(framed, str) and _PLACEHOLDER in framed:
+      frames.append(framed.split(_PLACEHOLDER))
+  return frames
 
 
 def _split_segments(segments: list[str], text: str) -> tuple[list[str], str] | None:
