@@ -22,11 +22,13 @@ Both act only on the LAST complete block that ends the turn text (only whitespac
 because the driver stops the turn right after a closing tag; earlier blocks are history. A block
 runs from its opening tag to the first closing tag of the same name, and the first block to open
 hides what it holds: an opening tag written inside a body is body text (`<code>s = "<code>"</code>`
-runs `s = "<code>"`; `<tool_call>` inside a JSON string argument stays in the string). An answer
-block is read as the rewards read it (`rewards.verifiers.extract_tagged`): from the last answer
-tag inside the block (`<answer>so <answer>42</answer>` answers "42"). A tag never closed hides
-nothing from a block after it; a turn that ends inside one is "malformed". `parse` never raises
-on any input string (see the hypothesis fuzz tests) and is linear in the text.
+runs `s = "<code>"`; `<tool_call>` inside a JSON string argument stays in the string; a call
+body that is no JSON, though, is read from its last `<tool_call>`, so that the tag named in the
+reasoning before a call or written twice does not spoil the call). An answer block is read as
+the rewards read it (`rewards.verifiers.extract_tagged`): from the last answer tag inside the
+block (`<answer>so <answer>42</answer>` answers "42"). A tag never closed hides nothing from a
+block after it; a turn that ends inside one is "malformed". `parse` never raises on any input
+string (see the hypothesis fuzz tests) and is linear in the text.
 
 Reasoning models (Qwen3 style) think in a `<think>...</think>` block before they act. With
 `XMLTagParser(..., think_tag="think")` what is written while thinking is not an action, as the
@@ -341,6 +343,14 @@ class JSONToolCallParser:
     body = text[opened + len(tag) + 2:close_at]
     if tag == self.answer_tag:
       return ParseResult("answer", answer=body.strip(), raw=raw)
+    # The block opens at the first `<tool_call>`; one the model wrote before its call (named in
+    # its reasoning, or the tag written twice) makes the body no JSON. Then the call is read
+    # from the last opening tag inside, if that part is JSON (a tag inside a JSON string of a
+    # body that parses stays in the string).
+    opening = f"<{self.tag}>"
+    inner_at = body.rfind(opening)
+    if inner_at >= 0 and not _is_json(body) and _is_json(body[inner_at + len(opening):]):
+      return self._parse_call(body[inner_at + len(opening):], raw[len(opening) + inner_at:])
     return self._parse_call(body, raw)
 
   def _parse_call(self, body: str, raw: str) -> ParseResult:
@@ -389,6 +399,14 @@ class JSONToolCallParser:
       return ParseResult.malformed(f"\"arguments\" must be a JSON object, got a JSON {_json_type(args)}",
                                    raw=raw)
     return ParseResult("tool_call", call=ToolCall(name.strip(), args, raw), raw=raw)
+
+
+def _is_json(text: str) -> bool:
+  try:
+    json.loads(text)
+  except (ValueError, RecursionError, TypeError):
+    return False
+  return True
 
 
 def _json_type(value: Any) -> str:

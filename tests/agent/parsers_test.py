@@ -358,3 +358,23 @@ def test_json_call_in_a_markdown_fence_says_so():
   assert r.kind == "malformed" and r.error.endswith("without a ``` fence"), r.error
   # Other invalid JSON does not mention a fence.
   assert "fence" not in JSON.parse('<tool_call>{"name": f}</tool_call>').error
+
+
+@pytest.mark.parametrize("text", [
+    # Qwen3 style: the tag named while thinking, then the call.
+    '<think>I will use <tool_call> to add.</think>\n<tool_call>{"name": "calc", "arguments": {"x": 1}}</tool_call>',
+    # The opening tag written twice.
+    '<tool_call>\n<tool_call>{"name": "calc", "arguments": {"x": 1}}</tool_call>',
+])
+def test_json_call_after_an_earlier_opening_tag_is_read(text):
+  """The block opened at the first <tool_call>, so its body ('to add.</think>...{...}') was no
+  JSON: a well-formed call was malformed ('Expecting value at line 1 column 1')."""
+  r = JSON.parse(text)
+  assert r.kind == "tool_call" and r.call.name == "calc" and r.call.arguments == {"x": 1}, r
+  assert r.raw == r.call.raw == text[text.rindex("<tool_call>"):]
+  # A body that is JSON keeps the tag inside its string; one that is no JSON either way stays
+  # malformed with the error of the whole body.
+  call = '{"name": "w", "arguments": {"t": "a <tool_call> b"}}'
+  assert JSON.parse(f"<tool_call>{call}</tool_call>").call.arguments == {"t": "a <tool_call> b"}
+  r = JSON.parse('<tool_call>x <tool_call>{"name": }</tool_call>')
+  assert r.kind == "malformed" and "line 1 column 1" in r.error, r.error
