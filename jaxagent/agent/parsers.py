@@ -203,8 +203,14 @@ def _final_block(text: str, tags: Sequence[str],
   if not spans or spans[-1][2] != end:  # the closing tag at the end closes no block
     opened = text.rfind(f"<{tag}>", 0, close_at)
     if opened < 0:
-      return ParseResult.malformed(f"</{tag}> has no matching <{tag}>; write <{tag}>...</{tag}>.",
-                                   raw=text[max(0, close_at - _ECHO_CHARS):end])
+      # An opening tag with attributes or in other case ('<search query="x">', '<Search>') is
+      # no opening tag; the error names the last one written, or the model hears it wrote none.
+      near = None
+      for near in re.finditer(rf"<{re.escape(tag)}(?:\s[^<>]*)?>", text[:close_at], re.IGNORECASE):
+        pass
+      seen = f" ({_quote(near.group())} is not one)" if near is not None else ""
+      return ParseResult.malformed(f"</{tag}> has no matching <{tag}>{seen}; write "
+                                   f"<{tag}>...</{tag}>.", raw=text[max(0, close_at - _ECHO_CHARS):end])
     return ParseResult.malformed(f"unbalanced <{tag}> tags: {_quote(text[opened:end])}",
                                  raw=text[opened:end])
   opened = spans[-1][1]

@@ -378,3 +378,16 @@ def test_json_call_after_an_earlier_opening_tag_is_read(text):
   assert JSON.parse(f"<tool_call>{call}</tool_call>").call.arguments == {"t": "a <tool_call> b"}
   r = JSON.parse('<tool_call>x <tool_call>{"name": }</tool_call>')
   assert r.kind == "malformed" and "line 1 column 1" in r.error, r.error
+
+
+@pytest.mark.parametrize("parser,text,seen", [
+    (XML, '<search query="Lusk">Lusk</search>', '"<search query=\\"Lusk\\">" is not one'),
+    (XML, "<Calc>1+1</calc>", '"<Calc>" is not one'),
+    (JSON, '<tool_call name="f">{}</tool_call>', '"<tool_call name=\\"f\\">" is not one'),
+])
+def test_an_opening_tag_with_attributes_or_in_other_case_is_named(parser, text, seen):
+  """The model was told its call had no opening tag at all, though it wrote one its own way."""
+  r = parser.parse(text)
+  assert r.kind == "malformed" and "has no matching" in r.error and seen in r.error, r.error
+  bare = parser.parse("no opening" + text[text.rindex("</"):])  # no opening tag at all
+  assert "has no matching" in bare.error and "is not one" not in bare.error, bare.error
