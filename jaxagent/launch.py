@@ -83,12 +83,20 @@ def init_runtime(coordinator_address=None, num_processes=None, process_id=None) 
   return started
 
 
-def check_workdir(workdir) -> None:
-  """Raise ValueError unless this process can create `workdir` and write a file in it.
+def check_workdir(workdir, write: bool = True) -> None:
+  """Raise ValueError unless `workdir` names a directory and (with `write`) this process can
+  create it and write a file in it.
 
   Process 0 writes the run's metrics there; a read-only or mistyped path (one under a file,
-  say) otherwise failed with a traceback once the model was built.
+  say) otherwise failed with a traceback once the model was built. An empty workdir (say
+  `--config.workdir=$RUN_DIR` with the variable unset) wrote the run into the current
+  directory, after moving an earlier run's metrics and samples found there to ./previous/.
   """
+  if not str(workdir).strip():
+    raise ValueError(f"workdir={workdir!r} is empty: set --config.workdir to the directory the "
+                     "run writes to (--config.workdir=. for the current directory)")
+  if not write:
+    return
   path = pathlib.Path(str(workdir))
   try:
     path.mkdir(parents=True, exist_ok=True)
@@ -228,8 +236,8 @@ def main(argv):
     # The settings that need no model first: the fit check compiles every program (minutes
     # on a TPU) before the trainer would have named a typo.
     check_config(config)
-    if jax.process_index() == 0:  # the process that writes the run's outputs
-      check_workdir(config.workdir)
+    # Written by process 0 only; an empty one stops every process.
+    check_workdir(config.workdir, write=jax.process_index() == 0)
   except (ValueError, FileNotFoundError) as e:
     raise SystemExit(f"bad config: {e}") from None
   early_stop = _stop_on_sigterm_before_training(config)

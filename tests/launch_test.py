@@ -446,6 +446,19 @@ def test_an_unwritable_workdir_is_one_line_before_any_work(tmp_path, where):
   assert "set --config.workdir to a directory" in r.stderr
 
 
+@pytest.mark.parametrize("workdir", ["", " "])
+def test_an_empty_workdir_is_refused(tmp_path, monkeypatch, workdir):
+  """`--config.workdir=$RUN_DIR` with the variable unset ran in the current directory (and
+  moved an earlier run's metrics found there to ./previous/)."""
+  from jaxagent.launch import check_workdir
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match=r"workdir='\s*' is empty: set --config.workdir"):
+    check_workdir(workdir)
+  assert list(tmp_path.iterdir()) == []
+  with pytest.raises(ValueError, match="is empty"):  # the processes that write nothing
+    check_workdir(workdir, write=False)
+
+
 def test_check_workdir_makes_the_folder_and_leaves_nothing_in_it(tmp_path):
   from jaxagent.launch import check_workdir
   check_workdir(tmp_path / "new" / "run")
