@@ -63,6 +63,8 @@ def parse_config_flags(argv: list[str], config_flag) -> list[str]:
       # traceback that ml_collections wraps around it.
       head = message.split("Error whilst parsing config file:", 1)[0]
       message = head + [line for line in message.splitlines() if line.strip()][-1]
+    else:
+      message += _override_type_hint(argv, config_flag.name, message)
     fail(message)
   except (AttributeError, KeyError) as e:  # raised by the config for a key it does not have
     if (unknown := _unknown_override(argv, config_flag.name)) is not None:
@@ -106,27 +108,10 @@ def _unknown_override(argv: list[str], name: str = "config") -> str | None:
   ml_collections named only the last part of the key, with a suggestion at the top level only:
   `--config.train.lr=1e-3` (the key is optimizer.lr) said "the config has no key 'lr'".
   """
-  from absl import flags
   import ml_collections
-  try:
-    args = flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
-  except flags.Error:
+  if (loaded := _config_and_overrides(argv, name)) is None:
     return None
-  source, keys = None, []
-  for i, arg in enumerate(args):
-    if m := re.match(rf"-{{1,2}}{re.escape(name)}(=|$)", arg):
-      source = arg[m.end():] if m.group(1) else (args[i + 1] if i + 1 < len(args) else None)
-    elif m := re.match(rf"-{{1,2}}(no)?{re.escape(name)}\.([^=]+)", arg):
-      keys.append(m.group(2))
-  if source is None or not keys:
-    return None
-  path, *variant = source.split(":", 1)
-  try:
-    config = load_config_module(path).get_config(*variant)
-  except Exception:  # noqa: BLE001 - the caller reports the config file's own errors
-    return None
-  if not isinstance(config, ml_collections.ConfigDict):
-    return None
+  config, keys = loaded
   for key in keys:
     parts = key.split(".")
     if any("[" in p for p in parts):  # an indexed key: ml_collections' own message
@@ -150,6 +135,61 @@ def _unknown_override(argv: list[str], name: str = "config") -> str | None:
                 "sets keys that the config file defines (add a new one to its get_config).")
       node = node[part]
   return None
+
+
+def _config_and_overrides(argv: list[str], name: str):
+  """(the config that `--name=path.py[:variant]` of `argv` loads, the keys of its
+  `--name.KEY=VALUE` overrides), or None when it does not load as a ConfigDict."""
+  from absl import flags
+  import ml_collections
+  try:
+    args = flags.FLAGS.read_flags_from_files(argv[1:], force_gnu=False)
+  except flags.Error:
+    return None
+  source, keys = None, []
+  for i, arg in enumerate(args):
+    if m := re.match(rf"-{{1,2}}{re.escape(name)}(=|$)", arg):
+      source = arg[m.end():] if m.group(1) else (args[i + 1] if i + 1 < len(args) else None)
+    elif m := re.match(rf"-{{1,2}}(no)?{re.escape(name)}\.([^=]+)", arg):
+      keys.append(m.group(2))
+  if source is None or not keys:
+    return None
+  path, *variant = source.split(":", 1)
+  try:
+    config = load_config_module(path).get_config(*variant)
+  except Exception:  # noqa: BLE001 - the caller reports the config file's own errors
+    return None
+  return (config, keys) if isinstance(config, ml_collections.ConfigDict) else None
+
+
+_TYPE_WORDS = {bool: "true or false (or 1 / 0)", int: "an int", float: "a number",
+               str: "a string"}
+
+
+def _override_type_hint(argv: list[str], name: str, message: str) -> str:
+  """For absl's "flag --config.KEY=VALUE: <parse error>", a line saying what KEY takes (the type
+  of its value in the config file), or "". absl's own words ("invalid literal for int() with
+  base 10: '1.5'") said neither, and a None, which no typed setting takes from the command line,
+  read as a typo."""
+  m = re.match(rf"flag --{re.escape(name)}\.([\w.]+)=(.*?): ", message)
+  if m is None or (loaded := _config_and_overrides(argv, name)) is None:
+    return ""
+  key, value = m.groups()
+  *groups, last = key.split(".")
+  node = loaded[0]
+  try:
+    for g in groups:
+      node = node[g]
+    kind = node.get_type(last)
+  except Exception:  # noqa: BLE001 - no hint is better than a wrong one
+    return ""
+  if kind not in _TYPE_WORDS:
+    return ""
+  hint = f"\n--{name}.{key} takes {_TYPE_WORDS[kind]} (the type of its value in the config file)"
+  if value.strip().lower() in ("none", "null"):
+    hint += ("; None cannot be given on the command line (where a setting takes None, set it "
+             "in the config file, in a variant of its get_config)")
+  return hint
 
 
 def _key_paths(config, prefix: str = "") -> list[str]:

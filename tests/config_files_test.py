@@ -82,3 +82,28 @@ def test_an_unknown_override_names_its_whole_key_and_where_it_is(tmp_path, overr
   assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
   assert f"FATAL Flags parsing error: {expected}" in r.stderr, r.stderr[-2000:]
   assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("override, expected", [
+    # absl said only "invalid literal for int() with base 10: '1.5'" (or "could not convert
+    # string to float", "Non-boolean argument"), naming no type.
+    ("--config.total_steps=1.5", "flag --config.total_steps=1.5: invalid literal for int() with "
+     "base 10: '1.5'\n--config.total_steps takes an int (the type of its value in the config "
+     "file)\n"),
+    ("--config.train.lr=abc", "--config.train.lr takes a number (the type of its value"),
+    ("--config.train.tb=no", "--config.train.tb takes true or false (or 1 / 0) (the type"),
+    ("--config.train.cap=None", "--config.train.cap takes an int (the type of its value in the "
+     "config file); None cannot be given on the command line (where a setting takes None, set "
+     "it in the config file"),
+])
+def test_an_override_of_the_wrong_type_says_what_the_key_takes(tmp_path, override, expected):
+  path = tmp_path / "my_config.py"
+  path.write_text("import ml_collections\n"
+                  "from ml_collections.config_dict import placeholder\n"
+                  "def get_config(arg=None):\n"
+                  "  return ml_collections.ConfigDict(dict(total_steps=3, train=dict(\n"
+                  "      lr=0.1, tb=True, cap=placeholder(int))))\n")
+  r = _parse(f"--config={path}", override)
+  assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
+  assert expected in r.stderr, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr, r.stderr[-2000:]
