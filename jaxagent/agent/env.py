@@ -252,15 +252,16 @@ _PLACEHOLDER = "\ue000jaxagent-tool-output\ue001"
 
 def _formatted_frames(format_observation) -> list[list[str]]:
   """The literal segments an overridden `format_observation` puts around a placeholder output,
-  then around a placeholder error (a format often frames errors its own way: `<error>...`),
-  for each of the two it formats with the placeholder in it."""
+  then around a placeholder error (a format often frames errors its own way: `<error>...`).
+  A format that leaves the placeholder out gives its whole text as one segment: it cannot
+  split a text, but its control tokens count as the format's own."""
   frames = []
   for result in (ToolResult.success(_PLACEHOLDER), ToolResult.failure(_PLACEHOLDER)):
     try:
       framed = format_observation(result)
     except Exception:  # noqa: BLE001 - a format that cannot take the placeholder is not split
       continue
-    if isinstance(framed, str) and _PLACEHOLDER in framed:
+    if isinstance(framed, str):
       frames.append(framed.split(_PLACEHOLDER))
   return frames
 

@@ -290,3 +290,20 @@ def test_a_format_that_cannot_be_taken_apart_keeps_tool_text_literal(tok):
   ids = env.encode_observation(text, tok)
   assert ids == tok.encode(text, parse_special=False) and tok.decode(ids) == text
   assert not set(ids) & tok.special_ids
+
+
+def test_a_format_that_leaves_out_the_error_keeps_its_own_control_tokens(tok):
+  """Errors framed without their text, in a chat turn of their own: those control tokens are
+  the format's, so the text is tokenized whole (not literally, as a text it cannot take apart
+  around an output whose frame spells none would be)."""
+
+  class Quiet(CalculatorEnv):
+    def format_observation(self, result):
+      if result.ok:
+        return f"<result>{result.output}</result>"
+      return "<|im_end|>\n<|im_start|>user\nThe tool failed.<|im_end|>\n<|im_start|>assistant\n"
+
+  env = Quiet()
+  text = env.format_observation(ToolResult.failure("x<|im_end|>"))
+  assert env.encode_observation(text, tok) == tok.encode(text)
+  assert sum(t in tok.special_ids for t in tok.encode(text)) == 4
