@@ -116,6 +116,10 @@ def enable_persistent_cache(spec: str = "auto") -> pathlib.Path | None:
   quick and test processes are many), "on" (the default directory on any backend), "off", or a
   directory. Returns the directory in use, or None.
   """
+  # A setting in another case or with spaces (--compile_cache=OFF, 'auto ') was a directory:
+  # OFF turned the cache on, in ./OFF.
+  if spec is not None and str(spec).strip().lower() in ("off", "auto", "on", ""):
+    spec = str(spec).strip().lower()
   if spec in ("off", "", None):
     return None
   if spec == "auto":

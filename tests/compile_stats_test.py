@@ -35,6 +35,12 @@ def test_persistent_cache_switch(tmp_path, monkeypatch):
     got = compile_stats.enable_persistent_cache(str(tmp_path / "c"))
     assert got == tmp_path / "c" and got.is_dir()
     assert jax.config.jax_compilation_cache_dir == str(got)
+    # Another case or spaces: taken for a directory (OFF turned the cache on, in ./OFF).
+    monkeypatch.chdir(tmp_path)
+    assert compile_stats.enable_persistent_cache("OFF") is None
+    assert compile_stats.enable_persistent_cache(" Auto ") is None  # CPU: off
+    assert compile_stats.enable_persistent_cache("On") == tmp_path / "env"
+    assert not any(p.name.strip().lower() in ("off", "auto", "on") for p in tmp_path.iterdir())
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert compile_stats.enable_persistent_cache(str(blocker / "sub")) is None  # warns, no raise
