@@ -13,6 +13,7 @@ resumes it; without it, SIGTERM ends the run as usual. A second launch into a wo
 local checkpoint directory) that a running launch holds stops at once, naming the process that
 holds it.
 """
+import errno
 import logging
 import os
 import pathlib
@@ -100,8 +101,16 @@ def check_workdir(workdir, write: bool = True) -> None:
   path = pathlib.Path(str(workdir))
   try:
     path.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile(dir=path):
-      pass
+    # A byte written through to the file system: a full disk lets a file be created but not
+    # written, and the run then failed at its first metrics line, after the model was built.
+    with tempfile.TemporaryFile(dir=path) as f:
+      f.write(b"\n")
+      f.flush()
+      try:
+        os.fsync(f.fileno())
+      except OSError as e:  # a file system without fsync has still taken the byte
+        if e.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EOPNOTSUPP):
+          raise
   except OSError as e:
     raise ValueError(f"workdir {str(path)!r} cannot be written ({e.strerror or e}): set "
                      "--config.workdir to a directory this process can create and write"

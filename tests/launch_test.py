@@ -459,6 +459,16 @@ def test_an_empty_workdir_is_refused(tmp_path, monkeypatch, workdir):
     check_workdir(workdir, write=False)
 
 
+def test_a_workdir_on_a_full_disk_is_refused(tmp_path, monkeypatch):
+  """A full disk lets check_workdir create its file but not write it: the run started and
+  failed at its first metrics line. /dev/full stands for the full disk (ENOSPC on write)."""
+  import tempfile
+  from jaxagent import launch
+  monkeypatch.setattr(tempfile, "TemporaryFile", lambda dir: open("/dev/full", "wb"))
+  with pytest.raises(ValueError, match="cannot be written .No space left on device."):
+    launch.check_workdir(tmp_path / "run")
+
+
 def test_check_workdir_makes_the_folder_and_leaves_nothing_in_it(tmp_path):
   from jaxagent.launch import check_workdir
   check_workdir(tmp_path / "new" / "run")
