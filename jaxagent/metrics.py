@@ -27,7 +27,9 @@ RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "summary.json", "curves.png", "co
 
 def _scalar(v) -> float | None:
   try:
-    f = float(np.asarray(v))
+    a = np.asarray(v)
+    # One value of any shape ((1,), (1, 1)): float() of an array of ndim > 0 is deprecated.
+    f = float(a.reshape(()) if a.size == 1 else a)
   except (TypeError, ValueError):
     return None
   return f
@@ -82,6 +84,7 @@ class MetricsWriter:
     self.workdir = pathlib.Path(workdir)
     self.is_lead = jax.process_index() == 0
     self.history: list[dict[str, Any]] = []
+    self._unlogged: set[str] = set()  # keys warned about in `write`
     self._tb = None
     self._bar = None
     self._jsonl = None
@@ -102,6 +105,16 @@ class MetricsWriter:
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> None:
     clean = {k: s for k, v in metrics.items() if (s := _scalar(v)) is not None}
+    # A value that is not one number (an array of several, a text) is not logged: said once
+    # per key, where it was left out of metrics.jsonl and TensorBoard without a word.
+    for k in metrics:
+      if k not in clean and k not in self._unlogged and metrics[k] is not None:
+        self._unlogged.add(k)
+        if self.is_lead:
+          v = metrics[k]
+          what = f"shape {np.shape(v)}" if np.ndim(v) else type(v).__name__
+          log.warning("metric %r is not a single number (%s, from step %s on): not logged",
+                      k, what, step)
     rec = {"step": int(step), "time": time.time(), **clean}
     self.history.append(rec)
     if not self.is_lead:

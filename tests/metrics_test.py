@@ -126,3 +126,22 @@ def test_finite_json_writes_non_finite_floats_as_null():
   text = finite_json({"a": math.nan, "b": -math.inf, "c": 1.5, "d": "x"}, indent=2)
   assert json.loads(text, parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}")) == {
       "a": None, "b": None, "c": 1.5, "d": "x"}
+
+
+def test_a_metric_that_is_not_one_number_is_named_once(tmp_path, caplog):
+  """An array of several values (or a text) was left out of metrics.jsonl without a word."""
+  import logging
+  import numpy as np
+  w = MetricsWriter(tmp_path, progress=False, tensorboard=False)
+  with caplog.at_level(logging.WARNING, logger="jaxagent.metrics"):
+    for step in (1, 2):
+      w.write(step, {"a": np.float32(1.5), "hist": np.array([1.0, 2.0]), "name": "x",
+                     "absent": None, "one": np.array([3.0])})
+  w.close()
+  recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [{k: v for k, v in r.items() if k != "time"} for r in recs] == [
+      {"step": 1, "a": 1.5, "one": 3.0}, {"step": 2, "a": 1.5, "one": 3.0}]
+  warned = [r.getMessage() for r in caplog.records]
+  assert warned == [  # once each, in the order of the record
+      "metric 'hist' is not a single number (shape (2,), from step 1 on): not logged",
+      "metric 'name' is not a single number (str, from step 1 on): not logged"], warned
