@@ -163,6 +163,16 @@ def test_cloud_types_it_cannot_translate_say_which_it_can(name, expected):
     plan.devices_for(name)  # before libtpu is asked
 
 
+@pytest.mark.parametrize("name", ["h100:8", "H200:2x4", "a100:8", "nvidia-h100:8", "gpu:8",
+                                  "h100 pcie:2"])
+def test_a_gpu_topology_says_to_plan_on_the_gpus(name):
+  """It read "libtpu does not know the topology 'h100:8' (Invalid TPU external name: TPU h100)",
+  as if the name were misspelt."""
+  with pytest.raises(ValueError, match=f"topology '{name}': the planner describes TPU "
+                                       "topologies only.*--topology=local"):
+    plan.devices_for(name)
+
+
 @pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu: pip install 'jaxagent[tpu]'")
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("name, chips, hosts, kind", [
