@@ -63,6 +63,13 @@ def parse_config_flags(argv: list[str], config_flag) -> list[str]:
       # traceback that ml_collections wraps around it.
       head = message.split("Error whilst parsing config file:", 1)[0]
       message = head + [line for line in message.splitlines() if line.strip()][-1]
+    elif (f"Unknown command line flag '{config_flag.name}." in message
+          and not any(re.match(rf"-{{1,2}}{re.escape(config_flag.name)}(=|$)", a)
+                      for a in argv[1:])):
+      # (the overrides of a config file that was not given were "unknown flags")
+      message = (f"{message}: --{config_flag.name}.KEY=VALUE sets a key of the config file; "
+                 f"pass the file first, --{config_flag.name}=path.py[:variant] (such as "
+                 f"--{config_flag.name}=configs/quickstart.py)")
     else:
       message += _override_type_hint(argv, config_flag.name, message)
     fail(message)

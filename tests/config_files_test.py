@@ -107,3 +107,12 @@ def test_an_override_of_the_wrong_type_says_what_the_key_takes(tmp_path, overrid
   assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
   assert expected in r.stderr, r.stderr[-2000:]
   assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_an_override_without_a_config_file_asks_for_the_file():
+  """`python -m jaxagent.plan --config.total_steps=1` said only "Unknown command line flag
+  'config.total_steps'"."""
+  r = _parse("--config.total_steps=1")
+  assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
+  assert ("Unknown command line flag 'config.total_steps': --config.KEY=VALUE sets a key of the "
+          "config file; pass the file first, --config=path.py[:variant]") in r.stderr, r.stderr
