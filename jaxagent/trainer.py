@@ -518,6 +518,9 @@ def check_config(config) -> None:
       EngineConfig(slots=rollout.get("slots", 8), max_len=rollout.max_len, sampling=sampling)
   if hasattr(train, "get") and train.get("pack_len") is not None:
     packing.config_from_train(train, 1)
+  # The losses and optimizers (optimizer.b1=1.5, sft.lr=-1, loss.clip_low=-0.2 were refused
+  # only in `Trainer`, after the launcher's fit check had compiled every program).
+  step_lib.learner_parts(config)
   _warn_long_warmups(config)
   # Read by the warm start, after the evals before training: a missing file ended the run there.
   sft = config.get("sft") if hasattr(config, "get") else None

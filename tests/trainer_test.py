@@ -173,6 +173,13 @@ def test_eval_seed_is_no_rollout_seed_and_fits_the_sampler(seed):
     # The run wrote to ./None; Python None made ./None, then raised a TypeError traceback.
     ("workdir", "None", r"workdir='None' is not a directory: the run writes its metrics"),
     ("workdir", None, r"workdir=None is not a directory"),
+    # The losses and optimizers were built only in `Trainer`: after the fit check.
+    ("optimizer.b1", 1.5, r"config section optimizer: b1 must be a finite number in \[0, 1\)"),
+    ("optimizer.warmup_steps", -1, "config section optimizer: warmup_steps must be an int >= 0"),
+    ("sft.lr", -1.0, r"config section sft \(lr, warmup_steps; optimizer.max_grad_norm\): "
+                     "learning_rate must be a finite number > 0"),
+    ("loss.clip_low", -0.2, r"LossConfig.clip_low=-0.2 must be in \[0, 1\)"),
+    ("loss.kl_coef", -1.0, "LossConfig.kl_coef=-1.0 must be finite and >= 0"),
 ])
 def test_settings_read_after_the_model_loads_are_checked_before_it(tmp_path, monkeypatch, key,
                                                                    value, match):

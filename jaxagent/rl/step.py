@@ -302,8 +302,8 @@ def learner_parts(config):
                     nonfinite=t.get("nonfinite", "raise"),
                     gather_weights=bool(t.get("gather_weights", False)),
                     logprob_save_probs=bool(t.get("logprob_save_probs", False)))
-  rl_opt = make_optimizer(
-      opt.lr, weight_decay=opt.weight_decay, b1=opt.b1, b2=opt.b2,
+  rl_opt = _in_section(
+      "optimizer", make_optimizer, opt.lr, weight_decay=opt.weight_decay, b1=opt.b1, b2=opt.b2,
       max_grad_norm=opt.max_grad_norm, warmup_steps=opt.warmup_steps,
       total_steps=c.total_steps * max(1, t.epochs), schedule=opt.schedule)
   s = c.sft
@@ -312,9 +312,19 @@ def learner_parts(config):
   sft_scfg = dataclasses.replace(scfg, objective="sft", entropy=False, temperature=1.0)
   # Adam's default moments and no weight decay: optimizer.b1 / b2 / weight_decay are the RL
   # updates' (README, "Your own task").
-  sft_opt = make_optimizer(s.lr, max_grad_norm=opt.max_grad_norm,
-                           warmup_steps=s.get("warmup_steps", 0))
+  sft_opt = _in_section("sft (lr, warmup_steps; optimizer.max_grad_norm)", make_optimizer,
+                        s.lr, max_grad_norm=opt.max_grad_norm,
+                        warmup_steps=s.get("warmup_steps", 0))
   return (scfg, rl_opt), (sft_scfg, sft_opt)
+
+
+def _in_section(section: str, fn, *args, **kwargs):
+  """`fn(*args, **kwargs)` with a ValueError naming the config section its arguments came
+  from ("learning_rate must be ..." said neither optimizer.lr nor sft.lr)."""
+  try:
+    return fn(*args, **kwargs)
+  except ValueError as e:
+    raise ValueError(f"config section {section}: {e}") from None
 
 
 def _check_segment_ids(segment_ids) -> None:
