@@ -37,7 +37,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent import sharding as shd
-from jaxagent._token_ids import token_ids
+from jaxagent._token_ids import is_int, token_ids
 from jaxagent.generate.sampling import SamplingConfig, sample, token_keys
 from jaxagent.models import decoder, param_tree
 from jaxagent.models.config import ModelConfig
@@ -135,6 +135,14 @@ def _per_request(x, n: int, dtype, what: str, name: str, unit: str,
     bad = [int(v) if isinstance(v, np.integer) else v for v in bad[:5]]
     raise ValueError(f"{what}: {name} must be integers {span}, got {bad}")
   return np.broadcast_to(np.asarray(vals, dtype), (n,)).copy()
+
+
+def _refuse_bools(x, what: str) -> None:
+  """A ValueError naming `what` when `x` (a number or a nested sequence) holds a bool: NumPy's
+  integer cast would make it 0 or 1."""
+  if any(isinstance(t, (bool, np.bool_)) for t in np.ravel(np.asarray(x, dtype=object))):
+    raise ValueError(f"{what} must be integers, not bools, got "
+                     f"{np.asarray(x, dtype=object).tolist()}")
 
 
 def pow2_at_least(n: int) -> int:
@@ -263,7 +271,6 @@ class EngineConfig:
     if not isinstance(self.sampling, SamplingConfig):
       raise TypeError("EngineConfig.sampling must be a jaxagent.generate.SamplingConfig, got "
                       f"{self.sampling!r}")
-    is_int = lambda e: isinstance(e, (int, np.integer)) and not isinstance(e, bool)
     # A float or a string was cast to some other id, and a bool to 0 or 1, by the device-side
     # comparison; one int or any sequence becomes a tuple (the config must stay hashable).
     # The vocabulary range is checked by `Engine`, which knows the model.
@@ -665,9 +672,7 @@ class Engine:
   def _slot_array(slots, what: str) -> np.ndarray:
     """`slots` (an int or a sequence) as an int32 array; a bool or a non-integer slot raises
     before the cast, which made True slot 1 and cut slot 0.5 to slot 0."""
-    if any(isinstance(t, (bool, np.bool_)) for t in np.ravel(np.asarray(slots, dtype=object))):
-      raise ValueError(f"{what}: slots must be integers, not bools, got "
-                       f"{np.asarray(slots, dtype=object).tolist()}")
+    _refuse_bools(slots, f"{what}: slots")
     a = np.atleast_1d(np.asarray(slots))
     if a.size and not np.issubdtype(a.dtype, np.integer):
       raise ValueError(f"{what}: slots must be integers, got {a.tolist()}")
@@ -944,10 +949,8 @@ class Engine:
     # NumPy casts a bool among ints to 0 / 1 (tokens=[True] became token 1): a caller bug,
     # refused before any conversion (slots: `_slot_array`; tokens: `token_ids`, below).
     for name, x in (("lengths", lengths), ("remaining", remaining)):
-      if x is not None and any(isinstance(t, (bool, np.bool_))
-                               for t in np.ravel(np.asarray(x, dtype=object))):
-        raise ValueError(f"update_slots: {name} must be integers, not bools, got "
-                         f"{np.asarray(x, dtype=object).tolist()}")
+      if x is not None:
+        _refuse_bools(x, f"update_slots: {name}")
     slots = self._slot_array(slots, "update_slots")
     k = len(slots)
     if k == 0:

@@ -83,7 +83,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent import sharding as shd
-from jaxagent._token_ids import token_ids
+from jaxagent._token_ids import is_int, token_ids
 from jaxagent.generate.engine import STOP_LENGTH, DecodeState, Engine, EngineConfig, Prefix
 from jaxagent.generate.sampling import SamplingConfig
 from jaxagent.generate.scheduler import _adds_bos
@@ -251,7 +251,6 @@ class JetStreamEngine(engine_api.Engine):
     if isinstance(tokenizer, (str, pathlib.Path)):
       from jaxagent.models import load_tokenizer
       tokenizer = load_tokenizer(tokenizer)
-    is_int = lambda x: isinstance(x, (int, np.integer)) and not isinstance(x, bool)
     if not is_int(decode_steps) or decode_steps < 1:
       raise ValueError(f"decode_steps must be a positive int, got {decode_steps!r}")
     if add_bos is not None and not isinstance(add_bos, (bool, np.bool_)):  # "no" was True

@@ -17,7 +17,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxagent._token_ids import TokenIdError, token_ids
+from jaxagent._token_ids import TokenIdError, is_int, token_ids
 from jaxagent.generate.engine import (RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH,
                                       STOP_NONFINITE, Engine, EngineConfig, _per_request)
 from jaxagent.generate.sampling import SamplingConfig
@@ -112,7 +112,6 @@ class _Live:
 def _budgets(max_new_tokens, n: int) -> list[int]:
   """Per-prompt budgets from one int or one per prompt; a float (2.7 would be cut to 2) or
   anything else is a clear error."""
-  is_int = lambda b: isinstance(b, (int, np.integer)) and not isinstance(b, bool)
   if isinstance(max_new_tokens, (np.ndarray, jax.Array)) and np.ndim(max_new_tokens) <= 1:
     # One budget (0-d; it failed with "iteration over a 0-d array") or one per prompt, as
     # Python numbers (a JAX array was refused).
