@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping
 import jax.numpy as jnp
 import numpy as np
 
+from jaxagent._token_ids import is_int  # NumPy ints too, as GGUF metadata gives them; no bools
 from jaxagent.config_files import did_you_mean
 
 DType = Literal["float32", "bfloat16", "float16"]
@@ -23,11 +24,6 @@ Remat = Literal["none", "full", "dots", "dots_attention"]
 AttentionImpl = Literal["xla", "cudnn", "pallas", "auto"]
 LogprobImpl = Literal["xla", "pallas", "auto"]
 NormRopeImpl = Literal["xla", "pallas", "auto"]
-
-
-def _is_int(v) -> bool:
-  """An int (NumPy's too, as GGUF metadata gives them), not a bool."""
-  return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,7 +91,7 @@ class ModelConfig:
     for f in ("vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads", "head_dim",
               "ffn_dim", "max_seq_len"):
       v = getattr(self, f)
-      if not _is_int(v) or v <= 0:
+      if not is_int(v) or v <= 0:
         raise ValueError(f"ModelConfig.{f} must be a positive int, got {v!r}")
       object.__setattr__(self, f, int(v))
     for f in ("rope_theta", "norm_eps"):
@@ -115,7 +111,7 @@ class ModelConfig:
     # when the trainer resizes the vocabulary to another tokenizer's: no range check.) Lists
     # (from JSON or a config file) become tuples: the config must stay hashable.
     if self.bos_token_id is not None:
-      if not _is_int(self.bos_token_id) or self.bos_token_id < 0:
+      if not is_int(self.bos_token_id) or self.bos_token_id < 0:
         raise ValueError("ModelConfig.bos_token_id must be None or a token id (an int >= 0), "
                          f"got {self.bos_token_id!r}")
       object.__setattr__(self, "bos_token_id", int(self.bos_token_id))
@@ -162,13 +158,13 @@ class ModelConfig:
         raise ValueError(what)
       factor, lo, hi, orig = rs
       if (not all(isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
-                  for x in (factor, lo, hi)) or not _is_int(orig)
+                  for x in (factor, lo, hi)) or not is_int(orig)
           or not (factor > 0 and 0 < lo < hi and orig > 0)):
         raise ValueError(what)
       object.__setattr__(self, "rope_scaling", (float(factor), float(lo), float(hi), int(orig)))
 
   def _token_id(self, field: str, v) -> int:
-    if not _is_int(v) or not 0 <= v < self.vocab_size:
+    if not is_int(v) or not 0 <= v < self.vocab_size:
       raise ValueError(f"ModelConfig.{field}: {v!r} is not a token id of the vocabulary "
                        f"(an int in [0, vocab_size={self.vocab_size}))")
     return int(v)
@@ -239,7 +235,7 @@ class ModelConfig:
       if hf.get(key) is None:
         raise ValueError(f"HF config: required field {key!r} is "
                          f"{'null' if key in hf else 'missing'}")
-      if not _is_int(hf[key]) or hf[key] <= 0:
+      if not is_int(hf[key]) or hf[key] <= 0:
         raise ValueError(f"HF config: {key}={hf[key]!r} must be a positive int")
       return hf[key]
 
@@ -355,7 +351,7 @@ class ModelConfig:
     # whenever it is set (it reads no use_sliding_window). A window at least as long as the
     # longest sequence served here (max_seq_len) never masks anything.
     if hf.get("use_sliding_window") or (
-        mistral and window is not None and _is_int(kw["max_seq_len"])
+        mistral and window is not None and is_int(kw["max_seq_len"])
         and window < kw["max_seq_len"]):
       hint = (f"; to serve sequences of at most {int(window)} tokens, which the window does not "
               f"cut, pass max_seq_len={int(window)}" if mistral and window is not None and window >= 1
