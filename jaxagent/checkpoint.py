@@ -779,9 +779,9 @@ def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: i
   if tokenizer == "auto":
     m = meta.get("config", {}).get("model", {})
     tokenizer = models.load_tokenizer(m.get("tokenizer") or m["path"])
-  out = pathlib.Path(out)
+  out = pathlib.Path(out).expanduser()
   if jax.process_index() == 0:
-    models.save_hf(out, cfg, host, tokenizer)
-    (out / "jaxagent_export.json").write_text(json.dumps(
-        {"checkpoint": str(mgr.step_path(step)), "step": step}, indent=2))
+    # The record of which checkpoint the weights are, staged and moved in with them.
+    models.save_hf(out, cfg, host, tokenizer, extra_files={"jaxagent_export.json": json.dumps(
+        {"checkpoint": str(mgr.step_path(step)), "step": step}, indent=2)})
   return out

@@ -1458,15 +1458,15 @@ class Trainer:
 
   def export(self, out: str | pathlib.Path | None = None) -> pathlib.Path:
     """Write the current policy as an HF directory (default `<workdir>/export`)."""
-    out = pathlib.Path(out) if out is not None else self.workdir / "export"
+    out = pathlib.Path(out).expanduser() if out is not None else self.workdir / "export"
     checkpoint.check_finite(self.state.params, f"not exporting the policy to {out}")
     params = _to_host(self.state.params)
     if jax.process_index() == 0:
-      models.save_hf(out, self.cfg, params, self.tok)
       # The record `python -m jaxagent.export` writes: one it left here earlier named the step
-      # of the weights this export replaced. These are the policy in memory, not a checkpoint.
-      (out / "jaxagent_export.json").write_text(json.dumps(
-          {"checkpoint": None, "step": self.step}, indent=2))
+      # of the weights this export replaces. These are the policy in memory, not a checkpoint.
+      # Staged with the weights, so a failed export leaves the old weights and their record.
+      models.save_hf(out, self.cfg, params, self.tok, extra_files={
+          "jaxagent_export.json": json.dumps({"checkpoint": None, "step": self.step}, indent=2)})
       self.writer.message(f"exported the policy to {out}")
     return out
 

@@ -5,6 +5,7 @@ default), rerun `python -m pytest tests/trainer_test.py -k golden -s`, check tha
 metrics make sense, and paste them into GOLDEN.
 """
 import json
+import pathlib
 from unittest import mock
 
 import jax
@@ -1260,6 +1261,27 @@ def test_export_records_its_own_step_over_an_earlier_exports(ckpt_trainer, tmp_p
   ckpt_trainer.export(out)
   assert json.loads((out / "jaxagent_export.json").read_text()) == {
       "checkpoint": None, "step": ckpt_trainer.step}
+
+
+def test_an_export_whose_record_fails_to_write_leaves_the_earlier_export(ckpt_trainer, tmp_path,
+                                                                           monkeypatch):
+  # The record was written after the new weights were in place: a full disk there left new
+  # weights beside a record naming the earlier export's checkpoint and step.
+  out = ckpt_trainer.export(tmp_path / "export")
+  (out / "jaxagent_export.json").write_text(json.dumps({"checkpoint": "ckpt/2", "step": 2}))
+  (out / "model.safetensors").write_bytes(b"earlier weights")
+  before = {p.name: p.read_bytes() for p in out.iterdir()}
+  write_text = pathlib.Path.write_text
+
+  def full_disk(self, *args, **kwargs):
+    if self.name == "jaxagent_export.json":
+      raise OSError(28, "No space left on device")
+    return write_text(self, *args, **kwargs)
+
+  monkeypatch.setattr(pathlib.Path, "write_text", full_disk)
+  with pytest.raises(OSError, match="No space left"):
+    ckpt_trainer.export(out)
+  assert {p.name: p.read_bytes() for p in out.iterdir()} == before
 
 
 def test_save_checkpoint_before_run_is_refused_and_leaves_the_workdir_resumable(ckpt_trainer):

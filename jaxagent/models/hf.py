@@ -401,14 +401,16 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_confi
                     "additional_chat_templates", "tokenizer.model", "vocab.json", "merges.txt")
 
 
-def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -> pathlib.Path:
+def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None, *,
+            extra_files: Mapping[str, str] | None = None) -> pathlib.Path:
   """Write `config.json` + `model.safetensors` (+ tokenizer files when given) to `path`.
 
-  Without a tokenizer, a `path` that already holds tokenizer files (an earlier export's) is
-  refused with FileExistsError before anything is written. Every file is written in full
-  under a hidden staging folder first and moved into place only when all are complete, so an
-  export that fails (a full disk, an unreadable generation_config.json there) leaves `path`
-  as it was."""
+  `path` may start with `~`. Without a tokenizer, a `path` that already holds tokenizer files
+  (an earlier export's) is refused with FileExistsError before anything is written.
+  `extra_files` maps file names to text written beside them (e.g. a record of which checkpoint
+  the weights came from). Every file is written in full under a hidden staging folder first
+  and moved into place only when all are complete, so an export that fails (a full disk, an
+  unreadable generation_config.json there) leaves `path` as it was. Returns the directory."""
   from safetensors.numpy import save_file
 
   # pathlib reads "gs://bucket/x" as the local relative path "gs:/bucket/x": the export would
@@ -416,7 +418,13 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
   if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:/", os.fspath(path)):
     raise ValueError(f"save_hf writes a local directory; {os.fspath(path)!r} is a URL. Export to "
                      "a local path, then copy it (e.g. gsutil -m cp -r DIR gs://...)")
-  out = pathlib.Path(path)
+  out = pathlib.Path(path).expanduser()
+  extra_files = dict(extra_files or {})
+  for name in extra_files:
+    if (not isinstance(name, str) or not name or name in ("config.json", "model.safetensors", *_TOKENIZER_FILES)
+        or pathlib.PurePath(name).name != name or name.startswith(".")):
+      raise ValueError(f"save_hf: extra_files name {name!r} must be a plain file name other than "
+                       "the model's and tokenizer's own files")
   # Loaders read a safetensors index (or every *.safetensors file) in preference to, or
   # together with, model.safetensors: weights left by an earlier model would be loaded.
   other = sorted(p.name for p in out.glob("*.safetensors*")
@@ -473,8 +481,12 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None) -
           shutil.copy2(out / name, stage / name)
       tokenizer.save(stage)
       _move_tokenizer_files(stage, out)
+    for name, text in extra_files.items():
+      (stage / name).write_text(text, encoding="utf-8")
     # config.json last: until it is in place a new directory does not load as a model.
     os.replace(stage / "model.safetensors", out / "model.safetensors")
+    for name in extra_files:
+      os.replace(stage / name, out / name)
     os.replace(stage / "config.json", out / "config.json")
   finally:
     shutil.rmtree(stage, ignore_errors=True)

@@ -423,6 +423,45 @@ def test_a_save_hf_whose_tokenizer_fails_leaves_the_earlier_export(tmp_path, mon
   assert {p.name: p.read_bytes() for p in path.iterdir()} == before  # nothing moved, no stage
 
 
+def test_save_hf_expands_the_home_directory(tmp_path, monkeypatch):
+  # `load` read "~/m"; `save_hf` wrote a folder named "~" under the working directory.
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.chdir(tmp_path)
+  cfg = models.get_config("tiny-llama")
+  out = models.save_hf("~/m", cfg, models.init_params(cfg, jax.random.key(0)))
+  assert out == tmp_path / "home" / "m" and (out / "config.json").is_file()
+  assert not (tmp_path / "~").exists()
+  assert models.load("~/m")[0].replace(name=cfg.name) == cfg
+
+
+def test_save_hf_stages_extra_files_with_the_weights(tmp_path, monkeypatch):
+  cfg, path = _save_tiny(tmp_path)
+  models.save_hf(path, cfg, models.init_params(cfg, jax.random.key(1)),
+                 extra_files={"record.json": '{"step": 1}'})
+  assert (path / "record.json").read_text() == '{"step": 1}'
+  before = {p.name: p.read_bytes() for p in path.iterdir()}
+  # Written in the stage before any move, so a failure to write one leaves the export as it was.
+  write_text = pathlib.Path.write_text
+
+  def full_disk_on_write(self, *args, **kwargs):
+    if self.name == "record.json":
+      raise OSError(28, "No space left on device")
+    return write_text(self, *args, **kwargs)
+
+  monkeypatch.setattr(pathlib.Path, "write_text", full_disk_on_write)
+  with pytest.raises(OSError, match="No space left"):
+    models.save_hf(path, cfg, models.init_params(cfg, jax.random.key(2)),
+                   extra_files={"record.json": '{"step": 2}'})
+  assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+  monkeypatch.undo()
+  for bad in ("config.json", "model.safetensors", "tokenizer.json", "../x.json", "a/b.json", "",
+              ".hidden"):
+    with pytest.raises(ValueError, match="extra_files name"):
+      models.save_hf(path, cfg, models.init_params(cfg, jax.random.key(2)),
+                     extra_files={bad: "{}"})
+  assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+
+
 def test_save_hf_with_a_tokenizer_leaves_what_tokenizer_save_leaves(tmp_path):
   # Staged, the tokenizer still keeps generation_config.json's other keys and removes an
   # earlier tokenizer's chat templates from the export directory.
