@@ -385,6 +385,7 @@ class ToolExecutor:
         self._starting = 0  # threads started that have not yet looked for a job
         self._stuck = 0     # abandoned threads still inside a timed-out call
         self._shutdown = False
+        self._resolving = 0  # watchdog batches being resolved outside the lock
         self._watchdog: threading.Thread | None = None
         self._counts = collections.Counter(submitted=0, ok=0, failed=0, timed_out=0)
 
@@ -450,7 +451,8 @@ class ToolExecutor:
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops accepting calls. With `wait`, queued calls still run and live threads are joined
-        (each bounded by its timeout); abandoned threads are never waited for. Then every worker
+        (each bounded by its timeout); abandoned threads are never waited for, and every call's
+        future is resolved when it returns. Then every worker
         process is killed: without `wait`, a process call still running resolves at once as
         stopped (a thread cannot be killed: a thread call still resolves at its timeout)."""
         with self._lock:
@@ -467,7 +469,7 @@ class ToolExecutor:
                 job.future.set_result(ToolResult.failure("the tool executor was shut down before the call ran"))
         if wait:
             with self._lock:
-                while self._live > 0:
+                while self._live > 0 or self._resolving:
                     self._done_cv.wait()
         self._processes.close()
 
@@ -615,13 +617,19 @@ class ToolExecutor:
                     wait = self._deadlines[0][0] - now if self._deadlines else _MAX_WAIT_S
                     self._watch_cv.wait(timeout=min(max(wait, 0.0), _MAX_WAIT_S))
                     continue
-            for job in expired:
-                log.warning("tool %r timed out after %.3g s; abandoning its thread", job.name, job.timeout_s)
-                result = ToolResult.failure(f"tool {job.name!r} timed out after {job.timeout_s:g} s",
-                                            timed_out=True, duration_s=job.timeout_s)
-                self._count_result(result)
-                job.future.set_result(result)
-            self._resolve_saturated(failed)
+                self._resolving += 1  # shutdown(wait=True) returns once these futures are resolved
+            try:
+                for job in expired:
+                    log.warning("tool %r timed out after %.3g s; abandoning its thread", job.name, job.timeout_s)
+                    result = ToolResult.failure(f"tool {job.name!r} timed out after {job.timeout_s:g} s",
+                                                timed_out=True, duration_s=job.timeout_s)
+                    self._count_result(result)
+                    job.future.set_result(result)
+                self._resolve_saturated(failed)
+            finally:
+                with self._lock:
+                    self._resolving -= 1
+                    self._done_cv.notify_all()
 
     def _count_result(self, result: ToolResult) -> None:
         with self._lock:

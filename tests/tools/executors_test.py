@@ -402,3 +402,26 @@ def test_a_tool_with_a_malformed_time_limit_fails_its_call_and_the_executor_live
         assert executor.submit("nap", {"seconds": 0}).result(timeout=5).ok
     finally:
         executor.shutdown(wait=False)
+
+
+def _shutdown_within(executor, seconds):
+    """Runs `executor.shutdown(wait=True)` on a thread; how long it took, or None past `seconds`."""
+    start = time.monotonic()
+    thread = threading.Thread(target=executor.shutdown, kwargs={"wait": True}, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return None if thread.is_alive() else time.monotonic() - start
+
+
+def test_shutdown_with_wait_returns_with_every_timed_out_call_resolved():
+    """The watchdog resolves timed-out calls after it has released their threads: shutdown(wait=True)
+    returned while a call's future was still pending (here for the 0.3 s of the done-callback of
+    the call resolved before it)."""
+    executor = ToolExecutor(REGISTRY, max_workers=3)
+    first = executor.submit("hang", {}, timeout_s=0.2)
+    first.add_done_callback(lambda f: time.sleep(0.5))  # the watchdog is busy past the others' deadlines
+    second, third = (executor.submit("hang", {}, timeout_s=0.3) for _ in range(2))
+    second.add_done_callback(lambda f: time.sleep(0.3))  # `third` is resolved after it, in the same batch
+    assert _shutdown_within(executor, 10) is not None
+    assert third.done() and third.result().timed_out
+
