@@ -30,6 +30,7 @@ import dataclasses
 import math
 from typing import Literal, get_args
 
+import ml_dtypes  # a jax dependency: NumPy's view of bfloat16 and float8
 import numpy as np
 
 Overflow = Literal["drop", "truncate"]
@@ -380,6 +381,16 @@ def _items_by_row(kept: np.ndarray, row: np.ndarray, offset: np.ndarray) -> list
     return [kept[g] for g in np.split(order, splits)] if order.size else []
 
 
+def _is_inexact(dtype) -> bool:
+    """NumPy's floating and complex types and ml_dtypes' (bfloat16, float8), which NumPy files
+    under np.void, not np.inexact."""
+    try:
+        ml_dtypes.finfo(dtype)
+    except ValueError:
+        return False
+    return True
+
+
 def unpack(values_BxL: np.ndarray, packed: PackedBatch, fill_value=None) -> list[np.ndarray | None]:
     """Per-item arrays from a per-token `[B, L]` result (e.g. learner log-probs), in input order.
 
@@ -390,7 +401,7 @@ def unpack(values_BxL: np.ndarray, packed: PackedBatch, fill_value=None) -> list
     if values.shape[:2] != packed.shape:
         raise ValueError(f"values have shape {values.shape}; expected leading dims {packed.shape} of the packed batch")
     if fill_value is None:
-        fill_value = np.nan if np.issubdtype(values.dtype, np.inexact) else 0
+        fill_value = np.nan if _is_inexact(values.dtype) else 0
     out: list[np.ndarray | None] = []
     for r, o, n, n0 in zip(packed.item_row, packed.item_offset, packed.item_length, packed.item_orig_length):
         if r < 0:

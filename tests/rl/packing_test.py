@@ -144,6 +144,19 @@ def test_overflow_truncate_cuts_the_tail():
     assert np.all(unpack(packed.tokens, packed)[1][64:] == 0)
 
 
+def test_truncated_tokens_of_bfloat16_values_unpack_as_nan():
+    # NumPy does not file bfloat16 (a model's compute dtype) under np.inexact: its cut tokens
+    # came back as 0, which reads as a log-prob of a certain token.
+    rng = np.random.default_rng(5)
+    items = [make_item(rng, 30), make_item(rng, 100)]
+    packed = pack(items, PackingConfig(max_len=64, overflow="truncate"))
+    lp = unpack(np.asarray(jnp.asarray(packed.old_logps, jnp.bfloat16)), packed)[1]
+    assert lp.dtype == jnp.bfloat16 and lp.shape == (100,)
+    np.testing.assert_array_equal(lp[:64].astype(np.float32),
+                                  items[1].old_logps[:64].astype(jnp.bfloat16).astype(np.float32))
+    assert np.all(np.isnan(lp[64:].astype(np.float32)))
+
+
 @pytest.mark.parametrize("rounding,row_buckets", [("multiple", ()), ("pow2", ()), ("buckets", (8, 16, 32))])
 def test_bucketed_shapes_are_bounded(rounding, row_buckets):
     rng = np.random.default_rng(6)
