@@ -42,6 +42,31 @@ def finite_json(record: Mapping[str, Any], **kwargs) -> str:
                      for k, v in record.items()}, **kwargs)
 
 
+def append_line(path: str | pathlib.Path, line: str) -> None:
+  """Appends `line` + "\n" to the file at `path` whole or not at all.
+
+  A write that fails part way (a full disk, a quota) is cut back off the file before the error
+  is raised: a partial last line would be glued to the next record, and readers of JSON lines
+  (pandas, jq) refuse the file from that line on.
+  """
+  with open(path, "ab", buffering=0) as f:
+    _append_whole(f, (line + "\n").encode())
+
+
+def _append_whole(f, data: bytes) -> None:
+  start = f.seek(0, 2)  # appends land at the end
+  try:
+    view = memoryview(data)
+    while view:
+      view = view[f.write(view):]
+  except BaseException:
+    try:
+      f.truncate(start)
+    except OSError:
+      pass  # the write's error is the one to report
+    raise
+
+
 class _EventFile:
   """A TensorBoard event file whose scalars are on disk when `write` returns.
 
@@ -93,7 +118,7 @@ class MetricsWriter:
     self.workdir.mkdir(parents=True, exist_ok=True)
     # An earlier run's outputs, seen before this writer adds its own (see set_aside_earlier_run).
     self._earlier = [n for n in RUN_OUTPUTS if (self.workdir / n).exists()]
-    self._jsonl = open(self.workdir / "metrics.jsonl", "a", buffering=1)
+    self._jsonl = open(self.workdir / "metrics.jsonl", "ab", buffering=0)
     if tensorboard:
       try:
         self._tb = _EventFile(self.workdir / "tensorboard")
@@ -119,7 +144,7 @@ class MetricsWriter:
     self.history.append(rec)
     if not self.is_lead:
       return
-    self._jsonl.write(finite_json(rec) + "\n")
+    _append_whole(self._jsonl, (finite_json(rec) + "\n").encode())
     if self._tb is not None:
       # TensorBoard tags allow [A-Za-z0-9_./-]: "eval/pass@1" is logged as "eval/pass_at_1".
       self._tb.write(step, {k.replace("@", "_at_"): v for k, v in clean.items()})
@@ -200,7 +225,7 @@ class MetricsWriter:
     for name in names:
       if (self.workdir / name).exists():
         (self.workdir / name).rename(dest / name)
-    self._jsonl = open(self.workdir / "metrics.jsonl", "a", buffering=1)
+    self._jsonl = open(self.workdir / "metrics.jsonl", "ab", buffering=0)
     if tb:
       self._tb = _EventFile(self.workdir / "tensorboard")
     return dest

@@ -56,7 +56,7 @@ from jaxagent.agent.rollout import RolloutConfig, RolloutDriver, rollout_metrics
 from jaxagent.agent.trajectory import Trajectory, demonstration_trajectory
 from jaxagent.envs import make_env
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
-from jaxagent.metrics import MetricsWriter, finite_json
+from jaxagent.metrics import MetricsWriter, append_line, finite_json
 from jaxagent.models import param_tree
 from jaxagent.models.config import RUN_MODEL_KEYS, run_overrides
 from jaxagent.rewards import ENV_REWARD_ERROR, RewardOutput, mean_metrics, math_verifier
@@ -804,8 +804,7 @@ class Trainer:
     rec = {"step": self.step, "phase": phase, "count": d.count, "seconds": round(d.seconds, 3),
            "programs": d.programs(top=30)}
     self.workdir.mkdir(parents=True, exist_ok=True)
-    with open(self.workdir / "compiles.jsonl", "a") as f:
-      f.write(json.dumps(rec) + "\n")
+    append_line(self.workdir / "compiles.jsonl", json.dumps(rec))
 
   def _reward(self, traj: Trajectory, ex: Example, step: int) -> RewardOutput:
     """`env.reward`, with a raise turned into data: the trajectory scores 0.0 and its output

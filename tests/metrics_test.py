@@ -5,6 +5,7 @@ import struct
 import pytest
 from tensorboardX.proto import event_pb2
 
+from jaxagent import metrics
 from jaxagent.metrics import MetricsWriter
 
 
@@ -145,3 +146,56 @@ def test_a_metric_that_is_not_one_number_is_named_once(tmp_path, caplog):
   assert warned == [  # once each, in the order of the record
       "metric 'hist' is not a single number (shape (2,), from step 1 on): not logged",
       "metric 'name' is not a single number (str, from step 1 on): not logged"], warned
+
+
+class _FullDiskAfter:
+  """A file whose writes stop with ENOSPC once `room` more bytes (or characters) are in."""
+
+  def __init__(self, f, room):
+    self._f, self._room = f, room
+
+  def write(self, data):
+    if len(data) > self._room:
+      self._f.write(data[:self._room])
+      self._room = 0
+      raise OSError(28, "No space left on device")
+    self._room -= len(data)
+    return self._f.write(data)
+
+  def __getattr__(self, name):
+    return getattr(self._f, name)
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self._f.close()
+
+
+def test_a_record_cut_by_a_full_disk_is_not_left_in_the_file(tmp_path):
+  # The part of the record written before the disk filled stayed as a last line that does not
+  # parse, and the next record (once there was room again) was glued onto it.
+  w = MetricsWriter(tmp_path, tensorboard=False, progress=False)
+  w.write(1, {"loss": 1.0})
+  real = w._jsonl
+  w._jsonl = _FullDiskAfter(real, room=7)
+  with pytest.raises(OSError, match="No space left"):
+    w.write(2, {"loss": 2.0})
+  w._jsonl = real
+  w.write(3, {"loss": 3.0})
+  w.close()
+  recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [r["step"] for r in recs] == [1, 3]
+
+
+def test_append_line_appends_whole_lines_or_nothing(tmp_path, monkeypatch):
+  path = tmp_path / "compiles.jsonl"
+  metrics.append_line(path, '{"step": 1}')
+  real_open = open
+  monkeypatch.setattr(metrics, "open", lambda *a, **k: _FullDiskAfter(real_open(*a, **k), 3),
+                      raising=False)
+  with pytest.raises(OSError, match="No space left"):
+    metrics.append_line(path, '{"step": 2}')
+  monkeypatch.undo()
+  metrics.append_line(path, '{"step": 3}')
+  assert path.read_text() == '{"step": 1}\n{"step": 3}\n'
