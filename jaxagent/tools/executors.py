@@ -61,6 +61,10 @@ log = logging.getLogger(__name__)
 # The longest single wait; longer (or infinite) time limits are waited out in slices of this.
 _MAX_WAIT_S = 3600.0
 
+# Why `shutdown(wait=True)` stops running queued calls (see `ToolExecutor.shutdown`).
+_QUEUE_ENDED = ("the tool executor was shut down and a call ran out its time limit during the shutdown, so "
+                "the calls still waiting were dropped instead of each waiting out its own limit")
+
 
 def invoke_tool(tool: Tool, args: Any, *, max_output_chars: int | None = None,
                 timeout_s: float | None = None) -> ToolResult:
@@ -221,6 +225,10 @@ class _ProcessWorker:
             self.proc.kill()
 
 
+class _Refused(RuntimeError):
+    """A call the process pool no longer takes (see `_ProcessPool.refuse_waiting`)."""
+
+
 class _ProcessPool:
     """Up to `size` reusable worker processes; a worker that times out or crashes is replaced."""
 
@@ -232,6 +240,7 @@ class _ProcessPool:
         self._busy: set[_ProcessWorker] = set()
         self._count = 0
         self._closed = False
+        self._refusal: str | None = None  # set by `refuse_waiting`: why calls without a worker are not run
         self._cv = threading.Condition()
 
     def call(self, tool: Tool, args: Any, timeout_s: float, max_output_chars: int | None,
@@ -245,6 +254,8 @@ class _ProcessPool:
                                       f"pickled (use a module-level function or class): {e}")
         try:
             worker = self._acquire()
+        except _Refused as e:
+            return ToolResult.failure(f"tool {name!r} was not run: {e}")
         except Exception as e:  # noqa: BLE001
             return ToolResult.failure(f"tool {name!r}: no worker process available: {e}")
         usable = False
@@ -261,6 +272,8 @@ class _ProcessPool:
             while True:
                 if self._closed:
                     raise RuntimeError("the executor is shut down")
+                if self._refusal is not None:
+                    raise _Refused(self._refusal)
                 if self._idle:
                     worker = self._idle.pop()
                     self._busy.add(worker)
@@ -277,10 +290,16 @@ class _ProcessPool:
                 self._cv.notify()
             raise
         with self._cv:
-            closed = self._closed
-            self._busy.add(worker)
+            closed, refusal = self._closed, self._refusal
+            if closed or refusal is None:
+                self._busy.add(worker)
+            else:  # refused while it started: the worker waits, idle, for the pool's close
+                self._idle.append(worker)
+                self._cv.notify()
         if closed:  # shut down while it started: the call is stopped like the others
             worker.stop()
+        elif refusal is not None:
+            raise _Refused(refusal)
         return worker
 
     def _release(self, worker: _ProcessWorker, usable: bool) -> None:
@@ -294,6 +313,13 @@ class _ProcessPool:
             self._cv.notify()
         if not keep:
             worker.kill()
+
+    def refuse_waiting(self, reason: str) -> None:
+        """Calls that do not hold a worker yet fail with `reason` (now, and from now on); calls
+        running on a worker go on."""
+        with self._cv:
+            self._refusal = reason
+            self._cv.notify_all()
 
     def close(self) -> None:
         """Kills the idle workers, and the busy ones (their calls resolve as stopped)."""
@@ -385,7 +411,8 @@ class ToolExecutor:
         self._starting = 0  # threads started that have not yet looked for a job
         self._stuck = 0     # abandoned threads still inside a timed-out call
         self._shutdown = False
-        self._resolving = 0  # watchdog batches being resolved outside the lock
+        self._queue_ended = False  # a call timed out during shutdown: queued calls are dropped
+        self._resolving = 0        # watchdog batches being resolved outside the lock
         self._watchdog: threading.Thread | None = None
         self._counts = collections.Counter(submitted=0, ok=0, failed=0, timed_out=0)
 
@@ -451,10 +478,14 @@ class ToolExecutor:
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops accepting calls. With `wait`, queued calls still run and live threads are joined
-        (each bounded by its timeout); abandoned threads are never waited for, and every call's
-        future is resolved when it returns. Then every worker
-        process is killed: without `wait`, a process call still running resolves at once as
-        stopped (a thread cannot be killed: a thread call still resolves at its timeout)."""
+        (each bounded by its timeout); abandoned threads are never waited for. Once a call runs
+        out its time limit during the shutdown (a hung tool), the calls still queued, or waiting
+        for a worker process, resolve at once as not run: hung calls cannot hold the shutdown
+        for a time limit per queued call. So it returns within about two time limits (plus
+        grace) of the calls it holds, unless they all finish earlier, and every call's future is
+        resolved when it does. Then every worker process is killed: without `wait`, a process
+        call still running resolves at once as stopped (a thread cannot be killed: a thread call
+        still resolves at its timeout)."""
         with self._lock:
             self._shutdown = True
             self._work_cv.notify_all()
@@ -521,6 +552,28 @@ class ToolExecutor:
         self._pending.clear()
         return failed
 
+    def _end_queue_locked(self) -> list[_Job] | None:
+        """After a call ran out its limit during shutdown: the queued calls to drop (None when the
+        executor is not shutting down, or the queue was already ended)."""
+        if not self._shutdown or self._queue_ended:
+            return None
+        self._queue_ended = True
+        dropped = list(self._pending)
+        self._pending.clear()
+        return dropped
+
+    def _drop_queue(self, dropped: list[_Job] | None) -> None:
+        if dropped is None:
+            return
+        if dropped:
+            log.warning("dropping %d queued tool calls: %s", len(dropped), _QUEUE_ENDED)
+        self._processes.refuse_waiting(_QUEUE_ENDED)
+        for job in dropped:
+            if job.future.set_running_or_notify_cancel():
+                result = ToolResult.failure(f"tool {job.name!r} was not run: {_QUEUE_ENDED}")
+                self._count_result(result)
+                job.future.set_result(result)
+
     def _resolve_saturated(self, jobs: list[_Job]) -> None:
         for job in jobs:
             if job.future.set_running_or_notify_cancel():
@@ -581,10 +634,14 @@ class ToolExecutor:
             except BaseException as e:  # noqa: BLE001 - this thread must resolve its call and live on
                 log.error("running tool %r failed inside the executor", job.name, exc_info=True)
                 result = ToolResult.failure(f"tool {job.name!r} could not be run: {_describe_exception(e)}")
+            dropped = None
             with self._lock:
                 abandoned = job.state == "timed_out"
                 if not abandoned:
                     job.state = "done"
+                    if result.timed_out:
+                        dropped = self._end_queue_locked()
+            self._drop_queue(dropped)
             if not abandoned:
                 self._count_result(result)
                 job.future.set_result(result)
@@ -607,7 +664,9 @@ class ToolExecutor:
                         self._live -= 1
                         self._stuck += 1
                         expired.append(job)
+                dropped = None
                 if expired:
+                    dropped = self._end_queue_locked()
                     self._done_cv.notify_all()
                     self._spawn_threads_locked()
                 failed = self._fail_if_saturated_locked()
@@ -619,6 +678,7 @@ class ToolExecutor:
                     continue
                 self._resolving += 1  # shutdown(wait=True) returns once these futures are resolved
             try:
+                self._drop_queue(dropped)
                 for job in expired:
                     log.warning("tool %r timed out after %.3g s; abandoning its thread", job.name, job.timeout_s)
                     result = ToolResult.failure(f"tool {job.name!r} timed out after {job.timeout_s:g} s",

@@ -425,3 +425,41 @@ def test_shutdown_with_wait_returns_with_every_timed_out_call_resolved():
     assert _shutdown_within(executor, 10) is not None
     assert third.done() and third.result().timed_out
 
+
+def test_shutdown_with_wait_drops_calls_queued_behind_hung_calls():
+    """Calls queued behind a hung call each waited out their own limit once a thread was free
+    (8 calls of 0.3 s on one thread: shutdown(wait=True) took 2.4 s; 100 calls under a 30 s limit
+    on 32 threads, 90 s). Once a call times out during the shutdown the queue is failed at once."""
+    executor = ToolExecutor(REGISTRY, max_workers=1)
+    futures = [executor.submit("hang", {}, timeout_s=0.3) for _ in range(8)]
+    took = _shutdown_within(executor, 1.5)
+    assert took is not None, "shutdown(wait=True) waited for each queued hung call in turn"
+    assert all(f.done() for f in futures)
+    results = [f.result() for f in futures]
+    assert results[0].timed_out
+    for r in results[1:]:
+        assert not r.ok and not r.timed_out and r.error.startswith("tool 'hang' was not run: the tool executor "
+                                                                   "was shut down and a call ran out its time limit")
+    assert executor.stats()["failed"] == 8
+
+
+def test_shutdown_with_wait_still_runs_queued_calls_that_do_not_hang():
+    executor = ToolExecutor(REGISTRY, max_workers=1)
+    futures = [executor.submit("nap", {"seconds": 0.05}) for _ in range(4)]
+    assert _shutdown_within(executor, 10) is not None
+    assert [f.result(timeout=0).output for f in futures] == ["slept 0.05"] * 4
+
+
+def test_shutdown_with_wait_drops_process_calls_waiting_for_a_hung_worker():
+    """Process calls wait on executor threads for a free worker process: each ran out its limit
+    in turn behind the spinning one (4 calls of 0.5 s on one worker: 2 s plus a worker start
+    per call)."""
+    executor = ToolExecutor(REGISTRY, process_workers=1, process_startup_timeout_s=30)
+    assert executor.run("pid_in_process", {}, timeout_s=30).ok  # the worker is up
+    futures = [executor.submit("spin_in_process", {}, timeout_s=0.5) for _ in range(4)]
+    time.sleep(0.2)
+    took = _shutdown_within(executor, 2.5)
+    assert took is not None, "shutdown(wait=True) waited for each process call in turn"
+    results = [f.result(timeout=0) for f in futures]
+    assert results[0].timed_out and "worker process killed" in results[0].error
+    assert all("was not run: the tool executor was shut down" in r.error for r in results[1:]), results
