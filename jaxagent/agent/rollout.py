@@ -174,11 +174,11 @@ def _clean_text(text: str) -> str:
   return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def _token_ids(ids, what: str = "encode_observation") -> list[int]:
+def _token_ids(ids, what: str = "encode_observation", vocab_size: int | None = None) -> list[int]:
   """`what`'s return as a list of ints; anything else raises `TokenIdError` (a TypeError),
   naming what it was (a float id would be cut to another token, a bool become 0 or 1, a string
-  read character by character)."""
-  return token_ids(ids, f"{what}'s return")
+  read character by character), and an id outside [0, vocab_size) a ValueError."""
+  return token_ids(ids, f"{what}'s return", vocab_size)
 
 
 class RolloutDriver:
@@ -301,7 +301,11 @@ class _Run:
     out: list[Trajectory] = []
     for i, ex in enumerate(examples):
       try:
-        prompt = _token_ids(self.env.render_prompt(ex, self.tok), "render_prompt")
+        # Ids outside the vocabulary (a tokenizer that does not match the model) are refused
+        # here, before anything runs: prefill refused them later, after the trajectories
+        # admitted before them were generated, naming the prompt's index in its batch.
+        prompt = _token_ids(self.env.render_prompt(ex, self.tok), "render_prompt",
+                            self.d.vocab_size)
       except Exception as e:  # the task's data is at fault: name the example among thousands
         raise ValueError(f"example {ex.id!r} (examples[{i}]): env {getattr(self.env, 'name', self.env)!r} "
                          f"could not render its prompt: {type(e).__name__}: {e}; fix or drop this "

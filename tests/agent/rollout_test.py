@@ -814,6 +814,28 @@ def test_a_rendered_prompt_of_bools_or_floats_names_its_example():
       rollout(fake, None, Bad(), _examples(2), tokenizer=TOK)
 
 
+def test_a_rendered_prompt_outside_the_vocabulary_names_its_example_before_anything_runs():
+  """Prompt ids outside the model's vocabulary (a tokenizer that does not match the model) were
+  refused by prefill only when their batch was admitted: after the trajectories before them had
+  been generated, with an error naming the prompt's index within that batch."""
+
+  class VocabEngine(FakeEngine):
+    cfg = dataclasses.make_dataclass("Cfg", [("vocab_size", int)])(512)
+
+  class Bad(CalculatorEnv):
+    def render_prompt(self, example, tokenizer):
+      ids = super().render_prompt(example, tokenizer)
+      return ids + [600] if example.id == "q2" else ids
+
+  fake = VocabEngine(_script_from_texts({rid: ["<answer>1</answer>"] for rid in range(3)}),
+                     slots=1)
+  with pytest.raises(ValueError, match=r"example 'q2' \(examples\[2\]\): env 'calculator' could "
+                     r"not render its prompt: ValueError: render_prompt's return has token id "
+                     r"600 outside the model's vocabulary \[0, 512\)"):
+    rollout(fake, None, Bad(), _examples(3), tokenizer=TOK)
+  assert fake.calls["prefill"] == 0
+
+
 class NonfiniteEngine(FakeEngine):
   """The fake with the device's non-finite stop: request `bad_rid`'s logits are NaN once its
   sequence is longer than `at` tokens."""
