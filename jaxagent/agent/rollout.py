@@ -210,7 +210,14 @@ class RolloutDriver:
     # Observation ids are checked against the model's vocabulary (where the engine says it), so
     # that one task's bad ids end its trajectory instead of failing the batched append.
     self.vocab_size = getattr(getattr(engine, "cfg", None), "vocab_size", None)
-    stops = list(dict.fromkeys([*parser.stop_strings(), *cfg.stop_strings]))
+    parser_stops = parser.stop_strings()
+    # A single string would be taken apart into one stop string per character, ending every
+    # turn at its first "<"; None failed with a bare "not iterable".
+    if (isinstance(parser_stops, (str, bytes)) or not isinstance(parser_stops, (list, tuple))
+        or not all(isinstance(s, str) and s for s in parser_stops)):
+      raise ValueError(f"env {getattr(env, 'name', env)!r}: parser.stop_strings() must return a "
+                       f"list of non-empty strings, got {parser_stops!r}")
+    stops = list(dict.fromkeys([*parser_stops, *cfg.stop_strings]))
     self.stop = StopChecker(stops, tokenizer)
     # An optional parser hook: may a stop string end the turn here (not while the policy is
     # still thinking, `XMLTagParser(think_tag=...)`)? Without it every match ends the turn. A

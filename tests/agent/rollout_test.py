@@ -2,6 +2,7 @@
 trajectories, and the real tiny model (ledger == engine samples == training forward logprobs)."""
 import dataclasses
 import random
+import re
 import threading
 import time
 
@@ -780,6 +781,22 @@ def test_config_validation():
     RolloutDriver(fake, CalculatorEnv(), tokenizer=TOK, cfg=RolloutConfig(max_total_tokens=200))
   with pytest.raises(TypeError, match="not a jaxagent.agent.Example"):
     rollout(fake, None, CalculatorEnv(), ["what is 1+1?"], tokenizer=TOK)
+
+
+def test_a_parser_whose_stop_strings_are_not_a_list_of_strings_is_refused():
+  """A parser returning one string ("</calc>") had it taken apart into one stop string per
+  character, so every turn ended at its first "<"; None failed with a bare 'not iterable'."""
+  fake = FakeEngine(_script_from_texts({0: ["<calc>1+1</calc>", "<answer>2</answer>"]}))
+  for bad in ("</calc>", None, ["</calc>", ""], ["</calc>", 5]):
+    class OneString(XMLTagParser):
+      def stop_strings(self, bad=bad):
+        return bad
+
+    env = CalculatorEnv()
+    env.parser = OneString({"calc": ("calculator", "expression")}, answer_tag="answer")
+    with pytest.raises(ValueError, match=r"env 'calculator': parser.stop_strings\(\) must return "
+                       rf"a list of non-empty strings, got {re.escape(repr(bad))}"):
+      rollout(fake, None, env, _examples(1), tokenizer=TOK)
 
 
 def test_a_prompt_that_cannot_be_rendered_names_its_example():
