@@ -67,6 +67,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Literal, NamedTuple, get_args
 
 import jax
@@ -129,6 +130,13 @@ class LossConfig:
         _check_choice("algo", self.algo, Algo)
         _check_choice("agg", self.agg, Agg)
         _check_choice("kl_estimator", self.kl_estimator, KLEstimator)
+        # A string, None or bool would fail the range checks below with a TypeError that names
+        # no field, or (a bool) pass as 0 or 1.
+        for field in ("clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef", "max_len_norm"):
+            value, optional = getattr(self, field), field in ("dual_clip", "max_len_norm")
+            if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+                raise ValueError(f"LossConfig.{field}={value!r} ({type(value).__name__}) must be a number"
+                                 + (" or None" if optional else ""))
         if not 0.0 <= self.clip_low < 1.0:
             raise ValueError(f"LossConfig.clip_low={self.clip_low} must be in [0, 1) so 1 - clip_low > 0")
         if not self.clip_high >= 0.0:

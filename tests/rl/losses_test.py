@@ -529,6 +529,13 @@ def test_jit_and_sharded_batch_match_eager():
     ({"entropy_coef": float("inf")}, "entropy_coef"),
     ({"dual_clip": float("inf")}, "dual_clip"),
     ({"agg": "seq_mean_token_sum_norm", "max_len_norm": float("inf")}, "max_len_norm"),
+    # Not numbers: a TypeError naming no field, or (a bool) a silent 0 or 1.
+    ({"clip_low": None}, r"clip_low=None \(NoneType\) must be a number$"),
+    ({"clip_high": None}, r"clip_high=None \(NoneType\) must be a number$"),
+    ({"kl_coef": "0.1"}, r"kl_coef='0.1' \(str\) must be a number$"),
+    ({"entropy_coef": True}, r"entropy_coef=True \(bool\) must be a number$"),
+    ({"dual_clip": "3"}, r"dual_clip='3' \(str\) must be a number or None"),
+    ({"agg": "seq_mean_token_sum_norm", "max_len_norm": "16"}, r"max_len_norm='16' \(str\) must be a number or None"),
 ])
 def test_config_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):
