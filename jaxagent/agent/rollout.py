@@ -405,9 +405,13 @@ class _Run:
     self.stats.prefill_s += time.perf_counter() - t
     self.stats.prefill_calls += 1
     self.stats.decoded_tokens += n
-    for j, (job, episode, slot) in enumerate(zip(jobs, episodes, slots)):
-      lv = _Live(job.traj, episode, slot, self.d.limit, cached=len(job.prompt))
-      self.live[slot] = lv
+    # All live before any first token is taken: a token that raises (non-finite logits) leaves
+    # the batch's other episodes to `run`, which closes the live ones.
+    admitted = [_Live(job.traj, episode, slot, self.d.limit, cached=len(job.prompt))
+                for job, episode, slot in zip(jobs, episodes, slots)]
+    for lv in admitted:
+      self.live[lv.slot] = lv
+    for j, lv in enumerate(admitted):
       self._take(lv, toks[j], lps[j], int(done[j]))
     self._flush_rewinds()
 

@@ -888,6 +888,18 @@ def test_nonfinite_logits_stop_the_rollout_with_a_clear_error():
   assert len(trajs) == 4 and all(np.isfinite(t.logprobs).all() for t in trajs)
 
 
+def test_nonfinite_logits_at_the_first_token_still_close_every_episode():
+  """The first token of an admitted batch sampled from NaN logits raised before the batch's
+  later trajectories were live, so their episodes (a sandbox each, say) were never closed."""
+  texts = {rid: ["<answer>1</answer>"] for rid in range(4)}
+  plen = len(TOK.encode(_examples(1)[0].prompt))
+  fake = NonfiniteEngine(_script_from_texts(texts), slots=4, bad_rid=0, at=plen)
+  env = _ClosingEnv()
+  with pytest.raises(FloatingPointError, match=r"turn 0 of request 0 "):
+    rollout(fake, None, env, _examples(2), tokenizer=TOK, num_samples=2)
+  assert env.opened == env.closed == 4
+
+
 # --------------------------------------------------------------------------------------- chaos
 
 
