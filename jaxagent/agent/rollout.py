@@ -48,7 +48,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxagent._token_ids import token_ids
+from jaxagent._token_ids import is_int, token_ids
 from jaxagent.agent.env import Env, Episode, Example
 from jaxagent.agent.parsers import ParseResult
 from jaxagent.agent.trajectory import STOP_REASONS, ToolOutcome, Trajectory, Turn, tool_call_key
@@ -261,13 +261,20 @@ class RolloutDriver:
         raise TypeError(f"examples[{i}] is a {type(ex).__name__}, not a jaxagent.agent.Example")
     if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
       raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
-    if not 0 <= int(seed) < 2**32:
+    # int() cut a float seed (1.5 and 1.7 drew the same samples); a float offset failed later,
+    # in the engine's request-id check, without naming request_id_offset.
+    for name, v in (("seed", seed), ("request_id_offset", request_id_offset)):
+      if not (is_int(v) or (getattr(v, "ndim", None) == 0
+                            and np.issubdtype(np.asarray(v).dtype, np.integer))):
+        raise ValueError(f"{name} must be an int, got {v!r}")
+    seed, request_id_offset = int(seed), int(request_id_offset)
+    if not 0 <= seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     last = request_id_offset + len(examples) * num_samples - 1
     if request_id_offset < 0 or last > _INT32_MAX:
       raise ValueError(f"request ids {request_id_offset}..{last} must lie in [0, 2**31); lower "
                        "request_id_offset (or vary the seed per step instead)")
-    run = _Run(self, params, int(seed))
+    run = _Run(self, params, seed)
     return run.run(examples, num_samples, request_id_offset)
 
 

@@ -783,6 +783,19 @@ def test_config_validation():
     rollout(fake, None, CalculatorEnv(), ["what is 1+1?"], tokenizer=TOK)
 
 
+def test_a_seed_or_request_id_offset_that_is_not_an_int_is_refused():
+  """int() cut a float seed, so seeds 1.5 and 1.7 drew the same samples; a float offset gave
+  float request ids that only the engine refused, without naming request_id_offset."""
+  fake = FakeEngine(_script_from_texts({0: ["<answer>1</answer>"]}))
+  with pytest.raises(ValueError, match=r"seed must be an int, got 1.5"):
+    rollout(fake, None, CalculatorEnv(), _examples(1), tokenizer=TOK, seed=1.5)
+  with pytest.raises(ValueError, match=r"request_id_offset must be an int, got 2.5"):
+    rollout(fake, None, CalculatorEnv(), _examples(1), tokenizer=TOK, request_id_offset=2.5)
+  (t,) = rollout(fake, None, CalculatorEnv(), _examples(1), tokenizer=TOK, seed=np.uint32(7),
+                 request_id_offset=np.array(0))
+  assert t.stop_reason == "answer" and type(t.request_id) is int
+
+
 def test_a_parser_whose_stop_strings_are_not_a_list_of_strings_is_refused():
   """A parser returning one string ("</calc>") had it taken apart into one stop string per
   character, so every turn ended at its first "<"; None failed with a bare 'not iterable'."""
