@@ -120,14 +120,19 @@ _MAX_DOUBLE_FACTORIAL = 1000
 # worker. The guard reads it once double factorials are written as their values.
 _NESTED_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*!\s*(?:\)\s*)?!")
 # The operand of a factorial written as arithmetic of literal numbers ("(10^{6})!", "{10^6}!",
-# "(2^{20})!", "\left(10^{6}\right)!", "(1000 \cdot 1000)!", and "10^6!", which math-verify
-# reads as (10^6)!), read by `_factorial_operands`; past `_MAX_FACTORIAL` each ran to the time
-# limit. An operand longer than `_MAX_OPERAND` that is such arithmetic is refused unread.
+# "(2^{20})!", "\left(10^{6}\right)!", "(1000 \cdot 1000)!", "\frac{10^7}{2}!",
+# "\sqrt{10^{12}}!", "\binom{100}{50}!", and "10^6!", which math-verify reads as (10^6)!), read
+# by `_factorial_operands`; past `_MAX_FACTORIAL` each ran to the time limit. An operand longer
+# than `_MAX_OPERAND` that is such arithmetic is refused unread.
 _MAX_OPERAND = 200
-_OPERAND_LATEX = re.compile(r"\\(?:left|right|,|cdot|times)(?![A-Za-z])|\^|[{}\[\]]")
+# LaTeX an operand may hold (`_operand_python`); group 1 a command of two arguments, group 2 a
+# root, with an optional index.
+_OPERAND_COMMAND = re.compile(r"\\(?:([dtc]?frac|[dt]?binom)|(sqrt)|left|right|,|cdot|times)(?![A-Za-z])")
+# Such a command right before the group that ends a factorial's operand (`_command_start`).
+_COMMAND_END = re.compile(r"\\(?:([dtc]?frac|[dt]?binom)|(sqrt))$")
 _OPERAND_PYTHON = {"\\left": "", "\\right": "", "\\,": "", "\\cdot": "*", "\\times": "*", "^": "**",
                    "{": "(", "}": ")", "[": "(", "]": ")"}
-_ARITHMETIC = re.compile(r"[\d.+\-*/() ]+")
+_ARITHMETIC = re.compile(r"(?:[\d.+\-*/() ,]|binom)+")
 _LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
 _ALL_BRACKETS = str.maketrans("()[]", "{}{}")
 
@@ -214,6 +219,8 @@ def _factorial_operands(text: str):
         i = opener[i] - 1
         if text.endswith("\\left", 0, i + 1):
           i -= len("\\left")
+        else:
+          i = _command_start(text, i, opener)
       elif i >= 0 and text[i].isdigit():
         while i >= 0 and (text[i].isdigit() or text[i] == "."):
           i -= 1
@@ -237,12 +244,91 @@ def _factorial_operands(text: str):
       yield operand
 
 
+def _command_start(text: str, i: int, opener: dict[int, int]) -> int:
+  """Where the operand of a factorial starts when the group that ends at `i` + 1 is the last
+  argument of `\\frac`, `\\binom` or `\\sqrt` (`_OPERAND_COMMAND`): just before the command; else
+  `i`."""
+  j = i
+  while j >= 0 and text[j] == " ":
+    j -= 1
+  if j in opener:  # a group before it: the first argument of a fraction, or a root's index
+    k = opener[j] - 1
+    while k >= 0 and text[k] == " ":
+      k -= 1
+    m = _COMMAND_END.search(text, max(k - 6, 0), k + 1)
+    if m and (m[1] or text[j] == "]"):
+      return m.start() - 1
+  m = _COMMAND_END.search(text, max(j - 6, 0), j + 1)
+  return m.start() - 1 if m and m[2] else i
+
+
+def _operand_python(operand: str) -> str | None:
+  """A factorial's operand as Python arithmetic ("\\frac{10^7}{2}" is "((10**7)/(2))"), or None
+  where it holds LaTeX other than brackets, powers, `\\cdot`, `\\times`, fractions, binomials
+  and roots; linear time, as brackets nest no deeper than `_MAX_NESTING`."""
+  out, i = [], 0
+  while i < len(operand):
+    c = operand[i]
+    if c != "\\":
+      out.append(_OPERAND_PYTHON.get(c, c))
+      i += 1
+      continue
+    m = _OPERAND_COMMAND.match(operand, i)
+    if m is None:
+      return None
+    i = m.end()
+    if not (m[1] or m[2]):
+      out.append(_OPERAND_PYTHON[m[0]])
+      continue
+    index = None
+    if m[2]:
+      while operand.startswith(" ", i):
+        i += 1
+      if operand.startswith("[", i):
+        index, i = _operand_argument(operand, i, "[", "]")
+        if index is None:
+          return None
+    args = []
+    for _ in range(2 if m[1] else 1):
+      arg, i = _operand_argument(operand, i, "{", "}")
+      if arg is None:
+        return None
+      args.append(arg)
+    if m[2]:
+      out.append(f"(({args[0]})**(1/({index})))" if index is not None else f"(({args[0]})**0.5)")
+    elif m[1].endswith("frac"):
+      out.append(f"(({args[0]})/({args[1]}))")
+    else:
+      out.append(f"binom(({args[0]}),({args[1]}))")
+  return "".join(out)
+
+
+def _operand_argument(operand: str, i: int, open_: str, close: str) -> tuple[str | None, int]:
+  """The argument of a command that starts at `i` (a group between `open_` and `close`, or one
+  digit) as Python arithmetic (`_operand_python`), and where it ends."""
+  while operand.startswith(" ", i):
+    i += 1
+  if i < len(operand) and operand[i].isdigit() and open_ == "{":
+    return operand[i], i + 1
+  if not operand.startswith(open_, i):
+    return None, i
+  depth = 0
+  for j in range(i, len(operand)):
+    if operand[j] == open_:
+      depth += 1
+    elif operand[j] == close:
+      depth -= 1
+      if depth == 0:
+        return _operand_python(operand[i + 1:j]), j + 1
+  return None, i
+
+
 def _costly_operand(operand: str) -> bool:
   """Whether a factorial's operand (`_factorial_operands`) is arithmetic of literal numbers whose
   value passes `_MAX_FACTORIAL` (or overflows a float on the way); an operand with anything
   else in it ("(2n)", "x^{2}") is left to math-verify."""
-  expr = _OPERAND_LATEX.sub(lambda m: _OPERAND_PYTHON[m.group()], operand)
-  if not _ARITHMETIC.fullmatch(expr):
+  expr = _operand_python(operand)
+  if expr is None or not _ARITHMETIC.fullmatch(expr):
     return False
   if len(expr) > _MAX_OPERAND:
     return True
@@ -264,6 +350,15 @@ def _float_value(node: ast.AST) -> float | None:
   if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
     value = _float_value(node.operand)
     return None if value is None else value if isinstance(node.op, ast.UAdd) else -value
+  if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "binom"
+          and len(node.args) == 2 and not node.keywords):
+    n, k = (_float_value(arg) for arg in node.args)
+    if n == math.inf and k is not None and 1 <= k < math.inf:
+      return math.inf  # a term overflowed
+    if n is None or k is None or not 0 <= k <= n < math.inf or n != int(n) or k != int(k):
+      return None  # left to math-verify
+    log_value = math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+    return math.inf if log_value > 700 else math.exp(log_value)
   if not isinstance(node, ast.BinOp) or not isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div,
                                                                   ast.Pow)):
     return None

@@ -866,6 +866,40 @@ def test_the_cost_guard_reads_a_factorial_of_arithmetic(text, costly):
   assert _math_text._too_costly(text) is costly
 
 
+@pytest.mark.parametrize("text,costly", [
+    ("\\frac{10^7}{2}!", True), ("\\dfrac{10^7}{2}!", True), ("\\cfrac{10^{7}}{2} !", True),
+    ("{\\frac{10^7}{2}}!", True), ("(\\frac{10^7}{2})!", True), ("\\frac{10^7}{2}!!", True),
+    ("\\sqrt{10^{12}}!", True), ("\\sqrt[3]{10^{18}}!", True), ("\\binom{100}{50}!", True),
+    ("\\dbinom{100}{50}!", True), ("\\binom{10^{400}}{2}!", True), ("2\\frac{10^7}{2}!", True),
+    ("\\frac{6}{2}!", False), ("\\tfrac{6}{2}!", False), ("{\\frac{6}{2}}!", False), ("\\sqrt{9}!", False),
+    ("\\sqrt[3]{27}!", False), ("\\binom{4}{2}!", False), ("\\sqrt{10^8}!", False),  # 10000! is read
+    ("\\frac{n}{2}!", False), ("\\binom{n}{2}!", False), ("\\frac{1}{0}!", False), ("\\sqrt{-4}!", False),
+    ("\\binom{5}{7}!", False), ("\\binom{5.5}{2}!", False), ("\\frac{10!}{3!}", False),
+])
+def test_the_cost_guard_reads_fractions_roots_and_binomials_in_a_factorial(text, costly):
+  # A factorial of \frac{10^7}{2} (and of \binom{100}{50}) ran to the time limit: the guard read
+  # no LaTeX command in the operand, and only the last group of one ("{2}"). \sqrt{10^8} was
+  # refused as 10^8, not read as 10^4.
+  assert _math_text._too_costly(text) is costly
+
+
+@pytest.mark.parametrize("text", ["\\frac{10^7}{2}!", "{\\frac{10^7}{2}}!", "\\binom{100}{50}!",
+                                  "(\\frac{10^{7}}{2})!"])
+def test_a_factorial_of_a_large_fraction_or_binomial_is_refused_quickly(process_verifier, text):
+  process_verifier.equal("1", "1")  # make sure a worker is started; startup is not timed
+  before = process_verifier.stats()
+  start = time.monotonic()
+  assert not process_verifier.equal(text, "1", timeout_s=3.0)
+  assert time.monotonic() - start < 0.5
+  assert process_verifier.stats()["timeouts"] == before["timeouts"]
+
+
+def test_small_factorials_of_fractions_roots_and_binomials_are_read(thread_verifier):
+  for prediction, gold in [("\\frac{6}{2}!", "6"), ("{\\frac{6}{2}}!", "6"), ("\\sqrt{9}!", "6"),
+                           ("\\binom{4}{2}!", "720"), ("\\sqrt[3]{27}!", "6")]:
+    assert thread_verifier.equal(prediction, gold, timeout_s=30.0), prediction
+
+
 def test_the_cost_guard_reads_factorials_in_linear_time():
   start = time.monotonic()
   for text in ["(1)!" * 20000, "(1+2)! " * 20000, "2^" * 5000 + "2!", "(" + "1+" * 5000 + "1)!"]:
