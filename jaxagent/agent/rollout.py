@@ -345,7 +345,7 @@ class _Run:
       for lv in list(self.live.values()):  # only on an exception: release what is left
         if lv.future is not None:
           lv.future.cancel()
-        lv.episode.close()
+        self._close(lv.episode, lv.traj)
       self.stats.wall_s = time.perf_counter() - t0
     return out
 
@@ -406,8 +406,8 @@ class _Run:
           [j.traj.request_id for j in jobs], self.seed, [self.cfg.max_tokens_per_turn] * n,
           [self.d.limit] * n)
     except BaseException:
-      for episode in episodes:  # not live yet, so `run` would not close them
-        episode.close()
+      for job, episode in zip(jobs, episodes):  # not live yet, so `run` would not close them
+        self._close(episode, job.traj)
       raise
     self.stats.prefill_s += time.perf_counter() - t
     self.stats.prefill_calls += 1
@@ -646,7 +646,16 @@ class _Run:
     lv.traj.finish(reason)
     del self.live[lv.slot]
     self.free.append(lv.slot)
-    lv.episode.close()
+    self._close(lv.episode, lv.traj)
+
+  def _close(self, episode: Episode, traj: Trajectory) -> None:
+    """Closes an episode; a close that raises (an overridden `Episode.close`) is logged, as a
+    failing cleanup must not end the rollout, nor stop the other episodes from closing."""
+    try:
+      episode.close()
+    except Exception:  # noqa: BLE001 - one trajectory's cleanup failure is not a crashed run
+      log.warning("env %r: closing the episode of request %d raised; the trajectory is kept",
+                  getattr(self.env, "name", self.env), traj.request_id, exc_info=True)
 
 
 def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:

@@ -769,6 +769,34 @@ def test_episodes_are_closed_and_reruns_are_reproducible():
   assert driver.stats.generate_calls > 0 and driver.stats.wall_s > 0
 
 
+def test_an_episode_whose_close_raises_ends_nothing_else(caplog):
+  """An overridden `Episode.close` that raised (a sandbox already gone) crashed the whole
+  rollout from the trajectory's end, and every trajectory of the batch was lost."""
+  closed = []
+
+  class Fragile(Episode):
+    def __init__(self, tools, rid):
+      super().__init__(tools)
+      self.rid = rid
+
+    def close(self):
+      closed.append(self.rid)
+      if self.rid == "q1":
+        raise ProcessLookupError("the sandbox is gone")
+
+  class Env_(CalculatorEnv):
+    def new_episode(self, example):
+      return Fragile(self.tools, example.id)
+
+  texts = {rid: ["<calc>1+1</calc>", "<answer>2</answer>"] for rid in range(3)}
+  fake = FakeEngine(_script_from_texts(texts), slots=2)
+  with caplog.at_level("WARNING"):
+    trajs = rollout(fake, None, Env_(), _examples(3), tokenizer=TOK)
+  assert [t.stop_reason for t in trajs] == ["answer"] * 3
+  assert sorted(closed) == ["q0", "q1", "q2"]
+  assert "closing the episode of request 1 raised" in caplog.text
+
+
 def test_config_validation():
   with pytest.raises(ValueError, match="max_turns"):
     RolloutConfig(max_turns=0)
