@@ -176,11 +176,14 @@ def _sft_parts(logps, batch):
 
 
 def _micro_parts(params, mb: Batch, cfg: ModelConfig, scfg: StepConfig):
-  want_ent = scfg.entropy or scfg.loss.entropy_coef > 0
+  # The entropy bonus is a term of the RL loss only: the SFT warm start keeps the run's loss
+  # config, and its entropy_coef made every SFT step compute entropies and their gradient.
+  ent_grad = scfg.objective == "rl" and scfg.loss.entropy_coef > 0
+  want_ent = scfg.entropy or ent_grad
   logps, ents = sequence_logprobs(params, mb, cfg=cfg, temperature=scfg.temperature,
                                   chunk=scfg.logprob_chunk, with_entropy=want_ent,
                                   chunk_tokens=scfg.logprob_chunk_tokens,
-                                  entropy_grad=scfg.loss.entropy_coef > 0,
+                                  entropy_grad=ent_grad,
                                   save_probs=scfg.logprob_save_probs)
   if scfg.objective == "sft":
     parts = _sft_parts(logps, mb)

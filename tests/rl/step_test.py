@@ -257,6 +257,21 @@ def test_sft_objective_is_masked_cross_entropy(params):
   np.testing.assert_allclose(float(loss), ref, rtol=1e-5)
 
 
+def test_sft_with_an_entropy_bonus_in_the_loss_config_computes_no_entropy(params):
+  # The warm start keeps the run's loss config (`learner_parts`) with entropy=False; the RL
+  # loss's entropy_coef made every SFT step compute entropies and differentiate through them.
+  b = two_sequence_rows(CFG.vocab_size, rows=2)
+  def update(coef):
+    scfg = step.StepConfig(objective="sft", entropy=False,
+                           loss=losses.LossConfig(entropy_coef=coef))
+    fn = jax.value_and_grad(step._micro_parts, has_aux=True)
+    return lambda p, mb: fn(p, mb, CFG, scfg)
+  (_, parts), _ = jax.eval_shape(update(0.01), params, b)
+  assert sorted(parts.sums) == ["nll", "num_policy_tokens", "ratio_mean"]
+  # The same program as without the bonus: no entropy computed, nor differentiated.
+  assert str(jax.make_jaxpr(update(0.01))(params, b)) == str(jax.make_jaxpr(update(0.0))(params, b))
+
+
 @functools.lru_cache(maxsize=None)
 def _skip_learner():
   """A learner that skips non-finite updates, with a two-update warmup (one compile shared)."""
