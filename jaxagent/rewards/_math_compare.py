@@ -99,6 +99,11 @@ _NAMING = re.compile(r"\\(?:begin|end)\s*\{[^{}]*\}|\\[A-Za-z]+|([A-Za-z0-9])")
 # "18!\nSo ..."), which LaTeX would read as a factorial: a full stop to a reader. A bare answer
 # ("5!"), math between delimiters ("$5!$", "\boxed{5!}") and "5! = 120" keep their factorial.
 _EXCLAMATION = re.compile(r"(?<=\d)!+(?=[ \t]*(?:$|\n)|\s+[A-Z])")
+# A double factorial of an expression ("(2n-1)!!", "n!!"), which math-verify reads as a factorial
+# of a factorial, ((2n-1)!)!; one of a number is written as its value first (`_double_factorials`).
+# Read so on both sides, two compare by their operands; against a side with a factorial and no
+# such double factorial it is not credited (`_equal_inline`). "Wow!!" is no such thing.
+_SYMBOLIC_DOUBLE_FACTORIAL = re.compile(r"(?:[)}\]]|(?<![A-Za-z\\])[A-Za-z])\s*!!(?!!)")
 # A value ruled out right after an answer, to the end of its sentence ("The answer is 5, not 6.",
 # "x = 5, and not 6"): the answer is the value before it, as a reader takes it, not a hedge between
 # the two. "5, not 6 or 7" and "5, not 6, 7" are left to the hedge rule.
@@ -731,6 +736,8 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
   prediction, gold = _exclaimed(prediction), _exclaimed(gold)
   if _too_costly(prediction) or _too_costly(gold):
     return False  # no realistic answer; math-verify would take seconds or minutes to say so
+  if _reads_double_factorial_as_nested(prediction, gold):
+    return False
   options = {"float_rounding": float_rounding, "numeric_precision": numeric_precision, "strict": strict}
   gold_parsed = _parse_answer(gold)
   pred_parsed = _parse_answer(prediction, single=True, **options)
@@ -776,6 +783,15 @@ def _equal_inline(prediction: str, gold: str, float_rounding: int = 6, numeric_p
       if sets and verify(sets, b, timeout_seconds=None, **options):
         return True
   return False
+
+
+def _reads_double_factorial_as_nested(prediction: str, gold: str) -> bool:
+  """Whether one side has a double factorial of an expression (`_SYMBOLIC_DOUBLE_FACTORIAL`) and
+  the other a factorial but none: math-verify would credit "((2n-1)!)!" for "(2n-1)!!", as it
+  reads both as the former (while "(5!)!" is not credited for "5!!", which is 15)."""
+  marked = [bool(_SYMBOLIC_DOUBLE_FACTORIAL.search(_double_factorials(t))) if "!!" in t else False
+            for t in (prediction, gold)]
+  return marked[0] != marked[1] and "!" in (gold if marked[0] else prediction)
 
 
 def _spelled_value(answer: str, text: str) -> list:

@@ -375,7 +375,9 @@ def math_equal(prediction: str, gold: str, *, timeout_s: float = 5.0) -> bool:
   answer ("The answer is 5. Wait, no, it is 6.") equals the correction, and one that rules out its
   only number ("It is not 5.") or takes its answer back ("The answer is 5. Wait, no.", "The
   answer is 5, which is wrong.") equals nothing. A sentence ending "18!" states 18; a bare "5!"
-  and "$5!$" are factorials, and "5!!" is the double factorial 15. Returns within about
+  and "$5!$" are factorials, and "5!!" is the double factorial 15; one of an expression,
+  "(2n-1)!!", equals the same double factorial but no factorial of a factorial ("((2n-1)!)!",
+  which math-verify would take it for) and no closed form. Returns within about
   `timeout_s` (plus a one-time worker start, and any wait for a free worker while more callers
   than its workers compare at once).
   """

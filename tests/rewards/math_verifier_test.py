@@ -344,6 +344,10 @@ EQUAL = [
     ("18!!", "185794560"),
     ("\\boxed{20!!}", "3715891200"),
     ("\\frac{8!!}{4!!}", "48"),
+    # A double factorial of an expression is compared with another as math-verify reads both.
+    ("\\boxed{(2n-1)!!}", "(2n - 1)!!"),
+    ("n!! + 1", "1 + n!!"),
+    ("Wow!! The answer is 5!", "5"),
     # A value ruled out right after the answer is no second answer (these were read as a hedge
     # between the two values and scored 0).
     ("The answer is 5, not 6", "5"),
@@ -496,6 +500,11 @@ NOT_EQUAL = [
     ("3 \u20135", "-5"),
     ("1\u2009234", "1235"),
     ("5!!", "(5!)!"),
+    # Nor is n!! (n!)!, though math-verify reads it so (these were credited).
+    ("n!!", "(n!)!"),
+    ("(2n-1)!!", "((2n-1)!)!"),
+    ("\\boxed{((2n-1)!)!}", "(2n-1)!!"),
+    ("x!! + 1", "(x!)! + 1"),
     ("The answer is 5, not 6", "6"),
     ("The answer is 5, not -5.", "-5"),
     ("\\pi \\approx 3.14", "3.15"),
