@@ -68,6 +68,14 @@ def _check_fallback(owner: str, tag: str | None, fallback) -> None:
                      "tag (tag=None reads only boxes and '####')")
 
 
+def _check_config(owner: str, config, kind: type) -> None:
+  # A dict or ConfigDict here failed each call, and the composite scored the term 0.0 for every
+  # trajectory of the run (logged once) instead of refusing it here.
+  if not isinstance(config, kind):
+    raise ValueError(f"{owner}.config must be a shaping.{kind.__name__}, got {type(config).__name__}: "
+                     f"{config!r:.200}; build one with shaping.{kind.__name__}(**values)")
+
+
 def _check_tag(owner: str, tag: str | None) -> None:
   if tag is not None and not (isinstance(tag, str) and re.fullmatch(r"[A-Za-z_][\w\-]*", tag)):
     raise ValueError(f"{owner}.tag must be a bare tag name like 'answer' or None, got {tag!r}")
@@ -139,6 +147,14 @@ class UnitTestReward:
   passed_key: str = TESTS_PASSED_KEY
   total_key: str = TESTS_TOTAL_KEY
 
+  def __post_init__(self):
+    if not isinstance(self.all_or_nothing, bool):  # "no" would turn it on
+      raise ValueError(f"UnitTestReward.all_or_nothing must be a bool, got {self.all_or_nothing!r}")
+    for name in ("passed_key", "total_key"):
+      if not isinstance(getattr(self, name), str):
+        raise ValueError(f"UnitTestReward.{name} must be a str (a key of RewardInput.metadata), "
+                         f"got {getattr(self, name)!r}")
+
   def __call__(self, inp: RewardInput) -> float:
     for key in (self.passed_key, self.total_key):
       if key not in inp.metadata:
@@ -153,6 +169,9 @@ class FormatReward:
 
   config: shaping.FormatConfig = shaping.FormatConfig()
 
+  def __post_init__(self):
+    _check_config("FormatReward", self.config, shaping.FormatConfig)
+
   def __call__(self, inp: RewardInput) -> float:
     return shaping.format_reward(inp.response_text, self.config)
 
@@ -162,6 +181,9 @@ class ToolUseReward:
   """`shaping.tool_use_reward` of the trajectory's tool-call counts."""
 
   config: shaping.ToolShapingConfig = shaping.ToolShapingConfig()
+
+  def __post_init__(self):
+    _check_config("ToolUseReward", self.config, shaping.ToolShapingConfig)
 
   def __call__(self, inp: RewardInput) -> float:
     return shaping.tool_use_reward(inp.num_tool_calls, inp.num_valid_tool_calls, inp.num_tool_errors,
@@ -174,6 +196,9 @@ class LinearLengthReward:
 
   config: shaping.LinearLengthConfig
 
+  def __post_init__(self):
+    _check_config("LinearLengthReward", self.config, shaping.LinearLengthConfig)
+
   def __call__(self, inp: RewardInput) -> float:
     return shaping.linear_length_penalty(inp.num_response_tokens, self.config)
 
@@ -184,6 +209,9 @@ class OverlongReward:
   (the policy's tokens over all turns; observations and prompt excluded)."""
 
   config: shaping.OverlongConfig
+
+  def __post_init__(self):
+    _check_config("OverlongReward", self.config, shaping.OverlongConfig)
 
   def __call__(self, inp: RewardInput) -> float:
     return shaping.overlong_penalty(inp.num_response_tokens, self.config)

@@ -128,3 +128,18 @@ def test_math_task_composite_end_to_end(verifier):
   assert out.errors == ("correct",)
   assert out.total == pytest.approx(0.5 * 0.5 * 1.0)
   assert reward.error_counts()["correct"] == 1
+
+
+@pytest.mark.parametrize("make,message", [
+    (lambda: FormatReward({"answer_tag": "answer"}), r"FormatReward\.config must be a shaping\.FormatConfig, got dict"),
+    (lambda: ToolUseReward({"max_reward": 0.5}), r"ToolUseReward\.config must be a shaping\.ToolShapingConfig"),
+    (lambda: LinearLengthReward(512), r"LinearLengthReward\.config must be a shaping\.LinearLengthConfig, got int"),
+    (lambda: OverlongReward(OverlongConfig), r"OverlongReward\.config must be a shaping\.OverlongConfig, got type"),
+    (lambda: UnitTestReward(all_or_nothing="no"), r"UnitTestReward\.all_or_nothing must be a bool, got 'no'"),
+    (lambda: UnitTestReward(passed_key=None), r"UnitTestReward\.passed_key must be a str"),
+])
+def test_components_refuse_malformed_settings_when_built(make, message):
+  """A config that was not its shaping dataclass failed each call instead (scored 0.0 for every
+  trajectory, logged once), and all_or_nothing="no" scored all-or-nothing."""
+  with pytest.raises(ValueError, match=message):
+    make()
