@@ -372,11 +372,15 @@ def policy_loss_parts(
     if ref_logps is not None:
         kl_BxL = clean(_kl_per_token(logps_BxL, clean(jax.lax.stop_gradient(ref_logps)), cfg.kl_estimator))
         kl_num = jnp.sum(w_BxL * kl_BxL)
-        numerator = numerator + cfg.kl_coef * kl_num
+        # Only a term with weight: 0 * (a NaN or inf KL) is NaN, so reference log-probs passed
+        # for the kl_ref metric alone would otherwise make the loss and every gradient NaN.
+        if cfg.kl_coef:
+            numerator = numerator + cfg.kl_coef * kl_num
         sums["kl_ref"], counts["kl_ref"] = jnp.sum(kl_BxL), num_tokens
     if entropies is not None:
         ent_BxL = clean(entropies)
-        numerator = numerator - cfg.entropy_coef * jnp.sum(w_BxL * ent_BxL)
+        if cfg.entropy_coef:  # (as for the KL: entropies passed for the metric only)
+            numerator = numerator - cfg.entropy_coef * jnp.sum(w_BxL * ent_BxL)
         sums["entropy"], counts["entropy"] = jnp.sum(ent_BxL), num_tokens
 
     # approx_kl_old: k3 estimate of KL(pi_old || pi_theta) on the sampled tokens (which come from

@@ -362,6 +362,21 @@ def test_kl_estimators_by_hand(estimator, want):
     assert float(m["kl_ref"]) == pytest.approx(want, abs=1e-6)
 
 
+@pytest.mark.parametrize("bad", [np.nan, -np.inf])
+def test_metric_only_reference_and_entropies_do_not_reach_the_loss(bad):
+    # With kl_coef = 0 and entropy_coef = 0 the terms were still added as 0 * value: reference
+    # log-probs or entropies passed for their metrics alone, non-finite on one policy token,
+    # made the loss and every gradient NaN.
+    arr = {"lp": np.array([[0.0, -1.0, -2.0]]), "old": np.array([[0.0, -1.1, -2.0]]),
+           "adv": np.full((1, 3), 0.5), "mask": np.array([[0.0, 1.0, 1.0]]),
+           "ref": np.array([[0.0, bad, -2.0]]), "ent": np.array([[0.0, bad, 1.0]])}
+    seg = np.ones((1, 3), np.int32)
+    want, _, want_g = jax_loss_and_grad(arr, seg, make_cfg(), use_ref=False, use_ent=False)
+    loss, m, g = jax_loss_and_grad(arr, seg, make_cfg())
+    assert float(loss) == float(want) and np.array_equal(g, want_g), (loss, g)
+    assert not np.isfinite(float(m["kl_ref"])) and not np.isfinite(float(m["entropy"]))  # shown
+
+
 @pytest.mark.parametrize("estimator", ESTIMATORS)
 @pytest.mark.parametrize("algo", ALGOS)
 def test_kl_of_a_token_far_from_the_reference_is_finite(algo, estimator):
