@@ -76,12 +76,22 @@ def _check_rewards(rewards, group_ids) -> tuple[np.ndarray, np.ndarray]:
     if bad.size:
         raise ValueError(f"rewards must be finite; got {rewards[bad[:5]]} at indices {bad[:5].tolist()} "
                          "(score failures as a finite reward upstream, e.g. 0)")
+    if group_ids.dtype.kind in "fc":
+        bad = np.flatnonzero(~np.isfinite(group_ids))
+        if bad.size:  # np.unique takes every NaN for the same id: unrelated prompts, one group
+            raise ValueError(f"group_ids must be finite; got {group_ids[bad[:5]]} at indices "
+                             f"{bad[:5].tolist()} (give each prompt's samples one int or string id)")
     return rewards, group_ids
 
 
 def _group_index(group_ids: np.ndarray) -> tuple[np.ndarray, int]:
     """Dense index 0..K-1 per trajectory, numbered by first appearance."""
-    _, first, inverse = np.unique(group_ids, return_index=True, return_inverse=True)
+    try:
+        _, first, inverse = np.unique(group_ids, return_index=True, return_inverse=True)
+    except TypeError as e:  # ids that do not sort together (None, mixed types in an object array)
+        kinds = sorted({type(g).__name__ for g in group_ids.ravel()})
+        raise ValueError(f"group_ids must be ints or strings that sort together; got "
+                         f"{', '.join(kinds)} values") from e
     order = np.argsort(np.argsort(first, kind="stable"), kind="stable")  # rank of each unique id by first use
     return order[inverse.reshape(-1)], len(first)
 
@@ -224,10 +234,11 @@ class DynamicSampler:
         """Records one round of scored groups; returns the bool keep mask over its trajectories."""
         # A NaN reward would make its group look informative (NaN compares as not equal).
         rewards, group_ids = _check_rewards(rewards, group_ids)
-        self.rounds += 1
         if rewards.size == 0:
+            self.rounds += 1
             return np.zeros(0, bool)
-        idx, num_groups = _group_index(group_ids)
+        idx, num_groups = _group_index(group_ids)  # (may refuse the ids: no round is counted)
+        self.rounds += 1
         _, zero_var = _zero_variance_groups(rewards, idx, num_groups)
         informative = np.flatnonzero(~zero_var)  # dense group indices, in order of first appearance
         take = informative[: max(self.remaining, 0)]

@@ -97,6 +97,20 @@ def test_validation_errors():
     assert adv.size == 0 and info.num_groups == 0
 
 
+def test_group_ids_that_do_not_name_groups_are_refused():
+    # NaN ids were all one group (four unrelated prompts normalised together); None ids raised
+    # "'<' not supported between instances of 'NoneType' and 'NoneType'".
+    sampler = DynamicSampler(4)
+    for fn in (compute_advantages, sampler.update):
+        with pytest.raises(ValueError, match=r"group_ids must be finite; got \[nan nan\] at indices \[2, 3\]"):
+            fn([1.0, 0.0, 1.0, 0.0], [0.0, 0.0, np.nan, np.nan])
+        with pytest.raises(ValueError, match="group_ids must be ints or strings that sort together; got NoneType"):
+            fn([1.0, 0.0, 1.0, 0.0], [None, None, 1, 1])
+    assert sampler.rounds == 0  # a refused round is not counted
+    adv, info = compute_advantages([1.0, 0.0, 1.0, 0.0], ["a", "a", "b", "b"])
+    assert info.num_groups == 2 and adv[0] > 0 > adv[1]
+
+
 def groups(rewards_per_group, start=0):
     rewards = np.concatenate([np.asarray(r, float) for r in rewards_per_group])
     ids = np.concatenate([np.full(len(r), start + g) for g, r in enumerate(rewards_per_group)])
