@@ -259,8 +259,10 @@ class RolloutDriver:
     for i, ex in enumerate(examples):
       if not isinstance(ex, Example):
         raise TypeError(f"examples[{i}] is a {type(ex).__name__}, not a jaxagent.agent.Example")
-    if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+    # A NumPy integer (the trainer's config check takes one) is the int it holds.
+    if not is_int(num_samples) or num_samples < 1:
       raise ValueError(f"num_samples must be an int >= 1, got {num_samples!r}")
+    num_samples = int(num_samples)
     # int() cut a float seed (1.5 and 1.7 drew the same samples); a float offset failed later,
     # in the engine's request-id check, without naming request_id_offset.
     for name, v in (("seed", seed), ("request_id_offset", request_id_offset)):

@@ -824,6 +824,20 @@ def test_a_seed_or_request_id_offset_that_is_not_an_int_is_refused():
   assert t.stop_reason == "answer" and type(t.request_id) is int
 
 
+def test_num_samples_may_be_a_numpy_integer():
+  """`train.samples_per_prompt` as a NumPy integer passes the trainer's config check, but the
+  rollout refused it ('num_samples must be an int >= 1, got np.int64(2)')."""
+  fake = FakeEngine(_script_from_texts({rid: ["<answer>1</answer>"] for rid in range(4)}))
+  trajs = rollout(fake, None, CalculatorEnv(), _examples(2), tokenizer=TOK,
+                  num_samples=np.int64(2))
+  assert [(t.group_id, t.sample_index, t.request_id) for t in trajs] == [
+      (0, 0, 0), (0, 1, 1), (1, 0, 2), (1, 1, 3)]
+  assert all(type(t.request_id) is int for t in trajs)
+  for bad in (0, True, 2.0):
+    with pytest.raises(ValueError, match=rf"num_samples must be an int >= 1, got {bad!r}"):
+      rollout(fake, None, CalculatorEnv(), _examples(2), tokenizer=TOK, num_samples=bad)
+
+
 def test_a_parser_whose_stop_strings_are_not_a_list_of_strings_is_refused():
   """A parser returning one string ("</calc>") had it taken apart into one stop string per
   character, so every turn ended at its first "<"; None failed with a bare 'not iterable'."""
