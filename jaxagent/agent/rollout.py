@@ -213,10 +213,12 @@ class RolloutDriver:
     parser_stops = parser.stop_strings()
     # A single string would be taken apart into one stop string per character, ending every
     # turn at its first "<"; None failed with a bare "not iterable".
-    if (isinstance(parser_stops, (str, bytes)) or not isinstance(parser_stops, (list, tuple))
+    if (not isinstance(parser_stops, (list, tuple, set, frozenset))
         or not all(isinstance(s, str) and s for s in parser_stops)):
       raise ValueError(f"env {getattr(env, 'name', env)!r}: parser.stop_strings() must return a "
                        f"list of non-empty strings, got {parser_stops!r}")
+    if isinstance(parser_stops, (set, frozenset)):  # an order that does not vary between runs
+      parser_stops = sorted(parser_stops)
     stops = list(dict.fromkeys([*parser_stops, *cfg.stop_strings]))
     self.stop = StopChecker(stops, tokenizer)
     # An optional parser hook: may a stop string end the turn here (not while the policy is

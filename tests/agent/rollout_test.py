@@ -852,6 +852,10 @@ def test_a_parser_whose_stop_strings_are_not_a_list_of_strings_is_refused():
     with pytest.raises(ValueError, match=r"env 'calculator': parser.stop_strings\(\) must return "
                        rf"a list of non-empty strings, got {re.escape(repr(bad))}"):
       rollout(fake, None, env, _examples(1), tokenizer=TOK)
+  env.parser = XMLTagParser({"calc": ("calculator", "expression")}, answer_tag="answer")
+  env.parser.stop_strings = lambda: {"</calc>", "</answer>"}  # a set is taken as it was
+  (t,) = rollout(fake, None, env, _examples(1), tokenizer=TOK)
+  assert t.stop_reason == "answer" and [x.ended_by for x in t.turns] == ["stop", "stop"]
 
 
 def test_a_prompt_that_cannot_be_rendered_names_its_example():
