@@ -557,8 +557,15 @@ class StreamDecoder:
     self._emitted = max(self._emitted, len(final))
     if len(final) == len(text) and len(self._ids) - self._prefix > 2 * self._CONTEXT:
       # At a character boundary: slide the window forward so each push decodes O(_CONTEXT) ids.
-      self._prefix = len(self._ids) - self._CONTEXT
-      self._emitted = len(self._decode(self._ids[self._prefix:]))
+      # Only to a start whose own decode is the tail of this text: one inside a character
+      # decodes to U+FFFD there (a byte-fallback decoder even turns the whole run of byte
+      # tokens after it into U+FFFD, complete characters included), which later pushes would
+      # emit. No such start among the candidates: slide at a later push.
+      for start in range(len(self._ids) - self._CONTEXT, len(self._ids) - 2 * self._CONTEXT, -1):
+        tail = self._decode(self._ids[start:])
+        if text.endswith(tail):
+          self._prefix, self._emitted = start, len(tail)
+          break
     return new
 
   def flush(self) -> str:

@@ -268,6 +268,38 @@ def test_stream_decoder_flush_returns_an_incomplete_tail(tok):
   assert stream.push(ids[-1]) == "😀"
 
 
+def _byte_fallback_tokenizer():
+  """A SentencePiece-style BPE (Llama 2, Mistral, Gemma): "▁" for spaces, characters outside
+  the vocab as <0xNN> byte tokens, which the decoder turns into U+FFFD all together when their
+  run is not valid UTF-8."""
+  import tokenizers
+  from tokenizers import decoders, models, normalizers
+  vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+  for piece in ["▁", "a", "b", "h", "e", "l", "o", "▁a", "▁b", "▁h", "▁he", "▁hel", "▁hell", "▁hello"]:
+    vocab[piece] = len(vocab)
+  merges = [("▁", "a"), ("▁", "b"), ("▁", "h"), ("▁h", "e"), ("▁he", "l"), ("▁hel", "l"),
+            ("▁hell", "o")]
+  backend = tokenizers.Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True))
+  backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+  backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                       decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+  backend.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in ("<s>", "</s>")])
+  return T.Tokenizer(backend, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("text", [" a  b😀😀😀 hello a", "hello 中文字符 a 😀é b"])
+def test_stream_decoder_with_byte_fallback_tokens(text):
+  """The decoding window slid to a start inside a run of byte tokens, which the byte-fallback
+  decoder turns into U+FFFD whole: the third emoji of "😀😀😀" streamed as four U+FFFD."""
+  tok = _byte_fallback_tokenizer()
+  ids = tok.encode(text)
+  assert tok.decode(ids) == text and sum(tok.id_to_token(i).startswith("<0x") for i in ids) > 10
+  stream = tok.stream_decoder()
+  pieces = [stream.push(i) for i in ids]
+  assert "".join(pieces) + stream.flush() == text
+  assert all("\ufffd" not in p for p in pieces)
+
+
 # ---- chat templates ----------------------------------------------------------------------------
 
 _TOOL = {"type": "function", "function": {
