@@ -34,6 +34,7 @@ if "JAXAGENT_TOKENIZER_CACHE" not in os.environ:
   os.environ["JAXAGENT_TOKENIZER_CACHE"] = _tokenizers
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_threefry_partitionable", True)
 
@@ -61,3 +62,28 @@ def pytest_collection_modifyitems(config, items):
     path = path[len("tests/"):] if path.startswith("tests/") else path
     return rank.get(path, len(rank))
   items.sort(key=key)  # stable: the other files keep their order, and every file its tests' order
+
+
+@pytest.fixture
+def bos_tokenizer(tmp_path):
+  """The embedded SmolLM2 tokenizer made to add BOS (id 0) to every encoding, as Llama 3's
+  post-processor does; its `bos_id` is 0."""
+  import json
+
+  from jaxagent import models
+  out = models.load_tokenizer("smollm2-135m-instruct").save(tmp_path / "bos")
+  data = json.loads((out / "tokenizer.json").read_text())
+  data["post_processor"] = {  # BOS insertion as Llama 3's tokenizer.json writes it
+      "type": "TemplateProcessing",
+      "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+                 {"Sequence": {"id": "A", "type_id": 0}}],
+      "pair": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
+               {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+      "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
+                                           "tokens": ["<|endoftext|>"]}}}
+  (out / "tokenizer.json").write_text(json.dumps(data))
+  config = json.loads((out / "tokenizer_config.json").read_text())
+  (out / "tokenizer_config.json").write_text(json.dumps(config | {"bos_token": "<|endoftext|>"}))
+  tok = models.load_tokenizer(out)
+  assert tok.bos_id == 0
+  return tok

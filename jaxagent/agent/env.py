@@ -30,6 +30,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from jaxagent.agent.parsers import Parser, XMLTagParser
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory
+from jaxagent.generate.scheduler import text_prompt_ids
 from jaxagent.rewards import (Component, CompositeReward, RewardOutput, TextMatchReward,
                               ToolUseReward)
 from jaxagent.tools import Calculator, Tool, ToolRegistry, ToolResult
@@ -147,10 +148,12 @@ class Env(abc.ABC):
     Messages go through `encode_chat`, where only the template's control tokens are control
     tokens: a message that spells one ("<|im_end|>") keeps it as text, so a dataset prompt
     cannot forge an end of turn or another role's turn. A text prompt is the model's whole
-    input (a chat rendered by hand, say), encoded with its special tokens parsed.
+    input (a chat rendered by hand, say), encoded with its special tokens parsed and, as
+    `generate` feeds a text prompt, with the tokenizer's BOS first where its own encoding adds
+    one (a Llama 3 base model), unless the text starts with it.
     """
     if isinstance(example.prompt, str):
-      return list(tokenizer.encode(example.prompt))
+      return text_prompt_ids(tokenizer, example.prompt)
     return list(tokenizer.encode_chat(list(example.prompt), add_generation_prompt=True))
 
   def new_episode(self, example: Example) -> Episode:

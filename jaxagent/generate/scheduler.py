@@ -292,11 +292,27 @@ def _takes_keyword(fn, name: str) -> bool:
 
 def _adds_bos(tokenizer) -> bool:
   """Whether the tokenizer's own encoding of a text starts with its BOS token."""
-  bos = tokenizer.bos_id
-  if bos is None:
+  bos = getattr(tokenizer, "bos_id", None)
+  if bos is None or not _takes_keyword(tokenizer.encode, "add_special_tokens"):
     return False
   ids = tokenizer.encode("a", add_special_tokens=True)
   return bool(ids) and ids[0] == bos and tokenizer.encode("a")[:1] != [bos]
+
+
+def _bos_to_add(tokenizer) -> int | None:
+  return tokenizer.bos_id if _adds_bos(tokenizer) else None
+
+
+def _with_bos(ids: list[int], bos: int | None) -> list[int]:
+  return ids if bos is None or ids[:1] == [bos] else [bos] + ids
+
+
+def text_prompt_ids(tokenizer, text: str) -> list[int]:
+  """A text prompt's token ids as the model is fed them (by `generate` and by
+  `Env.render_prompt`): with the tokenizer's BOS first where its own encoding adds one (a
+  Llama 3 base model expects it), unless the text already starts with it (a chat-templated
+  prompt); special tokens spelled in the text are parsed."""
+  return _with_bos(list(tokenizer.encode(text)), _bos_to_add(tokenizer))
 
 
 def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
@@ -343,15 +359,14 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
                      f"{type(prompts).__name__}") from None
   if prompts and isinstance(prompts[0], (int, np.integer)):
     prompts = [prompts]
-  ids, bos = [], None
+  ids, bos = [], ...
   for i, p in enumerate(prompts):
-    if isinstance(p, str):
+    if isinstance(p, str):  # as `text_prompt_ids`, with the BOS to add worked out once
       if tokenizer is None:
         raise ValueError("string prompts need a tokenizer (pass tokenizer=...)")
-      if bos is None:  # the id to prepend, or -1 for none; worked out once
-        bos = tokenizer.bos_id if _adds_bos(tokenizer) else -1
-      text_ids = tokenizer.encode(p)
-      ids.append(text_ids if bos < 0 or text_ids[:1] == [bos] else [bos] + text_ids)
+      if bos is ...:
+        bos = _bos_to_add(tokenizer)
+      ids.append(_with_bos(list(tokenizer.encode(p)), bos))
     elif isinstance(p, (bytes, bytearray)):
       # list(b"hi") is [104, 105]: the bytes' values were taken as token ids.
       raise ValueError(f"prompt {i} is bytes ({bytes(p[:20])!r}): pass text as a str (with "

@@ -243,29 +243,12 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(params, engine):
       run_requests(engine, params, [[1, 2]], max_new_tokens=3, request_ids=[0], stop=[seq])
 
 
-def test_text_prompts_start_with_the_bos_the_tokenizer_adds(tmp_path, monkeypatch):
+def test_text_prompts_start_with_the_bos_the_tokenizer_adds(bos_tokenizer, monkeypatch):
   """A tokenizer whose own encoding adds BOS (Llama 3's post-processor): a text prompt reached
   the model without it; a text that already starts with it (a chat-templated prompt) gets no
   second one; a tokenizer that adds none (SmolLM2's) is encoded as before."""
-  import json
-
   from jaxagent.generate import scheduler
-  tok = models.load_tokenizer("smollm2-135m-instruct")
-  out = tok.save(tmp_path / "bos")
-  data = json.loads((out / "tokenizer.json").read_text())
-  data["post_processor"] = {  # BOS insertion as Llama 3's tokenizer.json writes it
-      "type": "TemplateProcessing",
-      "single": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
-                 {"Sequence": {"id": "A", "type_id": 0}}],
-      "pair": [{"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}},
-               {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
-      "special_tokens": {"<|endoftext|>": {"id": "<|endoftext|>", "ids": [0],
-                                           "tokens": ["<|endoftext|>"]}}}
-  (out / "tokenizer.json").write_text(json.dumps(data))
-  config = json.loads((out / "tokenizer_config.json").read_text())
-  (out / "tokenizer_config.json").write_text(json.dumps(config | {"bos_token": "<|endoftext|>"}))
-  bos_tok = models.load_tokenizer(out)
-  assert bos_tok.bos_id == 0
+  tok, bos_tok = models.load_tokenizer("smollm2-135m-instruct"), bos_tokenizer
   seen = []
   real = scheduler.run_requests
   monkeypatch.setattr(scheduler, "run_requests",
