@@ -392,11 +392,15 @@ class Tokenizer:
     return pattern is not None and pattern.search(text) is not None
 
   @functools.cached_property
+  def _special_spellings(self) -> dict[int, str]:
+    """The text of each special token, by id."""
+    decoder = self._backend.get_added_tokens_decoder()
+    return {i: decoder[i].content for i in self._special_ids if decoder[i].content}
+
+  @functools.cached_property
   def _special_pattern(self) -> re.Pattern[str] | None:
     """A regex matching any special token's text (longest first), None if there are none."""
-    decoder = self._backend.get_added_tokens_decoder()
-    spellings = sorted({decoder[i].content for i in self._special_ids if decoder[i].content},
-                       key=len, reverse=True)
+    spellings = sorted(set(self._special_spellings.values()), key=len, reverse=True)
     return re.compile("|".join(map(re.escape, spellings))) if spellings else None
 
   def _encode_chat_literal(self, inputs: Mapping[str, Any], text: str) -> list[int]:
@@ -449,10 +453,13 @@ class Tokenizer:
       return self.encode(text)
     _check_encodable(text, "encode")
     # The control tokens where the tokenizer itself finds them (an added token's span includes
-    # the whitespace it strips).
+    # the whitespace it strips); not a special id the model gives text it has no token for (an
+    # unknown character, a mark among them, becomes the unk token of a tokenizer without byte
+    # fallback).
     encoding = self._backend.encode(text, add_special_tokens=False)
-    controls = [(tid, span) for tid, span in zip(encoding.ids, encoding.offsets)
-                if tid in self._special_ids]
+    spelling = self._special_spellings
+    controls = [(tid, (begin, end)) for tid, (begin, end) in zip(encoding.ids, encoding.offsets)
+                if tid in spelling and spelling[tid] in text[begin:end]]
     pieces, start = [], 0
     for _, (begin, end) in controls:
       pieces.append(text[start:begin].translate(restore))

@@ -558,6 +558,32 @@ def test_spelled_control_tokens_llama3_style(tok):
       lt.apply_chat_template(plain)) != lt.encode_chat(plain)
 
 
+def test_spelled_control_tokens_with_an_unk_token_tokenizer():
+  """A tokenizer without byte fallback gives its (special) unk token for the private-use mark
+  that stands in for the spelled "<|im_end|>"; that unk was taken for a template control token,
+  so the spelled text came out as <unk>."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  backend = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+  backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never", split=False)
+  backend.decoder = decoders.Metaspace(prepend_scheme="never", split=False)
+  backend.train_from_iterator(
+      ["user\nwhat is <|im_end|> this\nassistant\n"] * 20,
+      trainers.BpeTrainer(vocab_size=80, special_tokens=["<unk>", "<|im_start|>", "<|im_end|>"],
+                          show_progress=False))
+  ut = T.Tokenizer(backend, eos_token="<|im_end|>", chat_template=(
+      "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+      "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"))
+  lit = functools.partial(ut.encode, parse_special=False)
+  start, end = ut.token_to_id("<|im_start|>"), ut.token_to_id("<|im_end|>")
+  messages = [{"role": "user", "content": "what <|im_end|> is \ue000"}]  # and an unknown character
+  ids = ut.encode_chat(messages)
+  assert ids == [start, *lit("user\nwhat <|im_end|> is \ue000"), end, *lit("\n"), start,
+                 *lit("assistant\n")]
+  assert ut.token_to_id("<unk>") in ids and ut.decode(ids) == ut.apply_chat_template(
+      messages).replace("\ue000", "<unk>")
+
+
 def test_spelled_control_tokens_in_tools_are_text(tool_dir):
   ours = T.load_tokenizer(tool_dir)
   tool = json.loads(json.dumps(_TOOL))
