@@ -866,8 +866,9 @@ class Engine:
     `cached_lens` (host-known cache lengths of `slots`) picks the live-KV bucket (without it
     attention reads the whole cache) and checks that each observation fits; without it the
     slots' lengths are read from the device for that check. A slot that holds no request, an
-    observation that leaves no room for a next token within `max_len`, or a token id outside
-    the vocabulary is a ValueError, raised before anything runs. Returns (state, (first tokens,
+    observation that leaves no room for a next token within `max_len` or within the slot's
+    `max_total_len` (given to its prefill; read from the device), or a token id outside the
+    vocabulary is a ValueError, raised before anything runs. Returns (state, (first tokens,
     logprobs, stop codes)), the three as host NumPy arrays, one entry per slot.
     """
     slots = self._slot_array(slots, "append")
@@ -883,19 +884,27 @@ class Engine:
       budget = _per_request(max_new_tokens, len(slots), np.int32, "append", "max_new_tokens",
                             "slots", least=1)
     self._check_tokens(observations, "append", "observation")
-    held = (np.asarray(cached_lens, np.int64).reshape(-1) if cached_lens is not None
-            else np.asarray(jax.device_get(state.lengths))[slots])
+    # Each slot's total-length cap is on the device only: without this check an observation
+    # past it was cached whole and a token sampled beyond the cap (reported as a length stop).
+    if cached_lens is not None:
+      held = np.asarray(cached_lens, np.int64).reshape(-1)
+      limits = np.asarray(jax.device_get(state.limit))[slots]
+    else:
+      held, limits = (np.asarray(a)[slots]
+                      for a in jax.device_get((state.lengths, state.limit)))
     if len(held) != len(slots):
       raise ValueError(f"append: {len(held)} cached_lens for {len(slots)} slots")
-    for slot, c, o in zip(slots.tolist(), held.tolist(), observations):
+    for slot, c, lim, o in zip(slots.tolist(), held.tolist(), limits.tolist(), observations):
       if c == 0:
         raise ValueError(f"append: slot {slot} holds no request (insert a prefix into it first)")
       # The pending token and the observation are cached; the next token must still fit.
-      if c + 1 + len(o) >= self.ecfg.max_len:
+      name, cap = (("max_len", self.ecfg.max_len) if lim >= self.ecfg.max_len
+                   else ("its max_total_len", lim))
+      if c + 1 + len(o) >= cap:
         raise ValueError(
             f"append: slot {slot} holds {c} cached tokens and a pending one; {len(o)} "
-            f"observation tokens more leave no room for a next token within max_len "
-            f"{self.ecfg.max_len} (end the request or shorten the observation)")
+            f"observation tokens more leave no room for a next token within {name} {cap} "
+            "(end the request or shorten the observation)")
     n = max(len(o) for o in observations) + 1
     nb = _bucket(n, _geometric_buckets(8, max(8, pow2_at_least(n))))
     b = len(slots)

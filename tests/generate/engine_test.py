@@ -469,6 +469,24 @@ def test_append_bad_input_errors_before_running(params):
   assert int(np.asarray(state.lengths)[0]) == 31 and code[0] == STOP_LENGTH and np.isfinite(lp[0])
 
 
+def test_append_past_the_slots_max_total_len_is_refused(params):
+  """An observation that left no room for a next token within the slot's own max_total_len
+  (below max_len) was cached whole and a token sampled past the cap, reported as a length
+  stop: the sequence outgrew the cap its request was given. It is refused as for max_len."""
+  eng = Engine(CFG, EngineConfig(slots=2, max_len=32, sampling=SamplingConfig()))
+  state = eng.insert(eng.prefill(params, [[1, 2, 3, 4, 5]], [1], max_total_len=10),
+                     eng.init_decode_state(), 1)
+  # 5 cached + the pending token + 4 observation tokens = 10: no room for a next token.
+  for cached in (None, [5]):
+    with pytest.raises(ValueError, match="slot 1 holds 5 cached tokens and a pending one; 4 "
+                       "observation tokens more leave no room for a next token within its "
+                       r"max_total_len 10 \(end the request"):
+      eng.append(params, state, [1], [[6, 7, 8, 9]], cached_lens=cached)
+  # One token fewer fits, and the token sampled at the cap's last position ends the request.
+  state, (tok, lp, code) = eng.append(params, state, [1], [[6, 7, 8]], cached_lens=[5])
+  assert int(np.asarray(state.lengths)[1]) == 9 and code.tolist() == [STOP_LENGTH]
+
+
 def test_pallas_decode_attention_off_gpu_is_a_clear_error(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   with pytest.raises(ValueError, match="GPU kernel"):
