@@ -111,6 +111,10 @@ _GGUF_PRE_TOKENIZERS: dict[str, tuple[Any, bool]] = {
 }
 _GGUF_TOKEN_CONTROL, _GGUF_TOKEN_UNKNOWN, _GGUF_TOKEN_USER_DEFINED = 3, 2, 4
 
+# Stands in for a control token before the text that follows it, in `Tokenizer.encode_marked`
+# (two Unicode noncharacters: no text is expected to hold them).
+_AFTER_CONTROL = "\U0010fffe\U0010ffff"
+
 
 class Tokenizer:
   """A byte-level BPE tokenizer with its special tokens and chat template(s).
@@ -134,6 +138,7 @@ class Tokenizer:
   ):
     self._backend = backend
     self._literal_backend: tokenizers.Tokenizer | None = None  # built on first parse_special=False
+    self._after_control: tuple[tokenizers.Tokenizer, int] | None = None  # see `encode_marked`
     self.name = name or "tokenizer"
     self.special_tokens = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token),
                                               ("unk_token", unk_token), ("pad_token", pad_token))
@@ -264,6 +269,15 @@ class Tokenizer:
       literal.encode_special_tokens = True
       self._literal_backend = literal
     return self._literal_backend
+
+  def _literal_after_control_token(self) -> tuple[tokenizers.Tokenizer, int]:
+    """The literal backend with `_AFTER_CONTROL` added as an ordinary added token, and its id."""
+    if self._after_control is None:
+      backend = tokenizers.Tokenizer.from_str(self._literal().to_str())
+      backend.encode_special_tokens = True
+      backend.add_tokens([AddedToken(_AFTER_CONTROL, special=False, normalized=False)])
+      self._after_control = backend, backend.token_to_id(_AFTER_CONTROL)
+    return self._after_control
 
   # ---- chat template ---------------------------------------------------------------------------
 
@@ -465,10 +479,20 @@ class Tokenizer:
       pieces.append(text[start:begin].translate(restore))
       start = end
     pieces.append(text[start:].translate(restore))
-    encoded = [e.ids for e in self._literal().encode_batch(pieces, add_special_tokens=False)]
-    ids = list(encoded[0])
-    for (tid, _), piece in zip(controls, encoded[1:]):
-      ids += [tid] + piece
+    # Each piece after a control token is encoded behind a stand-in added token, so that the
+    # tokenizer treats it as text that follows an added token, as in `encode(text)`; encoded
+    # alone it would be the start of the input, which some tokenizers mark (a Metaspace
+    # pre-tokenizer with prepend_scheme="first" puts "▁" there).
+    for i, piece in enumerate(pieces):
+      if _AFTER_CONTROL in piece:
+        raise ValueError(f"encode_marked: text piece {i} holds {_AFTER_CONTROL!r}, which this "
+                         "encoding reserves; remove it from the data")
+    literal, stand_in = self._literal_after_control_token()
+    ids = self._literal().encode(pieces[0], add_special_tokens=False).ids
+    after = literal.encode_batch([_AFTER_CONTROL + p for p in pieces[1:]], add_special_tokens=False)
+    for (tid, _), encoding in zip(controls, after):
+      assert encoding.ids[0] == stand_in, (encoding.ids[:3], stand_in)
+      ids += [tid] + encoding.ids[1:]
     return ids
 
   def _select_template(self, chat_template: str | None, tools: Any) -> str:

@@ -584,6 +584,34 @@ def test_spelled_control_tokens_with_an_unk_token_tokenizer():
       messages).replace("\ue000", "<unk>")
 
 
+def test_spelled_control_tokens_with_a_metaspace_first_tokenizer():
+  """A Metaspace pre-tokenizer with prepend_scheme="first" (Mistral, Llama 2 without legacy
+  spacing) puts "▁" at the start of the input only. The text after each of the template's
+  control tokens was encoded on its own, as a start: "▁" before every turn, ids the model never
+  sees after a control token and a decode with spaces the rendering does not have."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  backend = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
+  backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+  backend.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+  backend.train_from_iterator(
+      ["[INST] what is this [/INST] the answer is here"] * 20,
+      trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
+                          initial_alphabet=list("</s>"), show_progress=False))
+  mt = T.Tokenizer(backend, bos_token="<s>", eos_token="</s>", chat_template=(
+      "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+      " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"))
+  messages = [{"role": "user", "content": "what </s> is"}, {"role": "assistant", "content": "here"},
+              {"role": "user", "content": "this"}]
+  text = mt.apply_chat_template(messages, add_generation_prompt=False)
+  ids = mt.encode_chat(messages, add_generation_prompt=False)
+  ref = mt.encode(text)  # the spelled "</s>" as the control token, the rest as the model sees it
+  eos = mt.eos_id
+  assert mt.decode(ids) == text and ids.count(eos) == 1 and ref.count(eos) == 2
+  assert ids[:2] == ref[:2] and mt.id_to_token(ids[1]).startswith("[")
+  assert ids[ids.index(eos):] == ref[ref.index(eos, ref.index(eos) + 1):]
+
+
 def test_spelled_control_tokens_in_tools_are_text(tool_dir):
   ours = T.load_tokenizer(tool_dir)
   tool = json.loads(json.dumps(_TOOL))
