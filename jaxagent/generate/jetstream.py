@@ -476,7 +476,13 @@ class JetStreamEngine(engine_api.Engine):
     if mesh is None:
       return jax.sharding.SingleDeviceSharding(self._device())
     rep = NamedSharding(mesh, P())
-    kv = NamedSharding(mesh, shd.kv_cache_spec(self.cfg.n_kv_heads, 1, mesh))
+    # A prefix's K/V are `[layers, 1, T, KV, hd]`, the cache's axes with length and heads
+    # swapped: the cache's spec as it stands split the prompt's length T over "tensor" instead
+    # of the heads (a reshard at every insert), and failed in JetStream's transfer thread,
+    # killing the process, for a prefill bucket T that the tensor axis does not divide.
+    spec = tuple(shd.kv_cache_spec(self.cfg.n_kv_heads, 1, mesh))
+    layers, rows, heads, length, hd = spec + (None,) * (5 - len(spec))
+    kv = NamedSharding(mesh, P(layers, rows, length, heads, hd))
     fields = {f.name: rep for f in dataclasses.fields(Prefix)}
     return ServingPrefix(Prefix(**{**fields, "k": kv, "v": kv}), rep, rep)
 

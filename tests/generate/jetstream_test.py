@@ -595,3 +595,23 @@ def test_full_length_prompt_is_not_reported_truncated(js, cfg, params, engine, c
     assert not caplog.records and int(pre.prompt_len) == 64 and bool(pre.ok)
     engine.prefill(params=params, padded_tokens=np.array(prompt), true_length=70)
   assert "truncated" in caplog.text  # a prompt that did lose tokens (a driver without checks)
+
+
+@pytest.mark.jetstream
+def test_prefix_destination_splits_the_heads_over_tensor(js, tok, cfg, params):
+  """JetStream's transfer thread puts each prefix where this says. A prefix's K/V are
+  `[layers, 1, T, KV, hd]`, but the cache's spec `[layers, slots, KV, T, hd]` was used: the
+  prompt's length T was split over "tensor" instead of the heads, and a prefill bucket that the
+  tensor axis does not divide (13 tokens here) failed the transfer, which kills the process."""
+  from jaxagent import sharding as shd
+  from jaxagent.generate import Engine, EngineConfig
+  mesh = shd.make_mesh(data=1, fsdp=1, tensor=2, devices=jax.devices()[:2])
+  assert cfg.n_kv_heads % 2 == 0
+  e = js.JetStreamEngine(Engine(cfg, EngineConfig(slots=2, max_len=MAX_LEN), mesh=mesh),
+                         params, tok)
+  dest = e.get_prefix_destination_sharding()
+  for t in (16, 13):
+    shape = (cfg.n_layers, 1, t, cfg.n_kv_heads, cfg.head_dim)
+    assert dest.prefix.k.shard_shape(shape) == (cfg.n_layers, 1, t, cfg.n_kv_heads // 2,
+                                                cfg.head_dim)
+    assert dest.prefix.v.shard_shape(shape) == dest.prefix.k.shard_shape(shape)
