@@ -568,10 +568,31 @@ class StreamDecoder:
   def __init__(self, tokenizer: Tokenizer, prompt_ids: Iterable[int] = (),
                skip_special_tokens: bool = False):
     self._decode = functools.partial(tokenizer.decode, skip_special_tokens=skip_special_tokens)
-    self._ids = token_ids(prompt_ids, "StreamDecoder's prompt_ids")
-    self._prefix = max(0, len(self._ids) - self._CONTEXT)  # decoding window starts here
-    # Characters of decode(ids[prefix:]) already emitted (or part of the prompt).
-    self._emitted = len(self._decode(self._ids[self._prefix:]).rstrip("\ufffd"))
+    self._ids = ids = token_ids(prompt_ids, "StreamDecoder's prompt_ids")
+    n = len(ids)
+    # Where the prompt's last whole character ends (`end`; a character the prompt ends inside,
+    # at most 3 of its bytes, is part of the first output), read off decodes of the prompt from
+    # `first` on: the ends whose decode has no U+FFFD at its end. `first` goes further back
+    # while that decode starts with U+FFFD (inside a character). Not read off where the U+FFFD
+    # of the whole prompt's decode begin: a byte-fallback decoder turns a whole run of byte
+    # tokens into U+FFFD when the run starts or ends inside a character.
+    first = n
+    while True:
+      first = max(0, n - 2 * max(n - first, 2 * self._CONTEXT))
+      end = next((e for e in range(n, max(first, n - 3) - 1, -1)
+                  if not self._decode(ids[first:e]).endswith("\ufffd")), n)
+      reference = self._decode(ids[first:end])
+      if first == 0 or not reference.startswith("\ufffd"):
+        break
+    # The decoding window starts about _CONTEXT ids back, where its decode is the tail of the
+    # reference: not inside a character (see `push`).
+    self._prefix = next((s for s in range(min(n - self._CONTEXT, end), first, -1)
+                         if reference.endswith(self._decode(ids[s:end]))), first)
+    # Characters of decode(ids[prefix:]) already emitted (or part of the prompt): those before
+    # the U+FFFD of a cut character, or before the token it begins in, whichever are more (a
+    # token may hold a whole character and the start of the cut one).
+    self._emitted = max(len(self._decode(ids[self._prefix:end]).rstrip("\ufffd")),
+                        len(self._decode(ids[self._prefix:]).rstrip("\ufffd")))
 
   @property
   def ids(self) -> list[int]:

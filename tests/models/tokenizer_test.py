@@ -300,6 +300,22 @@ def test_stream_decoder_with_byte_fallback_tokens(text):
   assert all("\ufffd" not in p for p in pieces)
 
 
+@pytest.mark.parametrize("text", [" a  b😀😀😀 hello a", "hello 中文字符 a 😀é b"])
+def test_stream_decoder_after_a_prompt_with_byte_fallback_tokens(text):
+  """After any prompt the stream is the rest of the text, from the character the prompt ends in.
+  A window starting inside a run of byte tokens turned the whole run into U+FFFD, and a prompt
+  ending inside a character dropped the whole characters before it in the run from the prompt,
+  so they were streamed again."""
+  tok = _byte_fallback_tokenizer()
+  ids = tok.encode(text)
+  for k in range(len(ids) + 1):
+    # The prompt's text: its longest head that decodes to a head of the text.
+    whole = max(j for j in range(k + 1) if text.startswith(tok.decode(ids[:j])))
+    stream = tok.stream_decoder(prompt_ids=ids[:k])
+    out = "".join(stream.push(i) for i in ids[k:]) + stream.flush()
+    assert out == text[len(tok.decode(ids[:whole])):], k
+
+
 # ---- chat templates ----------------------------------------------------------------------------
 
 _TOOL = {"type": "function", "function": {
