@@ -24,8 +24,9 @@ How our engine maps onto the contract (0.2.2):
     request has not stopped on device (EOS, cache length). The EOS token itself is valid and is
     in the tokenizer's `stop_tokens`, so the orchestrator ends the request without returning it;
     a length stop returns the last token, then the next result is invalid, which ends it. A
-    non-finite stop (`STOP_NONFINITE`: NaN or inf in the request's logits) ends it the same
-    way; JetStream's results carry no stop reason, so the client sees a short completion.
+    non-finite stop (`STOP_NONFINITE`: NaN or inf in the request's logits) ends it with the
+    token drawn from those logits invalid (it is no prediction of the model, so it is not
+    returned); JetStream's results carry no stop reason, so the client sees a short completion.
   * `ResultTokens` lengths are "tokens returned to this request, counting this result's first",
     which the orchestrator compares with the request's `max_tokens`: with `decode_steps=1`
     (default) a request receives exactly `max_tokens` tokens; with k > 1 steps per call it may
@@ -200,8 +201,10 @@ class ServingState:
   bounds: tuple[int, ...] = flax.struct.field(pytree_node=False)
 
 
-def _insert_meta(pending, unsent, emitted, slot, first, ok):
-  return (pending.at[slot].set(first), unsent.at[slot].set(ok), emitted.at[slot].set(0))
+def _insert_meta(pending, unsent, emitted, slot, first, first_logprob, ok):
+  # A first token drawn from non-finite logits (`STOP_NONFINITE`) is never sent.
+  unsent = unsent.at[slot].set(ok & jnp.isfinite(first_logprob))
+  return pending.at[slot].set(first), unsent, emitted.at[slot].set(0)
 
 
 def _release(active, unsent, freed):
@@ -209,9 +212,12 @@ def _release(active, unsent, freed):
   return active & ~freed, unsent & ~freed
 
 
-def _pack(tokens_KxS, valid_KxS, pending, unsent, emitted):
+def _pack(tokens_KxS, logprobs_KxS, valid_KxS, pending, unsent, emitted):
   """This call's `ResultTokens.data` [S, 2k + 1] and the next pending / unsent / emitted."""
   k = tokens_KxS.shape[0]
+  # The token a slot drew from non-finite logits (its last valid one: it stopped there,
+  # `STOP_NONFINITE`) is no prediction of the model: invalid, so the request ends before it.
+  valid_KxS = valid_KxS & jnp.isfinite(logprobs_KxS)
   toks = jnp.concatenate([pending[:, None], tokens_KxS[:k - 1].T], axis=1)
   valid = jnp.concatenate([unsent[:, None], valid_KxS[:k - 1].T], axis=1)
   # Valid columns form a prefix (a slot stays stopped), so this counts this call's tokens.
@@ -287,7 +293,7 @@ class JetStreamEngine(engine_api.Engine):
     self._seed = int(seed)
     self._request_ids = itertools.count()  # next() is atomic: prefill threads may share it
     self._jit_insert_meta = jax.jit(_insert_meta, donate_argnums=(0, 1, 2))
-    self._jit_pack = jax.jit(_pack, donate_argnums=(2, 3, 4))
+    self._jit_pack = jax.jit(_pack, donate_argnums=(3, 4, 5))
     self._jit_release = jax.jit(_release, donate_argnums=(0, 1))
     # Slots whose requests JetStream has ended (`slot_freed`), per thread that runs the decode
     # state holding them (JetStream's generate thread; drivers sharing this engine each have
@@ -400,7 +406,7 @@ class JetStreamEngine(engine_api.Engine):
     decode = self.engine.insert(prefix.prefix, st.decode, slot)
     pending, unsent, emitted = self._jit_insert_meta(
         st.pending, st.unsent, st.emitted, jnp.int32(slot), prefix.prefix.tokens[0],
-        jnp.asarray(prefix.ok))
+        prefix.prefix.logprobs[0], jnp.asarray(prefix.ok))
     ok, plen = bool(np.asarray(prefix.ok)), int(np.asarray(prefix.prompt_len))
     bounds = list(st.bounds)
     bounds[slot] = plen if ok and plen < self.engine.ecfg.max_len - 1 else -1
@@ -447,8 +453,8 @@ class JetStreamEngine(engine_api.Engine):
     # Attention reads only the cache prefix that the longest possibly-active slot can use.
     decode, out = self.engine.generate(params, st.decode, steps=k,
                                        kv_len=(max(live) if live else 0) + k)
-    data, pending, unsent, emitted = self._jit_pack(out.tokens, out.valid, st.pending,
-                                                    st.unsent, st.emitted)
+    data, pending, unsent, emitted = self._jit_pack(out.tokens, out.logprobs, out.valid,
+                                                    st.pending, st.unsent, st.emitted)
     # A slot stepped m times after a P-token prompt holds at most P + m tokens; at max_len - 1
     # it has certainly stopped (length limit), whatever else happened.
     top = self.engine.ecfg.max_len - 1

@@ -615,3 +615,32 @@ def test_prefix_destination_splits_the_heads_over_tensor(js, tok, cfg, params):
     assert dest.prefix.k.shard_shape(shape) == (cfg.n_layers, 1, t, cfg.n_kv_heads // 2,
                                                 cfg.head_dim)
     assert dest.prefix.v.shard_shape(shape) == dest.prefix.k.shard_shape(shape)
+
+
+@pytest.mark.jetstream
+def test_a_token_drawn_from_nonfinite_logits_is_not_returned(js, tok, cfg, params, engine):
+  """A request whose logits turn NaN stops on device (`STOP_NONFINITE`), but the token drawn
+  from them was returned to the client as the completion's last token: with tied embeddings a
+  NaN embedding row makes every logit row NaN, and that token was the NaN row's own id. Now the
+  request ends before it, at prefill or in a decode call of one step or three."""
+  import jax.numpy as jnp
+  nan_row = params["embed"].value.at[5].set(jnp.nan)
+  poisoned = dict(params, embed=params["embed"].replace_boxed(nan_row))
+  prompt = _token_prompts(cfg)[1]
+  padded = np.array([-1] + prompt)
+
+  def returned(prefill_params, k):
+    e = js.JetStreamEngine(engine.engine, poisoned, tok, decode_steps=k)
+    pre = e.prefill(params=e.engine.prepare(prefill_params), padded_tokens=padded,
+                    true_length=1 + len(prompt))
+    state, got = e.insert(pre, e.init_decode_state(), 0), []
+    for _ in range(3):
+      state, res = e.generate(e.load_params(), state)
+      data = np.asarray(res.data)[0]
+      got += [int(t) for t, v in zip(data[:k], data[k:2 * k]) if v]
+    return int(pre.prefix.tokens[0]), got
+
+  assert returned(poisoned, 1)[1] == []  # NaN at prefill: nothing is returned
+  for k in (1, 3):  # NaN at the first decode step: only the prefill's token is returned
+    first, got = returned(params, k)
+    assert got == [first]
