@@ -264,8 +264,10 @@ class EngineConfig:
   share_prompts: bool = True
 
   def __post_init__(self):
-    if not isinstance(self.slots, int) or self.slots <= 0:
+    # A NumPy int (as `max_len` takes) was refused as "not a positive int".
+    if not is_int(self.slots) or self.slots <= 0:
       raise ValueError(f"EngineConfig.slots must be a positive int, got {self.slots!r}")
+    object.__setattr__(self, "slots", int(self.slots))
     # Else the first prefill failed on it (an AttributeError; in a JetStream Driver thread it
     # killed the server process).
     if not isinstance(self.sampling, SamplingConfig):
@@ -297,7 +299,8 @@ class EngineConfig:
     if self.cache_layout not in ("auto", "stacked", "per_layer"):
       raise ValueError("EngineConfig.cache_layout must be 'auto', 'stacked' or 'per_layer', got "
                        f"{self.cache_layout!r}")
-    for name in ("decode_fused_qkv", "decode_fold_norms"):
+    # A truthy string ("no") switched the setting on.
+    for name in ("decode_fused_qkv", "decode_fold_norms", "decode_write_first", "share_prompts"):
       if not isinstance(getattr(self, name), bool):
         raise ValueError(f"EngineConfig.{name} must be a bool, got {getattr(self, name)!r}")
     for name in ("decode_merge_weights", "decode_chain_weights"):

@@ -333,11 +333,24 @@ def test_bad_input_errors(params):
     (dict(kv_page=2.5), "kv_page must be an int >= 0"),
     (dict(max_len=64.0), "max_len must be an int > 1"),
     (dict(max_len=True), "max_len must be an int > 1"),
+    # A truthy string switched these on.
+    (dict(share_prompts="no"), "share_prompts must be a bool"),
+    (dict(decode_write_first="no"), "decode_write_first must be a bool"),
 ])
 @pytest.mark.timeout(30)
 def test_bad_engine_config_is_a_clear_error_not_a_hang(kw, match):
   with pytest.raises(ValueError, match=f"EngineConfig.{match}"):
     Engine(CFG, EngineConfig(**{"slots": 2, "max_len": 64, **kw}))
+
+
+def test_engine_config_takes_a_numpy_int_slot_count():
+  """`slots` refused a NumPy int as "not a positive int" (`max_len` takes one); it is kept as
+  an int."""
+  ecfg = EngineConfig(slots=np.int64(3), max_len=32)
+  assert ecfg.slots == 3 and type(ecfg.slots) is int
+  for bad in (np.int64(0), 2.0, True):
+    with pytest.raises(ValueError, match="EngineConfig.slots must be a positive int"):
+      EngineConfig(slots=bad)
 
 
 def test_engine_config_refuses_sampling_that_is_not_a_sampling_config():
