@@ -867,10 +867,10 @@ class Engine:
     """Feed each slot's pending token plus observation tokens, then sample the next token.
 
     `cached_lens` (host-known cache lengths of `slots`) picks the live-KV bucket (without it
-    attention reads the whole cache) and checks that each observation fits; without it the
-    slots' lengths are read from the device for that check. A slot that holds no request, an
-    observation that leaves no room for a next token within `max_len` or within the slot's
-    `max_total_len` (given to its prefill; read from the device), or a token id outside the
+    attention reads the whole cache). The slots' cached lengths and total-length caps are read
+    from the device for the checks: a slot that holds no request, `cached_lens` other than the
+    slots' cached lengths, an observation that leaves no room for a next token within `max_len`
+    or within the slot's `max_total_len` (given to its prefill), or a token id outside the
     vocabulary is a ValueError, raised before anything runs. Returns (state, (first tokens,
     logprobs, stop codes)), the three as host NumPy arrays, one entry per slot.
     """
@@ -887,16 +887,19 @@ class Engine:
       budget = _per_request(max_new_tokens, len(slots), np.int32, "append", "max_new_tokens",
                             "slots", least=1)
     self._check_tokens(observations, "append", "observation")
-    # Each slot's total-length cap is on the device only: without this check an observation
-    # past it was cached whole and a token sampled beyond the cap (reported as a length stop).
+    # The slots' cached lengths, and their total-length caps, which only the device holds:
+    # an observation past a cap was cached whole and a token sampled beyond it.
+    held, limits = (np.asarray(a)[slots] for a in jax.device_get((state.lengths, state.limit)))
     if cached_lens is not None:
-      held = np.asarray(cached_lens, np.int64).reshape(-1)
-      limits = np.asarray(jax.device_get(state.limit))[slots]
-    else:
-      held, limits = (np.asarray(a)[slots]
-                      for a in jax.device_get((state.lengths, state.limit)))
-    if len(held) != len(slots):
-      raise ValueError(f"append: {len(held)} cached_lens for {len(slots)} slots")
+      given = np.asarray(cached_lens).reshape(-1).tolist()
+      if len(given) != len(slots):
+        raise ValueError(f"append: {len(given)} cached_lens for {len(slots)} slots")
+      # They pick the live-KV bucket: a length below the slot's own made attention skip the
+      # slot's last cached tokens, silently.
+      if given != held.tolist():
+        raise ValueError(f"append: cached_lens {given} of slots {slots.tolist()} are "
+                         f"not their cached lengths {held.tolist()} (a slot caches its prompt, "
+                         "its observations and every sampled token but the pending last one)")
     for slot, c, lim, o in zip(slots.tolist(), held.tolist(), limits.tolist(), observations):
       if c == 0:
         raise ValueError(f"append: slot {slot} holds no request (insert a prefix into it first)")
@@ -927,7 +930,7 @@ class Engine:
       budgets[:b] = budget
     budgets[b:] = budgets[0]
     kv_len = (self.cache_len if cached_lens is None
-              else _bucket(max(1, min(int(np.max(cached_lens)), self.cache_len)),
+              else _bucket(max(1, min(int(np.max(held)), self.cache_len)),
                            self.append_kv_buckets))
     state, (tok, lp, code) = self._jit_append(_plain(params), state, pad_slots, chunk, lens,
                                               budgets, kv_len=kv_len)
