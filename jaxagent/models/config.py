@@ -100,6 +100,9 @@ class ModelConfig:
           or v < 0 or (f == "rope_theta" and v == 0)):
         raise ValueError(f"ModelConfig.{f} must be a finite number "
                          f"{'> 0' if f == 'rope_theta' else '>= 0'}, got {v!r}")
+      # A NumPy float (np.float32 is no Python float) would reach to_hf and save_hf's
+      # config.json, which JSON cannot write.
+      object.__setattr__(self, f, float(v))
     # A truthy string ("no", "false") would silently switch the feature on.
     for f in ("tie_embeddings", "qkv_bias", "qk_norm"):
       v = getattr(self, f)
@@ -132,6 +135,9 @@ class ModelConfig:
     for f in ("param_dtype", "dtype"):
       if getattr(self, f) not in _DTYPES:
         raise ValueError(f"ModelConfig.{f} must be one of {_DTYPES}, got {getattr(self, f)!r}")
+      # A NumPy dtype (an array's .dtype) equals its name but hashes otherwise, and JSON (the
+      # checkpoint's metadata, to_hf's torch_dtype) cannot write it: stored as the name.
+      object.__setattr__(self, f, jnp.dtype(getattr(self, f)).name)
     if self.remat not in ("none", "full", "dots", "dots_attention"):
       raise ValueError("ModelConfig.remat must be 'none', 'full', 'dots' or 'dots_attention', "
                        f"got {self.remat!r}")

@@ -40,6 +40,22 @@ def test_lists_and_numpy_scalars_are_normalised_so_the_config_stays_hashable():
                              eos_token_id=2, tie_embeddings=False)
 
 
+def test_numpy_floats_and_dtypes_are_stored_as_python_values_so_the_config_serialises():
+  # np.float32 is no Python float and an array's np.dtype no str: both were kept as given,
+  # and save_hf's config.json (to_hf) and the checkpoint's metadata failed to write them
+  # ("Object of type float32 is not JSON serializable"); the dtype also equalled its name but
+  # hashed otherwise.
+  import json
+  cfg = TINY.replace(rope_theta=np.float32(5e5), norm_eps=np.float32(1e-5),
+                     param_dtype=np.dtype("float32"), dtype=np.dtype(np.float16))
+  assert type(cfg.rope_theta) is float and type(cfg.norm_eps) is float
+  assert cfg.norm_eps == float(np.float32(1e-5))  # the value given, not re-rounded
+  assert (cfg.param_dtype, cfg.dtype) == ("float32", "float16")
+  same = TINY.replace(rope_theta=5e5, norm_eps=float(np.float32(1e-5)), dtype="float16")
+  assert cfg == same and hash(cfg) == hash(same)
+  json.dumps(cfg.to_hf())
+
+
 def test_to_hf_refuses_q_k_norms_the_architecture_lacks():
   with pytest.raises(ValueError, match="qk_norm"):
     TINY.replace(qk_norm=True).to_hf()
