@@ -866,13 +866,14 @@ class Engine:
              max_new_tokens: Sequence[int] | int | None = None, cached_lens=None):
     """Feed each slot's pending token plus observation tokens, then sample the next token.
 
-    `cached_lens` (host-known cache lengths of `slots`) picks the live-KV bucket (without it
-    attention reads the whole cache). The slots' cached lengths and total-length caps are read
-    from the device for the checks: a slot that holds no request, `cached_lens` other than the
-    slots' cached lengths, an observation that leaves no room for a next token within `max_len`
-    or within the slot's `max_total_len` (given to its prefill), or a token id outside the
-    vocabulary is a ValueError, raised before anything runs. Returns (state, (first tokens,
-    logprobs, stop codes)), the three as host NumPy arrays, one entry per slot.
+    `cached_lens` (host-known cache lengths of `slots`, or bounds above them) picks the live-KV
+    bucket (without it attention reads the whole cache). The slots' cached lengths and
+    total-length caps are read from the device for the checks: a slot that holds no request,
+    `cached_lens` below the slots' cached lengths, an observation that leaves no room for a
+    next token within `max_len` or within the slot's `max_total_len` (given to its prefill),
+    or a token id outside the vocabulary is a ValueError, raised before anything runs. Returns
+    (state, (first tokens, logprobs, stop codes)), the three as host NumPy arrays, one entry
+    per slot.
     """
     slots = self._slot_array(slots, "append")
     if len(slots) != len(observations):
@@ -894,12 +895,12 @@ class Engine:
       given = np.asarray(cached_lens).reshape(-1).tolist()
       if len(given) != len(slots):
         raise ValueError(f"append: {len(given)} cached_lens for {len(slots)} slots")
-      # They pick the live-KV bucket: a length below the slot's own made attention skip the
-      # slot's last cached tokens, silently.
-      if given != held.tolist():
-        raise ValueError(f"append: cached_lens {given} of slots {slots.tolist()} are "
-                         f"not their cached lengths {held.tolist()} (a slot caches its prompt, "
-                         "its observations and every sampled token but the pending last one)")
+      # They pick the live-KV bucket (a bound above a length is fine): a length below the
+      # slot's own made attention skip the slot's last cached tokens, silently.
+      if any(not g >= h for g, h in zip(given, held.tolist())):
+        raise ValueError(f"append: cached_lens {given} of slots {slots.tolist()} are below "
+                         f"their cached lengths {held.tolist()} (a slot caches its prompt, its "
+                         "observations and every sampled token but the pending last one)")
     for slot, c, lim, o in zip(slots.tolist(), held.tolist(), limits.tolist(), observations):
       if c == 0:
         raise ValueError(f"append: slot {slot} holds no request (insert a prefix into it first)")
@@ -930,7 +931,7 @@ class Engine:
       budgets[:b] = budget
     budgets[b:] = budgets[0]
     kv_len = (self.cache_len if cached_lens is None
-              else _bucket(max(1, min(int(np.max(held)), self.cache_len)),
+              else _bucket(max(1, min(int(np.max(given)), self.cache_len)),
                            self.append_kv_buckets))
     state, (tok, lp, code) = self._jit_append(_plain(params), state, pad_slots, chunk, lens,
                                               budgets, kv_len=kv_len)

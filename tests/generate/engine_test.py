@@ -420,7 +420,7 @@ def test_append_bad_input_errors_before_running(params):
     eng.append(params, state, [0], [[1, 2]], cached_lens=[19, 3])
   # cached_lens pick the live-KV bucket: one below the slot's length made attention skip its
   # last cached tokens (a different token and log-prob, silently, past a bucket boundary).
-  with pytest.raises(ValueError, match=r"cached_lens \[18\] of slots \[0\] are not their "
+  with pytest.raises(ValueError, match=r"cached_lens \[18\] of slots \[0\] are below their "
                      r"cached lengths \[19\] \(a slot caches its prompt"):
     eng.append(params, state, [0], [[1, 2]], cached_lens=[18])
   # A prompt at its own total-length cap: its first token would exceed the cap.
