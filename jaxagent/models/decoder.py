@@ -459,12 +459,16 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
   """
   p = unbox(params)
   tokens = jnp.asarray(tokens, jnp.int32)
+  # Nested lists as the tokens are: the attention slices the ids and RoPE casts the positions.
+  positions = None if positions is None else jnp.asarray(positions)
   if segment_ids is None:
     segment_ids = jnp.ones_like(tokens)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  elif positions is None:
-    positions = segment_positions(segment_ids)
+  else:
+    segment_ids = jnp.asarray(segment_ids)
+    if positions is None:
+      positions = segment_positions(segment_ids)
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   attend = functools.partial(segment_attention, segment_ids=segment_ids, cfg=cfg)
 

@@ -91,6 +91,23 @@ def test_packed_logits_match_transformers_per_segment(arch, tmp_path):
     off += len(s)
 
 
+def test_packed_forward_takes_nested_lists_as_it_takes_arrays():
+  # tokens could be nested lists, segment ids and positions not: the attention sliced the ids
+  # ("list indices must be integers or slices, not tuple") and RoPE cast the positions.
+  cfg = models.get_config("tiny-llama", n_layers=1)
+  rng = np.random.default_rng(0)
+  params = models.box(cfg, jax.tree.map(lambda s: (0.2 * rng.standard_normal(s[0])).astype(
+      np.float32), models.param_specs(cfg), is_leaf=lambda s: isinstance(s, tuple)))
+  tokens, seg, pos = [[5, 6, 7, 8, 9, 0]], [[1, 1, 1, 2, 2, 0]], [[0, 1, 2, 0, 1, 0]]
+  run = jax.jit(lambda p: (
+      models.forward(p, jnp.asarray(tokens), cfg=cfg, segment_ids=jnp.asarray(seg)),
+      models.forward(p, tokens, cfg=cfg, segment_ids=seg),
+      models.forward(p, tokens, cfg=cfg, segment_ids=seg, positions=pos)))
+  want, *got = run(params)
+  for g in got:
+    np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_save_hf_reloads_in_transformers(arch, tmp_path):
   make_hf_model(arch, tmp_path / "src", seed=2)
