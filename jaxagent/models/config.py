@@ -397,9 +397,11 @@ class ModelConfig:
                             "high_freq_factor": hi, "original_max_position_embeddings": orig}
     if self.bos_token_id is not None:
       hf["bos_token_id"] = self.bos_token_id
-    if self.eos_token_id is not None:
-      hf["eos_token_id"] = ([self.eos_token_id, *self.extra_eos_token_ids]
-                            if self.extra_eos_token_ids else self.eos_token_id)
+    # Every id generation stops on (`eos_token_ids`): the extra ones too where eos_token_id is
+    # None, which were dropped from the export.
+    ids = self.eos_token_ids
+    if ids:
+      hf["eos_token_id"] = list(ids) if len(ids) > 1 else ids[0]
     return hf
 
   @property

@@ -56,6 +56,16 @@ def test_numpy_floats_and_dtypes_are_stored_as_python_values_so_the_config_seria
   json.dumps(cfg.to_hf())
 
 
+def test_to_hf_keeps_extra_eos_ids_without_an_eos_token_id():
+  # Generation stops on extra_eos_token_ids whether or not eos_token_id is set; to_hf wrote
+  # them only beside an eos_token_id, so such a config's export (and its reload) had no stop id.
+  for extra, eos in [((5,), None), ((5, 7), None), ((7,), 3), ((), 3)]:
+    cfg = TINY.replace(eos_token_id=eos, extra_eos_token_ids=extra)
+    assert ModelConfig.from_hf(cfg.to_hf()).eos_token_ids == cfg.eos_token_ids
+  assert TINY.replace(eos_token_id=3).to_hf()["eos_token_id"] == 3
+  assert "eos_token_id" not in TINY.replace(eos_token_id=None).to_hf()
+
+
 def test_to_hf_refuses_q_k_norms_the_architecture_lacks():
   with pytest.raises(ValueError, match="qk_norm"):
     TINY.replace(qk_norm=True).to_hf()
