@@ -502,6 +502,7 @@ class Engine:
 
   # ------------------------------------------------------------------ prefill / insert
   def _prefill(self, params, tokens, lengths, request_ids, seeds, budgets, limits, rows=None):
+    param_tree.check_model_shapes(params, self.cfg, "prefill")  # (at trace time only)
     # rows: None, or for each request the row of `tokens` / `lengths` (the distinct prompts)
     # that it takes its K/V and logits from; `request_ids` and the rest are per request.
     logits, k, v = decoder.prefill(params, tokens, lengths, cfg=self.cfg)
@@ -737,6 +738,7 @@ class Engine:
     return new, (tok, lp, valid)
 
   def _generate(self, params, state: DecodeState, steps: int, kv_len: int):
+    param_tree.check_model_shapes(params, self.cfg, "generate")
     if self.merges(steps) and not param_tree.is_merged(params):
       params = param_tree.merge_decode_weights(params, self.cfg, fold_norms=self.fold_norms)
 
@@ -788,6 +790,7 @@ class Engine:
     return bool(self.fold_norms and fits and chain is not False and (chain or small))
 
   def _merge_for_run(self, params):
+    param_tree.check_model_shapes(params, self.cfg, "prepare")
     merged = param_tree.merge_decode_weights(params, self.cfg, fold_norms=self.fold_norms)
     return param_tree.chain_decode_weights(merged, self.cfg) if self.chain_weights else merged
 
@@ -838,6 +841,7 @@ class Engine:
 
   # ------------------------------------------------------------------ append
   def _append(self, params, state: DecodeState, slots, chunk, chunk_lens, budgets, kv_len):
+    param_tree.check_model_shapes(params, self.cfg, "append")
     # chunk[:, 0] is the slot's pending token; observation tokens follow.
     cache_lens = state.lengths[slots]
     chunk = chunk.at[:, 0].set(state.tokens[slots])

@@ -8,7 +8,7 @@ the learner and the engine build and transform it here.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
 import flax.linen as nn
 import jax
@@ -96,6 +96,33 @@ def box(cfg: ModelConfig, arrays: dict[str, Any]) -> Params:
 def unbox(params: Params) -> dict[str, Any]:
   """The plain arrays of a boxed params tree (no-op on an unboxed tree)."""
   return nn.meta.unbox(params)
+
+
+def check_model_shapes(params: Params, cfg: ModelConfig, what: str) -> None:
+  """A ValueError unless `params` (plain, or as `merge_decode_weights` / `chain_decode_weights`
+  leave them) have `cfg`'s vocabulary, width and depth: the embedding table is
+  [vocab_size, d_model] and every stacked layer weight has n_layers rows. Only shapes are
+  read, so under `jax.jit` it costs nothing past the trace. Params of another model of the
+  same family would otherwise run, sized by the arrays, and give another model's tokens."""
+  def shape(x):
+    return tuple(getattr(getattr(x, "value", x), "shape", ()))
+
+  if not isinstance(params, Mapping) or "embed" not in params or "layers" not in params:
+    keys = sorted(params) if isinstance(params, Mapping) else type(params).__name__
+    raise ValueError(f"{what}: params must be a model's params tree with 'embed' and 'layers' "
+                     f"(models.load / models.init_params), got {keys}")
+  want = (cfg.vocab_size, cfg.d_model)
+  if shape(params["embed"]) != want:
+    raise ValueError(f"{what}: the params' embedding table is {shape(params['embed'])}, the "
+                     f"model config {cfg.name!r} says [vocab_size, d_model] = {want}: pass the "
+                     "params of this config's model (or the config of these params)")
+  layers = params["layers"]
+  depths = ({len(layers)} if isinstance(layers, (list, tuple)) else
+            {shape(x)[0] for x in jax.tree.leaves(layers) if shape(x)})
+  if depths - {cfg.n_layers}:
+    raise ValueError(f"{what}: the params have {sorted(depths)} layers, the model config "
+                     f"{cfg.name!r} says n_layers = {cfg.n_layers}: pass the params of this "
+                     "config's model (or the config of these params)")
 
 
 # Weights the decoder casts to the compute dtype where it uses them (norm scales stay float32).

@@ -396,6 +396,26 @@ def test_bool_token_ids_are_refused(params):
   assert len(eng.append(params, state, [0], [[1, 2, np.int64(3)]])[1][0]) == 1  # ints pass
 
 
+def test_params_of_another_model_are_refused(params):
+  # Params of a wider, deeper or larger-vocabulary model of the family ran, sized by their
+  # arrays, and gave that model's tokens; params without the model's keys failed with a bare
+  # KeyError from inside the trace.
+  eng = Engine(CFG, EngineConfig(slots=2, max_len=32, sampling=SamplingConfig()))
+  state = eng.insert(eng.prefill(params, [[1, 2, 3]], [0]), eng.init_decode_state(), 0)
+  for other, match in ((CFG.replace(vocab_size=2 * CFG.vocab_size), "embedding table is"),
+                       (CFG.replace(d_model=2 * CFG.d_model), "embedding table is"),
+                       (CFG.replace(n_layers=CFG.n_layers + 1), "the params have \\[3\\] layers")):
+    bad = models.init_params(other, jax.random.key(1))
+    with pytest.raises(ValueError, match="prefill: .*" + match):
+      eng.prefill(bad, [[1, 2, 3]], [0])
+    with pytest.raises(ValueError, match="generate: .*" + match):
+      eng.generate(bad, state, steps=1)
+    with pytest.raises(ValueError, match="append: .*" + match):
+      eng.append(bad, state, [0], [[4]])
+  with pytest.raises(ValueError, match="prefill: params must be a model's params tree"):
+    eng.prefill({"layers": params["layers"]}, [[1, 2, 3]], [0])
+
+
 def test_append_bad_input_errors_before_running(params):
   eng = Engine(CFG, EngineConfig(slots=2, max_len=32, sampling=SamplingConfig()))
   state = eng.insert(eng.prefill(params, [list(range(1, 20))], [1]), eng.init_decode_state(), 0)
