@@ -3,10 +3,11 @@
 Data flow: envs render conversations with `Tokenizer.apply_chat_template` / `encode_chat` (which
 keeps special-token text inside the messages as text: only the template writes control tokens);
 the rollout driver decodes sampled ids incrementally (`StreamDecoder`) to find tool calls and stop
-strings, and tokenizes tool observations once (`encode`, optionally with `parse_special=False` so
-text from a tool cannot inject control tokens); the SFT of chat JSONL renders a conversation in
-pieces and encodes them with the same rule as `encode_chat` (`mark_special_text`,
-`encode_marked`); the trainer only ever sees ids.
+strings, and tokenizes tool observations once (`encode_continuation`, as text that follows the
+trajectory's tokens, optionally with `parse_special=False` so text from a tool cannot inject
+control tokens); the SFT of chat JSONL renders a conversation in pieces and encodes them with the
+same rule as `encode_chat` (`mark_special_text`, `encode_marked`), each piece after the first as a
+continuation; the trainer only ever sees ids.
 
 `load_tokenizer` accepts three sources and yields the same `Tokenizer`:
 - an HF directory (`tokenizer.json` + `tokenizer_config.json`, chat template inline or in
@@ -138,7 +139,8 @@ class Tokenizer:
   ):
     self._backend = backend
     self._literal_backend: tokenizers.Tokenizer | None = None  # built on first parse_special=False
-    self._after_control: tuple[tokenizers.Tokenizer, int] | None = None  # see `encode_marked`
+    # parse_special -> (backend with a stand-in added token, its id): see `_encode_after_control`
+    self._after_control: dict[bool, tuple[tokenizers.Tokenizer, int]] = {}
     self.name = name or "tokenizer"
     self.special_tokens = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token),
                                               ("unk_token", unk_token), ("pad_token", pad_token))
@@ -270,14 +272,41 @@ class Tokenizer:
       self._literal_backend = literal
     return self._literal_backend
 
-  def _literal_after_control_token(self) -> tuple[tokenizers.Tokenizer, int]:
-    """The literal backend with `_AFTER_CONTROL` added as an ordinary added token, and its id."""
-    if self._after_control is None:
-      backend = tokenizers.Tokenizer.from_str(self._literal().to_str())
-      backend.encode_special_tokens = True
+  def _encode_after_control(self, texts: Sequence[str], parse_special: bool) -> list[list[int]]:
+    """The ids of each of `texts` as it is encoded after a control token in `encode` of a whole
+    text: behind a stand-in added token (`_AFTER_CONTROL`), whose id is then dropped. The texts
+    must not hold the stand-in (`_check_no_stand_in`)."""
+    if parse_special not in self._after_control:
+      base = self._backend if parse_special else self._literal()
+      backend = tokenizers.Tokenizer.from_str(base.to_str())
+      backend.encode_special_tokens = not parse_special
       backend.add_tokens([AddedToken(_AFTER_CONTROL, special=False, normalized=False)])
-      self._after_control = backend, backend.token_to_id(_AFTER_CONTROL)
-    return self._after_control
+      self._after_control[parse_special] = backend, backend.token_to_id(_AFTER_CONTROL)
+    backend, stand_in = self._after_control[parse_special]
+    encodings = backend.encode_batch([_AFTER_CONTROL + t for t in texts], add_special_tokens=False)
+    for encoding in encodings:
+      assert encoding.ids[0] == stand_in, (encoding.ids[:3], stand_in)
+    return [encoding.ids[1:] for encoding in encodings]
+
+  def encode_continuation(self, text: str, parse_special: bool = True) -> list[int]:
+    """Token ids of `text` where it continues earlier tokens, not where it starts the input.
+
+    `encode(text)` takes `text` as the whole input, whose start some tokenizers mark: a Metaspace
+    pre-tokenizer with prepend_scheme="first" (Mistral, Llama 2 style SentencePiece conversions)
+    puts a "▁" there. In the encoding of a whole rendering, text that follows a control token
+    gets none; this encodes `text` as such text (behind a stand-in added token), which is what
+    a trajectory appends after its earlier ids: observations, the turns of a chat rendered piece
+    by piece. Tokenizers that mark no start (byte-level BPE: SmolLM2, Llama 3, Qwen) give the ids
+    of `encode(text)`. Text holding U+10FFFE U+10FFFF (reserved for the stand-in) is a ValueError.
+
+    Args:
+      parse_special: as in `encode`.
+    """
+    if not isinstance(text, str):
+      raise TypeError(f"encode_continuation expects a str, got {type(text).__name__}")
+    _check_encodable(text, "encode_continuation")
+    _check_no_stand_in([text], "encode_continuation: the text")
+    return self._encode_after_control([text], parse_special)[0]
 
   # ---- chat template ---------------------------------------------------------------------------
 
@@ -459,12 +488,19 @@ class Tokenizer:
     marked = _map_strings(data, lambda s: pattern.sub(lambda m: marks[m.group()], s))
     return marked, {ord(mark): spelling for spelling, mark in marks.items()}
 
-  def encode_marked(self, text: str, restore: Mapping[int, str]) -> list[int]:
+  def encode_marked(self, text: str, restore: Mapping[int, str], *,
+                    continuation: bool = False) -> list[int]:
     """Ids of (part of) a rendering of data marked by `mark_special_text`: the special tokens
     in `text` are the template's and stay control tokens; the text between them, with the
-    spellings put back by `restore`, is encoded with special tokens as text."""
+    spellings put back by `restore`, is encoded with special tokens as text.
+
+    Args:
+      continuation: `text` continues earlier tokens (a piece after the first of a rendering
+        encoded in pieces): its start is encoded as in `encode_continuation`, not as the start
+        of the input.
+    """
     if not restore:
-      return self.encode(text)
+      return self.encode_continuation(text) if continuation else self.encode(text)
     _check_encodable(text, "encode")
     # The control tokens where the tokenizer itself finds them (an added token's span includes
     # the whitespace it strips); not a special id the model gives text it has no token for (an
@@ -479,20 +515,19 @@ class Tokenizer:
       pieces.append(text[start:begin].translate(restore))
       start = end
     pieces.append(text[start:].translate(restore))
-    # Each piece after a control token is encoded behind a stand-in added token, so that the
-    # tokenizer treats it as text that follows an added token, as in `encode(text)`; encoded
-    # alone it would be the start of the input, which some tokenizers mark (a Metaspace
-    # pre-tokenizer with prepend_scheme="first" puts "▁" there).
-    for i, piece in enumerate(pieces):
-      if _AFTER_CONTROL in piece:
-        raise ValueError(f"encode_marked: text piece {i} holds {_AFTER_CONTROL!r}, which this "
-                         "encoding reserves; remove it from the data")
-    literal, stand_in = self._literal_after_control_token()
-    ids = self._literal().encode(pieces[0], add_special_tokens=False).ids
-    after = literal.encode_batch([_AFTER_CONTROL + p for p in pieces[1:]], add_special_tokens=False)
-    for (tid, _), encoding in zip(controls, after):
-      assert encoding.ids[0] == stand_in, (encoding.ids[:3], stand_in)
-      ids += [tid] + encoding.ids[1:]
+    # Each piece after a control token is encoded as text that follows an added token, as in
+    # `encode(text)`; encoded alone it would be the start of the input, which some tokenizers
+    # mark (a Metaspace pre-tokenizer with prepend_scheme="first" puts "▁" there). So is the
+    # first piece of a continuation.
+    _check_no_stand_in(pieces, "encode_marked: text piece {i}")
+    if continuation:
+      first, *after = self._encode_after_control(pieces, False)
+    else:
+      first = self._literal().encode(pieces[0], add_special_tokens=False).ids
+      after = self._encode_after_control(pieces[1:], False)
+    ids = list(first)
+    for (tid, _), piece_ids in zip(controls, after):
+      ids += [tid] + piece_ids
     return ids
 
   def _select_template(self, chat_template: str | None, tools: Any) -> str:
@@ -923,6 +958,15 @@ def _check_encodable(text: str, where: str) -> None:
         f"{where}: the text holds a lone surrogate {text[e.start]!r} at index {e.start}, which is "
         "not valid Unicode; clean it first, e.g. text.encode('utf-8', 'replace').decode('utf-8')"
     ) from None
+
+
+def _check_no_stand_in(texts: Sequence[str], where: str) -> None:
+  """Refuses texts holding `_AFTER_CONTROL`, which would encode as the stand-in token's id (one
+  the model does not have); `where` may name the text's index as "{i}"."""
+  for i, text in enumerate(texts):
+    if _AFTER_CONTROL in text:
+      raise ValueError(f"{where.format(i=i)} holds {_AFTER_CONTROL!r} (U+10FFFE U+10FFFF), which "
+                       "this encoding reserves to stand in for a control token; remove it")
 
 
 def _strings(value: Any) -> Iterable[str]:

@@ -600,11 +600,10 @@ def test_spelled_control_tokens_with_an_unk_token_tokenizer():
       messages).replace("\ue000", "<unk>")
 
 
-def test_spelled_control_tokens_with_a_metaspace_first_tokenizer():
-  """A Metaspace pre-tokenizer with prepend_scheme="first" (Mistral, Llama 2 without legacy
-  spacing) puts "▁" at the start of the input only. The text after each of the template's
-  control tokens was encoded on its own, as a start: "▁" before every turn, ids the model never
-  sees after a control token and a decode with spaces the rendering does not have."""
+@functools.lru_cache(maxsize=None)
+def _metaspace_first_tokenizer() -> T.Tokenizer:
+  """A small BPE with a Metaspace pre-tokenizer, prepend_scheme="first" (Mistral, Llama 2
+  without legacy spacing: "▁" at the start of the input only), and an [INST] chat template."""
   import tokenizers
   from tokenizers import decoders, models, pre_tokenizers, trainers
   backend = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
@@ -614,9 +613,17 @@ def test_spelled_control_tokens_with_a_metaspace_first_tokenizer():
       ["[INST] what is this [/INST] the answer is here"] * 20,
       trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
                           initial_alphabet=list("</s>"), show_progress=False))
-  mt = T.Tokenizer(backend, bos_token="<s>", eos_token="</s>", chat_template=(
+  return T.Tokenizer(backend, bos_token="<s>", eos_token="</s>", chat_template=(
       "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
       " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"))
+
+
+def test_spelled_control_tokens_with_a_metaspace_first_tokenizer():
+  """A Metaspace pre-tokenizer with prepend_scheme="first" (Mistral, Llama 2 without legacy
+  spacing) puts "▁" at the start of the input only. The text after each of the template's
+  control tokens was encoded on its own, as a start: "▁" before every turn, ids the model never
+  sees after a control token and a decode with spaces the rendering does not have."""
+  mt = _metaspace_first_tokenizer()
   messages = [{"role": "user", "content": "what </s> is"}, {"role": "assistant", "content": "here"},
               {"role": "user", "content": "this"}]
   text = mt.apply_chat_template(messages, add_generation_prompt=False)
@@ -626,6 +633,39 @@ def test_spelled_control_tokens_with_a_metaspace_first_tokenizer():
   assert mt.decode(ids) == text and ids.count(eos) == 1 and ref.count(eos) == 2
   assert ids[:2] == ref[:2] and mt.id_to_token(ids[1]).startswith("[")
   assert ids[ids.index(eos):] == ref[ref.index(eos, ref.index(eos) + 1):]
+
+
+def test_encode_continuation_encodes_text_as_it_follows_a_control_token(tok):
+  """`encode(piece)` takes the piece as the start of the input, which a Metaspace tokenizer with
+  prepend_scheme="first" marks with "▁"; in a whole rendering the text after a control token has
+  none ('</s>', 'the▁answ', 'er' against '▁', 'the▁answ', 'er'). `encode_continuation` (and
+  `encode_marked(..., continuation=True)`) give the ids the whole encoding has there."""
+  mt = _metaspace_first_tokenizer()
+  eos = mt.eos_id
+  for text in ("the answer", " the answer", "\nhere", "[INST] what", ""):
+    after = mt.encode("</s>" + text)[1:]  # the text where it follows a control token
+    assert mt.encode_continuation(text) == after, text
+    assert mt.encode_continuation(text, parse_special=False) == after, text
+  assert mt.id_to_token(mt.encode("the answer")[0]) == "▁"  # the start of an input
+  assert mt.encode_continuation("the </s>answer") == mt.encode("</s>the </s>answer")[1:]
+  literal = mt.encode_continuation("the </s>answer", parse_special=False)
+  assert eos not in literal and literal == mt.encode("the </s>answer", parse_special=False)[1:]
+  assert not mt.id_to_token(literal[0]).startswith("▁")
+  assert mt.decode(mt.encode("<s>[INST]") + literal) == "<s>[INST]the </s>answer"
+  # A piece of a marked rendering that continues it: its text starts without "▁" too.
+  marked, restore = mt.mark_special_text([{"role": "assistant", "content": "here </s>"}])
+  piece = marked[0]["content"] + "</s>[INST] what"
+  ids = mt.encode_marked(piece, restore, continuation=True)
+  assert ids == mt.encode_continuation("here </s>", parse_special=False) + [eos] + (
+      mt.encode("</s>[INST] what")[1:])
+  assert mt.encode_marked(piece, restore)[0] == mt.token_to_id("▁") != ids[0]
+  assert mt.encode_marked("the answer", {}, continuation=True) == mt.encode("</s>the answer")[1:]
+  # Byte-level BPE marks no start: the ids of `encode`.
+  for text in _CORPUS:
+    for parse_special in (True, False):
+      assert tok.encode_continuation(text, parse_special) == tok.encode(text, parse_special=parse_special)
+  with pytest.raises(ValueError, match=r"encode_continuation: the text holds .*U\+10FFFE U\+10FFFF"):
+    tok.encode_continuation("a\U0010fffe\U0010ffffb")
 
 
 def test_spelled_control_tokens_in_tools_are_text(tool_dir):
