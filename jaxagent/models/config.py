@@ -262,9 +262,9 @@ class ModelConfig:
     # here lacks: such a config loads as qkv_bias=True, and the weight loader accepts an
     # o_proj.bias only when it is all zeros (as save_hf writes it) and refuses any other.
     mistral = model_type == "mistral" or "MistralForCausalLM" in archs
-    # transformers' Mistral config defaults sliding_window to 4096: a config.json without the
-    # key gets that window there.
-    window = hf.get("sliding_window", 4096 if mistral else None)
+    # transformers' Mistral, Qwen2 and Qwen3 configs default sliding_window to 4096: a
+    # config.json without the key gets that window there (Qwen's only with use_sliding_window).
+    window = hf.get("sliding_window", 4096 if mistral or arch in ("qwen2", "qwen3") else None)
     if window is not None and (isinstance(window, bool) or not isinstance(window, (int, float))):
       raise ValueError(f"HF config: sliding_window={window!r} must be a number or null")
     # transformers 5.x writes rope settings under `rope_parameters`; released checkpoints
@@ -353,17 +353,15 @@ class ModelConfig:
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, extra_eos_token_ids=extra_eos,
         name=hf.get("_name_or_path", "hf") or "hf")
     kw.update(overrides)
-    # Qwen2 / Qwen3 use `sliding_window` only with use_sliding_window; transformers' Mistral
-    # whenever it is set (it reads no use_sliding_window). A window at least as long as the
-    # longest sequence served here (max_seq_len) never masks anything.
-    if hf.get("use_sliding_window") or (
-        mistral and window is not None and is_int(kw["max_seq_len"])
-        and window < kw["max_seq_len"]):
+    windowed, window = _windowed_layers(hf, arch, mistral, hf["num_hidden_layers"], window)
+    # A window at least as long as the longest sequence served here (max_seq_len) never masks
+    # anything: such layers are full attention.
+    if windowed and is_int(kw["max_seq_len"]) and window < kw["max_seq_len"]:
       hint = (f"; to serve sequences of at most {int(window)} tokens, which the window does not "
-              f"cut, pass max_seq_len={int(window)}" if mistral and window is not None and window >= 1
-              else "")
+              f"cut, pass max_seq_len={int(window)}" if window >= 1 else "")
       raise ValueError(f"HF config: sliding-window attention (sliding_window={window!r}) is not "
-                       f"supported; every layer here attends to the whole context{hint}")
+                       f"supported; layer(s) {windowed} use it, and every layer here attends to "
+                       f"the whole context{hint}")
     return cls(**kw)
 
   def to_hf(self) -> dict[str, Any]:
@@ -409,6 +407,50 @@ class ModelConfig:
     """Every end-of-sequence id of the config (`eos_token_id`, then the extra ones)."""
     return (() if self.eos_token_id is None else (self.eos_token_id,)) + tuple(
         self.extra_eos_token_ids)
+
+
+_QWEN_MAX_WINDOW_LAYERS = 28  # transformers' Qwen2Config / Qwen3Config default
+
+
+def _windowed_layers(hf: Mapping[str, Any], arch: str, mistral: bool, n_layers: int,
+                     window) -> tuple[list[int], Any]:
+  """The layers transformers runs with a sliding window, and that window, for an HF config.
+
+  Mistral applies `sliding_window` to every layer whenever it is set (it reads neither
+  use_sliding_window nor layer_types). Qwen2 / Qwen3 use the window only with
+  use_sliding_window, and then only in the layers `layer_types` calls "sliding_attention"; with
+  no layer_types those are the layers from `max_window_layers` (default 28) on, so a config whose
+  layers all come before it is full attention. transformers' Llama has no window; a Llama config
+  that asks for one with use_sliding_window is read as windowing every layer.
+  """
+  if mistral:
+    return (list(range(n_layers)) if window is not None else []), window
+  if not hf.get("use_sliding_window"):
+    window = None
+  if arch == "llama":
+    return (list(range(n_layers)) if window is not None else []), window
+  types = hf.get("layer_types")
+  if types is None:
+    if window is None:
+      return [], None
+    first = hf.get("max_window_layers", _QWEN_MAX_WINDOW_LAYERS)
+    if not is_int(first):
+      raise ValueError(f"HF config: max_window_layers={first!r} must be an int (or left out: "
+                       f"default {_QWEN_MAX_WINDOW_LAYERS})")
+    return [i for i in range(n_layers) if i >= first], window
+  allowed = ("full_attention", "sliding_attention")
+  if not (isinstance(types, list) and len(types) == n_layers
+          and all(isinstance(t, str) and t in allowed for t in types)):
+    raise ValueError(f"HF config: layer_types={types!r} must list one of {allowed} for each of "
+                     f"the num_hidden_layers={n_layers} layers")
+  windowed = [i for i, t in enumerate(types) if t == "sliding_attention"]
+  if windowed and window is None:
+    raise ValueError(
+        f"HF config: layer_types makes layer(s) {windowed} 'sliding_attention' but no window is "
+        f"set (use_sliding_window={hf.get('use_sliding_window')!r}, sliding_window="
+        f"{hf.get('sliding_window')!r}); transformers cannot run such a config: make those "
+        "layers 'full_attention' or set the window")
+  return windowed, window
 
 
 _LLAMA3_SCALING = (32.0, 1.0, 4.0, 8192)

@@ -279,6 +279,55 @@ def test_from_hf_mistral_windows_that_mask_nothing_are_accepted():
            "sliding_window": 16}
   assert ModelConfig.from_hf(qwen2).architecture == "qwen2"
   with pytest.raises(ValueError, match="sliding-window attention"):
-    ModelConfig.from_hf({**qwen2, "use_sliding_window": True})
+    ModelConfig.from_hf({**qwen2, "use_sliding_window": True, "max_window_layers": 1})
   with pytest.raises(ValueError, match="sliding_window='16' must be a number or null"):
     ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": "16"})
+
+
+_HF_QWEN2 = {**_HF_LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
+             "use_sliding_window": True, "sliding_window": 16}
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("changes", [
+    # transformers windows only the layers from max_window_layers (default 28) on: none of 2.
+    {}, {"max_window_layers": 2},
+    # ... or those layer_types names, which it reads in place of max_window_layers.
+    {"max_window_layers": 0, "layer_types": ["full_attention", "full_attention"]},
+    # A window as long as the sequences masks nothing.
+    {"max_window_layers": 0, "sliding_window": 4096},
+    # Without use_sliding_window the window is not used at all.
+    {"max_window_layers": 0, "use_sliding_window": False},
+    {"max_window_layers": 0, "sliding_window": None},
+])
+def test_from_hf_qwen_configs_transformers_runs_with_full_attention_are_accepted(arch, changes):
+  hf = {**_HF_QWEN2, "architectures": [arch.capitalize() + "ForCausalLM"], "model_type": arch,
+        "head_dim": 16, **changes}
+  assert ModelConfig.from_hf(hf).architecture == arch
+
+
+@pytest.mark.parametrize("changes,match", [
+    ({"max_window_layers": 1}, r"sliding_window=16\) is not supported; layer\(s\) \[1\] use it"
+                               ".*pass max_seq_len=16"),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, r"layer\(s\) \[0\] use it"),
+    # transformers' Qwen2Config defaults the window to 4096.
+    ({"max_window_layers": 0, "sliding_window": 4096, "max_position_embeddings": 8192},
+     r"sliding_window=4096\).*\[0, 1\]"),
+    ({"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": False},
+     r"layer_types makes layer\(s\) \[1\] 'sliding_attention' but no window is set"),
+    ({"layer_types": ["full_attention"]}, r"layer_types=\['full_attention'\] must list one of "
+                                          r".*num_hidden_layers=2"),
+    ({"layer_types": ["full_attention", "chunked_attention"]}, "must list one of"),
+    ({"max_window_layers": None}, r"max_window_layers=None must be an int"),
+])
+def test_from_hf_qwen_layers_that_a_window_cuts_are_refused(changes, match):
+  with pytest.raises(ValueError, match=match):
+    ModelConfig.from_hf({**_HF_QWEN2, **changes})
+
+
+def test_from_hf_a_qwen_window_left_out_is_transformers_default():
+  hf = {k: v for k, v in _HF_QWEN2.items() if k != "sliding_window"}
+  hf.update(max_window_layers=0, max_position_embeddings=8192)
+  with pytest.raises(ValueError, match=r"sliding_window=4096\).*pass max_seq_len=4096"):
+    ModelConfig.from_hf(hf)
+  assert ModelConfig.from_hf(hf, max_seq_len=4096).max_seq_len == 4096

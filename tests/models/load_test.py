@@ -206,6 +206,32 @@ def test_unsupported_or_incomplete_configs_are_refused(tmp_path, changes, match)
   assert str(path) in str(e.value)
 
 
+@pytest.mark.parametrize("cls,window", [
+    # transformers windows only layers >= max_window_layers: none of these 2.
+    ("Qwen2", dict(use_sliding_window=True, sliding_window=4, max_window_layers=2)),
+    ("Qwen3", dict(use_sliding_window=True, sliding_window=4, max_window_layers=2)),
+    # Every layer windowed, but by a window no shorter than the sequences (max_seq_len 64).
+    ("Qwen2", dict(use_sliding_window=True, sliding_window=64, max_window_layers=0,
+                   max_position_embeddings=64)),
+])
+def test_qwen_configs_with_an_unused_window_load_and_match_transformers(tmp_path, cls, window):
+  torch = pytest.importorskip("torch")
+  transformers = pytest.importorskip("transformers")
+  torch.manual_seed(0)
+  hf_cfg = getattr(transformers, cls + "Config")(**{
+      **dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=512, rope_theta=1e6), **window})
+  model = getattr(transformers, cls + "ForCausalLM")(hf_cfg).eval()
+  model.save_pretrained(tmp_path, safe_serialization=True)
+  cfg, params = models.load(tmp_path)  # refused as "sliding-window attention" before
+  tokens = np.random.default_rng(0).integers(0, 256, (2, 40))  # 10x the 4-token window
+  with torch.no_grad():
+    ref = model(torch.tensor(tokens)).logits.float().numpy()
+  ours = np.asarray(models.forward(params, tokens, cfg=cfg))
+  assert np.abs(ours - ref).max() <= 1e-4
+
+
 @pytest.mark.parametrize("name", ["tiny-llama", "tiny-qwen3"])
 def test_export_with_qkv_bias_reloads_and_a_nonzero_output_bias_is_refused(tmp_path, name):
   import numpy as np
