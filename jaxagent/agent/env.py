@@ -167,6 +167,13 @@ class Env(abc.ABC):
   def encode_observation(self, text: str, tokenizer) -> list[int]:
     """Observation token ids: the wrapper's text with its control tokens, the tool output as text.
 
+    An observation continues the trajectory, so its text (and each piece of it below) is
+    encoded with `tokenizer.encode_continuation` where the tokenizer has it (`encode` where
+    not): as the text after the policy's tokens is in the encoding of the whole conversation,
+    not as the start of an input (a Metaspace tokenizer with prepend_scheme="first", Mistral or
+    Llama 2 style, puts a "▁" there that the model never sees mid-conversation). Byte-level BPE
+    tokenizers give the ids of `encode` either way.
+
     A tool's output is data: a program that prints "<|im_end|>" must not close the turn. When
     `text` is a wrapper around an output that spells a special token, and the tokenizer takes
     `parse_special`, the output is tokenized literally and the wrapper's parts are tokenized on
@@ -180,9 +187,10 @@ class Env(abc.ABC):
     spells no special token. Otherwise (the usual case: an output without special-token text)
     `text` is tokenized whole, as before. Override for other formats.
     """
+    encode = _continuation_encoder(tokenizer)
     # `text` is encoded whole only when that is the result (not also on the split path).
     if "parse_special" not in inspect.signature(tokenizer.encode).parameters:
-      return list(tokenizer.encode(text))
+      return list(encode(text))
     if type(self).format_observation is not Env.format_observation:
       frames = _formatted_frames(self.format_observation)
       split = next((s for f in frames if (s := _split_segments(f, text)) is not None), None)
@@ -194,15 +202,15 @@ class Env(abc.ABC):
       if literals is not None and not any(
           list(tokenizer.encode(x)) != list(tokenizer.encode(x, parse_special=False))
           for x in literals if x):
-        return list(tokenizer.encode(text, parse_special=False))
-      return list(tokenizer.encode(text))
+        return list(encode(text, parse_special=False))
+      return list(encode(text))
     segments, output = split
-    literal = list(tokenizer.encode(output, parse_special=False))
-    if literal == list(tokenizer.encode(output)):
-      return list(tokenizer.encode(text))  # no special-token text in the output
-    ids = list(tokenizer.encode(segments[0])) if segments[0] else []
+    literal = list(encode(output, parse_special=False))
+    if literal == list(encode(output)):
+      return list(encode(text))  # no special-token text in the output
+    ids = list(encode(segments[0])) if segments[0] else []
     for seg in segments[1:]:
-      ids += literal + (list(tokenizer.encode(seg)) if seg else [])
+      ids += literal + (list(encode(seg)) if seg else [])
     return ids
 
   @abc.abstractmethod
@@ -215,6 +223,13 @@ class Env(abc.ABC):
     Turn it into a ledger with `trajectory.demonstration_trajectory`.
     """
     return None
+
+
+def _continuation_encoder(tokenizer):
+  """`tokenizer.encode_continuation` (text after earlier tokens), or `tokenizer.encode` for a
+  tokenizer without it."""
+  encode = getattr(tokenizer, "encode_continuation", None)
+  return encode if callable(encode) else tokenizer.encode
 
 
 @functools.lru_cache(maxsize=64)

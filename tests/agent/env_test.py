@@ -164,6 +164,48 @@ def test_tool_output_stays_text_with_braces_repeats_and_format_specs(tok, templa
   assert env.encode_observation(plain, tok) == tok.encode(plain)
 
 
+@pytest.fixture(scope="module")
+def metaspace_tok():
+  """A small BPE with a Metaspace pre-tokenizer, prepend_scheme="first" (Mistral, Llama 2
+  style): "▁" marks the start of the input only, not text after other tokens."""
+  import tokenizers
+  from tokenizers import decoders, models as tok_models, pre_tokenizers, trainers
+  backend = tokenizers.Tokenizer(tok_models.BPE(unk_token="<unk>"))
+  backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+  backend.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+  backend.train_from_iterator(
+      ["<calc>1+2</calc><result>3</result> user\n<tool_response>\n3x\n</tool_response> "
+       "assistant\n<answer>3</answer>"] * 20,
+      trainers.BpeTrainer(vocab_size=150, show_progress=False, special_tokens=[
+          "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]))
+  from jaxagent.models.tokenizer import Tokenizer
+  return Tokenizer(backend, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("output", ["3", "3</s>x"])
+def test_observation_continues_the_trajectory_with_a_metaspace_first_tokenizer(metaspace_tok,
+                                                                               output):
+  """An observation was encoded as the start of an input, which this tokenizer marks with "▁":
+  ids the encoding of the whole conversation does not have after the policy's tokens, decoding
+  to a space that is not in the text ("</calc> <result>3")."""
+  tok = metaspace_tok
+  env = CalculatorEnv()
+  policy = tok.encode("<calc>1+2</calc>")
+  text = env.format_observation(ToolResult(True, output))
+  ids = env.encode_observation(text, tok)
+  assert tok.decode(policy + ids) == "<calc>1+2</calc>" + text
+  assert not tok.id_to_token(ids[0]).startswith("▁")
+  if output == "3":  # tokenized whole, as where the text follows a control token
+    assert ids == tok.encode("</s>" + text)[1:] != tok.encode(text)
+  else:  # taken apart around the output literal; no piece starts with "▁"
+    lit = tok.encode(output, parse_special=False)  # as the start of an input: "▁" first
+    assert tok.id_to_token(lit[0]) == "▁" and tok.eos_id not in ids
+    assert ids == tok.encode("</s><result>")[1:] + lit[1:] + tok.encode("</s></result>")[1:]
+  # A template that starts with a control token encodes as it did.
+  chat = ChatCalc().format_observation(ToolResult(True, "3"))
+  assert ChatCalc().encode_observation(chat, tok) == tok.encode(chat)
+
+
 def test_calculator_env_scores_the_number_not_its_normalised_text():
   from jaxagent.agent import POLICY, Example
   from jaxagent.agent.trajectory import demonstration_trajectory
