@@ -22,6 +22,7 @@ from jaxagent.models.per_shard import batch_split, per_shard, tensor_split
 
 def logits_from_hidden(params: Params, h, cfg: ModelConfig):
   """Output projection in float32 accumulation. h: [..., D] (already final-normed)."""
+  h = jnp.asarray(h)  # nested lists too, as `forward` takes them
   return _project(h, _output_weight(params, cfg), cfg.tie_embeddings)
 
 
@@ -269,7 +270,11 @@ def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature:
   `with_entropy`). `temperature` is a fixed setting (the sampler's, from the step config), not
   a parameter: the result carries no gradient with respect to it.
   """
+  h, targets = jnp.asarray(h), jnp.asarray(targets)  # nested lists too, as `forward` takes them
   b, l, d = h.shape
+  if targets.shape != (b, l):
+    raise ValueError(f"token_logprobs: targets of shape {targets.shape} for hidden states of "
+                     f"shape {h.shape}: targets must be [B, L] = {(b, l)}")
   n = batch_split()[1]
   local_rows = max(1, b // n if b % n == 0 else b)  # rows per device under the ambient mesh
   c = max(1, min(chunk, l, max_chunk_tokens // local_rows))

@@ -231,6 +231,22 @@ def test_logprob_path_resolution_and_errors():
     cfg.replace(logprob_impl="triton")
 
 
+def test_nested_lists_are_taken_as_arrays_and_a_wrong_targets_shape_is_named():
+  # `forward` takes nested lists; token_logprobs failed on them ("'list' object has no
+  # attribute 'reshape'"), and logits_from_hidden too (einsum takes no lists).
+  cfg, params, h, targets, *_ = _problem("tiny-llama")
+  want = logprobs.token_logprobs(params, h, targets, cfg=cfg)
+  got = models.token_logprobs(params, np.asarray(h).tolist(), np.asarray(targets).tolist(),
+                              cfg=cfg)
+  np.testing.assert_array_equal(got, want)
+  np.testing.assert_array_equal(models.logits_from_hidden(params, np.asarray(h).tolist(), cfg),
+                                logprobs.logits_from_hidden(params, h, cfg))
+  # Targets as many as the positions but flat were read row by row; now named.
+  with pytest.raises(ValueError, match=r"targets of shape \(33,\) for hidden states of shape "
+                     r"\(3, 11, 64\): targets must be \[B, L\] = \(3, 11\)"):
+    logprobs.token_logprobs(params, h, targets.reshape(-1), cfg=cfg)
+
+
 @pytest.mark.parametrize("data,fsdp", [(1, 8), pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_fused_kernels_run_per_shard(data, fsdp):
   # Under a mesh the kernels run per shard of the rows (shard_map) with the weight replicated:
