@@ -197,9 +197,11 @@ def sft_items(env: Env, examples: Sequence[Example], tokenizer) -> list[packing.
 def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
   """SFT items from chat JSONL (`{"messages": [...]}` per line): assistant turns get loss.
 
-  Each message is rendered with the chat template and tokenized on its own, in order, so the
-  token sequence is exactly what the model will see (as in rollouts). The loss covers what the
-  policy would sample: an assistant message's text up to and including its end-of-turn token.
+  Each message is rendered with the chat template and tokenized on its own, in order (the
+  prompt as the start of the input, each later piece as a continuation of the ids before it:
+  `Tokenizer.encode_continuation`), so the token sequence is what the model will see (as in
+  rollouts). The loss covers what the policy would sample: an assistant message's text up to
+  and including its end-of-turn token.
   The template's framing around it (the newline after that token, the header that opens the
   next assistant turn) gets none, as in rollouts. As in `Tokenizer.encode_chat`, special-token
   text inside the messages ("<|im_end|>" in a user message) is encoded as text: only the
@@ -287,10 +289,17 @@ def sft_items_from_chat_jsonl(path, tokenizer) -> list[packing.PackItem]:
                        f"special tokens ({', '.join(map(repr, restore.values()))}), so they cannot "
                        "be told apart from the template's control tokens; remove that text")
     # Each piece encoded with only the template's control tokens (the turns' texts keep the
-    # marks: only the tokens and masks leave this function).
-    encoder = (types.SimpleNamespace(encode=functools.partial(tokenizer.encode_marked,
-                                                              restore=restore))
-               if restore else tokenizer)
+    # marks: only the tokens and masks leave this function), as a continuation of the ids
+    # before it: as in the encoding of the whole rendering, not as the start of an input
+    # (which a Metaspace prepend_scheme="first" tokenizer marks with "▁"). Tokenizers without
+    # `encode_continuation` encode each piece with `encode`.
+    continues = callable(getattr(tokenizer, "encode_continuation", None))
+    if restore:
+      encoder = types.SimpleNamespace(encode=functools.partial(
+          tokenizer.encode_marked, restore=restore, **({"continuation": True} if continues else {})))
+    else:
+      encoder = types.SimpleNamespace(
+          encode=tokenizer.encode_continuation if continues else tokenizer.encode)
     # The line number as the item's id, so the warm start can name lines too long to train.
     try:
       traj = demonstration_trajectory(prompt, segs, encoder, request_id=n)
