@@ -46,7 +46,8 @@ Sharp edges of google-jetstream 0.2.2 handled here:
   * It prepends `bos_id` to every request without a session cache. For tokenizers that add no BOS
     (SmolLM2, Qwen) the adapter's `bos_id` is the marker -1 and prefill drops it; for those that
     do (Llama 3), prefill drops it from a prompt that already starts with BOS (a chat-templated
-    one), which would otherwise reach the model as BOS BOS ...
+    one), which would otherwise reach the model as BOS BOS ..., and `check_request` counts it
+    only for prompts without one (a BOS-initial prompt of `max_prefill_length` tokens fits).
 
   * Its detokenize thread decodes text replies one token at a time, so a character split across
     byte-level tokens would arrive as U+FFFD pieces; `CheckedDriver` re-decodes each request's
@@ -347,10 +348,17 @@ class JetStreamEngine(engine_api.Engine):
                        f"{type(content).__name__}")
     if not ids:
       raise ValueError("empty prompt")
-    n = len(ids) + self.jetstream_tokenizer.add_bos
+    # JetStream prepends BOS and keeps the last `max_prefill_length` tokens; prefill drops
+    # that BOS from a prompt that already starts with one (`_prompt`), so it counts only here.
+    n = len(ids) + self._adds_a_bos(ids[0])
     if n > self._max_prefill:
       raise ValueError(f"prompt of {n} tokens exceeds max_prefill_length {self._max_prefill} "
                        "(JetStream would silently keep only its last tokens)")
+
+  def _adds_a_bos(self, first_id) -> bool:
+    """Whether the BOS JetStream prepends to a prompt starting with `first_id` reaches the
+    model: not the no-BOS marker, nor a second BOS (both dropped at prefill)."""
+    return self.jetstream_tokenizer.add_bos and first_id != self.jetstream_tokenizer.bos_id
 
   # ------------------------------------------------------------------ prefill / insert
   def _prompt(self, padded_tokens, true_length) -> tuple[list[int], str | None]:
@@ -360,8 +368,9 @@ class JetStreamEngine(engine_api.Engine):
       return [], f"padded_tokens must be a 1-D numeric array, got {arr.dtype}{list(arr.shape)}"
     n = int(true_length)
     if n > arr.shape[0]:  # JetStream truncated a too-long prompt to its last tokens
-      # A prompt of exactly `max_prefill_length` tokens loses only the no-BOS marker.
-      if n - arr.shape[0] > 1 or self.jetstream_tokenizer.add_bos:
+      # A prompt of exactly `max_prefill_length` tokens loses only what JetStream prepended:
+      # the no-BOS marker, or a BOS before the prompt's own (which prefill would drop).
+      if n - arr.shape[0] > 1 or (arr.size and self._adds_a_bos(arr[0])):
         log.warning("prompt of %d tokens was truncated to its last %d", n, arr.shape[0])
       n = arr.shape[0]
     arr = arr[:max(n, 0)]

@@ -598,6 +598,34 @@ def test_full_length_prompt_is_not_reported_truncated(js, cfg, params, engine, c
 
 
 @pytest.mark.jetstream
+def test_a_full_length_prompt_that_starts_with_bos_is_served(js, tok, cfg, params, engine,
+                                                             caplog):
+  """With `add_bos`, a prompt that starts with BOS and has `max_prefill_length` tokens was
+  refused by check_request (counted with JetStream's BOS: 65 > 64), although JetStream keeps
+  its last 64 tokens, the prompt itself, and prefill serves it; reaching prefill, it was
+  logged as truncated. A prompt of 64 without BOS does lose its BOS: refused, and logged."""
+  e = js.JetStreamEngine(engine.engine, params, tok, add_bos=True)
+  size, bos = e.max_prefill_length, tok.bos_id
+  assert size == 64 and bos == e.jetstream_tokenizer.bos_id
+  rest = np.random.default_rng(5).integers(3, cfg.vocab_size, size - 1).tolist()
+  prompt = [bos] + rest
+  e.check_request(prompt, 5)
+  padded, n = js.token_utils.pad_tokens(np.asarray(prompt), bos, 0, max_prefill_length=size,
+                                        jax_padding=False)
+  assert n == size + 1 and padded.tolist() == prompt  # JetStream's BOS is what it cut
+  with caplog.at_level(logging.WARNING, logger="jaxagent.generate.jetstream"):
+    pre = e.prefill(params=params, padded_tokens=padded, true_length=n)
+    ours = [r for r in caplog.records if r.name == "jaxagent.generate.jetstream"]
+    assert not ours and int(pre.prompt_len) == size and bool(pre.ok)
+    with pytest.raises(ValueError, match=rf"prompt of {size + 1} tokens exceeds max_prefill_length"):
+      e.check_request(rest + [7], 5)
+    padded, n = js.token_utils.pad_tokens(np.asarray(rest + [7]), bos, 0, max_prefill_length=size,
+                                          jax_padding=False)
+    e.prefill(params=params, padded_tokens=padded, true_length=n)
+  assert f"prompt of {size + 1} tokens was truncated to its last {size}" in caplog.text
+
+
+@pytest.mark.jetstream
 def test_prefix_destination_splits_the_heads_over_tensor(js, tok, cfg, params):
   """JetStream's transfer thread puts each prefix where this says. A prefix's K/V are
   `[layers, 1, T, KV, hd]`, but the cache's spec `[layers, slots, KV, T, hd]` was used: the
