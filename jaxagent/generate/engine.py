@@ -951,6 +951,13 @@ class Engine:
 
   def _update(self, state: DecodeState, slots, lengths, tokens, active, remaining):
     upd = lambda a, b: a.at[slots].set(b.astype(a.dtype))
+    # A pending token at `lengths` fills the sequence at the slot's cap when lengths + 1 >=
+    # limit (as `_stop_code` reads it): made active, the slot would sample past its cap. It
+    # stays inactive with the stop code of a length stop instead; decided here, on the
+    # device, so that a rewind needs no host read of the caps.
+    full = active & (lengths + 1 >= state.limit[slots])
+    active = active & ~full
+    done = jnp.where(active, RUNNING, jnp.where(full, STOP_LENGTH, state.done[slots]))
     k, v = self._clear_nonfinite_slots(state, slots, lengths)
     lengths = upd(state.lengths, lengths)
     # A slot rewound below shared rows overwrites them (its own copy, or the rows that others
@@ -960,12 +967,18 @@ class Engine:
     return self._constrain(state.replace(
         k=k, v=v, lengths=lengths, tokens=upd(state.tokens, tokens),
         share_src=share_src, share_len=share_len, active=upd(state.active, active),
-        remaining=upd(state.remaining, remaining),
-        done=upd(state.done, jnp.where(active, RUNNING, state.done[slots]))))
+        remaining=upd(state.remaining, remaining), done=upd(state.done, done)))
 
   def update_slots(self, state: DecodeState, slots, *, lengths, tokens, active,
                    remaining=None) -> DecodeState:
-    """Set slots' cached length, pending token and activity (rewind after a host-side stop)."""
+    """Set slots' cached length, pending token and activity (rewind after a host-side stop).
+
+    A slot asked to be active whose pending token leaves no room for a next one under its
+    total-length cap (`lengths + 1 >= ` its `max_total_len` given to prefill, or `max_len`) is
+    left inactive with `done` STOP_LENGTH, the code a length stop gives: the next `generate`
+    samples nothing for it and reports that code. This is decided on the device, without a
+    host read of the caps. An inactive slot keeps its `done` code; an active one is RUNNING.
+    """
     # NumPy casts a bool among ints to 0 / 1 (tokens=[True] became token 1): a caller bug,
     # refused before any conversion (slots: `_slot_array`; tokens: `token_ids`, below).
     for name, x in (("lengths", lengths), ("remaining", remaining)):

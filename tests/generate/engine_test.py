@@ -525,6 +525,24 @@ def test_append_past_the_slots_max_total_len_is_refused(params):
   assert int(np.asarray(state.lengths)[1]) == 9 and code.tolist() == [STOP_LENGTH]
 
 
+def test_update_slots_does_not_activate_a_slot_past_its_total_length_cap(params):
+  """A slot rewound active to a length that left no room under its max_total_len (6) sampled
+  a token at length 13, reported as a length stop. Such a slot is left inactive with the
+  length stop's code (on the device: no host read) and generate samples nothing for it; at
+  the cap's last free position it samples the one token that fills the cap, as after prefill.
+  The engine-wide max_len is such a cap too."""
+  eng = Engine(CFG, EngineConfig(slots=2, max_len=32, sampling=SamplingConfig()))
+  prefix = eng.prefill(params, [[1, 2, 3], [4, 5, 6]], [1, 2], max_total_len=[6, 32])
+  # The lengths slots 0 and 1 are rewound to, and the tokens each then samples.
+  for lengths, sampled in (([12, 31], [0, 0]), ([5, 30], [0, 1]), ([4, 30], [1, 1])):
+    state = eng.insert(prefix, eng.init_decode_state(), [0, 1])  # (each call donates it)
+    state = eng.update_slots(state, [0, 1], lengths=lengths, tokens=7, active=True)
+    state, out = eng.generate(params, state, steps=2)
+    assert np.asarray(out.valid).T.tolist() == [[True] * n + [False] * (2 - n) for n in sampled]
+    assert np.asarray(out.done).tolist() == [STOP_LENGTH] * 2
+    assert np.asarray(state.lengths).tolist() == [n + k for n, k in zip(lengths, sampled)]
+
+
 def test_pallas_decode_attention_off_gpu_is_a_clear_error(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
   with pytest.raises(ValueError, match="GPU kernel"):
