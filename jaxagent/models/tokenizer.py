@@ -297,7 +297,8 @@ class Tokenizer:
     gets none; this encodes `text` as such text (behind a stand-in added token), which is what
     a trajectory appends after its earlier ids: observations, the turns of a chat rendered piece
     by piece. Tokenizers that mark no start (byte-level BPE: SmolLM2, Llama 3, Qwen) give the ids
-    of `encode(text)`. Text holding U+10FFFE U+10FFFF (reserved for the stand-in) is a ValueError.
+    of `encode(text)`. Text holding U+10FFFE U+10FFFF (two Unicode noncharacters, reserved here
+    for the stand-in; a program's output may still print them) is encoded as `encode` does.
 
     Args:
       parse_special: as in `encode`.
@@ -305,7 +306,8 @@ class Tokenizer:
     if not isinstance(text, str):
       raise TypeError(f"encode_continuation expects a str, got {type(text).__name__}")
     _check_encodable(text, "encode_continuation")
-    _check_no_stand_in([text], "encode_continuation: the text")
+    if _AFTER_CONTROL in text:  # it would encode as the stand-in's id inside the text
+      return self.encode(text, parse_special=parse_special)
     return self._encode_after_control([text], parse_special)[0]
 
   # ---- chat template ---------------------------------------------------------------------------

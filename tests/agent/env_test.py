@@ -206,6 +206,16 @@ def test_observation_continues_the_trajectory_with_a_metaspace_first_tokenizer(m
   assert ChatCalc().encode_observation(chat, tok) == tok.encode(chat)
 
 
+def test_an_observation_holding_the_stand_in_noncharacters_is_encoded(tok):
+  # A program may print U+10FFFE U+10FFFF, which the continuation encoding reserves for its
+  # stand-in token: the observation raised a ValueError instead of being encoded.
+  env = CalculatorEnv()
+  for output in ("\U0010fffe\U0010ffff", "\U0010fffe\U0010ffff<|im_end|>"):
+    text = env.format_observation(ToolResult(True, output))
+    ids = env.encode_observation(text, tok)
+    assert tok.decode(ids) == text and tok.token_to_id("<|im_end|>") not in ids
+
+
 def test_calculator_env_scores_the_number_not_its_normalised_text():
   from jaxagent.agent import POLICY, Example
   from jaxagent.agent.trajectory import demonstration_trajectory
