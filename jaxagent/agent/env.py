@@ -29,7 +29,7 @@ import string
 from typing import Any, Iterable, Mapping, Sequence
 
 from jaxagent.agent.parsers import Parser, XMLTagParser
-from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory
+from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, continuation_encoder
 from jaxagent.generate.scheduler import text_prompt_ids
 from jaxagent.rewards import (Component, CompositeReward, RewardOutput, TextMatchReward,
                               ToolUseReward)
@@ -187,7 +187,7 @@ class Env(abc.ABC):
     spells no special token. Otherwise (the usual case: an output without special-token text)
     `text` is tokenized whole, as before. Override for other formats.
     """
-    encode = _continuation_encoder(tokenizer)
+    encode = continuation_encoder(tokenizer)
     # `text` is encoded whole only when that is the result (not also on the split path).
     if "parse_special" not in inspect.signature(tokenizer.encode).parameters:
       return list(encode(text))
@@ -223,13 +223,6 @@ class Env(abc.ABC):
     Turn it into a ledger with `trajectory.demonstration_trajectory`.
     """
     return None
-
-
-def _continuation_encoder(tokenizer):
-  """`tokenizer.encode_continuation` (text after earlier tokens), or `tokenizer.encode` for a
-  tokenizer without it."""
-  encode = getattr(tokenizer, "encode_continuation", None)
-  return encode if callable(encode) else tokenizer.encode
 
 
 @functools.lru_cache(maxsize=64)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import inspect
 import json
 from typing import Any, Mapping, Sequence
 
@@ -444,6 +445,26 @@ class Trajectory:
     return traj
 
 
+def continuation_encoder(tokenizer):
+  """The function that encodes text where it continues a trajectory's earlier tokens:
+  `tokenizer.encode_continuation` (`Tokenizer.encode_continuation`: no start-of-input mark,
+  which a Metaspace tokenizer with prepend_scheme="first" writes as a "▁"), or
+  `tokenizer.encode` for a tokenizer without it. Byte-level BPE tokenizers give the same ids
+  either way."""
+  encode = getattr(tokenizer, "encode_continuation", None)
+  return encode if callable(encode) else tokenizer.encode
+
+
+def data_continuation_ids(tokenizer, text: str) -> list[int]:
+  """`text` as data that continues a trajectory (a program's output, retrieved documents):
+  encoded by `continuation_encoder`, with special-token spellings ("<|im_end|>") kept as text
+  where the tokenizer's `encode` takes `parse_special`, so data cannot close a turn."""
+  encode = continuation_encoder(tokenizer)
+  if "parse_special" in inspect.signature(tokenizer.encode).parameters:
+    return list(encode(text, parse_special=False))
+  return list(encode(text))
+
+
 def demonstration_trajectory(prompt_ids: Sequence[int], segments: Sequence[tuple[int, str]],
                              tokenizer, *, request_id: int = -1, parser=None,
                              env=None) -> Trajectory:
@@ -471,8 +492,8 @@ def demonstration_trajectory(prompt_ids: Sequence[int], segments: Sequence[tuple
   for role, text in segments:
     if role == OBSERVATION and callable(getattr(env, "encode_observation", None)):
       ids = list(env.encode_observation(text, tokenizer))  # checked by the ledger
-    else:
-      ids = tokenizer.encode(text)
+    else:  # the text continues the prompt and the turns before it
+      ids = continuation_encoder(tokenizer)(text)
     if role == POLICY:
       turn = len(traj.turns)
       span = traj.add_policy(ids, [0.0] * len(ids), turn)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import ast
 import builtins
 import dataclasses
-import inspect
 import keyword
 import math
 import operator
@@ -40,7 +39,7 @@ from typing import Any, Mapping, Sequence
 
 from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Episode, Example
 from jaxagent.agent.parsers import XMLTagParser, _block_spans, _without
-from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory
+from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
                               MathAnswerReward, ProgressiveSchedule, RewardInput, RewardOutput,
                               ToolShapingConfig, ToolUseReward)
@@ -539,9 +538,7 @@ class MathToolEnv(Env):
 
   def encode_observation(self, text: str, tokenizer) -> list[int]:
     # Program output is data: it must never spell the chat template's control tokens.
-    if "parse_special" in inspect.signature(tokenizer.encode).parameters:
-      return list(tokenizer.encode(text, parse_special=False))
-    return list(tokenizer.encode(text))
+    return data_continuation_ids(tokenizer, text)
 
   # ------------------------------------------------------------------ reward
   def reward(self, trajectory: Trajectory, example: Example, tokenizer, step: int) -> RewardOutput:

@@ -31,13 +31,12 @@ that many steps.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import re
 from typing import Literal, Sequence
 
 from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example
 from jaxagent.agent.parsers import XMLTagParser
-from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory
+from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
 from jaxagent.envs import knowledge_base as kb_lib
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
                               ProgressiveSchedule, RewardInput, RewardOutput, TextMatchReward)
@@ -212,9 +211,7 @@ class SearchQAEnv(Env):
   # ------------------------------------------------------------------ observations
   def encode_observation(self, text: str, tokenizer) -> list[int]:
     # Retrieved text is data: it must never spell the chat template's control tokens.
-    if "parse_special" in inspect.signature(tokenizer.encode).parameters:
-      return list(tokenizer.encode(text, parse_special=False))
-    return list(tokenizer.encode(text))
+    return data_continuation_ids(tokenizer, text)
 
   # ------------------------------------------------------------------ reward
   def reward(self, trajectory: Trajectory, example: Example, tokenizer, step: int) -> RewardOutput:

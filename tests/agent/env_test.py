@@ -206,6 +206,28 @@ def test_observation_continues_the_trajectory_with_a_metaspace_first_tokenizer(m
   assert ChatCalc().encode_observation(chat, tok) == tok.encode(chat)
 
 
+def test_data_observations_and_demonstrations_continue_the_trajectory(metaspace_tok):
+  """The math and search envs' observations (program output, retrieved text: encoded as data)
+  and a demonstration's turns were encoded as the start of an input, each with a leading "▁"
+  that the encoding of the whole conversation lacks."""
+  from jaxagent.agent import OBSERVATION, POLICY
+  from jaxagent.agent.trajectory import data_continuation_ids, demonstration_trajectory
+  from jaxagent.envs.math_tool import MathToolEnv
+  from jaxagent.envs.search_qa import SearchQAEnv
+  tok = metaspace_tok
+  text = "\n<result>3</s>x</result>"
+  want = tok.encode_continuation(text, parse_special=False)
+  assert tok.eos_id not in want and tok.decode(tok.encode("<s>") + want) == "<s>" + text
+  assert data_continuation_ids(tok, text) == want
+  # (Their encoding reads no state of the env.)
+  assert MathToolEnv.encode_observation(None, text, tok) == want
+  assert SearchQAEnv.encode_observation(None, text, tok) == want
+  prompt = tok.encode("<|im_start|>user\n1+2<|im_end|>\n<|im_start|>assistant\n")
+  traj = demonstration_trajectory(prompt, [(POLICY, "<calc>1+2</calc>"), (OBSERVATION, "3"),
+                                           (POLICY, "<answer>3</answer>")], tok)
+  assert traj.token_ids == prompt + tok.encode("</s><calc>1+2</calc>3<answer>3</answer>")[1:]
+
+
 def test_an_observation_holding_the_stand_in_noncharacters_is_encoded(tok):
   # A program may print U+10FFFE U+10FFFF, which the continuation encoding reserves for its
   # stand-in token: the observation raised a ValueError instead of being encoded.
