@@ -1,5 +1,6 @@
 """Test setup: 8 fake CPU devices (set before jax is imported) and shared fixtures."""
 import atexit
+import functools
 import os
 import shutil
 import tempfile
@@ -87,3 +88,38 @@ def bos_tokenizer(tmp_path):
   tok = models.load_tokenizer(out)
   assert tok.bos_id == 0
   return tok
+
+
+_INST_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
+    " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}")
+
+
+@functools.lru_cache(maxsize=None)
+def _metaspace_first(corpus: str, vocab_size: int, special_tokens: tuple[str, ...],
+                     initial_alphabet: str, chat_template: str | None):
+  import tokenizers
+  from tokenizers import decoders, models as tok_models, pre_tokenizers, trainers
+
+  from jaxagent.models.tokenizer import Tokenizer
+  backend = tokenizers.Tokenizer(tok_models.BPE(unk_token="<unk>"))
+  backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+  backend.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
+  backend.train_from_iterator([corpus] * 20, trainers.BpeTrainer(
+      vocab_size=vocab_size, special_tokens=list(special_tokens),
+      initial_alphabet=list(initial_alphabet), show_progress=False))
+  return Tokenizer(backend, bos_token="<s>", eos_token="</s>", chat_template=chat_template)
+
+
+@pytest.fixture(scope="session")
+def metaspace_first_tokenizer():
+  """Builds small BPE tokenizers with a Metaspace pre-tokenizer, prepend_scheme="first" (Mistral,
+  Llama 2 without legacy spacing: "▁" at the start of the input only, not after other tokens):
+  `metaspace_first_tokenizer()` is one trained on "[INST] ... [/INST] ..." text with that chat
+  template; pass `corpus`, `vocab_size` and `special_tokens` for another (cached per arguments)."""
+  def build(corpus: str = "[INST] what is this [/INST] the answer is here", vocab_size: int = 120,
+            special_tokens: tuple[str, ...] = ("<unk>", "<s>", "</s>"),
+            initial_alphabet: str = "</s>", chat_template: str | None = _INST_TEMPLATE):
+    return _metaspace_first(corpus, vocab_size, tuple(special_tokens), initial_alphabet,
+                            chat_template)
+  return build

@@ -479,25 +479,14 @@ def test_chat_jsonl_special_token_text_in_messages_stays_text(tmp_path):
   assert [t for t in policy if t in tok.special_ids] == [tok.token_to_id("<|im_end|>")] * 2
 
 
-def test_chat_jsonl_turns_continue_the_conversation_with_a_metaspace_first_tokenizer(tmp_path):
+def test_chat_jsonl_turns_continue_the_conversation_with_a_metaspace_first_tokenizer(
+    tmp_path, metaspace_first_tokenizer):
   """Each turn after the prompt was encoded as the start of an input, which a Metaspace
   tokenizer with prepend_scheme="first" (Mistral, Llama 2 style) marks with "▁": a "▁" after
   every control token and before the answer, which the rendering's encoding has not (the ids
   decoded to "[/INST] the answer</s> [INST]..."). The ids are now those of the whole
   rendering, with a message spelling "</s>" too (there: those of `encode_chat`)."""
-  import tokenizers
-  from tokenizers import decoders, models as tok_models, pre_tokenizers, trainers
-  from jaxagent.models.tokenizer import Tokenizer
-  backend = tokenizers.Tokenizer(tok_models.BPE(unk_token="<unk>"))
-  backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
-  backend.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
-  backend.train_from_iterator(
-      ["[INST] what is this [/INST] the answer is here"] * 20,
-      trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
-                          initial_alphabet=list("</s>"), show_progress=False))
-  tok = Tokenizer(backend, bos_token="<s>", eos_token="</s>", chat_template=(
-      "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
-      " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"))
+  tok = metaspace_first_tokenizer()
   for user in ("what is this", "what </s> is"):
     msgs = [{"role": "user", "content": user}, {"role": "assistant", "content": "the answer"},
             {"role": "user", "content": "this"}, {"role": "assistant", "content": "here"}]

@@ -165,21 +165,13 @@ def test_tool_output_stays_text_with_braces_repeats_and_format_specs(tok, templa
 
 
 @pytest.fixture(scope="module")
-def metaspace_tok():
-  """A small BPE with a Metaspace pre-tokenizer, prepend_scheme="first" (Mistral, Llama 2
-  style): "▁" marks the start of the input only, not text after other tokens."""
-  import tokenizers
-  from tokenizers import decoders, models as tok_models, pre_tokenizers, trainers
-  backend = tokenizers.Tokenizer(tok_models.BPE(unk_token="<unk>"))
-  backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
-  backend.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
-  backend.train_from_iterator(
-      ["<calc>1+2</calc><result>3</result> user\n<tool_response>\n3x\n</tool_response> "
-       "assistant\n<answer>3</answer>"] * 20,
-      trainers.BpeTrainer(vocab_size=150, show_progress=False, special_tokens=[
-          "<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"]))
-  from jaxagent.models.tokenizer import Tokenizer
-  return Tokenizer(backend, bos_token="<s>", eos_token="</s>")
+def metaspace_tok(metaspace_first_tokenizer):
+  """A Metaspace prepend_scheme="first" tokenizer (Mistral, Llama 2 style: "▁" marks the start
+  of the input only, not text after other tokens) trained on calculator turns."""
+  return metaspace_first_tokenizer(
+      "<calc>1+2</calc><result>3</result> user\n<tool_response>\n3x\n</tool_response> "
+      "assistant\n<answer>3</answer>", vocab_size=150, initial_alphabet="",
+      special_tokens=("<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>"), chat_template=None)
 
 
 @pytest.mark.parametrize("output", ["3", "3</s>x"])

@@ -600,30 +600,12 @@ def test_spelled_control_tokens_with_an_unk_token_tokenizer():
       messages).replace("\ue000", "<unk>")
 
 
-@functools.lru_cache(maxsize=None)
-def _metaspace_first_tokenizer() -> T.Tokenizer:
-  """A small BPE with a Metaspace pre-tokenizer, prepend_scheme="first" (Mistral, Llama 2
-  without legacy spacing: "▁" at the start of the input only), and an [INST] chat template."""
-  import tokenizers
-  from tokenizers import decoders, models, pre_tokenizers, trainers
-  backend = tokenizers.Tokenizer(models.BPE(unk_token="<unk>"))
-  backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
-  backend.decoder = decoders.Metaspace(prepend_scheme="first", split=False)
-  backend.train_from_iterator(
-      ["[INST] what is this [/INST] the answer is here"] * 20,
-      trainers.BpeTrainer(vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
-                          initial_alphabet=list("</s>"), show_progress=False))
-  return T.Tokenizer(backend, bos_token="<s>", eos_token="</s>", chat_template=(
-      "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] }}"
-      " [/INST]{% else %}{{ m['content'] }}{{ eos_token }}{% endif %}{% endfor %}"))
-
-
-def test_spelled_control_tokens_with_a_metaspace_first_tokenizer():
+def test_spelled_control_tokens_with_a_metaspace_first_tokenizer(metaspace_first_tokenizer):
   """A Metaspace pre-tokenizer with prepend_scheme="first" (Mistral, Llama 2 without legacy
   spacing) puts "▁" at the start of the input only. The text after each of the template's
   control tokens was encoded on its own, as a start: "▁" before every turn, ids the model never
   sees after a control token and a decode with spaces the rendering does not have."""
-  mt = _metaspace_first_tokenizer()
+  mt = metaspace_first_tokenizer()
   messages = [{"role": "user", "content": "what </s> is"}, {"role": "assistant", "content": "here"},
               {"role": "user", "content": "this"}]
   text = mt.apply_chat_template(messages, add_generation_prompt=False)
@@ -635,12 +617,12 @@ def test_spelled_control_tokens_with_a_metaspace_first_tokenizer():
   assert ids[ids.index(eos):] == ref[ref.index(eos, ref.index(eos) + 1):]
 
 
-def test_encode_continuation_encodes_text_as_it_follows_a_control_token(tok):
+def test_encode_continuation_encodes_text_as_it_follows_a_control_token(tok, metaspace_first_tokenizer):
   """`encode(piece)` takes the piece as the start of the input, which a Metaspace tokenizer with
   prepend_scheme="first" marks with "▁"; in a whole rendering the text after a control token has
   none ('</s>', 'the▁answ', 'er' against '▁', 'the▁answ', 'er'). `encode_continuation` (and
   `encode_marked(..., continuation=True)`) give the ids the whole encoding has there."""
-  mt = _metaspace_first_tokenizer()
+  mt = metaspace_first_tokenizer()
   eos = mt.eos_id
   for text in ("the answer", " the answer", "\nhere", "[INST] what", ""):
     after = mt.encode("</s>" + text)[1:]  # the text where it follows a control token
