@@ -1,5 +1,6 @@
 """Tool-call parsers: the conventions, precise malformed-call messages, and fuzzing (never raise)."""
 import json
+import math
 import time
 
 import pytest
@@ -166,6 +167,20 @@ def test_parse_result_invariants():
     ParseResult("bogus")
 
 
+def _best_seconds(fn, limit: float) -> float:
+  """The best time of up to three calls of `fn`, stopping at the first under `limit`: a test
+  process kept off the CPU for a while by the other one (once 1.95 s for a 0.02 s parse in CI)
+  is no quadratic parse, which is slow every time."""
+  best = math.inf
+  for _ in range(3):
+    t = time.perf_counter()
+    fn()
+    best = min(best, time.perf_counter() - t)
+    if best < limit:
+      break
+  return best
+
+
 def test_huge_inputs_parse_quickly():
   blob = ("<search>" + "x" * 1000 + "</calc>\n") * 2000 + "<code>print(1)</code>"
   t = time.perf_counter()
@@ -185,15 +200,11 @@ def test_parsing_is_linear_with_many_tags_before_and_after():
                        ("<search>q<answer>" * 12000 + "<code>x</code>", "x"),
                        ("</code>" * 25000 + "<code>x</code>", None),
                        (f"<code>{body}</code>", body.strip())]:
-    t = time.perf_counter()
-    r = XML.parse(text)
-    assert time.perf_counter() - t < 0.5
+    assert _best_seconds(lambda: XML.parse(text), 0.5) < 0.5, text[:20]
     if expect is not None:
-      assert r.call.arguments == {"code": expect}
+      assert XML.parse(text).call.arguments == {"code": expect}
   for text in ("<tool_call>" * 20000 + '{"name": "f"}</tool_call>', "<answer>a</answer>" * 12000):
-    t = time.perf_counter()
-    JSON_ANS.parse(text)
-    assert time.perf_counter() - t < 0.5
+    assert _best_seconds(lambda: JSON_ANS.parse(text), 0.5) < 0.5, text[:20]
 
 
 # ----------------------------------------------------------------------------------- fuzzing
@@ -324,11 +335,9 @@ def test_think_tag_parsing_is_linear_in_many_unclosed_tags():
   """A degenerate output of many tags left open took seconds per parse (a regex looked for each
   tag's close to the end of the text): 5 s for 8000 `<code>x<answer>`."""
   for blob in ("<code>x<answer>" * 8000, "<think>x<answer>" * 8000, "<code>x" * 15000,
-               "<search>" * 20000 + "</think>"):
-    t = time.perf_counter()
-    THINK.parse(blob)
-    THINK.stop_allowed(blob)
-    assert time.perf_counter() - t < 1.0, blob[:20]
+               "<search>" * 20000 + "</think>"):  # about 0.02 s each on the 2-core machine
+    best = _best_seconds(lambda: (THINK.parse(blob), THINK.stop_allowed(blob)), 1.0)
+    assert best < 1.0, (blob[:20], best)
   assert THINK.parse("<code>x<answer>" * 3 + "4</answer>").answer == "4"
   assert not THINK.stop_allowed("<code>a</code>" * 5000 + "<think>" + "<code>x" * 5000 + "</code>")
 
