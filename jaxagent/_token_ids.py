@@ -32,7 +32,7 @@ def _a(x) -> str:
   return f"{'an' if name[:1].lower() in 'aeiou' else 'a'} {name}"
 
 
-def _scalar_int(x) -> int | None:
+def scalar_int(x) -> int | None:
   """`x` as an int if it is one (a 0-d integer array, e.g. a JAX scalar, counts), else None."""
   if is_int(x):
     return int(x)
@@ -43,7 +43,7 @@ def _scalar_int(x) -> int | None:
 
 def token_id(x, what: str, vocab_size: int | None = None) -> int:
   """One token id as an int; a bool, a float or anything else raises `TokenIdError`."""
-  v = _scalar_int(x)
+  v = scalar_int(x)
   if v is None:
     raise TokenIdError(f"{what} must be an integer token id, got {_a(x)} ({x!r:.80})")
   _check_range([v], what, vocab_size)
@@ -72,7 +72,7 @@ def token_ids(ids, what: str, vocab_size: int | None = None) -> list[int]:
       return out
     ids, out = out, []
     for j, t in enumerate(ids):
-      v = _scalar_int(t)
+      v = scalar_int(t)
       if v is None:
         shown = t.item() if isinstance(t, np.generic) else t  # False, not np.False_
         raise TokenIdError(f"{what} has {_a(t)} ({shown!r:.80}) at position {j} among "

@@ -48,7 +48,7 @@ from typing import Sequence
 import jax
 import numpy as np
 
-from jaxagent._token_ids import is_int, token_ids
+from jaxagent._token_ids import is_int, scalar_int, token_ids
 from jaxagent.agent.env import Env, Episode, Example
 from jaxagent.agent.parsers import ParseResult
 from jaxagent.agent.trajectory import STOP_REASONS, ToolOutcome, Trajectory, Turn, tool_call_key
@@ -267,11 +267,12 @@ class RolloutDriver:
     num_samples = int(num_samples)
     # int() cut a float seed (1.5 and 1.7 drew the same samples); a float offset failed later,
     # in the engine's request-id check, without naming request_id_offset.
+    checked = []
     for name, v in (("seed", seed), ("request_id_offset", request_id_offset)):
-      if not (is_int(v) or (getattr(v, "ndim", None) == 0
-                            and np.issubdtype(np.asarray(v).dtype, np.integer))):
+      if (n := scalar_int(v)) is None:  # a 0-d integer array (a JAX scalar) counts
         raise ValueError(f"{name} must be an int, got {v!r}")
-    seed, request_id_offset = int(seed), int(request_id_offset)
+      checked.append(n)
+    seed, request_id_offset = checked
     if not 0 <= seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {seed}")
     last = request_id_offset + len(examples) * num_samples - 1
