@@ -129,6 +129,15 @@ def _as_seconds(value: Any) -> float | None:
     return None if seconds != seconds else seconds
 
 
+def _shutdown_limit(value: Any, name: str) -> float:
+    """`value` checked as a shutdown's wait limit: a positive number of seconds (inf: no limit)."""
+    seconds = _as_seconds(value)
+    if seconds is None or not seconds > 0:
+        raise ValueError(f"{name} must be a positive number of seconds (float('inf') to wait as long as the "
+                         f"calls take), got {value!r}")
+    return seconds
+
+
 def _takes_timeout(tool: Any) -> bool:
     return getattr(tool, "takes_timeout", False) is True
 
@@ -367,6 +376,8 @@ class ToolExecutor:
       max_output_chars: tool output longer than this is truncated (`ToolResult.truncated`).
       process_workers: size of the process pool for `execution="process"` tools.
       idle_thread_exit_s: an idle thread exits after this long, so an idle executor holds no threads.
+      shutdown_timeout_s: the longest `shutdown(wait=True)` waits for calls still running (see
+        `shutdown`); a positive number of seconds, `float("inf")` to wait as long as they take.
     """
 
     def __init__(
@@ -380,6 +391,7 @@ class ToolExecutor:
         process_workers: int = 2,
         process_startup_timeout_s: float = 60.0,
         idle_thread_exit_s: float = 30.0,
+        shutdown_timeout_s: float = 120.0,
     ):
         if max_workers < 1 or max_stuck_threads < 0 or process_workers < 1:
             raise ValueError("max_workers and process_workers must be >= 1 and max_stuck_threads >= 0, got "
@@ -388,6 +400,7 @@ class ToolExecutor:
             raise ValueError(f"default_timeout_s must be positive, got {default_timeout_s}")
         if max_output_chars is not None and max_output_chars < 1:
             raise ValueError(f"max_output_chars must be >= 1 or None, got {max_output_chars}")
+        self.shutdown_timeout_s = _shutdown_limit(shutdown_timeout_s, "shutdown_timeout_s")
         if registry is None or isinstance(registry, ToolRegistry):
             self.registry = registry
         else:
@@ -405,6 +418,7 @@ class ToolExecutor:
         self._done_cv = threading.Condition(self._lock)   # shutdown waits for live threads here
         self._pending: collections.deque[_Job] = collections.deque()
         self._deadlines: list[tuple[float, int, _Job]] = []
+        self._running: set[_Job] = set()  # jobs in state "running"
         self._seq = itertools.count()
         self._live = 0      # threads that count toward max_workers (idle or running a live call)
         self._idle = 0
@@ -476,7 +490,7 @@ class ToolExecutor:
         """PIDs of idle process-pool workers (for monitoring and tests)."""
         return self._processes.worker_pids()
 
-    def shutdown(self, wait: bool = True) -> None:
+    def shutdown(self, wait: bool = True, *, timeout_s: float | None = None) -> None:
         """Stops accepting calls. With `wait`, queued calls still run and live threads are joined
         (each bounded by its timeout); abandoned threads are never waited for. Once a call runs
         out its time limit during the shutdown (a hung tool), the calls still queued, or waiting
@@ -485,7 +499,14 @@ class ToolExecutor:
         grace) of the calls it holds, unless they all finish earlier, and every call's future is
         resolved when it does. Then every worker process is killed: without `wait`, a process
         call still running resolves at once as stopped (a thread cannot be killed: a thread call
-        still resolves at its timeout)."""
+        still resolves at its timeout).
+
+        The wait is bounded by `timeout_s` (default: the executor's `shutdown_timeout_s`), so a
+        call under a very long or infinite time limit cannot hold the shutdown forever: past it,
+        calls still running resolve as stopped (their threads are abandoned, their worker
+        processes killed) and queued calls as not run, and shutdown returns.
+        """
+        limit = self.shutdown_timeout_s if timeout_s is None else _shutdown_limit(timeout_s, "timeout_s")
         with self._lock:
             self._shutdown = True
             self._work_cv.notify_all()
@@ -499,10 +520,44 @@ class ToolExecutor:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_result(ToolResult.failure("the tool executor was shut down before the call ran"))
         if wait:
-            with self._lock:
-                while self._live > 0 or self._resolving:
-                    self._done_cv.wait()
+            self._wait_for_calls(limit)
         self._processes.close()
+
+    def _wait_for_calls(self, limit: float) -> None:
+        """`shutdown(wait=True)`'s wait: until no thread runs a call, or `limit` seconds; then the
+        calls still running are abandoned and resolved as stopped, the queued ones as not run."""
+        end = time.monotonic() + limit
+        with self._lock:
+            while self._live > 0 or self._resolving:
+                remaining = end - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._done_cv.wait(min(remaining, _MAX_WAIT_S))
+            overdue = [job for job in self._running if job.state == "running"]
+            for job in overdue:  # as the watchdog abandons a timed-out call: its thread's result is dropped
+                job.state = "timed_out"
+                self._live -= 1
+                self._stuck += 1
+            self._running.difference_update(overdue)
+            dropped = list(self._pending)
+            self._pending.clear()
+            if overdue or dropped:
+                self._processes.refuse_waiting(f"the tool executor was shut down and its calls had not "
+                                               f"finished {limit:g} s later")
+        if overdue or dropped:
+            log.warning("tool executor shutdown: %d calls still running after %.3g s are stopped, %d queued "
+                        "calls are not run", len(overdue), limit, len(dropped))
+        for job in overdue:
+            result = ToolResult.failure(f"tool {job.name!r} was stopped: the tool executor was shut down and the "
+                                        f"call had not finished {limit:g} s later (the shutdown's time limit)")
+            self._count_result(result)
+            job.future.set_result(result)
+        for job in dropped:
+            if job.future.set_running_or_notify_cancel():
+                result = ToolResult.failure(f"tool {job.name!r} was not run: the tool executor was shut down and "
+                                            f"the calls before it had not finished {limit:g} s later")
+                self._count_result(result)
+                job.future.set_result(result)
 
     def __enter__(self) -> ToolExecutor:
         return self
@@ -590,6 +645,7 @@ class ToolExecutor:
                 if not job.future.set_running_or_notify_cancel():
                     continue  # cancelled by the caller while queued
                 job.state = "running"
+                self._running.add(job)
                 # Process calls enforce their own timeout by killing the worker; the watchdog
                 # only backstops them, from when a worker is free to take the call (waiting for
                 # a busy worker or starting a new one is not part of the call's budget).
@@ -639,6 +695,7 @@ class ToolExecutor:
                 abandoned = job.state == "timed_out"
                 if not abandoned:
                     job.state = "done"
+                    self._running.discard(job)
                     if result.timed_out:
                         dropped = self._end_queue_locked()
             self._drop_queue(dropped)
@@ -661,6 +718,7 @@ class ToolExecutor:
                     _, _, job = heapq.heappop(self._deadlines)
                     if job.state == "running":
                         job.state = "timed_out"
+                        self._running.discard(job)
                         self._live -= 1
                         self._stuck += 1
                         expired.append(job)

@@ -463,3 +463,36 @@ def test_shutdown_with_wait_drops_process_calls_waiting_for_a_hung_worker():
     results = [f.result(timeout=0) for f in futures]
     assert results[0].timed_out and "worker process killed" in results[0].error
     assert all("was not run: the tool executor was shut down" in r.error for r in results[1:]), results
+
+
+@pytest.mark.parametrize("tool", ["hang", "spin_in_process"])
+def test_shutdown_with_wait_is_bounded_for_calls_under_an_infinite_limit(tool):
+    """A call under timeout_s=inf that hangs (a thread tool) or spins (a process tool) held
+    shutdown(wait=True) forever; the calls queued behind it never resolved either."""
+    executor = ToolExecutor(REGISTRY, max_workers=1, process_workers=1, shutdown_timeout_s=0.5)
+    hung = executor.submit(tool, {}, timeout_s=float("inf"))
+    queued = executor.submit("nap", {"seconds": 0})
+    time.sleep(0.2)
+    took = _shutdown_within(executor, 10)
+    assert took is not None, "shutdown(wait=True) waited forever for a call under an infinite limit"
+    assert took < 5, took
+    stopped, not_run = hung.result(timeout=0), queued.result(timeout=0)
+    assert not stopped.ok and stopped.error == (f"tool {tool!r} was stopped: the tool executor was shut down and "
+                                                "the call had not finished 0.5 s later (the shutdown's time limit)")
+    assert not not_run.ok and not_run.error.startswith("tool 'nap' was not run: the tool executor was shut down")
+    stats = executor.stats()
+    assert (stats["failed"], stats["live_threads"], stats["queued"]) == (2, 0, 0), stats
+
+
+def test_shutdown_takes_its_own_time_limit_and_checks_it():
+    executor = ToolExecutor(REGISTRY, max_workers=1)
+    hung = executor.submit("hang", {}, timeout_s=1e9)
+    start = time.monotonic()
+    executor.shutdown(wait=True, timeout_s=0.3)  # instead of the executor's 120 s
+    assert time.monotonic() - start < 5
+    assert "had not finished 0.3 s later" in hung.result(timeout=0).error
+    for bad in (0, -1.0, float("nan"), "soon", True):
+        with pytest.raises(ValueError, match="must be a positive number of seconds"):
+            ToolExecutor(shutdown_timeout_s=bad)
+        with pytest.raises(ValueError, match=f"timeout_s must be a positive number of seconds.*got {bad!r}"):
+            ToolExecutor().shutdown(timeout_s=bad)
