@@ -25,7 +25,9 @@ import tempfile
 from absl import app, flags
 from ml_collections import config_flags
 
-from jaxagent import config_files, sharding
+# jax / flax are imported where a run starts: a bad flag or config is named before their
+# import (a second or more), as `python -m jaxagent.launch --config.typo=1` answers.
+from jaxagent import config_files
 
 
 def _default_config() -> str:
@@ -71,6 +73,8 @@ def init_runtime(coordinator_address=None, num_processes=None, process_id=None) 
   Returns True when JAX's distributed runtime was started.
   """
   import jax
+
+  from jaxagent import sharding
   # CPU processes exchange collectives through gloo (the default in recent JAX; older
   # versions had none). The setting only affects the CPU backend.
   try:

@@ -406,6 +406,18 @@ def test_launch_names_a_bad_config_argument_without_a_traceback(tmp_path, args, 
   assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+def test_a_misspelt_key_is_named_before_jax_is_imported():
+  # A typo answers in a fraction of a second: nothing imports jax / flax before the flags parse.
+  code = ("import runpy, sys\n"
+          "sys.argv = ['jaxagent.launch', '--config.totl_steps=3']\n"
+          "try:\n  runpy.run_module('jaxagent.launch', run_name='__main__')\n"
+          "except SystemExit as e:\n  print('exit', e.code, 'jax' in sys.modules, 'flax' in sys.modules)\n")
+  r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                     timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert "did you mean total_steps?" in r.stderr, r.stderr[-2000:]
+  assert r.stdout.strip() == "exit 1 False False", (r.stdout, r.stderr[-2000:])
+
+
 @pytest.mark.parametrize("args, expected", [
     # The fit check (on by default on TPU / GPU) read these first and raised a traceback.
     (["--config.model.path=/no/such/model"], "bad config: model.path '/no/such/model' is neither"),
