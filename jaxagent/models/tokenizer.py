@@ -710,6 +710,7 @@ def _from_hf_dir(path: pathlib.Path) -> Tokenizer:
   backend.no_padding()
   config_file = path / "tokenizer_config.json"
   config = _read_json(config_file)
+  _apply_added_tokens_decoder(backend, config.get("added_tokens_decoder"), config_file)
   specials = {k: _token_content(config.get(k), k, config_file)
               for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
   # As transformers: a tokenizer_config.json without `added_tokens_decoder` (an older save) takes
@@ -739,6 +740,47 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
   if not isinstance(data, dict):
     raise ValueError(f"{path}: expected a JSON object, got a {type(data).__name__}")
   return data
+
+
+_ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+
+
+def _apply_added_tokens_decoder(backend: tokenizers.Tokenizer, entries: Any,
+                                where: pathlib.Path) -> None:
+  """Applies tokenizer_config.json's `added_tokens_decoder` to `backend` as transformers does: an
+  entry that differs from tokenizer.json's added token of that text (marked special there but
+  not here, say) replaces it, keeping its id; an entry for text tokenizer.json does not add is
+  added (at the id of that text in the vocabulary, else after the last id). So a token the
+  config marks special is dropped by `decode(skip_special_tokens=True)` and matched in the raw
+  text, as in transformers."""
+  if entries is None:
+    return
+  if not isinstance(entries, dict):
+    raise ValueError(f"{where}: added_tokens_decoder must be an object mapping token ids to "
+                     f"tokens, got {type(entries).__name__}")
+  parsed = []
+  for key, entry in entries.items():
+    try:
+      index = int(key)
+    except ValueError:
+      raise ValueError(f"{where}: added_tokens_decoder key {key!r} is not a token id") from None
+    if not (isinstance(entry, dict) and isinstance(entry.get("content"), str) and all(
+        isinstance(entry[f], bool) for f in _ADDED_TOKEN_FIELDS[1:] if f in entry)):
+      raise ValueError(f"{where}: added_tokens_decoder[{key!r}] must be an object with a 'content' "
+                       f"string and boolean {', '.join(_ADDED_TOKEN_FIELDS[1:])}, got {entry!r:.200}")
+    parsed.append((index, AddedToken(**{f: entry[f] for f in _ADDED_TOKEN_FIELDS if f in entry})))
+  parsed.sort(key=lambda item: item[0])
+  # transformers compares whole tokens (text and every flag) and adds the ones it lacks; adding a
+  # text the backend already has updates that token in place.
+  existing = {repr(t) for t in backend.get_added_tokens_decoder().values()}
+  new = [(index, token) for index, token in parsed if repr(token) not in existing]
+  if new:
+    backend.add_tokens([token for _, token in new])
+  for index, token in new:
+    got = backend.token_to_id(token.content)
+    if got != index:
+      log.warning("%s: added_tokens_decoder gives %r the id %d, but the tokenizer gives it %s (as "
+                  "transformers does)", where, token.content, index, got)
 
 
 def _token_content(value: Any, key: str, where: pathlib.Path) -> str | None:

@@ -961,6 +961,46 @@ def test_save_removes_an_earlier_special_tokens_map(tok, tmp_path):
   assert ref.eos_token == T.load_tokenizer(tmp_path).eos_token == tok.eos_token == "<|im_end|>"
 
 
+def test_hf_dir_added_tokens_decoder_flags_are_read_as_transformers_reads_them(tmp_path):
+  """tokenizer_config.json's added_tokens_decoder was not read: a token that tokenizer.json adds
+  as ordinary but the config marks special ("<think>" here) stayed ordinary (kept by
+  decode(skip_special_tokens=True), a control id inside tool output with parse_special=False),
+  and a token only the config adds ("<new>") was encoded as its characters."""
+  backend = _trained_byte_level_bpe()
+  n = backend.get_vocab_size()
+  backend.save(str(tmp_path / "tokenizer.json"))
+  entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
+           "special": True}
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+      "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
+      "added_tokens_decoder": {str(i): {"content": t, **entry} for i, t in [
+          (0, "<|endoftext|>"), (1, "<|im_start|>"), (2, "<|im_end|>"), (n - 1, "<think>"),
+          (n, "<new>")]}}))
+  ours, ref = T.load_tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+  text = "a<think>b<new> c<|im_end|>"
+  ids = ours.encode(text)
+  assert ids == ref.encode(text, add_special_tokens=False) and ids[1] == n - 1 and n in ids
+  assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+  assert ours.decode(ids, skip_special_tokens=True) == "ab c"
+  assert ours.special_ids == {0, 1, 2, n - 1, n} and ours.vocab_size == len(ref) == n + 1
+  literal = ours.encode(text, parse_special=False)
+  assert literal == ref.encode(text, add_special_tokens=False, split_special_tokens=True)
+  assert not {n - 1, n} & set(literal)
+
+
+@pytest.mark.parametrize("entries,match", [
+    ([], "added_tokens_decoder must be an object"),
+    ({"x": {"content": "<a>"}}, "added_tokens_decoder key 'x' is not a token id"),
+    ({"5": {"special": True}}, r"added_tokens_decoder\['5'\] must be an object with a 'content'"),
+    ({"5": {"content": "<a>", "special": "yes"}}, r"added_tokens_decoder\['5'\]"),
+])
+def test_hf_dir_malformed_added_tokens_decoder_is_named(tmp_path, entries, match):
+  _trained_byte_level_bpe().save(str(tmp_path / "tokenizer.json"))
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps({"added_tokens_decoder": entries}))
+  with pytest.raises(ValueError, match=match):
+    T.load_tokenizer(tmp_path)
+
+
 # ---- GGUF files built here ----------------------------------------------------------------------
 
 
