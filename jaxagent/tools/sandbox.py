@@ -59,8 +59,11 @@ interpreter internals (ctypes addresses obtained without dlsym, frame and closur
 between the check and the open) can get around it. Where the namespaces are available
 the kernel still blocks the network, host file writes and signals to host processes; where they
 are not (unprivileged host without user namespaces, or `namespaces="off"`), only the hook, the
-rlimits and the process-group kill remain. Nothing here limits CPU or memory bandwidth, disk use
-by many small files inside the temporary directory (RLIMIT_FSIZE bounds each file), reads of
+rlimits and the process-group kill remain. Disk use is bounded per file by RLIMIT_FSIZE and in
+total (`max_disk_mb`, `max_files`) by the host measuring the temporary directory during the
+call: that check is not instant, so a program may write for ~0.1 s (longer with thousands of files)
+past the limit before it is stopped (`os.posix_fallocate`, which reserves gigabytes in milliseconds, is refused by the
+audit hook). Nothing here limits CPU or memory bandwidth, reads of
 world-readable files through C extensions, or kernel exploits; and code can forge the result
 of its own call (it can reach the control pipe), which is why rewards come from verifiers, not
 from `ToolResult.ok`. Run untrusted code from the open internet in a VM or gVisor-style sandbox.
@@ -112,6 +115,12 @@ class SandboxConfig:
       max_output_bytes: cap on each of stdout and stderr per call; past it the program is stopped.
       max_processes: RLIMIT_NPROC (see the module docstring for when the kernel applies it).
       max_file_mb: largest file the code may write (RLIMIT_FSIZE).
+      max_disk_mb: most disk the interpreter's temporary directory may take (all its files,
+        and files the code deleted but holds open); for a `PythonSession`, at any time of the
+        session. Measured by the host during each call (every 0.1 s, less often for thousands of
+        files, so the walk takes at most a tenth of a core) and at its end: past it the
+        program is stopped and its files are deleted (see `_SandboxProcess._disk_problem`).
+      max_files: most files and directories the temporary directory may hold; checked alike.
       max_open_files: RLIMIT_NOFILE.
       max_code_bytes: largest accepted program.
       session_cpu_s: kernel CPU-time budget (RLIMIT_CPU) for a `PythonSession` interpreter's lifetime.
@@ -134,6 +143,8 @@ class SandboxConfig:
     max_output_bytes: int = 65_536
     max_processes: int = 64
     max_file_mb: int = 64
+    max_disk_mb: int = 256
+    max_files: int = 10_000
     max_open_files: int = 256
     max_code_bytes: int = 1_000_000
     session_cpu_s: float = 600.0
@@ -149,8 +160,8 @@ class SandboxConfig:
     def __post_init__(self):
         # The limits travel to the interpreter as JSON and become rlimits there: a float (1e3 from
         # a config override) or an infinite time would fail every call at interpreter start.
-        for name in ("memory_mb", "max_output_bytes", "max_processes", "max_file_mb", "max_open_files",
-                     "max_code_bytes"):
+        for name in ("memory_mb", "max_output_bytes", "max_processes", "max_file_mb", "max_disk_mb", "max_files",
+                     "max_open_files", "max_code_bytes"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool):
                 raise TypeError(f"SandboxConfig.{name} must be an int, got {value!r} ({type(value).__name__})")
@@ -166,7 +177,8 @@ class SandboxConfig:
         if self.memory_mb < 128:
             raise ValueError(f"SandboxConfig.memory_mb must be >= 128 (the interpreter itself needs it), "
                              f"got {self.memory_mb}")
-        for name in ("max_output_bytes", "max_processes", "max_file_mb", "max_open_files", "max_code_bytes"):
+        for name in ("max_output_bytes", "max_processes", "max_file_mb", "max_disk_mb", "max_files", "max_open_files",
+                     "max_code_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SandboxConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.max_open_files < 16:
@@ -443,6 +455,7 @@ class _SandboxProcess:
         self._ctrl_buf = bytearray()
         self._tree: list[psutil.Process] = []
         self._tree_refresh = 0.0
+        self._disk_note: str | None = None  # what `_disk_problem` found over the limits
         ctrl_r, ctrl_w = os.pipe()
         try:
             self.proc = _popen(
@@ -524,6 +537,8 @@ class _SandboxProcess:
         duration = time.monotonic() - start
         output, stderr = out.text(), err.text()
         truncated = out.overflow or err.overflow
+        if stop is None and self._disk_problem() is not None:  # written since the last check
+            stop = "disk"
         if stop is None and reply is not None and reply["type"] == "result":
             if reply["ok"]:
                 if stderr:
@@ -545,6 +560,10 @@ class _SandboxProcess:
         elif stop == "overflow":
             error = (f"Output limit of {self.config.max_output_bytes} bytes exceeded; the program was stopped "
                      f"and its output truncated.")
+        elif stop == "disk":
+            error = (f"Disk limit exceeded: {self._disk_note} (the limits are {self.config.max_disk_mb} MB and "
+                     f"{self.config.max_files} files and directories); the program was stopped and its files "
+                     f"deleted.")
         elif stop == "protocol":
             error = "The sandbox interpreter sent a malformed reply and was stopped."
         else:
@@ -588,6 +607,7 @@ class _SandboxProcess:
         ctrl_eof = False
         cpu_start = self._tree_cpu() if cpu_s is not None else 0.0
         next_cpu_check = time.monotonic() + 0.2
+        next_disk_check = time.monotonic() + 0.1
         with selectors.DefaultSelector() as sel:
             for fd in (*streams, self.ctrl):
                 sel.register(fd, selectors.EVENT_READ)
@@ -607,6 +627,11 @@ class _SandboxProcess:
                     next_cpu_check = now + 0.2
                     if self._tree_cpu() - cpu_start > cpu_s:
                         return reply, (out, err), "cpu"
+                if cpu_s is not None and now >= next_disk_check:  # a call, not the start-up
+                    if self._disk_problem() is not None:
+                        return reply, (out, err), "disk"
+                    # Every 0.1 s, or less often where a walk of many files costs more than a tenth of that.
+                    next_disk_check = now + max(0.1, 10 * (time.monotonic() - now))
                 for key, _ in sel.select(timeout=min(deadline - now, 0.1)):
                     chunk = os.read(key.fd, 65536)
                     if key.fd == self.ctrl:
@@ -634,9 +659,8 @@ class _SandboxProcess:
                     if stream.overflow:
                         return reply, (out, err), "overflow"
 
-    def _tree_cpu(self) -> float:
-        """CPU seconds used by the interpreter's live processes (the list is refreshed at most
-        once a second; reading a process's times is cheap)."""
+    def _processes(self) -> list[psutil.Process]:
+        """The interpreter's live processes (the list is refreshed at most once a second)."""
         now = time.monotonic()
         if now >= self._tree_refresh:
             self._tree_refresh = now + 1.0
@@ -644,14 +668,83 @@ class _SandboxProcess:
                 self._tree = [psutil.Process(self.proc.pid), *_descendants(self.proc.pid)]
             except psutil.Error:
                 self._tree = []
+        return self._tree
+
+    def _tree_cpu(self) -> float:
+        """CPU seconds used by the interpreter's live processes (reading a process's times is cheap)."""
         total = 0.0
-        for p in self._tree:
+        for p in self._processes():
             try:
                 t = p.cpu_times()
                 total += t.user + t.system
             except psutil.Error:
                 pass
         return total
+
+    def _disk_problem(self) -> str | None:
+        """What the temporary directory holds past `max_disk_mb` / `max_files`, or None.
+
+        Counts the blocks of every file and directory in it (each inode once) and of files the
+        code deleted but still holds open (found through /proc/<pid>/fd: unlinked, they are in no
+        directory). A directory the code made unreadable is given its owner's permissions back
+        to be measured (the host runs as the same user), as `_remove_tree` does to delete it.
+        The walk stops at the limits, so its cost is bounded by `max_files`.
+        """
+        max_bytes, max_entries = self.config.max_disk_mb << 20, self.config.max_files
+        seen: set[tuple[int, int]] = set()
+        used = entries = 0
+
+        def add(st: os.stat_result) -> None:
+            nonlocal used
+            if (st.st_dev, st.st_ino) not in seen:
+                seen.add((st.st_dev, st.st_ino))
+                used += st.st_blocks * 512
+
+        stack = [self.tmpdir]
+        while stack and used <= max_bytes and entries <= max_entries:
+            path = stack.pop()
+            try:
+                listing = os.scandir(path)
+            except PermissionError:
+                try:
+                    os.chmod(path, os.lstat(path).st_mode & 0o7777 | 0o700)
+                    listing = os.scandir(path)
+                except OSError:
+                    self._disk_note = f"its directory {path!r} could not be measured"
+                    return self._disk_note
+            except OSError:  # removed while being walked
+                continue
+            with listing:
+                for entry in listing:
+                    entries += 1
+                    if entries > max_entries:
+                        break
+                    try:
+                        add(entry.stat(follow_symlinks=False))
+                        if entry.is_dir(follow_symlinks=False):
+                            stack.append(entry.path)
+                    except OSError:
+                        continue
+        root = os.path.realpath(self.tmpdir) + "/"
+        for p in self._processes() if used <= max_bytes else ():
+            try:
+                fds = os.listdir(f"/proc/{p.pid}/fd")
+            except OSError:
+                continue
+            for fd in fds:
+                try:
+                    target = os.readlink(f"/proc/{p.pid}/fd/{fd}")
+                    if target.startswith(root) and target.endswith(" (deleted)"):
+                        add(os.stat(f"/proc/{p.pid}/fd/{fd}"))
+                except OSError:
+                    continue
+        if used > max_bytes:
+            self._disk_note = f"its files take more than {self.config.max_disk_mb} MB"
+        elif entries > max_entries:
+            self._disk_note = f"it made more than {max_entries} files and directories"
+        else:
+            return None
+        return self._disk_note
 
     def kill(self) -> None:
         """Sends SIGKILL to the interpreter and its processes, from any thread, touching no pipe.

@@ -280,6 +280,11 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
     def no_pidfd_signal(*args, **kwargs):
         refuse("signalling another process")
 
+    def no_fallocate(*args, **kwargs):
+        # Reserves gigabytes in milliseconds, faster than the host measures the disk the
+        # temporary directory takes (SandboxConfig.max_disk_mb).
+        refuse("os.posix_fallocate")
+
     def own_process(pid):  # this interpreter (0 or its PID) or one of its threads
         try:
             return pid in (0, my_pid) or os.path.isdir(f"/proc/self/task/{int(pid)}")
@@ -323,6 +328,9 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
         for module in (signal, sys.modules.get("_signal")):
             if module is not None and hasattr(module, "pidfd_send_signal"):
                 module.pidfd_send_signal = no_pidfd_signal
+        for module in (os, sys.modules.get("posix")):
+            if module is not None and hasattr(module, "posix_fallocate"):
+                module.posix_fallocate = no_fallocate
         if not facts["pid_namespace"]:  # host PIDs are visible: a CPU mask or priority of the trainer
             for module in (os, sys.modules.get("posix")):
                 for name in ("sched_setaffinity", "sched_setscheduler", "sched_setparam", "setpriority"):
@@ -398,6 +406,8 @@ def _child_main() -> None:  # pragma: no cover - executed in the sandbox process
                     text += f"({omitted} frames in the middle of the traceback are not shown)\n"
                 if isinstance(e, MemoryError):
                     text += f"(the sandbox memory limit is {cfg['memory_mb']} MB)\n"
+                elif isinstance(e, OSError) and e.errno == errno.EFBIG:
+                    text += f"(the sandbox limits each file to {cfg['max_file_mb']} MB)\n"
             except BaseException:  # noqa: BLE001
                 text = f"{type(e).__name__} (traceback unavailable)"
             return False, text[-16000:]

@@ -402,6 +402,59 @@ def test_writing_outside_the_temp_dir(config, tmp_path):
     assert inside.ok and inside.output == "ok\n", inside.error
 
 
+DISK_LIMITED = {"max_disk_mb": 4, "max_files": 200, "timeout_s": 10.0}
+
+
+@MODES
+@pytest.mark.parametrize("code", [
+    "import time\nchunk = b'x' * (1 << 20)\ni = 0\nwhile True:\n    open(f'f{i}', 'wb').write(chunk)\n    i += 1\n"
+    "    time.sleep(0.01)",  # (each case sleeps: the test writes megabytes, not what a disk takes in 0.1 s)
+    "import time\nf = open('one', 'wb')\nwhile True:\n    f.write(b'x' * (1 << 20))\n    f.flush()\n"
+    "    time.sleep(0.01)",
+    "import os\nos.makedirs('d')\ni = 0\nwhile True:\n    open(f'd/e{i}', 'w').close()\n    i += 1",
+    # deleted but held open: in no directory, still on the disk
+    "import os, time\nheld = []\nwhile True:\n    f = open('h', 'wb')\n    os.unlink('h')\n"
+    "    f.write(b'x' * (1 << 20))\n    f.flush()\n    held.append(f)\n    time.sleep(0.01)",
+], ids=["many-files", "one-file-in-chunks", "many-empty-files", "deleted-open-files"])
+def test_disk_use_of_a_run_is_capped(config, code):
+    """Only each file's size was limited (RLIMIT_FSIZE): a program writing file after file, or one
+    file in chunks under that size, or empty files by the million, filled the host's disk."""
+    config = dataclasses.replace(config, **DISK_LIMITED)
+    result, elapsed = run(code, config)
+    assert not result.ok and not result.timed_out, result
+    assert result.error.startswith("Disk limit exceeded: ") and result.error.endswith(
+        "(the limits are 4 MB and 200 files and directories); the program was stopped and its files deleted."
+    ), result.error
+    assert elapsed < 5, elapsed
+
+
+def test_disk_cap_counts_a_session_across_calls_and_a_program_that_ends_at_once():
+    config = dataclasses.replace(FULL, **DISK_LIMITED)
+    # Written faster than the host's checks: caught when the call ends.
+    burst, _ = run("chunk = b'x' * (1 << 20)\nfor i in range(8):\n    open(f'f{i}', 'wb').write(chunk)\n"
+                   "print('done')", config)
+    assert not burst.ok and "its files take more than 4 MB" in burst.error and burst.output == "done\n"
+    refused, _ = run("import os\nfd = os.open('x', os.O_CREAT | os.O_WRONLY)\nos.posix_fallocate(fd, 0, 1 << 30)",
+                     config)
+    assert not refused.ok and "os.posix_fallocate is not allowed in the sandbox" in refused.error
+    too_big, _ = run("open('x', 'wb').write(b'x' * (2 << 20))", dataclasses.replace(config, max_file_mb=1))
+    assert "File too large" in too_big.error and "limits each file to 1 MB" in too_big.error
+    with PythonSession(config) as session:
+        for i in range(3):
+            assert session.run(f"open('s{i}', 'wb').write(b'q' * (1 << 20))").ok
+        workdir = session._proc.tmpdir
+        assert session.run("import os\nos.remove('s0')\nopen('s3', 'wb').write(b'q' * (1 << 20))").ok
+        over = session.run("open('s4', 'wb').write(b'q' * (2 << 20))")
+        assert not over.ok and "Disk limit exceeded" in over.error and "session was restarted" in over.error
+        assert not os.path.exists(workdir) and session.restarts == 1
+        assert session.run("import os\nos.listdir('.')").output == "[]\n"
+    for field in ("max_disk_mb", "max_files"):
+        with pytest.raises(TypeError, match=f"SandboxConfig.{field} must be an int"):
+            SandboxConfig(**{field: 1.5})
+        with pytest.raises(ValueError, match=f"SandboxConfig.{field} must be >= 1, got 0"):
+            SandboxConfig(**{field: 0})
+
+
 @pytest.fixture
 def listener():
     server = socket.socket()
