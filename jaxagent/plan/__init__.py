@@ -10,12 +10,33 @@ knobs, rendering), `hlo.py` (loop-aware flops, bytes and collectives from compil
 `chips.py` (per-chip capacity and peaks; TPU topologies, or Cloud TPU accelerator types such as
 `v5litepod-16`, through libtpu).
 """
-from jaxagent.plan.chips import (CHIPS, ChipSpec, chip_for, devices_for, has_libtpu,
-                                 resolve_topology)
-from jaxagent.plan.hlo import HloStats, analyze
-from jaxagent.plan.planner import (DoesNotFit, PlanOptions, check_fit, learner_parts,
-                                   model_config, plan_run, run_shapes, runs_score)
-from jaxagent.plan.report import PlanReport, ProgramReport, RunShapes, knobs
+import importlib
+
+# Each name's module, imported on first use (`jaxagent.plan.plan_run`, `from jaxagent.plan
+# import check_fit`): the planner imports jax, and `python -m jaxagent.plan` names a misspelt
+# flag or config key before that import.
+_EXPORTS = {
+    "chips": ("CHIPS", "ChipSpec", "chip_for", "devices_for", "has_libtpu", "resolve_topology"),
+    "hlo": ("HloStats", "analyze"),
+    "planner": ("DoesNotFit", "PlanOptions", "check_fit", "learner_parts", "model_config",
+                "plan_run", "run_shapes", "runs_score"),
+    "report": ("PlanReport", "ProgramReport", "RunShapes", "knobs"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
+
+
+def __getattr__(name: str):
+  module = _MODULE_OF.get(name)
+  if module is None:
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+  value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+  globals()[name] = value
+  return value
+
+
+def __dir__():
+  return sorted(set(globals()) | set(_MODULE_OF))
+
 
 __all__ = [
     "CHIPS", "ChipSpec", "DoesNotFit", "HloStats", "PlanOptions", "PlanReport", "ProgramReport",

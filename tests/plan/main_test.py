@@ -22,6 +22,27 @@ _NEEDS_LIBTPU = [pytest.mark.skipif(not plan.has_libtpu(), reason="needs libtpu:
                  pytest.mark.tpu_aot]
 
 
+def test_a_misspelt_key_is_named_before_jax_is_imported():
+  # `jaxagent.plan` imports its modules (and so jax) on first use of a name.
+  code = ("import runpy, sys\n"
+          "sys.argv = ['jaxagent.plan', *sys.argv[1:]]\n"
+          "try:\n  runpy.run_module('jaxagent.plan', run_name='__main__')\n"
+          "except SystemExit as e:\n  print('exit', e.code, 'jax' in sys.modules)\n")
+  r = subprocess.run([sys.executable, "-c", code, *TINY, "--config.trian.rows=3"], cwd=REPO,
+                     capture_output=True, text=True, timeout=300,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert "did you mean train?" in r.stderr, r.stderr[-2000:]
+  assert r.stdout.strip() == "exit 1 False", (r.stdout, r.stderr[-2000:])
+
+
+def test_names_are_imported_on_first_use():
+  import jaxagent.plan as p
+  assert p.plan_run is p.planner.plan_run and p.knobs is p.report.knobs
+  assert set(p.__all__) <= set(dir(p))
+  with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+    p.no_such_name  # noqa: B018
+
+
 @pytest.mark.parametrize("args, expected", [
     (["--topology=v5e"], "bad plan input: topology 'v5e': expected '<chip>:<shape>'"),
     (["--topology=v5litepod-2"], "bad plan input: topology 'v5litepod-2': in v5litepod-N, N "
