@@ -22,6 +22,7 @@ import dataclasses
 import importlib
 import inspect
 import keyword
+import math
 import re
 import sys
 import types
@@ -166,15 +167,17 @@ def _check_value(name: str, value: Any, schema: Mapping[str, Any]) -> Any:
                 continue
             if isinstance(value, bool) and option in ("integer", "number"):
                 continue  # JSON true is not a number.
+            if isinstance(value, float) and option == "number" and not math.isfinite(value):
+                continue  # NaN / Infinity: Python's json.loads reads them, but JSON has no such number.
             if isinstance(value, types_):
                 break
             if option == "integer" and isinstance(value, float) and value.is_integer():
                 value = int(value)  # Models often write 3.0 for an integer.
                 break
         else:
-            raise ToolArgumentError(
-                f"argument {name!r} must be of type {' or '.join(options)}, got {type(value).__name__}"
-            )
+            got = (f"{value!r} (NaN and Infinity are not JSON numbers)"
+                   if isinstance(value, float) and not math.isfinite(value) else type(value).__name__)
+            raise ToolArgumentError(f"argument {name!r} must be of type {' or '.join(options)}, got {got}")
     if "enum" in schema and value not in schema["enum"]:
         raise ToolArgumentError(f"argument {name!r} must be one of {list(schema['enum'])}, got {value!r}")
     return value

@@ -123,6 +123,24 @@ def test_validate_arguments_number_and_null_types():
     assert validate_arguments(schema, {"extra": 1}) == {"extra": 1}  # additionalProperties defaults to true
 
 
+@pytest.mark.parametrize("text", ['{"seconds": NaN}', '{"seconds": Infinity}', '{"seconds": -Infinity}'])
+def test_nan_and_infinity_are_not_numbers(text):
+    """json.loads reads NaN and Infinity in a policy's tool call; they passed as numbers, so a
+    tool slept forever (time.sleep(inf)) or computed with NaN instead of being told."""
+
+    @function_tool
+    def wait(seconds: float) -> str:
+        """Wait."""
+        return f"waited {seconds}"
+
+    args = json.loads(text)
+    with pytest.raises(ToolArgumentError, match=r"'seconds' must be of type number, got (nan|inf|-inf) \(NaN and "
+                                                r"Infinity are not JSON numbers\)"):
+        validate_arguments(wait.parameters, args)
+    assert not wait(args).ok and "not JSON numbers" in wait(args).error
+    assert validate_arguments(wait.parameters, {"seconds": 1e308}) == {"seconds": 1e308}
+
+
 def test_null_for_an_optional_argument_means_not_given():
     @function_tool(description="Scale a number.")
     def scale(x: float, factor: float | None = None, unit: str = "m") -> str:
