@@ -539,6 +539,7 @@ class ToolExecutor:
                 self._live -= 1
                 self._stuck += 1
             self._running.difference_update(overdue)
+            self._watch_cv.notify()  # the watchdog, waiting on their deadlines, can now exit
             dropped = list(self._pending)
             self._pending.clear()
             if overdue or dropped:

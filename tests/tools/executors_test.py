@@ -496,3 +496,15 @@ def test_shutdown_takes_its_own_time_limit_and_checks_it():
             ToolExecutor(shutdown_timeout_s=bad)
         with pytest.raises(ValueError, match=f"timeout_s must be a positive number of seconds.*got {bad!r}"):
             ToolExecutor().shutdown(timeout_s=bad)
+
+
+def test_watchdog_exits_after_a_shutdown_that_stopped_a_call():
+    """After shutdown's limit stopped a call under an infinite limit, the watchdog slept on that
+    call's deadline for up to an hour: one leaked thread per executor."""
+    executor = ToolExecutor(REGISTRY, max_workers=1)
+    executor.submit("hang", {}, timeout_s=float("inf"))
+    time.sleep(0.1)
+    watchdog = executor._watchdog
+    executor.shutdown(wait=True, timeout_s=0.2)
+    watchdog.join(5)
+    assert not watchdog.is_alive()
