@@ -141,6 +141,8 @@ class Tokenizer:
     self._literal_backend: tokenizers.Tokenizer | None = None  # built on first parse_special=False
     # parse_special -> (backend with a stand-in added token, its id): see `_encode_after_control`
     self._after_control: dict[bool, tuple[tokenizers.Tokenizer, int]] = {}
+    # parse_special -> backend that marks no start: see `_encode_after_text`
+    self._unprefixed: dict[bool, tokenizers.Tokenizer] = {}
     self.name = name or "tokenizer"
     self.special_tokens = {k: v for k, v in (("bos_token", bos_token), ("eos_token", eos_token),
                                               ("unk_token", unk_token), ("pad_token", pad_token))
@@ -288,27 +290,83 @@ class Tokenizer:
       assert encoding.ids[0] == stand_in, (encoding.ids[:3], stand_in)
     return [encoding.ids[1:] for encoding in encodings]
 
-  def encode_continuation(self, text: str, parse_special: bool = True) -> list[int]:
+  @functools.cached_property
+  def _marks_every_start(self) -> bool:
+    """Whether the tokenizer marks the start of each stretch of text between added tokens, not
+    only the start of the input: a "▁" prepended by a Prepend normalizer (legacy Llama 2 /
+    SentencePiece conversions) or a Metaspace pre-tokenizer with prepend_scheme="always", a
+    space by a ByteLevel pre-tokenizer with add_prefix_space. Text after other text has none."""
+    config = json.loads(self._backend.to_str())
+    return _unprefixed_config(config)[1]
+
+  def _encode_after_text(self, texts: Sequence[str], parse_special: bool) -> list[list[int]]:
+    """The ids of each of `texts` as it is encoded after other text in `encode` of a whole text
+    (with a word boundary there), for a tokenizer that marks every start (`_marks_every_start`):
+    the text up to its first added token without the start mark, the rest as after a control
+    token. The texts must not hold the stand-in (`_check_no_stand_in`)."""
+    base = self._backend if parse_special else self._literal()
+    if parse_special not in self._unprefixed:
+      config, _ = _unprefixed_config(json.loads(base.to_str()))
+      unprefixed = tokenizers.Tokenizer.from_str(json.dumps(config))
+      unprefixed.encode_special_tokens = not parse_special
+      self._unprefixed[parse_special] = unprefixed
+    # The added tokens that split the text in this mode (special ones are text without parsing),
+    # where the tokenizer finds them: not an unk id given to a character it has no token for.
+    splitting = {i: t.content for i, t in base.get_added_tokens_decoder().items()
+                 if parse_special or not t.special}
+    cuts = []
+    for text, encoding in zip(texts, base.encode_batch(list(texts), add_special_tokens=False)):
+      cuts.append(next((begin for tid, (begin, end) in zip(encoding.ids, encoding.offsets)
+                        if tid in splitting and splitting[tid] in text[begin:end]), len(text)))
+    heads = self._unprefixed[parse_special].encode_batch(
+        [text[:cut] for text, cut in zip(texts, cuts)], add_special_tokens=False)
+    tails = self._encode_after_control([text[cut:] for text, cut in zip(texts, cuts)], parse_special)
+    return [head.ids + tail for head, tail in zip(heads, tails)]
+
+  def _encode_continuations(self, texts: Sequence[str], parse_special: bool,
+                            previous_id: int | None) -> list[list[int]]:
+    """`texts` encoded as continuations after `previous_id` (see `encode_continuation`)."""
+    if previous_id is not None:
+      previous_id = one_token_id(previous_id, "previous_id")
+    if not self._marks_every_start or (
+        previous_id is not None and previous_id in self._backend.get_added_tokens_decoder()):
+      return self._encode_after_control(texts, parse_special)
+    return self._encode_after_text(texts, parse_special)
+
+  def encode_continuation(self, text: str, parse_special: bool = True, *,
+                          previous_id: int | None = None) -> list[int]:
     """Token ids of `text` where it continues earlier tokens, not where it starts the input.
 
-    `encode(text)` takes `text` as the whole input, whose start some tokenizers mark: a Metaspace
-    pre-tokenizer with prepend_scheme="first" (Mistral, Llama 2 style SentencePiece conversions)
-    puts a "▁" there. In the encoding of a whole rendering, text that follows a control token
-    gets none; this encodes `text` as such text (behind a stand-in added token), which is what
-    a trajectory appends after its earlier ids: observations, the turns of a chat rendered piece
-    by piece. Tokenizers that mark no start (byte-level BPE: SmolLM2, Llama 3, Qwen) give the ids
-    of `encode(text)`. Text holding U+10FFFE U+10FFFF (two Unicode noncharacters, reserved here
-    for the stand-in; a program's output may still print them) is encoded as `encode` does.
+    `encode(text)` takes `text` as the whole input, whose start some tokenizers mark with a "▁"
+    (SentencePiece conversions) that the same text does not get in the middle of a string. This
+    encodes `text` as the encoding of a whole text has it after the earlier tokens, which is what
+    a trajectory appends after its earlier ids (observations, the turns of a chat rendered piece
+    by piece):
+    - after text (`previous_id` an ordinary token, or None): without that mark. A tokenizer that
+      marks only the start of the input (Metaspace prepend_scheme="first": Mistral, Llama 2
+      without legacy spacing) gives the same ids as after a control token. One that marks the
+      start of each stretch of text between added tokens (a Prepend("▁") normalizer, as legacy
+      Llama 2 conversions have; Metaspace prepend_scheme="always"; ByteLevel add_prefix_space)
+      still marks the text after an added token inside `text`, as `encode` does;
+    - after an added token (`previous_id` such as "</s>", "<|end|>", or an added "<tool_call>"):
+      as the text after it in `encode` of a whole text, which that second kind of tokenizer marks
+      ("</s>" + "hi" -> "</s>", "▁hi").
+    Tokenizers that mark no start (byte-level BPE: SmolLM2, Llama 3, Qwen) give the ids of
+    `encode(text)` either way. As with any encoding in pieces, a word cut between the earlier
+    text and `text` is not merged across the cut. Text holding U+10FFFE U+10FFFF (two Unicode
+    noncharacters, reserved here for a stand-in token; a program's output may still print them)
+    is encoded as `encode` does.
 
     Args:
       parse_special: as in `encode`.
+      previous_id: the id `text` follows, where known (see above).
     """
     if not isinstance(text, str):
       raise TypeError(f"encode_continuation expects a str, got {type(text).__name__}")
     _check_encodable(text, "encode_continuation")
     if _AFTER_CONTROL in text:  # it would encode as the stand-in's id inside the text
       return self.encode(text, parse_special=parse_special)
-    return self._encode_after_control([text], parse_special)[0]
+    return self._encode_continuations([text], parse_special, previous_id)[0]
 
   # ---- chat template ---------------------------------------------------------------------------
 
@@ -491,7 +549,7 @@ class Tokenizer:
     return marked, {ord(mark): spelling for spelling, mark in marks.items()}
 
   def encode_marked(self, text: str, restore: Mapping[int, str], *,
-                    continuation: bool = False) -> list[int]:
+                    continuation: bool = False, previous_id: int | None = None) -> list[int]:
     """Ids of (part of) a rendering of data marked by `mark_special_text`: the special tokens
     in `text` are the template's and stay control tokens; the text between them, with the
     spellings put back by `restore`, is encoded with special tokens as text.
@@ -500,9 +558,11 @@ class Tokenizer:
       continuation: `text` continues earlier tokens (a piece after the first of a rendering
         encoded in pieces): its start is encoded as in `encode_continuation`, not as the start
         of the input.
+      previous_id: with `continuation`, the id `text` follows, as in `encode_continuation`.
     """
     if not restore:
-      return self.encode_continuation(text) if continuation else self.encode(text)
+      return (self.encode_continuation(text, previous_id=previous_id) if continuation
+              else self.encode(text))
     _check_encodable(text, "encode")
     # The control tokens where the tokenizer itself finds them (an added token's span includes
     # the whitespace it strips); not a special id the model gives text it has no token for (an
@@ -523,7 +583,8 @@ class Tokenizer:
     # first piece of a continuation.
     _check_no_stand_in(pieces, "encode_marked: text piece {i}")
     if continuation:
-      first, *after = self._encode_after_control(pieces, False)
+      first = self._encode_continuations(pieces[:1], False, previous_id)[0]
+      after = self._encode_after_control(pieces[1:], False)
     else:
       first = self._literal().encode(pieces[0], add_special_tokens=False).ids
       after = self._encode_after_control(pieces[1:], False)
@@ -1002,6 +1063,34 @@ def _check_encodable(text: str, where: str) -> None:
         f"{where}: the text holds a lone surrogate {text[e.start]!r} at index {e.start}, which is "
         "not valid Unicode; clean it first, e.g. text.encode('utf-8', 'replace').decode('utf-8')"
     ) from None
+
+
+def _unprefixed_config(node: Any) -> tuple[Any, bool]:
+  """(a copy of a tokenizer.json config, or part of one, that marks no start of text: without
+  Prepend normalizers, with Metaspace prepend_scheme="never" and ByteLevel pre-tokenizers
+  without add_prefix_space; whether it held a mark other than Metaspace's "first")."""
+  if isinstance(node, list):
+    kept = [_unprefixed_config(n) for n in node
+            if not (isinstance(n, dict) and n.get("type") == "Prepend")]
+    dropped = len(kept) < len(node)
+    return [n for n, _ in kept], dropped or any(marks for _, marks in kept)
+  if not isinstance(node, dict):
+    return node, False
+  kind, out, marks = node.get("type"), {}, False
+  for key, value in node.items():
+    if key in ("normalizer", "pre_tokenizer", "normalizers", "pretokenizers"):
+      if isinstance(value, dict) and value.get("type") == "Prepend":
+        value, marks = None, True
+      else:
+        value, inner = _unprefixed_config(value)
+        marks = marks or inner
+    out[key] = value
+  if kind == "Metaspace" and out.get("prepend_scheme", "always") != "never":
+    marks = marks or out.get("prepend_scheme", "always") == "always"
+    out["prepend_scheme"] = "never"
+  if kind == "ByteLevel" and out.get("add_prefix_space"):
+    out["add_prefix_space"], marks = False, True
+  return out, marks
 
 
 def _check_no_stand_in(texts: Sequence[str], where: str) -> None:

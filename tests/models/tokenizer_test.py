@@ -654,6 +654,66 @@ def test_encode_continuation_encodes_text_as_it_follows_a_control_token(tok, met
       assert t.encode_continuation(text, parse_special) == t.encode(text, parse_special=parse_special)
 
 
+@functools.lru_cache(maxsize=None)
+def _every_start_tokenizer(kind):
+  """A small BPE tokenizer that marks the start of each stretch of text between added tokens:
+  a Metaspace pre-tokenizer with prepend_scheme="always", a Prepend("▁") normalizer (legacy
+  Llama 2 tokenizer.json files), or a ByteLevel pre-tokenizer with add_prefix_space."""
+  import tokenizers
+  from tokenizers import decoders, models, normalizers, pre_tokenizers, trainers
+  backend = tokenizers.Tokenizer(models.BPE(unk_token=None if kind == "byte_level" else "<unk>"))
+  alphabet = list("</s>")
+  if kind == "metaspace_always":
+    backend.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
+    backend.decoder = decoders.Metaspace(prepend_scheme="always", split=True)
+  elif kind == "prepend_normalizer":
+    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+  else:
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    backend.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+  backend.train_from_iterator(
+      ["[INST] what is this [/INST] the answer is here\n<result>42</result>"] * 20,
+      trainers.BpeTrainer(vocab_size=120 + len(alphabet), special_tokens=["<unk>", "<s>", "</s>"],
+                          initial_alphabet=alphabet, show_progress=False))
+  return T.Tokenizer(backend, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.mark.parametrize("kind", ["metaspace_always", "prepend_normalizer", "byte_level"])
+def test_encode_continuation_after_text_for_tokenizers_that_mark_every_start(kind):
+  """These tokenizers mark the text after an added token, as the start of the input, but not
+  text after text. `encode_continuation` encoded every text as after a control token: an
+  observation "<result>42" after the policy's "... what" got a "▁" ("▁", "<", "result>", ...)
+  that `encode` of the whole text does not have there."""
+  mt = _every_start_tokenizer(kind)
+  eos = mt.eos_id
+  for prefix, text in [("[INST] what", "<result>42"), ("the", "\nhere</s>the answer"),
+                       ("what", " is this"), ("what", "here </s>x"), ("what", "")]:
+    for parse_special in (True, False):
+      encode = functools.partial(mt.encode, parse_special=parse_special)
+      ids = mt.encode_continuation(text, parse_special)
+      assert encode(prefix) + ids == encode(prefix + text), (prefix, text, parse_special)
+      if parse_special:  # after an added token the text is marked, as in `encode` of a whole text
+        assert mt.encode_continuation(text, previous_id=eos) == mt.encode("</s>" + text)[1:]
+      assert mt.encode_continuation(text, parse_special, previous_id=encode("what")[-1]) == ids
+  assert mt.encode_continuation("<result>42")[0] != mt.encode("<result>42")[0]  # a start, marked
+  assert mt.encode_continuation("here", previous_id=eos) == mt.encode("</s>here")[1:] != (
+      mt.encode_continuation("here"))
+  # The first piece of a marked rendering that continues it: the same rule.
+  marked, restore = mt.mark_special_text([{"role": "assistant", "content": "here </s>"}])
+  piece = marked[0]["content"] + "</s>[INST] what"
+  rest = [eos] + mt.encode("</s>[INST] what")[1:]
+  ids = mt.encode_marked(piece, restore, continuation=True)
+  assert ids == mt.encode_continuation("here </s>", parse_special=False) + rest
+  after = mt.encode_marked(piece, restore, continuation=True, previous_id=eos)
+  assert after == mt.encode_continuation("here </s>", parse_special=False, previous_id=eos) + rest
+  assert after != ids
+  with pytest.raises(TypeError):
+    mt.encode_continuation("x", previous_id="</s>")
+
+
 def test_spelled_control_tokens_in_tools_are_text(tool_dir):
   ours = T.load_tokenizer(tool_dir)
   tool = json.loads(json.dumps(_TOOL))
