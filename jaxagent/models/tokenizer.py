@@ -771,9 +771,12 @@ def _from_hf_dir(path: pathlib.Path) -> Tokenizer:
   backend.no_padding()
   config_file = path / "tokenizer_config.json"
   config = _read_json(config_file)
-  _apply_added_tokens_decoder(backend, config.get("added_tokens_decoder"), config_file)
   specials = {k: _token_content(config.get(k), k, config_file)
               for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+  named = {_token_content(config.get(k), k, config_file) for k in
+           ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")}
+  _apply_added_tokens_decoder(backend, config.get("added_tokens_decoder"), config_file,
+                              named - {None})
   # As transformers: a tokenizer_config.json without `added_tokens_decoder` (an older save) takes
   # its special tokens from special_tokens_map.json, whose entries win over its own.
   map_file = path / "special_tokens_map.json"
@@ -807,13 +810,14 @@ _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized
 
 
 def _apply_added_tokens_decoder(backend: tokenizers.Tokenizer, entries: Any,
-                                where: pathlib.Path) -> None:
+                                where: pathlib.Path, named: set[str]) -> None:
   """Applies tokenizer_config.json's `added_tokens_decoder` to `backend` as transformers does: an
   entry that differs from tokenizer.json's added token of that text (marked special there but
   not here, say) replaces it, keeping its id; an entry for text tokenizer.json does not add is
   added (at the id of that text in the vocabulary, else after the last id). So a token the
   config marks special is dropped by `decode(skip_special_tokens=True)` and matched in the raw
-  text, as in transformers."""
+  text, as in transformers. Such an entry for a token the config names (`named`: its
+  eos_token, ...) is special even where it says otherwise, as in transformers."""
   if entries is None:
     return
   if not isinstance(entries, dict):
@@ -835,6 +839,9 @@ def _apply_added_tokens_decoder(backend: tokenizers.Tokenizer, entries: Any,
   # text the backend already has updates that token in place.
   existing = {repr(t) for t in backend.get_added_tokens_decoder().values()}
   new = [(index, token) for index, token in parsed if repr(token) not in existing]
+  for _, token in new:
+    if token.content in named:
+      token.special = True
   if new:
     backend.add_tokens([token for _, token in new])
   for index, token in new:

@@ -1025,17 +1025,17 @@ def test_hf_dir_added_tokens_decoder_flags_are_read_as_transformers_reads_them(t
   """tokenizer_config.json's added_tokens_decoder was not read: a token that tokenizer.json adds
   as ordinary but the config marks special ("<think>" here) stayed ordinary (kept by
   decode(skip_special_tokens=True), a control id inside tool output with parse_special=False),
-  and a token only the config adds ("<new>") was encoded as its characters."""
+  and a token only the config adds ("<new>") was encoded as its characters. An entry that
+  marks a token the config names (its eos_token) not special is special all the same."""
   backend = _trained_byte_level_bpe()
   n = backend.get_vocab_size()
   backend.save(str(tmp_path / "tokenizer.json"))
-  entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False,
-           "special": True}
+  entry = {"lstrip": False, "normalized": False, "rstrip": False, "single_word": False}
   (tmp_path / "tokenizer_config.json").write_text(json.dumps({
       "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>",
-      "added_tokens_decoder": {str(i): {"content": t, **entry} for i, t in [
-          (0, "<|endoftext|>"), (1, "<|im_start|>"), (2, "<|im_end|>"), (n - 1, "<think>"),
-          (n, "<new>")]}}))
+      "added_tokens_decoder": {str(i): {"content": t, **entry, "special": t != "<|im_end|>"}
+                               for i, t in [(0, "<|endoftext|>"), (1, "<|im_start|>"),
+                                            (2, "<|im_end|>"), (n - 1, "<think>"), (n, "<new>")]}}))
   ours, ref = T.load_tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
   text = "a<think>b<new> c<|im_end|>"
   ids = ours.encode(text)
