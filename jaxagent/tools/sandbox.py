@@ -704,27 +704,27 @@ class _SandboxProcess:
         while stack and used <= max_bytes and entries <= max_entries:
             path = stack.pop()
             try:
-                listing = os.scandir(path)
-            except PermissionError:
                 try:
+                    listing = os.scandir(path)
+                except PermissionError:
                     os.chmod(path, os.lstat(path).st_mode & 0o7777 | 0o700)
                     listing = os.scandir(path)
-                except OSError:
-                    self._disk_note = f"its directory {path!r} could not be measured"
-                    return self._disk_note
-            except OSError:  # removed while being walked
-                continue
-            with listing:
-                for entry in listing:
-                    entries += 1
-                    if entries > max_entries:
-                        break
-                    try:
-                        add(entry.stat(follow_symlinks=False))
+                with listing:
+                    for entry in listing:
+                        entries += 1
+                        if entries > max_entries:
+                            break
+                        try:
+                            add(entry.stat(follow_symlinks=False))
+                        except FileNotFoundError:  # removed while being walked
+                            continue
                         if entry.is_dir(follow_symlinks=False):
                             stack.append(entry.path)
-                    except OSError:
-                        continue
+            except (FileNotFoundError, NotADirectoryError):  # removed (or replaced) while being walked
+                continue
+            except OSError as e:  # e.g. a path nested past PATH_MAX: what cannot be measured is refused
+                self._disk_note = f"a directory in it could not be measured ({e.strerror or e})"
+                return self._disk_note
         root = os.path.realpath(self.tmpdir) + "/"
         for p in self._processes() if used <= max_bytes else ():
             try:

@@ -428,6 +428,20 @@ def test_disk_use_of_a_run_is_capped(config, code):
     assert elapsed < 5, elapsed
 
 
+@MODES
+def test_files_nested_past_path_max_are_not_a_way_around_the_disk_cap(config):
+    """The host measures by path: directories nested past PATH_MAX (4096 bytes) could not be
+    listed, were skipped, and their files went uncounted (8 MB past a 4 MB cap: ok=True)."""
+    from jaxagent.tools import sandbox
+
+    code = ("import os\nfor i in range(20):\n    os.mkdir('d' * 250)\n    os.chdir('d' * 250)\n"
+            "for i in range(8):\n    open(f'f{i}', 'wb').write(b'x' * (1 << 20))")
+    result, _ = run(code, dataclasses.replace(config, **DISK_LIMITED, audit_hook=False))
+    assert not result.ok and "Disk limit exceeded: a directory in it could not be measured (File name too long)" \
+        in result.error, result
+    assert os.listdir(sandbox._workdir_parent[1]) == []  # deleted, however deep
+
+
 def test_disk_cap_counts_a_session_across_calls_and_a_program_that_ends_at_once():
     config = dataclasses.replace(FULL, **DISK_LIMITED)
     # Written faster than the host's checks: caught when the call ends.
