@@ -120,21 +120,37 @@ _MAX_DOUBLE_FACTORIAL = 1000
 # worker. The guard reads it once double factorials are written as their values.
 _NESTED_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*!\s*(?:\)\s*)?!")
 # The operand of a factorial written as arithmetic of literal numbers ("(10^{6})!", "{10^6}!",
-# "(2^{20})!", "\left(10^{6}\right)!", "(1000 \cdot 1000)!", "\frac{10^7}{2}!",
-# "\sqrt{10^{12}}!", "\binom{100}{50}!", and "10^6!", which math-verify reads as (10^6)!), read
-# by `_factorial_operands`; past `_MAX_FACTORIAL` each ran to the time limit. An operand longer
-# than `_MAX_OPERAND` that is such arithmetic is refused unread.
+# "(2^{20})!", "\left(10^{6}\right)!", "(1000 \cdot 1000)!", "\frac{10^7}{2}!", "\frac{10^7}{2}\,!",
+# "\sqrt{10^{12}}!", "\binom{100}{50}!", "{100 \choose 50}!", "|10^7|!", "\lfloor 10^7/2 \rfloor!",
+# "e^{100}!", and "10^6!", which math-verify reads as (10^6)!), read by `_factorial_operands`;
+# past `_MAX_FACTORIAL` each ran to the time limit. An operand longer than `_MAX_OPERAND` that is
+# such arithmetic is refused unread.
 _MAX_OPERAND = 200
-# LaTeX an operand may hold (`_operand_python`); group 1 a command of two arguments, group 2 a
-# root, with an optional index.
-_OPERAND_COMMAND = re.compile(r"\\(?:([dtc]?frac|[dt]?binom)|(sqrt)|left|right|,|cdot|times)(?![A-Za-z])")
+# The delimiters that group a factorial's operand (`_factorial_operands`): group 1 an opener, group
+# 2 a closer (brackets, "\left|", "\right|", floors, ceilings, "\lvert", "\rvert"), group 3 a bar
+# ("|", "\vert"), which opens or closes by what stands before it. Other commands and escaped
+# characters ("\{", "\(", "\|") group nothing.
+_DELIMITER = re.compile(
+    r"(\\left\s*(?:\||\\vert(?![A-Za-z]))|\\l(?:floor|ceil|vert)(?![A-Za-z])|[(\[{])"
+    r"|(\\right\s*(?:\||\\vert(?![A-Za-z]))|\\r(?:floor|ceil|vert)(?![A-Za-z])|[)\]}])"
+    r"|(\||\\vert(?![A-Za-z]))|\\(?:[A-Za-z]+|.)", re.DOTALL)
+_LEFT_END = re.compile(r"\\left\s*$")
+# Thin, medium, thick and negative spaces, and a control space, which may stand between an operand
+# and its factorial ("\frac{10^7}{2}\,!").
+_SPACING_COMMANDS = frozenset(",;:! ")
+# LaTeX an operand may hold (`_operand_python`): a command's name (group 1), or a spacing command.
+_OPERAND_COMMAND = re.compile(r"\\(?:([A-Za-z]+)|[,;:! ])")
 # Such a command right before the group that ends a factorial's operand (`_command_start`).
 _COMMAND_END = re.compile(r"\\(?:([dtc]?frac|[dt]?binom)|(sqrt))$")
-_OPERAND_PYTHON = {"\\left": "", "\\right": "", "\\,": "", "\\cdot": "*", "\\times": "*", "^": "**",
-                   "{": "(", "}": ")", "[": "(", "]": ")"}
-_ARITHMETIC = re.compile(r"(?:[\d.+\-*/() ,]|binom)+")
+# What a command of an operand writes in Python (`_operand_python`): an operator, a constant (a
+# value starts), a group's opening (a value starts, and the group is open), or a group's closing.
+_OPERAND_OPERATORS = {"cdot": "*", "times": "*"}
+_OPERAND_CONSTANTS = {"pi": "PI"}
+_OPERAND_OPENERS = {"lfloor": "floor(", "lceil": "ceil(", "lvert": "abs("}
+_OPERAND_CLOSERS = frozenset({"rfloor", "rceil", "rvert"})
+_BAR = re.compile(r"\s*(?:\||\\vert(?![A-Za-z]))")
+_ARITHMETIC = re.compile(r"(?:[\d.+\-*/() ,]|binom|abs|floor|ceil|E|PI)+")
 _LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
-_ALL_BRACKETS = str.maketrans("()[]", "{}{}")
 
 
 def _too_costly(text: str) -> bool:
@@ -201,29 +217,38 @@ def _double_factorial(n: int) -> str:
 
 
 def _factorial_operands(text: str):
-  """The text of each factorial's operand in `text` that is a bracket, or a power of numbers and
-  brackets ("10^{6}" in "10^{6}!", "(2^{20})" in "(2^{20})!"); the cost is linear in the text, as
-  brackets nest no deeper than `_MAX_NESTING` by the time this runs."""
-  opener, opened = {}, []
-  for m in _BRACE_TOKEN.finditer(text.translate(_ALL_BRACKETS)):  # "\(", "\[" are no brackets
-    if m.group() == "{":
-      opened.append(m.start())
-    elif m.group() == "}" and opened:
-      opener[m.start()] = opened.pop()
+  """The text of each factorial's operand in `text` that is a group (a bracket, a bar, a floor or
+  a ceiling, with a command it is the last argument of: "\\frac{10^7}{2}"), a number, a constant
+  ("e", "\\pi") or a power of these ("10^{6}" in "10^{6}!", "e^{100}" in "e^{100}!"); spaces and
+  spacing commands may stand before the "!". An operand that holds another factorial is left out:
+  it is no arithmetic of numbers, and so the operands read are disjoint and the cost is linear in
+  the text."""
+  opener, opened, command_end = {}, [], -1  # opened: (start, whether a bar) of each open group
+  for m in _DELIMITER.finditer(text):
+    if m[1]:
+      opened.append((m.start(), m[1].endswith(("|", "vert"))))
+    elif m[2] or (m[3] and opened and opened[-1][1] and _ends_value(text, m.start(), opener, command_end)):
+      if opened:
+        opener[m.end() - 1] = opened.pop()[0]
+    elif m[3]:
+      opened.append((m.start(), True))
+    else:
+      command_end = m.end() - 1
+  last = -1
   for m in re.finditer(r"(?<!\\)!", text):
-    i = m.start() - 1
-    while i >= 0 and text[i] == " ":
-      i -= 1
+    i = end = _skip_spacing(text, m.start() - 1)
     while True:  # one base or exponent per turn, right to left
       if i in opener:
         i = opener[i] - 1
-        if text.endswith("\\left", 0, i + 1):
-          i -= len("\\left")
-        else:
-          i = _command_start(text, i, opener)
+        left = _LEFT_END.search(text, max(i - 12, 0), i + 1)
+        i = left.start() - 1 if left else _command_start(text, i, opener)
       elif i >= 0 and text[i].isdigit():
         while i >= 0 and (text[i].isdigit() or text[i] == "."):
           i -= 1
+      elif i >= 0 and text[i] == "e" and not (i and (text[i - 1].isalpha() or text[i - 1] == "\\")):
+        i -= 1
+      elif text.endswith("\\pi", 0, i + 1):
+        i -= 3
       else:
         i = m.start()  # a power of something else ("x^{10^6}!")
         break
@@ -239,14 +264,38 @@ def _factorial_operands(text: str):
       while power >= 0 and text[power] == " ":
         power -= 1
       i = power
-    operand = text[i + 1:m.start()].strip()
-    if operand and not operand.isdigit():  # a plain number is `_NUMBER_FACTORIAL`'s
-      yield operand
+    if i >= last:  # else the operand holds the factorial before ("(5!)!")
+      operand = text[i + 1:end + 1].strip()
+      if operand:
+        yield operand
+    last = m.start()
+
+
+def _ends_value(text: str, i: int, opener: dict[int, int], command_end: int) -> bool:
+  """Whether what stands before `i` (spaces aside) ends a value: a letter or digit that ends no
+  command, or a closed group; a bar at `i` then closes an open bar ("|a|"), else it opens one
+  ("|{-5}|", "||a|-|b||")."""
+  i -= 1
+  while i >= 0 and text[i] == " ":
+    i -= 1
+  return i >= 0 and i != command_end and (text[i].isalnum() or text[i] in ".!" or i in opener)
+
+
+def _skip_spacing(text: str, i: int) -> int:
+  """Where `text` up to `i` ends once spaces and spacing commands (`_SPACING_COMMANDS`) are dropped."""
+  while i >= 0:
+    if i and text[i - 1] == "\\" and text[i] in _SPACING_COMMANDS:
+      i -= 2
+    elif text[i] == " ":
+      i -= 1
+    else:
+      break
+  return i
 
 
 def _command_start(text: str, i: int, opener: dict[int, int]) -> int:
   """Where the operand of a factorial starts when the group that ends at `i` + 1 is the last
-  argument of `\\frac`, `\\binom` or `\\sqrt` (`_OPERAND_COMMAND`): just before the command; else
+  argument of `\\frac`, `\\binom` or `\\sqrt` (`_COMMAND_END`): just before the command; else
   `i`."""
   j = i
   while j >= 0 and text[j] == " ":
@@ -263,44 +312,144 @@ def _command_start(text: str, i: int, opener: dict[int, int]) -> int:
 
 
 def _operand_python(operand: str) -> str | None:
-  """A factorial's operand as Python arithmetic ("\\frac{10^7}{2}" is "((10**7)/(2))"), or None
-  where it holds LaTeX other than brackets, powers, `\\cdot`, `\\times`, fractions, binomials
-  and roots; linear time, as brackets nest no deeper than `_MAX_NESTING`."""
-  out, i = [], 0
+  """A factorial's operand as Python arithmetic ("\\frac{10^7}{2}" is "((10**7)/(2))", "2\\pi" is
+  "2*PI", "|x|" is "abs(x)"), or None where it holds LaTeX other than brackets, bars, floors,
+  ceilings, powers, `\\cdot`, `\\times`, spacing, fractions, binomials (`\\binom`, `\\choose`),
+  roots and the constants e and pi, or a letter other than e; linear time, as brackets nest no
+  deeper than `_MAX_NESTING`."""
+  out, groups, i = [], [], 0  # groups: [where its opening is in `out`, its \choose, whether a bar]
+  choose = None  # a \choose outside any group: the operand is a binomial
+  value_end = digit_end = False  # whether what `out` ends with (spaces aside) is a value, a number
   while i < len(operand):
     c = operand[i]
-    if c != "\\":
-      out.append(_OPERAND_PYTHON.get(c, c))
+    piece, opens, closes, bar = None, False, False, False
+    if c.isdigit() or c == ".":
+      if value_end and not digit_end:
+        out.append("*")
+      out.append(c)
+      value_end = digit_end = True
       i += 1
       continue
-    m = _OPERAND_COMMAND.match(operand, i)
-    if m is None:
-      return None
-    i = m.end()
-    if not (m[1] or m[2]):
-      out.append(_OPERAND_PYTHON[m[0]])
+    if c == " ":
+      out.append(c)
+      i += 1
       continue
-    index = None
-    if m[2]:
-      while operand.startswith(" ", i):
-        i += 1
-      if operand.startswith("[", i):
-        index, i = _operand_argument(operand, i, "[", "]")
-        if index is None:
-          return None
-    args = []
-    for _ in range(2 if m[1] else 1):
-      arg, i = _operand_argument(operand, i, "{", "}")
-      if arg is None:
-        return None
-      args.append(arg)
-    if m[2]:
-      out.append(f"(({args[0]})**(1/({index})))" if index is not None else f"(({args[0]})**0.5)")
-    elif m[1].endswith("frac"):
-      out.append(f"(({args[0]})/({args[1]}))")
+    if c in "+-*/,^":
+      out.append("**" if c == "^" else c)
+      value_end = digit_end = False
+      i += 1
+      continue
+    if c in "([{":
+      piece, opens = "(", True
+      i += 1
+    elif c in ")]}":
+      closes = True
+      i += 1
+    elif c == "|":
+      bar, i = True, i + 1
+    elif c == "e":
+      piece, i = "E", i + 1
+    elif c != "\\":
+      return None  # a letter or a symbol: no arithmetic of numbers
     else:
-      out.append(f"binom(({args[0]}),({args[1]}))")
+      m = _OPERAND_COMMAND.match(operand, i)
+      if m is None:
+        return None
+      name, i = m[1], m.end()
+      if name is None:  # a spacing command
+        continue
+      if name in ("left", "right"):
+        delimiter = _BAR.match(operand, i)
+        if delimiter is None:
+          continue  # "\left(", "\left\lfloor": the delimiter is read next
+        i = delimiter.end()
+        if name == "left":
+          piece, opens, bar = "abs(", True, True
+        else:
+          closes, bar = True, True
+      elif name == "vert":
+        bar = True
+      elif name == "choose":
+        if groups and groups[-1][1] is None:
+          groups[-1][1] = len(out)
+        elif not groups and choose is None:
+          choose = len(out)
+        else:
+          return None
+        out.append(",")
+        value_end = digit_end = False
+        continue
+      elif name in _OPERAND_OPERATORS:
+        out.append(_OPERAND_OPERATORS[name])
+        value_end = digit_end = False
+        continue
+      elif name in _OPERAND_CONSTANTS:
+        piece = _OPERAND_CONSTANTS[name]
+      elif name in _OPERAND_OPENERS:
+        piece, opens, bar = _OPERAND_OPENERS[name], True, name == "lvert"
+      elif name in _OPERAND_CLOSERS:
+        closes, bar = True, name == "rvert"
+      else:
+        piece, i = _operand_command(operand, i, name)
+        if piece is None:
+          return None
+    if bar and piece is None and not closes:  # "|" or "\vert": it closes an open bar after a value
+      if value_end and groups and groups[-1][2]:
+        closes = True
+      else:
+        piece, opens = "abs(", True
+    if closes:
+      if not groups or groups[-1][2] != bar:
+        return None
+      start, inner, _ = groups.pop()
+      if inner is not None:
+        out[start] += "binom(("
+        out[inner] = "),("
+        out.append("))")
+      out.append(")")
+      value_end, digit_end = True, False
+      continue
+    if value_end:
+      out.append("*")  # a product: "2\\pi", "(2)(3)", "2|x|"
+    if opens:
+      groups.append([len(out), None, bar])
+      value_end = False
+    else:
+      value_end = True
+    out.append(piece)
+    digit_end = False
+  if groups:
+    return None
+  if choose is not None:
+    return f"binom(({''.join(out[:choose])}),({''.join(out[choose + 1:])}))"
   return "".join(out)
+
+
+def _operand_command(operand: str, i: int, name: str) -> tuple[str | None, int]:
+  """A fraction, binomial or root named `name` whose arguments start at `i`, as Python
+  arithmetic (`_operand_python`), and where it ends; None for any other command."""
+  root = name == "sqrt"
+  if not (root or re.fullmatch(r"[dtc]?frac|[dt]?binom", name)):
+    return None, i
+  index = None
+  if root:
+    while operand.startswith(" ", i):
+      i += 1
+    if operand.startswith("[", i):
+      index, i = _operand_argument(operand, i, "[", "]")
+      if index is None:
+        return None, i
+  args = []
+  for _ in range(1 if root else 2):
+    arg, i = _operand_argument(operand, i, "{", "}")
+    if arg is None:
+      return None, i
+    args.append(arg)
+  if root:
+    return (f"(({args[0]})**(1/({index})))" if index is not None else f"(({args[0]})**0.5)"), i
+  if name.endswith("frac"):
+    return f"(({args[0]})/({args[1]}))", i
+  return f"binom(({args[0]}),({args[1]}))", i
 
 
 def _operand_argument(operand: str, i: int, open_: str, close: str) -> tuple[str | None, int]:
@@ -327,13 +476,15 @@ def _costly_operand(operand: str) -> bool:
   """Whether a factorial's operand (`_factorial_operands`) is arithmetic of literal numbers whose
   value passes `_MAX_FACTORIAL` (or overflows a float on the way); an operand with anything
   else in it ("(2n)", "x^{2}") is left to math-verify."""
+  if operand.isdigit():
+    return len(operand) > 6 or int(operand) > _MAX_FACTORIAL
   expr = _operand_python(operand)
   if expr is None or not _ARITHMETIC.fullmatch(expr):
     return False
   if len(expr) > _MAX_OPERAND:
     return True
   try:
-    value = _float_value(ast.parse(_LEADING_ZEROS.sub("", expr), mode="eval").body)
+    value = _float_value(ast.parse(_LEADING_ZEROS.sub("", expr).strip(), mode="eval").body)
   except (SyntaxError, ValueError):
     return False
   return value is not None and not value <= _MAX_FACTORIAL  # NaN: a term overflowed
@@ -347,9 +498,17 @@ def _float_value(node: ast.AST) -> float | None:
       return float(node.value)
     except OverflowError:
       return math.inf
+  if isinstance(node, ast.Name) and node.id in ("E", "PI"):
+    return math.e if node.id == "E" else math.pi
   if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
     value = _float_value(node.operand)
     return None if value is None else value if isinstance(node.op, ast.UAdd) else -value
+  if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("abs", "floor", "ceil")
+          and len(node.args) == 1 and not node.keywords):
+    value = _float_value(node.args[0])
+    if value is None or not math.isfinite(value):
+      return None if value is None else abs(value)
+    return float({"abs": abs, "floor": math.floor, "ceil": math.ceil}[node.func.id](value))
   if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "binom"
           and len(node.args) == 2 and not node.keywords):
     n, k = (_float_value(arg) for arg in node.args)

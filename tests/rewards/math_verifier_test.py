@@ -837,6 +837,8 @@ def test_process_backend_kills_a_real_hang_within_the_limit(process_verifier):
     # A factorial of a large power or product (each ran to the time limit).
     "(10^{6})!", "(10**6)!", "{10^6}!", "(1e6)!", "\\left(10^{6}\\right)!", "(2^{20})!", "10^6!",
     "1\\,000\\,000!", "(1000 \\cdot 1000)!", "10^{10^{10}}", "2^{2^{100}}",
+    # A factorial of a large absolute value, floor, binomial, spaced fraction or power of e.
+    "|10^7|!", "\\lfloor 10^7/2 \\rfloor!", "{100 \\choose 50}!", "\\frac{10^{7}}{2}\\,!", "e^{100}!",
 ])
 def test_pathological_input_is_refused_quickly(process_verifier, text):
   # Each took seconds to minutes inside math-verify (a timeout, or a worker killed).
@@ -892,6 +894,27 @@ def test_the_cost_guard_reads_fractions_roots_and_binomials_in_a_factorial(text,
   assert _math_text._too_costly(text) is costly
 
 
+@pytest.mark.parametrize("text,costly", [
+    ("|10^7|!", True), ("\\left|10^7\\right|!", True), ("\\lvert 10^7 \\rvert!", True), ("\\vert 10^7 \\vert!", True),
+    ("\\left\\vert -10^7 \\right\\vert!", True), ("||10^7|-|1||!", True), ("2|10^7|!", True),
+    ("\\lfloor 10^7/2 \\rfloor!", True), ("\\lceil 10^7/2 \\rceil!", True),
+    ("\\left\\lfloor \\frac{10^7}{2} \\right\\rfloor!", True), ("{100 \\choose 50}!", True),
+    ("\\frac{{100 \\choose 50}}{2}!", True), ("\\tbinom{100}{50}!", True), ("\\left (10^6\\right)!", True),
+    ("\\frac{10^{7}}{2}\\,!", True), ("(10^7)\\;!", True), ("(10^7)\\!!", True), ("(10^7)\\ !", True),
+    ("(10^7)\\:!", True), ("1000000\\,!", True), ("e^{100}!", True), ("(e^{12})!", True), ("\\pi^{20}!", True),
+    ("(2\\pi \\cdot 10^6)!", True), ("(10^3)(10^3)!", False), ("((10^3)(10^3))!", True),
+    ("|{-5}|!", False), ("\\left|-3\\right|!", False), ("|a|!", False), ("|10^7-x|!", False),
+    ("\\lfloor 7.5 \\rfloor!", False), ("\\lfloor n/2 \\rfloor!", False), ("{5 \\choose 2}!", False),
+    ("{n \\choose k}!", False), ("\\frac{10}{2}\\,!", False), ("e!", False), ("\\pi!", False),
+    ("(2e)!", False), ("(n+1)!", False), ("k!", False),
+    ("|x| + |10^7|", False), ("(|10^7|!)!", True),
+])
+def test_the_cost_guard_reads_bars_floors_choose_spacing_and_constants_in_a_factorial(text, costly):
+  # Each costly one ran to the time limit: the guard read no bar, floor, ceiling, \\choose,
+  # spacing command before the "!" or power of e or \\pi as a factorial's operand.
+  assert _math_text._too_costly(text) is costly
+
+
 @pytest.mark.parametrize("text", ["\\frac{10^7}{2}!", "{\\frac{10^7}{2}}!", "\\binom{100}{50}!",
                                   "(\\frac{10^{7}}{2})!"])
 def test_a_factorial_of_a_large_fraction_or_binomial_is_refused_quickly(process_verifier, text):
@@ -905,13 +928,25 @@ def test_a_factorial_of_a_large_fraction_or_binomial_is_refused_quickly(process_
 
 def test_small_factorials_of_fractions_roots_and_binomials_are_read(thread_verifier):
   for prediction, gold in [("\\frac{6}{2}!", "6"), ("{\\frac{6}{2}}!", "6"), ("\\sqrt{9}!", "6"),
-                           ("\\binom{4}{2}!", "720"), ("\\sqrt[3]{27}!", "6")]:
+                           ("\\binom{4}{2}!", "720"), ("\\sqrt[3]{27}!", "6"), ("\\frac{10}{2}!", "120"),
+                           ("|{-5}|!", "120"), ("\\binom{5}{2}!", "3628800"), ("{5 \\choose 2}!", "3628800"),
+                           ("\\lfloor 7.5 \\rfloor!", "5040"), ("\\frac{10}{2}\\,!", "120")]:
     assert thread_verifier.equal(prediction, gold, timeout_s=30.0), prediction
 
 
 def test_the_cost_guard_reads_factorials_in_linear_time():
   start = time.monotonic()
   for text in ["(1)!" * 20000, "(1+2)! " * 20000, "2^" * 5000 + "2!", "(" + "1+" * 5000 + "1)!"]:
+    _math_text._too_costly(text)
+  assert time.monotonic() - start < 1.0
+
+
+def test_the_cost_guard_reads_bars_and_floors_in_linear_time():
+  # Bars and floors do not count towards the nesting limit: an operand that holds another
+  # factorial is not read, so nested ones are not read again at each level.
+  start = time.monotonic()
+  for text in ["|1|!" * 10000, "|" * 5000 + "1" + "|!" * 5000, "\\lfloor " * 5000 + "1" + "\\rfloor!" * 5000,
+               ("|" + " " * 50) * 2000 + "!", "{1 \\choose 1}!" * 5000, "e^" * 5000 + "e!"]:
     _math_text._too_costly(text)
   assert time.monotonic() - start < 1.0
 
