@@ -771,18 +771,20 @@ def _from_hf_dir(path: pathlib.Path) -> Tokenizer:
   backend.no_padding()
   config_file = path / "tokenizer_config.json"
   config = _read_json(config_file)
-  specials = {k: _token_content(config.get(k), k, config_file)
-              for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-  named = {_token_content(config.get(k), k, config_file) for k in
-           ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")}
-  _apply_added_tokens_decoder(backend, config.get("added_tokens_decoder"), config_file,
-                              named - {None})
   # As transformers: a tokenizer_config.json without `added_tokens_decoder` (an older save) takes
   # its special tokens from special_tokens_map.json, whose entries win over its own.
-  map_file = path / "special_tokens_map.json"
+  keys = _NAMED_TOKENS + _EXTRA_TOKEN_LISTS
+  sources = {k: (config[k], config_file) for k in keys if k in config}
   if "added_tokens_decoder" not in config:
+    map_file = path / "special_tokens_map.json"
     stm = _read_json(map_file)
-    specials.update({k: _token_content(stm[k], k, map_file) for k in specials if k in stm})
+    sources.update({k: (stm[k], map_file) for k in keys if k in stm})
+  named = {k: _token_content(value, k, where) for k, (value, where) in sources.items()
+           if k in _NAMED_TOKENS}
+  _apply_added_tokens_decoder(backend, config.get("added_tokens_decoder"), config_file,
+                              set(named.values()) - {None})
+  _add_named_special_tokens(backend, sources)
+  specials = {k: named.get(k) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
   # Like transformers 5, the tokenizer.json post-processor alone decides what
   # `add_special_tokens=True` adds; tokenizer_config's add_bos_token/add_eos_token are ignored.
   extra_eos = _read_json(path / "generation_config.json").get("eos_token_id")
@@ -807,6 +809,41 @@ def _read_json(path: pathlib.Path) -> dict[str, Any]:
 
 
 _ADDED_TOKEN_FIELDS = ("content", "single_word", "lstrip", "rstrip", "normalized", "special")
+# The special tokens a tokenizer_config.json (or special_tokens_map.json) names, one each, and
+# its lists of further special tokens.
+_NAMED_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                 "mask_token")
+_EXTRA_TOKEN_LISTS = ("additional_special_tokens", "extra_special_tokens")
+
+
+def _add_named_special_tokens(backend: tokenizers.Tokenizer,
+                              sources: Mapping[str, tuple[Any, pathlib.Path]]) -> None:
+  """Makes the special tokens the config names (eos_token, ..., additional_special_tokens) that
+  tokenizer.json has in its vocabulary but not among its added tokens special added tokens, as
+  transformers does: a chat template's "</s>" then encodes as the EOS id, not as its characters,
+  and `decode(skip_special_tokens=True)` drops it. (transformers also gives a named token that
+  is not in the vocabulary a new id past it; here such a token is left out: see `Tokenizer`.)"""
+  values = []
+  for key, (value, where) in sources.items():
+    if key in _NAMED_TOKENS:
+      values.append((key, value, where))
+    elif isinstance(value, (list, dict)):
+      items = value.values() if isinstance(value, dict) else value
+      values.extend((f"{key} item", item, where) for item in items)
+    elif value is not None:
+      raise ValueError(f"{where}: {key} must be a list of tokens, got {type(value).__name__}")
+  added = {t.content for t in backend.get_added_tokens_decoder().values()}
+  tokens = []
+  for key, value, where in values:
+    content = _token_content(value, key, where)
+    if content is None or content in added or backend.token_to_id(content) is None:
+      continue
+    flags = {f: value[f] for f in _ADDED_TOKEN_FIELDS[1:-1]
+             if isinstance(value, dict) and isinstance(value.get(f), bool)}
+    tokens.append(AddedToken(content, **flags, special=True))
+    added.add(content)
+  if tokens:
+    backend.add_tokens(tokens)
 
 
 def _apply_added_tokens_decoder(backend: tokenizers.Tokenizer, entries: Any,

@@ -1048,6 +1048,41 @@ def test_hf_dir_added_tokens_decoder_flags_are_read_as_transformers_reads_them(t
   assert not {n - 1, n} & set(literal)
 
 
+@pytest.mark.parametrize("in_map", [False, True])
+def test_hf_dir_named_special_tokens_in_the_vocab_become_special_as_in_transformers(tmp_path, in_map):
+  """A tokenizer.json whose vocabulary has the config's eos / pad / additional special tokens but
+  does not list them as added tokens: transformers makes them special added tokens (at their
+  vocabulary ids), so a chat template's "<|endoftext|>" is the EOS id. Here it was encoded as
+  its 15 characters (a turn end the model never sees, an SFT target that never stops) and kept
+  by decode(skip_special_tokens=True)."""
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers
+  vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+  for token in ("<|endoftext|>", "<pad>", "<tool>"):
+    vocab[token] = len(vocab)
+  backend = tokenizers.Tokenizer(models.BPE(vocab, []))
+  backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+  backend.decoder = decoders.ByteLevel()
+  backend.save(str(tmp_path / "tokenizer.json"))
+  tokens = {"eos_token": "<|endoftext|>", "additional_special_tokens": ["<tool>"],
+            "pad_token": {"__type": "AddedToken", "content": "<pad>", "lstrip": False,
+                          "normalized": False, "rstrip": False, "single_word": False}}
+  config = {"tokenizer_class": "PreTrainedTokenizerFast", **({} if in_map else tokens)}
+  (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+  if in_map:
+    (tmp_path / "special_tokens_map.json").write_text(json.dumps(tokens))
+  ours, ref = T.load_tokenizer(tmp_path), transformers.AutoTokenizer.from_pretrained(tmp_path)
+  text = "hi<tool>x<pad><|endoftext|>"
+  ids = ours.encode(text)
+  assert ids == ref.encode(text, add_special_tokens=False) == [
+      vocab["h"], vocab["i"], vocab["<tool>"], vocab["x"], vocab["<pad>"], vocab["<|endoftext|>"]]
+  assert ours.decode(ids, skip_special_tokens=True) == ref.decode(ids, skip_special_tokens=True)
+  assert ours.special_ids == {vocab[t] for t in ("<|endoftext|>", "<pad>", "<tool>")}
+  assert (ours.eos_id, ours.pad_id, ours.vocab_size) == (ref.eos_token_id, ref.pad_token_id, len(ref))
+  assert ours.encode(text, parse_special=False) == ref.encode(
+      text, add_special_tokens=False, split_special_tokens=True)
+
+
 @pytest.mark.parametrize("entries,match", [
     ([], "added_tokens_decoder must be an object"),
     ({"x": {"content": "<a>"}}, "added_tokens_decoder key 'x' is not a token id"),
