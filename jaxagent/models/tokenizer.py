@@ -579,8 +579,8 @@ class Tokenizer:
     pieces.append(text[start:].translate(restore))
     # Each piece after a control token is encoded as text that follows an added token, as in
     # `encode(text)`; encoded alone it would be the start of the input, which some tokenizers
-    # mark (a Metaspace pre-tokenizer with prepend_scheme="first" puts "▁" there). So is the
-    # first piece of a continuation.
+    # mark (a Metaspace pre-tokenizer with prepend_scheme="first" puts "▁" there). The first
+    # piece of a continuation is encoded as `encode_continuation` encodes it after `previous_id`.
     _check_no_stand_in(pieces, "encode_marked: text piece {i}")
     if continuation:
       first = self._encode_continuations(pieces[:1], False, previous_id)[0]
