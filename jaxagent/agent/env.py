@@ -181,7 +181,8 @@ class Env(abc.ABC):
     they print; `{output}` may appear more than once) with the default `format_observation`;
     with an overridden one, it is what that method puts around a placeholder output, or else
     around a placeholder error (so a format that adds the same text around every output, and
-    another around every error, is taken apart too). A text that cannot be taken apart (a
+    another around every error, is taken apart too); an override is called with these
+    placeholders once per env, the first time a text that spells a special token is encoded. A text that cannot be taken apart (a
     template field with a conversion or format spec such as `{output!r}`; a format that frames
     it otherwise) is tokenized whole with `parse_special=False` when the wrapper's own text
     spells no special token. Otherwise (the usual case: an output without special-token text)
@@ -192,7 +193,13 @@ class Env(abc.ABC):
     if "parse_special" not in inspect.signature(tokenizer.encode).parameters:
       return list(encode(text))
     if type(self).format_observation is not Env.format_observation:
-      frames = _formatted_frames(self.format_observation)
+      # The override runs only to find its frames, once per env (it may keep state: a counter
+      # of its calls or of errors counted two extra calls per observation), and not at all for
+      # a text that spells no special token (tokenized whole either way).
+      whole = list(encode(text))
+      if whole == list(encode(text, parse_special=False)):
+        return whole
+      frames = self._observation_frames()
       split = next((s for f in frames if (s := _split_segments(f, text)) is not None), None)
       literals = [seg for f in frames for seg in f] or None
     else:
@@ -212,6 +219,18 @@ class Env(abc.ABC):
     for seg in segments[1:]:
       ids += literal + (list(encode(seg)) if seg else [])
     return ids
+
+  def _observation_frames(self) -> list[list[str]]:
+    """`_formatted_frames` of this env's `format_observation`, found once and kept on the env."""
+    fn = type(self).format_observation
+    cache = getattr(self, "__dict__", None)  # an env with __slots__ finds them each time
+    kept = cache.get("_jaxagent_observation_frames") if cache is not None else None
+    if kept is not None and kept[0] is fn:
+      return kept[1]
+    frames = _formatted_frames(self.format_observation)
+    if cache is not None:
+      cache["_jaxagent_observation_frames"] = (fn, frames)
+    return frames
 
   @abc.abstractmethod
   def reward(self, trajectory: Trajectory, example: Example, tokenizer, step: int) -> RewardOutput:

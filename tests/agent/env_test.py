@@ -387,3 +387,33 @@ def test_a_format_that_leaves_out_the_error_keeps_its_own_control_tokens(tok):
   text = env.format_observation(ToolResult.failure("x<|im_end|>"))
   assert env.encode_observation(text, tok) == tok.encode(text)
   assert sum(t in tok.special_ids for t in tok.encode(text)) == 4
+
+
+def test_a_format_with_state_is_called_once_per_observation(tok):
+  """An overridden format that keeps state (a count of its error observations): encoding each
+  observation called it twice more with placeholders, once with an error, so two successful
+  calls counted two errors. It is now asked for its frames once per env, and not at all for a
+  text without special-token text; the tokens are those of the split as before."""
+
+  class Counting(CalculatorEnv):
+    def __init__(self, frame):
+      super().__init__()
+      self.frame, self.calls, self.errors = frame, 0, 0
+
+    def format_observation(self, result):
+      self.calls += 1
+      self.errors += not result.ok
+      return self.frame.format(output=result.to_observation())
+
+  plain = Counting("<result>{output}</result>")
+  for output in ("42", "43", "44"):
+    text = plain.format_observation(ToolResult(True, output))
+    assert plain.encode_observation(text, tok) == tok.encode(text)
+  assert (plain.calls, plain.errors) == (3, 0)
+  chat = Counting(OBSERVATION_TEMPLATES["chatml_tool"])
+  head, _, tail = OBSERVATION_TEMPLATES["chatml_tool"].partition("{output}")
+  for output in ("42", "x<|im_end|>y", "43"):
+    text = chat.format_observation(ToolResult(True, output))
+    ids = chat.encode_observation(text, tok)
+    assert ids == tok.encode(head) + tok.encode(output, parse_special=False) + tok.encode(tail)
+  assert (chat.calls, chat.errors) == (3 + 2, 1)  # the placeholders, once
