@@ -138,6 +138,8 @@ _LEFT_END = re.compile(r"\\left\s*$")
 # Thin, medium, thick and negative spaces, and a control space, which may stand between an operand
 # and its factorial ("\frac{10^7}{2}\,!").
 _SPACING_COMMANDS = frozenset(",;:! ")
+_SPACING = re.compile(r"(?:\s|\\[,;:! ])*")
+_SPACING_OR_RIGHT = re.compile(r"(?:\s|\\[,;:! ]|\\right(?![A-Za-z]))*")
 # LaTeX an operand may hold (`_operand_python`): a command's name (group 1), or a spacing command.
 _OPERAND_COMMAND = re.compile(r"\\(?:([A-Za-z]+)|[,;:! ])")
 # Such a command right before the group that ends a factorial's operand (`_command_start`).
@@ -183,7 +185,7 @@ def _too_costly(text: str) -> bool:
   if "!" in text and any(len(n) > 2 or math.factorial(int(n)) > _MAX_FACTORIAL
                          for n in _NESTED_FACTORIAL.findall(text)):
     return True
-  if "!" in text and any(_costly_operand(operand) for operand in set(_factorial_operands(text))):
+  if "!" in text and any(_costly_operand(*operand) for operand in set(_factorial_operands(text))):
     return True  # each operand read once: a long answer may repeat one many times
   if "^" not in text and "**" not in text:
     return False
@@ -220,23 +222,32 @@ def _factorial_operands(text: str):
   """The text of each factorial's operand in `text` that is a group (a bracket, a bar, a floor or
   a ceiling, with a command it is the last argument of: "\\frac{10^7}{2}"), a number, a constant
   ("e", "\\pi") or a power of these ("10^{6}" in "10^{6}!", "e^{100}" in "e^{100}!"); spaces and
-  spacing commands may stand before the "!". An operand that holds another factorial is left out:
-  it is no arithmetic of numbers, and so the operands read are disjoint and the cost is linear in
-  the text."""
-  opener, opened, command_end = {}, [], -1  # opened: (start, whether a bar) of each open group
+  spacing commands may stand before the "!". Each comes with whether the factorial is taken
+  twice: the operand of a factorial of a factorial ("((18)!)!", "(|18|!)!", "(10^1)!!"), which
+  math-verify reads so. Any other operand that holds a factorial is left out: it is no arithmetic
+  of numbers, and so the operands read are disjoint and the cost is linear in the text."""
+  opener, opened, command_end = {}, [], -1  # opened: (start, end, whether a bar) of each open group
+  inside = {}  # where the content of each closed group starts and ends
   for m in _DELIMITER.finditer(text):
     if m[1]:
-      opened.append((m.start(), m[1].endswith(("|", "vert"))))
-    elif m[2] or (m[3] and opened and opened[-1][1] and _ends_value(text, m.start(), opener, command_end)):
+      opened.append((m.start(), m.end(), m[1].endswith(("|", "vert"))))
+    elif m[2] or (m[3] and opened and opened[-1][2] and _ends_value(text, m.start(), opener, command_end)):
       if opened:
-        opener[m.end() - 1] = opened.pop()[0]
+        start, content, _ = opened.pop()
+        opener[m.end() - 1], inside[m.end() - 1] = start, (content, m.start())
     elif m[3]:
-      opened.append((m.start(), True))
+      opened.append((m.start(), m.end(), True))
     else:
       command_end = m.end() - 1
-  last = -1
+  last, last_start, last_operand = -1, -1, None  # the factorial before: where, its operand
   for m in re.finditer(r"(?<!\\)!", text):
     i = end = _skip_spacing(text, m.start() - 1)
+    if last_operand is not None and (end == last or (
+        end in inside and _SPACING.fullmatch(text, inside[end][0], last_start)
+        and _SPACING_OR_RIGHT.fullmatch(text, last + 1, inside[end][1]) and _alone(text, end, opener))):
+      yield last_operand, True  # "(18!)!", "18! !"
+      last, last_operand = m.start(), None
+      continue
     while True:  # one base or exponent per turn, right to left
       if i in opener:
         i = opener[i] - 1
@@ -264,11 +275,23 @@ def _factorial_operands(text: str):
       while power >= 0 and text[power] == " ":
         power -= 1
       i = power
-    if i >= last:  # else the operand holds the factorial before ("(5!)!")
-      operand = text[i + 1:end + 1].strip()
-      if operand:
-        yield operand
-    last = m.start()
+    operand = text[i + 1:end + 1].strip() or None if i >= last else None  # else it holds the one before
+    if operand:
+      yield operand, False
+    last, last_start, last_operand = m.start(), i + 1, operand
+
+
+def _alone(text: str, end: int, opener: dict[int, int]) -> bool:
+  """Whether the group that ends at `end` is a factorial's whole operand: no command's argument
+  ("\\frac{1}{(5!)}!") and no exponent ("10^{(5!)}!")."""
+  i = opener[end] - 1
+  left = _LEFT_END.search(text, max(i - 12, 0), i + 1)
+  i = left.start() - 1 if left else i
+  if _command_start(text, i, opener) != i:
+    return False
+  while i >= 0 and text[i] == " ":
+    i -= 1
+  return not text.endswith("^", 0, i + 1)
 
 
 def _ends_value(text: str, i: int, opener: dict[int, int], command_end: int) -> bool:
@@ -472,11 +495,11 @@ def _operand_argument(operand: str, i: int, open_: str, close: str) -> tuple[str
   return None, i
 
 
-def _costly_operand(operand: str) -> bool:
+def _costly_operand(operand: str, twice: bool = False) -> bool:
   """Whether a factorial's operand (`_factorial_operands`) is arithmetic of literal numbers whose
-  value passes `_MAX_FACTORIAL` (or overflows a float on the way); an operand with anything
-  else in it ("(2n)", "x^{2}") is left to math-verify."""
-  if operand.isdigit():
+  value (its factorial's, with `twice`) passes `_MAX_FACTORIAL` (or overflows a float on the
+  way); an operand with anything else in it ("(2n)", "x^{2}") is left to math-verify."""
+  if operand.isdigit() and not twice:
     return len(operand) > 6 or int(operand) > _MAX_FACTORIAL
   expr = _operand_python(operand)
   if expr is None or not _ARITHMETIC.fullmatch(expr):
@@ -487,6 +510,8 @@ def _costly_operand(operand: str) -> bool:
     value = _float_value(ast.parse(_LEADING_ZEROS.sub("", expr).strip(), mode="eval").body)
   except (SyntaxError, ValueError):
     return False
+  if twice and value is not None and value >= 0:
+    value = math.inf if not value <= 170 else math.gamma(value + 1)
   return value is not None and not value <= _MAX_FACTORIAL  # NaN: a term overflowed
 
 

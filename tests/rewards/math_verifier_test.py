@@ -839,6 +839,7 @@ def test_process_backend_kills_a_real_hang_within_the_limit(process_verifier):
     "1\\,000\\,000!", "(1000 \\cdot 1000)!", "10^{10^{10}}", "2^{2^{100}}",
     # A factorial of a large absolute value, floor, binomial, spaced fraction or power of e.
     "|10^7|!", "\\lfloor 10^7/2 \\rfloor!", "{100 \\choose 50}!", "\\frac{10^{7}}{2}\\,!", "e^{100}!",
+    "((18)!)!", "(\\frac{36}{2}!)!",  # a factorial of a factorial of arithmetic
 ])
 def test_pathological_input_is_refused_quickly(process_verifier, text):
   # Each took seconds to minutes inside math-verify (a timeout, or a worker killed).
@@ -912,6 +913,18 @@ def test_the_cost_guard_reads_fractions_roots_and_binomials_in_a_factorial(text,
 def test_the_cost_guard_reads_bars_floors_choose_spacing_and_constants_in_a_factorial(text, costly):
   # Each costly one ran to the time limit: the guard read no bar, floor, ceiling, \\choose,
   # spacing command before the "!" or power of e or \\pi as a factorial's operand.
+  assert _math_text._too_costly(text) is costly
+
+
+@pytest.mark.parametrize("text,costly", [
+    ("((18)!)!", True), ("(|18|!)!", True), ("(\\frac{36}{2}!)!", True), ("(10^1)!!", True), ("(\\,(9)!\\,)!", True),
+    ("\\left(|9|!\\right)!", True), ("|(9)!|!", True), ("(\\lfloor 9.5\\rfloor!)!", True), ("(8.5!)!", True),
+    ("((8)!)!", False), ("(3!)!!", False), ("((3!)!)!", False), ("\\frac{10}{2}!!", False), ("(2n)!!", False),
+    ("((2n)!)!", False), ("(n!)!", False), ("\\frac{1}{(9!)}!", False), ("(9)! \\cdot (9)!", False),
+])
+def test_the_cost_guard_reads_a_factorial_of_a_factorial_of_arithmetic(text, costly):
+  # math-verify reads "((18)!)!" and "(10^1)!!" as (18!)! and (10!)!, each past the time limit:
+  # the guard read such a factorial of a factorial only where its operand was a plain number.
   assert _math_text._too_costly(text) is costly
 
 
