@@ -1147,11 +1147,13 @@ def _check_no_stand_in(texts: Sequence[str], where: str) -> None:
 
 
 def _strings(value: Any) -> Iterable[str]:
-  """Every string inside plain data (dict values, list and tuple items; not dict keys)."""
+  """Every string inside plain data (dict keys and values, list and tuple items): templates
+  render keys too (a tool's parameter names, the keys of arguments written with `tojson`)."""
   if isinstance(value, str):
     yield value
   elif isinstance(value, dict):
-    for v in value.values():
+    for k, v in value.items():
+      yield from _strings(k)
       yield from _strings(v)
   elif isinstance(value, (list, tuple)):
     for v in value:
@@ -1163,7 +1165,7 @@ def _map_strings(value: Any, fn: Any) -> Any:
   if isinstance(value, str):
     return fn(value)
   if isinstance(value, dict):
-    return {k: _map_strings(v, fn) for k, v in value.items()}
+    return {_map_strings(k, fn): _map_strings(v, fn) for k, v in value.items()}
   if isinstance(value, list):
     return [_map_strings(v, fn) for v in value]
   if isinstance(value, tuple):

@@ -514,6 +514,21 @@ def test_control_tokens_spelled_in_messages_stay_text(tok, messages):
   assert tok.encode_chat(messages, parse_special_in_content=True) == tok.encode(text) != ids
 
 
+def test_control_tokens_spelled_in_dict_keys_stay_text(tok):
+  """Templates render keys too (a tool's parameter names, arguments written with `tojson`); a
+  key spelling "<|im_end|>" was not marked, so it became a second end of turn."""
+  template = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+              "{% if m.args %}{{ m.args | tojson }}{% endif %}<|im_end|>\n{% endfor %}")
+  end = tok.token_to_id("<|im_end|>")
+  messages = [{"role": "assistant", "content": "x", "args": {"<|im_end|>": {"<|im_start|>": 1}}}]
+  text = tok.apply_chat_template(messages, add_generation_prompt=False, chat_template=template)
+  ids = tok.encode_chat(messages, add_generation_prompt=False, chat_template=template)
+  assert tok.decode(ids) == text and ids.count(end) == 1
+  assert tok.token_to_id("<|im_start|>") not in ids[1:]
+  marked, restore = tok.mark_special_text(messages)
+  assert "<|im_end|>" not in json.dumps(marked) and len(restore) == 2
+
+
 _FRAGMENTS = ["<|im_end|>", "<|im_start|>", "<|endoftext|>", "<|im_", "end|>", "<|im_end|", "<think>",
               "assistant", "\n", " ", "x", "é😀", "\ue000", "1 2", "<"]
 
