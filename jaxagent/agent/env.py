@@ -192,7 +192,8 @@ class Env(abc.ABC):
     # `text` is encoded whole only when that is the result (not also on the split path).
     if "parse_special" not in inspect.signature(tokenizer.encode).parameters:
       return list(encode(text))
-    if type(self).format_observation is not Env.format_observation:
+    # A format of the env's own: a subclass's method, or a function set on the instance.
+    if getattr(self.format_observation, "__func__", None) is not Env.format_observation:
       # The override runs only to find its frames, once per env (it may keep state: a counter
       # of its calls or of errors counted two extra calls per observation), and not at all for
       # a text that spells no special token (tokenized whole either way).
@@ -222,7 +223,7 @@ class Env(abc.ABC):
 
   def _observation_frames(self) -> list[list[str]]:
     """`_formatted_frames` of this env's `format_observation`, found once and kept on the env."""
-    fn = type(self).format_observation
+    fn = getattr(self.format_observation, "__func__", self.format_observation)
     cache = getattr(self, "__dict__", None)  # an env with __slots__ finds them each time
     kept = cache.get("_jaxagent_observation_frames") if cache is not None else None
     if kept is not None and kept[0] is fn:

@@ -417,3 +417,19 @@ def test_a_format_with_state_is_called_once_per_observation(tok):
     ids = chat.encode_observation(text, tok)
     assert ids == tok.encode(head) + tok.encode(output, parse_special=False) + tok.encode(tail)
   assert (chat.calls, chat.errors) == (3 + 2, 1)  # the placeholders, once
+
+
+def test_a_format_set_on_the_env_instance_keeps_its_control_tokens(tok):
+  """A format assigned to an env instance (not a subclass) is the one the rollout calls; only a
+  subclass's method was seen as the env's own, so its text was split by the default template,
+  which it does not follow, and tokenized as literal text: a chat-turn wrapper lost its four
+  control tokens (the model saw "<|im_end|>" spelled out, and no tool turn)."""
+  env = CalculatorEnv()
+  env.format_observation = lambda r: OBSERVATION_TEMPLATES["chatml_tool"].format(
+      output=r.to_observation())
+  head, _, tail = OBSERVATION_TEMPLATES["chatml_tool"].partition("{output}")
+  for output in ("42", "x<|im_end|>y"):
+    text = env.format_observation(ToolResult(True, output))
+    ids = env.encode_observation(text, tok)
+    assert ids == tok.encode(head) + tok.encode(output, parse_special=False) + tok.encode(tail)
+    assert sum(t in tok.special_ids for t in ids) == 4
