@@ -158,6 +158,11 @@ class SearchQAEnv(Env):
                shaping_steps: int = 0, shaping_start: float = 0.0):
     if outcome not in ("exact_match", "f1"):
       raise ValueError(f"SearchQAEnv.outcome must be 'exact_match' or 'f1', got {outcome!r}")
+    # A truthy string ("no", "False" from a text config) kept the masking on: the ablation
+    # trained as the default arm, without a word.
+    if not isinstance(mask_observations, bool):
+      raise ValueError(f"SearchQAEnv.mask_observations must be a bool (False also trains on the "
+                       f"retrieved <information> tokens), got {mask_observations!r}")
     self.kb_config = kb_lib.KBConfig(
         seed=kb_seed, num_countries=num_countries, num_cities=num_cities,
         num_universities=num_universities, num_people=num_people, num_companies=num_companies,

@@ -363,6 +363,10 @@ def test_mask_observations_switch(data_dir, env):
   assert ablation.train_on_observations is True
   with pytest.raises(ValueError, match="outcome"):
     SearchQAEnv(data_dir=str(data_dir), outcome="bleu", **SMALL)
+  # A string from a text config is truthy: "no" kept the masking on and ran the default arm.
+  for value in ("no", "False", 0, None):
+    with pytest.raises(ValueError, match=rf"SearchQAEnv.mask_observations must be a bool.*{value!r}"):
+      make_env("search_qa", data_dir=str(data_dir), mask_observations=value, **SMALL)
 
 
 def test_unmasked_observations_enter_the_loss_mask(env, smol_tok):
