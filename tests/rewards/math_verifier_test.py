@@ -928,6 +928,26 @@ def test_the_cost_guard_reads_a_factorial_of_a_factorial_of_arithmetic(text, cos
   assert _math_text._too_costly(text) is costly
 
 
+@pytest.mark.parametrize("text,costly", [
+    ("e^{7}!", True), ("\\frac{10001}{3}!", True), ("(100\\pi)!", True), ("(1000\\sqrt{2})!", True),
+    ("\\frac{201}{2}!", True), ("(10^{2}+0.5)!", True),
+    ("e^{4}!", False), ("\\frac{199}{2}!", False), ("(\\frac{1}{2})!", False), ("(99.5)!", False),
+    ("(0.1 \\cdot 3000)!", False), ("\\frac{3}{0.01}!", False), ("\\frac{10^6}{20}!", False),
+])
+def test_the_cost_guard_refuses_a_large_factorial_of_no_whole_number(text, costly):
+  # Against a decimal gold math-verify rounds e^{7}! (1096.6!) to as many digits as it has: 11 s.
+  assert _math_text._too_costly(text) is costly
+
+
+def test_a_large_factorial_of_no_whole_number_is_refused_quickly(process_verifier):
+  process_verifier.equal("1", "1")  # make sure a worker is started; startup is not timed
+  before = process_verifier.stats()
+  start = time.monotonic()
+  assert not process_verifier.equal("e^{7}!", "0.25", timeout_s=3.0)
+  assert time.monotonic() - start < 0.5
+  assert process_verifier.stats()["timeouts"] == before["timeouts"]
+
+
 @pytest.mark.parametrize("text", ["\\frac{10^7}{2}!", "{\\frac{10^7}{2}}!", "\\binom{100}{50}!",
                                   "(\\frac{10^{7}}{2})!"])
 def test_a_factorial_of_a_large_fraction_or_binomial_is_refused_quickly(process_verifier, text):
