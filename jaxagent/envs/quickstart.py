@@ -102,8 +102,9 @@ class ArithmeticToolEnv(Env):
           "max_terms")
     sft_easy_fraction = easy_fraction if sft_easy_fraction is None else sft_easy_fraction
     for name, f in (("easy_fraction", easy_fraction), ("sft_easy_fraction", sft_easy_fraction)):
-      if not 0.0 <= f <= 1.0:
-        raise ValueError(f"{name} must be in [0, 1], got {f}")
+      # A string or None failed the comparison with a TypeError that named no setting.
+      if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
+        raise ValueError(f"ArithmeticToolEnv.{name} must be a number in [0, 1], got {f!r}")
     self.parser = XMLTagParser({"calc": ("calculator", "expression")}, answer_tag="answer")
     self.tools = ToolRegistry([Calculator()])
     self.easy_fraction = {"train": easy_fraction, "eval": easy_fraction,

@@ -134,10 +134,13 @@ def test_gold_is_the_exact_value_of_the_question():
 
 @pytest.mark.parametrize("setting", [
     dict(train_size=-5), dict(eval_size=-1), dict(sft_size=1e3), dict(seed=-1), dict(seed=1.5),
-    dict(train_size="100"), dict(min_terms=2.5), dict(easy_max_digits=0), dict(max_digits=True)])
+    dict(train_size="100"), dict(min_terms=2.5), dict(easy_max_digits=0), dict(max_digits=True),
+    dict(easy_fraction="0.5"), dict(easy_fraction=None), dict(sft_easy_fraction="1"),
+    dict(easy_fraction=float("nan"))])
 def test_bad_counts_and_seed_are_named(setting):
   # train_size=-5 drew 173 train problems without a word; the others failed inside
-  # reasoning-gym or numpy ("expected non-negative integer") without naming the setting.
+  # reasoning-gym or numpy ("expected non-negative integer") without naming the setting; a
+  # fraction given as text or None failed a comparison ("'<=' not supported between ...").
   (name,) = setting
   with pytest.raises(ValueError, match=rf"ArithmeticToolEnv.{name} must be"):
     make_env("quickstart", **setting).examples("train")
