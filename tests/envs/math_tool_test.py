@@ -148,6 +148,11 @@ def test_make_env_names_the_allowed_settings():
       make_env("math_tool", max_output_chars=bad)
   with pytest.raises(ValueError, match=r"MathToolEnv.seed must be an int, got 1.5"):
     make_env("math_tool", seed=1.5)
+  # The sandbox's limits said "SandboxConfig.timeout_s must be ...", a name the config lacks.
+  with pytest.raises(ValueError, match=r"MathToolEnv.code_timeout_s=0 is refused: .*positive"):
+    make_env("math_tool", code_timeout_s=0)
+  with pytest.raises(ValueError, match=r"MathToolEnv.code_memory_mb='1024' is refused"):
+    make_env("math_tool", code_memory_mb="1024")
   odd = MathToolEnv(train_size=0, eval_size=0, sft_size=0)
   assert odd.demonstration(Example(id="x", prompt="Q", gold="3", metadata={"answer_cot": 3})) is None
 
