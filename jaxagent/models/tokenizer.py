@@ -139,8 +139,9 @@ class Tokenizer:
   ):
     self._backend = backend
     self._literal_backend: tokenizers.Tokenizer | None = None  # built on first parse_special=False
-    # parse_special -> (backend with a stand-in added token, its id): see `_encode_after_control`
-    self._after_control: dict[bool, tuple[tokenizers.Tokenizer, int]] = {}
+    # (parse_special, rstrip) -> (backend with a stand-in added token, its id): see
+    # `_encode_after_control`
+    self._after_control: dict[tuple[bool, bool], tuple[tokenizers.Tokenizer, int]] = {}
     # parse_special -> backend that marks no start: see `_encode_after_text`
     self._unprefixed: dict[bool, tokenizers.Tokenizer] = {}
     self.name = name or "tokenizer"
@@ -274,17 +275,20 @@ class Tokenizer:
       self._literal_backend = literal
     return self._literal_backend
 
-  def _encode_after_control(self, texts: Sequence[str], parse_special: bool) -> list[list[int]]:
+  def _encode_after_control(self, texts: Sequence[str], parse_special: bool,
+                            rstrip: bool = False) -> list[list[int]]:
     """The ids of each of `texts` as it is encoded after a control token in `encode` of a whole
-    text: behind a stand-in added token (`_AFTER_CONTROL`), whose id is then dropped. The texts
-    must not hold the stand-in (`_check_no_stand_in`)."""
-    if parse_special not in self._after_control:
+    text: behind a stand-in added token (`_AFTER_CONTROL`), whose id is then dropped; with
+    `rstrip`, after one that strips the whitespace after it. The texts must not hold the
+    stand-in (`_check_no_stand_in`)."""
+    if (parse_special, rstrip) not in self._after_control:
       base = self._backend if parse_special else self._literal()
       backend = tokenizers.Tokenizer.from_str(base.to_str())
       backend.encode_special_tokens = not parse_special
-      backend.add_tokens([AddedToken(_AFTER_CONTROL, special=False, normalized=False)])
-      self._after_control[parse_special] = backend, backend.token_to_id(_AFTER_CONTROL)
-    backend, stand_in = self._after_control[parse_special]
+      backend.add_tokens([AddedToken(_AFTER_CONTROL, special=False, normalized=False,
+                                     rstrip=rstrip)])
+      self._after_control[parse_special, rstrip] = backend, backend.token_to_id(_AFTER_CONTROL)
+    backend, stand_in = self._after_control[parse_special, rstrip]
     encodings = backend.encode_batch([_AFTER_CONTROL + t for t in texts], add_special_tokens=False)
     for encoding in encodings:
       assert encoding.ids[0] == stand_in, (encoding.ids[:3], stand_in)
@@ -326,10 +330,13 @@ class Tokenizer:
   def _encode_continuations(self, texts: Sequence[str], parse_special: bool,
                             previous_id: int | None) -> list[list[int]]:
     """`texts` encoded as continuations after `previous_id` (see `encode_continuation`)."""
+    previous = None
     if previous_id is not None:
-      previous_id = one_token_id(previous_id, "previous_id")
-    if not self._marks_every_start or (
-        previous_id is not None and previous_id in self._backend.get_added_tokens_decoder()):
+      previous = self._backend.get_added_tokens_decoder().get(
+          one_token_id(previous_id, "previous_id"))
+    if previous is not None:  # an added token, which may strip the whitespace after it
+      return self._encode_after_control(texts, parse_special, rstrip=previous.rstrip)
+    if not self._marks_every_start:
       return self._encode_after_control(texts, parse_special)
     return self._encode_after_text(texts, parse_special)
 
@@ -350,7 +357,8 @@ class Tokenizer:
       still marks the text after an added token inside `text`, as `encode` does;
     - after an added token (`previous_id` such as "</s>", "<|end|>", or an added "<tool_call>"):
       as the text after it in `encode` of a whole text, which that second kind of tokenizer marks
-      ("</s>" + "hi" -> "</s>", "▁hi").
+      ("</s>" + "hi" -> "</s>", "▁hi"), and without the whitespace at its start where that
+      token strips the whitespace after it (an added token with rstrip).
     Tokenizers that mark no start (byte-level BPE: SmolLM2, Llama 3, Qwen) give the ids of
     `encode(text)` either way. As with any encoding in pieces, a word cut between the earlier
     text and `text` is not merged across the cut. Text holding U+10FFFE U+10FFFF (two Unicode

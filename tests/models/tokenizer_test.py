@@ -729,6 +729,26 @@ def test_encode_continuation_after_text_for_tokenizers_that_mark_every_start(kin
     mt.encode_continuation("x", previous_id="</s>")
 
 
+@pytest.mark.parametrize("kind", ["metaspace_always", "byte_level", "metaspace_first"])
+def test_encode_continuation_after_an_added_token_that_strips_whitespace(
+    kind, metaspace_first_tokenizer):
+  """An added token with rstrip takes the whitespace after it ("<|end|>\n<|user|>" has no
+  newline token); the text after it kept that whitespace when encoded on its own."""
+  import tokenizers
+  base = (metaspace_first_tokenizer() if kind == "metaspace_first"
+          else _every_start_tokenizer(kind)).backend
+  backend = tokenizers.Tokenizer.from_str(base.to_str())
+  backend.add_special_tokens([tokenizers.AddedToken("<|end|>", rstrip=True, normalized=False,
+                                                    special=True)])
+  t = T.Tokenizer(backend, bos_token="<s>", eos_token="</s>")
+  end = t.token_to_id("<|end|>")
+  for text in ["\n here", "  x</s>\n a", "here", ""]:
+    want = t.encode("<|end|>" + text)[1:]
+    assert t.encode_continuation(text, previous_id=end) == want, text
+  assert t.encode_continuation("\n here", previous_id=end) != t.encode_continuation(
+      "\n here", previous_id=t.eos_id)
+
+
 def test_spelled_control_tokens_in_tools_are_text(tool_dir):
   ours = T.load_tokenizer(tool_dir)
   tool = json.loads(json.dumps(_TOOL))
