@@ -160,6 +160,9 @@ class SearchQAEnv(Env):
       raise ValueError(f"SearchQAEnv.outcome must be 'exact_match' or 'f1', got {outcome!r}")
     # A truthy string ("no", "False" from a text config) kept the masking on: the ablation
     # trained as the default arm, without a word.
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+      # The search tool refused it as "SearchTool k", a name the env's settings do not have.
+      raise ValueError(f"SearchQAEnv.top_k must be an int >= 1 (passages per search), got {top_k!r}")
     if not isinstance(mask_observations, bool):
       raise ValueError(f"SearchQAEnv.mask_observations must be a bool (False also trains on the "
                        f"retrieved <information> tokens), got {mask_observations!r}")

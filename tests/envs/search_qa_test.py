@@ -367,6 +367,10 @@ def test_mask_observations_switch(data_dir, env):
   for value in ("no", "False", 0, None):
     with pytest.raises(ValueError, match=rf"SearchQAEnv.mask_observations must be a bool.*{value!r}"):
       make_env("search_qa", data_dir=str(data_dir), mask_observations=value, **SMALL)
+  # The search tool's own check said "SearchTool k must be >= 1", naming no setting.
+  for value in (0, -1, 2.5, "3", True):
+    with pytest.raises(ValueError, match=rf"SearchQAEnv.top_k must be an int >= 1.*got {value!r}"):
+      make_env("search_qa", data_dir=str(data_dir), top_k=value, **SMALL)
 
 
 def test_unmasked_observations_enter_the_loss_mask(env, smol_tok):
