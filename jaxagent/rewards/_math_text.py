@@ -104,9 +104,12 @@ _MAX_GAMMA = 100
 # A box's braces do not count: boxes in boxes are read one by one ("\boxed{\boxed{5}}").
 _NESTING_TOKEN = re.compile(r"\\(?:boxed|fbox)\s*\{|[(\[{]|[)\]}]")
 # A power of literal numbers, a tower read right to left ("9^{9^{9}}", "2**3**4"); group 1 the
-# base, group 2 the exponents.
+# base, a number or the constant e or pi ("e^{10^{7}}", which math-verify evaluates to round it
+# against a decimal: past the time limit), group 2 the exponents.
 _NUMBER_POWER = re.compile(
-    r"(?<![\d.])(\d+(?:\.\d+)?)((?:\s*(?:\^|\*\*)\s*(?:[{(]\s*)?\d+(?:\.\d+)?)+)")
+    r"((?<![\d.])\d+(?:\.\d+)?|(?<![A-Za-z\\])e(?![A-Za-z])|\\pi(?![A-Za-z]))"
+    r"((?:\s*(?:\^|\*\*)\s*(?:[{(]\s*)?\d+(?:\.\d+)?)+)")
+_CONSTANTS = {"e": math.e, "\\pi": math.pi}
 _POWER_EXPONENT = re.compile(r"\d+(?:\.\d+)?")
 # A factorial of a number ("\boxed{1000000!}", "1000000!", "(1000000)!": 8 to 12 s each). An
 # exclamation ending a sentence of prose ("So she has 1000000!") is a full stop by the time the
@@ -201,7 +204,7 @@ def _too_costly(text: str) -> bool:
     for n in reversed(numbers[1:-1]):
       base = float(n)
       exponent = math.inf if exponent * math.log10(max(base, 1.0)) > 300 else base**exponent
-    base = float(numbers[0])
+    base = _CONSTANTS[numbers[0]] if numbers[0] in _CONSTANTS else float(numbers[0])
     scale = abs(math.log10(base)) if base > 0 else 0.0
     if scale and exponent * scale > _MAX_DIGITS:
       return True

@@ -851,6 +851,27 @@ def test_pathological_input_is_refused_quickly(process_verifier, text):
   assert process_verifier.stats()["timeouts"] == before["timeouts"]
 
 
+@pytest.mark.parametrize("text,costly", [
+    ("e^{10^{7}}", True), ("\\pi^{10^{7}}", True), ("2e^{10^7}", True), ("x = e^{10^{7}}", True), ("e**10**7", True),
+    ("e^{300000}", True), ("e^{100000}", False), ("e^2", False), ("\\pi^{2}", False), ("e^{x}", False),
+    ("we^{10^7}", False),
+])
+def test_the_cost_guard_reads_powers_of_e_and_pi(text, costly):
+  # Against a decimal gold ("0.25") math-verify evaluates e^{10^{7}} to round it: past the time
+  # limit. The guard read a power of a number only.
+  assert _math_text._too_costly(text) is costly
+
+
+@pytest.mark.parametrize("text", ["e^{10^{7}}", "\\pi^{10^{7}}"])
+def test_a_large_power_of_e_is_refused_quickly(process_verifier, text):
+  process_verifier.equal("1", "1")  # make sure a worker is started; startup is not timed
+  before = process_verifier.stats()
+  start = time.monotonic()
+  assert not process_verifier.equal(text, "0.25", timeout_s=3.0)
+  assert time.monotonic() - start < 0.5
+  assert process_verifier.stats()["timeouts"] == before["timeouts"]
+
+
 def test_the_cost_guard_costs_linear_time():
   # Its power pattern tried each split of a run of spaces around an optional brace (3.4 s here).
   start = time.monotonic()
