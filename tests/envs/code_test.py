@@ -471,6 +471,11 @@ def test_limits_under_which_nothing_can_pass_are_refused():
     run_tests("def f():\n  return 1\n", "f", plan_tests(CHECK), timeout_s=float("inf"))
   with pytest.raises(TypeError, match=r"memory_mb must be an int, got 1000.0"):
     CodeEnv(eval_size=2, sft_size=2, memory_mb=1e3)
+  # The sandbox's own check named "SandboxConfig.memory_mb", a setting the config lacks.
+  with pytest.raises(ValueError, match=r"CodeEnv.memory_mb=0 is refused: .*>= 128"):
+    CodeEnv(eval_size=2, sft_size=2, memory_mb=0)
+  with pytest.raises(ValueError, match=r"bad settings for env 'code': CodeEnv.memory_mb='1024'"):
+    make_env("code", memory_mb="1024")
 
 
 def test_parser_stops_at_code(env):
