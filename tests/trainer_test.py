@@ -503,6 +503,37 @@ def test_chat_jsonl_turns_continue_the_conversation_with_a_metaspace_first_token
     assert policy == tok.encode("</s>the answer</s>here</s>")[1:]  # the replies after controls
 
 
+def test_chat_jsonl_turns_after_a_control_token_keep_the_mark_of_a_prepend_tokenizer(tmp_path):
+  """A tokenizer that marks every stretch of text between added tokens (a Prepend("▁")
+  normalizer, as legacy Llama 2 conversions have) marks the text after "<|im_end|>" in the
+  encoding of the whole rendering; the pieces of a chat JSONL lost that "▁" (the "\n" after
+  each "<|im_end|>" was encoded as text after text)."""
+  import tokenizers
+  from tokenizers import decoders, models as tok_models, normalizers, trainers
+  from jaxagent.models.tokenizer import Tokenizer
+  backend = tokenizers.Tokenizer(tok_models.BPE(unk_token="<unk>"))
+  backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                            normalizers.Replace(" ", "▁")])
+  backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Strip(" ", 1, 0)])
+  backend.train_from_iterator(["user what is this assistant the answer is here"] * 20,
+                              trainers.BpeTrainer(vocab_size=80, initial_alphabet=["\n"],
+                                                  special_tokens=["<unk>", "<|im_start|>",
+                                                                  "<|im_end|>"],
+                                                  show_progress=False))
+  template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+              "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+  tok = Tokenizer(backend, eos_token="<|im_end|>", chat_template=template)
+  msgs = [{"role": "user", "content": "what is this"}, {"role": "assistant", "content": "the answer"},
+          {"role": "user", "content": "what"}, {"role": "assistant", "content": "here"}]
+  path = tmp_path / "chat.jsonl"
+  path.write_text(json.dumps({"messages": msgs}) + "\n")
+  (item,) = sft_items_from_chat_jsonl(path, tok)
+  tokens = [int(t) for t in item.tokens]
+  assert tokens == tok.encode_chat(msgs, add_generation_prompt=False)
+  end = tok.token_to_id("<|im_end|>")
+  assert [tok.id_to_token(t) for t in tokens[tokens.index(end) + 1:][:2]] == ["▁", "\n"]
+
+
 def test_warm_start_sees_every_item_once_per_epoch_and_leaves_out_too_long_lines(
     tmp_path, monkeypatch):
   """Batches drew a fresh random subset each step (8 steps of 16 from 128 items saw 84 of them,

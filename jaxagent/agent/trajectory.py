@@ -455,6 +455,19 @@ def continuation_encoder(tokenizer):
   return encode if callable(encode) else tokenizer.encode
 
 
+def _continuation_ids(tokenizer, text: str, previous_id: int | None) -> list[int]:
+  """`text` encoded by `continuation_encoder` after the id `previous_id`, passed on where the
+  encoder takes it (`Tokenizer.encode_continuation`, `encode_marked`): tokenizers that mark each
+  stretch of text between added tokens with a "▁" mark text after a control token ("<|im_end|>")
+  but not text after text, as in the encoding of the whole rendering."""
+  encode = continuation_encoder(tokenizer)
+  try:
+    takes_previous = "previous_id" in inspect.signature(encode).parameters
+  except (TypeError, ValueError):  # a builtin or C function without a signature
+    takes_previous = False
+  return list(encode(text, previous_id=previous_id) if takes_previous else encode(text))
+
+
 def data_continuation_ids(tokenizer, text: str) -> list[int]:
   """`text` as data that continues a trajectory (a program's output, retrieved documents):
   encoded by `continuation_encoder`, with special-token spellings ("<|im_end|>") kept as text
@@ -493,7 +506,7 @@ def demonstration_trajectory(prompt_ids: Sequence[int], segments: Sequence[tuple
     if role == OBSERVATION and callable(getattr(env, "encode_observation", None)):
       ids = list(env.encode_observation(text, tokenizer))  # checked by the ledger
     else:  # the text continues the prompt and the turns before it
-      ids = continuation_encoder(tokenizer)(text)
+      ids = _continuation_ids(tokenizer, text, traj.token_ids[-1] if traj.token_ids else None)
     if role == POLICY:
       turn = len(traj.turns)
       span = traj.add_policy(ids, [0.0] * len(ids), turn)
