@@ -439,8 +439,11 @@ class SearchQAKB(tfds.core.GeneratorBasedBuilder, skip_registration=True):
     kb = self.builder_config.kb
     world = generate_world(kb)
     questions = generate_questions(world, kb)
+    # tfds cannot write a split without examples (an AssertionError "No examples were yielded"
+    # ended the build of every config with a split of size 0); such a split is not written, and
+    # `load_kb` reads it as empty.
     return {"documents": self._generate_examples(world.documents),
-            **{s: self._generate_examples(questions[s]) for s in SPLITS}}
+            **{s: self._generate_examples(questions[s]) for s in SPLITS if questions[s]}}
 
   def _generate_examples(self, records):
     empty: tuple[str, ...] = ()
@@ -529,6 +532,8 @@ def load_kb(cfg: KBConfig, data_dir: str | os.PathLike | None = None) -> Knowled
   sources = builder.as_data_source()
 
   def read(split: str, decode) -> list:
+    if split in SPLITS and getattr(cfg, f"{split}_size") == 0:
+      return []  # not written (tfds writes no empty split)
     if split not in sources:
       raise ValueError(f"the prepared knowledge base at {builder.data_dir} has no split "
                        f"{split!r} (has {sorted(sources)}); delete that directory to rebuild it")

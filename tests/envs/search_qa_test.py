@@ -127,6 +127,17 @@ def test_tfds_build_and_grain_read(data_dir):
   assert {f: f.stat().st_mtime for f in files} == mtimes
 
 
+def test_a_split_of_size_zero_is_built_and_read_empty(tmp_path):
+  """sft_size=0 (RL without a warm start) or eval_size=0 ended the build with tfds's
+  AssertionError "Failed to finalize writing of split 'sft': No examples were yielded"."""
+  cfg = kb.KBConfig(seed=9, **{**SMALL, "sft_size": 0, "eval_size": 0})
+  loaded = kb.load_kb(cfg, tmp_path)
+  assert loaded.questions == kb.generate_questions(kb.generate_world(cfg), cfg)
+  assert [len(loaded.questions[s]) for s in ("train", "eval", "sft")] == [SMALL["train_size"], 0, 0]
+  env = SearchQAEnv(data_dir=str(tmp_path), kb_seed=9, **{**SMALL, "sft_size": 0, "eval_size": 0})
+  assert len(env.examples("train")) == SMALL["train_size"] and env.examples("sft") == []
+
+
 def test_a_damaged_prepared_file_is_named_with_the_fix(tmp_path):
   cfg = kb.KBConfig(seed=9, **SMALL)
   builder = kb.build_kb(cfg, tmp_path)
