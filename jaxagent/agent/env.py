@@ -25,6 +25,8 @@ import dataclasses
 import functools
 import inspect
 import logging
+import math
+import numbers
 import string
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -245,6 +247,25 @@ class Env(abc.ABC):
     return None
 
 
+def check_shaping_settings(owner: str, *, shaping_steps: int = 0, shaping_start: float = 0.0,
+                           **weights: float) -> None:
+  """Raises a ValueError naming the env's own setting (`SearchQAEnv.format_weight`) for a reward
+  weight that is not a finite number, a `shaping_steps` that is not an int >= 0 (0: fixed
+  weights) or a `shaping_start` outside [0, 1]. The reward's checks name its parts instead
+  ("Component 'format': weight ...", "ProgressiveSchedule.num_steps must be an int >= 1"),
+  which are not the names a config sets."""
+  for name, w in weights.items():
+    if isinstance(w, bool) or not isinstance(w, numbers.Real) or not math.isfinite(w):
+      raise ValueError(f"{owner}.{name} must be a finite number (0 = off), got {w!r}")
+  if (isinstance(shaping_steps, bool) or not isinstance(shaping_steps, numbers.Integral)
+      or shaping_steps < 0):
+    raise ValueError(f"{owner}.shaping_steps must be an int >= 0 (0 = fixed weights), got "
+                     f"{shaping_steps!r}")
+  if (isinstance(shaping_start, bool) or not isinstance(shaping_start, numbers.Real)
+      or not 0.0 <= shaping_start <= 1.0):
+    raise ValueError(f"{owner}.shaping_start must be a number in [0, 1], got {shaping_start!r}")
+
+
 @functools.lru_cache(maxsize=64)
 def _template_parts(template: str) -> tuple[tuple, ...] | None:
   """`string.Formatter().parse(template)` as a tuple (parsed once per template: the env's
@@ -324,6 +345,7 @@ class CalculatorEnv(Env):
   observation_template = OBSERVATION_TEMPLATES["result"]
 
   def __init__(self, *, tool_bonus: float = 0.1):
+    check_shaping_settings("CalculatorEnv", tool_bonus=tool_bonus)
     self.parser = XMLTagParser({"calc": ("calculator", "expression")}, answer_tag="answer")
     self.tools = ToolRegistry([Calculator()])
     self._reward = CompositeReward([

@@ -49,7 +49,7 @@ import threading
 import time
 from typing import Any, Mapping, Sequence
 
-from jaxagent.agent.env import Env, Example
+from jaxagent.agent.env import Env, Example, check_shaping_settings
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import POLICY, Trajectory
 from jaxagent.rewards import (TESTS_PASSED_KEY, TESTS_TOTAL_KEY, Component, CompositeReward,
@@ -670,6 +670,8 @@ class CodeEnv(Env):
       if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"CodeEnv.{field} must be an int >= 0, got {value!r}")
     _check_limits(timeout_s, per_test_s, memory_mb, "CodeEnv")
+    check_shaping_settings("CodeEnv", syntax_weight=syntax_weight, shaping_steps=shaping_steps,
+                           shaping_start=shaping_start)
     problems = sorted(read_problems().values(), key=lambda p: int(p["task_id"].split("/")[1]))
     if max_prompt_chars:
       problems = [p for p in problems if len(p["prompt"]) <= max_prompt_chars]

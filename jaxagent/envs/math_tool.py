@@ -37,7 +37,8 @@ import re
 import textwrap
 from typing import Any, Mapping, Sequence
 
-from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Episode, Example
+from jaxagent.agent.env import (OBSERVATION_TEMPLATES, Env, Episode, Example,
+                                check_shaping_settings)
 from jaxagent.agent.parsers import XMLTagParser, _block_spans, _without
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
@@ -425,6 +426,8 @@ class MathToolEnv(Env):
                        f"got {max_output_chars!r}")
     if not isinstance(seed, int) or isinstance(seed, bool):
       raise ValueError(f"MathToolEnv.seed must be an int, got {seed!r}")
+    check_shaping_settings("MathToolEnv", format_weight=format_weight, tool_weight=tool_weight,
+                           shaping_steps=shaping_steps, shaping_start=shaping_start)
     self.sources, self.eval_sources = tuple(sources), tuple(eval_sources)
     self.seed = seed
     self.max_output_chars = max_output_chars

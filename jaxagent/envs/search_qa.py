@@ -34,7 +34,7 @@ import dataclasses
 import re
 from typing import Literal, Sequence
 
-from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example
+from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example, check_shaping_settings
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
 from jaxagent.envs import knowledge_base as kb_lib
@@ -163,6 +163,9 @@ class SearchQAEnv(Env):
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
       # The search tool refused it as "SearchTool k", a name the env's settings do not have.
       raise ValueError(f"SearchQAEnv.top_k must be an int >= 1 (passages per search), got {top_k!r}")
+    check_shaping_settings("SearchQAEnv", format_weight=format_weight,
+                           retrieval_weight=retrieval_weight, shaping_steps=shaping_steps,
+                           shaping_start=shaping_start)
     if not isinstance(mask_observations, bool):
       raise ValueError(f"SearchQAEnv.mask_observations must be a bool (False also trains on the "
                        f"retrieved <information> tokens), got {mask_observations!r}")

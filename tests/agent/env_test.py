@@ -433,3 +433,15 @@ def test_a_format_set_on_the_env_instance_keeps_its_control_tokens(tok):
     ids = env.encode_observation(text, tok)
     assert ids == tok.encode(head) + tok.encode(output, parse_special=False) + tok.encode(tail)
     assert sum(t in tok.special_ids for t in ids) == 4
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(tool_bonus="0.1"), r"CalculatorEnv.tool_bonus must be a finite number \(0 = off\), got '0.1'"),
+    (dict(tool_bonus=float("nan")), r"CalculatorEnv.tool_bonus must be a finite number"),
+    (dict(tool_bonus=None), r"CalculatorEnv.tool_bonus must be a finite number"),
+])
+def test_bad_shaping_settings_name_the_setting(kwargs, match):
+  """The reward's own check said "Component 'tool_calls': weight must be ...", a name the
+  env's settings do not have."""
+  with pytest.raises(ValueError, match=match):
+    CalculatorEnv(**kwargs)

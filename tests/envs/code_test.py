@@ -471,6 +471,11 @@ def test_limits_under_which_nothing_can_pass_are_refused():
     run_tests("def f():\n  return 1\n", "f", plan_tests(CHECK), timeout_s=float("inf"))
   with pytest.raises(TypeError, match=r"memory_mb must be an int, got 1000.0"):
     CodeEnv(eval_size=2, sft_size=2, memory_mb=1e3)
+  # The reward's own checks named "Component 'syntax'" and "ProgressiveSchedule.num_steps".
+  with pytest.raises(ValueError, match=r"CodeEnv.syntax_weight must be a finite number"):
+    CodeEnv(eval_size=2, sft_size=2, syntax_weight=float("inf"))
+  with pytest.raises(ValueError, match=r"CodeEnv.shaping_steps must be an int >= 0"):
+    CodeEnv(eval_size=2, sft_size=2, shaping_steps=-3)
   # The sandbox's own check named "SandboxConfig.memory_mb", a setting the config lacks.
   with pytest.raises(ValueError, match=r"CodeEnv.memory_mb=0 is refused: .*>= 128"):
     CodeEnv(eval_size=2, sft_size=2, memory_mb=0)

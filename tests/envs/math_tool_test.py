@@ -148,6 +148,12 @@ def test_make_env_names_the_allowed_settings():
       make_env("math_tool", max_output_chars=bad)
   with pytest.raises(ValueError, match=r"MathToolEnv.seed must be an int, got 1.5"):
     make_env("math_tool", seed=1.5)
+  # The reward's checks said "Component 'tool_calls': weight must be ..." and
+  # "ProgressiveSchedule.num_steps must be an int >= 1" (0 is off), naming no setting.
+  with pytest.raises(ValueError, match=r"MathToolEnv.tool_weight must be a finite number"):
+    make_env("math_tool", tool_weight=None)
+  with pytest.raises(ValueError, match=r"MathToolEnv.shaping_steps must be an int >= 0"):
+    make_env("math_tool", shaping_steps=2.5)
   # The sandbox's limits said "SandboxConfig.timeout_s must be ...", a name the config lacks.
   with pytest.raises(ValueError, match=r"MathToolEnv.code_timeout_s=0 is refused: .*positive"):
     make_env("math_tool", code_timeout_s=0)

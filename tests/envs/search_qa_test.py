@@ -378,6 +378,13 @@ def test_mask_observations_switch(data_dir, env):
   for value in ("no", "False", 0, None):
     with pytest.raises(ValueError, match=rf"SearchQAEnv.mask_observations must be a bool.*{value!r}"):
       make_env("search_qa", data_dir=str(data_dir), mask_observations=value, **SMALL)
+  # The reward's checks named its parts ("Component 'retrieval': weight ...",
+  # "ProgressiveSchedule.num_steps must be an int >= 1" for shaping_steps=-1, where 0 is off).
+  for setting, message in ((dict(retrieval_weight="0.2"), "retrieval_weight must be a finite"),
+                           (dict(shaping_steps=-1), r"shaping_steps must be an int >= 0 \(0 = fixed"),
+                           (dict(shaping_start=1.5), r"shaping_start must be a number in \[0, 1\]")):
+    with pytest.raises(ValueError, match=f"SearchQAEnv.{message}"):
+      make_env("search_qa", data_dir=str(data_dir), **setting, **SMALL)
   # The search tool's own check said "SearchTool k must be >= 1", naming no setting.
   for value in (0, -1, 2.5, "3", True):
     with pytest.raises(ValueError, match=rf"SearchQAEnv.top_k must be an int >= 1.*got {value!r}"):
