@@ -133,7 +133,8 @@ class SearchQAEnv(Env):
       questions (`knowledge_base.KBConfig`); hops and distractors set the difficulty.
     data_dir: where the tfds dataset is prepared ("" = `knowledge_base.default_data_dir()`).
     top_k: passages per search.
-    max_passage_chars: each passage is cut to this many characters in the observation; it must
+    max_passage_chars: each passage is cut to this many characters in the observation (None:
+      not cut); it must
       keep the sentence each hop reads from its supporting document (a ValueError says the
       smallest value that does).
     mask_observations: False trains on the retrieved `<information>` tokens too (ablation).
@@ -160,6 +161,11 @@ class SearchQAEnv(Env):
       raise ValueError(f"SearchQAEnv.outcome must be 'exact_match' or 'f1', got {outcome!r}")
     # A truthy string ("no", "False" from a text config) kept the masking on: the ablation
     # trained as the default arm, without a word.
+    if max_passage_chars is not None and (isinstance(max_passage_chars, bool) or not isinstance(
+        max_passage_chars, int) or max_passage_chars < 1):
+      # A string failed a comparison after the knowledge base was built ("'>' not supported").
+      raise ValueError(f"SearchQAEnv.max_passage_chars must be an int >= 1 or None (passages "
+                       f"uncut), got {max_passage_chars!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
       # The search tool refused it as "SearchTool k", a name the env's settings do not have.
       raise ValueError(f"SearchQAEnv.top_k must be an int >= 1 (passages per search), got {top_k!r}")

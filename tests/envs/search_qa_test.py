@@ -385,6 +385,10 @@ def test_mask_observations_switch(data_dir, env):
                            (dict(shaping_start=1.5), r"shaping_start must be a number in \[0, 1\]")):
     with pytest.raises(ValueError, match=f"SearchQAEnv.{message}"):
       make_env("search_qa", data_dir=str(data_dir), **setting, **SMALL)
+  for value in ("300", 300.0, 0):
+    with pytest.raises(ValueError, match=rf"SearchQAEnv.max_passage_chars must be an int >= 1 or "
+                       rf"None.*got {value!r}"):
+      make_env("search_qa", data_dir=str(data_dir), max_passage_chars=value, **SMALL)
   # The search tool's own check said "SearchTool k must be >= 1", naming no setting.
   for value in (0, -1, 2.5, "3", True):
     with pytest.raises(ValueError, match=rf"SearchQAEnv.top_k must be an int >= 1.*got {value!r}"):
