@@ -736,7 +736,15 @@ def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: i
 
   def read(s: int):
     meta = mgr.read_meta(s)
-    cfg = model_config_from_meta(meta)
+    # The format first: the model config of another format (or a field another jaxagent
+    # version added) raised a bare KeyError or TypeError, which the CLI showed as a traceback.
+    mgr.check(meta, step=s)
+    try:
+      cfg = model_config_from_meta(meta)
+    except (KeyError, TypeError, ValueError) as e:
+      raise IncompatibleCheckpointError(
+          f"checkpoint {mgr.step_path(s)} holds a model config this jaxagent cannot read "
+          f"({type(e).__name__}: {e}); export it with the jaxagent version that wrote it") from e
     abstract = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
     target = abstract_target(abstract, sharding.shardings(abstract, sharding.make_mesh()))
     mgr.check(meta, step=s, items={"params": target})

@@ -717,3 +717,30 @@ def test_export_skips_a_corrupt_newest_checkpoint(tmp_path, caplog):
   with pytest.raises(checkpoint.CheckpointError, match=r"no usable checkpoint in .*\n  .*2 is "
                      r"corrupt.*\n  .*1 is corrupt"):
     checkpoint.export_hf(tmp_path / "run", tmp_path / "hf3", tokenizer=None)
+
+
+def test_export_of_another_format_or_model_config_is_named_not_a_traceback(tmp_path):
+  """A checkpoint of another format, or whose model config has a field this version lacks
+  (written by another jaxagent version), raised a bare TypeError from ModelConfig, which
+  `python -m jaxagent.export` showed as a traceback; now a CheckpointError names it."""
+  learner = _learner(2)
+  config = _config()
+  config.model.tokenizer = ""
+  ckdir = tmp_path / "run" / "checkpoints"
+  mgr = checkpoint.CheckpointManager(ckdir, checkpoint.CheckpointConfig(every=1, async_save=False))
+  mgr.save(1, _trained_state(learner, steps=1),
+           meta=dict(_meta(config), model_config=dataclasses.asdict(CFG)))
+  mgr.close()
+  meta_file = ckdir / "1" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  meta["model_config"]["a_later_field"] = 4
+  meta_file.write_text(json.dumps(meta))
+  with pytest.raises(checkpoint.IncompatibleCheckpointError,
+                     match=r"1 holds a model config this jaxagent cannot read \(TypeError: .*"
+                     r"a_later_field"):
+    checkpoint.export_hf(tmp_path / "run", tmp_path / "hf", step=1, tokenizer=None)
+  meta["format"] = checkpoint.FORMAT + 1
+  meta_file.write_text(json.dumps(meta))
+  with pytest.raises(checkpoint.IncompatibleCheckpointError,
+                     match=rf"1 has format {checkpoint.FORMAT + 1}; this jaxagent reads format"):
+    checkpoint.export_hf(tmp_path / "run", tmp_path / "hf", step=1, tokenizer=None)
