@@ -901,6 +901,12 @@ class Trainer:
         st, m = learner.train_step(st, pb.arrays())
       losses_seen.append(m["loss"])
       self.writer.message(f"sft step {i + 1}/{s.steps}: loss {m['loss']:.4f}")
+      if m.get("nonfinite"):  # train.nonfinite="skip": said as an RL step's skip is
+        bad = [k for k, v in m.items() if not math.isfinite(v)] or ["grad_norm"]
+        self.writer.message(
+            f"warning: SFT warm-start step {i + 1} of {s.steps}: non-finite {', '.join(bad)}; "
+            "the update was skipped (train.nonfinite='skip'): params and optimizer state are "
+            "unchanged")
       self.writer.write(-s.steps + i, {"sft/loss": m["loss"], "sft/grad_norm": m["grad_norm"]})
       # A stop (a preemption notice) between steps ends the warm start here: waiting for the
       # rest could outlast the notice's grace period. Nothing of it is kept (see `run`).

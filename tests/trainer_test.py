@@ -1721,3 +1721,28 @@ def test_sigterm_during_the_warm_start_stops_after_the_current_sft_step(tmp_path
   assert summary["stopped_at_step"] == 0
   assert summary["stopped_in"] == "SFT warm-start step 2 of 4"
   assert not trainer.warm_started and "pass@1/after_sft" not in summary
+
+
+def test_a_skipped_nonfinite_warm_start_step_is_said(ckpt_trainer, monkeypatch, tmp_path):
+  """train.nonfinite='skip' in the SFT warm start: a skipped step is named with its metrics, as
+  an RL step's is. The console showed only 'sft step 1/2: loss 0.7000' (an infinite gradient
+  norm with a finite loss), so a warm start that updated nothing looked like one that trained."""
+  trainer = ckpt_trainer
+  line = {"messages": [{"role": "user", "content": "2+2?"},
+                       {"role": "assistant", "content": "<answer>4</answer>"}]}
+  data = tmp_path / "sft.jsonl"
+  data.write_text((json.dumps(line) + "\n") * 2)
+  for k, v in (("data", str(data)), ("steps", 2), ("batch_size", 2)):
+    monkeypatch.setitem(trainer.config.sft, k, v)
+  monkeypatch.setattr(trainer, "state", trainer.state)  # (the warm start replaces it)
+  said = []
+  monkeypatch.setattr(trainer.writer, "message", said.append)
+  monkeypatch.setattr(trainer.writer, "write", lambda *a, **k: None)
+  results = iter([{"loss": 0.7, "grad_norm": float("inf"), "nonfinite": 1.0},
+                  {"loss": 0.6, "grad_norm": 1.0, "nonfinite": 0.0}])
+  monkeypatch.setattr(step_lib.Learner, "train_step",
+                      lambda self, st, batch: (st, dict(next(results))))
+  trainer.warm_start()
+  assert [m for m in said if "non-finite" in m] == [
+      "warning: SFT warm-start step 1 of 2: non-finite grad_norm; the update was skipped "
+      "(train.nonfinite='skip'): params and optimizer state are unchanged"], said
