@@ -184,11 +184,12 @@ class Env(abc.ABC):
     with an overridden one, it is what that method puts around a placeholder output, or else
     around a placeholder error (so a format that adds the same text around every output, and
     another around every error, is taken apart too); an override is called with these
-    placeholders once per env, the first time a text that spells a special token is encoded. A text that cannot be taken apart (a
-    template field with a conversion or format spec such as `{output!r}`; a format that frames
-    it otherwise) is tokenized whole with `parse_special=False` when the wrapper's own text
-    spells no special token. Otherwise (the usual case: an output without special-token text)
-    `text` is tokenized whole, as before. Override for other formats.
+    placeholders once per env, the first time a text that spells a special token is encoded.
+    A text that cannot be taken apart (a template field with a conversion or format spec such
+    as `{output!r}`; a format that frames it otherwise) is tokenized whole with
+    `parse_special=False` when the wrapper's own text spells no special token. Otherwise (the
+    usual case: an output without special-token text) `text` is tokenized whole, as before.
+    Override for other formats.
     """
     encode = continuation_encoder(tokenizer)
     # `text` is encoded whole only when that is the result (not also on the split path).
