@@ -142,6 +142,10 @@ _DELIMITER = re.compile(
     r"|(\\right\s*(?:\||\\vert(?![A-Za-z]))|\\r(?:floor|ceil|vert)(?![A-Za-z])|[)\]}])"
     r"|(\||\\vert(?![A-Za-z]))|\\(?:[A-Za-z]+|.)", re.DOTALL)
 _LEFT_END = re.compile(r"\\left\s*$")
+_FACTORIAL_MARK = re.compile(r"(?<!\\)!")  # "\\!" is a negative space
+# The gamma function ("\Gamma(10^7)", "\Gamma\left(10^7\right)"), a factorial: its argument's group
+# starts where this ends.
+_GAMMA = re.compile(r"\\Gamma(?![A-Za-z])\s*(?:\\left(?![A-Za-z])\s*)?")
 # Thin, medium, thick and negative spaces, and a control space, which may stand between an operand
 # and its factorial ("\frac{10^7}{2}\,!").
 _SPACING_COMMANDS = frozenset(",;:! ")
@@ -176,7 +180,7 @@ def _too_costly(text: str) -> bool:
       depth += counts
       if depth > _MAX_NESTING:
         return True
-  if text.isascii() and "!" not in text and "^" not in text and "**" not in text:
+  if text.isascii() and "!" not in text and "^" not in text and "**" not in text and "\\Gamma" not in text:
     return False
   # Numbers and powers as `_math_compare._parse_answer` writes them before math-verify reads them
   # ("1\,000\,000!", "1~000~000!" and "(1e6)!" are 1000000!; "10⁶!" is 10^{6}!).
@@ -192,7 +196,8 @@ def _too_costly(text: str) -> bool:
   if "!" in text and any(len(n) > 2 or math.factorial(int(n)) > _MAX_FACTORIAL
                          for n in _NESTED_FACTORIAL.findall(text)):
     return True
-  if "!" in text and any(_costly_operand(*operand) for operand in set(_factorial_operands(text))):
+  if ("!" in text or "\\Gamma" in text) and any(_costly_operand(*operand)
+                                                for operand in set(_factorial_operands(text))):
     return True  # each operand read once: a long answer may repeat one many times
   if "^" not in text and "**" not in text:
     return False
@@ -233,32 +238,52 @@ def _factorial_operands(text: str):
   twice: the operand of a factorial of a factorial ("((18)!)!", "(|18|!)!", "(10^1)!!"), which
   math-verify reads so. Any other operand that holds a factorial is left out: it is no arithmetic
   of numbers, and so the operands read are disjoint and the cost is linear in the text."""
-  opener, opened, command_end = {}, [], -1  # opened: (start, end, whether a bar) of each open group
-  inside = {}  # where the content of each closed group starts and ends
+  opener, opened, bars, command_end = {}, [], set(), -1  # opened: where each open group starts
+  wide = {}  # a delimiter longer than a character ("\\lfloor"): where it ends, from its start, or
+  # where it starts, from its end
   for m in _DELIMITER.finditer(text):
-    if m[1]:
-      opened.append((m.start(), m.end(), m[1].endswith(("|", "vert"))))
-    elif m[2] or (m[3] and opened and opened[-1][2] and _ends_value(text, m.start(), opener, command_end)):
+    kind = m.lastindex
+    if kind == 1:
+      start, end = m.span()
+      opened.append(start)
+      if end - start > 1:
+        wide[start] = end
+        if m[1][-1] in "|t":  # "\\left|", "\\lvert"
+          bars.add(start)
+    elif kind == 2 or (kind == 3 and opened and opened[-1] in bars and _ends_value(text, m.start(), opener, command_end)):
       if opened:
-        start, content, _ = opened.pop()
-        opener[m.end() - 1], inside[m.end() - 1] = start, (content, m.start())
-    elif m[3]:
-      opened.append((m.start(), m.end(), True))
+        start, end = m.span()
+        opener[end - 1] = opened.pop()
+        if end - start > 1:
+          wide[end - 1] = start
+    elif kind == 3:
+      start, end = m.span()
+      opened.append(start)
+      bars.add(start)
+      if end - start > 1:
+        wide[start] = end
     else:
       command_end = m.end() - 1
+  if "\\Gamma" in text:  # \Gamma(x) is (x - 1)!: read as x!, a bound
+    closing = {start: end for end, start in opener.items()}
+    for m in _GAMMA.finditer(text):
+      if m.end() in closing and text[m.end()] in "({[":
+        yield text[m.end():closing[m.end()] + 1], False
   last, last_start, last_operand = -1, -1, None  # the factorial before: where, its operand
-  for m in re.finditer(r"(?<!\\)!", text):
-    i = end = _skip_spacing(text, m.start() - 1)
-    if last_operand is not None and (end == last or (
-        end in inside and _SPACING.fullmatch(text, inside[end][0], last_start)
-        and _SPACING_OR_RIGHT.fullmatch(text, last + 1, inside[end][1]) and _alone(text, end, opener))):
+  for m in _FACTORIAL_MARK.finditer(text):
+    bang = m.start()
+    i = end = bang - 1
+    if i >= 0 and (text[i] == " " or (i and text[i - 1] == "\\")):
+      i = end = _skip_spacing(text, i)
+    if last_operand is not None and (end == last or (end in opener and _holds_just(text, end, opener, wide, last_start, last))):
       yield last_operand, True  # "(18!)!", "18! !"
-      last, last_operand = m.start(), None
+      last, last_operand = bang, None
       continue
     while True:  # one base or exponent per turn, right to left
       if i in opener:
         i = opener[i] - 1
-        left = _LEFT_END.search(text, max(i - 12, 0), i + 1)
+        spaced = i >= 0 and (text[i] == " " or text.endswith("ft", 0, i + 1))  # "\\left(", "\\left ("
+        left = _LEFT_END.search(text, max(i - 12, 0), i + 1) if spaced else None
         i = left.start() - 1 if left else _command_start(text, i, opener)
       elif i >= 0 and text[i].isdigit():
         while i >= 0 and (text[i].isdigit() or text[i] == "."):
@@ -268,7 +293,7 @@ def _factorial_operands(text: str):
       elif text.endswith("\\pi", 0, i + 1):
         i -= 3
       else:
-        i = m.start()  # a power of something else ("x^{10^6}!")
+        i = bang  # a power of something else ("x^{10^6}!")
         break
       power = i
       while power >= 0 and text[power] == " ":
@@ -285,7 +310,16 @@ def _factorial_operands(text: str):
     operand = text[i + 1:end + 1].strip() or None if i >= last else None  # else it holds the one before
     if operand:
       yield operand, False
-    last, last_start, last_operand = m.start(), i + 1, operand
+    last, last_start, last_operand = bang, i + 1, operand
+
+
+def _holds_just(text: str, end: int, opener: dict[int, int], wide: dict[int, int], start: int, stop: int) -> bool:
+  """Whether the group that ends at `end` holds just `text[start:stop + 1]` (spaces, spacing
+  commands and "\\right" aside) and is a factorial's whole operand (`_alone`)."""
+  content = wide.get(opener[end], opener[end] + 1)
+  return (content <= start and _SPACING.fullmatch(text, content, start) is not None
+          and _SPACING_OR_RIGHT.fullmatch(text, stop + 1, wide.get(end, end)) is not None
+          and _alone(text, end, opener))
 
 
 def _alone(text: str, end: int, opener: dict[int, int]) -> bool:

@@ -840,6 +840,7 @@ def test_process_backend_kills_a_real_hang_within_the_limit(process_verifier):
     # A factorial of a large absolute value, floor, binomial, spaced fraction or power of e.
     "|10^7|!", "\\lfloor 10^7/2 \\rfloor!", "{100 \\choose 50}!", "\\frac{10^{7}}{2}\\,!", "e^{100}!",
     "((18)!)!", "(\\frac{36}{2}!)!",  # a factorial of a factorial of arithmetic
+    "\\Gamma(10^7)", "\\Gamma\\left(10^{7}\\right)",  # the gamma function
 ])
 def test_pathological_input_is_refused_quickly(process_verifier, text):
   # Each took seconds to minutes inside math-verify (a timeout, or a worker killed).
@@ -957,6 +958,16 @@ def test_the_cost_guard_reads_a_factorial_of_a_factorial_of_arithmetic(text, cos
 ])
 def test_the_cost_guard_refuses_a_large_factorial_of_no_whole_number(text, costly):
   # Against a decimal gold math-verify rounds e^{7}! (1096.6!) to as many digits as it has: 11 s.
+  assert _math_text._too_costly(text) is costly
+
+
+@pytest.mark.parametrize("text,costly", [
+    ("\\Gamma(10^7)", True), ("\\Gamma\\left(10^7\\right)", True), ("\\Gamma{10^7}", True), ("\\Gamma (1000.5)", True),
+    ("\\Gamma(1000000)", True), ("\\Gamma(5)", False), ("\\Gamma(\\frac{1}{2})", False), ("\\Gamma(n)", False),
+    ("\\Gamma(10^5)", False), ("\\Gamma 10^7", False),  # math-verify reads the last as EulerGamma * 10^7
+])
+def test_the_cost_guard_reads_the_gamma_function(text, costly):
+  # \\Gamma(x) is (x - 1)!: math-verify evaluates \\Gamma(10^7) past the time limit.
   assert _math_text._too_costly(text) is costly
 
 
