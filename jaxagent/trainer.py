@@ -1277,23 +1277,26 @@ class Trainer:
         # curves and export, and said to rerun a run that had nothing left to do.
         say(f"{self._stop_reason} after the last step ({self.step} of {c.total_steps}): "
             "finishing the run")
-    if c.total_steps:
-      last = [r for r in self.writer.history if "eval/pass@1" in r]
-      if last:
-        self.summary["pass@1/after_rl"] = last[-1]["eval/pass@1"]
-        self.summary["pass@1/after_rl_se"] = last[-1]["eval/pass@1_se"]
-    self.summary["time_s"] = time.time() - t_start
-    png = self.writer.plot()
-    if png:
-      self.summary["curves_png"] = str(png)
-    if c.get("export", False):
-      self.summary["export"] = str(self.export())
-    say("summary: " + json.dumps(self.summary))
-    if jax.process_index() == 0:
-      (self.workdir / "summary.json").write_text(finite_json(self.summary, indent=2))
-    if self.ckpt is not None:
-      self.ckpt.wait()
-    return self.summary
+      # Still under the SIGTERM handler: a notice during the export or the wait for the last
+      # checkpoint's write is a stop request (the run is finishing anyway), not the default
+      # exit that cut that checkpoint short.
+      if c.total_steps:
+        last = [r for r in self.writer.history if "eval/pass@1" in r]
+        if last:
+          self.summary["pass@1/after_rl"] = last[-1]["eval/pass@1"]
+          self.summary["pass@1/after_rl_se"] = last[-1]["eval/pass@1_se"]
+      self.summary["time_s"] = time.time() - t_start
+      png = self.writer.plot()
+      if png:
+        self.summary["curves_png"] = str(png)
+      if c.get("export", False):
+        self.summary["export"] = str(self.export())
+      say("summary: " + json.dumps(self.summary))
+      if jax.process_index() == 0:
+        (self.workdir / "summary.json").write_text(finite_json(self.summary, indent=2))
+      if self.ckpt is not None:
+        self.ckpt.wait()
+      return self.summary
 
   def _out_of_time(self, t_rl: float) -> bool:
     """Whether the RL loop that began at `t_rl` has used up `train.time_limit_s` (process 0's

@@ -1746,3 +1746,32 @@ def test_a_skipped_nonfinite_warm_start_step_is_said(ckpt_trainer, monkeypatch, 
   assert [m for m in said if "non-finite" in m] == [
       "warning: SFT warm-start step 1 of 2: non-finite grad_norm; the update was skipped "
       "(train.nonfinite='skip'): params and optimizer state are unchanged"], said
+
+
+def test_a_sigterm_after_the_last_step_is_caught_until_the_run_returns(ckpt_trainer, monkeypatch):
+  """SIGTERM while a finished run exports, writes its summary and waits for the last (async)
+  checkpoint: the trainer's handler was already gone, so the signal's default action killed
+  the process there, with the final checkpoint possibly half written. Now it is caught (a stop
+  request) until `run` returns, and the run finishes its writes."""
+  import os
+  import signal
+  trainer = ckpt_trainer
+  monkeypatch.setattr(trainer, "restore", lambda: trainer.config.total_steps)  # a finished run
+  monkeypatch.setattr(trainer, "_stop_reason", None)
+  monkeypatch.setattr(trainer.writer, "message", lambda msg: None)
+  monkeypatch.setattr(trainer.writer, "plot", lambda: None)
+  monkeypatch.setitem(trainer.config, "export", True)
+
+  def export():
+    os.kill(os.getpid(), signal.SIGTERM)  # the preemption notice, during the export
+    return "exported"
+
+  monkeypatch.setattr(trainer, "export", export)
+  outside = []  # what the process's own handler (the default: exit) would have received
+  previous = signal.signal(signal.SIGTERM, lambda signum, frame: outside.append(signum))
+  try:
+    summary = trainer.run()
+  finally:
+    signal.signal(signal.SIGTERM, previous)
+  assert outside == [] and trainer._stop_reason == "received SIGTERM"
+  assert summary["export"] == "exported"
