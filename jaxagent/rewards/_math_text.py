@@ -110,6 +110,14 @@ _NUMBER_POWER = re.compile(
     r"((?<![\d.])\d+(?:\.\d+)?|(?<![A-Za-z\\])e(?![A-Za-z])|\\pi(?![A-Za-z]))"
     r"((?:\s*(?:\^|\*\*)\s*(?:[{(]\s*)?\d+(?:\.\d+)?)+)")
 _CONSTANTS = {"e": math.e, "\\pi": math.pi}
+# A power of e, \pi or a number whose exponent is a group of arithmetic ("e^{e^{e^{e}}}",
+# "e^{-10^{7}}", "2^{3 \cdot 10^6}"), or an exponential ("\exp(10^{7})", "\exp\left(10^{7}\right)"):
+# bounded by its digits as `_NUMBER_POWER` is (each ran to the time limit against "0.25"); group 1
+# the base, None for "\exp". The group starts where this ends (`_group_closings`).
+_GROUP_POWER = re.compile(
+    r"(?:((?<![\d.])\d+(?:\.\d+)?|(?<![A-Za-z\\])e(?![A-Za-z])|\\pi(?![A-Za-z]))\s*(?:\^|\*\*)"
+    r"|\\exp(?![A-Za-z]))\s*(?:\\left(?![A-Za-z])\s*)?(?=[({\[])")
+_GROUP_TOKEN = re.compile(r"\\.|[(\[{]|[)\]}]", re.DOTALL)
 _POWER_EXPONENT = re.compile(r"\d+(?:\.\d+)?")
 # A factorial of a number ("\boxed{1000000!}", "1000000!", "(1000000)!": 8 to 12 s each). An
 # exclamation ending a sentence of prose ("So she has 1000000!") is a full stop by the time the
@@ -180,7 +188,8 @@ def _too_costly(text: str) -> bool:
       depth += counts
       if depth > _MAX_NESTING:
         return True
-  if text.isascii() and "!" not in text and "^" not in text and "**" not in text and "\\Gamma" not in text:
+  if (text.isascii() and "!" not in text and "^" not in text and "**" not in text and "\\Gamma" not in text
+          and "\\exp" not in text):
     return False
   # Numbers and powers as `_math_compare._parse_answer` writes them before math-verify reads them
   # ("1\,000\,000!", "1~000~000!" and "(1e6)!" are 1000000!; "10⁶!" is 10^{6}!).
@@ -199,6 +208,8 @@ def _too_costly(text: str) -> bool:
   if ("!" in text or "\\Gamma" in text) and any(_costly_operand(*operand)
                                                 for operand in set(_factorial_operands(text))):
     return True  # each operand read once: a long answer may repeat one many times
+  if ("^" in text or "**" in text or "\\exp" in text) and _costly_group_powers(text):
+    return True
   if "^" not in text and "**" not in text:
     return False
   for m in _NUMBER_POWER.finditer(text):
@@ -214,6 +225,36 @@ def _too_costly(text: str) -> bool:
     if scale and exponent * scale > _MAX_DIGITS:
       return True
   return False
+
+
+def _costly_group_powers(text: str) -> bool:
+  """Whether a power whose exponent is a group of arithmetic, or an exponential (`_GROUP_POWER`),
+  has more than `_MAX_DIGITS` digits, or fewer than -`_MAX_DIGITS` (or overflows a float on the
+  way); each group is read once per power it is the exponent of, and groups nest no deeper than
+  `_MAX_NESTING`: linear time."""
+  closings = None
+  for m in _GROUP_POWER.finditer(text):
+    closings = _group_closings(text) if closings is None else closings
+    if m.end() not in closings:
+      continue
+    exponent = _operand_value(text[m.end() + 1:closings[m.end()]])
+    base = math.e if m[1] is None else _CONSTANTS[m[1]] if m[1] in _CONSTANTS else float(m[1])
+    scale = abs(math.log10(base)) if base > 0 else 0.0
+    if exponent is not None and scale and not abs(exponent) * scale <= _MAX_DIGITS:  # NaN too
+      return True
+  return False
+
+
+def _group_closings(text: str) -> dict[int, int]:
+  """Where each bracket of `text` that opens a group is closed, by where it opens; escaped
+  brackets ("\\{") group nothing."""
+  closings, opened = {}, []
+  for m in _GROUP_TOKEN.finditer(text):
+    if m[0] in "([{":
+      opened.append(m.start())
+    elif m[0] in ")]}" and opened:
+      closings[opened.pop()] = m.start()
+  return closings
 
 
 def _double_factorials(text: str) -> str:
@@ -542,20 +583,26 @@ def _costly_operand(operand: str, twice: bool = False) -> bool:
   way); an operand with anything else in it ("(2n)", "x^{2}") is left to math-verify."""
   if operand.isdigit() and not twice:
     return len(operand) > 6 or int(operand) > _MAX_FACTORIAL
-  expr = _operand_python(operand)
-  if expr is None or not _ARITHMETIC.fullmatch(expr):
-    return False
-  if len(expr) > _MAX_OPERAND:
-    return True
-  try:
-    value = _float_value(ast.parse(_LEADING_ZEROS.sub("", expr).strip(), mode="eval").body)
-  except (SyntaxError, ValueError):
-    return False
+  value = _operand_value(operand)
   if twice and value is not None and value >= 0:
     value = math.inf if not value <= 170 else math.gamma(value + 1)
   if value is not None and _MAX_GAMMA < value < math.inf and abs(value - round(value)) > 1e-9 * value:
     return True  # no whole number (up to a float's rounding: "(0.1 \cdot 3000)!" is 300!)
   return value is not None and not value <= _MAX_FACTORIAL  # NaN: a term overflowed
+
+
+def _operand_value(operand: str) -> float | None:
+  """The value of an operand (`_operand_python`) that is arithmetic of literal numbers, in floats;
+  inf where it is longer than `_MAX_OPERAND`, None where it is no such arithmetic or has no value."""
+  expr = _operand_python(operand)
+  if expr is None or not _ARITHMETIC.fullmatch(expr):
+    return None
+  if len(expr) > _MAX_OPERAND:
+    return math.inf
+  try:
+    return _float_value(ast.parse(_LEADING_ZEROS.sub("", expr).strip(), mode="eval").body)
+  except (SyntaxError, ValueError):
+    return None
 
 
 def _float_value(node: ast.AST) -> float | None:

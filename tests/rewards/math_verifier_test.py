@@ -856,14 +856,20 @@ def test_pathological_input_is_refused_quickly(process_verifier, text):
     ("e^{10^{7}}", True), ("\\pi^{10^{7}}", True), ("2e^{10^7}", True), ("x = e^{10^{7}}", True), ("e**10**7", True),
     ("e^{300000}", True), ("e^{100000}", False), ("e^2", False), ("\\pi^{2}", False), ("e^{x}", False),
     ("we^{10^7}", False),
+    # An exponent that is a group of arithmetic, and an exponential.
+    ("\\exp(10^{7})", True), ("\\exp\\left(10^{7}\\right)", True), ("\\exp{10^7}", True), ("e^{e^{e^{e}}}", True),
+    ("e^{-10^{7}}", True), ("2^{3 \\cdot 10^6}", True), ("\\exp(-10^{400})", True), ("\\exp(2)", False),
+    ("\\exp\\left(2\\right)", False), ("\\exp(\\frac{1}{2})", False), ("e^{e}", False), ("e^{e^{e}}", False),
+    ("\\exp(200000)", False), ("e^{i\\pi}", False), ("2^{-100}", False), ("\\exp(x)", False),
 ])
 def test_the_cost_guard_reads_powers_of_e_and_pi(text, costly):
-  # Against a decimal gold ("0.25") math-verify evaluates e^{10^{7}} to round it: past the time
-  # limit. The guard read a power of a number only.
+  # Against a decimal gold ("0.25") math-verify evaluates e^{10^{7}}, \\exp(10^{7}) and
+  # e^{e^{e^{e}}} (e^{3814279}) to round them: past the time limit. The guard read a power of a
+  # number only, with numbers for exponents.
   assert _math_text._too_costly(text) is costly
 
 
-@pytest.mark.parametrize("text", ["e^{10^{7}}", "\\pi^{10^{7}}"])
+@pytest.mark.parametrize("text", ["e^{10^{7}}", "\\pi^{10^{7}}", "\\exp(10^{7})", "e^{e^{e^{e}}}"])
 def test_a_large_power_of_e_is_refused_quickly(process_verifier, text):
   process_verifier.equal("1", "1")  # make sure a worker is started; startup is not timed
   before = process_verifier.stats()
@@ -1027,7 +1033,8 @@ def test_realistic_nesting_and_powers_are_read(thread_verifier):
   for prediction, gold in [("((((((((((5))))))))))", "5"), ("\\boxed{" * 30 + "5" + "}" * 30, "5"),
                            ("2^{100}", "1267650600228229401496703205376"), ("10^{100}", "10^{100}"), ("9^{9}", "387420489"),
                            ("\\boxed{5!}", "120"), ("So she has 1000000!", "1000000"),
-                           ("(2^{4})!", "20922789888000"), ("10^{1}!", "3628800")]:
+                           ("(2^{4})!", "20922789888000"), ("10^{1}!", "3628800"), ("\\exp(2)", "e^{2}"),
+                           ("\\exp\\left(2\\right)", "e^2")]:
     assert thread_verifier.equal(prediction, gold, timeout_s=30.0), prediction
 
 
