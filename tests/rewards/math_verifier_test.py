@@ -979,6 +979,18 @@ def test_the_cost_guard_reads_the_gamma_function(text, costly):
   assert _math_text._too_costly(text) is costly
 
 
+@pytest.mark.parametrize("text,costly", [
+    ("\\prod_{k=1}^{10^6} k", True), ("\\sum_{k=1}^{20000} \\frac{1}{k}", True), ("\\sum\\limits_{k=1}^{10^{6}} k", True),
+    ("\\sum_{k = 0}^{5000} k", True), ("\\sum_{k=-10^6}^{0} k", True), ("\\sum_{i=1}^{10^{400}} i", True),
+    ("\\sum_{k=1}^{5000} \\frac{1}{k}", False), ("\\prod_{k=1}^{5} k", False), ("\\sum_{k=1}^{100} k", False),
+    ("\\sum_{k=1}^9 k", False), ("\\sum_{k=1}^{n} k", False), ("\\sum_{k=1}^{\\infty} \\frac{1}{k^2}", False),
+])
+def test_the_cost_guard_bounds_sums_and_products_by_their_terms(text, costly):
+  # math-verify evaluates a sum or product with literal bounds term by term: 20,000 terms of 1/k
+  # and \\prod_{k=1}^{10^6} k ran to the time limit against "0.25" (10,000 terms of 1/k: 2.3 s).
+  assert _math_text._too_costly(text) is costly
+
+
 def test_a_large_factorial_of_no_whole_number_is_refused_quickly(process_verifier):
   process_verifier.equal("1", "1")  # make sure a worker is started; startup is not timed
   before = process_verifier.stats()
@@ -1034,7 +1046,7 @@ def test_realistic_nesting_and_powers_are_read(thread_verifier):
                            ("2^{100}", "1267650600228229401496703205376"), ("10^{100}", "10^{100}"), ("9^{9}", "387420489"),
                            ("\\boxed{5!}", "120"), ("So she has 1000000!", "1000000"),
                            ("(2^{4})!", "20922789888000"), ("10^{1}!", "3628800"), ("\\exp(2)", "e^{2}"),
-                           ("\\exp\\left(2\\right)", "e^2")]:
+                           ("\\exp\\left(2\\right)", "e^2"), ("\\prod_{k=1}^{5} k", "120"), ("\\sum_{k=1}^{100} k", "5050")]:
     assert thread_verifier.equal(prediction, gold, timeout_s=30.0), prediction
 
 
