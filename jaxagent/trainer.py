@@ -1380,17 +1380,21 @@ class Trainer:
     """
     if self._restore_done:
       return self._resumed
-    self._restore_done = True
+    # Marked done only when it has succeeded: after a restore that raised (checkpoints that do
+    # not fit this run or do not read), a second `run` took it as done with nothing to resume
+    # and started from scratch over those checkpoints.
     if self.ckpt is None:
       if self.ckpt_cfg.path(self.workdir).is_dir():
         self.writer.message(f"checkpoint_every=0: not resuming from the checkpoints in "
                             f"{self.ckpt_cfg.path(self.workdir)}")
+      self._restore_done = True
       return None
     ref_target = (checkpoint.params_target(self.state.params, self.mesh)
                   if self.loss_cfg.kl_coef > 0 else None)
     r = self.ckpt.restore_latest(checkpoint.state_target(self.state, self.mesh),
                                  ref_target=ref_target, config=self.config)
     if r is None:
+      self._restore_done = True
       return None
     checkpoint.check_model_config(r.meta, self.cfg, r.path)
     if not r.meta.get("warm_started"):
@@ -1415,7 +1419,7 @@ class Trainer:
     self.writer.progress(min(r.step, self.config.total_steps))
     self.writer.message(f"resumed from checkpoint {r.path} (RL step {r.step} of "
                         f"{self.config.total_steps})")
-    self._resumed = r.step
+    self._resumed, self._restore_done = r.step, True
     return r.step
 
   def _rewind_metrics(self, step: int) -> None:

@@ -1775,3 +1775,24 @@ def test_a_sigterm_after_the_last_step_is_caught_until_the_run_returns(ckpt_trai
     signal.signal(signal.SIGTERM, previous)
   assert outside == [] and trainer._stop_reason == "received SIGTERM"
   assert summary["export"] == "exported"
+
+
+def test_a_run_whose_resume_failed_fails_again_instead_of_starting_over(ckpt_trainer,
+                                                                       monkeypatch):
+  """`run` again after its restore raised (checkpoints of another run, or none that reads): the
+  restore counted as done with nothing to resume, so the second `run` started from scratch (warm
+  start, step 0 saved) beside those checkpoints."""
+  from jaxagent import checkpoint
+  trainer = ckpt_trainer
+  monkeypatch.setattr(trainer, "_restore_done", False)
+  monkeypatch.setattr(trainer, "_resumed", None)
+
+  def restore_latest(*args, **kwargs):
+    raise checkpoint.IncompatibleCheckpointError("checkpoint 4 does not match this run")
+
+  monkeypatch.setattr(trainer.ckpt, "restore_latest", restore_latest)
+  monkeypatch.setattr(trainer.writer, "set_aside_earlier_run", lambda: None)
+  monkeypatch.setattr(trainer, "_pre_rl", lambda: pytest.fail("the run started from scratch"))
+  for _ in range(2):
+    with pytest.raises(checkpoint.IncompatibleCheckpointError, match="checkpoint 4"):
+      trainer.run()
