@@ -150,12 +150,12 @@ _NESTED_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*!\s*(?:\)\s*)?!")
 # such arithmetic is refused unread.
 _MAX_OPERAND = 200
 # The delimiters that group a factorial's operand (`_factorial_operands`): group 1 an opener, group
-# 2 a closer (brackets, "\left|", "\right|", floors, ceilings, "\lvert", "\rvert"), group 3 a bar
-# ("|", "\vert"), which opens or closes by what stands before it. Other commands and escaped
-# characters ("\{", "\(", "\|") group nothing.
+# 2 a closer (brackets, "\left|", "\right|", "\left\{", "\right\}", floors, ceilings, "\lvert",
+# "\rvert"), group 3 a bar ("|", "\vert"), which opens or closes by what stands before it. Other
+# commands and escaped characters ("\{" alone, "\(", "\|") group nothing.
 _DELIMITER = re.compile(
-    r"(\\left\s*(?:\||\\vert(?![A-Za-z]))|\\l(?:floor|ceil|vert)(?![A-Za-z])|[(\[{])"
-    r"|(\\right\s*(?:\||\\vert(?![A-Za-z]))|\\r(?:floor|ceil|vert)(?![A-Za-z])|[)\]}])"
+    r"(\\left\s*(?:\||\\vert(?![A-Za-z])|\\\{)|\\l(?:floor|ceil|vert)(?![A-Za-z])|[(\[{])"
+    r"|(\\right\s*(?:\||\\vert(?![A-Za-z])|\\\})|\\r(?:floor|ceil|vert)(?![A-Za-z])|[)\]}])"
     r"|(\||\\vert(?![A-Za-z]))|\\(?:[A-Za-z]+|.)", re.DOTALL)
 _LEFT_END = re.compile(r"\\left\s*$")
 _FACTORIAL_MARK = re.compile(r"(?<!\\)!")  # "\\!" is a negative space
@@ -178,6 +178,7 @@ _OPERAND_CONSTANTS = {"pi": "PI"}
 _OPERAND_OPENERS = {"lfloor": "floor(", "lceil": "ceil(", "lvert": "abs("}
 _OPERAND_CLOSERS = frozenset({"rfloor", "rceil", "rvert"})
 _BAR = re.compile(r"\s*(?:\||\\vert(?![A-Za-z]))")
+_ESCAPED_BRACE = re.compile(r"\s*\\[{}]")  # "\left\{ 10^6 \right\}": a group
 _ARITHMETIC = re.compile(r"(?:[\d.+\-*/() ,]|binom|abs|floor|ceil|E|PI)+")
 _LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
 
@@ -491,14 +492,14 @@ def _operand_python(operand: str) -> str | None:
       if name is None:  # a spacing command
         continue
       if name in ("left", "right"):
-        delimiter = _BAR.match(operand, i)
+        delimiter = _BAR.match(operand, i) or _ESCAPED_BRACE.match(operand, i)
         if delimiter is None:
           continue  # "\left(", "\left\lfloor": the delimiter is read next
-        i = delimiter.end()
+        i, bar = delimiter.end(), not delimiter[0].endswith(("{", "}"))
         if name == "left":
-          piece, opens, bar = "abs(", True, True
+          piece, opens = "abs(" if bar else "(", True
         else:
-          closes, bar = True, True
+          closes = True
       elif name == "vert":
         bar = True
       elif name == "choose":

@@ -841,6 +841,7 @@ def test_process_backend_kills_a_real_hang_within_the_limit(process_verifier):
     "|10^7|!", "\\lfloor 10^7/2 \\rfloor!", "{100 \\choose 50}!", "\\frac{10^{7}}{2}\\,!", "e^{100}!",
     "((18)!)!", "(\\frac{36}{2}!)!",  # a factorial of a factorial of arithmetic
     "\\Gamma(10^7)", "\\Gamma\\left(10^{7}\\right)",  # the gamma function
+    "\\left\\{10^6\\right\\}!",  # an escaped brace after \\left groups as a bracket does
 ])
 def test_pathological_input_is_refused_quickly(process_verifier, text):
   # Each took seconds to minutes inside math-verify (a timeout, or a worker killed).
@@ -895,6 +896,8 @@ def test_the_cost_guard_costs_linear_time():
     ("(1000 \\cdot 1000)!", True), ("(999999+1)!", True), ("10⁶!", True),
     ("(10^{400}-10^{399})!", True),  # a term past a float's range
     ("[10^6]!", True), ("\\left[10^{6}\\right]!", True), ("\\[ (10^6)! \\]", True), ("[2,3)!", False),
+    ("\\left\\{10^6\\right\\}!", True), ("\\left\\{ \\frac{10^{7}}{2} \\right\\}!", True), ("(\\left\\{9\\right\\}!)!", True),
+    ("\\left\\{5\\right\\}!", False), ("\\left\\{n\\right\\}!", False), ("\\left\\{1, 2\\right\\}", False),
     ("(" + "1+" * 200 + "1)!", True),  # arithmetic too long to read
     ("5!", False), ("2^{10}", False), ("(2^{4})!", False), ("10^{5}!", False), ("(3)!", False),
     ("(2n)!", False), ("x^{10^6}!", False), ("\\frac{10!}{3!}", False), ("5! = 120", False),
@@ -1015,7 +1018,7 @@ def test_small_factorials_of_fractions_roots_and_binomials_are_read(thread_verif
   for prediction, gold in [("\\frac{6}{2}!", "6"), ("{\\frac{6}{2}}!", "6"), ("\\sqrt{9}!", "6"),
                            ("\\binom{4}{2}!", "720"), ("\\sqrt[3]{27}!", "6"), ("\\frac{10}{2}!", "120"),
                            ("|{-5}|!", "120"), ("\\binom{5}{2}!", "3628800"), ("{5 \\choose 2}!", "3628800"),
-                           ("\\lfloor 7.5 \\rfloor!", "5040"), ("\\frac{10}{2}\\,!", "120")]:
+                           ("\\lfloor 7.5 \\rfloor!", "5040"), ("\\frac{10}{2}\\,!", "120"), ("\\left\\{5\\right\\}!", "120")]:
     assert thread_verifier.equal(prediction, gold, timeout_s=30.0), prediction
 
 
