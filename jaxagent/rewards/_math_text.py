@@ -159,6 +159,9 @@ _DELIMITER = re.compile(
     r"|(\||\\vert(?![A-Za-z]))|\\(?:[A-Za-z]+|.)", re.DOTALL)
 _LEFT_END = re.compile(r"\\left\s*$")
 _FACTORIAL_MARK = re.compile(r"(?<!\\)!")  # "\\!" is a negative space
+# Factorials of factorials read of one operand ("((4!)!)!" is 24!): past 3, a value of 3 or more
+# has passed any limit (3 -> 6 -> 720 -> 720!), and 1 and 2 stay as they are.
+_MAX_INNER = 4
 # The gamma function ("\Gamma(10^7)", "\Gamma\left(10^7\right)"), a factorial: its argument's group
 # starts where this ends.
 _GAMMA = re.compile(r"\\Gamma(?![A-Za-z])\s*(?:\\left(?![A-Za-z])\s*)?")
@@ -303,9 +306,9 @@ def _factorial_operands(text: str):
   """The text of each factorial's operand in `text` that is a group (a bracket, a bar, a floor or
   a ceiling, with a command it is the last argument of: "\\frac{10^7}{2}"), a number, a constant
   ("e", "\\pi") or a power of these ("10^{6}" in "10^{6}!", "e^{100}" in "e^{100}!"); spaces and
-  spacing commands may stand before the "!". Each comes with whether the factorial is taken
-  twice: the operand of a factorial of a factorial ("((18)!)!", "(|18|!)!", "(10^1)!!"), which
-  math-verify reads so. Any other operand that holds a factorial is left out: it is no arithmetic
+  spacing commands may stand before the "!". Each comes with how many factorials are taken
+  of it before the last (up to `_MAX_INNER`): the operand of a factorial of a factorial ("((18)!)!",
+  "(|18|!)!", "(10^1)!!", "((4!)!)!"), which math-verify reads so. Any other operand that holds a factorial is left out: it is no arithmetic
   of numbers, and so the operands read are disjoint and the cost is linear in the text."""
   opener, opened, bars, command_end = {}, [], set(), -1  # opened: where each open group starts
   wide = {}  # a delimiter longer than a character ("\\lfloor"): where it ends, from its start, or
@@ -338,15 +341,19 @@ def _factorial_operands(text: str):
     for m in _GAMMA.finditer(text):
       if m.end() in closing and text[m.end()] in "({[":
         yield text[m.end():closing[m.end()] + 1], False
-  last, last_start, last_operand = -1, -1, None  # the factorial before: where, its operand
+  last, last_start, last_operand, inner = -1, -1, None, 0  # the factorial before: where, its operand
   for m in _FACTORIAL_MARK.finditer(text):
     bang = m.start()
     i = end = bang - 1
     if i >= 0 and (text[i] == " " or (i and text[i - 1] == "\\")):
       i = end = _skip_spacing(text, i)
     if last_operand is not None and (end == last or (end in opener and _holds_just(text, end, opener, wide, last_start, last))):
-      yield last_operand, True  # "(18!)!", "18! !"
-      last, last_operand = bang, None
+      inner = min(inner + 1, _MAX_INNER)
+      yield last_operand, inner  # "(18!)!", "18! !", "((4!)!)!"
+      if end in opener:  # the group read is the operand of the factorial after it
+        left = _LEFT_END.search(text, max(opener[end] - 13, 0), opener[end])
+        last_start = left.start() if left else opener[end]
+      last = bang
       continue
     while True:  # one base or exponent per turn, right to left
       if i in opener:
@@ -379,7 +386,7 @@ def _factorial_operands(text: str):
     operand = text[i + 1:end + 1].strip() or None if i >= last else None  # else it holds the one before
     if operand:
       yield operand, False
-    last, last_start, last_operand = bang, i + 1, operand
+    last, last_start, last_operand, inner = bang, i + 1, operand, 0
 
 
 def _holds_just(text: str, end: int, opener: dict[int, int], wide: dict[int, int], start: int, stop: int) -> bool:
@@ -605,14 +612,16 @@ def _operand_argument(operand: str, i: int, open_: str, close: str) -> tuple[str
   return None, i
 
 
-def _costly_operand(operand: str, twice: bool = False) -> bool:
+def _costly_operand(operand: str, inner: int = 0) -> bool:
   """Whether a factorial's operand (`_factorial_operands`) is arithmetic of literal numbers whose
-  value (its factorial's, with `twice`) passes `_MAX_FACTORIAL` (or overflows a float on the
-  way); an operand with anything else in it ("(2n)", "x^{2}") is left to math-verify."""
-  if operand.isdigit() and not twice:
+  value (once `inner` factorials are taken of it) passes `_MAX_FACTORIAL` (or overflows a float
+  on the way); an operand with anything else in it ("(2n)", "x^{2}") is left to math-verify."""
+  if operand.isdigit() and not inner:
     return len(operand) > 6 or int(operand) > _MAX_FACTORIAL
   value = _operand_value(operand)
-  if twice and value is not None and value >= 0:
+  for _ in range(inner):
+    if value is None or not value >= 0:
+      break
     value = math.inf if not value <= 170 else math.gamma(value + 1)
   if value is not None and _MAX_GAMMA < value < math.inf and abs(value - round(value)) > 1e-9 * value:
     return True  # no whole number (up to a float's rounding: "(0.1 \cdot 3000)!" is 300!)

@@ -842,6 +842,7 @@ def test_process_backend_kills_a_real_hang_within_the_limit(process_verifier):
     "((18)!)!", "(\\frac{36}{2}!)!",  # a factorial of a factorial of arithmetic
     "\\Gamma(10^7)", "\\Gamma\\left(10^{7}\\right)",  # the gamma function
     "\\left\\{10^6\\right\\}!",  # an escaped brace after \\left groups as a bracket does
+    "((4!)!)!",  # three factorials
 ])
 def test_pathological_input_is_refused_quickly(process_verifier, text):
   # Each took seconds to minutes inside math-verify (a timeout, or a worker killed).
@@ -954,6 +955,9 @@ def test_the_cost_guard_reads_bars_floors_choose_spacing_and_constants_in_a_fact
     ("\\left(|9|!\\right)!", True), ("|(9)!|!", True), ("(\\lfloor 9.5\\rfloor!)!", True), ("(8.5!)!", True),
     ("((8)!)!", False), ("(3!)!!", False), ("((3!)!)!", False), ("\\frac{10}{2}!!", False), ("(2n)!!", False),
     ("((2n)!)!", False), ("(n!)!", False), ("\\frac{1}{(9!)}!", False), ("(9)! \\cdot (9)!", False),
+    # Three factorials and more: ((4!)!)! is 24!! (24! has 24 digits).
+    ("((4!)!)!", True), ("(4!)!!", True), ("(((4)!)!)!", True), ("\\left(\\left(4!\\right)!\\right)!", True),
+    ("(((\\frac{8}{2})!)!)!", True), ("(((3!)!)!)!", True), ("((2!)!)!", False), ("(((2n)!)!)!", False),
 ])
 def test_the_cost_guard_reads_a_factorial_of_a_factorial_of_arithmetic(text, costly):
   # math-verify reads "((18)!)!" and "(10^1)!!" as (18!)! and (10!)!, each past the time limit:
@@ -1026,7 +1030,8 @@ def test_the_cost_guard_reads_factorials_in_linear_time():
   # CPU time of this process: the guard is single-threaded Python, and other processes on a
   # loaded machine (a wall-clock 1 s limit failed once for about 0.3 s of work) do not count.
   start = time.process_time()
-  for text in ["(1)!" * 20000, "(1+2)! " * 20000, "2^" * 5000 + "2!", "(" + "1+" * 5000 + "1)!"]:
+  for text in ["(1)!" * 20000, "(1+2)! " * 20000, "2^" * 5000 + "2!", "(" + "1+" * 5000 + "1)!",
+               "(" + "1+" * 5000 + "1)" + "!" * 20000, "((1)!)!" * 10000]:
     _math_text._too_costly(text)
   assert time.process_time() - start < 1.0
 
