@@ -116,8 +116,9 @@ _CONSTANTS = {"e": math.e, "\\pi": math.pi}
 # the base, None for "\exp". The group starts where this ends (`_group_closings`).
 _GROUP_POWER = re.compile(
     r"(?:((?<![\d.])\d+(?:\.\d+)?|(?<![A-Za-z\\])e(?![A-Za-z])|\\pi(?![A-Za-z]))\s*(?:\^|\*\*)"
-    r"|\\exp(?![A-Za-z]))\s*(?:\\left(?![A-Za-z])\s*)?(?=[({\[])")
-# A sum or product with its index's bounds ("\\prod_{k=1}^{10^6} k", "\\sum_{k=1}^{20000} \\frac{1}{k}"),
+    r"|\\exp(?![A-Za-z]))\s*(?:\\left(?![A-Za-z])\s*)?(?=[({\[]|\\\{)")
+_GROUP_TOKEN = re.compile(r"\\?[{}]|\\.|[(\[]|[)\]]", re.DOTALL)
+# A sum or product with its index's bounds ("\prod_{k=1}^{10^6} k", "\sum_{k=1}^{20000} \frac{1}{k}"),
 # which math-verify evaluates term by term: bounded by its number of terms (each of these ran to
 # the time limit; 5,000 terms of 1/k took 0.4 s, 10,000 2.3 s). The lower bound's group starts where
 # this ends; `_SUM_INDEX` reads it, `_SUM_UPPER` the upper bound after it.
@@ -125,7 +126,6 @@ _MAX_TERMS = 5000
 _SUM = re.compile(r"\\(?:sum|prod)(?![A-Za-z])\s*(?:\\limits(?![A-Za-z])\s*)?_\s*(?=\{)")
 _SUM_INDEX = re.compile(r"\s*[A-Za-z]\s*=(.*)", re.DOTALL)
 _SUM_UPPER = re.compile(r"\s*\^\s*(?:(\{)|(\d))")
-_GROUP_TOKEN = re.compile(r"\\.|[(\[{]|[)\]}]", re.DOTALL)
 _POWER_EXPONENT = re.compile(r"\d+(?:\.\d+)?")
 # A factorial of a number ("\boxed{1000000!}", "1000000!", "(1000000)!": 8 to 12 s each). An
 # exclamation ending a sentence of prose ("So she has 1000000!") is a full stop by the time the
@@ -150,12 +150,12 @@ _NESTED_FACTORIAL = re.compile(r"(?<![\d.])(\d+)\s*!\s*(?:\)\s*)?!")
 # such arithmetic is refused unread.
 _MAX_OPERAND = 200
 # The delimiters that group a factorial's operand (`_factorial_operands`): group 1 an opener, group
-# 2 a closer (brackets, "\left|", "\right|", "\left\{", "\right\}", floors, ceilings, "\lvert",
-# "\rvert"), group 3 a bar ("|", "\vert"), which opens or closes by what stands before it. Other
-# commands and escaped characters ("\{" alone, "\(", "\|") group nothing.
+# 2 a closer (brackets, escaped braces, "\left|", "\right|", floors, ceilings, "\lvert", "\rvert"),
+# group 3 a bar ("|", "\vert"), which opens or closes by what stands before it. Other commands and
+# escaped characters ("\(", "\|") group nothing.
 _DELIMITER = re.compile(
-    r"(\\left\s*(?:\||\\vert(?![A-Za-z])|\\\{)|\\l(?:floor|ceil|vert)(?![A-Za-z])|[(\[{])"
-    r"|(\\right\s*(?:\||\\vert(?![A-Za-z])|\\\})|\\r(?:floor|ceil|vert)(?![A-Za-z])|[)\]}])"
+    r"(\\left\s*(?:\||\\vert(?![A-Za-z]))|\\l(?:floor|ceil|vert)(?![A-Za-z])|\\\{|[(\[{])"
+    r"|(\\right\s*(?:\||\\vert(?![A-Za-z]))|\\r(?:floor|ceil|vert)(?![A-Za-z])|\\\}|[)\]}])"
     r"|(\||\\vert(?![A-Za-z]))|\\(?:[A-Za-z]+|.)", re.DOTALL)
 _LEFT_END = re.compile(r"\\left\s*$")
 _FACTORIAL_MARK = re.compile(r"(?<!\\)!")  # "\\!" is a negative space
@@ -181,7 +181,6 @@ _OPERAND_CONSTANTS = {"pi": "PI"}
 _OPERAND_OPENERS = {"lfloor": "floor(", "lceil": "ceil(", "lvert": "abs("}
 _OPERAND_CLOSERS = frozenset({"rfloor", "rceil", "rvert"})
 _BAR = re.compile(r"\s*(?:\||\\vert(?![A-Za-z]))")
-_ESCAPED_BRACE = re.compile(r"\s*\\[{}]")  # "\left\{ 10^6 \right\}": a group
 _ARITHMETIC = re.compile(r"(?:[\d.+\-*/() ,]|binom|abs|floor|ceil|E|PI)+")
 _LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
 
@@ -249,7 +248,7 @@ def _costly_group_powers(text: str) -> bool:
     closings = _group_closings(text) if closings is None else closings
     if m.end() not in closings:
       continue
-    exponent = _operand_value(text[m.end() + 1:closings[m.end()]])
+    exponent = _operand_value(text[m.end() + 1 + (text[m.end()] == "\\"):closings[m.end()]])
     base = math.e if m[1] is None else _CONSTANTS[m[1]] if m[1] in _CONSTANTS else float(m[1])
     scale = abs(math.log10(base)) if base > 0 else 0.0
     if exponent is not None and scale and not abs(exponent) * scale <= _MAX_DIGITS:  # NaN too
@@ -277,13 +276,13 @@ def _costly_sums(text: str) -> bool:
 
 
 def _group_closings(text: str) -> dict[int, int]:
-  """Where each bracket of `text` that opens a group is closed, by where it opens; escaped
-  brackets ("\\{") group nothing."""
+  """Where each bracket of `text` that opens a group is closed, by where it opens; an escaped
+  brace ("\\{") is a bracket, other escaped brackets ("\\(") group nothing."""
   closings, opened = {}, []
   for m in _GROUP_TOKEN.finditer(text):
-    if m[0] in "([{":
+    if m[0][-1] in "([{":
       opened.append(m.start())
-    elif m[0] in ")]}" and opened:
+    elif m[0][-1] in ")]}" and opened:
       closings[opened.pop()] = m.start()
   return closings
 
@@ -489,6 +488,10 @@ def _operand_python(operand: str) -> str | None:
       bar, i = True, i + 1
     elif c == "e":
       piece, i = "E", i + 1
+    elif operand.startswith("\\{", i):  # "\{10^6\}", "\left\{10^6\right\}": a group
+      piece, opens, i = "(", True, i + 2
+    elif operand.startswith("\\}", i):
+      closes, i = True, i + 2
     elif c != "\\":
       return None  # a letter or a symbol: no arithmetic of numbers
     else:
@@ -499,14 +502,14 @@ def _operand_python(operand: str) -> str | None:
       if name is None:  # a spacing command
         continue
       if name in ("left", "right"):
-        delimiter = _BAR.match(operand, i) or _ESCAPED_BRACE.match(operand, i)
+        delimiter = _BAR.match(operand, i)
         if delimiter is None:
-          continue  # "\left(", "\left\lfloor": the delimiter is read next
-        i, bar = delimiter.end(), not delimiter[0].endswith(("{", "}"))
+          continue  # "\left(", "\left\lfloor", "\left\{": the delimiter is read next
+        i = delimiter.end()
         if name == "left":
-          piece, opens = "abs(" if bar else "(", True
+          piece, opens, bar = "abs(", True, True
         else:
-          closes = True
+          closes, bar = True, True
       elif name == "vert":
         bar = True
       elif name == "choose":

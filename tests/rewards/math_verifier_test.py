@@ -841,7 +841,7 @@ def test_process_backend_kills_a_real_hang_within_the_limit(process_verifier):
     "|10^7|!", "\\lfloor 10^7/2 \\rfloor!", "{100 \\choose 50}!", "\\frac{10^{7}}{2}\\,!", "e^{100}!",
     "((18)!)!", "(\\frac{36}{2}!)!",  # a factorial of a factorial of arithmetic
     "\\Gamma(10^7)", "\\Gamma\\left(10^{7}\\right)",  # the gamma function
-    "\\left\\{10^6\\right\\}!",  # an escaped brace after \\left groups as a bracket does
+    "\\left\\{10^6\\right\\}!", "\\{10^6\\}!",  # an escaped brace groups as a bracket does
     "((4!)!)!",  # three factorials
 ])
 def test_pathological_input_is_refused_quickly(process_verifier, text):
@@ -863,6 +863,7 @@ def test_pathological_input_is_refused_quickly(process_verifier, text):
     ("e^{-10^{7}}", True), ("2^{3 \\cdot 10^6}", True), ("\\exp(-10^{400})", True), ("\\exp(2)", False),
     ("\\exp\\left(2\\right)", False), ("\\exp(\\frac{1}{2})", False), ("e^{e}", False), ("e^{e^{e}}", False),
     ("\\exp(200000)", False), ("e^{i\\pi}", False), ("2^{-100}", False), ("\\exp(x)", False),
+    ("\\exp\\left\\{10^7\\right\\}", True), ("\\exp\\{10^7\\}", True), ("\\exp\\{2\\}", False),
 ])
 def test_the_cost_guard_reads_powers_of_e_and_pi(text, costly):
   # Against a decimal gold ("0.25") math-verify evaluates e^{10^{7}}, \\exp(10^{7}) and
@@ -899,6 +900,7 @@ def test_the_cost_guard_costs_linear_time():
     ("[10^6]!", True), ("\\left[10^{6}\\right]!", True), ("\\[ (10^6)! \\]", True), ("[2,3)!", False),
     ("\\left\\{10^6\\right\\}!", True), ("\\left\\{ \\frac{10^{7}}{2} \\right\\}!", True), ("(\\left\\{9\\right\\}!)!", True),
     ("\\left\\{5\\right\\}!", False), ("\\left\\{n\\right\\}!", False), ("\\left\\{1, 2\\right\\}", False),
+    ("\\{10^6\\}!", True), ("\\{ 10^{6} \\}!", True), ("\\{5\\}!", False), ("\\{1, 2\\}!", False),
     ("(" + "1+" * 200 + "1)!", True),  # arithmetic too long to read
     ("5!", False), ("2^{10}", False), ("(2^{4})!", False), ("10^{5}!", False), ("(3)!", False),
     ("(2n)!", False), ("x^{10^6}!", False), ("\\frac{10!}{3!}", False), ("5! = 120", False),
@@ -1022,7 +1024,8 @@ def test_small_factorials_of_fractions_roots_and_binomials_are_read(thread_verif
   for prediction, gold in [("\\frac{6}{2}!", "6"), ("{\\frac{6}{2}}!", "6"), ("\\sqrt{9}!", "6"),
                            ("\\binom{4}{2}!", "720"), ("\\sqrt[3]{27}!", "6"), ("\\frac{10}{2}!", "120"),
                            ("|{-5}|!", "120"), ("\\binom{5}{2}!", "3628800"), ("{5 \\choose 2}!", "3628800"),
-                           ("\\lfloor 7.5 \\rfloor!", "5040"), ("\\frac{10}{2}\\,!", "120"), ("\\left\\{5\\right\\}!", "120")]:
+                           ("\\lfloor 7.5 \\rfloor!", "5040"), ("\\frac{10}{2}\\,!", "120"), ("\\left\\{5\\right\\}!", "120"),
+                           ("\\{5\\}!", "120")]:
     assert thread_verifier.equal(prediction, gold, timeout_s=30.0), prediction
 
 
@@ -1054,7 +1057,8 @@ def test_realistic_nesting_and_powers_are_read(thread_verifier):
                            ("2^{100}", "1267650600228229401496703205376"), ("10^{100}", "10^{100}"), ("9^{9}", "387420489"),
                            ("\\boxed{5!}", "120"), ("So she has 1000000!", "1000000"),
                            ("(2^{4})!", "20922789888000"), ("10^{1}!", "3628800"), ("\\exp(2)", "e^{2}"),
-                           ("\\exp\\left(2\\right)", "e^2"), ("\\prod_{k=1}^{5} k", "120"), ("\\sum_{k=1}^{100} k", "5050")]:
+                           ("\\exp\\left(2\\right)", "e^2"), ("\\prod_{k=1}^{5} k", "120"), ("\\sum_{k=1}^{100} k", "5050"),
+                           ("\\exp\\left\\{2\\right\\}", "e^2")]:
     assert thread_verifier.equal(prediction, gold, timeout_s=30.0), prediction
 
 
