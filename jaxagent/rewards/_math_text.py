@@ -111,12 +111,14 @@ _NUMBER_POWER = re.compile(
     r"((?:\s*(?:\^|\*\*)\s*(?:[{(]\s*)?\d+(?:\.\d+)?)+)")
 _CONSTANTS = {"e": math.e, "\\pi": math.pi}
 # A power of e, \pi or a number whose exponent is a group of arithmetic ("e^{e^{e^{e}}}",
-# "e^{-10^{7}}", "2^{3 \cdot 10^6}"), or an exponential ("\exp(10^{7})", "\exp\left(10^{7}\right)"):
-# bounded by its digits as `_NUMBER_POWER` is (each ran to the time limit against "0.25"); group 1
-# the base, None for "\exp". The group starts where this ends (`_group_closings`).
+# "e^{-10^{7}}", "2^{3 \cdot 10^6}"), and so an exponential ("\exp(10^{7})", "\exp\left(10^{7}\right)",
+# "\exp(\exp(\exp(e)))", read as powers of e: `_EXPONENTIAL`): bounded by its digits as
+# `_NUMBER_POWER` is (each ran to the time limit against "0.25"); group 1 the base. The group
+# starts where this ends (`_group_closings`).
 _GROUP_POWER = re.compile(
-    r"(?:((?<![\d.])\d+(?:\.\d+)?|(?<![A-Za-z\\])e(?![A-Za-z])|\\pi(?![A-Za-z]))\s*(?:\^|\*\*)"
-    r"|\\exp(?![A-Za-z]))\s*(?:\\left(?![A-Za-z])\s*)?(?=[({\[]|\\\{)")
+    r"((?<![\d.])\d+(?:\.\d+)?|(?<![A-Za-z\\])e(?![A-Za-z])|\\pi(?![A-Za-z]))\s*(?:\^|\*\*)"
+    r"\s*(?:\\left(?![A-Za-z])\s*)?(?=[({\[]|\\\{)")
+_EXPONENTIAL = re.compile(r"\\exp(?![A-Za-z])")  # "\exp 10^7" is e^{10^7} too
 _GROUP_TOKEN = re.compile(r"\\?[{}]|\\.|[(\[]|[)\]]", re.DOTALL)
 # A sum or product with its index's bounds ("\prod_{k=1}^{10^6} k", "\sum_{k=1}^{20000} \frac{1}{k}"),
 # which math-verify evaluates term by term: bounded by its number of terms (each of these ran to
@@ -219,7 +221,9 @@ def _too_costly(text: str) -> bool:
   if ("!" in text or "\\Gamma" in text) and any(_costly_operand(*operand)
                                                 for operand in set(_factorial_operands(text))):
     return True  # each operand read once: a long answer may repeat one many times
-  if ("^" in text or "**" in text or "\\exp" in text) and (_costly_group_powers(text) or _costly_sums(text)):
+  if "\\exp" in text:
+    text = _EXPONENTIAL.sub(" e^", text)
+  if ("^" in text or "**" in text) and (_costly_group_powers(text) or _costly_sums(text)):
     return True
   if "^" not in text and "**" not in text:
     return False
@@ -239,8 +243,7 @@ def _too_costly(text: str) -> bool:
 
 
 def _costly_group_powers(text: str) -> bool:
-  """Whether a power whose exponent is a group of arithmetic, or an exponential (`_GROUP_POWER`),
-  has more than `_MAX_DIGITS` digits, or fewer than -`_MAX_DIGITS` (or overflows a float on the
+  """Whether a power whose exponent is a group of arithmetic (`_GROUP_POWER`) has more than `_MAX_DIGITS` digits, or fewer than -`_MAX_DIGITS` (or overflows a float on the
   way); each group is read once per power it is the exponent of, and groups nest no deeper than
   `_MAX_NESTING`: linear time."""
   closings = None
@@ -249,7 +252,7 @@ def _costly_group_powers(text: str) -> bool:
     if m.end() not in closings:
       continue
     exponent = _operand_value(text[m.end() + 1 + (text[m.end()] == "\\"):closings[m.end()]])
-    base = math.e if m[1] is None else _CONSTANTS[m[1]] if m[1] in _CONSTANTS else float(m[1])
+    base = _CONSTANTS[m[1]] if m[1] in _CONSTANTS else float(m[1])
     scale = abs(math.log10(base)) if base > 0 else 0.0
     if exponent is not None and scale and not abs(exponent) * scale <= _MAX_DIGITS:  # NaN too
       return True
