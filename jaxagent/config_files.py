@@ -24,7 +24,16 @@ def load_config_module(path: str | pathlib.Path) -> types.ModuleType:
   if spec is None or spec.loader is None:
     raise FileNotFoundError(f"not a Python config file: {path}")
   module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
+  # In sys.modules while it runs, as an import puts it: a dataclass defined in a config file
+  # with `from __future__ import annotations` looks its module up there, and raised
+  # "AttributeError: 'NoneType' object has no attribute '__dict__'" without it.
+  sys.modules[spec.name] = module
+  try:
+    spec.loader.exec_module(module)
+  except BaseException:
+    if sys.modules.get(spec.name) is module:
+      del sys.modules[spec.name]
+    raise
   return module
 
 

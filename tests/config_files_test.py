@@ -116,3 +116,26 @@ def test_an_override_without_a_config_file_asks_for_the_file():
   assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
   assert ("Unknown command line flag 'config.total_steps': --config.KEY=VALUE sets a key of the "
           "config file; pass the file first, --config=path.py[:variant]") in r.stderr, r.stderr
+
+
+def test_load_config_runs_a_file_that_defines_a_dataclass(tmp_path):
+  """A config file with `from __future__ import annotations` and a dataclass raised
+  "AttributeError: 'NoneType' object has no attribute '__dict__'" in `load_config` (the
+  dataclass looks up its module in sys.modules), while --config=that_file.py loaded it."""
+  from jaxagent import config_files
+  path = tmp_path / "with_dataclass.py"
+  path.write_text("from __future__ import annotations\n"
+                  "import dataclasses\n"
+                  "import ml_collections\n"
+                  "@dataclasses.dataclass\n"
+                  "class Schedule:\n"
+                  "  warmup: int = 3\n"
+                  "def get_config(arg=None):\n"
+                  "  return ml_collections.ConfigDict(dict(warmup=Schedule().warmup, arg=arg))\n")
+  c = config_files.load_config(path, "tiny")
+  assert (c.warmup, c.arg) == (3, "tiny")
+  broken = tmp_path / "broken_config.py"
+  broken.write_text("raise RuntimeError('no GPU here')\n")
+  with pytest.raises(RuntimeError, match="no GPU here"):
+    config_files.load_config(broken)
+  assert "jaxagent_config_broken_config" not in sys.modules
