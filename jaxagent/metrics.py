@@ -231,10 +231,15 @@ class MetricsWriter:
     return dest
 
   def close(self) -> None:
+    """Closes the files and the progress bar; closing again does nothing."""
     if self._bar is not None:
       self._bar.close()
+      self._bar = None
     if self._tb is not None:
-      self._tb.close()
+      # (a second close of the event file raised "ValueError: flush of closed file", so that
+      # `Trainer.close` could not be called twice)
+      tb, self._tb = self._tb, None
+      tb.close()
     if self._jsonl is not None:
       self._jsonl.close()
       self._jsonl = None

@@ -199,3 +199,12 @@ def test_append_line_appends_whole_lines_or_nothing(tmp_path, monkeypatch):
   monkeypatch.undo()
   metrics.append_line(path, '{"step": 3}')
   assert path.read_text() == '{"step": 1}\n{"step": 3}\n'
+
+
+def test_close_twice_is_a_no_op(tmp_path):
+  # The second close flushed the closed TensorBoard file: "ValueError: flush of closed file".
+  w = MetricsWriter(tmp_path, progress_total=2)
+  w.write(1, {"reward/mean": 0.5})
+  w.close()
+  w.close()
+  assert [ev.step for _, ev in _events(tmp_path / "tensorboard") if ev.summary.value] == [1]
