@@ -39,8 +39,9 @@ def load_config_module(path: str | pathlib.Path) -> types.ModuleType:
 
 def load_config(path: str | pathlib.Path, variant: str | None = None
                 ) -> ml_collections.ConfigDict:
-  """`get_config(variant)` of the config file at `path`."""
-  return load_config_module(path).get_config(variant)
+  """`get_config(variant)` of the config file at `path` (`get_config()` when `variant` is None,
+  as `--config=path.py` calls it, so a `get_config` that takes no argument loads too)."""
+  return load_config_module(path).get_config(*(() if variant is None else (variant,)))
 
 
 def did_you_mean(key: str, known, prefix: str = "") -> str:

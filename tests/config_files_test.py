@@ -139,3 +139,19 @@ def test_load_config_runs_a_file_that_defines_a_dataclass(tmp_path):
   with pytest.raises(RuntimeError, match="no GPU here"):
     config_files.load_config(broken)
   assert "jaxagent_config_broken_config" not in sys.modules
+
+
+def test_load_config_calls_a_get_config_without_an_argument_as_the_command_line_does(tmp_path):
+  # load_config passed None to it: "TypeError: get_config() takes 0 positional arguments but 1
+  # was given", where --config=that_file.py loaded the file.
+  from jaxagent import config_files
+  path = tmp_path / "no_arg.py"
+  path.write_text("import ml_collections\n"
+                  "def get_config():\n  return ml_collections.ConfigDict({'a': 1})\n")
+  assert config_files.load_config(path).a == 1
+  r = _parse(f"--config={path}")
+  assert r.returncode == 0 and r.stdout.strip() == "loaded ConfigDict 1", r.stderr[-2000:]
+  path.write_text("import ml_collections\n"
+                  "def get_config(arg='base'):\n  return ml_collections.ConfigDict({'a': arg})\n")
+  assert config_files.load_config(path).a == "base"
+  assert config_files.load_config(path, "tiny").a == "tiny"
