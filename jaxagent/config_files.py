@@ -129,17 +129,21 @@ def _unknown_override(argv: list[str], name: str = "config") -> str | None:
   if (loaded := _config_and_overrides(argv, name)) is None:
     return None
   config, keys = loaded
+
+  def shown(value) -> str:
+    return repr(value) if len(repr(value)) <= 40 else type(value).__name__
+
   for key in keys:
     parts = key.split(".")
-    if any("[" in p for p in parts):  # an indexed key: ml_collections' own message
-      continue
     node = config
     for i, part in enumerate(parts):
       here = ".".join(parts[:i])
+      if (indexed := re.fullmatch(r"([^\[\]]+)((?:\[-?\d+\])*)", part)) is None:
+        break  # an index of another form: ml_collections' own message
+      part = indexed.group(1)
       if not isinstance(node, ml_collections.ConfigDict):
-        value = repr(node) if len(repr(node)) <= 40 else type(node).__name__
         return (f"the config has no key {key} (--{name}.{key}): {here} is a setting "
-                f"({value}), not a group of settings")
+                f"({shown(node)}), not a group of settings")
       if part not in node:
         prefix = f"{here}." if here else ""
         close = [prefix + k for k in difflib.get_close_matches(part, list(node.keys()), n=2,
@@ -150,7 +154,24 @@ def _unknown_override(argv: list[str], name: str = "config") -> str | None:
                 else f": did you mean {hints[0]}?" if hints else "")
         return (f"the config has no key {key} (--{name}.{key}){hint}\n--{name}.KEY=VALUE only "
                 "sets keys that the config file defines (add a new one to its get_config).")
-      node = node[part]
+      node, path = node[part], f"{here}.{part}" if here else part
+      # An element of a list or a tuple, --config.train.len_buckets[0]=256: ml_collections
+      # refused an element of a tuple or past the end with an IndexError, reported as the config
+      # file's own error ("the config file raised IndexError: 0 is not a valid index ...").
+      for j in map(int, re.findall(r"-?\d+", indexed.group(2))):
+        if isinstance(node, tuple):
+          return (f"--{name}.{key}: {path} = {shown(node)} is a tuple, whose elements cannot be "
+                  f"set one by one; give the whole tuple, --{name}.{path}='(a, b, ...)'")
+        if isinstance(node, ml_collections.ConfigDict):
+          return (f"the config has no key {key} (--{name}.{key}): {path} is a group of "
+                  "settings, not a list")
+        if not isinstance(node, list):
+          return (f"the config has no key {key} (--{name}.{key}): {path} is a setting "
+                  f"({shown(node)}), not a list")
+        if not -len(node) <= j < len(node):
+          return (f"--{name}.{key}: {path} has {len(node)} elements ({shown(node)}), so no "
+                  f"index {j}")
+        node, path = node[j], f"{path}[{j}]"
   return None
 
 

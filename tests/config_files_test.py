@@ -155,3 +155,40 @@ def test_load_config_calls_a_get_config_without_an_argument_as_the_command_line_
                   "def get_config(arg='base'):\n  return ml_collections.ConfigDict({'a': arg})\n")
   assert config_files.load_config(path).a == "base"
   assert config_files.load_config(path, "tiny").a == "tiny"
+
+
+@pytest.mark.parametrize("override, expected", [
+    # ml_collections' IndexError, reported as "the config file raised IndexError: 0 is not a
+    # valid index for <class 'tuple'> (in: train.buckets[0])" / "list index out of range".
+    ("--config.train.buckets[0]=256", "--config.train.buckets[0]: train.buckets = (128, 256) is "
+     "a tuple, whose elements cannot be set one by one; give the whole tuple, "
+     "--config.train.buckets='(a, b, ...)'"),
+    ("--config.train.names[2]=c", "--config.train.names[2]: train.names has 2 elements "
+     "(['a', 'b']), so no index 2"),
+    ("--config.total_steps[0]=1", "the config has no key total_steps[0] "
+     "(--config.total_steps[0]): total_steps is a setting (3), not a list"),
+    ("--config.train[0]=1", "the config has no key train[0] (--config.train[0]): train is a "
+     "group of settings, not a list"),
+    # (no path and no suggestion: "the config has no key 'bucket'")
+    ("--config.train.bucket[0]=1", "the config has no key train.bucket[0] "
+     "(--config.train.bucket[0]): did you mean train.buckets?"),
+])
+def test_an_indexed_override_that_cannot_be_set_says_why(tmp_path, override, expected):
+  path = tmp_path / "my_config.py"
+  path.write_text("import ml_collections\n"
+                  "def get_config(arg=None):\n"
+                  "  return ml_collections.ConfigDict(dict(total_steps=3, train=dict(\n"
+                  "      buckets=(128, 256), names=['a', 'b'])))\n")
+  r = _parse(f"--config={path}", override)
+  assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
+  assert f"FATAL Flags parsing error: {expected}" in r.stderr, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr and "raised" not in r.stderr, r.stderr[-2000:]
+
+
+def test_an_indexed_override_of_a_list_element_is_set(tmp_path):
+  path = tmp_path / "my_config.py"
+  path.write_text("import ml_collections\n"
+                  "def get_config(arg=None):\n"
+                  "  return ml_collections.ConfigDict(dict(a=[1, 2]))\n")
+  r = _parse(f"--config={path}", "--config.a[1]=5")
+  assert r.returncode == 0 and r.stdout.strip() == "loaded ConfigDict [1, 5]", r.stderr[-2000:]
