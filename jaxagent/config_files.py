@@ -90,6 +90,17 @@ def parse_config_flags(argv: list[str], config_flag) -> list[str]:
       # (it read as "the config has no key module 'config_config' has no attribute ...")
       fail(f"the config file has no get_config function ({e}): define "
            "get_config(arg=None) returning an ml_collections.ConfigDict")
+    if where := _where(e):
+      # Raised in the config file's own code (os.environ["DATA_DIR"] unset, a key its
+      # get_config reads before setting it), not by an override: it read as "the config has no
+      # key DATA_DIR" with advice on --config.KEY=VALUE, with or without overrides.
+      inner = e
+      while inner.args and isinstance(inner.args[0], BaseException):  # ConfigDict's wrapping
+        inner = inner.args[0]
+      what = inner.args[0] if len(inner.args) == 1 and isinstance(inner.args[0], str) else inner
+      if isinstance(inner, KeyError) and not str(what).startswith(("'", '"')):
+        what = repr(what)  # the missing key as Python shows it: KeyError 'DATA_DIR'
+      fail(f"the config file raised {type(e).__name__}{where}: {what}")
     while e.args and isinstance(e.args[0], BaseException):
       e = e.args[0]
     what = e.args[0] if len(e.args) == 1 and isinstance(e.args[0], str) else str(e)

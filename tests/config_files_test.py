@@ -39,6 +39,13 @@ def _parse(*args):
      "the config file's get_config returned None, not an ml_collections.ConfigDict"),
     ("def get_config(arg=None):\n  return {'a': 1}\n",
      "the config file's get_config returned dict, not an ml_collections.ConfigDict"),
+    # A KeyError or AttributeError of the file's own code read as a missing key of the config:
+    # "the config has no key JAXAGENT_NO_SUCH_VARIABLE\n--config.KEY=VALUE only sets keys ...".
+    ("import os\nDATA = os.environ['JAXAGENT_NO_SUCH_VARIABLE']\n",
+     "the config file raised KeyError at {path}:2: 'JAXAGENT_NO_SUCH_VARIABLE'"),
+    ("import ml_collections\ndef get_config(arg=None):\n  c = ml_collections.ConfigDict({'lr': 1})\n"
+     "  c.steps = c.lr * c.epochs\n  return c\n",
+     "the config file raised AttributeError at {path}:4: 'epochs'"),
 ])
 def test_a_config_file_that_does_not_load_is_one_line(tmp_path, source, expected):
   path = tmp_path / "my_config.py"
@@ -47,6 +54,16 @@ def test_a_config_file_that_does_not_load_is_one_line(tmp_path, source, expected
   assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
   assert f"FATAL Flags parsing error: {expected.format(path=path)}" in r.stderr, r.stderr[-2000:]
   assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_a_config_files_own_key_error_is_its_own_with_an_override_too(tmp_path):
+  path = tmp_path / "my_config.py"
+  path.write_text("import ml_collections\n"
+                  "def get_config(arg=None):\n  return ml_collections.ConfigDict({'a': {}['lr']})\n")
+  r = _parse(f"--config={path}", "--config.a=2")
+  assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
+  assert (f"FATAL Flags parsing error: the config file raised KeyError at {path}:3: 'lr'\n"
+          in r.stderr), r.stderr[-2000:]
 
 
 def test_a_config_file_that_loads_is_parsed_with_its_overrides(tmp_path):
