@@ -70,6 +70,12 @@ class MeshConfig:
         raise ValueError(f"MeshConfig {sizes}: {n_devices} devices are not divisible by the "
                          f"fixed axes' product {known}")
       sizes[sizes.index(-1)] = n_devices // known
+    if math.prod(sizes) > n_devices:
+      # (the advice to set an axis to -1 did not help here: the fixed sizes alone are too many)
+      raise ValueError(f"MeshConfig data*fsdp*tensor = {math.prod(sizes)} but {n_devices} "
+                       f"devices are available; a mesh cannot be larger than the devices: give "
+                       f"sizes whose product is {n_devices}, or set one of them to -1 with "
+                       f"the other two dividing {n_devices}")
     if math.prod(sizes) != n_devices:
       raise ValueError(f"MeshConfig data*fsdp*tensor = {math.prod(sizes)} but {n_devices} "
                        f"devices are available; set one axis to -1 to absorb the rest")

@@ -16,6 +16,11 @@ def test_mesh_config_resolves_and_validates():
     sharding.MeshConfig(-1, -1, 1)
   with pytest.raises(ValueError, match="devices"):
     sharding.MeshConfig(3, 1, 1).resolve(8)
+  # More than the devices: the advice was "set one axis to -1 to absorb the rest", which cannot
+  # help when the fixed sizes alone are too many.
+  with pytest.raises(ValueError, match=r"data\*fsdp\*tensor = 16 but 8 devices are available; a "
+                     r"mesh cannot be larger than the devices: give sizes whose product is 8"):
+    sharding.make_mesh(2, 4, 2)
   # A size that is not an int (a string from a hand-written override, a float, a bool) is
   # named; a string used to fail as a bare TypeError, a float to build the mesh anyway.
   for bad in ("2", 2.0, True):
