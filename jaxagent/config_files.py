@@ -220,6 +220,7 @@ def _override_type_hint(argv: list[str], name: str, message: str) -> str:
   of its value in the config file), or "". absl's own words ("invalid literal for int() with
   base 10: '1.5'") said neither, and a None, which no typed setting takes from the command line,
   read as a typo."""
+  import ml_collections
   m = re.match(rf"flag --{re.escape(name)}\.([\w.]+)=(.*?): ", message)
   if m is None or (loaded := _config_and_overrides(argv, name)) is None:
     return ""
@@ -232,6 +233,14 @@ def _override_type_hint(argv: list[str], name: str, message: str) -> str:
     kind = node.get_type(last)
   except Exception:  # noqa: BLE001 - no hint is better than a wrong one
     return ""
+  if isinstance(kind, type) and issubclass(kind, ml_collections.ConfigDict):
+    # (absl's words were "Failed to parse 'qwen3' as a ConfigDict: ValueError('malformed node
+    # or string on line 1: <ast.Name object at 0x7f...>')" for --config.model=qwen3)
+    keys = [k for k in node[last].keys()
+            if not isinstance(node[last][k], ml_collections.ConfigDict)]
+    shown = ", ".join(keys[:6]) + (", ..." if len(keys) > 6 else "")
+    return (f"\n--{name}.{key} is a group of settings ({shown}), not one setting: set one of "
+            f"its keys, --{name}.{key}.KEY=VALUE")
   if kind not in _TYPE_WORDS:
     return ""
   hint = f"\n--{name}.{key} takes {_TYPE_WORDS[kind]} (the type of its value in the config file)"

@@ -112,6 +112,12 @@ def test_an_unknown_override_names_its_whole_key_and_where_it_is(tmp_path, overr
     ("--config.train.cap=None", "--config.train.cap takes an int (the type of its value in the "
      "config file); None cannot be given on the command line (where a setting takes None, set "
      "it in the config file"),
+    # absl said only "Failed to parse 'qwen3' as a ConfigDict: ValueError('malformed node or
+    # string on line 1: <ast.Name object at 0x...>')".
+    ("--config.train=qwen3", "flag --config.train=qwen3: Failed to parse 'qwen3' as a "
+     "ConfigDict: "),
+    ("--config.train=qwen3", "\n--config.train is a group of settings (cap, lr, tb), not one "
+     "setting: set one of its keys, --config.train.KEY=VALUE\n"),
 ])
 def test_an_override_of_the_wrong_type_says_what_the_key_takes(tmp_path, override, expected):
   path = tmp_path / "my_config.py"
