@@ -76,10 +76,13 @@ def _expected_hf_shape(kind: str, cfg: ModelConfig, ours_shape: tuple[int, ...])
 
 def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
                            dtype: str | None = None, source: str = "checkpoint",
-                           files: Mapping[str, str] | None = None):
+                           files: Mapping[str, str] | None = None,
+                           listed: Mapping[str, str] | None = None):
   """Map an HF-named state dict to boxed params (host NumPy arrays), validating shapes.
 
-  `files`: the file each tensor was read from; errors name it when there were several."""
+  `files`: the file each tensor was read from; errors name it when there were several.
+  `listed`: the file a safetensors index places each tensor in; a missing tensor's error names
+  it."""
   specs = param_tree.param_specs(cfg)
   np_dtype = np.dtype(jax.numpy.dtype(dtype or cfg.param_dtype))
   used: set[str] = set()
@@ -93,6 +96,14 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
   def take(name: str, expected: tuple[int, ...]):
     used.add(name)
     if name not in sd:
+      if listed and name in listed:
+        # The index names the file, which lacks it: a hint about the other tensors' names
+        # would send the reader after a naming problem there is not.
+        raise ValueError(
+            f"{source}: tensor {name!r} is missing (expected shape {expected}): "
+            f"model.safetensors.index.json places it in {listed[name]}, which does not hold it "
+            "(an incomplete download, or a file of another checkpoint): re-download or re-export "
+            "that file")
       raise ValueError(f"{source}: tensor {name!r} is missing (expected shape {expected})"
                        f"{_missing_hint(name, sd)}")
     w = np.asarray(sd[name])
@@ -240,14 +251,18 @@ def _zero_tensors_hf_expects(cfg: ModelConfig, sd: Mapping[str, np.ndarray]):
   return out
 
 
-def _read_safetensors(directory: pathlib.Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:
-  """The tensors of a model directory, and the file each was read from."""
+def _read_safetensors(directory: pathlib.Path
+                      ) -> tuple[dict[str, np.ndarray], dict[str, str], dict[str, str]]:
+  """The tensors of a model directory, the file each was read from, and the file the
+  safetensors index places each in (empty without an index, or when it is not read)."""
   from safetensors import safe_open
 
   index = directory / "model.safetensors.index.json"
+  listed: dict[str, str] = {}
   if index.exists():
     try:
-      files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+      listed = dict(json.loads(index.read_text())["weight_map"])
+      files = sorted(set(listed.values()))
     except (ValueError, KeyError, TypeError, AttributeError) as e:
       raise ValueError(f"{index}: not a safetensors index with a 'weight_map' object "
                        f"({type(e).__name__}: {e})") from None
@@ -261,7 +276,7 @@ def _read_safetensors(directory: pathlib.Path) -> tuple[dict[str, np.ndarray], d
             f"{directory} holds both {single} and the shards {index.name} lists ({files[0]}, "
             f"...), two copies of the weights (transformers loads {single}); remove the stale "
             "one")
-      files = [single]
+      files, listed = [single], {}
   else:
     files = sorted(p.name for p in directory.glob("*.safetensors"))
   if not files:
@@ -299,7 +314,7 @@ def _read_safetensors(directory: pathlib.Path) -> tuple[dict[str, np.ndarray], d
               f"Weights must be float32, float16 or bfloat16; convert quantized (float8, int) "
               "checkpoints to one of these first") from e
         where[k] = name
-  return sd, where
+  return sd, where, listed
 
 
 def resolve(path_or_preset: str | os.PathLike) -> pathlib.Path:
@@ -335,7 +350,7 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
   if path.is_file() and path.suffix == ".gguf":
     from jaxagent.models.gguf import read_gguf
     hf_cfg, sd = read_gguf(path)
-    files = None
+    files = listed = None
   elif path.is_dir():
     cfg_file = path / "config.json"
     if not cfg_file.exists():
@@ -350,7 +365,7 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
       raise ValueError(f"{cfg_file} is not valid JSON: {e}") from None
     if not isinstance(hf_cfg, dict):
       raise ValueError(f"{cfg_file}: expected a JSON object")
-    sd, files = _read_safetensors(path)
+    sd, files, listed = _read_safetensors(path)
   else:
     raise ValueError(f"{path}: expected an HF model directory or a .gguf file")
   try:
@@ -367,7 +382,7 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
   elif cfg.name in ("hf", "custom"):
     cfg = cfg.replace(name=path.stem if path.is_file() else path.name)
   try:
-    return cfg, params_from_state_dict(cfg, sd, source=str(path), files=files)
+    return cfg, params_from_state_dict(cfg, sd, source=str(path), files=files, listed=listed)
   except ValueError as e:
     quant = hf_cfg.get("quantization_config")
     if not quant:

@@ -575,3 +575,26 @@ def test_errors_name_the_file_of_a_sharded_checkpoint_that_holds_the_tensor(tmp_
   with pytest.raises(ValueError, match=r"does not account for: base_model\.model\.lm_head\."
                      r"lora_A\.weight \(stored in adapter_model\.safetensors\)$"):
     models.load(path)
+
+
+def test_a_tensor_the_index_places_in_a_shard_that_lacks_it_names_that_shard(tmp_path):
+  # The error named the tensor with a hint about the other tensors' names, as if the checkpoint
+  # were named otherwise, not the shard the index says holds it.
+  from safetensors.numpy import load_file, save_file
+  _, path = _save_tiny(tmp_path)
+  sd = load_file(str(path / "model.safetensors"))
+  (path / "model.safetensors").unlink()
+  names = sorted(sd)
+  shards = {"model-00001-of-00002.safetensors": names[:10],
+            "model-00002-of-00002.safetensors": names[10:]}
+  (path / "model.safetensors.index.json").write_text(json.dumps(
+      {"metadata": {}, "weight_map": {k: f for f, ks in shards.items() for k in ks}}))
+  for f, ks in shards.items():
+    save_file({k: sd[k] for k in ks}, str(path / f))
+  models.load(path)
+  lost = names[12]
+  save_file({k: sd[k] for k in names[10:] if k != lost},
+            str(path / "model-00002-of-00002.safetensors"))
+  with pytest.raises(ValueError, match=rf"'{re.escape(lost)}' is missing .*index\.json places "
+                     r"it in model-00002-of-00002\.safetensors, which does not hold it"):
+    models.load(path)
