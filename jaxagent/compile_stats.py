@@ -122,17 +122,16 @@ def enable_persistent_cache(spec: str = "auto") -> pathlib.Path | None:
     spec = str(spec).strip().lower()
   if spec in ("off", "", None):
     return None
-  if spec == "auto":
-    if jax.default_backend() == "cpu":
-      return None
-    path = default_cache_dir()
-  elif spec == "on":
-    path = default_cache_dir()
-  else:
-    path = pathlib.Path(spec).expanduser()
+  if spec == "auto" and jax.default_backend() == "cpu":
+    return None
+  path = "~/.cache/jaxagent/xla" if spec in ("auto", "on") else spec  # (named in the warning)
   try:
+    # (no home directory, as for a container user without HOME or a passwd entry: Path.home
+    # raised "RuntimeError: Could not determine home directory." and the launch failed)
+    path = (default_cache_dir() if spec in ("auto", "on")
+            else pathlib.Path(spec).expanduser())
     path.mkdir(parents=True, exist_ok=True)
-  except OSError as e:  # a read-only home, say: run without the cache rather than fail
+  except (OSError, RuntimeError) as e:  # a read-only home, say: run without the cache
     log.warning("persistent compilation cache disabled: cannot create %s (%s)", path, e)
     return None
   jax.config.update("jax_compilation_cache_dir", str(path))

@@ -44,6 +44,17 @@ def test_persistent_cache_switch(tmp_path, monkeypatch):
     blocker = tmp_path / "file"
     blocker.write_text("")
     assert compile_stats.enable_persistent_cache(str(blocker / "sub")) is None  # warns, no raise
+    # No home directory (a container user without HOME or a passwd entry): Path.home raised
+    # "RuntimeError: Could not determine home directory." out of the launch.
+    monkeypatch.delenv("JAXAGENT_COMPILE_CACHE")
+    before = jax.config.jax_compilation_cache_dir
+    def no_home(*_):
+      raise RuntimeError("Could not determine home directory.")
+    monkeypatch.setattr(compile_stats.pathlib.Path, "home", classmethod(no_home))
+    monkeypatch.setattr(compile_stats.pathlib.Path, "expanduser", no_home)
+    assert compile_stats.enable_persistent_cache("on") is None
+    assert compile_stats.enable_persistent_cache("~/xla") is None
+    assert jax.config.jax_compilation_cache_dir == before
   finally:
     jax.config.update("jax_compilation_cache_dir", old)
     # The cache initialises once per process: forget this test's directory for later tests.
