@@ -233,11 +233,11 @@ def _override_type_hint(argv: list[str], name: str, message: str) -> str:
     kind = node.get_type(last)
   except Exception:  # noqa: BLE001 - no hint is better than a wrong one
     return ""
-  if isinstance(kind, type) and issubclass(kind, ml_collections.ConfigDict):
+  group = node.get(last)
+  if isinstance(group, ml_collections.ConfigDict):
     # (absl's words were "Failed to parse 'qwen3' as a ConfigDict: ValueError('malformed node
     # or string on line 1: <ast.Name object at 0x7f...>')" for --config.model=qwen3)
-    keys = [k for k in node[last].keys()
-            if not isinstance(node[last][k], ml_collections.ConfigDict)]
+    keys = [k for k in group.keys() if not isinstance(group[k], ml_collections.ConfigDict)]
     shown = ", ".join(keys[:6]) + (", ..." if len(keys) > 6 else "")
     return (f"\n--{name}.{key} is a group of settings ({shown}), not one setting: set one of "
             f"its keys, --{name}.{key}.KEY=VALUE")

@@ -118,6 +118,9 @@ def test_an_unknown_override_names_its_whole_key_and_where_it_is(tmp_path, overr
      "ConfigDict: "),
     ("--config.train=qwen3", "\n--config.train is a group of settings (cap, lr, tb), not one "
      "setting: set one of its keys, --config.train.KEY=VALUE\n"),
+    # (a group that is None until set: absl's words only, no traceback)
+    ("--config.extra=qwen3", "flag --config.extra=qwen3: Failed to parse 'qwen3' as a "
+     "ConfigDict: "),
 ])
 def test_an_override_of_the_wrong_type_says_what_the_key_takes(tmp_path, override, expected):
   path = tmp_path / "my_config.py"
@@ -125,7 +128,8 @@ def test_an_override_of_the_wrong_type_says_what_the_key_takes(tmp_path, overrid
                   "from ml_collections.config_dict import placeholder\n"
                   "def get_config(arg=None):\n"
                   "  return ml_collections.ConfigDict(dict(total_steps=3, train=dict(\n"
-                  "      lr=0.1, tb=True, cap=placeholder(int))))\n")
+                  "      lr=0.1, tb=True, cap=placeholder(int)),\n"
+                  "      extra=placeholder(ml_collections.ConfigDict)))\n")
   r = _parse(f"--config={path}", override)
   assert r.returncode == 1, (r.stdout, r.stderr[-2000:])
   assert expected in r.stderr, r.stderr[-2000:]
