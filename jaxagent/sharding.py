@@ -324,6 +324,12 @@ def initialize_distributed(coordinator_address: str | None = None,
     raise ValueError(f"multi-process launch: num_processes={num_processes} but no coordinator "
                      f"address; pass --coordinator_address=HOST:PORT of process 0 (or set "
                      f"JAX_COORDINATOR_ADDRESS) on every process")
+  elif num_processes is None and process_id is not None and process_id != 0:
+    # A rank of a job started without its coordinator or job size: it would train alone.
+    raise ValueError(f"multi-process launch: process_id={process_id} but no coordinator address "
+                     f"and no num_processes; pass --coordinator_address=HOST:PORT of process "
+                     f"0 and --num_processes (or set JAX_COORDINATOR_ADDRESS / "
+                     f"JAX_NUM_PROCESSES) on every process")
   else:
     return False
   log.info("JAX distributed: process %d of %d, %d local / %d global devices",

@@ -339,6 +339,16 @@ def test_initialize_distributed_reads_the_environment_and_validates(monkeypatch)
   monkeypatch.setenv("JAX_PROCESS_ID", "one")
   with pytest.raises(ValueError, match="JAX_PROCESS_ID='one' is not an integer"):
     sharding.initialize_distributed()
+  # A rank given without its job's coordinator (and so without num_processes) trained alone.
+  monkeypatch.delenv("JAX_COORDINATOR_ADDRESS")
+  monkeypatch.delenv("JAX_NUM_PROCESSES")
+  monkeypatch.setenv("JAX_PROCESS_ID", "1")
+  with pytest.raises(ValueError, match="process_id=1 but no coordinator address"):
+    sharding.initialize_distributed()
+  with pytest.raises(ValueError, match="process_id=3 but no coordinator address"):
+    sharding.initialize_distributed(process_id=3)
+  monkeypatch.setenv("JAX_PROCESS_ID", "0")
+  assert sharding.initialize_distributed() is False  # rank 0 of nothing: one host
 
 
 def test_several_processes_without_a_coordinator_are_refused(monkeypatch):
