@@ -244,8 +244,9 @@ def _too_costly(text: str) -> bool:
 
 
 def _costly_group_powers(text: str) -> bool:
-  """Whether a power whose exponent is a group of arithmetic (`_GROUP_POWER`) has more than `_MAX_DIGITS` digits, or fewer than -`_MAX_DIGITS` (or overflows a float on the
-  way); each group is read once per power it is the exponent of, and groups nest no deeper than
+  """Whether a power whose exponent is a group of arithmetic (`_GROUP_POWER`) has more than
+  `_MAX_DIGITS` digits, or fewer than -`_MAX_DIGITS` (or overflows a float on the way); each
+  group is read once per power it is the exponent of, and groups nest no deeper than
   `_MAX_NESTING`: linear time."""
   closings = None
   for m in _GROUP_POWER.finditer(text):
@@ -310,9 +311,10 @@ def _factorial_operands(text: str):
   a ceiling, with a command it is the last argument of: "\\frac{10^7}{2}"), a number, a constant
   ("e", "\\pi") or a power of these ("10^{6}" in "10^{6}!", "e^{100}" in "e^{100}!"); spaces and
   spacing commands may stand before the "!". Each comes with how many factorials are taken
-  of it before the last (up to `_MAX_INNER`): the operand of a factorial of a factorial ("((18)!)!",
-  "(|18|!)!", "(10^1)!!", "((4!)!)!"), which math-verify reads so. Any other operand that holds a factorial is left out: it is no arithmetic
-  of numbers, and so the operands read are disjoint and the cost is linear in the text."""
+  of it before the last (up to `_MAX_INNER`): the operand of a factorial of a factorial
+  ("((18)!)!", "(|18|!)!", "(10^1)!!", "((4!)!)!"), which math-verify reads so. Any other
+  operand that holds a factorial is left out: it is no arithmetic of numbers, and so the
+  operands read are disjoint and the cost is linear in the text."""
   opener, opened, bars, command_end = {}, [], set(), -1  # opened: where each open group starts
   wide = {}  # a delimiter longer than a character ("\\lfloor"): where it ends, from its start, or
   # where it starts, from its end
@@ -325,7 +327,8 @@ def _factorial_operands(text: str):
         wide[start] = end
         if m[1][-1] in "|t":  # "\\left|", "\\lvert"
           bars.add(start)
-    elif kind == 2 or (kind == 3 and opened and opened[-1] in bars and _ends_value(text, m.start(), opener, command_end)):
+    elif kind == 2 or (kind == 3 and opened and opened[-1] in bars
+                       and _ends_value(text, m.start(), opener, command_end)):
       if opened:
         start, end = m.span()
         opener[end - 1] = opened.pop()
@@ -350,7 +353,8 @@ def _factorial_operands(text: str):
     i = end = bang - 1
     if i >= 0 and (text[i] == " " or (i and text[i - 1] == "\\")):
       i = end = _skip_spacing(text, i)
-    if last_operand is not None and (end == last or (end in opener and _holds_just(text, end, opener, wide, last_start, last))):
+    if last_operand is not None and (end == last or (
+        end in opener and _holds_just(text, end, opener, wide, last_start, last))):
       inner = min(inner + 1, _MAX_INNER)
       yield last_operand, inner  # "(18!)!", "18! !", "((4!)!)!"
       if end in opener:  # the group read is the operand of the factorial after it
