@@ -25,8 +25,8 @@ import tempfile
 from absl import app, flags
 from ml_collections import config_flags
 
-# jax / flax are imported where a run starts: a bad flag or config is named before their
-# import (a second or more), as `python -m jaxagent.launch --config.typo=1` answers.
+# jax / flax are imported where a run starts: a misspelt flag or config key is named before
+# their import, which takes a second or more.
 from jaxagent import config_files
 
 
