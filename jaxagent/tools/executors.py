@@ -553,12 +553,8 @@ class ToolExecutor:
                                         f"call had not finished {limit:g} s later (the shutdown's time limit)")
             self._count_result(result)
             job.future.set_result(result)
-        for job in dropped:
-            if job.future.set_running_or_notify_cancel():
-                result = ToolResult.failure(f"tool {job.name!r} was not run: the tool executor was shut down and "
-                                            f"the calls before it had not finished {limit:g} s later")
-                self._count_result(result)
-                job.future.set_result(result)
+        self._resolve_not_run(dropped, f"the tool executor was shut down and the calls before it had not "
+                                       f"finished {limit:g} s later")
 
     def __enter__(self) -> ToolExecutor:
         return self
@@ -624,18 +620,17 @@ class ToolExecutor:
         if dropped:
             log.warning("dropping %d queued tool calls: %s", len(dropped), _QUEUE_ENDED)
         self._processes.refuse_waiting(_QUEUE_ENDED)
-        for job in dropped:
-            if job.future.set_running_or_notify_cancel():
-                result = ToolResult.failure(f"tool {job.name!r} was not run: {_QUEUE_ENDED}")
-                self._count_result(result)
-                job.future.set_result(result)
+        self._resolve_not_run(dropped, _QUEUE_ENDED)
 
     def _resolve_saturated(self, jobs: list[_Job]) -> None:
+        self._resolve_not_run(jobs, f"the executor is saturated ({self._stuck} calls are stuck past their "
+                                    "timeouts and their threads cannot be killed)")
+
+    def _resolve_not_run(self, jobs: list[_Job], reason: str) -> None:
+        """Resolves each of `jobs` not cancelled by its caller as "tool X was not run: `reason`"."""
         for job in jobs:
             if job.future.set_running_or_notify_cancel():
-                result = ToolResult.failure(
-                    f"tool {job.name!r} was not run: the executor is saturated ({self._stuck} calls are stuck "
-                    f"past their timeouts and their threads cannot be killed)")
+                result = ToolResult.failure(f"tool {job.name!r} was not run: {reason}")
                 self._count_result(result)
                 job.future.set_result(result)
 
