@@ -134,9 +134,8 @@ class SearchQAEnv(Env):
     data_dir: where the tfds dataset is prepared ("" = `knowledge_base.default_data_dir()`).
     top_k: passages per search.
     max_passage_chars: each passage is cut to this many characters in the observation (None:
-      not cut); it must
-      keep the sentence each hop reads from its supporting document (a ValueError says the
-      smallest value that does).
+      not cut); it must keep the sentence each hop reads from its supporting document (a
+      ValueError says the smallest value that does).
     mask_observations: False trains on the retrieved `<information>` tokens too (ablation).
     outcome: "exact_match" or "f1", the outcome reward.
     format_weight, retrieval_weight: weights of the shaping terms (0 = off).
@@ -159,8 +158,6 @@ class SearchQAEnv(Env):
                shaping_steps: int = 0, shaping_start: float = 0.0):
     if outcome not in ("exact_match", "f1"):
       raise ValueError(f"SearchQAEnv.outcome must be 'exact_match' or 'f1', got {outcome!r}")
-    # A truthy string ("no", "False" from a text config) kept the masking on: the ablation
-    # trained as the default arm, without a word.
     if max_passage_chars is not None and (isinstance(max_passage_chars, bool) or not isinstance(
         max_passage_chars, int) or max_passage_chars < 1):
       # A string failed a comparison after the knowledge base was built ("'>' not supported").
@@ -172,6 +169,8 @@ class SearchQAEnv(Env):
     check_shaping_settings("SearchQAEnv", format_weight=format_weight,
                            retrieval_weight=retrieval_weight, shaping_steps=shaping_steps,
                            shaping_start=shaping_start)
+    # A truthy string ("no", "False" from a text config) kept the masking on: the ablation
+    # trained as the default arm, without a word.
     if not isinstance(mask_observations, bool):
       raise ValueError(f"SearchQAEnv.mask_observations must be a bool (False also trains on the "
                        f"retrieved <information> tokens), got {mask_observations!r}")
