@@ -532,11 +532,8 @@ def _check_limits(timeout_s: float, per_test_s: float, memory_mb: int, where: st
   for field, value in (("timeout_s", timeout_s), ("per_test_s", per_test_s)):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
       raise ValueError(f"{where}.{field} must be a positive finite number of seconds, got {value!r}")
-  try:
-    SandboxConfig(memory_mb=memory_mb)  # its own checks, e.g. an int memory_mb
-  except (ValueError, TypeError) as e:  # it named SandboxConfig's field, not the setting given
-    raise type(e)(f"{where}.memory_mb={memory_mb!r} is refused: {e}") from e
-  SandboxConfig(timeout_s=timeout_s, memory_mb=memory_mb)
+  SandboxConfig.from_settings(where, {"timeout_s": ("timeout_s", timeout_s),
+                                      "memory_mb": ("memory_mb", memory_mb)})
 
 
 def run_tests(program: str, entry_point: str, plan: TestPlan, *, timeout_s: float = 8.0,

@@ -434,14 +434,10 @@ class MathToolEnv(Env):
     # The problem sources are importable from the sandbox's site-packages: CHAMP ships its
     # answers, and reasoning-gym regenerates every gsm_symbolic problem with its answer from the
     # split's seed. The policy's code may not read them.
-    for field, value, sandbox_field in (("code_timeout_s", code_timeout_s, "timeout_s"),
-                                        ("code_memory_mb", code_memory_mb, "memory_mb")):
-      try:
-        SandboxConfig(**{sandbox_field: value})
-      except (ValueError, TypeError) as e:  # it named SandboxConfig's field, not the setting
-        raise ValueError(f"MathToolEnv.{field}={value!r} is refused: {e}") from e
-    self.sandbox = SandboxConfig(timeout_s=code_timeout_s, memory_mb=code_memory_mb,
-                                 deny_read_paths=_answer_key_paths())
+    self.sandbox = SandboxConfig.from_settings(
+        "MathToolEnv", {"code_timeout_s": ("timeout_s", code_timeout_s),
+                        "code_memory_mb": ("memory_mb", code_memory_mb)},
+        deny_read_paths=_answer_key_paths())
     self.parser = XMLTagParser({"code": ("python", "code")}, answer_tag="answer", strip=False,
                                think_tag=_FORMAT.think_tag)
     self._sizes = {"train": train_size, "eval": eval_size, "sft": sft_size}

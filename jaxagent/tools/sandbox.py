@@ -189,6 +189,19 @@ class SandboxConfig:
             if isinstance(getattr(self, name), str):
                 raise TypeError(f"SandboxConfig.{name} must be a tuple of paths, not a str")
 
+    @classmethod
+    def from_settings(cls, owner: str, settings: Mapping[str, tuple[str, Any]], **fixed: Any) -> "SandboxConfig":
+        """A config built from another object's settings. `settings` maps each setting's name to
+        (the field it sets, its value); a refused value is named as that setting
+        (`CodeEnv.memory_mb=0 is refused: ...`), since the user never wrote `SandboxConfig.memory_mb`.
+        `fixed` are fields the owner sets itself."""
+        for name, (field, value) in settings.items():
+            try:
+                cls(**{field: value})
+            except (ValueError, TypeError) as e:
+                raise type(e)(f"{owner}.{name}={value!r} is refused: {e}") from e
+        return cls(**{field: value for field, value in settings.values()}, **fixed)
+
     @property
     def call_cpu_s(self) -> float:
         return self.cpu_time_s if self.cpu_time_s is not None else self.timeout_s

@@ -302,6 +302,17 @@ def test_config_refuses_limits_the_interpreter_cannot_apply():
     assert SandboxConfig(timeout_s=1, cpu_time_s=0.5, memory_mb=256).call_cpu_s == 0.5
 
 
+def test_config_from_settings_names_the_setting_the_user_wrote():
+    settings = {"code_memory_mb": ("memory_mb", 256), "code_timeout_s": ("timeout_s", 3)}
+    config = SandboxConfig.from_settings("Env", settings, display_last_expression=False)
+    assert (config.memory_mb, config.timeout_s, config.display_last_expression) == (256, 3, False)
+    with pytest.raises(ValueError, match=r"^Env.code_memory_mb=64 is refused: SandboxConfig.memory_mb must "
+                                         r"be >= 128"):
+        SandboxConfig.from_settings("Env", {**settings, "code_memory_mb": ("memory_mb", 64)})
+    with pytest.raises(TypeError, match=r"^Env.code_memory_mb='1024' is refused: .*must be an int"):
+        SandboxConfig.from_settings("Env", {**settings, "code_memory_mb": ("memory_mb", "1024")})
+
+
 def test_output_cap_holds_when_the_end_marker_arrives_in_the_same_read():
     # Whether output past the cap and the marker came in one read was a race: the same program
     # got ok=True with up to 64 KiB past the cap, or was stopped for its output.
