@@ -348,7 +348,9 @@ class ModelConfig:
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
         qkv_bias=bool(hf.get("attention_bias", arch == "qwen2")),
         qk_norm=(arch == "qwen3"),
-        max_seq_len=int(number("max_position_embeddings", 4096)),
+        # A config.json without the key takes the default of transformers' config class.
+        max_seq_len=int(number("max_position_embeddings",
+                               131072 if mistral else {"llama": 2048}.get(arch, 32768))),
         rope_scaling=rope_scaling, architecture=arch,
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, extra_eos_token_ids=extra_eos,
         name=hf.get("_name_or_path", "hf") or "hf")

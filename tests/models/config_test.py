@@ -271,6 +271,18 @@ def test_from_hf_a_mistral_config_without_sliding_window_has_transformers_defaul
   assert ModelConfig.from_hf({**_HF_LLAMA, "max_position_embeddings": 8192}).max_seq_len == 8192
 
 
+@pytest.mark.parametrize("arch,model_type,expected", [
+    ("LlamaForCausalLM", "llama", 2048), ("Qwen2ForCausalLM", "qwen2", 32768),
+    ("Qwen3ForCausalLM", "qwen3", 32768), ("MistralForCausalLM", "mistral", 131072)])
+def test_from_hf_without_max_position_embeddings_takes_the_architectures_default(
+    arch, model_type, expected):
+  # Every architecture got 4096: a Qwen2 config.json without the key served at most 4096
+  # tokens, and a Llama one accepted sequences its rope was never set up for.
+  hf = {**_HF_LLAMA, "architectures": [arch], "model_type": model_type, "sliding_window": None}
+  hf.pop("max_position_embeddings", None)
+  assert ModelConfig.from_hf(hf).max_seq_len == expected
+
+
 def test_from_hf_mistral_windows_that_mask_nothing_are_accepted():
   assert ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": None}).max_seq_len == 512
   assert ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": 512}).max_seq_len == 512
@@ -295,7 +307,7 @@ _HF_QWEN2 = {**_HF_LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "
     # ... or those layer_types names, which it reads in place of max_window_layers.
     {"max_window_layers": 0, "layer_types": ["full_attention", "full_attention"]},
     # A window as long as the sequences masks nothing.
-    {"max_window_layers": 0, "sliding_window": 4096},
+    {"max_window_layers": 0, "sliding_window": 4096, "max_position_embeddings": 4096},
     # Without use_sliding_window the window is not used at all.
     {"max_window_layers": 0, "use_sliding_window": False},
     {"max_window_layers": 0, "sliding_window": None},
