@@ -214,14 +214,10 @@ def _field_value(field: gguf.ReaderField) -> Any:
     return None
   main = field.types[0]
   if main == gguf.GGUFValueType.ARRAY:
-    sub = field.types[-1]
-    if sub == gguf.GGUFValueType.STRING:
-      return [bytes(field.parts[i]).decode("utf-8") for i in field.data]
-    if sub == gguf.GGUFValueType.ARRAY:
-      raise ValueError(f"nested GGUF arrays are not supported (key {field.name!r})")
-    if not field.data:
-      return []
-    return np.concatenate([field.parts[i] for i in field.data]).tolist()
+    # A key/value field's parts are the key's length, the key, the value type, then the value.
+    # `field.types` holds only the first item's types, so an empty array shows no item type and
+    # an array of arrays the innermost one: the value is read from its parts instead.
+    return _array_value(field.parts, 3)[0]
   value = field.parts[field.data[0]]
   if main == gguf.GGUFValueType.STRING:
     return bytes(value).decode("utf-8")
@@ -232,6 +228,22 @@ def _field_value(field: gguf.ReaderField) -> Any:
     # not 9.999999747378752e-06.
     return float(str(value[0]))
   return int(value[0])
+
+
+def _array_value(parts: list[np.ndarray], i: int) -> tuple[list[Any], int]:
+  """The GGUF array whose parts start at `parts[i]` (item type, length, then the items), as a
+  list (of lists, for an array of arrays), and the index of the part after it."""
+  item_type, n = gguf.GGUFValueType(int(parts[i][0])), int(parts[i + 1][0])
+  i += 2
+  if item_type == gguf.GGUFValueType.STRING:  # each item: its length, its bytes
+    return [bytes(parts[i + 2 * j + 1]).decode("utf-8") for j in range(n)], i + 2 * n
+  if item_type == gguf.GGUFValueType.ARRAY:
+    items = []
+    for _ in range(n):
+      item, i = _array_value(parts, i)
+      items.append(item)
+    return items, i
+  return (np.concatenate(parts[i:i + n]).tolist() if n else []), i + n
 
 
 def _scalar(path: pathlib.Path, metadata: dict[str, Any], key: str, default: Any = None) -> Any:

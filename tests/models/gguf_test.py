@@ -298,6 +298,40 @@ def test_a_type_gguf_cannot_dequantize_is_named(tmp_path):
                                        r"cannot dequantize .*HF safetensors"):
     G.read_gguf(path)
 
+
+def _gguf_value(vtype, value):
+  """One GGUF metadata value in the spec's little-endian encoding (type id, then the value;
+  arrays as (item type, length, items), `value` = (item type, items))."""
+  T = gguf.GGUFValueType
+  def encode(t, v):
+    if t == T.STRING:
+      return struct.pack("<Q", len(v.encode())) + v.encode()
+    if t == T.INT32:
+      return struct.pack("<i", v)
+    item_type, items = v  # T.ARRAY
+    return struct.pack("<IQ", item_type, len(items)) + b"".join(encode(item_type, x) for x in items)
+  return struct.pack("<I", vtype) + encode(vtype, value)
+
+
+def test_empty_and_nested_metadata_arrays_are_read_as_stored(tmp_path):
+  # The reader lists only the first item's types: an empty array was refused as a "nested
+  # array" (so was every file carrying one), and an array of arrays was flattened.
+  T = gguf.GGUFValueType
+  kvs = {"general.tags": _gguf_value(T.ARRAY, (T.STRING, [])),
+         "x.no_ints": _gguf_value(T.ARRAY, (T.INT32, [])),
+         "x.grid": _gguf_value(T.ARRAY, (T.ARRAY, [(T.INT32, [1, 2]), (T.INT32, [3])])),
+         "x.words": _gguf_value(T.ARRAY, (T.ARRAY, [(T.STRING, ["a", "b"]), (T.STRING, [])])),
+         "x.flat": _gguf_value(T.ARRAY, (T.STRING, ["c", "d"])),
+         "x.n": _gguf_value(T.INT32, -4)}
+  path = tmp_path / "meta.gguf"
+  path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, len(kvs)) + b"".join(
+      struct.pack("<Q", len(k)) + k.encode() + v for k, v in kvs.items()))
+  meta = G.read_gguf_metadata(G.open_gguf(path))
+  assert {k: meta[k] for k in kvs} == {
+      "general.tags": [], "x.no_ints": [], "x.grid": [[1, 2], [3]], "x.words": [["a", "b"], []],
+      "x.flat": ["c", "d"], "x.n": -4}
+
+
 def test_a_type_gguf_does_not_know_is_named(tmp_path):
   # A type id newer than the installed gguf package: the message said the file was truncated
   # or corrupt and to re-download it, which does not help.
