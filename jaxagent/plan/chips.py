@@ -218,19 +218,22 @@ def devices_for(topology: str | None) -> list[jax.Device]:
   if topology in (None, "", "local"):
     return list(jax.devices())
   topology = resolve_topology(topology)
-  if ":" not in topology:
-    raise ValueError(f"topology {topology!r}: expected '<chip>:<shape>' such as 'v5e:4x4', "
-                     "'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1', 'tpu7x:2x2x1', a Cloud TPU "
-                     "accelerator type such as 'v5litepod-16', 'v5p-8', 'v6e-8', 'v4-8', or "
-                     "'local' for this machine's devices")
+  # A GPU name, with a count ('h100:8', 'h100-8') or without ('h200'). Checked before the
+  # shape: 'h100' alone was told to write '<chip>:<shape>', as if 'h100:8' would then work.
   kind = topology.partition(":")[0].strip().lower()
+  gpu = re.sub(r"[-_ ]\d+$", "", kind.replace("nvidia", "").strip(" -_"))
   gpus = {v.name.lower() for k, v in CHIPS.items() if not k.startswith("TPU")}
-  if kind in gpus or kind.replace("nvidia", "").strip(" -_") in gpus or kind in ("gpu", "cuda"):
+  if kind in gpus or gpu in gpus or gpu in ("gpu", "cuda"):
     # It read "libtpu does not know the topology 'h100:8' (Invalid TPU external name)".
     raise ValueError(
         f"topology {topology!r}: the planner describes TPU topologies only (libtpu compiles "
         "for TPUs without one); plan a GPU run on a machine with those GPUs, with "
         "--topology=local")
+  if ":" not in topology:
+    raise ValueError(f"topology {topology!r}: expected '<chip>:<shape>' such as 'v5e:4x4', "
+                     "'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1', 'tpu7x:2x2x1', a Cloud TPU "
+                     "accelerator type such as 'v5litepod-16', 'v5p-8', 'v6e-8', 'v4-8', or "
+                     "'local' for this machine's devices")
   if not has_libtpu():
     raise RuntimeError(
         f"compiling for the TPU topology {topology!r} needs libtpu, which is not installed. "

@@ -164,10 +164,11 @@ def test_cloud_types_it_cannot_translate_say_which_it_can(name, expected):
 
 
 @pytest.mark.parametrize("name", ["h100:8", "H200:2x4", "a100:8", "nvidia-h100:8", "gpu:8",
-                                  "h100 pcie:2"])
+                                  "h100 pcie:2", "h100", "H200", "h100-8", "NVIDIA A100", "gpu"])
 def test_a_gpu_topology_says_to_plan_on_the_gpus(name):
   """It read "libtpu does not know the topology 'h100:8' (Invalid TPU external name: TPU h100)",
-  as if the name were misspelt."""
+  as if the name were misspelt; a GPU name without a shape ('h100', 'h100-8') was told to
+  write '<chip>:<shape>', which for a GPU the planner then refused."""
   with pytest.raises(ValueError, match=f"topology '{name}': the planner describes TPU "
                                        "topologies only.*--topology=local"):
     plan.devices_for(name)
