@@ -182,7 +182,7 @@ def read_gguf(
   state: dict[str, np.ndarray] = {}
   for name, tensor in tensors.items():
     hf_name = names[name]
-    array = _dequantize(path, tensor)
+    array = _dequantize(path, tensor, swapped=reader.byte_order == "S")
     if config["model_type"] in _PERMUTED_QK_ARCHITECTURES:
       if hf_name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")):
         array = _unpermute_rows(array, config["num_attention_heads"])
@@ -333,10 +333,26 @@ def _hf_name(name: str) -> str | None:
   return None
 
 
-def _dequantize(path: pathlib.Path, tensor: gguf.ReaderTensor) -> np.ndarray:
-  """The tensor as a float array in NumPy (row-major, outermost-first) dimension order."""
+def _dequantize(path: pathlib.Path, tensor: gguf.ReaderTensor, swapped: bool = False) -> np.ndarray:
+  """The tensor as a float array in NumPy (row-major, outermost-first) dimension order.
+
+  `swapped`: the file is in the byte order opposite to this machine's (a big-endian GGUF).
+  """
+  data = tensor.data
+  if swapped:
+    # The reader gives F32/F16 data as arrays in the file's byte order, which dequantize
+    # reinterprets in the machine's order (wrong values, no error); quantized blocks come as
+    # raw bytes, their scales in the file's byte order.
+    if tensor.tensor_type not in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+      raise ValueError(
+          f"{path} is a big-endian GGUF file (byte order opposite to this machine's) and tensor "
+          f"{tensor.name!r} is {tensor.tensor_type.name}: only F32 and F16 tensors are read "
+          "from such a file. Use a little-endian GGUF file or the model's HF safetensors "
+          "checkpoint."
+      )
+    data = data.astype(data.dtype.newbyteorder("="))
   try:
-    array = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
+    array = gguf.quants.dequantize(data, tensor.tensor_type)
   except NotImplementedError as e:
     raise ValueError(
         f"{path}: tensor {tensor.name!r} uses GGML type {tensor.tensor_type.name}, which the "

@@ -70,12 +70,12 @@ def _tiny_hf_model(model_type="llama", tie=True, seed=0):
 
 
 def _write_gguf(path, sd, arch="llama", qtype=gguf.GGMLQuantizationType.F32, n_layers=None,
-                permute=None, extra=None, raw=None):
+                permute=None, extra=None, raw=None, endian=gguf.GGUFEndian.LITTLE):
   """Writes `sd` (HF names) as a llama.cpp-style GGUF: GGUF names, Q/K permuted for llama.
   `raw`: GGUF name -> (uint8 bytes, GGML type), written as given in place of that tensor."""
   t = _TINY
   permute = arch == "llama" if permute is None else permute
-  w = gguf.GGUFWriter(str(path), arch)
+  w = gguf.GGUFWriter(str(path), arch, endianess=endian)
   w.add_block_count(n_layers or t["num_hidden_layers"])
   w.add_context_length(t["max_position_embeddings"])
   w.add_embedding_length(t["hidden_size"])
@@ -222,6 +222,26 @@ def test_transformers_gguf_loader_agrees_on_tiny_file(tmp_path):
   ref = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=path.name).state_dict()
   for name, array in got.items():
     np.testing.assert_array_equal(array, ref[name].numpy(), err_msg=name)
+
+
+def test_a_big_endian_file_reads_its_float_tensors_and_refuses_quantized_ones(tmp_path):
+  # F32/F16 data of a big-endian file was reinterpreted in this machine's byte order: every
+  # weight was garbage (NaN, huge values) and no error was raised.
+  big = gguf.GGUFEndian.BIG
+  _, sd = _tiny_hf_model("llama")
+  config, got = G.read_gguf(_write_gguf(tmp_path / "f32.gguf", sd, endian=big))
+  assert config["hidden_size"] == _TINY["hidden_size"]
+  for name, ref in sd.items():
+    np.testing.assert_array_equal(got[name], ref, err_msg=name)
+  f16 = gguf.GGMLQuantizationType.F16
+  _, got = G.read_gguf(_write_gguf(tmp_path / "f16.gguf", sd, qtype=f16, endian=big))
+  w = sd["model.layers.0.mlp.up_proj.weight"]
+  np.testing.assert_array_equal(got["model.layers.0.mlp.up_proj.weight"],
+                                w.astype(np.float16).astype(np.float32))
+  path = _write_gguf(tmp_path / "q8.gguf", sd, qtype=gguf.GGMLQuantizationType.Q8_0, endian=big)
+  with pytest.raises(ValueError, match=r"q8\.gguf is a big-endian GGUF file .* is Q8_0: only F32 "
+                                       r"and F16 tensors"):
+    G.read_gguf(path)
 
 
 def test_dtype_argument(tmp_path):
