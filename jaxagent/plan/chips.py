@@ -17,7 +17,12 @@ Peak numbers are the vendors' published per-chip figures (dense, no sparsity):
 | H100 PCIe | 80 GB | 756 TFLOP/s (TF32 378) | 2000 GB/s | NVLink bridge 600 GB/s (300 each way) |
 | H100 NVL | 94 GB | 835 TFLOP/s (TF32 418) | 3900 GB/s | NVLink bridge 600 GB/s (300 each way) |
 | H200 | 141 GB | 989 TFLOP/s (TF32 494) | 4800 GB/s | NVLink 900 GB/s (450 each way) |
+| H200 NVL | 141 GB | 835 TFLOP/s (TF32 418) | 4800 GB/s | NVLink bridge 900 GB/s (450 each way) |
+| GH200 (HBM3) | 96 GB | 989 TFLOP/s (TF32 494) | 4000 GB/s | NVLink 900 GB/s (450 each way) |
+| GH200 144G HBM3e | 144 GB | 989 TFLOP/s (TF32 494) | 4900 GB/s | NVLink 900 GB/s (450 each way) |
 | A100 80GB | 80 GB | 312 TFLOP/s (TF32 156) | 2039 GB/s | NVLink 600 GB/s (300 each way) |
+| A100 80GB PCIe | 80 GB | 312 TFLOP/s (TF32 156) | 1935 GB/s | NVLink 600 GB/s (300 each way) |
+| A100 40GB | 40 GB | 312 TFLOP/s (TF32 156) | 1555 GB/s | NVLink 600 GB/s (300 each way) |
 
 The interconnect figure the planner uses is one direction of the whole chip's (the vendors
 quote TPU ICI as the bidirectional sum); it divides collective payloads by it, a
@@ -103,7 +108,17 @@ CHIPS: dict[str, ChipSpec] = {
     "H100 PCIe": ChipSpec("H100 PCIe", 80e9, 756e12, 378e12, 2000e9, 300e9),
     "H100 NVL": ChipSpec("H100 NVL", 94e9, 835e12, 418e12, 3900e9, 300e9),
     "H200": ChipSpec("H200", 141e9, 989e12, 494e12, 4800e9, 450e9),
+    # Kinds that contain another entry's key and would take its figures: "NVIDIA H200 NVL"
+    # (slower clocks), "NVIDIA GH200 480GB" (an H100-class GPU with 96 GB of HBM3, not an
+    # H200), "NVIDIA A100-SXM4-40GB" / "NVIDIA A100-PCIE-40GB" / "NVIDIA A100 80GB PCIe"
+    # (slower HBM than the A100 80GB SXM part).
+    "H200 NVL": ChipSpec("H200 NVL", 141e9, 835e12, 418e12, 4800e9, 450e9),
+    "GH200": ChipSpec("GH200", 96e9, 989e12, 494e12, 4000e9, 450e9),
+    "GH200 144G HBM3e": ChipSpec("GH200 144G", 144e9, 989e12, 494e12, 4900e9, 450e9),
     "A100": ChipSpec("A100", 80e9, 312e12, 156e12, 2039e9, 300e9),
+    "A100 80GB PCIe": ChipSpec("A100 80GB PCIe", 80e9, 312e12, 156e12, 1935e9, 300e9),
+    "A100-SXM4-40GB": ChipSpec("A100 40GB", 40e9, 312e12, 156e12, 1555e9, 300e9),
+    "A100-PCIE-40GB": ChipSpec("A100 40GB", 40e9, 312e12, 156e12, 1555e9, 300e9),
 }
 
 

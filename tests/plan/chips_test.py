@@ -188,9 +188,15 @@ def test_cloud_accelerator_types_describe_their_slices(name, chips, hosts, kind)
 
 @pytest.mark.parametrize("kind,name,bandwidth", [
     ("NVIDIA H100 80GB HBM3", "H100", 3350e9), ("NVIDIA H100 PCIe", "H100 PCIe", 2000e9),
-    ("NVIDIA H100 NVL", "H100 NVL", 3900e9), ("NVIDIA H200", "H200", 4800e9)])
+    ("NVIDIA H100 NVL", "H100 NVL", 3900e9), ("NVIDIA H200", "H200", 4800e9),
+    ("NVIDIA H200 NVL", "H200 NVL", 4800e9), ("NVIDIA GH200 480GB", "GH200", 4000e9),
+    ("NVIDIA GH200 144G HBM3e", "GH200 144G", 4900e9),
+    ("NVIDIA A100-SXM4-80GB", "A100", 2039e9), ("NVIDIA A100 80GB PCIe", "A100 80GB PCIe", 1935e9),
+    ("NVIDIA A100-SXM4-40GB", "A100 40GB", 1555e9), ("NVIDIA A100-PCIE-40GB", "A100 40GB", 1555e9)])
 def test_gpu_kinds_take_their_own_figures(kind, name, bandwidth):
   # The PCIe H100s took the SXM part's 3350 GB/s and 989 TFLOP/s: rooflines 1.7x too high.
+  # A GH200 was named an H200 (4800 GB/s for its 4000), an H200 NVL took the SXM part's 989
+  # TFLOP/s, and a 40 GB A100 the 80 GB part's 2039 GB/s for its 1555.
   class Gpu:
     platform, device_kind, process_index = "gpu", kind, 0
 
