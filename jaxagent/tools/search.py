@@ -72,10 +72,17 @@ def _as_document(item: Document | Mapping[str, Any], position: int) -> Document:
 def load_documents(path: str | os.PathLike) -> list[Document]:
     """Reads a JSON Lines corpus, one `{"title", "text", "id"?}` object per line."""
     documents = []
-    with open(path, encoding="utf-8") as f:
+    # Bytes that are not UTF-8 are kept as lone surrogates, so the line that holds them is named.
+    with open(path, encoding="utf-8", errors="surrogateescape") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            try:
+                line.encode("utf-8")
+            except UnicodeEncodeError as e:
+                bad = line[e.start:e.end].encode("utf-8", "surrogateescape")
+                raise ValueError(f"{path}:{line_no}: not valid UTF-8 (byte(s) {bad!r} at character "
+                                 f"{e.start + 1}); the corpus must be UTF-8 encoded") from None
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as e:

@@ -158,6 +158,12 @@ def test_load_documents(tmp_path):
     path.write_text('{"text": "ok"}\n\n{"title": "t"}\n')
     with pytest.raises(ValueError, match=r"corpus.jsonl:3: document 1 has no 'text' field"):
         load_documents(path)
+    # Bytes that are not UTF-8 (a Latin-1 file, say) name the file and line; they were a bare
+    # UnicodeDecodeError giving a position in the decoder's buffer.
+    path.write_bytes('{"text": "ok"}\n\n{"title": "Ærø", "text": "t"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=r"corpus.jsonl:3: not valid UTF-8 \(byte\(s\) b'\\xc6' at "
+                                         r"character 12\)"):
+        load_documents(path)
 
 
 def test_corpus_without_any_indexable_term_gives_empty_results():
