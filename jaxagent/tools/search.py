@@ -72,8 +72,9 @@ def _as_document(item: Document | Mapping[str, Any], position: int) -> Document:
 def load_documents(path: str | os.PathLike) -> list[Document]:
     """Reads a JSON Lines corpus, one `{"title", "text", "id"?}` object per line."""
     documents = []
-    # Bytes that are not UTF-8 are kept as lone surrogates, so the line that holds them is named.
-    with open(path, encoding="utf-8", errors="surrogateescape") as f:
+    # Bytes that are not UTF-8 are kept as lone surrogates, so the line that holds them is named;
+    # a byte-order mark opening the file (some editors write one) is skipped.
+    with open(path, encoding="utf-8-sig", errors="surrogateescape") as f:
         for line_no, line in enumerate(f, 1):
             if not line.strip():
                 continue

@@ -148,6 +148,9 @@ def test_load_documents(tmp_path):
     path.write_text("\n".join(json.dumps(d) for d in CORPUS[:2]) + "\n\n")
     docs = load_documents(path)
     assert [d.id for d in docs] == ["zk", "lu"] and docs[1].title == "Lumeria"
+    # A UTF-8 byte-order mark opening the file failed line 1 as "not valid JSON".
+    path.write_bytes(b"\xef\xbb\xbf" + path.read_bytes())
+    assert load_documents(path) == docs
     path.write_text('{"text": "ok"}\nnot json\n')
     with pytest.raises(ValueError, match="corpus.jsonl:2: not valid JSON"):
         load_documents(path)
