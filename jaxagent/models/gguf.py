@@ -146,7 +146,17 @@ def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
 
 def read_gguf_metadata(reader: gguf.GGUFReader) -> dict[str, Any]:
   """All key/value metadata of an open GGUF as plain Python values (str, int, float, bool, lists)."""
-  return {name: _field_value(field) for name, field in reader.fields.items()}
+  metadata = {}
+  for name, field in reader.fields.items():
+    try:
+      metadata[name] = _field_value(field)
+    except UnicodeDecodeError as e:
+      path = getattr(reader.data, "filename", None) or "the GGUF file"
+      raise ValueError(
+          f"{path}: GGUF metadata {name!r} holds a string that is not UTF-8 ({e}), which the "
+          "GGUF format requires: the file is corrupt or was written by a faulty converter."
+      ) from None
+  return metadata
 
 
 def read_gguf(

@@ -352,6 +352,18 @@ def test_empty_and_nested_metadata_arrays_are_read_as_stored(tmp_path):
       "x.flat": ["c", "d"], "x.n": -4}
 
 
+def test_a_metadata_string_that_is_not_utf8_is_named(tmp_path):
+  # It was a bare UnicodeDecodeError, naming neither the file nor the key.
+  T = gguf.GGUFValueType
+  key, value = b"general.name", b"caf\xe9"  # Latin-1, not UTF-8
+  path = tmp_path / "latin1.gguf"
+  path.write_bytes(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + struct.pack("<Q", len(key)) + key
+                   + struct.pack("<IQ", T.STRING, len(value)) + value)
+  with pytest.raises(ValueError, match=r"latin1\.gguf: GGUF metadata 'general\.name' holds a "
+                                       r"string that is not UTF-8"):
+    G.read_gguf_metadata(G.open_gguf(path))
+
+
 def test_a_type_gguf_does_not_know_is_named(tmp_path):
   # A type id newer than the installed gguf package: the message said the file was truncated
   # or corrupt and to re-download it, which does not help.
