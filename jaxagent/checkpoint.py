@@ -28,9 +28,10 @@ Retention (`checkpoint_keep`, `checkpoint_keep_every`) only ever deletes checkpo
 run: step folders whose metadata names the same model, task and seed as the checkpoint being
 saved. A numbered folder in the directory that is not a jaxagent checkpoint at all (a user's
 `7/`, another tool's files) makes `restore_latest` and `save` refuse, naming it, instead of
-treating it as a checkpoint to restore from or to delete. Interrupted saves are removed by this
-module, not by orbax, whose clean-up on a bucket (`gs://`, where a step folder is complete once
-it holds `commit_success.txt`) deletes every folder of the directory without that file.
+treating it as a checkpoint to restore from or to delete; an empty one (what a kill at the end
+of a deletion leaves) is removed. Interrupted saves are removed by this module, not by orbax,
+whose clean-up on a bucket (`gs://`, where a step folder is complete once it holds
+`commit_success.txt`) deletes every folder of the directory without that file.
 
 All processes of a multi-host job call `save` and `restore` (orbax coordinates the writes;
 process 0 writes the JSON). The directory must be shared by all hosts (e.g. a GCS bucket).
@@ -431,9 +432,14 @@ class CheckpointManager:
     if self._folders_checked:
       return
     partial = set(self.incomplete())
-    foreign = sorted((p for p in self.directory.iterdir() if _ORBAX_STEP.match(p.name)
-                      and p.is_dir() and p not in partial and not _is_checkpoint_folder(p)),
-                     key=lambda p: int(p.name)) if self.directory.is_dir() else []
+    numbered = sorted((p for p in self.directory.iterdir() if _ORBAX_STEP.match(p.name)
+                       and p.is_dir() and p not in partial),
+                      key=lambda p: int(p.name)) if self.directory.is_dir() else []
+    # An empty step folder is what a kill leaves at the very end of a checkpoint's deletion
+    # (orbax removes the folder last). It holds nothing to lose; taken for a user's folder, it
+    # stopped every later resume of the run.
+    empty = [p for p in numbered if not any(p.iterdir())]
+    foreign = [p for p in numbered if p not in empty and not _is_checkpoint_folder(p)]
     if foreign:
       shown = ", ".join(str(p) for p in foreign[:8])
       shown += f" and {len(foreign) - 8} more" if len(foreign) > 8 else ""
@@ -442,10 +448,15 @@ class CheckpointManager:
           f"steps that are not jaxagent checkpoints: {shown}. Checkpoint retention would "
           f"restore from or delete them, so nothing is written here: move them out of "
           f"{self.directory}, or set checkpoint_dir (or workdir) to a directory of their own.")
-    if partial and jax.process_index() == 0:
+    if jax.process_index() == 0:
       for p in partial:
         p.rmtree()
+      for p in empty:
+        p.rmdir()  # (refuses, rather than deletes, a folder that is no longer empty)
+        self.say(f"removed the empty step folder {p} (left by an interrupted deletion)")
     _all_processes_ok(True)  # every process waits for the removal before saving
+    if empty:
+      self._mgr.reload()  # orbax listed the empty folders as steps
     self._folders_checked = True
 
   def _owns(self, step: int) -> bool:

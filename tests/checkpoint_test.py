@@ -207,6 +207,28 @@ def test_a_checkpoint_whose_deletion_was_cut_short_does_not_stop_the_resume(tmp_
   mgr.close()
 
 
+def test_an_empty_step_folder_left_by_a_deletion_does_not_stop_the_resume(tmp_path):
+  """A kill at the very end of a checkpoint's deletion leaves its folder empty: it was taken
+  for a user's folder, and every later start of the run was refused."""
+  learner = _learner(1)
+  state = learner.init(_initial_params())
+  cfg = checkpoint.CheckpointConfig(every=1, async_save=False)
+  mgr = checkpoint.CheckpointManager(tmp_path, cfg)
+  assert mgr.save(1, state, meta=_meta(_config()))
+  mgr.close()
+  for n in ("0", "2"):  # older and newer than the checkpoint
+    (tmp_path / n).mkdir()
+  said = []
+  mgr = checkpoint.CheckpointManager(tmp_path, cfg, say=said.append)
+  r = mgr.restore_latest(_target(learner), config=_config())
+  assert r.step == 1 and mgr.steps() == [1]
+  assert said == [f"removed the empty step folder {tmp_path / n} (left by an interrupted deletion)"
+                  for n in ("0", "2")]
+  assert mgr.save(2, r.state, meta=_meta(_config()))
+  mgr.close()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["1", "2"]
+
+
 def test_on_a_bucket_only_interrupted_saves_are_cleaned_up(tmp_path, monkeypatch):
   # On gs:// orbax completes a save by writing commit_success.txt into the step folder, and its
   # clean-up of unfinished saves deleted every folder without that file (a user's notes/ or
