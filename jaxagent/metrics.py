@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import pathlib
+import re
 import time
 from typing import Any, Mapping
 
@@ -23,6 +24,9 @@ log = logging.getLogger(__name__)
 # scratch in a workdir holding these moves them to `previous/<n>/` (`set_aside_earlier_run`).
 RUN_OUTPUTS = ("metrics.jsonl", "tensorboard", "summary.json", "curves.png", "compiles.jsonl",
                "samples")
+
+
+_TAG_CHARS = re.compile(r"[^-/\w.]")  # what a TensorBoard tag may not hold
 
 
 def _scalar(v) -> float | None:
@@ -79,9 +83,8 @@ class _EventFile:
 
   def __init__(self, logdir: pathlib.Path, *, purge_step: int | None = None, suffix: str = ""):
     from tensorboardX.event_file_writer import EventsWriter
-    from tensorboardX.proto import event_pb2
-    from tensorboardX.summary import scalar
-    self._event, self._scalar = event_pb2.Event, scalar
+    from tensorboardX.proto import event_pb2, summary_pb2
+    self._event, self._summary = event_pb2.Event, summary_pb2.Summary
     logdir.mkdir(parents=True, exist_ok=True)
     self._writer = EventsWriter(str(logdir / "events"), suffix)
     if purge_step is not None:
@@ -93,8 +96,10 @@ class _EventFile:
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     now = time.time()
     for tag, value in scalars.items():
-      self._writer.write_event(self._event(wall_time=now, step=int(step),
-                                           summary=self._scalar(tag, value)))
+      # The summary proto is built here: tensorboardX's `scalar` logged "NaN or Inf found in
+      # input tensor." for each non-finite value without naming the metric.
+      summary = self._summary(value=[self._summary.Value(tag=tag, simple_value=value)])
+      self._writer.write_event(self._event(wall_time=now, step=int(step), summary=summary))
     self._writer.flush()
 
   def close(self) -> None:
@@ -110,6 +115,7 @@ class MetricsWriter:
     self.is_lead = jax.process_index() == 0
     self.history: list[dict[str, Any]] = []
     self._unlogged: set[str] = set()  # keys warned about in `write`
+    self._nonfinite: set[str] = set()  # keys whose NaN / Inf `write` has said
     self._tb = None
     self._bar = None
     self._jsonl = None
@@ -140,14 +146,22 @@ class MetricsWriter:
           what = f"shape {np.shape(v)}" if np.ndim(v) else type(v).__name__
           log.warning("metric %r is not a single number (%s, from step %s on): not logged",
                       k, what, step)
+    for k, v in clean.items():
+      if not math.isfinite(v) and k not in self._nonfinite:
+        self._nonfinite.add(k)
+        if self.is_lead:
+          log.warning("metric %r is %s at step %s (null in metrics.jsonl); said once per metric",
+                      k, v, step)
     rec = {"step": int(step), "time": time.time(), **clean}
     self.history.append(rec)
     if not self.is_lead:
       return
     _append_whole(self._jsonl, (finite_json(rec) + "\n").encode())
     if self._tb is not None:
-      # TensorBoard tags allow [A-Za-z0-9_./-]: "eval/pass@1" is logged as "eval/pass_at_1".
-      self._tb.write(step, {k.replace("@", "_at_"): v for k, v in clean.items()})
+      # TensorBoard tags allow [A-Za-z0-9_./-]: "eval/pass@1" is logged as "eval/pass_at_1",
+      # other characters as "_".
+      self._tb.write(step, {_TAG_CHARS.sub("_", k.replace("@", "_at_")).lstrip("/") or "_": v
+                            for k, v in clean.items()})
 
   def progress(self, n: int = 1, **postfix) -> None:
     if self._bar is not None:

@@ -42,6 +42,24 @@ def test_jsonl_and_tensorboard_and_the_rewind_purges_later_steps(tmp_path):
   assert {"reward/mean", "eval/pass_at_1"} <= tags
 
 
+def test_a_non_finite_metric_is_named_once_and_logged(tmp_path, caplog):
+  # tensorboardX logged "NaN or Inf found in input tensor." at every such value, naming no
+  # metric; tags with characters TensorBoard refuses are still cleaned.
+  w = MetricsWriter(tmp_path, progress=False)
+  with caplog.at_level("INFO"):
+    for step in (1, 2):
+      w.write(step, {"loss": float("nan"), "kl": float("inf"), "a b": 1.0, "/lead": 2.0})
+  w.close()
+  said = [r.getMessage() for r in caplog.records]
+  assert said == ["metric 'loss' is nan at step 1 (null in metrics.jsonl); said once per metric",
+                  "metric 'kl' is inf at step 1 (null in metrics.jsonl); said once per metric"]
+  logged = [(ev.step, v.tag, v.simple_value) for _, ev in _events(tmp_path / "tensorboard")
+            for v in ev.summary.value]
+  assert logged[:4] == [(1, "loss", pytest.approx(float("nan"), nan_ok=True)),
+                        (1, "kl", float("inf")), (1, "a_b", 1.0), (1, "lead", 2.0)]
+  assert len(logged) == 8
+
+
 def test_each_record_is_on_disk_when_write_returns(tmp_path):
   """A run killed (-9, out of memory) between steps keeps every step it logged: the JSONL line
   and the TensorBoard events are written through before `write` returns, not at `close`."""
