@@ -61,11 +61,13 @@ class StepConfig:
       of memory (5 GB for 16k tokens of a 152k vocabulary in bf16). Off by default.
     entropy: compute per-token entropies (needed for `loss.entropy_coef`; else a metric only,
       not differentiated).
-    nonfinite: "raise" stops with an error naming the step and metric; "skip" leaves params
-      and optimizer state unchanged for that step and reports `nonfinite=1`. The optimizer's
-      update count stays too, so the learning-rate schedule (warmup, decay) and Adam's bias
-      correction count applied updates: a skipped step delays the rest of the schedule by one
-      update, while `TrainState.step` counts every step (a resume restores both as saved).
+    nonfinite: what to do when the loss, the gradient norm or the optimizer's update
+      (`update_norm`) is not finite: "raise" stops with an error naming the step and metric;
+      "skip" leaves params and optimizer state unchanged for that step and reports
+      `nonfinite=1`. The optimizer's update count stays too, so the learning-rate schedule
+      (warmup, decay) and Adam's bias correction count applied updates: a skipped step delays
+      the rest of the schedule by one update, while `TrainState.step` counts every step (a
+      resume restores both as saved).
     gather_weights: with fsdp and several micro-batches, all-gather the weights once per step
       (kept split over tensor) instead of letting every micro-batch gather them again in its
       forward and backward pass. Costs one unsharded copy of the params per device (their
@@ -281,12 +283,17 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
   grad_norm = optax.global_norm(grads)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)
-  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  # The update is checked too: finite gradients can still give a non-finite update (Adam with
+  # eps=0 divides 0 by 0 on every parameter whose gradient is exactly 0, e.g. all of them for a
+  # batch whose advantages are all 0), which would write NaN params without a word.
+  update_norm = optax.global_norm(updates)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm) & jnp.isfinite(update_norm)
   keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
   new_state = TrainState(step=state.step + 1, params=keep(new_params, state.params),
                          opt_state=keep(opt_state, state.opt_state))
   metrics = dict(metrics)
   metrics["grad_norm"] = grad_norm
+  metrics["update_norm"] = update_norm
   metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
   return new_state, metrics
 
@@ -472,11 +479,14 @@ class Learner:
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if metrics["nonfinite"] and self.scfg.nonfinite == "raise":
       bad = [k for k, v in metrics.items() if not np.isfinite(v)]
+      hint = ("Lower the learning rate, check the batch, or set nonfinite='skip'."
+              if bad != ["update_norm"] else
+              "The loss and gradients are finite but the optimizer's update is not: Adam "
+              "with eps=0 divides by zero where a gradient is exactly 0; use eps > 0.")
       err = FloatingPointError(
           f"non-finite values at train step {step}: {bad or ['grad_norm']}; params were not "
           f"updated (the state passed in was donated to the step: the error's `state` holds "
-          f"the unchanged params and optimizer state). Lower the learning rate, check the "
-          f"batch, or set nonfinite='skip'.")
+          f"the unchanged params and optimizer state). {hint}")
       err.state = state
       raise err
     return state, metrics

@@ -299,6 +299,43 @@ def test_nonfinite_step_raises_with_step_and_metric(params):
   np.testing.assert_array_equal(np.asarray(models.unbox(st.params)["embed"]), before)
 
 
+def _first_weight_loss(p, mb, cfg, scfg):
+  """A stand-in for `step._micro_parts` whose loss reaches `p["w"][0]` only."""
+  one = jnp.ones(())
+  parts = losses.LossParts(p["w"][0], one, {"num_policy_tokens": one, "ratio_mean": one},
+                           {"ratio_mean": one}, one, one)
+  return parts.numerator, parts
+
+
+def test_a_non_finite_update_from_finite_gradients_is_caught(monkeypatch):
+  """Adam with eps=0 turns a gradient of exactly 0 (a weight the batch does not reach, or every
+  weight when all advantages are 0) into 0 / 0: the loss and gradient norm are finite, yet the
+  update would write NaN params. The step must see it like a non-finite loss."""
+  monkeypatch.setattr(step, "_micro_parts", _first_weight_loss)
+  params = {"w": jnp.ones(3)}
+  for kind, opt in (("eps=0", step.make_optimizer(1e-2, eps=0.0)),
+                    ("eps>0", step.make_optimizer(1e-2))):
+    state = step.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                            opt_state=opt.init(params))
+    new, m = jax.jit(functools.partial(step.train_step, cfg=CFG, scfg=step.StepConfig(),
+                                       optimizer=opt))(state, {})
+    w = np.asarray(new.params["w"])
+    assert np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])
+    if kind == "eps=0":
+      assert float(m["nonfinite"]) == 1.0 and not np.isfinite(float(m["update_norm"]))
+      np.testing.assert_array_equal(w, [1.0, 1.0, 1.0])  # not updated
+    else:
+      assert float(m["nonfinite"]) == 0.0 and np.isfinite(float(m["update_norm"]))
+      assert w[0] < 1.0 and w[1] == w[2] == 1.0
+
+
+def test_a_non_finite_update_alone_is_named_with_its_likely_cause(monkeypatch):
+  monkeypatch.setattr(step, "_micro_parts", _first_weight_loss)
+  learner = step.Learner(CFG, step.StepConfig(), step.make_optimizer(1e-2, eps=0.0))
+  with pytest.raises(FloatingPointError, match=r"step 0: \['update_norm'\].*use eps > 0"):
+    learner.train_step(learner.init({"w": jnp.ones(3)}), {})
+
+
 def test_a_skipped_update_leaves_the_schedule_where_it_was(params):
   """With nonfinite='skip' the learning-rate schedule (and Adam's bias correction) count the
   updates applied, not the steps taken (documented in `StepConfig` and the README): after a
