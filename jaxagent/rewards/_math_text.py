@@ -184,7 +184,8 @@ _OPERAND_CONSTANTS = {"pi": "PI"}
 _OPERAND_OPENERS = {"lfloor": "floor(", "lceil": "ceil(", "lvert": "abs("}
 _OPERAND_CLOSERS = frozenset({"rfloor", "rceil", "rvert"})
 _BAR = re.compile(r"\s*(?:\||\\vert(?![A-Za-z]))")
-_ARITHMETIC = re.compile(r"(?:[\d.+\-*/() ,]|binom|abs|floor|ceil|E|PI)+")
+_ARITHMETIC = re.compile(r"(?:[\d.+\-*/() ,]|binom|abs|floor|ceil|gamma|E|PI)+")
+_GAMMA_ARGUMENT = re.compile(r"\s*(?:\\left(?![A-Za-z])\s*)?\(")  # "\Gamma(" or "\Gamma\left("
 _LEADING_ZEROS = re.compile(r"(?<![\d.])0+(?=\d)")
 
 
@@ -208,6 +209,8 @@ def _too_costly(text: str) -> bool:
   # Numbers and powers as `_math_compare._parse_answer` writes them before math-verify reads them
   # ("1\,000\,000!", "1~000~000!" and "(1e6)!" are 1000000!; "10⁶!" is 10^{6}!).
   text = _normalize_numbers((text if text.isascii() else _read_unicode(text)).replace("~", " "))
+  if "\\exp" in text:  # before the factorials: "\exp(10)!" is (e^{10})!, no whole number
+    text = _EXPONENTIAL.sub(" e^", text)
   if "!!" in text:
     if any(len(a + b) > 4 or int(a + b) > _MAX_DOUBLE_FACTORIAL
            for a, b in _DOUBLE_FACTORIAL.findall(text)):
@@ -222,8 +225,6 @@ def _too_costly(text: str) -> bool:
   if ("!" in text or "\\Gamma" in text) and any(_costly_operand(*operand)
                                                 for operand in set(_factorial_operands(text))):
     return True  # each operand read once: a long answer may repeat one many times
-  if "\\exp" in text:
-    text = _EXPONENTIAL.sub(" e^", text)
   if ("^" in text or "**" in text) and (_costly_group_powers(text) or _costly_sums(text)):
     return True
   if "^" not in text and "**" not in text:
@@ -540,6 +541,11 @@ def _operand_python(operand: str) -> str | None:
         piece, opens, bar = _OPERAND_OPENERS[name], True, name == "lvert"
       elif name in _OPERAND_CLOSERS:
         closes, bar = True, name == "rvert"
+      elif name == "Gamma":  # "\Gamma(\Gamma(10))" is Gamma(362880): a call with its bracket
+        call = _GAMMA_ARGUMENT.match(operand, i)
+        if call is None:
+          return None
+        piece, opens, i = "gamma(", True, call.end()
       else:
         piece, i = _operand_command(operand, i, name)
         if piece is None:
@@ -672,6 +678,12 @@ def _float_value(node: ast.AST) -> float | None:
     if value is None or not math.isfinite(value):
       return None if value is None else abs(value)
     return float({"abs": abs, "floor": math.floor, "ceil": math.ceil}[node.func.id](value))
+  if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "gamma"
+          and len(node.args) == 1 and not node.keywords):
+    value = _float_value(node.args[0])
+    if value is None or math.isnan(value) or value <= 0 and value == math.floor(value):
+      return None  # a pole, or no arithmetic: left to math-verify
+    return math.inf if value > 171 else math.gamma(value)
   if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "binom"
           and len(node.args) == 2 and not node.keywords):
     n, k = (_float_value(arg) for arg in node.args)

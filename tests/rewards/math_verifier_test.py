@@ -841,6 +841,7 @@ def test_process_backend_kills_a_real_hang_within_the_limit(process_verifier):
     "|10^7|!", "\\lfloor 10^7/2 \\rfloor!", "{100 \\choose 50}!", "\\frac{10^{7}}{2}\\,!", "e^{100}!",
     "((18)!)!", "(\\frac{36}{2}!)!",  # a factorial of a factorial of arithmetic
     "\\Gamma(10^7)", "\\Gamma\\left(10^{7}\\right)",  # the gamma function
+    "\\exp(10)!", "\\Gamma(\\Gamma(10))",  # a factorial of an exponential, a gamma of a gamma
     "\\left\\{10^6\\right\\}!", "\\{10^6\\}!",  # an escaped brace groups as a bracket does
     "((4!)!)!",  # three factorials
 ])
@@ -974,6 +975,9 @@ def test_the_cost_guard_reads_a_factorial_of_a_factorial_of_arithmetic(text, cos
     ("\\frac{201}{2}!", True), ("(10^{2}+0.5)!", True),
     ("e^{4}!", False), ("\\frac{199}{2}!", False), ("(\\frac{1}{2})!", False), ("(99.5)!", False),
     ("(0.1 \\cdot 3000)!", False), ("\\frac{3}{0.01}!", False), ("\\frac{10^6}{20}!", False),
+    # An exponential is a power of e here too (e^{10}! is 22026.5!: 8 s against a decimal gold).
+    ("\\exp(10)!", True), ("\\exp\\left(10\\right)!", True), ("(\\exp(10))!", True), ("\\exp(2)!", False),
+    ("\\exp(x)!", False),
 ])
 def test_the_cost_guard_refuses_a_large_factorial_of_no_whole_number(text, costly):
   # Against a decimal gold math-verify rounds e^{7}! (1096.6!) to as many digits as it has: 11 s.
@@ -984,6 +988,10 @@ def test_the_cost_guard_refuses_a_large_factorial_of_no_whole_number(text, costl
     ("\\Gamma(10^7)", True), ("\\Gamma\\left(10^7\\right)", True), ("\\Gamma{10^7}", True), ("\\Gamma (1000.5)", True),
     ("\\Gamma(1000000)", True), ("\\Gamma(5)", False), ("\\Gamma(\\frac{1}{2})", False), ("\\Gamma(n)", False),
     ("\\Gamma(10^5)", False), ("\\Gamma 10^7", False),  # math-verify reads the last as EulerGamma * 10^7
+    # A gamma of a gamma (Gamma(362880), 1.9 s against a decimal gold), read as arithmetic of the inner one.
+    ("\\Gamma(\\Gamma(10))", True), ("\\Gamma\\left(\\Gamma(10)\\right)", True), ("\\Gamma(3\\Gamma(9))", True),
+    ("\\Gamma(\\Gamma(5))", False), ("\\Gamma(\\Gamma(\\frac{1}{2}))", False), ("\\Gamma(\\Gamma(-1))", False),
+    ("\\Gamma(\\Gamma(n))", False), ("\\Gamma(\\Gamma)", False),
 ])
 def test_the_cost_guard_reads_the_gamma_function(text, costly):
   # \\Gamma(x) is (x - 1)!: math-verify evaluates \\Gamma(10^7) past the time limit.
