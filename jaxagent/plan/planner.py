@@ -25,7 +25,8 @@ appended at once, attention over the whole cache. `PlanOptions` narrows them.
 Memory per chip = XLA's arguments + outputs - donated aliases + temporaries + code, plus the
 buffers the run keeps alive meanwhile (`resident`): the optimizer state while the generator
 decodes (colocated mode shares the params, not the moments; float32 masters with a lower
-compute dtype decode from a compute-dtype copy, the masters resident beside it), the frozen
+compute dtype decode from a compute-dtype copy, the masters resident beside it; where the
+engine decodes with merged weights, their copy for the rollout beside the params), the frozen
 reference params when KL is on, the RL state during the SFT warm start. Time per program is a roofline estimate,
 max(flops / peak, HBM bytes / bandwidth, collective bytes / interconnect bandwidth), from
 loop-aware HLO counts (`jaxagent.plan.hlo`; XLA's own `cost_analysis()` counts each `lax.scan`
@@ -449,6 +450,17 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
                       "ref_params": ref_b}
     if masters_b:
       dec_components["learner_params"] = masters_b
+    # Where the engine's decode calls multiply by merged q|k|v and gate|up weights
+    # (`Engine.merge_weights`, on GPUs by default), the rollout driver merges them once per
+    # rollout (`Engine.prepare`): a second copy of every weight, held beside the params through
+    # every generator program of the rollout, and the params its generate calls receive.
+    decode_params, merged_b = dparams, 0.0
+    if engine.merge_weights:
+      merge = jax.jit(lambda p: engine.prepare(p).decode)
+      merged = jax.eval_shape(merge, dparams)
+      decode_params = _sds(merged, merge.lower(dparams).compile().output_shardings)
+      merged_b = _per_chip_bytes(decode_params)
+      dec_components["decode_weights"] = merged_b
     s = shapes
     b, t = s.prefill_batch, s.prefill_len
     prefill_args = (dparams, jax.ShapeDtypeStruct((b, t), jnp.int32, sharding=rep_sh), vec(b),
@@ -456,7 +468,7 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
     prefill = None
     if want & {"prefill", "insert"}:
       rep = ProgramReport("prefill", "prefill", f"[{b}x{t}]",
-                          resident_bytes=masters_b + opt_b + ref_b + kv_b,
+                          resident_bytes=masters_b + merged_b + opt_b + ref_b + kv_b,
                           components=dec_components)
       prefill = add(rep, engine.program("prefill"), *prefill_args, on=dmesh)
       if "prefill" not in want:  # compiled only for the shardings of its output
@@ -470,20 +482,25 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
       prefix = _sds(out, out_sh)
       share = (vec(b), vec(b)) if ecfg.share_prompts else None
       rep = ProgramReport("insert", "insert", f"{b} prefixes of {t}",
-                          resident_bytes=_per_chip_bytes(dparams) + masters_b + opt_b + ref_b,
+                          resident_bytes=(_per_chip_bytes(dparams) + masters_b + merged_b + opt_b
+                                          + ref_b),
                           components=dec_components)
       add(rep, engine.program("insert"), prefix, dstate, vec(b), share, on=dmesh)
     if "generate" in want:
+      # Given the merged copy, the params it was made from stay resident beside it.
+      held = _per_chip_bytes(dparams) if merged_b else 0.0
       rep = ProgramReport("generate", "generate",
                           f"{s.slots} slots x {s.decode_steps} steps, kv {s.kv_len}",
-                          resident_bytes=masters_b + opt_b + ref_b, components=dec_components)
-      add(rep, engine.program("generate"), dparams, dstate, on=dmesh, steps=s.decode_steps,
-          kv_len=s.kv_len)
+                          resident_bytes=held + masters_b + opt_b + ref_b,
+                          components=dec_components)
+      add(rep, engine.program("generate"), decode_params, dstate, on=dmesh,
+          steps=s.decode_steps, kv_len=s.kv_len)
     if "append" in want:
       b, n = s.append_batch, s.append_len
       chunk = jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=rep_sh)
       rep = ProgramReport("append", "append", f"[{b}x{n}], kv {s.kv_len}",
-                          resident_bytes=masters_b + opt_b + ref_b, components=dec_components)
+                          resident_bytes=masters_b + merged_b + opt_b + ref_b,
+                          components=dec_components)
       add(rep, engine.program("append"), dparams, dstate, vec(b), chunk, vec(b), vec(b),
           on=dmesh, kv_len=s.kv_len)
 

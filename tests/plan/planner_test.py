@@ -137,6 +137,43 @@ def test_generate_is_planned_over_the_engines_whole_cache(monkeypatch):
   assert gen.error is None and gen.shapes == "2 slots x 1 steps, kv 128"
 
 
+def test_merged_decode_weights_are_resident_through_the_rollout(monkeypatch):
+  # Where the engine decodes with merged q|k|v and gate|up weights (on GPUs by default), the
+  # rollout driver makes them once per rollout (`Engine.prepare`): a second copy of the
+  # weights, alive beside the params through prefill, insert, generate and append, and the
+  # params generate is called with. The plan left the copy out (append planned as if it did
+  # not exist) and planned generate on the plain params, merging inside the program.
+  from jaxagent.generate.engine import Engine
+  from jaxagent.models import get_config, param_tree
+  from jaxagent.plan import planner
+
+  class MergingEngine(Engine):
+    def __init__(self, cfg, ecfg, **kw):
+      super().__init__(cfg, dataclasses.replace(ecfg, decode_merge_weights=True), **kw)
+
+  planned = {}  # program -> the arguments it is planned with (not compiled: fast)
+  monkeypatch.setattr(planner, "Engine", MergingEngine)
+  monkeypatch.setattr(planner, "_compile", lambda rep, fn, args, *_: planned.update(
+      {rep.name: args}))
+  cfg = get_config("tiny-llama", n_layers=1)
+  c = tiny(1, 1, 1)
+  c.rollout.update(slots=2, max_len=32, decode_steps=1)
+  report = plan.plan_run(c, jax.devices()[:1], cfg=cfg,
+                         options=plan.PlanOptions(programs=("generate", "append")))
+  gen, app = report.program("generate"), report.program("append")
+  weights = cfg.num_params() * 4               # float32, one device; merging keeps the count
+  assert app.components["decode_weights"] == weights
+  assert app.resident_bytes == app.components["optimizer"] + weights
+  # generate takes the merged copy, as the driver calls it; the params stay resident.
+  assert gen.resident_bytes == gen.components["optimizer"] + gen.components["params"]
+  engine = MergingEngine(cfg, planner.EngineConfig(slots=2, max_len=32))
+  params = jax.eval_shape(lambda k: param_tree.init_params(cfg, k), jax.random.key(0))
+  prepared = jax.eval_shape(engine.prepare, params)
+  sig = lambda tree: jax.tree.map(lambda x: (tuple(x.shape), np.dtype(x.dtype)), tree)
+  assert sig(planned["generate"][0]) == sig(prepared.decode)
+  assert sig(planned["append"][0]) == sig(prepared.params)  # append takes the plain params
+
+
 def test_insert_is_planned_with_the_arguments_the_rollout_driver_passes():
   # The rollout driver inserts through Engine.prefill_insert: the prefill's whole padded batch
   # (6 slots: 8 rows) with the rows' prompt sharing. The plan compiled insert on the first 6
