@@ -29,6 +29,7 @@ needs TensorFlow.
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import fcntl
@@ -317,7 +318,7 @@ def _document_text(i: int, ents: list[Entity], city_ids: list[int], cfg: KBConfi
              f"{e.name} was born in {name('birth_city')}.",
              f"{e.name} studied at {name('alma_mater')}."]
     if cfg.distractors:
-      moved = rng.choice([c for c in city_ids if c != r["birth_city"]])
+      moved = _other_city(rng, city_ids, r["birth_city"])
       facts.append(f"Later in life, {e.name} moved to {ents[moved].name}.")
   else:  # company
     article = "an" if a["industry"][0] in "aeiou" else "a"
@@ -325,13 +326,22 @@ def _document_text(i: int, ents: list[Entity], city_ids: list[int], cfg: KBConfi
              f"{e.name} is headquartered in {name('headquarters')}.",
              f"It is {article} {a['industry']} company."]
     if cfg.distractors:
-      branch = rng.choice([c for c in city_ids if c != r["headquarters"]])
+      branch = _other_city(rng, city_ids, r["headquarters"])
       facts.append(f"{e.name} also runs a branch office in {ents[branch].name}.")
   extra = [rng.choice(_FILLER).format(x=e.name)]
-  others = [j for j in range(len(ents)) if j != i]
-  for j in rng.sample(others, min(cfg.distractors, len(others))):
-    extra.append(rng.choice(_MENTIONS).format(x=e.name, z=ents[j].name))
+  # Positions among the other entities (all but i), drawn as from a list of them; building that
+  # list for every document made generation quadratic in the entity count.
+  n_others = len(ents) - 1
+  for j in rng.sample(range(n_others), min(cfg.distractors, n_others)):
+    extra.append(rng.choice(_MENTIONS).format(x=e.name, z=ents[j + (j >= i)].name))
   return " ".join(facts + extra)
+
+
+def _other_city(rng: random.Random, city_ids: list[int], city: int) -> int:
+  """A random city of `city_ids` (ascending) other than `city`: the draw of `rng.choice` from
+  the list without it, made without building that list for every document."""
+  k = rng.randrange(len(city_ids) - 1)  # what `choice` draws from a list one shorter
+  return city_ids[k + (k >= bisect.bisect_left(city_ids, city))]
 
 
 def generate_questions(world: World, cfg: KBConfig) -> dict[str, list[Question]]:

@@ -52,6 +52,37 @@ def test_facts_are_stated_in_the_source_documents():
       assert kb.hop_fact(rel, e.name, world.entities[target].name).lower() in doc.text.lower(), (rel, doc)
 
 
+def test_distractors_name_every_other_entity_and_confusable_facts_another_city():
+  # Distractors capped at all other entities: each document mentions each of them exactly once.
+  import re
+  cfg = kb.KBConfig(seed=4, distractors=10**6, **SMALL)
+  world = kb.generate_world(cfg)
+  names = [e.name for e in world.entities]
+  for e, doc in zip(world.entities, world.documents):
+    x = re.escape(e.name)
+    mentioned = [m.group(1) for t in kb._MENTIONS
+                 for m in re.finditer(re.escape(t).replace(r"\{x\}", x).replace(r"\{z\}", "(.+?)"),
+                                      doc.text)]
+    assert sorted(mentioned) == sorted(n for n in names if n != e.name), doc.id
+    later = re.search(r"(?:moved to|branch office in) (\w+)\.", doc.text)
+    if e.kind in ("person", "company"):
+      rel = "birth_city" if e.kind == "person" else "headquarters"
+      assert later.group(1) in {names[c] for c in world.by_kind("city")} - {names[e.relations[rel]]}
+
+
+def test_world_generation_is_linear_in_the_entity_count():
+  # Each document listed all other entities (each person and company all other cities) to draw
+  # from: these 9360 entities took 5 s, and the time grew with the square of the count.
+  import time
+  cfg = kb.KBConfig(num_countries=160, num_cities=800, num_universities=400, num_people=4800,
+                    num_companies=3200)
+  start = time.perf_counter()
+  n = len(kb.generate_world(cfg).documents)
+  seconds = time.perf_counter() - start
+  assert n == 9360
+  assert seconds < 2.5, f"generating {n} entities took {seconds:.1f} s"
+
+
 def test_config_counts_must_be_ints():
   # A float count (e.g. 1e3 from a command line) failed deep in generation with
   # "'float' object cannot be interpreted as an integer"; min_hops=1.0 built a second dataset.
