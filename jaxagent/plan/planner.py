@@ -141,6 +141,9 @@ def model_config(config) -> ModelConfig:
     except json.JSONDecodeError as e:
       raise ValueError(f"{cfg_file} is not valid JSON ({e}): fix or replace the model's "
                        "config.json") from None
+    if not isinstance(hf_cfg, dict):  # (a list failed with "'list' object has no attribute")
+      raise ValueError(f"{cfg_file}: expected a JSON object (the model's settings), got "
+                       f"{type(hf_cfg).__name__}: fix or replace the model's config.json")
     return ModelConfig.from_hf(hf_cfg, **kw)
   if p.is_file() and p.suffix == ".gguf":
     from jaxagent.models import gguf as gguf_lib

@@ -85,6 +85,10 @@ def test_model_config_reads_hf_directory(tmp_path):
   c.model.path = str(tmp_path)
   with pytest.raises(ValueError, match=r"config.json is not valid JSON \(Expecting"):
     plan.model_config(c)
+  # Valid JSON that is not an object: an AttributeError the plan's command line re-raised.
+  (tmp_path / "config.json").write_text('[{"model_type": "llama"}]')
+  with pytest.raises(ValueError, match=r"config.json: expected a JSON object .*, got list"):
+    plan.model_config(c)
 
 
 def test_plan_on_local_cpu_devices():
