@@ -141,6 +141,22 @@ def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
           f"GGUF shape {list(map(int, tensor.shape))}) has {tensor.data.nbytes} bytes of data, "
           f"expected {expected}. Re-download or re-install the file."
       )
+  # A damaged data offset can still point at a full tensor's worth of bytes: another tensor's.
+  spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name)
+                 for t in reader.tensors)
+  for start, _, name in spans:
+    if (start - reader.data_offset) % reader.alignment:
+      raise ValueError(
+          f"{path} is corrupt: the data of tensor {name!r} starts at byte "
+          f"{start - reader.data_offset} of the data section, not a multiple of the file's "
+          f"alignment ({reader.alignment}). Re-download or re-install the file."
+      )
+  for (start, end, name), (next_start, _, next_name) in zip(spans, spans[1:]):
+    if next_start < end:
+      raise ValueError(
+          f"{path} is corrupt: the data of tensors {name!r} and {next_name!r} overlap (bytes "
+          f"{start}-{end} and from {next_start}). Re-download or re-install the file."
+      )
   return reader
 
 
