@@ -123,9 +123,19 @@ _GROUP_TOKEN = re.compile(r"\\?[{}]|\\.|[(\[]|[)\]]", re.DOTALL)
 # A sum or product with its index's bounds ("\prod_{k=1}^{10^6} k", "\sum_{k=1}^{20000} \frac{1}{k}"),
 # which math-verify evaluates term by term: bounded by its number of terms (each of these ran to
 # the time limit; 5,000 terms of 1/k took 0.4 s, 10,000 2.3 s). Irrational terms cost more per
-# term (1,000 terms of \sqrt{k^3+1} took 5.5 s, 100 0.8 s): the bound does not cover them. The lower
-# bound's group starts where this ends; `_SUM_INDEX` reads it, `_SUM_UPPER` the upper bound after it.
+# term (1,000 terms of \sqrt{k^3+1} took 5.5 s, 200 3.7 s, 100 0.8 s; 300 of \sin{k} 2.6 s):
+# a summand with a root, a function or a power of e or \pi (`_IRRATIONAL_TERM`, in the
+# `_SUMMAND_CHARS` after the upper bound, up to a "+", "-", "=" or "," outside its brackets) has
+# at most `_MAX_IRRATIONAL_TERMS`. A sum inside another's summand has the product of both counts
+# ("\sum_{i=1}^{300}\sum_{j=1}^{300} \frac{1}{i+j}" ran to the time limit). The lower bound's
+# group starts where `_SUM` ends; `_SUM_INDEX` reads it, `_SUM_UPPER` the upper bound after it.
 _MAX_TERMS = 5000
+_MAX_IRRATIONAL_TERMS = 100
+_SUMMAND_CHARS = 200
+_IRRATIONAL_TERM = re.compile(
+    r"\\(?:sqrt|exp|pi|ln|log|lg|(?:arc)?(?:sin|cos|tan|cot|sec|csc)h?)(?![A-Za-z])"
+    r"|(?<![A-Za-z\\])e\s*\^|\^\s*\{[^{}]*[./][^{}]*\}")
+_SUMMAND_END = re.compile(r"[-+=,;$()\[\]{}]")
 _SUM = re.compile(r"\\(?:sum|prod)(?![A-Za-z])\s*(?:\\limits(?![A-Za-z])\s*)?_\s*(?=\{)")
 _SUM_INDEX = re.compile(r"\s*[A-Za-z]\s*=(.*)", re.DOTALL)
 _SUM_UPPER = re.compile(r"\s*\^\s*(?:(\{)|(\d))")
@@ -263,9 +273,11 @@ def _costly_group_powers(text: str) -> bool:
 
 
 def _costly_sums(text: str) -> bool:
-  """Whether a sum or product with bounds of arithmetic (`_SUM`) has more than `_MAX_TERMS` terms;
-  linear time."""
+  """Whether a sum or product with bounds of arithmetic (`_SUM`) has more than `_MAX_TERMS` terms,
+  or `_MAX_IRRATIONAL_TERMS` of an irrational summand, counting the terms of the sums it stands
+  in; linear time."""
   closings = None
+  sums = []  # (where it starts, its terms or None, where its summand starts)
   for m in _SUM.finditer(text):
     closings = _group_closings(text) if closings is None else closings
     if m.end() not in closings:
@@ -274,11 +286,56 @@ def _costly_sums(text: str) -> bool:
     upper = _SUM_UPPER.match(text, closings[m.end()] + 1)
     if index is None or upper is None or (upper[1] and upper.end() - 1 not in closings):
       continue
+    start = upper.end() if upper[2] else closings[upper.end() - 1] + 1
     upper = upper[2] or text[upper.end():closings[upper.end() - 1]]
     lower, upper = _operand_value(index[1]), _operand_value(upper)
-    if lower is not None and upper is not None and not upper - lower < _MAX_TERMS:  # NaN too
+    sums.append((m.start(), None if lower is None or upper is None else upper - lower + 1, start))
+  bound = 1.0  # the product of the sums' terms: the most any summand can have
+  for _, terms, _ in sums:
+    if terms is not None and not terms <= 1:  # NaN too
+      bound *= terms
+  if bound <= _MAX_IRRATIONAL_TERMS:
+    return False
+  ends = _summand_ends(text, [start for _, _, start in sums])
+  enclosing = []  # (where a summand ends, its terms with those of the sums it stands in)
+  for (where, terms, start), end in zip(sums, ends):
+    while enclosing and enclosing[-1][0] <= where:
+      enclosing.pop()
+    terms = (1.0 if terms is None else terms) * (enclosing[-1][1] if enclosing else 1.0)
+    if not terms <= _MAX_IRRATIONAL_TERMS and (not terms <= _MAX_TERMS  # NaN too
+                                               or _IRRATIONAL_TERM.search(text, start, end)):
       return True
+    enclosing.append((end, max(terms, 1.0)))
   return False
+
+
+def _summand_ends(text: str, starts: list[int]) -> list[int]:
+  """Where each summand that starts at one of `starts` (in order) ends: at a "+", "-", "=", ","
+  or ";" outside its brackets once it has begun, or where a bracket it did not open closes; at
+  most `_SUMMAND_CHARS` on. One pass over the text for all of them."""
+  ends = {start: min(len(text), start + _SUMMAND_CHARS) for start in starts}
+  pending, depth, i = [], 0, 0  # pending: (depth, start) of the open summands, depths ascending
+  for m in _SUMMAND_END.finditer(text):
+    pos, c = m.start(), m.group()
+    while i < len(starts) and starts[i] <= pos:
+      pending.append((depth, starts[i]))
+      i += 1
+    if c in "()[]" and pos and text[pos - 1] == "\\":
+      continue  # "\(" groups nothing
+    if c in "([{":
+      depth += 1
+    elif c in ")]}":
+      while pending and pending[-1][0] == depth:
+        ends[pending[-1][1]] = min(ends[pending[-1][1]], pos)
+        pending.pop()
+      depth = max(depth - 1, 0)
+    else:
+      while pending and pending[-1][0] == depth and text[pending[-1][1]:pos].strip():
+        ends[pending[-1][1]] = min(ends[pending[-1][1]], pos)
+        pending.pop()
+    while pending and pending[0][1] + _SUMMAND_CHARS <= pos:
+      pending.pop(0)  # past its last character
+  return [ends[start] for start in starts]
 
 
 def _group_closings(text: str) -> dict[int, int]:
