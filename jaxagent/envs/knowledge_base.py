@@ -473,8 +473,8 @@ class SearchQAKB(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 def default_data_dir() -> pathlib.Path:
   """`$JAXAGENT_DATA_DIR`, else `~/.cache/jaxagent/tensorflow_datasets`."""
   env = os.environ.get("JAXAGENT_DATA_DIR")
-  if env:
-    return pathlib.Path(env)
+  if env:  # a quoted "~/..." reaches us unexpanded
+    return pathlib.Path(env).expanduser()
   return pathlib.Path.home() / ".cache" / "jaxagent" / "tensorflow_datasets"
 
 
@@ -492,7 +492,9 @@ def _file_lock(path: pathlib.Path):
 
 def build_kb(cfg: KBConfig, data_dir: str | os.PathLike | None = None) -> SearchQAKB:
   """The prepared builder of `cfg` under `data_dir` (generated on first use, then reused)."""
-  data_dir = pathlib.Path(data_dir) if data_dir else default_data_dir()
+  # The shell leaves a "~" after "data_dir=" on a command line as it is: the dataset would be
+  # written under a folder named "~" in the working directory.
+  data_dir = pathlib.Path(data_dir).expanduser() if data_dir else default_data_dir()
   builder = SearchQAKB(config=SearchQAKBConfig(cfg), data_dir=str(data_dir),
                        file_format="array_record")
   with _file_lock(data_dir / f".{cfg.dataset_name}.lock"):

@@ -158,6 +158,19 @@ def test_tfds_build_and_grain_read(data_dir):
   assert {f: f.stat().st_mtime for f in files} == mtimes
 
 
+def test_a_tilde_in_the_data_dir_is_the_home_directory(tmp_path, monkeypatch):
+  # "~/kb" (a command line's data_dir=~/kb, a quoted JAXAGENT_DATA_DIR) was a folder named "~"
+  # in the working directory.
+  monkeypatch.setenv("HOME", str(tmp_path / "home"))
+  monkeypatch.chdir(tmp_path)
+  cfg = kb.KBConfig(seed=9, **{**SMALL, "train_size": 2, "eval_size": 1, "sft_size": 1})
+  loaded = kb.load_kb(cfg, "~/kb")
+  assert loaded.data_dir.is_relative_to(tmp_path / "home" / "kb") and len(loaded.questions["eval"]) == 1
+  monkeypatch.setenv("JAXAGENT_DATA_DIR", "~/env")
+  assert kb.default_data_dir() == tmp_path / "home" / "env"
+  assert not (tmp_path / "~").exists()
+
+
 def test_a_split_of_size_zero_is_built_and_read_empty(tmp_path):
   """sft_size=0 (RL without a warm start) or eval_size=0 ended the build with tfds's
   AssertionError "Failed to finalize writing of split 'sft': No examples were yielded"."""
