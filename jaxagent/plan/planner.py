@@ -342,6 +342,17 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
   else:
     devices = list(devices_or_topology)
     target = "local"
+    if not devices:
+      raise ValueError("plan_run: the list of devices is empty; pass devices, a TPU topology "
+                       "name such as 'v5e:4x4', or 'local'")
+    hosts = {d.process_index for d in devices}
+    if len(hosts) > 1 and not set(devices) <= set(jax.devices()):
+      # Compile-only devices of a topology (`devices_for`): the rollout's programs compile for
+      # one host's devices, which a compile-only client takes only as a topology of their own,
+      # and that needs the topology's name (the list failed as a compile error of generate).
+      raise ValueError(f"plan_run: these {len(devices)} devices of a TPU topology span "
+                       f"{len(hosts)} hosts; pass the topology's name (such as 'v5e:4x4') "
+                       "instead of its devices")
   cfg = cfg if cfg is not None else model_config(config)
   chip = chip_for(devices)
   rollout_devices = _rollout_devices(devices, topology)

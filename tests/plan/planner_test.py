@@ -618,6 +618,19 @@ def test_multi_host_topology_plans_the_generator_on_one_hosts_chips(topology, ta
   assert gen.components["learner_params"] == pytest.approx(weights / 16, rel=0.05)
 
 
+@needs_libtpu
+@pytest.mark.tpu_aot
+def test_a_device_list_must_be_one_hosts_or_this_runtimes():
+  # The devices of a topology spanning hosts failed as a compile error of generate ("Unexpected
+  # device_id 5 in replica group"), and an empty list as a bare IndexError.
+  c = tiny(1, -1, 1)
+  with pytest.raises(ValueError, match=r"these 16 devices of a TPU topology span 4 hosts; pass "
+                                       r"the topology's name"):
+    plan.plan_run(c, plan.devices_for("v5e:4x4"))
+  with pytest.raises(ValueError, match="the list of devices is empty"):
+    plan.plan_run(c, [])
+
+
 def test_weight_knobs_for_a_generator_off_the_learner_mesh():
   # rollout.mesh=data decodes from a whole copy of the weights on every chip: mesh.fsdp does
   # not shrink it, so the knob must not say it does.
