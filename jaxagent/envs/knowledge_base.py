@@ -39,6 +39,7 @@ import json
 import os
 import pathlib
 import random
+import re
 from typing import Any, Sequence
 
 import numpy as np
@@ -473,9 +474,21 @@ class SearchQAKB(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 def default_data_dir() -> pathlib.Path:
   """`$JAXAGENT_DATA_DIR`, else `~/.cache/jaxagent/tensorflow_datasets`."""
   env = os.environ.get("JAXAGENT_DATA_DIR")
-  if env:  # a quoted "~/..." reaches us unexpanded
-    return pathlib.Path(env).expanduser()
+  if env:
+    return _local_dir(env, "$JAXAGENT_DATA_DIR")
   return pathlib.Path.home() / ".cache" / "jaxagent" / "tensorflow_datasets"
+
+
+def _local_dir(path: str | os.PathLike, what: str) -> pathlib.Path:
+  """`path` as a local directory, "~" expanded (the shell leaves a "~" after "data_dir=" on a
+  command line, or a quoted one, as it is: the dataset went to a folder named "~")."""
+  # pathlib reads "gs://bucket/kb" as the relative path "gs:/bucket/kb": the dataset would be
+  # written under a folder named "gs:" in the working directory, not in the bucket.
+  if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:/", os.fspath(path)):
+    raise ValueError(f"{what} must be a local directory, got the URL {os.fspath(path)!r}; the "
+                     "knowledge base is generated in seconds where it is used (and locked there "
+                     "while it is prepared): give a local path")
+  return pathlib.Path(path).expanduser()
 
 
 @contextlib.contextmanager
@@ -492,9 +505,7 @@ def _file_lock(path: pathlib.Path):
 
 def build_kb(cfg: KBConfig, data_dir: str | os.PathLike | None = None) -> SearchQAKB:
   """The prepared builder of `cfg` under `data_dir` (generated on first use, then reused)."""
-  # The shell leaves a "~" after "data_dir=" on a command line as it is: the dataset would be
-  # written under a folder named "~" in the working directory.
-  data_dir = pathlib.Path(data_dir).expanduser() if data_dir else default_data_dir()
+  data_dir = _local_dir(data_dir, "data_dir") if data_dir else default_data_dir()
   builder = SearchQAKB(config=SearchQAKBConfig(cfg), data_dir=str(data_dir),
                        file_format="array_record")
   with _file_lock(data_dir / f".{cfg.dataset_name}.lock"):

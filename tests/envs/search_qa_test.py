@@ -171,6 +171,20 @@ def test_a_tilde_in_the_data_dir_is_the_home_directory(tmp_path, monkeypatch):
   assert not (tmp_path / "~").exists()
 
 
+def test_a_url_data_dir_is_refused(tmp_path, monkeypatch):
+  # pathlib made "gs://bucket/kb" the relative path "gs:/bucket/kb": the dataset was written
+  # under a folder named "gs:" in the working directory.
+  monkeypatch.chdir(tmp_path)
+  cfg = kb.KBConfig(seed=9, **{**SMALL, "train_size": 2, "eval_size": 1, "sft_size": 1})
+  with pytest.raises(ValueError, match=r"data_dir must be a local directory, got the URL "
+                                       r"'gs://bucket/kb'"):
+    kb.load_kb(cfg, "gs://bucket/kb")
+  monkeypatch.setenv("JAXAGENT_DATA_DIR", "s3://bucket/kb")
+  with pytest.raises(ValueError, match=r"\$JAXAGENT_DATA_DIR must be a local directory"):
+    kb.load_kb(cfg)
+  assert not list(tmp_path.iterdir())
+
+
 def test_a_split_of_size_zero_is_built_and_read_empty(tmp_path):
   """sft_size=0 (RL without a warm start) or eval_size=0 ended the build with tfds's
   AssertionError "Failed to finalize writing of split 'sft': No examples were yielded"."""
