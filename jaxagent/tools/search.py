@@ -155,10 +155,17 @@ class BM25Index:
             raise TypeError(f"query must be a str, got {type(query).__name__}")
         _check_k("k", k)
         scores = self.scores(query)
-        order = np.argsort(-scores, kind="stable")[:k]
+        # Only matching documents, and of those only scores at least the k-th best, are sorted:
+        # a sort of the whole corpus cost 1.5 s a search at 2*10^7 documents. `hits` stays in
+        # corpus order, so the stable sort breaks ties by it.
+        hits = np.flatnonzero(scores > 0)
+        if len(hits) > k:
+            kth = np.partition(scores[hits], len(hits) - k)[len(hits) - k]
+            hits = hits[scores[hits] >= kth]
+        order = hits[np.argsort(-scores[hits], kind="stable")[:k]]
         return [Passage(rank=r + 1, score=float(scores[i]), title=self.documents[i].title,
                         text=self.documents[i].text, id=self.documents[i].id)
-                for r, i in enumerate(order) if scores[i] > 0]
+                for r, i in enumerate(order)]
 
 
 def _check_k(name: str, k: Any) -> None:

@@ -125,6 +125,39 @@ def test_search_is_fast_on_a_larger_corpus():
     assert (time.perf_counter() - start) / 50 < 0.02
 
 
+def test_top_k_is_selected_without_sorting_the_corpus(monkeypatch):
+    # Each search sorted every document's score: 0.4 s at 5*10^6 documents, 1.5 s at 2*10^7.
+    # The order must still be the full stable sort's: best first, ties in corpus order.
+    rng = np.random.default_rng(0)
+    n = 5_000_000
+
+    class Corpus:  # document i has id "i"
+        def __len__(self):
+            return n
+
+        def __getitem__(self, i):
+            return Document("t", "x", id=str(i))
+
+    idx = BM25Index([Document("t", "x")])
+    idx.documents = Corpus()
+    scores = np.zeros(n, np.float32)
+    monkeypatch.setattr(idx, "scores", lambda query: scores)
+    hit = rng.choice(n, n // 4, replace=False)  # a common term
+    scores[hit] = rng.integers(1, 50, len(hit))  # many ties
+    reference = np.argsort(-scores, kind="stable")
+    for k in (1, 7, 10):
+        passages = idx.search("q", k)
+        assert [p.id for p in passages] == [str(i) for i in reference[:k]]
+        assert [p.score for p in passages] == scores[reference[:k]].tolist()
+    scores[hit] = rng.random(len(hit)) + 1e-3
+    seconds = []
+    for _ in range(3):
+        start = time.perf_counter()
+        idx.search("q", 10)
+        seconds.append(time.perf_counter() - start)
+    assert min(seconds) < 0.08, seconds
+
+
 def test_format_passages():
     passages = [Passage(1, 2.0, "A", "first   text\nwith lines", "a"), Passage(2, 1.0, "B", "x" * 50, "b")]
     assert format_passages(passages, max_chars_per_passage=10) == (
