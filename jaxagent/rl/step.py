@@ -89,8 +89,12 @@ class StepConfig:
   def __post_init__(self):
     if self.objective not in ("rl", "sft"):
       raise ValueError(f"StepConfig.objective must be 'rl' or 'sft', got {self.objective!r}")
-    if self.micro_batches < 1:
-      raise ValueError(f"StepConfig.micro_batches must be >= 1, got {self.micro_batches}")
+    # A float (2.0 from a config override) failed inside the step as "Shapes must be 1D
+    # sequences of concrete values of integer type".
+    for name in ("micro_batches", "logprob_chunk", "logprob_chunk_tokens"):
+      value = getattr(self, name)
+      if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"StepConfig.{name} must be an int >= 1, got {value!r}")
     if not 0 < self.temperature < float("inf"):  # NaN fails too
       raise ValueError(f"StepConfig.temperature must be a finite number > 0, got {self.temperature}")
     if self.nonfinite not in ("raise", "skip"):

@@ -576,6 +576,16 @@ def test_step_config_temperature_must_be_finite_and_positive(t):
     step.StepConfig(temperature=t)
 
 
+@pytest.mark.parametrize("field,value", [("micro_batches", 2.0), ("micro_batches", 0), ("logprob_chunk", 256.0),
+                                         ("logprob_chunk_tokens", True), ("logprob_chunk", -1)])
+def test_step_config_sizes_must_be_positive_ints(field, value):
+  # A float failed inside the step ("Shapes must be 1D sequences of concrete values of integer
+  # type"), a negative chunk there too.
+  with pytest.raises(ValueError, match=f"StepConfig.{field} must be an int >= 1, got {value!r}"):
+    step.StepConfig(**{field: value})
+  assert step.StepConfig(micro_batches=np.int64(2)).micro_batches == 2
+
+
 def test_learner_parts_warm_start_fits_the_untempered_distribution():
   # The RL learner scores at the sampler's temperature; the SFT cross-entropy must not: at 0.7
   # it would fit logits / 0.7 to the demonstrations.
