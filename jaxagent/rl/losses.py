@@ -231,6 +231,10 @@ def _kl_per_token(logps: Array, ref_logps: Array, estimator: KLEstimator) -> Arr
     the token's k3 is exp(20) - 21 (about 4.9e8) with zero gradient, as for the importance ratio.
     Below, exp cannot overflow and the gradient 1 - pi_ref / pi is bounded by 1, so that side is
     exact. k1 and k2 do not exponentiate and are used as they are.
+
+    As a loss term, k1's gradient is that of log pi on every token, whose mean over tokens the
+    policy sampled is zero: its value estimates the KL, but it does not pull the policy towards
+    the reference. k2 (gradient log(pi / pi_ref)) and k3 (gradient 1 - pi_ref / pi) do.
     """
     log_r = ref_logps - logps
     if estimator == "k1":
