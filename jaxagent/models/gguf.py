@@ -141,22 +141,22 @@ def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
           f"GGUF shape {list(map(int, tensor.shape))}) has {tensor.data.nbytes} bytes of data, "
           f"expected {expected}. Re-download or re-install the file."
       )
-  # A damaged data offset can still point at a full tensor's worth of bytes: another tensor's.
-  spans = sorted((int(t.data_offset), int(t.data_offset) + int(t.n_bytes), t.name)
-                 for t in reader.tensors)
-  for start, _, name in spans:
-    if (start - reader.data_offset) % reader.alignment:
+  # The format stores the tensors' data in the order of their descriptions, each padded to the
+  # alignment, and its reference reader refuses any other layout. A damaged offset or type
+  # could otherwise still name a full tensor's worth of bytes: another tensor's, or a part of
+  # this one read as another type.
+  expected_start = 0
+  for tensor in reader.tensors:
+    start = int(tensor.data_offset) - reader.data_offset
+    if start != expected_start:
       raise ValueError(
-          f"{path} is corrupt: the data of tensor {name!r} starts at byte "
-          f"{start - reader.data_offset} of the data section, not a multiple of the file's "
-          f"alignment ({reader.alignment}). Re-download or re-install the file."
+          f"{path} is corrupt: the data of tensor {tensor.name!r} "
+          f"({tensor.tensor_type.name}, GGUF shape {list(map(int, tensor.shape))}) starts at "
+          f"byte {start} of the data section, but the tensors before it end at byte "
+          f"{expected_start} (each padded to the alignment of {reader.alignment}). "
+          "Re-download or re-install the file."
       )
-  for (start, end, name), (next_start, _, next_name) in zip(spans, spans[1:]):
-    if next_start < end:
-      raise ValueError(
-          f"{path} is corrupt: the data of tensors {name!r} and {next_name!r} overlap (bytes "
-          f"{start}-{end} and from {next_start}). Re-download or re-install the file."
-      )
+    expected_start += -(-int(tensor.n_bytes) // reader.alignment) * reader.alignment
   return reader
 
 

@@ -294,32 +294,33 @@ def test_truncated_or_corrupt_file_names_the_path(tmp_path):
     G.read_gguf(tmp_path / "nowhere.gguf")
 
 
-def test_a_damaged_tensor_offset_is_an_error_not_another_tensors_data(tmp_path):
-  # An offset pointing at another tensor's bytes passed the size check: the importer returned
-  # that tensor's values under this tensor's name.
+def test_a_damaged_tensor_offset_or_type_is_an_error_not_other_bytes(tmp_path):
+  # A damaged offset or type that still named a full tensor's worth of bytes passed the size
+  # check: the importer returned another tensor's values, or half of this one's read as F16,
+  # under this tensor's name.
   _, sd = _tiny_hf_model("llama")
   good = bytearray(_write_gguf(tmp_path / "m.gguf", sd).read_bytes())
 
-  def offset_at(name):  # tensor info: name, n_dims (uint32), dims (uint64 each), type, offset
+  def type_at(name):  # tensor info: name, n_dims (uint32), dims (uint64 each), type, offset
     at = good.find(name) + len(name)
     n_dims = struct.unpack_from("<I", good, at)[0]
-    return at + 4 + 8 * n_dims + 4
+    return at + 4 + 8 * n_dims
 
-  k, q = offset_at(b"blk.0.attn_k.weight"), offset_at(b"blk.0.attn_q.weight")
-  bad = bytearray(good)
-  bad[k:k + 8] = good[q:q + 8]  # attn_k's data offset := attn_q's
-  (tmp_path / "overlap.gguf").write_bytes(bytes(bad))
-  with pytest.raises(ValueError, match=r"overlap\.gguf is corrupt: the data of tensors "
-                                       r"'blk\.0\.attn_(q|k)\.weight' and 'blk\.0\.attn_(q|k)\.weight' "
-                                       r"overlap"):
-    G.read_gguf(tmp_path / "overlap.gguf")
-  bad = bytearray(good)
-  struct.pack_into("<Q", bad, k, struct.unpack_from("<Q", good, k)[0] + 4)
-  (tmp_path / "unaligned.gguf").write_bytes(bytes(bad))
-  with pytest.raises(ValueError, match=r"unaligned\.gguf is corrupt: the data of tensor "
-                                       r"'blk\.0\.attn_k\.weight' starts at byte \d+ of the data "
-                                       r"section, not a multiple of the file's alignment \(32\)"):
-    G.read_gguf(tmp_path / "unaligned.gguf")
+  k, q = type_at(b"blk.0.attn_k.weight") + 4, type_at(b"blk.0.attn_q.weight") + 4
+  moved_k = bytearray(good)
+  moved_k[k:k + 8] = good[q:q + 8]  # attn_k's data offset := attn_q's
+  unaligned_k = bytearray(good)
+  struct.pack_into("<Q", unaligned_k, k, struct.unpack_from("<Q", good, k)[0] + 4)
+  f16_norm = bytearray(good)
+  struct.pack_into("<I", f16_norm, type_at(b"blk.0.attn_norm.weight"),
+                   gguf.GGMLQuantizationType.F16)
+  for name, data, damaged in (("moved", moved_k, "attn_k"), ("unaligned", unaligned_k, "attn_k"),
+                              ("f16", f16_norm, r"[a-z_]+")):  # the tensor after the norm
+    (tmp_path / f"{name}.gguf").write_bytes(bytes(data))
+    with pytest.raises(ValueError, match=rf"{name}\.gguf is corrupt: the data of tensor "
+                                         rf"'blk\.0\.{damaged}\.weight' .* starts at byte \d+ of "
+                                         r"the data section, but the tensors before it end at"):
+      G.read_gguf(tmp_path / f"{name}.gguf")
 
 
 def test_unmapped_tensors_and_shape_mismatches_are_errors(tmp_path):
