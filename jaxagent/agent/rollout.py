@@ -116,10 +116,19 @@ class RolloutConfig:
                          f"traj_tool_timeout_s), got {v!r}")
     if math.isinf(self.tool_timeout_s) or math.isinf(self.tool_poll_s):
       raise ValueError("RolloutConfig.tool_timeout_s and tool_poll_s must be finite")
-    if isinstance(self.stop_strings, str) or not all(isinstance(s, str) and s for s in self.stop_strings):
+    # Taken into a tuple before the check: a generator was used up by it (no stop string was
+    # left), and None failed with a bare "not iterable". A set is taken in sorted order, so
+    # that the order does not vary between runs.
+    stops = self.stop_strings
+    try:
+      stops = (None if isinstance(stops, str) else
+               tuple(sorted(stops)) if isinstance(stops, (set, frozenset)) else tuple(stops))
+    except TypeError:  # not iterable, or a set of things that do not sort
+      stops = None
+    if stops is None or not all(isinstance(s, str) and s for s in stops):
       raise ValueError("RolloutConfig.stop_strings must be a tuple of non-empty strings, got "
                        f"{self.stop_strings!r}")
-    object.__setattr__(self, "stop_strings", tuple(self.stop_strings))
+    object.__setattr__(self, "stop_strings", stops)
     if isinstance(self.tool_workers, bool) or not isinstance(self.tool_workers, int) or self.tool_workers < 0:
       raise ValueError(f"RolloutConfig.tool_workers must be an int >= 0, got {self.tool_workers!r}")
 

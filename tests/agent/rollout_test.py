@@ -811,6 +811,24 @@ def test_config_validation():
     rollout(fake, None, CalculatorEnv(), ["what is 1+1?"], tokenizer=TOK)
 
 
+@pytest.mark.parametrize("bad", [None, 5, ["</a>", ""], {"</a>", 1}])
+def test_stop_strings_that_are_not_strings_are_named(bad):
+  """None and a number failed with a bare "'NoneType' object is not iterable"."""
+  with pytest.raises(ValueError, match=r"RolloutConfig.stop_strings must be a tuple of non-empty"):
+    RolloutConfig(stop_strings=bad)
+
+
+def test_stop_strings_from_a_generator_or_a_set_are_all_kept_in_a_fixed_order():
+  """The check used a generator up, so the config kept no stop string and turns ran past it."""
+  cfg = RolloutConfig(stop_strings=(s for s in ["STOP", "END"]))
+  assert cfg.stop_strings == ("STOP", "END")
+  assert RolloutConfig(stop_strings={"b", "a", "c"}).stop_strings == ("a", "b", "c")
+  fake = FakeEngine(_script_from_texts({0: ["think STOP more"]}))
+  (t,) = rollout(fake, None, CalculatorEnv(), _examples(1), tokenizer=TOK, cfg=cfg)
+  assert (t.turns[0].text, t.turns[0].ended_by, t.stop_reason) == ("think STOP", "stop",
+                                                                   "no_tool_call")
+
+
 def test_a_seed_or_request_id_offset_that_is_not_an_int_is_refused():
   """int() cut a float seed, so seeds 1.5 and 1.7 drew the same samples; a float offset gave
   float request ids that only the engine refused, without naming request_id_offset."""
