@@ -506,9 +506,11 @@ def _file_lock(path: pathlib.Path):
 def build_kb(cfg: KBConfig, data_dir: str | os.PathLike | None = None) -> SearchQAKB:
   """The prepared builder of `cfg` under `data_dir` (generated on first use, then reused)."""
   data_dir = _local_dir(data_dir, "data_dir") if data_dir else default_data_dir()
-  builder = SearchQAKB(config=SearchQAKBConfig(cfg), data_dir=str(data_dir),
-                       file_format="array_record")
   with _file_lock(data_dir / f".{cfg.dataset_name}.lock"):
+    # Made under the lock: a builder reads the dataset's info (its splits) when it is made, so
+    # one made while another process was preparing the dataset found it prepared and no splits.
+    builder = SearchQAKB(config=SearchQAKBConfig(cfg), data_dir=str(data_dir),
+                         file_format="array_record")
     if not builder.is_prepared():
       builder.download_and_prepare()
   return builder

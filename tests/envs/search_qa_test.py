@@ -185,6 +185,26 @@ def test_a_url_data_dir_is_refused(tmp_path, monkeypatch):
   assert not list(tmp_path.iterdir())
 
 
+def test_a_dataset_another_process_prepared_while_this_one_waited_is_read(tmp_path, monkeypatch):
+  # The builder was made before taking the lock: when another process had prepared the dataset
+  # meanwhile, it found it prepared but knew no splits, and load_kb failed with "has no split
+  # 'documents' (has [])" and the advice to delete the directory.
+  import contextlib
+  cfg = kb.KBConfig(seed=9, **{**SMALL, "train_size": 2, "eval_size": 1, "sft_size": 1})
+  lock = kb._file_lock
+
+  @contextlib.contextmanager
+  def lock_taken_after_another_process_prepared(path):
+    kb.SearchQAKB(config=kb.SearchQAKBConfig(cfg), data_dir=str(tmp_path),
+                  file_format="array_record").download_and_prepare()
+    with lock(path):
+      yield
+
+  monkeypatch.setattr(kb, "_file_lock", lock_taken_after_another_process_prepared)
+  loaded = kb.load_kb(cfg, tmp_path)
+  assert loaded.documents == kb.generate_world(cfg).documents and len(loaded.questions["train"]) == 2
+
+
 def test_a_split_of_size_zero_is_built_and_read_empty(tmp_path):
   """sft_size=0 (RL without a warm start) or eval_size=0 ended the build with tfds's
   AssertionError "Failed to finalize writing of split 'sft': No examples were yielded"."""
