@@ -145,18 +145,19 @@ def open_gguf(path: str | os.PathLike[str]) -> gguf.GGUFReader:
   # alignment, and its reference reader refuses any other layout. A damaged offset or type
   # could otherwise still name a full tensor's worth of bytes: another tensor's, or a part of
   # this one read as another type.
-  expected_start = 0
+  # Python ints: a `general.alignment` read from the file is a NumPy uint32.
+  expected_start, alignment = 0, int(reader.alignment)
   for tensor in reader.tensors:
-    start = int(tensor.data_offset) - reader.data_offset
+    start = int(tensor.data_offset) - int(reader.data_offset)
     if start != expected_start:
       raise ValueError(
           f"{path} is corrupt: the data of tensor {tensor.name!r} "
           f"({tensor.tensor_type.name}, GGUF shape {list(map(int, tensor.shape))}) starts at "
           f"byte {start} of the data section, but the tensors before it end at byte "
-          f"{expected_start} (each padded to the alignment of {reader.alignment}). "
+          f"{expected_start} (each padded to the alignment of {alignment}). "
           "Re-download or re-install the file."
       )
-    expected_start += -(-int(tensor.n_bytes) // reader.alignment) * reader.alignment
+    expected_start += -(-int(tensor.n_bytes) // alignment) * alignment
   return reader
 
 

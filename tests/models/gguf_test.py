@@ -70,12 +70,15 @@ def _tiny_hf_model(model_type="llama", tie=True, seed=0):
 
 
 def _write_gguf(path, sd, arch="llama", qtype=gguf.GGMLQuantizationType.F32, n_layers=None,
-                permute=None, extra=None, raw=None, endian=gguf.GGUFEndian.LITTLE):
+                permute=None, extra=None, raw=None, endian=gguf.GGUFEndian.LITTLE,
+                alignment=None):
   """Writes `sd` (HF names) as a llama.cpp-style GGUF: GGUF names, Q/K permuted for llama.
   `raw`: GGUF name -> (uint8 bytes, GGML type), written as given in place of that tensor."""
   t = _TINY
   permute = arch == "llama" if permute is None else permute
   w = gguf.GGUFWriter(str(path), arch, endianess=endian)
+  if alignment is not None:  # written as general.alignment, and the data padded to it
+    w.add_custom_alignment(alignment)
   w.add_block_count(n_layers or t["num_hidden_layers"])
   w.add_context_length(t["max_position_embeddings"])
   w.add_embedding_length(t["hidden_size"])
@@ -321,6 +324,15 @@ def test_a_damaged_tensor_offset_or_type_is_an_error_not_other_bytes(tmp_path):
                                          rf"'blk\.0\.{damaged}\.weight' .* starts at byte \d+ of "
                                          r"the data section, but the tensors before it end at"):
       G.read_gguf(tmp_path / f"{name}.gguf")
+
+
+def test_a_file_with_its_own_alignment_reads(tmp_path):
+  # The layout check of open_gguf mixed the uint32 `general.alignment` with negative Python
+  # ints: OverflowError on every file that sets its alignment.
+  _, sd = _tiny_hf_model("llama")
+  _, got = G.read_gguf(_write_gguf(tmp_path / "m.gguf", sd, alignment=64))
+  for name, ref in sd.items():
+    np.testing.assert_array_equal(got[name], ref, err_msg=name)
 
 
 def test_unmapped_tensors_and_shape_mismatches_are_errors(tmp_path):
