@@ -25,7 +25,8 @@ This is `generate.scheduler.run_requests` generalised to many turns:
   code that raises for one trajectory (`new_episode`, `format_observation`,
   `encode_observation`), returns the wrong type (an `Episode`, a list of int ids) or gives
   observation ids outside the model's vocabulary ends that trajectory
-  with stop reason "env_error" (logged); the others go on.
+  with stop reason "env_error" (logged); the others go on. An `observation_template` that the
+  default `format_observation` cannot fill with any output is refused when the driver is built.
 
 Reproducibility: each trajectory's sampler rng is `(seed, request_id, position)` with
 `request_id = request_id_offset + prompt_index * G + sample_index`, so tokens do not depend on
@@ -183,6 +184,25 @@ def _clean_text(text: str) -> str:
   return text.encode("utf-8", "replace").decode("utf-8")
 
 
+def _check_observation_template(env) -> None:
+  """Refuses an `observation_template` that the default `Env.format_observation` cannot fill:
+  such a template (a JSON-shaped one with unescaped braces, a field other than `{output}`) fails
+  every observation of every trajectory, which would end each one at its first tool call with
+  stop reason "env_error" while training went on. An env with its own format is not checked."""
+  if getattr(getattr(env, "format_observation", None), "__func__", None) is not Env.format_observation:
+    return
+  template = getattr(env, "observation_template", None)
+  try:
+    if not isinstance(template, str):
+      raise TypeError(f"it is a {type(template).__name__}, not a str")
+    template.format(output="tool output")
+  except (KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
+    raise ValueError(
+        f"env {getattr(env, 'name', env)!r}: observation_template {template!r} cannot wrap a tool "
+        f"output ({type(e).__name__}: {e}); it is a str.format template whose only field is "
+        "{output}, with literal braces doubled ('{{' and '}}')") from None
+
+
 def _token_ids(ids, what: str = "encode_observation", vocab_size: int | None = None) -> list[int]:
   """`what`'s return as a list of ints; anything else raises `TokenIdError` (a TypeError),
   naming what it was (a float id would be cut to another token, a bool become 0 or 1, a string
@@ -212,6 +232,7 @@ class RolloutDriver:
     if not (callable(getattr(parser, "parse", None)) and callable(getattr(parser, "stop_strings", None))):
       raise ValueError(f"env {getattr(env, 'name', env)!r} needs a `parser` with parse(text) and "
                        "stop_strings() methods (see jaxagent.agent.parsers.Parser)")
+    _check_observation_template(env)
     self.engine, self.env, self.tokenizer, self.cfg = engine, env, tokenizer, cfg
     self.limit = min(cfg.max_total_tokens or ecfg.max_len, ecfg.max_len)
     self.limit_reason = "max_total_tokens" if self.limit < ecfg.max_len else "max_length"

@@ -818,6 +818,28 @@ def test_stop_strings_that_are_not_strings_are_named(bad):
     RolloutConfig(stop_strings=bad)
 
 
+@pytest.mark.parametrize("template", ['{"role": "tool", "content": "{output}"}', "<r>{result}</r>",
+                                      "<r>{}</r>", "<r>{output</r>", None])
+def test_an_observation_template_that_cannot_wrap_an_output_is_refused_up_front(template):
+  """Every observation failed to format, so every trajectory ended at its first call with stop
+  reason "env_error" (a warning each) and the run went on training on them."""
+  env = CalculatorEnv()
+  env.observation_template = template
+  fake = FakeEngine(_script_from_texts({0: ["<calc>1+1</calc>", "<answer>2</answer>"]}))
+  with pytest.raises(ValueError, match=r"env 'calculator': observation_template .* cannot wrap a "
+                                       r"tool output .*literal braces doubled"):
+    rollout(fake, None, env, _examples(1), tokenizer=TOK)
+  # Escaped braces, repeated fields and format specs fill; a format of the env's own is not read.
+  for ok in ('{{"content": "{output}"}}', "{output} / {output!r:>12}"):
+    env.observation_template = ok
+    (t,) = rollout(fake, None, env, _examples(1), tokenizer=TOK)
+    assert t.stop_reason == "answer" and t.turns[0].observation_text == ok.format(output="2")
+  env.observation_template = template
+  env.format_observation = lambda result: f"<r>{result.to_observation()}</r>"
+  (t,) = rollout(fake, None, env, _examples(1), tokenizer=TOK)
+  assert t.stop_reason == "answer" and t.turns[0].observation_text == "<r>2</r>"
+
+
 def test_stop_strings_from_a_generator_or_a_set_are_all_kept_in_a_fixed_order():
   """The check used a generator up, so the config kept no stop string and turns ran past it."""
   cfg = RolloutConfig(stop_strings=(s for s in ["STOP", "END"]))
