@@ -76,11 +76,11 @@ def test_world_generation_is_linear_in_the_entity_count():
   import time
   cfg = kb.KBConfig(num_countries=160, num_cities=800, num_universities=400, num_people=4800,
                     num_companies=3200)
-  start = time.perf_counter()
+  start = time.process_time()  # this process's CPU: other work on the machine does not count
   n = len(kb.generate_world(cfg).documents)
-  seconds = time.perf_counter() - start
+  seconds = time.process_time() - start
   assert n == 9360
-  assert seconds < 2.5, f"generating {n} entities took {seconds:.1f} s"
+  assert seconds < 2.5, f"generating {n} entities took {seconds:.1f} s of CPU"
 
 
 def test_config_counts_must_be_ints():

@@ -99,11 +99,11 @@ def test_a_duplicate_id_in_a_large_corpus_is_found_at_once_and_located():
     # Each id was counted over the whole corpus: 20k documents took seconds to refuse, 10^6 hours.
     docs = [Document("t", "x", id=f"d{i}") for i in range(20_000)]
     docs.append(Document("u", "y", id="d19990"))
-    start = time.perf_counter()
+    start = time.process_time()  # this process's CPU: other work on the machine does not count
     with pytest.raises(ValueError, match=r"must be unique; 'd19990' is the id of documents 19990 "
                                          r"and 20000"):
         BM25Index(docs)
-    assert time.perf_counter() - start < 2.0
+    assert time.process_time() - start < 2.0
 
 
 def test_default_ids_titles_and_single_character_tokens():
@@ -152,9 +152,9 @@ def test_top_k_is_selected_without_sorting_the_corpus(monkeypatch):
     scores[hit] = rng.random(len(hit)) + 1e-3
     seconds = []
     for _ in range(3):
-        start = time.perf_counter()
+        start = time.process_time()  # this process's CPU: other work on the machine does not count
         idx.search("q", 10)
-        seconds.append(time.perf_counter() - start)
+        seconds.append(time.process_time() - start)
     assert min(seconds) < 0.08, seconds
 
 
