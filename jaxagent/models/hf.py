@@ -495,10 +495,14 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None, *
         elif (out / name).is_file():
           shutil.copy2(out / name, stage / name)
       tokenizer.save(stage)
-      _move_tokenizer_files(stage, out)
     for name, text in extra_files.items():
       (stage / name).write_text(text, encoding="utf-8")
-    # config.json last: until it is in place a new directory does not load as a model.
+    # config.json last: until it is in place the directory does not load as a model. An earlier
+    # export's goes first, so that an export killed part way through its moves leaves a folder
+    # that does not load, not new weights or tokenizer files beside the old config.
+    (out / "config.json").unlink(missing_ok=True)
+    if tokenizer is not None:
+      _move_tokenizer_files(stage, out)
     os.replace(stage / "model.safetensors", out / "model.safetensors")
     for name in extra_files:
       os.replace(stage / name, out / name)

@@ -314,6 +314,29 @@ def test_save_hf_refuses_a_directory_with_other_weights(tmp_path):
   models.save_hf(out, cfg, params)
 
 
+def test_an_export_over_an_earlier_one_killed_part_way_does_not_load(tmp_path, monkeypatch):
+  # The new weights were moved in before the new config.json: a kill between the two left the
+  # earlier export's config.json beside them, a folder that loads as a (wrong) model.
+  import os
+  cfg, path = _save_tiny(tmp_path)
+  real = os.replace
+
+  def killed_at_the_config(src, dst):
+    if pathlib.Path(dst).name == "config.json":
+      raise KeyboardInterrupt
+    real(src, dst)
+
+  monkeypatch.setattr(os, "replace", killed_at_the_config)
+  with pytest.raises(KeyboardInterrupt):
+    models.save_hf(path, cfg, models.init_params(cfg, jax.random.key(1)))
+  monkeypatch.undo()
+  assert not (path / "config.json").exists() and not (path / ".save_hf.partial").exists()
+  with pytest.raises(FileNotFoundError):
+    models.load(path)
+  models.save_hf(path, cfg, models.init_params(cfg, jax.random.key(1)))  # a rerun completes it
+  assert (path / "config.json").exists()
+
+
 def test_exported_weights_have_the_mode_of_the_other_files(tmp_path):
   # The safetensors writer creates its file 0600; others on a shared cluster could not load it.
   import os
