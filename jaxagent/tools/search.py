@@ -181,10 +181,14 @@ def format_passages(passages: Sequence[Passage], max_chars_per_passage: int | No
     _check_max_chars(max_chars_per_passage)
     lines = []
     for p in passages:
-        text = " ".join(p.text.split())
-        if max_chars_per_passage is not None and len(text) > max_chars_per_passage:
-            text = text[:max_chars_per_passage].rstrip() + " ..."
-        lines.append(f"Doc {p.rank} (Title: {p.title}): {text}")
+        # A title is one line too: a line break in it started a line that read as the text.
+        title, text = " ".join(p.title.split()), " ".join(p.text.split())
+        if max_chars_per_passage is not None:
+            if len(title) > max_chars_per_passage:
+                title = title[:max_chars_per_passage].rstrip() + " ..."
+            if len(text) > max_chars_per_passage:
+                text = text[:max_chars_per_passage].rstrip() + " ..."
+        lines.append(f"Doc {p.rank} (Title: {title}): {text}")
     return "\n".join(lines)
 
 

@@ -162,6 +162,10 @@ def test_format_passages():
     passages = [Passage(1, 2.0, "A", "first   text\nwith lines", "a"), Passage(2, 1.0, "B", "x" * 50, "b")]
     assert format_passages(passages, max_chars_per_passage=10) == (
         "Doc 1 (Title: A): first text ...\nDoc 2 (Title: B): xxxxxxxxxx ...")
+    # A title is one line, cut like the text: a line break in it started a line of its own.
+    odd = [Passage(1, 1.0, "Two\nlines  title", "t", "a"), Passage(2, 1.0, "y" * 30, "u", "b")]
+    assert format_passages(odd, max_chars_per_passage=10) == (
+        "Doc 1 (Title: Two lines ...): t\nDoc 2 (Title: yyyyyyyyyy ...): u")
 
 
 def test_search_tool(index):
