@@ -506,11 +506,17 @@ def _file_lock(path: pathlib.Path):
 def build_kb(cfg: KBConfig, data_dir: str | os.PathLike | None = None) -> SearchQAKB:
   """The prepared builder of `cfg` under `data_dir` (generated on first use, then reused)."""
   data_dir = _local_dir(data_dir, "data_dir") if data_dir else default_data_dir()
+  make = lambda: SearchQAKB(config=SearchQAKBConfig(cfg), data_dir=str(data_dir),  # noqa: E731
+                            file_format="array_record")
+  # A prepared dataset is only read: no lock, so a data dir that cannot be written (or locked)
+  # serves one prepared elsewhere. A builder reads the dataset's info (its splits) when it is
+  # made, so the one returned is made after the dataset was seen prepared.
+  if make().is_prepared():
+    return make()
   with _file_lock(data_dir / f".{cfg.dataset_name}.lock"):
-    # Made under the lock: a builder reads the dataset's info (its splits) when it is made, so
-    # one made while another process was preparing the dataset found it prepared and no splits.
-    builder = SearchQAKB(config=SearchQAKBConfig(cfg), data_dir=str(data_dir),
-                         file_format="array_record")
+    # Made under the lock: one made while another process was preparing the dataset found it
+    # prepared and no splits.
+    builder = make()
     if not builder.is_prepared():
       builder.download_and_prepare()
   return builder

@@ -205,6 +205,20 @@ def test_a_dataset_another_process_prepared_while_this_one_waited_is_read(tmp_pa
   assert loaded.documents == kb.generate_world(cfg).documents and len(loaded.questions["train"]) == 2
 
 
+def test_a_prepared_dataset_is_read_without_the_lock(tmp_path, monkeypatch):
+  # The lock was taken to read a prepared dataset too: a data dir that cannot be written (a
+  # read-only mount, a file system without locks) failed though nothing had to be written.
+  cfg = kb.KBConfig(seed=9, **{**SMALL, "train_size": 2, "eval_size": 1, "sft_size": 1})
+  kb.build_kb(cfg, tmp_path)
+
+  def no_lock(path):
+    raise PermissionError(f"[Errno 13] Permission denied: '{path}'")
+
+  monkeypatch.setattr(kb, "_file_lock", no_lock)
+  loaded = kb.load_kb(cfg, tmp_path)
+  assert loaded.documents == kb.generate_world(cfg).documents and len(loaded.questions["train"]) == 2
+
+
 def test_a_split_of_size_zero_is_built_and_read_empty(tmp_path):
   """sft_size=0 (RL without a warm start) or eval_size=0 ended the build with tfds's
   AssertionError "Failed to finalize writing of split 'sft': No examples were yielded"."""
