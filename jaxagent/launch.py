@@ -185,6 +185,14 @@ def lock_checkpoint_dir(config):
   return lock_workdir(path, setting="checkpoint_dir")
 
 
+_EARLY_SIGTERM: list[str] = []  # a SIGTERM received before the config said what it means
+
+
+def _record_sigterm(signum, frame):
+  del frame
+  _EARLY_SIGTERM.append(f"received {signal.Signals(signum).name}")
+
+
 def _stop_on_sigterm_before_training(config):
   """With checkpointing on, SIGTERM is a stop request from the start, not only once `run` has
   begun: during the fit check and the trainer's construction (model load, first compiles) it
@@ -192,12 +200,19 @@ def _stop_on_sigterm_before_training(config):
   stop (launch/gpu_slurm.sbatch) ended the job instead. Returns `early_stop(trainer)`: True
   when a single-process run was asked to stop before training began (nothing to save: it says
   so, and `main` exits 0); otherwise the stop goes to `trainer.request_stop`, which `run`
-  honours as a SIGTERM of its own (on several processes, so that all stop at the same step)."""
+  honours as a SIGTERM of its own (on several processes, so that all stop at the same step).
+
+  `main` records a SIGTERM from its first line (`_record_sigterm`): one that came while the
+  runtime started and the config was checked counts here; without checkpointing it ends the
+  process as SIGTERM does by default."""
   from jaxagent.checkpoint import CheckpointConfig
   if not CheckpointConfig.from_config(config).enabled:
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if _EARLY_SIGTERM:
+      os.kill(os.getpid(), signal.SIGTERM)
     return lambda trainer: False
   import jax
-  received, built = [], []
+  received, built = _EARLY_SIGTERM, []
 
   def on_sigterm(signum, frame):
     del frame
@@ -234,6 +249,9 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def main(argv):
   del argv
+  # Recorded until the config says whether SIGTERM is a stop request (checkpointing on) or ends
+  # the process: a SIGTERM in the first seconds (runtime start, config check) exited with 143.
+  signal.signal(signal.SIGTERM, _record_sigterm)
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it writes
   try:

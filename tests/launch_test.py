@@ -590,6 +590,34 @@ def _mkdir(path):
   return path
 
 
+@pytest.mark.parametrize("checkpoint_every", [1, 0])
+def test_a_sigterm_while_the_runtime_starts_counts_once_the_config_is_read(tmp_path,
+                                                                          checkpoint_every):
+  """The stop handler was installed after the runtime started and the config was checked: a
+  SIGTERM in those first seconds ended a checkpointing launch with status 143, so a job script
+  that requeues a run which exits 0 did not requeue it. Now `main` records it from its first
+  line; without checkpointing it still ends the process as SIGTERM does."""
+  code = f"""
+import os, signal, sys
+sys.path.insert(0, {str(REPO)!r})
+from configs import quickstart
+from jaxagent import launch
+config = quickstart.get_config("tiny")
+config.workdir = {str(tmp_path)!r}
+config.checkpoint_every = {checkpoint_every}
+signal.signal(signal.SIGTERM, launch._record_sigterm)  # as main's first line
+os.kill(os.getpid(), signal.SIGTERM)  # while the runtime starts
+early_stop = launch._stop_on_sigterm_before_training(config)
+print("stop before training:", early_stop(object()), flush=True)
+"""
+  r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+  if checkpoint_every:
+    assert r.returncode == 0 and "stop before training: True" in r.stdout, r.stderr[-2000:]
+  else:
+    assert r.returncode == -signal.SIGTERM and "stop before training" not in r.stdout, r.stderr
+
+
 @pytest.mark.slow  # a launch of its own, 15-40 s on 2 cores
 def test_sigterm_before_training_begins_exits_zero_with_checkpointing_on(tmp_path):
   """SIGTERM while the model loaded (before `Trainer.run`) ended the launch with status 143,
