@@ -340,13 +340,14 @@ class Trajectory:
 
     Args:
       metadata: task extras (e.g. unit-test counts); the stop reason, turn count and final answer
-        are added under "stop_reason", "num_turns" and "final_answer".
+        are added under "stop_reason", "num_turns" and "final_answer", in place of any extras
+        of those names (an example's "stop_reason" made `ended_without_answer` read it).
       policy_only: score only the policy's own text, so a tool output that happens to contain an
         answer tag cannot be credited to the policy.
     """
     text = self.policy_text(tokenizer) if policy_only else self.response_text(tokenizer)
-    meta = {"stop_reason": self.stop_reason, "num_turns": self.num_turns,
-            "final_answer": self.final_answer, **(metadata or {})}
+    meta = {**(metadata or {}), "stop_reason": self.stop_reason, "num_turns": self.num_turns,
+            "final_answer": self.final_answer}
     return RewardInput(response_text=text, gold=gold, num_response_tokens=self.num_policy_tokens,
                        num_tool_calls=self.num_tool_calls, num_valid_tool_calls=self.valid_tool_calls,
                        num_tool_errors=self.tool_errors,
@@ -405,7 +406,7 @@ class Trajectory:
         label += "]"
       text = tokenizer.decode(self.token_ids[a:b])
       if max_chars is not None and len(text) > max_chars:
-        half = max_chars // 2
+        half = max(max_chars // 2, 1)  # text[-0:] is all of it
         text = f"{text[:half]} ...[{len(text) - 2 * half} chars cut]... {text[-half:]}"
       lines.append(f"{label}\n>>>{text}<<<")
     dangling = [t for t in self.turns if t.outcome is not None and t.observation_span is None]

@@ -136,6 +136,14 @@ def test_reward_input():
   assert (inp.gold, inp.num_response_tokens, inp.num_tool_calls, inp.num_valid_tool_calls,
           inp.num_tool_errors, inp.truncated) == ("5", 34, 1, 1, 0, False)
   assert inp.metadata == {"stop_reason": "answer", "num_turns": 2, "final_answer": "5", "k": 1}
+  # The trajectory's own facts win over an example's extras of the same names.
+  t.stop_reason = "eos"
+  inp = t.to_reward_input(TOK, "5", metadata={"stop_reason": "answer", "num_turns": 9})
+  assert (inp.metadata["stop_reason"], inp.metadata["num_turns"]) == ("eos", 2)
+  assert inp.ended_without_answer
+  # A cut to fewer than 2 characters still cuts (text[-0:] printed the whole run).
+  assert all(len(line) < 40 for line in t.render(TOK, max_chars=1).splitlines()[2:] if ">>>" in line)
+  t.stop_reason = "answer"
   assert t.to_reward_input(TOK, "5", policy_only=True).response_text == "<calc>2+3</calc><answer>5</answer>"
   env = CalculatorEnv()
   out = env.reward(t, Example("ex", "Q: 2+3?", gold="5"), TOK, step=0)
