@@ -1073,6 +1073,11 @@ class Trainer:
 
   def rl_step(self, step: int) -> dict[str, float]:
     """One RL step: rollouts and packing (`_collect`), reference log-probs, updates."""
+    if self.loss_cfg.kl_coef > 0 and self.ref_params is None:
+      # A step outside `run` (a loop of one's own, after `warm_start` or not): the KL reference
+      # is the params as RL begins, as `run` takes it. It was None, and the reference scoring
+      # failed inside the model with a TypeError, after the step's rollouts.
+      self.ref_params = jax.tree.map(jnp.copy, self.state.params)
     t0, c0 = time.time(), compile_stats.snapshot()
     metrics, batch = self._on_lead(self._collect, step, self._generator_params())
     t1 = time.time()

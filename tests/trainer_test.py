@@ -1156,6 +1156,40 @@ def test_train_logprob_gap_is_the_first_epochs_and_the_rest_the_last_epochs(ckpt
   assert "train/logprob_gap" not in trainer.rl_step(7)
 
 
+def test_an_rl_step_outside_run_freezes_the_current_params_as_the_kl_reference(ckpt_trainer,
+                                                                              monkeypatch):
+  """`rl_step` without `run` (a loop of one's own) and loss.kl_coef > 0: the reference is the
+  params as RL begins, frozen across steps, as `run` takes it. It was None, and the reference
+  scoring raised a TypeError inside the model, after the step's rollouts."""
+  import dataclasses
+  trainer = ckpt_trainer
+  monkeypatch.setattr(trainer, "loss_cfg", dataclasses.replace(trainer.loss_cfg, kl_coef=0.1))
+  monkeypatch.setattr(trainer, "ref_params", None)
+  monkeypatch.setattr(trainer, "state", trainer.state)
+  monkeypatch.setattr(trainer, "_collect",
+                      lambda step, params: ({}, {"old_logps": np.zeros((1, 4), np.float32)}))
+  scored = []
+
+  def score(params, batch):
+    scored.append(jax.device_get(params))
+    return jnp.zeros((1, 4)), jnp.zeros((1, 4))
+
+  def update(state, batch):  # moves the params, as an update does
+    assert "ref_logps" in batch
+    return dataclasses.replace(state, params=jax.tree.map(lambda x: x + 1, state.params)), {}
+
+  monkeypatch.setattr(trainer.learner, "score", score)
+  monkeypatch.setattr(trainer.learner, "train_step", update)
+  before = jax.device_get(trainer.state.params)
+  trainer.rl_step(1)
+  trainer.rl_step(2)
+  assert len(scored) == 2
+  for ref in scored:
+    assert jax.tree.structure(ref) == jax.tree.structure(before)
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(ref)):
+      np.testing.assert_array_equal(a, b)
+
+
 def test_rewards_reach_the_advantages_in_float64(ckpt_trainer, monkeypatch):
   """Rewards 4e-16 apart (one value computed two ways) are a zero-variance group; rounded to
   float32 first they straddled a rounding point, 1.2e-7 apart, and got advantages of +-0.06."""
