@@ -452,13 +452,18 @@ def check_config(config) -> None:
                      + ", which a run reads. configs/quickstart.py sets every key a run reads "
                      "(a config file can start from it: jaxagent.config_files.load_config).")
 
-  def count(key, least):
+  def count(key, least, none_ok=False):
     section, _, name = key.rpartition(".")
     node = config
     for part in filter(None, section.split(".")):
       node = node.get(part) if hasattr(node, "get") else None
-    v = node.get(name) if hasattr(node, "get") else None
-    if v is None:
+    if not hasattr(node, "get") or name not in node:
+      return  # an optional key left out (a required one missing is named above)
+    v = node.get(name)
+    # None where the run reads it as a count passed, then failed (eval.pass_k=None at the
+    # first eval, after the warm start) with a TypeError naming no key. Where it reads as
+    # "none" or "all" (sft.num_examples=None: every demonstration) it stays allowed.
+    if v is None and none_ok:
       return
     if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < least:
       raise ValueError(f"{key} must be an int >= {least}, got {v!r}")
@@ -470,9 +475,10 @@ def check_config(config) -> None:
     count(key, 1)
   # Negative values were taken as Python slices or ranges: eval.size=-1 evaluated all but the
   # last example, sft.steps=-1 ran the evals before RL and then crashed with an IndexError.
-  for key in ("sft.steps", "sft.num_examples", "eval.size", "eval.every", "eval.pass_k",
-              "log.dump_every", "log.dump_count"):
-    count(key, 0)
+  for key in ("sft.steps", "sft.num_examples", "eval.size", "eval.every", "log.dump_every",
+              "log.dump_count"):
+    count(key, 0, none_ok=True)
+  count("eval.pass_k", 0)
   # Read only after the first step's rollouts (and the warm start): check them now.
   train = config.get("train") if hasattr(config, "get") else None
   if (hasattr(train, "get") and train.get("samples_per_prompt") == 1
@@ -483,8 +489,10 @@ def check_config(config) -> None:
         "(or total_steps=0 for a run without RL)")
   for key, allowed in (("advantage", get_args(adv_lib.Method)),
                        ("zero_variance", get_args(adv_lib.ZeroVariance))):
-    v = train.get(key) if hasattr(train, "get") else None
-    if v is not None and v not in allowed:
+    if not hasattr(train, "get") or key not in train:
+      continue
+    v = train.get(key)
+    if v not in allowed:  # (None too: it failed after the first step's rollouts, unnamed)
       raise ValueError(f"train.{key} must be one of {allowed}, got {v!r}")
   # Settings the trainer turns into validated dataclasses only once the model is loaded (minutes
   # for a large one, and after the launcher's fit check): built here as well, so that a bad

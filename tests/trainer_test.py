@@ -110,6 +110,11 @@ def test_config_keys_are_checked_against_the_quickstart():
     # Read only after the first step's rollouts: they used to fail after the warm start.
     ("train.advantage", "ppo", r"train.advantage must be one of \('grpo', 'dr_grpo', 'rloo'\), got 'ppo'"),
     ("train.zero_variance", "skip", r"train.zero_variance must be one of \('keep', 'drop'\)"),
+    # Set to None (not left out): accepted, then a TypeError or an unnamed ValueError at the
+    # first eval or RL step, after the warm start.
+    ("train.zero_variance", None, r"train.zero_variance must be one of \('keep', 'drop'\), got None"),
+    ("eval.pass_k", None, "eval.pass_k must be an int >= 0, got None"),
+    ("train.prompts_per_step", None, "train.prompts_per_step must be an int >= 1, got None"),
     ("train.max_sampling_rounds", 0, "train.max_sampling_rounds must be an int >= 1, got 0"),
     # Negative counts were taken as slices or ranges: eval.size=-1 evaluated all but the last
     # example; sft.steps=-1 crashed with an IndexError after the evals before RL.
