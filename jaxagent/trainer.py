@@ -684,6 +684,12 @@ class Trainer:
     self.train_examples = _split_examples(self.env, "train")
     # (eval.size=0: no evals, so a task without an eval split runs)
     self.eval_examples = _split_examples(self.env, "eval")[:c.eval.size] if c.eval.size else []
+    if c.eval.size and not self.eval_examples:
+      # Every eval then returns nothing: no eval/pass@1 in the metrics or the summary, and no
+      # word of why (a task built with no eval examples, e.g. its own eval_size=0).
+      log.warning("eval.size=%s, but env %r has no 'eval' examples: no eval runs (no eval/"
+                  "pass@1); give the task eval examples, or set eval.size=0 to say so",
+                  c.eval.size, self.env.name)
     self.cfg, params, self.tok = load_model(c.model)
     # Rollouts run on process 0's local devices in multi-host jobs (see the module docstring).
     self.gen_mesh = sharding.rollout_mesh(

@@ -1581,6 +1581,37 @@ def test_a_task_whose_examples_raise_is_named_and_eval_size_0_reads_no_eval_spli
     t.close()
 
 
+def test_an_empty_eval_split_with_eval_size_set_is_said_before_the_model_loads(
+    tmp_path, monkeypatch, caplog):
+  """A task with no eval examples (its own eval_size=0) under eval.size > 0: every eval
+  returned nothing, so no eval/pass@1 was ever logged, without a word of why."""
+  import logging
+
+  from jaxagent.agent.env import CalculatorEnv, Example
+  import jaxagent.trainer as trainer_lib
+
+  class NoEval(CalculatorEnv):
+    def examples(self, split):
+      return [Example("q0", "What is 1 + 1?", gold="2")] if split == "train" else []
+
+  class Loaded(Exception):
+    pass
+
+  def load_model(mcfg):
+    raise Loaded
+
+  monkeypatch.setattr(trainer_lib, "make_env", lambda *_, **__: NoEval())
+  monkeypatch.setattr(trainer_lib, "load_model", load_model)
+  for size, said in ((8, True), (0, False)):
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="jaxagent.trainer"), pytest.raises(Loaded):
+      Trainer(_tiny(tmp_path, **{"eval.size": size}))
+    warned = [r.getMessage() for r in caplog.records if "no 'eval' examples" in r.getMessage()]
+    assert bool(warned) == said, warned
+    if said:
+      assert "eval.size=8, but env 'calculator' has no 'eval' examples" in warned[0]
+
+
 def test_warm_start_refuses_the_eval_split_and_names_a_missing_sft_split(tmp_path, monkeypatch):
   """A task of one's own whose `examples` returns the eval split for every split but "train"
   warm-started on the held-out examples, silently; one without an "sft" split failed with a
