@@ -461,14 +461,22 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
   tokens = jnp.asarray(tokens, jnp.int32)
   # Nested lists as the tokens are: the attention slices the ids and RoPE casts the positions.
   positions = None if positions is None else jnp.asarray(positions)
+  segment_ids = None if segment_ids is None else jnp.asarray(segment_ids)
+  # Shapes that broadcast against the tokens' ran: segment ids or positions of shape [B, 1]
+  # put every token of a row at one position (RoPE at 0 everywhere) without an error.
+  if tokens.ndim != 2:
+    raise ValueError(f"hidden_states: tokens of shape {tokens.shape}: tokens must be [B, L] "
+                     "(a batch of rows; wrap one sequence as [tokens])")
+  for name, x in (("segment_ids", segment_ids), ("positions", positions)):
+    if x is not None and x.shape != tokens.shape:
+      raise ValueError(f"hidden_states: {name} of shape {x.shape} for tokens of shape "
+                       f"{tokens.shape}: {name} must be [B, L] = {tokens.shape}")
   if segment_ids is None:
     segment_ids = jnp.ones_like(tokens)
     if positions is None:
       positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-  else:
-    segment_ids = jnp.asarray(segment_ids)
-    if positions is None:
-      positions = segment_positions(segment_ids)
+  elif positions is None:
+    positions = segment_positions(segment_ids)
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   attend = functools.partial(segment_attention, segment_ids=segment_ids, cfg=cfg)
 

@@ -108,6 +108,22 @@ def test_packed_forward_takes_nested_lists_as_it_takes_arrays():
     np.testing.assert_allclose(np.asarray(g), np.asarray(want), rtol=1e-6, atol=1e-6)
 
 
+def test_segment_ids_and_positions_not_shaped_like_the_tokens_are_named():
+  # Segment ids of shape [B, 1] broadcast silently (every token of a row at position 0);
+  # [B, L - 1] failed in RoPE ("mul got incompatible shapes"), 1-D tokens with an IndexError.
+  cfg = models.get_config("tiny-llama", n_layers=1)
+  params = models.box(cfg, jax.tree.map(lambda s: np.zeros(s[0], np.float32),
+                                        models.param_specs(cfg),
+                                        is_leaf=lambda s: isinstance(s, tuple)))
+  tokens = np.arange(12).reshape(2, 6)
+  for name, bad in (("segment_ids", np.ones((2, 1), int)), ("positions", np.zeros((2, 5), int))):
+    with pytest.raises(ValueError, match=rf"{name} of shape \({bad.shape[0]}, {bad.shape[1]}\) "
+                       rf"for tokens of shape \(2, 6\): {name} must be \[B, L\] = \(2, 6\)"):
+      models.forward(params, tokens, cfg=cfg, **{name: bad})
+  with pytest.raises(ValueError, match=r"tokens of shape \(6,\): tokens must be \[B, L\]"):
+    models.forward(params, tokens[0], cfg=cfg)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_save_hf_reloads_in_transformers(arch, tmp_path):
   make_hf_model(arch, tmp_path / "src", seed=2)
