@@ -991,6 +991,12 @@ class Engine:
     # A negative slot would wrap onto another request's slot; a length past the cache would
     # have the next steps' writes dropped and attention read stale rows.
     self._check_slots(slots, "update_slots")
+    # One value for all slots or one per slot; NumPy's broadcast error named neither the
+    # argument nor the call.
+    for name, x in (("lengths", lengths), ("active", active), ("remaining", remaining)):
+      if x is not None and np.size(x) not in (1, k):
+        raise ValueError(f"update_slots: {np.size(x)} {name} for {k} slots (give one value "
+                         f"for all or one per slot), got {np.asarray(x).tolist()}")
     lens = np.broadcast_to(np.asarray(lengths), (k,))
     if (not np.issubdtype(lens.dtype, np.integer) or lens.min() < 0
         or lens.max() >= self.ecfg.max_len):
@@ -1026,6 +1032,11 @@ class Engine:
   def free_slots(self, state: DecodeState, slots) -> DecodeState:
     """Deactivate slots (their cache is reused by the next insert)."""
     slots = self._slot_array(slots, "free_slots")
+    if len(slots) == 0:
+      return state
+    # Before the host reads below: a slot past the last was an IndexError, and a negative one
+    # read another slot's values.
+    self._check_slots(slots, "free_slots")
     lengths = np.asarray(state.lengths)[slots]
     tokens = np.asarray(state.tokens)[slots]
     return self.update_slots(state, slots, lengths=lengths, tokens=tokens, active=False,

@@ -466,10 +466,18 @@ def test_append_bad_input_errors_before_running(params):
                     (dict(slots=[0.5]), r"slots must be integers, got \[0.5\]"),
                     (dict(active="no"), "active must be bools"),
                     (dict(active=True, remaining=0), "remaining must be integers, at least 1"),
-                    (dict(active=[True], remaining=[-4]), "remaining must be integers, at least")):
+                    (dict(active=[True], remaining=[-4]), "remaining must be integers, at least"),
+                    # A count other than one or one per slot: NumPy's bare broadcast error.
+                    (dict(slots=[0, 1], lengths=[3, 3, 3]), r"3 lengths for 2 slots"),
+                    (dict(slots=[0, 1], active=[False] * 3), r"3 active for 2 slots"),
+                    (dict(slots=[0, 1], remaining=[1, 2, 3]), r"3 remaining for 2 slots")):
     with pytest.raises(ValueError, match=f"update_slots: {match}"):
       eng.update_slots(state, kw.pop("slots", [0]),
                        **{"lengths": 3, "tokens": 1, "active": False, **kw})
+  # free_slots reads the slots' values on the host: slot 2 was an IndexError there.
+  for slot in (2, -1):
+    with pytest.raises(ValueError, match=r"free_slots: slot out of range \[0, 2\)"):
+      eng.free_slots(state, [slot])
   with pytest.raises(ValueError, match="append needs at least one slot"):
     eng.append(params, state, [], [])
   # A budget below one would still sample and return a token (prefill refuses it too).
