@@ -271,6 +271,9 @@ def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature:
   a parameter: the result carries no gradient with respect to it.
   """
   h, targets = jnp.asarray(h), jnp.asarray(targets)  # nested lists too, as `forward` takes them
+  if h.ndim != 3 or h.shape[-1] != cfg.d_model:
+    raise ValueError(f"token_logprobs: hidden states of shape {h.shape} must be [B, L, D] with "
+                     f"D = d_model = {cfg.d_model} (wrap one sequence's [L, D] as [h])")
   b, l, d = h.shape
   if targets.shape != (b, l):
     raise ValueError(f"token_logprobs: targets of shape {targets.shape} for hidden states of "

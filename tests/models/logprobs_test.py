@@ -247,6 +247,18 @@ def test_nested_lists_are_taken_as_arrays_and_a_wrong_targets_shape_is_named():
     logprobs.token_logprobs(params, h, targets.reshape(-1), cfg=cfg)
 
 
+def test_hidden_states_not_shaped_b_l_d_model_are_named():
+  # One sequence's [L, D] failed with "not enough values to unpack (expected 3, got 2)", and a
+  # width other than d_model inside the chunk's einsum.
+  cfg = models.get_config("tiny-llama")
+  params = {"embed": np.zeros((cfg.vocab_size, cfg.d_model), np.float32)}
+  targets = np.zeros((2, 5), np.int32)
+  for shape, text in (((5, 64), r"\(5, 64\)"), ((2, 5, 32), r"\(2, 5, 32\)")):
+    with pytest.raises(ValueError, match=rf"hidden states of shape {text} must be \[B, L, D\] "
+                       r"with D = d_model = 64"):
+      logprobs.token_logprobs(params, np.zeros(shape, np.float32), targets, cfg=cfg)
+
+
 @pytest.mark.parametrize("data,fsdp", [(1, 8), pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_fused_kernels_run_per_shard(data, fsdp):
   # Under a mesh the kernels run per shard of the rows (shard_map) with the weight replicated:
