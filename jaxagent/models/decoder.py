@@ -264,8 +264,12 @@ def attention_path(cfg: ModelConfig, backend: str) -> str:
   """The training attention `segment_attention` runs on `backend`: `cfg.attention_impl`, with
   "auto" resolved to "pallas" on GPUs for head sizes of 16-128 that are powers of two (the
   Pallas kernels' tiles need a power of two; 64 and 128 are the sizes measured), "cudnn" for
-  other head sizes, and "xla" elsewhere."""
+  other head sizes, and "xla" elsewhere. An explicit "pallas" on a TPU is an error."""
   if cfg.attention_impl != "auto":
+    # The kernels would run in Pallas' interpret mode there: right, and far slower than XLA.
+    if cfg.attention_impl == "pallas" and backend == "tpu":
+      raise ValueError("attention_impl='pallas' runs Triton kernels (GPUs; interpret mode on "
+                       "CPUs); use attention_impl='xla' or 'auto' on TPUs")
     return cfg.attention_impl
   if backend != "gpu":
     return "xla"

@@ -173,6 +173,12 @@ def test_auto_attention_path():
   assert decoder.attention_path(cfg.replace(head_dim=256), "gpu") == "cudnn"
   assert decoder.attention_path(cfg.replace(head_dim=64), "gpu") == "pallas"
   assert decoder.attention_path(cfg.replace(attention_impl="cudnn"), "gpu") == "cudnn"
+  # An explicit "pallas" on a TPU ran the Triton kernels in interpret mode, with no error (the
+  # norm / RoPE and vocabulary kernel paths refuse it there).
+  pallas = cfg.replace(attention_impl="pallas")
+  assert decoder.attention_path(pallas, "gpu") == decoder.attention_path(pallas, "cpu") == "pallas"
+  with pytest.raises(ValueError, match="attention_impl='pallas' runs Triton kernels .* on TPUs"):
+    decoder.attention_path(pallas, "tpu")
 
 
 @pytest.mark.parametrize("data,fsdp,tensor", [
