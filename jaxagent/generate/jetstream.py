@@ -340,7 +340,11 @@ class JetStreamEngine(engine_api.Engine):
       raise ValueError("session caches (history_path / session_cache) are not supported by the "
                        "jaxagent engine; send the whole conversation as the prompt")
     if isinstance(content, str):
-      ids = self.tokenizer.encode(content)
+      # A tokenizer with more ids than the model's vocabulary (added tokens the embedding was
+      # not resized for): prefill rejected such a prompt, and the client got an empty reply.
+      ids = token_ids(self.tokenizer.encode(content),
+                      f"the text prompt's encoding by tokenizer {self.tokenizer.name!r}",
+                      self.cfg.vocab_size)
     elif isinstance(content, (list, tuple, np.ndarray)):
       ids = token_ids(content, "the prompt", self.cfg.vocab_size)
     else:

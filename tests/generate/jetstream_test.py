@@ -137,6 +137,25 @@ def test_create_refuses_eos_ids_that_are_not_vocabulary_ints(js, tok, cfg, param
 
 
 @pytest.mark.jetstream
+def test_a_text_prompt_with_ids_past_the_models_vocabulary_is_refused(js, tok, cfg):
+  """A tokenizer with more ids than the model's vocabulary (added tokens the embedding was not
+  resized for): a text prompt encoded to such an id passed `check_request`, prefill rejected
+  it, and the client got an empty reply and no error. It is refused before it is queued, as a
+  token-id prompt with that id is."""
+  from jaxagent.generate import Engine, EngineConfig
+  small = cfg.replace(vocab_size=1000)
+  e = js.JetStreamEngine(Engine(small, EngineConfig(slots=1, max_len=MAX_LEN)),
+                         models.init_params(small, jax.random.key(0)), tok)
+  assert max(tok.encode(TEXT)) >= 1000
+  with pytest.raises(ValueError, match=r"the text prompt's encoding by tokenizer "
+                     r"'smollm2-135m-instruct' has token id \d+ outside the model's vocabulary "
+                     r"\[0, 1000\)"):
+    e.check_request(TEXT, 4)
+  assert max(tok.encode("in the")) < 1000
+  e.check_request("in the", 4)
+
+
+@pytest.mark.jetstream
 def test_driver_serves_concurrent_requests_like_generate(js, cfg, tok, engine, reference):
   _, want = reference
   ids = _token_prompts(cfg)[:3]
