@@ -577,7 +577,13 @@ class Engine:
     # A budget below one would still sample (and return) a token.
     budgets = per(max_new_tokens, full, np.int32, "max_new_tokens", least=1)
     limits = np.minimum(per(max_total_len, full, np.int32, "max_total_len"), full)
-    rids = per(list(request_ids), 0, np.int32, "request_ids")
+    # One id per prompt, never one for all: samples of one prompt under one id are identical.
+    try:
+      request_ids = list(request_ids)
+    except TypeError:  # a bare "'int' object is not iterable"
+      raise ValueError(f"prefill: request_ids must be a sequence of one id per prompt, got "
+                       f"{request_ids!r}") from None
+    rids = per(request_ids, 0, np.int32, "request_ids")
     sds = per(seeds, 0, np.uint32, "seeds")
     # As with max_len: the first token is sampled whatever the cap, and would exceed it.
     short = [i for i in range(n) if lens[i] >= limits[i]]

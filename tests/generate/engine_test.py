@@ -500,6 +500,12 @@ def test_append_bad_input_errors_before_running(params):
     eng.prefill(params, [[1, 2], []], [1, 2])
   with pytest.raises(ValueError, match="prefill: prompt 1 has 32 tokens; the engine's max_len is 32"):
     eng.prefill(params, [[1, 2], list(range(1, 33))], [1, 2])
+  # One request id for all prompts would give a group's samples one stream; it was a bare
+  # "'int' object is not iterable".
+  for rid in (0, np.int64(0), np.array(0)):
+    with pytest.raises(ValueError, match="prefill: request_ids must be a sequence of one id per "
+                       "prompt, got"):
+      eng.prefill(params, [[1, 2]], rid)
   for kw, name in ((dict(request_ids=[1]), "request_ids"), (dict(seeds=[0, 1, 2]), "seeds"),
                    (dict(max_new_tokens=[4]), "max_new_tokens")):
     with pytest.raises(ValueError, match=f"prefill: [13] {name} for 2 prompts"):
