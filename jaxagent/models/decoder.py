@@ -519,6 +519,10 @@ def prefill(params: Params, tokens, lengths, *, cfg: ModelConfig):
   Padding positions produce K/V that the cache masks out (it tracks each slot's length).
   """
   tokens = jnp.asarray(tokens, jnp.int32)
+  lengths = jnp.asarray(lengths)  # a list, as the tokens may be
+  if tokens.ndim != 2 or lengths.shape != tokens.shape[:1]:
+    raise ValueError(f"prefill: tokens of shape {tokens.shape} and lengths of shape "
+                     f"{lengths.shape}: tokens must be [B, T] and lengths [B] (one per row)")
   seg = (jnp.arange(tokens.shape[1])[None, :] < lengths[:, None]).astype(jnp.int32)
   h, (k, v) = hidden_states(params, tokens, cfg=cfg, segment_ids=seg, collect_kv=True)
   last = jnp.take_along_axis(h, (lengths - 1)[:, None, None].astype(jnp.int32), axis=1)[:, 0]

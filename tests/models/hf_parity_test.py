@@ -124,6 +124,24 @@ def test_segment_ids_and_positions_not_shaped_like_the_tokens_are_named():
     models.forward(params, tokens[0], cfg=cfg)
 
 
+def test_prefill_takes_lengths_as_a_list_and_names_lengths_not_one_per_row():
+  # Tokens could be nested lists, the lengths not ("list indices must be integers or slices,
+  # not tuple"); a single int with "'int' object is not subscriptable".
+  cfg = models.get_config("tiny-llama", n_layers=1)
+  rng = np.random.default_rng(0)
+  params = models.box(cfg, jax.tree.map(lambda s: (0.2 * rng.standard_normal(s[0])).astype(
+      np.float32), models.param_specs(cfg), is_leaf=lambda s: isinstance(s, tuple)))
+  tokens = [[5, 6, 7, 0], [8, 9, 10, 11]]
+  want, got = jax.jit(lambda p: (
+      models.prefill(p, jnp.asarray(tokens), jnp.asarray([3, 4]), cfg=cfg),
+      models.prefill(p, tokens, [3, 4], cfg=cfg)))(params)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  with pytest.raises(ValueError, match=r"tokens of shape \(2, 4\) and lengths of shape \(\): "
+                     r"tokens must be \[B, T\] and lengths \[B\]"):
+    models.prefill(params, tokens, 4, cfg=cfg)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_save_hf_reloads_in_transformers(arch, tmp_path):
   make_hf_model(arch, tmp_path / "src", seed=2)
