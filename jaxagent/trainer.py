@@ -1093,7 +1093,10 @@ class Trainer:
       # failed inside the model with a TypeError, after the step's rollouts.
       self.ref_params = jax.tree.map(jnp.copy, self.state.params)
     t0, c0 = time.time(), compile_stats.snapshot()
-    metrics, batch = self._on_lead(self._collect, step, self._generator_params())
+    # A NaN or inf in the logits while sampling ends the rollout with a FloatingPointError
+    # that names a request id, not the step: named here as the learner's are.
+    with _names_the_step(f"RL step {step}"):
+      metrics, batch = self._on_lead(self._collect, step, self._generator_params())
     t1 = time.time()
     if batch is not None:
       batch = self.fill_unsampled_old_logps(batch)

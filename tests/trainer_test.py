@@ -1070,6 +1070,21 @@ def test_nonfinite_update_names_the_rl_step_of_the_metrics(ckpt_trainer, monkeyp
     trainer.rl_step(3)
 
 
+def test_nonfinite_logits_in_the_rollouts_name_the_rl_step(ckpt_trainer, monkeypatch):
+  """The rollout's error for a NaN or inf in the sampling logits names a request id (opaque:
+  derived from the step) and no step; the learner's non-finite errors name the RL step."""
+  trainer = ckpt_trainer
+
+  def nan_logits(params, examples, **kwargs):
+    raise FloatingPointError("rollout: the policy's logits held a NaN or inf while sampling "
+                             "turn 0 of request 12 (group 1, sample 0), at token 3 of the turn")
+
+  monkeypatch.setattr(trainer.sampler, "run", nan_logits)
+  with pytest.raises(FloatingPointError, match=r"^RL step 4: rollout: the policy's logits held "
+                     r"a NaN or inf .*The checkpoints already written are unchanged\.$"):
+    trainer.rl_step(4)
+
+
 def test_a_nonfinite_update_leaves_the_trainer_its_unchanged_state(ckpt_trainer, monkeypatch):
   """The update's state is donated; on a non-finite step the learner's error carries the state
   it was given (`Learner.train_step`, done here without the compile). The trainer kept the
