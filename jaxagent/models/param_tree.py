@@ -8,6 +8,8 @@ the learner and the engine build and transform it here.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Any, Mapping
 
 import flax.linen as nn
@@ -61,6 +63,11 @@ def init_params(cfg: ModelConfig, rng: jax.Array, std: float = 0.02) -> Params:
   Call it under `jax.jit(..., out_shardings=...)` (see `jaxagent.sharding.init_sharded`) so
   large models are created already sharded.
   """
+  # A NaN (or a None / string from a run's config, model.init_std) made NaN weights without an
+  # error, or failed with a bare TypeError inside the first multiplication.
+  if isinstance(std, bool) or not isinstance(std, numbers.Real) or not 0 <= std < math.inf:
+    raise ValueError(f"init_params: std must be a finite number >= 0 (the standard deviation "
+                     f"of the normal weights; a run's model.init_std), got {std!r}")
   specs = param_specs(cfg)
   leaves, treedef = jax.tree.flatten(specs, is_leaf=_is_spec)
   keys = jax.random.split(rng, len(leaves))

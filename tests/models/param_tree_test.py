@@ -1,6 +1,8 @@
 """`param_tree`'s transforms of the params against the plain params: merged q|k|v and gate|up,
 folded norms and chained matrices give the same decode step; `compute_copy`'s dtypes; inputs
 are left as they were."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -112,3 +114,13 @@ def test_compute_copy_casts_matmul_weights_only_and_keeps_outputs(boxed):
                                 decoder.forward(params, tokens, cfg=cfg))
   same = PRESETS["tiny-qwen2"]
   assert pt.compute_copy(params, same) is params
+
+
+@pytest.mark.parametrize("std", [float("nan"), float("inf"), -0.02, None, "0.02", True])
+def test_init_params_refuses_a_std_that_is_no_standard_deviation(std):
+  # A NaN made NaN weights without an error; None or a string (a run's model.init_std) failed
+  # with a bare TypeError.
+  with pytest.raises(ValueError, match=r"init_params: std must be a finite number >= 0 .*got "
+                     + re.escape(repr(std))):
+    pt.init_params(PRESETS["tiny-llama"], jax.random.key(0), std=std)
+
