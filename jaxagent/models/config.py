@@ -104,7 +104,7 @@ class ModelConfig:
       # config.json, which JSON cannot write.
       object.__setattr__(self, f, float(v))
     # A truthy string ("no", "false") would silently switch the feature on.
-    for f in ("tie_embeddings", "qkv_bias", "qk_norm"):
+    for f in ("tie_embeddings", "qkv_bias", "qk_norm", "scan_layers"):
       v = getattr(self, f)
       if not isinstance(v, (bool, np.bool_)):
         raise ValueError(f"ModelConfig.{f} must be a bool (True or False), got {v!r}")
@@ -141,8 +141,6 @@ class ModelConfig:
     if self.remat not in ("none", "full", "dots", "dots_attention"):
       raise ValueError("ModelConfig.remat must be 'none', 'full', 'dots' or 'dots_attention', "
                        f"got {self.remat!r}")
-    if not isinstance(self.scan_layers, bool):
-      raise ValueError(f"ModelConfig.scan_layers must be a bool, got {self.scan_layers!r}")
     if self.attention_impl not in ("xla", "cudnn", "pallas", "auto"):
       raise ValueError("ModelConfig.attention_impl must be 'xla', 'cudnn', 'pallas' or 'auto', got "
                        f"{self.attention_impl!r}")

@@ -23,6 +23,14 @@ def test_bad_field_value_is_refused_naming_the_field(field, value):
     TINY.replace(**{field: value})
 
 
+def test_numpy_bools_are_taken_for_every_bool_field():
+  # scan_layers refused np.bool_ ("must be a bool, got np.False_") where the other flags took it.
+  cfg = TINY.replace(scan_layers=np.False_, qk_norm=np.False_)
+  assert cfg.scan_layers is False and cfg.qk_norm is False
+  with pytest.raises(ValueError, match=r"ModelConfig.scan_layers must be a bool \(True or False\), got 'no'"):
+    TINY.replace(scan_layers="no")
+
+
 def test_a_preset_resized_to_a_smaller_tokenizer_keeps_its_bos_id():
   # The trainer resizes a preset's vocabulary to the run's tokenizer and sets its eos id only.
   cfg = PRESETS["llama3.2-1b"].replace(vocab_size=49152, eos_token_id=2)
