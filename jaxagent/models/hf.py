@@ -502,7 +502,7 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None, *
     # that does not load, not new weights or tokenizer files beside the old config.
     (out / "config.json").unlink(missing_ok=True)
     if tokenizer is not None:
-      _move_tokenizer_files(stage, out)
+      _move_tokenizer_files(stage, out, keep={"config.json", "model.safetensors", *extra_files})
     os.replace(stage / "model.safetensors", out / "model.safetensors")
     for name in extra_files:
       os.replace(stage / name, out / name)
@@ -512,9 +512,10 @@ def save_hf(path: str | os.PathLike, cfg: ModelConfig, params, tokenizer=None, *
   return out
 
 
-def _move_tokenizer_files(stage: pathlib.Path, out: pathlib.Path) -> None:
-  """The staged tokenizer files into `out`; those the tokenizer removed from the stage (copies
-  of `out`'s) are removed from `out`."""
+def _move_tokenizer_files(stage: pathlib.Path, out: pathlib.Path, keep: set[str]) -> None:
+  """The staged tokenizer files into `out`, and any other file of the stage but those named in
+  `keep`; those the tokenizer removed from the stage (copies of `out`'s) are removed from
+  `out`."""
   for name in _TOKENIZER_FILES:
     src, dst = stage / name, out / name
     if src.is_dir():  # a folder of named chat templates
@@ -530,5 +531,5 @@ def _move_tokenizer_files(stage: pathlib.Path, out: pathlib.Path) -> None:
     elif dst.is_file():
       dst.unlink()
   for p in stage.iterdir():  # any other file the tokenizer writes
-    if p.is_file() and p.name not in ("config.json", "model.safetensors"):
+    if p.is_file() and p.name not in keep:
       os.replace(p, out / p.name)
