@@ -905,6 +905,8 @@ class Engine:
       given = np.asarray(cached_lens).reshape(-1).tolist()
       if len(given) != len(slots):
         raise ValueError(f"append: {len(given)} cached_lens for {len(slots)} slots")
+      if any(isinstance(g, bool) or not isinstance(g, int) for g in given):
+        raise ValueError(f"append: cached_lens must be ints (token counts), got {given}")
       # They pick the live-KV bucket (a bound above a length is fine): a length below the
       # slot's own made attention skip the slot's last cached tokens, silently.
       if any(not g >= h for g, h in zip(given, held.tolist())):

@@ -443,6 +443,10 @@ def test_append_bad_input_errors_before_running(params):
   with pytest.raises(ValueError, match=r"cached_lens \[18\] of slots \[0\] are below their "
                      r"cached lengths \[19\] \(a slot caches its prompt"):
     eng.append(params, state, [0], [[1, 2]], cached_lens=[18])
+  # A float (or bool) count was taken, and cut to a bucket below it.
+  for bad in ([19.5], [True], [float("nan")]):
+    with pytest.raises(ValueError, match=r"append: cached_lens must be ints \(token counts\)"):
+      eng.append(params, state, [0], [[1, 2]], cached_lens=bad)
   # A prompt at its own total-length cap: its first token would exceed the cap.
   with pytest.raises(ValueError, match="prompt 1 has 2 tokens; its max_total_len 2 leaves no"):
     eng.prefill(params, [[1, 2, 3], [4, 5]], [1, 2], max_total_len=[4, 2])
