@@ -167,9 +167,9 @@ class CheckpointConfig:
 
 # ----------------------------------------------------------------------------- helpers
 def as_path(path: str | os.PathLike) -> epath.Path:
-  """A local path (made absolute) or a bucket URL (`gs://...`) as an `epath.Path`."""
+  """A local path (`~` expanded, made absolute) or a bucket URL (`gs://...`) as an `epath.Path`."""
   text = os.fspath(path)
-  return epath.Path(text if "://" in text else os.path.abspath(text))
+  return epath.Path(text if "://" in text else os.path.abspath(os.path.expanduser(text)))
 
 
 def config_to_json(config) -> dict[str, Any]:

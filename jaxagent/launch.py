@@ -263,6 +263,11 @@ def main(argv):
   from jaxagent.checkpoint import CheckpointError
   from jaxagent.trainer import Trainer, check_config
   config = _CONFIG.value
+  for key in ("workdir", "checkpoint_dir"):
+    # A shell leaves the ~ of --config.workdir=~/runs/x as it is: it named ./~/runs/x.
+    value = config.get(key) if hasattr(config, "get") else None
+    if isinstance(value, str) and value.startswith("~"):
+      config[key] = os.path.expanduser(value)
   try:
     # The settings that need no model first: the fit check compiles every program (minutes
     # on a TPU) before the trainer would have named a typo.

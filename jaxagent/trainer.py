@@ -676,7 +676,7 @@ class Trainer:
     # Both optimizers are built now, so a bad RL or SFT setting fails before any work.
     (self.step_cfg, self.optimizer), (self._sft_step_cfg, self._sft_optimizer) = (
         step_lib.learner_parts(c))
-    self.workdir = pathlib.Path(c.workdir)
+    self.workdir = pathlib.Path(c.workdir).expanduser()  # as the launcher and export read it
     # The mesh before the model: a mesh that does not fit the devices fails before the load.
     self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
     self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))

@@ -416,6 +416,24 @@ def test_launch_names_a_bad_config_argument_without_a_traceback(tmp_path, args, 
   assert expected in r.stderr and "Traceback" not in r.stderr, r.stderr[-2000:]
 
 
+def test_a_workdir_under_home_written_with_a_tilde_is_the_home_directory(tmp_path):
+  # The shell leaves the ~ of --config.workdir=~/runs/x as it is: the launcher wrote ./~/runs/x,
+  # while the export command (which expands it) looked in the home directory.
+  home, cwd = tmp_path / "home", tmp_path / "cwd"
+  home.mkdir()
+  cwd.mkdir()
+  r = subprocess.run([sys.executable, "-m", "jaxagent.launch",
+                      f"--config={REPO}/configs/quickstart.py:tiny", "--config.workdir=~/runs/x",
+                      "--config.model.tokenizer=/no/such/tokenizer", "--fit_check=off"],
+                     cwd=cwd, capture_output=True, text=True, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu", HOME=str(home),
+                              PYTHONPATH=str(REPO)))
+  assert r.returncode == 1 and "'/no/such/tokenizer' does not exist" in r.stderr, r.stderr[-2000:]
+  assert (home / "runs" / "x" / ".jaxagent.lock").exists() and not list(cwd.iterdir())
+  from jaxagent import checkpoint
+  assert str(checkpoint.as_path("~/ck")) == os.path.expanduser("~/ck")
+
+
 def test_a_misspelt_key_is_named_before_jax_is_imported():
   # A typo answers in a fraction of a second: nothing imports jax / flax before the flags parse.
   code = ("import runpy, sys\n"
