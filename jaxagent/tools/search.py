@@ -136,7 +136,8 @@ class BM25Index:
     def _tokenize(self, texts: list[str]) -> list[list[str]]:
         import bm25s
 
-        texts = [unicodedata.normalize("NFKC", t) for t in texts]
+        # Case-folded, not only lowercased: "STRASSE" finds "Straße", as a reader expects.
+        texts = [unicodedata.normalize("NFKC", t).casefold() for t in texts]
         return bm25s.tokenize(texts, stopwords=self._stopwords, stemmer=self._stemmer, return_ids=False,
                               show_progress=False, token_pattern=TOKEN_PATTERN)
 

@@ -250,3 +250,6 @@ def test_unicode_forms_of_a_word_match():
     assert sorted(h.id for h in idx.search(decomposed, 5)) == ["0", "1"]
     assert sorted(h.id for h in idx.search(composed.upper(), 5)) == ["0", "1"]
     assert [h.id for h in idx.search("\uff2d\uff49\uff4c\uff4c", 5)] == ["1"]  # fullwidth "Mill"
+    # Case-folded, not only lowercased: "STRASSE" found no "Straße".
+    idx = BM25Index([{"title": "Road", "text": "Die Straße am Fluss."}, {"text": "other words"}])
+    assert [h.id for h in idx.search("STRASSE", 5)] == ["0"]
