@@ -98,7 +98,7 @@ class PlanOptions:
   def __post_init__(self):
     for f in ("rows", "prompt_len"):
       v = getattr(self, f)
-      if v is not None and (not isinstance(v, int) or v < 1):
+      if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
         raise ValueError(f"PlanOptions.{f} must be None or a positive int, got {v!r}")
     if not isinstance(self.append_len, int) or self.append_len < 1:
       raise ValueError(f"PlanOptions.append_len must be a positive int, got {self.append_len!r}")

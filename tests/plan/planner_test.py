@@ -40,6 +40,8 @@ def test_run_shapes_are_the_trainers_worst_case():
   assert plan.run_shapes(c, {"data": 1, "fsdp": 1, "tensor": 1}).prefill_len == 32
   with pytest.raises(ValueError, match="programs"):
     plan.PlanOptions(programs=("decode",))
+  with pytest.raises(ValueError, match=r"PlanOptions.rows must be None or a positive int, got True"):
+    plan.PlanOptions(rows=True)  # was read as 1
 
 
 @pytest.mark.slow  # builds a whole Trainer (about 10-20 s on 2 cores)
