@@ -424,6 +424,9 @@ def _remat(fn, cfg: ModelConfig):
 def segment_positions(segment_ids):
   """Positions restarting at 0 at each segment start (segments are contiguous runs)."""
   segment_ids = jnp.asarray(segment_ids)  # a NumPy int64 array: int32 here, without a warning
+  if segment_ids.ndim != 2:
+    raise ValueError(f"segment_positions: segment ids must be [B, T] (one row per sequence), "
+                     f"got shape {segment_ids.shape}")
   b, t = segment_ids.shape
   idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   prev = jnp.concatenate([jnp.full((b, 1), -1, segment_ids.dtype), segment_ids[:, :-1]], 1)

@@ -216,3 +216,6 @@ def test_segment_positions_of_numpy_int64_ids_warn_nothing():
     warnings.simplefilter("error")
     pos = decoder.segment_positions(seg)
   np.testing.assert_array_equal(np.asarray(pos), [[0, 1, 0, 1, 2, 0], [0, 1, 2, 0, 1, 2]])
+  # One row must still be [1, T]: a 1-D one failed with "not enough values to unpack".
+  with pytest.raises(ValueError, match=r"segment ids must be \[B, T\] .*got shape \(4,\)"):
+    decoder.segment_positions([1, 1, 2, 2])
