@@ -180,17 +180,14 @@ def _check_k(name: str, k: Any) -> None:
 def format_passages(passages: Sequence[Passage], max_chars_per_passage: int | None = None) -> str:
     """`Doc 1 (Title: ...): text` lines, the form Search-R1-style prompts expect."""
     _check_max_chars(max_chars_per_passage)
-    lines = []
-    for p in passages:
-        # A title is one line too: a line break in it started a line that read as the text.
-        title, text = " ".join(p.title.split()), " ".join(p.text.split())
-        if max_chars_per_passage is not None:
-            if len(title) > max_chars_per_passage:
-                title = title[:max_chars_per_passage].rstrip() + " ..."
-            if len(text) > max_chars_per_passage:
-                text = text[:max_chars_per_passage].rstrip() + " ..."
-        lines.append(f"Doc {p.rank} (Title: {title}): {text}")
-    return "\n".join(lines)
+    def one_line(text: str) -> str:  # white space collapsed, cut at max_chars_per_passage
+        text = " ".join(text.split())
+        if max_chars_per_passage is not None and len(text) > max_chars_per_passage:
+            text = text[:max_chars_per_passage].rstrip() + " ..."
+        return text
+
+    # A title is one line too: a line break in it started a line that read as the text.
+    return "\n".join(f"Doc {p.rank} (Title: {one_line(p.title)}): {one_line(p.text)}" for p in passages)
 
 
 def _check_max_chars(max_chars_per_passage: int | None) -> None:
