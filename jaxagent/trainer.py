@@ -1087,11 +1087,11 @@ class Trainer:
 
   def rl_step(self, step: int) -> dict[str, float]:
     """One RL step: rollouts and packing (`_collect`), reference log-probs, updates."""
-    if self.loss_cfg.kl_coef > 0 and self.ref_params is None:
+    if self.ref_params is None:
       # A step outside `run` (a loop of one's own, after `warm_start` or not): the KL reference
-      # is the params as RL begins, as `run` takes it. It was None, and the reference scoring
-      # failed inside the model with a TypeError, after the step's rollouts.
-      self.ref_params = jax.tree.map(jnp.copy, self.state.params)
+      # is taken as `run` takes it. It was None, and the reference scoring failed inside the
+      # model with a TypeError, after the step's rollouts.
+      self._freeze_reference()
     t0, c0 = time.time(), compile_stats.snapshot()
     # A NaN or inf in the logits while sampling ends the rollout with a FloatingPointError
     # that names a request id, not the step: named here as the learner's are.
@@ -1352,6 +1352,10 @@ class Trainer:
       self.summary["pass@1/after_sft"] = m.get("eval/pass@1")
       say(f"held-out pass@1 after SFT: {m.get('eval/pass@1', float('nan')):.3f}")
     self.warm_started = True
+    self._freeze_reference()
+
+  def _freeze_reference(self) -> None:
+    """With a KL penalty, the reference is the params as RL begins: a copy, frozen from here."""
     if self.loss_cfg.kl_coef > 0:
       self.ref_params = jax.tree.map(jnp.copy, self.state.params)
 
