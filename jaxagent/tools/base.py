@@ -210,10 +210,11 @@ def validate_arguments(parameters: Mapping[str, Any], args: Any) -> dict[str, An
 
 
 def _allows_null(schema: Mapping[str, Any]) -> bool:
+    # Both the type and the enum must admit null: `Literal["C", "F"]` is an enum with no type.
     types_ = schema.get("type")
-    return ("type" not in schema or types_ == "null"
-            or (isinstance(types_, (list, tuple)) and "null" in types_)
-            or None in schema.get("enum", ()))
+    type_ok = ("type" not in schema or types_ == "null"
+               or (isinstance(types_, (list, tuple)) and "null" in types_))
+    return type_ok and ("enum" not in schema or None in schema["enum"])
 
 
 # --------------------------------------------------------------------------- function tools

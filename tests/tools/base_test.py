@@ -155,6 +155,22 @@ def test_null_for_an_optional_argument_means_not_given():
     assert validate_arguments(schema, {"y": None, "z": None}) == {"y": None, "z": None}
 
 
+def test_null_for_an_optional_literal_argument_means_not_given():
+    """A Literal parameter's schema is an enum with no type; null for it was kept (a schema with no
+    type reads as allowing null) and then refused by the enum, so '"units": null' failed the call."""
+    assert lookup({"city": "Oslo", "units": None}) == "Oslo:1:C:None"
+
+    @function_tool(description="Pick a mode.")
+    def pick(mode: Literal["a", "b"] | None = None, other: Literal["x", None] = "x") -> str:
+        return f"{mode}:{other}"
+
+    assert pick({"mode": None}) == "None:x"
+    assert pick({"other": None}) == "None:None"  # None is one of its values: kept
+    schema = {"type": "object", "properties": {"u": {"enum": ["C", "F"]}}, "required": ["u"]}
+    with pytest.raises(ToolArgumentError, match=r"'u' must be one of \['C', 'F'\], got None"):
+        validate_arguments(schema, {"u": None})  # required: null is still wrong
+
+
 def test_registry_lookup_schemas_and_listing():
     @function_tool(name="echo", description="Repeat the text.")
     def echo(text: str) -> str:
