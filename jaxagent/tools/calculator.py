@@ -45,6 +45,10 @@ class CalculatorError(ValueError):
 def _check_int(value: Number, max_bits: int) -> Number:
     if isinstance(value, int) and value.bit_length() > max_bits:
         raise CalculatorError(f"result too large (more than {max_bits} bits)")
+    if isinstance(value, float) and not math.isfinite(value):
+        # Float + - * / overflow to inf without raising; carried on, 1 / inf became 0 and
+        # min(5, inf - inf) became 5: a wrong number instead of an error.
+        raise CalculatorError("result is not a finite number (beyond the floating-point range, about 1.8e308)")
     return value
 
 

@@ -121,6 +121,18 @@ def test_limits_on_length_and_nesting():
         evaluate("2 ** 100", max_int_bits=64)
 
 
+@pytest.mark.parametrize("expression", [
+    "1e300 / (1e200 * 1e200) * 1e150",  # 1e50, but the product overflowed to inf and 1e300 / inf is 0
+    "min(5, 1e308 * 10 - 1e308 * 10)",  # inf - inf is NaN, and min(5, NaN) is 5
+    "1 / 1e400",
+    "atan(1e308 * 10)",
+])
+def test_float_overflow_inside_an_expression_is_an_error_not_a_wrong_number(expression):
+    with pytest.raises(CalculatorError, match="not a finite number"):
+        evaluate(expression)
+    assert calculate("1e300 / (1e200 * 1e100) * 1e150") == "1e150"  # in range: unchanged
+
+
 def test_caret_can_mean_xor_syntax_error_instead():
     with pytest.raises(CalculatorError, match="operator BitXor"):
         evaluate("2 ^ 3", caret_is_power=False)
