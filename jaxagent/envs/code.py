@@ -124,20 +124,35 @@ def _fenced_blocks(text: str) -> list[str]:
   return untagged + tagged
 
 
+def _parses(code: str) -> bool:
+  """Whether `code`, dedented, parses as Python (a bare body does too)."""
+  try:
+    ast.parse(textwrap.dedent(code.strip("\n")))
+  except _UNPARSABLE:
+    return False
+  return True
+
+
 def _code_candidates(text: str) -> list[str]:
   """What `extract_code` may read, the one it reads last: the `<code>` block's fences, or the
   block itself when it has none or is a program (a docstring may show a fenced example);
-  without a `<code>` block, the response's fences."""
+  without a `<code>` block, the response's fences. A block that is no program but holds a later
+  `<code>` whose text is one (prose that names the tag, "in <code> tags:", before the block) is
+  read from that tag, as the rollout's parser reads the answer."""
   code = extract_tagged(text, "code", strip=False, innermost=False)  # linear in the text
   if code is None:
     return _fenced_blocks(text)
-  if "```" in code:
-    try:  # a block that is a program already holds its fences in strings or comments
-      ast.parse(textwrap.dedent(code.strip("\n")))
-      return [code]
-    except _UNPARSABLE:
-      pass
-  return _fenced_blocks(code) or [code]
+  # A block that is a program already holds its fences in strings or comments.
+  if "```" in code and _parses(code):
+    return [code]
+  blocks = _fenced_blocks(code)
+  if blocks:
+    return blocks
+  if "<code>" in code and not _parses(code):
+    inner = extract_tagged(text, "code", strip=False)
+    if _parses(inner):
+      return [inner]
+  return [code]
 
 
 def extract_code(text: str) -> str | None:

@@ -112,6 +112,18 @@ def test_extract_code_reads_the_program_the_parser_runs():
   assert extract_code(text) == call.arguments["code"] == '\ndef f():\n  s = "<code>"\n  return s\n'
 
 
+@pytest.mark.parametrize("code", [_ADD, "    return x + y\n"])
+def test_a_code_tag_named_in_the_prose_before_the_block(env, code):
+  # The block was read from the first <code> (in the prose), so a correct solution, the answer
+  # the rollout's parser read, did not parse and scored 0.
+  from jaxagent.agent.parsers import XMLTagParser
+  text = f"I will write it in <code> tags.\n<code>\n{code}</code>"
+  answer = XMLTagParser({}, answer_tag="code", strip=False).parse(text).answer
+  assert extract_code(text) == answer == f"\n{code}"
+  run, parses = env.score("HumanEval/53", text)
+  assert (run.passed, run.total, parses) == (6, 6, True), run
+
+
 def test_extract_code_is_linear_in_unclosed_tags():
   import time
   t = time.perf_counter()
