@@ -114,6 +114,10 @@ def parse_config_flags(argv: list[str], config_flag) -> list[str]:
     if (unknown := _unknown_override(argv, config_flag.name)) is not None:
       fail(unknown)
     fail(f"the config file raised {type(e).__name__}{_where(e)}: {e}")
+  if len(rest) > 1:
+    # The entry points read flags only, and left the rest unread: `python -m jaxagent.launch
+    # configs/math_tool.py` ran the quickstart, and every flag after a `--` was dropped.
+    fail(_positional_error(argv, rest[1:], config_flag.name))
   try:
     if config_flag.value is not None:
       config_flag.value.keys()  # a config file that could not be loaded raises its error here
@@ -127,6 +131,19 @@ def parse_config_flags(argv: list[str], config_flag) -> list[str]:
          f"{'None' if value is None else type(value).__name__}, not an "
          "ml_collections.ConfigDict")
   return rest
+
+
+def _positional_error(argv: list[str], extra: list[str], name: str) -> str:
+  """The error for arguments that are not flags (`extra`, what absl left of `argv`)."""
+  shown = " ".join(repr(a) for a in extra[:3]) + (" ..." if len(extra) > 3 else "")
+  message = (f"unexpected argument{'s' if len(extra) > 1 else ''} {shown}: this command takes "
+             f"flags only (--{name}=path.py[:variant], --{name}.KEY=VALUE, ...)")
+  if "--" in argv[1:]:
+    return message + "; the arguments after '--' are not read as flags: leave the '--' out"
+  if (file := next((a for a in extra if re.fullmatch(r"[^=]+\.py(:.*)?", a)), None)) is not None:
+    return message + f"; to run that config file, pass --{name}={file}"
+  return message + (f"; a variant of the config file goes after it, --{name}=path.py:VARIANT, "
+                    f"and a setting is --{name}.KEY=VALUE")
 
 
 def _unknown_override(argv: list[str], name: str = "config") -> str | None:

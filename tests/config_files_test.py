@@ -219,3 +219,25 @@ def test_an_indexed_override_of_a_list_element_is_set(tmp_path):
                   "  return ml_collections.ConfigDict(dict(a=[1, 2]))\n")
   r = _parse(f"--config={path}", "--config.a[1]=5")
   assert r.returncode == 0 and r.stdout.strip() == "loaded ConfigDict [1, 5]", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args, expected", [
+    # `python -m jaxagent.launch configs/math_tool.py` ran the quickstart: the argument that is
+    # not a flag was left unread.
+    (["{path}"], "unexpected argument '{path}': this command takes flags only "
+     "(--config=path.py[:variant], --config.KEY=VALUE, ...); to run that config file, pass "
+     "--config={path}"),
+    (["--config={path}", "tiny"], "unexpected argument 'tiny': this command takes flags only"),
+    # Every flag after a `--` was dropped: the run went on with the file's own settings.
+    (["--config={path}", "--", "--config.a=7"], "unexpected argument '--config.a=7': this "
+     "command takes flags only (--config=path.py[:variant], --config.KEY=VALUE, ...); the "
+     "arguments after '--' are not read as flags: leave the '--' out"),
+])
+def test_an_argument_that_is_not_a_flag_is_refused(tmp_path, args, expected):
+  path = tmp_path / "my_config.py"
+  path.write_text("import ml_collections\n"
+                  "def get_config(arg=None):\n  return ml_collections.ConfigDict({'a': 1})\n")
+  r = _parse(*(a.format(path=path) for a in args))
+  assert r.returncode == 1 and "loaded" not in r.stdout, (r.stdout, r.stderr[-2000:])
+  assert f"FATAL Flags parsing error: {expected.format(path=path)}" in r.stderr, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr, r.stderr[-2000:]
