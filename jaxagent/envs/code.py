@@ -134,18 +134,20 @@ def _parses(code: str) -> bool:
 
 
 def _code_candidates(text: str) -> list[str]:
-  """What `extract_code` may read, the one it reads last: the `<code>` block's fences, or the
-  block itself when it has none or is a program (a docstring may show a fenced example);
-  without a `<code>` block, the response's fences. A block that is no program but holds a later
-  `<code>` whose text is one (prose that names the tag, "in <code> tags:", before the block) is
-  read from that tag, as the rollout's parser reads the answer."""
+  """What `extract_code` may read, the one it reads last: the `<code>` block's fences (its end
+  closes one left open), or the block itself when it has none or is a program (a docstring may
+  show a fenced example); without a `<code>` block, the response's fences. A block that is no
+  program but holds a later `<code>` whose text is one (prose that names the tag, "in <code>
+  tags:", before the block) is read from that tag, as the rollout's parser reads the answer."""
   code = extract_tagged(text, "code", strip=False, innermost=False)  # linear in the text
   if code is None:
     return _fenced_blocks(text)
   # A block that is a program already holds its fences in strings or comments.
   if "```" in code and _parses(code):
     return [code]
-  blocks = _fenced_blocks(code)
+  # The block's end closes a fence left open in it ("<code>```python ...</code>").
+  closed = code + ("```" if code.endswith("\n") else "\n```")
+  blocks = _fenced_blocks(code) or _fenced_blocks(closed)
   if blocks:
     return blocks
   if "<code>" in code and not _parses(code):

@@ -124,6 +124,19 @@ def test_a_code_tag_named_in_the_prose_before_the_block(env, code):
   assert (run.passed, run.total, parses) == (6, 6, True), run
 
 
+@pytest.mark.parametrize("response", [
+    f"<code>\n```python\n{_ADD}</code>",
+    f"<code>```python\n{_ADD.rstrip()}</code>",
+    f"<code>\n```text\n5\n```\n```python\n{_ADD}</code>",
+])
+def test_a_fence_left_open_in_a_code_block_ends_with_the_block(env, response):
+  # The fence was never closed, so the block was read whole, "```python" line and all, and a
+  # correct solution did not parse (0, no syntax bonus).
+  assert extract_code(response).strip("\n") == _ADD.strip("\n")
+  run, parses = env.score("HumanEval/53", response)
+  assert (run.passed, run.total, parses) == (6, 6, True), run
+
+
 def test_extract_code_is_linear_in_unclosed_tags():
   import time
   t = time.perf_counter()
