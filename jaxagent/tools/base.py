@@ -354,6 +354,7 @@ def check_tool(tool: Any) -> None:
     parameters = getattr(tool, "parameters", None)
     if not isinstance(parameters, Mapping) or parameters.get("type") != "object":
         raise TypeError(f"tool {name!r}: parameters must be a JSON schema dict with \"type\": \"object\"")
+    _check_parameters(name, parameters)
     if not callable(tool):
         raise TypeError(f"tool {name!r} is not callable")
     execution = getattr(tool, "execution", "thread")
@@ -362,6 +363,28 @@ def check_tool(tool: Any) -> None:
     timeout = getattr(tool, "timeout_s", None)
     if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
         raise ValueError(f"tool {name!r}: timeout_s must be a positive number or None, got {timeout!r}")
+
+
+def _check_parameters(name: str, parameters: Mapping[str, Any]) -> None:
+    """The parts of a parameter schema that `validate_arguments` reads, checked once at registration:
+    a type it does not know (`"float"`, `"int"`) or a `required` that is a bare string would make
+    every call fail with an argument error blamed on the policy."""
+    properties = parameters.get("properties", {})
+    if not isinstance(properties, Mapping) or not all(isinstance(p, Mapping) for p in properties.values()):
+        raise TypeError(f"tool {name!r}: parameters['properties'] must map each argument name to a JSON schema "
+                        f"dict, got {properties!r}")
+    for key, spec in properties.items():
+        types_ = spec.get("type")
+        if types_ is None:
+            continue
+        options = [types_] if isinstance(types_, str) else types_
+        if not isinstance(options, (list, tuple)) or not all(
+                isinstance(option, str) and option in _JSON_TYPES for option in options):
+            raise ValueError(f"tool {name!r}: argument {key!r} has type {types_!r}; a type is one of "
+                             f"{', '.join(_JSON_TYPES)}, or a list of them")
+    required = parameters.get("required", [])
+    if not isinstance(required, (list, tuple)) or not all(isinstance(key, str) for key in required):
+        raise TypeError(f"tool {name!r}: parameters['required'] must be a list of argument names, got {required!r}")
 
 
 # --------------------------------------------------------------------------- registry

@@ -210,3 +210,32 @@ def test_registry_rejects_malformed_tools():
 
     with pytest.raises(ValueError, match="tool name 'has space'"):
         ToolRegistry([BadName()])
+
+
+@pytest.mark.parametrize("parameters, message", [
+    ({"type": "object", "properties": {"x": {"type": "float"}}},
+     "argument 'x' has type 'float'; a type is one of string, integer, number, boolean, array, object, null"),
+    ({"type": "object", "properties": {"x": {"type": ["integer", "int"]}}}, "argument 'x' has type"),
+    ({"type": "object", "properties": {"x": {"type": "string"}}, "required": "x"},
+     "parameters['required'] must be a list of argument names, got 'x'"),
+    ({"type": "object", "properties": {"x": "string"}}, "parameters['properties'] must map each argument"),
+])
+def test_registry_rejects_parameter_schemas_no_call_could_satisfy(parameters, message):
+    """A hand-written schema with a Python type name, or `required` as one string, was accepted;
+    then every call failed as the policy's bad arguments ('must be of type float, got float',
+    'missing required argument(s): x' for {"x": ...} read character by character)."""
+
+    class Hand:
+        name, description = "hand", "d"
+
+        def __init__(self, parameters):
+            self.parameters = parameters
+
+        def __call__(self, args):
+            return "ok"
+
+    with pytest.raises((TypeError, ValueError)) as info:
+        ToolRegistry([Hand(parameters)])
+    assert message in str(info.value)
+    ok = {"type": "object", "properties": {"x": {"type": ["number", "null"]}, "y": {}}, "required": ["x"]}
+    assert ToolRegistry([Hand(ok)]).get("hand")({"x": 1}) == "ok"
