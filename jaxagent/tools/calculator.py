@@ -167,8 +167,14 @@ class _Evaluator:
         raise CalculatorError(f"unsupported syntax: {type(node).__name__}")
 
     def _call(self, node: ast.Call, depth: int) -> Number:
-        if not isinstance(node.func, ast.Name):
-            raise CalculatorError(f"unsupported syntax: {type(node.func).__name__}")
+        func = node.func
+        if (isinstance(func, (ast.Constant, ast.BinOp, ast.UnaryOp, ast.Call))
+                or (isinstance(func, ast.Name) and func.id in CONSTANTS)):
+            # 2(3 + 4), (1 + 2)(3), pi(2): implicit multiplication, which the policy is told how to write.
+            raise CalculatorError("unsupported syntax: implicit multiplication (a number, constant or parenthesis "
+                                  "followed by '('); write * between them, as in 2 * (3 + 4)")
+        if not isinstance(func, ast.Name):
+            raise CalculatorError(f"unsupported syntax: {type(func).__name__}")
         name = node.func.id
         if name not in FUNCTIONS:
             raise CalculatorError(f"unsupported syntax: function {name!r} (available: {', '.join(FUNCTIONS)})")

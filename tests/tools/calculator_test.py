@@ -75,6 +75,11 @@ def test_hand_worked_results(expression, expected):
     ("'a' * 3", "unsupported syntax: Constant 'a'"),
     ("True + 1", "unsupported syntax: Constant True"),
     ("lambda: 1", "unsupported syntax: Lambda"),
+    # implicit multiplication was 'unsupported syntax: Constant' / 'BinOp' / "function 'pi'"
+    ("2(3 + 4)", "implicit multiplication (a number, constant or parenthesis followed by '('); write *"),
+    ("(1 + 2)(3)", "write * between them, as in 2 * (3 + 4)"),
+    ("pi(2)", "implicit multiplication"),
+    ("sqrt(4)(2)", "implicit multiplication"),
     ("sqrt(x=4)", "positional arguments only"),
     ("sqrt(1, 2)", "sqrt() takes 1 argument(s), got 2"),
     ("min(1)", "min() takes at least 2 argument(s)"),
