@@ -105,7 +105,9 @@ def snapshot() -> CompileCounts:
 def default_cache_dir() -> pathlib.Path:
   """`$JAXAGENT_COMPILE_CACHE`, else `~/.cache/jaxagent/xla`."""
   env = os.environ.get("JAXAGENT_COMPILE_CACHE")
-  return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "jaxagent" / "xla"
+  # (a ~ that no shell expanded, as in a quoted export or a container's env, named ./~/...)
+  return (pathlib.Path(env).expanduser() if env
+          else pathlib.Path.home() / ".cache" / "jaxagent" / "xla")
 
 
 def enable_persistent_cache(spec: str = "auto") -> pathlib.Path | None:

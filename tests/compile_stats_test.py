@@ -62,6 +62,23 @@ def test_persistent_cache_switch(tmp_path, monkeypatch):
     compilation_cache.reset_cache()
 
 
+def test_a_cache_directory_from_the_environment_expands_its_tilde(tmp_path, monkeypatch):
+  """JAXAGENT_COMPILE_CACHE='~/xla' (quoted in a shell, or set in a container's env, where no
+  shell expands it) made the cache ./~/xla under the current directory."""
+  old = jax.config.jax_compilation_cache_dir
+  try:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("JAXAGENT_COMPILE_CACHE", "~/xla")
+    monkeypatch.chdir(tmp_path)
+    assert compile_stats.default_cache_dir() == tmp_path / "home" / "xla"
+    assert compile_stats.enable_persistent_cache("on") == tmp_path / "home" / "xla"
+    assert (tmp_path / "home" / "xla").is_dir() and not (tmp_path / "~").exists()
+  finally:
+    jax.config.update("jax_compilation_cache_dir", old)
+    from jax.experimental.compilation_cache import compilation_cache
+    compilation_cache.reset_cache()
+
+
 def test_persistent_cache_hit_is_not_a_compile(tmp_path):
   """A program loaded from the persistent cache counts as a cache hit only (JAX times the load
   under the same event as a backend compile)."""
