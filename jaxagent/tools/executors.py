@@ -675,6 +675,7 @@ class ToolExecutor:
                 if job is None:
                     self._live -= 1
                     self._done_cv.notify_all()
+                    self._watch_cv.notify()  # after a shutdown, the last thread out lets the watchdog exit
                     return
             try:
                 if job.execution == "process":

@@ -508,3 +508,18 @@ def test_watchdog_exits_after_a_shutdown_that_stopped_a_call():
     executor.shutdown(wait=True, timeout_s=0.2)
     watchdog.join(5)
     assert not watchdog.is_alive()
+
+
+def test_watchdog_exits_after_a_shutdown_without_wait():
+    """After shutdown(wait=False) (the rollout driver's close) the watchdog slept until the
+    deadline of a call still running (here 60 s; up to an hour with an idle thread left): the
+    threads' exit did not wake it. `rollout()` makes and closes an executor per call, so each
+    call left a thread behind."""
+    executor = ToolExecutor(REGISTRY, max_workers=2)
+    running = executor.submit("nap", {"seconds": 0.3}, timeout_s=60)
+    time.sleep(0.1)
+    watchdog = executor._watchdog
+    executor.shutdown(wait=False)
+    assert running.result(timeout=5).ok  # a running thread call still finishes
+    watchdog.join(5)
+    assert not watchdog.is_alive()
