@@ -464,10 +464,16 @@ class ToolExecutor:
         job = _Job(tool_obj, tool_obj.name, checked, timeout, getattr(tool_obj, "execution", "thread"), future,
                    grace_s=grace)
         with self._lock:
-            self._pending.append(job)
-            self._spawn_threads_locked()
-            self._work_cv.notify()
+            # A shutdown from another thread may have begun since the check above: the job would
+            # then run after it, on a new thread, with no watchdog left to enforce its limit.
+            closed = self._shutdown
+            if not closed:
+                self._pending.append(job)
+                self._spawn_threads_locked()
+                self._work_cv.notify()
             failed = self._fail_if_saturated_locked()
+        if closed:
+            self._resolve_not_run([job], "the tool executor was shut down while the call was being submitted")
         self._resolve_saturated(failed)
         return future
 

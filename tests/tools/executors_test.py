@@ -523,3 +523,31 @@ def test_watchdog_exits_after_a_shutdown_without_wait():
     assert running.result(timeout=5).ok  # a running thread call still finishes
     watchdog.join(5)
     assert not watchdog.is_alive()
+
+
+def test_a_call_submitted_while_the_executor_shuts_down_is_not_run():
+    """submit checked for shutdown, then checked the arguments, then queued the call: a shutdown
+    from another thread in between let the call run after it, with no watchdog left to enforce
+    its limit (a hung tool's future never resolved)."""
+    executor = ToolExecutor(REGISTRY, max_workers=2)
+
+    class ShutsDownWhileChecked:
+        name, description = "racer", "Hangs."
+
+        @property
+        def parameters(self):  # read while submit checks the arguments: the shutdown lands there
+            executor.shutdown(wait=False)
+            time.sleep(0.1)  # the watchdog exits
+            return {"type": "object"}
+
+        def __call__(self, args):
+            RELEASE.wait(60)
+            return "late"
+
+    assert executor.run("nap", {"seconds": 0}).ok  # starts the watchdog
+    result = executor.submit(ShutsDownWhileChecked(), {}, timeout_s=0.2).result(timeout=5)
+    assert not result.ok and result.error == ("tool 'racer' was not run: the tool executor was shut down while "
+                                              "the call was being submitted")
+    assert executor.stats()["queued"] == 0
+    with pytest.raises(RuntimeError, match="after shutdown"):
+        executor.submit("nap", {"seconds": 0})
