@@ -405,6 +405,11 @@ def test_export_cli_names_a_missing_checkpoint_directory(tmp_path):
     # Read by the warm start, after the evals before training: it failed there, with a traceback.
     (["--config=configs/quickstart.py:tiny", "--config.sft.data=/no/such.jsonl", "--fit_check=off"],
      "bad config: sft.data='/no/such.jsonl' is not a file"),
+    # A --flagfile that does not exist: a traceback from the import of jaxagent.launch (the
+    # config flag's definition read sys.argv's flag files).
+    (["--flagfile=/no/such/flagfile"],
+     "FATAL Flags parsing error: ERROR:: Unable to open flagfile: [Errno 2] No such file or "
+     "directory: '/no/such/flagfile'"),
 ])
 def test_launch_names_a_bad_config_argument_without_a_traceback(tmp_path, args, expected):
   if args[0] == "--config=configs/quickstart.py:tiny":  # not runs/ in the checkout
