@@ -409,7 +409,12 @@ class ToolExecutor:
         self.max_stuck_threads = max_stuck_threads
         self.default_timeout_s = float(default_timeout_s)
         self.max_output_chars = max_output_chars
-        self._idle_exit_s = idle_thread_exit_s
+        idle_exit = _as_seconds(idle_thread_exit_s)
+        if idle_exit is None or idle_exit < 0:
+            # Read by each idle thread as it waits: a bad value killed the thread there, and the
+            # dead thread, still counted idle, left later calls queued forever.
+            raise ValueError(f"idle_thread_exit_s must be a number of seconds >= 0, got {idle_thread_exit_s!r}")
+        self._idle_exit_s = idle_exit
         self._processes = _ProcessPool(process_workers, process_startup_timeout_s)
 
         self._lock = threading.Lock()

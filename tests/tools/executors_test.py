@@ -551,3 +551,13 @@ def test_a_call_submitted_while_the_executor_shuts_down_is_not_run():
     assert executor.stats()["queued"] == 0
     with pytest.raises(RuntimeError, match="after shutdown"):
         executor.submit("nap", {"seconds": 0})
+
+
+@pytest.mark.parametrize("bad", [None, "soon", float("nan"), -1.0])
+def test_a_malformed_idle_thread_exit_is_refused_when_the_executor_is_built(bad):
+    """idle_thread_exit_s=None was taken, then killed the first thread to go idle (it is read as
+    the thread waits): the dead thread still counted as idle, so the next call queued forever."""
+    with pytest.raises(ValueError, match=f"idle_thread_exit_s must be a number of seconds >= 0, got {bad!r}"):
+        ToolExecutor(REGISTRY, idle_thread_exit_s=bad)
+    with ToolExecutor(REGISTRY, idle_thread_exit_s=0) as executor:  # idle threads leave at once
+        assert [executor.run("nap", {"seconds": 0}).ok for _ in range(3)] == [True] * 3
