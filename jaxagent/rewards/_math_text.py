@@ -124,17 +124,18 @@ _GROUP_TOKEN = re.compile(r"\\?[{}]|\\.|[(\[]|[)\]]", re.DOTALL)
 # which math-verify evaluates term by term: bounded by its number of terms (each of these ran to
 # the time limit; 5,000 terms of 1/k took 0.4 s, 10,000 2.3 s). Irrational terms cost more per
 # term (1,000 terms of \sqrt{k^3+1} took 5.5 s, 200 3.7 s, 100 0.8 s; 300 of \sin{k} 2.6 s):
-# a summand with a root, a function or a power of e or \pi (`_IRRATIONAL_TERM`, in the
-# `_SUMMAND_CHARS` after the upper bound, up to a "+", "-", "=" or "," outside its brackets) has
-# at most `_MAX_IRRATIONAL_TERMS`. A sum inside another's summand has the product of both counts
-# ("\sum_{i=1}^{300}\sum_{j=1}^{300} \frac{1}{i+j}" ran to the time limit). The lower bound's
-# group starts where `_SUM` ends; `_SUM_INDEX` reads it, `_SUM_UPPER` the upper bound after it.
+# a summand with a root, a function, a power of e or \pi or a fractional power (3,000 terms of
+# k^{\frac{1}{2}} ran to the limit) (`_IRRATIONAL_TERM`, in the `_SUMMAND_CHARS` after the upper
+# bound, up to a "+", "-", "=" or "," outside its brackets) has at most `_MAX_IRRATIONAL_TERMS`.
+# A sum inside another's summand has the product of both counts ("\sum_{i=1}^{300}\sum_{j=1}^{300}
+# \frac{1}{i+j}" ran to the time limit). The lower bound's group starts where `_SUM` ends;
+# `_SUM_INDEX` reads it, `_SUM_UPPER` the upper bound after it.
 _MAX_TERMS = 5000
 _MAX_IRRATIONAL_TERMS = 100
 _SUMMAND_CHARS = 200
 _IRRATIONAL_TERM = re.compile(
     r"\\(?:sqrt|exp|pi|ln|log|lg|(?:arc)?(?:sin|cos|tan|cot|sec|csc)h?)(?![A-Za-z])"
-    r"|(?<![A-Za-z\\])e\s*\^|\^\s*\{[^{}]*[./][^{}]*\}")
+    r"|(?<![A-Za-z\\])e\s*\^|\^\s*\{[^{}]*[./][^{}]*\}|\^\s*(?:\{[^{}]*)?\\[dt]?frac(?![A-Za-z])")
 _SUMMAND_END = re.compile(r"[-+=,;$()\[\]{}]")
 _SUM = re.compile(r"\\(?:sum|prod)(?![A-Za-z])\s*(?:\\limits(?![A-Za-z])\s*)?_\s*(?=\{)")
 _SUM_INDEX = re.compile(r"\s*[A-Za-z]\s*=(.*)", re.DOTALL)

@@ -1009,6 +1009,9 @@ def test_the_cost_guard_reads_the_gamma_function(text, costly):
     ("\\sum_{k=1}^{300} k e^{k}", True), ("\\sum_{k=1}^{300} \\exp(k)", True), ("\\sum_{k=1}^{100} \\sqrt{k^3+1}", False), ("\\sum_{k=1}^{200} \\sqrt{k^3+1}", True),
     ("\\sum_{k=1}^{1000} k + \\sqrt{2}", False), ("\\left(\\sum_{k=1}^{300} k\\right)\\sqrt{2}", False),
     ("\\sum_{k=1}^{300} k^2", False), ("\\sum_{k=1}^{n} \\sqrt{k}", False),
+    # A power written with \\frac (3,000 terms of k^{\\frac{1}{2}} ran to the time limit).
+    ("\\sum_{k=1}^{300} k^{\\frac{1}{2}}", True), ("\\sum_{k=1}^{300} k^\\frac12", True),
+    ("\\sum_{k=1}^{300} k^{-\\dfrac{3}{2}}", True), ("\\sum_{k=1}^{300} \\frac{k^2}{2}", False),
     # A sum in another's summand: the product of the counts (300 x 300 of 1/(i+j) ran to the limit).
     ("\\sum_{i=1}^{300}\\sum_{j=1}^{300} \\frac{1}{i+j}", True), ("\\sum_{i=1}^{3} \\sum_{j=1}^{300} ij", False),
     ("\\sum_{i=1}^{100} i + \\sum_{j=1}^{100} j", False), ("\\sum_{i=1}^{100} (i + \\sum_{j=1}^{100} j)", True),
