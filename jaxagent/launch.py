@@ -105,6 +105,14 @@ def check_workdir(workdir, write: bool = True) -> None:
   if not str(workdir).strip():
     raise ValueError(f"workdir={workdir!r} is empty: set --config.workdir to the directory the "
                      "run writes to (--config.workdir=. for the current directory)")
+  if "://" in str(workdir):
+    # The trainer writes the workdir through local file paths: gs://bucket/run became the
+    # relative directory ./gs:/bucket/run, and the metrics, samples and TensorBoard events of
+    # the run stayed there on process 0's disk, while the checkpoints went to the bucket.
+    raise ValueError(f"workdir={str(workdir)!r} is a URL, and the run writes its metrics, samples "
+                     "and TensorBoard events to a local (or mounted) directory: set "
+                     "--config.workdir to one, and --config.checkpoint_dir to the bucket folder "
+                     "for checkpoints (such as --config.checkpoint_dir=gs://BUCKET/RUN/checkpoints)")
   if not write:
     return
   path = pathlib.Path(str(workdir))

@@ -504,6 +504,18 @@ def test_an_empty_workdir_is_refused(tmp_path, monkeypatch, workdir):
     check_workdir(workdir, write=False)
 
 
+@pytest.mark.parametrize("write", [True, False])
+def test_a_bucket_workdir_is_refused_on_every_process(tmp_path, monkeypatch, write):
+  """--config.workdir=gs://bucket/run made the local directory ./gs:/bucket/run: the run's
+  metrics, samples and TensorBoard events stayed on process 0's disk under that name."""
+  from jaxagent.launch import check_workdir
+  monkeypatch.chdir(tmp_path)
+  with pytest.raises(ValueError, match=r"workdir='gs://bucket/run' is a URL, .* set "
+                     r"--config.workdir to one, and --config.checkpoint_dir to the bucket"):
+    check_workdir("gs://bucket/run", write=write)
+  assert list(tmp_path.iterdir()) == []
+
+
 def test_a_workdir_on_a_full_disk_is_refused(tmp_path, monkeypatch):
   """A full disk lets check_workdir create its file but not write it: the run started and
   failed at its first metrics line. /dev/full stands for the full disk (ENOSPC on write)."""
