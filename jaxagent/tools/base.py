@@ -23,6 +23,7 @@ import importlib
 import inspect
 import keyword
 import math
+import numbers
 import re
 import sys
 import types
@@ -135,8 +136,9 @@ def normalize_result(value: Any, *, tool_name: str, max_output_chars: int | None
             f"tool {tool_name!r} returned {type(value).__name__}; a tool must return str or ToolResult"
         )
     if max_output_chars is not None:
-        if max_output_chars < 1:
-            raise ValueError(f"max_output_chars must be >= 1 or None, got {max_output_chars}")
+        if (not isinstance(max_output_chars, numbers.Integral) or isinstance(max_output_chars, bool)
+                or max_output_chars < 1):
+            raise ValueError(f"max_output_chars must be an int >= 1 or None, got {max_output_chars!r}")
         output, cut_output = truncate_text(result.output, max_output_chars)
         error, cut_error = truncate_text(result.error, max_output_chars) if result.error else (result.error, False)
         if cut_output or cut_error:

@@ -38,6 +38,7 @@ import itertools
 import logging
 import multiprocessing
 import multiprocessing.connection
+import numbers
 import pickle
 import threading
 import time
@@ -398,8 +399,9 @@ class ToolExecutor:
                              f"{max_workers}, {process_workers}, {max_stuck_threads}")
         if not default_timeout_s > 0:
             raise ValueError(f"default_timeout_s must be positive, got {default_timeout_s}")
-        if max_output_chars is not None and max_output_chars < 1:
-            raise ValueError(f"max_output_chars must be >= 1 or None, got {max_output_chars}")
+        if max_output_chars is not None and (not isinstance(max_output_chars, numbers.Integral)
+                                             or isinstance(max_output_chars, bool) or max_output_chars < 1):
+            raise ValueError(f"max_output_chars must be an int >= 1 or None, got {max_output_chars!r}")
         self.shutdown_timeout_s = _shutdown_limit(shutdown_timeout_s, "shutdown_timeout_s")
         if registry is None or isinstance(registry, ToolRegistry):
             self.registry = registry

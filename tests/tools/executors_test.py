@@ -561,3 +561,13 @@ def test_a_malformed_idle_thread_exit_is_refused_when_the_executor_is_built(bad)
         ToolExecutor(REGISTRY, idle_thread_exit_s=bad)
     with ToolExecutor(REGISTRY, idle_thread_exit_s=0) as executor:  # idle threads leave at once
         assert [executor.run("nap", {"seconds": 0}).ok for _ in range(3)] == [True] * 3
+
+
+@pytest.mark.parametrize("bad", [1e4, 100.5, True, "512"])
+def test_a_max_output_chars_that_is_not_an_int_is_refused_when_the_executor_is_built(bad):
+    """max_output_chars=1e4 (a config's float) was taken; every output longer than the limit then
+    failed its call as "tool 'x' raised TypeError: slice indices must be integers", output lost."""
+    with pytest.raises(ValueError, match=f"max_output_chars must be an int >= 1 or None, got {bad!r}"):
+        ToolExecutor(REGISTRY, max_output_chars=bad)
+    with pytest.raises(ValueError, match="max_output_chars must be an int"):
+        invoke_tool(nap, {"seconds": 0}, max_output_chars=bad)
