@@ -451,6 +451,9 @@ class ToolExecutor:
             self._counts["submitted"] += 1
         resolved = self._resolve(tool, args)
         if isinstance(resolved, ToolResult):
+            # The message may quote the policy's call (an unknown name, a value outside an enum):
+            # capped like a tool's own output.
+            resolved = normalize_result(resolved, tool_name="", max_output_chars=self.max_output_chars)
             self._count_result(resolved)
             future.set_result(resolved)
             return future

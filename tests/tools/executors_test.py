@@ -6,6 +6,7 @@ import os
 import random
 import threading
 import time
+from typing import Literal
 
 import psutil
 import pytest
@@ -571,3 +572,23 @@ def test_a_max_output_chars_that_is_not_an_int_is_refused_when_the_executor_is_b
         ToolExecutor(REGISTRY, max_output_chars=bad)
     with pytest.raises(ValueError, match="max_output_chars must be an int"):
         invoke_tool(nap, {"seconds": 0}, max_output_chars=bad)
+
+
+def test_errors_about_the_call_itself_are_capped_like_output():
+    """A call refused before it runs (an unknown tool name, a value outside an enum) quoted the
+    policy's text whole in its error: a 100000-character name gave a 100038-character
+    observation, past max_output_chars."""
+
+    @function_tool
+    def pick(mode: Literal["a", "b"]) -> str:
+        """Pick a mode."""
+        return mode
+
+    with ToolExecutor([pick], max_output_chars=100) as executor:
+        for tool, args in [("p" * 100_000, {}), ("pick", {"mode": "z" * 100_000}), (pick, {"mode": "z" * 100_000})]:
+            result = executor.run(tool, args)
+            assert not result.ok and result.truncated and len(result.error) <= 100, len(result.error)
+            assert "truncated" in result.error
+        short = executor.run("pick", {"mode": "c"})
+        assert not short.truncated and short.error == "bad arguments for tool 'pick': argument 'mode' must be one of " \
+                                                      "['a', 'b'], got 'c'"
