@@ -179,7 +179,15 @@ class _ProcessWorker:
         self.proc.start()
         child_conn.close()
         self.stopped = False  # killed by the executor's shutdown during a call (`stop`)
-        if not self.conn.poll(startup_timeout_s) or self.conn.recv_bytes() != b"ready":
+        try:
+            started = self.conn.poll(startup_timeout_s) and self.conn.recv_bytes() == b"ready"
+        except (EOFError, OSError):  # it died before saying ready (an import failing in the fresh interpreter)
+            self.proc.join(timeout=1.0)
+            code = self.proc.exitcode
+            self.kill()
+            raise RuntimeError(f"tool worker process exited during its startup (exit code {code}); its "
+                               "stderr says why") from None
+        if not started:
             self.kill()
             raise RuntimeError(f"tool worker process did not start within {startup_timeout_s:g} s")
 

@@ -592,3 +592,34 @@ def test_errors_about_the_call_itself_are_capped_like_output():
         short = executor.run("pick", {"mode": "c"})
         assert not short.truncated and short.error == "bad arguments for tool 'pick': argument 'mode' must be one of " \
                                                       "['a', 'b'], got 'c'"
+
+
+def _exit_at_startup(conn):
+    os._exit(7)
+
+
+class _DyingAtStartupContext:
+    """A spawn context whose worker processes exit before they say they are ready."""
+
+    def __init__(self, ctx):
+        self._ctx = ctx
+        self.Pipe = ctx.Pipe
+
+    def Process(self, *, target, args, **kwargs):
+        return self._ctx.Process(target=_exit_at_startup, args=args, **kwargs)
+
+
+def test_a_worker_process_that_dies_at_startup_is_reported_with_its_exit_code():
+    """A worker that died before saying it was ready (an import failing in the fresh interpreter)
+    raised EOFError out of its startup, and the call's error ended in that exception's empty
+    message: "tool 'pid_in_process': no worker process available: "."""
+    executor = ToolExecutor(REGISTRY, process_workers=1, process_startup_timeout_s=30)
+    executor._processes._ctx = _DyingAtStartupContext(executor._processes._ctx)
+    try:
+        result = executor.run("pid_in_process", {}, timeout_s=30)
+        assert not result.ok and result.error == ("tool 'pid_in_process': no worker process available: tool worker "
+                                                  "process exited during its startup (exit code 7); its stderr says "
+                                                  "why")
+        assert executor.run("nap", {"seconds": 0}).ok
+    finally:
+        executor.shutdown(wait=False)
