@@ -180,7 +180,12 @@ def _check_value(name: str, value: Any, schema: Mapping[str, Any]) -> Any:
             got = (f"{value!r} (NaN and Infinity are not JSON numbers)"
                    if isinstance(value, float) and not math.isfinite(value) else type(value).__name__)
             raise ToolArgumentError(f"argument {name!r} must be of type {' or '.join(options)}, got {got}")
-    if "enum" in schema and value not in schema["enum"]:
+    if "enum" in schema:
+        # The member itself, matched as JSON compares: true is not 1 (Python's True == 1), and
+        # 2.0 for a member 2 gives the tool 2.
+        for member in schema["enum"]:
+            if member == value and isinstance(member, bool) == isinstance(value, bool):
+                return member
         raise ToolArgumentError(f"argument {name!r} must be one of {list(schema['enum'])}, got {value!r}")
     return value
 

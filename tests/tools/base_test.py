@@ -239,3 +239,18 @@ def test_registry_rejects_parameter_schemas_no_call_could_satisfy(parameters, me
     assert message in str(info.value)
     ok = {"type": "object", "properties": {"x": {"type": ["number", "null"]}, "y": {}}, "required": ["x"]}
     assert ToolRegistry([Hand(ok)]).get("hand")({"x": 1}) == "ok"
+
+
+def test_an_enum_argument_is_matched_as_json_compares_and_given_as_the_member():
+    """A Literal[1, 2, 3] argument took true (Python's True == 1) and passed the tool True, and
+    2.0 passed as the float 2.0, not as the member 2."""
+
+    @function_tool(description="Pick a level.")
+    def level(n: Literal[1, 2, 3], flag: Literal[True, "auto"] = "auto") -> str:
+        return f"{n!r}:{flag!r}"
+
+    assert level({"n": 2.0}) == "2:'auto'"
+    assert level({"n": 3, "flag": True}) == "3:True"
+    for args in ({"n": True}, {"n": 1, "flag": 1}, {"n": 2.5}):
+        result = level(args)
+        assert isinstance(result, ToolResult) and not result.ok and "must be one of" in result.error, args
