@@ -287,6 +287,8 @@ class Calculator:
             value = limits.get(key, 1)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"Calculator {key} must be a positive int, got {value!r}")
+        if not isinstance(limits.get("caret_is_power", True), bool):  # "false" would read as true
+            raise ValueError(f"Calculator caret_is_power must be True or False, got {limits['caret_is_power']!r}")
         max_digits = getattr(sys, "get_int_max_str_digits", lambda: 0)()  # 0: no limit
         printable_bits = int(max_digits / math.log10(2)) if max_digits else None
         if printable_bits is not None and limits.get("max_int_bits", MAX_INT_BITS) > printable_bits:

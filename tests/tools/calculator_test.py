@@ -197,3 +197,8 @@ def test_calculator_rejects_bad_limits_when_built():
     with pytest.raises(ValueError, match="max_int_bits must be at most"):
         Calculator(max_int_bits=100_000)  # its results could not be printed
     assert Calculator(max_int_bits=64)({"expression": "2 ** 100"}).error == "result too large (more than 64 bits)"
+    # caret_is_power was used as a truth value: "false" made ^ a power, None made it XOR.
+    for bad in ("false", None, 0):
+        with pytest.raises(ValueError, match=f"caret_is_power must be True or False, got {bad!r}"):
+            Calculator(caret_is_power=bad)
+    assert "operator BitXor" in Calculator(caret_is_power=False)({"expression": "2 ^ 3"}).error
