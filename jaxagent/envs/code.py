@@ -67,8 +67,12 @@ SYNTAX_KEY = "syntax_ok"
 # too deep for the parser (a few thousand unary minus signs: RecursionError, then MemoryError).
 _UNPARSABLE = (SyntaxError, ValueError, RecursionError, MemoryError)
 # An opening fence and its language (python, py, python3, py3 in any case are Python; a fence
-# without one may be; any other, e.g. the ```text of a printed output, is not).
-_FENCE_OPEN = re.compile(r"```[ \t]*([^\s`]*)[^\n`]*\n")
+# without one may be; any other, e.g. the ```text of a printed output, is not). It opens a line
+# (after indentation only), so ``` named in the prose ("in a ```python block:") opens nothing;
+# one after text on its line ("Here:```python") counts where no fence that opens a line holds
+# code (`_fenced_blocks`).
+_FENCE_OPEN = re.compile(r"^[ \t]*```[ \t]*([^\s`]*)[^\n`]*\n", re.M)
+_FENCE_OPEN_ANYWHERE = re.compile(r"```[ \t]*([^\s`]*)[^\n`]*\n")
 _PYTHON = re.compile(r"(?i:python|py)3?")
 # Closing fences past the first that `_fence_end` tries (each try parses the body once).
 _FENCE_TRIES = 16
@@ -108,9 +112,18 @@ def _fence_end(text: str, start: int) -> int:
 def _fenced_blocks(text: str) -> list[str]:
   """The bodies of the Python code fences of `text`: the untagged ones, then those tagged as
   Python, each in order. A fence in another language is skipped whole, so its closing fence
-  never opens a block; a Python one closes where `_fence_end` says."""
+  never opens a block; a Python one closes where `_fence_end` says. Fences open lines
+  (`_FENCE_OPEN`), unless none of those holds code: then any ``` may open one."""
+  blocks = _fence_bodies(text, _FENCE_OPEN)
+  if any(b.strip() and _parses(b) for b in blocks):
+    return blocks
+  return _fence_bodies(text, _FENCE_OPEN_ANYWHERE)
+
+
+def _fence_bodies(text: str, opening: re.Pattern) -> list[str]:
+  """`_fenced_blocks` with the fences that `opening` finds."""
   untagged, tagged, pos = [], [], 0
-  while (m := _FENCE_OPEN.search(text, pos)) is not None:
+  while (m := opening.search(text, pos)) is not None:
     lang = m.group(1)
     python = not lang or _PYTHON.fullmatch(lang)
     end = _fence_end(text, m.end()) if python else text.find("```", m.end())

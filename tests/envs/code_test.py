@@ -137,6 +137,22 @@ def test_a_fence_left_open_in_a_code_block_ends_with_the_block(env, response):
   assert (run.passed, run.total, parses) == (6, 6, True), run
 
 
+@pytest.mark.parametrize("response", [
+    # A ``` named in the prose opened a block: its body ran to the real opening fence, and the
+    # solution was read as "" (no code, 0) or skipped as a fence of another language.
+    f"Here it is in a ```python block:\n```python\n{_ADD}```",
+    f"Use ```python fences:\n\n```python\n{_ADD}```\nDone.",
+    f"Wrap code in ``` fences.\n```python\n{_ADD}```\nDone.",
+    # A fence opened after text on its line still opens one where no other holds code.
+    f"Here:```python\n{_ADD}```",
+    f"Here:```python\n{_ADD}```\nOutput:\n```\n5\n```\n",
+])
+def test_a_fence_named_in_the_prose_opens_no_block(env, response):
+  assert extract_code(response) == _ADD
+  run, parses = env.score("HumanEval/53", response)
+  assert (run.passed, run.total, parses) == (6, 6, True), run
+
+
 def test_extract_code_is_linear_in_unclosed_tags():
   import time
   t = time.perf_counter()
