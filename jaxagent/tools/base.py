@@ -298,6 +298,11 @@ class FunctionTool:
             target = getattr(target, part, None)
         if target is self:
             return _load_attribute, (self.fn.__module__, self.fn.__qualname__)
+        if isinstance(target, FunctionTool) and target.fn is self.fn:
+            # A variant of a decorated tool (`dataclasses.replace(tool, timeout_s=...)`,
+            # `function_tool(tool.fn, name=...)`): its function is reachable only through that tool.
+            fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "fn"}
+            return _load_variant, (self.fn.__module__, self.fn.__qualname__, fields)
         return FunctionTool, tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
@@ -306,6 +311,10 @@ def _load_attribute(module: str, qualname: str) -> Any:
     for part in qualname.split("."):
         target = getattr(target, part)
     return target
+
+
+def _load_variant(module: str, qualname: str, fields: dict[str, Any]) -> FunctionTool:
+    return FunctionTool(fn=_load_attribute(module, qualname).fn, **fields)
 
 
 def function_tool(

@@ -1,6 +1,8 @@
 """Tests for jaxagent/tools/base.py: ToolResult, argument checking, function tools, the registry."""
 
+import dataclasses
 import json
+import pickle
 from typing import Literal
 
 import pytest
@@ -254,3 +256,15 @@ def test_an_enum_argument_is_matched_as_json_compares_and_given_as_the_member():
     for args in ({"n": True}, {"n": 1, "flag": 1}, {"n": 2.5}):
         result = level(args)
         assert isinstance(result, ToolResult) and not result.ok and "must be one of" in result.error, args
+
+
+def test_variants_of_a_decorated_tool_pickle_for_worker_processes():
+    """A decorated tool pickles by name; a variant of it (another timeout or name) pickled its
+    function by reference, found the decorated tool under that name instead, and failed, so the
+    variant could not run with execution="process" ("it's not the same object as ...lookup")."""
+    assert pickle.loads(pickle.dumps(lookup)) is lookup
+    for variant in (dataclasses.replace(lookup, timeout_s=3.0, execution="process"),
+                    function_tool(lookup.fn, name="lookup2", description="Another name.")):
+        copy = pickle.loads(pickle.dumps(variant))
+        assert copy == variant and copy.fn is lookup.fn
+        assert copy({"city": "Oslo"}) == "Oslo:1:C:None"
