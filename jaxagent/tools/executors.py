@@ -467,7 +467,9 @@ class ToolExecutor:
             return future
         tool_obj, checked = resolved
         timeout_attr = timeout_s or getattr(tool_obj, "timeout_s", None) or self.default_timeout_s
-        grace_attr = (getattr(tool_obj, "timeout_grace_s", None) or 5.0) if _takes_timeout(tool_obj) else 0.0
+        grace_attr = getattr(tool_obj, "timeout_grace_s", None) if _takes_timeout(tool_obj) else 0.0
+        if grace_attr is None:  # unset; a grace of 0 is a grace of 0
+            grace_attr = 5.0
         # Read here, where a bad value fails this call: read by the worker thread, it killed the
         # thread and left the call's future pending forever (and a thread counted that was gone).
         timeout, grace = _as_seconds(timeout_attr), _as_seconds(grace_attr)

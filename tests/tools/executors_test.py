@@ -623,3 +623,19 @@ def test_a_worker_process_that_dies_at_startup_is_reported_with_its_exit_code():
         assert executor.run("nap", {"seconds": 0}).ok
     finally:
         executor.shutdown(wait=False)
+
+
+def test_a_grace_of_zero_abandons_a_limit_taking_tool_at_its_limit():
+    """timeout_grace_s = 0 was read as unset (`or 5.0`): a limit-taking tool that overran was
+    abandoned 5 s past its limit instead of at it."""
+
+    class Overruns(_LimitTakingTool):
+        def __call__(self, args, timeout_s=None):
+            RELEASE.wait(60)  # ignores the limit it was given
+            return "late"
+
+    with ToolExecutor(REGISTRY, max_workers=1) as executor:
+        start = time.monotonic()
+        result = executor.submit(Overruns(grace=0.0), {}, timeout_s=0.2).result(timeout=10)
+        assert result.timed_out and time.monotonic() - start < 3.0
+        RELEASE.set()
