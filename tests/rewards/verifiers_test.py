@@ -236,6 +236,8 @@ def test_extract_gsm8k():
   assert extract_gsm8k("#### 1\nwait\n####  1,000 \n") == "1,000"
   assert extract_gsm8k("#### \n") is None
   assert extract_gsm8k("42") is None
+  assert extract_gsm8k("#####5") == "5"
+  assert extract_gsm8k("The answer:\n##### -3") == "-3"
 
 
 def test_extract_answer_priority():
