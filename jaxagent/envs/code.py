@@ -17,7 +17,9 @@ which only ever calls its entry point; the tests run here, in a fresh namespace 
 module, where `candidate` forwards each call's arguments to the sandbox and returns the result
 decoded as plain data (None, bool, int, float, str, bytes, complex and lists, tuples, sets and
 dicts of them). A result that is anything else, a call that raises, and an interpreter that
-crashes fail the test (a `SystemExit` inside a call too, whatever its code); nothing the solution
+crashes fail the test (a `SystemExit` inside a call too, whatever its code), except that a
+built-in exception the solution raises is raised in the check as that class, so a check that
+expects it (`except ValueError: pass`) passes; nothing the solution
 does reaches the count, so it cannot print, patch, compare or exit its way to a score. A
 `SystemExit` raised while the solution loads (an unguarded `sys.exit()` at module level, after
 the function) ends the solution's module, as it ends a script, not its test run: the entry point
@@ -37,6 +39,7 @@ demonstrations (the entry point's signature plus the reference body).
 from __future__ import annotations
 
 import ast
+import builtins
 import collections
 import dataclasses
 import functools
@@ -453,8 +456,31 @@ _SOLUTION_SIDE = "\n\n".join(
 
 
 class _CandidateFailed(BaseException):
-  """A call of the solution that gave no plain result (it raised, crashed, hung or returned
-  something else); a BaseException so that no `except Exception` in a check swallows it."""
+  """A call of the solution that gave no plain result (it crashed, hung, returned something
+  else or raised an exception of its own class); a BaseException so that no `except Exception`
+  in a check swallows it."""
+
+
+class _SolutionRaised(Exception):
+  """Base of the exceptions a call of the solution raises in the check when the solution raised
+  a built-in exception: each is also that built-in class, so a check that expects it
+  (`except ValueError`) catches it, as it would the solution's own."""
+
+
+@functools.lru_cache(maxsize=None)
+def _raised_class(name: str) -> type[_SolutionRaised] | None:
+  """The check side's class for a built-in exception class named `name` (the sandbox's reply,
+  trusted for nothing but the name), or None when no built-in `Exception` has that name."""
+  cls = vars(builtins).get(name)
+  if not (isinstance(cls, type) and issubclass(cls, Exception)):
+    return None
+  try:  # a class made with one message (not, say, UnicodeDecodeError's five arguments)
+    bases = (_SolutionRaised,) if cls is Exception else (cls, _SolutionRaised)
+    raised = type(name, bases, {"__module__": "builtins"})
+    raised("a message")
+  except Exception:  # noqa: BLE001
+    return None
+  return raised
 
 
 class _Candidate:
@@ -520,7 +546,9 @@ class _Candidate:
       raise _CandidateFailed(f"an argument is not a plain value: {e}") from None
     reply = self._ask(f"_solution_call({wire!r})")
     if "value" not in reply:
-      raise _CandidateFailed(f"the solution raised {str(reply.get('error'))[:100]}")
+      name = str(reply.get("error"))[:100]
+      raised = _raised_class(name)
+      raise (raised or _CandidateFailed)(f"the solution raised {name}")
     try:
       return _from_wire(reply["value"])
     except (TypeError, ValueError, RecursionError) as e:
@@ -620,8 +648,8 @@ def _run_plan(candidate: _Candidate, plan: TestPlan, entry_point: str, start: fl
         raise _CandidateFailed("out of time")
       exec(_compile(source, "<check>"), namespace)  # noqa: S102
       ok = True
-    except _CandidateFailed as e:
-      why = (str(e).splitlines() or ["no reply"])[0][:200]
+    except (_CandidateFailed, _SolutionRaised) as e:
+      why = (str(e.args[0] if e.args else e).splitlines() or ["no reply"])[0][:200]
     except AssertionError:
       why = "wrong result"
     except Exception as e:  # noqa: BLE001

@@ -319,6 +319,32 @@ def test_run_tests_records_why_the_first_test_failed(solution, passed, error):
   assert run.error == error if error is None else run.error.startswith(error), run
 
 
+_RAISES_CHECK = ("def check(candidate):\n    assert candidate(2) == 2\n    try:\n"
+                 "        candidate(-1)\n        assert False, 'should raise'\n"
+                 "    except ValueError:\n        pass\n    try:\n        candidate(-2)\n"
+                 "    except Exception as e:\n        assert type(e).__name__ == 'ValueError'\n"
+                 "    else:\n        assert False, 'should raise'\n")
+
+
+@pytest.mark.parametrize("body,passed,error", [
+    ("    if x < 0:\n        raise ValueError(x)\n    return x\n", 3, None),
+    # Another built-in class is not the one the check expects: raised on, it fails the test.
+    ("    if x < 0:\n        raise KeyError(x)\n    return x\n", 1,
+     "test 2 of 3 failed: the solution raised KeyError"),
+    ("    return x\n", 1, "test 2 of 3 failed: wrong result"),
+    # A class of the solution's own is no class the check can name: the test fails.
+    ("    class Bad(ValueError):\n        pass\n    if x < 0:\n        raise Bad(x)\n"
+     "    return x\n", 1, "test 2 of 3 failed: the solution raised Bad"),
+    # A SystemExit is no exception a check catches.
+    ("    if x < 0:\n        raise SystemExit(0)\n    return x\n", 1,
+     "test 2 of 3 failed: the solution raised SystemExit"),
+])
+def test_a_check_that_expects_the_solution_to_raise(body, passed, error):
+  stub = "def f(x):\n    \"\"\"x, or an error for a negative x.\"\"\"\n"
+  run = run_tests(assemble_program(stub, "f", body), "f", plan_tests(_RAISES_CHECK))
+  assert (run.passed, run.total, run.error) == (passed, 3, error), run
+
+
 # Each of these passes no test on its own (they all return garbage); each used to reach the
 # harness that counted the tests, or the values the tests compare, from inside the solution.
 _FORGERIES = {
