@@ -485,8 +485,9 @@ class Learner:
       bad = [k for k, v in metrics.items() if not np.isfinite(v)]
       hint = ("Lower the learning rate, check the batch, or set nonfinite='skip'."
               if bad != ["update_norm"] else
-              "The loss and gradients are finite but the optimizer's update is not: Adam "
-              "with eps=0 divides by zero where a gradient is exactly 0; use eps > 0.")
+              "The loss and gradients are finite but the optimizer's update (or its norm, in "
+              "float32) is not: a learning rate far too large, or Adam with eps=0 dividing by "
+              "zero where a gradient is exactly 0 (use eps > 0).")
       err = FloatingPointError(
           f"non-finite values at train step {step}: {bad or ['grad_norm']}; params were not "
           f"updated (the state passed in was donated to the step: the error's `state` holds "

@@ -334,6 +334,10 @@ def test_a_non_finite_update_alone_is_named_with_its_likely_cause(monkeypatch):
   learner = step.Learner(CFG, step.StepConfig(), step.make_optimizer(1e-2, eps=0.0))
   with pytest.raises(FloatingPointError, match=r"step 0: \['update_norm'\].*use eps > 0"):
     learner.train_step(learner.init({"w": jnp.ones(3)}), {})
+  # With eps > 0 the cause is the size of the update: the hint names the learning rate first.
+  learner = step.Learner(CFG, step.StepConfig(), step.make_optimizer(1e30))
+  with pytest.raises(FloatingPointError, match=r"\['update_norm'\].*learning rate far too large"):
+    learner.train_step(learner.init({"w": jnp.ones(3)}), {})
 
 
 def test_a_skipped_update_leaves_the_schedule_where_it_was(params):
