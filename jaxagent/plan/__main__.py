@@ -7,7 +7,6 @@ does not fit, when a program it uses fails to compile, or on bad input (an unkno
 mesh that does not divide the devices, a misspelt config key: one line saying which).
 `--json=PATH` also writes the report as JSON.
 """
-import functools
 import json
 import logging
 import os
@@ -19,7 +18,12 @@ from ml_collections import config_flags
 
 from jaxagent import config_files
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (`path.py[:variant]`).")
+# The config flag reads its overrides from `_ARGV`, which `_parse_flags` fills, not from
+# sys.argv: at its definition it read sys.argv's --flagfile, and one that did not exist was a
+# traceback from this module's import.
+_ARGV: list[str] = []
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (`path.py[:variant]`).",
+                                          sys_argv=_ARGV)
 _TOPOLOGY = flags.DEFINE_string(
     "topology", "local", "TPU topology ('v5e:4x4', 'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1', "
     "'tpu7x:2x2x1', ...), a Cloud TPU accelerator type ('v5litepod-16', 'v5p-8', 'v6e-8', 'v4-8') "
@@ -87,6 +91,10 @@ def main(argv):
     sys.exit(1)
 
 
+def _parse_flags(argv: list[str]) -> list[str]:
+  _ARGV[:] = argv
+  return config_files.parse_config_flags(argv, _CONFIG)
+
+
 if __name__ == "__main__":
-  app.run(main, flags_parser=functools.partial(config_files.parse_config_flags,
-                                                    config_flag=_CONFIG))
+  app.run(main, flags_parser=_parse_flags)

@@ -54,6 +54,9 @@ def test_names_are_imported_on_first_use():
     (["--rows=0"], "bad plan input: PlanOptions.rows must be None or a positive int, got 0"),
     (["--config.model.path=no-such-model"], "bad plan input: model.path 'no-such-model'"),
     (["--config.model.path="], "bad plan input: the config names no model: set model.path"),
+    # A --flagfile that does not exist was a traceback from the import of jaxagent.plan's main.
+    (["--flagfile=/no/such/flagfile"], "FATAL Flags parsing error: ERROR:: Unable to open "
+     "flagfile: [Errno 2] No such file or directory: '/no/such/flagfile'"),
     pytest.param(["--topology=v9:2x2"], "bad plan input: libtpu does not know the topology 'v9:2x2'",
                  marks=_NEEDS_LIBTPU),
     pytest.param(["--topology=v5e:2x2", "--config.mesh.data=3", "--config.mesh.fsdp=1"],
