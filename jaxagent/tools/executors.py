@@ -444,6 +444,7 @@ class ToolExecutor:
         self._resolving = 0        # watchdog batches being resolved outside the lock
         self._watchdog: threading.Thread | None = None
         self._counts = collections.Counter(submitted=0, ok=0, failed=0, timed_out=0)
+        self._thread_role = threading.local()  # "worker" / "watchdog" on this executor's own threads
 
     # ----------------------------------------------------------------- public API
 
@@ -553,8 +554,12 @@ class ToolExecutor:
         """`shutdown(wait=True)`'s wait: until no thread runs a call, or `limit` seconds; then the
         calls still running are abandoned and resolved as stopped, the queued ones as not run."""
         end = time.monotonic() + limit
+        # Called from a done-callback, on one of this executor's threads: that thread cannot end
+        # while it waits, so it is not waited for (it waited out the whole limit for itself).
+        role = getattr(self._thread_role, "role", None)
+        own_live, own_resolving = int(role == "worker"), int(role == "watchdog")
         with self._lock:
-            while self._live > 0 or self._resolving:
+            while self._live > own_live or self._resolving > own_resolving:
                 remaining = end - time.monotonic()
                 if remaining <= 0:
                     break
@@ -693,6 +698,7 @@ class ToolExecutor:
             self._arm_deadline_locked(job, 5.0)
 
     def _worker_loop(self) -> None:
+        self._thread_role.role = "worker"
         with self._lock:
             self._starting -= 1
         while True:
@@ -733,6 +739,7 @@ class ToolExecutor:
                 self._live += 1
 
     def _watchdog_loop(self) -> None:
+        self._thread_role.role = "watchdog"
         while True:
             expired: list[_Job] = []
             with self._lock:

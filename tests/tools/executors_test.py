@@ -639,3 +639,25 @@ def test_a_grace_of_zero_abandons_a_limit_taking_tool_at_its_limit():
         result = executor.submit(Overruns(grace=0.0), {}, timeout_s=0.2).result(timeout=10)
         assert result.timed_out and time.monotonic() - start < 3.0
         RELEASE.set()
+
+
+@pytest.mark.parametrize("tool, args, limit", [("nap", {"seconds": 0.1}, 5.0), ("hang", {}, 0.2)])
+def test_shutdown_with_wait_from_a_done_callback_does_not_wait_for_its_own_thread(tool, args, limit):
+    """A done-callback runs on the executor's thread (a worker's, or the watchdog's for a timeout);
+    shutdown(wait=True) there waited for that thread to end, which it could not while waiting:
+    the whole shutdown limit (120 s by default, 3 s here)."""
+    executor = ToolExecutor(REGISTRY, max_workers=2, shutdown_timeout_s=3)
+    took = []
+
+    def close(future):
+        start = time.monotonic()
+        executor.shutdown(wait=True)
+        took.append(time.monotonic() - start)
+
+    future = executor.submit(tool, args, timeout_s=limit)
+    future.add_done_callback(close)  # before the call ends: run by the thread that resolves it
+    deadline = time.monotonic() + 10
+    while not took and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert took and took[0] < 1.5, took
+    assert future.result(timeout=0).ok == (tool == "nap")
