@@ -217,6 +217,13 @@ class _ProcessWorker:
             return ToolResult.failure(f"tool {name!r} crashed its worker process (exit code {code}): {e!r}",
                                       duration_s=time.monotonic() - start), False
 
+    def died_while_idle(self) -> bool:
+        """An idle worker sends nothing: anything to read (end of file) means it has ended."""
+        try:
+            return self.proc.exitcode is not None or self.conn.poll(0)
+        except (OSError, ValueError):
+            return True
+
     def stop(self) -> None:
         """SIGKILLs the worker and anything it started, from another thread than the one in
         `run`, touching no pipe: that thread sees the worker end and reports the call stopped."""
@@ -294,6 +301,14 @@ class _ProcessPool:
                     raise _Refused(self._refusal)
                 if self._idle:
                     worker = self._idle.pop()
+                    if worker.died_while_idle():
+                        # The OOM killer, a signal, a thread a tool left behind: replaced, instead
+                        # of failing this call as a crash of its tool.
+                        log.warning("tool worker process %s died while idle (exit code %s); starting another",
+                                    worker.proc.pid, worker.proc.exitcode)
+                        worker.conn.close()
+                        self._count -= 1
+                        continue
                     self._busy.add(worker)
                     return worker
                 if self._count < self._size:

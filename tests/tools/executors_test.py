@@ -661,3 +661,18 @@ def test_shutdown_with_wait_from_a_done_callback_does_not_wait_for_its_own_threa
         time.sleep(0.01)
     assert took and took[0] < 1.5, took
     assert future.result(timeout=0).ok == (tool == "nap")
+
+
+def test_a_worker_process_that_died_while_idle_is_replaced_not_blamed_on_the_next_call():
+    """An idle worker killed from outside (the OOM killer, say) was handed the next call, which
+    failed as "tool 'pid_in_process' crashed its worker process (exit code -9)"."""
+    with ToolExecutor(REGISTRY, process_workers=1) as executor:
+        first = executor.run("pid_in_process", {}, timeout_s=30)
+        assert first.ok
+        worker = psutil.Process(int(first.output))
+        worker.kill()
+        deadline = time.monotonic() + 5
+        while worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:  # dead, not reaped
+            time.sleep(0.01)
+        second = executor.run("pid_in_process", {}, timeout_s=30)
+        assert second.ok and second.output != first.output, second
