@@ -277,7 +277,6 @@ def main(argv):
     raise SystemExit(f"bad launch: {e}") from None
   import jax
   from jaxagent import compile_stats, plan
-  from jaxagent.checkpoint import CheckpointError
   from jaxagent.trainer import Trainer, check_config
   config = _CONFIG.value
   for key in ("workdir", "checkpoint_dir"):
@@ -318,10 +317,21 @@ def main(argv):
   if early_stop(trainer):
     trainer.close()
     return
+  run_trainer(trainer)
+
+
+def run_trainer(trainer) -> None:
+  """`trainer.run()`, then `trainer.close()`. An error whose message says what happened and
+  what was kept is one line and exit status 1, not a traceback: unusable checkpoints or
+  diverged params (`CheckpointError`), non-finite values in a step's update or the sampler's
+  logits (`FloatingPointError`; the checkpoints written are unchanged)."""
+  from jaxagent.checkpoint import CheckpointError
   try:
     trainer.run()
   except CheckpointError as e:  # unusable checkpoints or diverged params; nothing was lost
     raise SystemExit(f"checkpoint error: {e}") from None
+  except FloatingPointError as e:
+    raise SystemExit(f"training stopped: {e}") from None
   finally:
     trainer.close()
 

@@ -676,3 +676,29 @@ def test_sigterm_before_training_begins_exits_zero_with_checkpointing_on(tmp_pat
   assert proc.returncode == 0, out[-2000:]
   assert "received SIGTERM before training began: nothing to save" in out, out[-2000:]
   assert "sft step" not in out and not list((workdir / "checkpoints").glob("[0-9]*"))
+
+
+@pytest.mark.parametrize("error, expected", [
+    (FloatingPointError("SFT warm-start step 1 of 2: non-finite values at train step 0"),
+     "training stopped: SFT warm-start step 1 of 2: non-finite values at train step 0"),
+    ("checkpoint", "checkpoint error: diverged"),
+])
+def test_an_error_the_run_names_is_one_line_and_the_trainer_is_closed(error, expected):
+  # A non-finite update (say, a learning rate far too large) reached the user as a traceback.
+  from jaxagent import launch
+  from jaxagent.checkpoint import CheckpointError
+  if error == "checkpoint":
+    error = CheckpointError("diverged")
+  closed = []
+
+  class _Trainer:
+    def run(self):
+      raise error
+
+    def close(self):
+      closed.append(True)
+
+  with pytest.raises(SystemExit) as info:
+    launch.run_trainer(_Trainer())
+  assert str(info.value.code) == expected and closed == [True]
+  assert info.value.__cause__ is None and info.value.__suppress_context__
