@@ -167,6 +167,22 @@ def test_one_pass_logsumexp_equals_two_pass():
   assert bool(jnp.isfinite(got).all())
 
 
+def test_large_vocabulary_logprobs_match_float64():
+  # 131072 logits of spread 3, where CPUs ran the one-pass reduction as a sequential float32
+  # loop: its sum dropped the small terms, and the log-probs came out 2e-4 too high.
+  cfg = models.get_config("tiny-llama", vocab_size=131072, tie_embeddings=True)
+  rng = np.random.default_rng(0)
+  w = rng.normal(0, 3 / np.sqrt(cfg.d_model), (cfg.vocab_size, cfg.d_model)).astype(np.float32)
+  h = rng.normal(size=(2, 3, cfg.d_model)).astype(np.float32)
+  targets = rng.integers(0, cfg.vocab_size, (2, 3))
+  lp = logprobs.token_logprobs({"embed": w}, h, targets, cfg=cfg)
+  z = np.asarray(h, np.float64) @ np.asarray(w, np.float64).T
+  top = z.max(-1, keepdims=True)
+  want = np.take_along_axis(z, np.asarray(targets)[..., None], -1)[..., 0] - (
+      top[..., 0] + np.log(np.exp(z - top).sum(-1)))
+  np.testing.assert_allclose(lp, want, rtol=0, atol=2e-5)
+
+
 # ----------------------------------------------------------------- fused kernels (vocab_kernels)
 @pytest.mark.parametrize("preset,tied,temperature", [
     ("tiny-qwen3", None, 0.7), ("tiny-llama", False, 1.0),
