@@ -48,6 +48,7 @@ from jaxagent.rewards.verifiers import (
     extract_tagged,
     f1_score,
     normalize_answer,
+    numeric_match,
     substring_exact_match,
     unit_test_reward,
 )
@@ -60,5 +61,5 @@ __all__ = [
     "FormatCheck", "FormatConfig", "LinearLengthConfig", "OverlongConfig", "ToolShapingConfig",
     "check_format", "format_reward", "linear_length_penalty", "overlong_penalty", "tool_use_reward",
     "exact_match", "extract_answer", "extract_boxed", "extract_gsm8k", "extract_tagged", "f1_score",
-    "normalize_answer", "substring_exact_match", "unit_test_reward",
+    "normalize_answer", "numeric_match", "substring_exact_match", "unit_test_reward",
 ]

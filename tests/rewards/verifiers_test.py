@@ -422,3 +422,12 @@ def test_numeric_match_huge_exponents_score_zero(prediction):
   for gold in ("0.5", "5", "123.25"):
     assert verifiers.numeric_match(prediction, gold) == 0.0
   assert verifiers.numeric_match(prediction, ["0.5", prediction]) == 1.0  # and its own value matches
+
+
+def test_package_exports_every_verifier():
+  # `from jaxagent.rewards import numeric_match` failed while the other verifiers imported.
+  import jaxagent.rewards as rewards
+  missing = [n for n in verifiers.__all__ if n not in rewards.__all__]
+  assert not missing, f"jaxagent.rewards does not export {missing}"
+  assert all(getattr(rewards, n) is getattr(verifiers, n) for n in verifiers.__all__)
+  assert rewards.numeric_match("1,000", "1000") == 1.0
