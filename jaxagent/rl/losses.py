@@ -274,6 +274,11 @@ def policy_loss_parts(
         makes the per-segment terms (GSPO, the seq_* aggregations) NaN, so pass a smaller value
         only when the packer guarantees it.
     """
+    if not isinstance(cfg, LossConfig):
+        # A dict failed on its first attribute, and a run's `config.loss` section went through
+        # unvalidated: a misspelt algo was computed as gspo_token.
+        raise TypeError(f"cfg must be a LossConfig, got {type(cfg).__name__}: build one from a config "
+                        "section with LossConfig(**section), which checks its fields")
     if cfg.kl_coef > 0 and ref_logps is None:
         raise ValueError(f"LossConfig.kl_coef={cfg.kl_coef} > 0 needs ref_logps; pass the reference policy's log-probs")
     if cfg.entropy_coef > 0 and entropies is None:

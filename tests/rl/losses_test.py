@@ -569,6 +569,18 @@ def test_missing_ref_or_entropies_is_a_clear_error():
     assert hash(LossConfig()) == hash(LossConfig())  # usable as a static jit argument
 
 
+def test_config_that_is_not_a_loss_config_is_a_clear_error():
+    # A run's `config.loss` section went through unvalidated: "gpso" was computed as gspo_token.
+    import ml_collections
+    z = jnp.zeros((1, 4))
+    seg = jnp.ones((1, 4), jnp.int32)
+    section = ml_collections.ConfigDict(dataclasses.asdict(LossConfig()))
+    section.algo = "gpso"
+    for cfg in (section, {"algo": "grpo"}):
+        with pytest.raises(TypeError, match=rf"cfg must be a LossConfig, got {type(cfg).__name__}: .*LossConfig\(\*\*section\)"):
+            policy_loss(z, z, z, z, seg, cfg)
+
+
 def test_non_2d_logps_is_a_clear_error():
     z = jnp.zeros(4)
     with pytest.raises(ValueError, match=r"logps has shape \(4,\); expected \[B, L\]"):
