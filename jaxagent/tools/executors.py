@@ -11,9 +11,11 @@ Two execution paths, chosen per tool by its optional `execution` attribute:
 * `"thread"` (default): the tool runs on a host thread. Python cannot kill a thread, so a call
   that overruns its timeout is *abandoned*: a watchdog resolves its future at the deadline with a
   timeout result, the stuck thread is left to finish (its late result is discarded), and a
-  replacement thread keeps the pool at `max_workers` live threads. At most `max_stuck_threads`
-  abandoned threads exist at once; past that, calls that cannot get a thread fail fast with an
-  "executor saturated" error instead of waiting forever. Threads are daemons, so stuck ones do
+  replacement thread keeps the pool at `max_workers` live threads while live and abandoned
+  threads together number at most `max_workers + max_stuck_threads`. Past that no thread is
+  started (a call that times out leaves its pool one thread smaller), and when abandoned threads
+  hold every place, calls fail fast with an "executor saturated" error instead of waiting
+  forever. Threads are daemons, so stuck ones do
   not block interpreter exit. Use this path for I/O-bound tools (search, sandboxed interpreters
   whose work happens in a child process).
 * `"process"`: the tool and its arguments are pickled to a long-lived worker process (spawn
@@ -393,8 +395,10 @@ class ToolExecutor:
       registry: tools callable by name (a `ToolRegistry` or an iterable of tools); tools can also
         be passed to `submit` directly.
       max_workers: live threads running calls at once (abandoned threads do not count).
-      max_stuck_threads: abandoned (timed-out, still running) threads tolerated before calls that
-        cannot get a thread fail fast.
+      max_stuck_threads: abandoned (timed-out, still running) threads tolerated beyond
+        `max_workers`: live and abandoned threads together are at most `max_workers +
+        max_stuck_threads` (so up to that many abandoned when none is live); calls that cannot
+        get a thread then fail fast.
       default_timeout_s: per-call timeout when neither `submit` nor the tool's `timeout_s` sets one.
         The clock starts when the call starts running, not when it is queued.
       max_output_chars: tool output longer than this is truncated (`ToolResult.truncated`).
@@ -440,7 +444,12 @@ class ToolExecutor:
             # dead thread, still counted idle, left later calls queued forever.
             raise ValueError(f"idle_thread_exit_s must be a number of seconds >= 0, got {idle_thread_exit_s!r}")
         self._idle_exit_s = idle_exit
-        self._processes = _ProcessPool(process_workers, process_startup_timeout_s)
+        startup = _as_seconds(process_startup_timeout_s)
+        if startup is None or not 0 < startup < float("inf"):
+            # Read when a worker process starts: None made one that never starts block forever.
+            raise ValueError("process_startup_timeout_s must be a positive finite number of seconds, "
+                             f"got {process_startup_timeout_s!r}")
+        self._processes = _ProcessPool(process_workers, startup)
 
         self._lock = threading.Lock()
         self._work_cv = threading.Condition(self._lock)   # idle workers wait here

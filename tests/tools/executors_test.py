@@ -4,6 +4,7 @@ wait on stuck threads, 256 chaotic concurrent calls finish without deadlock, the
 import concurrent.futures
 import os
 import random
+import re
 import threading
 import time
 from typing import Literal
@@ -554,6 +555,15 @@ def test_a_call_submitted_while_the_executor_shuts_down_is_not_run():
         executor.submit("nap", {"seconds": 0})
 
 
+@pytest.mark.parametrize("bad", [None, "soon", float("nan"), 0, -1.0, float("inf")])
+def test_a_malformed_process_startup_timeout_is_refused_when_the_executor_is_built(bad):
+    """process_startup_timeout_s is read when a worker process starts: None made a worker that
+    never started block its call forever."""
+    with pytest.raises(ValueError, match="process_startup_timeout_s must be a positive finite number "
+                                         f"of seconds, got {re.escape(repr(bad))}"):
+        ToolExecutor(REGISTRY, process_startup_timeout_s=bad)
+
+
 @pytest.mark.parametrize("bad", [None, "soon", float("nan"), -1.0])
 def test_a_malformed_idle_thread_exit_is_refused_when_the_executor_is_built(bad):
     """idle_thread_exit_s=None was taken, then killed the first thread to go idle (it is read as
@@ -669,10 +679,14 @@ def test_a_worker_process_that_died_while_idle_is_replaced_not_blamed_on_the_nex
     with ToolExecutor(REGISTRY, process_workers=1) as executor:
         first = executor.run("pid_in_process", {}, timeout_s=30)
         assert first.ok
-        worker = psutil.Process(int(first.output))
-        worker.kill()
+        pid = int(first.output)
+        psutil.Process(pid).kill()
+        # Dead and not reaped: waitable (WNOWAIT leaves it for the pool). A zombie status is not
+        # enough: the leader thread shows it while the worker's other threads still exit, and
+        # until they have, the worker is not waitable and its end of the pipe is still open.
         deadline = time.monotonic() + 5
-        while worker.status() != psutil.STATUS_ZOMBIE and time.monotonic() < deadline:  # dead, not reaped
+        while (os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+               and time.monotonic() < deadline):
             time.sleep(0.01)
         second = executor.run("pid_in_process", {}, timeout_s=30)
         assert second.ok and second.output != first.output, second
