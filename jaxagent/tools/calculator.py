@@ -77,16 +77,28 @@ def _mod(a: Number, b: Number) -> Number:
 
 def _pow(a: Number, b: Number, max_bits: int) -> Number:
     if isinstance(a, int) and isinstance(b, int) and b >= 0:
-        # |a|**b has about b*log2|a| bits: refuse before computing it.
-        if abs(a) > 1 and b * math.log2(abs(a)) > max_bits:
+        # |a|**b has about b*log2|a| >= b bits: refuse before computing it (b first: a b
+        # beyond the float range made the product overflow, named as a float result).
+        if abs(a) > 1 and (b > max_bits or b * math.log2(abs(a)) > max_bits):
             raise CalculatorError(f"result too large (more than {max_bits} bits)")
         return a ** b
     if a == 0 and b < 0:
         raise CalculatorError("division by zero (zero to a negative power)")
-    if a < 0 and not float(b).is_integer():
+    sign = 1.0
+    if isinstance(b, int) and a < 0:  # an integer power of a negative number: sign by parity
+        sign, a = (-1.0 if b % 2 else 1.0), -a
+    if isinstance(b, int) and a == 1:  # exact for any integer exponent, however large
+        return sign
+    try:
+        exponent = float(b)
+    except OverflowError:  # an integer exponent beyond the float range: as an infinite one
+        exponent = math.inf if b > 0 else -math.inf
+    if a < 0 and not exponent.is_integer():
         raise CalculatorError("a negative number to a fractional power is not a real number")
     try:
-        return math.pow(a, b)
+        # 0.5 ** (10**400) is 0.0, as 0.5 ** 10000 is; 2.0 ** (10**400) is refused by the
+        # finiteness check of the result.
+        return sign * math.pow(a, exponent)
     except OverflowError:
         raise CalculatorError("result too large for a floating-point number") from None
 
@@ -197,7 +209,9 @@ class _Evaluator:
             shown = ", ".join(format_number(a) for a in args)
             raise CalculatorError(f"math domain error: {name}({shown}) is undefined") from None
         except OverflowError:
-            raise CalculatorError(f"result of {name}() too large") from None
+            # math's functions take ints as floats: sqrt(10**400) overflows in its argument.
+            raise CalculatorError(f"{name}() is beyond the floating-point range (about 1.8e308) in an "
+                                  "argument or its result") from None
 
 
 def evaluate(expression: str, *, max_chars: int = MAX_EXPRESSION_CHARS, max_int_bits: int = MAX_INT_BITS,

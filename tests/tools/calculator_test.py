@@ -3,6 +3,7 @@
 import decimal
 import math
 import random
+import re
 import time
 
 import pytest
@@ -136,6 +137,28 @@ def test_float_overflow_inside_an_expression_is_an_error_not_a_wrong_number(expr
     with pytest.raises(CalculatorError, match="not a finite number"):
         evaluate(expression)
     assert calculate("1e300 / (1e200 * 1e100) * 1e150") == "1e150"  # in range: unchanged
+
+
+@pytest.mark.parametrize("expression, expected", [
+    # An integer exponent beyond the float range: the power's limit, as for 0.5 ** 10000.
+    ("0.5 ** (10 ** 400)", 0.0), ("2 ** -(10 ** 400)", 0.0), ("(-0.5) ** (10 ** 400)", 0.0),
+    # A negative base to an integer power has the sign of its parity, however large the power.
+    ("(-1.0) ** (10 ** 400 + 1)", -1.0), ("(-1.0) ** (10 ** 400)", 1.0), ("(-2) ** -3", -0.125),
+])
+def test_powers_with_exponents_beyond_the_float_range(expression, expected):
+    # Each was refused as "result too large for a floating-point number" (the first two and
+    # the last but one) or "a negative number to a fractional power".
+    assert evaluate(expression) == expected
+
+
+@pytest.mark.parametrize("expression, message", [
+    ("2 ** 3 ** 4 ** 5", "result too large (more than 4096 bits)"),  # an integer power
+    ("2.0 ** (10 ** 400)", "not a finite number"),
+    ("sqrt(10 ** 400)", "sqrt() is beyond the floating-point range (about 1.8e308) in an argument"),
+])
+def test_overflows_are_named_for_what_overflowed(expression, message):
+    with pytest.raises(CalculatorError, match=re.escape(message)):
+        evaluate(expression)
 
 
 def test_caret_can_mean_xor_syntax_error_instead():
