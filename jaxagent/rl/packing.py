@@ -28,6 +28,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import numbers
 from typing import Literal, get_args
 
 import ml_dtypes  # a jax dependency: NumPy's view of bfloat16 and float8
@@ -111,8 +112,14 @@ class PackItem:
         return self.tokens.shape[0]
 
 
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
 def _check_buckets(field: str, buckets: tuple[int, ...]) -> None:
-    if any(int(b) != b or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+    # 4.0 passed as an integer and failed in `pack` ("'float' object cannot be interpreted as an
+    # integer", naming no field).
+    if any(not _is_int(b) or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
         raise ValueError(f"PackingConfig.{field}={buckets} must be strictly increasing positive integers")
 
 
@@ -139,6 +146,13 @@ class PackingConfig:
     pad_id: int = 0
 
     def __post_init__(self):
+        # A float size failed inside `pack` with a TypeError naming no field, and a float or
+        # string pad_id was cast to some token without a word.
+        for field in ("max_len", "row_multiple", "pad_id"):
+            v = getattr(self, field)
+            if not _is_int(v):
+                raise ValueError(f"PackingConfig.{field}={v!r} ({type(v).__name__}) must be an int")
+            object.__setattr__(self, field, int(v))
         if self.max_len < 2:
             raise ValueError(f"PackingConfig.max_len={self.max_len} must be >= 2")
         object.__setattr__(self, "len_buckets", tuple(self.len_buckets) or (self.max_len,))

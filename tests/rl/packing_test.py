@@ -245,6 +245,23 @@ def test_validation():
         unpack(np.zeros((2, 8)), packed)
 
 
+@pytest.mark.parametrize("kwargs,match", [
+    # Floats failed inside `pack` ("'float' object cannot be interpreted as an integer").
+    ({"max_len": 8.0}, r"PackingConfig.max_len=8.0 \(float\) must be an int"),
+    ({"max_len": 8, "row_multiple": 2.0}, r"PackingConfig.row_multiple=2.0 \(float\) must be an int"),
+    ({"max_len": 8, "len_buckets": (4.0, 8)}, r"PackingConfig.len_buckets=\(4.0, 8\) must be strictly increasing positive integers"),
+    # A float or string pad_id was cast to some token id without a word.
+    ({"max_len": 8, "pad_id": 0.5}, r"PackingConfig.pad_id=0.5 \(float\) must be an int"),
+    ({"max_len": 8, "pad_id": "0"}, r"PackingConfig.pad_id='0' \(str\) must be an int"),
+    ({"max_len": True}, r"PackingConfig.max_len=True \(bool\) must be an int"),
+])
+def test_packing_config_sizes_and_pad_id_must_be_ints(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PackingConfig(**kwargs)
+    cfg = PackingConfig(max_len=np.int64(8), len_buckets=(np.int64(4), 8), row_multiple=np.int32(2))
+    assert pack([make_item(np.random.default_rng(0), 5)], cfg).shape == (2, 8)
+
+
 def test_best_fit_decreasing_rejects_items_longer_than_the_row():
     # An item over capacity used to open a row and overfill it (used > capacity) silently.
     with pytest.raises(ValueError, match=r"lengths \[12\] at indices \[1\] do not fit rows of capacity 10"):
