@@ -262,6 +262,7 @@ class RolloutDriver:
     self.executor = executor if executor is not None else ToolExecutor(
         max_workers=cfg.tool_workers or ecfg.slots, default_timeout_s=cfg.tool_timeout_s)
     self.stats = RolloutStats()
+    self._closed = False
 
   def prompt_too_long(self, n: int) -> str | None:
     """Why a prompt of `n` tokens cannot be decoded (its trajectories end "prompt_too_long"
@@ -274,7 +275,8 @@ class RolloutDriver:
     return None
 
   def close(self) -> None:
-    """Shuts down the executor if the driver created it."""
+    """Shuts down the executor if the driver created it; `run` is refused after it."""
+    self._closed = True
     if self._own_executor:
       self.executor.shutdown(wait=False)
 
@@ -287,6 +289,9 @@ class RolloutDriver:
   def run(self, params, examples: Sequence[Example], *, num_samples: int = 1, seed: int = 0,
           request_id_offset: int = 0) -> list[Trajectory]:
     """`num_samples` trajectories per example; returned grouped by example, then sample."""
+    if self._closed:
+      # Its executor is shut down: the first tool call failed the run, naming the executor.
+      raise RuntimeError("RolloutDriver.run called after close(); build a new RolloutDriver")
     examples = list(examples)
     for i, ex in enumerate(examples):
       if not isinstance(ex, Example):

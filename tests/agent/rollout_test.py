@@ -767,6 +767,9 @@ def test_episodes_are_closed_and_reruns_are_reproducible():
   assert [t.to_dict() | {"budgets": None, "turns": None} for t in a] == [
       t.to_dict() | {"budgets": None, "turns": None} for t in b]
   assert driver.stats.generate_calls > 0 and driver.stats.wall_s > 0
+  # Its executor is shut down: a run after close() is refused at once, naming the driver.
+  with pytest.raises(RuntimeError, match=r"RolloutDriver.run called after close\(\)"):
+    driver.run(None, _examples(5), num_samples=2, seed=1)
 
 
 def test_an_episode_whose_close_raises_ends_nothing_else(caplog):
