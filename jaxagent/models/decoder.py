@@ -455,6 +455,25 @@ def embed(p, tokens, cfg: ModelConfig):
 
 
 # ----------------------------------------------------------------------------- training
+def _check_concrete_tokens(tokens, vocab_size: int) -> None:
+  """A ValueError for an id outside [0, vocab_size) in tokens known here (an eager call; under
+  jit they are not, and the engine and the learner check theirs on the host): the embedding
+  lookup gave NaN logits for an id past the table and wrapped a negative one onto another
+  token, without an error."""
+  try:  # not for tracers, nor for arrays spread over several hosts
+    if not getattr(tokens, "is_fully_addressable", True):
+      return
+    tok = np.asarray(tokens)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return
+  bad = (tok < 0) | (tok >= vocab_size)
+  if bad.any():
+    row, col = np.argwhere(bad)[0]
+    raise ValueError(f"tokens[{row}, {col}] = {tok[row, col]} is outside the model's vocabulary "
+                     f"[0, {vocab_size}) ({int(bad.sum())} such tokens): encode with the "
+                     "tokenizer of this model (an id past the table gave NaN logits)")
+
+
 def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
                   segment_ids=None, collect_kv: bool = False):
   """Final-normed hidden states `[B, L, D]` (and stacked per-layer K/V when `collect_kv`).
@@ -474,6 +493,7 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
   if tokens.ndim != 2:
     raise ValueError(f"hidden_states: tokens of shape {tokens.shape}: tokens must be [B, L] "
                      "(a batch of rows; wrap one sequence as [tokens])")
+  _check_concrete_tokens(tokens, cfg.vocab_size)
   for name, x in (("segment_ids", segment_ids), ("positions", positions)):
     if x is not None and x.shape != tokens.shape:
       raise ValueError(f"hidden_states: {name} of shape {x.shape} for tokens of shape "

@@ -124,6 +124,22 @@ def test_segment_ids_and_positions_not_shaped_like_the_tokens_are_named():
     models.forward(params, tokens[0], cfg=cfg)
 
 
+def test_eager_forward_names_a_token_outside_the_vocabulary():
+  # An id past the embedding table gave NaN logits, a negative one another token's, silently.
+  cfg = models.get_config("tiny-llama", n_layers=1)
+  params = models.box(cfg, jax.tree.map(lambda s: np.zeros(s[0], np.float32),
+                                        models.param_specs(cfg),
+                                        is_leaf=lambda s: isinstance(s, tuple)))
+  for bad, shown in ((512, 512), (-1, -1), (2**31 + 5, -(2**31) + 5)):  # wrapped by the int32 cast
+    tokens = np.array([[5, 6, 7], [8, bad, 9]], np.int64)
+    with pytest.raises(ValueError, match=rf"tokens\[1, 1\] = {shown} is outside the model's "
+                       r"vocabulary \[0, 512\) \(1 such tokens\)"):
+      models.forward(params, tokens, cfg=cfg)
+  with pytest.raises(ValueError, match=r"tokens\[0, 0\] = 600 .* \(2 such tokens\)"):
+    models.hidden_states(params, [[600, 700]], cfg=cfg)
+  assert models.forward(params, [[0, 511]], cfg=cfg).shape == (1, 2, 512)
+
+
 def test_prefill_takes_lengths_as_a_list_and_names_lengths_not_one_per_row():
   # Tokens could be nested lists, the lengths not ("list indices must be integers or slices,
   # not tuple"); a single int with "'int' object is not subscriptable".
