@@ -29,6 +29,15 @@ def logits_from_hidden(params: Params, h, cfg: ModelConfig):
 def _output_weight(params: Params, cfg: ModelConfig):
   """The output projection's weight in the compute dtype: the embedding when tied."""
   p = unbox(params)
+  # Params of an untied model under a tied config ran on the embedding, their lm_head ignored
+  # (other logits, no error); the reverse failed with KeyError 'lm_head'.
+  if cfg.tie_embeddings == ("lm_head" in p):
+    raise ValueError(
+        f"the model config {cfg.name!r} says tie_embeddings={cfg.tie_embeddings} but the params "
+        + ("hold an 'lm_head', which would be ignored" if cfg.tie_embeddings else
+           "hold no 'lm_head' (a tied model's)")
+        + f": pass the config of these params (tie_embeddings={not cfg.tie_embeddings}), or "
+        "their own params (models.load returns both)")
   return (p["embed"] if cfg.tie_embeddings else p["lm_head"]).astype(cfg.jnp_dtype)
 
 

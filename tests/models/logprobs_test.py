@@ -297,3 +297,20 @@ def test_fused_kernels_run_per_shard(data, fsdp):
   for a, e in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), rtol=1e-4, atol=1e-5)
   assert "all-gather" not in jitted.lower(params, h).compile().as_text()
+
+
+def test_params_and_config_that_disagree_on_tied_embeddings_are_named():
+  # Untied params under a tied config ran on the embedding, their lm_head ignored (other
+  # logits, no error); tied params under an untied config failed with KeyError 'lm_head'.
+  tied = models.get_config("tiny-llama", tie_embeddings=True)
+  untied = models.get_config("tiny-llama", tie_embeddings=False)
+  h = jnp.ones((1, 2, tied.d_model))
+  w = jnp.ones((tied.vocab_size, tied.d_model))
+  with_head = {"embed": w, "lm_head": w.T}
+  with pytest.raises(ValueError, match=r"says tie_embeddings=True but the params hold an "
+                     r"'lm_head', which would be ignored: .*\(tie_embeddings=False\)"):
+    logprobs.logits_from_hidden(with_head, h, tied)
+  with pytest.raises(ValueError, match=r"says tie_embeddings=False but the params hold no "
+                     r"'lm_head'.*\(tie_embeddings=True\)"):
+    logprobs.token_logprobs({"embed": w}, h, jnp.zeros((1, 2), jnp.int32), cfg=untied)
+  assert logprobs.logits_from_hidden(with_head, h, untied).shape == (1, 2, tied.vocab_size)
