@@ -1220,14 +1220,18 @@ class Trainer:
       return
     d = self.workdir / "samples"
     d.mkdir(parents=True, exist_ok=True)
+    # The masks the update trains with: an env that trains on its observations (search_qa's
+    # mask_observations=False) had them shown as mask=0, and the JSONL held no mask at all.
+    obs_loss = bool(getattr(getattr(self, "env", None), "train_on_observations", False))
     # UTF-8 whatever the locale: sampled text is arbitrary Unicode (an ASCII locale raised
     # UnicodeEncodeError and ended the run); "replace" for what UTF-8 cannot hold.
     with open(d / f"step_{step:06d}.txt", "w", encoding="utf-8", errors="replace") as f:
       for tr in trajs:
-        f.write(tr.render(self.tok) + "\n\n")
+        f.write(tr.render(self.tok, observation_loss=obs_loss) + "\n\n")
     with open(d / f"step_{step:06d}.jsonl", "w", encoding="utf-8") as f:
       for tr in trajs:
-        f.write(json.dumps(tr.to_dict()) + "\n")
+        mask = tr.to_pack_item(0.0, observation_loss=obs_loss).loss_mask
+        f.write(json.dumps({**tr.to_dict(), "loss_mask": [int(m) for m in mask]}) + "\n")
 
   # --------------------------------------------------------------------------- run
   def run(self) -> dict[str, Any]:

@@ -655,6 +655,37 @@ def test_sample_dumps_and_chat_jsonl_are_utf8_whatever_the_locale(tmp_path):
   assert r.returncode == 0, r.stderr[-3000:]
 
 
+def test_sample_dumps_show_the_loss_mask_the_update_uses(tmp_path):
+  """An env that trains on its observations (search_qa's mask_observations=False): the text
+  dump showed them as mask=0 and the JSONL had no mask; both now show what is trained."""
+  import types
+  from jaxagent.agent.trajectory import Trajectory
+  tok = _CharTok()
+  traj = Trajectory(request_id=0)
+  traj.add_prompt(tok.encode("Q?"))
+  traj.add_policy(tok.encode("<s>a</s>"), [-0.5] * 8, 0)
+  traj.add_observation(tok.encode("<i>b</i>"), 0)
+  traj.add_policy(tok.encode("ok"), [-0.5] * 2, 1)
+  for obs_loss in (False, True):
+    out = tmp_path / str(obs_loss)
+    host = types.SimpleNamespace(workdir=out, tok=tok,
+                                 env=types.SimpleNamespace(train_on_observations=obs_loss))
+    Trainer.dump_samples(host, 3, [traj])
+    text = (out / "samples" / "step_000003.txt").read_text(encoding="utf-8")
+    assert f"[OBSERVATION 10:18 turn 0 | mask={int(obs_loss)}" in text, text
+    (rec,) = [json.loads(l) for l in (out / "samples" / "step_000003.jsonl").open()]
+    assert rec["loss_mask"] == [0] * 2 + [1] * 8 + [int(obs_loss)] * 8 + [1] * 2
+    assert Trajectory.from_dict(rec) == traj
+
+
+class _CharTok:
+  def encode(self, text):
+    return [ord(c) for c in text]
+
+  def decode(self, ids):
+    return "".join(chr(int(i)) for i in ids)
+
+
 def test_generator_gets_compute_dtype_weights_with_the_same_logits(tmp_path):
   from jaxagent import models
   tr = Trainer(_tiny(tmp_path, **{"model.dtype": "bfloat16"}))

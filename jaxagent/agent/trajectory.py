@@ -365,12 +365,14 @@ class Trajectory:
         start = i
     return runs
 
-  def render(self, tokenizer, *, max_chars: int | None = 2000) -> str:
+  def render(self, tokenizer, *, max_chars: int | None = 2000,
+             observation_loss: bool = False) -> str:
     """A human-readable dump: a header, then each run of tokens with its role and loss mask.
 
     Policy runs are marked `[POLICY turn k | mask=1 | ...]`, observations
-    `[OBSERVATION turn k | mask=0 | tool ...]`; each run's text is printed between `>>>` and
-    `<<<` so whitespace is visible. `max_chars` cuts long runs in the middle.
+    `[OBSERVATION turn k | mask=0 | tool ...]` (`mask=1` with `observation_loss`, as
+    `to_pack_item` trains them); each run's text is printed between `>>>` and `<<<` so
+    whitespace is visible. `max_chars` cuts long runs in the middle.
     """
     head = (f"=== trajectory request_id={self.request_id} group={self.group_id} "
             f"sample={self.sample_index} example={self.example_id!r} stop={self.stop_reason} "
@@ -399,7 +401,7 @@ class Trajectory:
         label += "]"
       else:
         t = turns.get(turn)
-        label += f" turn {turn} | mask=0"
+        label += f" turn {turn} | mask={int(observation_loss)}"
         if t is not None and t.outcome is not None:
           o = t.outcome
           label += f" | ok={o.ok} timed_out={o.timed_out} {o.duration_s:.3f}s"

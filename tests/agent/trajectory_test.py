@@ -163,6 +163,16 @@ def test_render_marks_roles_and_masks():
   assert "chars cut" in t.render(TOK, max_chars=100)
 
 
+def test_render_shows_observations_trained_on_as_mask_1():
+  """With observation_loss (search_qa's mask_observations=False) `to_pack_item` trains the
+  observation tokens: the dump said mask=0 for them."""
+  t = _ledger()
+  assert t.to_pack_item(1.0, observation_loss=True).loss_mask[23:41].all()
+  text = t.render(TOK, observation_loss=True)
+  assert "[OBSERVATION 23:41 turn 0 | mask=1 | ok=True" in text
+  assert "[PROMPT 0:7 | mask=0]" in text and "[POLICY 7:23 turn 0 | mask=1" in text
+
+
 def test_render_of_lone_surrogates_in_a_call_can_be_written_as_utf8(tmp_path):
   """`{"expression": "\\ud800"}` parses to a lone surrogate; the sample dump must still write."""
   t = _ledger()
