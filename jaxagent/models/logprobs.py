@@ -287,7 +287,10 @@ def token_logprobs(params: Params, h, targets, *, cfg: ModelConfig, temperature:
   `max_chunk_tokens` tokens (rows per device, under the ambient mesh, x positions): the
   float32 logits of one chunk are `[B, c, V]`, so many packed rows would otherwise need
   gigabytes.
-  h: [B, L, D]; targets: [B, L] int. Returns `[B, L]` (and entropies `[B, L]` when
+  h: [B, L, D] (final-normed, as `decoder.hidden_states` gives them); targets: [B, L] int,
+  the token whose log-prob position t's logits give: for a causal model the next one,
+  tokens[:, t + 1] (`rl.step.sequence_logprobs` shifts them so, and its result back to
+  position t + 1). Returns `[B, L]` (and entropies `[B, L]` when
   `with_entropy`). `temperature` is a fixed setting (the sampler's, from the step config), not
   a parameter: the result carries no gradient with respect to it.
   """
