@@ -324,12 +324,16 @@ def run_trainer(trainer) -> None:
   """`trainer.run()`, then `trainer.close()`. An error whose message says what happened and
   what was kept is one line and exit status 1, not a traceback: unusable checkpoints or
   diverged params (`CheckpointError`), non-finite values in a step's update or the sampler's
-  logits (`FloatingPointError`; the checkpoints written are unchanged)."""
+  logits (`FloatingPointError`; the checkpoints written are unchanged), warm-start data that
+  cannot be used (`SFTDataError`)."""
   from jaxagent.checkpoint import CheckpointError
+  from jaxagent.trainer import SFTDataError
   try:
     trainer.run()
   except CheckpointError as e:  # unusable checkpoints or diverged params; nothing was lost
     raise SystemExit(f"checkpoint error: {e}") from None
+  except SFTDataError as e:  # read as the run starts, before any training: a bad setting
+    raise SystemExit(f"bad config: {e}") from None
   except FloatingPointError as e:
     raise SystemExit(f"training stopped: {e}") from None
   finally:

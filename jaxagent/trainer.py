@@ -170,6 +170,13 @@ def _sft_batches(n: int, batch_size: int, steps: int, seed: int) -> list[np.ndar
   return out
 
 
+class SFTDataError(ValueError):
+  """The SFT warm start's data cannot be used (a bad line of `sft.data`, a task without
+  demonstrations, demonstrations of eval prompts, every sequence too long). `Trainer.run`
+  reads that data only when a run starts from scratch, so it is named there, not when the
+  trainer is built; `python -m jaxagent.launch` says it in one line, as a bad setting."""
+
+
 def sft_items(env: Env, examples: Sequence[Example], tokenizer) -> list[packing.PackItem]:
   """SFT items from the task's demonstrations: loss only on the policy's own tokens."""
   items = []
@@ -1337,7 +1344,10 @@ class Trainer:
     if c.sft.steps:
       # The warm start's data first: a bad line of sft.data (or a task without demonstrations)
       # ended the run only after the eval before training, minutes of work on a large eval set.
-      self._sft_loaded = self._sft_items_that_fit(self._sft_items())
+      try:
+        self._sft_loaded = self._sft_items_that_fit(self._sft_items())
+      except ValueError as e:  # each message names the data and the fix
+        raise SFTDataError(str(e)) from e
     if c.eval.before:
       m = self.evaluate()
       self.writer.write(0, {f"before/{k.split('/', 1)[1]}": v for k, v in m.items()})

@@ -682,6 +682,8 @@ def test_sigterm_before_training_begins_exits_zero_with_checkpointing_on(tmp_pat
     (FloatingPointError("SFT warm-start step 1 of 2: non-finite values at train step 0"),
      "training stopped: SFT warm-start step 1 of 2: non-finite values at train step 0"),
     ("checkpoint", "checkpoint error: diverged"),
+    # A bad line of sft.data, read as the run starts: it was a traceback.
+    ("sft", "bad config: sft.jsonl:2: no assistant message to learn from"),
 ])
 def test_an_error_the_run_names_is_one_line_and_the_trainer_is_closed(error, expected):
   # A non-finite update (say, a learning rate far too large) reached the user as a traceback.
@@ -689,6 +691,9 @@ def test_an_error_the_run_names_is_one_line_and_the_trainer_is_closed(error, exp
   from jaxagent.checkpoint import CheckpointError
   if error == "checkpoint":
     error = CheckpointError("diverged")
+  if error == "sft":
+    from jaxagent.trainer import SFTDataError
+    error = SFTDataError("sft.jsonl:2: no assistant message to learn from")
   closed = []
 
   class _Trainer:

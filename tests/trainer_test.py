@@ -355,6 +355,20 @@ def test_bad_sft_data_fails_before_the_eval_before_training(tmp_path, data):
     t.close()
 
 
+def test_run_raises_sft_data_error_for_a_bad_line_of_sft_data(tmp_path):
+  """`python -m jaxagent.launch` says an `SFTDataError` in one line ("bad config: ..."); a bad
+  line of sft.data was a plain ValueError from `run`, so the launcher printed a traceback."""
+  from jaxagent.trainer import SFTDataError
+  path = tmp_path / "sft.jsonl"
+  path.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
+  trainer = Trainer(_tiny(tmp_path, **{"sft.data": str(path), "sft.steps": 1}))
+  try:
+    with pytest.raises(SFTDataError, match=r"sft.jsonl:1: no assistant message to learn from"):
+      trainer.run()
+  finally:
+    trainer.close()
+
+
 def test_bad_chat_jsonl_names_the_line(tmp_path):
   from jaxagent import models
   tok = models.load_tokenizer("smollm2-135m-instruct")
