@@ -39,6 +39,7 @@ from jaxagent.models.param_tree import (Params, box, compute_copy, init_params, 
                                     is_chained, is_merged, logical_axes, merge_decode_weights,
                                     merged_decode_weight_bytes, norms_folded, param_specs,
                                     stack_layers, unbox, unstack_layers)
+from jaxagent.models.param_tree import check_model_shapes
 from jaxagent.models.per_shard import batch_split, constrain_batch, per_shard, tensor_split
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
@@ -494,6 +495,7 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
     raise ValueError(f"hidden_states: tokens of shape {tokens.shape}: tokens must be [B, L] "
                      "(a batch of rows; wrap one sequence as [tokens])")
   _check_concrete_tokens(tokens, cfg.vocab_size)
+  check_model_shapes(params, cfg, "hidden_states")  # (shapes and names: at trace time only)
   for name, x in (("segment_ids", segment_ids), ("positions", positions)):
     if x is not None and x.shape != tokens.shape:
       raise ValueError(f"hidden_states: {name} of shape {x.shape} for tokens of shape "

@@ -130,6 +130,18 @@ def check_model_shapes(params: Params, cfg: ModelConfig, what: str) -> None:
     raise ValueError(f"{what}: the params have {sorted(depths)} layers, the model config "
                      f"{cfg.name!r} says n_layers = {cfg.n_layers}: pass the params of this "
                      "config's model (or the config of these params)")
+  # Weights of another architecture of the same sizes: a Qwen2 model's q/k/v biases or a Qwen3
+  # model's q/k norms under a Llama config were ignored (other logits, no error), and the
+  # reverse failed with a bare KeyError. (Merged decode weights have their own names.)
+  first = layers[0] if isinstance(layers, (list, tuple)) and layers else layers
+  if isinstance(first, Mapping) and not is_merged(params):
+    have, want = set(first), set(param_specs(cfg)["layers"])
+    if have != want:
+      raise ValueError(
+          f"{what}: the params' layers do not match the model config {cfg.name!r} "
+          f"({cfg.architecture}): weights it has no use for {sorted(have - want)}, weights it "
+          f"needs {sorted(want - have)}: pass the params of this config's model (or the config "
+          "of these params)")
 
 
 # Weights the decoder casts to the compute dtype where it uses them (norm scales stay float32).

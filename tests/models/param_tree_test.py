@@ -124,3 +124,27 @@ def test_init_params_refuses_a_std_that_is_no_standard_deviation(std):
                      + re.escape(repr(std))):
     pt.init_params(PRESETS["tiny-llama"], jax.random.key(0), std=std)
 
+
+
+def test_params_of_another_architecture_of_the_same_sizes_are_refused():
+  # The tiny presets share their sizes: a Qwen2 model's q/k/v biases or a Qwen3 model's q/k norms
+  # under a Llama config were ignored (other logits, no error); the reverse was a bare KeyError.
+  params = {name: jax.eval_shape(lambda c=PRESETS[name]: pt.unbox(pt.init_params(c, jax.random.key(0))))
+            for name in ("tiny-llama", "tiny-qwen2", "tiny-qwen3")}  # shapes: all that is read
+  for src, dst, extra, missing in (("tiny-qwen2", "tiny-llama", "'bk', 'bq', 'bv'", ""),
+                                   ("tiny-qwen3", "tiny-llama", "'k_norm', 'q_norm'", ""),
+                                   ("tiny-llama", "tiny-qwen3", "", "'k_norm', 'q_norm'")):
+    cfg = PRESETS[dst]
+    match = (rf"the params' layers do not match the model config '{dst}' \({cfg.architecture}\): "
+             rf"weights it has no use for \[{extra}\], weights it needs \[{missing}\]")
+    with pytest.raises(ValueError, match="prefill: " + match):
+      pt.check_model_shapes(params[src], cfg, "prefill")
+    with pytest.raises(ValueError, match="hidden_states: " + match):
+      decoder.hidden_states(params[src], [[1, 2]], cfg=cfg)
+    pt.check_model_shapes(params[dst], cfg, "prefill")
+  # Per-layer (unstacked), boxed and merged params pass for their own config.
+  cfg = PRESETS["tiny-qwen3"]
+  pt.check_model_shapes(jax.eval_shape(pt.unstack_layers, params["tiny-qwen3"]), cfg, "forward")
+  pt.check_model_shapes(jax.eval_shape(lambda: pt.init_params(cfg, jax.random.key(0))), cfg, "forward")
+  merged = jax.eval_shape(lambda p: pt.merge_decode_weights(p, cfg), params["tiny-qwen3"])
+  pt.check_model_shapes(merged, cfg, "generate")
