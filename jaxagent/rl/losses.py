@@ -283,6 +283,10 @@ def policy_loss_parts(
         raise ValueError(f"LossConfig.kl_coef={cfg.kl_coef} > 0 needs ref_logps; pass the reference policy's log-probs")
     if cfg.entropy_coef > 0 and entropies is None:
         raise ValueError(f"LossConfig.entropy_coef={cfg.entropy_coef} > 0 needs per-token entropies")
+    # Nested lists, as `models.forward` takes tokens (they failed on '.ndim' / '.shape').
+    as_array = lambda x: np.asarray(x) if isinstance(x, (list, tuple)) else x
+    logps, old_logps, advantages, loss_mask, segment_ids, ref_logps, entropies = map(
+        as_array, (logps, old_logps, advantages, loss_mask, segment_ids, ref_logps, entropies))
     if logps.ndim != 2:
         raise ValueError(f"logps has shape {logps.shape}; expected [B, L] (rows x positions): give a single "
                          "sequence a leading axis of 1, and vmap over any further leading axes")

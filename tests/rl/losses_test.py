@@ -621,6 +621,19 @@ def test_numpy_float64_inputs_compute_in_float32_without_warnings():
     np.testing.assert_allclose(float(loss), float(want), rtol=1e-6)
 
 
+def test_nested_lists_are_taken_as_arrays():
+    # As `models.forward` takes tokens; they failed with "'list' object has no attribute 'ndim'".
+    lp = [[-1.0, -0.5, -2.0, -0.3], [-0.7, -1.5, -0.2, -3.0]]
+    old = [[-1.0, -0.6, -1.8, -0.3], [-0.7, -1.4, -0.3, -2.0]]
+    adv, mask, seg = [[1.0] * 4, [-1.0] * 4], [[0, 1, 1, 1], [0, 1, 0, 1]], [[1, 1, 1, 1], [1, 1, 2, 2]]
+    cfg = LossConfig(algo="gspo", agg="seq_mean_token_mean", kl_coef=0.1)
+    got, m = policy_loss(lp, old, adv, mask, seg, cfg, ref_logps=old, entropies=lp)
+    want, _ = policy_loss(*(jnp.asarray(x) for x in (lp, old, adv, mask, seg)), cfg,
+                          ref_logps=jnp.asarray(old), entropies=jnp.asarray(lp))
+    np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+    assert float(m["num_segments"]) == 3
+
+
 @pytest.mark.parametrize("algo", ALGOS)
 def test_uneven_and_empty_micro_batches_equal_full_batch(algo):
     # One row per micro-batch: six trajectories in one row, one each in two rows, a row of padding
