@@ -65,11 +65,21 @@ class PackItem:
     traj_id: int = -1
 
     def __post_init__(self):
-        self.tokens = np.asarray(self.tokens, dtype=np.int32)
-        n = self.tokens.shape[0] if self.tokens.ndim == 1 else -1
+        tokens = np.asarray(self.tokens)
+        n = tokens.shape[0] if tokens.ndim == 1 else -1
         who = f"PackItem(traj_id={self.traj_id}, group_id={self.group_id})"
         if n < 1:
-            raise ValueError(f"{who}: tokens must be a non-empty 1-D array; got shape {self.tokens.shape}")
+            raise ValueError(f"{who}: tokens must be a non-empty 1-D array; got shape {tokens.shape}")
+        # The int32 cast cut a float id to another token and wrapped one past 2**31 - 1 to a
+        # negative id, without a word (bools became ids 0 and 1).
+        if not np.issubdtype(tokens.dtype, np.integer):
+            raise ValueError(f"{who}: tokens must be integer token ids; got dtype {tokens.dtype} (build "
+                             "them as ints, e.g. np.asarray(ids, np.int32))")
+        bad = np.flatnonzero((tokens < 0) | (tokens > np.iinfo(np.int32).max))
+        if bad.size:
+            raise ValueError(f"{who}: tokens must be token ids in [0, 2**31); got {tokens[bad[:5]].tolist()} "
+                             f"at positions {bad[:5].tolist()}")
+        self.tokens = tokens.astype(np.int32)
         self.loss_mask = np.asarray(self.loss_mask, dtype=np.float32)
         self.old_logps = np.asarray(self.old_logps, dtype=np.float32)
         if np.ndim(self.advantages) == 0:

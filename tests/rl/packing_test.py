@@ -245,6 +245,21 @@ def test_validation():
         unpack(np.zeros((2, 8)), packed)
 
 
+@pytest.mark.parametrize("tokens,match", [
+    (np.array([1.0, 2.7, 3.0]), r"tokens must be integer token ids; got dtype float64"),
+    ([1, 2.5, 3], r"tokens must be integer token ids; got dtype float64"),
+    (np.array([True, False, True]), r"tokens must be integer token ids; got dtype bool"),
+    (np.array([1, 2**31 + 5, 3]), r"tokens must be token ids in \[0, 2\*\*31\); got \[2147483653\] at positions \[1\]"),
+    (np.array([1, 2, -1]), r"tokens must be token ids in \[0, 2\*\*31\); got \[-1\] at positions \[2\]"),
+])
+def test_tokens_that_are_not_int32_token_ids_are_a_clear_error(tokens, match):
+    # The int32 cast cut 2.7 to token 2, made bools ids 0 and 1 and wrapped 2**31 + 5 negative.
+    with pytest.raises(ValueError, match=r"PackItem\(traj_id=5, group_id=-1\): " + match):
+        PackItem(tokens, np.array([0, 1, 1]), np.array([0.0, -1.0, -1.0]), 1.0, traj_id=5)
+    ok = PackItem(np.array([1, 2**31 - 1, 0], np.int64), np.array([0, 1, 1]), np.zeros(3), 1.0)
+    assert ok.tokens.dtype == np.int32 and ok.tokens.tolist() == [1, 2**31 - 1, 0]
+
+
 @pytest.mark.parametrize("kwargs,match", [
     # Floats failed inside `pack` ("'float' object cannot be interpreted as an integer").
     ({"max_len": 8.0}, r"PackingConfig.max_len=8.0 \(float\) must be an int"),
