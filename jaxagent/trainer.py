@@ -1348,7 +1348,9 @@ class Trainer:
         self._sft_loaded = self._sft_items_that_fit(self._sft_items())
       except ValueError as e:  # each message names the data and the fix
         raise SFTDataError(str(e)) from e
-    if c.eval.before:
+    # With no eval examples (eval.size=0: no evals) an eval returns nothing: these wrote a
+    # record of no metrics, "pass@1 ... nan" on the console and null pass@1s in the summary.
+    if c.eval.before and self.eval_examples:
       m = self.evaluate()
       self.writer.write(0, {f"before/{k.split('/', 1)[1]}": v for k, v in m.items()})
       self.summary["pass@1/before"] = m.get("eval/pass@1")
@@ -1361,10 +1363,12 @@ class Trainer:
       self.summary.update(self.warm_start())
       if self._interrupted is not None:
         return
-      m = self.evaluate()
-      self.writer.write(0, {**m, **{f"after_sft/{k.split('/', 1)[1]}": v for k, v in m.items()}})
-      self.summary["pass@1/after_sft"] = m.get("eval/pass@1")
-      say(f"held-out pass@1 after SFT: {m.get('eval/pass@1', float('nan')):.3f}")
+      if self.eval_examples:
+        m = self.evaluate()
+        self.writer.write(0, {**m, **{f"after_sft/{k.split('/', 1)[1]}": v
+                                      for k, v in m.items()}})
+        self.summary["pass@1/after_sft"] = m.get("eval/pass@1")
+        say(f"held-out pass@1 after SFT: {m.get('eval/pass@1', float('nan')):.3f}")
     self.warm_started = True
     self._freeze_reference()
 

@@ -1641,6 +1641,24 @@ def test_a_task_whose_examples_raise_is_named_and_eval_size_0_reads_no_eval_spli
     t.close()
 
 
+def test_eval_size_0_runs_no_eval_before_or_after_the_warm_start(tmp_path, capsys):
+  """eval.size=0 (no evals) still ran the evals around the warm start, which returned nothing:
+  two metrics.jsonl records with no metric, "held-out pass@1 ...: nan" on the console and
+  pass@1/before and pass@1/after_sft null in summary.json."""
+  trainer = Trainer(_tiny(tmp_path, **{"eval.size": 0, "eval.before": True, "sft.steps": 1,
+                                       "total_steps": 0}))
+  trainer.warm_start = lambda: {"sft/last_loss": 1.0}  # its steps are not what is tested
+  try:
+    summary = trainer.run()
+  finally:
+    trainer.close()
+  assert not [k for k in summary if k.startswith("pass@1")], summary
+  assert "sft/last_loss" in summary
+  rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+  assert all(set(r) - {"step", "time"} for r in rows), rows
+  assert "nan" not in capsys.readouterr().out
+
+
 def test_an_empty_eval_split_with_eval_size_set_is_said_before_the_model_loads(
     tmp_path, monkeypatch, caplog):
   """A task with no eval examples (its own eval_size=0) under eval.size > 0: every eval
