@@ -140,6 +140,15 @@ def _draw(keys, filt, top):
 
 def sample(logits, keys, cfg: SamplingConfig):
   """Sample one token per row. logits: [S, V] float32; keys: [S]. Returns (tokens, logprobs)."""
+  # A float for `cfg` failed with "'float' object has no attribute 'greedy'", one row's [V]
+  # logits deep in the draw with "not enough values to unpack".
+  if not isinstance(cfg, SamplingConfig):
+    raise TypeError(f"sample: cfg must be a SamplingConfig, got {type(cfg).__name__} ({cfg!r:.80}): "
+                    "e.g. SamplingConfig(temperature=1.0)")
+  logits = jnp.asarray(logits)
+  if logits.ndim != 2 or jnp.shape(keys)[:1] != logits.shape[:1]:
+    raise ValueError(f"sample: logits of shape {logits.shape} and keys of shape {jnp.shape(keys)}: "
+                     "logits must be [S, V] and keys [S], one per row (give one row's logits as [1, V])")
   logits = logits.astype(jnp.float32)
   if cfg.greedy:
     tok = jnp.argmax(logits, axis=-1)

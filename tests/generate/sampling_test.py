@@ -82,6 +82,17 @@ def test_bad_sampling_config_is_a_clear_error(kw, match):
     SamplingConfig(**kw)
 
 
+def test_sample_names_a_wrong_config_or_shape():
+  logits = jnp.zeros((3, 16))
+  keys = jax.random.split(jax.random.key(0), 3)
+  with pytest.raises(TypeError, match=r"sample: cfg must be a SamplingConfig, got float \(1.0\)"):
+    sample(logits, keys, 1.0)
+  for lg, ks, shown in ((logits[0], keys[0], r"\(16,\) and keys of shape \(\)"),
+                        (logits, keys[:2], r"\(3, 16\) and keys of shape \(2,\)")):
+    with pytest.raises(ValueError, match=rf"sample: logits of shape {shown}: logits must be \[S, V\]"):
+      sample(lg, ks, SamplingConfig(1.0))
+
+
 def test_sampling_config_takes_numpy_scalars():
   cfg = SamplingConfig(np.float32(0.7), np.float64(0.9), np.int64(5))
   assert not cfg.greedy and cfg.top_k == 5
