@@ -213,6 +213,10 @@ def config_from_train(train, dp: int) -> PackingConfig:
     `row_rounding` to a multiple of the micro-batches times the `dp` data-parallel devices
     (each micro-batch splits evenly over them)."""
     buckets = tuple(train.get("len_buckets", ())) or (train.pack_len,)
+    # Before the last-bucket check: (64, 128.5) was told to end with pack_len=128.
+    if any(not _is_int(b) or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
+        raise ValueError(f"train.len_buckets={buckets} must be strictly increasing positive "
+                         f"integers ending with train.pack_len={train.pack_len}")
     if buckets[-1] != train.pack_len:
         raise ValueError(f"train.len_buckets={buckets} must end with train.pack_len={train.pack_len}: "
                          "set both (e.g. --config.train.len_buckets='(..., PACK_LEN)')")

@@ -320,3 +320,17 @@ def test_loss_mask_other_than_zero_or_one_is_a_clear_error(mask, shown):
         PackItem(tokens=np.arange(4), loss_mask=np.array(mask), old_logps=np.zeros(4), advantages=1.0, traj_id=4)
     PackItem(tokens=np.arange(4), loss_mask=np.array([False, True, True, False]), old_logps=np.zeros(4),
              advantages=1.0)
+
+
+def test_config_from_train_names_a_bucket_that_is_not_an_int():
+    """A float last bucket was told to "end with train.pack_len", which it nearly did."""
+    from ml_collections import ConfigDict
+
+    from jaxagent.rl.packing import config_from_train
+    for buckets in ((64, 128.5), (64.0, 128), (128, 64, 128)):
+        train = ConfigDict(dict(pack_len=128, len_buckets=buckets, micro_batches=1))
+        with pytest.raises(ValueError, match=r"train.len_buckets=\(.*\) must be strictly increasing "
+                           r"positive integers ending with train.pack_len=128"):
+            config_from_train(train, dp=1)
+    train = ConfigDict(dict(pack_len=128, len_buckets=(64, 128), micro_batches=2))
+    assert config_from_train(train, dp=1).len_buckets == (64, 128)
