@@ -357,6 +357,15 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
       ggufs = sorted(p.name for p in path.glob("*.gguf"))
       hint = (f"; it holds {', '.join(ggufs[:3])}: pass that file itself "
               f"({path / ggufs[0]})" if ggufs else "")
+      # A training run's workdir (or one of its checkpoints) is not a model directory: the
+      # bare "no config.json" did not say that its policy loads once exported.
+      if not hint and (path / "export" / "config.json").is_file():
+        hint = f"; it holds a run's export: pass {path / 'export'}"
+      elif not hint and ((path / "checkpoints").is_dir()
+                         or (path / "_CHECKPOINT_METADATA").is_file()):
+        hint = ("; it is a jaxagent run's workdir or checkpoint: export its policy first with "
+                "python -m jaxagent.export --workdir=<the run's workdir> (add --step=N for a "
+                "given checkpoint) and pass the directory it writes (<workdir>/export)")
       raise FileNotFoundError(f"{path} has no config.json (expected an HF model directory)"
                               f"{hint}")
     try:

@@ -55,6 +55,21 @@ def test_missing_file_names_the_path(tmp_path):
     models.load(tmp_path)
 
 
+def test_a_run_workdir_or_checkpoint_is_named_with_how_to_export_it(tmp_path):
+  """`python -m jaxagent.generate --model=<workdir>` said only "has no config.json"."""
+  (tmp_path / "checkpoints" / "6").mkdir(parents=True)
+  (tmp_path / "checkpoints" / "6" / "_CHECKPOINT_METADATA").write_text("{}")
+  for path in (tmp_path, tmp_path / "checkpoints" / "6"):
+    with pytest.raises(FileNotFoundError, match=r"has no config\.json .*it is a jaxagent run's "
+                       r"workdir or checkpoint: export its policy first with python -m "
+                       r"jaxagent\.export --workdir="):
+      models.load(path)
+  (tmp_path / "export").mkdir()
+  (tmp_path / "export" / "config.json").write_text("{}")
+  with pytest.raises(FileNotFoundError, match=r"it holds a run's export: pass .*export$"):
+    models.load(tmp_path)
+
+
 def test_unknown_preset_lists_the_known_ones():
   with pytest.raises(FileNotFoundError, match="smollm2-135m-instruct"):
     models.load("gpt-17-ultra")
