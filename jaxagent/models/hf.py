@@ -336,6 +336,24 @@ def resolve(path_or_preset: str | os.PathLike) -> pathlib.Path:
       f"file, or one of the embedded presets {sorted(EMBEDDED)}")
 
 
+def no_config_json(path: pathlib.Path) -> FileNotFoundError:
+  """The error for a model directory without config.json, saying what the directory holds
+  instead where that is something loadable: GGUF files, a run's export, a run's checkpoints."""
+  ggufs = sorted(p.name for p in path.glob("*.gguf"))
+  hint = (f"; it holds {', '.join(ggufs[:3])}: pass that file itself "
+          f"({path / ggufs[0]})" if ggufs else "")
+  # A training run's workdir (or one of its checkpoints) is not a model directory: the
+  # bare "no config.json" did not say that its policy loads once exported.
+  if not hint and (path / "export" / "config.json").is_file():
+    hint = f"; it holds a run's export: pass {path / 'export'}"
+  elif not hint and ((path / "checkpoints").is_dir()
+                     or (path / "_CHECKPOINT_METADATA").is_file()):
+    hint = ("; it is a jaxagent run's workdir or checkpoint: export its policy first with "
+            "python -m jaxagent.export --workdir=<the run's workdir> (add --step=N for a "
+            "given checkpoint) and pass the directory it writes (<workdir>/export)")
+  return FileNotFoundError(f"{path} has no config.json (expected an HF model directory){hint}")
+
+
 def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_overrides):
   """Load `(cfg, params)` from an HF directory, a `.gguf` file or an embedded preset.
 
@@ -354,20 +372,7 @@ def load(path_or_preset: str | os.PathLike, dtype: str | None = None, **cfg_over
   elif path.is_dir():
     cfg_file = path / "config.json"
     if not cfg_file.exists():
-      ggufs = sorted(p.name for p in path.glob("*.gguf"))
-      hint = (f"; it holds {', '.join(ggufs[:3])}: pass that file itself "
-              f"({path / ggufs[0]})" if ggufs else "")
-      # A training run's workdir (or one of its checkpoints) is not a model directory: the
-      # bare "no config.json" did not say that its policy loads once exported.
-      if not hint and (path / "export" / "config.json").is_file():
-        hint = f"; it holds a run's export: pass {path / 'export'}"
-      elif not hint and ((path / "checkpoints").is_dir()
-                         or (path / "_CHECKPOINT_METADATA").is_file()):
-        hint = ("; it is a jaxagent run's workdir or checkpoint: export its policy first with "
-                "python -m jaxagent.export --workdir=<the run's workdir> (add --step=N for a "
-                "given checkpoint) and pass the directory it writes (<workdir>/export)")
-      raise FileNotFoundError(f"{path} has no config.json (expected an HF model directory)"
-                              f"{hint}")
+      raise no_config_json(path)
     try:
       hf_cfg = json.loads(cfg_file.read_text())
     except ValueError as e:

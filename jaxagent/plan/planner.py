@@ -135,7 +135,8 @@ def model_config(config) -> ModelConfig:
   if p.is_dir():
     cfg_file = p / "config.json"
     if not cfg_file.exists():
-      raise FileNotFoundError(f"{p} has no config.json (expected an HF model directory)")
+      from jaxagent.models.hf import no_config_json
+      raise no_config_json(p)
     try:
       hf_cfg = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:

@@ -91,6 +91,13 @@ def test_model_config_reads_hf_directory(tmp_path):
   (tmp_path / "config.json").write_text('[{"model_type": "llama"}]')
   with pytest.raises(ValueError, match=r"config.json: expected a JSON object .*, got list"):
     plan.model_config(c)
+  # A run's workdir passed as the model: named, with how to export it (as models.load says).
+  run = tmp_path / "run"
+  (run / "checkpoints" / "6").mkdir(parents=True)
+  c.model.path = str(run)
+  with pytest.raises(FileNotFoundError, match=r"has no config\.json .*it is a jaxagent run's "
+                     r"workdir or checkpoint: export its policy first"):
+    plan.model_config(c)
 
 
 def test_plan_on_local_cpu_devices():
