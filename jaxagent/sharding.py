@@ -173,7 +173,16 @@ def _spec_and_fallbacks(names, shape, mesh: Mesh, rules):
     axes = table.get(name) if name is not None else None
     if axes is not None:
       tup = (axes,) if isinstance(axes, str) else tuple(axes)
-      tup = tuple(a for a in tup if a not in used and mesh.shape.get(a, 1) > 1)
+      unknown = [a for a in tup if a not in mesh.shape]
+      if unknown:
+        # Skipping the axis replicated the array silently: a mesh with a misspelt axis
+        # ("tensors") or rules naming one held every param whole on every device.
+        raise ValueError(f"sharding: the rules map logical axis {name!r} to mesh axes {tup}, "
+                         f"but the mesh has axes {tuple(mesh.axis_names)} (lacks "
+                         f"{tuple(unknown)}); build the mesh with jaxagent.sharding.make_mesh"
+                         f"(data, fsdp, tensor) (axes {MESH_AXES}), or name only its axes in "
+                         "the rules")
+      tup = tuple(a for a in tup if a not in used and mesh.shape[a] > 1)
       size = _axis_size(mesh, tup) if tup else 1
       if not tup or (shape is not None and shape[i] % size):
         if tup:

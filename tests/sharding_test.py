@@ -214,3 +214,23 @@ def test_a_mesh_without_the_library_axes_is_named():
   ok = Mesh(np.array(jax.devices()[:2]).reshape(1, 2, 1, 1), ("tensor", "data", "fsdp", "x"))
   assert sharding.batch_sharding(ok).spec == P(("data", "fsdp"), None)
   step_lib.Learner(cfg, step_lib.StepConfig(), step_lib.make_optimizer(1e-3), ok)
+
+
+def test_a_misspelt_mesh_axis_is_named_not_replicated():
+  """A mesh with a misspelt axis ("tensors"), or rules naming an axis the mesh lacks, gave
+  params that were silently whole on every device over that axis (wq: P(None, 'fsdp', None,
+  None) on a 2x2x2 mesh); `shardings`, `init_sharded` and `logical_to_spec` name the axis."""
+  from jax.sharding import Mesh
+  bad = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("data", "fsdp", "tensors"))
+  cfg = models.get_config("tiny-llama")
+  abstract = jax.eval_shape(lambda k: models.init_params(cfg, k), jax.random.key(0))
+  match = (r"the rules map logical axis '\w+' to mesh axes \('tensor',\), but the mesh has "
+           r"axes \('data', 'fsdp', 'tensors'\) \(lacks \('tensor',\)\)")
+  with pytest.raises(ValueError, match=match):
+    sharding.shardings(abstract, bad)
+  rules = tuple((k, "tensors" if v == "tensor" else v) for k, v in sharding.RULES)
+  with pytest.raises(ValueError, match=r"logical axis 'heads' to mesh axes \('tensors',\)"):
+    sharding.logical_to_spec(("embed", "heads"), (64, 4), sharding.make_mesh(1, 2, 4), rules)
+  # Names the rules do not map, and rules over the mesh's own axes, are as before.
+  assert sharding.logical_to_spec(("embd", "heads"), (64, 4),
+                                  sharding.make_mesh(1, 2, 4)) == P(None, "tensor")
