@@ -84,8 +84,13 @@ class MeshConfig:
 
 def make_mesh(data: int = 1, fsdp: int = -1, tensor: int = 1,
               devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A `("data", "fsdp", "tensor")` mesh over `devices` (default: all devices)."""
-  devices = list(jax.devices() if devices is None else devices)
+  """A `("data", "fsdp", "tensor")` mesh over `devices` (default: all devices, or another
+  mesh's `.devices` grid)."""
+  devices = jax.devices() if devices is None else devices
+  if isinstance(devices, np.ndarray):
+    # Another mesh's device grid: its rows were taken for devices ("unhashable type").
+    devices = devices.ravel()
+  devices = list(devices)
   if not devices or len(set(devices)) != len(devices):
     raise ValueError(f"make_mesh: devices must be a non-empty list of distinct devices, got "
                      f"{devices!r}")

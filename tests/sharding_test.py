@@ -31,6 +31,10 @@ def test_mesh_config_resolves_and_validates():
     sharding.make_mesh(devices=[])
   with pytest.raises(ValueError, match="non-empty list of distinct devices"):
     sharding.make_mesh(devices=jax.devices()[:1] * 2)
+  # Another mesh's `.devices` grid (2-D or 3-D) was a TypeError ("unhashable type").
+  grid = sharding.make_mesh(2, 2, 2).devices
+  assert sharding.make_mesh(8, 1, 1, devices=grid).shape == {"data": 8, "fsdp": 1, "tensor": 1}
+  assert set(sharding.make_mesh(1, 2, 2, devices=grid[0]).devices.flat) == set(grid[0].flat)
 
 
 def test_logical_rules_replicate_indivisible_dims():
