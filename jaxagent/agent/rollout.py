@@ -26,7 +26,9 @@ This is `generate.scheduler.run_requests` generalised to many turns:
   `encode_observation`), returns the wrong type (an `Episode`, a list of int ids) or gives
   observation ids outside the model's vocabulary ends that trajectory
   with stop reason "env_error" (logged); the others go on. An `observation_template` that the
-  default `format_observation` cannot fill with any output is refused when the driver is built.
+  default `format_observation` cannot fill with any output is refused when the driver is built,
+  and so is an `XMLTagParser` tag whose text cannot be its tool's argument (one the tool
+  declares as a number, or does not take).
 
 Reproducibility: each trajectory's sampler rng is `(seed, request_id, position)` with
 `request_id = request_id_offset + prompt_index * G + sample_index`, so tokens do not depend on
@@ -51,12 +53,12 @@ import numpy as np
 
 from jaxagent._token_ids import is_int, scalar_int, token_ids
 from jaxagent.agent.env import Env, Episode, Example
-from jaxagent.agent.parsers import ParseResult
+from jaxagent.agent.parsers import ParseResult, XMLTagParser
 from jaxagent.agent.trajectory import STOP_REASONS, ToolOutcome, Trajectory, Turn, tool_call_key
 from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH, STOP_NONFINITE
 from jaxagent.generate.scheduler import StopChecker
-from jaxagent.tools import (ToolArgumentError, ToolExecutor, ToolResult, UnknownToolError,
-                            validate_arguments)
+from jaxagent.tools import (ToolArgumentError, ToolExecutor, ToolRegistry, ToolResult,
+                            UnknownToolError, validate_arguments)
 
 log = logging.getLogger(__name__)
 
@@ -203,6 +205,38 @@ def _check_observation_template(env) -> None:
         "{output}, with literal braces doubled ('{{' and '}}')") from None
 
 
+def _check_tag_arguments(env) -> None:
+  """Refuses an `XMLTagParser` tag whose body cannot be an argument of its tool in `env.tools`:
+  a tag's body is always text, so a tool that declares that argument as a number (say) or does
+  not take it at all (a misspelt name, with `additionalProperties: false` as `function_tool`
+  writes) fails every call as the policy's bad arguments while training goes on. Tools that
+  only an episode has (`Env.new_episode`) are not known here and are not checked."""
+  parser, tools = getattr(env, "parser", None), getattr(env, "tools", None)
+  if not isinstance(parser, XMLTagParser) or not isinstance(tools, ToolRegistry):
+    return
+  for tag, (name, arg) in parser.tools.items():
+    if name not in tools:
+      continue
+    params = tools.get(name).parameters
+    props = params.get("properties", {})
+    where = (f"env {getattr(env, 'name', env)!r}: XMLTagParser tag <{tag}> fills argument "
+             f"{arg!r} of tool {name!r} with the text between its tags")
+    if arg not in props:
+      if params.get("additionalProperties", True) is False:
+        raise ValueError(f"{where}, but the tool takes no argument {arg!r} (its arguments: "
+                         f"{', '.join(props) or 'none'}); map the tag to one of them")
+      continue
+    types_ = props[arg].get("type")
+    options = [types_] if isinstance(types_, str) else list(types_ or ())
+    enum = props[arg].get("enum")
+    if (options and "string" not in options) or (
+        enum is not None and not any(isinstance(m, str) for m in enum)):
+      declared = f"type {types_!r}" if options and "string" not in options else f"enum {enum!r}"
+      raise ValueError(f"{where}, but the tool declares it as {declared}, which no text is: every "
+                       "call would fail as bad arguments; declare it a str and convert it in "
+                       "the tool")
+
+
 def _token_ids(ids, what: str = "encode_observation", vocab_size: int | None = None) -> list[int]:
   """`what`'s return as a list of ints; anything else raises `TokenIdError` (a TypeError),
   naming what it was (a float id would be cut to another token, a bool become 0 or 1, a string
@@ -233,6 +267,7 @@ class RolloutDriver:
       raise ValueError(f"env {getattr(env, 'name', env)!r} needs a `parser` with parse(text) and "
                        "stop_strings() methods (see jaxagent.agent.parsers.Parser)")
     _check_observation_template(env)
+    _check_tag_arguments(env)
     self.engine, self.env, self.tokenizer, self.cfg = engine, env, tokenizer, cfg
     self.limit = min(cfg.max_total_tokens or ecfg.max_len, ecfg.max_len)
     self.limit_reason = "max_total_tokens" if self.limit < ecfg.max_len else "max_length"

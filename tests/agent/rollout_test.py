@@ -843,6 +843,35 @@ def test_an_observation_template_that_cannot_wrap_an_output_is_refused_up_front(
   assert t.stop_reason == "answer" and t.turns[0].observation_text == "<r>2</r>"
 
 
+@function_tool
+def _to_fahrenheit(celsius: float, unit: str = "F") -> str:
+  """Convert a temperature."""
+  return str(celsius * 9 / 5 + 32)
+
+
+@pytest.mark.parametrize("target, message", [
+    (("_to_fahrenheit", "celsius"), r"fills argument 'celsius' of tool '_to_fahrenheit' with the "
+                                    r"text .* declares it as type 'number'.*declare it a str"),
+    (("_to_fahrenheit", "degrees"), r"fills argument 'degrees' .* takes no argument 'degrees' \(its arguments: celsius, unit\)"),
+])
+def test_an_xml_tag_that_cannot_fill_its_tools_argument_is_refused_up_front(target, message):
+  """A tag's body is text: every call failed as the policy's bad arguments ("must be of type
+  number, got str", "unknown argument(s)") and the run trained on them."""
+  env = CalculatorEnv()
+  env.tools = ToolRegistry([*env.tools, _to_fahrenheit])
+  env.parser = XMLTagParser({"calc": ("calculator", "expression"), "temp": target})
+  fake = FakeEngine(_script_from_texts({0: ["<temp>20</temp>", "<answer>68</answer>"]}))
+  with pytest.raises(ValueError, match="env 'calculator': XMLTagParser tag <temp> " + message):
+    rollout(fake, None, env, _examples(1), tokenizer=TOK)
+  # A str argument, one the registry does not hold (an episode's own) and the JSON convention
+  # (typed arguments) are not refused.
+  env.parser = XMLTagParser({"temp": ("_to_fahrenheit", "unit"), "x": ("episode_tool", "q")})
+  (t,) = rollout(fake, None, env, _examples(1), tokenizer=TOK)
+  assert t.turns[0].outcome.error.startswith("bad arguments for tool '_to_fahrenheit': missing")
+  env.parser = JSONToolCallParser(answer_tag="answer")
+  rollout(fake, None, env, _examples(1), tokenizer=TOK)
+
+
 def test_stop_strings_from_a_generator_or_a_set_are_all_kept_in_a_fixed_order():
   """The check used a generator up, so the config kept no stop string and turns ran past it."""
   cfg = RolloutConfig(stop_strings=(s for s in ["STOP", "END"]))
