@@ -180,6 +180,10 @@ def _check_value(name: str, value: Any, schema: Mapping[str, Any]) -> Any:
             got = (f"{value!r} (NaN and Infinity are not JSON numbers)"
                    if isinstance(value, float) and not math.isfinite(value) else type(value).__name__)
             raise ToolArgumentError(f"argument {name!r} must be of type {' or '.join(options)}, got {got}")
+    items = schema.get("items")
+    if isinstance(value, (list, tuple)) and isinstance(items, Mapping) and items:
+        # `function_tool` writes `items` for list[int]: the tool must not get ["a"] or [1.5].
+        value = [_check_value(f"{name}[{i}]", item, items) for i, item in enumerate(value)]
     if "enum" in schema:
         # The member itself, matched as JSON compares: true is not 1 (Python's True == 1), and
         # 2.0 for a member 2 gives the tool 2.
@@ -194,9 +198,10 @@ def validate_arguments(parameters: Mapping[str, Any], args: Any) -> dict[str, An
     """Checks tool-call arguments against an object schema; returns them, integral floats coerced.
 
     Covers the part of JSON Schema that tool specs use: required keys, unknown keys (when
-    `additionalProperties` is false), primitive types and enums. Raises `ToolArgumentError`.
-    A null for an optional, declared argument whose schema does not allow null counts as not
-    given (the tool's default applies): models write `"x": null` for an argument they leave unset.
+    `additionalProperties` is false), primitive types, enums and the `items` schema of arrays.
+    Raises `ToolArgumentError`. A null for an optional, declared argument whose schema does not
+    allow null counts as not given (the tool's default applies): models write `"x": null` for an
+    argument they leave unset.
     """
     if not isinstance(args, Mapping):
         raise ToolArgumentError(f"arguments must be a JSON object, got {type(args).__name__}")
@@ -242,8 +247,11 @@ def _schema_for_annotation(annotation: Any) -> dict[str, Any]:
     base = origin if origin is not None else annotation
     if base in simple:
         schema: dict[str, Any] = {"type": simple[base]}
-        if base in (list, tuple) and typing.get_args(annotation):
-            item = _schema_for_annotation(typing.get_args(annotation)[0])
+        args = [a for a in typing.get_args(annotation) if a is not Ellipsis]
+        # One items schema for list[X], tuple[X, ...] and tuple[X, X]; tuple[int, str] has none
+        # (its first member's type would refuse the second).
+        if base in (list, tuple) and args and all(a == args[0] for a in args):
+            item = _schema_for_annotation(args[0])
             if item:
                 schema["items"] = item
         return schema
@@ -390,14 +398,14 @@ def _check_parameters(name: str, parameters: Mapping[str, Any]) -> None:
         raise TypeError(f"tool {name!r}: parameters['properties'] must map each argument name to a JSON schema "
                         f"dict, got {properties!r}")
     for key, spec in properties.items():
-        types_ = spec.get("type")
-        if types_ is None:
-            continue
-        options = [types_] if isinstance(types_, str) else types_
-        if not isinstance(options, (list, tuple)) or not all(
-                isinstance(option, str) and option in _JSON_TYPES for option in options):
-            raise ValueError(f"tool {name!r}: argument {key!r} has type {types_!r}; a type is one of "
-                             f"{', '.join(_JSON_TYPES)}, or a list of them")
+        while isinstance(spec, Mapping):  # the argument, then its array items (checked per call)
+            types_ = spec.get("type")
+            options = [] if types_ is None else [types_] if isinstance(types_, str) else types_
+            if not isinstance(options, (list, tuple)) or not all(
+                    isinstance(option, str) and option in _JSON_TYPES for option in options):
+                raise ValueError(f"tool {name!r}: argument {key!r} has type {types_!r}; a type is one of "
+                                 f"{', '.join(_JSON_TYPES)}, or a list of them")
+            spec, key = spec.get("items"), f"{key}[]"
     required = parameters.get("required", [])
     if not isinstance(required, (list, tuple)) or not all(isinstance(key, str) for key in required):
         raise TypeError(f"tool {name!r}: parameters['required'] must be a list of argument names, got {required!r}")

@@ -243,6 +243,42 @@ def test_registry_rejects_parameter_schemas_no_call_could_satisfy(parameters, me
     assert ToolRegistry([Hand(ok)]).get("hand")({"x": 1}) == "ok"
 
 
+def test_array_items_are_checked_against_their_schema():
+    """`function_tool` writes `items` for list[int], but only the list itself was checked: the
+    tool got ["a"] or [1.5] and failed as its own TypeError, not as the policy's bad arguments;
+    an items type no call could satisfy was registered."""
+
+    @function_tool(description="Add numbers.")
+    def total(xs: list[int], names: list[str] | None = None) -> str:
+        return str(sum(xs))
+
+    assert total.parameters["properties"]["xs"] == {"type": "array", "items": {"type": "integer"}}
+
+    @function_tool(description="Pairs.")
+    def pairs(a: tuple[int, str], b: tuple[float, ...]) -> str:
+        return repr((a, b))
+
+    assert pairs.parameters["properties"]["a"] == {"type": "array"}  # no one type for both
+    assert pairs({"a": [1, "x"], "b": [1.5, 2]}) == "([1, 'x'], [1.5, 2])"
+    assert total({"xs": [1, 2.0]}) == "3"  # integral floats coerced, as for a plain integer
+    for args, fragment in [({"xs": ["a"]}, "argument 'xs[0]' must be of type integer, got str"),
+                           ({"xs": [1, 1.5]}, "argument 'xs[1]' must be of type integer, got float"),
+                           ({"xs": [1], "names": [2]}, "argument 'names[0]' must be of type string")]:
+        result = total(args)
+        assert isinstance(result, ToolResult) and not result.ok, args
+        assert fragment in result.error, (args, result.error)
+
+    class Hand:
+        name, description = "hand", "d"
+        parameters = {"type": "object", "properties": {"x": {"type": "array", "items": {"type": "float"}}}}
+
+        def __call__(self, args):
+            return "ok"
+
+    with pytest.raises(ValueError, match=r"argument 'x\[\]' has type 'float'; a type is one of"):
+        ToolRegistry([Hand()])
+
+
 def test_an_enum_argument_is_matched_as_json_compares_and_given_as_the_member():
     """A Literal[1, 2, 3] argument took true (Python's True == 1) and passed the tool True, and
     2.0 passed as the float 2.0, not as the member 2."""
