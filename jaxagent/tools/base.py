@@ -341,6 +341,12 @@ def function_tool(
     """
 
     def build(f: Callable[..., Any]) -> FunctionTool:
+        if not (inspect.isfunction(f) or inspect.ismethod(f)):
+            # A partial or a callable object has no signature to read types from (get_type_hints
+            # said only "... is not a module, class, method, or function").
+            raise TypeError(f"function_tool takes a function (def or async def) or a method, got "
+                            f"{type(f).__name__} {f!r:.200}; wrap it in a def with typed parameters, "
+                            "or write a class tool (name, description, parameters, __call__)")
         summary, arg_docs = _docstring_parts(f.__doc__)
         hints = typing.get_type_hints(f)
         properties: dict[str, Any] = {}

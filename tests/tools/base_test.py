@@ -1,6 +1,7 @@
 """Tests for jaxagent/tools/base.py: ToolResult, argument checking, function tools, the registry."""
 
 import dataclasses
+import functools
 import json
 import pickle
 from typing import Literal
@@ -115,6 +116,23 @@ def test_function_tool_refuses_signatures_it_cannot_describe():
         @function_tool(description="x")
         def odd(x: complex) -> str:
             return ""
+
+
+def test_function_tool_of_a_partial_or_a_callable_object_says_what_it_takes():
+    """A partial (a plausible way to bind an index) failed in typing.get_type_hints with
+    'functools.partial(...) is not a module, class, method, or function'."""
+    def find(query: str, index: dict) -> str:
+        """Find."""
+        return str(index.get(query))
+
+    class Finder:
+        def __call__(self, query: str) -> str:
+            return query
+
+    for f in (functools.partial(find, index={}), Finder()):
+        with pytest.raises(TypeError, match=r"function_tool takes a function \(def or async def\) "
+                                            r"or a method, got (partial|Finder) .*wrap it in a def"):
+            function_tool(f, name="find", description="Find.")
 
 
 def test_validate_arguments_number_and_null_types():
