@@ -53,12 +53,21 @@ def _import_env(name: str):
   try:
     mod = importlib.import_module(module)
   except ImportError as e:
+    missing = getattr(e, "name", None)
+    if missing is not None and not (module == missing or module.startswith(missing + ".")):
+      # The module was found; an import inside it failed ('put it on the Python path' misled).
+      raise ValueError(f"env {name!r}: importing module {module!r} failed inside it: "
+                       f"{type(e).__name__}: {e} (traceback above)") from e
     raise ValueError(f"env {name!r}: cannot import module {module!r} ({e}); put it on the Python "
                      "path (e.g. run from its directory, or set PYTHONPATH)") from e
   env_cls = mod
   for part in cls.split("."):
     env_cls = getattr(env_cls, part, None)
   if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
-    raise ValueError(f"env {name!r}: {module}.{cls} is {'missing' if env_cls is None else env_cls!r}; "
-                     "name a subclass of jaxagent.agent.Env")
+    envs = sorted(k for k, v in vars(mod).items()
+                  if isinstance(v, type) and issubclass(v, Env) and v is not Env)
+    found = (f"module {module!r} has no attribute {cls!r}" if env_cls is None
+             else f"{module}.{cls} is {env_cls!r}")
+    raise ValueError(f"env {name!r}: {found}; name a subclass of jaxagent.agent.Env (in "
+                     f"{module!r}: {', '.join(envs) or 'none'})")
   return env_cls

@@ -235,7 +235,16 @@ def test_readme_own_task_runs_by_module_class_name(tmp_path, monkeypatch):
   assert len(sft_items(env, env.examples("sft"), tok)) == len(env.examples("train")) == 6
   with pytest.raises(ValueError, match="cannot import module 'no_such_module'"):
     make_env("no_such_module:Env")
-  with pytest.raises(ValueError, match="name a subclass of jaxagent.agent.Env"):
+  with pytest.raises(ValueError, match=r"mytask.reverse is FunctionTool.*; name a subclass of "
+                                       r"jaxagent.agent.Env \(in 'mytask': ReverseEnv\)"):
     make_env("mytask:reverse")
+  with pytest.raises(ValueError, match=r"module 'mytask' has no attribute 'Reverse'; name a "
+                                       r"subclass of jaxagent.agent.Env \(in 'mytask': ReverseEnv\)"):
+    make_env("mytask:Reverse")
+  # An import that fails inside the task's module is not a module missing from the path.
+  (tmp_path / "brokentask.py").write_text("import no_such_dependency_xyz\n")
+  with pytest.raises(ValueError, match=r"importing module 'brokentask' failed inside it: "
+                                       r"ModuleNotFoundError: No module named 'no_such_dependency_xyz'"):
+    make_env("brokentask:Env")
   with pytest.raises(ValueError, match="'module:Class'"):
     make_env("mytask")
