@@ -22,11 +22,13 @@ Two execution paths, chosen per tool by its optional `execution` attribute:
   start method: a fresh interpreter, not a fork of this one). On timeout the worker and its
   children are killed and replaced, so CPU-bound pure-Python tools can neither hold this
   process's GIL nor outlive their timeout. The tool must be picklable (module-level function or
-  class). As with any spawned process, a worker first imports the script that started Python
-  (so that tools defined there unpickle): a script that runs process tools keeps its work under
-  `if __name__ == "__main__":`, or each new worker runs that work again (a whole rollout, say)
-  before it takes its first call. Untrusted code belongs in `jaxagent.tools.sandbox`, which adds
-  real isolation.
+  class). Each call runs on a copy of the tool unpickled in the worker, so what a tool keeps
+  between calls (a running total, a session) does not carry over from one call to the next, and
+  the caller's object never changes: a stateful tool runs on a thread. As with any spawned
+  process, a worker first imports the script that started Python (so that tools defined there
+  unpickle): a script that runs process tools keeps its work under `if __name__ ==
+  "__main__":`, or each new worker runs that work again (a whole rollout, say) before it takes
+  its first call. Untrusted code belongs in `jaxagent.tools.sandbox`, which adds real isolation.
 
 Done-callbacks on the returned futures run on executor threads (the watchdog for timeouts): keep
 them short.
