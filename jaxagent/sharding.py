@@ -68,7 +68,8 @@ class MeshConfig:
     if -1 in sizes:
       if n_devices % known:
         raise ValueError(f"MeshConfig {sizes}: {n_devices} devices are not divisible by the "
-                         f"fixed axes' product {known}")
+                         f"fixed axes' product {known}; give the other two axes sizes whose "
+                         f"product divides {n_devices}")
       sizes[sizes.index(-1)] = n_devices // known
     if math.prod(sizes) > n_devices:
       # (the advice to set an axis to -1 did not help here: the fixed sizes alone are too many)
@@ -77,8 +78,13 @@ class MeshConfig:
                        f"sizes whose product is {n_devices}, or set one of them to -1 with "
                        f"the other two dividing {n_devices}")
     if math.prod(sizes) != n_devices:
+      # An axis of -1 absorbs the rest only when the product divides the devices: data=3 on 8
+      # devices was told to set one to -1, which then failed as "not divisible".
+      fix = ("set one axis to -1 to absorb the rest" if n_devices % math.prod(sizes) == 0 else
+             f"give sizes whose product is {n_devices} ({math.prod(sizes)} does not divide "
+             f"{n_devices}, so no axis of -1 can absorb the rest)")
       raise ValueError(f"MeshConfig data*fsdp*tensor = {math.prod(sizes)} but {n_devices} "
-                       f"devices are available; set one axis to -1 to absorb the rest")
+                       f"devices are available; {fix}")
     return tuple(sizes)
 
 

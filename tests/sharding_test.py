@@ -16,6 +16,15 @@ def test_mesh_config_resolves_and_validates():
     sharding.MeshConfig(-1, -1, 1)
   with pytest.raises(ValueError, match="devices"):
     sharding.MeshConfig(3, 1, 1).resolve(8)
+  # data=3 on 8 devices: the advice was to set an axis to -1, which 3 cannot make work.
+  with pytest.raises(ValueError, match=r"= 3 but 8 devices are available; give sizes whose "
+                     r"product is 8 \(3 does not divide 8, so no axis of -1 can absorb"):
+    sharding.MeshConfig(3, 1, 1).resolve(8)
+  with pytest.raises(ValueError, match=r"= 4 but 8 devices are available; set one axis to -1"):
+    sharding.MeshConfig(2, 2, 1).resolve(8)
+  with pytest.raises(ValueError, match=r"product 3; give the other two axes sizes whose product "
+                     r"divides 8"):
+    sharding.MeshConfig(3, -1, 1).resolve(8)
   # More than the devices: the advice was "set one axis to -1 to absorb the rest", which cannot
   # help when the fixed sizes alone are too many.
   with pytest.raises(ValueError, match=r"data\*fsdp\*tensor = 16 but 8 devices are available; a "
