@@ -210,9 +210,12 @@ def _check_tag_arguments(env) -> None:
   a tag's body is always text, so a tool that declares that argument as a number (say) or does
   not take it at all (a misspelt name, with `additionalProperties: false` as `function_tool`
   writes) fails every call as the policy's bad arguments while training goes on. Tools that
-  only an episode has (`Env.new_episode`) are not known here and are not checked."""
+  only an episode has (`Env.new_episode`), and parsers with a `parse` of their own, are not
+  checked."""
   parser, tools = getattr(env, "parser", None), getattr(env, "tools", None)
-  if not isinstance(parser, XMLTagParser) or not isinstance(tools, ToolRegistry):
+  # A subclass with its own `parse` may turn the text into other types: not checked.
+  if (not isinstance(parser, XMLTagParser) or not isinstance(tools, ToolRegistry)
+      or getattr(type(parser), "parse", None) is not XMLTagParser.parse):
     return
   for tag, (name, arg) in parser.tools.items():
     if name not in tools:

@@ -871,6 +871,18 @@ def test_an_xml_tag_that_cannot_fill_its_tools_argument_is_refused_up_front(targ
   env.parser = JSONToolCallParser(answer_tag="answer")
   rollout(fake, None, env, _examples(1), tokenizer=TOK)
 
+  class NumberTags(XMLTagParser):  # a parse of its own may give the tool a number
+    def parse(self, text):
+      parsed = super().parse(text)
+      if parsed.kind != "tool_call":
+        return parsed
+      (arg, body), = parsed.call.arguments.items()
+      return ParseResult("tool_call", call=ToolCall(parsed.call.name, {arg: float(body)}))
+
+  env.parser = NumberTags({"temp": ("_to_fahrenheit", "celsius")})
+  (t,) = rollout(fake, None, env, _examples(1), tokenizer=TOK)
+  assert t.turns[0].observation_text == "<result>68.0</result>"
+
 
 def test_stop_strings_from_a_generator_or_a_set_are_all_kept_in_a_fixed_order():
   """The check used a generator up, so the config kept no stop string and turns ran past it."""
