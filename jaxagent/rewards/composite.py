@@ -5,7 +5,8 @@ current step, feeds `RewardOutput.total` to `rl/advantages.py`, and logs every c
 `reward/<name>` (`RewardOutput.metrics`, `mean_metrics`).
 
 A component is any callable `RewardInput -> float` (see `components.py` for the verifiers and
-shaping terms wrapped this way). Each has a role:
+shaping terms wrapped this way); a bool it returns counts as 1.0 or 0.0 (a check such as
+`lambda inp: inp.metadata["final_answer"] == inp.gold`). Each has a role:
 
 * "outcome": whether the answer is right (math equivalence, EM, unit tests);
 * "shaping": step-level signals (format, valid tool calls) that help early and should fade;
@@ -32,6 +33,8 @@ import numbers
 import re
 import threading
 from typing import Any, Callable, Literal, Mapping, Sequence
+
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -242,6 +245,9 @@ class CompositeReward:
     for c in self.components:
       try:
         value = c(inp)
+        if isinstance(value, (bool, np.bool_)):
+          # A check's outcome (Python's or NumPy's): it scored 0 as an error on every trajectory.
+          value = 1.0 if value else 0.0
         if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
           raise ValueError(f"returned {value!r}; a reward component must return a finite float")
         if not math.isfinite(weights[c.name] * float(value)):

@@ -60,6 +60,17 @@ def test_failing_component_scores_zero_and_is_counted(caplog):
   assert "verifier crashed" in caplog.text
 
 
+def test_a_component_that_returns_a_bool_scores_it_as_one_or_zero():
+  # `answer == gold` is a natural component; it scored 0 and counted as an error every time.
+  import numpy as np
+  r = CompositeReward([Component("right", lambda inp: inp.metadata["final_answer"] == inp.gold),
+                       Component("np", lambda inp: np.asarray(inp.metadata["final_answer"]) == "4")])
+  for answer, expected in (("4", 2.0), ("5", 0.0)):
+    out = r(dataclasses.replace(INP, gold="4", metadata={"final_answer": answer}))
+    assert (out.total, out.errors) == (expected, ()), out
+  assert r.error_counts() == {"right": 0, "np": 0}
+
+
 def test_total_that_overflows_is_data_not_a_crash():
   # A finite value that overflows once weighted made the total inf (which compute_advantages
   # refuses, ending the run); two whose sum overflows made math.fsum raise out of the call.
