@@ -31,12 +31,13 @@ block after it; a turn that ends inside one is "malformed". `parse` never raises
 string (see the hypothesis fuzz tests) and is linear in the text.
 
 Reasoning models (Qwen3 style) think in a `<think>...</think>` block before they act. With
-`XMLTagParser(..., think_tag="think")` what is written while thinking is not an action, as the
+`XMLTagParser(..., think_tag="think")` or `JSONToolCallParser(think_tag="think")` what is
+written while thinking is not an action, as the
 rewards judge it (`FormatConfig.think_tag`, math_tool's answer): `parse` reads the text without
 its think blocks, and `stop_allowed(text)` (an optional parser method that the driver calls when
 a stop string matches) keeps a turn going while a think block is still open, so a closing tag
 written in thought does not end it. A parser whose `may_refuse_stops` is False (an optional
-attribute; `XMLTagParser` without a think_tag) is never asked.
+attribute; either parser without a think_tag) is never asked.
 """
 from __future__ import annotations
 
@@ -219,7 +220,47 @@ def _final_block(text: str, tags: Sequence[str],
   return tag, opened, close_at
 
 
-class XMLTagParser:
+class _Thinking:
+  """The think-block handling that `XMLTagParser` and `JSONToolCallParser` share (see their
+  `think_tag`): blocks of `think_tag` are free text, hidden from `parse`, and a stop string
+  matched while one is open does not end the turn."""
+
+  think_tag: str | None = None
+  answer_tag: str | None = None
+  _hiding: tuple[str, ...] = ()
+
+  def _set_think_tag(self, who: str, think_tag: str | None, call_tags: Sequence[str]) -> None:
+    if think_tag is not None:
+      _check_tag(f"{who}.think_tag", think_tag)
+      if think_tag in call_tags or think_tag == self.answer_tag:
+        raise ValueError(f"{who}: think_tag {think_tag!r} is also a tool tag or the answer "
+                         "tag; give the reasoning block a tag of its own")
+    self.think_tag = think_tag
+    # Think and call blocks (`_block_spans`): the first to open hides what it holds.
+    self._hiding = (think_tag, *call_tags) if think_tag is not None else ()
+
+  @property
+  def may_refuse_stops(self) -> bool:
+    """Whether `stop_allowed` can ever return False (only with a think_tag): the driver skips
+    the hook, and the decode of the turn it needs, when it cannot."""
+    return self.think_tag is not None
+
+  def stop_allowed(self, text: str) -> bool:
+    """Whether a stop string that ends `text` (the turn so far) may end the turn: not while a
+    think block is open. Always True without a think_tag."""
+    if self.think_tag is None or not isinstance(text, str):
+      return True
+    spans = _block_spans(text, self._hiding)  # one never closed runs to the end
+    return not (spans and spans[-1][0] == self.think_tag and not spans[-1][3])
+
+  def _without_thinking(self, text: str) -> str:
+    """`text` without its think blocks: what was written while thinking is not an action."""
+    if self.think_tag is None:
+      return text
+    return _without(text, _block_spans(text, self._hiding, until=self.answer_tag), self.think_tag)
+
+
+class XMLTagParser(_Thinking):
   """Tags mapped to tools, e.g. `<search>query</search>` -> `search(query=...)`.
 
   Args:
@@ -253,18 +294,11 @@ class XMLTagParser:
         raise ValueError(f"XMLTagParser: {answer_tag!r} is both a tool tag and the answer tag")
     if not self.tools and answer_tag is None:
       raise ValueError("XMLTagParser needs at least one tool tag or an answer tag")
-    if think_tag is not None:
-      _check_tag("XMLTagParser.think_tag", think_tag)
-      if think_tag in self.tools or think_tag == answer_tag:
-        raise ValueError(f"XMLTagParser: think_tag {think_tag!r} is also a tool tag or the answer "
-                         "tag; give the reasoning block a tag of its own")
     self.answer_tag = answer_tag
     self.strip = strip
-    self.think_tag = think_tag
+    self._set_think_tag("XMLTagParser", think_tag, list(self.tools))
     # Longest first so that a tag that is a suffix of another (`q` vs `subq`) never shadows it.
     self._tags = sorted([*self.tools, *([answer_tag] if answer_tag else [])], key=len, reverse=True)
-    # Think and call blocks (`_block_spans`): the first to open hides what it holds.
-    self._hiding = (think_tag, *self.tools) if think_tag is not None else ()
 
   def __repr__(self) -> str:
     think = f", think_tag={self.think_tag!r}" if self.think_tag is not None else ""
@@ -273,26 +307,10 @@ class XMLTagParser:
   def stop_strings(self) -> list[str]:
     return [f"</{t}>" for t in [*self.tools, *([self.answer_tag] if self.answer_tag else [])]]
 
-  @property
-  def may_refuse_stops(self) -> bool:
-    """Whether `stop_allowed` can ever return False (only with a think_tag): the driver skips
-    the hook, and the decode of the turn it needs, when it cannot."""
-    return self.think_tag is not None
-
-  def stop_allowed(self, text: str) -> bool:
-    """Whether a stop string that ends `text` (the turn so far) may end the turn: not while a
-    think block is open. Always True without a think_tag."""
-    if self.think_tag is None or not isinstance(text, str):
-      return True
-    spans = _block_spans(text, self._hiding)  # one never closed runs to the end
-    return not (spans and spans[-1][0] == self.think_tag and not spans[-1][3])
-
   def parse(self, text: str) -> ParseResult:
     if not isinstance(text, str):
       return ParseResult.malformed(f"expected text, got {type(text).__name__}")
-    if self.think_tag is not None:  # what was written while thinking is not an action
-      text = _without(text, _block_spans(text, self._hiding, until=self.answer_tag),
-                      self.think_tag)
+    text = self._without_thinking(text)
     found = _final_block(text, self._tags, self.answer_tag)
     if isinstance(found, ParseResult):
       return found
@@ -310,7 +328,7 @@ class XMLTagParser:
     return ParseResult("tool_call", call=ToolCall(tool, {arg: body}, raw), raw=raw)
 
 
-class JSONToolCallParser:
+class JSONToolCallParser(_Thinking):
   """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen / Hermes).
 
   `arguments` may be omitted (no arguments) or be a JSON-encoded object string (OpenAI style).
@@ -320,9 +338,13 @@ class JSONToolCallParser:
   Args:
     tag: the wrapping tag.
     answer_tag: an optional final-answer tag (None: a turn without a call is plain text).
+    think_tag: the tag of a reasoning block, e.g. "think" for Qwen3 (None: no such block). As
+      for `XMLTagParser`: a call or answer written inside one is not read, and a stop string
+      matched while one is open does not end the turn.
   """
 
-  def __init__(self, tag: str = "tool_call", answer_tag: str | None = None):
+  def __init__(self, tag: str = "tool_call", answer_tag: str | None = None, *,
+               think_tag: str | None = None):
     _check_tag("JSONToolCallParser.tag", tag)
     if answer_tag is not None:
       _check_tag("JSONToolCallParser.answer_tag", answer_tag)
@@ -331,9 +353,11 @@ class JSONToolCallParser:
     self.tag = tag
     self.answer_tag = answer_tag
     self._tags = [t for t in (tag, answer_tag) if t]
+    self._set_think_tag("JSONToolCallParser", think_tag, [tag])
 
   def __repr__(self) -> str:
-    return f"JSONToolCallParser(tag={self.tag!r}, answer_tag={self.answer_tag!r})"
+    think = f", think_tag={self.think_tag!r}" if self.think_tag is not None else ""
+    return f"JSONToolCallParser(tag={self.tag!r}, answer_tag={self.answer_tag!r}{think})"
 
   def stop_strings(self) -> list[str]:
     return [f"</{t}>" for t in self._tags]
@@ -341,6 +365,7 @@ class JSONToolCallParser:
   def parse(self, text: str) -> ParseResult:
     if not isinstance(text, str):
       return ParseResult.malformed(f"expected text, got {type(text).__name__}")
+    text = self._without_thinking(text)
     found = _final_block(text, sorted(self._tags, key=len, reverse=True), self.answer_tag)
     if isinstance(found, ParseResult):
       return found

@@ -322,6 +322,34 @@ def test_xml_without_think_tag_is_unchanged():
   assert XML.parse("<think>run <code>print(1)</code>").call.arguments == {"code": "print(1)"}
 
 
+JSON_THINK = JSONToolCallParser(answer_tag="answer", think_tag="think")
+_CALL = '<tool_call>{"name": "calc", "arguments": {"x": 1}}</tool_call>'
+
+
+@pytest.mark.parametrize("text,kind", [
+    # A Qwen3-style reasoning block: the call it names is not made (it was run).
+    (f"<think>I will call {_CALL} later</think>", "text"),
+    (f"<think>first {_CALL}", "text"),  # never closed: hides the call
+    (f"<think>plan</think>\n{_CALL}", "tool_call"),
+    ("<think>maybe <answer>41</answer></think> <answer>42</answer>", "answer"),
+    # The first block to open hides what it holds: a <think> in a call's JSON string is data.
+    ('<tool_call>{"name": "calc", "arguments": {"x": "<think>"}}</tool_call>', "tool_call"),
+])
+def test_json_think_tag_hides_what_is_written_while_thinking(text, kind):
+  r = JSON_THINK.parse(text)
+  assert r.kind == kind, r
+  if kind == "tool_call":
+    assert r.call.name == "calc"
+  if kind == "answer":
+    assert r.answer == "42"
+  assert JSON.parse(text).kind in ("tool_call", "text")  # without a think_tag: read as before
+  assert JSON_THINK.stop_allowed(f"<think>I will call {_CALL}") is False
+  assert JSON_THINK.stop_allowed(f"<think>a</think>{_CALL}") is True
+  assert JSON_THINK.may_refuse_stops and not JSON.may_refuse_stops
+  with pytest.raises(ValueError, match="think_tag 'tool_call' is also a tool tag"):
+    JSONToolCallParser(think_tag="tool_call")
+
+
 def test_xml_think_tag_config_errors():
   with pytest.raises(ValueError, match="think_tag 'code' is also a tool tag or the answer tag"):
     XMLTagParser({"code": ("python", "code")}, think_tag="code")
