@@ -216,7 +216,11 @@ class ToolShapingConfig:
   out (garbage code, `1/0` for a calculator) earns no bonus, or the bonus would pay for calls that
   do nothing; and a call that repeats an earlier call of the trajectory word for word (same tool,
   same arguments) earns none, or one trivial call made five times would collect the whole cap.
-  `reward_repeated_calls=True` pays for repeats too (num_repeated is then taken as 0).
+  `reward_repeated_calls=True` pays for repeats too (num_repeated is then taken as 0). From the
+  counts alone num_ok is an upper bound of that number: where a trajectory both repeats a call
+  and has a valid call that failed, the counts do not say whether the failed call was one of the
+  repeats, and num_ok counts as if it was (calls `1+1`, `1+1`, `1/0`: num_ok 2, one of them
+  distinct and successful).
   """
 
   reward_per_valid_call: float = 0.1
