@@ -67,9 +67,10 @@ class MeshConfig:
     known = math.prod(s for s in sizes if s != -1)
     if -1 in sizes:
       if n_devices % known:
-        raise ValueError(f"MeshConfig {sizes}: {n_devices} devices are not divisible by the "
-                         f"fixed axes' product {known}; give the other two axes sizes whose "
-                         f"product divides {n_devices}")
+        named = ", ".join(f"{a}={v}" for a, v in zip(("data", "fsdp", "tensor"), sizes))
+        raise ValueError(f"MeshConfig ({named}): {n_devices} devices are not divisible by "
+                         f"{known}, the product of the sizes other than -1; give those sizes a "
+                         f"product that divides {n_devices}")
       sizes[sizes.index(-1)] = n_devices // known
     if math.prod(sizes) > n_devices:
       # (the advice to set an axis to -1 did not help here: the fixed sizes alone are too many)

@@ -22,8 +22,9 @@ def test_mesh_config_resolves_and_validates():
     sharding.MeshConfig(3, 1, 1).resolve(8)
   with pytest.raises(ValueError, match=r"= 4 but 8 devices are available; set one axis to -1"):
     sharding.MeshConfig(2, 2, 1).resolve(8)
-  with pytest.raises(ValueError, match=r"product 3; give the other two axes sizes whose product "
-                     r"divides 8"):
+  with pytest.raises(ValueError, match=r"MeshConfig \(data=3, fsdp=-1, tensor=1\): 8 devices are "
+                     r"not divisible by 3, the product of the sizes other than -1; give those "
+                     r"sizes a product that divides 8"):
     sharding.MeshConfig(3, -1, 1).resolve(8)
   # More than the devices: the advice was "set one axis to -1 to absorb the rest", which cannot
   # help when the fixed sizes alone are too many.
