@@ -126,11 +126,11 @@ def _is_int(v) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def _check_buckets(field: str, buckets: tuple[int, ...]) -> None:
+def _check_buckets(name: str, buckets: tuple[int, ...], more: str = "") -> None:
     # 4.0 passed as an integer and failed in `pack` ("'float' object cannot be interpreted as an
     # integer", naming no field).
     if any(not _is_int(b) or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-        raise ValueError(f"PackingConfig.{field}={buckets} must be strictly increasing positive integers")
+        raise ValueError(f"{name}={buckets} must be strictly increasing positive integers{more}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,7 +167,7 @@ class PackingConfig:
             raise ValueError(f"PackingConfig.max_len={self.max_len} must be >= 2")
         object.__setattr__(self, "len_buckets", tuple(self.len_buckets) or (self.max_len,))
         object.__setattr__(self, "row_buckets", tuple(self.row_buckets))
-        _check_buckets("len_buckets", self.len_buckets)
+        _check_buckets("PackingConfig.len_buckets", self.len_buckets)
         if self.len_buckets[-1] != self.max_len:
             raise ValueError(f"PackingConfig.len_buckets={self.len_buckets} must end with max_len={self.max_len}")
         if self.row_multiple < 1:
@@ -181,7 +181,7 @@ class PackingConfig:
         if self.row_rounding == "buckets":
             if not self.row_buckets:
                 raise ValueError("PackingConfig.row_buckets must be non-empty when row_rounding='buckets'")
-            _check_buckets("row_buckets", self.row_buckets)
+            _check_buckets("PackingConfig.row_buckets", self.row_buckets)
             if any(b % self.row_multiple for b in self.row_buckets):
                 raise ValueError(f"PackingConfig.row_buckets={self.row_buckets} must all be multiples of "
                                  f"row_multiple={self.row_multiple}")
@@ -214,9 +214,7 @@ def config_from_train(train, dp: int) -> PackingConfig:
     (each micro-batch splits evenly over them)."""
     buckets = tuple(train.get("len_buckets", ())) or (train.pack_len,)
     # Before the last-bucket check: (64, 128.5) was told to end with pack_len=128.
-    if any(not _is_int(b) or b < 1 for b in buckets) or list(buckets) != sorted(set(buckets)):
-        raise ValueError(f"train.len_buckets={buckets} must be strictly increasing positive "
-                         f"integers ending with train.pack_len={train.pack_len}")
+    _check_buckets("train.len_buckets", buckets, f" ending with train.pack_len={train.pack_len}")
     if buckets[-1] != train.pack_len:
         raise ValueError(f"train.len_buckets={buckets} must end with train.pack_len={train.pack_len}: "
                          "set both (e.g. --config.train.len_buckets='(..., PACK_LEN)')")
