@@ -51,6 +51,26 @@ def did_you_mean(key: str, known, prefix: str = "") -> str:
   return f"{prefix}{key} (did you mean {prefix}{close[0]}?)" if close else f"{prefix}{key}"
 
 
+# The argv that each `define_config_flag` flag reads its `--config.KEY=VALUE` overrides from,
+# filled by `parse_config_flags`; by flag name.
+_FLAG_ARGV: dict[str, list[str]] = {}
+
+
+def define_config_flag(help_text: str, name: str = "config"):
+  """An entry point's `--config=path.py[:variant]` flag (ml_collections' config-file flag, no
+  default), for parsing with `parse_config_flags`.
+
+  The flag reads its overrides from the argv that `parse_config_flags` is given, not from
+  sys.argv: at its definition (the entry point's import) it would read sys.argv's --flagfile,
+  and one that did not exist was a traceback from that import.
+  """
+  from ml_collections import config_flags
+  argv: list[str] = []
+  holder = config_flags.DEFINE_config_file(name, None, help_text, sys_argv=argv)
+  _FLAG_ARGV[name] = argv
+  return holder
+
+
 def parse_config_flags(argv: list[str], config_flag) -> list[str]:
   """absl's flag parsing for an entry point with a `--config` file flag (`app.run(main,
   flags_parser=...)`): a `--config.key=value` naming a key the config lacks, or a config file
@@ -58,6 +78,9 @@ def parse_config_flags(argv: list[str], config_flag) -> list[str]:
   ConfigDict), is one line on stderr and exit status 1, as for other bad flags, instead of a
   traceback."""
   from absl import flags
+
+  if (flag_argv := _FLAG_ARGV.get(config_flag.name)) is not None:
+    flag_argv[:] = argv  # what the flag reads its overrides from (define_config_flag)
 
   def fail(message: str):
     print(f"FATAL Flags parsing error: {message}\nPass --helpshort or --helpfull to see help on "

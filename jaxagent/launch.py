@@ -23,7 +23,6 @@ import socket
 import tempfile
 
 from absl import app, flags
-from ml_collections import config_flags
 
 # jax / flax are imported where a run starts: a misspelt flag or config key is named before
 # their import, which takes a second or more.
@@ -41,13 +40,8 @@ def _default_config() -> str:
 # No default here: ml_collections loads a flag's default when the flag is defined (this module's
 # import), applying the `--config.KEY=VALUE` overrides of sys.argv, so a misspelt key raised a
 # traceback before `parse_flags` could name it. `parse_flags` supplies the quickstart instead.
-# The flag reads its overrides from `_ARGV`, which `parse_flags` fills, not from sys.argv: at
-# its definition it read sys.argv's --flagfile, and one that did not exist was a traceback
-# from this module's import.
-_ARGV: list[str] = []
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Run config file (`path.py[:variant]`; default: configs/quickstart.py).",
-    sys_argv=_ARGV)
+_CONFIG = config_files.define_config_flag(
+    "Run config file (`path.py[:variant]`; default: configs/quickstart.py).")
 _COORDINATOR = flags.DEFINE_string(
     "coordinator_address", None,
     "HOST:PORT of process 0 in a multi-process run (default: $JAX_COORDINATOR_ADDRESS).")
@@ -260,7 +254,6 @@ def parse_flags(argv: list[str]) -> list[str]:
     given = None      # (it was a traceback here)
   if given is not None and not any(re.match(r"-{1,2}config(=|$)", a) for a in given):
     argv = [argv[0], f"--config={_default_config()}", *argv[1:]]
-  _ARGV[:] = argv
   return config_files.parse_config_flags(argv, _CONFIG)
 
 

@@ -10,9 +10,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 # An entry point as `jaxagent.launch` and `jaxagent.plan` build theirs (without their imports).
 ENTRY = """
 import sys
-from ml_collections import config_flags
 from jaxagent import config_files
-config = config_flags.DEFINE_config_file("config", None, "")
+config = config_files.define_config_flag("")
 config_files.parse_config_flags(sys.argv, config)
 print("loaded", type(config.value).__name__, config.value.get("a"))
 """
@@ -240,4 +239,22 @@ def test_an_argument_that_is_not_a_flag_is_refused(tmp_path, args, expected):
   r = _parse(*(a.format(path=path) for a in args))
   assert r.returncode == 1 and "loaded" not in r.stdout, (r.stdout, r.stderr[-2000:])
   assert f"FATAL Flags parsing error: {expected.format(path=path)}" in r.stderr, r.stderr[-2000:]
+  assert "Traceback" not in r.stderr, r.stderr[-2000:]
+
+
+def test_the_config_flag_reads_its_overrides_from_a_flagfile(tmp_path):
+  # The flag of `define_config_flag` reads the argv that `parse_config_flags` is given, with
+  # its flag files expanded: overrides written in a --flagfile apply, and a later one on the
+  # command line wins; a flag file that does not exist is one line.
+  path = tmp_path / "my_config.py"
+  path.write_text("import ml_collections\ndef get_config(arg=None):\n"
+                  "  return ml_collections.ConfigDict({'a': 1})\n")
+  flagfile = tmp_path / "run.flags"
+  flagfile.write_text(f"--config={path}\n--config.a=2\n")
+  r = _parse(f"--flagfile={flagfile}")
+  assert r.returncode == 0 and "loaded ConfigDict 2" in r.stdout, (r.stdout, r.stderr[-2000:])
+  r = _parse(f"--flagfile={flagfile}", "--config.a=3")
+  assert r.returncode == 0 and "loaded ConfigDict 3" in r.stdout, (r.stdout, r.stderr[-2000:])
+  r = _parse(f"--flagfile={tmp_path}/no_such.flags")
+  assert r.returncode == 1 and "Unable to open flagfile" in r.stderr, r.stderr[-2000:]
   assert "Traceback" not in r.stderr, r.stderr[-2000:]

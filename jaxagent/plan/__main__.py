@@ -14,16 +14,10 @@ import pathlib
 import sys
 
 from absl import app, flags
-from ml_collections import config_flags
 
 from jaxagent import config_files
 
-# The config flag reads its overrides from `_ARGV`, which `_parse_flags` fills, not from
-# sys.argv: at its definition it read sys.argv's --flagfile, and one that did not exist was a
-# traceback from this module's import.
-_ARGV: list[str] = []
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (`path.py[:variant]`).",
-                                          sys_argv=_ARGV)
+_CONFIG = config_files.define_config_flag("Run config file (`path.py[:variant]`).")
 _TOPOLOGY = flags.DEFINE_string(
     "topology", "local", "TPU topology ('v5e:4x4', 'v5p:4x4x4', 'v6e:4x4', 'v4:2x2x1', "
     "'tpu7x:2x2x1', ...), a Cloud TPU accelerator type ('v5litepod-16', 'v5p-8', 'v6e-8', 'v4-8') "
@@ -92,7 +86,6 @@ def main(argv):
 
 
 def _parse_flags(argv: list[str]) -> list[str]:
-  _ARGV[:] = argv
   return config_files.parse_config_flags(argv, _CONFIG)
 
 
