@@ -421,6 +421,9 @@ def test_append_bad_input_errors_before_running(params):
   state = eng.insert(eng.prefill(params, [list(range(1, 20))], [1]), eng.init_decode_state(), 0)
   with pytest.raises(ValueError, match="steps must be a positive int"):
     eng.generate(params, state, steps=0)
+  for kv_len in (0, 2.5, True, jnp.int32(20)):
+    with pytest.raises(ValueError, match="kv_len must be a positive int"):
+      eng.generate(params, state, steps=1, kv_len=kv_len)
   with pytest.raises(ValueError, match="slot 1 holds no request"):
     eng.append(params, state, [1], [[1, 2]])
   with pytest.raises(ValueError, match="slot out of range"):
