@@ -172,6 +172,8 @@ class _Live:
   future: concurrent.futures.Future | None = None
   obs_ids: list[int] | None = None
   call_keys: set[str] = dataclasses.field(default_factory=set)  # the valid calls made so far
+  ok_keys: set[str] = dataclasses.field(default_factory=set)  # the valid calls that succeeded
+  call_key: str | None = None     # the key of the call in flight
 
 
 @dataclasses.dataclass
@@ -406,7 +408,7 @@ class _Run:
         raise ValueError(f"example {ex.id!r}: the rendered prompt is empty")
       for g in range(num_samples):
         traj = Trajectory(request_id=offset + i * num_samples + g, group_id=i, sample_index=g,
-                          example_id=ex.id)
+                          example_id=ex.id, distinct_ok_tool_calls=0)
         traj.add_prompt(prompt)
         out.append(traj)
         too_long = self.d.prompt_too_long(len(prompt))
@@ -658,6 +660,7 @@ class _Run:
     key = tool_call_key(call.name, args)
     traj.repeated_tool_calls += key in lv.call_keys
     lv.call_keys.add(key)
+    lv.call_key = key
     timeout = min(self.cfg.tool_timeout_s, self.cfg.traj_tool_timeout_s - traj.tool_seconds)
     own = getattr(tool, "timeout_s", None)  # a tool's own limit (`function_tool(timeout_s=...)`)
     if isinstance(own, (int, float)) and not isinstance(own, bool) and own > 0:
@@ -690,6 +693,9 @@ class _Run:
       if not result.ok:
         lv.traj.tool_errors += 1
         lv.traj.tool_timeouts += int(result.timed_out)
+      elif lv.call_key not in lv.ok_keys:
+        lv.ok_keys.add(lv.call_key)
+        lv.traj.distinct_ok_tool_calls += 1
       self._observe(lv, result)
 
   def _observe(self, lv: _Live, result: ToolResult) -> None:

@@ -165,6 +165,10 @@ class Trajectory:
     valid_tool_calls: calls that parsed, named a known tool and had valid arguments.
     repeated_tool_calls: valid calls with the same tool and arguments as an earlier valid call
       of this trajectory (counted in valid_tool_calls too).
+    distinct_ok_tool_calls: distinct valid calls that succeeded: valid calls whose tool
+      returned ok, a call with the same tool and arguments (`tool_call_key`) as an earlier
+      successful one counting once. The calls `rewards.ToolUseReward` pays for. None where it
+      was not counted (a trajectory built by hand, a dump written before this count).
     tool_errors: calls that ended in an error (malformed, unknown tool, bad arguments, failure,
       timeout).
     tool_timeouts, malformed_calls, unknown_tool_calls, bad_argument_calls: the error kinds.
@@ -186,6 +190,7 @@ class Trajectory:
   num_tool_calls: int = 0
   valid_tool_calls: int = 0
   repeated_tool_calls: int = 0
+  distinct_ok_tool_calls: int | None = None
   tool_errors: int = 0
   tool_timeouts: int = 0
   malformed_calls: int = 0
@@ -285,7 +290,8 @@ class Trajectory:
     """Tool-call counts (per tool, valid, errors by kind)."""
     return {"tool_calls": dict(self.tool_calls), "num_tool_calls": self.num_tool_calls,
             "valid_tool_calls": self.valid_tool_calls,
-            "repeated_tool_calls": self.repeated_tool_calls, "tool_errors": self.tool_errors,
+            "repeated_tool_calls": self.repeated_tool_calls,
+            "distinct_ok_tool_calls": self.distinct_ok_tool_calls, "tool_errors": self.tool_errors,
             "tool_timeouts": self.tool_timeouts, "malformed_calls": self.malformed_calls,
             "unknown_tool_calls": self.unknown_tool_calls,
             "bad_argument_calls": self.bad_argument_calls}
@@ -352,7 +358,7 @@ class Trajectory:
                        num_tool_calls=self.num_tool_calls, num_valid_tool_calls=self.valid_tool_calls,
                        num_tool_errors=self.tool_errors,
                        num_repeated_tool_calls=self.repeated_tool_calls, truncated=self.truncated,
-                       metadata=meta)
+                       metadata=meta, num_distinct_ok_tool_calls=self.distinct_ok_tool_calls)
 
   def _role_runs(self, role: int | None = None) -> list[tuple[int, int]]:
     """[start, end) runs of equal (role, turn), optionally only those of `role`."""
@@ -444,7 +450,7 @@ class Trajectory:
                tool_seconds=float(d.get("budgets", {}).get("tool_seconds", 0.0)),
                tool_calls=dict(counts.pop("tool_calls", {})))
     for k, v in counts.items():
-      setattr(traj, k, int(v))
+      setattr(traj, k, None if v is None else int(v))
     return traj
 
 
@@ -497,12 +503,14 @@ def demonstration_trajectory(prompt_ids: Sequence[int], segments: Sequence[tuple
 
   With the task's `parser` (`env.parser`), each policy turn is parsed as a rollout would parse
   it, so the ledger's turns carry their action, call and answer and its counts the tool calls
-  (a call followed by an observation counts as a valid call of that tool). Without it, turns
-  have no action and the counts stay 0; the tokens and masks are the same either way.
+  (a call followed by an observation counts as a valid call of that tool, and as one that ran).
+  Without it, turns have no action, the counts stay 0 and `distinct_ok_tool_calls` is None
+  (not counted); the tokens and masks are the same either way.
   """
   if env is not None and parser is None:
     parser = getattr(env, "parser", None)
-  traj = Trajectory(request_id=request_id)
+  # Without a parser no call is read, so none is counted: the distinct count is not known.
+  traj = Trajectory(request_id=request_id, distinct_ok_tool_calls=None if parser is None else 0)
   traj.add_prompt(prompt_ids)
   call_keys: set[str] = set()
   for role, text in segments:
@@ -530,6 +538,7 @@ def demonstration_trajectory(prompt_ids: Sequence[int], segments: Sequence[tuple
           traj.valid_tool_calls += 1
           key = tool_call_key(last.call.name, last.call.arguments)
           traj.repeated_tool_calls += key in call_keys
+          traj.distinct_ok_tool_calls += key not in call_keys  # an observation: the call ran
           call_keys.add(key)
           traj.tool_calls[last.call.name] = traj.tool_calls.get(last.call.name, 0) + 1
         else:

@@ -178,7 +178,8 @@ class FormatReward:
 
 @dataclasses.dataclass(frozen=True)
 class ToolUseReward:
-  """`shaping.tool_use_reward` of the trajectory's tool-call counts."""
+  """`shaping.tool_use_reward` of the trajectory's tool-call counts: pays the distinct valid
+  calls that succeeded (`RewardInput.num_distinct_ok_tool_calls`)."""
 
   config: shaping.ToolShapingConfig = shaping.ToolShapingConfig()
 
@@ -187,7 +188,8 @@ class ToolUseReward:
 
   def __call__(self, inp: RewardInput) -> float:
     return shaping.tool_use_reward(inp.num_tool_calls, inp.num_valid_tool_calls, inp.num_tool_errors,
-                                   self.config, num_repeated=inp.num_repeated_tool_calls)
+                                   self.config, num_repeated=inp.num_repeated_tool_calls,
+                                   num_distinct_ok=inp.num_distinct_ok_tool_calls)
 
 
 @dataclasses.dataclass(frozen=True)

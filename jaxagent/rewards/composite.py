@@ -66,6 +66,10 @@ class RewardInput:
       (same tool, same arguments); `ToolUseReward` pays no bonus for them.
     truncated: whether generation stopped at a length or turn budget.
     metadata: task-specific extras (e.g. unit-test counts, see `components.UnitTestReward`).
+    num_distinct_ok_tool_calls: distinct valid calls (same tool and arguments count once) that
+      succeeded, the calls `ToolUseReward` pays for (`Trajectory.distinct_ok_tool_calls`).
+      None: not counted; `ToolUseReward` then pays an upper bound from the counts above (see
+      `shaping.ToolShapingConfig`).
   """
 
   response_text: str
@@ -77,6 +81,7 @@ class RewardInput:
   num_repeated_tool_calls: int = 0
   truncated: bool = False
   metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+  num_distinct_ok_tool_calls: int | None = None
 
   @property
   def ended_without_answer(self) -> bool:

@@ -211,16 +211,21 @@ class ToolShapingConfig:
   reward = min(reward_per_valid_call * num_ok, max_reward)
            - min(penalty_per_error * num_errors, max_penalty)
 
-  where num_ok = min(num_valid - num_repeated, num_calls - num_errors) counts the distinct valid
-  calls that did not fail: a well-formed call that the tool then refused or that raised or timed
-  out (garbage code, `1/0` for a calculator) earns no bonus, or the bonus would pay for calls that
-  do nothing; and a call that repeats an earlier call of the trajectory word for word (same tool,
-  same arguments) earns none, or one trivial call made five times would collect the whole cap.
-  `reward_repeated_calls=True` pays for repeats too (num_repeated is then taken as 0). From the
-  counts alone num_ok is an upper bound of that number: where a trajectory both repeats a call
-  and has a valid call that failed, the counts do not say whether the failed call was one of the
-  repeats, and num_ok counts as if it was (calls `1+1`, `1+1`, `1/0`: num_ok 2, one of them
-  distinct and successful).
+  num_ok is the number of distinct calls that ran: valid calls (parsed, a known tool, valid
+  arguments) that succeeded, counting a call that repeats an earlier one of the trajectory word
+  for word (same tool, same validated arguments) once. A valid call that the tool then refused,
+  or that raised or timed out (garbage code, `1/0` for a calculator), earns nothing, or the bonus
+  would pay for calls that do nothing; a repeat earns nothing, or one trivial call made five
+  times would collect the whole cap. The rollout counts this number exactly
+  (`Trajectory.distinct_ok_tool_calls`, `RewardInput.num_distinct_ok_tool_calls`). Where it is
+  not known (None: a `RewardInput` built by hand without it, a trajectory dump older than the
+  count), num_ok = min(num_valid - num_repeated, num_calls - num_errors), an upper bound: with
+  both a repeat and a failed valid call the counts do not say whether the failure was one of the
+  repeats (calls `1+1`, `1+1`, `1/0`: the bound is 2, the exact count 1).
+
+  `reward_repeated_calls=True` pays for every valid call that succeeded, repeats included:
+  num_ok = min(num_valid, num_calls - num_errors), exact from the counts since every invalid
+  call is an error.
   """
 
   reward_per_valid_call: float = 0.1
@@ -243,8 +248,8 @@ class ToolShapingConfig:
 
 def tool_use_reward(num_calls: int, num_valid: int, num_errors: int,
                     config: ToolShapingConfig = ToolShapingConfig(), *,
-                    num_repeated: int = 0) -> float:
-  """Shaping for tool use from a trajectory's counts; see `ToolShapingConfig`.
+                    num_repeated: int = 0, num_distinct_ok: int | None = None) -> float:
+  """Shaping for tool use from a trajectory's counts; see `ToolShapingConfig` for what is paid.
 
   Args:
     num_calls: tool calls attempted.
@@ -254,6 +259,9 @@ def tool_use_reward(num_calls: int, num_valid: int, num_errors: int,
       counts in both, as the rollout counts it.
     num_repeated: valid calls with the same tool and arguments as an earlier valid call of the
       trajectory (`Trajectory.repeated_tool_calls`); they count in num_valid too.
+    num_distinct_ok: distinct valid calls (by tool and arguments) that succeeded
+      (`Trajectory.distinct_ok_tool_calls`): the number of calls paid. None: not counted; the
+      upper bound from the other counts is paid instead.
   """
   num_calls = _check_count("num_calls", num_calls)
   num_valid = _check_count("num_valid", num_valid)
@@ -265,9 +273,24 @@ def tool_use_reward(num_calls: int, num_valid: int, num_errors: int,
   if num_repeated > num_valid:
     raise ValueError(f"tool counts disagree: num_repeated={num_repeated} must be <= "
                      f"num_valid={num_valid} (a repeated call is a valid call)")
+  # Valid calls that succeeded: at most the valid calls, and at most the calls without an error.
+  succeeded = min(num_valid, num_calls - num_errors)
+  bound = min(num_valid - num_repeated, succeeded)
+  if num_distinct_ok is not None:
+    num_distinct_ok = _check_count("num_distinct_ok", num_distinct_ok)
+    # Each success past the first of its call is a repeat, so at most num_repeated are dropped.
+    low = max(0, succeeded - num_repeated)
+    if not low <= num_distinct_ok <= bound:
+      raise ValueError(
+          f"tool counts disagree: num_distinct_ok={num_distinct_ok} must be between "
+          f"{low} and {bound} (from num_calls={num_calls}, num_valid={num_valid}, "
+          f"num_errors={num_errors}, num_repeated={num_repeated}): distinct successful calls "
+          "are at most the distinct valid calls and the successful ones, and at least the "
+          "successful ones less the repeats")
   if config.reward_repeated_calls:
-    num_repeated = 0
-  num_ok = min(num_valid - num_repeated, num_calls - num_errors)
+    num_ok = succeeded
+  else:
+    num_ok = bound if num_distinct_ok is None else num_distinct_ok
   bonus = min(config.reward_per_valid_call * num_ok, config.max_reward)
   penalty = min(config.penalty_per_error * num_errors, config.max_penalty) if num_errors else 0.0
   return bonus - penalty

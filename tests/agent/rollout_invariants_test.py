@@ -17,6 +17,7 @@ from jaxagent import models
 from jaxagent.agent import (OBSERVATION, OBSERVATION_TEMPLATES, POLICY, PROMPT, STOP_REASONS,
                             CalculatorEnv, Example, JSONToolCallParser, RolloutConfig,
                             RolloutDriver, rollout, rollout_metrics)
+from jaxagent.agent.trajectory import tool_call_key
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from tests.agent.rollout_test import (EOS, TOK, EchoEnv, FakeEngine, ScriptedCalcEnv,
                                       _script_from_texts, _ThinkingCalcEnv, check_ledger, nap, pair)
@@ -126,6 +127,9 @@ def _check_trajectory(t, fake, cfg, stops, think, limit):
   assert t.tool_errors == sum(not x.outcome.ok for x in t.turns if x.outcome is not None)
   assert t.valid_tool_calls == (t.num_tool_calls - t.malformed_calls - t.unknown_tool_calls
                                 - t.bad_argument_calls) == sum(t.tool_calls.values())
+  # The calls the tool bonus pays: distinct (tool, arguments) among the valid calls that ran.
+  assert t.distinct_ok_tool_calls == len({tool_call_key(x.call.name, x.call.arguments) for x in t.turns
+                                          if x.outcome is not None and x.outcome.ok})
 
 
 @pytest.mark.parametrize("first", range(0, 400, 100))

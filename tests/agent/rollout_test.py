@@ -447,6 +447,36 @@ def test_repeated_calls_are_counted_and_earn_no_tool_bonus():
   assert rollout_metrics([t])["rollout/repeated_tool_calls"] == 2.0
 
 
+def test_the_tool_bonus_pays_each_distinct_call_that_ran_once():
+  # A call, its repeat (both ran) and another valid call that failed: one distinct call ran, and
+  # the counts alone (min(valid - repeated, calls - errors) = 2) paid for two.
+  texts = {0: ["<calc>1+1</calc>", "<calc>1+1</calc>", "<calc>1/0</calc>", "<answer>2</answer>"]}
+  (t,) = _run(texts, max_len=1024, cfg=RolloutConfig(max_turns=8, decode_steps=4))
+  assert t.stop_reason == "answer", t.render(TOK)
+  assert (t.num_tool_calls, t.valid_tool_calls, t.repeated_tool_calls, t.tool_errors) == (3, 3, 1, 1)
+  assert t.distinct_ok_tool_calls == 1 and t.counts()["distinct_ok_tool_calls"] == 1
+  inp = t.to_reward_input(TOK, "2")
+  assert inp.num_distinct_ok_tool_calls == 1
+  config = ToolShapingConfig(reward_per_valid_call=0.1, max_reward=0.5)
+  assert ToolUseReward(config)(inp) == pytest.approx(0.1)
+  # A call that failed, then its repeats that ran: the first repeat is that call's first success.
+  failed = set()
+
+  @function_tool
+  def flaky(key: str) -> str:
+    """Fail the first call with a key, then answer."""
+    if key not in failed:
+      failed.add(key)
+      raise RuntimeError("not yet")
+    return "ok"
+
+  texts = {0: ["<flaky>k</flaky>"] * 3 + ["<calc>1/0</calc>", "<answer>4</answer>"]}
+  (t,) = _run(texts, env=ScriptedCalcEnv([flaky]), max_len=1024,
+              cfg=RolloutConfig(max_turns=8, decode_steps=4))
+  assert [x.outcome.ok for x in t.turns[:4]] == [False, True, True, False], t.render(TOK)
+  assert (t.valid_tool_calls, t.repeated_tool_calls, t.tool_errors, t.distinct_ok_tool_calls) == (4, 2, 2, 1)
+
+
 def test_unknown_tool_and_json_edge_cases():
   class JsonEnv(ScriptedCalcEnv):
     def __init__(self):

@@ -8,6 +8,7 @@ import pytest
 
 from jaxagent.agent import (OBSERVATION, POLICY, PROMPT, CalculatorEnv, Example, ToolCall, ToolOutcome,
                             Trajectory, Turn, demonstration_trajectory)
+from jaxagent.rewards import ToolUseReward
 from jaxagent.rl.packing import PackingConfig, pack
 
 
@@ -190,6 +191,23 @@ def test_dict_round_trip_through_json():
   assert back == t
 
 
+def test_the_distinct_successful_call_count_in_dumps_and_rewards():
+  t = _ledger()
+  assert t.distinct_ok_tool_calls is None  # built by hand: not counted
+  assert t.to_reward_input(TOK, "5").num_distinct_ok_tool_calls is None
+  t.distinct_ok_tool_calls = 1
+  d = json.loads(json.dumps(t.to_dict()))
+  assert d["counts"]["distinct_ok_tool_calls"] == 1 and Trajectory.from_dict(d) == t
+  assert t.to_reward_input(TOK, "5").num_distinct_ok_tool_calls == 1
+  # A dump written before the count existed reads as not counted, not as no call that ran.
+  del d["counts"]["distinct_ok_tool_calls"]
+  old = Trajectory.from_dict(d)
+  assert old.distinct_ok_tool_calls is None
+  assert ToolUseReward()(old.to_reward_input(TOK, "5")) == pytest.approx(0.1)
+  t.distinct_ok_tool_calls = None
+  assert Trajectory.from_dict(json.loads(json.dumps(t.to_dict()))) == t
+
+
 def test_demonstration_trajectory_for_sft():
   env = CalculatorEnv()
   ex = Example("d", "What is 6*7?", gold="42", metadata={"expression": "6*7"})
@@ -228,6 +246,7 @@ def test_demonstration_with_the_parser_records_its_tool_call():
                                        (POLICY, "<calc>2+2</calc>"), (OBSERVATION, "<result>4</result>")],
                                  TOK, parser=env.parser)
   assert (rep.num_tool_calls, rep.valid_tool_calls, rep.repeated_tool_calls) == (3, 3, 1)
+  assert rep.distinct_ok_tool_calls == 2 and plain.distinct_ok_tool_calls is None
 
   class Raises:
     def parse(self, text):

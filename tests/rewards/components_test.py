@@ -1,4 +1,6 @@
 """Tests for jaxagent/rewards/components.py: each component read off a RewardInput, and a full composite."""
+import dataclasses
+
 import pytest
 
 from jaxagent.rewards.components import (
@@ -105,6 +107,12 @@ def test_shaping_components_read_their_fields():
   assert FormatReward()(inp) == 1.0
   assert FormatReward(FormatConfig(required_tags=("think",)))(inp) == 0.0
   assert ToolUseReward(ToolShapingConfig(0.1, 0.25, penalty_per_error=0.1))(inp) == pytest.approx(0.25 - 0.1)
+  # A call, its repeat and a valid call that failed: the exact count (one ran) is paid, not the
+  # bound from the counts (two).
+  calls = RewardInput("x", num_tool_calls=3, num_valid_tool_calls=3, num_tool_errors=1,
+                      num_repeated_tool_calls=1)
+  assert ToolUseReward()(calls) == pytest.approx(0.2)
+  assert ToolUseReward()(dataclasses.replace(calls, num_distinct_ok_tool_calls=1)) == pytest.approx(0.1)
   assert LinearLengthReward(LinearLengthConfig(max_tokens=100, free_tokens=50))(inp) == pytest.approx(-0.8)
   assert OverlongReward(OverlongConfig(max_tokens=100, cache_tokens=20))(inp) == pytest.approx(-0.5)
 

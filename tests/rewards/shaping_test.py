@@ -226,6 +226,28 @@ def test_a_valid_call_that_failed_earns_no_bonus():
   assert tool_use_reward(2, 2, 1, penalised) == pytest.approx(0.1 - 0.05)
 
 
+def test_the_exact_count_of_distinct_successful_calls_is_paid():
+  """Calls A (ran), A again (ran, a repeat), B (valid, the tool raised): one distinct call ran,
+  but the counts alone paid two (min(valid - repeated, calls - errors) = min(2, 2))."""
+  config = ToolShapingConfig(reward_per_valid_call=0.1, max_reward=0.5)
+  assert tool_use_reward(3, 3, 1, config, num_repeated=1, num_distinct_ok=1) == pytest.approx(0.1)
+  assert tool_use_reward(3, 3, 1, config, num_repeated=1) == pytest.approx(0.2)  # the bound
+  # A (failed), A again (ran), B (ran): two distinct calls ran; the bound says two as well.
+  assert tool_use_reward(3, 3, 1, config, num_repeated=1, num_distinct_ok=2) == pytest.approx(0.2)
+  assert tool_use_reward(0, 0, 0, config, num_distinct_ok=0) == 0.0
+  # Paying repeats too counts every valid call that ran, whatever the distinct count.
+  paid = ToolShapingConfig(reward_per_valid_call=0.1, max_reward=0.5, reward_repeated_calls=True)
+  assert tool_use_reward(3, 3, 1, paid, num_repeated=1, num_distinct_ok=1) == pytest.approx(0.2)
+  # Out of range for the other counts: more than the distinct valid calls, more than the calls
+  # that ran, fewer than the calls that ran less the repeats.
+  for counts, distinct, low, high in (((3, 3, 0, 1), 3, 2, 2), ((3, 3, 2, 0), 2, 1, 1),
+                                      ((4, 4, 0, 1), 2, 3, 3)):
+    with pytest.raises(ValueError, match=rf"num_distinct_ok={distinct} must be between {low} and {high}"):
+      tool_use_reward(*counts[:3], config, num_repeated=counts[3], num_distinct_ok=distinct)
+  with pytest.raises(ValueError, match="num_distinct_ok must be an int >= 0"):
+    tool_use_reward(1, 1, 0, config, num_distinct_ok=1.0)
+
+
 @pytest.mark.parametrize("counts,match", [((1, 2, 0), "disagree"), ((1, 0, 2), "disagree"), ((-1, 0, 0), "num_calls"),
                                           ((1, 1.0, 0), "num_valid")])
 def test_tool_use_rejects_bad_counts(counts, match):
