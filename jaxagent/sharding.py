@@ -285,15 +285,22 @@ def init_sharded(init_fn, mesh: Mesh, *args, rules=RULES):
 
 
 def batch_spec(ndim: int) -> P:
-  """Rows over data and fsdp, the rest replicated."""
-  return P(BATCH, *([None] * (ndim - 1)))
+  """Rows over data and fsdp, the rest replicated, for an array of `ndim` >= 1 dimensions."""
+  if isinstance(ndim, bool) or not isinstance(ndim, (int, np.integer)) or ndim < 1:
+    # (0 or -1 gave P(BATCH): a spec for rows that a scalar does not have, refused only later
+    # by device_put or jit with an error that did not name this call)
+    raise ValueError(f"batch_spec: ndim must be an int >= 1 (the array's rank; rows are its "
+                     f"first dimension), got {ndim!r}; a scalar is replicated(mesh)")
+  return P(BATCH, *([None] * (int(ndim) - 1)))
 
 
 def batch_sharding(mesh: Mesh, ndim: int = 2) -> NamedSharding:
+  """Rows (dimension 0) of an `ndim`-dimensional array over the mesh's data and fsdp axes."""
   return NamedSharding(check_mesh(mesh, "batch_sharding"), batch_spec(ndim))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
+  """Every device holds the whole array."""
   return NamedSharding(mesh, P())
 
 

@@ -230,6 +230,16 @@ def test_a_mesh_without_the_library_axes_is_named():
   step_lib.Learner(cfg, step_lib.StepConfig(), step_lib.make_optimizer(1e-3), ok)
 
 
+def test_batch_sharding_takes_an_array_rank_of_at_least_one():
+  # 0 or -1 gave P(('data', 'fsdp')): rows for a scalar, refused later by device_put or jit.
+  mesh = sharding.make_mesh(1, 2, 1, devices=jax.devices()[:2])
+  assert sharding.batch_sharding(mesh, 1).spec == P(("data", "fsdp"))
+  assert sharding.batch_sharding(mesh, np.int64(3)).spec == P(("data", "fsdp"), None, None)
+  for ndim in (0, -1, 2.0, True):
+    with pytest.raises(ValueError, match=r"batch_spec: ndim must be an int >= 1 .*replicated"):
+      sharding.batch_sharding(mesh, ndim)
+
+
 def test_a_misspelt_mesh_axis_is_named_not_replicated():
   """A mesh with a misspelt axis ("tensors"), or rules naming an axis the mesh lacks, gave
   params that were silently whole on every device over that axis (wq: P(None, 'fsdp', None,
