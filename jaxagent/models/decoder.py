@@ -35,11 +35,11 @@ from jaxagent.models.config import ModelConfig
 # below stay importable from here, where they lived before.
 from jaxagent.models.logprobs import (FUSED_LOGPROB_MAX_D, logits_from_hidden,  # noqa: F401
                                       logprob_path, token_logprobs)
-from jaxagent.models.param_tree import (Params, box, compute_copy, init_params,  # noqa: F401
-                                    is_chained, is_merged, logical_axes, merge_decode_weights,
-                                    merged_decode_weight_bytes, norms_folded, param_specs,
-                                    stack_layers, unbox, unstack_layers)
-from jaxagent.models.param_tree import check_model_shapes
+from jaxagent.models.param_tree import (Params, box, check_model_shapes,  # noqa: F401
+                                        compute_copy, init_params, is_chained, is_merged,
+                                        logical_axes, merge_decode_weights,
+                                        merged_decode_weight_bytes, norms_folded, param_specs,
+                                        stack_layers, unbox, unstack_layers)
 from jaxagent.models.per_shard import batch_split, constrain_batch, per_shard, tensor_split
 
 _MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
