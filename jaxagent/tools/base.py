@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import inspect
+import json
 import keyword
 import math
 import numbers
@@ -236,7 +237,15 @@ def _schema_for_annotation(annotation: Any) -> dict[str, Any]:
     if annotation is inspect.Parameter.empty or annotation is Any:
         return {}
     if origin is Literal:
-        return {"enum": list(typing.get_args(annotation))}
+        values = list(typing.get_args(annotation))
+        bad = [v for v in values if v is not None and not isinstance(v, (str, bool, int, float))]
+        if bad:
+            # The schema goes to the chat template as JSON, and a call's arguments come back as
+            # JSON: a value JSON has no spelling for could never be passed.
+            raise TypeError(f"cannot describe parameter type {annotation!r} in a JSON schema: the "
+                            f"Literal values {bad!r} are not JSON values (str, int, float, bool or "
+                            "None); use their .value or name strings")
+        return {"enum": values}
     if origin in (typing.Union, types.UnionType):
         members = [a for a in typing.get_args(annotation) if a is not type(None)]
         if len(members) == 1:
@@ -461,12 +470,24 @@ class ToolRegistry:
                 for t in self._tools.values()]
 
     def describe(self) -> str:
-        """A short plain-text listing, one line per tool: `- name(arg: type, opt?: type): description`."""
+        """A short plain-text listing, one line per tool: `- name(arg: type, opt?: type): description`.
+
+        An argument with an `enum` (a `Literal[...]` parameter) shows its values as JSON, `"C" | "F"`;
+        one with several types shows them as `string | null`; one with neither shows `any`.
+        """
         lines = []
         for t in self._tools.values():
             props = t.parameters.get("properties", {})
             required = set(t.parameters.get("required", ()))
-            args = ", ".join(f"{key}{'' if key in required else '?'}: {spec.get('type', 'any')}"
+            args = ", ".join(f"{key}{'' if key in required else '?'}: {_describe_type(spec)}"
                              for key, spec in props.items())
             lines.append(f"- {t.name}({args}): {t.description}")
         return "\n".join(lines)
+
+
+def _describe_type(spec: Mapping[str, Any]) -> str:
+    """The type of one argument in `ToolRegistry.describe`."""
+    if "enum" in spec:
+        return " | ".join(json.dumps(value, ensure_ascii=False) for value in spec["enum"])
+    types_ = spec.get("type", "any")
+    return " | ".join(types_) if isinstance(types_, (list, tuple)) else str(types_)

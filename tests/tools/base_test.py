@@ -210,9 +210,51 @@ def test_registry_lookup_schemas_and_listing():
         "name": "echo", "description": "Repeat the text.",
         "parameters": {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"],
                        "additionalProperties": False}}}
+    # A Literal parameter showed as `units?: any`, so the model was not told the values it may pass.
     assert registry.describe().splitlines() == [
-        "- lookup(city: string, days?: integer, units?: any, detailed?: boolean): Look up the weather forecast.",
+        '- lookup(city: string, days?: integer, units?: "C" | "F", detailed?: boolean): Look up the weather forecast.',
         "- echo(text: string): Repeat the text."]
+
+
+def test_describe_shows_literal_values_and_type_unions():
+    @function_tool
+    def pick(mode: Literal["fast", "exact"], level: Literal[1, 2, None] = 1) -> str:
+        """Pick a mode."""
+        return f"{mode}:{level}"
+
+    class Typed:
+        name, description = "typed", "A class tool."
+        parameters = {"type": "object", "properties": {"x": {"type": ["string", "null"]}, "y": {}}}
+
+        def __call__(self, args):
+            return ""
+
+    assert ToolRegistry([pick, Typed()]).describe().splitlines() == [
+        '- pick(mode: "fast" | "exact", level?: 1 | 2 | null): Pick a mode.',
+        "- typed(x?: string | null, y?: any): A class tool."]
+    # Exactly the literal values pass (an integral float is the integer member); others are named.
+    assert pick({"mode": "exact", "level": 2.0}) == "exact:2"
+    assert pick({"mode": "fast", "level": None}) == "fast:None"
+    for args, bad in [({"mode": "slow"}, "'mode' must be one of ['fast', 'exact'], got 'slow'"),
+                      ({"mode": "FAST"}, "got 'FAST'"),
+                      ({"mode": "fast", "level": True}, "'level' must be one of [1, 2, None], got True"),
+                      ({"mode": "fast", "level": "1"}, "got '1'"),
+                      ({"mode": "fast", "level": 3}, "got 3")]:
+        result = pick(args)
+        assert isinstance(result, ToolResult) and not result.ok and bad in result.error, (args, result)
+
+
+def test_function_tool_refuses_literal_values_json_cannot_carry():
+    import enum
+
+    class Color(enum.Enum):
+        RED = "red"
+
+    with pytest.raises(TypeError, match=r"Literal values \[<Color.RED: 'red'>\] are not JSON values"):
+        @function_tool
+        def paint(color: Literal[Color.RED]) -> str:
+            """Paint."""
+            return ""
 
 
 def test_registry_rejects_malformed_tools():
