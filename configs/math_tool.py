@@ -56,6 +56,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       max_tokens_per_turn=96, max_total_tokens=placeholder(int), max_prompt_tokens=384,
       tool_timeout_s=10.0,
       traj_tool_timeout_s=30.0, decode_steps=8,
+      # Most tokens of one tool result's text (None: no cap); of a longer one, "left" keeps
+      # the tail, "right" the head, "middle" both.
+      max_observation_tokens=placeholder(int), observation_truncation="middle",
       mesh="learner"))  # "data": replicated weights for decoding on several devices
   c.train = ml_collections.ConfigDict(dict(
       prompts_per_step=8, samples_per_prompt=4, micro_batches=4, epochs=1,

@@ -58,7 +58,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       traj_tool_timeout_s=15.0, decode_steps=8,
       mesh="learner",  # "data": decode with replicated weights, each device its own slots
       # Longest prompt decoded (None: what fits); the fit check plans it.
-      max_prompt_tokens=placeholder(int)))
+      max_prompt_tokens=placeholder(int),
+      # Most tokens of one tool result's text (None: no cap); a longer one is cut where
+      # observation_truncation says ("left" keeps the tail, "right" the head, "middle" both),
+      # marked "...[N tokens truncated]...", inside the observation's wrapper.
+      max_observation_tokens=placeholder(int), observation_truncation="middle"))
   # `jaxagent.rl.losses.LossConfig`: algo "grpo" / "gspo" / "gspo_token", agg (see losses.py).
   c.loss = ml_collections.ConfigDict(dict(
       algo="grpo", agg="token_mean", clip_low=0.2, clip_high=0.28, dual_clip=placeholder(float),

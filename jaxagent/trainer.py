@@ -402,8 +402,9 @@ KNOWN_CONFIG_KEYS = frozenset("""
     mesh.data mesh.fsdp mesh.tensor
     optimizer.b1 optimizer.b2 optimizer.lr optimizer.max_grad_norm optimizer.schedule
     optimizer.warmup_steps optimizer.weight_decay
-    rollout.decode_steps rollout.max_len rollout.max_prompt_tokens rollout.max_tokens_per_turn
-    rollout.max_total_tokens rollout.max_turns rollout.mesh rollout.slots rollout.temperature
+    rollout.decode_steps rollout.max_len rollout.max_observation_tokens rollout.max_prompt_tokens
+    rollout.max_tokens_per_turn rollout.max_total_tokens rollout.max_turns rollout.mesh
+    rollout.observation_truncation rollout.slots rollout.temperature
     rollout.tool_timeout_s rollout.top_k rollout.top_p rollout.traj_tool_timeout_s
     sft.batch_size sft.data sft.lr sft.num_examples sft.steps sft.warmup_steps
     train.advantage train.dynamic_sampling train.epochs train.gather_weights
@@ -420,7 +421,8 @@ OPTIONAL_CONFIG_KEYS = frozenset("""
     env.kwargs export log.dump_count loss.dual_clip loss.max_len_norm
     model.attention model.init_seed model.init_std model.logprob model.norm_rope
     model.scan_layers model.tokenizer
-    rollout.max_prompt_tokens rollout.max_total_tokens rollout.mesh
+    rollout.max_observation_tokens rollout.max_prompt_tokens rollout.max_total_tokens
+    rollout.mesh rollout.observation_truncation
     sft.data sft.warmup_steps
     train.gather_weights train.len_buckets train.logprob_save_probs train.nonfinite
     train.row_rounding train.time_limit_s
@@ -604,7 +606,9 @@ def _rollout_config(r) -> RolloutConfig:
       max_turns=r.max_turns, max_tokens_per_turn=r.max_tokens_per_turn,
       max_total_tokens=r.get("max_total_tokens"),
       max_prompt_tokens=r.get("max_prompt_tokens"), tool_timeout_s=r.tool_timeout_s,
-      traj_tool_timeout_s=r.traj_tool_timeout_s, decode_steps=r.decode_steps)
+      traj_tool_timeout_s=r.traj_tool_timeout_s, decode_steps=r.decode_steps,
+      max_observation_tokens=r.get("max_observation_tokens"),
+      observation_truncation=r.get("observation_truncation", "middle"))
 
 
 def _time_limit_s(train) -> float:

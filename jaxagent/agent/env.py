@@ -163,7 +163,13 @@ class Env(abc.ABC):
     return Episode(self.tools if self.tools is not None else ())
 
   def format_observation(self, result: ToolResult) -> str:
-    """The text appended after a tool call: `observation_template` around the result."""
+    """The text appended after a tool call: `observation_template` around the result.
+
+    With `RolloutConfig.max_observation_tokens` set, `result` arrives with its text already cut
+    to the cap (`truncated` set, "...[N tokens truncated]..." where it was cut); what this
+    method and `encode_observation` add around it is not counted and never cut
+    (`agent/observation_cap.py`).
+    """
     return self.observation_template.format(output=result.to_observation())
 
   def encode_observation(self, text: str, tokenizer) -> list[int]:

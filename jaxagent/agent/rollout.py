@@ -20,8 +20,10 @@ This is `generate.scheduler.run_requests` generalised to many turns:
 * Budgets end or truncate a trajectory and are recorded as its `stop_reason`, never silently:
   max turns, tokens per turn, total tokens (an observation that would not fit truncates the
   trajectory; a call that ends at the last position is not run), per-call tool timeout and
-  per-trajectory tool time. Malformed calls, unknown tools, bad arguments, tool errors and
-  timeouts become error observations and counts (DESIGN 7). Task
+  per-trajectory tool time. A tool's text longer than `max_observation_tokens` is cut to it
+  (marked where it was cut) before the task wraps it, so the wrapper stays whole and the
+  trajectory goes on (`agent/observation_cap.py`). Malformed calls, unknown tools, bad
+  arguments, tool errors and timeouts become error observations and counts (DESIGN 7). Task
   code that raises for one trajectory (`new_episode`, `format_observation`,
   `encode_observation`), returns the wrong type (an `Episode`, a list of int ids) or gives
   observation ids outside the model's vocabulary ends that trajectory
@@ -53,6 +55,8 @@ import numpy as np
 
 from jaxagent._token_ids import is_int, scalar_int, token_ids
 from jaxagent.agent.env import Env, Episode, Example
+from jaxagent.agent.observation_cap import (TRUNCATION_SIDES, cap_result, marker_tokens, min_cap,
+                                            truncation_marker)
 from jaxagent.agent.parsers import ParseResult, XMLTagParser
 from jaxagent.agent.trajectory import STOP_REASONS, ToolOutcome, Trajectory, Turn, tool_call_key
 from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH, STOP_NONFINITE
@@ -88,6 +92,15 @@ class RolloutConfig:
     tool_poll_s: longest single wait on tool futures when no slot is decoding.
     tool_workers: threads of the executor the driver creates when none is given (0: one per
       engine slot, so every frozen slot can have its call running).
+    max_observation_tokens: the most tokens of one tool result's text (its output, and a failed
+      call's error) that an observation carries; a longer one is cut, with the marker
+      "...[N tokens truncated]..." where it was cut, before the task wraps it
+      (`format_observation`) and tokenizes it (`encode_observation`), so the wrapper (tags, the
+      chat template's turn frame) is whole. Counted per trajectory (`truncated_observations`)
+      and logged (`rollout/truncated_observations`). None: no cap (a long result fills the
+      cache, or ends the trajectory when it does not fit). See `agent/observation_cap.py`.
+    observation_truncation: which part of a result over the cap is kept: "left" cuts the left
+      and keeps the tail, "right" keeps the head, "middle" keeps the head and the tail.
   """
 
   max_turns: int = 4
@@ -100,6 +113,8 @@ class RolloutConfig:
   stop_strings: tuple[str, ...] = ()
   tool_poll_s: float = 0.5
   tool_workers: int = 0
+  max_observation_tokens: int | None = None
+  observation_truncation: str = "middle"
 
   def __post_init__(self):
     for name in ("max_turns", "max_tokens_per_turn", "decode_steps"):
@@ -134,6 +149,15 @@ class RolloutConfig:
     object.__setattr__(self, "stop_strings", stops)
     if isinstance(self.tool_workers, bool) or not isinstance(self.tool_workers, int) or self.tool_workers < 0:
       raise ValueError(f"RolloutConfig.tool_workers must be an int >= 0, got {self.tool_workers!r}")
+    m = self.max_observation_tokens
+    if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+      raise ValueError(f"RolloutConfig.max_observation_tokens must be None (no cap) or an int >= 1 "
+                       f"(tokens of one tool result's text), got {m!r}")
+    if not isinstance(self.observation_truncation, str) or (
+        self.observation_truncation not in TRUNCATION_SIDES):
+      sides = ", ".join(f"{k!r} keeps {v}" for k, v in TRUNCATION_SIDES.items())
+      raise ValueError(f"RolloutConfig.observation_truncation must be one of {sides}; got "
+                       f"{self.observation_truncation!r}")
 
 
 @dataclasses.dataclass
@@ -274,6 +298,13 @@ class RolloutDriver:
     _check_observation_template(env)
     _check_tag_arguments(env)
     self.engine, self.env, self.tokenizer, self.cfg = engine, env, tokenizer, cfg
+    cap = cfg.max_observation_tokens
+    if cap is not None and cap < min_cap(tokenizer):
+      raise ValueError(
+          f"RolloutConfig.max_observation_tokens={cap} leaves no room for a tool's text beside "
+          f"the truncation marker {truncation_marker(10**9 - 1)!r} ({marker_tokens(tokenizer)} "
+          f"tokens with this tokenizer) and a failed call's 'Error: ': set it to at least "
+          f"{min_cap(tokenizer)}, or None for no cap")
     self.limit = min(cfg.max_total_tokens or ecfg.max_len, ecfg.max_len)
     self.limit_reason = "max_total_tokens" if self.limit < ecfg.max_len else "max_length"
     self.eos_ids = frozenset(int(e) for e in ecfg.eos_ids)
@@ -706,6 +737,14 @@ class _Run:
     if traj.tool_seconds >= self.cfg.traj_tool_timeout_s - 1e-9:
       return self._finish(lv, "tool_budget")
     try:
+      cut = 0
+      if self.cfg.max_observation_tokens is not None:
+        # The tool's text cut to the cap before the task wraps it (agent/observation_cap.py);
+        # the outcome holds what the policy sees.
+        result, cut = cap_result(result, self.cfg.max_observation_tokens,
+                                 self.cfg.observation_truncation, self.tok)
+        turn.outcome = ToolOutcome.from_result(result)
+        turn.observation_truncated_tokens = cut
       text = self.env.format_observation(result)
       ids = _token_ids(self.env.encode_observation(_clean_text(text), self.tok))
       vocab = self.d.vocab_size
@@ -722,6 +761,7 @@ class _Run:
     # The pending token, the observation and at least one new token must fit.
     if lv.cached + 1 + len(ids) + 1 > lv.limit:
       return self._finish(lv, self.d.limit_reason)
+    traj.truncated_observations += cut > 0
     lv.obs_ids, lv.phase = ids, "ready"
     self.ready.append(lv)
 
@@ -762,12 +802,16 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
   for reason in STOP_REASONS:
     out[f"rollout/stop/{reason}"] = sum(t.stop_reason == reason for t in trajectories) / n
   for key in ("num_tool_calls", "valid_tool_calls", "repeated_tool_calls", "tool_errors",
-              "tool_timeouts", "malformed_calls", "unknown_tool_calls", "bad_argument_calls"):
+              "tool_timeouts", "malformed_calls", "unknown_tool_calls", "bad_argument_calls",
+              "truncated_observations"):
     out[f"rollout/{key}"] = float(np.mean([getattr(t, key) for t in trajectories]))
   calls = sum(t.num_tool_calls for t in trajectories)
   out["rollout/tool_error_rate"] = sum(t.tool_errors for t in trajectories) / calls if calls else 0.0
   out["rollout/tool_timeout_rate"] = (sum(t.tool_timeouts for t in trajectories) / calls
                                       if calls else 0.0)
+  # Of the calls acted on, the share whose observation was cut to `max_observation_tokens`.
+  out["rollout/truncated_observation_rate"] = (
+      sum(t.truncated_observations for t in trajectories) / calls if calls else 0.0)
   names = sorted({k for t in trajectories for k in t.tool_calls})
   for name in names:
     out[f"rollout/tool/{name}"] = sum(t.tool_calls.get(name, 0) for t in trajectories) / n

@@ -104,6 +104,8 @@ class Turn:
     outcome: the tool's result (for malformed calls and unknown tools, the error shown).
     observation_span: [start, end) of the observation tokens, or None when none was appended.
     observation_text: the wrapped observation text that was tokenized (None if none).
+    observation_truncated_tokens: tokens of the tool's text cut by
+      `RolloutConfig.max_observation_tokens` (0: none; the outcome holds the text as cut).
   """
 
   index: int
@@ -117,6 +119,7 @@ class Turn:
   outcome: ToolOutcome | None = None
   observation_span: tuple[int, int] | None = None
   observation_text: str | None = None
+  observation_truncated_tokens: int = 0
 
   def set_parse(self, parsed: ParseResult) -> None:
     self.action, self.call, self.answer = parsed.kind, parsed.call, parsed.answer
@@ -131,6 +134,7 @@ class Turn:
         "outcome": None if self.outcome is None else dataclasses.asdict(self.outcome),
         "observation_span": None if self.observation_span is None else list(self.observation_span),
         "observation_text": self.observation_text,
+        "observation_truncated_tokens": self.observation_truncated_tokens,
     }
 
   @classmethod
@@ -144,7 +148,8 @@ class Turn:
                answer=d.get("answer"), parse_error=d.get("parse_error"),
                outcome=None if outcome is None else ToolOutcome(**outcome),
                observation_span=None if obs is None else tuple(obs),
-               observation_text=d.get("observation_text"))
+               observation_text=d.get("observation_text"),
+               observation_truncated_tokens=int(d.get("observation_truncated_tokens", 0)))
 
 
 @dataclasses.dataclass
@@ -172,6 +177,9 @@ class Trajectory:
     tool_errors: calls that ended in an error (malformed, unknown tool, bad arguments, failure,
       timeout).
     tool_timeouts, malformed_calls, unknown_tool_calls, bad_argument_calls: the error kinds.
+    truncated_observations: observations appended with their tool text cut to
+      `RolloutConfig.max_observation_tokens` (each turn's `observation_truncated_tokens` says
+      by how much).
   """
 
   request_id: int
@@ -196,6 +204,7 @@ class Trajectory:
   malformed_calls: int = 0
   unknown_tool_calls: int = 0
   bad_argument_calls: int = 0
+  truncated_observations: int = 0
 
   # ------------------------------------------------------------------ building
   def add_prompt(self, ids: Sequence[int]) -> None:
@@ -294,7 +303,8 @@ class Trajectory:
             "distinct_ok_tool_calls": self.distinct_ok_tool_calls, "tool_errors": self.tool_errors,
             "tool_timeouts": self.tool_timeouts, "malformed_calls": self.malformed_calls,
             "unknown_tool_calls": self.unknown_tool_calls,
-            "bad_argument_calls": self.bad_argument_calls}
+            "bad_argument_calls": self.bad_argument_calls,
+            "truncated_observations": self.truncated_observations}
 
   # ------------------------------------------------------------------ consumers
   def to_pack_item(self, advantage: float | np.ndarray,
@@ -411,6 +421,8 @@ class Trajectory:
         if t is not None and t.outcome is not None:
           o = t.outcome
           label += f" | ok={o.ok} timed_out={o.timed_out} {o.duration_s:.3f}s"
+        if t is not None and t.observation_truncated_tokens:
+          label += f" | {t.observation_truncated_tokens} tool tokens truncated"
         label += "]"
       text = tokenizer.decode(self.token_ids[a:b])
       if max_chars is not None and len(text) > max_chars:
