@@ -69,14 +69,15 @@ SYNTAX_KEY = "syntax_ok"
 # What parsing a program can raise: besides syntax errors, a null byte (ValueError) and nesting
 # too deep for the parser (a few thousand unary minus signs: RecursionError, then MemoryError).
 _UNPARSABLE = (SyntaxError, ValueError, RecursionError, MemoryError)
-# An opening fence and its language (python, py, python3, py3 in any case are Python; a fence
-# without one may be; any other, e.g. the ```text of a printed output, is not). It opens a line
-# (after indentation only), so ``` named in the prose ("in a ```python block:") opens nothing;
-# one after text on its line ("Here:```python") counts where no fence that opens a line holds
-# code (`_fenced_blocks`).
+# An opening fence and its language (python, py, python3, py3.11 in any case, also with a file
+# name, python:solution.py, or in braces, {python} or {.python}, are Python; a fence without one
+# may be; any other, e.g. the ```text of a printed output or a ```pycon session, is not). It
+# opens a line (after indentation only), so ``` named in the prose ("in a ```python block:")
+# opens nothing; one after text on its line ("Here:```python") counts where no fence tagged as
+# Python that opens a line holds code (`_fenced_blocks`).
 _FENCE_OPEN = re.compile(r"^[ \t]*```[ \t]*([^\s`]*)[^\n`]*\n", re.M)
 _FENCE_OPEN_ANYWHERE = re.compile(r"```[ \t]*([^\s`]*)[^\n`]*\n")
-_PYTHON = re.compile(r"(?i:python|py)3?")
+_PYTHON = re.compile(r"(?i:\{?\.?(?:python|py)(?:\d+(?:\.\d+)*)?\}?)(?::\S*)?")
 # Closing fences past the first that `_fence_end` tries (each try parses the body once).
 _FENCE_TRIES = 16
 # Test runs a `CodeEnv` keeps (`CodeEnv._run`).
@@ -114,17 +115,27 @@ def _fence_end(text: str, start: int) -> int:
 
 def _fenced_blocks(text: str) -> list[str]:
   """The bodies of the Python code fences of `text`: the untagged ones, then those tagged as
-  Python, each in order. A fence in another language is skipped whole, so its closing fence
-  never opens a block; a Python one closes where `_fence_end` says. Fences open lines
-  (`_FENCE_OPEN`), unless none of those holds code: then any ``` may open one."""
-  blocks = _fence_bodies(text, _FENCE_OPEN)
-  if any(b.strip() and _parses(b) for b in blocks):
-    return blocks
-  return _fence_bodies(text, _FENCE_OPEN_ANYWHERE)
+  Python, each in order, so that a reader of the last one prefers a tagged fence. A fence in
+  another language is skipped whole, so its closing fence never opens a block; a Python one
+  closes where `_fence_end` says. Fences open lines (`_FENCE_OPEN`); where none of those tagged
+  as Python holds code, any ``` may open one (`_FENCE_OPEN_ANYWHERE`) when that finds a tagged
+  fence that does ("Here:```python" before an untagged fence), or when no fence that opens a
+  line holds code at all."""
+  untagged, tagged = _fence_bodies(text, _FENCE_OPEN)
+  if any(map(_holds_code, tagged)):
+    return untagged + tagged
+  anywhere_untagged, anywhere_tagged = _fence_bodies(text, _FENCE_OPEN_ANYWHERE)
+  if any(map(_holds_code, anywhere_tagged)) or not any(map(_holds_code, untagged)):
+    return anywhere_untagged + anywhere_tagged
+  return untagged + tagged
 
 
-def _fence_bodies(text: str, opening: re.Pattern) -> list[str]:
-  """`_fenced_blocks` with the fences that `opening` finds."""
+def _holds_code(block: str) -> bool:
+  return bool(block.strip()) and _parses(block)
+
+
+def _fence_bodies(text: str, opening: re.Pattern) -> tuple[list[str], list[str]]:
+  """(untagged, tagged as Python) bodies of the fences that `opening` finds, each in order."""
   untagged, tagged, pos = [], [], 0
   while (m := opening.search(text, pos)) is not None:
     lang = m.group(1)
@@ -137,7 +148,7 @@ def _fence_bodies(text: str, opening: re.Pattern) -> list[str]:
     elif _PYTHON.fullmatch(lang):
       tagged.append(text[m.end():end])
     pos = end + 3
-  return untagged + tagged
+  return untagged, tagged
 
 
 def _parses(code: str) -> bool:

@@ -103,6 +103,32 @@ def test_extract_code_prefers_python_fences():
   assert extract_code("```bash\npip install x\n```") is None
 
 
+# A wrong definition of the entry point in an untagged fence, as a quick check or a first try.
+_ADD_WRONG = "def add(x, y):\n    return 0\n\nprint(add(2, 3))\n"
+
+
+@pytest.mark.parametrize("response", [
+    # The tagged fence opens after text, and its closing fence ends the code's last line: only
+    # the untagged fence was read, as the only fence opening a line that held code.
+    f"Here:```python\n{_ADD.rstrip()}```\nA quick check:\n```\n{_ADD_WRONG}```",
+    f"First try:\n```\n{_ADD_WRONG}```\nFixed:```python\n{_ADD}```",
+    # Python tags with a version, a file name or braces were read as another language and
+    # skipped, so the untagged fence after them was the solution.
+    f"```python3.11\n{_ADD}```\nA quick check:\n```\n{_ADD_WRONG}```",
+    f"```python:solution.py\n{_ADD}```\nA quick check:\n```\n{_ADD_WRONG}```",
+    f"```{{.python}}\n{_ADD}```\nA quick check:\n```\n{_ADD_WRONG}```",
+])
+def test_a_fence_tagged_as_python_wins_over_untagged_ones(env, response):
+  assert code_lib._solution_code(response, "add").strip("\n") == _ADD.strip("\n")
+  run, parses = env.score("HumanEval/53", response)
+  assert (run.passed, run.total, parses) == (6, 6, True), run
+
+
+def test_python_session_and_traceback_fences_are_not_python_code():
+  for lang in ("pycon", "pytb", "python-repl"):
+    assert extract_code(f"```{lang}\n>>> add(1, 2)\n3\n```") is None, lang
+
+
 def test_extract_code_reads_the_program_the_parser_runs():
   # Opening-tag text inside a program is program text, for the reward as for the tool call
   # (the reward cut this correct program to '"\n  return s' and graded a syntax error).
