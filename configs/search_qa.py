@@ -18,7 +18,9 @@ Knobs: difficulty `--config.env.kwargs.max_hops=4 --config.env.kwargs.distractor
 retrieved-token masking ablation `--config.env.kwargs.mask_observations=False` (the
 `<information>` tokens then get loss, as in Search-R1's ablation); progressive shaping
 `--config.env.kwargs.format_weight=0.2 --config.env.kwargs.retrieval_weight=0.2
---config.env.kwargs.shaping_steps=30`.
+--config.env.kwargs.shaping_steps=30`; a token cap on each search result
+`--config.rollout.max_observation_tokens=128` (the passages' middle cut, marked inside the
+`<information>` tags; the retrieval reward reads what the policy saw).
 
 Expected:
   tiny (measured): finishes in under a minute on a CPU (about 35 s after imports); metrics.jsonl
