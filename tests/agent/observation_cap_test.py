@@ -150,6 +150,13 @@ def test_without_a_cap_nothing_changes_and_a_long_result_ends_the_trajectory():
   (t,) = _run(texts, env=ScriptedCalcEnv([dump]), max_len=max_len,
               cfg=RolloutConfig(max_turns=4, decode_steps=4, max_observation_tokens=64))
   assert t.stop_reason == "answer" and t.truncated_observations == 1
+  # Cut and still too long for the cache: the turn says what was cut, the trajectory counts only
+  # observations it appended.
+  (t,) = _run(texts, env=ScriptedCalcEnv([dump]), max_len=prompt_len + 40,
+              cfg=RolloutConfig(max_turns=4, decode_steps=4, max_observation_tokens=min_cap(TOK)))
+  assert t.stop_reason == "max_length" and t.turns[0].observation_span is None
+  assert t.turns[0].observation_truncated_tokens > 0 and t.turns[0].outcome.truncated
+  assert t.truncated_observations == 0
 
 
 def test_the_chat_template_frame_survives_with_the_smollm2_tokenizer():
