@@ -19,7 +19,7 @@ import dataclasses
 import math
 import numbers
 import re
-from typing import Iterable, Literal, Mapping
+from typing import ClassVar, Iterable, Literal, Mapping
 
 from jaxagent.rewards import shaping
 from jaxagent.rewards import verifiers
@@ -194,9 +194,13 @@ class ToolUseReward:
 
 @dataclasses.dataclass(frozen=True)
 class LinearLengthReward:
-  """`shaping.linear_length_penalty` of `RewardInput.num_response_tokens` (policy tokens only)."""
+  """`shaping.linear_length_penalty` of `RewardInput.num_response_tokens` (policy tokens only).
+
+  A penalty (values <= 0): its `Component` takes a positive weight, and refuses a negative one.
+  """
 
   config: shaping.LinearLengthConfig
+  is_penalty: ClassVar[bool] = True
 
   def __post_init__(self):
     _check_config("LinearLengthReward", self.config, shaping.LinearLengthConfig)
@@ -208,9 +212,14 @@ class LinearLengthReward:
 @dataclasses.dataclass(frozen=True)
 class OverlongReward:
   """DAPO overlong shaping (`shaping.overlong_penalty`) of `RewardInput.num_response_tokens`
-  (the policy's tokens over all turns; observations and prompt excluded)."""
+  (the policy's tokens over all turns; observations and prompt excluded).
+
+  A penalty (values in [-1, 0]): its `Component` takes a positive weight, and refuses a
+  negative one.
+  """
 
   config: shaping.OverlongConfig
+  is_penalty: ClassVar[bool] = True
 
   def __post_init__(self):
     _check_config("OverlongReward", self.config, shaping.OverlongConfig)

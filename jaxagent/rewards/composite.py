@@ -27,6 +27,7 @@ the sandbox) and need no limit.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import math
 import numbers
@@ -112,8 +113,14 @@ class Component:
                        f"its own (reserved: {_RESERVED_NAMES}); rename the component")
     if not callable(self.fn):
       raise ValueError(f"Component {self.name!r}: fn must be callable RewardInput -> float, got {self.fn!r}")
+    _check_fn(self.name, self.fn)
     if isinstance(self.weight, bool) or not isinstance(self.weight, numbers.Real) or not math.isfinite(self.weight):
       raise ValueError(f"Component {self.name!r}: weight must be a finite number, got {self.weight!r}")
+    if self.weight < 0 and getattr(self.fn, "is_penalty", False) is True:
+      raise ValueError(f"Component {self.name!r}: {type(self.fn).__name__} is a penalty already (its "
+                       f"values are <= 0), so weight={self.weight!r} would turn it into a bonus (for "
+                       "a length penalty: the longer the response, the higher its reward); give it "
+                       "a positive weight, the size of the penalty")
     if self.role not in _ROLES:
       raise ValueError(f"Component {self.name!r}: role must be one of {_ROLES}, got {self.role!r}")
     t = self.timeout_s
@@ -143,6 +150,44 @@ class Component:
     if "error" in box:
       raise box["error"]
     return box["value"]
+
+
+def _scoring_functions() -> list[tuple[Callable, str]]:
+  """The package's functions of text or counts, each with the component that reads it off a
+  `RewardInput` (imported here: `components` imports this module)."""
+  from jaxagent.rewards import shaping, verifiers
+  return [(shaping.format_reward, "FormatReward(FormatConfig(...))"),
+          (shaping.check_format, "FormatReward(FormatConfig(...))"),
+          (shaping.tool_use_reward, "ToolUseReward(ToolShapingConfig(...))"),
+          (shaping.linear_length_penalty, "LinearLengthReward(LinearLengthConfig(...))"),
+          (shaping.overlong_penalty, "OverlongReward(OverlongConfig(...))"),
+          (verifiers.exact_match, 'TextMatchReward("exact_match")'),
+          (verifiers.f1_score, 'TextMatchReward("f1")'),
+          (verifiers.substring_exact_match, 'TextMatchReward("substring_exact_match")'),
+          (verifiers.numeric_match, 'TextMatchReward("numeric_match")'),
+          (verifiers.math_equal, "MathAnswerReward()"),
+          (verifiers.unit_test_reward, "UnitTestReward()")]
+
+
+def _check_fn(name: str, fn: Callable) -> None:
+  """Refuses an `fn` that cannot take a `RewardInput`: each call would fail, and the term would
+  score 0.0 for every trajectory of the run, logged once."""
+  if isinstance(fn, type):
+    raise ValueError(f"Component {name!r}: fn is the class {fn.__name__}, not a reward; pass an "
+                     f"instance, {fn.__name__}(...)")
+  use = next((component for f, component in _scoring_functions() if f is fn), None)
+  if use is not None:
+    raise ValueError(f"Component {name!r}: fn is {fn.__module__}.{fn.__name__}, which scores text "
+                     f"or counts, not a RewardInput; use jaxagent.rewards.{use}")
+  try:
+    signature = inspect.signature(fn)
+  except (TypeError, ValueError):  # a builtin without one: its calls will tell
+    return
+  try:
+    signature.bind(None)
+  except TypeError:
+    raise ValueError(f"Component {name!r}: fn must take one argument, the RewardInput, but its "
+                     f"signature is {signature}") from None
 
 
 @dataclasses.dataclass(frozen=True)

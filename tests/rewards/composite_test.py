@@ -223,6 +223,33 @@ def test_validation(make, match):
     make()
 
 
+def test_a_component_whose_fn_cannot_score_a_reward_input_is_refused():
+  """Each of these failed on every call, so the term scored 0.0 for the whole run (logged once);
+  the negative weight on a penalty made an overlong response score more."""
+  from jaxagent.rewards import (OverlongConfig, OverlongReward, TextMatchReward, exact_match,
+                                format_reward, tool_use_reward)
+  for fn, match in [
+      (TextMatchReward, r"fn is the class TextMatchReward, not a reward; pass an instance, TextMatchReward\(...\)"),
+      (format_reward, r"shaping.format_reward, which scores text or counts, not a RewardInput; use "
+                      r"jaxagent.rewards.FormatReward\(FormatConfig\(...\)\)"),
+      (exact_match, r'use jaxagent.rewards.TextMatchReward\("exact_match"\)'),
+      (tool_use_reward, r"use jaxagent.rewards.ToolUseReward"),
+      (lambda: 1.0, r"fn must take one argument, the RewardInput, but its signature is \(\)"),
+      (lambda inp, gold: 1.0, r"signature is \(inp, gold\)"),
+  ]:
+    with pytest.raises(ValueError, match=match):
+      Component("x", fn)
+  penalty = OverlongReward(OverlongConfig(max_tokens=8, cache_tokens=4))
+  with pytest.raises(ValueError, match=r"'overlong': OverlongReward is a penalty already .* weight=-1.0 "
+                                       r"would turn it into a bonus"):
+    Component("overlong", penalty, weight=-1.0)
+  reward = CompositeReward([Component("overlong", penalty, weight=1.0)])
+  assert reward(INP).total == -1.0  # 12 tokens, over the 8 allowed
+  # What still passes: one-argument callables, extra arguments with defaults, builtins.
+  for fn in (const(1.0), lambda inp, scale=2.0: scale, print):
+    Component("x", fn)
+
+
 def test_rejects_non_component():
   with pytest.raises(TypeError, match="Component"):
     CompositeReward([const(1.0)])
