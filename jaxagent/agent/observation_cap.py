@@ -71,14 +71,16 @@ def _strip_partial(text: str, head: bool) -> str:
   return text.lstrip("\ufffd")
 
 
-def cut_text(text: str, budget: int, side: str, tokenizer, *,
-             removed_elsewhere: int = 0) -> tuple[str, int]:
+def cut_text(text: str, budget: int, side: str, tokenizer, *, removed_elsewhere: int = 0,
+             ids: list[int] | None = None) -> tuple[str, int]:
   """`text` cut to at most `budget` tokens (counted as tool output is), with the marker where it
   was cut; returns (text, tokens removed). A text that fits is returned as is, with 0. A budget
   that holds the marker alone gives the marker alone. `removed_elsewhere` tokens (of text
-  dropped whole) are added to the marker's count and to the count returned."""
+  dropped whole) are added to the marker's count and to the count returned. `ids`: the text's
+  ids where the caller has them (a long text is tokenized once)."""
   count: Callable[[str], int] = lambda s: len(data_continuation_ids(tokenizer, s))
-  ids = data_continuation_ids(tokenizer, text)
+  if ids is None:
+    ids = data_continuation_ids(tokenizer, text)
   n = len(ids)
   if n <= budget:
     return text, 0
@@ -106,17 +108,20 @@ def cap_result(result: ToolResult, cap: int, side: str, tokenizer) -> tuple[Tool
     if not removed:
       return result, 0
     return dataclasses.replace(result, output=output, truncated=True), removed
-  if count(_clean(result.to_observation())) <= cap:
-    return result, 0
   output, error = _clean(result.output.rstrip()), _clean(result.error)
-  prefix = count("Error: ")
-  n_out = count(output) if output else 0
+  # The output (the long part, as a rule) is tokenized once; the whole text is counted only
+  # when its parts' counts leave it near the cap (joining them merges a token or two at most).
+  out_ids = data_continuation_ids(tokenizer, output) if output else []
+  n_out, prefix = len(out_ids), count("Error: ")
+  if (n_out + count(error) + prefix + 1 <= cap + 8
+      and count(_clean(result.to_observation())) <= cap):
+    return result, 0
   budget = cap
   for _ in range(8):  # a token more where the pieces merge when joined: cut that much deeper
     # The error whole, and the output in the room it leaves (a marker at least).
     room = budget - prefix - count("\n") - count(error) if output else -1
     if output and room >= marker_tokens(tokenizer, n_out):
-      cut_output, removed = cut_text(output, room, side, tokenizer)
+      cut_output, removed = cut_text(output, room, side, tokenizer, ids=out_ids)
       capped = dataclasses.replace(result, output=cut_output, truncated=True)
     else:  # the output dropped, the error cut (at least a token, so that a marker shows)
       cut_error, removed = cut_text(error, min(budget - prefix, count(error) - 1), side, tokenizer,
