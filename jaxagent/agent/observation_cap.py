@@ -109,23 +109,24 @@ def cap_result(result: ToolResult, cap: int, side: str, tokenizer) -> tuple[Tool
       return result, 0
     return dataclasses.replace(result, output=output, truncated=True), removed
   output, error = _clean(result.output.rstrip()), _clean(result.error)
-  # The output (the long part, as a rule) is tokenized once; the whole text is counted only
-  # when its parts' counts leave it near the cap (joining them merges a token or two at most).
+  # Each part is tokenized once; the whole text is counted only when the parts' counts leave
+  # it near the cap (joining them merges a token or two at most).
   out_ids = data_continuation_ids(tokenizer, output) if output else []
-  n_out, prefix = len(out_ids), count("Error: ")
-  if (n_out + count(error) + prefix + 1 <= cap + 8
+  err_ids = data_continuation_ids(tokenizer, error)
+  n_out, n_err, prefix = len(out_ids), len(err_ids), count("Error: ")
+  if (n_out + n_err + prefix + 1 <= cap + 8
       and count(_clean(result.to_observation())) <= cap):
     return result, 0
   budget = cap
   for _ in range(8):  # a token more where the pieces merge when joined: cut that much deeper
     # The error whole, and the output in the room it leaves (a marker at least).
-    room = budget - prefix - count("\n") - count(error) if output else -1
+    room = budget - prefix - count("\n") - n_err if output else -1
     if output and room >= marker_tokens(tokenizer, n_out):
       cut_output, removed = cut_text(output, room, side, tokenizer, ids=out_ids)
       capped = dataclasses.replace(result, output=cut_output, truncated=True)
     else:  # the output dropped, the error cut (at least a token, so that a marker shows)
-      cut_error, removed = cut_text(error, min(budget - prefix, count(error) - 1), side, tokenizer,
-                                    removed_elsewhere=n_out)
+      cut_error, removed = cut_text(error, min(budget - prefix, n_err - 1), side, tokenizer,
+                                    removed_elsewhere=n_out, ids=err_ids)
       capped = dataclasses.replace(result, output="", error=cut_error, truncated=True)
     over = count(capped.to_observation()) - cap
     if over <= 0:

@@ -70,6 +70,26 @@ def test_a_failed_call_keeps_its_error_over_its_output():
   assert cap_result(small, 80, "middle", TOK) == (small, 0)
 
 
+def test_a_long_result_is_tokenized_once():
+  # An uncapped observation tokenizes the whole result once (encode_observation); the cap pays
+  # that once, then only the short cut text is tokenized.
+  long_calls = []
+
+  class Counting(type(TOK)):
+    def encode(self, text):
+      long_calls.extend([len(text)] if len(text) > 1000 else [])
+      return super().encode(text)
+
+  tok, text = Counting(), DIGITS * 20
+  for result in (ToolResult.success(text), ToolResult.failure("boom", output=text),
+                 ToolResult.failure("E" * 5000, output=text)):
+    long_calls.clear()
+    res, n = cap_result(result, 100, "middle", tok)
+    assert n > 0 and len(res.to_observation()) <= 100
+    # The output once, a long error once.
+    assert long_calls.count(len(text)) == 1 and len(long_calls) <= 2, long_calls
+
+
 def _smollm2():
   try:
     return models.load_tokenizer("smollm2-135m-instruct")
