@@ -38,12 +38,13 @@ of its own in an observation (not from the `ToolResult`) bounds that text itself
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Literal
 
 from jaxagent.agent.trajectory import data_continuation_ids
 from jaxagent.tools import ToolResult
 
 # The sides `RolloutConfig.observation_truncation` may name, and the part each keeps.
+TruncationSide = Literal["left", "right", "middle"]
 TRUNCATION_SIDES = {"left": "the tail", "right": "the head", "middle": "the head and the tail"}
 
 
@@ -71,8 +72,8 @@ def _strip_partial(text: str, head: bool) -> str:
   return text.lstrip("\ufffd")
 
 
-def cut_text(text: str, budget: int, side: str, tokenizer, *, removed_elsewhere: int = 0,
-             ids: list[int] | None = None) -> tuple[str, int]:
+def cut_text(text: str, budget: int, side: TruncationSide, tokenizer, *,
+             removed_elsewhere: int = 0, ids: list[int] | None = None) -> tuple[str, int]:
   """`text` cut to at most `budget` tokens (counted as tool output is), with the marker where it
   was cut; returns (text, tokens removed). A text that fits is returned as is, with 0. A budget
   that holds the marker alone gives the marker alone. `removed_elsewhere` tokens (of text
@@ -98,7 +99,8 @@ def cut_text(text: str, budget: int, side: str, tokenizer, *, removed_elsewhere:
     keep = max(keep - over, 0)
 
 
-def cap_result(result: ToolResult, cap: int, side: str, tokenizer) -> tuple[ToolResult, int]:
+def cap_result(result: ToolResult, cap: int, side: TruncationSide,
+               tokenizer) -> tuple[ToolResult, int]:
   """`result` with its text (`to_observation()`) cut to at most `cap` tokens, `truncated` set;
   returns (result, tokens removed). A result that fits is returned as is, with 0. See the
   module docstring for what is kept of a failed call."""

@@ -55,8 +55,8 @@ import numpy as np
 
 from jaxagent._token_ids import is_int, scalar_int, token_ids
 from jaxagent.agent.env import Env, Episode, Example
-from jaxagent.agent.observation_cap import (TRUNCATION_SIDES, cap_result, marker_tokens, min_cap,
-                                            truncation_marker)
+from jaxagent.agent.observation_cap import (TRUNCATION_SIDES, TruncationSide, cap_result,
+                                            marker_tokens, min_cap, truncation_marker)
 from jaxagent.agent.parsers import ParseResult, XMLTagParser
 from jaxagent.agent.trajectory import STOP_REASONS, ToolOutcome, Trajectory, Turn, tool_call_key
 from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH, STOP_NONFINITE
@@ -114,7 +114,7 @@ class RolloutConfig:
   tool_poll_s: float = 0.5
   tool_workers: int = 0
   max_observation_tokens: int | None = None
-  observation_truncation: str = "middle"
+  observation_truncation: TruncationSide = "middle"
 
   def __post_init__(self):
     for name in ("max_turns", "max_tokens_per_turn", "decode_steps"):
