@@ -74,9 +74,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       schedule="constant"))
   # Per RL step: prompts_per_step groups of samples_per_prompt rollouts; advantage "grpo",
   # "dr_grpo" or "rloo"; zero_variance "drop" (groups with equal rewards are not trained on) or
-  # "keep"; dynamic_sampling: DAPO's refill of dropped groups, up to max_sampling_rounds; the
-  # batch packs into rows of pack_len tokens (lengths len_buckets), split into micro_batches;
-  # epochs: updates over each step's batch; nonfinite "raise" or "skip" (a NaN/Inf step).
+  # "keep"; dynamic_sampling: DAPO's refill of dropped groups (with zero_variance "drop"), up
+  # to max_sampling_rounds; the batch packs into rows of pack_len tokens (lengths len_buckets),
+  # split into micro_batches; epochs: updates over each step's batch; nonfinite "raise" or
+  # "skip" (a NaN/Inf step).
   c.train = ml_collections.ConfigDict(dict(
       prompts_per_step=16, samples_per_prompt=4, micro_batches=1, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,

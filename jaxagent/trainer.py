@@ -503,6 +503,15 @@ def check_config(config) -> None:
     v = train.get(key)
     if v not in allowed:  # (None too: it failed after the first step's rollouts, unnamed)
       raise ValueError(f"train.{key} must be one of {allowed}, got {v!r}")
+  # Dynamic sampling accepts informative groups only (`DynamicSampler.update`), so "keep" was
+  # silently dropped: no zero-variance group reached the update (nor its KL / entropy terms).
+  if (hasattr(train, "get") and train.get("dynamic_sampling")
+      and train.get("zero_variance") == "keep"):
+    raise ValueError(
+        "train.dynamic_sampling=True trains only on groups whose rewards differ and samples "
+        "more prompts in place of the others, so train.zero_variance='keep' would not keep "
+        "them: set train.zero_variance='drop' with dynamic sampling, or "
+        "train.dynamic_sampling=False to train on zero-variance groups too")
   # Settings the trainer turns into validated dataclasses only once the model is loaded (minutes
   # for a large one, and after the launcher's fit check): built here as well, so that a bad
   # checkpoint_keep, rollout budget, sampling or packing setting fails before that work.

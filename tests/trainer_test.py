@@ -186,6 +186,10 @@ def test_eval_seed_is_no_rollout_seed_and_fits_the_sampler(seed):
                      "learning_rate must be a finite number > 0"),
     ("loss.clip_low", -0.2, r"LossConfig.clip_low=-0.2 must be in \[0, 1\)"),
     ("loss.kl_coef", -1.0, "LossConfig.kl_coef=-1.0 must be finite and >= 0"),
+    # (`_tiny` keeps zero-variance groups) Dynamic sampling trained on informative groups only,
+    # and the run said nothing of the "keep" it did not do.
+    ("train.dynamic_sampling", True, r"train.dynamic_sampling=True trains only on groups whose "
+                                     r"rewards differ .* train.zero_variance='keep' would not keep"),
 ])
 def test_settings_read_after_the_model_loads_are_checked_before_it(tmp_path, monkeypatch, key,
                                                                    value, match):
@@ -987,7 +991,8 @@ def test_dynamic_sampling_logs_counts_over_every_sampled_group(tmp_path, monkeyp
   """`adv/*` of `compute_advantages` sees only the accepted groups (never zero-variance under
   dynamic sampling); the sampler's counts, over every group sampled, are logged beside them."""
   import dataclasses
-  trainer = Trainer(_tiny(tmp_path, **{"train.dynamic_sampling": True, "train.max_sampling_rounds": 2}))
+  trainer = Trainer(_tiny(tmp_path, **{"train.dynamic_sampling": True, "train.max_sampling_rounds": 2,
+                                       "train.zero_variance": "drop"}))
   try:
     P, G = trainer.config.train.prompts_per_step, trainer.config.train.samples_per_prompt
     m = trainer.rl_step(1)  # a random tiny model earns no reward: every group has zero variance
