@@ -19,11 +19,13 @@ policy can see (and learn) that it happened. The sides (`observation_truncation`
 Tokens are counted as the task's data is encoded (`data_continuation_ids`: a continuation,
 special-token spellings as text), on the tool's text alone. The cut is made on those token ids
 and the kept ids are decoded back to text, which the task then wraps and tokenizes once with
-`encode_observation`, so the ids in the ledger are exactly the ids in the KV cache. Two limits
-of counting the text on its own: the wrapped observation can tokenize the text's first or last
-token together with the wrapper's neighbouring character (a token more or less at each edge),
-and a cut inside a multi-byte character drops that character's bytes (they would decode to
-U+FFFD). The cut text is re-counted and shortened until it fits.
+`encode_observation`, so the ids in the ledger are exactly the ids in the KV cache. A long
+result is tokenized once here, as an uncapped observation would have been by
+`encode_observation`; after that only the short cut text is. The cut text is re-counted and
+shortened until it fits. Because the text is counted on its own, the wrapped observation can
+tokenize its first or last token together with the wrapper's neighbouring character (a token
+more or less at each edge); a cut inside a multi-byte character drops that character's bytes
+(they would decode to U+FFFD).
 
 A failed call's error says what went wrong, so it is kept over the output printed before it:
 the output gets the room the error leaves (just the marker when that is all that fits); when
@@ -33,7 +35,13 @@ marker counting the output's tokens too.
 A task's own `format_observation` and `encode_observation` receive the capped result (its
 `truncated` flag set) and are used as they are: what they add around the result is not counted,
 and their ids are never cut (cutting ids would cut the wrapper). A task whose format puts text
-of its own in an observation (not from the `ToolResult`) bounds that text itself.
+of its own in an observation (not from the `ToolResult`) bounds that text itself. Worked
+examples (`Env.demonstration`, the SFT warm start) are the task's own text and are not cut: a
+demonstration's next turn may quote what a cut would remove.
+
+Recorded: `Turn.observation_truncated_tokens` (tokens cut from the turn's result; its `outcome`
+holds the text as cut), `Trajectory.truncated_observations` (cut observations appended) and the
+metrics `rollout/truncated_observations` and `rollout/truncated_observation_rate`.
 """
 from __future__ import annotations
 
