@@ -84,13 +84,32 @@ class RewardInput:
   metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
   num_distinct_ok_tool_calls: int | None = None
 
+  def __post_init__(self):
+    # Env code builds one per trajectory: a field of the wrong kind failed every component that
+    # reads it, on every call (scored 0.0, logged once), instead of being named here.
+    if not isinstance(self.response_text, str):
+      raise TypeError(f"RewardInput.response_text must be a str (the decoded response), got "
+                      f"{type(self.response_text).__name__}: {self.response_text!r:.100}")
+    for name in ("num_response_tokens", "num_tool_calls", "num_valid_tool_calls", "num_tool_errors",
+                 "num_repeated_tool_calls", "num_distinct_ok_tool_calls"):
+      v = getattr(self, name)
+      if v is None and name == "num_distinct_ok_tool_calls":
+        continue
+      if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+        raise ValueError(f"RewardInput.{name} must be an int >= 0, got {v!r}")
+    if not isinstance(self.truncated, (bool, np.bool_)):
+      raise TypeError(f"RewardInput.truncated must be a bool, got {self.truncated!r}")
+    if not isinstance(self.metadata, Mapping):
+      raise TypeError(f"RewardInput.metadata must be a mapping (task extras by name), got "
+                      f"{type(self.metadata).__name__}: {self.metadata!r:.100}")
+
   @property
   def ended_without_answer(self) -> bool:
     """Whether the rollout ended the trajectory otherwise than with an answer (its
     "stop_reason" in `metadata`, as `Trajectory.to_reward_input` sets it). Missing or ""
     (not known, not finished) reads as False. Such a trajectory's text can still hold a
     complete answer block that the parser never read (one put together across turns)."""
-    stop = self.metadata.get("stop_reason") if isinstance(self.metadata, Mapping) else None
+    stop = self.metadata.get("stop_reason")
     return bool(stop) and stop != "answer"
 
 
@@ -289,6 +308,10 @@ class CompositeReward:
     return {c.name: float(c.weight) * scale.get(c.role, 1.0) for c in self.components}
 
   def __call__(self, inp: RewardInput, *, step: int = 0) -> RewardOutput:
+    if not isinstance(inp, RewardInput):
+      # Every component would fail on it and score 0.0, as if the responses were all wrong.
+      raise TypeError(f"CompositeReward scores a RewardInput, got {type(inp).__name__}; build one "
+                      "with Trajectory.to_reward_input(tokenizer, gold, metadata=...)")
     weights = self.weights(step)
     values: dict[str, float] = {}
     failed: list[str] = []

@@ -250,6 +250,29 @@ def test_a_component_whose_fn_cannot_score_a_reward_input_is_refused():
     Component("x", fn)
 
 
+@pytest.mark.parametrize("fields,error,match", [
+    ({"response_text": None}, TypeError, "response_text must be a str"),
+    ({"response_text": b"<answer>4</answer>"}, TypeError, "response_text must be a str"),
+    ({"num_response_tokens": -1}, ValueError, "num_response_tokens must be an int >= 0, got -1"),
+    ({"num_response_tokens": 12.0}, ValueError, "num_response_tokens must be an int >= 0"),
+    ({"num_tool_calls": True}, ValueError, "num_tool_calls must be an int >= 0, got True"),
+    ({"num_distinct_ok_tool_calls": -1}, ValueError, "num_distinct_ok_tool_calls must be an int >= 0"),
+    ({"truncated": "no"}, TypeError, "truncated must be a bool"),
+    ({"metadata": None}, TypeError, "metadata must be a mapping"),
+])
+def test_reward_input_names_a_field_of_the_wrong_kind(fields, error, match):
+  # Each of these failed every component reading it, on every trajectory: scored 0.0, logged once.
+  with pytest.raises(error, match=match):
+    dataclasses.replace(INP, **fields)
+
+
+def test_composite_refuses_what_is_not_a_reward_input():
+  reward = CompositeReward([Component("c", const(1.0))])
+  with pytest.raises(TypeError, match=r"scores a RewardInput, got dict; build one with Trajectory.to_reward_input"):
+    reward({"response_text": "<answer>4</answer>"})
+  assert reward(dataclasses.replace(INP, num_distinct_ok_tool_calls=None, truncated=True)).total == 1.0
+
+
 def test_rejects_non_component():
   with pytest.raises(TypeError, match="Component"):
     CompositeReward([const(1.0)])
