@@ -41,7 +41,8 @@ demonstration's next turn may quote what a cut would remove.
 
 Recorded: `Turn.observation_truncated_tokens` (tokens cut from the turn's result; its `outcome`
 holds the text as cut), `Trajectory.truncated_observations` (cut observations appended) and the
-metrics `rollout/truncated_observations` and `rollout/truncated_observation_rate`.
+metrics `rollout/truncated_observations`, `rollout/truncated_observation_rate` and
+`rollout/truncated_observation_tokens`.
 """
 from __future__ import annotations
 

@@ -97,8 +97,9 @@ class RolloutConfig:
       "...[N tokens truncated]..." where it was cut, before the task wraps it
       (`format_observation`) and tokenizes it (`encode_observation`), so the wrapper (tags, the
       chat template's turn frame) is whole. Counted per trajectory (`truncated_observations`)
-      and logged (`rollout/truncated_observations`). None: no cap (a long result fills the
-      cache, or ends the trajectory when it does not fit). See `agent/observation_cap.py`.
+      and logged (`rollout/truncated_observations`, `rollout/truncated_observation_tokens`).
+      None: no cap (a long result fills the cache, or ends the trajectory when it does not
+      fit). See `agent/observation_cap.py`.
     observation_truncation: which part of a result over the cap is kept: "left" cuts the left
       and keeps the tail, "right" keeps the head, "middle" keeps the head and the tail.
   """
@@ -809,9 +810,13 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
   out["rollout/tool_error_rate"] = sum(t.tool_errors for t in trajectories) / calls if calls else 0.0
   out["rollout/tool_timeout_rate"] = (sum(t.tool_timeouts for t in trajectories) / calls
                                       if calls else 0.0)
-  # Of the calls acted on, the share whose observation was cut to `max_observation_tokens`.
+  # Of the calls acted on, the share whose observation was cut to `max_observation_tokens`,
+  # and the tokens cut from the observations appended (mean per trajectory).
   out["rollout/truncated_observation_rate"] = (
       sum(t.truncated_observations for t in trajectories) / calls if calls else 0.0)
+  out["rollout/truncated_observation_tokens"] = float(np.mean([
+      sum(x.observation_truncated_tokens for x in t.turns if x.observation_span is not None)
+      for t in trajectories]))
   names = sorted({k for t in trajectories for k in t.tool_calls})
   for name in names:
     out[f"rollout/tool/{name}"] = sum(t.tool_calls.get(name, 0) for t in trajectories) / n

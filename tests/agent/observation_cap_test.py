@@ -143,6 +143,7 @@ def test_rollout_cuts_the_tool_text_inside_the_wrapper_and_counts_it():
   m = rollout_metrics([t])
   assert m["rollout/truncated_observations"] == 1.0
   assert m["rollout/truncated_observation_rate"] == 0.5
+  assert m["rollout/truncated_observation_tokens"] == removed
   back = Trajectory.from_dict(json.loads(json.dumps(t.to_dict())))
   assert back.truncated_observations == 1
   assert back.turns[0].observation_truncated_tokens == removed
@@ -177,6 +178,7 @@ def test_without_a_cap_nothing_changes_and_a_long_result_ends_the_trajectory():
   assert t.stop_reason == "max_length" and t.turns[0].observation_span is None
   assert t.turns[0].observation_truncated_tokens > 0 and t.turns[0].outcome.truncated
   assert t.truncated_observations == 0
+  assert rollout_metrics([t])["rollout/truncated_observation_tokens"] == 0.0
 
 
 def test_the_chat_template_frame_survives_with_the_smollm2_tokenizer():
