@@ -62,10 +62,16 @@ class RewardInput:
     num_response_tokens: the policy's own tokens after the prompt, over all its turns; tool
       observations and the prompt are not counted. The length that `LinearLengthReward` and
       `OverlongReward` (DAPO's |y|) shape, so the policy is not penalised for what tools return.
-    num_tool_calls, num_valid_tool_calls, num_tool_errors: the agent's tool-call counts.
+    num_tool_calls: tool calls the rollout acted on (ran, or answered with an error).
+    num_valid_tool_calls: calls that parsed, named a known tool and had valid arguments,
+      whether or not the tool then succeeded: valid is not successful.
+    num_tool_errors: calls that ended in an error (malformed, unknown tool, bad arguments, the
+      tool raised or timed out); a valid call that failed counts here too.
     num_repeated_tool_calls: valid calls that repeat an earlier valid call of the trajectory
       (same tool, same arguments); `ToolUseReward` pays no bonus for them.
-    truncated: whether generation stopped at a length or turn budget.
+    truncated: whether the rollout ended the trajectory rather than the policy
+      (`Trajectory.truncated`): a budget (tokens, turns, cache length, tool time) or the task's
+      code raising ("env_error"); `metadata["stop_reason"]` says which.
     metadata: task-specific extras (e.g. unit-test counts, see `components.UnitTestReward`).
     num_distinct_ok_tool_calls: distinct valid calls (same tool and arguments count once) that
       succeeded, the calls `ToolUseReward` pays for (`Trajectory.distinct_ok_tool_calls`).
