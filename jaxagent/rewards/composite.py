@@ -290,6 +290,13 @@ class CompositeReward:
       raise ValueError(f"CompositeReward component names must be unique; repeated: {duplicates}")
     if schedule is not None and not any(c.role == "outcome" for c in components):
       raise ValueError("a ProgressiveSchedule moves weight to outcome components, but none has role='outcome'")
+    if schedule is not None and not any(c.role == "outcome" and c.weight != 0 for c in components):
+      outcome = {c.name: c.weight for c in components if c.role == "outcome"}
+      raise ValueError(
+          f"a ProgressiveSchedule hands weight from shaping components to outcome ones, but every "
+          f"outcome component has weight 0 (outcome weights: {outcome}): once alpha reaches "
+          f"{schedule.end:g} the outcome, whether the answer is right, would count for nothing. "
+          "Give the outcome component a weight (1.0 is usual)")
     if schedule is not None and not any(c.role == "shaping" and c.weight != 0 for c in components):
       shaping = {c.name: c.weight for c in components if c.role == "shaping"}
       raise ValueError(

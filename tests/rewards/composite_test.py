@@ -213,6 +213,11 @@ def test_reward_input_is_frozen():
     (lambda: CompositeReward([Component("x", const(1.0)), Component("x", const(2.0))]), "unique"),
     (lambda: CompositeReward([Component("x", const(1.0), role="shaping")], schedule=ProgressiveSchedule(10)),
      "outcome"),
+    # The schedule moved weight onto an outcome of weight 0: at its end every total was 0.
+    (lambda: CompositeReward([Component("c", const(1.0), weight=0.0, role="outcome"),
+                              Component("f", const(1.0), weight=0.5, role="shaping")],
+                             schedule=ProgressiveSchedule(10)),
+     r"every outcome component has weight 0 \(outcome weights: \{'c': 0.0\}\)"),
     (lambda: ProgressiveSchedule(num_steps=0), "num_steps"),
     (lambda: ProgressiveSchedule(num_steps=10, start=-0.1), "start"),
     (lambda: ProgressiveSchedule(num_steps=10, end=1.5), "end"),
