@@ -473,7 +473,8 @@ class ToolRegistry:
         """A short plain-text listing, one line per tool: `- name(arg: type, opt?: type): description`.
 
         An argument with an `enum` (a `Literal[...]` parameter) shows its values as JSON, `"C" | "F"`;
-        one with several types shows them as `string | null`; one with neither shows `any`.
+        one with several types shows them as `string | null`; an array with an item schema shows it,
+        `array of integer`; an argument with neither type nor values shows `any`.
         """
         lines = []
         for t in self._tools.values():
@@ -490,4 +491,9 @@ def _describe_type(spec: Mapping[str, Any]) -> str:
     if "enum" in spec:
         return " | ".join(json.dumps(value, ensure_ascii=False) for value in spec["enum"])
     types_ = spec.get("type", "any")
-    return " | ".join(types_) if isinstance(types_, (list, tuple)) else str(types_)
+    described = " | ".join(types_) if isinstance(types_, (list, tuple)) else str(types_)
+    items = spec.get("items")
+    if described == "array" and isinstance(items, Mapping) and ("type" in items or "enum" in items):
+        item = _describe_type(items)
+        return f"array of ({item})" if " | " in item else f"array of {item}"
+    return described

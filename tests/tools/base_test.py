@@ -224,14 +224,17 @@ def test_describe_shows_literal_values_and_type_unions():
 
     class Typed:
         name, description = "typed", "A class tool."
-        parameters = {"type": "object", "properties": {"x": {"type": ["string", "null"]}, "y": {}}}
+        parameters = {"type": "object", "properties": {
+            "x": {"type": ["string", "null"]}, "y": {}, "xs": {"type": "array", "items": {"type": "integer"}},
+            "modes": {"type": "array", "items": {"enum": ["a", "b"]}}, "any_list": {"type": "array"}}}
 
         def __call__(self, args):
             return ""
 
     assert ToolRegistry([pick, Typed()]).describe().splitlines() == [
         '- pick(mode: "fast" | "exact", level?: 1 | 2 | null): Pick a mode.',
-        "- typed(x?: string | null, y?: any): A class tool."]
+        '- typed(x?: string | null, y?: any, xs?: array of integer, modes?: array of ("a" | "b"), '
+        'any_list?: array): A class tool.']
     # Exactly the literal values pass (an integral float is the integer member); others are named.
     assert pick({"mode": "exact", "level": 2.0}) == "exact:2"
     assert pick({"mode": "fast", "level": None}) == "fast:None"
