@@ -806,6 +806,10 @@ def rollout_metrics(trajectories: Sequence[Trajectory]) -> dict[str, float]:
               "tool_timeouts", "malformed_calls", "unknown_tool_calls", "bad_argument_calls",
               "truncated_observations"):
     out[f"rollout/{key}"] = float(np.mean([getattr(t, key) for t in trajectories]))
+  # The calls the tool bonus pays; a trajectory built by hand has no count (None).
+  distinct = [t.distinct_ok_tool_calls for t in trajectories if t.distinct_ok_tool_calls is not None]
+  if distinct:
+    out["rollout/distinct_ok_tool_calls"] = float(np.mean(distinct))
   calls = sum(t.num_tool_calls for t in trajectories)
   out["rollout/tool_error_rate"] = sum(t.tool_errors for t in trajectories) / calls if calls else 0.0
   out["rollout/tool_timeout_rate"] = (sum(t.tool_timeouts for t in trajectories) / calls

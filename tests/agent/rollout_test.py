@@ -14,7 +14,7 @@ import pytest
 from jaxagent import models
 from jaxagent.agent import (OBSERVATION, OBSERVATION_TEMPLATES, POLICY, PROMPT, CalculatorEnv, Env,
                             Episode, Example, JSONToolCallParser, ParseResult, RolloutConfig,
-                            RolloutDriver, ToolCall, XMLTagParser, rollout, rollout_metrics)
+                            RolloutDriver, ToolCall, Trajectory, XMLTagParser, rollout, rollout_metrics)
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH, STOP_NONFINITE
 from jaxagent.rewards import RewardOutput, ToolShapingConfig, ToolUseReward
@@ -457,6 +457,10 @@ def test_the_tool_bonus_pays_each_distinct_call_that_ran_once():
   assert t.distinct_ok_tool_calls == 1 and t.counts()["distinct_ok_tool_calls"] == 1
   inp = t.to_reward_input(TOK, "2")
   assert inp.num_distinct_ok_tool_calls == 1
+  assert rollout_metrics([t])["rollout/distinct_ok_tool_calls"] == 1.0
+  hand_built = Trajectory(request_id=1)  # not counted: left out of the mean
+  assert rollout_metrics([t, hand_built])["rollout/distinct_ok_tool_calls"] == 1.0
+  assert "rollout/distinct_ok_tool_calls" not in rollout_metrics([hand_built])
   config = ToolShapingConfig(reward_per_valid_call=0.1, max_reward=0.5)
   assert ToolUseReward(config)(inp) == pytest.approx(0.1)
   # A call that failed, then its repeats that ran: the first repeat is that call's first success.
