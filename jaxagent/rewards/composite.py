@@ -200,6 +200,11 @@ def _check_fn(name: str, fn: Callable) -> None:
   if isinstance(fn, type):
     raise ValueError(f"Component {name!r}: fn is the class {fn.__name__}, not a reward; pass an "
                      f"instance, {fn.__name__}(...)")
+  if inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(getattr(fn, "__call__", None)):
+    raise ValueError(f"Component {name!r}: fn is an async function; the composite calls it on a "
+                     "host thread and does not await it (each call would return a coroutine, "
+                     "scored 0.0); make it a plain def, e.g. one that runs asyncio.run(...) "
+                     "inside, and bound its time with timeout_s")
   use = next((component for f, component in _scoring_functions() if f is fn), None)
   if use is not None:
     raise ValueError(f"Component {name!r}: fn is {fn.__module__}.{fn.__name__}, which scores text "

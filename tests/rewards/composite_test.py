@@ -228,6 +228,15 @@ def test_validation(make, match):
     make()
 
 
+async def averify(inp):
+  return 1.0
+
+
+class AsyncVerifier:
+  async def __call__(self, inp):
+    return 1.0
+
+
 def test_a_component_whose_fn_cannot_score_a_reward_input_is_refused():
   """Each of these failed on every call, so the term scored 0.0 for the whole run (logged once);
   the negative weight on a penalty made an overlong response score more."""
@@ -241,6 +250,8 @@ def test_a_component_whose_fn_cannot_score_a_reward_input_is_refused():
       (tool_use_reward, r"use jaxagent.rewards.ToolUseReward"),
       (lambda: 1.0, r"fn must take one argument, the RewardInput, but its signature is \(\)"),
       (lambda inp, gold: 1.0, r"signature is \(inp, gold\)"),
+      (averify, r"fn is an async function; the composite calls it on a host thread and does not await it"),
+      (AsyncVerifier(), r"fn is an async function"),
   ]:
     with pytest.raises(ValueError, match=match):
       Component("x", fn)
