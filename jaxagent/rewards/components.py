@@ -105,6 +105,11 @@ class MathAnswerReward:
     t = self.timeout_s
     if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t <= 0:
       raise ValueError(f"MathAnswerReward.timeout_s must be a finite number of seconds > 0, got {t!r}")
+    if self.verifier is not None and not callable(getattr(self.verifier, "equal", None)):
+      # A MathVerifyConfig here failed each call, so every answer scored 0.0 (logged once).
+      raise ValueError(f"MathAnswerReward.verifier must be a MathVerifier or None (the shared one), "
+                       f"got {type(self.verifier).__name__}: {self.verifier!r:.200}; build one with "
+                       "MathVerifier(MathVerifyConfig(...))")
 
   def __call__(self, inp: RewardInput) -> float:
     golds = _golds(inp)

@@ -48,6 +48,10 @@ def test_math_answer_reward_validation():
     MathAnswerReward(timeout_s=0)
   with pytest.raises(ValueError, match="tag"):
     MathAnswerReward(tag="<answer>")
+  # A config in place of the verifier scored every answer 0.0 (AttributeError on each call).
+  with pytest.raises(ValueError, match=r"verifier must be a MathVerifier or None .* got MathVerifyConfig.*"
+                                       r"MathVerifier\(MathVerifyConfig\(...\)\)"):
+    MathAnswerReward(verifier=MathVerifyConfig(backend="thread"))
 
 
 def test_text_match_reward():
