@@ -84,6 +84,10 @@ def _defined_flags(path: pathlib.Path) -> set[str]:
   out |= set(re.findall(r'add_argument\(\s*"-[-\w]+",\s*"(--[-\w]+)"', text))
   out |= {f"--no-{f[2:]}" for f in out if "BooleanOptionalAction" in text}
   out |= {f"--{f}" for f in re.findall(r'DEFINE_\w+\(\s*"(\w+)"', text)}
+  # config_files.define_config_flag(help_text, name="config")
+  for call in re.findall(r"define_config_flag\(([^)]*)\)", text):
+    name = re.search(r'name\s*=\s*"(\w+)"', call)
+    out.add(f"--{name.group(1) if name else 'config'}")
   out |= {f"--no{f[2:]}" for f in out if "DEFINE_bool" in text}
   return out
 
