@@ -104,7 +104,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # samples) before training (`before`), after the warm start, every `every` RL steps (0: none)
   # and at the end.
   c.eval = ml_collections.ConfigDict(dict(size=150, every=0, pass_k=0, before=True))
-  # dump_every: write dump_count trajectories (tokens, roles, loss mask) to
+  # dump_every: write dump_count trajectories (tokens, roles, loss mask, reward, advantage) to
   # <workdir>/samples/step_NNNNNN.{txt,jsonl} (step_000004.txt: RL step 4) every dump_every RL
   # steps (0: never).
   c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True, dump_every=4,

@@ -1224,7 +1224,10 @@ class Trainer:
         batch = None
     metrics["time/rollout_s"] = t_roll
     if self.config.log.dump_every and step % self.config.log.dump_every == 0:
-      self.dump_samples(step, all_trajs[:self.config.log.get("dump_count", 4)])
+      n = self.config.log.get("dump_count", 4)
+      trained = {id(tr): float(a) for tr, a, k in zip(trajs, advs, keep) if k}
+      self.dump_samples(step, all_trajs[:n], rewards=outs[:n],
+                        advantages=[trained.get(id(tr)) for tr in all_trajs[:n]])
     return metrics, batch
 
   def _warn_dropped(self, what: str, step: int, stats: dict[str, Any]) -> None:
@@ -1235,9 +1238,35 @@ class Trainer:
           f"sequences ({stats['dropped_tokens']} tokens) longer than train.pack_len="
           f"{self.pack_cfg.max_len}; raise train.pack_len (and the last of train.len_buckets)")
 
-  def dump_samples(self, step: int, trajs: Sequence[Trajectory]) -> None:
+  def dump_samples(self, step: int, trajs: Sequence[Trajectory],
+                   rewards: Sequence[Any] | None = None,
+                   advantages: Sequence[float | None] | None = None) -> None:
+    """Writes `trajs` to <workdir>/samples/step_NNNNNN.{txt,jsonl}, each with its loss mask and,
+    when given, its reward (a `RewardOutput`) and the advantage it was trained with (None: not
+    trained on, its group having had equal rewards or been left out by dynamic sampling)."""
     if jax.process_index() != 0:
       return
+    # Without them a dump showed what was sampled but not how it was scored or pushed.
+    def scored(i):
+      out = {}
+      if rewards is not None:
+        r = rewards[i]
+        out["reward"] = float(r.total)
+        out["reward_components"] = {k: float(v) for k, v in r.components.items()}
+      if advantages is not None:
+        out["advantage"] = advantages[i]
+      return out
+
+    def scored_line(i):
+      sc = scored(i)
+      parts = []
+      if "reward" in sc:
+        comps = ", ".join(f"{k} {v:.4g}" for k, v in sc["reward_components"].items())
+        parts.append(f"reward={sc['reward']:.4g}" + (f" ({comps})" if comps else ""))
+      if "advantage" in sc:
+        a = sc["advantage"]
+        parts.append("advantage=none (not trained on)" if a is None else f"advantage={a:+.4g}")
+      return ("    " + " ".join(parts)) if parts else ""
     d = self.workdir / "samples"
     d.mkdir(parents=True, exist_ok=True)
     # The masks the update trains with: an env that trains on its observations (search_qa's
@@ -1246,12 +1275,17 @@ class Trainer:
     # UTF-8 whatever the locale: sampled text is arbitrary Unicode (an ASCII locale raised
     # UnicodeEncodeError and ended the run); "replace" for what UTF-8 cannot hold.
     with open(d / f"step_{step:06d}.txt", "w", encoding="utf-8", errors="replace") as f:
-      for tr in trajs:
-        f.write(tr.render(self.tok, observation_loss=obs_loss) + "\n\n")
+      for i, tr in enumerate(trajs):
+        text, line = tr.render(self.tok, observation_loss=obs_loss), scored_line(i)
+        if line:  # under the header, above the token runs
+          head, sep, body = text.partition("\n[")
+          text = head + "\n" + line + sep + body
+        f.write(text + "\n\n")
     with open(d / f"step_{step:06d}.jsonl", "w", encoding="utf-8") as f:
-      for tr in trajs:
+      for i, tr in enumerate(trajs):
         mask = tr.to_pack_item(0.0, observation_loss=obs_loss).loss_mask
-        f.write(json.dumps({**tr.to_dict(), "loss_mask": [int(m) for m in mask]}) + "\n")
+        f.write(json.dumps({**tr.to_dict(), **scored(i), "loss_mask": [int(m) for m in mask]})
+                + "\n")
 
   # --------------------------------------------------------------------------- run
   def run(self) -> dict[str, Any]:

@@ -696,6 +696,47 @@ def test_sample_dumps_show_the_loss_mask_the_update_uses(tmp_path):
     assert Trajectory.from_dict(rec) == traj
 
 
+def test_sample_dumps_carry_each_trajectory_s_reward_and_advantage(tmp_path):
+  """The dumps showed the sampled tokens and masks but not the reward a trajectory earned nor
+  the advantage it was trained with. Each record now has both: the advantage is the group's
+  GRPO value (NumPy here), and None for a group of equal rewards that was not trained on."""
+  import dataclasses
+  import zlib
+  trainer = Trainer(_tiny(tmp_path, **{"train.zero_variance": "drop", "log.dump_every": 1,
+                                       "log.dump_count": 8}))
+  real = trainer.env.reward
+
+  def reward(traj, *args):  # a function of the sampled tokens: some groups informative
+    return dataclasses.replace(real(traj, *args), total=float(
+        zlib.crc32(np.asarray(traj.tokens, np.int64).tobytes()) % 3 == 0))
+  trainer.env.reward = reward
+  try:
+    m = trainer.rl_step(1)
+  finally:
+    trainer.close()
+  samples = tmp_path / "run" / "samples"
+  recs = [json.loads(line) for line in (samples / "step_000001.jsonl").open()]
+  assert len(recs) == m["rollout/num_trajectories"] == 8
+  groups = {}
+  for r in recs:
+    assert r["reward"] == float(zlib.crc32(np.asarray(r["tokens"], np.int64).tobytes()) % 3 == 0)
+    assert set(r["reward_components"]) == {"correct"}
+    groups.setdefault(r["group_id"], []).append(r)
+  informative = 0
+  for g in groups.values():
+    rewards = np.array([r["reward"] for r in g])
+    if np.ptp(rewards) == 0:
+      assert all(r["advantage"] is None for r in g)
+    else:
+      informative += 1
+      want = (rewards - rewards.mean()) / (rewards.std(ddof=1) + 1e-6)
+      np.testing.assert_allclose([r["advantage"] for r in g], want, rtol=1e-6)
+  assert 0 < informative < len(groups) and m["adv/kept_frac"] == informative / len(groups)
+  text = (samples / "step_000001.txt").read_text(encoding="utf-8")
+  assert text.count("    reward=") == 8 and "advantage=none (not trained on)" in text, text
+  assert "advantage=+0.7071" in text and "advantage=-0.7071" in text, text
+
+
 class _CharTok:
   def encode(self, text):
     return [ord(c) for c in text]
