@@ -325,7 +325,10 @@ class CompositeReward:
     scale = {"outcome": alpha, "shaping": 1.0 - alpha, "fixed": 1.0} if self.schedule is not None else {}
     return {c.name: float(c.weight) * scale.get(c.role, 1.0) for c in self.components}
 
-  def __call__(self, inp: RewardInput, *, step: int = 0) -> RewardOutput:
+  def __call__(self, inp: RewardInput, *, step: int | None = None) -> RewardOutput:
+    """Scores `inp` at training step `step`, which a composite with a schedule requires (one
+    without ignores it)."""
+    step = self._step(step)
     if not isinstance(inp, RewardInput):
       # Every component would fail on it and score 0.0, as if the responses were all wrong.
       raise TypeError(f"CompositeReward scores a RewardInput, got {type(inp).__name__}; build one "
@@ -366,8 +369,18 @@ class CompositeReward:
     return RewardOutput(total=total, components=values, weights=weights, errors=tuple(failed),
                         alpha=self.alpha(step))
 
-  def score_batch(self, inputs: Sequence[RewardInput], *, step: int = 0) -> list[RewardOutput]:
+  def score_batch(self, inputs: Sequence[RewardInput], *, step: int | None = None) -> list[RewardOutput]:
     return [self(inp, step=step) for inp in inputs]
+
+  def _step(self, step: int | None) -> int:
+    if step is not None:
+      return step
+    if self.schedule is not None:
+      # Without the step the schedule would stay at alpha=start for the whole run, unnoticed.
+      raise TypeError("this CompositeReward has a ProgressiveSchedule, so it needs the training "
+                      "step: call it as reward(inp, step=step), passing on the step that "
+                      "Env.reward receives")
+    return 0
 
   def _record_error(self, name: str, error: Exception) -> None:
     with self._lock:

@@ -150,6 +150,21 @@ def test_schedule_with_nothing_to_hand_over_is_refused():
   assert CompositeReward(one, schedule=schedule)(INP, step=0).total == pytest.approx(0.1)
 
 
+def test_a_scheduled_composite_needs_the_step():
+  """Called without the step, a composite with a schedule scored every trajectory at step 0:
+  the schedule never moved, and the run never learned from the outcome's full weight."""
+  one = [Component("correct", const(1.0), 1.0, role="outcome"),
+         Component("format", const(1.0), 0.1, role="shaping")]
+  scheduled = CompositeReward(one, schedule=ProgressiveSchedule(num_steps=20))
+  with pytest.raises(TypeError, match=r"has a ProgressiveSchedule, so it needs the training step: "
+                                      r"call it as reward\(inp, step=step\)"):
+    scheduled(INP)
+  with pytest.raises(TypeError, match="needs the training step"):
+    scheduled.score_batch([INP])
+  assert scheduled(INP, step=20).total == pytest.approx(1.0)
+  assert CompositeReward(one)(INP).total == pytest.approx(1.1)  # no schedule: no step needed
+
+
 def test_score_batch_and_mean_metrics():
   flaky_calls = iter([1.0, RuntimeError("x"), 0.0, 1.0])
 
