@@ -23,6 +23,12 @@ that might hang (a user's verifier calling out to a service, say) can be given a
 and counts as a failure. Python cannot stop that thread; it runs on until the call returns.
 The verifiers shipped here bound their own time (math-verify in worker processes, unit tests in
 the sandbox) and need no limit.
+
+What could never score is refused when it is built, not counted as a failure on every
+trajectory: a `Component` whose fn is a class, a text or count function (`format_reward`,
+`exact_match`), async, or does not take one argument, or a penalty (`is_penalty`) with a
+negative weight; a schedule with no outcome or shaping weight to move; a composite with a
+schedule called without the step, or called on anything but a `RewardInput`.
 """
 from __future__ import annotations
 
