@@ -63,6 +63,7 @@ from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH
 from jaxagent.generate.scheduler import StopChecker
 from jaxagent.tools import (ToolArgumentError, ToolExecutor, ToolRegistry, ToolResult,
                             UnknownToolError, validate_arguments)
+from jaxagent.tools.base import schema_types
 
 log = logging.getLogger(__name__)
 
@@ -256,12 +257,12 @@ def _check_tag_arguments(env) -> None:
         raise ValueError(f"{where}, but the tool takes no argument {arg!r} (its arguments: "
                          f"{', '.join(props) or 'none'}); map the tag to one of them")
       continue
-    types_ = props[arg].get("type")
-    options = [types_] if isinstance(types_, str) else list(types_ or ())
+    options = schema_types(props[arg])
     enum = props[arg].get("enum")
     if (options and "string" not in options) or (
         enum is not None and not any(isinstance(m, str) for m in enum)):
-      declared = f"type {types_!r}" if options and "string" not in options else f"enum {enum!r}"
+      declared = (f"type {props[arg]['type']!r}" if options and "string" not in options
+                  else f"enum {enum!r}")
       raise ValueError(f"{where}, but the tool declares it as {declared}, which no text is: every "
                        "call would fail as bad arguments; declare it a str and convert it in "
                        "the tool")

@@ -160,10 +160,19 @@ _JSON_TYPES: dict[str, tuple[type, ...]] = {
 }
 
 
+def schema_types(schema: Mapping[str, Any]) -> list[str]:
+    """The JSON types an argument's schema declares, as a list (`"type": "string"` is
+    `["string"]`); [] when it declares none (a `Literal[...]`'s enum, an `Any`). The schema's
+    `type` must be a string or a list of strings, as the registry checks."""
+    types_ = schema.get("type")
+    if types_ is None:
+        return []
+    return [types_] if isinstance(types_, str) else list(types_)
+
+
 def _check_value(name: str, value: Any, schema: Mapping[str, Any]) -> Any:
-    expected = schema.get("type")
-    if expected is not None:
-        options = [expected] if isinstance(expected, str) else list(expected)
+    options = schema_types(schema)
+    if options:
         for option in options:
             types_ = _JSON_TYPES.get(option)
             if types_ is None:
@@ -224,9 +233,7 @@ def validate_arguments(parameters: Mapping[str, Any], args: Any) -> dict[str, An
 
 def _allows_null(schema: Mapping[str, Any]) -> bool:
     # Both the type and the enum must admit null: `Literal["C", "F"]` is an enum with no type.
-    types_ = schema.get("type")
-    type_ok = ("type" not in schema or types_ == "null"
-               or (isinstance(types_, (list, tuple)) and "null" in types_))
+    type_ok = "type" not in schema or "null" in schema_types(schema)
     return type_ok and ("enum" not in schema or None in schema["enum"])
 
 
@@ -415,9 +422,8 @@ def _check_parameters(name: str, parameters: Mapping[str, Any]) -> None:
     for key, spec in properties.items():
         while isinstance(spec, Mapping):  # the argument, then its array items (checked per call)
             types_ = spec.get("type")
-            options = [] if types_ is None else [types_] if isinstance(types_, str) else types_
-            if not isinstance(options, (list, tuple)) or not all(
-                    isinstance(option, str) and option in _JSON_TYPES for option in options):
+            if not isinstance(types_, (str, list, tuple, type(None))) or not all(
+                    isinstance(option, str) and option in _JSON_TYPES for option in schema_types(spec)):
                 raise ValueError(f"tool {name!r}: argument {key!r} has type {types_!r}; a type is one of "
                                  f"{', '.join(_JSON_TYPES)}, or a list of them")
             spec, key = spec.get("items"), f"{key}[]"
