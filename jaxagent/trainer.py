@@ -61,7 +61,7 @@ from jaxagent.models import param_tree
 from jaxagent.models.config import RUN_MODEL_KEYS, run_overrides
 from jaxagent.rewards import ENV_REWARD_ERROR, RewardOutput, mean_metrics, math_verifier
 from jaxagent.rl import advantages as adv_lib
-from jaxagent.rl import packing, step as step_lib
+from jaxagent.rl import losses, packing, step as step_lib
 
 log = logging.getLogger(__name__)
 
@@ -557,6 +557,7 @@ def check_config(config) -> None:
   # only in `Trainer`, after the launcher's fit check had compiled every program).
   step_lib.learner_parts(config)
   _warn_long_warmups(config)
+  _warn_unused_loss_settings(config)
   # Read by the warm start, after the evals before training: a missing file ended the run there.
   sft = config.get("sft") if hasattr(config, "get") else None
   data = sft.get("data") if hasattr(sft, "get") else None
@@ -576,6 +577,34 @@ def check_config(config) -> None:
 # Warnings of `check_config` already logged by this process: the launcher checks the config
 # and then the trainer checks it again.
 _CONFIG_WARNINGS: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+  if msg not in _CONFIG_WARNINGS:
+    _CONFIG_WARNINGS.add(msg)
+    log.warning("%s", msg)
+
+
+def _warn_unused_loss_settings(config) -> None:
+  """Logs a warning (once per process) for loss settings that are legal and rarely meant: a KL
+  estimator chosen for a run without a KL term (kl_coef 0: no reference model is kept, so the
+  estimator is never used, and train/kl_ref is not logged), and a clip range whose upper side
+  is narrower than its lower side (the reverse of DAPO's clip-higher, e.g. swapped values)."""
+  loss = config.get("loss") if hasattr(config, "get") else None
+  if not hasattr(loss, "get"):
+    return
+  est, coef = loss.get("kl_estimator"), loss.get("kl_coef")
+  default_est = losses.LossConfig.kl_estimator
+  if coef == 0 and est != default_est:
+    _warn_once(f"loss.kl_estimator={est!r} is not used: loss.kl_coef=0 adds no KL term, so the "
+               "run keeps no reference model (and logs no train/kl_ref); set loss.kl_coef > 0 "
+               f"for a KL penalty with that estimator, or leave kl_estimator at {default_est!r}")
+  lo, hi = loss.get("clip_low"), loss.get("clip_high")
+  if all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in (lo, hi)) and hi < lo:
+    _warn_once(f"loss.clip_high={hi} is below loss.clip_low={lo}: the ratio is clipped to "
+               f"[{1 - lo:.4g}, {1 + hi:.4g}], narrower above 1 than below, the reverse of DAPO's "
+               "clip-higher (clip_high > clip_low, e.g. 0.2 / 0.28); swap them if clip-higher "
+               "was meant")
 
 
 def _warn_long_warmups(config) -> None:
@@ -601,12 +630,9 @@ def _warn_long_warmups(config) -> None:
     if not isinstance(updates, (int, np.integer)) or isinstance(updates, bool) or updates <= 0:
       continue
     if warmup >= updates:
-      msg = (f"{key}={warmup} is not shorter than the run's {what}: the learning rate never "
-             f"reaches {lr} (the last update runs at {(updates - 1) / warmup:.3g} of it); "
-             f"lower {key} below {updates} if the full rate is meant")
-      if msg not in _CONFIG_WARNINGS:
-        _CONFIG_WARNINGS.add(msg)
-        log.warning("%s", msg)
+      _warn_once(f"{key}={warmup} is not shorter than the run's {what}: the learning rate never "
+                 f"reaches {lr} (the last update runs at {(updates - 1) / warmup:.3g} of it); "
+                 f"lower {key} below {updates} if the full rate is meant")
 
 
 def _rollout_config(r) -> RolloutConfig:

@@ -334,6 +334,34 @@ def test_a_warmup_the_run_never_finishes_is_warned_once(tmp_path, monkeypatch, c
   assert not [r for r in caplog.records if r.name == "jaxagent.trainer"]
 
 
+def test_loss_settings_that_do_nothing_or_look_swapped_are_warned_once(tmp_path, monkeypatch,
+                                                                        caplog):
+  """A KL estimator chosen with loss.kl_coef=0 (no reference model, the estimator unused) and a
+  clip_high below clip_low (the reverse of clip-higher) passed without a word."""
+  from jaxagent import trainer as trainer_lib
+  monkeypatch.setattr(trainer_lib, "_CONFIG_WARNINGS", set(), raising=False)
+  c = _tiny(tmp_path, **{"loss.kl_estimator": "k2", "loss.clip_low": 0.28, "loss.clip_high": 0.2})
+  with caplog.at_level("WARNING", logger="jaxagent.trainer"):
+    trainer_lib.check_config(c)
+    trainer_lib.check_config(c)  # the launcher's check, then the trainer's: one warning each
+  said = [r.getMessage() for r in caplog.records if r.name == "jaxagent.trainer"]
+  assert said == [
+      "loss.kl_estimator='k2' is not used: loss.kl_coef=0 adds no KL term, so the run keeps no "
+      "reference model (and logs no train/kl_ref); set loss.kl_coef > 0 for a KL penalty with "
+      "that estimator, or leave kl_estimator at 'k3'",
+      "loss.clip_high=0.2 is below loss.clip_low=0.28: the ratio is clipped to [0.72, 1.2], "
+      "narrower above 1 than below, the reverse of DAPO's clip-higher (clip_high > clip_low, "
+      "e.g. 0.2 / 0.28); swap them if clip-higher was meant"]
+  # With a KL term, or with clip-higher or a symmetric range, nothing is said.
+  caplog.clear()
+  with caplog.at_level("WARNING", logger="jaxagent.trainer"):
+    for over in ({"loss.kl_estimator": "k2", "loss.kl_coef": 0.01},
+                 {"loss.clip_low": 0.2, "loss.clip_high": 0.2},
+                 {"loss.clip_low": 3e-4, "loss.clip_high": 4e-4}):
+      trainer_lib.check_config(_tiny(tmp_path, **over))
+  assert not [r for r in caplog.records if r.name == "jaxagent.trainer"]
+
+
 def test_env_kwargs_are_free_form():
   from jaxagent.trainer import check_config
   c = get_config("tiny")
