@@ -10,6 +10,14 @@ Run:
   python -m jaxagent.launch --config=configs/math_tool.py:gpu    # SmolLM2-135M, one GPU
   python -m jaxagent.launch --config=configs/math_tool.py:qwen \
       --config.model.path=/path/to/Qwen2.5-1.5B-Instruct         # an HF checkpoint directory
+Your own problems (GSM8K-style JSONL, `{"question": ..., "answer": ...}`; a GSM8K answer
+"... #### 72" counts as 72; or an ArrayRecord file of such JSON records) replace the built-in
+train and/or eval split, every record of the file:
+  python -m jaxagent.launch --config=configs/math_tool.py \
+      --config.env.kwargs.train_file=/data/train.jsonl \
+      --config.env.kwargs.eval_file=/data/test.jsonl
+with `--config.env.kwargs.question_key=problem` (and `answer_key`) for other field names. The
+SFT warm start still demonstrates the interpreter on built-in generated problems (none of yours).
 Switch progressive reward shaping on with e.g. `--config.env.kwargs.format_weight=0.2
 --config.env.kwargs.tool_weight=0.05 --config.env.kwargs.shaping_steps=20`.
 
@@ -49,7 +57,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       sources=("gsm_symbolic",), eval_sources=("gsm_symbolic",), train_size=2000,
       eval_size=100, sft_size=256, max_output_chars=256, code_timeout_s=5.0,
       code_memory_mb=1024, format_weight=0.0, tool_weight=0.0, shaping_steps=0,
-      shaping_start=0.0, seed=0)))
+      shaping_start=0.0, seed=0,
+      # Your own problems ("" = the built-in sources): see the header.
+      train_file="", eval_file="", question_key="question", answer_key="answer")))
 
   c.rollout = ml_collections.ConfigDict(dict(
       slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0, max_turns=4,

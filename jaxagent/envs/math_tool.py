@@ -1,7 +1,9 @@
 """Math word problems with a persistent Python interpreter (ReTool style).
 
 Problems are reasoning-gym `gsm_symbolic` (GSM8K-style templates with fresh numbers) and,
-optionally, the numeric-answer problems of CHAMP (`champ-dataset`, competition math). The
+optionally, the numeric-answer problems of CHAMP (`champ-dataset`, competition math); or your
+own, from a JSONL or ArrayRecord file per split (`train_file`, `eval_file`; see
+`jaxagent/envs/problem_file.py` for the record format). The
 policy writes code between `<code>` and `</code>`; the rollout runs it in the trajectory's own
 sandboxed interpreter (a `PythonSession`: variables persist across turns, and `Episode.close`
 ends it) and appends what it printed as `<interpreter>...</interpreter>`, an observation that
@@ -41,6 +43,7 @@ from jaxagent.agent.env import (OBSERVATION_TEMPLATES, Env, Episode, Example,
                                 check_shaping_settings)
 from jaxagent.agent.parsers import XMLTagParser, _block_spans, _without
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
+from jaxagent.envs.problem_file import check_problem_file, read_problems
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
                               MathAnswerReward, ProgressiveSchedule, RewardInput, RewardOutput,
                               ToolShapingConfig, ToolUseReward)
@@ -389,6 +392,17 @@ class MathToolEnv(Env):
       seeded shuffle, into a train half and an eval half, so no problem is in both.
     train_size, eval_size, sft_size: gsm_symbolic problems per split (no question repeats
       across splits); CHAMP adds its half on top where listed.
+    train_file, eval_file: a file of your own problems ("" = none) that replaces the built-in
+      sources of the train / eval split, every record of it in file order (`sources` or
+      `eval_sources` and the split's size then do not apply; the trainer evaluates on the first
+      `eval.size`). JSONL (`.jsonl`) or ArrayRecord (`.array_record`, `.arrayrecord`) records
+      that are JSON objects; a GSM8K answer ("... #### 72") gives its final answer (see
+      `jaxagent/envs/problem_file.py`). The "sft" split still draws built-in gsm_symbolic
+      problems, whose generated reference solutions make the code demonstrations (they teach
+      the tool format, not your data), never a question of either file; with `sft_size=0` or
+      `sources` without gsm_symbolic it is empty (set the trainer's `sft.steps=0`). The files
+      are hidden from the policy's code like the built-in answer keys.
+    question_key, answer_key: the keys of a file record's question and answer.
     max_output_chars: the text between the interpreter tags is cut to this many characters (a
       failed call keeps its error over its output; see `format_observation`).
     code_timeout_s, code_memory_mb: limits of each code cell.
@@ -410,7 +424,8 @@ class MathToolEnv(Env):
                eval_size: int = 200, sft_size: int = 256, max_output_chars: int = 512,
                code_timeout_s: float = 5.0, code_memory_mb: int = 1024,
                format_weight: float = 0.0, tool_weight: float = 0.0, shaping_steps: int = 0,
-               shaping_start: float = 0.0, seed: int = 0):
+               shaping_start: float = 0.0, seed: int = 0, train_file: str = "",
+               eval_file: str = "", question_key: str = "question", answer_key: str = "answer"):
     for field, value in (("sources", sources), ("eval_sources", eval_sources)):
       if isinstance(value, str) or not value or any(s not in SOURCES for s in value):
         raise ValueError(f"MathToolEnv.{field} must be a non-empty tuple drawn from {SOURCES}, "
@@ -428,6 +443,18 @@ class MathToolEnv(Env):
       raise ValueError(f"MathToolEnv.seed must be an int, got {seed!r}")
     check_shaping_settings("MathToolEnv", format_weight=format_weight, tool_weight=tool_weight,
                            shaping_steps=shaping_steps, shaping_start=shaping_start)
+    for field, value in (("question_key", question_key), ("answer_key", answer_key)):
+      if not isinstance(value, str) or not value:
+        raise ValueError(f"MathToolEnv.{field} must be a non-empty str (a record's key), "
+                         f"got {value!r}")
+    if question_key == answer_key:
+      raise ValueError(f"MathToolEnv.question_key and answer_key must differ, both are "
+                       f"{question_key!r}")
+    # Checked here (exists, known format); read when the split is first asked for.
+    self._files = {split: str(check_problem_file(path, f"MathToolEnv.{split}_file"))
+                   for split, path in (("train", train_file), ("eval", eval_file))
+                   if path != ""}
+    self.question_key, self.answer_key = question_key, answer_key
     self.sources, self.eval_sources = tuple(sources), tuple(eval_sources)
     self.seed = seed
     self.max_output_chars = max_output_chars
@@ -437,7 +464,7 @@ class MathToolEnv(Env):
     self.sandbox = SandboxConfig.from_settings(
         "MathToolEnv", {"code_timeout_s": ("timeout_s", code_timeout_s),
                         "code_memory_mb": ("memory_mb", code_memory_mb)},
-        deny_read_paths=_answer_key_paths())
+        deny_read_paths=_answer_key_paths() + tuple(self._files.values()))
     self.parser = XMLTagParser({"code": ("python", "code")}, answer_tag="answer", strip=False,
                                think_tag=_FORMAT.think_tag)
     self._sizes = {"train": train_size, "eval": eval_size, "sft": sft_size}
@@ -456,6 +483,8 @@ class MathToolEnv(Env):
     demonstration only)."""
     if split not in self._sizes:
       raise ValueError(f"unknown split {split!r}; expected one of {sorted(self._sizes)}")
+    if split not in self._cache and split in self._files:
+      self._cache[split] = self._from_file(split)
     if split not in self._cache:
       exs = self._gsm(split) if "gsm_symbolic" in self._split_sources(split) else []
       if "champ" in self._split_sources(split) and split != "sft":
@@ -472,12 +501,12 @@ class MathToolEnv(Env):
 
     # reasoning-gym seeds item i with (seed + i): the splits' seed ranges are kept disjoint.
     offsets = {"train": 0, "sft": 10_000_000, "eval": 20_000_000}
-    # A question is in one split only: sft draws around train's, eval around both.
-    seen: set[str] = set()
+    # A question is in one split only: sft draws around train's, eval around both, and every
+    # split around the files' (a file's eval question in sft would be refused by the trainer).
     earlier = {"train": (), "sft": ("train",), "eval": ("train", "sft")}[split]
-    if "gsm_symbolic" in self.sources:
-      seen = {ex.metadata["question"] for s in earlier for ex in self.examples(s)
-              if ex.metadata["source"] == "gsm_symbolic"}
+    around = [s for s in ("train", "sft", "eval") if s != split and (
+        s in self._files or (s in earlier and "gsm_symbolic" in self.sources))]
+    seen = {ex.metadata["question"] for s in around for ex in self.examples(s)}
     size = self._sizes[split]
     if size == 0:
       return []
@@ -510,6 +539,14 @@ class MathToolEnv(Env):
     part = probs[:half] if split == "eval" else probs[half:]
     return [Example(id=f"{split}-champ-{pid}", prompt=self._messages(text), gold=golds,
                     metadata={"source": "champ", "question": text}) for pid, text, golds in part]
+
+  def _from_file(self, split: str) -> list[Example]:
+    path = self._files[split]
+    probs = read_problems(path, question_key=self.question_key, answer_key=self.answer_key,
+                          owner="MathToolEnv", setting=f"{split}_file")
+    return [Example(id=f"{split}-file-{p.index}", prompt=self._messages(p.question), gold=p.gold,
+                    metadata={"source": "file", "question": p.question, "where": p.where})
+            for p in probs]
 
   @staticmethod
   def _messages(question: str):

@@ -172,6 +172,38 @@ def test_dual_clip_and_max_len_norm_reach_the_loss_from_the_command_line():
   assert holder.value.rollout.max_total_tokens == 100
 
 
+def test_own_problem_files_reach_math_tool_from_the_command_line(tmp_path, char_tok):
+  from absl import flags
+  from ml_collections import config_flags
+  from jaxagent.agent.trajectory import POLICY, demonstration_trajectory
+  train, test = tmp_path / "train.jsonl", tmp_path / "test.jsonl"
+  train.write_text("".join(json.dumps({"problem": f"What is {i} plus {i}?", "solution":
+                                       f"{i} + {i} = <<{i}+{i}={2 * i}>>{2 * i}\n#### {2 * i}"})
+                           + "\n" for i in range(1, 4)))
+  test.write_text(json.dumps({"problem": "What is 6 times 7?", "solution": 42}) + "\n")
+  argv = ["prog", f"--config={ROOT}/configs/math_tool.py:tiny",
+          f"--config.env.kwargs.train_file={train}", f"--config.env.kwargs.eval_file={test}",
+          "--config.env.kwargs.question_key=problem", "--config.env.kwargs.answer_key=solution"]
+  fv = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", flag_values=fv, sys_argv=argv)
+  fv(argv)
+  cfg = holder.value
+  env = make_env(cfg.env.name, **cfg.env.kwargs)
+  assert [(e.metadata["question"], e.gold) for e in env.examples("train")] == [
+      (f"What is {i} plus {i}?", str(2 * i)) for i in range(1, 4)]
+  (ev,) = env.examples("eval")
+  assert (ev.metadata["question"], ev.gold) == ("What is 6 times 7?", "42")
+  assert len(env.examples("sft")) == cfg.env.kwargs.sft_size  # built-in demonstrations
+  for answer, expected in (("42", 1.0), ("41", -1.0)):
+    traj = demonstration_trajectory(char_tok.encode("Q"), [(POLICY, f"<answer>{answer}</answer>")],
+                                    char_tok)
+    traj.finish("answer")
+    assert env.reward(traj, ev, char_tok, step=0).components["correct"] == expected
+  # Left at their defaults, the files are off: the built-in sources as before.
+  plain = make_env("math_tool", **_load("math_tool").get_config("tiny").env.kwargs)
+  assert len(plain.examples("eval")) == 4 and plain.examples("eval")[0].id == "eval-gsm-0"
+
+
 # The CPU variants' warm-start data against their row length, with the real tokenizer: a
 # demonstration longer than train.pack_len is left out of the warm start, and the longest ones
 # are a task's hardest (search_qa's 3-hop questions): such a config would warm-start on a

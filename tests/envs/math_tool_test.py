@@ -1,6 +1,9 @@
 """math_tool: reference-solution parsing, demonstrations checked in the sandbox, splits, prompt,
 parsing, +1/-1 reward, progressive shaping and the per-trajectory interpreter."""
+import json
+
 import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
 
 from jaxagent.agent.env import Example
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, demonstration_trajectory
@@ -173,6 +176,60 @@ def test_champ_source_split_in_halves():
   assert len(ev) + len(tr) == len(probs) and not {i.split("-", 2)[2] for i in ev} & {
       i.split("-", 2)[2] for i in tr}
   assert all(e.metadata["source"] == "gsm_symbolic" for e in env.examples("sft"))
+
+
+def test_own_files_replace_the_train_and_eval_splits(tmp_path, make_traj, char_tok):
+  # A built-in sft question put into the eval file: the sft split must draw around it (the
+  # trainer refuses a warm start on eval prompts).
+  sft_q = MathToolEnv(train_size=0, eval_size=0, sft_size=3, seed=5).examples("sft")[0]
+  sft_q = sft_q.metadata["question"]
+  train = tmp_path / "train.jsonl"
+  train.write_text(json.dumps({"problem": "Natalia sold 48 clips in April and half as many in "
+                                          "May. How many in all?",
+                               "solution": "48/2 = <<48/2=24>>24\n48+24 = <<48+24=72>>72\n#### 72"})
+                   + "\n\n" + json.dumps({"problem": "6 times 7?", "solution": 42}) + "\n")
+  test = tmp_path / "test.array_record"
+  writer = ArrayRecordWriter(str(test), "group_size:1")
+  for q, a in ((sft_q, "12"), ("What is 100 minus 37?", 63)):
+    writer.write(json.dumps({"problem": q, "solution": a}).encode())
+  writer.close()
+  env = MathToolEnv(train_file=str(train), eval_file=str(test), question_key="problem",
+                    answer_key="solution", train_size=4, eval_size=5, sft_size=3, seed=5)
+  tr, ev, sft = env.examples("train"), env.examples("eval"), env.examples("sft")
+  assert [(e.id, e.gold) for e in tr] == [("train-file-1", "72"), ("train-file-3", "42")]
+  assert [(e.id, e.gold) for e in ev] == [("eval-file-0", "12"), ("eval-file-1", "63")]
+  assert ev[1].prompt == ({"role": "system", "content": SYSTEM_PROMPT},
+                          {"role": "user", "content": "What is 100 minus 37?"})
+  assert ev[0].metadata == {"source": "file", "question": sft_q, "where": "test.array_record record 0"}
+  # The warm start keeps demonstrating on built-in problems, none of them a file's question.
+  assert len(sft) == 3 and all(env.demonstration(e) is not None for e in sft)
+  assert not {e.metadata["question"] for e in sft} & {e.metadata["question"] for e in tr + ev}
+  # The files hold the answers: the policy's code may not read them.
+  assert {str(train), str(test)} <= set(env.sandbox.deny_read_paths)
+  for answer, expected in (("72", 1.0), ("71", -1.0)):
+    out = env.reward(make_traj([(POLICY, f"<answer>{answer}</answer>")]), tr[0], char_tok, 0)
+    assert out.components["correct"] == expected
+
+
+def test_own_file_settings_are_checked_when_the_env_is_made(tmp_path):
+  with pytest.raises(ValueError, match=r"MathToolEnv.train_file='.*p\.csv': unknown file format "
+                     r"\(suffix '\.csv'\); a problem file is JSONL"):
+    make_env("math_tool", train_file=str(tmp_path / "p.csv"))
+  with pytest.raises(ValueError, match=r"MathToolEnv.eval_file='.*t\.jsonl': no such file"):
+    make_env("math_tool", eval_file=str(tmp_path / "t.jsonl"))
+  with pytest.raises(ValueError, match=r"MathToolEnv.train_file must be the path of a problem "
+                     r"file, got 3"):
+    make_env("math_tool", train_file=3)
+  with pytest.raises(ValueError, match=r"MathToolEnv.answer_key must be a non-empty str"):
+    make_env("math_tool", answer_key="")
+  with pytest.raises(ValueError, match=r"question_key and answer_key must differ, both are 'q'"):
+    make_env("math_tool", question_key="q", answer_key="q")
+  # A bad record is found when the split is first read, and named there.
+  (tmp_path / "t.jsonl").write_text('{"question": "Q?", "answer": 1}\n{"question": "Q2?"}\n')
+  env = make_env("math_tool", eval_file=str(tmp_path / "t.jsonl"), train_size=0, sft_size=0)
+  with pytest.raises(ValueError, match=r"(?s)MathToolEnv.eval_file=.*1 bad record \(of 2\).*t\.jsonl "
+                     r"line 2: no 'answer' key"):
+    env.examples("eval")
 
 
 # ----------------------------------------------------------------------------- parsing and tool

@@ -1,0 +1,147 @@
+"""problem_file: JSONL and ArrayRecord problem files read back, GSM8K answers, custom keys, and
+every bad record named (file, line or record, what is wrong)."""
+import json
+import re
+
+import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
+
+from jaxagent.envs.problem_file import read_problems
+
+GSM8K = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+         "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+RECORDS = [
+    {"question": "  How many clips?\n", "answer": GSM8K, "id": "gsm8k-0"},
+    {"question": "What is 6 times 7?", "answer": 42},
+    {"question": "Half of 7?", "answer": 3.5},
+    {"question": "Name the root.", "answer": "\\sqrt{2}"},
+    {"question": "Either sign?", "answer": ["-3", 3]},
+    {"question": "Thousands?", "answer": "#### 1,000"},
+]
+GOLDS = ["72", "42", "3.5", "\\sqrt{2}", ("-3", "3"), "1,000"]
+
+
+def write_jsonl(path, lines):
+  path.write_text("".join((ln if isinstance(ln, str) else json.dumps(ln)) + "\n" for ln in lines))
+  return path
+
+
+def write_array_record(path, records):
+  writer = ArrayRecordWriter(str(path), "group_size:1")
+  for rec in records:
+    writer.write(rec if isinstance(rec, bytes) else json.dumps(rec).encode())
+  writer.close()
+  return path
+
+
+def test_jsonl_round_trip_with_gsm8k_answers(tmp_path):
+  path = write_jsonl(tmp_path / "train.jsonl", [RECORDS[0], "", *RECORDS[1:]])
+  probs = read_problems(path)
+  assert [p.gold for p in probs] == GOLDS
+  assert probs[0].question == "How many clips?"
+  # Line numbers from 1, the blank line 2 counted but not a record.
+  assert [p.index for p in probs] == [1, 3, 4, 5, 6, 7]
+  assert probs[1].where == "train.jsonl line 3"
+
+
+def test_array_record_round_trip(tmp_path):
+  for suffix in (".array_record", ".arrayrecord"):
+    path = write_array_record(tmp_path / f"test{suffix}", RECORDS)
+    probs = read_problems(path)
+    assert [p.gold for p in probs] == GOLDS
+    assert [p.index for p in probs] == list(range(len(RECORDS)))
+    assert probs[2].where == f"test{suffix} record 2"
+
+
+def test_custom_keys(tmp_path):
+  path = write_jsonl(tmp_path / "p.jsonl", [{"problem": "1+1?", "solution": "#### 2"}])
+  (p,) = read_problems(path, question_key="problem", answer_key="solution")
+  assert (p.question, p.gold) == ("1+1?", "2")
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"questoin": "Q?", "answer": 1},
+     "p.jsonl line 2: no 'question' key (MathToolEnv.question_key); the record has ['answer', "
+     "'questoin']; did you mean 'questoin'? (set MathToolEnv.question_key='questoin')"),
+    ({"problem": "Q?", "answer": 1},
+     "p.jsonl line 2: no 'question' key (MathToolEnv.question_key); the record has ['answer', "
+     "'problem']; set MathToolEnv.question_key to the key that holds it"),
+    ({"question": "Q?", "answers": "1"},
+     "p.jsonl line 2: no 'answer' key (MathToolEnv.answer_key); the record has ['answers', "
+     "'question']; did you mean 'answers'? (set MathToolEnv.answer_key='answers')"),
+    ({"question": 5, "answer": 1}, "p.jsonl line 2: the question ('question') must be text, got int 5"),
+    ({"question": ["Q?"], "answer": 1},
+     "p.jsonl line 2: the question ('question') must be text, got list ['Q?']"),
+    ({"question": " \n", "answer": 1}, "p.jsonl line 2: the question ('question') is empty"),
+    ({"question": "Q?", "answer": ""}, "p.jsonl line 2: the answer ('answer') is empty"),
+    ({"question": "Q?", "answer": []}, "p.jsonl line 2: the answer ('answer') is an empty list"),
+    ({"question": "Q?", "answer": None},
+     "p.jsonl line 2: the answer ('answer') must be a number, text or a list of them, got "
+     "NoneType None"),
+    ({"question": "Q?", "answer": True},
+     "p.jsonl line 2: the answer ('answer') must be a number, text or a list of them, got bool"),
+    ({"question": "Q?", "answer": {"value": 3}},
+     "p.jsonl line 2: the answer ('answer') must be a number, text or a list of them, got dict"),
+    ('{"question": "Q?", "answer": NaN}', "p.jsonl line 2: the answer ('answer') is nan, not a finite"),
+    ({"question": "Q?", "answer": "He has 5.\n#### "},
+     "p.jsonl line 2: the answer ('answer') has a '####' marker with no final answer after it"),
+    ('{"question": "Q?", "answer": 1', "p.jsonl line 2: not JSON (Expecting ',' delimiter at column"),
+    ('["Q?", 1]', "p.jsonl line 2: a record must be a JSON object with 'question' and 'answer' "
+     "keys, got list"),
+])
+def test_a_bad_record_is_named(tmp_path, line, message):
+  path = write_jsonl(tmp_path / "p.jsonl", [{"question": "ok?", "answer": 1}, line])
+  with pytest.raises(ValueError) as e:
+    read_problems(path)
+  assert f"MathToolEnv.train_file='{path}': 1 bad record (of 2); fix or remove them" in str(e.value)
+  assert message in str(e.value), str(e.value)
+
+
+def test_every_bad_record_is_counted_and_the_first_ones_listed(tmp_path):
+  lines = [{"question": "ok?", "answer": 1}] + [{"question": f"Q{i}?"} for i in range(7)]
+  with pytest.raises(ValueError) as e:
+    read_problems(write_jsonl(tmp_path / "p.jsonl", lines), setting="eval_file")
+  text = str(e.value)
+  assert "MathToolEnv.eval_file=" in text and "7 bad records (of 8)" in text
+  assert re.findall(r"line (\d+)", text) == ["2", "3", "4", "5", "6"]
+  assert text.endswith("... and 2 more")
+
+
+def test_a_bad_array_record_is_named_by_its_index(tmp_path):
+  path = write_array_record(tmp_path / "t.array_record",
+                            [{"question": "ok?", "answer": 1}, b"\xff\xfe", b"not json"])
+  with pytest.raises(ValueError, match=r"(?s)2 bad records \(of 3\).*t\.array_record record 1: "
+                     r"not UTF-8 JSON text.*t\.array_record record 2: not JSON"):
+    read_problems(path)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("empty.jsonl", "", r"empty\.jsonl': the file holds no problems; give one JSON object per "
+     r"problem with a 'question' and an 'answer' key"),
+    ("blank.jsonl", "\n  \n", r"the file holds no problems"),
+    ("p.json", "{}", r"MathToolEnv.train_file='.*p\.json': unknown file format \(suffix '\.json'\); "
+     r"a problem file is JSONL \(\.jsonl: .*ArrayRecord \(\.array_record, \.arrayrecord"),
+    ("p.array_record", "not an array record", r"p\.array_record': cannot read it as an "
+     r"ArrayRecord file \(RuntimeError"),
+    ("latin1.jsonl", b"\xe9\n", r"latin1\.jsonl': not UTF-8 text"),
+])
+def test_a_bad_file_is_named(tmp_path, name, content, message):
+  path = tmp_path / name
+  (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+  with pytest.raises(ValueError, match=message):
+    read_problems(path)
+
+
+def test_an_empty_array_record_file_is_an_error(tmp_path):
+  with pytest.raises(ValueError, match=r"the file holds no problems"):
+    read_problems(write_array_record(tmp_path / "e.array_record", []))
+
+
+def test_a_missing_file_or_url_is_named(tmp_path):
+  with pytest.raises(ValueError, match=r"MathToolEnv.eval_file='.*nope\.jsonl': no such file"):
+    read_problems(tmp_path / "nope.jsonl", setting="eval_file")
+  with pytest.raises(ValueError, match=r"must be a local file, got the URL 'gs://b/t\.jsonl'"):
+    read_problems("gs://b/t.jsonl")
+  (tmp_path / "d.jsonl").mkdir()
+  with pytest.raises(ValueError, match=r"d\.jsonl' is not a file"):
+    read_problems(tmp_path / "d.jsonl")
