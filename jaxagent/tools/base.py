@@ -274,6 +274,21 @@ def _schema_for_annotation(annotation: Any) -> dict[str, Any]:
     raise TypeError(f"cannot describe parameter type {annotation!r} in a JSON schema")
 
 
+def _admits_none(annotation: Any) -> bool:
+    """Whether `annotation` is a union with None (`int | None`, `Optional[...]`)."""
+    return (typing.get_origin(annotation) in (typing.Union, types.UnionType)
+            and type(None) in typing.get_args(annotation))
+
+
+def _with_null(schema: dict[str, Any]) -> dict[str, Any]:
+    """`schema` admitting null too (a schema without a type or enum admits it already)."""
+    if "type" in schema:
+        schema["type"] = [*schema_types(schema), "null"]
+    if "enum" in schema and None not in schema["enum"]:
+        schema["enum"] = [*schema["enum"], None]
+    return schema
+
+
 def _docstring_parts(doc: str | None) -> tuple[str, dict[str, str]]:
     """Splits a Google-style docstring into (summary paragraph, {arg name: description})."""
     doc = inspect.cleandoc(doc or "")
@@ -371,7 +386,14 @@ def function_tool(
             if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD, param.POSITIONAL_ONLY):
                 raise TypeError(f"{f.__qualname__}: tool parameters must be plain named parameters, "
                                 f"not {param.kind.description} {param.name!r}")
-            prop = _schema_for_annotation(hints.get(param.name, inspect.Parameter.empty))
+            annotation = hints.get(param.name, inspect.Parameter.empty)
+            prop = _schema_for_annotation(annotation)
+            if _admits_none(annotation) and param.default is not None:
+                # A null for `x: int | None = None` counts as not given, which is None: the
+                # schema stays "integer". Without a default, or with another one, null must be
+                # in the schema: a required `x: int | None` refused the null its signature
+                # takes, and `x: int | None = 5` got 5 for an explicit null.
+                prop = _with_null(prop)
             if param.name in arg_docs:
                 prop["description"] = arg_docs[param.name]
             properties[param.name] = prop
@@ -496,10 +518,11 @@ def _describe_type(spec: Mapping[str, Any]) -> str:
     """The type of one argument in `ToolRegistry.describe`."""
     if "enum" in spec:
         return " | ".join(json.dumps(value, ensure_ascii=False) for value in spec["enum"])
-    types_ = spec.get("type", "any")
-    described = " | ".join(types_) if isinstance(types_, (list, tuple)) else str(types_)
+    options = schema_types(spec) or ["any"]
     items = spec.get("items")
-    if described == "array" and isinstance(items, Mapping) and ("type" in items or "enum" in items):
+    if "array" in options and isinstance(items, Mapping) and ("type" in items or "enum" in items):
         item = _describe_type(items)
-        return f"array of ({item})" if " | " in item else f"array of {item}"
-    return described
+        # (`list[int] | None`: "array of integer | null")
+        options = [(f"array of ({item})" if " | " in item else f"array of {item}")
+                   if option == "array" else option for option in options]
+    return " | ".join(map(str, options))

@@ -175,6 +175,31 @@ def test_null_for_an_optional_argument_means_not_given():
     assert validate_arguments(schema, {"y": None, "z": None}) == {"y": None, "z": None}
 
 
+def test_null_reaches_a_parameter_that_takes_none_without_defaulting_to_it():
+    """`x: int | None` without a default refused the null its signature takes ("must be of
+    type integer"), and `w: int | None = 5` got 5 for an explicit null; with a default of None
+    the schema stays the plain type (null counts as not given, which is None)."""
+    @function_tool(description="Echo.")
+    def echo(x: int | None, mode: Literal["a", "b"] | None, w: int | None = 5,
+             n: int | None = None, xs: list[int] | None = [1]) -> str:  # noqa: B006
+        return f"{x}:{mode}:{w}:{n}:{xs}"
+
+    props = echo.parameters["properties"]
+    assert props["x"] == {"type": ["integer", "null"]}
+    assert props["mode"] == {"enum": ["a", "b", None]}
+    assert props["w"] == {"type": ["integer", "null"]} and props["n"] == {"type": "integer"}
+    assert props["xs"] == {"type": ["array", "null"], "items": {"type": "integer"}}
+    assert echo({"x": None, "mode": None, "w": None, "n": None, "xs": None}) == "None:None:None:None:None"
+    assert echo({"x": 2, "mode": "a"}) == "2:a:5:None:[1]"
+    result = echo({"x": 1.5, "mode": "a"})
+    assert not result.ok and "'x' must be of type integer or null" in result.error
+    result = echo({"x": 1, "mode": "c"})
+    assert not result.ok and "'mode' must be one of ['a', 'b', None]" in result.error
+    assert ToolRegistry([echo]).describe() == (
+        '- echo(x: integer | null, mode: "a" | "b" | null, w?: integer | null, n?: integer, '
+        'xs?: array of integer | null): Echo.')
+
+
 def test_null_for_an_optional_literal_argument_means_not_given():
     """A Literal parameter's schema is an enum with no type; null for it was kept (a schema with no
     type reads as allowing null) and then refused by the enum, so '"units": null' failed the call."""
