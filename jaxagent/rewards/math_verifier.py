@@ -93,15 +93,21 @@ class MathVerifyConfig:
     _check_timeout("MathVerifyConfig.timeout_s", self.timeout_s)
     _check_timeout("MathVerifyConfig.startup_timeout_s", self.startup_timeout_s)
     _check_timeout("MathVerifyConfig.wait_timeout_s", self.wait_timeout_s)
-    if not isinstance(self.max_workers, int) or self.max_workers < 1:
+    # (a bool is an int to isinstance: max_workers=True ran one worker)
+    def is_int(v) -> bool:
+      return isinstance(v, int) and not isinstance(v, bool)
+    if not is_int(self.max_workers) or self.max_workers < 1:
       raise ValueError(f"MathVerifyConfig.max_workers must be an int >= 1, got {self.max_workers!r}")
-    if not isinstance(self.worker_memory_mb, int) or self.worker_memory_mb < 0:
+    if not is_int(self.worker_memory_mb) or self.worker_memory_mb < 0:
       raise ValueError(
           f"MathVerifyConfig.worker_memory_mb must be an int >= 0 (0 = no cap), got {self.worker_memory_mb!r}")
-    if not isinstance(self.float_rounding, int) or self.float_rounding < 0:
+    if not is_int(self.float_rounding) or self.float_rounding < 0:
       raise ValueError(f"MathVerifyConfig.float_rounding must be an int >= 0, got {self.float_rounding!r}")
-    if not isinstance(self.numeric_precision, int) or self.numeric_precision < 1:
+    if not is_int(self.numeric_precision) or self.numeric_precision < 1:
       raise ValueError(f"MathVerifyConfig.numeric_precision must be an int >= 1, got {self.numeric_precision!r}")
+    if not isinstance(self.strict, bool):
+      # ("no" or "false" is true: math-verify compared strictly where the setting said not to)
+      raise ValueError(f"MathVerifyConfig.strict must be True or False, got {self.strict!r}")
 
   def verify_options(self) -> dict[str, Any]:
     return {"float_rounding": self.float_rounding, "numeric_precision": self.numeric_precision,

@@ -1196,6 +1196,11 @@ def test_closed_verifier_raises():
     ({"max_workers": 0}, "max_workers"),
     ({"worker_memory_mb": -1}, "worker_memory_mb"),
     ({"numeric_precision": 0}, "numeric_precision"),
+    # A bool is an int to isinstance (one worker), and "no" was a true strict.
+    ({"max_workers": True}, "max_workers must be an int >= 1, got True"),
+    ({"float_rounding": False}, "float_rounding"),
+    ({"strict": "no"}, "strict must be True or False, got 'no'"),
+    ({"strict": 0}, "strict must be True or False"),
 ])
 def test_config_validation(kwargs, match):
   with pytest.raises(ValueError, match=match):
