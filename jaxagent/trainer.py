@@ -1233,9 +1233,12 @@ class Trainer:
     items = [tr.to_pack_item(float(a), observation_loss=obs_loss)
              for tr, a, k in zip(trajs, advs, keep) if k]
     batch = None
+    trained: dict[int, float] = {}  # id(trajectory) -> the advantage the update uses
     if items:
       pb = packing.pack(items, self.pack_cfg)
       batch = pb.arrays()
+      kept = [(tr, float(a)) for tr, a, k in zip(trajs, advs, keep) if k]
+      trained = {id(tr): a for (tr, a), row in zip(kept, pb.item_row) if row >= 0}
       metrics["pack/efficiency"] = pb.stats["efficiency"]
       metrics["pack/rows"], metrics["pack/len"] = pb.shape
       metrics["pack/dropped_items"] = pb.stats["dropped_items"]
@@ -1247,11 +1250,10 @@ class Trainer:
         # Every sequence dropped (longer than a row), or none with a token to train: no update
         # (an optimizer step on a zero gradient still moves the weights through the moments and
         # the weight decay).
-        batch = None
+        batch, trained = None, {}
     metrics["time/rollout_s"] = t_roll
     if self.config.log.dump_every and step % self.config.log.dump_every == 0:
       n = self.config.log.get("dump_count", 4)
-      trained = {id(tr): float(a) for tr, a, k in zip(trajs, advs, keep) if k}
       self.dump_samples(step, all_trajs[:n], rewards=outs[:n],
                         advantages=[trained.get(id(tr)) for tr in all_trajs[:n]])
     return metrics, batch
@@ -1269,7 +1271,8 @@ class Trainer:
                    advantages: Sequence[float | None] | None = None) -> None:
     """Writes `trajs` to <workdir>/samples/step_NNNNNN.{txt,jsonl}, each with its loss mask and,
     when given, its reward (a `RewardOutput`) and the advantage it was trained with (None: not
-    trained on, its group having had equal rewards or been left out by dynamic sampling)."""
+    trained on, its group having had equal rewards or been left out by dynamic sampling, or
+    the trajectory dropped by packing as longer than a row)."""
     if jax.process_index() != 0:
       return
     # Without them a dump showed what was sampled but not how it was scored or pushed.
