@@ -21,6 +21,19 @@ retrieved-token masking ablation `--config.env.kwargs.mask_observations=False` (
 --config.env.kwargs.shaping_steps=30`; a token cap on each search result
 `--config.rollout.max_observation_tokens=128` (the passages' middle cut, marked inside the
 `<information>` tags; the retrieval reward reads what the policy saw).
+Your own corpus and questions (all three files; JSONL, or ArrayRecord files of JSON records)
+replace the generated knowledge base:
+  python -m jaxagent.launch --config=configs/search_qa.py \
+      --config.env.kwargs.corpus_file=/data/wiki.jsonl \
+      --config.env.kwargs.train_file=/data/nq_train.jsonl \
+      --config.env.kwargs.eval_file=/data/nq_dev.jsonl
+The corpus holds `{"title": ..., "text": ..., "id"?: ...}` records, the question files
+`{"question": ..., "answers": [...]}` ("answer" or "golden_answers" too; a string or a list of
+accepted answers; `--config.env.kwargs.question_key` / `answer_key` for other names). The SFT
+warm start still demonstrates searching on the generated world (`sft_size` questions; its
+documents, not yours). The retrieval reward needs each question's gold titles:
+`--config.env.kwargs.titles_key=supporting_facts` (HotpotQA; or a key listing titles), each a
+corpus title; without it `retrieval_weight` must stay 0 and `reward/retrieval` is not logged.
 
 Expected:
   tiny (measured): finishes in under a minute on a CPU (about 35 s after imports); metrics.jsonl
@@ -57,7 +70,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       num_companies=160, min_hops=1, max_hops=3, distractors=1, train_size=2000,
       eval_size=100, sft_size=256, data_dir="", top_k=3, max_passage_chars=200,
       mask_observations=True, outcome="exact_match", format_weight=0.0,
-      retrieval_weight=0.0, shaping_steps=0, shaping_start=0.0)))
+      retrieval_weight=0.0, shaping_steps=0, shaping_start=0.0,
+      # Your own corpus and questions ("" = the generated knowledge base): see the header.
+      corpus_file="", train_file="", eval_file="", question_key="question", answer_key="",
+      titles_key="")))
 
   # Rows and cache of 1280 tokens: the longest 3-hop demonstrations (3 searches of 3 passages)
   # run to about 1100 tokens (at 1024, 27 of the 256 demonstrations, a third of the 3-hop ones,

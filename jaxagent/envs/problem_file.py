@@ -1,7 +1,9 @@
-"""Math problems from a file of your own: one JSON object per problem, a question and its answer.
+"""Problems and documents from files of your own: one JSON object per problem (a question and its
+answer) or per document (a title and a text).
 
 `MathToolEnv(train_file=..., eval_file=...)` reads a split here in place of its built-in source
-(`jaxagent/envs/math_tool.py` turns each `Problem` into an `Example`). Two formats, picked by
+(`jaxagent/envs/math_tool.py` turns each `Problem` into an `Example`); `SearchQAEnv` reads its
+question files with `read_problems` and its corpus with `read_documents`. Two formats, picked by
 the file's suffix:
 
 * JSONL (`.jsonl`): one JSON object a line; blank lines are skipped, and a record is named by
@@ -12,7 +14,8 @@ the file's suffix:
 
 The question is text. The answer is a number, text, or a list of them (several accepted
 answers); a GSM8K answer with worked steps ("... = 72 clips\\n#### 72") gives its final answer,
-the text after the last `####`. No record is dropped: every bad one is an error that names the
+the text after the last `####` (unless `gsm8k_answers=False`, for answers that are plain text).
+A document is `{"title": ..., "text": ..., "id"?: ...}` (`jaxagent.tools.search.Document`). No record is dropped: every bad one is an error that names the
 file, the line or record, and what is wrong (the keys a record has when the key is missing); an
 empty file is an error too.
 """
@@ -28,6 +31,7 @@ import re
 from typing import Any, Iterator
 
 from jaxagent.rewards import extract_gsm8k
+from jaxagent.tools.search import Document
 
 JSONL_SUFFIXES = (".jsonl",)
 ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
@@ -43,6 +47,7 @@ class Problem:
   gold: str | tuple[str, ...]
   index: int  # JSONL: line number (from 1); ArrayRecord: record index (from 0)
   where: str  # "train.jsonl line 3", "test.array_record record 0"
+  record: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # as read
 
 
 def check_problem_file(path: Any, setting: str) -> pathlib.Path:
@@ -68,34 +73,94 @@ def check_problem_file(path: Any, setting: str) -> pathlib.Path:
 
 
 def read_problems(path: str | os.PathLike, *, question_key: str = "question",
-                  answer_key: str = "answer", owner: str = "MathToolEnv",
-                  setting: str = "train_file") -> list[Problem]:
+                  answer_key: str | tuple[str, ...] = "answer", owner: str = "MathToolEnv",
+                  setting: str = "train_file", gsm8k_answers: bool = True) -> list[Problem]:
   """The problems of a JSONL or ArrayRecord file, in file order.
 
   Args:
-    question_key, answer_key: the record's keys of the question and of its answer.
+    question_key, answer_key: the record's keys of the question and of its answer; a tuple of
+      answer keys takes the first one a record has (`("answers", "answer")`).
     owner, setting: named in errors as `owner.setting` (and `owner.question_key`, ...), the
       settings a user would change.
+    gsm8k_answers: a text answer with a `####` marker gives the text after it (False: every
+      answer is kept as written, stripped).
   """
   p = check_problem_file(path, f"{owner}.{setting}")
   out: list[Problem] = []
   bad: list[str] = []
   for index, where, raw in _records(p, f"{owner}.{setting}"):
     try:
-      out.append(_problem(raw, index, where, question_key, answer_key, owner))
+      out.append(_problem(raw, index, where, question_key, answer_key, owner, gsm8k_answers))
     except ValueError as e:
       bad.append(str(e))
-  if bad:
-    listed = "\n  ".join(bad[:_MAX_LISTED])
-    more = f"\n  ... and {len(bad) - _MAX_LISTED} more" if len(bad) > _MAX_LISTED else ""
-    raise ValueError(f"{owner}.{setting}={os.fspath(path)!r}: {len(bad)} bad record"
-                     f"{'s' if len(bad) > 1 else ''} (of {len(bad) + len(out)}); fix or remove "
-                     f"them:\n  {listed}{more}")
+  raise_bad_records(bad, len(bad) + len(out), f"{owner}.{setting}={os.fspath(path)!r}")
   if not out:
     raise ValueError(f"{owner}.{setting}={os.fspath(path)!r}: the file holds no problems; give "
                      f"one JSON object per problem with a {question_key!r} and an "
                      f"{answer_key!r} key")
   return out
+
+
+def raise_bad_records(bad: list[str], total: int, what: str, noun: str = "record") -> None:
+  """A ValueError listing the first few of `bad` (one message per bad record) out of `total`,
+  headed by `what` ("MathToolEnv.train_file='t.jsonl'"); nothing when `bad` is empty."""
+  if not bad:
+    return
+  listed = "\n  ".join(bad[:_MAX_LISTED])
+  more = f"\n  ... and {len(bad) - _MAX_LISTED} more" if len(bad) > _MAX_LISTED else ""
+  raise ValueError(f"{what}: {len(bad)} bad {noun}{'s' if len(bad) > 1 else ''} (of {total}); "
+                   f"fix or remove them:\n  {listed}{more}")
+
+
+def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpus_file"
+                   ) -> list[Document]:
+  """The documents of a JSONL or ArrayRecord corpus, in file order: each record a JSON object
+  `{"title": ..., "text": ..., "id"?: ...}` (title optional; a record without "id" gets its
+  position among the documents). A bad record (not JSON, no "text", an unknown key, a title or
+  text that is not text, an id another record has) is named by file and line or record index."""
+  from jaxagent.tools.search import _as_document
+
+  p = check_problem_file(path, f"{owner}.{setting}")
+  docs: list[Document] = []
+  bad: list[str] = []
+  first: dict[str, str] = {}  # id -> where it was first seen
+  total = 0
+  for _, where, raw in _records(p, f"{owner}.{setting}"):
+    total += 1
+    try:
+      record = _json_object(raw, where, "with 'title' and 'text' keys")
+      try:
+        doc = _as_document(record, len(docs))
+      except (TypeError, ValueError) as e:  # "document 3 has no 'text' field (fields: [...])"
+        raise ValueError(f"{where}: {re.sub(r'^document [0-9]+:? ?', '', str(e))}") from None
+      if first.setdefault(doc.id, where) != where:
+        raise ValueError(f"{where}: the id {doc.id!r} is the id of {first[doc.id]} too; ids "
+                         "must be unique")
+      docs.append(doc)
+    except ValueError as e:
+      bad.append(str(e))
+  raise_bad_records(bad, total, f"{owner}.{setting}={os.fspath(path)!r}")
+  if not docs:
+    raise ValueError(f"{owner}.{setting}={os.fspath(path)!r}: the file holds no documents; give "
+                     "one JSON object per document with a 'title' and a 'text' key")
+  return docs
+
+
+def _json_object(raw: str | bytes, where: str, expected: str) -> dict:
+  """A record's text parsed as a JSON object, or a ValueError naming `where`."""
+  if isinstance(raw, bytes):
+    try:
+      raw = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+      raise ValueError(f"{where}: not UTF-8 JSON text ({e})") from e
+  try:
+    record = json.loads(raw)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno})") from e
+  if not isinstance(record, dict):
+    raise ValueError(f"{where}: a record must be a JSON object {expected}, got "
+                     f"{type(record).__name__}")
+  return record
 
 
 def _records(p: pathlib.Path, setting: str) -> Iterator[tuple[int, str, str | bytes]]:
@@ -123,27 +188,24 @@ def _records(p: pathlib.Path, setting: str) -> Iterator[tuple[int, str, str | by
     yield i, f"{p.name} record {i}", source[i]
 
 
-def _problem(raw: str | bytes, index: int, where: str, question_key: str, answer_key: str,
-             owner: str) -> Problem:
-  if isinstance(raw, bytes):
-    try:
-      raw = raw.decode("utf-8")
-    except UnicodeDecodeError as e:
-      raise ValueError(f"{where}: not UTF-8 JSON text ({e})") from e
-  try:
-    record = json.loads(raw)
-  except json.JSONDecodeError as e:
-    raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno})") from e
-  if not isinstance(record, dict):
-    raise ValueError(f"{where}: a record must be a JSON object with {question_key!r} and "
-                     f"{answer_key!r} keys, got {type(record).__name__}")
-  for key, name in ((question_key, "question_key"), (answer_key, "answer_key")):
-    if key not in record:
+def _problem(raw: str | bytes, index: int, where: str, question_key: str,
+             answer_key: str | tuple[str, ...], owner: str, gsm8k_answers: bool = True
+             ) -> Problem:
+  answer_keys = (answer_key,) if isinstance(answer_key, str) else tuple(answer_key)
+  shown = answer_keys[0] if len(answer_keys) == 1 else " or ".join(map(repr, answer_keys))
+  record = _json_object(raw, where, f"with {question_key!r} and {shown!r} keys"
+                        if len(answer_keys) == 1 else f"with {question_key!r} and {shown} keys")
+  present = [k for k in answer_keys if k in record]
+  for keys_wanted, name in (((question_key,), "question_key"), (answer_keys, "answer_key")):
+    if not any(k in record for k in keys_wanted):
       keys = sorted(map(str, record))
-      close = difflib.get_close_matches(key, keys, n=1)
+      close = [c for k in keys_wanted for c in difflib.get_close_matches(k, keys, n=1)][:1]
       hint = (f"; did you mean {close[0]!r}? (set {owner}.{name}={close[0]!r})" if close
               else f"; set {owner}.{name} to the key that holds it")
-      raise ValueError(f"{where}: no {key!r} key ({owner}.{name}); the record has {keys}{hint}")
+      wanted = " / ".join(map(repr, keys_wanted))
+      raise ValueError(f"{where}: no {wanted} key ({owner}.{name}); the record has "
+                       f"{keys}{hint}")
+  answer_key = present[0]
   question = record[question_key]
   if not isinstance(question, str):
     raise ValueError(f"{where}: the question ({question_key!r}) must be text, got "
@@ -154,12 +216,12 @@ def _problem(raw: str | bytes, index: int, where: str, question_key: str, answer
   answers = answer if isinstance(answer, list) else [answer]
   if not answers:
     raise ValueError(f"{where}: the answer ({answer_key!r}) is an empty list")
-  golds = tuple(_gold(a, where, answer_key) for a in answers)
+  golds = tuple(_gold(a, where, answer_key, gsm8k_answers) for a in answers)
   return Problem(question=question.strip(), gold=golds if isinstance(answer, list) else golds[0],
-                 index=index, where=where)
+                 index=index, where=where, record=record)
 
 
-def _gold(answer: Any, where: str, answer_key: str) -> str:
+def _gold(answer: Any, where: str, answer_key: str, gsm8k_answers: bool = True) -> str:
   """An answer as the text math-verify compares: a number as written, a GSM8K worked answer as
   its final line after `####`."""
   if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
@@ -169,7 +231,7 @@ def _gold(answer: Any, where: str, answer_key: str) -> str:
     raise ValueError(f"{where}: the answer ({answer_key!r}) is {answer}, not a finite number")
   if not isinstance(answer, str):
     return str(answer)
-  if "####" in answer:
+  if gsm8k_answers and "####" in answer:
     final = extract_gsm8k(answer)
     if final is None:
       raise ValueError(f"{where}: the answer ({answer_key!r}) has a '####' marker with no final "

@@ -27,6 +27,20 @@ token F1 with
 format and the share of the question's supporting documents that the searches retrieved. With
 `shaping_steps > 0` a `ProgressiveSchedule` moves the weight from shaping to the outcome over
 that many steps.
+
+Your own corpus and questions: `corpus_file` (JSONL or ArrayRecord of `{"title", "text",
+"id"?}` JSON records) replaces the generated documents as what the search tool indexes, and
+`train_file` / `eval_file` (JSON records `{"question": ..., "answers": [...]}`, or "answer" /
+"golden_answers", a string or a list of accepted answers; `jaxagent/envs/problem_file.py`) the
+generated questions; the three go together (the generated questions are about a world your
+corpus does not describe). The prompt then speaks of "a collection of documents". The "sft"
+split keeps the generated world's demonstrations (they teach the tags and the search-then-answer
+pattern, searching that world's documents, not yours), under the same system prompt; with
+`sft_size=0` it is empty and no world is generated. Retrieval shaping needs each question's
+gold documents: `titles_key` names the record key that lists their titles (a list of titles, or
+HotpotQA's `supporting_facts`, `[[title, sentence], ...]`), each of which must be a corpus
+title; without it `retrieval_weight` must be 0 (an error says so) and `reward/retrieval` is not
+logged.
 """
 from __future__ import annotations
 
@@ -38,6 +52,8 @@ from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example, check_shapin
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
 from jaxagent.envs import knowledge_base as kb_lib
+from jaxagent.envs.problem_file import (check_problem_file, raise_bad_records, read_documents,
+                                        read_problems)
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
                               ProgressiveSchedule, RewardInput, RewardOutput, TextMatchReward)
 from jaxagent.tools import BM25Index, SearchTool, ToolRegistry
@@ -49,6 +65,16 @@ SYSTEM_PROMPT = (
     "between <information> and </information>. Search for one fact at a time, using the name "
     "of the person, place or organisation. When you know the answer, give just the name inside "
     "<answer> and </answer>, for example <answer>Lusk Works</answer>.")
+
+# The prompt with a corpus of your own (`corpus_file`), for every split.
+CORPUS_SYSTEM_PROMPT = (
+    "You answer questions with the help of a search engine over a collection of documents. "
+    "Reason inside <think> and </think>. To search, write <search>query</search>; the best "
+    "matching documents come back between <information> and </information>. Search for one "
+    "fact at a time, as often as you need. When you know the answer, give just the answer "
+    "inside <answer> and </answer>, for example <answer>Lusk Works</answer>.")
+# The answer keys tried in turn when `answer_key` is "" (NQ / HotpotQA / FlashRAG files).
+DEFAULT_ANSWER_KEYS = ("answers", "answer", "golden_answers")
 
 OBSERVATIONS_KEY = "observations"
 _FORMAT = FormatConfig(allowed_tags=("think", "search", "answer"), answer_tag="answer")
@@ -101,6 +127,36 @@ def _search_results(trajectory: Trajectory) -> str:
   return "\n".join(out)
 
 
+def _one_line(title: str) -> str:
+  """A title as a search result line shows it (white space collapsed)."""
+  return " ".join(title.split())
+
+
+def _gold_titles(record: dict, key: str, where: str, corpus: set[str]) -> list[str]:
+  """The gold document titles of a question record: `record[key]`, a list of titles or of
+  `[title, ...]` lists (HotpotQA's supporting facts), each a title of the corpus."""
+  if key not in record:
+    raise ValueError(f"{where}: no {key!r} key (SearchQAEnv.titles_key); the record has "
+                     f"{sorted(map(str, record))}")
+  value = record[key]
+  items = value if isinstance(value, list) else [value]
+  titles: list[str] = []
+  for item in items:
+    title = item[0] if isinstance(item, list) and item else item
+    if not isinstance(title, str) or not title.strip():
+      raise ValueError(f"{where}: {key!r} must list titles (text) or [title, ...] lists, got "
+                       f"{value!r:.80}")
+    if _one_line(title) not in titles:
+      titles.append(_one_line(title))
+  if not titles:
+    raise ValueError(f"{where}: {key!r} lists no titles")
+  missing = [t for t in titles if t not in corpus]
+  if missing:
+    raise ValueError(f"{where}: gold title(s) {missing!r:.120} are no document's title in "
+                     "corpus_file, so no search could retrieve them")
+  return titles
+
+
 def _check_passages_keep_the_facts(kb: kb_lib.KnowledgeBase, max_chars: int | None) -> None:
   """Raises if cutting passages to `max_chars` drops the fact a hop of some question reads.
 
@@ -141,6 +197,16 @@ class SearchQAEnv(Env):
     format_weight, retrieval_weight: weights of the shaping terms (0 = off).
     shaping_steps: steps over which a `ProgressiveSchedule` hands the shaping weight to the
       outcome (0 = fixed weights); `shaping_start` is its alpha at step 0.
+    corpus_file: your own documents ("" = the generated ones), a JSONL or ArrayRecord file of
+      `{"title", "text", "id"?}` JSON records; needs `train_file` and `eval_file`.
+    train_file, eval_file: your own questions for the train / eval split, every record in file
+      order (`train_size` / `eval_size` then do not apply; the trainer evaluates on the first
+      `eval.size`); need `corpus_file`.
+    question_key, answer_key: the question files' keys of the question and of its answer(s)
+      ("" = the first of "answers", "answer", "golden_answers" a record has).
+    titles_key: the question files' key listing each question's gold document titles (a list
+      of titles, or `[[title, ...], ...]` as HotpotQA's "supporting_facts"), for the retrieval
+      reward ("" = none: `retrieval_weight` must be 0 and the reward is not logged).
   """
 
   name = "search_qa"
@@ -155,7 +221,9 @@ class SearchQAEnv(Env):
                mask_observations: bool = True,
                outcome: Literal["exact_match", "f1"] = "exact_match",
                format_weight: float = 0.0, retrieval_weight: float = 0.0,
-               shaping_steps: int = 0, shaping_start: float = 0.0):
+               shaping_steps: int = 0, shaping_start: float = 0.0, corpus_file: str = "",
+               train_file: str = "", eval_file: str = "", question_key: str = "question",
+               answer_key: str = "", titles_key: str = ""):
     if outcome not in ("exact_match", "f1"):
       raise ValueError(f"SearchQAEnv.outcome must be 'exact_match' or 'f1', got {outcome!r}")
     if max_passage_chars is not None and (isinstance(max_passage_chars, bool) or not isinstance(
@@ -174,50 +242,146 @@ class SearchQAEnv(Env):
     if not isinstance(mask_observations, bool):
       raise ValueError(f"SearchQAEnv.mask_observations must be a bool (False also trains on the "
                        f"retrieved <information> tokens), got {mask_observations!r}")
+    files = self._check_file_settings(corpus_file, train_file, eval_file, question_key,
+                                      answer_key, titles_key, retrieval_weight)
+    self.corpus_file = files.pop("corpus", "")
+    self._files = files  # split -> question file
+    self.question_key, self.titles_key = question_key, titles_key
+    self.answer_keys = (answer_key,) if answer_key else DEFAULT_ANSWER_KEYS
+    self.system_prompt = CORPUS_SYSTEM_PROMPT if self.corpus_file else SYSTEM_PROMPT
+    # With your corpus, the generated world is only the sft split's demonstrations.
     self.kb_config = kb_lib.KBConfig(
         seed=kb_seed, num_countries=num_countries, num_cities=num_cities,
         num_universities=num_universities, num_people=num_people, num_companies=num_companies,
-        min_hops=min_hops, max_hops=max_hops, distractors=distractors, train_size=train_size,
-        eval_size=eval_size, sft_size=sft_size)
-    try:
-      self.kb = kb_lib.load_kb(self.kb_config, data_dir or None)
-    except OSError as e:  # a data_dir under a file, read-only or not creatable: a traceback
-      where = data_dir or str(kb_lib.default_data_dir())
-      raise ValueError(f"SearchQAEnv: cannot prepare the knowledge base under {where!r} "
-                       f"({type(e).__name__}: {e.strerror or e}): set env.kwargs.data_dir (or "
-                       "$JAXAGENT_DATA_DIR) to a directory this process can create and write"
-                       ) from e
-    _check_passages_keep_the_facts(self.kb, max_passage_chars)
-    self.index = BM25Index(self.kb.documents)
+        min_hops=min_hops, max_hops=max_hops, distractors=distractors,
+        train_size=0 if self.corpus_file else train_size,
+        eval_size=0 if self.corpus_file else eval_size, sft_size=sft_size)
+    self.kb: kb_lib.KnowledgeBase | None = None
+    if not self.corpus_file or sft_size:
+      try:
+        self.kb = kb_lib.load_kb(self.kb_config, data_dir or None)
+      except OSError as e:  # a data_dir under a file, read-only or not creatable: a traceback
+        where = data_dir or str(kb_lib.default_data_dir())
+        raise ValueError(f"SearchQAEnv: cannot prepare the knowledge base under {where!r} "
+                         f"({type(e).__name__}: {e.strerror or e}): set env.kwargs.data_dir (or "
+                         "$JAXAGENT_DATA_DIR) to a directory this process can create and write"
+                         ) from e
+      _check_passages_keep_the_facts(self.kb, max_passage_chars)
+    documents = (read_documents(self.corpus_file, owner="SearchQAEnv") if self.corpus_file
+                 else self.kb.documents)
+    self.index = BM25Index(documents)
     self.search_tool = SearchTool(self.index, k=top_k, max_k=max(10, top_k),
                                   max_chars_per_passage=max_passage_chars)
+    # What the demonstrations search: the generated world's documents, also with your corpus.
+    self._demo_search = self.search_tool
+    if self.corpus_file and self.kb is not None:
+      self._demo_search = SearchTool(BM25Index(self.kb.documents), k=top_k, max_k=max(10, top_k),
+                                     max_chars_per_passage=max_passage_chars)
     self.tools = ToolRegistry([self.search_tool])
     self.parser = XMLTagParser({"search": ("search", "query")}, answer_tag="answer")
     self.train_on_observations = not mask_observations
     other = "f1" if outcome == "exact_match" else "exact_match"
     schedule = ProgressiveSchedule(shaping_steps, start=shaping_start) if shaping_steps else None
-    self._reward = CompositeReward([
+    components = [
         # Only the <answer> block, the answer the rollout's parser reads (a `\\boxed{}` or
         # `####` guess in a thought or a search query, with no answer given, scores 0).
         Component(outcome, AnswerMatch(outcome), 1.0, role="outcome"),
         Component(other, AnswerMatch(other), 0.0, role="fixed"),  # logged only
         Component("format", FormatReward(_FORMAT), format_weight, role="shaping"),
-        Component("retrieval", RetrievalHits(), retrieval_weight, role="shaping"),
-    ], schedule=schedule)
+    ]
+    # Your questions without gold titles have nothing to score retrieval against: the
+    # component is left out (retrieval_weight is 0, checked above), not logged as 0.
+    if not self.corpus_file or titles_key:
+      components.append(Component("retrieval", RetrievalHits(), retrieval_weight,
+                                  role="shaping"))
+    self._reward = CompositeReward(components, schedule=schedule)
     self._cache: dict[str, list[Example]] = {}
+
+  @staticmethod
+  def _check_file_settings(corpus_file, train_file, eval_file, question_key, answer_key,
+                           titles_key, retrieval_weight) -> dict[str, str]:
+    """The checked paths of the set files ("corpus", "train", "eval"), or a ValueError."""
+    for field, value in (("corpus_file", corpus_file), ("train_file", train_file),
+                         ("eval_file", eval_file), ("answer_key", answer_key),
+                         ("titles_key", titles_key)):
+      if not isinstance(value, str):
+        raise ValueError(f"SearchQAEnv.{field} must be a str (\"\" = not set), got {value!r}")
+    if not isinstance(question_key, str) or not question_key:
+      raise ValueError(f"SearchQAEnv.question_key must be a non-empty str (a record's key), got "
+                       f"{question_key!r}")
+    if question_key in ((answer_key,) if answer_key else DEFAULT_ANSWER_KEYS) + (titles_key,):
+      raise ValueError(f"SearchQAEnv.question_key={question_key!r} is also the answer_key or "
+                       "titles_key; the keys must differ")
+    questions = {s: f for s, f in (("train", train_file), ("eval", eval_file)) if f}
+    if corpus_file and len(questions) < 2:
+      missing = " and ".join(f"{s}_file" for s in ("train", "eval") if s not in questions)
+      raise ValueError(f"SearchQAEnv.corpus_file={corpus_file!r} replaces the generated knowledge "
+                       f"base, whose questions your corpus cannot answer: set {missing} too (a "
+                       "JSONL or ArrayRecord file of {\"question\": ..., \"answers\": [...]} "
+                       "records)")
+    if questions and not corpus_file:
+      set_ = ", ".join(f"{s}_file" for s in questions)
+      raise ValueError(f"SearchQAEnv.{set_} need{'s' if len(questions) == 1 else ''} "
+                       "corpus_file: your questions are searched in "
+                       "your documents (the generated knowledge base is a fictional world); set "
+                       "corpus_file to a JSONL or ArrayRecord file of {\"title\": ..., "
+                       "\"text\": ...} records")
+    if titles_key and not corpus_file:
+      raise ValueError(f"SearchQAEnv.titles_key={titles_key!r} reads your question files; "
+                       "set corpus_file, train_file and eval_file (or leave titles_key \"\")")
+    if corpus_file and not titles_key and retrieval_weight != 0:
+      raise ValueError(f"SearchQAEnv.retrieval_weight={retrieval_weight!r} scores the searches by "
+                       "the gold documents they retrieved, and your question files give none: "
+                       "set SearchQAEnv.titles_key to the record key listing each question's "
+                       "gold document titles (e.g. HotpotQA's 'supporting_facts'), or "
+                       "retrieval_weight=0")
+    out = {s: str(check_problem_file(f, f"SearchQAEnv.{s}_file")) for s, f in questions.items()}
+    if corpus_file:
+      out["corpus"] = str(check_problem_file(corpus_file, "SearchQAEnv.corpus_file"))
+    return out
 
   # ------------------------------------------------------------------ data
   def examples(self, split: str) -> Sequence[Example]:
-    """"train", "eval" (held-out questions over the same world) or "sft"."""
+    """"train", "eval" (held-out questions over the same world, or your files') or "sft"."""
     if split not in kb_lib.SPLITS:
       raise ValueError(f"unknown split {split!r}; expected one of {list(kb_lib.SPLITS)}")
     if split not in self._cache:
-      self._cache[split] = [self.to_example(q) for q in self.kb.questions[split]]
+      if split in self._files:
+        self._cache[split] = self._from_file(split)
+      else:
+        questions = self.kb.questions[split] if self.kb is not None else []
+        self._cache[split] = [self.to_example(q, self.system_prompt) for q in questions]
     return self._cache[split]
 
+  def _from_file(self, split: str) -> list[Example]:
+    probs = read_problems(self._files[split], question_key=self.question_key,
+                          answer_key=self.answer_keys, owner="SearchQAEnv",
+                          setting=f"{split}_file", gsm8k_answers=False)
+    titles: list[list[str]] = [[] for _ in probs]
+    if self.titles_key:
+      corpus = {_one_line(d.title) for d in self.index.documents}
+      bad = []
+      for i, p in enumerate(probs):
+        try:
+          titles[i] = _gold_titles(p.record, self.titles_key, p.where, corpus)
+        except ValueError as e:
+          bad.append(str(e))
+      raise_bad_records(bad, len(probs), f"SearchQAEnv.{split}_file={self._files[split]!r} "
+                        f"(titles_key={self.titles_key!r})")
+    out = []
+    for p, gold_titles in zip(probs, titles):
+      meta = {"where": p.where}
+      if self.titles_key:
+        meta["supporting_titles"] = gold_titles
+      out.append(Example(id=f"{split}-file-{p.index}", prompt=(
+          {"role": "system", "content": self.system_prompt},
+          {"role": "user", "content": f"Question: {p.question}"}),
+          gold=[p.gold] if isinstance(p.gold, str) else list(p.gold), metadata=meta))
+    return out
+
   @staticmethod
-  def to_example(q: kb_lib.Question) -> Example:
-    messages = ({"role": "system", "content": SYSTEM_PROMPT},
+  def to_example(q: kb_lib.Question, system_prompt: str = SYSTEM_PROMPT) -> Example:
+    messages = ({"role": "system", "content": system_prompt},
                 {"role": "user", "content": f"Question: {q.question}"})
     return Example(id=q.id, prompt=messages, gold=list(q.answers), metadata={
         "hops": q.hops, "relations": list(q.relations), "queries": list(q.queries),
@@ -240,8 +404,11 @@ class SearchQAEnv(Env):
 
   # ------------------------------------------------------------------ SFT
   def demonstration(self, example: Example):
-    """Search each hop's entity by name, state the fact read, answer with the last one."""
+    """Search each hop's entity by name, state the fact read, answer with the last one (of the
+    generated world's questions; a question of your files has no demonstration)."""
     meta = example.metadata
+    if "relations" not in meta:
+      return None
     relations, queries, answers = meta["relations"], meta["queries"], meta["hop_answers"]
     segs: list[tuple[int, str]] = []
     known = ""
@@ -249,7 +416,7 @@ class SearchQAEnv(Env):
       need = kb_lib.hop_thought(rel, query)
       thought = f"{known} Now I need to find {need}." if known else f"I need to find {need}."
       segs.append((POLICY, f"<think>{thought}</think>\n<search>{query}</search>"))
-      segs.append((OBSERVATION, self.format_observation(self.search_tool({"query": query}))))
+      segs.append((OBSERVATION, self.format_observation(self._demo_search({"query": query}))))
       fact = kb_lib.hop_fact(rel, query, found)
       known = fact[0].upper() + fact[1:] + "."
     segs.append((POLICY, f"<think>{known}</think>\n<answer>{answers[-1]}</answer>"))

@@ -204,6 +204,33 @@ def test_own_problem_files_reach_math_tool_from_the_command_line(tmp_path, char_
   assert len(plain.examples("eval")) == 4 and plain.examples("eval")[0].id == "eval-gsm-0"
 
 
+
+def test_own_corpus_and_questions_reach_search_qa_from_the_command_line(tmp_path):
+  from absl import flags
+  from ml_collections import config_flags
+  corpus, train, dev = tmp_path / "wiki.jsonl", tmp_path / "nq_train.jsonl", tmp_path / "nq_dev.jsonl"
+  corpus.write_text("".join(json.dumps({"title": f"Town {i}", "text": f"Town {i} lies on river "
+                                        f"R{i}."}) + "\n" for i in range(4)))
+  train.write_text("".join(json.dumps({"question": f"Which river is Town {i} on?",
+                                       "answers": [f"R{i}"]}) + "\n" for i in range(3)))
+  dev.write_text(json.dumps({"question": "Which river is Town 3 on?", "answer": "R3"}) + "\n")
+  argv = ["prog", f"--config={ROOT}/configs/search_qa.py:tiny",
+          f"--config.env.kwargs.corpus_file={corpus}", f"--config.env.kwargs.train_file={train}",
+          f"--config.env.kwargs.eval_file={dev}", f"--config.env.kwargs.data_dir={tmp_path}/kb"]
+  fv = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", flag_values=fv, sys_argv=argv)
+  fv(argv)
+  cfg = holder.value
+  env = make_env(cfg.env.name, **cfg.env.kwargs)
+  assert [e.gold for e in env.examples("train")] == [["R0"], ["R1"], ["R2"]]
+  assert [e.gold for e in env.examples("eval")] == [["R3"]]
+  assert "(Title: Town 3): Town 3 lies on river R3." in env.search_tool({"query": "Town 3"}).output
+  assert len(env.examples("sft")) == cfg.env.kwargs.sft_size  # generated demonstrations
+  # Left at their defaults, the files are off: the generated knowledge base as before.
+  for variant in ("", "tiny", "gpu", "qwen"):
+    kwargs = _load("search_qa").get_config(variant).env.kwargs
+    assert [kwargs[k] for k in ("corpus_file", "train_file", "eval_file", "titles_key")] == [""] * 4
+
 # The CPU variants' warm-start data against their row length, with the real tokenizer: a
 # demonstration longer than train.pack_len is left out of the warm start, and the longest ones
 # are a task's hardest (search_qa's 3-hop questions): such a config would warm-start on a
