@@ -332,6 +332,15 @@ class Engine:
 
   def __init__(self, cfg: ModelConfig, ecfg: EngineConfig | None = None, *,
                mesh: Mesh | None = None, **kw):
+    # A preset name or a config dict failed at its first attribute read, an AttributeError
+    # that named neither the argument nor what to pass.
+    if not isinstance(cfg, ModelConfig):
+      raise TypeError(f"Engine: cfg must be a jaxagent.models.ModelConfig (the config "
+                      f"`models.load(path)` returns, or `models.get_config(name)`), got "
+                      f"{type(cfg).__name__} {cfg!r:.60}")
+    if mesh is not None and not isinstance(mesh, Mesh):
+      raise TypeError(f"Engine: mesh must be a jax.sharding.Mesh (`sharding.make_mesh(...)`) "
+                      f"or None, got {type(mesh).__name__} {mesh!r:.60}")
     self.cfg = cfg
     self.ecfg = ecfg if ecfg is not None else EngineConfig(**kw)
     if ecfg is not None and kw:

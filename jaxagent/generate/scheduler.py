@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import inspect
 import math
+import os
 from typing import Sequence
 
 import jax
@@ -21,6 +22,7 @@ from jaxagent._token_ids import TokenIdError, is_int, token_ids
 from jaxagent.generate.engine import (RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH,
                                       STOP_NONFINITE, Engine, EngineConfig, _per_request)
 from jaxagent.generate.sampling import SamplingConfig
+from jaxagent.models.config import ModelConfig
 
 STOP_REASONS = {STOP_EOS: "eos", STOP_BUDGET: "max_new_tokens", STOP_LENGTH: "max_length",
                 STOP_NONFINITE: "nonfinite"}
@@ -331,6 +333,8 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
       request and is included in its tokens.
     eos_ids: token ids that end a request, one int or a sequence (default: the tokenizer's
       `eos_ids`, else the config's `eos_token_ids`).
+    tokenizer: a `Tokenizer` (`models.load_tokenizer`), or the path / preset name that
+      `models.load_tokenizer` loads it from (the one given to `models.load`).
     request_ids: distinct per-prompt ids for the rng (default 0..n-1); with the same seed and
       request id a prompt gives the same output whatever the slot count or arrival order.
     skip_special_tokens: leave the tokenizer's special tokens (the EOS that ended a request,
@@ -341,6 +345,13 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
   if isinstance(slots, bool) or not isinstance(slots, (int, np.integer)) or slots <= 0:
     raise ValueError(f"slots must be a positive int, got {slots!r}")
   slots = int(slots)
+  if not isinstance(cfg, ModelConfig):  # read below before the engine would check it
+    raise TypeError(f"generate: cfg must be a jaxagent.models.ModelConfig (the config "
+                    f"`models.load(path)` returns, or `models.get_config(name)`), got "
+                    f"{type(cfg).__name__} {cfg!r:.60}")
+  if isinstance(tokenizer, (str, os.PathLike)):  # as `JetStreamEngine` takes it
+    from jaxagent.models import load_tokenizer
+    tokenizer = load_tokenizer(tokenizer)
   if not isinstance(skip_special_tokens, (bool, np.bool_)):
     raise ValueError(f"skip_special_tokens must be a bool, got {skip_special_tokens!r}")
   if tokenizer is not None and not _takes_keyword(tokenizer.decode, "skip_special_tokens"):

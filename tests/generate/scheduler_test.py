@@ -223,6 +223,32 @@ def test_prompts_that_are_not_text_or_token_ids_are_clear_errors(params):
   assert [c.tokens for c in generate(params, CFG, (p for p in [[1, 2], [3]]), 2)] == want
 
 
+def test_a_config_or_mesh_of_the_wrong_type_is_a_clear_error(params):
+  """A preset name for `cfg` (as `models.load` takes one) failed with "'str' object has no
+  attribute 'eos_token_ids'", and a mesh that is not a `Mesh` with "... no attribute 'shape'"."""
+  for call in (lambda: generate(params, "tiny-qwen2", [[1, 2]], 2),
+               lambda: Engine("tiny-qwen2", EngineConfig(slots=1, max_len=32)),
+               lambda: Engine(CFG.__dict__, EngineConfig(slots=1, max_len=32))):
+    with pytest.raises(TypeError, match=r"cfg must be a jaxagent.models.ModelConfig .*"
+                                        r"models.get_config\(name\).*got (str|dict)"):
+      call()
+  with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh .*got str"):
+    generate(params, CFG, [[1, 2]], 2, mesh="data")
+
+
+def test_a_tokenizer_given_by_its_path_or_preset_name(params, tmp_path):
+  """`generate(tokenizer=...)` with the path or preset `models.load` was given (as
+  `JetStreamEngine` takes it) failed with "'str' object has no attribute 'decode'"."""
+  tok = models.load_tokenizer("smollm2-135m-instruct")
+  path = tok.save(tmp_path / "tok")
+  want = generate(params, CFG, [[1, 2, 3]], 4, tokenizer=tok, stop=[" "])
+  for given in ("smollm2-135m-instruct", path, str(path)):
+    got = generate(params, CFG, [[1, 2, 3]], 4, tokenizer=given, stop=[" "])
+    assert [(c.tokens, c.text, c.stop_reason) for c in got] == [
+        (c.tokens, c.text, c.stop_reason) for c in want]
+  assert want[0].text == tok.decode(want[0].tokens, skip_special_tokens=True)
+
+
 def test_repeated_request_ids_are_refused(params, engine):
   """The rng derives from (seed, request id, position): two samples of one prompt under one id
   were the same sample, silently (a GRPO group with no variance)."""
