@@ -56,6 +56,10 @@ def main(argv=None):
     cfg, params = models.load(args.model)
     tok = models.load_tokenizer(args.model)
     prompt = tok.encode_chat([{"role": "user", "content": args.prompt}], add_generation_prompt=True)
+    if prompt and max(prompt) >= cfg.vocab_size:  # the engine's own error named neither file nor cause
+      raise ValueError(f"the tokenizer of {args.model} ({tok.vocab_size} ids) encodes the prompt "
+                       f"with token id {max(prompt)}, outside the model's vocabulary of "
+                       f"{cfg.vocab_size}: the tokenizer files do not belong to these weights")
     if len(prompt) + 1 > cfg.max_seq_len:
       raise ValueError(f"the prompt is {len(prompt)} tokens with its chat template; {args.model} "
                        f"takes at most {cfg.max_seq_len} (prompt plus one new token): shorten it")

@@ -92,6 +92,20 @@ def test_prompt_longer_than_the_model_is_a_one_line_error(model_dir):
   assert "takes at most 64" in str(e.value.code) and "shorten it" in str(e.value.code)
 
 
+def test_a_tokenizer_that_does_not_match_the_model_is_a_one_line_error(tmp_path):
+  """A directory whose tokenizer has more ids than the weights' vocabulary (files of two
+  models mixed): the error was the engine's "run_requests: prompt 0 has token id 34519 outside
+  the model's vocabulary [0, 512)", which named neither the tokenizer nor the cause."""
+  tok = models.load_tokenizer("smollm2-135m-instruct")
+  cfg = models.get_config("tiny-llama", max_seq_len=64)  # 512 ids
+  path = models.save_hf(tmp_path / "m", cfg, models.init_params(cfg, jax.random.key(0)), tok)
+  with pytest.raises(SystemExit) as e:
+    main(["Hi", "--model", str(path)])
+  msg = str(e.value.code)
+  assert msg.startswith(f"generate failed: the tokenizer of {path} ({tok.vocab_size} ids)")
+  assert "outside the model's vocabulary of 512" in msg and "do not belong" in msg
+
+
 def test_help_documents_every_flag(capsys):
   with pytest.raises(SystemExit) as e:
     main(["--help"])
