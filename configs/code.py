@@ -14,6 +14,16 @@ Run:
 Knobs: all-or-nothing reward `--config.env.kwargs.all_or_nothing=True`; progressive shaping
 from "the code parses" to the test reward `--config.env.kwargs.syntax_weight=0.2
 --config.env.kwargs.shaping_steps=20`.
+Your own unit-test problems, in HumanEval's format (a JSONL or .jsonl.gz file of `{"task_id",
+"prompt", "test", "entry_point", "canonical_solution"?}` records; `test` defines
+`check(candidate)` with asserts), replace the 164 HumanEval problems:
+  python -m jaxagent.launch --config=configs/code.py \
+      --config.env.kwargs.problem_file=/data/problems.jsonl \
+      --config.env.kwargs.eval_size=20 --config.env.kwargs.sft_size=50
+`eval_size` problems are held out, `sft_size` of the rest (those with a canonical_solution) are
+the SFT demonstrations (fewer than asked is an error; `--config.sft.steps=0` skips the warm
+start, with `sft_size=0`). Every record is checked when the task is built; a bad one is named by
+its line.
 
 Expected:
   tiny (measured): finishes in under a minute on a CPU (about 25 s after imports); metrics.jsonl
@@ -46,7 +56,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.env = ml_collections.ConfigDict(dict(name="code", kwargs=dict(
       eval_size=40, sft_size=124, max_prompt_chars=0, timeout_s=8.0, per_test_s=2.0,
       memory_mb=1024, all_or_nothing=False, syntax_weight=0.0, shaping_steps=0,
-      shaping_start=0.0, seed=0)))
+      shaping_start=0.0, seed=0,
+      problem_file="")))  # your own HumanEval-format problems ("" = HumanEval): see the header
 
   c.rollout = ml_collections.ConfigDict(dict(
       slots=64, max_len=1024, temperature=1.0, top_p=1.0, top_k=0, max_turns=1,

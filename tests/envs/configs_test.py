@@ -231,6 +231,28 @@ def test_own_corpus_and_questions_reach_search_qa_from_the_command_line(tmp_path
     kwargs = _load("search_qa").get_config(variant).env.kwargs
     assert [kwargs[k] for k in ("corpus_file", "train_file", "eval_file", "titles_key")] == [""] * 4
 
+
+def test_own_problem_file_reaches_code_from_the_command_line(tmp_path):
+  from absl import flags
+  from ml_collections import config_flags
+  path = tmp_path / "mine.jsonl"
+  path.write_text("".join(json.dumps({
+      "task_id": f"Mine/{i}", "prompt": f"def add_{i}(x):\n    \"\"\"x + {i}.\"\"\"\n",
+      "test": f"def check(candidate):\n    assert candidate(1) == {1 + i}\n",
+      "entry_point": f"add_{i}", "canonical_solution": f"    return x + {i}\n"}) + "\n"
+      for i in range(4)))
+  argv = ["prog", f"--config={ROOT}/configs/code.py:tiny", f"--config.env.kwargs.problem_file={path}",
+          "--config.env.kwargs.eval_size=1", "--config.env.kwargs.sft_size=3"]
+  fv = flags.FlagValues()
+  holder = config_flags.DEFINE_config_file("config", flag_values=fv, sys_argv=argv)
+  fv(argv)
+  env = make_env(holder.value.env.name, **holder.value.env.kwargs)
+  assert sorted(e.id for s in ("train", "eval") for e in env.examples(s)) == [
+      f"Mine/{i}" for i in range(4)]
+  assert len(env.examples("sft")) == 3
+  for variant in ("", "tiny", "gpu", "qwen"):
+    assert _load("code").get_config(variant).env.kwargs.problem_file == ""
+
 # The CPU variants' warm-start data against their row length, with the real tokenizer: a
 # demonstration longer than train.pack_len is left out of the warm start, and the longest ones
 # are a task's hardest (search_qa's 3-hop questions): such a config would warm-start on a

@@ -120,7 +120,7 @@ def test_a_bad_array_record_is_named_by_its_index(tmp_path):
      r"problem with a 'question' and an 'answer' key"),
     ("blank.jsonl", "\n  \n", r"the file holds no problems"),
     ("p.json", "{}", r"MathToolEnv.train_file='.*p\.json': unknown file format \(suffix '\.json'\); "
-     r"a problem file is JSONL \(\.jsonl: .*ArrayRecord \(\.array_record, \.arrayrecord"),
+     r"a problem file is JSONL \(\.jsonl, \.jsonl\.gz: .*ArrayRecord \(\.array_record, \.arrayrecord"),
     ("p.array_record", "not an array record", r"p\.array_record': cannot read it as an "
      r"ArrayRecord file \(RuntimeError"),
     ("latin1.jsonl", b"\xe9\n", r"latin1\.jsonl': not UTF-8 text"),
@@ -145,3 +145,15 @@ def test_a_missing_file_or_url_is_named(tmp_path):
   (tmp_path / "d.jsonl").mkdir()
   with pytest.raises(ValueError, match=r"d\.jsonl' is not a file"):
     read_problems(tmp_path / "d.jsonl")
+
+
+def test_gzip_jsonl(tmp_path):
+  import gzip
+  path = tmp_path / "train.jsonl.gz"
+  path.write_bytes(gzip.compress(("\n".join(json.dumps(r) for r in RECORDS) + "\n").encode()))
+  probs = read_problems(path)
+  assert [p.gold for p in probs] == GOLDS and probs[1].where == "train.jsonl.gz line 2"
+  path.write_bytes(gzip.compress(b'{"question": "q", "answer": 1}\n')[:-6])
+  with pytest.raises(ValueError, match=r"MathToolEnv.train_file=.*train.jsonl.gz': not a complete "
+                                       r"gzip file"):
+    read_problems(path)

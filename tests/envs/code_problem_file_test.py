@@ -1,0 +1,113 @@
+"""code on your own problems: a HumanEval-format JSONL(.gz) or ArrayRecord `problem_file` in
+place of HumanEval (splits, demonstrations, scoring in the sandbox, the file hidden from the
+solution), and every bad record named."""
+import gzip
+import json
+import pathlib
+import re
+import shutil
+import sys
+import tempfile
+
+import pytest
+
+from jaxagent.envs.code import CodeEnv
+
+CHECK = "\n\ndef check(candidate):\n    assert candidate({a}) == {b}\n    assert candidate(0) == 0\n"
+
+
+def problem(i, canonical=True):
+  rec = {"task_id": f"Mine/{i}", "prompt": f'def times_{i}(x):\n    """x times {i}."""\n',
+         "test": CHECK.format(a=2, b=2 * i), "entry_point": f"times_{i}"}
+  if canonical:
+    rec["canonical_solution"] = f"    return x * {i}\n"
+  return rec
+
+
+def write(path, records):
+  text = "".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records)
+  if str(path).endswith(".gz"):
+    path.write_bytes(gzip.compress(text.encode()))
+  else:
+    path.write_text(text)
+  return str(path)
+
+
+def test_own_problems_replace_humaneval(tmp_path):
+  path = write(tmp_path / "mine.jsonl.gz", [problem(i, canonical=i != 3) for i in range(1, 6)])
+  env = CodeEnv(problem_file=path, eval_size=2, sft_size=2, seed=0)
+  ids = {s: [e.id for e in env.examples(s)] for s in ("train", "eval", "sft")}
+  assert sorted(ids["train"] + ids["eval"]) == [f"Mine/{i}" for i in range(1, 6)]
+  assert len(ids["eval"]) == 2 and len(ids["sft"]) == 2
+  assert set(ids["sft"]) <= set(ids["train"]) and "Mine/3" not in ids["sft"]
+  ex = env.examples("eval")[0]
+  assert f"def {ex.metadata['entry_point']}(x):" in ex.prompt[1]["content"]
+  i = int(ex.id.split("/")[1])
+  (demo,) = env.demonstration(env.examples("sft")[0])
+  assert demo[1].startswith("<code>\ndef times_") and "    return x * " in demo[1]
+  run, parses = env.score(ex.id, f"<code>\ndef times_{i}(x):\n    return x * {i}\n</code>")
+  assert parses and (run.passed, run.total) == (2, 2), run
+  run, _ = env.score(ex.id, f"<code>\ndef times_{i}(x):\n    return x + {i}\n</code>")
+  assert (run.passed, run.total) == (0, 2), run
+
+
+@pytest.fixture
+def readable_dir():
+  """A directory the sandbox could read (under the interpreter's prefix), removed after."""
+  path = tempfile.mkdtemp(prefix="jaxagent-test-", dir=sys.prefix)
+  yield pathlib.Path(path)
+  shutil.rmtree(path)
+
+
+def test_the_problem_file_is_hidden_from_the_solution(readable_dir):
+  path = write(readable_dir / "mine.jsonl", [problem(i) for i in range(1, 4)])
+  env = CodeEnv(problem_file=path, eval_size=1, sft_size=0)
+  cheat = ("def times_1(x):\n    import json\n"
+           f"    rows = [json.loads(r) for r in open({path!r})]\n"
+           "    ns = {}\n    p = rows[0]\n"
+           "    exec(p['prompt'] + p['canonical_solution'], ns)\n"
+           "    return ns['times_1'](x)\n")
+  run, _ = env.score("Mine/1", f"<code>\n{cheat}</code>")
+  assert run.passed == 0, run
+
+
+def test_bad_problem_records_are_named(tmp_path):
+  no_assert = {**problem(4), "test": "def check(candidate):\n    candidate(1)\n"}
+  path = write(tmp_path / "bad.jsonl", [
+      problem(1), {**problem(2), "task_id": "Mine/1"},
+      {k: v for k, v in problem(3).items() if k != "entry_point"} | {"entrypoint": "times_3"},
+      no_assert, {**problem(5), "entry_point": "times_6"}, {**problem(6), "test": "def check(:"},
+      "[1, 2]", {**problem(7), "prompt": 7}])
+  with pytest.raises(ValueError) as e:
+    CodeEnv(problem_file=path, eval_size=1, sft_size=0)
+  msg = str(e.value)
+  assert "CodeEnv.problem_file=" in msg and "7 bad records (of 8)" in msg
+  assert "bad.jsonl line 2: the task_id 'Mine/1' is the task_id of bad.jsonl line 1 too" in msg
+  assert ("bad.jsonl line 3: no 'entry_point' key; the record has ['canonical_solution', "
+          "'entrypoint', 'prompt', 'task_id', 'test']; did you mean 'entrypoint'?") in msg
+  assert "bad.jsonl line 4: the test: check() contains no assert statement to count" in msg
+  assert "bad.jsonl line 5: the prompt does not define the entry_point times_6()" in msg
+  assert "... and 2 more" in msg  # line 6 (test syntax), 7 (not an object), 8 (prompt not text)
+  for line, want in ((6, "the test does not parse as Python (SyntaxError"),
+                     (7, "a record must be a JSON object with 'task_id'"),
+                     (8, "'prompt' must be non-empty text, got int 7")):
+    one = write(tmp_path / f"one{line}.jsonl", [open(path).read().splitlines()[line - 1]])
+    with pytest.raises(ValueError, match=re.escape(f"one{line}.jsonl line 1: {want}")):
+      CodeEnv(problem_file=one, eval_size=0, sft_size=0)
+
+
+def test_sizes_count_the_files_problems(tmp_path):
+  path = write(tmp_path / "mine.jsonl", [problem(i, canonical=i < 3) for i in range(1, 6)])
+  with pytest.raises(ValueError, match=r"CodeEnv.eval_size must be in \[0, 5\) \(5 problems of "
+                                       r"CodeEnv.problem_file=.*got 5"):
+    CodeEnv(problem_file=path, eval_size=5, sft_size=0)
+  # Demonstrations need a canonical_solution: problems 1 and 2 only.
+  with pytest.raises(ValueError, match=r"CodeEnv.sft_size=3 exceeds the 2 train problems with a "
+                                       r"canonical_solution \(3 have none\).*set sft_size <= 2"):
+    CodeEnv(problem_file=path, eval_size=0, sft_size=3)
+  assert len(CodeEnv(problem_file=path, eval_size=0, sft_size=2).examples("sft")) == 2
+  for bad, message in ((str(tmp_path / "nope.jsonl"), "no such file"),
+                       (str(tmp_path / "p.json"), "unknown file format"),
+                       (5, "must be a str")):
+    with pytest.raises(ValueError, match=f"CodeEnv.problem_file.*{message}"):
+      CodeEnv(problem_file=bad, eval_size=0, sft_size=0)
