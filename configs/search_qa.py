@@ -34,6 +34,9 @@ warm start still demonstrates searching on the generated world (`sft_size` quest
 documents, not yours). The retrieval reward needs each question's gold titles:
 `--config.env.kwargs.titles_key=supporting_facts` (HotpotQA; or a key listing titles), each a
 corpus title; without it `retrieval_weight` must stay 0 and `reward/retrieval` is not logged.
+Each passage is cut to `max_passage_chars` (200 here) in the observation: for a corpus of
+100-word Wikipedia passages raise it, e.g. `--config.env.kwargs.max_passage_chars=700`, with
+rows to match (`rollout.max_len`, `train.pack_len`).
 
 Expected:
   tiny (measured): finishes in under a minute on a CPU (about 35 s after imports); metrics.jsonl

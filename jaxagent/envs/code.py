@@ -744,7 +744,8 @@ def _file_problem(record: dict, index: int, where: str, *, seen: dict[str, str])
       compile(canonical_solution(problem), "<canonical_solution>", "exec", dont_inherit=True)
     except _UNPARSABLE as e:
       raise ValueError(f"{where}: the prompt's signature with the canonical_solution does not "
-                       f"parse as Python ({type(e).__name__}: {e})") from None
+                       f"parse as Python ({type(e).__name__}: {e}); the canonical_solution is "
+                       "the function's indented body, as in HumanEval") from None
   return problem
 
 

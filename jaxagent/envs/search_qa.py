@@ -134,17 +134,24 @@ def _one_line(title: str) -> str:
 
 def _gold_titles(record: dict, key: str, where: str, corpus: set[str]) -> list[str]:
   """The gold document titles of a question record: `record[key]`, a list of titles or of
-  `[title, ...]` lists (HotpotQA's supporting facts), each a title of the corpus."""
+  `[title, ...]` lists (HotpotQA's supporting facts), or `{"title": [...], ...}` (the same as
+  the Hugging Face hotpot_qa dataset writes them), each a title of the corpus."""
   if key not in record:
     raise ValueError(f"{where}: no {key!r} key (SearchQAEnv.titles_key); the record has "
                      f"{sorted(map(str, record))}")
   value = record[key]
+  if isinstance(value, dict):
+    if "title" not in value:
+      raise ValueError(f"{where}: {key!r} is an object without a 'title' list (it has "
+                       f"{sorted(map(str, value))})")
+    value = value["title"]
   items = value if isinstance(value, list) else [value]
   titles: list[str] = []
   for item in items:
     title = item[0] if isinstance(item, list) and item else item
     if not isinstance(title, str) or not title.strip():
-      raise ValueError(f"{where}: {key!r} must list titles (text) or [title, ...] lists, got "
+      raise ValueError(f"{where}: {key!r} must list titles (text), [title, ...] lists or be "
+                       f"{{\"title\": [...]}}, got "
                        f"{value!r:.80}")
     if _one_line(title) not in titles:
       titles.append(_one_line(title))

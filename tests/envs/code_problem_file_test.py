@@ -96,6 +96,15 @@ def test_bad_problem_records_are_named(tmp_path):
       CodeEnv(problem_file=one, eval_size=0, sft_size=0)
 
 
+def test_a_canonical_solution_that_is_a_whole_function_is_named(tmp_path):
+  # Some datasets store the whole function; HumanEval's canonical_solution is the body.
+  whole = {**problem(8), "canonical_solution": "def times_8(x):\n    return x * 8\n"}
+  with pytest.raises(ValueError, match=r"w.jsonl line 1: the prompt's signature with the "
+                                       r"canonical_solution does not parse as Python.*the "
+                                       r"canonical_solution is the function's indented body"):
+    CodeEnv(problem_file=write(tmp_path / "w.jsonl", [whole]), eval_size=0, sft_size=0)
+
+
 def test_sizes_count_the_files_problems(tmp_path):
   path = write(tmp_path / "mine.jsonl", [problem(i, canonical=i < 3) for i in range(1, 6)])
   with pytest.raises(ValueError, match=r"CodeEnv.eval_size must be in \[0, 5\) \(5 problems of "

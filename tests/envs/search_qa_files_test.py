@@ -121,6 +121,14 @@ def test_titles_key_gives_the_retrieval_reward(tmp_path, files, char_tok):
   env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, **{
       **files, "train_file": titles}, titles_key="gold")
   assert env.examples("train")[0].metadata["supporting_titles"] == ["Ada Lovelace"]
+  # Hugging Face's hotpot_qa writes supporting_facts as {"title": [...], "sent_id": [...]}.
+  hf = write_jsonl(tmp_path / "hf.jsonl", [{"question": "Who?", "answer": "Ada", "supporting_facts":
+                                            {"title": ["Ada Lovelace", "Charles Babbage"],
+                                             "sent_id": [0, 0]}}])
+  env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, **{
+      **files, "train_file": hf}, titles_key="supporting_facts")
+  assert env.examples("train")[0].metadata["supporting_titles"] == ["Ada Lovelace",
+                                                                    "Charles Babbage"]
 
 
 def test_titles_no_search_can_retrieve_are_named(tmp_path, files):
