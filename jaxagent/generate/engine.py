@@ -412,6 +412,7 @@ class Engine:
                                donate_argnames=("state",))
     self._jit_update = jax.jit(self._update, donate_argnames=("state",))
     self._jit_empty = None
+    self._state_sig = None  # each DecodeState field's tree and (shape, dtype)s (`_check_state`)
 
   # ------------------------------------------------------------------ sharding helpers
   @property
@@ -483,6 +484,37 @@ class Engine:
     return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                         shapes, ss)
 
+  def _check_state(self, state, what: str) -> None:
+    """A clear error for a `state` that is not this engine's decode state: the `(state,
+    output)` pair `generate` / `append` return, or the state of an engine of another slot
+    count, `max_len`, cache layout, model or dtype. Such a state failed in a broadcast deep in
+    `insert`, or ran in `generate` (a program compiled for its shapes) reading only the
+    first `max_len` cached tokens of each slot."""
+    if not isinstance(state, DecodeState):
+      hint = (" (generate and append return (state, output): unpack them)"
+              if isinstance(state, tuple) else "")
+      raise TypeError(f"{what}: state must be a DecodeState (`init_decode_state()`), got "
+                      f"{type(state).__name__}{hint}")
+    if self._state_sig is None:
+      want = jax.eval_shape(self._empty_state)
+      self._state_sig = {f.name: (jax.tree.structure(getattr(want, f.name)),
+                                  [(a.shape, a.dtype) for a in jax.tree.leaves(getattr(want, f.name))])
+                         for f in dataclasses.fields(DecodeState)}
+    for name, (tree, sig) in self._state_sig.items():
+      got = getattr(state, name)
+      have = [(tuple(getattr(a, "shape", np.shape(a))), getattr(a, "dtype", None))
+              for a in jax.tree.leaves(got)]
+      if jax.tree.structure(got) != tree or have != sig:
+        def show(leaves):  # a per-layer cache: one array per layer
+          if len(leaves) > 1 and len(set(leaves)) == 1:
+            return f"{len(leaves)} arrays of {leaves[0][0]} {leaves[0][1]}"
+          return ", ".join(f"{shape} {dtype}" for shape, dtype in leaves)
+        raise ValueError(
+            f"{what}: the decode state is not this engine's: its {name} is {show(have)}, "
+            f"where this engine ({self.cfg.name}, slots={self.ecfg.slots}, "
+            f"max_len={self.ecfg.max_len}, cache layout {self.cache_layout!r}) holds "
+            f"{show(sig)}; pass a state from this engine's init_decode_state()")
+
   def init_decode_state(self) -> DecodeState:
     """Empty slots (all inactive)."""
     if self._jit_empty is None:  # built once: a fresh `jax.jit` per call compiled every rollout
@@ -547,6 +579,7 @@ class Engine:
     slots = self._slot_array(slots, "prefill_insert")
     if len(slots) != len(prompts):
       raise ValueError(f"prefill_insert: {len(prompts)} prompts but {len(slots)} slots")
+    self._check_state(state, "prefill_insert")
     self._check_slots(slots, "prefill_insert")
     pre, n = self._prefill_padded(params, prompts, request_ids, seeds, max_new_tokens,
                                   max_total_len)
@@ -685,6 +718,11 @@ class Engine:
     if len(slots) != prefix.lengths.shape[0]:
       raise ValueError(f"insert: {prefix.lengths.shape[0]} prefixes but {len(slots)} slots")
     self._check_slots(slots, "insert")
+    self._check_state(state, "insert")
+    if prefix.k.shape[2] > self.cache_len:
+      raise ValueError(f"insert: the prefix holds {prefix.k.shape[2]} positions, more than this "
+                       f"engine's cache of {self.cache_len} (a prefix of an engine with a larger "
+                       "max_len?)")
     return self._jit_insert(prefix, state, slots)
 
   @staticmethod
@@ -848,6 +886,7 @@ class Engine:
       # (a jax array failed as an unhashable static argument; a float or 0 picked a bucket)
       raise ValueError("Engine.generate: kv_len must be a positive int (the longest active slot's "
                        f"cached tokens plus steps - 1) or None for the whole cache, got {kv_len!r}")
+    self._check_state(state, "Engine.generate")
     if kv_len is None or (self.per_layer and self._attn == "pallas"):
       # The kernel reads each per-layer buffer in place and stops at each slot's length, so
       # the bound changes nothing there: one program instead of one per live-KV bucket (each
@@ -905,6 +944,7 @@ class Engine:
     if len(slots) == 0:
       raise ValueError("append needs at least one slot")
     self._check_slots(slots, "append")
+    self._check_state(state, "append")
     if max_new_tokens is not None:
       if np.size(max_new_tokens) == 1:  # a one-element sequence is one value for all slots
         max_new_tokens = np.asarray(max_new_tokens, object).reshape(-1)[0]
@@ -1013,6 +1053,7 @@ class Engine:
     # A negative slot would wrap onto another request's slot; a length past the cache would
     # have the next steps' writes dropped and attention read stale rows.
     self._check_slots(slots, "update_slots")
+    self._check_state(state, "update_slots")
     # One value for all slots or one per slot; NumPy's broadcast error named neither the
     # argument nor the call.
     for name, x in (("lengths", lengths), ("active", active), ("remaining", remaining)):
@@ -1059,6 +1100,7 @@ class Engine:
     # Before the host reads below: a slot past the last was an IndexError, and a negative one
     # read another slot's values.
     self._check_slots(slots, "free_slots")
+    self._check_state(state, "free_slots")
     lengths = np.asarray(state.lengths)[slots]
     tokens = np.asarray(state.tokens)[slots]
     return self.update_slots(state, slots, lengths=lengths, tokens=tokens, active=False,

@@ -1,4 +1,6 @@
 """Generator correctness: cached decode vs full forward, logprobs, append, determinism."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -376,6 +378,37 @@ def test_engine_refuses_eos_ids_it_could_never_match():
     ecfg = EngineConfig(eos_ids=eos)
     assert ecfg.eos_ids == want and all(type(e) is int for e in ecfg.eos_ids)
     hash(ecfg)
+
+
+def test_a_decode_state_of_another_engine_is_refused(params):
+  """A state of an engine with another `max_len` failed in `insert` with "Incompatible shapes
+  for broadcasting", and `generate` ran on it (a program compiled for its shapes) reading only
+  this engine's first `max_len` cached tokens of each slot; the `(state, output)` pair that
+  `generate` returns, passed back whole, failed with an AttributeError."""
+  eng = Engine(CFG, EngineConfig(slots=2, max_len=32))
+  big = Engine(CFG, EngineConfig(slots=2, max_len=64))
+  other = big.init_decode_state()
+  calls = {
+      "insert": lambda st: eng.insert(eng.prefill(params, [[1, 2]], [0]), st, 0),
+      "prefill_insert": lambda st: eng.prefill_insert(params, st, [[1, 2]], [0], [0]),
+      "Engine.generate": lambda st: eng.generate(params, st),
+      "append": lambda st: eng.append(params, st, [0], [[3]]),
+      "update_slots": lambda st: eng.update_slots(st, [0], lengths=2, tokens=3, active=False),
+      "free_slots": lambda st: eng.free_slots(st, [0]),
+  }
+  for what, call in calls.items():
+    with pytest.raises(ValueError, match=re.escape(
+        f"{what}: the decode state is not this engine's: its k is (2, 2, 2, 64, 16) float32, "
+        "where this engine (tiny-qwen2, slots=2, max_len=32, cache layout 'stacked') holds "
+        "(2, 2, 2, 32, 16) float32")):
+      call(other)
+  state = eng.init_decode_state()
+  with pytest.raises(TypeError, match=r"state must be a DecodeState .*got tuple .*unpack them"):
+    eng.generate(params, eng.generate(params, state))
+  with pytest.raises(ValueError, match="the prefix holds 64 positions, more than this engine's "
+                                       "cache of 32"):
+    eng.insert(big.prefill(params, [list(range(1, 40))], [0]), eng.init_decode_state(), 0)
+  calls["Engine.generate"](eng.init_decode_state())  # this engine's own state passes
 
 
 def test_bool_token_ids_are_refused(params):
