@@ -27,7 +27,8 @@ replace the generated knowledge base:
       --config.env.kwargs.corpus_file=/data/wiki.jsonl \
       --config.env.kwargs.train_file=/data/nq_train.jsonl \
       --config.env.kwargs.eval_file=/data/nq_dev.jsonl
-The corpus holds `{"title": ..., "text": ..., "id"?: ...}` records, the question files
+The corpus holds `{"title": ..., "text": ..., "id"?: ...}` records (or Search-R1's
+`{"id": ..., "contents": ...}`, the title on the first line), the question files
 `{"question": ..., "answers": [...]}` ("answer" or "golden_answers" too; a string or a list of
 accepted answers; `--config.env.kwargs.question_key` / `answer_key` for other names). The SFT
 warm start still demonstrates searching on the generated world (`sft_size` questions; its

@@ -150,7 +150,9 @@ def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpu
                    ) -> list[Document]:
   """The documents of a JSONL or ArrayRecord corpus, in file order: each record a JSON object
   `{"title": ..., "text": ..., "id"?: ...}` (title optional; a record without "id" gets its
-  position among the documents). A bad record (not JSON, no "text", an unknown key, a title or
+  position among the documents), or `{"id"?: ..., "contents": ...}` as Search-R1's and FlashRAG's
+  corpora hold them, whose first line is the title (its surrounding double quotes dropped) and
+  the rest the text. A bad record (not JSON, no "text", an unknown key, a title or
   text that is not text, an id another record has) is named by file and line or record index."""
   from jaxagent.tools.search import _as_document
 
@@ -163,6 +165,8 @@ def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpu
     total += 1
     try:
       record = _json_object(raw, where, "with 'title' and 'text' keys")
+      if "contents" in record and not {"title", "text"} & set(record):
+        record = _from_contents(record, where)
       try:
         doc = _as_document(record, len(docs))
       except (TypeError, ValueError) as e:  # "document 3 has no 'text' field (fields: [...])"
@@ -178,6 +182,18 @@ def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpu
     raise ValueError(f"{owner}.{setting}={os.fspath(path)!r}: the file holds no documents; give "
                      "one JSON object per document with a 'title' and a 'text' key")
   return docs
+
+
+def _from_contents(record: dict, where: str) -> dict:
+  """A `{"id"?, "contents": "\"Title\"\nText"}` record as `{"id"?, "title", "text"}`."""
+  contents = record["contents"]
+  if not isinstance(contents, str):
+    raise ValueError(f"{where}: 'contents' must be text, got {type(contents).__name__}")
+  title, _, text = contents.partition("\n")
+  title = title.strip()
+  if len(title) >= 2 and title[0] == title[-1] == '"':
+    title = title[1:-1]
+  return {**{k: v for k, v in record.items() if k != "contents"}, "title": title, "text": text}
 
 
 def _json_object(raw: str | bytes, where: str, expected: str) -> dict:

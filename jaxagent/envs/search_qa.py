@@ -29,7 +29,8 @@ format and the share of the question's supporting documents that the searches re
 that many steps.
 
 Your own corpus and questions: `corpus_file` (JSONL or ArrayRecord of `{"title", "text",
-"id"?}` JSON records) replaces the generated documents as what the search tool indexes, and
+"id"?}` JSON records, or Search-R1's `{"id", "contents"}`: `problem_file.read_documents`)
+replaces the generated documents as what the search tool indexes, and
 `train_file` / `eval_file` (JSON records `{"question": ..., "answers": [...]}`, or "answer" /
 "golden_answers", a string or a list of accepted answers; `jaxagent/envs/problem_file.py`) the
 generated questions; the three go together (the generated questions are about a world your
@@ -205,7 +206,8 @@ class SearchQAEnv(Env):
     shaping_steps: steps over which a `ProgressiveSchedule` hands the shaping weight to the
       outcome (0 = fixed weights); `shaping_start` is its alpha at step 0.
     corpus_file: your own documents ("" = the generated ones), a JSONL or ArrayRecord file of
-      `{"title", "text", "id"?}` JSON records; needs `train_file` and `eval_file`.
+      `{"title", "text", "id"?}` JSON records (or `{"id", "contents"}`, the first line of the
+      contents its title); needs `train_file` and `eval_file`.
     train_file, eval_file: your own questions for the train / eval split, every record in file
       order (`train_size` / `eval_size` then do not apply; the trainer evaluates on the first
       `eval.size`); need `corpus_file`.

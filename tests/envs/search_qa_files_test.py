@@ -187,6 +187,15 @@ def test_bad_corpus_records_are_named(tmp_path, files):
   empty = write_jsonl(tmp_path / "empty.jsonl", [])
   with pytest.raises(ValueError, match="SearchQAEnv.corpus_file=.*holds no documents"):
     SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, **{**files, "corpus_file": empty})
+  # Search-R1's / FlashRAG's {"id", "contents": "\"Title\"\ntext"} records.
+  flash = write_jsonl(tmp_path / "wiki-18.jsonl", [
+      {"id": "0", "contents": '"Ada Lovelace"\nAda Lovelace wrote the first algorithm.'},
+      {"id": "1", "contents": "Plain title\nline one\nline two"}])
+  env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, **{**files, "corpus_file": flash})
+  assert [(d.id, d.title, d.text) for d in env.index.documents] == [
+      ("0", "Ada Lovelace", "Ada Lovelace wrote the first algorithm."),
+      ("1", "Plain title", "line one\nline two")]
+  assert "(Title: Ada Lovelace): Ada Lovelace wrote" in env.search_tool({"query": "algorithm"}).output
   # An ArrayRecord corpus reads the same.
   ar = write_array_record(tmp_path / "wiki.array_record", CORPUS)
   env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, **{**files, "corpus_file": ar})
