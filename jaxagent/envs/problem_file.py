@@ -217,19 +217,23 @@ def _records(p: pathlib.Path, setting: str) -> Iterator[tuple[int, str, str | by
   """(index, where, raw text) of each record of the file."""
   if p.name.lower().endswith(JSONL_SUFFIXES):
     opener = gzip.open if p.name.lower().endswith(".gz") else open
-    try:
-      # utf-8-sig: a byte-order mark (some editors write one) is not part of the first record.
-      with opener(p, "rt", encoding="utf-8-sig") as f:
-        # Split at "\n" only: a JSON string may hold a raw U+2028, which splitlines() breaks at.
-        lines = f.read().split("\n")
-    except UnicodeDecodeError as e:
-      raise ValueError(f"{setting}={os.fspath(p)!r}: not UTF-8 text ({e})") from e
-    except (gzip.BadGzipFile, EOFError) as e:
-      raise ValueError(f"{setting}={os.fspath(p)!r}: not a complete gzip file ({e})") from e
-    for n, line in enumerate(lines, 1):
-      if line.strip():
-        yield n, f"{p.name} line {n}", line
-    return
+    # Line by line (a corpus can be larger than memory twice over), split at "\n" only: a JSON
+    # string may hold a raw U+2028, which splitlines() breaks at. utf-8-sig: a byte-order mark
+    # (some editors write one) is not part of the first record.
+    with opener(p, "rt", encoding="utf-8-sig", newline="\n") as f:
+      n = 0
+      while True:
+        try:
+          line = f.readline()
+        except UnicodeDecodeError as e:
+          raise ValueError(f"{setting}={os.fspath(p)!r}: not UTF-8 text ({e})") from e
+        except (gzip.BadGzipFile, EOFError) as e:
+          raise ValueError(f"{setting}={os.fspath(p)!r}: not a complete gzip file ({e})") from e
+        if not line:
+          return
+        n += 1
+        if line.strip():
+          yield n, f"{p.name} line {n}", line
   from grain.sources import ArrayRecordDataSource
   try:
     source = ArrayRecordDataSource(os.fspath(p))

@@ -157,3 +157,16 @@ def test_gzip_jsonl(tmp_path):
   with pytest.raises(ValueError, match=r"MathToolEnv.train_file=.*train.jsonl.gz': not a complete "
                                        r"gzip file"):
     read_problems(path)
+
+
+def test_a_jsonl_file_is_read_line_by_line(tmp_path):
+  """A corpus may be larger than memory: records come before the whole file is read (a bad
+  byte 1 MB in still fails the read, once reached)."""
+  from jaxagent.envs.problem_file import _records
+  path = tmp_path / "big.jsonl"
+  line = json.dumps({"question": "q" * 40, "answer": 1}) + "\n"
+  path.write_bytes(line.encode() * 20_000 + b'{"question": "\xe9", "answer": 1}\n')
+  first = next(_records(path, "S"))
+  assert first[:2] == (1, "big.jsonl line 1") and json.loads(first[2])["answer"] == 1
+  with pytest.raises(ValueError, match=r"MathToolEnv.train_file=.*big.jsonl': not UTF-8 text"):
+    read_problems(path)
