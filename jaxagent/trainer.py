@@ -60,6 +60,7 @@ from jaxagent.metrics import MetricsWriter, append_line, finite_json
 from jaxagent.models import param_tree
 from jaxagent.models.config import RUN_MODEL_KEYS, run_overrides
 from jaxagent.rewards import ENV_REWARD_ERROR, RewardOutput, mean_metrics, math_verifier
+from jaxagent.rewards.shaping import OverlongConfig, overlong_penalty
 from jaxagent.rl import advantages as adv_lib
 from jaxagent.rl import losses, packing, step as step_lib
 
@@ -402,6 +403,7 @@ KNOWN_CONFIG_KEYS = frozenset("""
     mesh.data mesh.fsdp mesh.tensor
     optimizer.b1 optimizer.b2 optimizer.lr optimizer.max_grad_norm optimizer.schedule
     optimizer.warmup_steps optimizer.weight_decay
+    reward.overlong_cache_tokens reward.overlong_coef reward.overlong_max_tokens
     rollout.decode_steps rollout.max_len rollout.max_observation_tokens rollout.max_prompt_tokens
     rollout.max_tokens_per_turn rollout.max_total_tokens rollout.max_turns rollout.mesh
     rollout.observation_truncation rollout.slots rollout.temperature
@@ -421,6 +423,7 @@ OPTIONAL_CONFIG_KEYS = frozenset("""
     env.kwargs export log.dump_count loss.dual_clip loss.max_len_norm
     model.attention model.init_seed model.init_std model.logprob model.norm_rope
     model.scan_layers model.tokenizer
+    reward.overlong_cache_tokens reward.overlong_coef reward.overlong_max_tokens
     rollout.max_observation_tokens rollout.max_prompt_tokens rollout.max_total_tokens
     rollout.mesh rollout.observation_truncation
     sft.data sft.warmup_steps
@@ -553,6 +556,7 @@ def check_config(config) -> None:
       EngineConfig(slots=rollout.get("slots", 8), max_len=rollout.max_len, sampling=sampling)
   if hasattr(train, "get") and train.get("pack_len") is not None:
     packing.config_from_train(train, 1)
+  overlong_shaping(config)
   # The losses and optimizers (optimizer.b1=1.5, sft.lr=-1, loss.clip_low=-0.2 were refused
   # only in `Trainer`, after the launcher's fit check had compiled every program).
   step_lib.learner_parts(config)
@@ -644,6 +648,69 @@ def _rollout_config(r) -> RolloutConfig:
       traj_tool_timeout_s=r.traj_tool_timeout_s, decode_steps=r.decode_steps,
       max_observation_tokens=r.get("max_observation_tokens"),
       observation_truncation=r.get("observation_truncation", "middle"))
+
+
+OVERLONG = "overlong"  # the reward component `reward.overlong_*` adds to RL rewards
+
+
+def overlong_shaping(config) -> tuple[OverlongConfig, float] | None:
+  """DAPO's soft overlong punishment from the `reward` section: (config, weight), or None when
+  it is off (`reward.overlong_cache_tokens` 0 or missing).
+
+  `reward.overlong_max_tokens` (L_max) defaults to the policy-token budget of a trajectory,
+  `rollout.max_turns * rollout.max_tokens_per_turn`; the punishment counts the policy's own
+  tokens over all turns (`Trajectory.num_policy_tokens`), as `rewards.overlong_penalty` does."""
+  reward = config.get("reward") if hasattr(config, "get") else None
+  if not hasattr(reward, "get"):
+    return None
+  cache = reward.get("overlong_cache_tokens", 0)
+  if cache is None or (isinstance(cache, (int, np.integer)) and not isinstance(cache, bool)
+                       and cache == 0):
+    return None
+  if isinstance(cache, bool) or not isinstance(cache, (int, np.integer)) or cache < 0:
+    raise ValueError(f"reward.overlong_cache_tokens must be an int >= 0 (0: no overlong "
+                     f"shaping), got {cache!r}")
+  max_tokens = reward.get("overlong_max_tokens")
+  if max_tokens is None:
+    rollout = config.get("rollout") if hasattr(config, "get") else None
+    turns = rollout.get("max_turns") if hasattr(rollout, "get") else None
+    per_turn = rollout.get("max_tokens_per_turn") if hasattr(rollout, "get") else None
+    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
+               for v in (turns, per_turn)):
+      raise ValueError("reward.overlong_max_tokens is unset and the rollout budget "
+                       "(rollout.max_turns x rollout.max_tokens_per_turn) is not given: set it")
+    max_tokens, where = int(turns) * int(per_turn), (
+        f" (unset: rollout.max_turns={turns} x rollout.max_tokens_per_turn={per_turn})")
+  else:
+    where = ""
+    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
+      raise ValueError(f"reward.overlong_max_tokens must be an int (policy tokens) or None for "
+                       f"the rollout's policy-token budget, got {max_tokens!r}")
+  if not 0 < cache <= max_tokens:
+    raise ValueError(f"reward.overlong_cache_tokens={cache} must be at most "
+                     f"reward.overlong_max_tokens={max_tokens}{where}: the punishment ramps from "
+                     f"0 at max - cache policy tokens to -1 at max")
+  coef = reward.get("overlong_coef", 1.0)
+  if (isinstance(coef, bool) or not isinstance(coef, (int, float, np.number))
+      or not math.isfinite(coef) or coef < 0):
+    raise ValueError(f"reward.overlong_coef must be a finite number >= 0 (the weight of the "
+                     f"punishment, which is in [-1, 0]), got {coef!r}")
+  return OverlongConfig(max_tokens=int(max_tokens), cache_tokens=int(cache)), float(coef)
+
+
+def _with_overlong(out: RewardOutput, traj: Trajectory, shaping) -> RewardOutput:
+  """`out` with the overlong punishment of `traj` added as component `OVERLONG` (a reward the
+  env failed to compute is left as it is)."""
+  if shaping is None or ENV_REWARD_ERROR in out.errors:
+    return out
+  cfg, coef = shaping
+  if OVERLONG in out.components:
+    raise ValueError(f"the task's reward already has a component named {OVERLONG!r}: it shapes "
+                     "length itself; set reward.overlong_cache_tokens=0 (or rename its component)")
+  value = overlong_penalty(traj.num_policy_tokens, cfg)
+  return dataclasses.replace(out, total=out.total + coef * value,
+                             components={**out.components, OVERLONG: value},
+                             weights={**out.weights, OVERLONG: coef})
 
 
 def _time_limit_s(train) -> float:
@@ -759,6 +826,7 @@ class Trainer:
     r = c.rollout
     eos = tuple(sorted(self.tok.eos_ids))
     self.rollout_cfg = _rollout_config(r)
+    self.overlong = overlong_shaping(c)  # added to the RL rewards, not to the evals
     mk = lambda samp: Engine(self.cfg, EngineConfig(slots=r.slots, max_len=r.max_len,
                                                     eos_ids=eos, sampling=samp),
                              mesh=self.gen_mesh)
@@ -1106,7 +1174,8 @@ class Trainer:
       trajs = self.sampler.run(params, exs, num_samples=G,
                                seed=_rollout_seed(self.config.seed, step),
                                request_id_offset=offset)
-      outs = self._score(trajs, [exs[tr.group_id] for tr in trajs], step)
+      outs = [_with_overlong(o, tr, self.overlong) for o, tr in
+              zip(self._score(trajs, [exs[tr.group_id] for tr in trajs], step), trajs)]
       rewards = np.array([o.total for o in outs], np.float64)
       gids = np.array([tr.group_id for tr in trajs])
       keep = sampler.update(rewards, gids) if dyn else np.ones(len(trajs), bool)

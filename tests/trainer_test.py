@@ -2028,3 +2028,70 @@ def test_a_run_whose_resume_failed_fails_again_instead_of_starting_over(ckpt_tra
   for _ in range(2):
     with pytest.raises(checkpoint.IncompatibleCheckpointError, match="checkpoint 4"):
       trainer.run()
+
+
+def test_overlong_shaping_settings_are_checked_before_the_model_loads():
+  from jaxagent.rewards.shaping import OverlongConfig
+  from jaxagent.trainer import check_config, overlong_shaping
+  c = get_config("tiny")
+  assert overlong_shaping(c) is None  # off by default
+  c.reward.overlong_cache_tokens = 8
+  # Unset max: the rollout's policy-token budget.
+  budget = c.rollout.max_turns * c.rollout.max_tokens_per_turn
+  assert overlong_shaping(c) == (OverlongConfig(max_tokens=budget, cache_tokens=8), 1.0)
+  c.reward.overlong_max_tokens, c.reward.overlong_coef = 40, 0.5
+  assert overlong_shaping(c) == (OverlongConfig(max_tokens=40, cache_tokens=8), 0.5)
+  for key, value, match in (
+      ("overlong_cache_tokens", -1, "overlong_cache_tokens must be an int >= 0"),
+      ("overlong_cache_tokens", 41, r"overlong_cache_tokens=41 must be at most "
+                                    r"reward.overlong_max_tokens=40"),
+      ("overlong_coef", -1.0, "overlong_coef must be a finite number >= 0"),
+      ("overlong_coef", float("nan"), "overlong_coef must be a finite number >= 0")):
+    bad = get_config("tiny")
+    bad.reward.overlong_cache_tokens, bad.reward.overlong_max_tokens = 8, 40
+    bad.reward[key] = value
+    with pytest.raises(ValueError, match=match):
+      check_config(bad)
+  bad = get_config("tiny")
+  bad.reward.overlong_cache_tokens = budget + 1
+  with pytest.raises(ValueError, match=r"\(unset: rollout.max_turns=\d+ x "
+                                       r"rollout.max_tokens_per_turn=\d+\)"):
+    check_config(bad)
+  # A config without the section (written before it existed) runs without the shaping.
+  old = get_config("tiny")
+  del old["reward"]
+  check_config(old)
+  assert overlong_shaping(old) is None
+
+
+def test_overlong_shaping_is_added_to_the_rl_rewards(tmp_path):
+  """`reward.overlong_*` adds DAPO's soft overlong punishment to any task's RL reward, as the
+  component reward/overlong: a random tiny model earns 0 from the task, so the step's rewards
+  are the punishment alone, a function of each trajectory's policy tokens."""
+  from jaxagent.rewards.shaping import OverlongConfig, overlong_penalty
+  from jaxagent import trainer as trainer_lib
+  trainer = Trainer(_tiny(tmp_path, **{"reward.overlong_cache_tokens": 8,
+                                       "reward.overlong_max_tokens": 14,
+                                       "reward.overlong_coef": 0.5}))
+  seen = []
+  real = trainer_lib._with_overlong
+
+  def spy(out, traj, shaping):
+    shaped = real(out, traj, shaping)
+    seen.append((traj.num_policy_tokens, out.total, shaped))
+    return shaped
+  try:
+    with mock.patch.object(trainer_lib, "_with_overlong", spy):
+      m = trainer.rl_step(1)
+  finally:
+    trainer.close()
+  cfg = OverlongConfig(max_tokens=14, cache_tokens=8)
+  assert seen
+  for n, env_total, shaped in seen:
+    assert shaped.components["overlong"] == overlong_penalty(n, cfg)
+    assert shaped.weights["overlong"] == 0.5
+    assert shaped.total == pytest.approx(env_total + 0.5 * overlong_penalty(n, cfg))
+  want = np.mean([overlong_penalty(n, cfg) for n, _, _ in seen])
+  assert m["reward/overlong"] == pytest.approx(want)
+  assert m["reward/mean"] == pytest.approx(np.mean([s.total for _, _, s in seen]))
+  assert any(overlong_penalty(n, cfg) < 0 for n, _, _ in seen)
