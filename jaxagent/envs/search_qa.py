@@ -275,7 +275,13 @@ class SearchQAEnv(Env):
                          f"({type(e).__name__}: {e.strerror or e}): set env.kwargs.data_dir (or "
                          "$JAXAGENT_DATA_DIR) to a directory this process can create and write"
                          ) from e
-      _check_passages_keep_the_facts(self.kb, max_passage_chars)
+      try:
+        _check_passages_keep_the_facts(self.kb, max_passage_chars)
+      except ValueError as e:
+        if not self.corpus_file:
+          raise
+        raise ValueError(f"{e} (with corpus_file, this is about the sft split's demonstrations "
+                         "over the generated world; sft_size=0 drops them)") from None
     documents = (read_documents(self.corpus_file, owner="SearchQAEnv") if self.corpus_file
                  else self.kb.documents)
     self.index = BM25Index(documents)

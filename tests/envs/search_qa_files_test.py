@@ -98,6 +98,13 @@ def test_sft_split_keeps_the_generated_demonstrations(tmp_path, files, smol_tok)
     traj = demonstration_trajectory(env.render_prompt(ex, smol_tok), segs, smol_tok)
     traj.finish("answer")
     assert env.reward(traj, ex, smol_tok, 0).components["exact_match"] == 1.0
+  # A passage cut that drops the demonstrations' facts is named as theirs.
+  with pytest.raises(ValueError, match=r"SearchQAEnv.max_passage_chars=40 cuts the sentence .* "
+                                       r"\(with corpus_file, this is about the sft split's "
+                                       r"demonstrations .* sft_size=0 drops them\)"):
+    SearchQAEnv(data_dir=str(tmp_path / "tfds"), kb_seed=5, max_passage_chars=40, **SMALL, **files)
+  assert SearchQAEnv(data_dir=str(tmp_path / "tfds"), max_passage_chars=40,
+                     **{**SMALL, "sft_size": 0}, **files).search_tool.max_chars_per_passage == 40
   # A question of your files has no demonstration.
   assert env.demonstration(env.examples("train")[0]) is None
   # Without your files the generated world's prompt, as before.
