@@ -412,7 +412,7 @@ class Engine:
                                donate_argnames=("state",))
     self._jit_update = jax.jit(self._update, donate_argnames=("state",))
     self._jit_empty = None
-    self._state_sig = None  # each DecodeState field's tree and (shape, dtype)s (`_check_state`)
+    self._state_sig = None  # the decode state's tree and (shape, dtype)s (`_check_state`)
 
   # ------------------------------------------------------------------ sharding helpers
   @property
@@ -497,23 +497,28 @@ class Engine:
                       f"{type(state).__name__}{hint}")
     if self._state_sig is None:
       want = jax.eval_shape(self._empty_state)
-      self._state_sig = {f.name: (jax.tree.structure(getattr(want, f.name)),
-                                  [(a.shape, a.dtype) for a in jax.tree.leaves(getattr(want, f.name))])
-                         for f in dataclasses.fields(DecodeState)}
-    for name, (tree, sig) in self._state_sig.items():
-      got = getattr(state, name)
-      have = [(tuple(getattr(a, "shape", np.shape(a))), getattr(a, "dtype", None))
-              for a in jax.tree.leaves(got)]
-      if jax.tree.structure(got) != tree or have != sig:
-        def show(leaves):  # a per-layer cache: one array per layer
-          if len(leaves) > 1 and len(set(leaves)) == 1:
-            return f"{len(leaves)} arrays of {leaves[0][0]} {leaves[0][1]}"
-          return ", ".join(f"{shape} {dtype}" for shape, dtype in leaves)
-        raise ValueError(
-            f"{what}: the decode state is not this engine's: its {name} is {show(have)}, "
-            f"where this engine ({self.cfg.name}, slots={self.ecfg.slots}, "
-            f"max_len={self.ecfg.max_len}, cache layout {self.cache_layout!r}) holds "
-            f"{show(sig)}; pass a state from this engine's init_decode_state()")
+      leaves, tree = jax.tree.flatten(want)
+      self._state_sig = (tree, [(a.shape, a.dtype) for a in leaves], want)
+    tree, sig, want = self._state_sig
+    leaves, got_tree = jax.tree.flatten(state)
+    if got_tree == tree and all(getattr(a, "shape", None) == shape and
+                                getattr(a, "dtype", None) == dtype
+                                for a, (shape, dtype) in zip(leaves, sig)):
+      return
+    def show(x):  # a per-layer cache: one array per layer
+      arrays = [(tuple(getattr(a, "shape", np.shape(a))), getattr(a, "dtype", None))
+                for a in jax.tree.leaves(x)]
+      if len(arrays) > 1 and len(set(arrays)) == 1:
+        return f"{len(arrays)} arrays of {arrays[0][0]} {arrays[0][1]}"
+      return ", ".join(f"{shape} {dtype}" for shape, dtype in arrays)
+    name = next((f.name for f in dataclasses.fields(DecodeState)
+                 if show(getattr(state, f.name)) != show(getattr(want, f.name))), "k")
+    raise ValueError(
+        f"{what}: the decode state is not this engine's: its {name} is "
+        f"{show(getattr(state, name))}, where this engine ({self.cfg.name}, "
+        f"slots={self.ecfg.slots}, max_len={self.ecfg.max_len}, cache layout "
+        f"{self.cache_layout!r}) holds {show(getattr(want, name))}; pass a state from this "
+        "engine's init_decode_state()")
 
   def init_decode_state(self) -> DecodeState:
     """Empty slots (all inactive)."""

@@ -408,6 +408,11 @@ def test_a_decode_state_of_another_engine_is_refused(params):
   with pytest.raises(ValueError, match="the prefix holds 64 positions, more than this engine's "
                                        "cache of 32"):
     eng.insert(big.prefill(params, [list(range(1, 40))], [0]), eng.init_decode_state(), 0)
+  per_layer = Engine(CFG, EngineConfig(slots=2, max_len=32, cache_layout="per_layer"))
+  with pytest.raises(ValueError, match=re.escape(
+      "its k is (2, 2, 2, 32, 16) float32, where this engine (tiny-qwen2, slots=2, max_len=32, "
+      "cache layout 'per_layer') holds 2 arrays of (2, 2, 32, 16) float32")):
+    per_layer.generate(params, eng.init_decode_state())
   calls["Engine.generate"](eng.init_decode_state())  # this engine's own state passes
 
 
