@@ -756,9 +756,13 @@ class Engine:
         raise ValueError(f"{what}: prompt {i} is empty (a prompt needs at least one token to "
                          "predict the next one from)")
       if len(p) + 1 > self.ecfg.max_len:
+        # At the model's max_seq_len already, raising max_len is no way out.
+        fix = ("shorten the prompt" if self.ecfg.max_len >= self.cfg.max_seq_len else
+               f"raise max_len, up to the model's max_seq_len {self.cfg.max_seq_len}, or "
+               "shorten the prompt")
         raise ValueError(f"{what}: prompt {i} has {len(p)} tokens; the engine's max_len is "
                          f"{self.ecfg.max_len} (prompt plus at least one new token must fit: "
-                         "raise max_len, up to the model's max_seq_len, or shorten the prompt)")
+                         f"{fix})")
     self._check_tokens(prompts, what, "prompt")
 
   def _check_tokens(self, seqs, what: str, item: str) -> None:

@@ -236,6 +236,18 @@ def test_a_config_or_mesh_of_the_wrong_type_is_a_clear_error(params):
     generate(params, CFG, [[1, 2]], 2, mesh="data")
 
 
+def test_a_prompt_too_long_for_the_model_is_not_told_to_raise_max_len(params):
+  """At the model's max_seq_len (generate's default for a long prompt) the error still said
+  "raise max_len, up to the model's max_seq_len", which was no way out."""
+  with pytest.raises(ValueError, match=re.escape(
+      f"prompt 0 has {CFG.max_seq_len} tokens; the engine's max_len is {CFG.max_seq_len} "
+      "(prompt plus at least one new token must fit: shorten the prompt)")):
+    generate(params, CFG, [[1] * CFG.max_seq_len], 2)
+  with pytest.raises(ValueError, match=re.escape(
+      f"must fit: raise max_len, up to the model's max_seq_len {CFG.max_seq_len}, or shorten")):
+    generate(params, CFG, [[1] * 40], 2, max_len=32)
+
+
 def test_a_tokenizer_given_by_its_path_or_preset_name(params, tmp_path):
   """`generate(tokenizer=...)` with the path or preset `models.load` was given (as
   `JetStreamEngine` takes it) failed with "'str' object has no attribute 'decode'"."""
