@@ -30,7 +30,8 @@ replace the generated knowledge base:
 The corpus holds `{"title": ..., "text": ..., "id"?: ...}` records (or Search-R1's
 `{"id": ..., "contents": ...}`, the title on the first line), the question files
 `{"question": ..., "answers": [...]}` ("answer" or "golden_answers" too; a string or a list of
-accepted answers; `--config.env.kwargs.question_key` / `answer_key` for other names). The SFT
+accepted answers; `--config.env.kwargs.question_key` / `answer_key` for other names, a dotted
+one inside an object: `answer_key=answers.text` for SQuAD, `answer.aliases` for TriviaQA). The SFT
 warm start still demonstrates searching on the generated world (`sft_size` questions; its
 documents, not yours). The retrieval reward needs each question's gold titles:
 `--config.env.kwargs.titles_key=supporting_facts` (HotpotQA; or a key listing titles), each a

@@ -80,7 +80,8 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
 
   Args:
     question_key, answer_key: the record's keys of the question and of its answer; a tuple of
-      answer keys takes the first one a record has (`("answers", "answer")`).
+      answer keys takes the first one a record has (`("answers", "answer")`); a dotted key
+      reads inside an object (`"answers.text"` for SQuAD, `"answer.aliases"` for TriviaQA).
     owner, setting: named in errors as `owner.setting` (and `owner.question_key`, ...), the
       settings a user would change.
     gsm8k_answers: a text answer with a `####` marker gives the text after it (False: every
@@ -252,30 +253,60 @@ def _problem(raw: str | bytes, index: int, where: str, question_key: str,
   shown = answer_keys[0] if len(answer_keys) == 1 else " or ".join(map(repr, answer_keys))
   record = _json_object(raw, where, f"with {question_key!r} and {shown!r} keys"
                         if len(answer_keys) == 1 else f"with {question_key!r} and {shown} keys")
-  present = [k for k in answer_keys if k in record]
+  present = [k for k in answer_keys if _lookup(record, k) is not _MISSING]
   for keys_wanted, name in (((question_key,), "question_key"), (answer_keys, "answer_key")):
-    if not any(k in record for k in keys_wanted):
-      keys = sorted(map(str, record))
-      close = [c for k in keys_wanted for c in difflib.get_close_matches(k, keys, n=1)][:1]
+    if all(_lookup(record, k) is _MISSING for k in keys_wanted):
+      # A dotted key ("answers.text") whose outer part is there: the keys inside it.
+      prefix, inner = "", record
+      if len(keys_wanted) == 1 and "." in keys_wanted[0] and keys_wanted[0] not in record:
+        *outer, _ = keys_wanted[0].split(".")
+        node = _lookup(record, ".".join(outer))
+        if isinstance(node, dict):
+          prefix, inner = ".".join(outer) + ".", node
+      keys = sorted(map(str, inner))
+      close = [prefix + c for k in keys_wanted
+               for c in difflib.get_close_matches(k[len(prefix):], keys, n=1)][:1]
       hint = (f"; did you mean {close[0]!r}? (set {owner}.{name}={close[0]!r})" if close
               else f"; set {owner}.{name} to the key that holds it")
       wanted = " / ".join(map(repr, keys_wanted))
-      raise ValueError(f"{where}: no {wanted} key ({owner}.{name}); the record has "
-                       f"{keys}{hint}")
+      has = f"the record's {prefix[:-1]!r} has" if prefix else "the record has"
+      raise ValueError(f"{where}: no {wanted} key ({owner}.{name}); {has} {keys}{hint}")
   answer_key = present[0]
-  question = record[question_key]
+  question = _lookup(record, question_key)
   if not isinstance(question, str):
     raise ValueError(f"{where}: the question ({question_key!r}) must be text, got "
                      f"{type(question).__name__} {question!r:.60}")
   if not question.strip():
     raise ValueError(f"{where}: the question ({question_key!r}) is empty")
-  answer = record[answer_key]
+  answer = _lookup(record, answer_key)
+  if isinstance(answer, dict):  # SQuAD's {"text": [...], ...}, TriviaQA's {"aliases": [...]}
+    inside = [f"{answer_key}.{k}" for k, v in answer.items() if isinstance(v, (str, list))]
+    raise ValueError(f"{where}: the answer ({answer_key!r}) must be a number, text or a list "
+                     f"of them, got dict with keys {sorted(map(str, answer))}; a dotted "
+                     f"{owner}.answer_key reads inside it"
+                     + (f", e.g. {inside[0]!r}" if inside else ""))
   answers = answer if isinstance(answer, list) else [answer]
   if not answers:
     raise ValueError(f"{where}: the answer ({answer_key!r}) is an empty list")
   golds = tuple(_gold(a, where, answer_key, gsm8k_answers) for a in answers)
   return Problem(question=question.strip(), gold=golds if isinstance(answer, list) else golds[0],
                  index=index, where=where, record=record)
+
+
+_MISSING = object()
+
+
+def _lookup(record: dict, key: str) -> Any:
+  """`record[key]`, or for a dotted key the nested value (`"answers.text"`: SQuAD's
+  `{"answers": {"text": [...]}}`); `_MISSING` when absent."""
+  if key in record:
+    return record[key]
+  node: Any = record
+  for part in key.split("."):
+    if not isinstance(node, dict) or part not in node:
+      return _MISSING
+    node = node[part]
+  return node
 
 
 def _gold(answer: Any, where: str, answer_key: str, gsm8k_answers: bool = True) -> str:

@@ -212,7 +212,8 @@ class SearchQAEnv(Env):
       order (`train_size` / `eval_size` then do not apply; the trainer evaluates on the first
       `eval.size`); need `corpus_file`.
     question_key, answer_key: the question files' keys of the question and of its answer(s)
-      ("" = the first of "answers", "answer", "golden_answers" a record has).
+      ("" = the first of "answers", "answer", "golden_answers" a record has; a dotted key reads
+      inside an object: "answers.text" for SQuAD, "answer.aliases" for TriviaQA).
     titles_key: the question files' key listing each question's gold document titles (a list
       of titles, or `[[title, ...], ...]` as HotpotQA's "supporting_facts"), for the retrieval
       reward ("" = none: `retrieval_weight` must be 0 and the reward is not logged).

@@ -2,6 +2,7 @@
 of the generated knowledge base, the sft split's demonstrations, the retrieval reward from a
 titles key, and every bad setting or record named."""
 import json
+import re
 
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
@@ -175,6 +176,34 @@ def test_question_file_keys_and_bad_records(tmp_path, files):
           "(SearchQAEnv.answer_key); the record has ['answerz', 'question']; did you mean "
           "'answerz'? (set SearchQAEnv.answer_key='answerz')") in msg
   assert "flash.jsonl line 3: the answer ('answers') is an empty list" in msg
+
+
+def test_dotted_answer_keys_read_squad_and_triviaqa_records(tmp_path, files):
+  squad = write_jsonl(tmp_path / "squad.jsonl", [
+      {"question": "Who wrote it?", "answers": {"text": ["Ada", "Ada Lovelace"],
+                                                "answer_start": [0, 0]}}])
+  trivia = write_jsonl(tmp_path / "trivia.jsonl", [
+      {"question": "Who?", "answer": {"value": "Ada", "aliases": ["Ada", "Countess Lovelace"]}}])
+  # Left to the default keys, a nested answer is named with the dotted key that reads it.
+  env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, **{**files, "train_file": squad})
+  with pytest.raises(ValueError, match=re.escape(
+      "squad.jsonl line 1: the answer ('answers') must be a number, text or a list of them, got "
+      "dict with keys ['answer_start', 'text']; a dotted SearchQAEnv.answer_key reads inside it, "
+      "e.g. 'answers.text'")):
+    env.examples("train")
+  env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0},
+                    **{**files, "train_file": squad, "eval_file": trivia}, answer_key="answers.text")
+  assert env.examples("train")[0].gold == ["Ada", "Ada Lovelace"]
+  with pytest.raises(ValueError, match=re.escape(
+      "trivia.jsonl line 1: no 'answers.text' key (SearchQAEnv.answer_key); the record has "
+      "['answer', 'question']; did you mean 'answer'?")):
+    env.examples("eval")
+  env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0},
+                    **{**files, "train_file": trivia}, answer_key="answer.alias")
+  with pytest.raises(ValueError, match=re.escape(
+      "no 'answer.alias' key (SearchQAEnv.answer_key); the record's 'answer' has ['aliases', "
+      "'value']; did you mean 'answer.aliases'? (set SearchQAEnv.answer_key='answer.aliases')")):
+    env.examples("train")
 
 
 def test_bad_corpus_records_are_named(tmp_path, files):
