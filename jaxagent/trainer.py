@@ -893,11 +893,14 @@ class Trainer:
           + (", ..." if len(long) > 5 else ""))
 
   # --------------------------------------------------------------------------- eval
-  def evaluate(self, tag: str = "eval") -> dict[str, float]:
-    """pass@1 (greedy) and pass@k (sampled) on the held-out split."""
-    return self._on_lead(self._evaluate, self._generator_params(), tag)
+  def evaluate(self, tag: str = "eval", phase: str | None = None) -> dict[str, float]:
+    """pass@1 (greedy) and pass@k (sampled) on the held-out split. With sample dumps on
+    (`log.dump_every`, `log.dump_count`), the first `log.dump_count` greedy trajectories go to
+    <workdir>/samples/eval_<phase>.{txt,jsonl} with their rewards and successes (phase: "before",
+    "after_sft", default step_NNNNNN of the current step)."""
+    return self._on_lead(self._evaluate, self._generator_params(), tag, phase)
 
-  def _evaluate(self, params, tag: str) -> dict[str, float]:
+  def _evaluate(self, params, tag: str, phase: str | None = None) -> dict[str, float]:
     e = self.config.eval
     exs = self.eval_examples
     if not exs:
@@ -908,6 +911,12 @@ class Trainer:
                             request_id_offset=0)
     outs = self._score(trajs, exs, self.step)
     ok = np.array([self._success(o) for o in outs], float)
+    # What the model answered on which problems: the RL dumps hold training samples only.
+    log_cfg = self.config.log
+    n = log_cfg.get("dump_count", 4)
+    if log_cfg.dump_every and n:
+      self.dump_samples(self.step, trajs[:n], rewards=outs[:n], successes=ok[:n],
+                        name=f"eval_{phase or f'step_{self.step:06d}'}")
     p = float(ok.mean())
     out = {f"{tag}/pass@1": p, f"{tag}/pass@1_se": math.sqrt(p * (1 - p) / len(exs)),
            f"{tag}/num_examples": len(exs)}
@@ -1337,10 +1346,12 @@ class Trainer:
 
   def dump_samples(self, step: int, trajs: Sequence[Trajectory],
                    rewards: Sequence[Any] | None = None,
-                   advantages: Sequence[float | None] | None = None) -> None:
-    """Writes `trajs` to <workdir>/samples/step_NNNNNN.{txt,jsonl}, each with its loss mask and,
-    when given, its reward (a `RewardOutput`) and the advantage it was trained with (None: not
-    trained on, its group having had equal rewards or been left out by dynamic sampling, or
+                   advantages: Sequence[float | None] | None = None, *,
+                   name: str | None = None, successes: Sequence[bool] | None = None) -> None:
+    """Writes `trajs` to <workdir>/samples/<name>.{txt,jsonl} (default name step_NNNNNN), each
+    with its loss mask and, when given, its reward (a `RewardOutput`), whether it counts as a
+    success (`Env.is_success`: the evals' dumps) and the advantage it was trained with (None:
+    not trained on, its group having had equal rewards or been left out by dynamic sampling, or
     the trajectory dropped by packing as longer than a row)."""
     if jax.process_index() != 0:
       return
@@ -1351,6 +1362,8 @@ class Trainer:
         r = rewards[i]
         out["reward"] = float(r.total)
         out["reward_components"] = {k: float(v) for k, v in r.components.items()}
+      if successes is not None:
+        out["success"] = bool(successes[i])
       if advantages is not None:
         out["advantage"] = advantages[i]
       return out
@@ -1358,6 +1371,8 @@ class Trainer:
     def scored_line(i):
       sc = scored(i)
       parts = []
+      if "success" in sc:
+        parts.append(f"success={'yes' if sc['success'] else 'no'}")
       if "reward" in sc:
         comps = ", ".join(f"{k} {v:.4g}" for k, v in sc["reward_components"].items())
         parts.append(f"reward={sc['reward']:.4g}" + (f" ({comps})" if comps else ""))
@@ -1372,16 +1387,17 @@ class Trainer:
     obs_loss = bool(getattr(getattr(self, "env", None), "train_on_observations", False))
     # UTF-8 whatever the locale: sampled text is arbitrary Unicode (an ASCII locale raised
     # UnicodeEncodeError and ended the run); "replace" for what UTF-8 cannot hold.
-    with open(d / f"step_{step:06d}.txt", "w", encoding="utf-8", errors="replace") as f:
+    name = name or f"step_{step:06d}"
+    with open(d / f"{name}.txt", "w", encoding="utf-8", errors="replace") as f:
       for i, tr in enumerate(trajs):
         text, line = tr.render(self.tok, observation_loss=obs_loss), scored_line(i)
         if line:  # under the header, above the token runs
           head, sep, body = text.partition("\n[")
           text = head + "\n" + line + sep + body
         f.write(text + "\n\n")
-    with open(d / f"step_{step:06d}.jsonl", "w", encoding="utf-8") as f:
+    with open(d / f"{name}.jsonl", "w", encoding="utf-8") as f:
       for i, tr in enumerate(trajs):
-        mask = tr.to_pack_item(0.0, observation_loss=obs_loss).loss_mask
+        mask = tr.train_mask(observation_loss=obs_loss)
         f.write(json.dumps({**tr.to_dict(), **scored(i), "loss_mask": [int(m) for m in mask]})
                 + "\n")
 
@@ -1496,7 +1512,7 @@ class Trainer:
     # With no eval examples (eval.size=0: no evals) an eval returns nothing: these wrote a
     # record of no metrics, "pass@1 ... nan" on the console and null pass@1s in the summary.
     if c.eval.before and self.eval_examples:
-      m = self.evaluate()
+      m = self.evaluate(phase="before")
       self.writer.write(0, {f"before/{k.split('/', 1)[1]}": v for k, v in m.items()})
       self.summary["pass@1/before"] = m.get("eval/pass@1")
       say(f"held-out pass@1 before training: {m.get('eval/pass@1', float('nan')):.3f} "
@@ -1509,7 +1525,7 @@ class Trainer:
       if self._interrupted is not None:
         return
       if self.eval_examples:
-        m = self.evaluate()
+        m = self.evaluate(phase="after_sft")
         self.writer.write(0, {**m, **{f"after_sft/{k.split('/', 1)[1]}": v
                                       for k, v in m.items()}})
         self.summary["pass@1/after_sft"] = m.get("eval/pass@1")

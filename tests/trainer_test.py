@@ -67,6 +67,13 @@ def test_golden_first_step_metrics(tmp_path):
   assert "pass@1/after_rl" in summary
   assert (tmp_path / "run" / "curves.png").exists()
   assert list((tmp_path / "run" / "samples").glob("step_*.txt"))
+  # The final eval's greedy samples, with their rewards and successes (the RL dumps hold
+  # training samples only: which eval problems ran, and what the model answered, was unseen).
+  evals = [json.loads(l) for l in (tmp_path / "run" / "samples" / "eval_step_000001.jsonl").open()]
+  assert len(evals) == min(trainer.config.log.dump_count, len(trainer.eval_examples))
+  assert [r["example_id"] for r in evals] == [ex.id for ex in trainer.eval_examples[:len(evals)]]
+  assert all(r["success"] is False and r["reward"] == 0.0 for r in evals)  # a random model
+  assert "success=no reward=0" in (tmp_path / "run" / "samples" / "eval_step_000001.txt").read_text()
   # The first RL step compiles the update among others, and says so by program name.
   comp = [json.loads(l) for l in (tmp_path / "run" / "compiles.jsonl").read_text().splitlines()]
   rl = next(r for r in comp if r["phase"] == "rl" and r["step"] == 1)

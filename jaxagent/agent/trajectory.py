@@ -307,6 +307,14 @@ class Trajectory:
             "truncated_observations": self.truncated_observations}
 
   # ------------------------------------------------------------------ consumers
+  def train_mask(self, *, observation_loss: bool = False) -> np.ndarray:
+    """The mask the update trains with (`to_pack_item`'s): `loss_mask`, with the observation
+    tokens too under `observation_loss`."""
+    mask = self.loss_mask()
+    if observation_loss:
+      mask = np.maximum(mask, (self.roles == OBSERVATION).astype(np.float32))
+    return mask
+
   def to_pack_item(self, advantage: float | np.ndarray,
                    ref_logps: np.ndarray | None = None, *,
                    observation_loss: bool = False) -> PackItem:
@@ -318,12 +326,10 @@ class Trajectory:
     policy's (`Trainer.fill_unsampled_old_logps`) before the update. A NaN that reaches the
     loss is caught by the non-finite check, never silently trained on.
     """
-    mask = self.loss_mask()
+    mask = self.train_mask(observation_loss=observation_loss)
     old = self.logprobs
     if observation_loss:
-      obs = self.roles == OBSERVATION
-      mask = np.maximum(mask, obs.astype(np.float32))
-      old = np.where(obs, np.nan, old).astype(np.float32)
+      old = np.where(self.roles == OBSERVATION, np.nan, old).astype(np.float32)
     return PackItem(tokens=self.tokens, loss_mask=mask, old_logps=old,
                     advantages=advantage, ref_logps=ref_logps, group_id=self.group_id,
                     traj_id=self.request_id)
