@@ -86,9 +86,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent import sharding as shd
 from jaxagent._token_ids import is_int, token_ids
-from jaxagent.generate.engine import STOP_LENGTH, DecodeState, Engine, EngineConfig, Prefix
+from jaxagent.generate.engine import (STOP_LENGTH, DecodeState, Engine, EngineConfig, Prefix,
+                                      PreparedParams)
 from jaxagent.generate.sampling import SamplingConfig
 from jaxagent.generate.scheduler import _adds_bos
+from jaxagent.models import param_tree
 from jaxagent.models.config import ModelConfig
 
 def _import_jetstream():
@@ -268,6 +270,10 @@ class JetStreamEngine(engine_api.Engine):
     if (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
         or not 0 <= seed < 2 ** 32):
       raise ValueError(f"seed must be an integer in [0, 2**32), got {seed!r}")
+    # Params of another model (or None) passed here and failed in the first prefill, in a
+    # Driver thread: the server process was killed at its first request.
+    param_tree.check_model_shapes(params.params if isinstance(params, PreparedParams) else params,
+                                  engine.cfg, "JetStreamEngine")
     max_len = engine.ecfg.max_len
     if max_prefill_length is None:
       fits = [n for n in PREFILL_LENGTHS if n < max_len]

@@ -304,6 +304,22 @@ def test_constructor_arguments_of_the_wrong_type_are_refused(js, tok, params, en
 
 
 @pytest.mark.jetstream
+def test_params_of_another_model_are_refused_at_construction(js, tok, cfg, engine):
+  """Params of another model, or None, were accepted; the first prefill, in a Driver thread,
+  then killed the serving process."""
+  deeper = models.init_params(cfg.replace(n_layers=3), jax.random.key(0))
+  with pytest.raises(ValueError, match=r"JetStreamEngine: the params have \[3\] layers, the "
+                                       r"model config 'tiny-llama' says n_layers = 2"):
+    js.JetStreamEngine(engine.engine, deeper, tok)
+  with pytest.raises(ValueError, match=r"JetStreamEngine: the params have \[3\] layers"):
+    js.JetStreamEngine.create(deeper, cfg, tok, slots=2, max_len=MAX_LEN)
+  with pytest.raises(ValueError, match="JetStreamEngine: params must be a model's params tree"):
+    js.JetStreamEngine(engine.engine, None, tok)
+  # Prepared params (as `load_params` returns them) are this engine's own.
+  js.JetStreamEngine(engine.engine, engine.load_params(), tok)
+
+
+@pytest.mark.jetstream
 def test_a_prompt_that_starts_with_bos_gets_no_second_one(js, tok, cfg, params, engine):
   """With `add_bos` (a tokenizer that adds BOS, as Llama 3's does), JetStream prepends BOS
   to every prompt: a chat-templated prompt, whose text starts with the BOS token, reached the
