@@ -341,6 +341,10 @@ class Engine:
     if mesh is not None and not isinstance(mesh, Mesh):
       raise TypeError(f"Engine: mesh must be a jax.sharding.Mesh (`sharding.make_mesh(...)`) "
                       f"or None, got {type(mesh).__name__} {mesh!r:.60}")
+    if ecfg is not None and not isinstance(ecfg, EngineConfig):  # a dict: an AttributeError
+      raise TypeError(f"Engine: ecfg must be an EngineConfig (or pass its settings as keywords: "
+                      f"Engine(cfg, slots=8, max_len=1024)), got {type(ecfg).__name__} "
+                      f"{ecfg!r:.60}")
     self.cfg = cfg
     self.ecfg = ecfg if ecfg is not None else EngineConfig(**kw)
     if ecfg is not None and kw:

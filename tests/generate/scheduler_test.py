@@ -225,7 +225,8 @@ def test_prompts_that_are_not_text_or_token_ids_are_clear_errors(params):
 
 def test_a_config_or_mesh_of_the_wrong_type_is_a_clear_error(params):
   """A preset name for `cfg` (as `models.load` takes one) failed with "'str' object has no
-  attribute 'eos_token_ids'", and a mesh that is not a `Mesh` with "... no attribute 'shape'"."""
+  attribute 'eos_token_ids'", a mesh that is not a `Mesh` with "... no attribute 'shape'", and
+  a dict of engine settings with "... no attribute 'max_len'"."""
   for call in (lambda: generate(params, "tiny-qwen2", [[1, 2]], 2),
                lambda: Engine("tiny-qwen2", EngineConfig(slots=1, max_len=32)),
                lambda: Engine(CFG.__dict__, EngineConfig(slots=1, max_len=32))):
@@ -234,6 +235,9 @@ def test_a_config_or_mesh_of_the_wrong_type_is_a_clear_error(params):
       call()
   with pytest.raises(TypeError, match=r"mesh must be a jax.sharding.Mesh .*got str"):
     generate(params, CFG, [[1, 2]], 2, mesh="data")
+  with pytest.raises(TypeError, match=r"ecfg must be an EngineConfig \(or pass its settings as "
+                                      r"keywords: .*got dict"):
+    Engine(CFG, {"slots": 2, "max_len": 32})
 
 
 def test_a_prompt_too_long_for_the_model_is_not_told_to_raise_max_len(params):
