@@ -18,6 +18,7 @@ an empty result rather than arbitrary documents.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import os
 import unicodedata
@@ -51,16 +52,41 @@ class Passage:
     id: str
 
 
+def misspelt_fields(keys: Iterable[str]) -> dict[str, str]:
+    """{key: field} for each of `keys` that looks like a misspelling of a document field the keys
+    lack ('txt' or 'Text' for 'text', 'titel' for 'title', 'ID' for 'id'). Other keys (a Wikipedia
+    dump's 'url', 'wiki_id', ...) are not document fields and are ignored."""
+    keys = [k for k in keys if isinstance(k, str)]
+    out = {}
+    for field in ("title", "text", "id"):
+        if field in keys:
+            continue
+        for k in keys:
+            if k not in _DOCUMENT_FIELDS and (k.lower() == field or (
+                    field != "id" and difflib.SequenceMatcher(None, k.lower(), field).ratio() >= 0.8)):
+                out[k] = field
+                break
+    return out
+
+
+_DOCUMENT_FIELDS = ("title", "text", "id")
+
+
 def _as_document(item: Document | Mapping[str, Any], position: int) -> Document:
     if isinstance(item, Document):
         doc = item
     elif isinstance(item, Mapping):
-        unknown = set(item) - {"title", "text", "id"}
+        # Keys besides title, text and id (a Wikipedia dump's url, wiki_id, ...) are ignored, but
+        # one that reads as a misspelt field is named: a 'titel' left out would index every
+        # document under an empty title, a 'txt' would be "no 'text' field" with no pointer.
+        misspelt = misspelt_fields(item)
+        hint = "; ".join(f"{k!r} looks like a misspelt {f!r}: rename it" for k, f in misspelt.items())
         if "text" not in item:
-            raise ValueError(f"document {position} has no 'text' field (fields: {sorted(item)})")
-        if unknown:
-            raise ValueError(f"document {position} has unknown field(s) {sorted(unknown)}; "
-                             "expected title, text and optional id")
+            raise ValueError(f"document {position} has no 'text' field (fields: {sorted(item)})"
+                             + (f"; {hint}" if hint else ""))
+        if misspelt:
+            raise ValueError(f"document {position}: {hint} (fields: {sorted(item)}; fields other "
+                             "than title, text and id are ignored)")
         doc = Document(title=item.get("title", ""), text=item["text"], id=item.get("id"))
     else:
         raise TypeError(f"document {position} must be a Document or a mapping, got {type(item).__name__}")
@@ -70,7 +96,8 @@ def _as_document(item: Document | Mapping[str, Any], position: int) -> Document:
 
 
 def load_documents(path: str | os.PathLike) -> list[Document]:
-    """Reads a JSON Lines corpus, one `{"title", "text", "id"?}` object per line."""
+    """Reads a JSON Lines corpus, one `{"title", "text", "id"?}` object per line (other keys are
+    ignored)."""
     documents = []
     # Bytes that are not UTF-8 are kept as lone surrogates, so the line that holds them is named;
     # a byte-order mark opening the file (some editors write one) is skipped.
@@ -99,7 +126,8 @@ class BM25Index:
     """A BM25 index over `documents`, built once at construction.
 
     Args:
-      documents: `Document`s or mappings with `title`, `text` and optional `id`.
+      documents: `Document`s or mappings with `title`, `text` and optional `id` (other keys are
+        ignored; one that looks like a misspelt field, 'titel' or 'txt', is an error).
       k1, b: BM25 parameters.
       stopwords: "en" or a list of words to drop, or None to keep every token.
       stemmer: optional callable mapping a list of words to their stems (e.g. PyStemmer's

@@ -208,7 +208,7 @@ def test_dotted_answer_keys_read_squad_and_triviaqa_records(tmp_path, files):
 
 def test_bad_corpus_records_are_named(tmp_path, files):
   corpus = write_jsonl(tmp_path / "wiki.jsonl", [
-      CORPUS[0], {"title": "No text"}, "not json", {"title": "T", "text": "x", "url": "u"},
+      CORPUS[0], {"title": "No text"}, "not json", {"titel": "T", "text": "x", "url": "u"},
       {"title": "A", "text": "a", "id": "cb"}, {"title": "B", "text": "b", "id": "cb"},
       {"title": 5, "text": "t"}])
   with pytest.raises(ValueError) as e:
@@ -217,7 +217,8 @@ def test_bad_corpus_records_are_named(tmp_path, files):
   assert "SearchQAEnv.corpus_file=" in msg and "5 bad records (of 7)" in msg
   assert "wiki.jsonl line 2: has no 'text' field (fields: ['title'])" in msg
   assert "wiki.jsonl line 3: not JSON" in msg
-  assert "wiki.jsonl line 4: has unknown field(s) ['url']" in msg
+  assert ("wiki.jsonl line 4: 'titel' looks like a misspelt 'title': rename it (fields: "
+          "['text', 'titel', 'url']; fields other than title, text and id are ignored)") in msg
   assert "wiki.jsonl line 6: the id 'cb' is the id of wiki.jsonl line 5 too" in msg
   assert "wiki.jsonl line 7: title and text must be strings" in msg
   empty = write_jsonl(tmp_path / "empty.jsonl", [])

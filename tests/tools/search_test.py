@@ -79,8 +79,17 @@ def test_empty_corpus_and_bad_arguments():
         empty.search("x", k=2.5)
     with pytest.raises(ValueError, match="no 'text' field"):
         BM25Index([{"title": "t"}])
-    with pytest.raises(ValueError, match="unknown field"):
-        BM25Index([{"title": "t", "text": "x", "body": "y"}])
+    # Keys that are not document fields (a Wikipedia dump's url, wiki_id) are ignored; one that
+    # reads as a misspelt field is named, so no document is indexed under an empty title.
+    index = BM25Index([{"title": "Alpha", "text": "river", "url": "https://a", "wiki_id": 7, "body": "y"}])
+    assert index.documents == [Document(title="Alpha", text="river", id="0")]
+    with pytest.raises(ValueError, match=r"document 0: 'titel' looks like a misspelt 'title': rename it"):
+        BM25Index([{"titel": "t", "text": "x"}])
+    with pytest.raises(ValueError, match=r"document 1 has no 'text' field \(fields: \['title', 'txt'\]\); "
+                                         r"'txt' looks like a misspelt 'text'"):
+        BM25Index([{"text": "a"}, {"title": "t", "txt": "x"}])
+    with pytest.raises(ValueError, match=r"'ID' looks like a misspelt 'id'"):
+        BM25Index([{"text": "a", "ID": "q1"}])
     with pytest.raises(ValueError, match="must be unique"):
         BM25Index([{"text": "a", "id": 1}, {"text": "b", "id": "1"}])
     with pytest.raises(TypeError, match="must be a Document or a mapping"):
