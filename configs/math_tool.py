@@ -11,7 +11,9 @@ Run:
   python -m jaxagent.launch --config=configs/math_tool.py:qwen \
       --config.model.path=/path/to/Qwen2.5-1.5B-Instruct         # an HF checkpoint directory
 Your own problems (GSM8K-style JSONL, `{"question": ..., "answer": ...}`; a GSM8K answer
-"... #### 72" counts as 72; or an ArrayRecord file of such JSON records) replace the built-in
+"... #### 72" counts as 72; or an ArrayRecord file of such JSON records, or a Parquet file, e.g.
+verl's gsm8k with question_key=extra_info.question, answer_key=reward_model.ground_truth)
+replace the built-in
 train and/or eval split, every record of the file:
   python -m jaxagent.launch --config=configs/math_tool.py \
       --config.env.kwargs.train_file=/data/train.jsonl \

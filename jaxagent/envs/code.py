@@ -37,10 +37,11 @@ the rest are "train"; "sft" is the train problems with their canonical solutions
 demonstrations (the entry point's signature plus the reference body).
 
 Your own problems: `problem_file`, a HumanEval-format JSONL file (`.jsonl`, `.jsonl.gz`; or
-ArrayRecord, `jaxagent/envs/problem_file.py`), replaces the 164 HumanEval problems: one JSON
-object a problem with `task_id`, `prompt` (the stub, defining `entry_point`), `test` (a
+ArrayRecord, or Parquet as Hugging Face's openai_humaneval ships,
+`jaxagent/envs/problem_file.py`), replaces the 164 HumanEval problems: one JSON object (row) a
+problem with `task_id`, `prompt` (the stub, defining `entry_point`), `test` (a
 `check(candidate)` function with asserts), `entry_point` and optionally `canonical_solution` (the
-reference body: only problems that have one are SFT demonstrations). Every record is checked when
+reference body: only problems that have one, not null, are SFT demonstrations). Every record is checked when
 the task is built (its prompt and test parse, the prompt defines the entry point, the test's
 check() asserts something, task ids are unique); a bad one is named by file and line. The file is
 hidden from the solution's interpreter like the built-in answer keys.
@@ -713,6 +714,8 @@ def _file_problem(record: dict, index: int, where: str, *, seen: dict[str, str])
                         "'test', 'entry_point' and optionally 'canonical_solution'")
   for key in ("task_id", "prompt", "test", "entry_point", "canonical_solution"):
     value = record.get(key, "")
+    if key == "canonical_solution" and value is None:  # a Parquet file's null: none given
+      continue
     if not isinstance(value, str) or (key != "canonical_solution" and not value.strip()):
       raise ValueError(f"{where}: {key!r} must be non-empty text, got {type(value).__name__} "
                        f"{value!r:.60}")
@@ -738,7 +741,7 @@ def _file_problem(record: dict, index: int, where: str, *, seen: dict[str, str])
   except ValueError as e:  # no check(), or no assert in it
     raise ValueError(f"{where}: the test: {e}") from None
   problem = {k: record[k] for k in ("task_id", "prompt", "test", "entry_point")}
-  if record.get("canonical_solution", "").strip():
+  if (record.get("canonical_solution") or "").strip():
     problem["canonical_solution"] = record["canonical_solution"]
     try:
       compile(canonical_solution(problem), "<canonical_solution>", "exec", dont_inherit=True)
@@ -772,7 +775,7 @@ class CodeEnv(Env):
     syntax_weight, shaping_steps, shaping_start: the shaping term and its schedule.
     seed: seed of the eval/train permutation.
     problem_file: your own problems in HumanEval's format ("" = HumanEval), a JSONL (`.jsonl`,
-      `.jsonl.gz`) or ArrayRecord file (see the module docstring); `eval_size` and `sft_size`
+      `.jsonl.gz`), ArrayRecord or Parquet file (see the module docstring); `eval_size` and `sft_size`
       then count its problems (`sft_size` those with a `canonical_solution`).
   """
 

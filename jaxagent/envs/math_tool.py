@@ -2,7 +2,7 @@
 
 Problems are reasoning-gym `gsm_symbolic` (GSM8K-style templates with fresh numbers) and,
 optionally, the numeric-answer problems of CHAMP (`champ-dataset`, competition math); or your
-own, from a JSONL or ArrayRecord file per split (`train_file`, `eval_file`; see
+own, from a JSONL, ArrayRecord or Parquet file per split (`train_file`, `eval_file`; see
 `jaxagent/envs/problem_file.py` for the record format). The
 policy writes code between `<code>` and `</code>`; the rollout runs it in the trajectory's own
 sandboxed interpreter (a `PythonSession`: variables persist across turns, and `Episode.close`
@@ -395,8 +395,9 @@ class MathToolEnv(Env):
     train_file, eval_file: a file of your own problems ("" = none) that replaces the built-in
       sources of the train / eval split, every record of it in file order (`sources` or
       `eval_sources` and the split's size then do not apply; the trainer evaluates on the first
-      `eval.size`). JSONL (`.jsonl`) or ArrayRecord (`.array_record`, `.arrayrecord`) records
-      that are JSON objects; a GSM8K answer ("... #### 72") gives its final answer (see
+      `eval.size`). JSONL (`.jsonl`, `.jsonl.gz`) or ArrayRecord (`.array_record`,
+      `.arrayrecord`) records that are JSON objects, or Parquet (`.parquet`) rows; a GSM8K
+      answer ("... #### 72") gives its final answer (see
       `jaxagent/envs/problem_file.py`). The "sft" split still draws built-in gsm_symbolic
       problems, whose generated reference solutions make the code demonstrations (they teach
       the tool format, not your data), never a question of either file; with `sft_size=0` or

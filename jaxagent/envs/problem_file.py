@@ -3,21 +3,25 @@ answer) or per document (a title and a text).
 
 `MathToolEnv(train_file=..., eval_file=...)` reads a split here in place of its built-in source
 (`jaxagent/envs/math_tool.py` turns each `Problem` into an `Example`); `SearchQAEnv` reads its
-question files with `read_problems` and its corpus with `read_documents`. Two formats, picked by
-the file's suffix:
+question files with `read_problems` and its corpus with `read_documents`. Three formats, picked
+by the file's suffix:
 
 * JSONL (`.jsonl`, or gzip-compressed `.jsonl.gz`): one JSON object a line; blank lines are
   skipped, and a record is named by its line number (from 1).
 * ArrayRecord (`.array_record`, `.arrayrecord`): each record is a JSON object as UTF-8 bytes,
   read with grain's `ArrayRecordDataSource`; a record is named by its index (from 0). Write one
   with `array_record`'s `ArrayRecordWriter(path, "group_size:1").write(json.dumps(obj).encode())`.
+* Parquet (`.parquet`): each row is a record, its columns the keys (a struct column is an object,
+  so `reward_model.ground_truth` reads inside it; a list column is a list); read with pyarrow one
+  record batch at a time, and a record is named by its row index (from 0).
 
 The question is text. The answer is a number, text, or a list of them (several accepted
 answers); a GSM8K answer with worked steps ("... = 72 clips\\n#### 72") gives its final answer,
 the text after the last `####` (unless `gsm8k_answers=False`, for answers that are plain text).
-A document is `{"title": ..., "text": ..., "id"?: ...}` (`jaxagent.tools.search.Document`). No record is dropped: every bad one is an error that names the
-file, the line or record, and what is wrong (the keys a record has when the key is missing); an
-empty file is an error too.
+A document is `{"title": ..., "text": ..., "id"?: ...}` (`jaxagent.tools.search.Document`);
+other keys are ignored, but one that looks like a misspelt field ("txt", "titel") is an error.
+No record is dropped: every bad one is an error that names the file, the line or record, and what
+is wrong (the keys a record has when the key is missing); an empty file is an error too.
 """
 from __future__ import annotations
 
@@ -36,7 +40,8 @@ from jaxagent.tools.search import Document
 
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
-SUFFIXES = JSONL_SUFFIXES + ARRAY_RECORD_SUFFIXES
+PARQUET_SUFFIXES = (".parquet",)
+SUFFIXES = JSONL_SUFFIXES + ARRAY_RECORD_SUFFIXES + PARQUET_SUFFIXES
 _MAX_LISTED = 5  # bad records spelt out in one error; the rest are counted
 
 
@@ -46,8 +51,8 @@ class Problem:
 
   question: str
   gold: str | tuple[str, ...]
-  index: int  # JSONL: line number (from 1); ArrayRecord: record index (from 0)
-  where: str  # "train.jsonl line 3", "test.array_record record 0"
+  index: int  # JSONL: line number (from 1); ArrayRecord, Parquet: record index (from 0)
+  where: str  # "train.jsonl line 3", "test.array_record record 0", "train.parquet record 0"
   record: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # as read
 
 
@@ -63,9 +68,9 @@ def check_problem_file(path: Any, setting: str) -> pathlib.Path:
   p = pathlib.Path(text).expanduser()
   if not p.name.lower().endswith(SUFFIXES):
     raise ValueError(f"{setting}={text!r}: unknown file format (suffix {p.suffix!r}); a problem "
-                     f"file is JSONL ({', '.join(JSONL_SUFFIXES)}: one JSON object a line) or "
+                     f"file is JSONL ({', '.join(JSONL_SUFFIXES)}: one JSON object a line), "
                      f"ArrayRecord ({', '.join(ARRAY_RECORD_SUFFIXES)}: one JSON object a "
-                     "record)")
+                     f"record) or Parquet ({', '.join(PARQUET_SUFFIXES)}: one row a record)")
   if not p.exists():
     raise ValueError(f"{setting}={text!r}: no such file")
   if not p.is_file():
@@ -76,12 +81,15 @@ def check_problem_file(path: Any, setting: str) -> pathlib.Path:
 def read_problems(path: str | os.PathLike, *, question_key: str = "question",
                   answer_key: str | tuple[str, ...] = "answer", owner: str = "MathToolEnv",
                   setting: str = "train_file", gsm8k_answers: bool = True) -> list[Problem]:
-  """The problems of a JSONL or ArrayRecord file, in file order.
+  """The problems of a JSONL, ArrayRecord or Parquet file, in file order.
 
   Args:
     question_key, answer_key: the record's keys of the question and of its answer; a tuple of
       answer keys takes the first one a record has (`("answers", "answer")`); a dotted key
-      reads inside an object (`"answers.text"` for SQuAD, `"answer.aliases"` for TriviaQA).
+      reads inside an object (`"answers.text"` for SQuAD, `"answer.aliases"` for TriviaQA,
+      `"reward_model.ground_truth"` for a verl Parquet file). A question that is a list of chat
+      messages (verl's `prompt` column: the dataset's instructions around the question) is an
+      error naming the record's plain question key (`"extra_info.question"`).
     owner, setting: named in errors as `owner.setting` (and `owner.question_key`, ...), the
       settings a user would change.
     gsm8k_answers: a text answer with a `####` marker gives the text after it (False: every
@@ -116,9 +124,10 @@ def raise_bad_records(bad: list[str], total: int, what: str, noun: str = "record
 
 def read_objects(path: str | os.PathLike, parse: Callable[[dict, int, str], Any], *,
                  owner: str, setting: str, expected: str) -> list:
-  """`parse(record, index, where)` of each JSON object record of a JSONL or ArrayRecord file, in
-  file order. A record that is not a JSON object, or that `parse` refuses with a ValueError, is
-  named with its message in one error; an empty file is an error too.
+  """`parse(record, index, where)` of each JSON object record of a JSONL or ArrayRecord file (or
+  each row of a Parquet file, as a dict of its columns), in file order. A record that is not a
+  JSON object, or that `parse` refuses with a ValueError, is named with its message in one error;
+  an empty file is an error too.
 
   Args:
     expected: what a record holds, for the errors ("with 'task_id', 'prompt' ... keys").
@@ -149,20 +158,33 @@ def missing_key(record: dict, key: str, where: str, hint: str) -> ValueError:
 
 def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpus_file"
                    ) -> list[Document]:
-  """The documents of a JSONL or ArrayRecord corpus, in file order: each record a JSON object
-  `{"title": ..., "text": ..., "id"?: ...}` (title optional; a record without "id" gets its
-  position among the documents), or `{"id"?: ..., "contents": ...}` as Search-R1's and FlashRAG's
-  corpora hold them, whose first line is the title (its surrounding double quotes dropped) and
-  the rest the text. A bad record (not JSON, no "text", an unknown key, a title or
+  """The documents of a JSONL, ArrayRecord or Parquet corpus, in file order: each record a JSON
+  object (a Parquet row) `{"title": ..., "text": ..., "id"?: ...}` (title optional; a record
+  without "id" gets its position among the documents), or `{"id"?: ..., "contents": ...}` as
+  Search-R1's and FlashRAG's corpora hold them, whose first line is the title (its surrounding
+  double quotes dropped) and the rest the text. Other keys (a Wikipedia dump's "url",
+  "wiki_id", ...) are ignored; a Parquet file's other columns are not read. A bad record (not
+  JSON, no "text", a key that looks like a misspelt field such as "txt" or "titel", a title or
   text that is not text, an id another record has) is named by file and line or record index."""
-  from jaxagent.tools.search import _as_document
+  from jaxagent.tools.search import _as_document, misspelt_fields
 
   p = check_problem_file(path, f"{owner}.{setting}")
+
+  def columns(names: list[str]) -> list[str]:
+    """A Parquet corpus's columns to read: the document's and any misspelt one (named below)."""
+    if "text" not in names and "contents" not in names:
+      hint = "".join(f"; {k!r} looks like a misspelt {f!r}: rename it"
+                     for k, f in misspelt_fields(names).items() if f == "text")
+      raise ValueError(f"{owner}.{setting}={os.fspath(path)!r}: no 'text' (or 'contents') column; "
+                       f"the file's columns are {names}{hint}")
+    return [n for n in names if n in ("title", "text", "id", "contents")
+            or n in misspelt_fields(names)]
+
   docs: list[Document] = []
   bad: list[str] = []
   first: dict[str, str] = {}  # id -> where it was first seen
   total = 0
-  for _, where, raw in _records(p, f"{owner}.{setting}"):
+  for _, where, raw in _records(p, f"{owner}.{setting}", columns):
     total += 1
     try:
       record = _json_object(raw, where, "with 'title' and 'text' keys")
@@ -197,8 +219,10 @@ def _from_contents(record: dict, where: str) -> dict:
   return {**{k: v for k, v in record.items() if k != "contents"}, "title": title, "text": text}
 
 
-def _json_object(raw: str | bytes, where: str, expected: str) -> dict:
+def _json_object(raw: str | bytes | dict, where: str, expected: str) -> dict:
   """A record's text parsed as a JSON object, or a ValueError naming `where`."""
+  if isinstance(raw, dict):  # a Parquet row
+    return raw
   if isinstance(raw, bytes):
     try:
       raw = raw.decode("utf-8")
@@ -214,8 +238,14 @@ def _json_object(raw: str | bytes, where: str, expected: str) -> dict:
   return record
 
 
-def _records(p: pathlib.Path, setting: str) -> Iterator[tuple[int, str, str | bytes]]:
-  """(index, where, raw text) of each record of the file."""
+def _records(p: pathlib.Path, setting: str,
+             columns: Callable[[list[str]], list[str]] | None = None
+             ) -> Iterator[tuple[int, str, str | bytes | dict]]:
+  """(index, where, raw text) of each record of the file; a Parquet row comes as a dict of its
+  columns (only those `columns(names of the file's columns)` picks, when given)."""
+  if p.name.lower().endswith(PARQUET_SUFFIXES):
+    yield from _parquet_records(p, setting, columns)
+    return
   if p.name.lower().endswith(JSONL_SUFFIXES):
     opener = gzip.open if p.name.lower().endswith(".gz") else open
     # Line by line (a corpus can be larger than memory twice over), split at "\n" only: a JSON
@@ -246,7 +276,41 @@ def _records(p: pathlib.Path, setting: str) -> Iterator[tuple[int, str, str | by
     yield i, f"{p.name} record {i}", source[i]
 
 
-def _problem(raw: str | bytes, index: int, where: str, question_key: str,
+def _parquet_records(p: pathlib.Path, setting: str,
+                     columns: Callable[[list[str]], list[str]] | None
+                     ) -> Iterator[tuple[int, str, dict]]:
+  """(row index, where, row as a dict) of each row of a Parquet file, read one record batch at a
+  time: a large file is never whole in memory as Python objects."""
+  import pyarrow.parquet as pq
+
+  def unreadable(e: Exception) -> ValueError:
+    return ValueError(f"{setting}={os.fspath(p)!r}: cannot read it as a Parquet file "
+                      f"({type(e).__name__}: {e})")
+
+  try:
+    f = pq.ParquetFile(p)
+    names = f.schema_arrow.names
+  except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... on a bad file
+    raise unreadable(e) from e
+  wanted = names if columns is None else columns(list(names))
+  batches = f.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=list(wanted))
+  i = 0
+  while True:
+    try:
+      batch = next(batches, None)
+    except Exception as e:  # noqa: BLE001 - a corrupt page fails when its batch is read
+      raise unreadable(e) from e
+    if batch is None:
+      return
+    for row in batch.to_pylist():
+      yield i, f"{p.name} record {i}", row
+      i += 1
+
+
+_PARQUET_BATCH_ROWS = 1024
+
+
+def _problem(raw: str | bytes | dict, index: int, where: str, question_key: str,
              answer_key: str | tuple[str, ...], owner: str, gsm8k_answers: bool = True
              ) -> Problem:
   answer_keys = (answer_key,) if isinstance(answer_key, str) else tuple(answer_key)
@@ -266,6 +330,8 @@ def _problem(raw: str | bytes, index: int, where: str, question_key: str,
       keys = sorted(map(str, inner))
       close = [prefix + c for k in keys_wanted
                for c in difflib.get_close_matches(k[len(prefix):], keys, n=1)][:1]
+      if not close and not prefix:  # verl's extra_info.question: the key inside an object
+        close = [k for k in _leaf_keys(record) if k.rsplit(".", 1)[-1] in keys_wanted][:1]
       hint = (f"; did you mean {close[0]!r}? (set {owner}.{name}={close[0]!r})" if close
               else f"; set {owner}.{name} to the key that holds it")
       wanted = " / ".join(map(repr, keys_wanted))
@@ -273,6 +339,16 @@ def _problem(raw: str | bytes, index: int, where: str, question_key: str,
       raise ValueError(f"{where}: no {wanted} key ({owner}.{name}); {has} {keys}{hint}")
   answer_key = present[0]
   question = _lookup(record, question_key)
+  if (isinstance(question, list) and question
+      and all(isinstance(m, dict) and "content" in m for m in question)):
+    # verl / Search-R1 parquet files: "prompt" is the chat sent to the model, with the dataset's
+    # own instructions around the question; the task writes its own prompt.
+    plain = [k for k in _text_keys(record) if k.rsplit(".", 1)[-1] in ("question", "problem")]
+    raise ValueError(f"{where}: the question ({question_key!r}) is a list of chat messages "
+                     "(a prompt with its dataset's instructions), not the question's text; set "
+                     f"{owner}.question_key to the key of the plain question"
+                     + (f", e.g. {plain[0]!r}" if plain else
+                        f" (the record has {sorted(map(str, record))})"))
   if not isinstance(question, str):
     raise ValueError(f"{where}: the question ({question_key!r}) must be text, got "
                      f"{type(question).__name__} {question!r:.60}")
@@ -294,6 +370,20 @@ def _problem(raw: str | bytes, index: int, where: str, question_key: str,
 
 
 _MISSING = object()
+
+
+def _leaf_keys(record: dict, prefix: str = "") -> Iterator[str]:
+  """The (dotted) keys of `record`'s values that are not objects, objects inside it included."""
+  for k, v in record.items():
+    if isinstance(v, dict):
+      yield from _leaf_keys(v, f"{prefix}{k}.")
+    else:
+      yield f"{prefix}{k}"
+
+
+def _text_keys(record: dict) -> Iterator[str]:
+  """The (dotted) keys of `record`'s text values, objects inside it included."""
+  return (k for k in _leaf_keys(record) if isinstance(_lookup(record, k), str))
 
 
 def _lookup(record: dict, key: str) -> Any:

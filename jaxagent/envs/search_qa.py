@@ -28,8 +28,9 @@ format and the share of the question's supporting documents that the searches re
 `shaping_steps > 0` a `ProgressiveSchedule` moves the weight from shaping to the outcome over
 that many steps.
 
-Your own corpus and questions: `corpus_file` (JSONL or ArrayRecord of `{"title", "text",
-"id"?}` JSON records, or Search-R1's `{"id", "contents"}`: `problem_file.read_documents`)
+Your own corpus and questions: `corpus_file` (JSONL, ArrayRecord or Parquet of `{"title", "text",
+"id"?}` records, other keys ignored, or Search-R1's `{"id", "contents"}`:
+`problem_file.read_documents`)
 replaces the generated documents as what the search tool indexes, and
 `train_file` / `eval_file` (JSON records `{"question": ..., "answers": [...]}`, or "answer" /
 "golden_answers", a string or a list of accepted answers; `jaxagent/envs/problem_file.py`) the
@@ -205,9 +206,9 @@ class SearchQAEnv(Env):
     format_weight, retrieval_weight: weights of the shaping terms (0 = off).
     shaping_steps: steps over which a `ProgressiveSchedule` hands the shaping weight to the
       outcome (0 = fixed weights); `shaping_start` is its alpha at step 0.
-    corpus_file: your own documents ("" = the generated ones), a JSONL or ArrayRecord file of
-      `{"title", "text", "id"?}` JSON records (or `{"id", "contents"}`, the first line of the
-      contents its title); needs `train_file` and `eval_file`.
+    corpus_file: your own documents ("" = the generated ones), a JSONL, ArrayRecord or Parquet
+      file of `{"title", "text", "id"?}` records, other keys ignored (or `{"id", "contents"}`,
+      the first line of the contents its title); needs `train_file` and `eval_file`.
     train_file, eval_file: your own questions for the train / eval split, every record in file
       order (`train_size` / `eval_size` then do not apply; the trainer evaluates on the first
       `eval.size`); need `corpus_file`.
@@ -333,14 +334,14 @@ class SearchQAEnv(Env):
       missing = " and ".join(f"{s}_file" for s in ("train", "eval") if s not in questions)
       raise ValueError(f"SearchQAEnv.corpus_file={corpus_file!r} replaces the generated knowledge "
                        f"base, whose questions your corpus cannot answer: set {missing} too (a "
-                       "JSONL or ArrayRecord file of {\"question\": ..., \"answers\": [...]} "
+                       "JSONL, ArrayRecord or Parquet file of {\"question\": ..., \"answers\": [...]} "
                        "records)")
     if questions and not corpus_file:
       set_ = ", ".join(f"{s}_file" for s in questions)
       raise ValueError(f"SearchQAEnv.{set_} need{'s' if len(questions) == 1 else ''} "
                        "corpus_file: your questions are searched in "
                        "your documents (the generated knowledge base is a fictional world); set "
-                       "corpus_file to a JSONL or ArrayRecord file of {\"title\": ..., "
+                       "corpus_file to a JSONL, ArrayRecord or Parquet file of {\"title\": ..., "
                        "\"text\": ...} records")
     if titles_key and not corpus_file:
       raise ValueError(f"SearchQAEnv.titles_key={titles_key!r} reads your question files; "

@@ -1,4 +1,4 @@
-"""code on your own problems: a HumanEval-format JSONL(.gz) or ArrayRecord `problem_file` in
+"""code on your own problems: a HumanEval-format JSONL(.gz), ArrayRecord or Parquet `problem_file` in
 place of HumanEval (splits, demonstrations, scoring in the sandbox, the file hidden from the
 solution), and every bad record named."""
 import gzip
@@ -120,3 +120,25 @@ def test_sizes_count_the_files_problems(tmp_path):
                        (5, "must be a str")):
     with pytest.raises(ValueError, match=f"CodeEnv.problem_file.*{message}"):
       CodeEnv(problem_file=bad, eval_size=0, sft_size=0)
+
+
+def test_a_parquet_problem_file(tmp_path):
+  """HumanEval as Hugging Face ships it (a Parquet file); a null canonical_solution (a row
+  without one) is none, not a bad record."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  rows = [problem(i) for i in range(1, 5)]
+  rows[1]["canonical_solution"] = None
+  path = tmp_path / "test-00000-of-00001.parquet"
+  pq.write_table(pa.Table.from_pylist(rows), str(path))
+  env = CodeEnv(problem_file=str(path), eval_size=1, sft_size=0, seed=0)
+  assert sorted(e.id for s in ("train", "eval") for e in env.examples(s)) == [
+      f"Mine/{i}" for i in range(1, 5)]
+  with pytest.raises(ValueError, match=r"CodeEnv.sft_size=4 exceeds the 3 train problems with a "
+                                       r"canonical_solution \(1 have none\)"):
+    CodeEnv(problem_file=str(path), eval_size=0, sft_size=4)
+  rows[2]["test"] = None
+  pq.write_table(pa.Table.from_pylist(rows), str(path))
+  with pytest.raises(ValueError, match=r"test-00000-of-00001.parquet record 2: 'test' must be "
+                                       r"non-empty text, got NoneType None"):
+    CodeEnv(problem_file=str(path), eval_size=0, sft_size=0)

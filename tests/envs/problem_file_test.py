@@ -1,4 +1,4 @@
-"""problem_file: JSONL and ArrayRecord problem files read back, GSM8K answers, custom keys, and
+"""problem_file: JSONL, ArrayRecord and Parquet problem files read back, GSM8K answers, custom keys, and
 every bad record named (file, line or record, what is wrong)."""
 import json
 import re
@@ -120,10 +120,13 @@ def test_a_bad_array_record_is_named_by_its_index(tmp_path):
      r"problem with a 'question' and an 'answer' key"),
     ("blank.jsonl", "\n  \n", r"the file holds no problems"),
     ("p.json", "{}", r"MathToolEnv.train_file='.*p\.json': unknown file format \(suffix '\.json'\); "
-     r"a problem file is JSONL \(\.jsonl, \.jsonl\.gz: .*ArrayRecord \(\.array_record, \.arrayrecord"),
+     r"a problem file is JSONL \(\.jsonl, \.jsonl\.gz: .*ArrayRecord \(\.array_record, \.arrayrecord"
+     r".*Parquet \(\.parquet: one row a record\)"),
     ("p.array_record", "not an array record", r"p\.array_record': cannot read it as an "
      r"ArrayRecord file \(RuntimeError"),
     ("latin1.jsonl", b"\xe9\n", r"latin1\.jsonl': not UTF-8 text"),
+    ("p.parquet", "not a parquet file", r"p\.parquet': cannot read it as a Parquet file "
+     r"\(ArrowInvalid"),
 ])
 def test_a_bad_file_is_named(tmp_path, name, content, message):
   path = tmp_path / name
@@ -170,3 +173,117 @@ def test_a_jsonl_file_is_read_line_by_line(tmp_path):
   assert first[:2] == (1, "big.jsonl line 1") and json.loads(first[2])["answer"] == 1
   with pytest.raises(ValueError, match=r"MathToolEnv.train_file=.*big.jsonl': not UTF-8 text"):
     read_problems(path)
+
+
+def write_parquet(path, rows, row_group_size=None):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.Table.from_pylist(rows), str(path), row_group_size=row_group_size)
+  return path
+
+
+def verl_row(i, answer):
+  """A row as verl's gsm8k preprocessing writes it: the chat prompt with its instructions, the
+  ground truth in a struct column, the plain question and worked answer in extra_info."""
+  return {"data_source": "openai/gsm8k",
+          "prompt": [{"role": "user", "content": f"Question {i}? Let's think step by step."}],
+          "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(answer)},
+          "extra_info": {"split": "train", "index": i, "question": f"Question {i}?",
+                         "answer": f"{i} + {i} = {answer}\n#### {answer}"}}
+
+
+def test_parquet_round_trip_batch_by_batch(tmp_path, monkeypatch):
+  import pyarrow.parquet as pq
+
+  from jaxagent.envs import problem_file
+  monkeypatch.setattr(problem_file, "_PARQUET_BATCH_ROWS", 2)  # 7 rows: 4 batches, 3 row groups
+  path = write_parquet(tmp_path / "train.parquet", [verl_row(i, 2 * i) for i in range(7)],
+                       row_group_size=3)
+  for answer_key in ("reward_model.ground_truth", "extra_info.answer"):
+    probs = read_problems(path, question_key="extra_info.question", answer_key=answer_key)
+    assert [p.gold for p in probs] == [str(2 * i) for i in range(7)]
+    assert [p.question for p in probs] == [f"Question {i}?" for i in range(7)]
+    assert [p.index for p in probs] == list(range(7))
+    assert probs[4].where == "train.parquet record 4"
+    assert probs[4].record["prompt"][0]["role"] == "user"
+  # Batch by batch: the first record comes after one batch is read, not the whole file.
+  pulled = []
+  iter_batches = pq.ParquetFile.iter_batches
+
+  def counted(self, **kw):
+    for batch in iter_batches(self, **kw):
+      pulled.append(batch.num_rows)
+      yield batch
+  monkeypatch.setattr(pq.ParquetFile, "iter_batches", counted)
+  records = problem_file._records(path, "S")
+  assert next(records)[:2] == (0, "train.parquet record 0") and pulled == [2]
+  assert len(list(records)) == 6 and sum(pulled) == 7
+  # A list column of answers (Search-R1's golden_answers) is several accepted answers.
+  path = write_parquet(tmp_path / "nq.parquet", [
+      {"question": "who wrote it", "golden_answers": ["Ada", "Ada Lovelace"]}])
+  assert read_problems(path, answer_key="golden_answers")[0].gold == ("Ada", "Ada Lovelace")
+
+
+def test_a_bad_parquet_row_is_named(tmp_path):
+  path = write_parquet(tmp_path / "train.parquet", [verl_row(0, 4), verl_row(1, 6)])
+  # The chat prompt is not the question: the plain question's key is named.
+  with pytest.raises(ValueError, match=re.escape(
+      "train.parquet record 0: the question ('prompt') is a list of chat messages (a prompt with "
+      "its dataset's instructions), not the question's text; set MathToolEnv.question_key to the "
+      "key of the plain question, e.g. 'extra_info.question'")):
+    read_problems(path, question_key="prompt", answer_key="reward_model.ground_truth")
+  # A missing key lists the columns, and finds the key inside a struct column.
+  with pytest.raises(ValueError, match=re.escape(
+      "train.parquet record 1: no 'question' key (MathToolEnv.question_key); the record has "
+      "['ability', 'data_source', 'extra_info', 'prompt', 'reward_model']; did you mean "
+      "'extra_info.question'? (set MathToolEnv.question_key='extra_info.question')")):
+    read_problems(path, answer_key="reward_model.ground_truth")
+  with pytest.raises(ValueError, match=re.escape(
+      "no 'reward_model.truth' key (MathToolEnv.answer_key); the record's 'reward_model' has "
+      "['ground_truth', 'style']")):
+    read_problems(path, question_key="extra_info.question", answer_key="reward_model.truth")
+  # A null cell is named, not skipped.
+  path = write_parquet(tmp_path / "nulls.parquet", [{"question": "q?", "answer": "1"},
+                                                     {"question": "r?", "answer": None}])
+  with pytest.raises(ValueError, match=re.escape(
+      "1 bad record (of 2); fix or remove them:\n  nulls.parquet record 1: the answer ('answer') "
+      "must be a number, text or a list of them, got NoneType None")):
+    read_problems(path)
+  empty = tmp_path / "empty.parquet"
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.table({"question": pa.array([], pa.string()),
+                           "answer": pa.array([], pa.string())}), str(empty))
+  with pytest.raises(ValueError, match=r"empty\.parquet': the file holds no problems"):
+    read_problems(empty)
+
+
+def test_a_parquet_corpus_reads_only_the_document_columns(tmp_path, monkeypatch):
+  """A Wikipedia dump's extra columns (url, an embedding per passage) are ignored and not read."""
+  import pyarrow.parquet as pq
+
+  from jaxagent.envs.problem_file import read_documents
+  from jaxagent.tools.search import Document
+  rows = [{"id": "12", "url": "https://en.wikipedia.org/wiki/Ada", "title": "Ada",
+           "text": "Ada wrote.", "wiki_id": 3, "emb": [0.5] * 8},
+          {"id": "13", "url": "u", "title": "Bob", "text": "Bob read.", "wiki_id": 4,
+           "emb": [0.0] * 8}]
+  path = write_parquet(tmp_path / "wiki.parquet", rows)
+  read = []
+  iter_batches = pq.ParquetFile.iter_batches
+  monkeypatch.setattr(pq.ParquetFile, "iter_batches",
+                      lambda self, **kw: read.append(kw["columns"]) or iter_batches(self, **kw))
+  docs = read_documents(path, owner="SearchQAEnv")
+  assert docs == [Document("Ada", "Ada wrote.", "12"), Document("Bob", "Bob read.", "13")]
+  assert read == [["id", "title", "text"]]
+  # A misspelt text column is named with the file's columns; a misspelt title by row.
+  path = write_parquet(tmp_path / "txt.parquet", [{"id": "1", "title": "A", "txt": "a"}])
+  with pytest.raises(ValueError, match=re.escape(
+      "SearchQAEnv.corpus_file=" + repr(str(path)) + ": no 'text' (or 'contents') column; the "
+      "file's columns are ['id', 'title', 'txt']; 'txt' looks like a misspelt 'text': rename it")):
+    read_documents(path, owner="SearchQAEnv")
+  path = write_parquet(tmp_path / "titel.parquet", [{"titel": "A", "text": "a", "url": "u"}])
+  with pytest.raises(ValueError, match=re.escape(
+      "titel.parquet record 0: 'titel' looks like a misspelt 'title': rename it (fields: "
+      "['text', 'titel']; fields other than title, text and id are ignored)")):
+    read_documents(path, owner="SearchQAEnv")

@@ -1,4 +1,4 @@
-"""search_qa on your own data: a corpus file and question files (JSONL / ArrayRecord) in place
+"""search_qa on your own data: a corpus file and question files (JSONL / ArrayRecord / Parquet) in place
 of the generated knowledge base, the sft split's demonstrations, the retrieval reward from a
 titles key, and every bad setting or record named."""
 import json
@@ -252,9 +252,45 @@ def test_bad_corpus_records_are_named(tmp_path, files):
     (dict(question_key="answers"), r"SearchQAEnv.question_key='answers' is also the answer_key"),
     (dict(train_file=3), r"SearchQAEnv.train_file must be a str"),
     (dict(eval_file="/nope/dev.jsonl"), r"SearchQAEnv.eval_file='/nope/dev.jsonl': no such file"),
-    (dict(corpus_file="/data/wiki.parquet"), r"SearchQAEnv.corpus_file=.*unknown file format"),
+    (dict(corpus_file="/data/wiki.csv"), r"SearchQAEnv.corpus_file=.*unknown file format.*"
+                                          r"Parquet \(\.parquet"),
 ])
 def test_file_settings_are_checked(tmp_path, files, settings, message):
   kwargs = {**files, **{k: "" if v is None else v for k, v in settings.items()}}
   with pytest.raises(ValueError, match=message):
     SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, **kwargs)
+
+
+def test_search_r1_parquet_questions_and_a_wikipedia_dump_corpus(tmp_path):
+  """Search-R1's nq parquet rows (the question and golden_answers columns beside verl's chat
+  prompt and reward_model struct) over a Hugging Face Wikipedia dump's {id, url, title, text}."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  def parquet(name, rows):
+    pq.write_table(pa.Table.from_pylist(rows), str(tmp_path / name))
+    return str(tmp_path / name)
+
+  corpus = parquet("wiki.parquet", [
+      {"id": str(i), "url": f"https://en.wikipedia.org/?curid={i}", **{k: d[k] for k in ("title", "text")}}
+      for i, d in enumerate(CORPUS)])
+
+  def nq(i, row):
+    golds = [str(a) for a in row.get("answers") or [row["answer"]]]
+    return {"id": f"train_{i}", "question": row["question"], "golden_answers": golds,
+            "data_source": "nq", "prompt": [{"role": "user", "content": "Answer ... " + row["question"]}],
+            "ability": "fact-reasoning",
+            "reward_model": {"style": "rule", "ground_truth": {"target": golds}},
+            "extra_info": {"split": "train", "index": i}}
+
+  env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, corpus_file=corpus,
+                    train_file=parquet("nq_train.parquet", [nq(i, r) for i, r in enumerate(TRAIN)]),
+                    eval_file=parquet("nq_dev.parquet", [nq(0, EVAL[0])]))
+  assert [(d.id, d.title) for d in env.index.documents] == [
+      ("0", "Ada Lovelace"), ("1", "Analytical Engine"), ("2", "Charles Babbage")]
+  assert [ex.gold for ex in env.examples("train")] == [["Charles Babbage", "Babbage"], ["1791"]]
+  assert env.examples("eval")[0].gold == ["London"]
+  env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, corpus_file=corpus,
+                    train_file=str(tmp_path / "nq_train.parquet"), eval_file=str(tmp_path / "nq_dev.parquet"),
+                    answer_key="reward_model.ground_truth.target")
+  assert env.examples("eval")[0].gold == ["London"]
