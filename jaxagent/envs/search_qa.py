@@ -54,8 +54,8 @@ from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example, check_shapin
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
 from jaxagent.envs import knowledge_base as kb_lib
-from jaxagent.envs.problem_file import (check_problem_file, raise_bad_records, read_documents,
-                                        read_problems)
+from jaxagent.envs.problem_file import (_MISSING, _lookup, check_problem_file, raise_bad_records,
+                                        read_documents, read_problems)
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
                               ProgressiveSchedule, RewardInput, RewardOutput, TextMatchReward)
 from jaxagent.tools import BM25Index, SearchTool, ToolRegistry
@@ -137,11 +137,16 @@ def _one_line(title: str) -> str:
 def _gold_titles(record: dict, key: str, where: str, corpus: set[str]) -> list[str]:
   """The gold document titles of a question record: `record[key]`, a list of titles or of
   `[title, ...]` lists (HotpotQA's supporting facts), or `{"title": [...], ...}` (the same as
-  the Hugging Face hotpot_qa dataset writes them), each a title of the corpus."""
-  if key not in record:
+  the Hugging Face hotpot_qa dataset writes them), each a title of the corpus; a dotted key reads
+  inside an object ("extra_info.supporting_facts")."""
+  value = _lookup(record, key)
+  if value is _MISSING:
+    last = key.rsplit(".", 1)[-1]
+    inside = [k for k in _key_paths(record) if k.rsplit(".", 1)[-1] == last and k != key][:1]
     raise ValueError(f"{where}: no {key!r} key (SearchQAEnv.titles_key); the record has "
-                     f"{sorted(map(str, record))}")
-  value = record[key]
+                     f"{sorted(map(str, record))}"
+                     + (f"; did you mean {inside[0]!r}? (set SearchQAEnv.titles_key="
+                        f"{inside[0]!r})" if inside else ""))
   if isinstance(value, dict):
     if "title" not in value:
       raise ValueError(f"{where}: {key!r} is an object without a 'title' list (it has "
@@ -164,6 +169,14 @@ def _gold_titles(record: dict, key: str, where: str, corpus: set[str]) -> list[s
     raise ValueError(f"{where}: gold title(s) {missing!r:.120} are no document's title in "
                      "corpus_file, so no search could retrieve them")
   return titles
+
+
+def _key_paths(record: dict, prefix: str = ""):
+  """Every (dotted) key of `record`, the keys inside its objects included."""
+  for k, v in record.items():
+    yield f"{prefix}{k}"
+    if isinstance(v, dict):
+      yield from _key_paths(v, f"{prefix}{k}.")
 
 
 def _check_passages_keep_the_facts(kb: kb_lib.KnowledgeBase, max_chars: int | None) -> None:
@@ -216,8 +229,8 @@ class SearchQAEnv(Env):
       ("" = the first of "answers", "answer", "golden_answers" a record has; a dotted key reads
       inside an object: "answers.text" for SQuAD, "answer.aliases" for TriviaQA).
     titles_key: the question files' key listing each question's gold document titles (a list
-      of titles, or `[[title, ...], ...]` as HotpotQA's "supporting_facts"), for the retrieval
-      reward ("" = none: `retrieval_weight` must be 0 and the reward is not logged).
+      of titles, or `[[title, ...], ...]` as HotpotQA's "supporting_facts"; a dotted key reads
+      inside an object), for the retrieval reward ("" = none: `retrieval_weight` must be 0 and the reward is not logged).
   """
 
   name = "search_qa"

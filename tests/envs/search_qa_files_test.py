@@ -137,6 +137,19 @@ def test_titles_key_gives_the_retrieval_reward(tmp_path, files, char_tok):
       **files, "train_file": hf}, titles_key="supporting_facts")
   assert env.examples("train")[0].metadata["supporting_titles"] == ["Ada Lovelace",
                                                                     "Charles Babbage"]
+  # A dotted key reads inside an object (a verl-style row keeps them in extra_info).
+  nested = write_jsonl(tmp_path / "nested.jsonl", [{"question": "Who?", "answer": "Ada", "extra_info": {
+      "index": 0, "supporting_facts": [["Ada Lovelace", 0]]}}])
+  env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, **{
+      **files, "train_file": nested}, titles_key="extra_info.supporting_facts")
+  assert env.examples("train")[0].metadata["supporting_titles"] == ["Ada Lovelace"]
+  env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, **{
+      **files, "train_file": nested}, titles_key="supporting_facts")
+  with pytest.raises(ValueError, match=re.escape(
+      "nested.jsonl line 1: no 'supporting_facts' key (SearchQAEnv.titles_key); the record has "
+      "['answer', 'extra_info', 'question']; did you mean 'extra_info.supporting_facts'? (set "
+      "SearchQAEnv.titles_key='extra_info.supporting_facts')")):
+    env.examples("train")
 
 
 def test_titles_no_search_can_retrieve_are_named(tmp_path, files):
