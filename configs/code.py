@@ -15,7 +15,8 @@ Knobs: all-or-nothing reward `--config.env.kwargs.all_or_nothing=True`; progress
 from "the code parses" to the test reward `--config.env.kwargs.syntax_weight=0.2
 --config.env.kwargs.shaping_steps=20`.
 Your own unit-test problems, in HumanEval's format (a JSONL or .jsonl.gz file of `{"task_id",
-"prompt", "test", "entry_point", "canonical_solution"?}` records; `test` defines
+"prompt", "test", "entry_point", "canonical_solution"?}` records, or an ArrayRecord or Parquet
+file of them, e.g. Hugging Face's openai_humaneval; `test` defines
 `check(candidate)` with asserts), replace the 164 HumanEval problems:
   python -m jaxagent.launch --config=configs/code.py \
       --config.env.kwargs.problem_file=/data/problems.jsonl \
@@ -23,7 +24,7 @@ Your own unit-test problems, in HumanEval's format (a JSONL or .jsonl.gz file of
 `eval_size` problems are held out, `sft_size` of the rest (those with a canonical_solution) are
 the SFT demonstrations (fewer than asked is an error; `--config.sft.steps=0` skips the warm
 start, with `sft_size=0`). Every record is checked when the task is built; a bad one is named by
-its line.
+its line (its record index in an ArrayRecord or Parquet file).
 
 Expected:
   tiny (measured): finishes in under a minute on a CPU (about 25 s after imports); metrics.jsonl
