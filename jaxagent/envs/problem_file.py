@@ -73,6 +73,10 @@ def check_problem_file(path: Any, setting: str) -> pathlib.Path:
                      f"record) or Parquet ({', '.join(PARQUET_SUFFIXES)}: one row a record)")
   if not p.exists():
     raise ValueError(f"{setting}={text!r}: no such file")
+  if p.is_dir():  # a Parquet data set written in parts (Spark, Dask) has a .parquet folder
+    raise ValueError(f"{setting}={text!r} is not a file but a directory; give one file (a data "
+                     "set split into several files, such as Parquet parts or shards: join them "
+                     "into one file of the split's records)")
   if not p.is_file():
     raise ValueError(f"{setting}={text!r} is not a file")
   return p

@@ -146,8 +146,13 @@ def test_a_missing_file_or_url_is_named(tmp_path):
   with pytest.raises(ValueError, match=r"must be a local file, got the URL 'gs://b/t\.jsonl'"):
     read_problems("gs://b/t.jsonl")
   (tmp_path / "d.jsonl").mkdir()
-  with pytest.raises(ValueError, match=r"d\.jsonl' is not a file"):
+  with pytest.raises(ValueError, match=r"d\.jsonl' is not a file but a directory; give one file"):
     read_problems(tmp_path / "d.jsonl")
+  (tmp_path / "spark.parquet").mkdir()  # Spark writes part files under a .parquet folder
+  with pytest.raises(ValueError, match=r"spark\.parquet' is not a file but a directory; give one "
+                                       r"file \(a data set split into several files, such as "
+                                       r"Parquet parts or shards: join them"):
+    read_problems(tmp_path / "spark.parquet")
 
 
 def test_gzip_jsonl(tmp_path):
