@@ -1,9 +1,10 @@
 """Continuous batching over the engine's slots, and the `generate` convenience function.
 
 Requests wait in a queue; whenever slots are free, the waiting prompts are prefilled together
-and inserted; every active slot decodes `decode_steps` tokens per device call; finished slots
-are refilled at once. The host checks stop strings / token sequences after each call and
-rewinds a slot that stopped in the middle of a multi-step call.
+and inserted; every active slot decodes `decode_steps` tokens per device call (fewer when
+every budget is shorter); finished slots are refilled at once. The host checks stop strings /
+token sequences after each call and rewinds a slot that stopped in the middle of a multi-step
+call.
 """
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import numpy as np
 
 from jaxagent._token_ids import TokenIdError, is_int, token_ids
 from jaxagent.generate.engine import (RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH,
-                                      STOP_NONFINITE, Engine, EngineConfig, _per_request)
+                                      STOP_NONFINITE, Engine, EngineConfig, _per_request,
+                                      pow2_at_least)
 from jaxagent.generate.sampling import SamplingConfig
 from jaxagent.models.config import ModelConfig
 
@@ -174,6 +176,10 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
     raise ValueError(f"decode_steps must be a positive int, got {decode_steps!r}")
   if n == 0:
     return []
+  # Each call decodes all its steps, even past every budget (prefill samples the first token):
+  # decode_steps=512 for 4-token replies ran 512 model steps a call for 3 tokens. At most the
+  # power of two covering the longest budget: one program per run, the same tokens.
+  decode_steps = min(int(decode_steps), pow2_at_least(max(budgets) - 1))
   stop = stop if isinstance(stop, StopChecker) else StopChecker(stop)
   v = engine.cfg.vocab_size
   for seq in stop.sequences:  # the model never samples such an id: the stop could never match

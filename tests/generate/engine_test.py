@@ -8,7 +8,7 @@ import pytest
 
 from jaxagent import models
 from jaxagent.generate import (STOP_LENGTH, Engine, EngineConfig, SamplingConfig, StopChecker,
-                               generate)
+                               generate, run_requests)
 
 CFG = models.get_config("tiny-qwen2")
 
@@ -173,6 +173,25 @@ def test_decode_calls_are_dispatched_ahead_of_the_host(params, monkeypatch):
   for p, o in zip(prompts, outs):
     assert len(o.tokens) == 20 and o.stop_reason == "max_new_tokens"
     _assert_greedy(params, p, o.tokens)
+
+
+def test_decode_calls_take_no_more_steps_than_the_longest_budget(params):
+  """Every step of a call runs, past every budget too: decode_steps=512 for 4-token replies
+  ran 512 model steps for 3 tokens. Calls now take at most the power of two covering the
+  longest budget's decoded tokens; the tokens are the same."""
+  eng = Engine(CFG, EngineConfig(slots=2, max_len=64))
+  steps = []
+  real = eng.generate
+  eng.generate = lambda *a, **k: steps.append(k["steps"]) or real(*a, **k)
+  prompts = _prompts(2, seed=3)
+  want = generate(params, CFG, prompts, [4, 3], slots=2, max_len=64, decode_steps=1)
+  got = run_requests(eng, params, prompts, max_new_tokens=[4, 3], request_ids=[0, 1],
+                     decode_steps=512)
+  assert [c.tokens for c in got] == [c.tokens for c in want]
+  assert steps == [4]  # 3 decoded tokens after prefill's first
+  steps.clear()
+  run_requests(eng, params, prompts, max_new_tokens=40, request_ids=[0, 1], decode_steps=16)
+  assert set(steps) == {16}  # below the budgets: as given
 
 
 def test_eos_and_stop_sequences_and_max_length(params):
