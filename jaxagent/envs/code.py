@@ -65,7 +65,8 @@ from typing import Any, Mapping, Sequence
 from jaxagent.agent.env import Env, Example, check_shaping_settings
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import POLICY, Trajectory
-from jaxagent.envs.problem_file import check_problem_file, missing_key, read_objects
+from jaxagent.envs.problem_file import (check_problem_file, missing_key, problem_files,
+                                        read_objects)
 from jaxagent.rewards import (TESTS_PASSED_KEY, TESTS_TOTAL_KEY, Component, CompositeReward,
                               ProgressiveSchedule, RewardInput, RewardOutput, UnitTestReward,
                               extract_tagged)
@@ -776,7 +777,8 @@ class CodeEnv(Env):
     seed: seed of the eval/train permutation.
     problem_file: your own problems in HumanEval's format ("" = HumanEval), a JSONL (`.jsonl`,
       `.jsonl.gz`), ArrayRecord or Parquet file (see the module docstring); `eval_size` and `sft_size`
-      then count its problems (`sft_size` those with a `canonical_solution`).
+      then count its problems (`sft_size` those with a `canonical_solution`). A glob pattern
+      (`/data/mine-*.jsonl`) reads several files in sorted order, all of them hidden.
   """
 
   name = "code"
@@ -840,8 +842,11 @@ class CodeEnv(Env):
                     "sft": demonstrable[:sft_size]}
     self._plans = {p["task_id"]: plan_tests(p["test"], prelude=p["prompt"]) for p in problems}
     self.parser = XMLTagParser({}, answer_tag="code", strip=False)
+    # The problem file (each file of a glob pattern) holds the tests: hidden from solutions.
+    denied = (tuple(map(str, problem_files(self.problem_file, "CodeEnv.problem_file")))
+              if self.problem_file else ())
     self._limits = dict(timeout_s=timeout_s, per_test_s=per_test_s, memory_mb=memory_mb,
-                        deny_read_paths=(self.problem_file,) if self.problem_file else ())
+                        deny_read_paths=denied)
     # Test runs by (task id, program): GRPO groups often repeat a solution. Not a run that timed
     # out, which a loaded host may have caused; a lock, as the trainer may score concurrently.
     self._runs: collections.OrderedDict[tuple[str, str], TestRun] = collections.OrderedDict()

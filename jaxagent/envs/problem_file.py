@@ -20,6 +20,10 @@ answers); a GSM8K answer with worked steps ("... = 72 clips\\n#### 72") gives it
 the text after the last `####` (unless `gsm8k_answers=False`, for answers that are plain text).
 A document is `{"title": ..., "text": ..., "id"?: ...}` (`jaxagent.tools.search.Document`);
 other keys are ignored, but one that looks like a misspelt field ("txt", "titel") is an error.
+Every file setting also takes a glob pattern (`/data/nq/train-*.parquet`: a split sharded into
+several files, as Hugging Face ships them): its matching files are read one after another in
+sorted order, their records named by file and line or record; a pattern that matches nothing,
+or files of different formats, is an error (`problem_files`).
 No record is dropped: every bad one is an error that names the file, the line or record, and what
 is wrong (the keys a record has when the key is missing); an empty file is an error too.
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import glob
 import gzip
 import json
 import math
@@ -54,31 +59,99 @@ class Problem:
   index: int  # JSONL: line number (from 1); ArrayRecord, Parquet: record index (from 0)
   where: str  # "train.jsonl line 3", "test.array_record record 0", "train.parquet record 0"
   record: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)  # as read
+  file: int | None = None  # a glob pattern's files: which one (from 0, sorted); None: one path
+
+  @property
+  def key(self) -> str:
+    """The record's name, unique among the records of one file setting: its index ("3"), or
+    for a glob pattern's files the file's position and the index ("1-3")."""
+    return str(self.index) if self.file is None else f"{self.file}-{self.index}"
 
 
 def check_problem_file(path: Any, setting: str) -> pathlib.Path:
   """`path` ("~" expanded) as an existing local file of a known format, or a ValueError that
-  names `setting` (e.g. "MathToolEnv.train_file")."""
+  names `setting` (e.g. "MathToolEnv.train_file").
+
+  A glob pattern (`/data/nq/train-*.parquet`: a split sharded into several files) comes back as
+  the pattern, once it matches at least one file and all its files are of one format; read its
+  files with `problem_files`. A path that names an existing file is that file, even with glob
+  characters in its name."""
+  text = _check_path_text(path, setting)
+  p = pathlib.Path(text).expanduser()
+  if _is_pattern(text) and not p.exists():
+    problem_files(text, setting)
+    return p
+  return _check_one_file(p, text, setting)
+
+
+def problem_files(path: Any, setting: str) -> tuple[pathlib.Path, ...]:
+  """The files `path` names, in the order they are read: the file itself, or a glob pattern's
+  matching files sorted by path (`train-00000-of-00004.parquet`, `train-00001-...`). A pattern
+  that matches nothing, matches files of different formats (JSONL with Parquet) or a directory,
+  is a ValueError naming `setting` and the pattern."""
+  text = _check_path_text(path, setting)
+  p = pathlib.Path(text).expanduser()
+  if not _is_pattern(text) or p.exists():
+    return (_check_one_file(p, text, setting),)
+  matches = sorted(glob.glob(os.fspath(p), recursive=True))
+  if not matches:
+    raise ValueError(f"{setting}={text!r}: the glob pattern matches no file; check the "
+                     "directory and the pattern (shards of a split: 'train-*.parquet')")
+  files = tuple(_check_one_file(pathlib.Path(m), f"{text!r} matches {m!r}", setting, shown=True)
+                for m in matches)
+  formats = {}
+  for f in files:
+    formats.setdefault(_format(f), f.name)
+  if len(formats) > 1:
+    listed = ", ".join(f"{fmt} ({name})" for fmt, name in formats.items())
+    raise ValueError(f"{setting}={text!r}: the pattern matches files of {len(formats)} formats: "
+                     f"{listed}; all files of a pattern must be of one format: narrow the "
+                     "pattern to one suffix (e.g. '*.parquet')")
+  return files
+
+
+def _check_path_text(path: Any, setting: str) -> str:
   if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
     raise ValueError(f"{setting} must be the path of a problem file, got {path!r}")
   text = os.fspath(path)
   if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:/", text):
     raise ValueError(f"{setting} must be a local file, got the URL {text!r}; copy the file to "
                      "a local disk first")
-  p = pathlib.Path(text).expanduser()
+  return text
+
+
+def _is_pattern(text: str) -> bool:
+  return any(c in text for c in "*?[")
+
+
+def _suffix(name: str) -> str:
+  return next(s for s in SUFFIXES if name.lower().endswith(s))
+
+
+def _format(p: pathlib.Path) -> str:
+  name = p.name.lower()
+  return ("JSONL" if name.endswith(JSONL_SUFFIXES) else
+          "ArrayRecord" if name.endswith(ARRAY_RECORD_SUFFIXES) else "Parquet")
+
+
+def _check_one_file(p: pathlib.Path, text: str, setting: str, shown: bool = False
+                    ) -> pathlib.Path:
+  """`p` as an existing file of a known format; errors say `setting={text!r}` (`shown`: `text`
+  is already written as the errors should show it)."""
+  what = f"{setting}={text}" if shown else f"{setting}={text!r}"
   if not p.name.lower().endswith(SUFFIXES):
-    raise ValueError(f"{setting}={text!r}: unknown file format (suffix {p.suffix!r}); a problem "
+    raise ValueError(f"{what}: unknown file format (suffix {p.suffix!r}); a problem "
                      f"file is JSONL ({', '.join(JSONL_SUFFIXES)}: one JSON object a line), "
                      f"ArrayRecord ({', '.join(ARRAY_RECORD_SUFFIXES)}: one JSON object a "
                      f"record) or Parquet ({', '.join(PARQUET_SUFFIXES)}: one row a record)")
   if not p.exists():
-    raise ValueError(f"{setting}={text!r}: no such file")
+    raise ValueError(f"{what}: no such file")
   if p.is_dir():  # a Parquet data set written in parts (Spark, Dask) has a .parquet folder
-    raise ValueError(f"{setting}={text!r} is not a file but a directory; give one file (a data "
-                     "set split into several files, such as Parquet parts or shards: join them "
-                     "into one file of the split's records)")
+    raise ValueError(f"{what} is not a file but a directory; give one file, or for a data "
+                     "set split into several files, such as Parquet parts or shards, a glob "
+                     f"pattern of its files ({os.path.join(p, '*' + _suffix(p.name))!r})")
   if not p.is_file():
-    raise ValueError(f"{setting}={text!r} is not a file")
+    raise ValueError(f"{what} is not a file")
   return p
 
 
@@ -99,12 +172,13 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
     gsm8k_answers: a text answer with a `####` marker gives the text after it (False: every
       answer is kept as written, stripped).
   """
-  p = check_problem_file(path, f"{owner}.{setting}")
   out: list[Problem] = []
   bad: list[str] = []
-  for index, where, raw in _records(p, f"{owner}.{setting}"):
+  for file, index, where, raw in _all_records(path, f"{owner}.{setting}"):
     try:
-      out.append(_problem(raw, index, where, question_key, answer_key, owner, gsm8k_answers))
+      out.append(dataclasses.replace(
+          _problem(raw, index, where, question_key, answer_key, owner, gsm8k_answers),
+          file=file))
     except ValueError as e:
       bad.append(str(e))
   raise_bad_records(bad, len(bad) + len(out), f"{owner}.{setting}={os.fspath(path)!r}")
@@ -136,9 +210,8 @@ def read_objects(path: str | os.PathLike, parse: Callable[[dict, int, str], Any]
   Args:
     expected: what a record holds, for the errors ("with 'task_id', 'prompt' ... keys").
   """
-  p = check_problem_file(path, f"{owner}.{setting}")
   out, bad, total = [], [], 0
-  for index, where, raw in _records(p, f"{owner}.{setting}"):
+  for _, index, where, raw in _all_records(path, f"{owner}.{setting}"):
     total += 1
     try:
       out.append(parse(_json_object(raw, where, expected), index, where))
@@ -172,8 +245,6 @@ def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpu
   text that is not text, an id another record has) is named by file and line or record index."""
   from jaxagent.tools.search import _as_document, misspelt_fields
 
-  p = check_problem_file(path, f"{owner}.{setting}")
-
   def columns(names: list[str]) -> list[str]:
     """A Parquet corpus's columns to read: the document's and any misspelt one (named below)."""
     if "text" not in names and "contents" not in names:
@@ -188,7 +259,7 @@ def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpu
   bad: list[str] = []
   first: dict[str, str] = {}  # id -> where it was first seen
   total = 0
-  for _, where, raw in _records(p, f"{owner}.{setting}", columns):
+  for _, _, where, raw in _all_records(path, f"{owner}.{setting}", columns):
     total += 1
     try:
       record = _json_object(raw, where, "with 'title' and 'text' keys")
@@ -240,6 +311,19 @@ def _json_object(raw: str | bytes | dict, where: str, expected: str) -> dict:
     raise ValueError(f"{where}: a record must be a JSON object {expected}, got "
                      f"{type(record).__name__}")
   return record
+
+
+def _all_records(path: Any, setting: str,
+                 columns: Callable[[list[str]], list[str]] | None = None
+                 ) -> Iterator[tuple[int | None, int, str, str | bytes | dict]]:
+  """(file, index, where, raw) of each record of the file `path` names, or of each file of a
+  glob pattern one after another (`file`: its position among them; None for a plain path)."""
+  files = problem_files(path, setting)
+  single = len(files) == 1 and not (_is_pattern(os.fspath(path))
+                                    and not pathlib.Path(os.fspath(path)).expanduser().exists())
+  for k, p in enumerate(files):
+    for index, where, raw in _records(p, setting, columns):
+      yield (None if single else k), index, where, raw
 
 
 def _records(p: pathlib.Path, setting: str,

@@ -222,7 +222,8 @@ class SearchQAEnv(Env):
     corpus_file: your own documents ("" = the generated ones), a JSONL, ArrayRecord or Parquet
       file of `{"title", "text", "id"?}` records, other keys ignored (or `{"id", "contents"}`,
       the first line of the contents its title); needs `train_file` and `eval_file`.
-    train_file, eval_file: your own questions for the train / eval split, every record in file
+    train_file, eval_file: your own questions for the train / eval split (each file setting
+      may be a glob pattern of a split's shards, `train-*.parquet`), every record in file
       order (`train_size` / `eval_size` then do not apply; the trainer evaluates on the first
       `eval.size`); need `corpus_file`.
     question_key, answer_key: the question files' keys of the question and of its answer(s)
@@ -403,7 +404,7 @@ class SearchQAEnv(Env):
       meta = {"where": p.where}
       if self.titles_key:
         meta["supporting_titles"] = gold_titles
-      out.append(Example(id=f"{split}-file-{p.index}", prompt=(
+      out.append(Example(id=f"{split}-file-{p.key}", prompt=(
           {"role": "system", "content": self.system_prompt},
           {"role": "user", "content": f"Question: {p.question}"}),
           gold=[p.gold] if isinstance(p.gold, str) else list(p.gold), metadata=meta))

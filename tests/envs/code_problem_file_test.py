@@ -71,6 +71,23 @@ def test_the_problem_file_is_hidden_from_the_solution(readable_dir):
   assert run.passed == 0, run
 
 
+def test_a_sharded_problem_file_is_read_and_every_shard_hidden(readable_dir):
+  write(readable_dir / "mine-00001.jsonl", [problem(3)])
+  write(readable_dir / "mine-00000.jsonl", [problem(1), problem(2)])
+  env = CodeEnv(problem_file=str(readable_dir / "mine-*.jsonl"), eval_size=1, sft_size=0)
+  assert sorted(e.id for s in ("train", "eval") for e in env.examples(s)) == [
+      "Mine/1", "Mine/2", "Mine/3"]
+  shard = str(readable_dir / "mine-00001.jsonl")  # the second file: read it for the answer
+  cheat = ("def times_3(x):\n    import json\n"
+           f"    p = json.loads(open({shard!r}).readline())\n"
+           "    ns = {}\n    exec(p['prompt'] + p['canonical_solution'], ns)\n"
+           "    return ns['times_3'](x)\n")
+  run, _ = env.score("Mine/3", f"<code>\n{cheat}</code>")
+  assert run.passed == 0, run
+  run, _ = env.score("Mine/3", "<code>\ndef times_3(x):\n    return x * 3\n</code>")
+  assert run.passed == 2, run
+
+
 def test_bad_problem_records_are_named(tmp_path):
   no_assert = {**problem(4), "test": "def check(candidate):\n    candidate(1)\n"}
   path = write(tmp_path / "bad.jsonl", [

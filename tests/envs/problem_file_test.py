@@ -6,7 +6,8 @@ import re
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from jaxagent.envs.problem_file import read_problems
+from jaxagent.envs.problem_file import (check_problem_file, problem_files, read_documents,
+                                        read_problems)
 
 GSM8K = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
          "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
@@ -150,8 +151,9 @@ def test_a_missing_file_or_url_is_named(tmp_path):
     read_problems(tmp_path / "d.jsonl")
   (tmp_path / "spark.parquet").mkdir()  # Spark writes part files under a .parquet folder
   with pytest.raises(ValueError, match=r"spark\.parquet' is not a file but a directory; give one "
-                                       r"file \(a data set split into several files, such as "
-                                       r"Parquet parts or shards: join them"):
+                                       r"file, or for a data set split into several files, such "
+                                       r"as Parquet parts or shards, a glob pattern of its files "
+                                       r"\('.*spark\.parquet/\*\.parquet'\)"):
     read_problems(tmp_path / "spark.parquet")
 
 
@@ -292,3 +294,62 @@ def test_a_parquet_corpus_reads_only_the_document_columns(tmp_path, monkeypatch)
       "titel.parquet record 0: 'titel' looks like a misspelt 'title': rename it (fields: "
       "['text', 'titel']; fields other than title, text and id are ignored)")):
     read_documents(path, owner="SearchQAEnv")
+
+
+def test_a_glob_pattern_reads_a_sharded_split_in_sorted_order(tmp_path):
+  # Written out of order: the shards are read sorted by name, each record named by its file.
+  write_jsonl(tmp_path / "train-00001-of-00002.jsonl", [RECORDS[2], "", RECORDS[3]])
+  write_jsonl(tmp_path / "train-00000-of-00002.jsonl", RECORDS[:2])
+  write_jsonl(tmp_path / "test-00000-of-00001.jsonl", [RECORDS[4]])  # not matched
+  probs = read_problems(str(tmp_path / "train-*.jsonl"))
+  assert [p.gold for p in probs] == GOLDS[:4]
+  assert [(p.where, p.key) for p in probs] == [
+      ("train-00000-of-00002.jsonl line 1", "0-1"), ("train-00000-of-00002.jsonl line 2", "0-2"),
+      ("train-00001-of-00002.jsonl line 1", "1-1"), ("train-00001-of-00002.jsonl line 3", "1-3")]
+  assert problem_files(str(tmp_path / "train-*.jsonl"), "s") == (
+      tmp_path / "train-00000-of-00002.jsonl", tmp_path / "train-00001-of-00002.jsonl")
+  # A plain path reads as before: its records keyed by line alone.
+  one = read_problems(tmp_path / "train-00001-of-00002.jsonl")
+  assert [(p.key, p.file) for p in one] == [("1", None), ("3", None)]
+  # A pattern of one file still keys by file, and a bad record names its shard.
+  write_jsonl(tmp_path / "bad-00000.jsonl", [RECORDS[0], {"question": "q?"}])
+  with pytest.raises(ValueError, match=r"MathToolEnv\.train_file='.*bad-\*\.jsonl': 1 bad record "
+                                       r"\(of 2\).*\n  bad-00000\.jsonl line 2: no 'answer' key"):
+    read_problems(str(tmp_path / "bad-*.jsonl"))
+  assert [p.key for p in read_problems(str(tmp_path / "train-00000-*.jsonl"))] == ["0-1", "0-2"]
+
+
+def test_parquet_shards_and_a_sharded_corpus(tmp_path):
+  for k in range(3):
+    write_parquet(tmp_path / f"train-0000{k}-of-00003.parquet",
+                  [{"question": f"q{k}-{i}?", "answer": str(k * 10 + i)} for i in range(2)])
+    write_parquet(tmp_path / f"wiki-{k}.parquet",
+                  [{"title": f"T{k}{i}", "text": f"text {k}{i}", "url": "u"} for i in range(2)])
+  probs = read_problems(str(tmp_path / "train-*-of-00003.parquet"))
+  assert [p.gold for p in probs] == ["0", "1", "10", "11", "20", "21"]
+  assert probs[3].where == "train-00001-of-00003.parquet record 1" and probs[3].key == "1-1"
+  docs = read_documents(str(tmp_path / "wiki-*.parquet"), owner="SearchQAEnv")
+  assert [(d.id, d.title) for d in docs] == [(str(i), f"T{i // 2}{i % 2}") for i in range(6)]
+
+
+def test_a_bad_glob_pattern_is_named(tmp_path):
+  with pytest.raises(ValueError, match=r"MathToolEnv\.train_file='.*train-\*\.parquet': the glob "
+                                       r"pattern matches no file"):
+    read_problems(str(tmp_path / "train-*.parquet"))
+  with pytest.raises(ValueError, match=r"MathToolEnv\.train_file='.*nope/\*\.jsonl': the glob "
+                                       r"pattern matches no file"):
+    check_problem_file(str(tmp_path / "nope" / "*.jsonl"), "MathToolEnv.train_file")
+  write_jsonl(tmp_path / "part-0.jsonl", RECORDS[:1])
+  write_parquet(tmp_path / "part-1.parquet", [{"question": "q?", "answer": "1"}])
+  with pytest.raises(ValueError, match=r"CodeEnv\.problem_file='.*part-\*': the pattern matches "
+                                       r"files of 2 formats: JSONL \(part-0\.jsonl\), Parquet "
+                                       r"\(part-1\.parquet\); all files of a pattern must be of "
+                                       r"one format"):
+    check_problem_file(str(tmp_path / "part-*"), "CodeEnv.problem_file")
+  (tmp_path / "part-2.csv").write_text("q,a\n")
+  with pytest.raises(ValueError, match=r"'.*part-\?\.\*' matches '.*part-2\.csv': unknown file "
+                                       r"format \(suffix '\.csv'\)"):
+    read_problems(str(tmp_path / "part-?.*"))
+  # .jsonl and .jsonl.gz are one format; a name with glob characters that exists is a file.
+  write_jsonl(tmp_path / "odd[1].jsonl", RECORDS[1:2])
+  assert [p.key for p in read_problems(str(tmp_path / "odd[1].jsonl"))] == ["1"]
