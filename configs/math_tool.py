@@ -18,8 +18,13 @@ train and/or eval split, every record of the file:
   python -m jaxagent.launch --config=configs/math_tool.py \
       --config.env.kwargs.train_file=/data/train.jsonl \
       --config.env.kwargs.eval_file=/data/test.jsonl
-with `--config.env.kwargs.question_key=problem` (and `answer_key`) for other field names. The
-SFT warm start still demonstrates the interpreter on built-in generated problems (none of yours).
+with `--config.env.kwargs.question_key=problem` (and `answer_key`) for other field names. A
+file setting may be a glob pattern of a split's shards ('/data/gsm8k/train-*.parquet', read in
+sorted order). The SFT warm start demonstrates the interpreter on built-in generated problems,
+or, with `--config.env.kwargs.sft_file=/data/train.jsonl`, on your records' worked solutions
+(GSM8K answers: each `<<48/2=24>>` calculator note a line of code; `solution_key` names the
+solution when it is not under answer_key); records without a usable solution are counted in a
+warning and left out.
 Switch progressive reward shaping on with e.g. `--config.env.kwargs.format_weight=0.2
 --config.env.kwargs.tool_weight=0.05 --config.env.kwargs.shaping_steps=20`.
 
@@ -61,7 +66,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       code_memory_mb=1024, format_weight=0.0, tool_weight=0.0, shaping_steps=0,
       shaping_start=0.0, seed=0,
       # Your own problems ("" = the built-in sources): see the header.
-      train_file="", eval_file="", question_key="question", answer_key="answer")))
+      train_file="", eval_file="", question_key="question", answer_key="answer",
+      sft_file="", solution_key="")))
 
   c.rollout = ml_collections.ConfigDict(dict(
       slots=64, max_len=512, temperature=1.0, top_p=1.0, top_k=0, max_turns=4,

@@ -2,8 +2,9 @@
 
 Problems are reasoning-gym `gsm_symbolic` (GSM8K-style templates with fresh numbers) and,
 optionally, the numeric-answer problems of CHAMP (`champ-dataset`, competition math); or your
-own, from a JSONL, ArrayRecord or Parquet file per split (`train_file`, `eval_file`; see
-`jaxagent/envs/problem_file.py` for the record format). The
+own, from a JSONL, ArrayRecord or Parquet file (or a glob pattern of a split's shards) per split
+(`train_file`, `eval_file`, `sft_file`; see `jaxagent/envs/problem_file.py` for the record
+format). The
 policy writes code between `<code>` and `</code>`; the rollout runs it in the trajectory's own
 sandboxed interpreter (a `PythonSession`: variables persist across turns, and `Episode.close`
 ends it) and appends what it printed as `<interpreter>...</interpreter>`, an observation that
@@ -24,7 +25,9 @@ are split over two code cells, showing that variables persist between calls. Eve
 reproduces the value the solution states, and a program is kept only if its result is the gold
 answer to a relative 1e-6 (2904 of the 3000 problems drawn with seed 0; a dozen of them print float
 noise such as 57.00000000000001 before answering 57); other problems, and all CHAMP problems, have
-no demonstration and are left out of the "sft" split.
+no demonstration and are left out of the "sft" split. Your own problems (`sft_file`) are
+demonstrated the same way from their worked solutions; a GSM8K solution's calculator notes
+(`<<48/2=24>>24`) give its steps (`calculator_steps`).
 """
 from __future__ import annotations
 
@@ -32,6 +35,7 @@ import ast
 import builtins
 import dataclasses
 import keyword
+import logging
 import math
 import operator
 import random
@@ -43,7 +47,8 @@ from jaxagent.agent.env import (OBSERVATION_TEMPLATES, Env, Episode, Example,
                                 check_shaping_settings)
 from jaxagent.agent.parsers import XMLTagParser, _block_spans, _without
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
-from jaxagent.envs.problem_file import check_problem_file, read_problems
+from jaxagent.envs.problem_file import (_MISSING, _lookup, check_problem_file, problem_files,
+                                        read_problems)
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
                               MathAnswerReward, ProgressiveSchedule, RewardInput, RewardOutput,
                               ToolShapingConfig, ToolUseReward)
@@ -56,6 +61,8 @@ SYSTEM_PROMPT = (
     "</interpreter>. Variables persist from one code block to the next. Use print() to see "
     "results. When you know the final answer, write only the number inside <answer> and "
     "</answer>.")
+
+log = logging.getLogger(__name__)
 
 SOURCES = ("gsm_symbolic", "champ")
 _FORMAT = FormatConfig(allowed_tags=("code", "answer"), answer_tag="answer", opaque_tags=("code",),
@@ -271,16 +278,57 @@ def steps_program(steps: Sequence[tuple[str, float, str]]) -> tuple[list[str], l
   return lines, values
 
 
+_NOTE = re.compile(r"<<([^<>=]*)=([^<>=]*)>>")
+
+
+def calculator_steps(solution: str) -> list[tuple[str, float, str]]:
+  """(expression, value, unit word) of each GSM8K calculator note in a worked solution
+  ("Natalia sold 48/2 = <<48/2=24>>24 clips"), as `cot_steps` gives them: a note whose
+  expression is not plain arithmetic (words, `%`, `**`), or whose arithmetic does not give the
+  value it states, is skipped; the text after the `####` line is not read."""
+  solution = solution.split("\n####", 1)[0]
+  steps: list[tuple[str, float, str]] = []
+  for m in _NOTE.finditer(solution):
+    value_text = m.group(2).strip().replace(",", "").lstrip("$")
+    # ".5" is 0.5: the tokens below read numbers with their integer part only.
+    expr_text = re.sub(r"(?<![\d.])\.(?=\d)", "0.", m.group(1))
+    toks = [(t.lastgroup, t.group()) for t in _TOKEN.finditer(expr_text)]
+    if not toks or any(k in ("other", "eq") or (k == "word" and t != "x") for k, t in toks):
+      continue
+    expr = _expression([t for t in toks if t[0] != "skip"])
+    try:
+      value = float(value_text)
+      text = _join(expr) if expr else ""
+      if not text or not _close(safe_eval(text), value):
+        continue
+    except _ARITH_ERRORS:
+      continue
+    # Named after the first content word after the note's result in its sentence
+    # ("<<48/2=24>>24 clips"; none in "<<100/2=50>>50.\nThis means").
+    after = []
+    for t in _TOKEN.finditer(solution[m.end():].split("\n", 1)[0][:80]):
+      if t.lastgroup in ("other", "eq"):
+        break
+      after.append(t)
+    unit = next((t.group().lower() for t in after[:5] if t.lastgroup == "word"
+                 and t.group().lower() not in _STOP_NAMES), "")
+    if not any(e == text for e, _, _ in steps):
+      steps.append((text, safe_eval(text), unit))
+  return steps
+
+
 def gsm_demonstration(cot: str, gold: str, *, split_at: int = 4) -> list[tuple[int, str]] | None:
-  """Code-interpreter demonstration segments for a reasoning-gym solution, or None (also for a
-  solution whose arithmetic cannot be replayed, e.g. a division by zero, and a non-finite gold)."""
+  """Code-interpreter demonstration segments for a reasoning-gym solution, or a GSM8K worked
+  solution with calculator notes (`<<48/2=24>>`, which give the steps; see `calculator_steps`),
+  or None (also for a solution whose arithmetic cannot be replayed, e.g. a division by zero, and
+  a gold that is not a finite number; a GSM8K gold may have thousands commas, "1,000")."""
   try:
-    g = float(gold)
+    g = float(gold.replace(",", ""))
   except ValueError:
     return None
   if not math.isfinite(g):
     return None
-  steps = cot_steps(cot)
+  steps = calculator_steps(cot) or cot_steps(cot)
   last = max((k for k, (_, v, _) in enumerate(steps) if _close(v, g)), default=None)
   if last is None:
     return None
@@ -398,11 +446,20 @@ class MathToolEnv(Env):
       `eval.size`). JSONL (`.jsonl`, `.jsonl.gz`) or ArrayRecord (`.array_record`,
       `.arrayrecord`) records that are JSON objects, or Parquet (`.parquet`) rows; a GSM8K
       answer ("... #### 72") gives its final answer (see
-      `jaxagent/envs/problem_file.py`). The "sft" split still draws built-in gsm_symbolic
-      problems, whose generated reference solutions make the code demonstrations (they teach
-      the tool format, not your data), never a question of either file; with `sft_size=0` or
-      `sources` without gsm_symbolic it is empty (set the trainer's `sft.steps=0`). The files
-      are hidden from the policy's code like the built-in answer keys.
+      `jaxagent/envs/problem_file.py`); a glob pattern (`/data/train-*.parquet`) reads a
+      split's shards in sorted order. Without `sft_file` the "sft" split draws built-in
+      gsm_symbolic problems, whose generated reference solutions make the code demonstrations
+      (they teach the tool format, not your data), never a question of a file; with
+      `sft_size=0` or `sources` without gsm_symbolic it is empty (set the trainer's
+      `sft.steps=0`). The files are hidden from the policy's code like the built-in answer keys.
+    sft_file: a file of your own problems with worked solutions ("" = none; may be the
+      train_file) whose demonstrations make the "sft" split, every record that has one in file
+      order (`sft_size` then does not apply): each `<<expr=value>>` calculator note of a GSM8K
+      solution (or else each `expr = value` step) is a line of interpreter code, kept when the
+      program's result is the gold answer. Records without such a solution are left out and
+      counted in a warning; a file with none is an error.
+    solution_key: the key of a sft_file record's worked solution ("" = `answer_key`, as in
+      GSM8K, whose answer is the solution ending "#### 72").
     question_key, answer_key: the keys of a file record's question and answer.
     max_output_chars: the text between the interpreter tags is cut to this many characters (a
       failed call keeps its error over its output; see `format_observation`).
@@ -426,7 +483,8 @@ class MathToolEnv(Env):
                code_timeout_s: float = 5.0, code_memory_mb: int = 1024,
                format_weight: float = 0.0, tool_weight: float = 0.0, shaping_steps: int = 0,
                shaping_start: float = 0.0, seed: int = 0, train_file: str = "",
-               eval_file: str = "", question_key: str = "question", answer_key: str = "answer"):
+               eval_file: str = "", question_key: str = "question", answer_key: str = "answer",
+               sft_file: str = "", solution_key: str = ""):
     for field, value in (("sources", sources), ("eval_sources", eval_sources)):
       if isinstance(value, str) or not value or any(s not in SOURCES for s in value):
         raise ValueError(f"MathToolEnv.{field} must be a non-empty tuple drawn from {SOURCES}, "
@@ -444,6 +502,13 @@ class MathToolEnv(Env):
       raise ValueError(f"MathToolEnv.seed must be an int, got {seed!r}")
     check_shaping_settings("MathToolEnv", format_weight=format_weight, tool_weight=tool_weight,
                            shaping_steps=shaping_steps, shaping_start=shaping_start)
+    if not isinstance(solution_key, str):
+      raise ValueError(f"MathToolEnv.solution_key must be a str (a record's key; \"\" = "
+                       f"answer_key), got {solution_key!r}")
+    if solution_key and not sft_file:
+      raise ValueError(f"MathToolEnv.solution_key={solution_key!r} names the worked solutions of "
+                       "sft_file's records, but sft_file is not set: set sft_file (it may be the "
+                       "train_file), or leave solution_key \"\"")
     for field, value in (("question_key", question_key), ("answer_key", answer_key)):
       if not isinstance(value, str) or not value:
         raise ValueError(f"MathToolEnv.{field} must be a non-empty str (a record's key), "
@@ -453,9 +518,11 @@ class MathToolEnv(Env):
                        f"{question_key!r}")
     # Checked here (exists, known format); read when the split is first asked for.
     self._files = {split: str(check_problem_file(path, f"MathToolEnv.{split}_file"))
-                   for split, path in (("train", train_file), ("eval", eval_file))
+                   for split, path in (("train", train_file), ("eval", eval_file),
+                                       ("sft", sft_file))
                    if path != ""}
     self.question_key, self.answer_key = question_key, answer_key
+    self.solution_key = solution_key or answer_key
     self.sources, self.eval_sources = tuple(sources), tuple(eval_sources)
     self.seed = seed
     self.max_output_chars = max_output_chars
@@ -465,7 +532,9 @@ class MathToolEnv(Env):
     self.sandbox = SandboxConfig.from_settings(
         "MathToolEnv", {"code_timeout_s": ("timeout_s", code_timeout_s),
                         "code_memory_mb": ("memory_mb", code_memory_mb)},
-        deny_read_paths=_answer_key_paths() + tuple(self._files.values()))
+        deny_read_paths=_answer_key_paths() + tuple(dict.fromkeys(
+            str(f) for split, path in self._files.items()
+            for f in problem_files(path, f"MathToolEnv.{split}_file"))))
     self.parser = XMLTagParser({"code": ("python", "code")}, answer_tag="answer", strip=False,
                                think_tag=_FORMAT.think_tag)
     self._sizes = {"train": train_size, "eval": eval_size, "sft": sft_size}
@@ -545,9 +614,39 @@ class MathToolEnv(Env):
     path = self._files[split]
     probs = read_problems(path, question_key=self.question_key, answer_key=self.answer_key,
                           owner="MathToolEnv", setting=f"{split}_file")
-    return [Example(id=f"{split}-file-{p.index}", prompt=self._messages(p.question), gold=p.gold,
-                    metadata={"source": "file", "question": p.question, "where": p.where})
-            for p in probs]
+    exs = [Example(id=f"{split}-file-{p.key}", prompt=self._messages(p.question), gold=p.gold,
+                   metadata={"source": "file", "question": p.question, "where": p.where})
+           for p in probs]
+    return self._with_demonstrations(exs, probs) if split == "sft" else exs
+
+  def _with_demonstrations(self, exs: list[Example], probs: list) -> list[Example]:
+    """The sft_file's examples whose worked solution (`solution_key`) makes a demonstration,
+    each with it as `answer_cot`; how many have none is logged, and none at all is an error."""
+    kept, unusable = [], []
+    for ex, p in zip(exs, probs):
+      solution = _lookup(p.record, self.solution_key)
+      ex = dataclasses.replace(ex, metadata={**ex.metadata, "answer_cot": solution})
+      if isinstance(solution, str) and self.demonstration(ex) is not None:
+        kept.append(ex)
+      else:
+        unusable.append((p.where, "no solution key" if solution is _MISSING else None))
+    where = f"MathToolEnv.sft_file={self._files['sft']!r}"
+    if not kept:
+      raise ValueError(
+          f"{where}: none of its {len(exs)} records has a worked solution that makes a code "
+          f"demonstration (the {self.solution_key!r} key, MathToolEnv.solution_key, as "
+          "GSM8K's answer: steps with calculator notes such as '48/2 = <<48/2=24>>24' or "
+          "'48/2 = 24', ending on the final answer after '####', a number); e.g. "
+          f"{unusable[0][0]}. Give a file with such solutions, or leave sft_file \"\" (the "
+          "warm start then uses built-in generated problems)")
+    if unusable:
+      missing = sum(1 for _, why in unusable if why)
+      log.warning("%s: %d of %d records have no usable worked solution (%s; %d without the %r "
+                  "key) and are not in the sft split; %d demonstrations kept", where,
+                  len(unusable), len(exs), ", ".join(w for w, _ in unusable[:3])
+                  + (", ..." if len(unusable) > 3 else ""), missing, self.solution_key,
+                  len(kept))
+    return kept
 
   @staticmethod
   def _messages(question: str):

@@ -8,8 +8,9 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from jaxagent.agent.env import Example
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, demonstration_trajectory
 from jaxagent.envs import make_env
-from jaxagent.envs.math_tool import (SYSTEM_PROMPT, MathToolEnv, champ_problems, clean_code,
-                                     cot_steps, gsm_demonstration, safe_eval, steps_program)
+from jaxagent.envs.math_tool import (SYSTEM_PROMPT, MathToolEnv, calculator_steps,
+                                     champ_problems, clean_code, cot_steps, gsm_demonstration,
+                                     safe_eval, steps_program)
 from jaxagent.tools import PythonSession, ToolResult
 
 GIRLS = ("There are 32 girls x 2 boys/girl = 64 boys in the garden.\n"
@@ -580,3 +581,90 @@ def test_reward_is_linear_in_many_unclosed_tags():
     assert score(RewardInput(response_text=blob, gold="42")) == -1.0
     assert time.process_time() - t < 1.0, blob[:20]
   assert score(RewardInput(response_text="<code>x<answer>" * 3 + "42</answer>", gold="42")) == 1.0
+
+
+# ----------------------------------------------------------------------------- your own SFT data
+NATALIA = ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n"
+           "Natalia sold 48+24 = <<48+24=72>>72 clips altogether in April and May.\n#### 72")
+WENG = ("Weng earns 12/60 = $<<12/60=0.2>>0.2 per minute.\n"
+        "Working 50 minutes, she earned 0.2 x 50 = $<<0.2*50=10>>10.\n#### 10")
+BETTY = ("In the beginning, Betty has only 100 / 2 = $<<100/2=50>>50.\nBetty's grandparents gave "
+         "her 15 * 2 = $<<15*2=30>>30.\nThis means, Betty needs 100 - 50 - 30 - 15 = "
+         "$<<100-50-30-15=5>>5 more.\n#### 5")
+
+
+def test_calculator_notes_give_the_steps():
+  assert calculator_steps(NATALIA) == [("48 / 2", 24.0, "clips"), ("48 + 24", 72, "clips")]
+  assert [(e, v) for e, v, _ in calculator_steps(WENG)] == [("12 / 60", 0.2), ("0.2 * 50", 10.0)]
+  # A note that is not plain arithmetic, or whose result is not the stated one, is skipped.
+  assert calculator_steps("<<2^3=8>> <<3*4=13>> <<.5*4=2>>2 cups\n#### 2") == [
+      ("0.5 * 4", 2.0, "cups")]
+  segs = gsm_demonstration(BETTY, "5")
+  codes = [t for r, t in segs if r == POLICY and t.startswith("<code>")]
+  assert len(codes) == 1 and codes[0].endswith("print(step_3)\n</code>") and segs[-1] == (
+      POLICY, "<answer>5</answer>")
+  # A GSM8K gold with a thousands comma is a number.
+  assert gsm_demonstration("He pays 500*2 = $<<500*2=1000>>1000.\n#### 1,000", "1,000")[-1] == (
+      POLICY, "<answer>1,000</answer>")
+  with PythonSession(timeout_s=10) as session:  # the printed values are the sandbox's
+    for cot, gold in ((NATALIA, "72"), (WENG, "10"), (BETTY, "5")):
+      segs = gsm_demonstration(cot, gold)
+      for (_, code), (_, obs) in zip(segs[0:-1:2], segs[1::2]):
+        out = session.run(clean_code(code[len("<code>"):-len("</code>")]))
+        assert out.ok and obs == f"<interpreter>{out.output}</interpreter>", (code, out)
+
+
+def test_sft_file_makes_the_warm_start_from_your_worked_solutions(tmp_path, smol_tok, caplog):
+  rows = [{"question": "Natalia sold 48 clips in April and half as many in May. How many in all?",
+           "answer": NATALIA},
+          {"question": "How many more does Betty need?", "answer": BETTY},
+          {"question": "No steps?", "answer": "#### 7"},  # no worked solution: left out, said
+          {"question": "Weng earns $12 an hour. 50 minutes?", "answer": WENG}]
+  train = tmp_path / "train-00000-of-00002.jsonl"
+  train.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]))
+  (tmp_path / "train-00001-of-00002.jsonl").write_text(
+      "".join(json.dumps(r) + "\n" for r in rows[2:]))
+  pattern = str(tmp_path / "train-*.jsonl")
+  with caplog.at_level("WARNING", logger="jaxagent.envs.math_tool"):
+    env = MathToolEnv(train_file=pattern, sft_file=pattern, train_size=0, eval_size=4, seed=1)
+    sft = env.examples("sft")
+  assert [(e.id, e.gold, e.metadata["where"]) for e in sft] == [
+      ("sft-file-0-1", "72", "train-00000-of-00002.jsonl line 1"),
+      ("sft-file-0-2", "5", "train-00000-of-00002.jsonl line 2"),
+      ("sft-file-1-2", "10", "train-00001-of-00002.jsonl line 2")]
+  assert "1 of 4 records have no usable worked solution (train-00001-of-00002.jsonl line 1; 0 " \
+         "without the 'answer' key) and are not in the sft split; 3 demonstrations kept" in caplog.text
+  assert [e.id for e in env.examples("train")] == ["train-file-0-1", "train-file-0-2",
+                                                   "train-file-1-1", "train-file-1-2"]
+  # Every shard is hidden from the policy's code; the eval split draws around the files.
+  assert {str(p) for p in tmp_path.glob("train-*.jsonl")} <= set(env.sandbox.deny_read_paths)
+  assert not {e.metadata["question"] for e in env.examples("eval")} & {r["question"] for r in rows}
+  # With the real tokenizer, each demonstration is a well-formed ledger the reward scores +1:
+  # only the policy's text trains.
+  for ex in sft:
+    segs = env.demonstration(ex)
+    traj = demonstration_trajectory(env.render_prompt(ex, smol_tok), segs, smol_tok, env=env)
+    traj.finish("answer")
+    assert env.reward(traj, ex, smol_tok, 0).components["correct"] == 1.0, ex.id
+    assert traj.observation_texts() == [t for r, t in segs if r == OBSERVATION]
+    policy = smol_tok.decode([t for t, m in zip(traj.token_ids, traj.train_mask()) if m])
+    assert "<code>" in policy and f"<answer>{ex.gold}</answer>" in policy
+    assert "<interpreter>" not in policy
+
+
+def test_sft_file_settings_and_a_file_without_solutions(tmp_path):
+  path = tmp_path / "plain.jsonl"
+  path.write_text(json.dumps({"q": "6 times 7?", "a": 42, "steps": "6*7 = <<6*7=42>>42"}) + "\n"
+                  + json.dumps({"q": "Half of 9?", "a": "4.5"}) + "\n")
+  env = MathToolEnv(sft_file=str(path), question_key="q", answer_key="a", solution_key="steps",
+                    train_size=0, eval_size=0)
+  assert [(e.id, e.gold) for e in env.examples("sft")] == [("sft-file-1", "42")]
+  with pytest.raises(ValueError, match=r"MathToolEnv\.sft_file='.*plain\.jsonl': none of its 2 "
+                                       r"records has a worked solution .*the 'a' key, "
+                                       r"MathToolEnv\.solution_key.*plain\.jsonl line 1.*leave "
+                                       r"sft_file \"\""):
+    MathToolEnv(sft_file=str(path), question_key="q", answer_key="a", train_size=0,
+                eval_size=0).examples("sft")
+  with pytest.raises(ValueError, match=r"MathToolEnv\.solution_key='steps' names the worked "
+                                       r"solutions of sft_file's records, but sft_file is not set"):
+    MathToolEnv(solution_key="steps")
