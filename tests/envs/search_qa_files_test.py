@@ -307,3 +307,25 @@ def test_search_r1_parquet_questions_and_a_wikipedia_dump_corpus(tmp_path):
                     train_file=str(tmp_path / "nq_train.parquet"), eval_file=str(tmp_path / "nq_dev.parquet"),
                     answer_key="reward_model.ground_truth.target")
   assert env.examples("eval")[0].gold == ["London"]
+
+
+def test_sharded_corpus_and_question_files(tmp_path):
+  # Hugging Face ships a split in shards: each setting a glob pattern, read in sorted order.
+  write_jsonl(tmp_path / "wiki-00001.jsonl", CORPUS[2:])
+  write_jsonl(tmp_path / "wiki-00000.jsonl", CORPUS[:2])
+  write_jsonl(tmp_path / "train-00000.jsonl", TRAIN[:1])
+  write_jsonl(tmp_path / "train-00001.jsonl", TRAIN[1:])
+  env = SearchQAEnv(data_dir=str(tmp_path / "tfds"), **{**SMALL, "sft_size": 0},
+                    corpus_file=str(tmp_path / "wiki-*.jsonl"),
+                    train_file=str(tmp_path / "train-*.jsonl"),
+                    eval_file=write_jsonl(tmp_path / "dev.jsonl", EVAL))
+  assert [d.id for d in env.index.documents] == ["0", "1", "cb"]
+  # Line 1 of each shard: the ids name the shard too.
+  assert [(e.id, e.metadata["where"]) for e in env.examples("train")] == [
+      ("train-file-0-1", "train-00000.jsonl line 1"), ("train-file-1-1", "train-00001.jsonl line 1")]
+  assert [e.id for e in env.examples("eval")] == ["eval-file-1"]
+  with pytest.raises(ValueError, match=r"SearchQAEnv\.corpus_file='.*kilt-\*\.jsonl': the glob "
+                                       r"pattern matches no file"):
+    SearchQAEnv(data_dir=str(tmp_path / "tfds"), **{**SMALL, "sft_size": 0},
+                corpus_file=str(tmp_path / "kilt-*.jsonl"),
+                train_file=str(tmp_path / "train-*.jsonl"), eval_file=str(tmp_path / "dev.jsonl"))
