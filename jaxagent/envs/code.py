@@ -810,10 +810,13 @@ class CodeEnv(Env):
     self.problem_file = ""
     if problem_file:
       self.problem_file = str(check_problem_file(problem_file, "CodeEnv.problem_file"))
+      # A glob pattern's files listed once: exactly these are read and hidden from solutions.
+      files = problem_files(self.problem_file, "CodeEnv.problem_file")
       seen: dict[str, str] = {}  # task id -> where
       problems = read_objects(self.problem_file, functools.partial(_file_problem, seen=seen),
                               owner="CodeEnv", setting="problem_file", expected=(
-                                  "with 'task_id', 'prompt', 'test' and 'entry_point' keys"))
+                                  "with 'task_id', 'prompt', 'test' and 'entry_point' keys"),
+                              files=files)
       source = f"problems of CodeEnv.problem_file={problem_file!r}"
     else:
       problems = sorted(read_problems().values(),
@@ -843,8 +846,7 @@ class CodeEnv(Env):
     self._plans = {p["task_id"]: plan_tests(p["test"], prelude=p["prompt"]) for p in problems}
     self.parser = XMLTagParser({}, answer_tag="code", strip=False)
     # The problem file (each file of a glob pattern) holds the tests: hidden from solutions.
-    denied = (tuple(map(str, problem_files(self.problem_file, "CodeEnv.problem_file")))
-              if self.problem_file else ())
+    denied = tuple(map(str, files)) if self.problem_file else ()
     self._limits = dict(timeout_s=timeout_s, per_test_s=per_test_s, memory_mb=memory_mb,
                         deny_read_paths=denied)
     # Test runs by (task id, program): GRPO groups often repeat a solution. Not a run that timed

@@ -516,11 +516,14 @@ class MathToolEnv(Env):
     if question_key == answer_key:
       raise ValueError(f"MathToolEnv.question_key and answer_key must differ, both are "
                        f"{question_key!r}")
-    # Checked here (exists, known format); read when the split is first asked for.
+    # Checked and resolved here (a glob pattern's files listed once); exactly these files are
+    # read when the split is first asked for, and hidden from the policy's code.
     self._files = {split: str(check_problem_file(path, f"MathToolEnv.{split}_file"))
                    for split, path in (("train", train_file), ("eval", eval_file),
                                        ("sft", sft_file))
                    if path != ""}
+    self._file_lists = {split: problem_files(path, f"MathToolEnv.{split}_file")
+                        for split, path in self._files.items()}
     self.question_key, self.answer_key = question_key, answer_key
     self.solution_key = solution_key or answer_key
     self.sources, self.eval_sources = tuple(sources), tuple(eval_sources)
@@ -533,8 +536,7 @@ class MathToolEnv(Env):
         "MathToolEnv", {"code_timeout_s": ("timeout_s", code_timeout_s),
                         "code_memory_mb": ("memory_mb", code_memory_mb)},
         deny_read_paths=_answer_key_paths() + tuple(dict.fromkeys(
-            str(f) for split, path in self._files.items()
-            for f in problem_files(path, f"MathToolEnv.{split}_file"))))
+            str(f) for files in self._file_lists.values() for f in files)))
     self.parser = XMLTagParser({"code": ("python", "code")}, answer_tag="answer", strip=False,
                                think_tag=_FORMAT.think_tag)
     self._sizes = {"train": train_size, "eval": eval_size, "sft": sft_size}
@@ -613,7 +615,8 @@ class MathToolEnv(Env):
   def _from_file(self, split: str) -> list[Example]:
     path = self._files[split]
     probs = read_problems(path, question_key=self.question_key, answer_key=self.answer_key,
-                          owner="MathToolEnv", setting=f"{split}_file")
+                          owner="MathToolEnv", setting=f"{split}_file",
+                          files=self._file_lists[split])
     exs = [Example(id=f"{split}-file-{p.key}", prompt=self._messages(p.question), gold=p.gold,
                    metadata={"source": "file", "question": p.question, "where": p.where})
            for p in probs]

@@ -38,7 +38,7 @@ import math
 import os
 import pathlib
 import re
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 from jaxagent.rewards import extract_gsm8k
 from jaxagent.tools.search import Document
@@ -157,7 +157,8 @@ def _check_one_file(p: pathlib.Path, text: str, setting: str, shown: bool = Fals
 
 def read_problems(path: str | os.PathLike, *, question_key: str = "question",
                   answer_key: str | tuple[str, ...] = "answer", owner: str = "MathToolEnv",
-                  setting: str = "train_file", gsm8k_answers: bool = True) -> list[Problem]:
+                  setting: str = "train_file", gsm8k_answers: bool = True,
+                  files: Sequence[pathlib.Path] | None = None) -> list[Problem]:
   """The problems of a JSONL, ArrayRecord or Parquet file, in file order.
 
   Args:
@@ -171,10 +172,13 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
       settings a user would change.
     gsm8k_answers: a text answer with a `####` marker gives the text after it (False: every
       answer is kept as written, stripped).
+    files: the files `path` names, as `problem_files` resolved them earlier (an env resolves a
+      glob pattern once, at construction, and reads and hides exactly those files); None:
+      resolved here.
   """
   out: list[Problem] = []
   bad: list[str] = []
-  for file, index, where, raw in _all_records(path, f"{owner}.{setting}"):
+  for file, index, where, raw in _all_records(path, f"{owner}.{setting}", files=files):
     try:
       out.append(dataclasses.replace(
           _problem(raw, index, where, question_key, answer_key, owner, gsm8k_answers),
@@ -201,7 +205,8 @@ def raise_bad_records(bad: list[str], total: int, what: str, noun: str = "record
 
 
 def read_objects(path: str | os.PathLike, parse: Callable[[dict, int, str], Any], *,
-                 owner: str, setting: str, expected: str) -> list:
+                 owner: str, setting: str, expected: str,
+                 files: Sequence[pathlib.Path] | None = None) -> list:
   """`parse(record, index, where)` of each JSON object record of a JSONL or ArrayRecord file (or
   each row of a Parquet file, as a dict of its columns), in file order. A record that is not a
   JSON object, or that `parse` refuses with a ValueError, is named with its message in one error;
@@ -209,9 +214,10 @@ def read_objects(path: str | os.PathLike, parse: Callable[[dict, int, str], Any]
 
   Args:
     expected: what a record holds, for the errors ("with 'task_id', 'prompt' ... keys").
+    files: the files `path` names, resolved earlier (see `read_problems`); None: resolved here.
   """
   out, bad, total = [], [], 0
-  for _, index, where, raw in _all_records(path, f"{owner}.{setting}"):
+  for _, index, where, raw in _all_records(path, f"{owner}.{setting}", files=files):
     total += 1
     try:
       out.append(parse(_json_object(raw, where, expected), index, where))
@@ -233,8 +239,8 @@ def missing_key(record: dict, key: str, where: str, hint: str) -> ValueError:
                     + (f"; did you mean {close[0]!r}?" if close else f"; {hint}"))
 
 
-def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpus_file"
-                   ) -> list[Document]:
+def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpus_file",
+                   files: Sequence[pathlib.Path] | None = None) -> list[Document]:
   """The documents of a JSONL, ArrayRecord or Parquet corpus, in file order: each record a JSON
   object (a Parquet row) `{"title": ..., "text": ..., "id"?: ...}` (title optional; a record
   without "id" gets its position among the documents), or `{"id"?: ..., "contents": ...}` as
@@ -242,7 +248,8 @@ def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpu
   double quotes dropped) and the rest the text. Other keys (a Wikipedia dump's "url",
   "wiki_id", ...) are ignored; a Parquet file's other columns are not read. A bad record (not
   JSON, no "text", a key that looks like a misspelt field such as "txt" or "titel", a title or
-  text that is not text, an id another record has) is named by file and line or record index."""
+  text that is not text, an id another record has) is named by file and line or record index.
+  `files`: the files `path` names, resolved earlier (see `read_problems`); None: resolved here."""
   from jaxagent.tools.search import _as_document, misspelt_fields
 
   def columns(names: list[str]) -> list[str]:
@@ -259,7 +266,7 @@ def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpu
   bad: list[str] = []
   first: dict[str, str] = {}  # id -> where it was first seen
   total = 0
-  for _, _, where, raw in _all_records(path, f"{owner}.{setting}", columns):
+  for _, _, where, raw in _all_records(path, f"{owner}.{setting}", columns, files):
     total += 1
     try:
       record = _json_object(raw, where, "with 'title' and 'text' keys")
@@ -314,11 +321,13 @@ def _json_object(raw: str | bytes | dict, where: str, expected: str) -> dict:
 
 
 def _all_records(path: Any, setting: str,
-                 columns: Callable[[list[str]], list[str]] | None = None
+                 columns: Callable[[list[str]], list[str]] | None = None,
+                 files: Sequence[pathlib.Path] | None = None
                  ) -> Iterator[tuple[int | None, int, str, str | bytes | dict]]:
   """(file, index, where, raw) of each record of the file `path` names, or of each file of a
-  glob pattern one after another (`file`: its position among them; None for a plain path)."""
-  files = problem_files(path, setting)
+  glob pattern one after another (`file`: its position among them; None for a plain path);
+  `files`: those files as resolved earlier (None: `problem_files` here)."""
+  files = problem_files(path, setting) if files is None else tuple(files)
   single = len(files) == 1 and not (_is_pattern(os.fspath(path))
                                     and not pathlib.Path(os.fspath(path)).expanduser().exists())
   for k, p in enumerate(files):

@@ -54,8 +54,8 @@ from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example, check_shapin
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
 from jaxagent.envs import knowledge_base as kb_lib
-from jaxagent.envs.problem_file import (_MISSING, _lookup, check_problem_file, raise_bad_records,
-                                        read_documents, read_problems)
+from jaxagent.envs.problem_file import (_MISSING, _lookup, check_problem_file, problem_files,
+                                        raise_bad_records, read_documents, read_problems)
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
                               ProgressiveSchedule, RewardInput, RewardOutput, TextMatchReward)
 from jaxagent.tools import BM25Index, SearchTool, ToolRegistry
@@ -269,6 +269,8 @@ class SearchQAEnv(Env):
                        f"retrieved <information> tokens), got {mask_observations!r}")
     files = self._check_file_settings(corpus_file, train_file, eval_file, question_key,
                                       answer_key, titles_key, retrieval_weight)
+    # A glob pattern's files listed once, here: exactly these are read.
+    self._file_lists = {k: problem_files(f, f"SearchQAEnv.{k}_file") for k, f in files.items()}
     self.corpus_file = files.pop("corpus", "")
     self._files = files  # split -> question file
     self.question_key, self.titles_key = question_key, titles_key
@@ -298,7 +300,8 @@ class SearchQAEnv(Env):
           raise
         raise ValueError(f"{e} (with corpus_file, this is about the sft split's demonstrations "
                          "over the generated world; sft_size=0 drops them)") from None
-    documents = (read_documents(self.corpus_file, owner="SearchQAEnv") if self.corpus_file
+    documents = (read_documents(self.corpus_file, owner="SearchQAEnv",
+                                files=self._file_lists["corpus"]) if self.corpus_file
                  else self.kb.documents)
     self.index = BM25Index(documents)
     self.search_tool = SearchTool(self.index, k=top_k, max_k=max(10, top_k),
@@ -387,7 +390,8 @@ class SearchQAEnv(Env):
   def _from_file(self, split: str) -> list[Example]:
     probs = read_problems(self._files[split], question_key=self.question_key,
                           answer_key=self.answer_keys, owner="SearchQAEnv",
-                          setting=f"{split}_file", gsm8k_answers=False)
+                          setting=f"{split}_file", gsm8k_answers=False,
+                          files=self._file_lists[split])
     titles: list[list[str]] = [[] for _ in probs]
     if self.titles_key:
       corpus = {_one_line(d.title) for d in self.index.documents}

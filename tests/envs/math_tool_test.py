@@ -668,3 +668,15 @@ def test_sft_file_settings_and_a_file_without_solutions(tmp_path):
   with pytest.raises(ValueError, match=r"MathToolEnv\.solution_key='steps' names the worked "
                                        r"solutions of sft_file's records, but sft_file is not set"):
     MathToolEnv(solution_key="steps")
+
+
+def test_a_glob_pattern_is_resolved_once_at_construction(tmp_path):
+  # The sandbox hides the pattern's files as listed at construction; the split, read later,
+  # reads exactly those: a shard written in between is neither read nor left readable.
+  (tmp_path / "train-00000.jsonl").write_text(json.dumps({"question": "1+1?", "answer": 2}) + "\n")
+  env = MathToolEnv(train_file=str(tmp_path / "train-*.jsonl"), train_size=0, eval_size=1,
+                    sft_size=0)
+  late = tmp_path / "train-00001.jsonl"
+  late.write_text(json.dumps({"question": "2+2?", "answer": 4}) + "\n")
+  assert [e.metadata["question"] for e in env.examples("train")] == ["1+1?"]
+  assert str(late) not in env.sandbox.deny_read_paths
