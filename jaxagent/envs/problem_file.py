@@ -95,8 +95,8 @@ def problem_files(path: Any, setting: str) -> tuple[pathlib.Path, ...]:
     return (_check_one_file(p, text, setting),)
   matches = sorted(glob.glob(os.fspath(p), recursive=True))
   if not matches:
-    raise ValueError(f"{setting}={text!r}: the glob pattern matches no file; check the "
-                     "directory and the pattern (shards of a split: 'train-*.parquet')")
+    raise ValueError(f"{setting}={text!r}: the glob pattern matches no file{_relative(p)}; "
+                     "check the directory and the pattern (shards of a split: 'train-*.parquet')")
   files = tuple(_check_one_file(pathlib.Path(m), f"{text!r} matches {m!r}", setting, shown=True)
                 for m in matches)
   formats = {}
@@ -118,6 +118,12 @@ def _check_path_text(path: Any, setting: str) -> str:
     raise ValueError(f"{setting} must be a local file, got the URL {text!r}; copy the file to "
                      "a local disk first")
   return text
+
+
+def _relative(p: pathlib.Path) -> str:
+  """For a relative path, the directory it was looked up in (the process's working directory,
+  not the config file's), as a note for a not-found error."""
+  return "" if p.is_absolute() else f" (a relative path, looked up in {os.getcwd()!r})"
 
 
 def _is_pattern(text: str) -> bool:
@@ -145,7 +151,7 @@ def _check_one_file(p: pathlib.Path, text: str, setting: str, shown: bool = Fals
                      f"ArrayRecord ({', '.join(ARRAY_RECORD_SUFFIXES)}: one JSON object a "
                      f"record) or Parquet ({', '.join(PARQUET_SUFFIXES)}: one row a record)")
   if not p.exists():
-    raise ValueError(f"{what}: no such file")
+    raise ValueError(f"{what}: no such file{_relative(p)}")
   if p.is_dir():  # a Parquet data set written in parts (Spark, Dask) has a .parquet folder
     raise ValueError(f"{what} is not a file but a directory; give one file, or for a data "
                      "set split into several files, such as Parquet parts or shards, a glob "

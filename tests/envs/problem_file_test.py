@@ -157,6 +157,19 @@ def test_a_missing_file_or_url_is_named(tmp_path):
     read_problems(tmp_path / "spark.parquet")
 
 
+def test_a_missing_relative_path_names_the_directory_it_was_looked_up_in(tmp_path, monkeypatch):
+  # A config file's relative path is read from the launcher's working directory: say which.
+  monkeypatch.chdir(tmp_path)
+  cwd = re.escape(repr(str(tmp_path)))
+  with pytest.raises(ValueError, match=rf"'data/t\.jsonl': no such file \(a relative path, "
+                                       rf"looked up in {cwd}\)"):
+    read_problems("data/t.jsonl")
+  with pytest.raises(ValueError, match=rf"matches no file \(a relative path, looked up in {cwd}\)"):
+    read_problems("data/t-*.jsonl")
+  with pytest.raises(ValueError, match=r"nope\.jsonl': no such file$"):
+    read_problems(tmp_path / "nope.jsonl")  # an absolute path: no note
+
+
 def test_gzip_jsonl(tmp_path):
   import gzip
   path = tmp_path / "train.jsonl.gz"
