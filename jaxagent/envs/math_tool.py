@@ -616,7 +616,8 @@ class MathToolEnv(Env):
     path = self._files[split]
     probs = read_problems(path, question_key=self.question_key, answer_key=self.answer_key,
                           owner="MathToolEnv", setting=f"{split}_file",
-                          files=self._file_lists[split])
+                          files=self._file_lists[split],
+                          record_keys=(self.solution_key,) if split == "sft" else ())
     exs = [Example(id=f"{split}-file-{p.key}", prompt=self._messages(p.question), gold=p.gold,
                    metadata={"source": "file", "question": p.question, "where": p.where})
            for p in probs]

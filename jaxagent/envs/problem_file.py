@@ -164,7 +164,8 @@ def _check_one_file(p: pathlib.Path, text: str, setting: str, shown: bool = Fals
 def read_problems(path: str | os.PathLike, *, question_key: str = "question",
                   answer_key: str | tuple[str, ...] = "answer", owner: str = "MathToolEnv",
                   setting: str = "train_file", gsm8k_answers: bool = True,
-                  files: Sequence[pathlib.Path] | None = None) -> list[Problem]:
+                  files: Sequence[pathlib.Path] | None = None,
+                  record_keys: Sequence[str] | None = None) -> list[Problem]:
   """The problems of a JSONL, ArrayRecord or Parquet file, in file order.
 
   Args:
@@ -181,14 +182,19 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
     files: the files `path` names, as `problem_files` resolved them earlier (an env resolves a
       glob pattern once, at construction, and reads and hides exactly those files); None:
       resolved here.
+    record_keys: the keys each `Problem.record` keeps besides the question and answer keys (a
+      solution key, a titles key); a record without one of them is kept whole, for its error.
+      None keeps every record whole: a file with large other columns (a math set's sampled
+      generations) is then held in memory whole until the caller drops the problems.
   """
   out: list[Problem] = []
   bad: list[str] = []
   for file, index, where, raw in _all_records(path, f"{owner}.{setting}", files=files):
     try:
-      out.append(dataclasses.replace(
-          _problem(raw, index, where, question_key, answer_key, owner, gsm8k_answers),
-          file=file))
+      problem = _problem(raw, index, where, question_key, answer_key, owner, gsm8k_answers)
+      out.append(dataclasses.replace(problem, file=file, record=problem.record
+                                     if record_keys is None else _trimmed(
+                                         problem.record, question_key, answer_key, record_keys)))
     except ValueError as e:
       bad.append(str(e))
   raise_bad_records(bad, len(bad) + len(out), f"{owner}.{setting}={os.fspath(path)!r}")
@@ -197,6 +203,18 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
                      f"one JSON object per problem with a {question_key!r} and an "
                      f"{answer_key!r} key")
   return out
+
+
+def _trimmed(record: dict, question_key: str, answer_key: str | Sequence[str],
+             record_keys: Sequence[str]) -> dict:
+  """`record` with only the top-level entries that hold the question, answer and `record_keys`
+  keys (a dotted key keeps its outer object); whole when one of `record_keys` is missing."""
+  if any(_lookup(record, k) is _MISSING for k in record_keys):
+    return record
+  answer_keys = (answer_key,) if isinstance(answer_key, str) else tuple(answer_key)
+  tops = {k if k in record else k.split(".", 1)[0]
+          for k in (question_key, *answer_keys, *record_keys)}
+  return {k: v for k, v in record.items() if k in tops}
 
 
 def raise_bad_records(bad: list[str], total: int, what: str, noun: str = "record") -> None:

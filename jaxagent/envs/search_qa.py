@@ -391,7 +391,8 @@ class SearchQAEnv(Env):
     probs = read_problems(self._files[split], question_key=self.question_key,
                           answer_key=self.answer_keys, owner="SearchQAEnv",
                           setting=f"{split}_file", gsm8k_answers=False,
-                          files=self._file_lists[split])
+                          files=self._file_lists[split],
+                          record_keys=(self.titles_key,) if self.titles_key else ())
     titles: list[list[str]] = [[] for _ in probs]
     if self.titles_key:
       corpus = {_one_line(d.title) for d in self.index.documents}

@@ -170,6 +170,22 @@ def test_a_missing_relative_path_names_the_directory_it_was_looked_up_in(tmp_pat
     read_problems(tmp_path / "nope.jsonl")  # an absolute path: no note
 
 
+def test_record_keys_keep_only_what_the_task_reads(tmp_path):
+  # A math set's rows carry sampled generations many times the problem's size: the problems
+  # read keep the question, answer and asked-for keys only, not every row whole in memory.
+  rows = [{"problem": "1+1?", "answer": "2", "solution": "1+1 = 2", "meta": {"q": "x"},
+           "generations": ["long"] * 100},
+          {"problem": "2+2?", "answer": "4", "meta": {"q": "y"}, "generations": ["long"] * 100}]
+  first, second = read_problems(write_jsonl(tmp_path / "train.jsonl", rows),
+                                question_key="problem", record_keys=("solution",))
+  assert first.record == {"problem": "1+1?", "answer": "2", "solution": "1+1 = 2"}
+  assert "generations" in second.record  # no 'solution': whole, for the caller's error
+  path = write_parquet(tmp_path / "train.parquet", rows)
+  (first, _) = read_problems(path, question_key="problem", answer_key="meta.q", record_keys=())
+  assert first.record == {"problem": "1+1?", "meta": {"q": "x"}}
+  assert "generations" in read_problems(path, question_key="problem")[0].record  # None: whole
+
+
 def test_gzip_jsonl(tmp_path):
   import gzip
   path = tmp_path / "train.jsonl.gz"
