@@ -659,7 +659,9 @@ def overlong_shaping(config) -> tuple[OverlongConfig, float] | None:
 
   `reward.overlong_max_tokens` (L_max) defaults to the policy-token budget of a trajectory,
   `rollout.max_turns * rollout.max_tokens_per_turn`; the punishment counts the policy's own
-  tokens over all turns (`Trajectory.num_policy_tokens`), as `rewards.overlong_penalty` does."""
+  tokens over all turns (`Trajectory.num_policy_tokens`), as `rewards.overlong_penalty` does.
+  A ramp that starts past the rollout's length cap (`rollout.max_len`, `max_total_tokens`), which
+  no trajectory reaches, is an error."""
   reward = config.get("reward") if hasattr(config, "get") else None
   if not hasattr(reward, "get"):
     return None
@@ -690,6 +692,23 @@ def overlong_shaping(config) -> tuple[OverlongConfig, float] | None:
     raise ValueError(f"reward.overlong_cache_tokens={cache} must be at most "
                      f"reward.overlong_max_tokens={max_tokens}{where}: the punishment ramps from "
                      f"0 at max - cache policy tokens to -1 at max")
+  # A trajectory (prompt and observations included) is cut at the rollout's length cap: when
+  # that is at most max - cache tokens, no trajectory's policy tokens pass max - cache and the
+  # punishment is 0 on every one (a budget of long turns over a short cache).
+  rollout = config.get("rollout") if hasattr(config, "get") else None
+  caps = {k: rollout.get(k) for k in ("max_total_tokens", "max_len")} if hasattr(
+      rollout, "get") else {}
+  caps = {k: int(v) for k, v in caps.items()
+          if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0}
+  if caps:
+    key = min(caps, key=caps.get)
+    if caps[key] - 1 <= max_tokens - cache:
+      raise ValueError(
+          f"reward.overlong_max_tokens={max_tokens}{where} less reward.overlong_cache_tokens="
+          f"{cache} is {max_tokens - cache} policy tokens, but rollout.{key}={caps[key]} cuts "
+          "every trajectory (prompt and observations included) before that: the overlong "
+          "punishment would be 0 on every trajectory. Set reward.overlong_max_tokens to at most "
+          f"rollout.{key} (the policy tokens a trajectory may reach), or raise rollout.{key}")
   coef = reward.get("overlong_coef", 1.0)
   if (isinstance(coef, bool) or not isinstance(coef, (int, float, np.number))
       or not math.isfinite(coef) or coef < 0):

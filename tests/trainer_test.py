@@ -2064,6 +2064,21 @@ def test_overlong_shaping_settings_are_checked_before_the_model_loads():
   with pytest.raises(ValueError, match=r"\(unset: rollout.max_turns=\d+ x "
                                        r"rollout.max_tokens_per_turn=\d+\)"):
     check_config(bad)
+  # A budget of long turns over a short cache: no trajectory reaches max - cache policy
+  # tokens, so the punishment would be 0 on every one.
+  short = get_config("tiny")
+  short.reward.overlong_cache_tokens = 8
+  short.rollout.max_len = budget - 8 + 1  # a prompt token and budget - 8 policy tokens at most
+  with pytest.raises(ValueError, match=rf"overlong_max_tokens={budget} \(unset: .*\) less "
+                                       rf"reward.overlong_cache_tokens=8 is {budget - 8} policy "
+                                       rf"tokens, but rollout.max_len={budget - 7} cuts"):
+    check_config(short)
+  short.rollout.max_len = budget - 8 + 2  # one policy token past max - cache: it can apply
+  assert overlong_shaping(short) == (OverlongConfig(max_tokens=budget, cache_tokens=8), 1.0)
+  short.rollout.max_len, short.rollout.max_total_tokens = 64, 20
+  short.reward.overlong_max_tokens = 30
+  with pytest.raises(ValueError, match=r"rollout.max_total_tokens=20 cuts"):
+    overlong_shaping(short)
   # A config without the section (written before it existed) runs without the shaping.
   old = get_config("tiny")
   del old["reward"]
