@@ -184,12 +184,26 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
       resolved here.
     record_keys: the keys each `Problem.record` keeps besides the question and answer keys (a
       solution key, a titles key); a record without one of them is kept whole, for its error.
-      None keeps every record whole: a file with large other columns (a math set's sampled
-      generations) is then held in memory whole until the caller drops the problems.
+      A Parquet file is then read only in the columns these keys are in (a dotted key's
+      top-level column): a math set's large `generations` column is never decoded; the other
+      columns are in each record by name only (placeholder values), so an error still lists
+      them and finds a key inside an object (`extra_info.question`). None keeps every record
+      whole, every column read: a file with large other columns is then held in memory whole
+      until the caller drops the problems.
   """
   out: list[Problem] = []
   bad: list[str] = []
-  for file, index, where, raw in _all_records(path, f"{owner}.{setting}", files=files):
+  answer_keys = (answer_key,) if isinstance(answer_key, str) else tuple(answer_key)
+  needed = None if record_keys is None else (question_key, *answer_keys, *record_keys)
+
+  def columns(names: list[str]) -> list[str]:
+    """A Parquet file's columns to read: the top-level column of each needed key."""
+    tops = {k if k in names else k.split(".", 1)[0] for k in needed}
+    return [n for n in names if n in tops]
+
+  for file, index, where, raw in _all_records(path, f"{owner}.{setting}",
+                                              None if needed is None else columns, files,
+                                              name_unread=True):
     try:
       problem = _problem(raw, index, where, question_key, answer_key, owner, gsm8k_answers)
       out.append(dataclasses.replace(problem, file=file, record=problem.record
@@ -346,26 +360,27 @@ def _json_object(raw: str | bytes | dict, where: str, expected: str) -> dict:
 
 def _all_records(path: Any, setting: str,
                  columns: Callable[[list[str]], list[str]] | None = None,
-                 files: Sequence[pathlib.Path] | None = None
+                 files: Sequence[pathlib.Path] | None = None, name_unread: bool = False
                  ) -> Iterator[tuple[int | None, int, str, str | bytes | dict]]:
   """(file, index, where, raw) of each record of the file `path` names, or of each file of a
   glob pattern one after another (`file`: its position among them; None for a plain path);
-  `files`: those files as resolved earlier (None: `problem_files` here)."""
+  `files`: those files as resolved earlier (None: `problem_files` here); `name_unread`: see
+  `_parquet_records`."""
   files = problem_files(path, setting) if files is None else tuple(files)
   single = len(files) == 1 and not (_is_pattern(os.fspath(path))
                                     and not pathlib.Path(os.fspath(path)).expanduser().exists())
   for k, p in enumerate(files):
-    for index, where, raw in _records(p, setting, columns):
+    for index, where, raw in _records(p, setting, columns, name_unread):
       yield (None if single else k), index, where, raw
 
 
 def _records(p: pathlib.Path, setting: str,
-             columns: Callable[[list[str]], list[str]] | None = None
-             ) -> Iterator[tuple[int, str, str | bytes | dict]]:
+             columns: Callable[[list[str]], list[str]] | None = None,
+             name_unread: bool = False) -> Iterator[tuple[int, str, str | bytes | dict]]:
   """(index, where, raw text) of each record of the file; a Parquet row comes as a dict of its
   columns (only those `columns(names of the file's columns)` picks, when given)."""
   if p.name.lower().endswith(PARQUET_SUFFIXES):
-    yield from _parquet_records(p, setting, columns)
+    yield from _parquet_records(p, setting, columns, name_unread)
     return
   if p.name.lower().endswith(JSONL_SUFFIXES):
     opener = gzip.open if p.name.lower().endswith(".gz") else open
@@ -398,10 +413,11 @@ def _records(p: pathlib.Path, setting: str,
 
 
 def _parquet_records(p: pathlib.Path, setting: str,
-                     columns: Callable[[list[str]], list[str]] | None
-                     ) -> Iterator[tuple[int, str, dict]]:
+                     columns: Callable[[list[str]], list[str]] | None,
+                     name_unread: bool = False) -> Iterator[tuple[int, str, dict]]:
   """(row index, where, row as a dict) of each row of a Parquet file, read one record batch at a
-  time: a large file is never whole in memory as Python objects."""
+  time: a large file is never whole in memory as Python objects. `name_unread`: the columns
+  `columns` leaves out are in each row too, with placeholder values (`_placeholder`)."""
   import pyarrow.parquet as pq
 
   def unreadable(e: Exception) -> ValueError:
@@ -414,6 +430,10 @@ def _parquet_records(p: pathlib.Path, setting: str,
   except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... on a bad file
     raise unreadable(e) from e
   wanted = names if columns is None else columns(list(names))
+  # The columns not read are in every row by name, with placeholder values (an object column's
+  # fields inside it), so a record's error lists them all and finds keys inside objects.
+  unread = {field.name: _placeholder(field.type) for field in f.schema_arrow
+            if name_unread and field.name not in wanted}
   batches = f.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=list(wanted))
   i = 0
   while True:
@@ -424,11 +444,22 @@ def _parquet_records(p: pathlib.Path, setting: str,
     if batch is None:
       return
     for row in batch.to_pylist():
-      yield i, f"{p.name} record {i}", row
+      yield i, f"{p.name} record {i}", {**unread, **row} if unread else row
       i += 1
 
 
 _PARQUET_BATCH_ROWS = 1024
+
+
+def _placeholder(arrow_type: Any) -> Any:
+  """An unread Parquet column's value in a row: an object of its fields' placeholders for a
+  struct column, "" for a text column (so it reads as a text key), None otherwise."""
+  import pyarrow as pa
+
+  if pa.types.is_struct(arrow_type):
+    return {arrow_type.field(k).name: _placeholder(arrow_type.field(k).type)
+            for k in range(arrow_type.num_fields)}
+  return "" if pa.types.is_string(arrow_type) or pa.types.is_large_string(arrow_type) else None
 
 
 def _problem(raw: str | bytes | dict, index: int, where: str, question_key: str,

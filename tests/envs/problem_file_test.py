@@ -294,6 +294,48 @@ def test_a_bad_parquet_row_is_named(tmp_path):
     read_problems(empty)
 
 
+def test_parquet_problems_read_only_the_needed_columns(tmp_path, monkeypatch):
+  """With record_keys (as the envs pass them), only the top-level columns of the question,
+  answer and record keys are decoded: a math set's large generations column is not; the
+  errors still list every column and find keys inside unread struct columns."""
+  import pyarrow.parquet as pq
+  rows = [{**verl_row(i, 2 * i), "generations": [f"sample {k} " * 50 for k in range(4)],
+           "steps": f"{i} + {i} = {2 * i}"} for i in range(3)]
+  path = write_parquet(tmp_path / "train.parquet", rows)
+  read = []
+  iter_batches = pq.ParquetFile.iter_batches
+
+  def recorded(self, **kw):
+    read.append(sorted(kw["columns"]))
+    return iter_batches(self, **kw)
+  monkeypatch.setattr(pq.ParquetFile, "iter_batches", recorded)
+  probs = read_problems(path, question_key="extra_info.question",
+                        answer_key="reward_model.ground_truth", record_keys=("steps",))
+  assert read == [["extra_info", "reward_model", "steps"]]
+  assert [p.gold for p in probs] == ["0", "2", "4"] and probs[2].question == "Question 2?"
+  assert probs[1].record == {"extra_info": rows[1]["extra_info"],
+                             "reward_model": rows[1]["reward_model"], "steps": "1 + 1 = 2"}
+  # The hints of a bad setting are those of a whole read, from the file's schema.
+  with pytest.raises(ValueError, match=re.escape(
+      "record 0: the question ('prompt') is a list of chat messages (a prompt with "
+      "its dataset's instructions), not the question's text; set MathToolEnv.question_key to the "
+      "key of the plain question, e.g. 'extra_info.question'")):
+    read_problems(path, question_key="prompt", answer_key="reward_model.ground_truth",
+                  record_keys=())
+  assert read[-1] == ["prompt", "reward_model"]
+  with pytest.raises(ValueError, match=re.escape(
+      "record 1: no 'question' key (MathToolEnv.question_key); the record has "
+      "['ability', 'data_source', 'extra_info', 'generations', 'prompt', 'reward_model', "
+      "'steps']; did you mean 'extra_info.question'? (set "
+      "MathToolEnv.question_key='extra_info.question')")):
+    read_problems(path, answer_key="reward_model.ground_truth", record_keys=())
+  assert read[-1] == ["reward_model"]
+  # A record key no column holds: the record is kept whole (by name) for the caller's error.
+  probs = read_problems(path, question_key="extra_info.question", answer_key="extra_info.answer",
+                        record_keys=("worked",))
+  assert read[-1] == ["extra_info"] and "generations" in probs[0].record
+
+
 def test_a_parquet_corpus_reads_only_the_document_columns(tmp_path, monkeypatch):
   """A Wikipedia dump's extra columns (url, an embedding per passage) are ignored and not read."""
   import pyarrow.parquet as pq
