@@ -300,26 +300,53 @@ def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpu
     return [n for n in names if n in ("title", "text", "id", "contents")
             or n in misspelt_fields(names)]
 
+  def parsed() -> Iterator[tuple[str, Document | None, str | None]]:
+    """(where, document, what is wrong or None) of each record; "duplicate" for a document
+    whose id an earlier one has. Ids are kept in a set only (no location per document); where
+    the first of a duplicate id was is found by a second read, on a duplicate only."""
+    seen: set[str] = set()
+    for _, _, where, raw in _all_records(path, f"{owner}.{setting}", columns, files):
+      try:
+        record = _json_object(raw, where, "with 'title' and 'text' keys")
+        if "contents" in record and not {"title", "text"} & set(record):
+          record = _from_contents(record, where)
+        try:
+          doc = _as_document(record, len(seen))
+        except (TypeError, ValueError) as e:  # "document 3 has no 'text' field (fields: [...])"
+          raise ValueError(f"{where}: {re.sub(r'^document [0-9]+:? ?', '', str(e))}") from None
+      except ValueError as e:
+        yield where, None, str(e)
+        continue
+      if doc.id in seen:
+        yield where, doc, "duplicate"
+        continue
+      seen.add(doc.id)
+      yield where, doc, None
+
   docs: list[Document] = []
   bad: list[str] = []
-  first: dict[str, str] = {}  # id -> where it was first seen
+  duplicates: list[tuple[int, str, str]] = []  # (place in bad, id, where)
   total = 0
-  for _, _, where, raw in _all_records(path, f"{owner}.{setting}", columns, files):
+  for where, doc, wrong in parsed():
     total += 1
-    try:
-      record = _json_object(raw, where, "with 'title' and 'text' keys")
-      if "contents" in record and not {"title", "text"} & set(record):
-        record = _from_contents(record, where)
-      try:
-        doc = _as_document(record, len(docs))
-      except (TypeError, ValueError) as e:  # "document 3 has no 'text' field (fields: [...])"
-        raise ValueError(f"{where}: {re.sub(r'^document [0-9]+:? ?', '', str(e))}") from None
-      if first.setdefault(doc.id, where) != where:
-        raise ValueError(f"{where}: the id {doc.id!r} is the id of {first[doc.id]} too; ids "
-                         "must be unique")
+    if wrong == "duplicate":
+      duplicates.append((len(bad), doc.id, where))
+      bad.append("")
+    elif wrong is not None:
+      bad.append(wrong)
+    else:
       docs.append(doc)
-    except ValueError as e:
-      bad.append(str(e))
+  if duplicates:
+    firsts: dict[str, str] = {}
+    wanted = {d for _, d, _ in duplicates}
+    for where, doc, wrong in parsed():
+      if wrong is None and doc.id in wanted and doc.id not in firsts:
+        firsts[doc.id] = where
+        if len(firsts) == len(wanted):
+          break
+    for place, doc_id, where in duplicates:
+      bad[place] = (f"{where}: the id {doc_id!r} is the id of {firsts[doc_id]} too; ids must "
+                    "be unique")
   raise_bad_records(bad, total, f"{owner}.{setting}={os.fspath(path)!r}")
   if not docs:
     raise ValueError(f"{owner}.{setting}={os.fspath(path)!r}: the file holds no documents; give "

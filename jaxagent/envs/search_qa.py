@@ -131,7 +131,8 @@ def _search_results(trajectory: Trajectory) -> str:
 
 def _one_line(title: str) -> str:
   """A title as a search result line shows it (white space collapsed)."""
-  return " ".join(title.split())
+  line = " ".join(title.split())
+  return title if line == title else line  # the title itself: a corpus's titles not copied
 
 
 def _gold_titles(record: dict, key: str, where: str, corpus: set[str]) -> list[str]:
@@ -330,6 +331,7 @@ class SearchQAEnv(Env):
                                   role="shaping"))
     self._reward = CompositeReward(components, schedule=schedule)
     self._cache: dict[str, list[Example]] = {}
+    self._titles: set[str] | None = None  # _corpus_titles
 
   @staticmethod
   def _check_file_settings(corpus_file, train_file, eval_file, question_key, answer_key,
@@ -395,7 +397,7 @@ class SearchQAEnv(Env):
                           record_keys=(self.titles_key,) if self.titles_key else ())
     titles: list[list[str]] = [[] for _ in probs]
     if self.titles_key:
-      corpus = {_one_line(d.title) for d in self.index.documents}
+      corpus = self._corpus_titles()
       bad = []
       for i, p in enumerate(probs):
         try:
@@ -414,6 +416,12 @@ class SearchQAEnv(Env):
           {"role": "user", "content": f"Question: {p.question}"}),
           gold=[p.gold] if isinstance(p.gold, str) else list(p.gold), metadata=meta))
     return out
+
+  def _corpus_titles(self) -> set[str]:
+    """The corpus's titles as search results show them, built once for both question files."""
+    if self._titles is None:
+      self._titles = {_one_line(d.title) for d in self.index.documents}
+    return self._titles
 
   @staticmethod
   def to_example(q: kb_lib.Question, system_prompt: str = SYSTEM_PROMPT) -> Example:

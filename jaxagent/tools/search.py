@@ -74,6 +74,8 @@ _DOCUMENT_FIELDS = ("title", "text", "id")
 
 def _as_document(item: Document | Mapping[str, Any], position: int) -> Document:
     if isinstance(item, Document):
+        if isinstance(item.id, str) and isinstance(item.title, str) and isinstance(item.text, str):
+            return item  # as it is: a corpus's documents are not copied again
         doc = item
     elif isinstance(item, Mapping):
         # Keys besides title, text and id (a Wikipedia dump's url, wiki_id, ...) are ignored, but
@@ -142,24 +144,39 @@ class BM25Index:
         if not numbers or not (0 <= k1 < float("inf") and 0 <= b <= 1):
             raise ValueError(f"BM25 needs a finite k1 >= 0 and 0 <= b <= 1, got k1={k1!r}, b={b!r}")
         self.documents: list[Document] = [_as_document(d, i) for i, d in enumerate(documents)]
-        first: dict[str, int] = {}  # id -> position; one pass (a count per id took hours on 10^6 documents)
+        seen: set[str] = set()  # one pass (a count per id took hours on 10^6 documents)
         for position, d in enumerate(self.documents):
-            if first.setdefault(d.id, position) != position:
+            if d.id in seen:
+                first = next(i for i, e in enumerate(self.documents) if e.id == d.id)
                 raise ValueError(f"document ids must be unique; {d.id!r} is the id of documents "
-                                 f"{first[d.id]} and {position} (0-based positions)")
+                                 f"{first} and {position} (0-based positions)")
+            seen.add(d.id)
+        del seen
         self._stopwords = stopwords if stopwords is not None else []
         self._stemmer = stemmer
         self._retriever = None
         if self.documents:
-            corpus = self._tokenize([f"{d.title}\n{d.text}" for d in self.documents])
-            if any(corpus):  # bm25s cannot index a corpus without a single term
+            ids, vocab = self._token_ids()
+            if vocab:  # bm25s cannot index a corpus without a single term
                 import bm25s  # deferred: importing it takes about a second
 
                 self._retriever = bm25s.BM25(k1=k1, b=b, method="lucene")
-                self._retriever.index(corpus, show_progress=False)
+                self._retriever.index((ids, vocab), show_progress=False)
 
     def __len__(self) -> int:
         return len(self.documents)
+
+    def _token_ids(self) -> tuple[list[list[int]], dict[str, int]]:
+        """Each document's title and text as term ids, and the terms' ids: tokenized a chunk of
+        documents at a time, so no second copy of the corpus's text (nor a list of every
+        document's terms as strings) is ever whole in memory."""
+        vocab: dict[str, int] = {}
+        ids: list[list[int]] = []
+        for start in range(0, len(self.documents), _TOKENIZE_CHUNK):
+            chunk = self.documents[start:start + _TOKENIZE_CHUNK]
+            for terms in self._tokenize([f"{d.title}\n{d.text}" for d in chunk]):
+                ids.append([vocab.setdefault(t, len(vocab)) for t in terms])
+        return ids, vocab
 
     def _tokenize(self, texts: list[str]) -> list[list[str]]:
         import bm25s
@@ -195,6 +212,9 @@ class BM25Index:
         return [Passage(rank=r + 1, score=float(scores[i]), title=self.documents[i].title,
                         text=self.documents[i].text, id=self.documents[i].id)
                 for r, i in enumerate(order)]
+
+
+_TOKENIZE_CHUNK = 8192  # documents tokenized together while an index is built
 
 
 def _check_k(name: str, k: Any) -> None:

@@ -424,3 +424,22 @@ def test_a_bad_glob_pattern_is_named(tmp_path):
   # .jsonl and .jsonl.gz are one format; a name with glob characters that exists is a file.
   write_jsonl(tmp_path / "odd[1].jsonl", RECORDS[1:2])
   assert [p.key for p in read_problems(str(tmp_path / "odd[1].jsonl"))] == ["1"]
+
+
+def test_duplicate_corpus_ids_name_both_places_in_file_order(tmp_path):
+  """Duplicate ids are found with a set of ids (no location kept per document) and located by a
+  second read: each names where the id was first, among the other bad records in file order."""
+  path = tmp_path / "wiki.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in [
+      {"id": "a", "text": "1"}, {"id": "b", "text": "2"}, {"id": "a", "text": "3"},
+      {"title": "no text"}, {"id": "b", "text": "4"}, {"id": "a", "text": "5"},
+      {"text": "6"}, {"id": "2", "text": "7"}]))
+  with pytest.raises(ValueError) as e:
+    read_documents(path, owner="SearchQAEnv")
+  assert str(e.value).split("\n  ")[1:] == [
+      "wiki.jsonl line 3: the id 'a' is the id of wiki.jsonl line 1 too; ids must be unique",
+      "wiki.jsonl line 4: has no 'text' field (fields: ['title'])",
+      "wiki.jsonl line 5: the id 'b' is the id of wiki.jsonl line 2 too; ids must be unique",
+      "wiki.jsonl line 6: the id 'a' is the id of wiki.jsonl line 1 too; ids must be unique",
+      # Line 7 has no id: its position among the documents (2) names it, not the line.
+      "wiki.jsonl line 8: the id '2' is the id of wiki.jsonl line 7 too; ids must be unique"]

@@ -262,3 +262,27 @@ def test_unicode_forms_of_a_word_match():
     # Case-folded, not only lowercased: "STRASSE" found no "Straße".
     idx = BM25Index([{"title": "Road", "text": "Die Straße am Fluss."}, {"text": "other words"}])
     assert [h.id for h in idx.search("STRASSE", 5)] == ["0"]
+
+
+def test_an_index_keeps_the_documents_given_and_tokenizes_a_chunk_at_a_time(monkeypatch):
+    """A corpus's Documents are not copied, and its text is tokenized a chunk of documents at a
+    time (no second copy of all the text): the scores are those of one whole-corpus pass."""
+    from jaxagent.tools import search
+
+    docs = [Document(f"Title {i}", f"word{i} shared text {'extra ' * (i % 3)}", f"d{i}")
+            for i in range(7)]
+    reference = BM25Index(docs)
+    sizes = []
+    tokenize = BM25Index._tokenize
+
+    def recorded(self, texts):
+        sizes.append(len(texts))
+        return tokenize(self, texts)
+    monkeypatch.setattr(search, "_TOKENIZE_CHUNK", 3)
+    monkeypatch.setattr(BM25Index, "_tokenize", recorded)
+    index = BM25Index(docs)
+    assert sizes == [3, 3, 1]
+    assert all(a is b for a, b in zip(index.documents, docs, strict=True))
+    for query in ("word4 shared", "extra text", "title 6"):
+        np.testing.assert_allclose(index.scores(query), reference.scores(query), rtol=1e-6)
+        assert index.search(query, 3) == reference.search(query, 3)
