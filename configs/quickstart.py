@@ -110,10 +110,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # samples) before training (`before`), after the warm start, every `every` RL steps (0: none)
   # and at the end.
   c.eval = ml_collections.ConfigDict(dict(size=150, every=0, pass_k=0, before=True))
-  # dump_every: write dump_count trajectories (tokens, roles, loss mask, reward, advantage) to
-  # <workdir>/samples/step_NNNNNN.{txt,jsonl} (step_000004.txt: RL step 4) every dump_every RL
-  # steps (0: never), and each eval's first dump_count greedy ones, with their successes, to
-  # samples/eval_before, eval_after_sft and eval_step_NNNNNN.
+  # dump_every: write dump_count trajectories (tokens, roles, loss mask, gold, reward,
+  # advantage) to <workdir>/samples/step_NNNNNN.{txt,jsonl} (step_000004.txt: RL step 4) every
+  # dump_every RL steps (0: never), and each eval's first dump_count greedy ones, with their
+  # successes, to samples/eval_before, eval_after_sft and eval_step_NNNNNN.
   c.log = ml_collections.ConfigDict(dict(tensorboard=True, progress=True, dump_every=4,
                                          dump_count=4))
   c.checkpoint_every = 0       # save every N RL steps (0: off); rerunning resumes

@@ -868,6 +868,7 @@ class Trainer:
     self._check_eval_prompt_lengths([len(p) for p in self._eval_prompts])
     self.step = 0
     self._reward_failures: list[str] = []  # this step's env.reward raises (`_reward`)
+    self._step_golds: dict[int, Any] = {}  # this step's id(trajectory) -> gold (sample dumps)
     self._success_failures = 0  # this eval's env.is_success raises (`_success`)
     self.summary: dict[str, Any] = {}
     self.ckpt_cfg = checkpoint.CheckpointConfig.from_config(c)
@@ -935,6 +936,7 @@ class Trainer:
     n = log_cfg.get("dump_count", 4)
     if log_cfg.dump_every and n:
       self.dump_samples(self.step, trajs[:n], rewards=outs[:n], successes=ok[:n],
+                        golds=[ex.gold for ex in exs[:n]],
                         name=f"eval_{phase or f'step_{self.step:06d}'}")
     p = float(ok.mean())
     out = {f"{tag}/pass@1": p, f"{tag}/pass@1_se": math.sqrt(p * (1 - p) / len(exs)),
@@ -1188,6 +1190,7 @@ class Trainer:
     sampler = adv_lib.DynamicSampler(t.prompts_per_step, max_rounds=t.max_sampling_rounds,
                                      max_prompts_per_round=t.prompts_per_step * 4) if dyn else None
     kept_trajs, kept_rewards, kept_exs, all_trajs, reward_outs = [], [], [], [], []
+    self._step_golds: dict[int, Any] = {}  # id(trajectory) -> its example's gold
     # Request ids: a block per step with room for every round's prompts, so they are unique
     # within the step. They must stay below 2**31, so late steps reuse the blocks of early
     # ones (from step 21845 with 512 prompts x 16 samples the rollout refused them and the run
@@ -1211,6 +1214,7 @@ class Trainer:
       for tr, o, k in zip(trajs, outs, keep):
         all_trajs.append(tr)
         reward_outs.append(o)
+        self._step_golds[id(tr)] = exs[tr.group_id].gold  # (for the sample dumps)
         if k:
           tr.group_id += base  # groups numbered across rounds
           kept_trajs.append(tr)
@@ -1352,7 +1356,8 @@ class Trainer:
     if self.config.log.dump_every and step % self.config.log.dump_every == 0:
       n = self.config.log.get("dump_count", 4)
       self.dump_samples(step, all_trajs[:n], rewards=outs[:n],
-                        advantages=[trained.get(id(tr)) for tr in all_trajs[:n]])
+                        advantages=[trained.get(id(tr)) for tr in all_trajs[:n]],
+                        golds=[self._step_golds.get(id(tr)) for tr in all_trajs[:n]])
     return metrics, batch
 
   def _warn_dropped(self, what: str, step: int, stats: dict[str, Any]) -> None:
@@ -1366,10 +1371,12 @@ class Trainer:
   def dump_samples(self, step: int, trajs: Sequence[Trajectory],
                    rewards: Sequence[Any] | None = None,
                    advantages: Sequence[float | None] | None = None, *,
-                   name: str | None = None, successes: Sequence[bool] | None = None) -> None:
+                   name: str | None = None, successes: Sequence[bool] | None = None,
+                   golds: Sequence[Any] | None = None) -> None:
     """Writes `trajs` to <workdir>/samples/<name>.{txt,jsonl} (default name step_NNNNNN), each
-    with its loss mask and, when given, its reward (a `RewardOutput`), whether it counts as a
-    success (`Env.is_success`: the evals' dumps) and the advantage it was trained with (None:
+    with its loss mask and, when given, its example's gold answer(s), its reward (a
+    `RewardOutput`), whether it counts as a success (`Env.is_success`: the evals' dumps) and
+    the advantage it was trained with (None:
     not trained on, its group having had equal rewards or been left out by dynamic sampling, or
     the trajectory dropped by packing as longer than a row)."""
     if jax.process_index() != 0:
@@ -1377,6 +1384,9 @@ class Trainer:
     # Without them a dump showed what was sampled but not how it was scored or pushed.
     def scored(i):
       out = {}
+      if golds is not None:
+        g = golds[i]
+        out["gold"] = g if g is None or isinstance(g, str) else [str(x) for x in g]
       if rewards is not None:
         r = rewards[i]
         out["reward"] = float(r.total)
@@ -1390,6 +1400,10 @@ class Trainer:
     def scored_line(i):
       sc = scored(i)
       parts = []
+      if "gold" in sc and sc["gold"] is not None:
+        g = sc["gold"]
+        parts.append("gold=" + (json.dumps(g, ensure_ascii=False) if isinstance(g, str)
+                                else " | ".join(json.dumps(x, ensure_ascii=False) for x in g)))
       if "success" in sc:
         parts.append(f"success={'yes' if sc['success'] else 'no'}")
       if "reward" in sc:

@@ -73,7 +73,14 @@ def test_golden_first_step_metrics(tmp_path):
   assert len(evals) == min(trainer.config.log.dump_count, len(trainer.eval_examples))
   assert [r["example_id"] for r in evals] == [ex.id for ex in trainer.eval_examples[:len(evals)]]
   assert all(r["success"] is False and r["reward"] == 0.0 for r in evals)  # a random model
-  assert "success=no reward=0" in (tmp_path / "run" / "samples" / "eval_step_000001.txt").read_text()
+  assert [r["gold"] for r in evals] == [ex.gold for ex in trainer.eval_examples[:len(evals)]]
+  gold = json.dumps(trainer.eval_examples[0].gold)
+  assert f"gold={gold} success=no reward=0" in (
+      tmp_path / "run" / "samples" / "eval_step_000001.txt").read_text()
+  # The RL dumps name each trajectory's gold too.
+  rl = [json.loads(l) for l in (tmp_path / "run" / "samples" / "step_000001.jsonl").open()]
+  by_id = {ex.id: ex.gold for ex in trainer.train_examples}
+  assert rl and all(r["gold"] == by_id[r["example_id"]] for r in rl)
   # The first RL step compiles the update among others, and says so by program name.
   comp = [json.loads(l) for l in (tmp_path / "run" / "compiles.jsonl").read_text().splitlines()]
   rl = next(r for r in comp if r["phase"] == "rl" and r["step"] == 1)
@@ -778,7 +785,8 @@ def test_sample_dumps_carry_each_trajectory_s_reward_and_advantage(tmp_path):
         assert r["advantage"] == pytest.approx(a, rel=1e-6)
   assert all(seen.values()) and m["pack/dropped_items"] == seen["dropped"], seen
   text = (samples / "step_000001.txt").read_text(encoding="utf-8")
-  assert text.count("    reward=") == 8 and "advantage=none (not trained on)" in text, text
+  assert text.count(" reward=") == 8 and text.count("    gold=") == 8, text
+  assert "advantage=none (not trained on)" in text, text
   assert "advantage=+0.7071" in text and "advantage=-0.7071" in text, text
 
 
