@@ -17,6 +17,7 @@ an empty result rather than arbitrary documents.
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import difflib
 import json
@@ -166,24 +167,30 @@ class BM25Index:
     def __len__(self) -> int:
         return len(self.documents)
 
-    def _token_ids(self) -> tuple[list[list[int]], dict[str, int]]:
-        """Each document's title and text as term ids, and the terms' ids: tokenized a chunk of
-        documents at a time, so no second copy of the corpus's text (nor a list of every
-        document's terms as strings) is ever whole in memory."""
+    def _token_ids(self) -> tuple[list[array.array], dict[str, int]]:
+        """Each document's title and text as term ids (a compact array a document), and the
+        terms' ids: tokenized a chunk of documents at a time, so no second copy of the corpus's
+        text (nor a list of every document's terms as strings) is ever whole in memory."""
         vocab: dict[str, int] = {}
-        ids: list[list[int]] = []
+        ids: list[array.array] = []
         for start in range(0, len(self.documents), _TOKENIZE_CHUNK):
             chunk = self.documents[start:start + _TOKENIZE_CHUNK]
-            for terms in self._tokenize([f"{d.title}\n{d.text}" for d in chunk]):
-                ids.append([vocab.setdefault(t, len(vocab)) for t in terms])
+            tokenized = self._tokenize([f"{d.title}\n{d.text}" for d in chunk], return_ids=True)
+            # The chunk's own term ids (0, 1, ... in order) as the corpus's.
+            remap = [0] * len(tokenized.vocab)
+            for term, i in tokenized.vocab.items():
+                remap[i] = vocab.setdefault(term, len(vocab))
+            ids.extend(array.array("i", [remap[i] for i in doc]) for doc in tokenized.ids)
         return ids, vocab
 
-    def _tokenize(self, texts: list[str]) -> list[list[str]]:
+    def _tokenize(self, texts: list[str], return_ids: bool = False):
+        """The terms of each of `texts` (a list of lists of words), or with `return_ids` bm25s's
+        `Tokenized` (term ids a text, and the ids of the terms)."""
         import bm25s
 
         # Case-folded, not only lowercased: "STRASSE" finds "Straße", as a reader expects.
         texts = [unicodedata.normalize("NFKC", t).casefold() for t in texts]
-        return bm25s.tokenize(texts, stopwords=self._stopwords, stemmer=self._stemmer, return_ids=False,
+        return bm25s.tokenize(texts, stopwords=self._stopwords, stemmer=self._stemmer, return_ids=return_ids,
                               show_progress=False, token_pattern=TOKEN_PATTERN)
 
     def scores(self, query: str) -> np.ndarray:

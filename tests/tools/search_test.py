@@ -275,9 +275,9 @@ def test_an_index_keeps_the_documents_given_and_tokenizes_a_chunk_at_a_time(monk
     sizes = []
     tokenize = BM25Index._tokenize
 
-    def recorded(self, texts):
+    def recorded(self, texts, **kw):
         sizes.append(len(texts))
-        return tokenize(self, texts)
+        return tokenize(self, texts, **kw)
     monkeypatch.setattr(search, "_TOKENIZE_CHUNK", 3)
     monkeypatch.setattr(BM25Index, "_tokenize", recorded)
     index = BM25Index(docs)
