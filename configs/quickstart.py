@@ -82,10 +82,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # "dr_grpo" or "rloo"; zero_variance "drop" (groups with equal rewards are not trained on) or
   # "keep"; dynamic_sampling: DAPO's refill of dropped groups (with zero_variance "drop"), up
   # to max_sampling_rounds; the batch packs into rows of pack_len tokens (lengths len_buckets),
-  # split into micro_batches; epochs: updates over each step's batch; nonfinite "raise" or
-  # "skip" (a NaN/Inf step).
+  # split into mini_batches (contiguous groups of rows, one optimizer update each, in turn),
+  # each accumulated over micro_batches; epochs: passes over each step's batch (epochs x
+  # mini_batches updates per step); nonfinite "raise" or "skip" (a NaN/Inf step).
   c.train = ml_collections.ConfigDict(dict(
-      prompts_per_step=16, samples_per_prompt=4, micro_batches=1, epochs=1,
+      prompts_per_step=16, samples_per_prompt=4, mini_batches=1, micro_batches=1, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
       pack_len=256, len_buckets=(128, 256), nonfinite="raise",
       # With fsdp and micro_batches > 1: all-gather the weights once per step, not in every
@@ -95,8 +96,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # tokens per micro-batch x vocab x 2 bytes) instead of recomputing the logits in the
       # backward pass: one vocabulary matmul less per step (StepConfig.logprob_save_probs).
       logprob_save_probs=False,
-      # Packed row count B: "multiple" (of micro_batches x data-parallel devices: least padding,
-      # one update program per distinct B) or "pow2" (that multiple x a power of two: at most
+      # Packed row count B: "multiple" (of mini_batches x micro_batches x data-parallel
+      # devices: least padding, one update program per distinct B) or "pow2" (that multiple x a power of two: at most
       # ~log2 programs, up to 2x padded rows; for runs where recompiles cost more than padding).
       row_rounding="multiple",
       time_limit_s=0.0))  # RL wall-clock budget in s (0: none): final eval + checkpoint, then stop

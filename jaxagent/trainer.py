@@ -365,6 +365,11 @@ def _compile_metrics(d: compile_stats.CompileCounts, count: str, seconds: str,
   return {count: d.count, seconds: d.seconds, hits: d.cache_hits}
 
 
+def _mini_batches(train) -> int:
+  """`train.mini_batches` (1 when a config leaves it out: one update per epoch)."""
+  return train.get("mini_batches", 1) if hasattr(train, "get") else 1
+
+
 @contextlib.contextmanager
 def _names_the_step(where: str):
   """Re-raise the learner's non-finite error naming the step the run logs: the learner counts
@@ -411,7 +416,7 @@ KNOWN_CONFIG_KEYS = frozenset("""
     sft.batch_size sft.data sft.lr sft.num_examples sft.steps sft.warmup_steps
     train.advantage train.dynamic_sampling train.epochs train.gather_weights
     train.len_buckets train.logprob_save_probs train.max_sampling_rounds train.micro_batches
-    train.nonfinite train.pack_len train.prompts_per_step train.row_rounding
+    train.mini_batches train.nonfinite train.pack_len train.prompts_per_step train.row_rounding
     train.samples_per_prompt train.time_limit_s train.zero_variance
 """.split()) | {f"model.{k}" for k in RUN_MODEL_KEYS}
 _FREE_FORM = ("env.kwargs",)
@@ -427,8 +432,8 @@ OPTIONAL_CONFIG_KEYS = frozenset("""
     rollout.max_observation_tokens rollout.max_prompt_tokens rollout.max_total_tokens
     rollout.mesh rollout.observation_truncation
     sft.data sft.warmup_steps
-    train.gather_weights train.len_buckets train.logprob_save_probs train.nonfinite
-    train.row_rounding train.time_limit_s
+    train.gather_weights train.len_buckets train.logprob_save_probs train.mini_batches
+    train.nonfinite train.row_rounding train.time_limit_s
 """.split())
 
 
@@ -482,8 +487,8 @@ def check_config(config) -> None:
   count("total_steps", 0)
   count("seed", 0)  # the prompt shuffle takes only non-negative seeds; samplers take it mod 2**32
   for key in ("train.prompts_per_step", "train.samples_per_prompt", "train.epochs",
-              "rollout.slots", "train.micro_batches", "train.max_sampling_rounds",
-              "sft.batch_size"):
+              "rollout.slots", "train.micro_batches", "train.mini_batches",
+              "train.max_sampling_rounds", "sft.batch_size"):
     count(key, 1)
   # Negative values were taken as Python slices or ranges: eval.size=-1 evaluated all but the
   # last example, sft.steps=-1 ran the evals before RL and then crashed with an IndexError.
@@ -614,16 +619,18 @@ def _warn_unused_loss_settings(config) -> None:
 def _warn_long_warmups(config) -> None:
   """Logs a warning (once per process) when a warmup is not shorter than the updates it warms:
   the learning rate then never reaches the configured rate (legal, and rarely meant). The RL
-  optimizer makes `total_steps * train.epochs` updates (`step.learner_parts`); the warm start
-  `sft.steps`. Update i (from 0) runs at i / warmup_steps of the rate during the warmup, so the
+  optimizer makes `total_steps * train.epochs * train.mini_batches` updates
+  (`step.learner_parts`); the warm start `sft.steps`. Update i (from 0) runs at i / warmup_steps of the rate during the warmup, so the
   rate is reached only when warmup_steps < the number of updates. (The cosine and linear
   schedules already refuse such a warmup: they need total steps > warmup_steps to decay over.)"""
   get = lambda section, key: (section.get(key) if hasattr(section, "get") else None)
   opt, train, sft = (get(config, k) for k in ("optimizer", "train", "sft"))
   epochs = get(train, "epochs") or 1
+  minis = get(train, "mini_batches") or 1
   runs = [("optimizer.warmup_steps", get(opt, "warmup_steps"), "optimizer.lr",
-           (get(config, "total_steps") or 0) * epochs,
-           f"total_steps={get(config, 'total_steps')} x train.epochs={epochs} RL updates")]
+           (get(config, "total_steps") or 0) * epochs * minis,
+           f"total_steps={get(config, 'total_steps')} x train.epochs={epochs}"
+           + (f" x train.mini_batches={minis}" if minis != 1 else "") + " RL updates")]
   if get(opt, "schedule") not in (None, "constant"):
     runs = []  # `step.make_optimizer` raises for these
   runs.append(("sft.warmup_steps", get(sft, "warmup_steps"), "sft.lr", get(sft, "steps") or 0,
@@ -1050,10 +1057,14 @@ class Trainer:
     learner = step_lib.Learner(self.cfg, self._sft_step_cfg, self._sft_optimizer, self.mesh)
     st = learner.init(self.state.params)
     batches = _sft_batches(len(items), s.batch_size, s.steps, self.config.seed)
+    # One update per batch: rows rounded to micro-batches x devices (not to train.mini_batches,
+    # which splits only the RL step's batch).
+    sft_pack = dataclasses.replace(
+        self.pack_cfg, row_multiple=self.pack_cfg.row_multiple // _mini_batches(self.config.train))
     t0 = time.time()
     losses_seen = []
     for i, idx in enumerate(batches):
-      pb = packing.pack([items[j] for j in idx], self.pack_cfg)
+      pb = packing.pack([items[j] for j in idx], sft_pack)
       self._warn_dropped("SFT step", i + 1, pb.stats)
       with _names_the_step(f"SFT warm-start step {i + 1} of {s.steps}"):
         st, m = learner.train_step(st, pb.arrays())
@@ -1251,35 +1262,50 @@ class Trainer:
         ref, _ = self.learner.score(self.ref_params, batch)
         batch["ref_logps"] = np.asarray(_to_host(ref))
       epochs = max(1, self.config.train.epochs)
-      skipped = 0.0  # train/nonfinite: 1 when any epoch's update was skipped
-      first_gap = None
+      minis = _mini_batches(self.config.train)
+      rows = len(batch["old_logps"])
+      if rows % minis:  # packing rounds rows to a multiple of it (`packing.config_from_train`)
+        raise ValueError(f"RL step {step}: the packed batch has {rows} rows, not a multiple of "
+                         f"train.mini_batches={minis}; pack with packing.config_from_train "
+                         f"(trainer.pack_cfg.row_multiple={self.pack_cfg.row_multiple})")
+      size = rows // minis
+      # Mini-batch i: rows [i * size, (i + 1) * size) (a trajectory lies in one row, so in one
+      # mini-batch). One without a trained token (padding rows) makes no update: an optimizer
+      # step on a zero gradient still moves the weights through the moments and weight decay.
+      parts = [(0, batch)] if minis == 1 else [
+          (i, part) for i, part in enumerate(
+              {k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(minis))
+          if "loss_mask" not in part or part["loss_mask"].any()]
+      skipped = 0.0  # train/nonfinite: 1 when any update was skipped
+      first, first_gap = True, None
       for epoch in range(epochs):
-        with _names_the_step(f"RL step {step}" + (f", epoch {epoch + 1} of {epochs}"
-                                                  if epochs > 1 else "")):
-          try:
-            self.state, m = self.learner.train_step(self.state, batch)
-          except FloatingPointError as e:
-            # `self.state` was donated to the step: keep the unchanged state the error
-            # carries, so that the trainer can still save, export or evaluate it.
-            self.state = getattr(e, "state", self.state)
-            raise
-        if m.get("nonfinite"):  # train.nonfinite="skip": said here, not only in the metrics
-          bad = [k for k, v in m.items() if not math.isfinite(v)] or ["grad_norm"]
-          self.writer.message(
-              f"warning: RL step {step}" + (f", epoch {epoch + 1} of {epochs}" if epochs > 1
-                                            else "")
-              + f": non-finite {', '.join(bad)}; the update was skipped (train.nonfinite="
-              "'skip'): params, optimizer state and learning-rate schedule are unchanged "
-              "(train/nonfinite=1)")
-        metrics.update({f"train/{k}": v for k, v in m.items()})
-        skipped = max(skipped, float(m.get("nonfinite", 0.0)))
-        if epoch == 0:
-          first_gap = m.get("logprob_gap")
-      # The other train/ metrics are the last epoch's (its loss, clip fractions, ratio and KL
-      # show how far the earlier epochs' updates moved the policy); a skipped update of an
-      # earlier epoch was overwritten by the next one's nonfinite=0, so the run's metrics never
-      # showed it. The log-prob gap is the sampler's disagreement with the learner only before
-      # the first update (later epochs add the updates' own change): the first epoch's.
+        for i, part in parts:
+          where = (f"RL step {step}" + (f", epoch {epoch + 1} of {epochs}" if epochs > 1 else "")
+                   + (f", mini-batch {i + 1} of {minis}" if minis > 1 else ""))
+          with _names_the_step(where):
+            try:
+              self.state, m = self.learner.train_step(self.state, part)
+            except FloatingPointError as e:
+              # `self.state` was donated to the step: keep the unchanged state the error
+              # carries, so that the trainer can still save, export or evaluate it.
+              self.state = getattr(e, "state", self.state)
+              raise
+          if m.get("nonfinite"):  # train.nonfinite="skip": said here, not only in the metrics
+            bad = [k for k, v in m.items() if not math.isfinite(v)] or ["grad_norm"]
+            self.writer.message(
+                f"warning: {where}: non-finite {', '.join(bad)}; the update was skipped "
+                "(train.nonfinite='skip'): params, optimizer state and learning-rate schedule "
+                "are unchanged (train/nonfinite=1)")
+          metrics.update({f"train/{k}": v for k, v in m.items()})
+          skipped = max(skipped, float(m.get("nonfinite", 0.0)))
+          if first:
+            first, first_gap = False, m.get("logprob_gap")
+      # The other train/ metrics are the last update's (the last epoch's last mini-batch: its
+      # loss, clip fractions, ratio and KL show how far the earlier updates moved the policy);
+      # a skipped earlier update was overwritten by the next one's nonfinite=0, so the run's
+      # metrics never showed it. The log-prob gap is the sampler's disagreement with the
+      # learner only before the first update (later ones add the updates' own change): the
+      # first update's (the first mini-batch's tokens).
       if "train/nonfinite" in metrics:
         metrics["train/nonfinite"] = skipped
       if first_gap is not None:

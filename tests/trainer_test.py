@@ -115,6 +115,8 @@ def test_config_keys_are_checked_against_the_quickstart():
     ("train.samples_per_prompt", 0, "train.samples_per_prompt must be an int >= 1"),
     ("train.samples_per_prompt", 1, "samples_per_prompt=1 gives every group one member"),
     ("train.epochs", 0, "train.epochs must be an int >= 1"),
+    ("train.mini_batches", 0, "train.mini_batches must be an int >= 1, got 0"),
+    ("train.mini_batches", None, "train.mini_batches must be an int >= 1, got None"),
     ("total_steps", -1, "total_steps must be an int >= 0"),
     ("seed", -1, "seed must be an int >= 0, got -1"),
     ("rollout.slots", 0, "rollout.slots must be an int >= 1"),
@@ -2125,3 +2127,156 @@ def test_overlong_shaping_is_added_to_the_rl_rewards(tmp_path):
   assert m["reward/overlong"] == pytest.approx(want)
   assert m["reward/mean"] == pytest.approx(np.mean([s.total for _, _, s in seen]))
   assert any(overlong_penalty(n, cfg) < 0 for n, _, _ in seen)
+
+
+def test_mini_batches_round_the_packed_rows_and_count_in_the_schedule(tmp_path, monkeypatch,
+                                                                      caplog):
+  """train.mini_batches: rows round to mini x micro x data-parallel devices (each mini-batch an
+  equal, whole number of micro-batches per device, under both row roundings); the planner
+  compiles the update for one mini-batch's rows (the warm start's for its own batch); the
+  learning-rate schedule and the warmup warning count total_steps x epochs x mini_batches."""
+  from jaxagent import trainer as trainer_lib
+  from jaxagent.plan import planner
+  from jaxagent.rl.packing import config_from_train
+  c = _tiny(tmp_path, **{"train.mini_batches": 3, "train.micro_batches": 2})
+  t = c.train
+  pack = config_from_train(t, dp=4)
+  assert pack.row_multiple == 24 and pack.round_rows(1) == 24 and pack.round_rows(25) == 48
+  t.row_rounding = "pow2"
+  assert config_from_train(t, dp=4).round_rows(25) == 48 and config_from_train(
+      t, dp=4).round_rows(49) == 96
+  t.row_rounding = "multiple"
+  sizes = {"data": 1, "fsdp": 4, "tensor": 1}
+  c.sft.steps, c.sft.batch_size = 1, 4
+  s = planner.run_shapes(c, sizes, planner.PlanOptions(rows=30))
+  assert (s.rows, s.mini_batches, s.update_rows, s.sft_rows) == (48, 3, 16, 8)
+  del t["mini_batches"]  # configs written before the key: one update per epoch
+  assert config_from_train(t, dp=4).row_multiple == 8
+  assert planner.run_shapes(c, sizes, planner.PlanOptions(rows=30)).update_rows == 32
+  t.mini_batches = True
+  with pytest.raises(ValueError, match="train.mini_batches must be an int >= 1, got True"):
+    config_from_train(t, dp=4)
+
+  seen = {}
+  real = step_lib.make_optimizer
+  def spy(*args, **kwargs):
+    seen.update(kwargs)
+    return real(*args, **kwargs)
+  monkeypatch.setattr(step_lib, "make_optimizer", spy)
+  c = _tiny(tmp_path, **{"total_steps": 5, "train.epochs": 2, "train.mini_batches": 3,
+                         "optimizer.schedule": "cosine"})
+  step_lib.learner_parts(c)
+  assert seen["total_steps"] == 5 * 2 * 3
+  del c.train["mini_batches"]
+  step_lib.learner_parts(c)
+  assert seen["total_steps"] == 5 * 2
+
+  monkeypatch.setattr(trainer_lib, "_CONFIG_WARNINGS", set(), raising=False)
+  c = _tiny(tmp_path, **{"total_steps": 4, "train.epochs": 2, "train.mini_batches": 2,
+                         "optimizer.warmup_steps": 16})
+  with caplog.at_level("WARNING", logger="jaxagent.trainer"):
+    trainer_lib.check_config(c)
+    c.optimizer.warmup_steps = 15  # below the 16 updates: the full rate is reached
+    trainer_lib.check_config(c)
+  said = [r.getMessage() for r in caplog.records if r.name == "jaxagent.trainer"]
+  assert said == [
+      "optimizer.warmup_steps=16 is not shorter than the run's total_steps=4 x train.epochs=2 "
+      "x train.mini_batches=2 RL updates: the learning rate never reaches optimizer.lr (the "
+      "last update runs at 0.938 of it); lower optimizer.warmup_steps below 16 if the full "
+      "rate is meant"]
+
+
+@pytest.mark.slow  # rollouts of 16 trajectories and two update programs: about 40 s on 2 cores
+def test_mini_batches_make_one_update_per_mini_batch_per_epoch(ckpt_trainer, monkeypatch):
+  """train.mini_batches=2, epochs=2: the step's batch splits into its two contiguous halves of
+  rows and makes 4 optimizer updates (half, other half, half, other half), against the same
+  old log-probs; the params then differ from one update per epoch on the whole batch."""
+  from jaxagent.rl import packing
+  trainer = ckpt_trainer
+  saved = jax.tree.map(jnp.copy, trainer.state)
+  monkeypatch.setitem(trainer.config.train, "mini_batches", 2)
+  monkeypatch.setitem(trainer.config.train, "epochs", 2)
+  monkeypatch.setitem(trainer.config.train, "prompts_per_step", 8)  # 16 rows, one trajectory each
+  dp = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]
+  monkeypatch.setattr(trainer, "pack_cfg", packing.config_from_train(trainer.config.train, dp))
+  metrics, batch = trainer._collect(1, trainer._generator_params())
+  rows = len(batch["tokens"])
+  assert rows % 2 == 0 and batch["loss_mask"][:rows // 2].any() and batch["loss_mask"][rows // 2:].any()
+  monkeypatch.setattr(trainer, "_collect", lambda step, params: (dict(metrics), dict(batch)))
+  calls = []
+  real = trainer.learner.train_step
+  def spy(state, b):
+    calls.append({k: np.array(v) for k, v in b.items()})
+    state, m = real(state, b)
+    m["logprob_gap"] = len(calls)  # which update's metric the step reports
+    return state, m
+  monkeypatch.setattr(trainer.learner, "train_step", spy)
+  try:
+    step0 = int(trainer.state.step)
+    m = trainer.rl_step(1)
+    assert int(trainer.state.step) == step0 + 4 and len(calls) == 4
+    halves = [slice(0, rows // 2), slice(rows // 2, rows)]
+    for b, half in zip(calls, halves * 2):
+      assert set(b) == set(batch)
+      for k in batch:
+        np.testing.assert_array_equal(b[k], batch[k][half])
+    assert m["train/logprob_gap"] == 1  # the very first update's
+    assert m["train/nonfinite"] == 0.0 and m["train/skipped_no_signal"] == 0.0
+    two = jax.device_get(trainer.state.params)
+
+    trainer.state = jax.tree.map(jnp.copy, saved)
+    monkeypatch.setitem(trainer.config.train, "mini_batches", 1)
+    calls.clear()
+    trainer.rl_step(1)
+    assert len(calls) == 2 and all(len(b["tokens"]) == rows for b in calls)
+    one = jax.device_get(trainer.state.params)
+    assert any(not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(one),
+                                                        jax.tree.leaves(two)))
+
+  finally:
+    trainer.state = saved
+
+
+def test_mini_batches_split_the_rows_in_order_and_name_the_failing_one(ckpt_trainer,
+                                                                       monkeypatch):
+  """train.mini_batches=2, epochs=2: updates on rows [0, 2), [2, 4), [0, 2), [2, 4) of the
+  step's batch, train/* the last update's but train/logprob_gap the first's and
+  train/nonfinite 1 if any was skipped; a mini-batch of padding rows only (no trained token)
+  makes no update; a non-finite update names its epoch and mini-batch; a batch whose rows do
+  not split into train.mini_batches (packed without `config_from_train`) is refused naming it."""
+  trainer = ckpt_trainer
+  monkeypatch.setitem(trainer.config.train, "mini_batches", 2)
+  monkeypatch.setitem(trainer.config.train, "epochs", 2)
+  monkeypatch.setattr(trainer.writer, "message", lambda msg: None)
+  full = {"old_logps": np.arange(16, dtype=np.float32).reshape(4, 4) - 20,
+          "loss_mask": np.ones((4, 4), np.float32)}
+  monkeypatch.setattr(trainer, "_collect", lambda step, params: ({}, dict(full)))
+  got = []
+  def update(state, b):
+    got.append(b)
+    return state, {"loss": float(len(got)), "logprob_gap": 0.1 * len(got),
+                   "nonfinite": float(len(got) == 2)}
+  monkeypatch.setattr(trainer.learner, "train_step", update)
+  m = trainer.rl_step(3)
+  assert [b["old_logps"][:, 0].tolist() for b in got] == [[-20, -16], [-12, -8]] * 2
+  assert (m["train/loss"], m["train/logprob_gap"], m["train/nonfinite"]) == (4.0, 0.1, 1.0)
+  got.clear()
+  full["loss_mask"] = np.concatenate([np.ones((2, 4), np.float32), np.zeros((2, 4), np.float32)])
+  trainer.rl_step(3)
+  assert [b["old_logps"][:, 0].tolist() for b in got] == [[-20, -16]] * 2
+  batch = {"old_logps": np.zeros((4, 4), np.float32), "loss_mask": np.ones((4, 4), np.float32)}
+  monkeypatch.setattr(trainer, "_collect", lambda step, params: ({}, dict(batch)))
+  seen = []
+  def diverged(state, b):
+    seen.append(len(b["old_logps"]))
+    if len(seen) == 3:
+      raise FloatingPointError("non-finite values at train step 2: ['loss']")
+    return state, {"loss": 0.5, "nonfinite": 0.0}
+  monkeypatch.setattr(trainer.learner, "train_step", diverged)
+  with pytest.raises(FloatingPointError, match=r"^RL step 3, epoch 2 of 2, mini-batch 1 of 2: "):
+    trainer.rl_step(3)
+  assert seen == [2, 2, 2]
+  batch = {"old_logps": np.zeros((3, 4), np.float32)}
+  with pytest.raises(ValueError, match=r"RL step 3: the packed batch has 3 rows, not a multiple "
+                     r"of train.mini_batches=2"):
+    trainer.rl_step(3)

@@ -8,8 +8,8 @@ before the first step.
 Programs, each lowered from abstract inputs only (`jax.ShapeDtypeStruct`s carrying the run's
 shardings; params come from `jax.eval_shape(init_params)`, so no weight is ever materialised):
 
-  * `update[L=...]`: `rl.step.train_step` on `[rows, L]` per length bucket, with the configured
-    micro-batches (through `Learner.train_step_fn`, the trainer's own jit).
+  * `update[L=...]`: `rl.step.train_step` on `[rows / train.mini_batches, L]` (one
+    mini-batch) per length bucket, with the configured micro-batches (through `Learner.train_step_fn`, the trainer's own jit).
   * `sft[L=...]`: the warm start's update at the longest bucket (when `sft.steps > 0`).
   * `score[L=...]`: `sequence_logprobs`, used when the trainer runs it (`runs_score`: reference
     log-probs with `loss.kl_coef > 0`, old log-probs of observation tokens with an env that
@@ -80,8 +80,9 @@ class PlanOptions:
   """Narrow the worst-case shapes the planner assumes.
 
   Attributes:
-    rows: update-batch rows (default: one trajectory per row, prompts x samples, rounded up to
-      micro_batches x data-parallel size as packing does).
+    rows: the step's batch rows (default: one trajectory per row, prompts x samples, rounded
+      up to mini_batches x micro_batches x data-parallel size as packing does); each update
+      program sees rows / mini_batches of them.
     prompt_len: the longest prompt prefilled (default: the config's
       `rollout.max_prompt_tokens`, else the cache length minus one).
     append_len: tokens appended into a slot at once (pending token + observation; the engine
@@ -195,13 +196,17 @@ def run_shapes(config, mesh_sizes: dict[str, int], options: PlanOptions = PlanOp
   t, r = config.train, config.rollout
   dp = mesh_sizes["data"] * mesh_sizes["fsdp"]
   pack_cfg = packing.config_from_train(t, dp)  # as the trainer packs
+  minis = t.get("mini_batches", 1)
   rows = pack_cfg.round_rows(options.rows or t.prompts_per_step * t.samples_per_prompt)
-  sft_rows = pack_cfg.round_rows(config.sft.batch_size) if config.sft.steps else 0
+  # The warm start makes one update per batch: rounded to micro-batches x devices only.
+  sft_pack = dataclasses.replace(pack_cfg, row_multiple=pack_cfg.row_multiple // minis)
+  sft_rows = sft_pack.round_rows(config.sft.batch_size) if config.sft.steps else 0
   ecfg = EngineConfig(slots=r.slots, max_len=r.max_len)
   prompt_len = min(options.prompt_len or r.get("max_prompt_tokens") or r.max_len - 1,
                    r.max_len - 1)
   return RunShapes(
       rows=rows, len_buckets=pack_cfg.len_buckets, micro_batches=t.micro_batches,
+      mini_batches=minis,
       sft_rows=sft_rows, kl=config.loss.kl_coef > 0, slots=r.slots, max_len=r.max_len,
       prefill_batch=pow2_at_least(r.slots),
       prefill_len=_bucket(prompt_len, ecfg.prefill_buckets),
@@ -405,9 +410,9 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
   if "update" in want:
     train = learner.train_step_fn(state)
     for length in shapes.len_buckets:
-      b = batch(shapes.rows, length, rl_keys)
+      b = batch(shapes.update_rows, length, rl_keys)
       rep = ProgramReport(f"update[L={length}]", "update",
-                          f"[{shapes.rows}x{length}] m={m}", resident_bytes=ref_b,
+                          f"[{shapes.update_rows}x{length}] m={m}", resident_bytes=ref_b,
                           components={"params": params_b, "optimizer": opt_b,
                                       "batch": _per_chip_bytes(b), "ref_params": ref_b})
       add(rep, train, state, b)

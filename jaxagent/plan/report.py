@@ -32,6 +32,12 @@ class RunShapes:
   append_len: int
   decode_steps: int
   kv_len: int
+  mini_batches: int = 1         # the RL update runs on rows / mini_batches of them
+
+  @property
+  def update_rows(self) -> int:
+    """Rows of one RL update (one mini-batch of the step's `rows`)."""
+    return self.rows // self.mini_batches
 
 
 @dataclasses.dataclass
@@ -244,7 +250,7 @@ def knobs(report: PlanReport, config, cfg: ModelConfig) -> list[str]:
         say(f"the weights alone need {g(weights)} per chip on {n} chips: use a larger topology")
     if p.kind in ("update", "sft", "score"):
       # The score program runs its rows in the update's micro-batches too (`Learner.score_fn`).
-      rows = s.sft_rows if p.kind == "sft" else s.rows
+      rows = {"sft": s.sft_rows, "update": s.update_rows}.get(p.kind, s.rows)
       rows_per_chip = rows // max(1, s.micro_batches * mesh["data"] * mesh["fsdp"])
       if rows_per_chip > 1:
         say(f"train.micro_batches={s.micro_batches * 2} (now {s.micro_batches}; "

@@ -210,8 +210,9 @@ class PackingConfig:
 def config_from_train(train, dp: int) -> PackingConfig:
     """The packing of a run's RL batch from its `train` config (the trainer and the planner
     both use this): rows of `train.pack_len` tokens, `len_buckets`, and a row count rounded per
-    `row_rounding` to a multiple of the micro-batches times the `dp` data-parallel devices
-    (each micro-batch splits evenly over them)."""
+    `row_rounding` to a multiple of `train.mini_batches` (1 when left out) x `micro_batches` x
+    the `dp` data-parallel devices: the rows split into equal mini-batches (one update each),
+    each into micro-batches that split evenly over the devices."""
     buckets = tuple(train.get("len_buckets", ())) or (train.pack_len,)
     # Before the last-bucket check: (64, 128.5) was told to end with pack_len=128.
     _check_buckets("train.len_buckets", buckets, f" ending with train.pack_len={train.pack_len}")
@@ -224,8 +225,13 @@ def config_from_train(train, dp: int) -> PackingConfig:
         raise ValueError("train.row_rounding='buckets' needs a list of row counts, which the run "
                          "config does not take: use 'multiple' or 'pow2' (row buckets are for "
                          "PackingConfig(row_rounding='buckets', row_buckets=...) in your own code)")
-    return PackingConfig(max_len=train.pack_len, len_buckets=buckets, row_multiple=train.micro_batches * dp,
-                         row_rounding=rounding)
+    minis = train.get("mini_batches", 1)
+    if isinstance(minis, bool) or not isinstance(minis, numbers.Integral) or minis < 1:
+        raise ValueError(f"train.mini_batches must be an int >= 1, got {minis!r}")
+    # Every mini-batch (an update of its own) has the same row count, split in turn into
+    # micro-batches over the data-parallel devices.
+    return PackingConfig(max_len=train.pack_len, len_buckets=buckets,
+                         row_multiple=minis * train.micro_batches * dp, row_rounding=rounding)
 
 
 @dataclasses.dataclass

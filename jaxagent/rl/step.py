@@ -319,7 +319,9 @@ def learner_parts(config):
   rl_opt = _in_section(
       "optimizer", make_optimizer, opt.lr, weight_decay=opt.weight_decay, b1=opt.b1, b2=opt.b2,
       max_grad_norm=opt.max_grad_norm, warmup_steps=opt.warmup_steps,
-      total_steps=c.total_steps * max(1, t.epochs), schedule=opt.schedule)
+      # One update per mini-batch per epoch (`Trainer.rl_step`): the schedule counts them all.
+      total_steps=c.total_steps * max(1, t.epochs) * t.get("mini_batches", 1),
+      schedule=opt.schedule)
   s = c.sft
   # The warm start fits the model's own distribution to the demonstrations (temperature 1),
   # whatever temperature the rollouts then sample at.
@@ -459,7 +461,8 @@ class Learner:
         raise ValueError(
             f"put_batch: {k!r} has {rows} rows, not a multiple of the {dp} data-parallel devices "
             f"(mesh data x fsdp = {self.mesh.shape['data']} x {self.mesh.shape['fsdp']}); pack with "
-            f"PackingConfig(row_multiple=micro_batches * {dp}) (`packing.config_from_train`)")
+            f"PackingConfig(row_multiple=mini_batches * micro_batches * {dp}) "
+            "(`packing.config_from_train`)")
     return {k: jax.device_put(np.asarray(v), self.batch_sharding(np.ndim(v)))
             for k, v in batch.items() if v is not None}
 

@@ -44,6 +44,38 @@ def test_run_shapes_are_the_trainers_worst_case():
     plan.PlanOptions(rows=True)  # was read as 1
 
 
+def test_update_is_planned_for_one_mini_batch_of_the_trainers_rows():
+  """train.mini_batches: the step's rows round to mini x micro x data-parallel devices, as the
+  trainer packs them; each update (the program compiled) sees rows / mini_batches of them; the
+  reference scoring all rows; the warm start's batch, one update, rounds without mini_batches."""
+  c = tiny()
+  c.train.update(prompts_per_step=5, samples_per_prompt=3, micro_batches=2, mini_batches=2)
+  s = plan.run_shapes(c, {"data": 2, "fsdp": 2, "tensor": 1})
+  assert s.rows == 16 and s.mini_batches == 2 and s.update_rows == 8  # 15, rounded to 2 x 2 x 4
+  assert s.sft_rows == 8                       # sft batch 4, rounded to 2 x 4
+  c.train.mini_batches = 3
+  s = plan.run_shapes(c, {"data": 2, "fsdp": 2, "tensor": 1})
+  assert (s.rows, s.update_rows) == (24, 8)
+  from jaxagent.models import get_config
+  c = tiny()
+  c.train.mini_batches = 2
+  report = plan.plan_run(c, jax.devices()[:4], cfg=get_config("tiny-llama", n_layers=1),
+                         options=plan.PlanOptions(programs=("update", "score")))
+  assert report.shapes.rows == 8                # 4 prompts x 2 samples
+  assert report.program("update").shapes == "[4x128] m=1"
+  assert report.program("score").shapes == "[8x128]"
+
+
+def test_update_micro_batch_knob_counts_one_mini_batchs_rows():
+  c = tiny()
+  c.train.update(prompts_per_step=16, samples_per_prompt=2)  # 32 rows: 8 per chip
+  update = lambda: plan.ProgramReport("update[L=128]", "update", "[32x128]", temp_bytes=20 * GiB)
+  assert any("8 rows per chip" in k for k in _report_with(update(), c).knobs)
+  c.train.mini_batches = 4                                   # 8 rows per update: 2 per chip
+  assert any("train.micro_batches=2" in k and "2 rows per chip" in k
+             for k in _report_with(update(), c).knobs)
+
+
 @pytest.mark.slow  # builds a whole Trainer (about 10-20 s on 2 cores)
 def test_learner_parts_match_the_trainer():
   c = tiny(1, -1, 1)
