@@ -282,6 +282,7 @@ def test_an_index_keeps_the_documents_given_and_tokenizes_a_chunk_at_a_time(monk
     monkeypatch.setattr(BM25Index, "_tokenize", recorded)
     index = BM25Index(docs)
     assert sizes == [3, 3, 1]
+    assert not hasattr(docs[0], "__dict__")  # slots: no attribute dict a document
     assert all(a is b for a, b in zip(index.documents, docs, strict=True))
     for query in ("word4 shared", "extra text", "title 6"):
         np.testing.assert_allclose(index.scores(query), reference.scores(query), rtol=1e-6)
