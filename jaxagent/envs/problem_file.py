@@ -435,8 +435,15 @@ def _records(p: pathlib.Path, setting: str,
   except Exception as e:  # noqa: BLE001 - a file that is not ArrayRecord fails inside the reader
     raise ValueError(f"{setting}={os.fspath(p)!r}: cannot read it as an ArrayRecord file "
                      f"({type(e).__name__}: {e})") from e
-  for i in range(n):
-    yield i, f"{p.name} record {i}", source[i]
+  # A batch of records a read: one record a read took 72 s for 200k records (1.7 s batched).
+  read = getattr(source, "__getitems__", None) or (lambda keys: [source[k] for k in keys])
+  for start in range(0, n, _ARRAY_RECORD_BATCH):
+    batch = read(list(range(start, min(start + _ARRAY_RECORD_BATCH, n))))
+    for i, raw in enumerate(batch, start):
+      yield i, f"{p.name} record {i}", raw
+
+
+_ARRAY_RECORD_BATCH = 1024
 
 
 def _parquet_records(p: pathlib.Path, setting: str,
