@@ -9,11 +9,13 @@ by the file's suffix:
 * JSONL (`.jsonl`, or gzip-compressed `.jsonl.gz`): one JSON object a line; blank lines are
   skipped, and a record is named by its line number (from 1).
 * ArrayRecord (`.array_record`, `.arrayrecord`): each record is a JSON object as UTF-8 bytes,
-  read with grain's `ArrayRecordDataSource`; a record is named by its index (from 0). Write one
+  read with grain's `ArrayRecordDataSource` a batch of records at a time; a record is named by
+  its index (from 0). Write one
   with `array_record`'s `ArrayRecordWriter(path, "group_size:1").write(json.dumps(obj).encode())`.
 * Parquet (`.parquet`): each row is a record, its columns the keys (a struct column is an object,
   so `reward_model.ground_truth` reads inside it; a list column is a list); read with pyarrow one
-  record batch at a time, and a record is named by its row index (from 0).
+  record batch at a time, the envs' problems only in the columns their keys name (a corpus in its
+  document columns), and a record is named by its row index (from 0).
 
 The question is text. The answer is a number, text, or a list of them (several accepted
 answers); a GSM8K answer with worked steps ("... = 72 clips\\n#### 72") gives its final answer,
