@@ -150,6 +150,19 @@ def test_titles_key_gives_the_retrieval_reward(tmp_path, files, char_tok):
       "['answer', 'extra_info', 'question']; did you mean 'extra_info.supporting_facts'? (set "
       "SearchQAEnv.titles_key='extra_info.supporting_facts')")):
     env.examples("train")
+  # The same from a Parquet file, which is read only in the question, answer and titles
+  # columns: the columns not read (extra_info here) still give the hint.
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  pq.write_table(pa.Table.from_pylist([{"question": "Who?", "answer": "Ada", "extra_info": {
+      "index": 0, "supporting_facts": [["Ada Lovelace", "0"]]}}]), str(tmp_path / "nested.parquet"))
+  env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, **{
+      **files, "train_file": str(tmp_path / "nested.parquet")}, titles_key="supporting_facts")
+  with pytest.raises(ValueError, match=re.escape(
+      "nested.parquet record 0: no 'supporting_facts' key (SearchQAEnv.titles_key); the record has "
+      "['answer', 'extra_info', 'question']; did you mean 'extra_info.supporting_facts'? (set "
+      "SearchQAEnv.titles_key='extra_info.supporting_facts')")):
+    env.examples("train")
 
 
 def test_titles_no_search_can_retrieve_are_named(tmp_path, files):
