@@ -82,7 +82,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # "dr_grpo" or "rloo"; zero_variance "drop" (groups with equal rewards are not trained on) or
   # "keep"; dynamic_sampling: DAPO's refill of dropped groups (with zero_variance "drop"), up
   # to max_sampling_rounds; the batch packs into rows of pack_len tokens (lengths len_buckets),
-  # split into mini_batches (contiguous groups of rows, one optimizer update each, in turn),
+  # split into mini_batches (equal groups of rows drawn anew each epoch, one update each),
   # each accumulated over micro_batches; epochs: passes over each step's batch (epochs x
   # mini_batches updates per step); nonfinite "raise" or "skip" (a NaN/Inf step).
   c.train = ml_collections.ConfigDict(dict(

@@ -365,6 +365,15 @@ def _compile_metrics(d: compile_stats.CompileCounts, count: str, seconds: str,
   return {count: d.count, seconds: d.seconds, hits: d.cache_hits}
 
 
+def mini_batch_rows(rows: int, minis: int, seed: int, step: int, epoch: int) -> list[np.ndarray]:
+  """The row indices of each of `minis` equal mini-batches of a packed batch of `rows` rows for
+  one epoch of RL step `step`: a permutation drawn from (seed, step, epoch), so every process
+  of a multi-host run splits alike and a resumed run as the uninterrupted one did; each
+  mini-batch's indices ascending."""
+  perm = np.random.default_rng([seed % 2**32, step, epoch, 0x6D62]).permutation(rows)
+  return [np.sort(part) for part in perm.reshape(minis, rows // minis)]
+
+
 def _mini_batches(train) -> int:
   """`train.mini_batches` (1 when a config leaves it out: one update per epoch)."""
   return train.get("mini_batches", 1) if hasattr(train, "get") else 1
@@ -1268,17 +1277,19 @@ class Trainer:
         raise ValueError(f"RL step {step}: the packed batch has {rows} rows, not a multiple of "
                          f"train.mini_batches={minis}; pack with packing.config_from_train "
                          f"(trainer.pack_cfg.row_multiple={self.pack_cfg.row_multiple})")
-      size = rows // minis
-      # Mini-batch i: rows [i * size, (i + 1) * size) (a trajectory lies in one row, so in one
-      # mini-batch). One without a trained token (padding rows) makes no update: an optimizer
-      # step on a zero gradient still moves the weights through the moments and weight decay.
-      parts = [(0, batch)] if minis == 1 else [
-          (i, part) for i, part in enumerate(
-              {k: v[i * size:(i + 1) * size] for k, v in batch.items()} for i in range(minis))
-          if "loss_mask" not in part or part["loss_mask"].any()]
       skipped = 0.0  # train/nonfinite: 1 when any update was skipped
       first, first_gap = True, None
       for epoch in range(epochs):
+        # Each epoch its own seeded split of the rows (a trajectory lies in one row, so in one
+        # mini-batch): the packer fills rows longest first, so fixed contiguous mini-batches
+        # gave the first update of every epoch the longest trajectories. One without a trained
+        # token (padding rows) makes no update: an optimizer step on a zero gradient still
+        # moves the weights through the moments and weight decay.
+        parts = [(0, batch)] if minis == 1 else [
+            (i, part) for i, part in enumerate(
+                {k: v[idx] for k, v in batch.items()}
+                for idx in mini_batch_rows(rows, minis, self.config.seed, step, epoch))
+            if "loss_mask" not in part or part["loss_mask"].any()]
         for i, part in parts:
           where = (f"RL step {step}" + (f", epoch {epoch + 1} of {epochs}" if epochs > 1 else "")
                    + (f", mini-batch {i + 1} of {minis}" if minis > 1 else ""))

@@ -2188,9 +2188,9 @@ def test_mini_batches_round_the_packed_rows_and_count_in_the_schedule(tmp_path, 
 
 @pytest.mark.slow  # rollouts of 16 trajectories and two update programs: about 40 s on 2 cores
 def test_mini_batches_make_one_update_per_mini_batch_per_epoch(ckpt_trainer, monkeypatch):
-  """train.mini_batches=2, epochs=2: the step's batch splits into its two contiguous halves of
-  rows and makes 4 optimizer updates (half, other half, half, other half), against the same
-  old log-probs; the params then differ from one update per epoch on the whole batch."""
+  """train.mini_batches=2, epochs=2: the step's batch splits into two halves of its rows each
+  epoch (`mini_batch_rows`) and makes 4 optimizer updates against the same old log-probs; the
+  params then differ from one update per epoch on the whole batch."""
   from jaxagent.rl import packing
   trainer = ckpt_trainer
   saved = jax.tree.map(jnp.copy, trainer.state)
@@ -2200,8 +2200,11 @@ def test_mini_batches_make_one_update_per_mini_batch_per_epoch(ckpt_trainer, mon
   dp = trainer.mesh.shape["data"] * trainer.mesh.shape["fsdp"]
   monkeypatch.setattr(trainer, "pack_cfg", packing.config_from_train(trainer.config.train, dp))
   metrics, batch = trainer._collect(1, trainer._generator_params())
+  from jaxagent.trainer import mini_batch_rows
   rows = len(batch["tokens"])
-  assert rows % 2 == 0 and batch["loss_mask"][:rows // 2].any() and batch["loss_mask"][rows // 2:].any()
+  halves = [idx for epoch in range(2)
+            for idx in mini_batch_rows(rows, 2, trainer.config.seed, 1, epoch)]
+  assert rows % 2 == 0 and all(batch["loss_mask"][idx].any() for idx in halves)
   monkeypatch.setattr(trainer, "_collect", lambda step, params: (dict(metrics), dict(batch)))
   calls = []
   real = trainer.learner.train_step
@@ -2215,8 +2218,7 @@ def test_mini_batches_make_one_update_per_mini_batch_per_epoch(ckpt_trainer, mon
     step0 = int(trainer.state.step)
     m = trainer.rl_step(1)
     assert int(trainer.state.step) == step0 + 4 and len(calls) == 4
-    halves = [slice(0, rows // 2), slice(rows // 2, rows)]
-    for b, half in zip(calls, halves * 2):
+    for b, half in zip(calls, halves):
       assert set(b) == set(batch)
       for k in batch:
         np.testing.assert_array_equal(b[k], batch[k][half])
@@ -2239,8 +2241,8 @@ def test_mini_batches_make_one_update_per_mini_batch_per_epoch(ckpt_trainer, mon
 
 def test_mini_batches_split_the_rows_in_order_and_name_the_failing_one(ckpt_trainer,
                                                                        monkeypatch):
-  """train.mini_batches=2, epochs=2: updates on rows [0, 2), [2, 4), [0, 2), [2, 4) of the
-  step's batch, train/* the last update's but train/logprob_gap the first's and
+  """train.mini_batches=2, epochs=2: updates on the rows `mini_batch_rows` gives each epoch
+  (two halves of the step's batch), train/* the last update's but train/logprob_gap the first's and
   train/nonfinite 1 if any was skipped; a mini-batch of padding rows only (no trained token)
   makes no update; a non-finite update names its epoch and mini-batch; a batch whose rows do
   not split into train.mini_batches (packed without `config_from_train`) is refused naming it."""
@@ -2258,12 +2260,20 @@ def test_mini_batches_split_the_rows_in_order_and_name_the_failing_one(ckpt_trai
                    "nonfinite": float(len(got) == 2)}
   monkeypatch.setattr(trainer.learner, "train_step", update)
   m = trainer.rl_step(3)
-  assert [b["old_logps"][:, 0].tolist() for b in got] == [[-20, -16], [-12, -8]] * 2
+  from jaxagent.trainer import mini_batch_rows
+  seed = trainer.config.seed
+  want = [full["old_logps"][idx, 0].tolist()
+          for epoch in range(2) for idx in mini_batch_rows(4, 2, seed, 3, epoch)]
+  assert [b["old_logps"][:, 0].tolist() for b in got] == want
   assert (m["train/loss"], m["train/logprob_gap"], m["train/nonfinite"]) == (4.0, 0.1, 1.0)
   got.clear()
+  # Rows 2 and 3 padding only: a mini-batch made of them alone makes no update.
   full["loss_mask"] = np.concatenate([np.ones((2, 4), np.float32), np.zeros((2, 4), np.float32)])
   trainer.rl_step(3)
-  assert [b["old_logps"][:, 0].tolist() for b in got] == [[-20, -16]] * 2
+  want = [full["old_logps"][idx, 0].tolist()
+          for epoch in range(2) for idx in mini_batch_rows(4, 2, seed, 3, epoch)
+          if full["loss_mask"][idx].any()]
+  assert [b["old_logps"][:, 0].tolist() for b in got] == want
   batch = {"old_logps": np.zeros((4, 4), np.float32), "loss_mask": np.ones((4, 4), np.float32)}
   monkeypatch.setattr(trainer, "_collect", lambda step, params: ({}, dict(batch)))
   seen = []
@@ -2280,3 +2290,19 @@ def test_mini_batches_split_the_rows_in_order_and_name_the_failing_one(ckpt_trai
   with pytest.raises(ValueError, match=r"RL step 3: the packed batch has 3 rows, not a multiple "
                      r"of train.mini_batches=2"):
     trainer.rl_step(3)
+
+
+def test_mini_batch_rows_split_every_row_once_in_a_seeded_order_per_epoch():
+  # The packer fills rows longest first: fixed contiguous mini-batches gave every epoch's first
+  # update the longest trajectories. Each epoch draws its own split from (seed, step, epoch).
+  from jaxagent.trainer import mini_batch_rows
+  splits = {(seed, step, epoch): mini_batch_rows(16, 4, seed, step, epoch)
+            for seed in (0, 1) for step in (1, 2) for epoch in (0, 1)}
+  for parts in splits.values():
+    assert [len(p) for p in parts] == [4] * 4
+    assert sorted(np.concatenate(parts).tolist()) == list(range(16))
+    assert all(np.all(np.diff(p) > 0) for p in parts)
+  as_lists = lambda parts: [p.tolist() for p in parts]
+  assert as_lists(mini_batch_rows(16, 4, 0, 1, 0)) == as_lists(splits[(0, 1, 0)])  # reproducible
+  assert len({str(as_lists(p)) for p in splits.values()}) == len(splits)  # all differ
+  assert as_lists(mini_batch_rows(4, 1, 0, 1, 0)) == [[0, 1, 2, 3]]
