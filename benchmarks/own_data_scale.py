@@ -8,10 +8,14 @@ both question splits, and prints the peak resident memory above the imports (MB)
 seconds taken. With `--denied N`, it times instead what a glob pattern of N shards costs the
 sandbox, which denies each file to the policy's code: a `PythonSession`'s start and a cell of
 1000 file opens (each checked against the denied paths) with N denied paths and with one.
+With `--generations ROWS`, it times reading a math set's Parquet train file of ROWS rows with a
+large `generations` column (8 sampled solutions of 2 KB a row) as `MathToolEnv` reads it (the
+first run writes the file; run it again to time the read).
 CPU only; nothing here needs an accelerator.
 
   python benchmarks/own_data_scale.py --passages 200000 --dir /tmp/own_data_scale
   python benchmarks/own_data_scale.py --denied 500 --dir /tmp/own_data_scale
+  python benchmarks/own_data_scale.py --generations 20000 --dir /tmp/own_data_scale
 """
 from __future__ import annotations
 
@@ -81,13 +85,45 @@ def time_denied(root: str, denied: int, reps: int = 5) -> None:
           f"a cell of 1000 opens {statistics.median(cells) * 1e3:.1f} ms (median of {reps})")
 
 
+def time_generations(root: str, rows: int) -> None:
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+
+  from jaxagent.envs.problem_file import read_problems
+
+  os.makedirs(root, exist_ok=True)
+  path = os.path.join(root, f"math_{rows}.parquet")
+  if not os.path.exists(path):
+    rng = random.Random(0)
+    table = pa.Table.from_pylist([{
+        "prompt": [{"role": "user", "content": f"Question {i}?"}],
+        "reward_model": {"style": "rule", "ground_truth": str(i)},
+        "extra_info": {"index": i, "question": f"Question {i}?"},
+        "generations": ["".join(rng.choice("0123456789 +=") for _ in range(2048))
+                        for _ in range(8)]} for i in range(rows)])
+    pq.write_table(table, path)
+    print(f"wrote {path}; run again to time reading it (this process's peak holds the table)")
+    return
+  base = max_rss_mb()
+  t0 = time.perf_counter()
+  probs = read_problems(path, question_key="extra_info.question",
+                        answer_key="reward_model.ground_truth", record_keys=())
+  print(f"{len(probs)} problems of {os.path.getsize(path) / 2**20:.0f} MB Parquet: "
+        f"{time.perf_counter() - t0:.2f} s, peak RSS {max_rss_mb() - base:.0f} MB above the imports")
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--passages", type=int, default=200_000)
   parser.add_argument("--dir", default="/tmp/own_data_scale")
   parser.add_argument("--denied", type=int, default=0,
                       help="time the sandbox with this many denied shard files instead")
+  parser.add_argument("--generations", type=int, default=0,
+                      help="time reading a Parquet math set of this many rows instead")
   args = parser.parse_args()
+  if args.generations:
+    time_generations(args.dir, args.generations)
+    return
   if args.denied:
     time_denied(args.dir, args.denied)
     return
