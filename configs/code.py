@@ -70,7 +70,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       max_observation_tokens=placeholder(int), observation_truncation="middle",
       mesh="learner"))  # "data": replicated weights for decoding on several devices
   c.train = ml_collections.ConfigDict(dict(
-      prompts_per_step=8, samples_per_prompt=4, micro_batches=8, epochs=1,
+      prompts_per_step=8, samples_per_prompt=4, mini_batches=1, micro_batches=8, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
       pack_len=1024, len_buckets=(512, 1024), nonfinite="raise",
       gather_weights=False, logprob_save_probs=False, row_rounding="multiple",
