@@ -10,11 +10,10 @@ Run:
   python -m jaxagent.launch --config=configs/math_tool.py:gpu    # SmolLM2-135M, one GPU
   python -m jaxagent.launch --config=configs/math_tool.py:qwen \
       --config.model.path=/path/to/Qwen2.5-1.5B-Instruct         # an HF checkpoint directory
-Your own problems (GSM8K-style JSONL, `{"question": ..., "answer": ...}`; a GSM8K answer
-"... #### 72" counts as 72; or an ArrayRecord file of such JSON records, or a Parquet file, e.g.
-verl's gsm8k with question_key=extra_info.question, answer_key=reward_model.ground_truth)
-replace the built-in
-train and/or eval split, every record of the file:
+Your own problems replace the built-in train and/or eval split, every record of the file: JSONL
+(`.jsonl`, `.jsonl.gz`) of `{"question": ..., "answer": ...}` (a GSM8K answer "... #### 72"
+counts as 72), an ArrayRecord file of such JSON records, or a Parquet file (e.g. verl's gsm8k,
+with question_key=extra_info.question, answer_key=reward_model.ground_truth):
   python -m jaxagent.launch --config=configs/math_tool.py \
       --config.env.kwargs.train_file=/data/train.jsonl \
       --config.env.kwargs.eval_file=/data/test.jsonl

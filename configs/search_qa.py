@@ -21,9 +21,8 @@ retrieved-token masking ablation `--config.env.kwargs.mask_observations=False` (
 --config.env.kwargs.shaping_steps=30`; a token cap on each search result
 `--config.rollout.max_observation_tokens=128` (the passages' middle cut, marked inside the
 `<information>` tags; the retrieval reward reads what the policy saw).
-Your own corpus and questions (all three files; JSONL, ArrayRecord files of JSON records, or
-Parquet files such as Search-R1's nq_train.parquet)
-replace the generated knowledge base:
+Your own corpus and questions (all three files: JSONL, ArrayRecord files of JSON records, or
+Parquet files such as Search-R1's nq_train.parquet) replace the generated knowledge base:
   python -m jaxagent.launch --config=configs/search_qa.py \
       --config.env.kwargs.corpus_file=/data/wiki.jsonl \
       --config.env.kwargs.train_file=/data/nq_train.jsonl \
