@@ -4,12 +4,12 @@ Run (the README's main job; no flags runs this file):
   python -m jaxagent.launch
   python -m jaxagent.launch --config=configs/quickstart.py:tiny   # under a minute; a random tiny model
 
-Expected (2-core CPU, 11 to 14 minutes): held-out pass@1 ~0 before training (the model never
-writes an <answer> tag); after the SFT warm start, the easy problems it answers from memory
-(the demonstrations answer easy problems directly and use the calculator only on hard ones);
-after GRPO, which learns to call the calculator on every problem, close to 1. The SFT set is
-80% easy problems, so the warm-started model rarely reaches for the tool on easy ones. Numbers
-of real runs are in benchmarks/RESULTS.md.
+Expected (2-core CPU, 11 to 15 minutes on a quiet machine, longer on a shared one): held-out
+pass@1 ~0 before training (the model never writes an <answer> tag); after the SFT warm start,
+the easy problems it answers from memory (the demonstrations answer easy problems directly and
+use the calculator only on hard ones); after GRPO, which learns to call the calculator on every
+problem, close to 1. The SFT set is 80% easy problems, so the warm-started model rarely reaches
+for the tool on easy ones. Numbers of real runs are in benchmarks/RESULTS.md.
 """
 import ml_collections
 from ml_collections.config_dict import placeholder
