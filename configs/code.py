@@ -24,7 +24,8 @@ file of them, e.g. Hugging Face's openai_humaneval; `test` defines
 `eval_size` problems are held out, `sft_size` of the rest (those with a canonical_solution) are
 the SFT demonstrations (fewer than asked is an error; `--config.sft.steps=0` skips the warm
 start, with `sft_size=0`). Every record is checked when the task is built; a bad one is named by
-its line (its record index in an ArrayRecord or Parquet file).
+its line (its record index in an ArrayRecord or Parquet file). problem_file may be a glob pattern
+of shards ('/data/mine-*.jsonl', read in sorted order), every one hidden from the solutions.
 
 Expected:
   tiny (measured): finishes in under a minute on a CPU (about 25 s after imports); metrics.jsonl

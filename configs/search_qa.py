@@ -27,6 +27,7 @@ Parquet files such as Search-R1's nq_train.parquet) replace the generated knowle
       --config.env.kwargs.corpus_file=/data/wiki.jsonl \
       --config.env.kwargs.train_file=/data/nq_train.jsonl \
       --config.env.kwargs.eval_file=/data/nq_dev.jsonl
+(each may be a glob pattern of a split's shards, '/data/wiki-*.parquet', read in sorted order).
 The corpus holds `{"title": ..., "text": ..., "id"?: ...}` records (or Search-R1's
 `{"id": ..., "contents": ...}`, the title on the first line), the question files
 `{"question": ..., "answers": [...]}` ("answer" or "golden_answers" too; a string or a list of
