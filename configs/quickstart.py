@@ -65,8 +65,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       max_observation_tokens=placeholder(int), observation_truncation="middle"))
   # DAPO's soft overlong punishment, added to the RL reward of any task (not to the evals):
   # past overlong_max_tokens - overlong_cache_tokens policy tokens a trajectory loses up to
-  # overlong_coef, linearly, all of it at overlong_max_tokens (None: the policy-token budget,
-  # rollout.max_turns x max_tokens_per_turn); logged as reward/overlong. 0 cache tokens: off.
+  # overlong_coef, linearly, all of it from overlong_max_tokens on (None: the policy-token
+  # budget, rollout.max_turns x max_tokens_per_turn); logged as reward/overlong. 0 cache
+  # tokens: off.
   c.reward = ml_collections.ConfigDict(dict(
       overlong_cache_tokens=0, overlong_max_tokens=placeholder(int), overlong_coef=1.0))
   # `jaxagent.rl.losses.LossConfig`: algo "grpo" / "gspo" / "gspo_token", agg (see losses.py).
