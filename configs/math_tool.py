@@ -64,7 +64,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       eval_size=100, sft_size=256, max_output_chars=256, code_timeout_s=5.0,
       code_memory_mb=1024, format_weight=0.0, tool_weight=0.0, shaping_steps=0,
       shaping_start=0.0, seed=0,
-      # Your own problems ("" = the built-in sources): see the header.
+      # Your own problems ("" = the built-in sources; solution_key "" = answer_key): see the
+      # header.
       train_file="", eval_file="", question_key="question", answer_key="answer",
       sft_file="", solution_key="")))
 

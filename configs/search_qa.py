@@ -77,7 +77,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       eval_size=100, sft_size=256, data_dir="", top_k=3, max_passage_chars=200,
       mask_observations=True, outcome="exact_match", format_weight=0.0,
       retrieval_weight=0.0, shaping_steps=0, shaping_start=0.0,
-      # Your own corpus and questions ("" = the generated knowledge base): see the header.
+      # Your own corpus and questions ("" = the generated knowledge base; answer_key "" tries
+      # answers, answer, golden_answers): see the header.
       corpus_file="", train_file="", eval_file="", question_key="question", answer_key="",
       titles_key="")))
 
