@@ -123,7 +123,7 @@ def test_a_run_from_scratch_does_not_append_to_an_earlier_runs_metrics(tmp_path)
   c.total_steps, c.sft.steps = 0, 0
   for value in (0.25, 0.75):
     trainer = Trainer(c)
-    trainer.evaluate = lambda tag="eval", v=value: {"eval/pass@1": v}
+    trainer.evaluate = lambda tag="eval", phase=None, v=value: {"eval/pass@1": v}
     try:
       trainer.run()
     finally:
