@@ -51,6 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxagent import checkpoint, compile_stats, config_files, models, sharding
+from jaxagent._token_ids import is_int
 from jaxagent.agent.env import Env, Example
 from jaxagent.agent.rollout import RolloutConfig, RolloutDriver, rollout_metrics
 from jaxagent.agent.trajectory import Trajectory, demonstration_trajectory
@@ -682,26 +683,25 @@ def overlong_shaping(config) -> tuple[OverlongConfig, float] | None:
   if not hasattr(reward, "get"):
     return None
   cache = reward.get("overlong_cache_tokens", 0)
-  if cache is None or (isinstance(cache, (int, np.integer)) and not isinstance(cache, bool)
-                       and cache == 0):
+  if cache is None or (is_int(cache) and cache == 0):
     return None
-  if isinstance(cache, bool) or not isinstance(cache, (int, np.integer)) or cache < 0:
+  if not is_int(cache) or cache < 0:
     raise ValueError(f"reward.overlong_cache_tokens must be an int >= 0 (0: no overlong "
                      f"shaping), got {cache!r}")
+  rollout = config.get("rollout") if hasattr(config, "get") else None
+  if not hasattr(rollout, "get"):
+    rollout = {}
   max_tokens = reward.get("overlong_max_tokens")
   if max_tokens is None:
-    rollout = config.get("rollout") if hasattr(config, "get") else None
-    turns = rollout.get("max_turns") if hasattr(rollout, "get") else None
-    per_turn = rollout.get("max_tokens_per_turn") if hasattr(rollout, "get") else None
-    if not all(isinstance(v, (int, np.integer)) and not isinstance(v, bool)
-               for v in (turns, per_turn)):
+    turns, per_turn = rollout.get("max_turns"), rollout.get("max_tokens_per_turn")
+    if not (is_int(turns) and is_int(per_turn)):
       raise ValueError("reward.overlong_max_tokens is unset and the rollout budget "
                        "(rollout.max_turns x rollout.max_tokens_per_turn) is not given: set it")
     max_tokens, where = int(turns) * int(per_turn), (
         f" (unset: rollout.max_turns={turns} x rollout.max_tokens_per_turn={per_turn})")
   else:
     where = ""
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, (int, np.integer)):
+    if not is_int(max_tokens):
       raise ValueError(f"reward.overlong_max_tokens must be an int (policy tokens) or None for "
                        f"the rollout's policy-token budget, got {max_tokens!r}")
   if not 0 < cache <= max_tokens:
@@ -711,11 +711,8 @@ def overlong_shaping(config) -> tuple[OverlongConfig, float] | None:
   # A trajectory (prompt and observations included) is cut at the rollout's length cap: when
   # that is at most max - cache tokens, no trajectory's policy tokens pass max - cache and the
   # punishment is 0 on every one (a budget of long turns over a short cache).
-  rollout = config.get("rollout") if hasattr(config, "get") else None
-  caps = {k: rollout.get(k) for k in ("max_total_tokens", "max_len")} if hasattr(
-      rollout, "get") else {}
-  caps = {k: int(v) for k, v in caps.items()
-          if isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0}
+  caps = {k: int(v) for k in ("max_total_tokens", "max_len")
+          if is_int(v := rollout.get(k)) and v > 0}
   if caps:
     key = min(caps, key=caps.get)
     if caps[key] - 1 <= max_tokens - cache:
