@@ -20,6 +20,8 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from jaxagent._token_ids import is_int
+
 MESH_AXES = ("data", "fsdp", "tensor")
 BATCH = ("data", "fsdp")
 
@@ -286,7 +288,7 @@ def init_sharded(init_fn, mesh: Mesh, *args, rules=RULES):
 
 def batch_spec(ndim: int) -> P:
   """Rows over data and fsdp, the rest replicated, for an array of `ndim` >= 1 dimensions."""
-  if isinstance(ndim, bool) or not isinstance(ndim, (int, np.integer)) or ndim < 1:
+  if not is_int(ndim) or ndim < 1:
     # (0 or -1 gave P(BATCH): a spec for rows that a scalar does not have, refused only later
     # by device_put or jit with an error that did not name this call)
     raise ValueError(f"batch_spec: ndim must be an int >= 1 (the array's rank; rows are its "

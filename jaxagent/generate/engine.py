@@ -894,8 +894,7 @@ class Engine:
     """
     if not isinstance(steps, (int, np.integer)) or steps < 1:
       raise ValueError(f"Engine.generate: steps must be a positive int, got {steps!r}")
-    if kv_len is not None and (isinstance(kv_len, bool) or not isinstance(kv_len, (int, np.integer))
-                               or kv_len < 1):
+    if kv_len is not None and (not is_int(kv_len) or kv_len < 1):
       # (a jax array failed as an unhashable static argument; a float or 0 picked a bucket)
       raise ValueError("Engine.generate: kv_len must be a positive int (the longest active slot's "
                        f"cached tokens plus steps - 1) or None for the whole cache, got {kv_len!r}")
