@@ -301,12 +301,12 @@ class RolloutDriver:
     _check_tag_arguments(env)
     self.engine, self.env, self.tokenizer, self.cfg = engine, env, tokenizer, cfg
     cap = cfg.max_observation_tokens
-    if cap is not None and cap < min_cap(tokenizer):
+    if cap is not None and cap < (least := min_cap(tokenizer)):
       raise ValueError(
           f"RolloutConfig.max_observation_tokens={cap} leaves no room for a tool's text beside "
           f"the truncation marker {truncation_marker(10**9 - 1)!r} ({marker_tokens(tokenizer)} "
           f"tokens with this tokenizer) and a failed call's 'Error: ': set it to at least "
-          f"{min_cap(tokenizer)}, or None for no cap")
+          f"{least}, or None for no cap")
     self.limit = min(cfg.max_total_tokens or ecfg.max_len, ecfg.max_len)
     self.limit_reason = "max_total_tokens" if self.limit < ecfg.max_len else "max_length"
     self.eos_ids = frozenset(int(e) for e in ecfg.eos_ids)
