@@ -47,7 +47,7 @@ from jaxagent.agent.env import (OBSERVATION_TEMPLATES, Env, Episode, Example,
                                 check_shaping_settings)
 from jaxagent.agent.parsers import XMLTagParser, _block_spans, _without
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
-from jaxagent.envs.problem_file import (_MISSING, _lookup, check_problem_file, problem_files,
+from jaxagent.envs.problem_file import (MISSING, lookup, check_problem_file, problem_files,
                                         read_problems)
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
                               MathAnswerReward, ProgressiveSchedule, RewardInput, RewardOutput,
@@ -628,12 +628,12 @@ class MathToolEnv(Env):
     each with it as `answer_cot`; how many have none is logged, and none at all is an error."""
     kept, unusable = [], []
     for ex, p in zip(exs, probs):
-      solution = _lookup(p.record, self.solution_key)
+      solution = lookup(p.record, self.solution_key)
       ex = dataclasses.replace(ex, metadata={**ex.metadata, "answer_cot": solution})
       if isinstance(solution, str) and self.demonstration(ex) is not None:
         kept.append(ex)
       else:
-        unusable.append((p.where, "no solution key" if solution is _MISSING else None))
+        unusable.append((p.where, "no solution key" if solution is MISSING else None))
     where = f"MathToolEnv.sft_file={self._files['sft']!r}"
     if not kept:
       raise ValueError(

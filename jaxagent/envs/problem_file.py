@@ -225,7 +225,7 @@ def _trimmed(record: dict, question_key: str, answer_key: str | Sequence[str],
              record_keys: Sequence[str]) -> dict:
   """`record` with only the top-level entries that hold the question, answer and `record_keys`
   keys (a dotted key keeps its outer object); whole when one of `record_keys` is missing."""
-  if any(_lookup(record, k) is _MISSING for k in record_keys):
+  if any(lookup(record, k) is MISSING for k in record_keys):
     return record
   answer_keys = (answer_key,) if isinstance(answer_key, str) else tuple(answer_key)
   tops = {k if k in record else k.split(".", 1)[0]
@@ -505,14 +505,14 @@ def _problem(raw: str | bytes | dict, index: int, where: str, question_key: str,
   shown = answer_keys[0] if len(answer_keys) == 1 else " or ".join(map(repr, answer_keys))
   record = _json_object(raw, where, f"with {question_key!r} and {shown!r} keys"
                         if len(answer_keys) == 1 else f"with {question_key!r} and {shown} keys")
-  present = [k for k in answer_keys if _lookup(record, k) is not _MISSING]
+  present = [k for k in answer_keys if lookup(record, k) is not MISSING]
   for keys_wanted, name in (((question_key,), "question_key"), (answer_keys, "answer_key")):
-    if all(_lookup(record, k) is _MISSING for k in keys_wanted):
+    if all(lookup(record, k) is MISSING for k in keys_wanted):
       # A dotted key ("answers.text") whose outer part is there: the keys inside it.
       prefix, inner = "", record
       if len(keys_wanted) == 1 and "." in keys_wanted[0] and keys_wanted[0] not in record:
         *outer, _ = keys_wanted[0].split(".")
-        node = _lookup(record, ".".join(outer))
+        node = lookup(record, ".".join(outer))
         if isinstance(node, dict):
           prefix, inner = ".".join(outer) + ".", node
       keys = sorted(map(str, inner))
@@ -526,7 +526,7 @@ def _problem(raw: str | bytes | dict, index: int, where: str, question_key: str,
       has = f"the record's {prefix[:-1]!r} has" if prefix else "the record has"
       raise ValueError(f"{where}: no {wanted} key ({owner}.{name}); {has} {keys}{hint}")
   answer_key = present[0]
-  question = _lookup(record, question_key)
+  question = lookup(record, question_key)
   if (isinstance(question, list) and question
       and all(isinstance(m, dict) and "content" in m for m in question)):
     # verl / Search-R1 parquet files: "prompt" is the chat sent to the model, with the dataset's
@@ -542,7 +542,7 @@ def _problem(raw: str | bytes | dict, index: int, where: str, question_key: str,
                      f"{type(question).__name__} {question!r:.60}")
   if not question.strip():
     raise ValueError(f"{where}: the question ({question_key!r}) is empty")
-  answer = _lookup(record, answer_key)
+  answer = lookup(record, answer_key)
   if isinstance(answer, dict):  # SQuAD's {"text": [...], ...}, TriviaQA's {"aliases": [...]}
     inside = [f"{answer_key}.{k}" for k, v in answer.items() if isinstance(v, (str, list))]
     raise ValueError(f"{where}: the answer ({answer_key!r}) must be a number, text or a list "
@@ -557,7 +557,7 @@ def _problem(raw: str | bytes | dict, index: int, where: str, question_key: str,
                  index=index, where=where, record=record)
 
 
-_MISSING = object()
+MISSING = object()  # what `lookup` returns for a key a record does not have
 
 
 def _leaf_keys(record: dict, prefix: str = "") -> Iterator[str]:
@@ -571,18 +571,18 @@ def _leaf_keys(record: dict, prefix: str = "") -> Iterator[str]:
 
 def _text_keys(record: dict) -> Iterator[str]:
   """The (dotted) keys of `record`'s text values, objects inside it included."""
-  return (k for k in _leaf_keys(record) if isinstance(_lookup(record, k), str))
+  return (k for k in _leaf_keys(record) if isinstance(lookup(record, k), str))
 
 
-def _lookup(record: dict, key: str) -> Any:
+def lookup(record: dict, key: str) -> Any:
   """`record[key]`, or for a dotted key the nested value (`"answers.text"`: SQuAD's
-  `{"answers": {"text": [...]}}`); `_MISSING` when absent."""
+  `{"answers": {"text": [...]}}`); `MISSING` when absent."""
   if key in record:
     return record[key]
   node: Any = record
   for part in key.split("."):
     if not isinstance(node, dict) or part not in node:
-      return _MISSING
+      return MISSING
     node = node[part]
   return node
 

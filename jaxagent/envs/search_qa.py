@@ -54,7 +54,7 @@ from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example, check_shapin
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
 from jaxagent.envs import knowledge_base as kb_lib
-from jaxagent.envs.problem_file import (_MISSING, _lookup, check_problem_file, problem_files,
+from jaxagent.envs.problem_file import (MISSING, lookup, check_problem_file, problem_files,
                                         raise_bad_records, read_documents, read_problems)
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
                               ProgressiveSchedule, RewardInput, RewardOutput, TextMatchReward)
@@ -140,8 +140,8 @@ def _gold_titles(record: dict, key: str, where: str, corpus: set[str]) -> list[s
   `[title, ...]` lists (HotpotQA's supporting facts), or `{"title": [...], ...}` (the same as
   the Hugging Face hotpot_qa dataset writes them), each a title of the corpus; a dotted key reads
   inside an object ("extra_info.supporting_facts")."""
-  value = _lookup(record, key)
-  if value is _MISSING:
+  value = lookup(record, key)
+  if value is MISSING:
     last = key.rsplit(".", 1)[-1]
     inside = [k for k in _key_paths(record) if k.rsplit(".", 1)[-1] == last and k != key][:1]
     raise ValueError(f"{where}: no {key!r} key (SearchQAEnv.titles_key); the record has "
