@@ -65,8 +65,7 @@ from typing import Any, Mapping, Sequence
 from jaxagent.agent.env import Env, Example, check_shaping_settings
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import POLICY, Trajectory
-from jaxagent.envs.problem_file import (check_problem_file, missing_key, problem_files,
-                                        read_objects)
+from jaxagent.envs.problem_file import missing_key, read_objects, resolve_problem_file
 from jaxagent.rewards import (TESTS_PASSED_KEY, TESTS_TOTAL_KEY, Component, CompositeReward,
                               ProgressiveSchedule, RewardInput, RewardOutput, UnitTestReward,
                               extract_tagged)
@@ -809,9 +808,10 @@ class CodeEnv(Env):
                            shaping_start=shaping_start)
     self.problem_file = ""
     if problem_file:
-      self.problem_file = str(check_problem_file(problem_file, "CodeEnv.problem_file"))
-      # A glob pattern's files listed once: exactly these are read and hidden from solutions.
-      files = problem_files(self.problem_file, "CodeEnv.problem_file")
+      # A glob pattern's files listed (and checked) once: exactly these are read and hidden
+      # from solutions.
+      path, files = resolve_problem_file(problem_file, "CodeEnv.problem_file")
+      self.problem_file = str(path)
       seen: dict[str, str] = {}  # task id -> where
       problems = read_objects(self.problem_file, functools.partial(_file_problem, seen=seen),
                               owner="CodeEnv", setting="problem_file", expected=(

@@ -47,8 +47,7 @@ from jaxagent.agent.env import (OBSERVATION_TEMPLATES, Env, Episode, Example,
                                 check_shaping_settings)
 from jaxagent.agent.parsers import XMLTagParser, _block_spans, _without
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
-from jaxagent.envs.problem_file import (MISSING, lookup, check_problem_file, problem_files,
-                                        read_problems)
+from jaxagent.envs.problem_file import MISSING, lookup, read_problems, resolve_problem_file
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
                               MathAnswerReward, ProgressiveSchedule, RewardInput, RewardOutput,
                               ToolShapingConfig, ToolUseReward)
@@ -518,12 +517,16 @@ class MathToolEnv(Env):
                        f"{question_key!r}")
     # Checked and resolved here (a glob pattern's files listed once); exactly these files are
     # read when the split is first asked for, and hidden from the policy's code.
-    self._files = {split: str(check_problem_file(path, f"MathToolEnv.{split}_file"))
-                   for split, path in (("train", train_file), ("eval", eval_file),
-                                       ("sft", sft_file))
-                   if path != ""}
-    self._file_lists = {split: problem_files(path, f"MathToolEnv.{split}_file")
-                        for split, path in self._files.items()}
+    # A setting repeated (sft_file is often the train_file) is resolved once.
+    resolved: dict[Any, tuple] = {}
+    self._files: dict[str, str] = {}  # split -> the checked path (or pattern)
+    self._file_lists: dict[str, tuple] = {}  # split -> its files
+    for split, path in (("train", train_file), ("eval", eval_file), ("sft", sft_file)):
+      if path != "":
+        key = path if isinstance(path, str) else split  # a bad value: its own error
+        if key not in resolved:
+          resolved[key] = resolve_problem_file(path, f"MathToolEnv.{split}_file")
+        self._files[split], self._file_lists[split] = str(resolved[key][0]), resolved[key][1]
     self.question_key, self.answer_key = question_key, answer_key
     self.solution_key = solution_key or answer_key
     self.sources, self.eval_sources = tuple(sources), tuple(eval_sources)

@@ -78,12 +78,7 @@ def check_problem_file(path: Any, setting: str) -> pathlib.Path:
   the pattern, once it matches at least one file and all its files are of one format; read its
   files with `problem_files`. A path that names an existing file is that file, even with glob
   characters in its name."""
-  text = _check_path_text(path, setting)
-  p = pathlib.Path(text).expanduser()
-  if _is_pattern(text) and not p.exists():
-    problem_files(text, setting)
-    return p
-  return _check_one_file(p, text, setting)
+  return resolve_problem_file(path, setting)[0]
 
 
 def problem_files(path: Any, setting: str) -> tuple[pathlib.Path, ...]:
@@ -91,10 +86,19 @@ def problem_files(path: Any, setting: str) -> tuple[pathlib.Path, ...]:
   matching files sorted by path (`train-00000-of-00004.parquet`, `train-00001-...`). A pattern
   that matches nothing, matches files of different formats (JSONL with Parquet) or a directory,
   is a ValueError naming `setting` and the pattern."""
+  return resolve_problem_file(path, setting)[1]
+
+
+def resolve_problem_file(path: Any, setting: str
+                         ) -> tuple[pathlib.Path, tuple[pathlib.Path, ...]]:
+  """(`check_problem_file(path)`, `problem_files(path)`) with a glob pattern expanded, and each
+  of its files checked, once: what an env keeps when it is built, to read and hide exactly
+  those files later."""
   text = _check_path_text(path, setting)
   p = pathlib.Path(text).expanduser()
   if not _is_pattern(text) or p.exists():
-    return (_check_one_file(p, text, setting),)
+    one = _check_one_file(p, text, setting)
+    return one, (one,)
   matches = sorted(glob.glob(os.fspath(p), recursive=True))
   if not matches:
     raise ValueError(f"{setting}={text!r}: the glob pattern matches no file{_relative(p)}; "
@@ -109,7 +113,7 @@ def problem_files(path: Any, setting: str) -> tuple[pathlib.Path, ...]:
     raise ValueError(f"{setting}={text!r}: the pattern matches files of {len(formats)} formats: "
                      f"{listed}; all files of a pattern must be of one format: narrow the "
                      "pattern to one suffix (e.g. '*.parquet')")
-  return files
+  return p, files
 
 
 def _check_path_text(path: Any, setting: str) -> str:
@@ -181,7 +185,7 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
       settings a user would change.
     gsm8k_answers: a text answer with a `####` marker gives the text after it (False: every
       answer is kept as written, stripped).
-    files: the files `path` names, as `problem_files` resolved them earlier (an env resolves a
+    files: the files `path` names, as `resolve_problem_file` gave them earlier (an env resolves a
       glob pattern once, at construction, and reads and hides exactly those files); None:
       resolved here.
     record_keys: the keys each `Problem.record` keeps besides the question and answer keys (a

@@ -54,8 +54,8 @@ from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example, check_shapin
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
 from jaxagent.envs import knowledge_base as kb_lib
-from jaxagent.envs.problem_file import (MISSING, lookup, check_problem_file, problem_files,
-                                        raise_bad_records, read_documents, read_problems)
+from jaxagent.envs.problem_file import (MISSING, lookup, raise_bad_records, read_documents,
+                                        read_problems, resolve_problem_file)
 from jaxagent.rewards import (Component, CompositeReward, FormatConfig, FormatReward,
                               ProgressiveSchedule, RewardInput, RewardOutput, TextMatchReward)
 from jaxagent.tools import BM25Index, SearchTool, ToolRegistry
@@ -268,10 +268,11 @@ class SearchQAEnv(Env):
     if not isinstance(mask_observations, bool):
       raise ValueError(f"SearchQAEnv.mask_observations must be a bool (False also trains on the "
                        f"retrieved <information> tokens), got {mask_observations!r}")
-    files = self._check_file_settings(corpus_file, train_file, eval_file, question_key,
-                                      answer_key, titles_key, retrieval_weight)
-    # A glob pattern's files listed once, here: exactly these are read.
-    self._file_lists = {k: problem_files(f, f"SearchQAEnv.{k}_file") for k, f in files.items()}
+    resolved = self._check_file_settings(corpus_file, train_file, eval_file, question_key,
+                                         answer_key, titles_key, retrieval_weight)
+    # A glob pattern's files listed (and checked) once, here: exactly these are read.
+    self._file_lists = {k: files for k, (_, files) in resolved.items()}
+    files = {k: str(path) for k, (path, _) in resolved.items()}
     self.corpus_file = files.pop("corpus", "")
     self._files = files  # split -> question file
     self.question_key, self.titles_key = question_key, titles_key
@@ -335,8 +336,9 @@ class SearchQAEnv(Env):
 
   @staticmethod
   def _check_file_settings(corpus_file, train_file, eval_file, question_key, answer_key,
-                           titles_key, retrieval_weight) -> dict[str, str]:
-    """The checked paths of the set files ("corpus", "train", "eval"), or a ValueError."""
+                           titles_key, retrieval_weight) -> dict[str, tuple]:
+    """The checked path and files (`resolve_problem_file`) of each set file ("corpus", "train",
+    "eval"), or a ValueError."""
     for field, value in (("corpus_file", corpus_file), ("train_file", train_file),
                          ("eval_file", eval_file), ("answer_key", answer_key),
                          ("titles_key", titles_key)):
@@ -371,9 +373,9 @@ class SearchQAEnv(Env):
                        "set SearchQAEnv.titles_key to the record key listing each question's "
                        "gold document titles (e.g. HotpotQA's 'supporting_facts'), or "
                        "retrieval_weight=0")
-    out = {s: str(check_problem_file(f, f"SearchQAEnv.{s}_file")) for s, f in questions.items()}
+    out = {s: resolve_problem_file(f, f"SearchQAEnv.{s}_file") for s, f in questions.items()}
     if corpus_file:
-      out["corpus"] = str(check_problem_file(corpus_file, "SearchQAEnv.corpus_file"))
+      out["corpus"] = resolve_problem_file(corpus_file, "SearchQAEnv.corpus_file")
     return out
 
   # ------------------------------------------------------------------ data

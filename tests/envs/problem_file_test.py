@@ -469,3 +469,43 @@ def test_an_array_record_file_is_read_a_batch_of_records_at_a_time(tmp_path, mon
   assert reads == [[0, 1], [2, 3], [4]]
   assert [(p.index, p.where, p.gold) for p in probs] == [
       (i, f"t.array_record record {i}", str(i)) for i in range(5)]
+
+
+def test_an_env_expands_a_glob_pattern_and_checks_its_files_once(tmp_path, monkeypatch):
+  """Each file setting is resolved once when the env is built (the pattern expanded, each file
+  checked), and the files read are the ones resolved (a repeated setting, math_tool's sft_file
+  as its train_file, once for both)."""
+  from jaxagent.envs import problem_file
+  from jaxagent.envs.code import CodeEnv
+  from jaxagent.envs.math_tool import MathToolEnv
+  from jaxagent.envs.search_qa import SearchQAEnv
+
+  for k in range(2):
+    write_jsonl(tmp_path / f"train-{k}.jsonl", RECORDS[3 * k:3 * k + 3])
+    write_jsonl(tmp_path / f"wiki-{k}.jsonl", [{"title": f"T{k}", "text": f"text {k}"}])
+    write_jsonl(tmp_path / f"code-{k}.jsonl", [{
+        "task_id": f"t/{k}", "prompt": f"def f{k}(x):\n  pass\n", "entry_point": f"f{k}",
+        "test": "def check(candidate):\n  assert candidate(1) == 1\n"}])
+  globs, checks = [], []
+  real_glob, real_check = problem_file.glob.glob, problem_file._check_one_file
+  monkeypatch.setattr(problem_file.glob, "glob",
+                      lambda *a, **kw: globs.append(a[0]) or real_glob(*a, **kw))
+  monkeypatch.setattr(problem_file, "_check_one_file",
+                      lambda p, *a, **kw: checks.append(p.name) or real_check(p, *a, **kw))
+
+  def pattern(stem):
+    return str(tmp_path / f"{stem}-*.jsonl")
+  env = MathToolEnv(train_file=pattern("train"), sft_file=pattern("train"), eval_size=1,
+                    train_size=0)
+  assert (len(globs), sorted(checks)) == (1, ["train-0.jsonl", "train-1.jsonl"])
+  assert len(env.examples("train")) == 6 and len(globs) == 1  # read: the files resolved
+  globs.clear(), checks.clear()
+  CodeEnv(problem_file=pattern("code"), eval_size=1, sft_size=0)
+  assert (len(globs), sorted(checks)) == (1, ["code-0.jsonl", "code-1.jsonl"])
+  globs.clear(), checks.clear()
+  env = SearchQAEnv(corpus_file=pattern("wiki"), train_file=pattern("train"),
+                    eval_file=str(tmp_path / "train-0.jsonl"), sft_size=0,
+                    data_dir=str(tmp_path / "tfds"))
+  assert len(globs) == 2 and sorted(checks) == [
+      "train-0.jsonl", "train-0.jsonl", "train-1.jsonl", "wiki-0.jsonl", "wiki-1.jsonl"]
+  assert len(env.examples("train")) == 6 and len(globs) == 2
