@@ -38,6 +38,7 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("layers", None),
     ("length", None),
     ("norm", None),
+    ("lora_rank", None),     # the rank axis of low-rank adapters (`jaxagent.models.lora`)
 )
 
 log = logging.getLogger(__name__)

@@ -26,7 +26,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent import sharding as shd
-from jaxagent.models import decoder, logprobs, param_tree
+from jaxagent.models import decoder, logprobs, lora as lora_lib, param_tree
 from jaxagent.models.config import ModelConfig
 from jaxagent.rl import losses
 
@@ -234,12 +234,38 @@ def _constrain_params(tree, rules):
 _GATHERED_RULES = tuple((k, None if v == "fsdp" else v) for k, v in shd.RULES)
 
 
+def _lora_weights(targets, frozen, adapter, lcfg: lora_lib.LoraConfig, cfg: ModelConfig):
+  """The weights one forward pass reads with an adapter: `frozen` (the base in the compute
+  dtype) with each target replaced by its merged weight (`lora.merge` of the base's own
+  `targets`, cast to the compute dtype), unstacked for the unrolled layer loop."""
+  merged = lora_lib.merge(targets, adapter, lcfg, dtype=cfg.jnp_dtype)
+  w = {**frozen, "layers": {**frozen["layers"], **merged["layers"]}}
+  return w if cfg.scan_layers else param_tree.unstack_layers(w)
+
+
+def _lora_parts(adapter, mb, cfg, scfg, *, targets, frozen, lcfg):
+  return _micro_parts(_lora_weights(targets, frozen, adapter, lcfg, cfg), mb, cfg, scfg)
+
+
 def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepConfig,
-               optimizer: optax.GradientTransformation):
-  """One optimizer step over `batch` (pure; jit it with `Learner` or your own shardings)."""
+               optimizer: optax.GradientTransformation, base=None,
+               lora: lora_lib.LoraConfig | None = None):
+  """One optimizer step over `batch` (pure; jit it with `Learner` or your own shardings).
+
+  With `lora`, `state.params` is a low-rank adapter (`jaxagent.models.lora`) over the frozen
+  params `base`: each micro-batch's forward pass reads the merged weights, and the optimizer
+  updates the adapter only."""
   m = scfg.micro_batches
-  grad_fn = jax.value_and_grad(_micro_parts, has_aux=True)
   gather = scfg.gather_weights and m > 1
+  if (lora is None) != (base is None):
+    raise ValueError("train_step: pass both base (the frozen params) and lora (their adapter's "
+                     "LoraConfig), or neither")
+  if lora is not None:
+    grad_fn = jax.value_and_grad(_lora_step_parts(base, lora, cfg, gather), has_aux=True)
+    to_adapter = lambda g: jax.tree.map(lambda a, p: a.astype(p.dtype), g, state.params)
+    return _apply(state, _accumulate(state.params, batch, m, grad_fn, cfg, scfg, to_adapter),
+                  optimizer)
+  grad_fn = jax.value_and_grad(_micro_parts, has_aux=True)
   # The weights as the model computes with them (matmul weights in the compute dtype), cast
   # once per step rather than at every use in every micro-batch: the layer loop then slices
   # half the bytes out of the stacked layers. The gradients are the same, since each use cast
@@ -263,24 +289,52 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
   # Gradients w.r.t. gathered weights go back to the fsdp shards after each micro-batch.
   home = ((lambda g: _constrain_params(to_master(restack(g)), shd.RULES)) if gather
           else to_master)
-  if m == 1:
-    (_, parts), grads = grad_fn(weights, batch, cfg, scfg)
-    grads = home(grads)
-  else:
-    mbs = split_micro_batches(batch, m)
-    first = jax.tree.map(lambda x: x[0], mbs)
-    rest = jax.tree.map(lambda x: x[1:], mbs)
-    (_, parts), grads = grad_fn(weights, first, cfg, scfg)
-    grads = home(grads)
-
-    def body(carry, mb):
-      g_acc, p_acc = carry
-      (_, p), g = grad_fn(weights, mb, cfg, scfg)
-      return (jax.tree.map(jnp.add, g_acc, home(g)), losses.combine_parts(p_acc, p)), None
-
-    (grads, parts), _ = jax.lax.scan(body, (grads, parts), rest)
+  grads, parts = _accumulate(weights, batch, m, grad_fn, cfg, scfg, home)
   if not gather:
     grads = restack(grads)
+  return _apply(state, (grads, parts), optimizer)
+
+
+def _lora_step_parts(base, lcfg, cfg: ModelConfig, gather: bool):
+  """`_micro_parts` as a function of the adapter: the base's targets (their stored dtype, for
+  the float32 merge) and the rest of the base in the compute dtype are prepared once per step
+  (gathered over fsdp with `gather`), the merge runs in every micro-batch's forward pass."""
+  targets = {"layers": {t: base["layers"][t] for t in lcfg.targets}}
+  rest = {k: v for k, v in base["layers"].items() if k not in lcfg.targets}
+  frozen = param_tree.compute_copy({**base, "layers": rest}, cfg)
+  if gather:
+    targets = _constrain_params(targets, _GATHERED_RULES)
+    frozen = _constrain_params(frozen, _GATHERED_RULES)
+  def parts(adapter, mb, cfg, scfg):
+    return _lora_parts(adapter, mb, cfg, scfg, targets=targets, frozen=frozen, lcfg=lcfg)
+  return parts
+
+
+def _accumulate(wrt, batch, m: int, grad_fn, cfg, scfg, home):
+  """Gradients of `grad_fn` w.r.t. `wrt` summed over `m` micro-batches of `batch` (each
+  micro-batch's mapped by `home`), and the summed loss parts."""
+  if m == 1:
+    (_, parts), grads = grad_fn(wrt, batch, cfg, scfg)
+    return home(grads), parts
+  mbs = split_micro_batches(batch, m)
+  first = jax.tree.map(lambda x: x[0], mbs)
+  rest = jax.tree.map(lambda x: x[1:], mbs)
+  (_, parts), grads = grad_fn(wrt, first, cfg, scfg)
+  grads = home(grads)
+
+  def body(carry, mb):
+    g_acc, p_acc = carry
+    (_, p), g = grad_fn(wrt, mb, cfg, scfg)
+    return (jax.tree.map(jnp.add, g_acc, home(g)), losses.combine_parts(p_acc, p)), None
+
+  (grads, parts), _ = jax.lax.scan(body, (grads, parts), rest)
+  return grads, parts
+
+
+def _apply(state: TrainState, grads_parts, optimizer):
+  """The optimizer update of `state` from summed gradients and loss parts, kept only when the
+  loss, the gradient norm and the update norm are finite."""
+  grads, parts = grads_parts
   denom = jnp.maximum(parts.denominator, 1.0)
   grads = jax.tree.map(lambda g: g / denom, grads)
   loss, metrics = losses.finalize_parts(parts)
@@ -418,14 +472,55 @@ class Learner:
       state = learner.init(params)
       state, metrics = learner.train_step(state, batch)
       logps, entropies = learner.score(state.params, batch)
+
+  With a low-rank adapter (`jaxagent.models.lora`), the learner holds the frozen base params
+  and the train state holds the adapter: `Learner(..., lora=LoraConfig(...), base=params)`,
+  `learner.init(lora.init_lora(cfg, lcfg, key))`; `score` and `train_step` take adapters where
+  they took params, and `merged_params(adapter)` gives the params the sampler and the export
+  read. The jitted programs take the base as their last argument.
   """
 
-  def __init__(self, cfg: ModelConfig, scfg: StepConfig, optimizer, mesh: Mesh | None = None):
+  def __init__(self, cfg: ModelConfig, scfg: StepConfig, optimizer, mesh: Mesh | None = None,
+               *, lora: lora_lib.LoraConfig | None = None, base=None):
     self.cfg, self.scfg, self.optimizer = cfg, scfg, optimizer
     self.mesh = (shd.check_mesh(mesh, "Learner") if mesh is not None
                  else shd.make_mesh(devices=jax.devices()[:1]))
+    if (lora is None) != (base is None):
+      raise ValueError("Learner: pass both lora (a LoraConfig) and base (the frozen params "
+                       "its adapter is trained over), or neither")
+    self.lora = lora
+    self.base = base
+    if base is not None:
+      param_tree.check_model_shapes(base, cfg, "Learner base")
+      # Abstract bases (jax.ShapeDtypeStruct leaves, as `jaxagent.plan` lowers with) stay so.
+      if not any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(base)):
+        self.base = jax.device_put(base, shd.shardings(base, self.mesh))
     self._train = None
     self._score = {}
+    self._merge = {}
+
+  def _base_args(self) -> tuple:
+    return () if self.lora is None else (self.base,)
+
+  def _base_shardings(self) -> tuple:
+    return () if self.lora is None else (shd.shardings(self.base, self.mesh),)
+
+  def merged_params(self, params, dtype=None):
+    """The params the model reads: `params` itself without an adapter; with one, the base
+    with `params` (an adapter) merged in (`lora.merge`, jitted, the base's shardings; in
+    `dtype` when given, e.g. the compute dtype for the sampler)."""
+    if self.lora is None:
+      return params
+    key = None if dtype is None else jnp.dtype(dtype).name
+    if key not in self._merge:
+      lcfg = self.lora
+      def merge(adapter, base):
+        out = lora_lib.merge(base, adapter, lcfg, dtype=key)
+        return out if key is None else param_tree.compute_copy(out, self.cfg.replace(
+            dtype=key))
+      out_sh = shd.shardings(self.base, self.mesh)
+      self._merge[key] = jax.jit(merge, out_shardings=out_sh)
+    return self._merge[key](params, self.base)
 
   def batch_sharding(self, ndim: int = 2) -> NamedSharding:
     return shd.batch_sharding(self.mesh, ndim)
@@ -471,10 +566,12 @@ class Learner:
     `jax.ShapeDtypeStruct`s), built once; `jaxagent.plan` lowers it ahead of time."""
     if self._train is None:
       ss = self.state_shardings(state)
-      def fn(s, b):
-        return train_step(s, b, cfg=self.cfg, scfg=self.scfg, optimizer=self.optimizer)
+      def fn(s, b, *base):
+        return train_step(s, b, cfg=self.cfg, scfg=self.scfg, optimizer=self.optimizer,
+                          base=base[0] if base else None, lora=self.lora)
       fn.__name__ = fn.__qualname__ = "train_step"  # the program's name in compile logs
-      self._train = jax.jit(shd.on_mesh(fn, self.mesh), in_shardings=(ss, self.batch_sharding()),
+      self._train = jax.jit(shd.on_mesh(fn, self.mesh),
+                            in_shardings=(ss, self.batch_sharding(), *self._base_shardings()),
                             out_shardings=(ss, NamedSharding(self.mesh, P())),
                             donate_argnums=(0,))
     return self._train
@@ -482,7 +579,7 @@ class Learner:
   def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float]]:
     train = self.train_step_fn(state)
     step = int(state.step)
-    state, metrics = train(state, self.put_batch(batch))
+    state, metrics = train(state, self.put_batch(batch), *self._base_args())
     metrics = {k: float(v) for k, v in jax.device_get(metrics).items()}
     if metrics["nonfinite"] and self.scfg.nonfinite == "raise":
       bad = [k for k, v in metrics.items() if not np.isfinite(v)]
@@ -502,19 +599,24 @@ class Learner:
   def score_fn(self, with_entropy: bool = False):
     """The jitted `sequence_logprobs` behind `score` (built once per `with_entropy`)."""
     if with_entropy not in self._score:
-      def one(p, b):
+      lcfg = self.lora
+
+      def one(p, b, base):
+        if lcfg is not None:
+          p = lora_lib.merge(base, p, lcfg)
         return sequence_logprobs(p, b, cfg=self.cfg, temperature=self.scfg.temperature,
                                  chunk=self.scfg.logprob_chunk,
                                  chunk_tokens=self.scfg.logprob_chunk_tokens,
                                  with_entropy=with_entropy)
 
-      def fn(p, b):
+      def fn(p, b, *base):
         # Rows in the update's micro-batches: the same activation memory as an update step.
+        base = base[0] if base else None
         m = self.scfg.micro_batches
         rows = b["tokens"].shape[0]
         if m == 1 or rows % m:
-          return one(p, b)
-        lp, ent = jax.lax.map(lambda mb: one(p, mb), split_micro_batches(b, m))
+          return one(p, b, base)
+        lp, ent = jax.lax.map(lambda mb: one(p, mb, base), split_micro_batches(b, m))
         merge = lambda x: x.swapaxes(0, 1).reshape(rows, *x.shape[2:])
         return merge(lp), merge(ent)
       fn.__name__ = fn.__qualname__ = "score_entropy" if with_entropy else "score"
@@ -523,7 +625,8 @@ class Learner:
     return self._score[with_entropy]
 
   def score(self, params, batch, with_entropy: bool = False):
-    """Per-token log-probs (and entropies) `[B, L]` of packed rows, e.g. reference log-probs."""
+    """Per-token log-probs (and entropies) `[B, L]` of packed rows, e.g. reference log-probs
+    (`params`: an adapter when the learner has one)."""
     b = self.put_batch({k: batch[k] for k in ("tokens", "segment_ids", "positions")
                         if k in batch})
-    return self.score_fn(with_entropy)(params, b)
+    return self.score_fn(with_entropy)(params, b, *self._base_args())
