@@ -41,7 +41,8 @@ ArrayRecord, or Parquet as Hugging Face's openai_humaneval ships,
 `jaxagent/envs/problem_file.py`), replaces the 164 HumanEval problems: one JSON object (row) a
 problem with `task_id`, `prompt` (the stub, defining `entry_point`), `test` (a
 `check(candidate)` function with asserts), `entry_point` and optionally `canonical_solution` (the
-reference body: only problems that have one, not null, are SFT demonstrations). Every record is checked when
+reference body: only problems that have one, not null, are SFT demonstrations); a Parquet file's
+other columns are not read. Every record is checked when
 the task is built (its prompt and test parse, the prompt defines the entry point, the test's
 check() asserts something, task ids are unique); a bad one is named by file and line. The file is
 hidden from the solution's interpreter like the built-in answer keys.
@@ -705,6 +706,10 @@ def canonical_solution(problem: Mapping[str, Any]) -> str:
   return f"{stub}\n{problem['canonical_solution'].rstrip()}\n"
 
 
+# The keys of a problem file's record that are read (a Parquet file's other columns are not).
+_FILE_KEYS = ("task_id", "prompt", "test", "entry_point", "canonical_solution")
+
+
 def _file_problem(record: dict, index: int, where: str, *, seen: dict[str, str]) -> dict:
   """A HumanEval-format record of `CodeEnv.problem_file`, checked (see the module docstring)."""
   del index
@@ -816,7 +821,7 @@ class CodeEnv(Env):
       problems = read_objects(self.problem_file, functools.partial(_file_problem, seen=seen),
                               owner="CodeEnv", setting="problem_file", expected=(
                                   "with 'task_id', 'prompt', 'test' and 'entry_point' keys"),
-                              files=files)
+                              files=files, keys=_FILE_KEYS)
       source = f"problems of CodeEnv.problem_file={problem_file!r}"
     else:
       problems = sorted(read_problems().values(),

@@ -201,15 +201,8 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
   bad: list[str] = []
   answer_keys = (answer_key,) if isinstance(answer_key, str) else tuple(answer_key)
   needed = None if record_keys is None else (question_key, *answer_keys, *record_keys)
-
-  def columns(names: list[str]) -> list[str]:
-    """A Parquet file's columns to read: the top-level column of each needed key."""
-    tops = {k if k in names else k.split(".", 1)[0] for k in needed}
-    return [n for n in names if n in tops]
-
   for file, index, where, raw in _all_records(path, f"{owner}.{setting}",
-                                              None if needed is None else columns, files,
-                                              name_unread=True):
+                                              _columns_of(needed), files, name_unread=True):
     try:
       problem = _problem(raw, index, where, question_key, answer_key, owner, gsm8k_answers)
       out.append(dataclasses.replace(problem, file=file, record=problem.record
@@ -223,6 +216,19 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
                      f"one JSON object per problem with a {question_key!r} and an "
                      f"{answer_key!r} key")
   return out
+
+
+def _columns_of(keys: Sequence[str] | None) -> Callable[[list[str]], list[str]] | None:
+  """The Parquet columns to read for records of which only `keys` are read: a key's column,
+  or a dotted key's top-level column (`reward_model` for `reward_model.ground_truth`);
+  None (every column) when `keys` is None."""
+  if keys is None:
+    return None
+
+  def columns(names: list[str]) -> list[str]:
+    tops = {k if k in names else k.split(".", 1)[0] for k in keys}
+    return [n for n in names if n in tops]
+  return columns
 
 
 def _trimmed(record: dict, question_key: str, answer_key: str | Sequence[str],
@@ -250,7 +256,8 @@ def raise_bad_records(bad: list[str], total: int, what: str, noun: str = "record
 
 def read_objects(path: str | os.PathLike, parse: Callable[[dict, int, str], Any], *,
                  owner: str, setting: str, expected: str,
-                 files: Sequence[pathlib.Path] | None = None) -> list:
+                 files: Sequence[pathlib.Path] | None = None,
+                 keys: Sequence[str] | None = None) -> list:
   """`parse(record, index, where)` of each JSON object record of a JSONL or ArrayRecord file (or
   each row of a Parquet file, as a dict of its columns), in file order. A record that is not a
   JSON object, or that `parse` refuses with a ValueError, is named with its message in one error;
@@ -259,9 +266,14 @@ def read_objects(path: str | os.PathLike, parse: Callable[[dict, int, str], Any]
   Args:
     expected: what a record holds, for the errors ("with 'task_id', 'prompt' ... keys").
     files: the files `path` names, resolved earlier (see `read_problems`); None: resolved here.
+    keys: the only keys `parse` reads (a dotted key reads inside an object): a Parquet file is
+      then read only in their columns (a dotted key's top-level column), and its other columns
+      are in each row by name only, with placeholder values ("" for text, None otherwise), so a
+      missing key's error still lists every column the file has. None: every column is read.
   """
   out, bad, total = [], [], 0
-  for _, index, where, raw in _all_records(path, f"{owner}.{setting}", files=files):
+  for _, index, where, raw in _all_records(path, f"{owner}.{setting}", _columns_of(keys),
+                                           files, name_unread=True):
     total += 1
     try:
       out.append(parse(_json_object(raw, where, expected), index, where))

@@ -159,3 +159,33 @@ def test_a_parquet_problem_file(tmp_path):
   with pytest.raises(ValueError, match=r"test-00000-of-00001.parquet record 2: 'test' must be "
                                        r"non-empty text, got NoneType None"):
     CodeEnv(problem_file=str(path), eval_size=0, sft_size=0)
+
+
+def test_a_parquet_problem_file_is_read_only_in_the_columns_of_its_keys(tmp_path, monkeypatch):
+  """A large column the task does not use (a set's model generations) is never read; a missing
+  key's error still lists every column of the file."""
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  read = []
+  iter_batches = pq.ParquetFile.iter_batches
+
+  def spy(self, *args, columns=None, **kwargs):
+    read.append(columns)
+    return iter_batches(self, *args, columns=columns, **kwargs)
+  monkeypatch.setattr(pq.ParquetFile, "iter_batches", spy)
+  rows = [{**problem(i), "generations": ["x" * 1000] * 4, "meta": {"source": "mine"}}
+          for i in range(1, 4)]
+  path = tmp_path / "mine.parquet"
+  pq.write_table(pa.Table.from_pylist(rows), str(path))
+  env = CodeEnv(problem_file=str(path), eval_size=1, sft_size=1, seed=0)
+  assert read == [["task_id", "prompt", "test", "entry_point", "canonical_solution"]]
+  assert env.problem("Mine/2") == {k: v for k, v in rows[1].items()
+                                   if k not in ("generations", "meta")}
+  pq.write_table(pa.Table.from_pylist([{("tests" if k == "test" else k): v for k, v in r.items()}
+                                       for r in rows]), str(path))
+  with pytest.raises(ValueError, match=r"mine.parquet record 0: no 'test' key; the record has "
+                                       r"\['canonical_solution', 'entry_point', 'generations', "
+                                       r"'meta', 'prompt', 'task_id', 'tests'\]; did you mean "
+                                       r"'tests'\?"):
+    CodeEnv(problem_file=str(path), eval_size=0, sft_size=0)
+  assert read[-1] == ["task_id", "prompt", "entry_point", "canonical_solution"]
