@@ -710,8 +710,10 @@ def canonical_solution(problem: Mapping[str, Any]) -> str:
 _FILE_KEYS = ("task_id", "prompt", "test", "entry_point", "canonical_solution")
 
 
-def _file_problem(record: dict, index: int, where: str, *, seen: dict[str, str]) -> dict:
-  """A HumanEval-format record of `CodeEnv.problem_file`, checked (see the module docstring)."""
+def _file_problem(record: dict, index: int, where: str, *, seen: dict[str, str],
+                  plans: dict[str, TestPlan]) -> dict:
+  """A HumanEval-format record of `CodeEnv.problem_file`, checked (see the module docstring);
+  its test plan, made to check it, is kept in `plans` by task id."""
   del index
   for key in ("task_id", "prompt", "test", "entry_point"):
     if key not in record:
@@ -739,7 +741,7 @@ def _file_problem(record: dict, index: int, where: str, *, seen: dict[str, str])
              for n in ast.walk(tree)):
     raise ValueError(f"{where}: the prompt does not define the entry_point {entry}()")
   try:
-    plan_tests(record["test"], prelude=prompt)
+    plans[task_id] = plan_tests(record["test"], prelude=prompt)
   except (SyntaxError, RecursionError, MemoryError) as e:
     raise ValueError(f"{where}: the test does not parse as Python ({type(e).__name__}: "
                      f"{e})") from None
@@ -818,7 +820,9 @@ class CodeEnv(Env):
       path, files = resolve_problem_file(problem_file, "CodeEnv.problem_file")
       self.problem_file = str(path)
       seen: dict[str, str] = {}  # task id -> where
-      problems = read_objects(self.problem_file, functools.partial(_file_problem, seen=seen),
+      plans: dict[str, TestPlan] = {}  # task id -> its test plan, made when it was checked
+      problems = read_objects(self.problem_file,
+                              functools.partial(_file_problem, seen=seen, plans=plans),
                               owner="CodeEnv", setting="problem_file", expected=(
                                   "with 'task_id', 'prompt', 'test' and 'entry_point' keys"),
                               files=files, keys=_FILE_KEYS)
@@ -827,6 +831,7 @@ class CodeEnv(Env):
       problems = sorted(read_problems().values(),
                         key=lambda p: int(p["task_id"].split("/")[1]))
       source = "problems"
+      plans = {}
     if max_prompt_chars:
       problems = [p for p in problems if len(p["prompt"]) <= max_prompt_chars]
     random.Random(f"humaneval-{seed}").shuffle(problems)
@@ -848,7 +853,8 @@ class CodeEnv(Env):
     self._problems = {p["task_id"]: p for p in problems}
     self._splits = {"eval": problems[:eval_size], "train": train,
                     "sft": demonstrable[:sft_size]}
-    self._plans = {p["task_id"]: plan_tests(p["test"], prelude=p["prompt"]) for p in problems}
+    self._plans = {p["task_id"]: plans[p["task_id"]] if p["task_id"] in plans
+                   else plan_tests(p["test"], prelude=p["prompt"]) for p in problems}
     self.parser = XMLTagParser({}, answer_tag="code", strip=False)
     # The problem file (each file of a glob pattern) holds the tests: hidden from solutions.
     denied = tuple(map(str, files)) if self.problem_file else ()

@@ -189,3 +189,18 @@ def test_a_parquet_problem_file_is_read_only_in_the_columns_of_its_keys(tmp_path
                                        r"'tests'\?"):
     CodeEnv(problem_file=str(path), eval_size=0, sft_size=0)
   assert read[-1] == ["task_id", "prompt", "entry_point", "canonical_solution"]
+
+
+def test_each_problem_test_is_planned_once(tmp_path, monkeypatch):
+  """The plan made to check a record is the one scoring uses (it was made twice: 60% of the
+  construction time of a 20k-problem file)."""
+  from jaxagent.envs import code
+  planned = []
+  real = code.plan_tests
+  monkeypatch.setattr(code, "plan_tests", lambda test, *a, **kw: planned.append(test)
+                      or real(test, *a, **kw))
+  path = write(tmp_path / "mine.jsonl", [problem(i) for i in range(1, 5)])
+  env = CodeEnv(problem_file=path, eval_size=1, sft_size=0, max_prompt_chars=1000)
+  assert len(planned) == 4
+  run, _ = env.score("Mine/3", "<code>\ndef times_3(x):\n    return x * 3\n</code>")
+  assert (run.passed, run.total) == (2, 2), run
