@@ -40,6 +40,7 @@ import math
 import os
 import pathlib
 import re
+import zlib
 from typing import Any, Callable, Iterator, Sequence
 
 from jaxagent.rewards import extract_gsm8k
@@ -398,8 +399,11 @@ def _json_object(raw: str | bytes | dict, where: str, expected: str) -> dict:
   except json.JSONDecodeError as e:
     raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno})") from e
   if not isinstance(record, dict):
+    objects = (isinstance(record, list) and record and all(isinstance(r, dict) for r in record))
     raise ValueError(f"{where}: a record must be a JSON object {expected}, got "
-                     f"{type(record).__name__}")
+                     f"{type(record).__name__}" + (
+                         f" of {len(record)} objects: each object is a record of its own (in "
+                         "JSONL, one a line)" if objects else ""))
   return record
 
 
@@ -424,28 +428,16 @@ def _records(p: pathlib.Path, setting: str,
              name_unread: bool = False) -> Iterator[tuple[int, str, str | bytes | dict]]:
   """(index, where, raw text) of each record of the file; a Parquet row comes as a dict of its
   columns (only those `columns(names of the file's columns)` picks, when given)."""
-  if p.name.lower().endswith(PARQUET_SUFFIXES):
+  name = p.name.lower()
+  if not name.endswith(JSONL_SUFFIXES) and p.stat().st_size == 0:
+    raise ValueError(f"{setting}={os.fspath(p)!r}: the file is empty (0 bytes), with no "
+                     f"{_format(p)} data ({_FORMAT_RECORDS[_format(p)]}); write or copy it again")
+  if name.endswith(PARQUET_SUFFIXES):
     yield from _parquet_records(p, setting, columns, name_unread)
     return
-  if p.name.lower().endswith(JSONL_SUFFIXES):
-    opener = gzip.open if p.name.lower().endswith(".gz") else open
-    # Line by line (a corpus can be larger than memory twice over), split at "\n" only: a JSON
-    # string may hold a raw U+2028, which splitlines() breaks at. utf-8-sig: a byte-order mark
-    # (some editors write one) is not part of the first record.
-    with opener(p, "rt", encoding="utf-8-sig", newline="\n") as f:
-      n = 0
-      while True:
-        try:
-          line = f.readline()
-        except UnicodeDecodeError as e:
-          raise ValueError(f"{setting}={os.fspath(p)!r}: not UTF-8 text ({e})") from e
-        except (gzip.BadGzipFile, EOFError) as e:
-          raise ValueError(f"{setting}={os.fspath(p)!r}: not a complete gzip file ({e})") from e
-        if not line:
-          return
-        n += 1
-        if line.strip():
-          yield n, f"{p.name} line {n}", line
+  if name.endswith(JSONL_SUFFIXES):
+    yield from _jsonl_records(p, setting)
+    return
   from grain.sources import ArrayRecordDataSource
   try:
     source = ArrayRecordDataSource(os.fspath(p))
@@ -456,12 +448,69 @@ def _records(p: pathlib.Path, setting: str,
   # A batch of records a read: one record a read took 72 s for 200k records (1.7 s batched).
   read = getattr(source, "__getitems__", None) or (lambda keys: [source[k] for k in keys])
   for start in range(0, n, _ARRAY_RECORD_BATCH):
-    batch = read(list(range(start, min(start + _ARRAY_RECORD_BATCH, n))))
+    stop = min(start + _ARRAY_RECORD_BATCH, n)
+    try:
+      batch = read(list(range(start, stop)))
+    except Exception as e:  # noqa: BLE001 - a damaged chunk fails inside the reader
+      raise ValueError(f"{setting}={os.fspath(p)!r}: cannot read records {start}-{stop - 1} of "
+                       f"{n}, the ArrayRecord file is damaged ({type(e).__name__}: {e}); write "
+                       "it again") from e
     for i, raw in enumerate(batch, start):
       yield i, f"{p.name} record {i}", raw
 
 
 _ARRAY_RECORD_BATCH = 1024
+_FORMAT_RECORDS = {"JSONL": "one JSON object a line", "ArrayRecord": "one JSON object a record",
+                   "Parquet": "one row a record"}
+
+
+def _jsonl_records(p: pathlib.Path, setting: str) -> Iterator[tuple[int, str, str]]:
+  """(line number, where, line) of each non-blank line of a JSONL or gzip-compressed JSONL file;
+  a file that cannot be read as such is a ValueError saying what it looks like instead."""
+  gz = p.name.lower().endswith(".gz")
+  opener = gzip.open if gz else open
+  what = f"{setting}={os.fspath(p)!r}"
+  # Line by line (a corpus can be larger than memory twice over), split at "\n" only: a JSON
+  # string may hold a raw U+2028, which splitlines() breaks at. utf-8-sig: a byte-order mark
+  # (some editors write one) is not part of the first record.
+  with opener(p, "rt", encoding="utf-8-sig", newline="\n") as f:
+    n, seen = 0, False  # seen: a non-blank line
+    while True:
+      try:
+        line = f.readline()
+      except UnicodeDecodeError as e:
+        hint = {"gzip": "; the file is gzip-compressed: name it .jsonl.gz",
+                "UTF-16": "; the file is UTF-16 text (it starts with a UTF-16 byte-order mark): "
+                          "save it as UTF-8"}.get("" if gz else _first_bytes_kind(p), "")
+        raise ValueError(f"{what}: not UTF-8 text ({e}){hint}") from e
+      except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        if _first_bytes_kind(p) != "gzip":
+          raise ValueError(f"{what}: not a gzip file ({e}); a .jsonl.gz file is gzip-compressed "
+                           "JSONL: name a plain JSONL file .jsonl") from e
+        raise ValueError(f"{what}: a damaged or incomplete gzip file ({type(e).__name__}: {e}); "
+                         "compress or download it again") from e
+      if not line:
+        return
+      n += 1
+      text = line.strip()
+      if text in ("[", "{") and not seen:
+        # Never a JSON value alone: the file is one indented JSON document, whose every line
+        # would be a bad record of its own.
+        raise ValueError(f"{what}: line {n} is {text!r} alone: the file is one JSON document "
+                         "over many lines (an indented array or object), not JSONL; write each "
+                         "record as one JSON object on a line of its own")
+      if text:
+        seen = True
+        yield n, f"{p.name} line {n}", line
+
+
+def _first_bytes_kind(p: pathlib.Path) -> str:
+  """What the first bytes of a file say it is: "gzip", "UTF-16" (a byte-order mark) or ""; read
+  only for the error of a file that failed to decode."""
+  with open(p, "rb") as f:
+    head = f.read(2)
+  return ("gzip" if head == b"\x1f\x8b" else
+          "UTF-16" if head in (b"\xff\xfe", b"\xfe\xff") else "")
 
 
 def _parquet_records(p: pathlib.Path, setting: str,

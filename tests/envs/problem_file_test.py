@@ -1,5 +1,6 @@
 """problem_file: JSONL, ArrayRecord and Parquet problem files read back, GSM8K answers, custom keys, and
 every bad record named (file, line or record, what is wrong)."""
+import gzip
 import json
 import re
 
@@ -136,6 +137,60 @@ def test_a_bad_file_is_named(tmp_path, name, content, message):
     read_problems(path)
 
 
+def _gzipped(n):
+  return gzip.compress("".join(json.dumps({"question": f"q{i}?", "answer": i}) + "\n"
+                               for i in range(n)).encode(), mtime=0)
+
+
+@pytest.mark.parametrize("name, content, message", [
+    # A damaged or cut gzip stream was a bare zlib.error, or called incomplete.
+    ("cut.jsonl.gz", _gzipped(200)[:-300], r"cut\.jsonl\.gz': a damaged or incomplete gzip file "
+     r"\(EOFError"),
+    ("bad.jsonl.gz", _gzipped(200)[:400] + bytes(b ^ 0xFF for b in _gzipped(200)[400:410])
+     + _gzipped(200)[410:], r"bad\.jsonl\.gz': a damaged or incomplete gzip file \((error|"
+     r"BadGzipFile): .*compress or download it again"),
+    ("plain.jsonl.gz", '{"question": "q?", "answer": 1}\n', r"plain\.jsonl\.gz': not a gzip "
+     r"file .*; a \.jsonl\.gz file is gzip-compressed JSONL: name a plain JSONL file \.jsonl"),
+    ("packed.jsonl", _gzipped(3), r"packed\.jsonl': not UTF-8 text .*; the file is "
+     r"gzip-compressed: name it \.jsonl\.gz"),
+    ("utf16.jsonl", '{"question": "q?", "answer": 1}\n'.encode("utf-16"), r"utf16\.jsonl': not "
+     r"UTF-8 text .*; the file is UTF-16 text \(it starts with a UTF-16 byte-order mark\): save "
+     r"it as UTF-8"),
+    ("dump.jsonl", "\n" + json.dumps([{"question": "q?", "answer": 1}] * 2, indent=2),
+     r"dump\.jsonl': line 2 is '\[' alone: the file is one JSON document over many lines \(an "
+     r"indented array or object\), not JSONL"),
+    ("dump1.jsonl", json.dumps([{"question": "q?", "answer": 1}] * 3), r"dump1\.jsonl line 1: a "
+     r"record must be a JSON object with 'question' and 'answer' keys, got list of 3 objects: "
+     r"each object is a record of its own \(in JSONL, one a line\)"),
+    ("e.array_record", b"", r"e\.array_record': the file is empty \(0 bytes\), with no "
+     r"ArrayRecord data \(one JSON object a record\); write or copy it again"),
+    ("e.parquet", b"", r"e\.parquet': the file is empty \(0 bytes\), with no Parquet data"),
+])
+def test_a_bad_file_says_what_it_is(tmp_path, name, content, message):
+  path = tmp_path / name
+  (path.write_bytes if isinstance(content, bytes) else path.write_text)(content)
+  with pytest.raises(ValueError, match=message):
+    read_problems(path)
+  with pytest.raises(ValueError, match=message.replace("'question' and 'answer'",
+                                                       "'title' and 'text'")):
+    read_documents(path, owner="SearchQAEnv")
+
+
+def test_a_damaged_array_record_chunk_names_the_records_it_holds(tmp_path, monkeypatch):
+  from jaxagent.envs import problem_file
+  path = write_array_record(tmp_path / "t.array_record",
+                            [{"question": f"q{i}?", "answer": i} for i in range(40)])
+  data = bytearray(path.read_bytes())
+  at = data.find(b"q20?")
+  data[at:at + 4] = b"qXX?"  # the record's chunk no longer matches its hash
+  path.write_bytes(bytes(data))
+  monkeypatch.setattr(problem_file, "_ARRAY_RECORD_BATCH", 8)
+  with pytest.raises(ValueError, match=r"MathToolEnv\.train_file='.*t\.array_record': cannot read "
+                                       r"records 16-23 of 40, the ArrayRecord file is damaged "
+                                       r"\(RuntimeError: .*\); write it again"):
+    read_problems(path)
+
+
 def test_an_empty_array_record_file_is_an_error(tmp_path):
   with pytest.raises(ValueError, match=r"the file holds no problems"):
     read_problems(write_array_record(tmp_path / "e.array_record", []))
@@ -187,14 +242,13 @@ def test_record_keys_keep_only_what_the_task_reads(tmp_path):
 
 
 def test_gzip_jsonl(tmp_path):
-  import gzip
   path = tmp_path / "train.jsonl.gz"
   path.write_bytes(gzip.compress(("\n".join(json.dumps(r) for r in RECORDS) + "\n").encode()))
   probs = read_problems(path)
   assert [p.gold for p in probs] == GOLDS and probs[1].where == "train.jsonl.gz line 2"
   path.write_bytes(gzip.compress(b'{"question": "q", "answer": 1}\n')[:-6])
-  with pytest.raises(ValueError, match=r"MathToolEnv.train_file=.*train.jsonl.gz': not a complete "
-                                       r"gzip file"):
+  with pytest.raises(ValueError, match=r"MathToolEnv.train_file=.*train.jsonl.gz': a damaged or "
+                                       r"incomplete gzip file"):
     read_problems(path)
 
 
