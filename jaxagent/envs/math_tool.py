@@ -544,6 +544,7 @@ class MathToolEnv(Env):
                                think_tag=_FORMAT.think_tag)
     self._sizes = {"train": train_size, "eval": eval_size, "sft": sft_size}
     self._cache: dict[str, list[Example]] = {}
+    self._shared_reads: dict[tuple, tuple[list, set[str]]] = {}  # see _file_problems
     schedule = ProgressiveSchedule(shaping_steps, start=shaping_start) if shaping_steps else None
     self._reward = CompositeReward([
         Component("correct", SignedMathAnswer(), 1.0, role="outcome"),
@@ -615,12 +616,25 @@ class MathToolEnv(Env):
     return [Example(id=f"{split}-champ-{pid}", prompt=self._messages(text), gold=golds,
                     metadata={"source": "champ", "question": text}) for pid, text, golds in part]
 
+  def _file_problems(self, split: str) -> list:
+    """The problems of `split`'s file, read once for every split that names the same files (an
+    sft_file that is the train_file): kept until each of those splits has taken them."""
+    files = self._file_lists[split]
+    if files not in self._shared_reads:
+      users = {s for s, f in self._file_lists.items() if f == files}
+      probs = read_problems(self._files[split], question_key=self.question_key,
+                            answer_key=self.answer_key, owner="MathToolEnv",
+                            setting=f"{split}_file", files=files,
+                            record_keys=(self.solution_key,) if "sft" in users else ())
+      self._shared_reads[files] = (probs, users)
+    probs, users = self._shared_reads[files]
+    users.discard(split)
+    if not users:
+      del self._shared_reads[files]
+    return probs
+
   def _from_file(self, split: str) -> list[Example]:
-    path = self._files[split]
-    probs = read_problems(path, question_key=self.question_key, answer_key=self.answer_key,
-                          owner="MathToolEnv", setting=f"{split}_file",
-                          files=self._file_lists[split],
-                          record_keys=(self.solution_key,) if split == "sft" else ())
+    probs = self._file_problems(split)
     exs = [Example(id=f"{split}-file-{p.key}", prompt=self._messages(p.question), gold=p.gold,
                    metadata={"source": "file", "question": p.question, "where": p.where})
            for p in probs]

@@ -680,3 +680,24 @@ def test_a_glob_pattern_is_resolved_once_at_construction(tmp_path):
   late.write_text(json.dumps({"question": "2+2?", "answer": 4}) + "\n")
   assert [e.metadata["question"] for e in env.examples("train")] == ["1+1?"]
   assert str(late) not in env.sandbox.deny_read_paths
+
+
+def test_a_file_that_is_both_train_file_and_sft_file_is_read_once(tmp_path, monkeypatch):
+  from jaxagent.envs import math_tool
+  reads = []
+  real = math_tool.read_problems
+  monkeypatch.setattr(math_tool, "read_problems",
+                      lambda path, **kw: reads.append((path, kw["setting"])) or real(path, **kw))
+  path = tmp_path / "gsm8k.jsonl"
+  path.write_text(json.dumps({"question": "Clips?", "answer": NATALIA}) + "\n"
+                  + json.dumps({"question": "Plain?", "answer": "#### 7"}) + "\n")
+  other = tmp_path / "test.jsonl"
+  other.write_text(json.dumps({"question": "Eval?", "answer": 3}) + "\n")
+  env = MathToolEnv(train_file=str(path), sft_file=str(path), eval_file=str(other),
+                    train_size=0, eval_size=0)
+  assert [e.id for e in env.examples("sft")] == ["sft-file-1"]
+  assert [(e.id, e.gold) for e in env.examples("train")] == [("train-file-1", "72"),
+                                                             ("train-file-2", "7")]
+  assert [e.id for e in env.examples("eval")] == ["eval-file-1"]
+  assert reads == [(str(path), "sft_file"), (str(other), "eval_file")]
+  assert env._shared_reads == {}  # nothing kept once both splits have their examples
