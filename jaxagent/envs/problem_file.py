@@ -399,12 +399,19 @@ def _json_object(raw: str | bytes | dict, where: str, expected: str) -> dict:
   except json.JSONDecodeError as e:
     raise ValueError(f"{where}: not JSON ({e.msg} at column {e.colno})") from e
   if not isinstance(record, dict):
-    objects = (isinstance(record, list) and record and all(isinstance(r, dict) for r in record))
-    raise ValueError(f"{where}: a record must be a JSON object {expected}, got "
-                     f"{type(record).__name__}" + (
-                         f" of {len(record)} objects: each object is a record of its own (in "
-                         "JSONL, one a line)" if objects else ""))
+    if isinstance(record, list) and record and all(isinstance(r, dict) for r in record):
+      got = (f"an array of {len(record)} objects: each object is a record of its own (in JSONL, "
+             "one a line)")
+    else:  # in JSON's words, as the file has it: null, not NoneType
+      text = json.dumps(record)
+      got = (f"{_JSON_KINDS.get(type(record), 'a')} "
+             f"{text if len(text) <= 60 else text[:57] + '...'}").lstrip()
+    raise ValueError(f"{where}: a record must be a JSON object {expected}, got {got}")
   return record
+
+
+_JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a number",
+               bool: "", type(None): ""}  # true, false and null say what they are
 
 
 def _all_records(path: Any, setting: str,

@@ -89,7 +89,11 @@ def test_custom_keys(tmp_path):
      "p.jsonl line 2: the answer ('answer') has a '####' marker with no final answer after it"),
     ('{"question": "Q?", "answer": 1', "p.jsonl line 2: not JSON (Expecting ',' delimiter at column"),
     ('["Q?", 1]', "p.jsonl line 2: a record must be a JSON object with 'question' and 'answer' "
-     "keys, got list"),
+     "keys, got an array [\"Q?\", 1]"),
+    ("null", "p.jsonl line 2: a record must be a JSON object with 'question' and 'answer' keys, "
+     "got null"),
+    ('"How many?"', "p.jsonl line 2: a record must be a JSON object with 'question' and 'answer' "
+     "keys, got a string \"How many?\""),
 ])
 def test_a_bad_record_is_named(tmp_path, line, message):
   path = write_jsonl(tmp_path / "p.jsonl", [{"question": "ok?", "answer": 1}, line])
@@ -160,7 +164,7 @@ def _gzipped(n):
      r"dump\.jsonl': line 2 is '\[' alone: the file is one JSON document over many lines \(an "
      r"indented array or object\), not JSONL"),
     ("dump1.jsonl", json.dumps([{"question": "q?", "answer": 1}] * 3), r"dump1\.jsonl line 1: a "
-     r"record must be a JSON object with 'question' and 'answer' keys, got list of 3 objects: "
+     r"record must be a JSON object with 'question' and 'answer' keys, got an array of 3 objects: "
      r"each object is a record of its own \(in JSONL, one a line\)"),
     ("e.array_record", b"", r"e\.array_record': the file is empty \(0 bytes\), with no "
      r"ArrayRecord data \(one JSON object a record\); write or copy it again"),
