@@ -436,7 +436,11 @@ def _records(p: pathlib.Path, setting: str,
   """(index, where, raw text) of each record of the file; a Parquet row comes as a dict of its
   columns (only those `columns(names of the file's columns)` picks, when given)."""
   name = p.name.lower()
-  if not name.endswith(JSONL_SUFFIXES) and p.stat().st_size == 0:
+  try:
+    size = p.stat().st_size
+  except OSError as e:
+    raise _cannot_open(p, setting, e) from e
+  if not name.endswith(JSONL_SUFFIXES) and size == 0:
     raise ValueError(f"{setting}={os.fspath(p)!r}: the file is empty (0 bytes), with no "
                      f"{_format(p)} data ({_FORMAT_RECORDS[_format(p)]}); write or copy it again")
   if name.endswith(PARQUET_SUFFIXES):
@@ -480,7 +484,11 @@ def _jsonl_records(p: pathlib.Path, setting: str) -> Iterator[tuple[int, str, st
   # Line by line (a corpus can be larger than memory twice over), split at "\n" only: a JSON
   # string may hold a raw U+2028, which splitlines() breaks at. utf-8-sig: a byte-order mark
   # (some editors write one) is not part of the first record.
-  with opener(p, "rt", encoding="utf-8-sig", newline="\n") as f:
+  try:
+    f = opener(p, "rt", encoding="utf-8-sig", newline="\n")
+  except OSError as e:
+    raise _cannot_open(p, setting, e) from e
+  with f:
     n, seen = 0, False  # seen: a non-blank line
     while True:
       try:
@@ -509,6 +517,14 @@ def _jsonl_records(p: pathlib.Path, setting: str) -> Iterator[tuple[int, str, st
       if text:
         seen = True
         yield n, f"{p.name} line {n}", line
+
+
+def _cannot_open(p: pathlib.Path, setting: str, e: OSError) -> ValueError:
+  """The error for a file, found when its setting was checked, that cannot be opened now."""
+  gone = ("; it was there when the setting was checked: was it moved or deleted since?"
+          if isinstance(e, FileNotFoundError) else "")
+  return ValueError(f"{setting}={os.fspath(p)!r}: cannot open the file ({type(e).__name__}: "
+                    f"{e.strerror or e}){gone}")
 
 
 def _first_bytes_kind(p: pathlib.Path) -> str:

@@ -567,3 +567,18 @@ def test_an_env_expands_a_glob_pattern_and_checks_its_files_once(tmp_path, monke
   assert len(globs) == 2 and sorted(checks) == [
       "train-0.jsonl", "train-0.jsonl", "train-1.jsonl", "wiki-0.jsonl", "wiki-1.jsonl"]
   assert len(env.examples("train")) == 6 and len(globs) == 2
+
+
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz", "t.array_record", "t.parquet"])
+def test_a_file_gone_after_its_setting_was_checked_is_named(tmp_path, name):
+  """A split's file is read when the split is first asked for: gone by then, it was a bare
+  FileNotFoundError."""
+  from jaxagent.envs.math_tool import MathToolEnv
+  path = tmp_path / name
+  path.write_text("x")
+  env = MathToolEnv(train_file=str(path), train_size=0, eval_size=0, sft_size=0)
+  path.unlink()
+  with pytest.raises(ValueError, match=r"MathToolEnv\.train_file='.*t\..*': cannot open the file "
+                                       r"\(FileNotFoundError: No such file or directory\); it "
+                                       r"was there when the setting was checked"):
+    env.examples("train")
