@@ -47,6 +47,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       sft_size=256, easy_fraction=0.5, easy_max_digits=2, sft_easy_fraction=0.8,
       seed=0)))
   c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))  # -1: the other devices
+  # Low-rank adapters (`jaxagent.models.lora`): rank 0 trains every weight; rank r > 0 freezes
+  # the loaded weights and trains `W + alpha / r * A @ B` on `targets` ("all", "attention",
+  # "mlp", or names such as "wq,wv" / "q_proj,v_proj"). No optimizer state or reference copy
+  # of the base then; checkpoints hold the adapter, exports the merged model and the adapter.
+  c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="all"))
 
   # Settings that default to None are typed placeholders, so that `--config.key=value` can set
   # them (the command line cannot override a plain None).

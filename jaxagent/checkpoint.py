@@ -39,6 +39,7 @@ process 0 writes the JSON). The directory must be shared by all hosts (e.g. a GC
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -65,7 +66,7 @@ FORMAT = 1
 # where a change alters the saved arrays' layout: the optimizer state's structure depends on
 # `optimizer.max_grad_norm` being on or off and on `optimizer.schedule` / `warmup_steps`, and
 # `check` names those settings when their change is what makes the state not fit.
-IDENTITY_KEYS = ("model", "env", "seed")
+IDENTITY_KEYS = ("model", "env", "seed", "lora")
 # Settings under IDENTITY_KEYS that choose how the same function is computed, or where a file
 # is, not what the run computes: a resume may change them (a remat policy after running out of
 # memory, another kernel, the task's data directory on another machine). The arrays still have
@@ -216,6 +217,12 @@ def config_diff(saved: Mapping[str, Any], current: Mapping[str, Any]) -> list[tu
   return out
 
 
+def _lora_rank(config: Mapping[str, Any]):
+  """A config's (as JSON) `lora.rank`, None without a `lora` section."""
+  section = config.get("lora") if isinstance(config, Mapping) else None
+  return section.get("rank") if isinstance(section, Mapping) else None
+
+
 def signature(tree) -> dict[str, str]:
   """`{path: "shape dtype"}` of every array leaf (concrete or abstract) of `tree`."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(tree)
@@ -250,6 +257,26 @@ def fingerprint(tree) -> dict[str, list[int]]:
   that leaves the files readable) are caught. Every process must call it."""
   leaves, _ = jax.tree_util.tree_flatten_with_path(jax.device_get(_fingerprint_arrays(tree)))
   return {jax.tree_util.keystr(p): [int(v) for v in np.asarray(x)] for p, x in leaves}
+
+
+def digest(tree) -> str:
+  """A short hex digest of `fingerprint(tree)` (every array's raw bits), e.g. of the frozen base
+  a LoRA adapter is trained over. Every process must call it."""
+  text = json.dumps(fingerprint(tree), sort_keys=True)
+  return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_lora_base(meta: Mapping[str, Any], base_digest: str, path) -> None:
+  """Raise `IncompatibleCheckpointError` when a LoRA checkpoint's adapter was trained over other
+  base weights than those loaded now (`digest` of the base; checkpoints without a record pass)."""
+  saved = (meta.get("lora") or {}).get("base_digest")
+  if saved is not None and saved != base_digest:
+    model = (meta.get("config") or {}).get("model", {})
+    raise IncompatibleCheckpointError(
+        f"checkpoint {path} holds a LoRA adapter trained over other base weights than those "
+        f"loaded now from model.path={model.get('path')!r} (digest {saved} in the checkpoint, "
+        f"{base_digest} now): the adapter means nothing over another base. Load the weights it "
+        "was trained over, or start fresh with another workdir.")
 
 
 def _check_fingerprints(meta: Mapping[str, Any], restored: Mapping[str, Any], path) -> None:
@@ -563,7 +590,13 @@ class CheckpointManager:
           f"{FORMAT}. Use a new workdir or the jaxagent version that wrote it.")
     problems, changed = [], []
     if config is not None:
-      for key, old, new in config_diff(meta.get("config", {}), config_to_json(config)):
+      saved, now = meta.get("config", {}), config_to_json(config)
+      # No adapter either way (a config from before the `lora` section, or rank 0): its
+      # alpha and targets mean nothing.
+      no_lora = not _lora_rank(saved) and not _lora_rank(now)
+      for key, old, new in config_diff(saved, now):
+        if no_lora and key.split(".")[0] == "lora":
+          continue
         if key.split(".")[0] in IDENTITY_KEYS and key not in RUNTIME_KEYS:
           problems.append(f"config {key}: {old!r} in the checkpoint, {new!r} now")
         else:
@@ -722,6 +755,39 @@ def model_config_from_meta(meta: Mapping[str, Any]):
   return ModelConfig(**d)
 
 
+def _lora_of(meta: Mapping[str, Any], path):
+  """The `LoraConfig` a checkpoint's adapter has, or None for full params."""
+  saved = meta.get("lora")
+  if not saved:
+    return None
+  from jaxagent.models import lora
+  try:
+    return lora.LoraConfig(rank=saved["rank"], alpha=saved["alpha"],
+                           targets=tuple(saved["targets"]))
+  except (KeyError, TypeError, ValueError) as e:
+    raise IncompatibleCheckpointError(f"checkpoint {path} records a LoRA adapter this jaxagent "
+                                      f"cannot read ({type(e).__name__}: {e})") from e
+
+
+def _merge_lora_base(meta: Mapping[str, Any], cfg, lcfg, adapter, path):
+  """The base a LoRA checkpoint's run loaded (its `config.model`), checked against the digest
+  it recorded, with `adapter` merged in."""
+  import ml_collections
+  from jaxagent.models import lora
+  from jaxagent.trainer import load_model
+  model = ml_collections.ConfigDict(dict((meta.get("config") or {}).get("model") or {}))
+  try:
+    base_cfg, base, _ = load_model(model)
+  except (OSError, ValueError) as e:
+    raise CheckpointError(f"checkpoint {path} holds a LoRA adapter; its base weights "
+                          f"(model.path={model.get('path')!r}) did not load: {e}") from e
+  check_lora_base(meta, digest(base), path)
+  if base_cfg.vocab_size != cfg.vocab_size or base_cfg.n_layers != cfg.n_layers:
+    raise IncompatibleCheckpointError(f"checkpoint {path}: the base loaded from "
+                                      f"{model.get('path')!r} is another model than the run's")
+  return jax.jit(lambda a, b: lora.merge(b, a, lcfg))(adapter, base)
+
+
 def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
               tokenizer: Any = "auto") -> pathlib.Path:
   """Write the policy of a checkpoint as an HF directory (config.json, model.safetensors and
@@ -756,11 +822,18 @@ def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: i
       raise IncompatibleCheckpointError(
           f"checkpoint {mgr.step_path(s)} holds a model config this jaxagent cannot read "
           f"({type(e).__name__}: {e}); export it with the jaxagent version that wrote it") from e
-    abstract = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+    lcfg = _lora_of(meta, mgr.step_path(s))
+    if lcfg is None:
+      abstract = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+    else:  # the checkpoint holds the adapter; the base is loaded as the run loaded it
+      from jaxagent.models import lora
+      abstract = jax.eval_shape(lambda: lora.init_lora(cfg, lcfg, jax.random.key(0)))
     target = abstract_target(abstract, sharding.shardings(abstract, sharding.make_mesh()))
     mgr.check(meta, step=s, items={"params": target})
     params = mgr.restore_params(s, target)
     check_finite(params, f"not exporting checkpoint {mgr.step_path(s)}")
+    if lcfg is not None:
+      params = _merge_lora_base(meta, cfg, lcfg, params, mgr.step_path(s))
     return meta, cfg, params
 
   try:

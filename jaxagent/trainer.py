@@ -58,7 +58,7 @@ from jaxagent.agent.trajectory import Trajectory, demonstration_trajectory
 from jaxagent.envs import make_env
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
 from jaxagent.metrics import MetricsWriter, append_line, finite_json
-from jaxagent.models import param_tree
+from jaxagent.models import lora as lora_lib, param_tree
 from jaxagent.models.config import RUN_MODEL_KEYS, run_overrides
 from jaxagent.rewards import ENV_REWARD_ERROR, RewardOutput, mean_metrics, math_verifier
 from jaxagent.rewards.shaping import OverlongConfig, overlong_penalty
@@ -413,6 +413,7 @@ KNOWN_CONFIG_KEYS = frozenset("""
     eval.before eval.every eval.pass_k eval.size
     export seed total_steps workdir
     log.dump_count log.dump_every log.progress log.tensorboard
+    lora.alpha lora.rank lora.targets
     loss.agg loss.algo loss.clip_high loss.clip_low loss.dual_clip loss.entropy_coef
     loss.kl_coef loss.kl_estimator loss.max_len_norm
     mesh.data mesh.fsdp mesh.tensor
@@ -435,7 +436,8 @@ _FREE_FORM = ("env.kwargs",)
 # traceback from wherever it was first read (for eval.pass_k: the first eval, after training).
 OPTIONAL_CONFIG_KEYS = frozenset("""
     checkpoint_async checkpoint_dir checkpoint_every checkpoint_keep checkpoint_keep_every
-    env.kwargs export log.dump_count loss.dual_clip loss.max_len_norm
+    env.kwargs export log.dump_count lora.alpha lora.rank lora.targets loss.dual_clip
+    loss.max_len_norm
     model.attention model.init_seed model.init_std model.logprob model.norm_rope
     model.scan_layers model.tokenizer
     reward.overlong_cache_tokens reward.overlong_coef reward.overlong_max_tokens
@@ -584,6 +586,7 @@ def check_config(config) -> None:
     raise FileNotFoundError(f"sft.data={data!r} is not a file: give a chat JSONL file (one "
                             "{\"messages\": [...]} object per line), or sft.data='' for the "
                             "task's demonstrations")
+  lora_lib.from_config(config.get("lora"))  # a bad lora.rank / alpha / targets fails here
   # The warm start on the task's demonstrations takes the first sft.num_examples of them: 0
   # failed there, after the eval before training, saying the task "gave no demonstrations".
   if (hasattr(sft, "get") and not data and sft.get("steps")
@@ -851,8 +854,20 @@ class Trainer:
 
     t = c.train
     self.loss_cfg = self.step_cfg.loss
-    self.learner = step_lib.Learner(self.cfg, self.step_cfg, self.optimizer, self.mesh)
+    # With a low-rank adapter (config `lora`) the learner holds the loaded params, frozen, and
+    # the train state (and the reference, a checkpoint) holds the adapter alone.
+    self.lora = lora_lib.from_config(c.get("lora"))
+    self.learner = step_lib.Learner(self.cfg, self.step_cfg, self.optimizer, self.mesh,
+                                    lora=self.lora, base=params if self.lora else None)
+    self._base_digest = None
+    if self.lora is not None:
+      # Recorded with every checkpoint: a resume or an export over other base weights (an HF
+      # directory replaced under the same model.path) is refused.
+      self._base_digest = checkpoint.digest(self.learner.base)
+      params = lora_lib.init_lora(self.cfg, self.lora, jax.random.fold_in(
+          jax.random.key(c.seed), 0x10A))
     self.state = self.learner.init(params)
+    del params
     self.ref_params = None  # set when RL starts (after the warm start), if kl_coef > 0
 
     r = c.rollout
@@ -872,6 +887,12 @@ class Trainer:
     self.pack_cfg = packing.config_from_train(t, dp)
     self.writer = MetricsWriter(self.workdir, tensorboard=c.log.tensorboard,
                                 progress_total=c.total_steps, progress=c.log.progress)
+    if self.lora is not None:
+      self.writer.message(
+          f"LoRA: rank {self.lora.rank}, alpha {self.lora.alpha:g}, on "
+          f"{', '.join(self.lora.targets)}: {lora_lib.num_params(self.cfg, self.lora):,} "
+          f"trainable parameters over a frozen base of "
+          f"{sum(x.size for x in jax.tree.leaves(self.learner.base)):,}")
     if leaked:  # allowed (a check on training prompts), but then eval does not measure held-out
       self.writer.message(
           f"warning: {len(leaked)} of the {len(self.eval_examples)} eval examples have the same "
@@ -1060,7 +1081,8 @@ class Trainer:
     # (`_pre_rl` reads them before the eval that comes first: a bad sft.data line fails then)
     loaded, self._sft_loaded = self._sft_loaded, None
     items, too_long = loaded or self._sft_items_that_fit(self._sft_items())
-    learner = step_lib.Learner(self.cfg, self._sft_step_cfg, self._sft_optimizer, self.mesh)
+    learner = step_lib.Learner(self.cfg, self._sft_step_cfg, self._sft_optimizer, self.mesh,
+                               lora=self.lora, base=self.learner.base)
     st = learner.init(self.state.params)
     batches = _sft_batches(len(items), s.batch_size, s.steps, self.config.seed)
     # One update per batch: rows rounded to micro-batches x devices (not to train.mini_batches,
@@ -1167,6 +1189,12 @@ class Trainer:
     call (`models.param_tree.compute_copy`: bitwise the same logits, half the bytes per decode
     step); otherwise the same buffers. With `rollout.mesh = "data"` that copy is then
     replicated onto the rollout mesh (one all-gather per step)."""
+    if self.lora is not None:  # the base with the adapter merged, in the compute dtype
+      params = self.learner.merged_params(self.state.params, self.cfg.dtype)
+      if jax.process_count() == 1:
+        return params if self.gen_mesh is self.mesh else sharding.shard(params, self.gen_mesh)
+      host = _to_host(params)
+      return sharding.shard(host, self.gen_mesh) if jax.process_index() == 0 else None
     if jax.process_count() == 1:
       params = self.state.params
       if self.cfg.jnp_param_dtype != self.cfg.jnp_dtype:
@@ -1601,7 +1629,8 @@ class Trainer:
     self._freeze_reference()
 
   def _freeze_reference(self) -> None:
-    """With a KL penalty, the reference is the params as RL begins: a copy, frozen from here."""
+    """With a KL penalty, the reference is the params as RL begins: a copy, frozen from here
+    (with a LoRA adapter, a copy of the adapter: the base is frozen anyway)."""
     if self.loss_cfg.kl_coef > 0:
       self.ref_params = jax.tree.map(jnp.copy, self.state.params)
 
@@ -1619,6 +1648,10 @@ class Trainer:
         "warm_started": self.warm_started,
         "ref": {"kind": "params when RL began (after the warm start)", "step": 0,
                 "stored": self.ref_params is not None},
+        # With an adapter the arrays are the adapter's; the base is `config.model.path`.
+        "lora": (None if self.lora is None else
+                 {"rank": self.lora.rank, "alpha": self.lora.alpha,
+                  "targets": list(self.lora.targets), "base_digest": self._base_digest}),
         "summary": self.summary,
         "topology": {"processes": jax.process_count(), "devices": jax.device_count(),
                      "mesh": dict(self.mesh.shape)},
@@ -1669,6 +1702,8 @@ class Trainer:
       self._restore_done = True
       return None
     checkpoint.check_model_config(r.meta, self.cfg, r.path)
+    if self._base_digest is not None:
+      checkpoint.check_lora_base(r.meta, self._base_digest, r.path)
     if not r.meta.get("warm_started"):
       raise checkpoint.CheckpointError(f"checkpoint {r.path} predates the warm start; "
                                        "this jaxagent only writes checkpoints after it")
@@ -1753,7 +1788,8 @@ class Trainer:
     """Write the current policy as an HF directory (default `<workdir>/export`)."""
     out = pathlib.Path(out).expanduser() if out is not None else self.workdir / "export"
     checkpoint.check_finite(self.state.params, f"not exporting the policy to {out}")
-    params = _to_host(self.state.params)
+    # With a LoRA adapter: the base with the adapter merged in (a full model).
+    params = _to_host(self.learner.merged_params(self.state.params))
     if jax.process_index() == 0:
       # The record `python -m jaxagent.export` writes: one it left here earlier named the step
       # of the weights this export replaces. These are the policy in memory, not a checkpoint.

@@ -142,6 +142,9 @@ def test_config_keys_are_checked_against_the_quickstart():
     ("sft.num_examples", -1, "sft.num_examples must be an int >= 0"),
     ("log.dump_every", -1, "log.dump_every must be an int >= 0"),
     ("log.dump_count", -1, "log.dump_count must be an int >= 0"),
+    ("lora.rank", -4, "lora.rank must be an int >= 1, got -4"),
+    ("lora.alpha", 0.0, "lora.alpha must be a finite number > 0"),
+    ("lora.targets", "qkv", "unknown LoRA target 'qkv'"),
 ])
 def test_bad_or_misspelt_settings_fail_before_any_work(tmp_path, key, value, match):
   c = _tiny(tmp_path)

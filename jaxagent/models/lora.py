@@ -103,17 +103,18 @@ class LoraConfig:
 
 def from_config(section) -> LoraConfig | None:
   """The adapter of a run's `lora` section (`rank`, `alpha`, `targets`), or None when the
-  section is absent or its rank is 0 (full fine-tuning)."""
+  section is absent or its rank is 0 (full fine-tuning). Every setting is checked either way,
+  so a typo in `targets` fails whether or not LoRA is on."""
   if section is None:
     return None
   rank = section.get("rank", 0)
-  if rank == 0 and not isinstance(rank, bool):
-    return None
+  off = rank == 0 and not isinstance(rank, bool)
   try:
-    return LoraConfig(rank=rank, alpha=section.get("alpha", 16.0),
+    lcfg = LoraConfig(rank=1 if off else rank, alpha=section.get("alpha", 16.0),
                       targets=section.get("targets", "all"))
   except ValueError as e:
     raise ValueError(str(e).replace("LoraConfig.", "lora.")) from None
+  return None if off else lcfg
 
 
 def lora_specs(cfg: ModelConfig, lcfg: LoraConfig) -> dict[str, Any]:
@@ -199,3 +200,315 @@ def num_params(cfg: ModelConfig, lcfg: LoraConfig) -> int:
   """Trainable parameters of the adapter."""
   specs = lora_specs(cfg, lcfg)
   return sum(math.prod(s[0]) for s in jax.tree.leaves(specs, is_leaf=param_tree._is_spec))
+
+
+# --- Hugging Face PEFT adapter directories --------------------------------------------------
+#
+# A PEFT LoRA adapter is a directory with `adapter_config.json` and `adapter_model.safetensors`
+# holding, per adapted projection `P` of layer `i`,
+#   base_model.model.model.layers.{i}.{self_attn|mlp}.{P}.lora_A.weight   [r, in]
+#   base_model.model.model.layers.{i}.{self_attn|mlp}.{P}.lora_B.weight   [out, r]
+# and the weight `W_hf` ([out, in], `jaxagent.models.hf`'s layout) reads as
+# `W_hf + (lora_alpha / r) * lora_B @ lora_A`. Ours is `W + scale * A @ B` with `W` laid out
+# `[*in, *out]`, so `lora_A = A.reshape(-1, r).T` and `lora_B = B.reshape(r, -1).T` per layer.
+
+PEFT_CONFIG = "adapter_config.json"
+PEFT_WEIGHTS = "adapter_model.safetensors"
+_PEFT_PREFIX = "base_model.model.model.layers."
+# Settings of PEFT's LoraConfig that change what the adapter computes, and what they do: an
+# adapter that sets any of them is refused (each is its documented "off" value when unset).
+_PEFT_REFUSED = {
+    "use_dora": "DoRA rescales each adapted weight by a learned magnitude vector",
+    "bias": "the layers' own biases were trained too and are saved with the adapter",
+    "lora_bias": "lora_B carries a bias",
+    "modules_to_save": "whole modules (such as lm_head or embed_tokens) were trained and are "
+                       "saved with the adapter",
+    "rank_pattern": "some modules have a rank other than r",
+    "alpha_pattern": "some modules have a lora_alpha of their own",
+    "layer_replication": "the layer stack is rebuilt from repeated layers",
+    "target_parameters": "parameters outside the projection weights are adapted",
+    "trainable_token_indices": "rows of the embedding table were trained",
+    "alora_invocation_tokens": "the adapter acts only from its invocation tokens on "
+                               "(activated LoRA)",
+    "use_qalora": "inputs are pooled in groups before lora_A (QA-LoRA)",
+    "kasa_config": "a learned diagonal sits between lora_A and lora_B (KaSA)",
+    "use_bdlora": "lora_A or lora_B is block-diagonal (BD-LoRA)",
+    "arrow_config": "several adapters are routed per token (Arrow)",
+    "monteclora_config": "the adapter is sampled (MonteCLoRA)",
+}
+# Settings that do not change the function `W + scale * B @ A` (training-time options, records,
+# or selections of modules and layers that the saved tensors reflect: `load_peft` requires
+# every layer of each adapted projection).
+_PEFT_INERT = {
+    "peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path",
+    "revision", "inference_mode", "r", "target_modules", "exclude_modules", "lora_alpha",
+    "lora_dropout", "fan_in_fan_out", "use_rslora", "init_lora_weights", "layers_to_transform",
+    "layers_pattern",
+    "megatron_config", "megatron_core", "loftq_config", "eva_config", "corda_config",
+    "lora_ga_config", "velora_config", "qalora_group_size", "runtime_config",
+    "ensure_weight_tying",
+}
+# Initializations that change the base weights to match the adapter's start (PEFT saves such
+# an adapter for that changed base, named by base_model_name_or_path).
+_PEFT_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
+
+
+def _peft_module(t: str) -> str:
+  """`self_attn.q_proj` for "wq": the module path inside a layer."""
+  from jaxagent.models.hf import _LAYER_KEYS
+  return _LAYER_KEYS[t][0].removesuffix(".weight")
+
+
+def peft_tensors(cfg: ModelConfig, lcfg: LoraConfig, adapter,
+                 dtype: str | None = None) -> dict[str, Any]:
+  """`adapter` as the tensors of a PEFT `adapter_model.safetensors` (host NumPy arrays in
+  `dtype`, default float32): `lora_A` `[r, in]` and `lora_B` `[out, r]` per target and layer."""
+  import numpy as np
+  check_lora(adapter, cfg, lcfg, "save_peft")
+  np_dtype = np.dtype(jnp.dtype(dtype or "float32"))
+  if not jnp.issubdtype(np_dtype, jnp.floating):
+    raise ValueError(f"save_peft: dtype must be a floating type (float32, bfloat16, float16), "
+                     f"got {np_dtype.name}")
+  layers = jax.device_get(param_tree.unbox(adapter))["layers"]
+  r, out = lcfg.rank, {}
+  for t in lcfg.targets:
+    a = np.asarray(layers[t]["a"], np.float32)
+    b = np.asarray(layers[t]["b"], np.float32)
+    for i in range(cfg.n_layers):
+      pre = f"{_PEFT_PREFIX}{i}.{_peft_module(t)}"
+      out[f"{pre}.lora_A.weight"] = np.ascontiguousarray(a[i].reshape(-1, r).T, np_dtype)
+      out[f"{pre}.lora_B.weight"] = np.ascontiguousarray(b[i].reshape(r, -1).T, np_dtype)
+  return out
+
+
+def peft_config(lcfg: LoraConfig, base_model: str | None = None) -> dict[str, Any]:
+  """The `adapter_config.json` of `lcfg`: a plain LoRA (scale lora_alpha / r) on the targets'
+  Hugging Face module names, with PEFT's "off" value written out for each setting that would
+  change the function."""
+  names = {ours: hf for hf, ours in HF_NAMES.items()}
+  alpha = int(lcfg.alpha) if float(lcfg.alpha).is_integer() else lcfg.alpha
+  return {
+      "peft_type": "LORA", "task_type": "CAUSAL_LM", "auto_mapping": None,
+      "base_model_name_or_path": base_model, "revision": None, "inference_mode": True,
+      "r": lcfg.rank, "lora_alpha": alpha, "target_modules": [names[t] for t in lcfg.targets],
+      "exclude_modules": None, "lora_dropout": 0.0, "fan_in_fan_out": False, "bias": "none",
+      "use_rslora": False, "use_dora": False, "lora_bias": False, "modules_to_save": None,
+      "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
+      "rank_pattern": {}, "alpha_pattern": {},
+  }
+
+
+def save_peft(path, cfg: ModelConfig, lcfg: LoraConfig, adapter, *,
+              base_model: str | None = None, dtype: str | None = None):
+  """Write `adapter` as a Hugging Face PEFT LoRA adapter directory (`adapter_config.json` +
+  `adapter_model.safetensors`) that `peft.PeftModel.from_pretrained(model, path)` loads onto
+  the base model exported by `jaxagent.models.save_hf`, and that LoRA-serving engines read.
+
+  Args:
+    base_model: recorded as `base_model_name_or_path` (a hub name or directory of the base);
+      PEFT's `AutoPeftModelForCausalLM` loads the base from it.
+    dtype: of the stored tensors, default float32.
+
+  The files are written under a hidden staging folder and moved into place when complete,
+  `adapter_config.json` last. A directory that holds a model's `config.json` is refused:
+  `transformers` would apply an adapter found there every time it loads that model. Returns
+  the directory (a `pathlib.Path`)."""
+  import json
+  import os
+  import pathlib
+  import re
+  import shutil
+
+  from safetensors.numpy import save_file
+
+  from jaxagent.models.hf import _umask
+
+  if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:/", os.fspath(path)):
+    raise ValueError(f"save_peft writes a local directory; {os.fspath(path)!r} is a URL. Save "
+                     "to a local path, then copy it")
+  if base_model is not None and not isinstance(base_model, str):
+    raise TypeError(f"save_peft: base_model must be a string (a hub name or a directory), got "
+                    f"{type(base_model).__name__}")
+  out = pathlib.Path(path).expanduser()
+  if (out / "config.json").is_file():
+    raise FileExistsError(
+        f"{out} holds a model (config.json): transformers would load the adapter onto that "
+        "model every time it is loaded; save the adapter to a directory of its own")
+  tensors = peft_tensors(cfg, lcfg, adapter, dtype)  # checks before anything is written
+  config = peft_config(lcfg, base_model)
+  out.mkdir(parents=True, exist_ok=True)
+  stage = out / ".save_peft.partial"
+  shutil.rmtree(stage, ignore_errors=True)
+  stage.mkdir()
+  try:
+    (stage / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
+    save_file(tensors, str(stage / PEFT_WEIGHTS), metadata={"format": "pt"})
+    (stage / PEFT_WEIGHTS).chmod(0o666 & ~_umask())  # the writer makes it owner-only
+    # An earlier adapter's config goes first: a save killed between the moves leaves a
+    # directory that does not load, not new weights under an old config.
+    (out / PEFT_CONFIG).unlink(missing_ok=True)
+    os.replace(stage / PEFT_WEIGHTS, out / PEFT_WEIGHTS)
+    os.replace(stage / PEFT_CONFIG, out / PEFT_CONFIG)
+  finally:
+    shutil.rmtree(stage, ignore_errors=True)
+  return out
+
+
+def _peft_lora_config(conf: dict, source: str) -> LoraConfig:
+  """Our LoraConfig for a PEFT adapter config, refusing settings that change the function."""
+  if conf.get("peft_type") != "LORA":
+    raise ValueError(f"{source}: peft_type is {conf.get('peft_type')!r}; only LoRA adapters "
+                     "(peft_type 'LORA') load")
+  for key, what in _PEFT_REFUSED.items():
+    value = conf.get(key)
+    if value and value != "none":
+      raise ValueError(f"{source}: {key}={value!r} is not supported ({what}); only plain LoRA "
+                       "adapters load (W + lora_alpha / r * lora_B @ lora_A on projection "
+                       "weights)")
+  unknown = {k: v for k, v in conf.items() if k not in _PEFT_INERT and k not in _PEFT_REFUSED
+             and v not in (None, False, "", [], {})}
+  if unknown:
+    raise ValueError(f"{source}: unknown setting(s) {unknown} (from a newer PEFT?) that may "
+                     "change what the adapter computes; only plain LoRA adapters load")
+  init = conf.get("init_lora_weights")
+  if isinstance(init, str) and init.lower().startswith(_PEFT_BASE_CHANGING_INITS):
+    raise ValueError(
+        f"{source}: init_lora_weights={init!r} changes the base model's weights to match the "
+        "adapter's start, so this adapter applies to that changed base "
+        f"({conf.get('base_model_name_or_path')!r}), not the original one. Save it from PEFT "
+        "as a plain LoRA of the original base (PiSSA, OLoRA, CorDA: save_pretrained(..., "
+        "path_initial_model_for_weight_conversion=<the initial adapter>)), or merge it into "
+        "that base and load the merged model")
+  targets = conf.get("target_modules")
+  if isinstance(targets, (list, tuple)):  # else a regex or "all-linear": the tensors decide
+    for name in targets:
+      last = str(name).rsplit(".", 1)[-1]
+      if last not in HF_NAMES:
+        raise ValueError(
+            f"{source}: target_modules names {name!r}; adapters load only on the projection "
+            f"weights {', '.join(HF_NAMES)} (not embed_tokens, lm_head or other modules)")
+  r, alpha = conf.get("r", 8), conf.get("lora_alpha", 8)
+  if isinstance(r, bool) or not isinstance(r, int) or r < 1:
+    raise ValueError(f"{source}: r must be an int >= 1, got {r!r}")
+  if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 < alpha < math.inf:
+    raise ValueError(f"{source}: lora_alpha must be a finite number > 0, got {alpha!r}")
+  if conf.get("use_rslora"):
+    # rank-stabilized LoRA scales by lora_alpha / sqrt(r): the same as alpha * sqrt(r) / r.
+    alpha = alpha * math.sqrt(r)
+  return LoraConfig(rank=r, alpha=alpha, targets=ATTENTION + MLP)  # targets set by the caller
+
+
+def load_peft(path, cfg: ModelConfig) -> tuple[LoraConfig, dict[str, Any]]:
+  """Read a Hugging Face PEFT LoRA adapter directory (written by `save_peft`, or by PEFT for a
+  model of `cfg`'s architecture) as `(LoraConfig, adapter)`: the adapter boxed like
+  `init_lora`'s, float32 host arrays; merge it with `merge(base, adapter, lcfg)` or train it
+  further with `Learner(lora=...)`.
+
+  The targets are the projections the file holds weights for (each for every layer). A
+  rank-stabilized adapter (`use_rslora`, scale lora_alpha / sqrt(r)) loads with
+  `alpha = lora_alpha * sqrt(r)`, the same scale; saved again it is a plain LoRA with that
+  alpha. `lora_dropout` only acts in training and is not kept. Adapters whose settings change
+  the function otherwise (DoRA, trained biases, modules_to_save, per-module ranks or alphas,
+  some layers only, ...) are refused with a ValueError naming the setting."""
+  import json
+  import pathlib
+  import re
+
+  import numpy as np
+  from safetensors import safe_open
+
+  d = pathlib.Path(path).expanduser()
+  if not d.is_dir():
+    if d.is_file() and d.name in (PEFT_CONFIG, PEFT_WEIGHTS):
+      raise ValueError(f"{d}: pass the adapter's directory ({d.parent}), not one of its files")
+    raise FileNotFoundError(f"no adapter directory at {d}")
+  conf_file, weights = d / PEFT_CONFIG, d / PEFT_WEIGHTS
+  if not conf_file.is_file():
+    hint = (": it is a model directory (config.json); load it with jaxagent.models.load"
+            if (d / "config.json").is_file() else "")
+    raise FileNotFoundError(f"{d} has no {PEFT_CONFIG} (expected a PEFT LoRA adapter "
+                            f"directory){hint}")
+  try:
+    conf = json.loads(conf_file.read_text())
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ValueError(f"{conf_file} is not valid JSON: {e}") from None
+  if not isinstance(conf, dict):
+    raise ValueError(f"{conf_file}: expected a JSON object")
+  lcfg = _peft_lora_config(conf, str(conf_file))
+  if not weights.is_file():
+    hint = (": it holds adapter_model.bin (a PyTorch pickle); save the adapter again with "
+            "safe_serialization=True" if (d / "adapter_model.bin").is_file() else "")
+    raise FileNotFoundError(f"{d} has no {PEFT_WEIGHTS}{hint}")
+  by_module = {_peft_module(t): t for t in INPUT_AXES}
+  key_re = re.compile(re.escape(_PEFT_PREFIX) + r"(\d+)\.(\w+\.\w+)\.lora_([AB])\.weight")
+  found: dict[tuple[str, int, str], np.ndarray] = {}
+  other = []
+  try:
+    f = safe_open(str(weights), framework="numpy")
+  except Exception as e:  # safetensors raises its own error types for corrupt headers
+    raise ValueError(f"cannot read safetensors file {weights}: {e}") from e
+  with f:
+    for k in f.keys():
+      m = key_re.fullmatch(k)
+      if not m or m.group(2) not in by_module:
+        other.append(k)
+        continue
+      i, t = int(m.group(1)), by_module[m.group(2)]
+      if i >= cfg.n_layers:
+        raise ValueError(f"{weights}: tensor {k!r} is for layer {i}, the config {cfg.name!r} "
+                         f"has {cfg.n_layers} layers (pass the config of the adapter's base)")
+      found[(t, i, m.group(3))] = f.get_tensor(k)
+  if other:
+    shown = ", ".join(sorted(other)[:4]) + (f", and {len(other) - 4} more"
+                                            if len(other) > 4 else "")
+    raise ValueError(f"{weights}: {len(other)} tensor(s) that are not LoRA weights of the "
+                     f"projections {', '.join(HF_NAMES)} named {_PEFT_PREFIX}<i>.<module>."
+                     f"lora_A/lora_B.weight: {shown}")
+  targets = tuple(t for t in INPUT_AXES if any(key[0] == t for key in found))
+  if not targets:
+    raise ValueError(f"{weights} holds no LoRA weights")
+  listed = conf.get("target_modules")
+  if isinstance(listed, (list, tuple)):
+    named = {HF_NAMES[str(n).rsplit(".", 1)[-1]] for n in listed}
+    names = {ours: hf for hf, ours in HF_NAMES.items()}
+    if set(targets) - named:
+      raise ValueError(f"{weights} holds weights for "
+                       f"{', '.join(names[t] for t in targets if t not in named)}, which "
+                       f"target_modules {list(listed)} does not name")
+    if named - set(targets):
+      raise ValueError(f"{weights} holds no weights for "
+                       f"{', '.join(names[t] for t in INPUT_AXES if t in named - set(targets))}"
+                       f", which target_modules {list(listed)} names (an incomplete file?)")
+  lcfg = dataclasses.replace(lcfg, targets=targets)
+  specs = lora_specs(cfg, lcfg)["layers"]
+  r, adapter = lcfg.rank, {}
+  for t in targets:
+    (a_shape, a_names, _), (b_shape, b_names, _) = specs[t]["a"], specs[t]["b"]
+    n_in, n_out = math.prod(a_shape[1:-1]), math.prod(b_shape[2:])
+    a_rows, b_rows = [], []
+    for i in range(cfg.n_layers):
+      for part, want in (("A", (r, n_in)), ("B", (n_out, r))):
+        name = f"{_PEFT_PREFIX}{i}.{_peft_module(t)}.lora_{part}.weight"
+        w = found.get((t, i, part))
+        if w is None:
+          some = conf.get("layers_to_transform")
+          why = f" (its layers_to_transform is {some!r})" if some is not None else ""
+          raise ValueError(f"{weights}: tensor {name!r} is missing: an adapter must adapt "
+                           f"{_peft_module(t)} in every layer of the config {cfg.name!r} "
+                           f"({cfg.n_layers}){why}")
+        if not jnp.issubdtype(w.dtype, jnp.floating):
+          raise ValueError(f"{weights}: tensor {name!r} has dtype {w.dtype}; LoRA weights "
+                           "must be floating point")
+        if tuple(w.shape) != want:
+          raise ValueError(f"{weights}: tensor {name!r} has shape {tuple(w.shape)}, expected "
+                           f"{want} for r={r} on the config {cfg.name!r} (pass the config of "
+                           "the adapter's base)")
+        w = np.asarray(w, np.float32)
+        if not np.isfinite(w).all():
+          raise ValueError(f"{weights}: tensor {name!r} holds NaN or Inf values")
+        (a_rows if part == "A" else b_rows).append(w)
+    a = np.stack([w.T.reshape(a_shape[1:]) for w in a_rows])
+    b = np.stack([w.T.reshape(b_shape[1:]) for w in b_rows])
+    adapter[t] = {"a": nn.LogicallyPartitioned(a, a_names),
+                  "b": nn.LogicallyPartitioned(b, b_names)}
+  return lcfg, {"layers": adapter}

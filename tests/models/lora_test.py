@@ -46,6 +46,10 @@ def test_config_checks_and_targets():
   assert lora.from_config(section) is None and lora.from_config(None) is None
   section.rank = 4
   assert lora.from_config(section) == lora.LoraConfig(rank=4, alpha=16.0)
+  section.targets = "qkv"  # checked with LoRA off too
+  with pytest.raises(ValueError, match="unknown LoRA target 'qkv'"):
+    lora.from_config(section)
+  section.targets = "all"
   section.rank = -2
   with pytest.raises(ValueError, match=r"lora.rank must be an int >= 1, got -2"):
     lora.from_config(section)

@@ -1,0 +1,90 @@
+"""LoRA runs end to end on the tiny config: only the adapter trains, checkpoints hold it,
+a resume needs the same adapter shape and base weights, exports hold the merged model."""
+import jax
+import numpy as np
+import pytest
+import safetensors.numpy
+
+from jaxagent import checkpoint, models
+from jaxagent.models import lora, param_tree
+from jaxagent.trainer import Trainer, load_model
+from tests.trainer_test import _tiny
+
+
+def _lora_tiny(tmp_path, **overrides):
+  kw = {"lora.rank": 4, "lora.alpha": 8.0, "loss.kl_coef": 0.01, "checkpoint_every": 1}
+  kw.update(overrides)
+  return _tiny(tmp_path, **kw)
+
+
+def _plain(tree):
+  return jax.device_get(param_tree.unbox(tree))
+
+
+def test_a_lora_run_trains_the_adapter_only_checkpoints_it_and_exports_the_merged_model(
+    tmp_path):
+  c = _lora_tiny(tmp_path)
+  base_cfg, base, _ = load_model(c.model)
+  t = Trainer(c)
+  try:
+    fresh = _plain(t.state.params)
+    t.run()
+    adapter = _plain(t.state.params)
+    assert set(adapter["layers"]) == set(lora.INPUT_AXES)
+    # The update moved the adapter (B starts at 0) and left the base as loaded.
+    assert any(np.abs(adapter["layers"][k]["b"]).max() > 0 for k in adapter["layers"])
+    assert not any(np.any(fresh["layers"][k]["b"]) for k in fresh["layers"])
+    for a, b in zip(jax.tree.leaves(_plain(base)), jax.tree.leaves(_plain(t.learner.base))):
+      np.testing.assert_array_equal(a, b)
+    # The reference is the adapter as RL began (fresh: no warm start in this config).
+    for a, b in zip(jax.tree.leaves(fresh), jax.tree.leaves(_plain(t.ref_params))):
+      np.testing.assert_array_equal(a, b)
+    out = t.export(tmp_path / "export")
+  finally:
+    t.close()
+  merged = _plain(lora.merge(base, adapter, lora.LoraConfig(rank=4, alpha=8.0)))
+  sd = safetensors.numpy.load_file(str(out / "model.safetensors"))
+  want = models.hf.state_dict_from_params(base_cfg, merged)
+  assert set(want) <= set(sd)
+  for k, v in want.items():
+    np.testing.assert_allclose(sd[k], v, rtol=1e-6, atol=1e-7, err_msg=k)
+  # `python -m jaxagent.export` of the checkpoint writes the same merged weights.
+  again = checkpoint.export_hf(tmp_path / "run", tmp_path / "export2")
+  sd2 = safetensors.numpy.load_file(str(again / "model.safetensors"))
+  for k in want:
+    np.testing.assert_array_equal(sd2[k], sd[k], err_msg=k)
+
+  # A resume needs the adapter's shape: another rank is refused and names the setting.
+  with pytest.raises(checkpoint.IncompatibleCheckpointError, match=r"config lora.rank: 4 in "
+                     r"the checkpoint, 8 now"):
+    Trainer(_lora_tiny(tmp_path, **{"lora.rank": 8, "total_steps": 2})).run()
+  t2 = Trainer(_lora_tiny(tmp_path, total_steps=2))
+  try:
+    assert t2.restore() == 1
+    for a, b in zip(jax.tree.leaves(adapter), jax.tree.leaves(_plain(t2.state.params))):
+      np.testing.assert_array_equal(a, b)
+  finally:
+    t2.close()
+
+
+def test_a_resume_or_export_over_other_base_weights_is_refused(tmp_path):
+  tiny = _tiny(tmp_path)
+  cfg, params, tok = load_model(tiny.model)
+  hf = tmp_path / "base"
+  models.save_hf(hf, cfg, _plain(params), tok)
+  c = _lora_tiny(tmp_path, **{"model.path": str(hf), "model.tokenizer": ""})
+  t = Trainer(c)
+  try:
+    t.run()
+  finally:
+    t.close()
+  # The same path, other weights (the directory replaced).
+  other = _plain(models.init_params(cfg, jax.random.key(7), std=0.02))
+  models.save_hf(hf, cfg, other, tok)
+  with pytest.raises(checkpoint.IncompatibleCheckpointError, match="other base weights"):
+    Trainer(_lora_tiny(tmp_path, **{"model.path": str(hf), "model.tokenizer": "",
+                                    "total_steps": 2})).run()
+  # (every checkpoint of the run is refused, each named)
+  with pytest.raises(checkpoint.CheckpointError, match=r"(?s)checkpoints/1 holds a LoRA adapter "
+                     r"trained over other base weights.*checkpoints/0 holds"):
+    checkpoint.export_hf(tmp_path / "run", tmp_path / "export")
