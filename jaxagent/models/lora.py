@@ -254,9 +254,9 @@ _PEFT_BASE_CHANGING_INITS = ("pissa", "corda", "olora", "loftq", "lora_ga")
 
 
 def _peft_module(t: str) -> str:
-  """`self_attn.q_proj` for "wq": the module path inside a layer."""
-  from jaxagent.models.hf import _LAYER_KEYS
-  return _LAYER_KEYS[t][0].removesuffix(".weight")
+  """`self_attn.q_proj` for "wq": the module's path inside a Hugging Face decoder layer."""
+  hf_name = next(hf for hf, ours in HF_NAMES.items() if ours == t)
+  return f"{'self_attn' if t in ATTENTION else 'mlp'}.{hf_name}"
 
 
 def peft_tensors(cfg: ModelConfig, lcfg: LoraConfig, adapter,
@@ -319,9 +319,7 @@ def save_peft(path, cfg: ModelConfig, lcfg: LoraConfig, adapter, *,
   import re
   import shutil
 
-  from safetensors.numpy import save_file
-
-  from jaxagent.models.hf import _umask
+  from safetensors.numpy import save
 
   if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:/", os.fspath(path)):
     raise ValueError(f"save_peft writes a local directory; {os.fspath(path)!r} is a URL. Save "
@@ -342,8 +340,9 @@ def save_peft(path, cfg: ModelConfig, lcfg: LoraConfig, adapter, *,
   stage.mkdir()
   try:
     (stage / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
-    save_file(tensors, str(stage / PEFT_WEIGHTS), metadata={"format": "pt"})
-    (stage / PEFT_WEIGHTS).chmod(0o666 & ~_umask())  # the writer makes it owner-only
+    # Written as bytes (not safetensors' file writer, which makes its file owner-only), so
+    # the file has the mode of the config beside it.
+    (stage / PEFT_WEIGHTS).write_bytes(save(tensors, metadata={"format": "pt"}))
     # An earlier adapter's config goes first: a save killed between the moves leaves a
     # directory that does not load, not new weights under an old config.
     (out / PEFT_CONFIG).unlink(missing_ok=True)
