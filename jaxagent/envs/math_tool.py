@@ -618,7 +618,8 @@ class MathToolEnv(Env):
 
   def _file_problems(self, split: str) -> list:
     """The problems of `split`'s file, read once for every split that names the same files (an
-    sft_file that is the train_file): kept until each of those splits has taken them."""
+    sft_file that is the train_file): kept until each of those splits has taken them (never
+    asked for, the sft split's share stays: about the memory its examples would take)."""
     files = self._file_lists[split]
     if files not in self._shared_reads:
       users = {s for s, f in self._file_lists.items() if f == files}
