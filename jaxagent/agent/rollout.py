@@ -9,8 +9,10 @@ This is `generate.scheduler.run_requests` generalised to many turns:
 * A turn ends at a stop string (the parser's closing tags, checked on the host after every
   token; a parser with a `stop_allowed(text)` method may refuse one, e.g. inside a think
   block), at EOS, at the per-turn token budget (the engine's `remaining`) or at the slot's total
-  length (the engine's `limit`). A slot stopped by the host mid-call is rewound with
-  `update_slots` to the stop token, which stays pending (not yet in the cache).
+  length (the engine's `limit`). A sampled EOS id ends the turn by "eos" even where it completes
+  a stop string (one spelling the EOS token's text, say), as `generate.Completion` reports it.
+  A slot stopped by the host mid-call is rewound with `update_slots` to the stop token, which
+  stays pending (not yet in the cache).
 * At a tool call the trajectory leaves the decode batch (its slot is frozen, other slots keep
   decoding) and its call goes to a `ToolExecutor`, which returns a future. Futures are polled
   between device calls without blocking; when no slot is decoding, the driver waits on them (with

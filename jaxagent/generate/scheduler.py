@@ -39,8 +39,11 @@ class Completion:
   a NaN or +inf (its log-prob in `logprobs` is not finite; diverged params or a numerical
   fault), and the request stopped there. Other requests of the batch are unaffected.
   `tokens` end with the token that ended the request (the EOS id, the last token of the stop
-  match). Where several reasons hold at one token, the first of "nonfinite", "stop", "eos",
-  "max_new_tokens", "max_length" is reported. `text` (set by `generate` when it has a
+  match). Where several reasons hold at one token, the first of "nonfinite", "eos", "stop",
+  "max_new_tokens", "max_length" is reported: an EOS id ends the request as "eos" (with
+  `stop_match` None) even where it also completes a stop string (one that spells the EOS
+  token's text, such as "<|im_end|>") or a stop token sequence, as the rollout driver reports
+  such a turn (`Turn.ended_by`). `text` (set by `generate` when it has a
   tokenizer) is `tokens` decoded without special tokens (the EOS, chat-template markers) unless
   `generate(skip_special_tokens=False)`; `tokens` always keep them.
   """
@@ -215,12 +218,15 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
     results[lv.req_index] = Completion(lv.request_id, lv.tokens, lv.logprobs, reason, match)
     free.append(slot)
 
-  def take(slot, tok, lp) -> bool:
-    """Record a sampled token; True when a host-side stop matched."""
+  def take(slot, tok, lp, code) -> bool:
+    """Record a sampled token (`code`: the device's stop code after it); True when a host-side
+    stop matched."""
     lv = live[slot]
     lv.tokens.append(int(tok))
     lv.logprobs.append(float(lp))
-    if stop and math.isfinite(lp):  # a non-finite one is the device's "nonfinite" stop
+    # A non-finite log-prob is the device's "nonfinite" stop, and an EOS id its "eos" stop,
+    # whatever stop it also completes (`Completion`).
+    if stop and math.isfinite(lp) and code != STOP_EOS:
       m = stop.check(lv.tokens)
       if m is not None:
         finish(slot, "stop", m)
@@ -244,7 +250,7 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
       host_stopped = []
       for j, (slot, i) in enumerate(zip(slots, batch)):
         live[slot] = _Live(i, request_ids[i], cached=len(prompts[i]))
-        if take(slot, toks[j], lps[j]):
+        if take(slot, toks[j], lps[j], done[j]):
           if done[j] == RUNNING:
             host_stopped.append(slot)
         elif done[j] != RUNNING:
@@ -275,7 +281,9 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
         if not valid[j, slot]:
           break
         live[slot].cached += 1
-        if take(slot, toks[j, slot], lps[j, slot]):
+        # `done` is the code after the slot's last valid token; before it, the slot ran on.
+        last = j + 1 == decode_steps or not valid[j + 1, slot]
+        if take(slot, toks[j, slot], lps[j, slot], done[slot] if last else RUNNING):
           stopped = True
           break
       if stopped:
@@ -336,7 +344,8 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
       the tokenizer's BOS where its own encoding adds one (a Llama 3 base model expects it),
       unless the text already starts with it (a chat-templated prompt).
     stop: a string, a list of strings, or a list of token-id sequences; a match ends the
-      request and is included in its tokens.
+      request and is included in its tokens (stop reason "stop"; a sampled EOS id ends it as
+      "eos" even where it completes a match, as `Completion` says).
     eos_ids: token ids that end a request, one int or a sequence (default: the tokenizer's
       `eos_ids`, else the config's `eos_token_ids`).
     tokenizer: a `Tokenizer` (`models.load_tokenizer`), or the path / preset name that

@@ -534,6 +534,41 @@ def test_a_stop_string_spelling_eos_still_ends_by_eos():
   assert not any(t.truncated for t in trajs)
 
 
+@pytest.mark.parametrize("decode_steps", [1, 4])
+def test_generate_and_rollouts_agree_on_an_eos_that_completes_a_stop_string(decode_steps):
+  """The same sampled tokens, ending at an EOS id whose text is also a stop string (as
+  stop=["<|im_end|>"] is with a ChatML tokenizer): `generate`'s scheduler and the rollout driver
+  both report an EOS end, at the first token (prefill) and mid-call. The scheduler reported
+  "stop" where the rollout reported "eos"."""
+  from jaxagent.generate import StopChecker, run_requests
+  cfg = models.get_config("tiny-llama")
+  params = models.init_params(cfg, jax.random.key(0), std=0.2)
+  env = CalculatorEnv()
+  examples = [Example("a", "Q: what is 1+1?"), Example("b", "Q: what is 2+2? Think.")]
+  prompts = [env.render_prompt(ex, TOK) for ex in examples]
+  plain = Engine(cfg, EngineConfig(slots=2, max_len=64))
+  ref = [c.tokens for c in run_requests(plain, params, prompts, max_new_tokens=6,
+                                        request_ids=[0, 1])]
+  # Request 0 samples an EOS first; request 1 at its 4th token.
+  eos = (ref[0][0], ref[1][3])
+  assert eos[0] not in ref[1][:4] and eos[1] not in ref[1][:3], ref  # the test's premise
+  engine = Engine(cfg, EngineConfig(slots=2, max_len=64, eos_ids=tuple(sorted(set(eos)))))
+  stops = tuple(chr(t) for t in eos)  # each EOS id's text
+  out = run_requests(engine, params, prompts, max_new_tokens=6, request_ids=[0, 1],
+                     stop=StopChecker(list(stops), TOK), decode_steps=decode_steps)
+  assert [(c.stop_reason, c.stop_match, c.tokens) for c in out] == [
+      ("eos", None, ref[0][:1]), ("eos", None, ref[1][:4])]
+  # A stop token-id sequence equal to an EOS id, or ending with one, too.
+  out = run_requests(engine, params, prompts, max_new_tokens=6, request_ids=[0, 1],
+                     stop=[[eos[0]], list(ref[1][2:4])], decode_steps=decode_steps)
+  assert [c.stop_reason for c in out] == ["eos", "eos"]
+  trajs = rollout(engine, params, env, examples, tokenizer=TOK, num_samples=1,
+                  cfg=RolloutConfig(max_tokens_per_turn=6, decode_steps=decode_steps,
+                                    stop_strings=stops))
+  assert [t.token_ids[len(p):] for t, p in zip(trajs, prompts)] == [c.tokens for c in out]
+  assert [(t.turns[0].ended_by, t.stop_reason) for t in trajs] == [("eos", "eos")] * 2
+
+
 class _ThinkingCalcEnv(CalculatorEnv):
   """The calculator env for a reasoning model that thinks in <think>...</think> first."""
 

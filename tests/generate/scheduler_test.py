@@ -167,15 +167,17 @@ def test_run_requests_takes_a_stop_spec(params, engine):
 
 @pytest.mark.slow  # default-run time budget: 7-13 s on 2 cores
 def test_which_stop_reason_wins_at_one_token(params):
-  """The documented order at one token: "stop", then "eos", "max_new_tokens", "max_length";
-  the token that ended the request is the last of `tokens` in every case."""
+  """The documented order at one token: "eos", then "stop", "max_new_tokens", "max_length";
+  the token that ended the request is the last of `tokens` in every case. An EOS id that
+  completes a stop sequence ends the request as "eos", as the rollout driver reports it."""
   prompt = [3, 1, 4, 1, 5]
   ref = generate(params, CFG, [prompt], 8, max_len=64)[0].tokens
   t = ref[3]
   assert t not in ref[:3]
   cases = [  # (kwargs, reason): each ends at token 3
-      (dict(eos_ids=[t], stop=[[t]]), "stop"),
-      (dict(eos_ids=[t], stop=[ref[2:4]], max_len=len(prompt) + 4), "stop"),
+      (dict(eos_ids=[t], stop=[[t]]), "eos"),
+      (dict(eos_ids=[t], stop=[ref[2:4]], max_len=len(prompt) + 4), "eos"),
+      (dict(stop=[ref[2:4]], budget=4, max_len=len(prompt) + 4), "stop"),
       (dict(eos_ids=[t]), "eos"),
       (dict(eos_ids=[t], max_len=len(prompt) + 4), "eos"),
       (dict(eos_ids=[t], budget=4), "eos"),
