@@ -61,7 +61,8 @@ from jaxagent.agent.observation_cap import (TRUNCATION_SIDES, TruncationSide, ca
                                             marker_tokens, min_cap, truncation_marker)
 from jaxagent.agent.parsers import ParseResult, XMLTagParser
 from jaxagent.agent.trajectory import STOP_REASONS, ToolOutcome, Trajectory, Turn, tool_call_key
-from jaxagent.generate.engine import RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH, STOP_NONFINITE
+from jaxagent.generate.engine import (RUNNING, STOP_BUDGET, STOP_EOS, STOP_KV_LEN, STOP_LENGTH,
+                                      STOP_NONFINITE)
 from jaxagent.generate.scheduler import StopChecker
 from jaxagent.tools import (ToolArgumentError, ToolExecutor, ToolRegistry, ToolResult,
                             UnknownToolError, validate_arguments)
@@ -548,6 +549,11 @@ class _Run:
     self.stats.generate_calls += 1
     for lv in decoding:
       s = lv.slot
+      if int(done[s]) == STOP_KV_LEN:
+        raise RuntimeError(
+            f"the engine stopped slot {s} (STOP_KV_LEN): it held more cached tokens than the "
+            f"kv_len bound {kv} the driver gave, from its host copy of the slot's length "
+            f"({lv.cached}): engine and driver disagree about the slot's state")
       n = int(np.asarray(valid[:, s]).sum())
       if n == 0:
         raise RuntimeError(f"the engine sampled nothing for slot {s}, which the driver believes is "

@@ -5,11 +5,11 @@
 """
 from jaxagent.generate.engine import (DecodeState, Engine, EngineConfig, Prefix,
                                       PreparedParams, StepOutput, RUNNING, STOP_BUDGET, STOP_EOS,
-                                      STOP_LENGTH, STOP_NONFINITE)
+                                      STOP_KV_LEN, STOP_LENGTH, STOP_NONFINITE)
 from jaxagent.generate.sampling import SamplingConfig, sample, token_keys
 from jaxagent.generate.scheduler import Completion, StopChecker, generate, run_requests
 
 __all__ = ["DecodeState", "Engine", "EngineConfig", "Prefix", "PreparedParams", "StepOutput",
-           "RUNNING", "STOP_BUDGET", "STOP_EOS", "STOP_LENGTH", "STOP_NONFINITE",
+           "RUNNING", "STOP_BUDGET", "STOP_EOS", "STOP_KV_LEN", "STOP_LENGTH", "STOP_NONFINITE",
            "SamplingConfig", "sample", "token_keys",
            "Completion", "StopChecker", "generate", "run_requests"]

@@ -48,7 +48,10 @@ log = logging.getLogger(__name__)
 # STOP_NONFINITE: the sampled token's log-prob is NaN or infinite, so the logits it was drawn
 # from held a NaN or +inf (diverged params, a numerical fault); the slot stops rather than go
 # on sampling from them, and that token is not to be trusted.
-RUNNING, STOP_EOS, STOP_BUDGET, STOP_LENGTH, STOP_NONFINITE = 0, 1, 2, 3, 4
+# STOP_KV_LEN: a caller's error, not an end of the request: the slot held more cached tokens
+# than the `kv_len` bound given to `Engine.generate` lets attention read, so it is stopped
+# before that step instead of decoding on a truncated cache (see `Engine.generate`).
+RUNNING, STOP_EOS, STOP_BUDGET, STOP_LENGTH, STOP_NONFINITE, STOP_KV_LEN = 0, 1, 2, 3, 4, 5
 
 
 @flax.struct.dataclass
@@ -791,16 +794,25 @@ class Engine:
       slot_ids = jnp.arange(self.ecfg.slots, dtype=jnp.int32)
       k = decoder.write_kv(state.k, k_new, slot_ids, state.lengths)
       v = decoder.write_kv(state.v, v_new, slot_ids, state.lengths)
-    lengths = state.lengths + state.active.astype(jnp.int32)
+    valid = state.active
+    over = None
+    if kv_len < self.cache_len:
+      # Attention read only the first `kv_len` cached entries: a slot holding more (a `kv_len`
+      # below the caller's promise) stops here, its token from that truncated read dropped and
+      # its length kept (`Engine.generate`). Elementwise on [S]; no host read.
+      over = valid & (state.lengths > kv_len)
+      valid = valid & ~over
+    lengths = state.lengths + valid.astype(jnp.int32)
     keys = token_keys(state.seeds, state.request_ids, lengths)
     tok, lp = sample(logits, keys, self.ecfg.sampling)
-    remaining = state.remaining - state.active.astype(jnp.int32)
+    remaining = state.remaining - valid.astype(jnp.int32)
     code = self._stop_code(tok, lp, lengths, remaining, state.limit)
-    valid = state.active
+    done = jnp.where(valid, code, state.done)
+    if over is not None:
+      done = jnp.where(over, STOP_KV_LEN, done)
     new = state.replace(
         k=k, v=v, lengths=lengths, tokens=jnp.where(valid, tok, state.tokens),
-        remaining=remaining, active=valid & (code == RUNNING),
-        done=jnp.where(valid, code, state.done))
+        remaining=remaining, active=valid & (code == RUNNING), done=done)
     return new, (tok, lp, valid)
 
   def _generate(self, params, state: DecodeState, steps: int, kv_len: int):
@@ -889,8 +901,18 @@ class Engine:
                kv_len: int | None = None) -> tuple[DecodeState, StepOutput]:
     """`steps` decode steps for every active slot.
 
-    `kv_len` bounds the cache prefix read by attention; it must cover the longest active slot
-    plus `steps - 1` (the scheduler passes it; default: the whole cache).
+    `kv_len` (default None: the whole cache) bounds the cached entries that attention reads, so
+    that a step reads the live part of the cache only; the engine rounds it up to its live-KV
+    bucket (`kv_len_for`). It promises that every slot decoding in this call holds at most
+    `kv_len - steps + 1` cached tokens (`DecodeState.lengths`, the pending token excluded): the
+    longest such slot's cached length plus `steps - 1` is enough. The scheduler, the rollout
+    driver and the JetStream adapter pass it from their host copies of the lengths. A slot
+    that a step finds holding more cached tokens than the bucket is not decoded on the
+    truncated cache: it stops before that step, with `done` STOP_KV_LEN, that step's token
+    not valid and its length and pending token kept, so the state stays consistent (make it
+    active again with `update_slots` and decode with a larger bound). The check runs on the
+    device, with no host read; where the bound changes nothing (the Pallas kernel over the
+    per-layer cache reads each slot up to its own length) there is nothing to check.
     """
     if not isinstance(steps, (int, np.integer)) or steps < 1:
       raise ValueError(f"Engine.generate: steps must be a positive int, got {steps!r}")

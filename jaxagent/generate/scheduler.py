@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from jaxagent._token_ids import TokenIdError, is_int, token_ids
-from jaxagent.generate.engine import (RUNNING, STOP_BUDGET, STOP_EOS, STOP_LENGTH,
+from jaxagent.generate.engine import (RUNNING, STOP_BUDGET, STOP_EOS, STOP_KV_LEN, STOP_LENGTH,
                                       STOP_NONFINITE, Engine, EngineConfig, _per_request,
                                       pow2_at_least)
 from jaxagent.generate.sampling import SamplingConfig
@@ -274,6 +274,13 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
         for lv in live.values()):
       inflight = dispatch(1)
     toks, lps, valid, done = jax.device_get((out.tokens, out.logprobs, out.valid, out.done))
+    short = [s for s in live if done[s] == STOP_KV_LEN]
+    if short:  # the bound `dispatch` gave (from `cached`) was below a slot's cached length
+      raise RuntimeError(
+          f"run_requests: the engine stopped slots {short} (STOP_KV_LEN): they held more cached "
+          f"tokens than the kv_len bound the scheduler gave, from its host copies of their "
+          f"lengths {[live[s].cached for s in short]}; the scheduler and the engine disagree "
+          "about the slots' state")
     host_stopped = []
     for slot in list(live):
       stopped = False

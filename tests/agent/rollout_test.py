@@ -569,6 +569,21 @@ def test_generate_and_rollouts_agree_on_an_eos_that_completes_a_stop_string(deco
   assert [(t.turns[0].ended_by, t.stop_reason) for t in trajs] == [("eos", "eos")] * 2
 
 
+def test_an_engine_stop_for_a_short_kv_len_ends_the_rollout_with_a_clear_error(monkeypatch):
+  """A slot the engine stops because the kv_len bound was below its cached length
+  (STOP_KV_LEN: engine and driver disagree about its length) is an error naming the slot, not
+  a turn ended on a token the engine never sampled."""
+  cfg = models.get_config("tiny-llama")
+  params = models.init_params(cfg, jax.random.key(0), std=0.2)
+  engine = Engine(cfg, EngineConfig(slots=1, max_len=64, kv_page=8))
+  real = engine.generate
+  monkeypatch.setattr(engine, "generate",
+                      lambda p, st, steps, kv_len: real(p, st, steps=steps, kv_len=1))
+  with pytest.raises(RuntimeError, match=r"stopped slot 0 \(STOP_KV_LEN\)"):
+    rollout(engine, params, CalculatorEnv(), [Example("a", "Q: what is 1+1?")], tokenizer=TOK,
+            cfg=RolloutConfig(max_tokens_per_turn=6, decode_steps=2))
+
+
 class _ThinkingCalcEnv(CalculatorEnv):
   """The calculator env for a reasoning model that thinks in <think>...</think> first."""
 

@@ -473,6 +473,36 @@ def test_params_of_another_model_are_refused(params):
     eng.prefill({"layers": params["layers"]}, [[1, 2, 3]], [0])
 
 
+def test_a_kv_len_below_a_slots_cached_length_stops_the_slot_instead_of_truncating(params):
+  """`generate(kv_len=...)` below a decoding slot's cached length made attention skip the
+  slot's last cached keys: silently wrong tokens. The slot now stops before such a step
+  (STOP_KV_LEN, no valid token, its state kept); other slots decode as with the whole cache,
+  and the stopped one resumes exactly with a sufficient bound."""
+  from jaxagent.generate import STOP_KV_LEN
+  eng = Engine(CFG, EngineConfig(slots=2, max_len=64, kv_page=8))  # live-KV buckets of 8
+  long, short = _prompts(1, seed=3, lo=20, hi=21)[0], [5, 6, 7]
+
+  def start():
+    return eng.prefill_insert(params, eng.init_decode_state(), [long, short], [0, 1], [0, 1])
+
+  ref_state, (first, _, _) = start()
+  _, ref = eng.generate(params, ref_state, steps=4)
+  ref_tokens = np.asarray(ref.tokens)
+  state, _ = start()
+  # The bound covers the short slot (3 cached + 3), not the long one (20 cached).
+  state, out = eng.generate(params, state, steps=4, kv_len=len(short) + 3)
+  valid, done = np.asarray(out.valid), np.asarray(out.done)
+  assert not valid[:, 0].any() and done[0] == STOP_KV_LEN
+  assert valid[:, 1].all() and np.asarray(out.tokens)[:, 1].tolist() == ref_tokens[:, 1].tolist()
+  assert np.asarray(state.lengths).tolist() == [len(long), len(short) + 4]
+  assert int(state.tokens[0]) == int(first[0]) and not bool(state.active[0])
+  # Made active again, it decodes what it would have decoded all along.
+  state = eng.update_slots(state, [0], lengths=len(long), tokens=int(first[0]), active=True)
+  state, out = eng.generate(params, state, steps=4, kv_len=len(long) + 3)
+  assert np.asarray(out.valid)[:, 0].all()
+  assert np.asarray(out.tokens)[:, 0].tolist() == ref_tokens[:, 0].tolist()
+
+
 def test_append_bad_input_errors_before_running(params):
   eng = Engine(CFG, EngineConfig(slots=2, max_len=32, sampling=SamplingConfig()))
   state = eng.insert(eng.prefill(params, [list(range(1, 20))], [1]), eng.init_decode_state(), 0)

@@ -192,6 +192,17 @@ def test_which_stop_reason_wins_at_one_token(params):
       assert (out.stop_reason, out.tokens) == (reason, ref[:4]), (kw, steps)
 
 
+def test_an_engine_stop_for_a_short_kv_len_is_a_clear_error(params, monkeypatch):
+  """A slot the engine stops because the kv_len bound was below its cached length
+  (STOP_KV_LEN: engine and scheduler disagree about its length) ends the run with an error
+  naming the slot, not a KeyError on the unknown code or a request cut short."""
+  eng = Engine(CFG, EngineConfig(slots=1, max_len=32, kv_page=8))
+  real = eng.generate
+  monkeypatch.setattr(eng, "generate", lambda p, st, steps, kv_len: real(p, st, steps, kv_len=1))
+  with pytest.raises(RuntimeError, match=r"stopped slots \[0\] \(STOP_KV_LEN\).* lengths \[12\]"):
+    run_requests(eng, params, [list(range(1, 13))], max_new_tokens=4, request_ids=[0])
+
+
 def test_eos_ids_one_int_or_ids_in_the_vocabulary(params):
   """One int is one EOS id (it failed with "'int' object is not iterable"); a float or a string
   was cut by int() to another token's id, and an id outside the vocabulary (a tokenizer that
