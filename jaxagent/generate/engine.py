@@ -25,6 +25,7 @@ every decode call.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import math
@@ -639,6 +640,16 @@ class Engine:
                        f"{request_ids!r}") from None
     rids = per(request_ids, 0, np.int32, "request_ids")
     sds = per(seeds, 0, np.uint32, "seeds")
+    # A request's random numbers derive from (seed, request id, position): two requests of a
+    # batch under one id and seed draw the same ones (the samples of one prompt came out
+    # identical). Requests already in other slots are not read back to check.
+    pairs = collections.Counter(zip(rids[:n].tolist(), sds[:n].tolist()))
+    repeated = sorted(r for (r, _), c in pairs.items() if c > 1)
+    if repeated:
+      raise ValueError(f"prefill: request_ids {repeated[:5]} repeat with the same seed: a "
+                       "request's random numbers derive from (seed, request id, position), so "
+                       "such requests draw the same ones (one prompt's samples would be "
+                       "identical); give each request its own id")
     # As with max_len: the first token is sampled whatever the cap, and would exceed it.
     short = [i for i in range(n) if lens[i] >= limits[i]]
     if short:
@@ -914,7 +925,7 @@ class Engine:
     device, with no host read; where the bound changes nothing (the Pallas kernel over the
     per-layer cache reads each slot up to its own length) there is nothing to check.
     """
-    if not isinstance(steps, (int, np.integer)) or steps < 1:
+    if not is_int(steps) or steps < 1:  # (True ran as one step)
       raise ValueError(f"Engine.generate: steps must be a positive int, got {steps!r}")
     if kv_len is not None and (not is_int(kv_len) or kv_len < 1):
       # (a jax array failed as an unhashable static argument; a float or 0 picked a bucket)

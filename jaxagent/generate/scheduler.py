@@ -175,7 +175,7 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
   budgets = _checked_budgets(max_new_tokens, n, "run_requests")
   if len(request_ids) != n:
     raise ValueError(f"request_ids: {len(request_ids)} ids for {n} prompts")
-  if not isinstance(decode_steps, (int, np.integer)) or decode_steps < 1:
+  if not is_int(decode_steps) or decode_steps < 1:  # (True ran as one step)
     raise ValueError(f"decode_steps must be a positive int, got {decode_steps!r}")
   if n == 0:
     return []

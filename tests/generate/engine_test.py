@@ -506,8 +506,9 @@ def test_a_kv_len_below_a_slots_cached_length_stops_the_slot_instead_of_truncati
 def test_append_bad_input_errors_before_running(params):
   eng = Engine(CFG, EngineConfig(slots=2, max_len=32, sampling=SamplingConfig()))
   state = eng.insert(eng.prefill(params, [list(range(1, 20))], [1]), eng.init_decode_state(), 0)
-  with pytest.raises(ValueError, match="steps must be a positive int"):
-    eng.generate(params, state, steps=0)
+  for steps in (0, True, 2.0):
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+      eng.generate(params, state, steps=steps)
   for kv_len in (0, 2.5, True, jnp.int32(20)):
     with pytest.raises(ValueError, match="kv_len must be a positive int"):
       eng.generate(params, state, steps=1, kv_len=kv_len)
@@ -600,6 +601,13 @@ def test_append_bad_input_errors_before_running(params):
     with pytest.raises(ValueError, match="prefill: request_ids must be a sequence of one id per "
                        "prompt, got"):
       eng.prefill(params, [[1, 2]], rid)
+  # Two requests under one id and seed drew the same random numbers: one prompt's samples
+  # were identical. Under different seeds they are independent streams.
+  for kw in (dict(), dict(seeds=5), dict(seeds=[5, 6, 5])):
+    with pytest.raises(ValueError, match=r"prefill: request_ids \[3\] repeat with the same seed"):
+      eng.prefill(params, [[1, 2], [1, 2], [3, 4]], [3, 4, 3], **kw)
+  pre = eng.prefill(params, [[1, 2], [1, 2]], [3, 3], seeds=[5, 6])
+  assert np.asarray(pre.seeds).tolist() == [5, 6]
   for kw, name in ((dict(request_ids=[1]), "request_ids"), (dict(seeds=[0, 1, 2]), "seeds"),
                    (dict(max_new_tokens=[4]), "max_new_tokens")):
     with pytest.raises(ValueError, match=f"prefill: [13] {name} for 2 prompts"):

@@ -50,6 +50,9 @@ def test_bad_request_ids_and_seed_are_refused_before_anything_runs(params, engin
   for seed in (-1, 2 ** 32):
     with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*32\)"):
       run_requests(engine, params, [[1], [2]], max_new_tokens=2, request_ids=[0, 1], seed=seed)
+  for steps in (0, True, 2.5):  # (True ran as one step per call)
+    with pytest.raises(ValueError, match=r"decode_steps must be a positive int, got"):
+      run_requests(engine, params, [[1]], max_new_tokens=2, request_ids=[0], decode_steps=steps)
   assert calls == []
 
 
