@@ -575,7 +575,10 @@ class Engine:
     """Prefill a batch of prompts (padded to length and count buckets); samples each first token.
 
     `max_new_tokens` is the budget of the first turn (default: until the cache is full);
-    `max_total_len` caps the whole sequence (default: the cache length).
+    `max_total_len` caps the whole sequence (default, and at most: `max_len`). A request's
+    random numbers derive from (its seed, its request id, the position), so requests of one
+    batch under one id and seed are refused; one already in another slot is not checked (that
+    would read the device), so give every request its own id.
     """
     pre, n = self._prefill_padded(params, prompts, request_ids, seeds, max_new_tokens,
                                   max_total_len)

@@ -350,6 +350,11 @@ def generate(params, cfg, prompts, max_new_tokens: int | Sequence[int] = 64, *,
     prompts: token-id lists, or strings (then `tokenizer` is required). A string starts with
       the tokenizer's BOS where its own encoding adds one (a Llama 3 base model expects it),
       unless the text already starts with it (a chat-templated prompt).
+    temperature, top_p, top_k: the sampler's `SamplingConfig`: temperature 0 is greedy (top-p
+      and top-k ignored); top_k 0, or at least the vocabulary size, keeps every token; top_p in
+      (0, 1], 1 keeps every token. A temperature that is NaN, negative, infinite or positive
+      but below `sampling.MIN_TEMPERATURE`, and a top_p outside (0, 1], are refused.
+    seed: the sampler's seed, an int in [0, 2**32).
     stop: a string, a list of strings, or a list of token-id sequences; a match ends the
       request and is included in its tokens (stop reason "stop"; a sampled EOS id ends it as
       "eos" even where it completes a match, as `Completion` says).
