@@ -53,7 +53,7 @@ from jaxagent import sharding as shd
 from jaxagent.generate.engine import Engine, EngineConfig, pow2_at_least
 from jaxagent.generate.sampling import SamplingConfig
 from jaxagent.models import config as model_config_lib
-from jaxagent.models import param_tree
+from jaxagent.models import lora as lora_lib, param_tree
 from jaxagent.models.config import ModelConfig
 from jaxagent.plan import hlo
 from jaxagent.plan.chips import ChipSpec, chip_for, devices_for, resolve_topology
@@ -374,12 +374,21 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
 
   # Abstract params and train state with the trainer's shardings.
   abstract_params = jax.eval_shape(lambda k: param_tree.init_params(cfg, k), jax.random.key(0))
-  learner = step_lib.Learner(cfg, scfg, rl_opt, mesh)
+  # With a LoRA adapter (config `lora`) the train state, the reference and the checkpoints hold
+  # the adapter; the frozen base is an argument of every learner program, resident throughout.
+  lcfg = lora_lib.from_config(config.get("lora"))
+  base, base_b, trainable = (), 0.0, abstract_params
+  if lcfg is not None:
+    base = (_sds(abstract_params, shd.shardings(abstract_params, mesh)),)
+    base_b = _per_chip_bytes(base)
+    trainable = jax.eval_shape(lambda k: lora_lib.init_lora(cfg, lcfg, k), jax.random.key(0))
+  lkw = dict(lora=lcfg, base=base[0]) if base else {}
+  learner = step_lib.Learner(cfg, scfg, rl_opt, mesh, **lkw)
 
   def abstract_state(opt):
     make = lambda p: step_lib.TrainState(step=jnp.zeros((), jnp.int32), params=p,
                                          opt_state=opt.init(p))
-    st = jax.eval_shape(make, abstract_params)
+    st = jax.eval_shape(make, trainable)
     return _sds(st, learner.state_shardings(st))
 
   state = abstract_state(rl_opt)
@@ -387,6 +396,7 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
   params_b = _per_chip_bytes(params)
   opt_b = _per_chip_bytes(state.opt_state) + _per_chip_bytes(state.step)
   ref_b = params_b if shapes.kl else 0.0
+  base_c = {"base_params": base_b} if base else {}
   bsh = learner.batch_sharding()
 
   def batch(rows, length, keys):
@@ -414,19 +424,21 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
       rep = ProgramReport(f"update[L={length}]", "update",
                           f"[{shapes.update_rows}x{length}] m={m}", resident_bytes=ref_b,
                           components={"params": params_b, "optimizer": opt_b,
-                                      "batch": _per_chip_bytes(b), "ref_params": ref_b})
-      add(rep, train, state, b)
+                                      "batch": _per_chip_bytes(b), "ref_params": ref_b,
+                                      **base_c})
+      add(rep, train, state, b, *base)
   if "sft" in want and shapes.sft_rows:
-    sft_learner = step_lib.Learner(cfg, sft_scfg, sft_opt, mesh)
+    sft_learner = step_lib.Learner(cfg, sft_scfg, sft_opt, mesh, **lkw)
     sft_state = abstract_state(sft_opt)
     length = shapes.len_buckets[-1]
     b = batch(shapes.sft_rows, length, rl_keys[:6])
     rep = ProgramReport(f"sft[L={length}]", "sft", f"[{shapes.sft_rows}x{length}] m={m}",
                         resident_bytes=params_b + opt_b,
                         components={"params": params_b, "optimizer": opt_b,
-                                    "batch": _per_chip_bytes(b), "rl_state": params_b + opt_b})
+                                    "batch": _per_chip_bytes(b), "rl_state": params_b + opt_b,
+                                    **base_c})
     fn = sft_learner.train_step_fn(sft_state)
-    add(rep, fn, sft_state, b)
+    add(rep, fn, sft_state, b, *base)
   if "score" in want:
     length = shapes.len_buckets[-1]
     b = batch(shapes.rows, length, ("tokens", "segment_ids", "positions"))
@@ -435,9 +447,9 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
     rep = ProgramReport(f"score[L={length}]", "score", f"[{shapes.rows}x{length}]",
                         used=scores, resident_bytes=opt_b + ref_b,
                         components={"params": params_b, "optimizer": opt_b,
-                                    "batch": _per_chip_bytes(b), "ref_params": ref_b})
+                                    "batch": _per_chip_bytes(b), "ref_params": ref_b, **base_c})
     fn = learner.score_fn(False)
-    add(rep, fn, params, b)
+    add(rep, fn, params, b, *base)
 
   if want & set(DECODE_KINDS):
     r = config.rollout
@@ -452,12 +464,14 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
     # On several hosts the rollouts run on process 0's devices alone (see `jaxagent.trainer`),
     # on a mesh of those devices with a compute-dtype copy of the weights.
     dmesh = shd.rollout_mesh(r.get("mesh", "learner"), mesh, rollout_devices)
+    # With an adapter, the generator decodes from the base with the adapter merged in the
+    # compute dtype (`Learner.merged_params`), the base and the adapter resident beside it.
     dparams, masters_b = params, 0.0
-    if dmesh is not mesh or cfg.jnp_param_dtype != cfg.jnp_dtype:
+    if base or dmesh is not mesh or cfg.jnp_param_dtype != cfg.jnp_dtype:
       copy = jax.eval_shape(functools.partial(param_tree.compute_copy, cfg=cfg), abstract_params)
       copy_sh = (shd.shardings(copy, dmesh) if dmesh is not mesh
-                 else jax.tree.map(lambda p: p.sharding, params))
-      dparams, masters_b = _sds(copy, copy_sh), params_b
+                 else jax.tree.map(lambda p: p.sharding, base[0] if base else params))
+      dparams, masters_b = _sds(copy, copy_sh), params_b + base_b
     engine = Engine(cfg, ecfg, mesh=dmesh)
     # The engine's cache may be longer than max_len (the GPU decode kernel's rounds it up to a
     # multiple of 64), and its generate and append read up to the whole cache.

@@ -685,3 +685,32 @@ def test_weight_knobs_for_a_generator_off_the_learner_mesh():
                              "every chip, whole; mesh.fsdp does not split it); rollout.mesh="
                              "learner"), knobs
   assert not any("params take 14.0 GiB" in k for k in knobs), knobs
+
+
+def test_a_lora_run_is_planned_with_the_adapter_as_train_state_and_the_base_resident():
+  """With `lora.rank > 0` the update's state (params and optimizer) is the adapter's, the base
+  is one more argument of the learner programs, and the generator decodes from a merged copy
+  with the base and the adapter resident (as `Trainer` runs it)."""
+  from jaxagent.models import get_config
+  cfg = get_config("tiny-llama", n_layers=2)
+  opts = plan.PlanOptions(programs=("update", "score", "generate"))
+  reports = {}
+  for rank in (0, 2):
+    c = tiny(1, 4, 1)
+    c.lora.rank = rank
+    c.loss.kl_coef = 0.01
+    rep = plan.plan_run(c, jax.devices()[:4], cfg=cfg, options=opts)
+    reports[rank] = {p.kind: p for p in rep.programs}
+  full, lo = reports[0], reports[2]
+  for kind in ("update", "score", "generate"):
+    assert not lo[kind].error, lo[kind].error
+  # The adapter's params, optimizer state and reference are a small fraction of the model's.
+  assert lo["update"].components["params"] < 0.2 * full["update"].components["params"]
+  assert lo["update"].components["optimizer"] < 0.2 * full["update"].components["optimizer"]
+  assert lo["update"].components["ref_params"] < 0.2 * full["update"].components["ref_params"]
+  assert lo["update"].components["base_params"] == full["update"].components["params"]
+  assert "base_params" not in full["update"].components
+  # Decode reads a merged copy as large as the model; the base stays resident beside it.
+  assert lo["generate"].components["params"] == full["generate"].components["params"]
+  assert lo["generate"].components["learner_params"] == pytest.approx(
+      full["generate"].components["params"] + lo["update"].components["params"])
