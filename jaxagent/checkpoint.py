@@ -833,8 +833,11 @@ def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: i
     params = mgr.restore_params(s, target)
     check_finite(params, f"not exporting checkpoint {mgr.step_path(s)}")
     if lcfg is not None:
+      adapters[s] = (lcfg, params)
       params = _merge_lora_base(meta, cfg, lcfg, params, mgr.step_path(s))
     return meta, cfg, params
+
+  adapters = {}  # step -> (LoraConfig, adapter) of a LoRA run's checkpoints read
 
   try:
     steps = mgr.steps()
@@ -876,4 +879,20 @@ def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: i
     # The record of which checkpoint the weights are, staged and moved in with them.
     models.save_hf(out, cfg, host, tokenizer, extra_files={"jaxagent_export.json": json.dumps(
         {"checkpoint": str(mgr.step_path(step)), "step": step}, indent=2)})
+  if step in adapters:
+    lcfg, adapter = adapters[step]
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      adapter = multihost_utils.process_allgather(adapter, tiled=True)
+    if jax.process_index() == 0:
+      save_lora_adapter(out, cfg, lcfg, jax.device_get(adapter), meta.get("config", {}))
   return out
+
+
+def save_lora_adapter(out, cfg, lcfg, adapter, config: Mapping[str, Any]) -> pathlib.Path:
+  """A LoRA run's export also holds its adapter alone, as a PEFT adapter directory
+  `<out>/adapter` (`models.lora.save_peft`), for engines that serve adapters over the base."""
+  from jaxagent.models import lora
+  path = (config.get("model") or {}).get("path")
+  return lora.save_peft(pathlib.Path(out) / "adapter", cfg, lcfg, adapter,
+                        base_model=path if isinstance(path, str) else None)

@@ -1796,6 +1796,12 @@ class Trainer:
       # Staged with the weights, so a failed export leaves the old weights and their record.
       models.save_hf(out, self.cfg, params, self.tok, extra_files={
           "jaxagent_export.json": json.dumps({"checkpoint": None, "step": self.step}, indent=2)})
+    if self.lora is not None:  # and the adapter alone, as a PEFT adapter in <out>/adapter
+      adapter = _to_host(self.state.params)
+      if jax.process_index() == 0:
+        checkpoint.save_lora_adapter(out, self.cfg, self.lora, adapter,
+                                     checkpoint.config_to_json(self.config))
+    if jax.process_index() == 0:
       self.writer.message(f"exported the policy to {out}")
     return out
 

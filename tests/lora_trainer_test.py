@@ -1,5 +1,7 @@
 """LoRA runs end to end on the tiny config: only the adapter trains, checkpoints hold it,
 a resume needs the same adapter shape and base weights, exports hold the merged model."""
+import json
+
 import jax
 import numpy as np
 import pytest
@@ -53,6 +55,14 @@ def test_a_lora_run_trains_the_adapter_only_checkpoints_it_and_exports_the_merge
   sd2 = safetensors.numpy.load_file(str(again / "model.safetensors"))
   for k in want:
     np.testing.assert_array_equal(sd2[k], sd[k], err_msg=k)
+  # Both also write the adapter alone, as a PEFT adapter directory.
+  for d in (out, again):
+    lcfg, loaded = lora.load_peft(d / "adapter", base_cfg)
+    assert lcfg == lora.LoraConfig(rank=4, alpha=8.0)
+    for a, b in zip(jax.tree.leaves(adapter), jax.tree.leaves(_plain(loaded))):
+      np.testing.assert_array_equal(a, b)
+  assert json.loads((out / "adapter" / "adapter_config.json").read_text())[
+      "base_model_name_or_path"] == "tiny-llama"
 
   # A resume needs the adapter's shape: another rank is refused and names the setting.
   with pytest.raises(checkpoint.IncompatibleCheckpointError, match=r"config lora.rank: 4 in "
