@@ -206,6 +206,28 @@ def test_an_engine_stop_for_a_short_kv_len_is_a_clear_error(params, monkeypatch)
     run_requests(eng, params, [list(range(1, 13))], max_new_tokens=4, request_ids=[0])
 
 
+def test_stop_im_end_with_the_smollm2_tokenizer_ends_by_eos(params):
+  """generate(stop=["<|im_end|>"]) with SmolLM2's tokenizer, whose EOS ids include <|im_end|>
+  (id 2): a sampled <|im_end|> ends the request as "eos", as the rollout driver reports such a
+  turn (it was "stop")."""
+  try:
+    tok = models.load_tokenizer("smollm2-135m-instruct")
+  except Exception as e:  # noqa: BLE001 - the GGUF ships in an optional pip package
+    pytest.skip(f"SmolLM2 tokenizer unavailable: {e}")
+  from jaxagent.models import param_tree
+  im_end = 2
+  assert tok.encode("<|im_end|>") == [im_end] and im_end in tok.eos_ids
+  prompt = [3, 1, 4, 1, 5]
+  ref = generate(params, CFG, [prompt], 4, eos_ids=[], max_len=64)[0].tokens
+  assert ref[3] not in ref[:3] and not set(tok.eos_ids) & set(ref), ref  # the test's premise
+  # The same model with <|im_end|>'s (tied) embedding a hair above that of ref[3]: it samples
+  # ref[:3], then <|im_end|> where it sampled ref[3].
+  p = param_tree.unbox(params)
+  p = dict(p, embed=p["embed"].at[im_end].set(p["embed"][ref[3]] * 1.001))
+  out = generate(p, CFG, [prompt], 4, tokenizer=tok, stop=["<|im_end|>"], max_len=64)[0]
+  assert (out.tokens, out.stop_reason, out.stop_match) == (ref[:3] + [im_end], "eos", None)
+
+
 def test_eos_ids_one_int_or_ids_in_the_vocabulary(params):
   """One int is one EOS id (it failed with "'int' object is not iterable"); a float or a string
   was cut by int() to another token's id, and an id outside the vocabulary (a tokenizer that
