@@ -26,7 +26,7 @@ import numpy as np
 from benchmarks.common import emit, peaks, timeit
 from benchmarks.forward import useful_flops
 from jaxagent import models
-from jaxagent.models import decoder, logprobs
+from jaxagent.models import decoder, logprobs, lora
 from jaxagent.rl import losses, packing, step
 
 
@@ -84,6 +84,9 @@ def main():
                   "pass instead of recomputing the logits in the backward pass (default on; "
                   "--no-save-probs recomputes)")
   ap.add_argument("--param-dtype", default="float32")
+  ap.add_argument("--lora-rank", type=int, default=0, help="> 0: train a LoRA adapter of this "
+                  "rank (alpha 2 x rank) over the frozen params (`jaxagent.models.lora`)")
+  ap.add_argument("--lora-targets", default="all")
   ap.add_argument("--record", action="store_true")
   ap.add_argument("--trace", default="", help="also profile 2 steps into this directory and "
                   "print the kernel time per step by kind (benchmarks/trace_summary.py)")
@@ -98,22 +101,35 @@ def main():
     scfg = step.StepConfig(loss=losses.LossConfig(clip_high=0.28),
                            micro_batches=args.micro_batches, entropy=False,
                            logprob_save_probs=args.save_probs)
-    learner = step.Learner(cfg, scfg, step.make_optimizer(1e-6))
     params = jax.jit(lambda k: models.init_params(cfg, k))(jax.random.key(0))
-    state = learner.init(params)
+    lcfg = None
+    if args.lora_rank:
+      lcfg = lora.LoraConfig(rank=args.lora_rank, alpha=2.0 * args.lora_rank,
+                             targets=args.lora_targets)
+      learner = step.Learner(cfg, scfg, step.make_optimizer(1e-6), lora=lcfg, base=params)
+      del params
+      state = learner.init(lora.init_lora(cfg, lcfg, jax.random.key(1)))
+    else:
+      learner = step.Learner(cfg, scfg, step.make_optimizer(1e-6))
+      state = learner.init(params)
+      del params
     dev_batch = learner.put_batch(batch)
     holder = [state]
+    base_args = () if lcfg is None else (learner.base,)
 
     def one():
-      s, m = learner._train(holder[0], dev_batch) if learner._train else learner.train_step(
-          holder[0], batch)
+      s, m = (learner._train(holder[0], dev_batch, *base_args) if learner._train
+              else learner.train_step(holder[0], batch))
       holder[0] = s
       jax.block_until_ready(s.params)
 
     t = timeit(one, warmup=2, iters=4)
     n_tok = int((batch["segment_ids"] > 0).sum())
     flops = useful_flops(cfg, seg_lens)
+    mem = jax.devices()[0].memory_stats() or {}
     emit("train_step", args.record, model=name, rows=args.rows, len=args.len,
+         lora_rank=args.lora_rank, lora_targets=args.lora_targets if lcfg else None,
+         peak_gib=mem.get("peak_bytes_in_use", 0) / 2**30,
          micro_batches=args.micro_batches, attention=args.attention,
          logprob=logprobs.logprob_path(cfg, jax.default_backend()),
          norm_rope=decoder.norm_rope_path(cfg, jax.default_backend()), remat=args.remat,

@@ -57,3 +57,17 @@ def test_a_tiny_run_reports_mfu_from_the_flop_count(run_main, unit_clock_and_pea
   assert r["packing_efficiency"] == pytest.approx(fill_of_used_rows(pb))
   assert r["packing_efficiency"] < r["timed_rows_fill"] == (batch["segment_ids"] > 0).mean()
   assert r["packed_rows"] > 4 and r["tokens_left_out"] == int((pb.segment_ids[4:] > 0).sum())
+
+
+def test_a_lora_run_times_the_adapter_update(run_main, unit_clock_and_peak, monkeypatch):
+  """`--lora-rank` times the learner's adapter update over the frozen params."""
+  from jaxagent.rl import step
+  unit_clock_and_peak(train_step)
+  made = []
+  init = step.Learner.init
+  monkeypatch.setattr(step.Learner, "init", lambda self, p: made.append(self) or init(self, p))
+  [r] = run_main(train_step, "--models", "tiny-llama", "--rows", "4", "--len", "256",
+                 "--micro-batches", "1", "--lora-rank", "2", "--lora-targets", "attention")
+  [learner] = made
+  assert learner.lora.rank == 2 and learner.lora.targets == ("wq", "wk", "wv", "wo")
+  assert r["lora_rank"] == 2 and r["lora_targets"] == "attention" and r["step_s"] > 0
