@@ -51,7 +51,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # the loaded weights and trains `W + alpha / r * A @ B` on `targets` ("all", "attention",
   # "mlp", or names such as "wq,wv" / "q_proj,v_proj"). No optimizer state or reference copy
   # of the base then; checkpoints hold the adapter, exports the merged model and the adapter.
-  c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="all"))
+  # init_from: a PEFT adapter directory to start from (of these rank, alpha and targets).
+  c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="all", init_from=""))
 
   # Settings that default to None are typed placeholders, so that `--config.key=value` can set
   # them (the command line cannot override a plain None).

@@ -413,7 +413,7 @@ KNOWN_CONFIG_KEYS = frozenset("""
     eval.before eval.every eval.pass_k eval.size
     export seed total_steps workdir
     log.dump_count log.dump_every log.progress log.tensorboard
-    lora.alpha lora.rank lora.targets
+    lora.alpha lora.init_from lora.rank lora.targets
     loss.agg loss.algo loss.clip_high loss.clip_low loss.dual_clip loss.entropy_coef
     loss.kl_coef loss.kl_estimator loss.max_len_norm
     mesh.data mesh.fsdp mesh.tensor
@@ -436,7 +436,8 @@ _FREE_FORM = ("env.kwargs",)
 # traceback from wherever it was first read (for eval.pass_k: the first eval, after training).
 OPTIONAL_CONFIG_KEYS = frozenset("""
     checkpoint_async checkpoint_dir checkpoint_every checkpoint_keep checkpoint_keep_every
-    env.kwargs export log.dump_count lora.alpha lora.rank lora.targets loss.dual_clip
+    env.kwargs export log.dump_count lora.alpha lora.init_from lora.rank lora.targets
+    loss.dual_clip
     loss.max_len_norm
     model.attention model.init_seed model.init_std model.logprob model.norm_rope
     model.scan_layers model.tokenizer
@@ -586,7 +587,19 @@ def check_config(config) -> None:
     raise FileNotFoundError(f"sft.data={data!r} is not a file: give a chat JSONL file (one "
                             "{\"messages\": [...]} object per line), or sft.data='' for the "
                             "task's demonstrations")
-  lora_lib.from_config(config.get("lora"))  # a bad lora.rank / alpha / targets fails here
+  lora_cfg = lora_lib.from_config(config.get("lora"))  # a bad rank / alpha / targets fails here
+  init_from = config.lora.get("init_from") if "lora" in config else None
+  if init_from:
+    if not isinstance(init_from, str):
+      raise ValueError(f"lora.init_from must be a PEFT adapter directory (a string), got "
+                       f"{init_from!r}")
+    if lora_cfg is None:
+      raise ValueError(f"lora.init_from={init_from!r} starts the run from a LoRA adapter, but "
+                       "lora.rank=0 trains every weight: set lora.rank (and lora.alpha, "
+                       "lora.targets) to the adapter's")
+    if not (pathlib.Path(init_from).expanduser() / lora_lib.PEFT_CONFIG).is_file():
+      raise ValueError(f"lora.init_from={init_from!r} is not a PEFT adapter directory (no "
+                       f"{lora_lib.PEFT_CONFIG} there)")
   # The warm start on the task's demonstrations takes the first sft.num_examples of them: 0
   # failed there, after the eval before training, saying the task "gave no demonstrations".
   if (hasattr(sft, "get") and not data and sft.get("steps")
@@ -866,6 +879,8 @@ class Trainer:
       self._base_digest = checkpoint.digest(self.learner.base)
       params = lora_lib.init_lora(self.cfg, self.lora, jax.random.fold_in(
           jax.random.key(c.seed), 0x10A))
+      if c.lora.get("init_from"):  # an adapter trained before (SFT elsewhere, an earlier run)
+        params = self._adapter_from(c.lora.init_from)
     self.state = self.learner.init(params)
     del params
     self.ref_params = None  # set when RL starts (after the warm start), if kl_coef > 0
@@ -916,6 +931,18 @@ class Trainer:
     self._stop_reason: str | None = None
     self._interrupted: str | None = None  # where a stop cut the phase before RL short
     self._sft_loaded: tuple[list[packing.PackItem], int] | None = None  # `_pre_rl` -> `warm_start`
+
+  def _adapter_from(self, path: str):
+    """The PEFT adapter at `path` (`lora.init_from`), which must have the config's rank,
+    alpha and targets."""
+    lcfg, adapter = lora_lib.load_peft(pathlib.Path(path).expanduser(), self.cfg)
+    if lcfg != self.lora:
+      raise ValueError(
+          f"lora.init_from={path!r} holds an adapter of rank {lcfg.rank}, alpha {lcfg.alpha:g} "
+          f"on {','.join(lcfg.targets)}; the config says lora.rank={self.lora.rank}, "
+          f"lora.alpha={self.lora.alpha:g}, lora.targets={','.join(self.lora.targets)}: set "
+          "them to the adapter's")
+    return adapter
 
   def _check_prompt_lengths(self, lens: Sequence[int]) -> None:
     """Train prompts too long to decode end their trajectories unsampled (stop reason

@@ -64,6 +64,19 @@ def test_a_lora_run_trains_the_adapter_only_checkpoints_it_and_exports_the_merge
   assert json.loads((out / "adapter" / "adapter_config.json").read_text())[
       "base_model_name_or_path"] == "tiny-llama"
 
+  # A new run can start from the exported adapter (lora.init_from), of the same shape only.
+  fresh_dir = tmp_path / "from_adapter"
+  t3 = Trainer(_lora_tiny(fresh_dir, **{"lora.init_from": str(out / "adapter")}))
+  try:
+    for a, b in zip(jax.tree.leaves(adapter), jax.tree.leaves(_plain(t3.state.params))):
+      np.testing.assert_array_equal(a, b)
+  finally:
+    t3.close()
+  with pytest.raises(ValueError, match=r"holds an adapter of rank 4, alpha 8 on wq,.*w_down; "
+                     r"the config says lora.rank=4, lora.alpha=16"):
+    Trainer(_lora_tiny(fresh_dir, **{"lora.init_from": str(out / "adapter"),
+                                     "lora.alpha": 16.0}))
+
   # A resume needs the adapter's shape: another rank is refused and names the setting.
   with pytest.raises(checkpoint.IncompatibleCheckpointError, match=r"config lora.rank: 4 in "
                      r"the checkpoint, 8 now"):
@@ -98,3 +111,10 @@ def test_a_resume_or_export_over_other_base_weights_is_refused(tmp_path):
   with pytest.raises(checkpoint.CheckpointError, match=r"(?s)checkpoints/1 holds a LoRA adapter "
                      r"trained over other base weights.*checkpoints/0 holds"):
     checkpoint.export_hf(tmp_path / "run", tmp_path / "export")
+
+
+def test_an_init_from_that_is_no_adapter_directory_fails_before_the_model_loads(tmp_path):
+  with pytest.raises(ValueError, match=r"lora.init_from='.*' is not a PEFT adapter directory "
+                     r"\(no adapter_config.json there\)"):
+    Trainer(_lora_tiny(tmp_path, **{"lora.init_from": str(tmp_path)}))
+  assert not (tmp_path / "run").exists()

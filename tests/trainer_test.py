@@ -145,6 +145,8 @@ def test_config_keys_are_checked_against_the_quickstart():
     ("lora.rank", -4, "lora.rank must be an int >= 1, got -4"),
     ("lora.alpha", 0.0, "lora.alpha must be a finite number > 0"),
     ("lora.targets", "qkv", "unknown LoRA target 'qkv'"),
+    ("lora.init_from", "/nonexistent/adapter", "lora.init_from='/nonexistent/adapter' starts the "
+     "run from a LoRA adapter, but lora.rank=0 trains every weight"),
 ])
 def test_bad_or_misspelt_settings_fail_before_any_work(tmp_path, key, value, match):
   c = _tiny(tmp_path)
