@@ -181,14 +181,14 @@ def test_a_bad_file_says_what_it_is(tmp_path, name, content, message):
 
 
 def test_a_damaged_array_record_chunk_names_the_records_it_holds(tmp_path, monkeypatch):
-  from jaxagent.envs import problem_file
+  from jaxagent.envs import record_files
   path = write_array_record(tmp_path / "t.array_record",
                             [{"question": f"q{i}?", "answer": i} for i in range(40)])
   data = bytearray(path.read_bytes())
   at = data.find(b"q20?")
   data[at:at + 4] = b"qXX?"  # the record's chunk no longer matches its hash
   path.write_bytes(bytes(data))
-  monkeypatch.setattr(problem_file, "_ARRAY_RECORD_BATCH", 8)
+  monkeypatch.setattr(record_files, "_ARRAY_RECORD_BATCH", 8)
   with pytest.raises(ValueError, match=r"MathToolEnv\.train_file='.*t\.array_record': cannot read "
                                        r"records 16-23 of 40, the ArrayRecord file is damaged "
                                        r"\(RuntimeError: .*\); write it again"):
@@ -259,11 +259,11 @@ def test_gzip_jsonl(tmp_path):
 def test_a_jsonl_file_is_read_line_by_line(tmp_path):
   """A corpus may be larger than memory: records come before the whole file is read (a bad
   byte 1 MB in still fails the read, once reached)."""
-  from jaxagent.envs.problem_file import _records
+  from jaxagent.envs.record_files import file_records
   path = tmp_path / "big.jsonl"
   line = json.dumps({"question": "q" * 40, "answer": 1}) + "\n"
   path.write_bytes(line.encode() * 20_000 + b'{"question": "\xe9", "answer": 1}\n')
-  first = next(_records(path, "S"))
+  first = next(file_records(path, "S"))
   assert first[:2] == (1, "big.jsonl line 1") and json.loads(first[2])["answer"] == 1
   with pytest.raises(ValueError, match=r"MathToolEnv.train_file=.*big.jsonl': not UTF-8 text"):
     read_problems(path)
@@ -289,8 +289,8 @@ def verl_row(i, answer):
 def test_parquet_round_trip_batch_by_batch(tmp_path, monkeypatch):
   import pyarrow.parquet as pq
 
-  from jaxagent.envs import problem_file
-  monkeypatch.setattr(problem_file, "_PARQUET_BATCH_ROWS", 2)  # 7 rows: 4 batches, 3 row groups
+  from jaxagent.envs import record_files
+  monkeypatch.setattr(record_files, "_PARQUET_BATCH_ROWS", 2)  # 7 rows: 4 batches, 3 row groups
   path = write_parquet(tmp_path / "train.parquet", [verl_row(i, 2 * i) for i in range(7)],
                        row_group_size=3)
   for answer_key in ("reward_model.ground_truth", "extra_info.answer"):
@@ -309,7 +309,7 @@ def test_parquet_round_trip_batch_by_batch(tmp_path, monkeypatch):
       pulled.append(batch.num_rows)
       yield batch
   monkeypatch.setattr(pq.ParquetFile, "iter_batches", counted)
-  records = problem_file._records(path, "S")
+  records = record_files.file_records(path, "S")
   assert next(records)[:2] == (0, "train.parquet record 0") and pulled == [2]
   assert len(list(records)) == 6 and sum(pulled) == 7
   # A list column of answers (Search-R1's golden_answers) is several accepted answers.
@@ -508,10 +508,10 @@ def test_an_array_record_file_is_read_a_batch_of_records_at_a_time(tmp_path, mon
   40 times faster. Records keep their order and indexes across batches."""
   from grain.sources import ArrayRecordDataSource
 
-  from jaxagent.envs import problem_file
+  from jaxagent.envs import record_files
   path = write_array_record(tmp_path / "t.array_record",
                             [{"question": f"q{i}?", "answer": i} for i in range(5)])
-  monkeypatch.setattr(problem_file, "_ARRAY_RECORD_BATCH", 2)
+  monkeypatch.setattr(record_files, "_ARRAY_RECORD_BATCH", 2)
   reads = []
   getitems = ArrayRecordDataSource.__getitems__
 
@@ -533,7 +533,7 @@ def test_an_env_expands_a_glob_pattern_and_checks_its_files_once(tmp_path, monke
   """Each file setting is resolved once when the env is built (the pattern expanded, each file
   checked), and the files read are the ones resolved (a repeated setting, math_tool's sft_file
   as its train_file, once for both)."""
-  from jaxagent.envs import problem_file
+  from jaxagent.envs import record_files
   from jaxagent.envs.code import CodeEnv
   from jaxagent.envs.math_tool import MathToolEnv
   from jaxagent.envs.search_qa import SearchQAEnv
@@ -545,10 +545,10 @@ def test_an_env_expands_a_glob_pattern_and_checks_its_files_once(tmp_path, monke
         "task_id": f"t/{k}", "prompt": f"def f{k}(x):\n  pass\n", "entry_point": f"f{k}",
         "test": "def check(candidate):\n  assert candidate(1) == 1\n"}])
   globs, checks = [], []
-  real_glob, real_check = problem_file.glob.glob, problem_file._check_one_file
-  monkeypatch.setattr(problem_file.glob, "glob",
+  real_glob, real_check = record_files.glob.glob, record_files._check_one_file
+  monkeypatch.setattr(record_files.glob, "glob",
                       lambda *a, **kw: globs.append(a[0]) or real_glob(*a, **kw))
-  monkeypatch.setattr(problem_file, "_check_one_file",
+  monkeypatch.setattr(record_files, "_check_one_file",
                       lambda p, *a, **kw: checks.append(p.name) or real_check(p, *a, **kw))
 
   def pattern(stem):
