@@ -216,13 +216,13 @@ def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpu
 
   def columns(names: list[str]) -> list[str]:
     """A Parquet corpus's columns to read: the document's and any misspelt one (named below)."""
+    misspelt = misspelt_fields(names)  # once: it compares every column with every field
     if "text" not in names and "contents" not in names:
       hint = "".join(f"; {k!r} looks like a misspelt {f!r}: rename it"
-                     for k, f in misspelt_fields(names).items() if f == "text")
+                     for k, f in misspelt.items() if f == "text")
       raise ValueError(f"{owner}.{setting}={os.fspath(path)!r}: no 'text' (or 'contents') column; "
                        f"the file's columns are {names}{hint}")
-    return [n for n in names if n in ("title", "text", "id", "contents")
-            or n in misspelt_fields(names)]
+    return [n for n in names if n in ("title", "text", "id", "contents") or n in misspelt]
 
   def parsed() -> Iterator[tuple[str, Document | None, str | None]]:
     """(where, document, what is wrong or None) of each record; "duplicate" for a document

@@ -425,6 +425,24 @@ def test_a_parquet_corpus_reads_only_the_document_columns(tmp_path, monkeypatch)
     read_documents(path, owner="SearchQAEnv")
 
 
+def test_a_wide_parquet_corpus_looks_for_misspelt_columns_once(tmp_path, monkeypatch):
+  """The columns to read are picked with one look for misspelt document fields over the file's
+  columns (it was one look per column: quadratic in the columns of a wide file)."""
+  from jaxagent.envs.problem_file import read_documents
+  from jaxagent.tools import search
+  row = {"id": "1", "titel": "Ada", "text": "Ada wrote.",
+         **{f"extra_{k}": k for k in range(40)}}
+  path = write_parquet(tmp_path / "wide.parquet", [row])
+  looks = []
+  misspelt_fields = search.misspelt_fields
+  monkeypatch.setattr(search, "misspelt_fields", lambda keys: looks.append(
+      keys) or misspelt_fields(keys))
+  with pytest.raises(ValueError, match=re.escape("wide.parquet record 0: 'titel' looks like a "
+                                                 "misspelt 'title'")):
+    read_documents(path, owner="SearchQAEnv")  # the misspelt column is read, to be named
+  assert [keys for keys in looks if isinstance(keys, list)] == [list(row)]
+
+
 def test_a_glob_pattern_reads_a_sharded_split_in_sorted_order(tmp_path):
   # Written out of order: the shards are read sorted by name, each record named by its file.
   write_jsonl(tmp_path / "train-00001-of-00002.jsonl", [RECORDS[2], "", RECORDS[3]])
