@@ -71,6 +71,8 @@ from jaxagent.tools.base import schema_types
 log = logging.getLogger(__name__)
 
 _INT32_MAX = 2**31 - 1
+# The engine's stop codes that end a turn, and how the turn is recorded (`Turn.ended_by`).
+_TURN_ENDS = {STOP_EOS: "eos", STOP_BUDGET: "max_tokens_per_turn", STOP_LENGTH: "length"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -589,6 +591,16 @@ class _Run:
   # ------------------------------------------------------------------ per-token logic
   def _take(self, lv: _Live, tok, lp, code: int) -> bool:
     """Records one sampled token (pending at `lv.cached`); True when the turn ended."""
+    if code not in _TURN_ENDS and code not in (RUNNING, STOP_NONFINITE):
+      # Checked first: a token that also completed a stop string ended its turn at that
+      # stop, and the code went unseen.
+      traj = lv.traj
+      raise RuntimeError(
+          f"rollout: the engine reported stop code {code} for slot {lv.slot} (request "
+          f"{traj.request_id}, turn {lv.turn}), neither RUNNING ({RUNNING}), STOP_NONFINITE "
+          f"({STOP_NONFINITE}) nor a code a turn ends with {_TURN_ENDS}: the engine and the "
+          "driver disagree about the engine's stop codes. No trajectory of this rollout is "
+          "returned.")
     lv.toks.append(int(tok))
     lv.lps.append(float(lp))
     if code == STOP_NONFINITE:
@@ -609,10 +621,7 @@ class _Run:
       self._end_turn(lv, "stop", match)
       return True
     if code != RUNNING:
-      ended = {STOP_EOS: "eos", STOP_BUDGET: "max_tokens_per_turn", STOP_LENGTH: "length"}.get(code)
-      if ended is None:
-        raise RuntimeError(f"unknown engine stop code {code}")
-      self._end_turn(lv, ended)
+      self._end_turn(lv, _TURN_ENDS[code])
       return True
     return False
 

@@ -213,6 +213,19 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
   live: dict[int, _Live] = {}
   state = engine.init_decode_state()
 
+  def check_codes(slots, codes, call):
+    """A RuntimeError for a stop code that is neither RUNNING nor one a request ends with
+    (`STOP_REASONS`): reported as a stop string where the token completed one, it also ended
+    the run with a KeyError on the unknown code."""
+    bad = [(s, int(c)) for s, c in zip(slots, codes) if int(c) != RUNNING
+           and int(c) not in STOP_REASONS]
+    if bad:
+      raise RuntimeError(
+          f"run_requests: the engine's {call} reported stop codes {[c for _, c in bad]} for "
+          f"slots {[s for s, _ in bad]} (requests {[live[s].request_id for s, _ in bad]}), "
+          f"neither RUNNING ({RUNNING}) nor a code a request ends with {STOP_REASONS}: the "
+          "engine and the scheduler disagree about the engine's stop codes")
+
   def finish(slot, reason, match=None):
     lv = live.pop(slot)
     results[lv.req_index] = Completion(lv.request_id, lv.tokens, lv.logprobs, reason, match)
@@ -248,8 +261,10 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
           params, state, [prompts[i] for i in batch], slots, [request_ids[i] for i in batch],
           seed, [budgets[i] for i in batch])
       host_stopped = []
-      for j, (slot, i) in enumerate(zip(slots, batch)):
+      for slot, i in zip(slots, batch):
         live[slot] = _Live(i, request_ids[i], cached=len(prompts[i]))
+      check_codes(slots, done[:len(slots)], "prefill")
+      for j, slot in enumerate(slots):
         if take(slot, toks[j], lps[j], done[j]):
           if done[j] == RUNNING:
             host_stopped.append(slot)
@@ -281,6 +296,7 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
           f"tokens than the kv_len bound the scheduler gave, from its host copies of their "
           f"lengths {[live[s].cached for s in short]}; the scheduler and the engine disagree "
           "about the slots' state")
+    check_codes(list(live), [done[s] for s in live], "decode call")
     host_stopped = []
     for slot in list(live):
       stopped = False

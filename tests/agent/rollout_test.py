@@ -1115,6 +1115,37 @@ def test_nonfinite_logits_stop_the_rollout_with_a_clear_error():
   assert len(trajs) == 4 and all(np.isfinite(t.logprobs).all() for t in trajs)
 
 
+class UnknownCodeEngine(FakeEngine):
+  """The fake reporting stop code 9, which no engine gives, for the token that closes a turn's
+  tool call (`at_call`) or for a turn's first token (else)."""
+
+  def __init__(self, *a, at_call, **k):
+    super().__init__(*a, **k)
+    self.at_call, self._text = at_call, ""
+
+  def _sample(self, st, s):
+    tok, lp = super()._sample(st, s)
+    self._text = TOK.decode(st.seq[s][int(st.turn_start[s]):])
+    return tok, lp
+
+  def _code(self, *a):
+    hit = self._text.endswith("</calc>") if self.at_call else len(self._text) == 1
+    return 9 if hit else super()._code(*a)
+
+
+@pytest.mark.parametrize("at_call", [True, False])
+def test_an_unknown_engine_stop_code_ends_the_rollout_with_a_clear_error(at_call):
+  """A stop code the driver does not know is an error naming it, the slot and the request: on
+  a token that completed a stop string (a tool call's closing tag) the turn ended at the stop
+  and the code went unseen."""
+  texts = {0: ["Let me compute. <calc>2+3</calc>", "<answer>5</answer>"]}
+  fake = UnknownCodeEngine(_script_from_texts(texts), slots=2, max_len=256, at_call=at_call)
+  cfg = RolloutConfig(max_turns=4, max_tokens_per_turn=64, decode_steps=3)
+  with pytest.raises(RuntimeError, match=r"engine reported stop code 9 for slot 0 \(request 0, "
+                     r"turn 0\), neither RUNNING"):
+    rollout(fake, None, CalculatorEnv(), _examples(1), tokenizer=TOK, cfg=cfg, seed=0)
+
+
 def test_nonfinite_logits_at_the_first_token_still_close_every_episode():
   """The first token of an admitted batch sampled from NaN logits raised before the batch's
   later trajectories were live, so their episodes (a sandbox each, say) were never closed."""

@@ -206,6 +206,32 @@ def test_an_engine_stop_for_a_short_kv_len_is_a_clear_error(params, monkeypatch)
     run_requests(eng, params, [list(range(1, 13))], max_new_tokens=4, request_ids=[0])
 
 
+def test_an_unknown_engine_stop_code_is_a_clear_error(params, monkeypatch):
+  """A stop code the scheduler does not know (an engine of another version, say) ends the run
+  with an error naming it, the slot and the request: after prefill, a token that also
+  completed a stop string was reported as a "stop" completion; after a decode call it was a
+  KeyError on the code."""
+  eng = Engine(CFG, EngineConfig(slots=2, max_len=32))
+  prompt = list(range(1, 9))
+  first = run_requests(eng, params, [prompt], max_new_tokens=4, request_ids=[5])[0].tokens[0]
+  real_prefill, real_generate = eng.prefill_insert, eng.generate
+
+  def prefill_insert(*a, **k):
+    state, (toks, lps, done) = real_prefill(*a, **k)
+    return state, (toks, lps, np.where(np.arange(len(done)) == 0, 9, done))
+
+  with monkeypatch.context() as m:
+    m.setattr(eng, "prefill_insert", prefill_insert)
+    with pytest.raises(RuntimeError, match=r"engine's prefill reported stop codes \[9\] for "
+                       r"slots \[0\] \(requests \[5\]\), neither RUNNING"):
+      run_requests(eng, params, [prompt], max_new_tokens=4, request_ids=[5], stop=[[first]])
+  monkeypatch.setattr(eng, "generate", lambda *a, **k: (
+      lambda st, out: (st, out.replace(done=out.done.at[0].set(9))))(*real_generate(*a, **k)))
+  with pytest.raises(RuntimeError, match=r"engine's decode call reported stop codes \[9\] for "
+                     r"slots \[0\] \(requests \[5\]\)"):
+    run_requests(eng, params, [prompt], max_new_tokens=4, request_ids=[5])
+
+
 def test_stop_im_end_with_the_smollm2_tokenizer_ends_by_eos(params):
   """generate(stop=["<|im_end|>"]) with SmolLM2's tokenizer, whose EOS ids include <|im_end|>
   (id 2): a sampled <|im_end|> ends the request as "eos", as the rollout driver reports such a
