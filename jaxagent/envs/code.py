@@ -825,7 +825,7 @@ class CodeEnv(Env):
                               functools.partial(_file_problem, seen=seen, plans=plans),
                               owner="CodeEnv", setting="problem_file", expected=(
                                   "with 'task_id', 'prompt', 'test' and 'entry_point' keys"),
-                              files=files, keys=_FILE_KEYS)
+                              files=files, keys=_FILE_KEYS, required=_FILE_KEYS[:4])
       source = f"problems of CodeEnv.problem_file={problem_file!r}"
     else:
       problems = sorted(read_problems().values(),

@@ -27,7 +27,9 @@ several files, as Hugging Face ships them): its matching files are read one afte
 sorted order, their records named by file and line or record; a pattern that matches nothing,
 or files of different formats, is an error (`problem_files`).
 No record is dropped: every bad one is an error that names the file, the line or record, and what
-is wrong (the keys a record has when the key is missing); an empty file is an error too.
+is wrong (the keys a record has when the key is missing); an empty file is an error too, and so is
+a Parquet file with no column for a key every record needs (the question's, the answer's): one
+error naming the key and the file's columns, before a row is read.
 """
 from __future__ import annotations
 
@@ -42,8 +44,8 @@ from typing import Any, Callable, Iterator, Sequence
 # The file formats (which files a setting names, their records one at a time) live in
 # record_files; their public names are importable from here too, as they always were.
 from jaxagent.envs.record_files import (ARRAY_RECORD_SUFFIXES, JSONL_SUFFIXES, PARQUET_SUFFIXES,
-                                        SUFFIXES, check_problem_file, json_object, problem_files,
-                                        read_records, resolve_problem_file)
+                                        SUFFIXES, ColumnPicker, check_problem_file, json_object,
+                                        problem_files, read_records, resolve_problem_file)
 from jaxagent.rewards import extract_gsm8k
 from jaxagent.tools.search import Document
 
@@ -107,8 +109,15 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
   bad: list[str] = []
   answer_keys = (answer_key,) if isinstance(answer_key, str) else tuple(answer_key)
   needed = None if record_keys is None else (question_key, *answer_keys, *record_keys)
-  for file, index, where, raw in read_records(path, f"{owner}.{setting}",
-                                              _columns_of(needed), files, name_unread=True):
+
+  def check(schema: dict, what: str) -> None:
+    """A Parquet file without the question's column (or any answer's) is one error up front,
+    not one per row."""
+    missing = _missing_key(schema, question_key, answer_keys, owner, what, columns=True)
+    if missing is not None:
+      raise missing
+  for file, index, where, raw in read_records(path, f"{owner}.{setting}", _columns_of(
+      needed, check), files, name_unread=True):
     try:
       problem = _problem(raw, index, where, question_key, answer_key, owner, gsm8k_answers)
       out.append(dataclasses.replace(problem, file=file, record=problem.record
@@ -124,16 +133,23 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
   return out
 
 
-def _columns_of(keys: Sequence[str] | None) -> Callable[[list[str]], list[str]] | None:
+def _columns_of(keys: Sequence[str] | None,
+                check: Callable[[dict, str], None] | None = None) -> ColumnPicker | None:
   """The Parquet columns to read for records of which only `keys` are read: a key's column,
-  or a dotted key's top-level column (`reward_model` for `reward_model.ground_truth`);
-  None (every column) when `keys` is None."""
-  if keys is None:
+  or a dotted key's top-level column (`reward_model` for `reward_model.ground_truth`); every
+  column when `keys` is None. `check(schema, what)` first raises for a file without a column
+  every record needs (see `ColumnPicker`). None (every column, nothing checked) when both are
+  None."""
+  if keys is None and check is None:
     return None
 
-  def columns(names: list[str]) -> list[str]:
-    tops = {k if k in names else k.split(".", 1)[0] for k in keys}
-    return [n for n in names if n in tops]
+  def columns(schema: dict, what: str) -> list[str]:
+    if check is not None:
+      check(schema, what)
+    if keys is None:
+      return list(schema)
+    tops = {k if k in schema else k.split(".", 1)[0] for k in keys}
+    return [n for n in schema if n in tops]
   return columns
 
 
@@ -163,7 +179,7 @@ def raise_bad_records(bad: list[str], total: int, what: str, noun: str = "record
 def read_objects(path: str | os.PathLike, parse: Callable[[dict, int, str], Any], *,
                  owner: str, setting: str, expected: str,
                  files: Sequence[pathlib.Path] | None = None,
-                 keys: Sequence[str] | None = None) -> list:
+                 keys: Sequence[str] | None = None, required: Sequence[str] = ()) -> list:
   """`parse(record, index, where)` of each JSON object record of a JSONL or ArrayRecord file (or
   each row of a Parquet file, as a dict of its columns), in file order. A record that is not a
   JSON object, or that `parse` refuses with a ValueError, is named with its message in one error;
@@ -176,9 +192,19 @@ def read_objects(path: str | os.PathLike, parse: Callable[[dict, int, str], Any]
       then read only in their columns (a dotted key's top-level column), and its other columns
       are in each row by name only, with placeholder values ("" for text, None otherwise), so a
       missing key's error still lists every column the file has. None: every column is read.
+    required: the keys every record must have (`parse` names a record without one): a Parquet
+      file without the column of one is a single error up front, naming the key and the file's
+      columns, not one error per row.
   """
   out, bad, total = [], [], 0
-  for _, index, where, raw in read_records(path, f"{owner}.{setting}", _columns_of(keys),
+
+  def check(schema: dict, what: str) -> None:
+    for key in required:
+      if lookup(schema, key) is MISSING:
+        raise missing_key(schema, key, what, f"a record is a JSON object {expected}",
+                          columns=True)
+  for _, index, where, raw in read_records(path, f"{owner}.{setting}",
+                                           _columns_of(keys, check if required else None),
                                            files, name_unread=True):
     total += 1
     try:
@@ -192,13 +218,17 @@ def read_objects(path: str | os.PathLike, parse: Callable[[dict, int, str], Any]
   return out
 
 
-def missing_key(record: dict, key: str, where: str, hint: str) -> ValueError:
+def missing_key(record: dict, key: str, where: str, hint: str, columns: bool = False
+                ) -> ValueError:
   """The error for a record without `key`: the keys it has, and a close one if any (`hint`:
-  what to do otherwise)."""
+  what to do otherwise). `columns`: `record` is a Parquet file's columns, and the error says
+  that the file has no such column."""
   keys = sorted(map(str, record))
   close = difflib.get_close_matches(key, keys, n=1)
-  return ValueError(f"{where}: no {key!r} key; the record has {keys}"
-                    + (f"; did you mean {close[0]!r}?" if close else f"; {hint}"))
+  has = (f"no record can have a {key!r} key, the file has no such column: its columns are "
+         f"{keys}" if columns else f"no {key!r} key; the record has {keys}")
+  return ValueError(f"{where}: {has}" + (f"; did you mean {close[0]!r}?" if close
+                                          else f"; {hint}"))
 
 
 def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpus_file",
@@ -214,14 +244,15 @@ def read_documents(path: str | os.PathLike, *, owner: str, setting: str = "corpu
   `files`: the files `path` names, resolved earlier (see `read_problems`); None: resolved here."""
   from jaxagent.tools.search import _as_document, misspelt_fields
 
-  def columns(names: list[str]) -> list[str]:
+  def columns(schema: dict, what: str) -> list[str]:
     """A Parquet corpus's columns to read: the document's and any misspelt one (named below)."""
+    names = list(schema)
     misspelt = misspelt_fields(names)  # once: it compares every column with every field
     if "text" not in names and "contents" not in names:
       hint = "".join(f"; {k!r} looks like a misspelt {f!r}: rename it"
                      for k, f in misspelt.items() if f == "text")
-      raise ValueError(f"{owner}.{setting}={os.fspath(path)!r}: no 'text' (or 'contents') column; "
-                       f"the file's columns are {names}{hint}")
+      raise ValueError(f"{what}: no 'text' (or 'contents') column; the file's columns are "
+                       f"{names}{hint}")
     return [n for n in names if n in ("title", "text", "id", "contents") or n in misspelt]
 
   def parsed() -> Iterator[tuple[str, Document | None, str | None]]:
@@ -298,25 +329,9 @@ def _problem(raw: str | bytes | dict, index: int, where: str, question_key: str,
   record = json_object(raw, where, f"with {question_key!r} and {shown!r} keys"
                         if len(answer_keys) == 1 else f"with {question_key!r} and {shown} keys")
   present = [k for k in answer_keys if lookup(record, k) is not MISSING]
-  for keys_wanted, name in (((question_key,), "question_key"), (answer_keys, "answer_key")):
-    if all(lookup(record, k) is MISSING for k in keys_wanted):
-      # A dotted key ("answers.text") whose outer part is there: the keys inside it.
-      prefix, inner = "", record
-      if len(keys_wanted) == 1 and "." in keys_wanted[0] and keys_wanted[0] not in record:
-        *outer, _ = keys_wanted[0].split(".")
-        node = lookup(record, ".".join(outer))
-        if isinstance(node, dict):
-          prefix, inner = ".".join(outer) + ".", node
-      keys = sorted(map(str, inner))
-      close = [prefix + c for k in keys_wanted
-               for c in difflib.get_close_matches(k[len(prefix):], keys, n=1)][:1]
-      if not close and not prefix:  # verl's extra_info.question: the key inside an object
-        close = [k for k in _leaf_keys(record) if k.rsplit(".", 1)[-1] in keys_wanted][:1]
-      hint = (f"; did you mean {close[0]!r}? (set {owner}.{name}={close[0]!r})" if close
-              else f"; set {owner}.{name} to the key that holds it")
-      wanted = " / ".join(map(repr, keys_wanted))
-      has = f"the record's {prefix[:-1]!r} has" if prefix else "the record has"
-      raise ValueError(f"{where}: no {wanted} key ({owner}.{name}); {has} {keys}{hint}")
+  missing = _missing_key(record, question_key, answer_keys, owner, where)
+  if missing is not None:
+    raise missing
   answer_key = present[0]
   question = lookup(record, question_key)
   if (isinstance(question, list) and question
@@ -347,6 +362,38 @@ def _problem(raw: str | bytes | dict, index: int, where: str, question_key: str,
   golds = tuple(_gold(a, where, answer_key, gsm8k_answers) for a in answers)
   return Problem(question=question.strip(), gold=golds if isinstance(answer, list) else golds[0],
                  index=index, where=where, record=record)
+
+
+def _missing_key(record: dict, question_key: str, answer_keys: tuple[str, ...], owner: str,
+                 where: str, columns: bool = False) -> ValueError | None:
+  """The error for a record without its question key or without any of its answer keys: the
+  keys it has and a close one if any; None when it has both. `columns`: `record` is a Parquet
+  file's columns (placeholder values), and the error speaks of the file's columns."""
+  for keys_wanted, name in (((question_key,), "question_key"), (answer_keys, "answer_key")):
+    if all(lookup(record, k) is MISSING for k in keys_wanted):
+      # A dotted key ("answers.text") whose outer part is there: the keys inside it.
+      prefix, inner = "", record
+      if len(keys_wanted) == 1 and "." in keys_wanted[0] and keys_wanted[0] not in record:
+        *outer, _ = keys_wanted[0].split(".")
+        node = lookup(record, ".".join(outer))
+        if isinstance(node, dict):
+          prefix, inner = ".".join(outer) + ".", node
+      keys = sorted(map(str, inner))
+      close = [prefix + c for k in keys_wanted
+               for c in difflib.get_close_matches(k[len(prefix):], keys, n=1)][:1]
+      if not close and not prefix:  # verl's extra_info.question: the key inside an object
+        close = [k for k in _leaf_keys(record) if k.rsplit(".", 1)[-1] in keys_wanted][:1]
+      hint = (f"; did you mean {close[0]!r}? (set {owner}.{name}={close[0]!r})" if close
+              else f"; set {owner}.{name} to the key that holds it")
+      wanted = " / ".join(map(repr, keys_wanted))
+      if columns:
+        has = (f"no such field: the file's {prefix[:-1]!r} column has the fields" if prefix
+               else "no such column: the file's columns are")
+        return ValueError(f"{where}: no record can have a {wanted} key ({owner}.{name}), the "
+                          f"file has {has} {keys}{hint}")
+      has = f"the record's {prefix[:-1]!r} has" if prefix else "the record has"
+      return ValueError(f"{where}: no {wanted} key ({owner}.{name}); {has} {keys}{hint}")
+  return None
 
 
 MISSING = object()  # what `lookup` returns for a key a record does not have

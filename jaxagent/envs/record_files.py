@@ -128,6 +128,15 @@ def _check_one_file(p: pathlib.Path, text: str, setting: str, shown: bool = Fals
   return p
 
 
+# Picks the columns of a Parquet file to read, before any row is read: called with the file's
+# columns as one row of placeholder values (`_placeholder`: an object column holds its fields,
+# so a dotted key can be looked up in it) and the file as its errors name it
+# ("MathToolEnv.train_file='/d/train.parquet'"); returns the names of the columns to read, or
+# raises a ValueError for a file that lacks a column every record needs (one error for the
+# file, not one per row).
+ColumnPicker = Callable[[dict, str], Sequence[str]]
+
+
 def json_object(raw: str | bytes | dict, where: str, expected: str) -> dict:
   """A record's text parsed as a JSON object, or a ValueError naming `where`."""
   if isinstance(raw, dict):  # a Parquet row
@@ -158,7 +167,7 @@ _JSON_KINDS = {list: "an array", str: "a string", int: "a number", float: "a num
 
 
 def read_records(path: Any, setting: str,
-                 columns: Callable[[list[str]], list[str]] | None = None,
+                 columns: ColumnPicker | None = None,
                  files: Sequence[pathlib.Path] | None = None, name_unread: bool = False
                  ) -> Iterator[tuple[int | None, int, str, str | bytes | dict]]:
   """(file, index, where, raw) of each record of the file `path` names, or of each file of a
@@ -174,10 +183,10 @@ def read_records(path: Any, setting: str,
 
 
 def file_records(p: pathlib.Path, setting: str,
-                 columns: Callable[[list[str]], list[str]] | None = None,
+                 columns: ColumnPicker | None = None,
                  name_unread: bool = False) -> Iterator[tuple[int, str, str | bytes | dict]]:
   """(index, where, raw text) of each record of the file; a Parquet row comes as a dict of its
-  columns (only those `columns(names of the file's columns)` picks, when given)."""
+  columns (only those `columns` picks, when given: see `ColumnPicker`)."""
   name = p.name.lower()
   try:
     size = p.stat().st_size
@@ -280,7 +289,7 @@ def _first_bytes_kind(p: pathlib.Path) -> str:
 
 
 def _parquet_records(p: pathlib.Path, setting: str,
-                     columns: Callable[[list[str]], list[str]] | None,
+                     columns: ColumnPicker | None,
                      name_unread: bool = False) -> Iterator[tuple[int, str, dict]]:
   """(row index, where, row as a dict) of each row of a Parquet file, read one record batch at a
   time: a large file is never whole in memory as Python objects. `name_unread`: the columns
@@ -296,12 +305,14 @@ def _parquet_records(p: pathlib.Path, setting: str,
     names = f.schema_arrow.names
   except Exception as e:  # noqa: BLE001 - pyarrow raises ArrowInvalid, OSError, ... on a bad file
     raise unreadable(e) from e
-  wanted = names if columns is None else columns(list(names))
-  # The columns not read are in every row by name, with placeholder values (an object column's
-  # fields inside it), so a record's error lists them all and finds keys inside objects.
-  unread = {field.name: _placeholder(field.type) for field in f.schema_arrow
-            if name_unread and field.name not in wanted}
-  batches = f.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=list(wanted))
+  # Every column as a row of placeholder values (an object column's fields inside it): what
+  # `columns` checks the file's keys against, before a single row is read.
+  schema = {field.name: _placeholder(field.type) for field in f.schema_arrow}
+  wanted = list(names if columns is None else columns(schema, f"{setting}={os.fspath(p)!r}"))
+  # The columns not read are in every row by name, with their placeholders, so a record's error
+  # lists them all and finds keys inside objects.
+  unread = ({k: v for k, v in schema.items() if k not in set(wanted)} if name_unread else {})
+  batches = f.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=wanted)
   i = 0
   while True:
     try:

@@ -326,15 +326,17 @@ def test_a_bad_parquet_row_is_named(tmp_path):
       "its dataset's instructions), not the question's text; set MathToolEnv.question_key to the "
       "key of the plain question, e.g. 'extra_info.question'")):
     read_problems(path, question_key="prompt", answer_key="reward_model.ground_truth")
-  # A missing key lists the columns, and finds the key inside a struct column.
+  # A key no column holds is one error for the file: it lists the columns, and finds the key
+  # inside a struct column.
   with pytest.raises(ValueError, match=re.escape(
-      "train.parquet record 1: no 'question' key (MathToolEnv.question_key); the record has "
+      f"MathToolEnv.train_file={str(path)!r}: no record can have a 'question' key "
+      "(MathToolEnv.question_key), the file has no such column: the file's columns are "
       "['ability', 'data_source', 'extra_info', 'prompt', 'reward_model']; did you mean "
       "'extra_info.question'? (set MathToolEnv.question_key='extra_info.question')")):
     read_problems(path, answer_key="reward_model.ground_truth")
   with pytest.raises(ValueError, match=re.escape(
-      "no 'reward_model.truth' key (MathToolEnv.answer_key); the record's 'reward_model' has "
-      "['ground_truth', 'style']")):
+      "no record can have a 'reward_model.truth' key (MathToolEnv.answer_key), the file has no "
+      "such field: the file's 'reward_model' column has the fields ['ground_truth', 'style']")):
     read_problems(path, question_key="extra_info.question", answer_key="reward_model.truth")
   # A null cell is named, not skipped.
   path = write_parquet(tmp_path / "nulls.parquet", [{"question": "q?", "answer": "1"},
@@ -381,13 +383,14 @@ def test_parquet_problems_read_only_the_needed_columns(tmp_path, monkeypatch):
     read_problems(path, question_key="prompt", answer_key="reward_model.ground_truth",
                   record_keys=())
   assert read[-1] == ["prompt", "reward_model"]
+  reads = len(read)
   with pytest.raises(ValueError, match=re.escape(
-      "record 1: no 'question' key (MathToolEnv.question_key); the record has "
-      "['ability', 'data_source', 'extra_info', 'generations', 'prompt', 'reward_model', "
-      "'steps']; did you mean 'extra_info.question'? (set "
+      "no record can have a 'question' key (MathToolEnv.question_key), the file has no such "
+      "column: the file's columns are ['ability', 'data_source', 'extra_info', 'generations', "
+      "'prompt', 'reward_model', 'steps']; did you mean 'extra_info.question'? (set "
       "MathToolEnv.question_key='extra_info.question')")):
     read_problems(path, answer_key="reward_model.ground_truth", record_keys=())
-  assert read[-1] == ["reward_model"]
+  assert len(read) == reads  # from the schema: no row read
   # A record key no column holds: the record is kept whole (by name) for the caller's error.
   probs = read_problems(path, question_key="extra_info.question", answer_key="extra_info.answer",
                         record_keys=("worked",))
@@ -600,3 +603,49 @@ def test_a_file_gone_after_its_setting_was_checked_is_named(tmp_path, name):
                                        r"\(FileNotFoundError: No such file or directory\); it "
                                        r"was there when the setting was checked"):
     env.examples("train")
+
+
+def test_a_parquet_file_without_a_key_column_is_one_error_before_any_row(tmp_path, monkeypatch):
+  """A question (or answer) key that no column holds is one error from the file's schema,
+  naming the key, the file and its columns: it was an error per row (4 s for 200k rows), and
+  the same for every env that reads Parquet (CodeEnv's required keys: code_problem_file_test)."""
+  import pyarrow.parquet as pq
+
+  from jaxagent.envs.math_tool import MathToolEnv
+  from jaxagent.envs.search_qa import SearchQAEnv
+  read = []
+  iter_batches = pq.ParquetFile.iter_batches
+  monkeypatch.setattr(pq.ParquetFile, "iter_batches",
+                      lambda self, **kw: read.append(kw["columns"]) or iter_batches(self, **kw))
+  rows = [{"problem": f"What is {i} + {i}?", "answer": 2 * i, "level": "1"} for i in range(3000)]
+  path = write_parquet(tmp_path / "math.parquet", rows, row_group_size=500)
+  env = MathToolEnv(train_file=path, train_size=0, eval_size=0, sft_size=0)
+  with pytest.raises(ValueError) as e:
+    env.examples("train")
+  assert str(e.value) == (
+      f"MathToolEnv.train_file={str(path)!r}: no record can have a 'question' key "
+      "(MathToolEnv.question_key), the file has no such column: the file's columns are "
+      "['answer', 'level', 'problem']; set MathToolEnv.question_key to the key that holds it")
+  assert read == []  # no row was read
+  # A close key is suggested; every answer key of a tuple is named.
+  with pytest.raises(ValueError, match=re.escape(
+      "no record can have a 'answers' / 'golden_answers' key (SearchQAEnv.answer_key), the file "
+      "has no such column: the file's columns are ['answer', 'level', 'problem']; did you mean "
+      "'answer'? (set SearchQAEnv.answer_key='answer')")):
+    read_problems(path, question_key="problem", answer_key=("answers", "golden_answers"),
+                  owner="SearchQAEnv")
+  # A glob pattern's shard without the column is named; the shards before it were read.
+  write_parquet(tmp_path / "q-0.parquet", [{"question": "q?", "answer": "1"}])
+  write_parquet(tmp_path / "q-1.parquet", [{"query": "r?", "answer": "2"}])
+  corpus = tmp_path / "wiki.jsonl"
+  corpus.write_text(json.dumps({"title": "T", "text": "t"}) + "\n")
+  env = SearchQAEnv(corpus_file=str(corpus), train_file=str(tmp_path / "q-*.parquet"),
+                    eval_file=str(tmp_path / "q-0.parquet"), train_size=0, eval_size=0,
+                    sft_size=0)
+  read.clear()
+  with pytest.raises(ValueError, match=re.escape(
+      f"SearchQAEnv.train_file={str(tmp_path / 'q-1.parquet')!r}: no record can have a "
+      "'question' key (SearchQAEnv.question_key), the file has no such column: the file's "
+      "columns are ['answer', 'query']")):
+    env.examples("train")
+  assert len(read) == 1
