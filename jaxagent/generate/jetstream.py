@@ -27,6 +27,9 @@ How our engine maps onto the contract (0.2.2):
     non-finite stop (`STOP_NONFINITE`: NaN or inf in the request's logits) ends it with the
     token drawn from those logits invalid (it is no prediction of the model, so it is not
     returned); JetStream's results carry no stop reason, so the client sees a short completion.
+    Each result also carries the slots' stop codes, in a column JetStream does not read; a code
+    the adapter never causes (`STOP_KV_LEN`: a live-KV bound below a slot's cached length)
+    makes reading the result raise (`ServingResult`) rather than end a request short.
   * `ResultTokens` lengths are "tokens returned to this request, counting this result's first",
     which the orchestrator compares with the request's `max_tokens`: with `decode_steps=1`
     (default) a request receives exactly `max_tokens` tokens; with k > 1 steps per call it may
@@ -86,7 +89,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxagent import sharding as shd
 from jaxagent._token_ids import is_int, token_ids
-from jaxagent.generate.engine import (STOP_LENGTH, DecodeState, Engine, EngineConfig, Prefix,
+from jaxagent.generate.engine import (RUNNING, STOP_BUDGET, STOP_EOS, STOP_KV_LEN, STOP_LENGTH,
+                                      STOP_NONFINITE, DecodeState, Engine, EngineConfig, Prefix,
                                       PreparedParams)
 from jaxagent.generate.sampling import SamplingConfig
 from jaxagent.generate.scheduler import _adds_bos
@@ -215,8 +219,12 @@ def _release(active, unsent, freed):
   return active & ~freed, unsent & ~freed
 
 
-def _pack(tokens_KxS, logprobs_KxS, valid_KxS, pending, unsent, emitted):
-  """This call's `ResultTokens.data` [S, 2k + 1] and the next pending / unsent / emitted."""
+def _pack(tokens_KxS, logprobs_KxS, valid_KxS, done, pending, unsent, emitted):
+  """This call's `ResultTokens.data` [S, 2k + 2] and the next pending / unsent / emitted.
+
+  Per slot: k tokens, k valid flags, the length JetStream reads, then the engine's stop code
+  after the call (`done`; JetStream reads only the first 2k + 1 columns, `ServingResult`
+  checks the last)."""
   k = tokens_KxS.shape[0]
   # The token a slot drew from non-finite logits (its last valid one: it stopped there,
   # `STOP_NONFINITE`) is no prediction of the model: invalid, so the request ends before it.
@@ -226,10 +234,45 @@ def _pack(tokens_KxS, logprobs_KxS, valid_KxS, pending, unsent, emitted):
   # Valid columns form a prefix (a slot stays stopped), so this counts this call's tokens.
   n_valid = jnp.sum(valid, axis=1, dtype=jnp.int32)
   lengths = emitted + 1
-  data = jnp.concatenate([toks, valid.astype(jnp.int32), lengths[:, None]], axis=1)
+  data = jnp.concatenate([toks, valid.astype(jnp.int32), lengths[:, None],
+                          done.astype(jnp.int32)[:, None]], axis=1)
   last_valid = valid_KxS[k - 1]
   new_pending = jnp.where(last_valid, tokens_KxS[k - 1], pending)
   return data.astype(jnp.int32), new_pending, last_valid, emitted + n_valid
+
+
+# The stop codes a slot can hold in the adapter's decode state; any other (STOP_KV_LEN: the
+# kv_len bound the adapter gave was below a slot's cached length) is an adapter bug.
+_SERVING_CODES = (RUNNING, STOP_EOS, STOP_BUDGET, STOP_LENGTH, STOP_NONFINITE)
+
+
+@flax.struct.dataclass
+class ServingResult(engine_api.ResultTokens):
+  """`JetStreamEngine.generate`'s `ResultTokens`, with each slot's stop code after the call as
+  the last column of `data` (which JetStream does not read).
+
+  `convert_to_numpy` (the one host read of a result, in JetStream's detokenize thread) raises
+  RuntimeError where a slot holds a code the adapter never causes: STOP_KV_LEN, which the
+  engine sets instead of decoding a slot on a cache cut short by too low a `kv_len` bound.
+  Such a slot's tokens are invalid from there on, so JetStream would end its request as a
+  short completion, with no error; the raise makes it loud (in a Driver thread it ends the
+  serving process, with the message printed).
+  """
+
+  def convert_to_numpy(self) -> "ServingResult":
+    data = np.array(self.data)
+    codes = data[:, self.length_idx[1]]
+    bad = np.flatnonzero(~np.isin(codes, _SERVING_CODES)).tolist()
+    if bad:
+      kv = [s for s in bad if codes[s] == STOP_KV_LEN]
+      why = (f"the engine stopped slots {kv} with STOP_KV_LEN: they held more cached tokens "
+             "than the kv_len bound the adapter gave from its host bounds on their lengths "
+             "(ServingState.bounds)" if kv else
+             f"slots {bad} hold stop codes {codes[bad].tolist()}, none of {_SERVING_CODES}")
+      raise RuntimeError(f"JetStreamEngine.generate: {why}; their requests would end as short "
+                         "completions with no error. The adapter's state and the engine's "
+                         "disagree (a bug in jaxagent's JetStream adapter)")
+    return dataclasses.replace(self, data=data)
 
 
 class JetStreamEngine(engine_api.Engine):
@@ -300,7 +343,7 @@ class JetStreamEngine(engine_api.Engine):
     self._seed = int(seed)
     self._request_ids = itertools.count()  # next() is atomic: prefill threads may share it
     self._jit_insert_meta = jax.jit(_insert_meta, donate_argnums=(0, 1, 2))
-    self._jit_pack = jax.jit(_pack, donate_argnums=(3, 4, 5))
+    self._jit_pack = jax.jit(_pack, donate_argnums=(4, 5, 6))
     self._jit_release = jax.jit(_release, donate_argnums=(0, 1))
     # Slots whose requests JetStream has ended (`slot_freed`), per thread that runs the decode
     # state holding them (JetStream's generate thread; drivers sharing this engine each have
@@ -457,7 +500,12 @@ class JetStreamEngine(engine_api.Engine):
                         (-1,) * s)
 
   def generate(self, params, decode_state: ServingState):
-    """`decode_steps` steps for every active slot; returns (state, `ResultTokens`)."""
+    """`decode_steps` steps for every active slot; returns (state, `ServingResult`).
+
+    Attention's live-KV bound comes from `ServingState.bounds`, host upper bounds on the slots'
+    cached lengths, so the engine never finds a slot above it; if it did (STOP_KV_LEN, an
+    adapter bug), the result's `convert_to_numpy` raises instead of the request ending short.
+    """
     st, k = decode_state, self._steps
     with self._freed_lock:
       freed = self._freed.pop(threading.current_thread(), set())
@@ -473,13 +521,13 @@ class JetStreamEngine(engine_api.Engine):
     decode, out = self.engine.generate(params, st.decode, steps=k,
                                        kv_len=(max(live) if live else 0) + k)
     data, pending, unsent, emitted = self._jit_pack(out.tokens, out.logprobs, out.valid,
-                                                    st.pending, st.unsent, st.emitted)
+                                                    out.done, st.pending, st.unsent, st.emitted)
     # A slot stepped m times after a P-token prompt holds at most P + m tokens; at max_len - 1
     # it has certainly stopped (length limit), whatever else happened.
     top = self.engine.ecfg.max_len - 1
     bounds = tuple(-1 if b < 0 or b + k >= top else b + k for b in st.bounds)
-    result = engine_api.ResultTokens(data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k),
-                                     length_idx=(2 * k, 2 * k + 1), samples_per_slot=1)
+    result = ServingResult(data=data, tokens_idx=(0, k), valid_idx=(k, 2 * k),
+                           length_idx=(2 * k, 2 * k + 1), samples_per_slot=1)
     return ServingState(decode, pending, unsent, emitted, bounds), result
 
   # ------------------------------------------------------------------ the rest of the contract
@@ -860,4 +908,5 @@ class _Server(server_lib.JetStreamServer):
 
 
 __all__ = ["CheckedDriver", "JetStreamEngine", "JetStreamTokenizer", "PREFILL_LENGTHS",
-           "ServingPrefix", "ServingState", "collect", "make_driver", "serve", "submit"]
+           "ServingPrefix", "ServingResult", "ServingState", "collect", "make_driver", "serve",
+           "submit"]

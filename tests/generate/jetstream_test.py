@@ -228,6 +228,39 @@ def test_multi_step_results_and_rejected_prefill(js, tok, cfg, params, engine, r
     state = st
 
 
+def test_a_slot_stopped_for_a_short_kv_len_is_an_error_not_a_short_completion(
+    js, tok, cfg, params, engine, monkeypatch):
+  """The adapter's live-KV bound comes from host upper bounds on the slots' lengths. Were it
+  below a slot's cached length, the engine would stop the slot (STOP_KV_LEN) and its tokens
+  turn invalid, which JetStream reads as the end of the request: a short completion and no
+  error. Reading such a result (JetStream's detokenize thread does) now raises, naming the
+  slot; the results before it read as without the fault. Forced: kv_len 1 (a bucket of 64)
+  for a 62-token prompt, so the fourth step finds 65 cached tokens."""
+  prompt = np.random.default_rng(5).integers(3, cfg.vocab_size, 62).tolist()
+
+  def results():
+    e = js.JetStreamEngine(engine.engine, params, tok)  # request ids from 0: the same samples
+    pre = e.prefill(params=params, padded_tokens=np.array([-1] + prompt),
+                    true_length=1 + len(prompt))
+    state, out = e.insert(pre, e.init_decode_state(), 0), []
+    for _ in range(4):
+      state, res = e.generate(e.load_params(), state)
+      out.append(res)
+    return out
+
+  want = [np.asarray(r.convert_to_numpy().data) for r in results()]
+  assert all(w[0, 1] for w in want)  # slot 0 decodes in every call without the fault
+  real = engine.engine.generate
+  monkeypatch.setattr(engine.engine, "generate",
+                      lambda p, st, steps, kv_len: real(p, st, steps=steps, kv_len=1))
+  got = results()
+  for w, r in zip(want[:3], got[:3]):
+    np.testing.assert_array_equal(r.convert_to_numpy().data, w)
+  with pytest.raises(RuntimeError, match=r"stopped slots \[0\] with STOP_KV_LEN: they held more "
+                     r"cached tokens than the kv_len bound .* would end as short completions"):
+    got[3].convert_to_numpy()
+
+
 @pytest.mark.jetstream
 def test_grpc_server_streams_tokens_and_rejects_bad_requests(js, cfg, engine, reference):
   import grpc
