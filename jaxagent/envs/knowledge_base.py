@@ -24,8 +24,8 @@ families of people sharing a surname.
 
 Storage: `SearchQAKB`, a `tfds.core.GeneratorBasedBuilder` writing ArrayRecord files with splits
 "documents", "train", "eval" and "sft"; `load_kb` prepares it once under a data dir and reads
-it back through `builder.as_data_source()` and `grain.MapDataset.source(...)`. Neither step
-needs TensorFlow.
+it back through `builder.as_data_source()`, a batch of records a read. Neither step needs
+TensorFlow.
 """
 from __future__ import annotations
 
@@ -556,9 +556,7 @@ class KnowledgeBase:
 
 
 def load_kb(cfg: KBConfig, data_dir: str | os.PathLike | None = None) -> KnowledgeBase:
-  """Prepares the dataset if needed and reads every split with grain from its data source."""
-  import grain
-
+  """Prepares the dataset if needed and reads every split from its data source."""
   builder = build_kb(cfg, data_dir)
   sources = builder.as_data_source()
 
@@ -568,8 +566,13 @@ def load_kb(cfg: KBConfig, data_dir: str | os.PathLike | None = None) -> Knowled
     if split not in sources:
       raise ValueError(f"the prepared knowledge base at {builder.data_dir} has no split "
                        f"{split!r} (has {sorted(sources)}); delete that directory to rebuild it")
+    source = sources[split]
     try:
-      return list(grain.MapDataset.source(sources[split]).map(decode))
+      # A batch of records a read (the source's __getitems__): one a read, as grain's
+      # MapDataset reads a tfds source, took 1.06 s at the default sizes, batched 0.59 s.
+      return [decode(record) for start in range(0, len(source), _READ_BATCH)
+              for record in source.__getitems__(
+                  list(range(start, min(start + _READ_BATCH, len(source)))))]
     except Exception as e:  # noqa: BLE001 - a damaged file fails deep inside the reader
       raise ValueError(f"cannot read split {split!r} of the prepared knowledge base at "
                        f"{builder.data_dir} ({type(e).__name__}: {e}); delete that directory "
@@ -579,6 +582,9 @@ def load_kb(cfg: KBConfig, data_dir: str | os.PathLike | None = None) -> Knowled
   questions = {s: sorted(read(s, decode_question), key=lambda q: int(q.id.rsplit("-", 1)[1]))
                for s in SPLITS}
   return KnowledgeBase(cfg, docs, questions, pathlib.Path(builder.data_dir))
+
+
+_READ_BATCH = 1024  # records of a split read at a time
 
 
 def _doc_order(doc_id: str) -> int:

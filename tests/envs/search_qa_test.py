@@ -1,6 +1,6 @@
-"""search_qa: the generated knowledge base (determinism, tfds ArrayRecord build read back with
-grain, also without TensorFlow), answerability by BM25, prompt, parsing, EM/F1 and shaping
-rewards, demonstrations and the observation-masking switch."""
+"""search_qa: the generated knowledge base (determinism, tfds ArrayRecord build read back a batch
+of records at a time, also without TensorFlow), answerability by BM25, prompt, parsing, EM/F1 and
+shaping rewards, demonstrations and the observation-masking switch."""
 import json
 import pathlib
 import subprocess
@@ -139,7 +139,7 @@ def test_gold_answer_is_retrieved_by_the_right_queries(distractors):
   assert mentions == distractors * len(world.documents)
 
 
-def test_tfds_build_and_grain_read(data_dir):
+def test_tfds_build_and_read_back(data_dir):
   cfg = kb.KBConfig(seed=9, **SMALL)
   builder = kb.build_kb(cfg, data_dir)
   assert builder.info.file_format.value == "array_record"
@@ -156,6 +156,32 @@ def test_tfds_build_and_grain_read(data_dir):
   mtimes = {f: f.stat().st_mtime for f in files}
   kb.load_kb(cfg, data_dir)
   assert {f: f.stat().st_mtime for f in files} == mtimes
+
+
+def test_each_split_is_read_a_batch_of_records_at_a_time(data_dir, monkeypatch):
+  """One record a read (grain's MapDataset, item by item) took 1.06 s at the default sizes, a
+  batch a read 0.59 s; what is read is unchanged: the generated world and questions, in order."""
+  cfg = kb.KBConfig(seed=9, **SMALL)
+  source_type = type(kb.build_kb(cfg, data_dir).as_data_source()["train"])
+  monkeypatch.setattr(kb, "_READ_BATCH", 4)
+  reads = []
+  getitems = source_type.__getitems__
+
+  def batched(self, keys):
+    reads.append(list(keys))
+    return getitems(self, keys)
+
+  def single(self, key):
+    raise AssertionError("read one record at a time")
+  monkeypatch.setattr(source_type, "__getitems__", batched)
+  monkeypatch.setattr(source_type, "__getitem__", single)
+  loaded = kb.load_kb(cfg, data_dir)
+  world = kb.generate_world(cfg)
+  assert loaded.documents == world.documents
+  assert loaded.questions == kb.generate_questions(world, cfg)
+  sizes = [len(world.documents)] + [SMALL[f"{s}_size"] for s in ("train", "eval", "sft")]
+  assert reads == [list(range(start, min(start + 4, n))) for n in sizes
+                   for start in range(0, n, 4)]
 
 
 def test_a_tilde_in_the_data_dir_is_the_home_directory(tmp_path, monkeypatch):
