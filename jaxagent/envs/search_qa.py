@@ -1,8 +1,8 @@
 """Multi-hop question answering with a search engine (Search-R1 style), over a generated world.
 
 The questions and documents come from `envs/knowledge_base.py`: fictional people, cities,
-countries, universities and companies, stored as a tfds ArrayRecord dataset and read from its data source.
-No model can know these facts, so it has to search for them.
+countries, universities and companies, stored as a tfds ArrayRecord dataset and read back from
+its data source. No model can know these facts, so it has to search for them.
 
 Protocol (one trajectory):
 
