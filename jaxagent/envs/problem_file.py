@@ -116,8 +116,9 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
     missing = _missing_key(schema, question_key, answer_keys, owner, what, columns=True)
     if missing is not None:
       raise missing
-  for file, index, where, raw in read_records(path, f"{owner}.{setting}", _columns_of(
-      needed, check), files, name_unread=True):
+  columns = _columns_of(needed, check)
+  for file, index, where, raw in read_records(path, f"{owner}.{setting}", columns, files,
+                                              name_unread=True):
     try:
       problem = _problem(raw, index, where, question_key, answer_key, owner, gsm8k_answers)
       out.append(dataclasses.replace(problem, file=file, record=problem.record
@@ -203,9 +204,9 @@ def read_objects(path: str | os.PathLike, parse: Callable[[dict, int, str], Any]
       if lookup(schema, key) is MISSING:
         raise missing_key(schema, key, what, f"a record is a JSON object {expected}",
                           columns=True)
-  for _, index, where, raw in read_records(path, f"{owner}.{setting}",
-                                           _columns_of(keys, check if required else None),
-                                           files, name_unread=True):
+  columns = _columns_of(keys, check if required else None)
+  for _, index, where, raw in read_records(path, f"{owner}.{setting}", columns, files,
+                                           name_unread=True):
     total += 1
     try:
       out.append(parse(json_object(raw, where, expected), index, where))
