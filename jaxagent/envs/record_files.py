@@ -311,7 +311,8 @@ def _parquet_records(p: pathlib.Path, setting: str,
   wanted = list(names if columns is None else columns(schema, f"{setting}={os.fspath(p)!r}"))
   # The columns not read are in every row by name, with their placeholders, so a record's error
   # lists them all and finds keys inside objects.
-  unread = ({k: v for k, v in schema.items() if k not in set(wanted)} if name_unread else {})
+  read = set(wanted)
+  unread = {k: v for k, v in schema.items() if k not in read} if name_unread else {}
   batches = f.iter_batches(batch_size=_PARQUET_BATCH_ROWS, columns=wanted)
   i = 0
   while True:
