@@ -234,17 +234,28 @@ def _constrain_params(tree, rules):
 _GATHERED_RULES = tuple((k, None if v == "fsdp" else v) for k, v in shd.RULES)
 
 
-def _lora_weights(targets, frozen, adapter, lcfg: lora_lib.LoraConfig, cfg: ModelConfig):
+def _lora_weights(targets, frozen, adapter, lcfg: lora_lib.LoraConfig, cfg: ModelConfig,
+                  gather: bool = False):
   """The weights one forward pass reads with an adapter: `frozen` (the base in the compute
   dtype) with each target replaced by its merged weight (`lora.merge` of the base's own
-  `targets`, cast to the compute dtype), unstacked for the unrolled layer loop."""
+  `targets`, cast to the compute dtype), unstacked for the unrolled layer loop.
+
+  With `gather` (`targets` and `frozen` already gathered over fsdp), the adapter is gathered
+  too (it is small) and the merge computes the gathered weights in place: left to itself, the
+  partitioner merged on the adapter's fsdp shards and all-gathered every merged weight again
+  in every micro-batch."""
+  if gather:
+    adapter = _constrain_params(adapter, _GATHERED_RULES)
   merged = lora_lib.merge(targets, adapter, lcfg, dtype=cfg.jnp_dtype)
+  if gather:
+    merged = _constrain_params(merged, _GATHERED_RULES)
   w = {**frozen, "layers": {**frozen["layers"], **merged["layers"]}}
   return w if cfg.scan_layers else param_tree.unstack_layers(w)
 
 
-def _lora_parts(adapter, mb, cfg, scfg, *, targets, frozen, lcfg):
-  return _micro_parts(_lora_weights(targets, frozen, adapter, lcfg, cfg), mb, cfg, scfg)
+def _lora_parts(adapter, mb, cfg, scfg, *, targets, frozen, lcfg, gather=False):
+  return _micro_parts(_lora_weights(targets, frozen, adapter, lcfg, cfg, gather), mb, cfg,
+                      scfg)
 
 
 def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepConfig,
@@ -306,7 +317,8 @@ def _lora_step_parts(base, lcfg, cfg: ModelConfig, gather: bool):
     targets = _constrain_params(targets, _GATHERED_RULES)
     frozen = _constrain_params(frozen, _GATHERED_RULES)
   def parts(adapter, mb, cfg, scfg):
-    return _lora_parts(adapter, mb, cfg, scfg, targets=targets, frozen=frozen, lcfg=lcfg)
+    return _lora_parts(adapter, mb, cfg, scfg, targets=targets, frozen=frozen, lcfg=lcfg,
+                       gather=gather)
   return parts
 
 
