@@ -977,6 +977,17 @@ class Engine:
              max_new_tokens: Sequence[int] | int | None = None, cached_lens=None):
     """Feed each slot's pending token plus observation tokens, then sample the next token.
 
+    Any slot that holds a request may be appended to, whether it stopped (at EOS, its budget,
+    a host-side stop rewound with `update_slots`) or is still decoding: its pending token is
+    cached as the last token of the turn, whatever it is (an EOS id, or a token past a
+    host-side stop that was not rewound), then the observation, and the token sampled after
+    them starts a new turn. That turn's budget is `max_new_tokens` (default: `max_len`, so only
+    the total-length cap bounds it), counting the token sampled here; what was left of the
+    previous turn's budget is dropped. The slot decodes on (active) exactly when that token
+    does not stop it, and its `done` code is that token's, whatever they were before. Host
+    `cached_lens` behind the device's lengths (a host that stopped a slot mid-call and did not
+    rewind it) are refused, below.
+
     `cached_lens` (host-known cache lengths of `slots`, or bounds above them) picks the live-KV
     bucket (without it attention reads the whole cache). The slots' cached lengths and
     total-length caps are read from the device for the checks: a slot that holds no request,
@@ -1082,6 +1093,17 @@ class Engine:
   def update_slots(self, state: DecodeState, slots, *, lengths, tokens, active,
                    remaining=None) -> DecodeState:
     """Set slots' cached length, pending token and activity (rewind after a host-side stop).
+
+    `lengths` are taken as given, checked only against the cache (`[0, max_len)`): the engine
+    keeps no host copy of the slots' lengths and does not read the device's here. The caller
+    promises that each slot's first `lengths` cache rows hold its request's K/V, that is, a
+    length at most the slot's cached length (`DecodeState.lengths`): a rewind to a token the
+    slot sampled there (the rows past it are overwritten by the next steps), or the length
+    unchanged. A length above it is not refused: the next steps read the rows in between as
+    the request's history (zeros, or K/V that an earlier request or a rewound turn left there)
+    and sample from them with no error. The engine's tests set such lengths on purpose to put
+    a slot next to a cap; the rollout driver rewinds to lengths it counted from the engine's
+    own outputs, and `free_slots` passes the device's lengths back.
 
     A slot asked to be active whose pending token leaves no room for a next one under its
     total-length cap (`lengths + 1 >= ` its `max_total_len` given to prefill, or `max_len`) is

@@ -503,6 +503,39 @@ def test_a_kv_len_below_a_slots_cached_length_stops_the_slot_instead_of_truncati
   assert np.asarray(out.tokens)[:, 0].tolist() == ref_tokens[:, 0].tolist()
 
 
+def test_append_into_a_slot_still_decoding_starts_a_turn_with_a_budget_of_its_own(params):
+  """`append` into a slot that is still decoding (not stopped at a tool call) is supported:
+  its pending token is cached as the turn's last, then the observation; the new turn's budget
+  is append's `max_new_tokens` (default `max_len`), whatever was left of the old one; it
+  decodes on exactly when its first token does not stop it. A slot that spent its budget
+  starts a new turn alike."""
+  from jaxagent.generate import RUNNING, STOP_BUDGET
+  eng = Engine(CFG, EngineConfig(slots=2, max_len=64))  # greedy, no EOS id
+  prompt, obs = _prompts(1, seed=4, lo=10, hi=11)[0], [5, 17, 99]
+  state, (first, _, _) = eng.prefill_insert(params, eng.init_decode_state(), [prompt] * 2,
+                                            [0, 1], [0, 1], max_new_tokens=[5, 2])
+  state, out = eng.generate(params, state, steps=2)
+  # Slot 0 decodes on with 2 tokens of its budget left; slot 1 spent its budget.
+  assert np.asarray(state.active).tolist() == [True, False]
+  assert np.asarray(state.remaining).tolist() == [2, 0]
+  assert np.asarray(out.done).tolist() == [RUNNING, STOP_BUDGET]
+  turn = [int(first[0])] + np.asarray(out.tokens[:, 0]).tolist()
+  state, (tok, _, code) = eng.append(params, state, [0, 1], [obs, obs], max_new_tokens=6)
+  # Slot 0 cached 2 decoded tokens, slot 1 one (its second token spent the budget).
+  assert np.asarray(state.lengths).tolist() == [len(prompt) + k + 1 + len(obs) for k in (2, 1)]
+  assert code.tolist() == [RUNNING] * 2 and np.asarray(state.active).all()
+  state, out = eng.generate(params, state, steps=8)
+  # Six tokens a turn (append's first and five more), not the two left of slot 0's old budget.
+  assert np.asarray(out.valid).sum(axis=0).tolist() == [5, 5]
+  assert np.asarray(out.done).tolist() == [STOP_BUDGET] * 2
+  # The pending token was cached before the observation: the history a prefill would read.
+  _assert_greedy(params, prompt + turn + obs,
+                 [int(tok[0])] + np.asarray(out.tokens[:5, 0]).tolist())
+  # Without max_new_tokens, the turn's budget is max_len (its first token counted).
+  state, _ = eng.append(params, state, [1], [obs])
+  assert int(np.asarray(state.remaining)[1]) == 64 - 1 and bool(state.active[1])
+
+
 def test_append_bad_input_errors_before_running(params):
   eng = Engine(CFG, EngineConfig(slots=2, max_len=32, sampling=SamplingConfig()))
   state = eng.insert(eng.prefill(params, [list(range(1, 20))], [1]), eng.init_decode_state(), 0)
