@@ -31,6 +31,7 @@ ARRAY_RECORD_SUFFIXES = (".array_record", ".arrayrecord")
 PARQUET_SUFFIXES = (".parquet",)
 SUFFIXES = JSONL_SUFFIXES + ARRAY_RECORD_SUFFIXES + PARQUET_SUFFIXES
 
+
 def check_problem_file(path: Any, setting: str) -> pathlib.Path:
   """`path` ("~" expanded) as an existing local file of a known format, or a ValueError that
   names `setting` (e.g. "MathToolEnv.train_file").
