@@ -39,7 +39,7 @@ import math
 import os
 import pathlib
 import re
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 # The file formats (which files a setting names, their records one at a time) live in
 # record_files; their public names are importable from here too, as they always were.
@@ -79,7 +79,8 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
                   answer_key: str | tuple[str, ...] = "answer", owner: str = "MathToolEnv",
                   setting: str = "train_file", gsm8k_answers: bool = True,
                   files: Sequence[pathlib.Path] | None = None,
-                  record_keys: Sequence[str] | None = None) -> list[Problem]:
+                  record_keys: Sequence[str] | None = None,
+                  required_keys: Mapping[str, str] | None = None) -> list[Problem]:
   """The problems of a JSONL, ArrayRecord or Parquet file, in file order.
 
   Args:
@@ -104,16 +105,23 @@ def read_problems(path: str | os.PathLike, *, question_key: str = "question",
       them and finds a key inside an object (`extra_info.question`). None keeps every record
       whole, every column read: a file with large other columns is then held in memory whole
       until the caller drops the problems.
+    required_keys: {key: the setting that names it} of the `record_keys` every record must have
+      (SearchQAEnv's `{titles_key: "titles_key"}`): a Parquet file with no column for one is a
+      single error before any row is read, as for the question and answer keys (a JSONL or
+      ArrayRecord record without one is the caller's error, per record).
   """
   out: list[Problem] = []
   bad: list[str] = []
   answer_keys = (answer_key,) if isinstance(answer_key, str) else tuple(answer_key)
   needed = None if record_keys is None else (question_key, *answer_keys, *record_keys)
 
+  wanted = [((question_key,), "question_key"), (answer_keys, "answer_key"),
+            *(((k,), name) for k, name in (required_keys or {}).items())]
+
   def check(schema: dict, what: str) -> None:
-    """A Parquet file without the question's column (or any answer's) is one error up front,
-    not one per row."""
-    missing = _missing_key(schema, question_key, answer_keys, owner, what, columns=True)
+    """A Parquet file without the question's column (or any answer's, or a required key's) is
+    one error up front, not one per row."""
+    missing = _missing_key(schema, wanted, owner, what, columns=True)
     if missing is not None:
       raise missing
   columns = _columns_of(needed, check)
@@ -330,7 +338,8 @@ def _problem(raw: str | bytes | dict, index: int, where: str, question_key: str,
   record = json_object(raw, where, f"with {question_key!r} and {shown!r} keys"
                         if len(answer_keys) == 1 else f"with {question_key!r} and {shown} keys")
   present = [k for k in answer_keys if lookup(record, k) is not MISSING]
-  missing = _missing_key(record, question_key, answer_keys, owner, where)
+  missing = _missing_key(record, (((question_key,), "question_key"),
+                                  (answer_keys, "answer_key")), owner, where)
   if missing is not None:
     raise missing
   answer_key = present[0]
@@ -365,12 +374,13 @@ def _problem(raw: str | bytes | dict, index: int, where: str, question_key: str,
                  index=index, where=where, record=record)
 
 
-def _missing_key(record: dict, question_key: str, answer_keys: tuple[str, ...], owner: str,
+def _missing_key(record: dict, wanted: Sequence[tuple[tuple[str, ...], str]], owner: str,
                  where: str, columns: bool = False) -> ValueError | None:
-  """The error for a record without its question key or without any of its answer keys: the
-  keys it has and a close one if any; None when it has both. `columns`: `record` is a Parquet
-  file's columns (placeholder values), and the error speaks of the file's columns."""
-  for keys_wanted, name in (((question_key,), "question_key"), (answer_keys, "answer_key")):
+  """The error for a record without any key of one of `wanted`'s (keys, setting name) pairs
+  (the question key; the answer keys, the first one present read): the keys it has and a close
+  one if any; None when it has them all. `columns`: `record` is a Parquet file's columns
+  (placeholder values), and the error speaks of the file's columns."""
+  for keys_wanted, name in wanted:
     if all(lookup(record, k) is MISSING for k in keys_wanted):
       # A dotted key ("answers.text") whose outer part is there: the keys inside it.
       prefix, inner = "", record

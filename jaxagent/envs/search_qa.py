@@ -396,7 +396,9 @@ class SearchQAEnv(Env):
                           answer_key=self.answer_keys, owner="SearchQAEnv",
                           setting=f"{split}_file", gsm8k_answers=False,
                           files=self._file_lists[split],
-                          record_keys=(self.titles_key,) if self.titles_key else ())
+                          record_keys=(self.titles_key,) if self.titles_key else (),
+                          required_keys={self.titles_key: "titles_key"} if self.titles_key
+                          else None)
     titles: list[list[str]] = [[] for _ in probs]
     if self.titles_key:
       corpus = self._corpus_titles()

@@ -158,10 +158,12 @@ def test_titles_key_gives_the_retrieval_reward(tmp_path, files, char_tok):
       "index": 0, "supporting_facts": [["Ada Lovelace", "0"]]}}]), str(tmp_path / "nested.parquet"))
   env = SearchQAEnv(data_dir=str(tmp_path), **{**SMALL, "sft_size": 0}, **{
       **files, "train_file": str(tmp_path / "nested.parquet")}, titles_key="supporting_facts")
+  # No column holds the key: one error for the file, from its columns, before a row is read.
   with pytest.raises(ValueError, match=re.escape(
-      "nested.parquet record 0: no 'supporting_facts' key (SearchQAEnv.titles_key); the record has "
-      "['answer', 'extra_info', 'question']; did you mean 'extra_info.supporting_facts'? (set "
-      "SearchQAEnv.titles_key='extra_info.supporting_facts')")):
+      f"SearchQAEnv.train_file={str(tmp_path / 'nested.parquet')!r}: no record can have a "
+      "'supporting_facts' key (SearchQAEnv.titles_key), the file has no such column: the file's "
+      "columns are ['answer', 'extra_info', 'question']; did you mean "
+      "'extra_info.supporting_facts'? (set SearchQAEnv.titles_key='extra_info.supporting_facts')")):
     env.examples("train")
 
 
