@@ -549,6 +549,8 @@ class _Run:
     toks, lps, valid, done = jax.device_get((out.tokens, out.logprobs, out.valid, out.done))
     self.stats.generate_s += time.perf_counter() - t
     self.stats.generate_calls += 1
+    # Every slot's code before any token is taken: a token that completes a stop string ends
+    # its turn there (and may start a tool call), and the code after the call went unseen.
     for lv in decoding:
       s = lv.slot
       if int(done[s]) == STOP_KV_LEN:
@@ -556,10 +558,14 @@ class _Run:
             f"the engine stopped slot {s} (STOP_KV_LEN): it held more cached tokens than the "
             f"kv_len bound {kv} the driver gave, from its host copy of the slot's length "
             f"({lv.cached}): engine and driver disagree about the slot's state")
+      self._check_code(lv, int(done[s]))
+    for lv in decoding:
+      s = lv.slot
       n = int(np.asarray(valid[:, s]).sum())
       if n == 0:
-        raise RuntimeError(f"the engine sampled nothing for slot {s}, which the driver believes is "
-                           "decoding: engine and driver disagree about the slot's state")
+        raise RuntimeError(f"the engine sampled nothing for slot {s} (stop code {int(done[s])}), "
+                           "which the driver believes is decoding: engine and driver disagree "
+                           "about the slot's state")
       self.stats.decoded_tokens += n
       for j in range(n):
         lv.cached += 1
@@ -591,16 +597,9 @@ class _Run:
   # ------------------------------------------------------------------ per-token logic
   def _take(self, lv: _Live, tok, lp, code: int) -> bool:
     """Records one sampled token (pending at `lv.cached`); True when the turn ended."""
-    if code not in _TURN_ENDS and code not in (RUNNING, STOP_NONFINITE):
-      # Checked first: a token that also completed a stop string ended its turn at that
-      # stop, and the code went unseen.
-      traj = lv.traj
-      raise RuntimeError(
-          f"rollout: the engine reported stop code {code} for slot {lv.slot} (request "
-          f"{traj.request_id}, turn {lv.turn}), neither RUNNING ({RUNNING}), STOP_NONFINITE "
-          f"({STOP_NONFINITE}) nor a code a turn ends with {_TURN_ENDS}: the engine and the "
-          "driver disagree about the engine's stop codes. No trajectory of this rollout is "
-          "returned.")
+    # Checked first: a token that also completed a stop string ended its turn at that stop,
+    # and the code went unseen.
+    self._check_code(lv, code)
     lv.toks.append(int(tok))
     lv.lps.append(float(lp))
     if code == STOP_NONFINITE:
@@ -624,6 +623,18 @@ class _Run:
       self._end_turn(lv, _TURN_ENDS[code])
       return True
     return False
+
+  @staticmethod
+  def _check_code(lv: _Live, code: int) -> None:
+    """A RuntimeError for a stop code of `lv`'s slot that the driver does not know."""
+    if code not in _TURN_ENDS and code not in (RUNNING, STOP_NONFINITE):
+      traj = lv.traj
+      raise RuntimeError(
+          f"rollout: the engine reported stop code {code} for slot {lv.slot} (request "
+          f"{traj.request_id}, turn {lv.turn}), neither RUNNING ({RUNNING}), STOP_NONFINITE "
+          f"({STOP_NONFINITE}) nor a code a turn ends with {_TURN_ENDS}: the engine and the "
+          "driver disagree about the engine's stop codes. No trajectory of this rollout is "
+          "returned.")
 
   def _allowed_stop(self, lv: _Live, match: str) -> str | None:
     """`match` if the parser lets the turn end at its newest stop string, else None.

@@ -1116,12 +1116,13 @@ def test_nonfinite_logits_stop_the_rollout_with_a_clear_error():
 
 
 class UnknownCodeEngine(FakeEngine):
-  """The fake reporting stop code 9, which no engine gives, for the token that closes a turn's
-  tool call (`at_call`) or for a turn's first token (else)."""
+  """The fake reporting stop code 9, which no engine gives, for a turn's first token
+  ("first"), the token that closes its tool call ("at_call") or the one after it, in the
+  same decode call ("after_call")."""
 
-  def __init__(self, *a, at_call, **k):
+  def __init__(self, *a, at, **k):
     super().__init__(*a, **k)
-    self.at_call, self._text = at_call, ""
+    self.at, self._text = at, ""
 
   def _sample(self, st, s):
     tok, lp = super()._sample(st, s)
@@ -1129,18 +1130,20 @@ class UnknownCodeEngine(FakeEngine):
     return tok, lp
 
   def _code(self, *a):
-    hit = self._text.endswith("</calc>") if self.at_call else len(self._text) == 1
+    hit = {"first": len(self._text) == 1, "at_call": self._text.endswith("</calc>"),
+           "after_call": self._text.endswith("</calc> ")}[self.at]
     return 9 if hit else super()._code(*a)
 
 
-@pytest.mark.parametrize("at_call", [True, False])
-def test_an_unknown_engine_stop_code_ends_the_rollout_with_a_clear_error(at_call):
+@pytest.mark.parametrize("at", ["first", "at_call", "after_call"])
+def test_an_unknown_engine_stop_code_ends_the_rollout_with_a_clear_error(at):
   """A stop code the driver does not know is an error naming it, the slot and the request: on
-  a token that completed a stop string (a tool call's closing tag) the turn ended at the stop
-  and the code went unseen."""
-  texts = {0: ["Let me compute. <calc>2+3</calc>", "<answer>5</answer>"]}
-  fake = UnknownCodeEngine(_script_from_texts(texts), slots=2, max_len=256, at_call=at_call)
-  cfg = RolloutConfig(max_turns=4, max_tokens_per_turn=64, decode_steps=3)
+  a token that completed a stop string (a tool call's closing tag), or after such a token in
+  the same decode call, the turn ended at the stop and the code went unseen."""
+  texts = {0: ["Let me compute. <calc>2+3</calc> and more", "<answer>5</answer>"]}
+  fake = UnknownCodeEngine(_script_from_texts(texts), slots=2, max_len=256, at=at)
+  # The turn's tokens 25-32 are one decode call: the tag closes at 31.
+  cfg = RolloutConfig(max_turns=4, max_tokens_per_turn=64, decode_steps=8)
   with pytest.raises(RuntimeError, match=r"engine reported stop code 9 for slot 0 \(request 0, "
                      r"turn 0\), neither RUNNING"):
     rollout(fake, None, CalculatorEnv(), _examples(1), tokenizer=TOK, cfg=cfg, seed=0)
