@@ -652,6 +652,39 @@ def test_process_exits_without_stop(js):
   assert took < 30, f"exit took {took:.1f} s"
 
 
+KV_LEN_FAULT = textwrap.dedent("""
+    import asyncio
+    import jax
+    import numpy as np
+    from jaxagent import models
+    from jaxagent.generate import jetstream as js
+    tok = models.load_tokenizer("smollm2-135m-instruct")
+    cfg = models.get_config("tiny-llama", vocab_size=tok.vocab_size)
+    params = models.init_params(cfg, jax.random.key(0), std=0.2)
+    engine = js.JetStreamEngine.create(params, cfg, tok, slots=2, max_len=128)
+    real = engine.engine.generate
+    engine.engine.generate = lambda p, st, steps, kv_len: real(p, st, steps=steps, kv_len=1)
+    driver = js.make_driver(engine)
+    prompt = np.random.default_rng(5).integers(3, cfg.vocab_size, 62).tolist()
+    async def run():
+      return await js.collect(js.submit(driver, prompt, 20))
+    print("COMPLETION", asyncio.run(run()), flush=True)
+""")
+
+
+@pytest.mark.slow  # a process of its own, 10-20 s
+@pytest.mark.jetstream
+def test_a_short_kv_len_in_a_serving_driver_ends_the_process_with_the_reason(js):
+  """Under JetStream's Driver, the error for a slot stopped by too low a live-KV bound
+  (`ServingResult`) is raised in its detokenize thread, which ends the serving process with
+  the reason printed; the request was a short completion of 4 tokens of 20, and no error."""
+  r = subprocess.run([sys.executable, "-c", KV_LEN_FAULT], capture_output=True, text=True,
+                     timeout=240, env={**os.environ, "JAX_PLATFORMS": "cpu"})
+  assert "COMPLETION" not in r.stdout, r.stdout[-2000:]
+  assert r.returncode != 0 and "stopped slots [0] with STOP_KV_LEN" in r.stdout + r.stderr, (
+      r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+
+
 @pytest.mark.jetstream
 def test_full_length_prompt_is_not_reported_truncated(js, cfg, params, engine, caplog):
   """A prompt of exactly `max_prefill_length` tokens reaches prefill without JetStream's no-BOS
