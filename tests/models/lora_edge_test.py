@@ -2,12 +2,16 @@
 bfloat16 bases, target subsets, q/k/v biases, untied embeddings, and the sampler's merged
 weights against the learner's."""
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jaxagent import models, sharding
 from jaxagent.models import lora, param_tree
-from jaxagent.rl import step
+from jaxagent.rl import losses, step
+from tests.rl.step_test import two_sequence_rows
 
 LCFG = lora.LoraConfig(rank=4, alpha=8.0)
 
@@ -50,3 +54,120 @@ def test_gathered_weights_with_an_adapter_same_update_fewer_all_gathers():
   for a, b in zip(jax.tree.leaves(out[False]), jax.tree.leaves(out[True])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
   assert gathered[True] < 0.6 * gathered[False], gathered
+
+
+def test_nonfinite_skip_keeps_the_adapter_and_its_optimizer_state():
+  cfg = models.get_config("tiny-qwen3")
+  params = models.init_params(cfg, jax.random.key(0), std=0.1)
+  scfg = step.StepConfig(loss=losses.LossConfig(kl_coef=0.02), nonfinite="skip")
+  learner = step.Learner(cfg, scfg, optax.adam(1e-2), lora=LCFG, base=params)
+  st = learner.init(_random_adapter(cfg))
+  host = two_sequence_rows(cfg.vocab_size, 4)
+  st, m = learner.train_step(st, host)  # a finite step first: Adam's moments are non-zero
+  assert m["nonfinite"] == 0.0
+  before = _plain((st.params, st.opt_state))
+  bad = dict(host, advantages=np.where(host["loss_mask"] > 0, np.nan, 0.0).astype(np.float32))
+  st, m = learner.train_step(st, bad)
+  assert m["nonfinite"] == 1.0 and int(st.step) == 2
+  for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(_plain((st.params, st.opt_state)))):
+    np.testing.assert_array_equal(a, b)
+  # The base is untouched and a finite step after the skip trains again.
+  st, m = learner.train_step(st, host)
+  assert m["nonfinite"] == 0.0 and np.isfinite(m["loss"])
+
+
+def test_sampler_weights_are_the_merged_compute_copy_and_score_like_the_learner():
+  """`merged_params(adapter, dtype)` (what the sampler reads) is bitwise the compute copy of
+  `merge(base, adapter)`, with the base's shardings; decoding from it (float32) gives the
+  log-probs `Learner.score` gives the same tokens with the adapter."""
+  from jaxagent.generate import scheduler
+
+  for dt in ("bfloat16", "float32"):
+    cfg = models.get_config("tiny-qwen3", param_dtype="float32", dtype=dt)
+    params = models.init_params(cfg, jax.random.key(0), std=0.1)
+    ad = _random_adapter(cfg)
+    learner = step.Learner(cfg, step.StepConfig(), optax.sgd(0.1), lora=LCFG, base=params)
+    adapter = learner.init(ad).params
+    got = learner.merged_params(adapter, cfg.dtype)
+    want = param_tree.compute_copy(lora.merge(params, ad, LCFG), cfg)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(_plain(got)),
+                            jax.tree.leaves(_plain(want))):
+      assert a.dtype == b.dtype and np.array_equal(a, b), jax.tree_util.keystr(path)
+    assert any(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(_plain(got))) == (
+        dt == "bfloat16")
+  # float32: the engine's sampled log-probs are the learner's with the adapter.
+  prompt = [5, 17, 33, 2, 9]
+  done = scheduler.generate(got, cfg, [prompt], max_new_tokens=12, temperature=1.0, seed=3,
+                            eos_ids=[])[0]
+  toks = prompt + done.tokens
+  n = len(toks)
+  lp, _ = learner.score(adapter, dict(tokens=np.array([toks], np.int32),
+                                      segment_ids=np.ones((1, n), np.int32),
+                                      positions=np.arange(n, dtype=np.int32)[None]))
+  gap = np.abs(np.asarray(lp)[0, len(prompt):] - np.asarray(done.logprobs))
+  assert gap.max() <= 1e-5, gap
+
+
+def test_merged_params_on_a_mesh_keep_the_base_shardings_and_adapter_placement():
+  """On data=fsdp=tensor=2: the adapter's A and B are split like their weight's axes (never
+  on the rank), and the merged params come out with the base's shardings."""
+  cfg = models.get_config("tiny-qwen3", param_dtype="float32", dtype="bfloat16")
+  params = models.init_params(cfg, jax.random.key(0), std=0.1)
+  mesh = sharding.make_mesh(2, 2, 2)
+  learner = step.Learner(cfg, step.StepConfig(), optax.adam(1e-3), mesh, lora=LCFG, base=params)
+  st = learner.init(_random_adapter(cfg))
+  ad = param_tree.unbox(st.params)["layers"]
+  specs = {t: (ab["a"].sharding.spec, ab["b"].sharding.spec) for t, ab in ad.items()}
+  assert specs["wq"] == (P(None, "fsdp", None), P(None, None, "tensor", None)), specs
+  assert specs["wo"] == (P(None, "tensor", None, None), P(None, None, "fsdp")), specs
+  assert specs["w_down"] == (P(None, "tensor", None), P(None, None, "fsdp")), specs
+  # Adam's moments are placed like the adapter.
+  mu = param_tree.unbox(st.opt_state[0].mu)["layers"]
+  assert mu["wq"]["a"].sharding.spec == specs["wq"][0]
+  merged = param_tree.unbox(learner.merged_params(st.params, cfg.dtype))
+  base = param_tree.unbox(learner.base)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(merged), jax.tree.leaves(base)):
+    assert a.sharding.is_equivalent_to(b.sharding, a.ndim), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize("name,overrides,targets,micro_batches,rtol", [
+    # float32 masters, bfloat16 compute: the merge casts to bfloat16 as the full path's copy.
+    ("tiny-qwen3", dict(param_dtype="float32", dtype="bfloat16"), "all", 1, 1e-5),
+    # q/k/v biases, untied lm_head, the unrolled layer loop, micro-batches, a target subset.
+    ("tiny-qwen2", dict(tie_embeddings=False, scan_layers=False), "wq,v_proj,w_down", 2, 1e-5),
+    # A bfloat16 base: the full path's update is itself rounded to bfloat16.
+    pytest.param("tiny-qwen3", dict(param_dtype="bfloat16", dtype="bfloat16"), "all", 1, 2e-2,
+                 marks=pytest.mark.slow),
+])
+def test_adapter_update_is_the_chain_rule_of_the_full_update(name, overrides, targets,
+                                                             micro_batches, rtol):
+  """With SGD(1), the adapter's update is dA = scale dW B^T, dB = scale A^T dW per layer, where
+  dW is the full-parameter update of the merged params on the same batch."""
+  cfg = models.get_config(name, **overrides)
+  lcfg = lora.LoraConfig(rank=4, alpha=8.0, targets=targets)
+  params = models.init_params(cfg, jax.random.key(0), std=0.1)
+  scfg = step.StepConfig(loss=losses.LossConfig(kl_coef=0.02), micro_batches=micro_batches)
+  batch = {k: jnp.asarray(v) for k, v in two_sequence_rows(cfg.vocab_size, 4).items()}
+  ad = _random_adapter(cfg, lcfg)
+  merged = lora.merge(params, ad, lcfg)
+  sgd = optax.sgd(1.0)
+  run = jax.jit(lambda s, b, base=None: step.train_step(
+      s, b, cfg=cfg, scfg=scfg, optimizer=sgd, base=base, lora=None if base is None else lcfg))
+  state = lambda p: step.TrainState(step=jnp.zeros((), jnp.int32), params=p,
+                                    opt_state=sgd.init(p))
+  full, m_full = run(state(merged), batch)
+  new, m = run(state(ad), batch, params)
+  np.testing.assert_allclose(m["loss"], m_full["loss"], rtol=1e-6)
+  f64 = lambda t: jax.tree.map(lambda x: np.asarray(x, np.float64), _plain(t))
+  dw_all = jax.tree.map(np.subtract, f64(merged), f64(full.params))["layers"]
+  adp, newp = f64(ad)["layers"], f64(new.params)["layers"]
+  assert set(newp) == set(lcfg.targets)
+  for t in lcfg.targets:
+    a, b = adp[t]["a"], adp[t]["b"]
+    n, r = a.shape[0], a.shape[-1]
+    dw = dw_all[t].reshape(n, a[0].size // r, -1)
+    want_da = lcfg.scale * np.einsum("nio,nro->nir", dw, b.reshape(n, r, -1))
+    want_db = lcfg.scale * np.einsum("nir,nio->nro", a.reshape(n, -1, r), dw)
+    for got, want in (((a - newp[t]["a"]).reshape(want_da.shape), want_da),
+                      ((b - newp[t]["b"]).reshape(want_db.shape), want_db)):
+      assert np.abs(got - want).max() <= rtol * np.abs(want).max(), t
