@@ -215,8 +215,8 @@ def run_requests(engine: Engine, params, prompts: Sequence[Sequence[int]], *,
 
   def check_codes(slots, codes, call):
     """A RuntimeError for a stop code that is neither RUNNING nor one a request ends with
-    (`STOP_REASONS`): reported as a stop string where the token completed one, it also ended
-    the run with a KeyError on the unknown code."""
+    (`STOP_REASONS`). Such a code was reported as a "stop" completion where its token
+    completed a stop string, and otherwise ended the run with a KeyError."""
     bad = [(s, int(c)) for s, c in zip(slots, codes) if int(c) != RUNNING
            and int(c) not in STOP_REASONS]
     if bad:
