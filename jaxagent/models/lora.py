@@ -179,6 +179,18 @@ def delta(a, b, n_in: int):
   return prod.reshape(n, *ins, *outs)
 
 
+def merged_weight(w, a, b, target: str, lcfg: LoraConfig, dtype=None):
+  """One target weight `w + scale * a @ b`, added in float32 and cast to `dtype` (default
+  `w`'s): stacked arrays (`w: [layers, *in, *out]`, `a: [layers, *in, r]`,
+  `b: [layers, r, *out]`) or one layer's (the same without the `layers` axis)."""
+  n_in = INPUT_AXES[target]
+  one_layer = jnp.ndim(a) == n_in + 1
+  if one_layer:
+    w, a, b = w[None], a[None], b[None]
+  new = (jnp.asarray(w, jnp.float32) + lcfg.scale * delta(a, b, n_in)).astype(dtype or w.dtype)
+  return new[0] if one_layer else new
+
+
 def merge(base, lora, lcfg: LoraConfig, dtype=None):
   """`base` with each target weight replaced by `W + scale * A @ B` (added in float32, cast to
   `dtype`, default `W`'s dtype); other params are `base`'s own arrays (a tree holding only the
@@ -190,8 +202,7 @@ def merge(base, lora, lcfg: LoraConfig, dtype=None):
     ab = lora["layers"][t]
     w = layers[t]
     value = w.value if isinstance(w, nn.LogicallyPartitioned) else w
-    new = (jnp.asarray(value, jnp.float32)
-           + lcfg.scale * delta(ab["a"], ab["b"], INPUT_AXES[t])).astype(dtype or value.dtype)
+    new = merged_weight(value, ab["a"], ab["b"], t, lcfg, dtype)
     layers[t] = w.replace_boxed(new) if isinstance(w, nn.LogicallyPartitioned) else new
   return {**base, "layers": layers}
 

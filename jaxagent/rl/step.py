@@ -246,11 +246,22 @@ def _lora_weights(targets, frozen, adapter, lcfg: lora_lib.LoraConfig, cfg: Mode
   in every micro-batch."""
   if gather:
     adapter = _constrain_params(adapter, _GATHERED_RULES)
-  merged = lora_lib.merge(targets, adapter, lcfg, dtype=cfg.jnp_dtype)
-  if gather:
-    merged = _constrain_params(merged, _GATHERED_RULES)
-  w = {**frozen, "layers": {**frozen["layers"], **merged["layers"]}}
-  return w if cfg.scan_layers else param_tree.unstack_layers(w)
+  if cfg.scan_layers:
+    merged = lora_lib.merge(targets, adapter, lcfg, dtype=cfg.jnp_dtype)
+    if gather:
+      merged = _constrain_params(merged, _GATHERED_RULES)
+    return {**frozen, "layers": {**frozen["layers"], **merged["layers"]}}
+  # The unrolled loop merges each layer from its own slices: the float32 sums of one layer at
+  # a time, not of every layer at once (the compiled step's temporary memory of tiny-qwen3
+  # widened to 4 layers of d_model 256, 4 micro-batches, float32: 43 -> 31 MB).
+  w = param_tree.unstack_layers(frozen)
+  base_layers = param_tree.unstack_layers(targets)["layers"]
+  adapter_layers = param_tree.unstack_layers(param_tree.unbox(adapter))["layers"]
+  w["layers"] = tuple(
+      {**f, **{t: lora_lib.merged_weight(tw[t], ab[t]["a"], ab[t]["b"], t, lcfg, cfg.jnp_dtype)
+               for t in lcfg.targets}}
+      for f, tw, ab in zip(w["layers"], base_layers, adapter_layers))
+  return w
 
 
 def _lora_parts(adapter, mb, cfg, scfg, *, targets, frozen, lcfg, gather=False):
