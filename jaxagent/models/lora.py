@@ -23,13 +23,21 @@ to the compute dtype.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import numbers
+import os
+import pathlib
+import re
+import shutil
 from typing import Any, Sequence
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.numpy
 
 from jaxagent.models import param_tree
 from jaxagent.models.config import ModelConfig
@@ -274,7 +282,6 @@ def peft_tensors(cfg: ModelConfig, lcfg: LoraConfig, adapter,
                  dtype: str | None = None) -> dict[str, Any]:
   """`adapter` as the tensors of a PEFT `adapter_model.safetensors` (host NumPy arrays in
   `dtype`, default float32): `lora_A` `[r, in]` and `lora_B` `[out, r]` per target and layer."""
-  import numpy as np
   check_lora(adapter, cfg, lcfg, "save_peft")
   np_dtype = np.dtype(jnp.dtype(dtype or "float32"))
   if not jnp.issubdtype(np_dtype, jnp.floating):
@@ -324,14 +331,6 @@ def save_peft(path, cfg: ModelConfig, lcfg: LoraConfig, adapter, *,
   `adapter_config.json` last. A directory that holds a model's `config.json` is refused:
   `transformers` would apply an adapter found there every time it loads that model. Returns
   the directory (a `pathlib.Path`)."""
-  import json
-  import os
-  import pathlib
-  import re
-  import shutil
-
-  from safetensors.numpy import save
-
   if re.match(r"[A-Za-z][A-Za-z0-9+.-]+:/", os.fspath(path)):
     raise ValueError(f"save_peft writes a local directory; {os.fspath(path)!r} is a URL. Save "
                      "to a local path, then copy it")
@@ -353,7 +352,8 @@ def save_peft(path, cfg: ModelConfig, lcfg: LoraConfig, adapter, *,
     (stage / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
     # Written as bytes (not safetensors' file writer, which makes its file owner-only), so
     # the file has the mode of the config beside it.
-    (stage / PEFT_WEIGHTS).write_bytes(save(tensors, metadata={"format": "pt"}))
+    (stage / PEFT_WEIGHTS).write_bytes(
+        safetensors.numpy.save(tensors, metadata={"format": "pt"}))
     # An earlier adapter's config goes first: a save killed between the moves leaves a
     # directory that does not load, not new weights under an old config.
     (out / PEFT_CONFIG).unlink(missing_ok=True)
@@ -420,13 +420,6 @@ def load_peft(path, cfg: ModelConfig) -> tuple[LoraConfig, dict[str, Any]]:
   alpha. `lora_dropout` only acts in training and is not kept. Adapters whose settings change
   the function otherwise (DoRA, trained biases, modules_to_save, per-module ranks or alphas,
   some layers only, ...) are refused with a ValueError naming the setting."""
-  import json
-  import pathlib
-  import re
-
-  import numpy as np
-  from safetensors import safe_open
-
   d = pathlib.Path(path).expanduser()
   if not d.is_dir():
     if d.is_file() and d.name in (PEFT_CONFIG, PEFT_WEIGHTS):
@@ -454,7 +447,7 @@ def load_peft(path, cfg: ModelConfig) -> tuple[LoraConfig, dict[str, Any]]:
   found: dict[tuple[str, int, str], np.ndarray] = {}
   other = []
   try:
-    f = safe_open(str(weights), framework="numpy")
+    f = safetensors.safe_open(str(weights), framework="numpy")
   except Exception as e:  # safetensors raises its own error types for corrupt headers
     raise ValueError(f"cannot read safetensors file {weights}: {e}") from e
   with f:
