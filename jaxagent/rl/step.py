@@ -317,13 +317,19 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
   return _apply(state, (grads, parts), optimizer)
 
 
-def _lora_step_parts(base, lcfg, cfg: ModelConfig, gather: bool):
-  """`_micro_parts` as a function of the adapter: the base's targets (their stored dtype, for
-  the float32 merge) and the rest of the base in the compute dtype are prepared once per step
-  (gathered over fsdp with `gather`), the merge runs in every micro-batch's forward pass."""
+def _lora_base_parts(base, lcfg, cfg: ModelConfig):
+  """`(targets, frozen)`: the base's target weights (their stored dtype, for the float32 merge)
+  and the rest of the base in the compute dtype (`param_tree.compute_copy`)."""
   targets = {"layers": {t: base["layers"][t] for t in lcfg.targets}}
   rest = {k: v for k, v in base["layers"].items() if k not in lcfg.targets}
-  frozen = param_tree.compute_copy({**base, "layers": rest}, cfg)
+  return targets, param_tree.compute_copy({**base, "layers": rest}, cfg)
+
+
+def _lora_step_parts(base, lcfg, cfg: ModelConfig, gather: bool):
+  """`_micro_parts` as a function of the adapter: the base's targets and the rest of the base
+  in the compute dtype are prepared once per step (gathered over fsdp with `gather`), the
+  merge runs in every micro-batch's forward pass."""
+  targets, frozen = _lora_base_parts(base, lcfg, cfg)
   if gather:
     targets = _constrain_params(targets, _GATHERED_RULES)
     frozen = _constrain_params(frozen, _GATHERED_RULES)
@@ -624,22 +630,24 @@ class Learner:
     if with_entropy not in self._score:
       lcfg = self.lora
 
-      def one(p, b, base):
-        if lcfg is not None:
-          p = lora_lib.merge(base, p, lcfg)
+      def one(p, b):
         return sequence_logprobs(p, b, cfg=self.cfg, temperature=self.scfg.temperature,
                                  chunk=self.scfg.logprob_chunk,
                                  chunk_tokens=self.scfg.logprob_chunk_tokens,
                                  with_entropy=with_entropy)
 
       def fn(p, b, *base):
+        if lcfg is not None:
+          # The weights as the update step reads them (merged in the compute dtype), made
+          # once for all micro-batches: not a merged copy in the base's dtype per micro-batch.
+          targets, frozen = _lora_base_parts(base[0], lcfg, self.cfg)
+          p = _lora_weights(targets, frozen, p, lcfg, self.cfg)
         # Rows in the update's micro-batches: the same activation memory as an update step.
-        base = base[0] if base else None
         m = self.scfg.micro_batches
         rows = b["tokens"].shape[0]
         if m == 1 or rows % m:
-          return one(p, b, base)
-        lp, ent = jax.lax.map(lambda mb: one(p, mb, base), split_micro_batches(b, m))
+          return one(p, b)
+        lp, ent = jax.lax.map(lambda mb: one(p, mb), split_micro_batches(b, m))
         merge = lambda x: x.swapaxes(0, 1).reshape(rows, *x.shape[2:])
         return merge(lp), merge(ent)
       fn.__name__ = fn.__qualname__ = "score_entropy" if with_entropy else "score"

@@ -195,3 +195,26 @@ def test_unrolled_adapter_step_merges_layer_by_layer():
   target_bytes = 4 * sum(x.size for k, x in param_tree.unbox(params)["layers"].items()
                          if k in LCFG.targets)
   assert temp[4] - temp[1] < 0.5 * target_bytes, (temp, target_bytes)
+
+
+def test_scoring_with_an_adapter_merges_once_for_all_micro_batches():
+  """`Learner.score` with an adapter builds the merged weights once, not once per micro-batch:
+  with 4 micro-batches its compiled temporary memory stays within a quarter of the targets'
+  float32 bytes of the one-micro-batch program's (it was a second merged copy more)."""
+  from benchmarks.common import grpo_batch
+
+  cfg = models.get_config("tiny-qwen3", d_model=256, ffn_dim=1024, n_heads=8, n_kv_heads=4,
+                          head_dim=32, n_layers=4, scan_layers=False)
+  params = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+  adapter = jax.eval_shape(lambda: lora.init_lora(cfg, LCFG, jax.random.key(1)))
+  temp = {}
+  for m in (1, 4):
+    learner = step.Learner(cfg, step.StepConfig(micro_batches=m), optax.sgd(0.1), lora=LCFG,
+                           base=params)
+    rows = learner.put_batch({k: v for k, v in grpo_batch(cfg, 4 * m, 4, 16).items()
+                              if k in ("tokens", "segment_ids", "positions")})
+    compiled = learner.score_fn().lower(adapter, rows, params).compile()
+    temp[m] = compiled.memory_analysis().temp_size_in_bytes
+  target_bytes = 4 * sum(x.size for k, x in param_tree.unbox(params)["layers"].items()
+                         if k in LCFG.targets)
+  assert temp[4] - temp[1] < 0.25 * target_bytes, (temp, target_bytes)
