@@ -540,6 +540,7 @@ class Learner:
     `dtype` when given, e.g. the compute dtype for the sampler)."""
     if self.lora is None:
       return params
+    self._check_adapter(params, "Learner.merged_params")
     key = None if dtype is None else jnp.dtype(dtype).name
     if key not in self._merge:
       lcfg = self.lora
@@ -559,8 +560,16 @@ class Learner:
                       params=shd.shardings(state.params, self.mesh),
                       opt_state=shd.shardings(state.opt_state, self.mesh))
 
+  def _check_adapter(self, params, what: str) -> None:
+    """With an adapter, a ValueError naming `what` unless `params` has the adapter's targets
+    and shapes (else a KeyError or a pytree mismatch came from inside the jitted program)."""
+    if self.lora is not None:
+      lora_lib.check_lora(params, self.cfg, self.lora, what)
+
   def init(self, params) -> TrainState:
-    """A sharded train state (step 0) around `params` (host or device arrays)."""
+    """A sharded train state (step 0) around `params` (host or device arrays; an adapter of
+    the learner's `LoraConfig` when it has one)."""
+    self._check_adapter(params, "Learner.init")
     def make(p):
       return TrainState(step=jnp.zeros((), jnp.int32), params=p,
                         opt_state=self.optimizer.init(p))
@@ -658,6 +667,7 @@ class Learner:
   def score(self, params, batch, with_entropy: bool = False):
     """Per-token log-probs (and entropies) `[B, L]` of packed rows, e.g. reference log-probs
     (`params`: an adapter when the learner has one)."""
+    self._check_adapter(params, "Learner.score")
     b = self.put_batch({k: batch[k] for k in ("tokens", "segment_ids", "positions")
                         if k in batch})
     return self.score_fn(with_entropy)(params, b, *self._base_args())

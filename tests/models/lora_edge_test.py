@@ -218,3 +218,20 @@ def test_scoring_with_an_adapter_merges_once_for_all_micro_batches():
   target_bytes = 4 * sum(x.size for k, x in param_tree.unbox(params)["layers"].items()
                          if k in LCFG.targets)
   assert temp[4] - temp[1] < 0.25 * target_bytes, (temp, target_bytes)
+
+
+def test_an_adapter_of_another_shape_is_refused_by_name():
+  cfg = models.get_config("tiny-qwen3")
+  params = models.init_params(cfg, jax.random.key(0))
+  learner = step.Learner(cfg, step.StepConfig(), optax.sgd(0.1), lora=LCFG, base=params)
+  mlp = lora.init_lora(cfg, lora.LoraConfig(rank=4, targets="mlp"), jax.random.key(1))
+  rank8 = lora.init_lora(cfg, lora.LoraConfig(rank=8), jax.random.key(1))
+  with pytest.raises(ValueError, match=r"Learner.init: the adapter targets \['w_down', "):
+    learner.init(mlp)
+  with pytest.raises(ValueError, match=r"Learner.init: adapter wq.a has shape .* \(lora.rank=4"):
+    learner.init(rank8)
+  rows = two_sequence_rows(cfg.vocab_size, 2)
+  with pytest.raises(ValueError, match="Learner.score: the adapter targets"):
+    learner.score(mlp, rows)
+  with pytest.raises(ValueError, match="Learner.merged_params: adapter wq.a has shape"):
+    learner.merged_params(rank8)
