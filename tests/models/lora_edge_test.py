@@ -243,3 +243,35 @@ def test_an_adapter_of_another_shape_is_refused_by_name():
     learner.score(mlp, rows)
   with pytest.raises(ValueError, match="Learner.merged_params: adapter wq.a has shape"):
     learner.merged_params(rank8)
+
+
+def test_sampler_learner_gap_with_an_adapter_is_full_fine_tunings_on_a_mesh():
+  """bfloat16 compute on data=fsdp=tensor=2: the engine decoding from `merged_params` and
+  `Learner.score` with the adapter disagree exactly as much as a full fine-tune's sampler (its
+  compute copy) and learner do on the same merged weights."""
+  from jaxagent.generate import scheduler
+
+  cfg = models.get_config("tiny-qwen3", param_dtype="float32", dtype="bfloat16")
+  params = models.init_params(cfg, jax.random.key(0), std=0.1)
+  mesh = sharding.make_mesh(2, 2, 2)
+  ad = _random_adapter(cfg)
+  prompts = [[5, 17, 33, 2, 9], [7, 8, 9, 10, 11], [1, 2, 3, 4, 5], [9, 9, 9, 9, 9]]
+
+  def gap(learner, p, weights):
+    done = scheduler.generate(weights, cfg, prompts, max_new_tokens=8, temperature=1.0,
+                              seed=3, eos_ids=[], mesh=mesh)
+    toks = np.array([q + d.tokens for q, d in zip(prompts, done)], np.int32)
+    n = toks.shape[1]
+    lp, _ = learner.score(p, dict(tokens=toks, segment_ids=np.ones_like(toks),
+                                  positions=np.tile(np.arange(n, dtype=np.int32), (4, 1))))
+    return max(float(np.abs(np.asarray(lp)[i, 5:] - np.asarray(d.logprobs)).max())
+               for i, d in enumerate(done))
+
+  with_adapter = step.Learner(cfg, step.StepConfig(), optax.sgd(0.1), mesh, lora=LCFG,
+                              base=params)
+  a = with_adapter.init(ad).params
+  got = gap(with_adapter, a, with_adapter.merged_params(a, cfg.dtype))
+  full = step.Learner(cfg, step.StepConfig(), optax.sgd(0.1), mesh)
+  p = full.init(lora.merge(params, ad, LCFG)).params
+  want = gap(full, p, jax.jit(lambda x: param_tree.compute_copy(x, cfg))(p))
+  assert got <= want * 1.01 + 1e-6, (got, want)
