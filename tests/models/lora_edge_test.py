@@ -28,14 +28,16 @@ def _plain(tree):
 
 
 @pytest.mark.slow  # four 8-device compiles and two steps: 20-45 s on 2 cores
-def test_gathered_weights_with_an_adapter_same_update_fewer_all_gathers():
+@pytest.mark.parametrize("scan_layers", [True, False])
+def test_gathered_weights_with_an_adapter_same_update_fewer_all_gathers(scan_layers):
   """fsdp over 8 devices, 4 micro-batches: `gather_weights` with an adapter gives the update of
   the default path and gathers the weights once per step (the merge used to run on the
   adapter's fsdp shards and all-gather each merged weight again in every micro-batch)."""
   from benchmarks.common import grpo_batch
   from jaxagent.plan import hlo
 
-  cfg = models.get_config("tiny-qwen3", param_dtype="float32", dtype="bfloat16")
+  cfg = models.get_config("tiny-qwen3", param_dtype="float32", dtype="bfloat16",
+                          scan_layers=scan_layers)
   mesh = sharding.make_mesh(fsdp=8)
   batch = grpo_batch(cfg, 32, 8, 24)
   params = models.init_params(cfg, jax.random.key(0))
@@ -53,7 +55,8 @@ def test_gathered_weights_with_an_adapter_same_update_fewer_all_gathers():
     out[g] = _plain(new.params)
   for a, b in zip(jax.tree.leaves(out[False]), jax.tree.leaves(out[True])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
-  assert gathered[True] < 0.6 * gathered[False], gathered
+  # (The unrolled loop's default path gathers less to begin with: 1.38 MB here, 3.15 MB scanned.)
+  assert gathered[True] < (0.6 if scan_layers else 0.8) * gathered[False], gathered
   # No more all-gathered bytes than full fine-tuning's step (the adapter's own are a few KB).
   for g in (False, True):
     scfg = step.StepConfig(micro_batches=4, entropy=False, gather_weights=g)
