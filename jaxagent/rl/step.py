@@ -237,8 +237,9 @@ _GATHERED_RULES = tuple((k, None if v == "fsdp" else v) for k, v in shd.RULES)
 def _lora_weights(targets, frozen, adapter, lcfg: lora_lib.LoraConfig, cfg: ModelConfig,
                   gather: bool = False):
   """The weights one forward pass reads with an adapter: `frozen` (the base in the compute
-  dtype) with each target replaced by its merged weight (`lora.merge` of the base's own
-  `targets`, cast to the compute dtype), unstacked for the unrolled layer loop.
+  dtype) with each target replaced by its merged weight (`W + scale * A @ B` of the base's own
+  `targets` in float32, cast to the compute dtype); for the unrolled layer loop, per-layer
+  weights, each layer merged from its own slices (`lora.merged_weight`).
 
   With `gather` (`targets` and `frozen` already gathered over fsdp), the adapter is gathered
   too (it is small) and the merge computes the gathered weights in place: left to itself, the
