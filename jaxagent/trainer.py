@@ -938,9 +938,9 @@ class Trainer:
     lcfg, adapter = lora_lib.load_peft(pathlib.Path(path).expanduser(), self.cfg)
     if lcfg != self.lora:
       raise ValueError(
-          f"lora.init_from={path!r} holds an adapter of rank {lcfg.rank}, alpha {lcfg.alpha:g} "
+          f"lora.init_from={path!r} holds an adapter of rank {lcfg.rank}, alpha {lcfg.alpha!r} "
           f"on {','.join(lcfg.targets)}; the config says lora.rank={self.lora.rank}, "
-          f"lora.alpha={self.lora.alpha:g}, lora.targets={','.join(self.lora.targets)}: set "
+          f"lora.alpha={self.lora.alpha!r}, lora.targets={','.join(self.lora.targets)}: set "
           "them to the adapter's")
     return adapter
 

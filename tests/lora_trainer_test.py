@@ -53,8 +53,8 @@ def test_a_lora_run_trains_the_adapter_only_checkpoints_it_and_exports_the_merge
   # `python -m jaxagent.export` of the checkpoint writes the same merged weights.
   again = checkpoint.export_hf(tmp_path / "run", tmp_path / "export2")
   sd2 = safetensors.numpy.load_file(str(again / "model.safetensors"))
-  for k in want:
-    np.testing.assert_array_equal(sd2[k], sd[k], err_msg=k)
+  for k in want:  # (merged on the run's mesh vs on one device: equal to float32 rounding)
+    np.testing.assert_allclose(sd2[k], sd[k], rtol=1e-6, atol=1e-7, err_msg=k)
   # Both also write the adapter alone, as a PEFT adapter directory.
   for d in (out, again):
     lcfg, loaded = lora.load_peft(d / "adapter", base_cfg)
@@ -72,8 +72,8 @@ def test_a_lora_run_trains_the_adapter_only_checkpoints_it_and_exports_the_merge
       np.testing.assert_array_equal(a, b)
   finally:
     t3.close()
-  with pytest.raises(ValueError, match=r"holds an adapter of rank 4, alpha 8 on wq,.*w_down; "
-                     r"the config says lora.rank=4, lora.alpha=16"):
+  with pytest.raises(ValueError, match=r"holds an adapter of rank 4, alpha 8.0 on wq,.*w_down; "
+                     r"the config says lora.rank=4, lora.alpha=16.0"):
     Trainer(_lora_tiny(fresh_dir, **{"lora.init_from": str(out / "adapter"),
                                      "lora.alpha": 16.0}))
 

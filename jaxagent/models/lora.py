@@ -116,7 +116,8 @@ def from_config(section) -> LoraConfig | None:
   if section is None:
     return None
   rank = section.get("rank", 0)
-  off = rank == 0 and not isinstance(rank, bool)
+  # (a float 0.0 was full fine-tuning while 4.0 was refused: only the int 0 means off)
+  off = isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and rank == 0
   try:
     lcfg = LoraConfig(rank=1 if off else rank, alpha=section.get("alpha", 16.0),
                       targets=section.get("targets", "all"))

@@ -53,6 +53,12 @@ def test_config_checks_and_targets():
   section.rank = -2
   with pytest.raises(ValueError, match=r"lora.rank must be an int >= 1, got -2"):
     lora.from_config(section)
+  section = ml_collections.ConfigDict(dict(rank=0.0, alpha=16.0, targets="all"))
+  with pytest.raises(ValueError, match=r"lora.rank must be an int >= 1, got 0.0"):
+    lora.from_config(section)
+  section.rank = -2
+  with pytest.raises(ValueError, match=r"lora.rank must be an int >= 1, got -2"):
+    lora.from_config(section)
 
 
 def test_shapes_axes_and_count():
