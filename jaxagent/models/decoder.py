@@ -482,8 +482,13 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
   With `segment_ids` (0 = padding) attention is causal within a segment and blocked across
   segments; positions default to restarting per segment. The layers run as a `lax.scan` over
   the stacked weights, or unrolled when `cfg.scan_layers` is False or `params["layers"]` is a
-  tuple of per-layer dicts (`unstack_layers`).
+  tuple of per-layer dicts (`unstack_layers`). `params["adapter"]` (a
+  `models.lora.LayerAdapter`, stacked over layers) merges each layer's low-rank adapter into
+  its weights inside the loop, one layer at a time.
   """
+  adapter = params.get("adapter") if isinstance(params, dict) else None
+  if adapter is not None:
+    params = {k: v for k, v in params.items() if k != "adapter"}
   p = unbox(params)
   tokens = jnp.asarray(tokens, jnp.int32)
   # Nested lists as the tokens are: the attention slices the ids and RoPE casts the positions.
@@ -509,23 +514,27 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
   attend = functools.partial(segment_attention, segment_ids=segment_ids, cfg=cfg)
 
-  def body(x, lp):
+  def body(x, lp_ab):
+    lp, ab = lp_ab
+    if adapter is not None:
+      lp = adapter.apply(lp, ab)
     x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
     return x, ((k, v) if collect_kv else None)
 
   x = embed(p, tokens, cfg)
   layers = p["layers"]
+  ad_layers = None if adapter is None else adapter.layers
   if isinstance(layers, (tuple, list)) or not cfg.scan_layers:
     if not isinstance(layers, (tuple, list)):
       layers = unstack_layers({"layers": layers})["layers"]
     layer = _remat(body, cfg)
     outs = []
-    for lp in layers:
-      x, o = layer(x, lp)
+    for i, lp in enumerate(layers):
+      x, o = layer(x, (lp, None if adapter is None else adapter.layer(i)))
       outs.append(o)
     kv = jax.tree.map(lambda *xs: jnp.stack(xs), *outs) if collect_kv else None
   else:
-    x, kv = jax.lax.scan(_remat(body, cfg), x, layers)
+    x, kv = jax.lax.scan(_remat(body, cfg), x, (layers, ad_layers))
   h = rms_norm(x, p["final_norm"], cfg.norm_eps)
   return (h, kv) if collect_kv else h
 

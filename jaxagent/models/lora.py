@@ -33,6 +33,7 @@ import shutil
 from typing import Any, Sequence
 
 import flax.linen as nn
+import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -198,6 +199,28 @@ def merged_weight(w, a, b, target: str, lcfg: LoraConfig, dtype=None):
     w, a, b = w[None], a[None], b[None]
   new = (jnp.asarray(w, jnp.float32) + lcfg.scale * delta(a, b, n_in)).astype(dtype or w.dtype)
   return new[0] if one_layer else new
+
+
+@flax.struct.dataclass
+class LayerAdapter:
+  """An adapter the decoder's layer loop merges one layer at a time: put it in a params tree as
+  `params["adapter"]`, with the targets in `params["layers"]` as stored (float32 masters), and
+  `decoder.hidden_states` replaces each layer's targets by `merged_weight(w, a, b)` in `dtype`
+  inside its loop (inside the layer's rematerialisation too), so no merged copy of every layer
+  is held at once. `layers`: the adapter's `{target: {"a", "b"}}`, stacked over layers."""
+
+  layers: Any
+  lcfg: LoraConfig = flax.struct.field(pytree_node=False)
+  dtype: Any = flax.struct.field(pytree_node=False, default=None)
+
+  def layer(self, i: int):
+    """Layer `i`'s slices of the adapter (for an unrolled layer loop)."""
+    return jax.tree.map(lambda x: x[i], self.layers)
+
+  def apply(self, lp, ab):
+    """One layer's weights `lp` with its targets merged with their adapter slices `ab`."""
+    return {**lp, **{t: merged_weight(lp[t], ab[t]["a"], ab[t]["b"], t, self.lcfg, self.dtype)
+                     for t in self.lcfg.targets}}
 
 
 def merge(base, lora, lcfg: LoraConfig, dtype=None):
