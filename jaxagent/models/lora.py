@@ -218,9 +218,17 @@ class LayerAdapter:
     return jax.tree.map(lambda x: x[i], self.layers)
 
   def apply(self, lp, ab):
-    """One layer's weights `lp` with its targets merged with their adapter slices `ab`."""
-    return {**lp, **{t: merged_weight(lp[t], ab[t]["a"], ab[t]["b"], t, self.lcfg, self.dtype)
-                     for t in self.lcfg.targets}}
+    """One layer's weights `lp` with its targets merged with their adapter slices `ab`.
+
+    Each merge is its own rematerialised computation that saves nothing: the backward pass
+    merges again from the resident base and the adapter. Under the layer's remat policy the
+    merge's product `A @ B` is a dot (saved by "dots" policies: a float32 copy of every
+    layer's targets), and outside any remat every layer's merged weight stayed alive for
+    the backward pass."""
+    merge = jax.checkpoint(
+        lambda w, a, b, t: merged_weight(w, a, b, t, self.lcfg, self.dtype),
+        policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(3,))
+    return {**lp, **{t: merge(lp[t], ab[t]["a"], ab[t]["b"], t) for t in self.lcfg.targets}}
 
 
 def merge(base, lora, lcfg: LoraConfig, dtype=None):
