@@ -886,7 +886,24 @@ def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: i
       adapter = multihost_utils.process_allgather(adapter, tiled=True)
     if jax.process_index() == 0:
       save_lora_adapter(out, cfg, lcfg, jax.device_get(adapter), meta.get("config", {}))
+  elif jax.process_index() == 0:
+    drop_stale_adapter(out)
   return out
+
+
+def drop_stale_adapter(out) -> bool:
+  """After a full-weights export into `out`: remove `<out>/adapter` when it is an earlier LoRA
+  export's adapter (its two PEFT files and nothing else), which would describe another policy
+  than the weights beside it. Anything else there is left as it is. True when removed."""
+  from jaxagent.models import lora
+  d = pathlib.Path(out).expanduser() / "adapter"
+  if not d.is_dir() or {p.name for p in d.iterdir()} != {lora.PEFT_CONFIG, lora.PEFT_WEIGHTS}:
+    return False
+  for name in (lora.PEFT_CONFIG, lora.PEFT_WEIGHTS):  # the config first: no half adapter reads
+    (d / name).unlink()
+  d.rmdir()
+  log.info("removed %s: an earlier export's LoRA adapter, not of the weights exported now", d)
+  return True
 
 
 def save_lora_adapter(out, cfg, lcfg, adapter, config: Mapping[str, Any]) -> pathlib.Path:

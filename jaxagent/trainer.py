@@ -1828,6 +1828,8 @@ class Trainer:
       if jax.process_index() == 0:
         checkpoint.save_lora_adapter(out, self.cfg, self.lora, adapter,
                                      checkpoint.config_to_json(self.config))
+    elif jax.process_index() == 0:
+      checkpoint.drop_stale_adapter(out)  # an earlier LoRA export's, of other weights
     if jax.process_index() == 0:
       self.writer.message(f"exported the policy to {out}")
     return out

@@ -118,3 +118,24 @@ def test_an_init_from_that_is_no_adapter_directory_fails_before_the_model_loads(
                      r"\(no adapter_config.json there\)"):
     Trainer(_lora_tiny(tmp_path, **{"lora.init_from": str(tmp_path)}))
   assert not (tmp_path / "run").exists()
+
+
+def test_a_full_weights_export_over_an_earlier_lora_export_drops_its_adapter(tmp_path):
+  """`<out>/adapter` of an earlier LoRA export would describe other weights than a full-weights
+  export written over it: removed, unless it holds anything but the two PEFT files."""
+  out = tmp_path / "export"
+  adapter_dir = out / "adapter"
+  adapter_dir.mkdir(parents=True)
+  for name in (lora.PEFT_CONFIG, lora.PEFT_WEIGHTS):
+    (adapter_dir / name).write_text("{}")
+  t = Trainer(_tiny(tmp_path))
+  try:
+    t.export(out)
+  finally:
+    t.close()
+  assert (out / "model.safetensors").is_file() and not adapter_dir.exists()
+  # A directory with more in it is not ours to remove.
+  adapter_dir.mkdir()
+  for name in (lora.PEFT_CONFIG, lora.PEFT_WEIGHTS, "notes.txt"):
+    (adapter_dir / name).write_text("{}")
+  assert not checkpoint.drop_stale_adapter(out) and (adapter_dir / "notes.txt").is_file()
