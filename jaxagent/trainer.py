@@ -437,8 +437,7 @@ _FREE_FORM = ("env.kwargs",)
 OPTIONAL_CONFIG_KEYS = frozenset("""
     checkpoint_async checkpoint_dir checkpoint_every checkpoint_keep checkpoint_keep_every
     env.kwargs export log.dump_count lora.alpha lora.init_from lora.rank lora.targets
-    loss.dual_clip
-    loss.max_len_norm
+    loss.dual_clip loss.max_len_norm
     model.attention model.init_seed model.init_std model.logprob model.norm_rope
     model.scan_layers model.tokenizer
     reward.overlong_cache_tokens reward.overlong_coef reward.overlong_max_tokens
@@ -877,10 +876,11 @@ class Trainer:
       # Recorded with every checkpoint: a resume or an export over other base weights (an HF
       # directory replaced under the same model.path) is refused.
       self._base_digest = checkpoint.digest(self.learner.base)
-      params = lora_lib.init_lora(self.cfg, self.lora, jax.random.fold_in(
-          jax.random.key(c.seed), 0x10A))
       if c.lora.get("init_from"):  # an adapter trained before (SFT elsewhere, an earlier run)
         params = self._adapter_from(c.lora.init_from)
+      else:
+        params = lora_lib.init_lora(self.cfg, self.lora, jax.random.fold_in(
+            jax.random.key(c.seed), 0x10A))
     self.state = self.learner.init(params)
     del params
     self.ref_params = None  # set when RL starts (after the warm start), if kl_coef > 0
@@ -1216,21 +1216,19 @@ class Trainer:
     call (`models.param_tree.compute_copy`: bitwise the same logits, half the bytes per decode
     step); otherwise the same buffers. With `rollout.mesh = "data"` that copy is then
     replicated onto the rollout mesh (one all-gather per step)."""
+    params = self.state.params
     if self.lora is not None:  # the base with the adapter merged, in the compute dtype
-      params = self.learner.merged_params(self.state.params, self.cfg.dtype)
-      if jax.process_count() == 1:
-        return params if self.gen_mesh is self.mesh else sharding.shard(params, self.gen_mesh)
-      host = _to_host(params)
-      return sharding.shard(host, self.gen_mesh) if jax.process_index() == 0 else None
+      params = self.learner.merged_params(params, self.cfg.dtype)
+    elif jax.process_count() == 1 and self.cfg.jnp_param_dtype != self.cfg.jnp_dtype:
+      if self._cast is None:
+        self._cast = jax.jit(functools.partial(param_tree.compute_copy, cfg=self.cfg))
+      params = self._cast(params)
     if jax.process_count() == 1:
-      params = self.state.params
-      if self.cfg.jnp_param_dtype != self.cfg.jnp_dtype:
-        if self._cast is None:
-          self._cast = jax.jit(functools.partial(param_tree.compute_copy, cfg=self.cfg))
-        params = self._cast(params)
       # Colocated (the learner's mesh): the same buffers, no copy.
       return params if self.gen_mesh is self.mesh else sharding.shard(params, self.gen_mesh)
-    host = param_tree.compute_copy(_to_host(self.state.params), self.cfg)
+    host = _to_host(params)
+    if self.lora is None:  # cast on the host, after the gather
+      host = param_tree.compute_copy(host, self.cfg)
     return sharding.shard(host, self.gen_mesh) if jax.process_index() == 0 else None
 
   @staticmethod
