@@ -39,3 +39,23 @@ def make_traj(char_tok):
     return traj
 
   return make
+
+
+@pytest.fixture
+def batched_reads(monkeypatch):
+  """`watch(source_type)`: the key lists of every `__getitems__` call on `source_type` from now
+  on (appended to the returned list); a one-record `__getitem__` read fails the test."""
+  def watch(source_type):
+    reads = []
+    getitems = source_type.__getitems__
+
+    def batched(self, keys):
+      reads.append(list(keys))
+      return getitems(self, keys)
+
+    def single(self, key):
+      raise AssertionError("read one record at a time")
+    monkeypatch.setattr(source_type, "__getitems__", batched)
+    monkeypatch.setattr(source_type, "__getitem__", single)
+    return reads
+  return watch
