@@ -13,7 +13,8 @@ shardings; params come from `jax.eval_shape(init_params)`, so no weight is ever 
   * `sft[L=...]`: the warm start's update at the longest bucket (when `sft.steps > 0`).
   * `score[L=...]`: `sequence_logprobs`, used when the trainer runs it (`runs_score`: reference
     log-probs with `loss.kl_coef > 0`, old log-probs of observation tokens with an env that
-    trains on them); else reported but not part of the verdict.
+    trains on them, the learner's own old log-probs with `loss.tis_cap`); else reported but not
+    part of the verdict.
   * `prefill`, `insert`, `generate`, `append`: the generator's programs (`Engine.program`), at
     the configured slots and cache length, on the rollout mesh (on several hosts, process 0's
     devices alone, where the trainer rolls out).
@@ -167,8 +168,9 @@ def runs_score(config) -> bool:
   It runs for the KL term's reference log-probs (`loss.kl_coef > 0`, `Trainer.rl_step`) and for
   the old log-probs of trained tokens the sampler never sampled: the observation tokens of an
   env with `train_on_observations` (`Trainer.fill_unsampled_old_logps`, on every step whose
-  batch holds one). The env is built as the trainer builds it (`make_env(env.name,
-  **env.kwargs)`) to read that attribute.
+  batch holds one), and for the learner's own (proximal) old log-probs of every batch when the
+  loss weights by the sampler's (`loss.tis_cap`, `rl/losses.py`). The env is built as the
+  trainer builds it (`make_env(env.name, **env.kwargs)`) to read that attribute.
   """
   e = config.get("env") if hasattr(config, "get") else None
   on_observations = False
@@ -180,7 +182,7 @@ def runs_score(config) -> bool:
     except (ImportError, OSError) as err:  # a package or data file only the run's host has
       log.warning("could not build env %r to ask whether it trains on observation tokens "
                   "(%s: %s); planned as if it does not", e.name, type(err).__name__, err)
-  return config.loss.kl_coef > 0 or on_observations
+  return config.loss.kl_coef > 0 or on_observations or config.loss.get("tis_cap") is not None
 
 
 def _bucket(n: int, buckets: Sequence[int]) -> int:
@@ -405,7 +407,8 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
             for k in keys}
 
   rl_keys = ("tokens", "segment_ids", "positions", "loss_mask", "old_logps", "advantages") + \
-      (("ref_logps",) if shapes.kl else ())
+      (("ref_logps",) if shapes.kl else ()) + \
+      (("behavior_logps",) if scfg.loss.tis_cap is not None else ())
   programs: list[ProgramReport] = []
 
   def add(rep: ProgramReport, fn, *args, on: Mesh | None = None, **kwargs):

@@ -49,6 +49,41 @@ same `agg`. Metrics (`finalize_parts`):
   * num_policy_tokens, num_segments (live segments).
 A "unit" is a policy token for grpo and gspo_token, and a live segment for gspo.
 
+Truncated importance sampling of the behaviour policy (`LossConfig.tis_cap`; decoupled PPO,
+Hilton et al. 2021, "Batch size-invariance for policy optimization", with the truncation of
+Yao et al. 2025, "Your efficient RL framework secretly brings you off-policy RL training").
+Three policies meet in an update: pi_theta (the learner, differentiated), pi_prox = `old_logps`
+(the learner's own log-probs of the batch before this step's first update, recomputed by the
+learner) and pi_behav = `behavior_logps` (the sampler that generated the tokens: an older policy
+when rollouts run k steps ahead, and other numerics even when it is not). The clip keeps
+pi_theta near pi_prox as before (r = pi_theta / pi_prox in every formula above), and the
+policy-gradient term of each policy token t of segment i is multiplied by a constant
+(stop-gradient) weight that corrects for tokens sampled from pi_behav instead of pi_prox:
+
+  d_t  = clip(old_logps_t - behavior_logps_t, -MAX_LOG_RATIO, MAX_LOG_RATIO)
+  tis_level="token":     w_t = min(exp(d_t), tis_cap)
+  tis_level="sequence":  w_t = W_i = min(exp(sum_{u in i} d_u), tis_cap)   (u: policy tokens of i)
+
+so a token's loss is w_t * pg_t; the KL and entropy terms are not weighted, and the
+denominators do not change. "sequence" is the importance weight of the whole trajectory,
+pi_prox(y_i) / pi_behav(y_i) (tool observations cancel: both policies see the same ones; a
+trained token the sampler did not sample, such as an observation token trained on, should carry
+`behavior_logps` == `old_logps`, a factor 1), unbiased before truncation; "token" corrects each
+token's own sampling only, biased but of much lower variance, and the usual choice. The same
+weights serve gspo and gspo_token: GSPO's length-normalised ratio (eq. 7) is a trust-region
+measure that keeps one clip range meaningful across lengths, not an importance weight of any
+distribution, so a sequence-level correction uses the product of the token ratios. For gspo
+each token carries its sequence's loss, so W_i multiplies GSPO's sequence loss, and token
+weights (with agg="seq_mean_token_mean") multiply it by the mean of the segment's w_t. Past
+`tis_cap` the weight is held at the cap (truncation: bias for bounded variance). With
+`behavior_logps` == `old_logps` every weight is exactly 1 and the loss is the plain one.
+Metrics (with `behavior_logps`):
+  * behavior_kl: mean over policy tokens of k3 = q - 1 - log q, q = pi_prox / pi_behav (log q
+    bounded as above): an estimate of KL(pi_behav || pi_prox) on the tokens pi_behav sampled.
+  * tis_weight_mean, tis_clip_frac (only with `tis_cap`): the mean of the truncated weight and
+    the fraction where the cap binds, over policy tokens ("token") or live segments ("sequence").
+`behavior_logps` without `tis_cap` gives behavior_kl only and leaves the loss unchanged.
+
 Gradient accumulation over micro-batches (what `rl/step.py` does)::
 
     def numerator(params, mb):
@@ -79,6 +114,7 @@ Array = jax.Array
 Algo = Literal["grpo", "gspo", "gspo_token"]
 Agg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm"]
 KLEstimator = Literal["k1", "k2", "k3"]
+TISLevel = Literal["token", "sequence"]
 
 _SEQ_AGGS = ("seq_mean_token_mean", "seq_mean_token_sum", "seq_mean_token_sum_norm")
 
@@ -114,6 +150,13 @@ class LossConfig:
       entropy_coef: weight of the entropy bonus (needs per-token `entropies`).
       max_len_norm: the constant divisor of "seq_mean_token_sum_norm" (Dr. GRPO); required by
         that mode and rejected by the others.
+      tis_cap: None (off) or a finite constant >= 1 (e.g. 2.0): the truncation of the importance
+        weight pi_prox / pi_behav that multiplies each policy token's policy-gradient loss, for
+        rollouts sampled by another policy than `old_logps` (asynchronous rollouts, sampler
+        numerics). Needs `behavior_logps` (the sampler's log-probs), with `old_logps` then the
+        learner's own log-probs of the batch before the update; see the module docstring.
+      tis_level: "token" (a weight per policy token) or "sequence" (one weight per segment, the
+        product of its tokens' ratios, truncated at `tis_cap`); see the module docstring.
     """
 
     algo: Algo = "grpo"
@@ -125,15 +168,18 @@ class LossConfig:
     kl_estimator: KLEstimator = "k3"
     entropy_coef: float = 0.0
     max_len_norm: float | None = None
+    tis_cap: float | None = None
+    tis_level: TISLevel = "token"
 
     def __post_init__(self):
         _check_choice("algo", self.algo, Algo)
         _check_choice("agg", self.agg, Agg)
         _check_choice("kl_estimator", self.kl_estimator, KLEstimator)
+        _check_choice("tis_level", self.tis_level, TISLevel)
         # A string, None or bool would fail the range checks below with a TypeError that names
         # no field, or (a bool) pass as 0 or 1.
-        for field in ("clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef", "max_len_norm"):
-            value, optional = getattr(self, field), field in ("dual_clip", "max_len_norm")
+        for field in ("clip_low", "clip_high", "dual_clip", "kl_coef", "entropy_coef", "max_len_norm", "tis_cap"):
+            value, optional = getattr(self, field), field in ("dual_clip", "max_len_norm", "tis_cap")
             if (value is not None or not optional) and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
                 raise ValueError(f"LossConfig.{field}={value!r} ({type(value).__name__}) must be a number"
                                  + (" or None" if optional else ""))
@@ -149,6 +195,11 @@ class LossConfig:
             raise ValueError(f"LossConfig.kl_coef={self.kl_coef} must be finite and >= 0")
         if not 0.0 <= self.entropy_coef < math.inf:
             raise ValueError(f"LossConfig.entropy_coef={self.entropy_coef} must be finite and >= 0")
+        # A cap below 1 would down-weight even tokens both policies agree on; an infinite one is
+        # untruncated importance sampling, whose weights can reach exp(MAX_LOG_RATIO).
+        if self.tis_cap is not None and not 1.0 <= self.tis_cap < math.inf:
+            raise ValueError(f"LossConfig.tis_cap={self.tis_cap} must be None (off) or a finite constant >= 1 "
+                             "(e.g. 2.0)")
         if self.agg == "seq_mean_token_sum_norm":
             if self.max_len_norm is None or not 0 < self.max_len_norm < math.inf:
                 raise ValueError(
@@ -255,13 +306,15 @@ def policy_loss_parts(
     ref_logps: Array | None = None,
     entropies: Array | None = None,
     *,
+    behavior_logps: Array | None = None,
     max_segments_per_row: int | None = None,
 ) -> LossParts:
     """Loss numerator, denominator and metric parts for one `[B, L]` (micro-)batch.
 
     Args:
       logps: learner log-probs `[B, L]` (differentiated).
-      old_logps: sampler log-probs `[B, L]` (treated as constants).
+      old_logps: log-probs `[B, L]` of the policy the ratio is taken against (treated as
+        constants): the sampler's, or with `behavior_logps` the learner's own before the update.
       advantages: per-token advantages `[B, L]`.
       loss_mask: `[B, L]`, > 0 on policy tokens.
       segment_ids: `[B, L]` int, 1.. per packed trajectory, 0 on padding; each id one
@@ -269,6 +322,8 @@ def policy_loss_parts(
         `step.Learner.put_batch` rejects others).
       ref_logps: reference-policy log-probs `[B, L]`; required when `cfg.kl_coef > 0`.
       entropies: per-token policy entropies `[B, L]`; required when `cfg.entropy_coef > 0`.
+      behavior_logps: log-probs `[B, L]` of the policy that sampled the tokens (constants);
+        required when `cfg.tis_cap` is set, else used for the behavior_kl metric only.
       max_segments_per_row: static bound on segment ids (default L, always safe). A segment id
         above it is an error in an eager call; under jit it is left out of the segment sums and
         makes the per-segment terms (GSPO, the seq_* aggregations) NaN, so pass a smaller value
@@ -283,16 +338,22 @@ def policy_loss_parts(
         raise ValueError(f"LossConfig.kl_coef={cfg.kl_coef} > 0 needs ref_logps; pass the reference policy's log-probs")
     if cfg.entropy_coef > 0 and entropies is None:
         raise ValueError(f"LossConfig.entropy_coef={cfg.entropy_coef} > 0 needs per-token entropies")
+    if cfg.tis_cap is not None and behavior_logps is None:
+        raise ValueError(
+            f"LossConfig.tis_cap={cfg.tis_cap} needs behavior_logps: pass the log-probs of the policy that "
+            "sampled the tokens (the sampler's), with old_logps the learner's own log-probs of the batch "
+            "before this update; or set tis_cap=None")
     # Nested lists, as `models.forward` takes tokens (they failed on '.ndim' / '.shape').
     as_array = lambda x: np.asarray(x) if isinstance(x, (list, tuple)) else x
-    logps, old_logps, advantages, loss_mask, segment_ids, ref_logps, entropies = map(
-        as_array, (logps, old_logps, advantages, loss_mask, segment_ids, ref_logps, entropies))
+    logps, old_logps, advantages, loss_mask, segment_ids, ref_logps, entropies, behavior_logps = map(
+        as_array, (logps, old_logps, advantages, loss_mask, segment_ids, ref_logps, entropies, behavior_logps))
     if logps.ndim != 2:
         raise ValueError(f"logps has shape {logps.shape}; expected [B, L] (rows x positions): give a single "
                          "sequence a leading axis of 1, and vmap over any further leading axes")
     B, L = logps.shape
     for name, x in (("old_logps", old_logps), ("advantages", advantages), ("loss_mask", loss_mask),
-                    ("segment_ids", segment_ids), ("ref_logps", ref_logps), ("entropies", entropies)):
+                    ("segment_ids", segment_ids), ("ref_logps", ref_logps), ("entropies", entropies),
+                    ("behavior_logps", behavior_logps)):
         if x is not None and x.shape != (B, L):
             raise ValueError(f"{name} has shape {x.shape}; expected {(B, L)} like logps")
     num_segments = (L if max_segments_per_row is None else max_segments_per_row) + 1  # + padding id 0
@@ -376,9 +437,29 @@ def policy_loss_parts(
         pg_BxL, low_BxL, high_BxL, dual_BxL = _clipped_surrogate(ratio_BxL, adv_BxL, cfg)
         unit_BxL = maskf_BxL
 
+    sums, counts = {}, {}
+    if behavior_logps is not None:
+        # log(pi_prox / pi_behav) per policy token (0 elsewhere), bounded so that one corrupt or
+        # -inf log-prob neither overflows the exp below nor makes a segment's sum inf - inf.
+        log_q_BxL = bounded(old_BxL - clean(jax.lax.stop_gradient(behavior_logps)))
+        k3_behav_BxL = clean(jnp.exp(log_q_BxL) - 1.0 - log_q_BxL)
+        sums["behavior_kl"], counts["behavior_kl"] = jnp.sum(k3_behav_BxL), num_tokens
+        if cfg.tis_cap is not None:
+            if cfg.tis_level == "token":
+                log_w_BxL, tis_unit_BxL = log_q_BxL, maskf_BxL
+            else:  # the segment's product of token ratios, on each of its tokens
+                log_w_BxL = _gather_BxL(_segment_sum_BxS(log_q_BxL, segment_ids_BxL, num_segments), segment_ids_BxL)
+                tis_unit_BxL = maskf_BxL * _gather_BxL(inv_ntok_BxS, segment_ids_BxL)  # counts segments
+            log_cap = math.log(cfg.tis_cap)
+            tis_BxL = jnp.exp(jnp.minimum(log_w_BxL, log_cap))
+            # Weights the policy-gradient term only, token by token (not the KL or entropy terms).
+            pg_BxL = tis_BxL * pg_BxL
+            num_tis = jnp.sum(tis_unit_BxL)
+            sums["tis_weight_mean"], counts["tis_weight_mean"] = jnp.sum(tis_unit_BxL * tis_BxL), num_tis
+            sums["tis_clip_frac"], counts["tis_clip_frac"] = jnp.sum(tis_unit_BxL * (log_w_BxL > log_cap)), num_tis
+
     pg_num = jnp.sum(w_BxL * pg_BxL)
     numerator = pg_num
-    sums, counts = {}, {}
     num_units = jnp.sum(unit_BxL)
 
     kl_num = jnp.zeros((), dtype)
@@ -458,6 +539,7 @@ def policy_loss(
     ref_logps: Array | None = None,
     entropies: Array | None = None,
     *,
+    behavior_logps: Array | None = None,
     max_segments_per_row: int | None = None,
 ) -> tuple[Array, dict[str, Array]]:
     """Scalar loss and metrics for one batch; see `policy_loss_parts` for the arguments.
@@ -466,5 +548,5 @@ def policy_loss(
     normalise by the denominator of the whole batch.
     """
     parts = policy_loss_parts(logps, old_logps, advantages, loss_mask, segment_ids, cfg, ref_logps, entropies,
-                              max_segments_per_row=max_segments_per_row)
+                              behavior_logps=behavior_logps, max_segments_per_row=max_segments_per_row)
     return finalize_parts(parts)

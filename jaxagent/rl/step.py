@@ -8,8 +8,10 @@ explicit shardings (rows over `data`/`fsdp`, params by their logical axes) and t
 donated.
 
 Batches are dicts of `[B, L]` arrays: `tokens`, `segment_ids`, `positions`, `loss_mask`,
-`old_logps`, `advantages` and optionally `ref_logps`. Position t's log-prob is that of token t
-given the tokens before it in its segment.
+`old_logps`, `advantages` and optionally `ref_logps` and `behavior_logps` (the sampler's
+log-probs, required with `LossConfig.tis_cap`; `old_logps` are then the learner's own log-probs
+of the batch before the update: see `rl/losses.py`). Position t's log-prob is that of token t
+given the tokens before it in its segment. The jitted programs are traced once per set of keys.
 """
 from __future__ import annotations
 
@@ -194,13 +196,18 @@ def _micro_parts(params, mb: Batch, cfg: ModelConfig, scfg: StepConfig):
   if scfg.objective == "sft":
     parts = _sft_parts(logps, mb)
   else:
+    behavior = mb.get("behavior_logps")
     parts = losses.policy_loss_parts(
         logps, mb["old_logps"], mb["advantages"], mb["loss_mask"], mb["segment_ids"],
-        scfg.loss, ref_logps=mb.get("ref_logps"), entropies=ents if want_ent else None)
+        scfg.loss, ref_logps=mb.get("ref_logps"), entropies=ents if want_ent else None,
+        behavior_logps=behavior)
     # Sampler-vs-learner gap: |learner logp - sampler logp| on policy tokens. On the first
-    # update after a rollout the params are the sampler's, so this measures their disagreement.
+    # update after a rollout the params are the sampler's (without behavior_logps; with them,
+    # the sampler is theirs and the params may be steps ahead), so this measures their
+    # disagreement.
+    sampler = mb["old_logps"] if behavior is None else behavior
     mask = mb["loss_mask"] > 0
-    gap = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logps) - mb["old_logps"]), 0.0)
+    gap = jnp.where(mask, jnp.abs(jax.lax.stop_gradient(logps) - sampler), 0.0)
     parts.sums["logprob_gap"] = jnp.sum(gap)
     parts.counts["logprob_gap"] = jnp.sum(mask.astype(jnp.float32))
   if want_ent:
@@ -285,6 +292,7 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
   if (lora is None) != (base is None):
     raise ValueError("train_step: pass both base (the frozen params) and lora (their adapter's "
                      "LoraConfig), or neither")
+  _check_behavior_key(batch, scfg)
   if lora is not None:
     grad_fn = jax.value_and_grad(_lora_step_parts(base, lora, cfg, gather), has_aux=True)
     to_adapter = lambda g: jax.tree.map(lambda a, p: a.astype(p.dtype), g, state.params)
@@ -318,6 +326,18 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
   if not gather:
     grads = restack(grads)
   return _apply(state, (grads, parts), optimizer)
+
+
+def _check_behavior_key(batch, scfg: StepConfig) -> None:
+  """A ValueError naming the batch key when the loss weights by the sampler's log-probs
+  (`LossConfig.tis_cap`) and the batch has none (the SFT objective reads no log-probs)."""
+  if (scfg.objective == "rl" and scfg.loss.tis_cap is not None
+      and batch.get("behavior_logps") is None):
+    raise ValueError(
+        f"LossConfig.tis_cap={scfg.loss.tis_cap} needs the batch key 'behavior_logps' (the "
+        f"sampler's log-probs [B, L]), with 'old_logps' the learner's own log-probs of the batch "
+        f"before this update (`Learner.score`); the batch has {sorted(batch)}. Set "
+        f"loss.tis_cap=None to train on the sampler's log-probs as old_logps.")
 
 
 def _lora_base_parts(base, lcfg, cfg: ModelConfig):
@@ -396,7 +416,8 @@ def learner_parts(config):
       algo=c.loss.algo, agg=c.loss.agg, clip_low=c.loss.clip_low, clip_high=c.loss.clip_high,
       dual_clip=c.loss.get("dual_clip"), kl_coef=c.loss.kl_coef,
       kl_estimator=c.loss.kl_estimator, entropy_coef=c.loss.entropy_coef,
-      max_len_norm=c.loss.get("max_len_norm"))
+      max_len_norm=c.loss.get("max_len_norm"), tis_cap=c.loss.get("tis_cap"),
+      tis_level=c.loss.get("tis_level", "token"))
   scfg = StepConfig(loss=loss_cfg, micro_batches=t.micro_batches,
                     temperature=c.rollout.temperature or 1.0,
                     nonfinite=t.get("nonfinite", "raise"),
@@ -618,6 +639,7 @@ class Learner:
     return self._train
 
   def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float]]:
+    _check_behavior_key(batch, self.scfg)  # before the batch moves to the devices
     train = self.train_step_fn(state)
     step = int(state.step)
     state, metrics = train(state, self.put_batch(batch), *self._base_args())

@@ -714,3 +714,21 @@ def test_a_lora_run_is_planned_with_the_adapter_as_train_state_and_the_base_resi
   assert lo["generate"].components["params"] == full["generate"].components["params"]
   assert lo["generate"].components["learner_params"] == pytest.approx(
       full["generate"].components["params"] + lo["update"].components["params"])
+
+
+def test_a_tis_run_plans_the_samplers_log_probs_and_the_score_program():
+  """loss.tis_cap: the update's batch carries behavior_logps (the step refuses one without), and
+  the trainer scores every batch for the learner's own old log-probs (`runs_score`)."""
+  from jaxagent.models import get_config
+  c = tiny()
+  assert not plan.runs_score(c)
+  c.loss.tis_cap = 2.0
+  assert plan.runs_score(c)
+  report = plan.plan_run(c, jax.devices()[:4], cfg=get_config("tiny-llama", n_layers=1),
+                         options=plan.PlanOptions(programs=("update",)))
+  up = report.program("update")
+  assert up.error is None, up.error
+  # Seven [rows, 128] arrays of 4 bytes (tokens, segment ids, positions, loss mask, old and
+  # behaviour log-probs, advantages), rows split over the data-parallel devices.
+  dp = report.mesh["data"] * report.mesh["fsdp"]
+  assert up.components["batch"] == 7 * report.shapes.update_rows * 128 * 4 / dp
