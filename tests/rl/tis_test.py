@@ -324,3 +324,25 @@ def test_only_the_policy_gradient_term_is_weighted():
   np.testing.assert_allclose(float(loss), float(m["pg_loss"] + 0.1 * m["kl_loss"] - 0.01 * m["entropy"]),
                              rtol=1e-5)
   assert abs(float(m["pg_loss"]) - float(m0["pg_loss"])) > 1e-3  # the weights did change pg
+
+
+def test_micro_batched_tis_step_equals_one_batch_and_compiles_once_per_key_set(params):
+  """behavior_logps splits into micro-batches with the other keys (the sequence weights and
+  their metrics sum over micro-batches like one batch); a second batch with the same keys
+  reuses the compiled program."""
+  batch = two_sequence_rows(CFG.vocab_size, rows=4)
+  rng = np.random.default_rng(5)
+  batch["behavior_logps"] = batch["old_logps"] + rng.uniform(-0.3, 0.3, batch["old_logps"].shape).astype(np.float32)
+  loss = LossConfig(agg="seq_mean_token_mean", tis_cap=1.2, tis_level="sequence")
+  scfg = step.StepConfig(loss=loss, entropy=False)
+  _, p1, m1 = _step(params, scfg, batch)
+  learner = step.Learner(CFG, dataclasses.replace(scfg, micro_batches=2), optax.sgd(0.1))
+  state, m2 = learner.train_step(learner.init(params), batch)
+  for k in ("loss", "tis_weight_mean", "tis_clip_frac", "behavior_kl", "logprob_gap"):
+    np.testing.assert_allclose(m2[k], m1[k], rtol=1e-5, err_msg=k)
+  assert 0 < m1["tis_clip_frac"] < 1
+  for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(jax.device_get(state.params))):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-7)
+  learner.train_step(state, {**batch, "advantages": -batch["advantages"]})
+  assert learner.train_step_fn(state)._cache_size() == 1
+
