@@ -107,6 +107,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # devices: least padding, one update program per distinct B) or "pow2" (that multiple x a power of two: at most
       # ~log2 programs, up to 2x padded rows; for runs where recompiles cost more than padding).
       row_rounding="multiple",
+      # Rollouts collected ahead of the learner: step s trains on rollouts sampled from the params
+      # after step s - 1 - off_policy_steps, collected on a thread while the learner runs the
+      # steps before s (0: each step samples from the params it then updates). Host work
+      # (tools, rewards, packing) overlaps the update; the ratio is then against an older
+      # policy (loss.tis_cap corrects for it). Costs one copy of the compute-dtype weights.
+      off_policy_steps=0,
       time_limit_s=0.0))  # RL wall-clock budget in s (0: none): final eval + checkpoint, then stop
   # SFT warm start (steps=0: none): on num_examples of the task's demonstrations, or on the
   # chat JSONL file `data` ({"messages": [...]} per line; loss on assistant turns). Its Adam has

@@ -12,6 +12,10 @@ One checkpoint is an orbax composite in `<workdir>/checkpoints/<step>/`:
               the arrays, the logical axis names come back from the restore target)
   train       {"step": optimizer steps taken, "opt_state": the optax state}
   ref_params  the frozen KL reference (only when `loss.kl_coef > 0`): the params as RL began
+  rollouts_ahead
+              JSON, only with `train.off_policy_steps > 0`: the rollouts of the steps after
+              this one that were already collected (sampled from earlier params), so that a
+              resumed run trains on exactly what the uninterrupted run would have
   meta        JSON: format, RL step, the run config, the model config, the rng derivation,
               the grain iterator state of the prompt stream, whether the warm start ran, the
               run summary so far, and a signature (path -> shape, dtype) of every saved array
@@ -80,7 +84,8 @@ _ORBAX_STEP = re.compile(r"^(0|[1-9]\d*)$")  # the folder names orbax reads as s
 # Files orbax writes into every step folder it finalises (locally / on buckets), and every name
 # a save of ours puts at the top of a step folder.
 _ORBAX_FINAL_FILES = ("_CHECKPOINT_METADATA", "commit_success.txt")
-_SAVE_ENTRIES = frozenset({"params", "train", "ref_params", "meta", *_ORBAX_FINAL_FILES})
+_SAVE_ENTRIES = frozenset({"params", "train", "ref_params", "meta", "rollouts_ahead",
+                           *_ORBAX_FINAL_FILES})
 
 
 class CheckpointError(RuntimeError):
@@ -406,6 +411,7 @@ class Restored:
   ref_params: Any | None
   meta: dict[str, Any]
   changed: list[tuple[str, Any, Any]]  # settings that differ from the checkpoint's (allowed)
+  rollouts_ahead: dict[str, Any] | None = None  # the `rollouts_ahead` item, when saved
 
 
 class CheckpointManager:
@@ -522,8 +528,12 @@ class CheckpointManager:
     return self.cfg.every > 0 and step % self.cfg.every == 0
 
   # ------------------------------------------------------------------ save
-  def save(self, step: int, state, *, meta: Mapping[str, Any], ref_params=None) -> bool:
+  def save(self, step: int, state, *, meta: Mapping[str, Any], ref_params=None,
+           rollouts_ahead: Mapping[str, Any] | None = None) -> bool:
     """Start saving `state` (and `ref_params`) as `step`; False if that step already exists.
+
+    `rollouts_ahead`: JSON data saved as its own item (the trainer's rollouts of later steps
+    collected before this save); `Restored.rollouts_ahead` gives it back.
 
     Params holding NaN or Inf are never saved: `NonFiniteParamsError` names them, and the
     checkpoints already written stay as they are.
@@ -544,8 +554,12 @@ class CheckpointManager:
                      fingerprints={k: fingerprint(v) for k, v in items.items()})
     full_meta = _json_safe(full_meta)
     self._identity = self._step_identity[step] = _identity(full_meta)
+    if rollouts_ahead is not None:
+      full_meta["rollouts_ahead"] = True  # (`restore` reads the item when this says so)
     args = {k: ocp.args.StandardSave(v) for k, v in items.items()}
     args["meta"] = ocp.args.JsonSave(full_meta)
+    if rollouts_ahead is not None:
+      args["rollouts_ahead"] = ocp.args.JsonSave(_json_safe(dict(rollouts_ahead)))
     return bool(self._mgr.save(step, args=ocp.args.Composite(**args), force=True))
 
   def wait(self) -> None:
@@ -638,9 +652,11 @@ class CheckpointManager:
     if ref_target is not None:
       items["ref_params"] = ref_target
     changed = self.check(meta, step=step, config=config, items=items)
+    args = {k: ocp.args.StandardRestore(v) for k, v in items.items()}
+    if meta.get("rollouts_ahead"):
+      args["rollouts_ahead"] = ocp.args.JsonRestore()
     try:
-      out = self._mgr.restore(step, args=ocp.args.Composite(
-          **{k: ocp.args.StandardRestore(v) for k, v in items.items()}))
+      out = self._mgr.restore(step, args=ocp.args.Composite(**args))
     except Exception as e:
       raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: "
                             f"{type(e).__name__}: {e}") from e
@@ -649,7 +665,8 @@ class CheckpointManager:
                                 opt_state=out["train"]["opt_state"])
     return Restored(step=step, path=path, state=state,
                     ref_params=out["ref_params"] if ref_target is not None else None,
-                    meta=meta, changed=changed)
+                    meta=meta, changed=changed, rollouts_ahead=(out["rollouts_ahead"] if "rollouts_ahead" in args
+                                                    else None))
 
   def restore_params(self, step: int, target):
     """Only the policy params of checkpoint `step` (e.g. for export or evaluation)."""

@@ -29,11 +29,13 @@ params to every host each step: simple, and costly for large models.)
 """
 from __future__ import annotations
 
+import base64
 import concurrent.futures
 import contextlib
 import dataclasses
 import functools
 import hashlib
+import io
 import json
 import logging
 import math
@@ -331,6 +333,43 @@ def _encode_line(tokenizer, text: str, path, n: int, restore=None) -> list[int]:
 
 
 # ----------------------------------------------------------------------------- multi-host
+def _encode_ahead(ready: dict) -> dict[str, Any]:
+  """Rollouts collected ahead (`Trainer._ready`: step -> (metrics, packed batch or None,
+  params version)) as JSON: each step's arrays in one base64 `.npz`, so that they come back
+  bit for bit (`_decode_ahead`)."""
+  steps = {}
+  for s, (metrics, batch, version) in sorted(ready.items()):
+    names = sorted(metrics)
+    arrays = {"metric_names": np.array(names, dtype=str),
+              "metric_values": np.array([float(metrics[k]) for k in names], np.float64)}
+    arrays.update({f"batch.{k}": np.asarray(v) for k, v in (batch or {}).items()})
+    buf = io.BytesIO()
+    np.savez(buf, **arrays)
+    steps[str(s)] = {"params_version": int(version), "has_batch": batch is not None,
+                     "npz_base64": base64.b64encode(buf.getvalue()).decode("ascii")}
+  return {"format": 1, "steps": steps}
+
+
+def _decode_ahead(data, after: int, path) -> dict[int, tuple]:
+  """`_encode_ahead`'s JSON back as `Trainer._ready` (only the steps after `after`)."""
+  try:
+    ready = {}
+    for s, item in data["steps"].items():
+      if int(s) <= after:
+        continue
+      with np.load(io.BytesIO(base64.b64decode(item["npz_base64"], validate=True)),
+                   allow_pickle=False) as z:
+        metrics = dict(zip(z["metric_names"].tolist(), z["metric_values"].tolist()))
+        batch = ({k.removeprefix("batch."): z[k] for k in z.files if k.startswith("batch.")}
+                 if item["has_batch"] else None)
+      ready[int(s)] = (metrics, batch, int(item["params_version"]))
+    return ready
+  except Exception as e:  # a damaged file: any of KeyError, ValueError, binascii.Error...
+    raise checkpoint.CheckpointError(
+        f"checkpoint {path}: its rollouts_ahead item is unreadable ({type(e).__name__}: {e}); "
+        "resume from an earlier checkpoint (move this one away)") from e
+
+
 def _rollout_seed(seed: int, step: int) -> int:
   """The sampler seed of RL step `step`: a function of (seed, step) only, within uint32."""
   return (seed * 1_000_003 + step) % 2**32
@@ -427,8 +466,9 @@ KNOWN_CONFIG_KEYS = frozenset("""
     sft.batch_size sft.data sft.lr sft.num_examples sft.steps sft.warmup_steps
     train.advantage train.dynamic_sampling train.epochs train.gather_weights
     train.len_buckets train.logprob_save_probs train.max_sampling_rounds train.micro_batches
-    train.mini_batches train.nonfinite train.pack_len train.prompts_per_step train.row_rounding
-    train.samples_per_prompt train.time_limit_s train.zero_variance
+    train.mini_batches train.nonfinite train.off_policy_steps train.pack_len
+    train.prompts_per_step train.row_rounding train.samples_per_prompt train.time_limit_s
+    train.zero_variance
 """.split()) | {f"model.{k}" for k in RUN_MODEL_KEYS}
 _FREE_FORM = ("env.kwargs",)
 # The keys a run reads with a default (`.get`), which a config may leave out; the trainer reads
@@ -445,7 +485,7 @@ OPTIONAL_CONFIG_KEYS = frozenset("""
     rollout.mesh rollout.observation_truncation
     sft.data sft.warmup_steps
     train.gather_weights train.len_buckets train.logprob_save_probs train.mini_batches
-    train.nonfinite train.row_rounding train.time_limit_s
+    train.nonfinite train.off_policy_steps train.row_rounding train.time_limit_s
 """.split())
 
 
@@ -508,6 +548,7 @@ def check_config(config) -> None:
               "log.dump_count"):
     count(key, 0, none_ok=True)
   count("eval.pass_k", 0)
+  count("train.off_policy_steps", 0)
   # Read only after the first step's rollouts (and the warm start): check them now.
   train = config.get("train") if hasattr(config, "get") else None
   if (hasattr(train, "get") and train.get("samples_per_prompt") == 1
@@ -931,6 +972,13 @@ class Trainer:
     self._stop_reason: str | None = None
     self._interrupted: str | None = None  # where a stop cut the phase before RL short
     self._sft_loaded: tuple[list[packing.PackItem], int] | None = None  # `_pre_rl` -> `warm_start`
+    # Rollouts collected ahead of the learner (`train.off_policy_steps`, `_rollouts`): the
+    # collector thread (process 0's), the steps it was given (future, params version) and the
+    # steps collected and not trained on yet ((metrics, batch, params version)).
+    self.off_policy_steps = int(t.get("off_policy_steps", 0) or 0)
+    self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._inflight: dict[int, tuple[concurrent.futures.Future | None, int]] = {}
+    self._ready: dict[int, tuple[dict[str, float], dict[str, np.ndarray] | None, int]] = {}
 
   def _adapter_from(self, path: str):
     """The PEFT adapter at `path` (`lora.init_from`), which must have the config's rank,
@@ -979,6 +1027,7 @@ class Trainer:
     (`log.dump_every`, `log.dump_count`), the first `log.dump_count` greedy trajectories go to
     <workdir>/samples/eval_<phase>.{txt,jsonl} with their rewards and successes (phase: "before",
     "after_sft", default step_NNNNNN of the current step)."""
+    self._settle_ahead()
     return self._on_lead(self._evaluate, self._generator_params(), tag, phase)
 
   def _evaluate(self, params, tag: str, phase: str | None = None) -> dict[str, float]:
@@ -1210,19 +1259,26 @@ class Trainer:
     return fit, len(long)
 
   # --------------------------------------------------------------------------- RL
-  def _generator_params(self):
+  def _generator_params(self, own_buffers: bool = False):
     """The current params as the rollout engines take them (None off process 0 on multi-host):
     with float32 masters and a lower compute dtype, a copy in the compute dtype made once per
     call (`models.param_tree.compute_copy`: bitwise the same logits, half the bytes per decode
     step); otherwise the same buffers. With `rollout.mesh = "data"` that copy is then
-    replicated onto the rollout mesh (one all-gather per step)."""
+    replicated onto the rollout mesh (one all-gather per step).
+
+    own_buffers: no leaf is a buffer of the train state (copied where it would be), for
+    rollouts that go on while the learner's update donates that state
+    (`train.off_policy_steps`)."""
     params = self.state.params
+    state_leaves = {id(x) for x in jax.tree.leaves(params)} if own_buffers else set()
     if self.lora is not None:  # the base with the adapter merged, in the compute dtype
       params = self.learner.merged_params(params, self.cfg.dtype)
     elif jax.process_count() == 1 and self.cfg.jnp_param_dtype != self.cfg.jnp_dtype:
       if self._cast is None:
         self._cast = jax.jit(functools.partial(param_tree.compute_copy, cfg=self.cfg))
       params = self._cast(params)
+    if state_leaves and jax.process_count() == 1:  # (a jitted cast or merge hands leaves it leaves alone back as they are)
+      params = jax.tree.map(lambda x: jnp.copy(x) if id(x) in state_leaves else x, params)
     if jax.process_count() == 1:
       # Colocated (the learner's mesh): the same buffers, no copy.
       return params if self.gen_mesh is self.mesh else sharding.shard(params, self.gen_mesh)
@@ -1302,6 +1358,69 @@ class Trainer:
     sampling = sampler.metrics() if dyn else {}
     return all_trajs, reward_outs, kept_trajs, advs, info, rounds, sampling
 
+  def _rollouts(self, step: int) -> tuple[dict[str, float], dict[str, np.ndarray] | None]:
+    """RL step `step`'s rollouts as (metrics, packed batch or None).
+
+    With `train.off_policy_steps` = k = 0 they are collected now, from the current params
+    (those after step - 1). With k > 0 a collector thread (on process 0) collects step s's
+    rollouts while the learner runs steps s - k to s - 1: before step s trains, the steps up
+    to s + k (and `total_steps`) that nobody has collected yet are handed to it with the
+    current params, so step s trains on rollouts of the params after step s - 1 - k (or those
+    the pipeline started from, the first k steps after a start or a resume). The host work of
+    a rollout (tools, rewards, packing) and, on a device that interleaves programs, its decode
+    steps overlap the update; the loss's ratio is then against that older sampler (see
+    `loss.tis_cap` for the correction). Metrics: `rollout/staleness` (steps between the params
+    that sampled and those the update starts from), `time/rollout_wait_s` (how long this step
+    waited for its rollouts).
+    """
+    k, t0 = self.off_policy_steps, time.time()
+    version = step - 1  # the current params: those after RL step step - 1
+    if k == 0 and step not in self._ready and step not in self._inflight:
+      metrics, batch = self._on_lead(self._collect_step, step, self._generator_params())
+    else:
+      last = max(step, min(step + k, self.config.total_steps))
+      todo = [s for s in range(step, last + 1) if s not in self._ready and s not in self._inflight]
+      if todo:
+        params = self._generator_params(own_buffers=True)
+        for s in todo:
+          self._submit(s, params, version)
+      if step not in self._ready:
+        self._ready[step] = self._take(step)
+      metrics, batch, version = self._ready.pop(step)
+    metrics["rollout/staleness"] = float(step - 1 - version)
+    metrics["time/rollout_wait_s"] = time.time() - t0
+    return metrics, batch
+
+  def _collect_step(self, step: int, params):
+    # A NaN or inf in the logits while sampling ends the rollout with a FloatingPointError
+    # that names a request id, not the step: named here as the learner's are.
+    with _names_the_step(f"RL step {step}"):
+      return self._collect(step, params)
+
+  def _submit(self, step: int, params, version: int) -> None:
+    """Hand step `step`'s rollouts to the collector thread (on process 0; the others only
+    note the step, and receive the result from process 0 in `_take`)."""
+    future = None
+    if jax.process_index() == 0:
+      if self._ahead_pool is None:
+        self._ahead_pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="jaxagent-rollouts")
+      future = self._ahead_pool.submit(self._collect_step, step, params)
+    self._inflight[step] = (future, version)
+
+  def _take(self, step: int) -> tuple[dict[str, float], dict[str, np.ndarray] | None, int]:
+    """Wait for step `step`'s rollouts from the collector (process 0's, broadcast)."""
+    future, version = self._inflight.pop(step)
+    metrics, batch = self._on_lead(lambda: future.result())
+    return metrics, batch, version
+
+  def _settle_ahead(self) -> None:
+    """Wait for every rollout in flight and keep it for its step: before an eval (which
+    decodes on the same engines and counts the same verifier calls) and before a checkpoint
+    (which saves them, `_encode_ahead`)."""
+    for s in sorted(self._inflight):
+      self._ready[s] = self._take(s)
+
   def rl_step(self, step: int) -> dict[str, float]:
     """One RL step: rollouts and packing (`_collect`), reference log-probs, updates."""
     if self.ref_params is None:
@@ -1310,10 +1429,7 @@ class Trainer:
       # model with a TypeError, after the step's rollouts.
       self._freeze_reference()
     t0, c0 = time.time(), compile_stats.snapshot()
-    # A NaN or inf in the logits while sampling ends the rollout with a FloatingPointError
-    # that names a request id, not the step: named here as the learner's are.
-    with _names_the_step(f"RL step {step}"):
-      metrics, batch = self._on_lead(self._collect, step, self._generator_params())
+    metrics, batch = self._rollouts(step)
     t1 = time.time()
     if batch is not None:
       batch = self.fill_unsampled_old_logps(batch)
@@ -1693,7 +1809,12 @@ class Trainer:
                        "from the start of RL on (`run` writes step 0); use `export` to save "
                        "the initial weights")
     step = self.step if step is None else step
-    self.ckpt.save(step, self.state, meta=self.checkpoint_meta(), ref_params=self.ref_params)
+    # The rollouts already collected for later steps are saved with it (and the prompt stream's
+    # position after them): a resume trains on what this run would have trained on.
+    self._settle_ahead()
+    ahead = {s: r for s, r in self._ready.items() if s > step}
+    self.ckpt.save(step, self.state, meta=self.checkpoint_meta(), ref_params=self.ref_params,
+                   rollouts_ahead=_encode_ahead(ahead) if ahead else None)
     if wait:
       self.ckpt.wait()
     return self.ckpt.step_path(step)
@@ -1737,6 +1858,11 @@ class Trainer:
           f"{k}: {old!r} -> {new!r}" for k, old, new in r.changed))
     self.state, self.ref_params = r.state, r.ref_params
     self.prompts.set_state(r.meta["data"])
+    self._ready = _decode_ahead(r.rollouts_ahead, r.step, r.path) if r.rollouts_ahead else {}
+    if self._ready:
+      self.writer.message(
+          f"resuming with the rollouts of steps {', '.join(map(str, sorted(self._ready)))}, "
+          f"collected before checkpoint {r.path} was written (train.off_policy_steps)")
     saved = r.meta.get("train_examples")
     if saved is not None and saved != self._train_fingerprint:
       self.writer.message(
@@ -1832,10 +1958,18 @@ class Trainer:
       self.writer.message(f"exported the policy to {out}")
     return out
 
+  def _close_collector(self) -> None:
+    """Stop the collector thread: steps not started are dropped, one under way is waited
+    for (a thread cannot be cut short)."""
+    if self._ahead_pool is not None:
+      self._ahead_pool.shutdown(wait=True, cancel_futures=True)
+      self._ahead_pool = None
+    self._inflight.clear()
+
   def close(self) -> None:
     """Closes the checkpoint manager, the samplers and the metrics writer; each is closed even
     when closing one before it raised (the first error is raised after)."""
-    closers = [self.sampler.close, self.greedy.close, self.writer.close]
+    closers = [self._close_collector, self.sampler.close, self.greedy.close, self.writer.close]
     if self.ckpt is not None:
       closers.insert(0, self.ckpt.close)
     first = None

@@ -929,11 +929,15 @@ def test_a_resume_rewinds_compiles_jsonl_with_the_metrics(tmp_path):
 
 
 @pytest.mark.slow  # three trainers, 6 RL steps with evals and checkpoints (about 2 min on 2 cores)
-def test_a_stop_between_checkpoints_then_a_resume_repeats_the_straight_run(tmp_path):
+@pytest.mark.parametrize("off_policy_steps", [0, 1])
+def test_a_stop_between_checkpoints_then_a_resume_repeats_the_straight_run(tmp_path,
+                                                                           off_policy_steps):
   """3 RL steps straight == a stop (SIGTERM's path) after step 1, which is not a checkpoint
   step, then a new trainer resuming to step 3: the same params, optimizer state, step count,
   KL reference, samples and metrics, with dynamic sampling (a varying number of prompts drawn
-  per step), a cosine schedule and evals every 2 steps."""
+  per step), a cosine schedule and evals every 2 steps. With rollouts collected ahead
+  (train.off_policy_steps=1) the checkpoint of the stop holds step 2's rollouts, sampled from
+  the params of step 0, and the resumed run trains on them."""
   import dataclasses
   import zlib
 
@@ -942,7 +946,7 @@ def test_a_stop_between_checkpoints_then_a_resume_repeats_the_straight_run(tmp_p
         "total_steps": 3, "checkpoint_every": 100, "train.dynamic_sampling": True,
         "train.max_sampling_rounds": 2, "train.zero_variance": "drop", "loss.kl_coef": 0.01,
         "optimizer.schedule": "cosine", "optimizer.warmup_steps": 1, "eval.size": 2,
-        "eval.every": 2, "log.dump_every": 1}))
+        "eval.every": 2, "log.dump_every": 1, "train.off_policy_steps": off_policy_steps}))
     real = t.env.reward
 
     def reward(traj, *args):  # a function of the sampled tokens: some groups informative
@@ -988,6 +992,9 @@ def test_a_stop_between_checkpoints_then_a_resume_repeats_the_straight_run(tmp_p
   rec_a, rec_b = records(straight), records(resumed)
   assert [r["step"] for r in rec_b] == [1, 2, 3] and rec_b == rec_a
   assert any(r["adv/dynamic_sampling_informative_rate"] not in (0.0, 1.0) for r in rec_a)
+  rl = [r for r in rec_a if "rollout/staleness" in r]
+  assert [r["rollout/staleness"] for r in rl] == ([0.0] * 3 if off_policy_steps == 0 else
+                                                  [0.0, 1.0, 1.0])
   for step in (1, 2, 3):
     name = f"samples/step_{step:06d}.jsonl"
     assert (resumed / "run" / name).read_text() == (straight / "run" / name).read_text(), step

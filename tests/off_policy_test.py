@@ -1,0 +1,151 @@
+"""Rollouts collected ahead of the learner (`train.off_policy_steps`): which params sample which
+step, what runs before what, the checkpoint item that carries collected rollouts, and errors.
+The exact resume with rollouts ahead is `trainer_test.py`'s stop-and-resume test (slow)."""
+import json
+
+import jax
+import numpy as np
+import pytest
+
+from jaxagent import checkpoint
+from jaxagent.trainer import Trainer, _decode_ahead, _encode_ahead, check_config
+from tests.trainer_test import _tiny
+
+
+def _spied(trainer):
+  """Record, in order, each step handed to the collector (with the params version it got),
+  each collect (with a digest of the params it sampled from) and each update."""
+  events, versions = [], {}
+  collect, submit, train_step = trainer._collect, trainer._submit, trainer.learner.train_step
+
+  def spy_collect(step, params):
+    events.append(("collect", step, checkpoint.digest(params)))
+    return collect(step, params)
+
+  def spy_submit(step, params, version):
+    events.append(("submit", step, version))
+    return submit(step, params, version)
+
+  def spy_train(state, batch):
+    events.append(("train", trainer.step))
+    return train_step(state, batch)
+
+  rl_step = trainer.rl_step
+
+  def spy_rl_step(step):
+    versions[step - 1] = checkpoint.digest(trainer.state.params)  # the params after step - 1
+    return rl_step(step)
+
+  trainer._collect, trainer._submit = spy_collect, spy_submit
+  trainer.learner.train_step, trainer.rl_step = spy_train, spy_rl_step
+  return events, versions
+
+
+def _run(trainer):
+  try:
+    trainer.run()
+  finally:
+    trainer.close()
+  return [json.loads(line) for line in
+          (trainer.workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+def test_each_step_samples_from_the_params_k_steps_behind(tmp_path, k):
+  trainer = Trainer(_tiny(tmp_path, total_steps=4, **{"train.off_policy_steps": k,
+                                                      "eval.size": 0, "log.dump_every": 0}))
+  events, versions = _spied(trainer)
+  rows = _run(trainer)
+  collects = {e[1]: e[2] for e in events if e[0] == "collect"}
+  assert sorted(collects) == [1, 2, 3, 4]  # every step once, none past total_steps
+  for s, digest in collects.items():
+    # Step s samples from the params after step s - 1 - k (the start's, for the first steps).
+    assert digest == versions[max(s - 1 - k, 0)], (s, k)
+  # The params did change from step to step, so the check above can tell versions apart.
+  assert len(set(versions.values())) == 4
+  assert [r["rollout/staleness"] for r in rows if "rollout/staleness" in r] == [
+      float(min(s - 1, k)) for s in range(1, 5)]
+  order = [e[:2] for e in events if e[0] != "collect"]
+  if k == 0:
+    assert not any(e[0] == "submit" for e in events)  # no collector thread at all
+    assert trainer._ahead_pool is None
+  else:
+    # Step s + k is handed to the collector before step s's update starts (so the two can
+    # overlap), and not earlier than step s begins.
+    for s in range(1, 5):
+      handed = [i for i, e in enumerate(order) if e == ("submit", min(s + k, 4))]
+      trained = order.index(("train", s))
+      assert handed and handed[0] < trained, (s, order)
+    assert order[:k + 2] == [("submit", s) for s in range(1, k + 2)] + [("train", 1)]
+
+
+def test_rollouts_ahead_round_trip_bit_for_bit_and_damage_is_named(tmp_path):
+  batch = {"tokens": np.arange(12, dtype=np.int32).reshape(2, 6),
+           "old_logps": np.array([[np.nan, -0.5, -1e-30, -np.inf, 0.0, -3.25]] * 2, np.float32),
+           "loss_mask": np.array([[0, 1, 1, 0, 1, 1]] * 2, bool)}
+  ready = {3: ({"reward/mean": 0.25, "pack/rows": 2, "x": float("nan")}, batch, 1),
+           4: ({"reward/mean": 0.0}, None, 2), 2: ({"reward/mean": 1.0}, None, 0)}
+  data = json.loads(json.dumps(_encode_ahead(ready)))  # as JSON goes through orbax
+  back = _decode_ahead(data, after=2, path="ckpt/2")
+  assert sorted(back) == [3, 4]  # only the steps after the checkpoint's
+  metrics, got, version = back[3]
+  assert version == 1 and metrics["reward/mean"] == 0.25 and metrics["pack/rows"] == 2
+  assert np.isnan(metrics["x"])
+  assert sorted(got) == sorted(batch)
+  for key, want in batch.items():
+    assert got[key].dtype == want.dtype
+    np.testing.assert_array_equal(got[key], want)
+  assert back[4] == ({"reward/mean": 0.0}, None, 2)
+  data["steps"]["3"]["npz_base64"] = data["steps"]["3"]["npz_base64"][:40]
+  with pytest.raises(checkpoint.CheckpointError, match=r"ckpt/2: its rollouts_ahead item"):
+    _decode_ahead(data, after=2, path="ckpt/2")
+
+
+def test_a_collector_error_names_its_step_and_the_run_closes(tmp_path):
+  trainer = Trainer(_tiny(tmp_path, total_steps=3, **{"train.off_policy_steps": 1,
+                                                      "eval.size": 0, "log.dump_every": 0}))
+  collect = trainer._collect
+
+  def broken(step, params):
+    if step == 2:
+      raise FloatingPointError("NaN in the logits of request 5")
+    return collect(step, params)
+  trainer._collect = broken
+  with pytest.raises(FloatingPointError, match=r"^RL step 2: NaN in the logits of request 5"):
+    _run(trainer)
+  assert trainer.step == 2  # step 1 trained; step 2 found its rollouts failed
+  assert trainer._ahead_pool is None and not trainer._inflight
+
+
+@pytest.mark.parametrize("bad", [-1])
+def test_bad_off_policy_steps_is_refused_by_name(tmp_path, bad):
+  with pytest.raises(ValueError, match=r"train.off_policy_steps must be an int >= 0"):
+    check_config(_tiny(tmp_path, **{"train.off_policy_steps": bad}))
+
+
+def test_a_checkpoint_holds_the_rollouts_collected_ahead(tmp_path):
+  """The save waits for the rollouts in flight and stores them; a new trainer over the same
+  workdir resumes with them instead of collecting them again."""
+  trainer = Trainer(_tiny(tmp_path, total_steps=2, checkpoint_every=1, **{
+      "train.off_policy_steps": 1, "eval.size": 0, "log.dump_every": 0}))
+  rl_step = trainer.rl_step
+
+  def stop_after_step_1(step):
+    m = rl_step(step)
+    trainer.request_stop("test stop")
+    return m
+  trainer.rl_step = stop_after_step_1
+  _run(trainer)
+  meta = json.loads((tmp_path / "run" / "checkpoints" / "1" / "meta" / "metadata").read_text())
+  assert meta["rollouts_ahead"] is True
+  saved = json.loads((tmp_path / "run" / "checkpoints" / "1" / "rollouts_ahead" /
+                      "metadata").read_text())
+  assert list(saved["steps"]) == ["2"] and saved["steps"]["2"]["params_version"] == 0
+
+  again = Trainer(_tiny(tmp_path, total_steps=2, checkpoint_every=1, **{
+      "train.off_policy_steps": 1, "eval.size": 0, "log.dump_every": 0}))
+  events, _ = _spied(again)
+  rows = _run(again)
+  assert not [e for e in events if e[0] == "collect"]  # step 2's rollouts came from the file
+  assert [r["rollout/staleness"] for r in rows if "rollout/staleness" in r] == [0.0, 1.0]
+  assert int(jax.device_get(again.state.step)) == 2
