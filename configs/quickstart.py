@@ -77,10 +77,15 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.reward = ml_collections.ConfigDict(dict(
       overlong_cache_tokens=0, overlong_max_tokens=placeholder(int), overlong_coef=1.0))
   # `jaxagent.rl.losses.LossConfig`: algo "grpo" / "gspo" / "gspo_token", agg (see losses.py).
+  # tis_cap (None: off): the ratio is taken against the learner's own log-probs before the
+  # step's first update, and each policy token's loss is weighted by min(pi_learner /
+  # pi_sampler, tis_cap) (tis_level "token", or "sequence": one weight per trajectory), which
+  # corrects for sampler / learner numerics and for train.off_policy_steps. One more forward
+  # pass a step.
   c.loss = ml_collections.ConfigDict(dict(
       algo="grpo", agg="token_mean", clip_low=0.2, clip_high=0.28, dual_clip=placeholder(float),
       kl_coef=0.0, kl_estimator="k3", entropy_coef=0.0,
-      max_len_norm=placeholder(float)))
+      max_len_norm=placeholder(float), tis_cap=placeholder(float), tis_level="token"))
   # AdamW; max_grad_norm 0 turns clipping off; schedule "constant", "cosine" or "linear".
   c.optimizer = ml_collections.ConfigDict(dict(
       lr=1e-5, weight_decay=0.0, b1=0.9, b2=0.99, max_grad_norm=1.0, warmup_steps=0,

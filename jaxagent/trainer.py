@@ -454,7 +454,7 @@ KNOWN_CONFIG_KEYS = frozenset("""
     log.dump_count log.dump_every log.progress log.tensorboard
     lora.alpha lora.init_from lora.rank lora.targets
     loss.agg loss.algo loss.clip_high loss.clip_low loss.dual_clip loss.entropy_coef
-    loss.kl_coef loss.kl_estimator loss.max_len_norm
+    loss.kl_coef loss.kl_estimator loss.max_len_norm loss.tis_cap loss.tis_level
     mesh.data mesh.fsdp mesh.tensor
     optimizer.b1 optimizer.b2 optimizer.lr optimizer.max_grad_norm optimizer.schedule
     optimizer.warmup_steps optimizer.weight_decay
@@ -477,7 +477,7 @@ _FREE_FORM = ("env.kwargs",)
 OPTIONAL_CONFIG_KEYS = frozenset("""
     checkpoint_async checkpoint_dir checkpoint_every checkpoint_keep checkpoint_keep_every
     env.kwargs export log.dump_count lora.alpha lora.init_from lora.rank lora.targets
-    loss.dual_clip loss.max_len_norm
+    loss.dual_clip loss.max_len_norm loss.tis_cap loss.tis_level
     model.attention model.init_seed model.init_std model.logprob model.norm_rope
     model.scan_layers model.tokenizer
     reward.overlong_cache_tokens reward.overlong_coef reward.overlong_max_tokens
@@ -1432,7 +1432,7 @@ class Trainer:
     metrics, batch = self._rollouts(step)
     t1 = time.time()
     if batch is not None:
-      batch = self.fill_unsampled_old_logps(batch)
+      batch = self._old_logps(batch)
       if self.loss_cfg.kl_coef > 0:
         ref, _ = self.learner.score(self.ref_params, batch)
         batch["ref_logps"] = np.asarray(_to_host(ref))
@@ -1497,6 +1497,20 @@ class Trainer:
     metrics.update(_compile_metrics(d, "compile/count", "time/compile_s", "compile/cache_hits"))
     self._log_compiles("rl", d)
     return metrics
+
+  def _old_logps(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The packed batch with the log-probs the loss's ratio is against. Without
+    `loss.tis_cap`: the sampler's (`fill_unsampled_old_logps`). With it: the learner's own
+    before this step's first update (the proximal policy, one scoring pass), and the sampler's
+    as `behavior_logps` for the truncated importance weights (tokens the sampler never sampled
+    take the learner's: weight 1)."""
+    if self.loss_cfg.tis_cap is None:
+      return self.fill_unsampled_old_logps(batch)
+    prox, _ = self.learner.score(self.state.params, batch)
+    prox = np.asarray(_to_host(prox), np.float32)
+    sampler = batch["old_logps"]
+    return {**batch, "old_logps": prox,
+            "behavior_logps": np.where(np.isnan(sampler), prox, sampler).astype(np.float32)}
 
   def fill_unsampled_old_logps(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Old log-probs for trained tokens the sampler never sampled (NaN in the packed batch:

@@ -149,3 +149,22 @@ def test_a_checkpoint_holds_the_rollouts_collected_ahead(tmp_path):
   assert not [e for e in events if e[0] == "collect"]  # step 2's rollouts came from the file
   assert [r["rollout/staleness"] for r in rows if "rollout/staleness" in r] == [0.0, 1.0]
   assert int(jax.device_get(again.state.step)) == 2
+
+
+def test_tis_trains_against_the_learners_own_log_probs_and_weighs_the_sampler(tmp_path):
+  """loss.tis_cap: the ratio is against the learner's log-probs before the step's update (so
+  the only update of a step starts at ratio 1), and the sampler's log-probs, from params one
+  step older with off_policy_steps=1, give the weights (behavior_kl > 0 once they differ)."""
+  trainer = Trainer(_tiny(tmp_path, total_steps=3, **{
+      "train.off_policy_steps": 1, "loss.tis_cap": 2.0, "eval.size": 0,
+      "log.dump_every": 0, "optimizer.lr": 1e-2}))
+  rows = [r for r in _run(trainer) if "train/loss" in r]
+  assert len(rows) == 3
+  for r in rows:
+    assert abs(r["train/ratio_min"] - 1) < 1e-5 and abs(r["train/ratio_max"] - 1) < 1e-5
+    assert 0 < r["train/tis_weight_mean"] <= 2.0 and 0 <= r["train/tis_clip_frac"] <= 1
+  # Step 1 samples from the params it trains (float32 numerics only); steps 2 and 3 from the
+  # params one update older.
+  assert rows[0]["train/behavior_kl"] < 1e-8
+  assert min(r["train/behavior_kl"] for r in rows[1:]) > 1e-3
+  assert rows[0]["train/logprob_gap"] < 1e-4 < min(r["train/logprob_gap"] for r in rows[1:])
