@@ -461,7 +461,7 @@ KNOWN_CONFIG_KEYS = frozenset("""
     reward.overlong_cache_tokens reward.overlong_coef reward.overlong_max_tokens
     rollout.decode_steps rollout.max_len rollout.max_observation_tokens rollout.max_prompt_tokens
     rollout.max_tokens_per_turn rollout.max_total_tokens rollout.max_turns rollout.mesh
-    rollout.observation_truncation rollout.slots rollout.temperature
+    rollout.devices rollout.observation_truncation rollout.slots rollout.temperature
     rollout.tool_timeout_s rollout.top_k rollout.top_p rollout.traj_tool_timeout_s
     sft.batch_size sft.data sft.lr sft.num_examples sft.steps sft.warmup_steps
     train.advantage train.dynamic_sampling train.epochs train.gather_weights
@@ -482,7 +482,7 @@ OPTIONAL_CONFIG_KEYS = frozenset("""
     model.scan_layers model.tokenizer
     reward.overlong_cache_tokens reward.overlong_coef reward.overlong_max_tokens
     rollout.max_observation_tokens rollout.max_prompt_tokens rollout.max_total_tokens
-    rollout.mesh rollout.observation_truncation
+    rollout.devices rollout.mesh rollout.observation_truncation
     sft.data sft.warmup_steps
     train.gather_weights train.len_buckets train.logprob_save_probs train.mini_batches
     train.nonfinite train.off_policy_steps train.row_rounding train.time_limit_s
@@ -549,6 +549,7 @@ def check_config(config) -> None:
     count(key, 0, none_ok=True)
   count("eval.pass_k", 0)
   count("train.off_policy_steps", 0)
+  count("rollout.devices", 0)
   # Read only after the first step's rollouts (and the warm start): check them now.
   train = config.get("train") if hasattr(config, "get") else None
   if (hasattr(train, "get") and train.get("samples_per_prompt") == 1
@@ -879,7 +880,11 @@ class Trainer:
         step_lib.learner_parts(c))
     self.workdir = pathlib.Path(c.workdir).expanduser()  # as the launcher and export read it
     # The mesh before the model: a mesh that does not fit the devices fails before the load.
-    self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor)
+    # With rollout.devices = n > 0 the learner trains on all but the last n devices.
+    learner_devices, rollout_devices = sharding.split_rollout_devices(
+        c.rollout.get("devices", 0))
+    self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor,
+                                   devices=learner_devices)
     self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))
     # Before the model: a task's data file that does not read fails in a second.
     self.train_examples = _split_examples(self.env, "train")
@@ -892,9 +897,11 @@ class Trainer:
                   "pass@1); give the task eval examples, or set eval.size=0 to say so",
                   c.eval.size, self.env.name)
     self.cfg, params, self.tok = load_model(c.model)
-    # Rollouts run on process 0's local devices in multi-host jobs (see the module docstring).
+    # Rollouts run on process 0's local devices in multi-host jobs (see the module docstring),
+    # and on the last rollout.devices ones when that is set.
     self.gen_mesh = sharding.rollout_mesh(
         c.rollout.get("mesh", "learner"), self.mesh,
+        rollout_devices if rollout_devices is not None else
         None if jax.process_count() == 1 else jax.local_devices())
     train_prompts = check_examples(self.env, self.train_examples, self.tok, "train")
     # Saved with the prompt stream's position: resuming over other examples is named.
@@ -958,6 +965,7 @@ class Trainer:
     self._check_eval_prompt_lengths([len(p) for p in self._eval_prompts])
     self.step = 0
     self._reward_failures: list[str] = []  # this step's env.reward raises (`_reward`)
+    self._reward_wait_s = 0.0  # this step's wait for rewards after its rollouts
     self._step_golds: dict[int, Any] = {}  # this step's id(trajectory) -> gold (sample dumps)
     self._success_failures = 0  # this eval's env.is_success raises (`_success`)
     self.summary: dict[str, Any] = {}
@@ -976,6 +984,11 @@ class Trainer:
     # collector thread (process 0's), the steps it was given (future, params version) and the
     # steps collected and not trained on yet ((metrics, batch, params version)).
     self.off_policy_steps = int(t.get("off_policy_steps", 0) or 0)
+    if rollout_devices is not None and not self.off_policy_steps:
+      self.writer.message(
+          f"warning: rollout.devices={len(rollout_devices)} with train.off_policy_steps=0: the "
+          "learner's devices idle while the rollouts run and the rollout devices while the "
+          "learner updates; set train.off_policy_steps=1 to run the two side by side")
     self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._inflight: dict[int, tuple[concurrent.futures.Future | None, int]] = {}
     self._ready: dict[int, tuple[dict[str, float], dict[str, np.ndarray] | None, int]] = {}
@@ -1112,17 +1125,52 @@ class Trainer:
       return (RewardOutput(0.0, {}, {}, errors=(ENV_REWARD_ERROR,)),
               f"example {ex.id!r}: {type(e).__name__}: {e}")
 
+  def _reward_threads(self) -> int:
+    threads = getattr(self.env, "reward_threads", 1)
+    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+      raise ValueError(f"env {getattr(self.env, 'name', self.env)!r}: reward_threads must be an "
+                       f"int >= 1 (1 scores one trajectory after another), got {threads!r}")
+    return threads
+
+  def _sample_and_score(self, params, exs: Sequence[Example], step: int, offset: int
+                        ) -> tuple[list[Trajectory], list[RewardOutput]]:
+    """One round of rollouts of `exs` and their rewards (in the trajectories' order). With
+    `env.reward_threads` > 1 (a reward that may run beside other calls) each trajectory is
+    scored as soon as it is final, on those threads, while the others still decode: a slow
+    verifier's time then hides behind the rollout's instead of following it. Outputs and the
+    failures recorded are those of `_score`."""
+    seed, G = _rollout_seed(self.config.seed, step), self.config.train.samples_per_prompt
+    threads = self._reward_threads()
+    if threads <= 1:
+      trajs = self.sampler.run(params, exs, num_samples=G, seed=seed, request_id_offset=offset)
+      return trajs, self._score(trajs, [exs[tr.group_id] for tr in trajs], step)
+    futures: dict[int, concurrent.futures.Future] = {}
+    with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="reward") as pool:
+      def submit(tr: Trajectory):
+        futures[tr.request_id] = pool.submit(self._reward_or_failure, tr, exs[tr.group_id], step)
+      try:
+        trajs = self.sampler.run(params, exs, num_samples=G, seed=seed,
+                                 request_id_offset=offset, on_finish=submit)
+      except BaseException:
+        for f in futures.values():
+          f.cancel()
+        raise
+      for tr in trajs:  # (each is reported once; this only guards a trajectory never reported)
+        if tr.request_id not in futures:
+          submit(tr)
+      t0 = time.time()
+      scored = [futures[tr.request_id].result() for tr in trajs]
+      self._reward_wait_s += time.time() - t0
+    self._reward_failures.extend(f for _, f in scored if f is not None)
+    return trajs, [out for out, _ in scored]
+
   def _score(self, trajs: Sequence[Trajectory], exs: Sequence[Example],
              step: int) -> list[RewardOutput]:
     """`_reward` of each (trajectory, example) pair, in order: on `env.reward_threads` threads
     when the env allows more than one (rewards that wait on a sandbox or a verifier process,
     e.g. a hanging solution's 8 s, then overlap instead of adding up). Outputs, their order and
     the failures recorded are those of scoring one after another."""
-    threads = getattr(self.env, "reward_threads", 1)
-    if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
-      raise ValueError(f"env {getattr(self.env, 'name', self.env)!r}: reward_threads must be an "
-                       f"int >= 1 (1 scores one trajectory after another), got {threads!r}")
-    threads = min(threads, len(trajs))
+    threads = min(self._reward_threads(), len(trajs))
     if threads <= 1:
       return [self._reward(tr, ex, step) for tr, ex in zip(trajs, exs)]
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="reward") as pool:
@@ -1328,11 +1376,8 @@ class Trainer:
       n = sampler.num_prompts_to_sample() if dyn else t.prompts_per_step
       exs = self.prompts.next(n)
       offset = ((step % steps_per_cycle) * t.max_sampling_rounds + rounds) * per_round
-      trajs = self.sampler.run(params, exs, num_samples=G,
-                               seed=_rollout_seed(self.config.seed, step),
-                               request_id_offset=offset)
-      outs = [_with_overlong(o, tr, self.overlong) for o, tr in
-              zip(self._score(trajs, [exs[tr.group_id] for tr in trajs], step), trajs)]
+      trajs, scored = self._sample_and_score(params, exs, step, offset)
+      outs = [_with_overlong(o, tr, self.overlong) for o, tr in zip(scored, trajs)]
       rewards = np.array([o.total for o in outs], np.float64)
       gids = np.array([tr.group_id for tr in trajs])
       keep = sampler.update(rewards, gids) if dyn else np.ones(len(trajs), bool)
@@ -1527,6 +1572,7 @@ class Trainer:
     """Rollouts, rewards, advantages and packing of one step: (metrics, packed batch or None)."""
     t0 = time.time()
     self._reward_failures = []
+    self._reward_wait_s = 0.0
     verify_before = math_verifier.default_stats()
     all_trajs, outs, trajs, advs, info, rounds, sampling = self._rollout_groups(step, params)
     t_roll = time.time() - t0
@@ -1570,6 +1616,7 @@ class Trainer:
         # the weight decay).
         batch, trained = None, {}
     metrics["time/rollout_s"] = t_roll
+    metrics["time/reward_wait_s"] = self._reward_wait_s  # rewards left when the rollout ended
     if self.config.log.dump_every and step % self.config.log.dump_every == 0:
       n = self.config.log.get("dump_count", 4)
       self.dump_samples(step, all_trajs[:n], rewards=outs[:n],

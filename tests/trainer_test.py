@@ -1945,6 +1945,43 @@ def test_concurrent_reward_scoring_overlaps_slow_rewards():
   assert [o.components["i"] for o in outs if not o.errors] == [float(i) for i in range(1, 9) if i % 5]
 
 
+def test_rewards_start_as_trajectories_finish_and_match_scoring_after_the_rollout():
+  """With reward_threads > 1 each trajectory is scored once the rollout reports it final
+  (`RolloutDriver.run(on_finish=...)`), beside the decoding of the others: here 8 trajectories
+  finish 0.1 s apart and the first rewards run long before the rollout returns. Outputs, order
+  and failures are those of `_score` after the rollout."""
+  import time
+  import types
+
+  from jaxagent.agent import Example, Trajectory
+
+  starts, returned = [], []
+
+  class Sampler:
+    def run(self, params, exs, *, num_samples, seed, request_id_offset, on_finish):
+      trajs = [Trajectory(request_id=request_id_offset + i, group_id=i) for i in range(len(exs))]
+      for tr in reversed(trajs):  # reported out of the returned order
+        time.sleep(0.1)
+        tr.finish("eos")
+        on_finish(tr)
+      returned.append(time.monotonic())
+      return trajs
+
+  trainer = _scoring_trainer(4, delay_s=0.05)
+  reward = trainer.env.reward
+  trainer.env.reward = lambda tr, *a: (starts.append(time.monotonic()), reward(tr, *a))[1]
+  trainer.sampler, trainer._reward_wait_s = Sampler(), 0.0
+  trainer.config = types.SimpleNamespace(seed=0, train=types.SimpleNamespace(samples_per_prompt=1))
+  exs = [Example(f"q{i}", "2+2?", gold="4") for i in range(1, 9)]
+  trajs, outs = trainer._sample_and_score(None, exs, 3, offset=1)
+  assert [t.request_id for t in trajs] == list(range(1, 9))
+  seq = _scoring_trainer(1)
+  assert outs == seq._score(trajs, exs, 3)
+  assert trainer._reward_failures == seq._reward_failures == ["example 'q5': KeyError: 'bad 5'"]
+  assert sum(t < returned[0] for t in starts) >= 6, (starts, returned)
+  assert trainer._reward_wait_s < 0.5
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.0, True, "4"])
 def test_bad_reward_threads_is_a_clear_error(bad):
   from jaxagent.agent import Example, Trajectory

@@ -50,7 +50,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import numpy as np
@@ -365,8 +365,16 @@ class RolloutDriver:
     self.close()
 
   def run(self, params, examples: Sequence[Example], *, num_samples: int = 1, seed: int = 0,
-          request_id_offset: int = 0) -> list[Trajectory]:
-    """`num_samples` trajectories per example; returned grouped by example, then sample."""
+          request_id_offset: int = 0,
+          on_finish: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+    """`num_samples` trajectories per example; returned grouped by example, then sample.
+
+    on_finish: called with each trajectory once it is final (stop reason set, episode closed,
+    nothing of it changes after), on this thread, while the others go on decoding: e.g. to
+    hand it to a reward that runs beside the rollout. Every trajectory is reported exactly once
+    when `run` returns normally (in the order they finish, not the returned order); an error
+    the callback raises ends the run.
+    """
     if self._closed:
       # Its executor is shut down: the first tool call failed the run, naming the executor.
       raise RuntimeError("RolloutDriver.run called after close(); build a new RolloutDriver")
@@ -392,7 +400,9 @@ class RolloutDriver:
     if request_id_offset < 0 or last > _INT32_MAX:
       raise ValueError(f"request ids {request_id_offset}..{last} must lie in [0, 2**31); lower "
                        "request_id_offset (or vary the seed per step instead)")
-    run = _Run(self, params, seed)
+    if on_finish is not None and not callable(on_finish):
+      raise TypeError(f"on_finish must be a callable taking a Trajectory, got {on_finish!r}")
+    run = _Run(self, params, seed, on_finish)
     return run.run(examples, num_samples, request_id_offset)
 
 
@@ -414,8 +424,10 @@ def rollout(engine, params, env: Env, examples: Sequence[Example], *, tokenizer,
 class _Run:
   """The state of one `RolloutDriver.run` call."""
 
-  def __init__(self, driver: RolloutDriver, params, seed: int):
+  def __init__(self, driver: RolloutDriver, params, seed: int,
+               on_finish: Callable[[Trajectory], None] | None = None):
     self.d = driver
+    self.on_finish = on_finish
     self.engine, self.env, self.tok, self.cfg = driver.engine, driver.env, driver.tokenizer, driver.cfg
     # Merged decode weights made once for the run's decode calls (`Engine.prepare`).
     self.params, self.seed = driver.engine.prepare(params), seed
@@ -453,6 +465,7 @@ class _Run:
         if too_long is not None:
           log.warning("example %r: %s", ex.id, too_long)
           traj.finish("prompt_too_long")
+          self._report(traj)
         else:
           self.queue.append(_Job(traj, ex, prompt))
     if self.queue:
@@ -511,6 +524,7 @@ class _Run:
                     "with stop reason 'env_error'", getattr(self.env, "name", self.env),
                     job.example.id, job.traj.request_id, exc_info=True)
         job.traj.finish("env_error")
+        self._report(job.traj)
         continue
       jobs.append(job)
     if not jobs:
@@ -801,6 +815,11 @@ class _Run:
     del self.live[lv.slot]
     self.free.append(lv.slot)
     self._close(lv.episode, lv.traj)
+    self._report(lv.traj)
+
+  def _report(self, traj: Trajectory) -> None:
+    if self.on_finish is not None:
+      self.on_finish(traj)
 
   def _close(self, episode: Episode, traj: Trajectory) -> None:
     """Closes an episode; a close that raises (an overridden `Episode.close`) is logged, as a

@@ -726,6 +726,37 @@ def test_task_code_that_raises_ends_only_its_trajectory():
   assert rollout_metrics(trajs)["rollout/stop/env_error"] == 0.5
 
 
+def test_on_finish_reports_each_trajectory_once_when_it_is_final():
+  """`RolloutDriver.run(on_finish=...)`: every trajectory once, as it finishes (env errors at
+  admission, a prompt too long before anything runs, answers after their turns), already in
+  its final state."""
+  texts = {rid: [f"<calc>{rid}+1</calc>", "<answer>x</answer>"] for rid in range(8)}
+  texts.update({0: ["I give up." + chr(EOS)], 1: ["<answer>1</answer>"]})
+  fake = FakeEngine(_script_from_texts(texts), slots=3, max_len=256)
+  driver = RolloutDriver(fake, _FlakyEnv(), tokenizer=TOK, cfg=RolloutConfig(decode_steps=4))
+  seen = []
+
+  def on_finish(t):
+    seen.append((t.request_id, t.stop_reason, list(t.token_ids), t.num_turns))
+  examples = _examples(4) + [Example("long", "p" * 300)]
+  try:
+    trajs = driver.run(None, examples, num_samples=2, on_finish=on_finish)
+    with pytest.raises(TypeError, match="on_finish must be a callable"):
+      driver.run(None, examples, num_samples=2, on_finish="print")
+  finally:
+    driver.close()
+  assert sorted(r for r, *_ in seen) == list(range(10))  # each once
+  final = {t.request_id: (t.request_id, t.stop_reason, list(t.token_ids), t.num_turns)
+           for t in trajs}
+  assert all(item == final[item[0]] for item in seen)  # nothing changed after the report
+  order = [r for r, *_ in seen]
+  # The prompt too long first (before any decoding), then the env errors of the admission
+  # (group 1) before the answers that take two turns.
+  assert order[:2] == [8, 9] and {final[r][1] for r in order[:2]} == {"prompt_too_long"}
+  assert order.index(2) < order.index(4) and final[2][1] == "env_error"
+  assert final[0][1] == "eos" and order.index(0) < order.index(4)
+
+
 def test_task_code_that_returns_the_wrong_type_ends_only_its_trajectory(caplog):
   """`new_episode` returning tools instead of an `Episode`, or `encode_observation` returning
   text or float ids, ends that trajectory ("env_error", the log naming the fix): it crashed the
