@@ -63,6 +63,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       max_tokens_per_turn=32, max_total_tokens=placeholder(int), tool_timeout_s=5.0,
       traj_tool_timeout_s=15.0, decode_steps=8,
       mesh="learner",  # "data": decode with replicated weights, each device its own slots
+      # Devices that only decode (the last n; 0: the learner's own devices decode too): with
+      # train.off_policy_steps > 0 the rollouts then run beside the update. One process only.
+      devices=0,
       # Longest prompt decoded (None: what fits); the fit check plans it.
       max_prompt_tokens=placeholder(int),
       # Most tokens of one tool result's text (None: no cap); a longer one is cut where

@@ -140,6 +140,28 @@ def check_rollout_mesh(kind: str) -> str:
   return kind
 
 
+def split_rollout_devices(n: int, devices: Sequence[jax.Device] | None = None
+                          ) -> tuple[list[jax.Device], list[jax.Device] | None]:
+  """(learner devices, rollout devices) for `rollout.devices = n`: with n > 0 the last n of
+  `devices` (default: all) decode and the others train, so that rollouts collected ahead
+  (`train.off_policy_steps`) run beside the update instead of taking turns with it on the same
+  chips; n = 0: every device trains, and the rollouts share them (None)."""
+  devices = list(jax.devices() if devices is None else devices)
+  if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+    raise ValueError(f"rollout.devices must be an int >= 0 (0: decode on the learner's "
+                     f"devices), got {n!r}")
+  if n == 0:
+    return devices, None
+  if n >= len(devices):
+    raise ValueError(f"rollout.devices={n} leaves no device to train on: there are "
+                     f"{len(devices)}; give the rollouts fewer (or 0 to share them)")
+  if len({d.process_index for d in devices}) > 1:
+    raise ValueError(f"rollout.devices={n}: a split of the devices into learner and rollout "
+                     "ones is for one process; on several hosts the rollouts already run on "
+                     "process 0's devices (set rollout.devices=0)")
+  return devices[:-n], devices[-n:]
+
+
 def rollout_mesh(kind: str, learner_mesh: Mesh,
                  devices: Sequence[jax.Device] | None = None) -> Mesh:
   """The mesh the rollout engines decode on (config key `rollout.mesh`).

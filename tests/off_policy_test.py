@@ -168,3 +168,37 @@ def test_tis_trains_against_the_learners_own_log_probs_and_weighs_the_sampler(tm
   assert rows[0]["train/behavior_kl"] < 1e-8
   assert min(r["train/behavior_kl"] for r in rows[1:]) > 1e-3
   assert rows[0]["train/logprob_gap"] < 1e-4 < min(r["train/logprob_gap"] for r in rows[1:])
+
+
+def test_split_rollout_devices():
+  from jaxagent import sharding
+  devs = jax.devices()
+  assert len(devs) == 8  # (tests/conftest.py: 8 CPU devices)
+  assert sharding.split_rollout_devices(0) == (devs, None)
+  assert sharding.split_rollout_devices(3) == (devs[:5], devs[5:])
+  for bad, match in ((8, "leaves no device to train on: there are 8"),
+                     (-1, "must be an int >= 0"), (1.0, "must be an int >= 0")):
+    with pytest.raises(ValueError, match=f"rollout.devices.*{match}"):
+      sharding.split_rollout_devices(bad)
+
+
+def test_rollouts_on_their_own_devices_beside_the_learner(tmp_path, capsys):
+  """rollout.devices=2: the learner's mesh is the first 6 devices, the engines decode on the
+  last 2 from a copy of the weights placed there, and the run trains with rollouts ahead."""
+  trainer = Trainer(_tiny(tmp_path, total_steps=2, **{
+      "rollout.devices": 2, "train.off_policy_steps": 1, "eval.size": 0, "log.dump_every": 0}))
+  devs = jax.devices()
+  assert list(trainer.mesh.devices.flat) == devs[:6]
+  assert list(trainer.gen_mesh.devices.flat) == devs[6:]
+  assert trainer.sample_engine.mesh is trainer.gen_mesh
+  gen = trainer._generator_params(own_buffers=True)
+  assert {d for x in jax.tree.leaves(gen) for d in x.devices()} == set(devs[6:])
+  events, versions = _spied(trainer)
+  rows = [r for r in _run(trainer) if "train/loss" in r]
+  assert [r["rollout/staleness"] for r in rows] == [0.0, 1.0]
+  assert {d for x in jax.tree.leaves(trainer.state.params) for d in x.devices()} == set(devs[:6])
+  collects = {e[1]: e[2] for e in events if e[0] == "collect"}
+  assert collects[1] == collects[2] == versions[0]  # both from the start's params
+  # Without rollouts ahead the two device sets would take turns: said at the start.
+  Trainer(_tiny(tmp_path / "sync", **{"rollout.devices": 2, "eval.size": 0})).close()
+  assert "rollout.devices=2 with train.off_policy_steps=0" in capsys.readouterr().out

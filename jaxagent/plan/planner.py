@@ -363,7 +363,16 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
                        "instead of its devices")
   cfg = cfg if cfg is not None else model_config(config)
   chip = chip_for(devices)
-  rollout_devices = _rollout_devices(devices, topology)
+  # rollout.devices = n > 0: the learner's programs on all but the last n devices, the
+  # rollout's on those n (`sharding.split_rollout_devices`, as the trainer splits them).
+  n_rollout = config.rollout.get("devices", 0) if "rollout" in config else 0
+  if n_rollout and topology:
+    raise ValueError(f"rollout.devices={n_rollout}: plans for a TPU topology compile for the "
+                     "whole topology only; plan a split of this machine's devices with "
+                     "--topology=local, or plan rollout.devices=0")
+  devices, rollout_devices = shd.split_rollout_devices(n_rollout, devices)
+  if rollout_devices is None:
+    rollout_devices = _rollout_devices(devices, topology)
   mesh = _mesh_for(config, devices)
   sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
   shapes = run_shapes(config, sizes, options)
