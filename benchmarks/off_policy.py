@@ -74,7 +74,7 @@ def config(args, k: int, n: int, workdir: str):
   c.env.name = "benchmarks.off_policy:SlowRewardEnv"
   c.env.kwargs = dict(train_size=max(256, args.prompts * c.total_steps),
                       reward_ms=args.reward_ms)
-  c.rollout.update(devices=n, slots=args.slots, max_len=args.max_len,
+  c.rollout.update(devices=n, mesh=args.rollout_mesh, slots=args.slots, max_len=args.max_len,
                    max_tokens_per_turn=args.tokens_per_turn, max_turns=args.turns)
   c.train.update(prompts_per_step=args.prompts, samples_per_prompt=args.samples,
                  zero_variance="keep", pack_len=args.pack_len, len_buckets=(args.pack_len,),
@@ -116,6 +116,8 @@ def main():
   ap.add_argument("--runs", default="0/0,1/0",
                   help="comma-separated k/n: train.off_policy_steps=k, rollout.devices=n; "
                   "the first is the baseline")
+  ap.add_argument("--rollout-mesh", default="learner", choices=("learner", "data"),
+                  help="rollout.mesh (data: each rollout device decodes its own slots)")
   ap.add_argument("--steps", type=int, default=4, help="timed RL steps per run")
   ap.add_argument("--warmup", type=int, default=2, help="untimed RL steps first (compiles)")
   ap.add_argument("--prompts", type=int, default=8)
