@@ -992,6 +992,8 @@ class Trainer:
     self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._inflight: dict[int, tuple[concurrent.futures.Future | None, int]] = {}
     self._ready: dict[int, tuple[dict[str, float], dict[str, np.ndarray] | None, int]] = {}
+    self._decoded: dict[int, threading.Event] = {}  # set when a step's rollout stops decoding
+    self._shares_devices = bool(set(self.gen_mesh.devices.flat) & set(self.mesh.devices.flat))
 
   def _adapter_from(self, path: str):
     """The PEFT adapter at `path` (`lora.init_from`), which must have the config's rank,
@@ -1125,6 +1127,13 @@ class Trainer:
       return (RewardOutput(0.0, {}, {}, errors=(ENV_REWARD_ERROR,)),
               f"example {ex.id!r}: {type(e).__name__}: {e}")
 
+  def _done_decoding(self, step: int) -> None:
+    """Tell a learner waiting on this rollout (`_wait_for_decoding_ahead`) that it has stopped
+    decoding (with dynamic sampling: its first round)."""
+    decoded = self._decoded.get(step)
+    if decoded is not None:
+      decoded.set()
+
   def _reward_threads(self) -> int:
     threads = getattr(self.env, "reward_threads", 1)
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
@@ -1143,6 +1152,7 @@ class Trainer:
     threads = self._reward_threads()
     if threads <= 1:
       trajs = self.sampler.run(params, exs, num_samples=G, seed=seed, request_id_offset=offset)
+      self._done_decoding(step)
       return trajs, self._score(trajs, [exs[tr.group_id] for tr in trajs], step)
     futures: dict[int, concurrent.futures.Future] = {}
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="reward") as pool:
@@ -1151,6 +1161,7 @@ class Trainer:
       try:
         trajs = self.sampler.run(params, exs, num_samples=G, seed=seed,
                                  request_id_offset=offset, on_finish=submit)
+        self._done_decoding(step)
       except BaseException:
         for f in futures.values():
           f.cancel()
@@ -1436,6 +1447,22 @@ class Trainer:
     metrics["time/rollout_wait_s"] = time.time() - t0
     return metrics, batch
 
+  def _wait_for_decoding_ahead(self) -> float:
+    """On devices the rollouts share with the learner, wait until the rollout collected ahead
+    has finished decoding (its rewards and packing go on): a device runs one program at a
+    time, so an update dispatched earlier only delays the decode calls queued behind it (and
+    they it), while started now it overlaps the rollout's host work. Seconds waited (0 with
+    rollout devices of their own, or nothing in flight)."""
+    if not self._inflight or not self._shares_devices:
+      return 0.0
+    t0 = time.time()
+    future, _ = self._inflight[min(self._inflight)]
+    decoded = self._decoded.get(min(self._inflight))
+    if future is not None and decoded is not None:
+      while not decoded.wait(0.01) and not future.done():
+        pass
+    return time.time() - t0
+
   def _collect_step(self, step: int, params):
     # A NaN or inf in the logits while sampling ends the rollout with a FloatingPointError
     # that names a request id, not the step: named here as the learner's are.
@@ -1450,12 +1477,14 @@ class Trainer:
       if self._ahead_pool is None:
         self._ahead_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="jaxagent-rollouts")
+      self._decoded[step] = threading.Event()
       future = self._ahead_pool.submit(self._collect_step, step, params)
     self._inflight[step] = (future, version)
 
   def _take(self, step: int) -> tuple[dict[str, float], dict[str, np.ndarray] | None, int]:
     """Wait for step `step`'s rollouts from the collector (process 0's, broadcast)."""
     future, version = self._inflight.pop(step)
+    self._decoded.pop(step, None)
     metrics, batch = self._on_lead(lambda: future.result())
     return metrics, batch, version
 
@@ -1475,6 +1504,8 @@ class Trainer:
       self._freeze_reference()
     t0, c0 = time.time(), compile_stats.snapshot()
     metrics, batch = self._rollouts(step)
+    if batch is not None:
+      metrics["time/update_wait_s"] = self._wait_for_decoding_ahead()
     t1 = time.time()
     if batch is not None:
       batch = self._old_logps(batch)
@@ -2026,6 +2057,7 @@ class Trainer:
       self._ahead_pool.shutdown(wait=True, cancel_futures=True)
       self._ahead_pool = None
     self._inflight.clear()
+    self._decoded.clear()
 
   def close(self) -> None:
     """Closes the checkpoint manager, the samplers and the metrics writer; each is closed even

@@ -17,6 +17,11 @@ def _spied(trainer):
   each collect (with a digest of the params it sampled from) and each update."""
   events, versions = [], {}
   collect, submit, train_step = trainer._collect, trainer._submit, trainer.learner.train_step
+  done_decoding = trainer._done_decoding
+
+  def spy_done_decoding(step):
+    events.append(("decoded", step))
+    return done_decoding(step)
 
   def spy_collect(step, params):
     events.append(("collect", step, checkpoint.digest(params)))
@@ -37,6 +42,7 @@ def _spied(trainer):
     return rl_step(step)
 
   trainer._collect, trainer._submit = spy_collect, spy_submit
+  trainer._done_decoding = spy_done_decoding
   trainer.learner.train_step, trainer.rl_step = spy_train, spy_rl_step
   return events, versions
 
@@ -67,6 +73,8 @@ def test_each_step_samples_from_the_params_k_steps_behind(tmp_path, k):
       float(min(s - 1, k)) for s in range(1, 5)]
   order = [e[:2] for e in events if e[0] != "collect"]
   if k == 0:
+    order = [e for e in order if e[0] != "decoded"]
+  if k == 0:
     assert not any(e[0] == "submit" for e in events)  # no collector thread at all
     assert trainer._ahead_pool is None
   else:
@@ -76,7 +84,12 @@ def test_each_step_samples_from_the_params_k_steps_behind(tmp_path, k):
       handed = [i for i, e in enumerate(order) if e == ("submit", min(s + k, 4))]
       trained = order.index(("train", s))
       assert handed and handed[0] < trained, (s, order)
-    assert order[:k + 2] == [("submit", s) for s in range(1, k + 2)] + [("train", 1)]
+    main = [e for e in order if e[0] != "decoded"]  # (the collector's thread adds those)
+    assert main[:k + 2] == [("submit", s) for s in range(1, k + 2)] + [("train", 1)]
+    # The devices are shared (one mesh): each update waits until the rollout in flight has
+    # stopped decoding, and overlaps only its host work (rewards, packing).
+    for s in range(1, 4):
+      assert order.index(("decoded", s + 1)) < order.index(("train", s)), order
 
 
 def test_rollouts_ahead_round_trip_bit_for_bit_and_damage_is_named(tmp_path):
