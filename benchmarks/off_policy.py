@@ -11,7 +11,10 @@ calculator task (`CalculatorEnv` with generated sums and products) and a randoml
 model of a preset's architecture, once per `--runs` entry (`k/n`: train.off_policy_steps=k,
 rollout.devices=n), and prints each run's mean RL step time over the timed steps (after
 `--warmup` steps, which compile), with the mean rollout, update and rollout-wait times the
-trainer logs, and the speed-up of each run over the first as the last line (one JSON object). `--reward-ms` makes every trajectory's reward take that long on
+trainer logs, and the speed-up of each run over the first as the last line (one JSON object).
+A setting listed twice (`0/0,1/0,0/0`) is reported by its later run, whose programs come from
+the compilation cache: the first run of a process also pays compiles in its timed steps when
+the packed row count varies (`compile_s`). `--reward-ms` makes every trajectory's reward take that long on
 the host (a verifier that runs unit tests, a judge call): the work a collector thread overlaps
 with the update. A random policy earns no reward, so zero-variance groups are kept and the loss
 has an entropy bonus: every step makes an update, as a trained policy's would.
