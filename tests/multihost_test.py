@@ -6,13 +6,16 @@ process x 4 devices with the same global batch.
   process, and the checkpoint both processes write together restores onto the one-process mesh.
 * `test_trainer_two_processes_match_one` (slow): the whole tiny quickstart through
   `python -m jaxagent.launch --num_processes=2 ...` (process 0 rolls out and broadcasts) logs the
-  same rewards and losses as one process, and only process 0 writes metrics.
+  same rewards and losses as one process, and only process 0 writes metrics; parametrized by
+  `train.off_policy_steps` (1: process 0's collector thread gathers the next step's rollouts
+  during the update, checkpoints keep them, and a two-process resume from step 1 trains on them).
 
 This file is also the worker those tests start (`python tests/multihost_test.py learner ...`).
 """
 import json
 import os
 import pathlib
+import shutil
 import socket
 import subprocess
 import sys
@@ -145,39 +148,92 @@ TRAINER_FLAGS = ("--config=configs/quickstart.py:tiny", "--config.total_steps=3"
                  "--config.checkpoint_every=1")
 
 
-def _trainer_runs(workdir, n, cache, tok_dir):
+def _trainer_runs(workdir, n, cache, tok_dir, extra=()):
   port = _free_port()
   dist = (lambda i: [f"--coordinator_address=localhost:{port}", f"--num_processes={n}",
                      f"--process_id={i}"]) if n > 1 else (lambda i: [])
   return [subprocess.Popen(
-      [sys.executable, "-m", "jaxagent.launch", *TRAINER_FLAGS, f"--config.workdir={workdir}",
-       f"--config.model.tokenizer={tok_dir}", *dist(i)], cwd=REPO, env=_env(4 // n, cache),
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(n)]
+      [sys.executable, "-m", "jaxagent.launch", *TRAINER_FLAGS, *extra,
+       f"--config.workdir={workdir}", f"--config.model.tokenizer={tok_dir}", *dist(i)],
+      cwd=REPO, env=_env(4 // n, cache), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+      text=True) for i in range(n)]
+
+
+def _records(workdir) -> dict[int, dict]:
+  """The RL steps' metric records of a run: step -> record."""
+  lines = (workdir / "metrics.jsonl").read_text().splitlines()
+  return {r["step"]: r for r in map(json.loads, lines) if r["step"] > 0}
+
+
+def _samples(workdir, step: int) -> list:
+  return [json.loads(l)["tokens"] for l in (workdir / "samples" / f"step_{step:06d}.jsonl").open()]
+
+
+def _assert_same_steps(want: dict, got: dict, steps, label: str) -> None:
+  """Two runs' records of `steps`: the same rollouts, rewards and packing, and losses equal up to
+  the all-reduce order."""
+  for step in steps:
+    a, b = want[step], got[step]
+    for k in ("reward/mean", "rollout/policy_tokens", "pack/rows", "adv/kept_frac",
+              "rollout/staleness"):
+      assert b.get(k) == a.get(k), (label, step, k, a.get(k), b.get(k))
+    for k in ("train/loss", "train/entropy", "train/grad_norm"):
+      np.testing.assert_allclose(b[k], a[k], rtol=1e-4, err_msg=f"{label}: step {step} {k}")
+
+
+def _ahead_steps(workdir, step: int) -> list[int] | None:
+  """The steps whose rollouts checkpoint `step` holds (its `rollouts_ahead` item), or None."""
+  item = workdir / "checkpoints" / str(step) / "rollouts_ahead"
+  if not item.exists():
+    return None
+  # The JSON written once, by process 0 (and the checkpointer's mark that the item is complete).
+  files = sorted(str(f.relative_to(item)) for f in item.rglob("*") if f.is_file())
+  assert files in (["metadata"], ["commit_success.txt", "metadata"]), files
+  return sorted(int(s) for s in json.loads((item / "metadata").read_text())["steps"])
 
 
 @pytest.mark.slow
-def test_trainer_two_processes_match_one(tmp_path):
+@pytest.mark.parametrize("off_policy_steps", [0, 1])
+def test_trainer_two_processes_match_one(tmp_path, off_policy_steps):
+  """With `train.off_policy_steps=1` process 0's collector thread gathers step s + 1's rollouts
+  during step s and every process takes them from process 0's broadcast: the same records as
+  one process, staleness [0, 1, 1]; checkpoints 1 and 2 hold the next step's rollouts, and a
+  two-process resume from checkpoint 1 trains on them and repeats steps 2 and 3."""
   from jaxagent import models
   one, two = tmp_path / "one", tmp_path / "two"
+  extra = (f"--config.train.off_policy_steps={off_policy_steps}",)
   tok_dir = models.load_tokenizer("smollm2-135m-instruct").save(tmp_path / "tokenizer")
-  outs = _wait_all(_trainer_runs(two, 2, tmp_path / "cache2", tok_dir))
-  _wait_all(_trainer_runs(one, 1, tmp_path / "cache1", tok_dir))
+  outs = _wait_all(_trainer_runs(two, 2, tmp_path / "cache2", tok_dir, extra))
+  _wait_all(_trainer_runs(one, 1, tmp_path / "cache1", tok_dir, extra))
   assert "summary:" in outs[0] and "summary:" not in outs[1]  # only process 0 reports
-  recs = {}
+  recs = {d: _records(d) for d in (one, two)}
   for d in (one, two):
-    recs[d] = {r["step"]: r for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())
-               if r["step"] > 0}
     assert sorted(recs[d]) == [1, 2, 3]  # each step logged once, by process 0 only
+  _assert_same_steps(recs[one], recs[two], (1, 2, 3), "one vs two processes")
   for step in (1, 2, 3):
-    a, b = recs[one][step], recs[two][step]
-    for k in ("reward/mean", "rollout/policy_tokens", "pack/rows", "adv/kept_frac"):
-      assert b[k] == a[k], (step, k)
-    for k in ("train/loss", "train/entropy", "train/grad_norm"):
-      np.testing.assert_allclose(b[k], a[k], rtol=1e-4, err_msg=f"step {step} {k}")
-    ta = [json.loads(l)["tokens"] for l in (one / "samples" / f"step_{step:06d}.jsonl").open()]
-    tb = [json.loads(l)["tokens"] for l in (two / "samples" / f"step_{step:06d}.jsonl").open()]
-    assert ta == tb, f"rollouts differ at step {step}"
+    assert _samples(one, step) == _samples(two, step), f"rollouts differ at step {step}"
   assert sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit())[-1] == 3
+  staleness = [recs[two][s]["rollout/staleness"] for s in (1, 2, 3)]
+  if off_policy_steps == 0:
+    assert staleness == [0, 0, 0]
+    assert [_ahead_steps(two, s) for s in (1, 2, 3)] == [None, None, None]
+    return
+  assert staleness == [0, 1, 1]
+  # Each checkpoint keeps the rollouts collected for the step after it (none after the last).
+  assert [_ahead_steps(two, s) for s in (1, 2, 3)] == [[2], [3], None]
+
+  # A stop after step 1, then a resume on two processes: it trains step 2 on the rollouts
+  # checkpoint 1 holds (collected from the params after step 0) and repeats the straight run.
+  straight = {s: _samples(two, s) for s in (2, 3)}
+  for s in (2, 3):
+    shutil.rmtree(two / "checkpoints" / str(s))
+  outs = _wait_all(_trainer_runs(two, 2, tmp_path / "cache2", tok_dir, extra))
+  assert "resuming with the rollouts of steps 2, collected before checkpoint" in outs[0], outs[0][-4000:]
+  resumed = _records(two)
+  assert sorted(resumed) == [1, 2, 3]
+  _assert_same_steps(recs[two], resumed, (2, 3), "straight vs resumed")
+  for s in (2, 3):
+    assert _samples(two, s) == straight[s], f"resumed rollouts differ at step {s}"
 
 
 if __name__ == "__main__":
