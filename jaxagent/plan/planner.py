@@ -17,7 +17,8 @@ shardings; params come from `jax.eval_shape(init_params)`, so no weight is ever 
     part of the verdict.
   * `prefill`, `insert`, `generate`, `append`: the generator's programs (`Engine.program`), at
     the configured slots and cache length, on the rollout mesh (on several hosts, process 0's
-    devices alone, where the trainer rolls out).
+    devices alone, where the trainer rolls out; with `rollout.devices = n`, the last n
+    devices, which only decode, the learner's programs running on the others).
 
 Shapes are worst cases: every trajectory in its own row (`rows = prompts x samples`, rounded as
 the trainer's packing rounds them), prompts as long as the cache allows, all slots prefilled or
@@ -28,7 +29,11 @@ buffers the run keeps alive meanwhile (`resident`): the optimizer state while th
 decodes (colocated mode shares the params, not the moments; float32 masters with a lower
 compute dtype decode from a compute-dtype copy, the masters resident beside it; where the
 engine decodes with merged weights, their copy for the rollout beside the params), the frozen
-reference params when KL is on, the RL state during the SFT warm start. Time per program is a roofline estimate,
+reference params when KL is on, the RL state during the SFT warm start; with rollouts collected
+ahead (`train.off_policy_steps = k`) the generator's copies of the weights for the steps in flight,
+beside the decode and the learner's programs alike (devices of their own for the rollouts hold
+those copies and the cache only, the learner's devices none). Time per program is a roofline
+estimate,
 max(flops / peak, HBM bytes / bandwidth, collective bytes / interconnect bandwidth), from
 loop-aware HLO counts (`jaxagent.plan.hlo`; XLA's own `cost_analysis()` counts each `lax.scan`
 body once and is reported alongside). Peaks and bandwidths are in `jaxagent.plan.chips`.
@@ -340,10 +345,23 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
       program that compiled, `args` being the abstract dynamic arguments (static ones are
       part of the compiled program); `benchmarks/plan_vs_measured.py` times them.
   """
+  # rollout.devices = n > 0: the learner's programs on all but the last n devices, the
+  # rollout's on those n (`sharding.split_rollout_devices`, as the trainer splits them).
+  n_rollout = config.rollout.get("devices", 0) if "rollout" in config else 0
+  # train.off_policy_steps = k: rollouts collected k steps ahead of the learner (as the
+  # trainer reads it), each hand-off from a copy of the weights of its own.
+  ahead_k = (config.train.get("off_policy_steps", 0) or 0) if "train" in config else 0
+  if isinstance(ahead_k, bool) or not isinstance(ahead_k, (int, np.integer)) or ahead_k < 0:
+    raise ValueError("train.off_policy_steps must be an int >= 0 (0: each step's rollouts "
+                     f"from the current params), got {ahead_k!r}")
   topology = None
   if isinstance(devices_or_topology, str) or devices_or_topology is None:
     target = devices_or_topology or "local"
     if target != "local":
+      if n_rollout:  # (before the compile-only client starts)
+        raise ValueError(f"rollout.devices={n_rollout}: plans for a TPU topology compile for "
+                         "the whole topology only; plan a split of this machine's devices "
+                         "with --topology=local, or plan rollout.devices=0")
       topology = resolve_topology(target)  # a Cloud accelerator type: the topology it names
       target = target if topology == target else f"{target} (= {topology})"
     devices = devices_for(topology)
@@ -363,13 +381,6 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
                        "instead of its devices")
   cfg = cfg if cfg is not None else model_config(config)
   chip = chip_for(devices)
-  # rollout.devices = n > 0: the learner's programs on all but the last n devices, the
-  # rollout's on those n (`sharding.split_rollout_devices`, as the trainer splits them).
-  n_rollout = config.rollout.get("devices", 0) if "rollout" in config else 0
-  if n_rollout and topology:
-    raise ValueError(f"rollout.devices={n_rollout}: plans for a TPU topology compile for the "
-                     "whole topology only; plan a split of this machine's devices with "
-                     "--topology=local, or plan rollout.devices=0")
   devices, rollout_devices = shd.split_rollout_devices(n_rollout, devices)
   if rollout_devices is None:
     rollout_devices = _rollout_devices(devices, topology)
@@ -410,6 +421,36 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
   base_c = {"base_params": base_b} if base else {}
   bsh = learner.batch_sharding()
 
+  # The generator's weights (`Trainer._generator_params`), on the rollout mesh
+  # (`rollout.mesh`: the learner's, or every rollout device on the data axis with the weights
+  # replicated; on several hosts process 0's devices, on rollout devices of their own those).
+  # On the learner's mesh it decodes from the masters themselves when the param and compute
+  # dtypes agree and no rollout is collected ahead; otherwise from a copy: in the compute
+  # dtype, with the base and adapter merged (LoRA), and with `train.off_policy_steps` > 0 one
+  # of its own even where nothing needs casting (the update donates the state). Copies made
+  # on the learner's devices stay resident beside the masters.
+  r = config.rollout
+  split = bool(n_rollout)
+  dmesh = shd.rollout_mesh(r.get("mesh", "learner"), mesh, rollout_devices)
+  dparams, masters_b = params, 0.0
+  if base or dmesh is not mesh or cfg.jnp_param_dtype != cfg.jnp_dtype or ahead_k:
+    copy = jax.eval_shape(functools.partial(param_tree.compute_copy, cfg=cfg), abstract_params)
+    copy_sh = (shd.shardings(copy, dmesh) if dmesh is not mesh
+               else jax.tree.map(lambda p: p.sharding, base[0] if base else params))
+    dparams, masters_b = _sds(copy, copy_sh), 0.0 if split else params_b + base_b
+  copy_b = _per_chip_bytes(dparams)
+  # Copies alive at once (`Trainer._rollouts`: one per RL step's hand-off, shared by the steps
+  # handed together, freed when their rollouts are collected). On rollout devices of their own
+  # the next step's copy arrives while the rollout in flight still decodes: k + 1. On shared
+  # devices the update, and with it the next hand-off, waits until that rollout has stopped
+  # decoding (`_wait_for_decoding_ahead`): k, the one decoding and those of the steps queued
+  # behind it, and the same k through the learner's programs (the rollouts in flight keep
+  # theirs until they are collected).
+  copies = ahead_k + 1 if split else max(ahead_k, 1)
+  ahead_b = (copies - 1) * copy_b           # beside the one a generator program reads
+  gen_c = {} if split or not ahead_k else {"generator_params": ahead_k * copy_b}
+  gen_b = sum(gen_c.values())               # resident through the learner's programs
+
   def batch(rows, length, keys):
     dt = {"tokens": jnp.int32, "segment_ids": jnp.int32, "positions": jnp.int32}
     return {k: jax.ShapeDtypeStruct((rows, length), dt.get(k, jnp.float32), sharding=bsh)
@@ -422,6 +463,7 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
 
   def add(rep: ProgramReport, fn, *args, on: Mesh | None = None, **kwargs):
     rep.capacity = chip.hbm_bytes
+    rep.n_devices = (on or mesh).devices.size
     programs.append(rep)
     compiled = _compile(rep, fn, args, kwargs, on or mesh, chip, cfg.dtype)
     if executables is not None and compiled is not None:
@@ -434,10 +476,11 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
     for length in shapes.len_buckets:
       b = batch(shapes.update_rows, length, rl_keys)
       rep = ProgramReport(f"update[L={length}]", "update",
-                          f"[{shapes.update_rows}x{length}] m={m}", resident_bytes=ref_b,
+                          f"[{shapes.update_rows}x{length}] m={m}",
+                          resident_bytes=ref_b + gen_b,
                           components={"params": params_b, "optimizer": opt_b,
                                       "batch": _per_chip_bytes(b), "ref_params": ref_b,
-                                      **base_c})
+                                      **base_c, **gen_c})
       add(rep, train, state, b, *base)
   if "sft" in want and shapes.sft_rows:
     sft_learner = step_lib.Learner(cfg, sft_scfg, sft_opt, mesh, **lkw)
@@ -457,33 +500,17 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
     # It scores the reference params with the train state resident (KL), or the train
     # state's params with the optimizer state and any reference params resident.
     rep = ProgramReport(f"score[L={length}]", "score", f"[{shapes.rows}x{length}]",
-                        used=scores, resident_bytes=opt_b + ref_b,
+                        used=scores, resident_bytes=opt_b + ref_b + gen_b,
                         components={"params": params_b, "optimizer": opt_b,
-                                    "batch": _per_chip_bytes(b), "ref_params": ref_b, **base_c})
+                                    "batch": _per_chip_bytes(b), "ref_params": ref_b, **base_c,
+                                    **gen_c})
     fn = learner.score_fn(False)
     add(rep, fn, params, b, *base)
 
   if want & set(DECODE_KINDS):
-    r = config.rollout
     ecfg = EngineConfig(slots=r.slots, max_len=r.max_len,
                         eos_ids=cfg.eos_token_ids,
                         sampling=SamplingConfig(r.temperature, r.top_p, r.top_k))
-    # The rollout mesh (`rollout.mesh`): the learner's, or every device on the data axis with
-    # a replicated compute-dtype copy of the weights beside the learner's resident masters.
-    # On the learner's mesh the generator decodes from the masters themselves when the param
-    # and compute dtypes agree, else from a compute-dtype copy with the masters' shardings
-    # (as `Trainer._generator_params` hands them), the masters staying resident beside it.
-    # On several hosts the rollouts run on process 0's devices alone (see `jaxagent.trainer`),
-    # on a mesh of those devices with a compute-dtype copy of the weights.
-    dmesh = shd.rollout_mesh(r.get("mesh", "learner"), mesh, rollout_devices)
-    # With an adapter, the generator decodes from the base with the adapter merged in the
-    # compute dtype (`Learner.merged_params`), the base and the adapter resident beside it.
-    dparams, masters_b = params, 0.0
-    if base or dmesh is not mesh or cfg.jnp_param_dtype != cfg.jnp_dtype:
-      copy = jax.eval_shape(functools.partial(param_tree.compute_copy, cfg=cfg), abstract_params)
-      copy_sh = (shd.shardings(copy, dmesh) if dmesh is not mesh
-                 else jax.tree.map(lambda p: p.sharding, base[0] if base else params))
-      dparams, masters_b = _sds(copy, copy_sh), params_b + base_b
     engine = Engine(cfg, ecfg, mesh=dmesh)
     # The engine's cache may be longer than max_len (the GPU decode kernel's rounds it up to a
     # multiple of 64), and its generate and append read up to the whole cache.
@@ -492,10 +519,17 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
     kv_b = _per_chip_bytes((dstate.k, dstate.v))
     rep_sh = NamedSharding(dmesh, P())
     vec = lambda n, dt=jnp.int32: jax.ShapeDtypeStruct((n,), dt, sharding=rep_sh)
-    dec_components = {"params": _per_chip_bytes(dparams), "optimizer": opt_b, "kv_cache": kv_b,
-                      "ref_params": ref_b}
+    # Devices that only decode (rollout.devices) hold no learner state: the generator's
+    # weights, their copies handed ahead and the cache.
+    d_opt, d_ref = (0.0, 0.0) if split else (opt_b, ref_b)
+    dec_components = {"params": copy_b, "kv_cache": kv_b}
+    if not split:
+      dec_components.update(optimizer=opt_b, ref_params=ref_b)
     if masters_b:
       dec_components["learner_params"] = masters_b
+    if ahead_b:
+      dec_components["params_ahead"] = ahead_b
+    around = masters_b + ahead_b + d_opt + d_ref  # resident through every generator program
     # Where the engine's decode calls multiply by merged q|k|v and gate|up weights
     # (`Engine.merge_weights`, on GPUs by default), the rollout driver merges them once per
     # rollout (`Engine.prepare`): a second copy of every weight, held beside the params through
@@ -514,7 +548,7 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
     prefill = None
     if want & {"prefill", "insert"}:
       rep = ProgramReport("prefill", "prefill", f"[{b}x{t}]",
-                          resident_bytes=masters_b + merged_b + opt_b + ref_b + kv_b,
+                          resident_bytes=around + merged_b + kv_b,
                           components=dec_components)
       prefill = add(rep, engine.program("prefill"), *prefill_args, on=dmesh)
       if "prefill" not in want:  # compiled only for the shardings of its output
@@ -528,16 +562,15 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
       prefix = _sds(out, out_sh)
       share = (vec(b), vec(b)) if ecfg.share_prompts else None
       rep = ProgramReport("insert", "insert", f"{b} prefixes of {t}",
-                          resident_bytes=(_per_chip_bytes(dparams) + masters_b + merged_b + opt_b
-                                          + ref_b),
+                          resident_bytes=copy_b + around + merged_b,
                           components=dec_components)
       add(rep, engine.program("insert"), prefix, dstate, vec(b), share, on=dmesh)
     if "generate" in want:
       # Given the merged copy, the params it was made from stay resident beside it.
-      held = _per_chip_bytes(dparams) if merged_b else 0.0
+      held = copy_b if merged_b else 0.0
       rep = ProgramReport("generate", "generate",
                           f"{s.slots} slots x {s.decode_steps} steps, kv {s.kv_len}",
-                          resident_bytes=held + masters_b + opt_b + ref_b,
+                          resident_bytes=held + around,
                           components=dec_components)
       add(rep, engine.program("generate"), decode_params, dstate, on=dmesh,
           steps=s.decode_steps, kv_len=s.kv_len)
@@ -545,7 +578,7 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
       b, n = s.append_batch, s.append_len
       chunk = jax.ShapeDtypeStruct((b, n), jnp.int32, sharding=rep_sh)
       rep = ProgramReport("append", "append", f"[{b}x{n}], kv {s.kv_len}",
-                          resident_bytes=masters_b + merged_b + opt_b + ref_b,
+                          resident_bytes=around + merged_b,
                           components=dec_components)
       add(rep, engine.program("append"), dparams, dstate, vec(b), chunk, vec(b), vec(b),
           on=dmesh, kv_len=s.kv_len)
@@ -553,7 +586,8 @@ def plan_run(config, devices_or_topology: str | Sequence[jax.Device] | None = No
   report = PlanReport(model=cfg.name, num_params=cfg.num_params(), target=target,
                       platform=devices[0].platform, chip=chip, n_devices=len(devices),
                       mesh=sizes, shapes=shapes, programs=programs, knobs=[],
-                      rollout_devices=len(rollout_devices) if rollout_devices else None)
+                      rollout_devices=len(rollout_devices) if rollout_devices else None,
+                      decode_only=split, generator_copies=copies if dparams is not params else 0)
   report.knobs = knobs(report, config, cfg)
   return report
 

@@ -69,6 +69,7 @@ class ProgramReport:
   oom: bool = False             # the compiler itself refused: out of device memory
   error: str | None = None
   capacity: float | None = None
+  n_devices: int = 0            # the devices the program runs over (its mesh's)
 
   @property
   def program_bytes(self) -> float:
@@ -111,8 +112,14 @@ class PlanReport:
   shapes: RunShapes
   programs: list[ProgramReport]
   knobs: list[str]
-  rollout_devices: int | None = None  # on several hosts: process 0's devices, where the
-                                      # rollouts run (None: all `n_devices`)
+  rollout_devices: int | None = None  # the devices the generator's programs run on: on several
+                                      # hosts process 0's, or those that only decode (None: all
+                                      # `n_devices`)
+  decode_only: bool = False     # rollout.devices: the `rollout_devices` only decode, apart from
+                                # the `n_devices` (the learner's) that the update runs on
+  generator_copies: int = 0     # copies of the generator's weights resident at once on a chip
+                                # that decodes (train.off_policy_steps; 0: it decodes from the
+                                # learner's params)
 
   @property
   def fits(self) -> bool | None:
@@ -150,7 +157,8 @@ class PlanReport:
     return {"model": self.model, "num_params": self.num_params, "target": self.target,
             "platform": self.platform, "chip": dataclasses.asdict(self.chip),
             "n_devices": self.n_devices, "mesh": self.mesh,
-            "rollout_devices": self.rollout_devices,
+            "rollout_devices": self.rollout_devices, "decode_only": self.decode_only,
+            "generator_copies": self.generator_copies,
             "shapes": dataclasses.asdict(self.shapes), "fits": self.fits,
             "peak_bytes": self.peak_bytes(), "update_time_s": self.update_time_s(),
             "decode_step_time_s": self.decode_step_time_s(),
@@ -163,9 +171,22 @@ class PlanReport:
     mesh = " x ".join(f"{k}={v}" for k, v in self.mesh.items())
     lines = [
         f"model {self.model} ({self.num_params / 1e9:.2f}B params) on {self.target} "
-        f"({self.n_devices} x {c.name}, {cap} per chip [{c.source}]), mesh {mesh}"
+        f"({self.n_devices} x {c.name}{' for the learner' if self.decode_only else ''}, "
+        f"{cap} per chip [{c.source}]), mesh {mesh}"
         + (f"; rollouts on process 0's {self.rollout_devices} devices (the generator programs)"
-           if self.rollout_devices else ""),
+           if self.rollout_devices and not self.decode_only else ""),
+    ]
+    if self.decode_only:
+      lines.append(
+          f"rollout devices: {self.rollout_devices} more (decode only, rollout.devices): "
+          "prefill, insert, generate and append run there, beside the generator's weights and "
+          f"cache alone; update, sft and score on the {self.n_devices} learner devices above")
+    if self.generator_copies > 1:
+      lines.append(
+          f"generator weights: {self.generator_copies} copies resident at once on a decoding "
+          "chip (train.off_policy_steps: one per RL step's hand-off in flight), counted in "
+          "resid")
+    lines += [
         f"{'program':<16} {'shape':<28} {'args':>8} {'out':>8} {'temp':>8} {'resid':>8} "
         f"{'total':>9} {'fits':>5} {'est ms':>8} {'TFLOP':>8} {'GB':>7}  collectives (executed)",
     ]
@@ -221,18 +242,39 @@ def knobs(report: PlanReport, config, cfg: ModelConfig) -> list[str]:
       continue
     comp = p.components
     parts = {"params": "params", "optimizer": "optimizer state", "ref_params": "reference params"}
-    # A generator off the learner's mesh (rollout.mesh=data, or process 0's chips on several
-    # hosts) decodes from a copy of the weights that mesh.fsdp does not split: named apart.
+    # A generator off the learner's mesh (rollout.mesh=data, process 0's chips on several
+    # hosts, or devices that only decode) decodes from a copy of the weights that mesh.fsdp
+    # does not split: named apart.
     off_learner = p.kind not in ("update", "sft", "score") and (
         config.rollout.get("mesh", "learner") == "data" or bool(report.rollout_devices))
     if off_learner:
       copy = comp.get("params", 0)
       if copy > 0.3 * (cap or p.total_bytes or 1.0):
-        on = (f"process 0's {report.rollout_devices} chips, split over them"
-              if report.rollout_devices else "every chip, whole")
+        data = config.rollout.get("mesh", "learner") == "data"
+        whole = "whole on each" if data else "split over them"
+        if report.decode_only:
+          on = f"the {report.rollout_devices} rollout devices, {whole}"
+          instead = ("; rollout.mesh=learner splits it over the rollout devices" if data else
+                     f"; more rollout devices (rollout.devices, now {report.rollout_devices}) "
+                     "split it further")
+        else:
+          on = (f"process 0's {report.rollout_devices} chips, {whole}"
+                if report.rollout_devices else "every chip, whole")
+          instead = ("; rollout.mesh=learner splits it over them" if report.rollout_devices
+                     else "; rollout.mesh=learner decodes from the learner's sharded weights "
+                     "instead") if data else ""
         say(f"the generator's copy of the weights takes {g(copy)} per chip (on {on}; mesh.fsdp "
-            "does not split it)" + ("; rollout.mesh=learner decodes from the learner's sharded "
-                                   "weights instead" if not report.rollout_devices else ""))
+            "does not split it)" + instead)
+    # Rollouts collected ahead (train.off_policy_steps) each keep a copy of the weights.
+    train = config.get("train")
+    k = (train.get("off_policy_steps", 0) or 0) if hasattr(train, "get") else 0
+    ahead = comp.get("params_ahead", 0) + comp.get("generator_params", 0)
+    if k and ahead > 0.1 * (cap or p.total_bytes or 1.0):
+      each = comp.get("generator_params", 0) / k or comp.get("params", 0)
+      say(f"train.off_policy_steps (now {k}): each RL step's rollouts collected ahead keep a "
+          f"copy of the generator's weights resident ({g(each)} per chip) until they are "
+          "collected; fewer steps ahead keep fewer")
+    if off_learner:
       parts = {"learner_params": "learner params", "optimizer": "optimizer state",
                "ref_params": "reference params"}
     held = [name for key, name in parts.items() if comp.get(key, 0) > 0] or ["params"]

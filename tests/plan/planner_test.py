@@ -732,3 +732,150 @@ def test_a_tis_run_plans_the_samplers_log_probs_and_the_score_program():
   # behaviour log-probs, advantages), rows split over the data-parallel devices.
   dp = report.mesh["data"] * report.mesh["fsdp"]
   assert up.components["batch"] == 7 * report.shapes.update_rows * 128 * 4 / dp
+
+
+def _planned(monkeypatch, config, devices, programs):
+  """`plan_run` with each program's abstract arguments recorded instead of compiled (fast):
+  (report, program name -> the devices its arguments lie on)."""
+  from jaxagent.models import get_config
+  from jaxagent.plan import planner
+  on = {}
+  monkeypatch.setattr(planner, "_compile", lambda rep, fn, args, *_: on.update(
+      {rep.name: set().union(*(x.sharding.device_set for x in jax.tree.leaves(args)))}))
+  report = plan.plan_run(config, devices, cfg=get_config("tiny-llama", n_layers=1),
+                         options=plan.PlanOptions(programs=programs))
+  return report, on
+
+
+def test_rollout_devices_decode_apart_from_the_learners_state(monkeypatch):
+  """rollout.devices=2 of 8: the learner's programs run over the first 6 devices, the
+  generator's over the last 2, which hold the generator's weights (split over them, or whole
+  on each with rollout.mesh=data), their copy for the next step (train.off_policy_steps=1: it
+  arrives while the rollout in flight decodes, nobody waits there) and the cache; not the
+  masters, the optimizer state or the reference, which stay with the learner, who holds no
+  generator copy (`Trainer._generator_params` puts it on the rollout devices)."""
+  devices = jax.devices()[:8]
+  c = tiny(3, 2, 1)
+  c.rollout.devices = 2
+  c.loss.kl_coef = 0.01
+  reports = {}
+  for k in (0, 1):
+    c.train.off_policy_steps = k
+    reports[k] = _planned(monkeypatch, c, devices,
+                          ("update", "score", "prefill", "generate", "append"))
+  report, on = reports[1]
+  assert (report.n_devices, report.rollout_devices, report.decode_only) == (6, 2, True)
+  assert report.mesh == {"data": 3, "fsdp": 2, "tensor": 1}
+  for p in report.programs:
+    learner = p.kind in ("update", "score")
+    assert p.n_devices == (6 if learner else 2), p.name
+    assert on[p.name] == set(devices[:6] if learner else devices[6:]), p.name
+  up, gen = report.program("update"), report.program("generate")
+  assert "generator_params" not in up.components
+  assert up.resident_bytes == up.components["ref_params"] > 0
+  from jaxagent.models import get_config
+  full = get_config("tiny-llama", n_layers=1).num_params() * 4  # float32, whole
+  for k, (rep, _) in reports.items():
+    for name in ("prefill", "generate", "append"):
+      p = rep.program(name)
+      assert not {"optimizer", "ref_params", "learner_params", "decode_weights"} & set(
+          p.components), (name, p.components)
+      assert p.components["params"] == pytest.approx(full / 2, rel=0.05)  # split over 2
+      # k + 1 copies: the rollout's and (k=1) the next step's, handed while it decodes.
+      assert p.components.get("params_ahead", 0) == k * p.components["params"]
+    gen_k = rep.program("generate")
+    assert gen_k.resident_bytes == gen_k.components.get("params_ahead", 0)
+    pre = rep.program("prefill")
+    assert pre.resident_bytes == pre.components.get("params_ahead", 0) + \
+        pre.components["kv_cache"]
+  assert report.generator_copies == 2 and reports[0][0].generator_copies == 1
+  text = report.render()
+  assert "on local (6 x cpu for the learner" in text
+  assert ("rollout devices: 2 more (decode only, rollout.devices): prefill, insert, generate "
+          "and append run there") in text
+  assert "generator weights: 2 copies resident at once" in text
+  assert "process 0" not in text
+  c.rollout.mesh = "data"  # each rollout device decodes from a whole copy
+  gen = _planned(monkeypatch, c, devices, ("generate",))[0].program("generate")
+  assert gen.components["params"] == full and gen.components["params_ahead"] == full
+
+
+def test_off_policy_steps_keep_the_generators_own_weight_copies(monkeypatch):
+  """train.off_policy_steps = k on shared devices, param dtype = compute dtype: with k = 0 the
+  generator decodes from the masters themselves; with k > 0 from a copy of its own (the update
+  donates the state), the masters resident beside it, and with k = 2 the copy of the step
+  queued behind too; the learner's programs run with the k copies of the rollouts in flight
+  (the update waits until the rollout ahead has stopped decoding, not until it is collected)."""
+  c = tiny(1, 4, 1)
+  reps = {}
+  for k in (0, 1, 2):
+    c.train.off_policy_steps = k
+    reps[k] = _planned(monkeypatch, c, jax.devices()[:4], ("update", "score", "generate",
+                                                           "append"))[0]
+  gen = {k: r.program("generate") for k, r in reps.items()}
+  up = {k: r.program("update") for k, r in reps.items()}
+  copy = gen[0].components["params"]
+  assert "learner_params" not in gen[0].components and reps[0].generator_copies == 0
+  assert gen[1].components["learner_params"] == copy == gen[1].components["params"]
+  assert gen[1].resident_bytes == gen[0].resident_bytes + copy      # one copy more
+  assert gen[2].components["params_ahead"] == copy
+  assert gen[2].resident_bytes == gen[0].resident_bytes + 2 * copy  # and the queued step's
+  for k in (0, 1, 2):
+    app = reps[k].program("append")
+    assert app.resident_bytes == gen[k].resident_bytes, k
+    assert up[k].components.get("generator_params", 0) == k * copy
+    assert up[k].resident_bytes == up[0].resident_bytes + k * copy
+    score = reps[k].program("score")
+    assert score.resident_bytes == reps[0].program("score").resident_bytes + k * copy
+  assert [r.generator_copies for r in reps.values()] == [0, 1, 2]
+  assert "generator weights: 2 copies" in reps[2].render()
+  assert "generator weights" not in reps[1].render()
+  c.train.off_policy_steps = -1  # refused, as the trainer refuses it
+  with pytest.raises(ValueError, match=r"train.off_policy_steps must be an int >= 0 .*got -1"):
+    plan.plan_run(c, jax.devices()[:4])
+
+
+def test_a_topology_plan_refuses_rollout_devices():
+  c = tiny()
+  c.rollout.devices = 2
+  with pytest.raises(ValueError, match=r"^rollout\.devices=2: plans for a TPU topology compile "
+                     r"for the whole topology only; plan a split of this machine's devices "
+                     r"with --topology=local, or plan rollout\.devices=0$"):
+    plan.plan_run(c, "v5e:2x2")
+
+
+def test_off_policy_knob_names_the_generator_copies_in_flight():
+  c = tiny()
+  c.train.off_policy_steps = 2
+  # Two copies of 3 GiB resident through the update, beside its 12 GiB (16 GiB chips).
+  up = plan.ProgramReport("update[L=128]", "update", "[8x128]", temp_bytes=12 * GiB,
+                          resident_bytes=6 * GiB,
+                          components={"params": 1 * GiB, "optimizer": 2 * GiB,
+                                      "generator_params": 6 * GiB})
+  knobs = _report_with(up, c).knobs
+  assert ("train.off_policy_steps (now 2): each RL step's rollouts collected ahead keep a copy "
+          "of the generator's weights resident (3.0 GiB per chip) until they are collected; "
+          "fewer steps ahead keep fewer") in knobs, knobs
+  c.train.off_policy_steps = 0
+  assert not any("off_policy" in k for k in _report_with(up, c).knobs)
+
+
+def test_knobs_for_decode_only_devices_name_the_generators_weights_not_the_learners():
+  # On devices that only decode the learner's state is absent: no mesh.fsdp or param_dtype
+  # knob for it; the copy of the generator's weights is named where it lies.
+  from jaxagent.models import get_config
+  c = tiny()
+  c.rollout.update(devices=2, mesh="data")
+  gen = plan.ProgramReport("generate", "generate", "64 slots", argument_bytes=15 * GiB,
+                           temp_bytes=2 * GiB, components={"params": 14 * GiB, "kv_cache": 1 * GiB})
+  rep = _report_with(gen, c)
+  rep.rollout_devices, rep.decode_only = 2, True
+  knobs = plan.knobs(rep, c, get_config("qwen2.5-7b"))
+  assert knobs[0] == ("the generator's copy of the weights takes 14.0 GiB per chip (on the 2 "
+                      "rollout devices, whole on each; mesh.fsdp does not split it); "
+                      "rollout.mesh=learner splits it over the rollout devices"), knobs
+  assert not any("mesh.fsdp=" in k or "param_dtype" in k for k in knobs), knobs
+  rep.decode_only = False  # several hosts: process 0's chips, which the learner shares
+  assert plan.knobs(rep, c, get_config("qwen2.5-7b"))[0].startswith(
+      "the generator's copy of the weights takes 14.0 GiB per chip (on process 0's 2 chips, "
+      "whole on each; mesh.fsdp does not split it); rollout.mesh=learner splits it over them")
