@@ -1329,6 +1329,8 @@ class Trainer:
     rollouts that go on while the learner's update donates that state
     (`train.off_policy_steps`)."""
     params = self.state.params
+    # (Rollout devices of their own get new buffers from the transfer to them anyway.)
+    own_buffers = own_buffers and self._shares_devices
     state_leaves = {id(x) for x in jax.tree.leaves(params)} if own_buffers else set()
     if self.lora is not None:  # the base with the adapter merged, in the compute dtype
       params = self.learner.merged_params(params, self.cfg.dtype)
@@ -1336,7 +1338,8 @@ class Trainer:
       if self._cast is None:
         self._cast = jax.jit(functools.partial(param_tree.compute_copy, cfg=self.cfg))
       params = self._cast(params)
-    if state_leaves and jax.process_count() == 1:  # (a jitted cast or merge hands leaves it leaves alone back as they are)
+    # A jitted cast or merge hands back the leaves it leaves alone as they are.
+    if state_leaves and jax.process_count() == 1:
       params = jax.tree.map(lambda x: jnp.copy(x) if id(x) in state_leaves else x, params)
     if jax.process_count() == 1:
       # Colocated (the learner's mesh): the same buffers, no copy.
