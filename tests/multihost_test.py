@@ -1,7 +1,7 @@
 """Multi-process JAX on one machine: 2 CPU processes x 2 devices (gloo collectives) against one
 process x 4 devices with the same global batch.
 
-* `test_learner_two_processes_match_one` (default run): `Learner.train_step` on identical packed
+* `test_learner_two_processes_match_one` (slow): `Learner.train_step` on identical packed
   batches for three steps gives the same losses and params (up to the all-reduce order) as one
   process, and the checkpoint both processes write together restores onto the one-process mesh.
 * `test_trainer_two_processes_match_one` (slow): the whole tiny quickstart through
@@ -9,6 +9,8 @@ process x 4 devices with the same global batch.
   same rewards and losses as one process, and only process 0 writes metrics; parametrized by
   `train.off_policy_steps` (1: process 0's collector thread gathers the next step's rollouts
   during the update, checkpoints keep them, and a two-process resume from step 1 trains on them).
+* `test_trainer_two_processes_stop_and_resume_with_rollouts_ahead` (slow): SIGTERM on process 1
+  with rollouts collected ahead: both stop at one step, and the resume repeats one process's run.
 
 This file is also the worker those tests start (`python tests/multihost_test.py learner ...`).
 """
@@ -16,9 +18,11 @@ import json
 import os
 import pathlib
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -165,6 +169,14 @@ def _records(workdir) -> dict[int, dict]:
   return {r["step"]: r for r in map(json.loads, lines) if r["step"] > 0}
 
 
+def _logged(workdir, step: int) -> bool:
+  """Whether a running job has logged `step` yet."""
+  try:
+    return step in _records(workdir)
+  except (OSError, ValueError):  # no file yet, or a line being written
+    return False
+
+
 def _samples(workdir, step: int) -> list:
   return [json.loads(l)["tokens"] for l in (workdir / "samples" / f"step_{step:06d}.jsonl").open()]
 
@@ -234,6 +246,47 @@ def test_trainer_two_processes_match_one(tmp_path, off_policy_steps):
   _assert_same_steps(recs[two], resumed, (2, 3), "straight vs resumed")
   for s in (2, 3):
     assert _samples(two, s) == straight[s], f"resumed rollouts differ at step {s}"
+
+
+@pytest.mark.slow
+def test_trainer_two_processes_stop_and_resume_with_rollouts_ahead(tmp_path):
+  """A preemption notice on process 1 only, with `train.off_policy_steps=1` and no periodic
+  checkpoints: both processes stop at the same step s, the checkpoint written at the stop holds
+  step s + 1's rollouts (taken from process 0's collector), and a two-process resume trains on
+  them and logs what one process logs straight through."""
+  from jaxagent import models
+  one, two = tmp_path / "one", tmp_path / "two"
+  extra = ("--config.train.off_policy_steps=1", "--config.total_steps=6",
+           "--config.checkpoint_every=100")
+  tok_dir = models.load_tokenizer("smollm2-135m-instruct").save(tmp_path / "tokenizer")
+  _wait_all(_trainer_runs(one, 1, tmp_path / "cache1", tok_dir, extra))
+  procs = _trainer_runs(two, 2, tmp_path / "cache2", tok_dir, extra)
+  try:
+    deadline = time.time() + 400
+    while not _logged(two, 1):
+      assert all(p.poll() is None for p in procs), "a process ended before step 1 was logged"
+      assert time.time() < deadline, "step 1 not logged after 400 s"
+      time.sleep(0.1)
+    procs[1].send_signal(signal.SIGTERM)
+  finally:
+    outs = _wait_all(procs)
+  stops = [l for l in outs[0].splitlines()
+           if l.startswith("stop requested on another process: saved checkpoint")]
+  assert len(stops) == 1, outs[0][-4000:]
+  saved = sorted(int(p.name) for p in (two / "checkpoints").iterdir() if p.name.isdigit())
+  stop = saved[-1]
+  assert saved == [0, stop] and 1 <= stop < 6 and stops[0].endswith(f"at step {stop}; rerun the "
+                                                                   "same command to resume")
+  assert _ahead_steps(two, stop) == [stop + 1]
+
+  outs = _wait_all(_trainer_runs(two, 2, tmp_path / "cache2", tok_dir, extra))
+  assert f"resuming with the rollouts of steps {stop + 1}, collected" in outs[0], outs[0][-4000:]
+  want, got = _records(one), _records(two)
+  assert sorted(want) == sorted(got) == [1, 2, 3, 4, 5, 6]
+  assert [got[s]["rollout/staleness"] for s in sorted(got)] == [0, 1, 1, 1, 1, 1]
+  _assert_same_steps(want, got, range(1, 7), "one process straight vs two stopped and resumed")
+  for step in range(1, 7):
+    assert _samples(one, step) == _samples(two, step), f"rollouts differ at step {step}"
 
 
 if __name__ == "__main__":
