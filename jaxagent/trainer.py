@@ -1488,7 +1488,13 @@ class Trainer:
     """Wait for step `step`'s rollouts from the collector (process 0's, broadcast)."""
     future, version = self._inflight.pop(step)
     self._decoded.pop(step, None)
-    metrics, batch = self._on_lead(lambda: future.result())
+
+    def collected():
+      return future.result()
+    # What the other processes' error names when process 0's collection failed ("process 0
+    # failed in ..."; a lambda's name said "<lambda>", and only a NaN error names the step).
+    collected.__name__ = f"the rollouts of RL step {step} (collected ahead, train.off_policy_steps)"
+    metrics, batch = self._on_lead(collected)
     return metrics, batch, version
 
   def _settle_ahead(self) -> None:

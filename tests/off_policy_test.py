@@ -2,6 +2,7 @@
 step, what runs before what, the checkpoint item that carries collected rollouts, and errors.
 The exact resume with rollouts ahead is `trainer_test.py`'s stop-and-resume test (slow)."""
 import json
+import types
 
 import jax
 import numpy as np
@@ -128,6 +129,22 @@ def test_a_collector_error_names_its_step_and_the_run_closes(tmp_path):
     _run(trainer)
   assert trainer.step == 2  # step 1 trained; step 2 found its rollouts failed
   assert trainer._ahead_pool is None and not trainer._inflight
+
+
+def test_a_collector_error_on_process_0_names_the_step_on_the_others(monkeypatch):
+  """Off process 0 there is no collector: `_take` receives process 0's error in place of the
+  rollouts, and the RuntimeError it raises names the step they were for."""
+  from jaxagent import trainer as trainer_lib
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  sent = trainer_lib._LeadError("RuntimeError: the verifier is gone")
+  monkeypatch.setattr(trainer_lib, "_broadcast_from_lead", lambda obj: sent)
+  stand_in = types.SimpleNamespace(_inflight={2: (None, 0)}, _decoded={},
+                                   _on_lead=Trainer._on_lead)
+  with pytest.raises(RuntimeError, match=r"^process 0 failed in the rollouts of RL step 2 "
+                     r"\(collected ahead, train.off_policy_steps\): RuntimeError: the verifier"):
+    Trainer._take(stand_in, 2)
+  assert not stand_in._inflight  # taken: a later settle does not wait on it again
 
 
 @pytest.mark.parametrize("bad", [-1])
