@@ -240,7 +240,8 @@ def test_trainer_two_processes_match_one(tmp_path, off_policy_steps):
   for s in (2, 3):
     shutil.rmtree(two / "checkpoints" / str(s))
   outs = _wait_all(_trainer_runs(two, 2, tmp_path / "cache2", tok_dir, extra))
-  assert "resuming with the rollouts of steps 2, collected before checkpoint" in outs[0], outs[0][-4000:]
+  assert "resuming with the rollouts of steps 2, collected before checkpoint" in outs[0], (
+      outs[0][-4000:])
   resumed = _records(two)
   assert sorted(resumed) == [1, 2, 3]
   _assert_same_steps(recs[two], resumed, (2, 3), "straight vs resumed")
