@@ -69,12 +69,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       # Most tokens of one tool result's text (None: no cap); of a longer one, "left" keeps
       # the tail, "right" the head, "middle" both.
       max_observation_tokens=placeholder(int), observation_truncation="middle",
-      mesh="learner"))  # "data": replicated weights for decoding on several devices
+      mesh="learner",  # "data": replicated weights for decoding on several devices
+      devices=0))  # > 0: the last n devices only decode (with train.off_policy_steps > 0)
   c.train = ml_collections.ConfigDict(dict(
       prompts_per_step=8, samples_per_prompt=4, mini_batches=1, micro_batches=8, epochs=1,
       advantage="grpo", zero_variance="drop", dynamic_sampling=False, max_sampling_rounds=3,
       pack_len=1024, len_buckets=(512, 1024), nonfinite="raise",
       gather_weights=False, logprob_save_probs=False, row_rounding="multiple",
+      off_policy_steps=0,  # > 0: rollouts collected that many steps ahead (README)
       time_limit_s=0.0))
   c.sft = ml_collections.ConfigDict(dict(
       steps=16, batch_size=8, lr=3e-5, num_examples=124, data="", warmup_steps=0))
