@@ -57,7 +57,8 @@ def _run(trainer):
           (trainer.workdir / "metrics.jsonl").read_text().splitlines()]
 
 
-@pytest.mark.parametrize("k", [0, 1, 2])
+# (k = 1 runs in the tests below too: staleness [0, 1, ...], its checkpoint, its devices)
+@pytest.mark.parametrize("k", [0, 2])
 def test_each_step_samples_from_the_params_k_steps_behind(tmp_path, k):
   trainer = Trainer(_tiny(tmp_path, total_steps=4, **{"train.off_policy_steps": k,
                                                       "eval.size": 0, "log.dump_every": 0}))
