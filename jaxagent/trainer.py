@@ -981,8 +981,9 @@ class Trainer:
     self._interrupted: str | None = None  # where a stop cut the phase before RL short
     self._sft_loaded: tuple[list[packing.PackItem], int] | None = None  # `_pre_rl` -> `warm_start`
     # Rollouts collected ahead of the learner (`train.off_policy_steps`, `_rollouts`): the
-    # collector thread (process 0's), the steps it was given (future, params version) and the
-    # steps collected and not trained on yet ((metrics, batch, params version)).
+    # collector thread (process 0's), the steps it was given (future, params version, an event
+    # set when that rollout stops decoding) and the steps collected and not trained on yet
+    # ((metrics, batch, params version)).
     self.off_policy_steps = int(t.get("off_policy_steps", 0) or 0)
     if rollout_devices is not None and not self.off_policy_steps:
       self.writer.message(
@@ -990,9 +991,9 @@ class Trainer:
           "learner's devices idle while the rollouts run and the rollout devices while the "
           "learner updates; set train.off_policy_steps=1 to run the two side by side")
     self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
-    self._inflight: dict[int, tuple[concurrent.futures.Future | None, int]] = {}
+    self._inflight: dict[int, tuple[concurrent.futures.Future | None, int,
+                                    threading.Event | None]] = {}
     self._ready: dict[int, tuple[dict[str, float], dict[str, np.ndarray] | None, int]] = {}
-    self._decoded: dict[int, threading.Event] = {}  # set when a step's rollout stops decoding
     self._shares_devices = bool(set(self.gen_mesh.devices.flat) & set(self.mesh.devices.flat))
 
   def _adapter_from(self, path: str):
@@ -1130,7 +1131,7 @@ class Trainer:
   def _done_decoding(self, step: int) -> None:
     """Tell a learner waiting on this rollout (`_wait_for_decoding_ahead`) that it has stopped
     decoding (with dynamic sampling: its first round)."""
-    decoded = self._decoded.get(step)
+    decoded = self._inflight.get(step, (None, None, None))[2]
     if decoded is not None:
       decoded.set()
 
@@ -1459,8 +1460,7 @@ class Trainer:
     if not self._inflight or not self._shares_devices:
       return 0.0
     t0 = time.time()
-    future, _ = self._inflight[min(self._inflight)]
-    decoded = self._decoded.get(min(self._inflight))
+    future, _, decoded = self._inflight[min(self._inflight)]
     if future is not None and decoded is not None:
       while not decoded.wait(0.01) and not future.done():
         pass
@@ -1475,19 +1475,19 @@ class Trainer:
   def _submit(self, step: int, params, version: int) -> None:
     """Hand step `step`'s rollouts to the collector thread (on process 0; the others only
     note the step, and receive the result from process 0 in `_take`)."""
-    future = None
+    future = decoded = None
     if jax.process_index() == 0:
       if self._ahead_pool is None:
         self._ahead_pool = concurrent.futures.ThreadPoolExecutor(
             1, thread_name_prefix="jaxagent-rollouts")
-      self._decoded[step] = threading.Event()
+      decoded = threading.Event()  # (in place before the collector can look it up)
+      self._inflight[step] = (None, version, decoded)
       future = self._ahead_pool.submit(self._collect_step, step, params)
-    self._inflight[step] = (future, version)
+    self._inflight[step] = (future, version, decoded)
 
   def _take(self, step: int) -> tuple[dict[str, float], dict[str, np.ndarray] | None, int]:
     """Wait for step `step`'s rollouts from the collector (process 0's, broadcast)."""
-    future, version = self._inflight.pop(step)
-    self._decoded.pop(step, None)
+    future, version, _ = self._inflight.pop(step)
 
     def collected():
       return future.result()
@@ -2066,7 +2066,6 @@ class Trainer:
       self._ahead_pool.shutdown(wait=True, cancel_futures=True)
       self._ahead_pool = None
     self._inflight.clear()
-    self._decoded.clear()
 
   def close(self) -> None:
     """Closes the checkpoint manager, the samplers and the metrics writer; each is closed even

@@ -140,7 +140,7 @@ def test_a_collector_error_on_process_0_names_the_step_on_the_others(monkeypatch
   monkeypatch.setattr(jax, "process_index", lambda: 1)
   sent = trainer_lib._LeadError("RuntimeError: the verifier is gone")
   monkeypatch.setattr(trainer_lib, "_broadcast_from_lead", lambda obj: sent)
-  stand_in = types.SimpleNamespace(_inflight={2: (None, 0)}, _decoded={},
+  stand_in = types.SimpleNamespace(_inflight={2: (None, 0, None)},
                                    _on_lead=Trainer._on_lead)
   with pytest.raises(RuntimeError, match=r"^process 0 failed in the rollouts of RL step 2 "
                      r"\(collected ahead, train.off_policy_steps\): RuntimeError: the verifier"):

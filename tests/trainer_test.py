@@ -1970,7 +1970,7 @@ def test_rewards_start_as_trajectories_finish_and_match_scoring_after_the_rollou
   trainer = _scoring_trainer(4, delay_s=0.05)
   reward = trainer.env.reward
   trainer.env.reward = lambda tr, *a: (starts.append(time.monotonic()), reward(tr, *a))[1]
-  trainer.sampler, trainer._reward_wait_s, trainer._decoded = Sampler(), 0.0, {}
+  trainer.sampler, trainer._reward_wait_s, trainer._inflight = Sampler(), 0.0, {}
   trainer.config = types.SimpleNamespace(seed=0, train=types.SimpleNamespace(samples_per_prompt=1))
   exs = [Example(f"q{i}", "2+2?", gold="4") for i in range(1, 9)]
   trajs, outs = trainer._sample_and_score(None, exs, 3, offset=1)
