@@ -419,6 +419,17 @@ class SearchQAKBConfig(tfds.core.BuilderConfig):
     self.kb = kb
 
 
+class _LocalDatasetInfo(tfds.core.DatasetInfo):
+  """The info of a dataset that exists only where it was generated.
+
+  tfds looks for the published info of a dataset that is not prepared yet in its bucket; it made
+  an empty directory in the system's temporary directory for every builder it did that for (two
+  a fresh knowledge base), and left it there."""
+
+  def initialize_from_bucket(self) -> None:
+    pass
+
+
 class SearchQAKB(tfds.core.GeneratorBasedBuilder, skip_registration=True):
   """The knowledge base as a tfds dataset: split "documents" holds one record per document
   (kind "document": id, title, text); "train" / "eval" / "sft" hold questions (kind "question":
@@ -438,7 +449,7 @@ class SearchQAKB(tfds.core.GeneratorBasedBuilder, skip_registration=True):
 
   def _info(self) -> tfds.core.DatasetInfo:
     text, texts = tfds.features.Text(), tfds.features.Sequence(tfds.features.Text())
-    return tfds.core.DatasetInfo(
+    return _LocalDatasetInfo(
         builder=self, description=self.builder_config.description,
         features=tfds.features.FeaturesDict({
             "id": text, "kind": text, "title": text, "text": text, "answers": texts,

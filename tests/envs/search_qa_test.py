@@ -5,6 +5,7 @@ import json
 import pathlib
 import subprocess
 import sys
+import tempfile
 import textwrap
 
 import numpy as np
@@ -234,6 +235,18 @@ def test_a_prepared_dataset_is_read_without_the_lock(tmp_path, monkeypatch):
   monkeypatch.setattr(kb, "_file_lock", no_lock)
   loaded = kb.load_kb(cfg, tmp_path)
   assert loaded.documents == kb.generate_world(cfg).documents and len(loaded.questions["train"]) == 2
+
+
+def test_a_build_leaves_nothing_in_the_temporary_directory(tmp_path, monkeypatch):
+  # tfds made an empty directory under the system's temporary directory for every builder of a
+  # dataset not prepared yet (to look for its published info), two a fresh knowledge base.
+  system_tmp = tmp_path / "system_tmp"
+  system_tmp.mkdir()
+  monkeypatch.setattr(tempfile, "tempdir", str(system_tmp))
+  cfg = kb.KBConfig(seed=9, **{**SMALL, "train_size": 2, "eval_size": 1, "sft_size": 1})
+  kb.build_kb(cfg, tmp_path / "data")
+  assert kb.load_kb(cfg, tmp_path / "data").questions["train"]
+  assert list(system_tmp.iterdir()) == []
 
 
 def test_a_split_of_size_zero_is_built_and_read_empty(tmp_path):
