@@ -8,8 +8,9 @@ JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) and run the same c
 every process; on a Cloud TPU slice JAX finds all three itself. Only process 0 logs and writes
 metrics; every process takes part in checkpoints. `launch/` has recipes for TPU VMs, GKE (xpk)
 and GPU clusters (Slurm). With checkpointing on (`--config.checkpoint_every=N`), a run stopped
-by SIGTERM finishes its step, saves a checkpoint and exits 0, and rerunning the same command
-resumes it; without it, SIGTERM ends the run as usual. A second launch into a workdir (or a
+by SIGTERM or a first Ctrl-C once training has begun finishes its step, saves a checkpoint and
+exits 0, and rerunning the same command resumes it; without it, SIGTERM ends the run as usual
+and a first Ctrl-C stops it after the step (a second one interrupts at once). A second launch into a workdir (or a
 local checkpoint directory) that a running launch holds stops at once, naming the process that
 holds it.
 """

@@ -12,9 +12,10 @@ turned into the frozen dataclasses of each module here, at the boundary.
 
 Checkpoints and resume (`jaxagent.checkpoint`): with `checkpoint_every > 0` the trainer saves
 after the warm start (step 0), every `checkpoint_every` RL steps, at the last step (also the
-one where `train.time_limit_s` runs out) and when it receives SIGTERM (it finishes the current
-step, saves and returns; during the warm start it stops after the current SFT step or eval
-and saves nothing, since step 0 is not reached); rerunning the same command with the same
+one where `train.time_limit_s` runs out) and when it receives SIGTERM or a first Ctrl-C (it
+finishes the current step, saves and returns; during the warm start it stops after the current
+SFT step or eval and saves nothing, since step 0 is not reached; a second Ctrl-C interrupts at
+once); rerunning the same command with the same
 workdir resumes from the newest complete checkpoint, without redoing the warm start. Every
 random choice derives from (seed, step): rollout seeds and request ids from the step, the
 prompt order from the grain iterator state stored in the checkpoint, so a resumed run repeats
@@ -39,6 +40,7 @@ import io
 import json
 import logging
 import math
+import os
 import pathlib
 import pickle
 import signal
@@ -1743,8 +1745,10 @@ class Trainer:
     """Eval -> SFT warm start -> eval -> RL (eval every `eval.every` and at the end).
 
     Resumes from the newest checkpoint in the workdir when there is one (the warm start and
-    the evals before RL are not repeated). On SIGTERM (or `request_stop`) it finishes the
-    current step, saves a checkpoint and returns the summary with `stopped_at_step`. With
+    the evals before RL are not repeated). On SIGTERM, a first Ctrl-C (SIGINT; with
+    checkpointing off too) or `request_stop` it finishes the current step, saves a checkpoint
+    (when checkpointing is on) and returns the summary with `stopped_at_step`; a second Ctrl-C
+    goes to the handler that was there before (by default a `KeyboardInterrupt`). With
     `train.time_limit_s > 0`, once the RL steps of this invocation (timed from the first RL step,
     so not the evals before RL, the warm start or the restore) have taken that long, the step
     that finishes the budget gets the final eval and a checkpoint and the run ends as a finished
@@ -1754,7 +1758,7 @@ class Trainer:
     c = self.config
     t_start = time.time()
     say = self.writer.message
-    with self._sigterm_stops():
+    with self._stop_signals():
       start = self.restore()
       if start is None:
         earlier = self.writer.set_aside_earlier_run()
@@ -1808,7 +1812,7 @@ class Trainer:
         # curves and export, and said to rerun a run that had nothing left to do.
         say(f"{self._stop_reason} after the last step ({self.step} of {c.total_steps}): "
             "finishing the run")
-      # Still under the SIGTERM handler: a notice during the export or the wait for the last
+      # Still under the stop handlers: a notice during the export or the wait for the last
       # checkpoint's write is a stop request (the run is finishing anyway), not the default
       # exit that cut that checkpoint short.
       if c.total_steps:
@@ -2019,9 +2023,13 @@ class Trainer:
     return self.summary
 
   @contextlib.contextmanager
-  def _sigterm_stops(self):
-    """SIGTERM (a preemption notice) -> `request_stop`, while checkpointing is on."""
-    if self.ckpt is None or threading.current_thread() is not threading.main_thread():
+  def _stop_signals(self):
+    """While `run` runs in the main thread: SIGTERM (a preemption notice) -> `request_stop`
+    when checkpointing is on; the first SIGINT (Ctrl-C) -> `request_stop` always (the step
+    finishes, a checkpoint is saved when checkpointing is on, and `run` returns, so the trained
+    state stays in the trainer), and the handler that was there before takes the second one (by
+    default a `KeyboardInterrupt` at once)."""
+    if threading.current_thread() is not threading.main_thread():
       yield
       return
 
@@ -2030,11 +2038,28 @@ class Trainer:
       # Only set a flag: printing here could re-enter a write the main thread is in.
       self.request_stop(f"received {signal.Signals(signum).name}")
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    def on_sigint(signum, frame):
+      del signum, frame
+      self.request_stop("received SIGINT (Ctrl-C)")
+      signal.signal(signal.SIGINT, previous[signal.SIGINT])
+      # os.write, not print: the main thread may be inside a write to sys.stderr.
+      os.write(2, ("\nCtrl-C: finishing the current step, then "
+                   + ("saving a checkpoint and stopping" if self.ckpt is not None else "stopping")
+                   + "; press Ctrl-C again to interrupt at once\n").encode())
+
+    handlers = {signal.SIGINT: on_sigint}
+    if self.ckpt is not None:
+      handlers[signal.SIGTERM] = on_sigterm
+    previous = {}
+    for signum, handler in handlers.items():
+      old = signal.signal(signum, handler)
+      # None: a handler installed outside Python, which cannot be put back; the default then.
+      previous[signum] = signal.SIG_DFL if old is None else old
     try:
       yield
     finally:
-      signal.signal(signal.SIGTERM, previous)
+      for signum, old in previous.items():
+        signal.signal(signum, old)
 
   def export(self, out: str | pathlib.Path | None = None) -> pathlib.Path:
     """Write the current policy as an HF directory (default `<workdir>/export`)."""

@@ -2075,6 +2075,65 @@ def test_a_sigterm_after_the_last_step_is_caught_until_the_run_returns(ckpt_trai
   assert summary["export"] == "exported"
 
 
+def _sigint_run(trainer, monkeypatch, interrupts):
+  """`trainer.run` from step 0 of 3 with stand-ins for the steps and saves; `interrupts` SIGINTs
+  arrive during RL step 1. Returns (the summary, the steps saved, the messages)."""
+  import os
+  import signal
+  monkeypatch.setattr(trainer, "restore", lambda: 0)
+  monkeypatch.setattr(trainer, "_stop_reason", None)
+  monkeypatch.setitem(trainer.config, "total_steps", 3)
+  said, saved = [], []
+  monkeypatch.setattr(trainer.writer, "message", said.append)
+  monkeypatch.setattr(trainer.writer, "write", lambda step, m: None)
+  monkeypatch.setattr(trainer.writer, "progress", lambda *a, **k: None)
+  monkeypatch.setattr(trainer.writer, "plot", lambda: None)
+  monkeypatch.setattr(trainer, "evaluate", lambda: {})
+  monkeypatch.setattr(trainer, "_save", saved.append)
+  if trainer.ckpt is not None:
+    monkeypatch.setattr(trainer.ckpt, "steps", lambda: list(saved))
+    monkeypatch.setattr(trainer.ckpt, "wait", lambda: None)
+
+  def rl_step(step):
+    for _ in range(interrupts if step == 1 else 0):
+      os.kill(os.getpid(), signal.SIGINT)
+    return {"reward/mean": 0.5}
+
+  monkeypatch.setattr(trainer, "rl_step", rl_step)
+  # The process's own handler, as in a shell or a notebook: KeyboardInterrupt.
+  before = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    return trainer.run(), saved, said
+  finally:
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+    signal.signal(signal.SIGINT, before)
+
+
+def test_ctrl_c_finishes_the_step_saves_and_returns(ckpt_trainer, monkeypatch):
+  """Ctrl-C (SIGINT) raised KeyboardInterrupt wherever the run stood: the steps since the last
+  checkpoint were lost, and a notebook's trainer was left mid-step. The first one now stops the
+  run as a preemption notice does: the step finishes, a checkpoint is saved, `run` returns."""
+  summary, saved, said = _sigint_run(ckpt_trainer, monkeypatch, interrupts=1)
+  assert summary["stopped_at_step"] == 1 and saved == [1]
+  path = ckpt_trainer.ckpt.step_path(1)
+  assert said[-1] == (f"received SIGINT (Ctrl-C): saved checkpoint {path} at step 1; rerun the "
+                      "same command to resume"), said
+
+
+def test_ctrl_c_without_checkpointing_stops_after_the_step(ckpt_trainer, monkeypatch):
+  # The run returns with the trained state in the trainer (a notebook can still export it).
+  monkeypatch.setattr(ckpt_trainer, "ckpt", None)
+  summary, saved, said = _sigint_run(ckpt_trainer, monkeypatch, interrupts=1)
+  assert summary["stopped_at_step"] == 1 and saved == []
+  assert said[-1] == ("received SIGINT (Ctrl-C): stopping after step 1 without a checkpoint "
+                      "(checkpoint_every=0)"), said
+
+
+def test_a_second_ctrl_c_interrupts_at_once(ckpt_trainer, monkeypatch):
+  with pytest.raises(KeyboardInterrupt):
+    _sigint_run(ckpt_trainer, monkeypatch, interrupts=2)
+
+
 def test_a_run_whose_resume_failed_fails_again_instead_of_starting_over(ckpt_trainer,
                                                                        monkeypatch):
   """`run` again after its restore raised (checkpoints of another run, or none that reads): the
