@@ -18,15 +18,19 @@ One checkpoint is an orbax composite in `<workdir>/checkpoints/<step>/`:
               resumed run trains on exactly what the uninterrupted run would have
   meta        JSON: format, RL step, the run config, the model config, the rng derivation,
               the grain iterator state of the prompt stream, whether the warm start ran, the
-              run summary so far, and a signature (path -> shape, dtype) of every saved array
+              run summary so far, a signature (path -> shape, dtype) of every saved array, a
+              fingerprint of every saved array's contents (`fingerprint`) and the sha256 of
+              the `rollouts_ahead` item (`json_digest`)
 
 Restores always go through an abstract target whose leaves carry the shardings of the current
 mesh (`jaxagent.sharding.shardings`), so a checkpoint written on 8 devices loads onto 4 (or 16)
 with every array resharded. A save that did not finish (killed mid-write) leaves orbax's
 temporary directory behind: it is reported by name and skipped. A checkpoint that cannot be read
-is reported and the previous one is used; one written by an incompatible run (other model,
-task or seed; other array shapes; other architecture settings of the model loaded under the
-same config, `check_model_config`) raises `IncompatibleCheckpointError` naming the differences.
+(an item that does not load, contents that differ from their fingerprint or digest, rollouts
+that do not decode) is reported, moved to `<directory>-unreadable/`, and the previous one is
+used; one written by an incompatible run (other model, task or seed; other array shapes; other
+architecture settings of the model loaded under the same config, `check_model_config`) raises
+`IncompatibleCheckpointError` naming the differences.
 
 Retention (`checkpoint_keep`, `checkpoint_keep_every`) only ever deletes checkpoints of this
 run: step folders whose metadata names the same model, task and seed as the checkpoint being
@@ -299,6 +303,27 @@ def _check_fingerprints(meta: Mapping[str, Any], restored: Mapping[str, Any], pa
           + " differ from what was saved (a damaged file)")
 
 
+def json_digest(data) -> str:
+  """The sha256 (hex) of JSON data in a canonical form (sorted keys, no spaces): saved in the
+  metadata with a JSON item and compared after a restore, as `fingerprint` is for arrays."""
+  text = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+  return hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+def _check_json_digests(meta: Mapping[str, Any], restored: Mapping[str, Any], path) -> None:
+  """Raise `CheckpointError` when a restored JSON item differs from what was saved (its
+  `json_digest` in the metadata; items saved without one pass)."""
+  saved = meta.get("json_digests") or {}
+  for name, data in restored.items():
+    if name not in saved:
+      continue  # written before digests were kept
+    now = json_digest(data)
+    if now != saved[name]:
+      raise CheckpointError(
+          f"checkpoint {path} is corrupt: the contents of its {name} item differ from what "
+          f"was saved (sha256 {now[:16]}..., saved {str(saved[name])[:16]}...; a damaged file)")
+
+
 def _json_safe(x):
   """Plain JSON (non-finite floats become None; NumPy scalars become Python numbers)."""
   if isinstance(x, Mapping):
@@ -411,7 +436,9 @@ class Restored:
   ref_params: Any | None
   meta: dict[str, Any]
   changed: list[tuple[str, Any, Any]]  # settings that differ from the checkpoint's (allowed)
-  rollouts_ahead: dict[str, Any] | None = None  # the `rollouts_ahead` item, when saved
+  # The `rollouts_ahead` item when saved (checked against its digest), or what the restore's
+  # `decode_ahead` made of it.
+  rollouts_ahead: Any | None = None
 
 
 class CheckpointManager:
@@ -554,12 +581,13 @@ class CheckpointManager:
                      fingerprints={k: fingerprint(v) for k, v in items.items()})
     full_meta = _json_safe(full_meta)
     self._identity = self._step_identity[step] = _identity(full_meta)
-    if rollouts_ahead is not None:
-      full_meta["rollouts_ahead"] = True  # (`restore` reads the item when this says so)
     args = {k: ocp.args.StandardSave(v) for k, v in items.items()}
-    args["meta"] = ocp.args.JsonSave(full_meta)
     if rollouts_ahead is not None:
-      args["rollouts_ahead"] = ocp.args.JsonSave(_json_safe(dict(rollouts_ahead)))
+      ahead = _json_safe(dict(rollouts_ahead))
+      full_meta["rollouts_ahead"] = True  # (`restore` reads the item when this says so)
+      full_meta["json_digests"] = {"rollouts_ahead": json_digest(ahead)}
+      args["rollouts_ahead"] = ocp.args.JsonSave(ahead)
+    args["meta"] = ocp.args.JsonSave(full_meta)
     return bool(self._mgr.save(step, args=ocp.args.Composite(**args), force=True))
 
   def wait(self) -> None:
@@ -639,8 +667,13 @@ class CheckpointManager:
           f"workdir (or move {self.directory} away).")
     return changed
 
-  def restore(self, step: int, state_target, *, ref_target=None, config=None) -> Restored:
+  def restore(self, step: int, state_target, *, ref_target=None, config=None,
+              decode_ahead: Callable[[Any, int, Any], Any] | None = None) -> Restored:
     """Restore checkpoint `step` onto the shardings of `state_target` (see `state_target`).
+
+    `decode_ahead(item, step, path)`, when given, turns the checkpoint's `rollouts_ahead` item
+    (when it has one) into `Restored.rollouts_ahead`; a `CheckpointError` it raises (data that
+    does not decode) makes the checkpoint unreadable, as a damaged array does.
 
     Raises `IncompatibleCheckpointError` when it does not fit (see `check`) and
     `CheckpointError` when it cannot be read.
@@ -660,13 +693,17 @@ class CheckpointManager:
     except Exception as e:
       raise CheckpointError(f"checkpoint {path} is corrupt or unreadable: "
                             f"{type(e).__name__}: {e}") from e
-    _check_fingerprints(meta, out, path)
+    ahead = out["rollouts_ahead"] if "rollouts_ahead" in args else None
+    _check_fingerprints(meta, {k: out[k] for k in items}, path)
+    if ahead is not None:
+      _check_json_digests(meta, {"rollouts_ahead": ahead}, path)
+      if decode_ahead is not None:
+        ahead = decode_ahead(ahead, step, path)
     state = dataclasses.replace(state_target, step=out["train"]["step"], params=out["params"],
                                 opt_state=out["train"]["opt_state"])
     return Restored(step=step, path=path, state=state,
                     ref_params=out["ref_params"] if ref_target is not None else None,
-                    meta=meta, changed=changed, rollouts_ahead=(out["rollouts_ahead"] if "rollouts_ahead" in args
-                                                    else None))
+                    meta=meta, changed=changed, rollouts_ahead=ahead)
 
   def restore_params(self, step: int, target):
     """Only the policy params of checkpoint `step` (e.g. for export or evaluation)."""
@@ -679,13 +716,17 @@ class CheckpointManager:
     _check_fingerprints(self.read_meta(step), {"params": params}, self.step_path(step))
     return params
 
-  def restore_latest(self, state_target, *, ref_target=None, config=None) -> Restored | None:
-    """The newest checkpoint that reads, or None when there is none.
+  def restore_latest(self, state_target, *, ref_target=None, config=None,
+                     decode_ahead: Callable[[Any, int, Any], Any] | None = None
+                     ) -> Restored | None:
+    """The newest checkpoint that reads, or None when there is none (`decode_ahead`: see
+    `restore`).
 
-    Interrupted saves and unreadable checkpoints are named (through `say`) and skipped in
-    favour of the previous one. An incompatible checkpoint raises at once: older ones of the
-    same run would not fit either. When checkpoints exist but none reads, raises
-    `CheckpointError` listing each one's problem.
+    Interrupted saves and unreadable checkpoints (a `rollouts_ahead` item that `decode_ahead`
+    refuses among them) are named (through `say`) and skipped in favour of the previous one;
+    the unreadable ones newer than the one restored are moved to `<directory>-unreadable/`.
+    An incompatible checkpoint raises at once: older ones of the same run would not fit either.
+    When checkpoints exist but none reads, raises `CheckpointError` listing each one's problem.
     """
     self._refuse_foreign_folders()
     for p in self._interrupted:
@@ -693,7 +734,8 @@ class CheckpointManager:
     failures, skipped = [], []
     for step in reversed(self.steps()):
       try:
-        restored = self.restore(step, state_target, ref_target=ref_target, config=config)
+        restored = self.restore(step, state_target, ref_target=ref_target, config=config,
+                                decode_ahead=decode_ahead)
         ok = True
       except IncompatibleCheckpointError:
         raise

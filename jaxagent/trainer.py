@@ -353,7 +353,10 @@ def _encode_ahead(ready: dict) -> dict[str, Any]:
 
 
 def _decode_ahead(data, after: int, path) -> dict[int, tuple]:
-  """`_encode_ahead`'s JSON back as `Trainer._ready` (only the steps after `after`)."""
+  """`_encode_ahead`'s JSON back as `Trainer._ready` (only the steps after `after`).
+
+  Called inside the checkpoint's restore (`decode_ahead`): the `CheckpointError` raised for
+  data that does not decode makes the resume skip this checkpoint for the previous one."""
   try:
     ready = {}
     for s, item in data["steps"].items():
@@ -368,8 +371,8 @@ def _decode_ahead(data, after: int, path) -> dict[int, tuple]:
     return ready
   except Exception as e:  # a damaged file: any of KeyError, ValueError, binascii.Error...
     raise checkpoint.CheckpointError(
-        f"checkpoint {path}: its rollouts_ahead item is unreadable ({type(e).__name__}: {e}); "
-        "resume from an earlier checkpoint (move this one away)") from e
+        f"checkpoint {path}: its rollouts_ahead item is unreadable ({type(e).__name__}: {e}; "
+        "a damaged file)") from e
 
 
 def _rollout_seed(seed: int, step: int) -> int:
@@ -1947,8 +1950,11 @@ class Trainer:
       return None
     ref_target = (checkpoint.params_target(self.state.params, self.mesh)
                   if self.loss_cfg.kl_coef > 0 else None)
+    # The rollouts collected ahead are decoded inside the restore: a checkpoint whose item
+    # does not decode is skipped (and moved away) for the previous one, as a damaged array is.
     r = self.ckpt.restore_latest(checkpoint.state_target(self.state, self.mesh),
-                                 ref_target=ref_target, config=self.config)
+                                 ref_target=ref_target, config=self.config,
+                                 decode_ahead=_decode_ahead)
     if r is None:
       self._restore_done = True
       return None
@@ -1963,7 +1969,7 @@ class Trainer:
           f"{k}: {old!r} -> {new!r}" for k, old, new in r.changed))
     self.state, self.ref_params = r.state, r.ref_params
     self.prompts.set_state(r.meta["data"])
-    self._ready = _decode_ahead(r.rollouts_ahead, r.step, r.path) if r.rollouts_ahead else {}
+    self._ready = r.rollouts_ahead or {}
     if self._ready:
       self.writer.message(
           f"resuming with the rollouts of steps {', '.join(map(str, sorted(self._ready)))}, "

@@ -366,6 +366,134 @@ def test_flipped_bytes_that_still_read_are_caught_by_the_fingerprints(tmp_path):
                                  read_only=True).restore_params(2, _target(learner).params)
 
 
+# ----------------------------------------------------------------------------- rollouts_ahead
+def _ahead(step: int):
+  """`Trainer._ready`-like rollouts of the step after `step`: values whose bits matter (NaN,
+  -0.0, a subnormal, -inf, bools)."""
+  batch = {"tokens": np.arange(12, dtype=np.int32).reshape(2, 6) + step,
+           "old_logps": np.array([[np.nan, -0.0, -1e-45, -np.inf, 0.5, -3.25 * step]] * 2,
+                                 np.float32),
+           "loss_mask": np.array([[0, 1, 1, 0, 1, step % 2]] * 2, bool)}
+  return {step + 1: ({"reward/mean": 0.25 * step, "x": float("nan")}, batch, step - 1)}
+
+
+def _assert_ahead_equal(got, want):
+  assert sorted(got) == sorted(want)
+  for s, (metrics, batch, version) in want.items():
+    m, b, v = got[s]
+    assert v == version and sorted(m) == sorted(metrics)
+    np.testing.assert_array_equal(np.array(list(m.values())), np.array(list(metrics.values())))
+    assert sorted(b) == sorted(batch)
+    for k, x in batch.items():  # bit for bit: dtype, shape and raw bytes
+      assert b[k].dtype == x.dtype and b[k].shape == x.shape and b[k].tobytes() == x.tobytes()
+
+
+def _two_checkpoints_with_rollouts_ahead(tmp_path):
+  from jaxagent.trainer import _encode_ahead
+  learner = _learner(2)
+  s1 = _trained_state(learner, steps=1)
+  h1 = jax.device_get(s1)
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1))
+  mgr.save(1, s1, meta=_meta(_config()), rollouts_ahead=_encode_ahead(_ahead(1)))
+  s2, _ = learner.train_step(s1, _batch(5))
+  mgr.save(2, s2, meta=_meta(_config()), rollouts_ahead=_encode_ahead(_ahead(2)))
+  mgr.close()
+  return learner, h1
+
+
+def _restore_with_rollouts_ahead(tmp_path, learner, said):
+  from jaxagent.trainer import _decode_ahead
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1),
+                                     say=said.append)
+  return mgr, mgr.restore_latest(_target(learner), config=_config(), decode_ahead=_decode_ahead)
+
+
+def _edit_json(path: pathlib.Path, edit):
+  data = json.loads(path.read_text())
+  edit(data)
+  path.write_text(json.dumps(data))
+
+
+def _flip_payload_char(item):
+  """Replace one base64 character in the middle of the (one) saved step's npz by another base64
+  character: the JSON still parses and the string is still base64."""
+  (step,) = item["steps"].values()
+  text, i = step["npz_base64"], len(step["npz_base64"]) // 2
+  step["npz_base64"] = text[:i] + ("B" if text[i] == "A" else "A") + text[i + 1:]
+
+
+def test_rollouts_ahead_round_trip_bit_for_bit_with_their_digest(tmp_path):
+  learner, _ = _two_checkpoints_with_rollouts_ahead(tmp_path)
+  saved = json.loads((tmp_path / "2" / "rollouts_ahead" / "metadata").read_text())
+  meta = json.loads((tmp_path / "2" / "meta" / "metadata").read_text())
+  assert meta["rollouts_ahead"] is True
+  assert meta["json_digests"] == {"rollouts_ahead": checkpoint.json_digest(saved)}
+  said = []
+  mgr, r = _restore_with_rollouts_ahead(tmp_path, learner, said)
+  assert r.step == 2 and not said
+  _assert_ahead_equal(r.rollouts_ahead, _ahead(2))
+  # Without a decoder the item comes back as saved.
+  raw = mgr.restore(2, _target(learner), config=_config())
+  assert raw.rollouts_ahead == saved
+
+
+@pytest.mark.parametrize("damage", ["flipped character", "truncated", "params_version"])
+def test_a_damaged_rollouts_ahead_item_falls_back_to_the_previous_checkpoint(tmp_path, damage):
+  """An item that still parses as JSON but whose contents changed resumed from that checkpoint
+  (and an edited params_version went unnoticed), or failed the resume after the checkpoint was
+  chosen; now its digest fails it as a damaged array does: named, moved away, and the previous
+  checkpoint restores with its own rollouts."""
+  learner, h1 = _two_checkpoints_with_rollouts_ahead(tmp_path)
+
+  def edit(item):
+    step3 = item["steps"]["3"]
+    if damage == "flipped character":
+      _flip_payload_char(item)
+    elif damage == "truncated":
+      step3["npz_base64"] = step3["npz_base64"][:len(step3["npz_base64"]) // 2 // 4 * 4]
+    else:
+      step3["params_version"] += 1  # decodes: only the digest shows it
+  _edit_json(tmp_path / "2" / "rollouts_ahead" / "metadata", edit)
+  said = []
+  mgr, r = _restore_with_rollouts_ahead(tmp_path, learner, said)
+  assert r.step == 1
+  _assert_trees_equal(r.state, h1)
+  _assert_ahead_equal(r.rollouts_ahead, _ahead(1))
+  assert any(f"checkpoint {tmp_path / '2'} is corrupt: the contents of its rollouts_ahead item "
+             "differ from what was saved" in m for m in said), said
+  aside = tmp_path.parent / f"{tmp_path.name}-unreadable" / "2"
+  assert aside.is_dir() and not (tmp_path / "2").exists() and mgr.steps() == [1]
+  assert any(f"moved the unreadable checkpoint {tmp_path / '2'} to {aside}" in m for m in said)
+
+
+def test_rollouts_ahead_saved_without_a_digest_restore_and_their_damage_falls_back(tmp_path):
+  """Checkpoints written before the digest was kept restore their rollouts as before; one whose
+  item no longer decodes is skipped inside the restore (it raised after the checkpoint was
+  chosen, and the run could not resume until the checkpoint was moved by hand)."""
+  learner, h1 = _two_checkpoints_with_rollouts_ahead(tmp_path)
+  for step in ("1", "2"):
+    _edit_json(tmp_path / step / "meta" / "metadata", lambda m: m.pop("json_digests"))
+  said = []
+  _, r = _restore_with_rollouts_ahead(tmp_path, learner, said)
+  assert r.step == 2 and not said
+  _assert_ahead_equal(r.rollouts_ahead, _ahead(2))
+
+  _edit_json(tmp_path / "2" / "rollouts_ahead" / "metadata", _flip_payload_char)
+  mgr, r = _restore_with_rollouts_ahead(tmp_path, learner, said)
+  assert r.step == 1
+  _assert_trees_equal(r.state, h1)
+  _assert_ahead_equal(r.rollouts_ahead, _ahead(1))
+  assert any(f"checkpoint {tmp_path / '2'}: its rollouts_ahead item is unreadable" in m
+             for m in said), said
+  assert (tmp_path.parent / f"{tmp_path.name}-unreadable" / "2").is_dir() and mgr.steps() == [1]
+  # With no earlier checkpoint to fall back to, the error names the damage and what to do.
+  _edit_json(tmp_path / "1" / "rollouts_ahead" / "metadata", _flip_payload_char)
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=rf"no usable checkpoint in {tmp_path}:\n  checkpoint {tmp_path / '1'}: "
+                     r"its rollouts_ahead item is unreadable \(.*\n.*start from scratch"):
+    _restore_with_rollouts_ahead(tmp_path, learner, said)
+
+
 def test_corrupt_only_checkpoint_is_a_clear_error(tmp_path):
   learner, _ = _two_checkpoints(tmp_path)
   _corrupt(tmp_path / "1")
