@@ -1159,7 +1159,11 @@ class Trainer:
     if threads <= 1:
       trajs = self.sampler.run(params, exs, num_samples=G, seed=seed, request_id_offset=offset)
       self._done_decoding(step)
-      return trajs, self._score(trajs, [exs[tr.group_id] for tr in trajs], step)
+      # One thread: every reward is left when the rollout ends (time/reward_wait_s is all of it).
+      t0 = time.time()
+      outs = self._score(trajs, [exs[tr.group_id] for tr in trajs], step)
+      self._reward_wait_s += time.time() - t0
+      return trajs, outs
     futures: dict[int, concurrent.futures.Future] = {}
     with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="reward") as pool:
       def submit(tr: Trajectory):

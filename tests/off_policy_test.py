@@ -233,3 +233,34 @@ def test_rollouts_on_their_own_devices_beside_the_learner(tmp_path, capsys):
   # Without rollouts ahead the two device sets would take turns: said at the start.
   Trainer(_tiny(tmp_path / "sync", **{"rollout.devices": 2, "eval.size": 0})).close()
   assert "rollout.devices=2 with train.off_policy_steps=0" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+def test_reward_wait_is_the_reward_time_left_after_the_rollout(threads):
+  """`time/reward_wait_s` (`_reward_wait_s`): with one reward thread every reward runs after
+  the rollout has returned, so the wait is all of their time (it read 0); with several, the
+  rewards of trajectories that finished early have run beside the rollout."""
+  import time
+
+  from jaxagent.agent import Example, Trajectory
+  from tests.trainer_test import _scoring_trainer
+
+  class Sampler:
+    def run(self, params, exs, *, num_samples, seed, request_id_offset, on_finish=None):
+      trajs = [Trajectory(request_id=request_id_offset + i, group_id=i) for i in range(len(exs))]
+      for tr in trajs:
+        time.sleep(0.05)
+        tr.finish("eos")
+        if on_finish is not None:
+          on_finish(tr)
+      return trajs
+
+  trainer = _scoring_trainer(threads, delay_s=0.05)
+  trainer.sampler, trainer._reward_wait_s, trainer._inflight = Sampler(), 0.0, {}
+  trainer.config = types.SimpleNamespace(seed=0, train=types.SimpleNamespace(samples_per_prompt=1))
+  exs = [Example(f"q{i}", "2+2?", gold="4") for i in range(1, 7)]
+  trainer._sample_and_score(None, exs, 1, offset=1)
+  if threads == 1:  # six rewards of >= 0.05 s, one after another
+    assert trainer._reward_wait_s >= 0.3, trainer._reward_wait_s
+  else:  # only the last trajectory's reward (about 0.05 s) was left
+    assert trainer._reward_wait_s < 0.2, trainer._reward_wait_s
