@@ -117,12 +117,17 @@ def test_rollouts_ahead_round_trip_bit_for_bit_and_damage_is_named(tmp_path):
 
 
 def test_a_collector_error_names_its_step_and_the_run_closes(tmp_path):
-  trainer = Trainer(_tiny(tmp_path, total_steps=3, **{"train.off_policy_steps": 1,
-                                                      "eval.size": 0, "log.dump_every": 0}))
-  collect = trainer._collect
+  """Step 2's rollouts, collected during step 1, fail. Step 1's checkpoint waits for them:
+  it is still written (the prompt stream's position before step 2, no rollouts ahead), and the
+  error is raised at step 2, as without rollouts ahead (it ended the run in step 1's save)."""
+  trainer = Trainer(_tiny(tmp_path, total_steps=3, checkpoint_every=1, **{
+      "train.off_policy_steps": 1, "eval.size": 0, "log.dump_every": 0}))
+  collect, before = trainer._collect, {}
 
   def broken(step, params):
+    before[step] = trainer.prompts.get_state()
     if step == 2:
+      trainer.prompts.next(3)  # (a failure after the rollout has drawn its prompts)
       raise FloatingPointError("NaN in the logits of request 5")
     return collect(step, params)
   trainer._collect = broken
@@ -130,6 +135,10 @@ def test_a_collector_error_names_its_step_and_the_run_closes(tmp_path):
     _run(trainer)
   assert trainer.step == 2  # step 1 trained; step 2 found its rollouts failed
   assert trainer._ahead_pool is None and not trainer._inflight
+  ckpt = tmp_path / "run" / "checkpoints" / "1"
+  meta = json.loads((ckpt / "meta" / "metadata").read_text())
+  assert not meta.get("rollouts_ahead") and not (ckpt / "rollouts_ahead").exists()
+  assert meta["data"] == json.loads(json.dumps(before[2])) != json.loads(json.dumps(before[1]))
 
 
 def test_a_collector_error_on_process_0_names_the_step_on_the_others(monkeypatch):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from configs.quickstart import get_config
+from jaxagent import run_config
 from jaxagent.rl import step as step_lib
 from jaxagent.trainer import Trainer, sft_items_from_chat_jsonl
 
@@ -322,7 +323,7 @@ def test_a_warmup_the_run_never_finishes_is_warned_once(tmp_path, monkeypatch, c
   """A constant-schedule warmup of at least the run's updates (total_steps x train.epochs; the
   warm start's sft.steps) never reaches the configured learning rate; it passed silently."""
   from jaxagent import trainer as trainer_lib
-  monkeypatch.setattr(trainer_lib, "_CONFIG_WARNINGS", set(), raising=False)
+  monkeypatch.setattr(run_config, "_CONFIG_WARNINGS", set())
   c = _tiny(tmp_path, **{"total_steps": 4, "train.epochs": 2, "optimizer.warmup_steps": 10,
                          "sft.steps": 3, "sft.warmup_steps": 3})
   with caplog.at_level("WARNING", logger="jaxagent.trainer"):
@@ -360,7 +361,7 @@ def test_loss_settings_that_do_nothing_or_look_swapped_are_warned_once(tmp_path,
   """A KL estimator chosen with loss.kl_coef=0 (no reference model, the estimator unused) and a
   clip_high below clip_low (the reverse of clip-higher) passed without a word."""
   from jaxagent import trainer as trainer_lib
-  monkeypatch.setattr(trainer_lib, "_CONFIG_WARNINGS", set(), raising=False)
+  monkeypatch.setattr(run_config, "_CONFIG_WARNINGS", set())
   c = _tiny(tmp_path, **{"loss.kl_estimator": "k2", "loss.clip_low": 0.28, "loss.clip_high": 0.2})
   with caplog.at_level("WARNING", logger="jaxagent.trainer"):
     trainer_lib.check_config(c)
@@ -2279,7 +2280,7 @@ def test_mini_batches_round_the_packed_rows_and_count_in_the_schedule(tmp_path, 
   step_lib.learner_parts(c)
   assert seen["total_steps"] == 5 * 2
 
-  monkeypatch.setattr(trainer_lib, "_CONFIG_WARNINGS", set(), raising=False)
+  monkeypatch.setattr(run_config, "_CONFIG_WARNINGS", set())
   c = _tiny(tmp_path, **{"total_steps": 4, "train.epochs": 2, "train.mini_batches": 2,
                          "optimizer.warmup_steps": 16})
   with caplog.at_level("WARNING", logger="jaxagent.trainer"):
