@@ -60,19 +60,38 @@ def _run(trainer):
 # (k = 1 runs in the tests below too: staleness [0, 1, ...], its checkpoint, its devices)
 @pytest.mark.parametrize("k", [0, 2])
 def test_each_step_samples_from_the_params_k_steps_behind(tmp_path, k):
-  trainer = Trainer(_tiny(tmp_path, total_steps=4, **{"train.off_policy_steps": k,
-                                                      "eval.size": 0, "log.dump_every": 0}))
+  """Which params sample which step, and what runs before what. With loss.tis_cap (one run
+  checks both): the ratio is against the learner's log-probs before the step's update (so
+  the only update of a step starts at ratio 1), and the sampler's log-probs give the weights
+  (behavior_kl > 0 once the sampler's params are older than the learner's)."""
+  n = 4 if k else 3
+  trainer = Trainer(_tiny(tmp_path, total_steps=n, **{
+      "train.off_policy_steps": k, "loss.tis_cap": 2.0, "optimizer.lr": 1e-2,
+      "eval.size": 0, "log.dump_every": 0}))
   events, versions = _spied(trainer)
   rows = _run(trainer)
   collects = {e[1]: e[2] for e in events if e[0] == "collect"}
-  assert sorted(collects) == [1, 2, 3, 4]  # every step once, none past total_steps
+  assert sorted(collects) == list(range(1, n + 1))  # every step once, none past total_steps
   for s, digest in collects.items():
     # Step s samples from the params after step s - 1 - k (the start's, for the first steps).
     assert digest == versions[max(s - 1 - k, 0)], (s, k)
   # The params did change from step to step, so the check above can tell versions apart.
-  assert len(set(versions.values())) == 4
+  assert len(set(versions.values())) == n
   assert [r["rollout/staleness"] for r in rows if "rollout/staleness" in r] == [
-      float(min(s - 1, k)) for s in range(1, 5)]
+      float(min(s - 1, k)) for s in range(1, n + 1)]
+  trained = [r for r in rows if "train/loss" in r]
+  assert len(trained) == n
+  for r in trained:
+    assert abs(r["train/ratio_min"] - 1) < 1e-5 and abs(r["train/ratio_max"] - 1) < 1e-5
+    assert 0 < r["train/tis_weight_mean"] <= 2.0 and 0 <= r["train/tis_clip_frac"] <= 1
+  # Step 1 (and with k = 0 every step) samples from the params it trains: float32 numerics
+  # only; the later steps with k = 2 from params one or two updates older.
+  same, older = (trained, []) if k == 0 else (trained[:1], trained[1:])
+  assert max(r["train/behavior_kl"] for r in same) < 1e-8
+  assert max(r["train/logprob_gap"] for r in same) < 1e-4
+  if older:
+    assert min(r["train/behavior_kl"] for r in older) > 1e-3
+    assert min(r["train/logprob_gap"] for r in older) > 1e-4
   order = [e[:2] for e in events if e[0] != "collect"]
   if k == 0:
     order = [e for e in order if e[0] != "decoded"]
@@ -82,15 +101,15 @@ def test_each_step_samples_from_the_params_k_steps_behind(tmp_path, k):
   else:
     # Step s + k is handed to the collector before step s's update starts (so the two can
     # overlap), and not earlier than step s begins.
-    for s in range(1, 5):
-      handed = [i for i, e in enumerate(order) if e == ("submit", min(s + k, 4))]
+    for s in range(1, n + 1):
+      handed = [i for i, e in enumerate(order) if e == ("submit", min(s + k, n))]
       trained = order.index(("train", s))
       assert handed and handed[0] < trained, (s, order)
     main = [e for e in order if e[0] != "decoded"]  # (the collector's thread adds those)
     assert main[:k + 2] == [("submit", s) for s in range(1, k + 2)] + [("train", 1)]
     # The devices are shared (one mesh): each update waits until the rollout in flight has
     # stopped decoding, and overlaps only its host work (rewards, packing).
-    for s in range(1, 4):
+    for s in range(1, n):
       assert order.index(("decoded", s + 1)) < order.index(("train", s)), order
 
 
@@ -189,25 +208,6 @@ def test_a_checkpoint_holds_the_rollouts_collected_ahead(tmp_path):
   assert not [e for e in events if e[0] == "collect"]  # step 2's rollouts came from the file
   assert [r["rollout/staleness"] for r in rows if "rollout/staleness" in r] == [0.0, 1.0]
   assert int(jax.device_get(again.state.step)) == 2
-
-
-def test_tis_trains_against_the_learners_own_log_probs_and_weighs_the_sampler(tmp_path):
-  """loss.tis_cap: the ratio is against the learner's log-probs before the step's update (so
-  the only update of a step starts at ratio 1), and the sampler's log-probs, from params one
-  step older with off_policy_steps=1, give the weights (behavior_kl > 0 once they differ)."""
-  trainer = Trainer(_tiny(tmp_path, total_steps=3, **{
-      "train.off_policy_steps": 1, "loss.tis_cap": 2.0, "eval.size": 0,
-      "log.dump_every": 0, "optimizer.lr": 1e-2}))
-  rows = [r for r in _run(trainer) if "train/loss" in r]
-  assert len(rows) == 3
-  for r in rows:
-    assert abs(r["train/ratio_min"] - 1) < 1e-5 and abs(r["train/ratio_max"] - 1) < 1e-5
-    assert 0 < r["train/tis_weight_mean"] <= 2.0 and 0 <= r["train/tis_clip_frac"] <= 1
-  # Step 1 samples from the params it trains (float32 numerics only); steps 2 and 3 from the
-  # params one update older.
-  assert rows[0]["train/behavior_kl"] < 1e-8
-  assert min(r["train/behavior_kl"] for r in rows[1:]) > 1e-3
-  assert rows[0]["train/logprob_gap"] < 1e-4 < min(r["train/logprob_gap"] for r in rows[1:])
 
 
 def test_split_rollout_devices():
