@@ -245,6 +245,18 @@ def _env_reward_failures(outs: Sequence[RewardOutput]) -> int:
   return sum(ENV_REWARD_ERROR in o.errors for o in outs)
 
 
+def _per_task(env, example_ids: Sequence[str], values, key: str) -> dict[str, float]:
+  """The mean of `values` over the examples of each task of a mixture (`env.task_of`), as
+  `key.format(label)`; nothing for an env of one task."""
+  task_of = getattr(env, "task_of", None)
+  if not callable(task_of):
+    return {}
+  by_task: dict[str, list[float]] = {}
+  for i, v in zip(example_ids, values):
+    by_task.setdefault(task_of(i), []).append(float(v))
+  return {key.format(label): float(np.mean(vs)) for label, vs in sorted(by_task.items())}
+
+
 def _pass_at_k(n: int, c: int, k: int) -> float:
   """Unbiased pass@k from n samples with c successes (Chen et al., 2021)."""
   if n - c < k:
@@ -470,7 +482,7 @@ class Trainer:
     trajs = self.greedy.run(params, exs, num_samples=1, seed=_eval_seed(self.config.seed),
                             request_id_offset=0)
     outs = self._score(trajs, exs, self.step)
-    ok = np.array([self._success(o) for o in outs], float)
+    ok = np.array([self._success(o, ex) for o, ex in zip(outs, exs)], float)
     # What the model answered on which problems: the RL dumps hold training samples only.
     log_cfg = self.config.log
     n = log_cfg.get("dump_count", 4)
@@ -481,6 +493,7 @@ class Trainer:
     p = float(ok.mean())
     out = {f"{tag}/pass@1": p, f"{tag}/pass@1_se": math.sqrt(p * (1 - p) / len(exs)),
            f"{tag}/num_examples": len(exs)}
+    out.update(_per_task(self.env, [ex.id for ex in exs], ok, f"{tag}/task/{{}}/pass@1"))
     if e.pass_k > 1:
       trajs_k = self.sampler.run(params, exs, num_samples=e.pass_k,
                                  seed=_eval_seed(self.config.seed),
@@ -489,7 +502,7 @@ class Trainer:
       outs_k = self._score(trajs_k, [exs[tr.group_id] for tr in trajs_k], self.step)
       for tr, o in zip(trajs_k, outs_k):
         outs.append(o)
-        c[tr.group_id] += self._success(o)
+        c[tr.group_id] += self._success(o, exs[tr.group_id])
       out[f"{tag}/pass@{e.pass_k}"] = float(np.mean([_pass_at_k(e.pass_k, int(ci), e.pass_k)
                                                      for ci in c]))
     # An env reward that raises scores the trajectory as a failure (`_reward`): without this
@@ -608,15 +621,16 @@ class Trainer:
     self._reward_failures.extend(f for _, f in scored if f is not None)
     return [out for out, _ in scored]
 
-  def _success(self, out: RewardOutput) -> bool:
-    """`env.is_success`; a reward that raised is a failure without asking the env, whose test
+  def _success(self, out: RewardOutput, ex: Example) -> bool:
+    """`is_success` of the env that ran `ex` (`Env.env_for`: a mixture's task); a reward that
+    raised is a failure without asking the env, whose test
     may read components that the stand-in output of `_reward` lacks. An `is_success` that
     raises counts its sample as a failure (logged, counted in `_success_failures`): one odd
     sample ended the whole eval, and with it the run."""
     if ENV_REWARD_ERROR in out.errors:
       return False
     try:
-      return bool(self.env.is_success(out))
+      return bool(self.env.env_for(ex).is_success(out))
     except Exception:  # noqa: BLE001 - any failure of user code becomes data
       if not self._success_failures:
         log.warning("env %r: is_success raised; the sample counts as a failure",
@@ -1061,6 +1075,8 @@ class Trainer:
     metrics["reward/mean"] = float(totals.mean())
     metrics["reward/std"] = float(totals.std())
     metrics.update(mean_metrics(outs))
+    metrics.update(_per_task(self.env, [tr.example_id for tr in all_trajs], totals,
+                             "reward/task/{}"))
     metrics.update(rollout_metrics(all_trajs))
     metrics.update({f"adv/{k}": v for k, v in info.metrics().items()})
     metrics.update({f"adv/{k}": v for k, v in sampling.items()})

@@ -144,6 +144,16 @@ class Env(abc.ABC):
     """Whether a reward counts as solved for pass@k (default: total reward >= 1)."""
     return out.total >= 1.0
 
+  def env_for(self, example: Example) -> Env:
+    """The env that runs `example`'s trajectories (its parser, stop strings, observations) and
+    judges their success: this env, or the example's task in a mixture (`envs.mixture`)."""
+    return self
+
+  @property
+  def member_envs(self) -> Sequence[Env]:
+    """Every env that `env_for` may return (checked when a rollout driver is built)."""
+    return (self,)
+
   def render_prompt(self, example: Example, tokenizer) -> list[int]:
     """Prompt token ids: chat messages through the tokenizer's chat template, text as is.
 

@@ -50,7 +50,7 @@ import dataclasses
 import logging
 import math
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -187,6 +187,17 @@ class RolloutStats:
     return dataclasses.asdict(self)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _EnvView:
+  """What the driver reads of the env that runs a trajectory (a mixture's task env, or the env
+  itself): its parser, the stop strings that end its turns, and the parser's stop hook."""
+
+  env: Env
+  parser: Any
+  stop: StopChecker
+  stop_allowed: Callable[[str], bool] | None
+
+
 @dataclasses.dataclass(eq=False)
 class _Live:
   """A trajectory bound to a KV slot."""
@@ -195,6 +206,7 @@ class _Live:
   episode: Episode
   slot: int
   limit: int
+  view: _EnvView
   cached: int                     # host mirror of the slot's cache length (pending token excluded)
   turn: int = 0
   phase: str = "decode"           # "decode" | "tool" | "ready"
@@ -212,6 +224,7 @@ class _Job:
   traj: Trajectory
   example: Example
   prompt: list[int]
+  view: _EnvView
 
 
 def _clean_text(text: str) -> str:
@@ -298,12 +311,6 @@ class RolloutDriver:
       raise ValueError(f"RolloutConfig.max_total_tokens={cfg.max_total_tokens} exceeds the engine's "
                        f"cache length max_len={ecfg.max_len}; lower it or build the engine with a "
                        "larger max_len")
-    parser = getattr(env, "parser", None)
-    if not (callable(getattr(parser, "parse", None)) and callable(getattr(parser, "stop_strings", None))):
-      raise ValueError(f"env {getattr(env, 'name', env)!r} needs a `parser` with parse(text) and "
-                       "stop_strings() methods (see jaxagent.agent.parsers.Parser)")
-    _check_observation_template(env)
-    _check_tag_arguments(env)
     self.engine, self.env, self.tokenizer, self.cfg = engine, env, tokenizer, cfg
     cap = cfg.max_observation_tokens
     if cap is not None and cap < (least := min_cap(tokenizer)):
@@ -318,6 +325,23 @@ class RolloutDriver:
     # Observation ids are checked against the model's vocabulary (where the engine says it), so
     # that one task's bad ids end its trajectory instead of failing the batched append.
     self.vocab_size = getattr(getattr(engine, "cfg", None), "vocab_size", None)
+    # One view per env that runs trajectories: the env itself, or each task of a mixture
+    # (`Env.member_envs`; `Env.env_for` names an example's).
+    self.views = {id(e): self._view(e) for e in (getattr(env, "member_envs", None) or (env,))}
+    self._own_executor = executor is None
+    self.executor = executor if executor is not None else ToolExecutor(
+        max_workers=cfg.tool_workers or ecfg.slots, default_timeout_s=cfg.tool_timeout_s)
+    self.stats = RolloutStats()
+    self._closed = False
+
+  def _view(self, env) -> _EnvView:
+    """Checks `env`'s parser, observation template and tag arguments; its `_EnvView`."""
+    parser = getattr(env, "parser", None)
+    if not (callable(getattr(parser, "parse", None)) and callable(getattr(parser, "stop_strings", None))):
+      raise ValueError(f"env {getattr(env, 'name', env)!r} needs a `parser` with parse(text) and "
+                       "stop_strings() methods (see jaxagent.agent.parsers.Parser)")
+    _check_observation_template(env)
+    _check_tag_arguments(env)
     parser_stops = parser.stop_strings()
     # A single string would be taken apart into one stop string per character, ending every
     # turn at its first "<"; None failed with a bare "not iterable".
@@ -327,20 +351,25 @@ class RolloutDriver:
                        f"list of non-empty strings, got {parser_stops!r}")
     if isinstance(parser_stops, (set, frozenset)):  # an order that does not vary between runs
       parser_stops = sorted(parser_stops)
-    stops = list(dict.fromkeys([*parser_stops, *cfg.stop_strings]))
-    self.stop = StopChecker(stops, tokenizer)
+    stops = list(dict.fromkeys([*parser_stops, *self.cfg.stop_strings]))
     # An optional parser hook: may a stop string end the turn here (not while the policy is
     # still thinking, `XMLTagParser(think_tag=...)`)? Without it every match ends the turn. A
     # parser that says it never refuses (`may_refuse_stops` False) is not asked: each call
     # decodes the whole turn so far.
     allowed = getattr(parser, "stop_allowed", None)
     refuses = bool(getattr(parser, "may_refuse_stops", True))
-    self.stop_allowed = allowed if callable(allowed) and refuses else None
-    self._own_executor = executor is None
-    self.executor = executor if executor is not None else ToolExecutor(
-        max_workers=cfg.tool_workers or ecfg.slots, default_timeout_s=cfg.tool_timeout_s)
-    self.stats = RolloutStats()
-    self._closed = False
+    return _EnvView(env, parser, StopChecker(stops, self.tokenizer),
+                    allowed if callable(allowed) and refuses else None)
+
+  def view_for(self, example: Example) -> _EnvView:
+    """The view of the env that runs `example`'s trajectories (`Env.env_for`)."""
+    env_for = getattr(self.env, "env_for", None)  # (an env that is not an `Env` subclass)
+    env = env_for(example) if callable(env_for) else self.env
+    view = self.views.get(id(env))
+    if view is None:
+      raise ValueError(f"env {getattr(self.env, 'name', self.env)!r}: env_for(example "
+                       f"{example.id!r}) returned {env!r}, which is not one of its member_envs")
+    return view
 
   def prompt_too_long(self, n: int) -> str | None:
     """Why a prompt of `n` tokens cannot be decoded (its trajectories end "prompt_too_long"
@@ -456,6 +485,7 @@ class _Run:
                          "example") from e
       if not prompt:
         raise ValueError(f"example {ex.id!r}: the rendered prompt is empty")
+      view = self.d.view_for(ex)
       for g in range(num_samples):
         traj = Trajectory(request_id=offset + i * num_samples + g, group_id=i, sample_index=g,
                           example_id=ex.id, distinct_ok_tool_calls=0)
@@ -467,7 +497,7 @@ class _Run:
           traj.finish("prompt_too_long")
           self._report(traj)
         else:
-          self.queue.append(_Job(traj, ex, prompt))
+          self.queue.append(_Job(traj, ex, prompt, view))
     if self.queue:
       self.state = self.engine.init_decode_state()
     try:
@@ -546,7 +576,7 @@ class _Run:
     self.stats.decoded_tokens += n
     # All live before any first token is taken: a token that raises (non-finite logits) leaves
     # the batch's other episodes to `run`, which closes the live ones.
-    admitted = [_Live(job.traj, episode, slot, self.d.limit, cached=len(job.prompt))
+    admitted = [_Live(job.traj, episode, slot, self.d.limit, job.view, cached=len(job.prompt))
                 for job, episode, slot in zip(jobs, episodes, slots)]
     for lv in admitted:
       self.live[lv.slot] = lv
@@ -625,8 +655,9 @@ class _Run:
           "numerically. No trajectory of this rollout is returned.")
     # A stop string that spells the EOS token's text matches when EOS is sampled: the turn
     # still ended by EOS (the engine stopped the slot), not at a stop string.
-    match = self.d.stop.check(lv.toks) if self.d.stop and code != STOP_EOS else None
-    if isinstance(match, str) and self.d.stop_allowed is not None:
+    stop = lv.view.stop
+    match = stop.check(lv.toks) if stop and code != STOP_EOS else None
+    if isinstance(match, str) and lv.view.stop_allowed is not None:
       match = self._allowed_stop(lv, match)
     if match is not None:
       if code == RUNNING:  # the device would go on (or already did): freeze it at this token
@@ -658,23 +689,24 @@ class _Run:
     refused, and a new one is judged at the token that completed it.
     """
     text = self.tok.decode(lv.toks)
-    ends = [(text.rfind(s) + len(s), s) for s in self.d.stop.strings if s in text]
+    ends = [(text.rfind(s) + len(s), s) for s in lv.view.stop.strings if s in text]
     if not ends:  # the window's decoding saw it, the whole turn's did not: keep the match
       return match
     end, newest = max(ends)
     try:
-      allowed = self.d.stop_allowed(text[:end])
+      allowed = lv.view.stop_allowed(text[:end])
     except Exception:  # noqa: BLE001 - a parser failure on model text must not end the run
       log.warning("parser %r: stop_allowed raised on model output; the stop ends the turn",
-                  self.env.parser, exc_info=True)
+                  lv.view.parser, exc_info=True)
       allowed = True
     return newest if allowed else None
 
-  def _parse(self, text: str) -> ParseResult:
+  @staticmethod
+  def _parse(lv: _Live, text: str) -> ParseResult:
     try:
-      parsed = self.env.parser.parse(text)
+      parsed = lv.view.parser.parse(text)
     except Exception as e:  # noqa: BLE001 - a parser failure on model text is a malformed call
-      log.warning("parser %r raised on model output", self.env.parser, exc_info=True)
+      log.warning("parser %r raised on model output", lv.view.parser, exc_info=True)
       return ParseResult.malformed(f"the tool call could not be parsed ({type(e).__name__})")
     if not isinstance(parsed, ParseResult):
       return ParseResult.malformed(f"the parser returned {type(parsed).__name__}, not a ParseResult")
@@ -694,7 +726,7 @@ class _Run:
       parse_text = self.tok.decode(toks[:-1])
     else:
       parse_text = text
-    parsed = self._parse(parse_text)
+    parsed = self._parse(lv, parse_text)
     turn.set_parse(parsed)
     if ended_by == "max_tokens_per_turn":
       return self._finish(lv, "max_tokens_per_turn")
@@ -789,8 +821,9 @@ class _Run:
                                  self.cfg.observation_truncation, self.tok)
         turn.outcome = ToolOutcome.from_result(result)
         turn.observation_truncated_tokens = cut
-      text = self.env.format_observation(result)
-      ids = _token_ids(self.env.encode_observation(_clean_text(text), self.tok))
+      env = lv.view.env
+      text = env.format_observation(result)
+      ids = _token_ids(env.encode_observation(_clean_text(text), self.tok))
       vocab = self.d.vocab_size
       bad = next((t for t in ids if t < 0 or (vocab is not None and t >= vocab)), None)
       if bad is not None:

@@ -1,6 +1,8 @@
 """Tasks: prompts, tools, parsers and verifiers behind the `Env` contract (`jaxagent.agent.env`).
 
     env = jaxagent.envs.make_env("quickstart", max_terms=5)   # or "math_tool", "search_qa", "code"
+    env = jaxagent.envs.make_env("mixture", tasks={"arith": {"env": "quickstart"},
+                                                   "gsm": {"env": "math_tool"}})
     env.examples("train"), env.examples("eval")
 """
 from __future__ import annotations
@@ -16,6 +18,7 @@ REGISTRY = {
     "math_tool": "jaxagent.envs.math_tool:MathToolEnv",    # ReTool: GSM-style math + Python
     "search_qa": "jaxagent.envs.search_qa:SearchQAEnv",    # Search-R1: multi-hop QA + BM25
     "code": "jaxagent.envs.code:CodeEnv",                  # HumanEval + unit tests
+    "mixture": "jaxagent.envs.mixture:MixtureEnv",         # several tasks trained at once
 }
 
 
