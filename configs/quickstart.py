@@ -52,7 +52,12 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # "mlp", or names such as "wq,wv" / "q_proj,v_proj"). No optimizer state or reference copy
   # of the base then; checkpoints hold the adapter, exports the merged model and the adapter.
   # init_from: a PEFT adapter directory to start from (of these rank, alpha and targets).
-  c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="all", init_from=""))
+  # forward: how the learner reads a target: "merged" (W + alpha / r * A @ B as one weight,
+  # rounded as the sampler's) or "unmerged" (x @ W + alpha / r * (x @ A) @ B: no full weight
+  # gradients, a faster update). dropout: PEFT's lora_dropout on the adapter's input in the
+  # update (needs forward="unmerged").
+  c.lora = ml_collections.ConfigDict(dict(rank=0, alpha=16.0, targets="all", init_from="",
+                                          forward="merged", dropout=0.0))
 
   # Settings that default to None are typed placeholders, so that `--config.key=value` can set
   # them (the command line cannot override a plain None).

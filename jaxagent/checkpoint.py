@@ -77,10 +77,12 @@ FORMAT = 1
 IDENTITY_KEYS = ("model", "env", "seed", "lora")
 # Settings under IDENTITY_KEYS that choose how the same function is computed, or where a file
 # is, not what the run computes: a resume may change them (a remat policy after running out of
-# memory, another kernel, the task's data directory on another machine). The arrays still have
-# to fit (`check` compares every saved shape and dtype).
+# memory, another kernel, the task's data directory on another machine; the LoRA learner's
+# forward and its dropout, training settings like the learning rate, which runs from before
+# they existed leave unset). The arrays still have to fit (`check` compares every saved shape
+# and dtype).
 RUNTIME_KEYS = ("model.attention", "model.logprob", "model.norm_rope", "model.remat",
-                "model.scan_layers", "env.kwargs.data_dir")
+                "model.scan_layers", "env.kwargs.data_dir", "lora.forward", "lora.dropout")
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _STEP_DIR = re.compile(r"^(\d+)$")
 _TMP_DIR = re.compile(r"^(\d+)" + re.escape(_TMP_SUFFIX))

@@ -38,7 +38,7 @@ KNOWN_CONFIG_KEYS = frozenset("""
     eval.before eval.every eval.pass_k eval.size
     export seed total_steps workdir
     log.dump_count log.dump_every log.progress log.tensorboard
-    lora.alpha lora.init_from lora.rank lora.targets
+    lora.alpha lora.dropout lora.forward lora.init_from lora.rank lora.targets
     loss.agg loss.algo loss.clip_high loss.clip_low loss.dual_clip loss.entropy_coef
     loss.kl_coef loss.kl_estimator loss.max_len_norm loss.tis_cap loss.tis_level
     mesh.data mesh.fsdp mesh.tensor
@@ -62,7 +62,8 @@ _FREE_FORM = ("env.kwargs",)
 # traceback from wherever it was first read (for eval.pass_k: the first eval, after training).
 OPTIONAL_CONFIG_KEYS = frozenset("""
     checkpoint_async checkpoint_dir checkpoint_every checkpoint_keep checkpoint_keep_every
-    env.kwargs export log.dump_count lora.alpha lora.init_from lora.rank lora.targets
+    env.kwargs export log.dump_count lora.alpha lora.dropout lora.forward lora.init_from
+    lora.rank lora.targets
     loss.dual_clip loss.max_len_norm loss.tis_cap loss.tis_level
     model.attention model.init_seed model.init_std model.logprob model.norm_rope
     model.scan_layers model.tokenizer

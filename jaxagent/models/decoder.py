@@ -28,6 +28,7 @@ import numpy as np
 
 from jaxagent.models import decode_attention
 from jaxagent.models import decode_mlp
+from jaxagent.models import lora
 from jaxagent.models import norm_rope_kernels
 from jaxagent.models import packed_attention
 from jaxagent.models.config import ModelConfig
@@ -188,9 +189,10 @@ def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq, scale=None):
       qkv = qkv + lp["bqkv"].astype(dt)
     q, k, v = jnp.split(qkv, [cfg.n_heads, cfg.n_heads + cfg.n_kv_heads], axis=2)
   else:
-    q = jnp.einsum("btd,dhk->bthk", h, lp["wq"].astype(dt))
-    k = jnp.einsum("btd,dhk->bthk", h, lp["wk"].astype(dt))
-    v = jnp.einsum("btd,dhk->bthk", h, lp["wv"].astype(dt))
+    # (`lora.project`: a plain weight, or a `lora.LowRankWeight` of the unmerged learner)
+    q = lora.project("btd,dhk->bthk", h, lp["wq"], dt)
+    k = lora.project("btd,dhk->bthk", h, lp["wk"], dt)
+    v = lora.project("btd,dhk->bthk", h, lp["wv"], dt)
     if cfg.qkv_bias:
       q = q + lp["bq"].astype(dt)
       k = k + lp["bk"].astype(dt)
@@ -217,9 +219,9 @@ def _mlp(h, lp, cfg: ModelConfig, act: Callable | None = None):
       return jnp.einsum("btf,fd->btd", act(gu), lp["w_down"].astype(dt))
     g, u = jnp.split(gu, 2, axis=-1)
   else:
-    g = jnp.einsum("btd,df->btf", h, lp["w_gate"].astype(dt))
-    u = jnp.einsum("btd,df->btf", h, lp["w_up"].astype(dt))
-  return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"].astype(dt))
+    g = lora.project("btd,df->btf", h, lp["w_gate"], dt)
+    u = lora.project("btd,df->btf", h, lp["w_up"], dt)
+  return lora.project("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"], dt)
 
 
 def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq,
@@ -242,7 +244,7 @@ def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq,
     scale = decode_mlp.row_scale(x, cfg.norm_eps) if folded else None
     q, k, v = _qkv(h, lp, positions, cfg, inv_freq, scale)
     a = attend(q, k, v)
-  x = x + jnp.einsum("bthk,hkd->btd", a, lp["wo"].astype(cfg.jnp_dtype))
+  x = x + lora.project("bthk,hkd->btd", a, lp["wo"], cfg.jnp_dtype)
   if folded:
     swiglu = swiglu or functools.partial(decode_mlp.swiglu_rms_reference, eps=cfg.norm_eps)
     return x + _mlp(x, lp, cfg, act=lambda gu: swiglu(gu, x)), k, v
@@ -483,8 +485,9 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
   segments; positions default to restarting per segment. The layers run as a `lax.scan` over
   the stacked weights, or unrolled when `cfg.scan_layers` is False or `params["layers"]` is a
   tuple of per-layer dicts (`unstack_layers`). `params["adapter"]` (a
-  `models.lora.LayerAdapter`, stacked over layers) merges each layer's low-rank adapter into
-  its weights inside the loop, one layer at a time.
+  `models.lora.LayerAdapter`, stacked over layers) applies each layer's low-rank adapter to
+  its weights inside the loop, one layer at a time: merged into them, or as an unmerged
+  low-rank path beside each target (`LoraConfig.forward`).
   """
   adapter = params.get("adapter") if isinstance(params, dict) else None
   if adapter is not None:
@@ -515,7 +518,7 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
   attend = functools.partial(segment_attention, segment_ids=segment_ids, cfg=cfg)
 
   def body(x, lp_ab):
-    lp, ab = lp_ab
+    lp, ab = lp_ab  # ab: the adapter's slices and the layer's index (`LayerAdapter.scanned`)
     if adapter is not None:
       lp = adapter.apply(lp, ab)
     x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
@@ -523,7 +526,7 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
 
   x = embed(p, tokens, cfg)
   layers = p["layers"]
-  ad_layers = None if adapter is None else adapter.layers
+  ad_layers = None if adapter is None else adapter.scanned()
   if isinstance(layers, (tuple, list)) or not cfg.scan_layers:
     if not isinstance(layers, (tuple, list)):
       layers = unstack_layers({"layers": layers})["layers"]

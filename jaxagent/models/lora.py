@@ -16,9 +16,12 @@ with `flax.linen.LogicallyPartitioned` leaves carrying the weight's own logical 
 Adapters are float32 whatever the base's dtype (they are what the optimizer updates).
 
 `merge(base, lora, lcfg)` adds the low-rank product to each target in float32 and casts back to
-the weight's dtype: the forward pass, the sampler and the export all read merged weights, so a
-merged weight is rounded exactly as a full fine-tune's float32 master weight is when it is cast
-to the compute dtype.
+the weight's dtype: the sampler and the export read merged weights, and so does the learner's
+forward pass by default (`LoraConfig.forward="merged"`), so a merged weight is rounded exactly
+as a full fine-tune's float32 master weight is when it is cast to the compute dtype. With
+`forward="unmerged"` the learner computes each target's projection as
+`x @ W + scale * (drop(x) @ A) @ B` (`LowRankWeight`), whose backward pass forms no gradient of
+the weight's full size, and which is where `LoraConfig.dropout` acts.
 """
 from __future__ import annotations
 
@@ -52,6 +55,8 @@ MLP = ("w_gate", "w_up", "w_down")
 HF_NAMES = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo",
             "gate_proj": "w_gate", "up_proj": "w_up", "down_proj": "w_down"}
 _GROUPS = {"all": ATTENTION + MLP, "attention": ATTENTION, "mlp": MLP}
+# Each target's index, folded into its dropout keys.
+TARGET_IDS = {t: i for i, t in enumerate(INPUT_AXES)}
 
 
 def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
@@ -80,19 +85,35 @@ def parse_targets(targets: str | Sequence[str]) -> tuple[str, ...]:
   return tuple(t for t in INPUT_AXES if t in chosen)
 
 
+FORWARDS = ("merged", "unmerged")
+
+
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-  """A low-rank adapter's shape.
+  """A low-rank adapter's shape, and how the learner's forward pass reads it.
 
   Attributes:
     rank: the adapter's rank r (>= 1).
     alpha: the product is scaled by `alpha / rank`.
     targets: the weights adapted ("all", "attention", "mlp", or names; see `parse_targets`).
+    forward: how the learner's forward pass (update and `score`) reads a target.
+      "merged": as one weight `W + scale * A @ B` (float32 sum cast to the compute dtype,
+      rounded as the sampler's merged weights are); its backward pass forms each target's
+      full weight gradient, a GEMM as large as the forward's. "unmerged": as
+      `x @ W + scale * (drop(x) @ A) @ B` in the compute dtype (`LowRankWeight`), whose
+      backward pass forms only the adapter's and the input's gradients (faster; the
+      log-probs then differ from the merged weights' by rounding in low precision). The
+      sampler and the export always read merged weights.
+    dropout: the probability of zeroing each element of a target's input on the adapter's
+      path (scaled by 1 / (1 - dropout)), in the update's forward pass only; needs
+      forward="unmerged". In [0, 1).
   """
 
   rank: int = 8
   alpha: float = 16.0
   targets: tuple[str, ...] = ATTENTION + MLP
+  forward: str = "merged"
+  dropout: float = 0.0
 
   def __post_init__(self):
     r = self.rank
@@ -101,8 +122,20 @@ class LoraConfig:
     a = self.alpha
     if isinstance(a, bool) or not isinstance(a, numbers.Real) or not 0 < a < math.inf:
       raise ValueError(f"LoraConfig.alpha must be a finite number > 0, got {a!r}")
+    if self.forward not in FORWARDS:
+      raise ValueError(f"LoraConfig.forward must be 'merged' or 'unmerged', got "
+                       f"{self.forward!r}")
+    p = self.dropout
+    if isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 <= p < 1:
+      raise ValueError(f"LoraConfig.dropout must be a number in [0, 1), got {p!r}")
+    if p > 0 and self.forward != "unmerged":
+      raise ValueError(
+          f"LoraConfig.dropout={p!r} needs LoraConfig.forward='unmerged': the merged forward "
+          "reads W + scale * A @ B as one weight, so there is no adapter input to drop. Set "
+          "LoraConfig.forward='unmerged', or LoraConfig.dropout=0")
     object.__setattr__(self, "rank", int(r))
     object.__setattr__(self, "alpha", float(a))
+    object.__setattr__(self, "dropout", float(p))
     object.__setattr__(self, "targets", parse_targets(self.targets))
 
   @property
@@ -111,9 +144,9 @@ class LoraConfig:
 
 
 def from_config(section) -> LoraConfig | None:
-  """The adapter of a run's `lora` section (`rank`, `alpha`, `targets`), or None when the
-  section is absent or its rank is 0 (full fine-tuning). Every setting is checked either way,
-  so a typo in `targets` fails whether or not LoRA is on."""
+  """The adapter of a run's `lora` section (`rank`, `alpha`, `targets`, `forward`,
+  `dropout`), or None when the section is absent or its rank is 0 (full fine-tuning). Every
+  setting is checked either way, so a typo in `targets` fails whether or not LoRA is on."""
   if section is None:
     return None
   rank = section.get("rank", 0)
@@ -121,9 +154,14 @@ def from_config(section) -> LoraConfig | None:
   off = isinstance(rank, numbers.Integral) and not isinstance(rank, bool) and rank == 0
   try:
     lcfg = LoraConfig(rank=1 if off else rank, alpha=section.get("alpha", 16.0),
-                      targets=section.get("targets", "all"))
+                      targets=section.get("targets", "all"),
+                      forward=section.get("forward", "merged"),
+                      dropout=section.get("dropout", 0.0))
   except ValueError as e:
     raise ValueError(str(e).replace("LoraConfig.", "lora.")) from None
+  if off and lcfg.dropout > 0:
+    raise ValueError(f"lora.dropout={lcfg.dropout!r} drops an adapter's input, but lora.rank=0 "
+                     "trains every weight (no adapter): set lora.rank > 0, or lora.dropout=0")
   return None if off else lcfg
 
 
@@ -201,30 +239,103 @@ def merged_weight(w, a, b, target: str, lcfg: LoraConfig, dtype=None):
   return new[0] if one_layer else new
 
 
+def lowrank_specs(spec: str, n_in: int) -> tuple[str, str]:
+  """The einsum specs of a projection's low-rank path from its own `spec` (`x, W -> y`, the
+  weight's first `n_in` axes its input axes): `x, A -> xa` and `xa, B -> y`. For
+  "btd,dhk->bthk" (wq) these are "btd,dr->btr" and "btr,rhk->bthk"; for "bthk,hkd->btd"
+  (wo, two input axes) "bthk,hkr->btr" and "btr,rd->btd"."""
+  lhs, out = spec.replace(" ", "").split("->")
+  xs, ws = lhs.split(",")
+  ins, outs = ws[:n_in], ws[n_in:]
+  r = next(c for c in "rzyxwvuqponmlji" if c not in spec)
+  xr = "".join(c for c in xs if c not in ins) + r
+  return f"{xs},{ins}{r}->{xr}", f"{xr},{r}{outs}->{out}"
+
+
+@flax.struct.dataclass
+class LowRankWeight:
+  """A target weight read unmerged (`LoraConfig.forward="unmerged"`): the decoder's
+  projection of `x` by it is `x @ W + scale * (drop(x) @ A) @ B` (`project`), each product
+  in the compute dtype. `W` is frozen, so the backward pass forms the gradients of `x`, `A`
+  and `B` only: no `x^T dy` of the weight's full size. `rng`: one key per row of `x` (already
+  folded with the layer and the target), or None for no dropout."""
+
+  w: Any
+  a: Any
+  b: Any
+  rng: Any = None
+  target: str = flax.struct.field(pytree_node=False, default="wq")
+  scale: float = flax.struct.field(pytree_node=False, default=1.0)
+  dropout: float = flax.struct.field(pytree_node=False, default=0.0)
+
+  def project(self, spec: str, x, dtype):
+    """`einsum(spec, x, W) + scale * einsum(einsum(drop(x), A), B)` in `dtype`."""
+    a_spec, b_spec = lowrank_specs(spec, INPUT_AXES[self.target])
+    y = jnp.einsum(spec, x, self.w.astype(dtype))
+    xd = x
+    if self.rng is not None and self.dropout > 0:
+      keep = 1.0 - self.dropout
+      mask = jax.vmap(lambda k: jax.random.bernoulli(k, keep, x.shape[1:]))(self.rng)
+      xd = jnp.where(mask, x * jnp.asarray(1.0 / keep, x.dtype), jnp.zeros((), x.dtype))
+    # The scale multiplies the rank-sized product: the cheapest place for it.
+    xa = jnp.einsum(a_spec, xd, self.a.astype(dtype)) * jnp.asarray(self.scale, dtype)
+    return y + jnp.einsum(b_spec, xa, self.b.astype(dtype))
+
+
+def project(spec: str, x, w, dtype):
+  """The decoder's projection `einsum(spec, x, w)` in `dtype`, for a plain weight (cast to
+  `dtype`) or a `LowRankWeight` (its unmerged low-rank path added)."""
+  if isinstance(w, LowRankWeight):
+    return w.project(spec, x, dtype)
+  return jnp.einsum(spec, x, w.astype(dtype))
+
+
 @flax.struct.dataclass
 class LayerAdapter:
-  """An adapter the decoder's layer loop merges one layer at a time: put it in a params tree as
-  `params["adapter"]`, with the targets in `params["layers"]` as stored (float32 masters), and
-  `decoder.hidden_states` replaces each layer's targets by `merged_weight(w, a, b)` in `dtype`
-  inside its loop (inside the layer's rematerialisation too), so no merged copy of every layer
-  is held at once. `layers`: the adapter's `{target: {"a", "b"}}`, stacked over layers."""
+  """An adapter the decoder's layer loop applies one layer at a time: put it in a params tree
+  as `params["adapter"]`, with the targets in `params["layers"]`, and `decoder.hidden_states`
+  replaces each layer's targets inside its loop (inside the layer's rematerialisation too):
+  with `lcfg.forward` "merged" by `merged_weight(w, a, b)` in `dtype` (the targets as stored,
+  float32 masters), so no merged copy of every layer is held at once; with "unmerged" by a
+  `LowRankWeight` (the targets in the compute dtype). `layers`: the adapter's
+  `{target: {"a", "b"}}`, stacked over layers. `rng`: None, or one key per row of the batch
+  for `lcfg.dropout` (the update's forward pass; each layer and target folds in its own
+  index), unused by the merged forward."""
 
   layers: Any
   lcfg: LoraConfig = flax.struct.field(pytree_node=False)
   dtype: Any = flax.struct.field(pytree_node=False, default=None)
+  rng: Any = None
+
+  def scanned(self):
+    """What a `lax.scan` over the layers takes per layer: the adapter's slices and the index."""
+    n = jax.tree.leaves(self.layers)[0].shape[0]
+    return self.layers, jnp.arange(n, dtype=jnp.int32)
 
   def layer(self, i: int):
-    """Layer `i`'s slices of the adapter (for an unrolled layer loop)."""
-    return jax.tree.map(lambda x: x[i], self.layers)
+    """Layer `i`'s slices of the adapter and its index (for an unrolled layer loop)."""
+    return jax.tree.map(lambda x: x[i], self.layers), i
 
-  def apply(self, lp, ab):
-    """One layer's weights `lp` with its targets merged with their adapter slices `ab`.
+  def apply(self, lp, ab_layer):
+    """One layer's weights `lp` with its targets read through their adapter slices
+    (`ab_layer`: `scanned`'s or `layer`'s per-layer value).
 
-    Each merge is its own rematerialised computation that saves nothing: the backward pass
-    merges again from the resident base and the adapter. Under the layer's remat policy the
-    merge's product `A @ B` is a dot (saved by "dots" policies: a float32 copy of every
-    layer's targets), and outside any remat every layer's merged weight stayed alive for
-    the backward pass."""
+    Merged: each merge is its own rematerialised computation that saves nothing: the
+    backward pass merges again from the resident base and the adapter. Under the layer's
+    remat policy the merge's product `A @ B` is a dot (saved by "dots" policies: a float32
+    copy of every layer's targets), and outside any remat every layer's merged weight stayed
+    alive for the backward pass. Unmerged: the rank-sized products `x @ A` are the only new
+    dots a "dots" policy saves."""
+    ab, layer = ab_layer
+    if self.lcfg.forward == "unmerged":
+      drop = self.rng is not None and self.lcfg.dropout > 0
+      keys = (jax.vmap(lambda k: jax.random.fold_in(k, layer))(self.rng) if drop else None)
+      def wrap(t):
+        rng = (jax.vmap(lambda k: jax.random.fold_in(k, TARGET_IDS[t]))(keys) if drop
+               else None)
+        return LowRankWeight(lp[t], ab[t]["a"], ab[t]["b"], rng, target=t,
+                             scale=self.lcfg.scale, dropout=self.lcfg.dropout if drop else 0.0)
+      return {**lp, **{t: wrap(t) for t in self.lcfg.targets}}
     merge = jax.checkpoint(
         lambda w, a, b, t: merged_weight(w, a, b, t, self.lcfg, self.dtype),
         policy=jax.checkpoint_policies.nothing_saveable, static_argnums=(3,))
@@ -334,14 +445,15 @@ def peft_tensors(cfg: ModelConfig, lcfg: LoraConfig, adapter,
 def peft_config(lcfg: LoraConfig, base_model: str | None = None) -> dict[str, Any]:
   """The `adapter_config.json` of `lcfg`: a plain LoRA (scale lora_alpha / r) on the targets'
   Hugging Face module names, with PEFT's "off" value written out for each setting that would
-  change the function."""
+  change the function, and `lcfg.dropout` as `lora_dropout` (a training setting)."""
   names = {ours: hf for hf, ours in HF_NAMES.items()}
   alpha = int(lcfg.alpha) if float(lcfg.alpha).is_integer() else lcfg.alpha
   return {
       "peft_type": "LORA", "task_type": "CAUSAL_LM", "auto_mapping": None,
       "base_model_name_or_path": base_model, "revision": None, "inference_mode": True,
       "r": lcfg.rank, "lora_alpha": alpha, "target_modules": [names[t] for t in lcfg.targets],
-      "exclude_modules": None, "lora_dropout": 0.0, "fan_in_fan_out": False, "bias": "none",
+      "exclude_modules": None, "lora_dropout": lcfg.dropout, "fan_in_fan_out": False,
+      "bias": "none",
       "use_rslora": False, "use_dora": False, "lora_bias": False, "modules_to_save": None,
       "init_lora_weights": True, "layers_to_transform": None, "layers_pattern": None,
       "rank_pattern": {}, "alpha_pattern": {},
@@ -396,8 +508,9 @@ def save_peft(path, cfg: ModelConfig, lcfg: LoraConfig, adapter, *,
   return out
 
 
-def _peft_lora_config(conf: dict, source: str) -> LoraConfig:
-  """Our LoraConfig for a PEFT adapter config, refusing settings that change the function."""
+def _peft_lora_config(conf: dict, source: str, forward: str = "merged") -> LoraConfig:
+  """Our LoraConfig for a PEFT adapter config, refusing settings that change the function.
+  With `forward="unmerged"` it keeps `lora_dropout`; the merged forward has no dropout."""
   if conf.get("peft_type") != "LORA":
     raise ValueError(f"{source}: peft_type is {conf.get('peft_type')!r}; only LoRA adapters "
                      "(peft_type 'LORA') load")
@@ -437,10 +550,18 @@ def _peft_lora_config(conf: dict, source: str) -> LoraConfig:
   if conf.get("use_rslora"):
     # rank-stabilized LoRA scales by lora_alpha / sqrt(r): the same as alpha * sqrt(r) / r.
     alpha = alpha * math.sqrt(r)
-  return LoraConfig(rank=r, alpha=alpha, targets=ATTENTION + MLP)  # targets set by the caller
+  dropout = 0.0
+  if forward == "unmerged":
+    dropout = conf.get("lora_dropout") or 0.0
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+      raise ValueError(f"{source}: lora_dropout must be a number in [0, 1), got {dropout!r}")
+  # targets set by the caller
+  return LoraConfig(rank=r, alpha=alpha, targets=ATTENTION + MLP, forward=forward,
+                    dropout=dropout)
 
 
-def load_peft(path, cfg: ModelConfig) -> tuple[LoraConfig, dict[str, Any]]:
+def load_peft(path, cfg: ModelConfig,
+              forward: str = "merged") -> tuple[LoraConfig, dict[str, Any]]:
   """Read a Hugging Face PEFT LoRA adapter directory (written by `save_peft`, or by PEFT for a
   model of `cfg`'s architecture) as `(LoraConfig, adapter)`: the adapter boxed like
   `init_lora`'s, float32 host arrays; merge it with `merge(base, adapter, lcfg)` or train it
@@ -449,7 +570,9 @@ def load_peft(path, cfg: ModelConfig) -> tuple[LoraConfig, dict[str, Any]]:
   The targets are the projections the file holds weights for (each for every layer). A
   rank-stabilized adapter (`use_rslora`, scale lora_alpha / sqrt(r)) loads with
   `alpha = lora_alpha * sqrt(r)`, the same scale; saved again it is a plain LoRA with that
-  alpha. `lora_dropout` only acts in training and is not kept. Adapters whose settings change
+  alpha. `forward` is the returned config's (`LoraConfig.forward`): with "unmerged" it keeps
+  the adapter's `lora_dropout` (which acts in training only), with "merged" (the default)
+  dropout is 0, since the merged forward cannot apply it. Adapters whose settings change
   the function otherwise (DoRA, trained biases, modules_to_save, per-module ranks or alphas,
   some layers only, ...) are refused with a ValueError naming the setting."""
   d = pathlib.Path(path).expanduser()
@@ -469,7 +592,9 @@ def load_peft(path, cfg: ModelConfig) -> tuple[LoraConfig, dict[str, Any]]:
     raise ValueError(f"{conf_file} is not valid JSON: {e}") from None
   if not isinstance(conf, dict):
     raise ValueError(f"{conf_file}: expected a JSON object")
-  lcfg = _peft_lora_config(conf, str(conf_file))
+  if forward not in FORWARDS:
+    raise ValueError(f"load_peft: forward must be 'merged' or 'unmerged', got {forward!r}")
+  lcfg = _peft_lora_config(conf, str(conf_file), forward)
   if not weights.is_file():
     hint = (": it holds adapter_model.bin (a PyTorch pickle); save the adapter again with "
             "safe_serialization=True" if (d / "adapter_model.bin").is_file() else "")

@@ -75,6 +75,9 @@ class StepConfig:
       forward and backward pass. Costs one unsharded copy of the params per device (their
       own dtype, so gradients are bitwise those of the default path up to summation order);
       each micro-batch's gradients are still reduce-scattered back to the fsdp shards.
+    seed: the run's seed. A LoRA adapter's dropout (`LoraConfig.dropout`) draws its masks
+      from (seed, objective, `TrainState.step`, row of the batch, layer, target) inside the
+      jitted step: a resumed run repeats them, and they do not depend on micro-batching.
   """
 
   loss: losses.LossConfig = losses.LossConfig()
@@ -87,6 +90,7 @@ class StepConfig:
   entropy: bool = True
   nonfinite: Literal["raise", "skip"] = "raise"
   gather_weights: bool = False
+  seed: int = 0
 
   def __post_init__(self):
     if self.objective not in ("rl", "sft"):
@@ -97,6 +101,8 @@ class StepConfig:
       value = getattr(self, name)
       if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"StepConfig.{name} must be an int >= 1, got {value!r}")
+    if isinstance(self.seed, bool) or not isinstance(self.seed, numbers.Integral):
+      raise ValueError(f"StepConfig.seed must be an int, got {self.seed!r}")
     if not 0 < self.temperature < float("inf"):  # NaN fails too
       raise ValueError(f"StepConfig.temperature must be a finite number > 0, got {self.temperature}")
     if self.nonfinite not in ("raise", "skip"):
@@ -242,10 +248,17 @@ _GATHERED_RULES = tuple((k, None if v == "fsdp" else v) for k, v in shd.RULES)
 
 
 def _lora_weights(targets, frozen, adapter, lcfg: lora_lib.LoraConfig, cfg: ModelConfig,
-                  gather: bool = False):
-  """The weights one forward pass reads with an adapter: `frozen` (the base in the compute
-  dtype) with each target merged (`W + scale * A @ B` of the base's own `targets` in float32,
-  cast to the compute dtype) one layer at a time. For the scanned layer loop the targets stay
+                  gather: bool = False, rng=None):
+  """The weights one forward pass reads with an adapter.
+
+  `lcfg.forward == "unmerged"`: `frozen` and `targets` (the whole base in the compute dtype)
+  with the adapter riding along as `"adapter"` (a `lora.LayerAdapter` with `rng`, one dropout
+  key per row, or None): each layer's targets become `lora.LowRankWeight`s inside the loop,
+  scanned or unrolled (per-layer weights cut here, as for the merged unrolled loop).
+
+  `"merged"`: `frozen` (the base in the compute dtype) with each target merged
+  (`W + scale * A @ B` of the base's own `targets` in float32, cast to the compute dtype) one
+  layer at a time. For the scanned layer loop the targets stay
   as stored and the adapter rides along as `"adapter"` (a `lora.LayerAdapter`): the loop's body
   merges its layer inside the layer's rematerialisation (compiled temporaries of tiny-qwen3
   widened to 4 layers of d_model 256, float32, 4 micro-batches, remat "dots_attention": update
@@ -258,6 +271,10 @@ def _lora_weights(targets, frozen, adapter, lcfg: lora_lib.LoraConfig, cfg: Mode
   in every micro-batch."""
   if gather:
     adapter = _constrain_params(adapter, _GATHERED_RULES)
+  if lcfg.forward == "unmerged":
+    ad = lora_lib.LayerAdapter(param_tree.unbox(adapter)["layers"], lcfg, cfg.jnp_dtype, rng)
+    w = {**frozen, "layers": {**frozen["layers"], **targets["layers"]}}
+    return {**(w if cfg.scan_layers else param_tree.unstack_layers(w)), "adapter": ad}
   if cfg.scan_layers:
     ad = lora_lib.LayerAdapter(param_tree.unbox(adapter)["layers"], lcfg, cfg.jnp_dtype)
     return {**frozen, "layers": {**frozen["layers"], **targets["layers"]}, "adapter": ad}
@@ -274,9 +291,27 @@ def _lora_weights(targets, frozen, adapter, lcfg: lora_lib.LoraConfig, cfg: Mode
   return w
 
 
-def _lora_parts(adapter, mb, cfg, scfg, *, targets, frozen, lcfg, gather=False):
-  return _micro_parts(_lora_weights(targets, frozen, adapter, lcfg, cfg, gather), mb, cfg,
-                      scfg)
+# The batch key `train_step` adds for LoRA dropout: each row's index in the step's batch.
+_DROPOUT_ROWS = "lora_dropout_rows"
+_DROPOUT_TAG = 0x10AD0
+
+
+def _dropout_key(scfg: StepConfig, step):
+  """The LoRA dropout key of optimizer step `step` (traced): from the run's seed and the
+  objective (the warm start's steps count from 0 too), then `step`."""
+  key = jax.random.key(scfg.seed % 2**32)
+  key = jax.random.fold_in(key, _DROPOUT_TAG + (scfg.objective == "sft"))
+  return jax.random.fold_in(key, step)
+
+
+def _lora_parts(adapter, mb, cfg, scfg, *, targets, frozen, lcfg, gather=False, key=None):
+  rng = None
+  if key is not None:  # dropout: one key per row, from its index in the step's batch
+    mb = dict(mb)
+    rows = mb.pop(_DROPOUT_ROWS)
+    rng = jax.vmap(lambda r: jax.random.fold_in(key, r))(rows)
+  return _micro_parts(_lora_weights(targets, frozen, adapter, lcfg, cfg, gather, rng), mb,
+                      cfg, scfg)
 
 
 def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepConfig,
@@ -285,8 +320,9 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
   """One optimizer step over `batch` (pure; jit it with `Learner` or your own shardings).
 
   With `lora`, `state.params` is a low-rank adapter (`jaxagent.models.lora`) over the frozen
-  params `base`: each micro-batch's forward pass reads the merged weights, and the optimizer
-  updates the adapter only."""
+  params `base`: each micro-batch's forward pass reads the merged weights (or the unmerged
+  low-rank paths, `LoraConfig.forward`, with `LoraConfig.dropout` on their inputs), and the
+  optimizer updates the adapter only."""
   m = scfg.micro_batches
   gather = scfg.gather_weights and m > 1
   if (lora is None) != (base is None):
@@ -294,7 +330,13 @@ def train_step(state: TrainState, batch: Batch, *, cfg: ModelConfig, scfg: StepC
                      "LoraConfig), or neither")
   _check_behavior_key(batch, scfg)
   if lora is not None:
-    grad_fn = jax.value_and_grad(_lora_step_parts(base, lora, cfg, gather), has_aux=True)
+    key = None
+    if lora.dropout > 0:
+      key = _dropout_key(scfg, state.step)
+      rows = batch["tokens"].shape[0]
+      row_ids = decoder.constrain_batch(jnp.arange(rows, dtype=jnp.int32))
+      batch = {**batch, _DROPOUT_ROWS: row_ids}
+    grad_fn = jax.value_and_grad(_lora_step_parts(base, lora, cfg, gather, key), has_aux=True)
     to_adapter = lambda g: jax.tree.map(lambda a, p: a.astype(p.dtype), g, state.params)
     return _apply(state, _accumulate(state.params, batch, m, grad_fn, cfg, scfg, to_adapter),
                   optimizer)
@@ -341,24 +383,28 @@ def _check_behavior_key(batch, scfg: StepConfig) -> None:
 
 
 def _lora_base_parts(base, lcfg, cfg: ModelConfig):
-  """`(targets, frozen)`: the base's target weights (their stored dtype, for the float32 merge)
-  and the rest of the base in the compute dtype (`param_tree.compute_copy`)."""
+  """`(targets, frozen)`: the base's target weights (their stored dtype, for the float32 merge;
+  in the compute dtype for the unmerged forward, which multiplies by them as they are) and the
+  rest of the base in the compute dtype (`param_tree.compute_copy`)."""
   targets = {"layers": {t: base["layers"][t] for t in lcfg.targets}}
+  if lcfg.forward == "unmerged":
+    targets = param_tree.compute_copy(targets, cfg)
   rest = {k: v for k, v in base["layers"].items() if k not in lcfg.targets}
   return targets, param_tree.compute_copy({**base, "layers": rest}, cfg)
 
 
-def _lora_step_parts(base, lcfg, cfg: ModelConfig, gather: bool):
+def _lora_step_parts(base, lcfg, cfg: ModelConfig, gather: bool, key=None):
   """`_micro_parts` as a function of the adapter: the base's targets and the rest of the base
   in the compute dtype are prepared once per step (gathered over fsdp with `gather`), the
-  merge runs in every micro-batch's forward pass."""
+  merge (or the unmerged low-rank paths) runs in every micro-batch's forward pass. `key`: the
+  step's dropout key (`_dropout_key`; the batch then holds `_DROPOUT_ROWS`), or None."""
   targets, frozen = _lora_base_parts(base, lcfg, cfg)
   if gather:
     targets = _constrain_params(targets, _GATHERED_RULES)
     frozen = _constrain_params(frozen, _GATHERED_RULES)
   def parts(adapter, mb, cfg, scfg):
     return _lora_parts(adapter, mb, cfg, scfg, targets=targets, frozen=frozen, lcfg=lcfg,
-                       gather=gather)
+                       gather=gather, key=key)
   return parts
 
 
@@ -422,7 +468,8 @@ def learner_parts(config):
                     temperature=c.rollout.temperature or 1.0,
                     nonfinite=t.get("nonfinite", "raise"),
                     gather_weights=bool(t.get("gather_weights", False)),
-                    logprob_save_probs=bool(t.get("logprob_save_probs", False)))
+                    logprob_save_probs=bool(t.get("logprob_save_probs", False)),
+                    seed=c.get("seed", 0))
   rl_opt = _in_section(
       "optimizer", make_optimizer, opt.lr, weight_decay=opt.weight_decay, b1=opt.b1, b2=opt.b2,
       max_grad_norm=opt.max_grad_norm, warmup_steps=opt.warmup_steps,
