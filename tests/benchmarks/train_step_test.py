@@ -71,3 +71,29 @@ def test_a_lora_run_times_the_adapter_update(run_main, unit_clock_and_peak, monk
   [learner] = made
   assert learner.lora.rank == 2 and learner.lora.targets == ("wq", "wk", "wv", "wo")
   assert r["lora_rank"] == 2 and r["lora_targets"] == "attention" and r["step_s"] > 0
+
+
+def test_lora_forward_list_times_each_forward_in_one_job(run_main, unit_clock_and_peak,
+                                                         monkeypatch):
+  """`--lora-forward merged,unmerged` times the merged and the unmerged adapter update one
+  after the other: a row (step time, MFU) and a printed line each."""
+  from jaxagent.rl import step
+  unit_clock_and_peak(train_step)
+  made = []
+  init = step.Learner.init
+  monkeypatch.setattr(step.Learner, "init", lambda self, p: made.append(self) or init(self, p))
+  rows = run_main(train_step, "--models", "tiny-llama", "--rows", "4", "--len", "128",
+                  "--micro-batches", "1", "--lora-rank", "2", "--lora-forward",
+                  "merged,unmerged", "--lora-dropout", "0.1")
+  assert [(r["lora_forward"], r["lora_dropout"]) for r in rows] == [("merged", 0.0),
+                                                                     ("unmerged", 0.1)]
+  assert [(x.lora.forward, x.lora.dropout) for x in made] == [("merged", 0.0), ("unmerged", 0.1)]
+  assert all(r["step_s"] > 0 and r["mfu"] > 0 for r in rows)
+  out = run_main.out
+  assert "forward=merged: step" in out and "forward=unmerged: step" in out
+  with pytest.raises(SystemExit):
+    run_main(train_step, "--models", "tiny-llama", "--lora-rank", "2", "--lora-forward", "fast")
+  assert "--lora-forward: 'fast'" in run_main.err
+  with pytest.raises(SystemExit):
+    run_main(train_step, "--models", "tiny-llama", "--lora-forward", "unmerged")
+  assert "--lora-forward needs --lora-rank > 0" in run_main.err
