@@ -53,7 +53,7 @@ import numpy as np
 
 from jaxagent import checkpoint, compile_stats, models, sharding
 from jaxagent.agent.env import Env, Example
-from jaxagent.agent.rollout import RolloutDriver, rollout_metrics
+from jaxagent.agent.rollout import RolloutCancelled, RolloutDriver, rollout_metrics
 from jaxagent.agent.trajectory import Trajectory
 from jaxagent.envs import make_env
 from jaxagent.generate import Engine, EngineConfig, SamplingConfig
@@ -287,6 +287,8 @@ def _rewind_jsonl(path: pathlib.Path, step: int) -> list[dict] | None:
 class Trainer:
   """Builds every piece from the config and runs SFT warm start, RL and evaluation."""
 
+  _cancel_ahead: threading.Event | None = None  # (`__init__` sets it; see `_close_collector`)
+
   def __init__(self, config):
     self.config = config
     c = config
@@ -411,6 +413,7 @@ class Trainer:
           "learner's devices idle while the rollouts run and the rollout devices while the "
           "learner updates; set train.off_policy_steps=1 to run the two side by side")
     self._ahead_pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._cancel_ahead = threading.Event()  # set while the trainer closes (`_close_collector`)
     self._inflight: dict[int, tuple[concurrent.futures.Future | None, int,
                                     threading.Event | None]] = {}
     self._ready: dict[int, tuple[dict[str, float], dict[str, np.ndarray] | None, int]] = {}
@@ -580,9 +583,14 @@ class Trainer:
     failures recorded are those of `_score`."""
     seed, G = _rollout_seed(self.config.seed, step), self.config.train.samples_per_prompt
     threads = self._reward_threads()
+    # Set only while the trainer closes (`_close_collector`): a collection under way then ends
+    # at its next decode call, and before its rewards, instead of running to its end.
+    cancel = {} if self._cancel_ahead is None else {"cancel": self._cancel_ahead}
     if threads <= 1:
-      trajs = self.sampler.run(params, exs, num_samples=G, seed=seed, request_id_offset=offset)
+      trajs = self.sampler.run(params, exs, num_samples=G, seed=seed, request_id_offset=offset,
+                               **cancel)
       self._done_decoding(step)
+      self._check_not_cancelled()
       # One thread: every reward is left when the rollout ends (time/reward_wait_s is all of it).
       t0 = time.time()
       outs = self._score(trajs, [exs[tr.group_id] for tr in trajs], step)
@@ -594,8 +602,9 @@ class Trainer:
         futures[tr.request_id] = pool.submit(self._reward_or_failure, tr, exs[tr.group_id], step)
       try:
         trajs = self.sampler.run(params, exs, num_samples=G, seed=seed,
-                                 request_id_offset=offset, on_finish=submit)
+                                 request_id_offset=offset, on_finish=submit, **cancel)
         self._done_decoding(step)
+        self._check_not_cancelled()
       except BaseException:
         for f in futures.values():
           f.cancel()
@@ -608,6 +617,11 @@ class Trainer:
       self._reward_wait_s += time.time() - t0
     self._reward_failures.extend(f for _, f in scored if f is not None)
     return trajs, [out for out, _ in scored]
+
+  def _check_not_cancelled(self) -> None:
+    if self._cancel_ahead is not None and self._cancel_ahead.is_set():
+      raise RolloutCancelled("the trainer is closing: the rewards of a rollout collected ahead "
+                             "are not scored")
 
   def _score(self, trajs: Sequence[Trajectory], exs: Sequence[Example],
              step: int) -> list[RewardOutput]:
@@ -1550,10 +1564,16 @@ class Trainer:
     return out
 
   def _close_collector(self) -> None:
-    """Stop the collector thread: steps not started are dropped, one under way is waited
-    for (a thread cannot be cut short)."""
+    """Stop the collector thread: steps not started are dropped, and one under way stops at
+    its next decode call or before its rewards (`RolloutDriver.run(cancel=...)`): it ran to its
+    end (minutes of a long agentic rollout) before a run that failed, or a second Ctrl-C, let
+    the process exit."""
     if self._ahead_pool is not None:
-      self._ahead_pool.shutdown(wait=True, cancel_futures=True)
+      self._cancel_ahead.set()
+      try:
+        self._ahead_pool.shutdown(wait=True, cancel_futures=True)
+      finally:
+        self._cancel_ahead.clear()
       self._ahead_pool = None
     self._inflight.clear()
 

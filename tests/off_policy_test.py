@@ -2,6 +2,7 @@
 step, what runs before what, the checkpoint item that carries collected rollouts, and errors.
 The exact resume with rollouts ahead is `trainer_test.py`'s stop-and-resume test (slow)."""
 import json
+import threading
 import types
 
 import jax
@@ -273,3 +274,83 @@ def test_reward_wait_is_the_reward_time_left_after_the_rollout(threads):
     assert trainer._reward_wait_s >= 0.3, trainer._reward_wait_s
   else:  # only the last trajectory's reward (about 0.05 s) was left
     assert trainer._reward_wait_s < 0.2, trainer._reward_wait_s
+
+
+def test_a_cancelled_rollout_ends_within_a_step_with_its_episodes_closed():
+  """`RolloutDriver.run(cancel=event)`: once the event is set (here when the first trajectory
+  finishes) the run raises RolloutCancelled before its next decode call, with every episode it
+  opened closed, and the trajectories not yet admitted never start."""
+  from jaxagent.agent import RolloutConfig, RolloutDriver
+  from jaxagent.agent.rollout import RolloutCancelled
+  from tests.agent import rollout_test as rt
+
+  opened, closed = [], []
+
+  class Env(rt.ScriptedCalcEnv):
+    def new_episode(self, example):
+      ep = super().new_episode(example)
+      opened.append(example.id)
+      close = ep.close
+      ep.close = lambda: (closed.append(example.id), close())[1]
+      return ep
+
+  # Request 0 answers at once; the others call a tool and would take two more turns.
+  texts = {rid: ["<calc>1+1</calc>", "<calc>2+2</calc>", "<answer>4</answer>"]
+           for rid in range(8)}
+  texts[0] = ["<answer>2</answer>"]
+  fake = rt.FakeEngine(rt._script_from_texts(texts), slots=3, max_len=256)
+  driver = RolloutDriver(fake, Env(), tokenizer=rt.TOK, cfg=RolloutConfig(decode_steps=4))
+  cancel, finished = threading.Event(), []
+
+  def on_finish(tr):
+    finished.append(tr.request_id)
+    cancel.set()
+  try:
+    with pytest.raises(RolloutCancelled, match=r"cancelled with 2 trajectories under way and 5 "
+                       r"not started"):
+      driver.run(None, rt._examples(8), on_finish=on_finish, cancel=cancel)
+    assert finished == [0] and len(opened) == 3 and sorted(closed) == sorted(opened)
+    with pytest.raises(TypeError, match="cancel must be a threading.Event"):
+      driver.run(None, rt._examples(1), cancel=True)
+    cancel.clear()  # (an event never set changes nothing)
+    assert len(driver.run(None, rt._examples(2), cancel=cancel)) == 2
+  finally:
+    driver.close()
+
+
+def test_closing_the_trainer_cancels_the_rollout_collected_ahead():
+  """`Trainer.close` (`_close_collector`) with a collection under way on the collector thread:
+  its rollout is cancelled and close returns at once; it waited for the whole rollout (and
+  its rewards and packing), so a run that failed, or a second Ctrl-C, hung until it ended."""
+  import concurrent.futures
+  import time
+
+  from jaxagent.agent import Example
+  from jaxagent.agent.rollout import RolloutCancelled
+  from tests.trainer_test import _scoring_trainer
+
+  started = threading.Event()
+
+  class SlowSampler:  # a rollout of 20 s unless cancelled
+    def run(self, params, exs, *, num_samples, seed, request_id_offset, cancel=None):
+      started.set()
+      t0 = time.monotonic()
+      while time.monotonic() - t0 < 20:
+        if cancel is not None and cancel.is_set():
+          raise RolloutCancelled("cancelled")
+        time.sleep(0.01)
+      return []
+
+  trainer = _scoring_trainer(1)
+  trainer.sampler, trainer._reward_wait_s, trainer._inflight = SlowSampler(), 0.0, {}
+  trainer._cancel_ahead = threading.Event()
+  trainer.config = types.SimpleNamespace(seed=0, train=types.SimpleNamespace(samples_per_prompt=1))
+  trainer._ahead_pool = concurrent.futures.ThreadPoolExecutor(1)
+  future = trainer._ahead_pool.submit(trainer._sample_and_score, None, [Example("q", "2+2?")], 2, 0)
+  queued = trainer._ahead_pool.submit(pytest.fail, "a step not started must not run")
+  assert started.wait(10)
+  t0 = time.monotonic()
+  trainer._close_collector()
+  assert time.monotonic() - t0 < 5
+  assert isinstance(future.exception(), RolloutCancelled) and queued.cancelled()
+  assert trainer._ahead_pool is None and not trainer._cancel_ahead.is_set()

@@ -49,6 +49,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import math
+import threading
 import time
 from typing import Any, Callable, Sequence
 
@@ -293,6 +294,10 @@ def _token_ids(ids, what: str = "encode_observation", vocab_size: int | None = N
   return token_ids(ids, f"{what}'s return", vocab_size)
 
 
+class RolloutCancelled(RuntimeError):
+  """`RolloutDriver.run(cancel=...)` saw its event set and ended the rollout early."""
+
+
 class RolloutDriver:
   """Runs multi-turn trajectories of one env through one engine; reusable across steps.
 
@@ -395,7 +400,8 @@ class RolloutDriver:
 
   def run(self, params, examples: Sequence[Example], *, num_samples: int = 1, seed: int = 0,
           request_id_offset: int = 0,
-          on_finish: Callable[[Trajectory], None] | None = None) -> list[Trajectory]:
+          on_finish: Callable[[Trajectory], None] | None = None,
+          cancel: threading.Event | None = None) -> list[Trajectory]:
     """`num_samples` trajectories per example; returned grouped by example, then sample.
 
     on_finish: called with each trajectory once it is final (stop reason set, episode closed,
@@ -403,6 +409,11 @@ class RolloutDriver:
     hand it to a reward that runs beside the rollout. Every trajectory is reported exactly once
     when `run` returns normally (in the order they finish, not the returned order); an error
     the callback raises ends the run.
+    cancel: an event (anything with `is_set()`) looked at before each step of the loop (a
+    decode call, or a wait of at most `tool_poll_s` on tools); once it is set, `run` closes
+    every episode and raises `RolloutCancelled`: a rollout whose result nobody will use (the
+    trainer's, collected ahead of the learner, when the trainer closes) ends within a step
+    instead of running to its end.
     """
     if self._closed:
       # Its executor is shut down: the first tool call failed the run, naming the executor.
@@ -431,7 +442,9 @@ class RolloutDriver:
                        "request_id_offset (or vary the seed per step instead)")
     if on_finish is not None and not callable(on_finish):
       raise TypeError(f"on_finish must be a callable taking a Trajectory, got {on_finish!r}")
-    run = _Run(self, params, seed, on_finish)
+    if cancel is not None and not callable(getattr(cancel, "is_set", None)):
+      raise TypeError(f"cancel must be a threading.Event (anything with is_set()), got {cancel!r}")
+    run = _Run(self, params, seed, on_finish, cancel)
     return run.run(examples, num_samples, request_id_offset)
 
 
@@ -454,9 +467,10 @@ class _Run:
   """The state of one `RolloutDriver.run` call."""
 
   def __init__(self, driver: RolloutDriver, params, seed: int,
-               on_finish: Callable[[Trajectory], None] | None = None):
+               on_finish: Callable[[Trajectory], None] | None = None,
+               cancel: threading.Event | None = None):
     self.d = driver
-    self.on_finish = on_finish
+    self.on_finish, self.cancel = on_finish, cancel
     self.engine, self.env, self.tok, self.cfg = driver.engine, driver.env, driver.tokenizer, driver.cfg
     # Merged decode weights made once for the run's decode calls (`Engine.prepare`).
     self.params, self.seed = driver.engine.prepare(params), seed
@@ -512,6 +526,9 @@ class _Run:
 
   def _loop(self) -> None:
     while self.queue or self.live:
+      if self.cancel is not None and self.cancel.is_set():  # (`run` closes the live episodes)
+        raise RolloutCancelled(f"the rollout was cancelled with {len(self.live)} trajectories "
+                               f"under way and {len(self.queue)} not started")
       self._poll_tools(block=False)
       if self.ready:
         self._append()
