@@ -80,10 +80,10 @@ def test_shapes_axes_and_count():
 
 def test_fresh_adapter_leaves_the_model_unchanged_and_merge_is_w_plus_scaled_ab(params):
   tokens = jnp.arange(12, dtype=jnp.int32)[None] % CFG.vocab_size
+  forward = jax.jit(lambda p: models.forward(p, tokens, cfg=CFG))  # one compile for all three
   fresh = lora.init_lora(CFG, LCFG, jax.random.key(3))
-  base_logits = models.forward(params, tokens, cfg=CFG)
-  np.testing.assert_array_equal(models.forward(lora.merge(params, fresh, LCFG), tokens, cfg=CFG),
-                                base_logits)
+  base_logits = forward(params)
+  np.testing.assert_array_equal(forward(lora.merge(params, fresh, LCFG)), base_logits)
   ad = _random_adapter()
   merged = lora.merge(params, ad, LCFG)
   plain, adp = param_tree.unbox(params), param_tree.unbox(ad)
@@ -100,7 +100,7 @@ def test_fresh_adapter_leaves_the_model_unchanged_and_merge_is_w_plus_scaled_ab(
   # Untargeted params are the base's own arrays.
   assert merged["embed"] is params["embed"]
   assert merged["layers"]["attn_norm"] is params["layers"]["attn_norm"]
-  assert not np.allclose(models.forward(merged, tokens, cfg=CFG), base_logits)
+  assert not np.allclose(forward(merged), base_logits)
 
 
 def _adam_free_sgd():
@@ -114,14 +114,15 @@ def test_adapter_gradients_are_the_chain_rule_of_the_merged_weights_gradients(pa
   batch = {k: jnp.asarray(v) for k, v in two_sequence_rows(CFG.vocab_size, 4).items()}
   ad = _random_adapter()
   merged = lora.merge(params, ad, LCFG)
-  g_full = jax.grad(lambda p: step._micro_parts(p, batch, CFG, scfg)[0])(merged)
+  # (jitted: the reference run op by op compiled each of its hundreds of ops apart)
+  g_full = jax.jit(jax.grad(lambda p: step._micro_parts(p, batch, CFG, scfg)[0]))(merged)
   st = step.TrainState(step=jnp.zeros((), jnp.int32), params=ad,
                        opt_state=_adam_free_sgd().init(ad))
   new, m = jax.jit(lambda s, b, base: step.train_step(
       s, b, cfg=CFG, scfg=scfg, optimizer=_adam_free_sgd(), base=base, lora=LCFG))(
           st, batch, params)
   # With SGD(1), the adapter's gradient is (old - new) times the loss denominator.
-  parts = step._micro_parts(merged, batch, CFG, scfg)[1]
+  parts = jax.jit(lambda p: step._micro_parts(p, batch, CFG, scfg)[1])(merged)
   denom = float(jnp.maximum(parts.denominator, 1.0))
   dw_all, adp = param_tree.unbox(g_full)["layers"], param_tree.unbox(ad)["layers"]
   newp = param_tree.unbox(new.params)["layers"]
