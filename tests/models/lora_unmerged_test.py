@@ -194,15 +194,6 @@ def test_dropout_acts_in_the_update_only_and_its_masks_follow_seed_and_step(para
   assert m_seed["loss"] != m0["loss"]
 
 
-def test_dropout_masks_do_not_depend_on_micro_batching(params, adapter, batch):
-  """A row's masks come from its index in the step's batch: 1 or 2 micro-batches give the
-  same update."""
-  one = _step(_learner(params, "unmerged", dropout=0.3, scfg=SCFG), adapter, batch)
-  two = _step(_learner(params, "unmerged", dropout=0.3), adapter, batch)
-  assert two[1]["loss"] == pytest.approx(one[1]["loss"], rel=1e-5)
-  _close(two[0], one[0], rtol=1e-4)
-
-
 def test_bad_settings_are_named():
   for bad in ("fused", "Merged", None):
     with pytest.raises(ValueError, match="LoraConfig.forward must be 'merged' or 'unmerged'"):
@@ -270,3 +261,19 @@ def test_a_resume_may_change_the_lora_forward_and_dropout(tmp_path):
     mgr.check(meta, step=1, config=ml_collections.ConfigDict(dict(
         seed=0, model=dict(path="tiny-qwen3"), lora=dict(rank=8, alpha=8.0))))
   mgr.close()
+
+
+def test_dropout_masks_do_not_depend_on_micro_batches_layer_loop_or_sharding(params, adapter,
+                                                                            batch):
+  """A row's masks come from its index in the step's batch, the layer's and the target's:
+  the scanned layer loop (a traced layer index), one micro-batch, on a mesh that splits the
+  rows and the weights, draws the masks of the unrolled loop with 2 micro-batches on one
+  device."""
+  from jaxagent import sharding
+  mesh = sharding.make_mesh(1, 2, 2, devices=jax.devices()[:4])
+  scanned = step.Learner(CFG, SCFG, optax.sgd(1.0), mesh, lora=_lcfg("unmerged", 0.3),
+                         base=params)
+  got = _step(scanned, adapter, batch)
+  want = _step(_learner(params, "unmerged", dropout=0.3), adapter, batch)
+  assert got[1]["loss"] == pytest.approx(want[1]["loss"], rel=1e-5)
+  _close(got[0], want[0], rtol=1e-4)
