@@ -38,7 +38,9 @@ same `agg`. Metrics (`finalize_parts`):
     log(pi_ref / pi) held at most `MAX_LOG_RATIO`; see `_kl_per_token`).
   * entropy: mean over policy tokens of `entropies` (only when given).
   * approx_kl_old: mean over policy tokens of k3 = r - 1 - log r, r = pi_theta / pi_old: an
-    unbiased estimate of KL(pi_old || pi_theta), since the tokens were sampled from pi_old.
+    unbiased estimate of KL(pi_old || pi_theta), since the tokens were sampled from pi_old
+    (with `behavior_logps` they were sampled from pi_behav: then only as far as pi_behav is
+    near pi_old, which `behavior_kl` shows).
   * clip_frac_low / clip_frac_high / clip_frac_dual: fraction of units where the lower clip
     (A < 0, r < 1 - clip_low), upper clip (A > 0, r > 1 + clip_high) or dual clip (A < 0,
     loss capped at c |A|) binds, i.e. where the ratio gets no gradient.
