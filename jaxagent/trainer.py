@@ -1063,7 +1063,9 @@ class Trainer:
   def fill_unsampled_old_logps(self, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """Old log-probs for trained tokens the sampler never sampled (NaN in the packed batch:
     observation tokens when the env trains on them, `Trajectory.to_pack_item`): the current
-    policy's, scored before the update, as the rollout's policy would have given them."""
+    policy's, scored before the update, as the rollout's policy would have given them (with
+    `train.off_policy_steps` = k the rollout's policy is k steps older: those tokens' ratio is
+    then against the learner's own log-probs, as every token's is with `loss.tis_cap`)."""
     old = batch["old_logps"]
     todo = np.isnan(old)
     if not todo.any():
