@@ -909,7 +909,9 @@ class Trainer:
     has finished decoding (its rewards and packing go on): a device runs one program at a
     time, so an update dispatched earlier only delays the decode calls queued behind it (and
     they it), while started now it overlaps the rollout's host work. Seconds waited (0 with
-    rollout devices of their own, or nothing in flight)."""
+    rollout devices of their own, or nothing in flight). With `train.off_policy_steps` >= 2
+    this is the oldest rollout in flight (usually done decoding by now): the next one, queued
+    behind it, starts decoding once that one's host work is done, beside the update."""
     if not self._inflight or not self._shares_devices:
       return 0.0
     t0 = time.time()
