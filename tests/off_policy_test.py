@@ -1,5 +1,6 @@
 """Rollouts collected ahead of the learner (`train.off_policy_steps`): which params sample which
-step, what runs before what, the checkpoint item that carries collected rollouts, and errors.
+step, what runs before what (with `loss.tis_cap`'s weights), the checkpoint item that carries
+collected rollouts, errors, the rollout cancelled when the trainer closes, and the reward wait.
 The exact resume with rollouts ahead is `trainer_test.py`'s stop-and-resume test (slow)."""
 import json
 import threading
