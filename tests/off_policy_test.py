@@ -355,3 +355,25 @@ def test_closing_the_trainer_cancels_the_rollout_collected_ahead():
   assert time.monotonic() - t0 < 5
   assert isinstance(future.exception(), RolloutCancelled) and queued.cancelled()
   assert trainer._ahead_pool is None and not trainer._cancel_ahead.is_set()
+
+
+def test_a_failed_collection_waited_for_by_an_eval_is_raised_at_its_own_step():
+  """`_settle_ahead` (before an eval or a checkpoint) keeps a collection's failure and the
+  rollouts after it; the failure is raised when its step comes to train, without handing any
+  further step to the collector. It was raised from the eval or checkpoint of the step before."""
+  import concurrent.futures
+
+  failed, done = concurrent.futures.Future(), concurrent.futures.Future()
+  failed.set_exception(ValueError("example 'q7': env 'x' could not render its prompt"))
+  done.set_result(({"reward/mean": 0.5}, None))
+  trainer = Trainer.__new__(Trainer)
+  trainer._inflight = {2: (failed, 0, None), 3: (done, 1, None)}
+  trainer._ready, trainer._failed, trainer._prompts_before = {}, {}, {}
+  trainer.off_policy_steps, trainer.config = 1, types.SimpleNamespace(total_steps=5)
+  trainer._submit = lambda *a: pytest.fail("a step handed to the collector after a failure")
+  trainer._settle_ahead()  # (what an eval does first)
+  assert not trainer._inflight and list(trainer._failed) == [2]
+  assert trainer._ready == {3: ({"reward/mean": 0.5}, None, 1)}
+  with pytest.raises(ValueError, match="could not render its prompt"):
+    trainer._rollouts(2)
+  assert not trainer._failed
