@@ -12,15 +12,16 @@ as a `Trajectory` token ledger (`trajectory.py`) for `rewards/` and `rl/packing.
 from jaxagent.agent.env import OBSERVATION_TEMPLATES, CalculatorEnv, Env, Episode, Example
 from jaxagent.agent.parsers import (JSONToolCallParser, ParseResult, Parser, ToolCall,
                                     XMLTagParser)
-from jaxagent.agent.rollout import (RolloutConfig, RolloutDriver, RolloutStats, rollout,
-                                    rollout_metrics)
+from jaxagent.agent.rollout import (RolloutCancelled, RolloutConfig, RolloutDriver, RolloutStats,
+                                    rollout, rollout_metrics)
 from jaxagent.agent.trajectory import (NATURAL_STOPS, OBSERVATION, POLICY, PROMPT, STOP_REASONS,
                                        Role, ToolOutcome, Trajectory, Turn,
                                        demonstration_trajectory)
 
 __all__ = [
     "OBSERVATION_TEMPLATES", "CalculatorEnv", "Env", "Episode", "Example", "JSONToolCallParser",
-    "ParseResult", "Parser", "ToolCall", "XMLTagParser", "RolloutConfig", "RolloutDriver",
+    "ParseResult", "Parser", "ToolCall", "XMLTagParser", "RolloutCancelled", "RolloutConfig",
+    "RolloutDriver",
     "RolloutStats", "rollout", "rollout_metrics", "NATURAL_STOPS", "OBSERVATION", "POLICY", "PROMPT",
     "STOP_REASONS", "Role", "ToolOutcome", "Trajectory", "Turn", "demonstration_trajectory",
 ]
