@@ -21,7 +21,7 @@ def main(argv):
   del argv
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every file it reads
-  from jaxagent.launch import init_runtime
+  from jaxagent.runtime import init_runtime
   init_runtime()
   from jaxagent.checkpoint import CheckpointError, export_hf
   # The shell leaves a "~" after "--out=" as it is: it would name a folder "~" in the working

@@ -28,6 +28,7 @@ from absl import app, flags
 # jax / flax are imported where a run starts: a misspelt flag or config key is named before
 # their import, which takes a second or more.
 from jaxagent import config_files
+from jaxagent.runtime import init_runtime  # noqa: F401 (re-exported: the entry points' runtime)
 
 
 def _default_config() -> str:
@@ -65,27 +66,6 @@ flags.register_validator(
     "compile_cache",
     lambda v: str(v).strip().lower() not in ("true", "false", "yes", "no", "1", "0", "none"),
     "takes auto, on, off or a directory (a yes / no spelling is not a directory: say on or off)")
-
-
-def init_runtime(coordinator_address=None, num_processes=None, process_id=None) -> bool:
-  """Multi-host init (flags, else the JAX_* environment) and process-0-only logging.
-
-  Returns True when JAX's distributed runtime was started.
-  """
-  import jax
-
-  from jaxagent import sharding
-  # CPU processes exchange collectives through gloo (the default in recent JAX; older
-  # versions had none). The setting only affects the CPU backend.
-  try:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  except (AttributeError, ValueError):
-    pass
-  started = sharding.initialize_distributed(coordinator_address, num_processes, process_id)
-  jax.config.update("jax_threefry_partitionable", True)
-  if jax.process_index() != 0:
-    logging.getLogger().setLevel(logging.WARNING)
-  return started
 
 
 def check_workdir(workdir, write: bool = True) -> None:

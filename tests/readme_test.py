@@ -131,7 +131,8 @@ def test_commands_in_the_docs_pass_flags_that_exist():
   configs = {}
   bad, seen = [], 0
   for where, target, args in _doc_commands():
-    if target in ("-m jaxagent.launch", "-m jaxagent.plan") or target.endswith("plan_vs_measured.py"):
+    if (target in ("-m jaxagent.launch", "-m jaxagent.plan") or target.endswith("plan_vs_measured.py")
+        or (target == "-m jaxagent.evaluate" and "--config" in args)):
       m = re.search(r"--config=(configs/\w+\.py)(?::(\w+))?", args)
       config = (m.group(1), m.group(2)) if m else ("configs/quickstart.py", None)
     else:
@@ -166,7 +167,8 @@ def test_config_keys_and_launch_flags_named_in_the_docs_exist():
   from jaxagent.config_files import load_config
   quickstart = load_config(REPO / "configs" / "quickstart.py")
   launcher = set()
-  for entry in ("jaxagent/launch.py", "jaxagent/plan/__main__.py", "jaxagent/export.py"):
+  for entry in ("jaxagent/launch.py", "jaxagent/plan/__main__.py", "jaxagent/export.py",
+                "jaxagent/evaluate.py"):
     launcher |= _defined_flags(REPO / entry)
   bad, seen = [], 0
   for pattern in ("README.md", "launch/README.md", "benchmarks/README.md", "configs/*.py",

@@ -1,0 +1,220 @@
+"""`python -m jaxagent.evaluate --workdir=runs/quickstart [--step=N] [--size=N] [--pass_k=K]`
+or `python -m jaxagent.evaluate --config=configs/<name>.py[:variant] [--config.key=value ...]`.
+
+Evaluates a policy on its task's held-out split without training, as the run's own evals do
+(`Trainer.evaluate`): greedy pass@1 with its standard error, pass@k sampled at the run's rollout
+temperature when `--pass_k` > 1, per task for a mixture (`eval/task/<label>/pass@1`), and the
+error counts. The metrics are printed as one JSON line and written to `<out>/eval.json`; the
+first `log.dump_count` greedy trajectories go to `<out>/samples/` with their rewards and
+successes.
+
+  * `--workdir`: a run's checkpoint (the newest that reads, or `--step`) under the run config
+    saved in it: its policy (a LoRA run's adapter over its base, loaded from `model.path` as the
+    run loaded it), its task, its eval split and seed. `--out` defaults to
+    `<workdir>/evals/step_<N>`.
+  * `--config`: the config's model as it loads (the baseline of a base model, or an exported
+    one: `model.path` an HF directory), no checkpoint. `--out` defaults to
+    `<config workdir>/evals/initial`.
+
+Nothing is written to the run's own files (metrics, checkpoints, samples).
+"""
+import dataclasses
+import json
+import logging
+import os
+import pathlib
+import re
+
+from absl import app, flags
+
+from jaxagent import config_files
+
+_WORKDIR = flags.DEFINE_string(
+    "workdir", None, "A run's workdir (holding checkpoints/) or its checkpoint directory.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest that reads).")
+_OUT = flags.DEFINE_string("out", None, "Output directory (default: <workdir>/evals/step_<N>, "
+                           "or <config workdir>/evals/initial with --config).")
+_SIZE = flags.DEFINE_integer("size", None, "Held-out examples to evaluate (default: the run's "
+                             "eval.size; 0 for the whole eval split).")
+_PASS_K = flags.DEFINE_integer("pass_k", None, "k > 1 also samples k per example for pass@k "
+                               "(default: the run's eval.pass_k).")
+_SET = flags.DEFINE_multi_string(
+    "set", [], "KEY=VALUE: a setting of the checkpoint's run config to change for the "
+    "evaluation (with --workdir), e.g. --set=mesh.data=1 --set=rollout.temperature=0.6; VALUE "
+    "is read as a Python literal, else as text.")
+_CONFIG = config_files.define_config_flag(
+    "Run config file (`path.py[:variant]`) to evaluate its model as loaded, instead of a "
+    "--workdir's checkpoint.")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  return config_files.parse_config_flags(argv, _CONFIG)
+
+
+def _for_evaluation(config, out: pathlib.Path, size: int | None, pass_k: int | None):
+  """`config` made to evaluate into `out`: no checkpoints, warm start, rollouts ahead or
+  TensorBoard; the eval's size and k as asked."""
+  config.workdir = str(out)
+  config.checkpoint_every = 0
+  if "checkpoint_dir" in config:
+    config.checkpoint_dir = ""
+  config.sft.steps = 0
+  if "data" in config.sft:
+    config.sft.data = ""
+  if "init_from" in config.get("lora", {}):
+    config.lora.init_from = ""  # the checkpoint holds the adapter
+  if "off_policy_steps" in config.train:
+    config.train.off_policy_steps = 0
+  config.log.tensorboard = False
+  config.eval.before = False
+  if size is not None:
+    if size < 0:
+      raise ValueError(f"--size={size} must be >= 0 (0: the whole eval split)")
+    config.eval.size = size or 2**31 - 1  # the trainer takes the split's first eval.size
+  if pass_k is not None:
+    if pass_k < 0:
+      raise ValueError(f"--pass_k={pass_k} must be >= 0")
+    config.eval.pass_k = pass_k
+  return config
+
+
+def _apply_settings(config, settings) -> None:
+  """`KEY=VALUE` overrides of existing keys of `config` (dotted paths)."""
+  import ast
+  for item in settings:
+    key, eq, text = item.partition("=")
+    if not eq or not key:
+      raise ValueError(f"--set={item!r}: expected KEY=VALUE, e.g. --set=mesh.data=1")
+    *path, last = key.split(".")
+    node = config
+    for part in path:
+      if not (hasattr(node, "keys") and part in node.keys()):
+        node = None
+        break
+      node = node[part]
+    if node is None or not (hasattr(node, "keys") and last in node.keys()):
+      from jaxagent.run_config import KNOWN_CONFIG_KEYS
+      raise ValueError(f"--set={item!r}: the run config has no key "
+                       f"{config_files.did_you_mean(key, KNOWN_CONFIG_KEYS)}")
+    try:
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      value = text
+    try:
+      node[last] = value
+    except (TypeError, ValueError) as e:  # ConfigDict keeps a field's type
+      raise ValueError(f"--set={item!r}: {e}") from None
+
+
+def _checkpoints(workdir: str):
+  from jaxagent import checkpoint
+  root = checkpoint.as_path(workdir)
+  if (root / "checkpoints").is_dir():
+    root = root / "checkpoints"
+  elif not (root.is_dir() and any(re.match(r"^\d+$", p.name) for p in root.iterdir())):
+    raise FileNotFoundError(f"no checkpoints at {root}: expected a run's workdir (with "
+                            "checkpoints/<step>/ inside) or a checkpoint directory")
+  return root, checkpoint.CheckpointManager(root, read_only=True)
+
+
+def evaluate_checkpoint(workdir: str, *, step: int | None = None, out: str | None = None,
+                        size: int | None = None, pass_k: int | None = None,
+                        settings: tuple[str, ...] = ()) -> dict:
+  """The eval metrics of a run's checkpoint (see the module docstring); also written to
+  `<out>/eval.json`. `settings`: `KEY=VALUE` changes to the run config (`--set`)."""
+  import ml_collections
+
+  from jaxagent import checkpoint
+  from jaxagent.trainer import Trainer
+  root, mgr = _checkpoints(workdir)
+  steps = mgr.steps()
+  if not steps:
+    raise checkpoint.CheckpointError(f"no complete checkpoint in {root}")
+  if step is None:
+    step = steps[-1]
+  elif step not in steps:
+    raise checkpoint.CheckpointError(f"no checkpoint for step {step} in {root}; available: "
+                                     f"{steps}")
+  meta = mgr.read_meta(step)
+  mgr.check(meta, step=step)
+  path = mgr.step_path(step)
+  if not isinstance(meta.get("config"), dict):
+    raise checkpoint.CheckpointError(f"checkpoint {path} holds no run config")
+  default_out = (pathlib.Path(workdir).expanduser() / "evals" / f"step_{step}"
+                 if "://" not in workdir else None)
+  if out is None and default_out is None:
+    raise ValueError(f"--workdir={workdir} is a bucket URL: pass --out=<a local directory>")
+  out_dir = pathlib.Path(out).expanduser() if out is not None else default_out
+  config = _for_evaluation(ml_collections.ConfigDict(meta["config"]), out_dir, size, pass_k)
+  _apply_settings(config, settings)
+  trainer = Trainer(config)
+  try:
+    checkpoint.check_model_config(meta, trainer.cfg, path)
+    if trainer._base_digest is not None:
+      checkpoint.check_lora_base(meta, trainer._base_digest, path)
+    target = checkpoint.params_target(trainer.state.params, trainer.mesh)
+    mgr.check(meta, step=step, items={"params": target})
+    params = mgr.restore_params(step, target)
+    checkpoint.check_finite(params, f"not evaluating checkpoint {path}")
+    trainer.state = dataclasses.replace(trainer.state, params=params)
+    trainer.step = step
+    return _run(trainer, out_dir, {"checkpoint": str(path), "step": step})
+  finally:
+    trainer.close()
+
+
+def evaluate_config(config, *, out: str | None = None, size: int | None = None,
+                    pass_k: int | None = None) -> dict:
+  """The eval metrics of `config`'s model as it loads (no checkpoint)."""
+  from jaxagent.trainer import Trainer
+  out_dir = (pathlib.Path(out).expanduser() if out is not None
+             else pathlib.Path(os.path.expanduser(config.workdir)) / "evals" / "initial")
+  trainer = Trainer(_for_evaluation(config, out_dir, size, pass_k))
+  try:
+    return _run(trainer, out_dir, {"model": config.model.path})
+  finally:
+    trainer.close()
+
+
+def _run(trainer, out_dir: pathlib.Path, source: dict) -> dict:
+  import jax
+  if not trainer.eval_examples:
+    raise ValueError("nothing to evaluate: the task's eval split is empty (or eval.size is "
+                     "0 in the run's config: pass --size=N)")
+  metrics = trainer.evaluate(tag="eval", phase=(f"step_{trainer.step:06d}" if "step" in source
+                                                else "initial"))
+  record = {**source, "env": trainer.config.env.name, **metrics}
+  if jax.process_index() == 0:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "eval.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+  return record
+
+
+def main(argv):
+  del argv
+  logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+  logging.getLogger("absl").setLevel(logging.WARNING)
+  if (_WORKDIR.value is None) == (_CONFIG.value is None):
+    raise SystemExit("bad flags: pass either --workdir=<a run's workdir> (its checkpoint) or "
+                     "--config=<config file> (its model as it loads)")
+  if _CONFIG.value is not None and (_STEP.value is not None or _SET.value):
+    raise SystemExit("bad flags: --step and --set go with --workdir; with --config, change "
+                     "settings as --config.KEY=VALUE")
+  from jaxagent.runtime import init_runtime
+  init_runtime()
+  from jaxagent.checkpoint import CheckpointError
+  try:
+    if _WORKDIR.value is not None:
+      record = evaluate_checkpoint(os.path.expanduser(_WORKDIR.value), step=_STEP.value,
+                                   out=_OUT.value, size=_SIZE.value, pass_k=_PASS_K.value,
+                                   settings=tuple(_SET.value))
+    else:
+      record = evaluate_config(_CONFIG.value, out=_OUT.value, size=_SIZE.value,
+                               pass_k=_PASS_K.value)
+  except (CheckpointError, FileNotFoundError, ValueError) as e:
+    raise SystemExit(f"evaluate failed: {e}") from None
+  print(json.dumps(record, sort_keys=True), flush=True)
+
+
+if __name__ == "__main__":
+  app.run(main, flags_parser=parse_flags)

@@ -1,0 +1,99 @@
+"""`python -m jaxagent.evaluate`: a checkpoint's (or a config's model's) held-out eval without
+training."""
+import dataclasses
+import json
+import pathlib
+import subprocess
+import sys
+
+import jax
+import ml_collections
+import pytest
+
+from configs.quickstart import get_config
+from jaxagent import evaluate
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def _cli(*args, timeout=300):
+  return subprocess.run([sys.executable, "-m", "jaxagent.evaluate", *args], cwd=REPO,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("args, said", [
+    ((), "pass either --workdir"),
+    (("--workdir=x", "--config=configs/quickstart.py:tiny"), "pass either --workdir"),
+    (("--config=configs/quickstart.py:tiny", "--step=3"), "--step and --set go with --workdir"),
+])
+def test_flags_that_do_not_go_together_are_named(args, said):
+  r = _cli(*args)
+  assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]
+
+
+def test_a_workdir_without_checkpoints_is_named(tmp_path):
+  with pytest.raises(FileNotFoundError, match=f"no checkpoints at {tmp_path}"):
+    evaluate.evaluate_checkpoint(str(tmp_path))
+
+
+def test_the_config_is_made_to_evaluate_only(tmp_path):
+  c = get_config("tiny")
+  c.checkpoint_every, c.sft.steps, c.train.off_policy_steps = 5, 8, 1
+  out = evaluate._for_evaluation(c, tmp_path / "out", size=0, pass_k=4)
+  assert out.workdir == str(tmp_path / "out") and out.checkpoint_every == 0
+  assert out.sft.steps == 0 and out.train.off_policy_steps == 0 and not out.log.tensorboard
+  assert out.eval.size >= 2**31 - 1 and out.eval.pass_k == 4  # --size=0: the whole split
+  with pytest.raises(ValueError, match="--size=-1 must be >= 0"):
+    evaluate._for_evaluation(c, tmp_path, size=-1, pass_k=None)
+
+
+def test_set_changes_existing_keys_and_names_a_typo():
+  c = ml_collections.ConfigDict({"mesh": {"data": 8}, "rollout": {"temperature": 1.0,
+                                                                  "mesh": "learner"}})
+  evaluate._apply_settings(c, ["mesh.data=1", "rollout.temperature=0.6", "rollout.mesh=own"])
+  assert (c.mesh.data, c.rollout.temperature, c.rollout.mesh) == (1, 0.6, "own")
+  with pytest.raises(ValueError, match=r"no key rollout.temprature \(did you mean "
+                     r"rollout.temperature\?\)"):
+    evaluate._apply_settings(c, ["rollout.temprature=0.6"])
+  with pytest.raises(ValueError, match="expected KEY=VALUE"):
+    evaluate._apply_settings(c, ["mesh.data"])
+
+
+@pytest.mark.slow  # two tiny trainers and three evals, about 40 s on 2 cores
+def test_a_checkpoint_evaluates_as_the_run_evaluated_it(tmp_path):
+  """The greedy eval samples of `evaluate_checkpoint` equal those the run's own eval took with
+  the same params, and differ from the initial model's: the checkpoint's params are the ones
+  evaluated, under the run's config, eval split and seed."""
+  from jaxagent.trainer import Trainer
+  c = get_config("tiny")
+  c.workdir, c.checkpoint_every, c.log.tensorboard, c.eval.before = (
+      str(tmp_path / "run"), 1, False, False)
+  trainer = Trainer(c)
+  try:
+    initial = trainer.evaluate(phase="initial")
+    # Params unlike the initial ones, which a fresh trainer loads again.
+    trainer.state = dataclasses.replace(trainer.state, params=jax.tree.map(
+        lambda x: x * 1.5 if x.ndim == 2 else x, trainer.state.params))
+    trainer.warm_started, trainer.step = True, 3
+    trainer.save_checkpoint(wait=True)
+    own = trainer.evaluate()
+  finally:
+    trainer.close()
+  rec = evaluate.evaluate_checkpoint(str(tmp_path / "run"))
+  assert rec["step"] == 3 and rec["checkpoint"] == str(tmp_path / "run" / "checkpoints" / "3")
+  assert rec["eval/pass@1"] == own["eval/pass@1"]
+  assert rec["eval/num_examples"] == own["eval/num_examples"] == initial["eval/num_examples"]
+  run, ev = tmp_path / "run" / "samples", tmp_path / "run" / "evals" / "step_3" / "samples"
+  assert (ev / "eval_step_000003.jsonl").read_text() == (run / "eval_step_000003.jsonl").read_text()
+  assert (run / "eval_step_000003.jsonl").read_text() != (run / "eval_initial.jsonl").read_text()
+  saved = json.loads((tmp_path / "run" / "evals" / "step_3" / "eval.json").read_text())
+  assert saved == json.loads(json.dumps(rec))
+  # The run's own files are untouched: no metrics of the evaluation in its metrics.jsonl.
+  assert not (tmp_path / "run" / "metrics.jsonl").exists() or all(
+      json.loads(line).get("step") != 3
+      for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+  # The CLI prints the same record as one JSON line.
+  r = _cli(f"--workdir={tmp_path / 'run'}", f"--out={tmp_path / 'cli'}", "--size=4")
+  assert r.returncode == 0, r.stderr[-3000:]
+  printed = json.loads(r.stdout.strip().splitlines()[-1])
+  assert printed["step"] == 3 and printed["eval/num_examples"] == 4
