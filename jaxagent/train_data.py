@@ -124,8 +124,11 @@ def sft_items(env: Env, examples: Sequence[Example], tokenizer) -> list[packing.
       prompt = list(env.render_prompt(ex, tokenizer))
       if not prompt:
         raise ValueError("the rendered prompt is empty")
+      # The env that runs the example's rollouts (a mixture's task): its observations are
+      # tokenized and its turns parsed as they are there.
+      own = env.env_for(ex) if callable(getattr(env, "env_for", None)) else env
       traj = demonstration_trajectory(prompt, segs, tokenizer,
-                                      parser=getattr(env, "parser", None), env=env)
+                                      parser=getattr(own, "parser", None), env=own)
       items.append(traj.to_pack_item(0.0))
     except Exception as e:  # the task's data is at fault: name the example among thousands
       raise ValueError(f"SFT warm start: example {getattr(ex, 'id', None)!r} (examples[{i}]) of "

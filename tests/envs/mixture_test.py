@@ -241,3 +241,25 @@ def test_a_tiny_run_of_two_tasks_logs_each_task(tmp_path):
           "eval/task/long/pass@1"} <= set(step1), sorted(step1)
   samples = (tmp_path / "run" / "samples" / "step_000001.jsonl").read_text()
   assert '"short/' in samples and '"long/' in samples
+
+
+def test_sft_demonstrations_are_tokenized_and_parsed_by_each_task():
+  """A mixture's warm-start sequences are those of its tasks: each demonstration's
+  observations are tokenized by its own task's `encode_observation`, as its rollouts are (the
+  mixture's own default framed them otherwise)."""
+  from jaxagent.trainer import sft_items
+
+  class Bracketed(Calc):
+    """Observations framed by ids of their own, as a task whose tool output is data."""
+
+    def encode_observation(self, text, tokenizer):
+      return [400] + tokenizer.encode(text) + [401]
+
+  task = Bracketed()
+  env = MixtureEnv({"b": task, "echo": Echo()})
+  mixed, own = env.examples("sft"), task.examples("sft")
+  assert [e.id for e in mixed] == ["b/sft0", "b/sft1"]
+  got, want = sft_items(env, mixed, TOK), sft_items(task, own, TOK)
+  assert [i.tokens.tolist() for i in got] == [i.tokens.tolist() for i in want]
+  assert [i.loss_mask.tolist() for i in got] == [i.loss_mask.tolist() for i in want]
+  assert 400 in got[0].tokens.tolist()
