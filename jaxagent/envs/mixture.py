@@ -142,7 +142,10 @@ class MixtureEnv(Env):
     self.train_on_observations = obs.pop()
     # Scored concurrently only as far as every task allows.
     self.reward_threads = min(max(1, int(getattr(e, "reward_threads", 1))) for e in envs.values())
-    self._origin: dict[str, tuple[str, Example]] = {}
+    # Mixture id -> (the mixture's example, its label, the task's own example), one entry per
+    # split that holds the id: ids are unique within a split, and a task may number its train
+    # and eval examples alike.
+    self._origin: dict[str, list[tuple[Example, str, Example]]] = {}
     self._splits: dict[str, list[Example]] = {}
     self._no_sft_logged = False
 
@@ -153,8 +156,15 @@ class MixtureEnv(Env):
                        "jaxagent.agent.Example")
     out = dataclasses.replace(ex, id=f"{label}/{ex.id}",
                               metadata={**ex.metadata, TASK_KEY: label})
-    self._origin[out.id] = (label, ex)
+    self._origin.setdefault(out.id, []).append((out, label, ex))
     return out
+
+  def _found(self, example: Example) -> tuple[Example, str, Example] | None:
+    """The `_origin` entry of `example`: itself (as the trainer passes it), else an equal one
+    (a copy), else None."""
+    entries = self._origin.get(example.id, ())
+    return (next((e for e in entries if e[0] is example), None)
+            or next((e for e in entries if e[0] == example), None))
 
   def _task_examples(self, split: str) -> dict[str, list[Example]]:
     out = {}
@@ -210,9 +220,9 @@ class MixtureEnv(Env):
         raise ValueError(f"example id {example!r} is not one of this mixture's ('<task>/<id>' "
                          f"with a task among {sorted(self.envs)})")
       return label
-    found = self._origin.get(example.id)
+    found = self._found(example)
     if found is not None:
-      return found[0]
+      return found[1]
     label = example.metadata.get(TASK_KEY) if isinstance(example.metadata, Mapping) else None
     if label not in self.envs:
       raise ValueError(f"example {example.id!r} is not one of this mixture's (no known "
@@ -220,9 +230,9 @@ class MixtureEnv(Env):
     return label
 
   def _source(self, example: Example) -> tuple[Env, Example]:
-    found = self._origin.get(example.id)
+    found = self._found(example)
     if found is not None:
-      label, ex = found
+      _, label, ex = found
       return self.envs[label], ex
     return self.envs[self.task_of(example)], example
 

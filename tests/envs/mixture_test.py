@@ -263,3 +263,42 @@ def test_sft_demonstrations_are_tokenized_and_parsed_by_each_task():
   assert [i.tokens.tolist() for i in got] == [i.tokens.tolist() for i in want]
   assert [i.loss_mask.tolist() for i in got] == [i.loss_mask.tolist() for i in want]
   assert 400 in got[0].tokens.tolist()
+
+
+def test_each_example_reaches_its_task_as_itself_when_splits_share_ids():
+  """Ids are unique within a split, not across splits: a task whose train and eval examples
+  are both numbered from 0 gets its own train example back for a train example (its prompt,
+  gold and metadata), not the eval example of the same id read after it."""
+  seen = []
+
+  class Numbered(Echo):
+    def examples(self, split):
+      return [Example(str(i), f"{split} prompt {i}", gold=f"{split}-{i}",
+                      metadata={"split": split}) for i in range(2)]
+
+    def new_episode(self, example):
+      seen.append(("episode", example))
+      return super().new_episode(example)
+
+    def reward(self, trajectory, example, tokenizer, step):
+      seen.append(("reward", example))
+      return super().reward(trajectory, example, tokenizer, step)
+
+  task = Numbered()
+  env = MixtureEnv({"n": task, "echo": Echo()})
+  train, ev = env.examples("train"), env.examples("eval")
+  tr0 = next(e for e in train if e.id == "n/0")
+  ev0 = next(e for e in ev if e.id == "n/0")
+  assert TOK.decode(env.render_prompt(tr0, TOK)) == "train prompt 0"
+  assert TOK.decode(env.render_prompt(ev0, TOK)) == "eval prompt 0"
+  env.new_episode(tr0)
+  from jaxagent.agent import Trajectory
+  env.reward(Trajectory(request_id=0), tr0, TOK, 0)
+  env.reward(Trajectory(request_id=1), ev0, TOK, 0)
+  assert [(what, ex.id, ex.gold, ex.metadata) for what, ex in seen] == [
+      ("episode", "0", "train-0", {"split": "train"}),
+      ("reward", "0", "train-0", {"split": "train"}),
+      ("reward", "0", "eval-0", {"split": "eval"})]
+  # An equal copy (an example rebuilt elsewhere) finds its task's example too.
+  import dataclasses
+  assert TOK.decode(env.render_prompt(dataclasses.replace(tr0), TOK)) == "train prompt 0"
