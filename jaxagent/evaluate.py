@@ -11,7 +11,10 @@ successes.
   * `--workdir`: a run's checkpoint (the newest that reads, or `--step`) under the run config
     saved in it: its policy (a LoRA run's adapter over its base, loaded from `model.path` as the
     run loaded it), its task, its eval split and seed. `--out` defaults to
-    `<workdir>/evals/step_<N>`.
+    `<workdir>/evals/step_<N>` (given a checkpoint directory `<workdir>/checkpoints` itself,
+    the same; another checkpoint directory needs `--out`). `--set` changes a setting of that
+    config, but not those the evaluation sets itself (the workdir: `--out`; the eval's size
+    and k: `--size`, `--pass_k`; checkpoints, the warm start, TensorBoard).
   * `--config`: the config's model as it loads (the baseline of a base model, or an exported
     one: `model.path` an HF directory), no checkpoint. `--out` defaults to
     `<config workdir>/evals/initial`.
@@ -78,13 +81,28 @@ def _for_evaluation(config, out: pathlib.Path, size: int | None, pass_k: int | N
   return config
 
 
+# Settings the evaluation makes itself (`_for_evaluation`, `--out`, `--size`, `--pass_k`): a
+# `--set` of one would undo it (`--set=workdir=<the run's>` wrote the eval's samples over the
+# run's own) or be overwritten.
+_OWN_SETTINGS = {
+    "workdir": "--out", "checkpoint_every": None, "checkpoint_dir": None, "sft.steps": None,
+    "sft.data": None, "lora.init_from": None, "train.off_policy_steps": None,
+    "log.tensorboard": None, "eval.before": None, "eval.size": "--size", "eval.pass_k": "--pass_k"}
+
+
 def _apply_settings(config, settings) -> None:
-  """`KEY=VALUE` overrides of existing keys of `config` (dotted paths)."""
+  """`KEY=VALUE` overrides of existing keys of `config` (dotted paths). VALUE is read as a
+  Python literal, else (and for a text setting, always) as text."""
   import ast
   for item in settings:
     key, eq, text = item.partition("=")
     if not eq or not key:
       raise ValueError(f"--set={item!r}: expected KEY=VALUE, e.g. --set=mesh.data=1")
+    if key in _OWN_SETTINGS:
+      flag = _OWN_SETTINGS[key]
+      raise ValueError(f"--set={item!r}: the evaluation sets {key} itself (it trains, "
+                       "checkpoints and logs nothing, and writes into --out)"
+                       + (f"; use {flag}" if flag else ""))
     *path, last = key.split(".")
     node = config
     for part in path:
@@ -100,6 +118,8 @@ def _apply_settings(config, settings) -> None:
       value = ast.literal_eval(text)
     except (ValueError, SyntaxError):
       value = text
+    if isinstance(node[last], str) and not isinstance(value, str):
+      value = text  # a path or name that reads as a number (--set=model.path=2024)
     try:
       node[last] = value
     except (TypeError, ValueError) as e:  # ConfigDict keeps a field's type
@@ -115,6 +135,20 @@ def _checkpoints(workdir: str):
     raise FileNotFoundError(f"no checkpoints at {root}: expected a run's workdir (with "
                             "checkpoints/<step>/ inside) or a checkpoint directory")
   return root, checkpoint.CheckpointManager(root, read_only=True)
+
+
+def _default_out(workdir: str, root, step: int) -> pathlib.Path:
+  """`<run workdir>/evals/step_<step>`; `root` is the checkpoint directory found in `workdir`
+  (`_checkpoints`). Never inside the checkpoint directory, whose folders are the run's."""
+  if "://" in workdir:
+    raise ValueError(f"--workdir={workdir} is a bucket URL: pass --out=<a local directory>")
+  run = pathlib.Path(workdir).expanduser()
+  if pathlib.Path(str(root)) == pathlib.Path(os.path.abspath(run)):  # a checkpoint dir given
+    if run.name != "checkpoints":
+      raise ValueError(f"--workdir={workdir} is a checkpoint directory, not a run's workdir: "
+                       "pass --out=<a directory for the eval's files>")
+    run = run.parent
+  return run / "evals" / f"step_{step}"
 
 
 def evaluate_checkpoint(workdir: str, *, step: int | None = None, out: str | None = None,
@@ -140,11 +174,8 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, out: str | Non
   path = mgr.step_path(step)
   if not isinstance(meta.get("config"), dict):
     raise checkpoint.CheckpointError(f"checkpoint {path} holds no run config")
-  default_out = (pathlib.Path(workdir).expanduser() / "evals" / f"step_{step}"
-                 if "://" not in workdir else None)
-  if out is None and default_out is None:
-    raise ValueError(f"--workdir={workdir} is a bucket URL: pass --out=<a local directory>")
-  out_dir = pathlib.Path(out).expanduser() if out is not None else default_out
+  out_dir = (pathlib.Path(out).expanduser() if out is not None
+             else _default_out(workdir, root, step))
   config = _for_evaluation(ml_collections.ConfigDict(meta["config"]), out_dir, size, pass_k)
   _apply_settings(config, settings)
   trainer = Trainer(config)

@@ -59,6 +59,37 @@ def test_set_changes_existing_keys_and_names_a_typo():
     evaluate._apply_settings(c, ["mesh.data"])
 
 
+def test_set_refuses_what_the_evaluation_sets_itself_and_keeps_text_settings_text():
+  """A `--set` of the workdir pointed the eval's writes at the run's own files (its samples
+  overwritten); of the size, it was overwritten by --size's default. A text setting whose
+  value reads as a number stays text."""
+  c = get_config("tiny")
+  for item, said in [("workdir=/runs/mine", "sets workdir itself.*use --out"),
+                     ("checkpoint_every=1", "sets checkpoint_every itself"),
+                     ("eval.size=8", "use --size"), ("log.tensorboard=True", "itself")]:
+    with pytest.raises(ValueError, match=said):
+      evaluate._apply_settings(c, [item])
+  evaluate._apply_settings(c, ["model.path=2024", "rollout.temperature=0.5"])
+  assert c.model.path == "2024" and c.rollout.temperature == 0.5
+
+
+def test_the_default_out_is_never_inside_the_checkpoint_directory(tmp_path):
+  run = tmp_path / "run"
+  (run / "checkpoints" / "3").mkdir(parents=True)
+  root, _ = evaluate._checkpoints(str(run))
+  assert evaluate._default_out(str(run), root, 3) == run / "evals" / "step_3"
+  # The checkpoint directory given directly: its run's evals/, not a folder among its steps.
+  root, _ = evaluate._checkpoints(str(run / "checkpoints"))
+  assert evaluate._default_out(str(run / "checkpoints"), root, 3) == run / "evals" / "step_3"
+  other = tmp_path / "ckpts"
+  (other / "5").mkdir(parents=True)
+  root, _ = evaluate._checkpoints(str(other))
+  with pytest.raises(ValueError, match="is a checkpoint directory.*pass --out"):
+    evaluate._default_out(str(other), root, 5)
+  with pytest.raises(ValueError, match="bucket URL"):
+    evaluate._default_out("gs://b/run", root, 5)
+
+
 @pytest.mark.slow  # two tiny trainers and three evals, about 40 s on 2 cores
 def test_a_checkpoint_evaluates_as_the_run_evaluated_it(tmp_path):
   """The greedy eval samples of `evaluate_checkpoint` equal those the run's own eval took with
