@@ -234,6 +234,12 @@ def test_peft_lora_dropout_loads_with_the_unmerged_forward(tmp_path, adapter):
                                 param_tree.unbox(adapter)["layers"]["wo"]["b"])
   with pytest.raises(ValueError, match="load_peft: forward must be 'merged' or 'unmerged'"):
     lora.load_peft(tmp_path / "a", CFG, forward="fast")
+  conf_file = tmp_path / "a" / lora.PEFT_CONFIG
+  conf_file.write_text(conf_file.read_text().replace('"lora_dropout": 0.1', '"lora_dropout": 1.0'))
+  assert lora.load_peft(tmp_path / "a", CFG)[0].dropout == 0.0  # unread by the merged forward
+  with pytest.raises(ValueError, match=r"adapter_config.json: lora_dropout must be a number in "
+                     r"\[0, 1\), got 1.0"):
+    lora.load_peft(tmp_path / "a", CFG, forward="unmerged")
   # lora.init_from: the run's forward and dropout are its own; rank, alpha, targets must match.
   from jaxagent.trainer import Trainer
   run = types.SimpleNamespace(cfg=CFG, lora=_lcfg("unmerged", 0.2))
