@@ -400,6 +400,7 @@ class Trainer:
     self._resumed: int | None = None
     self._restore_done = False
     self._stop_reason: str | None = None
+    self._stop_honoured = False  # a `run` has returned since `_stop_reason` was set
     self._interrupted: str | None = None  # where a stop cut the phase before RL short
     self._sft_loaded: tuple[list[packing.PackItem], int] | None = None  # `_pre_rl` -> `warm_start`
     # Rollouts collected ahead of the learner (`train.off_policy_steps`, `_rollouts`): the
@@ -1225,6 +1226,12 @@ class Trainer:
     c = self.config
     t_start = time.time()
     say = self.writer.message
+    if self._stop_honoured:
+      # The stop (a Ctrl-C in a notebook) was for the run that returned: running again trains
+      # on, instead of stopping at once (or starting the warm start over only to stop again).
+      self._stop_reason, self._interrupted, self._stop_honoured = None, None, False
+      self.summary.pop("stopped_at_step", None)
+      self.summary.pop("stopped_in", None)
     with self._stop_signals():
       start = self.restore()
       if start is None:
@@ -1479,8 +1486,9 @@ class Trainer:
     self.writer.rewind_tensorboard(step)
 
   def request_stop(self, reason: str = "stop requested") -> None:
-    """Finish the current step, save a checkpoint and return from `run` (as on SIGTERM)."""
-    self._stop_reason = reason
+    """Finish the current step, save a checkpoint and return from `run` (as on SIGTERM); a
+    later `run` trains on. Before `run`: it stops at its start."""
+    self._stop_reason, self._stop_honoured = reason, False
 
   def _stop_requested(self) -> bool:
     stop = self._stop_reason is not None
@@ -1511,10 +1519,20 @@ class Trainer:
     when checkpointing is on; the first SIGINT (Ctrl-C) -> `request_stop` always (the step
     finishes, a checkpoint is saved when checkpointing is on, and `run` returns, so the trained
     state stays in the trainer), and the handler that was there before takes the second one (by
-    default a `KeyboardInterrupt` at once)."""
-    if threading.current_thread() is not threading.main_thread():
-      yield
-      return
+    default a `KeyboardInterrupt` at once). A stop requested by then is spent when `run`
+    returns: the next `run` trains on."""
+    try:
+      if threading.current_thread() is not threading.main_thread():
+        yield
+      else:
+        with self._signal_handlers():
+          yield
+    finally:
+      self._stop_honoured = self._stop_reason is not None
+
+  @contextlib.contextmanager
+  def _signal_handlers(self):
+    """The handlers of `_stop_signals`, in the main thread."""
 
     def on_sigterm(signum, frame):
       del frame
