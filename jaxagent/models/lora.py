@@ -297,7 +297,7 @@ class LayerAdapter:
   replaces each layer's targets inside its loop (inside the layer's rematerialisation too):
   with `lcfg.forward` "merged" by `merged_weight(w, a, b)` in `dtype` (the targets as stored,
   float32 masters), so no merged copy of every layer is held at once; with "unmerged" by a
-  `LowRankWeight` (the targets in the compute dtype). `layers`: the adapter's
+  `LowRankWeight` (the targets as stored, cast to the compute dtype where used). `layers`: the adapter's
   `{target: {"a", "b"}}`, stacked over layers. `rng`: None, or one key per row of the batch
   for `lcfg.dropout` (the update's forward pass; each layer and target folds in its own
   index), unused by the merged forward."""

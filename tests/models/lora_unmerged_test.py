@@ -283,3 +283,22 @@ def test_dropout_masks_do_not_depend_on_micro_batches_layer_loop_or_sharding(par
   want = _step(_learner(params, "unmerged", dropout=0.3), adapter, batch)
   assert got[1]["loss"] == pytest.approx(want[1]["loss"], rel=1e-5)
   _close(got[0], want[0], rtol=1e-4)
+
+
+def test_unmerged_bfloat16_gradients_match_the_merged_to_rounding(adapter, batch):
+  """float32 params, bfloat16 compute: the unmerged adapter gradients (computed in bfloat16,
+  returned as the adapter's float32) point where the merged ones do."""
+  cfg = CFG.replace(dtype="bfloat16")
+  base = models.init_params(cfg, jax.random.key(0), std=0.1)
+  b = {k: jnp.asarray(v) for k, v in batch.items()}
+  grads = {}
+  for fw in ("merged", "unmerged"):
+    parts = step._lora_step_parts(base, _lcfg(fw), cfg, False)
+    fn = jax.jit(jax.grad(lambda a, mb: parts(a, mb, cfg, SCFG)[0]))
+    grads[fw] = param_tree.unbox(fn(adapter, b))["layers"]
+  for t in lora.INPUT_AXES:
+    for part in ("a", "b"):
+      g, w = (np.asarray(grads[fw][t][part]).ravel() for fw in ("unmerged", "merged"))
+      assert g.dtype == np.float32
+      cos = g @ w / (np.linalg.norm(g) * np.linalg.norm(w))
+      assert cos > 0.99 and abs(np.linalg.norm(g) / np.linalg.norm(w) - 1) < 0.05, (t, part)
