@@ -1228,10 +1228,13 @@ class Trainer:
     say = self.writer.message
     if self._stop_honoured:
       # The stop (a Ctrl-C in a notebook) was for the run that returned: running again trains
-      # on, instead of stopping at once (or starting the warm start over only to stop again).
+      # on from the step it stopped after (a stop in the warm start, which keeps nothing of
+      # it, starts it over), instead of stopping at once.
       self._stop_reason, self._interrupted, self._stop_honoured = None, None, False
       self.summary.pop("stopped_at_step", None)
       self.summary.pop("stopped_in", None)
+      if self.warm_started:
+        self._resumed, self._restore_done = self.step, True
     with self._stop_signals():
       start = self.restore()
       if start is None:

@@ -8,51 +8,78 @@ import ml_collections
 from jaxagent.trainer import Trainer
 
 
-def _trainer(tmp_path, steps_run):
-  """A trainer without model or checkpoints whose RL steps are stand-ins that record their
-  step; `restore` resumes where the trainer stands, as a checkpointed run's rerun would."""
+def _trainer(tmp_path, events, *, ctrl_c_in):
+  """A trainer without model or checkpoints whose warm start and RL steps are stand-ins that
+  record themselves; a Ctrl-C arrives once, in the phase `ctrl_c_in` ("warm start" or an RL
+  step)."""
   t = Trainer.__new__(Trainer)
   t.config = ml_collections.ConfigDict({"total_steps": 3, "eval": {"every": 0}, "export": False})
   t.writer = types.SimpleNamespace(message=lambda msg: None, write=lambda step, m: None,
                                    progress=lambda *a, **k: None, plot=lambda: None, history=[],
                                    set_aside_earlier_run=lambda: None)
   t.workdir, t.ckpt, t.summary, t.step, t.time_limit_s = tmp_path, None, {}, 0, 0.0
+  t.ckpt_cfg = types.SimpleNamespace(path=lambda workdir: tmp_path / "no_checkpoints")
   t._stop_reason, t._stop_honoured, t._interrupted = None, False, None
-  t.restore = lambda: t.step
+  t._restore_done, t._resumed, t.warm_started = False, None, False
   t._out_of_time = lambda t_rl: False
   t._save = lambda step: None
   t._inflight = {}  # no rollouts ahead
   t.evaluate = lambda: {}
+  pending = [ctrl_c_in]
+
+  def interrupt(phase):
+    if pending == [phase]:
+      pending.clear()
+      os.kill(os.getpid(), signal.SIGINT)
+
+  def pre_rl():
+    events.append("warm start")
+    interrupt("warm start")
+    if t._stop_requested():  # as the warm start does between its steps
+      t._interrupted = "SFT warm-start step 1 of 2"
+      return
+    t.warm_started = True
 
   def rl_step(step):
-    steps_run.append(step)
-    if step == 1:
-      os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C during the first step
+    events.append(step)
+    interrupt(step)
     return {"reward/mean": 0.5}
-  t.rl_step = rl_step
+  t._pre_rl, t.rl_step = pre_rl, rl_step
   return t
+
+
+def _run_twice(t):
+  before = signal.signal(signal.SIGINT, signal.default_int_handler)
+  try:
+    return dict(t.run()), dict(t.run())  # (`run` returns the trainer's summary itself)
+  finally:
+    signal.signal(signal.SIGINT, before)
 
 
 def test_run_after_a_ctrl_c_trains_on(tmp_path):
   """The stop request stayed set: every later `run` stopped at once ("stopping after step 1")
   and a notebook could not continue its run after an interrupt."""
-  steps_run = []
-  t = _trainer(tmp_path, steps_run)
-  before = signal.signal(signal.SIGINT, signal.default_int_handler)
-  try:
-    assert t.run()["stopped_at_step"] == 1 and steps_run == [1]
-    summary = t.run()
-  finally:
-    signal.signal(signal.SIGINT, before)
-  assert steps_run == [1, 2, 3] and t.step == 3
-  assert "stopped_at_step" not in summary
+  events = []
+  t = _trainer(tmp_path, events, ctrl_c_in=1)
+  first, second = _run_twice(t)
+  assert first["stopped_at_step"] == 1
+  # The second run goes on from step 2: no second warm start, no step done twice.
+  assert events == ["warm start", 1, 2, 3] and t.step == 3
+  assert "stopped_at_step" not in second
+
+
+def test_run_after_a_ctrl_c_in_the_warm_start_starts_it_over(tmp_path):
+  events = []
+  t = _trainer(tmp_path, events, ctrl_c_in="warm start")
+  first, second = _run_twice(t)
+  assert first["stopped_at_step"] == 0 and first["stopped_in"] == "SFT warm-start step 1 of 2"
+  assert events == ["warm start", "warm start", 1, 2, 3]
+  assert "stopped_in" not in second
 
 
 def test_a_stop_requested_before_run_still_stops_it(tmp_path):
   # (the launcher's stop for a notice that came while the trainer was built)
-  steps_run = []
-  t = _trainer(tmp_path, steps_run)
+  events = []
+  t = _trainer(tmp_path, events, ctrl_c_in=None)
   t.request_stop("received SIGTERM")
-  assert t.run()["stopped_at_step"] == 0 and steps_run == []
-  t.request_stop("again")  # requested after the stop was spent, before the next run
-  assert t.run()["stopped_at_step"] == 0 and steps_run == []
+  assert t.run()["stopped_in"] == "SFT warm-start step 1 of 2" and events == ["warm start"]
