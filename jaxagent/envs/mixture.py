@@ -255,6 +255,14 @@ class MixtureEnv(Env):
     raise TypeError("a mixture's success test depends on the example's task: call "
                     "env.env_for(example).is_success(out)")
 
+  def format_observation(self, result):
+    raise TypeError("a mixture's observations are framed by the example's task: call "
+                    "env.env_for(example).format_observation(result)")
+
+  def encode_observation(self, text: str, tokenizer) -> list[int]:
+    raise TypeError("a mixture's observations are tokenized by the example's task: call "
+                    "env.env_for(example).encode_observation(text, tokenizer)")
+
   def demonstration(self, example: Example):
     env, ex = self._source(example)
     return env.demonstration(ex)

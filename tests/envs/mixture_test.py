@@ -263,6 +263,11 @@ def test_sft_demonstrations_are_tokenized_and_parsed_by_each_task():
   assert [i.tokens.tolist() for i in got] == [i.tokens.tolist() for i in want]
   assert [i.loss_mask.tolist() for i in got] == [i.loss_mask.tolist() for i in want]
   assert 400 in got[0].tokens.tolist()
+  # The mixture has no observation format of its own to fall back on.
+  with pytest.raises(TypeError, match=r"env_for\(example\)\.encode_observation"):
+    env.encode_observation("<result>1</result>", TOK)
+  with pytest.raises(TypeError, match=r"env_for\(example\)\.format_observation"):
+    env.format_observation(None)
 
 
 def test_each_example_reaches_its_task_as_itself_when_splits_share_ids():
