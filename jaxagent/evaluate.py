@@ -56,7 +56,8 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def _for_evaluation(config, out: pathlib.Path, size: int | None, pass_k: int | None):
   """`config` made to evaluate into `out`: no checkpoints, warm start, rollouts ahead or
-  TensorBoard; the eval's size and k as asked."""
+  TensorBoard; the eval's size and k as asked. A LoRA config's `lora.init_from` stays: the
+  adapter that `--config` evaluates over its base (`evaluate_checkpoint` clears it)."""
   config.workdir = str(out)
   config.checkpoint_every = 0
   if "checkpoint_dir" in config:
@@ -64,8 +65,6 @@ def _for_evaluation(config, out: pathlib.Path, size: int | None, pass_k: int | N
   config.sft.steps = 0
   if "data" in config.sft:
     config.sft.data = ""
-  if "init_from" in config.get("lora", {}):
-    config.lora.init_from = ""  # the checkpoint holds the adapter
   if "off_policy_steps" in config.train:
     config.train.off_policy_steps = 0
   config.log.tensorboard = False
@@ -177,6 +176,8 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, out: str | Non
   out_dir = (pathlib.Path(out).expanduser() if out is not None
              else _default_out(workdir, root, step))
   config = _for_evaluation(ml_collections.ConfigDict(meta["config"]), out_dir, size, pass_k)
+  if "init_from" in config.get("lora", {}):
+    config.lora.init_from = ""  # the checkpoint holds the adapter
   _apply_settings(config, settings)
   trainer = Trainer(config)
   try:

@@ -47,6 +47,27 @@ def test_the_config_is_made_to_evaluate_only(tmp_path):
     evaluate._for_evaluation(c, tmp_path, size=-1, pass_k=None)
 
 
+def test_a_config_s_lora_adapter_is_the_one_evaluated(tmp_path, monkeypatch):
+  """--config with lora.init_from: the evaluation cleared it (meant for a checkpoint, which
+  holds the adapter), so a fresh adapter (B = 0: the base model) was evaluated instead."""
+  import jaxagent.trainer
+  built = []
+
+  class Built(Exception):
+    pass
+
+  def trainer(config):
+    built.append(config)
+    raise Built
+  monkeypatch.setattr(jaxagent.trainer, "Trainer", trainer)
+  c = get_config("tiny")
+  c.lora.rank, c.lora.init_from = 4, str(tmp_path / "adapter")
+  with pytest.raises(Built):
+    evaluate.evaluate_config(c, out=str(tmp_path / "out"))
+  assert built[0].lora.init_from == str(tmp_path / "adapter")
+  assert built[0].checkpoint_every == 0 and built[0].sft.steps == 0
+
+
 def test_set_changes_existing_keys_and_names_a_typo():
   c = ml_collections.ConfigDict({"mesh": {"data": 8}, "rollout": {"temperature": 1.0,
                                                                   "mesh": "learner"}})
