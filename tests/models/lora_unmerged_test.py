@@ -302,3 +302,25 @@ def test_unmerged_bfloat16_gradients_match_the_merged_to_rounding(adapter, batch
       assert g.dtype == np.float32
       cos = g @ w / (np.linalg.norm(g) * np.linalg.norm(w))
       assert cos > 0.99 and abs(np.linalg.norm(g) / np.linalg.norm(w) - 1) < 0.05, (t, part)
+
+
+def test_unmerged_update_holds_no_more_than_the_merged():
+  """Compiled temporaries of the scanned update (float32 params, bfloat16 compute): the
+  unmerged forward casts each layer's targets where it uses them, so it holds no copy of the
+  base's targets (copied once per step: 58.0 against 19.7 MB here)."""
+  cfg = models.get_config("tiny-qwen3", d_model=512, n_layers=4, ffn_dim=1536,
+                          dtype="bfloat16", remat="dots_attention")
+  base = jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0)))
+  temp = {}
+  for fw in ("merged", "unmerged"):
+    lcfg = _lcfg(fw)
+    learner = step.Learner(cfg, step.StepConfig(micro_batches=4), optax.sgd(1.0), lora=lcfg,
+                           base=base)
+    state = jax.eval_shape(lambda: step.TrainState(
+        step=jnp.zeros((), jnp.int32), params=lora.init_lora(cfg, lcfg, jax.random.key(1)),
+        opt_state=optax.sgd(1.0).init(lora.init_lora(cfg, lcfg, jax.random.key(1)))))
+    rows = {k: jax.ShapeDtypeStruct(v.shape, v.dtype)
+            for k, v in two_sequence_rows(cfg.vocab_size, 8).items()}
+    compiled = learner.train_step_fn(state).lower(state, rows, base).compile()
+    temp[fw] = compiled.memory_analysis().temp_size_in_bytes
+  assert temp["unmerged"] <= 1.1 * temp["merged"], temp
