@@ -84,6 +84,15 @@ def _build(label: str, spec) -> tuple[Env, float | None]:
   return env, spec.get("weight")
 
 
+def _equal(a: Example, b: Example) -> bool:
+  """`a == b`, False where comparing raises (metadata holding arrays, whose `==` has no truth
+  value)."""
+  try:
+    return bool(a == b)
+  except Exception:  # noqa: BLE001 - the task's own metadata
+    return False
+
+
 class MixtureEnv(Env):
   """Tasks trained together; see the module docstring.
 
@@ -164,7 +173,7 @@ class MixtureEnv(Env):
     (a copy), else None."""
     entries = self._origin.get(example.id, ())
     return (next((e for e in entries if e[0] is example), None)
-            or next((e for e in entries if e[0] == example), None))
+            or next((e for e in entries if _equal(e[0], example)), None))
 
   def _task_examples(self, split: str) -> dict[str, list[Example]]:
     out = {}

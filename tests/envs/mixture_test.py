@@ -304,6 +304,14 @@ def test_each_example_reaches_its_task_as_itself_when_splits_share_ids():
       ("episode", "0", "train-0", {"split": "train"}),
       ("reward", "0", "train-0", {"split": "train"}),
       ("reward", "0", "eval-0", {"split": "eval"})]
-  # An equal copy (an example rebuilt elsewhere) finds its task's example too.
+  # An equal copy (an example rebuilt elsewhere) finds its task's example too, also when its
+  # metadata holds arrays (whose `==` raises).
   import dataclasses
   assert TOK.decode(env.render_prompt(dataclasses.replace(tr0), TOK)) == "train prompt 0"
+  arrays = MixtureEnv({"e": Echo()})
+  arrays.envs["e"].examples = lambda split: [
+      Example("0", f"{split} 0", metadata={"x": np.arange(3)}) for _ in range(1)]
+  tr, ev = arrays.examples("train")[0], arrays.examples("eval")[0]
+  rebuilt = lambda ex: dataclasses.replace(ex, metadata={**ex.metadata, "x": np.arange(3)})
+  assert arrays.env_for(rebuilt(ev)) is arrays.envs["e"]
+  assert TOK.decode(arrays.render_prompt(rebuilt(tr), TOK)) == "train 0"
