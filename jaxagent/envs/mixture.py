@@ -215,6 +215,11 @@ class MixtureEnv(Env):
       if want and not exs:
         raise ValueError(f"mixture task {label!r} has weight {self.weights[label]} but no "
                          "'train' examples")
+      if not want and self.weights[label] > 0 and exs:
+        raise ValueError(
+            f"mixture task {label!r}: weight {self.weights[label]} of {wsum:g} in all gives it "
+            f"{total * self.weights[label] / wsum:.2g} of the {total} train examples, which "
+            "rounds to none: raise its weight (or set it to 0 to leave the task out)")
       full, rest = divmod(want, len(exs)) if exs else (0, 0)
       picked = exs * full + [exs[i] for i in sorted(rng.permutation(len(exs))[:rest])]
       out += picked

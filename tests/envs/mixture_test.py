@@ -89,6 +89,9 @@ def test_weights_set_each_task_s_share_of_the_train_split():
   assert {e.metadata["task"] for e in zero} == {"echo"}
   # Without weights: every example once.
   assert len(_mixture().examples("train")) == 6
+  # A weight too small for one example of the 6 is named, not dropped silently.
+  with pytest.raises(ValueError, match=r"mixture task 'calc': weight 0.01 .* rounds to none"):
+    _mixture(weights={"calc": 0.01, "echo": 1.0}).examples("train")
 
 
 @pytest.mark.parametrize("kwargs, match", [
