@@ -1551,7 +1551,11 @@ class Trainer:
                    + ("saving a checkpoint and stopping" if self.ckpt is not None else "stopping")
                    + "; press Ctrl-C again to interrupt at once\n").encode())
 
-    handlers = {signal.SIGINT: on_sigint}
+    handlers = {}
+    # An ignored SIGINT stays ignored (a job a shell script started in the background, which
+    # the terminal's Ctrl-C is not meant for), as Python leaves it.
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+      handlers[signal.SIGINT] = on_sigint
     if self.ckpt is not None:
       handlers[signal.SIGTERM] = on_sigterm
     previous = {}

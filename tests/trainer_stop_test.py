@@ -83,3 +83,17 @@ def test_a_stop_requested_before_run_still_stops_it(tmp_path):
   t = _trainer(tmp_path, events, ctrl_c_in=None)
   t.request_stop("received SIGTERM")
   assert t.run()["stopped_in"] == "SFT warm-start step 1 of 2" and events == ["warm start"]
+
+
+def test_an_ignored_ctrl_c_stays_ignored(tmp_path):
+  """A process whose SIGINT is ignored (started in the background by a shell script) took the
+  terminal's Ctrl-C, meant for the script, as a stop."""
+  events = []
+  t = _trainer(tmp_path, events, ctrl_c_in=1)
+  before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+  try:
+    summary = t.run()
+    assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+  finally:
+    signal.signal(signal.SIGINT, before)
+  assert events == ["warm start", 1, 2, 3] and "stopped_at_step" not in summary
