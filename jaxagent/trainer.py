@@ -1523,15 +1523,14 @@ class Trainer:
     finishes, a checkpoint is saved when checkpointing is on, and `run` returns, so the trained
     state stays in the trainer), and the handler that was there before takes the second one (by
     default a `KeyboardInterrupt` at once). A stop requested by then is spent when `run`
-    returns: the next `run` trains on."""
-    try:
-      if threading.current_thread() is not threading.main_thread():
+    returns (not when it raises): the next `run` trains on."""
+    if threading.current_thread() is not threading.main_thread():
+      yield
+    else:
+      with self._signal_handlers():
         yield
-      else:
-        with self._signal_handlers():
-          yield
-    finally:
-      self._stop_honoured = self._stop_reason is not None
+    # (Not after an error, or a second Ctrl-C, in the middle of a step: that step is not done.)
+    self._stop_honoured = self._stop_reason is not None
 
   @contextlib.contextmanager
   def _signal_handlers(self):

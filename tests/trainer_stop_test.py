@@ -97,3 +97,22 @@ def test_an_ignored_ctrl_c_stays_ignored(tmp_path):
   finally:
     signal.signal(signal.SIGINT, before)
   assert events == ["warm start", 1, 2, 3] and "stopped_at_step" not in summary
+
+
+def test_a_run_that_raised_in_a_step_does_not_go_on_past_that_step(tmp_path):
+  # A second Ctrl-C (or an error) in the middle of step 1: step 1 was never done, so a later
+  # run must not take it as the step to go on from.
+  events = []
+  t = _trainer(tmp_path, events, ctrl_c_in=None)
+  rl_step = t.rl_step
+
+  def failing(step):
+    t.request_stop("received SIGINT (Ctrl-C)")
+    raise KeyboardInterrupt
+  t.rl_step = failing
+  try:
+    t.run()
+  except KeyboardInterrupt:
+    pass
+  t.rl_step = rl_step
+  assert t.run()["stopped_at_step"] == 0 and 2 not in events  # the stop still stands
