@@ -32,26 +32,38 @@ from absl import app, flags
 
 from jaxagent import config_files
 
-_WORKDIR = flags.DEFINE_string(
-    "workdir", None, "A run's workdir (holding checkpoints/) or its checkpoint directory.")
-_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest that reads).")
-_OUT = flags.DEFINE_string("out", None, "Output directory (default: <workdir>/evals/step_<N>, "
-                           "or <config workdir>/evals/initial with --config).")
-_SIZE = flags.DEFINE_integer("size", None, "Held-out examples to evaluate (default: the run's "
-                             "eval.size; 0 for the whole eval split).")
-_PASS_K = flags.DEFINE_integer("pass_k", None, "k > 1 also samples k per example for pass@k "
-                               "(default: the run's eval.pass_k).")
-_SET = flags.DEFINE_multi_string(
-    "set", [], "KEY=VALUE: a setting of the checkpoint's run config to change for the "
-    "evaluation (with --workdir), e.g. --set=mesh.data=1 --set=rollout.temperature=0.6; VALUE "
-    "is read as a Python literal, else as text.")
-_CONFIG = config_files.define_config_flag(
-    "Run config file (`path.py[:variant]`) to evaluate its model as loaded, instead of a "
-    "--workdir's checkpoint.")
+class _Flags:
+  """The command line's flags, defined only when this module runs as `python -m
+  jaxagent.evaluate`: defined at import, they clashed with those of `jaxagent.launch` and
+  `jaxagent.export` (`--config`, `--workdir`, `--step`, `--out`) in a process that imports
+  those too (absl's DuplicateFlagError)."""
+
+  def __init__(self):
+    self.workdir = flags.DEFINE_string(
+        "workdir", None, "A run's workdir (holding checkpoints/) or its checkpoint directory.")
+    self.step = flags.DEFINE_integer("step", None, "Checkpoint step (default: the newest that "
+                                     "reads).")
+    self.out = flags.DEFINE_string("out", None, "Output directory (default: "
+                                   "<workdir>/evals/step_<N>, or <config workdir>/evals/initial "
+                                   "with --config).")
+    self.size = flags.DEFINE_integer("size", None, "Held-out examples to evaluate (default: the "
+                                     "run's eval.size; 0 for the whole eval split).")
+    self.pass_k = flags.DEFINE_integer("pass_k", None, "k > 1 also samples k per example for "
+                                       "pass@k (default: the run's eval.pass_k).")
+    self.set = flags.DEFINE_multi_string(
+        "set", [], "KEY=VALUE: a setting of the checkpoint's run config to change for the "
+        "evaluation (with --workdir), e.g. --set=mesh.data=1 --set=rollout.temperature=0.6; "
+        "VALUE is read as a Python literal, else as text.")
+    self.config = config_files.define_config_flag(
+        "Run config file (`path.py[:variant]`) to evaluate its model as loaded, instead of a "
+        "--workdir's checkpoint.")
+
+
+_FLAGS: _Flags | None = None
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  return config_files.parse_config_flags(argv, _CONFIG)
+  return config_files.parse_config_flags(argv, _FLAGS.config)
 
 
 def _for_evaluation(config, out: pathlib.Path, size: int | None, pass_k: int | None):
@@ -224,29 +236,31 @@ def _run(trainer, out_dir: pathlib.Path, source: dict) -> dict:
 
 def main(argv):
   del argv
+  f = _FLAGS
   logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
   logging.getLogger("absl").setLevel(logging.WARNING)
-  if (_WORKDIR.value is None) == (_CONFIG.value is None):
+  if (f.workdir.value is None) == (f.config.value is None):
     raise SystemExit("bad flags: pass either --workdir=<a run's workdir> (its checkpoint) or "
                      "--config=<config file> (its model as it loads)")
-  if _CONFIG.value is not None and (_STEP.value is not None or _SET.value):
+  if f.config.value is not None and (f.step.value is not None or f.set.value):
     raise SystemExit("bad flags: --step and --set go with --workdir; with --config, change "
                      "settings as --config.KEY=VALUE")
   from jaxagent.runtime import init_runtime
   init_runtime()
   from jaxagent.checkpoint import CheckpointError
   try:
-    if _WORKDIR.value is not None:
-      record = evaluate_checkpoint(os.path.expanduser(_WORKDIR.value), step=_STEP.value,
-                                   out=_OUT.value, size=_SIZE.value, pass_k=_PASS_K.value,
-                                   settings=tuple(_SET.value))
+    if f.workdir.value is not None:
+      record = evaluate_checkpoint(os.path.expanduser(f.workdir.value), step=f.step.value,
+                                   out=f.out.value, size=f.size.value, pass_k=f.pass_k.value,
+                                   settings=tuple(f.set.value))
     else:
-      record = evaluate_config(_CONFIG.value, out=_OUT.value, size=_SIZE.value,
-                               pass_k=_PASS_K.value)
+      record = evaluate_config(f.config.value, out=f.out.value, size=f.size.value,
+                               pass_k=f.pass_k.value)
   except (CheckpointError, FileNotFoundError, ValueError) as e:
     raise SystemExit(f"evaluate failed: {e}") from None
   print(json.dumps(record, sort_keys=True), flush=True)
 
 
 if __name__ == "__main__":
+  _FLAGS = _Flags()
   app.run(main, flags_parser=parse_flags)

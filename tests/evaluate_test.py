@@ -31,6 +31,14 @@ def test_flags_that_do_not_go_together_are_named(args, said):
   assert r.returncode != 0 and said in r.stderr, r.stderr[-2000:]
 
 
+def test_importing_it_beside_the_other_entry_points_defines_no_flag_twice():
+  # Defined at import, its --config / --workdir / --step / --out clashed with launch's and
+  # export's in one process (a test worker that imported them all failed every launch test).
+  r = subprocess.run([sys.executable, "-c", "import jaxagent.evaluate, jaxagent.launch, "
+                      "jaxagent.export"], cwd=REPO, capture_output=True, text=True, timeout=120)
+  assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_a_workdir_without_checkpoints_is_named(tmp_path):
   with pytest.raises(FileNotFoundError, match=f"no checkpoints at {tmp_path}"):
     evaluate.evaluate_checkpoint(str(tmp_path))
