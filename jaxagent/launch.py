@@ -9,7 +9,7 @@ every process; on a Cloud TPU slice JAX finds all three itself. Only process 0 l
 metrics; every process takes part in checkpoints. `launch/` has recipes for TPU VMs, GKE (xpk)
 and GPU clusters (Slurm). With checkpointing on (`--config.checkpoint_every=N`), a run stopped
 by SIGTERM or a first Ctrl-C once training has begun finishes its step, saves a checkpoint and
-exits 0, and rerunning the same command resumes it; without it, SIGTERM ends the run as usual
+exits (0 after SIGTERM, 130 after Ctrl-C), and rerunning the same command resumes it; without it, SIGTERM ends the run as usual
 and a first Ctrl-C stops it after the step (a second one interrupts at once). A second launch into a workdir (or a
 local checkpoint directory) that a running launch holds stops at once, naming the process that
 holds it.
@@ -299,11 +299,16 @@ def run_trainer(trainer) -> None:
   what was kept is one line and exit status 1, not a traceback: unusable checkpoints or
   diverged params (`CheckpointError`), non-finite values in a step's update or the sampler's
   logits (`FloatingPointError`; the checkpoints written are unchanged), warm-start data that
-  cannot be used (`SFTDataError`)."""
+  cannot be used (`SFTDataError`). A run stopped by a first Ctrl-C exits with status 130, as
+  an interrupted command does, after its checkpoint (`launch ... && next` goes no further); one
+  stopped by SIGTERM exits 0, which job scripts take as "requeue" (launch/gpu_slurm.sbatch)."""
   from jaxagent.checkpoint import CheckpointError
   from jaxagent.trainer import SFTDataError
   try:
-    trainer.run()
+    summary = trainer.run()
+    if (summary or {}).get("stopped_at_step") is not None and str(
+        getattr(trainer, "stop_reason", None) or "").startswith("received SIGINT"):
+      raise SystemExit(130)
   except CheckpointError as e:  # unusable checkpoints or diverged params; nothing was lost
     raise SystemExit(f"checkpoint error: {e}") from None
   except SFTDataError as e:  # read as the run starts, before any training: a bad setting

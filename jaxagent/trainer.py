@@ -1488,6 +1488,12 @@ class Trainer:
     self.writer.history = kept
     self.writer.rewind_tensorboard(step)
 
+  @property
+  def stop_reason(self) -> str | None:
+    """Why the last `run` stopped before its last step ("received SIGTERM", "received SIGINT
+    (Ctrl-C)", a `request_stop` reason), or None."""
+    return self._stop_reason
+
   def request_stop(self, reason: str = "stop requested") -> None:
     """Finish the current step, save a checkpoint and return from `run` (as on SIGTERM); a
     later `run` trains on. Before `run`: it stops at its start."""

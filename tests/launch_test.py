@@ -307,6 +307,33 @@ def test_gpu_multinode_maps_torchrun_variables(stubs):
 
 
 # ----------------------------------------------------------------------------- jaxagent.launch
+@pytest.mark.parametrize("reason, status", [("received SIGINT (Ctrl-C)", 130),
+                                            ("received SIGTERM", None), (None, None)])
+def test_a_run_stopped_by_ctrl_c_exits_130_after_its_checkpoint(reason, status):
+  """A first Ctrl-C stops the run after its step and checkpoint; the launch then exited 0, so
+  `launch ... && export ...` went on after an interrupt. SIGTERM keeps 0 (job scripts
+  requeue on it) and so does a run that finished."""
+  from jaxagent import launch
+  closed = []
+
+  class Stopped:
+    stop_reason = reason
+
+    def run(self):
+      return {"stopped_at_step": 2} if reason else {}
+
+    def close(self):
+      closed.append(True)
+
+  if status is None:
+    launch.run_trainer(Stopped())
+  else:
+    with pytest.raises(SystemExit) as e:
+      launch.run_trainer(Stopped())
+    assert e.value.code == status
+  assert closed == [True]
+
+
 def test_init_runtime_passes_flags_to_the_distributed_runtime(monkeypatch):
   import jax
   from jaxagent import launch, sharding
