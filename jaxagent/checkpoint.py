@@ -849,6 +849,18 @@ def _merge_lora_base(meta: Mapping[str, Any], cfg, lcfg, adapter, path):
   return jax.jit(lambda a, b: lora.merge(b, a, lcfg))(adapter, base)
 
 
+def checkpoint_root(path: str | os.PathLike) -> epath.Path:
+  """The checkpoint directory that `path` names: a run's workdir (its `checkpoints/`) or a
+  checkpoint directory itself (step folders inside); `FileNotFoundError` otherwise."""
+  root = as_path(path)
+  if (root / "checkpoints").is_dir():
+    return root / "checkpoints"
+  if not (root.is_dir() and any(_STEP_DIR.match(p.name) for p in root.iterdir())):
+    raise FileNotFoundError(f"no checkpoints at {root}: expected a run's workdir (with "
+                            f"checkpoints/<step>/ inside) or a checkpoint directory")
+  return root
+
+
 def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: int | None = None,
               tokenizer: Any = "auto") -> pathlib.Path:
   """Write the policy of a checkpoint as an HF directory (config.json, model.safetensors and
@@ -864,12 +876,7 @@ def export_hf(checkpoints: str | os.PathLike, out: str | os.PathLike, *, step: i
   """
   from jaxagent import models
 
-  root = as_path(checkpoints)
-  if (root / "checkpoints").is_dir():
-    root = root / "checkpoints"
-  elif not (root.is_dir() and any(_STEP_DIR.match(p.name) for p in root.iterdir())):
-    raise FileNotFoundError(f"no checkpoints at {root}: expected a run's workdir (with "
-                            f"checkpoints/<step>/ inside) or a checkpoint directory")
+  root = checkpoint_root(checkpoints)
   mgr = CheckpointManager(root, read_only=True)
 
   def read(s: int):

@@ -26,7 +26,6 @@ import json
 import logging
 import os
 import pathlib
-import re
 
 from absl import app, flags
 
@@ -139,12 +138,7 @@ def _apply_settings(config, settings) -> None:
 
 def _checkpoints(workdir: str):
   from jaxagent import checkpoint
-  root = checkpoint.as_path(workdir)
-  if (root / "checkpoints").is_dir():
-    root = root / "checkpoints"
-  elif not (root.is_dir() and any(re.match(r"^\d+$", p.name) for p in root.iterdir())):
-    raise FileNotFoundError(f"no checkpoints at {root}: expected a run's workdir (with "
-                            "checkpoints/<step>/ inside) or a checkpoint directory")
+  root = checkpoint.checkpoint_root(workdir)
   return root, checkpoint.CheckpointManager(root, read_only=True)
 
 
