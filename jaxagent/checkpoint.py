@@ -77,12 +77,16 @@ FORMAT = 1
 IDENTITY_KEYS = ("model", "env", "seed", "lora")
 # Settings under IDENTITY_KEYS that choose how the same function is computed, or where a file
 # is, not what the run computes: a resume may change them (a remat policy after running out of
-# memory, another kernel, the task's data directory on another machine; the LoRA learner's
+# memory, another kernel, the task's data directory on another machine, or a mixture task's
+# (`env.kwargs.tasks.<label>.kwargs.data_dir`, "*" standing for one label); the LoRA learner's
 # forward and its dropout, training settings like the learning rate, which runs from before
 # they existed leave unset). The arrays still have to fit (`check` compares every saved shape
 # and dtype).
 RUNTIME_KEYS = ("model.attention", "model.logprob", "model.norm_rope", "model.remat",
-                "model.scan_layers", "env.kwargs.data_dir", "lora.forward", "lora.dropout")
+                "model.scan_layers", "env.kwargs.data_dir", "env.kwargs.tasks.*.kwargs.data_dir",
+                "lora.forward", "lora.dropout")
+_RUNTIME_KEY = re.compile("(?:" + "|".join(
+    re.escape(k).replace(r"\*", r"[^.]+") for k in RUNTIME_KEYS) + r")\Z")
 _TMP_SUFFIX = ".orbax-checkpoint-tmp"
 _STEP_DIR = re.compile(r"^(\d+)$")
 _TMP_DIR = re.compile(r"^(\d+)" + re.escape(_TMP_SUFFIX))
@@ -389,10 +393,15 @@ def _meta_file(step_dir: epath.Path) -> dict[str, Any] | None:
   return meta if isinstance(meta, dict) and "format" in meta and "signature" in meta else None
 
 
+def is_runtime_key(key: str) -> bool:
+  """Whether the flattened config key `key` ("env.kwargs.data_dir") matches `RUNTIME_KEYS`."""
+  return _RUNTIME_KEY.match(key) is not None
+
+
 def _identity(meta: Mapping[str, Any]) -> str:
   """What makes checkpoints belong to one run: its `IDENTITY_KEYS` settings, as JSON text."""
   flat = _flatten({k: (meta.get("config") or {}).get(k) for k in IDENTITY_KEYS})
-  return json.dumps({k: v for k, v in flat.items() if k not in RUNTIME_KEYS}, sort_keys=True)
+  return json.dumps({k: v for k, v in flat.items() if not is_runtime_key(k)}, sort_keys=True)
 
 
 def _is_checkpoint_folder(step_dir: epath.Path) -> bool:
@@ -641,7 +650,7 @@ class CheckpointManager:
       for key, old, new in config_diff(saved, now):
         if no_lora and key.split(".")[0] == "lora":
           continue
-        if key.split(".")[0] in IDENTITY_KEYS and key not in RUNTIME_KEYS:
+        if key.split(".")[0] in IDENTITY_KEYS and not is_runtime_key(key):
           problems.append(f"config {key}: {old!r} in the checkpoint, {new!r} now")
         else:
           changed.append((key, old, new))

@@ -601,6 +601,39 @@ def test_runtime_model_settings_may_change_on_resume(tmp_path):
   assert "remat" not in str(e.value) and "data_dir" not in str(e.value)
 
 
+def test_a_mixture_task_s_data_dir_may_move_on_resume(tmp_path):
+  """A mixture task's `kwargs.data_dir` was an identity key: moving one task's data refused the
+  resume. Its other settings (the weight here) still belong to the run."""
+  learner = _learner(1)
+
+  def mixture(data_dir, weight):
+    config = _config()
+    config.env.name = "mixture"
+    config.env.kwargs = dict(tasks=dict(
+        kb=dict(env="search_qa", weight=weight, kwargs=dict(data_dir=data_dir)),
+        arith=dict(env="quickstart", weight=1.0)))
+    return config
+
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1, keep=1,
+                                                                           async_save=False))
+  mgr.save(1, learner.init(_initial_params()), meta=_meta(mixture("/data/kb", 2.0)))
+  r = mgr.restore_latest(_target(learner), config=mixture("/mnt/kb", 2.0))
+  assert r.changed == [("env.kwargs.tasks.kb.kwargs.data_dir", "/data/kb", "/mnt/kb")]
+  # Retention sees the moved run as the same run.
+  mgr.save(2, learner.init(_initial_params()), meta=_meta(mixture("/mnt/kb", 2.0)))
+  mgr.close()
+  assert sorted(int(p.name) for p in tmp_path.iterdir() if p.name.isdigit()) == [2]
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1))
+  with pytest.raises(checkpoint.IncompatibleCheckpointError) as e:
+    mgr.restore_latest(_target(learner), config=mixture("/mnt/kb", 3.0))
+  mgr.close()
+  assert "config env.kwargs.tasks.kb.weight: 2.0 in the checkpoint, 3.0 now" in str(e.value)
+  assert "kwargs.data_dir" not in str(e.value)
+  assert checkpoint.is_runtime_key("env.kwargs.tasks.kb.kwargs.data_dir")
+  assert not checkpoint.is_runtime_key("env.kwargs.tasks.kb.kwargs.data_dir_extra")
+  assert not checkpoint.is_runtime_key("env.kwargs.tasks.kb.data_dir")
+
+
 def test_config_with_inf_or_nan_resumes_and_its_changes_are_named(tmp_path):
   # JSON holds no inf or nan: the saved config must still equal the run's own on resume.
   learner = _learner(1)
