@@ -20,7 +20,9 @@ Splits:
     the tasks' sizes); without weights, every task's examples once.
   * "eval" and "sft": the tasks' examples interleaved one task at a time, so that the first n
     (`eval.size`, `sft.num_examples`) hold about n / tasks of each. A task without an "sft"
-    split gives no demonstrations (logged once).
+    split gives no demonstrations (logged once): its `examples("sft")` raises
+    `NotImplementedError`, `KeyError("sft")` or a `ValueError` saying "unknown split" or "no sft
+    split". Any other error (a broken data file) is raised, naming the task.
 
 The trainer logs a task's share of a step's rewards as `reward/task/<label>` and its held-out
 pass@1 as `eval/task/<label>/pass@1` (`task_of`).
@@ -32,6 +34,7 @@ import itertools
 import logging
 import math
 import numbers
+import re
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -82,6 +85,20 @@ def _build(label: str, spec) -> tuple[Env, float | None]:
   except ValueError as e:
     raise ValueError(f"mixture task {label!r}: {e}") from e
   return env, spec.get("weight")
+
+
+def _lacks_split(e: Exception, split: str) -> bool:
+  """Whether `e`, raised by a task's `examples(split)`, says that the task has no such split
+  (rather than that the split failed to load: a broken or missing data file): a
+  `NotImplementedError` (the base `Env`'s), a `KeyError` of the split's name (a lookup of the
+  split by name), or a `ValueError` that says so: "unknown split 'sft'" (the built-in envs'
+  words) or "no sft split"."""
+  if isinstance(e, NotImplementedError):
+    return True
+  if isinstance(e, KeyError):
+    return e.args == (split,)
+  return type(e) is ValueError and re.search(
+      rf"unknown split|\bno ['\"]?{re.escape(split)}['\"]? split", str(e), re.I) is not None
 
 
 def _equal(a: Example, b: Example) -> bool:
@@ -181,7 +198,7 @@ class MixtureEnv(Env):
       try:
         exs = list(env.examples(split))
       except Exception as e:  # noqa: BLE001 - the task's own code and data
-        if split == "sft":
+        if split == "sft" and _lacks_split(e, split):
           if not self._no_sft_logged:
             log.warning("mixture task %r has no 'sft' examples (%s: %s); it gives no "
                         "demonstrations", label, type(e).__name__, e)

@@ -75,6 +75,42 @@ def test_examples_are_prefixed_tagged_and_interleaved():
   assert env.reward_threads == 1 and MixtureEnv({"a": Echo(), "b": Echo()}).reward_threads == 2
 
 
+class NoSplit(Echo):
+  """No "sft" split, said the way `examples` is given: `error`."""
+
+  def __init__(self, error):
+    super().__init__()
+    self.error = error
+
+  def examples(self, split):
+    if split == "sft":
+      raise self.error
+    return super().examples(split)
+
+
+@pytest.mark.parametrize("error", [
+    ValueError("unknown split 'sft'; expected one of ['eval', 'train']"),
+    ValueError("No 'sft' split here"), KeyError("sft"), NotImplementedError("no examples")])
+def test_a_task_without_an_sft_split_gives_no_demonstrations(error, caplog):
+  env = MixtureEnv({"calc": Calc(), "echo": NoSplit(error)})
+  with caplog.at_level("WARNING", logger="jaxagent.envs.mixture"):
+    assert [e.id for e in env.examples("sft")] == ["calc/sft0", "calc/sft1"]
+  assert "mixture task 'echo' has no 'sft' examples" in caplog.text
+
+
+@pytest.mark.parametrize("error", [
+    ValueError("sft.jsonl line 3: not JSON"), KeyError("answer"), FileNotFoundError("sft.jsonl"),
+    RuntimeError("unknown split 'sft'")])
+def test_a_task_whose_sft_split_fails_to_load_names_the_task(error):
+  """A broken "sft" data file was skipped with the warning of a task that has no "sft" split,
+  so the warm start quietly trained on the other tasks only."""
+  env = MixtureEnv({"calc": Calc(), "echo": NoSplit(error)})
+  with pytest.raises(ValueError, match=r"mixture task 'echo' \(NoSplit\) cannot give its 'sft' "
+                     rf"examples: {type(error).__name__}: ") as e:
+    env.examples("sft")
+  assert e.value.__cause__ is error
+
+
 def test_weights_set_each_task_s_share_of_the_train_split():
   env = _mixture(weights={"calc": 1.0, "echo": 2.0})
   train = env.examples("train")
