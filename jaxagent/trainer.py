@@ -308,6 +308,10 @@ class Trainer:
     self.mesh = sharding.make_mesh(c.mesh.data, c.mesh.fsdp, c.mesh.tensor,
                                    devices=learner_devices)
     self.env: Env = make_env(c.env.name, **dict(c.env.get("kwargs", {})))
+    # A task that samples its train split (a weighted mixture's subsets) draws with the run's
+    # seed unless its own kwargs set one: runs of other seeds then train on other draws.
+    if callable(getattr(self.env, "use_run_seed", None)):
+      self.env.use_run_seed(c.seed)
     # Before the model: a task's data file that does not read fails in a second.
     self.train_examples = _split_examples(self.env, "train")
     # (eval.size=0: no evals, so a task without an eval split runs)

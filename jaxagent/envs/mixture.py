@@ -119,13 +119,15 @@ class MixtureEnv(Env):
       are non-empty strings without "/".
     weights: label -> weight, for tasks given as `Env`s (or to override); either every task
       has a weight or none does. Weights are finite and >= 0, and not all 0.
-    seed: the seed of the train split's subsets.
+    seed: the seed of the weighted train split's subsets. Unset (None), the trainer gives the
+      run's `seed` (`use_run_seed`), so that runs of other seeds draw other subsets; a mixture
+      used outside a trainer then draws with 0.
   """
 
   name = "mixture"
 
   def __init__(self, tasks: Mapping[str, Any], weights: Mapping[str, float] | None = None,
-               seed: int = 0):
+               seed: int | None = None):
     tasks, weights = _plain(tasks), _plain(weights)
     if not isinstance(tasks, Mapping) or not tasks:
       raise ValueError("a mixture needs `tasks`: a mapping of labels to tasks, e.g. "
@@ -164,7 +166,9 @@ class MixtureEnv(Env):
     self.envs: dict[str, Env] = envs
     self.weights: dict[str, float] | None = ({k: float(v) for k, v in given.items()}
                                              if given else None)
-    self.seed = int(seed)
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral)):
+      raise ValueError(f"mixture seed must be an int, got {seed!r}")
+    self.seed: int | None = None if seed is None else int(seed)
     self.train_on_observations = obs.pop()
     # Scored concurrently only as far as every task allows.
     self.reward_threads = min(max(1, int(getattr(e, "reward_threads", 1))) for e in envs.values())
@@ -174,6 +178,14 @@ class MixtureEnv(Env):
     self._origin: dict[str, list[tuple[Example, str, Example]]] = {}
     self._splits: dict[str, list[Example]] = {}
     self._no_sft_logged = False
+
+  def use_run_seed(self, seed: int) -> None:
+    """Draw the weighted train split's subsets with the run's `seed` unless the mixture was
+    given its own (the trainer calls this before it reads any split)."""
+    if self.seed is None:
+      if "train" in self._splits:
+        raise RuntimeError("use_run_seed after the train split was drawn: call it first")
+      self.seed = int(seed)
 
   # ------------------------------------------------------------------ examples
   def _tagged(self, label: str, ex: Example) -> Example:
@@ -226,7 +238,7 @@ class MixtureEnv(Env):
     total = sum(len(v) for v in per_task.values())
     wsum = sum(self.weights[k] for k in per_task)
     out = []
-    rng = np.random.default_rng(self.seed)
+    rng = np.random.default_rng(0 if self.seed is None else self.seed)
     for label, exs in per_task.items():
       want = round(total * self.weights[label] / wsum) if wsum else 0
       if want and not exs:

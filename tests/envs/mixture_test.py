@@ -255,6 +255,47 @@ def test_per_task_means_and_nothing_for_one_task():
     _per_task(env, ["other/x"], [1.0], "reward/task/{}")
 
 
+def test_weighted_subsets_are_drawn_with_the_run_s_seed_unless_the_mixture_sets_one():
+  """The subsets were drawn with the mixture's own `seed` (default 0) whatever the run's seed:
+  runs of every seed trained on the same subset of each task."""
+  def draw(seed=None, run_seed=None):
+    env = MixtureEnv({"calc": Calc(), "echo": Echo()}, weights={"calc": 1.0, "echo": 1.0},
+                     seed=seed)  # 6 examples: calc 3 of its 4, echo its 2 and 1 of them again
+    if run_seed is not None:
+      env.use_run_seed(run_seed)
+    return [e.id for e in env.examples("train")]
+  by_run_seed = {draw(run_seed=s)[:3].__repr__() for s in range(8)}
+  assert len(by_run_seed) > 1  # the run's seed reaches the subsets
+  assert draw(run_seed=3) == draw(seed=3) and draw() == draw(seed=0)
+  # A seed of the mixture's own wins.
+  assert all(draw(seed=0, run_seed=s) == draw(seed=0) for s in range(8))
+  env = MixtureEnv({"calc": Calc(), "echo": Echo()}, weights={"calc": 1.0, "echo": 1.0})
+  env.examples("train")
+  with pytest.raises(RuntimeError, match="after the train split was drawn"):
+    env.use_run_seed(1)
+  with pytest.raises(ValueError, match="mixture seed must be an int, got 1.5"):
+    MixtureEnv({"calc": Calc()}, seed=1.5)
+
+
+def test_the_trainer_gives_a_weighted_mixture_the_run_s_seed(tmp_path):
+  from configs.quickstart import get_config
+  from jaxagent.trainer import Trainer
+  c = get_config("tiny")
+  c.workdir, c.seed, c.log.tensorboard = str(tmp_path / "run"), 5, False
+  tasks = {"short": {"env": "quickstart", "weight": 1.0, "kwargs": {**c.env.kwargs, "max_terms": 3}},
+           "long": {"env": "quickstart", "weight": 3.0, "kwargs": {**c.env.kwargs, "min_terms": 4}}}
+  c.env.name, c.env.kwargs = "mixture", {"tasks": tasks}
+  trainer = Trainer(c)
+  try:
+    got = [e.id for e in trainer.train_examples]
+  finally:
+    trainer.close()
+  assert trainer.env.seed == 5
+  kwargs = c.env.kwargs.to_dict()  # its tasks in the config's order
+  assert got == [e.id for e in make_env("mixture", **kwargs, seed=5).examples("train")]
+  assert got != [e.id for e in make_env("mixture", **kwargs, seed=0).examples("train")]
+
+
 @pytest.mark.slow  # a whole tiny run, about 30 s on 2 cores; the tests above cover each part
 def test_a_tiny_run_of_two_tasks_logs_each_task(tmp_path):
   import json
