@@ -1,0 +1,336 @@
+"""Tests for jaxagent/tools/mcp.py against a real MCP server over stdio (tests/data/mcp/server.py,
+written with the SDK's server API): listing, calls, argument checks before the call, concurrency,
+tool errors, timeouts, a crash and its restart, startup failures, name clashes and shutdown."""
+
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+pytest.importorskip("mcp")
+
+from jaxagent.tools import Calculator, ToolExecutor, ToolRegistry, function_tool  # noqa: E402
+from jaxagent.tools.mcp import (  # noqa: E402
+    MCPServer,
+    MCPServerConfig,
+    MCPServerError,
+    MCPTool,
+    content_text,
+    register_mcp_tools,
+    start_servers,
+    to_tool_result,
+)
+
+DATA = pathlib.Path(__file__).parent / "data" / "mcp"
+SERVER = {"command": sys.executable, "args": [str(DATA / "server.py")]}
+
+
+@pytest.fixture(scope="module")
+def server():
+    with MCPServer(SERVER, name="test") as s:
+        yield s
+
+
+@pytest.fixture
+def own_server():
+    """A server of the test's own (for crashes and shutdown)."""
+    servers = []
+
+    def start(**settings):
+        servers.append(MCPServer({**SERVER, **settings}))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.close()
+
+
+def lambda_add(a: int, b: int) -> int:
+    """Adds."""
+    return a + b
+
+
+def tool(server, name):
+    return next(t for t in server.tools if t.name == name)
+
+
+def alive(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def server_processes(before=()):
+    """Our descendants running a test server (other than the pids in `before`)."""
+    return [p.pid for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and alive(p.pid) and any("server.py" in part for part in p.cmdline())]
+
+
+# --------------------------------------------------------------------------- listing
+
+def test_lists_the_servers_tools_with_their_schemas(server):
+    names = [t.name for t in server.tools]
+    assert names == ["add", "echo", "sleep", "fail", "crash", "pid", "env_value", "media"]
+    add = tool(server, "add")
+    assert isinstance(add, MCPTool) and add.description == "Adds two integers."
+    assert add.parameters["required"] == ["a", "b"]
+    assert add.parameters["properties"]["a"]["type"] == "integer"
+    registry = ToolRegistry([Calculator(), *server.tools])
+    schema = next(s for s in registry.schemas() if s["function"]["name"] == "echo")
+    assert schema["function"]["parameters"]["properties"]["times"]["default"] == 1
+    assert "- add(a: integer, b: integer): Adds two integers." in registry.describe()
+    assert "- echo(text: string, times?: integer): Repeats a text." in registry.describe()
+
+
+def test_tools_filter_prefix_and_rename(own_server):
+    s = own_server(tools=["add", "echo"], prefix="m_", rename={"echo": "say"})
+    assert [t.name for t in s.tools] == ["m_add", "m_say"]
+    assert tool(s, "m_say")({"text": "ab", "times": 2}).output == "abab"
+    assert tool(s, "m_add").remote_name == "add"
+
+
+def test_a_tool_the_server_lacks_is_an_error_naming_it():
+    before = server_processes()
+    with pytest.raises(MCPServerError, match=r"tools names tools it does not have: \['nope'\].*'add'"):
+        MCPServer({**SERVER, "tools": ["add", "nope"]})
+    assert not server_processes(before)  # the server it started is gone
+
+
+# --------------------------------------------------------------------------- calls
+
+def test_valid_call_through_the_executor(server):
+    with ToolExecutor(ToolRegistry(server.tools)) as executor:
+        result = executor.run("add", {"a": 2, "b": 3})
+        assert result.ok and result.output == "5"
+        assert executor.run("add", {"a": 2.0, "b": 3}).output == "5"  # integral float coerced
+
+
+def test_invalid_arguments_are_rejected_before_the_call(server):
+    add = tool(server, "add")
+    # Our checks answer (the server's own would say "validation error for addArguments").
+    result = add({"a": "x", "b": 1})
+    assert not result.ok and result.error == "bad arguments for tool 'add': argument 'a' must be of type " \
+                                             "integer, got str"
+    assert add({"a": 1}).error == "bad arguments for tool 'add': missing required argument(s): b"
+    with ToolExecutor(ToolRegistry(server.tools)) as executor:
+        result = executor.run("add", {"b": 1})
+        assert not result.ok and "missing required argument(s): a" in result.error
+
+
+def test_tool_error_result_is_a_failure_the_policy_sees(server):
+    result = tool(server, "fail")({"message": "boom"})
+    assert not result.ok and "boom" in result.error and not result.timed_out
+    assert result.to_observation().startswith("Error: ") and "boom" in result.to_observation()
+
+
+def test_non_text_content_becomes_placeholders(server):
+    result = tool(server, "media")({})
+    assert result.ok
+    assert result.output.splitlines() == [
+        "here is a picture", "[image: image/png, 100 bytes]", "[resource: file:///notes.txt]", "resource text",
+        "[resource: file:///data.bin, application/octet-stream, 10 bytes]"]
+
+
+def test_content_text_of_every_block_kind():
+    blocks = [{"type": "audio", "data": "AAAA", "mimeType": "audio/wav"},
+              {"type": "resource_link", "uri": "file:///a", "name": "a"},
+              {"type": "hologram"}]
+    assert content_text(blocks) == "[audio: audio/wav, 3 bytes]\n[resource link: file:///a (a)]\n[hologram content]"
+    assert to_tool_result({"content": [], "structuredContent": {"x": 1}}, "t").output == '{"x": 1}'
+    assert to_tool_result({"content": [], "isError": True}, "t").error == \
+        "tool 't' reported an error without a message"
+
+
+def test_env_and_cwd_reach_the_server_process(own_server, tmp_path):
+    s = own_server(env={"JAXAGENT_MCP_TEST": "hello"}, cwd=str(tmp_path))
+    assert tool(s, "env_value")({"key": "JAXAGENT_MCP_TEST"}).output == f"hello in {tmp_path}"
+
+
+def test_sixteen_calls_from_eight_threads_run_concurrently(server):
+    sleep = tool(server, "sleep")
+    results = {}
+    with ToolExecutor(ToolRegistry(server.tools), max_workers=16) as executor:
+        def worker(k):
+            futures = [executor.submit("sleep", {"seconds": 0.5 + (2 * k + j) / 1000}) for j in range(2)]
+            for j, f in enumerate(futures):
+                results[2 * k + j] = f.result()
+
+        start = time.monotonic()
+        threads = [threading.Thread(target=worker, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - start
+    assert len(results) == 16
+    for i, result in results.items():  # each answer went to its own call
+        assert result.ok and result.output == f"slept {0.5 + i / 1000}", result
+    assert elapsed < 3.0, f"16 calls of 0.5 s took {elapsed:.2f} s: they did not overlap"
+    assert sleep.server is server
+
+
+# --------------------------------------------------------------------------- failures
+
+def test_timeout_is_an_error_and_the_session_stays_usable(server):
+    pid = server.pid
+    start = time.monotonic()
+    result = tool(server, "sleep")({"seconds": 10}, timeout_s=0.3)
+    assert not result.ok and result.timed_out and "timed out after 0.3 s" in result.error
+    assert time.monotonic() - start < 2.0
+    assert tool(server, "add")({"a": 1, "b": 1}).output == "2"
+    assert server.pid == pid  # the same process and session
+    # Through the executor, whose limit the tool keeps itself (its watchdog stays a backstop).
+    with ToolExecutor(ToolRegistry(server.tools)) as executor:
+        result = executor.run("sleep", {"seconds": 10}, timeout_s=0.3)
+        assert result.timed_out and result.error == "tool 'sleep' timed out after 0.3 s"
+        assert executor.run("echo", {"text": "ok"}).output == "ok"
+
+
+def test_a_crash_mid_call_fails_the_call_and_the_next_call_restarts_the_server(own_server, caplog):
+    s = own_server()
+    first = s.pid
+    with caplog.at_level(logging.WARNING, logger="jaxagent.tools.mcp"):
+        result = tool(s, "crash")({})
+        assert not result.ok and "stopped during the call" in result.error
+        assert "started again for the next call" in result.error
+        assert tool(s, "add")({"a": 2, "b": 2}).output == "4"
+    assert s.pid != first and not alive(first)
+    assert tool(s, "pid")({}).output == str(s.pid)
+    assert any("restarting it (restart 1 of at most 3" in r.getMessage() for r in caplog.records)
+    assert s.restarts == 0  # a call was answered since
+
+
+@pytest.mark.slow  # ~2 s: two starts
+def test_a_server_killed_while_idle_is_restarted_before_the_next_call(own_server):
+    s = own_server()
+    first = s.pid
+    psutil.Process(first).kill()
+    psutil.Process(first).wait(timeout=5)
+    assert tool(s, "add")({"a": 1, "b": 2}).output == "3"  # no call is lost
+    assert s.pid != first
+
+
+def test_restarts_are_bounded(own_server):
+    s = own_server(max_restarts=0)
+    first = s.pid
+    assert not tool(s, "crash")({}).ok
+    result = tool(s, "add")({"a": 1, "b": 2})
+    assert not result.ok and "not restarted again (max_restarts=0)" in result.error
+    assert not alive(first)
+
+
+def test_a_server_that_fails_to_start_is_an_error_naming_its_command():
+    with pytest.raises(MCPServerError) as info:
+        MCPServer({**SERVER, "args": [*SERVER["args"], "--fail-start"]})
+    message = str(info.value)
+    assert "server.py --fail-start" in message and "exited during its startup" in message
+    assert "refusing to start (--fail-start)" in message  # its stderr
+    with pytest.raises(MCPServerError, match="'no-such-program-jaxagent' could not be started"):
+        MCPServer(command="no-such-program-jaxagent")
+
+
+def test_a_server_that_never_answers_times_out_at_startup():
+    start = time.monotonic()
+    silent = [sys.executable, "-c", "import time; time.sleep(60)"]
+    with pytest.raises(MCPServerError, match=r"did not start and list its tools within startup_timeout_s=1 s"):
+        MCPServer(command=silent[0], args=silent[1:], startup_timeout_s=1)
+    assert time.monotonic() - start < 8.0
+    assert not [p for p in psutil.Process().children(recursive=True)
+                if alive(p.pid) and "time.sleep(60)" in " ".join(p.cmdline())]
+
+
+def test_a_malformed_tool_list_is_an_error_naming_the_command_and_the_tool():
+    with pytest.raises(MCPServerError) as info:
+        MCPServer(command=sys.executable, args=[str(DATA / "malformed_server.py")])
+    message = str(info.value)
+    assert "malformed_server.py" in message and "'scale'" in message and "'float'" in message
+
+
+def test_name_clashes_are_errors_naming_both_sides(server):
+    registry = ToolRegistry([function_tool(lambda_add, name="add")])
+    with pytest.raises(ValueError, match=r"its tool 'add' would be named 'add', which FunctionTool already uses; "
+                                         r"give the server a prefix"):
+        register_mcp_tools(registry, server)
+    assert registry.names() == ["add"]  # nothing of the server's was added
+    registry = ToolRegistry(server.tools)
+    with pytest.raises(ValueError, match="which MCP server 'test' already uses"):
+        register_mcp_tools(registry, server)
+
+
+def test_start_servers_registers_all_or_closes_what_it_started():
+    before = server_processes()
+    with pytest.raises(ValueError, match="unknown setting 'comand'"):
+        start_servers([{**SERVER, "prefix": "a_"}, {"comand": "x"}])
+    assert not server_processes(before)
+    servers, registry = start_servers([{**SERVER, "prefix": "a_", "tools": ["add"]}], ToolRegistry([Calculator()]))
+    try:
+        assert registry.names() == ["calculator", "a_add"]
+        assert registry.get("a_add")({"a": 1, "b": 2}).output == "3"
+    finally:
+        for s in servers:
+            s.close()
+
+
+def test_config_errors_name_the_setting():
+    with pytest.raises(ValueError, match=r"unknown setting 'arg' \(did you mean 'args'\?\)"):
+        MCPServerConfig.from_mapping({"command": "x", "arg": ["a"]})
+    with pytest.raises(ValueError, match="needs a 'command'"):
+        MCPServerConfig.from_mapping({"args": ["a"]})
+    with pytest.raises(TypeError, match="args must be a list of strings"):
+        MCPServerConfig(command="x", args="server.py")
+    with pytest.raises(ValueError, match="timeout_s must be a positive number"):
+        MCPServerConfig(command="x", timeout_s=0)
+
+
+# --------------------------------------------------------------------------- shutdown
+
+def test_close_ends_the_process_and_later_calls_fail_cleanly(own_server):
+    s = own_server()
+    pid = s.pid
+    assert alive(pid)
+    s.close()
+    assert not alive(pid) and pid not in server_processes()
+    result = tool(s, "add")({"a": 1, "b": 2})
+    assert not result.ok and "is closed" in result.error
+    s.close()  # idempotent
+
+
+def test_close_during_a_call_resolves_it_at_once(own_server):
+    s = own_server()
+    out = {}
+    caller = threading.Thread(target=lambda: out.setdefault("r", tool(s, "sleep")({"seconds": 30})))
+    caller.start()
+    time.sleep(0.3)
+    start = time.monotonic()
+    s.close()
+    caller.join(timeout=10)
+    assert not caller.is_alive() and time.monotonic() - start < 10
+    assert not out["r"].ok and "closed" in out["r"].error
+
+
+@pytest.mark.slow  # ~2 s: a Python process of its own
+def test_no_orphan_when_the_interpreter_exits_without_close(tmp_path):
+    script = ("import json, sys; from jaxagent.tools.mcp import MCPServer; "
+              f"s = MCPServer({json.dumps(SERVER)}); print(s.pid, flush=True)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60,
+                          cwd=pathlib.Path(__file__).parent.parent)
+    assert proc.returncode == 0, proc.stderr
+    pid = int(proc.stdout.split()[0])
+    deadline = time.monotonic() + 5
+    while psutil.pid_exists(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_importing_jaxagent_tools_does_not_import_mcp():
+    code = "import sys, jaxagent.tools; assert 'mcp' not in sys.modules and 'jaxagent.tools.mcp' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
+                   env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parent.parent)})
