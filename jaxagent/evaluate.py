@@ -19,7 +19,9 @@ successes.
     one: `model.path` an HF directory), no checkpoint. `--out` defaults to
     `<config workdir>/evals/initial`.
 
-Nothing is written to the run's own files (metrics, checkpoints, samples).
+Nothing is written to the run's own files (metrics, checkpoints, samples). The trainer it
+builds holds no optimizer state (`Trainer(config, eval_only=True)`): the policy's params and the
+rollout engines only.
 """
 import dataclasses
 import json
@@ -84,6 +86,10 @@ def _for_evaluation(config, out: pathlib.Path, size: int | None, pass_k: int | N
     if size < 0:
       raise ValueError(f"--size={size} must be >= 0 (0: the whole eval split)")
     config.eval.size = size or 2**31 - 1  # the trainer takes the split's first eval.size
+  elif not config.eval.get("size"):
+    # Checked before the model loads (a trainer built for nothing to evaluate loaded it first).
+    raise ValueError("nothing to evaluate: eval.size is 0 in the run's config: pass --size=N "
+                     "(N held-out examples; 0 for the whole eval split)")
   if pass_k is not None:
     if pass_k < 0:
       raise ValueError(f"--pass_k={pass_k} must be >= 0")
@@ -185,7 +191,7 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, out: str | Non
   if "init_from" in config.get("lora", {}):
     config.lora.init_from = ""  # the checkpoint holds the adapter
   _apply_settings(config, settings)
-  trainer = Trainer(config)
+  trainer = Trainer(config, eval_only=True)
   try:
     checkpoint.check_model_config(meta, trainer.cfg, path)
     if trainer._base_digest is not None:
@@ -207,7 +213,7 @@ def evaluate_config(config, *, out: str | None = None, size: int | None = None,
   from jaxagent.trainer import Trainer
   out_dir = (pathlib.Path(out).expanduser() if out is not None
              else pathlib.Path(os.path.expanduser(config.workdir)) / "evals" / "initial")
-  trainer = Trainer(_for_evaluation(config, out_dir, size, pass_k))
+  trainer = Trainer(_for_evaluation(config, out_dir, size, pass_k), eval_only=True)
   try:
     return _run(trainer, out_dir, {"model": config.model.path})
   finally:
@@ -217,8 +223,7 @@ def evaluate_config(config, *, out: str | None = None, size: int | None = None,
 def _run(trainer, out_dir: pathlib.Path, source: dict) -> dict:
   import jax
   if not trainer.eval_examples:
-    raise ValueError("nothing to evaluate: the task's eval split is empty (or eval.size is "
-                     "0 in the run's config: pass --size=N)")
+    raise ValueError("nothing to evaluate: the task's eval split is empty")
   metrics = trainer.evaluate(tag="eval", phase=(f"step_{trainer.step:06d}" if "step" in source
                                                 else "initial"))
   record = {**source, "env": trainer.config.env.name, **metrics}

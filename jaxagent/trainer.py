@@ -289,8 +289,12 @@ class Trainer:
 
   _cancel_ahead: threading.Event | None = None  # (`__init__` sets it; see `_close_collector`)
 
-  def __init__(self, config):
+  def __init__(self, config, *, eval_only: bool = False):
+    """eval_only: a trainer that only evaluates (`python -m jaxagent.evaluate`): its train
+    state holds no optimizer state (Adam's moments are twice the params' memory), and
+    `run`, `warm_start`, `rl_step`, `restore` and `save_checkpoint` refuse to run."""
     self.config = config
+    self.eval_only = bool(eval_only)
     c = config
     compile_stats.install()
     # Settings that need no model are checked first, so a bad value fails in a second.
@@ -355,7 +359,7 @@ class Trainer:
       else:
         params = lora_lib.init_lora(self.cfg, self.lora, jax.random.fold_in(
             jax.random.key(c.seed), 0x10A))
-    self.state = self.learner.init(params)
+    self.state = self.learner.init(params, optimizer=not self.eval_only)
     del params
     self.ref_params = None  # set when RL starts (after the warm start), if kl_coef > 0
 
@@ -429,6 +433,11 @@ class Trainer:
     self._failed: dict[int, Exception] = {}
     self._prompts_before: dict[int, Any] = {}
     self._shares_devices = bool(set(self.gen_mesh.devices.flat) & set(self.mesh.devices.flat))
+
+  def _check_trains(self, what: str) -> None:
+    if self.eval_only:
+      raise RuntimeError(f"Trainer.{what}: this trainer was built with eval_only=True (no "
+                         "optimizer state); it only evaluates")
 
   def _adapter_from(self, path: str):
     """The PEFT adapter at `path` (`lora.init_from`), which must have the config's rank,
@@ -664,6 +673,7 @@ class Trainer:
     """SFT on demonstrations (or chat JSONL): cross-entropy on policy tokens only; batches of
     `sft.batch_size` take every item once per epoch, reshuffled each epoch (`sft.steps` may
     stop mid-epoch)."""
+    self._check_trains("warm_start")
     s = self.config.sft
     if not s.steps:
       return {}
@@ -976,6 +986,7 @@ class Trainer:
 
   def rl_step(self, step: int) -> dict[str, float]:
     """One RL step: rollouts and packing (`_collect`), reference log-probs, updates."""
+    self._check_trains("rl_step")
     if self.ref_params is None:
       # A step outside `run` (a loop of one's own, after `warm_start` or not): the KL reference
       # is taken as `run` takes it. It was None, and the reference scoring failed inside the
@@ -1227,6 +1238,7 @@ class Trainer:
     one would, with `stopped_by: "time_limit"` and `rl_steps_done` in the summary; with
     checkpointing on, rerunning the command resumes from there (with a fresh budget).
     """
+    self._check_trains("run")
     c = self.config
     t_start = time.time()
     say = self.writer.message
@@ -1386,6 +1398,7 @@ class Trainer:
 
   def save_checkpoint(self, step: int | None = None, *, wait: bool = False) -> pathlib.Path:
     """Save a checkpoint of the current state now (on demand; all processes must call it)."""
+    self._check_trains("save_checkpoint")
     if self.ckpt is None:
       raise ValueError("checkpointing is off: set checkpoint_every > 0 to save checkpoints")
     if not self.warm_started:
@@ -1428,6 +1441,7 @@ class Trainer:
     Called by `run`; a second call does nothing. Metric records of later steps (written before
     an interruption, redone now) are dropped from `metrics.jsonl`.
     """
+    self._check_trains("restore")
     if self._restore_done:
       return self._resumed
     # Marked done only when it has succeeded: after a restore that raised (checkpoints that do

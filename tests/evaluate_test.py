@@ -64,7 +64,8 @@ def test_a_config_s_lora_adapter_is_the_one_evaluated(tmp_path, monkeypatch):
   class Built(Exception):
     pass
 
-  def trainer(config):
+  def trainer(config, **kw):
+    assert kw == {"eval_only": True}  # no optimizer state
     built.append(config)
     raise Built
   monkeypatch.setattr(jaxagent.trainer, "Trainer", trainer)
@@ -74,6 +75,51 @@ def test_a_config_s_lora_adapter_is_the_one_evaluated(tmp_path, monkeypatch):
     evaluate.evaluate_config(c, out=str(tmp_path / "out"))
   assert built[0].lora.init_from == str(tmp_path / "adapter")
   assert built[0].checkpoint_every == 0 and built[0].sft.steps == 0
+
+
+def test_an_eval_size_of_0_fails_before_the_model_loads(tmp_path, monkeypatch):
+  """A run whose eval.size is 0, evaluated without --size, failed only after its model loaded
+  (the trainer was built first, for nothing)."""
+  import jaxagent.trainer
+
+  def trainer(config, **kw):
+    raise AssertionError("the trainer was built")
+  monkeypatch.setattr(jaxagent.trainer, "Trainer", trainer)
+  c = get_config("tiny")
+  c.eval.size = 0
+  with pytest.raises(ValueError, match=r"eval.size is 0 in the run's config: pass --size=N"):
+    evaluate.evaluate_config(c, out=str(tmp_path / "out"))
+  assert evaluate._for_evaluation(c, tmp_path, size=3, pass_k=None).eval.size == 3
+
+
+def test_an_eval_only_trainer_holds_no_optimizer_state_and_evaluates_the_same(tmp_path):
+  """The evaluation built a whole trainer: its Adam moments (twice the params, float32) were
+  allocated and never read."""
+  from jaxagent.trainer import Trainer
+  c = get_config("tiny")
+  c.workdir, c.log.tensorboard, c.eval.size, c.eval.pass_k = str(tmp_path / "run"), False, 2, 1
+  metrics = {}
+  for eval_only in (False, True):
+    before = {id(x) for x in jax.live_arrays()}
+    trainer = Trainer(c, eval_only=eval_only)
+    try:
+      owned = sum(x.nbytes for x in jax.live_arrays() if id(x) not in before)
+      params = sum(x.nbytes for x in jax.tree.leaves(trainer.state.params))
+      metrics[eval_only] = {k: v for k, v in trainer.evaluate(phase="initial").items()
+                            if not k.endswith("_s") and "compile" not in k}
+      if eval_only:
+        assert trainer.state.opt_state is None
+        # Its arrays: the params (and small ones of the engines), not 3x the params.
+        assert owned < 2 * params, (owned, params)
+        for call in (trainer.run, trainer.warm_start, lambda: trainer.rl_step(1),
+                     trainer.save_checkpoint, trainer.restore):
+          with pytest.raises(RuntimeError, match="eval_only=True"):
+            call()
+      else:
+        assert owned >= 3 * params, (owned, params)  # params and Adam's two moments
+    finally:
+      trainer.close()
+  assert metrics[True] == metrics[False]
 
 
 def test_set_changes_existing_keys_and_names_a_typo():

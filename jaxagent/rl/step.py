@@ -642,13 +642,17 @@ class Learner:
     if self.lora is not None:
       lora_lib.check_lora(params, self.cfg, self.lora, what)
 
-  def init(self, params) -> TrainState:
+  def init(self, params, *, optimizer: bool = True) -> TrainState:
     """A sharded train state (step 0) around `params` (host or device arrays; an adapter of
-    the learner's `LoraConfig` when it has one)."""
+    the learner's `LoraConfig` when it has one).
+
+    optimizer: False leaves the optimizer state out (`opt_state` None), for a state that is
+      only read (evaluation): Adam's two float32 moments are twice the params' memory.
+      `train_step` refuses such a state."""
     self._check_adapter(params, "Learner.init")
     def make(p):
       return TrainState(step=jnp.zeros((), jnp.int32), params=p,
-                        opt_state=self.optimizer.init(p))
+                        opt_state=self.optimizer.init(p) if optimizer else None)
     abstract = jax.eval_shape(make, params)
     shardings = self.state_shardings(abstract)
     params = jax.device_put(params, shardings.params)
@@ -691,6 +695,9 @@ class Learner:
     return self._train
 
   def train_step(self, state: TrainState, batch) -> tuple[TrainState, dict[str, float]]:
+    if state.opt_state is None:
+      raise ValueError("Learner.train_step: this state has no optimizer state (it was made by "
+                       "init(params, optimizer=False), to be read only)")
     _check_behavior_key(batch, self.scfg)  # before the batch moves to the devices
     train = self.train_step_fn(state)
     step = int(state.step)

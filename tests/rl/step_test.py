@@ -247,6 +247,17 @@ def test_updates_lower_the_loss_on_a_fixed_batch(params):
   assert int(st.step) == 5
 
 
+def test_a_state_without_optimizer_state_is_placed_and_refused_by_train_step(params):
+  learner = step.Learner(CFG, step.StepConfig(), step.make_optimizer(3e-3))
+  st = learner.init(params, optimizer=False)
+  assert st.opt_state is None and int(st.step) == 0
+  assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(st.params),
+                                                  jax.tree.leaves(params)))
+  _, b = _batch(_items(2), max_len=64)
+  with pytest.raises(ValueError, match=r"no optimizer state .*optimizer=False"):
+    learner.train_step(st, {k: np.asarray(v) for k, v in b.items()})
+
+
 def test_sft_objective_is_masked_cross_entropy(params):
   items = _items(4, seed=5)
   _, b = _batch(items, max_len=64)
