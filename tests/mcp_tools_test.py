@@ -331,6 +331,101 @@ def test_no_orphan_when_the_interpreter_exits_without_close(tmp_path):
 
 
 def test_importing_jaxagent_tools_does_not_import_mcp():
-    code = "import sys, jaxagent.tools; assert 'mcp' not in sys.modules and 'jaxagent.tools.mcp' not in sys.modules"
+    code = ("import sys, jaxagent.tools; assert 'mcp' not in sys.modules and 'jaxagent.tools.mcp' not in sys.modules; "
+            "import jaxagent.tools.mcp as m; assert jaxagent.tools.MCPServer is m.MCPServer")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60,
                    env={**os.environ, "PYTHONPATH": str(pathlib.Path(__file__).parent.parent)})
+
+
+# --------------------------------------------------------------------------- the env (run-config wiring)
+
+class ChatCharTokenizer:
+    """The rollout tests' character tokenizer, with a chat template that shows its `tools=`."""
+
+    eos_ids = frozenset({3})
+
+    def __init__(self):
+        self.tools_given = []
+
+    def encode(self, text):
+        return [ord(c) if ord(c) < 512 else ord("?") for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(int(i)) for i in ids)
+
+    def encode_chat(self, messages, add_generation_prompt=True, tools=None):
+        self.tools_given.append(tools)
+        text = "".join(f"[{m['role']}] {m['content']}\n" for m in messages)
+        if tools:
+            text = "[tools] " + ",".join(t["function"]["name"] for t in tools) + "\n" + text
+        return self.encode(text + "[assistant] ")
+
+
+@pytest.fixture
+def questions(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps({"question": "What is 2+3?", "answer": "5"}) + "\n")
+    return str(path)
+
+
+def test_make_env_mcp_tools_lists_the_servers_tools_in_the_system_prompt(questions):
+    from jaxagent.envs import make_env
+    with pytest.raises(ValueError, match="unknown setting 'mcp_server' \\(did you mean 'mcp_servers'\\?\\)"):
+        make_env("mcp_tools", mcp_server=[SERVER])
+    env = make_env("mcp_tools", mcp_servers=[{**SERVER, "tools": ["add", "echo"]}], train_file=questions)
+    pid = env.servers[0].pid
+    try:
+        assert env.tools.names() == ["add", "echo"]
+        (ex,) = env.examples("train")
+        system = ex.prompt[0]["content"]
+        assert "- add(a: integer, b: integer): Adds two integers." in system
+        assert '<tool_call>{"name": "<tool>", "arguments": {...}}</tool_call>' in system
+        assert env.examples("eval") == []
+        tok = ChatCharTokenizer()
+        assert tok.decode(env.render_prompt(ex, tok)).startswith("[system] You are a helpful assistant")
+        assert tok.tools_given == [None]
+    finally:
+        env.close()
+    assert pid is not None and not alive(pid)
+
+
+def test_tools_in_template_gives_the_schemas_to_the_chat_template(questions):
+    from jaxagent.envs.mcp_tools import MCPToolEnv
+    env = MCPToolEnv(mcp_servers=[{**SERVER, "tools": ["add"], "prefix": "m_"}], train_file=questions,
+                     tools_in_template=True)
+    try:
+        (ex,) = env.examples("train")
+        tok = ChatCharTokenizer()
+        assert tok.decode(env.render_prompt(ex, tok)).startswith("[tools] m_add\n[system] ")
+        assert tok.tools_given[0][0]["function"]["parameters"]["required"] == ["a", "b"]
+        assert "- m_add" not in ex.prompt[0]["content"]  # the template lists them
+    finally:
+        env.close()
+
+
+def test_a_rollout_calls_the_servers_tools_and_is_rewarded(questions):
+    from tests.agent.rollout_test import FakeEngine
+
+    from jaxagent.agent import RolloutConfig, rollout
+    from jaxagent.envs.mcp_tools import MCPToolEnv
+
+    tok = ChatCharTokenizer()
+    turns = ['<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>',
+             '<tool_call>{"name": "add", "arguments": {"a": "two", "b": 3}}</tool_call>',
+             '<tool_call>{"name": "fail", "arguments": {"message": "no such thing"}}</tool_call>',
+             "<answer>5</answer>"]
+    encoded = [tok.encode(t) for t in turns]
+    fake = FakeEngine(lambda rid, turn: encoded[turn] if turn < len(encoded) else [], slots=1, max_len=2048)
+    env = MCPToolEnv(mcp_servers=[SERVER], train_file=questions)
+    try:
+        (traj,) = rollout(fake, None, env, env.examples("train"), tokenizer=tok,
+                          cfg=RolloutConfig(max_turns=6, max_tokens_per_turn=96, decode_steps=8))
+        assert traj.stop_reason == "answer"
+        observations = [t.observation_text for t in traj.turns[:3]]
+        assert observations[0] == "\n<tool_response>\n5\n</tool_response>\n"
+        assert "bad arguments for tool 'add': argument 'a' must be of type integer" in observations[1]
+        assert "Error: " in observations[2] and "no such thing" in observations[2]
+        reward = env.reward(traj, env.examples("train")[0], tok, step=0)
+        assert reward.components["correct"] == 1.0
+    finally:
+        env.close()

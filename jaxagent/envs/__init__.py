@@ -19,6 +19,7 @@ REGISTRY = {
     "search_qa": "jaxagent.envs.search_qa:SearchQAEnv",    # Search-R1: multi-hop QA + BM25
     "code": "jaxagent.envs.code:CodeEnv",                  # HumanEval + unit tests
     "mixture": "jaxagent.envs.mixture:MixtureEnv",         # several tasks trained at once
+    "mcp_tools": "jaxagent.envs.mcp_tools:MCPToolEnv",     # your questions + MCP servers' tools
 }
 
 

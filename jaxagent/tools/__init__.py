@@ -1,5 +1,7 @@
 """Host-side tools for agent rollouts: the tool contract, executors, a Python sandbox, a
-calculator and local BM25 search.
+calculator and local BM25 search; tools of MCP servers in `jaxagent.tools.mcp` (the `mcp` extra,
+imported on first use of its names here: `jaxagent.tools.MCPServer`, so that importing this
+package never imports the MCP SDK).
 
 Data flow: a task (`jaxagent.envs`) builds a `ToolRegistry` of tools; the rollout driver
 (`jaxagent.agent`) submits each parsed call to a `ToolExecutor` and appends the resulting
@@ -36,3 +38,12 @@ __all__ = [
     "format_passages", "function_tool", "invoke_tool", "load_documents", "normalize_result", "run_python",
     "sandbox_isolation", "validate_arguments",
 ]
+
+_LAZY = {"MCPServer", "MCPServerConfig", "MCPServerError", "MCPTool"}  # from jaxagent.tools.mcp
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from jaxagent.tools import mcp
+        return getattr(mcp, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

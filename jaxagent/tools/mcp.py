@@ -68,7 +68,7 @@ try:
     from mcp import ClientSession, StdioServerParameters, stdio_client
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("jaxagent.tools.mcp needs the MCP SDK: pip install 'jaxagent[mcp]' (or "
-                      "pip install 'mcp>=1.10,<3')") from e
+                      "pip install 'mcp>=1.30,<3')") from e
 
 log = logging.getLogger(__name__)
 
