@@ -429,3 +429,26 @@ def test_a_rollout_calls_the_servers_tools_and_is_rewarded(questions):
         assert reward.components["correct"] == 1.0
     finally:
         env.close()
+
+
+@pytest.mark.slow  # one RL step of the tiny quickstart model
+def test_a_training_step_with_mcp_servers_in_the_run_config(tmp_path):
+    from tests.trainer_test import _tiny
+
+    from jaxagent.trainer import Trainer
+
+    for split, n in (("train", 16), ("eval", 4)):
+        with (tmp_path / f"{split}.jsonl").open("w") as f:
+            for i in range(n):
+                f.write(json.dumps({"question": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n")
+    kwargs = {"mcp_servers": [{**SERVER, "tools": ["add"]}], "train_file": str(tmp_path / "train.jsonl"),
+              "eval_file": str(tmp_path / "eval.jsonl")}
+    trainer = Trainer(_tiny(tmp_path, **{"env.name": "mcp_tools", "env.kwargs": kwargs}))
+    try:
+        assert trainer.env.tools.names() == ["add"]
+        trainer.run()
+    finally:
+        trainer.close()
+        trainer.env.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert any(r.get("step") == 1 and "reward/mean" in r for r in rows)

@@ -101,9 +101,12 @@ class MCPToolEnv(Env):
     self._cache: dict[str, list[Example]] = {}
 
   def examples(self, split: str) -> Sequence[Example]:
-    """The questions of `split` ("train" or "eval"); [] for a split without a file."""
-    if split not in ("train", "eval", "sft"):
-      raise ValueError(f"unknown split {split!r}; expected 'train', 'eval' or 'sft'")
+    """The questions of `split` ("train" or "eval"); [] for a split without a file. There are
+    no demonstrations: a warm start takes a chat JSONL file (`sft.data`)."""
+    if split == "sft":
+      raise ValueError("MCPToolEnv has no demonstrations to warm-start on")
+    if split not in ("train", "eval"):
+      raise ValueError(f"unknown split {split!r}; expected 'train' or 'eval'")
     if split not in self._files:
       return []
     if split not in self._cache:

@@ -288,7 +288,6 @@ class _Connection:
             return True
 
 
-
 _LIVE: weakref.WeakSet[MCPServer] = weakref.WeakSet()
 _SPAWN_LOCK = threading.Lock()  # one server spawned at a time, so its process can be told apart
 
