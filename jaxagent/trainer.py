@@ -1010,18 +1010,21 @@ class Trainer:
                          f"train.mini_batches={minis}; pack with packing.config_from_train "
                          f"(trainer.pack_cfg.row_multiple={self.pack_cfg.row_multiple})")
       skipped = 0.0  # train/nonfinite: 1 when any update was skipped
-      first, first_gap = True, None
+      first, first_gap, updates = True, None, 0
       for epoch in range(epochs):
         # Each epoch its own seeded split of the rows (a trajectory lies in one row, so in one
         # mini-batch): the packer fills rows longest first, so fixed contiguous mini-batches
-        # gave the first update of every epoch the longest trajectories. One without a trained
-        # token (padding rows) makes no update: an optimizer step on a zero gradient still
+        # gave the first update of every epoch the longest trajectories. One whose gradient is
+        # exactly 0 makes no update (`step_lib.has_gradient`: padding rows only, or every
+        # advantage 0 with no KL or entropy term): an optimizer step on a zero gradient still
         # moves the weights through the moments and weight decay.
-        parts = [(0, batch)] if minis == 1 else [
-            (i, part) for i, part in enumerate(
-                {k: v[idx] for k, v in batch.items()}
-                for idx in mini_batch_rows(rows, minis, self.config.seed, step, epoch))
-            if "loss_mask" not in part or part["loss_mask"].any()]
+        parts = [(0, batch)] if minis == 1 else list(enumerate(
+            {k: v[idx] for k, v in batch.items()}
+            for idx in mini_batch_rows(rows, minis, self.config.seed, step, epoch)))
+        parts = [(i, part) for i, part in parts
+                 if ("loss_mask" not in part or part["loss_mask"].any())
+                 and step_lib.has_gradient(self.loss_cfg, part)]
+        updates += len(parts)
         for i, part in parts:
           where = (f"RL step {step}" + (f", epoch {epoch + 1} of {epochs}" if epochs > 1 else "")
                    + (f", mini-batch {i + 1} of {minis}" if minis > 1 else ""))
@@ -1053,8 +1056,10 @@ class Trainer:
         metrics["train/nonfinite"] = skipped
       if first_gap is not None:
         metrics["train/logprob_gap"] = first_gap
-      # Logged on every step, so its mean over a run is the fraction of steps skipped.
-      metrics["train/skipped_no_signal"] = 0.0
+      # Logged on every step, so its mean over a run is the fraction of steps skipped. A batch
+      # whose every advantage is 0 (train.zero_variance="keep" and no reward varied) with no KL
+      # or entropy term is skipped as one with nothing left to train on is.
+      metrics["train/skipped_no_signal"] = 0.0 if updates else 1.0
     else:
       metrics["train/skipped_no_signal"] = 1.0
     metrics["time/update_s"] = time.time() - t1

@@ -1095,6 +1095,32 @@ def test_a_step_whose_packing_keeps_no_policy_token_makes_no_update(tmp_path):
     trainer.close()
 
 
+@pytest.mark.parametrize("loss", [{}, {"loss.entropy_coef": 0.01}, {"loss.kl_coef": 0.01}])
+def test_a_step_whose_advantages_are_all_zero_makes_no_update_without_kl_or_entropy(
+    tmp_path, loss):
+  """zero_variance="keep" and no reward varied (a random tiny model earns none): every
+  advantage is 0, so with no KL or entropy term the gradient is exactly 0, yet the optimizer
+  stepped and moved the params through weight decay and Adam's moments. With either term the
+  step still updates."""
+  trainer = Trainer(_tiny(tmp_path, **{"optimizer.weight_decay": 0.1, "loss.entropy_coef": 0.0,
+                                       **loss}))
+  try:
+    before = jax.device_get(trainer.state)
+    m = trainer.rl_step(1)
+    assert m["adv/num_zero_variance_groups"] == m["adv/num_groups"] > 0
+    after = jax.device_get(trainer.state)
+    same = [np.array_equal(a, b) for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after))]
+    if loss:
+      assert m["train/skipped_no_signal"] == 0.0 and np.isfinite(m["train/loss"])
+      assert int(after.step) == 1 and not all(same)
+    else:
+      assert m["train/skipped_no_signal"] == 1.0 and "train/loss" not in m
+      assert int(after.step) == 0 and all(same)  # params, optimizer state and its count
+      assert jax.tree.structure(before) == jax.tree.structure(after)
+  finally:
+    trainer.close()
+
+
 @pytest.mark.slow  # two RL steps, one with an update (about 30 s on 2 cores)
 def test_dynamic_sampling_logs_counts_over_every_sampled_group(tmp_path, monkeypatch):
   """`adv/*` of `compute_advantages` sees only the accepted groups (never zero-variance under

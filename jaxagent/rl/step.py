@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Any, Literal
+from typing import Any, Literal, Mapping
 
 import flax.struct
 import jax
@@ -457,6 +457,21 @@ def _apply(state: TrainState, grads_parts, optimizer):
   metrics["update_norm"] = update_norm
   metrics["nonfinite"] = 1.0 - finite.astype(jnp.float32)
   return new_state, metrics
+
+
+def has_gradient(loss_cfg: losses.LossConfig, batch: Mapping[str, Any]) -> bool:
+  """Whether the RL loss of `batch` (host arrays) can have a non-zero gradient: a trained token
+  (`loss_mask`) has a non-zero advantage, or the loss has a KL or an entropy term. Otherwise
+  every term is 0 times a finite ratio and the gradient is exactly 0, yet an optimizer step
+  would still move the params (Adam's moments, weight decay) and count an update of the
+  learning-rate schedule: the trainer makes none (`train/skipped_no_signal`)."""
+  if loss_cfg.kl_coef or loss_cfg.entropy_coef:
+    return True
+  adv = np.asarray(batch["advantages"])
+  mask = batch.get("loss_mask")
+  if mask is not None:
+    adv = adv[np.asarray(mask) != 0]
+  return bool(np.any(adv != 0))  # (a NaN advantage counts: the step then reports nonfinite)
 
 
 def learner_parts(config):

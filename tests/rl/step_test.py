@@ -258,6 +258,19 @@ def test_a_state_without_optimizer_state_is_placed_and_refused_by_train_step(par
     learner.train_step(st, {k: np.asarray(v) for k, v in b.items()})
 
 
+def test_has_gradient_needs_a_trained_non_zero_advantage_or_a_kl_or_entropy_term():
+  from jaxagent.rl import losses
+  mask = np.array([[0, 1, 1, 0]], np.float32)
+  adv = lambda *a: {"advantages": np.array([a], np.float32), "loss_mask": mask}
+  plain = losses.LossConfig()
+  assert not step.has_gradient(plain, adv(0, 0, 0, 0))
+  assert not step.has_gradient(plain, adv(1, 0, 0, -1))  # off the trained tokens only
+  assert step.has_gradient(plain, adv(0, 0, -0.5, 0))
+  assert step.has_gradient(plain, adv(0, np.nan, 0, 0))  # reported as nonfinite by the step
+  assert step.has_gradient(losses.LossConfig(kl_coef=0.1), adv(0, 0, 0, 0))
+  assert step.has_gradient(losses.LossConfig(entropy_coef=0.01), adv(0, 0, 0, 0))
+
+
 def test_sft_objective_is_masked_cross_entropy(params):
   items = _items(4, seed=5)
   _, b = _batch(items, max_len=64)
