@@ -220,7 +220,10 @@ class EngineConfig:
   min_prefill_len: int = 16
   # Cached attention of decode steps: "xla" (einsums) or "pallas" (the flash-decoding kernel
   # of `models/decode_attention.py`); "auto" picks "pallas" on GPUs (4-10% faster end to end
-  # on an H200, benchmarks/RESULTS.md) and "xla" elsewhere.
+  # on an H200, benchmarks/RESULTS.md) and "xla" elsewhere. Models the kernels do not compute
+  # (`decoder.decode_kernels_fit`: a sliding window, Gemma 3's attention scale and norms) get
+  # "xla" from "auto", and an error from "pallas"; so do the write-first step, the fused
+  # q|k|v, folded norms and chained matrices built on the kernels.
   decode_attention: str = "auto"
   # KV cache buffers: "stacked" (one `[layers, ...]` array per K and V; the layer loop is a
   # `lax.scan`) or "per_layer" (one buffer per layer; the layer loop is unrolled, and the
@@ -379,8 +382,15 @@ class Engine:
     self._eos = jnp.asarray(sorted(set(self.ecfg.eos_ids)) or [-1], jnp.int32)
     choice = self.ecfg.decode_attention
     backend = jax.default_backend()
+    fits = decoder.decode_kernels_fit(cfg)
     if choice == "auto":
-      choice = "pallas" if backend == "gpu" else "xla"
+      choice = "pallas" if backend == "gpu" and fits else "xla"
+    elif choice == "pallas" and not fits:
+      raise ValueError(
+          "EngineConfig.decode_attention='pallas': the Pallas decode kernels have no sliding "
+          "window, no attention scale but head_dim ** -0.5 and no (1 + w) norms or post-norms, "
+          f"which this model uses (architecture {cfg.architecture!r}, sliding_window="
+          f"{cfg.sliding_window}); use decode_attention='xla' or 'auto'")
     elif choice == "pallas" and backend not in ("gpu", "cpu"):
       # The kernel is a Triton (GPU) kernel; CPUs run it in Pallas interpret mode (tests).
       raise ValueError(f"EngineConfig.decode_attention='pallas' is a GPU kernel and cannot run "

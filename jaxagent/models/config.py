@@ -1,8 +1,12 @@
 """Model configuration: the one frozen dataclass every model function takes, and presets.
 
-`ModelConfig` describes a Llama-family decoder (Llama 3.x, SmolLM2, Qwen2/2.5, Qwen3): RoPE
-(optionally with Llama-3 frequency scaling), grouped-query attention, RMSNorm, SwiGLU MLP,
-optional QKV bias (Qwen2) and per-head q/k RMSNorm (Qwen3), tied or separate output embedding.
+`ModelConfig` describes a Llama-family decoder (Llama 3.x, SmolLM2, Qwen2/2.5, Qwen3, Mistral)
+or a Gemma 3 text decoder: RoPE (optionally with Llama-3 or linear frequency scaling),
+grouped-query attention, RMSNorm, SwiGLU or GeGLU MLP, optional QKV bias (Qwen2) and per-head
+q/k RMSNorm (Qwen3, Gemma 3), sliding-window attention in some or all layers, tied or separate
+output embedding. Gemma 3 adds (1 + w) norms, four norms a layer (post-attention and
+post-MLP norms), a sqrt(d_model) embedding scale, an attention scale of
+`query_pre_attn_scalar ** -0.5` and a RoPE base of its own in its windowed layers.
 It is hashable so it can be a static argument of jitted functions.
 """
 from __future__ import annotations
@@ -24,6 +28,8 @@ Remat = Literal["none", "full", "dots", "dots_attention"]
 AttentionImpl = Literal["xla", "cudnn", "pallas", "auto"]
 LogprobImpl = Literal["xla", "pallas", "auto"]
 NormRopeImpl = Literal["xla", "pallas", "auto"]
+Activation = Literal["silu", "gelu_tanh"]
+_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +56,30 @@ class ModelConfig:
   # Llama-3 style RoPE frequency scaling: (factor, low_freq_factor, high_freq_factor,
   # original_max_position_embeddings), or None.
   rope_scaling: tuple[float, float, float, int] | None = None
-  architecture: Literal["llama", "qwen2", "qwen3"] = "llama"
+  architecture: Literal["llama", "qwen2", "qwen3", "gemma3"] = "llama"
+  # Sliding-window attention: a query at position p sees the keys at positions p - w + 1 .. p
+  # of its own sequence (w = sliding_window; a key at distance w is not seen, as in
+  # transformers), in the layers `sliding_layers` lists; the other layers see the whole
+  # sequence. None: no window (then sliding_layers must be empty).
+  sliding_window: int | None = None
+  sliding_layers: tuple[int, ...] = ()
+  # RoPE base of the windowed layers (Gemma 3's rope_local_base_freq), which then use no
+  # frequency scaling; None: the windowed layers rotate as the others do.
+  local_rope_theta: float | None = None
+  # Linear RoPE scaling (positions divided by this factor) of the layers that use `rope_theta`
+  # (transformers' rope_type "linear", Gemma 3 4B and larger); None: none.
+  rope_linear_factor: float | None = None
+  # MLP activation: "silu" (SwiGLU, Llama / Qwen) or "gelu_tanh" (GeGLU with the tanh
+  # approximation of gelu, Gemma's gelu_pytorch_tanh).
+  activation: Activation = "silu"
+  # Gemma-style norms: RMSNorm scales by (1 + w) (zero weights are the identity), every layer
+  # also norms its attention output and its MLP output before adding them to the stream, and
+  # the embeddings are multiplied by sqrt(d_model) (rounded to the embedding's dtype first).
+  norm_plus_one: bool = False
+  post_norms: bool = False
+  embed_scale: bool = False
+  # Attention logits are scaled by query_pre_attn_scalar ** -0.5 (Gemma); None: head_dim ** -0.5.
+  query_pre_attn_scalar: float | None = None
   bos_token_id: int | None = None
   eos_token_id: int | None = None
   # Further end-of-sequence ids of checkpoints that list several (`eos_token_id: [a, b]` in
@@ -70,20 +99,26 @@ class ModelConfig:
   # (`packed_attention`: kernels that skip the blocks across segments; GPU, interpret mode
   # elsewhere) or "auto": pallas on GPUs (cudnn for head sizes other than 16, 32, 64, 128),
   # xla elsewhere. On an H100 the Pallas kernels took half the time of cuDNN's per
-  # training attention call, packed or not (benchmarks/RESULTS.md).
+  # training attention call, packed or not (benchmarks/RESULTS.md). The Pallas kernels have no
+  # sliding window and scale by head_dim ** -0.5: windowed models and Gemma's
+  # query_pre_attn_scalar take cudnn (bf16 / f16; the window in its mask) or xla from "auto",
+  # and an explicit "pallas" is an error for them (`decoder.attention_path`).
   attention_impl: AttentionImpl = "auto"
   # The learner's projection onto the vocabulary for token log-probs (`token_logprobs`): "xla"
   # (a matmul to float32 logits per chunk, then passes over them), "pallas" (`vocab_kernels`:
   # the log-sum-exp and the backward pass's logit cotangent from the matmul's tiles in
   # registers, no float32 logits in HBM; GPU, interpret mode elsewhere; bf16 / f16 models) or
   # "auto": pallas on GPUs where the kernels tile the shapes and d_model <= 2048 (wider
-  # models' matmul is faster on XLA; `logprobs.logprob_path`), xla elsewhere.
+  # models' matmul is faster on XLA; `logprobs.logprob_path`), xla elsewhere. Both paths take
+  # the final-normed hidden states, so they serve every architecture here (Gemma 3 has no
+  # final logit soft-cap; a soft-capped config is refused at load).
   logprob_impl: LogprobImpl = "auto"
   # Qwen3's per-head q / k norms and RoPE (`decoder.norm_rope`): "xla", "pallas"
   # (`norm_rope_kernels`: one kernel each way; GPU, interpret mode elsewhere; head counts and
   # head size powers of two) or "auto": pallas on GPUs where the kernels tile and no "tensor"
   # mesh axis splits the heads, xla elsewhere (`decoder.norm_rope_path`). Models without q / k
-  # norms apply RoPE alone, as XLA operations.
+  # norms apply RoPE alone, as XLA operations. Gemma's (1 + w) q / k norms take xla ("pallas"
+  # is an error for them).
   norm_rope_impl: NormRopeImpl = "auto"
   name: str = "custom"
 
@@ -104,7 +139,8 @@ class ModelConfig:
       # config.json, which JSON cannot write.
       object.__setattr__(self, f, float(v))
     # A truthy string ("no", "false") would silently switch the feature on.
-    for f in ("tie_embeddings", "qkv_bias", "qk_norm", "scan_layers"):
+    for f in ("tie_embeddings", "qkv_bias", "qk_norm", "scan_layers", "norm_plus_one",
+              "post_norms", "embed_scale"):
       v = getattr(self, f)
       if not isinstance(v, (bool, np.bool_)):
         raise ValueError(f"ModelConfig.{f} must be a bool (True or False), got {v!r}")
@@ -150,9 +186,10 @@ class ModelConfig:
     if self.norm_rope_impl not in ("xla", "pallas", "auto"):
       raise ValueError("ModelConfig.norm_rope_impl must be 'xla', 'pallas' or 'auto', got "
                        f"{self.norm_rope_impl!r}")
-    if self.architecture not in ("llama", "qwen2", "qwen3"):
-      raise ValueError("ModelConfig.architecture must be 'llama', 'qwen2' or 'qwen3', got "
+    if self.architecture not in _ARCHS:
+      raise ValueError(f"ModelConfig.architecture must be one of {_ARCHS}, got "
                        f"{self.architecture!r}")
+    self._check_window_and_gemma()
     if self.rope_scaling is not None:
       rs = self.rope_scaling
       what = ("ModelConfig.rope_scaling must be (factor, low_freq_factor, high_freq_factor, "
@@ -166,6 +203,81 @@ class ModelConfig:
           or not (factor > 0 and 0 < lo < hi and orig > 0)):
         raise ValueError(what)
       object.__setattr__(self, "rope_scaling", (float(factor), float(lo), float(hi), int(orig)))
+
+  def _check_window_and_gemma(self):
+    """Validates the sliding window, the local RoPE base and the Gemma 3 features."""
+    w = self.sliding_window
+    if w is not None:
+      if not is_int(w) or w <= 0:
+        raise ValueError(f"ModelConfig.sliding_window must be None or a positive int (the "
+                         f"number of positions a query sees, itself included), got {w!r}")
+      object.__setattr__(self, "sliding_window", int(w))
+    layers = self.sliding_layers
+    if not isinstance(layers, (tuple, list)) or not all(
+        is_int(i) and 0 <= i < self.n_layers for i in layers):
+      raise ValueError(f"ModelConfig.sliding_layers must be a tuple of layer indices in "
+                       f"[0, n_layers={self.n_layers}), got {layers!r}")
+    layers = tuple(sorted({int(i) for i in layers}))
+    object.__setattr__(self, "sliding_layers", layers)
+    if (w is None) != (not layers):
+      raise ValueError(
+          f"ModelConfig.sliding_window={w!r} with sliding_layers={layers!r}: set both (a window "
+          "and the layers that use it) or neither")
+    for f in ("local_rope_theta", "rope_linear_factor", "query_pre_attn_scalar"):
+      v = getattr(self, f)
+      if v is None:
+        continue
+      if (isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(v)
+          or v <= 0):
+        raise ValueError(f"ModelConfig.{f} must be None or a finite number > 0, got {v!r}")
+      object.__setattr__(self, f, float(v))
+    if self.rope_linear_factor is not None and self.rope_scaling is not None:
+      raise ValueError("ModelConfig: rope_scaling (llama3) and rope_linear_factor (linear) are "
+                       "two RoPE scalings; set at most one")
+    if self.activation not in ("silu", "gelu_tanh"):
+      raise ValueError("ModelConfig.activation must be 'silu' (SwiGLU) or 'gelu_tanh' (GeGLU), "
+                       f"got {self.activation!r}")
+    # Gemma 3's features come together: transformers' Gemma3 class has all of them and the
+    # Llama / Qwen classes none, so any other mix would export as another function.
+    gemma = dict(qk_norm=True, norm_plus_one=True, post_norms=True, embed_scale=True,
+                 activation="gelu_tanh")
+    if self.architecture == "gemma3":
+      wrong = {k: getattr(self, k) for k, v in gemma.items() if getattr(self, k) != v}
+      if wrong:
+        raise ValueError(f"ModelConfig: architecture 'gemma3' needs {gemma}; got {wrong}")
+      if self.qkv_bias:
+        raise ValueError("ModelConfig: architecture 'gemma3' has no q/k/v biases "
+                         "(qkv_bias=False)")
+    else:
+      wrong = {k: getattr(self, k) for k in gemma if k != "qk_norm"
+               and getattr(self, k) != ModelConfig.__dataclass_fields__[k].default}
+      if self.query_pre_attn_scalar is not None:
+        wrong["query_pre_attn_scalar"] = self.query_pre_attn_scalar
+      if wrong:
+        raise ValueError(f"ModelConfig: {wrong} are Gemma 3 features; use architecture='gemma3' "
+                         f"(architecture {self.architecture!r} has none of them)")
+
+  @property
+  def attn_scale(self) -> float:
+    """The factor on the attention logits: query_pre_attn_scalar ** -0.5 (computed as
+    transformers' Gemma 3 does), else 1 / sqrt(head_dim)."""
+    if self.query_pre_attn_scalar is None:
+      return 1.0 / math.sqrt(self.head_dim)
+    return self.query_pre_attn_scalar ** -0.5
+
+  @property
+  def windowed(self) -> bool:
+    """Whether some layer attends within a sliding window."""
+    return self.sliding_window is not None
+
+  def layer_window(self, layer: int) -> int | None:
+    """The window of `layer` (None: it sees the whole sequence)."""
+    return self.sliding_window if layer in self.sliding_layers else None
+
+  @property
+  def per_layer_rope(self) -> bool:
+    """Whether the layers rotate with different RoPE frequencies (a local RoPE base)."""
+    return self.local_rope_theta is not None and bool(self.sliding_layers)
 
   def _token_id(self, field: str, v) -> int:
     if not is_int(v) or not 0 <= v < self.vocab_size:
@@ -197,6 +309,8 @@ class ModelConfig:
       per_layer += hd * (h + 2 * kv)
     if self.qk_norm:
       per_layer += 2 * hd
+    if self.post_norms:
+      per_layer += 2 * d
     total = self.n_layers * per_layer + v * d + d
     if not self.tie_embeddings:
       total += v * d
@@ -222,6 +336,16 @@ class ModelConfig:
       raise ValueError(f"HF config: architectures={archs!r} must be a list of class names, "
                        "e.g. [\"LlamaForCausalLM\"]")
     model_type = hf.get("model_type", "")
+    if "Gemma3ForConditionalGeneration" in archs or (model_type == "gemma3"
+                                                       and "text_config" in hf):
+      raise ValueError(
+          "HF config: a Gemma 3 vision-language checkpoint (Gemma3ForConditionalGeneration, "
+          "model_type 'gemma3'); jaxagent loads the text-only Gemma3ForCausalLM "
+          "(model_type 'gemma3_text', e.g. google/gemma-3-1b-it): extract the text tower first")
+    if "Gemma3ForCausalLM" in archs or model_type == "gemma3_text":
+      kw = _gemma3_kw(hf)
+      kw.update(overrides)
+      return cls(**kw)
     known = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
              "Qwen3ForCausalLM": "qwen3", "MistralForCausalLM": "llama"}
     arch = None
@@ -352,20 +476,22 @@ class ModelConfig:
         rope_scaling=rope_scaling, architecture=arch,
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, extra_eos_token_ids=extra_eos,
         name=hf.get("_name_or_path", "hf") or "hf")
-    kw.update(overrides)
     windowed, window = _windowed_layers(hf, arch, mistral, hf["num_hidden_layers"], window)
     # A window at least as long as the longest sequence served here (max_seq_len) never masks
     # anything: such layers are full attention.
-    if windowed and is_int(kw["max_seq_len"]) and window < kw["max_seq_len"]:
-      hint = (f"; to serve sequences of at most {int(window)} tokens, which the window does not "
-              f"cut, pass max_seq_len={int(window)}" if window >= 1 else "")
-      raise ValueError(f"HF config: sliding-window attention (sliding_window={window!r}) is not "
-                       f"supported; layer(s) {windowed} use it, and every layer here attends to "
-                       f"the whole context{hint}")
+    seq = overrides.get("max_seq_len", kw["max_seq_len"])
+    if windowed and not (is_int(seq) and window >= seq):
+      if window != int(window) or window < 1:
+        raise ValueError(f"HF config: sliding_window={window!r} must be a positive int (layers "
+                         f"{windowed} use it)")
+      kw.update(sliding_window=int(window), sliding_layers=tuple(windowed))
+    kw.update(overrides)
     return cls(**kw)
 
   def to_hf(self) -> dict[str, Any]:
     """An HF `config.json` dict that `transformers` loads."""
+    if self.architecture == "gemma3":
+      return self._gemma3_to_hf()
     # transformers' Qwen3 always has q / k norms and its Llama and Qwen2 never do: written
     # under the wrong architecture, the checkpoint would load as another function.
     if self.qk_norm != (self.architecture == "qwen3"):
@@ -374,6 +500,15 @@ class ModelConfig:
                        "use architecture='qwen3' with qk_norm=True, else qk_norm=False)")
     arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
             "qwen3": ("Qwen3ForCausalLM", "qwen3")}[self.architecture]
+    if self.windowed and self.architecture == "llama":
+      # transformers' Llama has no window; its Mistral is Llama with one in every layer.
+      if len(self.sliding_layers) != self.n_layers or self.qkv_bias or self.rope_scaling:
+        raise ValueError(
+            "ModelConfig.to_hf: a windowed llama-architecture model exports as Mistral, which "
+            "windows every layer and has no q/k/v biases nor llama3 RoPE scaling; this one "
+            f"windows layers {list(self.sliding_layers)} of {self.n_layers} (qkv_bias="
+            f"{self.qkv_bias}, rope_scaling={self.rope_scaling}): it has no HF equivalent")
+      arch = ("MistralForCausalLM", "mistral")
     hf: dict[str, Any] = {
         "architectures": [arch[0]], "model_type": arch[1],
         "vocab_size": self.vocab_size, "hidden_size": self.d_model,
@@ -384,9 +519,19 @@ class ModelConfig:
         "tie_word_embeddings": self.tie_embeddings, "hidden_act": "silu",
         "torch_dtype": self.param_dtype, "attention_dropout": 0.0,
     }
-    if self.architecture == "llama":
+    if self.architecture == "llama" and not self.windowed:
       hf["attention_bias"] = self.qkv_bias
       hf["mlp_bias"] = False
+    if self.windowed:
+      hf["sliding_window"] = self.sliding_window
+      if self.architecture != "llama":
+        hf["use_sliding_window"] = True
+        hf["layer_types"] = ["sliding_attention" if i in self.sliding_layers
+                             else "full_attention" for i in range(self.n_layers)]
+        # Releases that predate layer_types window the layers from max_window_layers on.
+        first = self.sliding_layers[0]
+        if self.sliding_layers == tuple(range(first, self.n_layers)):
+          hf["max_window_layers"] = first
     if self.architecture == "qwen3":
       hf["attention_bias"] = self.qkv_bias
     if self.rope_scaling is not None:
@@ -397,6 +542,45 @@ class ModelConfig:
       hf["bos_token_id"] = self.bos_token_id
     # Every id generation stops on (`eos_token_ids`): the extra ones too where eos_token_id is
     # None, which were dropped from the export.
+    ids = self.eos_token_ids
+    if ids:
+      hf["eos_token_id"] = list(ids) if len(ids) > 1 else ids[0]
+    return hf
+
+  def _gemma3_to_hf(self) -> dict[str, Any]:
+    """`to_hf` of a Gemma 3 text model (Gemma3ForCausalLM, model_type gemma3_text), in the
+    released checkpoints' spelling (top-level rope_theta / rope_local_base_freq /
+    rope_scaling), which transformers 4.50+ and 5.x both read."""
+    hf: dict[str, Any] = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
+        "vocab_size": self.vocab_size, "hidden_size": self.d_model,
+        "intermediate_size": self.ffn_dim, "num_hidden_layers": self.n_layers,
+        "num_attention_heads": self.n_heads, "num_key_value_heads": self.n_kv_heads,
+        "head_dim": self.head_dim, "rms_norm_eps": self.norm_eps,
+        "rope_theta": self.rope_theta,
+        "rope_local_base_freq": (self.local_rope_theta if self.local_rope_theta is not None
+                                 else self.rope_theta),
+        "max_position_embeddings": self.max_seq_len,
+        "tie_word_embeddings": self.tie_embeddings, "hidden_activation": "gelu_pytorch_tanh",
+        # (an int in transformers' config class, which refuses a float)
+        "query_pre_attn_scalar": _int_if_whole(self.query_pre_attn_scalar or self.head_dim),
+        "attention_bias": False, "attention_dropout": 0.0,
+        "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "torch_dtype": self.param_dtype,
+        # transformers needs a window even with no windowed layer; it is then unused.
+        "sliding_window": self.sliding_window or self.max_seq_len,
+        "layer_types": ["sliding_attention" if i in self.sliding_layers else "full_attention"
+                        for i in range(self.n_layers)],
+        "rope_scaling": (None if self.rope_linear_factor is None else
+                         {"rope_type": "linear", "factor": self.rope_linear_factor}),
+    }
+    if self.local_rope_theta is None and self.sliding_layers and (
+        self.rope_linear_factor is not None):
+      raise ValueError("ModelConfig.to_hf: Gemma 3's windowed layers use no RoPE scaling; a "
+                       "gemma3 config whose windowed layers share the scaled global RoPE "
+                       "(local_rope_theta=None with rope_linear_factor) has no HF equivalent")
+    if self.bos_token_id is not None:
+      hf["bos_token_id"] = self.bos_token_id
     ids = self.eos_token_ids
     if ids:
       hf["eos_token_id"] = list(ids) if len(ids) > 1 else ids[0]
@@ -453,6 +637,122 @@ def _windowed_layers(hf: Mapping[str, Any], arch: str, mistral: bool, n_layers: 
   return windowed, window
 
 
+def _int_if_whole(v):
+  return int(v) if float(v).is_integer() else v
+
+
+def _gemma3_kw(hf: Mapping[str, Any]) -> dict[str, Any]:
+  """`ModelConfig` fields of an HF Gemma 3 text config (Gemma3ForCausalLM, model_type
+  gemma3_text), with transformers' Gemma3TextConfig defaults for the keys it leaves out. Reads
+  both spellings of the rope settings: the released checkpoints' top-level rope_theta /
+  rope_local_base_freq / rope_scaling, and transformers 5's rope_parameters keyed by layer
+  type ({"full_attention": {...}, "sliding_attention": {...}})."""
+  def need(key):
+    v = hf.get(key)
+    if not is_int(v) or v <= 0:
+      raise ValueError(f"HF config: {key}={v!r} must be a positive int"
+                       + ("" if key in hf else " (the field is missing)"))
+    return int(v)
+
+  def number(key, default, where=hf):
+    v = where.get(key, default)
+    if v is None:
+      v = default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+      raise ValueError(f"HF config: {key}={v!r} must be a number > 0 (or left out: default "
+                       f"{default})")
+    return float(v)
+
+  for key in ("final_logit_softcapping", "attn_logit_softcapping"):
+    if hf.get(key) is not None:
+      raise ValueError(f"HF config: {key}={hf[key]!r}: logit soft-capping (Gemma 2) is not "
+                       "supported; Gemma 3 sets it to null")
+  if hf.get("use_bidirectional_attention"):
+    raise ValueError("HF config: use_bidirectional_attention=True (an encoder variant of Gemma 3) "
+                     "is not supported; jaxagent's decoder is causal")
+  if hf.get("attention_bias"):
+    raise ValueError("HF config: attention_bias=True is not supported for Gemma 3")
+  act = hf.get("hidden_activation", hf.get("hidden_act")) or "gelu_pytorch_tanh"
+  if act not in ("gelu_pytorch_tanh", "gelu_new"):
+    raise ValueError(f"HF config: hidden_activation={act!r} is not supported for Gemma 3 (GeGLU "
+                     "with the tanh approximation of gelu: gelu_pytorch_tanh)")
+  n_layers = need("num_hidden_layers")
+  types = hf.get("layer_types")
+  if types is None:
+    pattern = hf.get("sliding_window_pattern", 6)
+    if not is_int(pattern) or pattern <= 0:
+      raise ValueError(f"HF config: sliding_window_pattern={pattern!r} must be a positive int")
+    types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention"
+             for i in range(n_layers)]
+  allowed = ("full_attention", "sliding_attention")
+  if not (isinstance(types, list) and len(types) == n_layers
+          and all(isinstance(t, str) and t in allowed for t in types)):
+    raise ValueError(f"HF config: layer_types={types!r} must list one of {allowed} for each of "
+                     f"the num_hidden_layers={n_layers} layers")
+  windowed = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+  window = hf.get("sliding_window", 4096)
+  if windowed:
+    if not is_int(window) or window <= 0:
+      raise ValueError(f"HF config: sliding_window={window!r} must be a positive int (layers "
+                       f"{list(windowed)} are 'sliding_attention')")
+  # Rope settings: per layer type under rope_parameters (transformers 5), or top level.
+  given = {k: hf.get(k) for k in ("rope_scaling", "rope_parameters")}
+  for k, v in given.items():
+    if v is not None and not isinstance(v, Mapping):
+      raise ValueError(f"HF config: {k}={v!r} must be an object (or null)")
+  params = given["rope_parameters"] or {}
+  if params and not set(params) <= {"full_attention", "sliding_attention"}:
+    # One dict for every layer type: transformers 5 reads it as the global layers' settings.
+    params = {"full_attention": params}
+  full = dict(params.get("full_attention") or {})
+  local = dict(params.get("sliding_attention") or {})
+  if given["rope_scaling"]:
+    full.update(given["rope_scaling"])
+  for d, what in ((full, "full_attention"), (local, "sliding_attention")):
+    if not isinstance(d, Mapping):
+      raise ValueError(f"HF config: the {what} rope settings {d!r} must be an object")
+
+  def theta_of(d, key, default):
+    inner, top = d.get("rope_theta"), hf.get(key)
+    if inner is not None and top is not None and float(inner) != float(top):
+      raise ValueError(f"HF config: {key}={top!r} at the top level and rope_theta={inner!r} in "
+                       "the rope settings disagree; keep one of them")
+    return number("rope_theta", default, {"rope_theta": inner if inner is not None else top})
+  theta = theta_of(full, "rope_theta", 1_000_000.0)
+  local_theta = theta_of(local, "rope_local_base_freq", 10_000.0)
+  if local.get("rope_type", local.get("type")) not in (None, "default"):
+    raise ValueError(f"HF config: RoPE scaling of the sliding-window layers ({local!r}) is not "
+                     "supported (Gemma 3 scales only its global layers)")
+  rtype = full.get("rope_type", full.get("type"))
+  linear = None
+  if rtype == "linear":
+    linear = number("factor", None, full) if "factor" in full else None
+    if linear is None:
+      raise ValueError("HF config: linear rope scaling lacks its 'factor'")
+  elif rtype not in (None, "default"):
+    raise ValueError(f"unsupported rope_scaling type {rtype!r} for Gemma 3 (supported: linear)")
+  eos = hf.get("eos_token_id", 1)
+  extra: tuple[int, ...] = ()
+  if isinstance(eos, (list, tuple)):
+    eos, extra = (eos[0], tuple(eos[1:])) if eos else (None, ())
+  head_dim = hf.get("head_dim", 256)
+  return dict(
+      architecture="gemma3", vocab_size=need("vocab_size"), d_model=need("hidden_size"),
+      n_layers=n_layers, n_heads=need("num_attention_heads"),
+      # (transformers' default is 4; a null means one per query head)
+      n_kv_heads=hf.get("num_key_value_heads", 4) or need("num_attention_heads"),
+      head_dim=head_dim, ffn_dim=need("intermediate_size"), rope_theta=theta,
+      norm_eps=number("rms_norm_eps", 1e-6),
+      tie_embeddings=bool(hf.get("tie_word_embeddings", True)), qk_norm=True,
+      max_seq_len=int(number("max_position_embeddings", 131072)),
+      sliding_window=int(window) if windowed else None, sliding_layers=windowed,
+      local_rope_theta=local_theta if windowed else None, rope_linear_factor=linear,
+      activation="gelu_tanh", norm_plus_one=True, post_norms=True, embed_scale=True,
+      query_pre_attn_scalar=number("query_pre_attn_scalar", 256),
+      bos_token_id=hf.get("bos_token_id", 2), eos_token_id=eos, extra_eos_token_ids=extra,
+      name=hf.get("_name_or_path", "hf") or "hf")
+
+
 _LLAMA3_SCALING = (32.0, 1.0, 4.0, 8192)
 
 PRESETS: dict[str, ModelConfig] = {
@@ -500,6 +800,15 @@ PRESETS: dict[str, ModelConfig] = {
         n_kv_heads=8, head_dim=128, ffn_dim=8192, rope_theta=500_000.0, norm_eps=1e-5,
         tie_embeddings=True, rope_scaling=_LLAMA3_SCALING, max_seq_len=131072 // 4,
         bos_token_id=128000, eos_token_id=128001),
+    # google/gemma-3-1b-pt / -it (text only): every 6th layer global, the others windowed.
+    "gemma3-1b": ModelConfig(
+        name="gemma3-1b", architecture="gemma3", vocab_size=262144, d_model=1152,
+        n_layers=26, n_heads=4, n_kv_heads=1, head_dim=256, ffn_dim=6912,
+        rope_theta=1_000_000.0, local_rope_theta=10_000.0, norm_eps=1e-6,
+        tie_embeddings=True, qk_norm=True, max_seq_len=32768, sliding_window=512,
+        sliding_layers=tuple(i for i in range(26) if (i + 1) % 6), activation="gelu_tanh",
+        norm_plus_one=True, post_norms=True, embed_scale=True, query_pre_attn_scalar=256,
+        bos_token_id=2, eos_token_id=1, extra_eos_token_ids=(106,)),
     # Tiny configs of each architecture for tests and CPU smoke runs.
     "tiny-llama": ModelConfig(
         name="tiny-llama", vocab_size=512, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2,
@@ -512,6 +821,12 @@ PRESETS: dict[str, ModelConfig] = {
         name="tiny-qwen3", architecture="qwen3", vocab_size=512, d_model=64, n_layers=2,
         n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, rope_theta=1_000_000.0,
         norm_eps=1e-6, qk_norm=True, max_seq_len=512),
+    "tiny-gemma3": ModelConfig(
+        name="tiny-gemma3", architecture="gemma3", vocab_size=512, d_model=64, n_layers=3,
+        n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=128, rope_theta=1_000_000.0,
+        local_rope_theta=10_000.0, norm_eps=1e-6, qk_norm=True, max_seq_len=512,
+        sliding_window=16, sliding_layers=(0, 1), activation="gelu_tanh", norm_plus_one=True,
+        post_norms=True, embed_scale=True, query_pre_attn_scalar=16),
 }
 # Presets that name a checkpoint shipped inside a pip package (resolved by `models.load`).
 EMBEDDED = {"smollm2-135m-instruct": "smollm2-135m"}

@@ -15,6 +15,12 @@ the same function of the same weights:
 The GPU decode step (`decode_in_place`) runs `_block` too, except over chained matrices
 (`param_tree.chain_decode_weights`), where `_decode_chained` computes the same layer as two
 products that carry the residual stream along (tested equal to `_block`'s to float rounding).
+
+Gemma 3 layers (`ModelConfig.post_norms`) run `_gemma_block`: four (1 + w) norms, GeGLU, q / k
+norms, `query_pre_attn_scalar` scaling. Layers may differ in their attention window and RoPE
+frequencies (`layer_constants`: windowed layers with a RoPE base of their own); the layer loops
+carry each layer's pair beside its weights. The Pallas decode kernels compute neither
+(`decode_kernels_fit`), so such models decode through `extend` on the XLA path.
 """
 from __future__ import annotations
 
@@ -52,10 +58,33 @@ def rms_norm(x, w, eps):
   return (y * w.astype(jnp.float32)).astype(x.dtype)
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-  """Per-pair inverse frequencies, with Llama-3 scaling when configured (float64 on host)."""
+def norm_weight(w, cfg: ModelConfig):
+  """The factor a stored norm weight scales by: w, or float32 1 + w for (1 + w) norms (Gemma;
+  `ModelConfig.norm_plus_one`)."""
+  return 1.0 + w.astype(jnp.float32) if cfg.norm_plus_one else w
+
+
+def norm(x, w, cfg: ModelConfig):
+  """The model's RMSNorm of x by the stored weight w (`norm_weight`)."""
+  return rms_norm(x, norm_weight(w, cfg), cfg.norm_eps)
+
+
+# The window of a layer that has none, where windows are per-layer arrays (longer than any
+# sequence).
+_NO_WINDOW = 1 << 30
+
+
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> np.ndarray:
+  """Per-pair inverse frequencies, with Llama-3 or linear scaling when configured (float64 on
+  host). `local`: those of the windowed layers where they have a base of their own
+  (`ModelConfig.local_rope_theta`, unscaled)."""
   hd = cfg.head_dim
+  if local and cfg.local_rope_theta is not None:
+    inv = 1.0 / (cfg.local_rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+    return inv.astype(np.float32)
   inv = 1.0 / (cfg.rope_theta ** (np.arange(0, hd, 2, dtype=np.float64) / hd))
+  if cfg.rope_linear_factor is not None:
+    inv = inv / cfg.rope_linear_factor
   if cfg.rope_scaling is not None:
     factor, lo_f, hi_f, orig = cfg.rope_scaling
     lo_wl, hi_wl = orig / lo_f, orig / hi_f
@@ -65,6 +94,19 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     mid = (wl <= lo_wl) & (wl >= hi_wl)
     inv = np.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
   return inv.astype(np.float32)
+
+
+def layer_constants(cfg: ModelConfig):
+  """Per-layer (inverse RoPE frequencies `[L, hd/2]` float32, window `[L]` int32, `_NO_WINDOW`
+  for the layers without one) where the layers differ (a sliding window in some layers, or a
+  RoPE base of the windowed layers' own), else None (every layer as `rope_inv_freq(cfg)`, no
+  window)."""
+  if not cfg.windowed and not cfg.per_layer_rope:
+    return None
+  glob, loc = rope_inv_freq(cfg), rope_inv_freq(cfg, local=True)
+  inv = np.stack([loc if i in cfg.sliding_layers else glob for i in range(cfg.n_layers)])
+  win = np.array([cfg.layer_window(i) or _NO_WINDOW for i in range(cfg.n_layers)], np.int32)
+  return jnp.asarray(inv), jnp.asarray(win)
 
 
 def rope_tables(positions, inv_freq):
@@ -153,9 +195,17 @@ def norm_rope_path(cfg: ModelConfig, backend: str) -> str:
   `cfg.norm_rope_impl`, with "auto" resolved to "pallas" (`norm_rope_kernels`) on GPUs when
   the kernels tile the head counts and head size and no "tensor" mesh axis splits the heads,
   and to "xla" elsewhere. An explicit "pallas" on a TPU, or that the kernels cannot tile, is
-  an error."""
+  an error. Gemma's (1 + w) q / k norms always take "xla" (an explicit "pallas" is an
+  error)."""
   tileable = (norm_rope_kernels.tileable(cfg.n_heads, cfg.head_dim)
               and norm_rope_kernels.tileable(cfg.n_kv_heads, cfg.head_dim))
+  # Gemma's (1 + w) q / k norms: the kernels are not tested with the offset weight.
+  if cfg.norm_plus_one:
+    if cfg.norm_rope_impl == "pallas":
+      raise ValueError(f"norm_rope_impl='pallas' is for plain RMSNorm weights; architecture "
+                       f"{cfg.architecture!r} has (1 + w) norms: use norm_rope_impl='xla' or "
+                       "'auto'")
+    return "xla"
   if cfg.norm_rope_impl != "auto":
     if cfg.norm_rope_impl == "pallas" and backend == "tpu":
       raise ValueError("norm_rope_impl='pallas' runs Triton kernels (GPUs; interpret mode on "
@@ -202,6 +252,7 @@ def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq, scale=None):
     impl = norm_rope_path(cfg, jax.default_backend())
     qn, kn = (lp["qk_norms"][0], lp["qk_norms"][1]) if "qk_norms" in lp else (lp["q_norm"],
                                                                                lp["k_norm"])
+    qn, kn = norm_weight(qn, cfg), norm_weight(kn, cfg)
     return (norm_rope(q, qn, cos, sin, cfg.norm_eps, impl),
             norm_rope(k, kn, cos, sin, cfg.norm_eps, impl), v)
   q = apply_rope(q, positions, inv_freq)
@@ -209,9 +260,14 @@ def _qkv(h, lp, positions, cfg: ModelConfig, inv_freq, scale=None):
   return q, k, v
 
 
+def _gate(g, cfg: ModelConfig):
+  """The gate's activation: silu (SwiGLU) or tanh-approximated gelu (GeGLU, Gemma)."""
+  return jax.nn.gelu(g, approximate=True) if cfg.activation == "gelu_tanh" else jax.nn.silu(g)
+
+
 def _mlp(h, lp, cfg: ModelConfig, act: Callable | None = None):
-  """The SwiGLU MLP of h; `act(gu)`, with merged weights: the activation of the gate|up
-  projection `[B, T, 2 F]` instead of silu(g) * u (the folded norm's scaled form)."""
+  """The gated MLP of h (`_gate`(g) * u); `act(gu)`, with merged weights: the activation of the
+  gate|up projection `[B, T, 2 F]` instead of silu(g) * u (the folded norm's scaled form)."""
   dt = cfg.jnp_dtype
   if "w_gate_up" in lp:  # `merge_decode_weights`
     gu = jnp.einsum("btd,df->btf", h, lp["w_gate_up"].astype(dt))
@@ -221,7 +277,7 @@ def _mlp(h, lp, cfg: ModelConfig, act: Callable | None = None):
   else:
     g = lora.project("btd,df->btf", h, lp["w_gate"], dt)
     u = lora.project("btd,df->btf", h, lp["w_up"], dt)
-  return lora.project("btf,fd->btd", jax.nn.silu(g) * u, lp["w_down"], dt)
+  return lora.project("btf,fd->btd", _gate(g, cfg) * u, lp["w_down"], dt)
 
 
 def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq,
@@ -237,6 +293,8 @@ def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq,
   MLP's scaled activation."""
   x = constrain_batch(x)
   folded = norms_folded(lp)
+  if cfg.post_norms:  # Gemma: four (1 + w) norms, never folded nor raw (`_gemma_block`)
+    return _gemma_block(x, lp, positions, attend, cfg, inv_freq)
   h = x if folded else rms_norm(x, lp["attn_norm"], cfg.norm_eps)
   if raw_qkv:
     a, k, v = attend(_project_qkv(h, lp, cfg), x if folded else None), None, None
@@ -253,6 +311,16 @@ def _block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq,
   return x, k, v
 
 
+def _gemma_block(x, lp, positions, attend: Callable, cfg: ModelConfig, inv_freq):
+  """`_block` of a Gemma 3 layer: x + post_attn_norm(attention(attn_norm(x))), then
+  x + post_mlp_norm(mlp(mlp_norm(x))), every norm a (1 + w) one."""
+  q, k, v = _qkv(norm(x, lp["attn_norm"], cfg), lp, positions, cfg, inv_freq)
+  a = lora.project("bthk,hkd->btd", attend(q, k, v), lp["wo"], cfg.jnp_dtype)
+  x = x + norm(a, lp["post_attn_norm"], cfg)
+  m = _mlp(norm(x, lp["mlp_norm"], cfg), lp, cfg)
+  return x + norm(m, lp["post_mlp_norm"], cfg), k, v
+
+
 def _group(q, cfg: ModelConfig):
   b, t, _, hd = q.shape
   return q.reshape(b, t, cfg.n_kv_heads, cfg.q_per_kv, hd)
@@ -267,7 +335,19 @@ def attention_path(cfg: ModelConfig, backend: str) -> str:
   """The training attention `segment_attention` runs on `backend`: `cfg.attention_impl`, with
   "auto" resolved to "pallas" on GPUs for head sizes of 16-128 that are powers of two (the
   Pallas kernels' tiles need a power of two; 64 and 128 are the sizes measured), "cudnn" for
-  other head sizes, and "xla" elsewhere. An explicit "pallas" on a TPU is an error."""
+  other head sizes, and "xla" elsewhere. An explicit "pallas" on a TPU is an error.
+
+  Models with a sliding window or an attention scale other than head_dim ** -0.5 (Gemma 3)
+  do not take the Pallas kernels, which know neither: "auto" gives "cudnn" on GPUs (the window
+  is part of its dense mask), and an explicit "pallas" is an error. cuDNN takes bfloat16 and
+  float16 only: "auto" gives float32 models that the Pallas kernels do not take "xla"."""
+  special = cfg.windowed or cfg.attn_scale != 1.0 / math.sqrt(cfg.head_dim)
+  if cfg.attention_impl == "pallas" and special:
+    raise ValueError(
+        "attention_impl='pallas': the Pallas packed-attention kernels have no sliding window "
+        f"and scale by head_dim ** -0.5; this model (architecture {cfg.architecture!r}, "
+        f"sliding_window={cfg.sliding_window}, attention scale {cfg.attn_scale:g}) needs "
+        "attention_impl='xla', 'cudnn' or 'auto'")
   if cfg.attention_impl != "auto":
     # The kernels would run in Pallas' interpret mode there: right, and far slower than XLA.
     if cfg.attention_impl == "pallas" and backend == "tpu":
@@ -277,7 +357,10 @@ def attention_path(cfg: ModelConfig, backend: str) -> str:
   if backend != "gpu":
     return "xla"
   hd = cfg.head_dim
-  return "pallas" if packed_attention.tileable(hd) and hd <= 128 else "cudnn"
+  if packed_attention.tileable(hd) and hd <= 128 and not special:
+    return "pallas"
+  # cuDNN's fused attention takes bfloat16 / float16 inputs only (JAX refuses float32 ones).
+  return "cudnn" if cfg.dtype != "float32" else "xla"
 
 
 def _pallas_attention(q, k, v, segment_ids):
@@ -371,26 +454,43 @@ def _run_ids(segment_ids):
   return jnp.cumsum(jnp.pad(change, ((0, 0), (1, 0))), axis=1, dtype=jnp.int32)
 
 
-def segment_attention(q, k, v, segment_ids, cfg: ModelConfig):
+def _window_mask(t: int, window):
+  """`[T, T]` bool: key s within `window` positions of query t (t - s < window); all True
+  for window None."""
+  if window is None:
+    return None
+  idx = jnp.arange(t, dtype=jnp.int32)
+  return (idx[:, None] - idx[None, :]) < window
+
+
+def segment_attention(q, k, v, segment_ids, cfg: ModelConfig, window=None):
   """Causal attention within each segment. q: [B,T,H,hd]; k, v: [B,T,KV,hd].
 
   A segment is a contiguous run of equal ids, on every path (as `segment_positions` restarts
   positions): an id that reappears after another one starts a new segment that does not see
-  the earlier run, which is what the Pallas kernels do by construction.
+  the earlier run, which is what the Pallas kernels do by construction. `window` (an int or
+  an int32 scalar, None: none): a query sees only the keys of its segment fewer than `window`
+  positions back (itself included); within a segment, row offsets are position offsets.
+  Logits are scaled by `cfg.attn_scale`.
   """
   b, t, _, hd = q.shape
   impl = attention_path(cfg, jax.default_backend())
   if impl == "pallas":
     return _pallas_attention(q, k, v, segment_ids)
   runs = _run_ids(segment_ids)
+  near = _window_mask(t, window)
   if impl == "cudnn":
     mask = (runs[:, None, :, None] == runs[:, None, None, :])
+    if near is not None:
+      mask = mask & near[None, None]
     return jax.nn.dot_product_attention(
-        q, k, v, mask=mask, is_causal=True, scale=1.0 / math.sqrt(hd),
+        q, k, v, mask=mask, is_causal=True, scale=cfg.attn_scale,
         implementation="cudnn")
-  qg = _group(q, cfg) * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
+  qg = _group(q, cfg) * jnp.asarray(cfg.attn_scale, q.dtype)
   logits = jnp.einsum("btkgd,bskd->bkgts", qg, k, preferred_element_type=jnp.float32)
   causal = jnp.tril(jnp.ones((t, t), bool))
+  if near is not None:
+    causal = causal & near
   same = runs[:, :, None] == runs[:, None, :]
   mask = (causal[None] & same)[:, None, None]
   probs = _softmax_attend(logits, mask).astype(v.dtype)
@@ -446,7 +546,10 @@ def embed(p, tokens, cfg: ModelConfig):
   every device, in the update's forward and backward). Two steps it does move: rows over
   the other batch axes (a local slice), then rows over "fsdp" for model dims (an all-to-all).
   """
-  x = jnp.take(p["embed"], tokens, axis=0).astype(cfg.jnp_dtype)
+  x = jnp.take(p["embed"], tokens, axis=0)
+  if cfg.embed_scale:  # sqrt(d_model), rounded to the table's dtype first (as transformers)
+    x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
+  x = x.astype(cfg.jnp_dtype)
   axes, n = batch_split()
   if "fsdp" in axes and x.shape[0] % n == 0:
     fsdp = jax.sharding.get_abstract_mesh().shape["fsdp"]
@@ -515,13 +618,18 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
   elif positions is None:
     positions = segment_positions(segment_ids)
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
-  attend = functools.partial(segment_attention, segment_ids=segment_ids, cfg=cfg)
+  consts = layer_constants(cfg)  # per-layer RoPE and windows, where the layers differ
 
   def body(x, lp_ab):
-    lp, ab = lp_ab  # ab: the adapter's slices and the layer's index (`LayerAdapter.scanned`)
+    # ab: the adapter's slices and the layer's index (`LayerAdapter.scanned`); lc: the layer's
+    # (inv_freq, window), or None
+    lp, ab, lc = lp_ab
     if adapter is not None:
       lp = adapter.apply(lp, ab)
-    x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
+    freq, window = (inv_freq, None) if lc is None else lc
+    attend = functools.partial(segment_attention, segment_ids=segment_ids, cfg=cfg,
+                               window=window)
+    x, k, v = _block(x, lp, positions, attend, cfg, freq)
     return x, ((k, v) if collect_kv else None)
 
   x = embed(p, tokens, cfg)
@@ -533,12 +641,13 @@ def hidden_states(params: Params, tokens, *, cfg: ModelConfig, positions=None,
     layer = _remat(body, cfg)
     outs = []
     for i, lp in enumerate(layers):
-      x, o = layer(x, (lp, None if adapter is None else adapter.layer(i)))
+      lc = None if consts is None else (consts[0][i], cfg.layer_window(i))
+      x, o = layer(x, (lp, None if adapter is None else adapter.layer(i), lc))
       outs.append(o)
     kv = jax.tree.map(lambda *xs: jnp.stack(xs), *outs) if collect_kv else None
   else:
-    x, kv = jax.lax.scan(_remat(body, cfg), x, (layers, ad_layers))
-  h = rms_norm(x, p["final_norm"], cfg.norm_eps)
+    x, kv = jax.lax.scan(_remat(body, cfg), x, (layers, ad_layers, consts))
+  h = norm(x, p["final_norm"], cfg)
   return (h, kv) if collect_kv else h
 
 
@@ -567,7 +676,7 @@ def prefill(params: Params, tokens, lengths, *, cfg: ModelConfig):
 
 
 def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelConfig,
-                     impl: str = "xla"):
+                     impl: str = "xla", window=None):
   """Attention of new tokens over a slot's cached prefix plus themselves (causally).
 
   q: [S, n, H, hd]; k_new, v_new: [S, n, KV, hd]; cache_k, cache_v: [S, KV, C, hd] (head-major,
@@ -575,13 +684,21 @@ def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelCo
   s are valid). The cached part and the new part are scored separately and share one softmax,
   so the cache is read once and never copied. `impl="pallas"` computes the cached part with the
   flash-decoding kernel of `decode_attention.py` and merges the two parts by log-sum-exp.
+  `window` (None, an int or an int32 scalar): the new token at position p sees only the keys at
+  positions above p - window (cached or new), as `segment_attention`; the Pallas kernel has no
+  window (an error with one).
   """
   s, n, _, hd = q.shape
   c = cache_k.shape[2]
-  qg = _group(q, cfg) * jnp.asarray(1.0 / math.sqrt(hd), q.dtype)
+  qg = _group(q, cfg) * jnp.asarray(cfg.attn_scale, q.dtype)
   ln = jnp.einsum("snkgd,smkd->skgnm", qg, k_new, preferred_element_type=jnp.float32)
-  mask_n = jnp.tril(jnp.ones((n, n), bool))[None, None, None]
-  ln = jnp.where(mask_n, ln, _MASK_VALUE)
+  mask_n = jnp.tril(jnp.ones((n, n), bool))
+  if window is not None:
+    mask_n = mask_n & _window_mask(n, window)
+  ln = jnp.where(mask_n[None, None, None], ln, _MASK_VALUE)
+  if impl == "pallas" and window is not None:
+    raise ValueError("cached_attention: the Pallas decode kernel has no sliding window; use "
+                     "impl='xla' for windowed layers")
   if impl == "pallas":
     g = cfg.q_per_kv
     # Every new token sees the same cached prefix: fold the n queries into the head group.
@@ -601,6 +718,10 @@ def cached_attention(q, k_new, v_new, cache_k, cache_v, cache_lens, cfg: ModelCo
   lc = jnp.einsum("snkgd,skcd->skgnc", qg, cache_k.astype(q.dtype),
                   preferred_element_type=jnp.float32)
   mask_c = (jnp.arange(c)[None, :] < cache_lens[:, None])[:, None, None, None, :]
+  if window is not None:  # query i (position len + i) sees cached key j where len + i - j < w
+    pos_q = cache_lens[:, None] + jnp.arange(n, dtype=cache_lens.dtype)[None, :]  # [S, n]
+    near = (pos_q[:, :, None] - jnp.arange(c, dtype=pos_q.dtype)[None, None, :]) < window
+    mask_c = mask_c & near[:, None, None]  # [S, 1, 1, n, C]
   logits = jnp.concatenate([jnp.where(mask_c, lc, _MASK_VALUE), ln], axis=-1)
   probs = jax.nn.softmax(logits, axis=-1).astype(v_new.dtype)
   pc, pn = probs[..., :c], probs[..., c:]
@@ -631,6 +752,9 @@ def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelCo
   n = tokens.shape[1]
   positions = cache_lens[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :]
   inv_freq = jnp.asarray(rope_inv_freq(cfg))
+  if attn_impl == "pallas" and not decode_kernels_fit(cfg):
+    raise ValueError("extend: the Pallas decode kernel has no sliding window and scales by "
+                     f"head_dim ** -0.5; this model ({cfg.architecture!r}) needs attn_impl='xla'")
   if isinstance(cache_k, (tuple, list)):
     x, k, v = _extend_per_layer(p, cache_k, cache_v, tokens, positions, cache_lens, cfg,
                                 kv_len, attn_impl, inv_freq, rows)
@@ -638,15 +762,17 @@ def extend(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg: ModelCo
   kv_len = cache_k.shape[3] if kv_len is None else kv_len
 
   def body(x, xs):
-    lp, ck, cv = xs
+    lp, ck, cv, lc = xs
+    freq, window = (inv_freq, None) if lc is None else lc
     ck, cv = _cache_rows(ck, rows), _cache_rows(cv, rows)
     attend = lambda q, k, v: cached_attention(q, k, v, ck[:, :, :kv_len], cv[:, :, :kv_len],
-                                              cache_lens, cfg, impl=attn_impl)
-    x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
+                                              cache_lens, cfg, impl=attn_impl, window=window)
+    x, k, v = _block(x, lp, positions, attend, cfg, freq)
     return x, (k, v)
 
   x = embed(p, tokens, cfg)
-  x, (k, v) = jax.lax.scan(body, x, (p["layers"], cache_k, cache_v), unroll=unroll)
+  x, (k, v) = jax.lax.scan(body, x, (p["layers"], cache_k, cache_v, layer_constants(cfg)),
+                           unroll=unroll)
   return _extend_logits(params, p, x, logit_index, cfg), k, v
 
 
@@ -655,7 +781,7 @@ def _extend_logits(params, p, x, logit_index, cfg: ModelConfig):
   or only `logit_index` `[S]` of each row (gathered before the norm and the projection)."""
   if logit_index is not None:
     x = jnp.take_along_axis(x, jnp.asarray(logit_index, jnp.int32)[:, None, None], axis=1)[:, 0]
-  return logits_from_hidden(params, rms_norm(x, p["final_norm"], cfg.norm_eps), cfg)
+  return logits_from_hidden(params, norm(x, p["final_norm"], cfg), cfg)
 
 
 def _cache_rows(cache, rows):
@@ -676,17 +802,30 @@ def _extend_per_layer(p, cache_k, cache_v, tokens, positions, cache_lens, cfg, k
     return _extend_rows_per_layer(p, x, cache_k, cache_v, positions, cache_lens, cfg, kv_len,
                                   attn_impl, inv_freq, rows)
   ks, vs = [], []
+  consts = layer_constants(cfg)
   for layer in range(cfg.n_layers):
     lp = jax.tree.map(lambda w: w[layer], p["layers"])
     ck, cv = cache_k[layer], cache_v[layer]
     if attn_impl != "pallas":  # a copy anyway: of the live prefix only
       ck, cv = ck[:, :, :kv_len], cv[:, :, :kv_len]
-    attend = lambda q, k, v, ck=ck, cv=cv: cached_attention(q, k, v, ck, cv, cache_lens, cfg,
-                                                             impl=attn_impl)
-    x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
+    window = cfg.layer_window(layer)
+    attend = lambda q, k, v, ck=ck, cv=cv, w=window: cached_attention(
+        q, k, v, ck, cv, cache_lens, cfg, impl=attn_impl, window=w)
+    freq = inv_freq if consts is None else consts[0][layer]
+    x, k, v = _block(x, lp, positions, attend, cfg, freq)
     ks.append(k)
     vs.append(v)
   return x, jnp.stack(ks), jnp.stack(vs)
+
+
+def decode_kernels_fit(cfg: ModelConfig) -> bool:
+  """Whether the Pallas decode kernels (`decode_attention`: the cached part of
+  `cached_attention`, `decode_in_place`, the raw-q|k|v and folded-norm kernels, the chained
+  step) compute this model's attention: no sliding window, logits scaled by head_dim ** -0.5,
+  plain RMSNorm weights and no post-norms. Gemma 3 fails all of these; the engine decodes such
+  models with the XLA path (`extend`)."""
+  return (not cfg.windowed and not cfg.norm_plus_one and not cfg.post_norms
+          and cfg.attn_scale == 1.0 / math.sqrt(cfg.head_dim))
 
 
 def fused_qkv_fits(cfg: ModelConfig, interpret: bool = False) -> bool:
@@ -721,6 +860,11 @@ def decode_in_place(params: Params, cache_k, cache_v, tokens, cache_lens, *, cfg
   (`param_tree.chain_decode_weights`) a layer runs two GEMMs instead of four: `_decode_chained`.
   Returns (logits `[S, V]` float32, cache_k, cache_v).
   """
+  if not decode_kernels_fit(cfg):
+    raise ValueError("decode_in_place: the Pallas decode kernels have no sliding window, "
+                     "attention scale, (1 + w) norms or post-norms; this model "
+                     f"({cfg.architecture!r}) decodes with extend "
+                     "(EngineConfig.decode_attention='xla')")
   p = unbox(params)
   tokens = jnp.asarray(tokens, jnp.int32)[:, None]
   s = tokens.shape[0]
@@ -805,14 +949,16 @@ def _extend_rows_per_layer(p, x, cache_k, cache_v, positions, cache_lens, cfg, k
     return jax.lax.switch(layer, take)
 
   def body(x, xs):
-    lp, layer = xs
+    lp, layer, lc = xs
+    freq, window = (inv_freq, None) if lc is None else lc
     ck, cv = gather(cache_k, layer), gather(cache_v, layer)
-    attend = lambda q, k, v: cached_attention(q, k, v, ck, cv, cache_lens, cfg, impl=attn_impl)
-    x, k, v = _block(x, lp, positions, attend, cfg, inv_freq)
+    attend = lambda q, k, v: cached_attention(q, k, v, ck, cv, cache_lens, cfg, impl=attn_impl,
+                                              window=window)
+    x, k, v = _block(x, lp, positions, attend, cfg, freq)
     return x, (k, v)
 
   layers = jnp.arange(cfg.n_layers, dtype=jnp.int32)
-  x, (k, v) = jax.lax.scan(body, x, (p["layers"], layers))
+  x, (k, v) = jax.lax.scan(body, x, (p["layers"], layers, layer_constants(cfg)))
   return x, k, v
 
 

@@ -37,6 +37,19 @@ _LAYER_KEYS = {
     "w_up": ("mlp.up_proj.weight", "t"),
     "w_down": ("mlp.down_proj.weight", "t"),
 }
+# Gemma 3 names its four layer norms otherwise: its post_attention_layernorm norms the
+# attention's output (Llama's is the MLP's input norm, here pre_feedforward_layernorm).
+_GEMMA_LAYER_KEYS = {
+    **_LAYER_KEYS,
+    "mlp_norm": ("pre_feedforward_layernorm.weight", "vec"),
+    "post_attn_norm": ("post_attention_layernorm.weight", "vec"),
+    "post_mlp_norm": ("post_feedforward_layernorm.weight", "vec"),
+}
+
+
+def layer_keys(cfg: ModelConfig) -> dict[str, tuple[str, str]]:
+  """Our layer weight names -> (HF name after `model.layers.{i}.`, layout kind) for `cfg`."""
+  return _GEMMA_LAYER_KEYS if cfg.post_norms else _LAYER_KEYS
 
 
 def _to_ours(kind: str, w: np.ndarray, cfg: ModelConfig) -> np.ndarray:
@@ -135,8 +148,9 @@ def params_from_state_dict(cfg: ModelConfig, sd: Mapping[str, np.ndarray],
     return out
 
   layers = {}
+  names = layer_keys(cfg)
   for key, (shape, _, _) in specs["layers"].items():
-    suffix, kind = _LAYER_KEYS[key]
+    suffix, kind = names[key]
     per = []
     for i in range(cfg.n_layers):
       name = f"model.layers.{i}.{suffix}"
@@ -203,8 +217,9 @@ def state_dict_from_params(cfg: ModelConfig, params) -> dict[str, np.ndarray]:
   p = jax.tree.map(np.asarray, param_tree.unbox(params))
   _check_against_config(cfg, p)
   sd = {"model.embed_tokens.weight": p["embed"], "model.norm.weight": p["final_norm"]}
+  names = layer_keys(cfg)
   for key, stacked in p["layers"].items():
-    suffix, kind = _LAYER_KEYS[key]
+    suffix, kind = names[key]
     for i in range(cfg.n_layers):
       sd[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(_to_hf(kind, stacked[i]))
   if not cfg.tie_embeddings:

@@ -25,13 +25,15 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
   """The params tree as `(shape, logical_axes, init)` leaves (init in {"normal","ones","zeros"})."""
   d, h, kv, hd, f, v, n = (cfg.d_model, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim,
                            cfg.ffn_dim, cfg.vocab_size, cfg.n_layers)
+  # (1 + w) norms (Gemma) are the identity at w = 0.
+  unit = "zeros" if cfg.norm_plus_one else "ones"
   layers = {
-      "attn_norm": ((n, d), ("layers", "norm"), "ones"),
+      "attn_norm": ((n, d), ("layers", "norm"), unit),
       "wq": ((n, d, h, hd), ("layers", "embed", "heads", "head_dim"), "normal"),
       "wk": ((n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
       "wv": ((n, d, kv, hd), ("layers", "embed", "kv_heads", "head_dim"), "normal"),
       "wo": ((n, h, hd, d), ("layers", "heads", "head_dim", "embed"), "normal"),
-      "mlp_norm": ((n, d), ("layers", "norm"), "ones"),
+      "mlp_norm": ((n, d), ("layers", "norm"), unit),
       "w_gate": ((n, d, f), ("layers", "embed", "mlp"), "normal"),
       "w_up": ((n, d, f), ("layers", "embed", "mlp"), "normal"),
       "w_down": ((n, f, d), ("layers", "mlp", "embed"), "normal"),
@@ -41,12 +43,15 @@ def param_specs(cfg: ModelConfig) -> dict[str, Any]:
     layers["bk"] = ((n, kv, hd), ("layers", "kv_heads", "head_dim"), "zeros")
     layers["bv"] = ((n, kv, hd), ("layers", "kv_heads", "head_dim"), "zeros")
   if cfg.qk_norm:
-    layers["q_norm"] = ((n, hd), ("layers", "head_dim"), "ones")
-    layers["k_norm"] = ((n, hd), ("layers", "head_dim"), "ones")
+    layers["q_norm"] = ((n, hd), ("layers", "head_dim"), unit)
+    layers["k_norm"] = ((n, hd), ("layers", "head_dim"), unit)
+  if cfg.post_norms:  # Gemma: the attention's and the MLP's outputs are normed too
+    layers["post_attn_norm"] = ((n, d), ("layers", "norm"), unit)
+    layers["post_mlp_norm"] = ((n, d), ("layers", "norm"), unit)
   specs = {
       "embed": ((v, d), ("vocab", "embed"), "normal"),
       "layers": layers,
-      "final_norm": ((d,), ("norm",), "ones"),
+      "final_norm": ((d,), ("norm",), unit),
   }
   if not cfg.tie_embeddings:
     specs["lm_head"] = ((d, v), ("embed", "vocab"), "normal")
@@ -199,6 +204,10 @@ def merge_decode_weights(params: Params, cfg: ModelConfig,
   if is_merged(params):
     raise ValueError("merge_decode_weights: the params are merged already (they hold 'wqkv' "
                      "or chained matrices); pass the plain params")
+  if fold_norms and (cfg.norm_plus_one or cfg.post_norms):
+    raise ValueError("merge_decode_weights: fold_norms=True folds plain RMSNorm weights into "
+                     f"the matrices; architecture {cfg.architecture!r} has (1 + w) norms and "
+                     "post-norms, which do not fold: use fold_norms=False")
   p = dict(unbox(params))
   lw = dict(p["layers"])
   dt, lead = cfg.jnp_dtype, lw["wq"].shape[:-2]

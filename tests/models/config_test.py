@@ -257,26 +257,26 @@ _HF_MISTRAL = {**_HF_LLAMA, "architectures": ["MistralForCausalLM"], "model_type
     {k: v for k, v in {**_HF_MISTRAL, "sliding_window": 16}.items() if k != "model_type"},
     {**_HF_MISTRAL, "sliding_window": 16},
 ])
-def test_from_hf_refuses_a_mistral_window_shorter_than_the_sequences(hf):
-  # Both were loaded with full attention: logits 0.3 apart from transformers' after 16 tokens.
-  with pytest.raises(ValueError, match="sliding-window attention .*pass max_seq_len=16"):
-    ModelConfig.from_hf(hf)
-  # Sequences no longer than the window are served exactly.
-  assert ModelConfig.from_hf(hf, max_seq_len=16).max_seq_len == 16
-  with pytest.raises(ValueError, match="sliding-window attention"):
-    ModelConfig.from_hf(hf, max_seq_len=17)
+def test_from_hf_reads_a_mistral_window_shorter_than_the_sequences(hf):
+  # (Both were once loaded with full attention: logits 0.3 apart from transformers' after 16
+  # tokens; then refused.) Every Mistral layer is windowed.
+  cfg = ModelConfig.from_hf(hf)
+  assert (cfg.sliding_window, cfg.sliding_layers) == (16, (0, 1))
+  # Sequences no longer than the window: it masks nothing, so none is kept.
+  assert ModelConfig.from_hf(hf, max_seq_len=16).sliding_window is None
+  assert ModelConfig.from_hf(hf, max_seq_len=17).sliding_window == 16
+  assert ModelConfig.from_hf(cfg.to_hf()) == cfg.replace(name="hf")
 
 
 def test_from_hf_a_mistral_config_without_sliding_window_has_transformers_default_window():
   # transformers' MistralConfig defaults sliding_window to 4096; such a config loaded with full
   # attention over 8192 tokens.
   hf = {**_HF_MISTRAL, "max_position_embeddings": 8192}
-  with pytest.raises(ValueError, match=r"sliding_window=4096\) is not supported.*pass "
-                     "max_seq_len=4096"):
-    ModelConfig.from_hf(hf)
-  assert ModelConfig.from_hf(hf, max_seq_len=4096).max_seq_len == 4096
+  assert ModelConfig.from_hf(hf).sliding_window == 4096
+  assert ModelConfig.from_hf(hf, max_seq_len=4096).sliding_window is None
   # Llama has no window: the same fields under it load as they are.
-  assert ModelConfig.from_hf({**_HF_LLAMA, "max_position_embeddings": 8192}).max_seq_len == 8192
+  cfg = ModelConfig.from_hf({**_HF_LLAMA, "max_position_embeddings": 8192})
+  assert cfg.max_seq_len == 8192 and cfg.sliding_window is None
 
 
 @pytest.mark.parametrize("arch,model_type,expected", [
@@ -293,15 +293,17 @@ def test_from_hf_without_max_position_embeddings_takes_the_architectures_default
 
 def test_from_hf_mistral_windows_that_mask_nothing_are_accepted():
   assert ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": None}).max_seq_len == 512
-  assert ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": 512}).max_seq_len == 512
+  assert ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": 512}).sliding_window is None
   # A Qwen2 window is used only with use_sliding_window.
   qwen2 = {**_HF_LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
            "sliding_window": 16}
-  assert ModelConfig.from_hf(qwen2).architecture == "qwen2"
-  with pytest.raises(ValueError, match="sliding-window attention"):
-    ModelConfig.from_hf({**qwen2, "use_sliding_window": True, "max_window_layers": 1})
+  assert ModelConfig.from_hf(qwen2).sliding_window is None
+  cfg = ModelConfig.from_hf({**qwen2, "use_sliding_window": True, "max_window_layers": 1})
+  assert (cfg.sliding_window, cfg.sliding_layers) == (16, (1,))
   with pytest.raises(ValueError, match="sliding_window='16' must be a number or null"):
     ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": "16"})
+  with pytest.raises(ValueError, match="sliding_window=16.5 must be a positive int"):
+    ModelConfig.from_hf({**_HF_MISTRAL, "sliding_window": 16.5})
 
 
 _HF_QWEN2 = {**_HF_LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2",
@@ -320,19 +322,29 @@ _HF_QWEN2 = {**_HF_LLAMA, "architectures": ["Qwen2ForCausalLM"], "model_type": "
     {"max_window_layers": 0, "use_sliding_window": False},
     {"max_window_layers": 0, "sliding_window": None},
 ])
-def test_from_hf_qwen_configs_transformers_runs_with_full_attention_are_accepted(arch, changes):
+def test_from_hf_qwen_configs_transformers_runs_with_full_attention_have_no_window(arch,
+                                                                                   changes):
   hf = {**_HF_QWEN2, "architectures": [arch.capitalize() + "ForCausalLM"], "model_type": arch,
         "head_dim": 16, **changes}
-  assert ModelConfig.from_hf(hf).architecture == arch
+  cfg = ModelConfig.from_hf(hf)
+  assert cfg.architecture == arch and cfg.sliding_window is None
+
+
+@pytest.mark.parametrize("changes,layers", [
+    ({"max_window_layers": 1}, (1,)),
+    ({"layer_types": ["sliding_attention", "full_attention"]}, (0,)),
+    # transformers' Qwen2Config defaults the window to 4096.
+    ({"max_window_layers": 0, "sliding_window": 4096, "max_position_embeddings": 8192},
+     (0, 1)),
+])
+def test_from_hf_qwen_layers_that_a_window_cuts_are_windowed(changes, layers):
+  cfg = ModelConfig.from_hf({**_HF_QWEN2, **changes})
+  assert cfg.sliding_layers == layers
+  back = ModelConfig.from_hf(cfg.to_hf())
+  assert back == cfg.replace(name="hf")
 
 
 @pytest.mark.parametrize("changes,match", [
-    ({"max_window_layers": 1}, r"sliding_window=16\) is not supported; layer\(s\) \[1\] use it"
-                               ".*pass max_seq_len=16"),
-    ({"layer_types": ["sliding_attention", "full_attention"]}, r"layer\(s\) \[0\] use it"),
-    # transformers' Qwen2Config defaults the window to 4096.
-    ({"max_window_layers": 0, "sliding_window": 4096, "max_position_embeddings": 8192},
-     r"sliding_window=4096\).*\[0, 1\]"),
     ({"layer_types": ["full_attention", "sliding_attention"], "use_sliding_window": False},
      r"layer_types makes layer\(s\) \[1\] 'sliding_attention' but no window is set"),
     ({"layer_types": ["full_attention"]}, r"layer_types=\['full_attention'\] must list one of "
@@ -340,7 +352,7 @@ def test_from_hf_qwen_configs_transformers_runs_with_full_attention_are_accepted
     ({"layer_types": ["full_attention", "chunked_attention"]}, "must list one of"),
     ({"max_window_layers": None}, r"max_window_layers=None must be an int"),
 ])
-def test_from_hf_qwen_layers_that_a_window_cuts_are_refused(changes, match):
+def test_from_hf_qwen_bad_window_settings_are_refused(changes, match):
   with pytest.raises(ValueError, match=match):
     ModelConfig.from_hf({**_HF_QWEN2, **changes})
 
@@ -348,6 +360,5 @@ def test_from_hf_qwen_layers_that_a_window_cuts_are_refused(changes, match):
 def test_from_hf_a_qwen_window_left_out_is_transformers_default():
   hf = {k: v for k, v in _HF_QWEN2.items() if k != "sliding_window"}
   hf.update(max_window_layers=0, max_position_embeddings=8192)
-  with pytest.raises(ValueError, match=r"sliding_window=4096\).*pass max_seq_len=4096"):
-    ModelConfig.from_hf(hf)
-  assert ModelConfig.from_hf(hf, max_seq_len=4096).max_seq_len == 4096
+  assert ModelConfig.from_hf(hf).sliding_window == 4096
+  assert ModelConfig.from_hf(hf, max_seq_len=4096).sliding_window is None

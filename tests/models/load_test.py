@@ -201,7 +201,6 @@ def test_tensors_the_config_does_not_account_for_are_named(tmp_path):
     (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(attention_bias=True), r"tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' is missing"),
-    (dict(use_sliding_window=True, sliding_window=32), "sliding-window attention"),
     (dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}),
      "unsupported rope_scaling type 'linear'"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "lacks the field 'low_freq_factor'"),
@@ -219,6 +218,15 @@ def test_unsupported_or_incomplete_configs_are_refused(tmp_path, changes, match)
   with pytest.raises(ValueError, match=match) as e:
     models.load(path)
   assert str(path) in str(e.value)
+
+
+def test_a_llama_config_with_use_sliding_window_loads_windowed(tmp_path):
+  # (Refused as "sliding-window attention" before windows were supported.) Every layer is
+  # windowed, as `config._windowed_layers` reads such a config.
+  cfg0, path = _save_tiny(tmp_path)
+  _edit_config(path, use_sliding_window=True, sliding_window=32)
+  cfg, _ = models.load(path)
+  assert (cfg.sliding_window, cfg.sliding_layers) == (32, tuple(range(cfg0.n_layers)))
 
 
 @pytest.mark.parametrize("cls,window", [
