@@ -19,15 +19,16 @@ One checkpoint is an orbax composite in `<workdir>/checkpoints/<step>/`:
   meta        JSON: format, RL step, the run config, the model config, the rng derivation,
               the grain iterator state of the prompt stream, whether the warm start ran, the
               run summary so far, a signature (path -> shape, dtype) of every saved array, a
-              fingerprint of every saved array's contents (`fingerprint`) and the sha256 of
-              the `rollouts_ahead` item (`json_digest`)
+              fingerprint of every saved array's contents (`fingerprint`), the sha256 of
+              the `rollouts_ahead` item (`json_digest`), and the sha256 of the rest of the
+              metadata itself (`meta_digest`, checked by `read_meta`)
 
 Restores always go through an abstract target whose leaves carry the shardings of the current
 mesh (`jaxagent.sharding.shardings`), so a checkpoint written on 8 devices loads onto 4 (or 16)
 with every array resharded. A save that did not finish (killed mid-write) leaves orbax's
 temporary directory behind: it is reported by name and skipped. A checkpoint that cannot be read
-(an item that does not load, contents that differ from their fingerprint or digest, rollouts
-that do not decode) is reported, moved to `<directory>-unreadable/`, and the previous one is
+(an item that does not load, contents or metadata that differ from their fingerprint or
+digest, rollouts that do not decode) is reported, moved to `<directory>-unreadable/`, and the previous one is
 used; one written by an incompatible run (other model, task or seed; other array shapes; other
 architecture settings of the model loaded under the same config, `check_model_config`) raises
 `IncompatibleCheckpointError` naming the differences.
@@ -316,6 +317,30 @@ def json_digest(data) -> str:
   return hashlib.sha256(text.encode("ascii")).hexdigest()
 
 
+META_DIGEST = "meta_digest"  # the metadata's key that holds the digest of the rest of it
+
+
+def meta_digest(meta: Mapping[str, Any]) -> str:
+  """The `json_digest` of a checkpoint's metadata but for its own `META_DIGEST` entry (as the
+  JSON file holds it: the save stores it, `read_meta` compares it)."""
+  return json_digest({k: v for k, v in meta.items() if k != META_DIGEST})
+
+
+def _check_meta_digest(meta: Mapping[str, Any], step_dir) -> None:
+  """Raise `CheckpointError` when the metadata read from `step_dir` differs from what was saved
+  (an edited or damaged file that is still valid JSON); metadata written before the digest was
+  kept (none in it) passes."""
+  saved = meta.get(META_DIGEST)
+  if saved is None:
+    return
+  now = meta_digest(meta)
+  if now != saved:
+    raise CheckpointError(
+        f"checkpoint {step_dir} is corrupt: its metadata file {step_dir}/meta/metadata differs "
+        f"from what was saved (sha256 {now[:16]}..., saved {str(saved)[:16]}...; an edited or "
+        "damaged file: its step, prompt-stream position or config cannot be trusted)")
+
+
 def _check_json_digests(meta: Mapping[str, Any], restored: Mapping[str, Any], path) -> None:
   """Raise `CheckpointError` when a restored JSON item differs from what was saved (its
   `json_digest` in the metadata; items saved without one pass)."""
@@ -598,6 +623,8 @@ class CheckpointManager:
       full_meta["rollouts_ahead"] = True  # (`restore` reads the item when this says so)
       full_meta["json_digests"] = {"rollouts_ahead": json_digest(ahead)}
       args["rollouts_ahead"] = ocp.args.JsonSave(ahead)
+    # Last: a digest of everything above, as the file will hold it (JSON's own round trip).
+    full_meta[META_DIGEST] = meta_digest(json.loads(json.dumps(full_meta)))
     args["meta"] = ocp.args.JsonSave(full_meta)
     return bool(self._mgr.save(step, args=ocp.args.Composite(**args), force=True))
 
@@ -620,6 +647,7 @@ class CheckpointManager:
     meta = out["meta"]
     if not isinstance(meta, dict) or "signature" not in meta:
       raise CheckpointError(f"checkpoint {self.step_path(step)} has no jaxagent metadata")
+    _check_meta_digest(meta, self.step_path(step))
     return meta
 
   def check(self, meta: Mapping[str, Any], *, step: int, config=None,

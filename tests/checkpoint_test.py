@@ -437,6 +437,49 @@ def test_rollouts_ahead_round_trip_bit_for_bit_with_their_digest(tmp_path):
   assert raw.rollouts_ahead == saved
 
 
+@pytest.mark.parametrize("damage", ["step", "next_index", "config", "truncated"])
+def test_an_edited_metadata_file_falls_back_to_the_previous_checkpoint(tmp_path, damage):
+  """The metadata (RL step, prompt-stream state, config) had no digest of its own: an edited
+  file, or one cut short where it still parses, resumed from that checkpoint as if intact."""
+  learner, h1 = _two_checkpoints_with_rollouts_ahead(tmp_path)
+  meta_file = tmp_path / "2" / "meta" / "metadata"
+  meta = json.loads(meta_file.read_text())
+  assert meta[checkpoint.META_DIGEST] == checkpoint.meta_digest(meta)
+
+  def edit(m):
+    if damage == "step":
+      m["step"] = 3
+    elif damage == "next_index":
+      m["data"] = {"next_index": 7}
+    elif damage == "config":
+      m["config"]["optimizer"]["lr"] = 0.5  # a setting a resume may change
+    else:  # the summary lost, the rest still valid JSON
+      m.pop("warm_started")
+  _edit_json(meta_file, edit)
+  mgr = checkpoint.CheckpointManager(tmp_path, checkpoint.CheckpointConfig(every=1))
+  with pytest.raises(checkpoint.CheckpointError,
+                     match=rf"checkpoint {tmp_path / '2'} is corrupt: its metadata file "
+                     rf"{meta_file} differs from what was saved"):
+    mgr.read_meta(2)
+  mgr.close()
+  said = []
+  mgr, r = _restore_with_rollouts_ahead(tmp_path, learner, said)
+  assert r.step == 1
+  _assert_trees_equal(r.state, h1)
+  assert any(f"its metadata file {meta_file} differs" in m for m in said), said
+  assert mgr.steps() == [1]
+
+
+def test_metadata_saved_without_a_digest_restores(tmp_path):
+  """Checkpoints written before the metadata had a digest restore as before."""
+  learner, _ = _two_checkpoints_with_rollouts_ahead(tmp_path)
+  _edit_json(tmp_path / "2" / "meta" / "metadata", lambda m: m.pop(checkpoint.META_DIGEST))
+  said = []
+  _, r = _restore_with_rollouts_ahead(tmp_path, learner, said)
+  assert r.step == 2 and not said
+  _assert_ahead_equal(r.rollouts_ahead, _ahead(2))
+
+
 @pytest.mark.parametrize("damage", ["flipped character", "truncated", "params_version"])
 def test_a_damaged_rollouts_ahead_item_falls_back_to_the_previous_checkpoint(tmp_path, damage):
   """An item that still parses as JSON but whose contents changed resumed from that checkpoint
@@ -472,7 +515,8 @@ def test_rollouts_ahead_saved_without_a_digest_restore_and_their_damage_falls_ba
   chosen, and the run could not resume until the checkpoint was moved by hand)."""
   learner, h1 = _two_checkpoints_with_rollouts_ahead(tmp_path)
   for step in ("1", "2"):
-    _edit_json(tmp_path / step / "meta" / "metadata", lambda m: m.pop("json_digests"))
+    _edit_json(tmp_path / step / "meta" / "metadata",
+               lambda m: (m.pop("json_digests"), m.pop(checkpoint.META_DIGEST)))
   said = []
   _, r = _restore_with_rollouts_ahead(tmp_path, learner, said)
   assert r.step == 2 and not said
@@ -916,13 +960,15 @@ def test_export_of_another_format_or_model_config_is_named_not_a_traceback(tmp_p
   mgr.close()
   meta_file = ckdir / "1" / "meta" / "metadata"
   meta = json.loads(meta_file.read_text())
-  meta["model_config"]["a_later_field"] = 4
+  meta["model_config"]["a_later_field"] = 4  # as a later jaxagent writes it, with its digest
+  meta[checkpoint.META_DIGEST] = checkpoint.meta_digest(meta)
   meta_file.write_text(json.dumps(meta))
   with pytest.raises(checkpoint.IncompatibleCheckpointError,
                      match=r"1 holds a model config this jaxagent cannot read \(TypeError: .*"
                      r"a_later_field"):
     checkpoint.export_hf(tmp_path / "run", tmp_path / "hf", step=1, tokenizer=None)
   meta["format"] = checkpoint.FORMAT + 1
+  meta[checkpoint.META_DIGEST] = checkpoint.meta_digest(meta)
   meta_file.write_text(json.dumps(meta))
   with pytest.raises(checkpoint.IncompatibleCheckpointError,
                      match=rf"1 has format {checkpoint.FORMAT + 1}; this jaxagent reads format"):
