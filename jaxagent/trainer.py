@@ -247,7 +247,8 @@ def _env_reward_failures(outs: Sequence[RewardOutput]) -> int:
 
 def _per_task(env, example_ids: Sequence[str], values, key: str) -> dict[str, float]:
   """The mean of `values` over the examples of each task of a mixture (`env.task_of`), as
-  `key.format(label)`; nothing for an env of one task."""
+  `key.format(label)`; nothing for an env of one task, and no key (not NaN) for a task with no
+  example among `example_ids`, so that plotted curves skip the step (README)."""
   task_of = getattr(env, "task_of", None)
   if not callable(task_of):
     return {}

@@ -251,6 +251,8 @@ def test_per_task_means_and_nothing_for_one_task():
   assert _per_task(env, ids, [1.0, 0.5, 0.0], "reward/task/{}") == {
       "reward/task/calc": 0.5, "reward/task/echo": 0.5}
   assert _per_task(Calc(), ids, [1.0, 0.5, 0.0], "reward/task/{}") == {}
+  # A task the step drew no example of has no key (README: absent, not NaN).
+  assert _per_task(env, ["calc/a"], [1.0], "reward/task/{}") == {"reward/task/calc": 1.0}
   with pytest.raises(ValueError, match="not one of this mixture's"):
     _per_task(env, ["other/x"], [1.0], "reward/task/{}")
 
