@@ -99,6 +99,30 @@ def test_the_1b_preset_has_google_gemma_3_1b_shapes():
   assert round(cfg.num_params() / 1e6) == 1000  # 999.9M, tied embeddings
 
 
+# google/gemma-3-1b-it's config.json as released (transformers 4.50 spelling).
+_GEMMA_3_1B_IT = {
+    "architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid",
+    "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 256,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02,
+    "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+    "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+    "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000,
+    "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+    "transformers_version": "4.50.0.dev0", "use_cache": True, "vocab_size": 262144}
+
+
+def test_the_released_gemma_3_1b_it_config_loads_as_the_preset():
+  cfg = ModelConfig.from_hf(_GEMMA_3_1B_IT)
+  assert cfg == models.get_config("gemma3-1b").replace(name="hf")
+  # transformers reads it alike: the same layer types.
+  hf = transformers.Gemma3TextConfig(**{k: v for k, v in _GEMMA_3_1B_IT.items()
+                                        if k not in ("architectures", "model_type")})
+  assert [i for i, t in enumerate(hf.layer_types) if t == "sliding_attention"] == list(
+      cfg.sliding_layers)
+
+
 @pytest.mark.parametrize("changes,match", [
     ({"final_logit_softcapping": 30.0}, "soft-capping .*not supported"),
     ({"attn_logit_softcapping": 50.0}, "soft-capping .*not supported"),

@@ -16,6 +16,10 @@ registers, taking q and the new K/V as one array and returning the output unpadd
 scatter, padding or slicing kernel runs around it. `flash_decode_write_qkv` is the same kernel
 fed the raw q|k|v projection: it adds the bias, applies Qwen3's q / k norms and RoPE itself, so
 that no XLA fusion runs between the projection's GEMM and the attention either.
+
+The kernels scale by head_dim ** -0.5 and see every cached key: models with a sliding window or
+another attention scale (Gemma 3) never reach them (`decoder.decode_kernels_fit`; the engine
+decodes those on the XLA path, and an explicit `decode_attention="pallas"` is refused).
 """
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ side's scale in the decode kernel (`decode_attention.flash_decode_write_qkv(resi
 decode layer runs no norm kernel of its own. `swiglu_rms_reference` is the same function in
 XLA ops (the path without the kernel, and the tests' reference). With chained weights
 (`param_tree.chain_decode_weights`) the stream rides in the first D columns of the projection
-and of the activation (`lead`).
+and of the activation (`lead`). SwiGLU only: Gemma 3 (GeGLU, post-norms) never folds its
+norms (`param_tree.merge_decode_weights` refuses it).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Qwen3's per-head RMS norm followed by RoPE as one Pallas kernel each way (GPU; interpret
-mode elsewhere).
+mode elsewhere). Gemma 3's (1 + w) q / k norms do not use them (`decoder.norm_rope_path`).
 
 `decoder.norm_rope` normalises each query / key head over its `hd` values, scales it by the
 norm's weight and rotates it (rotate-half RoPE). As XLA fusions that is several passes over

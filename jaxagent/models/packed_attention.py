@@ -17,6 +17,9 @@ other), which is what the packing produces; a segment id that reappears after an
 starts a new run, which sees nothing of the earlier one (the decoder's XLA and cuDNN paths,
 `decoder.segment_attention`, mask the same runs).
 
+There is no sliding window here and the scale is head_dim ** -0.5: `decoder.attention_path`
+keeps windowed models and Gemma 3's `query_pre_attn_scalar` off these kernels (cuDNN or XLA).
+
 One forward kernel (online softmax in base 2, the log-sum-exp kept for the backward) and two
 backward kernels (dk / dv per key block, summed over the query heads that share the key-value
 head inside the program; dq per query block), FlashAttention-2 style. q: `[B, T, H, hd]`,
