@@ -372,6 +372,12 @@ def test_lora_targets_work_on_a_gemma_model(loaded):
   base = np.asarray(models.forward(params, tokens, cfg=cfg))
   out = np.asarray(models.forward(merged, tokens, cfg=cfg))
   assert np.abs(out - base).max() > 1e-3  # the adapter changes the function
+  # The learner's per-layer adapter (`lora.LayerAdapter`), merged and unmerged, computes it.
+  for fwd in ("merged", "unmerged"):
+    layer_ad = lora.LayerAdapter(param_tree.unbox(adapter)["layers"],
+                                 lora.LoraConfig(rank=4, alpha=8.0, forward=fwd), cfg.jnp_dtype)
+    got = np.asarray(models.forward(dict(params, adapter=layer_ad), tokens, cfg=cfg))
+    assert np.abs(got - out).max() <= 1e-5, fwd
   # ... and gradients reach every target through the Gemma layer.
   def loss(ad):
     return jnp.sum(models.forward(lora.merge(params, ad, lcfg), tokens, cfg=cfg)[0, -1] ** 2)
