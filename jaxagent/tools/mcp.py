@@ -78,6 +78,7 @@ _MCP_ERRORS: tuple[type[BaseException], ...] = tuple(
     cls for cls in (getattr(mcp, "MCPError", None), getattr(mcp, "McpError", None)) if isinstance(cls, type))
 _STDERR_LINES = 40     # lines of the server's stderr kept for error messages
 _CLOSE_WAIT_S = 10.0   # the longest `close` waits for the session to end before killing the process
+_PING_TIMEOUT_S = 5.0  # a ping after a timed-out call that takes longer marks the session dead
 
 
 class MCPServerError(RuntimeError):
@@ -93,6 +94,9 @@ class MCPServerConfig:
     Attributes:
       command, args, env, cwd: the process to start (`env` is added to a minimal default
         environment the SDK builds: PATH, HOME and the like, not this process's whole environment).
+      url, headers: instead of a command, a server already running behind a streamable HTTP
+        endpoint (`http://host:port/mcp`), with HTTP headers for its requests (an
+        `Authorization`, say). A restart is then a new session with it.
       tools: the server's tools to offer (None: all of them); a name the server lacks is an error.
       prefix: put before each tool's name (`"web_"`: `search` becomes `web_search`), to keep two
         servers' tools, or a server's and ours, apart.
@@ -106,10 +110,12 @@ class MCPServerConfig:
       name: the server's name in logs and errors (default: the command line).
     """
 
-    command: str
+    command: str = ""
     args: tuple[str, ...] = ()
     env: Mapping[str, str] | None = None
     cwd: str | None = None
+    url: str = ""
+    headers: Mapping[str, str] | None = None
     tools: tuple[str, ...] | None = None
     prefix: str = ""
     rename: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -120,10 +126,24 @@ class MCPServerConfig:
     name: str | None = None
 
     def __post_init__(self):
-        where = f"MCPServerConfig(command={self.command!r})"
-        if not isinstance(self.command, str) or not self.command.strip():
-            raise ValueError(f"MCPServerConfig.command must be a non-empty string (the program to run), "
-                             f"got {self.command!r}")
+        where = f"MCPServerConfig({'url' if self.url else 'command'}={self.url or self.command!r})"
+        if not isinstance(self.command, str) or not isinstance(self.url, str):
+            raise TypeError(f"MCPServerConfig.command and url must be strings, got {self.command!r} and {self.url!r}")
+        if bool(self.command.strip()) == bool(self.url.strip()):
+            raise ValueError("an MCP server needs either a command (the program to run over stdio) or a url (a "
+                             f"streamable HTTP endpoint), not {'both' if self.command else 'neither'}: got "
+                             f"command={self.command!r}, url={self.url!r}")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"{where}: url must be an http:// or https:// endpoint, got {self.url!r}")
+        if self.url and (self.args or self.env is not None or self.cwd is not None):
+            raise ValueError(f"{where}: args, env and cwd are for a command; a url names a running server")
+        if self.headers is not None:
+            if not self.url:
+                raise ValueError(f"{where}: headers are for a url")
+            if not isinstance(self.headers, Mapping) or not all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in self.headers.items()):
+                raise TypeError(f"{where}.headers must map names to string values, got {self.headers!r}")
+            object.__setattr__(self, "headers", dict(self.headers))
         object.__setattr__(self, "args", _strings(self.args, f"{where}.args"))
         if self.tools is not None:
             object.__setattr__(self, "tools", _strings(self.tools, f"{where}.tools"))
@@ -159,23 +179,26 @@ class MCPServerConfig:
         """A config from a dict (a run config's `mcp_servers` entry); unknown keys are an error."""
         if isinstance(spec, MCPServerConfig):
             return spec
+        if hasattr(spec, "to_dict") and not isinstance(spec, Mapping):  # an ml_collections ConfigDict
+            spec = spec.to_dict()
         if not isinstance(spec, Mapping):
-            raise TypeError(f"an MCP server is a dict with a 'command' (and 'args', 'env', ...), got {spec!r}")
+            raise TypeError(f"an MCP server is a dict with a 'command' (and 'args', 'env', ...) or a 'url', "
+                            f"got {spec!r}")
         fields = [f.name for f in dataclasses.fields(cls)]
         for key in spec:
             if key not in fields:
                 close = difflib.get_close_matches(str(key), fields, n=1)
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise ValueError(f"MCP server {dict(spec).get('command', '?')!r}: unknown setting {key!r}{hint}; "
+                raise ValueError(f"MCP server {spec.get('command') or spec.get('url', '?')!r}: unknown setting {key!r}{hint}; "
                                  f"its settings are: {fields}")
-        if "command" not in spec:
-            raise ValueError(f"an MCP server needs a 'command' (the program to run), got {dict(spec)!r}")
+        if "command" not in spec and "url" not in spec:
+            raise ValueError(f"an MCP server needs a 'command' (the program to run) or a 'url', got {dict(spec)!r}")
         return cls(**dict(spec))
 
     @property
     def label(self) -> str:
         """How logs and errors name the server."""
-        return self.name or shlex.join([self.command, *self.args])
+        return self.name or self.url or shlex.join([self.command, *self.args])
 
 
 def _strings(value: Any, where: str) -> tuple[str, ...]:
@@ -278,6 +301,7 @@ class _Connection:
     task: asyncio.Task | None = None
     pid: int | None = None
     dead: str | None = None  # why the connection is no longer usable
+    probing: bool = False    # a ping after a timed-out call is under way (`MCPServer._probe`)
 
     def process_ended(self) -> bool:
         if self.pid is None:
@@ -399,6 +423,11 @@ class MCPServer:
     def __repr__(self) -> str:
         return f"MCPServer({self.label!r}, tools={[t.name for t in getattr(self, 'tools', [])]})"
 
+    @property
+    def _lost(self) -> str:
+        """What ended a session that stopped answering."""
+        return "its process ended" if not self.config.url else "the connection to it was lost"
+
     # ----------------------------------------------------------------- on the loop
 
     def _submit(self, coro) -> concurrent.futures.Future:
@@ -418,7 +447,7 @@ class MCPServer:
             if isinstance(e, asyncio.TimeoutError):
                 problem = f"did not start and list its tools within startup_timeout_s={limit:g} s"
             elif _connection_lost(cause) or conn.process_ended():
-                problem = "exited during its startup"
+                problem = "exited during its startup" if not self.config.url else "closed the connection during its startup"
             elif isinstance(cause, OSError):
                 problem = f"could not be started: {type(cause).__name__}: {cause}"
             else:
@@ -428,20 +457,12 @@ class MCPServer:
 
     async def _serve(self, conn: _Connection, ready: asyncio.Future) -> None:
         """Holds one session open until `conn.stop` (the SDK's contexts open and close in one task)."""
-        config = self.config
-        params = StdioServerParameters(command=config.command, args=list(config.args), env=config.env,
-                                       cwd=config.cwd)
-        read_fd, write_fd = os.pipe()
-        errlog = os.fdopen(write_fd, "w")
-        threading.Thread(target=_read_stderr, args=(read_fd, conn.stderr, self.label), daemon=True,
-                         name="jaxagent-mcp-stderr").start()
         try:
             async with contextlib.AsyncExitStack() as stack:
-                with _SPAWN_LOCK:
-                    before = _child_pids()
-                    read, write = await stack.enter_async_context(stdio_client(params, errlog=errlog))
-                    conn.pid = _find_child(before, config)
-                errlog.close()  # the child holds its own copy; the reader sees the end when it exits
+                if self.config.url:
+                    read, write = await self._http_streams(stack)
+                else:
+                    read, write = await self._stdio_streams(stack, conn)
                 session = await stack.enter_async_context(ClientSession(read, write))
                 await session.initialize()
                 listed = await _list_tools(session)
@@ -457,21 +478,45 @@ class MCPServer:
                 raise
         finally:
             conn.dead = conn.dead or "the session ended"
-            if not errlog.closed:
-                errlog.close()
 
-    async def _end(self, conn: _Connection) -> None:
+    async def _stdio_streams(self, stack: contextlib.AsyncExitStack, conn: _Connection) -> tuple[Any, Any]:
+        """Starts the server process; its stderr goes to `conn.stderr` (and the DEBUG log)."""
+        config = self.config
+        params = StdioServerParameters(command=config.command, args=list(config.args), env=config.env,
+                                       cwd=config.cwd)
+        read_fd, write_fd = os.pipe()
+        errlog = os.fdopen(write_fd, "w")
+        stack.callback(lambda: errlog.closed or errlog.close())
+        threading.Thread(target=_read_stderr, args=(read_fd, conn.stderr, self.label), daemon=True,
+                         name="jaxagent-mcp-stderr").start()
+        with _SPAWN_LOCK:
+            before = _child_pids()
+            streams = await stack.enter_async_context(stdio_client(params, errlog=errlog))
+            conn.pid = _find_child(before, config)
+        errlog.close()  # the child holds its own copy; the reader sees the end when it exits
+        return streams[0], streams[1]
+
+    async def _http_streams(self, stack: contextlib.AsyncExitStack) -> tuple[Any, Any]:
+        """Connects to the streamable HTTP endpoint (the SDK's transport and HTTP client, both majors)."""
+        from mcp.client.streamable_http import streamable_http_client
+        from mcp.shared._httpx_utils import create_mcp_http_client
+
+        client = await stack.enter_async_context(create_mcp_http_client(headers=self.config.headers))
+        streams = await stack.enter_async_context(streamable_http_client(self.config.url, http_client=client))
+        return streams[0], streams[1]  # mcp 1.x adds a third: a session-id getter
+
+    async def _end(self, conn: _Connection, *, graceful: bool = True) -> None:
         """Closes `conn`'s session and process (bounded), killing what is left.
 
         A session that is up ends as MCP asks (stdin closed, the process given time to exit,
         then signalled: the SDK's shutdown); one still starting, whose process may never answer,
-        is killed at once.
+        or one given up on (`graceful=False`: it stopped answering) is killed at once.
         """
         conn.dead = conn.dead or "closed"
         conn.stop.set()
         pids = _tree(conn.pid)
         if conn.task is not None and not conn.task.done():
-            if conn.session is None:
+            if conn.session is None or not graceful:
                 await _kill(pids)
                 conn.task.cancel()
             done, _ = await asyncio.wait({conn.task}, timeout=_CLOSE_WAIT_S)
@@ -501,18 +546,18 @@ class MCPServer:
             conn = self._conn
             if conn is not None and conn.dead is None and not conn.process_ended():
                 return conn  # another call restarted it
-            reason = conn.dead if conn is not None and conn.dead else "its process ended"
+            reason = conn.dead if conn is not None and conn.dead else self._lost
             if self._restarts >= self.config.max_restarts:
                 raise MCPServerError(
                     f"its MCP server {self.label!r} is down ({reason}) and was restarted {self._restarts} "
                     f"times in a row without answering a call; not restarted again (max_restarts="
                     f"{self.config.max_restarts})")
             self._restarts += 1
-            log.warning("MCP server %r is down (%s); restarting it (restart %d of at most %d in a row)%s",
+            log.warning("MCP server %r is down (%s); starting a new session (restart %d of at most %d in a row)%s",
                         self.label, reason, self._restarts, self.config.max_restarts,
                         _stderr_note(conn) if conn is not None else "")
             if conn is not None:
-                await self._end(conn)
+                await self._end(conn, graceful=False)
             try:
                 new, listed = await self._open()
             except MCPServerError as e:
@@ -545,21 +590,48 @@ class MCPServer:
         try:
             result = await asyncio.wait_for(attempt(), max(deadline - self._loop.time(), 0.0))
         except asyncio.TimeoutError:
+            self._probe(conn)
             return timed_out()
         except asyncio.CancelledError:
             raise
         except Exception as e:  # noqa: BLE001 - a failed call is an observation
             if _connection_lost(_leaf(e)) or conn.process_ended():
-                conn.dead = "its process ended"
+                conn.dead = self._lost
                 log.warning("MCP server %r ended during a call of %r: %s%s", self.label, name, conn.dead,
                             _stderr_note(conn))
                 return ToolResult.failure(f"tool {shown!r} failed: its MCP server {self.label!r} stopped during "
-                                          f"the call ({conn.dead}); it is started again for the next call")
+                                          f"the call ({conn.dead}); the next call "
+                                          f"{'connects again' if self.config.url else 'starts it again'}")
             return ToolResult.failure(f"tool {shown!r} failed: {_describe(e)}")
         finally:
             self._in_flight.discard(asyncio.current_task())
         self._restarts = 0
         return to_tool_result(_wire(result), shown)
+
+    def _probe(self, conn: _Connection) -> None:
+        """After a timed-out call: a ping, in the background, that marks the session dead when it goes
+        unanswered too, so that the next call starts a new one. A server that is busy but alive
+        answers it (requests run concurrently); one whose process or connection is gone without
+        the SDK failing the request (mcp 1.x over HTTP leaves it pending) does not."""
+        if conn.dead is not None or conn.probing:
+            return
+        conn.probing = True
+
+        async def ping():
+            try:
+                await asyncio.wait_for(conn.session.send_ping(), _PING_TIMEOUT_S)
+            except Exception as e:  # noqa: BLE001 - any failure: the session is not usable
+                if conn.dead is None:
+                    leaf = _leaf(e)
+                    why = f"{type(leaf).__name__}: {leaf}" if str(leaf) else type(leaf).__name__
+                    conn.dead = f"it did not answer a ping after a timed-out call ({why})"
+                    log.warning("MCP server %r: %s; the next call starts a new session", self.label, conn.dead)
+            finally:
+                conn.probing = False
+
+        task = asyncio.ensure_future(ping())
+        self._in_flight.add(task)
+        task.add_done_callback(self._in_flight.discard)
 
     # ----------------------------------------------------------------- tools
 

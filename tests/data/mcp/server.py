@@ -1,6 +1,7 @@
 """A small MCP server over stdio for `tests/mcp_tools_test.py`, written with the SDK's server API.
 
-Run as `python server.py [--fail-start]`. Its tools cover what the client
+Run as `python server.py [--fail-start] [--http PORT]` (stdio; with --http, streamable HTTP at
+http://127.0.0.1:PORT/mcp). Its tools cover what the client
 must handle: plain results, arguments of several types, a tool error (`isError`), a slow async
 tool (concurrency and timeouts), a crash of the whole process, and non-text content.
 """
@@ -12,6 +13,7 @@ import sys
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--fail-start", action="store_true", help="exit with an error before serving")
+parser.add_argument("--http", type=int, default=0, help="serve streamable HTTP on this port of 127.0.0.1")
 args = parser.parse_args()
 if args.fail_start:
   print("test server: refusing to start (--fail-start)", file=sys.stderr)
@@ -88,4 +90,10 @@ def media() -> list:
 
 
 if __name__ == "__main__":
-  server.run()
+  if not args.http:
+    server.run()
+  elif hasattr(server, "settings") and hasattr(server.settings, "port"):  # mcp 1.x: host and port are settings
+    server.settings.host, server.settings.port = "127.0.0.1", args.http
+    server.run("streamable-http")
+  else:
+    server.run("streamable-http", host="127.0.0.1", port=args.http)
