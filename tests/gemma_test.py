@@ -222,6 +222,25 @@ def test_bfloat16_embedding_scale_is_rounded_as_transformers_does(loaded):
   np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(ref, np.float32))
 
 
+def test_the_pallas_packed_attention_runs_gemma_windows(loaded):
+  """attention_impl='pallas' (interpret mode here): the kernels take each scanned layer's
+  window (a traced scalar) and Gemma's scale; values and gradients equal the XLA path's."""
+  cfg, params = loaded
+  rng = np.random.default_rng(8)
+  tokens = jnp.asarray(rng.integers(0, 256, (2, 48)))
+  seg = jnp.asarray(np.array([[1] * 20 + [2] * 28, [1] * 40 + [0] * 8], np.int32))
+
+  def loss(p, c):
+    return (models.forward(p, tokens, cfg=c, segment_ids=seg) ** 2).mean()
+
+  xla = jax.value_and_grad(loss)(params, cfg.replace(attention_impl="xla"))
+  pallas = jax.value_and_grad(loss)(params, cfg.replace(attention_impl="pallas"))
+  np.testing.assert_allclose(float(pallas[0]), float(xla[0]), rtol=1e-5)
+  for a, e in zip(jax.tree.leaves(pallas[1]), jax.tree.leaves(xla[1])):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e),
+                               atol=1e-5 * float(jnp.abs(e).max()) + 1e-7)
+
+
 # ---------------------------------------------------------------------------- HF I/O
 def test_save_hf_loads_in_transformers_with_the_same_logits(loaded, tmp_path):
   cfg, params = loaded
@@ -337,8 +356,8 @@ def test_fast_paths_refuse_gemma_or_are_not_taken(loaded):
   # On GPUs cuDNN (the window in its dense mask) in bfloat16; it refuses float32 inputs.
   assert decoder.attention_path(cfg.replace(dtype="bfloat16"), "gpu") == "cudnn"
   assert decoder.attention_path(cfg, "gpu") == "xla"
-  with pytest.raises(ValueError, match="Pallas packed-attention kernels have no sliding window"):
-    decoder.attention_path(cfg.replace(attention_impl="pallas"), "gpu")
+  # The Pallas packed-attention kernels take the window and the scale when asked.
+  assert decoder.attention_path(cfg.replace(attention_impl="pallas"), "gpu") == "pallas"
   with pytest.raises(ValueError, match="norm_rope_impl='pallas' is for plain RMSNorm"):
     decoder.norm_rope_path(cfg.replace(norm_rope_impl="pallas"), "gpu")
   assert not decoder.decode_kernels_fit(cfg)

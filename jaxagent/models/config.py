@@ -99,10 +99,10 @@ class ModelConfig:
   # (`packed_attention`: kernels that skip the blocks across segments; GPU, interpret mode
   # elsewhere) or "auto": pallas on GPUs (cudnn for head sizes other than 16, 32, 64, 128),
   # xla elsewhere. On an H100 the Pallas kernels took half the time of cuDNN's per
-  # training attention call, packed or not (benchmarks/RESULTS.md). The Pallas kernels have no
-  # sliding window and scale by head_dim ** -0.5: windowed models and Gemma's
-  # query_pre_attn_scalar take cudnn (bf16 / f16; the window in its mask) or xla from "auto",
-  # and an explicit "pallas" is an error for them (`decoder.attention_path`).
+  # training attention call, packed or not (benchmarks/RESULTS.md). Windowed models and Gemma's
+  # query_pre_attn_scalar take cudnn (bf16 / f16; the window in its mask) or xla from "auto";
+  # the Pallas kernels' window and scale (tested in interpret mode, not yet on a GPU) run them
+  # only with an explicit "pallas" (`decoder.attention_path`).
   attention_impl: AttentionImpl = "auto"
   # The learner's projection onto the vocabulary for token log-probs (`token_logprobs`): "xla"
   # (a matmul to float32 logits per chunk, then passes over them), "pallas" (`vocab_kernels`:

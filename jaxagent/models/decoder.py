@@ -338,16 +338,11 @@ def attention_path(cfg: ModelConfig, backend: str) -> str:
   other head sizes, and "xla" elsewhere. An explicit "pallas" on a TPU is an error.
 
   Models with a sliding window or an attention scale other than head_dim ** -0.5 (Gemma 3)
-  do not take the Pallas kernels, which know neither: "auto" gives "cudnn" on GPUs (the window
-  is part of its dense mask), and an explicit "pallas" is an error. cuDNN takes bfloat16 and
-  float16 only: "auto" gives float32 models that the Pallas kernels do not take "xla"."""
+  get "cudnn" from "auto" on GPUs (the window is part of its dense mask): the Pallas kernels'
+  window and scale are tested in interpret mode only, so they run those models only when
+  asked ("pallas"). cuDNN takes bfloat16 and float16 only: "auto" gives float32 models that
+  the Pallas kernels do not take "xla"."""
   special = cfg.windowed or cfg.attn_scale != 1.0 / math.sqrt(cfg.head_dim)
-  if cfg.attention_impl == "pallas" and special:
-    raise ValueError(
-        "attention_impl='pallas': the Pallas packed-attention kernels have no sliding window "
-        f"and scale by head_dim ** -0.5; this model (architecture {cfg.architecture!r}, "
-        f"sliding_window={cfg.sliding_window}, attention scale {cfg.attn_scale:g}) needs "
-        "attention_impl='xla', 'cudnn' or 'auto'")
   if cfg.attention_impl != "auto":
     # The kernels would run in Pallas' interpret mode there: right, and far slower than XLA.
     if cfg.attention_impl == "pallas" and backend == "tpu":
@@ -363,10 +358,17 @@ def attention_path(cfg: ModelConfig, backend: str) -> str:
   return "cudnn" if cfg.dtype != "float32" else "xla"
 
 
-def _pallas_attention(q, k, v, segment_ids):
+def _pallas_attention(q, k, v, segment_ids, cfg: ModelConfig, window=None):
   """`packed_attention`, per shard under the ambient mesh (rows over the batch axes, heads
-  over "tensor")."""
-  return per_shard(packed_attention.packed_attention, (q, k, v, segment_ids), 4, 2, k.shape[2])
+  over "tensor"); the window (an int or int32 scalar) goes to every shard whole."""
+  default = cfg.attn_scale == 1.0 / math.sqrt(cfg.head_dim)
+  scale = None if default else cfg.attn_scale
+  if window is None:
+    fn = functools.partial(packed_attention.packed_attention, scale=scale)
+    return per_shard(fn, (q, k, v, segment_ids), 4, 2, k.shape[2])
+  fn = lambda q, k, v, seg, w: packed_attention.packed_attention(q, k, v, seg, w, scale=scale)
+  return per_shard(fn, (q, k, v, segment_ids), 4, 2, k.shape[2],
+                   shared=(jnp.asarray(window, jnp.int32),))
 
 
 def _local_share(offset, shared):
@@ -476,7 +478,7 @@ def segment_attention(q, k, v, segment_ids, cfg: ModelConfig, window=None):
   b, t, _, hd = q.shape
   impl = attention_path(cfg, jax.default_backend())
   if impl == "pallas":
-    return _pallas_attention(q, k, v, segment_ids)
+    return _pallas_attention(q, k, v, segment_ids, cfg, window)
   runs = _run_ids(segment_ids)
   near = _window_mask(t, window)
   if impl == "cudnn":

@@ -17,8 +17,14 @@ other), which is what the packing produces; a segment id that reappears after an
 starts a new run, which sees nothing of the earlier one (the decoder's XLA and cuDNN paths,
 `decoder.segment_attention`, mask the same runs).
 
-There is no sliding window here and the scale is head_dim ** -0.5: `decoder.attention_path`
-keeps windowed models and Gemma 3's `query_pre_attn_scalar` off these kernels (cuDNN or XLA).
+With a sliding window (`window`: a query sees the keys of its run fewer than `window`
+positions back), the forward and dq kernels also start at the key block holding the first
+query's oldest visible key, and the dk / dv kernel stops after the query block holding the last
+query that sees the block's last key: a row's cost then grows with T x window, not T^2.
+`scale` replaces head_dim ** -0.5 (Gemma 3's query_pre_attn_scalar ** -0.5). Both are checked
+against the XLA path in Pallas interpret mode (tests/models/packed_attention_test.py), not yet
+compiled on a GPU: `decoder.attention_path` sends windowed models here only when asked to
+("pallas"); its "auto" keeps them on cuDNN.
 
 One forward kernel (online softmax in base 2, the log-sum-exp kept for the backward) and two
 backward kernels (dk / dv per key block, summed over the query heads that share the key-value
@@ -85,19 +91,23 @@ def _runs(segment_ids):
   return runs, start, end
 
 
-def _mask(q_runs, k_runs, qs, ks, bq, bk):
+def _mask(q_runs, k_runs, qs, ks, bq, bk, window=None):
   q_pos = qs + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 0)
   k_pos = ks + jax.lax.broadcasted_iota(jnp.int32, (bq, bk), 1)
-  return (q_runs[:, None] == k_runs[None, :]) & (q_pos >= k_pos)
+  mask = (q_runs[:, None] == k_runs[None, :]) & (q_pos >= k_pos)
+  if window is not None:  # within a run, index offsets are position offsets
+    mask = mask & (q_pos - k_pos < window)
+  return mask
 
 
 def _dot(a, b):
   return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
 
-def _fwd_kernel(lo_ref, runs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, bq, bk, scale2,
-                group):
+def _fwd_kernel(lo_ref, win_ref, runs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, bq, bk,
+                scale2, group, windowed):
   b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  window = win_ref[0] if windowed else None
   kvh = h // group
   qs = pl.multiple_of(i * bq, bq)
   q = q_ref[b, pl.ds(qs, bq), h, :]
@@ -110,7 +120,7 @@ def _fwd_kernel(lo_ref, runs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, bq, bk
     k = k_ref[b, pl.ds(ks, bk), kvh, :]
     v = v_ref[b, pl.ds(ks, bk), kvh, :]
     s = _dot(q, k.T) * scale2
-    s = jnp.where(_mask(q_runs, runs_ref[b, pl.ds(ks, bk)], qs, ks, bq, bk), s, _NEG)
+    s = jnp.where(_mask(q_runs, runs_ref[b, pl.ds(ks, bk)], qs, ks, bq, bk, window), s, _NEG)
     m_new = jnp.maximum(m, s.max(axis=-1))
     p = jnp.exp2(s - m_new[:, None])
     corr = jnp.exp2(m - m_new)
@@ -128,9 +138,10 @@ def _fwd_kernel(lo_ref, runs_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, bq, bk
   lse_ref[...] = m + jnp.log2(l)
 
 
-def _dq_kernel(lo_ref, runs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, *,
-               bq, bk, scale2, scale, group):
+def _dq_kernel(lo_ref, win_ref, runs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               dq_ref, *, bq, bk, scale2, scale, group, windowed):
   b, h, i = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  window = win_ref[0] if windowed else None
   kvh = h // group
   qs = pl.multiple_of(i * bq, bq)
   q = q_ref[b, pl.ds(qs, bq), h, :]
@@ -144,7 +155,7 @@ def _dq_kernel(lo_ref, runs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref
     k = k_ref[b, pl.ds(ks, bk), kvh, :]
     v = v_ref[b, pl.ds(ks, bk), kvh, :]
     s = _dot(q, k.T) * scale2
-    mask = _mask(q_runs, runs_ref[b, pl.ds(ks, bk)], qs, ks, bq, bk)
+    mask = _mask(q_runs, runs_ref[b, pl.ds(ks, bk)], qs, ks, bq, bk, window)
     p = jnp.where(mask, jnp.exp2(s - lse[:, None]), 0.0)
     dp = _dot(do, v.T)
     ds = p * (dp - delta[:, None])
@@ -155,9 +166,10 @@ def _dq_kernel(lo_ref, runs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(hi_ref, runs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref,
-                dv_ref, *, bq, bk, scale2, scale, group):
+def _dkv_kernel(hi_ref, win_ref, runs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *, bq, bk, scale2, scale, group, windowed):
   b, kvh, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+  window = win_ref[0] if windowed else None
   ks = pl.multiple_of(j * bk, bk)
   k = k_ref[b, pl.ds(ks, bk), kvh, :]
   v = v_ref[b, pl.ds(ks, bk), kvh, :]
@@ -175,7 +187,7 @@ def _dkv_kernel(hi_ref, runs_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_re
       lse = lse_ref[b, h, pl.ds(qs, bq)]
       delta = delta_ref[b, h, pl.ds(qs, bq)]
       s = _dot(q, k.T) * scale2
-      mask = _mask(runs_ref[b, pl.ds(qs, bq)], k_runs, qs, ks, bq, bk)
+      mask = _mask(runs_ref[b, pl.ds(qs, bq)], k_runs, qs, ks, bq, bk, window)
       p = jnp.where(mask, jnp.exp2(s - lse[:, None]), 0.0)  # [bq, bk]
       dv = dv + _dot(p.astype(do.dtype).T, do)
       dp = _dot(do, v.T)
@@ -215,83 +227,110 @@ def _query_block_end(end, bq, bk):
   return (-(-end[:, bk - 1::bk] // bq))[..., None]
 
 
-def _forward(q, k, v, runs, start, t, interpret):
+def _window_first_key_block(lo, win, n, bq, bk):
+  """`_first_key_block` raised, per query block, to the key block holding the oldest key its
+  first query sees within the window `win` ([1] int32)."""
+  qs = jnp.arange(n // bq, dtype=jnp.int32) * bq
+  return jnp.maximum(lo, (jnp.maximum(qs - win[0] + 1, 0) // bk)[None, :, None])
+
+
+def _window_query_block_end(hi, win, n, bq, bk):
+  """`_query_block_end` lowered, per key block, to one past the query block holding the last
+  query that sees the block's last key within the window `win` ([1] int32)."""
+  last_key = jnp.arange(n // bk, dtype=jnp.int32) * bk + bk - 1
+  return jnp.minimum(hi, (-(-(last_key + win[0]) // bq))[None, :, None])
+
+
+def _forward(q, k, v, runs, start, win, t, scale, windowed, interpret):
   b, n, h, hd = q.shape
   group = h // k.shape[2]
   bq, bk = t["fwd_q"], t["fwd_k"]
   lo = _first_key_block(start, bq, bk)
-  kern = functools.partial(_fwd_kernel, bq=bq, bk=bk, scale2=_LOG2E / math.sqrt(hd), group=group)
+  if windowed:
+    lo = _window_first_key_block(lo, win, n, bq, bk)
+  # (the default scale's constant computed as it always was: unchanged kernels)
+  scale2 = _LOG2E / math.sqrt(hd) if scale is None else _LOG2E * scale
+  kern = functools.partial(_fwd_kernel, bq=bq, bk=bk, scale2=scale2, group=group,
+                           windowed=windowed)
   return pl.pallas_call(
       kern,
       grid=(b, h, n // bq),
-      in_specs=[pl.BlockSpec((None, None, 1), lambda i, j, a: (i, a, 0))] + [_whole()] * 4,
+      in_specs=[pl.BlockSpec((None, None, 1), lambda i, j, a: (i, a, 0))] + [_whole()] * 5,
       out_specs=[pl.BlockSpec((None, bq, None, hd), lambda i, j, a: (i, a, j, 0)),
                  pl.BlockSpec((None, None, bq), lambda i, j, a: (i, j, a))],
       out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype),
                  jax.ShapeDtypeStruct((b, h, n), jnp.float32)],
       interpret=interpret, name="packed_attention_fwd", **_params(t, "fwd", interpret),
-  )(lo, runs, q, k, v)
+  )(lo, win, runs, q, k, v)
 
 
-def _backward(q, k, v, o, lse, do, runs, start, end, t, interpret):
+def _backward(q, k, v, o, lse, do, runs, start, end, win, t, scale, windowed, interpret):
   b, n, h, hd = q.shape
   kv = k.shape[2]
   group = h // kv
-  scale = 1.0 / math.sqrt(hd)
+  scale = 1.0 / math.sqrt(hd) if scale is None else scale
   delta = jnp.einsum("bthd,bthd->bht", o.astype(jnp.float32), do.astype(jnp.float32))
   bq, bk = t["dq_q"], t["dq_k"]
   lo = _first_key_block(start, bq, bk)
+  if windowed:
+    lo = _window_first_key_block(lo, win, n, bq, bk)
   dq = pl.pallas_call(
       functools.partial(_dq_kernel, bq=bq, bk=bk, scale2=scale * _LOG2E, scale=scale,
-                        group=group),
+                        group=group, windowed=windowed),
       grid=(b, h, n // bq),
-      in_specs=[pl.BlockSpec((None, None, 1), lambda i, j, a: (i, a, 0))] + [_whole()] * 7,
+      in_specs=[pl.BlockSpec((None, None, 1), lambda i, j, a: (i, a, 0))] + [_whole()] * 8,
       out_specs=pl.BlockSpec((None, bq, None, hd), lambda i, j, a: (i, a, j, 0)),
       out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
       interpret=interpret, name="packed_attention_dq", **_params(t, "dq", interpret),
-  )(lo, runs, q, k, v, do, lse, delta)
+  )(lo, win, runs, q, k, v, do, lse, delta)
   bq, bk = t["dkv_q"], t["dkv_k"]
   hi = _query_block_end(end, bq, bk)
+  if windowed:
+    hi = _window_query_block_end(hi, win, n, bq, bk)
   kv_spec = pl.BlockSpec((None, bk, None, hd), lambda i, j, a: (i, a, j, 0))
   dk, dv = pl.pallas_call(
       functools.partial(_dkv_kernel, bq=bq, bk=bk, scale2=scale * _LOG2E, scale=scale,
-                        group=group),
+                        group=group, windowed=windowed),
       grid=(b, kv, n // bk),
-      in_specs=[pl.BlockSpec((None, None, 1), lambda i, j, a: (i, a, 0))] + [_whole()] * 7,
+      in_specs=[pl.BlockSpec((None, None, 1), lambda i, j, a: (i, a, 0))] + [_whole()] * 8,
       out_specs=[kv_spec, kv_spec],
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       interpret=interpret, name="packed_attention_dkv", **_params(t, "dkv", interpret),
-  )(hi, runs, q, k, v, do, lse, delta)
+  )(hi, win, runs, q, k, v, do, lse, delta)
   return dq, dk, dv
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7))
-def _attention(q, k, v, runs, start, end, t_items, interpret):
-  out, _ = _forward(q, k, v, runs, start, dict(t_items), interpret)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10))
+def _attention(q, k, v, runs, start, end, win, t_items, scale, windowed, interpret):
+  out, _ = _forward(q, k, v, runs, start, win, dict(t_items), scale, windowed, interpret)
   return out
 
 
-def _attention_fwd(q, k, v, runs, start, end, t_items, interpret):
-  out, lse = _forward(q, k, v, runs, start, dict(t_items), interpret)
+def _attention_fwd(q, k, v, runs, start, end, win, t_items, scale, windowed, interpret):
+  out, lse = _forward(q, k, v, runs, start, win, dict(t_items), scale, windowed, interpret)
   out = checkpoint_name(out, RESIDUAL_NAMES[0])
   lse = checkpoint_name(lse, RESIDUAL_NAMES[1])
-  return out, (q, k, v, out, lse, runs, start, end)
+  return out, (q, k, v, out, lse, runs, start, end, win)
 
 
-def _attention_bwd(t_items, interpret, res, do):
-  q, k, v, out, lse, runs, start, end = res
-  dq, dk, dv = _backward(q, k, v, out, lse, do, runs, start, end, dict(t_items), interpret)
-  return dq, dk, dv, None, None, None
+def _attention_bwd(t_items, scale, windowed, interpret, res, do):
+  q, k, v, out, lse, runs, start, end, win = res
+  dq, dk, dv = _backward(q, k, v, out, lse, do, runs, start, end, win, dict(t_items), scale,
+                         windowed, interpret)
+  return dq, dk, dv, None, None, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
-def packed_attention(q, k, v, segment_ids, *, interpret: bool | None = None, **launch):
+def packed_attention(q, k, v, segment_ids, window=None, *, scale: float | None = None,
+                     interpret: bool | None = None, **launch):
   """Causal attention within each contiguous run of `segment_ids` (see the module docstring).
 
   q: [B, T, H, hd]; k, v: [B, T, KV, hd] with H a multiple of KV; segment_ids: [B, T] int.
-  Scaled by 1/sqrt(hd). Returns [B, T, H, hd] in q's dtype. Differentiable in q, k, v.
+  Scaled by `scale` (default 1/sqrt(hd)). `window` (None, an int or an int32 scalar, >= 1): a
+  query sees only the keys of its run fewer than `window` positions back, itself included.
+  Returns [B, T, H, hd] in q's dtype. Differentiable in q, k, v.
   `interpret` defaults to True off GPU (Pallas interpret mode: exact, slow; for tests).
   `launch` overrides `tuning()` (block sizes, warps, stages).
   """
@@ -322,5 +361,9 @@ def packed_attention(q, k, v, segment_ids, *, interpret: bool | None = None, **l
     # tokens' attention whatever run they join; their outputs are cut off below.
     seg = jnp.pad(seg, ((0, 0), (0, pad)), constant_values=-1)
   runs, start, end = _runs(seg)
-  out = _attention(q, k, v, runs, start, end, tuple(sorted(t.items())), interpret)
+  windowed = window is not None
+  win = jnp.reshape(jnp.asarray(1 if window is None else window, jnp.int32), (1,))
+  scale = None if scale is None else float(scale)
+  out = _attention(q, k, v, runs, start, end, win, tuple(sorted(t.items())), scale, windowed,
+                   interpret)
   return out[:, :n] if pad else out

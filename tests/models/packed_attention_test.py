@@ -60,6 +60,37 @@ def test_values_and_grads_equal_dense_mask(t, h, kv, hd):
     np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=5e-5, err_msg=f"d{name}")
 
 
+def _dense_windowed(q, k, v, runs, window, scale):
+  t, g = q.shape[1], q.shape[2] // k.shape[2]
+  k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+  s = jnp.einsum("bqhd,bkhd->bhqk", q, k) * scale
+  idx = jnp.arange(t)
+  near = (idx[:, None] - idx[None, :] < window) & (idx[:, None] >= idx[None, :])
+  mask = (runs[:, :, None] == runs[:, None, :]) & near[None]
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(jnp.where(mask[:, None], s, -1e30), -1), v)
+
+
+@pytest.mark.parametrize("window", [1, 7, 40])
+def test_a_sliding_window_and_a_scale_equal_dense_mask(window):
+  """The window (a traced scalar: the decoder's scanned layers pass one) with the block
+  skipping it allows, and another scale, in values and q / k / v gradients; 40 spans several
+  blocks of every kernel, 7 and 1 skip most."""
+  b, t, h, kv, hd = 2, 120, 4, 2, 16
+  q, k, v, w = _qkv(b, t, h, kv, hd, seed=window)
+  seg = _segments(b, t, seed=window)
+  scale = 24 ** -0.5
+  run = jax.jit(lambda q, k, v, win: attend(q, k, v, seg, win, scale=scale, **SMALL))
+  win = jnp.int32(window)
+  out = run(q, k, v, win)
+  want = _dense_windowed(q, k, v, seg, window, scale)
+  np.testing.assert_allclose(np.asarray(out), np.asarray(want), atol=2e-5)
+  got = jax.grad(lambda *x: (run(*x, win) * w).sum(), (0, 1, 2))(q, k, v)
+  ref = jax.grad(lambda *x: (_dense_windowed(*x, seg, window, scale) * w).sum(),
+                 (0, 1, 2))(q, k, v)
+  for name, a, e in zip("qkv", got, ref):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(e), atol=5e-5, err_msg=f"d{name}")
+
+
 def test_one_segment_rows_are_plain_causal_attention():
   q, k, v, _ = _qkv(2, 128, 4, 1, 16)
   ones = jnp.ones((2, 128), jnp.int32)
