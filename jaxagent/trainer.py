@@ -289,6 +289,7 @@ class Trainer:
   """Builds every piece from the config and runs SFT warm start, RL and evaluation."""
 
   _cancel_ahead: threading.Event | None = None  # (`__init__` sets it; see `_close_collector`)
+  eval_only: bool = False  # (`__init__` sets it; also for trainers built without it, in tests)
 
   def __init__(self, config, *, eval_only: bool = False):
     """eval_only: a trainer that only evaluates (`python -m jaxagent.evaluate`): its train
