@@ -16,8 +16,9 @@ in the same batch does the same with its own.
 
 Splits:
   * "train": with weights, each task's share of the training examples is its weight's share
-    (its examples repeated, or a seeded subset of them, to that count; the total is the sum of
-    the tasks' sizes); without weights, every task's examples once.
+    (its examples repeated, or a subset of them drawn with `seed`, by default the run's, to
+    that count; the total is the sum of the tasks' sizes); without weights, every task's
+    examples once.
   * "eval" and "sft": the tasks' examples interleaved one task at a time, so that the first n
     (`eval.size`, `sft.num_examples`) hold about n / tasks of each. A task without an "sft"
     split gives no demonstrations (logged once): its `examples("sft")` raises
