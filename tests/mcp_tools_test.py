@@ -559,3 +559,17 @@ def test_a_training_step_with_mcp_servers_in_the_run_config(tmp_path):
         trainer.env.close()
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert any(r.get("step") == 1 and "reward/mean" in r for r in rows)
+
+
+@pytest.mark.slow  # a server of its own
+def test_the_readme_mcp_example_runs():
+    import re
+    root = pathlib.Path(__file__).parent.parent
+    text = (root / "README.md").read_text()
+    section = text[text.index("### MCP tool servers"):]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-3:] == [
+        "5", "bad arguments for tool 'demo_add': argument 'a' must be of type integer, got str",
+        "tool 'demo_sleep' timed out after 0.5 s"]

@@ -11,23 +11,28 @@ the rollout driver calls them through the same `ToolExecutor`, with the same arg
     ...
     server.close()
 
-One `MCPServer` is one server process spoken to over stdio, with one MCP session shared by every
-thread: the session lives on an asyncio loop in a background thread, and a call from any thread
-is a request on that loop, so calls from many rollout threads run concurrently (up to
-`max_concurrent_calls`; MCP multiplexes requests over the one pipe, and the server decides
-whether it runs them at once). What a call can end in, each a `ToolResult`:
+One `MCPServer` is one server process spoken to over stdio (or, with `url`, a running server's
+streamable HTTP endpoint), with one MCP session shared by every thread: the session lives on an
+asyncio loop in a background thread, and a call from any thread is a request on that loop, so
+calls from many rollout threads run concurrently (up to `max_concurrent_calls`; MCP multiplexes
+requests over the one connection, and the server decides whether it runs them at once). What a
+call can end in, each a `ToolResult`:
 
 * the server's result: its text content joined, non-text content (images, audio, binary
   resources, resource links) as a bracketed placeholder that names its type and size, a text
   resource as its text; `isError` results are `ok=False` with the server's message;
 * its time limit (`MCPTool(args, timeout_s=...)`, the executor's limit, else the server's
-  `timeout_s`): the request is cancelled, the result says it timed out, the session goes on;
-* the server process ending during the call: a failure that says so; the next call starts the
-  server again (at most `max_restarts` times in a row without a call answered in between, each
-  restart logged), so a crash costs the calls in flight, not the run.
+  `timeout_s`): the request is cancelled, the result says it timed out, the session goes on
+  (unless a ping sent then goes unanswered too: the session is then given up, as below);
+* the server process ending (or the HTTP connection failing) during the call: a failure that
+  says so; the next call starts the server again, or opens a new session with it (at most
+  `max_restarts` times in a row without a call answered in between, each restart logged), so a
+  crash costs the calls in flight, not the run. A process found ended before a call is
+  restarted before it, costing nothing.
 
-A server that cannot be started, that does not answer `initialize`, or whose tool list our
-argument checks cannot read, raises `MCPServerError` at construction, naming the command.
+A server that cannot be started or reached, that does not answer `initialize`, or whose tool
+list our argument checks cannot read, raises `MCPServerError` at construction, naming the
+command (or URL) and quoting the last lines of the process's stderr.
 `close()` (also at interpreter exit) ends the session and kills what is left of the process
 and its children.
 """
@@ -576,12 +581,17 @@ class MCPServer:
         def timed_out(waiting: str = "") -> ToolResult:
             return ToolResult.failure(f"tool {shown!r} timed out after {limit:g} s{waiting}", timed_out=True)
 
+        # A restart goes on when the call that waits for it runs out of time (the next call finds
+        # it done); its failure, if nobody waits any more, is the next call's to report.
+        getting = asyncio.ensure_future(self._connection())
+        getting.add_done_callback(lambda t: t.cancelled() or t.exception())
         try:
-            conn = await asyncio.wait_for(asyncio.shield(self._connection()), limit)
+            conn = await asyncio.wait_for(asyncio.shield(getting), limit)
         except asyncio.TimeoutError:
             return timed_out(f" (waiting for its MCP server {self.label!r} to restart)")
         except MCPServerError as e:
             return ToolResult.failure(f"tool {shown!r} was not run: {e}")
+
         async def attempt():
             async with self._slots:  # waiting for a slot counts toward the call's limit
                 return await conn.session.call_tool(name, args)
