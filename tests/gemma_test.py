@@ -123,6 +123,17 @@ def test_the_released_gemma_3_1b_it_config_loads_as_the_preset():
       cfg.sliding_layers)
 
 
+def test_windowed_layers_count_only_the_keys_they_see_in_the_flops():
+  cfg = models.get_config("gemma3-1b")
+  full = cfg.replace(sliding_window=None, sliding_layers=())
+  assert cfg.flops_per_token(512) == full.flops_per_token(512)  # the window cuts nothing
+  # At 4096 tokens a windowed layer's query sees about 480 keys on average, not 2048.
+  per_key = 4 * cfg.n_heads * cfg.head_dim * 3  # QK and PV, forward and backward
+  seen = (512 * 513 / 2 + (4096 - 512) * 512) / 4096
+  saved = 22 * per_key * (4096 / 2 - seen)
+  assert full.flops_per_token(4096) - cfg.flops_per_token(4096) == pytest.approx(saved)
+
+
 @pytest.mark.parametrize("changes,match", [
     ({"final_logit_softcapping": 30.0}, "soft-capping .*not supported"),
     ({"attn_logit_softcapping": 50.0}, "soft-capping .*not supported"),

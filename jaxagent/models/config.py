@@ -324,6 +324,13 @@ class ModelConfig:
     """
     n = self.num_params() - self.vocab_size * self.d_model * (0 if self.tie_embeddings else 1)
     attn = 2 * self.n_layers * self.n_heads * self.head_dim * seq_len  # causal: QK + PV halves
+    if self.windowed and seq_len > self.sliding_window:
+      # A windowed layer's query sees min(t, w) keys, not t: per token (L^2 / 2 - the keys
+      # beyond the window) / L where the full causal count takes L / 2.
+      w, length = self.sliding_window, seq_len
+      seen = (w * (w + 1) / 2 + (length - w) * w) / length
+      per_layer = 2 * self.n_heads * self.head_dim * seq_len
+      attn -= len(self.sliding_layers) * (per_layer - 4 * self.n_heads * self.head_dim * seen)
     mult = 3 if training else 1
     return mult * (2 * n + attn)
 
