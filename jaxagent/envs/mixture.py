@@ -22,8 +22,9 @@ Splits:
   * "eval" and "sft": the tasks' examples interleaved one task at a time, so that the first n
     (`eval.size`, `sft.num_examples`) hold about n / tasks of each. A task without an "sft"
     split gives no demonstrations (logged once): its `examples("sft")` raises
-    `NotImplementedError`, `KeyError("sft")` or a `ValueError` saying "unknown split" or "no sft
-    split". Any other error (a broken data file) is raised, naming the task.
+    `NotImplementedError`, `KeyError("sft")` or a `ValueError` saying "unknown split", "no sft
+    split" or "no demonstrations". Any other error (a broken data file) is raised, naming the
+    task.
 
 The trainer logs a task's share of a step's rewards as `reward/task/<label>` and its held-out
 pass@1 as `eval/task/<label>/pass@1` (`task_of`).
@@ -93,13 +94,14 @@ def _lacks_split(e: Exception, split: str) -> bool:
   (rather than that the split failed to load: a broken or missing data file): a
   `NotImplementedError` (the base `Env`'s), a `KeyError` of the split's name (a lookup of the
   split by name), or a `ValueError` that says so: "unknown split 'sft'" (the built-in envs'
-  words) or "no sft split"."""
+  words), "no sft split", or for "sft" "no demonstrations" (`MCPToolEnv`'s)."""
   if isinstance(e, NotImplementedError):
     return True
   if isinstance(e, KeyError):
     return e.args == (split,)
-  return type(e) is ValueError and re.search(
-      rf"unknown split|\bno ['\"]?{re.escape(split)}['\"]? split", str(e), re.I) is not None
+  said = rf"unknown split|\bno ['\"]?{re.escape(split)}['\"]? split" + (
+      r"|\bno demonstrations" if split == "sft" else "")
+  return type(e) is ValueError and re.search(said, str(e), re.I) is not None
 
 
 def _equal(a: Example, b: Example) -> bool:

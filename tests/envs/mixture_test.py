@@ -90,7 +90,8 @@ class NoSplit(Echo):
 
 @pytest.mark.parametrize("error", [
     ValueError("unknown split 'sft'; expected one of ['eval', 'train']"),
-    ValueError("No 'sft' split here"), KeyError("sft"), NotImplementedError("no examples")])
+    ValueError("No 'sft' split here"), KeyError("sft"), NotImplementedError("no examples"),
+    ValueError("MCPToolEnv has no demonstrations to warm-start on")])
 def test_a_task_without_an_sft_split_gives_no_demonstrations(error, caplog):
   env = MixtureEnv({"calc": Calc(), "echo": NoSplit(error)})
   with caplog.at_level("WARNING", logger="jaxagent.envs.mixture"):
