@@ -63,6 +63,7 @@ def tool(server, name):
 
 
 def alive(pid):
+    assert pid is not None, "the server's process was not found"
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

@@ -84,6 +84,7 @@ _MCP_ERRORS: tuple[type[BaseException], ...] = tuple(
 _STDERR_LINES = 40     # lines of the server's stderr kept for error messages
 _CLOSE_WAIT_S = 10.0   # the longest `close` waits for the session to end before killing the process
 _PING_TIMEOUT_S = 5.0  # a ping after a timed-out call that takes longer marks the session dead
+_MARK_VARIABLE = "JAXAGENT_MCP_SESSION"  # set in a server's environment to find its process
 
 
 class MCPServerError(RuntimeError):
@@ -307,6 +308,7 @@ class _Connection:
     pid: int | None = None
     dead: str | None = None  # why the connection is no longer usable
     probing: bool = False    # a ping after a timed-out call is under way (`MCPServer._probe`)
+    stderr_reader: threading.Thread | None = None
 
     def process_ended(self) -> bool:
         if self.pid is None:
@@ -442,17 +444,21 @@ class MCPServer:
         """Starts the process, initialises the session and lists the tools, within the startup limit."""
         conn = _Connection(stop=asyncio.Event(), stderr=collections.deque(maxlen=_STDERR_LINES))
         ready: asyncio.Future = self._loop.create_future()
+        ready.add_done_callback(lambda f: f.cancelled() or f.exception())  # read once, or not at all
         conn.task = asyncio.ensure_future(self._serve(conn, ready))
         limit = self.config.startup_timeout_s
         try:
             listed = await asyncio.wait_for(asyncio.shield(ready), limit)
         except BaseException as e:
             await self._end(conn)
+            if conn.stderr_reader is not None:  # its last words, for the message below
+                await self._loop.run_in_executor(None, conn.stderr_reader.join, 1.0)
             cause = _leaf(e)
             if isinstance(e, asyncio.TimeoutError):
                 problem = f"did not start and list its tools within startup_timeout_s={limit:g} s"
             elif _connection_lost(cause) or conn.process_ended():
-                problem = "exited during its startup" if not self.config.url else "closed the connection during its startup"
+                problem = ("closed the connection during its startup" if self.config.url
+                           else "exited during its startup")
             elif isinstance(cause, OSError):
                 problem = f"could not be started: {type(cause).__name__}: {cause}"
             else:
@@ -476,7 +482,10 @@ class MCPServer:
                 await conn.stop.wait()
         except BaseException as e:  # noqa: BLE001 - reported through `ready`, or the next call
             if not ready.done():
-                ready.set_exception(e)
+                if isinstance(e, asyncio.CancelledError):
+                    ready.cancel()
+                else:
+                    ready.set_exception(e)
             elif not conn.stop.is_set():
                 log.warning("MCP server %r: its session ended: %s", self.label, e)
             if isinstance(e, asyncio.CancelledError):
@@ -487,17 +496,20 @@ class MCPServer:
     async def _stdio_streams(self, stack: contextlib.AsyncExitStack, conn: _Connection) -> tuple[Any, Any]:
         """Starts the server process; its stderr goes to `conn.stderr` (and the DEBUG log)."""
         config = self.config
-        params = StdioServerParameters(command=config.command, args=list(config.args), env=config.env,
-                                       cwd=config.cwd)
+        # A mark in the child's environment tells its process apart from any other we start.
+        mark = f"{os.getpid()}-{id(conn)}-{time.monotonic_ns()}"
+        params = StdioServerParameters(command=config.command, args=list(config.args), cwd=config.cwd,
+                                       env={**(config.env or {}), _MARK_VARIABLE: mark})
         read_fd, write_fd = os.pipe()
         errlog = os.fdopen(write_fd, "w")
         stack.callback(lambda: errlog.closed or errlog.close())
-        threading.Thread(target=_read_stderr, args=(read_fd, conn.stderr, self.label), daemon=True,
-                         name="jaxagent-mcp-stderr").start()
+        conn.stderr_reader = threading.Thread(target=_read_stderr, args=(read_fd, conn.stderr, self.label),
+                                              daemon=True, name="jaxagent-mcp-stderr")
+        conn.stderr_reader.start()
         with _SPAWN_LOCK:
             before = _child_pids()
             streams = await stack.enter_async_context(stdio_client(params, errlog=errlog))
-            conn.pid = _find_child(before, config)
+            conn.pid = _find_child(before, config, mark)
         errlog.close()  # the child holds its own copy; the reader sees the end when it exits
         return streams[0], streams[1]
 
@@ -736,25 +748,27 @@ def _child_pids() -> set[int]:
         return set()
 
 
-def _find_child(before: set[int], config: MCPServerConfig) -> int | None:
-    """The server process just spawned: a new child of ours whose command line ends with its args."""
+def _find_child(before: set[int], config: MCPServerConfig, mark: str) -> int | None:
+    """The server process just spawned: the new child of ours whose environment has `mark` (or,
+    where the environment cannot be read, whose command line ends with the server's args)."""
     found = []
-    candidates = []
     for proc in psutil.Process().children():
         if proc.pid in before:
             continue
         try:
+            if proc.environ().get(_MARK_VARIABLE) == mark:
+                return proc.pid
             cmdline = proc.cmdline()
         except psutil.Error:
             continue
-        candidates.append((proc.pid, cmdline))
-        if config.args and cmdline[-len(config.args):] != list(config.args):
-            continue
-        found.append(proc.pid)
+        if not config.args or cmdline[-len(config.args):] == list(config.args):
+            found.append(proc.pid)
     if len(found) != 1:
-        log.warning("MCP server %r: cannot tell its process apart among new child processes %s", config.label,
-                    candidates)
-    return found[0] if len(found) == 1 else None
+        log.warning("MCP server %r: cannot tell its process among %d new child processes; a crash is "
+                    "then noticed by the calls it fails, and close() relies on the SDK's shutdown",
+                    config.label, len(found))
+        return None
+    return found[0]
 
 
 def _tree(pid: int | None) -> list[int]:
