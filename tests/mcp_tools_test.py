@@ -357,6 +357,23 @@ def test_close_during_a_call_resolves_it_at_once(own_server):
     assert not out["r"].ok and "closed" in out["r"].error
 
 
+def _in_fork(server):
+    import jaxagent.tools.mcp as mcp_module
+    result = tool(server, "add")({"a": 1, "b": 2})
+    mcp_module._close_all()  # as a forked child's interpreter exit would
+    os._exit(0 if not result.ok and "fork" in result.error else 1)
+
+
+def test_a_forked_child_neither_calls_nor_closes_the_parents_server(server):
+    import multiprocessing
+    pid = server.pid
+    child = multiprocessing.get_context("fork").Process(target=_in_fork, args=(server,))
+    child.start()
+    child.join(timeout=30)
+    assert child.exitcode == 0
+    assert server.pid == pid and alive(pid) and tool(server, "add")({"a": 2, "b": 2}).output == "4"
+
+
 @pytest.mark.slow  # ~2 s: a Python process of its own
 def test_no_orphan_when_the_interpreter_exits_without_close(tmp_path):
     script = ("import json, sys; from jaxagent.tools.mcp import MCPServer; "

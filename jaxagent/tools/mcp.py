@@ -340,6 +340,7 @@ class MCPServer:
         else:
             self.config = MCPServerConfig.from_mapping({**dict(config or {}), **fields})
         self.label = self.config.label
+        self._owner = os.getpid()  # a forked child inherits this object, not its thread or session
         self._closed = False
         self._close_lock = threading.Lock()
         self._conn: _Connection | None = None
@@ -372,6 +373,9 @@ class MCPServer:
         shown = tool_name or name
         limit = float(timeout_s) if timeout_s is not None else float(self.config.timeout_s)
         start = time.monotonic()
+        if os.getpid() != self._owner:
+            return ToolResult.failure(f"tool {shown!r} was not run: its MCP server {self.label!r} belongs to the "
+                                      "process that started it, and this one is a fork of it")
         if self._closed:
             return ToolResult.failure(f"tool {shown!r} was not run: its MCP server {self.label!r} is closed")
         try:
@@ -401,7 +405,10 @@ class MCPServer:
         return self._restarts
 
     def close(self) -> None:
-        """Ends the session and the server process (and its children); idempotent."""
+        """Ends the session and the server process (and its children); idempotent. In a process
+        forked from the one that started the server, it does nothing: the server is the parent's."""
+        if os.getpid() != self._owner:
+            return
         with self._close_lock:
             if self._closed:
                 return
