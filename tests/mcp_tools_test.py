@@ -496,6 +496,14 @@ def test_make_env_mcp_tools_lists_the_servers_tools_in_the_system_prompt(questio
     from jaxagent.envs import make_env
     with pytest.raises(ValueError, match="unknown setting 'mcp_server' \\(did you mean 'mcp_servers'\\?\\)"):
         make_env("mcp_tools", mcp_server=[SERVER])
+    before = server_processes()
+    with pytest.raises(ValueError, match="TextMatchReward.metric must be one of"):
+        make_env("mcp_tools", mcp_servers=[SERVER], match="exact")
+    with pytest.raises(ValueError, match="system_prompt must be text whose only field is"):
+        make_env("mcp_tools", mcp_servers=[SERVER], system_prompt="Use {tool}.")
+    with pytest.raises(ValueError, match="mcp_servers must be a non-empty list"):
+        make_env("mcp_tools", mcp_servers=SERVER)
+    assert not server_processes(before)  # refused before any server started
     env = make_env("mcp_tools", mcp_servers=[{**SERVER, "tools": ["add", "echo"]}], train_file=questions)
     pid = env.servers[0].pid
     try:

@@ -85,19 +85,20 @@ class MCPToolEnv(Env):
     self.observation_template = observation_template
     self.tools_in_template = tools_in_template
     self.parser = JSONToolCallParser("tool_call", answer_tag="answer")
-    self.servers, self.tools = start_servers(specs)
-    if system_prompt is None:
-      system_prompt = TEMPLATE_SYSTEM_PROMPT if tools_in_template else SYSTEM_PROMPT
-    try:
-      self.system_prompt = system_prompt.format(tools=self.tools.describe())
-    except (KeyError, IndexError, ValueError) as e:
-      self.close()
-      raise ValueError(f"MCPToolEnv.system_prompt: {{tools}} is its only field (write other braces "
-                       f"doubled, {{{{ }}}}): {type(e).__name__}: {e}") from None
     self._reward = CompositeReward([
         Component("correct", TextMatchReward(match, fallback=False), 1.0, role="outcome"),
         Component("tool_calls", ToolUseReward(), tool_bonus, role="shaping"),
     ])
+    if system_prompt is None:
+      system_prompt = TEMPLATE_SYSTEM_PROMPT if tools_in_template else SYSTEM_PROMPT
+    try:  # checked before any server starts
+      system_prompt.format(tools="")
+    except (AttributeError, KeyError, IndexError, ValueError) as e:
+      raise ValueError(f"MCPToolEnv.system_prompt must be text whose only field is {{tools}} (other "
+                       f"braces doubled, {{{{ }}}}), got {system_prompt!r}: {type(e).__name__}: {e}") from None
+    # Last: what fails above leaves no server process behind.
+    self.servers, self.tools = start_servers(specs)
+    self.system_prompt = system_prompt.format(tools=self.tools.describe())
     self._cache: dict[str, list[Example]] = {}
 
   def examples(self, split: str) -> Sequence[Example]:
