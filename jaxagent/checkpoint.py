@@ -823,7 +823,10 @@ class CheckpointManager:
 # run config's identity keys cover, the longest sequence, special token ids) may change.
 MODEL_IDENTITY_FIELDS = ("architecture", "vocab_size", "d_model", "n_layers", "n_heads",
                          "n_kv_heads", "head_dim", "ffn_dim", "rope_theta", "rope_scaling",
-                         "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm")
+                         "norm_eps", "tie_embeddings", "qkv_bias", "qk_norm",
+                         "sliding_window", "sliding_layers", "local_rope_theta",
+                         "rope_linear_factor", "activation", "norm_plus_one", "post_norms",
+                         "embed_scale", "query_pre_attn_scalar")
 
 
 def check_model_config(meta: Mapping[str, Any], cfg, path) -> None:

@@ -973,3 +973,28 @@ def test_export_of_another_format_or_model_config_is_named_not_a_traceback(tmp_p
   with pytest.raises(checkpoint.IncompatibleCheckpointError,
                      match=rf"1 has format {checkpoint.FORMAT + 1}; this jaxagent reads format"):
     checkpoint.export_hf(tmp_path / "run", tmp_path / "hf", step=1, tokenizer=None)
+
+
+def test_a_changed_window_or_gemma_setting_is_another_model():
+  """Sliding windows and Gemma 3's settings change the function the same arrays compute: a
+  resume under another window, RoPE base of the windowed layers or attention scale is refused;
+  metadata written before these fields existed (no such keys) still passes."""
+  from jaxagent import models
+  path = "ckpt/3"
+  windowed = dataclasses.replace(CFG, sliding_window=8, sliding_layers=(0,))
+  meta = {"model_config": json.loads(json.dumps(checkpoint._json_safe(dataclasses.asdict(CFG))))}
+  with pytest.raises(checkpoint.IncompatibleCheckpointError, match="model sliding_window: None in "
+                     "the checkpoint, 8 now"):
+    checkpoint.check_model_config(meta, windowed, path)
+  old = {"model_config": {k: v for k, v in meta["model_config"].items()
+                          if k not in ("sliding_window", "sliding_layers")}}
+  checkpoint.check_model_config(old, CFG, path)
+  gemma = models.get_config("tiny-gemma3")
+  gmeta = {"model_config": json.loads(json.dumps(checkpoint._json_safe(dataclasses.asdict(gemma))))}
+  checkpoint.check_model_config(gmeta, gemma, path)
+  for change in ({"local_rope_theta": 1234.0}, {"query_pre_attn_scalar": 7.0},
+                 {"sliding_layers": tuple(i for i in range(gemma.n_layers)
+                                          if i not in gemma.sliding_layers)}):
+    field = next(iter(change))
+    with pytest.raises(checkpoint.IncompatibleCheckpointError, match=f"model {field}:"):
+      checkpoint.check_model_config(gmeta, dataclasses.replace(gemma, **change), path)
