@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxagent import checkpoint, compile_stats, models, sharding
-from jaxagent.agent.env import Env, Example
+from jaxagent.agent.env import Env, Example, lacks_split
 from jaxagent.agent.rollout import RolloutCancelled, RolloutDriver, rollout_metrics
 from jaxagent.agent.trajectory import Trajectory
 from jaxagent.envs import make_env
@@ -726,6 +726,12 @@ class Trainer:
     try:
       pool = list(self.env.examples("sft"))[:s.num_examples]
     except Exception as e:
+      if not lacks_split(e, "sft"):  # the split exists and failed to load (its data file)
+        raise ValueError(
+            f"sft.steps={s.steps} warm-starts on the task's 'sft' split, and env "
+            f"{self.env.name!r} failed to give it (examples('sft') raised {type(e).__name__}: "
+            f"{e}): fix the task's 'sft' data, give a chat JSONL file as sft.data, or set "
+            "sft.steps=0") from e
       raise ValueError(
           f"sft.steps={s.steps} warm-starts on the task's 'sft' split, and env "
           f"{self.env.name!r} has none (examples('sft') raised {type(e).__name__}: {e}): "

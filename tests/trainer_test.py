@@ -1833,8 +1833,8 @@ def test_an_empty_eval_split_with_eval_size_set_is_said_before_the_model_loads(
 def test_warm_start_refuses_the_eval_split_and_names_a_missing_sft_split(tmp_path, monkeypatch):
   """A task of one's own whose `examples` returns the eval split for every split but "train"
   warm-started on the held-out examples, silently; one without an "sft" split failed with a
-  bare KeyError."""
-  from jaxagent.agent.env import CalculatorEnv, Example
+  bare KeyError; one whose "sft" split failed to load was said to have none."""
+  from jaxagent.agent.env import CalculatorEnv, Example, NoSplitError
   import jaxagent.trainer as trainer_lib
 
   exs = [Example(f"q{i}", [{"role": "user", "content": f"What is {i} + {i}?"}], gold=str(2 * i),
@@ -1855,6 +1855,24 @@ def test_warm_start_refuses_the_eval_split_and_names_a_missing_sft_split(tmp_pat
                                                                 "eval": exs[:4]}[split])
     with pytest.raises(ValueError, match=r"sft.steps=2 warm-starts on the task's 'sft' split, and "
                        r"env 'calculator' has none \(examples\('sft'\) raised KeyError: 'sft'\)"):
+      trainer.warm_start()
+
+    def sft_raises(error):
+      def examples(split):
+        if split == "sft":
+          raise error
+        return {"train": exs[4:], "eval": exs[:4]}[split]
+      return examples
+
+    monkeypatch.setattr(trainer.env, "examples", sft_raises(
+        NoSplitError("MyData keeps no demonstrations", split="sft")))
+    with pytest.raises(ValueError, match=r"env 'calculator' has none \(examples\('sft'\) raised "
+                       r"NoSplitError: MyData keeps no demonstrations\): .* or set sft.steps=0"):
+      trainer.warm_start()
+    # An "sft" split that fails to load (its file) is not a task without one.
+    monkeypatch.setattr(trainer.env, "examples", sft_raises(ValueError("file not found")))
+    with pytest.raises(ValueError, match=r"env 'calculator' failed to give it \(examples\('sft'\) "
+                       r"raised ValueError: file not found\): fix the task's 'sft' data"):
       trainer.warm_start()
   finally:
     trainer.close()

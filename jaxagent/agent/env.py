@@ -27,6 +27,7 @@ import inspect
 import logging
 import math
 import numbers
+import re
 import string
 from typing import Any, Iterable, Mapping, Sequence
 
@@ -52,6 +53,54 @@ OBSERVATION_TEMPLATES = {
     "chatml_tool": ("<|im_end|>\n<|im_start|>user\n<tool_response>\n{output}\n</tool_response><|im_end|>\n"
                     "<|im_start|>assistant\n"),
 }
+
+
+class NoSplitError(ValueError):
+  """Raised by `Env.examples(split)` for a split the task does not have (an "sft" split of a
+  task without demonstrations, a split name it does not know), as opposed to a split that it
+  has but fails to load (a missing or malformed data file: any other error).
+
+  A mixture (`envs.mixture`) leaves such a task out of its "sft" split, with a warning, where
+  it raises for a load failure; the trainer's warm start says the task has no "sft" split
+  (give `sft.data` or set `sft.steps=0`). A `ValueError`, so code that catches `ValueError`
+  catches it as before.
+
+  Args:
+    message: what is missing and what the task has, e.g. "unknown split 'test'; expected one of
+      ['eval', 'train']".
+    split: the split asked for; when set, the error means that split only (an error about
+      another split, raised from inside `examples(split)`, is a load failure of `split`).
+  """
+
+  def __init__(self, message: str, *, split: str | None = None):
+    super().__init__(message)
+    self.split = split
+
+  def __reduce__(self):  # keeps `split` through pickling (a worker process's error)
+    return _no_split_error, (str(self), self.split)
+
+
+def _no_split_error(message: str, split: str | None) -> NoSplitError:
+  return NoSplitError(message, split=split)
+
+
+def lacks_split(error: BaseException, split: str) -> bool:
+  """Whether `error`, raised by an env's `examples(split)`, says that the env has no such split
+  (rather than that the split failed to load): a `NoSplitError` (of `split`, or of no named
+  split), a `NotImplementedError` (the base `Env`'s: no examples at all), or a `KeyError` of the
+  split's name (a lookup of the split by name)."""
+  if isinstance(error, NoSplitError):
+    return error.split is None or error.split == split
+  if isinstance(error, NotImplementedError):
+    return True
+  if isinstance(error, KeyError):
+    return error.args == (split,)
+  # Envs written before `NoSplitError` said so in words only: a plain ValueError saying
+  # "unknown split 'sft'" (the built-in envs' words then), "no sft split", or for "sft" "no
+  # demonstrations" (MCPToolEnv's then). Kept for those envs; new code raises NoSplitError.
+  said = rf"unknown split|\bno ['\"]?{re.escape(split)}['\"]? split" + (
+      r"|\bno demonstrations" if split == "sft" else "")
+  return type(error) is ValueError and re.search(said, str(error), re.I) is not None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,7 +185,11 @@ class Env(abc.ABC):
   reward_threads: int = 1
 
   def examples(self, split: str) -> Sequence[Example]:
-    """The task's examples of `split`: "train", "eval" (held out) and optionally "sft"."""
+    """The task's examples of `split`: "train", "eval" (held out) and optionally "sft".
+
+    For a split the task does not have, raise `NoSplitError(message, split=split)`; any other
+    error reads as a split that failed to load (`lacks_split`).
+    """
     raise NotImplementedError(f"env {self.name!r} does not provide examples; implement "
                               "`examples(split)` for 'train' and 'eval'")
 

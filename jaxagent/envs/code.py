@@ -63,7 +63,7 @@ import threading
 import time
 from typing import Any, Mapping, Sequence
 
-from jaxagent.agent.env import Env, Example, check_shaping_settings
+from jaxagent.agent.env import Env, Example, NoSplitError, check_shaping_settings
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import POLICY, Trajectory
 from jaxagent.envs.problem_file import missing_key, read_objects, resolve_problem_file
@@ -875,7 +875,8 @@ class CodeEnv(Env):
   def examples(self, split: str) -> Sequence[Example]:
     """"train", "eval" (held-out problems) or "sft" (train problems, canonical solutions)."""
     if split not in self._splits:
-      raise ValueError(f"unknown split {split!r}; expected one of {sorted(self._splits)}")
+      raise NoSplitError(f"unknown split {split!r}; expected one of {sorted(self._splits)}",
+                         split=split)
     if split not in self._cache:
       self._cache[split] = [self.to_example(p) for p in self._splits[split]]
     return self._cache[split]

@@ -43,7 +43,7 @@ import re
 import textwrap
 from typing import Any, Mapping, Sequence
 
-from jaxagent.agent.env import (OBSERVATION_TEMPLATES, Env, Episode, Example,
+from jaxagent.agent.env import (OBSERVATION_TEMPLATES, Env, Episode, Example, NoSplitError,
                                 check_shaping_settings)
 from jaxagent.agent.parsers import XMLTagParser, _block_spans, _without
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
@@ -558,7 +558,8 @@ class MathToolEnv(Env):
     """"train", "eval" (held out: no question shared with train/sft) or "sft" (problems with a
     demonstration only)."""
     if split not in self._sizes:
-      raise ValueError(f"unknown split {split!r}; expected one of {sorted(self._sizes)}")
+      raise NoSplitError(f"unknown split {split!r}; expected one of {sorted(self._sizes)}",
+                         split=split)
     if split not in self._cache and split in self._files:
       self._cache[split] = self._from_file(split)
     if split not in self._cache:

@@ -22,9 +22,10 @@ Splits:
   * "eval" and "sft": the tasks' examples interleaved one task at a time, so that the first n
     (`eval.size`, `sft.num_examples`) hold about n / tasks of each. A task without an "sft"
     split gives no demonstrations (logged once): its `examples("sft")` raises
-    `NotImplementedError`, `KeyError("sft")` or a `ValueError` saying "unknown split", "no sft
-    split" or "no demonstrations". Any other error (a broken data file) is raised, naming the
-    task.
+    `agent.env.NoSplitError` (or, from an env written before it, what `agent.env.lacks_split`
+    also reads as a missing split). Any other error (a broken data file) is raised, naming the
+    task. A task without an "eval" or "train" split makes the mixture's `examples` of that
+    split raise `NoSplitError`, naming the task.
 
 The trainer logs a task's share of a step's rewards as `reward/task/<label>` and its held-out
 pass@1 as `eval/task/<label>/pass@1` (`task_of`).
@@ -36,12 +37,11 @@ import itertools
 import logging
 import math
 import numbers
-import re
 from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from jaxagent.agent.env import Env, Episode, Example
+from jaxagent.agent.env import Env, Episode, Example, NoSplitError, lacks_split
 from jaxagent.agent.trajectory import Trajectory
 from jaxagent.rewards import RewardOutput
 
@@ -87,21 +87,6 @@ def _build(label: str, spec) -> tuple[Env, float | None]:
   except ValueError as e:
     raise ValueError(f"mixture task {label!r}: {e}") from e
   return env, spec.get("weight")
-
-
-def _lacks_split(e: Exception, split: str) -> bool:
-  """Whether `e`, raised by a task's `examples(split)`, says that the task has no such split
-  (rather than that the split failed to load: a broken or missing data file): a
-  `NotImplementedError` (the base `Env`'s), a `KeyError` of the split's name (a lookup of the
-  split by name), or a `ValueError` that says so: "unknown split 'sft'" (the built-in envs'
-  words), "no sft split", or for "sft" "no demonstrations" (`MCPToolEnv`'s)."""
-  if isinstance(e, NotImplementedError):
-    return True
-  if isinstance(e, KeyError):
-    return e.args == (split,)
-  said = rf"unknown split|\bno ['\"]?{re.escape(split)}['\"]? split" + (
-      r"|\bno demonstrations" if split == "sft" else "")
-  return type(e) is ValueError and re.search(said, str(e), re.I) is not None
 
 
 def _equal(a: Example, b: Example) -> bool:
@@ -213,13 +198,16 @@ class MixtureEnv(Env):
       try:
         exs = list(env.examples(split))
       except Exception as e:  # noqa: BLE001 - the task's own code and data
-        if split == "sft" and _lacks_split(e, split):
-          if not self._no_sft_logged:
-            log.warning("mixture task %r has no 'sft' examples (%s: %s); it gives no "
-                        "demonstrations", label, type(e).__name__, e)
-          continue
-        raise ValueError(f"mixture task {label!r} ({type(env).__name__}) cannot give its "
-                         f"{split!r} examples: {type(e).__name__}: {e}") from e
+        if not lacks_split(e, split):
+          raise ValueError(f"mixture task {label!r} ({type(env).__name__}) cannot give its "
+                           f"{split!r} examples: {type(e).__name__}: {e}") from e
+        if split != "sft":
+          raise NoSplitError(f"mixture task {label!r} ({type(env).__name__}) has no {split!r} "
+                             f"split: {type(e).__name__}: {e}", split=split) from e
+        if not self._no_sft_logged:
+          log.warning("mixture task %r has no 'sft' examples (%s: %s); it gives no "
+                      "demonstrations", label, type(e).__name__, e)
+        continue
       out[label] = [self._tagged(label, ex) for ex in exs]
     if split == "sft":
       self._no_sft_logged = True

@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxagent.agent.env import Env, Example
+from jaxagent.agent.env import Env, Example, NoSplitError
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory
 from jaxagent.rewards import Component, CompositeReward, RewardInput, RewardOutput
@@ -124,7 +124,8 @@ class ArithmeticToolEnv(Env):
   def examples(self, split: str) -> Sequence[Example]:
     """"train", "eval" (held out) or "sft"; no expression is in two splits."""
     if split not in self._sizes:
-      raise ValueError(f"unknown split {split!r}; expected one of {sorted(self._sizes)}")
+      raise NoSplitError(f"unknown split {split!r}; expected one of {sorted(self._sizes)}",
+                         split=split)
     if split not in self._cache:
       self._cache[split] = self._generate(split)
     return self._cache[split]

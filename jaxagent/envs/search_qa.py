@@ -50,7 +50,8 @@ import dataclasses
 import re
 from typing import Literal, Sequence
 
-from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example, check_shaping_settings
+from jaxagent.agent.env import (OBSERVATION_TEMPLATES, Env, Example, NoSplitError,
+                                check_shaping_settings)
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.agent.trajectory import OBSERVATION, POLICY, Trajectory, data_continuation_ids
 from jaxagent.envs import knowledge_base as kb_lib
@@ -382,7 +383,8 @@ class SearchQAEnv(Env):
   def examples(self, split: str) -> Sequence[Example]:
     """"train", "eval" (held-out questions over the same world, or your files') or "sft"."""
     if split not in kb_lib.SPLITS:
-      raise ValueError(f"unknown split {split!r}; expected one of {list(kb_lib.SPLITS)}")
+      raise NoSplitError(f"unknown split {split!r}; expected one of {list(kb_lib.SPLITS)}",
+                         split=split)
     if split not in self._cache:
       if split in self._files:
         self._cache[split] = self._from_file(split)

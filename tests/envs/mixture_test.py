@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from jaxagent.agent import OBSERVATION, CalculatorEnv, Env, Example, RolloutConfig, RolloutDriver
+from jaxagent.agent.env import NoSplitError
 from jaxagent.agent.parsers import XMLTagParser
 from jaxagent.envs import make_env
 from jaxagent.envs.mixture import MixtureEnv
@@ -89,8 +90,11 @@ class NoSplit(Echo):
 
 
 @pytest.mark.parametrize("error", [
+    NoSplitError("Echo has no demonstrations", split="sft"), NoSplitError("no demonstrations"),
+    KeyError("sft"), NotImplementedError("no examples"),
+    # Envs written before NoSplitError, which said so in words.
     ValueError("unknown split 'sft'; expected one of ['eval', 'train']"),
-    ValueError("No 'sft' split here"), KeyError("sft"), NotImplementedError("no examples"),
+    ValueError("No 'sft' split here"),
     ValueError("MCPToolEnv has no demonstrations to warm-start on")])
 def test_a_task_without_an_sft_split_gives_no_demonstrations(error, caplog):
   env = MixtureEnv({"calc": Calc(), "echo": NoSplit(error)})
@@ -100,8 +104,10 @@ def test_a_task_without_an_sft_split_gives_no_demonstrations(error, caplog):
 
 
 @pytest.mark.parametrize("error", [
-    ValueError("sft.jsonl line 3: not JSON"), KeyError("answer"), FileNotFoundError("sft.jsonl"),
-    RuntimeError("unknown split 'sft'")])
+    ValueError("sft.jsonl line 3: not JSON"), ValueError("file not found"), KeyError("answer"),
+    FileNotFoundError("sft.jsonl"), RuntimeError("unknown split 'sft'"),
+    # Raised inside examples("sft") about another split: the sft split failed to load.
+    NoSplitError("unknown split 'train'", split="train")])
 def test_a_task_whose_sft_split_fails_to_load_names_the_task(error):
   """A broken "sft" data file was skipped with the warning of a task that has no "sft" split,
   so the warm start quietly trained on the other tasks only."""
@@ -110,6 +116,37 @@ def test_a_task_whose_sft_split_fails_to_load_names_the_task(error):
                      rf"examples: {type(error).__name__}: ") as e:
     env.examples("sft")
   assert e.value.__cause__ is error
+
+
+def test_a_built_in_task_without_the_split_is_skipped_and_a_task_without_eval_is_named():
+  """The built-in tasks say "no such split" with NoSplitError, which the mixture reads by its
+  class: a task without an "sft" split is left out of it; one without "eval" makes the
+  mixture's eval split a NoSplitError naming the task (it was a plain ValueError)."""
+  class NoSft(Echo):
+    def examples(self, split):
+      if split == "sft":
+        return make_env("quickstart", train_size=4, eval_size=2, sft_size=2).examples("tests")
+      return super().examples(split)
+
+  class NoEval(Calc):
+    def examples(self, split):
+      if split == "eval":
+        raise NoSplitError("NoEval keeps no held-out examples", split="eval")
+      return super().examples(split)
+
+  with pytest.raises(ValueError, match=r"mixture task 'echo' \(NoSft\) cannot give its 'sft' "
+                     r"examples: NoSplitError: unknown split 'tests'"):
+    MixtureEnv({"calc": Calc(), "echo": NoSft()}).examples("sft")  # "tests" is not "sft"
+  env = MixtureEnv({"calc": NoEval(), "echo": Echo()})
+  assert [e.id for e in env.examples("sft")] == ["calc/sft0", "calc/sft1"]
+  with pytest.raises(NoSplitError, match=r"mixture task 'calc' \(NoEval\) has no 'eval' split: "
+                     r"NoSplitError: NoEval keeps no held-out examples") as e:
+    env.examples("eval")
+  assert e.value.split == "eval"
+  quick = make_env("quickstart", train_size=4, eval_size=2, sft_size=2)
+  with pytest.raises(NoSplitError, match=r"mixture task 'q' \(ArithmeticToolEnv\) has no "
+                     r"'test' split: NoSplitError: unknown split 'test'"):
+    MixtureEnv({"q": quick}).examples("test")
 
 
 def test_weights_set_each_task_s_share_of_the_train_split():
