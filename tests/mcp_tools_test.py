@@ -80,6 +80,16 @@ def gone(pid, within_s=5.0):
     return True
 
 
+def no_new_servers(before, within_s=5.0):
+    """Whether every test server started since `before` has ended (or does within `within_s`)."""
+    deadline = time.monotonic() + within_s
+    while server_processes(before):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
 def server_processes(before=()):
     """Our descendants running a test server (other than the pids in `before`)."""
     return [p.pid for p in psutil.Process().children(recursive=True)
@@ -114,7 +124,7 @@ def test_a_tool_the_server_lacks_is_an_error_naming_it():
     before = server_processes()
     with pytest.raises(MCPServerError, match=r"tools names tools it does not have: \['nope'\].*'add'"):
         MCPServer({**SERVER, "tools": ["add", "nope"]})
-    assert not server_processes(before)  # the server it started is gone
+    assert no_new_servers(before)  # the server it started is gone
 
 
 # --------------------------------------------------------------------------- calls
@@ -187,7 +197,7 @@ def test_sixteen_calls_from_eight_threads_run_concurrently(server):
     assert len(results) == 16
     for i, result in results.items():  # each answer went to its own call
         assert result.ok and result.output == f"slept {0.5 + i / 1000}", result
-    assert elapsed < 3.0, f"16 calls of 0.5 s took {elapsed:.2f} s: they did not overlap"
+    assert elapsed < 4.0, f"16 calls of 0.5 s took {elapsed:.2f} s (8 s one after another): they did not overlap"
     assert sleep.server is server
 
 
@@ -198,7 +208,7 @@ def test_timeout_is_an_error_and_the_session_stays_usable(server):
     start = time.monotonic()
     result = tool(server, "sleep")({"seconds": 10}, timeout_s=0.3)
     assert not result.ok and result.timed_out and "timed out after 0.3 s" in result.error
-    assert time.monotonic() - start < 2.0
+    assert time.monotonic() - start < 5.0  # not the 10 s of the call
     assert tool(server, "add")({"a": 1, "b": 1}).output == "2"
     assert server.pid == pid  # the same process and session
     # Through the executor, whose limit the tool keeps itself (its watchdog stays a backstop).
@@ -309,7 +319,7 @@ def test_start_servers_registers_all_or_closes_what_it_started():
     before = server_processes()
     with pytest.raises(ValueError, match="unknown setting 'comand'"):
         start_servers([{**SERVER, "prefix": "a_"}, {"comand": "x"}])
-    assert not server_processes(before)
+    assert no_new_servers(before)
     servers, registry = start_servers([{**SERVER, "prefix": "a_", "tools": ["add"]}], ToolRegistry([Calculator()]))
     try:
         assert registry.names() == ["calculator", "a_add"]
@@ -431,7 +441,7 @@ def test_streamable_http_calls_timeouts_and_reconnect_after_the_server_is_back()
             start = time.monotonic()
             with ToolExecutor(ToolRegistry(s.tools), max_workers=16) as executor:
                 results = executor.map([("sleep", {"seconds": 0.5})] * 16)
-            assert all(r.ok for r in results) and time.monotonic() - start < 3.0
+            assert all(r.ok for r in results) and time.monotonic() - start < 4.0
             result = tool(s, "crash")({}, timeout_s=2)
             # mcp 2 fails the request when the connection drops; mcp 1.x leaves it pending, so the
             # call times out and a ping that goes unanswered too marks the session dead.
@@ -503,7 +513,7 @@ def test_make_env_mcp_tools_lists_the_servers_tools_in_the_system_prompt(questio
         make_env("mcp_tools", mcp_servers=[SERVER], system_prompt="Use {tool}.")
     with pytest.raises(ValueError, match="mcp_servers must be a non-empty list"):
         make_env("mcp_tools", mcp_servers=SERVER)
-    assert not server_processes(before)  # refused before any server started
+    assert no_new_servers(before)  # refused before any server started
     env = make_env("mcp_tools", mcp_servers=[{**SERVER, "tools": ["add", "echo"]}], train_file=questions)
     pid = env.servers[0].pid
     try:

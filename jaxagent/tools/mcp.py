@@ -516,7 +516,7 @@ class MCPServer:
         with _SPAWN_LOCK:
             before = _child_pids()
             streams = await stack.enter_async_context(stdio_client(params, errlog=errlog))
-            conn.pid = _find_child(before, config, mark)
+            conn.pid = await _find_child(before, config, mark)
         errlog.close()  # the child holds its own copy; the reader sees the end when it exits
         return streams[0], streams[1]
 
@@ -755,27 +755,32 @@ def _child_pids() -> set[int]:
         return set()
 
 
-def _find_child(before: set[int], config: MCPServerConfig, mark: str) -> int | None:
-    """The server process just spawned: the new child of ours whose environment has `mark` (or,
-    where the environment cannot be read, whose command line ends with the server's args)."""
-    found = []
-    for proc in psutil.Process().children():
-        if proc.pid in before:
-            continue
-        try:
-            if proc.environ().get(_MARK_VARIABLE) == mark:
-                return proc.pid
-            cmdline = proc.cmdline()
-        except psutil.Error:
-            continue
-        if not config.args or cmdline[-len(config.args):] == list(config.args):
-            found.append(proc.pid)
-    if len(found) != 1:
-        log.warning("MCP server %r: cannot tell its process among %d new child processes; a crash is "
-                    "then noticed by the calls it fails, and close() relies on the SDK's shutdown",
-                    config.label, len(found))
-        return None
-    return found[0]
+async def _find_child(before: set[int], config: MCPServerConfig, mark: str) -> int | None:
+    """The server process just spawned: the child of ours whose environment has `mark` (a wrapper's
+    child has it too: the one nearest to us wins), or, where no environment can be read, the new
+    child whose command line ends with the server's args. Looked for a few times over half a second."""
+    me = os.getpid()
+    for _ in range(20):
+        marked, found = [], []
+        for proc in psutil.Process().children(recursive=True):
+            try:
+                if proc.environ().get(_MARK_VARIABLE) == mark:
+                    marked.append((proc.pid, proc.ppid()))
+                elif proc.pid not in before and proc.ppid() == me:
+                    cmdline = proc.cmdline()
+                    if not config.args or cmdline[-len(config.args):] == list(config.args):
+                        found.append(proc.pid)
+            except psutil.Error:
+                continue
+        if marked:
+            return next((pid for pid, parent in marked if parent == me), marked[0][0])
+        if len(found) == 1:
+            return found[0]
+        await asyncio.sleep(0.025)
+    log.warning("MCP server %r: cannot tell its process among %d new child processes; a crash is then "
+                "noticed by the calls it fails, and close() relies on the SDK's shutdown", config.label,
+                len(found))
+    return None
 
 
 def _tree(pid: int | None) -> list[int]:
