@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from typing import Any, Literal, Mapping, Sequence
 
-from jaxagent.agent.env import OBSERVATION_TEMPLATES, Env, Example, check_shaping_settings
+from jaxagent.agent.env import (OBSERVATION_TEMPLATES, Env, Example, NoSplitError,
+                                check_shaping_settings)
 from jaxagent.agent.parsers import JSONToolCallParser
 from jaxagent.agent.trajectory import Trajectory
 from jaxagent.envs.problem_file import read_problems, resolve_problem_file
@@ -105,9 +106,9 @@ class MCPToolEnv(Env):
     """The questions of `split` ("train" or "eval"); [] for a split without a file. There are
     no demonstrations: a warm start takes a chat JSONL file (`sft.data`)."""
     if split == "sft":
-      raise ValueError("MCPToolEnv has no demonstrations to warm-start on")
+      raise NoSplitError("MCPToolEnv has no demonstrations to warm-start on", split=split)
     if split not in ("train", "eval"):
-      raise ValueError(f"unknown split {split!r}; expected 'train' or 'eval'")
+      raise NoSplitError(f"unknown split {split!r}; expected 'train' or 'eval'", split=split)
     if split not in self._files:
       return []
     if split not in self._cache:
