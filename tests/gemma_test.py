@@ -505,3 +505,34 @@ def test_one_rl_step_of_a_gemma_model_through_the_trainer(tmp_path):
   rows = [json.loads(r) for r in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
   step = next(r for r in rows if r["step"] == 1 and "reward/mean" in r)
   assert all(np.isfinite(v) for v in step.values() if isinstance(v, float))
+
+
+# ---------------------------------------------------------------------------- RoPE export
+def test_linear_rope_scaling_of_a_llama_model_exports_and_loads(tmp_path):
+  """`rope_linear_factor` outside Gemma: written as transformers' linear rope_scaling (it was
+  left out of config.json, so transformers ran the model unscaled) and read back."""
+  cfg = models.get_config("tiny-llama").replace(rope_linear_factor=4.0, vocab_size=256)
+  params = models.init_params(cfg, jax.random.key(0), std=0.2)
+  assert cfg.to_hf()["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}
+  models.save_hf(tmp_path, cfg, params)
+  back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+  tokens = np.random.default_rng(9).integers(0, 256, (1, 40))
+  ours = np.asarray(models.forward(params, tokens, cfg=cfg))
+  assert np.abs(torch_logits(back, tokens) - ours).max() <= TOL
+  # Unscaled, the logits differ: the check can fail.
+  plain = np.asarray(models.forward(params, tokens, cfg=cfg.replace(rope_linear_factor=None)))
+  assert np.abs(plain - ours).max() > 1e-3
+  cfg2, _ = models.load(tmp_path)
+  assert cfg2.rope_linear_factor == 4.0
+
+
+@pytest.mark.parametrize("cfg,match", [
+    # A windowed Qwen2 whose windowed layers have a RoPE base of their own.
+    (models.get_config("tiny-qwen2").replace(sliding_window=4, sliding_layers=(1,),
+                                             local_rope_theta=1e4), "local_rope_theta"),
+    (models.get_config("tiny-gemma3").replace(rope_scaling=(8.0, 1.0, 4.0, 64)),
+     "llama3 RoPE scaling"),
+])
+def test_rope_settings_without_an_hf_equivalent_are_refused_at_export(cfg, match):
+  with pytest.raises(ValueError, match=match):
+    cfg.to_hf()

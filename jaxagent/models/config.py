@@ -430,10 +430,17 @@ class ModelConfig:
       theta = inner
     scaling = (rope_params if rope_params.get("rope_type", rope_params.get("type"))
                not in (None, "default") else None)
-    rope_scaling = None
+    rope_scaling = linear = None
     if scaling:
       rtype = scaling.get("rope_type", scaling.get("type"))
-      if rtype == "llama3":
+      if rtype == "linear":  # positions divided by the factor (`rope_linear_factor`)
+        linear = scaling.get("factor")
+        if isinstance(linear, bool) or not isinstance(linear, (int, float)) or not (
+            math.isfinite(linear) and linear > 0):
+          raise ValueError(f"HF config: linear rope scaling factor={linear!r} must be a "
+                           "number > 0")
+        linear = float(linear)
+      elif rtype == "llama3":
         fields = ("factor", "low_freq_factor", "high_freq_factor",
                   "original_max_position_embeddings")
         for field in fields:
@@ -450,7 +457,7 @@ class ModelConfig:
                         float(scaling["high_freq_factor"]),
                         int(scaling["original_max_position_embeddings"]))
       elif rtype not in (None, "default"):
-        raise ValueError(f"unsupported rope_scaling type {rtype!r} (supported: llama3)")
+        raise ValueError(f"unsupported rope_scaling type {rtype!r} (supported: llama3, linear)")
     n_heads = need("num_attention_heads")
     # transformers' Qwen3 config defaults head_dim to 128 (not hidden_size / heads).
     head_dim = hf.get("head_dim") or (128 if arch == "qwen3" and "head_dim" not in hf
@@ -480,7 +487,7 @@ class ModelConfig:
         # A config.json without the key takes the default of transformers' config class.
         max_seq_len=int(number("max_position_embeddings",
                                131072 if mistral else {"llama": 2048}.get(arch, 32768))),
-        rope_scaling=rope_scaling, architecture=arch,
+        rope_scaling=rope_scaling, rope_linear_factor=linear, architecture=arch,
         bos_token_id=hf.get("bos_token_id"), eos_token_id=eos, extra_eos_token_ids=extra_eos,
         name=hf.get("_name_or_path", "hf") or "hf")
     windowed, window = _windowed_layers(hf, arch, mistral, hf["num_hidden_layers"], window)
@@ -507,6 +514,13 @@ class ModelConfig:
                        "use architecture='qwen3' with qk_norm=True, else qk_norm=False)")
     arch = {"llama": ("LlamaForCausalLM", "llama"), "qwen2": ("Qwen2ForCausalLM", "qwen2"),
             "qwen3": ("Qwen3ForCausalLM", "qwen3")}[self.architecture]
+    if self.per_layer_rope:
+      # transformers' Llama, Mistral and Qwen rotate every layer alike: the windowed layers'
+      # own base would be dropped from the export, which would load as another function.
+      raise ValueError(
+          f"ModelConfig.to_hf: local_rope_theta={self.local_rope_theta} (a RoPE base of the "
+          f"windowed layers' own) has no HF equivalent for architecture {self.architecture!r} "
+          "(only Gemma 3 has one): use local_rope_theta=None")
     if self.windowed and self.architecture == "llama":
       # transformers' Llama has no window; its Mistral is Llama with one in every layer.
       if len(self.sliding_layers) != self.n_layers or self.qkv_bias or self.rope_scaling:
@@ -545,6 +559,8 @@ class ModelConfig:
       f, lo, hi, orig = self.rope_scaling
       hf["rope_scaling"] = {"rope_type": "llama3", "factor": f, "low_freq_factor": lo,
                             "high_freq_factor": hi, "original_max_position_embeddings": orig}
+    if self.rope_linear_factor is not None:
+      hf["rope_scaling"] = {"rope_type": "linear", "factor": self.rope_linear_factor}
     if self.bos_token_id is not None:
       hf["bos_token_id"] = self.bos_token_id
     # Every id generation stops on (`eos_token_ids`): the extra ones too where eos_token_id is
@@ -581,6 +597,10 @@ class ModelConfig:
         "rope_scaling": (None if self.rope_linear_factor is None else
                          {"rope_type": "linear", "factor": self.rope_linear_factor}),
     }
+    if self.rope_scaling is not None:
+      raise ValueError("ModelConfig.to_hf: a gemma3 config with llama3 RoPE scaling "
+                       f"(rope_scaling={self.rope_scaling}) has no HF equivalent here (Gemma 3 "
+                       "scales its global layers linearly: rope_linear_factor)")
     if self.local_rope_theta is None and self.sliding_layers and (
         self.rope_linear_factor is not None):
       raise ValueError("ModelConfig.to_hf: Gemma 3's windowed layers use no RoPE scaling; a "
