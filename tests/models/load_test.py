@@ -201,8 +201,11 @@ def test_tensors_the_config_does_not_account_for_are_named(tmp_path):
     (dict(mlp_bias=True), "mlp_bias=True"),
     (dict(hidden_act="gelu"), "hidden_act='gelu'"),
     (dict(attention_bias=True), r"tensor 'model\.layers\.0\.self_attn\.q_proj\.bias' is missing"),
-    (dict(rope_parameters={"rope_type": "linear", "factor": 4.0, "rope_theta": 1e4}),
-     "unsupported rope_scaling type 'linear'"),
+    # (linear scaling loads: `rope_linear_factor`)
+    (dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4}),
+     "unsupported rope_scaling type 'dynamic'"),
+    (dict(rope_parameters={"rope_type": "linear", "factor": -1.0, "rope_theta": 1e4}),
+     "linear rope scaling factor=-1.0 must be a number > 0"),
     (dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}), "lacks the field 'low_freq_factor'"),
     (dict(intermediate_size=None), None),
 ])
