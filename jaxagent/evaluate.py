@@ -21,7 +21,9 @@ successes.
 
 Nothing is written to the run's own files (metrics, checkpoints, samples). The trainer it
 builds holds no optimizer state (`Trainer(config, eval_only=True)`): the policy's params and the
-rollout engines only.
+rollout engines only. With `--workdir`, a full-params checkpoint's weights are restored into
+the shapes of its model config (`Trainer(..., architecture=...)`), without reading the
+weights at `model.path` first (its tokenizer is read).
 """
 import dataclasses
 import json
@@ -170,6 +172,7 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, out: str | Non
   import ml_collections
 
   from jaxagent import checkpoint
+  from jaxagent.models import lora as lora_lib
   from jaxagent.trainer import Trainer
   root, mgr = _checkpoints(workdir)
   steps = mgr.steps()
@@ -191,7 +194,21 @@ def evaluate_checkpoint(workdir: str, *, step: int | None = None, out: str | Non
   if "init_from" in config.get("lora", {}):
     config.lora.init_from = ""  # the checkpoint holds the adapter
   _apply_settings(config, settings)
-  trainer = Trainer(config, eval_only=True)
+  # Full params: the trainer holds their shapes only (the weights at model.path are not read),
+  # and the checkpoint's are restored into them, so the params are never held twice. A LoRA
+  # run's base is read from model.path, as the run read it; a checkpoint written without its
+  # model config loads model.path as before.
+  architecture = None
+  if lora_lib.from_config(config.get("lora")) is None and isinstance(
+      meta.get("model_config"), dict):
+    try:
+      architecture = checkpoint.model_config_from_meta(meta)
+    except (KeyError, TypeError, ValueError) as e:
+      raise checkpoint.IncompatibleCheckpointError(
+          f"checkpoint {path} holds a model config this jaxagent cannot read "
+          f"({type(e).__name__}: {e}); evaluate it with the jaxagent version that wrote it"
+          ) from e
+  trainer = Trainer(config, eval_only=True, architecture=architecture)
   try:
     checkpoint.check_model_config(meta, trainer.cfg, path)
     if trainer._base_digest is not None:

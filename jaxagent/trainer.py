@@ -77,17 +77,30 @@ log = logging.getLogger(__name__)
 
 
 # ----------------------------------------------------------------------------- model
-def load_model(mcfg) -> tuple[models.ModelConfig, Any, Any]:
+def load_model(mcfg, *, architecture: models.ModelConfig | None = None
+               ) -> tuple[models.ModelConfig, Any, Any]:
   """(cfg, params, tokenizer) from `config.model`.
 
   `path` is an HF directory, a `.gguf` file, an embedded preset, or an architecture preset
   (random init, e.g. "tiny-llama" for tests) whose vocabulary is resized to `tokenizer`'s.
+
+  architecture: the `ModelConfig` of weights that come from elsewhere (a checkpoint's, which
+    `python -m jaxagent.evaluate` restores): no weights are read or made, and `params` are
+    their shapes (boxed `jax.ShapeDtypeStruct`s). `cfg` is an architecture preset's as
+    always; for an HF directory or a `.gguf` file (whose config comes with its weights) it is
+    `architecture` under `mcfg`'s run settings (dtypes, remat, kernels). The tokenizer
+    still comes from `mcfg`.
   """
   dtype_kw = run_overrides(mcfg)
   tok = models.load_tokenizer(mcfg.get("tokenizer") or mcfg.path)
   if mcfg.path in models.PRESETS:
     cfg = models.get_config(mcfg.path, vocab_size=tok.vocab_size,
                             eos_token_id=tok.eos_id, **dtype_kw)
+  elif architecture is not None:
+    cfg = architecture.replace(**dtype_kw)
+  if architecture is not None:
+    return cfg, jax.eval_shape(lambda: models.init_params(cfg, jax.random.key(0))), tok
+  if mcfg.path in models.PRESETS:
     params = models.init_params(cfg, jax.random.key(mcfg.get("init_seed", 0)),
                                 std=mcfg.get("init_std", 0.02))
   else:
@@ -291,10 +304,23 @@ class Trainer:
   _cancel_ahead: threading.Event | None = None  # (`__init__` sets it; see `_close_collector`)
   eval_only: bool = False  # (`__init__` sets it; also for trainers built without it, in tests)
 
-  def __init__(self, config, *, eval_only: bool = False):
+  def __init__(self, config, *, eval_only: bool = False,
+               architecture: models.ModelConfig | None = None):
     """eval_only: a trainer that only evaluates (`python -m jaxagent.evaluate`): its train
     state holds no optimizer state (Adam's moments are twice the params' memory), and
-    `run`, `warm_start`, `rl_step`, `restore` and `save_checkpoint` refuse to run."""
+    `run`, `warm_start`, `rl_step`, `restore` and `save_checkpoint` refuse to run.
+
+    architecture: (eval_only, full params only) the `ModelConfig` a checkpoint was written
+    with (`checkpoint.model_config_from_meta`): the weights at `model.path` are not read (its
+    tokenizer is) and `state.params` holds their shapes only, placed as the learner places
+    params (`jax.ShapeDtypeStruct`s with shardings), for the caller to restore the
+    checkpoint's params into before evaluating; so the params are never held twice."""
+    if architecture is not None and not eval_only:
+      raise ValueError("Trainer(architecture=...) builds an evaluation's trainer, whose params "
+                       "the caller restores: pass eval_only=True")
+    if architecture is not None and lora_lib.from_config(config.get("lora")) is not None:
+      raise ValueError("Trainer(architecture=...) is for full params: a LoRA run's base "
+                       "weights are read from model.path (its checkpoint holds the adapter)")
     self.config = config
     self.eval_only = bool(eval_only)
     c = config
@@ -328,7 +354,7 @@ class Trainer:
       log.warning("eval.size=%s, but env %r has no 'eval' examples: no eval runs (no eval/"
                   "pass@1); give the task eval examples, or set eval.size=0 to say so",
                   c.eval.size, self.env.name)
-    self.cfg, params, self.tok = load_model(c.model)
+    self.cfg, params, self.tok = load_model(c.model, architecture=architecture)
     # Rollouts run on process 0's local devices in multi-host jobs (see the module docstring),
     # and on the last rollout.devices ones when that is set.
     self.gen_mesh = sharding.rollout_mesh(
@@ -361,7 +387,12 @@ class Trainer:
       else:
         params = lora_lib.init_lora(self.cfg, self.lora, jax.random.fold_in(
             jax.random.key(c.seed), 0x10A))
-    self.state = self.learner.init(params, optimizer=not self.eval_only)
+    if architecture is not None:  # shapes to restore into (`evaluate.evaluate_checkpoint`)
+      self.state = step_lib.TrainState(
+          step=jax.device_put(np.int32(0), jax.sharding.NamedSharding(self.mesh, jax.sharding.PartitionSpec())),
+          params=checkpoint.params_target(params, self.mesh), opt_state=None)
+    else:
+      self.state = self.learner.init(params, optimizer=not self.eval_only)
     del params
     self.ref_params = None  # set when RL starts (after the warm start), if kl_coef > 0
 
@@ -490,6 +521,9 @@ class Trainer:
     (`log.dump_every`, `log.dump_count`), the first `log.dump_count` greedy trajectories go to
     <workdir>/samples/eval_<phase>.{txt,jsonl} with their rewards and successes (phase: "before",
     "after_sft", default step_NNNNNN of the current step)."""
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(self.state.params)):
+      raise RuntimeError("Trainer.evaluate: the params are shapes only (Trainer(architecture="
+                         "...)): restore a checkpoint's params into trainer.state first")
     self._settle_ahead()
     return self._on_lead(self._evaluate, self._generator_params(), tag, phase)
 

@@ -8,6 +8,7 @@ import sys
 
 import jax
 import ml_collections
+import numpy as np
 import pytest
 
 from configs.quickstart import get_config
@@ -120,6 +121,58 @@ def test_an_eval_only_trainer_holds_no_optimizer_state_and_evaluates_the_same(tm
     finally:
       trainer.close()
   assert metrics[True] == metrics[False]
+
+
+def test_a_checkpoint_is_restored_into_shapes_without_reading_the_weights_at_model_path(
+    tmp_path, monkeypatch):
+  """`--workdir` loaded the weights at model.path and then restored the checkpoint's over them:
+  the params were held twice for a moment. Now the trainer holds their shapes only: the
+  checkpoint evaluates with model.path's weights gone (its config.json and tokenizer stay)."""
+  from jaxagent import models
+  from jaxagent.trainer import Trainer, load_model
+  c = get_config("tiny")
+  cfg, params, _ = load_model(c.model)
+  hf = models.save_hf(tmp_path / "hf", cfg, params)
+  c.model.path = str(hf)
+  c.workdir, c.checkpoint_every, c.log.tensorboard, c.eval.size = (
+      str(tmp_path / "run"), 1, False, 2)
+  trainer = Trainer(c)
+  try:
+    trained = jax.tree.map(lambda x: x * 1.5 if x.ndim == 2 else x, trainer.state.params)
+    trainer.state = dataclasses.replace(trainer.state, params=trained)
+    trainer.warm_started, trainer.step = True, 3
+    trainer.save_checkpoint(wait=True)
+    saved_cfg = trainer.cfg
+  finally:
+    trainer.close()
+  (hf / "model.safetensors").unlink()
+  seen = {}
+
+  def run(trainer, out_dir, source):
+    seen.update(params=trainer.state.params, cfg=trainer.cfg, opt=trainer.state.opt_state)
+    return source
+  monkeypatch.setattr(evaluate, "_run", run)
+  assert evaluate.evaluate_checkpoint(str(tmp_path / "run"))["step"] == 3
+  assert seen["cfg"] == saved_cfg and seen["opt"] is None
+  assert jax.tree.all(jax.tree.map(lambda a, b: bool((np.asarray(a) == np.asarray(b)).all()),
+                                   seen["params"], trained))
+  # The trainer that restores: shapes until then, and an evaluate before it is refused.
+  shapes = Trainer(c, eval_only=True, architecture=saved_cfg)
+  try:
+    leaves = jax.tree.leaves(shapes.state.params)
+    assert leaves and all(isinstance(x, jax.ShapeDtypeStruct) and x.sharding is not None
+                          for x in leaves)
+    assert [(x.shape, x.dtype) for x in leaves] == [
+        (x.shape, x.dtype) for x in jax.tree.leaves(trained)]
+    with pytest.raises(RuntimeError, match="restore a checkpoint's params into trainer.state"):
+      shapes.evaluate()
+  finally:
+    shapes.close()
+  with pytest.raises(ValueError, match="pass eval_only=True"):
+    Trainer(c, architecture=saved_cfg)
+  c.lora.rank = 4  # a LoRA run's base is read from model.path
+  with pytest.raises(ValueError, match="is for full params"):
+    Trainer(c, eval_only=True, architecture=saved_cfg)
 
 
 def test_set_changes_existing_keys_and_names_a_typo():
