@@ -536,3 +536,23 @@ def test_linear_rope_scaling_of_a_llama_model_exports_and_loads(tmp_path):
 def test_rope_settings_without_an_hf_equivalent_are_refused_at_export(cfg, match):
   with pytest.raises(ValueError, match=match):
     cfg.to_hf()
+
+
+def test_the_compute_copy_gives_bitwise_the_same_gemma_logits():
+  """float32 params, bfloat16 compute: `param_tree.compute_copy` (the generator's and the
+  update's weights) promises the logits of the float32 params bitwise. The embedding scale
+  sqrt(72) = 8.485 is 8.5 in bfloat16: scaling the float32 table before the cast to bfloat16
+  gave other embeddings than scaling the bfloat16 copy."""
+  cfg = models.get_config("tiny-gemma3").replace(d_model=72, param_dtype="float32",
+                                                 dtype="bfloat16")
+  params = models.init_params(cfg, jax.random.key(0), std=0.2)
+  tokens = np.random.default_rng(10).integers(0, cfg.vocab_size, (2, 24))
+  ref = np.asarray(models.forward(params, tokens, cfg=cfg))
+  got = np.asarray(models.forward(param_tree.compute_copy(params, cfg), tokens, cfg=cfg))
+  np.testing.assert_array_equal(got, ref)
+  # Both scale the bfloat16 embeddings by bfloat16 sqrt(d_model), as transformers' bfloat16
+  # model does.
+  p = param_tree.unbox(params)
+  x = decoder.embed(p, jnp.asarray([[3]]), cfg)[0, 0]
+  want = p["embed"][3].astype(jnp.bfloat16) * jnp.asarray(8.5, jnp.bfloat16)
+  np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(want, np.float32))

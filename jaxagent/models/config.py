@@ -74,7 +74,8 @@ class ModelConfig:
   activation: Activation = "silu"
   # Gemma-style norms: RMSNorm scales by (1 + w) (zero weights are the identity), every layer
   # also norms its attention output and its MLP output before adding them to the stream, and
-  # the embeddings are multiplied by sqrt(d_model) (rounded to the embedding's dtype first).
+  # the embeddings are multiplied by sqrt(d_model) (rounded to the compute dtype, as
+  # transformers rounds it to its weights' dtype).
   norm_plus_one: bool = False
   post_norms: bool = False
   embed_scale: bool = False

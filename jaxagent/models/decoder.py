@@ -548,10 +548,12 @@ def embed(p, tokens, cfg: ModelConfig):
   every device, in the update's forward and backward). Two steps it does move: rows over
   the other batch axes (a local slice), then rows over "fsdp" for model dims (an all-to-all).
   """
-  x = jnp.take(p["embed"], tokens, axis=0)
-  if cfg.embed_scale:  # sqrt(d_model), rounded to the table's dtype first (as transformers)
+  x = jnp.take(p["embed"], tokens, axis=0).astype(cfg.jnp_dtype)
+  if cfg.embed_scale:
+    # sqrt(d_model) rounded to the compute dtype first (as transformers rounds it to its
+    # weights' dtype), and applied after the cast: float32 params and their compute-dtype copy
+    # (`param_tree.compute_copy`) then give bitwise the same embeddings.
     x = x * jnp.asarray(math.sqrt(cfg.d_model), x.dtype)
-  x = x.astype(cfg.jnp_dtype)
   axes, n = batch_split()
   if "fsdp" in axes and x.shape[0] % n == 0:
     fsdp = jax.sharding.get_abstract_mesh().shape["fsdp"]
