@@ -24,7 +24,7 @@ Splits:
     split gives no demonstrations (logged once): its `examples("sft")` raises
     `agent.env.NoSplitError` (or, from an env written before it, what `agent.env.lacks_split`
     also reads as a missing split). Any other error (a broken data file) is raised, naming the
-    task. A task without an "eval" or "train" split makes the mixture's `examples` of that
+    task (`TaskSplitError`, a `ValueError`). A task without an "eval" or "train" split makes the mixture's `examples` of that
     split raise `NoSplitError`, naming the task.
 
 The trainer logs a task's share of a step's rewards as `reward/task/<label>` and its held-out
@@ -87,6 +87,13 @@ def _build(label: str, spec) -> tuple[Env, float | None]:
   except ValueError as e:
     raise ValueError(f"mixture task {label!r}: {e}") from e
   return env, spec.get("weight")
+
+
+class TaskSplitError(ValueError):
+  """A mixture task's split failed to load (a broken data file), named with the task. A type
+  of its own, so that its message, which quotes the task's error, is never read as the words
+  of a missing split (`agent.env.lacks_split`'s fallback for plain ValueErrors): the warm
+  start reports it as a load failure."""
 
 
 def _equal(a: Example, b: Example) -> bool:
@@ -199,8 +206,8 @@ class MixtureEnv(Env):
         exs = list(env.examples(split))
       except Exception as e:  # noqa: BLE001 - the task's own code and data
         if not lacks_split(e, split):
-          raise ValueError(f"mixture task {label!r} ({type(env).__name__}) cannot give its "
-                           f"{split!r} examples: {type(e).__name__}: {e}") from e
+          raise TaskSplitError(f"mixture task {label!r} ({type(env).__name__}) cannot give "
+                               f"its {split!r} examples: {type(e).__name__}: {e}") from e
         if split != "sft":
           raise NoSplitError(f"mixture task {label!r} ({type(env).__name__}) has no {split!r} "
                              f"split: {type(e).__name__}: {e}", split=split) from e
