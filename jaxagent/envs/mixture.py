@@ -24,8 +24,8 @@ Splits:
     split gives no demonstrations (logged once): its `examples("sft")` raises
     `agent.env.NoSplitError` (or, from an env written before it, what `agent.env.lacks_split`
     also reads as a missing split). Any other error (a broken data file) is raised, naming the
-    task (`TaskSplitError`, a `ValueError`). A task without an "eval" or "train" split makes the mixture's `examples` of that
-    split raise `NoSplitError`, naming the task.
+    task (`TaskSplitError`, a `ValueError`). A task without an "eval" or "train" split makes
+    the mixture's `examples` of that split raise `NoSplitError`, naming the task.
 
 The trainer logs a task's share of a step's rewards as `reward/task/<label>` and its held-out
 pass@1 as `eval/task/<label>/pass@1` (`task_of`).
