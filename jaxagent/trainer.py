@@ -1676,10 +1676,30 @@ class Trainer:
       self._ahead_pool = None
     self._inflight.clear()
 
+  def _close_envs(self) -> None:
+    """`close()` of the env and of each member env that has one, each once, members first."""
+    env = getattr(self, "env", None)
+    if env is None:
+      return
+    seen, first = set(), None
+    for e in (*env.member_envs, env):
+      close = getattr(e, "close", None)
+      if id(e) in seen or not callable(close):
+        continue
+      seen.add(id(e))
+      try:
+        close()
+      except Exception as err:  # noqa: BLE001 - raised below, once every env is closed
+        first = first or err
+    if first is not None:
+      raise first
+
   def close(self) -> None:
-    """Closes the checkpoint manager, the samplers and the metrics writer; each is closed even
-    when closing one before it raised (the first error is raised after)."""
-    closers = [self._close_collector, self.sampler.close, self.greedy.close, self.writer.close]
+    """Closes the checkpoint manager, the samplers, the task's env (and a mixture's member
+    envs) where it has a `close` (the MCP servers of `mcp_tools`) and the metrics writer; each
+    is closed even when closing one before it raised (the first error is raised after)."""
+    closers = [self._close_collector, self.sampler.close, self.greedy.close, self._close_envs,
+               self.writer.close]
     if self.ckpt is not None:
       closers.insert(0, self.ckpt.close)
     first = None

@@ -4,6 +4,7 @@ import signal
 import types
 
 import ml_collections
+import pytest
 
 from jaxagent.trainer import Trainer
 
@@ -116,3 +117,47 @@ def test_a_run_that_raised_in_a_step_does_not_go_on_past_that_step(tmp_path):
     pass
   t.rl_step = rl_step
   assert t.run()["stopped_at_step"] == 0 and 2 not in events  # the stop still stands
+
+
+def test_close_closes_the_env_and_a_mixture_s_member_envs_once_each():
+  """Trainer.close closed the samplers and writers but not the task's env, so an `mcp_tools`
+  env's MCP servers lived until the interpreter exited. Each env with a `close` is closed once
+  (a member that is also the env itself too), a failing one does not keep the others open,
+  and its error is raised after."""
+  from jaxagent.agent import Env
+
+  closed = []
+
+  class Plain(Env):
+    def reward(self, trajectory, example, tokenizer, step):
+      return 0.0
+
+  class Closing(Plain):
+    def __init__(self, name, fail=False):
+      super().__init__()
+      self.label, self.fail = name, fail
+
+    def close(self):
+      closed.append(self.label)
+      if self.fail:
+        raise RuntimeError(f"{self.label} failed to close")
+
+  class Mixture(Closing):
+    def __init__(self, members):
+      super().__init__("mixture")
+      self.members = members
+
+    @property
+    def member_envs(self):
+      return (*self.members, self)
+
+  plain = Plain()  # no close: skipped
+  t = Trainer.__new__(Trainer)
+  t.env = Mixture([Closing("a", fail=True), plain, Closing("b")])
+  with pytest.raises(RuntimeError, match="a failed to close"):
+    t._close_envs()
+  assert closed == ["a", "b", "mixture"]
+  closed.clear()
+  t.env = Closing("single")
+  t._close_envs()
+  assert closed == ["single"]

@@ -9,7 +9,8 @@ Data flow: `envs/` tasks implement `Env` (`env.py`); `rollout.py` schedules thei
 the engine's KV slots and their tool calls onto a `tools.ToolExecutor`; each trajectory comes back
 as a `Trajectory` token ledger (`trajectory.py`) for `rewards/` and `rl/packing.py`.
 """
-from jaxagent.agent.env import OBSERVATION_TEMPLATES, CalculatorEnv, Env, Episode, Example
+from jaxagent.agent.env import (OBSERVATION_TEMPLATES, CalculatorEnv, Env, Episode, Example,
+                                NoSplitError, lacks_split)
 from jaxagent.agent.parsers import (JSONToolCallParser, ParseResult, Parser, ToolCall,
                                     XMLTagParser)
 from jaxagent.agent.rollout import (RolloutCancelled, RolloutConfig, RolloutDriver, RolloutStats,
@@ -19,7 +20,8 @@ from jaxagent.agent.trajectory import (NATURAL_STOPS, OBSERVATION, POLICY, PROMP
                                        demonstration_trajectory)
 
 __all__ = [
-    "OBSERVATION_TEMPLATES", "CalculatorEnv", "Env", "Episode", "Example", "JSONToolCallParser",
+    "OBSERVATION_TEMPLATES", "CalculatorEnv", "Env", "Episode", "Example", "NoSplitError",
+    "lacks_split", "JSONToolCallParser",
     "ParseResult", "Parser", "ToolCall", "XMLTagParser", "RolloutCancelled", "RolloutConfig",
     "RolloutDriver",
     "RolloutStats", "rollout", "rollout_metrics", "NATURAL_STOPS", "OBSERVATION", "POLICY", "PROMPT",
