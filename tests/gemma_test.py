@@ -556,3 +556,20 @@ def test_the_compute_copy_gives_bitwise_the_same_gemma_logits():
   x = decoder.embed(p, jnp.asarray([[3]]), cfg)[0, 0]
   want = p["embed"][3].astype(jnp.bfloat16) * jnp.asarray(8.5, jnp.bfloat16)
   np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(want, np.float32))
+
+
+def test_rope_parameters_not_keyed_by_layer_type_are_refused():
+  """transformers 5 leaves a flat rope_parameters unread on a Gemma 3 config (the layers keep
+  their default bases, unscaled); reading it as the global layers' settings loaded another
+  function than transformers runs."""
+  released = models.get_config("tiny-gemma3").to_hf()
+  # (the old reading: linear scaling by 8 of the global layers)
+  flat = dict(released, rope_parameters={"rope_type": "linear", "factor": 8.0})
+  with pytest.raises(ValueError, match="rope_parameters=.* is not keyed by layer type"):
+    ModelConfig.from_hf(flat)
+  hf = transformers.Gemma3TextConfig(**{k: v for k, v in flat.items()
+                                        if k not in ("architectures", "model_type")})
+  assert hf.rope_parameters["full_attention"] == {"rope_type": "default", "rope_theta": 1e6}
+  # A flat default type alone changes nothing either way.
+  same = dict(released, rope_parameters={"rope_type": "default"})
+  assert ModelConfig.from_hf(same) == ModelConfig.from_hf(released)

@@ -729,9 +729,21 @@ def _gemma3_kw(hf: Mapping[str, Any]) -> dict[str, Any]:
     if v is not None and not isinstance(v, Mapping):
       raise ValueError(f"HF config: {k}={v!r} must be an object (or null)")
   params = given["rope_parameters"] or {}
-  if params and not set(params) <= {"full_attention", "sliding_attention"}:
-    # One dict for every layer type: transformers 5 reads it as the global layers' settings.
-    params = {"full_attention": params}
+  kinds = ("full_attention", "sliding_attention")
+  flat = {k: v for k, v in params.items() if k not in kinds}
+  if flat:
+    # Settings not keyed by layer type: transformers 5 leaves them unread for Gemma 3 (both
+    # layer types keep rope_theta / rope_local_base_freq, unscaled), so reading them as the
+    # global layers' would load another function than transformers runs.
+    if any(k not in ("rope_type", "type") for k in flat) or flat.get(
+        "rope_type", flat.get("type")) not in (None, "default"):
+      raise ValueError(
+          f"HF config: rope_parameters={dict(params)!r} is not keyed by layer type; "
+          "transformers 5 does not read such settings for Gemma 3 (its layers keep "
+          "rope_theta / rope_local_base_freq, unscaled): key them by layer type "
+          '({"full_attention": {...}, "sliding_attention": {...}}) or use the top-level '
+          "rope_theta / rope_local_base_freq / rope_scaling")
+    params = {k: v for k, v in params.items() if k in kinds}
   full = dict(params.get("full_attention") or {})
   local = dict(params.get("sliding_attention") or {})
   if given["rope_scaling"]:
