@@ -532,6 +532,9 @@ def test_linear_rope_scaling_of_a_llama_model_exports_and_loads(tmp_path):
                                              local_rope_theta=1e4), "local_rope_theta"),
     (models.get_config("tiny-gemma3").replace(rope_scaling=(8.0, 1.0, 4.0, 64)),
      "llama3 RoPE scaling"),
+    # transformers' Gemma3TextConfig takes a whole number: a float failed only at its load.
+    (models.get_config("tiny-gemma3").replace(query_pre_attn_scalar=16.5),
+     "query_pre_attn_scalar=16.5 has no HF equivalent"),
 ])
 def test_rope_settings_without_an_hf_equivalent_are_refused_at_export(cfg, match):
   with pytest.raises(ValueError, match=match):

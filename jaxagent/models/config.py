@@ -575,6 +575,11 @@ class ModelConfig:
     """`to_hf` of a Gemma 3 text model (Gemma3ForCausalLM, model_type gemma3_text), in the
     released checkpoints' spelling (top-level rope_theta / rope_local_base_freq /
     rope_scaling), which transformers 4.50+ and 5.x both read."""
+    scalar = self.query_pre_attn_scalar or self.head_dim
+    if not float(scalar).is_integer():
+      # Written as a float, the export would fail only when transformers loads it.
+      raise ValueError(f"ModelConfig.to_hf: query_pre_attn_scalar={scalar!r} has no HF "
+                       "equivalent: transformers' Gemma3TextConfig takes a whole number")
     hf: dict[str, Any] = {
         "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text",
         "vocab_size": self.vocab_size, "hidden_size": self.d_model,
@@ -587,7 +592,7 @@ class ModelConfig:
         "max_position_embeddings": self.max_seq_len,
         "tie_word_embeddings": self.tie_embeddings, "hidden_activation": "gelu_pytorch_tanh",
         # (an int in transformers' config class, which refuses a float)
-        "query_pre_attn_scalar": _int_if_whole(self.query_pre_attn_scalar or self.head_dim),
+        "query_pre_attn_scalar": int(scalar),
         "attention_bias": False, "attention_dropout": 0.0,
         "final_logit_softcapping": None, "attn_logit_softcapping": None,
         "torch_dtype": self.param_dtype,
