@@ -226,7 +226,7 @@ def test_settings_read_after_the_model_loads_are_checked_before_it(tmp_path, mon
   obj[last] = value
   with pytest.raises(ValueError, match=match):
     trainer_lib.check_config(c)  # what the launcher runs before the fit check
-  monkeypatch.setattr(trainer_lib, "load_model", lambda m: pytest.fail("the model was loaded"))
+  monkeypatch.setattr(trainer_lib, "load_model", lambda m, **_: pytest.fail("the model was loaded"))
   with pytest.raises(ValueError, match=match):
     Trainer(c)
 
@@ -239,7 +239,7 @@ def test_a_warm_start_on_no_demonstrations_is_named_before_any_work(tmp_path, mo
   match = r"sft.num_examples=0 leaves the SFT warm start \(sft.steps=2\) no demonstrations"
   with pytest.raises(ValueError, match=match):
     trainer_lib.check_config(c)
-  monkeypatch.setattr(trainer_lib, "load_model", lambda m: pytest.fail("the model was loaded"))
+  monkeypatch.setattr(trainer_lib, "load_model", lambda m, **_: pytest.fail("the model was loaded"))
   with pytest.raises(ValueError, match=match):
     Trainer(c)
   # Without a warm start, or warm-starting on a chat JSONL file, it is not read.
@@ -264,7 +264,7 @@ def test_a_config_without_a_key_the_run_reads_is_named_before_any_work(tmp_path,
            + ", which a run reads")
   with pytest.raises(ValueError, match=match):
     trainer_lib.check_config(c)
-  monkeypatch.setattr(trainer_lib, "load_model", lambda m: pytest.fail("the model was loaded"))
+  monkeypatch.setattr(trainer_lib, "load_model", lambda m, **_: pytest.fail("the model was loaded"))
   with pytest.raises(ValueError, match=match):
     Trainer(c)
   del c["model"]
@@ -314,7 +314,7 @@ def test_close_closes_every_part_when_one_of_them_fails(tmp_path):
 def test_a_mesh_that_does_not_fit_the_devices_fails_before_the_model_loads(tmp_path,
                                                                            monkeypatch):
   from jaxagent import trainer as trainer_lib
-  monkeypatch.setattr(trainer_lib, "load_model", lambda m: pytest.fail("the model was loaded"))
+  monkeypatch.setattr(trainer_lib, "load_model", lambda m, **_: pytest.fail("the model was loaded"))
   with pytest.raises(ValueError, match="not divisible"):
     Trainer(_tiny(tmp_path, **{"mesh.data": 3}))
 
@@ -1765,7 +1765,7 @@ def test_a_task_whose_examples_raise_is_named_and_eval_size_0_reads_no_eval_spli
     return Trainer(_tiny(tmp_path, **overrides))
 
   real_load = trainer_lib.load_model
-  monkeypatch.setattr(trainer_lib, "load_model", lambda m: pytest.fail("the model was loaded"))
+  monkeypatch.setattr(trainer_lib, "load_model", lambda m, **_: pytest.fail("the model was loaded"))
   with pytest.raises(ValueError, match=r"env 'calculator' \(FileData\) cannot give its 'train' "
                      r"examples: examples\('train'\) raised JSONDecodeError: Unterminated string"):
     trainer_over("train.jsonl")
@@ -1815,7 +1815,7 @@ def test_an_empty_eval_split_with_eval_size_set_is_said_before_the_model_loads(
   class Loaded(Exception):
     pass
 
-  def load_model(mcfg):
+  def load_model(mcfg, **_):
     raise Loaded
 
   monkeypatch.setattr(trainer_lib, "make_env", lambda *_, **__: NoEval())
